@@ -1,0 +1,1 @@
+"""The `mpmd-actor` daemon: serves one node's devices to an mpmd controller."""

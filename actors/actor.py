@@ -1,0 +1,292 @@
+"""Request handlers of one actor, and the Program interpreter.
+
+The interpreter is deliberately dumb (see STYLE.md): it walks a static instruction list. A `run` waits only
+for the buffers it reads; a `recv` is posted as a task at once (arrivals before it wait in the mailbox); a
+`send` runs as a task and never blocks the next instruction; a `del` waits for the sends of its buffers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import traceback
+from typing import Any
+
+import jax
+import numpy as np
+
+from actors.buffers import BufferTable, UnknownBufferError
+from actors.cache import ExecutableCache
+from transport.p2p import P2PTransport, TransferError
+from transport.protocol import Message, aval_header, dtype_from_name
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A well-formed message whose fields are wrong (missing, wrong type, unknown program)."""
+
+
+def field(msg: Message, name: str, kind: type | tuple[type, ...]) -> Any:
+    try:
+        value = msg.header[name]
+    except KeyError:
+        raise RequestError(f"'{msg.op}' request lacks field {name!r}") from None
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+        raise RequestError(f"'{msg.op}' field {name!r} must be {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
+    return value
+
+
+def int_list(msg: Message, name: str) -> list[int]:
+    values = field(msg, name, list)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise RequestError(f"'{msg.op}' field {name!r} must be a list of ints")
+    return values
+
+
+def to_host(x: Any) -> np.ndarray:
+    return np.asarray(x)
+
+
+class Actor:
+    def __init__(self, actor_id: int, p2p: P2PTransport | None) -> None:
+        self.actor_id = actor_id
+        self.device = jax.devices()[0]
+        self.buffers = BufferTable(f"actor {actor_id}")
+        self.cache = ExecutableCache(self.device)
+        self.p2p = p2p
+        self.programs: dict[int, dict[str, Any]] = {}
+        self.running: dict[tuple[int, int], asyncio.Task[Any]] = {}
+        self.requests = 0
+        self.errors = 0
+        self.handlers = {
+            "ping": self.ping,
+            "info": self.info,
+            "put": self.put,
+            "get": self.get,
+            "delete": self.delete,
+            "compile": self.compile,
+            "run": self.run,
+            "load_program": self.load_program,
+            "run_program": self.run_program,
+            "abort": self.abort,
+            "connect_peers": self.connect_peers,
+            "stats": self.stats,
+        }
+
+    # ---- simple requests -------------------------------------------------------------------------
+    async def ping(self, msg: Message) -> tuple[dict, list]:
+        return {"actor_id": self.actor_id, "time": time.time()}, []
+
+    async def info(self, msg: Message) -> tuple[dict, list]:
+        devs = jax.devices()
+        return {
+            "actor_id": self.actor_id,
+            "pid": os.getpid(),
+            "platform": devs[0].platform,
+            "devices": [str(d) for d in devs],
+            "jax_version": jax.__version__,
+            "p2p": self.p2p.address if self.p2p else None,
+        }, []
+
+    async def put(self, msg: Message) -> tuple[dict, list]:
+        buf = field(msg, "buf", int)
+        if len(msg.arrays) != 1:
+            raise RequestError(f"'put' carries {len(msg.arrays)} arrays, expected 1")
+        self.buffers.put(buf, self._to_device(msg.arrays[0]))
+        return {"nbytes": int(msg.arrays[0].nbytes)}, []
+
+    def _to_device(self, host: np.ndarray) -> jax.Array:
+        # The host array views a ZeroMQ frame; copy once into memory JAX owns.
+        return jax.device_put(host, self.device, may_alias=False)
+
+    async def get(self, msg: Message) -> tuple[dict, list]:
+        value = await self.buffers.get(field(msg, "buf", int))
+        host = to_host(value) if value.is_ready() else await asyncio.to_thread(to_host, value)
+        return {}, [host]
+
+    async def delete(self, msg: Message) -> tuple[dict, list]:
+        return {"deleted": self.buffers.delete(int_list(msg, "bufs"))}, []
+
+    async def compile(self, msg: Message) -> tuple[dict, list]:
+        if len(msg.arrays) != 1:
+            raise RequestError("'compile' carries the serialized executable as one uint8 frame")
+        key, cached = await self.cache.compile(msg.arrays[0].data)
+        return {"exe": key, "cached": cached}, []
+
+    async def run(self, msg: Message) -> tuple[dict, list]:
+        exe = self.cache.get(field(msg, "exe", str))
+        inputs, outputs = int_list(msg, "inputs"), int_list(msg, "outputs")
+        for b in outputs:
+            self.buffers.reserve(b)
+        try:
+            args = [await self.buffers.get(b) for b in inputs]
+            results = exe(*args)
+            if len(results) != len(outputs):
+                raise RequestError(f"executable returns {len(results)} values but {len(outputs)} output ids were given")
+        except BaseException as e:
+            for b in outputs:
+                self.buffers.fail(b, e)
+            raise
+        for b, r in zip(outputs, results):
+            self.buffers.put(b, r)
+        return {"outputs": [aval_header(r.shape, r.dtype) for r in results]}, []
+
+    async def stats(self, msg: Message) -> tuple[dict, list]:
+        return {
+            "buffers": len(self.buffers),
+            "bytes": self.buffers.nbytes,
+            "executables": len(self.cache),
+            "compiles": self.cache.compiles,
+            "hits": self.cache.hits,
+            "programs": len(self.programs),
+            "requests": self.requests,
+            "errors": self.errors,
+            "running": len(self.running),
+        }, []
+
+    async def connect_peers(self, msg: Message) -> tuple[dict, list]:
+        if self.p2p is None:
+            raise RequestError("this actor was started without a data plane (--p2p none)")
+        peers = field(msg, "peers", dict)
+        parsed = {int(k): str(v) for k, v in peers.items()}
+        await self.p2p.connect(parsed)
+        return {"connected": sorted(parsed)}, []
+
+    # ---- programs --------------------------------------------------------------------------------
+    async def load_program(self, msg: Message) -> tuple[dict, list]:
+        prog = field(msg, "program", dict)
+        pid = prog.get("id")
+        if not isinstance(pid, int) or not isinstance(prog.get("instrs"), list):
+            raise RequestError("'load_program' needs a program map with int 'id' and list 'instrs'")
+        for ins in prog["instrs"]:
+            if ins and ins[0] == "run":
+                self.cache.get(ins[1])  # every executable must be compiled before the program arrives
+        self.programs[pid] = prog
+        return {"program": pid}, []
+
+    async def run_program(self, msg: Message) -> tuple[dict, list]:
+        pid, step = field(msg, "program", int), field(msg, "step", int)
+        prog = self.programs.get(pid)
+        if prog is None:
+            raise RequestError(f"no program {pid} on actor {self.actor_id}; load it first ({sorted(self.programs)} loaded)")
+        inputs, outputs = int_list(msg, "inputs"), int_list(msg, "outputs")
+        if len(inputs) != len(prog["inputs"]) or len(outputs) != len(prog["outputs"]):
+            raise RequestError(
+                f"program {pid} takes {len(prog['inputs'])} inputs and {len(prog['outputs'])} outputs; "
+                f"got {len(inputs)} and {len(outputs)}"
+            )
+        if sum(b < 0 for b in inputs) != len(msg.arrays):
+            raise RequestError(f"{sum(b < 0 for b in inputs)} inputs are marked inline (-1) but {len(msg.arrays)} arrays came")
+        # Take every input now (before any await), so a delete that arrives next cannot pull it away.
+        inline = iter(msg.arrays)
+        refs = [self._to_device(next(inline)) if b < 0 else self.buffers.ref(b) for b in inputs]
+        for b in outputs:
+            self.buffers.reserve(b)
+        key = (pid, step)
+        env = BufferTable(f"actor {self.actor_id} program {pid} step {step}")
+        task = asyncio.get_running_loop().create_task(self._execute(prog, step, env, refs, msg.header.get("prologue", [])))
+        self.running[key] = task
+        try:
+            await task
+            results = [env.get_now(local) for local in prog["outputs"]]
+        except BaseException as e:
+            for b in outputs:
+                self.buffers.fail(b, e)
+            if isinstance(e, asyncio.CancelledError):
+                raise RequestError(f"program {pid} step {step} was aborted on actor {self.actor_id}") from None
+            raise
+        finally:
+            self.running.pop(key, None)
+            if self.p2p is not None:
+                self.p2p.abandon(lambda k: tuple(k[:2]) == key)
+        for b, r in zip(outputs, results):
+            self.buffers.put(b, r)
+        return {"outputs": [aval_header(r.shape, r.dtype) for r in results]}, []
+
+    async def abort(self, msg: Message) -> tuple[dict, list]:
+        key = (field(msg, "program", int), field(msg, "step", int))
+        task = self.running.get(key)
+        if task is not None:
+            task.cancel()
+        return {"aborted": task is not None}, []
+
+    async def _execute(self, prog: dict[str, Any], step: int, env: BufferTable, refs: list, prologue: list) -> None:
+        for local, ref in zip(prog["inputs"], refs):
+            env.put(local, await asyncio.shield(ref) if isinstance(ref, asyncio.Future) else ref)
+        await self._interpret(prog, step, env, prologue)
+
+    async def _interpret(self, prog: dict[str, Any], step: int, env: BufferTable, prologue: list) -> None:
+        pid = prog["id"]
+        sends: dict[int, list[asyncio.Task[None]]] = {}
+        recvs: list[asyncio.Task[None]] = []
+        try:
+            for env_, instrs in ((self.buffers, prologue), (env, prog["instrs"])):
+                for ins in instrs:
+                    op = ins[0]
+                    if op == "run":
+                        _, exe_key, ins_, outs, label = ins
+                        args = [await env_.get(b) for b in ins_]
+                        results = self.cache.get(exe_key)(*args)
+                        for b, r in zip(outs, results):
+                            env_.put(b, r)
+                    elif op == "send":
+                        _, buf, peer, tag, label = ins
+                        t = asyncio.create_task(self._send(env_, buf, peer, (pid, step, tag), label))
+                        sends.setdefault(buf, []).append(t)
+                    elif op == "recv":
+                        _, buf, peer, tag, dtype, shape, label = ins
+                        env_.reserve(buf)
+                        recvs.append(asyncio.create_task(self._recv(env_, buf, peer, (pid, step, tag), dtype, shape, label)))
+                    elif op == "del":
+                        for b in ins[1]:
+                            pending = sends.pop(b, ())
+                            if pending:
+                                await asyncio.gather(*pending)
+                        env_.delete(ins[1])
+                    else:
+                        raise RequestError(f"program {pid}: unknown instruction {op!r}")
+            await asyncio.gather(*(t for ts in sends.values() for t in ts), *recvs)
+        except BaseException:
+            for t in [*recvs, *(t for ts in sends.values() for t in ts)]:
+                t.cancel()
+            raise
+
+    async def _send(self, env: BufferTable, buf: int, peer: int, key: tuple, label: str) -> None:
+        value = await env.get(buf)
+        host = to_host(value) if value.is_ready() else await asyncio.to_thread(to_host, value)
+        assert self.p2p is not None
+        await self.p2p.send(peer, key, host)
+
+    async def _recv(self, env: BufferTable, buf: int, peer: int, key: tuple, dtype: str, shape: list, label: str) -> None:
+        try:
+            if self.p2p is None:
+                raise TransferError(f"actor {self.actor_id} has no data plane to receive {label} from actor {peer}")
+            host = await self.p2p.recv(peer, key)
+            want = dtype_from_name(dtype)
+            if host.dtype != want or list(host.shape) != list(shape):
+                raise TransferError(
+                    f"actor {self.actor_id} expected {want.name}{list(shape)} from actor {peer} for {label} "
+                    f"(tag {key[2]}), received {host.dtype.name}{list(host.shape)}"
+                )
+            env.put(buf, self._to_device(host))
+        except BaseException as e:
+            env.fail(buf, e)
+            raise
+
+    # ---- dispatch --------------------------------------------------------------------------------
+    async def handle(self, msg: Message) -> tuple[dict, list]:
+        self.requests += 1
+        handler = self.handlers.get(msg.op)
+        if handler is None:
+            raise RequestError(f"unknown op {msg.op!r}; this actor serves {sorted(self.handlers)}")
+        return await handler(msg)
+
+
+def format_exception(e: BaseException) -> str:
+    return "".join(traceback.format_exception(type(e), e, e.__traceback__))
+
+
+__all__ = ["Actor", "RequestError", "UnknownBufferError", "format_exception"]

@@ -1,0 +1,92 @@
+"""Buffer table: buffer id -> jax.Array, or a future for a buffer still being produced or received."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+
+class UnknownBufferError(KeyError):
+    """A request named a buffer id this actor does not hold."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown buffer"
+
+
+def nbytes(value: Any) -> int:
+    return int(getattr(value, "nbytes", 0))
+
+
+class BufferTable:
+    """Holds arrays by id. Readers of a pending entry wait; a failed producer fails its readers."""
+
+    def __init__(self, name: str = "actor") -> None:
+        self._name = name
+        self._entries: dict[int, Any] = {}
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+
+    def put(self, buf: int, value: Any) -> None:
+        self._entries[buf] = value
+        fut = self._pending.pop(buf, None)
+        if fut is not None and not fut.done():
+            fut.set_result(value)
+
+    def reserve(self, buf: int) -> None:
+        """Mark `buf` as coming: `get` waits for `put` (or `fail`) instead of raising."""
+        self._entries.pop(buf, None)
+        if buf not in self._pending:
+            self._pending[buf] = asyncio.get_running_loop().create_future()
+
+    def fail(self, buf: int, exc: BaseException) -> None:
+        fut = self._pending.pop(buf, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(exc)
+            fut.exception()  # mark retrieved: readers may never come
+
+    def has(self, buf: int) -> bool:
+        return buf in self._entries or buf in self._pending
+
+    def get_now(self, buf: int) -> Any:
+        try:
+            return self._entries[buf]
+        except KeyError:
+            raise UnknownBufferError(self._unknown(buf)) from None
+
+    def ref(self, buf: int) -> Any:
+        """The value now if present, else the pending future: taken synchronously, awaited later."""
+        if buf in self._entries:
+            return self._entries[buf]
+        fut = self._pending.get(buf)
+        if fut is None:
+            raise UnknownBufferError(self._unknown(buf))
+        return fut
+
+    async def get(self, buf: int) -> Any:
+        if buf in self._entries:
+            return self._entries[buf]
+        fut = self._pending.get(buf)
+        if fut is None:
+            raise UnknownBufferError(self._unknown(buf))
+        return await asyncio.shield(fut)
+
+    def delete(self, bufs: list[int]) -> int:
+        n = 0
+        for b in bufs:
+            n += (self._entries.pop(b, None) is not None) + (b in self._pending)
+            fut = self._pending.pop(b, None)
+            if fut is not None and not fut.done():
+                fut.cancel()
+        return n
+
+    def _unknown(self, buf: int) -> str:
+        return f"{self._name} holds no buffer {buf} ({len(self._entries)} buffers held); was it deleted or never put?"
+
+    def clear(self) -> None:
+        self.delete(list(self._entries) + list(self._pending))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(nbytes(v) for v in self._entries.values())

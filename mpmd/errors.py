@@ -1,0 +1,44 @@
+"""The exceptions mpmd raises. Every error a user can cause says what was passed, what was expected, and
+what to do."""
+
+from __future__ import annotations
+
+
+class MpmdError(Exception):
+    """Base class of all mpmd errors."""
+
+
+class RemoteError(MpmdError):
+    """A request failed on an actor. Carries the actor id, the remote exception type and traceback."""
+
+    def __init__(self, actor_id: int | None, remote_type: str, message: str, remote_traceback: str = "", task: str | None = None):
+        self.actor_id = actor_id
+        self.remote_type = remote_type
+        self.remote_message = message
+        self.remote_traceback = remote_traceback
+        self.task = task
+        where = f"actor {actor_id}" + (f", task {task}" if task else "")
+        text = f"{remote_type} on {where}: {message}"
+        if remote_traceback:
+            text += "\n--- remote traceback ---\n" + remote_traceback.rstrip()
+        super().__init__(text)
+
+
+class ActorDiedError(MpmdError):
+    """An actor stopped answering (process exited, or no heartbeat within the timeout)."""
+
+    def __init__(self, actor_id: int, why: str):
+        self.actor_id = actor_id
+        super().__init__(f"actor {actor_id} died or stopped answering: {why}")
+
+
+class ActorStartError(MpmdError):
+    """A local actor daemon did not start."""
+
+
+class PipelineError(MpmdError):
+    """The traced function or the schedule cannot be turned into a pipeline (raised before dispatch)."""
+
+
+class ScheduleError(PipelineError):
+    """A schedule is inconsistent (missing or duplicated tasks, an order that would deadlock)."""

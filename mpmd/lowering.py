@@ -1,0 +1,29 @@
+"""Lower a JAX function for an actor: `jax.export` to serialized StableHLO bytes, once per signature."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax import export
+
+_PLATFORM_NAMES = {"gpu": "cuda", "cuda": "cuda", "rocm": "rocm", "cpu": "cpu", "tpu": "tpu"}
+
+
+def export_platform(device_platform: str) -> str:
+    """Map a device's platform name (as `jax.devices()[0].platform` says) to `jax.export`'s name."""
+    try:
+        return _PLATFORM_NAMES[device_platform]
+    except KeyError:
+        raise ValueError(f"cannot lower for actor platform {device_platform!r}; known: {sorted(_PLATFORM_NAMES)}") from None
+
+
+def serialize_flat(fn: Callable[..., Sequence[Any]], avals: Sequence[jax.ShapeDtypeStruct], platform: str) -> bytes:
+    """Export `fn` (flat arrays in, tuple of flat arrays out) for `platform` and serialize it."""
+    exp = export.export(jax.jit(fn), platforms=[export_platform(platform)])(*avals)
+    return bytes(exp.serialize())
+
+
+def aval_of(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)

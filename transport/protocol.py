@@ -1,0 +1,171 @@
+"""Wire protocol between the controller and `mpmd-actor` daemons (and between actors).
+
+Every message is a ZeroMQ multipart message::
+
+    frame 0        msgpack map: the header (always has "v" and "op")
+    frames 1..n    raw array payloads, one per entry of header["arrays"], C-contiguous, little-endian
+
+`header["arrays"]` is a list of ``{"dtype": name, "shape": [..]}``; the payload frames follow in the same
+order. Nothing is ever unpickled: the header is msgpack (no extension types), payloads are raw bytes
+interpreted only as the numeric dtypes in `ALLOWED_DTYPES`.
+
+Requests carry an integer ``"id"``; the reply echoes it with ``"op": "reply"`` (and ``"ok": true``) or
+``"op": "error"`` (with ``"error"``: the exception class name, ``"message"``, ``"traceback"``).
+
+| op              | request fields                                          | reply fields                                  |
+|-----------------|---------------------------------------------------------|-----------------------------------------------|
+| ping            | -                                                       | actor_id, time                                |
+| info            | -                                                       | actor_id, platform, devices, jax_version, p2p |
+| put             | buf, 1 array frame                                      | nbytes                                        |
+| get             | buf                                                     | 1 array frame                                 |
+| delete          | bufs: [int]                                             | deleted: int                                  |
+| compile         | 1 frame (uint8): serialized `jax.export` blob           | exe: content hash, cached: bool               |
+| run             | exe, inputs: [buf], outputs: [buf]                      | outputs: [{dtype, shape}]                     |
+| load_program    | program: encoded Program (see mpmd/program.py)          | program: its id                               |
+| run_program     | program, step, inputs: [buf or -1], outputs: [buf],     | outputs: [{dtype, shape}]                     |
+|                 | inline: [slot] (array frames for -1 inputs),            |                                               |
+|                 | prologue: [instruction]                                 |                                               |
+| connect_peers   | actor_id, peers: {actor_id: p2p address}                | connected: [actor_id]                         |
+| transfer_test   | to, tag, buf / from, tag, buf, dtype, shape             | -                                             |
+| stats           | -                                                       | buffers, bytes, executables, compiles, hits,  |
+|                 |                                                         | programs, requests, errors                    |
+| shutdown        | -                                                       | - (the daemon exits after replying)           |
+
+Actor-to-actor data messages (transport/p2p) use the same framing with ``"op": "data"`` and fields
+``src`` (sender actor id), ``key`` (the transfer tag, a list of ints) and one array frame.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ml_dtypes
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+
+ALLOWED_DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(name)
+    for name in (
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+    )
+}
+ALLOWED_DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16)
+for _name in ("float8_e4m3fn", "float8_e5m2"):
+    ALLOWED_DTYPES[_name] = np.dtype(getattr(ml_dtypes, _name))
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow this protocol (bad header, unknown dtype, wrong payload size)."""
+
+
+@dataclass
+class Message:
+    """A decoded message: its msgpack header and its array payloads (read-only numpy views)."""
+
+    header: dict[str, Any]
+    arrays: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def op(self) -> str:
+        return self.header["op"]
+
+
+def dtype_name(dtype: Any) -> str:
+    """The wire name of a dtype, or ProtocolError if it cannot travel."""
+    name = np.dtype(dtype).name
+    if name not in ALLOWED_DTYPES:
+        raise ProtocolError(f"dtype {name!r} cannot be sent; allowed: {sorted(ALLOWED_DTYPES)}")
+    return name
+
+
+def dtype_from_name(name: Any) -> np.dtype:
+    if not isinstance(name, str) or name not in ALLOWED_DTYPES:
+        raise ProtocolError(f"unknown dtype {name!r}; allowed: {sorted(ALLOWED_DTYPES)}")
+    return ALLOWED_DTYPES[name]
+
+
+def aval_header(shape: Sequence[int], dtype: Any) -> dict[str, Any]:
+    return {"dtype": dtype_name(dtype), "shape": [int(d) for d in shape]}
+
+
+def encode(header: dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> list[Any]:
+    """Header plus arrays -> list of frames. Payload frames are zero-copy views when contiguous."""
+    metas = []
+    payloads: list[Any] = []
+    for a in arrays:
+        a = np.asarray(a)
+        metas.append(aval_header(a.shape, a.dtype))
+        if not a.flags.c_contiguous:
+            a = np.ascontiguousarray(a)
+        if a.dtype.byteorder == ">":
+            a = a.astype(a.dtype.newbyteorder("<"))
+        # 0-d and empty arrays still get a frame (possibly empty) so counts always match.
+        payloads.append(memoryview(a.reshape(-1)).cast("B") if a.size else b"")
+    full = dict(header)
+    full["v"] = PROTOCOL_VERSION
+    if metas:
+        full["arrays"] = metas
+    return [msgpack.packb(full, use_bin_type=True), *payloads]
+
+
+def _buffer(frame: Any) -> memoryview:
+    buf = getattr(frame, "buffer", frame)  # zmq.Frame exposes .buffer
+    return memoryview(buf)
+
+
+def decode(frames: Sequence[Any]) -> Message:
+    """Frames -> Message, validating version, op, array metadata and payload sizes."""
+    if not frames:
+        raise ProtocolError("empty message: expected a msgpack header frame")
+    head = _buffer(frames[0])
+    if head.nbytes > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {head.nbytes} bytes exceeds the limit of {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(head, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several types for garbage
+        raise ProtocolError(f"header is not valid msgpack: {e}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
+    if header.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {header.get('v')!r} is not supported (expected {PROTOCOL_VERSION})")
+    if not isinstance(header.get("op"), str):
+        raise ProtocolError("header has no string 'op'")
+    metas = header.get("arrays", [])
+    if not isinstance(metas, list) or len(metas) != len(frames) - 1:
+        raise ProtocolError(f"header announces {len(metas) if isinstance(metas, list) else '?'} arrays but {len(frames) - 1} payload frames came")
+    arrays = []
+    for i, (meta, frame) in enumerate(zip(metas, frames[1:])):
+        if not isinstance(meta, dict) or not isinstance(meta.get("shape"), list):
+            raise ProtocolError(f"array {i}: metadata must be a map with 'dtype' and 'shape'")
+        dtype = dtype_from_name(meta.get("dtype"))
+        shape = meta["shape"]
+        if not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise ProtocolError(f"array {i}: bad shape {shape!r}")
+        buf = _buffer(frame)
+        expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if buf.nbytes != expected:
+            raise ProtocolError(f"array {i}: payload has {buf.nbytes} bytes, {dtype.name}{shape} needs {expected}")
+        arrays.append(np.frombuffer(buf, dtype=dtype).reshape(shape) if expected else np.zeros(shape, dtype))
+    return Message(header, arrays)
+
+
+def error_reply(req_id: Any, exc: BaseException, tb: str, **extra: Any) -> dict[str, Any]:
+    return {"op": "error", "id": req_id, "error": type(exc).__name__, "message": str(exc), "traceback": tb, **extra}
