@@ -53,6 +53,9 @@ async def serve(args: argparse.Namespace) -> None:
 
     import jax
 
+    # Exported executables carry explicit dtypes, so 64-bit support only stops put() from narrowing
+    # float64/int64 arrays; it changes nothing the controller lowered.
+    jax.config.update("jax_enable_x64", True)
     if args.cache_dir:
         jax.config.update("jax_compilation_cache_dir", args.cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

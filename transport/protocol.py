@@ -118,7 +118,7 @@ def encode(header: dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> list[An
         if a.dtype.byteorder == ">":
             a = a.astype(a.dtype.newbyteorder("<"))
         # 0-d and empty arrays still get a frame (possibly empty) so counts always match.
-        payloads.append(memoryview(a.reshape(-1)).cast("B") if a.size else b"")
+        payloads.append(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
     full = dict(header)
     full["v"] = PROTOCOL_VERSION
     if metas:

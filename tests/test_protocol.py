@@ -1,0 +1,69 @@
+"""The wire protocol round-trips every allowed dtype and shape, and rejects malformed messages by name."""
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from transport.protocol import ALLOWED_DTYPES, PROTOCOL_VERSION, ProtocolError, decode, encode
+
+
+def roundtrip(header, arrays):
+    frames = [bytes(f) for f in encode(header, arrays)]
+    return decode(frames)
+
+
+@pytest.mark.parametrize("dtype", sorted(ALLOWED_DTYPES))
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (5,), (2, 3, 4)])
+def test_every_dtype_and_shape_roundtrips_bit_exactly(dtype, shape):
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=int(np.prod(shape)) * ALLOWED_DTYPES[dtype].itemsize, dtype=np.uint8)
+    a = raw.view(ALLOWED_DTYPES[dtype]).reshape(shape)
+    msg = roundtrip({"op": "put", "buf": 1}, [a])
+    assert msg.header["buf"] == 1 and msg.op == "put"
+    (b,) = msg.arrays
+    assert b.dtype == a.dtype and b.shape == a.shape
+    assert b.tobytes() == a.tobytes()
+
+
+@settings(max_examples=50, deadline=None)
+@given(hnp.arrays(dtype=hnp.scalar_dtypes().filter(lambda d: d.name in ALLOWED_DTYPES), shape=hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5)))
+def test_arbitrary_arrays_roundtrip(a):
+    (b,) = roundtrip({"op": "x"}, [a]).arrays
+    native = a.dtype.newbyteorder("=")
+    assert b.dtype == native and b.shape == a.shape
+    assert b.tobytes() == np.ascontiguousarray(a, dtype=native).tobytes()
+
+
+def test_non_contiguous_and_big_endian_arrays_are_sent_as_their_values():
+    a = np.arange(12, dtype=np.float32).reshape(3, 4).T
+    be = np.arange(4, dtype=">i4")
+    b, c = roundtrip({"op": "x"}, [a, be]).arrays
+    np.testing.assert_array_equal(b, a)
+    np.testing.assert_array_equal(c, be)
+
+
+@pytest.mark.parametrize(
+    "frames, needle",
+    [
+        ([], "empty message"),
+        ([b"\xc1garbage"], "not valid msgpack"),
+        ([msgpack.packb([1, 2])], "must be a msgpack map"),
+        ([msgpack.packb({"v": 99, "op": "ping"})], "protocol version 99"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION})], "no string 'op'"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "op": "put", "arrays": [{"dtype": "float32", "shape": [2]}]})], "announces 1 arrays but 0"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "op": "put", "arrays": [{"dtype": "object", "shape": [1]}]}), b"12345678"], "unknown dtype 'object'"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "op": "put", "arrays": [{"dtype": "float32", "shape": [3]}]}), b"1234"], "payload has 4 bytes"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "op": "put", "arrays": [{"dtype": "float32", "shape": [-1]}]}), b""], "bad shape"),
+    ],
+)
+def test_malformed_messages_are_rejected_with_a_reason(frames, needle):
+    with pytest.raises(ProtocolError, match=needle):
+        decode(frames)
+
+
+def test_object_arrays_cannot_be_encoded():
+    with pytest.raises(ProtocolError, match="cannot be sent"):
+        encode({"op": "x"}, [np.array([object()])])

@@ -1,0 +1,236 @@
+"""Runtime foundation against real `mpmd-actor` subprocesses on loopback sockets."""
+
+import os
+import signal
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import zmq
+
+import mpmd
+from transport.protocol import PROTOCOL_VERSION, decode, encode
+
+
+def test_put_get_roundtrip_is_exact_for_many_dtypes(mesh2):
+    rng = np.random.default_rng(1)
+    for dtype in [np.float32, np.float64, np.int8, np.int32, np.uint64, np.bool_, ml_dtypes.bfloat16, np.complex64]:
+        for shape in [(), (0,), (7,), (3, 5, 2)]:
+            a = rng.standard_normal(shape).astype(dtype) if dtype != np.bool_ else rng.random(shape) > 0.5
+            r = mesh2.actor(1).put(a)
+            assert r.shape == a.shape and r.dtype == a.dtype
+            b = r.to_numpy()
+            assert b.dtype == a.dtype and b.tobytes() == a.tobytes()
+
+
+def test_run_equals_local_jax_jit_with_pytrees_and_host_args(mesh2):
+    @jax.jit
+    def f(params, x):
+        h = jnp.tanh(x @ params["w"] + params["b"])
+        return {"out": h, "norm": jnp.sum(h**2)}
+
+    rng = np.random.default_rng(2)
+    params = {"w": rng.standard_normal((8, 4)).astype(np.float32), "b": rng.standard_normal(4).astype(np.float32)}
+    x = rng.standard_normal((5, 8)).astype(np.float32)
+    remote_params = jax.tree.map(mesh2.actor(0).put, params)
+    out = mesh2.actor(0).run(f, remote_params, x)
+    want = f(params, x)
+    assert isinstance(out["out"], mpmd.RemoteArray) and out["out"].actor == 0
+    np.testing.assert_array_equal(out["out"].to_numpy(), np.asarray(want["out"]))
+    np.testing.assert_array_equal(np.asarray(out["norm"]), np.asarray(want["norm"]))
+
+
+def test_a_function_run_twice_compiles_once_and_a_new_shape_compiles_again(mesh2):
+    f = jax.jit(lambda a: a * 3.0 + 1.0)
+    actor = mesh2.actor(1)
+    before = actor.stats()
+    x = actor.put(np.ones(16, np.float32))
+    y1 = actor.run(f, x)
+    y2 = actor.run(f, x)
+    mid = actor.stats()
+    assert mid["compiles"] == before["compiles"] + 1
+    np.testing.assert_array_equal(y1.to_numpy(), y2.to_numpy())
+    actor.run(f, actor.put(np.ones(3, np.float32)))
+    assert actor.stats()["compiles"] == before["compiles"] + 2
+
+
+def test_the_same_executable_from_a_second_controller_is_a_cache_hit(mesh2):
+    f = jax.jit(lambda a: jnp.sin(a) * 5.0)
+    mesh2.actor(0).run(f, np.ones(4, np.float32))
+    before = mesh2.actor(0).stats()
+    with mpmd.RemoteMesh.connect(mesh2.addresses[:1], transport="none") as other:
+        np.testing.assert_allclose(other.actor(0).run(f, np.ones(4, np.float32)).to_numpy(), np.sin(np.ones(4)) * 5.0, rtol=1e-6)
+    after = mesh2.actor(0).stats()
+    assert after["compiles"] == before["compiles"] and after["hits"] == before["hits"] + 1
+
+
+def test_buffers_are_freed_on_delete_and_on_garbage_collection(mesh2):
+    actor = mesh2.actor(0)
+    base = actor.stats()
+    a = actor.put(np.zeros((256, 256), np.float32))
+    b = actor.put(np.zeros(1000, np.int8))
+    grown = actor.stats()
+    assert grown["buffers"] == base["buffers"] + 2 and grown["bytes"] == base["bytes"] + 256 * 256 * 4 + 1000
+    a.delete()
+    assert a.is_deleted
+    with pytest.raises(ValueError, match="deleted"):
+        a.to_numpy()
+    del b
+    deadline = time.time() + 5
+    while actor.stats()["buffers"] != base["buffers"] and time.time() < deadline:
+        time.sleep(0.02)
+    after = actor.stats()
+    assert after["buffers"] == base["buffers"] and after["bytes"] == base["bytes"]
+
+
+def test_two_actors_serve_concurrently(mesh2):
+    # A slow computation on actor 0 must not delay a request to actor 1.
+    slow = jax.jit(lambda a: jax.lax.fori_loop(0, 400, lambda i, x: jnp.tanh(x @ x), a))
+    x0 = mesh2.actor(0).put(np.eye(384, dtype=np.float32) * 0.5)
+    mesh2.actor(0).run(slow, x0).to_numpy()  # compile and warm up
+    t = time.perf_counter()
+    mesh2.actor(0).run(slow, x0).to_numpy()
+    alone = time.perf_counter() - t
+    result = {}
+
+    def on_actor0():
+        result["y"] = mesh2.actor(0).run(slow, x0).to_numpy()
+
+    th = threading.Thread(target=on_actor0)
+    th.start()
+    time.sleep(alone * 0.1)
+    t = time.perf_counter()
+    mesh2.actor(1).ping()
+    ping_during = time.perf_counter() - t
+    th.join()
+    assert "y" in result
+    assert ping_during < alone * 0.8, (ping_during, alone)
+
+
+def test_remote_exceptions_carry_actor_id_and_remote_traceback(mesh2):
+    with pytest.raises(mpmd.RemoteError) as info:
+        mpmd.RemoteArray(mesh2, {1: 987654321}, (2,), np.float32).to_numpy()
+    e = info.value
+    assert e.actor_id == 1 and e.remote_type == "UnknownBufferError"
+    assert "987654321" in str(e) and "Traceback" in e.remote_traceback
+
+
+def raw_request(address, frames, timeout_ms=5000):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    s.connect(address)
+    try:
+        s.send_multipart(frames)
+        return decode(s.recv_multipart())
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize(
+    "frames, needle",
+    [
+        ([b"\x92\x01\x02"], "must be a msgpack map"),
+        ([b"\xc1\xc1"], "not valid msgpack"),
+        (encode({"op": "launch_missiles", "id": 7}), "unknown op 'launch_missiles'"),
+        (encode({"op": "get", "id": 8}), "lacks field 'buf'"),
+        (encode({"op": "get", "id": 9, "buf": "x"}), "must be int"),
+        (encode({"op": "run", "id": 10, "exe": "nope", "inputs": [], "outputs": []}), "no executable 'nope'"),
+        (encode({"op": "run_program", "id": 11, "program": 5, "step": 0, "inputs": [], "outputs": []}), "no program 5"),
+        (encode({"op": "compile", "id": 12}, [np.frombuffer(b"not a stablehlo module", np.uint8)]), ""),
+    ],
+)
+def test_malformed_requests_get_error_replies_and_the_daemon_keeps_serving(mesh2, frames, needle):
+    address = mesh2.addresses[0]
+    reply = raw_request(address, [bytes(f) for f in frames])
+    assert reply.op == "error" and needle in reply.header["message"]
+    pong = raw_request(address, [bytes(f) for f in encode({"op": "ping", "id": 1})])
+    assert pong.op == "reply" and pong.header["actor_id"] == 0
+
+
+def test_an_oversized_message_drops_only_its_connection():
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "actors.daemon", "--listen", "tcp://127.0.0.1:0", "--p2p", "none", "--max-message-mb", "1"],
+                         stdout=subprocess.PIPE, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        address = p.stdout.readline().decode().split()[1]
+        ctx = zmq.Context.instance()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(address)
+        s.send_multipart(encode({"op": "put", "id": 1, "buf": 1}, [np.zeros(2 * 1024 * 1024, np.uint8)]))
+        s.close()
+        reply = raw_request(address, [bytes(f) for f in encode({"op": "ping", "id": 2})])
+        assert reply.op == "reply" and p.poll() is None
+    finally:
+        p.terminate()
+        p.wait(10)
+
+
+def test_local_mesh_leaves_no_process_behind():
+    mesh = mpmd.RemoteMesh.local(num_actors=2)
+    pids = [p.proc.pid for p in mesh._processes]
+    assert all(_alive(pid) for pid in pids)
+    mesh.close()
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_local_mesh_cleans_up_after_an_error_in_a_with_block():
+    with pytest.raises(RuntimeError, match="user bug"):
+        with mpmd.RemoteMesh.local(num_actors=1) as mesh:
+            pids = [p.proc.pid for p in mesh._processes]
+            raise RuntimeError("user bug")
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_actors_exit_when_their_controller_is_killed(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "ctl.py"
+    script.write_text(
+        "import mpmd, sys\n"
+        "m = mpmd.RemoteMesh.local(num_actors=2)\n"
+        "print(' '.join(str(p.proc.pid) for p in m._processes), flush=True)\n"
+        "import time; time.sleep(60)\n"
+    )
+    ctl = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE)
+    pids = [int(x) for x in ctl.stdout.readline().split()]
+    ctl.send_signal(signal.SIGKILL)
+    ctl.wait()
+    deadline = time.time() + 10
+    while any(_alive(pid) for pid in pids) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_a_killed_actor_surfaces_as_actor_died_error_within_seconds():
+    with mpmd.RemoteMesh.local(num_actors=2, heartbeat_timeout=3.0) as mesh:
+        slow = jax.jit(lambda a: jax.lax.fori_loop(0, 2000, lambda i, x: jnp.tanh(x @ x), a))
+        x = mesh.actor(1).put(np.eye(512, dtype=np.float32))
+        y = mesh.actor(1).run(slow, x)  # dispatch is asynchronous: the result is still being computed
+        os.kill(mesh._processes[1].proc.pid, signal.SIGKILL)
+        t = time.perf_counter()
+        with pytest.raises(mpmd.ActorDiedError, match="actor 1"):
+            y.to_numpy()
+        assert time.perf_counter() - t < 5
+        assert mesh.actor(0).ping() > 0  # the other actor is unaffected
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
