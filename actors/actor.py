@@ -180,6 +180,12 @@ class Actor:
             )
         if sum(b < 0 for b in inputs) != len(msg.arrays):
             raise RequestError(f"{sum(b < 0 for b in inputs)} inputs are marked inline (-1) but {len(msg.arrays)} arrays came")
+        prologue = msg.header.get("prologue", [])
+        if not isinstance(prologue, list):
+            raise RequestError("'run_program' field 'prologue' must be a list of instructions")
+        for ins in prologue:  # buffers copied in from other actors before the program reads them
+            if isinstance(ins, list) and ins and ins[0] == "recv":
+                self.buffers.reserve(ins[1])
         # Take every input now (before any await), so a delete that arrives next cannot pull it away.
         inline = iter(msg.arrays)
         refs = [self._to_device(next(inline)) if b < 0 else self.buffers.ref(b) for b in inputs]
@@ -187,7 +193,7 @@ class Actor:
             self.buffers.reserve(b)
         key = (pid, step)
         env = BufferTable(f"actor {self.actor_id} program {pid} step {step}")
-        task = asyncio.get_running_loop().create_task(self._execute(prog, step, env, refs, msg.header.get("prologue", [])))
+        task = asyncio.get_running_loop().create_task(self._execute(prog, step, env, refs, prologue))
         self.running[key] = task
         try:
             await task

@@ -1,7 +1,39 @@
-"""mpmd: MPMD pipeline-parallel training for JAX."""
+"""mpmd: MPMD pipeline-parallel training for JAX.
 
+    mesh = mpmd.RemoteMesh.local(num_actors=2)            # or RemoteMesh.connect([...])
+
+    @mpmd.distributed(mesh=mesh)
+    def train_step(params, opt_state, batch):
+        grads, losses = mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.OneFOneB(num_stages=2))
+        ...
+
+Public names (each has a docstring):
+  RemoteMesh, ActorHandle, RemoteArray        the runtime: actors, handles, remote buffers
+  pipeline_yield, accumulate_grads, distributed   the pipeline API
+  GPipe, OneFOneB, Custom, Task               schedules
+  MpmdError, RemoteError, ActorDiedError, PipelineError, ScheduleError   errors
+"""
+
+from mpmd.api import accumulate_grads, distributed, pipeline_yield
 from mpmd.array import RemoteArray
 from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError, ScheduleError
 from mpmd.mesh import ActorHandle, RemoteMesh
+from mpmd.schedules import Custom, GPipe, OneFOneB, Task
 
-__all__ = ["ActorDiedError", "ActorHandle", "MpmdError", "PipelineError", "RemoteArray", "RemoteError", "RemoteMesh", "ScheduleError"]
+__all__ = [
+    "ActorDiedError",
+    "ActorHandle",
+    "Custom",
+    "GPipe",
+    "MpmdError",
+    "OneFOneB",
+    "PipelineError",
+    "RemoteArray",
+    "RemoteError",
+    "RemoteMesh",
+    "ScheduleError",
+    "Task",
+    "accumulate_grads",
+    "distributed",
+    "pipeline_yield",
+]

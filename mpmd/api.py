@@ -1,0 +1,83 @@
+"""The user-facing pipeline API: `pipeline_yield`, `accumulate_grads`, `distributed`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.extend.core import ClosedJaxpr
+
+from mpmd.errors import PipelineError
+from mpmd.primitives import FWD, accumulate_p, pipeline_yield_p
+from mpmd.schedules import Schedule
+
+
+def pipeline_yield(x: Any) -> Any:
+    """Mark the end of a pipeline stage: everything computed before (since the previous marker) is one
+    stage, everything after is the next. The identity under `jit`, `grad`, `vmap`; works on pytrees.
+
+        x = block(params[0], x)
+        x = mpmd.pipeline_yield(x)   # stage 0 ends here
+        x = block(params[1], x)
+    """
+    leaves, treedef = jax.tree.flatten(x)
+    if not leaves:
+        raise PipelineError("pipeline_yield got an empty pytree; pass the activations that flow to the next stage")
+    return jax.tree.unflatten(treedef, pipeline_yield_p.bind(*leaves, direction=FWD))
+
+
+def accumulate_grads(fn: Callable[[Any], tuple[Any, Any]], batch: Any, schedule: Schedule | None = None) -> tuple[Any, Any]:
+    """Call `fn(microbatch) -> (grads, aux)` on each microbatch, sum the grads, stack the aux.
+
+    Every leaf of `batch` has a leading microbatch axis of the same length. Outside `distributed` this is
+    an ordinary loop (a `lax.scan`) with exactly that meaning, so the undecorated step is its own
+    reference; inside `distributed`, `schedule` (e.g. `OneFOneB(num_stages=2)`) says how the stages of
+    `fn`, cut at its `pipeline_yield` markers, run on the actors.
+    """
+    leaves, treedef = jax.tree.flatten(batch)
+    if not leaves:
+        raise PipelineError("accumulate_grads got an empty batch; pass arrays with a leading microbatch axis")
+    sizes = {tuple(getattr(l, "shape", ()))[:1] for l in leaves}
+    if any(len(s) == 0 for s in sizes):
+        raise PipelineError(f"every batch leaf needs a leading microbatch axis; got shapes {[getattr(l, 'shape', ()) for l in leaves]}")
+    if len(sizes) != 1:
+        raise PipelineError(f"batch leaves disagree on the number of microbatches (leading axis): {sorted(s[0] for s in sizes)}")
+    m = next(iter(sizes))[0]
+    if m < 1:
+        raise PipelineError("the batch has 0 microbatches")
+    mb_specs = [jax.ShapeDtypeStruct(l.shape[1:], l.dtype) for l in leaves]
+    out_tree: list[Any] = []
+
+    def flat_fn(*mb_leaves: Any) -> list[Any]:
+        out = fn(jax.tree.unflatten(treedef, mb_leaves))
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise PipelineError(f"the function given to accumulate_grads must return (grads, aux); got {type(out).__name__}")
+        g, aux = jax.tree.flatten(out[0]), jax.tree.flatten(out[1])
+        out_tree.append((g[1], aux[1], len(g[0])))
+        return [*g[0], *aux[0]]
+
+    converted, consts = jax.closure_convert(flat_fn, *mb_specs)
+    const_specs = [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in consts]
+    body: ClosedJaxpr = jax.make_jaxpr(converted)(*mb_specs, *const_specs)
+    g_tree, aux_tree, n_grads = out_tree[-1]
+    outs = accumulate_p.bind(*leaves, *consts, body=body, num_mb_leaves=len(leaves), num_grads=n_grads,
+                             num_microbatches=m, schedule=schedule)
+    return jax.tree.unflatten(g_tree, outs[:n_grads]), jax.tree.unflatten(aux_tree, outs[n_grads:])
+
+
+def distributed(fn: Callable[..., Any] | None = None, *, mesh: Any) -> Any:
+    """Decorator: run a training step as an MPMD pipeline on `mesh`'s actors.
+
+    The step must call `accumulate_grads` once, with a schedule. It is traced once per input signature
+    and compiled into one Program per actor; each call then sends one request per actor and returns
+    `RemoteArray`s (parameters and optimizer state stay on the actors and can be passed straight back).
+
+        @mpmd.distributed(mesh=mesh)
+        def train_step(params, opt_state, batch): ...
+    """
+    from mpmd.step import DistributedFunction
+
+    if fn is None:
+        return lambda f: DistributedFunction(f, mesh)
+    return DistributedFunction(fn, mesh)

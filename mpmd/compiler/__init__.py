@@ -1,0 +1,1 @@
+"""jaxpr -> stages -> tasks -> per-actor Programs. Pure functions, no I/O."""

@@ -1,0 +1,96 @@
+"""The two primitives mpmd adds to JAX, each with all its rules in one place.
+
+`pipeline_yield_p` marks a stage boundary. It is the identity everywhere (impl, lowering, batching); its
+JVP marks the tangents too, and the transpose of a tangent marker is a marker with the opposite
+direction, so the backward boundaries of every stage come out of autodiff by themselves.
+
+`accumulate_p` is the microbatch loop, visible as one equation when `distributed` traces a step. Its
+implementation (and lowering, for plain `jax.jit`) is an ordinary scan: sum the gradients, stack the aux.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+# ---- pipeline_yield ----------------------------------------------------------------------------------
+pipeline_yield_p = Primitive("pipeline_yield")
+pipeline_yield_p.multiple_results = True
+
+FWD, BWD = "fwd", "bwd"
+
+
+def _yield_impl(*xs: Any, direction: str) -> list[Any]:
+    return list(xs)
+
+
+def _yield_abstract_eval(*avals: Any, direction: str) -> list[Any]:
+    return list(avals)
+
+
+def _yield_jvp(primals: list[Any], tangents: list[Any], *, direction: str) -> tuple[list[Any], list[Any]]:
+    out = pipeline_yield_p.bind(*primals, direction=direction)
+    live = [i for i, t in enumerate(tangents) if not isinstance(t, ad.Zero)]
+    marked = pipeline_yield_p.bind(*[tangents[i] for i in live], direction=direction) if live else []
+    tangents_out = list(tangents)
+    for i, t in zip(live, marked):
+        tangents_out[i] = t
+    return out, tangents_out
+
+
+def _yield_transpose(cts: list[Any], *xs: Any, direction: str) -> list[Any]:
+    live = [i for i, c in enumerate(cts) if not isinstance(c, ad.Zero)]
+    flipped = BWD if direction == FWD else FWD
+    marked = pipeline_yield_p.bind(*[cts[i] for i in live], direction=flipped) if live else []
+    out: list[Any] = [ad.Zero(x.aval) if ad.is_undefined_primal(x) else None for x in xs]
+    for i, c in zip(live, marked):
+        out[i] = c
+    return out
+
+
+def _yield_batch(args: list[Any], dims: list[Any], *, direction: str) -> tuple[list[Any], list[Any]]:
+    return pipeline_yield_p.bind(*args, direction=direction), list(dims)
+
+
+pipeline_yield_p.def_impl(_yield_impl)
+pipeline_yield_p.def_abstract_eval(_yield_abstract_eval)
+ad.primitive_jvps[pipeline_yield_p] = _yield_jvp
+ad.primitive_transposes[pipeline_yield_p] = _yield_transpose
+batching.primitive_batchers[pipeline_yield_p] = _yield_batch
+mlir.register_lowering(pipeline_yield_p, lambda ctx, *args, direction: list(args))
+
+
+# ---- accumulate (the microbatch loop) ----------------------------------------------------------------
+accumulate_p = Primitive("mpmd_accumulate")
+accumulate_p.multiple_results = True
+
+
+def reference_loop(body: Any, num_grads: int, batch_leaves: list[Any], consts: list[Any]) -> list[Any]:
+    """Sum the first `num_grads` outputs of `body` over microbatches and stack the rest (the meaning of
+    `accumulate_grads`). `body` is a ClosedJaxpr taking (*microbatch leaves, *consts)."""
+
+    def step(acc: list[Any], mb: list[Any]) -> tuple[list[Any], list[Any]]:
+        outs = jax.core.eval_jaxpr(body.jaxpr, body.consts, *mb, *consts)
+        return [a + g for a, g in zip(acc, outs[:num_grads])], outs[num_grads:]
+
+    init = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in body.jaxpr.outvars[:num_grads]]
+    acc, stacked = jax.lax.scan(step, init, batch_leaves)
+    return [*acc, *stacked]
+
+
+def _accumulate_impl(*args: Any, body: Any, num_mb_leaves: int, num_grads: int, num_microbatches: int, schedule: Any) -> list[Any]:
+    return reference_loop(body, num_grads, list(args[:num_mb_leaves]), list(args[num_mb_leaves:]))
+
+
+def _accumulate_abstract_eval(*avals: Any, body: Any, num_mb_leaves: int, num_grads: int, num_microbatches: int, schedule: Any) -> list[Any]:
+    outs = [v.aval for v in body.jaxpr.outvars]
+    return [*outs[:num_grads], *(a.update(shape=(num_microbatches, *a.shape)) for a in outs[num_grads:])]
+
+
+accumulate_p.def_impl(_accumulate_impl)
+accumulate_p.def_abstract_eval(_accumulate_abstract_eval)
+mlir.register_lowering(accumulate_p, mlir.lower_fun(_accumulate_impl, multiple_results=True))

@@ -1,0 +1,173 @@
+"""A distributed step: trace once per signature, compile to Programs, then one request per actor a call."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from mpmd.array import RemoteArray
+from mpmd.compiler.plan import StepPlan, lower_templates, plan_step
+from mpmd.compiler.stages import inline_calls
+from mpmd.errors import ActorDiedError, MpmdError, PipelineError
+from transport.protocol import dtype_name
+
+log = logging.getLogger(__name__)
+_program_ids = itertools.count(1)
+
+
+@dataclass
+class CompiledStep:
+    plan: StepPlan
+    program_ids: list[int]
+    out_tree: Any
+    compile_seconds: float
+
+
+def _spec(x: Any) -> jax.ShapeDtypeStruct:
+    if isinstance(x, RemoteArray):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    x = np.asarray(x) if not hasattr(x, "shape") else x
+    return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+
+
+class DistributedFunction:
+    """What `mpmd.distributed` returns. Call it like the original function."""
+
+    def __init__(self, fn: Callable[..., Any], mesh: Any) -> None:
+        self.fn = fn
+        self.mesh = mesh
+        self._compiled: dict[Any, CompiledStep] = {}
+        self._step = itertools.count()
+        self.__wrapped__ = fn
+        self.__doc__ = fn.__doc__
+
+    def _signature(self, args: tuple[Any, ...]) -> tuple[Any, list[Any], list[jax.ShapeDtypeStruct]]:
+        leaves, treedef = jax.tree.flatten(args, is_leaf=lambda x: isinstance(x, RemoteArray))
+        specs = [_spec(x) for x in leaves]
+        return (treedef, tuple((s.shape, np.dtype(s.dtype).name) for s in specs)), leaves, specs
+
+    def trace(self, *args: Any) -> Any:
+        """The step's jaxpr (with nested calls inlined) for these arguments."""
+        _, leaves, specs = self._signature(args)
+        treedef = jax.tree.structure(args, is_leaf=lambda x: isinstance(x, RemoteArray))
+        out_box: list[Any] = []
+
+        def flat(*xs: Any) -> list[Any]:
+            out = self.fn(*jax.tree.unflatten(treedef, xs))
+            leaves_out, tree = jax.tree.flatten(out)
+            out_box.append(tree)
+            return leaves_out
+
+        closed = jax.make_jaxpr(flat)(*specs)
+        return inline_calls(closed), out_box[-1]
+
+    def compile(self, *args: Any) -> CompiledStep:
+        """Trace, plan and ship the Programs for these arguments (done by the first call automatically)."""
+        sig, leaves, specs = self._signature(args)
+        hit = self._compiled.get(sig)
+        if hit is not None:
+            return hit
+        t0 = time.perf_counter()
+        outer, out_tree = self.trace(*args)
+        plan = plan_step(outer, len(self.mesh))
+        blobs = lower_templates(plan, self.mesh.platform)
+        ids = [next(_program_ids)] * len(plan.programs)  # one id: transfer keys (program, step, tag) must agree
+        self.mesh.run(self._ship(plan, blobs, ids))
+        compiled = self._compiled[sig] = CompiledStep(plan, ids, out_tree, time.perf_counter() - t0)
+        log.info("compiled step: %d programs, %d executables in %.2f s", len(plan.programs), len(blobs), compiled.compile_seconds)
+        return compiled
+
+    async def _ship(self, plan: StepPlan, blobs: dict[Any, bytes], ids: list[int]) -> None:
+        async def one(prog: Any, pid: int) -> None:
+            keys = [await self.mesh.ensure_compiled(prog.actor, blobs[t]) for t in prog.templates]
+            await self.mesh.conn(prog.actor).request("load_program", {"program": prog.encode(pid, keys)})
+
+        await asyncio.gather(*(one(p, pid) for p, pid in zip(plan.programs, ids)))
+
+    def program(self, *args: Any) -> str:
+        """The per-actor instruction lists for these arguments, one line per instruction."""
+        return str(self.compile(*args).plan)
+
+    def __call__(self, *args: Any) -> Any:
+        sig, leaves, _ = self._signature(args)
+        compiled = self._compiled.get(sig) or self.compile(*args)
+        step = next(self._step)
+        outs = self.mesh.run(self._dispatch(compiled, leaves, step))
+        return jax.tree.unflatten(compiled.out_tree, outs)
+
+    async def _dispatch(self, compiled: CompiledStep, leaves: list[Any], step: int) -> list[Any]:
+        mesh, plan = self.mesh, compiled.plan
+        n = len(plan.programs)
+        inputs: list[list[int]] = [[] for _ in range(n)]
+        inline: list[list[np.ndarray]] = [[] for _ in range(n)]
+        prologue: list[list[list[Any]]] = [[] for _ in range(n)]
+        replicas: list[tuple[RemoteArray, int, int]] = []
+        for k, (x, homes) in enumerate(zip(leaves, plan.arg_homes)):
+            for a in sorted(homes):
+                if not isinstance(x, RemoteArray):
+                    inputs[a].append(-1)
+                    inline[a].append(np.asarray(x))
+                elif a in x.buffers:
+                    inputs[a].append(x.buffers[a])
+                elif x.is_deleted:
+                    raise MpmdError(f"argument {k} is a deleted RemoteArray")
+                else:  # copy it actor-to-actor first, in the same request, and keep the copy for next time
+                    src, buf, tag = x.actor, mesh.new_buffer_id(), -(k + 1) * n - a
+                    prologue[src].append(["send", x.buffers[src], a, tag, f"arg {k}"])
+                    prologue[a].append(["recv", buf, src, tag, dtype_name(x.dtype), list(x.shape), f"arg {k}"])
+                    inputs[a].append(buf)
+                    replicas.append((x, a, buf))
+        out_ids: list[dict[int, int]] = []
+        per_actor_out: list[list[int]] = [[] for _ in range(n)]
+        for kind, val in plan.out_homes:
+            ids = {}
+            if kind == "actors":
+                for a in val:
+                    ids[a] = mesh.new_buffer_id()
+                    per_actor_out[a].append(ids[a])
+            out_ids.append(ids)
+        requests = []
+        for a, pid in enumerate(compiled.program_ids):
+            fields = {"program": pid, "step": step, "inputs": inputs[a], "outputs": per_actor_out[a], "prologue": prologue[a]}
+            requests.append(asyncio.ensure_future(mesh.conn(a).request("run_program", fields, inline[a])))
+        await self._wait_all(requests, compiled, step)
+        for x, a, buf in replicas:
+            x.buffers[a] = buf
+        results: list[Any] = []
+        for (kind, val), ids, aval in zip(plan.out_homes, out_ids, plan.out_avals):
+            if kind == "actors":
+                results.append(RemoteArray(mesh, ids, aval.shape, aval.dtype))
+            elif kind == "arg":
+                results.append(leaves[val])
+            else:
+                results.append(np.asarray(val))
+        return results
+
+    async def _wait_all(self, requests: list[asyncio.Future[Any]], compiled: CompiledStep, step: int) -> None:
+        done, pending = await asyncio.wait(requests, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [f for f in done if f.exception() is not None]
+        if not failed:
+            return
+        # One actor failed: the others may wait forever on its transfers, so abandon the step everywhere.
+        for a, (req, pid) in enumerate(zip(requests, compiled.program_ids)):
+            if req in pending and not self.mesh.conn(a).dead:
+                try:
+                    await self.mesh.conn(a).request("abort", {"program": pid, "step": step})
+                except MpmdError:
+                    pass
+        await asyncio.gather(*pending, return_exceptions=True)
+        errors = [f.exception() for f in requests if f.done() and not f.cancelled() and f.exception() is not None]
+        first = next((e for e in errors if isinstance(e, ActorDiedError)), None) or next(
+            (e for e in errors if "aborted" not in str(e)), errors[0])
+        raise first
+
+
+__all__ = ["DistributedFunction", "PipelineError"]
