@@ -220,40 +220,56 @@ class Actor:
         return {"aborted": task is not None}, []
 
     async def _execute(self, prog: dict[str, Any], step: int, env: BufferTable, refs: list, prologue: list) -> None:
-        for local, ref in zip(prog["inputs"], refs):
-            env.put(local, await asyncio.shield(ref) if isinstance(ref, asyncio.Future) else ref)
-        await self._interpret(prog, step, env, prologue)
+        # The prologue copies arguments between actors; post it before waiting for those arguments.
+        transfers = self._transfers(prog["id"], step, self.buffers, prologue)
+        try:
+            for local, ref in zip(prog["inputs"], refs):
+                env.put(local, await asyncio.shield(ref) if isinstance(ref, asyncio.Future) else ref)
+            await self._interpret(prog["id"], step, env, prog["instrs"])
+            await asyncio.gather(*transfers)
+        finally:
+            for t in transfers:
+                t.cancel()
 
-    async def _interpret(self, prog: dict[str, Any], step: int, env: BufferTable, prologue: list) -> None:
-        pid = prog["id"]
+    def _transfers(self, pid: int, step: int, env: BufferTable, instrs: list) -> list[asyncio.Task[None]]:
+        tasks = []
+        for ins in instrs:
+            if ins[0] == "send":
+                _, buf, peer, tag, label = ins
+                tasks.append(asyncio.create_task(self._send(env, buf, peer, (pid, step, tag), label)))
+            elif ins[0] == "recv":
+                _, buf, peer, tag, dtype, shape, label = ins
+                env.reserve(buf)
+                tasks.append(asyncio.create_task(self._recv(env, buf, peer, (pid, step, tag), dtype, shape, label)))
+            else:
+                raise RequestError(f"a prologue holds only send and recv instructions, got {ins[0]!r}")
+        return tasks
+
+    async def _interpret(self, pid: int, step: int, env: BufferTable, instrs: list) -> None:
         sends: dict[int, list[asyncio.Task[None]]] = {}
         recvs: list[asyncio.Task[None]] = []
         try:
-            for env_, instrs in ((self.buffers, prologue), (env, prog["instrs"])):
-                for ins in instrs:
-                    op = ins[0]
-                    if op == "run":
-                        _, exe_key, ins_, outs, label = ins
-                        args = [await env_.get(b) for b in ins_]
-                        results = self.cache.get(exe_key)(*args)
-                        for b, r in zip(outs, results):
-                            env_.put(b, r)
-                    elif op == "send":
-                        _, buf, peer, tag, label = ins
-                        t = asyncio.create_task(self._send(env_, buf, peer, (pid, step, tag), label))
-                        sends.setdefault(buf, []).append(t)
-                    elif op == "recv":
-                        _, buf, peer, tag, dtype, shape, label = ins
-                        env_.reserve(buf)
-                        recvs.append(asyncio.create_task(self._recv(env_, buf, peer, (pid, step, tag), dtype, shape, label)))
-                    elif op == "del":
-                        for b in ins[1]:
-                            pending = sends.pop(b, ())
-                            if pending:
-                                await asyncio.gather(*pending)
-                        env_.delete(ins[1])
-                    else:
-                        raise RequestError(f"program {pid}: unknown instruction {op!r}")
+            for ins in instrs:
+                op = ins[0]
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("program %d step %d: %s", pid, step, ins)
+                if op == "run":
+                    _, exe_key, ins_, outs, label = ins
+                    args = [await env.get(b) for b in ins_]
+                    results = self.cache.get(exe_key)(*args)
+                    for b, r in zip(outs, results):
+                        env.put(b, r)
+                elif op == "send" or op == "recv":
+                    (t,) = self._transfers(pid, step, env, [ins])
+                    (sends.setdefault(ins[1], []) if op == "send" else recvs).append(t)
+                elif op == "del":
+                    for b in ins[1]:
+                        pending = sends.pop(b, ())
+                        if pending:
+                            await asyncio.gather(*pending)
+                    env.delete(ins[1])
+                else:
+                    raise RequestError(f"program {pid}: unknown instruction {op!r}")
             await asyncio.gather(*(t for ts in sends.values() for t in ts), *recvs)
         except BaseException:
             for t in [*recvs, *(t for ts in sends.values() for t in ts)]:

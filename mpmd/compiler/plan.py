@@ -72,6 +72,11 @@ def plan_step(outer: ClosedJaxpr, num_mesh_actors: int) -> StepPlan:
     consts: dict[Any, Any] = dict(zip(jaxpr.constvars, outer.consts))
     constvars = set(jaxpr.constvars)
     li = find_loop(jaxpr)
+    stray = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "pipeline_yield"]
+    if stray:
+        where = "before" if stray[0] < li else "after"
+        raise PipelineError(f"pipeline_yield is used {where} accumulate_grads; stage markers belong inside the "
+                            "microbatch function passed to accumulate_grads")
     loop = jaxpr.eqns[li]
     p = loop.params
     schedule: Schedule = p["schedule"]

@@ -1,0 +1,214 @@
+"""The primitives, the splitting and placement passes, and the user errors, on jaxprs alone (no processes)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import mpmd
+from mpmd.compiler.plan import plan_step
+from mpmd.compiler.stages import inline_calls, is_marker, split_stages
+from mpmd.schedules import Custom, validate
+from mpmd.step import DistributedFunction
+from tests import models
+from tests.test_pipeline import make_step
+
+
+class FakeMesh:
+    """Stands in for a RemoteMesh where only tracing and planning run (no actor is contacted)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+
+def test_pipeline_yield_is_the_identity_under_jit_grad_vmap_and_jvp():
+    f = lambda x: jnp.sin(mpmd.pipeline_yield(x * 2.0)) * 3.0
+    g = lambda x: jnp.sin(x * 2.0) * 3.0
+    x = jnp.linspace(-1, 1, 5)
+    np.testing.assert_array_equal(jax.jit(f)(x), jax.jit(g)(x))
+    np.testing.assert_array_equal(jax.grad(lambda x: f(x).sum())(x), jax.grad(lambda x: g(x).sum())(x))
+    np.testing.assert_array_equal(jax.vmap(f)(x[:, None]), jax.vmap(g)(x[:, None]))
+    np.testing.assert_array_equal(jax.jvp(f, (x,), (jnp.ones_like(x),))[1], jax.jvp(g, (x,), (jnp.ones_like(x),))[1])
+    tree = mpmd.pipeline_yield({"a": x, "b": (x, x)})
+    assert jax.tree.structure(tree) == jax.tree.structure({"a": x, "b": (x, x)})
+
+
+def test_the_transpose_of_a_forward_marker_is_a_backward_marker():
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(jnp.sin(mpmd.pipeline_yield(x)))))(jnp.ones(3))
+    directions = [e.params["direction"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "pipeline_yield"]
+    assert directions.count("fwd") >= 1 and directions.count("bwd") == 1
+
+
+def test_accumulate_grads_under_jit_sums_grads_and_stacks_aux_like_a_python_loop():
+    rng = np.random.default_rng(0)
+    params = models.mlp_params(rng, 2, 8)
+    batch = models.regression_batch(rng, 5, 3, 8)
+    loss = models.mse_loss(models.mlp)
+
+    def fn(mb):
+        v, g = jax.value_and_grad(loss)(params, mb)
+        return g, {"loss": v}
+
+    grads, aux = jax.jit(lambda b: mpmd.accumulate_grads(fn, b))(batch)
+
+    @jax.jit  # the same loop written out by hand, compiled the same way
+    def by_hand(b):
+        want_g, want_l = None, []
+        for i in range(5):
+            g, a = fn(jax.tree.map(lambda x: x[i], b))
+            want_g = g if want_g is None else jax.tree.map(jnp.add, want_g, g)
+            want_l.append(a["loss"])
+        return want_g, jnp.stack(want_l)
+
+    want_g, want_l = by_hand(batch)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_g)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(aux["loss"], want_l, rtol=1e-6)
+
+
+def _body(num_stages):
+    rng = np.random.default_rng(0)
+    params = models.mlp_params(rng, num_stages, 8)
+    mb = jax.tree.map(lambda x: x[0], models.regression_batch(rng, 1, 2, 8))
+    fn = lambda p, m: jax.value_and_grad(models.mse_loss(models.mlp))(p, m)
+    closed = jax.make_jaxpr(lambda p, m: (lambda vg: (vg[1], vg[0]))(fn(p, m)))(params, mb)
+    return inline_calls(closed), params
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3])
+def test_split_gives_a_forward_and_a_backward_task_per_stage(num_stages):
+    body, params = _body(num_stages)
+    tasks = split_stages(body, num_aux=1)
+    assert [f"{t.stage}{t.kind}" for t in tasks] == [f"{s}F" for s in range(num_stages)] + [f"{s}B" for s in range(num_stages)]
+    for t in tasks:
+        assert not any(is_marker(e, "bwd") for e in t.eqns if t.kind == "F")
+    # every equation lands in exactly one task
+    assert sum(len(t.eqns) for t in tasks) == len(body.jaxpr.eqns)
+    # forward task s reads only stage s's parameters (w, b are the body's inputs 2s, 2s+1 in flattened order)
+    param_vars = body.jaxpr.invars[: 2 * num_stages]
+    for t in tasks:
+        if t.kind == "F":
+            used = {i // 2 for i, v in enumerate(param_vars) if v in t.inputs}
+            assert used == {t.stage}
+
+
+def test_the_loss_computation_is_in_the_last_forward_task_not_the_backward():
+    body, _ = _body(2)
+    tasks = split_stages(body, num_aux=1)
+    loss_var = body.jaxpr.outvars[-1]
+    f_last = [t for t in tasks if (t.stage, t.kind) == (1, "F")][0]
+    assert loss_var in {v for e in f_last.eqns for v in e.outvars}
+
+
+def _plan(step_fn, args, actors):
+    dist = DistributedFunction(step_fn, FakeMesh(actors))
+    outer, _ = dist.trace(*args)
+    return plan_step(outer, actors)
+
+
+def test_placement_keeps_each_stage_parameters_and_optimizer_state_on_its_actor():
+    rng = np.random.default_rng(0)
+    params = models.mlp_params(rng, 3, 8)
+    opt = optax.adam(1e-3)
+    batch = models.regression_batch(rng, 4, 2, 8)
+    plan = _plan(make_step(models.mse_loss(models.mlp), opt, mpmd.OneFOneB(3)), (params, opt.init(params), batch), 3)
+    homes = jax.tree.unflatten(jax.tree.structure((params, opt.init(params), batch)), [sorted(h) for h in plan.arg_homes])
+    p_homes, o_homes, b_homes = homes
+    assert [p["w"] for p in p_homes] == [[0], [1], [2]]
+    assert [m["w"] for m in o_homes[0].mu] == [[0], [1], [2]]
+    assert o_homes[0].count == [0, 1, 2]  # a scalar every stage's update reads: replicated, not sent
+    assert b_homes == {"x": [0], "y": [2]}
+    # every transfer in the loop is between neighbouring stages, and sends match receives
+    sends = {(p.actor, i.to_actor, i.tag) for p in plan.programs for i in p.instructions if type(i).__name__ == "Send"}
+    recvs = {(i.from_actor, p.actor, i.tag) for p in plan.programs for i in p.instructions if type(i).__name__ == "Recv"}
+    assert sends == recvs and all(abs(a - b) == 1 for a, b, _ in sends)
+
+
+def _step_with(model, schedule, opt=optax.sgd(0.1)):
+    return make_step(models.mse_loss(model), opt, schedule)
+
+
+def _args(num_stages, num_mb=4, opt=optax.sgd(0.1)):
+    rng = np.random.default_rng(0)
+    params = models.mlp_params(rng, num_stages, 8)
+    return params, opt.init(params), models.regression_batch(rng, num_mb, 2, 8)
+
+
+def test_error_when_markers_and_schedule_stages_disagree():
+    with pytest.raises(mpmd.PipelineError, match=r"marks 2 stages \(1 pipeline_yield markers\).*num_stages=3"):
+        _plan(_step_with(models.mlp, mpmd.GPipe(3)), _args(2), 3)
+
+
+def test_error_when_the_schedule_needs_more_actors_than_the_mesh_has():
+    with pytest.raises(mpmd.PipelineError, match="needs 4 actors but the mesh has 2"):
+        _plan(_step_with(models.mlp, mpmd.GPipe(4)), _args(4), 2)
+
+
+def test_error_when_microbatch_axes_disagree():
+    params, opt_state, batch = _args(2)
+    batch["y"] = batch["y"][:3]
+    with pytest.raises(mpmd.PipelineError, match=r"disagree on the number of microbatches.*\[3, 4\]"):
+        _plan(_step_with(models.mlp, mpmd.GPipe(2)), (params, opt_state, batch), 2)
+
+
+def test_error_when_a_batch_leaf_has_no_microbatch_axis():
+    params, opt_state, batch = _args(2)
+    batch["y"] = np.float32(1.0)
+    with pytest.raises(mpmd.PipelineError, match="leading microbatch axis"):
+        _plan(_step_with(models.mlp, mpmd.GPipe(2)), (params, opt_state, batch), 2)
+
+
+def test_error_when_the_step_has_no_accumulate_grads():
+    def step(params, opt_state, batch):
+        return jax.grad(models.mse_loss(models.mlp))(params, jax.tree.map(lambda x: x[0], batch))
+
+    with pytest.raises(mpmd.PipelineError, match="never calls mpmd.accumulate_grads"):
+        _plan(step, _args(2), 2)
+
+
+def test_error_when_a_marker_is_outside_accumulate_grads():
+    inner = _step_with(models.mlp, mpmd.GPipe(2))
+
+    def step(params, opt_state, batch):
+        params = mpmd.pipeline_yield(params)
+        return inner(params, opt_state, batch)
+
+    with pytest.raises(mpmd.PipelineError, match="pipeline_yield is used before accumulate_grads"):
+        _plan(step, _args(2), 2)
+
+
+def test_error_when_accumulate_grads_has_no_schedule_inside_distributed():
+    with pytest.raises(mpmd.PipelineError, match="needs a schedule"):
+        _plan(_step_with(models.mlp, None), _args(2), 2)
+
+
+def test_a_deadlocking_custom_schedule_is_rejected_with_the_table():
+    bad = Custom(num_stages=2, order=(("0F0", "0B0", "0F1", "0B1"), ("1F0", "1F1", "1B0", "1B1")))
+    with pytest.raises(mpmd.ScheduleError, match=r"deadlocks(.|\n)*actor 0: 0F0 \[0B0\]"):
+        validate(bad, 2)
+
+
+def test_a_schedule_missing_a_task_is_rejected():
+    bad = Custom(num_stages=2, order=(("0F0", "0B0"), ("1F0",)))
+    with pytest.raises(mpmd.ScheduleError, match="missing from the schedule: 1B0"):
+        validate(bad, 1)
+
+
+@pytest.mark.parametrize("schedule", [mpmd.GPipe, mpmd.OneFOneB])
+@pytest.mark.parametrize("stages, microbatches", [(1, 1), (2, 1), (2, 5), (4, 3), (4, 8)])
+def test_builtin_schedules_are_complete_and_deadlock_free(schedule, stages, microbatches):
+    table = validate(schedule(stages), microbatches)
+    assert sum(map(len, table)) == 2 * stages * microbatches
+
+
+def test_one_f_one_b_keeps_at_most_num_stages_minus_stage_microbatches_in_flight():
+    for s, row in enumerate(mpmd.OneFOneB(4).tasks(8)):
+        live = peak = 0
+        for t in row:
+            live += 1 if t.kind == "F" else -1
+            peak = max(peak, live)
+        assert peak == 4 - s
