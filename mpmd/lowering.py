@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax import export
 
 _PLATFORM_NAMES = {"gpu": "cuda", "cuda": "cuda", "rocm": "rocm", "cpu": "cpu", "tpu": "tpu"}
@@ -27,3 +28,10 @@ def serialize_flat(fn: Callable[..., Sequence[Any]], avals: Sequence[jax.ShapeDt
 
 def aval_of(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+
+
+def host_array(x: Any) -> Any:
+    """`x` as a numpy array of the dtype JAX would trace it with (float64 -> float32 unless x64 is on)."""
+    a = np.asarray(x)
+    want = jax.dtypes.canonicalize_dtype(a.dtype)
+    return a if a.dtype == want else a.astype(want)

@@ -30,7 +30,7 @@ import zmq.asyncio
 from mpmd.array import RemoteArray
 from mpmd.controller import ActorConnection, EventLoopThread, Watchdog
 from mpmd.errors import ActorStartError, MpmdError
-from mpmd.lowering import aval_of, serialize_flat
+from mpmd.lowering import aval_of, host_array, serialize_flat
 from transport.protocol import dtype_from_name
 
 log = logging.getLogger(__name__)
@@ -310,7 +310,8 @@ class ActorHandle:
     async def run_async(self, fn: Callable[..., Any], *args: Any) -> Any:
         mesh, conn = self.mesh, self.mesh.conn(self.index)
         leaves, treedef = jax.tree.flatten(args, is_leaf=lambda x: isinstance(x, RemoteArray))
-        specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, RemoteArray) else aval_of(np.asarray(x)) for x in leaves]
+        leaves = [x if isinstance(x, RemoteArray) else host_array(x) for x in leaves]
+        specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, RemoteArray) else aval_of(x) for x in leaves]
         blob, out_tree = mesh.lower(fn, jax.tree.unflatten(treedef, specs), mesh.infos[self.index].header["platform"])
         exe = await mesh.ensure_compiled(self.index, blob)
         in_bufs = []

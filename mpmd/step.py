@@ -17,6 +17,7 @@ from mpmd.array import RemoteArray
 from mpmd.compiler.plan import StepPlan, lower_templates, plan_step
 from mpmd.compiler.stages import inline_calls
 from mpmd.errors import ActorDiedError, MpmdError, PipelineError
+from mpmd.lowering import host_array
 from transport.protocol import dtype_name
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ class CompiledStep:
 def _spec(x: Any) -> jax.ShapeDtypeStruct:
     if isinstance(x, RemoteArray):
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
-    x = np.asarray(x) if not hasattr(x, "shape") else x
+    x = host_array(x)
     return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
 
 
@@ -114,7 +115,7 @@ class DistributedFunction:
             for a in sorted(homes):
                 if not isinstance(x, RemoteArray):
                     inputs[a].append(-1)
-                    inline[a].append(np.asarray(x))
+                    inline[a].append(host_array(x))
                 elif a in x.buffers:
                     inputs[a].append(x.buffers[a])
                 elif x.is_deleted:
