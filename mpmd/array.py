@@ -51,7 +51,8 @@ class RemoteArray:
         return not self.buffers
 
     def to_numpy(self) -> np.ndarray:
-        """Fetch the array to the controller (waits for the computation that produces it)."""
+        """Fetch the array to the controller (waits for the computation that produces it). The result is a
+        read-only view of the received bytes (no copy); use `np.array(r)` for a writable copy."""
         if not self.buffers:
             raise ValueError("this RemoteArray was deleted; its data is gone")
         return self.mesh._get(self.actor, self.buffers[self.actor])

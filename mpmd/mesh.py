@@ -222,7 +222,7 @@ class RemoteMesh:
 
     def _get(self, actor: int, buf: int) -> np.ndarray:
         msg = self.run(self._conns[actor].request("get", {"buf": buf}))
-        return np.array(msg.arrays[0])  # own the memory (the frame is ZeroMQ's)
+        return msg.arrays[0]  # a read-only view that keeps the received frame alive: no copy
 
     def _delete_now(self, buffers: dict[int, int]) -> None:
         self.run(self._gather([self._conns[a].request("delete", {"bufs": [b]}) for a, b in buffers.items()]))

@@ -1,0 +1,119 @@
+"""Pipeline runtime figures, each a ratio measured in one run.
+
+* step time of a compute-bound MLP on 1 actor vs `jax.jit` of the same step in this process;
+* dispatch overhead per `Run` instruction (a step of many tiny tasks, per instruction);
+* compile time of the first distributed step vs the first `jax.jit` call;
+* a 2-stage 1F1B step vs the schedule's ideal (sum of one stage's compute, from the 1-actor run).
+
+    python benchmarks/pipeline.py
+"""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import mpmd
+
+
+def make(num_stages, width, depth_per_stage, schedule):
+    def model(params, x):
+        for s in range(num_stages):
+            for w in params[s]:
+                x = jnp.tanh(x @ w)
+            if s < num_stages - 1:
+                x = mpmd.pipeline_yield(x)
+        return x
+
+    def loss(params, mb):
+        return jnp.mean((model(params, mb["x"]) - mb["y"]) ** 2)
+
+    opt = optax.sgd(1e-3)
+
+    def step(params, opt_state, batch):
+        def mbg(mb):
+            v, g = jax.value_and_grad(loss)(params, mb)
+            return g, v
+
+        grads, losses = mpmd.accumulate_grads(mbg, batch, schedule=schedule)
+        up, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, up), opt_state, losses
+
+    rng = np.random.default_rng(0)
+    params = [[(rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32) for _ in range(depth_per_stage)]
+              for _ in range(num_stages)]
+    return step, params, opt
+
+
+def timed(f, reps):
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def bench_vs_jit(mesh, width, depth, mbs, mb_size, reps=5):
+    step, params, opt = make(1, width, depth, mpmd.GPipe(1))
+    rng = np.random.default_rng(1)
+    batch = {"x": rng.standard_normal((mbs, mb_size, width)).astype(np.float32),
+             "y": rng.standard_normal((mbs, mb_size, width)).astype(np.float32)}
+    ref = jax.jit(step)
+    t = time.perf_counter()
+    jax.block_until_ready(ref(params, opt.init(params), batch))
+    jit_compile = time.perf_counter() - t
+    dist = mpmd.distributed(step, mesh=mesh)
+    t = time.perf_counter()
+    out = dist(params, opt.init(params), batch)
+    out[2].to_numpy()
+    dist_compile = time.perf_counter() - t
+    p, o = out[0], out[1]
+    jit_t = timed(lambda: jax.block_until_ready(ref(params, opt.init(params), batch)), reps)
+
+    def one():
+        r = dist(p, o, batch)
+        r[2].to_numpy()
+
+    dist_t = timed(one, reps)
+    return jit_t, dist_t, jit_compile, dist_compile, dist.compile(p, o, batch).plan
+
+
+def main() -> None:
+    with mpmd.RemoteMesh.local(num_actors=2) as mesh:
+        one = mpmd.RemoteMesh.connect(mesh.addresses[:1], transport="none")
+        jit_t, dist_t, jit_c, dist_c, _ = bench_vs_jit(one, width=512, depth=4, mbs=4, mb_size=256)
+        print(f"compute-bound step (1 actor, 512x512 MLP x4, 4 mbs of 256): jax.jit {jit_t * 1e3:.1f} ms, "
+              f"mpmd {dist_t * 1e3:.1f} ms, ratio {dist_t / jit_t:.3f}")
+        print(f"first-step compile: jax.jit {jit_c:.2f} s, mpmd {dist_c:.2f} s, ratio {dist_c / jit_c:.1f}")
+        jit_t, dist_t, _, _, plan = bench_vs_jit(one, width=4, depth=1, mbs=64, mb_size=1, reps=7)
+        runs = sum(p.count(mpmd.program.Run) for p in plan.programs)
+        print(f"dispatch: tiny step with {runs} Run instructions: {dist_t * 1e6 / runs:.0f} µs per Run "
+              f"(whole step {dist_t * 1e3:.1f} ms vs jax.jit {jit_t * 1e3:.2f} ms)")
+        one.close()
+        # 2 stages on 2 actors vs the ideal from the per-stage compute.
+        width, depth, mbs, mb_size = 512, 2, 8, 256
+        step2, params2, opt = make(2, width, depth, mpmd.OneFOneB(2))
+        rng = np.random.default_rng(2)
+        batch = {"x": rng.standard_normal((mbs, mb_size, width)).astype(np.float32),
+                 "y": rng.standard_normal((mbs, mb_size, width)).astype(np.float32)}
+        dist2 = mpmd.distributed(step2, mesh=mesh)
+        out = dist2(params2, opt.init(params2), batch)
+        out[2].to_numpy()
+        t2 = timed(lambda: dist2(out[0], out[1], batch)[2].to_numpy(), 5)
+        step1, params1, _ = make(1, width, depth, mpmd.GPipe(1))  # one stage's work, on one actor
+        one = mpmd.RemoteMesh.connect(mesh.addresses[:1], transport="none")
+        d1 = mpmd.distributed(step1, mesh=one)
+        o1 = d1(params1, opt.init(params1), batch)
+        o1[2].to_numpy()
+        t1 = timed(lambda: d1(o1[0], o1[1], batch)[2].to_numpy(), 5)
+        ideal = t1 * (mbs + 2 - 1) / mbs  # S=2: (M + S - 1) slots of one stage's per-microbatch time
+        print(f"2-stage 1F1B on 2 actors ({mbs} mbs): {t2 * 1e3:.1f} ms; one stage alone {t1 * 1e3:.1f} ms; "
+              f"ideal {ideal * 1e3:.1f} ms; ratio to ideal {t2 / ideal:.2f} (2 cores here: actors share them)")
+        one.close()
+
+
+if __name__ == "__main__":
+    main()
