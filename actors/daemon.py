@@ -48,10 +48,9 @@ def configure_environment(args: argparse.Namespace) -> None:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    import jax
     import zmq
     import zmq.asyncio
-
-    import jax
 
     # Exported executables carry explicit dtypes, so 64-bit support only stops put() from narrowing
     # float64/int64 arrays; it changes nothing the controller lowered.

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 
 import mpmd
+from tests.test_pipeline import make_step
 
 
 def make(num_stages, width, depth_per_stage, schedule):
@@ -31,15 +32,7 @@ def make(num_stages, width, depth_per_stage, schedule):
         return jnp.mean((model(params, mb["x"]) - mb["y"]) ** 2)
 
     opt = optax.sgd(1e-3)
-
-    def step(params, opt_state, batch):
-        def mbg(mb):
-            v, g = jax.value_and_grad(loss)(params, mb)
-            return g, v
-
-        grads, losses = mpmd.accumulate_grads(mbg, batch, schedule=schedule)
-        up, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, up), opt_state, losses
+    step = make_step(loss, opt, schedule)
 
     rng = np.random.default_rng(0)
     params = [[(rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32) for _ in range(depth_per_stage)]

@@ -17,7 +17,7 @@ class RemoteArray:
     Dropping the last reference frees the remote buffers (batched, asynchronously); `delete()` frees now.
     """
 
-    __slots__ = ("mesh", "buffers", "shape", "dtype", "__weakref__")
+    __slots__ = ("__weakref__", "buffers", "dtype", "mesh", "shape")
 
     def __init__(self, mesh: RemoteMesh, buffers: dict[int, int], shape: tuple[int, ...], dtype: Any) -> None:
         self.mesh = mesh

@@ -164,7 +164,7 @@ class RemoteMesh:
     def __enter__(self) -> RemoteMesh:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __len__(self) -> int:

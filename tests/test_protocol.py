@@ -4,7 +4,6 @@ import msgpack
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from transport.protocol import ALLOWED_DTYPES, PROTOCOL_VERSION, ProtocolError, decode, encode

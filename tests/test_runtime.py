@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 import mpmd
-from transport.protocol import PROTOCOL_VERSION, decode, encode
+from transport.protocol import decode, encode
 
 
 def test_put_get_roundtrip_is_exact_for_many_dtypes(mesh2):
@@ -183,10 +183,9 @@ def test_local_mesh_leaves_no_process_behind():
 
 
 def test_local_mesh_cleans_up_after_an_error_in_a_with_block():
-    with pytest.raises(RuntimeError, match="user bug"):
-        with mpmd.RemoteMesh.local(num_actors=1) as mesh:
-            pids = [p.proc.pid for p in mesh._processes]
-            raise RuntimeError("user bug")
+    with pytest.raises(RuntimeError, match="user bug"), mpmd.RemoteMesh.local(num_actors=1) as mesh:
+        pids = [p.proc.pid for p in mesh._processes]
+        raise RuntimeError("user bug")
     assert not any(_alive(pid) for pid in pids)
 
 

@@ -26,7 +26,7 @@ Requests carry an integer ``"id"``; the reply echoes it with ``"op": "reply"`` (
 |                 | inline: [slot] (array frames for -1 inputs),            |                                               |
 |                 | prologue: [instruction]                                 |                                               |
 | connect_peers   | actor_id, peers: {actor_id: p2p address}                | connected: [actor_id]                         |
-| transfer_test   | to, tag, buf / from, tag, buf, dtype, shape             | -                                             |
+| abort           | program, step                                           | aborted: bool (cancels a running step)        |
 | stats           | -                                                       | buffers, bytes, executables, compiles, hits,  |
 |                 |                                                         | programs, requests, errors                    |
 | shutdown        | -                                                       | - (the daemon exits after replying)           |
