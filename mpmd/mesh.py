@@ -13,6 +13,7 @@ import itertools
 import logging
 import os
 import selectors
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -124,6 +125,7 @@ class RemoteMesh:
         self._lowered: dict[Any, tuple[bytes, Any]] = {}
         self._compiled: list[dict[bytes, str]] = [{} for _ in addresses]
         self.closed = False
+        self._tmpdir: str | None = None
         _LIVE_MESHES.add(self)
         self.actors = [ActorHandle(self, i) for i in range(len(addresses))]
         self.infos = self.run(self._gather(self._all("info")))
@@ -150,10 +152,13 @@ class RemoteMesh:
         try:
             deadline = time.monotonic() + startup_timeout
             endpoints = [p.wait_ready(deadline) for p in procs]
-            return cls(endpoints, procs, transport=transport, **kwargs)
+            mesh = cls(endpoints, procs, transport=transport, **kwargs)
+            mesh._tmpdir = tmp
+            return mesh
         except BaseException:
             for p in procs:
                 p.stop()
+            shutil.rmtree(tmp, ignore_errors=True)
             raise
 
     @classmethod
@@ -191,6 +196,8 @@ class RemoteMesh:
                 pass
         for p in self._processes:
             p.stop()
+        if self._tmpdir:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
         self._io.call_soon(self._watchdog.stop)
         for c in self._conns:
             self._io.call_soon(c.close)
