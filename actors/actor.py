@@ -3,6 +3,8 @@
 The interpreter is deliberately dumb (see STYLE.md): it walks a static instruction list. A `run` waits only
 for the buffers it reads; a `recv` is posted as a task at once (arrivals before it wait in the mailbox); a
 `send` runs as a task and never blocks the next instruction; a `del` waits for the sends of its buffers.
+With ``sync`` set on a run (to measure what overlap buys), every send and receive is instead awaited where
+it stands, a send until its bytes have left the actor.
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ def to_host(x: Any) -> np.ndarray:
 
 
 class Actor:
-    def __init__(self, actor_id: int, p2p: P2PTransport | None) -> None:
+    def __init__(self, actor_id: int, p2p: P2PTransport | None, transfer_timeout: float = 300.0) -> None:
         self.actor_id = actor_id
+        self.transfer_timeout = transfer_timeout
         self.device = jax.devices()[0]
         self.buffers = BufferTable(f"actor {actor_id}")
         self.cache = ExecutableCache(self.device)
@@ -73,6 +76,7 @@ class Actor:
             "run_program": self.run_program,
             "abort": self.abort,
             "connect_peers": self.connect_peers,
+            "nccl_ids": self.nccl_ids,
             "stats": self.stats,
         }
 
@@ -88,7 +92,7 @@ class Actor:
             "platform": devs[0].platform,
             "devices": [str(d) for d in devs],
             "jax_version": jax.__version__,
-            "p2p": self.p2p.address if self.p2p else None,
+            "p2p": self.p2p.endpoint() if self.p2p else None,
         }, []
 
     async def put(self, msg: Message) -> tuple[dict, list]:
@@ -145,15 +149,35 @@ class Actor:
             "requests": self.requests,
             "errors": self.errors,
             "running": len(self.running),
+            "p2p": self.p2p.stats() if self.p2p is not None else None,
         }, []
 
     async def connect_peers(self, msg: Message) -> tuple[dict, list]:
         if self.p2p is None:
             raise RequestError("this actor was started without a data plane (--p2p none)")
         peers = field(msg, "peers", dict)
-        parsed = {int(k): str(v) for k, v in peers.items()}
-        await self.p2p.connect(parsed)
-        return {"connected": sorted(parsed)}, []
+        try:
+            parsed = {int(k): dict(v) for k, v in peers.items()}
+        except (TypeError, ValueError):
+            raise RequestError("'connect_peers' field 'peers' must map actor ids to {address, route} maps") from None
+        timeout = msg.header.get("timeout")
+        if timeout is not None:
+            if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+                raise RequestError(f"'connect_peers' field 'timeout' must be a positive number of seconds, got {timeout!r}")
+            self.transfer_timeout = float(timeout)
+        try:
+            await self.p2p.connect(parsed)
+        except (ValueError, KeyError) as e:
+            raise RequestError(f"'connect_peers': {e}") from None
+        return {"connected": sorted(parsed), "routes": {str(p): r for p, r in self.p2p.routes.items()}}, []
+
+    async def nccl_ids(self, msg: Message) -> tuple[dict, list]:
+        from transport.p2p import nccl
+
+        count = field(msg, "count", int)
+        if not nccl.available():
+            raise RequestError(f"actor {self.actor_id} cannot use NCCL: cupy.cuda.nccl does not import (install the 'gpu' extra)")
+        return {"ids": [nccl.unique_id() for _ in range(count)]}, []
 
     # ---- programs --------------------------------------------------------------------------------
     async def load_program(self, msg: Message) -> tuple[dict, list]:
@@ -180,6 +204,9 @@ class Actor:
             )
         if sum(b < 0 for b in inputs) != len(msg.arrays):
             raise RequestError(f"{sum(b < 0 for b in inputs)} inputs are marked inline (-1) but {len(msg.arrays)} arrays came")
+        sync = msg.header.get("sync", False)
+        if not isinstance(sync, bool):
+            raise RequestError("'run_program' field 'sync' must be a bool")
         prologue = msg.header.get("prologue", [])
         if not isinstance(prologue, list):
             raise RequestError("'run_program' field 'prologue' must be a list of instructions")
@@ -193,7 +220,7 @@ class Actor:
             self.buffers.reserve(b)
         key = (pid, step)
         env = BufferTable(f"actor {self.actor_id} program {pid} step {step}")
-        task = asyncio.get_running_loop().create_task(self._execute(prog, step, env, refs, prologue))
+        task = asyncio.get_running_loop().create_task(self._execute(prog, step, env, refs, prologue, sync))
         self.running[key] = task
         try:
             await task
@@ -208,6 +235,7 @@ class Actor:
             self.running.pop(key, None)
             if self.p2p is not None:
                 self.p2p.abandon(lambda k: tuple(k[:2]) == key)
+            env.clear()  # the step's intermediates go now (and with them any shared memory they aliased)
         for b, r in zip(outputs, results):
             self.buffers.put(b, r)
         return {"outputs": [aval_header(r.shape, r.dtype) for r in results]}, []
@@ -219,24 +247,24 @@ class Actor:
             task.cancel()
         return {"aborted": task is not None}, []
 
-    async def _execute(self, prog: dict[str, Any], step: int, env: BufferTable, refs: list, prologue: list) -> None:
+    async def _execute(self, prog: dict[str, Any], step: int, env: BufferTable, refs: list, prologue: list, sync: bool) -> None:
         # The prologue copies arguments between actors; post it before waiting for those arguments.
         transfers = self._transfers(prog["id"], step, self.buffers, prologue)
         try:
             for local, ref in zip(prog["inputs"], refs):
                 env.put(local, await asyncio.shield(ref) if isinstance(ref, asyncio.Future) else ref)
-            await self._interpret(prog["id"], step, env, prog["instrs"])
+            await self._interpret(prog["id"], step, env, prog["instrs"], sync)
             await asyncio.gather(*transfers)
         finally:
             for t in transfers:
                 t.cancel()
 
-    def _transfers(self, pid: int, step: int, env: BufferTable, instrs: list) -> list[asyncio.Task[None]]:
+    def _transfers(self, pid: int, step: int, env: BufferTable, instrs: list, sync: bool = False) -> list[asyncio.Task[None]]:
         tasks = []
         for ins in instrs:
             if ins[0] == "send":
                 _, buf, peer, tag, label = ins
-                tasks.append(asyncio.create_task(self._send(env, buf, peer, (pid, step, tag), label)))
+                tasks.append(asyncio.create_task(self._send(env, buf, peer, (pid, step, tag), label, sync)))
             elif ins[0] == "recv":
                 _, buf, peer, tag, dtype, shape, label = ins
                 env.reserve(buf)
@@ -245,7 +273,7 @@ class Actor:
                 raise RequestError(f"a prologue holds only send and recv instructions, got {ins[0]!r}")
         return tasks
 
-    async def _interpret(self, pid: int, step: int, env: BufferTable, instrs: list) -> None:
+    async def _interpret(self, pid: int, step: int, env: BufferTable, instrs: list, sync: bool) -> None:
         sends: dict[int, list[asyncio.Task[None]]] = {}
         recvs: list[asyncio.Task[None]] = []
         try:
@@ -260,8 +288,11 @@ class Actor:
                     for b, r in zip(outs, results):
                         env.put(b, r)
                 elif op == "send" or op == "recv":
-                    (t,) = self._transfers(pid, step, env, [ins])
-                    (sends.setdefault(ins[1], []) if op == "send" else recvs).append(t)
+                    (t,) = self._transfers(pid, step, env, [ins], sync)
+                    if sync:
+                        await t
+                    else:
+                        (sends.setdefault(ins[1], []) if op == "send" else recvs).append(t)
                 elif op == "del":
                     for b in ins[1]:
                         pending = sends.pop(b, ())
@@ -276,24 +307,32 @@ class Actor:
                 t.cancel()
             raise
 
-    async def _send(self, env: BufferTable, buf: int, peer: int, key: tuple, label: str) -> None:
+    async def _send(self, env: BufferTable, buf: int, peer: int, key: tuple, label: str, sync: bool = False) -> None:
         value = await env.get(buf)
-        host = to_host(value) if value.is_ready() else await asyncio.to_thread(to_host, value)
-        assert self.p2p is not None
-        await self.p2p.send(peer, key, host)
+        if self.p2p is None:
+            raise TransferError(f"actor {self.actor_id} has no data plane to send {label} to actor {peer}")
+        await self.p2p.send(peer, key, value, wait=sync)
 
     async def _recv(self, env: BufferTable, buf: int, peer: int, key: tuple, dtype: str, shape: list, label: str) -> None:
         try:
             if self.p2p is None:
                 raise TransferError(f"actor {self.actor_id} has no data plane to receive {label} from actor {peer}")
-            host = await self.p2p.recv(peer, key)
+            try:
+                got = await asyncio.wait_for(self.p2p.recv(peer, key), self.transfer_timeout)
+            except TimeoutError:
+                raise TransferError(
+                    f"actor {self.actor_id} waited {self.transfer_timeout:g} s for {label} (tag {key[2]}) from actor {peer} "
+                    f"and nothing came; is actor {peer} stuck? (RemoteMesh(..., transfer_timeout=s) sets this limit)"
+                ) from None
             want = dtype_from_name(dtype)
-            if host.dtype != want or list(host.shape) != list(shape):
+            if np.dtype(got.dtype) != want or list(got.shape) != list(shape):
                 raise TransferError(
                     f"actor {self.actor_id} expected {want.name}{list(shape)} from actor {peer} for {label} "
-                    f"(tag {key[2]}), received {host.dtype.name}{list(host.shape)}"
+                    f"(tag {key[2]}), received {np.dtype(got.dtype).name}{list(got.shape)}"
                 )
-            env.put(buf, self._to_device(host))
+            # A received host array is ours alone (fresh aligned buffer, or shared memory reused only after
+            # the array is gone), so JAX may alias it instead of copying.
+            env.put(buf, jax.device_put(got, self.device, may_alias=True) if isinstance(got, np.ndarray) else got)
         except BaseException as e:
             env.fail(buf, e)
             raise

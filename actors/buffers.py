@@ -13,6 +13,29 @@ class UnknownBufferError(KeyError):
         return str(self.args[0]) if self.args else "unknown buffer"
 
 
+def _find_collector() -> Any:
+    try:
+        from jax._src.lib import _jax
+
+        return _jax.collect_garbage
+    except (ImportError, AttributeError):
+        return lambda: None  # older/newer JAX: its next dispatch collects instead
+
+
+_collect = None
+
+
+def release_host_memory() -> None:
+    """Make JAX drop, now, its references to host memory that freed arrays aliased.
+
+    JAX defers those Python decrefs to its next dispatch; a received array aliases a shared-memory segment
+    that the sender may reuse only after the last reference is gone, so the actor runs this after freeing."""
+    global _collect
+    if _collect is None:
+        _collect = _find_collector()
+    _collect()
+
+
 def nbytes(value: Any) -> int:
     return int(getattr(value, "nbytes", 0))
 
@@ -76,6 +99,8 @@ class BufferTable:
             fut = self._pending.pop(b, None)
             if fut is not None and not fut.done():
                 fut.cancel()
+        if n:
+            release_host_memory()
         return n
 
     def _unknown(self, buf: int) -> str:

@@ -26,7 +26,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu-devices", type=int, default=None, help="give this actor N host (CPU) devices")
     p.add_argument("--platform", default=None, help="JAX platform to use (cpu, cuda); default: JAX's choice")
     p.add_argument("--devices", default=None, help="comma-separated visible GPU indices (sets CUDA_VISIBLE_DEVICES)")
-    p.add_argument("--p2p", default="tcp", choices=["tcp", "none"], help="data plane to other actors")
+    p.add_argument("--p2p", default="tcp", choices=["tcp", "none"],
+                   help="data plane to other actors: 'tcp' opens ZeroMQ endpoints (the controller then picks tcp, shm or "
+                        "nccl per peer); 'none' has no data plane")
+    p.add_argument("--ipc-dir", default=None, help="also bind the data plane on an ipc socket in this directory (same-host peers use it)")
+    p.add_argument("--transfer-timeout", type=float, default=300.0,
+                   help="seconds a receive waits for its peer before the step fails (the controller may change it)")
     p.add_argument("--p2p-host", default=None, help="address peers reach this actor's data plane on (default: the --listen host)")
     p.add_argument("--cache-dir", default=None, help="JAX persistent compilation cache directory")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
@@ -61,7 +66,7 @@ async def serve(args: argparse.Namespace) -> None:
 
     from actors.actor import Actor, format_exception
     from transport.control import bind_router
-    from transport.p2p import make_transport
+    from transport.p2p import DataPlane
     from transport.protocol import ProtocolError, decode, encode, error_reply
 
     log = logging.getLogger("mpmd.actor")
@@ -72,9 +77,10 @@ async def serve(args: argparse.Namespace) -> None:
         host = args.p2p_host or (args.listen.split("://", 1)[1].rsplit(":", 1)[0] if args.listen.startswith("tcp://") else "127.0.0.1")
         if host in ("*", "0.0.0.0"):
             host = "127.0.0.1"
-        p2p = make_transport(args.p2p, args.actor_id, host)
+        device = jax.devices()[0]
+        p2p = DataPlane(args.actor_id, host, args.ipc_dir, nccl_device=device if device.platform == "gpu" else None)
         await p2p.start()
-    actor = Actor(args.actor_id, p2p)
+    actor = Actor(args.actor_id, p2p, transfer_timeout=args.transfer_timeout)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -127,7 +133,7 @@ async def serve(args: argparse.Namespace) -> None:
                 return
             await asyncio.sleep(0.5)
 
-    print(f"MPMD_ACTOR_READY {endpoint} {p2p.address if p2p else '-'}", flush=True)
+    print(f"MPMD_ACTOR_READY {endpoint} {p2p.endpoint()['tcp'] if p2p else '-'}", flush=True)
     receiver = loop.create_task(receive())
     watcher = loop.create_task(watch_parent())
     await stop.wait()

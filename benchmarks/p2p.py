@@ -1,10 +1,15 @@
-"""Actor-to-actor transfer throughput (1-256 MiB) over the TCP data plane vs a raw ZeroMQ send of the
-same bytes in the same run. The transfer is a Program of one Send and one Recv, run by the real
-interpreter on two real daemons; its time includes the request round trip, so small sizes understate.
+"""Actor-to-actor transfer throughput, 1-256 MiB, per data-plane route, against a baseline measured in the
+same run: a raw ZeroMQ send of the same bytes for ``tcp``, a numpy copy (memcpy) of the same bytes for
+``shm``. A transfer is a Program of Sends on actor 0 and Recvs on actor 1, run by the real interpreter on two
+real daemons, until the received array is a JAX array on actor 1.
 
-    python benchmarks/p2p.py
+``one``: one transfer per program, so the time includes the run_program request round trip.
+``x8``: eight transfers of the array in one program (how a pipeline step moves data), time per transfer.
+
+    python -m benchmarks.p2p [--sizes 1,16,64] [--routes tcp,shm]
 """
 
+import argparse
 import asyncio
 import itertools
 import time
@@ -19,37 +24,61 @@ from transport.protocol import dtype_name
 _ids = itertools.count(1)
 
 
-def transfer_once(mesh, src_buf, nbytes):
+def transfer_time(mesh, src_buf: int, nbytes: int, count: int) -> float:
+    """Seconds per transfer when `count` transfers of buffer `src_buf` go from actor 0 to actor 1 in one program."""
     pid = next(_ids)
-    send = Program(0, [0], [], [Send(0, 1, 0, Label("xfer"))])
-    recv = Program(1, [], [0], [Recv(0, 0, 0, dtype_name(np.uint8), (nbytes,), Label("xfer"))])
+    send = Program(0, [0], [], [Send(0, 1, t, Label("xfer")) for t in range(count)])
+    recv = Program(1, [], list(range(count)), [Recv(t, 0, t, dtype_name(np.uint8), (nbytes,), Label("xfer")) for t in range(count)])
     mesh.run(mesh.conn(0).request("load_program", {"program": send.encode(pid, [])}))
     mesh.run(mesh.conn(1).request("load_program", {"program": recv.encode(pid, [])}))
-    out = mesh.new_buffer_id()
+    outs = [mesh.new_buffer_id() for _ in range(count)]
 
     async def go():
         await asyncio.gather(
             mesh.conn(0).request("run_program", {"program": pid, "step": 0, "inputs": [src_buf], "outputs": []}),
-            mesh.conn(1).request("run_program", {"program": pid, "step": 0, "inputs": [], "outputs": [out]}))
+            mesh.conn(1).request("run_program", {"program": pid, "step": 0, "inputs": [], "outputs": outs}))
 
     t = time.perf_counter()
     mesh.run(go())
     dt = time.perf_counter() - t
-    mesh.run(mesh.conn(1).request("delete", {"bufs": [out]}))
-    return dt
+    mesh.run(mesh.conn(1).request("delete", {"bufs": outs}))
+    return dt / count
+
+
+def memcpy_throughput(payload: np.ndarray, reps: int = 4) -> float:
+    dst = np.empty_like(payload)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        np.copyto(dst, payload)
+        best = min(best, time.perf_counter() - t)
+    return payload.nbytes / best
 
 
 def main() -> None:
-    with mpmd.RemoteMesh.local(num_actors=2) as mesh:
-        print(f"{'size':>8} {'mpmd GiB/s':>10} {'raw GiB/s':>10} {'ratio':>6}")
-        for mib in (1, 4, 16, 64, 256):
-            n = mib * 1024 * 1024
-            payload = np.random.default_rng(0).integers(0, 255, n, dtype=np.uint8)
-            src = mesh.actor(0).put(payload)
-            best = min(transfer_once(mesh, src.buffers[0], n) for _ in range(4))
-            raw = raw_throughput("tcp://127.0.0.1:*", payload, reps=4)
-            src.delete()
-            print(f"{mib:>5} MiB {n / best / 2**30:10.2f} {raw / 2**30:10.2f} {raw and (n / best) / raw:6.2f}")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="1,4,16,64,256", help="MiB, comma-separated")
+    ap.add_argument("--routes", default="tcp,shm")
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    print(f"{'route':>5} {'size':>8} {'one GiB/s':>9} {'x8 GiB/s':>9} {'base GiB/s':>10} {'one/base':>8} {'x8/base':>7}  baseline")
+    for route in args.routes.split(","):
+        with mpmd.RemoteMesh.local(num_actors=2, transport=route) as mesh:
+            for mib in sizes:
+                n = mib * 1024 * 1024
+                payload = np.random.default_rng(0).integers(0, 255, n, dtype=np.uint8)
+                src = mesh.actor(0).put(payload)
+                one = min(transfer_time(mesh, src.buffers[0], n, 1) for _ in range(args.reps))
+                many = min(transfer_time(mesh, src.buffers[0], n, 8) for _ in range(max(1, args.reps - 1)))
+                src.delete()
+                if route == "tcp":
+                    base, what = raw_throughput("tcp://127.0.0.1:*", payload, reps=args.reps + 1), "raw zmq tcp"
+                else:
+                    base, what = memcpy_throughput(payload), "memcpy"
+                g = 2**30
+                print(f"{route:>5} {mib:>4} MiB {n / one / g:9.2f} {n / many / g:9.2f} {base / g:10.2f} "
+                      f"{n / one / base:8.2f} {n / many / base:7.2f}  {what}", flush=True)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from mpmd.array import RemoteArray
 from mpmd.controller import ActorConnection, EventLoopThread, Watchdog
 from mpmd.errors import ActorStartError, MpmdError
 from mpmd.lowering import aval_of, host_array, serialize_flat
+from mpmd.wiring import TRANSPORTS, choose_routes, peer_specs
 from transport.protocol import dtype_from_name
 
 log = logging.getLogger(__name__)
@@ -41,15 +42,23 @@ _LIVE_MESHES: weakref.WeakSet[RemoteMesh] = weakref.WeakSet()
 class LocalProcess:
     """An `mpmd-actor` subprocess on this machine, with its stderr kept in a file for error messages."""
 
-    def __init__(self, actor_id: int, devices: int, transport: str, cache_dir: str | None, address: str, log_level: str):
+    def __init__(self, actor_id: int, devices: int, p2p: bool, cache_dir: str | None, address: str, log_level: str,
+                 ipc_dir: str | None = None, platform: str = "cpu"):
         self.actor_id = actor_id
         self.stderr = tempfile.NamedTemporaryFile(prefix=f"mpmd-actor{actor_id}-", suffix=".log", delete=False)
         env = dict(os.environ)
         env.pop("XLA_FLAGS", None)
-        env["JAX_PLATFORMS"] = "cpu"
         env.setdefault("PYTHONUNBUFFERED", "1")
         cmd = [sys.executable, "-m", "actors.daemon", "--listen", address, "--actor-id", str(actor_id),
-               "--cpu-devices", str(devices), "--p2p", transport, "--parent-pid", str(os.getpid()), "--log-level", log_level]
+               "--p2p", "tcp" if p2p else "none", "--parent-pid", str(os.getpid()), "--log-level", log_level]
+        if platform == "cpu":
+            env["JAX_PLATFORMS"] = "cpu"
+            cmd += ["--cpu-devices", str(devices)]
+        else:  # actor i owns GPUs [i * devices, (i + 1) * devices)
+            env.pop("JAX_PLATFORMS", None)
+            cmd += ["--devices", ",".join(str(actor_id * devices + k) for k in range(devices))]
+        if ipc_dir:
+            cmd += ["--ipc-dir", ipc_dir]
         if cache_dir:
             cmd += ["--cache-dir", cache_dir]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.stderr, stdin=subprocess.DEVNULL, env=env,
@@ -109,9 +118,19 @@ class RemoteMesh:
     """A set of actors (each an `mpmd-actor` daemon with its own devices) driven by this controller."""
 
     def __init__(self, addresses: Sequence[str], processes: Sequence[LocalProcess] = (), *,
-                 heartbeat_interval: float = 1.0, heartbeat_timeout: float = 10.0, transport: str = "tcp") -> None:
+                 heartbeat_interval: float = 1.0, heartbeat_timeout: float = 10.0, transport: str = "auto",
+                 transfer_timeout: float = 300.0, overlap: bool = True) -> None:
+        """Drive the actors at `addresses`. `transport` picks the data plane (see `mpmd.wiring`: "auto", "tcp",
+        "shm", "nccl", "none"); a receive that waits `transfer_timeout` seconds fails the step; `overlap=False`
+        makes actors wait for each transfer where it stands (to measure what overlap buys)."""
+        if transport not in TRANSPORTS:
+            raise ValueError(f"unknown transport {transport!r}; choose one of {TRANSPORTS}")
+        if transfer_timeout <= 0:
+            raise ValueError(f"transfer_timeout must be positive, got {transfer_timeout}")
         self.addresses = list(addresses)
         self.transport = transport
+        self.overlap = overlap
+        self.routes: dict[tuple[int, int], str] = {}
         self._processes = list(processes)
         self._io = EventLoopThread()
         self._ctx = zmq.asyncio.Context()
@@ -128,27 +147,52 @@ class RemoteMesh:
         self._tmpdir: str | None = None
         _LIVE_MESHES.add(self)
         self.actors = [ActorHandle(self, i) for i in range(len(addresses))]
-        self.infos = self.run(self._gather(self._all("info")))
-        if transport != "none" and len(self.actors) > 1:
-            peers = {str(i): info.header["p2p"] for i, info in enumerate(self.infos)}
-            self.run(self._gather(self._all("connect_peers", {"peers": peers})))
+        try:
+            self.infos = self.run(self._gather(self._all("info")))
+            if transport != "none" and len(self.actors) > 1:
+                self._wire(transfer_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wire(self, transfer_timeout: float) -> None:
+        endpoints = [info.header["p2p"] for info in self.infos]
+        self.routes = choose_routes(self.transport, endpoints)
+        ids: dict[tuple[int, int], list[int]] = {}
+        senders = sorted({i for (i, _), r in self.routes.items() if r == "nccl"})
+        if senders:
+            outs = {i: sorted(j for (a, j), r in self.routes.items() if a == i and r == "nccl") for i in senders}
+            replies = self.run(self._gather([self._conns[i].request("nccl_ids", {"count": len(outs[i])}) for i in senders]))
+            for i, msg in zip(senders, replies):
+                ids.update({(i, j): uid for j, uid in zip(outs[i], msg.header["ids"])})
+        specs = peer_specs(self.routes, endpoints, ids)
+        self.run(self._gather([c.request("connect_peers", {"peers": specs[i], "timeout": transfer_timeout})
+                               for i, c in enumerate(self._conns)]))
 
     # ---- construction ----------------------------------------------------------------------------
     @classmethod
-    def local(cls, num_actors: int = 2, devices_per_actor: int = 1, *, transport: str = "tcp", cache_dir: str | None = None,
-              address: str = "ipc", startup_timeout: float = 120.0, log_level: str = "WARNING", **kwargs: Any) -> RemoteMesh:
-        """Spawn `num_actors` daemons on this machine, each with `devices_per_actor` CPU devices.
+    def local(cls, num_actors: int = 2, devices_per_actor: int = 1, *, transport: str = "auto", cache_dir: str | None = None,
+              address: str = "ipc", platform: str = "cpu", startup_timeout: float = 120.0, log_level: str = "WARNING",
+              **kwargs: Any) -> RemoteMesh:
+        """Spawn `num_actors` daemons on this machine, each with `devices_per_actor` CPU devices (or, with
+        `platform="gpu"`, that many GPUs each: actor i gets GPUs i*d .. i*d+d-1).
 
-        `address="ipc"` talks over Unix sockets, `"tcp"` over loopback. The daemons exit when the mesh is
+        `address="ipc"` talks over Unix sockets, `"tcp"` over loopback. `transport` picks the data plane
+        ("auto": NCCL between GPU actors, shared memory between CPU actors). The daemons exit when the mesh is
         closed, when the `with` block ends, at interpreter exit, or when this process dies.
         """
         if num_actors < 1 or devices_per_actor < 1:
             raise ValueError(f"num_actors and devices_per_actor must be >= 1, got {num_actors} and {devices_per_actor}")
-        if transport not in ("tcp", "none"):
-            raise ValueError(f"transport {transport!r} is not available on CPU actors; use 'tcp'")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"unknown transport {transport!r}; choose one of {TRANSPORTS}")
+        if transport == "nccl" and platform == "cpu":
+            raise ValueError("transport='nccl' needs GPU actors: pass platform='gpu' (local actors run on CPU by default)")
+        if platform not in ("cpu", "gpu"):
+            raise ValueError(f"platform must be 'cpu' or 'gpu', got {platform!r}")
         tmp = tempfile.mkdtemp(prefix="mpmd-")
         addrs = [f"ipc://{tmp}/actor{i}.sock" if address == "ipc" else "tcp://127.0.0.1:0" for i in range(num_actors)]
-        procs = [LocalProcess(i, devices_per_actor, transport, cache_dir, a, log_level) for i, a in enumerate(addrs)]
+        procs = [LocalProcess(i, devices_per_actor, transport != "none", cache_dir, a, log_level, tmp, platform)
+                 for i, a in enumerate(addrs)]
         try:
             deadline = time.monotonic() + startup_timeout
             endpoints = [p.wait_ready(deadline) for p in procs]

@@ -137,7 +137,8 @@ class DistributedFunction:
             out_ids.append(ids)
         requests = []
         for a, pid in enumerate(compiled.program_ids):
-            fields = {"program": pid, "step": step, "inputs": inputs[a], "outputs": per_actor_out[a], "prologue": prologue[a]}
+            fields = {"program": pid, "step": step, "inputs": inputs[a], "outputs": per_actor_out[a], "prologue": prologue[a],
+                      "sync": not mesh.overlap}
             requests.append(asyncio.ensure_future(mesh.conn(a).request("run_program", fields, inline[a])))
         await self._wait_all(requests, compiled, step)
         for x, a, buf in replicas:

@@ -1,7 +1,8 @@
-"""Actor-to-actor transfers over the TCP data plane, driven by hand-written Programs (Send/Recv only),
-through the real interpreter and real daemons."""
+"""Actor-to-actor transfers over each data-plane route (ZeroMQ frames, shared memory), driven by hand-written
+Programs (Send/Recv only), through the real interpreter and real daemons."""
 
 import itertools
+import time
 
 import ml_dtypes
 import numpy as np
@@ -12,6 +13,14 @@ from mpmd.program import Label, Program, Recv, Send
 from transport.protocol import dtype_name
 
 _ids = itertools.count(10_000)
+
+
+@pytest.fixture(scope="module", params=["tcp", "shm"])
+def route_mesh(request):
+    """A 2-actor mesh whose actors send to each other over one route."""
+    with mpmd.RemoteMesh.local(num_actors=2, transport=request.param) as mesh:
+        assert set(mesh.routes.values()) == {request.param}
+        yield mesh
 
 
 def transfer_programs(pairs):
@@ -27,7 +36,9 @@ def transfer_programs(pairs):
     return progs
 
 
-def run_transfers(mesh, pairs):
+def run_transfers(mesh, pairs, keep=False):
+    """Runs the transfers; returns the received arrays as read back from the receivers (and, with `keep`,
+    the RemoteArrays holding them, which keep them alive on the actors)."""
     progs = transfer_programs(pairs)
     pid = next(_ids)
     for a, p in progs.items():
@@ -46,35 +57,120 @@ def run_transfers(mesh, pairs):
 
     mesh.run(go())
     got = {a: [mpmd.RemoteArray(mesh, {a: b}, (), np.float32) for b in outputs[a]] for a in (0, 1)}
-    results = []
+    results, held = [], []
     seen = {0: 0, 1: 0}
     for src, dst, tag, arr in pairs:
         r = got[dst][seen[dst]]
         seen[dst] += 1
-        results.append(mesh._get(dst, r.buffers[dst]))
-    return results
+        results.append(np.array(mesh._get(dst, r.buffers[dst])))
+        held.append(r)
+    return (results, held) if keep else results
 
 
 DTYPES = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int8, np.int32, np.int64, np.uint8, np.bool_, np.complex64]
-SHAPES = [(), (0,), (1,), (3, 0), (17,), (4, 5, 6)]
+SHAPES = [(), (0,), (1,), (3, 0), (17,), (4, 5, 6), (160, 130), (3, 257, 129)]  # the last two exceed 64 KiB: shm payloads
 
 
-def test_transfers_are_exact_for_many_dtypes_and_shapes(mesh2):
+def random_array(rng, dt, shape):
+    return (rng.standard_normal(shape) * 10).astype(dt) if dt != np.bool_ else rng.random(shape) > 0.5
+
+
+def test_transfers_are_exact_for_many_dtypes_and_shapes(route_mesh):
     rng = np.random.default_rng(0)
     pairs = []
     for i, (dt, shape) in enumerate(itertools.product(DTYPES, SHAPES)):
-        a = (rng.standard_normal(shape) * 10).astype(dt) if dt != np.bool_ else rng.random(shape) > 0.5
-        pairs.append((i % 2, 1 - i % 2, i, a))
-    for (src, dst, tag, a), b in zip(pairs, run_transfers(mesh2, pairs)):
+        pairs.append((i % 2, 1 - i % 2, i, random_array(rng, dt, shape)))
+    for (src, dst, tag, a), b in zip(pairs, run_transfers(route_mesh, pairs)):
         assert b.dtype == a.dtype and b.shape == a.shape and b.tobytes() == a.tobytes(), (a.dtype, a.shape)
 
 
-def test_many_concurrent_transfers_in_both_directions_with_out_of_order_tags(mesh2):
+def test_many_concurrent_transfers_in_both_directions_with_out_of_order_tags(route_mesh):
     rng = np.random.default_rng(1)
     tags = rng.permutation(200).tolist()  # receives are posted in a different order than sends go out
-    pairs = [(t % 2, 1 - t % 2, t, rng.standard_normal((t % 7, 64)).astype(np.float32)) for t in tags]
-    for (src, dst, tag, a), b in zip(pairs, run_transfers(mesh2, pairs)):
+    pairs = [(t % 2, 1 - t % 2, t, rng.standard_normal((t % 7, 64 if t % 3 else 8192)).astype(np.float32)) for t in tags]
+    for (src, dst, tag, a), b in zip(pairs, run_transfers(route_mesh, pairs)):
         np.testing.assert_array_equal(b, a)
+
+
+def test_shared_memory_is_not_reused_while_a_received_array_lives_and_is_reused_after():
+    """Received arrays alias the sender's segments (JAX does not copy an aligned host array). Arrays kept alive
+    across steps must keep their contents while new transfers go out; once they are deleted, later steps reuse
+    the same segments instead of creating new ones."""
+    with mpmd.RemoteMesh.local(num_actors=2, transport="shm") as mesh:
+        rng = np.random.default_rng(3)
+        kept = []
+        for step in range(4):  # each step's results stay alive on actor 1 while the next step sends
+            arrays = [rng.standard_normal((256, 256)).astype(np.float32) for _ in range(3)]
+            got, held = run_transfers(mesh, [(0, 1, t, a) for t, a in enumerate(arrays)], keep=True)
+            kept.append((arrays, held))
+        for arrays, held in kept:
+            for a, r in zip(arrays, held):
+                np.testing.assert_array_equal(mesh._get(1, r.buffers[1]), a)
+        created = mesh.actor(0).stats()["p2p"]["shm_segments"]
+        assert created == 12  # 4 steps x 3 arrays alive at once: no segment was handed out twice
+        del kept, held, r
+        import gc
+
+        gc.collect()
+        mesh.actor(1).ping()  # the deletes are flushed, the actor acked the segments
+        time.sleep(0.2)
+        for _ in range(3):
+            arrays = [rng.standard_normal((256, 256)).astype(np.float32) for _ in range(3)]
+            for a, b in zip(arrays, run_transfers(mesh, [(0, 1, t, a) for t, a in enumerate(arrays)])):
+                np.testing.assert_array_equal(b, a)
+        assert mesh.actor(0).stats()["p2p"]["shm_segments"] == created  # warm segments reused
+
+
+def test_routes_follow_the_transport_choice(mesh2):
+    assert mesh2.transport == "auto" and mesh2.routes == {(0, 1): "shm", (1, 0): "shm"}  # one host, CPU actors
+    with mpmd.RemoteMesh.local(num_actors=3, transport="tcp") as mesh:
+        assert mesh.routes == {(i, j): "tcp" for i in range(3) for j in range(3) if i != j}
+        assert mesh.actor(0).stats()["p2p"]["routes"] == {"1": "tcp", "2": "tcp"}
+
+
+def test_a_receive_whose_peer_never_sends_times_out_naming_both_actors_and_the_tag():
+    """Actor 0 is alive but its program has no Send: actor 1's receive must fail after the transfer timeout,
+    and the actor must serve the next request."""
+    with mpmd.RemoteMesh.local(num_actors=2, transfer_timeout=0.5) as mesh:
+        pid = next(_ids)
+        mesh.run(mesh.conn(0).request("load_program", {"program": Program(0, [], [], []).encode(pid, [])}))
+        recv = Program(1, [], [0], [Recv(0, 0, 7, "float32", (3,), Label("fwd s0 mb2"))])
+        mesh.run(mesh.conn(1).request("load_program", {"program": recv.encode(pid, [])}))
+        t = time.monotonic()
+        with pytest.raises(mpmd.RemoteError, match=r"actor 1 waited 0.5 s for fwd s0 mb2 \(tag 7\) from actor 0") as e:
+            mesh.run(mesh.conn(1).request("run_program", {"program": pid, "step": 0, "inputs": [], "outputs": [mesh.new_buffer_id()]}))
+        assert e.value.remote_type == "TransferError" and time.monotonic() - t < 30
+        assert mesh.actor(1).ping() > 0
+
+
+def test_a_bad_data_plane_message_fails_the_receive_and_the_actor_survives(mesh2):
+    """A notice naming shared memory that does not exist (or garbage bytes) on an actor's data-plane socket:
+    the receive it claims to answer fails at once with a clear error; the daemon keeps serving."""
+    import asyncio
+
+    import zmq
+
+    from transport.protocol import encode
+
+    pid = next(_ids)
+    recv = Program(1, [], [0], [Recv(0, 0, 3, "float32", (1024, 64), Label("xfer"))])
+    mesh2.run(mesh2.conn(1).request("load_program", {"program": recv.encode(pid, [])}))
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(mesh2.infos[1].header["p2p"]["tcp"])
+    sock.send_multipart([b"\x00garbage"])
+    sock.send_multipart(encode({"op": "shm", "src": 0, "key": [pid, 0, 3], "seg": 1, "name": "/mpmd-no-such-segment",
+                                "size": 1 << 18, "arrays": [{"dtype": "float32", "shape": [1024, 64]}]}))
+
+    async def go():
+        return await mesh2.conn(1).request("run_program", {"program": pid, "step": 0, "inputs": [], "outputs": [mesh2.new_buffer_id()]})
+
+    with pytest.raises(mpmd.RemoteError, match="could not map shared memory /mpmd-no-such-segment from actor 0"):
+        mesh2.run(asyncio.wait_for(go(), 30))
+    sock.close()
+    a = np.arange(6, dtype=np.float32)
+    np.testing.assert_array_equal(run_transfers(mesh2, [(0, 1, 0, a)])[0], a)
 
 
 def test_a_transfer_of_the_wrong_shape_fails_naming_both_actors_and_the_tag(mesh2):

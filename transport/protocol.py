@@ -131,11 +131,9 @@ def _buffer(frame: Any) -> memoryview:
     return memoryview(buf)
 
 
-def decode(frames: Sequence[Any]) -> Message:
-    """Frames -> Message, validating version, op, array metadata and payload sizes."""
-    if not frames:
-        raise ProtocolError("empty message: expected a msgpack header frame")
-    head = _buffer(frames[0])
+def parse_header(frame: Any) -> dict[str, Any]:
+    """Frame 0 -> the header map, validating size, msgpack, version and op."""
+    head = _buffer(frame)
     if head.nbytes > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {head.nbytes} bytes exceeds the limit of {MAX_HEADER_BYTES}")
     try:
@@ -148,19 +146,38 @@ def decode(frames: Sequence[Any]) -> Message:
         raise ProtocolError(f"protocol version {header.get('v')!r} is not supported (expected {PROTOCOL_VERSION})")
     if not isinstance(header.get("op"), str):
         raise ProtocolError("header has no string 'op'")
+    return header
+
+
+def array_spec(meta: Any, i: int = 0) -> tuple[np.dtype, list[int], int]:
+    """One entry of header["arrays"] -> (dtype, shape, payload bytes), or ProtocolError."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("shape"), list):
+        raise ProtocolError(f"array {i}: metadata must be a map with 'dtype' and 'shape'")
+    dtype = dtype_from_name(meta.get("dtype"))
+    shape = meta["shape"]
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise ProtocolError(f"array {i}: bad shape {shape!r}")
+    return dtype, shape, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+
+def array_specs(header: dict[str, Any]) -> list[tuple[np.dtype, list[int], int]]:
     metas = header.get("arrays", [])
-    if not isinstance(metas, list) or len(metas) != len(frames) - 1:
-        raise ProtocolError(f"header announces {len(metas) if isinstance(metas, list) else '?'} arrays but {len(frames) - 1} payload frames came")
+    if not isinstance(metas, list):
+        raise ProtocolError("header field 'arrays' must be a list")
+    return [array_spec(m, i) for i, m in enumerate(metas)]
+
+
+def decode(frames: Sequence[Any]) -> Message:
+    """Frames -> Message, validating version, op, array metadata and payload sizes."""
+    if not frames:
+        raise ProtocolError("empty message: expected a msgpack header frame")
+    header = parse_header(frames[0])
+    specs = array_specs(header)
+    if len(specs) != len(frames) - 1:
+        raise ProtocolError(f"header announces {len(specs)} arrays but {len(frames) - 1} payload frames came")
     arrays = []
-    for i, (meta, frame) in enumerate(zip(metas, frames[1:])):
-        if not isinstance(meta, dict) or not isinstance(meta.get("shape"), list):
-            raise ProtocolError(f"array {i}: metadata must be a map with 'dtype' and 'shape'")
-        dtype = dtype_from_name(meta.get("dtype"))
-        shape = meta["shape"]
-        if not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise ProtocolError(f"array {i}: bad shape {shape!r}")
+    for i, ((dtype, shape, expected), frame) in enumerate(zip(specs, frames[1:])):
         buf = _buffer(frame)
-        expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if buf.nbytes != expected:
             raise ProtocolError(f"array {i}: payload has {buf.nbytes} bytes, {dtype.name}{shape} needs {expected}")
         arrays.append(np.frombuffer(buf, dtype=dtype).reshape(shape) if expected else np.zeros(shape, dtype))

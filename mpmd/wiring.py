@@ -1,0 +1,68 @@
+"""Which data-plane route each pair of actors uses, decided once by the controller from the actors' `info`.
+
+    transport="auto"   NCCL when every actor has GPUs (and NCCL); otherwise shared memory between actors on
+                       one host and TCP between hosts
+    transport="tcp"    ZeroMQ frames for every pair (over ipc:// when both actors share a host)
+    transport="shm"    shared memory where both actors share a host, TCP otherwise
+    transport="nccl"   NCCL for every pair; an error if some actor cannot
+    transport="none"   no data plane (single-actor work, or a second controller attached to live actors)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+TRANSPORTS = ("auto", "tcp", "shm", "nccl", "none")
+
+
+def choose_routes(transport: str, endpoints: list[dict[str, Any] | None]) -> dict[tuple[int, int], str]:
+    """{(sender, receiver): route} for every ordered pair of distinct actors."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown transport {transport!r}; choose one of {TRANSPORTS}")
+    if transport == "none":
+        return {}
+    for i, ep in enumerate(endpoints):
+        if ep is None:
+            raise ValueError(f"actor {i} was started without a data plane (--p2p none); start it with --p2p tcp, "
+                             "or use transport='none'")
+    if transport == "nccl":
+        lacking = [i for i, ep in enumerate(endpoints) if not ep.get("nccl")]
+        if lacking:
+            raise ValueError(f"transport='nccl' needs GPU actors with NCCL (the 'gpu' extra); actors {lacking} have none. "
+                             "Use transport='auto' to fall back to shm/tcp")
+    all_nccl = all(ep.get("nccl") for ep in endpoints)
+    routes = {}
+    n = len(endpoints)
+    for i in range(n):
+        for j in range(n):
+            if i == j:
+                continue
+            a, b = endpoints[i], endpoints[j]
+            same_host = a.get("host") == b.get("host") and a.get("host") is not None
+            if transport == "nccl" or (transport == "auto" and all_nccl):
+                route = "nccl"
+            elif transport in ("shm", "auto") and same_host and a.get("shm") and b.get("shm"):
+                route = "shm"
+            else:
+                route = "tcp"
+            routes[(i, j)] = route
+    return routes
+
+
+def address_for(sender: dict[str, Any], receiver: dict[str, Any]) -> str:
+    """The receiver's data-plane address as the sender should dial it: ipc on one host, tcp across hosts."""
+    if sender.get("host") == receiver.get("host") and receiver.get("ipc"):
+        return receiver["ipc"]
+    return receiver["tcp"]
+
+
+def peer_specs(routes: dict[tuple[int, int], str], endpoints: list[dict[str, Any]],
+               nccl_ids: dict[tuple[int, int], list[int]]) -> list[dict[str, dict[str, Any]]]:
+    """The `connect_peers` payload of every actor: {peer id (str): {address, route[, nccl_out, nccl_in]}}."""
+    specs: list[dict[str, dict[str, Any]]] = [{} for _ in endpoints]
+    for (i, j), route in routes.items():
+        spec: dict[str, Any] = {"address": address_for(endpoints[i], endpoints[j]), "route": route}
+        if route == "nccl":
+            spec["nccl_out"], spec["nccl_in"] = nccl_ids[(i, j)], nccl_ids[(j, i)]
+        specs[i][str(j)] = spec
+    return specs

@@ -1,0 +1,179 @@
+"""Shared-memory payloads between actors on one host.
+
+The sender copies an array into a POSIX shared-memory segment it owns and sends a small ZeroMQ notice
+``{"op": "shm", seg, name, size, arrays: [aval]}``. The receiver maps the segment (once; it unlinks the
+name right after, so nothing is left in /dev/shm if either side dies), hands out an aligned numpy view
+that JAX aliases rather than copies, and sends ``{"op": "shm_ack", seg}`` back only when the last Python
+reference to that view is gone — so a segment is never reused while an array still aliases it. Segments
+are pooled by power-of-two size class (a training loop repeats its transfers, so after the first step
+every payload finds a warm segment) and reserved with `posix_fallocate` (a full /dev/shm is an error
+at reserve time, not a SIGBUS later).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import mmap
+import os
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+try:
+    import _posixshmem  # CPython's shm_open/shm_unlink, what multiprocessing.shared_memory uses
+except ImportError:  # pragma: no cover - non-POSIX
+    _posixshmem = None
+
+log = logging.getLogger(__name__)
+
+MIN_SEGMENT = 1 << 16
+FREE_BYTES = 1 << 30  # per (sender, receiver): free segments kept for reuse, beyond which they are unmapped
+
+
+def available() -> bool:
+    return _posixshmem is not None
+
+
+def size_class(nbytes: int) -> int:
+    return max(MIN_SEGMENT, 1 << (max(nbytes, 1) - 1).bit_length())
+
+
+@dataclass
+class Segment:
+    id: int
+    name: str
+    size: int
+    mm: mmap.mmap
+    unlinked: bool = False
+
+
+def _create(name: str, size: int) -> mmap.mmap:
+    fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except AttributeError:  # pragma: no cover - macOS has no posix_fallocate
+            os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
+    except BaseException:
+        _posixshmem.shm_unlink(name)
+        raise
+    finally:
+        os.close(fd)
+
+
+class ShmSender:
+    """The segments one actor sends to one peer through."""
+
+    _names = itertools.count()
+
+    def __init__(self, actor_id: int, peer: int) -> None:
+        self.prefix = f"/mpmd-{os.getpid()}-{actor_id}-{peer}-"
+        self.free: dict[int, list[Segment]] = {}
+        self.free_bytes = 0
+        self.busy: dict[int, Segment] = {}
+        self.created = 0
+
+    def acquire(self, nbytes: int) -> Segment:
+        size = size_class(nbytes)
+        pool = self.free.get(size)
+        if pool:
+            seg = pool.pop()
+            self.free_bytes -= seg.size
+        else:
+            n = next(self._names)
+            name = f"{self.prefix}{n}"
+            seg = Segment(n, name, size, _create(name, size))
+            self.created += 1
+        self.busy[seg.id] = seg
+        return seg
+
+    def write(self, seg: Segment, src: np.ndarray) -> None:
+        """Copy `src`'s bytes to the start of `seg` (may run in a worker thread)."""
+        dst = np.frombuffer(seg.mm, np.uint8, src.nbytes)
+        np.copyto(dst, src.reshape(-1).view(np.uint8))
+
+    def release(self, seg_id: int) -> None:
+        """The receiver has dropped its last view of the segment: it may be reused."""
+        seg = self.busy.pop(seg_id, None)
+        if seg is None:
+            log.warning("shared-memory ack for unknown segment %s%d", self.prefix, seg_id)
+            return
+        seg.unlinked = True  # the receiver mapped it, then unlinked the name
+        if self.free_bytes + seg.size <= FREE_BYTES:
+            self.free.setdefault(seg.size, []).append(seg)
+            self.free_bytes += seg.size
+        else:
+            _close(seg)
+
+    def give_back(self, seg_id: int) -> None:
+        """The notice for this segment never left: reuse it at once."""
+        seg = self.busy.pop(seg_id, None)
+        if seg is not None:
+            self.free.setdefault(seg.size, []).append(seg)
+            self.free_bytes += seg.size
+
+    def close(self) -> None:
+        for seg in [*self.busy.values(), *(s for pool in self.free.values() for s in pool)]:
+            if not seg.unlinked:
+                try:
+                    _posixshmem.shm_unlink(seg.name)
+                except OSError:
+                    pass
+            _close(seg)
+        self.busy.clear()
+        self.free.clear()
+        self.free_bytes = 0
+
+
+def _close(seg: Segment) -> None:
+    try:
+        seg.mm.close()
+    except BufferError:  # a view is still alive somewhere; the mapping goes when it does
+        pass
+
+
+class ShmReceiver:
+    """The segments peers send to this actor through, mapped once each."""
+
+    def __init__(self) -> None:
+        self.maps: dict[tuple[int, int], mmap.mmap] = {}
+
+    def open(self, src: int, seg_id: int, name: str, size: int) -> mmap.mmap:
+        mm = self.maps.get((src, seg_id))
+        if mm is None:
+            if not name.startswith("/mpmd-") or "/" in name[1:]:
+                raise ValueError(f"shared-memory name {name!r} is not one of ours")
+            fd = _posixshmem.shm_open(name, os.O_RDWR, 0o600)
+            try:
+                if os.fstat(fd).st_size < size:
+                    raise ValueError(f"shared-memory segment {name} is smaller than the announced {size} bytes")
+                mm = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+                _posixshmem.shm_unlink(name)
+            self.maps[(src, seg_id)] = mm
+        elif len(mm) < size:
+            raise ValueError(f"shared-memory segment {seg_id} from actor {src} is {len(mm)} bytes, {size} announced")
+        return mm
+
+    def view(self, src: int, seg_id: int, name: str, size: int, dtype: np.dtype, shape: list[int], nbytes: int,
+             on_release: Callable[[], None]) -> np.ndarray:
+        """An array over the segment; `on_release` runs (in any thread) once no reference to it is left."""
+        mm = self.open(src, seg_id, name, size)
+        if nbytes > len(mm):
+            raise ValueError(f"{dtype.name}{shape} needs {nbytes} bytes but segment {seg_id} from actor {src} has {len(mm)}")
+        root = np.frombuffer(mm, np.uint8, nbytes)
+        weakref.finalize(root, on_release)
+        return root.view(dtype).reshape(shape)
+
+    def close(self) -> None:
+        for mm in self.maps.values():
+            try:
+                mm.close()
+            except BufferError:
+                pass
+        self.maps.clear()
