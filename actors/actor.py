@@ -2,9 +2,12 @@
 
 The interpreter is deliberately dumb (see STYLE.md): it walks a static instruction list. A `run` waits only
 for the buffers it reads; a `recv` is posted as a task at once (arrivals before it wait in the mailbox); a
-`send` runs as a task and never blocks the next instruction; a `del` waits for the sends of its buffers.
-With ``sync`` set on a run (to measure what overlap buys), every send and receive is instead awaited where
-it stands, a send until its bytes have left the actor.
+`send` takes its buffer at once and runs as a task that never blocks the next instruction; a `del` drops
+the buffer at once (a send in flight holds its own reference) unless the buffer is still being received,
+in which case it waits for that buffer's sends.
+With ``sync`` set on a run (to measure what overlap buys), every send is instead awaited where it stands,
+until its bytes have left the actor, so compute stops while data moves. (Receives stay posted: the compiler
+hoists them to the top of a program, and awaiting them there would deadlock a pipeline.)
 """
 
 from __future__ import annotations
@@ -264,7 +267,8 @@ class Actor:
         for ins in instrs:
             if ins[0] == "send":
                 _, buf, peer, tag, label = ins
-                tasks.append(asyncio.create_task(self._send(env, buf, peer, (pid, step, tag), label, sync)))
+                ref = env.ref(buf)  # taken now: a `del` right after the send may drop the buffer from the table
+                tasks.append(asyncio.create_task(self._send(ref, peer, (pid, step, tag), label, sync)))
             elif ins[0] == "recv":
                 _, buf, peer, tag, dtype, shape, label = ins
                 env.reserve(buf)
@@ -276,6 +280,7 @@ class Actor:
     async def _interpret(self, pid: int, step: int, env: BufferTable, instrs: list, sync: bool) -> None:
         sends: dict[int, list[asyncio.Task[None]]] = {}
         recvs: list[asyncio.Task[None]] = []
+        inflight: list[asyncio.Task[None]] = []  # sends whose buffer is already dropped from the table
         try:
             for ins in instrs:
                 op = ins[0]
@@ -289,26 +294,27 @@ class Actor:
                         env.put(b, r)
                 elif op == "send" or op == "recv":
                     (t,) = self._transfers(pid, step, env, [ins], sync)
-                    if sync:
+                    if sync and op == "send":
                         await t
                     else:
                         (sends.setdefault(ins[1], []) if op == "send" else recvs).append(t)
                 elif op == "del":
                     for b in ins[1]:
                         pending = sends.pop(b, ())
-                        if pending:
+                        if pending and not env.has_value(b):  # still being received: its sends hold a future
                             await asyncio.gather(*pending)
+                        inflight.extend(pending)
                     env.delete(ins[1])
                 else:
                     raise RequestError(f"program {pid}: unknown instruction {op!r}")
-            await asyncio.gather(*(t for ts in sends.values() for t in ts), *recvs)
+            await asyncio.gather(*(t for ts in sends.values() for t in ts), *inflight, *recvs)
         except BaseException:
-            for t in [*recvs, *(t for ts in sends.values() for t in ts)]:
+            for t in [*recvs, *inflight, *(t for ts in sends.values() for t in ts)]:
                 t.cancel()
             raise
 
-    async def _send(self, env: BufferTable, buf: int, peer: int, key: tuple, label: str, sync: bool = False) -> None:
-        value = await env.get(buf)
+    async def _send(self, ref: Any, peer: int, key: tuple, label: str, sync: bool = False) -> None:
+        value = await asyncio.shield(ref) if isinstance(ref, asyncio.Future) else ref
         if self.p2p is None:
             raise TransferError(f"actor {self.actor_id} has no data plane to send {label} to actor {peer}")
         await self.p2p.send(peer, key, value, wait=sync)

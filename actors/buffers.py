@@ -66,6 +66,9 @@ class BufferTable:
             fut.set_exception(exc)
             fut.exception()  # mark retrieved: readers may never come
 
+    def has_value(self, buf: int) -> bool:
+        return buf in self._entries
+
     def has(self, buf: int) -> bool:
         return buf in self._entries or buf in self._pending
 

@@ -6,13 +6,15 @@
 On start it prints one line ``MPMD_ACTOR_READY <endpoint> <p2p endpoint>`` to stdout (``:0`` binds a free
 port, and the line says which). It serves requests until a ``shutdown`` request, SIGTERM or SIGINT, or
 (with ``--parent-pid``) until that process is gone. A bad request gets an error reply; it never stops the
-daemon.
+daemon. ``kill -USR1 <pid>`` writes every thread's stack to stderr (the controller of a local mesh does this
+for an actor that stops answering, and shows the stacks in the error).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -65,7 +67,7 @@ async def serve(args: argparse.Namespace) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
     from actors.actor import Actor, format_exception
-    from transport.control import bind_router
+    from transport.control import bind_router, recv_multipart
     from transport.p2p import DataPlane
     from transport.protocol import ProtocolError, decode, encode, error_reply
 
@@ -78,9 +80,13 @@ async def serve(args: argparse.Namespace) -> None:
         if host in ("*", "0.0.0.0"):
             host = "127.0.0.1"
         device = jax.devices()[0]
-        p2p = DataPlane(args.actor_id, host, args.ipc_dir, nccl_device=device if device.platform == "gpu" else None)
+        from actors.buffers import release_host_memory
+
+        p2p = DataPlane(args.actor_id, host, args.ipc_dir, nccl_device=device if device.platform == "gpu" else None,
+                        release_hook=release_host_memory)
         await p2p.start()
     actor = Actor(args.actor_id, p2p, transfer_timeout=args.transfer_timeout)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # `kill -USR1 <pid>`: where is it stuck?
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -118,7 +124,7 @@ async def serve(args: argparse.Namespace) -> None:
 
     async def receive() -> None:
         while True:
-            identity, *frames = await sock.recv_multipart(copy=False)
+            identity, *frames = await recv_multipart(sock)
             t = loop.create_task(handle(identity.bytes, frames))
             tasks.add(t)
             t.add_done_callback(tasks.discard)
@@ -162,6 +168,11 @@ def main(argv: list[str] | None = None) -> None:
         uvloop.run(serve(args))
     except ImportError:
         asyncio.run(serve(args))
+    # Exit now, even if XLA is still running a computation nobody will read (the controller is gone or
+    # asked us to stop): a normal interpreter exit would wait for it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -58,12 +58,15 @@ class EventLoopThread:
 class ActorConnection:
     """Requests to one actor; error replies become `RemoteError`, a lost actor `ActorDiedError`."""
 
-    def __init__(self, actor_id: int, address: str, ctx: zmq.asyncio.Context, alive: Callable[[], str | None] | None):
+    def __init__(self, actor_id: int, address: str, ctx: zmq.asyncio.Context, alive: Callable[[], str | None] | None,
+                 stacks: Callable[[], str] | None = None):
         self.actor_id = actor_id
         self.address = address
         self.client = ControlClient(ctx, address)
         self._alive = alive  # returns a reason string if the actor is known dead (local process exited)
+        self._stacks = stacks  # returns what a live but silent local actor's threads are doing
         self._pinging = False
+        self._suspect = False
         self.dead: str | None = None
 
     async def request(self, op: str, fields: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> Message:
@@ -86,8 +89,13 @@ class ActorConnection:
             return
         reason = self._alive() if self._alive else None
         silent = now - self.client.last_heard
-        if reason is None and silent > timeout:
+        # Silent past the timeout on two watchdog ticks in a row: the reader gets a turn in between, so
+        # replies that sat unread while this process was busy are not mistaken for silence.
+        suspect, self._suspect = self._suspect, silent > timeout
+        if reason is None and silent > timeout and suspect:
             reason = f"no reply or heartbeat for {silent:.1f} s (heartbeat_timeout={timeout} s) from {self.address}"
+            if self._stacks is not None:
+                reason += f"; its threads were at:\n{self._stacks()}"
         if reason is not None:
             self.dead = reason
             self.client.fail_pending(ActorDiedError(self.actor_id, reason))
@@ -118,9 +126,17 @@ class Watchdog:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
+        last = time.monotonic()
         while True:
             await asyncio.sleep(self.interval / 2)
             now = time.monotonic()
+            lag = now - last - self.interval / 2
+            last = now
+            if lag > self.interval:
+                # This loop itself did not run for a while (the caller's thread held the GIL in a long
+                # compile, or the machine was swapping): that time says nothing about the actors.
+                for c in self.connections:
+                    c.client.last_heard = min(now, c.client.last_heard + lag)
             for c in self.connections:
                 c.check(now, self.interval, self.timeout)
 

@@ -14,6 +14,7 @@ import logging
 import os
 import selectors
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -97,6 +98,18 @@ class LocalProcess:
             return None
         return f"its process exited with code {code}; stderr tail:\n{self.stderr_tail(800)}"
 
+    def stacks(self) -> str:
+        """Ask the daemon to dump every thread's stack (SIGUSR1, see actors/daemon.py) and return it."""
+        try:
+            start = os.path.getsize(self.stderr.name)
+            os.kill(self.proc.pid, signal.SIGUSR1)
+            time.sleep(0.3)
+            with open(self.stderr.name, errors="replace") as f:
+                before = f.read(start)[-1500:]
+                return f.read()[-6000:] + (f"\nits log before that:\n{before}" if before.strip() else "")
+        except OSError as e:
+            return f"(could not dump its stacks: {e})"
+
     def stop(self, timeout: float = 3.0) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -122,7 +135,7 @@ class RemoteMesh:
                  transfer_timeout: float = 300.0, overlap: bool = True) -> None:
         """Drive the actors at `addresses`. `transport` picks the data plane (see `mpmd.wiring`: "auto", "tcp",
         "shm", "nccl", "none"); a receive that waits `transfer_timeout` seconds fails the step; `overlap=False`
-        makes actors wait for each transfer where it stands (to measure what overlap buys)."""
+        makes actors wait for each send where it stands (to measure what overlap buys)."""
         if transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {transport!r}; choose one of {TRANSPORTS}")
         if transfer_timeout <= 0:
@@ -135,7 +148,8 @@ class RemoteMesh:
         self._io = EventLoopThread()
         self._ctx = zmq.asyncio.Context()
         procs = {p.actor_id: p for p in self._processes}
-        self._conns = [ActorConnection(i, a, self._ctx, procs[i].dead_reason if i in procs else None) for i, a in enumerate(addresses)]
+        self._conns = [ActorConnection(i, a, self._ctx, procs[i].dead_reason if i in procs else None,
+                                       procs[i].stacks if i in procs else None) for i, a in enumerate(addresses)]
         self._watchdog = Watchdog(self._conns, heartbeat_interval, heartbeat_timeout)
         self._io.call_soon(self._watchdog.start)
         self._ids = itertools.count(1)

@@ -114,3 +114,16 @@ def test_one_request_per_actor_per_step(mesh2):
     keep.append(dist(*keep[-1][:2], batch))
     after = [mesh2.conn(a).client.requests_sent for a in range(2)]
     assert [b - a for a, b in zip(before, after)] == [1, 1]
+
+
+def test_transfers_forced_synchronous_give_the_same_results(mesh2):
+    """`overlap=False` makes each actor await every send where it stands (to measure what
+    overlap buys); the results must still equal jax.jit's."""
+    rng = np.random.default_rng(7)
+    params = models.mlp_params(rng, 2)
+    batches = [models.regression_batch(rng, 4, 3, 16) for _ in range(2)]
+    mesh2.overlap = False
+    try:
+        run_both(mesh2, models.mse_loss(models.mlp), params, batches, mpmd.OneFOneB(2))
+    finally:
+        mesh2.overlap = True

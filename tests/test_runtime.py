@@ -224,3 +224,30 @@ def _alive(pid):
             return f.read().split()[2] != "Z"
     except OSError:
         return False
+
+
+def test_an_actor_whose_controller_dies_exits_even_while_it_computes(tmp_path):
+    """The daemon watches --parent-pid; when that process is gone it must exit at once, without waiting for
+    a long XLA computation nobody will read (a daemon left computing would hold a core for hours)."""
+    import subprocess
+    import sys
+
+    parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    sock = tmp_path / "a.sock"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    actor = subprocess.Popen([sys.executable, "-m", "actors.daemon", "--listen", f"ipc://{sock}", "--parent-pid", str(parent.pid),
+                              "--p2p", "none"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    try:
+        assert actor.stdout.readline().startswith(b"MPMD_ACTOR_READY")
+        with mpmd.RemoteMesh.connect([f"ipc://{sock}"], transport="none") as mesh:
+            slow = jax.jit(lambda x: jax.lax.fori_loop(0, 50_000_000, lambda i, v: jnp.sin(v) + 0.5, x))
+            mesh.actor(0).run(slow, np.ones(4096, np.float32))  # returns once dispatched; computes for minutes
+            parent.kill()
+            parent.wait()
+            t = time.monotonic()
+            actor.wait(timeout=10)  # raises if the daemon is still there
+            assert time.monotonic() - t < 10
+    finally:
+        parent.kill()
+        actor.kill()
+        actor.wait()

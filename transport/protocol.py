@@ -15,7 +15,8 @@ Requests carry an integer ``"id"``; the reply echoes it with ``"op": "reply"`` (
 | op              | request fields                                          | reply fields                                  |
 |-----------------|---------------------------------------------------------|-----------------------------------------------|
 | ping            | -                                                       | actor_id, time                                |
-| info            | -                                                       | actor_id, platform, devices, jax_version, p2p |
+| info            | -                                                       | actor_id, platform, devices, jax_version,     |
+|                 |                                                         | p2p: {tcp, ipc, host, shm, nccl} or nil       |
 | put             | buf, 1 array frame                                      | nbytes                                        |
 | get             | buf                                                     | 1 array frame                                 |
 | delete          | bufs: [int]                                             | deleted: int                                  |
@@ -24,15 +25,21 @@ Requests carry an integer ``"id"``; the reply echoes it with ``"op": "reply"`` (
 | load_program    | program: encoded Program (see mpmd/program.py)          | program: its id                               |
 | run_program     | program, step, inputs: [buf or -1], outputs: [buf],     | outputs: [{dtype, shape}]                     |
 |                 | inline: [slot] (array frames for -1 inputs),            |                                               |
-|                 | prologue: [instruction]                                 |                                               |
-| connect_peers   | actor_id, peers: {actor_id: p2p address}                | connected: [actor_id]                         |
+|                 | prologue: [instruction], sync: bool (await each send    |                                               |
+|                 | where it stands; default false)                         |                                               |
+| connect_peers   | peers: {actor_id: {address, route: tcp, shm or nccl,   | connected: [actor_id], routes: {id: route}    |
+|                 | [nccl_out, nccl_in: NCCL unique ids]}},                 |                                               |
+|                 | timeout: seconds a receive may wait                     |                                               |
+| nccl_ids        | count                                                   | ids: [NCCL unique id as 128 ints]             |
 | abort           | program, step                                           | aborted: bool (cancels a running step)        |
 | stats           | -                                                       | buffers, bytes, executables, compiles, hits,  |
-|                 |                                                         | programs, requests, errors                    |
+|                 |                                                         | programs, requests, errors, running, p2p      |
 | shutdown        | -                                                       | - (the daemon exits after replying)           |
 
-Actor-to-actor data messages (transport/p2p) use the same framing with ``"op": "data"`` and fields
-``src`` (sender actor id), ``key`` (the transfer tag, a list of ints) and one array frame.
+Actor-to-actor data-plane messages (transport/p2p/plane.py) use the same framing, with ``src`` (sender actor
+id) and ``key`` (the transfer key, a list of ints): ``data`` (one array frame), ``shm`` (seg, name, size and
+the array's metadata; the payload is in shared memory), ``shm_ack`` (seg: the receiver dropped its last
+view), ``nccl`` (seq and the array's metadata; the payload goes over NCCL).
 """
 
 from __future__ import annotations

@@ -29,6 +29,10 @@ from transport.protocol import aval_header
 
 log = logging.getLogger(__name__)
 
+# dtypes cupy (and so DLPack into cupy) can represent; others cross as their raw bytes
+CUPY_DTYPES = frozenset(("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32",
+                         "float64", "complex64", "complex128"))
+
 
 def available() -> bool:
     try:
@@ -91,22 +95,29 @@ class NcclLinks:
         link = self.out.get(peer)
         if link is None:
             raise TransferError(f"actor {self.plane.actor_id} has no NCCL link to actor {peer} (key {key})")
-        if not value.is_ready():
-            await asyncio.to_thread(value.block_until_ready)
+        dtype = np.dtype(value.dtype)
+        if dtype.name not in CUPY_DTYPES and value.size:  # bfloat16, float8: send the bytes as unsigned ints
+            import jax
+
+            value_bits = jax.lax.bitcast_convert_type(value, np.dtype(f"uint{8 * dtype.itemsize}"))
+        else:
+            value_bits = value
+        if not value_bits.is_ready():
+            await asyncio.to_thread(value_bits.block_until_ready)
         nbytes = int(value.nbytes)
         event = None
         with self.cp.cuda.Device(self.device_id):
             # Numbering and posting happen without an await in between, so sends hit the wire in seq order.
             seq = next(link.seq)
             if nbytes:
-                buf = self.cp.from_dlpack(value)
+                buf = self.cp.from_dlpack(value_bits)
                 link.comm.send(buf.data.ptr, nbytes, self.nccl.NCCL_UINT8, 1, link.stream.ptr)
                 event = self.cp.cuda.Event(disable_timing=True)
                 event.record(link.stream)
         self.plane._post(peer, {"op": "nccl", "key": list(key), "seq": seq, "arrays": [aval_header(value.shape, value.dtype)]})
         self.plane.counters["sent_nccl_bytes"] += nbytes
         if event is not None:
-            await _until(event)  # the JAX buffer (held by `value`) stays alive until NCCL has read it
+            await _until(event)  # the JAX buffer (held by `value_bits`) stays alive until NCCL has read it
 
     def on_notice(self, src: int, key: tuple[int, ...], seq: int, dtype: np.dtype, shape: list[int], nbytes: int) -> None:
         link = self.inn.get(src)
@@ -135,8 +146,7 @@ class NcclLinks:
                 await _until(event)
             if buf.size == 0:
                 value = jnp.zeros(shape, dtype)
-            elif dtype.kind in "biufc" and dtype.name in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
-                                                            "uint64", "float16", "float32", "float64", "complex64", "complex128"):
+            elif dtype.name in CUPY_DTYPES:
                 value = jax.dlpack.from_dlpack(buf.view(dtype).reshape(shape))
             else:  # bfloat16, float8: cupy has no such dtype; reinterpret the bytes on the device
                 raw = jax.dlpack.from_dlpack(buf)

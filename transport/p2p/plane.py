@@ -36,8 +36,13 @@ ROUTES = ("tcp", "shm", "nccl")
 
 
 class DataPlane(P2PTransport):
-    def __init__(self, actor_id: int, host: str = "127.0.0.1", ipc_dir: str | None = None, nccl_device: Any = None) -> None:
+    def __init__(self, actor_id: int, host: str = "127.0.0.1", ipc_dir: str | None = None, nccl_device: Any = None,
+                 release_hook: Any = None) -> None:
+        """`release_hook`, if given, makes the array library drop references it holds to freed host memory
+        (JAX defers them); it runs every few ms while received shared-memory arrays are still out."""
         self.actor_id = actor_id
+        self._release_hook = release_hook
+        self._sweeper: asyncio.Task[None] | None = None
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -229,7 +234,7 @@ class DataPlane(P2PTransport):
                 except (OSError, ValueError) as e:
                     raise TransferError(f"actor {self.actor_id} could not map shared memory {name} from actor {src}: {e}") from None
                 self.counters["received_bytes"] += nbytes
-                self._call(self._mailbox.deliver, src, key, view)
+                self._call(self._deliver_shm, src, key, view)
             elif op == "nccl":
                 if key is None or self._nccl is None:
                     raise ProtocolError("nccl notice without key, or this actor has no NCCL links")
@@ -269,6 +274,18 @@ class DataPlane(P2PTransport):
         if self._loop is not None and not self._closing:
             self._loop.call_soon_threadsafe(fn, *args)
 
+    def _deliver_shm(self, src: int, key: tuple[int, ...], view: np.ndarray) -> None:
+        self._mailbox.deliver(src, key, view)
+        if self._release_hook is not None and (self._sweeper is None or self._sweeper.done()):
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        """While received shared-memory arrays are out, have JAX drop what it holds of freed ones, so each
+        segment goes back to its sender as soon as its array is gone (not at some later dispatch)."""
+        while self._shm_in.outstanding > 0 and not self._closing:
+            await asyncio.sleep(0.002)
+            self._release_hook()
+
     def _released(self, peer: int, seg_id: int) -> None:
         sender = self._shm_out.get(peer)
         if sender is not None:
@@ -283,6 +300,8 @@ class DataPlane(P2PTransport):
 
     def close(self) -> None:
         self._closing = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self._thread is not None:
             self._thread.join(timeout=2)
         if self._nccl is not None:

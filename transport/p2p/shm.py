@@ -50,6 +50,9 @@ class Segment:
     unlinked: bool = False
 
 
+_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # map the pages now: a first write would fault on each
+
+
 def _create(name: str, size: int) -> mmap.mmap:
     fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
@@ -57,7 +60,7 @@ def _create(name: str, size: int) -> mmap.mmap:
             os.posix_fallocate(fd, 0, size)
         except AttributeError:  # pragma: no cover - macOS has no posix_fallocate
             os.ftruncate(fd, size)
-        return mmap.mmap(fd, size)
+        return mmap.mmap(fd, size, flags=_FLAGS)
     except BaseException:
         _posixshmem.shm_unlink(name)
         raise
@@ -141,6 +144,7 @@ class ShmReceiver:
 
     def __init__(self) -> None:
         self.maps: dict[tuple[int, int], mmap.mmap] = {}
+        self.outstanding = 0  # views handed out whose last reference is not gone yet
 
     def open(self, src: int, seg_id: int, name: str, size: int) -> mmap.mmap:
         mm = self.maps.get((src, seg_id))
@@ -151,7 +155,7 @@ class ShmReceiver:
             try:
                 if os.fstat(fd).st_size < size:
                     raise ValueError(f"shared-memory segment {name} is smaller than the announced {size} bytes")
-                mm = mmap.mmap(fd, size)
+                mm = mmap.mmap(fd, size, flags=_FLAGS)
             finally:
                 os.close(fd)
                 _posixshmem.shm_unlink(name)
@@ -167,8 +171,13 @@ class ShmReceiver:
         if nbytes > len(mm):
             raise ValueError(f"{dtype.name}{shape} needs {nbytes} bytes but segment {seg_id} from actor {src} has {len(mm)}")
         root = np.frombuffer(mm, np.uint8, nbytes)
-        weakref.finalize(root, on_release)
+        self.outstanding += 1
+        weakref.finalize(root, self._released, on_release)
         return root.view(dtype).reshape(shape)
+
+    def _released(self, on_release: Callable[[], None]) -> None:
+        self.outstanding -= 1
+        on_release()
 
     def close(self) -> None:
         for mm in self.maps.values():

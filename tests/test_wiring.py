@@ -1,0 +1,45 @@
+"""The controller's choice of data-plane route per actor pair (mpmd/wiring.py), from actors' endpoint info alone."""
+
+import pytest
+
+from mpmd.wiring import address_for, choose_routes, peer_specs
+
+
+def ep(host, nccl=False, i=0):
+    return {"tcp": f"tcp://{host}:{5000 + i}", "ipc": f"ipc:///tmp/{host}-{i}.sock", "host": host, "shm": True, "nccl": nccl}
+
+
+def test_auto_uses_shared_memory_on_one_host_and_tcp_across_hosts():
+    eps = [ep("a", i=0), ep("a", i=1), ep("b", i=2)]
+    routes = choose_routes("auto", eps)
+    assert routes[(0, 1)] == routes[(1, 0)] == "shm"
+    assert {routes[(0, 2)], routes[(2, 0)], routes[(1, 2)], routes[(2, 1)]} == {"tcp"}
+    assert address_for(eps[0], eps[1]) == eps[1]["ipc"] and address_for(eps[0], eps[2]) == eps[2]["tcp"]
+
+
+def test_auto_uses_nccl_only_when_every_actor_has_it():
+    assert set(choose_routes("auto", [ep("a", True, 0), ep("b", True, 1)]).values()) == {"nccl"}
+    assert choose_routes("auto", [ep("a", True, 0), ep("a", False, 1)]) == {(0, 1): "shm", (1, 0): "shm"}
+
+
+def test_explicit_choices_and_their_errors():
+    eps = [ep("a", i=0), ep("a", i=1)]
+    assert set(choose_routes("tcp", eps).values()) == {"tcp"}
+    assert choose_routes("none", eps) == {}
+    assert set(choose_routes("shm", [ep("a"), ep("b", i=1)]).values()) == {"tcp"}  # shm needs one host
+    with pytest.raises(ValueError, match=r"actors \[1\] have none"):
+        choose_routes("nccl", [ep("a", True), ep("a", False, 1)])
+    with pytest.raises(ValueError, match="unknown transport 'udp'"):
+        choose_routes("udp", eps)
+    with pytest.raises(ValueError, match="actor 1 was started without a data plane"):
+        choose_routes("auto", [eps[0], None])
+
+
+def test_nccl_peer_specs_pair_each_direction_with_its_own_unique_id():
+    eps = [ep("a", True, 0), ep("b", True, 1)]
+    routes = choose_routes("nccl", eps)
+    ids = {(0, 1): [1] * 128, (1, 0): [2] * 128}
+    specs = peer_specs(routes, eps, ids)
+    assert specs[0]["1"]["nccl_out"] == specs[1]["0"]["nccl_in"] == [1] * 128
+    assert specs[1]["0"]["nccl_out"] == specs[0]["1"]["nccl_in"] == [2] * 128
+    assert specs[0]["1"]["address"] == eps[1]["tcp"]
