@@ -149,6 +149,12 @@ class DataPlane(P2PTransport):
 
     async def _send_shm(self, peer: int, key: tuple[int, ...], host: np.ndarray) -> None:
         sender = self._shm_out[peer]
+        # A new big segment costs far more (mapping and zeroing its pages) than waiting a little for one the
+        # receiver is about to hand back, as happens when one step's sends start right after the last step's.
+        waits = 10 if host.nbytes >= 4 << 20 else 0
+        while waits and not sender.has_free(host.nbytes) and sender.in_flight(host.nbytes):
+            await asyncio.sleep(0.0005)
+            waits -= 1
         try:
             seg = sender.acquire(host.nbytes)
         except OSError as e:  # /dev/shm full: this payload goes as ZeroMQ frames instead

@@ -5,8 +5,8 @@ The sender copies an array into a POSIX shared-memory segment it owns and sends 
 name right after, so nothing is left in /dev/shm if either side dies), hands out an aligned numpy view
 that JAX aliases rather than copies, and sends ``{"op": "shm_ack", seg}`` back only when the last Python
 reference to that view is gone — so a segment is never reused while an array still aliases it. Segments
-are pooled by power-of-two size class (a training loop repeats its transfers, so after the first step
-every payload finds a warm segment) and reserved with `posix_fallocate` (a full /dev/shm is an error
+are pooled by power-of-two size class, up to a quarter of /dev/shm per pair (a training loop repeats its
+transfers, so after the first step every payload finds a warm segment) and reserved with `posix_fallocate` (a full /dev/shm is an error
 at reserve time, not a SIGBUS later).
 """
 
@@ -30,7 +30,18 @@ except ImportError:  # pragma: no cover - non-POSIX
 log = logging.getLogger(__name__)
 
 MIN_SEGMENT = 1 << 16
-FREE_BYTES = 1 << 30  # per (sender, receiver): free segments kept for reuse, beyond which they are unmapped
+
+
+def _pool_limit() -> int:
+    """Shared memory one (sender, receiver) pair keeps mapped, in use or free for reuse: a quarter of /dev/shm."""
+    try:
+        st = os.statvfs("/dev/shm")
+        return max(1 << 28, st.f_frsize * st.f_blocks // 4)
+    except OSError:
+        return 4 << 30
+
+
+POOL_LIMIT = _pool_limit()
 
 
 def available() -> bool:
@@ -78,7 +89,16 @@ class ShmSender:
         self.free: dict[int, list[Segment]] = {}
         self.free_bytes = 0
         self.busy: dict[int, Segment] = {}
+        self.busy_bytes = 0
         self.created = 0
+
+    def has_free(self, nbytes: int) -> bool:
+        return bool(self.free.get(size_class(nbytes)))
+
+    def in_flight(self, nbytes: int) -> bool:
+        """Is a segment of this size class out with the receiver (and so likely back soon)?"""
+        size = size_class(nbytes)
+        return any(seg.size == size for seg in self.busy.values())
 
     def acquire(self, nbytes: int) -> Segment:
         size = size_class(nbytes)
@@ -92,6 +112,7 @@ class ShmSender:
             seg = Segment(n, name, size, _create(name, size))
             self.created += 1
         self.busy[seg.id] = seg
+        self.busy_bytes += seg.size
         return seg
 
     def write(self, seg: Segment, src: np.ndarray) -> None:
@@ -105,8 +126,9 @@ class ShmSender:
         if seg is None:
             log.warning("shared-memory ack for unknown segment %s%d", self.prefix, seg_id)
             return
+        self.busy_bytes -= seg.size
         seg.unlinked = True  # the receiver mapped it, then unlinked the name
-        if self.free_bytes + seg.size <= FREE_BYTES:
+        if self.free_bytes + self.busy_bytes + seg.size <= POOL_LIMIT:
             self.free.setdefault(seg.size, []).append(seg)
             self.free_bytes += seg.size
         else:
@@ -116,6 +138,7 @@ class ShmSender:
         """The notice for this segment never left: reuse it at once."""
         seg = self.busy.pop(seg_id, None)
         if seg is not None:
+            self.busy_bytes -= seg.size
             self.free.setdefault(seg.size, []).append(seg)
             self.free_bytes += seg.size
 
@@ -129,7 +152,7 @@ class ShmSender:
             _close(seg)
         self.busy.clear()
         self.free.clear()
-        self.free_bytes = 0
+        self.free_bytes = self.busy_bytes = 0
 
 
 def _close(seg: Segment) -> None:
