@@ -20,6 +20,7 @@ import asyncio
 import logging
 import threading
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -65,6 +66,7 @@ class DataPlane(P2PTransport):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._closing = False
+        self._copier = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"p2p-copy-{actor_id}")
         self.counters: Counter[str] = Counter()
 
     # ---- wiring ----------------------------------------------------------------------------------
@@ -138,39 +140,43 @@ class DataPlane(P2PTransport):
         if route == "nccl":
             await self._nccl.send(peer, key, value, wait)
             return
-        host = await host_view(value)
-        self.counters[f"sent_{route}_bytes"] += host.nbytes
-        if route == "shm" and host.nbytes >= SHM_MIN_BYTES:
-            await self._send_shm(peer, key, host)
+        nbytes = int(value.nbytes)
+        self.counters[f"sent_{route}_bytes"] += nbytes
+        if route == "shm" and nbytes >= SHM_MIN_BYTES:
+            await self._send_shm(peer, key, value, nbytes)
             return
+        host = await host_view(value)
         tracker = self._post(peer, {"op": "data", "key": list(key)}, [host], track=wait)
         if wait and not tracker.done:
             await asyncio.to_thread(tracker.wait)
 
-    async def _send_shm(self, peer: int, key: tuple[int, ...], host: np.ndarray) -> None:
+    async def _send_shm(self, peer: int, key: tuple[int, ...], value: Any, nbytes: int) -> None:
         sender = self._shm_out[peer]
         # A new big segment costs far more (mapping and zeroing its pages) than waiting a little for one the
         # receiver is about to hand back, as happens when one step's sends start right after the last step's.
-        waits = 10 if host.nbytes >= 4 << 20 else 0
-        while waits and not sender.has_free(host.nbytes) and sender.in_flight(host.nbytes):
+        waits = 10 if nbytes >= 4 << 20 else 0
+        while waits and not sender.has_free(nbytes) and sender.in_flight(nbytes):
             await asyncio.sleep(0.0005)
             waits -= 1
         try:
-            seg = sender.acquire(host.nbytes)
+            seg = sender.acquire(nbytes)
         except OSError as e:  # /dev/shm full: this payload goes as ZeroMQ frames instead
             if not self.counters["shm_fallbacks"]:
                 log.warning("actor %d: no shared memory for %d bytes to actor %d (%s); sending such payloads over ZeroMQ",
-                            self.actor_id, host.nbytes, peer, e)
+                            self.actor_id, nbytes, peer, e)
             self.counters["shm_fallbacks"] += 1
-            self._post(peer, {"op": "data", "key": list(key)}, [host])
+            self._post(peer, {"op": "data", "key": list(key)}, [await host_view(value)])
             return
         try:
-            if host.nbytes >= 4 << 20:  # a big copy goes to a worker thread so the loop keeps dispatching
-                await asyncio.to_thread(sender.write, seg, host)
+            ready = getattr(value, "is_ready", None)
+            if nbytes >= 4 << 20 or (ready is not None and not ready()):
+                # Waiting for the value and copying it happen in one hop on a copier thread; two copiers take
+                # sends in program order, so the first activation out is the first one computed.
+                await asyncio.get_running_loop().run_in_executor(self._copier, _fill, sender, seg, value)
             else:
-                sender.write(seg, host)
+                _fill(sender, seg, value)
             self._post(peer, {"op": "shm", "key": list(key), "seg": seg.id, "name": seg.name, "size": seg.size,
-                              "arrays": [aval_header(host.shape, host.dtype)]})
+                              "arrays": [aval_header(value.shape, value.dtype)]})
         except BaseException:
             sender.give_back(seg.id)
             raise
@@ -319,3 +325,10 @@ class DataPlane(P2PTransport):
             sock.close(linger=0)
         self._router.close(linger=0)
         self._ctx.term()
+        self._copier.shutdown(wait=False, cancel_futures=True)
+
+
+def _fill(sender: shm.ShmSender, seg: shm.Segment, value: Any) -> None:
+    """Copy `value` (waiting until it is computed) into `seg`; runs on a copier thread for big payloads."""
+    host = np.asarray(value)
+    sender.write(seg, host if host.flags.c_contiguous else np.ascontiguousarray(host))
