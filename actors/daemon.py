@@ -67,7 +67,7 @@ async def serve(args: argparse.Namespace) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
     from actors.actor import Actor, format_exception
-    from transport.control import bind_router, recv_multipart
+    from transport.control import bind_router
     from transport.p2p import DataPlane
     from transport.protocol import ProtocolError, decode, encode, error_reply
 
@@ -124,7 +124,7 @@ async def serve(args: argparse.Namespace) -> None:
 
     async def receive() -> None:
         while True:
-            identity, *frames = await recv_multipart(sock)
+            identity, *frames = await sock.recv_multipart(copy=False)
             t = loop.create_task(handle(identity.bytes, frames))
             tasks.add(t)
             t.add_done_callback(tasks.discard)

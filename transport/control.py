@@ -21,21 +21,6 @@ import zmq.asyncio
 from transport.protocol import Message, ProtocolError, decode, encode
 
 DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024**3
-POLL_BACKSTOP_MS = 100
-
-
-async def recv_multipart(sock: zmq.asyncio.Socket) -> list[Any]:
-    """Receive one message, robust to a lost wakeup.
-
-    pyzmq's asyncio sockets wake on ZeroMQ's edge-triggered FD; a send on the same socket while a receive
-    waits can consume the edge (pyzmq issues #1203, #2173), leaving a message unread until the next one
-    arrives — a request/reply peer then looks dead. So: take what is there without waiting, and wait by
-    polling with a timeout, which falls back to a level-triggered check at least every 100 ms."""
-    while True:
-        try:
-            return await sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            await sock.poll(timeout=POLL_BACKSTOP_MS, flags=zmq.POLLIN)
 
 
 class ConnectionLost(ConnectionError):
@@ -88,7 +73,7 @@ class ControlClient:
     async def _read_loop(self) -> None:
         while True:
             try:
-                frames = await recv_multipart(self._sock)
+                frames = await self._sock.recv_multipart(copy=False)
             except (asyncio.CancelledError, zmq.ZMQError):
                 return
             self.last_heard = time.monotonic()
