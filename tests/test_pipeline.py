@@ -127,3 +127,36 @@ def test_transfers_forced_synchronous_give_the_same_results(mesh2):
         run_both(mesh2, models.mse_loss(models.mlp), params, batches, mpmd.OneFOneB(2))
     finally:
         mesh2.overlap = True
+
+
+def test_killing_an_actor_mid_step_fails_the_step_quickly_and_frees_the_other():
+    """Actor 1 is SIGKILLed while it computes and actor 0 waits for its gradient: the step must raise
+    ActorDiedError naming actor 1 within the heartbeat timeout (not hang until the transfer timeout), and
+    actor 0 must have abandoned the step."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import jax.numpy as jnp
+
+    def loss(params, mb):
+        h = jnp.tanh(mb["x"] @ params[0]["w"])
+        h = mpmd.pipeline_yield(h)
+        h = jax.lax.fori_loop(0, 3_000_000, lambda i, v: jnp.sin(v) * 0.999 + 1e-3, h @ params[1]["w"])  # long stage 1
+        return jnp.mean(h**2)
+
+    rng = np.random.default_rng(3)
+    params = [{"w": rng.standard_normal((16, 16)).astype(np.float32) * 0.1} for _ in range(2)]
+    batch = {"x": rng.standard_normal((2, 4, 16)).astype(np.float32)}
+    opt = optax.sgd(0.1)
+    with mpmd.RemoteMesh.local(num_actors=2, heartbeat_timeout=3.0) as mesh:
+        dist = mpmd.distributed(make_step(loss, opt, mpmd.OneFOneB(2)), mesh=mesh)
+        dist.compile(params, opt.init(params), batch)
+        pid = mesh._processes[1].proc.pid
+        threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
+        t = time.monotonic()
+        with pytest.raises(mpmd.ActorDiedError, match="actor 1"):
+            dist(params, opt.init(params), batch)
+        assert time.monotonic() - t < 30
+        assert mesh.actor(0).stats()["running"] == 0
