@@ -7,7 +7,8 @@ On start it prints one line ``MPMD_ACTOR_READY <endpoint> <p2p endpoint>`` to st
 port, and the line says which). It serves requests until a ``shutdown`` request, SIGTERM or SIGINT, or
 (with ``--parent-pid``) until that process is gone. A bad request gets an error reply; it never stops the
 daemon. ``kill -USR1 <pid>`` writes every thread's stack to stderr (the controller of a local mesh does this
-for an actor that stops answering, and shows the stacks in the error).
+for an actor that stops answering, and shows the stacks in the error). With ``MPMD_ACTOR_PROFILE=<prefix>``
+in its environment, a daemon profiles its event-loop thread (cProfile) into ``<prefix>.<actor id>`` on exit.
 """
 
 from __future__ import annotations
@@ -162,12 +163,21 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_environment(args)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format=f"[actor {args.actor_id}] %(levelname)s %(name)s: %(message)s")
+    profile_to = os.environ.get("MPMD_ACTOR_PROFILE")  # a path prefix: cProfile the event loop thread into <prefix>.<id>
+    if profile_to:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     try:
         import uvloop
 
         uvloop.run(serve(args))
     except ImportError:
         asyncio.run(serve(args))
+    if profile_to:
+        profiler.disable()
+        profiler.dump_stats(f"{profile_to}.{args.actor_id}")
     # Exit now, even if XLA is still running a computation nobody will read (the controller is gone or
     # asked us to stop): a normal interpreter exit would wait for it.
     sys.stdout.flush()
