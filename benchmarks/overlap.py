@@ -1,14 +1,15 @@
 """Does compute overlap transfers? A 2-actor pipeline whose transfer time is comparable to its compute.
 
 Actor 0 runs M microbatches of a stage f (compute c per microbatch) and sends each output (an S MiB
-activation, transfer t) to actor 1, which receives it and reduces it. The same Programs run twice:
-with overlap (sends run in the background, receives are posted at step start) and with transfers forced
-synchronous (`RemoteMesh(overlap=False)`: each send and receive is awaited where it stands). c and t are
-measured alone first, and the stage's work is tuned so that c is close to t.
+activation, transfer t) to actor 1, which takes a few elements of it. The same Programs run in two modes,
+alternating step by step: with overlap (sends run in the background, receives are posted at step start)
+and with transfers forced synchronous (`RemoteMesh(overlap=False)`: each send is awaited where it stands,
+until its bytes have left actor 0). c and t are measured alone first, and the stage's work is tuned so
+that c is close to t; the best step of each mode is reported.
 
     ratio = step time with overlap / step time synchronous    ideal = max(c, t) / (c + t)
 
-    python -m benchmarks.overlap [--mib 16] [--microbatches 8] [--routes shm,tcp]
+    python -m benchmarks.overlap [--mib 16] [--microbatches 8] [--routes shm,tcp] [--rounds 9]
 """
 
 import argparse
