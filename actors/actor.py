@@ -56,6 +56,27 @@ def to_host(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+class Session:
+    """What one controller owns on this actor: its buffers, its programs and its running steps. Ids of
+    buffers and programs are the controller's own; two controllers' sessions never see each other's."""
+
+    def __init__(self, session_id: int, actor_id: int) -> None:
+        self.id = session_id
+        self.buffers = BufferTable(f"actor {actor_id} (session {session_id:x})")
+        self.programs: dict[int, dict[str, Any]] = {}
+        self.running: dict[tuple[int, int], asyncio.Task[Any]] = {}
+
+    def close(self) -> None:
+        for task in self.running.values():
+            task.cancel()
+        self.buffers.clear()
+        self.programs.clear()
+
+
+SESSIONLESS = frozenset({"ping", "info", "hello", "compile", "connect_peers", "nccl_ids"})
+MAX_SESSIONS = 64
+
+
 class Actor:
     def __init__(self, actor_id: int, p2p: P2PTransport | None, transfer_timeout: float = 300.0) -> None:
         self.actor_id = actor_id
@@ -66,18 +87,19 @@ class Actor:
         # one to finish instead, like work queued on a GPU stream. GPUs queue in order already.
         self.in_order = self.device.platform == "cpu"
         self._tail: Any = None  # the outputs of the last Run dispatched
-        self.buffers = BufferTable(f"actor {actor_id}")
         self.cache = ExecutableCache(self.device)
         self.p2p = p2p
-        self.programs: dict[int, dict[str, Any]] = {}
-        self.running: dict[tuple[int, int], asyncio.Task[Any]] = {}
+        self.sessions: dict[int, Session] = {}
         self.requests = 0
         self.errors = 0
         self.handlers = {
             "ping": self.ping,
             "info": self.info,
+            "hello": self.hello,
+            "bye": self.bye,
             "put": self.put,
             "get": self.get,
+            "wait": self.wait,
             "delete": self.delete,
             "compile": self.compile,
             "run": self.run,
@@ -90,10 +112,10 @@ class Actor:
         }
 
     # ---- simple requests -------------------------------------------------------------------------
-    async def ping(self, msg: Message) -> tuple[dict, list]:
+    async def ping(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         return {"actor_id": self.actor_id, "time": time.time()}, []
 
-    async def info(self, msg: Message) -> tuple[dict, list]:
+    async def info(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         devs = jax.devices()
         return {
             "actor_id": self.actor_id,
@@ -102,66 +124,98 @@ class Actor:
             "devices": [str(d) for d in devs],
             "jax_version": jax.__version__,
             "p2p": self.p2p.endpoint() if self.p2p else None,
+            "sessions": len(self.sessions),
         }, []
 
-    async def put(self, msg: Message) -> tuple[dict, list]:
+    async def hello(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
+        """Open a session for a controller (its id is the controller's random choice); reply with `info`."""
+        sid = field(msg, "session", int)
+        if sid in self.sessions:
+            raise RequestError(f"session {sid:x} is already open on actor {self.actor_id}; each controller picks a fresh id")
+        if len(self.sessions) >= MAX_SESSIONS:
+            raise RequestError(f"actor {self.actor_id} already serves {len(self.sessions)} sessions (the limit); close a mesh first")
+        self.sessions[sid] = Session(sid, self.actor_id)
+        return await self.info(None, msg)
+
+    async def bye(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
+        """Close the caller's session: its buffers, programs and running steps go."""
+        assert ses is not None
+        self.sessions.pop(ses.id, None)
+        ses.close()
+        if self.p2p is not None:
+            self.p2p.abandon(lambda k: k[0] == ses.id)
+        return {"closed": ses.id}, []
+
+    async def put(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         buf = field(msg, "buf", int)
         if len(msg.arrays) != 1:
             raise RequestError(f"'put' carries {len(msg.arrays)} arrays, expected 1")
-        self.buffers.put(buf, self._to_device(msg.arrays[0]))
+        ses.buffers.put(buf, self._to_device(msg.arrays[0]))
         return {"nbytes": int(msg.arrays[0].nbytes)}, []
 
     def _to_device(self, host: np.ndarray) -> jax.Array:
         # The host array views a ZeroMQ frame; copy once into memory JAX owns.
         return jax.device_put(host, self.device, may_alias=False)
 
-    async def get(self, msg: Message) -> tuple[dict, list]:
-        value = await self.buffers.get(field(msg, "buf", int))
-        host = to_host(value) if value.is_ready() else await asyncio.to_thread(to_host, value)
-        return {}, [host]
+    async def get(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
+        """One buffer (`buf`) or several (`bufs`), each as an array frame, once computed."""
+        bufs = int_list(msg, "bufs") if "bufs" in msg.header else [field(msg, "buf", int)]
+        values = [await ses.buffers.get(b) for b in bufs]
+        if all(v.is_ready() for v in values):
+            return {}, [to_host(v) for v in values]
+        return {}, await asyncio.to_thread(lambda: [to_host(v) for v in values])
 
-    async def delete(self, msg: Message) -> tuple[dict, list]:
-        return {"deleted": self.buffers.delete(int_list(msg, "bufs"))}, []
+    async def wait(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
+        """Reply once the buffers `bufs` are computed (what `block_until_ready` asks)."""
+        values = [await ses.buffers.get(b) for b in int_list(msg, "bufs")]
+        if not all(v.is_ready() for v in values):
+            await asyncio.to_thread(jax.block_until_ready, values)
+        return {"ready": len(values)}, []
 
-    async def compile(self, msg: Message) -> tuple[dict, list]:
+    async def delete(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
+        return {"deleted": ses.buffers.delete(int_list(msg, "bufs"))}, []
+
+    async def compile(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         if len(msg.arrays) != 1:
             raise RequestError("'compile' carries the serialized executable as one uint8 frame")
         key, cached = await self.cache.compile(msg.arrays[0].data)
         return {"exe": key, "cached": cached}, []
 
-    async def run(self, msg: Message) -> tuple[dict, list]:
+    async def run(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         exe = self.cache.get(field(msg, "exe", str))
         inputs, outputs = int_list(msg, "inputs"), int_list(msg, "outputs")
         for b in outputs:
-            self.buffers.reserve(b)
+            ses.buffers.reserve(b)
         try:
-            args = [await self.buffers.get(b) for b in inputs]
+            args = [await ses.buffers.get(b) for b in inputs]
             results = exe(*args)
             if len(results) != len(outputs):
                 raise RequestError(f"executable returns {len(results)} values but {len(outputs)} output ids were given")
         except BaseException as e:
             for b in outputs:
-                self.buffers.fail(b, e)
+                ses.buffers.fail(b, e)
             raise
         for b, r in zip(outputs, results):
-            self.buffers.put(b, r)
+            ses.buffers.put(b, r)
         return {"outputs": [aval_header(r.shape, r.dtype) for r in results]}, []
 
-    async def stats(self, msg: Message) -> tuple[dict, list]:
+    async def stats(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
+        assert ses is not None
         return {
-            "buffers": len(self.buffers),
-            "bytes": self.buffers.nbytes,
+            "buffers": len(ses.buffers),
+            "bytes": ses.buffers.nbytes,
             "executables": len(self.cache),
             "compiles": self.cache.compiles,
             "hits": self.cache.hits,
-            "programs": len(self.programs),
+            "programs": len(ses.programs),
             "requests": self.requests,
             "errors": self.errors,
-            "running": len(self.running),
+            "running": len(ses.running),
+            "sessions": len(self.sessions),
             "p2p": self.p2p.stats() if self.p2p is not None else None,
         }, []
 
-    async def connect_peers(self, msg: Message) -> tuple[dict, list]:
+    async def connect_peers(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         if self.p2p is None:
             raise RequestError("this actor was started without a data plane (--p2p none)")
         peers = field(msg, "peers", dict)
@@ -180,7 +234,7 @@ class Actor:
             raise RequestError(f"'connect_peers': {e}") from None
         return {"connected": sorted(parsed), "routes": {str(p): r for p, r in self.p2p.routes.items()}}, []
 
-    async def nccl_ids(self, msg: Message) -> tuple[dict, list]:
+    async def nccl_ids(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         from transport.p2p import nccl
 
         count = field(msg, "count", int)
@@ -189,7 +243,7 @@ class Actor:
         return {"ids": [nccl.unique_id() for _ in range(count)]}, []
 
     # ---- programs --------------------------------------------------------------------------------
-    async def load_program(self, msg: Message) -> tuple[dict, list]:
+    async def load_program(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         prog = field(msg, "program", dict)
         pid = prog.get("id")
         if not isinstance(pid, int) or not isinstance(prog.get("instrs"), list):
@@ -197,14 +251,14 @@ class Actor:
         for ins in prog["instrs"]:
             if ins and ins[0] == "run":
                 self.cache.get(ins[1])  # every executable must be compiled before the program arrives
-        self.programs[pid] = prog
+        ses.programs[pid] = prog
         return {"program": pid}, []
 
-    async def run_program(self, msg: Message) -> tuple[dict, list]:
+    async def run_program(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         pid, step = field(msg, "program", int), field(msg, "step", int)
-        prog = self.programs.get(pid)
+        prog = ses.programs.get(pid)
         if prog is None:
-            raise RequestError(f"no program {pid} on actor {self.actor_id}; load it first ({sorted(self.programs)} loaded)")
+            raise RequestError(f"no program {pid} on actor {self.actor_id}; load it first ({sorted(ses.programs)} loaded)")
         inputs, outputs = int_list(msg, "inputs"), int_list(msg, "outputs")
         if len(inputs) != len(prog["inputs"]) or len(outputs) != len(prog["outputs"]):
             raise RequestError(
@@ -221,69 +275,72 @@ class Actor:
             raise RequestError("'run_program' field 'prologue' must be a list of instructions")
         for ins in prologue:  # buffers copied in from other actors before the program reads them
             if isinstance(ins, list) and ins and ins[0] == "recv":
-                self.buffers.reserve(ins[1])
+                ses.buffers.reserve(ins[1])
         # Take every input now (before any await), so a delete that arrives next cannot pull it away.
         inline = iter(msg.arrays)
-        refs = [self._to_device(next(inline)) if b < 0 else self.buffers.ref(b) for b in inputs]
+        refs = [self._to_device(next(inline)) if b < 0 else ses.buffers.ref(b) for b in inputs]
         for b in outputs:
-            self.buffers.reserve(b)
+            ses.buffers.reserve(b)
         key = (pid, step)
         env = BufferTable(f"actor {self.actor_id} program {pid} step {step}")
-        task = asyncio.get_running_loop().create_task(self._execute(prog, step, env, refs, prologue, sync))
-        self.running[key] = task
+        task = asyncio.get_running_loop().create_task(self._execute(ses, prog, step, env, refs, prologue, sync))
+        ses.running[key] = task
         try:
             await task
             results = [env.get_now(local) for local in prog["outputs"]]
         except BaseException as e:
             for b in outputs:
-                self.buffers.fail(b, e)
+                ses.buffers.fail(b, e)
             if isinstance(e, asyncio.CancelledError):
                 raise RequestError(f"program {pid} step {step} was aborted on actor {self.actor_id}") from None
             raise
         finally:
-            self.running.pop(key, None)
+            ses.running.pop(key, None)
             if self.p2p is not None:
-                self.p2p.abandon(lambda k: tuple(k[:2]) == key)
+                self.p2p.abandon(lambda k: tuple(k[:3]) == (ses.id, pid, step))
             env.clear()  # the step's intermediates go now (and with them any shared memory they aliased)
         for b, r in zip(outputs, results):
-            self.buffers.put(b, r)
+            ses.buffers.put(b, r)
         return {"outputs": [aval_header(r.shape, r.dtype) for r in results]}, []
 
-    async def abort(self, msg: Message) -> tuple[dict, list]:
+    async def abort(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
+        assert ses is not None
         key = (field(msg, "program", int), field(msg, "step", int))
-        task = self.running.get(key)
+        task = ses.running.get(key)
         if task is not None:
             task.cancel()
         return {"aborted": task is not None}, []
 
-    async def _execute(self, prog: dict[str, Any], step: int, env: BufferTable, refs: list, prologue: list, sync: bool) -> None:
+    async def _execute(self, ses: Session, prog: dict[str, Any], step: int, env: BufferTable, refs: list, prologue: list,
+                       sync: bool) -> None:
         # The prologue copies arguments between actors; post it before waiting for those arguments.
-        transfers = self._transfers(prog["id"], step, self.buffers, prologue)
+        transfers = self._transfers((ses.id, prog["id"], step), ses.buffers, prologue)
         try:
             for local, ref in zip(prog["inputs"], refs):
                 env.put(local, await asyncio.shield(ref) if isinstance(ref, asyncio.Future) else ref)
-            await self._interpret(prog["id"], step, env, prog["instrs"], sync)
+            await self._interpret((ses.id, prog["id"], step), env, prog["instrs"], sync)
             await asyncio.gather(*transfers)
         finally:
             for t in transfers:
                 t.cancel()
 
-    def _transfers(self, pid: int, step: int, env: BufferTable, instrs: list, sync: bool = False) -> list[asyncio.Task[None]]:
+    def _transfers(self, step_key: tuple[int, int, int], env: BufferTable, instrs: list, sync: bool = False) -> list[asyncio.Task[None]]:
+        """Start the sends and receives in `instrs`; a transfer's key is (session, program, step, tag)."""
         tasks = []
         for ins in instrs:
             if ins[0] == "send":
                 _, buf, peer, tag, label = ins
                 ref = env.ref(buf)  # taken now: a `del` right after the send may drop the buffer from the table
-                tasks.append(asyncio.create_task(self._send(ref, peer, (pid, step, tag), label, sync)))
+                tasks.append(asyncio.create_task(self._send(ref, peer, (*step_key, tag), label, sync)))
             elif ins[0] == "recv":
                 _, buf, peer, tag, dtype, shape, label = ins
                 env.reserve(buf)
-                tasks.append(asyncio.create_task(self._recv(env, buf, peer, (pid, step, tag), dtype, shape, label)))
+                tasks.append(asyncio.create_task(self._recv(env, buf, peer, (*step_key, tag), dtype, shape, label)))
             else:
                 raise RequestError(f"a prologue holds only send and recv instructions, got {ins[0]!r}")
         return tasks
 
-    async def _interpret(self, pid: int, step: int, env: BufferTable, instrs: list, sync: bool) -> None:
+    async def _interpret(self, step_key: tuple[int, int, int], env: BufferTable, instrs: list, sync: bool) -> None:
         sends: dict[int, list[asyncio.Task[None]]] = {}
         recvs: list[asyncio.Task[None]] = []
         inflight: list[asyncio.Task[None]] = []  # sends whose buffer is already dropped from the table
@@ -291,7 +348,7 @@ class Actor:
             for ins in instrs:
                 op = ins[0]
                 if log.isEnabledFor(logging.DEBUG):
-                    log.debug("program %d step %d: %s", pid, step, ins)
+                    log.debug("session %x program %d step %d: %s", *step_key, ins)
                 if op == "run":
                     _, exe_key, ins_, outs, label = ins
                     args = [await env.get(b) for b in ins_]
@@ -303,7 +360,7 @@ class Actor:
                     for b, r in zip(outs, results):
                         env.put(b, r)
                 elif op == "send" or op == "recv":
-                    (t,) = self._transfers(pid, step, env, [ins], sync)
+                    (t,) = self._transfers(step_key, env, [ins], sync)
                     if sync and op == "send":
                         await t
                     else:
@@ -316,7 +373,7 @@ class Actor:
                         inflight.extend(pending)
                     env.delete(ins[1])
                 else:
-                    raise RequestError(f"program {pid}: unknown instruction {op!r}")
+                    raise RequestError(f"program {step_key[1]}: unknown instruction {op!r}")
             await asyncio.gather(*(t for ts in sends.values() for t in ts), *inflight, *recvs)
         except BaseException:
             for t in [*recvs, *inflight, *(t for ts in sends.values() for t in ts)]:
@@ -337,14 +394,14 @@ class Actor:
                 got = await asyncio.wait_for(self.p2p.recv(peer, key), self.transfer_timeout)
             except TimeoutError:
                 raise TransferError(
-                    f"actor {self.actor_id} waited {self.transfer_timeout:g} s for {label} (tag {key[2]}) from actor {peer} "
+                    f"actor {self.actor_id} waited {self.transfer_timeout:g} s for {label} (tag {key[3]}) from actor {peer} "
                     f"and nothing came; is actor {peer} stuck? (RemoteMesh(..., transfer_timeout=s) sets this limit)"
                 ) from None
             want = dtype_from_name(dtype)
             if np.dtype(got.dtype) != want or list(got.shape) != list(shape):
                 raise TransferError(
                     f"actor {self.actor_id} expected {want.name}{list(shape)} from actor {peer} for {label} "
-                    f"(tag {key[2]}), received {np.dtype(got.dtype).name}{list(got.shape)}"
+                    f"(tag {key[3]}), received {np.dtype(got.dtype).name}{list(got.shape)}"
                 )
             # A received host array is ours alone (fresh aligned buffer, or shared memory reused only after
             # the array is gone), so JAX may alias it instead of copying.
@@ -359,7 +416,14 @@ class Actor:
         handler = self.handlers.get(msg.op)
         if handler is None:
             raise RequestError(f"unknown op {msg.op!r}; this actor serves {sorted(self.handlers)}")
-        return await handler(msg)
+        ses = None
+        if msg.op not in SESSIONLESS:
+            sid = msg.header.get("session")
+            ses = self.sessions.get(sid) if isinstance(sid, int) else None
+            if ses is None:
+                raise RequestError(f"'{msg.op}' needs an open session (got session {sid!r}); a controller opens one with "
+                                   f"'hello' when it connects ({len(self.sessions)} open on actor {self.actor_id})")
+        return await handler(ses, msg)
 
 
 def format_exception(e: BaseException) -> str:

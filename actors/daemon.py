@@ -27,6 +27,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--listen", default="tcp://127.0.0.1:5555", help="control endpoint (tcp://host:port, ipc://path); port 0 picks one")
     p.add_argument("--actor-id", type=int, default=0, help="this actor's index in the mesh")
     p.add_argument("--cpu-devices", type=int, default=None, help="give this actor N host (CPU) devices")
+    p.add_argument("--cpus", default=None,
+                   help="comma-separated cores to pin this daemon to (XLA's CPU thread pool is sized to them; one core "
+                        "also turns off Eigen's multi-threading)")
     p.add_argument("--platform", default=None, help="JAX platform to use (cpu, cuda); default: JAX's choice")
     p.add_argument("--devices", default=None, help="comma-separated visible GPU indices (sets CUDA_VISIBLE_DEVICES)")
     p.add_argument("--p2p", default="tcp", choices=["tcp", "none"],
@@ -45,6 +48,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def configure_environment(args: argparse.Namespace) -> None:
     """Must run before JAX is imported: XLA reads these at start-up."""
+    if args.cpus:
+        try:
+            cores = {int(c) for c in args.cpus.split(",") if c.strip()}
+            os.sched_setaffinity(0, cores)
+        except (ValueError, OSError) as e:
+            raise SystemExit(f"mpmd-actor: cannot pin to cores {args.cpus!r}: {e}") from None
+        if len(cores) == 1:
+            flags = os.environ.get("XLA_FLAGS", "")
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1".strip()
     if args.cpu_devices:
         flags = os.environ.get("XLA_FLAGS", "")
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.cpu_devices}".strip()

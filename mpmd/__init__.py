@@ -8,14 +8,14 @@
         ...
 
 Public names (each has a docstring):
-  RemoteMesh, ActorHandle, RemoteArray        the runtime: actors, handles, remote buffers
+  RemoteMesh, ActorHandle, RemoteArray, fetch the runtime: actors, handles, remote buffers, fetching them
   pipeline_yield, accumulate_grads, distributed   the pipeline API
   GPipe, OneFOneB, Custom, Task               schedules
   MpmdError, RemoteError, ActorDiedError, PipelineError, ScheduleError   errors
 """
 
 from mpmd.api import accumulate_grads, distributed, pipeline_yield
-from mpmd.array import RemoteArray
+from mpmd.array import RemoteArray, fetch
 from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError, ScheduleError
 from mpmd.mesh import ActorHandle, RemoteMesh
 from mpmd.schedules import Custom, GPipe, OneFOneB, Task
@@ -35,5 +35,6 @@ __all__ = [
     "Task",
     "accumulate_grads",
     "distributed",
+    "fetch",
     "pipeline_yield",
 ]

@@ -1,29 +1,40 @@
-"""RemoteArray: a handle to a buffer that lives on one or more actors."""
+"""RemoteArray: a handle to an array that lives on one or more actors of one mesh, and `fetch`."""
 
 from __future__ import annotations
 
+import concurrent.futures
+from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
+import jax
 import numpy as np
+
+from mpmd.avals import dtype_text, from_wire, is_key, wire_shape_dtype
+from mpmd.errors import MpmdError
 
 if TYPE_CHECKING:
     from mpmd.mesh import RemoteMesh
 
 
 class RemoteArray:
-    """A handle to an array held by actors. The data stays remote until `to_numpy()` (or `np.asarray`).
+    """A handle to an array held by actors of one `RemoteMesh`. The data stays there until it is fetched
+    (`np.asarray(x)`, `x.to_numpy()`, `jax.device_get(x)`, `mpmd.fetch(tree)`).
 
-    `actors` lists the actors holding a copy (usually one); `buffers` maps each to its buffer id there.
-    Dropping the last reference frees the remote buffers (batched, asynchronously); `delete()` frees now.
+    `actors` lists the actors holding a copy (usually one); `buffers` maps each to its buffer id there. It has
+    `shape`, `dtype`, `ndim`, `size`, `nbytes` like a jax.Array, is a leaf for `jax.tree` utilities, and can be
+    passed back to the step or `actor(i).run` of its own mesh. Dropping the last reference frees the remote
+    buffers (batched, asynchronously); `delete()` frees them now.
     """
 
-    __slots__ = ("__weakref__", "buffers", "dtype", "mesh", "shape")
+    __slots__ = ("__weakref__", "_host", "buffers", "dtype", "mesh", "shape", "sharding")
 
-    def __init__(self, mesh: RemoteMesh, buffers: dict[int, int], shape: tuple[int, ...], dtype: Any) -> None:
+    def __init__(self, mesh: RemoteMesh, buffers: dict[int, int], shape: tuple[int, ...], dtype: Any, sharding: Any = None) -> None:
         self.mesh = mesh
         self.buffers = dict(buffers)
         self.shape = tuple(int(d) for d in shape)
-        self.dtype = np.dtype(dtype)
+        self.dtype = dtype if is_key(dtype) else np.dtype(dtype)
+        self.sharding = sharding  # how each actor holds it over its devices (None: on one device)
+        self._host: concurrent.futures.Future[np.ndarray] | None = None
 
     @property
     def actors(self) -> list[int]:
@@ -44,27 +55,59 @@ class RemoteArray:
 
     @property
     def nbytes(self) -> int:
-        return self.size * self.dtype.itemsize
+        shape, dtype = wire_shape_dtype(self.shape, self.dtype)
+        return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
     @property
     def is_deleted(self) -> bool:
         return not self.buffers
 
+    def _check_usable(self) -> None:
+        if not self.buffers:
+            raise MpmdError(f"{self!r} was deleted; its data is gone")
+        if self.mesh.closed:
+            raise MpmdError(f"{self!r} belongs to {self.mesh!r}, which is closed; its data is gone")
+
+    def _wire(self) -> np.ndarray:
+        """The array as the actors hold it (key data for a key array)."""
+        if self._host is not None:
+            return self._host.result()
+        self._check_usable()
+        return self.mesh._get(self.actor, self.buffers[self.actor])
+
     def to_numpy(self) -> np.ndarray:
         """Fetch the array to the controller (waits for the computation that produces it). The result is a
-        read-only view of the received bytes (no copy); use `np.array(r)` for a writable copy."""
-        if not self.buffers:
-            raise ValueError("this RemoteArray was deleted; its data is gone")
-        return self.mesh._get(self.actor, self.buffers[self.actor])
+        read-only view of the received bytes (no copy); use `np.array(r)` for a writable copy. A typed PRNG
+        key array has no numpy form: fetch it with `mpmd.fetch(x)` (a jax key array)."""
+        if is_key(self.dtype):
+            raise TypeError(f"{self!r} holds typed PRNG keys, which numpy cannot represent; use mpmd.fetch(x) for a "
+                            "jax key array, or jax.random.key_data inside the step for its raw bits")
+        return self._wire()
+
+    def fetch(self) -> Any:
+        """The value on the controller: a numpy array, or a jax key array for typed PRNG keys."""
+        return from_wire(self._wire(), self.dtype)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         a = self.to_numpy()
         return a.astype(dtype) if dtype is not None else a
 
+    def copy_to_host_async(self) -> None:
+        """Start fetching the array (what `jax.device_get` calls first); the next fetch uses the result."""
+        if self._host is None:
+            self._check_usable()
+            self._host = self.mesh._get_async(self.actor, self.buffers[self.actor])
+
+    def block_until_ready(self) -> RemoteArray:
+        """Wait until the actors have computed this array (without fetching it); returns it."""
+        self._check_usable()
+        self.mesh._wait_ready({a: [b] for a, b in self.buffers.items()})
+        return self
+
     def delete(self) -> None:
         """Free the remote buffers now (waits for the actors to confirm)."""
         buffers, self.buffers = self.buffers, {}
-        if buffers:
+        if buffers and not self.mesh.closed:
             self.mesh._delete_now(buffers)
 
     def __del__(self) -> None:
@@ -76,5 +119,34 @@ class RemoteArray:
                 pass
 
     def __repr__(self) -> str:
-        state = "deleted" if not self.buffers else f"on actor{'s' if len(self.buffers) > 1 else ''} {','.join(map(str, self.actors))}"
-        return f"RemoteArray({self.dtype.name}{list(self.shape)}, {state})"
+        if not self.buffers:
+            where = "deleted"
+        else:
+            where = f"on actor{'s' if len(self.buffers) > 1 else ''} {','.join(map(str, self.actors))}"
+        sharding = f", sharding={self.sharding}" if self.sharding is not None else ""
+        return f"RemoteArray({dtype_text(self.dtype)}{list(self.shape)}, {where}{sharding})"
+
+
+def fetch(tree: Any) -> Any:
+    """Bring every RemoteArray of a pytree to the controller in one round trip per actor (other leaves stay
+    as they are). Returns numpy arrays (jax key arrays for typed PRNG keys), in the same tree.
+
+        params_np = mpmd.fetch(params)
+    """
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, RemoteArray))
+    wanted: dict[tuple[Any, int], list[int]] = defaultdict(list)  # (mesh, actor) -> leaf indices
+    for i, x in enumerate(leaves):
+        if isinstance(x, RemoteArray) and x._host is None:
+            x._check_usable()
+            wanted[(x.mesh, x.actor)].append(i)
+    got: dict[int, np.ndarray] = {}
+    by_mesh: dict[Any, dict[int, list[int]]] = defaultdict(dict)
+    for (mesh, a), idx in wanted.items():
+        by_mesh[mesh][a] = idx
+    for mesh, per_actor in by_mesh.items():
+        bufs = {a: [leaves[i].buffers[a] for i in idx] for a, idx in per_actor.items()}
+        arrays = mesh._get_many(bufs)
+        for a, idx in per_actor.items():
+            got.update(zip(idx, arrays[a]))
+    out = [from_wire(got[i] if i in got else x._wire(), x.dtype) if isinstance(x, RemoteArray) else x for i, x in enumerate(leaves)]
+    return jax.tree.unflatten(treedef, out)

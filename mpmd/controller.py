@@ -59,9 +59,10 @@ class ActorConnection:
     """Requests to one actor; error replies become `RemoteError`, a lost actor `ActorDiedError`."""
 
     def __init__(self, actor_id: int, address: str, ctx: zmq.asyncio.Context, alive: Callable[[], str | None] | None,
-                 stacks: Callable[[], str] | None = None):
+                 stacks: Callable[[], str] | None = None, session: int = 0):
         self.actor_id = actor_id
         self.address = address
+        self.session = session  # sent with every request: the actor keeps each controller's buffers apart
         self.client = ControlClient(ctx, address)
         self._alive = alive  # returns a reason string if the actor is known dead (local process exited)
         self._stacks = stacks  # returns what a live but silent local actor's threads are doing
@@ -73,7 +74,7 @@ class ActorConnection:
         if self.dead:
             raise ActorDiedError(self.actor_id, self.dead)
         try:
-            msg = await self.client.request(op, fields, arrays)
+            msg = await self.client.request(op, {"session": self.session, **(fields or {})}, arrays)
         except ActorDiedError:
             raise
         except ConnectionLost as e:

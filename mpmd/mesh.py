@@ -11,13 +11,8 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
-import os
-import selectors
+import secrets
 import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -30,101 +25,15 @@ import numpy as np
 import zmq.asyncio
 
 from mpmd.array import RemoteArray
+from mpmd.avals import host_value, is_key, key_impl, to_wire, unwrap_out, wire_aval, wrap_in
 from mpmd.controller import ActorConnection, EventLoopThread, Watchdog
-from mpmd.errors import ActorStartError, MpmdError
-from mpmd.lowering import aval_of, host_array, serialize_flat
+from mpmd.errors import MpmdError
+from mpmd.launch import LocalOptions, LocalProcess, start_local
+from mpmd.lowering import serialize_flat
 from mpmd.wiring import TRANSPORTS, choose_routes, peer_specs
-from transport.protocol import dtype_from_name
 
 log = logging.getLogger(__name__)
 _LIVE_MESHES: weakref.WeakSet[RemoteMesh] = weakref.WeakSet()
-
-
-class LocalProcess:
-    """An `mpmd-actor` subprocess on this machine, with its stderr kept in a file for error messages."""
-
-    def __init__(self, actor_id: int, devices: int, p2p: bool, cache_dir: str | None, address: str, log_level: str,
-                 ipc_dir: str | None = None, platform: str = "cpu"):
-        self.actor_id = actor_id
-        self.stderr = tempfile.NamedTemporaryFile(prefix=f"mpmd-actor{actor_id}-", suffix=".log", delete=False)
-        env = dict(os.environ)
-        env.pop("XLA_FLAGS", None)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        cmd = [sys.executable, "-m", "actors.daemon", "--listen", address, "--actor-id", str(actor_id),
-               "--p2p", "tcp" if p2p else "none", "--parent-pid", str(os.getpid()), "--log-level", log_level]
-        if platform == "cpu":
-            env["JAX_PLATFORMS"] = "cpu"
-            cmd += ["--cpu-devices", str(devices)]
-        else:  # actor i owns GPUs [i * devices, (i + 1) * devices)
-            env.pop("JAX_PLATFORMS", None)
-            cmd += ["--devices", ",".join(str(actor_id * devices + k) for k in range(devices))]
-        if ipc_dir:
-            cmd += ["--ipc-dir", ipc_dir]
-        if cache_dir:
-            cmd += ["--cache-dir", cache_dir]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.stderr, stdin=subprocess.DEVNULL, env=env,
-                                     start_new_session=True)
-
-    def stderr_tail(self, n: int = 2000) -> str:
-        try:
-            with open(self.stderr.name, errors="replace") as f:
-                return f.read()[-n:]
-        except OSError:
-            return ""
-
-    def wait_ready(self, deadline: float) -> str:
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        line = b""
-        while not line.endswith(b"\n"):
-            left = deadline - time.monotonic()
-            if left <= 0 or self.proc.poll() is not None:
-                break
-            if sel.select(timeout=min(left, 0.2)):
-                chunk = os.read(self.proc.stdout.fileno(), 4096)
-                if not chunk:
-                    break
-                line += chunk
-        sel.close()
-        text = line.decode(errors="replace").strip()
-        if not text.startswith("MPMD_ACTOR_READY"):
-            why = f"exited with code {self.proc.returncode}" if self.proc.poll() is not None else "did not report ready in time"
-            raise ActorStartError(f"local actor {self.actor_id} {why}. Its stderr:\n{self.stderr_tail()}")
-        return text.split()[1]
-
-    def dead_reason(self) -> str | None:
-        code = self.proc.poll()
-        if code is None:
-            return None
-        return f"its process exited with code {code}; stderr tail:\n{self.stderr_tail(800)}"
-
-    def stacks(self) -> str:
-        """Ask the daemon to dump every thread's stack (SIGUSR1, see actors/daemon.py) and return it."""
-        try:
-            start = os.path.getsize(self.stderr.name)
-            os.kill(self.proc.pid, signal.SIGUSR1)
-            time.sleep(0.3)
-            with open(self.stderr.name, errors="replace") as f:
-                before = f.read(start)[-1500:]
-                return f.read()[-6000:] + (f"\nits log before that:\n{before}" if before.strip() else "")
-        except OSError as e:
-            return f"(could not dump its stacks: {e})"
-
-    def stop(self, timeout: float = 3.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stdout:
-            self.proc.stdout.close()
-        self.stderr.close()
-        try:
-            os.unlink(self.stderr.name)
-        except OSError:
-            pass
 
 
 class RemoteMesh:
@@ -144,25 +53,31 @@ class RemoteMesh:
         self.transport = transport
         self.overlap = overlap
         self.routes: dict[tuple[int, int], str] = {}
+        # This controller's session on every actor: buffer and program ids are ours alone, so neither another
+        # mesh of this process nor another controller attached to the same daemons can touch them.
+        self.session = secrets.randbits(62) | 1
         self._processes = list(processes)
         self._io = EventLoopThread()
         self._ctx = zmq.asyncio.Context()
         procs = {p.actor_id: p for p in self._processes}
         self._conns = [ActorConnection(i, a, self._ctx, procs[i].dead_reason if i in procs else None,
-                                       procs[i].stacks if i in procs else None) for i, a in enumerate(addresses)]
+                                       procs[i].stacks if i in procs else None, self.session) for i, a in enumerate(addresses)]
         self._watchdog = Watchdog(self._conns, heartbeat_interval, heartbeat_timeout)
         self._io.call_soon(self._watchdog.start)
         self._ids = itertools.count(1)
+        self._program_ids = itertools.count(1)
         self._garbage: list[tuple[int, int]] = []
         self._garbage_lock = threading.Lock()
         self._lowered: dict[Any, tuple[bytes, Any]] = {}
         self._compiled: list[dict[bytes, str]] = [{} for _ in addresses]
         self.closed = False
+        self._opened = False
         self._tmpdir: str | None = None
         _LIVE_MESHES.add(self)
         self.actors = [ActorHandle(self, i) for i in range(len(addresses))]
         try:
-            self.infos = self.run(self._gather(self._all("info")))
+            self.infos = self.run(self._gather(self._all("hello")))
+            self._opened = True
             if transport != "none" and len(self.actors) > 1:
                 self._wire(transfer_timeout)
         except BaseException:
@@ -187,37 +102,32 @@ class RemoteMesh:
     @classmethod
     def local(cls, num_actors: int = 2, devices_per_actor: int = 1, *, transport: str = "auto", cache_dir: str | None = None,
               address: str = "ipc", platform: str = "cpu", startup_timeout: float = 120.0, log_level: str = "WARNING",
-              **kwargs: Any) -> RemoteMesh:
+              cpus_per_actor: int | None = None, **kwargs: Any) -> RemoteMesh:
         """Spawn `num_actors` daemons on this machine, each with `devices_per_actor` CPU devices (or, with
         `platform="gpu"`, that many GPUs each: actor i gets GPUs i*d .. i*d+d-1).
 
         `address="ipc"` talks over Unix sockets, `"tcp"` over loopback. `transport` picks the data plane
-        ("auto": NCCL between GPU actors, shared memory between CPU actors). The daemons exit when the mesh is
-        closed, when the `with` block ends, at interpreter exit, or when this process dies.
+        ("auto": NCCL between GPU actors, shared memory between CPU actors). `cpus_per_actor=k` pins actor i
+        to its own k cores and sizes XLA's thread pool to them (fair pipeline measurements; big CPU hosts).
+        The daemons exit when the mesh is closed, when the `with` block ends, at interpreter exit, or when this
+        process dies.
         """
-        if num_actors < 1 or devices_per_actor < 1:
-            raise ValueError(f"num_actors and devices_per_actor must be >= 1, got {num_actors} and {devices_per_actor}")
         if transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {transport!r}; choose one of {TRANSPORTS}")
         if transport == "nccl" and platform == "cpu":
             raise ValueError("transport='nccl' needs GPU actors: pass platform='gpu' (local actors run on CPU by default)")
-        if platform not in ("cpu", "gpu"):
-            raise ValueError(f"platform must be 'cpu' or 'gpu', got {platform!r}")
-        tmp = tempfile.mkdtemp(prefix="mpmd-")
-        addrs = [f"ipc://{tmp}/actor{i}.sock" if address == "ipc" else "tcp://127.0.0.1:0" for i in range(num_actors)]
-        procs = [LocalProcess(i, devices_per_actor, transport != "none", cache_dir, a, log_level, tmp, platform)
-                 for i, a in enumerate(addrs)]
+        options = LocalOptions(devices_per_actor, platform, transport != "none", cache_dir, address, log_level, cpus_per_actor,
+                               startup_timeout)
+        procs, endpoints, tmp = start_local(num_actors, options)
         try:
-            deadline = time.monotonic() + startup_timeout
-            endpoints = [p.wait_ready(deadline) for p in procs]
             mesh = cls(endpoints, procs, transport=transport, **kwargs)
-            mesh._tmpdir = tmp
-            return mesh
         except BaseException:
             for p in procs:
                 p.stop()
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        mesh._tmpdir = tmp
+        return mesh
 
     @classmethod
     def connect(cls, addresses: Sequence[str], **kwargs: Any) -> RemoteMesh:
@@ -247,9 +157,9 @@ class RemoteMesh:
         if self.closed:
             return
         self.closed = True
-        if self._processes:
-            try:
-                self._io.run(self._gather(self._all("shutdown")), timeout=5)
+        if self._opened:
+            try:  # local daemons are ours to stop; attached ones only forget this session
+                self._io.run(self._gather(self._all("shutdown" if self._processes else "bye")), timeout=5)
             except Exception:
                 pass
         for p in self._processes:
@@ -289,8 +199,70 @@ class RemoteMesh:
         msg = self.run(self._conns[actor].request("get", {"buf": buf}))
         return msg.arrays[0]  # a read-only view that keeps the received frame alive: no copy
 
+    def _get_async(self, actor: int, buf: int) -> Any:
+        """Start fetching one buffer; a concurrent future of its numpy array."""
+        import asyncio
+
+        async def get() -> np.ndarray:
+            return (await self._conns[actor].request("get", {"buf": buf})).arrays[0]
+
+        if self.closed:
+            raise MpmdError(f"{self!r} is closed")
+        return asyncio.run_coroutine_threadsafe(get(), self._io.loop)
+
+    def _get_many(self, bufs: dict[int, list[int]]) -> dict[int, list[np.ndarray]]:
+        """Several buffers per actor, one request per actor, all actors at once."""
+        actors = sorted(bufs)
+        replies = self.run(self._gather([self._conns[a].request("get", {"bufs": bufs[a]}) for a in actors]))
+        return {a: list(r.arrays) for a, r in zip(actors, replies)}
+
+    def _wait_ready(self, bufs: dict[int, list[int]]) -> None:
+        self.run(self._gather([self._conns[a].request("wait", {"bufs": b}) for a, b in bufs.items()]))
+
     def _delete_now(self, buffers: dict[int, int]) -> None:
         self.run(self._gather([self._conns[a].request("delete", {"bufs": [b]}) for a, b in buffers.items()]))
+
+    def check_owned(self, x: RemoteArray, what: str) -> None:
+        """Refuse a RemoteArray of another (or a closed) mesh: its buffer ids mean nothing here."""
+        if x.mesh is self:
+            if x.is_deleted:
+                raise MpmdError(f"{what} is a deleted RemoteArray; its data is gone")
+            return
+        state = "a closed mesh" if x.mesh.closed else repr(x.mesh)
+        raise MpmdError(f"{what} is {x!r} of {state}, not of {self!r}: its buffers live in another session and "
+                        "cannot be read here. Copy it into this mesh with mesh.adopt(x) (or pass mpmd.fetch(x), a host "
+                        "value)" + (" — but a closed mesh's data is gone" if x.mesh.closed else ""))
+
+    def adopt(self, tree: Any) -> Any:
+        """Copy the RemoteArrays of other meshes in a pytree into this one (to the same actor indices, or actor 0
+        when this mesh has fewer actors), through the controller; this mesh's own arrays and host values are
+        kept as they are. Returns the new tree.
+
+            eval_params = eval_mesh.adopt(params)   # params trained on another mesh
+        """
+        leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, RemoteArray))
+        foreign = [i for i, x in enumerate(leaves) if isinstance(x, RemoteArray) and x.mesh is not self]
+        from mpmd.array import fetch
+
+        values = fetch([leaves[i] for i in foreign])
+        out = list(leaves)
+        for i, v in zip(foreign, values):
+            actors = [a if a < len(self) else 0 for a in leaves[i].actors]
+            out[i] = self.put_replicated(v, sorted(set(actors)))
+        return jax.tree.unflatten(treedef, out)
+
+    def put_replicated(self, value: Any, actors: Sequence[int]) -> RemoteArray:
+        """Copy a host value (numpy, jax or typed key array) to each of `actors`, dtype kept as it is; one RemoteArray."""
+        wire = to_wire(value)
+        dtype = getattr(value, "dtype", wire.dtype) if is_key(getattr(value, "dtype", None)) else wire.dtype
+        bufs = {a: self.new_buffer_id() for a in actors}
+        self.run(self._gather([self._conns[a].request("put", {"buf": b}, [wire]) for a, b in bufs.items()]))
+        shape = wire.shape[: wire.ndim - (len(key_impl(dtype).key_shape) if is_key(dtype) else 0)]
+        return RemoteArray(self, bufs, shape, dtype)
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"session {self.session:x}"
+        return f"RemoteMesh({len(self.addresses)} actors at {self.addresses[0]}{', ...' if len(self.addresses) > 1 else ''}; {state})"
 
     def _release(self, buffers: dict[int, int]) -> None:
         if self.closed:
@@ -330,21 +302,23 @@ class RemoteMesh:
         return known
 
     def lower(self, fn: Callable[..., Any], args: Sequence[Any], platform: str) -> tuple[bytes, Any]:
-        """Export `fn` for these argument shapes once; returns (blob, output treedef)."""
+        """Export `fn` for these argument shapes once; returns (blob, output treedef). The executable takes
+        and returns arrays in their wire form (typed keys as key data)."""
         leaves, treedef = jax.tree.flatten(args)
-        avals = tuple(aval_of(x) for x in leaves)
+        avals = tuple(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype) for x in leaves)
         key = (fn, treedef, avals, platform)
         hit = self._lowered.get(key)
         if hit is None:
             out_tree_box: list[Any] = []
 
             def flat(*xs: Any) -> tuple[Any, ...]:
-                out = fn(*jax.tree.unflatten(treedef, xs))
+                args = [wrap_in(x, a.dtype) for x, a in zip(xs, avals)]
+                out = fn(*jax.tree.unflatten(treedef, args))
                 out_leaves, out_tree = jax.tree.flatten(out)
-                out_tree_box.append(out_tree)
-                return tuple(out_leaves)
+                out_tree_box.append((out_tree, [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_leaves]))
+                return tuple(unwrap_out(o) for o in out_leaves)
 
-            blob = serialize_flat(flat, avals, platform)
+            blob = serialize_flat(flat, [wire_aval(a) for a in avals], platform)
             hit = self._lowered[key] = (blob, out_tree_box[0])
         return hit
 
@@ -360,11 +334,8 @@ class ActorHandle:
         return f"ActorHandle({self.index}, {self.mesh.addresses[self.index]})"
 
     def put(self, x: Any) -> RemoteArray:
-        """Copy a host array (numpy or jax) to this actor."""
-        arr = np.asarray(x)
-        buf = self.mesh.new_buffer_id()
-        self.mesh.run(self.mesh.conn(self.index).request("put", {"buf": buf}, [arr]))
-        return RemoteArray(self.mesh, {self.index: buf}, arr.shape, arr.dtype)
+        """Copy a host array (numpy, jax, or a typed PRNG key array) to this actor."""
+        return self.mesh.put_replicated(x, [self.index])
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn` (e.g. a `jax.jit` function) on this actor. Arguments are RemoteArrays on this actor or
@@ -375,29 +346,40 @@ class ActorHandle:
     async def run_async(self, fn: Callable[..., Any], *args: Any) -> Any:
         mesh, conn = self.mesh, self.mesh.conn(self.index)
         leaves, treedef = jax.tree.flatten(args, is_leaf=lambda x: isinstance(x, RemoteArray))
-        leaves = [x if isinstance(x, RemoteArray) else host_array(x) for x in leaves]
-        specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, RemoteArray) else aval_of(x) for x in leaves]
-        blob, out_tree = mesh.lower(fn, jax.tree.unflatten(treedef, specs), mesh.infos[self.index].header["platform"])
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+            args, is_leaf=lambda x: isinstance(x, RemoteArray))[0]]
+        specs = []
+        for x, path in zip(leaves, paths):
+            if isinstance(x, RemoteArray):
+                mesh.check_owned(x, f"argument args{path}")
+                if self.index not in x.buffers:
+                    raise MpmdError(f"argument args{path} ({x!r}) lives on actors {x.actors}, not on actor {self.index}; "
+                                    f"copy it with mesh.actor({self.index}).put(mpmd.fetch(x)) first")
+                specs.append(jax.ShapeDtypeStruct(x.shape, x.dtype))
+            else:
+                try:
+                    specs.append(jax.ShapeDtypeStruct(np.shape(x), host_value(x).dtype))
+                except (TypeError, ValueError) as e:
+                    raise MpmdError(f"argument args{path} is a {type(x).__name__}, not an array: {e}") from None
+        blob, (out_tree, out_avals) = mesh.lower(fn, jax.tree.unflatten(treedef, specs), mesh.infos[self.index].header["platform"])
         exe = await mesh.ensure_compiled(self.index, blob)
         in_bufs = []
-        for x in leaves:
-            if isinstance(x, RemoteArray):
-                if self.index not in x.buffers:
-                    raise ValueError(f"argument {x!r} lives on actors {x.actors}, not on actor {self.index}; "
-                                     "copy it with mesh.actor(i).put(x.to_numpy()) first")
-                in_bufs.append(x.buffers[self.index])
-            else:
-                buf = mesh.new_buffer_id()
-                await conn.request("put", {"buf": buf}, [np.asarray(x)])
-                in_bufs.append(buf)
-        out_bufs = [mesh.new_buffer_id() for _ in range(out_tree.num_leaves)]
+        temps = []
         try:
-            msg = await conn.request("run", {"exe": exe, "inputs": in_bufs, "outputs": out_bufs})
+            for x in leaves:
+                if isinstance(x, RemoteArray):
+                    in_bufs.append(x.buffers[self.index])
+                else:
+                    buf = mesh.new_buffer_id()
+                    temps.append(buf)
+                    await conn.request("put", {"buf": buf}, [to_wire(host_value(x))])
+                    in_bufs.append(buf)
+            out_bufs = [mesh.new_buffer_id() for _ in out_avals]
+            await conn.request("run", {"exe": exe, "inputs": in_bufs, "outputs": out_bufs})
         finally:
-            temps = [b for x, b in zip(leaves, in_bufs) if not isinstance(x, RemoteArray)]
             if temps:
                 await conn.request("delete", {"bufs": temps})
-        outs = [RemoteArray(mesh, {self.index: b}, m["shape"], dtype_from_name(m["dtype"])) for b, m in zip(out_bufs, msg.header["outputs"])]
+        outs = [RemoteArray(mesh, {self.index: b}, a.shape, a.dtype) for b, a in zip(out_bufs, out_avals)]
         return jax.tree.unflatten(out_tree, outs)
 
     def ping(self) -> float:

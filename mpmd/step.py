@@ -14,14 +14,13 @@ import jax
 import numpy as np
 
 from mpmd.array import RemoteArray
+from mpmd.avals import host_value, to_wire
 from mpmd.compiler.plan import StepPlan, lower_templates, plan_step
 from mpmd.compiler.stages import inline_calls
 from mpmd.errors import ActorDiedError, MpmdError, PipelineError
-from mpmd.lowering import host_array
 from transport.protocol import dtype_name
 
 log = logging.getLogger(__name__)
-_program_ids = itertools.count(1)
 
 
 @dataclass
@@ -35,7 +34,7 @@ class CompiledStep:
 def _spec(x: Any) -> jax.ShapeDtypeStruct:
     if isinstance(x, RemoteArray):
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
-    x = host_array(x)
+    x = host_value(x)
     return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
 
 
@@ -80,7 +79,7 @@ class DistributedFunction:
         outer, out_tree = self.trace(*args)
         plan = plan_step(outer, len(self.mesh))
         blobs = lower_templates(plan, self.mesh.platform)
-        ids = [next(_program_ids)] * len(plan.programs)  # one id: transfer keys (program, step, tag) must agree
+        ids = [next(self.mesh._program_ids)] * len(plan.programs)  # one id: transfer keys (program, step, tag) must agree
         self.mesh.run(self._ship(plan, blobs, ids))
         compiled = self._compiled[sig] = CompiledStep(plan, ids, out_tree, time.perf_counter() - t0)
         log.info("compiled step: %d programs, %d executables in %.2f s", len(plan.programs), len(blobs), compiled.compile_seconds)
@@ -115,11 +114,11 @@ class DistributedFunction:
             for a in sorted(homes):
                 if not isinstance(x, RemoteArray):
                     inputs[a].append(-1)
-                    inline[a].append(host_array(x))
-                elif a in x.buffers:
+                    inline[a].append(to_wire(host_value(x)))
+                    continue
+                mesh.check_owned(x, f"argument {k}")
+                if a in x.buffers:
                     inputs[a].append(x.buffers[a])
-                elif x.is_deleted:
-                    raise MpmdError(f"argument {k} is a deleted RemoteArray")
                 else:  # copy it actor-to-actor first, in the same request, and keep the copy for next time
                     src, buf, tag = x.actor, mesh.new_buffer_id(), -(k + 1) * n - a
                     prologue[src].append(["send", x.buffers[src], a, tag, f"arg {k}"])

@@ -160,7 +160,7 @@ def test_a_bad_data_plane_message_fails_the_receive_and_the_actor_survives(mesh2
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(mesh2.infos[1].header["p2p"]["tcp"])
     sock.send_multipart([b"\x00garbage"])
-    sock.send_multipart(encode({"op": "shm", "src": 0, "key": [pid, 0, 3], "seg": 1, "name": "/mpmd-no-such-segment",
+    sock.send_multipart(encode({"op": "shm", "src": 0, "key": [mesh2.session, pid, 0, 3], "seg": 1, "name": "/mpmd-no-such-segment",
                                 "size": 1 << 18, "arrays": [{"dtype": "float32", "shape": [1024, 64]}]}))
 
     async def go():

@@ -77,7 +77,7 @@ def test_buffers_are_freed_on_delete_and_on_garbage_collection(mesh2):
     assert grown["buffers"] == base["buffers"] + 2 and grown["bytes"] == base["bytes"] + 256 * 256 * 4 + 1000
     a.delete()
     assert a.is_deleted
-    with pytest.raises(ValueError, match="deleted"):
+    with pytest.raises(mpmd.MpmdError, match="deleted"):
         a.to_numpy()
     del b
     deadline = time.time() + 5
@@ -128,16 +128,22 @@ def raw_request(address, frames, timeout_ms=5000):
     [
         ([b"\x92\x01\x02"], "must be a msgpack map"),
         ([b"\xc1\xc1"], "not valid msgpack"),
-        (encode({"op": "launch_missiles", "id": 7}), "unknown op 'launch_missiles'"),
-        (encode({"op": "get", "id": 8}), "lacks field 'buf'"),
-        (encode({"op": "get", "id": 9, "buf": "x"}), "must be int"),
-        (encode({"op": "run", "id": 10, "exe": "nope", "inputs": [], "outputs": []}), "no executable 'nope'"),
-        (encode({"op": "run_program", "id": 11, "program": 5, "step": 0, "inputs": [], "outputs": []}), "no program 5"),
-        (encode({"op": "compile", "id": 12}, [np.frombuffer(b"not a stablehlo module", np.uint8)]), ""),
+        ({"op": "launch_missiles", "id": 7}, "unknown op 'launch_missiles'"),
+        ({"op": "get", "id": 8}, "lacks field 'buf'"),
+        ({"op": "get", "id": 9, "buf": "x"}, "must be int"),
+        ({"op": "run", "id": 10, "exe": "nope", "inputs": [], "outputs": []}, "no executable 'nope'"),
+        ({"op": "run_program", "id": 11, "program": 987654, "step": 0, "inputs": [], "outputs": []}, "no program 987654"),
+        (({"op": "compile", "id": 12}, [np.frombuffer(b"not a stablehlo module", np.uint8)]), ""),
+        ({"op": "get", "id": 13, "buf": 1, "session": 12345}, "needs an open session"),
     ],
 )
 def test_malformed_requests_get_error_replies_and_the_daemon_keeps_serving(mesh2, frames, needle):
+    """Requests in this mesh's session (unless they name another), and raw garbage."""
     address = mesh2.addresses[0]
+    if isinstance(frames, dict):
+        frames = encode({"session": mesh2.session, **frames})
+    elif isinstance(frames, tuple):
+        frames = encode({"session": mesh2.session, **frames[0]}, frames[1])
     reply = raw_request(address, [bytes(f) for f in frames])
     assert reply.op == "error" and needle in reply.header["message"]
     pong = raw_request(address, [bytes(f) for f in encode({"op": "ping", "id": 1})])

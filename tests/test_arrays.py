@@ -1,0 +1,89 @@
+"""RemoteArray behaves like the arrays users pass around, knows its mesh, and sessions keep controllers apart."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mpmd
+
+
+def test_remote_array_has_the_array_attributes_and_a_useful_repr(mesh2):
+    a = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    r = mesh2.actor(1).put(a)
+    assert (r.shape, r.dtype, r.ndim, r.size, r.nbytes) == (a.shape, a.dtype, a.ndim, a.size, a.nbytes)
+    assert repr(r) == "RemoteArray(float32[2, 3, 4], on actor 1)"
+    assert r.block_until_ready() is r
+    np.testing.assert_array_equal(np.asarray(r), a)
+    np.testing.assert_array_equal(jax.device_get(r), a)
+    np.testing.assert_array_equal(jax.device_get({"x": [r]})["x"][0], a)
+    assert jax.tree.leaves({"p": r, "q": (r, 1.0)}) == [r, r, 1.0]
+    doubled = jax.tree.map(lambda x: x, {"p": r})
+    assert doubled["p"] is r
+
+
+def test_fetch_brings_a_whole_pytree_home_in_one_request_per_actor(mesh2):
+    rng = np.random.default_rng(0)
+    host = {"a": [rng.standard_normal(3).astype(np.float32) for _ in range(4)], "b": rng.standard_normal((2, 2))}
+    remote = {"a": [mesh2.actor(i % 2).put(x) for i, x in enumerate(host["a"])], "b": mesh2.actor(0).put(host["b"]), "c": 7}
+    before = [mesh2.conn(a).client.requests_sent for a in range(2)]
+    got = mpmd.fetch(remote)
+    after = [mesh2.conn(a).client.requests_sent for a in range(2)]
+    assert [y - x for x, y in zip(before, after)] == [1, 1]
+    assert got["c"] == 7
+    for g, w in zip(got["a"], host["a"]):
+        np.testing.assert_array_equal(g, w)
+    np.testing.assert_array_equal(got["b"], host["b"])
+
+
+def test_typed_prng_keys_round_trip_through_an_actor(mesh2):
+    keys = jax.random.split(jax.random.key(42), 5)
+    r = mesh2.actor(0).put(keys)
+    assert r.shape == (5,) and jax.dtypes.issubdtype(r.dtype, jax.dtypes.prng_key)
+    assert "key<fry>[5]" in repr(r)
+    back = mpmd.fetch(r)
+    np.testing.assert_array_equal(jax.random.key_data(back), jax.random.key_data(keys))
+    with pytest.raises(TypeError, match="mpmd.fetch"):
+        np.asarray(r)
+    # a jitted function on the actor takes and returns typed keys
+    out = mesh2.actor(0).run(jax.jit(lambda k: (jax.random.split(k[0]), jax.random.normal(k[1], (3,)))), r)
+    want = jax.jit(lambda k: (jax.random.split(k[0]), jax.random.normal(k[1], (3,))))(keys)
+    np.testing.assert_array_equal(jax.random.key_data(mpmd.fetch(out[0])), jax.random.key_data(want[0]))
+    np.testing.assert_array_equal(out[1].to_numpy(), np.asarray(want[1]))
+
+
+def test_an_array_of_another_mesh_is_refused_naming_both_meshes_and_adopted_on_request(mesh2):
+    f = jax.jit(lambda x: x * 2.0)
+    with mpmd.RemoteMesh.local(num_actors=1) as other:
+        x = other.actor(0).put(np.arange(4, dtype=np.float32))
+        with pytest.raises(mpmd.MpmdError) as e:
+            mesh2.actor(0).run(f, x)
+        text = str(e.value)
+        assert repr(other) in text and repr(mesh2) in text and "mesh.adopt(x)" in text
+        adopted = mesh2.adopt({"x": x, "host": 3.0})
+        assert adopted["host"] == 3.0 and adopted["x"].mesh is mesh2 and adopted["x"].actors == [0]
+        np.testing.assert_array_equal(mesh2.actor(0).run(f, adopted["x"]).to_numpy(), np.arange(4) * 2.0)
+    # the other mesh is closed now: its arrays are refused, saying so
+    with pytest.raises(mpmd.MpmdError, match="closed"):
+        mesh2.actor(0).run(f, x)
+    with pytest.raises(mpmd.MpmdError, match="closed"):
+        x.to_numpy()
+
+
+def test_two_controllers_on_the_same_daemons_never_see_each_others_buffers(mesh2):
+    mine = mesh2.actor(0).put(np.full(3, 1.0, np.float32))
+    with mpmd.RemoteMesh.connect(mesh2.addresses, transport="none") as second:
+        # the second controller names the first one's buffer id on the same daemon: its session has no such buffer
+        stolen = mpmd.RemoteArray(second, dict(mine.buffers), mine.shape, mine.dtype)
+        with pytest.raises(mpmd.RemoteError, match="holds no buffer"):
+            stolen.to_numpy()
+        # and both number their buffers from 1 without clashing
+        theirs = [second.actor(0).put(np.full(3, 2.0, np.float32)) for _ in range(mine.buffers[0] + 1)]
+        assert mine.buffers[0] in {t.buffers[0] for t in theirs}
+        np.testing.assert_array_equal(mine.to_numpy(), np.full(3, 1.0))
+        np.testing.assert_array_equal(theirs[mine.buffers[0] - 1].to_numpy(), np.full(3, 2.0))
+        assert second.actor(0).stats()["buffers"] == len(theirs)
+        assert mesh2.actor(0).info()["sessions"] >= 2
+        del stolen
+    np.testing.assert_array_equal(mine.to_numpy(), np.full(3, 1.0))  # the second controller left it alone
+    assert jnp.asarray(mine.to_numpy()).sum() == 3.0
