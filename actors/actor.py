@@ -26,6 +26,7 @@ import numpy as np
 from actors.buffers import BufferTable, UnknownBufferError
 from actors.cache import ExecutableCache
 from transport.p2p import P2PTransport, TransferError
+from transport.program import Instruction, Program, ProgramError, Recv, Run, Send, decode_instruction, decode_program
 from transport.protocol import Message, aval_header, dtype_from_name
 
 log = logging.getLogger(__name__)
@@ -184,10 +185,13 @@ class Actor:
     async def run(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         exe = self.cache.get(field(msg, "exe", str))
         inputs, outputs = int_list(msg, "inputs"), int_list(msg, "outputs")
+        if set(inputs) & set(outputs) or len(set(outputs)) != len(outputs):
+            raise RequestError(f"'run': an output buffer id is also an input or given twice (inputs {inputs}, outputs {outputs})")
+        refs = [ses.buffers.ref(b) for b in inputs]  # unknown ids fail here, before anything is reserved
         for b in outputs:
             ses.buffers.reserve(b)
         try:
-            args = [await ses.buffers.get(b) for b in inputs]
+            args = [await asyncio.shield(r) if isinstance(r, asyncio.Future) else r for r in refs]
             results = exe(*args)
             if len(results) != len(outputs):
                 raise RequestError(f"executable returns {len(results)} values but {len(outputs)} output ids were given")
@@ -244,13 +248,14 @@ class Actor:
 
     # ---- programs --------------------------------------------------------------------------------
     async def load_program(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
-        prog = field(msg, "program", dict)
-        pid = prog.get("id")
-        if not isinstance(pid, int) or not isinstance(prog.get("instrs"), list):
-            raise RequestError("'load_program' needs a program map with int 'id' and list 'instrs'")
-        for ins in prog["instrs"]:
-            if ins and ins[0] == "run":
-                self.cache.get(ins[1])  # every executable must be compiled before the program arrives
+        try:
+            pid, prog = decode_program(field(msg, "program", dict), msg.arrays)
+        except ProgramError as e:
+            raise RequestError(f"'load_program': {e}") from None
+        for ins in prog.instructions:
+            if isinstance(ins, Run):
+                self.cache.get(ins.exe)  # every executable must be compiled before the program arrives
+        prog.consts = {b: self._to_device(a) for b, a in prog.consts.items()}
         ses.programs[pid] = prog
         return {"program": pid}, []
 
@@ -260,34 +265,46 @@ class Actor:
         if prog is None:
             raise RequestError(f"no program {pid} on actor {self.actor_id}; load it first ({sorted(ses.programs)} loaded)")
         inputs, outputs = int_list(msg, "inputs"), int_list(msg, "outputs")
-        if len(inputs) != len(prog["inputs"]) or len(outputs) != len(prog["outputs"]):
-            raise RequestError(
-                f"program {pid} takes {len(prog['inputs'])} inputs and {len(prog['outputs'])} outputs; "
-                f"got {len(inputs)} and {len(outputs)}"
-            )
+        if len(inputs) != len(prog.inputs) or len(outputs) != len(prog.outputs):
+            raise RequestError(f"program {pid} takes {len(prog.inputs)} inputs and {len(prog.outputs)} outputs; "
+                               f"got {len(inputs)} and {len(outputs)}")
         if sum(b < 0 for b in inputs) != len(msg.arrays):
             raise RequestError(f"{sum(b < 0 for b in inputs)} inputs are marked inline (-1) but {len(msg.arrays)} arrays came")
         sync = msg.header.get("sync", False)
         if not isinstance(sync, bool):
             raise RequestError("'run_program' field 'sync' must be a bool")
-        prologue = msg.header.get("prologue", [])
-        if not isinstance(prologue, list):
+        raw_prologue = msg.header.get("prologue", [])
+        if not isinstance(raw_prologue, list):
             raise RequestError("'run_program' field 'prologue' must be a list of instructions")
-        for ins in prologue:  # buffers copied in from other actors before the program reads them
-            if isinstance(ins, list) and ins and ins[0] == "recv":
-                ses.buffers.reserve(ins[1])
-        # Take every input now (before any await), so a delete that arrives next cannot pull it away.
+        try:
+            prologue = [decode_instruction(i) for i in raw_prologue]
+        except ProgramError as e:
+            raise RequestError(f"'run_program' prologue: {e}") from None
+        if any(not isinstance(i, (Send, Recv)) for i in prologue):
+            raise RequestError("a prologue holds only send and recv instructions")
+        received = {i.buf for i in prologue if isinstance(i, Recv)}  # copied in from other actors, then read as inputs
+        clash = set(outputs) & (set(inputs) | received)
+        if clash or len(set(outputs)) != len(outputs):
+            raise RequestError(f"program {pid}: an output buffer id is also an input or given twice ({sorted(clash) or outputs})")
+        # Check every input before reserving anything or awaiting: a bad id fails the request with nothing
+        # left reserved. Then take them all at once, so a delete arriving next cannot pull one away.
+        for b in [*(b for b in inputs if b >= 0 and b not in received), *(i.buf for i in prologue if isinstance(i, Send))]:
+            ses.buffers.ref(b)
+        for b in received:
+            ses.buffers.reserve(b)
         inline = iter(msg.arrays)
         refs = [self._to_device(next(inline)) if b < 0 else ses.buffers.ref(b) for b in inputs]
         for b in outputs:
             ses.buffers.reserve(b)
         key = (pid, step)
         env = BufferTable(f"actor {self.actor_id} program {pid} step {step}")
-        task = asyncio.get_running_loop().create_task(self._execute(ses, prog, step, env, refs, prologue, sync))
+        for b, v in prog.consts.items():
+            env.put(b, v)
+        task = asyncio.get_running_loop().create_task(self._execute(ses, pid, prog, step, env, refs, prologue, sync))
         ses.running[key] = task
         try:
             await task
-            results = [env.get_now(local) for local in prog["outputs"]]
+            results = [env.get_now(local) for local in prog.outputs]
         except BaseException as e:
             for b in outputs:
                 ses.buffers.fail(b, e)
@@ -311,69 +328,63 @@ class Actor:
             task.cancel()
         return {"aborted": task is not None}, []
 
-    async def _execute(self, ses: Session, prog: dict[str, Any], step: int, env: BufferTable, refs: list, prologue: list,
-                       sync: bool) -> None:
+    async def _execute(self, ses: Session, pid: int, prog: Program, step: int, env: BufferTable, refs: list,
+                       prologue: list[Instruction], sync: bool) -> None:
         # The prologue copies arguments between actors; post it before waiting for those arguments.
-        transfers = self._transfers((ses.id, prog["id"], step), ses.buffers, prologue)
+        transfers = self._transfers((ses.id, pid, step), ses.buffers, prologue)
         try:
-            for local, ref in zip(prog["inputs"], refs):
+            for local, ref in zip(prog.inputs, refs):
                 env.put(local, await asyncio.shield(ref) if isinstance(ref, asyncio.Future) else ref)
-            await self._interpret((ses.id, prog["id"], step), env, prog["instrs"], sync)
+            await self._interpret((ses.id, pid, step), env, prog.instructions, sync)
             await asyncio.gather(*transfers)
         finally:
             for t in transfers:
                 t.cancel()
 
-    def _transfers(self, step_key: tuple[int, int, int], env: BufferTable, instrs: list, sync: bool = False) -> list[asyncio.Task[None]]:
+    def _transfers(self, step_key: tuple[int, int, int], env: BufferTable, instrs: list[Instruction],
+                   sync: bool = False) -> list[asyncio.Task[None]]:
         """Start the sends and receives in `instrs`; a transfer's key is (session, program, step, tag)."""
         tasks = []
         for ins in instrs:
-            if ins[0] == "send":
-                _, buf, peer, tag, label = ins
-                ref = env.ref(buf)  # taken now: a `del` right after the send may drop the buffer from the table
-                tasks.append(asyncio.create_task(self._send(ref, peer, (*step_key, tag), label, sync)))
-            elif ins[0] == "recv":
-                _, buf, peer, tag, dtype, shape, label = ins
-                env.reserve(buf)
-                tasks.append(asyncio.create_task(self._recv(env, buf, peer, (*step_key, tag), dtype, shape, label)))
-            else:
-                raise RequestError(f"a prologue holds only send and recv instructions, got {ins[0]!r}")
+            if isinstance(ins, Send):
+                ref = env.ref(ins.buf)  # taken now: a `del` right after the send may drop the buffer from the table
+                tasks.append(asyncio.create_task(self._send(ref, ins.to_actor, (*step_key, ins.tag), str(ins.label), sync)))
+            elif isinstance(ins, Recv):
+                env.reserve(ins.buf)
+                tasks.append(asyncio.create_task(self._recv(env, ins, (*step_key, ins.tag))))
         return tasks
 
-    async def _interpret(self, step_key: tuple[int, int, int], env: BufferTable, instrs: list, sync: bool) -> None:
+    async def _interpret(self, step_key: tuple[int, int, int], env: BufferTable, instrs: list[Instruction], sync: bool) -> None:
         sends: dict[int, list[asyncio.Task[None]]] = {}
         recvs: list[asyncio.Task[None]] = []
         inflight: list[asyncio.Task[None]] = []  # sends whose buffer is already dropped from the table
+        debug = log.isEnabledFor(logging.DEBUG)
         try:
             for ins in instrs:
-                op = ins[0]
-                if log.isEnabledFor(logging.DEBUG):
+                if debug:
                     log.debug("session %x program %d step %d: %s", *step_key, ins)
-                if op == "run":
-                    _, exe_key, ins_, outs, label = ins
-                    args = [await env.get(b) for b in ins_]
+                if isinstance(ins, Run):
+                    args = [await env.get(b) for b in ins.inputs]
                     tail = self._tail
                     if self.in_order and tail and not all(r.is_ready() for r in tail):
                         await asyncio.to_thread(jax.block_until_ready, tail)
-                    results = self.cache.get(exe_key)(*args)
+                    results = self.cache.get(ins.exe)(*args)
                     self._tail = results if self.in_order else None
-                    for b, r in zip(outs, results):
+                    for b, r in zip(ins.outputs, results):
                         env.put(b, r)
-                elif op == "send" or op == "recv":
+                elif isinstance(ins, (Send, Recv)):
                     (t,) = self._transfers(step_key, env, [ins], sync)
-                    if sync and op == "send":
+                    if sync and isinstance(ins, Send):
                         await t
                     else:
-                        (sends.setdefault(ins[1], []) if op == "send" else recvs).append(t)
-                elif op == "del":
-                    for b in ins[1]:
+                        (sends.setdefault(ins.buf, []) if isinstance(ins, Send) else recvs).append(t)
+                else:
+                    for b in ins.bufs:
                         pending = sends.pop(b, ())
                         if pending and not env.has_value(b):  # still being received: its sends hold a future
                             await asyncio.gather(*pending)
                         inflight.extend(pending)
-                    env.delete(ins[1])
-                else:
-                    raise RequestError(f"program {step_key[1]}: unknown instruction {op!r}")
+                    env.delete(list(ins.bufs))
             await asyncio.gather(*(t for ts in sends.values() for t in ts), *inflight, *recvs)
         except BaseException:
             for t in [*recvs, *inflight, *(t for ts in sends.values() for t in ts)]:
@@ -386,7 +397,8 @@ class Actor:
             raise TransferError(f"actor {self.actor_id} has no data plane to send {label} to actor {peer}")
         await self.p2p.send(peer, key, value, wait=sync)
 
-    async def _recv(self, env: BufferTable, buf: int, peer: int, key: tuple, dtype: str, shape: list, label: str) -> None:
+    async def _recv(self, env: BufferTable, ins: Recv, key: tuple) -> None:
+        peer, label = ins.from_actor, str(ins.label)
         try:
             if self.p2p is None:
                 raise TransferError(f"actor {self.actor_id} has no data plane to receive {label} from actor {peer}")
@@ -394,20 +406,20 @@ class Actor:
                 got = await asyncio.wait_for(self.p2p.recv(peer, key), self.transfer_timeout)
             except TimeoutError:
                 raise TransferError(
-                    f"actor {self.actor_id} waited {self.transfer_timeout:g} s for {label} (tag {key[3]}) from actor {peer} "
+                    f"actor {self.actor_id} waited {self.transfer_timeout:g} s for {label} (tag {ins.tag}) from actor {peer} "
                     f"and nothing came; is actor {peer} stuck? (RemoteMesh(..., transfer_timeout=s) sets this limit)"
                 ) from None
-            want = dtype_from_name(dtype)
-            if np.dtype(got.dtype) != want or list(got.shape) != list(shape):
+            want = dtype_from_name(ins.dtype)
+            if np.dtype(got.dtype) != want or tuple(got.shape) != tuple(ins.shape):
                 raise TransferError(
-                    f"actor {self.actor_id} expected {want.name}{list(shape)} from actor {peer} for {label} "
-                    f"(tag {key[3]}), received {np.dtype(got.dtype).name}{list(got.shape)}"
+                    f"actor {self.actor_id} expected {want.name}{list(ins.shape)} from actor {peer} for {label} "
+                    f"(tag {ins.tag}), received {np.dtype(got.dtype).name}{list(got.shape)}"
                 )
             # A received host array is ours alone (fresh aligned buffer, or shared memory reused only after
             # the array is gone), so JAX may alias it instead of copying.
-            env.put(buf, jax.device_put(got, self.device, may_alias=True) if isinstance(got, np.ndarray) else got)
+            env.put(ins.buf, jax.device_put(got, self.device, may_alias=True) if isinstance(got, np.ndarray) else got)
         except BaseException as e:
-            env.fail(buf, e)
+            env.fail(ins.buf, e)
             raise
 
     # ---- dispatch --------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import mpmd
-from mpmd.program import Delete, Label, Program, Recv, Run, Send
+from mpmd.program import Delete, Label, Program, Recv, Run, Send, Task
 
 _ids = itertools.count(1)
 
@@ -58,7 +58,7 @@ class Bench:
     def load(self, progs: dict[int, Program], exes: dict[int, list[str]]) -> int:
         pid = next(_ids)
         for a, p in progs.items():
-            self.mesh.run(self.mesh.conn(a).request("load_program", {"program": p.encode(pid, exes.get(a, []))}))
+            self.mesh.run(self.mesh.load_program(a, p, pid, exes.get(a, [])))
         return pid
 
     def time_step(self, pid: int, progs: dict[int, Program], sync: bool, step: int) -> float:
@@ -87,7 +87,7 @@ class Bench:
     def programs(self, compute: bool, transfer: bool) -> dict[int, Program]:
         """Actor 0: [Run f(x) -> y_i; Send y_i; Del y_i] x M. Actor 1: [Recv y_i; Run sum(y_i); Del y_i] x M.
         Without transfers, actor 0 sums its last y itself, so that the step has a result to wait for."""
-        n, lab = self.n, Label("fwd", 0)
+        n, lab = self.n, Label.of(Task(0, "F", 0))
         p0 = Program(0, [0], [])
         p1 = Program(1, [], [])
         for i in range(self.m):
@@ -96,13 +96,13 @@ class Bench:
             if transfer:
                 p0.instructions.append(Send(y if compute else 0, 1, i, lab))
                 r, s = 1000 + i, 2000 + i
-                p1.instructions += [Recv(r, 0, i, "float32", (n,), lab), Run(0, (r,), (s,), Label("fwd", 1)), Delete((r,), lab)]
+                p1.instructions += [Recv(r, 0, i, "float32", (n,), lab), Run(0, (r,), (s,), Label.of(Task(1, "F", 0))), Delete((r,), lab)]
                 p1.outputs.append(s)
             if compute:
                 p0.instructions.append(Delete((y,), lab))
         p0.instructions = [ins for ins in p0.instructions if ins is not None]
         if not transfer:
-            p0.instructions.insert(-1, Run(1, (self.m,), (9999,), Label("fwd", 1)))
+            p0.instructions.insert(-1, Run(1, (self.m,), (9999,), Label.of(Task(1, "F", 0))))
             p0.outputs.append(9999)
         return {0: p0, 1: p1} if transfer else {0: p0}
 

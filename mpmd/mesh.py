@@ -30,6 +30,7 @@ from mpmd.controller import ActorConnection, EventLoopThread, Watchdog
 from mpmd.errors import MpmdError
 from mpmd.launch import LocalOptions, LocalProcess, start_local
 from mpmd.lowering import serialize_flat
+from mpmd.program import Program, encode_program
 from mpmd.wiring import TRANSPORTS, choose_routes, peer_specs
 
 log = logging.getLogger(__name__)
@@ -300,6 +301,14 @@ class RemoteMesh:
             msg = await self._conns[actor].request("compile", arrays=[np.frombuffer(blob, np.uint8)])
             known = self._compiled[actor][blob] = msg.header["exe"]
         return known
+
+    async def load_program(self, actor: int, program: Program, program_id: int, exe_keys: list[str]) -> None:
+        """Ship one actor's Program (its Runs naming `exe_keys[i]` for executable i), constants as frames."""
+        wire = encode_program(program, program_id, exe_keys)
+        await self._conns[actor].request("load_program", {"program": wire}, [program.consts[c] for c in wire["consts"]])
+
+    def new_program_id(self) -> int:
+        return next(self._program_ids)
 
     def lower(self, fn: Callable[..., Any], args: Sequence[Any], platform: str) -> tuple[bytes, Any]:
         """Export `fn` for these argument shapes once; returns (blob, output treedef). The executable takes

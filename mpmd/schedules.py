@@ -11,18 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mpmd.errors import ScheduleError
+from transport.program import Task
 
 F, B = "F", "B"
-
-
-@dataclass(frozen=True)
-class Task:
-    stage: int
-    kind: str  # "F" or "B"
-    mb: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.mb}"
 
 
 @dataclass(frozen=True)
@@ -97,12 +88,7 @@ class Custom(Schedule):
         for row in self.order:
             tasks = []
             for t in row:
-                if isinstance(t, Task):
-                    tasks.append(t)
-                    continue
-                kind = F if F in t else B
-                stage, mb = t.split(kind)
-                tasks.append(Task(int(stage), kind, int(mb)))
+                tasks.append(t if isinstance(t, Task) else Task.parse(t))
             out.append(tasks)
         return out
 

@@ -79,7 +79,7 @@ class DistributedFunction:
         outer, out_tree = self.trace(*args)
         plan = plan_step(outer, len(self.mesh))
         blobs = lower_templates(plan, self.mesh.platform)
-        ids = [next(self.mesh._program_ids)] * len(plan.programs)  # one id: transfer keys (program, step, tag) must agree
+        ids = [self.mesh.new_program_id()] * len(plan.programs)  # one id: transfer keys (program, step, tag) must agree
         self.mesh.run(self._ship(plan, blobs, ids))
         compiled = self._compiled[sig] = CompiledStep(plan, ids, out_tree, time.perf_counter() - t0)
         log.info("compiled step: %d programs, %d executables in %.2f s", len(plan.programs), len(blobs), compiled.compile_seconds)
@@ -87,8 +87,8 @@ class DistributedFunction:
 
     async def _ship(self, plan: StepPlan, blobs: dict[Any, bytes], ids: list[int]) -> None:
         async def one(prog: Any, pid: int) -> None:
-            keys = [await self.mesh.ensure_compiled(prog.actor, blobs[t]) for t in prog.templates]
-            await self.mesh.conn(prog.actor).request("load_program", {"program": prog.encode(pid, keys)})
+            keys = [await self.mesh.ensure_compiled(prog.actor, blobs[t]) for t in prog.executables]
+            await self.mesh.load_program(prog.actor, prog, pid, keys)
 
         await asyncio.gather(*(one(p, pid) for p, pid in zip(plan.programs, ids)))
 

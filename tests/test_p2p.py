@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import mpmd
-from mpmd.program import Label, Program, Recv, Send
+from mpmd.program import Label, Program, Recv, Send, Task
 from transport.protocol import dtype_name
 
 _ids = itertools.count(10_000)
@@ -42,7 +42,7 @@ def run_transfers(mesh, pairs, keep=False):
     progs = transfer_programs(pairs)
     pid = next(_ids)
     for a, p in progs.items():
-        mesh.run(mesh.conn(a).request("load_program", {"program": p.encode(pid, [])}))
+        mesh.run(mesh.load_program(a, p, pid, []))
     inputs = {0: [], 1: []}
     outputs = {0: [], 1: []}
     for src, dst, tag, arr in pairs:
@@ -133,11 +133,11 @@ def test_a_receive_whose_peer_never_sends_times_out_naming_both_actors_and_the_t
     and the actor must serve the next request."""
     with mpmd.RemoteMesh.local(num_actors=2, transfer_timeout=0.5) as mesh:
         pid = next(_ids)
-        mesh.run(mesh.conn(0).request("load_program", {"program": Program(0, [], [], []).encode(pid, [])}))
-        recv = Program(1, [], [0], [Recv(0, 0, 7, "float32", (3,), Label("fwd s0 mb2"))])
-        mesh.run(mesh.conn(1).request("load_program", {"program": recv.encode(pid, [])}))
+        mesh.run(mesh.load_program(0, Program(0, [], [], []), pid, []))
+        recv = Program(1, [], [0], [Recv(0, 0, 7, "float32", (3,), Label.of(Task(0, "F", 2)))])
+        mesh.run(mesh.load_program(1, recv, pid, []))
         t = time.monotonic()
-        with pytest.raises(mpmd.RemoteError, match=r"actor 1 waited 0.5 s for fwd s0 mb2 \(tag 7\) from actor 0") as e:
+        with pytest.raises(mpmd.RemoteError, match=r"actor 1 waited 0.5 s for 0F2 \(tag 7\) from actor 0") as e:
             mesh.run(mesh.conn(1).request("run_program", {"program": pid, "step": 0, "inputs": [], "outputs": [mesh.new_buffer_id()]}))
         assert e.value.remote_type == "TransferError" and time.monotonic() - t < 30
         assert mesh.actor(1).ping() > 0
@@ -154,7 +154,7 @@ def test_a_bad_data_plane_message_fails_the_receive_and_the_actor_survives(mesh2
 
     pid = next(_ids)
     recv = Program(1, [], [0], [Recv(0, 0, 3, "float32", (1024, 64), Label("xfer"))])
-    mesh2.run(mesh2.conn(1).request("load_program", {"program": recv.encode(pid, [])}))
+    mesh2.run(mesh2.load_program(1, recv, pid, []))
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -179,7 +179,7 @@ def test_a_transfer_of_the_wrong_shape_fails_naming_both_actors_and_the_tag(mesh
     progs[1].instructions[0] = Recv(1, 0, 5, "float32", (4, 3), Label("xfer"))
     pid = next(_ids)
     for act, p in progs.items():
-        mesh2.run(mesh2.conn(act).request("load_program", {"program": p.encode(pid, [])}))
+        mesh2.run(mesh2.load_program(act, p, pid, []))
     src = mesh2.actor(0).put(a)
 
     async def go():

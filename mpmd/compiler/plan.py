@@ -159,7 +159,7 @@ def plan_step(outer: ClosedJaxpr, num_mesh_actors: int) -> StepPlan:
             ins, outs = chunk_interface(c, elsewhere, constvars)
             for v in [*ins, *outs]:
                 avals[v] = v.aval
-            out.append(Unit(c.actor, eqns_fn(c.eqns, ins, outs, consts), (kind, c.seq), list(ins), list(outs), Label(kind, mb=None)))
+            out.append(Unit(c.actor, eqns_fn(c.eqns, ins, outs, consts), (kind, c.seq), list(ins), list(outs), Label(kind)))
         return out
 
     pre_units = chunk_units(pre_chunks, "pre")
@@ -200,9 +200,8 @@ def plan_step(outer: ClosedJaxpr, num_mesh_actors: int) -> StepPlan:
                 avals[("acc", j, i)] = body.jaxpr.outvars[j].aval
             gvars = [body.jaxpr.outvars[j] for j in js]
             fn = _task_fn(t, in_vars, body_consts, gvars, [j in first for j in js])
-            kind = "fwd" if t.kind == "F" else "bwd"
             loop_units[a].append(Unit(a, fn, ("task", t.stage, t.kind, tuple(j in first for j in js)), ins + acc_in, outs,
-                                      Label(kind, t.stage, i)))
+                                      Label.of(task)))
             for j in js:
                 last_acc[j] = i
     alias: dict[Hashable, Hashable] = {}
@@ -333,8 +332,7 @@ def _build_programs(per_actor: dict[int, list[Unit]], jaxpr: Any, arg_homes: lis
                 for dst in sends_from.get((a, k), []):
                     instrs.append(Send(buf(k), dst, tags[(k, dst)], u.label))
         outputs = [buf(k) for k in outputs_on.get(a, [])]
-        prog = Program(a, inputs, outputs, _with_deletes(instrs, set(outputs)))
-        prog.templates = list(exes)  # type: ignore[attr-defined]
+        prog = Program(a, inputs, outputs, _with_deletes(instrs, set(outputs)), executables=list(exes))
         programs.append(prog)
     return programs, out_homes
 
