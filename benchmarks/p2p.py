@@ -18,7 +18,7 @@ import numpy as np
 
 import mpmd
 from benchmarks.control_plane import raw_throughput
-from mpmd.program import Label, Program, Recv, Send, Task
+from mpmd.program import Label, Program, Recv, Send
 from transport.protocol import dtype_name
 
 _ids = itertools.count(1)
