@@ -140,6 +140,7 @@ class Program:
     instructions: list[Instruction] = field(default_factory=list)
     consts: dict[int, Any] = field(default_factory=dict)
     executables: list[Any] = field(default_factory=list)  # what the Runs' exe indices name (compiler: templates)
+    buffer_bytes: dict[int, int] = field(default_factory=dict)  # bytes of each local buffer (compiler side; not sent)
 
     def __str__(self) -> str:
         head = f"actor {self.actor}: inputs {self.inputs} outputs {self.outputs}"
