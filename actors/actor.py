@@ -179,7 +179,8 @@ class Actor:
     async def compile(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         if len(msg.arrays) != 1:
             raise RequestError("'compile' carries the serialized executable as one uint8 frame")
-        key, cached = await self.cache.compile(msg.arrays[0].data)
+        donate = int_list(msg, "donate") if "donate" in msg.header else []
+        key, cached = await self.cache.compile(msg.arrays[0].data, tuple(donate))
         return {"exe": key, "cached": cached}, []
 
     async def run(self, ses: Session | None, msg: Message) -> tuple[dict, list]:

@@ -37,14 +37,15 @@ class ExecutableCache:
     def __len__(self) -> int:
         return len(self._compiled)
 
-    def _compile(self, blob: bytes) -> Any:
+    def _compile(self, blob: bytes, donate: tuple[int, ...]) -> Any:
         exp = export.deserialize(bytearray(blob))
         with jax.default_device(self._device):
-            return jax.jit(exp.call).lower(*exp.in_avals).compile()
+            return jax.jit(exp.call, donate_argnums=donate).lower(*exp.in_avals).compile()
 
-    async def compile(self, blob: bytes | memoryview) -> tuple[str, bool]:
-        """Compile `blob` (or find it cached). Returns (key, was_cached)."""
-        key = content_hash(blob)
+    async def compile(self, blob: bytes | memoryview, donate: tuple[int, ...] = ()) -> tuple[str, bool]:
+        """Compile `blob` (or find it cached), letting the inputs at `donate` share buffers with outputs.
+        Returns (key, was_cached)."""
+        key = content_hash(blob) + ("-d" + ".".join(map(str, donate)) if donate else "")
         if key in self._compiled:
             self.hits += 1
             return key, True
@@ -55,7 +56,7 @@ class ExecutableCache:
         fut = asyncio.get_running_loop().create_future()
         self._compiling[key] = fut
         try:
-            compiled = await asyncio.to_thread(self._compile, bytes(blob))
+            compiled = await asyncio.to_thread(self._compile, bytes(blob), tuple(donate))
             self._compiled[key] = compiled
             self.compiles += 1
             fut.set_result(compiled)

@@ -57,13 +57,27 @@ def accumulate_grads(fn: Callable[[Any], tuple[Any, Any]], batch: Any, schedule:
         out_tree.append((g[1], aux[1], len(g[0])))
         return [*g[0], *aux[0]]
 
-    converted, consts = jax.closure_convert(flat_fn, *mb_specs)
-    const_specs = [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in consts]
-    body: ClosedJaxpr = jax.make_jaxpr(converted)(*mb_specs, *const_specs)
+    body, consts = _close_over_inputs(jax.make_jaxpr(flat_fn)(*mb_specs))
     g_tree, aux_tree, n_grads = out_tree[-1]
     outs = accumulate_p.bind(*leaves, *consts, body=body, num_mb_leaves=len(leaves), num_grads=n_grads,
                              num_microbatches=m, schedule=schedule)
     return jax.tree.unflatten(g_tree, outs[:n_grads]), jax.tree.unflatten(aux_tree, outs[n_grads:])
+
+
+def _close_over_inputs(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, list[Any]]:
+    """Turn every traced value the function closes over (of any dtype: floats, ints, bools, typed keys —
+    `jax.closure_convert` hoists only floats) into an explicit input after the microbatch leaves; concrete
+    constants stay constants. Returns the body and the values to pass for those inputs."""
+    from jax.core import Tracer
+
+    jaxpr = closed.jaxpr
+    traced = [isinstance(c, Tracer) for c in closed.consts]
+    keep_vars = [v for v, t in zip(jaxpr.constvars, traced) if not t]
+    keep_vals = [c for c, t in zip(closed.consts, traced) if not t]
+    lifted_vars = [v for v, t in zip(jaxpr.constvars, traced) if t]
+    lifted_vals = [c for c, t in zip(closed.consts, traced) if t]
+    body = jaxpr.replace(constvars=keep_vars, invars=[*jaxpr.invars, *lifted_vars])
+    return ClosedJaxpr(body, keep_vals), lifted_vals
 
 
 def distributed(fn: Callable[..., Any] | None = None, *, mesh: Any) -> Any:

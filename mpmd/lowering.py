@@ -20,9 +20,11 @@ def export_platform(device_platform: str) -> str:
         raise ValueError(f"cannot lower for actor platform {device_platform!r}; known: {sorted(_PLATFORM_NAMES)}") from None
 
 
-def serialize_flat(fn: Callable[..., Sequence[Any]], avals: Sequence[jax.ShapeDtypeStruct], platform: str) -> bytes:
-    """Export `fn` (flat arrays in, tuple of flat arrays out) for `platform` and serialize it."""
-    exp = export.export(jax.jit(fn), platforms=[export_platform(platform)])(*avals)
+def serialize_flat(fn: Callable[..., Sequence[Any]], avals: Sequence[jax.ShapeDtypeStruct], platform: str,
+                   donate: Sequence[int] = ()) -> bytes:
+    """Export `fn` (flat arrays in, tuple of flat arrays out) for `platform` and serialize it. Inputs at
+    `donate` may share their buffer with an output (the actor compiles with the same donation)."""
+    exp = export.export(jax.jit(fn, donate_argnums=tuple(donate)), platforms=[export_platform(platform)])(*avals)
     return bytes(exp.serialize())
 
 

@@ -70,7 +70,7 @@ class RemoteMesh:
         self._garbage: list[tuple[int, int]] = []
         self._garbage_lock = threading.Lock()
         self._lowered: dict[Any, tuple[bytes, Any]] = {}
-        self._compiled: list[dict[bytes, str]] = [{} for _ in addresses]
+        self._compiled: list[dict[tuple[bytes, tuple[int, ...]], str]] = [{} for _ in addresses]
         self.closed = False
         self._opened = False
         self._tmpdir: str | None = None
@@ -294,12 +294,13 @@ class RemoteMesh:
             pass
 
     # ---- executables -----------------------------------------------------------------------------
-    async def ensure_compiled(self, actor: int, blob: bytes) -> str:
-        """Ship `blob` to `actor` unless it has it; returns the actor's executable key."""
-        known = self._compiled[actor].get(blob)
+    async def ensure_compiled(self, actor: int, blob: bytes, donate: tuple[int, ...] = ()) -> str:
+        """Ship `blob` to `actor` unless it has it; returns the actor's executable key. The actor compiles it
+        letting the inputs at `donate` share their buffers with outputs."""
+        known = self._compiled[actor].get((blob, donate))
         if known is None:
-            msg = await self._conns[actor].request("compile", arrays=[np.frombuffer(blob, np.uint8)])
-            known = self._compiled[actor][blob] = msg.header["exe"]
+            msg = await self._conns[actor].request("compile", {"donate": list(donate)}, [np.frombuffer(blob, np.uint8)])
+            known = self._compiled[actor][(blob, donate)] = msg.header["exe"]
         return known
 
     async def load_program(self, actor: int, program: Program, program_id: int, exe_keys: list[str]) -> None:

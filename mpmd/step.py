@@ -14,9 +14,9 @@ import jax
 import numpy as np
 
 from mpmd.array import RemoteArray
-from mpmd.avals import host_value, to_wire
+from mpmd.avals import dtype_text, host_value, to_wire, wire_shape_dtype
+from mpmd.compiler.inline import inline_calls
 from mpmd.compiler.plan import StepPlan, lower_templates, plan_step
-from mpmd.compiler.stages import inline_calls
 from mpmd.errors import ActorDiedError, MpmdError, PipelineError
 from transport.protocol import dtype_name
 
@@ -29,13 +29,35 @@ class CompiledStep:
     program_ids: list[int]
     out_tree: Any
     compile_seconds: float
+    arg_paths: list[str]
 
 
-def _spec(x: Any) -> jax.ShapeDtypeStruct:
+def _spec(x: Any, path: str) -> jax.ShapeDtypeStruct:
     if isinstance(x, RemoteArray):
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
-    x = host_value(x)
+    if callable(x) and not hasattr(x, "shape"):
+        raise PipelineError(f"argument {path} is a function ({x!r:.60}), not an array: a distributed step, like jax.jit, takes "
+                            "arrays and pytrees of arrays; close over the function instead (or use functools.partial)")
+    try:
+        x = host_value(x)
+        jax.dtypes.canonicalize_dtype(x.dtype)
+    except (TypeError, ValueError) as e:
+        raise PipelineError(f"argument {path} is a {type(x).__name__}, which is not a valid JAX type: {e}") from None
     return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+
+
+def _is_remote(x: Any) -> bool:
+    return isinstance(x, RemoteArray)
+
+
+def arg_paths(args: tuple[Any, ...]) -> list[str]:
+    """Each flat argument's pytree path, as jax.jit names them: `params['blocks'][3]['w']`."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(args, is_leaf=_is_remote)
+    out = []
+    for path, _ in flat:
+        text = jax.tree_util.keystr(path)  # "[0]['w']": the position in the argument tuple comes first
+        out.append(f"args{text}")
+    return out
 
 
 class DistributedFunction:
@@ -50,14 +72,15 @@ class DistributedFunction:
         self.__doc__ = fn.__doc__
 
     def _signature(self, args: tuple[Any, ...]) -> tuple[Any, list[Any], list[jax.ShapeDtypeStruct]]:
-        leaves, treedef = jax.tree.flatten(args, is_leaf=lambda x: isinstance(x, RemoteArray))
-        specs = [_spec(x) for x in leaves]
-        return (treedef, tuple((s.shape, np.dtype(s.dtype).name) for s in specs)), leaves, specs
+        leaves, treedef = jax.tree.flatten(args, is_leaf=_is_remote)
+        paths = arg_paths(args)
+        specs = [_spec(x, path) for x, path in zip(leaves, paths)]
+        return (treedef, tuple((s.shape, dtype_text(s.dtype)) for s in specs)), leaves, specs
 
     def trace(self, *args: Any) -> Any:
         """The step's jaxpr (with nested calls inlined) for these arguments."""
         _, leaves, specs = self._signature(args)
-        treedef = jax.tree.structure(args, is_leaf=lambda x: isinstance(x, RemoteArray))
+        treedef = jax.tree.structure(args, is_leaf=_is_remote)
         out_box: list[Any] = []
 
         def flat(*xs: Any) -> list[Any]:
@@ -81,13 +104,13 @@ class DistributedFunction:
         blobs = lower_templates(plan, self.mesh.platform)
         ids = [self.mesh.new_program_id()] * len(plan.programs)  # one id: transfer keys (program, step, tag) must agree
         self.mesh.run(self._ship(plan, blobs, ids))
-        compiled = self._compiled[sig] = CompiledStep(plan, ids, out_tree, time.perf_counter() - t0)
+        compiled = self._compiled[sig] = CompiledStep(plan, ids, out_tree, time.perf_counter() - t0, arg_paths(args))
         log.info("compiled step: %d programs, %d executables in %.2f s", len(plan.programs), len(blobs), compiled.compile_seconds)
         return compiled
 
     async def _ship(self, plan: StepPlan, blobs: dict[Any, bytes], ids: list[int]) -> None:
         async def one(prog: Any, pid: int) -> None:
-            keys = [await self.mesh.ensure_compiled(prog.actor, blobs[t]) for t in prog.executables]
+            keys = [await self.mesh.ensure_compiled(prog.actor, blobs[t], t[-1]) for t in prog.executables]
             await self.mesh.load_program(prog.actor, prog, pid, keys)
 
         await asyncio.gather(*(one(p, pid) for p, pid in zip(plan.programs, ids)))
@@ -110,19 +133,21 @@ class DistributedFunction:
         inline: list[list[np.ndarray]] = [[] for _ in range(n)]
         prologue: list[list[list[Any]]] = [[] for _ in range(n)]
         replicas: list[tuple[RemoteArray, int, int]] = []
+        paths = compiled.arg_paths
         for k, (x, homes) in enumerate(zip(leaves, plan.arg_homes)):
             for a in sorted(homes):
                 if not isinstance(x, RemoteArray):
                     inputs[a].append(-1)
                     inline[a].append(to_wire(host_value(x)))
                     continue
-                mesh.check_owned(x, f"argument {k}")
+                mesh.check_owned(x, f"argument {paths[k]}")
                 if a in x.buffers:
                     inputs[a].append(x.buffers[a])
                 else:  # copy it actor-to-actor first, in the same request, and keep the copy for next time
                     src, buf, tag = x.actor, mesh.new_buffer_id(), -(k + 1) * n - a
-                    prologue[src].append(["send", x.buffers[src], a, tag, f"arg {k}"])
-                    prologue[a].append(["recv", buf, src, tag, dtype_name(x.dtype), list(x.shape), f"arg {k}"])
+                    shape, dtype = wire_shape_dtype(x.shape, x.dtype)
+                    prologue[src].append(["send", x.buffers[src], a, tag, "arg"])
+                    prologue[a].append(["recv", buf, src, tag, dtype_name(dtype), list(shape), "arg"])
                     inputs[a].append(buf)
                     replicas.append((x, a, buf))
         out_ids: list[dict[int, int]] = []

@@ -7,8 +7,10 @@ import optax
 import pytest
 
 import mpmd
+from mpmd.compiler.body import analyse
+from mpmd.compiler.inline import inline_calls
 from mpmd.compiler.plan import plan_step
-from mpmd.compiler.stages import inline_calls, is_marker, split_stages
+from mpmd.compiler.stages import is_marker, split_stages
 from mpmd.schedules import Custom, validate
 from mpmd.step import DistributedFunction
 from tests import models
@@ -71,37 +73,40 @@ def test_accumulate_grads_under_jit_sums_grads_and_stacks_aux_like_a_python_loop
 
 
 def _body(num_stages):
+    """The analysed loop body of an MLP's value_and_grad (microbatch leaves first, then the parameters)."""
     rng = np.random.default_rng(0)
     params = models.mlp_params(rng, num_stages, 8)
     mb = jax.tree.map(lambda x: x[0], models.regression_batch(rng, 1, 2, 8))
-    fn = lambda p, m: jax.value_and_grad(models.mse_loss(models.mlp))(p, m)
-    closed = jax.make_jaxpr(lambda p, m: (lambda vg: (vg[1], vg[0]))(fn(p, m)))(params, mb)
-    return inline_calls(closed), params
+    fn = lambda m, p: jax.value_and_grad(models.mse_loss(models.mlp))(p, m)
+    closed = inline_calls(jax.make_jaxpr(lambda m, p: (lambda vg: (vg[1], vg[0]))(fn(m, p)))(mb, params))
+    n_mb, n_grads = 2, 2 * num_stages
+    return analyse(closed, n_mb, n_grads, 4, list(closed.jaxpr.invars[n_mb:])), closed
 
 
 @pytest.mark.parametrize("num_stages", [1, 2, 3])
 def test_split_gives_a_forward_and_a_backward_task_per_stage(num_stages):
-    body, params = _body(num_stages)
-    tasks = split_stages(body, num_aux=1)
-    assert [f"{t.stage}{t.kind}" for t in tasks] == [f"{s}F" for s in range(num_stages)] + [f"{s}B" for s in range(num_stages)]
-    for t in tasks:
-        assert not any(is_marker(e, "bwd") for e in t.eqns if t.kind == "F")
-    # every equation lands in exactly one task
-    assert sum(len(t.eqns) for t in tasks) == len(body.jaxpr.eqns)
-    # forward task s reads only stage s's parameters (w, b are the body's inputs 2s, 2s+1 in flattened order)
-    param_vars = body.jaxpr.invars[: 2 * num_stages]
-    for t in tasks:
-        if t.kind == "F":
-            used = {i // 2 for i, v in enumerate(param_vars) if v in t.inputs}
-            assert used == {t.stage}
+    body, closed = _body(num_stages)
+    split = split_stages(body)
+    assert split.num_stages == num_stages
+    assert sorted(split.regions) == sorted((s, k) for s in range(num_stages) for k in "FB")
+    for (s, k), eqns in split.regions.items():
+        assert not any(is_marker(e, "bwd") for e in eqns if k == "F")
+    # every varying equation lands in exactly one task
+    assert sum(len(e) for e in split.regions.values()) == len(body.eqns)
+    # forward task s reads only stage s's parameters (w, b are the body's inputs 2 + 2s, 2 + 2s + 1)
+    param_vars = closed.jaxpr.invars[2:]
+    for (s, k), eqns in split.regions.items():
+        if k == "F":
+            reads = {v for e in eqns for v in e.invars if not hasattr(v, "val")}
+            used = {i // 2 for i, v in enumerate(param_vars) if v in reads}
+            assert used == {s}
 
 
 def test_the_loss_computation_is_in_the_last_forward_task_not_the_backward():
-    body, _ = _body(2)
-    tasks = split_stages(body, num_aux=1)
-    loss_var = body.jaxpr.outvars[-1]
-    f_last = [t for t in tasks if (t.stage, t.kind) == (1, "F")][0]
-    assert loss_var in {v for e in f_last.eqns for v in e.outvars}
+    body, closed = _body(2)
+    split = split_stages(body)
+    loss_var = closed.jaxpr.outvars[-1]
+    assert loss_var in {v for e in split.regions[(1, "F")] for v in e.outvars}
 
 
 def _plan(step_fn, args, actors):

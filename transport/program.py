@@ -57,26 +57,45 @@ PHASES = ("pre", "post", "slice", "stack", "xfer", "arg")
 
 @dataclass(frozen=True)
 class Label:
-    """What an instruction belongs to: the schedule tasks it does (several when fused), or a step phase."""
+    """What an instruction belongs to: the schedule tasks it does, or a step phase; a fused Run lists its
+    parts in order (`parts`, e.g. ("pre", "0F0") or ("1F3", "1B3"))."""
 
     kind: str = "task"  # "task" or one of PHASES
     tasks: tuple[Task, ...] = ()
+    parts: tuple[str, ...] = ()
 
     def __str__(self) -> str:
+        if self.parts:
+            return "+".join(self.parts)
         return "+".join(map(str, self.tasks)) if self.tasks else self.kind
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        return tuple(p for p in self.parts if p in PHASES) or ((self.kind,) if self.kind != "task" else ())
 
     @classmethod
     def of(cls, *tasks: Task) -> Label:
         return cls("task", tuple(tasks))
 
     @classmethod
+    def fused(cls, labels: tuple[Label, ...]) -> Label:
+        if len(labels) == 1:
+            return labels[0]
+        parts = tuple(p for lab in labels for p in str(lab).split("+"))
+        return cls.parse("+".join(parts))
+
+    @classmethod
     def parse(cls, text: str) -> Label:
         if text in PHASES:
             return cls(text)
+        tokens = text.split("+")
         try:
-            return cls("task", tuple(Task.parse(t) for t in text.split("+")))
+            tasks = tuple(Task.parse(t) for t in tokens if t not in PHASES)
         except ValueError:
             return cls(text)  # free text (hand-written programs): kept for messages only
+        if len(tokens) == len(tasks):
+            return cls("task", tasks)
+        return cls("task" if tasks else tokens[0], tasks, tuple(tokens))
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,16 @@
 """Turn a traced step (one jaxpr with one `accumulate_p` loop) and a schedule into one Program per actor.
 
-Pure: jaxpr in, `StepPlan` out (executables still as Python functions; `lower` exports them).
+Pure: jaxpr in, `StepPlan` out (executables still as Python functions; `lower_templates` exports them).
+The passes, in order (each a pure function in its own module):
 
-Values are named by keys: an outer jaxpr var; ``(body var, mb)`` for a value of microbatch `mb`;
-``("mb", leaf, mb)`` for a microbatch slice of a batch leaf; ``("acc", j, mb)`` for gradient j summed up to
-microbatch `mb`. A unit is one executable call on one actor; transfers are inferred wherever a unit reads
-a key produced on another actor, including between non-adjacent stages.
+1. `inline.inline_calls`: inline nested calls, unroll scans over stages, reject markers the compiler
+   cannot cut;
+2. `body.analyse`: constant / invariant / varying equations, invariants hoisted out of the loop, gradient
+   sums pushed through additions;
+3. `stages.split_stages` (+ `follow_inputs`, `split_backward`): which task computes each equation;
+4. tasks of the schedule's table -> units on actors; `placement`: the equations before and after the loop;
+5. `units.fuse`, `programs.choose_donations`, `programs.build_programs`: executables and Programs with
+   every transfer inferred, also between non-adjacent stages and for values several stages share.
 """
 
 from __future__ import annotations
@@ -16,45 +21,37 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Literal, Var
 
-from mpmd.compiler.placement import chunk_interface, make_chunks, place_post, place_pre, var_inputs
-from mpmd.compiler.stages import StageTask, eqns_fn, inline_calls, split_stages
+from mpmd.compiler.body import CONST, LoopBody, analyse, constants_needed
+from mpmd.compiler.eqns import SyntheticEqn, eqns_fn, free_inputs, is_var, var_inputs
+from mpmd.compiler.inline import inline_calls
+from mpmd.compiler.placement import make_chunks, place_post, place_pre, split_conds
+from mpmd.compiler.programs import Transfers, build_programs, choose_donations, infer_transfers
+from mpmd.compiler.stages import StageSplit, follow_inputs, split_backward, split_stages
+from mpmd.compiler.units import Acc, Key, MbIndex, Outer, Part, PerMb, Unit, fuse, task_function
 from mpmd.errors import PipelineError
 from mpmd.primitives import accumulate_p
-from mpmd.program import Delete, Label, Program, Recv, Run, Send
-from mpmd.schedules import Schedule, Task, validate
-from transport.protocol import dtype_name
-
-
-@dataclass
-class Unit:
-    actor: int
-    fn: Callable[..., tuple]
-    template: Hashable
-    inputs: list[Hashable]
-    outputs: list[Hashable]
-    label: Label
+from mpmd.program import Label, Program, Task
+from mpmd.schedules import Schedule, validate
 
 
 @dataclass
 class StepPlan:
     programs: list[Program]
-    units: list[Unit]
     arg_homes: list[set[int]]  # per flat argument: actors that read it
     out_homes: list[tuple[str, Any]]  # per flat output: ("actors", [..]) | ("arg", index) | ("const", value)
     out_avals: list[Any]
     table: list[list[Task]]
-    tasks: list[StageTask]
+    split: StageSplit
+    units: dict[int, list[Unit]]
+    transfers: Transfers
+    avals: dict[Key, Any]
     templates: dict[Hashable, tuple[Callable[..., tuple], list[Any]]] = field(default_factory=dict)
+    arg_keys: list[Key] = field(default_factory=list)
 
     def __str__(self) -> str:
         return "\n\n".join(str(p) for p in self.programs)
-
-
-def _aval(key: Hashable, avals: dict[Hashable, Any]) -> Any:
-    return avals[key]
 
 
 def find_loop(jaxpr: Any) -> int:
@@ -67,10 +64,38 @@ def find_loop(jaxpr: Any) -> int:
     return loops[0]
 
 
+def _substitute(eqns: list[Any], resolve: Callable[[Any], Any]) -> list[Any]:
+    """The equations with every input var replaced by its canonical var."""
+    out = []
+    for e in eqns:
+        new_in = [resolve(v) if isinstance(v, Var) else v for v in e.invars]
+        if new_in == list(e.invars):
+            out.append(e)
+        elif isinstance(e, SyntheticEqn):
+            out.append(SyntheticEqn(e.fn, new_in, e.outvars, e.name))
+        else:
+            out.append(e.replace(invars=new_in))
+    return out
+
+
+def _check_schedule(schedule: Schedule | None, num_stages: int, num_mesh_actors: int) -> None:
+    if schedule is None:
+        raise PipelineError("accumulate_grads inside mpmd.distributed needs a schedule, e.g. schedule=mpmd.OneFOneB(num_stages=2)")
+    if num_stages != schedule.num_stages:
+        raise PipelineError(f"the step marks {num_stages} stages ({num_stages - 1} pipeline_yield markers) but the schedule "
+                            f"{schedule} has num_stages={schedule.num_stages}; make them agree (a scanned stack of S "
+                            "iterations with a marker in its body gives S stages)")
+    if schedule.num_actors > num_mesh_actors:
+        raise PipelineError(
+            f"the schedule {schedule} needs {schedule.num_actors} actors but the mesh has {num_mesh_actors}; start more actors, "
+            f"use fewer stages, or put several stages on each actor: e.g. InterleavedOneFOneB(num_stages={schedule.num_stages}, "
+            f"num_actors={num_mesh_actors}) or Custom(..., stage_actor=(...)) mapping each stage to one of the "
+            f"{num_mesh_actors} actors")
+
+
 def plan_step(outer: ClosedJaxpr, num_mesh_actors: int) -> StepPlan:
     jaxpr = outer.jaxpr
-    consts: dict[Any, Any] = dict(zip(jaxpr.constvars, outer.consts))
-    constvars = set(jaxpr.constvars)
+    outer_consts: dict[Any, Any] = dict(zip(jaxpr.constvars, outer.consts))
     li = find_loop(jaxpr)
     stray = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "pipeline_yield"]
     if stray:
@@ -79,291 +104,253 @@ def plan_step(outer: ClosedJaxpr, num_mesh_actors: int) -> StepPlan:
                             "microbatch function passed to accumulate_grads")
     loop = jaxpr.eqns[li]
     p = loop.params
-    schedule: Schedule = p["schedule"]
-    if schedule is None:
-        raise PipelineError("accumulate_grads inside mpmd.distributed needs a schedule, e.g. schedule=mpmd.OneFOneB(num_stages=2)")
+    schedule: Schedule | None = p["schedule"]
     m, n_mb, n_grads = p["num_microbatches"], p["num_mb_leaves"], p["num_grads"]
-    body = inline_calls(p["body"])
-    n_out = len(body.jaxpr.outvars)
-    tasks = split_stages(body, n_out - n_grads)
-    n_stages = len(tasks) // 2
-    if n_stages != schedule.num_stages:
-        raise PipelineError(f"the step marks {n_stages} stages ({n_stages - 1} pipeline_yield markers) but the schedule "
-                            f"{schedule} has num_stages={schedule.num_stages}; make them agree")
-    if schedule.num_actors > num_mesh_actors:
-        raise PipelineError(f"the schedule needs {schedule.num_actors} actors but the mesh has {num_mesh_actors}; "
-                            f"start more actors or use fewer stages")
+    lb = analyse(inline_calls(p["body"]), n_mb, n_grads, m, list(loop.invars[n_mb:]))
+    split = split_stages(lb)
+    _check_schedule(schedule, split.num_stages, num_mesh_actors)
+    assert schedule is not None
     table = validate(schedule, m)
-    stage_actor = [schedule.actor_of(s) for s in range(n_stages)]
-    actors = set(range(schedule.num_actors))
+    num_actors = schedule.num_actors
+    actor_of = schedule.actor_of
+    follow_inputs(split, lb, actor_of)
+    split_backward(split, {t.stage for row in table for t in row if t.kind in ("I", "W")})
 
-    # ---- the loop's interface with the outer jaxpr ----
-    body_in = body.jaxpr.invars
-    mb_leaf = {v: l for l, v in enumerate(body_in[:n_mb])}
-    body_consts: dict[Any, Any] = dict(zip(body.jaxpr.constvars, body.consts))
-    const_outer: dict[Var, Var] = {}
-    for bv, ov in zip(body_in[n_mb:], loop.invars[n_mb:]):
-        if isinstance(ov, Literal):
-            body_consts[bv] = ov.val
-        else:
-            const_outer[bv] = ov
-    task_of: dict[Var, StageTask] = {v: t for t in tasks for e in t.eqns for v in e.outvars}
-    for j, v in enumerate(body.jaxpr.outvars):
-        if not isinstance(v, Var) or v not in task_of:
-            what = "gradient" if j < n_grads else "aux output"
-            raise PipelineError(f"{what} {j} of the microbatch function is a constant or an unchanged input; "
-                                "return values computed from the microbatch")
+    # ---- canonical vars -----------------------------------------------------------------------------
+    leaf_outer = {v: loop.invars[i] for v, i in lb.mb_leaves.items()}
+    alias: dict[Any, Any] = dict(lb.outer_of)
+    for ov, out in zip(loop.outvars, lb.outputs):
+        alias[ov] = loop.invars[out[1]] if isinstance(out, tuple) else out
 
-    def body_key(v: Var, i: int) -> Hashable:
-        if v in mb_leaf:
-            return ("mb", mb_leaf[v], i)
-        if v in const_outer:
-            return const_outer[v]
-        return (v, i)
+    def resolve(v: Any) -> Any:
+        while isinstance(v, Var) and v in alias:
+            v = alias[v]
+        return v
 
-    need: dict[Var, set[int]] = defaultdict(set)
-    for t in tasks:
-        for v in t.inputs:
-            if v in mb_leaf:
-                need[loop.invars[mb_leaf[v]]].add(stage_actor[t.stage])
-            elif v in const_outer:
-                need[const_outer[v]].add(stage_actor[t.stage])
-    loc: dict[Var, set[int]] = {ov: {stage_actor[task_of[bv].stage]} for ov, bv in zip(loop.outvars, body.jaxpr.outvars)}
-    outvars = {v for v in jaxpr.outvars if isinstance(v, Var)}
-    post_placed = place_post(jaxpr.eqns[li + 1 :], loc, need, outvars, actors)
-    pre_placed = place_pre(jaxpr.eqns[:li], need, outvars, actors)
+    avals: dict[Key, Any] = {}
+    loop_units = _loop_units(split, lb, table, actor_of, leaf_outer, resolve, avals)
+    finals: dict[Key, Key] = {}  # Outer(step-level var of an accumulator) -> its last Acc key
+    acc_home: dict[Any, int] = {}
+    for a, us in loop_units.items():
+        for u in us:
+            for k in u.parts[0].outputs:
+                if isinstance(k, Acc):
+                    finals[Outer(k.var)] = k
+                    acc_home[k.var] = a
+    for v, out in lb.stacked:
+        if Outer(v) in finals:
+            finals[Outer(out)] = finals.pop(Outer(v))
+            acc_home[out] = acc_home.pop(v)
+
+    # ---- before and after the loop ----------------------------------------------------------------------
+    step_outputs = {resolve(v) for v in jaxpr.outvars if isinstance(v, Var)}
+    all_actors = set(range(num_actors))
+    loop_need: dict[Var, set[int]] = defaultdict(set)
+    for a, us in loop_units.items():
+        for u in us:
+            for k in u.parts[0].inputs:
+                if isinstance(k, Outer):
+                    loop_need[k.var].add(a)
+    pre = _substitute([*jaxpr.eqns[:li], *lb.hoisted], resolve)
+    post = split_conds(_substitute([*lb.tail, *jaxpr.eqns[li + 1 :]], resolve))
+    args = set(jaxpr.invars)
+    provisional = defaultdict(set, {k: set(v) for k, v in loop_need.items()})
+    place_pre(pre, provisional, step_outputs, all_actors, {v: w for v, w in loop_need.items() if v in args})
+    loc: dict[Var, set[int]] = {v: set(w) for v, w in provisional.items() if v in args and w}
+    loc.update({v: {a} for v, a in acc_home.items()})
+    need: dict[Var, set[int]] = defaultdict(set, {k: set(v) for k, v in loop_need.items()})
+    post_placed = place_post(post, loc, need, step_outputs, all_actors)
+    pre_placed = place_pre(pre, need, step_outputs, all_actors, {v: w for v, w in loop_need.items() if v in args})
+    consts = {**outer_consts, **lb.consts}
     pre_chunks = make_chunks(pre_placed, "pre", 0)
     post_chunks = make_chunks(post_placed, "post", len(pre_chunks))
+    chunk_parts = _chunk_parts([*pre_chunks, *post_chunks], lb, consts, avals)
 
-    # ---- units ----
-    avals: dict[Hashable, Any] = {}
-    units: list[Unit] = []
-    reads: dict[Var, int] = defaultdict(int)
-    for c in pre_chunks + post_chunks:
-        for e in c.eqns:
-            for v in set(var_inputs(e)):
-                reads[v] += 1
-    for v in [*loop.invars, *jaxpr.outvars]:
-        if isinstance(v, Var):
-            reads[v] += 1
-
-    def chunk_units(chunks: list[Any], kind: str) -> list[Unit]:
-        out = []
-        for c in chunks:
-            own_reads: dict[Var, int] = defaultdict(int)
-            for e in c.eqns:
-                for v in set(var_inputs(e)):
-                    own_reads[v] += 1
-            defined = {v for e in c.eqns for v in e.outvars}
-            elsewhere = {v for v in defined if reads[v] > own_reads[v]}
-            ins, outs = chunk_interface(c, elsewhere, constvars)
-            for v in [*ins, *outs]:
-                avals[v] = v.aval
-            out.append(Unit(c.actor, eqns_fn(c.eqns, ins, outs, consts), (kind, c.seq), list(ins), list(outs), Label(kind)))
-        return out
-
-    pre_units = chunk_units(pre_chunks, "pre")
-    post_units = chunk_units(post_chunks, "post")
-
-    loop_units: dict[int, list[Unit]] = defaultdict(list)
-    # Microbatch slices, on each actor that reads a batch leaf.
-    for l in range(n_mb):
-        leaf = loop.invars[l]
-        mb_aval = body_in[l].aval
-        for a in sorted(need.get(leaf, ())):
-            keys = [("mb", l, i) for i in range(m)]
-            for k in keys:
-                avals[k] = mb_aval
-            avals[leaf] = leaf.aval
-            loop_units[a].append(Unit(a, _unstack(m), ("slice", l), [leaf], keys, Label("slice")))
-    # Stage tasks, in schedule order; gradients accumulate in execution order.
-    grads_of: dict[int, list[int]] = defaultdict(list)
-    for j, v in enumerate(body.jaxpr.outvars[:n_grads]):
-        grads_of[id(task_of[v])].append(j)
-    by_name = {(t.stage, t.kind): t for t in tasks}
-    last_acc: dict[int, int] = {}
-    for a, row in enumerate(table):
-        for task in row:
-            t = by_name[(task.stage, task.kind)]
-            i = task.mb
-            ins = [body_key(v, i) for v in t.inputs if v not in body_consts]
-            in_vars = [v for v in t.inputs if v not in body_consts]
-            js = grads_of.get(id(t), [])
-            first = [j for j in js if j not in last_acc]
-            acc_in = [("acc", j, last_acc[j]) for j in js if j in last_acc]
-            outs = [(v, i) for v in t.outputs] + [("acc", j, i) for j in js]
-            for v, k in zip(in_vars, ins):
-                avals[k] = v.aval
-            for v in t.outputs:
-                avals[(v, i)] = v.aval
-            for j in js:
-                avals[("acc", j, i)] = body.jaxpr.outvars[j].aval
-            gvars = [body.jaxpr.outvars[j] for j in js]
-            fn = _task_fn(t, in_vars, body_consts, gvars, [j in first for j in js])
-            loop_units[a].append(Unit(a, fn, ("task", t.stage, t.kind, tuple(j in first for j in js)), ins + acc_in, outs,
-                                      Label.of(task)))
-            for j in js:
-                last_acc[j] = i
-    alias: dict[Hashable, Hashable] = {}
-    for j in range(n_grads):
-        alias[loop.outvars[j]] = ("acc", j, last_acc[j])
-    for j in range(n_grads, n_out):
-        v = body.jaxpr.outvars[j]
-        a = stage_actor[task_of[v].stage]
-        keys = [(v, i) for i in range(m)]
-        avals[loop.outvars[j]] = loop.outvars[j].aval
-        loop_units[a].append(Unit(a, _stack, ("stack", j), keys, [loop.outvars[j]], Label("stack")))
-
-    def resolve(k: Hashable) -> Hashable:
-        return alias.get(k, k)
-
+    # ---- units per actor, in order --------------------------------------------------------------------
     per_actor: dict[int, list[Unit]] = defaultdict(list)
-    for u in pre_units:
-        per_actor[u.actor].append(u)
+    for c, part in chunk_parts:
+        if c.phase == "pre":
+            per_actor[c.actor].append(Unit(c.actor, [part]))
     for a in sorted(loop_units):
         per_actor[a].extend(loop_units[a])
-    for u in post_units:
-        per_actor[u.actor].append(u)
+    for c, part in chunk_parts:
+        if c.phase == "post":
+            per_actor[c.actor].append(Unit(c.actor, [part]))
     for us in per_actor.values():
         for u in us:
-            u.inputs = [resolve(k) for k in u.inputs]
-            u.outputs = [resolve(k) for k in u.outputs]
-            units.append(u)
+            for part in u.parts:
+                part.inputs = [finals.get(k, k) for k in part.inputs]
 
-    arg_homes = [set(need.get(v, set())) if isinstance(v, Var) else set() for v in jaxpr.invars]
-    for v, h in zip(jaxpr.invars, arg_homes):
-        avals[v] = v.aval
-    programs, out_homes = _build_programs(per_actor, jaxpr, arg_homes, resolve, avals, len(table))
-    templates: dict[Hashable, tuple[Callable[..., tuple], list[Any]]] = {}
-    for u in units:
-        templates.setdefault(u.template, (u.fn, [avals[k] for k in u.inputs]))
-    return StepPlan(programs, units, arg_homes, out_homes, [v.aval for v in jaxpr.outvars], table, tasks, templates)
-
-
-def _unstack(m: int) -> Callable[..., tuple]:
-    def fn(x: Any) -> tuple:
-        return tuple(x[i] for i in range(m))
-
-    return fn
-
-
-def _stack(*xs: Any) -> tuple:
-    return (jnp.stack(xs),)
-
-
-def _task_fn(t: StageTask, in_vars: list[Var], body_consts: dict[Any, Any], gvars: list[Var], first: list[bool]) -> Callable[..., tuple]:
-    base = eqns_fn(t.eqns, in_vars, t.outputs, body_consts)
-    g_index = [t.outputs.index(g) for g in gvars]
-    n_in = len(in_vars)
-
-    def fn(*args: Any) -> tuple:
-        outs = base(*args[:n_in])
-        accs = iter(args[n_in:])
-        summed = [outs[gi] if f else next(accs) + outs[gi] for gi, f in zip(g_index, first)]
-        return (*outs, *summed)
-
-    return fn
-
-
-def _build_programs(per_actor: dict[int, list[Unit]], jaxpr: Any, arg_homes: list[set[int]], resolve: Callable[[Hashable], Hashable],
-                    avals: dict[Hashable, Any], num_actors: int) -> tuple[list[Program], list[tuple[str, Any]]]:
-    produced: dict[Hashable, list[int]] = defaultdict(list)
-    for k, (v, homes) in enumerate(zip(jaxpr.invars, arg_homes)):
-        for a in sorted(homes):
-            produced[v].append(a)
-    for a, us in sorted(per_actor.items()):
-        for u in us:
-            for k in u.outputs:
-                if a not in produced[k]:
-                    produced[k].append(a)
-    # Which transfers are needed: (key, src, dst).
-    transfers: dict[tuple[Hashable, int], int] = {}  # (key, dst) -> src
-    for a, us in per_actor.items():
-        for u in us:
-            for k in u.inputs:
-                if a in produced[k] or (k, a) in transfers:
-                    continue
-                if not produced[k]:
-                    raise PipelineError(f"internal: value {k} read by {u.label} on actor {a} is produced nowhere")
-                transfers[(k, a)] = produced[k][0]
-    out_homes: list[tuple[str, Any]] = []
-    arg_index = {v: i for i, v in enumerate(jaxpr.invars)}
-    outputs_on: dict[int, list[Hashable]] = defaultdict(list)
+    arg_keys = [Outer(v) for v in jaxpr.invars]
+    for v in jaxpr.invars:
+        avals[Outer(v)] = v.aval
+    arg_homes = {Outer(v): set(need.get(v, set())) for v in jaxpr.invars}
+    out_keys: list[Any] = []
     for v in jaxpr.outvars:
-        if isinstance(v, Literal):
-            out_homes.append(("const", v.val))
-            continue
-        k = resolve(v)
-        if k in arg_index:
-            out_homes.append(("arg", arg_index[k]))
-            continue
-        homes = produced[k]
-        out_homes.append(("actors", list(homes)))
-        for a in homes:
-            outputs_on[a].append(k)
-    tags: dict[tuple[Hashable, int], int] = {key: t for t, key in enumerate(sorted(transfers, key=str))}
-    sends_from: dict[tuple[int, Hashable], list[int]] = defaultdict(list)
-    for (k, dst), src in transfers.items():
-        sends_from[(src, k)].append(dst)
-    programs = []
+        out_keys.append(v if isinstance(v, Literal) else finals.get(Outer(resolve(v)), Outer(resolve(v))))
+    const_keys = {k for us in per_actor.values() for u in us for part in u.parts for k in part.inputs if isinstance(k, MbIndex)}
+    transfers = infer_transfers(per_actor, arg_homes, const_keys)
+    step_out_set = {k for k in out_keys if not isinstance(k, Literal)}
+
+    # ---- fusion, interfaces, donation -----------------------------------------------------------------
+    reads: dict[Key, int] = defaultdict(int)
+    for us in per_actor.values():
+        for u in us:
+            u.seal(lambda k: True)
+    for a, us in per_actor.items():
+        per_actor[a] = fuse(us, lambda k, a=a: transfers.received(k, a), lambda k, a=a: bool(transfers.sent_from(k, a)))
+    for us in per_actor.values():
+        for u in us:
+            for part in u.parts:
+                for k in part.inputs:
+                    reads[k] += 1
+    for us in per_actor.values():
+        for u in us:
+            internal: dict[Key, int] = defaultdict(int)
+            for part in u.parts:
+                for k in part.inputs:
+                    internal[k] += 1
+            u.seal(lambda k, internal=internal: k in step_out_set or reads[k] > internal[k])
+    protected: dict[int, set[Key]] = defaultdict(set)
     for a in range(num_actors):
-        local: dict[Hashable, int] = {}
+        protected[a] |= set(arg_keys) | step_out_set | const_keys
+        for (k, dst), src in transfers.source.items():
+            protected[src].add(k)
+            protected[dst].add(k)
+    choose_donations(per_actor, avals, protected)
 
-        def buf(k: Hashable) -> int:
-            if k not in local:
-                local[k] = len(local)
-            return local[k]
+    templates: dict[Hashable, tuple[Callable[..., tuple], list[Any]]] = {}
+    for us in per_actor.values():
+        for u in us:
+            tpl = u.template()
+            if tpl not in templates:
+                in_avals = [avals[k] for k in u.inputs]
+                templates[tpl] = (u.function(in_avals), in_avals)
+    output_keys: dict[int, list[Key]] = defaultdict(list)
+    out_homes: list[tuple[str, Any]] = []
+    arg_index = {Outer(v): i for i, v in enumerate(jaxpr.invars)}
+    for k in out_keys:
+        if isinstance(k, Literal):
+            out_homes.append(("const", k.val))
+        elif k in arg_index:
+            out_homes.append(("arg", arg_index[k]))
+        else:
+            homes = transfers.producers.get(k, [])
+            if not homes:
+                raise PipelineError(f"internal: step output {k} is computed nowhere")
+            out_homes.append(("actors", list(homes)))
+            for a in homes:
+                output_keys[a].append(k)
+    programs = build_programs(per_actor, num_actors, arg_keys, arg_homes, output_keys, avals, transfers, {})
+    return StepPlan(programs, [arg_homes[k] for k in arg_keys], out_homes, [v.aval for v in jaxpr.outvars], table, split,
+                    dict(per_actor), transfers, avals, templates, arg_keys)
 
-        inputs = [buf(v) for v, homes in zip(jaxpr.invars, arg_homes) if a in homes]
-        instrs: list[Any] = []
-        for (k, dst), src in sorted(transfers.items(), key=lambda kv: tags[kv[0]]):
-            if dst == a:
-                av = avals[k]
-                instrs.append(Recv(buf(k), src, tags[(k, dst)], dtype_name(av.dtype), tuple(av.shape), Label("xfer")))
-        for v, homes in zip(jaxpr.invars, arg_homes):
-            if a in homes:
-                for dst in sends_from.get((a, v), []):
-                    instrs.append(Send(buf(v), dst, tags[(v, dst)], Label("xfer")))
-        exes: dict[Hashable, int] = {}
-        for u in per_actor.get(a, []):
-            exe = exes.setdefault(u.template, len(exes))
-            instrs.append(Run(exe, tuple(buf(k) for k in u.inputs), tuple(buf(k) for k in u.outputs), u.label))
-            for k in u.outputs:
-                for dst in sends_from.get((a, k), []):
-                    instrs.append(Send(buf(k), dst, tags[(k, dst)], u.label))
-        outputs = [buf(k) for k in outputs_on.get(a, [])]
-        prog = Program(a, inputs, outputs, _with_deletes(instrs, set(outputs)), executables=list(exes))
-        programs.append(prog)
-    return programs, out_homes
+
+def _loop_units(split: StageSplit, lb: LoopBody, table: list[list[Task]], actor_of: Callable[[int], int], leaf_outer: dict[Var, Any],
+                resolve: Callable[[Any], Any], avals: dict[Key, Any]) -> dict[int, list[Unit]]:
+    """One unit per scheduled task that computes something, in each actor's table order."""
+    consumers: dict[Var, set] = defaultdict(set)
+    for r, eqns in split.regions.items():
+        for e in eqns:
+            for v in var_inputs(e):
+                consumers[v].add(r)
+    accumulated = set(lb.accumulators)
+    stacked = {v for v, _ in lb.stacked}
+    m = lb.num_microbatches
+    plans: dict[tuple[int, str], Any] = {}
+
+    def plan_region(r: tuple[int, str]) -> Any:
+        if r in plans:
+            return plans[r]
+        eqns = split.regions.get(r, [])
+        reads = free_inputs(eqns)
+        const_eqns = constants_needed(eqns, [v for v in reads if lb.status.get(v) == CONST], lb)
+        body_eqns = [*const_eqns, *eqns]
+        in_vars = [v for v in free_inputs(body_eqns) if v not in lb.consts]
+        own = {v for e in eqns for v in e.outvars if is_var(v)}
+        exported = [v for e in eqns for v in e.outvars if is_var(v) and consumers.get(v, set()) - {r}]
+        accs = [v for e in eqns for v in e.outvars if is_var(v) and (v in accumulated or v in stacked)]
+        plans[r] = (body_eqns, in_vars, exported, accs) if own else None
+        return plans[r]
+
+    first_seen: set[Any] = set()
+    last: dict[Any, int] = {}
+    units: dict[int, list[Unit]] = defaultdict(list)
+    for row in table:
+        for task in row:
+            kind = task.kind
+            r = (task.stage, kind)
+            info = plan_region(r)
+            if info is None:
+                continue
+            body_eqns, in_vars, exported, accs = info
+            i = task.mb
+            a = actor_of(task.stage)
+            keys: list[Key] = []
+            leaf_pos = []
+            for pos, v in enumerate(in_vars):
+                if v in leaf_outer:
+                    keys.append(Outer(leaf_outer[v]))
+                    leaf_pos.append(pos)
+                    avals[keys[-1]] = leaf_outer[v].aval
+                elif lb.status.get(v, CONST) == 2:
+                    keys.append(PerMb(v, i))
+                    avals[keys[-1]] = v.aval
+                else:
+                    keys.append(Outer(resolve(v)))
+                    avals[keys[-1]] = v.aval
+            flags = []
+            acc_in: list[Key] = []
+            acc_out: list[Key] = []
+            for v in accs:
+                first = v not in first_seen
+                first_seen.add(v)
+                kind_acc = "stack" if v in stacked else "sum"
+                flags.append((kind_acc, first))
+                if not first:
+                    acc_in.append(Acc(v, last[v]))
+                acc_out.append(Acc(v, i))
+                avals[Acc(v, i)] = v.aval.update(shape=(m, *v.aval.shape)) if kind_acc == "stack" else v.aval
+                last[v] = i
+            needs_index = bool(leaf_pos) or any(k == "stack" for k, _ in flags)
+            inner = eqns_fn(body_eqns, in_vars, [*exported, *accs], lb.consts)
+            fn = task_function(inner, len(in_vars), leaf_pos, len(exported), flags, m, needs_index)
+            inputs = [*keys, *acc_in, *([MbIndex(i)] if needs_index else [])]
+            if needs_index:
+                avals[MbIndex(i)] = jax.ShapeDtypeStruct((), "int32")
+            outputs = [*(PerMb(v, i) for v in exported), *acc_out]
+            for v in exported:
+                avals[PerMb(v, i)] = v.aval
+            template = ("task", task.stage, kind, tuple(flags))
+            part = Part(fn, inputs, outputs, template, Label.of(task))
+            units[a].append(Unit(a, [part]))
+    return units
 
 
-def _with_deletes(instrs: list[Any], keep: set[int]) -> list[Any]:
-    """Insert a Delete after the last read of every buffer that is not a program output."""
-    last: dict[int, int] = {}
-    for i, ins in enumerate(instrs):
-        if isinstance(ins, Run):
-            for b in (*ins.inputs, *ins.outputs):
-                last[b] = i
-        elif isinstance(ins, (Send, Recv)):
-            last[ins.buf] = max(last.get(ins.buf, -1), i)
-    after: dict[int, list[int]] = defaultdict(list)
-    for b, i in last.items():
-        if b not in keep:
-            after[i].append(b)
-    out: list[Any] = []
-    for i, ins in enumerate(instrs):
-        out.append(ins)
-        if after.get(i):
-            out.append(Delete(tuple(sorted(after[i])), ins.label))
+def _chunk_parts(chunks: list[Any], lb: LoopBody, consts: dict[Any, Any], avals: dict[Key, Any]) -> list[tuple[Any, Part]]:
+    """A part per chunk of placed equations before or after the loop; its outputs are all it defines (the
+    unit's interface is trimmed to what others read later)."""
+    out = []
+    for c in chunks:
+        reads = free_inputs(c.eqns)
+        const_eqns = constants_needed(c.eqns, [v for v in reads if lb.status.get(v) == CONST], lb)
+        eqns = [*const_eqns, *c.eqns]
+        ins = [v for v in free_inputs(eqns) if v not in consts]
+        outs = [v for e in c.eqns for v in e.outvars if is_var(v)]
+        for v in [*ins, *outs]:
+            avals[Outer(v)] = v.aval
+        fn = eqns_fn(eqns, ins, outs, consts)
+        out.append((c, Part(fn, [Outer(v) for v in ins], [Outer(v) for v in outs], (c.phase, c.seq, c.actor), Label(c.phase))))
     return out
 
 
 def lower_templates(plan: StepPlan, platform: str) -> dict[Hashable, bytes]:
-    """Export every distinct executable of the plan once."""
+    """Export every distinct executable of the plan once (wire-form avals: typed keys as key data)."""
+    from mpmd.avals import wire_aval
     from mpmd.lowering import serialize_flat
 
     out = {}
     for tpl, (fn, in_avals) in plan.templates.items():
-        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals]
-        out[tpl] = serialize_flat(fn, specs, platform)
+        donate = tpl[-1] if isinstance(tpl, tuple) else ()
+        out[tpl] = serialize_flat(fn, [wire_aval(a) for a in in_avals], platform, donate)
     return out

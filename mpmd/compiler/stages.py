@@ -1,172 +1,184 @@
-"""Jaxpr passes on the loop body: inline nested calls, then cut it at the markers into stage tasks.
+"""Cut the loop body's varying equations at the markers into stage tasks. Pure functions.
 
-Pure functions, no I/O. In ``make_jaxpr(value_and_grad(f))`` all forward equations come before the
-transposed ones, so the cut is linear: forward markers end forward stages, backward markers (their
-transposes) end backward stages. The equations between the last forward marker and the first backward
-marker are the last stage's forward and backward; they are told apart by dataflow: its forward part is
-what the aux outputs (the loss) need.
+In ``make_jaxpr(value_and_grad(f))`` all forward equations come before the transposed ones, so the cut is
+linear: forward markers end forward stages; backward markers (their transposes) start backward stages.
+The equations between the last forward marker and the first backward marker are the last stage's forward
+and backward; they are told apart by dataflow (its forward part is what the aux outputs, the loss, need).
+
+A stage whose output has no gradient (a first stage without parameters, a frozen feature extractor) has no
+backward marker: its boundary's tangent is symbolically zero. So backward regions are matched to stages by
+dataflow, not by counting: a backward region belongs to the latest stage whose forward values it reads.
+
+Then two refinements:
+* a backward equation that only feeds gradient sums (e.g. the widening cast of a bf16 weight's cotangent
+  back to f32, which JAX puts where the cast was traced: in stage 0) moves to the task that produced its
+  inputs when that moves fewer bytes;
+* a stage's backward splits into an input-gradient task `I` (what earlier stages wait for) and a
+  weight-gradient task `W` (the rest), for schedules that ask for it (zero bubble).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-import jax
-from jax.extend.core import ClosedJaxpr, Literal, Var
+from jax.extend.core import Var
 
+from mpmd.compiler.body import LoopBody
+from mpmd.compiler.eqns import nbytes, var_inputs
 from mpmd.errors import PipelineError
 from mpmd.primitives import BWD, FWD, pipeline_yield_p
 
-_CALL_PARAMS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-                "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
-                "remat": "jaxpr", "checkpoint": "jaxpr"}
-
-
-def _read(env: dict[Any, Any], x: Any) -> Any:
-    return x.val if isinstance(x, Literal) else env[x]
-
-
-def eval_eqns(eqns: Sequence[Any], env: dict[Any, Any], inline: bool = False) -> None:
-    """Evaluate equations into `env` (vars -> values); with `inline`, call-like equations are entered."""
-    for eqn in eqns:
-        invals = [_read(env, x) for x in eqn.invars]
-        name = eqn.primitive.name
-        if inline and name in _CALL_PARAMS and _CALL_PARAMS[name] in eqn.params:
-            inner = eqn.params[_CALL_PARAMS[name]]
-            if not isinstance(inner, ClosedJaxpr):
-                inner = ClosedJaxpr(inner, ())
-            outs = eval_closed(inner, invals, inline=True)
-        else:
-            bind_params = eqn.primitive.get_bind_params(eqn.params)
-            subfuns: Sequence[Any] = ()
-            if isinstance(bind_params, tuple):  # JAX < 0.8 returns (subfuns, params)
-                subfuns, bind_params = bind_params
-            with eqn.ctx.manager:
-                outs = eqn.primitive.bind(*subfuns, *invals, **bind_params)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-        for v, o in zip(eqn.outvars, outs):
-            env[v] = o
-
-
-def eval_closed(closed: ClosedJaxpr, args: Sequence[Any], inline: bool = False) -> list[Any]:
-    env: dict[Any, Any] = dict(zip(closed.jaxpr.constvars, closed.consts))
-    env.update(zip(closed.jaxpr.invars, args))
-    eval_eqns(closed.jaxpr.eqns, env, inline)
-    return [_read(env, v) for v in closed.jaxpr.outvars]
-
-
-def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
-    """Re-trace `closed` with every nested jit/call inlined, so markers inside them become visible."""
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
-    return jax.make_jaxpr(lambda *a: eval_closed(closed, a, inline=True))(*avals)
-
-
-def eqns_fn(eqns: Sequence[Any], inputs: Sequence[Var], outputs: Sequence[Any], consts: dict[Any, Any]) -> Callable[..., tuple]:
-    """A function evaluating `eqns`: flat `inputs` values in, flat `outputs` values out."""
-    eqns, inputs, outputs = list(eqns), list(inputs), list(outputs)
-
-    def fn(*args: Any) -> tuple:
-        env = dict(consts)
-        env.update(zip(inputs, args))
-        eval_eqns(eqns, env)
-        return tuple(_read(env, v) for v in outputs)
-
-    return fn
-
-
-@dataclass
-class StageTask:
-    """The equations of one stage's forward ("F") or backward ("B") task, with what flows in and out."""
-
-    stage: int
-    kind: str
-    eqns: list[Any]
-    inputs: list[Var]
-    outputs: list[Var]
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind}: {len(self.eqns)} eqns, in {len(self.inputs)}, out {len(self.outputs)}"
+Region = tuple[int, str]  # (stage, kind)
 
 
 def is_marker(eqn: Any, direction: str | None = None) -> bool:
     return eqn.primitive is pipeline_yield_p and (direction is None or eqn.params["direction"] == direction)
 
 
-def split_stages(body: ClosedJaxpr, num_aux: int) -> list[StageTask]:
-    """Cut an inlined loop body at its markers into 2S tasks: [0F, 1F, ..., (S-1)F, 0B, ..., (S-1)B].
+@dataclass
+class StageSplit:
+    """Which task computes each varying equation: `regions[(stage, kind)]` in program order, kind F or B
+    (I and W after `split_backward`)."""
 
-    `body` outputs are (grads..., aux...); the last `num_aux` outputs are the aux (loss) values.
-    """
-    eqns = list(body.jaxpr.eqns)
+    num_stages: int
+    regions: dict[Region, list[Any]]
+    region_of: dict[Var, Region] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.reindex()
+
+    def reindex(self) -> None:
+        self.region_of = {v: r for r, eqns in self.regions.items() for e in eqns for v in e.outvars}
+
+    def order(self, r: Region) -> int:
+        """Position of a region in one microbatch's dataflow: F0 < F1 < ... < B_last < ... < B0 (I before W)."""
+        s, k = r
+        if k == "F":
+            return s
+        n = self.num_stages
+        return n + 2 * (n - 1 - s) + (1 if k == "W" else 0)
+
+
+def split_stages(body: LoopBody) -> StageSplit:
+    eqns = body.eqns
     fwd = [i for i, e in enumerate(eqns) if is_marker(e, FWD)]
     bwd = [i for i, e in enumerate(eqns) if is_marker(e, BWD)]
-    if len(bwd) != len(fwd):
-        raise PipelineError(
-            f"found {len(fwd)} forward pipeline_yield markers but {len(bwd)} backward ones. Every stage boundary "
-            "must lie on the path from the parameters to the loss that jax.grad differentiates; is a marked value unused?"
-        )
     if fwd and bwd and max(fwd) > min(bwd):
-        raise PipelineError("a pipeline_yield marker appears after the backward pass started; mark stages only in the forward computation")
+        raise PipelineError("a pipeline_yield marker appears after the backward pass started; mark stages only in the forward "
+                            "computation (not inside a custom backward rule)")
+    if len(bwd) > len(fwd):
+        raise PipelineError(f"found {len(fwd)} forward pipeline_yield markers but {len(bwd)} backward ones; was a marker "
+                            "applied to a gradient?")
     n = len(fwd) + 1
-    regions: dict[tuple[int, str], list[Any]] = {(s, k): [] for s in range(n) for k in "FB"}
-    stage_of_fwd_end = {idx: s for s, idx in enumerate(fwd)}
-    bwd_starts = {idx: n - 2 - j for j, idx in enumerate(bwd)}
-    current: tuple[int, str] = (0, "F")
-    last_region: list[Any] = []
-    for i, e in enumerate(eqns):
-        if i in bwd_starts:
-            current = (bwd_starts[i], "B")
-        if current == (n - 1, "F"):
-            last_region.append(e)
-        else:
-            regions[current].append(e)
-        if i in stage_of_fwd_end:
-            current = (stage_of_fwd_end[i] + 1, "F")
-    # The last stage's region: forward = what the aux outputs need; the rest is its backward.
-    aux_vars = {v for v in body.jaxpr.outvars[len(body.jaxpr.outvars) - num_aux :] if isinstance(v, Var)}
-    needed, fwd_part = set(aux_vars), []
+    regions: dict[Region, list[Any]] = {(s, k): [] for s in range(n) for k in "FB"}
+    first_bwd = bwd[0] if bwd else len(eqns)
+    start = 0
+    for s, end in enumerate(fwd):
+        regions[(s, "F")] = eqns[start : end + 1]
+        start = end + 1
+    last_region = eqns[start:first_bwd]
+    # Forward values by stage: a marker's outputs are the next stage's inputs.
+    stage_of: dict[Var, int] = {}
+    for s in range(n - 1):
+        for e in regions[(s, "F")]:
+            for v in e.outvars:
+                stage_of[v] = s + 1 if is_marker(e) else s
+    aux = {v for v, _ in body.stacked}
+    needed, fwd_part = set(aux), set()
     for e in reversed(last_region):
         if any(v in needed for v in e.outvars):
-            fwd_part.append(e)
-            needed.update(v for v in e.invars if isinstance(v, Var))
-    fwd_ids = {id(e) for e in fwd_part}
-    regions[(n - 1, "F")] = [e for e in last_region if id(e) in fwd_ids]
-    regions[(n - 1, "B")] = [e for e in last_region if id(e) not in fwd_ids] + regions[(n - 1, "B")]
-    order = [(s, "F") for s in range(n)] + [(s, "B") for s in range(n)]
-    return _with_interfaces(body, [StageTask(s, k, regions[(s, k)], [], []) for s, k in order])
+            fwd_part.add(id(e))
+            needed.update(var_inputs(e))
+    regions[(n - 1, "F")] = [e for e in last_region if id(e) in fwd_part]
+    for e in regions[(n - 1, "F")]:
+        for v in e.outvars:
+            stage_of[v] = n - 1
+    last_b = [e for e in last_region if id(e) not in fwd_part]
+    # Backward regions: [first_bwd, bwd[1]), [bwd[1], bwd[2]), ...; each belongs to the latest stage whose
+    # forward values it reads (what it differentiates).
+    bounds = [*bwd, len(eqns)]
+    prev = n - 1
+    regions[(n - 1, "B")] = last_b
+    for j in range(len(bwd)):
+        seg = eqns[bounds[j] : bounds[j + 1]]
+        read = [stage_of[v] for e in seg for v in var_inputs(e) if v in stage_of]
+        stage = max(read) if read else prev - 1
+        if stage >= prev:
+            stage = prev - 1
+        if stage < 0:
+            raise PipelineError("could not match the backward pass to stages: a backward marker region reads forward values of "
+                                "a stage whose backward already ran. Mark stage boundaries only on the activations that "
+                                "flow from one stage to the next")
+        regions[(stage, "B")] = regions[(stage, "B")] + seg
+        prev = stage
+    return StageSplit(n, regions)
 
 
-def _with_interfaces(body: ClosedJaxpr, tasks: list[StageTask]) -> list[StageTask]:
-    """Fill each task's inputs (vars it reads but does not define) and outputs (vars it defines that a
-    later task or the body's outputs read)."""
-    constvars = set(body.jaxpr.constvars)
-    defined_in = {}
-    for t in tasks:
-        for e in t.eqns:
+def follow_inputs(split: StageSplit, body: LoopBody, actor_of: Any) -> None:
+    """Move backward equations that only feed gradient sums to the task holding most of their input bytes
+    (never earlier than their inputs in one microbatch's dataflow). In place."""
+    from mpmd.compiler.body import INVARIANT
+
+    position = {id(e): i for i, e in enumerate(body.eqns)}
+    consumers: dict[Var, list[int]] = {}
+    for eqns in split.regions.values():
+        for e in eqns:
+            for v in set(var_inputs(e)):
+                consumers.setdefault(v, []).append(id(e))
+    accumulated = set(body.accumulators)
+    backward = sorted(((r, e) for r, eqns in split.regions.items() if r[1] != "F" for e in eqns), key=lambda re: position[id(re[1])])
+    tail: set[int] = set()
+    for _, e in reversed(backward):
+        if is_marker(e) or any(body.status.get(v) == INVARIANT for v in var_inputs(e)):
+            continue  # markers stay; an equation reading a step value (a parameter) stays where that value is
+        outs = [v for v in e.outvars if type(v).__name__ != "DropVar"]
+        if outs and all((v in accumulated or consumers.get(v)) and all(c in tail for c in consumers.get(v, ())) for v in outs):
+            tail.add(id(e))
+    moved = False
+    for r, e in backward:
+        if id(e) not in tail:
+            continue
+        r = split.region_of[e.outvars[0]]
+        producers = {split.region_of[v] for v in var_inputs(e) if v in split.region_of}
+        if not producers:
+            continue
+        earliest = max(split.order(p) for p in producers)
+        candidates = {p for p in producers if split.order(p) >= earliest} | {r}
+
+        def cost(c: Region) -> int:
+            a = actor_of(c[0])
+            return sum(nbytes(v) for v in var_inputs(e) if v in split.region_of and actor_of(split.region_of[v][0]) != a)
+
+        best = min(candidates, key=lambda c: (cost(c), c != r))
+        if best != r:
+            split.regions[r].remove(e)
+            split.regions[best].append(e)
             for v in e.outvars:
-                defined_in[v] = t
-    read_by: dict[Var, set[int]] = {}
-    for ti, t in enumerate(tasks):
-        for e in t.eqns:
-            for v in e.invars:
-                if isinstance(v, Var):
-                    read_by.setdefault(v, set()).add(ti)
-    body_outs = {v for v in body.jaxpr.outvars if isinstance(v, Var)}
-    for ti, t in enumerate(tasks):
-        own = {v for e in t.eqns for v in e.outvars}
-        seen: set[Var] = set()
-        for e in t.eqns:
-            for v in e.invars:
-                if isinstance(v, Var) and v not in own and v not in constvars and v not in seen:
-                    seen.add(v)
-                    t.inputs.append(v)
-        t.outputs = [v for e in t.eqns for v in e.outvars
-                     if isinstance(v, Var) and not _is_drop(v) and (v in body_outs or read_by.get(v, set()) - {ti})]
-    return tasks
+                split.region_of[v] = best
+            moved = True
+    if moved:
+        for key, eqns in split.regions.items():
+            split.regions[key] = sorted(eqns, key=lambda e: position[id(e)])
 
 
-def _is_drop(v: Any) -> bool:
-    return type(v).__name__ == "DropVar"
+def split_backward(split: StageSplit, stages: set[int]) -> None:
+    """Cut the B task of each stage in `stages` into I (what other stages' backward tasks read, and what that
+    needs) and W (the rest). In place."""
+    for s in stages:
+        b = split.regions.pop((s, "B"), [])
+        own = {v for e in b for v in e.outvars}
+        exported = set()
+        for r, eqns in split.regions.items():
+            if r[1] == "F" or r[0] == s:
+                continue
+            for e in eqns:
+                exported.update(v for v in var_inputs(e) if v in own)
+        needed, i_ids = set(exported), set()
+        for e in reversed(b):
+            if any(v in needed for v in e.outvars):
+                i_ids.add(id(e))
+                needed.update(var_inputs(e))
+        split.regions[(s, "I")] = [e for e in b if id(e) in i_ids]
+        split.regions[(s, "W")] = [e for e in b if id(e) not in i_ids]
+    split.reindex()

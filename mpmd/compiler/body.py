@@ -1,0 +1,188 @@
+"""The microbatch loop's body, taken apart: what depends on the microbatch, what does not, and how the
+gradient sums are formed. Pure functions over jaxprs.
+
+* **Constant** equations (iota, literals only: a causal mask from `jnp.tril(jnp.ones(...))`) depend on
+  nothing; every executable that reads one recomputes it, so a constant never crosses actors.
+* **Invariant** equations read step values but no microbatch data (a mixed-precision cast of the parameters,
+  `stop_gradient(params["base"])`, a weight transpose for a tied head): they move out of the loop and run
+  once per step, on the actors that use them (loop-invariant code motion).
+* **Varying** equations are the stage tasks proper.
+
+The loop sums gradients. Where a gradient is a sum of several per-microbatch parts (`add_any` of the
+cotangents of a weight used by several stages, the data gradient plus an invariant penalty gradient), the
+sum is pushed through it: each part is summed over the microbatches on its own (on the actor that computes
+it) and the parts are combined once, after the loop (`tail`). A gradient that is invariant or a literal zero
+(a frozen parameter under `stop_gradient`) is simply `m` times its value.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax.numpy as jnp
+from jax.extend.core import ClosedJaxpr, Literal, Var
+
+from mpmd.compiler.eqns import SyntheticEqn, is_var, new_var, var_inputs
+from mpmd.primitives import pipeline_yield_p
+
+CONST, INVARIANT, VARYING = 0, 1, 2
+
+# Linear in each operand, exact to reassociation: sum over microbatches commutes with them.
+_SUM_THROUGH = {"add_any", "add", "sub"}
+
+
+@dataclass
+class LoopBody:
+    """The loop body after the analysis above. Vars are the body's own; `outer_of` maps a closed-over body
+    input to the step value (loop operand) it stands for."""
+
+    eqns: list[Any]  # varying equations, in order (markers included)
+    consts: dict[Var, Any]  # body constvars and literal operands -> values
+    mb_leaves: dict[Var, int]  # body input -> batch leaf index
+    outer_of: dict[Var, Any]  # closed-over body input -> loop operand (outer var)
+    status: dict[Var, int]  # CONST / INVARIANT / VARYING per body var
+    constant_defs: dict[Var, Any]  # constant var -> its defining equation
+    hoisted: list[Any]  # invariant equations, run once per step before the loop
+    accumulators: list[Var]  # varying vars summed over microbatches
+    stacked: list[tuple[Var, Var]]  # (per-microbatch aux var, var of its stacked [m, ...] value)
+    tail: list[Any]  # equations after the loop that form the gradients from the accumulators' sums
+    outputs: list[Any]  # per loop output: the var (or Literal) holding its step-level value
+    num_microbatches: int
+    uses: dict[Var, int] = field(default_factory=dict)
+
+
+def classify(body: ClosedJaxpr, num_mb_leaves: int) -> tuple[dict[Var, int], dict[Var, Any]]:
+    """Status of every body var, and the defining equation of every constant var."""
+    jaxpr = body.jaxpr
+    status: dict[Var, int] = {v: CONST for v in jaxpr.constvars}
+    for i, v in enumerate(jaxpr.invars):
+        status[v] = VARYING if i < num_mb_leaves else INVARIANT
+    defs: dict[Var, Any] = {}
+    for e in jaxpr.eqns:
+        ins = [status[v] for v in var_inputs(e)]
+        s = max(ins, default=CONST)
+        if e.primitive is pipeline_yield_p or e.effects:
+            s = VARYING  # markers cut stages; effects (callbacks, prints) run once per microbatch as in the loop
+        for v in e.outvars:
+            status[v] = s
+            if s == CONST:
+                defs[v] = e
+    return status, defs
+
+
+def analyse(body: ClosedJaxpr, num_mb_leaves: int, num_grads: int, num_microbatches: int,
+            operands: list[Any]) -> LoopBody:
+    """`operands` are the loop equation's inputs beyond the batch leaves (outer vars or Literals), in the order
+    of the body's inputs after the batch leaves."""
+    jaxpr = body.jaxpr
+    status, constant_defs = classify(body, num_mb_leaves)
+    consts: dict[Var, Any] = dict(zip(jaxpr.constvars, body.consts))
+    outer_of: dict[Var, Any] = {}
+    for bv, ov in zip(jaxpr.invars[num_mb_leaves:], operands):
+        if isinstance(ov, Literal):
+            consts[bv] = ov.val
+            status[bv] = CONST
+        else:
+            outer_of[bv] = ov
+    mb_leaves = {v: i for i, v in enumerate(jaxpr.invars[:num_mb_leaves])}
+    varying = [e for e in jaxpr.eqns if status[e.outvars[0]] == VARYING] if jaxpr.eqns else []
+    hoisted = [e for e in jaxpr.eqns if e.outvars and status[e.outvars[0]] == INVARIANT]
+    uses: dict[Var, int] = defaultdict(int)
+    for e in varying:
+        for v in set(var_inputs(e)):
+            uses[v] += 1
+    for v in jaxpr.outvars:
+        if isinstance(v, Var):
+            uses[v] += 1
+    m = num_microbatches
+    producer = {v: e for e in varying for v in e.outvars}
+
+    tail: list[Any] = []
+    accumulators: list[Var] = []
+    sunk: set[int] = set()
+
+    def times_m(x: Any) -> Var:
+        """A tail var holding m * x (x an invariant or constant var, or a Literal)."""
+        aval = x.aval
+        out = new_var(aval)
+        if isinstance(x, Literal):
+            val = x.val
+            tail.append(SyntheticEqn(lambda: [jnp.full(aval.shape, val, aval.dtype) * m], [], [out], "mpmd_times_m"))
+        else:
+            tail.append(SyntheticEqn(lambda v: [v * jnp.asarray(m, v.dtype)], [x], [out], "mpmd_times_m"))
+        return out
+
+    def accumulate(v: Var) -> Var:
+        """The var whose step-level value is the sum of v over the microbatches, pushing the sum inward
+        (the equations that combine the parts join the tail; tail equations come after their inputs)."""
+        e = producer.get(v)
+        sinkable = (e is not None and e.primitive.name in _SUM_THROUGH and uses[v] == 1 and len(e.outvars) == 1
+                    and all(getattr(x, "aval", None) is not None and x.aval.shape == v.aval.shape and x.aval.dtype == v.aval.dtype
+                            for x in e.invars))
+        if not sinkable:
+            if v in mb_leaves:  # a microbatch slice itself: its sum is the batch leaf summed over axis 0
+                out = new_var(v.aval)
+                tail.append(SyntheticEqn(lambda x: [jnp.sum(x, axis=0)], [v], [out], "mpmd_sum_leaf"))
+                return out
+            if v not in accumulators:
+                accumulators.append(v)
+            return v
+        sunk.add(id(e))
+        new_in = [times_m(x) if isinstance(x, Literal) or status.get(x, CONST) != VARYING else accumulate(x) for x in e.invars]
+        tail.append(e if new_in == list(e.invars) else SyntheticEqn(_bind_fn(e), new_in, list(e.outvars), e.primitive.name))
+        return v
+
+    outputs: list[Any] = []
+    stacked: list[tuple[Var, Var]] = []
+    for j, v in enumerate(jaxpr.outvars):
+        if j < num_grads:
+            if isinstance(v, Literal) or status[v] != VARYING:
+                outputs.append(times_m(v))
+            else:
+                outputs.append(accumulate(v))
+        else:
+            aval = v.aval
+            if isinstance(v, Var) and v in mb_leaves:
+                outputs.append(("leaf", mb_leaves[v]))  # the batch leaf itself
+                continue
+            out = new_var(aval.update(shape=(m, *aval.shape)))
+            if isinstance(v, Literal) or status[v] != VARYING:
+                src = [] if isinstance(v, Literal) else [v]
+                val = v.val if isinstance(v, Literal) else None
+                fn = (lambda: [jnp.broadcast_to(jnp.asarray(val, aval.dtype), (m, *aval.shape))]) if val is not None else (
+                    lambda x: [jnp.broadcast_to(x, (m, *x.shape))])
+                tail.append(SyntheticEqn(fn, src, [out], "mpmd_broadcast_aux"))
+            else:
+                stacked.append((v, out))
+            outputs.append(out)
+    eqns = [e for e in varying if id(e) not in sunk]
+    return LoopBody(eqns, consts, mb_leaves, outer_of, status, constant_defs, hoisted, accumulators, stacked, tail, outputs,
+                    m, dict(uses))
+
+
+def _bind_fn(eqn: Any) -> Any:
+    from mpmd.compiler.eqns import bind_eqn
+
+    return lambda *xs: bind_eqn(eqn, xs)
+
+
+def constants_needed(eqns: list[Any], reads: list[Var], body: LoopBody) -> list[Any]:
+    """The constant equations (transitively) that produce the constant vars in `reads`, in order."""
+    need: list[Any] = []
+    seen: set[int] = set()
+
+    def visit(v: Any) -> None:
+        e = body.constant_defs.get(v)
+        if e is None or id(e) in seen:
+            return
+        seen.add(id(e))
+        for u in var_inputs(e):
+            visit(u)
+        need.append(e)
+
+    for v in reads:
+        if is_var(v):
+            visit(v)
+    return need

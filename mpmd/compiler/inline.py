@@ -1,0 +1,151 @@
+"""First pass over a traced step or loop body: make every stage marker visible at the top level.
+
+* Nested `jit`/`pjit`/call equations are inlined (markers inside them become visible).
+* A `lax.scan` whose body holds markers (a scanned stack of stages: `nnx.scan`, `nn.scan`, a hand-written
+  `lax.scan` over stacked per-stage parameters) is unrolled, one iteration after another. The rule: a scan of
+  S iterations with a marker at the end of its body gives S stages; what precedes the scan joins the first
+  iteration's stage and what follows it (head, loss) the last one's, so the marker of the last iteration
+  (and, in the backward pass, its transpose in the first backward iteration) is dropped. Markers outside
+  the scan cut as usual. The iterations' stacked outputs (residuals for the backward pass) stay per-iteration
+  values wherever they are only sliced again, so no stage waits for another stage's residuals.
+* A marker inside a construct the compiler cannot cut (`jax.checkpoint`/remat, `lax.cond`/`switch`,
+  `while_loop`/`fori_loop`, `custom_vjp`, `shard_map`, ...) is an error that names the construct and says
+  where to put the marker instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import ClosedJaxpr, Literal
+
+from mpmd.compiler.eqns import bind_eqn, contains_primitive, sub_jaxprs
+from mpmd.errors import PipelineError
+from mpmd.primitives import BWD, FWD, pipeline_yield_p
+
+_CALL_PARAMS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+                "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr"}
+
+_CONSTRUCTS = {
+    "checkpoint": ("jax.checkpoint (remat)", "call pipeline_yield on the checkpointed function's result instead: "
+                   "x = mpmd.pipeline_yield(jax.checkpoint(block)(params, x))"),
+    "remat": ("jax.checkpoint (remat)", "call pipeline_yield on the checkpointed function's result instead: "
+              "x = mpmd.pipeline_yield(jax.checkpoint(block)(params, x))"),
+    "cond": ("lax.cond / lax.switch", "a stage boundary must be unconditional: compute both branches' stage split "
+             "outside the cond, or move the marker before or after it"),
+    "while": ("lax.while_loop / lax.fori_loop", "unroll the loop (a Python for loop, or lax.scan over stages) or put the "
+              "marker after the loop"),
+    "custom_vjp_call": ("a jax.custom_vjp function", "call pipeline_yield outside the custom_vjp function"),
+    "custom_vjp_call_jaxpr": ("a jax.custom_vjp function", "call pipeline_yield outside the custom_vjp function"),
+    "custom_jvp_call": ("a jax.custom_jvp function", "call pipeline_yield outside the custom_jvp function"),
+    "shard_map": ("shard_map", "call pipeline_yield outside the shard_map"),
+    "xla_pmap": ("pmap", "call pipeline_yield outside the pmap"),
+}
+
+
+def has_marker(jaxpr: Any) -> bool:
+    return contains_primitive(jaxpr, pipeline_yield_p)
+
+
+def _marker_directions(jaxpr: Any) -> set[str]:
+    out: set[str] = set()
+    for e in jaxpr.eqns:
+        if e.primitive is pipeline_yield_p:
+            out.add(e.params["direction"])
+        for j in sub_jaxprs(e):
+            out |= _marker_directions(j)
+    return out
+
+
+class _Stacked:
+    """The stacked outputs of an unrolled scan, kept per iteration until something needs the whole array."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+        self._whole: Any = None
+
+    def whole(self) -> Any:
+        if self._whole is None:
+            self._whole = jnp.stack(self.items)
+        return self._whole
+
+
+def _value(x: Any) -> Any:
+    return x.whole() if isinstance(x, _Stacked) else x
+
+
+def _read(env: dict[Any, Any], x: Any) -> Any:
+    return x.val if isinstance(x, Literal) else env[x]
+
+
+class _Unroller:
+    """Evaluates equations under a JAX trace, inlining calls and unrolling scans that hold markers."""
+
+    def __init__(self) -> None:
+        self.drop_next_fwd = 0  # markers to evaluate as identity (see the module docstring)
+
+    def eval_jaxpr(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], skip_markers: set[int] | None = None) -> list[Any]:
+        env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, args))
+        for i, eqn in enumerate(jaxpr.eqns):
+            invals = [_read(env, x) for x in eqn.invars]
+            name = eqn.primitive.name
+            if eqn.primitive is pipeline_yield_p and skip_markers is not None and i in skip_markers:
+                outs = [_value(x) for x in invals]
+            elif name in _CALL_PARAMS and _CALL_PARAMS[name] in eqn.params and name not in ("custom_vjp_call", "custom_vjp_call_jaxpr"):
+                inner = eqn.params[_CALL_PARAMS[name]]
+                closed = inner if isinstance(inner, ClosedJaxpr) else ClosedJaxpr(inner, ())
+                outs = self.eval_jaxpr(closed.jaxpr, closed.consts, invals)
+            elif name == "scan" and has_marker(eqn.params["jaxpr"].jaxpr):
+                outs = self._unroll_scan(eqn, invals)
+            else:
+                if name != "mpmd_accumulate" and any(has_marker(j) for j in sub_jaxprs(eqn)):
+                    what, fix = _CONSTRUCTS.get(name, (f"a {name!r} equation", "move the marker outside it"))
+                    raise PipelineError(f"a pipeline_yield marker is inside {what}, which the compiler cannot cut into "
+                                        f"stages; {fix}")
+                outs = bind_eqn(eqn, [_value(x) for x in invals])
+            for v, o in zip(eqn.outvars, outs):
+                env[v] = o
+        return [_read(env, v) for v in jaxpr.outvars]
+
+    def _unroll_scan(self, eqn: Any, invals: list[Any]) -> list[Any]:
+        p = eqn.params
+        body: ClosedJaxpr = p["jaxpr"]
+        n, nc, ncarry, reverse = p["length"], p["num_consts"], p["num_carry"], p["reverse"]
+        consts, carry, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
+        directions = _marker_directions(body.jaxpr)
+        markers = [i for i, e in enumerate(body.jaxpr.eqns) if e.primitive is pipeline_yield_p]
+        order = list(range(n))[::-1] if reverse else list(range(n))
+        # The last forward iteration's last marker (or, in a transposed scan, the first backward
+        # iteration's first marker) would cut off the head: drop it (module docstring).
+        drop_at, drop_idx = None, None
+        if markers and directions == {FWD}:
+            drop_at, drop_idx = order[-1], markers[-1]
+        elif markers and directions == {BWD}:
+            drop_at, drop_idx = order[0], markers[0]
+        ys: list[list[Any]] = [[] for _ in range(len(body.jaxpr.outvars) - ncarry)]
+        for t in order:
+            x_t = [x.items[t] if isinstance(x, _Stacked) else jax.lax.index_in_dim(_value(x), t, keepdims=False) for x in xs]
+            skip = {drop_idx} if t == drop_at else None
+            outs = self.eval_jaxpr(body.jaxpr, body.consts, [*consts, *carry, *x_t], skip)
+            carry = [_value(c) for c in outs[:ncarry]]
+            for j, y in enumerate(outs[ncarry:]):
+                ys[j].append(_value(y))
+        if reverse:
+            for y in ys:
+                y.reverse()
+        return [*carry, *(_Stacked(y) for y in ys)]
+
+
+def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """Re-trace `closed` with every nested call inlined and every scan holding markers unrolled."""
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+    unroller = _Unroller()
+
+    def fn(*args: Any) -> list[Any]:
+        return [_value(o) for o in unroller.eval_jaxpr(closed.jaxpr, closed.consts, args)]
+
+    return jax.make_jaxpr(fn)(*avals)
