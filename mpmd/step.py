@@ -14,10 +14,11 @@ import jax
 import numpy as np
 
 from mpmd.array import RemoteArray
-from mpmd.avals import dtype_text, host_value, to_wire, wire_shape_dtype
+from mpmd.avals import dtype_text, host_value, is_key, to_wire, wire_shape_dtype
 from mpmd.compiler.inline import inline_calls
 from mpmd.compiler.plan import StepPlan, lower_templates, plan_step
 from mpmd.errors import ActorDiedError, MpmdError, PipelineError
+from mpmd.report import PlacementReport, placement_report
 from transport.protocol import dtype_name
 
 log = logging.getLogger(__name__)
@@ -40,10 +41,16 @@ def _spec(x: Any, path: str) -> jax.ShapeDtypeStruct:
                             "arrays and pytrees of arrays; close over the function instead (or use functools.partial)")
     try:
         x = host_value(x)
-        jax.dtypes.canonicalize_dtype(x.dtype)
+        if not is_key(x.dtype):
+            jax.dtypes.canonicalize_dtype(x.dtype)
     except (TypeError, ValueError) as e:
         raise PipelineError(f"argument {path} is a {type(x).__name__}, which is not a valid JAX type: {e}") from None
     return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+
+
+def _tree_paths(treedef: Any) -> list[Any]:
+    dummy = jax.tree.unflatten(treedef, list(range(treedef.num_leaves)))
+    return [p for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
 
 
 def _is_remote(x: Any) -> bool:
@@ -114,6 +121,13 @@ class DistributedFunction:
             await self.mesh.load_program(prog.actor, prog, pid, keys)
 
         await asyncio.gather(*(one(p, pid) for p, pid in zip(plan.programs, ids)))
+
+    def placement(self, *args: Any) -> PlacementReport:
+        """Where each argument and output of the step lives (per pytree path), and what moves between actors in
+        one step, by kind (activations, activation gradients, parameters, gradient reductions, other)."""
+        compiled = self.compile(*args)
+        out_paths = [f"out{jax.tree_util.keystr(p)}" for p in _tree_paths(compiled.out_tree)]
+        return placement_report(compiled.plan, compiled.arg_paths, out_paths)
 
     def program(self, *args: Any) -> str:
         """The per-actor instruction lists for these arguments, one line per instruction."""

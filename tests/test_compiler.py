@@ -217,3 +217,46 @@ def test_one_f_one_b_keeps_at_most_num_stages_minus_stage_microbatches_in_flight
             live += 1 if t.kind == "F" else -1
             peak = max(peak, live)
         assert peak == 4 - s
+
+
+def _two_stage(model):
+    return _step_with(model, mpmd.GPipe(2))
+
+
+def test_error_for_a_marker_inside_jax_checkpoint_names_remat_and_the_fix():
+    def model(params, x):
+        def block(p, x):
+            return mpmd.pipeline_yield(jnp.tanh(x @ p["w"]))
+
+        x = jax.checkpoint(block)(params[0], x)
+        return x @ params[1]["w"]
+
+    with pytest.raises(mpmd.PipelineError, match=r"inside jax.checkpoint \(remat\).*pipeline_yield\(jax.checkpoint\(block\)"):
+        _plan(_two_stage(model), _args(2), 2)
+
+
+def test_error_for_a_marker_inside_lax_cond_names_the_construct():
+    def model(params, x):
+        x = jax.lax.cond(x.sum() > 0, lambda x: mpmd.pipeline_yield(jnp.tanh(x)), lambda x: mpmd.pipeline_yield(x), x @ params[0]["w"])
+        return x @ params[1]["w"]
+
+    with pytest.raises(mpmd.PipelineError, match=r"inside lax.cond / lax.switch"):
+        _plan(_two_stage(model), _args(2), 2)
+
+
+def test_error_when_the_schedule_needs_more_actors_suggests_several_stages_per_actor():
+    with pytest.raises(mpmd.PipelineError, match=r"needs 4 actors but the mesh has 2.*several stages on each actor"):
+        _plan(_step_with(models.mlp, mpmd.GPipe(4)), _args(4), 2)
+
+
+def test_error_for_a_function_leaf_in_the_arguments_names_its_path():
+    params, opt_state, batch = _args(2)
+    params[1]["act"] = jnp.tanh
+    dist = DistributedFunction(_two_stage(models.mlp), FakeMesh(2))
+    with pytest.raises(mpmd.PipelineError, match=r"argument args\[0\]\[1\]\['act'\] is a function"):
+        dist.trace(params, opt_state, batch)
+
+
+def test_accumulate_grads_says_it_sums_when_fn_returns_the_wrong_shape():
+    with pytest.raises(mpmd.PipelineError, match=r"must return \(grads, aux\)"):
+        jax.make_jaxpr(lambda b: mpmd.accumulate_grads(lambda mb: mb["x"].sum(), b))({"x": jnp.ones((2, 3))})

@@ -30,6 +30,8 @@ _CALL_PARAMS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "c
                 "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr"}
 
 _CONSTRUCTS = {
+    "remat2": ("jax.checkpoint (remat)", "call pipeline_yield on the checkpointed function's result instead: "
+               "x = mpmd.pipeline_yield(jax.checkpoint(block)(params, x))"),
     "checkpoint": ("jax.checkpoint (remat)", "call pipeline_yield on the checkpointed function's result instead: "
                    "x = mpmd.pipeline_yield(jax.checkpoint(block)(params, x))"),
     "remat": ("jax.checkpoint (remat)", "call pipeline_yield on the checkpointed function's result instead: "

@@ -1,0 +1,257 @@
+"""The programs JAX users write: closed-over values of every dtype, typed PRNG keys, flax nnx dropout,
+scanned stacks of stages, stages without parameters, frozen parameters — each equal to `jax.jit` of the
+same undecorated step on real daemons."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import mpmd
+from tests.test_pipeline import assert_trees_close, make_step
+
+
+def compare(mesh, step, state, batches, extra=(), steps=None):
+    """Run `step(*state, batch, *extra)` under jax.jit and mpmd.distributed for each batch; the first
+    len(state) outputs are fed back; every output must agree."""
+    ref, dist = jax.jit(step), mpmd.distributed(step, mesh=mesh)
+    rs, ds = tuple(state), tuple(state)
+    n = len(state)
+    for batch in batches:
+        r_out = ref(*rs, batch, *extra)
+        d_out = dist(*ds, batch, *extra)
+        assert_trees_close(mpmd.fetch(d_out[n:]), r_out[n:])
+        rs, ds = tuple(r_out[:n]), tuple(d_out[:n])
+    assert_trees_close(mpmd.fetch(ds), rs)
+    return dist, ds
+
+
+def mlp2(rng, width=8):
+    return [{"w": (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32),
+             "b": (0.1 * rng.standard_normal(width)).astype(np.float32)} for _ in range(2)]
+
+
+def batch_of(rng, m=4, b=3, width=8):
+    return {"x": rng.standard_normal((m, b, width)).astype(np.float32), "y": rng.standard_normal((m, b, width)).astype(np.float32)}
+
+
+def test_closed_over_int_bool_uint32_key_and_typed_key_work_as_under_jit(mesh2):
+    opt = optax.sgd(0.1)
+
+    def step(params, opt_state, batch, counter, flag, raw_key, typed_key):
+        step_key = jax.random.fold_in(raw_key, counter)  # uint32[2], computed in the step
+        tkey = jax.random.fold_in(typed_key, counter)  # a typed key computed in the step
+
+        def mb_grads(mb):
+            def loss(p):
+                h = jnp.tanh(mb["x"] @ p[0]["w"] + p[0]["b"] + counter.astype(jnp.float32) * 0.01)
+                h = jnp.where(flag, h, -h)
+                h = mpmd.pipeline_yield(h)
+                keep = jax.random.bernoulli(step_key, 0.8, h.shape)
+                noise = jax.random.normal(tkey, h.shape) * 0.01
+                out = jnp.where(keep, h, 0.0) @ p[1]["w"] + p[1]["b"] + noise
+                return jnp.mean((out - mb["y"]) ** 2)
+
+            v, g = jax.value_and_grad(loss)(params)
+            return g, v
+
+        grads, losses = mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.OneFOneB(2))
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, losses
+
+    rng = np.random.default_rng(0)
+    params = mlp2(rng)
+    extra = (np.int32(3), np.bool_(False), jax.random.PRNGKey(7), jax.random.key(11))
+    compare(mesh2, step, (params, opt.init(params)), [batch_of(rng) for _ in range(2)], extra)
+
+
+def test_typed_keys_in_the_batch_in_the_state_crossing_stages_and_as_outputs(mesh2):
+    opt = optax.adam(1e-2)
+
+    def step(params, opt_state, key, batch):
+        key, sub = jax.random.split(key)  # a typed key in the state, updated every step
+
+        def mb_grads(mb):
+            def loss(p):
+                h = jnp.tanh(mb["x"] @ p[0]["w"] + p[0]["b"])
+                h, k = mpmd.pipeline_yield((h, mb["key"]))  # a key crosses from stage 0 to stage 1
+                mask = jax.random.bernoulli(jax.random.fold_in(k, 1), 0.9, h.shape)
+                out = (h * mask) @ p[1]["w"] + p[1]["b"] + 0.01 * jax.random.normal(sub, h.shape)
+                return jnp.mean((out - mb["y"]) ** 2)
+
+            v, g = jax.value_and_grad(loss)(params)
+            return g, {"loss": v, "key": jax.random.fold_in(mb["key"], 5)}
+
+        grads, aux = mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.GPipe(2))
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, key, aux
+
+    rng = np.random.default_rng(1)
+    params = mlp2(rng)
+    batches = []
+    for i in range(2):
+        b = batch_of(rng)
+        b["key"] = jax.random.split(jax.random.key(100 + i), 4)  # one typed key per microbatch
+        batches.append(b)
+    ref, dist = jax.jit(step), mpmd.distributed(step, mesh=mesh2)
+    rs = ds = (params, opt.init(params), jax.random.key(3))
+    for b in batches:
+        r = ref(*rs, b)
+        d = dist(*ds, b)
+        np.testing.assert_allclose(d[3]["loss"].to_numpy(), np.asarray(r[3]["loss"]), rtol=1e-5)
+        np.testing.assert_array_equal(jax.random.key_data(mpmd.fetch(d[3]["key"])), jax.random.key_data(r[3]["key"]))
+        np.testing.assert_array_equal(jax.random.key_data(mpmd.fetch(d[2])), jax.random.key_data(r[2]))
+        rs, ds = r[:3], d[:3]
+    assert_trees_close(mpmd.fetch(ds[0]), rs[0])
+
+
+def test_flax_nnx_dropout_with_rngs_trains_in_a_pipeline_like_jit(mesh2):
+    """nnx.Dropout in both stages, driven by nnx.Rngs made from a typed key per microbatch (in the batch)."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(8, 16, rngs=rngs)
+            self.drop = nnx.Dropout(0.3)
+            self.l2 = nnx.Linear(16, 8, rngs=rngs)
+
+        def __call__(self, x, rngs):
+            h = self.drop(nnx.relu(self.l1(x)), rngs=rngs)
+            h = mpmd.pipeline_yield(h)
+            return self.l2(self.drop(h, rngs=rngs))
+
+    graphdef, params = nnx.split(Model(nnx.Rngs(0)), nnx.Param)
+    opt = optax.adamw(1e-2)
+
+    def step(params, opt_state, batch):
+        def mb_grads(mb):
+            def loss(p):
+                m = nnx.merge(graphdef, p)
+                return jnp.mean((m(mb["x"], rngs=nnx.Rngs(dropout=mb["key"])) - mb["y"]) ** 2)
+
+            v, g = jax.value_and_grad(loss)(params)
+            return g, v
+
+        grads, losses = mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.OneFOneB(2))
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, losses
+
+    rng = np.random.default_rng(2)
+    batches = []
+    for i in range(3):
+        b = batch_of(rng)
+        b["key"] = jax.random.split(jax.random.key(i), 4)
+        batches.append(b)
+    compare(mesh2, step, (params, opt.init(params)), batches)
+
+
+def scan_model(params, x):
+    """A scanned stack of stages: stacked per-stage parameters [S, ...], a marker at the end of the body."""
+
+    def block(h, p):
+        h = jnp.tanh(h @ p["w"] + p["b"])
+        return mpmd.pipeline_yield(h), None
+
+    h, _ = jax.lax.scan(block, x @ params["embed"], params["blocks"])
+    return h @ params["head"]
+
+
+def scan_params(rng, stages=4, width=8):
+    return {"embed": (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32),
+            "blocks": {"w": (rng.standard_normal((stages, width, width)) / np.sqrt(width)).astype(np.float32),
+                       "b": (0.1 * rng.standard_normal((stages, width))).astype(np.float32)},
+            "head": (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)}
+
+
+def mse(model):
+    return lambda p, mb: jnp.mean((model(p, mb["x"]) - mb["y"]) ** 2)
+
+
+@pytest.fixture(scope="module")
+def mesh4():
+    with mpmd.RemoteMesh.local(num_actors=4) as mesh:
+        yield mesh
+
+
+def test_a_scanned_stack_of_four_stages_runs_on_four_actors(mesh4):
+    rng = np.random.default_rng(3)
+    params = scan_params(rng)
+    opt = optax.adam(1e-2)
+    step = make_step(mse(scan_model), opt, mpmd.OneFOneB(4))
+    dist, _ = compare(mesh4, step, (params, opt.init(params)), [batch_of(rng, m=4) for _ in range(2)])
+    text = dist.program(params, opt.init(params), batch_of(rng, m=4))
+    assert "3F0" in text and "3B0" in text  # four stages (the head joined the last iteration's)
+
+
+def contiguous_two_per_actor(num_microbatches):
+    """4 stages on 2 actors (stages 0, 1 on actor 0; 2, 3 on actor 1), forwards then backwards."""
+    m = num_microbatches
+    rows = []
+    for stages in ((0, 1), (2, 3)):
+        fwd = [f"{s}F{i}" for i in range(m) for s in stages]
+        bwd = [f"{s}B{i}" for i in range(m) for s in reversed(stages)]
+        rows.append(tuple(fwd + bwd))
+    return mpmd.Custom(num_stages=4, order=tuple(rows), stage_actor=(0, 0, 1, 1))
+
+
+def test_a_scanned_stack_of_four_stages_runs_on_two_actors_two_stages_each(mesh2):
+    rng = np.random.default_rng(4)
+    params = scan_params(rng)
+    opt = optax.adam(1e-2)
+    step = make_step(mse(scan_model), opt, contiguous_two_per_actor(3))
+    compare(mesh2, step, (params, opt.init(params)), [batch_of(rng, m=3) for _ in range(2)])
+
+
+def test_a_first_stage_without_parameters_has_no_backward_and_matches_jit(mesh4):
+    """Stage 0 only preprocesses (fixed features): its output has no gradient, so no backward marker."""
+    feats = np.random.default_rng(5).standard_normal((8, 8)).astype(np.float32)
+
+    def model(params, x):
+        h = jnp.sin(x @ feats)  # stage 0: no parameters
+        h = mpmd.pipeline_yield(h)
+        h = jnp.tanh(h @ params[0]["w"] + params[0]["b"])
+        h = mpmd.pipeline_yield(h)
+        return h @ params[1]["w"] + params[1]["b"]
+
+    rng = np.random.default_rng(6)
+    params = mlp2(rng)
+    opt = optax.adam(1e-2)
+    compare(mesh4, make_step(mse(model), opt, mpmd.OneFOneB(3)), (params, opt.init(params)), [batch_of(rng) for _ in range(2)])
+
+
+def test_a_frozen_scalar_under_stop_gradient_gets_a_zero_gradient_and_matches_jit(mesh2):
+    def model(params, x):
+        h = jnp.tanh(x @ params["s0"]["w"]) * jax.lax.stop_gradient(params["scale"])
+        h = mpmd.pipeline_yield(h)
+        return h @ params["s1"]["w"]
+
+    rng = np.random.default_rng(7)
+    p = mlp2(rng)
+    params = {"s0": {"w": p[0]["w"]}, "s1": {"w": p[1]["w"]}, "scale": np.float32(1.5)}
+    opt = optax.adam(1e-2)
+    compare(mesh2, make_step(mse(model), opt, mpmd.GPipe(2)), (params, opt.init(params)), [batch_of(rng) for _ in range(2)])
+
+
+def test_a_step_refuses_arrays_of_another_mesh_and_of_a_closed_mesh_naming_the_argument(mesh2):
+    rng = np.random.default_rng(8)
+    params = mlp2(rng)
+    opt = optax.sgd(0.1)
+    dist = mpmd.distributed(make_step(mse(lambda p, x: mpmd.pipeline_yield(jnp.tanh(x @ p[0]["w"])) @ p[1]["w"]), opt,
+                                      mpmd.GPipe(2)), mesh=mesh2)
+    batch = batch_of(rng)
+    with mpmd.RemoteMesh.local(num_actors=2) as other:
+        foreign = other.actor(1).put(params[1]["w"])
+        bad = [dict(params[0]), {"w": foreign, "b": params[1]["b"]}]
+        with pytest.raises(mpmd.MpmdError) as e:
+            dist(bad, opt.init(params), batch)
+        assert "args[0][1]['w']" in str(e.value) and repr(other) in str(e.value) and "mesh.adopt" in str(e.value)
+        adopted = mesh2.adopt(bad)
+        p, _, losses = dist(adopted, opt.init(params), batch)
+        assert np.isfinite(losses.to_numpy()).all()
+    with pytest.raises(mpmd.MpmdError, match=r"args\[0\]\[1\]\['w'\].*closed"):
+        dist(bad, opt.init(params), batch)
+    # a deleted array is named by its path too
+    p[0]["w"].delete()
+    with pytest.raises(mpmd.MpmdError, match=r"argument args\[0\]\[0\]\['w'\] is a deleted RemoteArray"):
+        dist(p, opt.init(params), batch)
