@@ -182,3 +182,69 @@ def split_backward(split: StageSplit, stages: set[int]) -> None:
         split.regions[(s, "I")] = [e for e in b if id(e) in i_ids]
         split.regions[(s, "W")] = [e for e in b if id(e) not in i_ids]
     split.reindex()
+
+
+# Elementwise and shape-only primitives: recomputing them where they are read costs less than a transfer.
+CHEAP = frozenset({
+    "add", "sub", "mul", "neg", "max", "min", "abs", "sign", "not", "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge",
+    "select_n", "convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "iota", "copy", "copy_p",
+    "stop_gradient", "clamp", "floor", "ceil", "round", "shift_left", "shift_right_logical", "shift_right_arithmetic",
+})
+RECOMPUTE_MAX_BYTES = 4 << 20
+
+
+def recompute_cheap(split: StageSplit, body: LoopBody, actor_of: Any) -> int:
+    """Where a task reads a cheap value (elementwise or shape-only, at most RECOMPUTE_MAX_BYTES) that another
+    actor computes, and everything it is computed from is already on the reader's actor for that microbatch
+    (its own earlier tasks' values, batch leaves it reads), recompute it there instead of receiving it each
+    microbatch. In place; returns how many equations were duplicated."""
+    from mpmd.compiler.body import INVARIANT
+
+    position = {id(e): i for i, e in enumerate(body.eqns)}
+    producer = {v: e for eqns in split.regions.values() for e in eqns for v in e.outvars}
+    leaves_on: dict[int, set[Var]] = {}
+    invariants_on: dict[int, set[Var]] = {}
+    for r, eqns in split.regions.items():
+        a = actor_of(r[0])
+        for e in eqns:
+            for v in var_inputs(e):
+                if v in body.mb_leaves:
+                    leaves_on.setdefault(a, set()).add(v)
+                elif body.status.get(v) == INVARIANT:
+                    invariants_on.setdefault(a, set()).add(v)
+    summed = set(body.accumulators) | {v for v, _ in body.stacked}
+    duplicated = 0
+    for r in sorted(split.regions, key=split.order):
+        a = actor_of(r[0])
+        own = {v for e in split.regions[r] for v in e.outvars}
+        added: list[Any] = []
+
+        def available(v: Var, depth: int) -> bool:
+            if v in own or body.status.get(v) == 0:
+                return True
+            if v in body.mb_leaves:
+                return v in leaves_on.get(a, ())
+            if body.status.get(v) == INVARIANT:
+                return v in invariants_on.get(a, ())
+            src = split.region_of.get(v)
+            if src is not None and actor_of(src[0]) == a and split.order(src) <= split.order(r):
+                return True
+            e = producer.get(v)
+            if (e is None or depth > 4 or e.primitive.name not in CHEAP or nbytes(v) > RECOMPUTE_MAX_BYTES
+                    or any(u in summed for u in e.outvars)):
+                return False
+            if all(available(u, depth + 1) for u in var_inputs(e)):
+                added.append(e)
+                own.update(e.outvars)
+                return True
+            return False
+
+        for e in list(split.regions[r]):
+            for v in var_inputs(e):
+                src = split.region_of.get(v)
+                if src is not None and actor_of(src[0]) != a:
+                    available(v, 0)
+        if added:
+            duplicated += len(added)
+            split.regions[r] = sorted([*split.regions[r], *added], key=lambda e: position[id(e)])
+    return duplicated
