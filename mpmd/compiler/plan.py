@@ -24,11 +24,11 @@ import jax
 from jax.extend.core import ClosedJaxpr, Literal, Var
 
 from mpmd.compiler.body import CONST, LoopBody, analyse, constants_needed
-from mpmd.compiler.eqns import SyntheticEqn, eqns_fn, free_inputs, is_var, var_inputs
+from mpmd.compiler.eqns import SyntheticEqn, eqns_fn, free_inputs, is_var
 from mpmd.compiler.inline import inline_calls
 from mpmd.compiler.placement import make_chunks, place_post, place_pre, split_conds
 from mpmd.compiler.programs import Transfers, build_programs, choose_donations, infer_transfers
-from mpmd.compiler.stages import StageSplit, follow_inputs, split_backward, split_stages
+from mpmd.compiler.stages import StageSplit, follow_inputs, recompute_cheap, split_backward, split_stages
 from mpmd.compiler.units import Acc, Key, MbIndex, Outer, Part, PerMb, Unit, fuse, task_function
 from mpmd.errors import PipelineError
 from mpmd.primitives import accumulate_p
@@ -115,6 +115,7 @@ def plan_step(outer: ClosedJaxpr, num_mesh_actors: int) -> StepPlan:
     actor_of = schedule.actor_of
     follow_inputs(split, lb, actor_of)
     split_backward(split, {t.stage for row in table for t in row if t.kind in ("I", "W")})
+    recompute_cheap(split, lb, actor_of)
 
     # ---- canonical vars -----------------------------------------------------------------------------
     leaf_outer = {v: loop.invars[i] for v, i in lb.mb_leaves.items()}
@@ -249,11 +250,10 @@ def plan_step(outer: ClosedJaxpr, num_mesh_actors: int) -> StepPlan:
 def _loop_units(split: StageSplit, lb: LoopBody, table: list[list[Task]], actor_of: Callable[[int], int], leaf_outer: dict[Var, Any],
                 resolve: Callable[[Any], Any], avals: dict[Key, Any]) -> dict[int, list[Unit]]:
     """One unit per scheduled task that computes something, in each actor's table order."""
-    consumers: dict[Var, set] = defaultdict(set)
+    consumers: dict[Var, set] = defaultdict(set)  # var -> regions that read it without computing it themselves
     for r, eqns in split.regions.items():
-        for e in eqns:
-            for v in var_inputs(e):
-                consumers[v].add(r)
+        for v in free_inputs(eqns):
+            consumers[v].add(r)
     accumulated = set(lb.accumulators)
     stacked = {v for v, _ in lb.stacked}
     m = lb.num_microbatches
