@@ -13,9 +13,11 @@ Public names (each has a docstring):
   GPipe, OneFOneB, Custom, Task               schedules
   EagerOneFOneB, InterleavedOneFOneB, ZeroBubbleH1, InterleavedZeroBubble, ZeroBubbleV, DualPipeV   more schedules
   Schedule, validate, check_programs          write your own schedule; prove a schedule or compiled Programs deadlock-free
+  simulate, Costs, SimResult                  mpmd.simulate(schedule, m, costs): step time, bubble, memory, pictures
   MpmdError, RemoteError, ActorDiedError, PipelineError, ScheduleError   errors
 """
 
+from mpmd import simulate  # a module you can call: mpmd.simulate(schedule, m); mpmd.simulate.simulate_programs(programs)
 from mpmd.api import accumulate_grads, distributed, pipeline_yield
 from mpmd.array import RemoteArray, fetch
 from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError, ScheduleError
@@ -33,11 +35,13 @@ from mpmd.schedules import (
     ZeroBubbleH1,
     ZeroBubbleV,
 )
+from mpmd.simulate import Costs, SimResult
 from mpmd.validation import check_programs, validate
 
 __all__ = [
     "ActorDiedError",
     "ActorHandle",
+    "Costs",
     "Custom",
     "DualPipeV",
     "EagerOneFOneB",
@@ -52,6 +56,7 @@ __all__ = [
     "RemoteMesh",
     "Schedule",
     "ScheduleError",
+    "SimResult",
     "Task",
     "ZeroBubbleH1",
     "ZeroBubbleV",
@@ -60,5 +65,6 @@ __all__ = [
     "distributed",
     "fetch",
     "pipeline_yield",
+    "simulate",
     "validate",
 ]
