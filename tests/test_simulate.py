@@ -12,6 +12,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 import mpmd
+from mpmd.cli import main
 from mpmd.schedules import Custom, Task, validate
 from mpmd.simulate import Costs, simulate, simulate_programs
 from transport.program import Delete, Label, Program, Recv, Run, Send
@@ -347,3 +348,27 @@ def test_check_programs_accepts_inputs_and_consts_and_a_send_of_a_received_buffe
     r = simulate_programs(progs, Costs(latency=1.0))
     assert r.timeline[2] == ((2.0, 2.0, "task"),)
     assert math.isclose(r.step_time, 2.0)
+
+
+# ---------------------------------------------------------------- the mpmd command
+
+
+def test_cli_prints_the_table_bubbles_and_peaks_and_writes_pictures(tmp_path, capsys):
+    svg, trace = tmp_path / "o.svg", tmp_path / "o.json"
+    code = main(["simulate", "--schedule", "InterleavedOneFOneB", "--actors", "4", "--stages", "8", "--microbatches", "16",
+                 "--svg", str(svg), "--trace", str(trace), "--costs", "F=1,B=2,I=1,W=1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "actor 0: 0F0 0F1 0F2 0F3 4F0" in out
+    assert f"bubble {3 / 35:.4f}" in out and "bubble per actor:" in out and "peak activations:   a0 11  a1 9  a2 7  a3 5" in out
+    assert svg.read_text().startswith("<svg") and json.loads(trace.read_text())["traceEvents"]
+
+
+def test_cli_exits_2_with_the_validation_error(capsys):
+    assert main(["simulate", "--schedule", "DualPipeV", "--actors", "4", "--microbatches", "6"]) == 2
+    assert "needs at least 8 microbatches, got 6" in capsys.readouterr().err
+    assert main(["simulate", "--schedule", "GPipe", "--actors", "4", "--stages", "3", "--microbatches", "6"]) == 2
+    assert "--actors and --stages must agree" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--schedule", "GPipe", "--actors", "2", "--microbatches", "2", "--costs", "Q=1"])
+    assert e.value.code == 2
