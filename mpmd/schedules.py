@@ -10,18 +10,19 @@ one ordered list per actor. The compiler only reads that table, so a new schedul
 `validate(schedule, m)` proves a table complete and deadlock-free (or raises `ScheduleError` showing the
 table with the offending task in brackets); `mpmd.simulate(schedule, m)` times it.
 
-Built-ins (p actors, m microbatches; bubbles under unit costs F=1, B=2, I=W=1, free transfers):
+Built-ins, with their bubble under unit costs (F=1, B=2, I=W=1, free transfers) on p actors with m
+microbatches, v stages per actor, and the microbatch activations actor a holds at its peak:
 
-| schedule                                   | placement          | bubble                 | activations held   |
-|--------------------------------------------|--------------------|------------------------|--------------------|
-| `GPipe(num_stages)`                        | stage s on actor s | (p-1)/(m+p-1)          | m                  |
-| `OneFOneB(num_stages)`                     | stage s on actor s | (p-1)/(m+p-1)          | p-a on actor a     |
-| `EagerOneFOneB(num_stages)`                | stage s on actor s | as 1F1B, robust to slow transfers | 2(p-a)-1 |
-| `InterleavedOneFOneB(num_stages, num_actors)` | s on s % p      | (p-1)/(v*m+p-1), v = stages per actor | |
-| `ZeroBubbleH1(num_stages)`                 | stage s on actor s | (p-1)/(3m+p-1): a third of 1F1B's idle time | at most p, as 1F1B |
-| `InterleavedZeroBubble(num_stages, num_actors)` | s on s % p    |                        |                    |
-| `ZeroBubbleV(num_actors)`                  | V: a and 2p-1-a    |                        |                    |
-| `DualPipeV(num_actors)`                    | V: a and 2p-1-a    | needs m >= 2p          |                    |
+    GPipe(num_stages)                          stage s on actor s   (p-1)/(m+p-1)                  m
+    OneFOneB(num_stages)                       stage s on actor s   (p-1)/(m+p-1)                  p-a
+    EagerOneFOneB(num_stages)                  stage s on actor s   as 1F1B; hides slow transfers  2(p-a)-1
+    InterleavedOneFOneB(num_stages, num_actors)  s on s % p         (p-1)/(v*m+p-1), m >= p        (v-1)p + 2(p-1-a) + 1
+    ZeroBubbleH1(num_stages)                   stage s on actor s   (p-1)/(3m+p-1), m >= p         p (1F1B's peak)
+    InterleavedZeroBubble(num_stages, num_actors)  s on s % p       (p-1)/(3vm+p-1), m >= p
+    ZeroBubbleV(num_actors)                    V: a and 2p-1-a      (p-1)/(6m+p-1), m >= 2p-1      at most 2p
+    DualPipeV(num_actors)                      V: a and 2p-1-a      (p-1)/(6m+p-1), needs m >= 2p
+
+The zero-bubble ones idle only the p-1 units of the pipeline fill on every actor.
 
 Writing your own, way 1 — a table, `Custom`, for one number of microbatches (any stage -> actor map):
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mpmd.errors import PipelineError, ScheduleError
-from mpmd.validation import check_programs, replay_programs, replay_table, task_inputs, validate
+from mpmd.validation import check_programs, replay_programs, replay_table, split_stages, task_inputs, validate
 from transport.program import TASK_KINDS, Delete, Label, Program, Recv, Run, Task
 from transport.protocol import dtype_from_name
 
@@ -236,7 +236,7 @@ def simulate(schedule: Schedule, num_microbatches: int, costs: Costs | None = No
 
     run = replay_table(table, schedule.num_stages, schedule.actor_of, lambda t: costs.task_time(t) + costs.overhead, transfer)
     spans = [[(run.start[t], run.end[t], str(t)) for t in row] for row in table]
-    split = {t.stage for row in table for t in row if t.kind == "I"}
+    split = split_stages(table)
     transfers = []
     for row in table:
         for t in row:
@@ -264,10 +264,10 @@ def simulate_programs(programs: list[Program], costs: Costs | None = None, name:
     (its start) or the arrival of its Recv until its Delete (or a Run that donates it) or the end; inputs and
     constants from the start. Raises `PipelineError` if the programs cannot run (see `check_programs`)."""
     costs = costs or Costs()
-    check_programs(programs)
     run = replay_programs(programs, lambda a, r: _run_time(costs, r.label), lambda a, r: costs.transfer_time(_recv_bytes(r)))
-    if run.stuck:  # check_programs proved otherwise; kept so a broken invariant cannot go unnoticed
-        raise PipelineError("internal: programs replayed stuck after check_programs passed")
+    if run.stuck:
+        check_programs(programs)  # raises, naming who waits for what: getting stuck does not depend on the costs
+        raise PipelineError("internal: programs got stuck on a cost model but not on unit costs")
     spans: list[list[Span]] = []
     rows: list[list[Task]] = []
     transfers = []

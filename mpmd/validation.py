@@ -147,6 +147,9 @@ def validate(schedule: Schedule, num_microbatches: int) -> Table:
             raise _fail(f"task {table[a][i]} is on actor {a} but stage {s} belongs to actor {schedule.actor_of(s)} "
                         f"(actor_of({s})); move stage {s}'s tasks there or change the placement", table, {a: i})
     split = split_stages(table)
+    if bool(split) != schedule.split_backward:
+        raise _fail(f"{name}.split_backward is {schedule.split_backward} but its table {'uses' if split else 'has no'} I/W tasks; "
+                    "make split_backward return whether tasks() splits backwards", table)
     for t, (a, i) in seen.items():
         if t.kind == "B" and t.stage in split:
             other = next(u for u in seen if u.stage == t.stage and u.kind in ("I", "W"))
@@ -182,7 +185,8 @@ def _prove_table(schedule: Schedule, table: Table) -> None:
                 problem = f"task {t} on actor {a} comes before {d}, which it needs and which actor {a} runs later (position {j})"
             raise _fail(f"{problem}: {t} can never start; put {d} before it", table, {a: i}, {a: f"{t} needs {d}, later on this actor"})
         notes[a] = f"{t} waits for {d} on actor {b}"
-    raise _fail("schedule deadlocks: every actor waits on another (stuck tasks in brackets)", table, run.stuck, notes)
+    raise _fail("schedule deadlocks: each unfinished actor waits for a task on another (stuck tasks in brackets)", table,
+                run.stuck, notes)
 
 
 # ---------------------------------------------------------------- compiled Programs

@@ -241,6 +241,21 @@ def test_a_subclass_with_the_wrong_number_of_task_lists():
         validate(OneList(2), 1)
 
 
+def test_a_subclass_must_say_whether_it_splits_backwards():
+    @dataclass(frozen=True)
+    class Mislabelled(Schedule):
+        @property
+        def split_backward(self):
+            return False
+
+        def tasks(self, m):
+            return [[Task(0, "F", i) for i in range(m)] + [Task(0, k, i) for i in range(m) for k in "IW"]]
+
+    with pytest.raises(mpmd.ScheduleError, match="split_backward is False but its table uses I/W tasks") as err:
+        validate(Mislabelled(1), 2)
+    assert "actor 0: 0F0 0F1 0I0" in str(err.value)
+
+
 def test_bad_arguments_name_what_was_passed():
     with pytest.raises(mpmd.ScheduleError, match="num_stages must be a positive int, got 0"):
         mpmd.OneFOneB(0)

@@ -49,6 +49,17 @@ def test_zb_h1_idles_a_third_of_1f1b_when_f_i_w_cost_the_same(p, m):
     assert max(zb.peak_activations) == max(ofob.peak_activations) == p  # 1F1B's activation memory
 
 
+@pytest.mark.parametrize("p", [2, 3, 4, 5])
+def test_zero_bubble_schedules_idle_only_the_pipeline_fill(p):
+    # With F = I = W every actor idles p-1 units, the fill the last actor waits before its first forward: the
+    # property ZB-H1 has by construction (above) and the V and interleaved zero-bubble orders keep (mpmd.schedules).
+    for s, ms in [(mpmd.InterleavedZeroBubble(2 * p, p), range(p, 3 * p)), (mpmd.InterleavedZeroBubble(3 * p, p), range(p, 3 * p)),
+                  (mpmd.ZeroBubbleV(p), range(2 * p - 1, 4 * p)), (mpmd.DualPipeV(p), range(2 * p, 4 * p))]:
+        for m in ms:
+            r = simulate(s, m)
+            assert [b * r.step_time for b in r.bubble_per_actor] == pytest.approx([p - 1] * p), (s, m)
+
+
 @pytest.mark.parametrize("p, m", [(2, 2), (3, 6), (4, 8), (5, 15)])
 def test_peak_activations_1f1b_p_minus_a_gpipe_m(p, m):
     assert simulate(mpmd.OneFOneB(p), m).peak_activations == tuple(min(p - a, m) for a in range(p))
