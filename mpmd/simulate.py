@@ -260,7 +260,7 @@ def _run_time(costs: Costs, label: Label) -> float:
 def simulate_programs(programs: list[Program], costs: Costs | None = None, name: str = "programs") -> SimResult:
     """Time compiled Programs (one per actor) on `costs`: a Run costs the sum of its label's tasks (plus
     `overhead`; phase Runs cost `other`), a transfer `latency + bytes / bandwidth` with bytes from the Recv's
-    dtype and shape. `peak_bytes` comes from `Program.buffer_bytes`: a buffer lives from the Run that makes it
+    dtype and shape. `peak_bytes` (None when no program has `buffer_bytes`) comes from `Program.buffer_bytes`: a buffer lives from the Run that makes it
     (its start) or the arrival of its Recv until its Delete (or a Run that donates it) or the end; inputs and
     constants from the start. Raises `PipelineError` if the programs cannot run (see `check_programs`)."""
     costs = costs or Costs()
@@ -301,7 +301,8 @@ def simulate_programs(programs: list[Program], costs: Costs | None = None, name:
             live += delta
             peak = max(peak, live)
         peaks.append(peak)
-    return _result(name, spans, rows, transfers, tuple(peaks))
+    known = any(p.buffer_bytes for p in programs)  # without the compiler's sizes, peak bytes are unknown, not 0
+    return _result(name, spans, rows, transfers, tuple(peaks) if known else None)
 
 
 class _SimulateModule(types.ModuleType):

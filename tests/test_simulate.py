@@ -9,6 +9,7 @@ import json
 import math
 import xml.etree.ElementTree as ET
 
+import numpy as np
 import pytest
 
 import mpmd
@@ -276,6 +277,38 @@ def test_programs_of_a_table_time_exactly_like_the_table(schedule, m):
     assert got.step_time == pytest.approx(want.step_time)
     assert same_spans(got.timeline, want.timeline)
     assert got.peak_activations == want.peak_activations and got.bubble == pytest.approx(want.bubble)
+
+
+class _NoActors:
+    """A mesh stand-in for tracing and planning only (no actor is contacted)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+@pytest.mark.parametrize("schedule", [mpmd.OneFOneB(2), mpmd.EagerOneFOneB(3), mpmd.InterleavedOneFOneB(4, 2)])
+def test_programs_the_compiler_makes_pass_check_programs_and_time_like_their_schedule(schedule):
+    import optax
+
+    from mpmd.compiler.plan import plan_step
+    from mpmd.step import DistributedFunction
+    from tests import models
+    from tests.test_pipeline import make_step
+
+    rng = np.random.default_rng(0)
+    params = models.mlp_params(rng, schedule.num_stages, 8)
+    args = (params, optax.sgd(0.1).init(params), models.regression_batch(rng, 4, 2, 8))
+    step = DistributedFunction(make_step(models.mse_loss(models.mlp), optax.sgd(0.1), schedule), _NoActors(schedule.num_actors))
+    programs = plan_step(step.trace(*args)[0], schedule.num_actors).programs
+    mpmd.check_programs(programs)
+    costs = Costs(latency=0.1)  # the step's other phases (slicing, optimizer) cost 0 by default
+    got, want = simulate_programs(programs, costs), simulate(schedule, 4, costs)
+    tasks_only = [[span for span in row if span[2] not in ("pre", "post", "slice", "stack")] for row in got.timeline]
+    assert got.step_time == pytest.approx(want.step_time)
+    assert same_spans(tasks_only, want.timeline)
 
 
 def test_program_costs_fused_runs_phases_and_peak_bytes():
