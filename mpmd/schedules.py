@@ -181,10 +181,10 @@ class _Looped(Schedule):
                                 f"{type(self).__name__}(num_stages=8, num_actors=4)")
         _positive(self, "num_actors", self.num_actors)
         if self.num_stages % self.num_actors:
+            below, above = self.num_stages // self.num_actors * self.num_actors, (self.num_stages // self.num_actors + 1) * self.num_actors
             raise ScheduleError(f"{type(self).__name__}: num_stages={self.num_stages} is not a multiple of num_actors={self.num_actors}; "
-                                f"each actor holds the same number of stages, so use num_stages="
-                                f"{self.num_actors * max(1, self.num_stages // self.num_actors)} or "
-                                f"{self.num_actors * (self.num_stages // self.num_actors + 1)}")
+                                "each actor holds the same number of stages, so use num_stages="
+                                + (f"{below} or {above}" if below else f"{above}"))
 
     @property
     def per_actor(self) -> int:
@@ -209,7 +209,7 @@ class _Looped(Schedule):
         return [Task(c * p + a, kind, i) for group in self._rounds(m) for c in chunks for i in group]
 
     def _warmup(self, a: int, m: int, hops: int) -> int:
-        # The last actor starts its first backward once group 0 has gone through all its earlier stages;
+        # The last actor starts its first backward once round 0 has gone through all its earlier stages;
         # every actor before it runs `hops` more forwards per actor of distance.
         p = self.num_actors
         return min((self.per_actor - 1) * len(self._rounds(m)[0]) + hops * (p - 1 - a), self.per_actor * m)
@@ -218,9 +218,9 @@ class _Looped(Schedule):
 @dataclass(frozen=True)
 class InterleavedOneFOneB(_Looped):
     """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM): v = num_stages / num_actors stages per actor,
-    stage s on actor s % num_actors; microbatches go through an actor's stages in groups of num_actors;
-    warm-up `(v-1)*p + 2*(p-1-a)` forwards on actor a, then one forward and one backward in turn. Bubble
-    (p-1)/(v*m+p-1) when m is a multiple of p."""
+    stage s on actor s % num_actors; microbatches go through an actor's stages in rounds of p (about p when
+    p does not divide m); warm-up `(v-1)*p + 2*(p-1-a)` forwards on actor a, then one forward and one
+    backward in turn. Bubble (p-1)/(v*m+p-1) for m >= p."""
 
     def tasks(self, num_microbatches: int) -> list[list[Task]]:
         m = num_microbatches
