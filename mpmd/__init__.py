@@ -11,30 +11,60 @@ Public names (each has a docstring):
   RemoteMesh, ActorHandle, RemoteArray, fetch the runtime: actors, handles, remote buffers, fetching them
   pipeline_yield, accumulate_grads, distributed   the pipeline API
   GPipe, OneFOneB, Custom, Task               schedules
+  EagerOneFOneB, InterleavedOneFOneB, ZeroBubbleH1, InterleavedZeroBubble, ZeroBubbleV, DualPipeV   more schedules
+  Schedule, validate, check_programs          write your own schedule; prove a schedule or compiled Programs deadlock-free
+  simulate, Costs, SimResult                  mpmd.simulate(schedule, m, costs): step time, bubble, memory, pictures
   MpmdError, RemoteError, ActorDiedError, PipelineError, ScheduleError   errors
 """
 
+from mpmd import simulate  # a module you can call: mpmd.simulate(schedule, m); mpmd.simulate.simulate_programs(programs)
 from mpmd.api import accumulate_grads, distributed, pipeline_yield
 from mpmd.array import RemoteArray, fetch
 from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError, ScheduleError
 from mpmd.mesh import ActorHandle, RemoteMesh
-from mpmd.schedules import Custom, GPipe, OneFOneB, Task
+from mpmd.schedules import (
+    Custom,
+    DualPipeV,
+    EagerOneFOneB,
+    GPipe,
+    InterleavedOneFOneB,
+    InterleavedZeroBubble,
+    OneFOneB,
+    Schedule,
+    Task,
+    ZeroBubbleH1,
+    ZeroBubbleV,
+)
+from mpmd.simulate import Costs, SimResult
+from mpmd.validation import check_programs, validate
 
 __all__ = [
     "ActorDiedError",
     "ActorHandle",
+    "Costs",
     "Custom",
+    "DualPipeV",
+    "EagerOneFOneB",
     "GPipe",
+    "InterleavedOneFOneB",
+    "InterleavedZeroBubble",
     "MpmdError",
     "OneFOneB",
     "PipelineError",
     "RemoteArray",
     "RemoteError",
     "RemoteMesh",
+    "Schedule",
     "ScheduleError",
+    "SimResult",
     "Task",
+    "ZeroBubbleH1",
+    "ZeroBubbleV",
     "accumulate_grads",
+    "check_programs",
     "distributed",
     "fetch",
     "pipeline_yield",
+    "simulate",
+    "validate",
 ]

@@ -1,80 +1,427 @@
-"""Schedules: which task each actor runs, in what order.
+"""Schedules: which stage lives on which actor, and the order in which each actor runs its tasks.
 
-A schedule is a plain object with `num_stages`, `num_actors`, `actor_of(stage)` and
-`tasks(num_microbatches) -> list[list[Task]]` (one ordered list per actor). The compiler only reads that
-table, so a new schedule (or a user's own, via `Custom`) needs no compiler change. Text form of a task
-follows torch.distributed.pipelining: ``0F3`` is stage 0 forward of microbatch 3, ``1B0`` stage 1 backward.
+A task is one stage's work on one microbatch, written as in torch.distributed.pipelining: ``0F3`` is stage
+0's forward of microbatch 3, ``1B0`` stage 1's fused backward, ``2I1`` / ``2W1`` the two halves of a split
+backward (I: the input gradient the previous stage waits for; W: the weight gradient, which nothing waits
+for and which zero-bubble schedules move into the idle slots). A stage uses either B or I and W.
+
+A schedule is a `Schedule`: `num_stages`, `num_actors`, `actor_of(stage)`, and `tasks(num_microbatches)`,
+one ordered list per actor. The compiler only reads that table, so a new schedule needs no compiler change.
+`validate(schedule, m)` proves a table complete and deadlock-free (or raises `ScheduleError` showing the
+table with the offending task in brackets); `mpmd.simulate(schedule, m)` times it.
+
+Built-ins, with their bubble under unit costs (F=1, B=2, I=W=1, free transfers) on p actors with m
+microbatches, v stages per actor, and the microbatch activations actor a holds at its peak:
+
+    GPipe(num_stages)                          stage s on actor s   (p-1)/(m+p-1)                  m
+    OneFOneB(num_stages)                       stage s on actor s   (p-1)/(m+p-1)                  p-a
+    EagerOneFOneB(num_stages)                  stage s on actor s   as 1F1B; hides slow transfers  2(p-a)-1
+    InterleavedOneFOneB(num_stages, num_actors)  s on s % p         (p-1)/(v*m+p-1), m >= p        (v-1)p + 2(p-1-a) + 1
+    ZeroBubbleH1(num_stages)                   stage s on actor s   (p-1)/(3m+p-1), m >= p         p (1F1B's peak)
+    InterleavedZeroBubble(num_stages, num_actors)  s on s % p       (p-1)/(3vm+p-1), m >= p
+    ZeroBubbleV(num_actors)                    V: a and 2p-1-a      (p-1)/(6m+p-1), m >= 2p-1      at most 2p
+    DualPipeV(num_actors)                      V: a and 2p-1-a      (p-1)/(6m+p-1), needs m >= 2p
+
+The zero-bubble ones idle only the p-1 units of the pipeline fill on every actor.
+
+Writing your own, way 1 — a table, `Custom`, for one number of microbatches (any stage -> actor map):
+
+    two_stage = mpmd.Custom(num_stages=2, order=(
+        ("0F0", "0F1", "0B0", "0B1"),          # actor 0 runs stage 0
+        ("1F0", "1B0", "1F1", "1B1"),          # actor 1 runs stage 1
+    ))
+    split = mpmd.Custom(num_stages=2, order=(("0F0", "0I0", "0W0"), ("1F0", "1I0", "1W0")))
+
+Way 2 — a subclass that builds the table for any number of microbatches:
+
+    @dataclass(frozen=True)
+    class LateOneFOneB(mpmd.Schedule):
+        '''1F1B with one extra warm-up forward per actor.'''
+        def tasks(self, m):
+            out = []
+            for s in range(self.num_stages):
+                warm = min(self.num_stages - s, m)
+                fwd = [Task(s, "F", i) for i in range(m)]
+                bwd = [[Task(s, "B", i)] for i in range(m)]
+                out.append(one_f_one_b(fwd, bwd, warm))
+            return out
+
+Override `actor_of` (and `num_actors`) for another placement, `min_microbatches` if the order needs a
+minimum. `one_f_one_b` and `backward` are the helpers the built-ins use.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import zip_longest
 
 from mpmd.errors import ScheduleError
+from mpmd.validation import check_programs, format_table, validate
 from transport.program import Task
 
-F, B = "F", "B"
+__all__ = ["Custom", "DualPipeV", "EagerOneFOneB", "GPipe", "InterleavedOneFOneB", "InterleavedZeroBubble", "OneFOneB",
+           "Schedule", "Task", "ZeroBubbleH1", "ZeroBubbleV", "backward", "check_programs", "format_table", "one_f_one_b",
+           "validate", "BUILTINS"]
+
+Row = list[Task]
+
+
+def _positive(owner: object, name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ScheduleError(f"{type(owner).__name__}: {name} must be a positive int, got {value!r}")
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """Base: one stage per actor."""
+    """Base class: `num_stages` stages, one per actor, and `tasks(m)` giving each actor's order. Subclass it
+    (frozen dataclass) and override `tasks`, and `actor_of`/`num_actors` for another placement."""
 
     num_stages: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ScheduleError(f"{type(self).__name__}: num_stages must be a positive int, got {self.num_stages!r}")
+        _positive(self, "num_stages", self.num_stages)
 
     @property
     def num_actors(self) -> int:
+        """How many actors the schedule uses."""
         return self.num_stages
 
     def actor_of(self, stage: int) -> int:
+        """The actor that runs `stage`."""
         return stage
 
+    def stages_of(self, actor: int) -> list[int]:
+        """The stages `actor` runs, in increasing order."""
+        return [s for s in range(self.num_stages) if self.actor_of(s) == actor]
+
+    @property
+    def min_microbatches(self) -> int:
+        """The fewest microbatches the order works with."""
+        return 1
+
+    @property
+    def split_backward(self) -> bool:
+        """True when the table uses I and W tasks instead of B."""
+        return any(t.kind in ("I", "W") for row in self.tasks(self.min_microbatches) for t in row)
+
     def tasks(self, num_microbatches: int) -> list[list[Task]]:
-        raise NotImplementedError
+        """One ordered task list per actor for `num_microbatches` microbatches."""
+        raise NotImplementedError(f"{type(self).__name__} must define tasks(num_microbatches)")
+
+
+def backward(stage: int, mb: int, split: bool) -> Row:
+    """A whole backward: ``[B]``, or ``[I, W]`` back to back when `split`."""
+    return [Task(stage, "I", mb), Task(stage, "W", mb)] if split else [Task(stage, "B", mb)]
+
+
+def one_f_one_b(fwd: Row, bwd: list[Row], warmup: int) -> Row:
+    """`warmup` forwards, then one forward and one backward group in turn, then the remaining backward groups."""
+    order = list(fwd[:warmup])
+    for f, b in zip_longest(fwd[warmup:], bwd):
+        order += ([f] if f is not None else []) + (b or [])
+    return order
+
+
+def _zero_bubble(fwd: Row, inputs: Row, warmup: int, lag: int) -> Row:
+    """1F1B with B split: `warmup` forwards, then F and I in turn, then the remaining I; every I is followed by
+    the W of the I `lag` places earlier, and the Ws still owed run at the end. Those late Ws fill the
+    cool-down bubble; `lag` more microbatches stay alive for them."""
+    weights = [Task(t.stage, "W", t.mb) for t in inputs]
+    order = list(fwd[:warmup])
+    for k, (f, i) in enumerate(zip_longest(fwd[warmup:], inputs)):
+        order += ([f] if f is not None else []) + [i]
+        if k >= lag:
+            order.append(weights[k - lag])
+    return order + weights[max(0, len(inputs) - lag):]
 
 
 @dataclass(frozen=True)
 class GPipe(Schedule):
-    """All forwards, then all backwards (Huang et al. 2019)."""
+    """All forwards, then all backwards (Huang et al. 2019): bubble (p-1)/(m+p-1), every microbatch's
+    activations alive at once."""
 
     def tasks(self, num_microbatches: int) -> list[list[Task]]:
         m = num_microbatches
-        return [[Task(s, F, i) for i in range(m)] + [Task(s, B, i) for i in range(m)] for s in range(self.num_stages)]
+        return [[Task(s, "F", i) for i in range(m)] + [Task(s, "B", i) for i in range(m)] for s in range(self.num_stages)]
 
 
 @dataclass(frozen=True)
 class OneFOneB(Schedule):
-    """1F1B (PipeDream-flush): a warm-up of forwards, then one forward and one backward in turn.
-
-    Holds at most `num_stages - stage` microbatches of activations per stage instead of all of them."""
+    """1F1B (PipeDream-flush, Narayanan et al. 2019): `p-1-a` warm-up forwards on actor a, then one forward and
+    one backward in turn. GPipe's bubble, but actor a holds at most `p-a` microbatches of activations."""
 
     def tasks(self, num_microbatches: int) -> list[list[Task]]:
         m, n = num_microbatches, self.num_stages
-        out = []
-        for s in range(n):
-            warm = min(n - 1 - s, m)
-            order = [Task(s, F, i) for i in range(warm)]
-            f, b = warm, 0
-            while f < m:
-                order += [Task(s, F, f), Task(s, B, b)]
-                f += 1
-                b += 1
-            order += [Task(s, B, i) for i in range(b, m)]
-            out.append(order)
-        return out
+        return [one_f_one_b([Task(s, "F", i) for i in range(m)], [backward(s, i, False) for i in range(m)], min(n - 1 - s, m))
+                for s in range(n)]
+
+
+@dataclass(frozen=True)
+class EagerOneFOneB(Schedule):
+    """JaxPP's Eager 1F1B: 1F1B with twice the warm-up, `2(p-1-a)` forwards on actor a, so each actor runs ahead
+    by `p-1-a` more forwards and its sends overlap compute instead of stalling the next stage when transfers
+    are slow. Same bubble as 1F1B with free transfers; holds up to `2(p-a)-1` microbatches."""
+
+    def tasks(self, num_microbatches: int) -> list[list[Task]]:
+        m, n = num_microbatches, self.num_stages
+        return [one_f_one_b([Task(s, "F", i) for i in range(m)], [backward(s, i, False) for i in range(m)], min(2 * (n - 1 - s), m))
+                for s in range(n)]
+
+
+@dataclass(frozen=True)
+class _Looped(Schedule):
+    """Several stages per actor, placed circularly: stage s on actor s % num_actors."""
+
+    num_actors: int = 0  # type: ignore[assignment]  # required; a default only because the base has a property here
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_actors == 0:
+            raise ScheduleError(f"{type(self).__name__} needs num_actors=, the number of actors its stages are spread over, e.g. "
+                                f"{type(self).__name__}(num_stages=8, num_actors=4)")
+        _positive(self, "num_actors", self.num_actors)
+        if self.num_stages % self.num_actors:
+            below, above = self.num_stages // self.num_actors * self.num_actors, (self.num_stages // self.num_actors + 1) * self.num_actors
+            raise ScheduleError(f"{type(self).__name__}: num_stages={self.num_stages} is not a multiple of num_actors={self.num_actors}; "
+                                "each actor holds the same number of stages, so use num_stages="
+                                + (f"{below} or {above}" if below else f"{above}"))
+
+    @property
+    def per_actor(self) -> int:
+        """v, the number of stages each actor holds."""
+        return self.num_stages // self.num_actors
+
+    def actor_of(self, stage: int) -> int:
+        return stage % self.num_actors
+
+    def _rounds(self, m: int) -> list[range]:
+        # Megatron's order: microbatches go through an actor's stages in rounds, round 0 through its first stage,
+        # then round 0 through its second stage, ..., then round 1. Rounds hold p microbatches when p divides m;
+        # otherwise m is split into m // p rounds as evenly as possible, larger rounds first (a round smaller
+        # than p, or a small round before a big one, can deadlock the warm-up count below).
+        r = max(1, m // self.num_actors)
+        sizes = [m // r + (i < m % r) for i in range(r)]
+        return [range(sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(r)]
+
+    def _order(self, a: int, m: int, kind: str) -> Row:
+        v, p = self.per_actor, self.num_actors
+        chunks = range(v) if kind == "F" else range(v - 1, -1, -1)
+        return [Task(c * p + a, kind, i) for group in self._rounds(m) for c in chunks for i in group]
+
+    def _warmup(self, a: int, m: int, hops: int) -> int:
+        # The last actor starts its first backward once round 0 has gone through all its earlier stages;
+        # every actor before it runs `hops` more forwards per actor of distance.
+        p = self.num_actors
+        return min((self.per_actor - 1) * len(self._rounds(m)[0]) + hops * (p - 1 - a), self.per_actor * m)
+
+
+@dataclass(frozen=True)
+class InterleavedOneFOneB(_Looped):
+    """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM): v = num_stages / num_actors stages per actor,
+    stage s on actor s % num_actors; microbatches go through an actor's stages in rounds of p (about p when
+    p does not divide m); warm-up `(v-1)*p + 2*(p-1-a)` forwards on actor a, then one forward and one
+    backward in turn. Bubble (p-1)/(v*m+p-1) for m >= p."""
+
+    def tasks(self, num_microbatches: int) -> list[list[Task]]:
+        m = num_microbatches
+        return [one_f_one_b(self._order(a, m, "F"), [[t] for t in self._order(a, m, "B")], self._warmup(a, m, 2))
+                for a in range(self.num_actors)]
+
+
+@dataclass(frozen=True)
+class ZeroBubbleH1(Schedule):
+    """ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): 1F1B with the backward split into I and W.
+    Actor a runs 1F1B's `p-1-a` warm-up forwards, then F and I in turn, each I followed by the W `a` places
+    earlier; the Ws held back run in the cool-down, where 1F1B idles. With F = I = W the idle time per actor
+    is p-1, a third of 1F1B's 3(p-1); no actor holds more than p microbatches, 1F1B's peak."""
+
+    def tasks(self, num_microbatches: int) -> list[list[Task]]:
+        m, n = num_microbatches, self.num_stages
+        return [_zero_bubble([Task(s, "F", i) for i in range(m)], [Task(s, "I", i) for i in range(m)], min(n - 1 - s, m), s)
+                for s in range(n)]
+
+
+@dataclass(frozen=True)
+class InterleavedZeroBubble(_Looped):
+    """ZB-H1 on the interleaved placement (the ZB paper's ZB1P with several stages per actor): Megatron's
+    interleaved order with one forward of warm-up per actor of distance, `(v-1)*p + (p-1-a)`, I in place of B,
+    and each actor's Ws held back by `a` places to fill the cool-down."""
+
+    def tasks(self, num_microbatches: int) -> list[list[Task]]:
+        m = num_microbatches
+        return [_zero_bubble(self._order(a, m, "F"), self._order(a, m, "I"), self._warmup(a, m, 1), a) for a in range(self.num_actors)]
+
+
+@dataclass(frozen=True)
+class _VShape(Schedule):
+    """The V placement: 2 * num_actors stages, actor a holding stages a and 2*num_actors-1-a, so the first and
+    the last stage share actor 0 and every actor does the same work."""
+
+    def __init__(self, num_actors: int) -> None:
+        _positive(self, "num_actors", num_actors)
+        object.__setattr__(self, "num_stages", 2 * num_actors)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(num_actors={self.num_actors})"
+
+    @property
+    def num_actors(self) -> int:
+        return self.num_stages // 2
+
+    def actor_of(self, stage: int) -> int:
+        return stage if stage < self.num_actors else self.num_stages - 1 - stage
+
+
+@dataclass(frozen=True, init=False, repr=False)
+class ZeroBubbleV(_VShape):
+    """ZB-V (Qi et al. 2024, section 6): the V placement with split backwards. Actor a warms up with
+    `2(p-a)-1` forwards of its first stage, then alternates its two stages so that each I can start as soon
+    as the stage after it has sent its cotangent; Ws fill the gaps. With F = I = W it has no bubble in the
+    steady state and holds at most 2p microbatch-stages of activations, like 1F1B's p stages of double size."""
+
+    def tasks(self, num_microbatches: int) -> list[list[Task]]:
+        return [_zbv_actor(self.num_actors, a, num_microbatches) for a in range(self.num_actors)]
+
+
+def _zbv_actor(p: int, a: int, m: int) -> Row:
+    first, last = a, 2 * p - 1 - a
+    count = {(s, k): 0 for s in (first, last) for k in "FIW"}
+    order: Row = []
+
+    def emit(stage: int, *kinds: str) -> None:
+        for k in kinds:
+            i = count[(stage, k)]
+            count[(stage, k)] += 1
+            order.append(Task(stage, k, i))
+
+    # Enough forwards that the V's turn (actor p-1's first stage feeding its second) is reached: at least 2p-1
+    # microbatches enter; microbatches beyond m are dropped at the end (their tasks and dependencies all go).
+    n = max(m, 2 * p - 1)
+    for _ in range(2 * (p - a) - 1):
+        emit(first, "F")
+    for _ in range(a):
+        emit(last, "F")
+        emit(first, "F")
+    for _ in range(p - a):
+        emit(last, "F", "I", "W")
+    while count[(first, "F")] < n or count[(last, "F")] < count[(first, "F")]:
+        if count[(first, "F")] < n:
+            emit(first, "F")
+        emit(first, "I", "W")
+        emit(last, "F", "I", "W")
+    for _ in range(a):
+        emit(first, "I")
+        emit(last, "I")
+    for _ in range(p - a):
+        emit(first, "I")
+        order.append(Task(first, "W", count[(first, "W")]))
+        count[(first, "W")] += 1
+    for stage in (last, first):
+        while count[(stage, "W")] < n:
+            emit(stage, "W")
+    return [t for t in order if t.mb < m]
+
+
+@dataclass(frozen=True, init=False, repr=False)
+class DualPipeV(_VShape):
+    """DeepSeek's DualPipeV (DeepSeek-V3 report; github.com/deepseek-ai/DualPipe) on the V placement. In its
+    main phase every actor pairs a forward of one stage with a backward of the other, which DualPipe runs
+    overlapped (one chunk's compute hiding the other's communication); here the pair is two adjacent tasks
+    (``F`` then ``I W``). A backward whose W is postponed runs its I alone and its W later, oldest first,
+    where the actor would otherwise idle. Needs at least 2p microbatches."""
+
+    @property
+    def min_microbatches(self) -> int:
+        return 2 * self.num_actors
+
+    def tasks(self, num_microbatches: int) -> list[list[Task]]:
+        if num_microbatches < self.min_microbatches:
+            raise ScheduleError(f"{self!r} needs at least {self.min_microbatches} microbatches (2 x num_actors), got {num_microbatches}")
+        return [_dualpipev_actor(self.num_actors, a, num_microbatches) for a in range(self.num_actors)]
+
+
+def _dualpipev_actor(p: int, a: int, m: int) -> Row:
+    stage = (a, 2 * p - 1 - a)  # the actor's chunk 0 and chunk 1
+    nxt = {(c, k): 0 for c in (0, 1) for k in "FI"}
+    held: list[Task] = []  # Ws postponed, run oldest first
+    order: Row = []
+
+    def f(c: int) -> None:
+        order.append(Task(stage[c], "F", nxt[(c, "F")]))
+        nxt[(c, "F")] += 1
+
+    def b(c: int, hold: bool = False) -> None:
+        i = nxt[(c, "I")]
+        nxt[(c, "I")] += 1
+        order.append(Task(stage[c], "I", i))
+        (held if hold else order).append(Task(stage[c], "W", i))
+
+    def w() -> None:
+        if held:
+            order.append(held.pop(0))
+
+    for _ in range(2 * (p - a - 1)):  # 1: chunk-0 forwards
+        f(0)
+    for _ in range(a + 1):  # 2: both chunks' forwards
+        f(0)
+        f(1)
+    for _ in range(p - a - 1):  # 3: chunk-1 backward with its W right after, then a chunk-1 forward
+        b(1, hold=True)
+        w()
+        f(1)
+    for i in range(m - 2 * p + a + 1):  # 4: the main phase, forward of one chunk beside backward of the other
+        f(0)
+        b(1)
+        f(1)
+        b(0)
+    for _ in range(p - a - 1):  # 5
+        b(1)
+        f(1)
+        b(0)
+    hold = False  # 6: backward pairs; from the middle on, Ws are postponed
+    for i in range(a + 1):
+        hold = hold or (i == (a + 1) // 2 and a % 2 == 1)
+        b(1, hold)
+        hold = hold or (i == (a + 1) // 2 and a % 2 == 0)
+        b(0, hold)
+    for _ in range(p - a - 1):  # 7: a postponed W, then a chunk-0 backward
+        w()
+        b(0, hold=True)
+    while held:  # 8
+        w()
+    return order
+
+
+BUILTINS: dict[str, type[Schedule]] = {c.__name__: c for c in (GPipe, OneFOneB, EagerOneFOneB, InterleavedOneFOneB, ZeroBubbleH1,
+                                                              InterleavedZeroBubble, ZeroBubbleV, DualPipeV)}
 
 
 @dataclass(frozen=True)
 class Custom(Schedule):
-    """A schedule given as a table: `order[actor]` is a list of task strings like "0F1" or Task objects,
-    for a fixed number of microbatches; `stage_actor[s]` says which actor runs stage s."""
+    """A schedule written as a table: `order[actor]` lists that actor's tasks in order, as strings like ``"0F1"``
+    or `Task`s (F, B, or I and W), for one number of microbatches; `stage_actor[s]` is the actor of stage s
+    (default: stage s on actor s).
 
-    order: tuple[tuple[str, ...], ...] = ()
+        mpmd.Custom(num_stages=4, order=(("0F0", "3F0", "3B0", "0B0"), ("1F0", "2F0", "2B0", "1B0")),
+                    stage_actor=(0, 1, 1, 0))
+    """
+
+    order: tuple[tuple[str | Task, ...], ...] = ()
     stage_actor: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        rows = tuple(tuple(t if isinstance(t, Task) else Task.parse(t) for t in row) for row in self.order)
+        object.__setattr__(self, "order", rows)
+        object.__setattr__(self, "stage_actor", tuple(self.stage_actor))
+        if not rows:
+            raise ScheduleError("Custom needs order=, one tuple of tasks per actor, e.g. order=(('0F0', '0B0'), ('1F0', '1B0'))")
+        if self.stage_actor and len(self.stage_actor) != self.num_stages:
+            raise ScheduleError(f"Custom: stage_actor has {len(self.stage_actor)} entries for num_stages={self.num_stages}; give one actor per stage")
+
+    def __repr__(self) -> str:
+        placement = f", stage_actor={self.stage_actor}" if self.stage_actor else ""
+        return f"Custom(num_stages={self.num_stages}, {len(self.order)} actors{placement})"
 
     @property
     def num_actors(self) -> int:
@@ -83,64 +430,15 @@ class Custom(Schedule):
     def actor_of(self, stage: int) -> int:
         return self.stage_actor[stage] if self.stage_actor else stage
 
+    @property
+    def min_microbatches(self) -> int:
+        return 1 + max((t.mb for row in self.order for t in row), default=0)
+
     def tasks(self, num_microbatches: int) -> list[list[Task]]:
-        out = []
-        for row in self.order:
-            tasks = []
-            for t in row:
-                tasks.append(t if isinstance(t, Task) else Task.parse(t))
-            out.append(tasks)
-        return out
-
-
-def format_table(table: list[list[Task]], mark: dict[int, int] | None = None) -> str:
-    """The per-actor task table; `mark[actor] = position` highlights where each actor is stuck."""
-    lines = []
-    for a, row in enumerate(table):
-        cells = [f"[{t}]" if mark and mark.get(a) == i else str(t) for i, t in enumerate(row)]
-        lines.append(f"actor {a}: " + " ".join(cells))
-    return "\n".join(lines)
-
-
-def validate(schedule: Schedule, num_microbatches: int) -> list[list[Task]]:
-    """Check the table is complete and runs to the end; return it. Raises ScheduleError with the table."""
-    table = schedule.tasks(num_microbatches)
-    n, m = schedule.num_stages, num_microbatches
-    if len(table) != schedule.num_actors:
-        raise ScheduleError(f"{schedule} gives {len(table)} task lists for {schedule.num_actors} actors")
-    expected = {Task(s, k, i) for s in range(n) for k in (F, B) for i in range(m)}
-    seen: dict[Task, int] = {}
-    for a, row in enumerate(table):
-        for t in row:
-            if t in seen:
-                raise ScheduleError(f"task {t} appears twice (actors {seen[t]} and {a})\n{format_table(table)}")
-            if t not in expected:
-                raise ScheduleError(f"task {t} is not a task of {n} stages x {m} microbatches\n{format_table(table)}")
-            if schedule.actor_of(t.stage) != a:
-                raise ScheduleError(f"task {t} is on actor {a} but stage {t.stage} belongs to actor {schedule.actor_of(t.stage)}")
-            seen[t] = a
-    missing = expected - set(seen)
-    if missing:
-        raise ScheduleError(f"tasks missing from the schedule: {' '.join(sorted(map(str, missing)))}\n{format_table(table)}")
-    # Dry run with unit times: each actor runs its list in order once a task's inputs exist.
-    done: set[Task] = set()
-    pos = [0] * len(table)
-
-    def ready(t: Task) -> bool:
-        if t.kind == F:
-            return t.stage == 0 or Task(t.stage - 1, F, t.mb) in done
-        prev = Task(t.stage + 1, B, t.mb) if t.stage < n - 1 else Task(t.stage, F, t.mb)
-        return prev in done and Task(t.stage, F, t.mb) in done
-
-    progress = True
-    while progress:
-        progress = False
-        for a, row in enumerate(table):
-            while pos[a] < len(row) and ready(row[pos[a]]):
-                done.add(row[pos[a]])
-                pos[a] += 1
-                progress = True
-    if len(done) != len(expected):
-        stuck = {a: pos[a] for a in range(len(table)) if pos[a] < len(table[a])}
-        raise ScheduleError(f"schedule deadlocks: every actor waits on another (stuck tasks in brackets)\n{format_table(table, stuck)}")
-    return table
+        table = [list(row) for row in self.order]
+        n = self.min_microbatches
+        if num_microbatches != n:
+            raise ScheduleError(f"{self!r} is a table for {n} microbatch{'es' if n > 1 else ''} (its tasks go up to microbatch {n - 1}), but "
+                                f"{num_microbatches} were asked for; use {n} microbatches or write the table for "
+                                f"{num_microbatches}\n{format_table(table)}")
+        return table

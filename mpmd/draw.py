@@ -1,0 +1,106 @@
+"""Timeline pictures of a simulation (or of anything with per-actor (start, end, label) spans): one row per
+actor, one box per task coloured by kind and labelled like ``0F3``. SVG is written directly; PNG needs
+matplotlib (``pip install matplotlib``, in the ``examples`` extra)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from html import escape
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mpmd.simulate import SimResult
+
+log = logging.getLogger(__name__)
+
+# Colour per task kind (the F/B/I/W palette of torch.distributed.pipelining's visualizer family); step phases grey.
+COLOURS = {"F": "#4c78a8", "B": "#54a24b", "I": "#f58518", "W": "#b279a2"}
+OTHER = "#9d9d9d"
+LEGEND = (("F", "forward"), ("B", "backward"), ("I", "input grad"), ("W", "weight grad"))
+
+
+def colour(kind: str) -> str:
+    """The fill colour of a task kind (F, B, I, W) or of any other label (grey)."""
+    return COLOURS.get(kind, OTHER)
+
+
+def draw_timeline(result: SimResult, path: str, title: str | None = None) -> None:
+    """Write `result`'s timeline to `path`: PNG (via matplotlib) when it ends in ``.png``, SVG otherwise."""
+    title = result.name if title is None else title
+    if path.lower().endswith(".png"):
+        _png(result, path, title)
+    else:
+        with open(path, "w") as f:
+            f.write(svg(result, title))
+    log.info("wrote timeline of %s to %s", title, path)
+
+
+def _ticks(step: float) -> list[float]:
+    if step <= 0:
+        return [0.0]
+    raw = step / 10
+    mag = 10.0 ** math.floor(math.log10(raw))
+    unit = next(u * mag for u in (1, 2, 5, 10) if u * mag >= raw)
+    return [i * unit for i in range(int(step / unit) + 1)]
+
+
+def svg(result: SimResult, title: str = "") -> str:
+    """The timeline as an SVG document (a string)."""
+    from mpmd.simulate import kind_of
+
+    step = result.step_time or 1.0
+    left, row_h, gap, width = 70, 28, 6, 1100
+    top = 40
+    scale = (width - left - 20) / step
+    height = top + result.num_actors * (row_h + gap) + 60
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="11">',
+           '<rect width="100%" height="100%" fill="white"/>',
+           f'<text x="{left}" y="20" font-size="14">{escape(title)}  (step {result.step_time:g}, bubble {result.bubble:.3f})</text>']
+    for a, spans in enumerate(result.timeline):
+        y = top + a * (row_h + gap)
+        out.append(f'<text x="8" y="{y + row_h / 2 + 4}">actor {a}</text>')
+        out.append(f'<rect x="{left}" y="{y}" width="{step * scale:.2f}" height="{row_h}" fill="#f2f2f2"/>')
+        for s, e, label in spans:
+            x, w = left + s * scale, max((e - s) * scale, 0.5)
+            out.append(f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{row_h}" fill="{colour(kind_of(label))}" '
+                       f'stroke="white" stroke-width="0.5"><title>{escape(label)} [{s:g}, {e:g}]</title></rect>')
+            if w >= 6.5 * len(label):
+                out.append(f'<text x="{x + w / 2:.2f}" y="{y + row_h / 2 + 4}" fill="white" text-anchor="middle">{escape(label)}</text>')
+    axis_y = top + result.num_actors * (row_h + gap) + 4
+    for t in _ticks(step):
+        x = left + t * scale
+        out.append(f'<line x1="{x:.2f}" y1="{axis_y}" x2="{x:.2f}" y2="{axis_y + 4}" stroke="black"/>')
+        out.append(f'<text x="{x:.2f}" y="{axis_y + 16}" text-anchor="middle">{t:g}</text>')
+    for k, (kind, name) in enumerate(LEGEND):
+        x = left + k * 130
+        out.append(f'<rect x="{x}" y="{axis_y + 28}" width="12" height="12" fill="{COLOURS[kind]}"/>')
+        out.append(f'<text x="{x + 16}" y="{axis_y + 38}">{kind}: {name}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def _png(result: SimResult, path: str, title: str) -> None:
+    from mpmd.simulate import kind_of
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError(f"drawing {path} as PNG needs matplotlib (pip install matplotlib); or pass a path ending in .svg, "
+                          "which needs nothing") from None
+    fig, ax = plt.subplots(figsize=(14, 0.6 * result.num_actors + 1.2))
+    for a, spans in enumerate(result.timeline):
+        for s, e, label in spans:
+            ax.barh(a, e - s, left=s, height=0.8, color=colour(kind_of(label)), edgecolor="white", linewidth=0.5)
+            if (e - s) / (result.step_time or 1) > 0.012 * len(label) / 3:
+                ax.text((s + e) / 2, a, label, ha="center", va="center", color="white", fontsize=7)
+    ax.set_yticks(range(result.num_actors), [f"actor {a}" for a in range(result.num_actors)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time")
+    ax.set_title(f"{title}  (step {result.step_time:g}, bubble {result.bubble:.3f})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

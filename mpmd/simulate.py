@@ -1,0 +1,315 @@
+"""Run a schedule or compiled Programs on a cost model: step time, bubble, peak memory, timeline, pictures.
+
+    r = mpmd.simulate(mpmd.OneFOneB(num_stages=4), 8)                 # unit costs: F=1, B=2, I=W=1
+    r.step_time, r.bubble, r.peak_activations                         # 33.0, 0.2727..., (4, 3, 2, 1)
+    r.to_perfetto("1f1b.json"); r.draw("1f1b.svg")
+
+    costs = Costs(F=(1.0, 1.2), B=2.5, latency=1e-4, bandwidth=10e9, activation_bytes=4 << 20)
+    mpmd.simulate(schedule, 16, costs)
+
+A task starts when its actor is free and its inputs exist; an input from another actor arrives
+`latency + bytes / bandwidth` after it was made (no link contention is modelled). The bubble of an actor
+is the fraction of the step it is idle; `SimResult.bubble` is the mean over actors, so GPipe and 1F1B give
+(p-1)/(m+p-1) on p actors with m microbatches under unit costs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import types
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from mpmd.errors import PipelineError, ScheduleError
+from mpmd.validation import check_programs, replay_programs, replay_table, split_stages, task_inputs, validate
+from transport.program import TASK_KINDS, Delete, Label, Program, Recv, Run, Task
+from transport.protocol import dtype_from_name
+
+if TYPE_CHECKING:
+    from mpmd.schedules import Schedule
+
+PerStage = float | Sequence[float]
+_COST_KEY = re.compile(r"^(\d*)([FBIW])(\d*)$")
+
+
+@dataclass(frozen=True)
+class Costs:
+    """A cost model, in seconds (or any one unit). Task times `F`, `B`, `I`, `W` are one number for every
+    stage or a sequence with one per stage. A transfer between actors takes `latency + bytes / bandwidth`;
+    a schedule's transfers carry `activation_bytes` (the activation or cotangent crossing the boundary after
+    each stage; a number or one per stage), a Program's the bytes of its Recv's dtype and shape. `overhead`
+    is added to every Run; Runs of a step phase (pre, post, stack, ...) cost `other`. The default is the
+    unit model F=1, B=2, I=W=1 with free transfers."""
+
+    F: PerStage = 1.0
+    B: PerStage = 2.0
+    I: PerStage = 1.0
+    W: PerStage = 1.0
+    latency: float = 0.0
+    bandwidth: float = math.inf
+    activation_bytes: PerStage = 0.0
+    overhead: float = 0.0
+    other: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("F", "B", "I", "W", "activation_bytes"):
+            v = getattr(self, name)
+            vals = list(v) if isinstance(v, Sequence) else [v]
+            if not vals or any(not isinstance(x, (int, float)) or isinstance(x, bool) or x < 0 for x in vals):
+                raise ValueError(f"Costs.{name} must be a non-negative number or a sequence of them (one per stage), got {v!r}")
+            if isinstance(v, Sequence):
+                object.__setattr__(self, name, tuple(float(x) for x in v))
+        for name in ("latency", "overhead", "other"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"Costs.{name} must be >= 0, got {getattr(self, name)!r}")
+        if not self.bandwidth > 0:
+            raise ValueError(f"Costs.bandwidth must be > 0 bytes per second, got {self.bandwidth!r}")
+
+    def _per_stage(self, name: str, stage: int) -> float:
+        v = getattr(self, name)
+        if isinstance(v, tuple):
+            if not 0 <= stage < len(v):
+                raise ValueError(f"Costs.{name} gives {len(v)} per-stage values but stage {stage} was asked for; give one per stage")
+            return v[stage]
+        return float(v)
+
+    def task_time(self, task: Task) -> float:
+        """How long `task` runs (without the per-Run overhead)."""
+        return self._per_stage(task.kind, task.stage)
+
+    def transfer_time(self, nbytes: float) -> float:
+        """How long `nbytes` take from one actor to another."""
+        return self.latency + nbytes / self.bandwidth
+
+    def check_stages(self, num_stages: int) -> None:
+        """Raise ValueError unless every per-stage sequence has `num_stages` entries."""
+        for name in ("F", "B", "I", "W", "activation_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, tuple) and len(v) != num_stages:
+                raise ValueError(f"Costs.{name} has {len(v)} per-stage values for {num_stages} stages; give one per stage or one number")
+
+    @classmethod
+    def from_timings(cls, timings: Mapping[str | tuple[str, int], float], num_stages: int | None = None, **kwargs: float) -> Costs:
+        """Costs from measured seconds. Keys: a kind for every stage (``"F"``), a stage's kind (``"2F"`` or
+        ``("F", 2)``), or one task (``"2F3"``; several microbatches of a stage's kind are averaged). Stage
+        entries need `num_stages`; stages without one fall back to the kind's entry, else the unit default.
+        Other keyword arguments (latency, bandwidth, ...) pass through.
+
+            Costs.from_timings({"F": 0.010, "1F": 0.013, "B": 0.021}, num_stages=2, latency=2e-4)
+        """
+        every: dict[str, float] = {}
+        samples: dict[tuple[str, int], list[float]] = {}
+        for key, sec in timings.items():
+            if isinstance(key, tuple):
+                kind, stage, mb = key[0], key[1], ""
+            else:
+                m = _COST_KEY.match(key.strip())
+                if m is None:
+                    raise ValueError(f"timing key {key!r} is not a kind ('F'), a stage's kind ('2F') or a task ('2F3')")
+                stage, kind, mb = (int(m.group(1)) if m.group(1) else None), m.group(2), m.group(3)
+                if mb and stage is None:
+                    raise ValueError(f"timing key {key!r}: a task key needs its stage, like '0F3'")
+            if kind not in TASK_KINDS:
+                raise ValueError(f"timing key {key!r}: kind must be one of {', '.join(TASK_KINDS)}")
+            if stage is None:
+                every[kind] = float(sec)
+            else:
+                samples.setdefault((kind, stage), []).append(float(sec))
+        fields: dict[str, PerStage] = dict(every)
+        if samples:
+            if num_stages is None:
+                raise ValueError("per-stage timings need num_stages= to know how many stages there are")
+            for kind in {k for k, _ in samples}:
+                base = every.get(kind, getattr(cls, kind))
+                fields[kind] = tuple(sum(samples[(kind, s)]) / len(samples[(kind, s)]) if (kind, s) in samples else base
+                                     for s in range(num_stages))
+        return cls(**fields, **kwargs)  # type: ignore[arg-type]
+
+
+Span = tuple[float, float, str]
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What a simulation found. `timeline[actor]` lists (start, end, label) of everything the actor ran, labels
+    like ``0F3`` (``1F3+1B3`` for a fused Run, ``pre``/``post`` for step phases); `transfers` lists
+    (from actor, to actor, start, arrival, label)."""
+
+    step_time: float
+    bubble_per_actor: tuple[float, ...]
+    peak_activations: tuple[int, ...]
+    timeline: tuple[tuple[Span, ...], ...]
+    transfers: tuple[tuple[int, int, float, float, str], ...] = ()
+    peak_bytes: tuple[int, ...] | None = None
+    name: str = ""
+
+    @property
+    def num_actors(self) -> int:
+        return len(self.timeline)
+
+    @property
+    def bubble(self) -> float:
+        """Mean idle fraction over actors."""
+        return sum(self.bubble_per_actor) / len(self.bubble_per_actor) if self.bubble_per_actor else 0.0
+
+    def summary(self) -> str:
+        """A few lines: step time, bubble per actor and overall, peak activations (and bytes)."""
+        lines = [f"{self.name}: step time {self.step_time:g}, bubble {self.bubble:.4f}",
+                 "bubble per actor:   " + "  ".join(f"a{a} {b:.4f}" for a, b in enumerate(self.bubble_per_actor)),
+                 "peak activations:   " + "  ".join(f"a{a} {n}" for a, n in enumerate(self.peak_activations))]
+        if self.peak_bytes is not None:
+            lines.append("peak bytes:         " + "  ".join(f"a{a} {n}" for a, n in enumerate(self.peak_bytes)))
+        return "\n".join(lines)
+
+    def to_perfetto(self, path: str) -> None:
+        """Write a Chrome / Perfetto trace (JSON, times in microseconds taking one cost unit as one second): one
+        track per actor, one complete event per task named like ``0F3``, transfers as flow arrows."""
+        events: list[dict[str, object]] = [{"ph": "M", "pid": 0, "name": "process_name", "args": {"name": self.name or "mpmd simulation"}}]
+        for a, spans in enumerate(self.timeline):
+            events.append({"ph": "M", "pid": 0, "tid": a, "name": "thread_name", "args": {"name": f"actor {a}"}})
+            events.append({"ph": "M", "pid": 0, "tid": a, "name": "thread_sort_index", "args": {"sort_index": a}})
+            for s, e, label in spans:
+                events.append({"ph": "X", "pid": 0, "tid": a, "name": label, "cat": kind_of(label), "ts": s * 1e6, "dur": (e - s) * 1e6,
+                               "args": {"start": s, "end": e}})
+        for k, (src, dst, s, e, label) in enumerate(self.transfers):
+            events.append({"ph": "s", "pid": 0, "tid": src, "id": k, "name": f"xfer {label}", "cat": "xfer", "ts": s * 1e6})
+            events.append({"ph": "f", "pid": 0, "tid": dst, "id": k, "name": f"xfer {label}", "cat": "xfer", "ts": e * 1e6, "bp": "e"})
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+    def draw(self, path: str, title: str | None = None) -> None:
+        """Write a timeline picture: SVG (no dependency) or, for a path ending in .png, PNG via matplotlib."""
+        from mpmd.draw import draw_timeline
+
+        draw_timeline(self, path, title)
+
+
+def kind_of(label: str) -> str:
+    """The colour class of a timeline label: its first task's kind (F, B, I, W), or the phase name."""
+    m = re.match(r"^\d+([FBIW])\d+", label)
+    return m.group(1) if m else label
+
+
+def _peak_activations(rows: Sequence[Sequence[Task]]) -> tuple[int, ...]:
+    # A stage's microbatch is alive from its F until its B (or W when split). An actor runs its tasks one at a
+    # time, so counting along its order is counting over time.
+    peaks = []
+    for row in rows:
+        live = peak = 0
+        for t in row:
+            if t.kind == "F":
+                live += 1
+                peak = max(peak, live)
+            elif t.kind in ("B", "W"):
+                live -= 1
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def _result(name: str, spans: list[list[Span]], rows: list[list[Task]], transfers: list[tuple[int, int, float, float, str]],
+            peak_bytes: tuple[int, ...] | None = None) -> SimResult:
+    step = max((e for row in spans for _, e, _ in row), default=0.0)
+    bubbles = tuple(1.0 - sum(e - s for s, e, _ in row) / step if step > 0 else 0.0 for row in spans)
+    return SimResult(step, bubbles, _peak_activations(rows), tuple(tuple(r) for r in spans), tuple(transfers), peak_bytes, name)
+
+
+def simulate(schedule: Schedule, num_microbatches: int, costs: Costs | None = None) -> SimResult:
+    """Validate `schedule` for `num_microbatches` (raising `ScheduleError` if it cannot run) and time it on
+    `costs` (default: unit costs F=1, B=2, I=W=1, free transfers).
+
+        mpmd.simulate(mpmd.GPipe(num_stages=4), 8).bubble   # 3/11 = (p-1)/(m+p-1)
+    """
+    costs = costs or Costs()
+    table = validate(schedule, num_microbatches)
+    try:
+        costs.check_stages(schedule.num_stages)
+    except ValueError as e:
+        raise ScheduleError(f"{schedule}: {e}") from None
+
+    def transfer(src: Task, dst: Task) -> float:
+        boundary = min(src.stage, dst.stage)  # F(s-1)->F(s) and B(s+1)->B(s) cross the boundary after the lower stage
+        return costs.transfer_time(costs._per_stage("activation_bytes", boundary))
+
+    run = replay_table(table, schedule.num_stages, schedule.actor_of, lambda t: costs.task_time(t) + costs.overhead, transfer)
+    spans = [[(run.start[t], run.end[t], str(t)) for t in row] for row in table]
+    split = split_stages(table)
+    transfers = []
+    for row in table:
+        for t in row:
+            for d in task_inputs(t, schedule.num_stages, split):
+                a, b = schedule.actor_of(d.stage), schedule.actor_of(t.stage)
+                if a != b:
+                    transfers.append((a, b, run.end[d], run.end[d] + transfer(d, t), f"{d}->{t}"))
+    return _result(str(schedule), spans, table, transfers)
+
+
+def _recv_bytes(recv: Recv) -> int:
+    return math.prod(recv.shape) * dtype_from_name(recv.dtype).itemsize
+
+
+def _run_time(costs: Costs, label: Label) -> float:
+    if label.kind == "task" and label.tasks:
+        return sum(costs.task_time(t) for t in label.tasks) + costs.overhead
+    return costs.other + costs.overhead
+
+
+def simulate_programs(programs: list[Program], costs: Costs | None = None, name: str = "programs") -> SimResult:
+    """Time compiled Programs (one per actor) on `costs`: a Run costs the sum of its label's tasks (plus
+    `overhead`; phase Runs cost `other`), a transfer `latency + bytes / bandwidth` with bytes from the Recv's
+    dtype and shape. `peak_bytes` (None when no program has `buffer_bytes`) comes from `Program.buffer_bytes`: a buffer lives from the Run that makes it
+    (its start) or the arrival of its Recv until its Delete (or a Run that donates it) or the end; inputs and
+    constants from the start. Raises `PipelineError` if the programs cannot run (see `check_programs`)."""
+    costs = costs or Costs()
+    run = replay_programs(programs, lambda a, r: _run_time(costs, r.label), lambda a, r: costs.transfer_time(_recv_bytes(r)))
+    if run.stuck:
+        check_programs(programs)  # raises, naming who waits for what: getting stuck does not depend on the costs
+        raise PipelineError("internal: programs got stuck on a cost model but not on unit costs")
+    spans: list[list[Span]] = []
+    rows: list[list[Task]] = []
+    transfers = []
+    peaks = []
+    for a, prog in enumerate(programs):
+        spans.append([(run.start[(a, i)], run.end[(a, i)], str(ins.label)) for i, ins in enumerate(prog.instructions) if isinstance(ins, Run)])
+        rows.append([t for ins in prog.instructions if isinstance(ins, Run) for t in ins.label.tasks])
+        events: list[tuple[float, int]] = [(0.0, prog.buffer_bytes.get(b, 0)) for b in {*prog.inputs, *prog.consts}]
+        born: dict[int, float] = {b: 0.0 for b in {*prog.inputs, *prog.consts}}
+        for i, ins in enumerate(prog.instructions):
+            if isinstance(ins, Run):
+                for pos in ins.donate:
+                    b = ins.inputs[pos]
+                    if b in born:
+                        events.append((run.start[(a, i)], -prog.buffer_bytes.get(b, 0)))
+                        del born[b]
+                for b in ins.outputs:
+                    born[b] = run.start[(a, i)]
+                    events.append((run.start[(a, i)], prog.buffer_bytes.get(b, 0)))
+            elif isinstance(ins, Recv):
+                t = run.ready[(a, i)]
+                born[ins.buf] = t
+                events.append((t, prog.buffer_bytes.get(ins.buf, 0)))
+                transfers.append((ins.from_actor, a, t - costs.transfer_time(_recv_bytes(ins)), t, str(ins.label)))
+            elif isinstance(ins, Delete):
+                for b in ins.bufs:
+                    if b in born:
+                        events.append((max(run.reached[(a, i)], born.pop(b)), -prog.buffer_bytes.get(b, 0)))
+        live = peak = 0
+        for _, delta in sorted(events, key=lambda e: (e[0], e[1])):  # frees before allocations at the same instant
+            live += delta
+            peak = max(peak, live)
+        peaks.append(peak)
+    known = any(p.buffer_bytes for p in programs)  # without the compiler's sizes, peak bytes are unknown, not 0
+    return _result(name, spans, rows, transfers, tuple(peaks) if known else None)
+
+
+class _SimulateModule(types.ModuleType):
+    """Lets `mpmd.simulate(schedule, m)` call `simulate` while `mpmd.simulate.simulate_programs` stays reachable."""
+
+    def __call__(self, schedule: Schedule, num_microbatches: int, costs: Costs | None = None) -> SimResult:
+        return simulate(schedule, num_microbatches, costs)
+
+
+sys.modules[__name__].__class__ = _SimulateModule

@@ -1,0 +1,418 @@
+"""The simulator against closed forms (GPipe, 1F1B, interleaved, ZB-H1 bubbles; peak activations), against
+torch.distributed.pipelining's orders where no closed form exists, and on compiled Programs: a Program
+built from a table must time exactly like the table, and `check_programs` must catch each kind of broken
+Program."""
+
+from __future__ import annotations
+
+import json
+import math
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+
+import mpmd
+from mpmd.cli import main
+from mpmd.schedules import Custom, Task, validate
+from mpmd.simulate import Costs, simulate, simulate_programs
+from transport.program import Delete, Label, Program, Recv, Run, Send
+
+# ---------------------------------------------------------------- closed forms, unit costs F=1, B=2, I=W=1
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 8, 16])
+def test_gpipe_and_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1(p, m):
+    for s in (mpmd.GPipe(p), mpmd.OneFOneB(p), mpmd.EagerOneFOneB(p)):
+        r = simulate(s, m)
+        assert r.step_time == 3 * (m + p - 1)
+        assert r.bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+        assert r.bubble_per_actor == pytest.approx([(p - 1) / (m + p - 1)] * p, abs=1e-12)
+
+
+@pytest.mark.parametrize("p, v, m", [(p, v, m) for p, v in [(2, 2), (3, 2), (4, 2), (4, 3), (5, 4)] for m in (4, 5, 6, 8, 9, 16)
+                                     if m >= p])  # the closed form needs at least one microbatch per actor
+def test_interleaved_bubble_is_p_minus_1_over_v_m_plus_p_minus_1(p, v, m):
+    r = simulate(mpmd.InterleavedOneFOneB(v * p, p), m)
+    assert r.bubble == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5])
+@pytest.mark.parametrize("m", [5, 8, 16])
+def test_zb_h1_idles_a_third_of_1f1b_when_f_i_w_cost_the_same(p, m):
+    # ZB paper (Qi et al. 2024, sec. 3): with T_F = T_B(input) = T_W, 1F1B idles (p-1)(T_F + T_B + T_W) per actor,
+    # ZB-H1 (p-1)(T_F + T_B - T_W): here 3(p-1) and p-1, so the bubble is (p-1)/(3m+p-1).
+    zb, ofob = simulate(mpmd.ZeroBubbleH1(p), m), simulate(mpmd.OneFOneB(p), m)
+    assert [b * zb.step_time for b in zb.bubble_per_actor] == pytest.approx([p - 1] * p)
+    assert [b * ofob.step_time for b in ofob.bubble_per_actor] == pytest.approx([3 * (p - 1)] * p)
+    assert zb.bubble == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
+    assert max(zb.peak_activations) == max(ofob.peak_activations) == p  # 1F1B's activation memory
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5])
+def test_zero_bubble_schedules_idle_only_the_pipeline_fill(p):
+    # With F = I = W every actor idles p-1 units, the fill the last actor waits before its first forward: the
+    # property ZB-H1 has by construction (above) and the V and interleaved zero-bubble orders keep (mpmd.schedules).
+    for s, ms in [(mpmd.InterleavedZeroBubble(2 * p, p), range(p, 3 * p)), (mpmd.InterleavedZeroBubble(3 * p, p), range(p, 3 * p)),
+                  (mpmd.ZeroBubbleV(p), range(2 * p - 1, 4 * p)), (mpmd.DualPipeV(p), range(2 * p, 4 * p))]:
+        for m in ms:
+            r = simulate(s, m)
+            assert [b * r.step_time for b in r.bubble_per_actor] == pytest.approx([p - 1] * p), (s, m)
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (3, 6), (4, 8), (5, 15)])
+def test_peak_activations_1f1b_p_minus_a_gpipe_m(p, m):
+    assert simulate(mpmd.OneFOneB(p), m).peak_activations == tuple(min(p - a, m) for a in range(p))
+    assert simulate(mpmd.GPipe(p), m).peak_activations == (m,) * p
+    assert simulate(mpmd.EagerOneFOneB(p), m).peak_activations == tuple(min(2 * (p - a) - 1, m) for a in range(p))
+    # Interleaved (m a multiple of p): each actor holds its warm-up forwards plus one, counted per stage-microbatch.
+    v = 2
+    assert simulate(mpmd.InterleavedOneFOneB(v * p, p), m).peak_activations == tuple(
+        min((v - 1) * p + 2 * (p - 1 - a) + 1, v * m) for a in range(p))
+    assert max(simulate(mpmd.ZeroBubbleV(p), m).peak_activations) <= 2 * p  # ZB-V: 1F1B's p, in half-size stages
+
+
+@pytest.mark.parametrize("latency", [0.25, 0.5, 1.0])
+def test_eager_1f1b_hides_transfer_latency_that_stalls_1f1b(latency):
+    # With a transfer latency L <= one forward, Eager 1F1B pays L only along the fill and the drain,
+    # 2(p-1) transfers: step = 3(m+p-1) + 2(p-1)L. 1F1B pays it again in every steady-state round trip.
+    p, m = 4, 8
+    costs = Costs(latency=latency)
+    eager, ofob = simulate(mpmd.EagerOneFOneB(p), m, costs), simulate(mpmd.OneFOneB(p), m, costs)
+    assert eager.step_time == pytest.approx(3 * (m + p - 1) + 2 * (p - 1) * latency)
+    assert ofob.step_time > eager.step_time
+
+
+# ---------------------------------------------------------------- against torch.distributed.pipelining
+
+# Step times of torch's orders under unit costs. Computed offline (torch is not a dependency) with torch
+# 2.13.0+cpu in a separate venv: each class was built through its __init__ with stand-in stage objects
+# (group_size = ranks, the rank's stage indices, no process group), its compute-only `pipeline_order`
+# (for ScheduleGPipe / Schedule1F1B: `_get_pipeline_order()`) taken per rank with None slots and
+# REDUCE_GRAD dropped and OVERLAP_F_B expanded into its sub-actions in order, and the resulting table
+# simulated with mpmd.simulate as a Custom schedule (unit costs, free transfers). Classes and arguments:
+#   ScheduleGPipe(stage, m), Schedule1F1B(stage, m)              one stage per rank
+#   ScheduleInterleaved1F1B(stages, m)                          2 stages per rank, stage s on rank s % p
+#   ScheduleInterleavedZeroBubble(stages, m)                    1 stage per rank ("ZB1P" = ZB-H1), and 2 per rank
+#   ScheduleZBVZeroBubble(stages, m), ScheduleDualPipeV(stages, m)  2 stages per rank, V placement
+# Two adjustments: Schedule1F1B._get_pipeline_order numbers the last rank's forwards from 1 (F1..Fm; its runtime
+# uses F0..Fm-1), so microbatch numbers were reassigned in order of appearance; ScheduleDualPipeV's
+# FULL_BACKWARD actions were written as I then W back to back, the way our DualPipeV writes a backward whose W
+# is not postponed (a stage must use I/W throughout). ScheduleDualPipeV refuses 4 ranks with 4 microbatches.
+TORCH_STEP = {
+    # (our schedule, p, m): torch step time
+    ("GPipe", 2, 4): 15, ("GPipe", 2, 8): 27, ("GPipe", 2, 16): 51, ("GPipe", 4, 4): 21, ("GPipe", 4, 8): 33, ("GPipe", 4, 16): 57,
+    ("OneFOneB", 2, 4): 15, ("OneFOneB", 2, 8): 27, ("OneFOneB", 2, 16): 51,
+    ("OneFOneB", 4, 4): 21, ("OneFOneB", 4, 8): 33, ("OneFOneB", 4, 16): 57,
+    ("InterleavedOneFOneB", 2, 4): 27, ("InterleavedOneFOneB", 2, 8): 51, ("InterleavedOneFOneB", 2, 16): 99,
+    ("InterleavedOneFOneB", 4, 4): 33, ("InterleavedOneFOneB", 4, 8): 57, ("InterleavedOneFOneB", 4, 16): 105,
+    ("ZeroBubbleH1", 2, 4): 13, ("ZeroBubbleH1", 2, 8): 25, ("ZeroBubbleH1", 2, 16): 49,
+    ("ZeroBubbleH1", 4, 4): 15, ("ZeroBubbleH1", 4, 8): 27, ("ZeroBubbleH1", 4, 16): 51,
+    ("InterleavedZeroBubble", 2, 4): 25, ("InterleavedZeroBubble", 2, 8): 49, ("InterleavedZeroBubble", 2, 16): 97,
+    ("InterleavedZeroBubble", 4, 4): 27, ("InterleavedZeroBubble", 4, 8): 51, ("InterleavedZeroBubble", 4, 16): 99,
+    ("ZeroBubbleV", 2, 4): 25, ("ZeroBubbleV", 2, 8): 49, ("ZeroBubbleV", 2, 16): 97,
+    ("ZeroBubbleV", 4, 4): 30, ("ZeroBubbleV", 4, 8): 51, ("ZeroBubbleV", 4, 16): 99,
+    ("DualPipeV", 2, 4): 25, ("DualPipeV", 2, 8): 49, ("DualPipeV", 2, 16): 97, ("DualPipeV", 4, 8): 51, ("DualPipeV", 4, 16): 99,
+}
+
+
+def ours(name: str, p: int) -> mpmd.Schedule:
+    cls = getattr(mpmd, name)
+    if name.startswith("Interleaved"):
+        return cls(num_stages=2 * p, num_actors=p)
+    if name in ("ZeroBubbleV", "DualPipeV"):
+        return cls(num_actors=p)
+    return cls(num_stages=p)
+
+
+@pytest.mark.parametrize("name, p, m", sorted(TORCH_STEP))
+def test_every_builtin_is_no_worse_than_torchs_order(name, p, m):
+    s = ours(name, p)
+    r = simulate(s, m)
+    work = 3 * (s.num_stages // p) * m  # every built-in gives each actor the same work
+    torch_bubble = 1 - work / TORCH_STEP[(name, p, m)]
+    assert r.step_time <= TORCH_STEP[(name, p, m)]
+    assert r.bubble <= torch_bubble + 1e-12
+    if name == "OneFOneB":  # torch has no Eager 1F1B; with free transfers it must match 1F1B
+        assert simulate(mpmd.EagerOneFOneB(p), m).step_time <= TORCH_STEP[(name, p, m)]
+
+
+# ---------------------------------------------------------------- cost model
+
+
+def test_a_single_microbatch_is_the_chain_of_per_stage_costs_and_transfers():
+    f, b = (1.0, 2.0, 0.5), (2.0, 3.0, 1.0)
+    costs = Costs(F=f, B=b, latency=0.1, bandwidth=1000.0, activation_bytes=(100.0, 300.0, 0.0))
+    r = simulate(mpmd.GPipe(3), 1, costs)
+    hops = 2 * (0.1 + 100 / 1000) + 2 * (0.1 + 300 / 1000)  # boundary 0-1 and 1-2, both directions
+    assert r.step_time == pytest.approx(sum(f) + sum(b) + hops)
+
+
+def test_overhead_is_added_to_every_task_and_one_actor_has_no_bubble():
+    r = simulate(mpmd.OneFOneB(1), 5, Costs(F=1, B=2, overhead=0.5))
+    assert r.step_time == pytest.approx(5 * (1 + 2 + 2 * 0.5)) and r.bubble == 0
+
+
+def test_costs_from_measured_timings():
+    c = Costs.from_timings({"F": 0.01, "1F": 0.02, "B": 0.03, "0B3": 0.05, "0B4": 0.07, ("W", 1): 0.4}, num_stages=2, latency=1e-3)
+    assert c.F == (0.01, 0.02) and c.B == pytest.approx((0.06, 0.03)) and c.W == (1.0, 0.4) and c.I == 1.0 and c.latency == 1e-3
+    assert Costs.from_timings({"F": 2.0, "B": 4.0}) == Costs(F=2.0, B=4.0)
+    with pytest.raises(ValueError, match="need num_stages"):
+        Costs.from_timings({"1F": 0.02})
+    with pytest.raises(ValueError, match="'F3x' is not a kind"):
+        Costs.from_timings({"F3x": 1.0})
+
+
+def test_bad_costs_name_the_field():
+    with pytest.raises(ValueError, match="Costs.F must be a non-negative number"):
+        Costs(F=-1)
+    with pytest.raises(ValueError, match="Costs.bandwidth must be > 0"):
+        Costs(bandwidth=0)
+    with pytest.raises(mpmd.ScheduleError, match="Costs.B has 2 per-stage values for 4 stages"):
+        simulate(mpmd.GPipe(4), 2, Costs(B=(1, 2)))
+
+
+def test_simulate_refuses_a_schedule_that_cannot_run():
+    with pytest.raises(mpmd.ScheduleError, match="deadlocks"):
+        simulate(Custom(num_stages=2, order=(("0F0", "0B0", "0F1", "0B1"), ("1F0", "1F1", "1B0", "1B1"))), 2)
+
+
+def test_mpmd_simulate_is_callable_and_keeps_simulate_programs():
+    assert mpmd.simulate(mpmd.GPipe(2), 2).step_time == 9
+    assert mpmd.simulate.simulate_programs is simulate_programs
+
+
+# ---------------------------------------------------------------- outputs
+
+
+def test_perfetto_trace_has_one_track_per_actor_and_one_event_per_task(tmp_path):
+    r = simulate(mpmd.ZeroBubbleV(2), 4)
+    path = tmp_path / "t.json"
+    r.to_perfetto(str(path))
+    trace = json.load(open(path))
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == 2 * 2 * 4 * 3
+    assert all({"name", "ph", "ts", "dur", "pid", "tid"} <= set(e) for e in spans)
+    assert {e["tid"] for e in spans} == {0, 1}
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert names == {"actor 0", "actor 1"}
+    first = next(e for e in spans if e["name"] == "3I0")
+    assert first["tid"] == 0 and first["cat"] == "I" and first["dur"] == pytest.approx(1e6)
+
+
+def test_svg_picture_has_a_box_per_task_coloured_by_kind(tmp_path):
+    from mpmd.draw import COLOURS
+
+    r = simulate(mpmd.ZeroBubbleH1(2), 3)
+    path = tmp_path / "t.svg"
+    r.draw(str(path))
+    root = ET.parse(path).getroot()
+    boxes = [e for e in root.iter("{http://www.w3.org/2000/svg}rect") if e.find("{http://www.w3.org/2000/svg}title") is not None]
+    assert len(boxes) == 2 * 3 * 3
+    by_label = {e.find("{http://www.w3.org/2000/svg}title").text.split()[0]: e.get("fill") for e in boxes}
+    assert by_label["0F0"] == COLOURS["F"] and by_label["1I2"] == COLOURS["I"] and by_label["0W1"] == COLOURS["W"]
+    assert "0F0" in {e.text for e in root.iter("{http://www.w3.org/2000/svg}text")}
+
+
+def test_png_picture(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "t.png"
+    simulate(mpmd.OneFOneB(2), 2).draw(str(path))
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------- compiled Programs
+
+
+def same_spans(got, want) -> bool:
+    """Timelines equal up to float rounding: same labels in the same order, same start and end times."""
+    return [[label for _, _, label in row] for row in got] == [[label for _, _, label in row] for row in want] and all(
+        math.isclose(a, b, abs_tol=1e-9) for g, w in zip(got, want) for gs, ws in zip(g, w) for a, b in zip(gs[:2], ws[:2]))
+
+
+def programs_from_table(schedule: mpmd.Schedule, table: list[list[Task]], shape=(4, 8), dtype="float32") -> list[Program]:
+    """A minimal compiler: one Run per task reading its inputs (the dependency rules of the brief), a Recv for
+    each input made on another actor (all posted first, as mpmd's compiler does) and a Send after the Run."""
+    split = {t.stage for row in table for t in row if t.kind in "IW"}
+    n = schedule.num_stages
+
+    def inputs(t: Task) -> list[Task]:
+        if t.kind == "F":
+            return [Task(t.stage - 1, "F", t.mb)] if t.stage else []
+        if t.kind == "W":
+            return [Task(t.stage, "I", t.mb)]
+        nxt = [Task(t.stage + 1, "I" if t.stage + 1 in split else "B", t.mb)] if t.stage < n - 1 else []
+        return [Task(t.stage, "F", t.mb), *nxt]
+
+    tasks = [t for row in table for t in row]
+    tag = {(d, t): k for k, (d, t) in enumerate((d, t) for t in tasks for d in inputs(t))}
+    progs = []
+    for a, row in enumerate(table):
+        buf: dict[Task, int] = {}
+        recvs, body = [], []
+        for t in row:
+            for d in inputs(t):
+                if schedule.actor_of(d.stage) != a and d not in buf:
+                    buf[d] = len(buf)
+                    recvs.append(Recv(buf[d], schedule.actor_of(d.stage), tag[(d, t)], dtype, shape, Label.of(d)))
+            buf[t] = len(buf)
+            body.append(Run(0, tuple(buf[d] for d in inputs(t)), (buf[t],), Label.of(t)))
+            for u in tasks:
+                if t in inputs(u) and schedule.actor_of(u.stage) != a:
+                    body.append(Send(buf[t], schedule.actor_of(u.stage), tag[(t, u)], Label.of(t)))
+        progs.append(Program(a, [], [], recvs + body))
+    return progs
+
+
+@pytest.mark.parametrize("schedule, m", [(mpmd.OneFOneB(3), 5), (mpmd.InterleavedOneFOneB(4, 2), 4), (mpmd.ZeroBubbleV(2), 4),
+                                         (mpmd.DualPipeV(2), 5)])
+def test_programs_of_a_table_time_exactly_like_the_table(schedule, m):
+    nbytes = 4 * 8 * 4
+    costs = Costs(F=1.0, B=2.5, I=1.5, W=0.5, latency=0.3, bandwidth=nbytes / 0.2, activation_bytes=nbytes, overhead=0.05)
+    table = validate(schedule, m)
+    progs = programs_from_table(schedule, table)
+    mpmd.check_programs(progs)
+    got, want = simulate_programs(progs, costs), simulate(schedule, m, costs)
+    assert got.step_time == pytest.approx(want.step_time)
+    assert same_spans(got.timeline, want.timeline)
+    assert got.peak_activations == want.peak_activations and got.bubble == pytest.approx(want.bubble)
+
+
+class _NoActors:
+    """A mesh stand-in for tracing and planning only (no actor is contacted)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+@pytest.mark.parametrize("schedule", [mpmd.OneFOneB(2), mpmd.EagerOneFOneB(3), mpmd.InterleavedOneFOneB(4, 2)])
+def test_programs_the_compiler_makes_pass_check_programs_and_time_like_their_schedule(schedule):
+    import optax
+
+    from mpmd.compiler.plan import plan_step
+    from mpmd.step import DistributedFunction
+    from tests import models
+    from tests.test_pipeline import make_step
+
+    rng = np.random.default_rng(0)
+    params = models.mlp_params(rng, schedule.num_stages, 8)
+    args = (params, optax.sgd(0.1).init(params), models.regression_batch(rng, 4, 2, 8))
+    step = DistributedFunction(make_step(models.mse_loss(models.mlp), optax.sgd(0.1), schedule), _NoActors(schedule.num_actors))
+    programs = plan_step(step.trace(*args)[0], schedule.num_actors).programs
+    mpmd.check_programs(programs)
+    costs = Costs(latency=0.1)  # the step's other phases (slicing, optimizer) cost 0 by default
+    got, want = simulate_programs(programs, costs), simulate(schedule, 4, costs)
+    tasks_only = [[span for span in row if span[2] not in ("pre", "post", "slice", "stack")] for row in got.timeline]
+    assert got.step_time == pytest.approx(want.step_time)
+    assert same_spans(tasks_only, want.timeline)
+
+
+def test_program_costs_fused_runs_phases_and_peak_bytes():
+    # actor 0: x(b0, 100 B) -> pre -> b1 (40 B) -> RUN 0F0+0B0 -> b2 (10 B), donating b1; DEL b0; post -> b3 (5 B)
+    prog = Program(0, [0], [3], [
+        Run(0, (0,), (1,), Label("pre")),
+        Run(1, (1,), (2,), Label.of(Task(0, "F", 0), Task(0, "B", 0)), donate=(0,)),
+        Delete((0,)),
+        Run(2, (2,), (3,), Label("post")),
+        Delete((2,)),
+    ], buffer_bytes={0: 100, 1: 40, 2: 10, 3: 5})
+    r = simulate_programs([prog], Costs(F=1.0, B=2.0, other=0.25, overhead=0.1))
+    assert same_spans(r.timeline, [[(0, 0.35, "pre"), (0.35, 3.45, "0F0+0B0"), (3.45, 3.8, "post")]])
+    assert r.step_time == pytest.approx(0.35 + 3.1 + 0.35)
+    # Live bytes: 100; +40 = 140 during pre; the fused Run frees donated b1 and makes b2: 110; DEL b0: 10; +5: 15.
+    assert r.peak_bytes == (140,)
+    assert r.peak_activations == (1,)
+
+
+def test_transfer_time_comes_from_the_recv_dtype_and_shape():
+    # a0 runs 0F0 and sends b0 (bfloat16[1000, 500] = 1e6 B); a1 receives it, then runs 1F0.
+    progs = [Program(0, [], [], [Run(0, (), (0,), Label.of(Task(0, "F", 0))), Send(0, 1, 7)]),
+             Program(1, [], [], [Recv(0, 0, 7, "bfloat16", (1000, 500)), Run(0, (0,), (1,), Label.of(Task(1, "F", 0)))])]
+    r = simulate_programs(progs, Costs(F=1.0, latency=0.5, bandwidth=1e6))
+    assert r.timeline[1] == ((2.5, 3.5, "1F0"),)
+    assert r.transfers == ((0, 1, 1.0, 2.5, "xfer"),)
+
+
+def listing_marks(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.lstrip().startswith(">")]
+
+
+def test_check_programs_finds_a_deadlock_and_says_who_waits_for_what():
+    # Each actor's Run needs the other's buffer, which the other sends only after its own Run.
+    progs = [Program(0, [], [], [Recv(1, 1, 0, "float32", (2,)), Run(0, (1,), (2,), Label.of(Task(0, "B", 0))), Send(2, 1, 1)]),
+             Program(1, [], [], [Recv(1, 0, 1, "float32", (2,)), Run(0, (1,), (2,), Label.of(Task(1, "F", 0))), Send(2, 0, 0)])]
+    with pytest.raises(mpmd.PipelineError, match="deadlock") as err:
+        mpmd.check_programs(progs)
+    text = str(err.value)
+    marks = listing_marks(text)
+    assert len(marks) == 2 and all("RUN" in line for line in marks)
+    assert "waits for b1 from actor 1 (#0); actor 1 never reaches its SEND #0 (instruction 2): it is stuck at instruction 1" in text
+    assert "actor 0: inputs" in text and "actor 1: inputs" in text
+
+
+def test_check_programs_catches_a_deadlocking_schedule_compiled_as_is():
+    bad = Custom(num_stages=2, order=(("0F0", "0B0", "0F1", "0B1"), ("1F0", "1F1", "1B0", "1B1")))
+    progs = programs_from_table(bad, bad.tasks(2))
+    with pytest.raises(mpmd.PipelineError, match="deadlock") as err:
+        mpmd.check_programs(progs)
+    assert [m.split()[2] for m in listing_marks(str(err.value))] == ["RUN", "RUN"]
+    assert "RUN 0B0" in listing_marks(str(err.value))[0] and "RUN 1F1" in listing_marks(str(err.value))[1]
+
+
+def test_check_programs_recv_without_send_and_send_without_recv():
+    no_send = [Program(0, [], [], []), Program(1, [], [], [Recv(0, 0, 3, "float32", (1,))])]
+    with pytest.raises(mpmd.PipelineError, match="receives tag #3 from actor 0, but actor 0 has no matching SEND") as err:
+        mpmd.check_programs(no_send)
+    assert listing_marks(str(err.value))[0].split()[2] == "RECV"
+    no_recv = [Program(0, [0], [], [Send(0, 1, 3)]), Program(1, [], [], [])]
+    with pytest.raises(mpmd.PipelineError, match="sends tag #3 to actor 1, but actor 1 has no matching RECV"):
+        mpmd.check_programs(no_recv)
+
+
+def test_check_programs_run_reading_a_buffer_nothing_produces():
+    with pytest.raises(mpmd.PipelineError, match="reads buffer b5, but nothing produces it") as err:
+        mpmd.check_programs([Program(0, [0], [], [Run(0, (0, 5), (1,))])])
+    assert "RUN" in listing_marks(str(err.value))[0]
+    with pytest.raises(mpmd.PipelineError, match="reads buffer b1, but it is only made later, at instruction 1"):
+        mpmd.check_programs([Program(0, [0], [], [Run(0, (1,), (2,)), Run(0, (0,), (1,))])])
+    with pytest.raises(mpmd.PipelineError, match="reads buffer b0, but it was deleted at instruction 0"):
+        mpmd.check_programs([Program(0, [0], [], [Delete((0,)), Run(0, (0,), (1,))])])
+
+
+def test_check_programs_accepts_inputs_and_consts_and_a_send_of_a_received_buffer():
+    # a0 sends its input to a1, which forwards it to a2; a2 reads it with a constant.
+    progs = [Program(0, [0], [], [Send(0, 1, 0)]),
+             Program(1, [], [], [Recv(4, 0, 0, "float32", (3,)), Send(4, 2, 1)]),
+             Program(2, [], [9], [Recv(2, 1, 1, "float32", (3,)), Run(0, (2, 7), (9,))], consts={7: None})]
+    mpmd.check_programs(progs)
+    r = simulate_programs(progs, Costs(latency=1.0))
+    assert r.timeline[2] == ((2.0, 2.0, "task"),)
+    assert math.isclose(r.step_time, 2.0)
+
+
+# ---------------------------------------------------------------- the mpmd command
+
+
+def test_cli_prints_the_table_bubbles_and_peaks_and_writes_pictures(tmp_path, capsys):
+    svg, trace = tmp_path / "o.svg", tmp_path / "o.json"
+    code = main(["simulate", "--schedule", "InterleavedOneFOneB", "--actors", "4", "--stages", "8", "--microbatches", "16",
+                 "--svg", str(svg), "--trace", str(trace), "--costs", "F=1,B=2,I=1,W=1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "actor 0: 0F0 0F1 0F2 0F3 4F0" in out
+    assert f"bubble {3 / 35:.4f}" in out and "bubble per actor:" in out and "peak activations:   a0 11  a1 9  a2 7  a3 5" in out
+    assert svg.read_text().startswith("<svg") and json.loads(trace.read_text())["traceEvents"]
+
+
+def test_cli_exits_2_with_the_validation_error(capsys):
+    assert main(["simulate", "--schedule", "DualPipeV", "--actors", "4", "--microbatches", "6"]) == 2
+    assert "needs at least 8 microbatches, got 6" in capsys.readouterr().err
+    assert main(["simulate", "--schedule", "GPipe", "--actors", "4", "--stages", "3", "--microbatches", "6"]) == 2
+    assert "--actors and --stages must agree" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--schedule", "GPipe", "--actors", "2", "--microbatches", "2", "--costs", "Q=1"])
+    assert e.value.code == 2
