@@ -66,6 +66,7 @@ class Session:
         self.buffers = BufferTable(f"actor {actor_id} (session {session_id:x})")
         self.programs: dict[int, dict[str, Any]] = {}
         self.running: dict[tuple[int, int], asyncio.Task[Any]] = {}
+        self.last_step_peak_bytes = 0  # most bytes a step's own buffer table held at once (last finished step)
 
     def close(self) -> None:
         for task in self.running.values():
@@ -216,6 +217,7 @@ class Actor:
             "requests": self.requests,
             "errors": self.errors,
             "running": len(ses.running),
+            "last_step_peak_bytes": ses.last_step_peak_bytes,
             "sessions": len(self.sessions),
             "p2p": self.p2p.stats() if self.p2p is not None else None,
         }, []
@@ -316,6 +318,7 @@ class Actor:
             ses.running.pop(key, None)
             if self.p2p is not None:
                 self.p2p.abandon(lambda k: tuple(k[:3]) == (ses.id, pid, step))
+            ses.last_step_peak_bytes = env.peak_bytes
             env.clear()  # the step's intermediates go now (and with them any shared memory they aliased)
         for b, r in zip(outputs, results):
             ses.buffers.put(b, r)
@@ -371,6 +374,8 @@ class Actor:
                         await asyncio.to_thread(jax.block_until_ready, tail)
                     results = self.cache.get(ins.exe)(*args)
                     self._tail = results if self.in_order else None
+                    if ins.donate:  # their buffers now belong to the results
+                        env.delete([ins.inputs[d] for d in ins.donate])
                     for b, r in zip(ins.outputs, results):
                         env.put(b, r)
                 elif isinstance(ins, (Send, Recv)):

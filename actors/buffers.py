@@ -47,8 +47,13 @@ class BufferTable:
         self._name = name
         self._entries: dict[int, Any] = {}
         self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._bytes = 0
+        self.peak_bytes = 0  # the most bytes held at once
 
     def put(self, buf: int, value: Any) -> None:
+        old = self._entries.get(buf)
+        self._bytes += nbytes(value) - (nbytes(old) if old is not None else 0)
+        self.peak_bytes = max(self.peak_bytes, self._bytes)
         self._entries[buf] = value
         fut = self._pending.pop(buf, None)
         if fut is not None and not fut.done():
@@ -56,7 +61,9 @@ class BufferTable:
 
     def reserve(self, buf: int) -> None:
         """Mark `buf` as coming: `get` waits for `put` (or `fail`) instead of raising."""
-        self._entries.pop(buf, None)
+        old = self._entries.pop(buf, None)
+        if old is not None:
+            self._bytes -= nbytes(old)
         if buf not in self._pending:
             self._pending[buf] = asyncio.get_running_loop().create_future()
 
@@ -98,7 +105,10 @@ class BufferTable:
     def delete(self, bufs: list[int]) -> int:
         n = 0
         for b in bufs:
-            n += (self._entries.pop(b, None) is not None) + (b in self._pending)
+            old = self._entries.pop(b, None)
+            if old is not None:
+                self._bytes -= nbytes(old)
+            n += (old is not None) + (b in self._pending)
             fut = self._pending.pop(b, None)
             if fut is not None and not fut.done():
                 fut.cancel()
@@ -117,4 +127,4 @@ class BufferTable:
 
     @property
     def nbytes(self) -> int:
-        return sum(nbytes(v) for v in self._entries.values())
+        return self._bytes

@@ -17,7 +17,6 @@ Public names (each has a docstring):
   MpmdError, RemoteError, ActorDiedError, PipelineError, ScheduleError   errors
 """
 
-from mpmd import simulate  # a module you can call: mpmd.simulate(schedule, m); mpmd.simulate.simulate_programs(programs)
 from mpmd.api import accumulate_grads, distributed, pipeline_yield
 from mpmd.array import RemoteArray, fetch
 from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError, ScheduleError
@@ -35,7 +34,7 @@ from mpmd.schedules import (
     ZeroBubbleH1,
     ZeroBubbleV,
 )
-from mpmd.simulate import Costs, SimResult
+from mpmd.simulator import Costs, SimResult, simulate
 from mpmd.validation import check_programs, validate
 
 __all__ = [

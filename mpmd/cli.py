@@ -22,7 +22,7 @@ Registrar = Callable[[Any], None]  # takes argparse's subparsers object
 
 
 def _parse_costs(text: str) -> Any:
-    from mpmd.simulate import Costs
+    from mpmd.simulator import Costs
 
     fields = {f.name for f in dataclasses.fields(Costs)}
     kwargs: dict[str, Any] = {}
@@ -69,7 +69,7 @@ def make_schedule(name: str, actors: int | None, stages: int | None) -> Any:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from mpmd.simulate import simulate
+    from mpmd.simulator import simulate
     from mpmd.validation import format_table
 
     try:
@@ -100,7 +100,7 @@ def register_simulate(sub: Any) -> None:
     p.add_argument("--stages", type=int, help="number of stages (default: one per actor, two for V schedules)")
     p.add_argument("--microbatches", type=int, required=True, help="number of microbatches")
     p.add_argument("--costs", type=_parse_costs, default=None,
-                   help="cost model, e.g. F=1,B=2,I=1,W=1,latency=0.1 (fields of mpmd.simulate.Costs; per stage: F=1:1.5)")
+                   help="cost model, e.g. F=1,B=2,I=1,W=1,latency=0.1 (fields of mpmd.Costs; per stage: F=1:1.5)")
     p.add_argument("--svg", help="write the timeline picture as SVG")
     p.add_argument("--png", help="write the timeline picture as PNG (needs matplotlib)")
     p.add_argument("--trace", help="write a Chrome/Perfetto trace (JSON)")

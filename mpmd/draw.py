@@ -10,7 +10,7 @@ from html import escape
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from mpmd.simulate import SimResult
+    from mpmd.simulator import SimResult
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def _ticks(step: float) -> list[float]:
 
 def svg(result: SimResult, title: str = "") -> str:
     """The timeline as an SVG document (a string)."""
-    from mpmd.simulate import kind_of
+    from mpmd.simulator import kind_of
 
     step = result.step_time or 1.0
     left, row_h, gap, width = 70, 28, 6, 1100
@@ -81,7 +81,7 @@ def svg(result: SimResult, title: str = "") -> str:
 
 
 def _png(result: SimResult, path: str, title: str) -> None:
-    from mpmd.simulate import kind_of
+    from mpmd.simulator import kind_of
 
     try:
         import matplotlib

@@ -129,6 +129,13 @@ class DistributedFunction:
         out_paths = [f"out{jax.tree_util.keystr(p)}" for p in _tree_paths(compiled.out_tree)]
         return placement_report(compiled.plan, compiled.arg_paths, out_paths)
 
+    def simulate(self, *args: Any, costs: Any = None) -> Any:
+        """Time this step's compiled Programs on a cost model (`mpmd.Costs`; default unit costs F=1, B=2,
+        I=W=1, free transfers): step time, bubble per actor, peak activation bytes, timeline, pictures."""
+        from mpmd.simulator import simulate_programs
+
+        return simulate_programs(self.compile(*args).plan.programs, costs, name=getattr(self.fn, "__name__", "step"))
+
     def program(self, *args: Any) -> str:
         """The per-actor instruction lists for these arguments, one line per instruction."""
         return str(self.compile(*args).plan)

@@ -15,7 +15,7 @@ import pytest
 import mpmd
 from mpmd.cli import main
 from mpmd.schedules import Custom, Task, validate
-from mpmd.simulate import Costs, simulate, simulate_programs
+from mpmd.simulator import Costs, simulate, simulate_programs
 from transport.program import Delete, Label, Program, Recv, Run, Send
 
 # ---------------------------------------------------------------- closed forms, unit costs F=1, B=2, I=W=1
@@ -178,14 +178,6 @@ def test_simulate_refuses_a_schedule_that_cannot_run():
         simulate(Custom(num_stages=2, order=(("0F0", "0B0", "0F1", "0B1"), ("1F0", "1F1", "1B0", "1B1"))), 2)
 
 
-def test_mpmd_simulate_is_callable_and_keeps_simulate_programs():
-    assert mpmd.simulate(mpmd.GPipe(2), 2).step_time == 9
-    assert mpmd.simulate.simulate_programs is simulate_programs
-
-
-# ---------------------------------------------------------------- outputs
-
-
 def test_perfetto_trace_has_one_track_per_actor_and_one_event_per_task(tmp_path):
     r = simulate(mpmd.ZeroBubbleV(2), 4)
     path = tmp_path / "t.json"
@@ -321,7 +313,7 @@ def test_program_costs_fused_runs_phases_and_peak_bytes():
         Delete((2,)),
     ], buffer_bytes={0: 100, 1: 40, 2: 10, 3: 5})
     r = simulate_programs([prog], Costs(F=1.0, B=2.0, other=0.25, overhead=0.1))
-    assert same_spans(r.timeline, [[(0, 0.35, "pre"), (0.35, 3.45, "0F0+0B0"), (3.45, 3.8, "post")]])
+    assert same_spans(r.timeline, [[(0, 0.35, "pre"), (0.35, 1.45, "0F0"), (1.45, 3.45, "0B0"), (3.45, 3.8, "post")]])  # a fused Run: one span per task
     assert r.step_time == pytest.approx(0.35 + 3.1 + 0.35)
     # Live bytes: 100; +40 = 140 during pre; the fused Run frees donated b1 and makes b2: 110; DEL b0: 10; +5: 15.
     assert r.peak_bytes == (140,)
@@ -416,3 +408,7 @@ def test_cli_exits_2_with_the_validation_error(capsys):
     with pytest.raises(SystemExit) as e:
         main(["simulate", "--schedule", "GPipe", "--actors", "2", "--microbatches", "2", "--costs", "Q=1"])
     assert e.value.code == 2
+
+
+def test_mpmd_simulate_is_the_simulate_function():
+    assert mpmd.simulate is simulate and mpmd.simulate(mpmd.GPipe(2), 2).step_time == 9

@@ -34,6 +34,7 @@ from mpmd.errors import PipelineError
 from mpmd.primitives import accumulate_p
 from mpmd.program import Label, Program, Task
 from mpmd.schedules import Schedule, validate
+from mpmd.validation import check_programs
 
 
 @dataclass
@@ -243,6 +244,7 @@ def plan_step(outer: ClosedJaxpr, num_mesh_actors: int) -> StepPlan:
             for a in homes:
                 output_keys[a].append(k)
     programs = build_programs(per_actor, num_actors, arg_keys, arg_homes, output_keys, avals, transfers, {})
+    check_programs(programs)  # the Programs' own dependency graph: every Recv matched, no actor waits forever
     return StepPlan(programs, [arg_homes[k] for k in arg_keys], out_homes, [v.aval for v in jaxpr.outvars], table, split,
                     dict(per_actor), transfers, avals, templates, arg_keys)
 

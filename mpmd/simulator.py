@@ -18,8 +18,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
-import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -257,6 +255,19 @@ def _run_time(costs: Costs, label: Label) -> float:
     return costs.other + costs.overhead
 
 
+def _part_spans(costs: Costs, label: Label, start: float) -> list[Span]:
+    """A Run's span cut into one span per part (a fused Run does several tasks, and maybe a step phase, one
+    after another); phases that take no time on this cost model are left out."""
+    parts = label.parts or ((tuple(map(str, label.tasks)) or (label.kind,)))
+    out, t = [], start
+    for i, p in enumerate(parts):
+        d = (costs.task_time(Task.parse(p)) if p[0].isdigit() else costs.other) + (costs.overhead if i == 0 else 0.0)
+        if d > 0 or p[0].isdigit():
+            out.append((t, t + d, p))
+        t += d
+    return out or [(start, t, str(label))]
+
+
 def simulate_programs(programs: list[Program], costs: Costs | None = None, name: str = "programs") -> SimResult:
     """Time compiled Programs (one per actor) on `costs`: a Run costs the sum of its label's tasks (plus
     `overhead`; phase Runs cost `other`), a transfer `latency + bytes / bandwidth` with bytes from the Recv's
@@ -273,7 +284,8 @@ def simulate_programs(programs: list[Program], costs: Costs | None = None, name:
     transfers = []
     peaks = []
     for a, prog in enumerate(programs):
-        spans.append([(run.start[(a, i)], run.end[(a, i)], str(ins.label)) for i, ins in enumerate(prog.instructions) if isinstance(ins, Run)])
+        spans.append([span for i, ins in enumerate(prog.instructions) if isinstance(ins, Run)
+                      for span in _part_spans(costs, ins.label, run.start[(a, i)])])
         rows.append([t for ins in prog.instructions if isinstance(ins, Run) for t in ins.label.tasks])
         events: list[tuple[float, int]] = [(0.0, prog.buffer_bytes.get(b, 0)) for b in {*prog.inputs, *prog.consts}]
         born: dict[int, float] = {b: 0.0 for b in {*prog.inputs, *prog.consts}}
@@ -303,13 +315,3 @@ def simulate_programs(programs: list[Program], costs: Costs | None = None, name:
         peaks.append(peak)
     known = any(p.buffer_bytes for p in programs)  # without the compiler's sizes, peak bytes are unknown, not 0
     return _result(name, spans, rows, transfers, tuple(peaks) if known else None)
-
-
-class _SimulateModule(types.ModuleType):
-    """Lets `mpmd.simulate(schedule, m)` call `simulate` while `mpmd.simulate.simulate_programs` stays reachable."""
-
-    def __call__(self, schedule: Schedule, num_microbatches: int, costs: Costs | None = None) -> SimResult:
-        return simulate(schedule, num_microbatches, costs)
-
-
-sys.modules[__name__].__class__ = _SimulateModule

@@ -1,0 +1,114 @@
+"""Every built-in schedule on real daemons (2 and 4 actors, interleaved and V placements, split backward)
+trains a model with a skip connection between non-adjacent stages and a weight shared by the first and last
+stage to the same losses, parameters and optimizer state as jax.jit of the undecorated step."""
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import mpmd
+from mpmd.program import Recv, Run
+from tests.test_pipeline import make_step
+from tests.test_placement import homes
+from tests.test_user_programs import compare
+
+
+def shared_skip_params(rng, num_stages, width=16):
+    p = {"shared": (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)}
+    for s in range(1, num_stages):
+        p[f"s{s}"] = {"w": (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32),
+                      "b": (0.1 * rng.standard_normal(width)).astype(np.float32)}
+    return p
+
+
+def shared_skip_model(params, x, num_stages):
+    """Stage 0 and the last stage both use `shared` (its transpose is the head); stage 0's output also
+    feeds stage min(2, S-1) directly (a skip past stage 1)."""
+    h0 = jnp.tanh(x @ params["shared"])
+    h = h0
+    for s in range(1, num_stages):
+        h = mpmd.pipeline_yield(h)
+        h = jnp.tanh(h @ params[f"s{s}"]["w"] + params[f"s{s}"]["b"])
+        if s == min(2, num_stages - 1):
+            h = h + h0
+    return h @ params["shared"].T
+
+
+def loss_for(num_stages):
+    return lambda p, mb: jnp.mean((shared_skip_model(p, mb["x"], num_stages) - mb["y"]) ** 2)
+
+
+def schedules(n):
+    return [mpmd.GPipe(n), mpmd.OneFOneB(n), mpmd.EagerOneFOneB(n), mpmd.ZeroBubbleH1(n), mpmd.InterleavedOneFOneB(2 * n, n),
+            mpmd.InterleavedZeroBubble(2 * n, n), mpmd.ZeroBubbleV(n), mpmd.DualPipeV(n)]
+
+
+def batch(rng, m, width=16):
+    return {"x": rng.standard_normal((m, 2, width)).astype(np.float32), "y": rng.standard_normal((m, 2, width)).astype(np.float32)}
+
+
+@pytest.fixture(scope="module")
+def mesh4():
+    with mpmd.RemoteMesh.local(num_actors=4) as mesh:
+        yield mesh
+
+
+def check_schedule(mesh, schedule, seed):
+    rng = np.random.default_rng(seed)
+    s = schedule.num_stages
+    m = max(schedule.min_microbatches, 2 * schedule.num_actors)
+    params = shared_skip_params(rng, s)
+    opt = optax.adam(1e-2)
+    step = make_step(loss_for(s), opt, schedule)
+    dist, (p, o) = compare(mesh, step, (params, opt.init(params)), [batch(rng, m) for _ in range(3)])
+    # each stage's parameters and optimizer state live on its actor only; the shared weight on the actors of
+    # the first and the last stage (one actor under a V placement)
+    where = homes((p, o))
+    for path, actors in where.items():
+        for st in range(1, s):
+            if f"'s{st}'" in path:
+                assert actors == [schedule.actor_of(st)], (path, actors)
+        if "'shared'" in path:
+            assert actors == sorted({schedule.actor_of(0), schedule.actor_of(s - 1)}), (path, actors)
+    # values between two stages on one actor never touch the data plane: count the per-microbatch transfers
+    plan = dist.compile(p, o, batch(rng, m)).plan
+    cross = sum(schedule.actor_of(st) != schedule.actor_of(st + 1) for st in range(s - 1))
+    acts = [k for (k, dst), src in plan.transfers.source.items() if type(k).__name__ == "PerMb" and plan.split.region_of[k.var][1] == "F"]
+    skip_hops = int(schedule.actor_of(0) != schedule.actor_of(min(2, s - 1)))  # h0 itself, read past its marker
+    assert len(acts) == m * (cross + skip_hops)
+    # the Programs run the schedule's tasks in the table's order on every actor
+    for a, prog in enumerate(plan.programs):
+        ran = [str(t) for ins in prog.instructions if isinstance(ins, Run) for t in ins.label.tasks]
+        table = [str(t) for t in plan.table[a]]
+        assert [t for t in table if t in set(ran)] == ran
+
+
+@pytest.mark.parametrize("schedule", schedules(2), ids=str)
+def test_every_schedule_on_two_actors_matches_jit(mesh2, schedule):
+    check_schedule(mesh2, schedule, 0)
+
+
+@pytest.mark.parametrize("schedule", schedules(4), ids=str)
+def test_every_schedule_on_four_actors_matches_jit(mesh4, schedule):
+    check_schedule(mesh4, schedule, 1)
+
+
+def test_simulating_a_compiled_interleaved_step_gives_the_programs_task_order_and_their_peak_bytes(mesh4):
+    schedule = mpmd.InterleavedOneFOneB(8, 4)
+    rng = np.random.default_rng(2)
+    params = shared_skip_params(rng, 8, width=64)
+    opt = optax.sgd(0.1)
+    dist = mpmd.distributed(make_step(loss_for(8), opt, schedule), mesh=mesh4)
+    b = batch(rng, 8, width=64)
+    sim = dist.simulate(params, opt.init(params), b)
+    plan = dist.compile(params, opt.init(params), b).plan
+    for a, prog in enumerate(plan.programs):
+        ran = [str(t) for ins in prog.instructions if isinstance(ins, Run) for t in ins.label.tasks]
+        assert [label for _, _, label in sim.timeline[a] if label[0].isdigit()] == ran
+    out = dist(params, opt.init(params), b)
+    out[2].block_until_ready()
+    for a in range(4):
+        measured = mesh4.actor(a).stats()["last_step_peak_bytes"]
+        assert abs(sim.peak_bytes[a] - measured) <= 0.1 * measured, (a, sim.peak_bytes[a], measured)
+    assert all(p.count(Recv) > 0 for p in plan.programs)
