@@ -4,8 +4,8 @@ The interpreter is deliberately dumb (see STYLE.md): it walks a static instructi
 for the buffers it reads; a `recv` is posted as a task at once (arrivals before it wait in the mailbox); a
 `send` takes its buffer at once and runs as a task that never blocks the next instruction; a `del` drops
 the buffer at once (a send in flight holds its own reference) unless the buffer is still being received,
-in which case it waits for that buffer's sends. On CPU actors a `run` also waits until the previous `run`
-has finished (see `Actor.in_order`).
+in which case it waits for that buffer's sends. Runs execute in dispatch order without a round trip through
+Python between them (see actors/stream.py).
 With ``sync`` set on a run (to measure what overlap buys), every send is instead awaited where it stands,
 until its bytes have left the actor, so compute stops while data moves. (Receives stay posted: the compiler
 hoists them to the top of a program, and awaiting them there would deadlock a pipeline.)
@@ -25,6 +25,7 @@ import numpy as np
 
 from actors.buffers import BufferTable, UnknownBufferError
 from actors.cache import ExecutableCache
+from actors.stream import StepTrace, Stream, TraceWaiter, now
 from transport.p2p import P2PTransport, TransferError
 from transport.program import Instruction, Program, ProgramError, Recv, Run, Send, decode_instruction, decode_program
 from transport.protocol import Message, aval_header, dtype_from_name
@@ -84,12 +85,11 @@ class Actor:
         self.actor_id = actor_id
         self.transfer_timeout = transfer_timeout
         self.device = jax.devices()[0]
-        # On CPU, XLA runs computations dispatched back to back side by side, and they slow each other down
-        # (8 memory-bound stages at once: 1.7x slower than one after another); a Run waits for the previous
-        # one to finish instead, like work queued on a GPU stream. GPUs queue in order already.
-        self.in_order = self.device.platform == "cpu"
-        self._tail: Any = None  # the outputs of the last Run dispatched
-        self.cache = ExecutableCache(self.device)
+        # CPU computations run one after another through an order token (actors/stream.py); GPUs queue in order.
+        ordered_calls = self.device.platform == "cpu"
+        self.stream = Stream(self.device, ordered_calls)
+        self.cache = ExecutableCache(self.device, ordered_calls)
+        self._trace_waiter: TraceWaiter | None = None
         self.p2p = p2p
         self.sessions: dict[int, Session] = {}
         self.requests = 0
@@ -115,7 +115,7 @@ class Actor:
 
     # ---- simple requests -------------------------------------------------------------------------
     async def ping(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
-        return {"actor_id": self.actor_id, "time": time.time()}, []
+        return {"actor_id": self.actor_id, "time": time.time(), "clock": now()}, []
 
     async def info(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         devs = jax.devices()
@@ -194,7 +194,7 @@ class Actor:
             ses.buffers.reserve(b)
         try:
             args = [await asyncio.shield(r) if isinstance(r, asyncio.Future) else r for r in refs]
-            results = exe(*args)
+            _, results = self.stream.call(exe, args)
             if len(results) != len(outputs):
                 raise RequestError(f"executable returns {len(results)} values but {len(outputs)} output ids were given")
         except BaseException as e:
@@ -274,8 +274,9 @@ class Actor:
         if sum(b < 0 for b in inputs) != len(msg.arrays):
             raise RequestError(f"{sum(b < 0 for b in inputs)} inputs are marked inline (-1) but {len(msg.arrays)} arrays came")
         sync = msg.header.get("sync", False)
-        if not isinstance(sync, bool):
-            raise RequestError("'run_program' field 'sync' must be a bool")
+        tracing = msg.header.get("trace", False)
+        if not isinstance(sync, bool) or not isinstance(tracing, bool):
+            raise RequestError("'run_program' fields 'sync' and 'trace' must be bools")
         raw_prologue = msg.header.get("prologue", [])
         if not isinstance(raw_prologue, list):
             raise RequestError("'run_program' field 'prologue' must be a list of instructions")
@@ -303,7 +304,12 @@ class Actor:
         env = BufferTable(f"actor {self.actor_id} program {pid} step {step}")
         for b, v in prog.consts.items():
             env.put(b, v)
-        task = asyncio.get_running_loop().create_task(self._execute(ses, pid, prog, step, env, refs, prologue, sync))
+        trace = None
+        if tracing:
+            if self._trace_waiter is None:
+                self._trace_waiter = TraceWaiter()
+            trace = StepTrace(self._trace_waiter)
+        task = asyncio.get_running_loop().create_task(self._execute(ses, pid, prog, step, env, refs, prologue, sync, trace))
         ses.running[key] = task
         try:
             await task
@@ -322,7 +328,12 @@ class Actor:
             env.clear()  # the step's intermediates go now (and with them any shared memory they aliased)
         for b, r in zip(outputs, results):
             ses.buffers.put(b, r)
-        return {"outputs": [aval_header(r.shape, r.dtype) for r in results]}, []
+        reply: dict[str, Any] = {"outputs": [aval_header(r.shape, r.dtype) for r in results]}
+        if trace is not None:
+            await asyncio.to_thread(trace.wait_runs)
+            trace.end = now()
+            reply["trace"] = trace.to_wire()
+        return reply, []
 
     async def abort(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         assert ses is not None
@@ -333,32 +344,33 @@ class Actor:
         return {"aborted": task is not None}, []
 
     async def _execute(self, ses: Session, pid: int, prog: Program, step: int, env: BufferTable, refs: list,
-                       prologue: list[Instruction], sync: bool) -> None:
+                       prologue: list[Instruction], sync: bool, trace: StepTrace | None = None) -> None:
         # The prologue copies arguments between actors; post it before waiting for those arguments.
         transfers = self._transfers((ses.id, pid, step), ses.buffers, prologue)
         try:
             for local, ref in zip(prog.inputs, refs):
                 env.put(local, await asyncio.shield(ref) if isinstance(ref, asyncio.Future) else ref)
-            await self._interpret((ses.id, pid, step), env, prog.instructions, sync)
+            await self._interpret((ses.id, pid, step), env, prog.instructions, sync, trace)
             await asyncio.gather(*transfers)
         finally:
             for t in transfers:
                 t.cancel()
 
     def _transfers(self, step_key: tuple[int, int, int], env: BufferTable, instrs: list[Instruction],
-                   sync: bool = False) -> list[asyncio.Task[None]]:
+                   sync: bool = False, trace: StepTrace | None = None) -> list[asyncio.Task[None]]:
         """Start the sends and receives in `instrs`; a transfer's key is (session, program, step, tag)."""
         tasks = []
         for ins in instrs:
             if isinstance(ins, Send):
                 ref = env.ref(ins.buf)  # taken now: a `del` right after the send may drop the buffer from the table
-                tasks.append(asyncio.create_task(self._send(ref, ins.to_actor, (*step_key, ins.tag), str(ins.label), sync)))
+                tasks.append(asyncio.create_task(self._send(ref, ins.to_actor, (*step_key, ins.tag), str(ins.label), sync, trace)))
             elif isinstance(ins, Recv):
                 env.reserve(ins.buf)
-                tasks.append(asyncio.create_task(self._recv(env, ins, (*step_key, ins.tag))))
+                tasks.append(asyncio.create_task(self._recv(env, ins, (*step_key, ins.tag), trace)))
         return tasks
 
-    async def _interpret(self, step_key: tuple[int, int, int], env: BufferTable, instrs: list[Instruction], sync: bool) -> None:
+    async def _interpret(self, step_key: tuple[int, int, int], env: BufferTable, instrs: list[Instruction], sync: bool,
+                         trace: StepTrace | None = None) -> None:
         sends: dict[int, list[asyncio.Task[None]]] = {}
         recvs: list[asyncio.Task[None]] = []
         inflight: list[asyncio.Task[None]] = []  # sends whose buffer is already dropped from the table
@@ -368,18 +380,18 @@ class Actor:
                 if debug:
                     log.debug("session %x program %d step %d: %s", *step_key, ins)
                 if isinstance(ins, Run):
-                    args = [await env.get(b) for b in ins.inputs]
-                    tail = self._tail
-                    if self.in_order and tail and not all(r.is_ready() for r in tail):
-                        await asyncio.to_thread(jax.block_until_ready, tail)
-                    results = self.cache.get(ins.exe)(*args)
-                    self._tail = results if self.in_order else None
+                    t0 = now() if trace else 0
+                    args = [await env.get(b) for b in ins.inputs]  # waits only for values still being received
+                    t1 = now() if trace else 0
+                    done, results = self.stream.call(self.cache.get(ins.exe), args)
+                    if trace:
+                        trace.run(str(ins.label), t0, t1, now(), done)
                     if ins.donate:  # their buffers now belong to the results
                         env.delete([ins.inputs[d] for d in ins.donate])
                     for b, r in zip(ins.outputs, results):
                         env.put(b, r)
                 elif isinstance(ins, (Send, Recv)):
-                    (t,) = self._transfers(step_key, env, [ins], sync)
+                    (t,) = self._transfers(step_key, env, [ins], sync, trace)
                     if sync and isinstance(ins, Send):
                         await t
                     else:
@@ -397,14 +409,18 @@ class Actor:
                 t.cancel()
             raise
 
-    async def _send(self, ref: Any, peer: int, key: tuple, label: str, sync: bool = False) -> None:
+    async def _send(self, ref: Any, peer: int, key: tuple, label: str, sync: bool = False, trace: StepTrace | None = None) -> None:
         value = await asyncio.shield(ref) if isinstance(ref, asyncio.Future) else ref
         if self.p2p is None:
             raise TransferError(f"actor {self.actor_id} has no data plane to send {label} to actor {peer}")
+        t0 = now() if trace else 0
         await self.p2p.send(peer, key, value, wait=sync)
+        if trace:
+            trace.transfer("send", label, peer, int(value.nbytes), t0, now())
 
-    async def _recv(self, env: BufferTable, ins: Recv, key: tuple) -> None:
+    async def _recv(self, env: BufferTable, ins: Recv, key: tuple, trace: StepTrace | None = None) -> None:
         peer, label = ins.from_actor, str(ins.label)
+        t0 = now() if trace else 0
         try:
             if self.p2p is None:
                 raise TransferError(f"actor {self.actor_id} has no data plane to receive {label} from actor {peer}")
@@ -424,6 +440,8 @@ class Actor:
             # A received host array is ours alone (fresh aligned buffer, or shared memory reused only after
             # the array is gone), so JAX may alias it instead of copying.
             env.put(ins.buf, jax.device_put(got, self.device, may_alias=True) if isinstance(got, np.ndarray) else got)
+            if trace:
+                trace.transfer("recv", label, peer, int(got.nbytes), t0, now())
         except BaseException as e:
             env.fail(ins.buf, e)
             raise

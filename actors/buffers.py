@@ -41,16 +41,26 @@ def nbytes(value: Any) -> int:
 
 
 class BufferTable:
-    """Holds arrays by id. Readers of a pending entry wait; a failed producer fails its readers."""
+    """Holds arrays by id. Readers of a pending entry wait; a failed producer fails its readers.
+
+    Deleting an entry that is still pending forgets its name at once (later lookups fail) but keeps its
+    waiters: a step that took it as an input before the delete arrived still gets the value, and the value
+    is dropped as soon as it comes."""
 
     def __init__(self, name: str = "actor") -> None:
         self._name = name
         self._entries: dict[int, Any] = {}
         self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._orphans: dict[int, asyncio.Future[Any]] = {}  # deleted while pending: resolved, never stored
         self._bytes = 0
         self.peak_bytes = 0  # the most bytes held at once
 
     def put(self, buf: int, value: Any) -> None:
+        orphan = self._orphans.pop(buf, None)
+        if orphan is not None:
+            if not orphan.done():
+                orphan.set_result(value)
+            return
         old = self._entries.get(buf)
         self._bytes += nbytes(value) - (nbytes(old) if old is not None else 0)
         self.peak_bytes = max(self.peak_bytes, self._bytes)
@@ -68,7 +78,7 @@ class BufferTable:
             self._pending[buf] = asyncio.get_running_loop().create_future()
 
     def fail(self, buf: int, exc: BaseException) -> None:
-        fut = self._pending.pop(buf, None)
+        fut = self._pending.pop(buf, None) or self._orphans.pop(buf, None)
         if fut is not None and not fut.done():
             fut.set_exception(exc)
             fut.exception()  # mark retrieved: readers may never come
@@ -108,10 +118,10 @@ class BufferTable:
             old = self._entries.pop(b, None)
             if old is not None:
                 self._bytes -= nbytes(old)
-            n += (old is not None) + (b in self._pending)
             fut = self._pending.pop(b, None)
-            if fut is not None and not fut.done():
-                fut.cancel()
+            if fut is not None:
+                self._orphans[b] = fut
+            n += (old is not None) + (fut is not None)
         if n:
             release_host_memory()
         return n
@@ -120,7 +130,13 @@ class BufferTable:
         return f"{self._name} holds no buffer {buf} ({len(self._entries)} buffers held); was it deleted or never put?"
 
     def clear(self) -> None:
-        self.delete(list(self._entries) + list(self._pending))
+        """Drop everything; entries still coming are cancelled (their producers are gone)."""
+        waiting = [*self._pending.values(), *self._orphans.values()]
+        self._pending, self._orphans = {}, {}
+        self.delete(list(self._entries))
+        for fut in waiting:
+            if not fut.done():
+                fut.cancel()
 
     def __len__(self) -> int:
         return len(self._entries)

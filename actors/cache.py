@@ -14,6 +14,8 @@ from typing import Any
 import jax
 from jax import export
 
+from actors.stream import TOKEN_AVAL, ordered
+
 log = logging.getLogger(__name__)
 
 
@@ -27,8 +29,10 @@ def content_hash(blob: bytes | memoryview) -> str:
 
 
 class ExecutableCache:
-    def __init__(self, device: Any) -> None:
+    def __init__(self, device: Any, ordered: bool = False) -> None:
+        """With `ordered`, every executable takes and returns an order token first (see actors/stream.py)."""
         self._device = device
+        self._ordered = ordered
         self._compiled: dict[str, Any] = {}
         self._compiling: dict[str, asyncio.Future[Any]] = {}
         self.compiles = 0
@@ -39,8 +43,11 @@ class ExecutableCache:
 
     def _compile(self, blob: bytes, donate: tuple[int, ...]) -> Any:
         exp = export.deserialize(bytearray(blob))
+        fn, avals = exp.call, list(exp.in_avals)
+        if self._ordered:
+            fn, avals, donate = ordered(fn), [TOKEN_AVAL, *avals], tuple(d + 1 for d in donate)
         with jax.default_device(self._device):
-            return jax.jit(exp.call, donate_argnums=donate).lower(*exp.in_avals).compile()
+            return jax.jit(fn, donate_argnums=donate).lower(*avals).compile()
 
     async def compile(self, blob: bytes | memoryview, donate: tuple[int, ...] = ()) -> tuple[str, bool]:
         """Compile `blob` (or find it cached), letting the inputs at `donate` share buffers with outputs.

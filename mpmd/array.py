@@ -26,15 +26,17 @@ class RemoteArray:
     buffers (batched, asynchronously); `delete()` frees them now.
     """
 
-    __slots__ = ("__weakref__", "_host", "buffers", "dtype", "mesh", "shape", "sharding")
+    __slots__ = ("__weakref__", "_host", "_ready", "buffers", "dtype", "mesh", "shape", "sharding")
 
-    def __init__(self, mesh: RemoteMesh, buffers: dict[int, int], shape: tuple[int, ...], dtype: Any, sharding: Any = None) -> None:
+    def __init__(self, mesh: RemoteMesh, buffers: dict[int, int], shape: tuple[int, ...], dtype: Any, sharding: Any = None,
+                 ready: concurrent.futures.Future[Any] | None = None) -> None:
         self.mesh = mesh
         self.buffers = dict(buffers)
         self.shape = tuple(int(d) for d in shape)
         self.dtype = dtype if is_key(dtype) else np.dtype(dtype)
         self.sharding = sharding  # how each actor holds it over its devices (None: on one device)
         self._host: concurrent.futures.Future[np.ndarray] | None = None
+        self._ready = ready  # the dispatch of the step that makes it (None: made already)
 
     @property
     def actors(self) -> list[int]:
@@ -67,13 +69,29 @@ class RemoteArray:
             raise MpmdError(f"{self!r} was deleted; its data is gone")
         if self.mesh.closed:
             raise MpmdError(f"{self!r} belongs to {self.mesh!r}, which is closed; its data is gone")
+        self._raise_step_error()
+
+    def _raise_step_error(self) -> None:
+        """If the step that makes this array failed, raise its error (once seen, the step's next call does not)."""
+        r = self._ready
+        if r is not None and r.done() and r.exception() is not None:
+            r.seen = True
+            raise r.exception()
 
     def _wire(self) -> np.ndarray:
         """The array as the actors hold it (key data for a key array)."""
         if self._host is not None:
             return self._host.result()
         self._check_usable()
-        return self.mesh._get(self.actor, self.buffers[self.actor])
+        try:
+            return self.mesh._get(self.actor, self.buffers[self.actor])
+        except MpmdError:
+            if self._ready is not None:  # the actor's error for a failed step's output: prefer the step's own
+                try:
+                    self._ready.result(timeout=30)
+                except Exception:
+                    self._raise_step_error()
+            raise
 
     def to_numpy(self) -> np.ndarray:
         """Fetch the array to the controller (waits for the computation that produces it). The result is a
@@ -98,9 +116,20 @@ class RemoteArray:
             self._check_usable()
             self._host = self.mesh._get_async(self.actor, self.buffers[self.actor])
 
+    def is_ready(self) -> bool:
+        """Whether the step making it has finished on every actor (without asking them)."""
+        return self._ready is None or self._ready.done()
+
     def block_until_ready(self) -> RemoteArray:
-        """Wait until the actors have computed this array (without fetching it); returns it."""
+        """Wait until the actors have computed this array (without fetching it); returns it. Raises the error
+        of the step that makes it, if that failed."""
         self._check_usable()
+        if self._ready is not None:
+            try:
+                self._ready.result()
+            except Exception:
+                self._raise_step_error()
+                raise
         self.mesh._wait_ready({a: [b] for a, b in self.buffers.items()})
         return self
 

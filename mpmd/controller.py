@@ -70,11 +70,20 @@ class ActorConnection:
         self._suspect = False
         self.dead: str | None = None
 
-    async def request(self, op: str, fields: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> Message:
+    def submit(self, op: str, fields: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> Coroutine[Any, Any, Message]:
+        """Send a request now (call on the loop thread); await the result for the reply. Error replies become
+        `RemoteError`, a lost actor `ActorDiedError`."""
         if self.dead:
             raise ActorDiedError(self.actor_id, self.dead)
         try:
-            msg = await self.client.request(op, {"session": self.session, **(fields or {})}, arrays)
+            fut = self.client.submit(op, {"session": self.session, **(fields or {})}, arrays)
+        except ConnectionLost as e:
+            raise ActorDiedError(self.actor_id, str(e)) from None
+        return self._finish(fut)
+
+    async def _finish(self, fut: asyncio.Future[Message]) -> Message:
+        try:
+            msg = await fut
         except ActorDiedError:
             raise
         except ConnectionLost as e:
@@ -83,6 +92,9 @@ class ActorConnection:
             h = msg.header
             raise RemoteError(self.actor_id, h.get("error", "Error"), h.get("message", ""), h.get("traceback", ""), h.get("task"))
         return msg
+
+    async def request(self, op: str, fields: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> Message:
+        return await self.submit(op, fields, arrays)
 
     def check(self, now: float, interval: float, timeout: float) -> None:
         """Called by the watchdog: ping a silent actor that owes replies; declare it dead past `timeout`."""

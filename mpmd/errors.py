@@ -11,13 +11,15 @@ class MpmdError(Exception):
 class RemoteError(MpmdError):
     """A request failed on an actor. Carries the actor id, the remote exception type and traceback."""
 
-    def __init__(self, actor_id: int | None, remote_type: str, message: str, remote_traceback: str = "", task: str | None = None):
+    def __init__(self, actor_id: int | None, remote_type: str, message: str, remote_traceback: str = "", task: str | None = None,
+                 during: str | None = None):
         self.actor_id = actor_id
         self.remote_type = remote_type
         self.remote_message = message
         self.remote_traceback = remote_traceback
         self.task = task
-        where = f"actor {actor_id}" + (f", task {task}" if task else "")
+        self.during = during
+        where = f"actor {actor_id}" + (f", task {task}" if task else "") + (f", during {during}" if during else "")
         text = f"{remote_type} on {where}: {message}"
         if remote_traceback:
             text += "\n--- remote traceback ---\n" + remote_traceback.rstrip()
@@ -27,9 +29,11 @@ class RemoteError(MpmdError):
 class ActorDiedError(MpmdError):
     """An actor stopped answering (process exited, or no heartbeat within the timeout)."""
 
-    def __init__(self, actor_id: int, why: str):
+    def __init__(self, actor_id: int, why: str, during: str | None = None):
         self.actor_id = actor_id
-        super().__init__(f"actor {actor_id} died or stopped answering: {why}")
+        self.why = why
+        self.during = during
+        super().__init__(f"actor {actor_id} died or stopped answering{' during ' + during if during else ''}: {why}")
 
 
 class ActorStartError(MpmdError):

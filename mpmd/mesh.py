@@ -31,6 +31,7 @@ from mpmd.errors import MpmdError
 from mpmd.launch import LocalOptions, LocalProcess, start_local
 from mpmd.lowering import serialize_flat
 from mpmd.program import Program, encode_program
+from mpmd.trace import Trace
 from mpmd.wiring import TRANSPORTS, choose_routes, peer_specs
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,8 @@ class RemoteMesh:
         self._compiled: list[dict[tuple[bytes, tuple[int, ...]], str]] = [{} for _ in addresses]
         self.closed = False
         self._opened = False
+        self.active_trace: Trace | None = None
+        self._offsets: dict[int, int] = {}
         self._tmpdir: str | None = None
         _LIVE_MESHES.add(self)
         self.actors = [ActorHandle(self, i) for i in range(len(addresses))]
@@ -180,6 +183,47 @@ class RemoteMesh:
             coro.close()
             raise MpmdError("this RemoteMesh is closed")
         return self._io.run(coro, timeout)
+
+    def submit(self, coro: Any) -> Any:
+        """Start `coro` on the controller loop without waiting; a concurrent future of its result."""
+        import asyncio
+
+        if self.closed:
+            coro.close()
+            raise MpmdError("this RemoteMesh is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._io.loop)
+
+    # ---- tracing ----------------------------------------------------------------------------------
+    def trace(self) -> TraceContext:
+        """Record what every actor does in the steps dispatched inside the block (see mpmd.trace):
+
+            with mesh.trace() as t:
+                step(params, opt_state, batch)
+            print(t.summary()); t.to_perfetto("trace.json")
+        """
+        return TraceContext(self)
+
+    def clock_offsets(self) -> dict[int, int]:
+        """Per actor: its monotonic clock minus the controller's (ns), from the ping with the smallest round
+        trip (estimated once per mesh; refreshed by `mesh.trace()`)."""
+        return dict(self._offsets)
+
+    async def measure_clock_offsets(self, pings: int = 8) -> dict[int, int]:
+        import asyncio
+
+        async def one(c: Any) -> int:
+            best = None
+            for _ in range(pings):
+                t0 = time.monotonic_ns()
+                msg = await c.request("ping")
+                t1 = time.monotonic_ns()
+                if best is None or t1 - t0 < best[0]:
+                    best = (t1 - t0, msg.header["clock"] - (t0 + t1) // 2)
+            return best[1]
+
+        got = await asyncio.gather(*(one(c) for c in self._conns))
+        self._offsets = dict(enumerate(got))
+        return self._offsets
 
     def conn(self, i: int) -> ActorConnection:
         return self._conns[i]
@@ -407,6 +451,25 @@ class ActorHandle:
         for k in ("op", "id", "ok", "v"):
             h.pop(k, None)
         return h
+
+
+class TraceContext:
+    """`with mesh.trace() as t:` — steps dispatched inside are traced; leaving waits until they are done."""
+
+    def __init__(self, mesh: RemoteMesh) -> None:
+        self.mesh = mesh
+        self.trace = Trace()
+
+    def __enter__(self) -> Trace:
+        if self.mesh.active_trace is not None:
+            raise MpmdError("this mesh is already tracing; nest no mesh.trace() blocks")
+        self.mesh.run(self.mesh.measure_clock_offsets())
+        self.mesh.active_trace = self.trace
+        return self.trace
+
+    def __exit__(self, *exc: object) -> None:
+        self.mesh.active_trace = None
+        self.trace.wait()
 
 
 @atexit.register

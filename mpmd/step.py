@@ -17,7 +17,7 @@ from mpmd.array import RemoteArray
 from mpmd.avals import dtype_text, host_value, is_key, to_wire, wire_shape_dtype
 from mpmd.compiler.inline import inline_calls
 from mpmd.compiler.plan import StepPlan, lower_templates, plan_step
-from mpmd.errors import ActorDiedError, MpmdError, PipelineError
+from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError
 from mpmd.report import PlacementReport, placement_report
 from transport.protocol import dtype_name
 
@@ -141,13 +141,38 @@ class DistributedFunction:
         return str(self.compile(*args).plan)
 
     def __call__(self, *args: Any) -> Any:
+        """Dispatch one step and return its outputs at once, as RemoteArrays (like jax.jit's asynchronous
+        dispatch): the next call is sent while this one runs, and an error surfaces at the first fetch or
+        `block_until_ready()` of an output, or at the next call, naming the step."""
+        self._raise_unseen_error()
         sig, leaves, _ = self._signature(args)
         compiled = self._compiled.get(sig) or self.compile(*args)
         step = next(self._step)
-        outs = self.mesh.run(self._dispatch(compiled, leaves, step))
-        return jax.tree.unflatten(compiled.out_tree, outs)
+        mesh, plan = self.mesh, compiled.plan
+        requests, replicas, outs = self._prepare(compiled, leaves, step)
+        trace = mesh.active_trace
+        done = mesh.submit(self._dispatch(compiled, requests, replicas, step, trace))
+        self._last = (step, done)
+        results: list[Any] = []
+        for (kind, val), ids, aval in zip(plan.out_homes, outs, plan.out_avals):
+            if kind == "actors":
+                results.append(RemoteArray(mesh, ids, aval.shape, aval.dtype, ready=done))
+            elif kind == "arg":
+                results.append(leaves[val])
+            else:
+                results.append(np.asarray(val))
+        if trace is not None:
+            trace.expect(done)
+        return jax.tree.unflatten(compiled.out_tree, results)
 
-    async def _dispatch(self, compiled: CompiledStep, leaves: list[Any], step: int) -> list[Any]:
+    def _raise_unseen_error(self) -> None:
+        last = getattr(self, "_last", None)
+        if last is not None and last[1].done() and last[1].exception() is not None and not getattr(last[1], "seen", False):
+            last[1].seen = True
+            raise last[1].exception()
+
+    def _prepare(self, compiled: CompiledStep, leaves: list[Any], step: int) -> tuple[list[dict[str, Any]], list[Any], list[dict[int, int]]]:
+        """The run_program request of every actor, the argument replicas it makes, and every output's buffer ids."""
         mesh, plan = self.mesh, compiled.plan
         n = len(plan.programs)
         inputs: list[list[int]] = [[] for _ in range(n)]
@@ -171,7 +196,9 @@ class DistributedFunction:
                     prologue[a].append(["recv", buf, src, tag, dtype_name(dtype), list(shape), "arg"])
                     inputs[a].append(buf)
                     replicas.append((x, a, buf))
-        out_ids: list[dict[int, int]] = []
+        for x, a, buf in replicas:  # the next step (maybe sent before this one ends) reads the copy
+            x.buffers[a] = buf
+        outs: list[dict[int, int]] = []
         per_actor_out: list[list[int]] = [[] for _ in range(n)]
         for kind, val in plan.out_homes:
             ids = {}
@@ -179,24 +206,31 @@ class DistributedFunction:
                 for a in val:
                     ids[a] = mesh.new_buffer_id()
                     per_actor_out[a].append(ids[a])
-            out_ids.append(ids)
+            outs.append(ids)
         requests = []
         for a, pid in enumerate(compiled.program_ids):
-            fields = {"program": pid, "step": step, "inputs": inputs[a], "outputs": per_actor_out[a], "prologue": prologue[a],
-                      "sync": not mesh.overlap}
-            requests.append(asyncio.ensure_future(mesh.conn(a).request("run_program", fields, inline[a])))
-        await self._wait_all(requests, compiled, step)
-        for x, a, buf in replicas:
-            x.buffers[a] = buf
-        results: list[Any] = []
-        for (kind, val), ids, aval in zip(plan.out_homes, out_ids, plan.out_avals):
-            if kind == "actors":
-                results.append(RemoteArray(mesh, ids, aval.shape, aval.dtype))
-            elif kind == "arg":
-                results.append(leaves[val])
-            else:
-                results.append(np.asarray(val))
-        return results
+            requests.append({"fields": {"program": pid, "step": step, "inputs": inputs[a], "outputs": per_actor_out[a],
+                                        "prologue": prologue[a], "sync": not mesh.overlap}, "arrays": inline[a]})
+        return requests, replicas, outs
+
+    async def _dispatch(self, compiled: CompiledStep, requests: list[dict[str, Any]], replicas: list[Any], step: int,
+                        trace: Any) -> None:
+        mesh = self.mesh
+        # Send every actor's request before the first await: a fetch submitted after this call must reach each
+        # actor after its run_program.
+        futures = []
+        for a, req in enumerate(requests):
+            fields = {**req["fields"], "trace": True} if trace is not None else req["fields"]
+            futures.append(asyncio.ensure_future(mesh.conn(a).submit("run_program", fields, req["arrays"])))
+        try:
+            await self._wait_all(futures, compiled, step)
+        except BaseException as e:
+            for x, a, buf in replicas:  # a copy that never arrived must not be read again
+                if x.buffers.get(a) == buf:
+                    x.buffers.pop(a, None)
+            raise name_step(e, step, getattr(self.fn, "__name__", "step")) from None
+        if trace is not None:
+            trace.add_step(step, {a: f.result().header.get("trace") for a, f in enumerate(futures)}, mesh.clock_offsets())
 
     async def _wait_all(self, requests: list[asyncio.Future[Any]], compiled: CompiledStep, step: int) -> None:
         done, pending = await asyncio.wait(requests, return_when=asyncio.FIRST_EXCEPTION)
@@ -215,6 +249,21 @@ class DistributedFunction:
         first = next((e for e in errors if isinstance(e, ActorDiedError)), None) or next(
             (e for e in errors if "aborted" not in str(e)), errors[0])
         raise first
+
+
+def name_step(e: BaseException, step: int, name: str) -> BaseException:
+    """The same error, saying which step it broke (an asynchronous step's error surfaces later, elsewhere)."""
+    where = f"step {step} of {name}"
+    if isinstance(e, ActorDiedError):
+        out: BaseException = ActorDiedError(e.actor_id, e.why, where)
+    elif isinstance(e, RemoteError):
+        out = RemoteError(e.actor_id, e.remote_type, e.remote_message, e.remote_traceback, e.task, where)
+    elif isinstance(e, MpmdError):
+        out = type(e)(f"during {where}: {e}")
+    else:
+        return e
+    out.__cause__ = e.__cause__
+    return out
 
 
 __all__ = ["DistributedFunction", "PipelineError"]

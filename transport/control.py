@@ -85,21 +85,28 @@ class ControlClient:
             if fut is not None and not fut.done():
                 fut.set_result(msg)
 
-    async def request(self, op: str, fields: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> Message:
-        """Send one request and wait for its reply (an "error" reply is returned, not raised)."""
+    def submit(self, op: str, fields: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> asyncio.Future[Message]:
+        """Send one request now (on the loop thread; requests leave in the order they are submitted) and
+        return the future of its reply (an "error" reply is a result, not an exception)."""
         if self.closed:
             raise ConnectionLost(f"connection to {self.address} is closed")
         self.start()
         req_id = next(self._ids)
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._pending[req_id] = fut
+        fut.add_done_callback(lambda _: self._pending.pop(req_id, None))
         header = {"op": op, "id": req_id, **(fields or {})}
         try:
-            await self._sock.send_multipart(encode(header, arrays), copy=False)
-            self.requests_sent += 1
-            return await fut
-        finally:
+            self._sock.send_multipart(encode(header, arrays), copy=False)  # no high-water mark: queued at once, in order
+        except BaseException:
             self._pending.pop(req_id, None)
+            raise
+        self.requests_sent += 1
+        return fut
+
+    async def request(self, op: str, fields: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> Message:
+        """Send one request and wait for its reply (an "error" reply is returned, not raised)."""
+        return await self.submit(op, fields, arrays)
 
     def fail_pending(self, exc: BaseException) -> None:
         """Fail every waiting request with `exc` (used when the actor is found dead)."""

@@ -1,0 +1,189 @@
+"""The trace of a real run: what every actor did, instruction by instruction, on the controller's clock.
+
+    with mesh.trace() as t:
+        train_step(params, opt_state, batch)
+    print(t.summary())                 # per actor: compute, waiting for data, runtime overhead, idle
+    t.to_perfetto("step.json")         # chrome://tracing or ui.perfetto.dev: a track per actor and transfer stream
+
+Actors record their instructions only for traced steps (off by default, free when off). Their clocks are
+aligned to the controller's with the offset estimated from ping round trips (the sample with the smallest
+round trip). A Run's compute span starts when it was dispatched or when the Run before it ended, whichever is
+later (Runs execute one after another), and ends when its result is ready.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+NS = 1e-9
+
+
+@dataclass(frozen=True)
+class RunSpan:
+    label: str
+    waited_from: float  # the interpreter reached the Run (seconds, controller clock)
+    ready: float  # its inputs were all there
+    start: float  # it began computing
+    end: float  # its result was ready
+
+
+@dataclass(frozen=True)
+class TransferSpan:
+    kind: str  # "send" or "recv"
+    label: str
+    peer: int
+    nbytes: int
+    start: float
+    end: float
+
+
+@dataclass
+class ActorStep:
+    """One actor's part of one traced step."""
+
+    actor: int
+    step: int
+    start: float
+    end: float
+    runs: list[RunSpan] = field(default_factory=list)
+    transfers: list[TransferSpan] = field(default_factory=list)
+
+    @classmethod
+    def from_wire(cls, actor: int, step: int, wire: dict[str, Any], offset_ns: int) -> ActorStep:
+        def t(ns: int) -> float:
+            return (ns - offset_ns) * NS
+
+        out = cls(actor, step, t(wire["start"]), t(wire["end"]))
+        prev_end = out.start
+        for ev in wire["events"]:
+            if ev[0] == "run":
+                _, label, waited, ready, dispatched, done = ev
+                start = max(t(dispatched), prev_end)
+                out.runs.append(RunSpan(label, t(waited), t(ready), start, max(t(done), start)))
+                prev_end = max(t(done), start)
+            else:
+                kind, label, peer, nbytes, s, e = ev
+                out.transfers.append(TransferSpan(kind, label, int(peer), int(nbytes), t(s), t(e)))
+        return out
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Where one actor's time went in a step window (seconds)."""
+
+    wall: float
+    compute: float
+    waiting: float  # the next Run's inputs were still being received
+    overhead: float  # its inputs were there, but it had not started (interpreter, dispatch)
+    idle: float  # before the first and after the last Run (other actors still working)
+
+    def fraction(self, name: str) -> float:
+        return getattr(self, name) / self.wall if self.wall > 0 else 0.0
+
+
+def breakdown(a: ActorStep, window: tuple[float, float]) -> Breakdown:
+    w0, w1 = window
+    compute = sum(r.end - r.start for r in a.runs)
+    waiting = overhead = 0.0
+    prev_end = a.start
+    for r in a.runs:
+        gap_start = max(prev_end, w0)
+        if r.start > gap_start:
+            data_until = min(max(r.ready, gap_start), r.start)
+            waiting += data_until - gap_start
+            overhead += r.start - data_until
+        prev_end = max(prev_end, r.end)
+    wall = w1 - w0
+    idle = max(0.0, wall - compute - waiting - overhead)
+    return Breakdown(wall, compute, waiting, overhead, idle)
+
+
+class Trace:
+    """Traced steps of one mesh, in order; each step maps actor -> ActorStep."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[int, ActorStep]] = []
+        self._pending: list[Any] = []
+        self._lock = threading.Lock()
+
+    def expect(self, done: Any) -> None:
+        """A traced step was dispatched; `done` is its (concurrent) future."""
+        with self._lock:
+            self._pending.append(done)
+
+    def wait(self) -> None:
+        """Wait for every traced step dispatched so far (errors surface through the steps' outputs)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for f in pending:
+            try:
+                f.result()
+            except Exception:
+                pass
+        self.steps.sort(key=lambda s: next(iter(s.values())).step if s else 0)
+
+    def add_step(self, step: int, wires: dict[int, dict[str, Any] | None], offsets: dict[int, int]) -> None:
+        """An actor-by-actor trace as the actors replied it (their clocks), aligned to the controller's."""
+        got = {a: ActorStep.from_wire(a, step, w, offsets.get(a, 0)) for a, w in wires.items() if w}
+        with self._lock:
+            self.steps.append(got)
+
+    def runs(self, actor: int, step: int = -1) -> list[str]:
+        """The labels of the Runs `actor` did in a traced step, in order."""
+        return [r.label for r in self.steps[step][actor].runs]
+
+    def window(self, step: int = -1) -> tuple[float, float]:
+        s = self.steps[step]
+        return min(a.start for a in s.values()), max(a.end for a in s.values())
+
+    def breakdown(self, step: int = -1) -> dict[int, Breakdown]:
+        w = self.window(step)
+        return {a: breakdown(x, w) for a, x in sorted(self.steps[step].items())}
+
+    def summary(self, step: int = -1) -> str:
+        """Per actor: compute, waiting for data, runtime overhead, idle, as ms and shares of the step."""
+        if not self.steps:
+            return "no traced step"
+        lines = [f"traced step {step % len(self.steps)}: {(self.window(step)[1] - self.window(step)[0]) * 1e3:.2f} ms",
+                 "actor   compute          waiting for data  runtime overhead  idle"]
+        for a, b in self.breakdown(step).items():
+            cells = [f"{getattr(b, n) * 1e3:8.2f} ms {b.fraction(n) * 100:4.0f}%" for n in ("compute", "waiting", "overhead", "idle")]
+            lines.append(f"{a:5d}   " + "  ".join(cells))
+        return "\n".join(lines)
+
+    def events(self) -> Iterator[dict[str, Any]]:
+        if not self.steps:
+            return
+        t0 = min(a.start for s in self.steps for a in s.values())
+
+        def us(t: float) -> float:
+            return (t - t0) * 1e6
+
+        actors = sorted({a for s in self.steps for a in s})
+        for a in actors:
+            yield {"ph": "M", "name": "process_name", "pid": a, "args": {"name": f"actor {a}"}}
+            for tid, name in ((0, "compute"), (1, "waiting"), (2, "sends"), (3, "receives")):
+                yield {"ph": "M", "name": "thread_name", "pid": a, "tid": tid, "args": {"name": name}}
+        for s in self.steps:
+            for a, x in s.items():
+                yield {"ph": "X", "name": f"step {x.step}", "pid": a, "tid": 1, "ts": us(x.start), "dur": us(x.end) - us(x.start),
+                       "cat": "step"}
+                for r in x.runs:
+                    yield {"ph": "X", "name": r.label, "pid": a, "tid": 0, "ts": us(r.start), "dur": max(us(r.end) - us(r.start), 0.0),
+                           "cat": "run", "args": {"waited_ms": (r.ready - r.waited_from) * 1e3}}
+                    if r.ready > r.waited_from:
+                        yield {"ph": "X", "name": f"wait {r.label}", "pid": a, "tid": 1, "ts": us(r.waited_from),
+                               "dur": us(r.ready) - us(r.waited_from), "cat": "wait"}
+                for t in x.transfers:
+                    yield {"ph": "X", "name": f"{t.kind} {t.label} {'->' if t.kind == 'send' else '<-'} a{t.peer}", "pid": a,
+                           "tid": 2 if t.kind == "send" else 3, "ts": us(t.start), "dur": max(us(t.end) - us(t.start), 0.0),
+                           "cat": t.kind, "args": {"bytes": t.nbytes, "peer": t.peer}}
+
+    def to_perfetto(self, path: str) -> None:
+        """Write Chrome/Perfetto trace JSON (one process per actor; tracks for compute, waits, sends, receives)."""
+        with open(path, "w") as f:
+            json.dump({"traceEvents": list(self.events()), "displayTimeUnit": "ms"}, f)
