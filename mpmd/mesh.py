@@ -9,11 +9,11 @@
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import itertools
 import logging
 import secrets
 import shutil
-import threading
 import time
 import weakref
 from collections import defaultdict
@@ -68,8 +68,7 @@ class RemoteMesh:
         self._io.call_soon(self._watchdog.start)
         self._ids = itertools.count(1)
         self._program_ids = itertools.count(1)
-        self._garbage: list[tuple[int, int]] = []
-        self._garbage_lock = threading.Lock()
+        self._garbage: list[tuple[int, int]] = []  # touched on the loop thread only
         self._lowered: dict[Any, tuple[bytes, Any]] = {}
         self._compiled: list[dict[tuple[bytes, tuple[int, ...]], str]] = [{} for _ in addresses]
         self.closed = False
@@ -184,14 +183,36 @@ class RemoteMesh:
             raise MpmdError("this RemoteMesh is closed")
         return self._io.run(coro, timeout)
 
-    def submit(self, coro: Any) -> Any:
-        """Start `coro` on the controller loop without waiting; a concurrent future of its result."""
+    def dispatch(self, send: Callable[[], Any], finish: Callable[[Any], Any]) -> concurrent.futures.Future[Any]:
+        """Call `send()` on the controller loop as soon as it gets there — it submits requests, in the order
+        dispatches are called, ahead of any fetch or delete issued after this call — then run `finish(sent)`
+        (a coroutine) there. Returns a concurrent future of `finish`'s result, without waiting."""
         import asyncio
 
         if self.closed:
-            coro.close()
             raise MpmdError("this RemoteMesh is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._io.loop)
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def start() -> None:
+            try:
+                sent = send()
+            except BaseException as e:
+                done.set_exception(e)
+                return
+            task = asyncio.get_running_loop().create_task(finish(sent))
+
+            def settle(t: asyncio.Task[Any]) -> None:
+                if t.cancelled():
+                    done.cancel()
+                elif t.exception() is not None:
+                    done.set_exception(t.exception())
+                else:
+                    done.set_result(t.result())
+
+            task.add_done_callback(settle)
+
+        self._io.call_soon(start)
+        return done
 
     # ---- tracing ----------------------------------------------------------------------------------
     def trace(self) -> TraceContext:
@@ -310,25 +331,34 @@ class RemoteMesh:
         return f"RemoteMesh({len(self.addresses)} actors at {self.addresses[0]}{', ...' if len(self.addresses) > 1 else ''}; {state})"
 
     def _release(self, buffers: dict[int, int]) -> None:
+        """Free buffers whose RemoteArray is gone (from any thread). The release joins the loop's queue in call
+        order, so it can never overtake a step dispatched earlier that still reads those buffers; deletes are
+        batched per actor within one loop turn."""
         if self.closed:
             return
-        with self._garbage_lock:
-            first = not self._garbage
-            self._garbage.extend(buffers.items())
+        self._io.call_soon(self._collect_garbage, buffers)
+
+    def _collect_garbage(self, buffers: dict[int, int]) -> None:
+        first = not self._garbage
+        self._garbage.extend(buffers.items())
         if first:
-            self._io.call_soon(self._flush_garbage)
+            import asyncio
+
+            asyncio.get_running_loop().call_soon(self._flush_garbage)
 
     def _flush_garbage(self) -> None:
         import asyncio
 
-        with self._garbage_lock:
-            garbage, self._garbage = self._garbage, []
+        garbage, self._garbage = self._garbage, []
         by_actor: dict[int, list[int]] = defaultdict(list)
         for a, b in garbage:
             by_actor[a].append(b)
         for a, bufs in by_actor.items():
             if not self._conns[a].dead:
-                asyncio.get_running_loop().create_task(self._quiet(self._conns[a].request("delete", {"bufs": bufs})))
+                try:  # sent now, in order behind everything submitted before
+                    asyncio.get_running_loop().create_task(self._quiet(self._conns[a].submit("delete", {"bufs": bufs})))
+                except MpmdError:
+                    pass
 
     @staticmethod
     async def _quiet(coro: Any) -> None:

@@ -151,7 +151,8 @@ class DistributedFunction:
         mesh, plan = self.mesh, compiled.plan
         requests, replicas, outs = self._prepare(compiled, leaves, step)
         trace = mesh.active_trace
-        done = mesh.submit(self._dispatch(compiled, requests, replicas, step, trace))
+        done = mesh.dispatch(lambda: self._send(requests, trace),
+                             lambda futures: self._finish(futures, compiled, replicas, step, trace))
         self._last = (step, done)
         results: list[Any] = []
         for (kind, val), ids, aval in zip(plan.out_homes, outs, plan.out_avals):
@@ -213,15 +214,23 @@ class DistributedFunction:
                                         "prologue": prologue[a], "sync": not mesh.overlap}, "arrays": inline[a]})
         return requests, replicas, outs
 
-    async def _dispatch(self, compiled: CompiledStep, requests: list[dict[str, Any]], replicas: list[Any], step: int,
-                        trace: Any) -> None:
+    def _send(self, requests: list[dict[str, Any]], trace: Any) -> list[asyncio.Future[Any]]:
+        """Submit every actor's run_program (on the loop thread, before anything submitted after this step)."""
         mesh = self.mesh
-        # Send every actor's request before the first await: a fetch submitted after this call must reach each
-        # actor after its run_program.
         futures = []
         for a, req in enumerate(requests):
             fields = {**req["fields"], "trace": True} if trace is not None else req["fields"]
-            futures.append(asyncio.ensure_future(mesh.conn(a).submit("run_program", fields, req["arrays"])))
+            try:
+                futures.append(asyncio.ensure_future(mesh.conn(a).submit("run_program", fields, req["arrays"])))
+            except MpmdError as e:  # a dead actor: this step fails like one that reached it
+                failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+                failed.set_exception(e)
+                futures.append(failed)
+        return futures
+
+    async def _finish(self, futures: list[asyncio.Future[Any]], compiled: CompiledStep, replicas: list[Any], step: int,
+                      trace: Any) -> None:
+        mesh = self.mesh
         try:
             await self._wait_all(futures, compiled, step)
         except BaseException as e:
