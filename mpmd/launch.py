@@ -26,12 +26,14 @@ class LocalOptions:
     `devices_per_actor`: CPU devices (or GPUs with platform="gpu": actor i gets GPUs i*d .. i*d+d-1).
     `cpus_per_actor`: pin actor i to its own `k` cores (cores i*k .. i*k+k-1 of those this process may use)
     and size XLA's CPU thread pool to them; None leaves scheduling to the OS.
+    `cache_dir`: JAX's persistent compilation cache for the actors (a restarted job skips XLA compilation):
+    True (default) is `default_cache_dir()`, False turns it off, a string is that directory.
     """
 
     devices_per_actor: int = 1
     platform: str = "cpu"
     p2p: bool = True
-    cache_dir: str | None = None
+    cache_dir: str | bool = True
     address: str = "ipc"  # "ipc" (Unix sockets) or "tcp" (loopback)
     log_level: str = "WARNING"
     cpus_per_actor: int | None = None
@@ -46,6 +48,14 @@ class LocalOptions:
             raise ValueError(f"address must be 'ipc' or 'tcp', got {self.address!r}")
         if self.cpus_per_actor is not None and self.cpus_per_actor < 1:
             raise ValueError(f"cpus_per_actor must be >= 1 (or None), got {self.cpus_per_actor}")
+
+
+def default_cache_dir() -> str:
+    """$MPMD_CACHE_DIR, else $XDG_CACHE_HOME/mpmd/xla, else ~/.cache/mpmd/xla."""
+    if os.environ.get("MPMD_CACHE_DIR"):
+        return os.environ["MPMD_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "mpmd", "xla")
 
 
 def cpu_sets(num_actors: int, cpus_per_actor: int) -> list[list[int]]:
@@ -80,8 +90,9 @@ class LocalProcess:
             cmd += ["--cpus", ",".join(map(str, cpus))]
         if ipc_dir:
             cmd += ["--ipc-dir", ipc_dir]
-        if options.cache_dir:
-            cmd += ["--cache-dir", options.cache_dir]
+        cache = default_cache_dir() if options.cache_dir is True else options.cache_dir
+        if cache:
+            cmd += ["--cache-dir", str(cache)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.stderr, stdin=subprocess.DEVNULL, env=env,
                                      start_new_session=True)
 

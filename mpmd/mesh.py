@@ -103,7 +103,7 @@ class RemoteMesh:
 
     # ---- construction ----------------------------------------------------------------------------
     @classmethod
-    def local(cls, num_actors: int = 2, devices_per_actor: int = 1, *, transport: str = "auto", cache_dir: str | None = None,
+    def local(cls, num_actors: int = 2, devices_per_actor: int = 1, *, transport: str = "auto", cache_dir: str | bool = True,
               address: str = "ipc", platform: str = "cpu", startup_timeout: float = 120.0, log_level: str = "WARNING",
               cpus_per_actor: int | None = None, **kwargs: Any) -> RemoteMesh:
         """Spawn `num_actors` daemons on this machine, each with `devices_per_actor` CPU devices (or, with
@@ -112,6 +112,7 @@ class RemoteMesh:
         `address="ipc"` talks over Unix sockets, `"tcp"` over loopback. `transport` picks the data plane
         ("auto": NCCL between GPU actors, shared memory between CPU actors). `cpus_per_actor=k` pins actor i
         to its own k cores and sizes XLA's thread pool to them (fair pipeline measurements; big CPU hosts).
+        `cache_dir` is the actors' persistent compilation cache (default: ~/.cache/mpmd/xla; False: none).
         The daemons exit when the mesh is closed, when the `with` block ends, at interpreter exit, or when this
         process dies.
         """
@@ -182,6 +183,15 @@ class RemoteMesh:
             coro.close()
             raise MpmdError("this RemoteMesh is closed")
         return self._io.run(coro, timeout)
+
+    def submit_coroutine(self, coro: Any) -> concurrent.futures.Future[Any]:
+        """Run `coro` on the controller loop without waiting; a concurrent future of its result."""
+        import asyncio
+
+        if self.closed:
+            coro.close()
+            raise MpmdError("this RemoteMesh is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._io.loop)
 
     def dispatch(self, send: Callable[[], Any], finish: Callable[[Any], Any]) -> concurrent.futures.Future[Any]:
         """Call `send()` on the controller loop as soon as it gets there — it submits requests, in the order

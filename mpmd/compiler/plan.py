@@ -1,6 +1,6 @@
 """Turn a traced step (one jaxpr with one `accumulate_p` loop) and a schedule into one Program per actor.
 
-Pure: jaxpr in, `StepPlan` out (executables still as Python functions; `lower_templates` exports them).
+Pure: jaxpr in, `StepPlan` out (executables still as Python functions; `iter_lowered` exports them).
 The passes, in order (each a pure function in its own module):
 
 1. `inline.inline_calls`: inline nested calls, unroll scans over stages, reject markers the compiler
@@ -16,7 +16,7 @@ The passes, in order (each a pure function in its own module):
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -346,13 +346,12 @@ def _chunk_parts(chunks: list[Any], lb: LoopBody, consts: dict[Any, Any], avals:
     return out
 
 
-def lower_templates(plan: StepPlan, platform: str) -> dict[Hashable, bytes]:
-    """Export every distinct executable of the plan once (wire-form avals: typed keys as key data)."""
+def iter_lowered(plan: StepPlan, platform: str) -> Iterator[tuple[Hashable, bytes]]:
+    """Export every distinct executable of the plan once (wire-form avals: typed keys as key data), one at a
+    time, so the caller can ship each while the next is exported."""
     from mpmd.avals import wire_aval
     from mpmd.lowering import serialize_flat
 
-    out = {}
     for tpl, (fn, in_avals) in plan.templates.items():
         donate = tpl[-1] if isinstance(tpl, tuple) else ()
-        out[tpl] = serialize_flat(fn, [wire_aval(a) for a in in_avals], platform, donate)
-    return out
+        yield tpl, serialize_flat(fn, [wire_aval(a) for a in in_avals], platform, donate)

@@ -1,0 +1,155 @@
+"""Does pipelining pay? A fair comparison on a machine with few cores.
+
+Every party gets cores of its own and single-threaded XLA (`--xla_cpu_multi_thread_eigen=false
+intra_op_parallelism_threads=1`):
+
+* `jax.jit` of the undecorated step, in a fresh process pinned to core 0;
+* mpmd on one actor pinned to core 0 running both stages (a 2-stage table on one actor);
+* mpmd on two actors pinned to cores 0 and 1, 2-stage 1F1B.
+
+The model: a 512-wide tanh MLP of 8 layers (4 per stage), 8 microbatches of 128 rows, SGD. Step times are
+medians over rounds of `--steps` back-to-back steps (a training loop that fetches the loss once per round),
+so they include everything a user waits for. Then:
+
+    speedup = jit / two actors    ideal = p*m / (m+p-1)    efficiency = speedup / ideal
+
+and the trace summary of one 2-actor step (compute, waiting for data, runtime overhead, idle per actor).
+
+    python -m benchmarks.efficiency [--width 512] [--layers 8] [--microbatches 8] [--rows 128] [--trace step.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ONE_CORE_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def build(width: int, layers: int, stages: int, schedule):  # noqa: ANN001 - a benchmark
+    import optax
+
+    from mpmd.testing import make_train_step, mlp, mlp_params, mse_loss
+
+    opt = optax.sgd(1e-3)
+    params = mlp_params(np.random.default_rng(0), stages, width, layers // stages)
+    return make_train_step(mse_loss(mlp), opt, schedule), params, opt
+
+
+def timed_rounds(run_round, rounds: int) -> float:  # noqa: ANN001
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        run_round()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def jit_child(args: argparse.Namespace) -> None:
+    """Runs in a fresh process pinned to one core: the jax.jit step time."""
+    import jax
+
+    from mpmd.testing import regression_batch
+
+    step, params, opt = build(args.width, args.layers, 2, None)
+    batch = regression_batch(np.random.default_rng(1), args.microbatches, args.rows, args.width)
+    f = jax.jit(step)
+    state = (params, opt.init(params))
+    out = f(*state, batch)
+    jax.block_until_ready(out)
+
+    def one_round() -> None:
+        s = state
+        for _ in range(args.steps):
+            s = f(*s, batch)[:2]
+        jax.block_until_ready(s)
+
+    print(json.dumps({"jit": timed_rounds(one_round, args.rounds) / args.steps}))
+
+
+def measure_jit(args: argparse.Namespace) -> float:
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {ONE_CORE_FLAGS}".strip(), JAX_PLATFORMS="cpu")
+    cmd = ["taskset", "-c", "0", sys.executable, "-m", "benchmarks.efficiency", "--jit-child",
+           *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in ("width", "layers", "microbatches", "rows", "steps", "rounds"))]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["jit"]
+
+
+def measure_mpmd(mesh, schedule, args: argparse.Namespace, trace_path: str | None = None):  # noqa: ANN001
+    import mpmd
+    from mpmd.testing import regression_batch
+
+    step, params, opt = build(args.width, args.layers, 2, schedule)
+    batch = regression_batch(np.random.default_rng(1), args.microbatches, args.rows, args.width)
+    dist = mpmd.distributed(step, mesh=mesh)
+    state = dist(params, opt.init(params), batch)[:2]
+    state = dist(*state, batch)[:2]
+    state[0][0][0].block_until_ready()
+
+    def one_round() -> None:
+        nonlocal state
+        for _ in range(args.steps):
+            *state, losses = dist(*state, batch)
+        losses.block_until_ready()
+
+    t = timed_rounds(one_round, args.rounds) / args.steps
+    trace = None
+    if trace_path is not None:
+        with mesh.trace() as trace:
+            *state, losses = dist(*state, batch)
+        losses.block_until_ready()
+        trace.to_perfetto(trace_path)
+    return t, trace
+
+
+def one_actor_schedule(m: int):  # noqa: ANN201
+    import mpmd
+
+    order = tuple(t for i in range(m) for t in (f"0F{i}", f"1F{i}", f"1B{i}", f"0B{i}"))
+    return mpmd.Custom(num_stages=2, order=(order,), stage_actor=(0, 0))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--rows", type=int, default=128)
+    p.add_argument("--steps", type=int, default=5, help="steps per timed round (dispatched back to back)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--trace", default=None, help="write the 2-actor step's Perfetto trace here")
+    p.add_argument("--jit-child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.jit_child:
+        jit_child(args)
+        return
+    if len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("this benchmark needs 2 cores (one per actor)")
+    import mpmd
+
+    jit_t = measure_jit(args)
+    with mpmd.RemoteMesh.local(num_actors=1, cpus_per_actor=1) as one:
+        one_t, _ = measure_mpmd(one, one_actor_schedule(args.microbatches), args)
+    with mpmd.RemoteMesh.local(num_actors=2, cpus_per_actor=1) as two:
+        two_t, trace = measure_mpmd(two, mpmd.OneFOneB(2), args, args.trace or "/tmp/mpmd-efficiency-trace.json")
+    s, m = 2, args.microbatches
+    ideal = s * m / (m + s - 1)
+    speedup = jit_t / two_t
+    print(f"{args.layers}-layer {args.width}-wide tanh MLP, {m} microbatches of {args.rows}; each party on its own core(s), "
+          "single-threaded XLA")
+    print(f"{'jax.jit, 1 core':34s} {jit_t * 1e3:9.2f} ms")
+    print(f"{'mpmd, 1 actor (both stages)':34s} {one_t * 1e3:9.2f} ms   ratio to jax.jit {one_t / jit_t:5.2f}")
+    print(f"{'mpmd, 2 actors, 1F1B':34s} {two_t * 1e3:9.2f} ms   speedup {speedup:5.2f}   ideal {ideal:5.2f}   "
+          f"efficiency {speedup / ideal:5.2f}")
+    print()
+    print(trace.summary())
+
+
+if __name__ == "__main__":
+    main()
