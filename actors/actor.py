@@ -437,9 +437,12 @@ class Actor:
                     f"actor {self.actor_id} expected {want.name}{list(ins.shape)} from actor {peer} for {label} "
                     f"(tag {ins.tag}), received {np.dtype(got.dtype).name}{list(got.shape)}"
                 )
-            # A received host array is ours alone (fresh aligned buffer, or shared memory reused only after
-            # the array is gone), so JAX may alias it instead of copying.
-            env.put(ins.buf, jax.device_put(got, self.device, may_alias=True) if isinstance(got, np.ndarray) else got)
+            # A received host array is ours alone (fresh aligned buffer, or shared memory reused only after the
+            # array is gone). On CPU it stays a numpy array: an executable takes it as it is, without a copy
+            # (and a forward to the next actor needs no conversion at all); elsewhere it moves to the device.
+            if isinstance(got, np.ndarray) and self.device.platform != "cpu":
+                got = jax.device_put(got, self.device)
+            env.put(ins.buf, got)
             if trace:
                 trace.transfer("recv", label, peer, int(got.nbytes), t0, now())
         except BaseException as e:

@@ -1,0 +1,152 @@
+"""Latency of the data plane and of a latency-bound pipeline, each against its baseline in the same run.
+
+* one hop: a small activation sent by one actor until it is usable on the next — a chain of forwards between
+  two actors (each Recv'd buffer is sent straight back), per hop — against a raw ZeroMQ one-way message
+  between two fresh processes (half a ping-pong round trip);
+* a narrow 16-stage MLP on 4 actors (4 stages each, interleaved 1F1B, 4 microbatches): step time against
+  jax.jit of the same step in this process.
+
+    python -m benchmarks.latency [--hops 400] [--bytes 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+import mpmd
+from mpmd.program import Label, Program, Recv, Send
+from transport.protocol import dtype_name
+
+_ids = itertools.count(1)
+
+RAW_ECHO = """
+import sys, zmq
+ctx = zmq.Context(); s = ctx.socket(zmq.PAIR); port = s.bind_to_random_port("tcp://127.0.0.1")
+print(port, flush=True)
+while True:
+    m = s.recv()
+    if m == b"stop": break
+    s.send(m)
+"""
+
+
+def raw_one_way(nbytes: int, n: int = 2000) -> float:
+    """Half the median round trip of a raw ZeroMQ PAIR ping-pong between this process and a fresh one."""
+    import zmq
+
+    echo = subprocess.Popen([sys.executable, "-c", RAW_ECHO], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(echo.stdout.readline())
+        s = zmq.Context.instance().socket(zmq.PAIR)
+        s.connect(f"tcp://127.0.0.1:{port}")
+        msg = bytes(nbytes)
+        times = []
+        for i in range(n + 200):
+            t = time.perf_counter()
+            s.send(msg)
+            s.recv()
+            if i >= 200:
+                times.append(time.perf_counter() - t)
+        s.send(b"stop")
+        s.close(0)
+        return statistics.median(times) / 2
+    finally:
+        echo.wait(5)
+
+
+def chain_programs(hops: int, nbytes: int) -> dict[int, Program]:
+    """Actor 0 sends its input to actor 1, which sends it back, `hops` times in all; actor 0 outputs the last."""
+    progs = {0: Program(0, [0], []), 1: Program(1, [], [])}
+    dt = dtype_name(np.uint8)
+    buf = {0: 0, 1: 0}
+    for h in range(hops):
+        src, dst = h % 2, 1 - h % 2
+        progs[src].instructions.append(Send(buf[src], dst, h, Label("xfer")))
+        buf[dst] += 1
+        progs[dst].instructions.append(Recv(buf[dst], src, h, dt, (nbytes,), Label("xfer")))
+    last = hops % 2
+    progs[last].outputs = [buf[last]] if hops else [0]
+    return progs
+
+
+def chain_time(mesh: mpmd.RemoteMesh, hops: int, nbytes: int, reps: int = 15) -> float:
+    progs = chain_programs(hops, nbytes)
+    pid = next(_ids)
+    for a, p in progs.items():
+        mesh.run(mesh.load_program(a, p, pid, []))
+    x = mesh.actor(0).put(np.zeros(nbytes, np.uint8))
+    times = []
+    for step in range(reps):
+        outs = {a: [mesh.new_buffer_id() for _ in p.outputs] for a, p in progs.items()}
+
+        async def go() -> None:
+            await asyncio.gather(*(mesh.conn(a).request("run_program", {
+                "program": pid, "step": step, "inputs": [x.buffers[0]] if a == 0 else [], "outputs": outs[a]}) for a in progs))
+
+        t = time.perf_counter()
+        mesh.run(go())
+        times.append(time.perf_counter() - t)
+        mesh.run(mesh.conn(hops % 2).request("delete", {"bufs": outs[hops % 2]}))
+    return statistics.median(times)
+
+
+def narrow_pipeline(width: int = 16, stages: int = 16, actors: int = 4, m: int = 4, reps: int = 20) -> tuple[float, float]:
+    import jax
+    import optax
+
+    from mpmd.testing import make_train_step, mlp, mlp_params, mse_loss, regression_batch
+
+    opt = optax.sgd(1e-2)
+    params = mlp_params(np.random.default_rng(0), stages, width)
+    batch = regression_batch(np.random.default_rng(1), m, 4, width)
+    ref = jax.jit(make_train_step(mse_loss(mlp), opt, None))
+    jax.block_until_ready(ref(params, opt.init(params), batch))
+    t_jit = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(ref(params, opt.init(params), batch))
+        t_jit.append(time.perf_counter() - t)
+    with mpmd.RemoteMesh.local(num_actors=actors) as mesh:
+        dist = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.InterleavedOneFOneB(stages, actors)), mesh=mesh)
+        state = dist(params, opt.init(params), batch)[:2]
+        state[0][0][0].block_until_ready()
+        t_mpmd = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            out = dist(*state, batch)
+            out[2].block_until_ready()
+            t_mpmd.append(time.perf_counter() - t)
+            state = out[:2]
+        with mesh.trace() as trace:
+            dist(*state, batch)[2].block_until_ready()
+        print(trace.summary())
+    return statistics.median(t_jit), statistics.median(t_mpmd)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hops", type=int, default=400)
+    p.add_argument("--bytes", type=int, default=1024)
+    args = p.parse_args()
+    raw = raw_one_way(args.bytes)
+    with mpmd.RemoteMesh.local(num_actors=2, transport="tcp") as mesh:
+        base = chain_time(mesh, 1, args.bytes)
+        long = chain_time(mesh, args.hops + 1, args.bytes)
+    hop = (long - base) / args.hops
+    print(f"one hop of {args.bytes} B, actor to actor (send until usable on the next): {hop * 1e6:7.1f} us; "
+          f"raw ZeroMQ one-way between two processes: {raw * 1e6:6.1f} us; ratio {hop / raw:5.2f}")
+    jit_t, mpmd_t = narrow_pipeline()
+    print(f"narrow 16-stage MLP on 4 actors (interleaved 1F1B, 4 microbatches): {mpmd_t * 1e3:7.2f} ms per step vs jax.jit "
+          f"{jit_t * 1e3:6.2f} ms ({mpmd_t / jit_t:5.1f}x)")
+
+
+if __name__ == "__main__":
+    main()
