@@ -1,0 +1,30 @@
+"""The examples a newcomer runs first, run the way they are shipped (shortened)."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_quick_gpt_run_matches_jit_first_and_then_learns(tmp_path):
+    pytest.importorskip("flax.nnx")
+    gpt = load("gpt")
+    plot = tmp_path / "loss.png"
+    # --quick with fewer steps; train() asserts the first steps equal jax.jit's (losses and parameters)
+    result = gpt.train(gpt.parse(["--quick", "--steps", "60", "--plot", str(plot)]))
+    assert result["last"] < result["first"] - 1.0, result  # bytes: from ~4.5 nats to well under 3.5
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 1000
+
+
+def test_the_minimal_mlp_example_trains_and_matches_jit(capsys):
+    load("train_mlp").main()
+    assert "parameters after 20 steps equal jax.jit's" in capsys.readouterr().out
