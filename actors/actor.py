@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from actors import checkpoint
 from actors.buffers import BufferTable, UnknownBufferError
 from actors.cache import ExecutableCache
 from actors.stream import StepTrace, Stream, TraceWaiter, now
@@ -111,6 +112,8 @@ class Actor:
             "connect_peers": self.connect_peers,
             "nccl_ids": self.nccl_ids,
             "stats": self.stats,
+            "save": lambda ses, msg: checkpoint.save(self, ses, msg),
+            "restore": lambda ses, msg: checkpoint.restore(self, ses, msg),
         }
 
     # ---- simple requests -------------------------------------------------------------------------

@@ -9,6 +9,7 @@
 
 Public names (each has a docstring):
   RemoteMesh, ActorHandle, RemoteArray, fetch the runtime: actors, handles, remote buffers, fetching them
+  save, restore                               checkpoints of state held on actors (orbax-checkpoint)
   pipeline_yield, accumulate_grads, distributed   the pipeline API
   GPipe, OneFOneB, Custom, Task               schedules
   EagerOneFOneB, InterleavedOneFOneB, ZeroBubbleH1, InterleavedZeroBubble, ZeroBubbleV, DualPipeV   more schedules
@@ -19,6 +20,7 @@ Public names (each has a docstring):
 
 from mpmd.api import accumulate_grads, distributed, pipeline_yield
 from mpmd.array import RemoteArray, fetch
+from mpmd.checkpoint import restore, save
 from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError, ScheduleError
 from mpmd.mesh import ActorHandle, RemoteMesh
 from mpmd.schedules import (
@@ -64,6 +66,8 @@ __all__ = [
     "distributed",
     "fetch",
     "pipeline_yield",
+    "restore",
+    "save",
     "simulate",
     "validate",
 ]

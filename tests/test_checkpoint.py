@@ -1,0 +1,73 @@
+"""Checkpoints of state held on actors (orbax-checkpoint on each actor), on real daemons."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import optax
+
+import mpmd
+from tests import models
+from tests.test_pipeline import make_step
+
+
+def train(mesh, state, batches, schedule):
+    dist = mpmd.distributed(make_step(models.mse_loss(models.mlp), optax.adam(1e-2), schedule), mesh=mesh)
+    losses = []
+    for b in batches:
+        *state, loss = dist(*state, b)
+        losses.append(loss)
+    return tuple(state), [np.array(x) for x in mpmd.fetch(losses)]
+
+
+def test_checkpoint_kill_everything_restore_into_fresh_daemons_and_continue_bit_identically(tmp_path):
+    rng = np.random.default_rng(0)
+    params = models.mlp_params(rng, 2)
+    opt = optax.adam(1e-2)
+    batches = [models.regression_batch(rng, 4, 3, 16) for _ in range(5)]
+    extra = {"step": np.int32(7), "key": jax.random.key(3)}  # host leaves, a typed key among them
+    with mpmd.RemoteMesh.local(num_actors=2) as mesh:
+        state, _ = train(mesh, (params, opt.init(params)), batches[:2], mpmd.OneFOneB(2))
+        mpmd.save(str(tmp_path / "ckpt"), (state, extra))
+        _, uninterrupted = train(mesh, state, batches[2:], mpmd.OneFOneB(2))
+    with mpmd.RemoteMesh.local(num_actors=2) as fresh:  # new daemons, new session, nothing shared
+        like = ((params, opt.init(params)), extra)
+        state, got_extra = mpmd.restore(str(tmp_path / "ckpt"), fresh, like=like)
+        assert state[0][1]["w"].actors == [1] and state[0][0]["w"].actors == [0]  # each array back on its actor
+        assert int(got_extra["step"]) == 7
+        np.testing.assert_array_equal(jax.random.key_data(got_extra["key"]), jax.random.key_data(extra["key"]))
+        _, resumed = train(fresh, state, batches[2:], mpmd.OneFOneB(2))
+    for a, b in zip(resumed, uninterrupted):
+        np.testing.assert_array_equal(a, b)  # bit-identical
+
+
+def test_a_save_killed_halfway_leaves_the_previous_checkpoint_loadable(tmp_path):
+    path = tmp_path / "ckpt"
+    script = tmp_path / "saver.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, threading, numpy as np, mpmd
+        mesh = mpmd.RemoteMesh.local(num_actors=2)
+        first = [mesh.actor(a).put(np.full((256, 256), 1.0 + a, np.float32)) for a in range(2)]
+        mpmd.save({str(path)!r}, first)
+        second = [mesh.actor(a).put(np.full((2048, 2048), 9.0, np.float32)) for a in range(2)]
+        handle = mpmd.save({str(path)!r}, second, wait=False)
+        os.kill(os.getpid(), signal.SIGKILL)  # the controller dies while the actors write
+    """))
+    subprocess.run([sys.executable, str(script)], cwd=os.getcwd(), env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
+    with mpmd.RemoteMesh.local(num_actors=2) as mesh:
+        like = [np.zeros((256, 256), np.float32)] * 2
+        got = mpmd.fetch(mpmd.restore(str(path), mesh, like=like))
+        np.testing.assert_array_equal(got[0], np.full((256, 256), 1.0))
+        np.testing.assert_array_equal(got[1], np.full((256, 256), 2.0))
+
+
+def test_a_replicated_array_is_restored_on_every_actor_that_held_it(mesh2, tmp_path):
+    x = mesh2.put_replicated(np.arange(6, dtype=np.float32), [0, 1])
+    mpmd.save(str(tmp_path / "r"), {"x": x})
+    back = mpmd.restore(str(tmp_path / "r"), mesh2, like={"x": x})["x"]
+    assert back.actors == [0, 1]
+    for a in (0, 1):
+        np.testing.assert_array_equal(mesh2.actor(a).run(jax.jit(lambda v: v * 1.0), back).to_numpy(), np.arange(6))
