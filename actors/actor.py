@@ -59,6 +59,12 @@ def to_host(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+def is_ready(x: Any) -> bool:
+    """A jax array computed already, or a host (numpy) array."""
+    ready = getattr(x, "is_ready", None)
+    return ready() if ready is not None else True
+
+
 class Session:
     """What one controller owns on this actor: its buffers, its programs and its running steps. Ids of
     buffers and programs are the controller's own; two controllers' sessions never see each other's."""
@@ -166,14 +172,14 @@ class Actor:
         """One buffer (`buf`) or several (`bufs`), each as an array frame, once computed."""
         bufs = int_list(msg, "bufs") if "bufs" in msg.header else [field(msg, "buf", int)]
         values = [await ses.buffers.get(b) for b in bufs]
-        if all(v.is_ready() for v in values):
+        if all(is_ready(v) for v in values):
             return {}, [to_host(v) for v in values]
         return {}, await asyncio.to_thread(lambda: [to_host(v) for v in values])
 
     async def wait(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         """Reply once the buffers `bufs` are computed (what `block_until_ready` asks)."""
         values = [await ses.buffers.get(b) for b in int_list(msg, "bufs")]
-        if not all(v.is_ready() for v in values):
+        if not all(is_ready(v) for v in values):
             await asyncio.to_thread(jax.block_until_ready, values)
         return {"ready": len(values)}, []
 
