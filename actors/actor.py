@@ -425,7 +425,7 @@ class Actor:
         t0 = now() if trace else 0
         await self.p2p.send(peer, key, value, wait=sync)
         if trace:
-            trace.transfer("send", label, peer, int(value.nbytes), t0, now())
+            trace.transfer("send", label, peer, int(value.nbytes), t0, now(), key[-1])
 
     async def _recv(self, env: BufferTable, ins: Recv, key: tuple, trace: StepTrace | None = None) -> None:
         peer, label = ins.from_actor, str(ins.label)
@@ -453,7 +453,7 @@ class Actor:
                 got = jax.device_put(got, self.device)
             env.put(ins.buf, got)
             if trace:
-                trace.transfer("recv", label, peer, int(got.nbytes), t0, now())
+                trace.transfer("recv", label, peer, int(got.nbytes), t0, now(), ins.tag)
         except BaseException as e:
             env.fail(ins.buf, e)
             raise

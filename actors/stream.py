@@ -62,8 +62,8 @@ class StepTrace:
     """What one step did on one actor, instruction by instruction (times in ns on the actor's clock).
 
     events: ["run", label, waited_from, inputs_ready, dispatched, done]
-            ["send", label, peer, nbytes, start, done]
-            ["recv", label, peer, nbytes, posted, arrived]
+            ["send", label, peer, nbytes, start, done, tag]
+            ["recv", label, peer, nbytes, posted, arrived, tag]
     """
 
     def __init__(self, waiter: TraceWaiter) -> None:
@@ -88,8 +88,8 @@ class StepTrace:
             if self._pending == 0:
                 self._done.set()
 
-    def transfer(self, kind: str, label: str, peer: int, nbytes: int, start: int, end: int) -> None:
-        self.events.append([kind, label, peer, nbytes, start, end])
+    def transfer(self, kind: str, label: str, peer: int, nbytes: int, start: int, end: int, tag: int) -> None:
+        self.events.append([kind, label, peer, nbytes, start, end, tag])
 
     def wait_runs(self, timeout: float = 60.0) -> None:
         """Block until every Run's end time is known (call off the event loop)."""

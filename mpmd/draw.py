@@ -104,3 +104,17 @@ def _png(result: SimResult, path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def draw_stacked(results: list[SimResult], titles: list[str], path: str) -> None:
+    """Several timelines one above the other in one SVG (e.g. simulated above measured, same time axis)."""
+    docs = [svg(r, t) for r, t in zip(results, titles)]
+    heights = [int(d.split('height="', 1)[1].split('"', 1)[0]) for d in docs]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="1100" height="{sum(heights)}">']
+    y = 0
+    for d, h in zip(docs, heights):
+        out.append(d.replace("<svg ", f'<svg y="{y}" ', 1))
+        y += h
+    out.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")

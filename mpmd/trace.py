@@ -34,11 +34,12 @@ class RunSpan:
 @dataclass(frozen=True)
 class TransferSpan:
     kind: str  # "send" or "recv"
-    label: str
+    label: str  # a send's: the Run that made the value
     peer: int
     nbytes: int
-    start: float
-    end: float
+    start: float  # send: began (the value may still be computing); recv: posted
+    end: float  # send: the bytes left; recv: the value arrived
+    tag: int = -1
 
 
 @dataclass
@@ -66,8 +67,8 @@ class ActorStep:
                 out.runs.append(RunSpan(label, t(waited), t(ready), start, max(t(done), start)))
                 prev_end = max(t(done), start)
             else:
-                kind, label, peer, nbytes, s, e = ev
-                out.transfers.append(TransferSpan(kind, label, int(peer), int(nbytes), t(s), t(e)))
+                kind, label, peer, nbytes, s, e, tag = ev
+                out.transfers.append(TransferSpan(kind, label, int(peer), int(nbytes), t(s), t(e), int(tag)))
         return out
 
 
@@ -187,3 +188,93 @@ class Trace:
         """Write Chrome/Perfetto trace JSON (one process per actor; tracks for compute, waits, sends, receives)."""
         with open(path, "w") as f:
             json.dump({"traceEvents": list(self.events()), "displayTimeUnit": "ms"}, f)
+
+
+# ---- what a trace says about costs, for the simulator ------------------------------------------------------
+def _tasks_of(label: str) -> list[tuple[int, str]]:
+    out = []
+    for part in label.split("+"):
+        if part and part[0].isdigit():
+            i = 0
+            while part[i].isdigit():
+                i += 1
+            out.append((int(part[:i]), part[i]))
+    return out
+
+
+def fit_costs(trace: Trace, num_stages: int, step: int = -1) -> Any:
+    """`mpmd.Costs` fitted to a traced step: per stage, the F/B/I/W times that best explain every Run's
+    measured duration (a fused Run lasts the sum of its tasks; least squares over all Runs of the step),
+    the cost of Runs that do no task (`other`), and a transfer latency and bandwidth from the transfers."""
+    import numpy as np
+
+    from mpmd.simulator import Costs
+
+    kinds = ("F", "B", "I", "W")
+    col = {(s, k): i for i, (s, k) in enumerate((s, k) for s in range(num_stages) for k in kinds)}
+    rows, rhs, other = [], [], []
+    for a, x in trace.steps[step].items():
+        for r in x.runs:
+            tasks = _tasks_of(r.label)
+            if not tasks:
+                other.append(r.end - r.start)
+                continue
+            row = np.zeros(len(col))
+            for t in tasks:
+                row[col[t]] += 1
+            rows.append(row)
+            rhs.append(r.end - r.start)
+    sol = np.zeros(len(col))
+    if rows:
+        a_mat, b_vec = np.array(rows), np.array(rhs)
+        used = a_mat.sum(axis=0) > 0
+        sol[used] = np.linalg.lstsq(a_mat[:, used], b_vec, rcond=None)[0]
+    sol = np.maximum(sol, 0.0)
+    per = {k: tuple(float(sol[col[(s, k)]]) for s in range(num_stages)) for k in kinds}
+    # A transfer lasts from the end of the Run that made the value (on the sender) until it arrived.
+    steps = trace.steps[step]
+    sends = {(a, t.peer, t.tag): t for a, x in steps.items() for t in x.transfers if t.kind == "send"}
+    made = {(a, r.label): r.end for a, x in steps.items() for r in x.runs}
+    small, big = [], []
+    for a, x in steps.items():
+        for t in x.transfers:
+            s = sends.get((t.peer, a, t.tag)) if t.kind == "recv" else None
+            if s is None or (t.peer, s.label) not in made:
+                continue
+            d = t.end - max(made[(t.peer, s.label)], s.start)
+            (small if t.nbytes <= 1 << 16 else big).append((d, t.nbytes))
+    latency = float(np.median([d for d, _ in small])) if small else 0.0
+    rates = [n / (d - latency) for d, n in big if d > latency]
+    bandwidth = float(np.median(rates)) if rates else float("inf")
+    return Costs(F=per["F"], B=per["B"], I=per["I"], W=per["W"], other=float(np.median(other)) if other else 0.0,
+                 latency=max(latency, 0.0), bandwidth=bandwidth)
+
+
+def measured_bubbles(trace: Trace, step: int = -1) -> dict[int, float]:
+    """Per actor, the fraction of the step window it was not computing."""
+    return {a: 1.0 - b.compute / b.wall if b.wall > 0 else 0.0 for a, b in trace.breakdown(step).items()}
+
+
+def timeline(trace: Trace, step: int = -1) -> list[list[tuple[float, float, str]]]:
+    """Per actor, its Runs as (start, end, label) from the step's start (a fused Run split evenly)."""
+    w0, _ = trace.window(step)
+    out = []
+    for a in sorted(trace.steps[step]):
+        spans = []
+        for r in trace.steps[step][a].runs:
+            parts = [p for p in r.label.split("+")] or [r.label]
+            d = (r.end - r.start) / len(parts)
+            for i, p in enumerate(parts):
+                spans.append((r.start - w0 + i * d, r.start - w0 + (i + 1) * d, p))
+        out.append(spans)
+    return out
+
+
+def as_sim_result(trace: Trace, name: str = "measured", step: int = -1) -> Any:
+    """A traced step in the simulator's result form (for pictures and comparisons): seconds from its start."""
+    from mpmd.simulator import SimResult
+
+    w0, w1 = trace.window(step)
+    bubbles = measured_bubbles(trace, step)
+    return SimResult(w1 - w0, tuple(bubbles[a] for a in sorted(bubbles)), tuple(0 for _ in bubbles), tuple(map(tuple, timeline(trace, step))),
+                     name=name)
