@@ -26,7 +26,7 @@ import numpy as np
 from actors import checkpoint
 from actors.buffers import BufferTable, UnknownBufferError
 from actors.cache import ExecutableCache
-from actors.stream import StepTrace, Stream, TraceWaiter, now
+from actors.stream import StepTrace, Stream, now
 from transport.p2p import P2PTransport, TransferError
 from transport.program import Instruction, Program, ProgramError, Recv, Run, Send, decode_instruction, decode_program
 from transport.protocol import Message, aval_header, dtype_from_name
@@ -96,7 +96,6 @@ class Actor:
         ordered_calls = self.device.platform == "cpu"
         self.stream = Stream(self.device, ordered_calls)
         self.cache = ExecutableCache(self.device, ordered_calls)
-        self._trace_waiter: TraceWaiter | None = None
         self.p2p = p2p
         self.sessions: dict[int, Session] = {}
         self.requests = 0
@@ -313,11 +312,7 @@ class Actor:
         env = BufferTable(f"actor {self.actor_id} program {pid} step {step}")
         for b, v in prog.consts.items():
             env.put(b, v)
-        trace = None
-        if tracing:
-            if self._trace_waiter is None:
-                self._trace_waiter = TraceWaiter()
-            trace = StepTrace(self._trace_waiter)
+        trace = StepTrace() if tracing else None
         task = asyncio.get_running_loop().create_task(self._execute(ses, pid, prog, step, env, refs, prologue, sync, trace))
         ses.running[key] = task
         try:
@@ -339,7 +334,6 @@ class Actor:
             ses.buffers.put(b, r)
         reply: dict[str, Any] = {"outputs": [aval_header(r.shape, r.dtype) for r in results]}
         if trace is not None:
-            await asyncio.to_thread(trace.wait_runs)
             trace.end = now()
             reply["trace"] = trace.to_wire()
         return reply, []
@@ -391,10 +385,10 @@ class Actor:
                 if isinstance(ins, Run):
                     t0 = now() if trace else 0
                     args = [await env.get(b) for b in ins.inputs]  # waits only for values still being received
-                    t1 = now() if trace else 0
-                    done, results = self.stream.call(self.cache.get(ins.exe), args)
                     if trace:
-                        trace.run(str(ins.label), t0, t1, now(), done)
+                        results = await trace.run(self.stream, self.cache.get(ins.exe), args, str(ins.label), t0, now())
+                    else:
+                        _, results = self.stream.call(self.cache.get(ins.exe), args)
                     if ins.donate:  # their buffers now belong to the results
                         env.delete([ins.inputs[d] for d in ins.donate])
                     for b, r in zip(ins.outputs, results):

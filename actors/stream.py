@@ -7,14 +7,15 @@ before it, so XLA starts it the moment that one finishes — one after another l
 trip through Python between them, while the interpreter dispatches ahead as far as its inputs allow.
 
 `StepTrace` records, when asked, what each instruction did and when (the actor's monotonic clock, ns): a
-Run's wait for its inputs, its dispatch and its end (taken by a waiter thread that blocks on the Run's
-token, in order), each transfer's start, end, peer and bytes. It costs nothing when off.
+Run's wait for its inputs, its start and its end, each transfer's start, end, peer, bytes and tag. In a
+traced step each Run executes on one tracing thread that stamps its start and, after waiting for it, its end
+(exact durations; the interpreter does not dispatch ahead then). It costs nothing when off.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
+import asyncio
+import concurrent.futures
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -61,65 +62,35 @@ def now() -> int:
 class StepTrace:
     """What one step did on one actor, instruction by instruction (times in ns on the actor's clock).
 
-    events: ["run", label, waited_from, inputs_ready, dispatched, done]
+    events: ["run", label, waited_from, inputs_ready, started, done]
             ["send", label, peer, nbytes, start, done, tag]
             ["recv", label, peer, nbytes, posted, arrived, tag]
     """
 
-    def __init__(self, waiter: TraceWaiter) -> None:
+    _executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def __init__(self) -> None:
         self.start = now()
         self.end = 0
         self.events: list[list[Any]] = []
-        self._waiter = waiter
-        self._pending = 0
-        self._done = threading.Event()
-        self._lock = threading.Lock()
 
-    def run(self, label: str, waited_from: int, ready: int, dispatched: int, marker: Any) -> None:
-        ev = ["run", label, waited_from, ready, dispatched, 0]
-        self.events.append(ev)
-        with self._lock:
-            self._pending += 1
-        self._waiter.submit(marker, ev, self)
+    async def run(self, stream: Stream, exe: Any, args: Sequence[Any], label: str, waited_from: int, ready: int) -> Sequence[Any]:
+        """Execute one Run on the tracing thread, timing it exactly; returns its outputs."""
+        if StepTrace._executor is None:
+            StepTrace._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpmd-traced-run")
 
-    def finished_one(self) -> None:
-        with self._lock:
-            self._pending -= 1
-            if self._pending == 0:
-                self._done.set()
+        def timed() -> tuple[int, int, Sequence[Any]]:
+            t0 = now()
+            done, outs = stream.call(exe, args)
+            jax.block_until_ready(done)
+            return t0, now(), outs
+
+        t0, t1, outs = await asyncio.get_running_loop().run_in_executor(StepTrace._executor, timed)
+        self.events.append(["run", label, waited_from, ready, t0, t1])
+        return outs
 
     def transfer(self, kind: str, label: str, peer: int, nbytes: int, start: int, end: int, tag: int) -> None:
         self.events.append([kind, label, peer, nbytes, start, end, tag])
 
-    def wait_runs(self, timeout: float = 60.0) -> None:
-        """Block until every Run's end time is known (call off the event loop)."""
-        with self._lock:
-            if self._pending == 0:
-                return
-            self._done.clear()
-        self._done.wait(timeout)
-
     def to_wire(self) -> dict[str, Any]:
         return {"start": self.start, "end": self.end, "events": self.events}
-
-
-class TraceWaiter:
-    """One thread that blocks on each traced Run's completion marker in dispatch order and stamps its end."""
-
-    def __init__(self) -> None:
-        self._q: queue.SimpleQueue[tuple[Any, list[Any], StepTrace]] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name="mpmd-trace-waiter", daemon=True)
-        self._thread.start()
-
-    def submit(self, marker: Any, ev: list[Any], trace: StepTrace) -> None:
-        self._q.put((marker, ev, trace))
-
-    def _loop(self) -> None:
-        while True:
-            marker, ev, trace = self._q.get()
-            try:
-                jax.block_until_ready(marker)
-            except Exception:  # a failed computation still ends; its error reaches the step elsewhere
-                pass
-            ev[5] = now()
-            trace.finished_one()

@@ -59,13 +59,10 @@ class ActorStep:
             return (ns - offset_ns) * NS
 
         out = cls(actor, step, t(wire["start"]), t(wire["end"]))
-        prev_end = out.start
         for ev in wire["events"]:
             if ev[0] == "run":
-                _, label, waited, ready, dispatched, done = ev
-                start = max(t(dispatched), prev_end)
-                out.runs.append(RunSpan(label, t(waited), t(ready), start, max(t(done), start)))
-                prev_end = max(t(done), start)
+                _, label, waited, ready, started, done = ev
+                out.runs.append(RunSpan(label, t(waited), t(ready), t(started), t(done)))
             else:
                 kind, label, peer, nbytes, s, e, tag = ev
                 out.transfers.append(TransferSpan(kind, label, int(peer), int(nbytes), t(s), t(e), int(tag)))

@@ -3,6 +3,7 @@
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -68,3 +69,56 @@ def test_k_steps_dispatched_without_fetching_equal_jit(mesh2):
         np.testing.assert_allclose(got, want, rtol=1e-5)
     assert_trees_close(dp, rp)
     assert_trees_close(do, ro)
+
+
+def test_a_traced_two_actor_gpt_step_runs_the_schedules_table(mesh2):
+    from tests.test_examples import load
+
+    nnx = pytest.importorskip("flax.nnx")
+    gpt = load("gpt")
+    model = gpt.GPT(256, 32, 2, 2, 16, 2, nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    opt = optax.adamw(1e-3)
+    schedule = mpmd.ZeroBubbleH1(2)
+    step = mpmd.distributed(gpt.make_step(graphdef, opt, schedule), mesh=mesh2)
+    data = np.frombuffer(gpt.corpus(1 << 16), np.uint8)
+    batch = next(gpt.batches(data, 4, 2, 16, np.random.default_rng(0)))
+    step(params, opt.init(params), batch)[2].block_until_ready()
+    with mesh2.trace() as t:
+        step(params, opt.init(params), batch)[2].block_until_ready()
+    table = schedule.tasks(4)
+    for a in range(2):
+        ran = [task for label in t.runs(a) for task in label.split("+") if task[0].isdigit()]
+        assert ran == [str(x) for x in table[a] if str(x) in set(ran)]
+        assert len(ran) >= 2 * 4  # every microbatch's F and backward halves (empty ones are skipped)
+
+
+def test_a_slowed_stage_shows_up_as_a_larger_measured_bubble_on_the_other_actor(mesh2):
+    """The bubble figures come from the trace: make stage 1 five times heavier and actor 0 (stage 0) waits
+    longer for its cotangents."""
+    from mpmd.trace import measured_bubbles
+
+    def make(extra):
+        def loss(params, mb):
+            h = jnp.tanh(mb["x"] @ params[0]["w"])
+            h = mpmd.pipeline_yield(h)
+            for _ in range(extra):
+                h = jnp.tanh(h @ params[1]["w"])
+            return jnp.mean((h @ params[1]["w"] - mb["y"]) ** 2)
+
+        return loss
+
+    rng = np.random.default_rng(3)
+    params = [{"w": (rng.standard_normal((256, 256)) / 16).astype(np.float32)} for _ in range(2)]
+    batch = {"x": rng.standard_normal((4, 256, 256)).astype(np.float32), "y": rng.standard_normal((4, 256, 256)).astype(np.float32)}
+    opt = optax.sgd(0.01)
+    bubble, waits = {}, {}
+    for extra in (0, 10):
+        dist = mpmd.distributed(make_step(make(extra), opt, mpmd.OneFOneB(2)), mesh=mesh2)
+        dist(params, opt.init(params), batch)[2].block_until_ready()
+        with mesh2.trace() as t:
+            dist(params, opt.init(params), batch)[2].block_until_ready()
+        bubble[extra] = measured_bubbles(t)[0]
+        b0 = t.breakdown()[0]
+        waits[extra] = b0.waiting / b0.compute  # actor 0 waiting for stage 1's cotangents, per unit of its own work
+    assert bubble[10] > bubble[0] and waits[10] > 2 * waits[0], (bubble, waits)
