@@ -80,12 +80,18 @@ def _close_over_inputs(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, list[Any]]:
     return ClosedJaxpr(body, keep_vals), lifted_vals
 
 
-def distributed(fn: Callable[..., Any] | None = None, *, mesh: Any) -> Any:
+def distributed(fn: Callable[..., Any] | None = None, *, mesh: Any, in_shardings: Any = None, out_shardings: Any = None) -> Any:
     """Decorator: run a training step as an MPMD pipeline on `mesh`'s actors.
 
     The step must call `accumulate_grads` once, with a schedule. It is traced once per input signature
     and compiled into one Program per actor; each call then sends one request per actor and returns
-    `RemoteArray`s (parameters and optimizer state stay on the actors and can be passed straight back).
+    `RemoteArray`s at once (parameters and optimizer state stay on the actors and can be passed straight back).
+
+    With multi-device actors, `in_shardings` / `out_shardings` are pytrees (prefixes of the arguments /
+    outputs) of `PartitionSpec` over the actor mesh's axis names, or None (replicated, or the layout the
+    array already has), like jax.jit's; `with_sharding_constraint(x, PartitionSpec(...))` inside the step
+    refers to the actor mesh too. Every stage task is compiled for its inputs' layouts, so XLA inserts the
+    collectives jax.jit would.
 
         @mpmd.distributed(mesh=mesh)
         def train_step(params, opt_state, batch): ...
@@ -93,5 +99,5 @@ def distributed(fn: Callable[..., Any] | None = None, *, mesh: Any) -> Any:
     from mpmd.step import DistributedFunction
 
     if fn is None:
-        return lambda f: DistributedFunction(f, mesh)
-    return DistributedFunction(fn, mesh)
+        return lambda f: DistributedFunction(f, mesh, in_shardings, out_shardings)
+    return DistributedFunction(fn, mesh, in_shardings, out_shardings)

@@ -19,6 +19,7 @@ from mpmd.compiler.inline import inline_calls
 from mpmd.compiler.plan import StepPlan, iter_lowered, plan_step
 from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError
 from mpmd.report import PlacementReport, placement_report
+from mpmd.sharding import as_layout, infer_layouts, layout_to_spec, layout_wire, tree_specs
 from transport.protocol import dtype_name
 
 log = logging.getLogger(__name__)
@@ -70,9 +71,11 @@ def arg_paths(args: tuple[Any, ...]) -> list[str]:
 class DistributedFunction:
     """What `mpmd.distributed` returns. Call it like the original function."""
 
-    def __init__(self, fn: Callable[..., Any], mesh: Any) -> None:
+    def __init__(self, fn: Callable[..., Any], mesh: Any, in_shardings: Any = None, out_shardings: Any = None) -> None:
         self.fn = fn
         self.mesh = mesh
+        self.in_shardings = in_shardings
+        self.out_shardings = out_shardings
         self._compiled: dict[Any, CompiledStep] = {}
         self._step = itertools.count()
         self.__wrapped__ = fn
@@ -82,7 +85,30 @@ class DistributedFunction:
         leaves, treedef = jax.tree.flatten(args, is_leaf=_is_remote)
         paths = arg_paths(args)
         specs = [_spec(x, path) for x, path in zip(leaves, paths)]
-        return (treedef, tuple((s.shape, dtype_text(s.dtype)) for s in specs)), leaves, specs
+        layouts = self._arg_layouts(args, leaves, paths, specs)
+        return (treedef, tuple((s.shape, dtype_text(s.dtype)) for s in specs), layouts), leaves, specs
+
+    def _arg_layouts(self, args: tuple[Any, ...], leaves: list[Any], paths: list[str], specs: list[Any]) -> tuple | None:
+        """Per argument leaf, its layout over the actor mesh (None when actors have one device each)."""
+        am = getattr(self.mesh, "actor_mesh", None)
+        if am is None:
+            if self.in_shardings is not None:
+                raise PipelineError("in_shardings needs actors with several devices: make the mesh with devices_per_actor=N "
+                                    "(and mesh_shape=..., axis_names=...)")
+            return None
+        user = tree_specs(self.in_shardings, args, "in_shardings") if self.in_shardings is not None else [None] * len(leaves)
+        out = []
+        for x, u, path, spec in zip(leaves, user, paths, specs):
+            held = x.sharding if isinstance(x, RemoteArray) else None
+            if u is not None:
+                am.check_spec(u, spec.shape, f"in_shardings for {path}")
+                if held is not None and as_layout(u) != held:
+                    raise PipelineError(f"argument {path} is laid out as {layout_to_spec(held)} on its actors but in_shardings asks "
+                                        f"for {u}; pass it with its own layout (in_shardings None there) or put it laid out as asked")
+                out.append(as_layout(u))
+            else:
+                out.append(held if held is not None else ())
+        return tuple(out)
 
     def trace(self, *args: Any) -> Any:
         """The step's jaxpr (with nested calls inlined) for these arguments."""
@@ -96,7 +122,12 @@ class DistributedFunction:
             out_box.append(tree)
             return leaves_out
 
-        closed = jax.make_jaxpr(flat)(*specs)
+        am = getattr(self.mesh, "actor_mesh", None)
+        if am is None:
+            closed = jax.make_jaxpr(flat)(*specs)
+        else:  # with_sharding_constraint(x, P(...)) resolves against the actors' mesh, as jax.set_mesh would under jit
+            with jax.sharding.use_abstract_mesh(am.abstract):
+                closed = jax.make_jaxpr(flat)(*specs)
         return inline_calls(closed), out_box[-1]
 
     def compile(self, *args: Any) -> CompiledStep:
@@ -110,16 +141,20 @@ class DistributedFunction:
         plan = plan_step(outer, len(self.mesh))
         t1 = time.perf_counter()
         ids = [self.mesh.new_program_id()] * len(plan.programs)  # one id: transfer keys (program, step, tag) must agree
-        n = self._lower_and_ship(plan, ids)
+        n = self._lower_and_ship(plan, ids, sig[2], out_tree)
         compiled = self._compiled[sig] = CompiledStep(plan, ids, out_tree, time.perf_counter() - t0, arg_paths(args))
         log.info("compiled step: planned in %.2f s; %d executables lowered here, compiled on %d actors in parallel; %.2f s in all",
                  t1 - t0, n, len(plan.programs), compiled.compile_seconds)
         return compiled
 
-    def _lower_and_ship(self, plan: StepPlan, ids: list[int]) -> int:
+    def _lower_and_ship(self, plan: StepPlan, ids: list[int], arg_layouts: tuple | None, out_tree: Any) -> int:
         """Export each distinct executable once, here, and have every actor that runs it start compiling it at
-        once (actors compile while the next one is exported); then load the Programs. Returns how many."""
+        once (actors compile while the next one is exported); then load the Programs. With multi-device
+        actors, executables are compiled wave by wave with their inputs' layouts (see mpmd.sharding). Returns
+        how many executables were exported."""
         mesh = self.mesh
+        if arg_layouts is not None:
+            return self._lower_and_ship_sharded(plan, ids, arg_layouts, out_tree)
         users: dict[Any, list[int]] = {}
         for prog in plan.programs:
             for t in prog.executables:
@@ -137,6 +172,39 @@ class DistributedFunction:
 
         mesh.run(load())
         return len(plan.templates)
+
+    def _lower_and_ship_sharded(self, plan: StepPlan, ids: list[int], arg_layouts: tuple, out_tree: Any) -> int:
+        mesh = self.mesh
+        blobs = dict(iter_lowered(plan, mesh.platform))
+        known: dict[Any, Any] = dict(zip(plan.arg_keys, arg_layouts))
+        for us in plan.units.values():
+            for u in us:
+                for k in u.inputs:
+                    if type(k).__name__ == "MbIndex":
+                        known[k] = ()
+        constraints: dict[Any, Any] = {}
+        if self.out_shardings is not None:
+            am = mesh.actor_mesh
+            out_specs = tree_specs(self.out_shardings, jax.tree.unflatten(out_tree, list(range(out_tree.num_leaves))), "out_shardings")
+            for (kind, _), key, spec, aval in zip(plan.out_homes, plan.out_keys, out_specs, plan.out_avals):
+                if kind == "actors" and spec is not None:
+                    am.check_spec(spec, aval.shape, "out_shardings")
+                    constraints[key] = as_layout(spec)
+
+        async def compile_unit(a: int, u: Any, ins: tuple, outs: tuple) -> tuple[str, list[Any]]:
+            tpl = u.template()
+            return await mesh.ensure_compiled(a, blobs[tpl], tpl[-1], ins, outs)
+
+        exe, layouts = mesh.run(infer_layouts(plan.units, known, constraints, compile_unit))
+        programs = [with_layouts(p, [exe[(p.actor, i)] for i in range(len(plan.units.get(p.actor, [])))], layouts)
+                    for p in plan.programs]
+        plan.layouts = layouts
+
+        async def load() -> None:
+            await asyncio.gather(*(mesh.load_program(p.actor, p, pid, p.executables) for p, pid in zip(programs, ids)))
+
+        mesh.run(load())
+        return len(blobs)
 
     def placement(self, *args: Any) -> PlacementReport:
         """Where each argument and output of the step lives (per pytree path), and what moves between actors in
@@ -165,15 +233,15 @@ class DistributedFunction:
         compiled = self._compiled.get(sig) or self.compile(*args)
         step = next(self._step)
         mesh, plan = self.mesh, compiled.plan
-        requests, replicas, outs = self._prepare(compiled, leaves, step)
+        requests, replicas, outs = self._prepare(compiled, leaves, step, sig[2])
         trace = mesh.active_trace
         done = mesh.dispatch(lambda: self._send(requests, trace),
                              lambda futures: self._finish(futures, compiled, replicas, step, trace))
         self._last = (step, done)
         results: list[Any] = []
-        for (kind, val), ids, aval in zip(plan.out_homes, outs, plan.out_avals):
+        for (kind, val), ids, aval, key in zip(plan.out_homes, outs, plan.out_avals, plan.out_keys):
             if kind == "actors":
-                results.append(RemoteArray(mesh, ids, aval.shape, aval.dtype, ready=done))
+                results.append(RemoteArray(mesh, ids, aval.shape, aval.dtype, plan.layouts.get(key), ready=done))
             elif kind == "arg":
                 results.append(leaves[val])
             else:
@@ -188,12 +256,14 @@ class DistributedFunction:
             last[1].seen = True
             raise last[1].exception()
 
-    def _prepare(self, compiled: CompiledStep, leaves: list[Any], step: int) -> tuple[list[dict[str, Any]], list[Any], list[dict[int, int]]]:
+    def _prepare(self, compiled: CompiledStep, leaves: list[Any], step: int,
+                 layouts: tuple | None) -> tuple[list[dict[str, Any]], list[Any], list[dict[int, int]]]:
         """The run_program request of every actor, the argument replicas it makes, and every output's buffer ids."""
         mesh, plan = self.mesh, compiled.plan
         n = len(plan.programs)
         inputs: list[list[int]] = [[] for _ in range(n)]
         inline: list[list[np.ndarray]] = [[] for _ in range(n)]
+        inline_layouts: list[list[Any]] = [[] for _ in range(n)]
         prologue: list[list[list[Any]]] = [[] for _ in range(n)]
         replicas: list[tuple[RemoteArray, int, int]] = []
         paths = compiled.arg_paths
@@ -202,6 +272,7 @@ class DistributedFunction:
                 if not isinstance(x, RemoteArray):
                     inputs[a].append(-1)
                     inline[a].append(to_wire(host_value(x)))
+                    inline_layouts[a].append(layout_wire(layouts[k]) if layouts is not None else None)
                     continue
                 mesh.check_owned(x, f"argument {paths[k]}")
                 if a in x.buffers:
@@ -226,8 +297,11 @@ class DistributedFunction:
             outs.append(ids)
         requests = []
         for a, pid in enumerate(compiled.program_ids):
-            requests.append({"fields": {"program": pid, "step": step, "inputs": inputs[a], "outputs": per_actor_out[a],
-                                        "prologue": prologue[a], "sync": not mesh.overlap}, "arrays": inline[a]})
+            fields = {"program": pid, "step": step, "inputs": inputs[a], "outputs": per_actor_out[a], "prologue": prologue[a],
+                      "sync": not mesh.overlap}
+            if layouts is not None:
+                fields["inline_layouts"] = inline_layouts[a]
+            requests.append({"fields": fields, "arrays": inline[a]})
         return requests, replicas, outs
 
     def _send(self, requests: list[dict[str, Any]], trace: Any) -> list[asyncio.Future[Any]]:
@@ -274,6 +348,29 @@ class DistributedFunction:
         first = next((e for e in errors if isinstance(e, ActorDiedError)), None) or next(
             (e for e in errors if "aborted" not in str(e)), errors[0])
         raise first
+
+
+def with_layouts(prog: Any, unit_exes: list[str], layouts: dict[Any, Any]) -> Any:
+    """`prog` with each Run naming its own executable (one per unit: a template compiled for its inputs'
+    layouts) and each Recv the layout its value arrives in."""
+    import dataclasses
+
+    from mpmd.program import Recv, Run
+
+    keys: list[str] = []
+    instrs = []
+    runs = iter(unit_exes)
+    for ins in prog.instructions:
+        if isinstance(ins, Run):
+            k = next(runs)
+            if k not in keys:
+                keys.append(k)
+            ins = dataclasses.replace(ins, exe=keys.index(k))
+        elif isinstance(ins, Recv):
+            lay = layouts.get(prog.buffer_keys.get(ins.buf))
+            ins = dataclasses.replace(ins, layout=tuple(lay) if lay else None)
+        instrs.append(ins)
+    return dataclasses.replace(prog, instructions=instrs, executables=keys)
 
 
 def name_step(e: BaseException, step: int, name: str) -> BaseException:

@@ -7,7 +7,7 @@ A compiled step is, per actor, an ordered list of instructions over local buffer
 |--------------------------------------|---------------------------------------|----------------------------------------------------|
 | Run(exe, inputs, outputs, donate)    | ``RUN 1F3+1B3  [1, 2] -> [7]  (exe 0)``| ``["run", exe key, [in], [out], label, [donate]]`` |
 | Send(buf, to_actor, tag)             | ``SEND b7 -> a1 #12 (0F3)``           | ``["send", buf, to, tag, label]``                  |
-| Recv(buf, from_actor, tag, aval)     | ``RECV b9 <- a0 #12 float32[4, 8] (0F3)``| ``["recv", buf, from, tag, dtype, shape, label]`` |
+| Recv(buf, from_actor, tag, aval)     | ``RECV b9 <- a0 #12 float32[4, 8] (0F3)``| ``["recv", buf, from, tag, dtype, shape, label(, layout)]`` |
 | Delete(bufs)                         | ``DEL b1 b2``                         | ``["del", [bufs], label]``                         |
 
 * `Run` calls executable `exe` on `inputs` and stores its results as `outputs`; `donate` lists the input
@@ -130,9 +130,11 @@ class Recv:
     dtype: str
     shape: tuple[int, ...]
     label: Label = Label("xfer")
+    layout: tuple | None = None  # a PartitionSpec over the actor mesh, as a tuple (None: unsharded); it arrives shard by shard
 
     def __str__(self) -> str:
-        return f"RECV b{self.buf} <- a{self.from_actor} #{self.tag} {self.dtype}{list(self.shape)} ({self.label})"
+        lay = f" layout {list(self.layout)}" if self.layout is not None else ""
+        return f"RECV b{self.buf} <- a{self.from_actor} #{self.tag} {self.dtype}{list(self.shape)}{lay} ({self.label})"
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,7 @@ class Program:
     consts: dict[int, Any] = field(default_factory=dict)
     executables: list[Any] = field(default_factory=list)  # what the Runs' exe indices name (compiler: templates)
     buffer_bytes: dict[int, int] = field(default_factory=dict)  # bytes of each local buffer (compiler side; not sent)
+    buffer_keys: dict[int, Any] = field(default_factory=dict)  # the value each local buffer holds (compiler side; not sent)
 
     def __str__(self) -> str:
         head = f"actor {self.actor}: inputs {self.inputs} outputs {self.outputs}"
@@ -187,7 +190,8 @@ def encode_instruction(ins: Instruction, exe_keys: list[str] | None = None) -> l
     if isinstance(ins, Send):
         return ["send", ins.buf, ins.to_actor, ins.tag, label]
     if isinstance(ins, Recv):
-        return ["recv", ins.buf, ins.from_actor, ins.tag, ins.dtype, list(ins.shape), label]
+        wire = ["recv", ins.buf, ins.from_actor, ins.tag, ins.dtype, list(ins.shape), label]
+        return wire + [[e if e is None or isinstance(e, str) else list(e) for e in ins.layout]] if ins.layout is not None else wire
     return ["del", list(ins.bufs), label]
 
 
@@ -201,6 +205,13 @@ def _int(x: Any, what: str) -> int:
     if not isinstance(x, int) or isinstance(x, bool):
         raise ProgramError(f"{what} must be an int, got {x!r:.80}")
     return x
+
+
+def _layout(x: Any) -> tuple:
+    if not isinstance(x, list) or not all(e is None or isinstance(e, str) or (isinstance(e, list) and all(isinstance(n, str) for n in e))
+                                          for e in x):
+        raise ProgramError(f"a recv layout is a list of None, axis names or lists of axis names, got {x!r:.80}")
+    return tuple(tuple(e) if isinstance(e, list) else e for e in x)
 
 
 def _label(x: Any) -> Label:
@@ -228,10 +239,11 @@ def decode_instruction(w: Any) -> Instruction:
                 raise ProgramError("send needs [op, buf, to, tag, label]")
             return Send(_int(w[1], "send buf"), _int(w[2], "send peer"), _int(w[3], "send tag"), _label(w[4]))
         if op == "recv":
-            if len(w) != 7 or not isinstance(w[4], str):
-                raise ProgramError("recv needs [op, buf, from, tag, dtype, shape, label]")
+            if len(w) not in (7, 8) or not isinstance(w[4], str):
+                raise ProgramError("recv needs [op, buf, from, tag, dtype, shape, label(, layout)]")
+            layout = _layout(w[7]) if len(w) == 8 else None
             return Recv(_int(w[1], "recv buf"), _int(w[2], "recv peer"), _int(w[3], "recv tag"), w[4], _ints(w[5], "recv shape"),
-                        _label(w[6]))
+                        _label(w[6]), layout)
         if op == "del":
             if len(w) != 3:
                 raise ProgramError("del needs [op, bufs, label]")

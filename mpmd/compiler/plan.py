@@ -50,6 +50,8 @@ class StepPlan:
     avals: dict[Key, Any]
     templates: dict[Hashable, tuple[Callable[..., tuple], list[Any]]] = field(default_factory=dict)
     arg_keys: list[Key] = field(default_factory=list)
+    out_keys: list[Any] = field(default_factory=list)  # per flat output: its key (or a Literal)
+    layouts: dict[Key, Any] = field(default_factory=dict)  # each value's layout over the actor mesh (multi-device actors)
 
     def __str__(self) -> str:
         return "\n\n".join(str(p) for p in self.programs)
@@ -246,7 +248,7 @@ def plan_step(outer: ClosedJaxpr, num_mesh_actors: int) -> StepPlan:
     programs = build_programs(per_actor, num_actors, arg_keys, arg_homes, output_keys, avals, transfers, {})
     check_programs(programs)  # the Programs' own dependency graph: every Recv matched, no actor waits forever
     return StepPlan(programs, [arg_homes[k] for k in arg_keys], out_homes, [v.aval for v in jaxpr.outvars], table, split,
-                    dict(per_actor), transfers, avals, templates, arg_keys)
+                    dict(per_actor), transfers, avals, templates, arg_keys, out_keys)
 
 
 def _loop_units(split: StageSplit, lb: LoopBody, table: list[list[Task]], actor_of: Callable[[int], int], leaf_outer: dict[Var, Any],

@@ -98,6 +98,7 @@ def build_programs(per_actor: dict[int, list[Unit]], num_actors: int, arg_keys: 
         prog = Program(a, inputs, outputs, _with_deletes(instrs, set(outputs)), consts)
         prog.executables = list(exes)
         prog.buffer_bytes = {b: (wire_bytes(avals[k]) if k in avals else 4) for k, b in local.items()}
+        prog.buffer_keys = {b: k for k, b in local.items()}
         programs.append(prog)
     return programs
 

@@ -1,0 +1,173 @@
+"""How arrays are laid out over an actor's own devices (SPMD inside an actor).
+
+Every actor of a mesh has the same device mesh: `mesh_shape` devices named `axis_names` (jax.jit-style
+automatic axes). A layout is a `jax.sharding.PartitionSpec` over those names; `None` means replicated.
+PartitionSpecs travel as lists (one entry per dimension: None, an axis name, or a list of names).
+
+    mesh = mpmd.RemoteMesh.local(2, devices_per_actor=4, mesh_shape=(2, 2), axis_names=("data", "model"))
+    step = mpmd.distributed(train_step, mesh=mesh, in_shardings=(param_specs, None, P("data")))
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.sharding import AbstractMesh, AxisType, PartitionSpec
+
+from mpmd.errors import MpmdError
+
+
+@dataclass(frozen=True)
+class ActorMesh:
+    """The device mesh every actor of a RemoteMesh builds over its own devices."""
+
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.shape) != len(self.axis_names):
+            raise MpmdError(f"mesh_shape {self.shape} and axis_names {self.axis_names} differ in length; give one name per axis")
+        if any(not isinstance(d, int) or d < 1 for d in self.shape):
+            raise MpmdError(f"mesh_shape must be positive ints, got {self.shape}")
+        if len(set(self.axis_names)) != len(self.axis_names) or not all(isinstance(n, str) and n for n in self.axis_names):
+            raise MpmdError(f"axis_names must be distinct non-empty strings, got {self.axis_names}")
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def abstract(self) -> AbstractMesh:
+        return AbstractMesh(self.shape, self.axis_names, axis_types=(AxisType.Auto,) * len(self.shape))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "axis_names": list(self.axis_names)}
+
+    def check_spec(self, spec: PartitionSpec, shape: Sequence[int], what: str) -> None:
+        """Refuse a spec naming an axis this mesh lacks, or splitting a dimension its axes do not divide."""
+        if len(spec) > len(shape):
+            raise MpmdError(f"{what}: PartitionSpec {spec} has {len(spec)} entries for an array of rank {len(shape)}")
+        sizes = dict(zip(self.axis_names, self.shape))
+        used: list[str] = []
+        for dim, entry in zip(shape, spec):
+            names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            for n in names:
+                if n not in sizes:
+                    raise MpmdError(f"{what}: PartitionSpec {spec} names axis {n!r}, but the actor mesh has axes "
+                                    f"{self.axis_names} (shape {self.shape})")
+                if n in used:
+                    raise MpmdError(f"{what}: PartitionSpec {spec} uses axis {n!r} twice")
+                used.append(n)
+            k = math.prod(sizes[n] for n in names)
+            if dim % k:
+                raise MpmdError(f"{what}: dimension of size {dim} is split over {'x'.join(names)} = {k} devices, which does not "
+                                f"divide it (PartitionSpec {spec}, array shape {tuple(shape)})")
+
+
+def spec_to_wire(spec: PartitionSpec | None) -> list[Any] | None:
+    if spec is None:
+        return None
+    return [e if e is None or isinstance(e, str) else list(e) for e in spec]
+
+
+def spec_from_wire(wire: Any) -> PartitionSpec | None:
+    if wire is None:
+        return None
+    if not isinstance(wire, list):
+        raise ValueError(f"a PartitionSpec travels as a list, got {wire!r:.80}")
+    entries = []
+    for e in wire:
+        if e is None or isinstance(e, str):
+            entries.append(e)
+        elif isinstance(e, list) and all(isinstance(n, str) for n in e):
+            entries.append(tuple(e))
+        else:
+            raise ValueError(f"bad PartitionSpec entry {e!r:.80}")
+    return PartitionSpec(*entries)
+
+
+def is_replicated(spec: PartitionSpec | None) -> bool:
+    return spec is None or all(e is None for e in spec)
+
+
+def tree_specs(specs: Any, args: Any, what: str) -> list[PartitionSpec | None]:
+    """Per flat leaf of `args`, its PartitionSpec from `specs` (a prefix pytree of PartitionSpec / None, like
+    jax.jit's in_shardings). Raises MpmdError naming the mismatch."""
+    from mpmd.array import RemoteArray
+
+    is_remote = lambda x: isinstance(x, RemoteArray)  # noqa: E731
+    spec_leaves, spec_tree = jax.tree.flatten(specs, is_leaf=lambda x: x is None or isinstance(x, PartitionSpec))
+    try:
+        subtrees = spec_tree.flatten_up_to(args)
+    except (ValueError, TypeError) as e:
+        raise MpmdError(f"{what} is not a prefix of the arguments' tree (give a PartitionSpec or None per argument, or "
+                        f"per leaf): {e}") from None
+    expanded = [s for s, sub in zip(spec_leaves, subtrees) for _ in jax.tree.leaves(sub, is_leaf=is_remote)]
+    leaves = jax.tree.leaves(args, is_leaf=is_remote)
+    if len(expanded) != len(leaves):
+        raise MpmdError(f"{what} gives {len(expanded)} shardings for {len(leaves)} array leaves")
+    for s in expanded:
+        if s is not None and not isinstance(s, PartitionSpec):
+            raise MpmdError(f"{what} must hold PartitionSpecs or None, got {type(s).__name__} ({s!r:.60})")
+    return list(expanded)
+
+
+Layout = tuple  # a PartitionSpec as a tuple of entries; () is replicated
+
+
+def as_layout(spec: PartitionSpec | None) -> Layout:
+    return tuple(spec) if spec is not None else ()
+
+
+def layout_to_spec(layout: Layout | None) -> PartitionSpec | None:
+    return None if layout is None else PartitionSpec(*layout)
+
+
+def layout_wire(layout: Layout | None) -> list[Any] | None:
+    return None if layout is None else spec_to_wire(PartitionSpec(*layout))
+
+
+def layout_from_wire(wire: Any) -> Layout:
+    spec = spec_from_wire(wire)
+    return as_layout(spec)
+
+
+async def infer_layouts(units: dict[int, list[Any]], known: dict[Any, Layout], constraints: dict[Any, Layout],
+                        compile_unit: Any) -> tuple[dict[tuple[int, int], str], dict[Any, Layout]]:
+    """Compile every unit with its inputs' layouts, wave by wave: a unit whose inputs' layouts are all known is
+    compiled (on its actor, all such units at once), XLA chooses its outputs' layouts (or `constraints` fixes
+    them: the step's out_shardings), and those become known for the units that read them. Returns each
+    unit's executable key ((actor, index in that actor's list) -> key) and every value's layout.
+
+    `compile_unit(actor, unit, in_layouts, out_layouts) -> (exe key, chosen out layouts)` is a coroutine."""
+    import asyncio
+
+    known = dict(known)
+    pending = {(a, i) for a, us in units.items() for i in range(len(us))}
+    exe: dict[tuple[int, int], str] = {}
+    cache: dict[Any, Any] = {}
+    while pending:
+        ready = sorted(p for p in pending if all(k in known for k in units[p[0]][p[1]].inputs))
+        if not ready:
+            missing = {k for a, i in pending for k in units[a][i].inputs if k not in known}
+            raise MpmdError(f"internal: cannot infer the layouts of {len(missing)} values (a cycle between units?)")
+
+        async def one(a: int, i: int) -> None:
+            u = units[a][i]
+            ins = tuple(known[k] for k in u.inputs)
+            outs = tuple(constraints.get(k) for k in u.outputs)
+            key = (a, u.template(), ins, outs)
+            if key not in cache:
+                cache[key] = asyncio.ensure_future(compile_unit(a, u, ins, outs))
+            exe_key, chosen = await cache[key]
+            exe[(a, i)] = exe_key
+            for k, lay in zip(u.outputs, chosen):
+                known.setdefault(k, lay)
+
+        await asyncio.gather(*(one(a, i) for a, i in ready))
+        pending -= set(ready)
+    return exe, known
