@@ -96,6 +96,9 @@ class RemoteMesh:
             for i, msg in zip(senders, replies):
                 ids.update({(i, j): uid for j, uid in zip(outs[i], msg.header["ids"])})
         specs = peer_specs(self.routes, endpoints, ids)
+        for spec in specs:  # each actor learns its peers' data-plane keys (and shm names) from us, authenticated
+            for j, peer in spec.items():
+                peer.update(key=endpoints[int(j)].get("key"), shm_prefix=endpoints[int(j)].get("shm_prefix"))
         self.run(self._gather([c.request("connect_peers", {"peers": specs[i], "timeout": transfer_timeout})
                                for i, c in enumerate(self._conns)]))
 

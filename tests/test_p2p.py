@@ -160,13 +160,14 @@ def test_a_bad_data_plane_message_fails_the_receive_and_the_actor_survives(mesh2
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(mesh2.infos[1].header["p2p"]["tcp"])
     sock.send_multipart([b"\x00garbage"])
-    sock.send_multipart(encode({"op": "shm", "src": 0, "key": [mesh2.session, pid, 0, 3], "seg": 1, "name": "/mpmd-no-such-segment",
+    name = f"{mesh2.infos[0].header['p2p']['shm_prefix']}1-1"  # a name actor 0's segment for actor 1 would have; none exists
+    sock.send_multipart(encode({"op": "shm", "src": 0, "key": [mesh2.session, pid, 0, 3], "seg": 1, "name": name,
                                 "size": 1 << 18, "arrays": [{"dtype": "float32", "shape": [1024, 64]}]}))
 
     async def go():
         return await mesh2.conn(1).request("run_program", {"program": pid, "step": 0, "inputs": [], "outputs": [mesh2.new_buffer_id()]})
 
-    with pytest.raises(mpmd.RemoteError, match="could not map shared memory /mpmd-no-such-segment from actor 0"):
+    with pytest.raises(mpmd.RemoteError, match=f"could not map shared memory {name} from actor 0"):
         mesh2.run(asyncio.wait_for(go(), 30))
     sock.close()
     a = np.arange(6, dtype=np.float32)
