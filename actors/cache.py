@@ -2,6 +2,10 @@
 
 The same blob compiles once per actor; JAX's persistent compilation cache (when the daemon is given a
 cache directory) also makes a restarted daemon skip XLA compilation.
+
+Only checked bytes reach the compiler: a blob must come with the SHA-256 digest of its bytes (checked before
+anything else), is taken apart and its custom calls checked in a child process first (`actors.sandbox`),
+and its compile is bounded by a timeout.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from typing import Any
 
 import jax
 from jax import export
+
+from actors.sandbox import BlobChecker, BlobRefused
 
 log = logging.getLogger(__name__)
 
@@ -26,13 +32,22 @@ def content_hash(blob: bytes | memoryview) -> str:
     return hashlib.sha256(blob).hexdigest()[:32]
 
 
+def digest(blob: bytes | memoryview) -> str:
+    """What a `compile` request carries beside its blob: the SHA-256 of the bytes, in hex."""
+    return hashlib.sha256(blob).hexdigest()
+
+
 class ExecutableCache:
-    def __init__(self, device: Any) -> None:
+    def __init__(self, device: Any, checker: BlobChecker | None = None, compile_timeout: float = 600.0) -> None:
         self._device = device
+        self._checker = checker
+        self.compile_timeout = compile_timeout
         self._compiled: dict[str, Any] = {}
         self._compiling: dict[str, asyncio.Future[Any]] = {}
         self.compiles = 0
         self.hits = 0
+        self.refused = 0
+        self.check_seconds = 0.0
 
     def __len__(self) -> int:
         return len(self._compiled)
@@ -42,8 +57,15 @@ class ExecutableCache:
         with jax.default_device(self._device):
             return jax.jit(exp.call).lower(*exp.in_avals).compile()
 
-    async def compile(self, blob: bytes | memoryview) -> tuple[str, bool]:
-        """Compile `blob` (or find it cached). Returns (key, was_cached)."""
+    async def compile(self, blob: bytes | memoryview, expected_digest: str | None = None) -> tuple[str, bool]:
+        """Compile `blob` (or find it cached). Returns (key, was_cached). With a checker, `expected_digest`
+        must be the blob's `digest`."""
+        if self._checker is not None or expected_digest is not None:
+            got = hashlib.sha256(blob).hexdigest()
+            if expected_digest != got:
+                self.refused += 1
+                raise BlobRefused(f"the executable's digest does not match its bytes ('digest' {expected_digest!r:.80}, "
+                                  f"the {len(blob)} bytes hash to {got}); a compile request carries the SHA-256 of its blob")
         key = content_hash(blob)
         if key in self._compiled:
             self.hits += 1
@@ -55,15 +77,31 @@ class ExecutableCache:
         fut = asyncio.get_running_loop().create_future()
         self._compiling[key] = fut
         try:
-            compiled = await asyncio.to_thread(self._compile, bytes(blob))
+            data = bytes(blob)
+            if self._checker is not None:
+                try:
+                    result = await self._checker.check(data)
+                except BlobRefused:
+                    self.refused += 1
+                    raise
+                self.check_seconds += result.seconds
+            try:
+                compiled = await asyncio.wait_for(asyncio.to_thread(self._compile, data), self.compile_timeout)
+            except TimeoutError:
+                log.warning("executable %s did not compile within %g s; its compile thread is left running", key, self.compile_timeout)
+                raise BlobRefused(f"the executable did not compile within {self.compile_timeout:g} s (mpmd-actor "
+                                  "--compile-timeout); XLA is still working on it in the background") from None
             self._compiled[key] = compiled
             self.compiles += 1
             fut.set_result(compiled)
             log.debug("compiled executable %s", key)
             return key, False
         except BaseException as e:
-            fut.set_exception(e)
-            fut.exception()
+            if isinstance(e, asyncio.CancelledError):
+                fut.cancel()  # whoever waits for the same blob learns its compile was abandoned
+            else:
+                fut.set_exception(e)
+                fut.exception()
             raise
         finally:
             self._compiling.pop(key, None)
