@@ -142,7 +142,7 @@ class ActorConnection:
         if self.dead or self.client.pending == 0:
             return
         reason = self._alive() if self._alive else None
-        silent = now - self.client.last_heard
+        silent = self.client.silent(now)
         overdue = self._overdue(now, timeout) if reason is None else None
         if reason is None and silent + 2 * tick > timeout:
             reason = f"no reply or heartbeat for {silent:.1f} s (heartbeat_timeout={timeout:g} s)"
@@ -208,6 +208,7 @@ class Watchdog:
                 # compile, or the machine was swapping): that time says nothing about the actors.
                 for c in self.connections:
                     c.client.last_heard = min(now, c.client.last_heard + lag)
+                    c.client.waiting_since = min(now, c.client.waiting_since + lag)
                     for o in c.client.outstanding.values():
                         o.sent = min(now, o.sent + lag)
             for c in self.connections:

@@ -92,6 +92,16 @@ def test_a_crashed_actor_is_reported_as_a_segfault_naming_the_request():
         assert "it was serving: " in str(info.value) and "get (buf" in str(info.value)
 
 
+def test_an_actor_idle_past_the_heartbeat_timeout_is_not_declared_dead_by_its_next_request():
+    """Silence counts only while the actor owes a reply: after an idle spell, a compile (which keeps the actor
+    quiet until its pong) must not be taken for a hang."""
+    with mpmd.RemoteMesh.local(num_actors=1, heartbeat_timeout=1.0, heartbeat_interval=0.25) as mesh:
+        for k in range(2):
+            time.sleep(1.5)
+            out = mesh.actor(0).run(jax.jit(lambda a, k=k: jnp.sin(a) * (k + 2)), np.ones(64, np.float32))
+            np.testing.assert_allclose(out.to_numpy(), np.sin(np.ones(64)) * (k + 2), rtol=1e-6)
+
+
 def test_a_stopped_actor_is_declared_dead_within_the_heartbeat_timeout_and_can_be_reconnected_after_it_resumes():
     timeout = 2.0
     with mpmd.RemoteMesh.local(num_actors=2, heartbeat_timeout=timeout, heartbeat_interval=0.5) as mesh:

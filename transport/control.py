@@ -2,8 +2,9 @@
 
 One `ControlClient` per actor. Requests are tagged with an integer id, so many can be in flight at once
 and replies may come back in any order. A reader task routes each reply to its future. `last_heard`
-records the time of the last message from the actor (any reply, including pongs), which the controller's
-watchdog uses to tell a busy actor from a dead one; `outstanding` says which requests wait and since when.
+records the time of the last message from the actor (any reply, including pongs); `silent` (how long the
+actor has said nothing while it owed a reply) is what the controller's watchdog uses to tell a busy actor
+from a dead one; `outstanding` says which requests wait and since when.
 
 With `keys` the client is a CURVE client (transport/auth.py). A monitor on the socket turns what ZeroMQ
 otherwise retries in silence into errors: a refused handshake (wrong key, or one side without keys) fails
@@ -107,6 +108,7 @@ class ControlClient:
         self._reader: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
         self.last_heard = time.monotonic()
+        self.waiting_since = self.last_heard  # when the actor last came to owe us a reply after owing none
         self.requests_sent = 0
         self.closed = False
         self.connected = False
@@ -121,6 +123,10 @@ class ControlClient:
     @property
     def pending(self) -> int:
         return len(self._pending)
+
+    def silent(self, now: float) -> float:
+        """How long the actor has said nothing while it owed us a reply (an idle connection is not silent)."""
+        return now - max(self.last_heard, self.waiting_since)
 
     def poke(self) -> None:
         """Backstop against a lost wakeup: ZeroMQ signals its file descriptor edge-triggered, and asking for the
@@ -172,6 +178,8 @@ class ControlClient:
         self.start()
         req_id = next(self._ids)
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        if not self._pending:
+            self.waiting_since = time.monotonic()
         self._pending[req_id] = fut
         header = {"op": op, "id": req_id, **(fields or {})}
         self.outstanding[req_id] = Outstanding(op, header, time.monotonic())
