@@ -192,7 +192,8 @@ class RemoteMesh:
         """Talk again to actor `i` after it was declared dead, once it is back: a stopped process resumed
         (``kill -CONT``), or a daemon restarted at the same address. Its running steps are aborted. The same
         daemon keeps this mesh's buffers and programs; a restarted one has none (this mesh opens a new session
-        there and rewires the data plane; arrays that lived there are gone). Returns the actor's info."""
+        there and rewires the data plane; arrays that lived there are gone, and distributed functions made before
+        must be made again: their programs are gone too). Returns the actor's info."""
         old = self._conns[i]
         new = self._connection(i, old.address)
 

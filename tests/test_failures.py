@@ -134,6 +134,39 @@ def test_a_stopped_actor_is_declared_dead_within_the_heartbeat_timeout_and_can_b
         assert wait_until(lambda: mesh.actor(1).stats()["running"] == 0, 10)
 
 
+def test_a_restarted_daemon_is_taken_back_with_reconnect_and_the_data_plane_is_rewired(tmp_path):
+    """Daemons started by hand (as on a cluster); actor 1 is killed and started again at the same address with a
+    new data-plane key: reconnect opens the session there afresh and rewires both actors."""
+    from tests.test_p2p import run_transfers
+
+    handoff, keys = _keys_handoff()
+
+    def daemon(i):
+        return start_daemon("--listen", f"ipc://{tmp_path}/a{i}.sock", "--actor-id", str(i), "--p2p", "ipc", "--ipc-dir",
+                            str(tmp_path), "--keys-stdin", stdin=handoff)
+
+    procs = [daemon(0)[0], daemon(1)[0]]
+    try:
+        with mpmd.RemoteMesh([f"ipc://{tmp_path}/a0.sock", f"ipc://{tmp_path}/a1.sock"], keys=keys) as mesh:
+            a = np.arange(70_000, dtype=np.float32)
+            np.testing.assert_array_equal(run_transfers(mesh, [(0, 1, 0, a)])[0], a)
+            kept = mesh.actor(0).put(np.ones(3, np.float32))
+            lost = mesh.actor(1).put(np.ones(3, np.float32))
+            procs[1].kill()
+            procs[1].wait()
+            procs[1] = daemon(1)[0]
+            info = mesh.reconnect(1)
+            assert info["pid"] == procs[1].pid
+            for src, dst in ((0, 1), (1, 0)):
+                np.testing.assert_array_equal(run_transfers(mesh, [(src, dst, 0, a)])[0], a)
+            assert kept.to_numpy().tolist() == [1, 1, 1]
+            with pytest.raises(mpmd.RemoteError, match="holds no buffer"):
+                lost.to_numpy()
+    finally:
+        for p in procs:
+            stop_daemon(p)
+
+
 def _error_of(fn):
     try:
         fn()

@@ -139,6 +139,11 @@ class DataPlane(P2PTransport):
                 old = self._out.pop(peer, None)
                 if old is not None:
                     old.close(linger=0)
+                if peer in self._address:  # another process now (restarted): its segments and ours for it are void
+                    sender = self._shm_out.pop(peer, None)
+                    if sender is not None:
+                        sender.close()
+                    self._shm_in.forget(peer)
                 self._address[peer] = address
                 if key is not None:
                     self._peer_keys[peer] = key

@@ -175,11 +175,20 @@ class ShmReceiver:
     """The segments peers send to this actor through, mapped once each."""
 
     def __init__(self) -> None:
-        self.maps: dict[tuple[int, int], mmap.mmap] = {}
+        # Keyed by name too: a restarted peer numbers its segments from 0 again, under a new prefix.
+        self.maps: dict[tuple[int, int, str], mmap.mmap] = {}
         self.outstanding = 0  # views handed out whose last reference is not gone yet
 
+    def forget(self, src: int) -> None:
+        """Drop the mappings of a peer that is gone (their memory goes when the last view of each does)."""
+        for key in [k for k in self.maps if k[0] == src]:
+            try:
+                self.maps.pop(key).close()
+            except BufferError:  # a view is still alive; the mapping goes with it
+                pass
+
     def open(self, src: int, seg_id: int, name: str, size: int) -> mmap.mmap:
-        mm = self.maps.get((src, seg_id))
+        mm = self.maps.get((src, seg_id, name))
         if mm is None:
             if not name.startswith("/mpmd-") or "/" in name[1:]:
                 raise ValueError(f"shared-memory name {name!r} is not one of ours")
@@ -194,7 +203,7 @@ class ShmReceiver:
             finally:
                 os.close(fd)
                 _posixshmem.shm_unlink(name)
-            self.maps[(src, seg_id)] = mm
+            self.maps[(src, seg_id, name)] = mm
         elif len(mm) < size:
             raise ValueError(f"shared-memory segment {seg_id} from actor {src} is {len(mm)} bytes, {size} announced")
         return mm
