@@ -28,7 +28,6 @@ import faulthandler
 import json
 import logging
 import os
-import shutil
 import signal
 import sys
 
@@ -55,8 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache-dir", default=None, help="JAX persistent compilation cache directory")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process has exited")
     p.add_argument("--mesh-dir", default=None,
-                   help="the private directory of the local mesh this daemon belongs to (sockets, logs): removed by the "
-                        "daemon if its --parent-pid exits without cleaning up")
+                   help="the private directory of the local mesh this daemon belongs to: if its --parent-pid exits without "
+                        "cleaning up, the daemon removes its own files there (actor<id>.sock, p2p-<id>.sock, actor<id>.log) "
+                        "and the directory once it is empty")
     p.add_argument("--max-message-mb", type=int, default=8192, help="drop connections that send larger messages")
     p.add_argument("--server-key", default=None, help="this daemon's CURVE key pair (a *.key_secret file from `mpmd keys generate`)")
     p.add_argument("--authorized-keys", default=None, help="directory of *.key files: the controllers allowed to connect")
@@ -293,8 +293,17 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         except OSError:
             pass
     if orphaned.is_set() and args.mesh_dir:
-        # Nobody will read our log or dial our sockets again: leave nothing of the mesh behind.
-        shutil.rmtree(args.mesh_dir, ignore_errors=True)
+        # Nobody will read our log or dial our sockets again: remove what is ours, and the directory once empty
+        # (the last daemon of the mesh to go removes it).
+        for name in (f"actor{args.actor_id}.sock", f"p2p-{args.actor_id}.sock", f"actor{args.actor_id}.log"):
+            try:
+                os.unlink(os.path.join(args.mesh_dir, name))
+            except OSError:
+                pass
+        try:
+            os.rmdir(args.mesh_dir)
+        except OSError:
+            pass
 
 
 def _waiting_on(msg) -> str:

@@ -7,6 +7,9 @@
    unauthenticated one (daemons started with --insecure), alternating between them: the median ping, and a
    64 MiB actor-to-actor transfer over the ``tcp`` route (ZeroMQ frames, which CURVE encrypts) and over the
    ``shm`` route (shared memory; only the notice is encrypted). Reported as ratios secure / insecure.
+3. Compile-check cost: for distinct stage blobs (the MLP stage at several widths), the time the child process
+   takes to check each (deserialize, read, custom calls, lower) against the daemon's whole compile request;
+   and the checker's memory while it is alive.
 
     python -m benchmarks.soak [--steps 2000] [--reps 5]
 """
@@ -169,6 +172,53 @@ def curve_cost(reps: int, pings: int = 500) -> None:
             print(f"  transfer {what:13s} {nbytes / a / 2**30:8.2f} GiB/s vs {nbytes / b / 2**30:5.2f} GiB/s   time ratio {a / b:.2f}")
 
 
+def _stage_blob(width: int) -> bytes:
+    from jax import export
+
+    def flat(w1, w2, x):
+        def loss(w1, w2):
+            return jnp.mean((jnp.tanh(x @ w1) @ w2) ** 2)
+
+        v, (g1, g2) = jax.value_and_grad(loss, argnums=(0, 1))(w1, w2)
+        return v, g1, g2
+
+    S = jax.ShapeDtypeStruct
+    return bytes(export.export(jax.jit(flat), platforms=["cpu"])(S((width, width), jnp.float32), S((width, width), jnp.float32),
+                                                                  S((16, width), jnp.float32)).serialize())
+
+
+def compile_check_cost(n: int = 6) -> None:
+    import hashlib
+
+    from actors.sandbox import BlobChecker
+
+    blobs = [_stage_blob(32 + 16 * i) for i in range(n)]
+    checker = BlobChecker()
+
+    async def checks() -> tuple[list[float], float]:
+        await checker.start()
+        times = []
+        for b in blobs:
+            t = time.perf_counter()
+            await checker.check(b)
+            times.append(time.perf_counter() - t)
+        rss = rss_mib(checker._proc.pid) if checker._proc is not None else float("nan")
+        checker.close()
+        return times, rss
+
+    check_times, rss = asyncio.run(checks())
+    with mpmd.RemoteMesh.local(num_actors=1) as mesh:
+        time.sleep(2)  # the daemon's own checker has started
+        compile_times = []
+        for b in blobs:
+            t = time.perf_counter()
+            mesh.run(mesh.conn(0).request("compile", {"digest": hashlib.sha256(b).hexdigest()}, [np.frombuffer(b, np.uint8)]))
+            compile_times.append(time.perf_counter() - t)
+    c, k = statistics.median(check_times), statistics.median(compile_times)
+    print(f"compile check ({n} distinct stage blobs, medians): check {1e3 * c:.0f} ms of a {1e3 * k:.0f} ms compile request "
+          f"({100 * c / k:.0f} %); the checker process holds {rss:.0f} MiB while alive (it exits after 60 s without work)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2000)
@@ -176,6 +226,7 @@ def main() -> None:
     args = ap.parse_args()
     soak(args.steps)
     curve_cost(args.reps)
+    compile_check_cost()
 
 
 if __name__ == "__main__":
