@@ -69,8 +69,9 @@ class Session:
     """What one controller owns on this actor: its buffers, its programs and its running steps. Ids of
     buffers and programs are the controller's own; two controllers' sessions never see each other's."""
 
-    def __init__(self, session_id: int, actor_id: int) -> None:
+    def __init__(self, session_id: int, actor_id: int, owner: str | None = None) -> None:
         self.id = session_id
+        self.owner = owner  # the authenticated client (its key's name) that opened it; only it may use it
         self.buffers = BufferTable(f"actor {actor_id} (session {session_id:x})")
         self.programs: dict[int, dict[str, Any]] = {}
         self.running: dict[tuple[int, int], asyncio.Task[Any]] = {}
@@ -95,11 +96,12 @@ class Actor:
         # CPU computations run one after another through an order token (actors/stream.py); GPUs queue in order.
         ordered_calls = self.device.platform == "cpu"
         self.stream = Stream(self.device, ordered_calls)
-        self.cache = ExecutableCache(self.device, ordered_calls)
+        self.cache = ExecutableCache(self.device, ordered=ordered_calls)
         self.p2p = p2p
         self.sessions: dict[int, Session] = {}
         self.requests = 0
         self.errors = 0
+        self.limits: dict[str, Any] = {}  # the daemon's bounds (request and compile timeouts), reported by `info`
         self.handlers = {
             "ping": self.ping,
             "info": self.info,
@@ -135,16 +137,17 @@ class Actor:
             "jax_version": jax.__version__,
             "p2p": self.p2p.endpoint() if self.p2p else None,
             "sessions": len(self.sessions),
+            **self.limits,
         }, []
 
-    async def hello(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
+    async def hello(self, ses: Session | None, msg: Message, peer: str | None = None) -> tuple[dict, list]:
         """Open a session for a controller (its id is the controller's random choice); reply with `info`."""
         sid = field(msg, "session", int)
         if sid in self.sessions:
             raise RequestError(f"session {sid:x} is already open on actor {self.actor_id}; each controller picks a fresh id")
         if len(self.sessions) >= MAX_SESSIONS:
             raise RequestError(f"actor {self.actor_id} already serves {len(self.sessions)} sessions (the limit); close a mesh first")
-        self.sessions[sid] = Session(sid, self.actor_id)
+        self.sessions[sid] = Session(sid, self.actor_id, peer)
         return await self.info(None, msg)
 
     async def bye(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
@@ -153,7 +156,7 @@ class Actor:
         self.sessions.pop(ses.id, None)
         ses.close()
         if self.p2p is not None:
-            self.p2p.abandon(lambda k: k[0] == ses.id)
+            self.p2p.expire((ses.id,))
         return {"closed": ses.id}, []
 
     async def put(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
@@ -188,9 +191,21 @@ class Actor:
     async def compile(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         if len(msg.arrays) != 1:
             raise RequestError("'compile' carries the serialized executable as one uint8 frame")
+        digest = msg.header.get("digest")
+        if digest is not None and not isinstance(digest, str):
+            raise RequestError("'compile' field 'digest' must be the blob's SHA-256 in hex")
         donate = int_list(msg, "donate") if "donate" in msg.header else []
-        key, cached = await self.cache.compile(msg.arrays[0].data, tuple(donate))
-        return {"exe": key, "cached": cached}, []
+        in_layouts, out_layouts = msg.header.get("in_layouts"), msg.header.get("out_layouts")
+        for name, lay in (("in_layouts", in_layouts), ("out_layouts", out_layouts)):
+            if lay is not None and not isinstance(lay, list):
+                raise RequestError(f"'compile' field {name!r} must be a list of layouts")
+        if (in_layouts is not None or out_layouts is not None) and self.cache.mesh is None:
+            raise RequestError(f"actor {self.actor_id} has no device mesh: layouts need a mesh (RemoteMesh(..., mesh_shape=...))")
+        key, cached = await self.cache.compile(msg.arrays[0].data, digest, tuple(donate), in_layouts, out_layouts)
+        reply: dict[str, Any] = {"exe": key, "cached": cached}
+        if in_layouts is not None:
+            reply["out_layouts"] = self.cache.out_layouts(key)
+        return reply, []
 
     async def run(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         exe = self.cache.get(field(msg, "exe", str))
@@ -253,6 +268,8 @@ class Actor:
         from transport.p2p import nccl
 
         count = field(msg, "count", int)
+        if not 0 <= count <= 4096:
+            raise RequestError(f"'nccl_ids' field 'count' must be 0-4096, got {count}")
         if not nccl.available():
             raise RequestError(f"actor {self.actor_id} cannot use NCCL: cupy.cuda.nccl does not import (install the 'gpu' extra)")
         return {"ids": [nccl.unique_id() for _ in range(count)]}, []
@@ -302,10 +319,14 @@ class Actor:
         # left reserved. Then take them all at once, so a delete arriving next cannot pull one away.
         for b in [*(b for b in inputs if b >= 0 and b not in received), *(i.buf for i in prologue if isinstance(i, Send))]:
             ses.buffers.ref(b)
+        inline = iter(msg.arrays)
+        try:  # before anything is reserved: a failure here leaves nothing behind
+            placed = {i: self._to_device(next(inline)) for i, b in enumerate(inputs) if b < 0}
+        except Exception as e:
+            raise RequestError(f"program {pid}: an inline input cannot be placed on actor {self.actor_id}: {e}") from None
         for b in received:
             ses.buffers.reserve(b)
-        inline = iter(msg.arrays)
-        refs = [self._to_device(next(inline)) if b < 0 else ses.buffers.ref(b) for b in inputs]
+        refs = [placed[i] if b < 0 else ses.buffers.ref(b) for i, b in enumerate(inputs)]
         for b in outputs:
             ses.buffers.reserve(b)
         key = (pid, step)
@@ -319,15 +340,17 @@ class Actor:
             await task
             results = [env.get_now(local) for local in prog.outputs]
         except BaseException as e:
-            for b in outputs:
-                ses.buffers.fail(b, e)
-            if isinstance(e, asyncio.CancelledError):
-                raise RequestError(f"program {pid} step {step} was aborted on actor {self.actor_id}") from None
+            why = RequestError(f"program {pid} step {step} was aborted on actor {self.actor_id}") if isinstance(
+                e, asyncio.CancelledError) else e
+            for b in [*outputs, *received]:  # (a prologue receive the step never got to is still reserved)
+                ses.buffers.fail(b, why)  # whoever waits for one learns why it will not come
+            if why is not e:
+                raise why from None
             raise
         finally:
             ses.running.pop(key, None)
             if self.p2p is not None:
-                self.p2p.abandon(lambda k: tuple(k[:3]) == (ses.id, pid, step))
+                self.p2p.expire((ses.id, pid, step))  # leftovers go, and whatever still arrives for this step
             ses.last_step_peak_bytes = env.peak_bytes
             env.clear()  # the step's intermediates go now (and with them any shared memory they aliased)
         for b, r in zip(outputs, results):
@@ -339,12 +362,16 @@ class Actor:
         return reply, []
 
     async def abort(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
+        """Cancel the running step (program, step), or every running step of the session when neither is given."""
         assert ses is not None
-        key = (field(msg, "program", int), field(msg, "step", int))
-        task = ses.running.get(key)
-        if task is not None:
+        if "program" not in msg.header and "step" not in msg.header:
+            tasks = list(ses.running.values())
+        else:
+            task = ses.running.get((field(msg, "program", int), field(msg, "step", int)))
+            tasks = [task] if task is not None else []
+        for task in tasks:
             task.cancel()
-        return {"aborted": task is not None}, []
+        return {"aborted": bool(tasks), "steps": len(tasks)}, []
 
     async def _execute(self, ses: Session, pid: int, prog: Program, step: int, env: BufferTable, refs: list,
                        prologue: list[Instruction], sync: bool, trace: StepTrace | None = None) -> None:
@@ -453,15 +480,21 @@ class Actor:
             raise
 
     # ---- dispatch --------------------------------------------------------------------------------
-    async def handle(self, msg: Message) -> tuple[dict, list]:
+    async def handle(self, msg: Message, peer: str | None = None) -> tuple[dict, list]:
+        """Serve one request. `peer` is the authenticated client (None without authentication): a session
+        answers only the client that opened it."""
         self.requests += 1
         handler = self.handlers.get(msg.op)
         if handler is None:
             raise RequestError(f"unknown op {msg.op!r}; this actor serves {sorted(self.handlers)}")
+        if msg.op == "hello":
+            return await self.hello(None, msg, peer)
         ses = None
         if msg.op not in SESSIONLESS:
             sid = msg.header.get("session")
             ses = self.sessions.get(sid) if isinstance(sid, int) else None
+            if ses is not None and ses.owner != peer:
+                ses = None  # another client's session: as if it did not exist
             if ses is None:
                 raise RequestError(f"'{msg.op}' needs an open session (got session {sid!r}); a controller opens one with "
                                    f"'hello' when it connects ({len(self.sessions)} open on actor {self.actor_id})")

@@ -1,14 +1,23 @@
 """`mpmd-actor`: the per-node daemon.
 
-    mpmd-actor --listen tcp://0.0.0.0:5555 --actor-id 0            # one per node, e.g. under srun
-    mpmd-actor --listen ipc:///tmp/a0.sock --cpu-devices 4          # a local actor with 4 CPU devices
+    mpmd keys generate ~/.mpmd/keys                        # once; copy the directory to every node
+    mpmd-actor --listen tcp://0.0.0.0:5555 --actor-id 0 \\
+        --server-key ~/.mpmd/keys/mpmd.key_secret --authorized-keys ~/.mpmd/keys
+    mpmd-actor --listen ipc:///tmp/a0.sock --cpu-devices 4 --insecure   # a local actor, no keys
 
 On start it prints one line ``MPMD_ACTOR_READY <endpoint> <p2p endpoint>`` to stdout (``:0`` binds a free
 port, and the line says which). It serves requests until a ``shutdown`` request, SIGTERM or SIGINT, or
-(with ``--parent-pid``) until that process is gone. A bad request gets an error reply; it never stops the
-daemon. ``kill -USR1 <pid>`` writes every thread's stack to stderr (the controller of a local mesh does this
-for an actor that stops answering, and shows the stacks in the error). With ``MPMD_ACTOR_PROFILE=<prefix>``
-in its environment, a daemon profiles its event-loop thread (cProfile) into ``<prefix>.<actor id>`` on exit.
+(with ``--parent-pid``) until that process has exited (a zombie counts as exited). A bad request gets an
+error reply within ``--request-timeout``; it never stops the daemon. ``kill -USR1 <pid>`` writes every
+thread's stack to stderr (the controller of a local mesh does this for an actor that stops answering, and
+shows the stacks in the error). With ``MPMD_ACTOR_PROFILE=<prefix>`` in its environment, a daemon profiles
+its event-loop thread (cProfile) into ``<prefix>.<actor id>`` on exit.
+
+Security: with ``--server-key``/``--authorized-keys`` the control socket is a CURVE server that admits only
+the controllers whose public keys are in that directory, and every request is tied to the key that sent it.
+Without keys the daemon binds only to loopback or ipc (``--insecure`` lifts that, and trusts whoever can
+reach the socket), and serves ``compile`` only with ``--insecure``. The data plane between actors is
+CURVE-authenticated with keys the daemon makes at start (see transport/auth.py) unless ``--insecure``.
 """
 
 from __future__ import annotations
@@ -16,10 +25,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import faulthandler
+import json
 import logging
 import os
 import signal
 import sys
+
+COMPILE_GRACE = 5.0  # a compile's bound is --compile-timeout plus this (its checker's start), so its own timeouts speak first
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -32,18 +44,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "also turns off Eigen's multi-threading)")
     p.add_argument("--platform", default=None, help="JAX platform to use (cpu, cuda); default: JAX's choice")
     p.add_argument("--devices", default=None, help="comma-separated visible GPU indices (sets CUDA_VISIBLE_DEVICES)")
-    p.add_argument("--p2p", default="tcp", choices=["tcp", "none"],
+    p.add_argument("--p2p", default="tcp", choices=["tcp", "ipc", "none"],
                    help="data plane to other actors: 'tcp' opens ZeroMQ endpoints (the controller then picks tcp, shm or "
-                        "nccl per peer); 'none' has no data plane")
+                        "nccl per peer); 'ipc' only an ipc socket in --ipc-dir (actors on this host only); 'none' no data plane")
     p.add_argument("--ipc-dir", default=None, help="also bind the data plane on an ipc socket in this directory (same-host peers use it)")
     p.add_argument("--transfer-timeout", type=float, default=300.0,
                    help="seconds a receive waits for its peer before the step fails (the controller may change it)")
     p.add_argument("--p2p-host", default=None, help="address peers reach this actor's data plane on (default: the --listen host)")
     p.add_argument("--cache-dir", default=None, help="JAX persistent compilation cache directory")
-    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process has exited")
+    p.add_argument("--mesh-dir", default=None,
+                   help="the private directory of the local mesh this daemon belongs to: if its --parent-pid exits without "
+                        "cleaning up, the daemon removes its own files there (actor<id>.sock, p2p-<id>.sock, actor<id>.log) "
+                        "and the directory once it is empty")
     p.add_argument("--max-message-mb", type=int, default=8192, help="drop connections that send larger messages")
+    p.add_argument("--server-key", default=None, help="this daemon's CURVE key pair (a *.key_secret file from `mpmd keys generate`)")
+    p.add_argument("--authorized-keys", default=None, help="directory of *.key files: the controllers allowed to connect")
+    p.add_argument("--keys-stdin", action="store_true", help=argparse.SUPPRESS)  # a local mesh hands ephemeral keys over a pipe
+    p.add_argument("--insecure", action="store_true",
+                   help="run without authentication: accept any client on any address (only on networks you trust)")
+    p.add_argument("--request-timeout", type=float, default=3600.0,
+                   help="every request but compile gets its reply within this many seconds (an error reply if need be)")
+    p.add_argument("--compile-timeout", type=float, default=600.0,
+                   help="seconds a compile's checks, and then its compile, may each take (the request: 5 s more)")
+    p.add_argument("--allow-custom-call", action="append", default=[], metavar="TARGET",
+                   help="also allow executables to call this custom-call target (repeatable)")
+    p.add_argument("--max-unclaimed", type=int, default=10_000,
+                   help="data-plane arrivals one peer may leave unclaimed here before further ones are refused")
+    p.add_argument("--max-unclaimed-mb", type=int, default=32 * 1024, help="the same limit, in MiB")
     p.add_argument("--log-level", default="WARNING")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.p2p == "ipc" and not args.ipc_dir:
+        p.error("--p2p ipc needs --ipc-dir")
+    for name in ("request_timeout", "compile_timeout", "transfer_timeout"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    return args
 
 
 def configure_environment(args: argparse.Namespace) -> None:
@@ -67,7 +103,40 @@ def configure_environment(args: argparse.Namespace) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = args.devices
 
 
-async def serve(args: argparse.Namespace) -> None:
+def load_security(args: argparse.Namespace) -> tuple[object | None, dict[bytes, str]]:
+    """(server key pair, {authorized public key: name}), or (None, {}) without keys; exits with a clear
+    message on a bad combination, and refuses a non-loopback bind without keys unless --insecure."""
+    from transport.auth import AuthKeyError, KeyPair, is_loopback, load_authorized_keys
+
+    def fail(why: str) -> None:
+        raise SystemExit(f"mpmd-actor: {why}")
+
+    if args.keys_stdin:
+        try:
+            spec = json.loads(sys.stdin.readline())
+            pair = KeyPair(spec["server_public"].encode(), spec["server_secret"].encode())
+            return pair, {k.encode(): v for k, v in spec["authorized"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            fail(f"--keys-stdin: expected one JSON line with server_public, server_secret and authorized ({e})")
+    if bool(args.server_key) != bool(args.authorized_keys):
+        fail("--server-key and --authorized-keys go together: the daemon's own key pair, and the directory of the "
+             "controllers' public keys it admits (`mpmd keys generate DIR` makes both)")
+    if args.server_key:
+        if args.insecure:
+            fail("--insecure and --server-key contradict each other; drop one")
+        try:
+            return KeyPair.load(args.server_key), load_authorized_keys(args.authorized_keys)
+        except AuthKeyError as e:
+            fail(str(e))
+    if not args.insecure and not is_loopback(args.listen):  # (the data plane is authenticated with its own keys anyway)
+        fail(f"refusing to listen on {args.listen} without authentication: anyone who can reach it could read and "
+                 "overwrite this job's arrays and run code here. Give the daemon keys (`mpmd keys generate DIR`, then "
+                 "--server-key DIR/mpmd.key_secret --authorized-keys DIR), or listen on loopback/ipc, or pass --insecure "
+                 "if every machine that can reach this address is trusted")
+    return None, {}
+
+
+async def serve(args: argparse.Namespace, server_pair: object | None, authorized: dict[bytes, str]) -> None:
     import jax
     import zmq
     import zmq.asyncio
@@ -79,14 +148,29 @@ async def serve(args: argparse.Namespace) -> None:
         jax.config.update("jax_compilation_cache_dir", args.cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
-    from actors.actor import Actor, format_exception
+    from actors.actor import Actor, RequestError, format_exception
+    from actors.cache import ExecutableCache
+    from actors.sandbox import ALLOWED_CUSTOM_CALLS, BlobChecker
+    from transport.auth import Authenticator, KeyPair, configure_server, user_id
     from transport.control import bind_router
     from transport.p2p import DataPlane
+    from transport.p2p.base import ArrivalLimits
     from transport.protocol import ProtocolError, decode, encode, error_reply
+    from transport.ratelimit import RateLimitedLog
 
     log = logging.getLogger("mpmd.actor")
+    warn = RateLimitedLog(log)
+    secure = server_pair is not None
+    if not secure and not args.insecure:
+        log.warning("serving %s without authentication: any local user can reach it; 'compile' is refused (give the "
+                    "daemon --server-key/--authorized-keys, or --insecure)", args.listen)
     ctx = zmq.asyncio.Context.instance()
-    sock, endpoint = bind_router(ctx, args.listen, args.max_message_mb * 1024 * 1024)
+    auth = None
+    if secure:
+        auth = Authenticator(ctx, f"actor {args.actor_id} control socket", authorized)
+        auth.start()
+    max_bytes = args.max_message_mb * 1024 * 1024
+    sock, endpoint = bind_router(ctx, args.listen, max_bytes, configure=(lambda s: configure_server(s, server_pair)) if secure else None)
     p2p = None
     if args.p2p != "none":
         host = args.p2p_host or (args.listen.split("://", 1)[1].rsplit(":", 1)[0] if args.listen.startswith("tcp://") else "127.0.0.1")
@@ -96,11 +180,22 @@ async def serve(args: argparse.Namespace) -> None:
         from actors.buffers import release_host_memory
 
         p2p = DataPlane(args.actor_id, host, args.ipc_dir, nccl_device=device if device.platform == "gpu" else None,
-                        release_hook=release_host_memory)
+                        release_hook=release_host_memory, keys=None if args.insecure else KeyPair.generate(),
+                        tcp=args.p2p == "tcp", max_message_bytes=max_bytes,
+                        limits=ArrivalLimits(args.max_unclaimed, args.max_unclaimed_mb * 1024 * 1024))
         await p2p.start()
+    checker = BlobChecker(ALLOWED_CUSTOM_CALLS | frozenset(args.allow_custom_call), timeout=args.compile_timeout,
+                          devices=len(jax.devices()))
     actor = Actor(args.actor_id, p2p, transfer_timeout=args.transfer_timeout)
+    actor.cache = ExecutableCache(actor.device, checker, args.compile_timeout, ordered=actor.stream.ordered)
+    actor.limits = {"request_timeout": args.request_timeout, "compile_timeout": args.compile_timeout + COMPILE_GRACE,
+                    "authenticated": secure, "insecure": args.insecure}
+    if p2p is not None:
+        p2p.admit = lambda key: None if key and key[0] in actor.sessions else (
+            f"no open session {key[0] if key else None!r} on actor {args.actor_id}")
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # `kill -USR1 <pid>`: where is it stuck?
     stop = asyncio.Event()
+    orphaned = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -109,70 +204,186 @@ async def serve(args: argparse.Namespace) -> None:
         try:
             await sock.send_multipart([identity, *frames], copy=False)
         except zmq.ZMQError as e:  # the controller went away (ROUTER_MANDATORY: host unreachable)
-            log.warning("could not reply to %r: %s", identity, e)
+            warn.warning("reply", "could not reply to %r: %s", identity, e)
 
-    async def handle(identity: bytes, frames: list) -> None:
+    async def answer(msg, peer: str | None) -> tuple[dict, list]:
+        """Run one request's handler within the request bound; a handler that is still busy then is cancelled
+        (failing what it reserved) and the request gets an error instead."""
+        bound, flag = ((args.compile_timeout + COMPILE_GRACE, "--compile-timeout") if msg.op == "compile"
+                       else (args.request_timeout, "--request-timeout"))
+        deadline = asyncio.timeout(bound)
+        try:
+            async with deadline:
+                return await actor.handle(msg, peer)
+        except BaseException as e:
+            if deadline.expired():
+                raise RequestError(f"'{msg.op}' did not finish within {bound:g} s (mpmd-actor {flag}), so it was "
+                                   f"cancelled; {_waiting_on(msg)}") from None
+            if isinstance(e, asyncio.CancelledError) and not asyncio.current_task().cancelling():
+                # Not the daemon stopping: something the handler awaited went away.
+                raise RequestError(f"'{msg.op}' was cancelled: a buffer it waited for was deleted or its step aborted") from None
+            raise
+
+    async def handle(identity, frames: list) -> None:
         req_id = None
+        peer = user_id(identity) if secure else None
         try:
             msg = decode(frames)
             req_id = msg.header.get("id")
             if msg.op == "shutdown":
-                await reply(identity, encode({"op": "reply", "id": req_id, "ok": True}))
+                await reply(identity.bytes, encode({"op": "reply", "id": req_id, "ok": True}))
                 stop.set()
                 return
-            header, arrays = await actor.handle(msg)
-            await reply(identity, encode({"op": "reply", "id": req_id, "ok": True, **header}, arrays))
+            if msg.op == "compile" and not (secure or args.insecure):
+                raise RequestError("this daemon serves 'compile' only to an authenticated controller: start it with "
+                                   "--server-key/--authorized-keys (RemoteMesh.local does that by itself), or with "
+                                   "--insecure to trust whoever can reach its socket")
+            header, arrays = await answer(msg, peer)
+            await reply(identity.bytes, encode({"op": "reply", "id": req_id, "ok": True, **header}, arrays))
         except asyncio.CancelledError:
-            return
+            return  # the daemon is stopping
         except Exception as e:  # every failure becomes an error reply; the daemon keeps serving
             actor.errors += 1
-            if not isinstance(e, ProtocolError):
-                log.info("request %s failed: %s", req_id, e)
+            kind = "protocol" if isinstance(e, ProtocolError) else "request"
+            warn.info(kind, "request %s failed: %s", req_id, str(e)[:300])
             try:
-                await reply(identity, encode(error_reply(req_id, e, format_exception(e), actor_id=args.actor_id)))
+                await reply(identity.bytes, encode(error_reply(req_id, e, format_exception(e), actor_id=args.actor_id)))
             except Exception:  # an unencodable id or message: say it plainly
-                await reply(identity, encode({"op": "error", "id": None, "error": "ProtocolError", "message": str(e)[:1000]}))
+                await reply(identity.bytes, encode({"op": "error", "id": None, "error": "ProtocolError", "message": str(e)[:1000]}))
 
     tasks: set[asyncio.Task[None]] = set()
 
     async def receive() -> None:
         while True:
             identity, *frames = await sock.recv_multipart(copy=False)
-            t = loop.create_task(handle(identity.bytes, frames))
+            t = loop.create_task(handle(identity, frames))
             tasks.add(t)
             t.add_done_callback(tasks.discard)
 
-    async def watch_parent() -> None:
-        while args.parent_pid:
-            try:
-                os.kill(args.parent_pid, 0)
-            except ProcessLookupError:
-                log.warning("parent process %d is gone; shutting down", args.parent_pid)
-                stop.set()
-                return
-            await asyncio.sleep(0.5)
+    async def poke() -> None:
+        # Backstop against a lost wakeup: ZeroMQ signals its file descriptor edge-triggered; asking for the
+        # socket's events makes pyzmq handle whatever is waiting.
+        while True:
+            await asyncio.sleep(0.25)
+            sock.get(zmq.EVENTS)
 
-    print(f"MPMD_ACTOR_READY {endpoint} {p2p.endpoint()['tcp'] if p2p else '-'}", flush=True)
+    watcher = watch_parent(loop, args.parent_pid, orphaned, log) if args.parent_pid else None
+    print(f"MPMD_ACTOR_READY {endpoint} {_p2p_address(p2p)}", flush=True)
     receiver = loop.create_task(receive())
-    watcher = loop.create_task(watch_parent())
-    await stop.wait()
+    poker = loop.create_task(poke())
+    loop.create_task(_quietly(checker.start()))  # the checker imports JAX meanwhile, so the first compile need not wait
+    orphan_wait = loop.create_task(orphaned.wait())
+    await asyncio.wait({loop.create_task(stop.wait()), orphan_wait}, return_when=asyncio.FIRST_COMPLETED)
     receiver.cancel()
-    watcher.cancel()
+    poker.cancel()
+    if watcher is not None:
+        watcher()
     for t in list(tasks):
         t.cancel()
     await asyncio.sleep(0)
+    checker.close()
     if p2p is not None:
         p2p.close()
     sock.close(linger=0)
+    if auth is not None:
+        auth.stop()
     if endpoint.startswith("ipc://"):
         try:
             os.unlink(endpoint[len("ipc://") :])
         except OSError:
             pass
+    if orphaned.is_set() and args.mesh_dir:
+        # Nobody will read our log or dial our sockets again: remove what is ours, and the directory once empty
+        # (the last daemon of the mesh to go removes it).
+        for name in (f"actor{args.actor_id}.sock", f"p2p-{args.actor_id}.sock", f"actor{args.actor_id}.log"):
+            try:
+                os.unlink(os.path.join(args.mesh_dir, name))
+            except OSError:
+                pass
+        try:
+            os.rmdir(args.mesh_dir)
+        except OSError:
+            pass
+
+
+def _waiting_on(msg) -> str:
+    bufs = msg.header.get("bufs") or ([msg.header["buf"]] if "buf" in msg.header else [])
+    if msg.op in ("get", "wait") and isinstance(bufs, list) and bufs:
+        return f"buffer(s) {bufs[:8]} were still being produced (is the step that makes them stuck?)"
+    if msg.op == "run_program":
+        return f"program {msg.header.get('program')} step {msg.header.get('step')} was still running; its outputs are failed"
+    return "nothing it reserved is left reserved"
+
+
+def _p2p_address(p2p) -> str:
+    if p2p is None:
+        return "-"
+    ep = p2p.endpoint()
+    return ep["tcp"] or ep["ipc"]
+
+
+async def _quietly(coro) -> None:
+    try:
+        await coro
+    except Exception as e:  # the checker restarts at the first compile; say why it did not start now
+        logging.getLogger("mpmd.actor").warning("the compile checker did not start: %s", e)
+
+
+def watch_parent(loop: asyncio.AbstractEventLoop, pid: int, gone: asyncio.Event, log: logging.Logger):
+    """Set `gone` when process `pid` exits — also when it is left a zombie (a pidfd becomes readable at exit,
+    where `kill(pid, 0)` would still succeed). Returns a function that stops watching."""
+
+    def exited(why: str) -> None:
+        log.warning("parent process %d %s; shutting down", pid, why)
+        gone.set()
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        loop.call_soon(exited, "is gone")
+        return lambda: None
+    except (AttributeError, OSError):  # no pidfd (old kernel, not Linux): poll the process state
+        async def poll() -> None:
+            while _running(pid):
+                await asyncio.sleep(0.5)
+            exited("is gone")
+
+        task = loop.create_task(poll())
+        return task.cancel
+
+    def on_readable() -> None:
+        loop.remove_reader(fd)
+        exited("has exited")
+
+    loop.add_reader(fd, on_readable)
+
+    def cancel() -> None:
+        try:
+            loop.remove_reader(fd)
+        except (ValueError, OSError):
+            pass
+        os.close(fd)
+
+    return cancel
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    server_pair, authorized = load_security(args)
     configure_environment(args)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format=f"[actor {args.actor_id}] %(levelname)s %(name)s: %(message)s")
     profile_to = os.environ.get("MPMD_ACTOR_PROFILE")  # a path prefix: cProfile the event loop thread into <prefix>.<id>
@@ -184,9 +395,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import uvloop
 
-        uvloop.run(serve(args))
+        loop = uvloop.new_event_loop()
     except ImportError:
-        asyncio.run(serve(args))
+        loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    # Not asyncio.run: at the end it would join the worker threads, and one may be waiting for a computation
+    # nobody will read (a `get` that timed out).
+    loop.run_until_complete(serve(args, server_pair, authorized))
     if profile_to:
         profiler.disable()
         profiler.dump_stats(f"{profile_to}.{args.actor_id}")

@@ -76,7 +76,7 @@ def bench_vs_jit(mesh, width, depth, mbs, mb_size, reps=5):
 
 def main() -> None:
     with mpmd.RemoteMesh.local(num_actors=2) as mesh:
-        one = mpmd.RemoteMesh.connect(mesh.addresses[:1], transport="none")
+        one = mpmd.RemoteMesh.connect(mesh.addresses[:1], transport="none", keys=mesh.keys)
         jit_t, dist_t, jit_c, dist_c, _ = bench_vs_jit(one, width=512, depth=4, mbs=4, mb_size=256)
         print(f"compute-bound step (1 actor, 512x512 MLP x4, 4 mbs of 256): jax.jit {jit_t * 1e3:.1f} ms, "
               f"mpmd {dist_t * 1e3:.1f} ms, ratio {dist_t / jit_t:.3f}")
@@ -97,7 +97,7 @@ def main() -> None:
         out[2].to_numpy()
         t2 = timed(lambda: dist2(out[0], out[1], batch)[2].to_numpy(), 5)
         step1, params1, _ = make(1, width, depth, mpmd.GPipe(1))  # one stage's work, on one actor
-        one = mpmd.RemoteMesh.connect(mesh.addresses[:1], transport="none")
+        one = mpmd.RemoteMesh.connect(mesh.addresses[:1], transport="none", keys=mesh.keys)
         d1 = mpmd.distributed(step1, mesh=one)
         o1 = d1(params1, opt.init(params1), batch)
         o1[2].to_numpy()

@@ -107,7 +107,13 @@ def register_simulate(sub: Any) -> None:
     p.set_defaults(run=_simulate)
 
 
-REGISTRARS: list[Registrar] = [register_simulate]
+def register_keys(sub: argparse._SubParsersAction) -> None:
+    from mpmd.keys_cli import add_subcommand
+
+    add_subcommand(sub)
+
+
+REGISTRARS: list[Registrar] = [register_simulate, register_keys]
 
 
 def build_parser(registrars: Sequence[Registrar] = ()) -> argparse.ArgumentParser:

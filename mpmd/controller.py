@@ -1,6 +1,12 @@
 """The asyncio side of the controller: a loop in a background thread, one connection per actor, and a
 watchdog that turns a dead or silent actor into `ActorDiedError` within seconds instead of a hang.
 
+An actor is declared dead when its process exits (local actors), when its connection drops while requests
+wait (their replies can never come), when it says nothing — not even to pings — for `heartbeat_timeout`
+seconds, or when a request of it has waited longer than the actor's own bound on every request (its
+``--request-timeout``) plus `heartbeat_timeout`. The error names the actor, its address, what it was serving
+and, for a local actor, its stacks (or why there are none); `RemoteMesh.reconnect` takes it back.
+
 User-facing calls are synchronous: they submit a coroutine to the loop and wait for its result. Requests
 to different actors run concurrently.
 """
@@ -17,8 +23,9 @@ from typing import Any, TypeVar
 import numpy as np
 import zmq.asyncio
 
-from mpmd.errors import ActorDiedError, RemoteError
-from transport.control import ConnectionLost, ControlClient
+from mpmd.errors import ActorDiedError, MpmdError, RemoteError
+from transport.auth import ClientKeys
+from transport.control import ConnectionLost, ControlClient, HandshakeFailed
 from transport.protocol import Message
 
 log = logging.getLogger(__name__)
@@ -55,20 +62,32 @@ class EventLoopThread:
             self.loop.close()
 
 
+class ActorAuthError(MpmdError):
+    """This controller and an actor could not authenticate each other (CURVE keys wrong, or on one side only)."""
+
+    def __init__(self, actor_id: int, address: str, why: str) -> None:
+        self.actor_id = actor_id
+        self.address = address
+        super().__init__(f"actor {actor_id} at {address}: {why}. The controller's keys (RemoteMesh.connect(..., keys=...)) "
+                         "must be a pair the daemon's --authorized-keys admits, with the daemon's own public key; a daemon "
+                         "without keys takes a controller without keys")
+
+
 class ActorConnection:
     """Requests to one actor; error replies become `RemoteError`, a lost actor `ActorDiedError`."""
 
     def __init__(self, actor_id: int, address: str, ctx: zmq.asyncio.Context, alive: Callable[[], str | None] | None,
-                 stacks: Callable[[], str] | None = None, session: int = 0):
+                 stacks: Callable[[], str] | None = None, session: int = 0, keys: ClientKeys | None = None):
         self.actor_id = actor_id
         self.address = address
         self.session = session  # sent with every request: the actor keeps each controller's buffers apart
-        self.client = ControlClient(ctx, address)
+        self.client = ControlClient(ctx, address, (keys.client, keys.server_key(actor_id)) if keys is not None else None)
         self._alive = alive  # returns a reason string if the actor is known dead (local process exited)
         self._stacks = stacks  # returns what a live but silent local actor's threads are doing
         self._pinging = False
-        self._suspect = False
         self.dead: str | None = None
+        self.bound: float | None = None  # the actor's own bound on any request (its --request-timeout), from `hello`
+        self.compile_bound: float | None = None  # and on a compile (its --compile-timeout and a little)
 
     def submit(self, op: str, fields: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> Coroutine[Any, Any, Message]:
         """Send a request now (call on the loop thread); await the result for the reply. Error replies become
@@ -86,8 +105,12 @@ class ActorConnection:
             msg = await fut
         except ActorDiedError:
             raise
+        except HandshakeFailed as e:
+            raise ActorAuthError(self.actor_id, self.address, str(e).split(": ", 1)[-1]) from None
         except ConnectionLost as e:
-            raise ActorDiedError(self.actor_id, str(e)) from None
+            if self.client.closed:
+                raise ActorDiedError(self.actor_id, str(e)) from None
+            raise ActorDiedError(self.actor_id, await self._lost(str(e), getattr(e, "outstanding", None))) from None
         if msg.op == "error":
             h = msg.header
             raise RemoteError(self.actor_id, h.get("error", "Error"), h.get("message", ""), h.get("traceback", ""), h.get("task"))
@@ -96,25 +119,69 @@ class ActorConnection:
     async def request(self, op: str, fields: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> Message:
         return await self.submit(op, fields, arrays)
 
-    def check(self, now: float, interval: float, timeout: float) -> None:
-        """Called by the watchdog: ping a silent actor that owes replies; declare it dead past `timeout`."""
+    async def _lost(self, why: str, outstanding: list[Any] | None) -> str:
+        """Why requests to this actor cannot be answered: its exit status when it is a local process that
+        exited (which happens as its connection drops), else `why`."""
+        for _ in range(10):
+            dead = self._alive() if self._alive else None
+            if dead:
+                return self._declare(dead, outstanding)
+            if self._alive is None:
+                break
+            await asyncio.sleep(0.05)
+        return self._explain(why, outstanding)
+
+    def _explain(self, reason: str, outstanding: list[Any] | None = None) -> str:
+        if outstanding is None:
+            outstanding = sorted(self.client.outstanding.values(), key=lambda o: o.sent)
+        doing = [o.describe() for o in outstanding if o.op != "ping"]
+        text = f"at {self.address}: {reason}"
+        if doing:
+            text += f"\nit was serving: {'; '.join(doing[:6])}{' ...' if len(doing) > 6 else ''}"
+        return text + (f"\nIf it comes back (e.g. after `kill -CONT`, or restarted at the same address), "
+                       f"mesh.reconnect({self.actor_id}) talks to it again.")
+
+    def _declare(self, reason: str, outstanding: list[Any] | None = None) -> str:
+        if self.dead is None:
+            self.dead = self._explain(reason, outstanding)
+            self.client.fail_pending(ActorDiedError(self.actor_id, self.dead))
+        return self.dead
+
+    def check(self, now: float, interval: float, timeout: float, tick: float) -> None:
+        """Called by the watchdog every `tick`: ping a silent actor that owes replies; declare it dead when it
+        has exited, when it has been silent so long that it would be past `timeout` before the next tick but one
+        (so that it is declared within `timeout` of going silent), or when a request of it is overdue."""
         if self.dead or self.client.pending == 0:
             return
         reason = self._alive() if self._alive else None
-        silent = now - self.client.last_heard
-        # Silent past the timeout on two watchdog ticks in a row: the reader gets a turn in between, so
-        # replies that sat unread while this process was busy are not mistaken for silence.
-        suspect, self._suspect = self._suspect, silent > timeout
-        if reason is None and silent > timeout and suspect:
-            reason = f"no reply or heartbeat for {silent:.1f} s (heartbeat_timeout={timeout} s) from {self.address}"
+        silent = self.client.silent(now)
+        overdue = self._overdue(now, timeout) if reason is None else None
+        if reason is None and silent + 2 * tick > timeout:
+            reason = f"no reply or heartbeat for {silent:.1f} s (heartbeat_timeout={timeout:g} s)"
+            if self._stacks is not None:
+                reason += f"; its threads were at:\n{self._stacks()}"
+        elif overdue is not None:
+            reason = (f"its request {overdue.describe()} has waited {now - overdue.sent:.0f} s for a reply, past the actor's "
+                      f"own bound of {self._bound(overdue.op):g} s on it (its --request-timeout or --compile-timeout) plus "
+                      f"heartbeat_timeout={timeout:g} s")
             if self._stacks is not None:
                 reason += f"; its threads were at:\n{self._stacks()}"
         if reason is not None:
-            self.dead = reason
-            self.client.fail_pending(ActorDiedError(self.actor_id, reason))
+            self._declare(reason)
         elif silent > interval and not self._pinging:
             self._pinging = True
             asyncio.get_running_loop().create_task(self._ping())
+
+    def _bound(self, op: str) -> float | None:
+        return (self.compile_bound or self.bound) if op == "compile" else self.bound
+
+    def _overdue(self, now: float, timeout: float) -> Any:
+        """The first request waiting past the actor's bound on it plus `timeout`, or None."""
+        for o in self.client.outstanding.values():
+            bound = self._bound(o.op)
+            if bound and now - o.sent > bound + timeout:
+                return o
+        return None
 
     async def _ping(self) -> None:
         try:
@@ -139,19 +206,26 @@ class Watchdog:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
+        tick = self.interval / 4
         last = time.monotonic()
         while True:
-            await asyncio.sleep(self.interval / 2)
+            await asyncio.sleep(tick)
+            for _ in range(4):  # let the readers take replies that arrived meanwhile: those are not silence
+                await asyncio.sleep(0)
             now = time.monotonic()
-            lag = now - last - self.interval / 2
+            lag = now - last - tick
             last = now
-            if lag > self.interval:
+            if lag > self.interval / 2:
                 # This loop itself did not run for a while (the caller's thread held the GIL in a long
                 # compile, or the machine was swapping): that time says nothing about the actors.
                 for c in self.connections:
                     c.client.last_heard = min(now, c.client.last_heard + lag)
+                    c.client.waiting_since = min(now, c.client.waiting_since + lag)
+                    for o in c.client.outstanding.values():
+                        o.sent = min(now, o.sent + lag)
             for c in self.connections:
-                c.check(now, self.interval, self.timeout)
+                c.client.poke()
+                c.check(now, self.interval, self.timeout, tick)
 
     def stop(self) -> None:
         if self._task is not None:

@@ -1,11 +1,20 @@
 """How `mpmd-actor` daemons are started: here, as local subprocesses. (A mesh only drives daemons; it does
 not care who started them: see `RemoteMesh.connect`.)
 
-    procs, addresses, tmpdir = start_local(2, LocalOptions(devices_per_actor=1))
+    local = start_local(2, LocalOptions(devices_per_actor=1))
+    mesh = RemoteMesh(local.endpoints, local.processes, keys=local.keys)
+
+A local mesh is authenticated with no user action: `start_local` makes ephemeral CURVE keys (one pair for the
+daemons, one for this controller) and hands them to each daemon over a pipe, so no key touches the disk.
+Everything a local mesh creates — sockets, the daemons' logs — lives in one private directory (mode 700)
+that `LocalMesh.cleanup` removes; if this process dies without cleaning up (SIGKILL), the daemons notice
+(a pidfd on this process), exit and remove it themselves.
 """
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import selectors
 import shutil
@@ -17,6 +26,7 @@ import time
 from dataclasses import dataclass
 
 from mpmd.errors import ActorStartError
+from transport.auth import ClientKeys, KeyPair
 
 
 @dataclass(frozen=True)
@@ -28,6 +38,8 @@ class LocalOptions:
     and size XLA's CPU thread pool to them; None leaves scheduling to the OS.
     `cache_dir`: JAX's persistent compilation cache for the actors (a restarted job skips XLA compilation):
     True (default) is `default_cache_dir()`, False turns it off, a string is that directory.
+    `insecure`: no keys at all (control and data plane unauthenticated and unencrypted): only to measure
+    what authentication costs. `request_timeout`: the daemons' bound on every request (None: their default).
     """
 
     devices_per_actor: int = 1
@@ -38,6 +50,8 @@ class LocalOptions:
     log_level: str = "WARNING"
     cpus_per_actor: int | None = None
     startup_timeout: float = 120.0
+    insecure: bool = False
+    request_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if self.devices_per_actor < 1:
@@ -48,6 +62,8 @@ class LocalOptions:
             raise ValueError(f"address must be 'ipc' or 'tcp', got {self.address!r}")
         if self.cpus_per_actor is not None and self.cpus_per_actor < 1:
             raise ValueError(f"cpus_per_actor must be >= 1 (or None), got {self.cpus_per_actor}")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise ValueError(f"request_timeout must be positive (or None), got {self.request_timeout}")
 
 
 def default_cache_dir() -> str:
@@ -68,17 +84,36 @@ def cpu_sets(num_actors: int, cpus_per_actor: int) -> list[list[int]]:
     return [cores[i * cpus_per_actor : (i + 1) * cpus_per_actor] for i in range(num_actors)]
 
 
+_SIGNALS = {signal.SIGKILL: "was killed by SIGKILL (kill -9, or the kernel's out-of-memory killer: see `dmesg`)",
+            signal.SIGSEGV: "crashed with SIGSEGV (a segmentation fault)", signal.SIGABRT: "aborted (SIGABRT)",
+            signal.SIGBUS: "crashed with SIGBUS", signal.SIGTERM: "was terminated (SIGTERM)", signal.SIGINT: "was interrupted (SIGINT)",
+            signal.SIGILL: "crashed with SIGILL", signal.SIGFPE: "crashed with SIGFPE"}
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        return _SIGNALS.get(-code, f"was killed by signal {-code}")
+    return f"exited with code {code}"
+
+
 class LocalProcess:
-    """An `mpmd-actor` subprocess on this machine, with its stderr kept in a file for error messages."""
+    """An `mpmd-actor` subprocess on this machine, with its stderr kept in a file (in the mesh's directory) for
+    error messages."""
 
     def __init__(self, actor_id: int, address: str, options: LocalOptions, ipc_dir: str | None = None,
-                 cpus: list[int] | None = None) -> None:
+                 cpus: list[int] | None = None, keys: dict[str, object] | None = None) -> None:
         self.actor_id = actor_id
-        self.stderr = tempfile.NamedTemporaryFile(prefix=f"mpmd-actor{actor_id}-", suffix=".log", delete=False)
+        if ipc_dir:
+            self.log_path = os.path.join(ipc_dir, f"actor{actor_id}.log")
+            self.stderr = open(self.log_path, "wb")
+        else:
+            self.stderr = tempfile.NamedTemporaryFile(prefix=f"mpmd-actor{actor_id}-", suffix=".log", delete=False)
+            self.log_path = self.stderr.name
         env = dict(os.environ)  # the user's XLA_FLAGS pass through; --cpu-devices adds the device count after them
         env.setdefault("PYTHONUNBUFFERED", "1")
+        p2p = "none" if not options.p2p else ("ipc" if options.address == "ipc" and ipc_dir else "tcp")
         cmd = [sys.executable, "-m", "actors.daemon", "--listen", address, "--actor-id", str(actor_id),
-               "--p2p", "tcp" if options.p2p else "none", "--parent-pid", str(os.getpid()), "--log-level", options.log_level]
+               "--p2p", p2p, "--parent-pid", str(os.getpid()), "--log-level", options.log_level]
         d = options.devices_per_actor
         if options.platform == "cpu":
             env["JAX_PLATFORMS"] = "cpu"
@@ -89,16 +124,26 @@ class LocalProcess:
         if cpus:
             cmd += ["--cpus", ",".join(map(str, cpus))]
         if ipc_dir:
-            cmd += ["--ipc-dir", ipc_dir]
+            cmd += ["--ipc-dir", ipc_dir, "--mesh-dir", ipc_dir]
         cache = default_cache_dir() if options.cache_dir is True else options.cache_dir
         if cache:
             cmd += ["--cache-dir", str(cache)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.stderr, stdin=subprocess.DEVNULL, env=env,
+        if options.request_timeout is not None:
+            cmd += ["--request-timeout", str(options.request_timeout)]
+        cmd += ["--keys-stdin"] if keys is not None else ["--insecure"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.stderr, stdin=subprocess.PIPE, env=env,
                                      start_new_session=True)
+        assert self.proc.stdin is not None
+        try:  # the keys go over the pipe: never on a command line (others can read those) or on disk
+            if keys is not None:
+                self.proc.stdin.write(json.dumps(keys).encode() + b"\n")
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass  # it died at once; wait_ready says why
 
     def stderr_tail(self, n: int = 2000) -> str:
         try:
-            with open(self.stderr.name, errors="replace") as f:
+            with open(self.log_path, errors="replace") as f:
                 return f.read()[-n:]
         except OSError:
             return ""
@@ -121,7 +166,7 @@ class LocalProcess:
         sel.close()
         text = line.decode(errors="replace").strip()
         if not text.startswith("MPMD_ACTOR_READY"):
-            why = f"exited with code {self.proc.returncode}" if self.proc.poll() is not None else "did not report ready in time"
+            why = describe_exit(self.proc.returncode) if self.proc.poll() is not None else "did not report ready in time"
             raise ActorStartError(f"local actor {self.actor_id} {why}. Its stderr:\n{self.stderr_tail()}")
         return text.split()[1]
 
@@ -129,19 +174,27 @@ class LocalProcess:
         code = self.proc.poll()
         if code is None:
             return None
-        return f"its process exited with code {code}; stderr tail:\n{self.stderr_tail(800)}"
+        tail = self.stderr_tail(800).strip()
+        return f"its process (pid {self.proc.pid}) {describe_exit(code)}" + (f"; stderr tail:\n{tail}" if tail else "")
 
     def stacks(self) -> str:
-        """Ask the daemon to dump every thread's stack (SIGUSR1, see actors/daemon.py) and return it."""
+        """Ask the daemon to dump every thread's stack (SIGUSR1, see actors/daemon.py) and return it, or say why not."""
+        state = _process_state(self.proc.pid)
+        if state == "T" or state == "t":
+            return (f"(none: its process (pid {self.proc.pid}) is stopped — SIGSTOP, or a debugger holds it — and a stopped "
+                    f"process cannot write its stacks; `kill -CONT {self.proc.pid}` resumes it)")
         try:
-            start = os.path.getsize(self.stderr.name)
+            start = os.path.getsize(self.log_path)
             os.kill(self.proc.pid, signal.SIGUSR1)
             time.sleep(0.3)
-            with open(self.stderr.name, errors="replace") as f:
+            with open(self.log_path, errors="replace") as f:
                 before = f.read(start)[-1500:]
-                return f.read()[-6000:] + (f"\nits log before that:\n{before}" if before.strip() else "")
+                dump = f.read()[-6000:]
         except OSError as e:
             return f"(could not dump its stacks: {e})"
+        if not dump.strip():
+            return f"(none: it wrote nothing within 0.3 s of SIGUSR1; process state {state or 'unknown'})"
+        return dump + (f"\nits log before that:\n{before}" if before.strip() else "")
 
     def stop(self, timeout: float = 3.0) -> None:
         if self.proc.poll() is None:
@@ -155,28 +208,71 @@ class LocalProcess:
             self.proc.stdout.close()
         self.stderr.close()
         try:
-            os.unlink(self.stderr.name)
+            os.unlink(self.log_path)
         except OSError:
             pass
+        remove_shared_memory(self.proc.pid)
 
 
-def start_local(num_actors: int, options: LocalOptions) -> tuple[list[LocalProcess], list[str], str]:
-    """Start `num_actors` daemons here and wait until each is ready. Returns (processes, control endpoints,
-    the temporary directory holding their sockets); on failure nothing is left running."""
+def remove_shared_memory(pid: int) -> int:
+    """Unlink the shared-memory segments a daemon made (names start with /mpmd-<pid>-) that are still there
+    after it is gone (it unlinks its own when it exits normally; not when it is killed)."""
+    n = 0
+    for path in glob.glob(f"/dev/shm/mpmd-{pid}-*"):
+        try:
+            os.unlink(path)
+            n += 1
+        except OSError:
+            pass
+    return n
+
+
+def _process_state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+@dataclass
+class LocalMesh:
+    """What `start_local` started: the processes, their control endpoints, the private directory and the keys
+    this controller authenticates with (None for an insecure mesh)."""
+
+    processes: list[LocalProcess]
+    endpoints: list[str]
+    directory: str
+    keys: ClientKeys | None
+
+    def cleanup(self) -> None:
+        for p in self.processes:
+            p.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def start_local(num_actors: int, options: LocalOptions) -> LocalMesh:
+    """Start `num_actors` daemons here and wait until each is ready; on failure nothing is left running."""
     if num_actors < 1:
         raise ValueError(f"num_actors must be >= 1, got {num_actors}")
     cpus = cpu_sets(num_actors, options.cpus_per_actor) if options.cpus_per_actor else [None] * num_actors
-    tmp = tempfile.mkdtemp(prefix="mpmd-")
+    tmp = tempfile.mkdtemp(prefix="mpmd-")  # mode 700: other users cannot reach the sockets in it
     addrs = [f"ipc://{tmp}/actor{i}.sock" if options.address == "ipc" else "tcp://127.0.0.1:0" for i in range(num_actors)]
+    keys = handoff = None
+    if not options.insecure:
+        server, client = KeyPair.generate(), KeyPair.generate()
+        keys = ClientKeys(client, (server.public,))
+        assert server.secret is not None
+        handoff = {"server_public": server.public.decode(), "server_secret": server.secret.decode(),
+                   "authorized": {client.public.decode(): "controller"}}
     procs: list[LocalProcess] = []
+    local = LocalMesh(procs, [], tmp, keys)
     try:
         for i, a in enumerate(addrs):
-            procs.append(LocalProcess(i, a, options, tmp, cpus[i]))
+            procs.append(LocalProcess(i, a, options, tmp, cpus[i], handoff))
         deadline = time.monotonic() + options.startup_timeout
-        endpoints = [p.wait_ready(deadline) for p in procs]
-        return procs, endpoints, tmp
+        local.endpoints = [p.wait_ready(deadline) for p in procs]
+        return local
     except BaseException:
-        for p in procs:
-            p.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+        local.cleanup()
         raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import hashlib
 import itertools
 import logging
 import secrets
@@ -31,8 +32,10 @@ from mpmd.errors import MpmdError
 from mpmd.launch import LocalOptions, LocalProcess, start_local
 from mpmd.lowering import serialize_flat
 from mpmd.program import Program, encode_program
+from mpmd.sharding import layout_from_wire, layout_wire
 from mpmd.trace import Trace
 from mpmd.wiring import TRANSPORTS, choose_routes, peer_specs
+from transport.auth import ClientKeys
 
 log = logging.getLogger(__name__)
 _LIVE_MESHES: weakref.WeakSet[RemoteMesh] = weakref.WeakSet()
@@ -43,14 +46,18 @@ class RemoteMesh:
 
     def __init__(self, addresses: Sequence[str], processes: Sequence[LocalProcess] = (), *,
                  heartbeat_interval: float = 1.0, heartbeat_timeout: float = 10.0, transport: str = "auto",
-                 transfer_timeout: float = 300.0, overlap: bool = True) -> None:
+                 transfer_timeout: float = 300.0, overlap: bool = True, keys: Any = None) -> None:
         """Drive the actors at `addresses`. `transport` picks the data plane (see `mpmd.wiring`: "auto", "tcp",
         "shm", "nccl", "none"); a receive that waits `transfer_timeout` seconds fails the step; `overlap=False`
-        makes actors wait for each send where it stands (to measure what overlap buys)."""
+        makes actors wait for each send where it stands (to measure what overlap buys). `keys`: how this
+        controller authenticates to the daemons (see `connect`); None for daemons without keys."""
         if transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {transport!r}; choose one of {TRANSPORTS}")
         if transfer_timeout <= 0:
             raise ValueError(f"transfer_timeout must be positive, got {transfer_timeout}")
+        if not 0 < 2 * heartbeat_interval < heartbeat_timeout:
+            raise ValueError(f"heartbeat_timeout ({heartbeat_timeout}) must exceed twice heartbeat_interval ({heartbeat_interval}): "
+                             "a busy actor answers a ping only every heartbeat_interval")
         self.addresses = list(addresses)
         self.transport = transport
         self.overlap = overlap
@@ -59,18 +66,18 @@ class RemoteMesh:
         # mesh of this process nor another controller attached to the same daemons can touch them.
         self.session = secrets.randbits(62) | 1
         self._processes = list(processes)
+        self._keys = ClientKeys.of(keys) if keys is not None else None
+        self._transfer_timeout = transfer_timeout
         self._io = EventLoopThread()
         self._ctx = zmq.asyncio.Context()
-        procs = {p.actor_id: p for p in self._processes}
-        self._conns = [ActorConnection(i, a, self._ctx, procs[i].dead_reason if i in procs else None,
-                                       procs[i].stacks if i in procs else None, self.session) for i, a in enumerate(addresses)]
+        self._conns = [self._connection(i, a) for i, a in enumerate(addresses)]
         self._watchdog = Watchdog(self._conns, heartbeat_interval, heartbeat_timeout)
         self._io.call_soon(self._watchdog.start)
         self._ids = itertools.count(1)
         self._program_ids = itertools.count(1)
         self._garbage: list[tuple[int, int]] = []  # touched on the loop thread only
         self._lowered: dict[Any, tuple[bytes, Any]] = {}
-        self._compiled: list[dict[tuple[bytes, tuple[int, ...]], str]] = [{} for _ in addresses]
+        self._compiled: list[dict[tuple, Any]] = [{} for _ in addresses]
         self.closed = False
         self._opened = False
         self.active_trace: Trace | None = None
@@ -81,14 +88,26 @@ class RemoteMesh:
         try:
             self.infos = self.run(self._gather(self._all("hello")))
             self._opened = True
+            for c, info in zip(self._conns, self.infos):
+                c.bound, c.compile_bound = info.header.get("request_timeout"), info.header.get("compile_timeout")
             if transport != "none" and len(self.actors) > 1:
                 self._wire(transfer_timeout)
         except BaseException:
             self.close()
             raise
 
+    def _connection(self, i: int, address: str) -> ActorConnection:
+        proc = next((p for p in self._processes if p.actor_id == i), None)
+        return ActorConnection(i, address, self._ctx, proc.dead_reason if proc else None, proc.stacks if proc else None,
+                               self.session, self._keys)
+
     def _wire(self, transfer_timeout: float) -> None:
         endpoints = [info.header["p2p"] for info in self.infos]
+        secured = {i for i, ep in enumerate(endpoints) if ep and ep.get("key")}
+        if secured and len(secured) != len(endpoints):
+            raise MpmdError(f"actors {sorted(secured)} authenticate their data plane and actors "
+                            f"{sorted(set(range(len(endpoints))) - secured)} do not (started with --insecure?): start all "
+                            "daemons the same way")
         self.routes = choose_routes(self.transport, endpoints)
         ids: dict[tuple[int, int], list[int]] = {}
         senders = sorted({i for (i, _), r in self.routes.items() if r == "nccl"})
@@ -98,6 +117,9 @@ class RemoteMesh:
             for i, msg in zip(senders, replies):
                 ids.update({(i, j): uid for j, uid in zip(outs[i], msg.header["ids"])})
         specs = peer_specs(self.routes, endpoints, ids)
+        for spec in specs:  # each actor learns its peers' data-plane keys (and shm names) from us, authenticated
+            for j, peer in spec.items():
+                peer.update(key=endpoints[int(j)].get("key"), shm_prefix=endpoints[int(j)].get("shm_prefix"))
         self.run(self._gather([c.request("connect_peers", {"peers": specs[i], "timeout": transfer_timeout})
                                for i, c in enumerate(self._conns)]))
 
@@ -122,21 +144,29 @@ class RemoteMesh:
             raise ValueError("transport='nccl' needs GPU actors: pass platform='gpu' (local actors run on CPU by default)")
         options = LocalOptions(devices_per_actor, platform, transport != "none", cache_dir, address, log_level, cpus_per_actor,
                                startup_timeout)
-        procs, endpoints, tmp = start_local(num_actors, options)
+        local = start_local(num_actors, options)  # with ephemeral keys: authenticated with no user action
         try:
-            mesh = cls(endpoints, procs, transport=transport, **kwargs)
+            mesh = cls(local.endpoints, local.processes, transport=transport, keys=local.keys, **kwargs)
         except BaseException:
-            for p in procs:
-                p.stop()
-            shutil.rmtree(tmp, ignore_errors=True)
+            local.cleanup()
             raise
-        mesh._tmpdir = tmp
+        mesh._tmpdir = local.directory
         return mesh
 
     @classmethod
-    def connect(cls, addresses: Sequence[str], **kwargs: Any) -> RemoteMesh:
-        """Attach to daemons started elsewhere (`mpmd-actor --listen tcp://0.0.0.0:5555 --actor-id i` on each node)."""
-        return cls(addresses, **kwargs)
+    def connect(cls, addresses: Sequence[str], *, keys: Any = None, **kwargs: Any) -> RemoteMesh:
+        """Attach to daemons started elsewhere, e.g. on each node::
+
+            mpmd keys generate ~/.mpmd/keys        # once, then copy the directory to every node
+            mpmd-actor --listen tcp://0.0.0.0:5555 --actor-id $i \\
+                --server-key ~/.mpmd/keys/mpmd.key_secret --authorized-keys ~/.mpmd/keys
+
+            mesh = RemoteMesh.connect(["tcp://node0:5555", "tcp://node1:5555"], keys="~/.mpmd/keys")
+
+        `keys`: a key directory (or ``*.key_secret`` file) whose pair is both this controller's and the daemons'
+        key, or a `transport.auth.ClientKeys` (the controller's pair and the daemons' public keys, for separate
+        pairs). A wrong or missing key fails here with `ActorAuthError`, naming the actor."""
+        return cls(addresses, keys=keys, **kwargs)
 
     def __enter__(self) -> RemoteMesh:
         return self
@@ -153,8 +183,50 @@ class RemoteMesh:
         return self.actors[i]
 
     @property
+    def keys(self) -> ClientKeys | None:
+        """How this controller authenticates to its actors (a local mesh's ephemeral keys): another controller
+        of this process may attach to the same daemons with `RemoteMesh.connect(mesh.addresses, keys=mesh.keys)`."""
+        return self._keys
+
+    @property
     def platform(self) -> str:
         return self.infos[0].header["platform"]
+
+    def reconnect(self, i: int) -> dict[str, Any]:
+        """Talk again to actor `i` after it was declared dead, once it is back: a stopped process resumed
+        (``kill -CONT``), or a daemon restarted at the same address. Its running steps are aborted. The same
+        daemon keeps this mesh's buffers and programs; a restarted one has none (this mesh opens a new session
+        there and rewires the data plane; arrays that lived there are gone, and distributed functions made before
+        must be made again: their programs are gone too). Returns the actor's info."""
+        old = self._conns[i]
+        new = self._connection(i, old.address)
+
+        async def back() -> Any:
+            msg = await new.request("info")
+            try:
+                await new.request("abort")  # every step of this session still running there
+                return msg, False
+            except MpmdError as e:
+                if "needs an open session" not in str(e):
+                    raise
+                return await new.request("hello"), True  # a new daemon: open the session there afresh
+
+        try:
+            info, fresh = self.run(back())
+        except BaseException:
+            self._io.call_soon(new.close)
+            raise
+        self._conns[i] = new
+        self._io.call_soon(old.close)
+        new.bound, new.compile_bound = info.header.get("request_timeout"), info.header.get("compile_timeout")
+        if fresh:
+            log.warning("actor %d at %s is a new daemon (pid %s): its buffers and programs from before are gone",
+                        i, new.address, info.header.get("pid"))
+            self._compiled[i] = {}
+            self.infos[i] = info
+            if self.transport != "none" and len(self.actors) > 1:
+                self._wire(self._transfer_timeout)
+        return dict(info.header)
 
     def close(self) -> None:
         """Shut the actors down (if this mesh started them) and stop the controller loop."""
@@ -378,13 +450,23 @@ class RemoteMesh:
             pass
 
     # ---- executables -----------------------------------------------------------------------------
-    async def ensure_compiled(self, actor: int, blob: bytes, donate: tuple[int, ...] = ()) -> str:
-        """Ship `blob` to `actor` unless it has it; returns the actor's executable key. The actor compiles it
-        letting the inputs at `donate` share their buffers with outputs."""
-        known = self._compiled[actor].get((blob, donate))
+    async def ensure_compiled(self, actor: int, blob: bytes, donate: tuple[int, ...] = (), in_layouts: tuple | None = None,
+                              out_layouts: tuple | None = None) -> Any:
+        """Ship `blob` to `actor` unless it has it compiled this way; returns the actor's executable key. The
+        actor compiles it letting the inputs at `donate` share their buffers with outputs. With `in_layouts`
+        (multi-device actors: one layout per input; `out_layouts` fixes some outputs', None lets XLA choose)
+        it returns (key, the layouts of every output)."""
+        how = (blob, donate, in_layouts, out_layouts)
+        known = self._compiled[actor].get(how)
         if known is None:
-            msg = await self._conns[actor].request("compile", {"donate": list(donate)}, [np.frombuffer(blob, np.uint8)])
-            known = self._compiled[actor][(blob, donate)] = msg.header["exe"]
+            fields: dict[str, Any] = {"digest": hashlib.sha256(blob).hexdigest(), "donate": list(donate)}
+            if in_layouts is not None:
+                fields["in_layouts"] = [layout_wire(x) for x in in_layouts]
+                fields["out_layouts"] = [layout_wire(x) for x in (out_layouts or ())]
+            msg = await self._conns[actor].request("compile", fields, [np.frombuffer(blob, np.uint8)])
+            key = msg.header["exe"]
+            known = key if in_layouts is None else (key, [layout_from_wire(w) for w in msg.header["out_layouts"]])
+            self._compiled[actor][how] = known
         return known
 
     async def load_program(self, actor: int, program: Program, program_id: int, exe_keys: list[str]) -> None:

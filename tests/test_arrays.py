@@ -72,7 +72,7 @@ def test_an_array_of_another_mesh_is_refused_naming_both_meshes_and_adopted_on_r
 
 def test_two_controllers_on_the_same_daemons_never_see_each_others_buffers(mesh2):
     mine = mesh2.actor(0).put(np.full(3, 1.0, np.float32))
-    with mpmd.RemoteMesh.connect(mesh2.addresses, transport="none") as second:
+    with mpmd.RemoteMesh.connect(mesh2.addresses, transport="none", keys=mesh2.keys) as second:
         # the second controller names the first one's buffer id on the same daemon: its session has no such buffer
         stolen = mpmd.RemoteArray(second, dict(mine.buffers), mine.shape, mine.dtype)
         with pytest.raises(mpmd.RemoteError, match="holds no buffer"):

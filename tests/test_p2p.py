@@ -144,31 +144,28 @@ def test_a_receive_whose_peer_never_sends_times_out_naming_both_actors_and_the_t
 
 
 def test_a_bad_data_plane_message_fails_the_receive_and_the_actor_survives(mesh2):
-    """A notice naming shared memory that does not exist (or garbage bytes) on an actor's data-plane socket:
-    the receive it claims to answer fails at once with a clear error; the daemon keeps serving."""
+    """A notice naming shared memory that does not exist (or garbage bytes) on an actor's data-plane socket, from
+    a peer the actor authenticates (a stand-in registered like a real actor: tests/wire.py): the receive it
+    claims to answer fails at once with a clear error; the daemon keeps serving."""
     import asyncio
 
-    import zmq
-
-    from transport.protocol import encode
+    from tests.wire import FakePeer
 
     pid = next(_ids)
-    recv = Program(1, [], [0], [Recv(0, 0, 3, "float32", (1024, 64), Label("xfer"))])
+    recv = Program(1, [], [0], [Recv(0, 7, 3, "float32", (1024, 64), Label("xfer"))])
     mesh2.run(mesh2.load_program(1, recv, pid, []))
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(mesh2.infos[1].header["p2p"]["tcp"])
-    sock.send_multipart([b"\x00garbage"])
-    sock.send_multipart(encode({"op": "shm", "src": 0, "key": [mesh2.session, pid, 0, 3], "seg": 1, "name": "/mpmd-no-such-segment",
-                                "size": 1 << 18, "arrays": [{"dtype": "float32", "shape": [1024, 64]}]}))
+    peer = FakePeer(mesh2, 1, 7)
+    peer.send_raw([b"\x00garbage"])
+    name = f"{peer.prefix}1-1"  # the name a segment of this peer's for actor 1 would have; there is none
+    peer.send({"op": "shm", "key": [mesh2.session, pid, 0, 3], "seg": 1, "name": name,
+               "size": 1 << 18, "arrays": [{"dtype": "float32", "shape": [1024, 64]}]})
 
     async def go():
         return await mesh2.conn(1).request("run_program", {"program": pid, "step": 0, "inputs": [], "outputs": [mesh2.new_buffer_id()]})
 
-    with pytest.raises(mpmd.RemoteError, match="could not map shared memory /mpmd-no-such-segment from actor 0"):
+    with pytest.raises(mpmd.RemoteError, match=f"could not map shared memory {name} from actor 7"):
         mesh2.run(asyncio.wait_for(go(), 30))
-    sock.close()
+    peer.close()
     a = np.arange(6, dtype=np.float32)
     np.testing.assert_array_equal(run_transfers(mesh2, [(0, 1, 0, a)])[0], a)
 

@@ -62,7 +62,7 @@ def test_the_same_executable_from_a_second_controller_is_a_cache_hit(mesh2):
     f = jax.jit(lambda a: jnp.sin(a) * 5.0)
     mesh2.actor(0).run(f, np.ones(4, np.float32))
     before = mesh2.actor(0).stats()
-    with mpmd.RemoteMesh.connect(mesh2.addresses[:1], transport="none") as other:
+    with mpmd.RemoteMesh.connect(mesh2.addresses[:1], transport="none", keys=mesh2.keys) as other:
         np.testing.assert_allclose(other.actor(0).run(f, np.ones(4, np.float32)).to_numpy(), np.sin(np.ones(4)) * 5.0, rtol=1e-6)
     after = mesh2.actor(0).stats()
     assert after["compiles"] == before["compiles"] and after["hits"] == before["hits"] + 1
@@ -110,11 +110,14 @@ def test_remote_exceptions_carry_actor_id_and_remote_traceback(mesh2):
     assert "987654321" in str(e) and "Traceback" in e.remote_traceback
 
 
-def raw_request(address, frames, timeout_ms=5000):
+def raw_request(address, frames, timeout_ms=5000, keys=None):
+    """One request on a raw socket; `keys` (a mesh's ClientKeys) for an authenticated daemon."""
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    if keys is not None:
+        s.curve_publickey, s.curve_secretkey, s.curve_serverkey = keys.client.public, keys.client.secret, keys.servers[0]
     s.connect(address)
     try:
         s.send_multipart(frames)
@@ -144,9 +147,9 @@ def test_malformed_requests_get_error_replies_and_the_daemon_keeps_serving(mesh2
         frames = encode({"session": mesh2.session, **frames})
     elif isinstance(frames, tuple):
         frames = encode({"session": mesh2.session, **frames[0]}, frames[1])
-    reply = raw_request(address, [bytes(f) for f in frames])
+    reply = raw_request(address, [bytes(f) for f in frames], keys=mesh2.keys)
     assert reply.op == "error" and needle in reply.header["message"]
-    pong = raw_request(address, [bytes(f) for f in encode({"op": "ping", "id": 1})])
+    pong = raw_request(address, [bytes(f) for f in encode({"op": "ping", "id": 1})], keys=mesh2.keys)
     assert pong.op == "reply" and pong.header["actor_id"] == 0
 
 
@@ -242,7 +245,7 @@ def test_an_actor_whose_controller_dies_exits_even_while_it_computes(tmp_path):
     sock = tmp_path / "a.sock"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     actor = subprocess.Popen([sys.executable, "-m", "actors.daemon", "--listen", f"ipc://{sock}", "--parent-pid", str(parent.pid),
-                              "--p2p", "none"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+                              "--p2p", "none", "--insecure"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     try:
         assert actor.stdout.readline().startswith(b"MPMD_ACTOR_READY")
         with mpmd.RemoteMesh.connect([f"ipc://{sock}"], transport="none") as mesh:

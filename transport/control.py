@@ -2,8 +2,14 @@
 
 One `ControlClient` per actor. Requests are tagged with an integer id, so many can be in flight at once
 and replies may come back in any order. A reader task routes each reply to its future. `last_heard`
-records the time of the last message from the actor (any reply, including pongs), which the controller's
-watchdog uses to tell a busy actor from a dead one.
+records the time of the last message from the actor (any reply, including pongs); `silent` (how long the
+actor has said nothing while it owed a reply) is what the controller's watchdog uses to tell a busy actor
+from a dead one; `outstanding` says which requests wait and since when.
+
+With `keys` the client is a CURVE client (transport/auth.py). A monitor on the socket turns what ZeroMQ
+otherwise retries in silence into errors: a refused handshake (wrong key, or one side without keys) fails
+the waiting requests with `HandshakeFailed` at once, and a connection lost while requests wait fails them
+with `ConnectionLost` (their replies can never come: a reconnected socket is a new peer to the actor).
 """
 
 from __future__ import annotations
@@ -11,27 +17,36 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
+from transport.auth import KeyPair, configure_client
 from transport.protocol import Message, ProtocolError, decode, encode
 
 DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024**3
 
 
 class ConnectionLost(ConnectionError):
-    """The control connection was closed while a request was waiting for its reply."""
+    """The control connection was closed or lost while a request was waiting for its reply."""
 
 
-def bind_router(ctx: zmq.Context, address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[zmq.Socket, str]:
+class HandshakeFailed(ConnectionLost):
+    """The actor and this client could not agree on who they are (CURVE keys, or keys on one side only)."""
+
+
+def bind_router(ctx: zmq.Context, address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                configure: Callable[[zmq.Socket], None] | None = None) -> tuple[zmq.Socket, str]:
     """Bind a ROUTER that errors (instead of silently dropping) on unroutable replies.
 
     ``tcp://host:0`` binds a free port. Returns the socket and the endpoint actually bound.
     Messages over `max_message_bytes` make ZeroMQ drop the sender's connection; the daemon stays up.
+    `configure` runs on the socket before it binds (e.g. `transport.auth.configure_server`).
     """
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -39,36 +54,89 @@ def bind_router(ctx: zmq.Context, address: str, max_message_bytes: int = DEFAULT
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    if configure is not None:
+        configure(sock)
     if address.startswith("tcp://") and address.endswith(":0"):
         address = address[:-2] + ":*"
     sock.bind(address)
     return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
+@dataclass
+class Outstanding:
+    """A request waiting for its reply."""
+
+    op: str
+    fields: dict[str, Any]
+    sent: float
+
+    def describe(self) -> str:
+        what = {k: self.fields[k] for k in ("program", "step", "exe", "buf", "bufs") if k in self.fields}
+        return self.op + (f" ({', '.join(f'{k} {v}' for k, v in what.items())})" if what else "")
+
+
+_HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+def _handshake_failure(kind: int, with_keys: bool) -> str:
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return "the actor refused this client's key (it is not among the keys the actor admits)"
+    if not with_keys:
+        return "the handshake failed: this client has no keys, and the actor wants them (it has a --server-key)"
+    return "the handshake failed: the actor's public key is not the one given, or the actor has no keys at all"
+
+
 class ControlClient:
     """Asynchronous request/reply client for one actor (a DEALER socket)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, keys: tuple[KeyPair, bytes] | None = None) -> None:
         self.address = address
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        self.with_keys = keys is not None
+        if keys is not None:
+            configure_client(self._sock, *keys)
+        self._monitor = self._sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         self._sock.connect(address)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Message]] = {}
+        self.outstanding: dict[int, Outstanding] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
         self.last_heard = time.monotonic()
+        self.waiting_since = self.last_heard  # when the actor last came to owe us a reply after owing none
         self.requests_sent = 0
         self.closed = False
+        self.connected = False
+        self.handshake_error: str | None = None  # the last refused handshake, until one succeeds
 
     def start(self) -> None:
         if self._reader is None:
-            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+            loop = asyncio.get_running_loop()
+            self._reader = loop.create_task(self._read_loop())
+            self._watcher = loop.create_task(self._watch_loop())
 
     @property
     def pending(self) -> int:
         return len(self._pending)
+
+    def silent(self, now: float) -> float:
+        """How long the actor has said nothing while it owed us a reply (an idle connection is not silent)."""
+        return now - max(self.last_heard, self.waiting_since)
+
+    def poke(self) -> None:
+        """Backstop against a lost wakeup: ZeroMQ signals its file descriptor edge-triggered, and asking for the
+        socket's events makes pyzmq handle any that are waiting. Cheap; the watchdog calls it every tick."""
+        if not self.closed:
+            try:
+                self._sock.get(zmq.EVENTS)
+                self._monitor.get(zmq.EVENTS)
+            except zmq.ZMQError:
+                pass
 
     async def _read_loop(self) -> None:
         while True:
@@ -85,6 +153,24 @@ class ControlClient:
             if fut is not None and not fut.done():
                 fut.set_result(msg)
 
+    async def _watch_loop(self) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(await self._monitor.recv_multipart())
+            except (asyncio.CancelledError, zmq.ZMQError):
+                return
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.connected, self.handshake_error = True, None
+            elif kind == zmq.EVENT_DISCONNECTED:
+                was, self.connected = self.connected, False
+                if was:
+                    self.fail_pending(ConnectionLost(f"the connection to {self.address} was lost (the actor's process "
+                                                     "exited, or its host is unreachable)"))
+            elif kind in _HANDSHAKE_FAILURES:
+                self.handshake_error = f"{_handshake_failure(kind, self.with_keys)} (ZeroMQ {zmq.Event(kind).name})"
+                self.fail_pending(HandshakeFailed(f"cannot talk to {self.address}: {self.handshake_error}"))
+
     def submit(self, op: str, fields: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> asyncio.Future[Message]:
         """Send one request now (on the loop thread; requests leave in the order they are submitted) and
         return the future of its reply (an "error" reply is a result, not an exception)."""
@@ -93,13 +179,22 @@ class ControlClient:
         self.start()
         req_id = next(self._ids)
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        if not self._pending:
+            self.waiting_since = time.monotonic()
         self._pending[req_id] = fut
-        fut.add_done_callback(lambda _: self._pending.pop(req_id, None))
         header = {"op": op, "id": req_id, **(fields or {})}
+        self.outstanding[req_id] = Outstanding(op, header, time.monotonic())
+
+        def settled(_: Any) -> None:
+            self._pending.pop(req_id, None)
+            self.outstanding.pop(req_id, None)
+
+        fut.add_done_callback(settled)
         try:
             self._sock.send_multipart(encode(header, arrays), copy=False)  # no high-water mark: queued at once, in order
         except BaseException:
             self._pending.pop(req_id, None)
+            self.outstanding.pop(req_id, None)
             raise
         self.requests_sent += 1
         return fut
@@ -109,7 +204,10 @@ class ControlClient:
         return await self.submit(op, fields, arrays)
 
     def fail_pending(self, exc: BaseException) -> None:
-        """Fail every waiting request with `exc` (used when the actor is found dead)."""
+        """Fail every waiting request with `exc` (used when the actor is found dead); `exc.outstanding` says
+        which requests those were."""
+        if not hasattr(exc, "outstanding"):
+            exc.outstanding = sorted(self.outstanding.values(), key=lambda o: o.sent)  # type: ignore[attr-defined]
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(exc)
@@ -118,6 +216,12 @@ class ControlClient:
     def close(self) -> None:
         self.closed = True
         self.fail_pending(ConnectionLost(f"connection to {self.address} closed"))
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+        try:
+            self._sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)

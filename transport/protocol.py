@@ -10,17 +10,28 @@ order. Nothing is ever unpickled: the header is msgpack (no extension types), pa
 interpreted only as the numeric dtypes in `ALLOWED_DTYPES`.
 
 Requests carry an integer ``"id"``; the reply echoes it with ``"op": "reply"`` (and ``"ok": true``) or
-``"op": "error"`` (with ``"error"``: the exception class name, ``"message"``, ``"traceback"``).
+``"op": "error"`` (with ``"error"``: the exception class name, ``"message"``, ``"traceback"``). Every request
+gets its reply within the daemon's ``request_timeout`` (an error reply if need be). Requests other than
+ping, info, hello, compile, connect_peers and nccl_ids carry ``session`` (the controller's random id from
+``hello``); a session answers only the authenticated client (CURVE key) that opened it.
 
 | op              | request fields                                          | reply fields                                  |
 |-----------------|---------------------------------------------------------|-----------------------------------------------|
 | ping            | -                                                       | actor_id, time                                |
-| info            | -                                                       | actor_id, platform, devices, jax_version,     |
-|                 |                                                         | p2p: {tcp, ipc, host, shm, nccl} or nil       |
+| info            | -                                                       | actor_id, pid, platform, devices, jax_version,|
+|                 |                                                         | sessions, request_timeout, compile_timeout,   |
+|                 |                                                         | authenticated, insecure, p2p: {tcp, ipc, host,|
+|                 |                                                         | shm, nccl, key (its data-plane public key),   |
+|                 |                                                         | shm_prefix} or nil (tcp is nil: ipc only)     |
+| hello           | session (opens it)                                      | as info                                       |
+| bye             | - (closes the session: its buffers, programs, steps)    | closed                                        |
 | put             | buf, 1 array frame                                      | nbytes                                        |
-| get             | buf                                                     | 1 array frame                                 |
+| get             | buf, or bufs: [int]                                     | 1 array frame per buffer                      |
+| wait            | bufs: [int]                                             | ready: int (once they are computed)           |
 | delete          | bufs: [int]                                             | deleted: int                                  |
-| compile         | 1 frame (uint8): serialized `jax.export` blob           | exe: content hash, cached: bool               |
+| compile         | digest: SHA-256 hex of the blob, 1 frame (uint8):       | exe: content hash, cached: bool               |
+|                 | serialized `jax.export` blob (checked in a child        |                                               |
+|                 | process, custom calls against an allow-list)            |                                               |
 | run             | exe, inputs: [buf], outputs: [buf]                      | outputs: [{dtype, shape}]                     |
 | load_program    | program: encoded Program (see mpmd/program.py)          | program: its id                               |
 | run_program     | program, step, inputs: [buf or -1], outputs: [buf],     | outputs: [{dtype, shape}]                     |
@@ -28,18 +39,22 @@ Requests carry an integer ``"id"``; the reply echoes it with ``"op": "reply"`` (
 |                 | prologue: [instruction], sync: bool (await each send    |                                               |
 |                 | where it stands; default false)                         |                                               |
 | connect_peers   | peers: {actor_id: {address, route: tcp, shm or nccl,   | connected: [actor_id], routes: {id: route}    |
+|                 | key: the peer's data-plane public key, shm_prefix,      |                                               |
 |                 | [nccl_out, nccl_in: NCCL unique ids]}},                 |                                               |
 |                 | timeout: seconds a receive may wait                     |                                               |
-| nccl_ids        | count                                                   | ids: [NCCL unique id as 128 ints]             |
-| abort           | program, step                                           | aborted: bool (cancels a running step)        |
+| nccl_ids        | count (0-4096)                                          | ids: [NCCL unique id as 128 ints]             |
+| abort           | program, step; or neither (every step of the session)  | aborted: bool, steps: int (cancels them)      |
 | stats           | -                                                       | buffers, bytes, executables, compiles, hits,  |
 |                 |                                                         | programs, requests, errors, running, p2p      |
 | shutdown        | -                                                       | - (the daemon exits after replying)           |
 
 Actor-to-actor data-plane messages (transport/p2p/plane.py) use the same framing, with ``src`` (sender actor
-id) and ``key`` (the transfer key, a list of ints): ``data`` (one array frame), ``shm`` (seg, name, size and
-the array's metadata; the payload is in shared memory), ``shm_ack`` (seg: the receiver dropped its last
-view), ``nccl`` (seq and the array's metadata; the payload goes over NCCL).
+id; when the data plane is authenticated the receiver takes the sender from its CURVE key and refuses a
+``src`` that disagrees) and ``key`` (the transfer key, a list of ints): ``data`` (one array frame), ``shm``
+(seg, name, size and the array's metadata; the payload is in shared memory; name must be the sender's
+``shm_prefix`` + receiver id + ``-`` + seg), ``shm_ack`` (seg: the receiver dropped its last view), ``nccl``
+(seq and the array's metadata; the payload goes over NCCL), ``refused`` (reason: the receiver dropped that
+arrival, e.g. its sender is over its unclaimed-arrival limit).
 """
 
 from __future__ import annotations

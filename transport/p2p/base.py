@@ -16,7 +16,9 @@ import abc
 import asyncio
 import os
 import socket
-from collections.abc import Hashable
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,11 +30,31 @@ class TransferError(RuntimeError):
     """A transfer failed: the peer is unknown or gone, or the data is not what the receiver expected."""
 
 
-class Mailbox:
-    """Futures keyed by (source actor, key); whichever side comes first creates the entry."""
+@dataclass(frozen=True)
+class ArrivalLimits:
+    """How much one peer may leave in an actor's mailbox unclaimed (arrived before its receive was posted).
+    A training step sends at most one step's activations ahead, far below these; past them, arrivals from
+    that peer are refused (the sender is told) until the receiver claims or expires some."""
 
-    def __init__(self) -> None:
+    max_entries: int = 10_000
+    max_bytes: int = 32 << 30
+
+
+class Mailbox:
+    """Futures keyed by (source actor, key); whichever side comes first creates the entry.
+
+    Arrivals nobody has asked for yet are counted per source against `ArrivalLimits`; a refused key is
+    remembered (the last 4096), so a receive posted for it later fails at once instead of timing out."""
+
+    REMEMBER_REFUSED = 4096
+
+    def __init__(self, limits: ArrivalLimits | None = None) -> None:
+        self.limits = limits or ArrivalLimits()
         self._slots: dict[tuple[int, Hashable], asyncio.Future[Any]] = {}
+        self._unclaimed: dict[tuple[int, Hashable], int] = {}  # (src, key) -> bytes, for arrivals not yet taken
+        self._count: Counter[int] = Counter()
+        self._bytes: Counter[int] = Counter()
+        self._refused: OrderedDict[tuple[int, Hashable], str] = OrderedDict()
 
     def _slot(self, src: int, key: Hashable) -> asyncio.Future[Any]:
         fut = self._slots.get((src, key))
@@ -41,34 +63,76 @@ class Mailbox:
             self._slots[(src, key)] = fut
         return fut
 
-    def deliver(self, src: int, key: Hashable, value: Any) -> None:
-        fut = self._slot(src, key)
-        if not fut.done():
-            fut.set_result(value)
+    def _claim(self, slot: tuple[int, Hashable]) -> None:
+        nbytes = self._unclaimed.pop(slot, None)
+        if nbytes is not None:
+            self._count[slot[0]] -= 1
+            self._bytes[slot[0]] -= nbytes
+
+    def deliver(self, src: int, key: Hashable, value: Any, nbytes: int = 0) -> str | None:
+        """Hand `value` to its receive, or keep it until one is posted. Returns why it was refused (a peer
+        over its `ArrivalLimits`, or a duplicate key), None when it was taken in."""
+        slot = (src, key)
+        fut = self._slots.get(slot)
+        if fut is None:
+            if self._count[src] + 1 > self.limits.max_entries or self._bytes[src] + nbytes > self.limits.max_bytes:
+                reason = (f"actor {src} already has {self._count[src]} arrivals ({self._bytes[src]} bytes) waiting unclaimed "
+                          f"here (the limit is {self.limits.max_entries} arrivals, {self.limits.max_bytes} bytes)")
+                self._refused[slot] = reason
+                while len(self._refused) > self.REMEMBER_REFUSED:
+                    self._refused.popitem(last=False)
+                return reason
+            fut = self._slot(src, key)
+            self._unclaimed[slot] = nbytes
+            self._count[src] += 1
+            self._bytes[src] += nbytes
+        if fut.done():
+            return f"key {key} from actor {src} arrived twice"
+        fut.set_result(value)
+        return None
 
     def fail(self, src: int, key: Hashable, exc: BaseException) -> None:
-        fut = self._slot(src, key)
+        slot = (src, key)
+        fut = self._slots.get(slot)
+        if fut is None:
+            if self._count[src] + 1 > self.limits.max_entries:
+                return  # nobody asked for it and the peer is over its limit: nothing to fail
+            fut = self._slot(src, key)
+            self._unclaimed[slot] = 0
+            self._count[src] += 1
         if not fut.done():
             fut.set_exception(exc)
+            fut.exception()  # retrieved: a receive may never come
 
     async def take(self, src: int, key: Hashable) -> Any:
+        refused = self._refused.pop((src, key), None)
+        if refused is not None:
+            raise TransferError(f"the transfer {key} from actor {src} arrived before its receive and was refused: {refused}")
         fut = self._slot(src, key)
         try:
             return await fut
         finally:
             if fut.done():
                 self._slots.pop((src, key), None)
+                self._claim((src, key))
 
-    def drop(self, predicate) -> int:
+    def drop(self, predicate: Callable[[Hashable], bool]) -> int:
         """Forget arrived or awaited entries whose key matches (used to abandon an aborted step)."""
         doomed = [k for k in self._slots if predicate(k[1])]
         for k in doomed:
             fut = self._slots.pop(k)
+            self._claim(k)
             if not fut.done():
                 fut.cancel()
             elif not fut.cancelled():
                 fut.exception()  # retrieved: no "exception never retrieved" noise
+        for k in [k for k in self._refused if predicate(k[1])]:
+            del self._refused[k]
         return len(doomed)
+
+    def unclaimed(self) -> dict[int, tuple[int, int]]:
+        """{source actor: (arrivals, bytes)} waiting for a receive."""
+        return {src: (n, self._bytes[src]) for src, n in self._count.items() if n}
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -102,6 +166,12 @@ class P2PTransport(abc.ABC):
     @abc.abstractmethod
     def abandon(self, predicate) -> int:
         """Drop pending receives and unclaimed arrivals whose key matches `predicate`."""
+
+    def expire(self, prefix: tuple[int, ...]) -> int:
+        """A step (keys starting with `prefix`) is over: drop what is left of it, and whatever arrives for it
+        later. The default only drops what is there now."""
+        n = len(prefix)
+        return self.abandon(lambda k: tuple(k[:n]) == prefix)
 
     @abc.abstractmethod
     def close(self) -> None: ...

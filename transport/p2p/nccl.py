@@ -154,7 +154,7 @@ class NcclLinks:
                     raw = raw.reshape(*shape, dtype.itemsize)
                 value = jax.lax.bitcast_convert_type(raw, dtype).reshape(shape)
             self.plane.counters["received_bytes"] += buf.size
-            self.plane._mailbox.deliver(src, key, value)
+            self.plane._arrive(src, key, value, int(buf.size))
         except Exception as e:
             self.plane._mailbox.fail(src, key, TransferError(f"actor {self.plane.actor_id}: NCCL receive {key} from actor {src} failed: {e}"))
 

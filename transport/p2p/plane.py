@@ -1,7 +1,19 @@
 """One actor's data plane: ZeroMQ sockets to every peer, and a route per peer (tcp, shm or nccl).
 
-* Each actor binds one ROUTER (on tcp, and on ipc when given a directory) and keeps one DEALER per peer,
-  connected to the peer's ipc address when both share a host, else to its tcp address.
+* Each actor binds one ROUTER (on tcp and/or on ipc in a given directory: an ipc-only local mesh needs no
+  TCP listener) and keeps one DEALER per peer, dialled at its first send, to the peer's ipc address when
+  both share a host, else to its tcp address.
+* Authentication (given `keys`, as every daemon not started with --insecure does): the ROUTER is a CURVE
+  server and every DEALER a CURVE client, all with this actor's ephemeral key pair. The controller tells
+  each actor its peers' public keys (`connect`); the ZAP handler admits only those and names each
+  connection by the peer's actor id, which is where a message's sender is taken from (a header's ``src``
+  that disagrees is refused). A shared-memory notice is honoured only for a segment whose name is the
+  sender's own (its prefix is part of its endpoint, passed on by the controller).
+* Bounded: the ROUTER drops connections that send messages over `max_message_bytes`; arrivals nobody has
+  claimed are capped per peer (`ArrivalLimits`; beyond, the sender gets a ``refused`` message); a step's
+  leftovers and anything arriving for it later are dropped once it is over (`expire`); arrivals for a key
+  the actor does not admit (`admit`, e.g. a closed session) are refused. Log lines about bad input are
+  rate-limited.
 * A dedicated thread owns the ROUTER. It reads each payload straight into a fresh 64-byte-aligned buffer
   (`recv_into`), so the receiver's JAX array aliases it: the only copies are the kernel's.
 * Route ``tcp``: payloads travel as ZeroMQ frames, sent zero-copy from the sender's array.
@@ -9,60 +21,89 @@
   message is only a notice. Route ``nccl`` (GPUs): payloads go over NCCL (`nccl.py`); ZeroMQ carries a
   notice that fixes the order both sides post their NCCL calls in.
 
-Messages (protocol framing, ``src`` = sender actor id, ``key`` = transfer key):
+Messages (protocol framing, ``src`` = sender actor id (informative when authenticated), ``key`` = transfer key):
 ``data`` (one array frame), ``shm`` (seg, name, size; array metadata, no frame), ``shm_ack`` (seg),
-``nccl`` (seq; array metadata, no frame).
+``nccl`` (seq; array metadata, no frame), ``refused`` (reason: the receiver dropped that arrival).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import secrets
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import zmq
 
+from transport.auth import Authenticator, KeyPair, configure_client, configure_server, user_id
 from transport.p2p import shm
-from transport.p2p.base import Mailbox, P2PTransport, TransferError, aligned_empty, host_id, host_view
+from transport.p2p.base import ArrivalLimits, Mailbox, P2PTransport, TransferError, aligned_empty, host_id, host_view
 from transport.protocol import ProtocolError, array_specs, aval_header, encode, parse_header
+from transport.ratelimit import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
 SHM_MIN_BYTES = 1 << 16  # smaller payloads are cheaper as ZeroMQ frames
 ROUTES = ("tcp", "shm", "nccl")
+DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024**3
+REMEMBER_EXPIRED = 4096  # finished steps whose late arrivals are dropped on sight
 
 
 class DataPlane(P2PTransport):
     def __init__(self, actor_id: int, host: str = "127.0.0.1", ipc_dir: str | None = None, nccl_device: Any = None,
-                 release_hook: Any = None) -> None:
+                 release_hook: Any = None, *, keys: KeyPair | None = None, tcp: bool = True,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, limits: ArrivalLimits | None = None) -> None:
         """`release_hook`, if given, makes the array library drop references it holds to freed host memory
-        (JAX defers them); it runs every 1-16 ms while received shared-memory arrays are still out."""
+        (JAX defers them); it runs every 1-16 ms while received shared-memory arrays are still out.
+        `keys`: this actor's key pair; with it every connection is CURVE-authenticated and encrypted (None:
+        no authentication, for daemons started with --insecure). `tcp=False` binds ipc only (needs `ipc_dir`)."""
+        if not tcp and not ipc_dir:
+            raise ValueError(f"actor {actor_id}: a data plane without tcp needs an ipc directory")
         self.actor_id = actor_id
         self._release_hook = release_hook
         self._sweeper: asyncio.Task[None] | None = None
+        self._keys = keys
         self._ctx = zmq.Context()
+        self._auth: Authenticator | None = None
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.RCVHWM, 0)
-        self._router.bind(f"tcp://{host}:0")
-        self._tcp = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        if keys is not None:
+            self._auth = Authenticator(self._ctx, f"actor {actor_id} data plane")
+            self._auth.start()
+            configure_server(self._router, keys)
+        self._tcp = None
+        if tcp:
+            self._router.bind(f"tcp://{host}:0")
+            self._tcp = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._ipc = None
         if ipc_dir:
             self._router.bind(f"ipc://{ipc_dir}/p2p-{actor_id}.sock")
             self._ipc = f"ipc://{ipc_dir}/p2p-{actor_id}.sock"
         self._host = host_id()
+        # Our segments are named <prefix><receiver>-<n>; receivers check a notice's name against it.
+        self.shm_prefix = f"/mpmd-{os.getpid()}-{secrets.token_hex(4)}-{actor_id}-"
         self._out: dict[int, zmq.Socket] = {}
         self._address: dict[int, str] = {}
+        self._peer_keys: dict[int, bytes] = {}
+        self._peer_shm: dict[int, str] = {}
         self.routes: dict[int, str] = {}
         self._shm_out: dict[int, shm.ShmSender] = {}
         self._shm_in = shm.ShmReceiver()
         self._nccl_device = nccl_device
         self._nccl: Any = None
-        self._mailbox = Mailbox()
+        self._mailbox = Mailbox(limits)
+        self._expired: OrderedDict[tuple[int, ...], None] = OrderedDict()
+        self._expired_lengths: set[int] = set()
+        self.admit: Callable[[tuple[int, ...]], str | None] | None = None  # why an arrival's key is not welcome, or None
+        self._warn = RateLimitedLog(log)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._closing = False
@@ -71,7 +112,8 @@ class DataPlane(P2PTransport):
 
     # ---- wiring ----------------------------------------------------------------------------------
     def endpoint(self) -> dict[str, Any]:
-        return {"tcp": self._tcp, "ipc": self._ipc, "host": self._host, "shm": shm.available(), "nccl": self._nccl_ok()}
+        return {"tcp": self._tcp, "ipc": self._ipc, "host": self._host, "shm": shm.available(), "nccl": self._nccl_ok(),
+                "key": self._keys.public.decode() if self._keys is not None else None, "shm_prefix": self.shm_prefix}
 
     def _nccl_ok(self) -> bool:
         if self._nccl_device is None:
@@ -87,28 +129,32 @@ class DataPlane(P2PTransport):
             self._thread.start()
 
     async def connect(self, peers: dict[int, dict[str, Any]]) -> None:
+        """Wire this actor to `peers`: {actor id: {address, route, key (the peer's public key; required when this
+        plane is authenticated), shm_prefix (for route shm), [nccl_out, nccl_in]}}. Every spec is checked before
+        anything changes. Connections are dialled at the first send, so by then every peer knows our key."""
+        checked = {peer: self._check_spec(peer, spec) for peer, spec in peers.items() if peer != self.actor_id}
         links = []
-        for peer, spec in peers.items():
-            if peer == self.actor_id:
-                continue
-            route, address = spec.get("route", "tcp"), spec.get("address")
-            if route not in ROUTES or not isinstance(address, str):
-                raise ValueError(f"peer {peer}: route must be one of {ROUTES} and address a string, got {route!r}, {address!r}")
-            if route == "shm" and not shm.available():
-                raise ValueError(f"actor {self.actor_id} cannot use shared memory on this platform")
-            if self._address.get(peer) != address:
+        for peer, (route, address, key, prefix, spec) in checked.items():
+            if self._address.get(peer) != address or self._peer_keys.get(peer) != key:
                 old = self._out.pop(peer, None)
                 if old is not None:
                     old.close(linger=0)
-                sock = self._ctx.socket(zmq.DEALER)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SNDHWM, 0)
-                sock.setsockopt(zmq.IDENTITY, str(self.actor_id).encode())
-                sock.connect(address)
-                self._out[peer], self._address[peer] = sock, address
+                if peer in self._address:  # another process now (restarted): its segments and ours for it are void
+                    sender = self._shm_out.pop(peer, None)
+                    if sender is not None:
+                        sender.close()
+                    self._shm_in.forget(peer)
+                self._address[peer] = address
+                if key is not None:
+                    self._peer_keys[peer] = key
+                    assert self._auth is not None
+                    self._auth.revoke(str(peer))  # a restarted peer has a new key; the old one is no longer it
+                    self._auth.admit({key: str(peer)})
+            if prefix is not None:
+                self._peer_shm[peer] = prefix
             self.routes[peer] = route
             if route == "shm" and peer not in self._shm_out:
-                self._shm_out[peer] = shm.ShmSender(self.actor_id, peer)
+                self._shm_out[peer] = shm.ShmSender(f"{self.shm_prefix}{peer}-")
             if route == "nccl":
                 links.append((self.actor_id, peer, spec["nccl_out"]))
                 links.append((peer, self.actor_id, spec["nccl_in"]))
@@ -121,12 +167,47 @@ class DataPlane(P2PTransport):
             # initialisations of all actors meet pairwise without deadlock.
             await asyncio.to_thread(self._nccl.setup, sorted(links))
 
+    def _check_spec(self, peer: int, spec: dict[str, Any]) -> tuple[str, str, bytes | None, str | None, dict[str, Any]]:
+        route, address = spec.get("route", "tcp"), spec.get("address")
+        if route not in ROUTES:
+            raise ValueError(f"peer {peer}: route must be one of {ROUTES}, got {route!r}")
+        if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"peer {peer}: address must be a tcp:// or ipc:// endpoint, got {address!r} (an actor started "
+                             "with --p2p ipc has no tcp endpoint: actors on other hosts cannot reach it)")
+        if route == "shm" and not shm.available():
+            raise ValueError(f"actor {self.actor_id} cannot use shared memory on this platform")
+        key = None
+        if self._keys is not None:
+            raw = spec.get("key")
+            if not isinstance(raw, str):
+                raise ValueError(f"peer {peer}: this actor's data plane is authenticated, so the spec needs the peer's "
+                                 f"public 'key' (got {raw!r}); is actor {peer} started with --insecure?")
+            key = KeyPair(raw.encode()).public  # validates it
+        prefix = spec.get("shm_prefix")
+        if prefix is not None and (not isinstance(prefix, str) or not prefix.startswith("/mpmd-") or "/" in prefix[1:]):
+            raise ValueError(f"peer {peer}: shm_prefix must look like '/mpmd-...', got {prefix!r}")
+        return route, address, key, prefix, spec
+
     # ---- sending ---------------------------------------------------------------------------------
+    def _dial(self, peer: int) -> zmq.Socket | None:
+        address = self._address.get(peer)
+        if address is None:
+            return None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.IDENTITY, str(self.actor_id).encode())
+        if self._keys is not None:
+            configure_client(sock, self._keys, self._peer_keys[peer])
+        sock.connect(address)
+        self._out[peer] = sock
+        return sock
+
     def _post(self, peer: int, header: dict[str, Any], arrays: list[np.ndarray] = (), track: bool = False) -> Any:
-        sock = self._out.get(peer)
+        sock = self._out.get(peer) or self._dial(peer)
         if sock is None:
             raise TransferError(f"actor {self.actor_id} has no route to actor {peer} (key {header.get('key')}); "
-                                f"connected: {sorted(self._out)}")
+                                f"connected: {sorted(self._address)}")
         header = {**header, "src": self.actor_id}
         try:
             return sock.send_multipart(encode(header, arrays), copy=False, track=track, flags=zmq.NOBLOCK)
@@ -202,6 +283,36 @@ class DataPlane(P2PTransport):
     def abandon(self, predicate) -> int:
         return self._mailbox.drop(predicate)
 
+    def expire(self, prefix: tuple[int, ...]) -> int:
+        n = len(prefix)
+        self._expired[tuple(prefix)] = None
+        self._expired_lengths.add(n)
+        while len(self._expired) > REMEMBER_EXPIRED:
+            self._expired.popitem(last=False)
+        return self._mailbox.drop(lambda k: tuple(k[:n]) == prefix)
+
+    def _arrive(self, src: int, key: tuple[int, ...], value: Any, nbytes: int) -> None:
+        """An arrival, on the event loop: dropped if its step is over, refused if its key is not welcome or its
+        sender is over its limits, else handed to its receive (or kept until that is posted)."""
+        if any(key[:n] in self._expired for n in self._expired_lengths):
+            self.counters["late_dropped"] += 1
+            return
+        reason = self.admit(key) if self.admit is not None else None
+        if reason is None:
+            reason = self._mailbox.deliver(src, key, value, nbytes)
+        if reason is None:
+            return
+        self.counters["refused"] += 1
+        self._warn.warning("refused", "actor %d: refused transfer %s from actor %d: %s", self.actor_id, key, src, reason)
+        try:
+            self._post(src, {"op": "refused", "key": list(key), "reason": reason[:500]})
+        except TransferError:
+            pass
+
+    def _on_refused(self, src: int, key: tuple[int, ...] | None, reason: str) -> None:
+        self.counters["refused_by_peers"] += 1
+        self._warn.warning("refused-by-peer", "actor %d: actor %d refused our transfer %s: %s", self.actor_id, src, key, reason)
+
     def _rx_loop(self) -> None:
         sock = self._router
         while not self._closing:
@@ -217,50 +328,75 @@ class DataPlane(P2PTransport):
                 log.exception("actor %d: data-plane receive failed", self.actor_id)
 
     def _rx_one(self, sock: zmq.Socket) -> None:
-        sock.recv()  # the sender's identity; the header names the sender
+        ident = sock.recv(copy=False)  # the sender's routing id: a claim, not a proof
+        authenticated = user_id(ident) if self._keys is not None else None
         header = src = key = None
         try:
             if not sock.rcvmore:
                 raise ProtocolError("data message has no header frame")
             header = parse_header(sock.recv())
-            src, op = header.get("src"), header["op"]
-            if not isinstance(src, int) or isinstance(src, bool):
-                raise ProtocolError("data message has no int 'src'")
+            claimed, op = header.get("src"), header["op"]
+            if self._keys is not None:
+                if authenticated is None or not authenticated.isdigit():
+                    raise ProtocolError(f"message over a connection not authenticated as an actor (user id {authenticated!r})")
+                src = int(authenticated)
+                if claimed is not None and claimed != src:
+                    raise ProtocolError(f"message claims to come from actor {claimed!r} but its key is actor {src}'s")
+            else:
+                if not isinstance(claimed, int) or isinstance(claimed, bool):
+                    raise ProtocolError("data message has no int 'src'")
+                src = claimed
             raw_key = header.get("key")
             key = tuple(raw_key) if isinstance(raw_key, list) and all(isinstance(k, int) for k in raw_key) else None
             if op == "shm_ack":
-                self._call(self._released, src, int(header["seg"]))
+                seg = header.get("seg")
+                if not isinstance(seg, int):
+                    raise ProtocolError(f"shm_ack needs an int 'seg', got {seg!r}")
+                self._call(self._released, src, seg)
             elif op == "data":
                 arrays = self._rx_payloads(sock, header)
                 if key is None or len(arrays) != 1:
                     raise ProtocolError(f"data message needs an int-list 'key' and one array, got key {raw_key!r}")
                 self.counters["received_bytes"] += arrays[0].nbytes
-                self._call(self._mailbox.deliver, src, key, arrays[0])
+                self._call(self._arrive, src, key, arrays[0], arrays[0].nbytes)
             elif op == "shm":
                 if key is None:
                     raise ProtocolError(f"shm notice needs an int-list 'key', got {raw_key!r}")
                 ((dtype, shape, nbytes),) = array_specs(header)
-                seg, name, size = int(header["seg"]), str(header["name"]), int(header["size"])
+                seg, name, size = header.get("seg"), header.get("name"), header.get("size")
+                if not isinstance(seg, int) or not isinstance(size, int) or not isinstance(name, str):
+                    raise ProtocolError("shm notice needs int 'seg', int 'size' and str 'name'")
+                prefix = self._peer_shm.get(src)
+                if prefix is None or name != f"{prefix}{self.actor_id}-{seg}":
+                    raise TransferError(f"actor {self.actor_id} refused a shared-memory notice from actor {src} naming {name!r}: "
+                                        "not a segment that actor made for this one")
                 try:
                     view = self._shm_in.view(src, seg, name, size, dtype, shape, nbytes, lambda: self._ack_threadsafe(src, seg))
                 except (OSError, ValueError) as e:
                     raise TransferError(f"actor {self.actor_id} could not map shared memory {name} from actor {src}: {e}") from None
                 self.counters["received_bytes"] += nbytes
-                self._call(self._deliver_shm, src, key, view)
+                self._call(self._deliver_shm, src, key, view, nbytes)
             elif op == "nccl":
                 if key is None or self._nccl is None:
                     raise ProtocolError("nccl notice without key, or this actor has no NCCL links")
                 ((dtype, shape, nbytes),) = array_specs(header)
-                self._call(self._nccl.on_notice, src, key, int(header["seq"]), dtype, shape, nbytes)
+                seq = header.get("seq")
+                if not isinstance(seq, int):
+                    raise ProtocolError(f"nccl notice needs an int 'seq', got {seq!r}")
+                self._call(self._nccl.on_notice, src, key, seq, dtype, shape, nbytes)
+            elif op == "refused":
+                self._call(self._on_refused, src, key, str(header.get("reason", ""))[:500])
             else:
                 raise ProtocolError(f"unknown data-plane op {op!r}")
         except Exception as e:
             while sock.rcvmore:
                 sock.recv()
-            log.warning("actor %d: bad data-plane message from %s: %s", self.actor_id, src, e)
+            self.counters["bad_messages"] += 1
+            self._warn.warning("bad-message", "actor %d: bad data-plane message from %s: %s", self.actor_id,
+                               f"actor {src}" if src is not None else f"an unidentified sender ({authenticated or 'no key'})", e)
             if src is not None and key is not None:  # fail the receive now rather than let it time out
                 err = e if isinstance(e, TransferError) else TransferError(f"actor {self.actor_id} got a bad transfer {key} from actor {src}: {e}")
-                self._call(self._mailbox.fail, src, key, err)
+                self._call(self._fail, src, key, err)
         else:
             while sock.rcvmore:
                 sock.recv()
@@ -286,8 +422,13 @@ class DataPlane(P2PTransport):
         if self._loop is not None and not self._closing:
             self._loop.call_soon_threadsafe(fn, *args)
 
-    def _deliver_shm(self, src: int, key: tuple[int, ...], view: np.ndarray) -> None:
-        self._mailbox.deliver(src, key, view)
+    def _fail(self, src: int, key: tuple[int, ...], err: BaseException) -> None:
+        if not any(key[:n] in self._expired for n in self._expired_lengths):
+            self._mailbox.fail(src, key, err)
+
+    def _deliver_shm(self, src: int, key: tuple[int, ...], view: np.ndarray, nbytes: int) -> None:
+        self._arrive(src, key, view, nbytes)
+        del view  # refused or dropped: its segment goes back to the sender now
         if self._release_hook is not None and (self._sweeper is None or self._sweeper.done()):
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
 
@@ -312,6 +453,10 @@ class DataPlane(P2PTransport):
         out["routes"] = {str(p): r for p, r in sorted(self.routes.items())}
         out["shm_segments"] = sum(s.created for s in self._shm_out.values())
         out["shm_in_use"] = sum(len(s.busy) for s in self._shm_out.values())
+        out["unclaimed"] = {str(p): {"arrivals": n, "bytes": b} for p, (n, b) in self._mailbox.unclaimed().items()}
+        out["authenticated"] = self._keys is not None
+        if self._auth is not None:
+            out["refused_connections"] = self._auth.refused
         return out
 
     def close(self) -> None:
@@ -328,6 +473,8 @@ class DataPlane(P2PTransport):
         for sock in self._out.values():
             sock.close(linger=0)
         self._router.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
         self._copier.shutdown(wait=False, cancel_futures=True)
 

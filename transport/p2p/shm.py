@@ -1,8 +1,11 @@
 """Shared-memory payloads between actors on one host.
 
 The sender copies an array into a POSIX shared-memory segment it owns and sends a small ZeroMQ notice
-``{"op": "shm", seg, name, size, arrays: [aval]}``. The receiver maps the segment (once; it unlinks the
-name right after, so nothing is left in /dev/shm if either side dies), hands out an aligned numpy view
+``{"op": "shm", seg, name, size, arrays: [aval]}``. The receiver maps the segment only if its name is the
+one that sender's segment number `seg` must have (the sender's prefix comes from the controller, the sender's
+identity from its CURVE key; see plane.py) and it belongs to this user — so a notice cannot make the receiver
+map or unlink anybody else's segment. It maps each segment once and unlinks the name right after, so nothing
+is left in /dev/shm if either side dies; hands out an aligned numpy view
 that JAX aliases rather than copies, and sends ``{"op": "shm_ack", seg}`` back only when the last Python
 reference to that view is gone — so a segment is never reused while an array still aliases it. Segments
 are pooled by power-of-two size class, up to a quarter of /dev/shm per pair (a training loop repeats its
@@ -22,12 +25,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from transport.ratelimit import RateLimitedLog
+
 try:
     import _posixshmem  # CPython's shm_open/shm_unlink, what multiprocessing.shared_memory uses
 except ImportError:  # pragma: no cover - non-POSIX
     _posixshmem = None
 
 log = logging.getLogger(__name__)
+_warn = RateLimitedLog(log)
 
 MIN_SEGMENT = 1 << 16
 
@@ -84,8 +90,11 @@ class ShmSender:
 
     _names = itertools.count()
 
-    def __init__(self, actor_id: int, peer: int) -> None:
-        self.prefix = f"/mpmd-{os.getpid()}-{actor_id}-{peer}-"
+    def __init__(self, prefix: str) -> None:
+        """`prefix`: the segments' names are `prefix` + their number; the receiver expects exactly that."""
+        if not prefix.startswith("/mpmd-") or "/" in prefix[1:]:
+            raise ValueError(f"shared-memory prefix {prefix!r} must look like '/mpmd-...' with no other '/'")
+        self.prefix = prefix
         self.free: dict[int, list[Segment]] = {}
         self.free_bytes = 0
         self.busy: dict[int, Segment] = {}
@@ -124,7 +133,7 @@ class ShmSender:
         """The receiver has dropped its last view of the segment: it may be reused."""
         seg = self.busy.pop(seg_id, None)
         if seg is None:
-            log.warning("shared-memory ack for unknown segment %s%d", self.prefix, seg_id)
+            _warn.warning("unknown-ack", "shared-memory ack for unknown segment %s%d", self.prefix, seg_id)
             return
         self.busy_bytes -= seg.size
         seg.unlinked = True  # the receiver mapped it, then unlinked the name
@@ -166,23 +175,35 @@ class ShmReceiver:
     """The segments peers send to this actor through, mapped once each."""
 
     def __init__(self) -> None:
-        self.maps: dict[tuple[int, int], mmap.mmap] = {}
+        # Keyed by name too: a restarted peer numbers its segments from 0 again, under a new prefix.
+        self.maps: dict[tuple[int, int, str], mmap.mmap] = {}
         self.outstanding = 0  # views handed out whose last reference is not gone yet
 
+    def forget(self, src: int) -> None:
+        """Drop the mappings of a peer that is gone (their memory goes when the last view of each does)."""
+        for key in [k for k in self.maps if k[0] == src]:
+            try:
+                self.maps.pop(key).close()
+            except BufferError:  # a view is still alive; the mapping goes with it
+                pass
+
     def open(self, src: int, seg_id: int, name: str, size: int) -> mmap.mmap:
-        mm = self.maps.get((src, seg_id))
+        mm = self.maps.get((src, seg_id, name))
         if mm is None:
             if not name.startswith("/mpmd-") or "/" in name[1:]:
                 raise ValueError(f"shared-memory name {name!r} is not one of ours")
             fd = _posixshmem.shm_open(name, os.O_RDWR, 0o600)
             try:
-                if os.fstat(fd).st_size < size:
+                st = os.fstat(fd)
+                if st.st_uid != os.getuid():
+                    raise ValueError(f"shared-memory segment {name} belongs to user {st.st_uid}, not to this actor's user")
+                if st.st_size < size:
                     raise ValueError(f"shared-memory segment {name} is smaller than the announced {size} bytes")
                 mm = mmap.mmap(fd, size, flags=_FLAGS)
             finally:
                 os.close(fd)
                 _posixshmem.shm_unlink(name)
-            self.maps[(src, seg_id)] = mm
+            self.maps[(src, seg_id, name)] = mm
         elif len(mm) < size:
             raise ValueError(f"shared-memory segment {seg_id} from actor {src} is {len(mm)} bytes, {size} announced")
         return mm

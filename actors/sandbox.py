@@ -1,0 +1,270 @@
+"""The compile checker: a serialized executable is taken apart in a child process before the daemon touches it.
+
+Why a child: `jax.export.deserialize` and the MLIR bytecode reader trust their input. One-byte edits of a
+real blob made them crash (SIGSEGV) or spin forever in about 1 of 200 cases; in a child that costs the
+child, not the daemon, and a hang is bounded by a timeout (the child is killed). What the child does, in
+order, is what the daemon would do next — so the daemon itself only ever parses bytes that already parsed:
+
+1. ``jax.export.deserialize`` (flatbuffer), 2. ``mlir_module()`` (StableHLO bytecode -> IR text),
+3. read every ``stablehlo.custom_call`` target and compare it with the allow-list: a custom call runs a
+   C++ function linked into jaxlib by name, and ``deserialize`` does not check which — host callbacks
+   (``xla_python_cpu_callback``) would call into whatever Python object a pointer names,
+4. lower ``jax.jit(exp.call)`` for the blob's platforms (the rewriting the daemon's compile starts with).
+
+XLA's own compile of a module that got through all four is left to the daemon (its result cannot leave a
+process without pickling); it runs in a thread with a timeout (see cache.py). The child starts in the
+background when the daemon starts, checks one blob at a time, exits after a minute without work, and is
+replaced after every blob it refuses: fuzzing showed that a reader which rejected bad bytes without
+crashing can be left corrupt, so that a later, harmless blob hangs in it.
+
+Allowed targets (`ALLOWED_CUSTOM_CALLS`): the ones JAX itself guarantees stable for `jax.export` (LAPACK and
+cuSOLVER/hipSOLVER/cuSPARSE kernels, sharding markers, device placement, ``AllocateBuffer``, the threefry
+GPU kernel, Mosaic GPU and TPU kernels, shape assertions), which is also what exporting typical CPU and GPU
+programs uses (tests/test_security.py exports linalg, sharding, scan, RNG and convolution programs and checks
+each target they use is here). Left out on purpose: Python callbacks and ``tf.call_tf_function``, which run
+host code of the controller's choosing. ``mpmd-actor --allow-custom-call NAME`` adds one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import signal
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+_LAPACK = [f"lapack_{t}{op}_ffi" for op in ("potrf", "geqrf", "syevd", "heevd", "geev", "gesdd", "getrf", "sytrd", "hetrd",
+                                            "gehrd", "gees", "trsm", "gtsv", "orgqr", "ungqr") for t in "sdcz"]
+_GPU = [f"{p}{k}" for p in ("cusolver_", "hipsolver_") for k in ("getrf_ffi", "geqrf_ffi", "orgqr_ffi", "potrf_ffi", "syevd_ffi",
+                                                                    "gesvd_ffi", "gesvdj_ffi", "gesdd_ffi", "sytrd_ffi")]
+ALLOWED_CUSTOM_CALLS = frozenset({
+    *_LAPACK, *_GPU,
+    "cu_lu_pivots_to_permutation", "hip_lu_pivots_to_permutation", "cusparse_gtsv2_ffi",
+    "cu_threefry2x32_ffi", "hip_threefry2x32_ffi",
+    "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "annotate_device_placement", "AllocateBuffer",
+    "mosaic_gpu_v2", "tpu_custom_call", "Eigh", "Qr", "ProductOfElementaryHouseholderReflectors", "LuDecomposition",
+    "ApproxTopK", "stablehlo.dynamic_approx_top_k", "stablehlo.dynamic_reduce_window", "stablehlo.dynamic_rng_bit_generator",
+    "stablehlo.dynamic_top_k", "shape_assertion",
+})
+
+# The pretty form `stablehlo.custom_call @name(` (or @"quoted name") and the generic form's attribute.
+_TARGET = re.compile(r'stablehlo\.custom_call\s+@(?:"((?:[^"\\]|\\.)*)"|([\w$.\-]+))|call_target_name\s*=\s*"((?:[^"\\]|\\.)*)"')
+_CUSTOM_CALL = re.compile(r"stablehlo\.custom_call\b")
+
+
+class BlobRefused(ValueError):
+    """A serialized executable the daemon will not compile; the message says why and what to do."""
+
+
+def custom_call_targets(module_text: str) -> list[str]:
+    """Every custom-call target named in a StableHLO module's text form, in order of appearance. A custom
+    call whose target cannot be read is reported as ``<unreadable>`` (and so is never allowed)."""
+    targets = [a or b or c for a, b, c in _TARGET.findall(module_text)]
+    calls = len(_CUSTOM_CALL.findall(module_text))
+    if calls > len(targets):
+        targets += ["<unreadable>"] * (calls - len(targets))
+    return targets
+
+
+def disallowed(targets: Iterable[str], allowed: frozenset[str] = ALLOWED_CUSTOM_CALLS) -> list[str]:
+    return sorted({t for t in targets if t not in allowed})
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    targets: tuple[str, ...]
+    platforms: tuple[str, ...]
+    seconds: float
+
+
+_EXIT_NAMES = {-signal.SIGSEGV: "SIGSEGV", -signal.SIGABRT: "SIGABRT", -signal.SIGBUS: "SIGBUS", -signal.SIGKILL: "SIGKILL",
+               -signal.SIGILL: "SIGILL", -signal.SIGFPE: "SIGFPE"}
+
+
+class BlobChecker:
+    """Owns the child process; checks one blob at a time; starts a fresh child after a crash, a timeout or
+    `idle` seconds without work. (The child is started with `subprocess.Popen`, which forks without running
+    Python in the child: forking a process that runs JAX is safe only that way.)"""
+
+    def __init__(self, allowed: frozenset[str] = ALLOWED_CUSTOM_CALLS, timeout: float = 600.0, idle: float = 60.0,
+                 devices: int = 1) -> None:
+        self.allowed = allowed
+        self.timeout = timeout
+        self.idle = idle
+        self.devices = devices
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._lock = asyncio.Lock()
+        self._idler: asyncio.TimerHandle | None = None
+        self._stage = ""
+        self._prewarm: asyncio.Task[None] | None = None
+        self.checks = 0
+        self.refused = 0
+        self.restarts = 0
+
+    async def start(self) -> None:
+        """Start the child now (it takes about a second to import JAX) so the first compile does not wait."""
+        async with self._lock:
+            await asyncio.to_thread(self._ensure)
+            if self._idler is not None:
+                self._idler.cancel()
+            self._idler = asyncio.get_running_loop().call_later(self.idle, self._stop_soon)
+
+    async def _start_quietly(self) -> None:
+        try:
+            await self.start()
+        except Exception as e:  # the next check starts it (and reports what goes wrong)
+            log.warning("the compile checker did not restart: %s", e)
+
+    def _ensure(self) -> subprocess.Popen[bytes]:
+        if self._proc is not None and self._proc.poll() is None:
+            return self._proc
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        flags = env.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:  # sharded blobs lower only with as many devices
+            env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={self.devices}".strip()
+        proc = subprocess.Popen([sys.executable, "-m", "actors.sandbox"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if line.strip() != b"READY":
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"the compile checker did not start (said {line[:200]!r})")
+        self._proc = proc
+        return proc
+
+    async def check(self, blob: bytes) -> CheckResult:
+        """Take `blob` apart in the child; raises BlobRefused naming what was wrong."""
+        async with self._lock:
+            if self._idler is not None:
+                self._idler.cancel()
+            self.checks += 1
+            try:
+                return await self._check(blob)
+            except BlobRefused:
+                # A reader that choked on bad bytes without crashing may be left corrupt (fuzzing saw later,
+                # harmless blobs hang in such a process): the next blob gets a fresh child.
+                self.refused += 1
+                self._kill()
+                self._prewarm = asyncio.get_running_loop().create_task(self._start_quietly())  # the next one starts now
+                raise
+            finally:
+                self._idler = asyncio.get_running_loop().call_later(self.idle, self._stop_soon)
+
+    def _exchange(self, proc: subprocess.Popen[bytes], blob: bytes) -> dict | None:
+        """Send the blob, read the child's reports; the verdict, or None if the child died (runs in a thread)."""
+        assert proc.stdin is not None and proc.stdout is not None
+        self._stage = "sending it"
+        try:
+            proc.stdin.write(struct.pack("<Q", len(blob)) + blob)
+            proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            return None
+        self._stage = "deserializing it"
+        while True:
+            line = proc.stdout.readline()
+            if not line:
+                return None
+            report = json.loads(line)
+            if "stage" not in report:
+                return report
+            self._stage = report["stage"]
+
+    async def _check(self, blob: bytes) -> CheckResult:
+        t = time.monotonic()
+        proc = await asyncio.to_thread(self._ensure)
+        exchange = asyncio.ensure_future(asyncio.to_thread(self._exchange, proc, blob))
+        try:
+            done, _ = await asyncio.wait({exchange}, timeout=self.timeout)
+        except asyncio.CancelledError:  # the request gave up: the child's state is unknown, so it goes
+            self._kill()
+            raise
+        if not done:
+            self._kill()  # the reading thread sees the pipe close and ends
+            await asyncio.wait({exchange})
+            self.restarts += 1
+            raise BlobRefused(f"the executable was refused: {self._stage} did not finish within {self.timeout:g} s (the "
+                              "checker was stopped); the blob is corrupt or hostile, or mpmd-actor --compile-timeout is "
+                              "too short for it")
+        report = exchange.result()
+        if report is None:
+            code = await asyncio.to_thread(proc.wait)
+            self._proc = None
+            self.restarts += 1
+            how = _EXIT_NAMES.get(code, f"exit code {code}")
+            raise BlobRefused(f"the executable was refused: it crashed the compile checker ({how}) while {self._stage}; the "
+                              "blob is corrupt or hostile (the daemon is unaffected)")
+        if not report.get("ok"):
+            raise BlobRefused(f"the executable was refused while {self._stage}: {report.get('error', 'unknown error')}")
+        targets = tuple(report.get("targets", ()))
+        bad = disallowed(targets, self.allowed)
+        if bad:
+            raise BlobRefused(f"the executable calls custom call target{'s' if len(bad) > 1 else ''} {', '.join(map(repr, bad))}, "
+                              "which this actor does not allow (custom calls run native code by name; host callbacks "
+                              "cannot work remotely). If it is a kernel you trust, start mpmd-actor with "
+                              f"--allow-custom-call {bad[0]}")
+        return CheckResult(targets, tuple(report.get("platforms", ())), time.monotonic() - t)
+
+    def _stop_soon(self) -> None:
+        if not self._lock.locked():
+            self._kill()
+
+    def _kill(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.kill()
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+    def close(self) -> None:
+        if self._idler is not None:
+            self._idler.cancel()
+        if self._prewarm is not None:
+            self._prewarm.cancel()
+        self._kill()
+
+
+def _child() -> None:
+    """The child's loop: 8-byte length, blob in; JSON lines out (stage reports, then the verdict)."""
+    import jax
+    from jax import export
+
+    def say(**report: object) -> None:
+        sys.stdout.write(json.dumps(report) + "\n")
+        sys.stdout.flush()
+
+    inp = sys.stdin.buffer
+    sys.stdout.write("READY\n")
+    sys.stdout.flush()
+    while True:
+        head = inp.read(8)
+        if len(head) < 8:
+            return
+        (n,) = struct.unpack("<Q", head)
+        blob = inp.read(n)
+        try:
+            exp = export.deserialize(bytearray(blob))
+            say(stage="reading its StableHLO")
+            text = exp.mlir_module()
+            targets = custom_call_targets(text)
+            say(stage="lowering it")  # harmless whatever the targets: nothing runs; the parent judges them
+            jax.jit(exp.call).trace(*exp.in_avals).lower(lowering_platforms=tuple(exp.platforms))
+            say(ok=True, targets=sorted(set(targets)), platforms=list(exp.platforms))
+        except Exception as e:
+            say(ok=False, error=f"{type(e).__name__}: {str(e)[:1000]}")
+
+
+if __name__ == "__main__":
+    _child()

@@ -1,0 +1,58 @@
+"""`mpmd keys`: make the CURVE key pairs daemons and controllers authenticate with.
+
+    mpmd keys generate ~/.mpmd/keys                 # writes mpmd.key (public) and mpmd.key_secret (mode 600)
+    mpmd keys generate ~/.mpmd/keys --name node3    # another pair beside it
+
+One pair used everywhere is the simplest setup: copy the directory to every node, start each daemon with
+``--server-key DIR/mpmd.key_secret --authorized-keys DIR`` and connect with ``RemoteMesh.connect(...,
+keys=DIR)``. For separate identities, generate a pair per controller, put the controllers' ``*.key`` files
+in the daemons' --authorized-keys directory, and pass `transport.auth.ClientKeys.load(...)` as `keys`.
+
+The `mpmd` command registers this with `add_subcommand(subparsers)`; `main(argv)` runs it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from transport.auth import AuthKeyError, generate_key_files
+
+
+def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``keys`` (with its ``generate`` action) to the `mpmd` command's subparsers."""
+    keys = subparsers.add_parser("keys", help="make CURVE key pairs for daemons and controllers",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    actions = keys.add_subparsers(dest="keys_action", required=True)
+    gen = actions.add_parser("generate", help="write a new key pair into DIR")
+    gen.add_argument("dir", metavar="DIR", help="directory for the key files (created if missing)")
+    gen.add_argument("--name", default="mpmd", help="file name of the pair: NAME.key and NAME.key_secret (default: mpmd)")
+    gen.add_argument("--force", action="store_true", help="overwrite an existing pair of that name")
+    keys.set_defaults(run=run)
+    return keys
+
+
+def run(args: argparse.Namespace) -> int:
+    """Carry out a parsed ``mpmd keys ...`` command; returns the exit status."""
+    try:
+        public, secret = generate_key_files(args.dir, args.name, overwrite=args.force)
+    except (AuthKeyError, OSError) as e:
+        print(f"mpmd keys generate: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {public} (public: give it to whoever must admit this key)")
+    print(f"wrote {secret} (secret, mode 600: keep it on the machines that use this identity)")
+    print(f"start daemons with: mpmd-actor --server-key {secret} --authorized-keys {public.parent}")
+    print(f"connect with:       mpmd.RemoteMesh.connect([...], keys={str(public.parent)!r})")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mpmd")
+    add_subcommand(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

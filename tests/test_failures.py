@@ -1,0 +1,299 @@
+"""Failures of real daemons and controllers: killed, crashed and stopped actors, requests past their bound,
+controllers that die (also as zombies) — detected within the stated bounds, with errors that say what
+happened, and nothing left behind."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import zmq
+
+import mpmd
+from mpmd.program import Program
+from tests.wire import alive, start_daemon, stop_daemon, wait_until
+from transport.auth import ClientKeys, KeyPair
+from transport.protocol import decode, encode
+
+
+def _slow_model(params, x):
+    x = jnp.tanh(x @ params[0])
+    x = mpmd.pipeline_yield(x)
+    return jax.lax.fori_loop(0, 400, lambda i, h: jnp.tanh(h @ params[1]), x)  # stage 1 (actor 1) takes a while
+
+
+def _loss(params, mb):
+    return jnp.mean((_slow_model(params, mb["x"]) - mb["y"]) ** 2)
+
+
+def test_a_killed_actor_fails_the_step_naming_actor_address_and_task_and_the_other_actor_frees_the_step():
+    opt = optax.sgd(0.01)
+
+    def step(params, opt_state, batch):
+        def mb_grads(mb):
+            value, grads = jax.value_and_grad(_loss)(params, mb)
+            return grads, value
+
+        grads, losses = mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.OneFOneB(num_stages=2))
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, losses
+
+    rng = np.random.default_rng(0)
+    params = [rng.standard_normal((256, 256)).astype(np.float32) * 0.05 for _ in range(2)]
+    batch = {"x": rng.standard_normal((4, 64, 256)).astype(np.float32), "y": np.zeros((4, 64, 256), np.float32)}
+    with mpmd.RemoteMesh.local(num_actors=2) as mesh:
+        dist = mpmd.distributed(step, mesh=mesh)
+        p, o, first = dist(params, opt.init(params), batch)  # compiles and runs once
+        first.block_until_ready()
+        before = mesh.actor(0).stats()
+        result = {}
+
+        def run():
+            try:
+                dist(p, o, batch)[2].block_until_ready()  # a step returns at once; its error surfaces here
+            except Exception as e:  # noqa: BLE001 - the test looks at it
+                result["error"] = e
+
+        th = threading.Thread(target=run)
+        th.start()
+        assert wait_until(lambda: mesh.actor(1).stats()["running"] == 1, 10)
+        victim = mesh._processes[1].proc.pid
+        os.kill(victim, signal.SIGKILL)
+        t = time.monotonic()
+        th.join(30)
+        elapsed = time.monotonic() - t
+        err = result.get("error")
+        assert isinstance(err, mpmd.ActorDiedError) and err.actor_id == 1, err
+        assert elapsed < 10, f"took {elapsed:.1f} s"
+        text = str(err)
+        assert mesh.addresses[1] in text and "was killed by SIGKILL" in text and f"pid {victim}" in text
+        assert "run_program (program" in text and "step 1" in text and "mesh.reconnect(1)" in text
+        after = mesh.actor(0).stats()
+        assert after["running"] == 0 and after["buffers"] == before["buffers"], (before, after)
+        assert not glob.glob(f"/dev/shm/mpmd-{victim}-*")  # the controller removed what the dead actor could not
+
+
+def test_a_crashed_actor_is_reported_as_a_segfault_naming_the_request():
+    with mpmd.RemoteMesh.local(num_actors=1) as mesh:
+        slow = jax.jit(lambda a: jax.lax.fori_loop(0, 3000, lambda i, v: jnp.tanh(v @ v), a))
+        y = mesh.actor(0).run(slow, mesh.actor(0).put(np.eye(256, dtype=np.float32)))
+        os.kill(mesh._processes[0].proc.pid, signal.SIGSEGV)
+        with pytest.raises(mpmd.ActorDiedError, match=r"crashed with SIGSEGV") as info:
+            y.to_numpy()
+        assert "it was serving: " in str(info.value) and "get (buf" in str(info.value)
+
+
+def test_an_actor_idle_past_the_heartbeat_timeout_is_not_declared_dead_by_its_next_request():
+    """Silence counts only while the actor owes a reply: after an idle spell, a compile (which keeps the actor
+    quiet until its pong) must not be taken for a hang."""
+    with mpmd.RemoteMesh.local(num_actors=1, heartbeat_timeout=1.0, heartbeat_interval=0.25) as mesh:
+        for k in range(2):
+            time.sleep(1.5)
+            out = mesh.actor(0).run(jax.jit(lambda a, k=k: jnp.sin(a) * (k + 2)), np.ones(64, np.float32))
+            np.testing.assert_allclose(out.to_numpy(), np.sin(np.ones(64)) * (k + 2), rtol=1e-6)
+
+
+def test_a_stopped_actor_is_declared_dead_within_the_heartbeat_timeout_and_can_be_reconnected_after_it_resumes():
+    timeout = 2.0
+    with mpmd.RemoteMesh.local(num_actors=2, heartbeat_timeout=timeout, heartbeat_interval=0.5) as mesh:
+        kept = mesh.actor(1).put(np.arange(6, dtype=np.float32))
+        slow = jax.jit(lambda a: jax.lax.fori_loop(0, 4000, lambda i, v: jnp.tanh(v @ v), a))
+        y = mesh.actor(1).run(slow, mesh.actor(1).put(np.eye(256, dtype=np.float32) * 0.5))
+        pid = mesh._processes[1].proc.pid
+        got = {}
+        th = threading.Thread(target=lambda: got.setdefault("e", _error_of(y.to_numpy)))
+        th.start()
+        time.sleep(0.3)
+        os.kill(pid, signal.SIGSTOP)
+        t = time.monotonic()
+        try:
+            th.join(30)
+            elapsed = time.monotonic() - t
+            err = got["e"]
+            assert isinstance(err, mpmd.ActorDiedError) and err.actor_id == 1, err
+            assert elapsed <= timeout, f"declared after {elapsed:.2f} s, heartbeat_timeout is {timeout} s"
+            assert "no reply or heartbeat" in str(err) and "is stopped" in str(err) and "kill -CONT" in str(err)
+            assert mesh.actor(0).ping() > 0
+            with pytest.raises(mpmd.ActorDiedError):
+                mesh.actor(1).ping()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        info = mesh.reconnect(1)
+        assert info["pid"] == pid
+        np.testing.assert_array_equal(kept.to_numpy(), np.arange(6, dtype=np.float32))  # the same daemon kept its buffers
+        assert mesh.actor(1).run(jax.jit(lambda a: a + 1), kept).to_numpy().tolist() == [1, 2, 3, 4, 5, 6]
+        assert wait_until(lambda: mesh.actor(1).stats()["running"] == 0, 10)
+
+
+def test_a_restarted_daemon_is_taken_back_with_reconnect_and_the_data_plane_is_rewired(tmp_path):
+    """Daemons started by hand (as on a cluster); actor 1 is killed and started again at the same address with a
+    new data-plane key: reconnect opens the session there afresh and rewires both actors."""
+    from tests.test_p2p import run_transfers
+
+    handoff, keys = _keys_handoff()
+
+    def daemon(i):
+        return start_daemon("--listen", f"ipc://{tmp_path}/a{i}.sock", "--actor-id", str(i), "--p2p", "ipc", "--ipc-dir",
+                            str(tmp_path), "--keys-stdin", stdin=handoff)
+
+    procs = [daemon(0)[0], daemon(1)[0]]
+    try:
+        with mpmd.RemoteMesh([f"ipc://{tmp_path}/a0.sock", f"ipc://{tmp_path}/a1.sock"], keys=keys) as mesh:
+            a = np.arange(70_000, dtype=np.float32)
+            np.testing.assert_array_equal(run_transfers(mesh, [(0, 1, 0, a)])[0], a)
+            kept = mesh.actor(0).put(np.ones(3, np.float32))
+            lost = mesh.actor(1).put(np.ones(3, np.float32))
+            procs[1].kill()
+            procs[1].wait()
+            procs[1] = daemon(1)[0]
+            info = mesh.reconnect(1)
+            assert info["pid"] == procs[1].pid
+            for src, dst in ((0, 1), (1, 0)):
+                np.testing.assert_array_equal(run_transfers(mesh, [(src, dst, 0, a)])[0], a)
+            assert kept.to_numpy().tolist() == [1, 1, 1]
+            with pytest.raises(mpmd.RemoteError, match="holds no buffer"):
+                lost.to_numpy()
+    finally:
+        for p in procs:
+            stop_daemon(p)
+
+
+def _error_of(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return e
+    return None
+
+
+def _keys_handoff():
+    server, client = KeyPair.generate(), KeyPair.generate()
+    data = json.dumps({"server_public": server.public.decode(), "server_secret": server.secret.decode(),
+                       "authorized": {client.public.decode(): "controller"}}).encode() + b"\n"
+    return data, ClientKeys(client, (server.public,))
+
+
+def test_every_request_is_answered_within_the_daemons_bound_and_leaves_nothing_reserved(tmp_path):
+    """With --request-timeout 1: a step that waits for a transfer that never comes (the transfer timeout is far
+    away) gets an error reply at the bound, and a `get` waiting for the buffer its prologue receives learns the
+    step was aborted; that buffer is not left reserved. A `get` of a buffer still being computed gets an
+    error at its own bound. The daemon answers a ping right after."""
+    handoff, keys = _keys_handoff()
+    proc, address = start_daemon("--listen", f"ipc://{tmp_path}/a.sock", "--p2p", "ipc", "--ipc-dir", str(tmp_path),
+                                 "--keys-stdin", "--request-timeout", "1", "--transfer-timeout", "300", stdin=handoff)
+    try:
+        with mpmd.RemoteMesh([address], keys=keys, transport="none") as mesh:
+            mesh.run(mesh.conn(0).request("connect_peers", {"peers": {"5": {
+                "address": f"ipc://{tmp_path}/nobody.sock", "route": "tcp", "key": KeyPair.generate().public.decode()}}}))
+            mesh.run(mesh.load_program(0, Program(0, [0], [], []), 77, []))
+            waiting = mesh.new_buffer_id()
+
+            async def both():
+                import asyncio
+
+                step = asyncio.ensure_future(mesh.conn(0).request("run_program", {
+                    "program": 77, "step": 0, "inputs": [waiting], "outputs": [],
+                    "prologue": [["recv", waiting, 5, 1, "float32", [4], "arg 0"]]}))
+                await asyncio.sleep(0.2)
+                get = asyncio.ensure_future(mesh.conn(0).request("get", {"buf": waiting}))
+                return await asyncio.gather(step, get, return_exceptions=True)
+
+            step_err, get_err = mesh.run(both())
+            assert isinstance(step_err, mpmd.RemoteError) and "'run_program' did not finish within 1 s" in str(step_err)
+            assert isinstance(get_err, mpmd.RemoteError) and "program 77 step 0 was aborted on actor 0" in str(get_err)
+            with pytest.raises(mpmd.RemoteError, match=f"holds no buffer {waiting}"):
+                mesh._get(0, waiting)
+            slow = jax.jit(lambda v: jax.lax.fori_loop(0, 20_000_000, lambda i, a: jnp.sin(a) + 0.5, v))
+            y = mesh.actor(0).run(slow, np.ones(1024, np.float32))  # returns at once; computes for a long while
+            with pytest.raises(mpmd.RemoteError, match=r"'get' did not finish within 1 s .*were still being produced"):
+                y.to_numpy()
+            assert mesh.actor(0).stats()["running"] == 0 and mesh.actor(0).ping() > 0
+    finally:
+        stop_daemon(proc)
+
+
+def test_the_watchdog_treats_a_request_past_the_actors_bound_like_a_silent_actor(tmp_path):
+    """A stand-in actor (a real daemon always answers within its bound, so its bound cannot be broken on
+    purpose): it answers `hello` (saying its bound is 0.5 s) and every ping, but never a `stats` request."""
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(f"ipc://{tmp_path}/fake.sock")
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            if not router.poll(50):
+                continue
+            ident, *frames = router.recv_multipart()
+            h = decode(frames).header
+            if h["op"] in ("hello", "ping", "bye", "shutdown"):
+                router.send_multipart([ident, *encode({"op": "reply", "id": h["id"], "ok": True, "request_timeout": 0.5,
+                                                       "platform": "cpu", "p2p": None, "pid": 0})])
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    try:
+        with mpmd.RemoteMesh([f"ipc://{tmp_path}/fake.sock"], transport="none", heartbeat_timeout=1.0, heartbeat_interval=0.25) as mesh:
+            t = time.monotonic()
+            with pytest.raises(mpmd.ActorDiedError, match=r"its request stats has waited \d+ s for a reply, past the actor's own bound of 0.5 s"):
+                mesh.actor(0).stats()
+            assert time.monotonic() - t < 10
+    finally:
+        stop.set()
+        th.join()
+        router.close()
+
+
+def _state(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+_CONTROLLER = textwrap.dedent("""
+    import json, os, sys, numpy as np, mpmd
+    from tests.test_p2p import run_transfers
+    m = mpmd.RemoteMesh.local(num_actors=2)
+    run_transfers(m, [(0, 1, 0, np.ones(70_000, np.float32))], keep=True)  # shared memory in use
+    print(json.dumps({"pids": [p.proc.pid for p in m._processes], "dir": m._tmpdir,
+                      "files": sorted(os.listdir(m._tmpdir))}), flush=True)
+    if sys.argv[1] == "exit":
+        os._exit(0)  # no cleanup at all; the parent does not reap it: a zombie
+    import time; time.sleep(120)
+""")
+
+
+@pytest.mark.parametrize("how", ["sigkill", "zombie"])
+def test_daemons_exit_and_leave_no_files_when_their_controller_dies(tmp_path, how):
+    script = tmp_path / "controller.py"
+    script.write_text(_CONTROLLER)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ctl = subprocess.Popen([sys.executable, str(script), "exit" if how == "zombie" else "sleep"], stdout=subprocess.PIPE,
+                           env={**os.environ, "PYTHONPATH": root},
+                           cwd=root)
+    try:
+        state = json.loads(ctl.stdout.readline())
+        assert {"actor0.log", "actor1.log", "actor0.sock", "actor1.sock", "p2p-0.sock", "p2p-1.sock"} <= set(state["files"])
+        if how == "sigkill":
+            ctl.send_signal(signal.SIGKILL)
+        else:
+            assert wait_until(lambda: _state(ctl.pid) == "Z", 30)  # exited, and not reaped (no poll()): a zombie
+        assert wait_until(lambda: not any(alive(p) for p in state["pids"]), 10), "the daemons outlived their controller"
+        assert wait_until(lambda: not os.path.exists(state["dir"]), 5), f"left behind: {os.listdir(state['dir'])}"
+        assert not [f for p in state["pids"] for f in glob.glob(f"/dev/shm/mpmd-{p}-*")]
+    finally:
+        ctl.kill()
+        ctl.wait()
