@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from actors import checkpoint
+from actors import checkpoint, spmd
 from actors.buffers import BufferTable, UnknownBufferError
 from actors.cache import ExecutableCache
 from actors.stream import StepTrace, Stream, now
@@ -119,6 +119,8 @@ class Actor:
             "connect_peers": self.connect_peers,
             "nccl_ids": self.nccl_ids,
             "stats": self.stats,
+            "hlo": self.hlo,
+            "mesh": self.mesh,
             "save": lambda ses, msg: checkpoint.save(self, ses, msg),
             "restore": lambda ses, msg: checkpoint.restore(self, ses, msg),
         }
@@ -147,8 +149,35 @@ class Actor:
             raise RequestError(f"session {sid:x} is already open on actor {self.actor_id}; each controller picks a fresh id")
         if len(self.sessions) >= MAX_SESSIONS:
             raise RequestError(f"actor {self.actor_id} already serves {len(self.sessions)} sessions (the limit); close a mesh first")
+        mesh = msg.header.get("mesh")
+        if mesh is not None:
+            self._set_mesh(mesh)
         self.sessions[sid] = Session(sid, self.actor_id, peer)
         return await self.info(None, msg)
+
+    async def mesh(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
+        """Build this actor's device mesh (or check it is the one already built)."""
+        self._set_mesh(field(msg, "mesh", dict))
+        return {"mesh": {"shape": list(self.cache.mesh.devices.shape), "axis_names": list(self.cache.mesh.axis_names)}}, []
+
+    def _set_mesh(self, wire: Any) -> None:
+        """Build this actor's device mesh ({shape, axis_names}); every session must ask for the same one."""
+        if not isinstance(wire, dict) or not isinstance(wire.get("shape"), list) or not isinstance(wire.get("axis_names"), list):
+            raise RequestError("'hello' field 'mesh' must be {shape: [int], axis_names: [str]}")
+        shape, names = wire["shape"], wire["axis_names"]
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape) or not all(isinstance(n, str) for n in names):
+            raise RequestError(f"'hello' mesh shape must be positive ints and axis names strings, got {shape!r}, {names!r}")
+        have = self.cache.mesh
+        if have is not None:
+            if list(have.devices.shape) != shape or list(have.axis_names) != names:
+                raise RequestError(f"actor {self.actor_id} already runs a device mesh {dict(zip(have.axis_names, have.devices.shape))} "
+                                   f"for another session; it cannot also be {dict(zip(names, shape))}")
+            return
+        try:
+            self.cache.mesh = spmd.build_mesh(jax.devices(), shape, names)
+        except ValueError as e:
+            raise RequestError(f"actor {self.actor_id}: {e}") from None
+        self.stream.on_mesh(self.cache.mesh)
 
     async def bye(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         """Close the caller's session: its buffers, programs and running steps go."""
@@ -163,12 +192,30 @@ class Actor:
         buf = field(msg, "buf", int)
         if len(msg.arrays) != 1:
             raise RequestError(f"'put' carries {len(msg.arrays)} arrays, expected 1")
-        ses.buffers.put(buf, self._to_device(msg.arrays[0]))
+        ses.buffers.put(buf, self._to_device(msg.arrays[0], self._layout(msg.header.get("layout"))))
         return {"nbytes": int(msg.arrays[0].nbytes)}, []
 
-    def _to_device(self, host: np.ndarray) -> jax.Array:
-        # The host array views a ZeroMQ frame; copy once into memory JAX owns.
+    def _layout(self, wire: Any) -> Any:
+        """A wire layout as a PartitionSpec (None: unsharded); layouts need this actor's device mesh."""
+        if wire is None:
+            return None
+        if self.cache.mesh is None:
+            raise RequestError(f"actor {self.actor_id} has no device mesh, so nothing can be laid out over its devices; make the "
+                               "mesh with mesh_shape=... (and devices_per_actor=N)")
+        try:
+            return spmd.spec_from_wire(wire)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+
+    def _to_device(self, host: np.ndarray, spec: Any = None) -> jax.Array:
+        # The host array views a ZeroMQ frame; copy once into memory JAX owns (each device only its shard).
+        if self.cache.mesh is not None:
+            return spmd.put(host, self.cache.mesh, spec, self.device)
         return jax.device_put(host, self.device, may_alias=False)
+
+    async def hlo(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
+        """The optimized HLO text of a compiled executable (what XLA made of it: collectives, fusions)."""
+        return {"text": self.cache.get(field(msg, "exe", str)).as_text()}, []
 
     async def get(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         """One buffer (`buf`) or several (`bufs`), each as an array frame, once computed."""
@@ -241,6 +288,7 @@ class Actor:
             "errors": self.errors,
             "running": len(ses.running),
             "last_step_peak_bytes": ses.last_step_peak_bytes,
+            "device_bytes": spmd.per_device_bytes(ses.buffers.values(), self.cache.mesh, self.device),
             "sessions": len(self.sessions),
             "p2p": self.p2p.stats() if self.p2p is not None else None,
         }, []
@@ -320,8 +368,12 @@ class Actor:
         for b in [*(b for b in inputs if b >= 0 and b not in received), *(i.buf for i in prologue if isinstance(i, Send))]:
             ses.buffers.ref(b)
         inline = iter(msg.arrays)
+        raw_layouts = msg.header.get("inline_layouts")
+        if raw_layouts is not None and (not isinstance(raw_layouts, list) or len(raw_layouts) != len(msg.arrays)):
+            raise RequestError("'run_program' field 'inline_layouts' must give one layout (or null) per inline array")
+        layouts = iter(raw_layouts or [None] * len(msg.arrays))
         try:  # before anything is reserved: a failure here leaves nothing behind
-            placed = {i: self._to_device(next(inline)) for i, b in enumerate(inputs) if b < 0}
+            placed = {i: self._to_device(next(inline), self._layout(next(layouts))) for i, b in enumerate(inputs) if b < 0}
         except Exception as e:
             raise RequestError(f"program {pid}: an inline input cannot be placed on actor {self.actor_id}: {e}") from None
         for b in received:
@@ -393,7 +445,8 @@ class Actor:
         for ins in instrs:
             if isinstance(ins, Send):
                 ref = env.ref(ins.buf)  # taken now: a `del` right after the send may drop the buffer from the table
-                tasks.append(asyncio.create_task(self._send(ref, ins.to_actor, (*step_key, ins.tag), str(ins.label), sync, trace)))
+                tasks.append(asyncio.create_task(self._send(ref, ins.to_actor, (*step_key, ins.tag), str(ins.label), sync, trace,
+                                                            ins.layout)))
             elif isinstance(ins, Recv):
                 env.reserve(ins.buf)
                 tasks.append(asyncio.create_task(self._recv(env, ins, (*step_key, ins.tag), trace)))
@@ -439,12 +492,23 @@ class Actor:
                 t.cancel()
             raise
 
-    async def _send(self, ref: Any, peer: int, key: tuple, label: str, sync: bool = False, trace: StepTrace | None = None) -> None:
+    async def _send(self, ref: Any, peer: int, key: tuple, label: str, sync: bool = False, trace: StepTrace | None = None,
+                    layout: tuple | None = None) -> None:
         value = await asyncio.shield(ref) if isinstance(ref, asyncio.Future) else ref
         if self.p2p is None:
             raise TransferError(f"actor {self.actor_id} has no data plane to send {label} to actor {peer}")
         t0 = now() if trace else 0
-        await self.p2p.send(peer, key, value, wait=sync)
+        mesh = self.cache.mesh
+        if layout is not None and mesh is not None:
+            # Shard by shard, as the receiver expects: each distinct slice from the first device holding it (a
+            # value in another layout is laid out first), to the same device there.
+            spec = spmd.PartitionSpec(*layout)
+            if not isinstance(getattr(value, "sharding", None), spmd.NamedSharding) or value.sharding.spec != spec:
+                value = jax.device_put(value, spmd.NamedSharding(mesh, spec))
+            shards = spmd.shards_at(value, spmd.distinct_positions(value.shape, mesh, spec))
+            await asyncio.gather(*(self.p2p.send(peer, (*key, pos), data, wait=sync) for pos, data in shards))
+        else:
+            await self.p2p.send(peer, key, value, wait=sync)
         if trace:
             trace.transfer("send", label, peer, int(value.nbytes), t0, now(), key[-1])
 
@@ -454,19 +518,16 @@ class Actor:
         try:
             if self.p2p is None:
                 raise TransferError(f"actor {self.actor_id} has no data plane to receive {label} from actor {peer}")
-            try:
-                got = await asyncio.wait_for(self.p2p.recv(peer, key), self.transfer_timeout)
-            except TimeoutError:
-                raise TransferError(
-                    f"actor {self.actor_id} waited {self.transfer_timeout:g} s for {label} (tag {ins.tag}) from actor {peer} "
-                    f"and nothing came; is actor {peer} stuck? (RemoteMesh(..., transfer_timeout=s) sets this limit)"
-                ) from None
             want = dtype_from_name(ins.dtype)
-            if np.dtype(got.dtype) != want or tuple(got.shape) != tuple(ins.shape):
-                raise TransferError(
-                    f"actor {self.actor_id} expected {want.name}{list(ins.shape)} from actor {peer} for {label} "
-                    f"(tag {ins.tag}), received {np.dtype(got.dtype).name}{list(got.shape)}"
-                )
+            mesh = self.cache.mesh
+            if ins.layout is not None and mesh is not None:
+                spec = spmd.PartitionSpec(*ins.layout)
+                positions = spmd.distinct_positions(tuple(ins.shape), mesh, spec)
+                shard_shape = spmd.NamedSharding(mesh, spec).shard_shape(tuple(ins.shape))
+                parts = await asyncio.gather(*(self._recv_one(peer, (*key, pos), ins, want, shard_shape) for pos in positions))
+                got = spmd.assemble(tuple(ins.shape), mesh, spec, dict(zip(positions, parts)))
+            else:
+                got = await self._recv_one(peer, key, ins, want, tuple(ins.shape))
             # A received host array is ours alone (fresh aligned buffer, or shared memory reused only after the
             # array is gone). On CPU it stays a numpy array: an executable takes it as it is, without a copy
             # (and a forward to the next actor needs no conversion at all); elsewhere it moves to the device.
@@ -478,6 +539,22 @@ class Actor:
         except BaseException as e:
             env.fail(ins.buf, e)
             raise
+
+    async def _recv_one(self, peer: int, key: tuple, ins: Recv, want: np.dtype, shape: tuple[int, ...]) -> Any:
+        label = str(ins.label)
+        try:
+            got = await asyncio.wait_for(self.p2p.recv(peer, key), self.transfer_timeout)
+        except TimeoutError:
+            raise TransferError(
+                f"actor {self.actor_id} waited {self.transfer_timeout:g} s for {label} (tag {ins.tag}) from actor {peer} "
+                f"and nothing came; is actor {peer} stuck? (RemoteMesh(..., transfer_timeout=s) sets this limit)"
+            ) from None
+        if np.dtype(got.dtype) != want or tuple(got.shape) != tuple(shape):
+            raise TransferError(
+                f"actor {self.actor_id} expected {want.name}{list(shape)} from actor {peer} for {label} "
+                f"(tag {ins.tag}), received {np.dtype(got.dtype).name}{list(got.shape)}"
+            )
+        return got
 
     # ---- dispatch --------------------------------------------------------------------------------
     async def handle(self, msg: Message, peer: str | None = None) -> tuple[dict, list]:

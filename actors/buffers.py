@@ -141,6 +141,10 @@ class BufferTable:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def values(self) -> list[Any]:
+        """The values held now (not those still coming)."""
+        return list(self._entries.values())
+
     @property
     def nbytes(self) -> int:
         return self._bytes

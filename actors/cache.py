@@ -64,9 +64,9 @@ class ExecutableCache:
         exp = export.deserialize(bytearray(blob))
         fn, avals = exp.call, list(exp.in_avals)
         kwargs: dict[str, Any] = {}
-        if self.mesh is not None and in_layouts is not None:
+        if self.mesh is not None:  # on a device mesh every input has a layout (replicated unless said otherwise)
             shard = lambda w: spmd.sharding_of(self.mesh, spmd.spec_from_wire(w), self._device)  # noqa: E731
-            kwargs["in_shardings"] = tuple(shard(w) for w in in_layouts)
+            kwargs["in_shardings"] = tuple(shard(w) for w in (in_layouts if in_layouts is not None else [None] * len(avals)))
             if out_layouts is not None and any(w is not None for w in out_layouts):
                 kwargs["out_shardings"] = tuple(None if w is None else shard(w) for w in out_layouts)  # None: XLA chooses
         if self._ordered:

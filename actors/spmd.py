@@ -60,7 +60,14 @@ def put(host: np.ndarray, mesh: Mesh | None, spec: PartitionSpec | None, device:
     if mesh is None:
         return jax.device_put(host, device, may_alias=False)
     sharding = sharding_of(mesh, spec, device)
-    return jax.make_array_from_callback(host.shape, sharding, lambda idx: np.ascontiguousarray(host[idx]))
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: np.require(np.asarray(host[idx]), requirements="C"))
+
+
+def shards_at(value: jax.Array, positions: list[int]) -> list[tuple[int, np.ndarray]]:
+    """(position, host copy of the shard on the mesh's device at that position) for each position."""
+    devices = list(value.sharding.mesh.devices.flat)
+    by_device = {sh.device: sh for sh in value.addressable_shards}
+    return [(pos, np.asarray(by_device[devices[pos]].data)) for pos in positions]
 
 
 def distinct_shards(value: jax.Array) -> list[tuple[int, np.ndarray]]:

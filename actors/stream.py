@@ -45,6 +45,11 @@ class Stream:
         self.ordered = ordered_calls
         self.token = jax.device_put(np.int32(0), device) if ordered_calls else None
 
+    def on_mesh(self, mesh: Any) -> None:
+        """Executables now run over a device mesh: the token is replicated over it."""
+        if self.ordered:
+            self.token = jax.device_put(np.int32(0), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
     def call(self, exe: Any, args: Sequence[Any]) -> tuple[Any, Sequence[Any]]:
         """Dispatch; returns (what marks this call done, its outputs)."""
         if not self.ordered:

@@ -32,7 +32,7 @@ from mpmd.errors import MpmdError
 from mpmd.launch import LocalOptions, LocalProcess, start_local
 from mpmd.lowering import serialize_flat
 from mpmd.program import Program, encode_program
-from mpmd.sharding import layout_from_wire, layout_wire
+from mpmd.sharding import ActorMesh, as_layout, layout_from_wire, layout_wire, remote_sharding
 from mpmd.trace import Trace
 from mpmd.wiring import TRANSPORTS, choose_routes, peer_specs
 from transport.auth import ClientKeys
@@ -46,11 +46,16 @@ class RemoteMesh:
 
     def __init__(self, addresses: Sequence[str], processes: Sequence[LocalProcess] = (), *,
                  heartbeat_interval: float = 1.0, heartbeat_timeout: float = 10.0, transport: str = "auto",
-                 transfer_timeout: float = 300.0, overlap: bool = True, keys: Any = None) -> None:
+                 transfer_timeout: float = 300.0, overlap: bool = True, keys: Any = None,
+                 mesh_shape: Sequence[int] | None = None, axis_names: Sequence[str] | None = None) -> None:
         """Drive the actors at `addresses`. `transport` picks the data plane (see `mpmd.wiring`: "auto", "tcp",
         "shm", "nccl", "none"); a receive that waits `transfer_timeout` seconds fails the step; `overlap=False`
         makes actors wait for each send where it stands (to measure what overlap buys). `keys`: how this
-        controller authenticates to the daemons (see `connect`); None for daemons without keys."""
+        controller authenticates to the daemons (see `connect`); None for daemons without keys.
+
+        `mesh_shape` / `axis_names`: the device mesh every actor builds over its own devices (SPMD inside each
+        stage: e.g. (2, 2) named ("data", "model") on 4 devices per actor). Without them, actors with N > 1
+        devices are a 1-D mesh of N named "data"; one device each needs no mesh."""
         if transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {transport!r}; choose one of {TRANSPORTS}")
         if transfer_timeout <= 0:
@@ -81,6 +86,7 @@ class RemoteMesh:
         self.closed = False
         self._opened = False
         self.active_trace: Trace | None = None
+        self.actor_mesh: ActorMesh | None = None
         self._offsets: dict[int, int] = {}
         self._tmpdir: str | None = None
         _LIVE_MESHES.add(self)
@@ -88,6 +94,7 @@ class RemoteMesh:
         try:
             self.infos = self.run(self._gather(self._all("hello")))
             self._opened = True
+            self.actor_mesh = self._device_mesh(mesh_shape, axis_names)
             for c, info in zip(self._conns, self.infos):
                 c.bound, c.compile_bound = info.header.get("request_timeout"), info.header.get("compile_timeout")
             if transport != "none" and len(self.actors) > 1:
@@ -95,6 +102,27 @@ class RemoteMesh:
         except BaseException:
             self.close()
             raise
+
+    def _device_mesh(self, shape: Sequence[int] | None, names: Sequence[str] | None) -> ActorMesh | None:
+        """Check every actor has the devices the mesh needs and have each build it (None: one device each)."""
+        counts = [len(info.header.get("devices") or [None]) for info in self.infos]  # (a daemon that does not say: one)
+        if shape is None and names is not None:
+            raise ValueError("axis_names needs mesh_shape too (one size per name)")
+        if shape is None:
+            if set(counts) == {1}:
+                return None
+            if len(set(counts)) != 1:
+                raise MpmdError(f"actors have different numbers of devices {counts}; give every actor as many, or pass mesh_shape")
+            shape, names = (counts[0],), ("data",)
+        am = ActorMesh(tuple(int(d) for d in shape), tuple(names) if names is not None else
+                       tuple(f"axis{i}" for i in range(len(shape))))
+        for i, n in enumerate(counts):
+            if n != am.size:
+                raise MpmdError(f"actor {i} ({self.addresses[i]}) has {n} devices but mesh_shape {am.shape} needs {am.size}; start "
+                                f"it with {am.size} devices (RemoteMesh.local(devices_per_actor={am.size}), mpmd-actor --cpu-devices "
+                                f"{am.size} or --devices) or use a mesh of {n} devices")
+        self.run(self._gather(self._all("mesh", {"mesh": am.to_wire()})))
+        return am
 
     def _connection(self, i: int, address: str) -> ActorConnection:
         proc = next((p for p in self._processes if p.actor_id == i), None)
@@ -399,14 +427,23 @@ class RemoteMesh:
             out[i] = self.put_replicated(v, sorted(set(actors)))
         return jax.tree.unflatten(treedef, out)
 
-    def put_replicated(self, value: Any, actors: Sequence[int]) -> RemoteArray:
-        """Copy a host value (numpy, jax or typed key array) to each of `actors`, dtype kept as it is; one RemoteArray."""
+    def put_replicated(self, value: Any, actors: Sequence[int], spec: Any = None) -> RemoteArray:
+        """Copy a host value (numpy, jax or typed key array) to each of `actors`, dtype kept as it is, laid out
+        as `spec` over each actor's devices (None: replicated); one RemoteArray."""
         wire = to_wire(value)
         dtype = getattr(value, "dtype", wire.dtype) if is_key(getattr(value, "dtype", None)) else wire.dtype
-        bufs = {a: self.new_buffer_id() for a in actors}
-        self.run(self._gather([self._conns[a].request("put", {"buf": b}, [wire]) for a, b in bufs.items()]))
         shape = wire.shape[: wire.ndim - (len(key_impl(dtype).key_shape) if is_key(dtype) else 0)]
-        return RemoteArray(self, bufs, shape, dtype)
+        fields: dict[str, Any] = {}
+        if spec is not None:
+            if self.actor_mesh is None:
+                raise MpmdError("a PartitionSpec needs actors with several devices: make the mesh with devices_per_actor=N "
+                                "(and mesh_shape=..., axis_names=...)")
+            self.actor_mesh.check_spec(spec, shape, "put")
+            fields["layout"] = layout_wire(as_layout(spec))
+        bufs = {a: self.new_buffer_id() for a in actors}
+        self.run(self._gather([self._conns[a].request("put", {"buf": b, **fields}, [wire]) for a, b in bufs.items()]))
+        layout = as_layout(spec) if spec is not None else (() if self.actor_mesh is not None else None)
+        return RemoteArray(self, bufs, shape, dtype, remote_sharding(layout, self.actor_mesh))
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"session {self.session:x}"
@@ -509,9 +546,10 @@ class ActorHandle:
     def __repr__(self) -> str:
         return f"ActorHandle({self.index}, {self.mesh.addresses[self.index]})"
 
-    def put(self, x: Any) -> RemoteArray:
-        """Copy a host array (numpy, jax, or a typed PRNG key array) to this actor."""
-        return self.mesh.put_replicated(x, [self.index])
+    def put(self, x: Any, spec: Any = None) -> RemoteArray:
+        """Copy a host array (numpy, jax, or a typed PRNG key array) to this actor; with `spec` (a
+        PartitionSpec over the actor mesh) each of its devices gets only its shard."""
+        return self.mesh.put_replicated(x, [self.index], spec)
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn` (e.g. a `jax.jit` function) on this actor. Arguments are RemoteArrays on this actor or
@@ -538,7 +576,12 @@ class ActorHandle:
                 except (TypeError, ValueError) as e:
                     raise MpmdError(f"argument args{path} is a {type(x).__name__}, not an array: {e}") from None
         blob, (out_tree, out_avals) = mesh.lower(fn, jax.tree.unflatten(treedef, specs), mesh.infos[self.index].header["platform"])
-        exe = await mesh.ensure_compiled(self.index, blob)
+        out_layouts: list[Any] = [None] * len(out_avals)
+        if mesh.actor_mesh is None:
+            exe = await mesh.ensure_compiled(self.index, blob)
+        else:  # compiled for the layouts its arguments have (host arguments: replicated), as jax.jit would
+            in_layouts = tuple(x.sharding.layout if isinstance(x, RemoteArray) and x.sharding is not None else () for x in leaves)
+            exe, out_layouts = await mesh.ensure_compiled(self.index, blob, (), in_layouts, None)
         in_bufs = []
         temps = []
         try:
@@ -555,8 +598,14 @@ class ActorHandle:
         finally:
             if temps:
                 await conn.request("delete", {"bufs": temps})
-        outs = [RemoteArray(mesh, {self.index: b}, a.shape, a.dtype) for b, a in zip(out_bufs, out_avals)]
+        outs = [RemoteArray(mesh, {self.index: b}, a.shape, a.dtype, remote_sharding(lay, mesh.actor_mesh))
+                for b, a, lay in zip(out_bufs, out_avals, out_layouts)]
         return jax.tree.unflatten(out_tree, outs)
+
+    def hlo(self, exe_key: str) -> str:
+        """The optimized HLO text XLA compiled for one of this actor's executables (collectives, fusions):
+        `step.compile(...).loaded[actor]` lists each Program's executable keys."""
+        return self.mesh.run(self.mesh.conn(self.index).request("hlo", {"exe": exe_key})).header["text"]
 
     def ping(self) -> float:
         """Round-trip time of a ping, in seconds."""

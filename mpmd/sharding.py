@@ -120,7 +120,11 @@ Layout = tuple  # a PartitionSpec as a tuple of entries; () is replicated
 
 
 def as_layout(spec: PartitionSpec | None) -> Layout:
-    return tuple(spec) if spec is not None else ()
+    """A PartitionSpec as a tuple without trailing Nones (P('model', None) and P('model') are one layout)."""
+    entries = list(spec) if spec is not None else []
+    while entries and entries[-1] is None:
+        entries.pop()
+    return tuple(tuple(e) if isinstance(e, list) else e for e in entries)
 
 
 def layout_to_spec(layout: Layout | None) -> PartitionSpec | None:
@@ -171,3 +175,24 @@ async def infer_layouts(units: dict[int, list[Any]], known: dict[Any, Layout], c
         await asyncio.gather(*(one(a, i) for a, i in ready))
         pending -= set(ready)
     return exe, known
+
+
+@dataclass(frozen=True)
+class RemoteSharding:
+    """How a RemoteArray is laid out over each of its actors' devices: `spec` over the actor `mesh`."""
+
+    spec: PartitionSpec
+    mesh: ActorMesh
+
+    @property
+    def layout(self) -> Layout:
+        return as_layout(self.spec)
+
+    def __repr__(self) -> str:
+        return f"{self.spec} over {dict(zip(self.mesh.axis_names, self.mesh.shape))}"
+
+
+def remote_sharding(layout: Layout | None, mesh: ActorMesh | None) -> RemoteSharding | None:
+    if layout is None or mesh is None:
+        return None
+    return RemoteSharding(PartitionSpec(*layout), mesh)

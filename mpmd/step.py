@@ -7,7 +7,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -19,7 +19,7 @@ from mpmd.compiler.inline import inline_calls
 from mpmd.compiler.plan import StepPlan, iter_lowered, plan_step
 from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError
 from mpmd.report import PlacementReport, placement_report
-from mpmd.sharding import as_layout, infer_layouts, layout_to_spec, layout_wire, tree_specs
+from mpmd.sharding import as_layout, infer_layouts, layout_to_spec, layout_wire, remote_sharding, tree_specs
 from transport.protocol import dtype_name
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,7 @@ class CompiledStep:
     out_tree: Any
     compile_seconds: float
     arg_paths: list[str]
+    loaded: list[Any] = field(default_factory=list)  # the Programs as the actors hold them (Runs name executable keys)
 
 
 def _spec(x: Any, path: str) -> jax.ShapeDtypeStruct:
@@ -99,7 +100,7 @@ class DistributedFunction:
         user = tree_specs(self.in_shardings, args, "in_shardings") if self.in_shardings is not None else [None] * len(leaves)
         out = []
         for x, u, path, spec in zip(leaves, user, paths, specs):
-            held = x.sharding if isinstance(x, RemoteArray) else None
+            held = x.sharding.layout if isinstance(x, RemoteArray) and x.sharding is not None else None
             if u is not None:
                 am.check_spec(u, spec.shape, f"in_shardings for {path}")
                 if held is not None and as_layout(u) != held:
@@ -141,13 +142,13 @@ class DistributedFunction:
         plan = plan_step(outer, len(self.mesh))
         t1 = time.perf_counter()
         ids = [self.mesh.new_program_id()] * len(plan.programs)  # one id: transfer keys (program, step, tag) must agree
-        n = self._lower_and_ship(plan, ids, sig[2], out_tree)
-        compiled = self._compiled[sig] = CompiledStep(plan, ids, out_tree, time.perf_counter() - t0, arg_paths(args))
+        loaded = self._lower_and_ship(plan, ids, sig[2], out_tree)
+        compiled = self._compiled[sig] = CompiledStep(plan, ids, out_tree, time.perf_counter() - t0, arg_paths(args), loaded)
         log.info("compiled step: planned in %.2f s; %d executables lowered here, compiled on %d actors in parallel; %.2f s in all",
-                 t1 - t0, n, len(plan.programs), compiled.compile_seconds)
+                 t1 - t0, len(plan.templates), len(plan.programs), compiled.compile_seconds)
         return compiled
 
-    def _lower_and_ship(self, plan: StepPlan, ids: list[int], arg_layouts: tuple | None, out_tree: Any) -> int:
+    def _lower_and_ship(self, plan: StepPlan, ids: list[int], arg_layouts: tuple | None, out_tree: Any) -> list[Any]:
         """Export each distinct executable once, here, and have every actor that runs it start compiling it at
         once (actors compile while the next one is exported); then load the Programs. With multi-device
         actors, executables are compiled wave by wave with their inputs' layouts (see mpmd.sharding). Returns
@@ -165,15 +166,17 @@ class DistributedFunction:
                 keys[(a, tpl)] = mesh.submit_coroutine(mesh.ensure_compiled(a, blob, tpl[-1]))
             log.debug("lowered executable %d/%d", i + 1, len(plan.templates))
         exe_keys = {k: f.result() for k, f in keys.items()}
+        import dataclasses
+
+        programs = [dataclasses.replace(p, executables=[exe_keys[(p.actor, t)] for t in p.executables]) for p in plan.programs]
 
         async def load() -> None:
-            await asyncio.gather(*(mesh.load_program(p.actor, p, pid, [exe_keys[(p.actor, t)] for t in p.executables])
-                                   for p, pid in zip(plan.programs, ids)))
+            await asyncio.gather(*(mesh.load_program(p.actor, p, pid, p.executables) for p, pid in zip(programs, ids)))
 
         mesh.run(load())
-        return len(plan.templates)
+        return programs
 
-    def _lower_and_ship_sharded(self, plan: StepPlan, ids: list[int], arg_layouts: tuple, out_tree: Any) -> int:
+    def _lower_and_ship_sharded(self, plan: StepPlan, ids: list[int], arg_layouts: tuple, out_tree: Any) -> list[Any]:
         mesh = self.mesh
         blobs = dict(iter_lowered(plan, mesh.platform))
         known: dict[Any, Any] = dict(zip(plan.arg_keys, arg_layouts))
@@ -204,7 +207,7 @@ class DistributedFunction:
             await asyncio.gather(*(mesh.load_program(p.actor, p, pid, p.executables) for p, pid in zip(programs, ids)))
 
         mesh.run(load())
-        return len(blobs)
+        return programs
 
     def placement(self, *args: Any) -> PlacementReport:
         """Where each argument and output of the step lives (per pytree path), and what moves between actors in
@@ -241,7 +244,8 @@ class DistributedFunction:
         results: list[Any] = []
         for (kind, val), ids, aval, key in zip(plan.out_homes, outs, plan.out_avals, plan.out_keys):
             if kind == "actors":
-                results.append(RemoteArray(mesh, ids, aval.shape, aval.dtype, plan.layouts.get(key), ready=done))
+                sharding = remote_sharding(plan.layouts.get(key), mesh.actor_mesh)
+                results.append(RemoteArray(mesh, ids, aval.shape, aval.dtype, sharding, ready=done))
             elif kind == "arg":
                 results.append(leaves[val])
             else:
@@ -355,7 +359,7 @@ def with_layouts(prog: Any, unit_exes: list[str], layouts: dict[Any, Any]) -> An
     layouts) and each Recv the layout its value arrives in."""
     import dataclasses
 
-    from mpmd.program import Recv, Run
+    from mpmd.program import Recv, Run, Send
 
     keys: list[str] = []
     instrs = []
@@ -366,9 +370,9 @@ def with_layouts(prog: Any, unit_exes: list[str], layouts: dict[Any, Any]) -> An
             if k not in keys:
                 keys.append(k)
             ins = dataclasses.replace(ins, exe=keys.index(k))
-        elif isinstance(ins, Recv):
+        elif isinstance(ins, (Recv, Send)):  # both sides agree how the value travels: shard by shard, in its layout
             lay = layouts.get(prog.buffer_keys.get(ins.buf))
-            ins = dataclasses.replace(ins, layout=tuple(lay) if lay else None)
+            ins = dataclasses.replace(ins, layout=tuple(lay) if lay is not None else ())  # () is replicated: one shard
         instrs.append(ins)
     return dataclasses.replace(prog, instructions=instrs, executables=keys)
 

@@ -82,7 +82,9 @@ def start_daemon(*flags: str, env: dict | None = None, stdin: bytes | None = Non
     goes to a temporary file (`proc.log`), removed by `stop_daemon`."""
     log = tempfile.NamedTemporaryFile(prefix="mpmd-test-daemon-", suffix=".log", delete=False)
     # --parent-pid: a daemon a failed test leaves behind exits with the test process.
-    proc = subprocess.Popen([sys.executable, "-m", "actors.daemon", "--parent-pid", str(os.getpid()), *flags],
+    # One CPU device unless the flags say otherwise (the test process itself has four, see conftest.py).
+    devices = [] if "--cpu-devices" in flags else ["--cpu-devices", "1"]
+    proc = subprocess.Popen([sys.executable, "-m", "actors.daemon", "--parent-pid", str(os.getpid()), *devices, *flags],
                             stdout=subprocess.PIPE, stderr=log, stdin=subprocess.PIPE,
                             env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})})
     proc.log = log.name

@@ -6,7 +6,7 @@ A compiled step is, per actor, an ordered list of instructions over local buffer
 | instruction                          | text form                             | wire form (msgpack array)                          |
 |--------------------------------------|---------------------------------------|----------------------------------------------------|
 | Run(exe, inputs, outputs, donate)    | ``RUN 1F3+1B3  [1, 2] -> [7]  (exe 0)``| ``["run", exe key, [in], [out], label, [donate]]`` |
-| Send(buf, to_actor, tag)             | ``SEND b7 -> a1 #12 (0F3)``           | ``["send", buf, to, tag, label]``                  |
+| Send(buf, to_actor, tag)             | ``SEND b7 -> a1 #12 (0F3)``           | ``["send", buf, to, tag, label(, layout)]``        |
 | Recv(buf, from_actor, tag, aval)     | ``RECV b9 <- a0 #12 float32[4, 8] (0F3)``| ``["recv", buf, from, tag, dtype, shape, label(, layout)]`` |
 | Delete(bufs)                         | ``DEL b1 b2``                         | ``["del", [bufs], label]``                         |
 
@@ -117,9 +117,11 @@ class Send:
     to_actor: int
     tag: int
     label: Label = Label("xfer")
+    layout: tuple | None = None  # as Recv's: when set, the value goes shard by shard (the receiver expects that layout)
 
     def __str__(self) -> str:
-        return f"SEND b{self.buf} -> a{self.to_actor} #{self.tag} ({self.label})"
+        lay = f" layout {list(self.layout)}" if self.layout is not None else ""
+        return f"SEND b{self.buf} -> a{self.to_actor} #{self.tag}{lay} ({self.label})"
 
 
 @dataclass(frozen=True)
@@ -188,7 +190,8 @@ def encode_instruction(ins: Instruction, exe_keys: list[str] | None = None) -> l
         exe = exe_keys[ins.exe] if exe_keys is not None else ins.exe
         return ["run", exe, list(ins.inputs), list(ins.outputs), label, list(ins.donate)]
     if isinstance(ins, Send):
-        return ["send", ins.buf, ins.to_actor, ins.tag, label]
+        wire = ["send", ins.buf, ins.to_actor, ins.tag, label]
+        return wire + [[e if e is None or isinstance(e, str) else list(e) for e in ins.layout]] if ins.layout is not None else wire
     if isinstance(ins, Recv):
         wire = ["recv", ins.buf, ins.from_actor, ins.tag, ins.dtype, list(ins.shape), label]
         return wire + [[e if e is None or isinstance(e, str) else list(e) for e in ins.layout]] if ins.layout is not None else wire
@@ -235,9 +238,10 @@ def decode_instruction(w: Any) -> Instruction:
                 raise ProgramError(f"run donates input positions {list(donate)} of {len(ins)} inputs")
             return Run(w[1], ins, outs, _label(w[4]), donate)
         if op == "send":
-            if len(w) != 5:
-                raise ProgramError("send needs [op, buf, to, tag, label]")
-            return Send(_int(w[1], "send buf"), _int(w[2], "send peer"), _int(w[3], "send tag"), _label(w[4]))
+            if len(w) not in (5, 6):
+                raise ProgramError("send needs [op, buf, to, tag, label(, layout)]")
+            layout = _layout(w[5]) if len(w) == 6 else None
+            return Send(_int(w[1], "send buf"), _int(w[2], "send peer"), _int(w[3], "send tag"), _label(w[4]), layout)
         if op == "recv":
             if len(w) not in (7, 8) or not isinstance(w[4], str):
                 raise ProgramError("recv needs [op, buf, from, tag, dtype, shape, label(, layout)]")

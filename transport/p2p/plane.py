@@ -223,6 +223,7 @@ class DataPlane(P2PTransport):
             return
         nbytes = int(value.nbytes)
         self.counters[f"sent_{route}_bytes"] += nbytes
+        self.counters["sent_arrays"] += 1
         if route == "shm" and nbytes >= SHM_MIN_BYTES:
             await self._send_shm(peer, key, value, nbytes)
             return

@@ -1,0 +1,211 @@
+"""SPMD inside every actor: each stage runs sharded over its actor's device mesh exactly as jax.jit would on a
+single-process mesh of the same shape (the test process has 4 host devices, see conftest.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import mpmd
+from mpmd.program import Run, Send
+from mpmd.testing import make_train_step
+from tests.test_pipeline import assert_trees_close
+
+
+def reference(loss, opt, params, specs, batches, shape, batch_spec=None):
+    """jax.jit of the undecorated step on a mesh of the per-actor shape in this process."""
+    mesh = Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh):
+        step = jax.jit(make_train_step(loss, opt, None))
+        p = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)
+        o = opt.init(p)
+        losses = []
+        for b in batches:
+            if batch_spec is not None:
+                b = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, batch_spec)), b)
+            p, o, loss_value = step(p, o, b)
+            losses.append(np.asarray(loss_value))
+    return jax.device_get(p), jax.device_get(o), losses
+
+
+def run_mpmd(mesh, loss, opt, params, specs, batches, schedule, batch_spec=None):
+    step = mpmd.distributed(make_train_step(loss, opt, schedule), mesh=mesh, in_shardings=(specs, None, batch_spec))
+    p, o = params, opt.init(params)
+    losses = []
+    for i, b in enumerate(batches):
+        if i == 1:  # from now on the arguments are the step's own outputs, in the layouts they came out in
+            step = mpmd.distributed(make_train_step(loss, opt, schedule), mesh=mesh, in_shardings=(None, None, batch_spec))
+        p, o, loss_value = step(p, o, b)
+        losses.append(loss_value)
+    return step, p, o, [x.to_numpy() for x in losses]
+
+
+def megatron(params, x):
+    """Per stage: a column-parallel then a row-parallel matmul (Megatron's MLP); the boundary is sharded."""
+    h = jnp.tanh(x @ params[0]["w1"])
+    h = jax.lax.with_sharding_constraint(h, P("data", None, "model"))
+    h = mpmd.pipeline_yield(h)  # a sharded activation crosses: half on each device
+    x = h @ params[0]["w2"]
+    h = jnp.tanh(x @ params[1]["w1"])
+    return h @ params[1]["w2"]
+
+
+def megatron_params(rng, d=16, f=32):
+    return [{"w1": (rng.standard_normal((d, f)) / 4).astype(np.float32), "w2": (rng.standard_normal((f, d)) / 6).astype(np.float32)}
+            for _ in range(2)]
+
+
+MEGATRON_SPECS = [{"w1": P(None, "model"), "w2": P("model", None)} for _ in range(2)]
+
+
+def mse(model):
+    return lambda p, mb: jnp.mean((model(p, mb["x"]) - mb["y"]) ** 2)
+
+
+def batch_of(rng, m=4, b=8, d=16):
+    return {"x": rng.standard_normal((m, b, 4, d)).astype(np.float32), "y": rng.standard_normal((m, b, 4, d)).astype(np.float32)}
+
+
+@pytest.fixture(scope="module")
+def mesh_1x2():
+    with mpmd.RemoteMesh.local(num_actors=2, devices_per_actor=2, mesh_shape=(1, 2), axis_names=("data", "model")) as mesh:
+        yield mesh
+
+
+@pytest.fixture(scope="module")
+def mesh_2x2():
+    with mpmd.RemoteMesh.local(num_actors=2, devices_per_actor=4, mesh_shape=(2, 2), axis_names=("data", "model")) as mesh:
+        yield mesh
+
+
+def test_megatron_mlp_on_two_actors_of_two_devices_equals_jit_on_a_1x2_mesh(mesh_1x2):
+    rng = np.random.default_rng(0)
+    params = megatron_params(rng)
+    opt = optax.adamw(1e-2)
+    batches = [batch_of(rng) for _ in range(3)]
+    rp, ro, rl = reference(mse(megatron), opt, params, MEGATRON_SPECS, batches, (1, 2))
+    step, p, o, losses = run_mpmd(mesh_1x2, mse(megatron), opt, params, MEGATRON_SPECS, batches, mpmd.OneFOneB(2))
+    for a, b in zip(losses, rl):
+        np.testing.assert_allclose(a, b, rtol=1e-5)
+    assert_trees_close(mpmd.fetch(p), rp)
+    assert_trees_close(mpmd.fetch(o), ro)
+    # parameters keep their layout across steps, and each device holds half of a sharded one
+    assert p[0]["w1"].sharding.spec == P(None, "model") and p[1]["w2"].sharding.layout == ("model",)
+    assert p[0]["w1"].actors == [0] and p[1]["w1"].actors == [1]
+
+
+def test_data_and_tensor_parallel_mlp_on_two_actors_of_four_devices_equals_jit_on_a_2x2_mesh(mesh_2x2):
+    rng = np.random.default_rng(1)
+    params = megatron_params(rng)
+    opt = optax.adamw(1e-2)
+    batches = [batch_of(rng) for _ in range(3)]
+    spec = P(None, "data")  # [microbatch, batch, ...]: the batch axis over "data"
+    rp, ro, rl = reference(mse(megatron), opt, params, MEGATRON_SPECS, batches, (2, 2), spec)
+    _, p, o, losses = run_mpmd(mesh_2x2, mse(megatron), opt, params, MEGATRON_SPECS, batches, mpmd.GPipe(2), spec)
+    for a, b in zip(losses, rl):
+        np.testing.assert_allclose(a, b, rtol=1e-5)
+    assert_trees_close(mpmd.fetch(p), rp)
+    assert_trees_close(mpmd.fetch(o), ro)
+
+
+def attention_block(p, x, heads):
+    b, t, d = x.shape
+    q, k, v = (jnp.einsum("btd,dhk->bthk", x, p[n]) for n in ("q", "k", "v"))
+    q = jax.lax.with_sharding_constraint(q, P("data", None, "model", None))  # heads over "model"
+    att = jnp.einsum("bthk,bshk->bhts", q, k) / np.sqrt(d // heads)
+    att = jnp.where(jnp.tril(jnp.ones((t, t), bool)), att, -1e9)
+    out = jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(att, -1), v)
+    return x + jnp.einsum("bthk,hkd->btd", out, p["o"])
+
+
+def test_a_transformer_stage_with_attention_heads_sharded_equals_jit(mesh_2x2):
+    rng = np.random.default_rng(2)
+    d, heads = 16, 4
+    params = [{n: (rng.standard_normal((d, heads, d // heads)) / 4).astype(np.float32) for n in "qkv"} for _ in range(2)]
+    for s in params:
+        s["o"] = (rng.standard_normal((heads, d // heads, d)) / 4).astype(np.float32)
+    specs = [{"q": P(None, "model"), "k": P(None, "model"), "v": P(None, "model"), "o": P("model")} for _ in range(2)]
+
+    def model(p, x):
+        x = attention_block(p[0], x, heads)
+        x = mpmd.pipeline_yield(x)
+        return attention_block(p[1], x, heads)
+
+    def loss(p, mb):
+        return jnp.mean((model(p, mb["x"]) - mb["y"]) ** 2)
+
+    opt = optax.adamw(1e-2)
+    batches = [{"x": rng.standard_normal((4, 2, 8, d)).astype(np.float32), "y": rng.standard_normal((4, 2, 8, d)).astype(np.float32)}
+               for _ in range(2)]
+    spec = P(None, "data")
+    rp, ro, rl = reference(loss, opt, params, specs, batches, (2, 2), spec)
+    _, p, o, losses = run_mpmd(mesh_2x2, loss, opt, params, specs, batches, mpmd.OneFOneB(2), spec)
+    for a, b in zip(losses, rl):
+        np.testing.assert_allclose(a, b, rtol=1e-5)
+    assert_trees_close(mpmd.fetch(p), rp)
+
+
+def test_the_row_parallel_matmul_holds_an_all_reduce_and_devices_hold_their_shard(mesh_1x2):
+    rng = np.random.default_rng(3)
+    params = megatron_params(rng)
+    opt = optax.sgd(0.1)
+    step = mpmd.distributed(make_train_step(mse(megatron), opt, mpmd.OneFOneB(2)), mesh=mesh_1x2,
+                            in_shardings=(MEGATRON_SPECS, None, None))
+    batch = batch_of(rng)
+    compiled = step.compile(params, opt.init(params), batch)
+    # the executable of stage 1's forward+backward (actor 1) contracts over the "model" axis: an all-reduce
+    prog = compiled.loaded[1]
+    run = next(i for i in prog.instructions if isinstance(i, Run) and any(t.stage == 1 and t.kind == "F" for t in i.label.tasks))
+    text = mesh_1x2.actor(1).hlo(prog.executables[run.exe])
+    assert "all-reduce" in text
+    before = mesh_1x2.actor(0).stats()
+    p, o, loss_value = step(params, opt.init(params), batch)
+    loss_value.block_until_ready()
+    w1 = p[0]["w1"]
+    after = mesh_1x2.actor(0).stats()
+    # w1 is [16, 32] float32 split over 2 devices along its second axis
+    assert w1.sharding.layout == (None, "model")
+    assert [b - a for a, b in zip(before["device_bytes"], after["device_bytes"])][0] >= 16 * 16 * 4
+    # the sharded activation went shard by shard: per microbatch 2 sends of half its bytes
+    sends = [i for i in compiled.loaded[0].instructions if isinstance(i, Send)]
+    sent = after["p2p"]["sent_arrays"] - before["p2p"]["sent_arrays"]
+    assert sent == 2 * len(sends)
+    shm_bytes = after["p2p"].get("sent_shm_bytes", 0) - before["p2p"].get("sent_shm_bytes", 0)
+    assert shm_bytes == len(sends) * 8 * 4 * 32 * 4  # each activation: [8, 4, 32] float32, in two halves
+    np.testing.assert_allclose(loss_value.to_numpy(), reference(mse(megatron), opt, params, MEGATRON_SPECS, [batch], (1, 2))[2][0],
+                               rtol=1e-5)
+
+
+def test_layout_errors_name_the_argument_and_what_to_do(mesh_1x2):
+    rng = np.random.default_rng(4)
+    params = megatron_params(rng)
+    opt = optax.sgd(0.1)
+    batch = batch_of(rng)
+    bad_axis = [{"w1": P(None, "tensor"), "w2": P("model", None)}, MEGATRON_SPECS[1]]
+    step = mpmd.distributed(make_train_step(mse(megatron), opt, mpmd.OneFOneB(2)), mesh=mesh_1x2, in_shardings=(bad_axis, None, None))
+    with pytest.raises(mpmd.MpmdError, match=r"args\[0\]\[0\]\['w1'\].*names axis 'tensor'.*\('data', 'model'\)"):
+        step(params, opt.init(params), batch)
+    odd = megatron_params(rng, f=33)
+    step = mpmd.distributed(make_train_step(mse(megatron), opt, mpmd.OneFOneB(2)), mesh=mesh_1x2,
+                            in_shardings=(MEGATRON_SPECS, None, None))
+    with pytest.raises(mpmd.MpmdError, match=r"size 33 is split over model = 2 devices"):
+        step(odd, opt.init(odd), batch)
+    step = mpmd.distributed(make_train_step(mse(megatron), opt, mpmd.OneFOneB(2)), mesh=mesh_1x2,
+                            in_shardings=([{"w1": P()}, {"w1": P()}], None, None))
+    with pytest.raises(mpmd.MpmdError, match=r"in_shardings is not a prefix of the arguments"):
+        step(params, opt.init(params), batch)
+    with pytest.raises(mpmd.MpmdError, match=r"actor 0 .* has 2 devices but mesh_shape \(2, 2\) needs 4"):
+        mpmd.RemoteMesh.local(num_actors=1, devices_per_actor=2, mesh_shape=(2, 2), axis_names=("data", "model"))
+
+
+def test_the_embedding_api_puts_and_runs_sharded_arrays(mesh_1x2):
+    x = np.arange(64, dtype=np.float32).reshape(8, 8)
+    r = mesh_1x2.actor(0).put(x, P(None, "model"))
+    assert r.sharding.spec == P(None, "model")
+    assert mesh_1x2.actor(0).stats()["device_bytes"][0] >= 8 * 4 * 4
+    f = jax.jit(lambda a: (a @ a.T).sum(axis=0))
+    out = mesh_1x2.actor(0).run(f, r)
+    np.testing.assert_allclose(out.to_numpy(), np.asarray(f(x)), rtol=1e-5)
