@@ -31,13 +31,17 @@ import os
 import signal
 import sys
 
+from actors import cluster
+
 COMPILE_GRACE = 5.0  # a compile's bound is --compile-timeout plus this (its checker's start), so its own timeouts speak first
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mpmd-actor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--listen", default="tcp://127.0.0.1:5555", help="control endpoint (tcp://host:port, ipc://path); port 0 picks one")
-    p.add_argument("--actor-id", type=int, default=0, help="this actor's index in the mesh")
+    p.add_argument("--listen", default=None,
+                   help="control endpoint (tcp://host:port, ipc://path); port 0 picks one (default: tcp://127.0.0.1:5555; "
+                        "with --slurm or --rendezvous, this node's address on a free port)")
+    p.add_argument("--actor-id", type=int, default=None, help="this actor's index in the mesh (default 0; with --slurm: SLURM_PROCID)")
     p.add_argument("--cpu-devices", type=int, default=None, help="give this actor N host (CPU) devices")
     p.add_argument("--cpus", default=None,
                    help="comma-separated cores to pin this daemon to (XLA's CPU thread pool is sized to them; one core "
@@ -73,7 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="data-plane arrivals one peer may leave unclaimed here before further ones are refused")
     p.add_argument("--max-unclaimed-mb", type=int, default=32 * 1024, help="the same limit, in MiB")
     p.add_argument("--log-level", default="WARNING")
+    cluster.add_arguments(p)
     args = p.parse_args(argv)
+    cluster.resolve(args, p)  # what --slurm and --rendezvous imply (actor id, devices, addresses)
     if args.p2p == "ipc" and not args.ipc_dir:
         p.error("--p2p ipc needs --ipc-dir")
     for name in ("request_timeout", "compile_timeout", "transfer_timeout"):
@@ -118,6 +124,11 @@ def load_security(args: argparse.Namespace) -> tuple[object | None, dict[bytes, 
             return pair, {k.encode(): v for k, v in spec["authorized"].items()}
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             fail(f"--keys-stdin: expected one JSON line with server_public, server_secret and authorized ({e})")
+    if args.rendezvous and args.authorized_keys and not args.server_key and not args.insecure:
+        try:  # the control socket's pair is made here, in memory; its public half is announced at the rendezvous
+            return KeyPair.generate(), load_authorized_keys(args.authorized_keys)
+        except AuthKeyError as e:
+            fail(str(e))
     if bool(args.server_key) != bool(args.authorized_keys):
         fail("--server-key and --authorized-keys go together: the daemon's own key pair, and the directory of the "
              "controllers' public keys it admits (`mpmd keys generate DIR` makes both)")
@@ -268,7 +279,14 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
             sock.get(zmq.EVENTS)
 
     watcher = watch_parent(loop, args.parent_pid, orphaned, log) if args.parent_pid else None
-    print(f"MPMD_ACTOR_READY {endpoint} {_p2p_address(p2p)}", flush=True)
+    publication = None
+    if args.rendezvous:  # announced once bound, before the ready line; refused or timed out: exit 1, said in the log
+        publication = await cluster.publish(args, endpoint, _p2p_address(p2p), server_pair, stop)
+        if publication is None:
+            args.exit_status = 1
+            stop.set()
+    if not stop.is_set():
+        print(f"MPMD_ACTOR_READY {endpoint} {_p2p_address(p2p)}", flush=True)
     receiver = loop.create_task(receive())
     poker = loop.create_task(poke())
     loop.create_task(_quietly(checker.start()))  # the checker imports JAX meanwhile, so the first compile need not wait
@@ -276,6 +294,8 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     await asyncio.wait({loop.create_task(stop.wait()), orphan_wait}, return_when=asyncio.FIRST_COMPLETED)
     receiver.cancel()
     poker.cancel()
+    if publication is not None:
+        publication.withdraw()
     if watcher is not None:
         watcher()
     for t in list(tasks):
@@ -409,7 +429,7 @@ def main(argv: list[str] | None = None) -> None:
     # asked us to stop): a normal interpreter exit would wait for it.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(getattr(args, "exit_status", 0))
 
 
 if __name__ == "__main__":

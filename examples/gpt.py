@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 
@@ -137,6 +138,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", default=None, help="start from the state saved here")
     p.add_argument("--tensor-parallel", type=int, default=1, help="devices per actor for tensor parallelism inside each stage")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rendezvous", default=None, metavar="DIR|tcp://HOST:PORT",
+                   help="attach to --actors daemons announced there (srun mpmd-actor --slurm --rendezvous DIR ...) instead of "
+                        "starting local ones")
+    p.add_argument("--keys", default=None, help="with --rendezvous: the key directory the daemons' --authorized-keys names")
+    p.add_argument("--ray", action="store_true", help="start the --actors daemons through Ray (ray.init(address='auto') "
+                                                        "on a Ray cluster, else a local Ray)")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.layers, args.width = min(args.steps, 120), 4, 64
@@ -145,6 +152,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if args.layers % args.stages:
         raise SystemExit(f"--layers {args.layers} must be a multiple of --stages {args.stages}")
     return args
+
+
+def open_mesh(args: argparse.Namespace) -> mpmd.RemoteMesh:
+    """Local daemons by default; daemons a cluster started (SLURM, Kubernetes) through a rendezvous; or Ray's."""
+    if args.rendezvous:
+        return mpmd.RemoteMesh.from_rendezvous(args.rendezvous, args.actors, keys=args.keys, timeout=600)
+    if args.ray:
+        import ray
+
+        ray.init(address="auto" if os.environ.get("RAY_ADDRESS") else None)
+        return mpmd.RemoteMesh.ray(args.actors, devices_per_actor=args.tensor_parallel)
+    return mpmd.RemoteMesh.local(num_actors=args.actors, devices_per_actor=args.tensor_parallel)
 
 
 def train(args: argparse.Namespace) -> dict[str, float]:
@@ -161,7 +180,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     opt_state = optimizer.init(params)
     stream = batches(data, args.microbatches, args.rows, args.seq, np.random.default_rng(args.seed + 1))
     tokens_per_step = args.microbatches * args.rows * args.seq
-    with mpmd.RemoteMesh.local(num_actors=args.actors, devices_per_actor=args.tensor_parallel) as mesh:
+    with open_mesh(args) as mesh:
         step = mpmd.distributed(make_step(graphdef, optimizer, schedule), mesh=mesh)
         if args.resume:
             params, opt_state = mpmd.restore(args.resume, mesh, like=(params, opt_state))

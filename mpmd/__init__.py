@@ -1,6 +1,6 @@
 """mpmd: MPMD pipeline-parallel training for JAX.
 
-    mesh = mpmd.RemoteMesh.local(num_actors=2)            # or RemoteMesh.connect([...])
+    mesh = mpmd.RemoteMesh.local(num_actors=2)            # or .connect([...]), .ray(4), .from_rendezvous(DIR, 4)
 
     @mpmd.distributed(mesh=mesh)
     def train_step(params, opt_state, batch):
@@ -16,12 +16,22 @@ Public names (each has a docstring):
   Schedule, validate, check_programs          write your own schedule; prove a schedule or compiled Programs deadlock-free
   simulate, Costs, SimResult                  mpmd.simulate(schedule, m, costs): step time, bubble, memory, pictures
   MpmdError, RemoteError, ActorDiedError, PipelineError, ScheduleError   errors
+  ActorStartError, RendezvousError, IncompatibleActorError                 errors of starting or finding daemons
 """
 
 from mpmd.api import accumulate_grads, distributed, pipeline_yield
 from mpmd.array import RemoteArray, fetch
 from mpmd.checkpoint import restore, save
-from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError, ScheduleError
+from mpmd.errors import (
+    ActorDiedError,
+    ActorStartError,
+    IncompatibleActorError,
+    MpmdError,
+    PipelineError,
+    RemoteError,
+    RendezvousError,
+    ScheduleError,
+)
 from mpmd.mesh import ActorHandle, RemoteMesh
 from mpmd.schedules import (
     Custom,
@@ -42,11 +52,13 @@ from mpmd.validation import check_programs, validate
 __all__ = [
     "ActorDiedError",
     "ActorHandle",
+    "ActorStartError",
     "Costs",
     "Custom",
     "DualPipeV",
     "EagerOneFOneB",
     "GPipe",
+    "IncompatibleActorError",
     "InterleavedOneFOneB",
     "InterleavedZeroBubble",
     "MpmdError",
@@ -55,6 +67,7 @@ __all__ = [
     "RemoteArray",
     "RemoteError",
     "RemoteMesh",
+    "RendezvousError",
     "Schedule",
     "ScheduleError",
     "SimResult",

@@ -40,6 +40,15 @@ class ActorStartError(MpmdError):
     """A local actor daemon did not start."""
 
 
+class RendezvousError(ActorStartError):
+    """Daemons started by a cluster's scheduler did not all arrive at their rendezvous in time, or arrived in a
+    way the controller cannot use (an actor id claimed twice, counts that disagree, keys on some only)."""
+
+
+class IncompatibleActorError(ActorStartError):
+    """A daemon runs another JAX version, platform or protocol than the controller (or than the other actors)."""
+
+
 class PipelineError(MpmdError):
     """The traced function or the schedule cannot be turned into a pipeline (raised before dispatch)."""
 

@@ -196,6 +196,50 @@ class RemoteMesh:
         pairs). A wrong or missing key fails here with `ActorAuthError`, naming the actor."""
         return cls(addresses, keys=keys, **kwargs)
 
+    @classmethod
+    def ray(cls, num_actors: int, devices_per_actor: int = 1, resources_per_actor: dict[str, float] | None = None,
+            placement_strategy: str = "SPREAD", *, platform: str = "auto", cpus_per_actor: float = 1, host: str | None = None,
+            placement_timeout: float = 60.0, startup_timeout: float = 120.0, log_level: str = "WARNING",
+            cache_dir: str | bool = True, runtime_env: dict[str, Any] | None = None, **kwargs: Any) -> RemoteMesh:
+        """Start `num_actors` daemons as Ray places them (the `ray` extra; ``ray.init()`` first, or it is called)::
+
+            ray.init(address="auto")
+            mesh = mpmd.RemoteMesh.ray(num_actors=4, devices_per_actor=8)   # GPUs through Ray's num_gpus
+
+        A placement group reserves one bundle per actor (``{"CPU": cpus_per_actor, "GPU": devices_per_actor}``,
+        GPU only when `platform` is "gpu" — "auto": when the cluster has GPUs — updated with
+        `resources_per_actor`) with `placement_strategy`; each bundle gets a Ray actor that runs one `mpmd-actor`
+        daemon bound to its node's address (`host` overrides it). Keys are ephemeral; only public keys cross the
+        network. A Ray actor that dies surfaces as `ActorDiedError`; closing the mesh kills the Ray actors and
+        removes the placement group. Other keyword arguments go to `RemoteMesh`. See mpmd/launchers/ray.py."""
+        from mpmd.launchers import ray as ray_launcher
+
+        return ray_launcher.connect(cls, num_actors, devices_per_actor, resources_per_actor, placement_strategy, platform=platform,
+                                    cpus_per_actor=cpus_per_actor, host=host, placement_timeout=placement_timeout,
+                                    startup_timeout=startup_timeout, log_level=log_level, cache_dir=cache_dir,
+                                    runtime_env=runtime_env, **kwargs)
+
+    @classmethod
+    def from_rendezvous(cls, where: str | Any, num_actors: int, *, timeout: float = 300.0, keys: Any = None,
+                        platform: str | None = None, shutdown_on_close: bool = True, **kwargs: Any) -> RemoteMesh:
+        """Attach to the daemons that announce themselves at a rendezvous — started by SLURM, Kubernetes or a
+        shell loop, with no address list::
+
+            srun mpmd-actor --slurm --rendezvous $RDV --authorized-keys ~/.mpmd/keys &
+            mesh = mpmd.RemoteMesh.from_rendezvous(RDV, num_actors=4, keys="~/.mpmd/keys", timeout=300)
+
+        `where`: a directory every node sees (mode 700), or ``tcp://HOST:PORT``, served here while waiting (the
+        daemons get ``--rendezvous tcp://<this host>:PORT``). Waits up to `timeout` seconds for actors 0 ..
+        num_actors-1 (`RendezvousError` names the missing ones), refuses daemons of another JAX version or
+        `platform` (`IncompatibleActorError`), and connects with `keys` (the pair the daemons'
+        --authorized-keys admits) and each daemon's public key from its arrival. With `shutdown_on_close`
+        the daemons exit when the mesh closes (so the srun step or the Job ends). Other keyword arguments go
+        to `RemoteMesh`. See mpmd/launchers/rendezvous.py."""
+        from mpmd.launchers import rendezvous
+
+        return rendezvous.connect(cls, where, num_actors, timeout=timeout, keys=keys, platform=platform,
+                                  shutdown_on_close=shutdown_on_close, **kwargs)
+
     def __enter__(self) -> RemoteMesh:
         return self
 
@@ -333,6 +377,19 @@ class RemoteMesh:
             print(t.summary()); t.to_perfetto("trace.json")
         """
         return TraceContext(self)
+
+    def profile(self, logdir: str, run: str | None = None) -> Any:
+        """Capture a `jax.profiler` trace on every actor while the block runs, next to mpmd's own trace::
+
+            with mesh.profile("/tmp/prof"):
+                step(params, opt_state, batch)
+            # tensorboard --logdir /tmp/prof   (one host per actor; or xprof, or Perfetto)
+
+        The actors' files come back here: ``logdir/plugins/profile/<run>/actor<i>.xplane.pb``, and mpmd's
+        instruction trace of the same steps as ``logdir/mpmd_trace_<run>.json``. See mpmd/profile.py."""
+        from mpmd.profile import ProfileContext
+
+        return ProfileContext(self, logdir, run)
 
     def clock_offsets(self) -> dict[int, int]:
         """Per actor: its monotonic clock minus the controller's (ns), from the ping with the smallest round

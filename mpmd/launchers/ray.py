@@ -1,0 +1,392 @@
+"""Daemons placed, started and supervised by Ray (the `ray` extra: ``pip install 'mpmd[ray]'``). The daemon is
+the same `mpmd-actor` process as everywhere else; Ray decides where it runs and watches it.
+
+    ray.init()                                                      # or ray.init(address="auto") on a cluster
+    mesh = mpmd.RemoteMesh.ray(num_actors=4, devices_per_actor=8)   # 4 daemons, 8 GPUs each, one per node
+
+* **Placement.** A placement group reserves one bundle per actor — ``{"CPU": cpus_per_actor, "GPU":
+  devices_per_actor}`` (GPU only on GPU clusters) updated with `resources_per_actor` — with
+  `placement_strategy` ("SPREAD": one per node where possible; "STRICT_SPREAD", "PACK", "STRICT_PACK"). A
+  group Ray cannot place within `placement_timeout` fails naming what was asked and what the cluster has.
+* **Start.** One Ray actor (`DaemonHost`) per bundle spawns `mpmd-actor` as a subprocess watching the Ray
+  actor's process (``--parent-pid``: the daemon exits when Ray kills its actor), reads its ready line and
+  reports its endpoint. GPUs are Ray's to assign: the Ray actor asks for ``num_gpus``, Ray sets
+  CUDA_VISIBLE_DEVICES in it, the daemon inherits that. CPU actors get ``devices_per_actor`` host devices.
+* **Keys.** This controller makes its CURVE key pair in memory and sends each Ray actor only its *public*
+  key. Each Ray actor makes its daemon's key pair on its own node and hands it to the daemon over a pipe (as a
+  local mesh does), returning only the public half. No secret crosses the network, Ray's object store or a
+  disk; Ray's channel carries public keys and addresses, and whoever controls that channel can already run
+  code on the cluster through Ray.
+* **Supervision.** Ray's view is the mesh's: a Ray actor that died (``ray.kill``, its node lost, its
+  daemon's death) surfaces as `ActorDiedError` naming the actor and saying what Ray says.
+* **Close.** `mesh.close()` shuts the daemons down, kills the Ray actors and removes the placement group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mpmd.errors import ActorStartError, MpmdError
+from mpmd.launch import default_cache_dir, describe_exit, remove_shared_memory
+from mpmd.launchers.rendezvous import ActorFacts, check_compatible
+from transport.auth import ClientKeys, KeyPair
+
+log = logging.getLogger(__name__)
+STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise MpmdError("RemoteMesh.ray needs Ray: pip install 'mpmd[ray]' (or pip install 'ray>=2.9')") from None
+    return ray
+
+
+def _tcp(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+class DaemonHost:
+    """The Ray actor that runs one `mpmd-actor` daemon on its node (made remote by `start`; runs in a Ray worker)."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.dir: str | None = None
+        self.log_path = ""
+
+    def start(self, spec: Mapping[str, Any]) -> dict[str, Any]:
+        """Spawn the daemon and wait for its ready line; return where it is and its public key."""
+        import ray
+
+        actor_id = int(spec["actor_id"])
+        host = spec.get("host") or ray.util.get_node_ip_address()
+        self.dir = tempfile.mkdtemp(prefix="mpmd-ray-")  # mode 700: its ipc socket and log
+        self.log_path = os.path.join(self.dir, f"actor{actor_id}.log")
+        server = KeyPair.generate()  # made here, on the daemon's node; only the public half leaves
+        assert server.secret is not None
+        env = dict(os.environ)  # with Ray's CUDA_VISIBLE_DEVICES for the GPUs of this actor's bundle
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        cmd = [sys.executable, "-m", "actors.daemon", "--listen", _tcp(host, 0), "--actor-id", str(actor_id), "--p2p", "tcp",
+               "--p2p-host", host, "--ipc-dir", self.dir, "--mesh-dir", self.dir, "--parent-pid", str(os.getpid()),
+               "--log-level", str(spec.get("log_level", "WARNING")), "--keys-stdin"]
+        if spec["platform"] == "cpu":
+            env["JAX_PLATFORMS"] = "cpu"
+            cmd += ["--cpu-devices", str(int(spec["devices"]))]
+        else:
+            env.pop("JAX_PLATFORMS", None)
+        cache = spec.get("cache_dir")
+        if cache:
+            cmd += ["--cache-dir", default_cache_dir() if cache is True else str(cache)]
+        cmd += [str(f) for f in spec.get("flags", ())]
+        with open(self.log_path, "wb") as err:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
+                                         start_new_session=True)
+        keys = {"server_public": server.public.decode(), "server_secret": server.secret.decode(),
+                "authorized": {str(spec["controller_key"]): "controller"}}
+        assert self.proc.stdin is not None
+        try:  # over the pipe: never on a command line, in Ray's object store or on disk
+            self.proc.stdin.write(json.dumps(keys).encode() + b"\n")
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        endpoint = self._wait_ready(time.monotonic() + float(spec.get("startup_timeout", 120.0)))
+        return {"endpoint": endpoint, "key": server.public.decode(), "host": socket.gethostname(), "address": host,
+                "pid": self.proc.pid, "node": ray.get_runtime_context().get_node_id(),
+                "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+    def _wait_ready(self, deadline: float) -> str:
+        import selectors
+
+        assert self.proc is not None and self.proc.stdout is not None
+        line = b""
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while not line.endswith(b"\n") and time.monotonic() < deadline and self.proc.poll() is None:
+                if sel.select(timeout=min(0.2, max(0.0, deadline - time.monotonic()))):
+                    chunk = os.read(self.proc.stdout.fileno(), 4096)
+                    if not chunk:
+                        break
+                    line += chunk
+        text = line.decode(errors="replace").strip()
+        if not text.startswith("MPMD_ACTOR_READY"):
+            why = describe_exit(self.proc.returncode) if self.proc.poll() is not None else "did not report ready in time"
+            raise RuntimeError(f"its daemon {why}; its stderr:\n{self._tail(2000)}")
+        return text.split()[1]
+
+    def _tail(self, n: int) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()[-n:]
+        except OSError:
+            return ""
+
+    def wait_exit(self) -> str:
+        """Return when the daemon exits: how it did, with its stderr's tail."""
+        assert self.proc is not None
+        code = self.proc.wait()
+        tail = self._tail(800).strip()
+        return f"its daemon (pid {self.proc.pid}) {describe_exit(code)}" + (f"; stderr tail:\n{tail}" if tail else "")
+
+    def stacks(self) -> str:
+        """Every thread's stack of the daemon (SIGUSR1 makes it write them to its stderr)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return "(none: its daemon is not running)"
+        start = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
+        os.kill(self.proc.pid, signal.SIGUSR1)
+        time.sleep(0.3)
+        with open(self.log_path, errors="replace") as f:
+            f.seek(start)
+            dump = f.read()[-6000:]
+        return dump or "(none: it wrote nothing within 0.3 s of SIGUSR1)"
+
+    def stop(self, timeout: float = 3.0) -> None:
+        """Stop the daemon (if it still runs) and remove what it left on this node."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+            if self.proc.stdout:
+                self.proc.stdout.close()
+            remove_shared_memory(self.proc.pid)
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class RayGroup:
+    """The placement group of one mesh: removed once every Ray actor on it is stopped (or at `release_all`)."""
+
+    def __init__(self, group: Any, name: str) -> None:
+        self.group = group
+        self.name = name
+        self.live: set[int] = set()
+
+    def release(self, actor_id: int) -> None:
+        self.live.discard(actor_id)
+        if not self.live:
+            self.release_all()
+
+    def release_all(self) -> None:
+        if self.group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self.group)
+            except Exception as e:  # Ray already gone (ray.shutdown): nothing is left to remove
+                log.debug("removing placement group %s: %s", self.name, e)
+            self.group = None
+
+
+class RayDaemon:
+    """A daemon of a Ray mesh, as the mesh sees the daemons it owns: whether Ray says it died, its stacks, stop."""
+
+    def __init__(self, actor_id: int, handle: Any, name: str, info: dict[str, Any], group: RayGroup) -> None:
+        self.actor_id = actor_id
+        self.handle = handle
+        self.name = name
+        self.info = info
+        self.group = group
+        self._exit = handle.wait_exit.remote()  # becomes ready when the daemon exits, or fails when Ray's actor dies
+        self._dead: str | None = None
+        group.live.add(actor_id)
+
+    def dead_reason(self) -> str | None:
+        """Why the daemon is gone, from Ray's view; None while Ray reports it running (cheap: asks nothing remote)."""
+        if self._dead is None:
+            ray = _ray()
+            ready, _ = ray.wait([self._exit], timeout=0)
+            if not ready:
+                return None
+            try:
+                self._dead = f"{ray.get(self._exit)} (inside Ray actor {self.name} on {self.info['host']})"
+            except ray.exceptions.RayActorError as e:
+                self._dead = f"Ray reports that its Ray actor {self.name} on {self.info['host']} died: {_ray_reason(e)}"
+            except Exception as e:
+                self._dead = f"Ray could not say what became of its Ray actor {self.name}: {e}"
+        return self._dead
+
+    def stacks(self) -> str:
+        try:
+            return _ray().get(self.handle.stacks.remote(), timeout=3)
+        except Exception as e:
+            return f"(could not get them through Ray: {type(e).__name__}: {str(e)[:300]})"
+
+    def stop(self, timeout: float = 3.0) -> None:
+        ray = _ray()
+        try:
+            ray.get(self.handle.stop.remote(timeout), timeout=timeout + 5)
+        except Exception:
+            pass  # its Ray actor is dead already: killing it is all that is left
+        try:
+            ray.kill(self.handle)
+        except Exception:
+            pass
+        self.group.release(self.actor_id)
+
+
+def _ray_reason(e: BaseException) -> str:
+    text = str(e).strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else type(e).__name__
+
+
+@dataclass
+class RayLaunch:
+    """What `start` started: endpoints, the daemons' handles and the keys this controller authenticates with."""
+
+    endpoints: list[str]
+    daemons: list[RayDaemon]
+    keys: ClientKeys
+    group: RayGroup
+
+    def cleanup(self) -> None:
+        for d in self.daemons:
+            d.stop()
+        self.group.release_all()
+
+
+def bundle_of(devices_per_actor: int, platform: str, cpus_per_actor: float,
+              resources_per_actor: Mapping[str, float] | None) -> dict[str, float]:
+    """One actor's placement-group bundle."""
+    bundle: dict[str, float] = {"CPU": cpus_per_actor}
+    if platform == "gpu":
+        bundle["GPU"] = devices_per_actor
+    extra = dict(resources_per_actor or {})
+    if platform == "gpu" and "GPU" in extra and extra["GPU"] != devices_per_actor:
+        raise ValueError(f"resources_per_actor asks for GPU={extra['GPU']} but devices_per_actor={devices_per_actor}: "
+                         "an actor's devices are its GPUs; set devices_per_actor instead")
+    bundle.update(extra)
+    return {k: v for k, v in bundle.items() if v}
+
+
+def start(num_actors: int, devices_per_actor: int = 1, resources_per_actor: Mapping[str, float] | None = None,
+          placement_strategy: str = "SPREAD", *, platform: str = "auto", cpus_per_actor: float = 1,
+          host: str | None = None, placement_timeout: float = 60.0, startup_timeout: float = 120.0,
+          log_level: str = "WARNING", cache_dir: str | bool = True, runtime_env: Mapping[str, Any] | None = None,
+          daemon_flags: Sequence[str] = ()) -> RayLaunch:
+    """Reserve a placement group, start a daemon in a Ray actor per bundle, and wait until all are ready; on
+    failure nothing is left (Ray actors killed, group removed). See the module docstring."""
+    if num_actors < 1:
+        raise ValueError(f"num_actors must be >= 1, got {num_actors}")
+    if devices_per_actor < 1:
+        raise ValueError(f"devices_per_actor must be >= 1, got {devices_per_actor}")
+    if placement_strategy not in STRATEGIES:
+        raise ValueError(f"placement_strategy must be one of {STRATEGIES}, got {placement_strategy!r}")
+    if platform not in ("auto", "cpu", "gpu"):
+        raise ValueError(f"platform must be 'auto', 'cpu' or 'gpu', got {platform!r}")
+    ray = _ray()
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    if not ray.is_initialized():
+        log.info("ray.init(): connecting to the Ray cluster of RAY_ADDRESS, or starting a local one")
+        ray.init()
+    if platform == "auto":
+        platform = "gpu" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+    bundle = bundle_of(devices_per_actor, platform, cpus_per_actor, resources_per_actor)
+    token = secrets.token_hex(4)
+    group = RayGroup(placement_group([dict(bundle) for _ in range(num_actors)], strategy=placement_strategy,
+                                     name=f"mpmd-{token}"), f"mpmd-{token}")
+    try:
+        ray.get(group.group.ready(), timeout=placement_timeout)
+    except BaseException as e:
+        group.release_all()
+        if isinstance(e, ray.exceptions.GetTimeoutError):
+            raise ActorStartError(
+                f"Ray could not reserve {num_actors} bundles of {bundle} ({placement_strategy}) within {placement_timeout:g} s: "
+                f"the cluster has {_fmt(ray.cluster_resources())} in all, {_fmt(ray.available_resources())} free. Use fewer "
+                "actors or smaller bundles (cpus_per_actor, resources_per_actor), a looser placement_strategy ('PACK'), or "
+                "add nodes") from None
+        raise
+    client = KeyPair.generate()
+    remote = ray.remote(DaemonHost)
+    custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")}
+    handles, names = [], []
+    daemons: list[RayDaemon] = []
+    try:
+        for i in range(num_actors):
+            names.append(f"mpmd-{token}-actor{i}")
+            handles.append(remote.options(
+                name=names[i], num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), memory=bundle.get("memory"),
+                resources=custom or None, max_concurrency=4, max_restarts=0, runtime_env=dict(runtime_env) if runtime_env else None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group.group, placement_group_bundle_index=i)).remote())
+        specs = [{"actor_id": i, "host": host, "platform": platform, "devices": devices_per_actor, "log_level": log_level,
+                  "cache_dir": cache_dir, "controller_key": client.public.decode(), "startup_timeout": startup_timeout,
+                  "flags": list(daemon_flags)} for i in range(num_actors)]
+        refs = [h.start.remote(s) for h, s in zip(handles, specs)]
+        ray.wait(refs, num_returns=len(refs), timeout=startup_timeout + 30)
+        infos, failures = [], []
+        for i, ref in enumerate(refs):
+            try:
+                infos.append(ray.get(ref, timeout=0))
+            except ray.exceptions.GetTimeoutError:
+                failures.append(f"actor {i} ({names[i]}): not ready within {startup_timeout:g} s (startup_timeout)")
+            except Exception as e:
+                failures.append(f"actor {i} ({names[i]}): {_ray_reason(e) if isinstance(e, ray.exceptions.RayActorError) else e}")
+        if failures:
+            raise ActorStartError(f"{len(failures)} of {num_actors} Ray actors did not start their daemon:\n  " + "\n  ".join(failures))
+        daemons = [RayDaemon(i, h, n, info, group) for i, (h, n, info) in enumerate(zip(handles, names, infos))]
+    except BaseException:
+        for h in handles:
+            try:
+                ray.get(h.stop.remote(), timeout=5)
+            except Exception:
+                pass
+            try:
+                ray.kill(h)
+            except Exception:
+                pass
+        group.release_all()
+        raise
+    log.info("Ray mesh: %s", ", ".join(f"actor {d.actor_id} on {d.info['host']} ({d.info['endpoint']}"
+                                      f"{', GPUs ' + d.info['gpus'] if d.info.get('gpus') else ''})" for d in daemons))
+    keys = ClientKeys(client, tuple(d.info["key"].encode() for d in daemons))
+    return RayLaunch([d.info["endpoint"] for d in daemons], daemons, keys, group)
+
+
+def _fmt(resources: Mapping[str, float]) -> str:
+    shown = {k: v for k, v in resources.items() if not k.startswith("node:") and k != "object_store_memory"}
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(shown.items())) + "}"
+
+
+def connect(cls: Any, num_actors: int, devices_per_actor: int = 1, resources_per_actor: Mapping[str, float] | None = None,
+            placement_strategy: str = "SPREAD", *, platform: str = "auto", cpus_per_actor: float = 1, host: str | None = None,
+            placement_timeout: float = 60.0, startup_timeout: float = 120.0, log_level: str = "WARNING",
+            cache_dir: str | bool = True, runtime_env: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
+    """`RemoteMesh.ray`: start (see there), connect, check that every daemon runs this controller's JAX on one platform."""
+    launch = start(num_actors, devices_per_actor, resources_per_actor, placement_strategy, platform=platform,
+                   cpus_per_actor=cpus_per_actor, host=host, placement_timeout=placement_timeout,
+                   startup_timeout=startup_timeout, log_level=log_level, cache_dir=cache_dir, runtime_env=runtime_env)
+    try:
+        mesh = cls(launch.endpoints, launch.daemons, keys=launch.keys, **kwargs)
+    except BaseException:
+        launch.cleanup()
+        raise
+    try:
+        check_compatible([ActorFacts(d.actor_id, f"{d.info['host']} (Ray actor {d.name})", info.header["jax_version"],
+                                     info.header["platform"]) for d, info in zip(launch.daemons, mesh.infos)],
+                         None if platform == "auto" else platform)
+    except BaseException:
+        mesh.close()
+        raise
+    return mesh
+
+
+__all__ = ["DaemonHost", "RayDaemon", "RayGroup", "RayLaunch", "bundle_of", "connect", "start"]

@@ -1,0 +1,101 @@
+"""Daemons placed and supervised by Ray: `RemoteMesh.ray` on a real local Ray instance (``ray.init(num_cpus=...)``,
+loopback only). Skipped, saying so, when the `ray` extra is not installed."""
+
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import mpmd
+from mpmd import testing
+
+ray = pytest.importorskip("ray", reason="the `ray` extra is not installed (pip install -e '.[test]' installs it)")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A Ray instance of this test module alone: 3 logical CPUs on loopback, no dashboard."""
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
+             configure_logging=False, runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu"}})
+    yield ray
+    ray.shutdown()
+
+
+def ours() -> tuple[list[str], list[str]]:
+    """The named Ray actors and the placement groups (not removed) that an mpmd mesh made."""
+    actors = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("mpmd-"))
+    groups = sorted(g["name"] for g in ray.util.placement_group_table().values()
+                    if g["name"].startswith("mpmd-") and g["state"] != "REMOVED")
+    return actors, groups
+
+
+def settled(deadline: float = 15.0) -> tuple[list[str], list[str]]:
+    """What is left once Ray has processed the kills and removals (they are asynchronous in Ray)."""
+    end = time.monotonic() + deadline
+    left = ours()
+    while (left[0] or left[1]) and time.monotonic() < end:
+        time.sleep(0.2)
+        left = ours()
+    return left
+
+
+def steps(mesh):
+    rng = np.random.default_rng(0)
+    params = testing.mlp_params(rng, num_stages=2)
+    batch = testing.regression_batch(rng, num_microbatches=4, microbatch_size=3, width=16)
+    opt = optax.adam(1e-2)
+    loss = testing.mse_loss(testing.mlp)
+    ref = jax.jit(testing.make_train_step(loss, opt, None))
+    dist = mpmd.distributed(testing.make_train_step(loss, opt, mpmd.OneFOneB(2)), mesh=mesh)
+    return params, opt.init(params), batch, ref, dist
+
+
+def test_a_ray_mesh_trains_like_jit_and_closing_leaves_no_ray_actor_or_placement_group(local_ray):
+    with mpmd.RemoteMesh.ray(2, startup_timeout=120) as mesh:
+        actors, groups = ours()
+        assert len(actors) == 2 and len(groups) == 1, (actors, groups)
+        assert [mesh.actor(i).info()["actor_id"] for i in range(2)] == [0, 1]
+        assert mesh.actor(0).info()["authenticated"] is True  # keys made per mesh; only public halves crossed Ray
+        params, opt_state, batch, ref, dist = steps(mesh)
+        rp, ro, dp, do = params, opt_state, params, opt_state
+        for _ in range(2):
+            rp, ro, rl = ref(rp, ro, batch)
+            dp, do, dl = dist(dp, do, batch)
+            np.testing.assert_allclose(np.asarray(dl), np.asarray(rl), rtol=1e-5, atol=1e-6)
+        for got, want in zip(jax.tree.leaves(mpmd.fetch(dp)), jax.tree.leaves(rp)):
+            np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert settled() == ([], [])
+
+
+def test_a_ray_actor_killed_surfaces_as_actor_died_naming_it_and_close_still_cleans_up(local_ray):
+    mesh = mpmd.RemoteMesh.ray(2, startup_timeout=120, heartbeat_interval=0.5, heartbeat_timeout=4)
+    try:
+        params, opt_state, batch, _, dist = steps(mesh)
+        dist(params, opt_state, batch)  # compiled and running
+        victim = mesh._processes[1]
+        ray.kill(victim.handle)  # as when Ray loses the node or the actor
+        t0 = time.monotonic()
+        with pytest.raises(mpmd.ActorDiedError) as err:
+            for _ in range(50):
+                out = dist(params, opt_state, batch)
+                jax.block_until_ready(mpmd.fetch(out[2]))
+        assert time.monotonic() - t0 < 30
+        text = str(err.value)
+        assert "actor 1" in text and victim.name in text, text
+    finally:
+        mesh.close()
+    assert settled() == ([], [])
+
+
+def test_a_placement_the_cluster_cannot_hold_fails_naming_what_was_asked_and_leaves_nothing(local_ray):
+    with pytest.raises(mpmd.ActorStartError) as err:
+        mpmd.RemoteMesh.ray(2, cpus_per_actor=2, placement_strategy="STRICT_PACK", placement_timeout=3)
+    text = str(err.value)
+    assert "2 bundles" in text and "'CPU': 2" in text and "CPU: 3" in text, text
+    assert settled() == ([], [])
+    with pytest.raises(ValueError, match="placement_strategy"):
+        mpmd.RemoteMesh.ray(2, placement_strategy="ANYWHERE")

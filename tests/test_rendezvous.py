@@ -1,0 +1,335 @@
+"""Daemons that a cluster's scheduler starts, found through a rendezvous: `mpmd-actor --slurm`, hand-started
+daemons with `--actor-id` (a StatefulSet, a shell loop), file and TCP rendezvous, their keys and their errors.
+
+Real daemon subprocesses, real ZeroMQ with CURVE keys, real files. A real SLURM cannot run here: each daemon is
+given the environment srun gives a task (SLURM_PROCID, SLURM_NTASKS, SLURM_JOB_ID, SLURM_LOCALID, SLURM_NODEID,
+SLURM_STEP_TASKS_PER_NODE, SLURMD_NODENAME) as the stated substitute. Everything binds loopback.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+import zmq
+
+import mpmd
+from actors.cluster import slurm_devices, slurm_task, tasks_per_node
+from mpmd import testing
+from mpmd.launchers.rendezvous import TcpRendezvous
+from tests.wire import stop_daemon
+from transport.auth import ClientKeys, KeyPair, generate_key_files
+from transport.rendezvous import Arrival, encode_message
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    """The job's key pair, made as a user makes it (`mpmd keys generate DIR`)."""
+    d = tmp_path_factory.mktemp("keys")
+    generate_key_files(d)
+    return d
+
+
+def slurm_env(procid: int, ntasks: int, job: str = "4242") -> dict[str, str]:
+    """What srun puts in a task's environment (one node, `ntasks` tasks on it)."""
+    return {"SLURM_PROCID": str(procid), "SLURM_NTASKS": str(ntasks), "SLURM_JOB_ID": job, "SLURM_STEP_ID": "0",
+            "SLURM_LOCALID": str(procid), "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": str(ntasks),
+            "SLURMD_NODENAME": socket.gethostname()}
+
+
+def spawn(*flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """An `mpmd-actor` subprocess (exits with this test process: --parent-pid); stderr in a file (`proc.log`)."""
+    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"mpmd-rdv-test-{os.getpid()}-{time.monotonic_ns()}.log"), "wb")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    proc = subprocess.Popen([sys.executable, "-m", "actors.daemon", "--parent-pid", str(os.getpid()), "--cpu-devices", "1", *flags],
+                            stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
+                            env={**clean, "JAX_PLATFORMS": "cpu", **(env or {})})
+    proc.log = log.name
+    log.close()
+    return proc
+
+
+def ready(proc: subprocess.Popen) -> str:
+    line = proc.stdout.readline().decode()
+    if not line.startswith("MPMD_ACTOR_READY"):
+        raise AssertionError(f"daemon did not start: {line!r}\n{stderr_of(proc)}")
+    return line.split()[1]
+
+
+def stderr_of(proc: subprocess.Popen) -> str:
+    with open(proc.log, errors="replace") as f:
+        return f.read()
+
+
+def records(directory) -> list[str]:
+    return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+
+
+def trains_like_jit(mesh: mpmd.RemoteMesh) -> None:
+    rng = np.random.default_rng(0)
+    params = testing.mlp_params(rng, num_stages=2)
+    batch = testing.regression_batch(rng, num_microbatches=4, microbatch_size=3, width=16)
+    opt = optax.adam(1e-2)
+    loss = testing.mse_loss(testing.mlp)
+    ref = jax.jit(testing.make_train_step(loss, opt, None))
+    dist = mpmd.distributed(testing.make_train_step(loss, opt, mpmd.OneFOneB(2)), mesh=mesh)
+    rp, ro, dp, do = params, opt.init(params), params, opt.init(params)
+    for _ in range(2):
+        rp, ro, rl = ref(rp, ro, batch)
+        dp, do, dl = dist(dp, do, batch)
+        np.testing.assert_allclose(np.asarray(dl), np.asarray(rl), rtol=1e-5, atol=1e-6)
+    for got, want in zip(jax.tree.leaves(mpmd.fetch(dp)), jax.tree.leaves(rp)):
+        np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_slurm_tasks_form_a_mesh_through_a_file_rendezvous_that_trains_like_jit_and_close_leaves_nothing(tmp_path, keys):
+    rdv = tmp_path / "rdv"  # made by the daemons (mode 700), as on a shared home
+    procs = [spawn("--slurm", "--rendezvous", str(rdv), "--authorized-keys", str(keys), "--p2p-host", "127.0.0.1",
+                   env=slurm_env(i, 2)) for i in range(2)]
+    try:
+        endpoints = [ready(p) for p in procs]
+        assert records(rdv) == ["actor-0.json", "actor-1.json"]
+        with mpmd.RemoteMesh.from_rendezvous(rdv, 2, keys=keys, timeout=30) as mesh:
+            assert mesh.addresses == endpoints and all(e.startswith("tcp://127.0.0.1:") for e in endpoints)
+            assert [mesh.actor(i).info()["actor_id"] for i in range(2)] == [0, 1]  # SLURM_PROCID
+            assert mesh.actor(0).info()["authenticated"] is True
+            trains_like_jit(mesh)
+        for p in procs:  # the mesh shut them down (so the srun step ends), and they withdrew their arrivals
+            assert p.wait(15) == 0, stderr_of(p)
+        assert records(rdv) == []
+    finally:
+        for p in procs:
+            stop_daemon(p)
+
+
+def test_a_missing_actor_times_out_naming_it_and_a_second_daemon_with_the_same_id_is_refused(tmp_path, keys):
+    rdv = tmp_path / "rdv"
+    flags = ("--slurm", "--rendezvous", str(rdv), "--authorized-keys", str(keys), "--p2p-host", "127.0.0.1")
+    first = spawn(*flags, env=slurm_env(0, 2))
+    try:
+        ready(first)
+        twin = spawn(*flags, env=slurm_env(0, 2))  # a second task that was given SLURM_PROCID=0 too
+        assert twin.wait(60) == 1
+        assert twin.stdout.read() == b""  # never ready
+        said = stderr_of(twin)
+        assert "actor id 0 is already held by a live daemon" in said and f"pid {first.pid}" in said, said
+        stop_daemon(twin)
+        t = time.monotonic()
+        with pytest.raises(mpmd.RendezvousError) as err:
+            mpmd.RemoteMesh.from_rendezvous(rdv, 2, keys=keys, timeout=1.5)
+        assert time.monotonic() - t < 5
+        text = str(err.value)
+        assert "only 1 of 2 actors arrived" in text and "missing actor 1 " in text and "arrived: 0 on" in text, text
+        with pytest.raises(mpmd.RendezvousError, match=r"one of 2 tasks \(SLURM_NTASKS\).*num_actors=1"):
+            mpmd.RemoteMesh.from_rendezvous(rdv, 1, keys=keys, timeout=10)  # at once, not after the timeout
+        assert first.poll() is None  # refusing the twin did not disturb the first
+    finally:
+        stop_daemon(first)
+    assert records(rdv) == []  # SIGTERM: the daemon withdrew its arrival
+
+
+def test_a_killed_daemons_record_is_recognised_and_replaced_by_a_hand_started_daemon_with_the_same_id(tmp_path, keys):
+    """Generic rendezvous (no SLURM: --actor-id given, as a StatefulSet or a shell loop starts daemons)."""
+    rdv = tmp_path / "rdv"
+    flags = ("--rendezvous", str(rdv), "--actor-id", "0", "--authorized-keys", str(keys), "--listen", "tcp://127.0.0.1:0")
+    killed = spawn(*flags)
+    ready(killed)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    stop_daemon(killed)
+    assert records(rdv) == ["actor-0.json"]  # left behind by the kill
+    with pytest.raises(mpmd.RendezvousError, match=r"actor 0: only the record of a daemon that is gone"):
+        mpmd.RemoteMesh.from_rendezvous(rdv, 1, keys=keys, timeout=1)
+    again = spawn(*flags)
+    try:
+        ready(again)
+        assert "replaced the arrival of a dead daemon for actor 0" in stderr_of(again)
+        with mpmd.RemoteMesh.from_rendezvous(rdv, 1, keys=keys, timeout=10, transport="none") as mesh:
+            y = mesh.actor(0).run(jax.jit(lambda a: a * 2.0 + 1.0), np.arange(4, dtype=np.float32))
+            np.testing.assert_array_equal(y.to_numpy(), np.arange(4) * 2.0 + 1.0)
+            assert mesh.actor(0).info()["pid"] == again.pid
+        assert again.wait(15) == 0
+    finally:
+        stop_daemon(again)
+    assert records(rdv) == []
+
+
+def test_daemons_of_another_jax_version_or_platform_are_refused_naming_them(tmp_path, keys):
+    """A second JAX install cannot run here: a daemon's arrival is edited to say what another install's would."""
+    rdv = tmp_path / "rdv"
+    procs = [spawn("--rendezvous", str(rdv), "--actor-id", str(i), "--authorized-keys", str(keys), "--listen", "tcp://127.0.0.1:0")
+             for i in range(2)]
+    try:
+        for p in procs:
+            ready(p)
+        path = rdv / "actor-1.json"
+        honest = json.loads(path.read_text())
+
+        def say(**fields):
+            path.write_text(json.dumps({**honest, **fields}))
+
+        say(jax_version="0.4.1")
+        with pytest.raises(mpmd.IncompatibleActorError, match=rf"actor 1 on .* runs JAX 0\.4\.1.*this controller runs JAX {jax.__version__}"):
+            mpmd.RemoteMesh.from_rendezvous(rdv, 2, keys=keys, timeout=10)
+        say(platform="gpu")
+        with pytest.raises(mpmd.IncompatibleActorError, match=r"different platforms \(cpu: actors \[0\]; gpu: actors \[1\]\)"):
+            mpmd.RemoteMesh.from_rendezvous(rdv, 2, keys=keys, timeout=10)
+        say()
+        with pytest.raises(mpmd.IncompatibleActorError, match=r"actor 0 on .* runs on cpu.*platform='gpu'"):
+            mpmd.RemoteMesh.from_rendezvous(rdv, 2, keys=keys, timeout=10, platform="gpu")
+        with pytest.raises(mpmd.RendezvousError, match="pass keys=DIR"):
+            mpmd.RemoteMesh.from_rendezvous(rdv, 2, timeout=10)
+        stranger = ClientKeys(KeyPair.generate(), (KeyPair.generate().public,))  # refused by the daemons at the handshake
+        with pytest.raises(mpmd.MpmdError, match="refused this client's key"):
+            mpmd.RemoteMesh.from_rendezvous(rdv, 2, keys=stranger, timeout=10)
+        assert all(p.poll() is None for p in procs)
+    finally:
+        for p in procs:
+            stop_daemon(p)
+    assert records(rdv) == []
+
+
+def test_hand_started_daemons_find_the_tcp_rendezvous_the_controller_serves_and_strangers_cannot_announce(keys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    where = f"tcp://127.0.0.1:{port}"
+    procs = [spawn("--rendezvous", where, "--actor-id", str(i), "--authorized-keys", str(keys), "--listen", "tcp://127.0.0.1:0")
+             for i in range(2)]
+    try:
+        with mpmd.RemoteMesh.from_rendezvous(where, 2, keys=keys, timeout=60) as mesh:
+            assert [ready(p) for p in procs] == mesh.addresses  # ready only once the rendezvous took them
+            assert mesh.routes == {(0, 1): "shm", (1, 0): "shm"}  # wired as any mesh (one host here)
+            for i in range(2):
+                y = mesh.actor(i).run(jax.jit(lambda a, i=i: a + i), np.zeros(3, np.float32))
+                np.testing.assert_array_equal(y.to_numpy(), np.full(3, i, np.float32))
+        assert all(p.wait(15) == 0 for p in procs)
+    finally:
+        for p in procs:
+            stop_daemon(p)
+    # A client without the job's key cannot even be heard: its arrival never reaches the rendezvous.
+    server = TcpRendezvous("tcp://127.0.0.1:0", keys)
+    try:
+        fake = Arrival.new(actor_id=0, endpoint="tcp://127.0.0.1:1", key=None, host="x", pid=1, jax_version=jax.__version__,
+                           platform="cpu", devices=1)
+        other = KeyPair.generate()
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.curve_publickey, sock.curve_secretkey = other.public, other.secret
+        sock.curve_serverkey = KeyPair.load(keys).public
+        sock.connect(server.address)
+        sock.send(encode_message("arrive", arrival=fake.to_dict()))
+        with pytest.raises(mpmd.RendezvousError, match=r"only 0 of 1 actors arrived"):
+            server.gather(1, timeout=1.0)
+        assert server.auth.refused >= 1
+        sock.close()
+    finally:
+        server.close()
+
+
+def test_daemon_flags_that_cannot_work_are_refused_at_once_saying_what_to_do(tmp_path, keys):
+    def daemon(*flags, env=None):
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+        return subprocess.run([sys.executable, "-m", "actors.daemon", *flags], capture_output=True, text=True, timeout=60,
+                              env={**clean, "JAX_PLATFORMS": "cpu", **(env or {})}, stdin=subprocess.DEVNULL)
+
+    cases = [
+        (("--slurm", "--rendezvous", str(tmp_path)), None, "SLURM_PROCID is not set"),
+        (("--slurm", "--actor-id", "1"), slurm_env(0, 1), "drop --actor-id"),
+        (("--rendezvous", str(tmp_path), "--authorized-keys", str(keys)), None, "needs this daemon's actor id: --actor-id N"),
+        (("--rendezvous", str(tmp_path), "--actor-id", "0"), None, "needs --authorized-keys DIR"),
+    ]
+    for flags, env, said in cases:
+        got = daemon(*flags, env=env)
+        assert got.returncode == 2 and said in got.stderr, (flags, got.stderr)
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o770)
+    os.chmod(shared, 0o770)
+    with pytest.raises(mpmd.RendezvousError, match=r"writable by other users.*chmod 700"):
+        mpmd.RemoteMesh.from_rendezvous(shared, 1, keys=keys, timeout=1)
+
+
+def test_slurm_gpu_binding_is_kept_per_task_and_shared_gpus_are_split_by_local_task():
+    def devices(**env):
+        env = {k: str(v) for k, v in env.items()}
+        return slurm_devices(env, slurm_task(env))[0]
+
+    base = {"SLURM_NTASKS": 8, "SLURM_NODEID": 1, "SLURM_STEP_TASKS_PER_NODE": "4(x2)"}
+    # --gpus-per-task=1: SLURM bound one GPU to each task; kept as it is
+    assert devices(**base, SLURM_PROCID=6, SLURM_LOCALID=2, SLURM_GPUS_PER_TASK=1, CUDA_VISIBLE_DEVICES="2") is None
+    # --gres=gpu:4 without binding: every task sees all four; local task 2 takes the third
+    assert devices(**base, SLURM_PROCID=6, SLURM_LOCALID=2, CUDA_VISIBLE_DEVICES="0,1,2,3") == "2"
+    # two GPUs per task from the step's list, where CUDA_VISIBLE_DEVICES is not set
+    assert devices(SLURM_PROCID=1, SLURM_NTASKS=2, SLURM_NODEID=0, SLURM_LOCALID=1, SLURM_STEP_TASKS_PER_NODE="2",
+                   SLURM_STEP_GPUS="4,5,6,7") == "6,7"
+    # one task per node keeps the node's GPUs (SPMD inside the actor); a CPU node has none
+    assert devices(SLURM_PROCID=0, SLURM_NTASKS=2, SLURM_NODEID=0, SLURM_LOCALID=0, SLURM_STEP_TASKS_PER_NODE="1(x2)",
+                   CUDA_VISIBLE_DEVICES="0,1,2,3") is None
+    assert devices(SLURM_PROCID=0, SLURM_NTASKS=1) is None
+    assert tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    with pytest.raises(ValueError, match="SLURM_PROCID=3 is not below SLURM_NTASKS=2"):
+        slurm_task({"SLURM_PROCID": "3", "SLURM_NTASKS": "2"})
+
+
+SRUN = r"""#!/usr/bin/env python3
+# Stand-in for SLURM's srun (no SLURM here): starts --ntasks copies of the command on this node with the
+# environment srun gives each task, and waits for them all (as `srun ... &` does in the batch script).
+import os, signal, socket, subprocess, sys
+args = sys.argv[1:]
+ntasks = 1
+while args and args[0].startswith("--"):
+    flag = args.pop(0)
+    if flag.startswith("--ntasks="):
+        ntasks = int(flag.split("=", 1)[1])
+env = dict(os.environ, JAX_PLATFORMS="cpu", SLURM_NTASKS=str(ntasks), SLURM_STEP_ID="0", SLURM_NODEID="0",
+           SLURM_STEP_TASKS_PER_NODE=str(ntasks), SLURMD_NODENAME=socket.gethostname())
+procs = [subprocess.Popen(args + ["--cpu-devices", "1"], env=dict(env, SLURM_PROCID=str(i), SLURM_LOCALID=str(i)))
+         for i in range(ntasks)]
+signal.signal(signal.SIGTERM, lambda *_: [p.terminate() for p in procs])  # srun forwards signals to its tasks
+sys.exit(max(p.wait() for p in procs))
+"""
+
+
+def test_the_sbatch_example_runs_as_written_with_srun_standing_in_for_slurm(tmp_path, keys):
+    """examples/cluster/slurm_gpt.sbatch, executed by bash with the batch step's environment; `srun` is a stand-in
+    (SLURM cannot run here) that starts the tasks on this machine with SLURM's per-task variables."""
+    pytest.importorskip("flax.nnx")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(SRUN.replace("#!/usr/bin/env python3", f"#!{sys.executable}", 1))
+    (bin_dir / "srun").chmod(0o755)
+    for tool in ("mpmd-actor", "mpmd"):  # the project's console scripts, as `pip install` puts them on PATH
+        (bin_dir / tool).write_text(f"#!{sys.executable}\nimport sys\nfrom {'actors.daemon' if tool == 'mpmd-actor' else 'mpmd.cli'} "
+                                    "import main\nsys.exit(main())\n")
+        (bin_dir / tool).chmod(0o755)
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')  # this environment's Python
+    (bin_dir / "python").chmod(0o755)
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", HOME=str(home), SLURM_JOB_ID="77", SLURM_NNODES="2", SLURM_SUBMIT_DIR=root,
+               PYTHONPATH=root, MPMD_KEYS=str(home / ".mpmd" / "keys"))
+    env.pop("XLA_FLAGS", None)
+    job = subprocess.Popen(["bash", os.path.join(root, "examples", "cluster", "slurm_gpt.sbatch"), "--steps", "4", "--layers", "2",
+                            "--width", "32", "--seq", "32", "--check-steps", "1", "--plot", ""],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                           start_new_session=True)
+    try:
+        stdout, stderr = job.communicate(timeout=240)
+    finally:  # as scancel would: nothing of the job outlives the test
+        try:
+            os.killpg(job.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert job.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "the first 1 steps equal jax.jit's" in stdout, stdout
+    assert (home / ".mpmd" / "keys").is_dir()  # made by the script on first use
+    assert not (home / ".mpmd" / "rdv" / "77").exists()  # daemons withdrew, the script removed the directory
