@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from actors import checkpoint, spmd
+from actors import checkpoint, profiler, spmd
 from actors.buffers import BufferTable, UnknownBufferError
 from actors.cache import ExecutableCache
 from actors.stream import StepTrace, Stream, now
@@ -123,7 +123,9 @@ class Actor:
             "mesh": self.mesh,
             "save": lambda ses, msg: checkpoint.save(self, ses, msg),
             "restore": lambda ses, msg: checkpoint.restore(self, ses, msg),
+            "profile": lambda ses, msg: profiler.profile(self, ses, msg, RequestError),
         }
+        self.profile_state = profiler.ProfileState()
 
     # ---- simple requests -------------------------------------------------------------------------
     async def ping(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
@@ -184,6 +186,8 @@ class Actor:
         assert ses is not None
         self.sessions.pop(ses.id, None)
         ses.close()
+        if self.profile_state.session == ses.id:
+            profiler.stop_quietly(self)
         if self.p2p is not None:
             self.p2p.expire((ses.id,))
         return {"closed": ses.id}, []

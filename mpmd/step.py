@@ -23,6 +23,37 @@ from mpmd.sharding import as_layout, infer_layouts, layout_to_spec, layout_wire,
 from transport.protocol import dtype_name
 
 log = logging.getLogger(__name__)
+PROGRESS_EVERY = 5.0  # seconds between progress lines of a long compile (INFO on the "mpmd.step" logger)
+
+
+class Progress:
+    """Progress lines for long work: the first after PROGRESS_EVERY seconds, then one every PROGRESS_EVERY."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.start = self.last = time.perf_counter()
+
+    def tick(self, status: str) -> None:
+        t = time.perf_counter()
+        if t - self.last >= PROGRESS_EVERY:
+            self.last = t
+            log.info("%s: %s (%.0f s so far)", self.what, status, t - self.start)
+
+
+def wait_logged(futures: dict[Any, Any], what: str) -> dict[Any, Any]:
+    """Each future's result, logging how many are done every PROGRESS_EVERY seconds while some are not."""
+    import concurrent.futures as cf
+
+    progress = Progress("compiling")
+    pending = set(futures.values())
+    while pending:
+        _, pending = cf.wait(pending, timeout=PROGRESS_EVERY, return_when=cf.FIRST_EXCEPTION)
+        if any(f.done() and f.exception() is not None for f in futures.values()):
+            break
+        if pending:
+            progress.last = 0.0
+            progress.tick(f"{len(futures) - len(pending)}/{len(futures)} {what}")
+    return {k: f.result() for k, f in futures.items()}
 
 
 @dataclass
@@ -161,11 +192,12 @@ class DistributedFunction:
             for t in prog.executables:
                 users.setdefault(t, []).append(prog.actor)
         keys: dict[tuple[int, Any], Any] = {}
+        progress = Progress(f"lowering {len(plan.templates)} executables for {len(plan.programs)} actors")
         for i, (tpl, blob) in enumerate(iter_lowered(plan, mesh.platform)):
             for a in users.get(tpl, ()):
                 keys[(a, tpl)] = mesh.submit_coroutine(mesh.ensure_compiled(a, blob, tpl[-1]))
-            log.debug("lowered executable %d/%d", i + 1, len(plan.templates))
-        exe_keys = {k: f.result() for k, f in keys.items()}
+            progress.tick(f"lowered executable {i + 1}/{len(plan.templates)}")
+        exe_keys = wait_logged(keys, "executables compiled on the actors")
         import dataclasses
 
         programs = [dataclasses.replace(p, executables=[exe_keys[(p.actor, t)] for t in p.executables]) for p in plan.programs]

@@ -1,6 +1,7 @@
 """The real-run trace and asynchronous steps, on real daemons."""
 
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -122,3 +123,26 @@ def test_a_slowed_stage_shows_up_as_a_larger_measured_bubble_on_the_other_actor(
         b0 = t.breakdown()[0]
         waits[extra] = b0.waiting / b0.compute  # actor 0 waiting for stage 1's cotangents, per unit of its own work
     assert bubble[10] > bubble[0] and waits[10] > 2 * waits[0], (bubble, waits)
+
+
+def test_mesh_profile_brings_back_a_jax_profiler_trace_per_actor_beside_mpmds_trace(mesh2, tmp_path):
+    """jax.profiler runs inside each daemon; its xplane files come back and name each actor; a second
+    profile starts cleanly after the first (the daemons' profiler was stopped)."""
+    rng = np.random.default_rng(0)
+    params = models.mlp_params(rng, 2, width=32)
+    opt = optax.sgd(0.1)
+    opt_state = opt.init(params)
+    step = mpmd.distributed(make_step(models.mse_loss(models.mlp), opt, mpmd.OneFOneB(2)), mesh=mesh2)
+    batch = models.regression_batch(rng, 4, 4, 32)
+    step(params, opt_state, batch)[2].block_until_ready()  # compiled outside the profile
+    for run in ("first", "second"):
+        with mesh2.profile(tmp_path, run=run) as prof:
+            out = step(params, opt_state, batch)
+        jax.block_until_ready(mpmd.fetch(out[2]))
+        run_dir = tmp_path / "plugins" / "profile" / run
+        xplanes = sorted(p.name for p in run_dir.glob("*.xplane.pb"))
+        assert xplanes == ["actor0.xplane.pb", "actor1.xplane.pb"], sorted(os.listdir(run_dir))
+        assert all((run_dir / x).stat().st_size > 1000 for x in xplanes)
+        events = json.loads((tmp_path / f"mpmd_trace_{run}.json").read_text())["traceEvents"]
+        assert {e["pid"] for e in events if e.get("ph") == "X"} == {0, 1}
+        assert prof.trace is not None and len(prof.trace.steps) == 1

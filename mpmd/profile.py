@@ -1,0 +1,105 @@
+"""`with mesh.profile(logdir):` — a `jax.profiler` trace on every actor, beside mpmd's own instruction trace.
+
+Each actor traces its own process (XLA ops, host threads, transfers as JAX sees them) into a directory of its
+own and, when the block ends, sends the files back; they are written here as one TensorBoard profile run with
+one "host" per actor::
+
+    logdir/plugins/profile/<run>/actor0.xplane.pb     # tensorboard --logdir logdir  (or xprof, or Perfetto)
+    logdir/plugins/profile/<run>/actor1.xplane.pb
+    logdir/mpmd_trace_<run>.json                      # mpmd's per-instruction trace (Perfetto / chrome://tracing)
+
+Steps dispatched inside the block are waited for before the traces stop, so nothing of them is cut off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from mpmd.errors import MpmdError
+
+if TYPE_CHECKING:
+    from mpmd.mesh import RemoteMesh
+    from mpmd.trace import Trace
+
+log = logging.getLogger(__name__)
+
+
+class ProfileContext:
+    """What `RemoteMesh.profile` returns; `.trace` is mpmd's instruction trace of the same steps, `.files` the
+    profile files written (after the block)."""
+
+    def __init__(self, mesh: RemoteMesh, logdir: str | os.PathLike[str], run: str | None = None) -> None:
+        self.mesh = mesh
+        self.logdir = os.path.abspath(os.path.expanduser(os.fspath(logdir)))
+        self.run = run or time.strftime("%Y_%m_%d_%H_%M_%S")
+        if os.sep in self.run or self.run in ("", ".", ".."):
+            raise ValueError(f"run must be a plain directory name, got {self.run!r}")
+        self.files: list[str] = []
+        self._trace_ctx: Any = None
+        self.trace: Trace | None = None
+
+    def __enter__(self) -> ProfileContext:
+        os.makedirs(self.logdir, exist_ok=True)
+        started: list[int] = []
+
+        async def start(i: int) -> None:
+            await self.mesh.conn(i).request("profile", {"action": "start"})
+            started.append(i)
+
+        try:
+            self.mesh.run(self.mesh._gather([start(i) for i in range(len(self.mesh.addresses))]))
+        except BaseException:
+            self._stop(started, keep=False)
+            raise
+        self._trace_ctx = self.mesh.trace()
+        self.trace = self._trace_ctx.__enter__()
+        log.info("profiling %d actors into %s (run %s)", len(self.mesh.addresses), self.logdir, self.run)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._trace_ctx.__exit__(*exc)  # waits for the steps dispatched inside
+        finally:
+            self._stop(list(range(len(self.mesh.addresses))), keep=True)
+        if self.trace is not None and self.trace.steps:
+            path = os.path.join(self.logdir, f"mpmd_trace_{self.run}.json")
+            self.trace.to_perfetto(path)
+            self.files.append(path)
+
+    def _stop(self, actors: list[int], keep: bool) -> None:
+        run_dir = os.path.join(self.logdir, "plugins", "profile", self.run)
+
+        async def stop(i: int) -> list[str]:
+            msg = await self.mesh.conn(i).request("profile", {"action": "stop"})
+            if not keep:
+                return []
+            written = []
+            for name, data in zip(msg.header["files"], msg.arrays):
+                base = os.path.basename(str(name))  # the actor's own file names; never a path from the wire
+                if base.endswith(".xplane.pb"):
+                    base = f"actor{i}.xplane.pb"
+                elif base.endswith(".trace.json.gz"):
+                    base = f"actor{i}.trace.json.gz"
+                else:
+                    base = f"actor{i}.{base}"
+                path = os.path.join(run_dir, base)
+                with open(path, "wb") as f:
+                    f.write(data.tobytes())
+                written.append(path)
+            return written
+
+        os.makedirs(run_dir, exist_ok=True)
+        async def all_stops() -> list[Any]:
+            return list(await asyncio.gather(*(stop(i) for i in actors), return_exceptions=True))
+
+        results = self.mesh.run(all_stops()) if actors else []
+        errors = [f"actor {i}: {r}" for i, r in zip(actors, results) if isinstance(r, BaseException)]
+        for r in results:
+            if isinstance(r, list):
+                self.files.extend(r)
+        if errors and keep:
+            raise MpmdError("stopping the profile failed on " + "; ".join(errors))
