@@ -107,6 +107,28 @@ def make_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, s
     return step
 
 
+def tensor_parallel_specs(params):
+    """Megatron's layout inside each stage over the actor mesh's "model" axis: attention heads split (query, key,
+    value column-parallel, the output projection row-parallel), the MLP's up projection column-parallel and its
+    down projection row-parallel; everything else replicated."""
+    from jax.sharding import PartitionSpec as P
+
+    def spec(path, leaf):
+        names = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]  # not the Variable's .value
+        last, layer = names[-1], (names[-2] if len(names) > 1 else "")
+        if layer in ("query", "key", "value"):
+            return P(None, "model", None) if last == "kernel" else P("model", None)
+        if layer == "out" and last == "kernel":
+            return P("model", None, None)
+        if layer == "up":
+            return P(None, "model") if last == "kernel" else P("model")
+        if layer == "down" and last == "kernel":
+            return P("model", None)
+        return P()
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
 def make_schedule(name: str, actors: int, stages: int) -> mpmd.Schedule:
     cls = getattr(mpmd, name, None)
     if not isinstance(cls, type) or not issubclass(cls, mpmd.Schedule):
@@ -149,21 +171,25 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args.steps, args.layers, args.width = min(args.steps, 120), 4, 64
     if args.stages is None:
         args.stages = 2 * args.actors if args.schedule in ("ZeroBubbleV", "DualPipeV", "InterleavedOneFOneB", "InterleavedZeroBubble") else args.actors
+    if args.heads % args.tensor_parallel:
+        raise SystemExit(f"--heads {args.heads} must be a multiple of --tensor-parallel {args.tensor_parallel}")
     if args.layers % args.stages:
         raise SystemExit(f"--layers {args.layers} must be a multiple of --stages {args.stages}")
     return args
 
 
 def open_mesh(args: argparse.Namespace) -> mpmd.RemoteMesh:
-    """Local daemons by default; daemons a cluster started (SLURM, Kubernetes) through a rendezvous; or Ray's."""
+    """Local daemons by default; daemons a cluster started (SLURM, Kubernetes) through a rendezvous; or Ray's.
+    With --tensor-parallel k each actor is a (1, k) device mesh over ("data", "model")."""
+    tp = {"mesh_shape": (1, args.tensor_parallel), "axis_names": ("data", "model")} if args.tensor_parallel > 1 else {}
     if args.rendezvous:
-        return mpmd.RemoteMesh.from_rendezvous(args.rendezvous, args.actors, keys=args.keys, timeout=600)
+        return mpmd.RemoteMesh.from_rendezvous(args.rendezvous, args.actors, keys=args.keys, timeout=600, **tp)
     if args.ray:
         import ray
 
         ray.init(address="auto" if os.environ.get("RAY_ADDRESS") else None)
-        return mpmd.RemoteMesh.ray(args.actors, devices_per_actor=args.tensor_parallel)
-    return mpmd.RemoteMesh.local(num_actors=args.actors, devices_per_actor=args.tensor_parallel)
+        return mpmd.RemoteMesh.ray(args.actors, devices_per_actor=args.tensor_parallel, **tp)
+    return mpmd.RemoteMesh.local(num_actors=args.actors, devices_per_actor=args.tensor_parallel, **tp)
 
 
 def train(args: argparse.Namespace) -> dict[str, float]:
@@ -181,7 +207,8 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     stream = batches(data, args.microbatches, args.rows, args.seq, np.random.default_rng(args.seed + 1))
     tokens_per_step = args.microbatches * args.rows * args.seq
     with open_mesh(args) as mesh:
-        step = mpmd.distributed(make_step(graphdef, optimizer, schedule), mesh=mesh)
+        shardings = (tensor_parallel_specs(params), None, None) if args.tensor_parallel > 1 else None
+        step = mpmd.distributed(make_step(graphdef, optimizer, schedule), mesh=mesh, in_shardings=shardings)
         if args.resume:
             params, opt_state = mpmd.restore(args.resume, mesh, like=(params, opt_state))
         elif args.check_steps:

@@ -3,6 +3,7 @@
 import importlib.util
 import pathlib
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -28,3 +29,12 @@ def test_the_quick_gpt_run_matches_jit_first_and_then_learns(tmp_path):
 def test_the_minimal_mlp_example_trains_and_matches_jit(capsys):
     load("train_mlp").main()
     assert "parameters after 20 steps equal jax.jit's" in capsys.readouterr().out
+
+
+def test_the_gpt_example_with_tensor_parallel_stages_matches_jit():
+    """--tensor-parallel 2: each actor a (1, 2) mesh, attention heads and MLP split Megatron-style inside every
+    stage; train() asserts its first steps equal jax.jit of the unsharded step."""
+    pytest.importorskip("flax.nnx")
+    gpt = load("gpt")
+    result = gpt.train(gpt.parse(["--quick", "--steps", "3", "--tensor-parallel", "2", "--plot", ""]))
+    assert np.isfinite(result["last"]), result
