@@ -547,7 +547,7 @@ class Actor:
     async def _recv_one(self, peer: int, key: tuple, ins: Recv, want: np.dtype, shape: tuple[int, ...]) -> Any:
         label = str(ins.label)
         try:
-            got = await asyncio.wait_for(self.p2p.recv(peer, key), self.transfer_timeout)
+            got = await self.p2p.recv(peer, key, self.transfer_timeout)
         except TimeoutError:
             raise TransferError(
                 f"actor {self.actor_id} waited {self.transfer_timeout:g} s for {label} (tag {ins.tag}) from actor {peer} "

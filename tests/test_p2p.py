@@ -68,7 +68,8 @@ def run_transfers(mesh, pairs, keep=False):
 
 
 DTYPES = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int8, np.int32, np.int64, np.uint8, np.bool_, np.complex64]
-SHAPES = [(), (0,), (1,), (3, 0), (17,), (4, 5, 6), (160, 130), (3, 257, 129)]  # the last two exceed 64 KiB: shm payloads
+SHAPES = [(), (0,), (1,), (3, 0), (17,), (4, 5, 6), (160, 130), (3, 257, 129), (1100, 1024)]  # the last three exceed 64 KiB
+# (shm payloads); the last one 1 MiB at every dtype: over tcp it is read zero-copy and aligned off the event loop
 
 
 def random_array(rng, dt, shape):

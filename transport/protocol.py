@@ -59,6 +59,7 @@ arrival, e.g. its sender is over its unclaimed-arrival limit).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -179,7 +180,7 @@ def array_spec(meta: Any, i: int = 0) -> tuple[np.dtype, list[int], int]:
     shape = meta["shape"]
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise ProtocolError(f"array {i}: bad shape {shape!r}")
-    return dtype, shape, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    return dtype, shape, math.prod(shape) * dtype.itemsize
 
 
 def array_specs(header: dict[str, Any]) -> list[tuple[np.dtype, list[int], int]]:

@@ -104,14 +104,21 @@ class Mailbox:
             fut.set_exception(exc)
             fut.exception()  # retrieved: a receive may never come
 
-    async def take(self, src: int, key: Hashable) -> Any:
+    async def take(self, src: int, key: Hashable, timeout: float | None = None) -> Any:
+        """The value of (src, key) once it arrives; TimeoutError after `timeout` seconds (a timer on the slot
+        itself: no task per receive, as `asyncio.wait_for` would make)."""
         refused = self._refused.pop((src, key), None)
         if refused is not None:
             raise TransferError(f"the transfer {key} from actor {src} arrived before its receive and was refused: {refused}")
         fut = self._slot(src, key)
+        timer = None
+        if timeout is not None and not fut.done():
+            timer = asyncio.get_running_loop().call_later(timeout, _time_out, fut)
         try:
             return await fut
         finally:
+            if timer is not None:
+                timer.cancel()
             if fut.done():
                 self._slots.pop((src, key), None)
                 self._claim((src, key))
@@ -160,8 +167,8 @@ class P2PTransport(abc.ABC):
         this actor; otherwise once the caller may drop its reference."""
 
     @abc.abstractmethod
-    async def recv(self, peer: int, key: tuple[int, ...]) -> Any:
-        """Wait for the array `peer` sent under `key`."""
+    async def recv(self, peer: int, key: tuple[int, ...], timeout: float | None = None) -> Any:
+        """Wait for the array `peer` sent under `key` (TimeoutError after `timeout` seconds)."""
 
     @abc.abstractmethod
     def abandon(self, predicate) -> int:
@@ -182,6 +189,11 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     raw = np.empty(nbytes + ALIGNMENT, np.uint8)
     offset = (-raw.ctypes.data) % ALIGNMENT
     return raw[offset : offset + nbytes]
+
+
+def _time_out(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError())
 
 
 async def host_view(value: Any) -> np.ndarray:
