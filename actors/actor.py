@@ -540,6 +540,8 @@ class Actor:
             env.put(ins.buf, got)
             if trace:
                 trace.transfer("recv", label, peer, int(got.nbytes), t0, now(), ins.tag)
+        except asyncio.CancelledError:
+            raise  # the step was aborted: its handler tells whoever waits for the buffer why (run_program)
         except BaseException as e:
             env.fail(ins.buf, e)
             raise
