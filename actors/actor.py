@@ -34,6 +34,18 @@ from transport.protocol import Message, aval_header, dtype_from_name
 log = logging.getLogger(__name__)
 
 
+def _settle(fut: asyncio.Future[Any], task: asyncio.Future[Any]) -> None:
+    """Pass `task`'s outcome on to `fut` (unless `fut` is settled already)."""
+    if fut.done():
+        return
+    if task.cancelled():
+        fut.cancel()
+    elif task.exception() is not None:
+        fut.set_exception(task.exception())
+    else:
+        fut.set_result(task.result())
+
+
 class RequestError(ValueError):
     """A well-formed message whose fields are wrong (missing, wrong type, unknown program)."""
 
@@ -445,16 +457,99 @@ class Actor:
     def _transfers(self, step_key: tuple[int, int, int], env: BufferTable, instrs: list[Instruction],
                    sync: bool = False, trace: StepTrace | None = None) -> list[asyncio.Task[None]]:
         """Start the sends and receives in `instrs`; a transfer's key is (session, program, step, tag)."""
-        tasks = []
+        tasks: list[Any] = []
+        # Unsharded transfers of an untraced step go without a task of their own: a receive is a callback on
+        # its mailbox slot and a small computed send is posted at once (each task turn cost ~20 us of a hop).
+        plain = trace is None and self.p2p is not None
         for ins in instrs:
             if isinstance(ins, Send):
                 ref = env.ref(ins.buf)  # taken now: a `del` right after the send may drop the buffer from the table
-                tasks.append(asyncio.create_task(self._send(ref, ins.to_actor, (*step_key, ins.tag), str(ins.label), sync, trace,
-                                                            ins.layout)))
+                if plain and not sync and (ins.layout is None or self.cache.mesh is None):
+                    tasks.append(self._send_soon(ref, ins.to_actor, (*step_key, ins.tag), str(ins.label)))
+                else:
+                    tasks.append(asyncio.create_task(self._send(ref, ins.to_actor, (*step_key, ins.tag), str(ins.label), sync,
+                                                                trace, ins.layout)))
             elif isinstance(ins, Recv):
                 env.reserve(ins.buf)
-                tasks.append(asyncio.create_task(self._recv(env, ins, (*step_key, ins.tag), trace)))
+                if plain and (ins.layout is None or self.cache.mesh is None):
+                    tasks.append(self._recv_soon(env, ins, (*step_key, ins.tag)))
+                else:
+                    tasks.append(asyncio.create_task(self._recv(env, ins, (*step_key, ins.tag), trace)))
         return tasks
+
+    def _send_soon(self, ref: Any, peer: int, key: tuple, label: str) -> asyncio.Future[None]:
+        """A Send as a future: posted the moment its value is there (at once if it is), through `_send` only
+        for what `send_now` cannot post directly (big, NCCL or still-computing values)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def go(value: Any) -> None:
+            if done.done():
+                return
+            try:
+                if self.p2p.send_now(peer, key, value):
+                    done.set_result(None)
+                    return
+            except BaseException as e:
+                done.set_exception(e)
+                return
+            task = loop.create_task(self._send(value, peer, key, label))
+            task.add_done_callback(lambda t: _settle(done, t))
+            done.add_done_callback(lambda d: task.cancel() if d.cancelled() else None)
+
+        if isinstance(ref, asyncio.Future):
+            def ready(f: asyncio.Future[Any]) -> None:
+                if f.cancelled():
+                    done.cancel()
+                elif f.exception() is not None:
+                    if not done.done():
+                        done.set_exception(f.exception())
+                else:
+                    go(f.result())
+
+            if ref.done():
+                ready(ref)
+            else:
+                ref.add_done_callback(ready)
+        else:
+            go(ref)
+        return done
+
+    def _recv_soon(self, env: BufferTable, ins: Recv, key: tuple) -> asyncio.Future[None]:
+        """A Recv as a future: its array goes into `env` in the callback that receives it (see `_recv`)."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        peer = ins.from_actor
+
+        def fail(e: BaseException) -> None:
+            env.fail(ins.buf, e)
+            done.set_exception(e)
+
+        def then(slot: asyncio.Future[Any]) -> None:
+            if done.done():
+                return  # the step was aborted: its handler tells whoever waits for the buffer why
+            if slot.cancelled():
+                done.cancel()
+                return
+            exc = slot.exception()
+            if exc is not None:
+                fail(self._recv_timed_out(peer, ins) if isinstance(exc, TimeoutError) else exc)
+                return
+            got = slot.result()
+            bad = self._recv_mismatch(peer, ins, want, tuple(ins.shape), got)
+            if bad is not None:
+                fail(bad)
+                return
+            if isinstance(got, np.ndarray) and self.device.platform != "cpu":
+                got = jax.device_put(got, self.device)
+            env.put(ins.buf, got)
+            done.set_result(None)
+
+        try:
+            want = dtype_from_name(ins.dtype)
+            self.p2p.recv_then(peer, key, self.transfer_timeout, then)
+        except BaseException as e:
+            fail(e)
+        return done
 
     async def _interpret(self, step_key: tuple[int, int, int], env: BufferTable, instrs: list[Instruction], sync: bool,
                          trace: StepTrace | None = None) -> None:
@@ -547,20 +642,25 @@ class Actor:
             raise
 
     async def _recv_one(self, peer: int, key: tuple, ins: Recv, want: np.dtype, shape: tuple[int, ...]) -> Any:
-        label = str(ins.label)
         try:
             got = await self.p2p.recv(peer, key, self.transfer_timeout)
         except TimeoutError:
-            raise TransferError(
-                f"actor {self.actor_id} waited {self.transfer_timeout:g} s for {label} (tag {ins.tag}) from actor {peer} "
-                f"and nothing came; is actor {peer} stuck? (RemoteMesh(..., transfer_timeout=s) sets this limit)"
-            ) from None
-        if np.dtype(got.dtype) != want or tuple(got.shape) != tuple(shape):
-            raise TransferError(
-                f"actor {self.actor_id} expected {want.name}{list(shape)} from actor {peer} for {label} "
-                f"(tag {ins.tag}), received {np.dtype(got.dtype).name}{list(got.shape)}"
-            )
+            raise self._recv_timed_out(peer, ins) from None
+        bad = self._recv_mismatch(peer, ins, want, shape, got)
+        if bad is not None:
+            raise bad
         return got
+
+    def _recv_timed_out(self, peer: int, ins: Recv) -> TransferError:
+        return TransferError(
+            f"actor {self.actor_id} waited {self.transfer_timeout:g} s for {ins.label} (tag {ins.tag}) from actor {peer} "
+            f"and nothing came; is actor {peer} stuck? (RemoteMesh(..., transfer_timeout=s) sets this limit)")
+
+    def _recv_mismatch(self, peer: int, ins: Recv, want: np.dtype, shape: tuple[int, ...], got: Any) -> TransferError | None:
+        if np.dtype(got.dtype) == want and tuple(got.shape) == tuple(shape):
+            return None
+        return TransferError(f"actor {self.actor_id} expected {want.name}{list(shape)} from actor {peer} for {ins.label} "
+                             f"(tag {ins.tag}), received {np.dtype(got.dtype).name}{list(got.shape)}")
 
     # ---- dispatch --------------------------------------------------------------------------------
     async def handle(self, msg: Message, peer: str | None = None) -> tuple[dict, list]:

@@ -55,6 +55,7 @@ class Mailbox:
         self._count: Counter[int] = Counter()
         self._bytes: Counter[int] = Counter()
         self._refused: OrderedDict[tuple[int, Hashable], str] = OrderedDict()
+        self._then: dict[tuple[int, Hashable], Callable[[asyncio.Future[Any]], None]] = {}  # `take_then` waiters
 
     def _slot(self, src: int, key: Hashable) -> asyncio.Future[Any]:
         fut = self._slots.get((src, key))
@@ -89,7 +90,14 @@ class Mailbox:
         if fut.done():
             return f"key {key} from actor {src} arrived twice"
         fut.set_result(value)
+        self._wake(slot, fut)
         return None
+
+    def _wake(self, slot: tuple[int, Hashable], fut: asyncio.Future[Any]) -> None:
+        """Run a `take_then` waiter of `slot` now, in the arrival's own turn of the loop."""
+        then = self._then.pop(slot, None)
+        if then is not None:
+            then(fut)
 
     def fail(self, src: int, key: Hashable, exc: BaseException) -> None:
         slot = (src, key)
@@ -103,6 +111,7 @@ class Mailbox:
         if not fut.done():
             fut.set_exception(exc)
             fut.exception()  # retrieved: a receive may never come
+            self._wake(slot, fut)
 
     async def take(self, src: int, key: Hashable, timeout: float | None = None) -> Any:
         """The value of (src, key) once it arrives; TimeoutError after `timeout` seconds (a timer on the slot
@@ -123,6 +132,39 @@ class Mailbox:
                 self._slots.pop((src, key), None)
                 self._claim((src, key))
 
+    def take_then(self, src: int, key: Hashable, timeout: float | None, then: Callable[[asyncio.Future[Any]], None]) -> None:
+        """`take` without a task: `then(slot)` runs as soon as the value (or an error, or after `timeout` a
+        TimeoutError) is in — synchronously, in the turn of the loop that delivers it — or cancelled if the step
+        is abandoned first (`drop`)."""
+        slot = (src, key)
+        refused = self._refused.pop(slot, None)
+        if refused is not None:
+            raise TransferError(f"the transfer {key} from actor {src} arrived before its receive and was refused: {refused}")
+        fut = self._slot(src, key)
+        if fut.done():  # it came first
+            self._slots.pop(slot, None)
+            self._claim(slot)
+            then(fut)
+            return
+        timer = None
+        if timeout is not None:
+            timer = asyncio.get_running_loop().call_later(timeout, self._timed_out, slot, fut)
+
+        def done(f: asyncio.Future[Any]) -> None:
+            if timer is not None:
+                timer.cancel()
+            if self._slots.get(slot) is f:
+                self._slots.pop(slot, None)
+                self._claim(slot)
+            then(f)
+
+        self._then[slot] = done
+
+    def _timed_out(self, slot: tuple[int, Hashable], fut: asyncio.Future[Any]) -> None:
+        if not fut.done():
+            fut.set_exception(TimeoutError())
+            self._wake(slot, fut)
+
     def drop(self, predicate: Callable[[Hashable], bool]) -> int:
         """Forget arrived or awaited entries whose key matches (used to abandon an aborted step)."""
         doomed = [k for k in self._slots if predicate(k[1])]
@@ -131,6 +173,7 @@ class Mailbox:
             self._claim(k)
             if not fut.done():
                 fut.cancel()
+                self._wake(k, fut)
             elif not fut.cancelled():
                 fut.exception()  # retrieved: no "exception never retrieved" noise
         for k in [k for k in self._refused if predicate(k[1])]:

@@ -14,7 +14,7 @@
   leftovers and anything arriving for it later are dropped once it is over (`expire`); arrivals for a key
   the actor does not admit (`admit`, e.g. a closed session) are refused. Log lines about bad input are
   rate-limited.
-* The event loop reads the ROUTER (its descriptor is registered with the loop), so an arrival reaches the
+* The event loop reads the ROUTER (its descriptor is registered with the loop, one message a turn), so an arrival reaches the
   receive waiting for it with no thread hop. A payload under 1 MiB is read straight into a fresh 64-byte-aligned
   buffer (`recv_into`); a bigger one is taken zero-copy off the socket and copied into aligned memory on a copier
   thread. Either way the receiver's JAX array aliases that buffer.
@@ -52,7 +52,6 @@ log = logging.getLogger(__name__)
 
 SHM_MIN_BYTES = 1 << 16  # smaller payloads are cheaper as ZeroMQ frames
 BIG_PAYLOAD = 1 << 20  # received payloads this big are copied into aligned memory off the event loop
-RX_BATCH = 64  # data-plane messages read per turn of the event loop
 ROUTES = ("tcp", "shm", "nccl")
 DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024**3
 REMEMBER_EXPIRED = 4096  # finished steps whose late arrivals are dropped on sight
@@ -290,6 +289,27 @@ class DataPlane(P2PTransport):
     async def recv(self, peer: int, key: tuple[int, ...], timeout: float | None = None) -> Any:
         return await self._mailbox.take(peer, key, timeout)
 
+    def recv_then(self, peer: int, key: tuple[int, ...], timeout: float | None, then: Callable[[asyncio.Future[Any]], None]) -> None:
+        """`recv` as a callback: `then(slot)` on the loop when the array (or its error) is in (see Mailbox.take_then)."""
+        self._mailbox.take_then(peer, key, timeout, then)
+
+    def send_now(self, peer: int, key: tuple[int, ...], value: Any) -> bool:
+        """Post a small, computed value at once, with no task and no await; False when `send` must do it (a big
+        or NCCL payload, a value still being computed, or no route)."""
+        route = self.routes.get(peer)
+        if route is None or route == "nccl":
+            return False
+        nbytes = getattr(value, "nbytes", None)
+        if nbytes is None or nbytes >= SHM_MIN_BYTES or (not isinstance(value, np.ndarray) and not value.is_ready()):
+            return False
+        host = np.asarray(value)
+        if not host.flags.c_contiguous:
+            return False
+        self.counters[f"sent_{route}_bytes"] += int(nbytes)
+        self.counters["sent_arrays"] += 1
+        self._post(peer, {"op": "data", "key": list(key)}, [host])
+        return True
+
     def abandon(self, predicate) -> int:
         return self._mailbox.drop(predicate)
 
@@ -324,24 +344,24 @@ class DataPlane(P2PTransport):
         self._warn.warning("refused-by-peer", "actor %d: actor %d refused our transfer %s: %s", self.actor_id, src, key, reason)
 
     def _on_readable(self) -> None:
-        """Drain the data socket (its descriptor is edge-triggered: read until it says nothing is left), at most
-        RX_BATCH messages per turn of the loop so that the interpreter and the control plane keep running."""
+        """Read one data-plane message, then look for the next in a later turn of the loop, after what this one
+        set going (a receive's consumer, a forward's send). The descriptor is edge-triggered: it is looked at
+        again until ZeroMQ says nothing is left."""
         sock = self._router
-        for _ in range(RX_BATCH):
+        if self._closing:
+            return
+        try:
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
+            self._rx_one(sock)
+        except zmq.ZMQError:
             if self._closing:
                 return
-            try:
-                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    return
-                self._rx_one(sock)
-            except zmq.ZMQError:
-                if self._closing:
-                    return
-                log.exception("actor %d: data-plane receive failed", self.actor_id)
-                return
-            except Exception:  # never let one bad message stop the receiver
-                log.exception("actor %d: data-plane receive failed", self.actor_id)
-        self._loop.call_soon(self._on_readable)  # more waiting: go on after the loop's other callbacks
+            log.exception("actor %d: data-plane receive failed", self.actor_id)
+            return
+        except Exception:  # never let one bad message stop the receiver
+            log.exception("actor %d: data-plane receive failed", self.actor_id)
+        self._loop.call_soon(self._on_readable)
 
     def _rx_one(self, sock: zmq.Socket) -> None:
         frames = sock.recv_multipart(copy=False)  # all of one message, in one call (its frames arrive together)
