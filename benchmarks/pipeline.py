@@ -74,6 +74,51 @@ def bench_vs_jit(mesh, width, depth, mbs, mb_size, reps=5):
     return jit_t, dist_t, jit_compile, dist_compile, dist.compile(p, o, batch).plan
 
 
+def dispatch_per_run(mesh, n: int = 400, reps: int = 15) -> tuple[float, float]:
+    """What the actor's interpreter adds per Run: the time of one run_program request whose Program chains
+    n + 1 tiny Runs (x -> x + 1 on 4 floats) minus that of a Program of 1 Run, over n."""
+    import asyncio
+    import itertools
+    import statistics
+
+    from mpmd.program import Delete, Label, Program, Run
+
+    blob, _ = mesh.lower(lambda x: x + 1, [jax.ShapeDtypeStruct((4,), np.float32)], mesh.platform)
+    exe = mesh.run(mesh.ensure_compiled(0, blob))
+    x = mesh.actor(0).put(np.zeros(4, np.float32))
+    ids = itertools.count(1 << 20)
+
+    def program(k: int) -> int:
+        ins = []
+        for i in range(k):
+            ins.append(Run(0, (i,), (i + 1,), Label("tiny")))
+            if i:
+                ins.append(Delete((i,)))
+        pid = next(ids)
+        mesh.run(mesh.load_program(0, Program(0, [0], [k], ins, executables=[exe]), pid, [exe]))
+        return pid
+
+    def timed_program(pid: int) -> float:
+        times = []
+        for step in range(reps):
+            out = mesh.new_buffer_id()
+
+            async def go() -> None:
+                await mesh.conn(0).request("run_program", {"program": pid, "step": step, "inputs": [x.buffers[0]], "outputs": [out]})
+                await mesh.conn(0).request("wait", {"bufs": [out]})
+
+            t = time.perf_counter()
+            mesh.run(go())
+            times.append(time.perf_counter() - t)
+            mesh.run(mesh.conn(0).request("delete", {"bufs": [out]}))
+        return statistics.median(times)
+
+    short, long = program(1), program(n + 1)
+    timed_program(short), timed_program(long)  # warm
+    t1, tn = timed_program(short), timed_program(long)
+    return (tn - t1) / n, t1
+
+
 def main() -> None:
     with mpmd.RemoteMesh.local(num_actors=2) as mesh:
         one = mpmd.RemoteMesh.connect(mesh.addresses[:1], transport="none", keys=mesh.keys)
@@ -81,10 +126,9 @@ def main() -> None:
         print(f"compute-bound step (1 actor, 512x512 MLP x4, 4 mbs of 256): jax.jit {jit_t * 1e3:.1f} ms, "
               f"mpmd {dist_t * 1e3:.1f} ms, ratio {dist_t / jit_t:.3f}")
         print(f"first-step compile: jax.jit {jit_c:.2f} s, mpmd {dist_c:.2f} s, ratio {dist_c / jit_c:.1f}")
-        jit_t, dist_t, _, _, plan = bench_vs_jit(one, width=4, depth=1, mbs=64, mb_size=1, reps=7)
-        runs = sum(p.count(mpmd.program.Run) for p in plan.programs)
-        print(f"dispatch: tiny step with {runs} Run instructions: {dist_t * 1e6 / runs:.0f} µs per Run "
-              f"(whole step {dist_t * 1e3:.1f} ms vs jax.jit {jit_t * 1e3:.2f} ms)")
+        per_run, whole = dispatch_per_run(one)
+        print(f"dispatch: {per_run * 1e6:.1f} µs per Run instruction (a program of 401 chained tiny Runs vs one of 1, "
+              f"in one request; the 1-Run step's round trip {whole * 1e6:.0f} µs)")
         one.close()
         # 2 stages on 2 actors vs the ideal from the per-stage compute.
         width, depth, mbs, mb_size = 512, 2, 8, 256
