@@ -77,7 +77,6 @@ def bench_vs_jit(mesh, width, depth, mbs, mb_size, reps=5):
 def dispatch_per_run(mesh, n: int = 400, reps: int = 15) -> tuple[float, float]:
     """What the actor's interpreter adds per Run: the time of one run_program request whose Program chains
     n + 1 tiny Runs (x -> x + 1 on 4 floats) minus that of a Program of 1 Run, over n."""
-    import asyncio
     import itertools
     import statistics
 
