@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from actors import checkpoint, profiler, spmd
-from actors.buffers import BufferTable, UnknownBufferError
+from actors.buffers import BufferTable, UnknownBufferError, nbytes
 from actors.cache import ExecutableCache
 from actors.stream import StepTrace, Stream, now
 from transport.p2p import P2PTransport, TransferError
@@ -138,6 +138,7 @@ class Actor:
             "profile": lambda ses, msg: profiler.profile(self, ses, msg, RequestError),
         }
         self.profile_state = profiler.ProfileState()
+        self._out_sizes: dict[Any, list[int]] = {}  # executable key -> bytes of each output
 
     # ---- simple requests -------------------------------------------------------------------------
     async def ping(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
@@ -460,24 +461,24 @@ class Actor:
         tasks: list[Any] = []
         # Unsharded transfers of an untraced step go without a task of their own: a receive is a callback on
         # its mailbox slot and a small computed send is posted at once (each task turn cost ~20 us of a hop).
-        plain = trace is None and self.p2p is not None
+        plain = self.p2p is not None
         for ins in instrs:
             if isinstance(ins, Send):
                 ref = env.ref(ins.buf)  # taken now: a `del` right after the send may drop the buffer from the table
                 if plain and not sync and (ins.layout is None or self.cache.mesh is None):
-                    tasks.append(self._send_soon(ref, ins.to_actor, (*step_key, ins.tag), str(ins.label)))
+                    tasks.append(self._send_soon(ref, ins.to_actor, (*step_key, ins.tag), str(ins.label), trace))
                 else:
                     tasks.append(asyncio.create_task(self._send(ref, ins.to_actor, (*step_key, ins.tag), str(ins.label), sync,
                                                                 trace, ins.layout)))
             elif isinstance(ins, Recv):
                 env.reserve(ins.buf)
                 if plain and (ins.layout is None or self.cache.mesh is None):
-                    tasks.append(self._recv_soon(env, ins, (*step_key, ins.tag)))
+                    tasks.append(self._recv_soon(env, ins, (*step_key, ins.tag), trace))
                 else:
                     tasks.append(asyncio.create_task(self._recv(env, ins, (*step_key, ins.tag), trace)))
         return tasks
 
-    def _send_soon(self, ref: Any, peer: int, key: tuple, label: str) -> asyncio.Future[None]:
+    def _send_soon(self, ref: Any, peer: int, key: tuple, label: str, trace: StepTrace | None = None) -> asyncio.Future[None]:
         """A Send as a future: posted the moment its value is there (at once if it is), through `_send` only
         for what `send_now` cannot post directly (big, NCCL or still-computing values)."""
         loop = asyncio.get_running_loop()
@@ -487,13 +488,16 @@ class Actor:
             if done.done():
                 return
             try:
+                t0 = now() if trace else 0
                 if self.p2p.send_now(peer, key, value):
+                    if trace:
+                        trace.transfer("send", label, peer, int(value.nbytes), t0, now(), key[-1])
                     done.set_result(None)
                     return
             except BaseException as e:
                 done.set_exception(e)
                 return
-            task = loop.create_task(self._send(value, peer, key, label))
+            task = loop.create_task(self._send(value, peer, key, label, trace=trace))
             task.add_done_callback(lambda t: _settle(done, t))
             done.add_done_callback(lambda d: task.cancel() if d.cancelled() else None)
 
@@ -515,10 +519,11 @@ class Actor:
             go(ref)
         return done
 
-    def _recv_soon(self, env: BufferTable, ins: Recv, key: tuple) -> asyncio.Future[None]:
+    def _recv_soon(self, env: BufferTable, ins: Recv, key: tuple, trace: StepTrace | None = None) -> asyncio.Future[None]:
         """A Recv as a future: its array goes into `env` in the callback that receives it (see `_recv`)."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         peer = ins.from_actor
+        t0 = now() if trace else 0
 
         def fail(e: BaseException) -> None:
             env.fail(ins.buf, e)
@@ -542,6 +547,8 @@ class Actor:
             if isinstance(got, np.ndarray) and self.device.platform != "cpu":
                 got = jax.device_put(got, self.device)
             env.put(ins.buf, got)
+            if trace:
+                trace.transfer("recv", str(ins.label), peer, int(got.nbytes), t0, now(), ins.tag)
             done.set_result(None)
 
         try:
@@ -563,15 +570,20 @@ class Actor:
                     log.debug("session %x program %d step %d: %s", *step_key, ins)
                 if isinstance(ins, Run):
                     t0 = now() if trace else 0
-                    args = [await env.get(b) for b in ins.inputs]  # waits only for values still being received
+                    args = env.all_now(ins.inputs)
+                    if args is None:  # waits only for values still being received
+                        args = [await env.get(b) for b in ins.inputs]
                     if trace:
                         results = await trace.run(self.stream, self.cache.get(ins.exe), args, str(ins.label), t0, now())
                     else:
                         _, results = self.stream.call(self.cache.get(ins.exe), args)
                     if ins.donate:  # their buffers now belong to the results
                         env.delete([ins.inputs[d] for d in ins.donate])
-                    for b, r in zip(ins.outputs, results):
-                        env.put(b, r)
+                    sizes = self._out_sizes.get(ins.exe)
+                    if sizes is None:  # an executable's outputs have the same shapes every time
+                        sizes = self._out_sizes[ins.exe] = [nbytes(r) for r in results]
+                    for b, r, size in zip(ins.outputs, results, sizes):
+                        env.put(b, r, size)
                 elif isinstance(ins, (Send, Recv)):
                     (t,) = self._transfers(step_key, env, [ins], sync, trace)
                     if sync and isinstance(ins, Send):

@@ -52,18 +52,22 @@ class BufferTable:
         self._entries: dict[int, Any] = {}
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._orphans: dict[int, asyncio.Future[Any]] = {}  # deleted while pending: resolved, never stored
+        self._sizes: dict[int, int] = {}  # bytes of each entry (a jax.Array's .nbytes costs microseconds)
         self._bytes = 0
         self.peak_bytes = 0  # the most bytes held at once
 
-    def put(self, buf: int, value: Any) -> None:
+    def put(self, buf: int, value: Any, size: int | None = None) -> None:
+        """Store `value` as `buf` (`size`: its bytes, when the caller knows them already)."""
         orphan = self._orphans.pop(buf, None)
         if orphan is not None:
             if not orphan.done():
                 orphan.set_result(value)
             return
-        old = self._entries.get(buf)
-        self._bytes += nbytes(value) - (nbytes(old) if old is not None else 0)
-        self.peak_bytes = max(self.peak_bytes, self._bytes)
+        size = nbytes(value) if size is None else size
+        self._bytes += size - self._sizes.get(buf, 0)
+        self._sizes[buf] = size
+        if self._bytes > self.peak_bytes:
+            self.peak_bytes = self._bytes
         self._entries[buf] = value
         fut = self._pending.pop(buf, None)
         if fut is not None and not fut.done():
@@ -71,9 +75,8 @@ class BufferTable:
 
     def reserve(self, buf: int) -> None:
         """Mark `buf` as coming: `get` waits for `put` (or `fail`) instead of raising."""
-        old = self._entries.pop(buf, None)
-        if old is not None:
-            self._bytes -= nbytes(old)
+        if self._entries.pop(buf, None) is not None:
+            self._bytes -= self._sizes.pop(buf, 0)
         if buf not in self._pending:
             self._pending[buf] = asyncio.get_running_loop().create_future()
 
@@ -104,6 +107,14 @@ class BufferTable:
             raise UnknownBufferError(self._unknown(buf))
         return fut
 
+    def all_now(self, bufs: Any) -> list[Any] | None:
+        """The values of `bufs` if every one is here now (no awaiting), else None."""
+        entries = self._entries
+        try:
+            return [entries[b] for b in bufs]
+        except KeyError:
+            return None
+
     async def get(self, buf: int) -> Any:
         if buf in self._entries:
             return self._entries[buf]
@@ -117,7 +128,7 @@ class BufferTable:
         for b in bufs:
             old = self._entries.pop(b, None)
             if old is not None:
-                self._bytes -= nbytes(old)
+                self._bytes -= self._sizes.pop(b, 0)
             fut = self._pending.pop(b, None)
             if fut is not None:
                 self._orphans[b] = fut

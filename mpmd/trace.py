@@ -228,8 +228,12 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1) -> Any:
         sol[used] = np.linalg.lstsq(a_mat[:, used], b_vec, rcond=None)[0]
     sol = np.maximum(sol, 0.0)
     per = {k: tuple(float(sol[col[(s, k)]]) for s in range(num_stages)) for k in kinds}
-    # A transfer lasts from the end of the Run that made the value (on the sender) until it arrived.
+    # A transfer lasts from the end of the Run that made the value on the sender (the send's own start is
+    # later when the value had to be seen computed first) until the Run waiting for it could start: its
+    # arrival, plus the receiver's usual delay between inputs ready and start.
     steps = trace.steps[step]
+    waited = [r.start - r.ready for x in steps.values() for r in x.runs if r.ready > r.waited_from and r.start >= r.ready]
+    wake = float(np.median(waited)) if waited else 0.0
     sends = {(a, t.peer, t.tag): t for a, x in steps.items() for t in x.transfers if t.kind == "send"}
     made = {(a, r.label): r.end for a, x in steps.items() for r in x.runs}
     small, big = [], []
@@ -238,7 +242,7 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1) -> Any:
             s = sends.get((t.peer, a, t.tag)) if t.kind == "recv" else None
             if s is None or (t.peer, s.label) not in made:
                 continue
-            d = t.end - max(made[(t.peer, s.label)], s.start)
+            d = t.end - made[(t.peer, s.label)] + wake
             (small if t.nbytes <= 1 << 16 else big).append((d, t.nbytes))
     latency = float(np.median([d for d, _ in small])) if small else 0.0
     rates = [n / (d - latency) for d, n in big if d > latency]
