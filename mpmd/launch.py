@@ -96,6 +96,19 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+def terminate(proc: subprocess.Popen[bytes], timeout: float = 3.0) -> None:
+    """SIGTERM `proc`, SIGKILL it after `timeout` seconds if it still runs; close its stdout."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if proc.stdout:
+        proc.stdout.close()
+
+
 class LocalProcess:
     """An `mpmd-actor` subprocess on this machine, with its stderr kept in a file (in the mesh's directory) for
     error messages."""
@@ -197,15 +210,7 @@ class LocalProcess:
         return dump + (f"\nits log before that:\n{before}" if before.strip() else "")
 
     def stop(self, timeout: float = 3.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stdout:
-            self.proc.stdout.close()
+        terminate(self.proc, timeout)
         self.stderr.close()
         try:
             os.unlink(self.log_path)

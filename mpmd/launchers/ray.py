@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mpmd.errors import ActorStartError, MpmdError
-from mpmd.launch import default_cache_dir, describe_exit, remove_shared_memory
+from mpmd.launch import default_cache_dir, describe_exit, remove_shared_memory, terminate
 from mpmd.launchers.rendezvous import ActorFacts, check_compatible
 from transport.auth import ClientKeys, KeyPair
 
@@ -156,15 +156,7 @@ class DaemonHost:
     def stop(self, timeout: float = 3.0) -> None:
         """Stop the daemon (if it still runs) and remove what it left on this node."""
         if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.terminate()
-                try:
-                    self.proc.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
-            if self.proc.stdout:
-                self.proc.stdout.close()
+            terminate(self.proc, timeout)
             remove_shared_memory(self.proc.pid)
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)
