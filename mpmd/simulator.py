@@ -40,8 +40,9 @@ class Costs:
     stage or a sequence with one per stage. A transfer between actors takes `latency + bytes / bandwidth`;
     a schedule's transfers carry `activation_bytes` (the activation or cotangent crossing the boundary after
     each stage; a number or one per stage), a Program's the bytes of its Recv's dtype and shape. `overhead`
-    is added to every Run; Runs of a step phase (pre, post, stack, ...) cost `other`. The default is the
-    unit model F=1, B=2, I=W=1 with free transfers."""
+    is added to every Run (as busy time); `gap` is idle time before every Run starts (the runtime's dispatch
+    and argument handling: not compute, so it counts toward the bubble); Runs of a step phase (pre, post,
+    stack, ...) cost `other`. The default is the unit model F=1, B=2, I=W=1 with free transfers."""
 
     F: PerStage = 1.0
     B: PerStage = 2.0
@@ -52,6 +53,7 @@ class Costs:
     activation_bytes: PerStage = 0.0
     overhead: float = 0.0
     other: float = 0.0
+    gap: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("F", "B", "I", "W", "activation_bytes"):
@@ -61,7 +63,7 @@ class Costs:
                 raise ValueError(f"Costs.{name} must be a non-negative number or a sequence of them (one per stage), got {v!r}")
             if isinstance(v, Sequence):
                 object.__setattr__(self, name, tuple(float(x) for x in v))
-        for name in ("latency", "overhead", "other"):
+        for name in ("latency", "overhead", "other", "gap"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Costs.{name} must be >= 0, got {getattr(self, name)!r}")
         if not self.bandwidth > 0:
@@ -232,8 +234,9 @@ def simulate(schedule: Schedule, num_microbatches: int, costs: Costs | None = No
         boundary = min(src.stage, dst.stage)  # F(s-1)->F(s) and B(s+1)->B(s) cross the boundary after the lower stage
         return costs.transfer_time(costs._per_stage("activation_bytes", boundary))
 
-    run = replay_table(table, schedule.num_stages, schedule.actor_of, lambda t: costs.task_time(t) + costs.overhead, transfer)
-    spans = [[(run.start[t], run.end[t], str(t)) for t in row] for row in table]
+    run = replay_table(table, schedule.num_stages, schedule.actor_of, lambda t: costs.gap + costs.task_time(t) + costs.overhead,
+                       transfer)
+    spans = [[(run.start[t] + costs.gap, run.end[t], str(t)) for t in row] for row in table]
     split = split_stages(table)
     transfers = []
     for row in table:
@@ -251,21 +254,21 @@ def _recv_bytes(recv: Recv) -> int:
 
 def _run_time(costs: Costs, label: Label) -> float:
     if label.kind == "task" and label.tasks:
-        return sum(costs.task_time(t) for t in label.tasks) + costs.overhead
-    return costs.other + costs.overhead
+        return costs.gap + sum(costs.task_time(t) for t in label.tasks) + costs.overhead
+    return costs.gap + costs.other + costs.overhead
 
 
 def _part_spans(costs: Costs, label: Label, start: float) -> list[Span]:
     """A Run's span cut into one span per part (a fused Run does several tasks, and maybe a step phase, one
     after another); phases that take no time on this cost model are left out."""
     parts = label.parts or ((tuple(map(str, label.tasks)) or (label.kind,)))
-    out, t = [], start
+    out, t = [], start + costs.gap
     for i, p in enumerate(parts):
         d = (costs.task_time(Task.parse(p)) if p[0].isdigit() else costs.other) + (costs.overhead if i == 0 else 0.0)
         if d > 0 or p[0].isdigit():
             out.append((t, t + d, p))
         t += d
-    return out or [(start, t, str(label))]
+    return out or [(start + costs.gap, t, str(label))]
 
 
 def simulate_programs(programs: list[Program], costs: Costs | None = None, name: str = "programs") -> SimResult:

@@ -202,7 +202,8 @@ def _tasks_of(label: str) -> list[tuple[int, str]]:
 def fit_costs(trace: Trace, num_stages: int, step: int = -1) -> Any:
     """`mpmd.Costs` fitted to a traced step: per stage, the F/B/I/W times that best explain every Run's
     measured duration (a fused Run lasts the sum of its tasks; least squares over all Runs of the step),
-    the cost of Runs that do no task (`other`), and a transfer latency and bandwidth from the transfers."""
+    the cost of Runs that do no task (`other`), the runtime's `gap` before each Run (mean time from
+    could-start to start), and a transfer latency and bandwidth from the transfers."""
     import numpy as np
 
     from mpmd.simulator import Costs
@@ -228,12 +229,12 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1) -> Any:
         sol[used] = np.linalg.lstsq(a_mat[:, used], b_vec, rcond=None)[0]
     sol = np.maximum(sol, 0.0)
     per = {k: tuple(float(sol[col[(s, k)]]) for s in range(num_stages)) for k in kinds}
-    # A transfer lasts from the end of the Run that made the value on the sender (the send's own start is
-    # later when the value had to be seen computed first) until the Run waiting for it could start: its
-    # arrival, plus the receiver's usual delay between inputs ready and start.
+    # The gap: how long after it could have started (inputs there, the actor free) a Run started.
     steps = trace.steps[step]
-    waited = [r.start - r.ready for x in steps.values() for r in x.runs if r.ready > r.waited_from and r.start >= r.ready]
-    wake = float(np.median(waited)) if waited else 0.0
+    gaps = [b.start - max(a.end, b.ready) for x in steps.values() for a, b in zip(x.runs, x.runs[1:]) if b.start >= max(a.end, b.ready)]
+    gap = float(np.mean(gaps)) if gaps else 0.0  # the mean: the simulator adds it to every Run, the sum must match
+    # A transfer lasts from the end of the Run that made the value on the sender (the send's own start is
+    # later when the value had to be seen computed first) until it arrived.
     sends = {(a, t.peer, t.tag): t for a, x in steps.items() for t in x.transfers if t.kind == "send"}
     made = {(a, r.label): r.end for a, x in steps.items() for r in x.runs}
     small, big = [], []
@@ -242,13 +243,14 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1) -> Any:
             s = sends.get((t.peer, a, t.tag)) if t.kind == "recv" else None
             if s is None or (t.peer, s.label) not in made:
                 continue
-            d = t.end - made[(t.peer, s.label)] + wake
+            d = t.end - made[(t.peer, s.label)]
             (small if t.nbytes <= 1 << 16 else big).append((d, t.nbytes))
-    latency = float(np.median([d for d, _ in small])) if small else 0.0
-    rates = [n / (d - latency) for d, n in big if d > latency]
-    bandwidth = float(np.median(rates)) if rates else float("inf")
+    # Means, not medians: a few slow transfers on the critical path cost the step what they cost.
+    latency = float(np.mean([d for d, _ in small])) if small else 0.0
+    slow = [(d - latency, n) for d, n in big if d > latency]
+    bandwidth = sum(n for _, n in slow) / sum(d for d, _ in slow) if slow else float("inf")
     return Costs(F=per["F"], B=per["B"], I=per["I"], W=per["W"], other=float(np.median(other)) if other else 0.0,
-                 latency=max(latency, 0.0), bandwidth=bandwidth)
+                 latency=max(latency, 0.0), bandwidth=bandwidth, gap=gap)
 
 
 def measured_bubbles(trace: Trace, step: int = -1) -> dict[int, float]:

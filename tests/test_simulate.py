@@ -154,6 +154,17 @@ def test_overhead_is_added_to_every_task_and_one_actor_has_no_bubble():
     assert r.step_time == pytest.approx(5 * (1 + 2 + 2 * 0.5)) and r.bubble == 0
 
 
+def test_a_gap_before_every_run_is_idle_time_not_compute():
+    # one actor, 5 microbatches of F=1, B=2: 10 Runs, each 0.5 idle first -> step 15 + 5, bubble 5 / 20
+    r = simulate(mpmd.OneFOneB(1), 5, Costs(F=1, B=2, gap=0.5))
+    assert r.step_time == pytest.approx(20.0) and r.bubble == pytest.approx(0.25)
+    prog = Program(0, [0], [2], [Run(0, (0,), (1,), Label.of(Task(0, "F", 0))), Run(1, (1,), (2,), Label.of(Task(0, "B", 0)))])
+    r = simulate_programs([prog], Costs(F=1.0, B=2.0, gap=0.25))
+    assert same_spans(r.timeline, [[(0.25, 1.25, "0F0"), (1.5, 3.5, "0B0")]]) and r.step_time == pytest.approx(3.5)
+    with pytest.raises(ValueError, match="gap"):
+        Costs(gap=-1)
+
+
 def test_costs_from_measured_timings():
     c = Costs.from_timings({"F": 0.01, "1F": 0.02, "B": 0.03, "0B3": 0.05, "0B4": 0.07, ("W", 1): 0.4}, num_stages=2, latency=1e-3)
     assert c.F == (0.01, 0.02) and c.B == pytest.approx((0.06, 0.03)) and c.W == (1.0, 0.4) and c.I == 1.0 and c.latency == 1e-3
