@@ -14,10 +14,10 @@
   leftovers and anything arriving for it later are dropped once it is over (`expire`); arrivals for a key
   the actor does not admit (`admit`, e.g. a closed session) are refused. Log lines about bad input are
   rate-limited.
-* The event loop reads the ROUTER (its descriptor is registered with the loop, one message a turn), so an arrival reaches the
-  receive waiting for it with no thread hop. A payload under 1 MiB is read straight into a fresh 64-byte-aligned
-  buffer (`recv_into`); a bigger one is taken zero-copy off the socket and copied into aligned memory on a copier
-  thread. Either way the receiver's JAX array aliases that buffer.
+* The event loop reads the ROUTER (its descriptor is registered with the loop, one message a turn), so an
+  arrival reaches the receive waiting for it with no thread hop. Each payload is copied once out of ZeroMQ's
+  buffer into a fresh 64-byte-aligned one (under 1 MiB on the loop, bigger ones on a copier thread), so the
+  receiver's JAX array aliases it.
 * Route ``tcp``: payloads travel as ZeroMQ frames, sent zero-copy from the sender's array.
   Route ``shm`` (same host): payloads of 64 KiB and more go through shared memory (`shm.py`); the ZeroMQ
   message is only a notice. Route ``nccl`` (GPUs): payloads go over NCCL (`nccl.py`); ZeroMQ carries a
@@ -459,9 +459,15 @@ class DataPlane(P2PTransport):
         """Copy a big payload into aligned memory (JAX aliases it) on a copier thread, then hand it over."""
 
         def copy() -> None:
-            buf = aligned_empty(big.nbytes)
-            buf[:] = np.frombuffer(big.frame.buffer, np.uint8)
-            big.frame = None
+            try:
+                buf = aligned_empty(big.nbytes)
+                buf[:] = np.frombuffer(big.frame.buffer, np.uint8)
+            except BaseException as e:  # (out of memory): the receive fails now instead of timing out
+                self._call(self._fail, src, key, TransferError(
+                    f"actor {self.actor_id} could not take in transfer {key} ({big.nbytes} bytes) from actor {src}: {e}"))
+                return
+            finally:
+                big.frame = None
             self._call(self._arrive, src, key, buf.view(big.dtype).reshape(big.shape), big.nbytes)
 
         self._copier.submit(copy)
