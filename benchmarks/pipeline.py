@@ -16,6 +16,7 @@ import numpy as np
 import optax
 
 import mpmd
+from benchmarks.efficiency import timed_rounds
 from tests.test_pipeline import make_step
 
 
@@ -40,13 +41,7 @@ def make(num_stages, width, depth_per_stage, schedule):
     return step, params, opt
 
 
-def timed(f, reps):
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
+timed = timed_rounds  # the median wall time of `reps` calls
 
 
 def bench_vs_jit(mesh, width, depth, mbs, mb_size, reps=5):

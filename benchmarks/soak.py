@@ -32,6 +32,7 @@ import optax
 import mpmd
 from mpmd.launch import LocalOptions, start_local
 from mpmd.program import Label, Program, Recv, Send
+from mpmd.testing import make_train_step
 
 _ids = itertools.count(50_000)
 
@@ -50,20 +51,12 @@ def model(params, x):
     return jnp.tanh(x @ params[1]["w"] + params[1]["b"])
 
 
+def loss(params, mb):
+    return jnp.mean((model(params, mb["x"]) - mb["y"]) ** 2)
+
+
 def make_step(optimizer):
-    def loss(params, mb):
-        return jnp.mean((model(params, mb["x"]) - mb["y"]) ** 2)
-
-    def step(params, opt_state, batch):
-        def mb_grads(mb):
-            value, grads = jax.value_and_grad(loss)(params, mb)
-            return grads, value
-
-        grads, losses = mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.OneFOneB(num_stages=2))
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, losses
-
-    return step
+    return make_train_step(loss, optimizer, mpmd.OneFOneB(num_stages=2))
 
 
 def snapshot(mesh) -> dict[str, tuple[int, float]]:

@@ -21,6 +21,7 @@ import zmq
 
 import mpmd
 from mpmd.program import Program
+from mpmd.testing import make_train_step
 from tests.wire import alive, start_daemon, stop_daemon, wait_until
 from transport.auth import ClientKeys, KeyPair
 from transport.protocol import decode, encode
@@ -38,15 +39,7 @@ def _loss(params, mb):
 
 def test_a_killed_actor_fails_the_step_naming_actor_address_and_task_and_the_other_actor_frees_the_step():
     opt = optax.sgd(0.01)
-
-    def step(params, opt_state, batch):
-        def mb_grads(mb):
-            value, grads = jax.value_and_grad(_loss)(params, mb)
-            return grads, value
-
-        grads, losses = mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.OneFOneB(num_stages=2))
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, losses
+    step = make_train_step(_loss, opt, mpmd.OneFOneB(num_stages=2))
 
     rng = np.random.default_rng(0)
     params = [rng.standard_normal((256, 256)).astype(np.float32) * 0.05 for _ in range(2)]

@@ -286,19 +286,17 @@ def _dataplane_property(t, p, batch):
 
 
 def test_the_data_plane_survives_random_and_mutated_messages_from_an_authenticated_peer(target, peer):
-    @small_budget(150)
-    @given(dataplane_strategy(target, peer))
-    def prop(batch):
-        _dataplane_property(target, peer, batch)
-
-    prop()
-    _a_real_transfer_still_works(target, peer)
+    _fuzz_data_plane(target, peer, small_budget(150))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_the_data_plane_survives_random_and_mutated_messages_large(large, target, peer):
-    @large_budget(5000)
+    _fuzz_data_plane(target, peer, large_budget(5000))
+
+
+def _fuzz_data_plane(target, peer, budget) -> None:
+    @budget
     @given(dataplane_strategy(target, peer))
     def prop(batch):
         _dataplane_property(target, peer, batch)
