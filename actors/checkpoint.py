@@ -1,5 +1,5 @@
 """An actor's half of a checkpoint: it writes the arrays it holds, and reads them back, with orbax-checkpoint
-(which writes to a temporary directory and commits it atomically). The controller (mpmd/checkpoint.py) names
+(which writes to a temporary directory and commits it atomically). The controller (mpmd/runtime/checkpoint.py) names
 the directory, the arrays and the buffer ids, and commits the whole checkpoint once every actor is done.
 
 | op        | request fields                                      | reply fields         |

@@ -1,7 +1,7 @@
 """An actor's own device mesh, and arrays laid out over it (SPMD inside an actor).
 
 The controller names the mesh shape and axis names (the same on every actor); a layout is a PartitionSpec
-over those names, travelling as a list (mpmd/sharding.py). Host arrays are placed shard by shard (never
+over those names, travelling as a list (mpmd/runtime/sharding.py). Host arrays are placed shard by shard (never
 gathered on one device); a sharded value crosses to another actor as its distinct shards, device k to device
 k, and is rebuilt there with the same layout.
 """

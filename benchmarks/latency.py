@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 import mpmd
-from mpmd.program import Label, Program, Recv, Send
+from mpmd.compiler.program import Label, Program, Recv, Send
 from transport.protocol import dtype_name
 
 _ids = itertools.count(1)
@@ -81,7 +81,7 @@ def chain_time(mesh: mpmd.RemoteMesh, hops: int, nbytes: int, reps: int = 15) ->
     progs = chain_programs(hops, nbytes)
     pid = next(_ids)
     for a, p in progs.items():
-        mesh.run(mesh.load_program(a, p, pid, []))
+        mesh.run(mesh.executables.load_program(a, p, pid, []))
     x = mesh.actor(0).put(np.zeros(nbytes, np.uint8))
     times = []
     for step in range(reps):

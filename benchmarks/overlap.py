@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import mpmd
-from mpmd.program import Delete, Label, Program, Recv, Run, Send, Task
+from mpmd.compiler.program import Delete, Label, Program, Recv, Run, Send, Task
 
 _ids = itertools.count(1)
 
@@ -49,8 +49,8 @@ class Bench:
         self.consume = self._exe(1, jax.jit(consume), jax.ShapeDtypeStruct((self.n,), np.float32))
 
     def _exe(self, actor, fn, *avals):
-        blob, _ = self.mesh.lower(fn, avals, "cpu")
-        return self.mesh.run(self.mesh.ensure_compiled(actor, blob))
+        blob, _ = self.mesh.executables.lower(fn, avals, "cpu")
+        return self.mesh.run(self.mesh.executables.ensure_compiled(actor, blob))
 
     def stage_exe(self, reps: int) -> str:
         return self._exe(0, jax.jit(lambda x: (stage(x, reps),)), jax.ShapeDtypeStruct((self.n,), np.float32))
@@ -58,7 +58,7 @@ class Bench:
     def load(self, progs: dict[int, Program], exes: dict[int, list[str]]) -> int:
         pid = next(_ids)
         for a, p in progs.items():
-            self.mesh.run(self.mesh.load_program(a, p, pid, exes.get(a, [])))
+            self.mesh.run(self.mesh.executables.load_program(a, p, pid, exes.get(a, [])))
         return pid
 
     def time_step(self, pid: int, progs: dict[int, Program], sync: bool, step: int) -> float:

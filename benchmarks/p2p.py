@@ -18,7 +18,7 @@ import numpy as np
 
 import mpmd
 from benchmarks.control_plane import raw_throughput
-from mpmd.program import Label, Program, Recv, Send
+from mpmd.compiler.program import Label, Program, Recv, Send
 from transport.protocol import dtype_name
 
 _ids = itertools.count(1)
@@ -29,8 +29,8 @@ def transfer_time(mesh, src_buf: int, nbytes: int, count: int) -> float:
     pid = next(_ids)
     send = Program(0, [0], [], [Send(0, 1, t, Label("xfer")) for t in range(count)])
     recv = Program(1, [], list(range(count)), [Recv(t, 0, t, dtype_name(np.uint8), (nbytes,), Label("xfer")) for t in range(count)])
-    mesh.run(mesh.load_program(0, send, pid, []))
-    mesh.run(mesh.load_program(1, recv, pid, []))
+    mesh.run(mesh.executables.load_program(0, send, pid, []))
+    mesh.run(mesh.executables.load_program(1, recv, pid, []))
     outs = [mesh.new_buffer_id() for _ in range(count)]
 
     async def go():

@@ -75,10 +75,10 @@ def dispatch_per_run(mesh, n: int = 400, reps: int = 15) -> tuple[float, float]:
     import itertools
     import statistics
 
-    from mpmd.program import Delete, Label, Program, Run
+    from mpmd.compiler.program import Delete, Label, Program, Run
 
-    blob, _ = mesh.lower(lambda x: x + 1, [jax.ShapeDtypeStruct((4,), np.float32)], mesh.platform)
-    exe = mesh.run(mesh.ensure_compiled(0, blob))
+    blob, _ = mesh.executables.lower(lambda x: x + 1, [jax.ShapeDtypeStruct((4,), np.float32)], mesh.platform)
+    exe = mesh.run(mesh.executables.ensure_compiled(0, blob))
     x = mesh.actor(0).put(np.zeros(4, np.float32))
     ids = itertools.count(1 << 20)
 
@@ -89,7 +89,7 @@ def dispatch_per_run(mesh, n: int = 400, reps: int = 15) -> tuple[float, float]:
             if i:
                 ins.append(Delete((i,)))
         pid = next(ids)
-        mesh.run(mesh.load_program(0, Program(0, [0], [k], ins, executables=[exe]), pid, [exe]))
+        mesh.run(mesh.executables.load_program(0, Program(0, [0], [k], ins, executables=[exe]), pid, [exe]))
         return pid
 
     def timed_program(pid: int) -> float:

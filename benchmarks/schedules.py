@@ -22,9 +22,9 @@ import time
 import numpy as np
 
 import mpmd
-from mpmd.draw import draw_stacked
-from mpmd.simulator import simulate_programs
-from mpmd.trace import as_sim_result, fit_costs, measured_bubbles
+from mpmd.observe.trace import as_sim_result, fit_costs, measured_bubbles
+from mpmd.schedules.draw import draw_stacked
+from mpmd.schedules.simulator import simulate_programs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -30,8 +30,8 @@ import numpy as np
 import optax
 
 import mpmd
-from mpmd.launch import LocalOptions, start_local
-from mpmd.program import Label, Program, Recv, Send
+from mpmd.compiler.program import Label, Program, Recv, Send
+from mpmd.runtime.launch.local import LocalOptions, start_local
 from mpmd.testing import make_train_step
 
 _ids = itertools.count(50_000)
@@ -66,7 +66,7 @@ def snapshot(mesh) -> dict[str, tuple[int, float]]:
     time.sleep(0.2)
     out = {"controller": (0, rss_mib(os.getpid()))}
     for i in range(len(mesh)):
-        out[f"actor {i}"] = (mesh.actor(i).stats()["buffers"], rss_mib(mesh._processes[i].proc.pid))
+        out[f"actor {i}"] = (mesh.actor(i).stats()["buffers"], rss_mib(mesh.processes[i].proc.pid))
     return out
 
 
@@ -102,8 +102,8 @@ def soak(steps: int) -> None:
 
 def _transfer(mesh, src_buf: int, nbytes: int) -> float:
     pid = next(_ids)
-    mesh.run(mesh.load_program(0, Program(0, [0], [], [Send(0, 1, 0, Label("xfer"))]), pid, []))
-    mesh.run(mesh.load_program(1, Program(1, [], [0], [Recv(0, 0, 0, "uint8", (nbytes,), Label("xfer"))]), pid, []))
+    mesh.run(mesh.executables.load_program(0, Program(0, [0], [], [Send(0, 1, 0, Label("xfer"))]), pid, []))
+    mesh.run(mesh.executables.load_program(1, Program(1, [], [0], [Recv(0, 0, 0, "uint8", (nbytes,), Label("xfer"))]), pid, []))
     out = mesh.new_buffer_id()
 
     async def go():

@@ -183,7 +183,7 @@ class MpmdParty(Party):
         return {"summary": trace.summary(), "w1": str(self.state[0][0][0]["w1"].sharding),
                 "runs": "; ".join(f"actor {a}: {len(v)} Run(s), median {np.median(v):.1f} ms, {sum(v):.1f} ms in all"
                                   for a, v in sorted(runs.items())),
-                "actors": [thread_affinities(p.proc.pid) for p in self.mesh._processes]}
+                "actors": [thread_affinities(p.proc.pid) for p in self.mesh.processes]}
 
 
 class JitParty(Party):

@@ -17,11 +17,14 @@ Public names (each has a docstring):
   simulate, Costs, SimResult                  mpmd.simulate(schedule, m, costs): step time, bubble, memory, pictures
   MpmdError, RemoteError, ActorDiedError, PipelineError, ScheduleError   errors
   ActorStartError, RendezvousError, IncompatibleActorError                 errors of starting or finding daemons
+
+Rooms (each package's docstring says more): api/primitives/step (this surface and the distributed step),
+compiler/ (jaxpr -> Programs), schedules/ (tables, validation, simulator, pictures), runtime/ (mesh, arrays,
+connections, checkpoints, launchers), observe/ (traces, profiles, reports), cli/ (the `mpmd` command).
 """
 
+from mpmd import _aliases
 from mpmd.api import accumulate_grads, distributed, pipeline_yield
-from mpmd.array import RemoteArray, fetch
-from mpmd.checkpoint import restore, save
 from mpmd.errors import (
     ActorDiedError,
     ActorStartError,
@@ -32,7 +35,9 @@ from mpmd.errors import (
     RendezvousError,
     ScheduleError,
 )
-from mpmd.mesh import ActorHandle, RemoteMesh
+from mpmd.runtime.array import RemoteArray, fetch
+from mpmd.runtime.checkpoint import restore, save
+from mpmd.runtime.mesh import ActorHandle, RemoteMesh
 from mpmd.schedules import (
     Custom,
     DualPipeV,
@@ -46,8 +51,10 @@ from mpmd.schedules import (
     ZeroBubbleH1,
     ZeroBubbleV,
 )
-from mpmd.simulator import Costs, SimResult, simulate
-from mpmd.validation import check_programs, validate
+from mpmd.schedules.simulator import Costs, SimResult, simulate
+from mpmd.schedules.validation import check_programs, validate
+
+_aliases.install()  # old module paths (mpmd.simulator, mpmd.trace, ...) keep importing
 
 __all__ = [
     "ActorDiedError",

@@ -13,13 +13,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from mpmd.array import RemoteArray
-from mpmd.avals import dtype_text, host_value, is_key, to_wire, wire_shape_dtype
+from mpmd.compiler.avals import dtype_text, host_value, is_key, to_wire, wire_shape_dtype
 from mpmd.compiler.inline import inline_calls
 from mpmd.compiler.plan import StepPlan, iter_lowered, plan_step
 from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError
-from mpmd.report import PlacementReport, placement_report
-from mpmd.sharding import as_layout, infer_layouts, layout_to_spec, layout_wire, remote_sharding, tree_specs
+from mpmd.observe.report import PlacementReport, placement_report
+from mpmd.runtime.array import RemoteArray
+from mpmd.runtime.sharding import as_layout, infer_layouts, layout_to_spec, layout_wire, remote_sharding, tree_specs
 from transport.protocol import dtype_name
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ class DistributedFunction:
         outer, out_tree = self.trace(*args)
         plan = plan_step(outer, len(self.mesh))
         t1 = time.perf_counter()
-        ids = [self.mesh.new_program_id()] * len(plan.programs)  # one id: transfer keys (program, step, tag) must agree
+        ids = [self.mesh.executables.new_program_id()] * len(plan.programs)  # one id: transfer keys (program, step, tag) must agree
         loaded = self._lower_and_ship(plan, ids, sig[2], out_tree)
         compiled = self._compiled[sig] = CompiledStep(plan, ids, out_tree, time.perf_counter() - t0, arg_paths(args), loaded)
         log.info("compiled step: planned in %.2f s; %d executables lowered here, compiled on %d actors in parallel; %.2f s in all",
@@ -182,7 +182,7 @@ class DistributedFunction:
     def _lower_and_ship(self, plan: StepPlan, ids: list[int], arg_layouts: tuple | None, out_tree: Any) -> list[Any]:
         """Export each distinct executable once, here, and have every actor that runs it start compiling it at
         once (actors compile while the next one is exported); then load the Programs. With multi-device
-        actors, executables are compiled wave by wave with their inputs' layouts (see mpmd.sharding). Returns
+        actors, executables are compiled wave by wave with their inputs' layouts (see mpmd.runtime.sharding). Returns
         how many executables were exported."""
         mesh = self.mesh
         if arg_layouts is not None:
@@ -195,7 +195,7 @@ class DistributedFunction:
         progress = Progress(f"lowering {len(plan.templates)} executables for {len(plan.programs)} actors")
         for i, (tpl, blob) in enumerate(iter_lowered(plan, mesh.platform)):
             for a in users.get(tpl, ()):
-                keys[(a, tpl)] = mesh.submit_coroutine(mesh.ensure_compiled(a, blob, tpl[-1]))
+                keys[(a, tpl)] = mesh.submit_coroutine(mesh.executables.ensure_compiled(a, blob, tpl[-1]))
             progress.tick(f"lowered executable {i + 1}/{len(plan.templates)}")
         exe_keys = wait_logged(keys, "executables compiled on the actors")
         import dataclasses
@@ -203,7 +203,7 @@ class DistributedFunction:
         programs = [dataclasses.replace(p, executables=[exe_keys[(p.actor, t)] for t in p.executables]) for p in plan.programs]
 
         async def load() -> None:
-            await asyncio.gather(*(mesh.load_program(p.actor, p, pid, p.executables) for p, pid in zip(programs, ids)))
+            await asyncio.gather(*(mesh.executables.load_program(p.actor, p, pid, p.executables) for p, pid in zip(programs, ids)))
 
         mesh.run(load())
         return programs
@@ -228,7 +228,7 @@ class DistributedFunction:
 
         async def compile_unit(a: int, u: Any, ins: tuple, outs: tuple) -> tuple[str, list[Any]]:
             tpl = u.template()
-            return await mesh.ensure_compiled(a, blobs[tpl], tpl[-1], ins, outs)
+            return await mesh.executables.ensure_compiled(a, blobs[tpl], tpl[-1], ins, outs)
 
         exe, layouts = mesh.run(infer_layouts(plan.units, known, constraints, compile_unit))
         programs = [with_layouts(p, [exe[(p.actor, i)] for i in range(len(plan.units.get(p.actor, [])))], layouts)
@@ -236,7 +236,7 @@ class DistributedFunction:
         plan.layouts = layouts
 
         async def load() -> None:
-            await asyncio.gather(*(mesh.load_program(p.actor, p, pid, p.executables) for p, pid in zip(programs, ids)))
+            await asyncio.gather(*(mesh.executables.load_program(p.actor, p, pid, p.executables) for p, pid in zip(programs, ids)))
 
         mesh.run(load())
         return programs
@@ -251,7 +251,7 @@ class DistributedFunction:
     def simulate(self, *args: Any, costs: Any = None) -> Any:
         """Time this step's compiled Programs on a cost model (`mpmd.Costs`; default unit costs F=1, B=2,
         I=W=1, free transfers): step time, bubble per actor, peak activation bytes, timeline, pictures."""
-        from mpmd.simulator import simulate_programs
+        from mpmd.schedules.simulator import simulate_programs
 
         return simulate_programs(self.compile(*args).plan.programs, costs, name=getattr(self.fn, "__name__", "step"))
 
@@ -391,7 +391,7 @@ def with_layouts(prog: Any, unit_exes: list[str], layouts: dict[Any, Any]) -> An
     layouts) and each Recv the layout its value arrives in."""
     import dataclasses
 
-    from mpmd.program import Recv, Run, Send
+    from mpmd.compiler.program import Recv, Run, Send
 
     keys: list[str] = []
     instrs = []

@@ -20,7 +20,7 @@ import pytest
 import zmq
 
 import mpmd
-from mpmd.program import Program
+from mpmd.compiler.program import Program
 from mpmd.testing import make_train_step
 from tests.wire import alive, start_daemon, stop_daemon, wait_until
 from transport.auth import ClientKeys, KeyPair
@@ -60,7 +60,7 @@ def test_a_killed_actor_fails_the_step_naming_actor_address_and_task_and_the_oth
         th = threading.Thread(target=run)
         th.start()
         assert wait_until(lambda: mesh.actor(1).stats()["running"] == 1, 10)
-        victim = mesh._processes[1].proc.pid
+        victim = mesh.processes[1].proc.pid
         os.kill(victim, signal.SIGKILL)
         t = time.monotonic()
         th.join(30)
@@ -80,7 +80,7 @@ def test_a_crashed_actor_is_reported_as_a_segfault_naming_the_request():
     with mpmd.RemoteMesh.local(num_actors=1) as mesh:
         slow = jax.jit(lambda a: jax.lax.fori_loop(0, 3000, lambda i, v: jnp.tanh(v @ v), a))
         y = mesh.actor(0).run(slow, mesh.actor(0).put(np.eye(256, dtype=np.float32)))
-        os.kill(mesh._processes[0].proc.pid, signal.SIGSEGV)
+        os.kill(mesh.processes[0].proc.pid, signal.SIGSEGV)
         with pytest.raises(mpmd.ActorDiedError, match=r"crashed with SIGSEGV") as info:
             y.to_numpy()
         assert "it was serving: " in str(info.value) and "get (buf" in str(info.value)
@@ -102,7 +102,7 @@ def test_a_stopped_actor_is_declared_dead_within_the_heartbeat_timeout_and_can_b
         kept = mesh.actor(1).put(np.arange(6, dtype=np.float32))
         slow = jax.jit(lambda a: jax.lax.fori_loop(0, 4000, lambda i, v: jnp.tanh(v @ v), a))
         y = mesh.actor(1).run(slow, mesh.actor(1).put(np.eye(256, dtype=np.float32) * 0.5))
-        pid = mesh._processes[1].proc.pid
+        pid = mesh.processes[1].proc.pid
         got = {}
         th = threading.Thread(target=lambda: got.setdefault("e", _error_of(y.to_numpy)))
         th.start()
@@ -188,7 +188,7 @@ def test_every_request_is_answered_within_the_daemons_bound_and_leaves_nothing_r
         with mpmd.RemoteMesh([address], keys=keys, transport="none") as mesh:
             mesh.run(mesh.conn(0).request("connect_peers", {"peers": {"5": {
                 "address": f"ipc://{tmp_path}/nobody.sock", "route": "tcp", "key": KeyPair.generate().public.decode()}}}))
-            mesh.run(mesh.load_program(0, Program(0, [0], [], []), 77, []))
+            mesh.run(mesh.executables.load_program(0, Program(0, [0], [], []), 77, []))
             waiting = mesh.new_buffer_id()
 
             async def both():
@@ -205,7 +205,7 @@ def test_every_request_is_answered_within_the_daemons_bound_and_leaves_nothing_r
             assert isinstance(step_err, mpmd.RemoteError) and "'run_program' did not finish within 1 s" in str(step_err)
             assert isinstance(get_err, mpmd.RemoteError) and "program 77 step 0 was aborted on actor 0" in str(get_err)
             with pytest.raises(mpmd.RemoteError, match=f"holds no buffer {waiting}"):
-                mesh._get(0, waiting)
+                mesh.get_buffer(0, waiting)
             slow = jax.jit(lambda v: jax.lax.fori_loop(0, 20_000_000, lambda i, a: jnp.sin(a) + 0.5, v))
             y = mesh.actor(0).run(slow, np.ones(1024, np.float32))  # returns at once; computes for a long while
             with pytest.raises(mpmd.RemoteError, match=r"'get' did not finish within 1 s .*were still being produced"):
@@ -261,7 +261,7 @@ _CONTROLLER = textwrap.dedent("""
     from tests.test_p2p import run_transfers
     m = mpmd.RemoteMesh.local(num_actors=2)
     run_transfers(m, [(0, 1, 0, np.ones(70_000, np.float32))], keep=True)  # shared memory in use
-    print(json.dumps({"pids": [p.proc.pid for p in m._processes], "dir": m._tmpdir,
+    print(json.dumps({"pids": [p.proc.pid for p in m.processes], "dir": m._tmpdir,
                       "files": sorted(os.listdir(m._tmpdir))}), flush=True)
     if sys.argv[1] == "exit":
         os._exit(0)  # no cleanup at all; the parent does not reap it: a zombie

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from jax import export
 
 import mpmd
-from mpmd.program import Label, Program, Recv
+from mpmd.compiler.program import Label, Program, Recv
 from tests.wire import FakePeer, dealer, start_daemon, stop_daemon
 from transport.auth import ClientKeys, KeyPair
 from transport.protocol import ProtocolError, decode, encode
@@ -63,8 +63,8 @@ def target(tmp_path_factory):
     mesh = mpmd.RemoteMesh([address], keys=keys, transport="none")
     x = mesh.actor(0).put(np.arange(4, dtype=np.float32))
     y = mesh.actor(0).run(jax.jit(lambda a: a * 2), x)
-    exe = next(iter(mesh._compiled[0].values()))
-    mesh.run(mesh.load_program(0, Program(0, [0], [1], []), 5, []))
+    exe = next(iter(mesh.executables.compiled[0].values()))
+    mesh.run(mesh.executables.load_program(0, Program(0, [0], [1], []), 5, []))
     ns = type("Target", (), {"proc": proc, "address": address, "keys": keys, "mesh": mesh, "exe": exe, "program": 5,
                              "bufs": [x.buffers[0], y.buffers[0]], "held": (x, y), "dir": d})
     yield ns
@@ -310,11 +310,11 @@ def _a_real_transfer_still_works(t, p):
     fresh = FakePeer(t.mesh, 0, 8)
     try:
         pid = 400 + int(time.monotonic() * 1000) % 10_000
-        t.mesh.run(t.mesh.load_program(0, Program(0, [], [0], [Recv(0, 8, 3, "float32", (5,), Label("xfer"))]), pid, []))
+        t.mesh.run(t.mesh.executables.load_program(0, Program(0, [], [0], [Recv(0, 8, 3, "float32", (5,), Label("xfer"))]), pid, []))
         fresh.send({"op": "data", "key": [t.mesh.session, pid, 0, 3]}, [np.arange(5, dtype=np.float32)])
         out = t.mesh.new_buffer_id()
         t.mesh.run(t.mesh.conn(0).request("run_program", {"program": pid, "step": 0, "inputs": [], "outputs": [out]}))
-        assert t.mesh._get(0, out).tolist() == [0, 1, 2, 3, 4]
+        assert t.mesh.get_buffer(0, out).tolist() == [0, 1, 2, 3, 4]
     finally:
         fresh.close()
     stats = t.mesh.actor(0).stats()["p2p"]

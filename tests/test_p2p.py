@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import mpmd
-from mpmd.program import Label, Program, Recv, Send, Task
+from mpmd.compiler.program import Label, Program, Recv, Send, Task
 from transport.protocol import dtype_name
 
 _ids = itertools.count(10_000)
@@ -42,7 +42,7 @@ def run_transfers(mesh, pairs, keep=False):
     progs = transfer_programs(pairs)
     pid = next(_ids)
     for a, p in progs.items():
-        mesh.run(mesh.load_program(a, p, pid, []))
+        mesh.run(mesh.executables.load_program(a, p, pid, []))
     inputs = {0: [], 1: []}
     outputs = {0: [], 1: []}
     for src, dst, tag, arr in pairs:
@@ -62,7 +62,7 @@ def run_transfers(mesh, pairs, keep=False):
     for src, dst, tag, arr in pairs:
         r = got[dst][seen[dst]]
         seen[dst] += 1
-        results.append(np.array(mesh._get(dst, r.buffers[dst])))
+        results.append(np.array(mesh.get_buffer(dst, r.buffers[dst])))
         held.append(r)
     return (results, held) if keep else results
 
@@ -106,7 +106,7 @@ def test_shared_memory_is_not_reused_while_a_received_array_lives_and_is_reused_
             kept.append((arrays, held))
         for arrays, held in kept:
             for a, r in zip(arrays, held):
-                np.testing.assert_array_equal(mesh._get(1, r.buffers[1]), a)
+                np.testing.assert_array_equal(mesh.get_buffer(1, r.buffers[1]), a)
         created = mesh.actor(0).stats()["p2p"]["shm_segments"]
         assert created == 12  # 4 steps x 3 arrays alive at once: no segment was handed out twice
         del kept, held, r
@@ -134,9 +134,9 @@ def test_a_receive_whose_peer_never_sends_times_out_naming_both_actors_and_the_t
     and the actor must serve the next request."""
     with mpmd.RemoteMesh.local(num_actors=2, transfer_timeout=0.5) as mesh:
         pid = next(_ids)
-        mesh.run(mesh.load_program(0, Program(0, [], [], []), pid, []))
+        mesh.run(mesh.executables.load_program(0, Program(0, [], [], []), pid, []))
         recv = Program(1, [], [0], [Recv(0, 0, 7, "float32", (3,), Label.of(Task(0, "F", 2)))])
-        mesh.run(mesh.load_program(1, recv, pid, []))
+        mesh.run(mesh.executables.load_program(1, recv, pid, []))
         t = time.monotonic()
         with pytest.raises(mpmd.RemoteError, match=r"actor 1 waited 0.5 s for 0F2 \(tag 7\) from actor 0") as e:
             mesh.run(mesh.conn(1).request("run_program", {"program": pid, "step": 0, "inputs": [], "outputs": [mesh.new_buffer_id()]}))
@@ -154,7 +154,7 @@ def test_a_bad_data_plane_message_fails_the_receive_and_the_actor_survives(mesh2
 
     pid = next(_ids)
     recv = Program(1, [], [0], [Recv(0, 7, 3, "float32", (1024, 64), Label("xfer"))])
-    mesh2.run(mesh2.load_program(1, recv, pid, []))
+    mesh2.run(mesh2.executables.load_program(1, recv, pid, []))
     peer = FakePeer(mesh2, 1, 7)
     peer.send_raw([b"\x00garbage"])
     name = f"{peer.prefix}1-1"  # the name a segment of this peer's for actor 1 would have; there is none
@@ -177,7 +177,7 @@ def test_a_transfer_of_the_wrong_shape_fails_naming_both_actors_and_the_tag(mesh
     progs[1].instructions[0] = Recv(1, 0, 5, "float32", (4, 3), Label("xfer"))
     pid = next(_ids)
     for act, p in progs.items():
-        mesh2.run(mesh2.load_program(act, p, pid, []))
+        mesh2.run(mesh2.executables.load_program(act, p, pid, []))
     src = mesh2.actor(0).put(a)
 
     async def go():

@@ -159,7 +159,7 @@ def test_killing_an_actor_mid_step_fails_the_step_quickly_and_frees_the_other():
     with mpmd.RemoteMesh.local(num_actors=2, heartbeat_timeout=3.0) as mesh:
         dist = mpmd.distributed(make_step(loss, opt, mpmd.OneFOneB(2)), mesh=mesh)
         dist.compile(params, opt.init(params), batch)
-        pid = mesh._processes[1].proc.pid
+        pid = mesh.processes[1].proc.pid
         threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
         t = time.monotonic()
         with pytest.raises(mpmd.ActorDiedError, match=r"actor 1 died or stopped answering during step \d+ of step"):

@@ -68,7 +68,7 @@ def test_a_ray_actor_killed_surfaces_as_actor_died_naming_it_and_close_still_cle
     try:
         params, opt_state, batch, dist = steps(mesh)
         dist(params, opt_state, batch)  # compiled and running
-        victim = mesh._processes[1]
+        victim = mesh.processes[1]
         ray.kill(victim.handle)  # as when Ray loses the node or the actor
         t0 = time.monotonic()
         with pytest.raises(mpmd.ActorDiedError) as err:

@@ -23,7 +23,7 @@ import zmq
 import mpmd
 from actors.cluster import slurm_devices, slurm_task, tasks_per_node
 from mpmd import testing
-from mpmd.launchers.rendezvous import TcpRendezvous
+from mpmd.runtime.launch.rendezvous import TcpRendezvous
 from tests.wire import stop_daemon
 from transport.auth import ClientKeys, KeyPair, generate_key_files
 from transport.rendezvous import Arrival, encode_message

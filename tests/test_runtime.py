@@ -176,7 +176,7 @@ def test_an_oversized_message_drops_only_its_connection():
 
 def test_local_mesh_leaves_no_process_behind():
     mesh = mpmd.RemoteMesh.local(num_actors=2)
-    pids = [p.proc.pid for p in mesh._processes]
+    pids = [p.proc.pid for p in mesh.processes]
     assert all(_alive(pid) for pid in pids)
     mesh.close()
     assert not any(_alive(pid) for pid in pids)
@@ -184,7 +184,7 @@ def test_local_mesh_leaves_no_process_behind():
 
 def test_local_mesh_cleans_up_after_an_error_in_a_with_block():
     with pytest.raises(RuntimeError, match="user bug"), mpmd.RemoteMesh.local(num_actors=1) as mesh:
-        pids = [p.proc.pid for p in mesh._processes]
+        pids = [p.proc.pid for p in mesh.processes]
         raise RuntimeError("user bug")
     assert not any(_alive(pid) for pid in pids)
 
@@ -197,7 +197,7 @@ def test_actors_exit_when_their_controller_is_killed(tmp_path):
     script.write_text(
         "import mpmd, sys\n"
         "m = mpmd.RemoteMesh.local(num_actors=2)\n"
-        "print(' '.join(str(p.proc.pid) for p in m._processes), flush=True)\n"
+        "print(' '.join(str(p.proc.pid) for p in m.processes), flush=True)\n"
         "import time; time.sleep(60)\n"
     )
     ctl = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE)
@@ -215,7 +215,7 @@ def test_a_killed_actor_surfaces_as_actor_died_error_within_seconds():
         slow = jax.jit(lambda a: jax.lax.fori_loop(0, 2000, lambda i, x: jnp.tanh(x @ x), a))
         x = mesh.actor(1).put(np.eye(512, dtype=np.float32))
         y = mesh.actor(1).run(slow, x)  # dispatch is asynchronous: the result is still being computed
-        os.kill(mesh._processes[1].proc.pid, signal.SIGKILL)
+        os.kill(mesh.processes[1].proc.pid, signal.SIGKILL)
         t = time.perf_counter()
         with pytest.raises(mpmd.ActorDiedError, match="actor 1"):
             y.to_numpy()

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import mpmd
-from mpmd.program import Recv, Run
+from mpmd.compiler.program import Recv, Run
 from tests.test_pipeline import make_step
 from tests.test_placement import homes
 from tests.test_user_programs import compare

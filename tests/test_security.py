@@ -17,8 +17,8 @@ from jax import export
 import mpmd
 from actors.sandbox import ALLOWED_CUSTOM_CALLS, custom_call_targets
 from mpmd import keys_cli
-from mpmd.controller import ActorAuthError
-from mpmd.program import Label, Program, Recv
+from mpmd.compiler.program import Label, Program, Recv
+from mpmd.runtime.controller import ActorAuthError
 from tests.wire import FakePeer, dealer, raw_request, start_daemon, stop_daemon, wait_until
 from transport.auth import AuthKeyError, ClientKeys, KeyPair, generate_key_files
 from transport.protocol import encode
@@ -173,13 +173,13 @@ def test_a_local_mesh_is_authenticated_its_data_plane_refuses_strangers_and_it_l
         p2p = mesh.infos[1].header["p2p"]
         assert p2p["tcp"] is None and p2p["ipc"].startswith("ipc://") and p2p["key"]
         listening = _listening_tcp_inodes()
-        for proc in mesh._processes:
+        for proc in mesh.processes:
             assert not (_socket_inodes(proc.proc.pid) & listening), "an ipc-only local mesh needs no TCP listener"
         with pytest.raises(zmq.Again):  # no keys: the control socket does not answer
             raw_request(mesh.addresses[0], {"op": "ping", "id": 1}, timeout_ms=300)
         # A stranger (no key, or a key nobody gave actor 1) sends a transfer actor 1 waits for from actor 0.
         pid = 900_001
-        mesh.run(mesh.load_program(1, Program(1, [], [0], [Recv(0, 0, 3, "float32", (4,), Label("xfer"))]), pid, []))
+        mesh.run(mesh.executables.load_program(1, Program(1, [], [0], [Recv(0, 0, 3, "float32", (4,), Label("xfer"))]), pid, []))
         forged = encode({"op": "data", "src": 0, "key": [mesh.session, pid, 0, 3]}, [np.ones(4, np.float32)])
         strangers = [dealer(p2p["ipc"]), dealer(p2p["ipc"], ClientKeys(KeyPair.generate(), (p2p["key"].encode(),)))]
         for s in strangers:
@@ -205,7 +205,7 @@ def test_a_peer_cannot_claim_another_actors_id_nor_name_someone_elses_shared_mem
     try:
         pid = 900_002
         prog = Program(0, [], [0, 1], [Recv(0, 7, 1, "float32", (16,), Label("xfer")), Recv(1, 3, 2, "float32", (4,), Label("xfer"))])
-        mesh.run(mesh.load_program(0, prog, pid, []))
+        mesh.run(mesh.executables.load_program(0, prog, pid, []))
         key = [mesh.session, pid, 0]
         peer.send({"op": "data", "src": 3, "key": [*key, 2]}, [np.ones(4, np.float32)])  # claims to be actor 3
         peer.send({"op": "shm", "key": [*key, 1], "seg": 0, "name": victim, "size": 1 << 16,
@@ -242,7 +242,7 @@ def test_unclaimed_arrivals_are_capped_per_peer_refused_to_the_sender_and_expire
         refusal = decode(notice).header
         assert refusal["op"] == "refused" and "the limit is 50 arrivals" in refusal["reason"]
         # The step runs, takes tag 0 and ends: its 49 other arrivals go, and what comes for it later is dropped.
-        mesh.run(mesh.load_program(0, Program(0, [], [0], [Recv(0, 7, 0, "float32", (1024,), Label("xfer"))]), pid, []))
+        mesh.run(mesh.executables.load_program(0, Program(0, [], [0], [Recv(0, 7, 0, "float32", (1024,), Label("xfer"))]), pid, []))
         out = mesh.new_buffer_id()
         mesh.run(mesh.conn(0).request("run_program", {"program": pid, "step": 0, "inputs": [], "outputs": [out]}))
         assert mpmd.RemoteArray(mesh, {0: out}, (1024,), np.float32).to_numpy().tolist() == [0.0] * 1024
@@ -250,7 +250,7 @@ def test_unclaimed_arrivals_are_capped_per_peer_refused_to_the_sender_and_expire
         assert wait_until(lambda: mesh.actor(0).stats()["p2p"].get("late_dropped", 0) >= 1, 10)
         assert mesh.actor(0).stats()["p2p"]["unclaimed"] == {}
         # A receive posted for a key that was refused fails at once, saying so, instead of waiting 30 s.
-        mesh.run(mesh.load_program(0, Program(0, [], [0], [Recv(0, 7, 55, "float32", (1024,), Label("xfer"))]), pid + 1, []))
+        mesh.run(mesh.executables.load_program(0, Program(0, [], [0], [Recv(0, 7, 55, "float32", (1024,), Label("xfer"))]), pid + 1, []))
         for tag in range(51):
             peer.send({"op": "data", "key": [mesh.session, pid + 1, 0, 1000 + tag]}, [np.ones(1, np.float32)])
         peer.send({"op": "data", "key": [mesh.session, pid + 1, 0, 55]}, [np.ones(1024, np.float32)])

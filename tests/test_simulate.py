@@ -15,7 +15,7 @@ import pytest
 import mpmd
 from mpmd.cli import main
 from mpmd.schedules import Custom, Task, validate
-from mpmd.simulator import Costs, simulate, simulate_programs
+from mpmd.schedules.simulator import Costs, simulate, simulate_programs
 from transport.program import Delete, Label, Program, Recv, Run, Send
 
 # ---------------------------------------------------------------- closed forms, unit costs F=1, B=2, I=W=1
@@ -205,7 +205,7 @@ def test_perfetto_trace_has_one_track_per_actor_and_one_event_per_task(tmp_path)
 
 
 def test_svg_picture_has_a_box_per_task_coloured_by_kind(tmp_path):
-    from mpmd.draw import COLOURS
+    from mpmd.schedules.draw import COLOURS
 
     r = simulate(mpmd.ZeroBubbleH1(2), 3)
     path = tmp_path / "t.svg"

@@ -10,7 +10,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mpmd
-from mpmd.program import Run, Send
+from mpmd.compiler.program import Run, Send
 from mpmd.testing import make_train_step
 from tests.test_pipeline import assert_trees_close
 

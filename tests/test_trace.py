@@ -98,7 +98,7 @@ def test_a_slowed_stage_shows_up_as_a_larger_measured_bubble_on_the_other_actor(
     """The bubble figures come from the trace: make stage 1 eleven times heavier and actor 0 (stage 0) waits
     longer for its cotangents. Its own mesh: a timing comparison must not share actors with other tests'
     leftover work."""
-    from mpmd.trace import measured_bubbles
+    from mpmd.observe.trace import measured_bubbles
 
     with mpmd.RemoteMesh.local(num_actors=2) as mesh:
         bubble, waits = _bubbles_with_stage_1_heavier(mesh, measured_bubbles)

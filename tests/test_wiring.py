@@ -1,8 +1,8 @@
-"""The controller's choice of data-plane route per actor pair (mpmd/wiring.py), from actors' endpoint info alone."""
+"""The controller's choice of data-plane route per actor pair (mpmd/runtime/wiring.py), from actors' endpoint info alone."""
 
 import pytest
 
-from mpmd.wiring import address_for, choose_routes, peer_specs
+from mpmd.runtime.wiring import address_for, choose_routes, peer_specs
 
 
 def ep(host, nccl=False, i=0):

@@ -33,7 +33,7 @@ ping, info, hello, compile, connect_peers and nccl_ids carry ``session`` (the co
 |                 | serialized `jax.export` blob (checked in a child        |                                               |
 |                 | process, custom calls against an allow-list)            |                                               |
 | run             | exe, inputs: [buf], outputs: [buf]                      | outputs: [{dtype, shape}]                     |
-| load_program    | program: encoded Program (see mpmd/program.py)          | program: its id                               |
+| load_program    | program: encoded Program (see transport/program.py)          | program: its id                               |
 | run_program     | program, step, inputs: [buf or -1], outputs: [buf],     | outputs: [{dtype, shape}]                     |
 |                 | inline: [slot] (array frames for -1 inputs),            |                                               |
 |                 | prologue: [instruction], sync: bool (await each send    |                                               |

@@ -30,7 +30,7 @@ def var_inputs(eqn: Any) -> list[Var]:
 
 def nbytes(v: Any) -> int:
     """Bytes of a value of `v`'s aval (typed keys count their key data)."""
-    from mpmd.avals import wire_shape_dtype
+    from mpmd.compiler.avals import wire_shape_dtype
 
     aval = v.aval
     shape, dtype = wire_shape_dtype(tuple(aval.shape), aval.dtype)

@@ -27,14 +27,14 @@ from mpmd.compiler.body import CONST, LoopBody, analyse, constants_needed
 from mpmd.compiler.eqns import SyntheticEqn, eqns_fn, free_inputs, is_var
 from mpmd.compiler.inline import inline_calls
 from mpmd.compiler.placement import make_chunks, place_post, place_pre, split_conds
+from mpmd.compiler.program import Label, Program, Task
 from mpmd.compiler.programs import Transfers, build_programs, choose_donations, infer_transfers
 from mpmd.compiler.stages import StageSplit, follow_inputs, recompute_cheap, split_backward, split_stages
 from mpmd.compiler.units import Acc, Key, MbIndex, Outer, Part, PerMb, Unit, fuse, task_function
 from mpmd.errors import PipelineError
 from mpmd.primitives import accumulate_p
-from mpmd.program import Label, Program, Task
 from mpmd.schedules import Schedule, validate
-from mpmd.validation import check_programs
+from mpmd.schedules.validation import check_programs
 
 
 @dataclass
@@ -351,8 +351,8 @@ def _chunk_parts(chunks: list[Any], lb: LoopBody, consts: dict[Any, Any], avals:
 def iter_lowered(plan: StepPlan, platform: str) -> Iterator[tuple[Hashable, bytes]]:
     """Export every distinct executable of the plan once (wire-form avals: typed keys as key data), one at a
     time, so the caller can ship each while the next is exported."""
-    from mpmd.avals import wire_aval
-    from mpmd.lowering import serialize_flat
+    from mpmd.compiler.avals import wire_aval
+    from mpmd.compiler.lowering import serialize_flat
 
     for tpl, (fn, in_avals) in plan.templates.items():
         donate = tpl[-1] if isinstance(tpl, tuple) else ()

@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from mpmd.avals import wire_shape_dtype
+from mpmd.compiler.avals import wire_shape_dtype
+from mpmd.compiler.program import Delete, Label, Program, Recv, Run, Send
 from mpmd.compiler.units import Key, MbIndex, Unit
 from mpmd.errors import PipelineError
-from mpmd.program import Delete, Label, Program, Recv, Run, Send
 from transport.protocol import dtype_name
 
 

@@ -24,8 +24,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from mpmd.avals import unwrap_out, wrap_in
-from mpmd.program import Label
+from mpmd.compiler.avals import unwrap_out, wrap_in
+from mpmd.compiler.program import Label
 
 
 class Outer(NamedTuple):

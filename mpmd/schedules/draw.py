@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import logging
 import math
+import re
+from collections.abc import Sequence
 from html import escape
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from mpmd.simulator import SimResult
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -20,12 +19,30 @@ OTHER = "#9d9d9d"
 LEGEND = (("F", "forward"), ("B", "backward"), ("I", "input grad"), ("W", "weight grad"))
 
 
+class Timeline(Protocol):
+    """What a picture reads: a name, the step time and per-actor (start, end, label) spans (`mpmd.SimResult` has
+    them, and so does a measured trace turned into one)."""
+
+    name: str
+    step_time: float
+    timeline: Sequence[Sequence[tuple[float, float, str]]]
+
+    @property
+    def bubble(self) -> float: ...
+
+
+def kind_of(label: str) -> str:
+    """The colour class of a timeline label: its first task's kind (F, B, I, W), or the phase name."""
+    m = re.match(r"^\d+([FBIW])\d+", label)
+    return m.group(1) if m else label
+
+
 def colour(kind: str) -> str:
     """The fill colour of a task kind (F, B, I, W) or of any other label (grey)."""
     return COLOURS.get(kind, OTHER)
 
 
-def draw_timeline(result: SimResult, path: str, title: str | None = None) -> None:
+def draw_timeline(result: Timeline, path: str, title: str | None = None) -> None:
     """Write `result`'s timeline to `path`: PNG (via matplotlib) when it ends in ``.png``, SVG otherwise."""
     title = result.name if title is None else title
     if path.lower().endswith(".png"):
@@ -45,9 +62,8 @@ def _ticks(step: float) -> list[float]:
     return [i * unit for i in range(int(step / unit) + 1)]
 
 
-def svg(result: SimResult, title: str = "") -> str:
+def svg(result: Timeline, title: str = "") -> str:
     """The timeline as an SVG document (a string)."""
-    from mpmd.simulator import kind_of
 
     step = result.step_time or 1.0
     left, row_h, gap, width = 70, 28, 6, 1100
@@ -80,8 +96,7 @@ def svg(result: SimResult, title: str = "") -> str:
     return "\n".join(out) + "\n"
 
 
-def _png(result: SimResult, path: str, title: str) -> None:
-    from mpmd.simulator import kind_of
+def _png(result: Timeline, path: str, title: str) -> None:
 
     try:
         import matplotlib
@@ -106,7 +121,7 @@ def _png(result: SimResult, path: str, title: str) -> None:
     plt.close(fig)
 
 
-def draw_stacked(results: list[SimResult], titles: list[str], path: str) -> None:
+def draw_stacked(results: list[Timeline], titles: list[str], path: str) -> None:
     """Several timelines one above the other in one SVG (e.g. simulated above measured, same time axis)."""
     docs = [svg(r, t) for r, t in zip(results, titles)]
     heights = [int(d.split('height="', 1)[1].split('"', 1)[0]) for d in docs]

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from itertools import zip_longest
 
 from mpmd.errors import ScheduleError
-from mpmd.validation import check_programs, format_table, validate
+from mpmd.schedules.validation import check_programs, format_table, validate
 from transport.program import Task
 
 __all__ = ["Custom", "DualPipeV", "EagerOneFOneB", "GPipe", "InterleavedOneFOneB", "InterleavedZeroBubble", "OneFOneB",

@@ -17,22 +17,19 @@ import asyncio
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mpmd.errors import MpmdError
-
-if TYPE_CHECKING:
-    from mpmd.mesh import RemoteMesh
-    from mpmd.trace import Trace
+from mpmd.observe.trace import Trace
 
 log = logging.getLogger(__name__)
 
 
 class ProfileContext:
     """What `RemoteMesh.profile` returns; `.trace` is mpmd's instruction trace of the same steps, `.files` the
-    profile files written (after the block)."""
+    profile files written (after the block). `mesh` is the `RemoteMesh` whose actors are profiled."""
 
-    def __init__(self, mesh: RemoteMesh, logdir: str | os.PathLike[str], run: str | None = None) -> None:
+    def __init__(self, mesh: Any, logdir: str | os.PathLike[str], run: str | None = None) -> None:
         self.mesh = mesh
         self.logdir = os.path.abspath(os.path.expanduser(os.fspath(logdir)))
         self.run = run or time.strftime("%Y_%m_%d_%H_%M_%S")
@@ -51,7 +48,7 @@ class ProfileContext:
             started.append(i)
 
         try:
-            self.mesh.run(self.mesh._gather([start(i) for i in range(len(self.mesh.addresses))]))
+            self.mesh.run(_gather([start(i) for i in range(len(self.mesh.addresses))]))
         except BaseException:
             self._stop(started, keep=False)
             raise
@@ -103,3 +100,7 @@ class ProfileContext:
                 self.files.extend(r)
         if errors and keep:
             raise MpmdError("stopping the profile failed on " + "; ".join(errors))
+
+
+async def _gather(coros: list[Any]) -> list[Any]:
+    return list(await asyncio.gather(*coros))

@@ -21,9 +21,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from mpmd.array import RemoteArray
-from mpmd.avals import dtype_text, from_wire, is_key, key_impl, to_wire
+from mpmd.compiler.avals import dtype_text, from_wire, is_key, key_impl, to_wire
 from mpmd.errors import MpmdError
+from mpmd.runtime.array import RemoteArray
 
 FORMAT = 1
 

@@ -4,16 +4,33 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 
-from mpmd.avals import dtype_text, from_wire, is_key, wire_shape_dtype
+from mpmd.compiler.avals import dtype_text, from_wire, is_key, wire_shape_dtype
 from mpmd.errors import MpmdError
 
-if TYPE_CHECKING:
-    from mpmd.mesh import RemoteMesh
+
+class BufferOwner(Protocol):
+    """What a RemoteArray asks of the mesh that holds its buffers (`RemoteMesh` is one): `buffers` maps actor
+    index to buffer id there."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def get_buffer(self, actor: int, buf: int) -> np.ndarray: ...
+
+    def get_buffer_async(self, actor: int, buf: int) -> concurrent.futures.Future[np.ndarray]: ...
+
+    def get_buffers(self, bufs: dict[int, list[int]]) -> dict[int, list[np.ndarray]]: ...
+
+    def wait_buffers(self, bufs: dict[int, list[int]]) -> None: ...
+
+    def delete_buffers(self, buffers: dict[int, int]) -> None: ...
+
+    def release_buffers(self, buffers: dict[int, int]) -> None: ...
 
 
 class RemoteArray:
@@ -28,7 +45,7 @@ class RemoteArray:
 
     __slots__ = ("__weakref__", "_host", "_ready", "buffers", "dtype", "mesh", "shape", "sharding")
 
-    def __init__(self, mesh: RemoteMesh, buffers: dict[int, int], shape: tuple[int, ...], dtype: Any, sharding: Any = None,
+    def __init__(self, mesh: BufferOwner, buffers: dict[int, int], shape: tuple[int, ...], dtype: Any, sharding: Any = None,
                  ready: concurrent.futures.Future[Any] | None = None) -> None:
         self.mesh = mesh
         self.buffers = dict(buffers)
@@ -84,7 +101,7 @@ class RemoteArray:
             return self._host.result()
         self._check_usable()
         try:
-            return self.mesh._get(self.actor, self.buffers[self.actor])
+            return self.mesh.get_buffer(self.actor, self.buffers[self.actor])
         except MpmdError:
             if self._ready is not None:  # the actor's error for a failed step's output: prefer the step's own
                 try:
@@ -114,7 +131,7 @@ class RemoteArray:
         """Start fetching the array (what `jax.device_get` calls first); the next fetch uses the result."""
         if self._host is None:
             self._check_usable()
-            self._host = self.mesh._get_async(self.actor, self.buffers[self.actor])
+            self._host = self.mesh.get_buffer_async(self.actor, self.buffers[self.actor])
 
     def is_ready(self) -> bool:
         """Whether the step making it has finished on every actor (without asking them)."""
@@ -130,20 +147,20 @@ class RemoteArray:
             except Exception:
                 self._raise_step_error()
                 raise
-        self.mesh._wait_ready({a: [b] for a, b in self.buffers.items()})
+        self.mesh.wait_buffers({a: [b] for a, b in self.buffers.items()})
         return self
 
     def delete(self) -> None:
         """Free the remote buffers now (waits for the actors to confirm)."""
         buffers, self.buffers = self.buffers, {}
         if buffers and not self.mesh.closed:
-            self.mesh._delete_now(buffers)
+            self.mesh.delete_buffers(buffers)
 
     def __del__(self) -> None:
         buffers = getattr(self, "buffers", None)
         if buffers:
             try:
-                self.mesh._release(buffers)
+                self.mesh.release_buffers(buffers)
             except Exception:
                 pass
 
@@ -174,7 +191,7 @@ def fetch(tree: Any) -> Any:
         by_mesh[mesh][a] = idx
     for mesh, per_actor in by_mesh.items():
         bufs = {a: [leaves[i].buffers[a] for i in idx] for a, idx in per_actor.items()}
-        arrays = mesh._get_many(bufs)
+        arrays = mesh.get_buffers(bufs)
         for a, idx in per_actor.items():
             got.update(zip(idx, arrays[a]))
     out = [from_wire(got[i] if i in got else x._wire(), x.dtype) if isinstance(x, RemoteArray) else x for i, x in enumerate(leaves)]

@@ -206,7 +206,7 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1) -> Any:
     could-start to start), and a transfer latency and bandwidth from the transfers."""
     import numpy as np
 
-    from mpmd.simulator import Costs
+    from mpmd.schedules.simulator import Costs
 
     kinds = ("F", "B", "I", "W")
     col = {(s, k): i for i, (s, k) in enumerate((s, k) for s in range(num_stages) for k in kinds)}
@@ -275,9 +275,51 @@ def timeline(trace: Trace, step: int = -1) -> list[list[tuple[float, float, str]
 
 def as_sim_result(trace: Trace, name: str = "measured", step: int = -1) -> Any:
     """A traced step in the simulator's result form (for pictures and comparisons): seconds from its start."""
-    from mpmd.simulator import SimResult
+    from mpmd.schedules.simulator import SimResult
 
     w0, w1 = trace.window(step)
     bubbles = measured_bubbles(trace, step)
     return SimResult(w1 - w0, tuple(bubbles[a] for a in sorted(bubbles)), tuple(0 for _ in bubbles), tuple(map(tuple, timeline(trace, step))),
                      name=name)
+
+
+async def measure_clock_offsets(conns: list[Any], pings: int = 8) -> dict[int, int]:
+    """Per actor: its monotonic clock minus the controller's (ns), from the ping with the smallest round trip.
+    `conns` are the mesh's actor connections (anything with an awaitable ``request("ping")``)."""
+    import asyncio
+    import time
+
+    async def one(c: Any) -> int:
+        best = None
+        for _ in range(pings):
+            t0 = time.monotonic_ns()
+            msg = await c.request("ping")
+            t1 = time.monotonic_ns()
+            if best is None or t1 - t0 < best[0]:
+                best = (t1 - t0, msg.header["clock"] - (t0 + t1) // 2)
+        return best[1]
+
+    got = await asyncio.gather(*(one(c) for c in conns))
+    return dict(enumerate(got))
+
+
+class TraceContext:
+    """`with mesh.trace() as t:` — steps dispatched inside are traced; leaving waits until they are done. `mesh` is
+    the `RemoteMesh` (its `active_trace` is what the step reads, its `measure_clock_offsets` aligns the clocks)."""
+
+    def __init__(self, mesh: Any) -> None:
+        self.mesh = mesh
+        self.trace = Trace()
+
+    def __enter__(self) -> Trace:
+        from mpmd.errors import MpmdError
+
+        if self.mesh.active_trace is not None:
+            raise MpmdError("this mesh is already tracing; nest no mesh.trace() blocks")
+        self.mesh.measure_clock_offsets()
+        self.mesh.active_trace = self.trace
+        return self.trace
+
+    def __exit__(self, *exc: object) -> None:
+        self.mesh.active_trace = None
+        self.trace.wait()

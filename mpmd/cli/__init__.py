@@ -22,7 +22,7 @@ Registrar = Callable[[Any], None]  # takes argparse's subparsers object
 
 
 def _parse_costs(text: str) -> Any:
-    from mpmd.simulator import Costs
+    from mpmd.schedules.simulator import Costs
 
     fields = {f.name for f in dataclasses.fields(Costs)}
     kwargs: dict[str, Any] = {}
@@ -69,8 +69,8 @@ def make_schedule(name: str, actors: int | None, stages: int | None) -> Any:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from mpmd.simulator import simulate
-    from mpmd.validation import format_table
+    from mpmd.schedules.simulator import simulate
+    from mpmd.schedules.validation import format_table
 
     try:
         schedule = make_schedule(args.schedule, args.actors, args.stages)
@@ -108,7 +108,7 @@ def register_simulate(sub: Any) -> None:
 
 
 def register_keys(sub: argparse._SubParsersAction) -> None:
-    from mpmd.keys_cli import add_subcommand
+    from mpmd.cli.keys import add_subcommand
 
     add_subcommand(sub)
 

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mpmd.errors import ActorStartError, MpmdError
-from mpmd.launch import default_cache_dir, describe_exit, remove_shared_memory, terminate
-from mpmd.launchers.rendezvous import ActorFacts, check_compatible
+from mpmd.runtime.launch.local import default_cache_dir, describe_exit, remove_shared_memory, terminate
+from mpmd.runtime.launch.rendezvous import ActorFacts, check_compatible
 from transport.auth import ClientKeys, KeyPair
 
 log = logging.getLogger(__name__)

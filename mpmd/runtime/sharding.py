@@ -97,7 +97,7 @@ def is_replicated(spec: PartitionSpec | None) -> bool:
 def tree_specs(specs: Any, args: Any, what: str) -> list[PartitionSpec | None]:
     """Per flat leaf of `args`, its PartitionSpec from `specs` (a prefix pytree of PartitionSpec / None, like
     jax.jit's in_shardings). Raises MpmdError naming the mismatch."""
-    from mpmd.array import RemoteArray
+    from mpmd.runtime.array import RemoteArray
 
     is_remote = lambda x: isinstance(x, RemoteArray)  # noqa: E731
     spec_leaves, spec_tree = jax.tree.flatten(specs, is_leaf=lambda x: x is None or isinstance(x, PartitionSpec))

@@ -14,6 +14,7 @@ to different actors run concurrently.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -53,6 +54,37 @@ class EventLoopThread:
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         if not self.loop.is_closed():
             self.loop.call_soon_threadsafe(fn, *args)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run `coro` on the loop without waiting; a concurrent future of its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def dispatch(self, send: Callable[[], Any], finish: Callable[[Any], Any]) -> concurrent.futures.Future[Any]:
+        """Call `send()` on the loop as soon as it gets there — so what it submits is ordered, in the order
+        dispatches are called, ahead of anything submitted after this call — then run `finish(sent)` (a
+        coroutine) there. Returns a concurrent future of `finish`'s result, without waiting."""
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def start() -> None:
+            try:
+                sent = send()
+            except BaseException as e:
+                done.set_exception(e)
+                return
+            task = asyncio.get_running_loop().create_task(finish(sent))
+
+            def settle(t: asyncio.Task[Any]) -> None:
+                if t.cancelled():
+                    done.cancel()
+                elif t.exception() is not None:
+                    done.set_exception(t.exception())
+                else:
+                    done.set_result(t.result())
+
+            task.add_done_callback(settle)
+
+        self.call_soon(start)
+        return done
 
     def stop(self) -> None:
         if self.loop.is_running():

@@ -21,15 +21,31 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from mpmd.errors import PipelineError, ScheduleError
 from transport.program import TASK_KINDS, Delete, Instruction, Program, Recv, Run, Send, Task
 
-if TYPE_CHECKING:
-    from mpmd.schedules import Schedule
-
 Table = list[list[Task]]
+
+
+class Schedule(Protocol):
+    """What a proof reads of a schedule (`mpmd.schedules.Schedule` has it; so may any object of the user's)."""
+
+    num_stages: int
+
+    @property
+    def num_actors(self) -> int: ...
+
+    @property
+    def min_microbatches(self) -> int: ...
+
+    @property
+    def split_backward(self) -> bool: ...
+
+    def actor_of(self, stage: int) -> int: ...
+
+    def tasks(self, num_microbatches: int) -> list[list[Task]]: ...
 
 
 def format_table(table: Table, mark: dict[int, int] | None = None, notes: dict[int, str] | None = None) -> str:

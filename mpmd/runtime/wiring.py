@@ -66,3 +66,34 @@ def peer_specs(routes: dict[tuple[int, int], str], endpoints: list[dict[str, Any
             spec["nccl_out"], spec["nccl_in"] = nccl_ids[(i, j)], nccl_ids[(j, i)]
         specs[i][str(j)] = spec
     return specs
+
+
+async def wire_data_plane(conns: list[Any], endpoints: list[dict[str, Any] | None], transport: str,
+                          transfer_timeout: float) -> dict[tuple[int, int], str]:
+    """Choose each pair's route, get NCCL ids from the senders that need them, and tell every actor its peers —
+    their endpoints, data-plane public keys and shm names, over the authenticated control plane. `conns` are the
+    mesh's actor connections; `endpoints` the `p2p` entry of each actor's `hello`. Returns the routes."""
+    import asyncio
+
+    from mpmd.errors import MpmdError
+
+    secured = {i for i, ep in enumerate(endpoints) if ep and ep.get("key")}
+    if secured and len(secured) != len(endpoints):
+        raise MpmdError(f"actors {sorted(secured)} authenticate their data plane and actors "
+                        f"{sorted(set(range(len(endpoints))) - secured)} do not (started with --insecure?): start all "
+                        "daemons the same way")
+    routes = choose_routes(transport, endpoints)
+    ids: dict[tuple[int, int], list[int]] = {}
+    senders = sorted({i for (i, _), r in routes.items() if r == "nccl"})
+    if senders:
+        outs = {i: sorted(j for (a, j), r in routes.items() if a == i and r == "nccl") for i in senders}
+        replies = await asyncio.gather(*(conns[i].request("nccl_ids", {"count": len(outs[i])}) for i in senders))
+        for i, msg in zip(senders, replies):
+            ids.update({(i, j): uid for j, uid in zip(outs[i], msg.header["ids"])})
+    specs = peer_specs(routes, endpoints, ids)
+    for spec in specs:  # each actor learns its peers' data-plane keys (and shm names) from us, authenticated
+        for j, peer in spec.items():
+            peer.update(key=endpoints[int(j)].get("key"), shm_prefix=endpoints[int(j)].get("shm_prefix"))
+    await asyncio.gather(*(c.request("connect_peers", {"peers": specs[i], "timeout": transfer_timeout})
+                           for i, c in enumerate(conns)))
+    return routes

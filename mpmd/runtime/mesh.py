@@ -1,23 +1,26 @@
-"""RemoteMesh: the actors a controller drives, started locally or attached to, and per-actor handles.
+"""RemoteMesh: the actors a controller drives — their connections, buffers, executables and steps — and the
+ways to get one: daemons started here, attached to, placed by Ray, or found at a rendezvous.
 
     with mpmd.RemoteMesh.local(num_actors=2) as mesh:
         x = mesh.actor(0).put(np.ones(4, np.float32))
         y = mesh.actor(0).run(jax.jit(lambda a: a * 2), x)
         print(y.to_numpy())
+
+The mesh delegates: starting processes to `runtime.launch`, the event loop and connections to
+`runtime.controller`, buffers to `runtime.buffers`, executables and Programs to `runtime.executables`, the
+data plane's routes to `runtime.wiring`, one actor's embedding API to `runtime.actor_handle`, traces and
+profiles to `mpmd.observe`.
 """
 
 from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import hashlib
-import itertools
 import logging
 import secrets
 import shutil
 import time
 import weakref
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,16 +28,18 @@ import jax
 import numpy as np
 import zmq.asyncio
 
-from mpmd.array import RemoteArray
-from mpmd.avals import host_value, is_key, key_impl, to_wire, unwrap_out, wire_aval, wrap_in
-from mpmd.controller import ActorConnection, EventLoopThread, Watchdog
+from mpmd.compiler.avals import is_key, key_impl, to_wire
 from mpmd.errors import MpmdError
-from mpmd.launch import LocalOptions, LocalProcess, start_local
-from mpmd.lowering import serialize_flat
-from mpmd.program import Program, encode_program
-from mpmd.sharding import ActorMesh, as_layout, layout_from_wire, layout_wire, remote_sharding
-from mpmd.trace import Trace
-from mpmd.wiring import TRANSPORTS, choose_routes, peer_specs
+from mpmd.observe.profile import ProfileContext
+from mpmd.observe.trace import Trace, TraceContext, measure_clock_offsets
+from mpmd.runtime.actor_handle import ActorHandle
+from mpmd.runtime.array import RemoteArray, fetch
+from mpmd.runtime.buffers import BufferClient, gather
+from mpmd.runtime.controller import ActorConnection, EventLoopThread, Watchdog
+from mpmd.runtime.executables import Executables
+from mpmd.runtime.launch.local import LocalOptions, LocalProcess, start_local
+from mpmd.runtime.sharding import ActorMesh, as_layout, layout_wire, remote_sharding
+from mpmd.runtime.wiring import TRANSPORTS, wire_data_plane
 from transport.auth import ClientKeys
 
 log = logging.getLogger(__name__)
@@ -48,7 +53,7 @@ class RemoteMesh:
                  heartbeat_interval: float = 1.0, heartbeat_timeout: float = 10.0, transport: str = "auto",
                  transfer_timeout: float = 300.0, overlap: bool = True, keys: Any = None,
                  mesh_shape: Sequence[int] | None = None, axis_names: Sequence[str] | None = None) -> None:
-        """Drive the actors at `addresses`. `transport` picks the data plane (see `mpmd.wiring`: "auto", "tcp",
+        """Drive the actors at `addresses`. `transport` picks the data plane (see `mpmd.runtime.wiring`: "auto", "tcp",
         "shm", "nccl", "none"); a receive that waits `transfer_timeout` seconds fails the step; `overlap=False`
         makes actors wait for each send where it stands (to measure what overlap buys). `keys`: how this
         controller authenticates to the daemons (see `connect`); None for daemons without keys.
@@ -70,7 +75,7 @@ class RemoteMesh:
         # This controller's session on every actor: buffer and program ids are ours alone, so neither another
         # mesh of this process nor another controller attached to the same daemons can touch them.
         self.session = secrets.randbits(62) | 1
-        self._processes = list(processes)
+        self.processes = list(processes)  # the daemons this mesh started (and stops at close)
         self._keys = ClientKeys.of(keys) if keys is not None else None
         self._transfer_timeout = transfer_timeout
         self._io = EventLoopThread()
@@ -78,11 +83,8 @@ class RemoteMesh:
         self._conns = [self._connection(i, a) for i, a in enumerate(addresses)]
         self._watchdog = Watchdog(self._conns, heartbeat_interval, heartbeat_timeout)
         self._io.call_soon(self._watchdog.start)
-        self._ids = itertools.count(1)
-        self._program_ids = itertools.count(1)
-        self._garbage: list[tuple[int, int]] = []  # touched on the loop thread only
-        self._lowered: dict[Any, tuple[bytes, Any]] = {}
-        self._compiled: list[dict[tuple, Any]] = [{} for _ in addresses]
+        self.buffers = BufferClient(self._conns, self._io, lambda: self.closed)
+        self.executables = Executables(self._conns)
         self.closed = False
         self._opened = False
         self.active_trace: Trace | None = None
@@ -92,13 +94,13 @@ class RemoteMesh:
         _LIVE_MESHES.add(self)
         self.actors = [ActorHandle(self, i) for i in range(len(addresses))]
         try:
-            self.infos = self.run(self._gather(self._all("hello")))
+            self.infos = self.run(gather(self._all("hello")))
             self._opened = True
             self.actor_mesh = self._device_mesh(mesh_shape, axis_names)
             for c, info in zip(self._conns, self.infos):
                 c.bound, c.compile_bound = info.header.get("request_timeout"), info.header.get("compile_timeout")
             if transport != "none" and len(self.actors) > 1:
-                self._wire(transfer_timeout)
+                self._wire()
         except BaseException:
             self.close()
             raise
@@ -121,35 +123,18 @@ class RemoteMesh:
                 raise MpmdError(f"actor {i} ({self.addresses[i]}) has {n} devices but mesh_shape {am.shape} needs {am.size}; start "
                                 f"it with {am.size} devices (RemoteMesh.local(devices_per_actor={am.size}), mpmd-actor --cpu-devices "
                                 f"{am.size} or --devices) or use a mesh of {n} devices")
-        self.run(self._gather(self._all("mesh", {"mesh": am.to_wire()})))
+        self.run(gather(self._all("mesh", {"mesh": am.to_wire()})))
         return am
 
     def _connection(self, i: int, address: str) -> ActorConnection:
-        proc = next((p for p in self._processes if p.actor_id == i), None)
+        proc = next((p for p in self.processes if p.actor_id == i), None)
         return ActorConnection(i, address, self._ctx, proc.dead_reason if proc else None, proc.stacks if proc else None,
                                self.session, self._keys)
 
-    def _wire(self, transfer_timeout: float) -> None:
-        endpoints = [info.header["p2p"] for info in self.infos]
-        secured = {i for i, ep in enumerate(endpoints) if ep and ep.get("key")}
-        if secured and len(secured) != len(endpoints):
-            raise MpmdError(f"actors {sorted(secured)} authenticate their data plane and actors "
-                            f"{sorted(set(range(len(endpoints))) - secured)} do not (started with --insecure?): start all "
-                            "daemons the same way")
-        self.routes = choose_routes(self.transport, endpoints)
-        ids: dict[tuple[int, int], list[int]] = {}
-        senders = sorted({i for (i, _), r in self.routes.items() if r == "nccl"})
-        if senders:
-            outs = {i: sorted(j for (a, j), r in self.routes.items() if a == i and r == "nccl") for i in senders}
-            replies = self.run(self._gather([self._conns[i].request("nccl_ids", {"count": len(outs[i])}) for i in senders]))
-            for i, msg in zip(senders, replies):
-                ids.update({(i, j): uid for j, uid in zip(outs[i], msg.header["ids"])})
-        specs = peer_specs(self.routes, endpoints, ids)
-        for spec in specs:  # each actor learns its peers' data-plane keys (and shm names) from us, authenticated
-            for j, peer in spec.items():
-                peer.update(key=endpoints[int(j)].get("key"), shm_prefix=endpoints[int(j)].get("shm_prefix"))
-        self.run(self._gather([c.request("connect_peers", {"peers": specs[i], "timeout": transfer_timeout})
-                               for i, c in enumerate(self._conns)]))
+    def _wire(self) -> None:
+        """Choose every pair's route and tell each actor its peers (see `runtime.wiring`)."""
+        self.routes = self.run(wire_data_plane(self._conns, [info.header["p2p"] for info in self.infos], self.transport,
+                                               self._transfer_timeout))
 
     # ---- construction ----------------------------------------------------------------------------
     @classmethod
@@ -211,8 +196,8 @@ class RemoteMesh:
         `resources_per_actor`) with `placement_strategy`; each bundle gets a Ray actor that runs one `mpmd-actor`
         daemon bound to its node's address (`host` overrides it). Keys are ephemeral; only public keys cross the
         network. A Ray actor that dies surfaces as `ActorDiedError`; closing the mesh kills the Ray actors and
-        removes the placement group. Other keyword arguments go to `RemoteMesh`. See mpmd/launchers/ray.py."""
-        from mpmd.launchers import ray as ray_launcher
+        removes the placement group. Other keyword arguments go to `RemoteMesh`. See mpmd/runtime/launch/ray.py."""
+        from mpmd.runtime.launch import ray as ray_launcher
 
         return ray_launcher.connect(cls, num_actors, devices_per_actor, resources_per_actor, placement_strategy, platform=platform,
                                     cpus_per_actor=cpus_per_actor, host=host, placement_timeout=placement_timeout,
@@ -234,8 +219,8 @@ class RemoteMesh:
         `platform` (`IncompatibleActorError`), and connects with `keys` (the pair the daemons'
         --authorized-keys admits) and each daemon's public key from its arrival. With `shutdown_on_close`
         the daemons exit when the mesh closes (so the srun step or the Job ends). Other keyword arguments go
-        to `RemoteMesh`. See mpmd/launchers/rendezvous.py."""
-        from mpmd.launchers import rendezvous
+        to `RemoteMesh`. See mpmd/runtime/launch/rendezvous.py."""
+        from mpmd.runtime.launch import rendezvous
 
         return rendezvous.connect(cls, where, num_actors, timeout=timeout, keys=keys, platform=platform,
                                   shutdown_on_close=shutdown_on_close, **kwargs)
@@ -294,10 +279,10 @@ class RemoteMesh:
         if fresh:
             log.warning("actor %d at %s is a new daemon (pid %s): its buffers and programs from before are gone",
                         i, new.address, info.header.get("pid"))
-            self._compiled[i] = {}
+            self.executables.forget(i)
             self.infos[i] = info
             if self.transport != "none" and len(self.actors) > 1:
-                self._wire(self._transfer_timeout)
+                self._wire()
         return dict(info.header)
 
     def close(self) -> None:
@@ -307,10 +292,10 @@ class RemoteMesh:
         self.closed = True
         if self._opened:
             try:  # local daemons are ours to stop; attached ones only forget this session
-                self._io.run(self._gather(self._all("shutdown" if self._processes else "bye")), timeout=5)
+                self._io.run(gather(self._all("shutdown" if self.processes else "bye")), timeout=5)
             except Exception:
                 pass
-        for p in self._processes:
+        for p in self.processes:
             p.stop()
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
@@ -321,8 +306,9 @@ class RemoteMesh:
         self._io.stop()
         self._ctx.destroy(linger=0)
 
-    # ---- async plumbing --------------------------------------------------------------------------
+    # ---- the controller loop -----------------------------------------------------------------------
     def run(self, coro: Any, timeout: float | None = None) -> Any:
+        """Run a coroutine on the controller loop and wait for its result."""
         if self.closed:
             coro.close()
             raise MpmdError("this RemoteMesh is closed")
@@ -330,47 +316,29 @@ class RemoteMesh:
 
     def submit_coroutine(self, coro: Any) -> concurrent.futures.Future[Any]:
         """Run `coro` on the controller loop without waiting; a concurrent future of its result."""
-        import asyncio
-
         if self.closed:
             coro.close()
             raise MpmdError("this RemoteMesh is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._io.loop)
+        return self._io.submit(coro)
 
     def dispatch(self, send: Callable[[], Any], finish: Callable[[Any], Any]) -> concurrent.futures.Future[Any]:
         """Call `send()` on the controller loop as soon as it gets there — it submits requests, in the order
         dispatches are called, ahead of any fetch or delete issued after this call — then run `finish(sent)`
         (a coroutine) there. Returns a concurrent future of `finish`'s result, without waiting."""
-        import asyncio
-
         if self.closed:
             raise MpmdError("this RemoteMesh is closed")
-        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        return self._io.dispatch(send, finish)
 
-        def start() -> None:
-            try:
-                sent = send()
-            except BaseException as e:
-                done.set_exception(e)
-                return
-            task = asyncio.get_running_loop().create_task(finish(sent))
+    def conn(self, i: int) -> ActorConnection:
+        """The connection to actor `i` (requests: see transport/protocol.py)."""
+        return self._conns[i]
 
-            def settle(t: asyncio.Task[Any]) -> None:
-                if t.cancelled():
-                    done.cancel()
-                elif t.exception() is not None:
-                    done.set_exception(t.exception())
-                else:
-                    done.set_result(t.result())
+    def _all(self, op: str, fields: dict[str, Any] | None = None) -> list[Any]:
+        return [c.request(op, fields) for c in self._conns]
 
-            task.add_done_callback(settle)
-
-        self._io.call_soon(start)
-        return done
-
-    # ---- tracing ----------------------------------------------------------------------------------
+    # ---- tracing and profiling (mpmd.observe) ------------------------------------------------------
     def trace(self) -> TraceContext:
-        """Record what every actor does in the steps dispatched inside the block (see mpmd.trace):
+        """Record what every actor does in the steps dispatched inside the block (see mpmd.observe.trace):
 
             with mesh.trace() as t:
                 step(params, opt_state, batch)
@@ -378,7 +346,7 @@ class RemoteMesh:
         """
         return TraceContext(self)
 
-    def profile(self, logdir: str, run: str | None = None) -> Any:
+    def profile(self, logdir: str, run: str | None = None) -> ProfileContext:
         """Capture a `jax.profiler` trace on every actor while the block runs, next to mpmd's own trace::
 
             with mesh.profile("/tmp/prof"):
@@ -386,9 +354,7 @@ class RemoteMesh:
             # tensorboard --logdir /tmp/prof   (one host per actor; or xprof, or Perfetto)
 
         The actors' files come back here: ``logdir/plugins/profile/<run>/actor<i>.xplane.pb``, and mpmd's
-        instruction trace of the same steps as ``logdir/mpmd_trace_<run>.json``. See mpmd/profile.py."""
-        from mpmd.profile import ProfileContext
-
+        instruction trace of the same steps as ``logdir/mpmd_trace_<run>.json``. See mpmd/observe/profile.py."""
         return ProfileContext(self, logdir, run)
 
     def clock_offsets(self) -> dict[int, int]:
@@ -396,64 +362,38 @@ class RemoteMesh:
         trip (estimated once per mesh; refreshed by `mesh.trace()`)."""
         return dict(self._offsets)
 
-    async def measure_clock_offsets(self, pings: int = 8) -> dict[int, int]:
-        import asyncio
+    def measure_clock_offsets(self, pings: int = 8) -> dict[int, int]:
+        """Estimate `clock_offsets()` afresh (a few pings per actor)."""
+        self._offsets = self.run(measure_clock_offsets(self._conns, pings))
+        return dict(self._offsets)
 
-        async def one(c: Any) -> int:
-            best = None
-            for _ in range(pings):
-                t0 = time.monotonic_ns()
-                msg = await c.request("ping")
-                t1 = time.monotonic_ns()
-                if best is None or t1 - t0 < best[0]:
-                    best = (t1 - t0, msg.header["clock"] - (t0 + t1) // 2)
-            return best[1]
-
-        got = await asyncio.gather(*(one(c) for c in self._conns))
-        self._offsets = dict(enumerate(got))
-        return self._offsets
-
-    def conn(self, i: int) -> ActorConnection:
-        return self._conns[i]
-
-    def _all(self, op: str, fields: dict[str, Any] | None = None) -> list[Any]:
-        return [c.request(op, fields) for c in self._conns]
-
-    @staticmethod
-    async def _gather(coros: list[Any]) -> list[Any]:
-        import asyncio
-
-        return list(await asyncio.gather(*coros))
-
+    # ---- buffers (the interface RemoteArray uses) ---------------------------------------------------
     def new_buffer_id(self) -> int:
-        return next(self._ids)
+        return self.buffers.new_id()
 
-    def _get(self, actor: int, buf: int) -> np.ndarray:
-        msg = self.run(self._conns[actor].request("get", {"buf": buf}))
-        return msg.arrays[0]  # a read-only view that keeps the received frame alive: no copy
+    def get_buffer(self, actor: int, buf: int) -> np.ndarray:
+        """One buffer's value (a read-only view of the received bytes)."""
+        return self.buffers.get(actor, buf)
 
-    def _get_async(self, actor: int, buf: int) -> Any:
-        """Start fetching one buffer; a concurrent future of its numpy array."""
-        import asyncio
+    def get_buffer_async(self, actor: int, buf: int) -> concurrent.futures.Future[np.ndarray]:
+        """Start fetching one buffer; a concurrent future of its value."""
+        return self.buffers.get_async(actor, buf)
 
-        async def get() -> np.ndarray:
-            return (await self._conns[actor].request("get", {"buf": buf})).arrays[0]
-
-        if self.closed:
-            raise MpmdError(f"{self!r} is closed")
-        return asyncio.run_coroutine_threadsafe(get(), self._io.loop)
-
-    def _get_many(self, bufs: dict[int, list[int]]) -> dict[int, list[np.ndarray]]:
+    def get_buffers(self, bufs: dict[int, list[int]]) -> dict[int, list[np.ndarray]]:
         """Several buffers per actor, one request per actor, all actors at once."""
-        actors = sorted(bufs)
-        replies = self.run(self._gather([self._conns[a].request("get", {"bufs": bufs[a]}) for a in actors]))
-        return {a: list(r.arrays) for a, r in zip(actors, replies)}
+        return self.buffers.get_many(bufs)
 
-    def _wait_ready(self, bufs: dict[int, list[int]]) -> None:
-        self.run(self._gather([self._conns[a].request("wait", {"bufs": b}) for a, b in bufs.items()]))
+    def wait_buffers(self, bufs: dict[int, list[int]]) -> None:
+        """Until the listed buffers are computed on their actors."""
+        self.buffers.wait(bufs)
 
-    def _delete_now(self, buffers: dict[int, int]) -> None:
-        self.run(self._gather([self._conns[a].request("delete", {"bufs": [b]}) for a, b in buffers.items()]))
+    def delete_buffers(self, buffers: dict[int, int]) -> None:
+        """Free one buffer per actor now (waits for the actors)."""
+        self.buffers.delete_now(buffers)
+
+    def release_buffers(self, buffers: dict[int, int]) -> None:
+        """Free buffers whose RemoteArray is gone, batched, behind every step dispatched before (any thread)."""
+        self.buffers.release(buffers)
 
     def check_owned(self, x: RemoteArray, what: str) -> None:
         """Refuse a RemoteArray of another (or a closed) mesh: its buffer ids mean nothing here."""
@@ -461,10 +401,12 @@ class RemoteMesh:
             if x.is_deleted:
                 raise MpmdError(f"{what} is a deleted RemoteArray; its data is gone")
             return
-        state = "a closed mesh" if x.mesh.closed else repr(x.mesh)
-        raise MpmdError(f"{what} is {x!r} of {state}, not of {self!r}: its buffers live in another session and "
-                        "cannot be read here. Copy it into this mesh with mesh.adopt(x) (or pass mpmd.fetch(x), a host "
-                        "value)" + (" — but a closed mesh's data is gone" if x.mesh.closed else ""))
+        if x.mesh.closed:
+            raise MpmdError(f"{what} is {x!r} of a closed mesh ({x.mesh!r}): its data went with that mesh's actors. "
+                            "Fetch values you want to keep (mpmd.fetch(tree)) or save them (mpmd.save) before closing a "
+                            "mesh, and pass the host values here")
+        raise MpmdError(f"{what} is {x!r} of {x.mesh!r}, not of {self!r}: its buffers live in another session and cannot "
+                        "be read here. Copy it into this mesh with mesh.adopt(x), or pass mpmd.fetch(x), a host value")
 
     def adopt(self, tree: Any) -> Any:
         """Copy the RemoteArrays of other meshes in a pytree into this one (to the same actor indices, or actor 0
@@ -475,8 +417,6 @@ class RemoteMesh:
         """
         leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, RemoteArray))
         foreign = [i for i, x in enumerate(leaves) if isinstance(x, RemoteArray) and x.mesh is not self]
-        from mpmd.array import fetch
-
         values = fetch([leaves[i] for i in foreign])
         out = list(leaves)
         for i, v in zip(foreign, values):
@@ -498,7 +438,7 @@ class RemoteMesh:
             self.actor_mesh.check_spec(spec, shape, "put")
             fields["layout"] = layout_wire(as_layout(spec))
         bufs = {a: self.new_buffer_id() for a in actors}
-        self.run(self._gather([self._conns[a].request("put", {"buf": b, **fields}, [wire]) for a, b in bufs.items()]))
+        self.run(gather([self._conns[a].request("put", {"buf": b, **fields}, [wire]) for a, b in bufs.items()]))
         layout = as_layout(spec) if spec is not None else (() if self.actor_mesh is not None else None)
         return RemoteArray(self, bufs, shape, dtype, remote_sharding(layout, self.actor_mesh))
 
@@ -506,198 +446,6 @@ class RemoteMesh:
         state = "closed" if self.closed else f"session {self.session:x}"
         return f"RemoteMesh({len(self.addresses)} actors at {self.addresses[0]}{', ...' if len(self.addresses) > 1 else ''}; {state})"
 
-    def _release(self, buffers: dict[int, int]) -> None:
-        """Free buffers whose RemoteArray is gone (from any thread). The release joins the loop's queue in call
-        order, so it can never overtake a step dispatched earlier that still reads those buffers; deletes are
-        batched per actor within one loop turn."""
-        if self.closed:
-            return
-        self._io.call_soon(self._collect_garbage, buffers)
-
-    def _collect_garbage(self, buffers: dict[int, int]) -> None:
-        first = not self._garbage
-        self._garbage.extend(buffers.items())
-        if first:
-            import asyncio
-
-            asyncio.get_running_loop().call_soon(self._flush_garbage)
-
-    def _flush_garbage(self) -> None:
-        import asyncio
-
-        garbage, self._garbage = self._garbage, []
-        by_actor: dict[int, list[int]] = defaultdict(list)
-        for a, b in garbage:
-            by_actor[a].append(b)
-        for a, bufs in by_actor.items():
-            if not self._conns[a].dead:
-                try:  # sent now, in order behind everything submitted before
-                    asyncio.get_running_loop().create_task(self._quiet(self._conns[a].submit("delete", {"bufs": bufs})))
-                except MpmdError:
-                    pass
-
-    @staticmethod
-    async def _quiet(coro: Any) -> None:
-        try:
-            await coro
-        except Exception:
-            pass
-
-    # ---- executables -----------------------------------------------------------------------------
-    async def ensure_compiled(self, actor: int, blob: bytes, donate: tuple[int, ...] = (), in_layouts: tuple | None = None,
-                              out_layouts: tuple | None = None) -> Any:
-        """Ship `blob` to `actor` unless it has it compiled this way; returns the actor's executable key. The
-        actor compiles it letting the inputs at `donate` share their buffers with outputs. With `in_layouts`
-        (multi-device actors: one layout per input; `out_layouts` fixes some outputs', None lets XLA choose)
-        it returns (key, the layouts of every output)."""
-        how = (blob, donate, in_layouts, out_layouts)
-        known = self._compiled[actor].get(how)
-        if known is None:
-            fields: dict[str, Any] = {"digest": hashlib.sha256(blob).hexdigest(), "donate": list(donate)}
-            if in_layouts is not None:
-                fields["in_layouts"] = [layout_wire(x) for x in in_layouts]
-                fields["out_layouts"] = [layout_wire(x) for x in (out_layouts or ())]
-            msg = await self._conns[actor].request("compile", fields, [np.frombuffer(blob, np.uint8)])
-            key = msg.header["exe"]
-            known = key if in_layouts is None else (key, [layout_from_wire(w) for w in msg.header["out_layouts"]])
-            self._compiled[actor][how] = known
-        return known
-
-    async def load_program(self, actor: int, program: Program, program_id: int, exe_keys: list[str]) -> None:
-        """Ship one actor's Program (its Runs naming `exe_keys[i]` for executable i), constants as frames."""
-        wire = encode_program(program, program_id, exe_keys)
-        await self._conns[actor].request("load_program", {"program": wire}, [program.consts[c] for c in wire["consts"]])
-
-    def new_program_id(self) -> int:
-        return next(self._program_ids)
-
-    def lower(self, fn: Callable[..., Any], args: Sequence[Any], platform: str) -> tuple[bytes, Any]:
-        """Export `fn` for these argument shapes once; returns (blob, output treedef). The executable takes
-        and returns arrays in their wire form (typed keys as key data)."""
-        leaves, treedef = jax.tree.flatten(args)
-        avals = tuple(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype) for x in leaves)
-        key = (fn, treedef, avals, platform)
-        hit = self._lowered.get(key)
-        if hit is None:
-            out_tree_box: list[Any] = []
-
-            def flat(*xs: Any) -> tuple[Any, ...]:
-                args = [wrap_in(x, a.dtype) for x, a in zip(xs, avals)]
-                out = fn(*jax.tree.unflatten(treedef, args))
-                out_leaves, out_tree = jax.tree.flatten(out)
-                out_tree_box.append((out_tree, [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_leaves]))
-                return tuple(unwrap_out(o) for o in out_leaves)
-
-            blob = serialize_flat(flat, [wire_aval(a) for a in avals], platform)
-            hit = self._lowered[key] = (blob, out_tree_box[0])
-        return hit
-
-
-class ActorHandle:
-    """One actor of a mesh: place arrays on it, run jitted functions there, ask its state."""
-
-    def __init__(self, mesh: RemoteMesh, index: int) -> None:
-        self.mesh = mesh
-        self.index = index
-
-    def __repr__(self) -> str:
-        return f"ActorHandle({self.index}, {self.mesh.addresses[self.index]})"
-
-    def put(self, x: Any, spec: Any = None) -> RemoteArray:
-        """Copy a host array (numpy, jax, or a typed PRNG key array) to this actor; with `spec` (a
-        PartitionSpec over the actor mesh) each of its devices gets only its shard."""
-        return self.mesh.put_replicated(x, [self.index], spec)
-
-    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run `fn` (e.g. a `jax.jit` function) on this actor. Arguments are RemoteArrays on this actor or
-        host arrays (copied here first); returns the output pytree as RemoteArrays. `fn` is lowered once per
-        argument signature and compiled once per actor."""
-        return self.mesh.run(self.run_async(fn, *args))
-
-    async def run_async(self, fn: Callable[..., Any], *args: Any) -> Any:
-        mesh, conn = self.mesh, self.mesh.conn(self.index)
-        leaves, treedef = jax.tree.flatten(args, is_leaf=lambda x: isinstance(x, RemoteArray))
-        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
-            args, is_leaf=lambda x: isinstance(x, RemoteArray))[0]]
-        specs = []
-        for x, path in zip(leaves, paths):
-            if isinstance(x, RemoteArray):
-                mesh.check_owned(x, f"argument args{path}")
-                if self.index not in x.buffers:
-                    raise MpmdError(f"argument args{path} ({x!r}) lives on actors {x.actors}, not on actor {self.index}; "
-                                    f"copy it with mesh.actor({self.index}).put(mpmd.fetch(x)) first")
-                specs.append(jax.ShapeDtypeStruct(x.shape, x.dtype))
-            else:
-                try:
-                    specs.append(jax.ShapeDtypeStruct(np.shape(x), host_value(x).dtype))
-                except (TypeError, ValueError) as e:
-                    raise MpmdError(f"argument args{path} is a {type(x).__name__}, not an array: {e}") from None
-        blob, (out_tree, out_avals) = mesh.lower(fn, jax.tree.unflatten(treedef, specs), mesh.infos[self.index].header["platform"])
-        out_layouts: list[Any] = [None] * len(out_avals)
-        if mesh.actor_mesh is None:
-            exe = await mesh.ensure_compiled(self.index, blob)
-        else:  # compiled for the layouts its arguments have (host arguments: replicated), as jax.jit would
-            in_layouts = tuple(x.sharding.layout if isinstance(x, RemoteArray) and x.sharding is not None else () for x in leaves)
-            exe, out_layouts = await mesh.ensure_compiled(self.index, blob, (), in_layouts, None)
-        in_bufs = []
-        temps = []
-        try:
-            for x in leaves:
-                if isinstance(x, RemoteArray):
-                    in_bufs.append(x.buffers[self.index])
-                else:
-                    buf = mesh.new_buffer_id()
-                    temps.append(buf)
-                    await conn.request("put", {"buf": buf}, [to_wire(host_value(x))])
-                    in_bufs.append(buf)
-            out_bufs = [mesh.new_buffer_id() for _ in out_avals]
-            await conn.request("run", {"exe": exe, "inputs": in_bufs, "outputs": out_bufs})
-        finally:
-            if temps:
-                await conn.request("delete", {"bufs": temps})
-        outs = [RemoteArray(mesh, {self.index: b}, a.shape, a.dtype, remote_sharding(lay, mesh.actor_mesh))
-                for b, a, lay in zip(out_bufs, out_avals, out_layouts)]
-        return jax.tree.unflatten(out_tree, outs)
-
-    def hlo(self, exe_key: str) -> str:
-        """The optimized HLO text XLA compiled for one of this actor's executables (collectives, fusions):
-        `step.compile(...).loaded[actor]` lists each Program's executable keys."""
-        return self.mesh.run(self.mesh.conn(self.index).request("hlo", {"exe": exe_key})).header["text"]
-
-    def ping(self) -> float:
-        """Round-trip time of a ping, in seconds."""
-        t = time.perf_counter()
-        self.mesh.run(self.mesh.conn(self.index).request("ping"))
-        return time.perf_counter() - t
-
-    def info(self) -> dict[str, Any]:
-        return dict(self.mesh.run(self.mesh.conn(self.index).request("info")).header)
-
-    def stats(self) -> dict[str, Any]:
-        """Buffers held (count and bytes), executables cached, compiles and cache hits, requests served."""
-        h = dict(self.mesh.run(self.mesh.conn(self.index).request("stats")).header)
-        for k in ("op", "id", "ok", "v"):
-            h.pop(k, None)
-        return h
-
-
-class TraceContext:
-    """`with mesh.trace() as t:` — steps dispatched inside are traced; leaving waits until they are done."""
-
-    def __init__(self, mesh: RemoteMesh) -> None:
-        self.mesh = mesh
-        self.trace = Trace()
-
-    def __enter__(self) -> Trace:
-        if self.mesh.active_trace is not None:
-            raise MpmdError("this mesh is already tracing; nest no mesh.trace() blocks")
-        self.mesh.run(self.mesh.measure_clock_offsets())
-        self.mesh.active_trace = self.trace
-        return self.trace
-
-    def __exit__(self, *exc: object) -> None:
-        self.mesh.active_trace = None
-        self.trace.wait()
 
 
 @atexit.register

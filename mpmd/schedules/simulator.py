@@ -20,15 +20,12 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from mpmd.errors import PipelineError, ScheduleError
-from mpmd.validation import check_programs, replay_programs, replay_table, split_stages, task_inputs, validate
+from mpmd.schedules.draw import draw_timeline, kind_of
+from mpmd.schedules.validation import Schedule, check_programs, replay_programs, replay_table, split_stages, task_inputs, validate
 from transport.program import TASK_KINDS, Delete, Label, Program, Recv, Run, Task
 from transport.protocol import dtype_from_name
-
-if TYPE_CHECKING:
-    from mpmd.schedules import Schedule
 
 PerStage = float | Sequence[float]
 _COST_KEY = re.compile(r"^(\d*)([FBIW])(\d*)$")
@@ -183,15 +180,7 @@ class SimResult:
 
     def draw(self, path: str, title: str | None = None) -> None:
         """Write a timeline picture: SVG (no dependency) or, for a path ending in .png, PNG via matplotlib."""
-        from mpmd.draw import draw_timeline
-
         draw_timeline(self, path, title)
-
-
-def kind_of(label: str) -> str:
-    """The colour class of a timeline label: its first task's kind (F, B, I, W), or the phase name."""
-    m = re.match(r"^\d+([FBIW])\d+", label)
-    return m.group(1) if m else label
 
 
 def _peak_activations(rows: Sequence[Sequence[Task]]) -> tuple[int, ...]:

@@ -1,0 +1,10 @@
+"""Seeing what a run did: real-run traces, profiles and placement reports.
+
+  trace.py    `mesh.trace()`: every actor's instructions on the controller's clock — per-actor breakdown
+              (compute, waiting for data, overhead, idle), Perfetto export, costs fitted for the simulator
+  profile.py  `mesh.profile(logdir)`: a `jax.profiler` trace in every actor, gathered as one TensorBoard run
+  report.py   `step.placement(...)`: where every parameter, gradient and optimizer leaf lives, what crosses
+
+Observation reads the mesh through the few methods it is handed and never imports the runtime; it may read
+the schedules' simulator (fitting costs, pictures of measured timelines).
+"""

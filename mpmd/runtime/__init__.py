@@ -1,0 +1,16 @@
+"""The runtime: what the controller does with live actors once a step is compiled.
+
+  mesh.py          `RemoteMesh` — the actors this controller drives: connections, buffers, executables, steps
+  actor_handle.py  `mesh.actor(i)` — one actor addressed directly (the embedding API)
+  array.py         `RemoteArray` and `fetch` — handles to arrays that stay on actors
+  controller.py    the asyncio loop thread, one connection per actor, the watchdog (dead or silent actors)
+  buffers.py       fetching, waiting for and freeing buffers (batched frees in dispatch order)
+  executables.py   lowering once, shipping executables and Programs to actors once
+  sharding.py      layouts of arrays over each actor's own device mesh (SPMD inside an actor)
+  wiring.py        which data-plane route each pair of actors uses, and wiring it
+  checkpoint.py    `save` / `restore` of state held on actors (orbax-checkpoint on each actor)
+  launch/          starting daemons: local subprocesses, Ray actors, a rendezvous (SLURM, Kubernetes)
+
+The runtime imports the compiler's value conversions (`mpmd.compiler.avals`), observation (`mpmd.observe`)
+and the wire (`transport`); nothing here imports the user's surface (`mpmd.api`, `mpmd.step`).
+"""

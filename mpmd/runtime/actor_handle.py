@@ -1,0 +1,105 @@
+"""One actor of a mesh, addressed directly: put arrays on it, run jitted functions there, ask its state
+(the embedding API: `mesh.actor(i)`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from mpmd.compiler.avals import host_value, to_wire
+from mpmd.errors import MpmdError
+from mpmd.runtime.array import RemoteArray
+from mpmd.runtime.sharding import remote_sharding
+
+
+class ActorHandle:
+    """One actor of a mesh (`mesh.actor(i)`; `mesh` is its `RemoteMesh`): place arrays on it, run jitted functions there,
+    ask its state."""
+
+    def __init__(self, mesh: Any, index: int) -> None:
+        self.mesh = mesh
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"ActorHandle({self.index}, {self.mesh.addresses[self.index]})"
+
+    def put(self, x: Any, spec: Any = None) -> RemoteArray:
+        """Copy a host array (numpy, jax, or a typed PRNG key array) to this actor; with `spec` (a
+        PartitionSpec over the actor mesh) each of its devices gets only its shard."""
+        return self.mesh.put_replicated(x, [self.index], spec)
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn` (e.g. a `jax.jit` function) on this actor. Arguments are RemoteArrays on this actor or
+        host arrays (copied here first); returns the output pytree as RemoteArrays. `fn` is lowered once per
+        argument signature and compiled once per actor."""
+        return self.mesh.run(self.run_async(fn, *args))
+
+    async def run_async(self, fn: Callable[..., Any], *args: Any) -> Any:
+        mesh, conn = self.mesh, self.mesh.conn(self.index)
+        leaves, treedef = jax.tree.flatten(args, is_leaf=lambda x: isinstance(x, RemoteArray))
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+            args, is_leaf=lambda x: isinstance(x, RemoteArray))[0]]
+        specs = []
+        for x, path in zip(leaves, paths):
+            if isinstance(x, RemoteArray):
+                mesh.check_owned(x, f"argument args{path}")
+                if self.index not in x.buffers:
+                    raise MpmdError(f"argument args{path} ({x!r}) lives on actors {x.actors}, not on actor {self.index}; "
+                                    f"copy it with mesh.actor({self.index}).put(mpmd.fetch(x)) first")
+                specs.append(jax.ShapeDtypeStruct(x.shape, x.dtype))
+            else:
+                try:
+                    specs.append(jax.ShapeDtypeStruct(np.shape(x), host_value(x).dtype))
+                except (TypeError, ValueError) as e:
+                    raise MpmdError(f"argument args{path} is a {type(x).__name__}, not an array: {e}") from None
+        blob, (out_tree, out_avals) = mesh.executables.lower(fn, jax.tree.unflatten(treedef, specs), mesh.infos[self.index].header["platform"])
+        out_layouts: list[Any] = [None] * len(out_avals)
+        if mesh.actor_mesh is None:
+            exe = await mesh.executables.ensure_compiled(self.index, blob)
+        else:  # compiled for the layouts its arguments have (host arguments: replicated), as jax.jit would
+            in_layouts = tuple(x.sharding.layout if isinstance(x, RemoteArray) and x.sharding is not None else () for x in leaves)
+            exe, out_layouts = await mesh.executables.ensure_compiled(self.index, blob, (), in_layouts, None)
+        in_bufs = []
+        temps = []
+        try:
+            for x in leaves:
+                if isinstance(x, RemoteArray):
+                    in_bufs.append(x.buffers[self.index])
+                else:
+                    buf = mesh.new_buffer_id()
+                    temps.append(buf)
+                    await conn.request("put", {"buf": buf}, [to_wire(host_value(x))])
+                    in_bufs.append(buf)
+            out_bufs = [mesh.new_buffer_id() for _ in out_avals]
+            await conn.request("run", {"exe": exe, "inputs": in_bufs, "outputs": out_bufs})
+        finally:
+            if temps:
+                await conn.request("delete", {"bufs": temps})
+        outs = [RemoteArray(mesh, {self.index: b}, a.shape, a.dtype, remote_sharding(lay, mesh.actor_mesh))
+                for b, a, lay in zip(out_bufs, out_avals, out_layouts)]
+        return jax.tree.unflatten(out_tree, outs)
+
+    def hlo(self, exe_key: str) -> str:
+        """The optimized HLO text XLA compiled for one of this actor's executables (collectives, fusions):
+        `step.compile(...).loaded[actor]` lists each Program's executable keys."""
+        return self.mesh.run(self.mesh.conn(self.index).request("hlo", {"exe": exe_key})).header["text"]
+
+    def ping(self) -> float:
+        """Round-trip time of a ping, in seconds."""
+        t = time.perf_counter()
+        self.mesh.run(self.mesh.conn(self.index).request("ping"))
+        return time.perf_counter() - t
+
+    def info(self) -> dict[str, Any]:
+        return dict(self.mesh.run(self.mesh.conn(self.index).request("info")).header)
+
+    def stats(self) -> dict[str, Any]:
+        """Buffers held (count and bytes), executables cached, compiles and cache hits, requests served."""
+        h = dict(self.mesh.run(self.mesh.conn(self.index).request("stats")).header)
+        for k in ("op", "id", "ok", "v"):
+            h.pop(k, None)
+        return h

@@ -1,0 +1,104 @@
+"""What a controller does with buffers on its actors: fetch them, wait for them, free them.
+
+`BufferClient` is the part of a `RemoteMesh` that `RemoteArray` uses (through the mesh's public `get_buffer`,
+`get_buffers`, `wait_buffers`, `delete_buffers`, `release_buffers`). Frees of dropped arrays are batched per
+actor within one loop turn and sent in order behind every step submitted before them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from mpmd.errors import MpmdError
+from mpmd.runtime.controller import ActorConnection, EventLoopThread
+
+
+async def gather(coros: Sequence[Any]) -> list[Any]:
+    """All of `coros` at once, their results in order."""
+    return list(await asyncio.gather(*coros))
+
+
+class BufferClient:
+    """Buffer ids of one controller session, and the requests that read, wait for and free them."""
+
+    def __init__(self, conns: list[ActorConnection], io: EventLoopThread, closed: Callable[[], bool]) -> None:
+        self._conns = conns  # the mesh's list: a reconnect replaces an entry in place
+        self._io = io
+        self._closed = closed
+        self._ids = itertools.count(1)
+        self._garbage: list[tuple[int, int]] = []  # touched on the loop thread only
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def _run(self, coro: Any) -> Any:
+        if self._closed():
+            coro.close()
+            raise MpmdError("this RemoteMesh is closed")
+        return self._io.run(coro)
+
+    def get(self, actor: int, buf: int) -> np.ndarray:
+        """One buffer's value: a read-only view that keeps the received frame alive (no copy)."""
+        return self._run(self._conns[actor].request("get", {"buf": buf})).arrays[0]
+
+    def get_async(self, actor: int, buf: int) -> concurrent.futures.Future[np.ndarray]:
+        """Start fetching one buffer; a concurrent future of its numpy array."""
+
+        async def get() -> np.ndarray:
+            return (await self._conns[actor].request("get", {"buf": buf})).arrays[0]
+
+        if self._closed():
+            raise MpmdError("this RemoteMesh is closed")
+        return self._io.submit(get())
+
+    def get_many(self, bufs: dict[int, list[int]]) -> dict[int, list[np.ndarray]]:
+        """Several buffers per actor, one request per actor, all actors at once."""
+        actors = sorted(bufs)
+        replies = self._run(gather([self._conns[a].request("get", {"bufs": bufs[a]}) for a in actors]))
+        return {a: list(r.arrays) for a, r in zip(actors, replies)}
+
+    def wait(self, bufs: dict[int, list[int]]) -> None:
+        """Until every listed buffer is computed on its actor."""
+        self._run(gather([self._conns[a].request("wait", {"bufs": b}) for a, b in bufs.items()]))
+
+    def delete_now(self, buffers: dict[int, int]) -> None:
+        """Free one buffer per actor and wait for the actors to confirm."""
+        self._run(gather([self._conns[a].request("delete", {"bufs": [b]}) for a, b in buffers.items()]))
+
+    def release(self, buffers: dict[int, int]) -> None:
+        """Free buffers whose RemoteArray is gone (from any thread). The release joins the loop's queue in call
+        order, so it can never overtake a step dispatched earlier that still reads those buffers."""
+        if not self._closed():
+            self._io.call_soon(self._collect, buffers)
+
+    def _collect(self, buffers: dict[int, int]) -> None:
+        first = not self._garbage
+        self._garbage.extend(buffers.items())
+        if first:
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        garbage, self._garbage = self._garbage, []
+        by_actor: dict[int, list[int]] = defaultdict(list)
+        for a, b in garbage:
+            by_actor[a].append(b)
+        for a, bufs in by_actor.items():
+            if not self._conns[a].dead:
+                try:  # sent now, in order behind everything submitted before
+                    asyncio.get_running_loop().create_task(_quiet(self._conns[a].submit("delete", {"bufs": bufs})))
+                except MpmdError:
+                    pass
+
+
+async def _quiet(coro: Any) -> None:
+    try:
+        await coro
+    except Exception:
+        pass

@@ -1,0 +1,82 @@
+"""Executables and Programs on actors: lower a function once, ship its blob to an actor once per way of
+compiling it, and ship Programs. The actor compiles and caches by content hash (actors/cache.py); this side
+remembers what each actor has so that a step's second call sends nothing but the call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from mpmd.compiler.avals import unwrap_out, wire_aval, wrap_in
+from mpmd.compiler.lowering import serialize_flat
+from mpmd.compiler.program import Program, encode_program
+from mpmd.runtime.controller import ActorConnection
+from mpmd.runtime.sharding import layout_from_wire, layout_wire
+
+
+class Executables:
+    """What this controller has lowered, and what each actor has compiled for it."""
+
+    def __init__(self, conns: list[ActorConnection]) -> None:
+        self._conns = conns  # the mesh's list: a reconnect replaces an entry in place
+        self._lowered: dict[Any, tuple[bytes, Any]] = {}
+        self.compiled: list[dict[tuple, Any]] = [{} for _ in conns]
+        self._program_ids = itertools.count(1)
+
+    def forget(self, actor: int) -> None:
+        """The actor was replaced by a new daemon: it has compiled nothing of ours."""
+        self.compiled[actor] = {}
+
+    async def ensure_compiled(self, actor: int, blob: bytes, donate: tuple[int, ...] = (), in_layouts: tuple | None = None,
+                              out_layouts: tuple | None = None) -> Any:
+        """Ship `blob` to `actor` unless it has it compiled this way; returns the actor's executable key. The
+        actor compiles it letting the inputs at `donate` share their buffers with outputs. With `in_layouts`
+        (multi-device actors: one layout per input; `out_layouts` fixes some outputs', None lets XLA choose)
+        it returns (key, the layouts of every output)."""
+        how = (blob, donate, in_layouts, out_layouts)
+        known = self.compiled[actor].get(how)
+        if known is None:
+            fields: dict[str, Any] = {"digest": hashlib.sha256(blob).hexdigest(), "donate": list(donate)}
+            if in_layouts is not None:
+                fields["in_layouts"] = [layout_wire(x) for x in in_layouts]
+                fields["out_layouts"] = [layout_wire(x) for x in (out_layouts or ())]
+            msg = await self._conns[actor].request("compile", fields, [np.frombuffer(blob, np.uint8)])
+            key = msg.header["exe"]
+            known = key if in_layouts is None else (key, [layout_from_wire(w) for w in msg.header["out_layouts"]])
+            self.compiled[actor][how] = known
+        return known
+
+    async def load_program(self, actor: int, program: Program, program_id: int, exe_keys: list[str]) -> None:
+        """Ship one actor's Program (its Runs naming `exe_keys[i]` for executable i), constants as frames."""
+        wire = encode_program(program, program_id, exe_keys)
+        await self._conns[actor].request("load_program", {"program": wire}, [program.consts[c] for c in wire["consts"]])
+
+    def new_program_id(self) -> int:
+        return next(self._program_ids)
+
+    def lower(self, fn: Callable[..., Any], args: Sequence[Any], platform: str) -> tuple[bytes, Any]:
+        """Export `fn` for these argument shapes once; returns (blob, (output treedef, output avals)). The
+        executable takes and returns arrays in their wire form (typed keys as key data)."""
+        leaves, treedef = jax.tree.flatten(args)
+        avals = tuple(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype) for x in leaves)
+        key = (fn, treedef, avals, platform)
+        hit = self._lowered.get(key)
+        if hit is None:
+            out_tree_box: list[Any] = []
+
+            def flat(*xs: Any) -> tuple[Any, ...]:
+                args = [wrap_in(x, a.dtype) for x, a in zip(xs, avals)]
+                out = fn(*jax.tree.unflatten(treedef, args))
+                out_leaves, out_tree = jax.tree.flatten(out)
+                out_tree_box.append((out_tree, [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_leaves]))
+                return tuple(unwrap_out(o) for o in out_leaves)
+
+            blob = serialize_flat(flat, [wire_aval(a) for a in avals], platform)
+            hit = self._lowered[key] = (blob, out_tree_box[0])
+        return hit

@@ -1,0 +1,35 @@
+"""Schedules: which task (stage, microbatch, F/B/I/W) each actor runs when, checked and simulated before launch.
+
+  builtin.py     the `Schedule` base class, the built-in tables (GPipe, 1F1B, interleaved, zero-bubble,
+                 ZB-V, DualPipeV) and `Custom` for a table written by hand
+  validation.py  proofs that a table (or a step's compiled Programs) is complete and deadlock-free, and the
+                 table's text form for errors
+  simulator.py   step time, bubble and peak memory of a schedule or of compiled Programs under given costs
+  draw.py        timeline pictures (SVG, or PNG through matplotlib)
+
+Nothing here imports the compiler or the runtime: a schedule is data, and every tool reads the same data.
+`mpmd.schedules.X` keeps naming every schedule, `Task`, `backward`, `one_f_one_b`, `validate`,
+`check_programs` and `format_table`, as before the schedules became a package.
+"""
+
+from mpmd.schedules.builtin import (
+    BUILTINS,
+    Custom,
+    DualPipeV,
+    EagerOneFOneB,
+    GPipe,
+    InterleavedOneFOneB,
+    InterleavedZeroBubble,
+    OneFOneB,
+    Schedule,
+    Task,
+    ZeroBubbleH1,
+    ZeroBubbleV,
+    backward,
+    one_f_one_b,
+)
+from mpmd.schedules.validation import check_programs, format_table, validate
+
+__all__ = ["BUILTINS", "Custom", "DualPipeV", "EagerOneFOneB", "GPipe", "InterleavedOneFOneB", "InterleavedZeroBubble",
+           "OneFOneB", "Schedule", "Task", "ZeroBubbleH1", "ZeroBubbleV", "backward", "check_programs", "format_table",
+           "one_f_one_b", "validate"]
