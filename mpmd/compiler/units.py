@@ -28,6 +28,19 @@ from mpmd.compiler.avals import unwrap_out, wrap_in
 from mpmd.compiler.program import Label
 
 
+def _same_kind_eq(self: tuple, other: object) -> bool:
+    """Keys of different kinds never compare equal, even over equal fields (PerMb(v, 0) is not Acc(v, 0))."""
+    return type(self) is type(other) and tuple.__eq__(self, other)
+
+
+def _same_kind_ne(self: tuple, other: object) -> bool:
+    return not _same_kind_eq(self, other)
+
+
+def _kind_hash(self: tuple) -> int:
+    return hash((type(self).__name__, *self))
+
+
 class Outer(NamedTuple):
     var: Any
 
@@ -44,6 +57,12 @@ class Acc(NamedTuple):
 
 class MbIndex(NamedTuple):
     mb: int
+
+
+for _key_type in (Outer, PerMb, Acc, MbIndex):
+    _key_type.__eq__ = _same_kind_eq  # type: ignore[method-assign,assignment]
+    _key_type.__ne__ = _same_kind_ne  # type: ignore[method-assign,assignment]
+    _key_type.__hash__ = _kind_hash  # type: ignore[method-assign,assignment]
 
 
 Key = Hashable

@@ -1,0 +1,294 @@
+"""The planner's passes over the microbatch loop: find it in the traced step, analyse its body, cut the body
+into the schedule's stage tasks, name the step's values canonically, and make one unit per scheduled task.
+Pure functions over data (the traced jaxpr is never changed); each is callable alone.
+
+    find_step_loop(outer)                     -> StepLoop
+    analyse_loop_body(loop)                   -> LoopBody
+    schedule_stages(loop, body, mesh actors)  -> ScheduledStages
+    canonical_vars(loop, body)                -> CanonicalVars
+    plan_loop_tasks(stages, body, names)      -> LoopTasks
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.extend.core import ClosedJaxpr, Var
+
+from mpmd.compiler.body import CONST, VARYING, LoopBody, analyse, constants_needed
+from mpmd.compiler.eqns import eqns_fn, free_inputs, is_var
+from mpmd.compiler.inline import inline_calls
+from mpmd.compiler.keys import Acc, AccumulatorMode, MbIndex, Outer, PerMb, RegionKey, TaskTemplate, ValueKey
+from mpmd.compiler.program import Label, Task
+from mpmd.compiler.stages import StageSplit, follow_inputs, recompute_cheap, split_backward, split_stages
+from mpmd.compiler.units import Part, Unit, task_function
+from mpmd.errors import PipelineError
+from mpmd.primitives import accumulate_p
+from mpmd.schedules import Schedule, validate
+
+
+# ---- the loop in the step ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepLoop:
+    """The traced step around its one `accumulate_grads` loop: `jaxpr.eqns[index]` is the loop equation."""
+
+    jaxpr: Any  # the step's jaxpr (outer.jaxpr)
+    consts: dict[Var, Any]  # the step's constvars -> values
+    index: int
+    schedule: Schedule | None
+    num_microbatches: int
+    num_mb_leaves: int
+    num_grads: int
+
+    @property
+    def eqn(self) -> Any:
+        return self.jaxpr.eqns[self.index]
+
+    @property
+    def before(self) -> list[Any]:
+        return list(self.jaxpr.eqns[: self.index])
+
+    @property
+    def after(self) -> list[Any]:
+        return list(self.jaxpr.eqns[self.index + 1 :])
+
+
+def find_loop(jaxpr: Any) -> int:
+    """The index of the step's one `accumulate_p` equation; a PipelineError when there is none or several."""
+    loops = [i for i, e in enumerate(jaxpr.eqns) if e.primitive is accumulate_p]
+    if not loops:
+        raise PipelineError("the distributed function never calls mpmd.accumulate_grads; wrap the per-microbatch "
+                            "gradient computation in accumulate_grads(fn, batch, schedule=...)")
+    if len(loops) > 1:
+        raise PipelineError(f"the distributed function calls mpmd.accumulate_grads {len(loops)} times; one loop per step is supported")
+    return loops[0]
+
+
+def find_step_loop(outer: ClosedJaxpr) -> StepLoop:
+    """Takes the traced step; gives its loop and the loop's parameters. Rejects a step without exactly one
+    loop, and stage markers outside the loop (PipelineError)."""
+    jaxpr = outer.jaxpr
+    li = find_loop(jaxpr)
+    stray = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "pipeline_yield"]
+    if stray:
+        where = "before" if stray[0] < li else "after"
+        raise PipelineError(f"pipeline_yield is used {where} accumulate_grads; stage markers belong inside the "
+                            "microbatch function passed to accumulate_grads")
+    p = jaxpr.eqns[li].params
+    return StepLoop(jaxpr, dict(zip(jaxpr.constvars, outer.consts)), li, p["schedule"], p["num_microbatches"],
+                    p["num_mb_leaves"], p["num_grads"])
+
+
+def analyse_loop_body(loop: StepLoop) -> LoopBody:
+    """Takes the step's loop; gives its body with nested calls inlined and its equations classified
+    (constant / invariant hoisted out / varying), gradient sums pushed through additions (`body.analyse`)."""
+    eqn = loop.eqn
+    return analyse(inline_calls(eqn.params["body"]), loop.num_mb_leaves, loop.num_grads, loop.num_microbatches,
+                   list(eqn.invars[loop.num_mb_leaves :]))
+
+
+# ---- stages on the schedule ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ScheduledStages:
+    """The body's varying equations cut into stage regions, and the schedule's validated task table."""
+
+    schedule: Schedule
+    table: list[list[Task]]  # per actor: its tasks in order
+    split: StageSplit
+
+    @property
+    def num_actors(self) -> int:
+        return self.schedule.num_actors
+
+    def actor_of(self, stage: int) -> int:
+        return self.schedule.actor_of(stage)
+
+
+def check_schedule(schedule: Schedule | None, num_stages: int, num_mesh_actors: int) -> None:
+    """A PipelineError unless the schedule exists, has the step's number of stages and fits on the mesh."""
+    if schedule is None:
+        raise PipelineError("accumulate_grads inside mpmd.distributed needs a schedule, e.g. schedule=mpmd.OneFOneB(num_stages=2)")
+    if num_stages != schedule.num_stages:
+        raise PipelineError(f"the step marks {num_stages} stages ({num_stages - 1} pipeline_yield markers) but the schedule "
+                            f"{schedule} has num_stages={schedule.num_stages}; make them agree (a scanned stack of S "
+                            "iterations with a marker in its body gives S stages)")
+    if schedule.num_actors > num_mesh_actors:
+        raise PipelineError(
+            f"the schedule {schedule} needs {schedule.num_actors} actors but the mesh has {num_mesh_actors}; start more actors, "
+            f"use fewer stages, or put several stages on each actor: e.g. InterleavedOneFOneB(num_stages={schedule.num_stages}, "
+            f"num_actors={num_mesh_actors}) or Custom(..., stage_actor=(...)) mapping each stage to one of the "
+            f"{num_mesh_actors} actors")
+
+
+def schedule_stages(loop: StepLoop, body: LoopBody, num_mesh_actors: int) -> ScheduledStages:
+    """Takes the loop, its analysed body and the mesh's size; gives the stage regions (forward, backward; I
+    and W where the schedule splits backwards; inputs followed to their consumer's actor, cheap values
+    recomputed) and the schedule's table, validated for `num_microbatches`."""
+    split = split_stages(body)
+    check_schedule(loop.schedule, split.num_stages, num_mesh_actors)
+    schedule = loop.schedule
+    assert schedule is not None
+    table = validate(schedule, loop.num_microbatches)
+    follow_inputs(split, body, schedule.actor_of)
+    split_backward(split, {t.stage for row in table for t in row if t.kind in ("I", "W")})
+    recompute_cheap(split, body, schedule.actor_of)
+    return ScheduledStages(schedule, table, split)
+
+
+# ---- canonical names -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CanonicalVars:
+    """One name per step value: a closed-over body input and a loop output stand for the step var they
+    alias (`resolve`); a batch leaf's body input stands for its whole [m, ...] loop operand (`leaf_outer`)."""
+
+    leaf_outer: dict[Var, Any]  # body input of a batch leaf -> the loop operand (outer var)
+    alias: dict[Any, Any]  # var -> the var it stands for (follow until none)
+
+    def resolve(self, v: Any) -> Any:
+        while isinstance(v, Var) and v in self.alias:
+            v = self.alias[v]
+        return v
+
+
+def canonical_vars(loop: StepLoop, body: LoopBody) -> CanonicalVars:
+    """Takes the loop and its body; gives the aliases that name every value by one canonical var."""
+    eqn = loop.eqn
+    leaf_outer = {v: eqn.invars[i] for v, i in body.mb_leaves.items()}
+    alias: dict[Any, Any] = dict(body.outer_of)
+    for ov, out in zip(eqn.outvars, body.outputs):
+        alias[ov] = eqn.invars[out[1]] if isinstance(out, tuple) else out
+    return CanonicalVars(leaf_outer, alias)
+
+
+# ---- one unit per scheduled task -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class RegionPlan:
+    """What every task of one region computes: its equations (constants included), the vars it reads, the
+    vars other regions read from it (`exported`) and its accumulated or stacked vars (`accs`)."""
+
+    eqns: list[Any]
+    in_vars: list[Var]
+    exported: list[Var]
+    accs: list[Var]
+
+
+@dataclass(frozen=True)
+class LoopTasks:
+    """One unit per scheduled task that computes something, per actor in its table order (`units`); the
+    avals of every key they name; the last `Acc` of every accumulator under the `Outer` key of its step
+    value (`finals`) and the actor that holds it (`acc_home`)."""
+
+    units: dict[int, list[Unit]]
+    avals: dict[ValueKey, Any]
+    finals: dict[Outer, Acc]
+    acc_home: dict[Any, int]
+
+    def step_values_read(self) -> dict[Var, set[int]]:
+        """Step var -> the actors whose loop tasks read it."""
+        need: dict[Var, set[int]] = defaultdict(set)
+        for a, us in self.units.items():
+            for u in us:
+                for k in u.parts[0].inputs:
+                    if isinstance(k, Outer):
+                        need[k.var].add(a)
+        return need
+
+
+def region_plans(split: StageSplit, body: LoopBody) -> dict[RegionKey, RegionPlan | None]:
+    """Takes the stage regions and the body; gives each region's plan (None for one that defines nothing)."""
+    consumers: dict[Var, set[Any]] = defaultdict(set)  # var -> regions that read it without computing it themselves
+    for r, eqns in split.regions.items():
+        for v in free_inputs(eqns):
+            consumers[v].add(r)
+    accumulated = set(body.accumulators)
+    stacked = {v for v, _ in body.stacked}
+    plans: dict[RegionKey, RegionPlan | None] = {}
+    for r, eqns in split.regions.items():
+        reads = free_inputs(eqns)
+        const_eqns = constants_needed(eqns, [v for v in reads if body.status.get(v) == CONST], body)
+        body_eqns = [*const_eqns, *eqns]
+        in_vars = [v for v in free_inputs(body_eqns) if v not in body.consts]
+        own = {v for e in eqns for v in e.outvars if is_var(v)}
+        exported = [v for e in eqns for v in e.outvars if is_var(v) and consumers.get(v, set()) - {r}]
+        accs = [v for e in eqns for v in e.outvars if is_var(v) and (v in accumulated or v in stacked)]
+        plans[RegionKey(*r)] = RegionPlan(body_eqns, in_vars, exported, accs) if own else None
+    return plans
+
+
+def plan_loop_tasks(stages: ScheduledStages, body: LoopBody, names: CanonicalVars) -> LoopTasks:
+    """Takes the scheduled stages, the body and the canonical names; gives one unit per scheduled task, in
+    each actor's table order, reading `Outer` step values, `PerMb` values of its microbatch and the previous
+    `Acc` of each accumulator it adds to, and writing `PerMb` and `Acc` values."""
+    plans = region_plans(stages.split, body)
+    stacked = {v for v, _ in body.stacked}
+    m = body.num_microbatches
+    avals: dict[ValueKey, Any] = {}
+    first_seen: set[Any] = set()
+    last: dict[Any, int] = {}
+    units: dict[int, list[Unit]] = defaultdict(list)
+    for row in stages.table:
+        for task in row:
+            info = plans.get(RegionKey(task.stage, task.kind))
+            if info is None:
+                continue
+            i = task.mb
+            a = stages.actor_of(task.stage)
+            keys: list[ValueKey] = []
+            leaf_pos = []
+            for pos, v in enumerate(info.in_vars):
+                if v in names.leaf_outer:
+                    keys.append(Outer(names.leaf_outer[v]))
+                    leaf_pos.append(pos)
+                    avals[keys[-1]] = names.leaf_outer[v].aval
+                elif body.status.get(v, CONST) == VARYING:
+                    keys.append(PerMb(v, i))
+                    avals[keys[-1]] = v.aval
+                else:
+                    keys.append(Outer(names.resolve(v)))
+                    avals[keys[-1]] = v.aval
+            modes: list[AccumulatorMode] = []
+            acc_in: list[ValueKey] = []
+            acc_out: list[ValueKey] = []
+            for v in info.accs:
+                first = v not in first_seen
+                first_seen.add(v)
+                mode = AccumulatorMode("stack" if v in stacked else "sum", first)
+                modes.append(mode)
+                if not first:
+                    acc_in.append(Acc(v, last[v]))
+                acc_out.append(Acc(v, i))
+                avals[Acc(v, i)] = v.aval.update(shape=(m, *v.aval.shape)) if mode.kind == "stack" else v.aval
+                last[v] = i
+            needs_index = bool(leaf_pos) or any(mode.kind == "stack" for mode in modes)
+            inner = eqns_fn(info.eqns, info.in_vars, [*info.exported, *info.accs], body.consts)
+            fn = task_function(inner, len(info.in_vars), leaf_pos, len(info.exported), modes, m, needs_index)
+            inputs = [*keys, *acc_in, *([MbIndex(i)] if needs_index else [])]
+            if needs_index:
+                avals[MbIndex(i)] = jax.ShapeDtypeStruct((), "int32")
+            outputs = [*(PerMb(v, i) for v in info.exported), *acc_out]
+            for v in info.exported:
+                avals[PerMb(v, i)] = v.aval
+            part = Part(fn, inputs, outputs, TaskTemplate(task.stage, task.kind, tuple(modes)), Label.of(task))
+            units[a].append(Unit(a, [part]))
+    finals, acc_home = _accumulator_finals(units, body)
+    return LoopTasks(units, avals, finals, acc_home)
+
+
+def _accumulator_finals(units: dict[int, list[Unit]], body: LoopBody) -> tuple[dict[Outer, Acc], dict[Any, int]]:
+    """The last Acc of every accumulator (under the Outer key of its step-level var) and its actor."""
+    finals: dict[Outer, Acc] = {}
+    acc_home: dict[Any, int] = {}
+    for a, us in units.items():
+        for u in us:
+            for k in u.parts[0].outputs:
+                if isinstance(k, Acc):
+                    finals[Outer(k.var)] = k
+                    acc_home[k.var] = a
+    for v, out in body.stacked:
+        if Outer(v) in finals:
+            finals[Outer(out)] = finals.pop(Outer(v))
+            acc_home[out] = acc_home.pop(v)
+    return finals, acc_home

@@ -1,0 +1,93 @@
+"""The planner's pass over the step's equations outside the microbatch loop: place the equations before it
+(and the invariants hoisted out of it) and after it (the gradients' tail, the optimizer update) on actors,
+and make a unit of each chunk of them. Pure: data in, data out; the rules are `mpmd.compiler.placement`'s.
+
+    place_outside_loop(loop, body, names, tasks, num_actors) -> OutsideLoop
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from jax.extend.core import Var
+
+from mpmd.compiler.body import CONST, LoopBody, constants_needed
+from mpmd.compiler.eqns import SyntheticEqn, eqns_fn, free_inputs, is_var
+from mpmd.compiler.keys import ChunkTemplate, Outer, ValueKey
+from mpmd.compiler.loop_tasks import CanonicalVars, LoopTasks, StepLoop
+from mpmd.compiler.placement import Chunk, make_chunks, place_post, place_pre, split_conds
+from mpmd.compiler.program import Label
+from mpmd.compiler.units import Part, Unit
+
+
+@dataclass(frozen=True)
+class OutsideLoop:
+    """The units before the loop (`pre`) and after it (`post`), one per chunk, in chunk order; which actors
+    need each step value (`need`: the step arguments' homes come from it); the avals of the keys the units
+    name."""
+
+    pre: list[Unit]
+    post: list[Unit]
+    need: dict[Var, set[int]]
+    avals: dict[ValueKey, Any]
+
+
+def substitute(eqns: list[Any], resolve: Callable[[Any], Any]) -> list[Any]:
+    """The equations with every input var replaced by its canonical var."""
+    out = []
+    for e in eqns:
+        new_in = [resolve(v) if isinstance(v, Var) else v for v in e.invars]
+        if new_in == list(e.invars):
+            out.append(e)
+        elif isinstance(e, SyntheticEqn):
+            out.append(SyntheticEqn(e.fn, new_in, e.outvars, e.name))
+        else:
+            out.append(e.replace(invars=new_in))
+    return out
+
+
+def place_outside_loop(loop: StepLoop, body: LoopBody, names: CanonicalVars, tasks: LoopTasks, num_actors: int) -> OutsideLoop:
+    """Takes the loop, its body, the canonical names and the loop's tasks; gives the placed equations before
+    and after the loop as units (after the loop placement follows the owner: the accumulators' actors and the
+    actors whose tasks read a parameter), and where every step value is needed."""
+    jaxpr = loop.jaxpr
+    step_outputs = {names.resolve(v) for v in jaxpr.outvars if isinstance(v, Var)}
+    all_actors = set(range(num_actors))
+    loop_need = tasks.step_values_read()
+    pre = substitute([*loop.before, *body.hoisted], names.resolve)
+    post = split_conds(substitute([*body.tail, *loop.after], names.resolve))
+    args = set(jaxpr.invars)
+    arg_hints = {v: w for v, w in loop_need.items() if v in args}
+    # A first placement of the equations before the loop says where the arguments the loop reads live,
+    # which is where the equations after the loop that read them run.
+    provisional = defaultdict(set, {k: set(v) for k, v in loop_need.items()})
+    place_pre(pre, provisional, step_outputs, all_actors, arg_hints)
+    loc: dict[Var, set[int]] = {v: set(w) for v, w in provisional.items() if v in args and w}
+    loc.update({v: {a} for v, a in tasks.acc_home.items()})
+    need: dict[Var, set[int]] = defaultdict(set, {k: set(v) for k, v in loop_need.items()})
+    post_placed = place_post(post, loc, need, step_outputs, all_actors)
+    pre_placed = place_pre(pre, need, step_outputs, all_actors, arg_hints)
+    consts = {**loop.consts, **body.consts}
+    pre_chunks = make_chunks(pre_placed, "pre", 0)
+    post_chunks = make_chunks(post_placed, "post", len(pre_chunks))
+    avals: dict[ValueKey, Any] = {}
+    pre_units = [Unit(c.actor, [chunk_part(c, body, consts, avals)]) for c in pre_chunks]
+    post_units = [Unit(c.actor, [chunk_part(c, body, consts, avals)]) for c in post_chunks]
+    return OutsideLoop(pre_units, post_units, need, avals)
+
+
+def chunk_part(c: Chunk, body: LoopBody, consts: dict[Any, Any], avals: dict[ValueKey, Any]) -> Part:
+    """A part for one chunk of placed equations; its outputs are all it defines (the unit's interface is
+    trimmed later to what others read). Records the avals of its keys in `avals`."""
+    reads = free_inputs(c.eqns)
+    const_eqns = constants_needed(c.eqns, [v for v in reads if body.status.get(v) == CONST], body)
+    eqns = [*const_eqns, *c.eqns]
+    ins = [v for v in free_inputs(eqns) if v not in consts]
+    outs = [v for e in c.eqns for v in e.outvars if is_var(v)]
+    for v in [*ins, *outs]:
+        avals[Outer(v)] = v.aval
+    fn = eqns_fn(eqns, ins, outs, consts)
+    return Part(fn, [Outer(v) for v in ins], [Outer(v) for v in outs], ChunkTemplate(c.phase, c.seq, c.actor), Label(c.phase))
