@@ -17,7 +17,6 @@ import asyncio
 import logging
 import os
 import time
-import traceback
 from typing import Any
 
 import jax
@@ -26,6 +25,7 @@ import numpy as np
 from actors import checkpoint, profiler, spmd
 from actors.buffers import BufferTable, UnknownBufferError, nbytes
 from actors.cache import ExecutableCache
+from actors.request import RequestError, field, int_list
 from actors.stream import StepTrace, Stream, now
 from transport.p2p import P2PTransport, TransferError
 from transport.program import Instruction, Program, ProgramError, Recv, Run, Send, decode_instruction, decode_program
@@ -44,27 +44,6 @@ def _settle(fut: asyncio.Future[Any], task: asyncio.Future[Any]) -> None:
         fut.set_exception(task.exception())
     else:
         fut.set_result(task.result())
-
-
-class RequestError(ValueError):
-    """A well-formed message whose fields are wrong (missing, wrong type, unknown program)."""
-
-
-def field(msg: Message, name: str, kind: type | tuple[type, ...]) -> Any:
-    try:
-        value = msg.header[name]
-    except KeyError:
-        raise RequestError(f"'{msg.op}' request lacks field {name!r}") from None
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
-        raise RequestError(f"'{msg.op}' field {name!r} must be {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
-    return value
-
-
-def int_list(msg: Message, name: str) -> list[int]:
-    values = field(msg, name, list)
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise RequestError(f"'{msg.op}' field {name!r} must be a list of ints")
-    return values
 
 
 def to_host(x: Any) -> np.ndarray:
@@ -135,7 +114,7 @@ class Actor:
             "mesh": self.mesh,
             "save": lambda ses, msg: checkpoint.save(self, ses, msg),
             "restore": lambda ses, msg: checkpoint.restore(self, ses, msg),
-            "profile": lambda ses, msg: profiler.profile(self, ses, msg, RequestError),
+            "profile": lambda ses, msg: profiler.profile(self, ses, msg),
         }
         self.profile_state = profiler.ProfileState()
         self._out_sizes: dict[Any, list[int]] = {}  # executable key -> bytes of each output
@@ -696,8 +675,4 @@ class Actor:
         return await handler(ses, msg)
 
 
-def format_exception(e: BaseException) -> str:
-    return "".join(traceback.format_exception(type(e), e, e.__traceback__))
-
-
-__all__ = ["Actor", "RequestError", "UnknownBufferError", "format_exception"]
+__all__ = ["Actor", "UnknownBufferError"]
