@@ -26,6 +26,7 @@ from actors import checkpoint, profiler, spmd
 from actors.buffers import BufferTable, UnknownBufferError, nbytes
 from actors.cache import ExecutableCache
 from actors.request import RequestError, field, int_list
+from actors.sandbox import BlobChecker
 from actors.stream import StepTrace, Stream, now
 from transport.p2p import P2PTransport, TransferError
 from transport.program import Instruction, Program, ProgramError, Recv, Run, Send, decode_instruction, decode_program
@@ -80,14 +81,18 @@ MAX_SESSIONS = 64
 
 
 class Actor:
-    def __init__(self, actor_id: int, p2p: P2PTransport | None, transfer_timeout: float = 300.0) -> None:
+    """One actor's request API over its devices, executable cache and data plane (`p2p`; None: none).
+    `checker` and `compile_timeout` bound what its cache compiles (see actors/cache.py)."""
+
+    def __init__(self, actor_id: int, p2p: P2PTransport | None, transfer_timeout: float = 300.0,
+                 checker: BlobChecker | None = None, compile_timeout: float = 600.0) -> None:
         self.actor_id = actor_id
         self.transfer_timeout = transfer_timeout
         self.device = jax.devices()[0]
         # CPU computations run one after another through an order token (actors/stream.py); GPUs queue in order.
         ordered_calls = self.device.platform == "cpu"
         self.stream = Stream(self.device, ordered_calls)
-        self.cache = ExecutableCache(self.device, ordered=ordered_calls)
+        self.cache = ExecutableCache(self.device, checker, compile_timeout, ordered=ordered_calls)
         self.p2p = p2p
         self.sessions: dict[int, Session] = {}
         self.requests = 0
