@@ -159,7 +159,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         jax.config.update("jax_compilation_cache_dir", args.cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
-    from actors.actor import Actor
+    from actors.handlers import Actor
     from actors.request import RequestError, format_exception
     from actors.sandbox import ALLOWED_CUSTOM_CALLS, BlobChecker
     from transport.auth import Authenticator, KeyPair, configure_server, user_id
