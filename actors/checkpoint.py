@@ -16,6 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from actors.request import RequestError, field, int_list
+from transport.protocol import Message, aval_header
+
 
 def _checkpointer() -> Any:
     import orbax.checkpoint as ocp
@@ -46,9 +49,7 @@ def _read(directory: str, names: list[str], device: Any) -> dict[str, Any]:
     return {n: got[n] for n in names}
 
 
-def _names(msg: Any, field: Any, int_list: Any) -> tuple[str, list[str], list[int]]:
-    from actors.actor import RequestError
-
+def _names(msg: Message) -> tuple[str, list[str], list[int]]:
     directory = field(msg, "dir", str)
     names = field(msg, "names", list)
     bufs = int_list(msg, "bufs")
@@ -59,9 +60,7 @@ def _names(msg: Any, field: Any, int_list: Any) -> tuple[str, list[str], list[in
 
 async def save(actor: Any, ses: Any, msg: Any) -> tuple[dict, list]:
     """Write the buffers `bufs` as arrays `names` into the orbax directory `dir` (once they are computed)."""
-    from actors.actor import field, int_list
-
-    directory, names, bufs = _names(msg, field, int_list)
+    directory, names, bufs = _names(msg)
     refs = [ses.buffers.ref(b) for b in bufs]  # taken now: a delete arriving next must not pull them away
     values = [await asyncio.shield(r) if isinstance(r, asyncio.Future) else r for r in refs]
     await asyncio.to_thread(_write, directory, dict(zip(names, values)))
@@ -70,10 +69,7 @@ async def save(actor: Any, ses: Any, msg: Any) -> tuple[dict, list]:
 
 async def restore(actor: Any, ses: Any, msg: Any) -> tuple[dict, list]:
     """Read arrays `names` from the orbax directory `dir` into new buffers `bufs`."""
-    from actors.actor import field, int_list
-    from transport.protocol import aval_header
-
-    directory, names, bufs = _names(msg, field, int_list)
+    directory, names, bufs = _names(msg)
     for b in bufs:
         ses.buffers.reserve(b)
     try:

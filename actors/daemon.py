@@ -159,8 +159,8 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         jax.config.update("jax_compilation_cache_dir", args.cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
-    from actors.actor import Actor, RequestError, format_exception
-    from actors.cache import ExecutableCache
+    from actors.handlers import Actor
+    from actors.request import RequestError, format_exception
     from actors.sandbox import ALLOWED_CUSTOM_CALLS, BlobChecker
     from transport.auth import Authenticator, KeyPair, configure_server, user_id
     from transport.control import bind_router
@@ -197,8 +197,8 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         await p2p.start()
     checker = BlobChecker(ALLOWED_CUSTOM_CALLS | frozenset(args.allow_custom_call), timeout=args.compile_timeout,
                           devices=len(jax.devices()))
-    actor = Actor(args.actor_id, p2p, transfer_timeout=args.transfer_timeout)
-    actor.cache = ExecutableCache(actor.device, checker, args.compile_timeout, ordered=actor.stream.ordered)
+    actor = Actor(args.actor_id, p2p, transfer_timeout=args.transfer_timeout, checker=checker,
+                  compile_timeout=args.compile_timeout)
     actor.limits = {"request_timeout": args.request_timeout, "compile_timeout": args.compile_timeout + COMPILE_GRACE,
                     "authenticated": secure, "insecure": args.insecure}
     if p2p is not None:

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from actors.request import RequestError
+
 MAX_PROFILE_BYTES = 512 << 20
 
 
@@ -33,7 +35,8 @@ class ProfileState:
         self.directory: str | None = None
 
 
-async def profile(actor: Any, ses: Any, msg: Any, error: type[Exception]) -> tuple[dict, list]:
+async def profile(actor: Any, ses: Any, msg: Any) -> tuple[dict, list]:
+    """Start (`action: "start"`) or stop and collect (`action: "stop"`) the session `ses`'s trace on `actor`."""
     import jax
 
     state: ProfileState = actor.profile_state
@@ -43,7 +46,7 @@ async def profile(actor: Any, ses: Any, msg: Any, error: type[Exception]) -> tup
         if state.session is not None and state.session not in actor.sessions:
             stop_quietly(actor)  # its session is gone (closed or dropped without a stop)
         if state.session is not None:
-            raise error(f"actor {actor.actor_id} is already profiling for session {state.session:#x}: JAX's profiler runs one "
+            raise RequestError(f"actor {actor.actor_id} is already profiling for session {state.session:#x}: JAX's profiler runs one "
                         "trace per process; leave that mesh.profile() block first")
         state.directory = tempfile.mkdtemp(prefix="mpmd-profile-")
         await asyncio.to_thread(jax.profiler.start_trace, state.directory)
@@ -51,7 +54,7 @@ async def profile(actor: Any, ses: Any, msg: Any, error: type[Exception]) -> tup
         return {"started": True}, []
     if action == "stop":
         if state.session is None or state.session != sid:
-            raise error(f"actor {actor.actor_id} has no profile running for this session: call profile start first")
+            raise RequestError(f"actor {actor.actor_id} has no profile running for this session: call profile start first")
         directory = state.directory
         assert directory is not None
         try:
@@ -62,7 +65,7 @@ async def profile(actor: Any, ses: Any, msg: Any, error: type[Exception]) -> tup
                     path = os.path.join(root, name)
                     total += os.path.getsize(path)
                     if total > MAX_PROFILE_BYTES:
-                        raise error(f"actor {actor.actor_id}'s profile is over {MAX_PROFILE_BYTES >> 20} MiB: profile fewer "
+                        raise RequestError(f"actor {actor.actor_id}'s profile is over {MAX_PROFILE_BYTES >> 20} MiB: profile fewer "
                                     "steps inside mesh.profile()")
                     names.append(os.path.relpath(path, directory))
                     frames.append(np.fromfile(path, dtype=np.uint8))
@@ -70,7 +73,7 @@ async def profile(actor: Any, ses: Any, msg: Any, error: type[Exception]) -> tup
         finally:
             state.session = state.directory = None
             shutil.rmtree(directory, ignore_errors=True)
-    raise error(f"'profile' action must be 'start' or 'stop', got {action!r}")
+    raise RequestError(f"'profile' action must be 'start' or 'stop', got {action!r}")
 
 
 def stop_quietly(actor: Any) -> None:

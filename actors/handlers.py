@@ -1,70 +1,34 @@
-"""Request handlers of one actor, and the Program interpreter.
+"""The request API of one actor: `Actor.handle` serves one decoded request by calling the handler of its op,
+one method per op (`save` and `restore` are in actors/checkpoint.py, `profile` in actors/profiler.py). A
+handler checks the request's fields, works on the caller's `Session` (its buffers, programs and running
+steps) and returns the reply's header and array frames; a wrong field raises `RequestError`, which the
+daemon (actors/daemon.py) turns into an error reply. The wire form of every op is in transport/protocol.py.
 
-The interpreter is deliberately dumb (see STYLE.md): it walks a static instruction list. A `run` waits only
-for the buffers it reads; a `recv` is posted as a task at once (arrivals before it wait in the mailbox); a
-`send` takes its buffer at once and runs as a task that never blocks the next instruction; a `del` drops
-the buffer at once (a send in flight holds its own reference) unless the buffer is still being received,
-in which case it waits for that buffer's sends. Runs execute in dispatch order without a round trip through
-Python between them (see actors/stream.py).
-With ``sync`` set on a run (to measure what overlap buys), every send is instead awaited where it stands,
-until its bytes have left the actor, so compute stops while data moves. (Receives stay posted: the compiler
-hoists them to the top of a program, and awaiting them there would deadlock a pipeline.)
+`run_program` checks a step's arguments, reserves its buffers and hands the step to the Program interpreter
+(actors/interpreter.py), which shares this actor's executable cache, stream and data-plane transfers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import time
-import traceback
 from typing import Any
 
 import jax
 import numpy as np
 
 from actors import checkpoint, profiler, spmd
-from actors.buffers import BufferTable, UnknownBufferError, nbytes
+from actors.buffers import BufferTable
 from actors.cache import ExecutableCache
+from actors.interpreter import Interpreter
+from actors.request import RequestError, field, int_list
+from actors.sandbox import BlobChecker
 from actors.stream import StepTrace, Stream, now
-from transport.p2p import P2PTransport, TransferError
-from transport.program import Instruction, Program, ProgramError, Recv, Run, Send, decode_instruction, decode_program
-from transport.protocol import Message, aval_header, dtype_from_name
-
-log = logging.getLogger(__name__)
-
-
-def _settle(fut: asyncio.Future[Any], task: asyncio.Future[Any]) -> None:
-    """Pass `task`'s outcome on to `fut` (unless `fut` is settled already)."""
-    if fut.done():
-        return
-    if task.cancelled():
-        fut.cancel()
-    elif task.exception() is not None:
-        fut.set_exception(task.exception())
-    else:
-        fut.set_result(task.result())
-
-
-class RequestError(ValueError):
-    """A well-formed message whose fields are wrong (missing, wrong type, unknown program)."""
-
-
-def field(msg: Message, name: str, kind: type | tuple[type, ...]) -> Any:
-    try:
-        value = msg.header[name]
-    except KeyError:
-        raise RequestError(f"'{msg.op}' request lacks field {name!r}") from None
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
-        raise RequestError(f"'{msg.op}' field {name!r} must be {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
-    return value
-
-
-def int_list(msg: Message, name: str) -> list[int]:
-    values = field(msg, name, list)
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise RequestError(f"'{msg.op}' field {name!r} must be a list of ints")
-    return values
+from actors.transfers import Transfers
+from transport.p2p import P2PTransport
+from transport.program import ProgramError, Recv, Run, Send, decode_instruction, decode_program
+from transport.protocol import Message, aval_header
 
 
 def to_host(x: Any) -> np.ndarray:
@@ -101,15 +65,20 @@ MAX_SESSIONS = 64
 
 
 class Actor:
-    def __init__(self, actor_id: int, p2p: P2PTransport | None, transfer_timeout: float = 300.0) -> None:
+    """One actor's request API over its devices, executable cache and data plane (`p2p`; None: none).
+    `checker` and `compile_timeout` bound what its cache compiles (see actors/cache.py)."""
+
+    def __init__(self, actor_id: int, p2p: P2PTransport | None, transfer_timeout: float = 300.0,
+                 checker: BlobChecker | None = None, compile_timeout: float = 600.0) -> None:
         self.actor_id = actor_id
-        self.transfer_timeout = transfer_timeout
         self.device = jax.devices()[0]
         # CPU computations run one after another through an order token (actors/stream.py); GPUs queue in order.
         ordered_calls = self.device.platform == "cpu"
         self.stream = Stream(self.device, ordered_calls)
-        self.cache = ExecutableCache(self.device, ordered=ordered_calls)
+        self.cache = ExecutableCache(self.device, checker, compile_timeout, ordered=ordered_calls)
         self.p2p = p2p
+        self.transfers = Transfers(actor_id, self.device, self.cache, p2p, transfer_timeout)
+        self.interpreter = Interpreter(self.stream, self.cache, self.transfers)
         self.sessions: dict[int, Session] = {}
         self.requests = 0
         self.errors = 0
@@ -135,10 +104,9 @@ class Actor:
             "mesh": self.mesh,
             "save": lambda ses, msg: checkpoint.save(self, ses, msg),
             "restore": lambda ses, msg: checkpoint.restore(self, ses, msg),
-            "profile": lambda ses, msg: profiler.profile(self, ses, msg, RequestError),
+            "profile": lambda ses, msg: profiler.profile(self, ses, msg),
         }
         self.profile_state = profiler.ProfileState()
-        self._out_sizes: dict[Any, list[int]] = {}  # executable key -> bytes of each output
 
     # ---- simple requests -------------------------------------------------------------------------
     async def ping(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
@@ -322,7 +290,7 @@ class Actor:
         if timeout is not None:
             if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
                 raise RequestError(f"'connect_peers' field 'timeout' must be a positive number of seconds, got {timeout!r}")
-            self.transfer_timeout = float(timeout)
+            self.transfers.timeout = float(timeout)
         try:
             await self.p2p.connect(parsed)
         except (ValueError, KeyError) as e:
@@ -403,7 +371,8 @@ class Actor:
         for b, v in prog.consts.items():
             env.put(b, v)
         trace = StepTrace() if tracing else None
-        task = asyncio.get_running_loop().create_task(self._execute(ses, pid, prog, step, env, refs, prologue, sync, trace))
+        task = asyncio.get_running_loop().create_task(
+            self.interpreter.run_step((ses.id, pid, step), prog, env, refs, prologue, ses.buffers, sync, trace))
         ses.running[key] = task
         try:
             await task
@@ -442,238 +411,6 @@ class Actor:
             task.cancel()
         return {"aborted": bool(tasks), "steps": len(tasks)}, []
 
-    async def _execute(self, ses: Session, pid: int, prog: Program, step: int, env: BufferTable, refs: list,
-                       prologue: list[Instruction], sync: bool, trace: StepTrace | None = None) -> None:
-        # The prologue copies arguments between actors; post it before waiting for those arguments.
-        transfers = self._transfers((ses.id, pid, step), ses.buffers, prologue)
-        try:
-            for local, ref in zip(prog.inputs, refs):
-                env.put(local, await asyncio.shield(ref) if isinstance(ref, asyncio.Future) else ref)
-            await self._interpret((ses.id, pid, step), env, prog.instructions, sync, trace)
-            await asyncio.gather(*transfers)
-        finally:
-            for t in transfers:
-                t.cancel()
-
-    def _transfers(self, step_key: tuple[int, int, int], env: BufferTable, instrs: list[Instruction],
-                   sync: bool = False, trace: StepTrace | None = None) -> list[asyncio.Task[None]]:
-        """Start the sends and receives in `instrs`; a transfer's key is (session, program, step, tag)."""
-        tasks: list[Any] = []
-        # Unsharded transfers of an untraced step go without a task of their own: a receive is a callback on
-        # its mailbox slot and a small computed send is posted at once (each task turn cost ~20 us of a hop).
-        plain = self.p2p is not None
-        for ins in instrs:
-            if isinstance(ins, Send):
-                ref = env.ref(ins.buf)  # taken now: a `del` right after the send may drop the buffer from the table
-                if plain and not sync and (ins.layout is None or self.cache.mesh is None):
-                    tasks.append(self._send_soon(ref, ins.to_actor, (*step_key, ins.tag), str(ins.label), trace))
-                else:
-                    tasks.append(asyncio.create_task(self._send(ref, ins.to_actor, (*step_key, ins.tag), str(ins.label), sync,
-                                                                trace, ins.layout)))
-            elif isinstance(ins, Recv):
-                env.reserve(ins.buf)
-                if plain and (ins.layout is None or self.cache.mesh is None):
-                    tasks.append(self._recv_soon(env, ins, (*step_key, ins.tag), trace))
-                else:
-                    tasks.append(asyncio.create_task(self._recv(env, ins, (*step_key, ins.tag), trace)))
-        return tasks
-
-    def _send_soon(self, ref: Any, peer: int, key: tuple, label: str, trace: StepTrace | None = None) -> asyncio.Future[None]:
-        """A Send as a future: posted the moment its value is there (at once if it is), through `_send` only
-        for what `send_now` cannot post directly (big, NCCL or still-computing values)."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-
-        def go(value: Any) -> None:
-            if done.done():
-                return
-            try:
-                t0 = now() if trace else 0
-                if self.p2p.send_now(peer, key, value):
-                    if trace:
-                        trace.transfer("send", label, peer, int(value.nbytes), t0, now(), key[-1])
-                    done.set_result(None)
-                    return
-            except BaseException as e:
-                done.set_exception(e)
-                return
-            task = loop.create_task(self._send(value, peer, key, label, trace=trace))
-            task.add_done_callback(lambda t: _settle(done, t))
-            done.add_done_callback(lambda d: task.cancel() if d.cancelled() else None)
-
-        if isinstance(ref, asyncio.Future):
-            def ready(f: asyncio.Future[Any]) -> None:
-                if f.cancelled():
-                    done.cancel()
-                elif f.exception() is not None:
-                    if not done.done():
-                        done.set_exception(f.exception())
-                else:
-                    go(f.result())
-
-            if ref.done():
-                ready(ref)
-            else:
-                ref.add_done_callback(ready)
-        else:
-            go(ref)
-        return done
-
-    def _recv_soon(self, env: BufferTable, ins: Recv, key: tuple, trace: StepTrace | None = None) -> asyncio.Future[None]:
-        """A Recv as a future: its array goes into `env` in the callback that receives it (see `_recv`)."""
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        peer = ins.from_actor
-        t0 = now() if trace else 0
-
-        def fail(e: BaseException) -> None:
-            env.fail(ins.buf, e)
-            done.set_exception(e)
-
-        def then(slot: asyncio.Future[Any]) -> None:
-            if done.done():
-                return  # the step was aborted: its handler tells whoever waits for the buffer why
-            if slot.cancelled():
-                done.cancel()
-                return
-            exc = slot.exception()
-            if exc is not None:
-                fail(self._recv_timed_out(peer, ins) if isinstance(exc, TimeoutError) else exc)
-                return
-            got = slot.result()
-            bad = self._recv_mismatch(peer, ins, want, tuple(ins.shape), got)
-            if bad is not None:
-                fail(bad)
-                return
-            if isinstance(got, np.ndarray) and self.device.platform != "cpu":
-                got = jax.device_put(got, self.device)
-            env.put(ins.buf, got)
-            if trace:
-                trace.transfer("recv", str(ins.label), peer, int(got.nbytes), t0, now(), ins.tag)
-            done.set_result(None)
-
-        try:
-            want = dtype_from_name(ins.dtype)
-            self.p2p.recv_then(peer, key, self.transfer_timeout, then)
-        except BaseException as e:
-            fail(e)
-        return done
-
-    async def _interpret(self, step_key: tuple[int, int, int], env: BufferTable, instrs: list[Instruction], sync: bool,
-                         trace: StepTrace | None = None) -> None:
-        sends: dict[int, list[asyncio.Task[None]]] = {}
-        recvs: list[asyncio.Task[None]] = []
-        inflight: list[asyncio.Task[None]] = []  # sends whose buffer is already dropped from the table
-        debug = log.isEnabledFor(logging.DEBUG)
-        try:
-            for ins in instrs:
-                if debug:
-                    log.debug("session %x program %d step %d: %s", *step_key, ins)
-                if isinstance(ins, Run):
-                    t0 = now() if trace else 0
-                    args = env.all_now(ins.inputs)
-                    if args is None:  # waits only for values still being received
-                        args = [await env.get(b) for b in ins.inputs]
-                    if trace:
-                        results = await trace.run(self.stream, self.cache.get(ins.exe), args, str(ins.label), t0, now())
-                    else:
-                        _, results = self.stream.call(self.cache.get(ins.exe), args)
-                    if ins.donate:  # their buffers now belong to the results
-                        env.delete([ins.inputs[d] for d in ins.donate])
-                    sizes = self._out_sizes.get(ins.exe)
-                    if sizes is None:  # an executable's outputs have the same shapes every time
-                        sizes = self._out_sizes[ins.exe] = [nbytes(r) for r in results]
-                    for b, r, size in zip(ins.outputs, results, sizes):
-                        env.put(b, r, size)
-                elif isinstance(ins, (Send, Recv)):
-                    (t,) = self._transfers(step_key, env, [ins], sync, trace)
-                    if sync and isinstance(ins, Send):
-                        await t
-                    else:
-                        (sends.setdefault(ins.buf, []) if isinstance(ins, Send) else recvs).append(t)
-                else:
-                    for b in ins.bufs:
-                        pending = sends.pop(b, ())
-                        if pending and not env.has_value(b):  # still being received: its sends hold a future
-                            await asyncio.gather(*pending)
-                        inflight.extend(pending)
-                    env.delete(list(ins.bufs))
-            await asyncio.gather(*(t for ts in sends.values() for t in ts), *inflight, *recvs)
-        except BaseException:
-            for t in [*recvs, *inflight, *(t for ts in sends.values() for t in ts)]:
-                t.cancel()
-            raise
-
-    async def _send(self, ref: Any, peer: int, key: tuple, label: str, sync: bool = False, trace: StepTrace | None = None,
-                    layout: tuple | None = None) -> None:
-        value = await asyncio.shield(ref) if isinstance(ref, asyncio.Future) else ref
-        if self.p2p is None:
-            raise TransferError(f"actor {self.actor_id} has no data plane to send {label} to actor {peer}")
-        t0 = now() if trace else 0
-        mesh = self.cache.mesh
-        if layout is not None and mesh is not None:
-            # Shard by shard, as the receiver expects: each distinct slice from the first device holding it (a
-            # value in another layout is laid out first), to the same device there.
-            spec = spmd.PartitionSpec(*layout)
-            if not isinstance(getattr(value, "sharding", None), spmd.NamedSharding) or value.sharding.spec != spec:
-                value = jax.device_put(value, spmd.NamedSharding(mesh, spec))
-            shards = spmd.shards_at(value, spmd.distinct_positions(value.shape, mesh, spec))
-            await asyncio.gather(*(self.p2p.send(peer, (*key, pos), data, wait=sync) for pos, data in shards))
-        else:
-            await self.p2p.send(peer, key, value, wait=sync)
-        if trace:
-            trace.transfer("send", label, peer, int(value.nbytes), t0, now(), key[-1])
-
-    async def _recv(self, env: BufferTable, ins: Recv, key: tuple, trace: StepTrace | None = None) -> None:
-        peer, label = ins.from_actor, str(ins.label)
-        t0 = now() if trace else 0
-        try:
-            if self.p2p is None:
-                raise TransferError(f"actor {self.actor_id} has no data plane to receive {label} from actor {peer}")
-            want = dtype_from_name(ins.dtype)
-            mesh = self.cache.mesh
-            if ins.layout is not None and mesh is not None:
-                spec = spmd.PartitionSpec(*ins.layout)
-                positions = spmd.distinct_positions(tuple(ins.shape), mesh, spec)
-                shard_shape = spmd.NamedSharding(mesh, spec).shard_shape(tuple(ins.shape))
-                parts = await asyncio.gather(*(self._recv_one(peer, (*key, pos), ins, want, shard_shape) for pos in positions))
-                got = spmd.assemble(tuple(ins.shape), mesh, spec, dict(zip(positions, parts)))
-            else:
-                got = await self._recv_one(peer, key, ins, want, tuple(ins.shape))
-            # A received host array is ours alone (fresh aligned buffer, or shared memory reused only after the
-            # array is gone). On CPU it stays a numpy array: an executable takes it as it is, without a copy
-            # (and a forward to the next actor needs no conversion at all); elsewhere it moves to the device.
-            if isinstance(got, np.ndarray) and self.device.platform != "cpu":
-                got = jax.device_put(got, self.device)
-            env.put(ins.buf, got)
-            if trace:
-                trace.transfer("recv", label, peer, int(got.nbytes), t0, now(), ins.tag)
-        except asyncio.CancelledError:
-            raise  # the step was aborted: its handler tells whoever waits for the buffer why (run_program)
-        except BaseException as e:
-            env.fail(ins.buf, e)
-            raise
-
-    async def _recv_one(self, peer: int, key: tuple, ins: Recv, want: np.dtype, shape: tuple[int, ...]) -> Any:
-        try:
-            got = await self.p2p.recv(peer, key, self.transfer_timeout)
-        except TimeoutError:
-            raise self._recv_timed_out(peer, ins) from None
-        bad = self._recv_mismatch(peer, ins, want, shape, got)
-        if bad is not None:
-            raise bad
-        return got
-
-    def _recv_timed_out(self, peer: int, ins: Recv) -> TransferError:
-        return TransferError(
-            f"actor {self.actor_id} waited {self.transfer_timeout:g} s for {ins.label} (tag {ins.tag}) from actor {peer} "
-            f"and nothing came; is actor {peer} stuck? (RemoteMesh(..., transfer_timeout=s) sets this limit)")
-
-    def _recv_mismatch(self, peer: int, ins: Recv, want: np.dtype, shape: tuple[int, ...], got: Any) -> TransferError | None:
-        if np.dtype(got.dtype) == want and tuple(got.shape) == tuple(shape):
-            return None
-        return TransferError(f"actor {self.actor_id} expected {want.name}{list(shape)} from actor {peer} for {ins.label} "
-                             f"(tag {ins.tag}), received {np.dtype(got.dtype).name}{list(got.shape)}")
-
     # ---- dispatch --------------------------------------------------------------------------------
     async def handle(self, msg: Message, peer: str | None = None) -> tuple[dict, list]:
         """Serve one request. `peer` is the authenticated client (None without authentication): a session
@@ -696,8 +433,4 @@ class Actor:
         return await handler(ses, msg)
 
 
-def format_exception(e: BaseException) -> str:
-    return "".join(traceback.format_exception(type(e), e, e.__traceback__))
-
-
-__all__ = ["Actor", "RequestError", "UnknownBufferError", "format_exception"]
+__all__ = ["Actor", "Session"]

@@ -1,0 +1,104 @@
+"""The Program interpreter: one actor's loop over a step's static instruction list (Run, Send, Recv,
+Delete). It is deliberately dumb (see STYLE.md): all cleverness lives in the compiler.
+
+A `run` waits only for the buffers it reads; a `recv` is posted as a task at once (arrivals before it wait in
+the mailbox); a `send` takes its buffer at once and runs as a task that never blocks the next instruction; a
+`del` drops the buffer at once (a send in flight holds its own reference) unless the buffer is still being
+received, in which case it waits for that buffer's sends. Runs execute in dispatch order without a round
+trip through Python between them (see actors/stream.py); how transfers move bytes is actors/transfers.py.
+With ``sync`` set on a run (to measure what overlap buys), every send is instead awaited where it stands,
+until its bytes have left the actor, so compute stops while data moves. (Receives stay posted: the compiler
+hoists them to the top of a program, and awaiting them there would deadlock a pipeline.)
+
+What the interpreter works on is handed to it: the executable cache, the in-order stream, the transfers over
+the data plane, and per step the buffer tables. It knows nothing of requests or sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from actors.buffers import BufferTable, nbytes
+from actors.cache import ExecutableCache
+from actors.stream import StepTrace, Stream, now
+from actors.transfers import StepKey, Transfers
+from transport.program import Instruction, Program, Recv, Run, Send
+
+log = logging.getLogger(__name__)
+
+
+class Interpreter:
+    """Runs Programs on one actor with its `stream`, the executables in `cache`, and `transfers`."""
+
+    def __init__(self, stream: Stream, cache: ExecutableCache, transfers: Transfers) -> None:
+        self.stream = stream
+        self.cache = cache
+        self.transfers = transfers
+        self._out_sizes: dict[Any, list[int]] = {}  # executable key -> bytes of each output
+
+    async def run_step(self, step_key: StepKey, prog: Program, env: BufferTable, refs: list, prologue: list[Instruction],
+                       session_buffers: BufferTable, sync: bool, trace: StepTrace | None = None) -> None:
+        """One step of `prog` in the step's own table `env`: its inputs are `refs` (values, or futures of
+        values still being computed); the `prologue`'s transfers copy arguments between actors, reading and
+        writing `session_buffers`."""
+        # The prologue copies arguments between actors; post it before waiting for those arguments.
+        transfers = self.transfers.start(step_key, session_buffers, prologue)
+        try:
+            for local, ref in zip(prog.inputs, refs):
+                env.put(local, await asyncio.shield(ref) if isinstance(ref, asyncio.Future) else ref)
+            await self.interpret(step_key, env, prog.instructions, sync, trace)
+            await asyncio.gather(*transfers)
+        finally:
+            for t in transfers:
+                t.cancel()
+
+    async def interpret(self, step_key: StepKey, env: BufferTable, instrs: list[Instruction], sync: bool,
+                        trace: StepTrace | None = None) -> None:
+        """Execute `instrs` in order over `env`, then wait for every transfer they started."""
+        sends: dict[int, list[asyncio.Future[None]]] = {}
+        recvs: list[asyncio.Future[None]] = []
+        inflight: list[asyncio.Future[None]] = []  # sends whose buffer is already dropped from the table
+        debug = log.isEnabledFor(logging.DEBUG)
+        try:
+            for ins in instrs:
+                if debug:
+                    log.debug("session %x program %d step %d: %s", *step_key, ins)
+                if isinstance(ins, Run):
+                    t0 = now() if trace else 0
+                    args = env.all_now(ins.inputs)
+                    if args is None:  # waits only for values still being received
+                        args = [await env.get(b) for b in ins.inputs]
+                    if trace:
+                        results = await trace.run(self.stream, self.cache.get(ins.exe), args, str(ins.label), t0, now())
+                    else:
+                        _, results = self.stream.call(self.cache.get(ins.exe), args)
+                    if ins.donate:  # their buffers now belong to the results
+                        env.delete([ins.inputs[d] for d in ins.donate])
+                    sizes = self._out_sizes.get(ins.exe)
+                    if sizes is None:  # an executable's outputs have the same shapes every time
+                        sizes = self._out_sizes[ins.exe] = [nbytes(r) for r in results]
+                    for b, r, size in zip(ins.outputs, results, sizes):
+                        env.put(b, r, size)
+                elif isinstance(ins, (Send, Recv)):
+                    (t,) = self.transfers.start(step_key, env, [ins], sync, trace)
+                    if sync and isinstance(ins, Send):
+                        await t
+                    else:
+                        (sends.setdefault(ins.buf, []) if isinstance(ins, Send) else recvs).append(t)
+                else:
+                    for b in ins.bufs:
+                        pending = sends.pop(b, ())
+                        if pending and not env.has_value(b):  # still being received: its sends hold a future
+                            await asyncio.gather(*pending)
+                        inflight.extend(pending)
+                    env.delete(list(ins.bufs))
+            await asyncio.gather(*(t for ts in sends.values() for t in ts), *inflight, *recvs)
+        except BaseException:
+            for t in [*recvs, *inflight, *(t for ts in sends.values() for t in ts)]:
+                t.cancel()
+            raise
+
+
+__all__ = ["Interpreter"]

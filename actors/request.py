@@ -1,0 +1,41 @@
+"""What every request handler reads a request with: `RequestError`, the checked field getters, and the
+traceback text an error reply carries. It imports nothing of `actors`, so every room above it (the handlers,
+the checkpoint and profiler halves, the daemon) can use it without an import circle."""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+from transport.protocol import Message
+
+
+class RequestError(ValueError):
+    """A well-formed message whose fields are wrong (missing, wrong type, unknown program)."""
+
+
+def field(msg: Message, name: str, kind: type | tuple[type, ...]) -> Any:
+    """`msg`'s header field `name`, checked to be a `kind` (a bool is not an int)."""
+    try:
+        value = msg.header[name]
+    except KeyError:
+        raise RequestError(f"'{msg.op}' request lacks field {name!r}") from None
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+        raise RequestError(f"'{msg.op}' field {name!r} must be {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
+    return value
+
+
+def int_list(msg: Message, name: str) -> list[int]:
+    """`msg`'s header field `name`, checked to be a list of ints (buffer ids)."""
+    values = field(msg, name, list)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise RequestError(f"'{msg.op}' field {name!r} must be a list of ints")
+    return values
+
+
+def format_exception(e: BaseException) -> str:
+    """`e` with its traceback, as the remote traceback of an error reply."""
+    return "".join(traceback.format_exception(type(e), e, e.__traceback__))
+
+
+__all__ = ["RequestError", "field", "format_exception", "int_list"]
