@@ -38,6 +38,9 @@ class LocalOptions:
     and size XLA's CPU thread pool to them; None leaves scheduling to the OS.
     `cache_dir`: JAX's persistent compilation cache for the actors (a restarted job skips XLA compilation):
     True (default) is `default_cache_dir()`, False turns it off, a string is that directory.
+    `gpu_ids`: with platform="gpu", the GPUs to deal out instead of 0, 1, 2, ...: actor i gets
+    gpu_ids[(i*d + k) % len(gpu_ids)] for k < d, so ``(0,)`` puts every actor on GPU 0 (a pipeline through host
+    memory on one GPU; set XLA_PYTHON_CLIENT_MEM_FRACTION so that they fit together).
     `insecure`: no keys at all (control and data plane unauthenticated and unencrypted): only to measure
     what authentication costs. `request_timeout`: the daemons' bound on every request (None: their default).
     """
@@ -52,6 +55,7 @@ class LocalOptions:
     startup_timeout: float = 120.0
     insecure: bool = False
     request_timeout: float | None = None
+    gpu_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.devices_per_actor < 1:
@@ -131,9 +135,10 @@ class LocalProcess:
         if options.platform == "cpu":
             env["JAX_PLATFORMS"] = "cpu"
             cmd += ["--cpu-devices", str(d)]
-        else:  # actor i owns GPUs [i * d, (i + 1) * d)
+        else:  # actor i owns GPUs [i * d, (i + 1) * d) of gpu_ids (default 0, 1, 2, ...)
             env.pop("JAX_PLATFORMS", None)
-            cmd += ["--devices", ",".join(str(actor_id * d + k) for k in range(d))]
+            ids = options.gpu_ids
+            cmd += ["--devices", ",".join(str(ids[(actor_id * d + k) % len(ids)] if ids else actor_id * d + k) for k in range(d))]
         if cpus:
             cmd += ["--cpus", ",".join(map(str, cpus))]
         if ipc_dir:
