@@ -88,12 +88,15 @@ class GPT(nnx.Module):
         return self.embed.attend(self.ln_f(x))  # LM head tied to the token embedding
 
 
-def make_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, schedule: mpmd.Schedule | None):
+def make_grad_step(graphdef: nnx.GraphDef, schedule: mpmd.Schedule | None):
+    """`grad_step(params, batch) -> (grads, loss)`: the pipelined part of a step, before the optimizer: the
+    gradients of the mean loss over the microbatches."""
+
     def loss_fn(params, mb):
         logits = nnx.merge(graphdef, params)(mb["tokens"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, mb["targets"]).mean()
 
-    def step(params, opt_state, batch):
+    def grad_step(params, batch):
         def mb_grads(mb):
             loss, grads = jax.value_and_grad(loss_fn)(params, mb)
             return grads, loss
@@ -101,8 +104,18 @@ def make_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, s
         grads, losses = mpmd.accumulate_grads(mb_grads, batch, schedule=schedule)
         m = losses.shape[0]
         grads = jax.tree.map(lambda g: g / m, grads)  # accumulate_grads sums; the loss is a mean over microbatches
+        return grads, losses.mean()
+
+    return grad_step
+
+
+def make_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, schedule: mpmd.Schedule | None):
+    grad_step = make_grad_step(graphdef, schedule)
+
+    def step(params, opt_state, batch):
+        grads, loss = grad_step(params, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, losses.mean()
+        return optax.apply_updates(params, updates), opt_state, loss
 
     return step
 
@@ -178,6 +191,56 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+# The pipeline sums the same float32 terms as jax.jit in another order (microbatch by microbatch on each stage,
+# tensor-parallel partial sums across devices), so the two agree to rounding error, about float32's epsilon
+# (1.2e-7) times the square root of the number of terms (~2e3 tokens a step, so ~5e-6) times the largest term.
+# The tolerance leaves a factor of 20 over that; a wrong gradient (a missing microbatch, a cotangent sent to the
+# wrong stage, a tensor-parallel sum left out) is wrong by a sizeable fraction of the gradient itself.
+CHECK_RTOL = 1e-4
+
+
+def assert_close(got, want, what: str, rtol: float = CHECK_RTOL) -> None:
+    """`got` equals `want` leaf by leaf to `rtol` of the largest magnitude in all of `want`.
+
+    The scale is the tree's and not each element's: rounding error follows the largest terms summed, and a value
+    that is exactly zero in exact arithmetic comes out as rounding noise of either sign. The GPT has one: the
+    attention's key bias, whose gradient is zero (softmax ignores a shift shared by every key); per element,
+    its noise would be compared with noise."""
+    got_leaves, want_leaves = jax.tree.leaves(got), [np.asarray(w) for w in jax.tree.leaves(want)]
+    assert len(got_leaves) == len(want_leaves), (what, len(got_leaves), len(want_leaves))
+    scale = max((float(np.max(np.abs(w))) for w in want_leaves if w.size), default=0.0)
+    for i, (g, w) in enumerate(zip(got_leaves, want_leaves)):
+        np.testing.assert_allclose(np.asarray(g), w, rtol=rtol, atol=rtol * scale, err_msg=f"{what}, leaf {i}")
+
+
+def check_against_jit(args, graphdef, optimizer, schedule, mesh, step, params, opt_state, stream, shardings):
+    """The first --check-steps steps, each compared with jax.jit of the same functions on the same inputs.
+
+    Compared: the step's loss, its gradients before the optimizer, and AdamW's moments after the update (running
+    sums of the clipped gradients and of their squares). Not the parameters: AdamW divides the first moment by
+    the root of the second, so a gradient that is pure rounding noise (the key bias's, see assert_close) moves
+    its parameter by about the learning rate with the noise's sign, which differs from jax.jit's."""
+    grad_step = mpmd.distributed(make_grad_step(graphdef, schedule), mesh=mesh, in_shardings=shardings and (shardings[0], None))
+    ref_grad_step = jax.jit(make_grad_step(graphdef, None))
+    ref_step = jax.jit(make_step(graphdef, optimizer, None))
+    for i in range(args.check_steps):
+        batch = next(stream)
+        host_params, host_opt_state = mpmd.fetch((params, opt_state)) if i else (params, opt_state)
+        grads, loss = mpmd.fetch(grad_step(host_params, batch))
+        ref_grads, ref_loss = ref_grad_step(host_params, batch)
+        assert_close(loss, ref_loss, f"step {i}'s loss")
+        assert_close(grads, ref_grads, f"step {i}'s gradients")
+        params, opt_state, loss = step(params, opt_state, batch)
+        _, ref_opt_state, ref_loss = ref_step(host_params, host_opt_state, batch)
+        assert_close(mpmd.fetch(loss), ref_loss, f"step {i}'s loss (the training step)")
+        got_opt_state = mpmd.fetch(opt_state)
+        for moment in ("mu", "nu"):
+            assert_close(optax.tree_utils.tree_get(got_opt_state, moment), optax.tree_utils.tree_get(ref_opt_state, moment),
+                         f"AdamW's {moment} after step {i}")
+    print(f"the first {args.check_steps} steps equal jax.jit's (losses, gradients, AdamW's moments)", flush=True)
+    return params, opt_state
+
+
 def open_mesh(args: argparse.Namespace) -> mpmd.RemoteMesh:
     """Local daemons by default; daemons a cluster started (SLURM, Kubernetes) through a rendezvous; or Ray's.
     With --tensor-parallel k each actor is a (1, k) device mesh over ("data", "model")."""
@@ -212,17 +275,8 @@ def train(args: argparse.Namespace) -> dict[str, float]:
         if args.resume:
             params, opt_state = mpmd.restore(args.resume, mesh, like=(params, opt_state))
         elif args.check_steps:
-            reference = jax.jit(make_step(graphdef, optimizer, None))
-            rp, ro, dp, do = params, opt_state, params, opt_state
-            for i in range(args.check_steps):
-                batch = next(stream)
-                rp, ro, rl = reference(rp, ro, batch)
-                dp, do, dl = step(dp, do, batch)
-                np.testing.assert_allclose(np.asarray(dl), np.asarray(rl), rtol=2e-4)
-            for got, want in zip(jax.tree.leaves(mpmd.fetch(dp)), jax.tree.leaves(rp)):
-                np.testing.assert_allclose(got, np.asarray(want), rtol=2e-4, atol=2e-5)
-            print(f"the first {args.check_steps} steps equal jax.jit's (losses and parameters)", flush=True)
-            params, opt_state = dp, do
+            params, opt_state = check_against_jit(args, graphdef, optimizer, schedule, mesh, step, params, opt_state, stream,
+                                                  shardings)
         losses: list[float] = []
         t0 = time.perf_counter()
         bar = tqdm(range(args.steps), desc=f"{args.schedule} on {args.actors} actors", file=sys.stdout, mininterval=0.5)
