@@ -7,7 +7,8 @@ Token and position embeddings, pre-LayerNorm causal self-attention blocks with a
 the token embedding; AdamW with a warm-up/cosine learning rate and global-norm clipping. The text is a
 byte-level tokenisation of a corpus generated here (small stories from a fixed grammar: nothing is
 downloaded). The first steps are checked against jax.jit of the same step; the loss curve is written to
---plot; the trained state is saved with mpmd.save and --resume continues from it.
+--plot (examples/out/gpt_loss.png by default); the trained state is saved with mpmd.save and --resume
+continues from it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import pathlib
 import sys
 import time
 
@@ -24,6 +26,8 @@ import optax
 from flax import nnx
 
 import mpmd
+
+OUT = pathlib.Path(__file__).resolve().parent / "out"  # what the examples write (ignored by git)
 
 
 # ---- data: a generated corpus, byte-level tokens ---------------------------------------------------------
@@ -168,7 +172,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--check-steps", type=int, default=2, help="steps checked against jax.jit first")
-    p.add_argument("--plot", default="gpt_loss.png")
+    p.add_argument("--plot", default=str(OUT / "gpt_loss.png"), help="where to write the loss curve (.png); '' for none")
     p.add_argument("--save", default=None, help="save the trained state here (a directory)")
     p.add_argument("--resume", default=None, help="start from the state saved here")
     p.add_argument("--tensor-parallel", type=int, default=1, help="devices per actor for tensor parallelism inside each stage")
@@ -306,6 +310,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
         ax.plot(losses)
         ax.set(xlabel="step", ylabel="loss", title=f"GPT, {args.schedule}, {args.actors} actors")
         fig.tight_layout()
+        pathlib.Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(args.plot, dpi=100)
         print(f"loss curve written to {args.plot}")
     return {"first": first, "last": last}
