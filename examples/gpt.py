@@ -7,7 +7,8 @@ Token and position embeddings, pre-LayerNorm causal self-attention blocks with a
 the token embedding; AdamW with a warm-up/cosine learning rate and global-norm clipping. The text is a
 byte-level tokenisation of a corpus generated here (small stories from a fixed grammar: nothing is
 downloaded). The first steps are checked against jax.jit of the same step; the loss curve is written to
---plot; the trained state is saved with mpmd.save and --resume continues from it.
+--plot (examples/out/gpt_loss.png by default); the trained state is saved with mpmd.save and --resume
+continues from it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import pathlib
 import sys
 import time
 
@@ -24,6 +26,8 @@ import optax
 from flax import nnx
 
 import mpmd
+
+OUT = pathlib.Path(__file__).resolve().parent / "out"  # what the examples write (ignored by git)
 
 
 # ---- data: a generated corpus, byte-level tokens ---------------------------------------------------------
@@ -88,12 +92,15 @@ class GPT(nnx.Module):
         return self.embed.attend(self.ln_f(x))  # LM head tied to the token embedding
 
 
-def make_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, schedule: mpmd.Schedule | None):
+def make_grad_step(graphdef: nnx.GraphDef, schedule: mpmd.Schedule | None):
+    """`grad_step(params, batch) -> (grads, loss)`: the pipelined part of a step, before the optimizer: the
+    gradients of the mean loss over the microbatches."""
+
     def loss_fn(params, mb):
         logits = nnx.merge(graphdef, params)(mb["tokens"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, mb["targets"]).mean()
 
-    def step(params, opt_state, batch):
+    def grad_step(params, batch):
         def mb_grads(mb):
             loss, grads = jax.value_and_grad(loss_fn)(params, mb)
             return grads, loss
@@ -101,8 +108,18 @@ def make_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, s
         grads, losses = mpmd.accumulate_grads(mb_grads, batch, schedule=schedule)
         m = losses.shape[0]
         grads = jax.tree.map(lambda g: g / m, grads)  # accumulate_grads sums; the loss is a mean over microbatches
+        return grads, losses.mean()
+
+    return grad_step
+
+
+def make_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, schedule: mpmd.Schedule | None):
+    grad_step = make_grad_step(graphdef, schedule)
+
+    def step(params, opt_state, batch):
+        grads, loss = grad_step(params, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, losses.mean()
+        return optax.apply_updates(params, updates), opt_state, loss
 
     return step
 
@@ -155,7 +172,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--check-steps", type=int, default=2, help="steps checked against jax.jit first")
-    p.add_argument("--plot", default="gpt_loss.png")
+    p.add_argument("--plot", default=str(OUT / "gpt_loss.png"), help="where to write the loss curve (.png); '' for none")
     p.add_argument("--save", default=None, help="save the trained state here (a directory)")
     p.add_argument("--resume", default=None, help="start from the state saved here")
     p.add_argument("--tensor-parallel", type=int, default=1, help="devices per actor for tensor parallelism inside each stage")
@@ -176,6 +193,56 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if args.layers % args.stages:
         raise SystemExit(f"--layers {args.layers} must be a multiple of --stages {args.stages}")
     return args
+
+
+# The pipeline sums the same float32 terms as jax.jit in another order (microbatch by microbatch on each stage,
+# tensor-parallel partial sums across devices), so the two agree to rounding error, about float32's epsilon
+# (1.2e-7) times the square root of the number of terms (~2e3 tokens a step, so ~5e-6) times the largest term.
+# The tolerance leaves a factor of 20 over that; a wrong gradient (a missing microbatch, a cotangent sent to the
+# wrong stage, a tensor-parallel sum left out) is wrong by a sizeable fraction of the gradient itself.
+CHECK_RTOL = 1e-4
+
+
+def assert_close(got, want, what: str, rtol: float = CHECK_RTOL) -> None:
+    """`got` equals `want` leaf by leaf to `rtol` of the largest magnitude in all of `want`.
+
+    The scale is the tree's and not each element's: rounding error follows the largest terms summed, and a value
+    that is exactly zero in exact arithmetic comes out as rounding noise of either sign. The GPT has one: the
+    attention's key bias, whose gradient is zero (softmax ignores a shift shared by every key); per element,
+    its noise would be compared with noise."""
+    got_leaves, want_leaves = jax.tree.leaves(got), [np.asarray(w) for w in jax.tree.leaves(want)]
+    assert len(got_leaves) == len(want_leaves), (what, len(got_leaves), len(want_leaves))
+    scale = max((float(np.max(np.abs(w))) for w in want_leaves if w.size), default=0.0)
+    for i, (g, w) in enumerate(zip(got_leaves, want_leaves)):
+        np.testing.assert_allclose(np.asarray(g), w, rtol=rtol, atol=rtol * scale, err_msg=f"{what}, leaf {i}")
+
+
+def check_against_jit(args, graphdef, optimizer, schedule, mesh, step, params, opt_state, stream, shardings):
+    """The first --check-steps steps, each compared with jax.jit of the same functions on the same inputs.
+
+    Compared: the step's loss, its gradients before the optimizer, and AdamW's moments after the update (running
+    sums of the clipped gradients and of their squares). Not the parameters: AdamW divides the first moment by
+    the root of the second, so a gradient that is pure rounding noise (the key bias's, see assert_close) moves
+    its parameter by about the learning rate with the noise's sign, which differs from jax.jit's."""
+    grad_step = mpmd.distributed(make_grad_step(graphdef, schedule), mesh=mesh, in_shardings=shardings and (shardings[0], None))
+    ref_grad_step = jax.jit(make_grad_step(graphdef, None))
+    ref_step = jax.jit(make_step(graphdef, optimizer, None))
+    for i in range(args.check_steps):
+        batch = next(stream)
+        host_params, host_opt_state = mpmd.fetch((params, opt_state)) if i else (params, opt_state)
+        grads, loss = mpmd.fetch(grad_step(host_params, batch))
+        ref_grads, ref_loss = ref_grad_step(host_params, batch)
+        assert_close(loss, ref_loss, f"step {i}'s loss")
+        assert_close(grads, ref_grads, f"step {i}'s gradients")
+        params, opt_state, loss = step(params, opt_state, batch)
+        _, ref_opt_state, ref_loss = ref_step(host_params, host_opt_state, batch)
+        assert_close(mpmd.fetch(loss), ref_loss, f"step {i}'s loss (the training step)")
+        got_opt_state = mpmd.fetch(opt_state)
+        for moment in ("mu", "nu"):
+            assert_close(optax.tree_utils.tree_get(got_opt_state, moment), optax.tree_utils.tree_get(ref_opt_state, moment),
+                         f"AdamW's {moment} after step {i}")
+    print(f"the first {args.check_steps} steps equal jax.jit's (losses, gradients, AdamW's moments)", flush=True)
+    return params, opt_state
 
 
 def open_mesh(args: argparse.Namespace) -> mpmd.RemoteMesh:
@@ -212,17 +279,8 @@ def train(args: argparse.Namespace) -> dict[str, float]:
         if args.resume:
             params, opt_state = mpmd.restore(args.resume, mesh, like=(params, opt_state))
         elif args.check_steps:
-            reference = jax.jit(make_step(graphdef, optimizer, None))
-            rp, ro, dp, do = params, opt_state, params, opt_state
-            for i in range(args.check_steps):
-                batch = next(stream)
-                rp, ro, rl = reference(rp, ro, batch)
-                dp, do, dl = step(dp, do, batch)
-                np.testing.assert_allclose(np.asarray(dl), np.asarray(rl), rtol=2e-4)
-            for got, want in zip(jax.tree.leaves(mpmd.fetch(dp)), jax.tree.leaves(rp)):
-                np.testing.assert_allclose(got, np.asarray(want), rtol=2e-4, atol=2e-5)
-            print(f"the first {args.check_steps} steps equal jax.jit's (losses and parameters)", flush=True)
-            params, opt_state = dp, do
+            params, opt_state = check_against_jit(args, graphdef, optimizer, schedule, mesh, step, params, opt_state, stream,
+                                                  shardings)
         losses: list[float] = []
         t0 = time.perf_counter()
         bar = tqdm(range(args.steps), desc=f"{args.schedule} on {args.actors} actors", file=sys.stdout, mininterval=0.5)
@@ -252,6 +310,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
         ax.plot(losses)
         ax.set(xlabel="step", ylabel="loss", title=f"GPT, {args.schedule}, {args.actors} actors")
         fig.tight_layout()
+        pathlib.Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(args.plot, dpi=100)
         print(f"loss curve written to {args.plot}")
     return {"first": first, "last": last}

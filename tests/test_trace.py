@@ -94,43 +94,72 @@ def test_a_traced_two_actor_gpt_step_runs_the_schedules_table(mesh2):
         assert len(ran) >= 2 * 4  # every microbatch's F and backward halves (empty ones are skipped)
 
 
-def test_a_slowed_stage_shows_up_as_a_larger_measured_bubble_on_the_other_actor():
-    """The bubble figures come from the trace: make stage 1 eleven times heavier and actor 0 (stage 0) waits
-    longer for its cotangents. Its own mesh: a timing comparison must not share actors with other tests'
-    leftover work."""
+def test_a_slowed_stage_shows_up_in_the_trace_as_the_other_actors_recorded_wait_for_its_sends():
+    """Stage 1 (actor 1) does tens of times stage 0's work. What the trace records must say so: actor 1's Runs
+    are the long ones; each backward Run of actor 0 waited for the cotangent that stage 1's Run for the same
+    microbatch sent, its wait ending no earlier than that value's arrival and covering the slowed Run; so actor
+    0's time is mostly waiting and its measured bubble is the larger. All of it is read off one traced step
+    (order, attribution, overlap), not wall-time ratios between two runs, which load on the machine can invert.
+    Its own mesh: a traced step must not share actors with other tests' leftover work."""
     from mpmd.observe.trace import measured_bubbles
 
     with mpmd.RemoteMesh.local(num_actors=2) as mesh:
-        bubble, waits = _bubbles_with_stage_1_heavier(mesh, measured_bubbles)
-    assert bubble[10] > bubble[0] and waits[10] > 2 * waits[0], (bubble, waits)
+        t = _trace_a_step_with_stage_1_heavier(mesh, extra=40)
+    step = t.steps[-1]
+
+    def tasks(label):
+        return [x for x in label.split("+") if x[:1].isdigit()]
+
+    heavy = {x: r for r in step[1].runs for x in tasks(r.label) if x.startswith("1")}  # task -> actor 1's Run
+    light = [r for r in step[0].runs if any(x.startswith("0") for x in tasks(r.label))]
+    microbatches = range(4)
+    assert {f"1B{i}" for i in microbatches} <= set(heavy), step[1].runs
+    heavy_runs = list({id(r): r for r in heavy.values()}.values())
+    heavy_time = sum(r.end - r.start for r in heavy_runs)
+    # The slowed stage's work is inside its recorded spans: about 120 matmuls a microbatch (forward and
+    # backward) against 2 or 3 in a Run of stage 0.
+    assert heavy_time > 3 * sum(r.end - r.start for r in light), (step[0].runs, step[1].runs)
+
+    sent_by = {x.tag: x for x in step[1].transfers if x.kind == "send" and x.peer == 0}
+    arrived = {x.tag: x for x in step[0].transfers if x.kind == "recv" and x.peer == 1}
+    clock = 0.25 * heavy_time / len(heavy_runs)  # the actors' clocks are aligned by ping round trips, not exactly
+    covered = 0.0
+    for i in microbatches:
+        made = heavy[f"1B{i}"]
+        backward = next(r for r in step[0].runs if f"0B{i}" in tasks(r.label))
+        sends = [x for x in sent_by.values() if x.label == made.label]
+        assert len(sends) == 1 and sends[0].tag in arrived, (i, step[1].transfers, step[0].transfers)
+        recv = arrived[sends[0].tag]
+        # Actor 0's Run for microbatch i's backward was ready only once the slowed stage's cotangent arrived
+        # (one clock: exact), which was after the Run that made it ended (two clocks: up to their alignment).
+        assert backward.ready >= recv.end - 1e-6 and recv.end >= made.end - clock, (i, backward, recv, made)
+        # and the wait is recorded against that Run: it spans most of the slowed Run's compute.
+        covered += max(0.0, min(backward.ready, made.end) - max(backward.waited_from, made.start))
+    assert covered > 0.5 * sum(heavy[f"1B{i}"].end - heavy[f"1B{i}"].start for i in microbatches), covered
+
+    b = t.breakdown()
+    assert b[0].waiting > b[0].compute and b[0].waiting > 0.5 * heavy_time, b
+    bubble = measured_bubbles(t)
+    assert bubble[0] > bubble[1], (bubble, b)
 
 
-def _bubbles_with_stage_1_heavier(mesh2, measured_bubbles):
-
-    def make(extra):
-        def loss(params, mb):
-            h = jnp.tanh(mb["x"] @ params[0]["w"])
-            h = mpmd.pipeline_yield(h)
-            for _ in range(extra):
-                h = jnp.tanh(h @ params[1]["w"])
-            return jnp.mean((h @ params[1]["w"] - mb["y"]) ** 2)
-
-        return loss
+def _trace_a_step_with_stage_1_heavier(mesh2, extra):
+    def loss(params, mb):
+        h = jnp.tanh(mb["x"] @ params[0]["w"])
+        h = mpmd.pipeline_yield(h)
+        for _ in range(extra):
+            h = jnp.tanh(h @ params[1]["w"])
+        return jnp.mean((h @ params[1]["w"] - mb["y"]) ** 2)
 
     rng = np.random.default_rng(3)
     params = [{"w": (rng.standard_normal((256, 256)) / 16).astype(np.float32)} for _ in range(2)]
     batch = {"x": rng.standard_normal((4, 256, 256)).astype(np.float32), "y": rng.standard_normal((4, 256, 256)).astype(np.float32)}
     opt = optax.sgd(0.01)
-    bubble, waits = {}, {}
-    for extra in (0, 10):
-        dist = mpmd.distributed(make_step(make(extra), opt, mpmd.OneFOneB(2)), mesh=mesh2)
+    dist = mpmd.distributed(make_step(loss, opt, mpmd.OneFOneB(2)), mesh=mesh2)
+    dist(params, opt.init(params), batch)[2].block_until_ready()  # compiled and warm
+    with mesh2.trace() as t:
         dist(params, opt.init(params), batch)[2].block_until_ready()
-        with mesh2.trace() as t:
-            dist(params, opt.init(params), batch)[2].block_until_ready()
-        bubble[extra] = measured_bubbles(t)[0]
-        b0 = t.breakdown()[0]
-        waits[extra] = b0.waiting / b0.compute  # actor 0 waiting for stage 1's cotangents, per unit of its own work
-    return bubble, waits
+    return t
 
 
 def test_mesh_profile_brings_back_a_jax_profiler_trace_per_actor_beside_mpmds_trace(mesh2, tmp_path):
