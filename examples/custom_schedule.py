@@ -1,6 +1,6 @@
 """Write your own pipeline schedule, prove it deadlock-free, simulate it, draw it, and train with it.
 
-    python examples/custom_schedule.py                 # simulate, draw custom_schedule.svg, then train on 2 actors
+    python examples/custom_schedule.py                 # simulate, draw examples/out/custom_schedule.svg, then train on 2 actors
     python examples/custom_schedule.py --simulate-only
 
 The schedule is a 1F1B with `slack` extra warm-up forwards on every actor but the last: each actor keeps
@@ -12,6 +12,7 @@ actor (no built-in: Eager 1F1B doubles the warm-up, GPipe runs every forward fir
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 import mpmd
@@ -97,8 +98,10 @@ def run_on_actors(steps: int = 5) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--simulate-only", action="store_true", help="do not start actors")
-    parser.add_argument("--picture", default="custom_schedule.svg", help="timeline picture (.svg, or .png with matplotlib)")
+    parser.add_argument("--picture", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "custom_schedule.svg"), help="timeline picture (.svg, or .png with matplotlib)")
     args = parser.parse_args()
+    if os.path.dirname(args.picture):
+        os.makedirs(os.path.dirname(args.picture), exist_ok=True)
     simulate_and_draw(args.picture)
     if not args.simulate_only:
         run_on_actors()
