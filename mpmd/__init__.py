@@ -15,6 +15,7 @@ Public names (each has a docstring):
   EagerOneFOneB, InterleavedOneFOneB, ZeroBubbleH1, InterleavedZeroBubble, ZeroBubbleV, DualPipeV   more schedules
   Schedule, validate, check_programs          write your own schedule; prove a schedule or compiled Programs deadlock-free
   simulate, Costs, SimResult                  mpmd.simulate(schedule, m, costs): step time, bubble, memory, pictures
+  tune, TuneResult, SegmentCosts              pick schedule, microbatches, stage grouping (balance=): predict, then verify
   MpmdError, RemoteError, ActorDiedError, PipelineError, ScheduleError   errors
   ActorStartError, RendezvousError, IncompatibleActorError                 errors of starting or finding daemons
 
@@ -51,8 +52,10 @@ from mpmd.schedules import (
     ZeroBubbleH1,
     ZeroBubbleV,
 )
+from mpmd.schedules.balance import SegmentCosts
 from mpmd.schedules.simulator import Costs, SimResult, simulate
 from mpmd.schedules.validation import check_programs, validate
+from mpmd.tuning import TuneResult, tune
 
 _aliases.install()  # old module paths (mpmd.simulator, mpmd.trace, ...) keep importing
 
@@ -77,8 +80,10 @@ __all__ = [
     "RendezvousError",
     "Schedule",
     "ScheduleError",
+    "SegmentCosts",
     "SimResult",
     "Task",
+    "TuneResult",
     "ZeroBubbleH1",
     "ZeroBubbleV",
     "accumulate_grads",
@@ -89,5 +94,6 @@ __all__ = [
     "restore",
     "save",
     "simulate",
+    "tune",
     "validate",
 ]

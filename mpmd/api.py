@@ -11,6 +11,7 @@ from jax.extend.core import ClosedJaxpr
 from mpmd.errors import PipelineError
 from mpmd.primitives import FWD, accumulate_p, pipeline_yield_p
 from mpmd.schedules import Schedule
+from mpmd.schedules.override import schedule_override
 
 
 def pipeline_yield(x: Any) -> Any:
@@ -33,8 +34,10 @@ def accumulate_grads(fn: Callable[[Any], tuple[Any, Any]], batch: Any, schedule:
     Every leaf of `batch` has a leading microbatch axis of the same length. Outside `distributed` this is
     an ordinary loop (a `lax.scan`) with exactly that meaning, so the undecorated step is its own
     reference; inside `distributed`, `schedule` (e.g. `OneFOneB(num_stages=2)`) says how the stages of
-    `fn`, cut at its `pipeline_yield` markers, run on the actors.
+    `fn`, cut at its `pipeline_yield` markers, run on the actors. A schedule set by
+    `mpmd.schedules.override.use_schedule` (what `mpmd.tune` and `step.with_schedule` do) replaces it.
     """
+    schedule = schedule_override() or schedule
     leaves, treedef = jax.tree.flatten(batch)
     if not leaves:
         raise PipelineError("accumulate_grads got an empty batch; pass arrays with a leading microbatch axis")

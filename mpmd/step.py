@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -20,6 +21,7 @@ from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError
 from mpmd.observe.report import PlacementReport, placement_report
 from mpmd.runtime.array import RemoteArray
 from mpmd.runtime.sharding import as_layout, infer_layouts, layout_to_spec, layout_wire, remote_sharding, tree_specs
+from mpmd.schedules.override import use_schedule
 from transport.protocol import dtype_name
 
 log = logging.getLogger(__name__)
@@ -110,6 +112,7 @@ class DistributedFunction:
         self.out_shardings = out_shardings
         self._compiled: dict[Any, CompiledStep] = {}
         self._step = itertools.count()
+        self.schedule: Any = None  # replaces the schedule the step names (see with_schedule)
         self.__wrapped__ = fn
         self.__doc__ = fn.__doc__
 
@@ -155,11 +158,12 @@ class DistributedFunction:
             return leaves_out
 
         am = getattr(self.mesh, "actor_mesh", None)
-        if am is None:
-            closed = jax.make_jaxpr(flat)(*specs)
-        else:  # with_sharding_constraint(x, P(...)) resolves against the actors' mesh, as jax.set_mesh would under jit
-            with jax.sharding.use_abstract_mesh(am.abstract):
+        with use_schedule(self.schedule) if self.schedule is not None else contextlib.nullcontext():
+            if am is None:
                 closed = jax.make_jaxpr(flat)(*specs)
+            else:  # with_sharding_constraint(x, P(...)) resolves against the actors' mesh, as jax.set_mesh would under jit
+                with jax.sharding.use_abstract_mesh(am.abstract):
+                    closed = jax.make_jaxpr(flat)(*specs)
         return inline_calls(closed), out_box[-1]
 
     def compile(self, *args: Any) -> CompiledStep:
@@ -254,6 +258,23 @@ class DistributedFunction:
         from mpmd.schedules.simulator import simulate_programs
 
         return simulate_programs(self.compile(*args).plan.programs, costs, name=getattr(self.fn, "__name__", "step"))
+
+    def with_schedule(self, schedule: Any) -> DistributedFunction:
+        """The same step on the same mesh with `schedule` in place of the one its `accumulate_grads` names
+        (compiled afresh on first call), e.g. `step.with_schedule(mpmd.ZeroBubbleH1(4, balance="auto"))`."""
+        other = DistributedFunction(self.fn, self.mesh, self.in_shardings, self.out_shardings)
+        other.schedule = schedule
+        return other
+
+    def profile_costs(self, *args: Any, steps: int = 2, split_backward: bool = True) -> Any:
+        """Measure every marker segment on the actors: the step is compiled with each segment its own stage
+        (placed round-robin over the mesh's actors so no two fuse), run `steps` times to warm up, then traced;
+        F, B (and, with `split_backward`, I and W from a second traced variant) per segment are fitted to the
+        Run durations. Returns `mpmd.schedules.balance.SegmentCosts`, usable as `balance=` of any schedule and
+        by `mpmd.tune`. The arguments are not changed (the variant's outputs are dropped)."""
+        from mpmd.observe.segments import profile_costs
+
+        return profile_costs(self, *args, steps=steps, split_backward=split_backward)
 
     def program(self, *args: Any) -> str:
         """The per-actor instruction lists for these arguments, one line per instruction."""

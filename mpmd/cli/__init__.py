@@ -2,6 +2,7 @@
 
     mpmd simulate --schedule InterleavedOneFOneB --actors 4 --stages 8 --microbatches 16 \\
                   [--svg out.svg] [--png out.png] [--trace out.json] [--costs F=1,B=2,I=1,W=1]
+    mpmd tune --actors 2 --layers 8 [--memory-limit-mib 64] [--verify 3]     # mpmd.tune on the GPT example
 
 Each subcommand is registered by a small function taking argparse's subparsers and setting ``run`` (a
 function of the parsed arguments returning the exit code); add a module's registrar to `REGISTRARS`.
@@ -49,7 +50,7 @@ def make_schedule(name: str, actors: int | None, stages: int | None) -> Any:
     cls = BUILTINS.get(name)
     if cls is None:
         raise ScheduleError(f"unknown schedule {name!r}; built-ins: {', '.join(BUILTINS)}")
-    params = set(inspect.signature(cls).parameters)
+    params = set(inspect.signature(cls).parameters) - {"balance"}  # balance= is keyword-only and optional
     if params == {"num_stages", "num_actors"}:  # several stages per actor
         if actors is None or stages is None:
             raise ScheduleError(f"{name} needs both --actors and --stages (a multiple of --actors)")
@@ -113,7 +114,13 @@ def register_keys(sub: argparse._SubParsersAction) -> None:
     add_subcommand(sub)
 
 
-REGISTRARS: list[Registrar] = [register_simulate, register_keys]
+def register_tune(sub: argparse._SubParsersAction) -> None:
+    from mpmd.cli.tune import add_subcommand
+
+    add_subcommand(sub)
+
+
+REGISTRARS: list[Registrar] = [register_simulate, register_keys, register_tune]
 
 
 def build_parser(registrars: Sequence[Registrar] = ()) -> argparse.ArgumentParser:

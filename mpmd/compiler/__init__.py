@@ -5,6 +5,7 @@ over data, no I/O; the runtime ships what they make.
   eqns.py       small helpers over jaxpr equations (reads, writes, avals)
   body.py       the loop body: split at the markers into forward and backward stage pieces
   stages.py     stages by dataflow (skip connections, shared weights, parameterless stages)
+  grouping.py   balance=: marker segments merged into the schedule's stages (XLA cost analysis per segment)
   placement.py  which actor owns each parameter, gradient and optimizer leaf
   units.py      executable units (one task's jaxpr, closed over what it reads)
   programs.py   per-actor instruction lists (Run/Send/Recv/Delete) from a schedule's table

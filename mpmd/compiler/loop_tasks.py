@@ -20,6 +20,7 @@ from jax.extend.core import ClosedJaxpr, Var
 
 from mpmd.compiler.body import CONST, VARYING, LoopBody, analyse, constants_needed
 from mpmd.compiler.eqns import eqns_fn, free_inputs, is_var
+from mpmd.compiler.grouping import group_segments
 from mpmd.compiler.inline import inline_calls
 from mpmd.compiler.keys import Acc, AccumulatorMode, MbIndex, Outer, PerMb, RegionKey, TaskTemplate, ValueKey
 from mpmd.compiler.program import Label, Task
@@ -98,6 +99,7 @@ class ScheduledStages:
     schedule: Schedule
     table: list[list[Task]]  # per actor: its tasks in order
     split: StageSplit
+    grouping: tuple[int, ...] | None = None  # marker segments per stage when the schedule's balance= grouped them
 
     @property
     def num_actors(self) -> int:
@@ -114,7 +116,10 @@ def check_schedule(schedule: Schedule | None, num_stages: int, num_mesh_actors: 
     if num_stages != schedule.num_stages:
         raise PipelineError(f"the step marks {num_stages} stages ({num_stages - 1} pipeline_yield markers) but the schedule "
                             f"{schedule} has num_stages={schedule.num_stages}; make them agree (a scanned stack of S "
-                            "iterations with a marker in its body gives S stages)")
+                            "iterations with a marker in its body gives S stages)"
+                            + (f", or group the {num_stages} marker segments into {schedule.num_stages} stages with "
+                               f"balance='auto' (or 'even'), e.g. {type(schedule).__name__}(..., balance='auto')"
+                               if num_stages > schedule.num_stages else ""))
     if schedule.num_actors > num_mesh_actors:
         raise PipelineError(
             f"the schedule {schedule} needs {schedule.num_actors} actors but the mesh has {num_mesh_actors}; start more actors, "
@@ -127,7 +132,7 @@ def schedule_stages(loop: StepLoop, body: LoopBody, num_mesh_actors: int) -> Sch
     """Takes the loop, its analysed body and the mesh's size; gives the stage regions (forward, backward; I
     and W where the schedule splits backwards; inputs followed to their consumer's actor, cheap values
     recomputed) and the schedule's table, validated for `num_microbatches`."""
-    split = split_stages(body)
+    split, grouping = group_segments(split_stages(body), loop.schedule, body, loop.num_microbatches)
     check_schedule(loop.schedule, split.num_stages, num_mesh_actors)
     schedule = loop.schedule
     assert schedule is not None
@@ -135,7 +140,7 @@ def schedule_stages(loop: StepLoop, body: LoopBody, num_mesh_actors: int) -> Sch
     follow_inputs(split, body, schedule.actor_of)
     split_backward(split, {t.stage for row in table for t in row if t.kind in ("I", "W")})
     recompute_cheap(split, body, schedule.actor_of)
-    return ScheduledStages(schedule, table, split)
+    return ScheduledStages(schedule, table, split, grouping)
 
 
 # ---- canonical names -----------------------------------------------------------------------------------

@@ -78,9 +78,21 @@ class StepPlan:
     arg_keys: list[ValueKey] = field(default_factory=list)
     out_keys: list[Any] = field(default_factory=list)  # per flat output: its key (or a Literal)
     layouts: dict[ValueKey, Any] = field(default_factory=dict)  # each value's layout over the actor mesh (multi-device actors)
+    grouping: tuple[int, ...] | None = None  # marker segments per stage, when the schedule's balance= grouped them
+
+    def stage_segments(self) -> str:
+        """One line saying which marker segments each stage holds ('' without a grouping)."""
+        if self.grouping is None:
+            return ""
+        from mpmd.schedules.balance import groups
+
+        parts = [f"stage {s}: segment{'s' if len(g) > 1 else ''} {g[0]}" + (f"-{g[-1]}" if len(g) > 1 else "")
+                 for s, g in enumerate(groups(self.grouping))]
+        return f"stages from {sum(self.grouping)} marker segments, grouping {self.grouping}: " + ", ".join(parts)
 
     def __str__(self) -> str:
-        return "\n\n".join(str(p) for p in self.programs)
+        head = self.stage_segments()
+        return (head + "\n\n" if head else "") + "\n\n".join(str(p) for p in self.programs)
 
 
 def plan_step(outer: ClosedJaxpr, num_mesh_actors: int) -> StepPlan:
@@ -99,7 +111,7 @@ def plan_step(outer: ClosedJaxpr, num_mesh_actors: int) -> StepPlan:
     emitted = emit_programs(ordered, final, transfers, stages.num_actors)
     return StepPlan(emitted.programs, [ordered.arg_homes[k] for k in ordered.arg_keys], emitted.out_homes,
                     [v.aval for v in outer.jaxpr.outvars], stages.table, stages.split, final.units, transfers,
-                    ordered.avals, templates, ordered.arg_keys, ordered.out_keys)
+                    ordered.avals, templates, ordered.arg_keys, ordered.out_keys, grouping=stages.grouping)
 
 
 def iter_lowered(plan: StepPlan, platform: str) -> Iterator[tuple[Hashable, bytes]]:

@@ -4,6 +4,7 @@
               (compute, waiting for data, overhead, idle), Perfetto export, costs fitted for the simulator
   profile.py  `mesh.profile(logdir)`: a `jax.profiler` trace in every actor, gathered as one TensorBoard run
   report.py   `step.placement(...)`: where every parameter, gradient and optimizer leaf lives, what crosses
+  segments.py `step.profile_costs(...)`: every marker segment's F/B/I/W time measured on the actors
 
 Observation reads the mesh through the few methods it is handed and never imports the runtime; it may read
 the schedules' simulator (fitting costs, pictures of measured timelines).

@@ -32,6 +32,7 @@ class PlacementReport:
     arguments: dict[str, list[int]]
     outputs: dict[str, list[int]]
     transfers: list[Transfer] = field(default_factory=list)
+    stages: str = ""  # which marker segments each stage holds, when the schedule's balance= grouped them
 
     def by_kind(self) -> dict[str, tuple[int, int]]:
         """kind -> (number of transfers per step, bytes per step)."""
@@ -42,7 +43,8 @@ class PlacementReport:
         return {k: (c, b) for k, (c, b) in out.items()}
 
     def __str__(self) -> str:
-        lines = ["arguments:"]
+        lines = [self.stages] if self.stages else []
+        lines.append("arguments:")
         lines += [f"  {p}: actors {a}" for p, a in self.arguments.items()]
         lines.append("outputs:")
         lines += [f"  {p}: actors {a}" for p, a in self.outputs.items()]
@@ -78,7 +80,8 @@ def placement_report(plan: Any, arg_paths: list[str], out_paths: list[str]) -> P
         else:
             kind, what = "other", str(key)
         transfers.append(Transfer(kind, src, dst, nbytes, what))
-    return PlacementReport(arguments, outputs, transfers)
+    stages = plan.stage_segments() if hasattr(plan, "stage_segments") else ""
+    return PlacementReport(arguments, outputs, transfers, stages)
 
 
 def _post_values(plan: Any) -> set[Any]:

@@ -6,6 +6,8 @@
                  table's text form for errors
   simulator.py   step time, bubble and peak memory of a schedule or of compiled Programs under given costs
   draw.py        timeline pictures (SVG, or PNG through matplotlib)
+  balance.py     balance=: group marker segments into stages (the grouping with the shortest simulated step)
+  override.py    use_schedule(s): replace the schedule a step names while it is traced (tune, with_schedule)
 
 Nothing here imports the compiler or the runtime: a schedule is data, and every tool reads the same data.
 `mpmd.schedules.X` keeps naming every schedule, `Task`, `backward`, `one_f_one_b`, `validate`,

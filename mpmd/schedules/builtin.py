@@ -52,7 +52,7 @@ minimum. `one_f_one_b` and `backward` are the helpers the built-ins use.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import zip_longest
 
 from mpmd.errors import ScheduleError
@@ -71,15 +71,37 @@ def _positive(owner: object, name: str, value: object) -> None:
         raise ScheduleError(f"{type(owner).__name__}: {name} must be a positive int, got {value!r}")
 
 
+BALANCE_MODES = ("auto", "even")
+
+
+def check_balance(schedule: object) -> None:
+    """A ScheduleError unless `schedule.balance` is None, "auto", "even", segment costs (`SegmentCosts`) or a
+    tuple of positive segment counts, one per stage (see `mpmd.schedules.balance`)."""
+    b = getattr(schedule, "balance", None)
+    if b is None or hasattr(b, "num_segments") or (isinstance(b, str) and b in BALANCE_MODES):
+        return
+    n = getattr(schedule, "num_stages", 0)
+    if isinstance(b, tuple) and len(b) == n and all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in b):
+        return
+    raise ScheduleError(f"{type(schedule).__name__}: balance must be None, 'auto', 'even', segment costs (step.profile_costs(...)) "
+                        f"or a tuple of {n} positive segment counts (one per stage, e.g. {tuple([2] * n)}), got {b!r}")
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Base class: `num_stages` stages, one per actor, and `tasks(m)` giving each actor's order. Subclass it
-    (frozen dataclass) and override `tasks`, and `actor_of`/`num_actors` for another placement."""
+    (frozen dataclass) and override `tasks`, and `actor_of`/`num_actors` for another placement.
+
+    `balance` (keyword only) lets the step mark more boundaries than stages: "auto" groups consecutive marker
+    segments into the stages that give the shortest simulated step, "even" by equal counts, a tuple gives the
+    counts (see `mpmd.schedules.balance`); None (default) wants one marker per stage boundary."""
 
     num_stages: int
+    balance: object = field(default=None, kw_only=True, repr=False)
 
     def __post_init__(self) -> None:
         _positive(self, "num_stages", self.num_stages)
+        check_balance(self)
 
     @property
     def num_actors(self) -> int:
@@ -257,9 +279,11 @@ class _VShape(Schedule):
     """The V placement: 2 * num_actors stages, actor a holding stages a and 2*num_actors-1-a, so the first and
     the last stage share actor 0 and every actor does the same work."""
 
-    def __init__(self, num_actors: int) -> None:
+    def __init__(self, num_actors: int, *, balance: object = None) -> None:
         _positive(self, "num_actors", num_actors)
         object.__setattr__(self, "num_stages", 2 * num_actors)
+        object.__setattr__(self, "balance", balance)
+        check_balance(self)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_actors={self.num_actors})"

@@ -1,0 +1,87 @@
+"""mpmd.tune against exhaustive measurement: is the predicted winner the measured winner, and how close is
+every prediction?
+
+For the GPT example (a marker before every block) and an MLP with uneven layers (4, 4, 2, 1, 1, 1, 1, 2
+matmuls, a marker after each), on 2 actors pinned one per core: `mpmd.tune` measures the segment costs once
+and predicts every candidate (each built-in schedule x each microbatch count, best grouping each); then every
+feasible candidate is run for real (`TuneResult.verify(all)`). Reported: the table with predicted and
+measured step times, measured/predicted per candidate (target 0.9-1.1), and the tuner's winner's measured
+time over the best measured time (target <= 1.10).
+
+    python -m benchmarks.tune [--models gpt,mlp] [--microbatches 2,4,8] [--steps 3] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+
+import mpmd
+
+
+def uneven_mlp_setup(width: int, rows: int, microbatches: int):  # noqa: ANN201
+    import jax.numpy as jnp
+    import optax
+
+    from mpmd.testing import make_train_step
+
+    reps = (4, 4, 2, 1, 1, 1, 1, 2)
+    rng = np.random.default_rng(0)
+    params = [[(rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32) for _ in range(r)] for r in reps]
+
+    def model(params, x):  # noqa: ANN001, ANN202
+        for i, layer in enumerate(params):
+            for w in layer:
+                x = jnp.tanh(x @ w)
+            if i < len(params) - 1:
+                x = mpmd.pipeline_yield(x)
+        return x
+
+    def loss(params, mb):  # noqa: ANN001, ANN202
+        return jnp.mean((model(params, mb["x"]) - mb["y"]) ** 2)
+
+    opt = optax.adam(1e-3)
+    batch = {"x": rng.standard_normal((microbatches, rows, width)).astype(np.float32),
+             "y": rng.standard_normal((microbatches, rows, width)).astype(np.float32)}
+    return make_train_step(loss, opt, mpmd.OneFOneB(2)), params, opt.init(params), batch
+
+
+def run(name: str, setup: tuple, args: argparse.Namespace) -> dict:
+    step, *state, batch = setup
+    counts = [int(x) for x in args.microbatches.split(",")]
+    pin = 1 if 2 <= len(os.sched_getaffinity(0)) else None
+    with mpmd.RemoteMesh.local(num_actors=2, cpus_per_actor=pin) as mesh:
+        result = mpmd.tune(step, *state, batch, mesh=mesh, microbatches=counts)
+        print(f"\n== {name}\n{result.costs.table()}\n{result}", flush=True)
+        measured = result.verify(len(result.feasible), steps=args.steps, rounds=args.rounds)
+    ratios = [c.measured / c.predicted for c in measured]
+    best = min(c.measured for c in measured)
+    winner = result.best.measured / best
+    print(f"{name}: winner {result.best.name} m={result.best.num_microbatches}: measured {result.best.measured * 1e3:.2f} ms, "
+          f"best measured {best * 1e3:.2f} ms -> winner/best {winner:.3f} (target <= 1.10); measured/predicted "
+          f"{min(ratios):.2f}-{max(ratios):.2f} (target 0.9-1.1), {sum(0.9 <= r <= 1.1 for r in ratios)}/{len(ratios)} within", flush=True)
+    return {"model": name, "winner_over_best": winner, "ratios": ratios}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="gpt,mlp")
+    p.add_argument("--microbatches", default="2,4,8")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--width", type=int, default=128)
+    args = p.parse_args()
+    for name in args.models.split(","):
+        if name == "gpt":
+            from mpmd.cli.tune import gpt_setup, load_gpt
+
+            setup = gpt_setup(load_gpt(), layers=8, width=args.width, seq=64, heads=4, microbatches=8, rows=4)
+        else:
+            setup = uneven_mlp_setup(args.width * 2, rows=64, microbatches=8)
+        run(name, setup, args)
+
+
+if __name__ == "__main__":
+    main()

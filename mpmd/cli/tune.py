@@ -1,0 +1,83 @@
+"""``mpmd tune``: run `mpmd.tune` on the GPT example (examples/gpt.py, a marker before every block) on local actors.
+
+    mpmd tune --actors 2 --layers 8 --microbatches 8 --rows 4 [--memory-limit-mib 64] [--verify 3]
+
+Prints the candidate table (predicted step time, bubble, peak bytes, why rejected) and, with --verify k, the
+top k measured beside their predictions. Needs the repository's examples/ (an editable install) and flax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import pathlib
+from types import ModuleType
+from typing import Any
+
+EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "gpt.py"
+
+
+def load_gpt(path: pathlib.Path = EXAMPLE) -> ModuleType:
+    """The GPT example as a module (it is a script, not part of the package)."""
+    if not path.exists():
+        raise SystemExit(f"mpmd tune needs the GPT example at {path} (an editable install of the repository)")
+    spec = importlib.util.spec_from_file_location("gpt_example", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def gpt_setup(gpt: ModuleType, layers: int, width: int, seq: int, heads: int, microbatches: int, rows: int,
+              seed: int = 0) -> tuple[Any, Any, Any, Any]:
+    """(step, params, opt_state, batch) of the GPT example with a marker before every block but the first (one
+    segment per block; the first also holds the embedding, the last the tied head and the loss). The step
+    names OneFOneB(2); tune replaces it."""
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import mpmd
+
+    model = gpt.GPT(256, width, layers, heads, seq, layers, nnx.Rngs(seed))
+    graphdef, params = nnx.split(model, nnx.Param)
+    opt = optax.adamw(1e-3)
+    step = gpt.make_step(graphdef, opt, mpmd.OneFOneB(2))
+    data = np.frombuffer(gpt.corpus(1 << 20, seed), np.uint8)
+    batch = next(gpt.batches(data, microbatches, rows, seq, np.random.default_rng(seed)))
+    return step, params, opt.init(params), batch
+
+
+def _run(args: argparse.Namespace) -> int:
+    import mpmd
+
+    gpt = load_gpt()
+    step, params, opt_state, batch = gpt_setup(gpt, args.layers, args.width, args.seq, args.heads, args.microbatches, args.rows)
+    pin = 1 if args.actors <= len(os.sched_getaffinity(0)) else None
+    counts = [int(x) for x in args.try_microbatches.split(",")] if args.try_microbatches else None
+    limit = int(args.memory_limit_mib * 2**20) if args.memory_limit_mib else None
+    with mpmd.RemoteMesh.local(num_actors=args.actors, cpus_per_actor=pin) as mesh:
+        result = mpmd.tune(step, params, opt_state, batch, mesh=mesh, memory_limit=limit, microbatches=counts,
+                           costs="xla" if args.xla_costs else None)
+        print(result)
+        if args.verify:
+            result.verify(args.verify)
+    return 0
+
+
+def add_subcommand(sub: Any) -> None:
+    p = sub.add_parser("tune", help="choose schedule, microbatches and stage grouping for the GPT example (mpmd.tune)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--actors", type=int, default=2)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=8, help="microbatches of the batch as given")
+    p.add_argument("--rows", type=int, default=4, help="sequences per microbatch of the batch as given")
+    p.add_argument("--try-microbatches", default=None, help="comma-separated counts to consider (default: divisors of the rows)")
+    p.add_argument("--memory-limit-mib", type=float, default=None)
+    p.add_argument("--xla-costs", action="store_true", help="predict from XLA's cost analysis instead of measuring segments")
+    p.add_argument("--verify", type=int, default=0, help="run the top k for real")
+    p.set_defaults(run=_run)

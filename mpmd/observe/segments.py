@@ -1,0 +1,69 @@
+"""Measure each marker segment's F, B, I and W time on the actors: `profile_costs(step, *args)`.
+
+The step is compiled with every segment its own stage (`SegmentProfile`: stage s on actor s % p, GPipe's
+order, so one microbatch's neighbouring tasks sit on different actors and never fuse into one Run), warmed
+up, and traced once; `fit_costs` turns the Run durations into per-segment times. A second variant with
+split backwards gives I and W. What comes back, a `SegmentCosts`, is what `balance=` and `mpmd.tune` read.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from mpmd.compiler.eqns import nbytes
+from mpmd.compiler.loop_tasks import analyse_loop_body, find_step_loop
+from mpmd.compiler.stages import is_marker, split_stages
+from mpmd.observe.trace import fit_costs
+from mpmd.schedules.balance import SegmentCosts, SegmentProfile
+
+log = logging.getLogger(__name__)
+
+__all__ = ["profile_costs", "segment_layout"]
+
+
+def segment_layout(step: Any, *args: Any) -> tuple[int, tuple[float, ...], int, int]:
+    """(number of marker segments, bytes each segment's closing marker passes on, microbatches, rows per
+    microbatch: the second axis of the first batch leaf, 0 when it has none) of the traced step."""
+    outer, _ = step.trace(*args)
+    loop = find_step_loop(outer)
+    body = analyse_loop_body(loop)
+    split = split_stages(body)
+    out = []
+    for s in range(split.num_stages):
+        fwd = split.regions.get((s, "F"), [])
+        out.append(float(sum(nbytes(v) for v in fwd[-1].outvars)) if fwd and is_marker(fwd[-1]) else 0.0)
+    leaf = loop.eqn.invars[0].aval
+    rows = int(leaf.shape[1]) if len(leaf.shape) > 1 else 0
+    return split.num_stages, tuple(out), loop.num_microbatches, rows
+
+
+def _traced_costs(step: Any, schedule: SegmentProfile, args: tuple[Any, ...], steps: int) -> Any:
+    import jax
+
+    from mpmd.runtime.array import fetch
+
+    variant = step.with_schedule(schedule)
+    for _ in range(max(1, steps)):
+        fetch(jax.tree.leaves(variant(*args))[-1])
+    with step.mesh.trace() as t:
+        out = variant(*args)
+    fetch(jax.tree.leaves(out)[-1])
+    return fit_costs(t, schedule.num_stages)
+
+
+def profile_costs(step: Any, *args: Any, steps: int = 2, split_backward: bool = True) -> SegmentCosts:
+    """Per-segment costs of `step` (a `DistributedFunction`) on these arguments, measured on its mesh's actors
+    (see the module docstring). Compiles one or two variants of the step; leaves the arguments as they were."""
+    n, out_bytes, m, rows = segment_layout(step, *args)
+    p = min(len(step.mesh), n)
+    log.info("profiling %d segments on %d actors, %d microbatches", n, p, m)
+    fused = _traced_costs(step, SegmentProfile(n, p, split=False), args, steps)
+    i: tuple[float, ...] = ()
+    w: tuple[float, ...] = ()
+    if split_backward:
+        parts = _traced_costs(step, SegmentProfile(n, p, split=True), args, steps)
+        i, w = tuple(parts.I), tuple(parts.W)
+    return SegmentCosts(F=tuple(fused.F), B=tuple(fused.B), I=i, W=w, activation_bytes=out_bytes, latency=fused.latency,
+                        bandwidth=fused.bandwidth, gap=fused.gap, other=fused.other, source="measured on the actors",
+                        microbatch_rows=rows)

@@ -1,0 +1,241 @@
+"""Balanced stages: group a step's marker segments into a schedule's stages. Pure: costs in, grouping out.
+
+A user may mark more boundaries than the schedule has stages, e.g. a `pipeline_yield` after every layer.
+The code between two consecutive markers is a *segment*; a *grouping* says how many consecutive segments
+each stage takes, e.g. ``(3, 2, 2, 1)`` for 8 segments on 4 stages. A grouping never cuts inside a segment.
+
+The schedule's `balance` says which grouping the compiler uses:
+
+    balance=None         one segment per stage (the number of markers must match num_stages)
+    balance="even"       equal segment counts, larger groups first: 8 segments on 3 stages -> (3, 3, 2)
+    balance="auto"       the grouping with the shortest simulated step under the schedule, on costs from
+                         XLA's cost analysis of each segment (deterministic, computed while compiling)
+    balance=SegmentCosts the same search on given costs, e.g. the actors' measured times
+                         (`step.profile_costs(*args)`)
+    balance=(3, 2, 2, 1) this grouping
+
+"Shortest simulated step" rather than "equal FLOPs": the slowest stage sets the pace of the pipeline, the
+first and last stages carry the embedding, head and loss, an interleaved or V placement sums several stages
+on one actor, and a zero-bubble schedule's W tasks fill idle slots; the simulator (`simulate`) sees all that.
+
+    seg = SegmentCosts(F=(4, 4, 2, 1, 1, 1, 1, 2), B=(8, 8, 4, 2, 2, 2, 2, 4))
+    best_grouping(OneFOneB(num_stages=4), 8, seg)          # (1, 1, 3, 3): stage loads 12, 12, 12, 12
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from mpmd.errors import ScheduleError
+from mpmd.schedules.builtin import BALANCE_MODES, Schedule, Task, backward, check_balance
+from mpmd.schedules.simulator import Costs, simulate
+
+__all__ = ["BALANCE_MODES", "SegmentCosts", "SegmentProfile", "best_grouping", "check_balance", "even_grouping", "group_costs",
+           "groups", "resolve_grouping", "stage_loads"]
+
+EXHAUSTIVE_MAX = 400  # groupings simulated one by one up to this count; beyond, a min-max start and local moves
+
+
+@dataclass(frozen=True)
+class SegmentCosts:
+    """Per-segment task times (seconds, or any one unit), one entry per segment: `F`, `B` (a whole backward),
+    and `I`, `W` (the split backward; zeros when unknown, then taken as half of B each); the bytes crossing the
+    boundary after each segment (`activation_bytes`, one per segment, the last one unused); and the runtime's
+    costs that do not depend on the grouping (`latency`, `bandwidth`, `gap`, `overhead`, `other`, as in
+    `Costs`). `source` says where the times come from ("xla cost analysis", "measured on the actors")."""
+
+    F: tuple[float, ...]
+    B: tuple[float, ...]
+    I: tuple[float, ...] = ()
+    W: tuple[float, ...] = ()
+    activation_bytes: tuple[float, ...] = ()
+    latency: float = 0.0
+    bandwidth: float = math.inf
+    gap: float = 0.0
+    overhead: float = 0.0
+    other: float = 0.0
+    source: str = ""
+    microbatch_rows: int = field(default=0, compare=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.F)
+        for name in ("F", "B", "I", "W", "activation_bytes"):
+            v = tuple(float(x) for x in getattr(self, name))
+            if name in ("I", "W", "activation_bytes") and not v:
+                v = tuple(b / 2 for b in self.B) if name in ("I", "W") else (0.0,) * n
+            if len(v) != n or any(x < 0 for x in v):
+                raise ValueError(f"SegmentCosts.{name} needs {n} non-negative values (one per segment), got {getattr(self, name)!r}")
+            object.__setattr__(self, name, v)
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.F)
+
+    def scaled(self, factor: float) -> SegmentCosts:
+        """The task times times `factor` (e.g. for another microbatch size); bytes scale too, runtime costs not."""
+        return replace(self, F=tuple(x * factor for x in self.F), B=tuple(x * factor for x in self.B),
+                       I=tuple(x * factor for x in self.I), W=tuple(x * factor for x in self.W),
+                       activation_bytes=tuple(x * factor for x in self.activation_bytes))
+
+    def table(self) -> str:
+        """One line per segment: F, B, I, W and the boundary bytes."""
+        lines = [f"segment costs ({self.source or 'given'}):", "  seg         F         B         I         W   bytes out"]
+        for s in range(self.num_segments):
+            lines.append(f"  {s:3d} {self.F[s]:9.3g} {self.B[s]:9.3g} {self.I[s]:9.3g} {self.W[s]:9.3g} {self.activation_bytes[s]:11.0f}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class SegmentProfile:
+    """A schedule for measuring segment costs: every segment its own stage, stage s on actor s % num_actors
+    (neighbours on different actors, so no two of one microbatch's tasks fuse into one Run), each actor running
+    all its forwards, microbatch by microbatch, then all its backwards (GPipe's order, deadlock-free on any
+    placement). Used by `step.profile_costs`; not a schedule to train with."""
+
+    num_stages: int
+    num_actors: int
+    split: bool = False
+    balance: None = None
+
+    def actor_of(self, stage: int) -> int:
+        return stage % self.num_actors
+
+    @property
+    def min_microbatches(self) -> int:
+        return 1
+
+    @property
+    def split_backward(self) -> bool:
+        return self.split
+
+    def tasks(self, num_microbatches: int) -> list[list[Task]]:
+        rows: list[list[Task]] = [[] for _ in range(self.num_actors)]
+        for i in range(num_microbatches):
+            for s in range(self.num_stages):
+                rows[self.actor_of(s)].append(Task(s, "F", i))
+        for i in range(num_microbatches):
+            for s in reversed(range(self.num_stages)):
+                rows[self.actor_of(s)].extend(backward(s, i, self.split))
+        return rows
+
+
+def even_grouping(num_segments: int, num_stages: int) -> tuple[int, ...]:
+    """Equal segment counts, the larger groups first: (3, 3, 2) for 8 segments on 3 stages."""
+    q, r = divmod(num_segments, num_stages)
+    return tuple(q + (s < r) for s in range(num_stages))
+
+
+def groups(grouping: Sequence[int]) -> list[range]:
+    """The segments of each stage: (2, 1, 3) -> [range(0, 2), range(2, 3), range(3, 6)]."""
+    ends = list(itertools.accumulate(grouping))
+    return [range(e - k, e) for k, e in zip(grouping, ends)]
+
+
+def group_costs(seg: SegmentCosts, grouping: Sequence[int]) -> Costs:
+    """The schedule's per-stage `Costs` for a grouping: a stage's task time is the sum over its segments (its
+    input gradient chains through them, its weight gradients add up), the bytes after it those of its last
+    segment."""
+    gs = groups(grouping)
+
+    def total(v: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(sum(v[k] for k in g) for g in gs)
+
+    return Costs(F=total(seg.F), B=total(seg.B), I=total(seg.I), W=total(seg.W),
+                 activation_bytes=tuple(seg.activation_bytes[g[-1]] for g in gs), latency=seg.latency, bandwidth=seg.bandwidth,
+                 gap=seg.gap, overhead=seg.overhead, other=seg.other)
+
+
+def stage_loads(seg: SegmentCosts, grouping: Sequence[int]) -> tuple[float, ...]:
+    """Per stage, the compute of one microbatch (F + B over its segments)."""
+    return tuple(sum(seg.F[k] + seg.B[k] for k in g) for g in groups(grouping))
+
+
+def _compositions(n: int, k: int) -> list[tuple[int, ...]]:
+    out = []
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = (0, *cuts, n)
+        out.append(tuple(b - a for a, b in zip(bounds, bounds[1:])))
+    return out
+
+
+def _min_max(weights: Sequence[float], k: int) -> tuple[int, ...]:
+    """The grouping of `weights` into k non-empty consecutive groups with the smallest largest group sum (DP)."""
+    n = len(weights)
+    pre = [0.0, *itertools.accumulate(weights)]
+    best = [[math.inf] * (n + 1) for _ in range(k + 1)]
+    cut = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for g in range(1, k + 1):
+        for j in range(g, n + 1):
+            for i in range(g - 1, j):
+                v = max(best[g - 1][i], pre[j] - pre[i])
+                if v < best[g][j]:
+                    best[g][j], cut[g][j] = v, i
+    sizes, j = [], n
+    for g in range(k, 0, -1):
+        i = cut[g][j]
+        sizes.append(j - i)
+        j = i
+    return tuple(reversed(sizes))
+
+
+def best_grouping(schedule: Schedule, num_microbatches: int, seg: SegmentCosts) -> tuple[int, ...]:
+    """The grouping of `seg`'s segments into `schedule.num_stages` stages with the shortest simulated step
+    (ties: the smaller largest stage load, then the earlier grouping). Every grouping is simulated when there
+    are at most EXHAUSTIVE_MAX; otherwise the search starts from the min-max split of per-stage compute
+    and moves one boundary by one segment at a time while the step gets shorter."""
+    n, k = seg.num_segments, schedule.num_stages
+    if k > n:
+        raise ScheduleError(f"{schedule}: {k} stages but the step has only {n} segments ({n - 1} pipeline_yield markers); "
+                            f"use at most {n} stages or mark more boundaries")
+    seen: dict[tuple[int, ...], tuple[float, float]] = {}
+
+    def score(g: tuple[int, ...]) -> tuple[float, float]:
+        if g not in seen:
+            seen[g] = (round(simulate(schedule, num_microbatches, group_costs(seg, g)).step_time, 12), max(stage_loads(seg, g)))
+        return seen[g]
+
+    if math.comb(n - 1, k - 1) <= EXHAUSTIVE_MAX:
+        return min(_compositions(n, k), key=score)
+    current = _min_max([f + b for f, b in zip(seg.F, seg.B)], k)
+    improved = True
+    while improved:
+        improved = False
+        for i in range(k - 1):
+            for d in (-1, 1):
+                g = list(current)
+                g[i] += d
+                g[i + 1] -= d
+                if min(g) >= 1 and score(tuple(g)) < score(current):
+                    current, improved = tuple(g), True
+    return current
+
+
+def resolve_grouping(schedule: Schedule, num_segments: int, num_microbatches: int, costs: SegmentCosts | None = None) -> tuple[int, ...] | None:
+    """The grouping the schedule's `balance` asks for, for a step of `num_segments` segments: None for no
+    balance; `costs` (or the balance's own SegmentCosts) are read for "auto"."""
+    check_balance(schedule)
+    b = getattr(schedule, "balance", None)
+    k = schedule.num_stages
+    if b is None:
+        return None
+    if k > num_segments:
+        raise ScheduleError(f"{schedule} has {k} stages but the step has only {num_segments} segments ({num_segments - 1} "
+                            f"pipeline_yield markers); use at most {num_segments} stages or mark more boundaries")
+    if b == "even":
+        return even_grouping(num_segments, k)
+    if isinstance(b, tuple):
+        if sum(b) != num_segments:
+            raise ScheduleError(f"{schedule}: balance={b} groups {sum(b)} segments but the step has {num_segments} "
+                                f"({num_segments - 1} pipeline_yield markers); give counts that sum to {num_segments}")
+        return b
+    seg = b if isinstance(b, SegmentCosts) else costs
+    if seg is None:
+        raise ScheduleError(f"{schedule}: balance='auto' needs segment costs")
+    if seg.num_segments != num_segments:
+        raise ScheduleError(f"{schedule}: the balance's SegmentCosts has {seg.num_segments} segments but the step has "
+                            f"{num_segments}; profile this step (step.profile_costs(*args)) again")
+    return best_grouping(schedule, num_microbatches, seg)

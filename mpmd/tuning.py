@@ -1,0 +1,327 @@
+"""`mpmd.tune`: measure a step's segment costs once, predict every candidate pipeline, return the best ready to run.
+
+    result = mpmd.tune(train_step, params, opt_state, batch, mesh=mesh, memory_limit=2 << 30)
+    print(result)                        # the table: predicted step time, bubble, peak bytes, why rejected
+    step = result.step                   # the winner, an mpmd.distributed step
+    batch = result.reshape_batch(batch)  # the winner's number of microbatches
+    result.verify(3)                     # run the top 3 for real: predicted vs measured side by side
+
+How the step is varied without changing its code: the step names a schedule inside
+(`accumulate_grads(..., schedule=...)`); tune traces it under `mpmd.schedules.override.use_schedule(s)`,
+which replaces that schedule (the same mechanism as `step.with_schedule(s)`), so any step written for
+`mpmd.distributed` can be tuned as it is. The number of microbatches is varied by re-splitting the batch
+argument (by default the last one): every leaf [m, b, ...] becomes [m', m*b/m', ...], so m' runs over the
+divisors of the m*b rows. A loss that sums over microbatches changes scale with m' (divide by m, as
+examples/gpt.py does, to keep it the same).
+
+Candidates: every built-in schedule that fits the mesh's p actors and the step's n marker segments
+(GPipe, 1F1B, eager 1F1B, ZB-H1 with p stages; interleaved 1F1B and interleaved zero bubble with v*p stages
+for each v in `virtual_stages`; ZB-V and DualPipeV with 2p), times each number of microbatches, each with
+its best grouping of segments into stages (`mpmd.schedules.balance`). Each is compiled to Programs here (no
+actor is contacted) and timed by `simulate_programs` on the grouped costs, scaled linearly with the rows per
+microbatch; peak bytes per actor come from the same simulation (parameters, optimizer state, activations).
+A candidate above `memory_limit` on any actor is rejected with its peak in the table. Remat of a stage to
+fit the memory limit is not tried (not done: the compiler has no remat switch per stage yet).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import jax
+import numpy as np
+
+from mpmd.compiler.plan import plan_step
+from mpmd.errors import MpmdError, PipelineError, ScheduleError
+from mpmd.schedules.balance import SegmentCosts, best_grouping, group_costs
+from mpmd.schedules.builtin import (
+    DualPipeV,
+    EagerOneFOneB,
+    GPipe,
+    InterleavedOneFOneB,
+    InterleavedZeroBubble,
+    OneFOneB,
+    Schedule,
+    ZeroBubbleH1,
+    ZeroBubbleV,
+)
+from mpmd.schedules.simulator import simulate_programs
+from mpmd.step import DistributedFunction
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Candidate", "TuneResult", "candidate_schedules", "tune"]
+
+
+@dataclass
+class Candidate:
+    """One pipeline tune considered: `schedule` (with `balance=` its grouping), `num_microbatches`, the
+    prediction (seconds per step, mean bubble, peak bytes per actor) or why it was `rejected`, and, after
+    `TuneResult.verify`, the `measured` seconds per step."""
+
+    schedule: Schedule
+    num_microbatches: int
+    grouping: tuple[int, ...] = ()
+    predicted: float | None = None
+    bubble: float | None = None
+    peak_bytes: tuple[int, ...] = ()
+    rejected: str = ""
+    measured: float | None = None
+
+    @property
+    def name(self) -> str:
+        return repr(self.schedule)
+
+    def row(self) -> str:
+        pred = f"{self.predicted * 1e3:9.2f}" if self.predicted is not None else f"{'-':>9s}"
+        bub = f"{self.bubble:6.3f}" if self.bubble is not None else f"{'-':>6s}"
+        peak = f"{max(self.peak_bytes) / 2**20:9.1f}" if self.peak_bytes else f"{'-':>9s}"
+        meas = f"{self.measured * 1e3:9.2f}  {self.measured / self.predicted:5.2f}" if self.measured and self.predicted else ""
+        grouping = ",".join(map(str, self.grouping))
+        return f"{self.name:50s} {self.num_microbatches:4d} {grouping:>16s} {pred} {bub} {peak}  {self.rejected or meas}"
+
+
+HEADER = (f"{'schedule':50s} {'m':>4s} {'grouping':>16s} {'pred ms':>9s} {'bubble':>6s} {'peak MiB':>9s}  "
+          "measured ms / measured:predicted, or why rejected")
+
+
+@dataclass
+class TuneResult:
+    """What `mpmd.tune` found: `candidates`, the feasible ones first by predicted step time, then the rejected;
+    `best`, the winner; `step`, the winner as a ready `mpmd.distributed` step; `costs`, the segment costs
+    every prediction used. `reshape_batch(batch)` re-splits a batch to the winner's microbatches;
+    `verify(k)` runs the top k for real and prints predicted and measured side by side."""
+
+    candidates: list[Candidate]
+    costs: SegmentCosts
+    base: DistributedFunction
+    args: tuple[Any, ...]
+    batch_argnum: int
+    memory_limit: int | None = None
+    verified: list[Candidate] = field(default_factory=list)
+
+    @property
+    def feasible(self) -> list[Candidate]:
+        return [c for c in self.candidates if not c.rejected]
+
+    @property
+    def best(self) -> Candidate:
+        if not self.feasible:
+            raise MpmdError("no candidate fits: every one was rejected (see the table); raise memory_limit or mark more "
+                            "stage boundaries\n" + self.table())
+        return self.feasible[0]
+
+    @property
+    def step(self) -> DistributedFunction:
+        """The winner as a distributed step on the same mesh (compiled on its first call)."""
+        return self.base.with_schedule(self.best.schedule)
+
+    def reshape_batch(self, batch: Any, candidate: Candidate | None = None) -> Any:
+        """`batch` re-split into the winner's (or `candidate`'s) number of microbatches."""
+        return resplit(batch, (candidate or self.best).num_microbatches)
+
+    def table(self) -> str:
+        lim = f", memory limit {self.memory_limit / 2**20:.1f} MiB" if self.memory_limit else ""
+        head = f"mpmd.tune: {len(self.feasible)} of {len(self.candidates)} candidates fit{lim}; costs {self.costs.source}"
+        return "\n".join([head, HEADER, *(c.row() for c in self.candidates)])
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def verify(self, k: int = 3, steps: int = 3, warmup: int = 2, rounds: int = 1) -> list[Candidate]:
+        """Run the top `k` candidates for real (`warmup` steps, then `rounds` x `steps` timed ones; the median
+        round counts), print predicted and measured step times side by side and return those candidates."""
+        out = []
+        for c in self.feasible[:k]:
+            c.measured = measure(self.base.with_schedule(c.schedule), self._args_for(c), self.batch_argnum, steps, warmup, rounds)
+            out.append(c)
+            log.info("measured %s", c.row())
+        self.verified = out
+        print(HEADER)
+        for c in out:
+            print(c.row())
+        return out
+
+    def _args_for(self, c: Candidate) -> tuple[Any, ...]:
+        args = list(self.args)
+        args[self.batch_argnum] = resplit(args[self.batch_argnum], c.num_microbatches)
+        return tuple(args)
+
+
+def resplit(batch: Any, num_microbatches: int) -> Any:
+    """Every leaf [m, b, ...] of `batch` as [num_microbatches, m*b/num_microbatches, ...]."""
+    def one(x: Any) -> Any:
+        x = np.asarray(x) if not isinstance(x, jax.Array) else x
+        if x.ndim < 2:
+            raise PipelineError(f"tune re-splits the batch's leaves [m, b, ...] into other microbatch counts; a leaf of shape "
+                                f"{x.shape} has no row axis")
+        rows = x.shape[0] * x.shape[1]
+        if rows % num_microbatches:
+            raise PipelineError(f"{num_microbatches} microbatches do not divide the batch's {rows} rows")
+        return x.reshape(num_microbatches, rows // num_microbatches, *x.shape[2:])
+
+    return jax.tree.map(one, batch)
+
+
+def measure(step: DistributedFunction, args: tuple[Any, ...], batch_argnum: int, steps: int, warmup: int, rounds: int) -> float:
+    """Seconds per step of `step` on `args`, threading state when the step returns its non-batch arguments
+    first (params, opt_state, ... -> params, opt_state, ..., aux): the median of `rounds` rounds of `steps`."""
+    from mpmd.runtime.array import fetch
+
+    args = list(args)
+    batch_at = batch_argnum % len(args)
+    state_at = [i for i in range(len(args)) if i != batch_at]
+
+    def call() -> Any:
+        out = step(*args)
+        if isinstance(out, tuple) and len(out) > len(state_at) and all(
+                jax.tree.structure(out[j], is_leaf=_remote) == jax.tree.structure(args[i], is_leaf=_remote)
+                for j, i in enumerate(state_at)):
+            for j, i in enumerate(state_at):
+                args[i] = out[j]
+        return out
+
+    for _ in range(warmup):
+        fetch(jax.tree.leaves(call())[-1])
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(steps):
+            out = call()
+        fetch(jax.tree.leaves(out)[-1])
+        times.append((time.perf_counter() - t) / steps)
+    return statistics.median(times)
+
+
+def _remote(x: Any) -> bool:
+    return type(x).__name__ == "RemoteArray"
+
+
+def candidate_schedules(num_actors: int, num_segments: int, virtual_stages: Sequence[int] = (2,)) -> list[Schedule]:
+    """Every built-in schedule that fits `num_actors` actors and `num_segments` marker segments."""
+    p, n = num_actors, num_segments
+    out: list[Schedule] = []
+    if p <= n:
+        out += [GPipe(p), OneFOneB(p), EagerOneFOneB(p), ZeroBubbleH1(p)]
+    for v in virtual_stages:
+        if v >= 2 and v * p <= n:
+            out += [InterleavedOneFOneB(v * p, p), InterleavedZeroBubble(v * p, p)]
+    if 2 * p <= n and p > 1:
+        out += [ZeroBubbleV(p), DualPipeV(p)]
+    return out
+
+
+def _with_balance(schedule: Schedule, grouping: tuple[int, ...]) -> Schedule:
+    if isinstance(schedule, (ZeroBubbleV, DualPipeV)):
+        return type(schedule)(schedule.num_actors, balance=grouping)
+    return replace(schedule, balance=grouping)
+
+
+def _divisors(rows: int, low: int, high: int) -> list[int]:
+    return [d for d in range(max(1, low), min(rows, high) + 1) if rows % d == 0]
+
+
+def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = None, schedules: Sequence[Any] | None = None,
+         microbatches: Sequence[int] | None = None, costs: SegmentCosts | str | None = None, virtual_stages: Sequence[int] = (2,),
+         batch_argnum: int = -1, profile_steps: int = 2) -> TuneResult:
+    """Choose the schedule, number of microbatches and stage grouping with the shortest predicted step that fits
+    `memory_limit` (bytes per actor; None: no limit), for `step_fn(*args)` on `mesh`.
+
+    `step_fn` is the undecorated step or an `mpmd.distributed` one (then `mesh` defaults to its own). It is
+    varied without changing its code (see the module docstring). `schedules`: schedules or built-in names to
+    consider (default: every built-in that fits); `microbatches`: counts to consider (default: the divisors
+    of the batch's rows from p to 4 * p * v_max); `costs`: per-segment costs, "xla" for XLA's cost analysis
+    (deterministic, no actor runs), or None to measure them on the actors (`step.profile_costs`).
+
+        result = mpmd.tune(train_step, params, opt_state, batch, mesh=mesh, memory_limit=1 << 30)
+        print(result); result.verify(3)
+    """
+    if isinstance(step_fn, DistributedFunction):
+        mesh = mesh if mesh is not None else step_fn.mesh
+        step_fn = step_fn.fn
+    if mesh is None:
+        raise PipelineError("mpmd.tune needs mesh= (the RemoteMesh the step will run on)")
+    base = DistributedFunction(step_fn, mesh)
+    p = len(mesh)
+    from mpmd.observe.segments import segment_layout
+
+    n, out_bytes, m0, rows = segment_layout(base, *args)
+    if costs is None:
+        seg = base.profile_costs(*args, steps=profile_steps)
+    elif costs == "xla":
+        seg = _xla_costs(base, args)
+    elif isinstance(costs, SegmentCosts):
+        seg = costs
+    else:
+        raise PipelineError(f"tune: costs must be None (measure), 'xla' or SegmentCosts, got {costs!r}")
+    if seg.num_segments != n:
+        raise PipelineError(f"tune: the costs have {seg.num_segments} segments but the step has {n}")
+    if schedules is None:
+        cands = candidate_schedules(p, n, virtual_stages)
+    else:
+        from mpmd.schedules.builtin import BUILTINS
+
+        cands = []
+        for s in schedules:
+            if isinstance(s, str):
+                picked = [c for c in candidate_schedules(p, n, virtual_stages) if type(c).__name__ == s]
+                if s not in BUILTINS:
+                    raise PipelineError(f"tune: unknown schedule {s!r}; built-ins are {', '.join(BUILTINS)}")
+                cands += picked
+            else:
+                cands.append(s)
+    total_rows = m0 * rows if rows else m0
+    vmax = max([*virtual_stages, 2])
+    counts = list(microbatches) if microbatches is not None else (_divisors(total_rows, p, 4 * p * vmax) if rows else [m0])
+    found: list[Candidate] = []
+    for m in counts:
+        b = total_rows // m if rows else 0
+        # task times scale with the rows of a microbatch; the runtime's per-Run and per-transfer costs do not
+        scaled = seg.scaled(b / seg.microbatch_rows) if rows and seg.microbatch_rows else seg
+        call_args = list(args)
+        if m != m0:
+            call_args[batch_argnum] = resplit(args[batch_argnum], m)
+        for sched in cands:
+            found.append(_predict(base, tuple(call_args), sched, m, scaled, p, memory_limit))
+    found.sort(key=lambda c: (bool(c.rejected), c.predicted if c.predicted is not None else float("inf")))
+    return TuneResult(found, seg, base, args, batch_argnum, memory_limit)
+
+
+def _predict(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedule, m: int, seg: SegmentCosts, p: int,
+             memory_limit: int | None) -> Candidate:
+    c = Candidate(schedule, m)
+    try:
+        if schedule.num_actors > p:
+            raise ScheduleError(f"needs {schedule.num_actors} actors, the mesh has {p}")
+        if m < schedule.min_microbatches:
+            raise ScheduleError(f"needs at least {schedule.min_microbatches} microbatches")
+        c.grouping = best_grouping(schedule, m, seg)
+        c.schedule = _with_balance(schedule, c.grouping)
+        outer, _ = base.with_schedule(c.schedule).trace(*args)
+        plan = plan_step(outer, p)
+        sim = simulate_programs(plan.programs, group_costs(seg, c.grouping), name=c.name)
+    except (ScheduleError, PipelineError) as e:
+        c.rejected = str(e).splitlines()[0][:120]
+        return c
+    c.predicted, c.bubble, c.peak_bytes = sim.step_time, sim.bubble, tuple(sim.peak_bytes or ())
+    if memory_limit is not None and c.peak_bytes and max(c.peak_bytes) > memory_limit:
+        a = int(np.argmax(c.peak_bytes))
+        c.rejected = f"peak {max(c.peak_bytes) / 2**20:.1f} MiB on actor {a} > memory_limit {memory_limit / 2**20:.1f} MiB"
+    return c
+
+
+def _xla_costs(base: DistributedFunction, args: tuple[Any, ...]) -> SegmentCosts:
+    from mpmd.compiler.grouping import xla_segment_costs
+    from mpmd.compiler.loop_tasks import analyse_loop_body, find_step_loop
+    from mpmd.compiler.stages import split_stages
+
+    outer, _ = base.trace(*args)
+    loop = find_step_loop(outer)
+    body = analyse_loop_body(loop)
+    leaf = loop.eqn.invars[0].aval
+    return replace(xla_segment_costs(split_stages(body), body), microbatch_rows=int(leaf.shape[1]) if len(leaf.shape) > 1 else 0)

@@ -1,0 +1,196 @@
+"""Balanced stages: a step marked after every layer, grouped into fewer stages by `balance=`. The compute per
+stage is the cost model's (XLA's cost analysis per segment, deterministic); results equal jax.jit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import mpmd
+from mpmd.compiler.grouping import merge_segments, xla_segment_costs
+from mpmd.compiler.loop_tasks import analyse_loop_body, find_step_loop
+from mpmd.compiler.plan import plan_step
+from mpmd.compiler.stages import split_stages
+from mpmd.errors import PipelineError
+from mpmd.schedules.balance import (
+    SegmentCosts,
+    best_grouping,
+    even_grouping,
+    group_costs,
+    groups,
+    stage_loads,
+)
+from mpmd.step import DistributedFunction
+from tests.test_pipeline import assert_trees_close, make_step
+
+# 8 layers of 4, 4, 2, 1, 1, 1, 1, 2 matmuls: costs differ by up to 4x; a marker after every layer gives 8
+# segments. Balanced: 2 stages of 8 units, 4 of 4; equal counts: 11 vs 5 (2.2x) and 8 vs 2 (4x).
+REPS = (4, 4, 2, 1, 1, 1, 1, 2)
+WIDTH = 32
+
+
+def uneven_mlp(params, x):
+    for i, layer in enumerate(params):
+        for w in layer:
+            x = jnp.tanh(x @ w)
+        if i < len(params) - 1:
+            x = mpmd.pipeline_yield(x)
+    return x
+
+
+def uneven_loss(params, mb):
+    return jnp.mean((uneven_mlp(params, mb["x"]) - mb["y"]) ** 2)
+
+
+def uneven_setup(num_mb=4, rows=16, seed=0):
+    rng = np.random.default_rng(seed)
+    params = [[(rng.standard_normal((WIDTH, WIDTH)) / np.sqrt(WIDTH)).astype(np.float32) for _ in range(r)] for r in REPS]
+    batch = {"x": rng.standard_normal((num_mb, rows, WIDTH)).astype(np.float32),
+             "y": rng.standard_normal((num_mb, rows, WIDTH)).astype(np.float32)}
+    return params, batch
+
+
+class FakeMesh:
+    """Only tracing and planning run (no actor is contacted)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+
+def traced(schedule, actors, num_mb=4):
+    params, batch = uneven_setup(num_mb)
+    opt = optax.sgd(0.1)
+    outer, _ = DistributedFunction(make_step(uneven_loss, opt, schedule), FakeMesh(actors)).trace(params, opt.init(params), batch)
+    return outer
+
+
+def segment_costs(actors=2):
+    outer = traced(mpmd.OneFOneB(actors, balance="auto"), actors)
+    body = analyse_loop_body(find_step_loop(outer))
+    split = split_stages(body)
+    return split, body, xla_segment_costs(split, body)
+
+
+def spread(loads):
+    return max(loads) / min(loads)
+
+
+# ---- the pure search -------------------------------------------------------------------------------------
+def test_best_grouping_on_analytic_costs_evens_the_stages_where_equal_counts_do_not():
+    seg = SegmentCosts(F=REPS, B=tuple(2 * r for r in REPS))
+    for stages in (2, 4):
+        g = best_grouping(mpmd.OneFOneB(stages), 8, seg)
+        assert sum(g) == 8 and spread(stage_loads(seg, g)) == 1.0  # 16/8 units per stage: exactly even
+        assert spread(stage_loads(seg, even_grouping(8, stages))) > 2.0
+    # the simulated step of the chosen grouping is the analytic 1F1B step: (m + p - 1) * (F + B) of one stage
+    g = best_grouping(mpmd.OneFOneB(4), 8, seg)
+    assert mpmd.simulate(mpmd.OneFOneB(4), 8, group_costs(seg, g)).step_time == pytest.approx((8 + 3) * 12)
+
+
+def test_best_grouping_for_many_segments_uses_local_search_and_stays_near_the_min_max_bound():
+    rng = np.random.default_rng(1)
+    f = tuple(float(x) for x in rng.uniform(1, 4, size=40))
+    seg = SegmentCosts(F=f, B=tuple(2 * x for x in f))
+    g = best_grouping(mpmd.OneFOneB(8), 16, seg)
+    loads = stage_loads(seg, g)
+    assert sum(g) == 40 and min(g) >= 1
+    assert max(loads) <= sum(loads) / 8 + 3 * max(f) * 1.0001  # within one largest segment (F+B) of perfect balance
+
+
+def test_even_grouping_and_groups():
+    assert even_grouping(8, 3) == (3, 3, 2)
+    assert [list(r) for r in groups((2, 1, 3))] == [[0, 1], [2], [3, 4, 5]]
+
+
+def test_balance_is_checked_when_the_schedule_is_made():
+    with pytest.raises(mpmd.ScheduleError, match="balance must be"):
+        mpmd.OneFOneB(2, balance=(1,))
+    with pytest.raises(mpmd.ScheduleError, match="balance must be"):
+        mpmd.GPipe(2, balance="fast")
+    assert mpmd.ZeroBubbleV(2, balance="auto").balance == "auto"
+    assert mpmd.InterleavedOneFOneB(4, 2, balance=(2, 2, 2, 2)).num_actors == 2
+
+
+# ---- the compiler's grouping pass ------------------------------------------------------------------------
+@pytest.mark.parametrize("stages", [2, 4])
+def test_auto_balance_gives_stages_within_20_percent_where_equal_counts_differ_over_2x(stages):
+    split, body, seg = segment_costs()
+    # XLA's costs follow the matmul counts: the 4-matmul layer costs about 4x the 1-matmul one
+    assert 3.0 < seg.F[0] / seg.F[3] < 5.0
+    plan = plan_step(traced(mpmd.OneFOneB(stages, balance="auto"), stages), stages)
+    assert plan.grouping is not None and sum(plan.grouping) == 8
+    assert spread(stage_loads(seg, plan.grouping)) <= 1.2
+    even = plan_step(traced(mpmd.OneFOneB(stages, balance="even"), stages), stages)
+    assert even.grouping == even_grouping(8, stages)
+    assert spread(stage_loads(seg, even.grouping)) > 2.0
+
+
+def sig(eqns):
+    return [(e.primitive.name, tuple(str(v.aval) for v in e.outvars)) for e in eqns]
+
+
+def test_grouping_never_splits_a_segment():
+    split, body, _ = segment_costs()
+    plan = plan_step(traced(mpmd.OneFOneB(4, balance="auto"), 4), 4)
+    for stage, segs in enumerate(groups(plan.grouping)):
+        # a stage's forward is its segments' forwards, whole and in order; it ends at a marker (but the last)
+        assert sig(plan.split.regions[(stage, "F")]) == [x for s in segs for x in sig(split.regions[(s, "F")])]
+        if stage < 3:
+            assert plan.split.regions[(stage, "F")][-1].primitive.name == "pipeline_yield"
+    merged = merge_segments(split, plan.grouping, body)
+    assert sum(len(v) for v in merged.regions.values()) == sum(len(v) for v in split.regions.values())
+
+
+def test_step_shows_the_chosen_grouping():
+    plan = plan_step(traced(mpmd.OneFOneB(2, balance=(3, 5)), 2), 2)
+    assert plan.grouping == (3, 5)
+    assert str(plan).startswith("stages from 8 marker segments, grouping (3, 5): stage 0: segments 0-2, stage 1: segments 3-7")
+
+
+def test_more_markers_than_stages_without_balance_is_an_error_that_suggests_balance():
+    with pytest.raises(PipelineError, match="balance='auto'"):
+        plan_step(traced(mpmd.OneFOneB(2), 2), 2)
+    with pytest.raises(PipelineError, match="sum to 8"):
+        plan_step(traced(mpmd.OneFOneB(2, balance=(3, 4)), 2), 2)
+    with pytest.raises(PipelineError, match="only 8 segments"):
+        plan_step(traced(mpmd.InterleavedOneFOneB(16, 2, balance="auto"), 2), 2)
+
+
+def test_split_backward_schedules_group_their_input_and_weight_gradients():
+    plan = plan_step(traced(mpmd.ZeroBubbleH1(2, balance="auto"), 2), 2)
+    assert {k for (_, k) in plan.split.regions} >= {"F", "I", "W"}
+    assert plan.grouping is not None and sum(plan.grouping) == 8
+
+
+# ---- on real actors --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("schedule", [mpmd.OneFOneB(2, balance="auto"), mpmd.ZeroBubbleH1(2, balance="auto")], ids=["1f1b", "zb-h1"])
+def test_auto_balanced_step_matches_jax_jit(mesh2, schedule):
+    params, batch = uneven_setup()
+    opt = optax.adam(1e-2)
+    ref = jax.jit(make_step(uneven_loss, opt, None))
+    dist = mpmd.distributed(make_step(uneven_loss, opt, schedule), mesh=mesh2)
+    rp, ro, dp, do = params, opt.init(params), params, opt.init(params)
+    for _ in range(2):
+        rp, ro, rl = ref(rp, ro, batch)
+        dp, do, dl = dist(dp, do, batch)
+        assert_trees_close(dl, rl)
+    assert_trees_close(dp, rp)
+    report = str(dist.placement(dp, do, batch))
+    assert report.startswith("stages from 8 marker segments")
+
+
+def test_profile_costs_measures_every_segment_on_the_actors_and_balances_with_them(mesh2):
+    params, batch = uneven_setup(num_mb=4, rows=64)
+    opt = optax.sgd(0.1)
+    step = mpmd.distributed(make_step(uneven_loss, opt, mpmd.OneFOneB(2)), mesh=mesh2)
+    seg = step.profile_costs(params, opt.init(params), batch, steps=1)
+    assert seg.num_segments == 8 and seg.source == "measured on the actors" and seg.microbatch_rows == 64
+    assert all(f > 0 for f in seg.F) and all(b > 0 for b in seg.B) and all(i >= 0 for i in seg.I)
+    assert seg.activation_bytes[:7] == (64 * WIDTH * 4,) * 7
+    g = best_grouping(mpmd.OneFOneB(2), 4, seg)
+    balanced = step.with_schedule(mpmd.OneFOneB(2, balance=seg))
+    assert balanced.compile(params, opt.init(params), batch).plan.grouping == g

@@ -1,0 +1,80 @@
+"""mpmd.tune: every candidate predicted from one set of segment costs, ranked, the memory limit respected with
+its reason in the table; the winner is a ready step whose results equal jax.jit; verify measures it."""
+
+import jax
+import optax
+import pytest
+
+import mpmd
+from mpmd.schedules.balance import group_costs
+from mpmd.tuning import candidate_schedules, resplit
+from tests.test_balance import FakeMesh, uneven_loss, uneven_setup
+from tests.test_pipeline import assert_trees_close, make_step
+
+
+def tuned(**kw):
+    params, batch = uneven_setup(num_mb=4, rows=16)
+    opt = optax.adam(1e-3)
+    step = make_step(uneven_loss, opt, mpmd.OneFOneB(2))  # the step names 1F1B; tune replaces it
+    return mpmd.tune(step, params, opt.init(params), batch, mesh=FakeMesh(2), costs="xla", **kw)
+
+
+def test_candidate_schedules_are_every_builtin_that_fits():
+    names = [type(s).__name__ for s in candidate_schedules(2, 8)]
+    assert sorted(names) == sorted(mpmd.schedules.BUILTINS)
+    assert [type(s).__name__ for s in candidate_schedules(4, 4)] == ["GPipe", "OneFOneB", "EagerOneFOneB", "ZeroBubbleH1"]
+
+
+def test_tune_ranks_candidates_by_predicted_step_time_and_the_winner_is_the_fastest():
+    r = tuned(microbatches=[2, 4])
+    feasible = r.feasible
+    assert len(r.candidates) == 2 * 8 and len(feasible) == 15  # DualPipeV needs 4 microbatches on 2 actors
+    assert "needs at least 4 microbatches" in next(c.rejected for c in r.candidates if c.rejected)
+    assert [c.predicted for c in feasible] == sorted(c.predicted for c in feasible)
+    assert r.best is feasible[0] and r.best.schedule.balance == r.best.grouping
+    for c in feasible:
+        assert sum(c.grouping) == 8 and c.peak_bytes and 0 <= c.bubble < 1
+    # with free transfers and runtime, the compiled Programs' time is the schedule table's on the grouped costs
+    # (4 microbatches of the 16 profiled rows: unscaled), and at least m x the slower stage plus the other's fill/drain
+    one = next(c for c in feasible if type(c.schedule).__name__ == "GPipe" and c.num_microbatches == 4)
+    costs = group_costs(r.costs, one.grouping)
+    assert one.predicted == pytest.approx(mpmd.simulate(mpmd.GPipe(2), 4, costs).step_time, rel=1e-9)
+    (f0, f1), (b0, b1) = costs.F, costs.B
+    assert one.predicted >= 4 * max(f0 + b0, f1 + b1) + min(f0 + b0, f1 + b1) - 1e-12
+    assert str(r).splitlines()[1].startswith("schedule")
+
+
+def test_tune_respects_the_memory_limit_and_says_why_gpipe_was_rejected():
+    free = tuned(microbatches=[8], schedules=["GPipe", "OneFOneB"])
+    peak = {type(c.schedule).__name__: max(c.peak_bytes) for c in free.candidates}
+    assert peak["OneFOneB"] < peak["GPipe"]  # GPipe holds all 8 microbatches' activations
+    limit = (peak["OneFOneB"] + peak["GPipe"]) // 2
+    r = tuned(microbatches=[8], schedules=["GPipe", "OneFOneB"], memory_limit=limit)
+    gpipe = next(c for c in r.candidates if type(c.schedule).__name__ == "GPipe")
+    assert gpipe.rejected.startswith(f"peak {peak['GPipe'] / 2**20:.1f} MiB") and "> memory_limit" in gpipe.rejected
+    assert type(r.best.schedule).__name__ == "OneFOneB" and gpipe not in r.feasible
+    assert "memory_limit" in str(r)
+
+
+def test_resplit_keeps_every_row():
+    params, batch = uneven_setup(num_mb=4, rows=16)
+    b = resplit(batch, 8)
+    assert b["x"].shape == (8, 8, 32) and (b["x"].reshape(64, 32) == batch["x"].reshape(64, 32)).all()
+    with pytest.raises(mpmd.PipelineError, match="do not divide"):
+        resplit(batch, 3)
+
+
+def test_tune_with_measured_costs_gives_a_winner_equal_to_jax_jit_and_verify_measures_it(mesh2, capsys):
+    params, batch = uneven_setup(num_mb=4, rows=16)
+    opt = optax.adam(1e-3)
+    step = make_step(uneven_loss, opt, mpmd.OneFOneB(2))
+    r = mpmd.tune(mpmd.distributed(step, mesh=mesh2), params, opt.init(params), batch, microbatches=[2, 4],
+                  schedules=["OneFOneB", "ZeroBubbleH1"], profile_steps=1)
+    assert r.costs.source == "measured on the actors" and len(r.feasible) == 4
+    verified = r.verify(1, steps=2, warmup=1)
+    assert verified[0] is r.best and verified[0].measured > 0
+    assert "measured" in capsys.readouterr().out
+    mb = r.reshape_batch(batch)
+    got = r.step(params, opt.init(params), mb)
+    want = jax.jit(make_step(uneven_loss, opt, None))(params, opt.init(params), mb)
+    assert_trees_close(got, want)
