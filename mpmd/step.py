@@ -131,13 +131,16 @@ class DistributedFunction:
         user = tree_specs(self.in_shardings, args, "in_shardings") if self.in_shardings is not None else [None] * len(leaves)
         out = []
         for x, u, path, spec in zip(leaves, user, paths, specs):
-            held = x.sharding.layout if isinstance(x, RemoteArray) and x.sharding is not None else None
-            if u is not None:
+            held = am.canonical(x.sharding.layout) if isinstance(x, RemoteArray) and x.sharding is not None else None
+            if u is not None:  # compared as jax.jit compares shardings: the same data on the same devices
                 am.check_spec(u, spec.shape, f"in_shardings for {path}")
-                if held is not None and as_layout(u) != held:
-                    raise PipelineError(f"argument {path} is laid out as {layout_to_spec(held)} on its actors but in_shardings asks "
-                                        f"for {u}; pass it with its own layout (in_shardings None there) or put it laid out as asked")
-                out.append(as_layout(u))
+                if held is not None and am.canonical(u) != held:
+                    raise PipelineError(
+                        f"argument {path} is laid out as {layout_to_spec(held)} on its actors but in_shardings asks for {u} "
+                        f"(over the actor mesh {dict(zip(am.axis_names, am.shape))}), as jax.jit refuses a committed array of "
+                        "another sharding; give the step that made it out_shardings laying it out as asked, pass "
+                        "in_shardings None for this argument (it keeps its own layout), or pass the host value mpmd.fetch(x)")
+                out.append(am.canonical(u))
             else:
                 out.append(held if held is not None else ())
         return tuple(out)
@@ -224,7 +227,7 @@ class DistributedFunction:
             for (kind, _), key, spec, aval in zip(plan.out_homes, plan.out_keys, out_specs, plan.out_avals):
                 if kind == "actors" and spec is not None:
                     am.check_spec(spec, aval.shape, "out_shardings")
-                    constraints[key] = as_layout(spec)
+                    constraints[key] = am.canonical(spec)
 
         async def compile_unit(a: int, u: Any, ins: tuple, outs: tuple) -> tuple[str, list[Any]]:
             tpl = u.template()
