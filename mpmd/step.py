@@ -19,7 +19,8 @@ from mpmd.compiler.plan import StepPlan, iter_lowered, plan_step
 from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError
 from mpmd.observe.report import PlacementReport, placement_report
 from mpmd.runtime.array import RemoteArray
-from mpmd.runtime.sharding import as_layout, infer_layouts, layout_to_spec, layout_wire, remote_sharding, tree_specs
+from mpmd.runtime.callbacks import run_host_calls
+from mpmd.runtime.sharding import infer_layouts, layout_to_spec, layout_wire, remote_sharding, tree_specs
 from transport.protocol import dtype_name
 
 log = logging.getLogger(__name__)
@@ -273,10 +274,11 @@ class DistributedFunction:
         mesh, plan = self.mesh, compiled.plan
         requests, replicas, outs = self._prepare(compiled, leaves, step, sig[2])
         trace = mesh.active_trace
-        done = mesh.dispatch(lambda: self._send(requests, trace),
-                             lambda futures: self._finish(futures, compiled, replicas, step, trace))
-        self._last = (step, done)
         results: list[Any] = []
+        done = mesh.dispatch(lambda: self._send(requests, trace),
+                             lambda futures: self._finish(futures, compiled, replicas, step, trace, results[plan.num_outputs:]))
+        done.host_calls = bool(plan.host_calls)  # fetching an output waits for the step's callbacks (RemoteArray._wire)
+        self._last = (step, done)
         for (kind, val), ids, aval, key in zip(plan.out_homes, outs, plan.out_avals, plan.out_keys):
             if kind == "actors":
                 sharding = remote_sharding(plan.layouts.get(key), mesh.actor_mesh)
@@ -287,7 +289,7 @@ class DistributedFunction:
                 results.append(np.asarray(val))
         if trace is not None:
             trace.expect(done)
-        return jax.tree.unflatten(compiled.out_tree, results)
+        return jax.tree.unflatten(compiled.out_tree, results[: plan.num_outputs])
 
     def _raise_unseen_error(self) -> None:
         last = getattr(self, "_last", None)
@@ -358,8 +360,22 @@ class DistributedFunction:
         return futures
 
     async def _finish(self, futures: list[asyncio.Future[Any]], compiled: CompiledStep, replicas: list[Any], step: int,
-                      trace: Any) -> None:
+                      trace: Any, hidden: list[Any] | None) -> None:
         mesh = self.mesh
+        if compiled.plan.host_calls and hidden is not None:  # after the previous step's callbacks; before this step is done
+            previous = getattr(self, "_host_calls_done", None)
+            mine = self._host_calls_done = asyncio.get_running_loop().create_future()
+            try:
+                await self._finish(futures, compiled, replicas, step, trace, None)
+                if previous is not None:
+                    await previous
+                try:
+                    await run_host_calls(mesh, compiled.plan.host_calls, hidden)
+                except MpmdError as e:
+                    raise name_step(e, step, getattr(self.fn, "__name__", "step")) from None
+            finally:
+                mine.set_result(None)
+            return
         try:
             await self._wait_all(futures, compiled, step)
         except BaseException as e:

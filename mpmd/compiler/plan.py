@@ -23,8 +23,9 @@ from typing import Any
 import jax
 from jax.extend.core import ClosedJaxpr, Literal, Var
 
-from mpmd.compiler.body import CONST, LoopBody, analyse, constants_needed
-from mpmd.compiler.eqns import SyntheticEqn, eqns_fn, free_inputs, is_var
+from mpmd.compiler.body import CONST, INVARIANT, LoopBody, analyse, constants_needed
+from mpmd.compiler.effects import HostCall, check_host_calls, is_host_call, used_vars
+from mpmd.compiler.eqns import SyntheticEqn, eqns_fn, free_inputs, is_var, var_inputs
 from mpmd.compiler.inline import inline_calls
 from mpmd.compiler.placement import make_chunks, place_post, place_pre, split_conds
 from mpmd.compiler.program import Label, Program, Task
@@ -52,6 +53,8 @@ class StepPlan:
     arg_keys: list[Key] = field(default_factory=list)
     out_keys: list[Any] = field(default_factory=list)  # per flat output: its key (or a Literal)
     layouts: dict[Key, Any] = field(default_factory=dict)  # each value's layout over the actor mesh (multi-device actors)
+    num_outputs: int = -1  # the step's own outputs come first in out_*; hidden ones (host callbacks' operands) follow
+    host_calls: list[HostCall] = field(default_factory=list)  # see mpmd.compiler.effects
 
     def __str__(self) -> str:
         return "\n\n".join(str(p) for p in self.programs)
@@ -109,7 +112,10 @@ def plan_step(outer: ClosedJaxpr, num_mesh_actors: int) -> StepPlan:
     p = loop.params
     schedule: Schedule | None = p["schedule"]
     m, n_mb, n_grads = p["num_microbatches"], p["num_mb_leaves"], p["num_grads"]
-    lb = analyse(inline_calls(p["body"]), n_mb, n_grads, m, list(loop.invars[n_mb:]))
+    body = inline_calls(p["body"])
+    check_host_calls(body.jaxpr.eqns, used_vars([body.jaxpr.eqns], body.jaxpr.outvars))
+    check_host_calls(jaxpr.eqns, used_vars([jaxpr.eqns], jaxpr.outvars))
+    lb = analyse(body, n_mb, n_grads, m, list(loop.invars[n_mb:]))
     split = split_stages(lb)
     _check_schedule(schedule, split.num_stages, num_mesh_actors)
     assert schedule is not None
@@ -118,6 +124,7 @@ def plan_step(outer: ClosedJaxpr, num_mesh_actors: int) -> StepPlan:
     actor_of = schedule.actor_of
     follow_inputs(split, lb, actor_of)
     split_backward(split, {t.stage for row in table for t in row if t.kind in ("I", "W")})
+    loop_calls = _strip_host_calls(split)
     recompute_cheap(split, lb, actor_of)
 
     # ---- canonical vars -----------------------------------------------------------------------------
@@ -132,7 +139,8 @@ def plan_step(outer: ClosedJaxpr, num_mesh_actors: int) -> StepPlan:
         return v
 
     avals: dict[Key, Any] = {}
-    loop_units = _loop_units(split, lb, table, actor_of, leaf_outer, resolve, avals)
+    hidden = _HiddenOutputs()
+    loop_units = _loop_units(split, lb, table, actor_of, leaf_outer, resolve, avals, loop_calls, hidden)
     finals: dict[Key, Key] = {}  # Outer(step-level var of an accumulator) -> its last Acc key
     acc_home: dict[Any, int] = {}
     for a, us in loop_units.items():
@@ -148,6 +156,7 @@ def plan_step(outer: ClosedJaxpr, num_mesh_actors: int) -> StepPlan:
 
     # ---- before and after the loop ----------------------------------------------------------------------
     step_outputs = {resolve(v) for v in jaxpr.outvars if isinstance(v, Var)}
+    step_outputs |= {k.var for k in hidden.keys if isinstance(k, Outer)}  # step values a task's callback prints
     all_actors = set(range(num_actors))
     loop_need: dict[Var, set[int]] = defaultdict(set)
     for a, us in loop_units.items():
@@ -157,6 +166,9 @@ def plan_step(outer: ClosedJaxpr, num_mesh_actors: int) -> StepPlan:
                     loop_need[k.var].add(a)
     pre = _substitute([*jaxpr.eqns[:li], *lb.hoisted], resolve)
     post = split_conds(_substitute([*lb.tail, *jaxpr.eqns[li + 1 :]], resolve))
+    step_calls = [(phase, i, e) for phase, eqns in (("pre", pre), ("post", post)) for i, e in enumerate(eqns) if is_host_call(e)]
+    pre, post = [e for e in pre if not is_host_call(e)], [e for e in post if not is_host_call(e)]
+    step_outputs |= {v for _, _, e in step_calls for v in e.invars if is_var(v)}  # computed, kept and fetched
     args = set(jaxpr.invars)
     provisional = defaultdict(set, {k: set(v) for k, v in loop_need.items()})
     place_pre(pre, provisional, step_outputs, all_actors, {v: w for v, w in loop_need.items() if v in args})
@@ -192,6 +204,19 @@ def plan_step(outer: ClosedJaxpr, num_mesh_actors: int) -> StepPlan:
     out_keys: list[Any] = []
     for v in jaxpr.outvars:
         out_keys.append(v if isinstance(v, Literal) else finals.get(Outer(resolve(v)), Outer(resolve(v))))
+    for phase, i, e in step_calls:
+        operands = []
+        for v in e.invars:
+            if not is_var(v):
+                operands.append(("const", v.val))
+            elif v in outer_consts:
+                operands.append(("const", outer_consts[v]))
+            else:
+                k = finals.get(Outer(v), Outer(v))
+                avals.setdefault(k, v.aval)
+                operands.append(("out", hidden.index(k), None))
+        hidden.calls.append(HostCall(e, tuple(operands), -1, phase, (0 if phase == "pre" else 2, i)))
+    out_keys.extend(hidden.keys)
     const_keys = {k for us in per_actor.values() for u in us for part in u.parts for k in part.inputs if isinstance(k, MbIndex)}
     transfers = infer_transfers(per_actor, arg_homes, const_keys)
     step_out_set = {k for k in out_keys if not isinstance(k, Literal)}
@@ -247,13 +272,51 @@ def plan_step(outer: ClosedJaxpr, num_mesh_actors: int) -> StepPlan:
                 output_keys[a].append(k)
     programs = build_programs(per_actor, num_actors, arg_keys, arg_homes, output_keys, avals, transfers, {})
     check_programs(programs)  # the Programs' own dependency graph: every Recv matched, no actor waits forever
-    return StepPlan(programs, [arg_homes[k] for k in arg_keys], out_homes, [v.aval for v in jaxpr.outvars], table, split,
-                    dict(per_actor), transfers, avals, templates, arg_keys, out_keys)
+    out_avals = [v.aval for v in jaxpr.outvars] + [avals[k] for k in hidden.keys]
+    calls = [c if c.actor >= 0 else _placed(c, out_homes[len(jaxpr.outvars):]) for c in hidden.calls]
+    return StepPlan(programs, [arg_homes[k] for k in arg_keys], out_homes, out_avals, table, split, dict(per_actor), transfers,
+                    avals, templates, arg_keys, out_keys, num_outputs=len(jaxpr.outvars),
+                    host_calls=sorted(calls, key=lambda c: (c.order[0], c.actor, c.order[1:])))
+
+
+class _HiddenOutputs:
+    """Extra step outputs: the values host callbacks read (fetched after the step, see mpmd.compiler.effects)."""
+
+    def __init__(self) -> None:
+        self.keys: list[Key] = []
+        self.calls: list[HostCall] = []
+
+    def index(self, k: Key) -> int:
+        if k not in self.keys:
+            self.keys.append(k)
+        return self.keys.index(k)
+
+
+def _strip_host_calls(split: StageSplit) -> dict[tuple[int, str], list[Any]]:
+    """Take the host callback equations out of every task (they run at the controller); per region, in order."""
+    out: dict[tuple[int, str], list[Any]] = {}
+    for r, eqns in split.regions.items():
+        calls = [e for e in eqns if is_host_call(e)]
+        if calls:
+            out[r] = calls
+            split.regions[r] = [e for e in eqns if not is_host_call(e)]
+    split.reindex()
+    return out
+
+
+def _placed(call: HostCall, homes: list[tuple[str, Any]]) -> HostCall:
+    """A call before or after the loop runs, for its prefix, where its first operand computed on an actor is."""
+    import dataclasses
+
+    actor = next((homes[o[1]][1][0] for o in call.operands if o[0] == "out" and homes[o[1]][0] == "actors"), 0)
+    return dataclasses.replace(call, actor=actor)
 
 
 def _loop_units(split: StageSplit, lb: LoopBody, table: list[list[Task]], actor_of: Callable[[int], int], leaf_outer: dict[Var, Any],
-                resolve: Callable[[Any], Any], avals: dict[Key, Any]) -> dict[int, list[Unit]]:
-    """One unit per scheduled task that computes something, in each actor's table order."""
+                resolve: Callable[[Any], Any], avals: dict[Key, Any], loop_calls: dict[tuple[int, str], list[Any]],
+                hidden: _HiddenOutputs) -> dict[int, list[Unit]]:
+    """One unit per scheduled task that computes something, in each actor's table order; the host callbacks
+    of each task become HostCalls reading hidden outputs (the values each microbatch gave them)."""
     consumers: dict[Var, set] = defaultdict(set)  # var -> regions that read it without computing it themselves
     for r, eqns in split.regions.items():
         for v in free_inputs(eqns):
@@ -262,6 +325,7 @@ def _loop_units(split: StageSplit, lb: LoopBody, table: list[list[Task]], actor_
     stacked = {v for v, _ in lb.stacked}
     m = lb.num_microbatches
     plans: dict[tuple[int, str], Any] = {}
+    printed = {v for calls in loop_calls.values() for e in calls for v in var_inputs(e)}
 
     def plan_region(r: tuple[int, str]) -> Any:
         if r in plans:
@@ -272,7 +336,7 @@ def _loop_units(split: StageSplit, lb: LoopBody, table: list[list[Task]], actor_
         body_eqns = [*const_eqns, *eqns]
         in_vars = [v for v in free_inputs(body_eqns) if v not in lb.consts]
         own = {v for e in eqns for v in e.outvars if is_var(v)}
-        exported = [v for e in eqns for v in e.outvars if is_var(v) and consumers.get(v, set()) - {r}]
+        exported = [v for e in eqns for v in e.outvars if is_var(v) and (consumers.get(v, set()) - {r} or v in printed)]
         accs = [v for e in eqns for v in e.outvars if is_var(v) and (v in accumulated or v in stacked)]
         plans[r] = (body_eqns, in_vars, exported, accs) if own else None
         return plans[r]
@@ -280,10 +344,13 @@ def _loop_units(split: StageSplit, lb: LoopBody, table: list[list[Task]], actor_
     first_seen: set[Any] = set()
     last: dict[Any, int] = {}
     units: dict[int, list[Unit]] = defaultdict(list)
-    for row in table:
-        for task in row:
+    for a_row, row in enumerate(table):
+        for pos, task in enumerate(row):
             kind = task.kind
             r = (task.stage, kind)
+            for j, e in enumerate(loop_calls.get(r, ())):
+                operands = [_loop_operand(v, task.mb, lb, leaf_outer, resolve, avals, hidden) for v in e.invars]
+                hidden.calls.append(HostCall(e, tuple(operands), actor_of(task.stage), str(Label.of(task)), (1, pos, j)))
             info = plan_region(r)
             if info is None:
                 continue
@@ -329,6 +396,25 @@ def _loop_units(split: StageSplit, lb: LoopBody, table: list[list[Task]], actor_
             part = Part(fn, inputs, outputs, template, Label.of(task))
             units[a].append(Unit(a, [part]))
     return units
+
+
+def _loop_operand(v: Any, mb: int, lb: LoopBody, leaf_outer: dict[Var, Any], resolve: Callable[[Any], Any],
+                  avals: dict[Key, Any], hidden: _HiddenOutputs) -> tuple[Any, ...]:
+    """Where a host callback in a task finds operand `v` of microbatch `mb`."""
+    if not is_var(v):
+        return ("const", v.val)
+    if v in lb.consts:
+        return ("const", lb.consts[v])
+    if v in leaf_outer:  # the microbatch itself: its row of the batch leaf
+        k: Key = Outer(leaf_outer[v])
+        avals.setdefault(k, leaf_outer[v].aval)
+        return ("out", hidden.index(k), mb)
+    status = lb.status.get(v, CONST)
+    if status == CONST:  # computed from constants only: evaluate it here
+        return ("const", eqns_fn(constants_needed([], [v], lb), [], [v], lb.consts)()[0])
+    k = PerMb(v, mb) if status != INVARIANT else Outer(resolve(v))
+    avals.setdefault(k, v.aval)
+    return ("out", hidden.index(k), None)
 
 
 def _chunk_parts(chunks: list[Any], lb: LoopBody, consts: dict[Any, Any], avals: dict[Key, Any]) -> list[tuple[Any, Part]]:
