@@ -88,9 +88,10 @@ def _accumulate_impl(*args: Any, body: Any, num_mb_leaves: int, num_grads: int, 
 
 def _accumulate_abstract_eval(*avals: Any, body: Any, num_mb_leaves: int, num_grads: int, num_microbatches: int, schedule: Any) -> list[Any]:
     outs = [v.aval for v in body.jaxpr.outvars]
-    return [*outs[:num_grads], *(a.update(shape=(num_microbatches, *a.shape)) for a in outs[num_grads:])]
+    avals = [*outs[:num_grads], *(a.update(shape=(num_microbatches, *a.shape)) for a in outs[num_grads:])]
+    return avals, body.effects  # the body's callbacks (ordered ones need their token threaded through the loop)
 
 
 accumulate_p.def_impl(_accumulate_impl)
-accumulate_p.def_abstract_eval(_accumulate_abstract_eval)
+accumulate_p.def_effectful_abstract_eval(_accumulate_abstract_eval)
 mlir.register_lowering(accumulate_p, mlir.lower_fun(_accumulate_impl, multiple_results=True))

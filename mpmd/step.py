@@ -20,7 +20,8 @@ from mpmd.compiler.plan import StepPlan, iter_lowered, plan_step
 from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError
 from mpmd.observe.report import PlacementReport, placement_report
 from mpmd.runtime.array import RemoteArray
-from mpmd.runtime.sharding import as_layout, infer_layouts, layout_to_spec, layout_wire, remote_sharding, tree_specs
+from mpmd.runtime.callbacks import run_host_calls
+from mpmd.runtime.sharding import infer_layouts, layout_to_spec, layout_wire, remote_sharding, tree_specs
 from mpmd.schedules.override import use_schedule
 from transport.protocol import dtype_name
 
@@ -134,13 +135,16 @@ class DistributedFunction:
         user = tree_specs(self.in_shardings, args, "in_shardings") if self.in_shardings is not None else [None] * len(leaves)
         out = []
         for x, u, path, spec in zip(leaves, user, paths, specs):
-            held = x.sharding.layout if isinstance(x, RemoteArray) and x.sharding is not None else None
-            if u is not None:
+            held = am.canonical(x.sharding.layout) if isinstance(x, RemoteArray) and x.sharding is not None else None
+            if u is not None:  # compared as jax.jit compares shardings: the same data on the same devices
                 am.check_spec(u, spec.shape, f"in_shardings for {path}")
-                if held is not None and as_layout(u) != held:
-                    raise PipelineError(f"argument {path} is laid out as {layout_to_spec(held)} on its actors but in_shardings asks "
-                                        f"for {u}; pass it with its own layout (in_shardings None there) or put it laid out as asked")
-                out.append(as_layout(u))
+                if held is not None and am.canonical(u) != held:
+                    raise PipelineError(
+                        f"argument {path} is laid out as {layout_to_spec(held)} on its actors but in_shardings asks for {u} "
+                        f"(over the actor mesh {dict(zip(am.axis_names, am.shape))}), as jax.jit refuses a committed array of "
+                        "another sharding; give the step that made it out_shardings laying it out as asked, pass "
+                        "in_shardings None for this argument (it keeps its own layout), or pass the host value mpmd.fetch(x)")
+                out.append(am.canonical(u))
             else:
                 out.append(held if held is not None else ())
         return tuple(out)
@@ -228,7 +232,7 @@ class DistributedFunction:
             for (kind, _), key, spec, aval in zip(plan.out_homes, plan.out_keys, out_specs, plan.out_avals):
                 if kind == "actors" and spec is not None:
                     am.check_spec(spec, aval.shape, "out_shardings")
-                    constraints[key] = as_layout(spec)
+                    constraints[key] = am.canonical(spec)
 
         async def compile_unit(a: int, u: Any, ins: tuple, outs: tuple) -> tuple[str, list[Any]]:
             tpl = u.template()
@@ -291,10 +295,11 @@ class DistributedFunction:
         mesh, plan = self.mesh, compiled.plan
         requests, replicas, outs = self._prepare(compiled, leaves, step, sig[2])
         trace = mesh.active_trace
-        done = mesh.dispatch(lambda: self._send(requests, trace),
-                             lambda futures: self._finish(futures, compiled, replicas, step, trace))
-        self._last = (step, done)
         results: list[Any] = []
+        done = mesh.dispatch(lambda: self._send(requests, trace),
+                             lambda futures: self._finish(futures, compiled, replicas, step, trace, results[plan.num_outputs:]))
+        done.host_calls = bool(plan.host_calls)  # fetching an output waits for the step's callbacks (RemoteArray._wire)
+        self._last = (step, done)
         for (kind, val), ids, aval, key in zip(plan.out_homes, outs, plan.out_avals, plan.out_keys):
             if kind == "actors":
                 sharding = remote_sharding(plan.layouts.get(key), mesh.actor_mesh)
@@ -305,7 +310,7 @@ class DistributedFunction:
                 results.append(np.asarray(val))
         if trace is not None:
             trace.expect(done)
-        return jax.tree.unflatten(compiled.out_tree, results)
+        return jax.tree.unflatten(compiled.out_tree, results[: plan.num_outputs])
 
     def _raise_unseen_error(self) -> None:
         last = getattr(self, "_last", None)
@@ -376,8 +381,22 @@ class DistributedFunction:
         return futures
 
     async def _finish(self, futures: list[asyncio.Future[Any]], compiled: CompiledStep, replicas: list[Any], step: int,
-                      trace: Any) -> None:
+                      trace: Any, hidden: list[Any] | None) -> None:
         mesh = self.mesh
+        if compiled.plan.host_calls and hidden is not None:  # after the previous step's callbacks; before this step is done
+            previous = getattr(self, "_host_calls_done", None)
+            mine = self._host_calls_done = asyncio.get_running_loop().create_future()
+            try:
+                await self._finish(futures, compiled, replicas, step, trace, None)
+                if previous is not None:
+                    await previous
+                try:
+                    await run_host_calls(mesh, compiled.plan.host_calls, hidden)
+                except MpmdError as e:
+                    raise name_step(e, step, getattr(self.fn, "__name__", "step")) from None
+            finally:
+                mine.set_result(None)
+            return
         try:
             await self._wait_all(futures, compiled, step)
         except BaseException as e:

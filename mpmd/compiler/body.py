@@ -87,8 +87,13 @@ def analyse(body: ClosedJaxpr, num_mb_leaves: int, num_grads: int, num_microbatc
         else:
             outer_of[bv] = ov
     mb_leaves = {v: i for i, v in enumerate(jaxpr.invars[:num_mb_leaves])}
-    varying = [e for e in jaxpr.eqns if status[e.outvars[0]] == VARYING] if jaxpr.eqns else []
-    hoisted = [e for e in jaxpr.eqns if e.outvars and status[e.outvars[0]] == INVARIANT]
+    def eqn_status(e: Any) -> int:  # an equation without outputs (a debug print) has the status of what it reads
+        if e.outvars:
+            return status[e.outvars[0]]
+        return VARYING if e.effects else max((status.get(v, CONST) for v in var_inputs(e)), default=CONST)
+
+    varying = [e for e in jaxpr.eqns if eqn_status(e) == VARYING]
+    hoisted = [e for e in jaxpr.eqns if e.outvars and eqn_status(e) == INVARIANT]
     uses: dict[Var, int] = defaultdict(int)
     for e in varying:
         for v in set(var_inputs(e)):

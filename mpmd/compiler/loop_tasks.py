@@ -12,15 +12,17 @@ Pure functions over data (the traced jaxpr is never changed); each is callable a
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 from jax.extend.core import ClosedJaxpr, Var
 
 from mpmd.compiler.body import CONST, VARYING, LoopBody, analyse, constants_needed
-from mpmd.compiler.eqns import eqns_fn, free_inputs, is_var
+from mpmd.compiler.effects import HostCall, check_host_calls, used_vars
+from mpmd.compiler.eqns import eqns_fn, free_inputs, is_var, var_inputs
 from mpmd.compiler.grouping import group_segments
+from mpmd.compiler.host_calls import HiddenOutputs, loop_operand, strip_host_calls
 from mpmd.compiler.inline import inline_calls
 from mpmd.compiler.keys import Acc, AccumulatorMode, MbIndex, Outer, PerMb, RegionKey, TaskTemplate, ValueKey
 from mpmd.compiler.program import Label, Task
@@ -87,8 +89,10 @@ def analyse_loop_body(loop: StepLoop) -> LoopBody:
     """Takes the step's loop; gives its body with nested calls inlined and its equations classified
     (constant / invariant hoisted out / varying), gradient sums pushed through additions (`body.analyse`)."""
     eqn = loop.eqn
-    return analyse(inline_calls(eqn.params["body"]), loop.num_mb_leaves, loop.num_grads, loop.num_microbatches,
-                   list(eqn.invars[loop.num_mb_leaves :]))
+    inner = inline_calls(eqn.params["body"])
+    check_host_calls(inner.jaxpr.eqns, used_vars([inner.jaxpr.eqns], inner.jaxpr.outvars))
+    check_host_calls(loop.jaxpr.eqns, used_vars([loop.jaxpr.eqns], loop.jaxpr.outvars))
+    return analyse(inner, loop.num_mb_leaves, loop.num_grads, loop.num_microbatches, list(eqn.invars[loop.num_mb_leaves :]))
 
 
 # ---- stages on the schedule ------------------------------------------------------------------------------
@@ -100,6 +104,7 @@ class ScheduledStages:
     table: list[list[Task]]  # per actor: its tasks in order
     split: StageSplit
     grouping: tuple[int, ...] | None = None  # marker segments per stage when the schedule's balance= grouped them
+    host_calls: dict[tuple[int, str], list[Any]] = field(default_factory=dict)  # per region: its callbacks, taken out
 
     @property
     def num_actors(self) -> int:
@@ -139,8 +144,9 @@ def schedule_stages(loop: StepLoop, body: LoopBody, num_mesh_actors: int) -> Sch
     table = validate(schedule, loop.num_microbatches)
     follow_inputs(split, body, schedule.actor_of)
     split_backward(split, {t.stage for row in table for t in row if t.kind in ("I", "W")})
+    host_calls = strip_host_calls(split)
     recompute_cheap(split, body, schedule.actor_of)
-    return ScheduledStages(schedule, table, split, grouping)
+    return ScheduledStages(schedule, table, split, grouping, host_calls)
 
 
 # ---- canonical names -----------------------------------------------------------------------------------
@@ -202,8 +208,9 @@ class LoopTasks:
         return need
 
 
-def region_plans(split: StageSplit, body: LoopBody) -> dict[RegionKey, RegionPlan | None]:
-    """Takes the stage regions and the body; gives each region's plan (None for one that defines nothing)."""
+def region_plans(split: StageSplit, body: LoopBody, printed: frozenset[Any] = frozenset()) -> dict[RegionKey, RegionPlan | None]:
+    """Takes the stage regions and the body; gives each region's plan (None for one that defines nothing).
+    Vars in `printed` (read by a host callback) are exported too."""
     consumers: dict[Var, set[Any]] = defaultdict(set)  # var -> regions that read it without computing it themselves
     for r, eqns in split.regions.items():
         for v in free_inputs(eqns):
@@ -217,17 +224,20 @@ def region_plans(split: StageSplit, body: LoopBody) -> dict[RegionKey, RegionPla
         body_eqns = [*const_eqns, *eqns]
         in_vars = [v for v in free_inputs(body_eqns) if v not in body.consts]
         own = {v for e in eqns for v in e.outvars if is_var(v)}
-        exported = [v for e in eqns for v in e.outvars if is_var(v) and consumers.get(v, set()) - {r}]
+        exported = [v for e in eqns for v in e.outvars if is_var(v) and (consumers.get(v, set()) - {r} or v in printed)]
         accs = [v for e in eqns for v in e.outvars if is_var(v) and (v in accumulated or v in stacked)]
         plans[RegionKey(*r)] = RegionPlan(body_eqns, in_vars, exported, accs) if own else None
     return plans
 
 
-def plan_loop_tasks(stages: ScheduledStages, body: LoopBody, names: CanonicalVars) -> LoopTasks:
+def plan_loop_tasks(stages: ScheduledStages, body: LoopBody, names: CanonicalVars, hidden: HiddenOutputs | None = None) -> LoopTasks:
     """Takes the scheduled stages, the body and the canonical names; gives one unit per scheduled task, in
     each actor's table order, reading `Outer` step values, `PerMb` values of its microbatch and the previous
-    `Acc` of each accumulator it adds to, and writing `PerMb` and `Acc` values."""
-    plans = region_plans(stages.split, body)
+    `Acc` of each accumulator it adds to, and writing `PerMb` and `Acc` values. Each task's host callbacks
+    become `HostCall`s in `hidden`, reading hidden outputs (the values each microbatch gave them)."""
+    hidden = hidden if hidden is not None else HiddenOutputs()
+    printed = frozenset(v for calls in stages.host_calls.values() for e in calls for v in var_inputs(e))
+    plans = region_plans(stages.split, body, printed)
     stacked = {v for v, _ in body.stacked}
     m = body.num_microbatches
     avals: dict[ValueKey, Any] = {}
@@ -235,7 +245,10 @@ def plan_loop_tasks(stages: ScheduledStages, body: LoopBody, names: CanonicalVar
     last: dict[Any, int] = {}
     units: dict[int, list[Unit]] = defaultdict(list)
     for row in stages.table:
-        for task in row:
+        for pos, task in enumerate(row):
+            for j, e in enumerate(stages.host_calls.get((task.stage, task.kind), ())):
+                operands = [loop_operand(v, task.mb, body, names.leaf_outer, names.resolve, avals, hidden) for v in e.invars]
+                hidden.calls.append(HostCall(e, tuple(operands), stages.actor_of(task.stage), str(Label.of(task)), (1, pos, j)))
             info = plans.get(RegionKey(task.stage, task.kind))
             if info is None:
                 continue

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from jax.extend.core import Var
 
 from mpmd.compiler.body import CONST, LoopBody, constants_needed
+from mpmd.compiler.effects import is_host_call
 from mpmd.compiler.eqns import SyntheticEqn, eqns_fn, free_inputs, is_var
 from mpmd.compiler.keys import ChunkTemplate, Outer, ValueKey
 from mpmd.compiler.loop_tasks import CanonicalVars, LoopTasks, StepLoop
@@ -33,6 +34,7 @@ class OutsideLoop:
     post: list[Unit]
     need: dict[Var, set[int]]
     avals: dict[ValueKey, Any]
+    host_calls: list[tuple[str, int, Any]] = field(default_factory=list)  # (phase, index, equation): run at the controller
 
 
 def substitute(eqns: list[Any], resolve: Callable[[Any], Any]) -> list[Any]:
@@ -49,16 +51,22 @@ def substitute(eqns: list[Any], resolve: Callable[[Any], Any]) -> list[Any]:
     return out
 
 
-def place_outside_loop(loop: StepLoop, body: LoopBody, names: CanonicalVars, tasks: LoopTasks, num_actors: int) -> OutsideLoop:
+def place_outside_loop(loop: StepLoop, body: LoopBody, names: CanonicalVars, tasks: LoopTasks, num_actors: int,
+                       printed: frozenset[Any] = frozenset()) -> OutsideLoop:
     """Takes the loop, its body, the canonical names and the loop's tasks; gives the placed equations before
     and after the loop as units (after the loop placement follows the owner: the accumulators' actors and the
-    actors whose tasks read a parameter), and where every step value is needed."""
+    actors whose tasks read a parameter), and where every step value is needed. Host callbacks are taken out
+    (`host_calls`); what they read, like the step values in `printed` (read by the loop's callbacks), is kept
+    as a step output."""
     jaxpr = loop.jaxpr
-    step_outputs = {names.resolve(v) for v in jaxpr.outvars if isinstance(v, Var)}
+    step_outputs = {names.resolve(v) for v in jaxpr.outvars if isinstance(v, Var)} | set(printed)
     all_actors = set(range(num_actors))
     loop_need = tasks.step_values_read()
     pre = substitute([*loop.before, *body.hoisted], names.resolve)
     post = split_conds(substitute([*body.tail, *loop.after], names.resolve))
+    host_calls = [(phase, i, e) for phase, eqns in (("pre", pre), ("post", post)) for i, e in enumerate(eqns) if is_host_call(e)]
+    pre, post = [e for e in pre if not is_host_call(e)], [e for e in post if not is_host_call(e)]
+    step_outputs |= {v for _, _, e in host_calls for v in e.invars if is_var(v)}  # computed, kept and fetched
     args = set(jaxpr.invars)
     arg_hints = {v: w for v, w in loop_need.items() if v in args}
     # A first placement of the equations before the loop says where the arguments the loop reads live,
@@ -76,7 +84,7 @@ def place_outside_loop(loop: StepLoop, body: LoopBody, names: CanonicalVars, tas
     avals: dict[ValueKey, Any] = {}
     pre_units = [Unit(c.actor, [chunk_part(c, body, consts, avals)]) for c in pre_chunks]
     post_units = [Unit(c.actor, [chunk_part(c, body, consts, avals)]) for c in post_chunks]
-    return OutsideLoop(pre_units, post_units, need, avals)
+    return OutsideLoop(pre_units, post_units, need, avals, host_calls)
 
 
 def chunk_part(c: Chunk, body: LoopBody, consts: dict[Any, Any], avals: dict[ValueKey, Any]) -> Part:

@@ -45,6 +45,8 @@ from mpmd.compiler.assemble import (
     infer_step_transfers,
     order_units,
 )
+from mpmd.compiler.effects import HostCall
+from mpmd.compiler.host_calls import HiddenOutputs, placed
 from mpmd.compiler.keys import OutputHome, ValueKey
 from mpmd.compiler.loop_tasks import (
     analyse_loop_body,
@@ -58,7 +60,7 @@ from mpmd.compiler.outside_loop import place_outside_loop
 from mpmd.compiler.program import Program, Task
 from mpmd.compiler.programs import Transfers
 from mpmd.compiler.stages import StageSplit
-from mpmd.compiler.units import Unit
+from mpmd.compiler.units import Outer, Unit
 
 __all__ = ["StepPlan", "find_loop", "iter_lowered", "plan_step"]
 
@@ -79,6 +81,8 @@ class StepPlan:
     out_keys: list[Any] = field(default_factory=list)  # per flat output: its key (or a Literal)
     layouts: dict[ValueKey, Any] = field(default_factory=dict)  # each value's layout over the actor mesh (multi-device actors)
     grouping: tuple[int, ...] | None = None  # marker segments per stage, when the schedule's balance= grouped them
+    num_outputs: int = -1  # the step's own outputs come first in out_*; hidden ones (host callbacks' operands) follow
+    host_calls: list[HostCall] = field(default_factory=list)  # see mpmd.compiler.effects
 
     def stage_segments(self) -> str:
         """One line saying which marker segments each stage holds ('' without a grouping)."""
@@ -101,17 +105,23 @@ def plan_step(outer: ClosedJaxpr, num_mesh_actors: int) -> StepPlan:
     body = analyse_loop_body(loop)
     stages = schedule_stages(loop, body, num_mesh_actors)
     names = canonical_vars(loop, body)
-    tasks = plan_loop_tasks(stages, body, names)
-    outside = place_outside_loop(loop, body, names, tasks, stages.num_actors)
-    ordered = order_units(loop, names, tasks, outside)
+    hidden = HiddenOutputs()
+    tasks = plan_loop_tasks(stages, body, names, hidden)
+    printed = frozenset(k.var for k in hidden.keys if isinstance(k, Outer))  # step values a task's callback prints
+    outside = place_outside_loop(loop, body, names, tasks, stages.num_actors, printed)
+    ordered = order_units(loop, names, tasks, outside, hidden)
     transfers = infer_step_transfers(ordered)
     fused = fuse_units(ordered, transfers)
     final = donate_buffers(fused, ordered, transfers, stages.num_actors)
     templates = collect_templates(final, ordered.avals)
     emitted = emit_programs(ordered, final, transfers, stages.num_actors)
-    return StepPlan(emitted.programs, [ordered.arg_homes[k] for k in ordered.arg_keys], emitted.out_homes,
-                    [v.aval for v in outer.jaxpr.outvars], stages.table, stages.split, final.units, transfers,
-                    ordered.avals, templates, ordered.arg_keys, ordered.out_keys, grouping=stages.grouping)
+    num_outputs = len(outer.jaxpr.outvars)
+    out_avals = [v.aval for v in outer.jaxpr.outvars] + [ordered.avals[k] for k in hidden.keys]
+    calls = [c if c.actor >= 0 else placed(c, emitted.out_homes[num_outputs:]) for c in hidden.calls]
+    return StepPlan(emitted.programs, [ordered.arg_homes[k] for k in ordered.arg_keys], emitted.out_homes, out_avals,
+                    stages.table, stages.split, final.units, transfers, ordered.avals, templates, ordered.arg_keys,
+                    ordered.out_keys, grouping=stages.grouping, num_outputs=num_outputs,
+                    host_calls=sorted(calls, key=lambda c: (c.order[0], c.actor, c.order[1:])))
 
 
 def iter_lowered(plan: StepPlan, platform: str) -> Iterator[tuple[Hashable, bytes]]:

@@ -25,7 +25,8 @@ from typing import Any
 from jax.extend.core import Var
 
 from mpmd.compiler.body import LoopBody
-from mpmd.compiler.eqns import nbytes, var_inputs
+from mpmd.compiler.eqns import is_var, nbytes, var_inputs
+from mpmd.compiler.multipass import split_by_dataflow
 from mpmd.errors import PipelineError
 from mpmd.primitives import BWD, FWD, pipeline_yield_p
 
@@ -60,16 +61,28 @@ class StageSplit:
         return n + 2 * (n - 1 - s) + (1 if k == "W" else 0)
 
 
+def _marker_depth(eqns: list[Any]) -> int:
+    """How many forward markers the longest chain of stages crosses (dataflow, not position)."""
+    depth: dict[Var, int] = {}
+    best = 0
+    for e in eqns:
+        d = max((depth[v] for v in var_inputs(e) if v in depth), default=0) + (1 if is_marker(e, FWD) else 0)
+        best = max(best, d)
+        if d:
+            for v in e.outvars:
+                depth[v] = d
+    return best
+
+
 def split_stages(body: LoopBody) -> StageSplit:
     eqns = body.eqns
     fwd = [i for i, e in enumerate(eqns) if is_marker(e, FWD)]
     bwd = [i for i, e in enumerate(eqns) if is_marker(e, BWD)]
-    if fwd and bwd and max(fwd) > min(bwd):
-        raise PipelineError("a pipeline_yield marker appears after the backward pass started; mark stages only in the forward "
-                            "computation (not inside a custom backward rule)")
-    if len(bwd) > len(fwd):
-        raise PipelineError(f"found {len(fwd)} forward pipeline_yield markers but {len(bwd)} backward ones; was a marker "
-                            "applied to a gradient?")
+    if (fwd and bwd and max(fwd) > min(bwd)) or len(bwd) > len(fwd) or _marker_depth(eqns) != len(fwd):
+        # several gradients over one microbatch (two jax.grad calls, a vjp called twice, a GAN step): by dataflow
+        n, regions = split_by_dataflow(eqns, {v for v, _ in body.stacked}, lambda e: is_marker(e, FWD),
+                                       lambda e: is_marker(e, BWD))
+        return StageSplit(n, regions)
     n = len(fwd) + 1
     regions: dict[Region, list[Any]] = {(s, k): [] for s in range(n) for k in "FB"}
     first_bwd = bwd[0] if bwd else len(eqns)
@@ -90,6 +103,7 @@ def split_stages(body: LoopBody) -> StageSplit:
         if any(v in needed for v in e.outvars):
             fwd_part.add(id(e))
             needed.update(var_inputs(e))
+    _forward_callbacks(last_region, fwd_part, set(body.accumulators))
     regions[(n - 1, "F")] = [e for e in last_region if id(e) in fwd_part]
     for e in regions[(n - 1, "F")]:
         for v in e.outvars:
@@ -113,6 +127,30 @@ def split_stages(body: LoopBody) -> StageSplit:
         regions[(stage, "B")] = regions[(stage, "B")] + seg
         prev = stage
     return StageSplit(n, regions)
+
+
+def _forward_callbacks(region: list[Any], fwd_part: set[int], accumulators: set[Var]) -> None:
+    """A callback without outputs (a debug print) in the last stage runs in its forward task, with what it
+    alone reads (`out.mean()`), unless that is part of a gradient's computation. In place."""
+    producer = {v: e for e in region for v in e.outvars}
+
+    def closure(roots: list[Any]) -> set[int]:
+        seen: set[int] = set()
+        todo = list(roots)
+        while todo:
+            e = todo.pop()
+            if id(e) in seen or id(e) in fwd_part:
+                continue
+            seen.add(id(e))
+            todo.extend(producer[v] for v in var_inputs(e) if v in producer)
+        return seen
+
+    gradient = closure([producer[v] for v in accumulators if v in producer])
+    for e in region:
+        if not any(is_var(v) for v in e.outvars) and id(e) not in fwd_part:
+            reads = closure([e])
+            if not reads & gradient:
+                fwd_part.update(reads)
 
 
 def follow_inputs(split: StageSplit, body: LoopBody, actor_of: Any) -> None:

@@ -97,6 +97,8 @@ class RemoteArray:
 
     def _wire(self) -> np.ndarray:
         """The array as the actors hold it (key data for a key array)."""
+        if self._ready is not None and getattr(self._ready, "host_calls", False):
+            concurrent.futures.wait([self._ready])  # a step's callbacks print before any of its values is seen
         if self._host is not None:
             return self._host.result()
         self._check_usable()
@@ -182,6 +184,8 @@ def fetch(tree: Any) -> Any:
     leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, RemoteArray))
     wanted: dict[tuple[Any, int], list[int]] = defaultdict(list)  # (mesh, actor) -> leaf indices
     for i, x in enumerate(leaves):
+        if isinstance(x, RemoteArray) and x._ready is not None and getattr(x._ready, "host_calls", False):
+            concurrent.futures.wait([x._ready])  # a step's callbacks print before any of its values is seen
         if isinstance(x, RemoteArray) and x._host is None:
             x._check_usable()
             wanted[(x.mesh, x.actor)].append(i)

@@ -87,11 +87,27 @@ class EventLoopThread:
         return done
 
     def stop(self) -> None:
+        """Cancel what is still pending on the loop (a failed step's bookkeeping, batched deletes), let it
+        unwind, then stop and close the loop: a task left pending would be reported at exit ("Task was
+        destroyed but it is pending!")."""
+        if self.loop.is_running() and threading.current_thread() is not self._thread:
+            try:
+                asyncio.run_coroutine_threadsafe(_cancel_pending(), self.loop).result(timeout=5)
+            except Exception:  # a task that will not unwind in time is abandoned, as before
+                pass
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=5)
         if not self.loop.is_running() and not self.loop.is_closed():
             self.loop.close()
+
+
+async def _cancel_pending() -> None:
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class ActorAuthError(MpmdError):

@@ -47,6 +47,23 @@ class ActorMesh:
     def to_wire(self) -> dict[str, Any]:
         return {"shape": list(self.shape), "axis_names": list(self.axis_names)}
 
+    def canonical(self, spec: Any) -> Layout:
+        """The layout `spec` means on this mesh, in one form, so that two specs placing the same data on the same
+        devices are equal (as jax.jit compares shardings): axes of size 1 dropped (they split nothing), a
+        one-name tuple written as the name, trailing Nones dropped. `spec` may be a PartitionSpec, a
+        NamedSharding, a layout tuple or None (replicated)."""
+        sizes = dict(zip(self.axis_names, self.shape))
+        entries = []
+        for e in as_layout(as_spec(spec)):
+            names = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+            kept = tuple(n for n in names if sizes.get(n, 2) != 1)  # an unknown name is kept for check_spec to name
+            entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+        return as_layout(PartitionSpec(*entries))
+
+    def equivalent(self, a: Any, b: Any) -> bool:
+        """Whether two specs (or layouts) place the same data on the same devices of this mesh."""
+        return self.canonical(a) == self.canonical(b)
+
     def check_spec(self, spec: PartitionSpec, shape: Sequence[int], what: str) -> None:
         """Refuse a spec naming an axis this mesh lacks, or splitting a dimension its axes do not divide."""
         if len(spec) > len(shape):
@@ -90,6 +107,18 @@ def spec_from_wire(wire: Any) -> PartitionSpec | None:
     return PartitionSpec(*entries)
 
 
+def as_spec(spec: Any) -> PartitionSpec | None:
+    """A PartitionSpec from what users pass as a sharding: a PartitionSpec, a NamedSharding (its spec; the
+    actors lay it out over their own mesh of the same axis names), a layout tuple, or None."""
+    if spec is None or isinstance(spec, PartitionSpec):
+        return spec
+    if isinstance(spec, jax.sharding.NamedSharding):
+        return spec.spec
+    if isinstance(spec, tuple):
+        return PartitionSpec(*spec)
+    raise MpmdError(f"a sharding must be a PartitionSpec, a NamedSharding or None, got {type(spec).__name__} ({spec!r:.60})")
+
+
 def is_replicated(spec: PartitionSpec | None) -> bool:
     return spec is None or all(e is None for e in spec)
 
@@ -100,7 +129,8 @@ def tree_specs(specs: Any, args: Any, what: str) -> list[PartitionSpec | None]:
     from mpmd.runtime.array import RemoteArray
 
     is_remote = lambda x: isinstance(x, RemoteArray)  # noqa: E731
-    spec_leaves, spec_tree = jax.tree.flatten(specs, is_leaf=lambda x: x is None or isinstance(x, PartitionSpec))
+    spec_leaves, spec_tree = jax.tree.flatten(
+        specs, is_leaf=lambda x: x is None or isinstance(x, (PartitionSpec, jax.sharding.NamedSharding)))
     try:
         subtrees = spec_tree.flatten_up_to(args)
     except (ValueError, TypeError) as e:
@@ -111,9 +141,9 @@ def tree_specs(specs: Any, args: Any, what: str) -> list[PartitionSpec | None]:
     if len(expanded) != len(leaves):
         raise MpmdError(f"{what} gives {len(expanded)} shardings for {len(leaves)} array leaves")
     for s in expanded:
-        if s is not None and not isinstance(s, PartitionSpec):
-            raise MpmdError(f"{what} must hold PartitionSpecs or None, got {type(s).__name__} ({s!r:.60})")
-    return list(expanded)
+        if s is not None and not isinstance(s, (PartitionSpec, jax.sharding.NamedSharding)):
+            raise MpmdError(f"{what} must hold PartitionSpecs, NamedShardings or None, got {type(s).__name__} ({s!r:.60})")
+    return [as_spec(s) for s in expanded]
 
 
 Layout = tuple  # a PartitionSpec as a tuple of entries; () is replicated

@@ -1,0 +1,380 @@
+"""What JAX users write, round three, on real daemons: flax logical rules naming a mesh axis of size 1,
+debug prints and callbacks inside stages, several backward passes of one forward (actor-critic, GAN, a vjp
+called twice) — each equal to jax.jit of the same step, or refused before dispatch with what to write."""
+
+import asyncio
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.experimental import io_callback
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import mpmd
+from mpmd.errors import PipelineError
+from mpmd.runtime.sharding import ActorMesh
+from mpmd.testing import make_train_step
+from tests.test_pipeline import assert_trees_close
+from tests.test_spmd_flax import BATCH_SPEC, RULES, batches, build, loss_of
+from tests.test_user_programs import batch_of, compare, mlp2
+
+
+# ---- 1. layouts compared as JAX compares them ------------------------------------------------------------
+def test_specs_placing_the_same_data_on_the_same_devices_are_one_layout():
+    am = ActorMesh((2, 1), ("data", "model"))
+    assert am.equivalent(P("model", None), P())
+    assert am.equivalent(P(None, "model"), ())
+    assert am.equivalent(P(("data", "model")), P("data", None))
+    assert am.equivalent(NamedSharding(Mesh(np.array(jax.devices()[:2]).reshape(2, 1), ("data", "model")), P("data")), P("data"))
+    assert not am.equivalent(P("data"), P(None, "data"))
+
+
+def _reference(graphdef, params, opt, data, shape):
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(shape), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+        step = jax.jit(make_train_step(loss_of(graphdef), opt, None))
+        p = jax.device_put(params, nnx.get_named_sharding(params, mesh))
+        o = opt.init(p)
+        losses = []
+        for b in data:
+            p, o, loss_value = step(p, o, jax.device_put(b, NamedSharding(mesh, BATCH_SPEC)))
+            losses.append(np.asarray(loss_value))
+    return jax.device_get(p), jax.device_get(o), losses
+
+
+@pytest.mark.parametrize("shape", [(2, 1), (1, 2)])
+def test_flax_logical_rules_naming_a_size_1_axis_train_3_steps_like_jit(shape):
+    graphdef, params, specs = build()
+    opt = optax.adamw(1e-2)
+    data = batches(3)
+    rp, ro, rl = _reference(graphdef, params, opt, data, shape)
+    with mpmd.RemoteMesh.local(num_actors=2, devices_per_actor=2, mesh_shape=shape, axis_names=("data", "model")) as mesh:
+        with nn.logical_axis_rules(RULES):
+            step = mpmd.distributed(make_train_step(loss_of(graphdef), opt, mpmd.OneFOneB(2)), mesh=mesh,
+                                    in_shardings=(specs, None, BATCH_SPEC))
+            p, o = params, opt.init(params)
+            losses = []
+            for b in data:  # steps 2 and 3 take the outputs of the step before
+                p, o, loss_value = step(p, o, b)
+                losses.append(loss_value)
+        for got, want in zip(losses, rl):
+            np.testing.assert_allclose(got.to_numpy(), want, rtol=1e-5)
+        assert_trees_close(mpmd.fetch(p), rp)
+        assert_trees_close(mpmd.fetch(o), ro)
+
+
+# ---- 2. side effects in stages ---------------------------------------------------------------------------
+LINE = re.compile(r"^\[a(\d) (\d)([FBIW])(\d+)\] (\w+)=(\S+)$")
+
+
+def _print_step(opt, with_callback=None):
+    def step(params, opt_state, batch):
+        def mb_grads(mb):
+            def loss(p):
+                h = jnp.tanh(mb["x"] @ p[0]["w"] + p[0]["b"])
+                jax.debug.print("s0={v}", v=h.sum())
+                if with_callback is not None:
+                    jax.debug.callback(with_callback, 0, mb["x"].sum())
+                h = mpmd.pipeline_yield(h)
+                out = h @ p[1]["w"] + p[1]["b"]
+                jax.debug.print("s1={v}", v=out.mean())
+                if with_callback is not None:
+                    io_callback(lambda v: with_callback(1, v), None, jax.lax.stop_gradient(out.max()), ordered=True)
+                return jnp.mean((out - mb["y"]) ** 2)
+
+            v, g = jax.value_and_grad(loss)(params)
+            return g, v
+
+        grads, losses = mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.OneFOneB(2))
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, losses
+
+    return step
+
+
+def test_debug_prints_in_both_stages_reach_the_controller_once_per_microbatch_with_jit_values(mesh2, capsys):
+    opt = optax.sgd(0.1)
+    rng = np.random.default_rng(0)
+    params, batch = mlp2(rng), batch_of(rng, m=4)
+    step = _print_step(opt)
+    jax.block_until_ready(jax.jit(step)(params, opt.init(params), batch))
+    want = {"s0": [], "s1": []}
+    for line in capsys.readouterr().out.splitlines():
+        name, value = line.split("=")
+        want[name].append(float(value))
+    assert len(want["s0"]) == len(want["s1"]) == 4
+
+    dist = mpmd.distributed(step, mesh=mesh2)
+    out = dist(params, opt.init(params), batch)
+    mpmd.fetch(out)
+    lines = capsys.readouterr().out.splitlines()
+    got: dict[tuple[int, str], list[tuple[int, float]]] = {}
+    for line in lines:
+        m = LINE.match(line)
+        assert m, line
+        actor, stage, kind, mb, name, value = m.groups()
+        assert (int(actor), int(stage), kind, name) in {(0, 0, "F", "s0"), (1, 1, "F", "s1")}, line
+        got.setdefault((int(actor), name), []).append((int(mb), float(value)))
+    for (actor, name), seen in got.items():
+        assert [mb for mb, _ in seen] == [0, 1, 2, 3]  # once per microbatch, in order per actor
+        np.testing.assert_allclose([v for _, v in seen], want[name], rtol=1e-5, atol=1e-6)
+    assert set(got) == {(0, "s0"), (1, "s1")}
+    assert_trees_close(mpmd.fetch(out), jax.jit(step)(params, opt.init(params), batch))
+
+
+def test_debug_callback_and_io_callback_without_result_run_once_per_microbatch_in_order(mesh2, capsys):
+    seen: list[tuple[int, float]] = []
+    opt = optax.sgd(0.1)
+    rng = np.random.default_rng(1)
+    params, batch = mlp2(rng), batch_of(rng, m=3)
+    step = _print_step(opt, lambda stage, v: seen.append((stage, float(v))))
+    ref = jax.jit(step)(params, opt.init(params), batch)
+    jax.effects_barrier()
+    want = list(seen)
+    seen.clear()
+    dist = mpmd.distributed(step, mesh=mesh2)
+    for _ in range(2):  # two steps: the second's calls come after the first's
+        out = dist(params, opt.init(params), batch)
+        out[2].block_until_ready()
+    assert_trees_close(mpmd.fetch(out), ref)
+    capsys.readouterr()
+    for stage in (0, 1):
+        got = [v for s, v in seen if s == stage]
+        exp = [v for s, v in want if s == stage]
+        np.testing.assert_allclose(got, exp * 2, rtol=1e-5, atol=1e-6)
+
+
+def test_a_print_after_the_loop_and_of_a_parameter_inside_it(mesh2, capsys):
+    opt = optax.sgd(0.1)
+
+    def step(params, opt_state, batch):
+        def mb_grads(mb):
+            def loss(p):
+                jax.debug.print("w={v}", v=p[1]["w"][0, 0])  # a step value, printed once per microbatch
+                h = mpmd.pipeline_yield(jnp.tanh(mb["x"] @ p[0]["w"]))
+                return jnp.mean((h @ p[1]["w"] - mb["y"]) ** 2)
+
+            v, g = jax.value_and_grad(loss)(params)
+            return g, v
+
+        grads, losses = mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.GPipe(2))
+        jax.debug.print("mean={v}", v=losses.mean())
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, losses
+
+    rng = np.random.default_rng(2)
+    params, batch = mlp2(rng), batch_of(rng, m=2)
+    ref = jax.jit(step)(params, opt.init(params), batch)
+    jax.effects_barrier()
+    want = capsys.readouterr().out.splitlines()
+    out = mpmd.distributed(step, mesh=mesh2)(params, opt.init(params), batch)
+    out[2].block_until_ready()
+    got = capsys.readouterr().out.splitlines()
+    assert sorted(line.split("] ")[1] for line in got) == sorted(want)
+    assert sum(line.startswith("[a") and "post] mean=" in line for line in got) == 1
+    assert_trees_close(mpmd.fetch(out), ref)
+
+
+def _one_stage_effect_step(effect):
+    def step(params, batch):
+        def mb_grads(mb):
+            def loss(p):
+                h = jnp.tanh(mb["x"] @ p[0]["w"])
+                h = effect(h)
+                h = mpmd.pipeline_yield(h)
+                return jnp.mean((h @ p[1]["w"] - mb["y"]) ** 2)
+
+            return jax.grad(loss)(params), ()
+
+        grads, _ = mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.GPipe(2))
+        return grads
+
+    return step
+
+
+def test_a_breakpoint_and_an_io_callback_whose_result_is_used_are_refused_before_dispatch(mesh2):
+    rng = np.random.default_rng(3)
+    params, batch = mlp2(rng), batch_of(rng, m=2)
+
+    def brk(h):
+        jax.debug.breakpoint()
+        return h
+
+    with pytest.raises(PipelineError, match="breakpoint.*jax.debug.print"):
+        mpmd.distributed(_one_stage_effect_step(brk), mesh=mesh2)(params, batch)
+
+    def used(h):
+        s = io_callback(lambda v: np.float32(1.0), jax.ShapeDtypeStruct((), jnp.float32), jax.lax.stop_gradient(h.sum()))
+        return h * s
+
+    with pytest.raises(PipelineError, match="io_callback returns a value the step computes with.*pass its result as an argument"):
+        mpmd.distributed(_one_stage_effect_step(used), mesh=mesh2)(params, batch)
+
+    def in_scan(h):
+        def body(c, _):
+            jax.debug.print("c={c}", c=c.sum())
+            return c * 1.0, None
+
+        return jax.lax.scan(body, h, None, length=2)[0]
+
+    with pytest.raises(PipelineError, match="inside a lax.scan body.*Move the callback out"):
+        mpmd.distributed(_one_stage_effect_step(in_scan), mesh=mesh2)(params, batch)
+
+
+# ---- 3. several backward passes of one forward -----------------------------------------------------------
+def _two_stage(p, x):
+    h = jnp.tanh(x @ p["trunk"][0]["w"] + p["trunk"][0]["b"])
+    h = mpmd.pipeline_yield(h)
+    return jnp.tanh(h @ p["trunk"][1]["w"] + p["trunk"][1]["b"])
+
+
+def test_actor_critic_with_two_grad_calls_equals_jit(mesh2):
+    opt_pi, opt_v = optax.adam(1e-2), optax.sgd(0.05)
+
+    def step(params, s_pi, s_v, batch):
+        def mb_grads(mb):
+            def policy_loss(p):
+                logits = _two_stage(p, mb["x"]) @ p["pi"]
+                return -jnp.mean(jax.nn.log_softmax(logits)[:, 0] * mb["y"][:, 0])
+
+            def value_loss(p):
+                v = _two_stage(p, mb["x"]) @ p["v"]
+                return jnp.mean((v[:, 0] - mb["y"][:, 1]) ** 2)
+
+            lp, g_pi = jax.value_and_grad(policy_loss)(params)
+            lv, g_v = jax.value_and_grad(value_loss)(params)
+            return (g_pi, g_v), (lp, lv)
+
+        (g_pi, g_v), losses = mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.OneFOneB(2))
+        u, s_pi = opt_pi.update(g_pi, s_pi, params)
+        params = optax.apply_updates(params, u)
+        u, s_v = opt_v.update(g_v, s_v, params)
+        return optax.apply_updates(params, u), s_pi, s_v, losses
+
+    rng = np.random.default_rng(4)
+    params = {"trunk": mlp2(rng), "pi": rng.standard_normal((8, 3)).astype(np.float32) * 0.3,
+              "v": rng.standard_normal((8, 1)).astype(np.float32) * 0.3}
+    compare(mesh2, step, (params, opt_pi.init(params), opt_v.init(params)), [batch_of(rng) for _ in range(3)])
+
+
+def test_gan_step_with_a_discriminator_and_a_generator_gradient_equals_jit(mesh2):
+    opt = optax.adam(1e-2)
+
+    def step(params, opt_state, batch):
+        def mb_grads(mb):
+            def gen(g):
+                return mpmd.pipeline_yield(jnp.tanh(mb["x"] @ g["w"] + g["b"]))  # generator: stage 0
+
+            def disc(d, x):
+                return jax.nn.sigmoid(jnp.tanh(x @ d["w"] + d["b"]) @ d["out"])  # discriminator: stage 1
+
+            def d_loss(d):
+                fake = jax.lax.stop_gradient(gen(params["g"]))
+                return -jnp.mean(jnp.log(disc(d, mb["y"]) + 1e-6) + jnp.log(1 - disc(d, fake) + 1e-6))
+
+            def g_loss(g):
+                return -jnp.mean(jnp.log(disc(params["d"], gen(g)) + 1e-6))
+
+            ld, gd = jax.value_and_grad(d_loss)(params["d"])
+            lg, gg = jax.value_and_grad(g_loss)(params["g"])
+            return {"d": gd, "g": gg}, (ld, lg)
+
+        grads, losses = mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.OneFOneB(2))
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, losses
+
+    rng = np.random.default_rng(5)
+    g, d = mlp2(rng)
+    params = {"g": g, "d": {**d, "out": rng.standard_normal((8, 1)).astype(np.float32) * 0.3}}
+    compare(mesh2, step, (params, opt.init(params)), [batch_of(rng) for _ in range(2)])
+
+
+def test_a_vjp_whose_backward_is_called_twice_equals_jit(mesh2):
+    opt = optax.sgd(0.1)
+
+    def step(params, opt_state, batch):
+        def mb_grads(mb):
+            out, back = jax.vjp(lambda p: _two_stage(p, mb["x"]), params)
+            (g_main,) = back(2 * (out - mb["y"]) / out.size)  # d mse
+            (g_aux,) = back(jnp.full_like(out, 0.01))  # d (0.01 * sum(out))
+            return jax.tree.map(jnp.add, g_main, g_aux), jnp.mean((out - mb["y"]) ** 2)
+
+        grads, losses = mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.OneFOneB(2))
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, losses
+
+    rng = np.random.default_rng(6)
+    params = {"trunk": mlp2(rng)}
+    compare(mesh2, step, (params, opt.init(params)), [batch_of(rng) for _ in range(2)])
+
+
+def test_an_auxiliary_loss_on_the_first_stage_alone_equals_jit(mesh2):
+    opt = optax.adam(1e-2)
+
+    def step(params, opt_state, batch):
+        def mb_grads(mb):
+            def main(p):
+                return jnp.mean((_two_stage(p, mb["x"]) - mb["y"]) ** 2)
+
+            def aux(p):  # a regulariser on the first stage's features only
+                return 0.1 * jnp.mean(jnp.tanh(mb["x"] @ p["trunk"][0]["w"]) ** 2)
+
+            lm, gm = jax.value_and_grad(main)(params)
+            la, ga = jax.value_and_grad(aux)(params)
+            return jax.tree.map(jnp.add, gm, ga), lm + la
+
+        grads, losses = mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.OneFOneB(2))
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, losses
+
+    rng = np.random.default_rng(7)
+    params = {"trunk": mlp2(rng)}
+    compare(mesh2, step, (params, opt.init(params)), [batch_of(rng) for _ in range(2)])
+
+
+def test_a_second_cotangent_computed_from_the_first_gradient_is_refused_saying_what_to_write(mesh2):
+    def step(params, batch):
+        def mb_grads(mb):
+            out, back = jax.vjp(lambda p: _two_stage(p, mb["x"]), params)
+            (g1,) = back(out - mb["y"])
+            (g2,) = back(out * jnp.sum(g1["trunk"][0]["w"]))
+            return jax.tree.map(jnp.add, g1, g2), ()
+
+        return mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.OneFOneB(2))[0]
+
+    rng = np.random.default_rng(8)
+    with pytest.raises(PipelineError, match="several gradients.*sum the losses into one scalar"):
+        mpmd.distributed(step, mesh=mesh2)({"trunk": mlp2(rng)}, batch_of(rng))
+
+
+# ---- 4. a failed step, then close ------------------------------------------------------------------------
+def test_closing_a_mesh_after_a_failed_step_leaves_no_pending_tasks(caplog):
+    import gc
+
+    def step(params, batch):
+        def mb_grads(mb):
+            return jax.grad(lambda p: jnp.sum(mpmd.pipeline_yield(mb["x"] @ p[0]["w"]) @ p[1]["w"]))(params), ()
+
+        return mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.GPipe(2))[0]
+
+    rng = np.random.default_rng(9)
+    params, batch = mlp2(rng), batch_of(rng)
+    mesh = mpmd.RemoteMesh.local(num_actors=2)
+    try:
+        dist = mpmd.distributed(step, mesh=mesh)
+        dist(params, batch)
+        mesh.processes[1].proc.kill()  # the next step fails on a dead actor
+        with pytest.raises(mpmd.MpmdError):
+            for x in jax.tree.leaves(dist(params, batch)):
+                x.block_until_ready()
+    finally:
+        mesh.close()
+    assert not [t for t in asyncio.all_tasks(mesh._io.loop) if not t.done()]  # each would warn when collected
+    gc.collect()
+    assert "Task was destroyed but it is pending" not in caplog.text
