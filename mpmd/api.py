@@ -11,6 +11,7 @@ from jax.extend.core import ClosedJaxpr
 from mpmd.errors import PipelineError
 from mpmd.primitives import FWD, accumulate_p, pipeline_yield_p
 from mpmd.schedules import Schedule
+from mpmd.step import DistributedFunction  # at import, not at the first `distributed`: importing it holds the GIL ~1 s
 
 
 def pipeline_yield(x: Any) -> Any:
@@ -96,8 +97,6 @@ def distributed(fn: Callable[..., Any] | None = None, *, mesh: Any, in_shardings
         @mpmd.distributed(mesh=mesh)
         def train_step(params, opt_state, batch): ...
     """
-    from mpmd.step import DistributedFunction
-
     if fn is None:
         return lambda f: DistributedFunction(f, mesh, in_shardings, out_shardings)
     return DistributedFunction(fn, mesh, in_shardings, out_shardings)
