@@ -302,3 +302,15 @@ async def test_a_blocking_call_inside_a_running_loop_works_and_a_long_one_names_
     assert any("call_async" in r.getMessage() and "fetch_async" in r.getMessage() for r in caplog.records), caplog.text
     x = mesh2.actor(0).put(np.ones(3, np.float32))  # quick blocking calls just work
     np.testing.assert_array_equal(await mpmd.fetch_async(x), x.to_numpy())
+
+
+async def test_a_remote_transfer_error_is_raised_by_the_await_naming_the_actors_and_the_step():
+    """Actor 0 gives up waiting for a gradient from the slow stage 1 (transfer_timeout 0.3 s): the await raises
+    the actor's error, naming actor 0, the step, and the actor whose value never came."""
+    step, _, params, opt_state, batch = _slow_training()
+    async with await mpmd.RemoteMesh.local_async(num_actors=2, transfer_timeout=0.3) as mesh:
+        outs = await mpmd.distributed(step, mesh=mesh).call_async(params, opt_state, batch)
+        with pytest.raises(mpmd.RemoteError, match=r"(?s)on actor 0, during step 0 of step: .*waited 0.3 s for .* from actor 1") as e:
+            await mpmd.fetch_async(outs)
+        assert e.value.actor_id == 0
+        assert [(await mesh.actor(a).stats_async())["running"] for a in (0, 1)] == [0, 0]
