@@ -13,7 +13,7 @@ import numpy as np
 
 from mpmd.compiler.avals import host_value, to_wire
 from mpmd.errors import MpmdError
-from mpmd.runtime.aio import off_loop
+from mpmd.runtime.aio import off_loop, start_in_worker
 from mpmd.runtime.array import RemoteArray
 from mpmd.runtime.sharding import remote_sharding
 
@@ -42,7 +42,9 @@ class ActorHandle:
         """Run `fn` (e.g. a `jax.jit` function) on this actor. Arguments are RemoteArrays on this actor or
         host arrays (copied here first); returns the output pytree as RemoteArrays. `fn` is lowered once per
         argument signature and compiled once per actor."""
-        return self.mesh.run(self._run_lowered(*self._lower(fn, args)))
+        # Lowered in a worker thread as run_async does: the exported blob carries the lowering thread's stack as
+        # source locations, and the actors cache by its hash, so the same function must lower the same from anywhere.
+        return self.mesh.run(self._run_lowered(*start_in_worker(self._lower, fn, args).result()))
 
     async def run_async(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Awaitable twin of `run`, for the caller's own event loop: `fn` is lowered in a worker thread and the
@@ -118,6 +120,7 @@ class ActorHandle:
         return time.perf_counter() - t
 
     def info(self) -> dict[str, Any]:
+        """What the daemon says of itself: pid, platform, devices, versions, bounds."""
         return dict(self.mesh.run(self.mesh.conn(self.index).request("info")).header)
 
     def stats(self) -> dict[str, Any]:
