@@ -7,9 +7,14 @@
         grads, losses = mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.OneFOneB(num_stages=2))
         ...
 
+    params, opt_state, losses = await train_step.call_async(params, opt_state, batch)   # from a coroutine
+    print(await mpmd.fetch_async(losses))
+
 Public names (each has a docstring):
   RemoteMesh, ActorHandle, RemoteArray, fetch the runtime: actors, handles, remote buffers, fetching them
   save, restore                               checkpoints of state held on actors (orbax-checkpoint)
+  fetch_async, ready_async, save_async, restore_async   awaitable twins, for the caller's own event loop (also
+                                              RemoteMesh.local_async, step.call_async, actor(i).put_async / run_async)
   pipeline_yield, accumulate_grads, distributed   the pipeline API
   GPipe, OneFOneB, Custom, Task               schedules
   EagerOneFOneB, InterleavedOneFOneB, ZeroBubbleH1, InterleavedZeroBubble, ZeroBubbleV, DualPipeV   more schedules
@@ -36,8 +41,9 @@ from mpmd.errors import (
     RendezvousError,
     ScheduleError,
 )
+from mpmd.runtime.aio import fetch_async, ready_async
 from mpmd.runtime.array import RemoteArray, fetch
-from mpmd.runtime.checkpoint import restore, save
+from mpmd.runtime.checkpoint import restore, restore_async, save, save_async
 from mpmd.runtime.mesh import ActorHandle, RemoteMesh
 from mpmd.schedules import (
     Custom,
@@ -90,9 +96,13 @@ __all__ = [
     "check_programs",
     "distributed",
     "fetch",
+    "fetch_async",
     "pipeline_yield",
+    "ready_async",
     "restore",
+    "restore_async",
     "save",
+    "save_async",
     "simulate",
     "tune",
     "validate",

@@ -12,6 +12,7 @@ from mpmd.errors import PipelineError
 from mpmd.primitives import FWD, accumulate_p, pipeline_yield_p
 from mpmd.schedules import Schedule
 from mpmd.schedules.override import schedule_override
+from mpmd.step import DistributedFunction  # at import, not at the first `distributed`: importing it holds the GIL ~1 s
 
 
 def pipeline_yield(x: Any) -> Any:
@@ -99,8 +100,6 @@ def distributed(fn: Callable[..., Any] | None = None, *, mesh: Any, in_shardings
         @mpmd.distributed(mesh=mesh)
         def train_step(params, opt_state, batch): ...
     """
-    from mpmd.step import DistributedFunction
-
     if fn is None:
         return lambda f: DistributedFunction(f, mesh, in_shardings, out_shardings)
     return DistributedFunction(fn, mesh, in_shardings, out_shardings)

@@ -19,8 +19,10 @@ from mpmd.compiler.inline import inline_calls
 from mpmd.compiler.plan import StepPlan, iter_lowered, plan_step
 from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError
 from mpmd.observe.report import PlacementReport, placement_report
+from mpmd.runtime.aio import abortable, start_in_worker, watch
 from mpmd.runtime.array import RemoteArray
 from mpmd.runtime.callbacks import run_host_calls
+from mpmd.runtime.controller import note_blocking
 from mpmd.runtime.sharding import infer_layouts, layout_to_spec, layout_wire, remote_sharding, tree_specs
 from mpmd.schedules.override import use_schedule
 from transport.protocol import dtype_name
@@ -112,6 +114,8 @@ class DistributedFunction:
         self.in_shardings = in_shardings
         self.out_shardings = out_shardings
         self._compiled: dict[Any, CompiledStep] = {}
+        self._compiling: dict[Any, Any] = {}  # signature -> future of a compile running in a worker (call_async)
+        self._cancelled: set[int] = set()  # steps aborted because their await was cancelled
         self._step = itertools.count()
         self.schedule: Any = None  # replaces the schedule the step names (see with_schedule)
         self.__wrapped__ = fn
@@ -287,18 +291,28 @@ class DistributedFunction:
     def __call__(self, *args: Any) -> Any:
         """Dispatch one step and return its outputs at once, as RemoteArrays (like jax.jit's asynchronous
         dispatch): the next call is sent while this one runs, and an error surfaces at the first fetch or
-        `block_until_ready()` of an output, or at the next call, naming the step."""
+        `block_until_ready()` of an output, or at the next call, naming the step. From a coroutine, await
+        `call_async` instead: a first call compiles, which would hold the caller's event loop."""
         self._raise_unseen_error()
         sig, leaves, _ = self._signature(args)
-        compiled = self._compiled.get(sig) or self.compile(*args)
+        compiled = self._compiled.get(sig)
+        if compiled is None:
+            t = time.perf_counter()
+            compiled = self.compile(*args)
+            note_blocking(time.perf_counter() - t, f"compiling {getattr(self.fn, '__name__', 'a step')}")
+        return self._dispatch(compiled, sig, leaves)[0]
+
+    def _dispatch(self, compiled: CompiledStep, sig: Any, leaves: list[Any]) -> tuple[Any, Any]:
+        """Send one step (through the controller loop, in call order); its outputs and its done future."""
         step = next(self._step)
         mesh, plan = self.mesh, compiled.plan
         requests, replicas, outs = self._prepare(compiled, leaves, step, sig[2])
         trace = mesh.active_trace
         results: list[Any] = []
         done = mesh.dispatch(lambda: self._send(requests, trace),
-                             lambda futures: self._finish(futures, compiled, replicas, step, trace, results[plan.num_outputs:]))
+                             lambda futures: self._finish(futures, compiled, replicas, step, trace, results))
         done.host_calls = bool(plan.host_calls)  # fetching an output waits for the step's callbacks (RemoteArray._wire)
+        abortable(done, lambda: mesh.submit_coroutine(self._abort(done, compiled, step, outs)))
         self._last = (step, done)
         for (kind, val), ids, aval, key in zip(plan.out_homes, outs, plan.out_avals, plan.out_keys):
             if kind == "actors":
@@ -310,7 +324,55 @@ class DistributedFunction:
                 results.append(np.asarray(val))
         if trace is not None:
             trace.expect(done)
-        return jax.tree.unflatten(compiled.out_tree, results[: plan.num_outputs])
+        return jax.tree.unflatten(compiled.out_tree, results[: plan.num_outputs]), done
+
+    async def call_async(self, *args: Any) -> Any:
+        """Awaitable twin of `step(*args)`, for the caller's own event loop: dispatches the step the same way
+        and returns its RemoteArrays once the actors' requests are sent. A first call per signature traces,
+        plans and lowers in a worker thread (calls awaiting the same signature share that compile), so the
+        caller's loop runs on meanwhile. Await the outputs with `mpmd.ready_async` / `mpmd.fetch_async`;
+        cancelling either while the step runs aborts the step on its actors (its buffers are freed; later
+        steps run as before), and a remote error is raised there, naming actor and task.
+
+            params, opt_state, losses = await train_step.call_async(params, opt_state, batch)
+            print(await mpmd.fetch_async(losses))
+        """
+        self._raise_unseen_error()
+        sig, leaves, _ = self._signature(args)
+        compiled = self._compiled.get(sig)
+        if compiled is None:
+            running = self._compiling.get(sig)
+            if running is None:
+                running = self._compiling[sig] = start_in_worker(self.compile, *args)
+                running.add_done_callback(lambda _: self._compiling.pop(sig, None))
+            compiled = await watch(running)
+        outs, done = self._dispatch(compiled, sig, leaves)
+        try:
+            await self.mesh.arun(asyncio.sleep(0))  # queued behind the dispatch: its requests have left when this runs
+        except asyncio.CancelledError:
+            await watch(done.mpmd_abort())
+            raise
+        return outs
+
+    async def _abort(self, done: Any, compiled: CompiledStep, step: int, outs: list[dict[int, int]]) -> None:
+        """On the controller loop: abort `step` wherever it still runs (its await was cancelled), wait for its
+        end, and free its outputs if it did not complete (an actor that finished first made some)."""
+        if done.done():
+            return
+        mesh = self.mesh
+        self._cancelled.add(step)
+        done.seen = True  # the caller cancelled it: the next call does not raise its error again
+        await asyncio.gather(*(mesh.conn(a).request("abort", {"program": pid, "step": step})
+                               for a, pid in enumerate(compiled.program_ids) if not mesh.conn(a).dead), return_exceptions=True)
+        try:
+            await asyncio.wrap_future(done)
+        except BaseException:
+            per_actor: dict[int, list[int]] = {}
+            for ids in outs:
+                for a, b in ids.items():
+                    per_actor.setdefault(a, []).append(b)
+            await asyncio.gather(*(mesh.conn(a).request("delete", {"bufs": bufs}) for a, bufs in per_actor.items()
+                                   if not mesh.conn(a).dead), return_exceptions=True)
 
     def _raise_unseen_error(self) -> None:
         last = getattr(self, "_last", None)
@@ -381,8 +443,11 @@ class DistributedFunction:
         return futures
 
     async def _finish(self, futures: list[asyncio.Future[Any]], compiled: CompiledStep, replicas: list[Any], step: int,
-                      trace: Any, hidden: list[Any] | None) -> None:
+                      trace: Any, outputs: list[Any] | None) -> None:
+        """Wait for the step's requests (abandoning the step everywhere if one fails), then run its host callbacks
+        on `outputs`' hidden part (filled by the dispatching thread long before the step can end)."""
         mesh = self.mesh
+        hidden = outputs
         if compiled.plan.host_calls and hidden is not None:  # after the previous step's callbacks; before this step is done
             previous = getattr(self, "_host_calls_done", None)
             mine = self._host_calls_done = asyncio.get_running_loop().create_future()
@@ -391,7 +456,7 @@ class DistributedFunction:
                 if previous is not None:
                     await previous
                 try:
-                    await run_host_calls(mesh, compiled.plan.host_calls, hidden)
+                    await run_host_calls(mesh, compiled.plan.host_calls, hidden[compiled.plan.num_outputs:])
                 except MpmdError as e:
                     raise name_step(e, step, getattr(self.fn, "__name__", "step")) from None
             finally:
@@ -403,7 +468,13 @@ class DistributedFunction:
             for x, a, buf in replicas:  # a copy that never arrived must not be read again
                 if x.buffers.get(a) == buf:
                     x.buffers.pop(a, None)
-            raise name_step(e, step, getattr(self.fn, "__name__", "step")) from None
+            name = getattr(self.fn, "__name__", "step")
+            if step in self._cancelled:
+                self._cancelled.discard(step)
+                raise MpmdError(f"step {step} of {name} was cancelled (its await was cancelled) and aborted on the actors; "
+                                "its outputs are gone") from None
+            raise name_step(e, step, name) from None
+        self._cancelled.discard(step)  # (an abort that came after the step ended changed nothing)
         if trace is not None:
             trace.add_step(step, {a: f.result().header.get("trace") for a, f in enumerate(futures)}, mesh.clock_offsets())
 

@@ -41,3 +41,13 @@ def test_the_gpt_example_with_tensor_parallel_stages_matches_jit():
     gpt = load("gpt")
     result = gpt.train(gpt.parse(["--quick", "--steps", "3", "--tensor-parallel", "2", "--plot", ""]))
     assert np.isfinite(result["last"]), result
+
+
+def test_the_async_actor_learner_example_learns_while_rollouts_overlap_training(capsys):
+    """Small settings; run() asserts its learner's first step equals jax.jit's, then trains twice (rollout then
+    train, and both at once in one event loop) and reports the overlap and the loop's largest stall."""
+    result = load("async_actor_learner").main(["--iterations", "3", "--steps", "3", "--envs", "64", "--horizon", "16"])
+    out = capsys.readouterr().out
+    assert "the learner's pipeline step equals jax.jit's" in out and "largest stall" in out
+    assert result["last_return"] > result["first_return"], result  # the policy approaches the expert
+    assert result["speedup"] > 0 and result["largest_gap"] >= 0

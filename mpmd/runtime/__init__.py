@@ -4,6 +4,7 @@
   actor_handle.py  `mesh.actor(i)` — one actor addressed directly (the embedding API)
   array.py         `RemoteArray` and `fetch` — handles to arrays that stay on actors
   controller.py    the asyncio loop thread, one connection per actor, the watchdog (dead or silent actors)
+  aio.py           the awaitable API's plumbing: awaiting all this from the caller's own event loop
   buffers.py       fetching, waiting for and freeing buffers (batched frees in dispatch order)
   executables.py   lowering once, shipping executables and Programs to actors once
   sharding.py      layouts of arrays over each actor's own device mesh (SPMD inside an actor)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -12,6 +13,7 @@ import numpy as np
 
 from mpmd.compiler.avals import host_value, to_wire
 from mpmd.errors import MpmdError
+from mpmd.runtime.aio import off_loop, start_in_worker
 from mpmd.runtime.array import RemoteArray
 from mpmd.runtime.sharding import remote_sharding
 
@@ -32,14 +34,31 @@ class ActorHandle:
         PartitionSpec over the actor mesh) each of its devices gets only its shard."""
         return self.mesh.put_replicated(x, [self.index], spec)
 
+    async def put_async(self, x: Any, spec: Any = None) -> RemoteArray:
+        """Awaitable twin of `put`, for the caller's own event loop: ``x = await mesh.actor(0).put_async(a)``."""
+        return await self.mesh.put_replicated_async(x, [self.index], spec)
+
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn` (e.g. a `jax.jit` function) on this actor. Arguments are RemoteArrays on this actor or
         host arrays (copied here first); returns the output pytree as RemoteArrays. `fn` is lowered once per
         argument signature and compiled once per actor."""
-        return self.mesh.run(self.run_async(fn, *args))
+        # Lowered in a worker thread as run_async does: the exported blob carries the lowering thread's stack as
+        # source locations, and the actors cache by its hash, so the same function must lower the same from anywhere.
+        return self.mesh.run(self._run_lowered(*start_in_worker(self._lower, fn, args).result()))
 
     async def run_async(self, fn: Callable[..., Any], *args: Any) -> Any:
-        mesh, conn = self.mesh, self.mesh.conn(self.index)
+        """Awaitable twin of `run`, for the caller's own event loop: `fn` is lowered in a worker thread and the
+        actor's compile and run are awaited without blocking the loop.
+
+            y = await mesh.actor(0).run_async(jax.jit(f), x)
+        """
+        lowered = await off_loop(functools.partial(self._lower, fn, args))
+        return await self.mesh.arun(self._run_lowered(*lowered))
+
+    def _lower(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[list[Any], bytes, Any]:
+        """Check the arguments and lower `fn` for them (here, once per signature): (argument leaves, blob,
+        (output treedef, output avals))."""
+        mesh = self.mesh
         leaves, treedef = jax.tree.flatten(args, is_leaf=lambda x: isinstance(x, RemoteArray))
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
             args, is_leaf=lambda x: isinstance(x, RemoteArray))[0]]
@@ -56,7 +75,13 @@ class ActorHandle:
                     specs.append(jax.ShapeDtypeStruct(np.shape(x), host_value(x).dtype))
                 except (TypeError, ValueError) as e:
                     raise MpmdError(f"argument args{path} is a {type(x).__name__}, not an array: {e}") from None
-        blob, (out_tree, out_avals) = mesh.executables.lower(fn, jax.tree.unflatten(treedef, specs), mesh.infos[self.index].header["platform"])
+        blob, out = mesh.executables.lower(fn, jax.tree.unflatten(treedef, specs), mesh.infos[self.index].header["platform"])
+        return leaves, blob, out
+
+    async def _run_lowered(self, leaves: list[Any], blob: bytes, out: Any) -> Any:
+        """On the controller loop: have the actor compile `blob` (once), copy host arguments there, run it."""
+        mesh, conn = self.mesh, self.mesh.conn(self.index)
+        out_tree, out_avals = out
         out_layouts: list[Any] = [None] * len(out_avals)
         if mesh.actor_mesh is None:
             exe = await mesh.executables.ensure_compiled(self.index, blob)
@@ -95,11 +120,24 @@ class ActorHandle:
         return time.perf_counter() - t
 
     def info(self) -> dict[str, Any]:
+        """What the daemon says of itself: pid, platform, devices, versions, bounds."""
         return dict(self.mesh.run(self.mesh.conn(self.index).request("info")).header)
 
     def stats(self) -> dict[str, Any]:
         """Buffers held (count and bytes), executables cached, compiles and cache hits, requests served."""
-        h = dict(self.mesh.run(self.mesh.conn(self.index).request("stats")).header)
-        for k in ("op", "id", "ok", "v"):
-            h.pop(k, None)
-        return h
+        return _stats(self.mesh.run(self.mesh.conn(self.index).request("stats")).header)
+
+    async def stats_async(self) -> dict[str, Any]:
+        """Awaitable twin of `stats`."""
+        return _stats((await self.mesh.arun(self.mesh.conn(self.index).request("stats"))).header)
+
+    async def info_async(self) -> dict[str, Any]:
+        """Awaitable twin of `info`."""
+        return dict((await self.mesh.arun(self.mesh.conn(self.index).request("info"))).header)
+
+
+def _stats(header: Any) -> dict[str, Any]:
+    h = dict(header)
+    for k in ("op", "id", "ok", "v"):
+        h.pop(k, None)
+    return h

@@ -64,9 +64,25 @@ class BufferClient:
         replies = self._run(gather([self._conns[a].request("get", {"bufs": bufs[a]}) for a in actors]))
         return {a: list(r.arrays) for a, r in zip(actors, replies)}
 
+    async def get_many_async(self, bufs: dict[int, list[int]]) -> dict[int, list[np.ndarray]]:
+        """`get_many`, awaited from the caller's event loop (the requests run on the controller's)."""
+        actors = sorted(bufs)
+        replies = await self._arun(gather([self._conns[a].request("get", {"bufs": bufs[a]}) for a in actors]))
+        return {a: list(r.arrays) for a, r in zip(actors, replies)}
+
     def wait(self, bufs: dict[int, list[int]]) -> None:
         """Until every listed buffer is computed on its actor."""
         self._run(gather([self._conns[a].request("wait", {"bufs": b}) for a, b in bufs.items()]))
+
+    async def wait_async(self, bufs: dict[int, list[int]]) -> None:
+        """`wait`, awaited from the caller's event loop."""
+        await self._arun(gather([self._conns[a].request("wait", {"bufs": b}) for a, b in bufs.items()]))
+
+    async def _arun(self, coro: Any) -> Any:
+        if self._closed():
+            coro.close()
+            raise MpmdError("this RemoteMesh is closed")
+        return await self._io.arun(coro)
 
     def delete_now(self, buffers: dict[int, int]) -> None:
         """Free one buffer per actor and wait for the actors to confirm."""

@@ -2,6 +2,7 @@
 
     mpmd.save("ckpt", (params, opt_state))                      # each actor writes its own arrays
     params, opt_state = mpmd.restore("ckpt", mesh, like=(params, opt_state))
+    await mpmd.save_async("ckpt", tree); tree = await mpmd.restore_async("ckpt", mesh, like=tree)   # in a coroutine
 
 Each actor writes the arrays it holds with orbax-checkpoint (one copy of a replicated array); host leaves
 (numpy arrays, scalars) are written by the controller. A checkpoint is committed only when every part is
@@ -12,6 +13,7 @@ array back on the actors that held it (a fresh mesh of the same layout), typed P
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import os
@@ -23,6 +25,7 @@ import numpy as np
 
 from mpmd.compiler.avals import dtype_text, from_wire, is_key, key_impl, to_wire
 from mpmd.errors import MpmdError
+from mpmd.runtime.aio import off_loop, watch
 from mpmd.runtime.array import RemoteArray
 
 FORMAT = 1
@@ -112,8 +115,6 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
         mesh = next(iter(meshes.values()))
 
         async def write() -> str:
-            import asyncio
-
             await asyncio.gather(*(mesh.conn(a).request("save", {"dir": os.path.join(tmp, f"actor-{a}"), "names": names, "bufs": bufs})
                                    for a, (names, bufs) in per_actor.items()))
             return await asyncio.to_thread(commit)
@@ -123,10 +124,46 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
     return handle.wait() if wait else handle
 
 
+async def save_async(path: str, tree: Any, *, keep: int = 1) -> str:
+    """Awaitable twin of `save`: the actors write while the caller's event loop runs on; returns the committed
+    directory. The save is ordered where it is called (a step dispatched after it does not disturb what it
+    writes). Cancelling the await before the actors finish writing abandons the commit: the previous checkpoint
+    stays the latest.
+
+        await mpmd.save_async("ckpt", (params, opt_state))
+    """
+    handle = save(path, tree, wait=False, keep=keep)
+    assert isinstance(handle, SaveHandle)
+    try:
+        return await watch(handle._future)
+    except asyncio.CancelledError:
+        handle._future.cancel()
+        raise
+
+
 def restore(path: str, mesh: Any, like: Any) -> Any:
     """Load the latest checkpoint in `path` into `mesh`: a tree shaped like `like` (whose leaves may be
     RemoteArrays, arrays or ShapeDtypeStructs: only the structure, shapes and dtypes are used), each array on
     the actors that held it when it was saved."""
+    read, out = _restore_plan(path, mesh, like)
+    mesh.run(read)
+    return out
+
+
+async def restore_async(path: str, mesh: Any, like: Any) -> Any:
+    """Awaitable twin of `restore`: the checkpoint's metadata is read in a worker thread and the actors' reads
+    are awaited, so the caller's event loop runs on.
+
+        params, opt_state = await mpmd.restore_async("ckpt", mesh, like=(params, opt_state))
+    """
+    read, out = await off_loop(lambda: _restore_plan(path, mesh, like))
+    await mesh.arun(read)
+    return out
+
+
+def _restore_plan(path: str, mesh: Any, like: Any) -> tuple[Any, Any]:
+    """The actors' reads of the latest checkpoint in `path` (a coroutine for the controller loop) and the tree
+    they fill."""
     ckpt = _committed(path)
     if ckpt is None:
         raise MpmdError(f"mpmd.restore: no committed checkpoint in {path!r} (no LATEST file); was mpmd.save called there?")
@@ -162,13 +199,10 @@ def restore(path: str, mesh: Any, like: Any) -> Any:
         out[i] = RemoteArray(mesh, bufs, tuple(m["shape"]), _dtype(m))
 
     async def read() -> None:
-        import asyncio
-
         await asyncio.gather(*(mesh.conn(a).request("restore", {"dir": os.path.join(ckpt, f"actor-{w}"), "names": names, "bufs": ids})
                                for (a, w), (names, ids) in need.items()))
 
-    mesh.run(read())
-    return jax.tree.unflatten(treedef, out)
+    return read(), jax.tree.unflatten(treedef, out)
 
 
 def _dtype(m: dict[str, Any]) -> Any:
@@ -177,4 +211,4 @@ def _dtype(m: dict[str, Any]) -> Any:
     return np.dtype(m["dtype"])
 
 
-__all__ = ["SaveHandle", "restore", "save"]
+__all__ = ["SaveHandle", "restore", "restore_async", "save", "save_async"]

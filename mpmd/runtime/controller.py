@@ -7,8 +7,11 @@ seconds, or when a request of it has waited longer than the actor's own bound on
 ``--request-timeout``) plus `heartbeat_timeout`. The error names the actor, its address, what it was serving
 and, for a local actor, its stacks (or why there are none); `RemoteMesh.reconnect` takes it back.
 
-User-facing calls are synchronous: they submit a coroutine to the loop and wait for its result. Requests
-to different actors run concurrently.
+Blocking user calls submit a coroutine to the loop and wait for its result (`EventLoopThread.run`); their
+awaitable twins await the same coroutine from the caller's own event loop (`EventLoopThread.arun`), so that
+loop keeps running while the actors work. Requests to different actors run concurrently. A blocking call
+made from a thread that runs an event loop still works (this loop is another thread: no deadlock), but it
+stalls that loop for as long as it waits; one that waits long logs, once, that its `_async` twin would not.
 """
 
 from __future__ import annotations
@@ -31,6 +34,20 @@ from transport.protocol import Message
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+STALL_WARNING = 0.1  # seconds a blocking call may hold a caller's running event loop before it is logged (once)
+_stall_logged = False
+
+
+def note_blocking(seconds: float, what: str = "a blocking mpmd call") -> None:
+    """Log once per process when `what`, called from a thread whose event loop is running, held that loop
+    for more than STALL_WARNING seconds: its awaitable twin would have let the loop run meanwhile."""
+    global _stall_logged
+    if _stall_logged or seconds < STALL_WARNING or asyncio._get_running_loop() is None:
+        return
+    _stall_logged = True
+    log.warning("%s held this thread's running event loop for %.2f s; from a coroutine, await its twin instead "
+                "(step.call_async, mpmd.fetch_async, mpmd.ready_async, actor.put_async / run_async, mpmd.save_async, "
+                "RemoteMesh.local_async, ...) so the loop keeps running", what, seconds)
 
 
 class EventLoopThread:
@@ -47,9 +64,22 @@ class EventLoopThread:
         self._thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run `coro` on this loop and wait for its result (from any thread but this loop's own)."""
         if threading.current_thread() is self._thread:
-            raise RuntimeError("mpmd's synchronous API cannot be called from its own event loop")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+            coro.close()
+            raise RuntimeError("mpmd's blocking API cannot be called from its own event loop; await the _async twin")
+        t = time.perf_counter()
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        finally:
+            note_blocking(time.perf_counter() - t)
+
+    async def arun(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await `coro`, run on this loop, from the caller's own event loop (or from this one) without blocking
+        it. Cancelling the await cancels `coro` where it runs."""
+        if asyncio.get_running_loop() is self.loop:
+            return await coro
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         if not self.loop.is_closed():

@@ -6,6 +6,11 @@ ways to get one: daemons started here, attached to, placed by Ray, or found at a
         y = mesh.actor(0).run(jax.jit(lambda a: a * 2), x)
         print(y.to_numpy())
 
+    async with await mpmd.RemoteMesh.local_async(num_actors=2) as mesh:   # the same from a coroutine:
+        x = await mesh.actor(0).put_async(np.ones(4, np.float32))         # the caller's loop runs on meanwhile
+        y = await mesh.actor(0).run_async(jax.jit(lambda a: a * 2), x)
+        print(await mpmd.fetch_async(y))
+
 The mesh delegates: starting processes to `runtime.launch`, the event loop and connections to
 `runtime.controller`, buffers to `runtime.buffers`, executables and Programs to `runtime.executables`, the
 data plane's routes to `runtime.wiring`, one actor's embedding API to `runtime.actor_handle`, traces and
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import functools
 import logging
 import secrets
 import shutil
@@ -33,6 +39,7 @@ from mpmd.errors import MpmdError
 from mpmd.observe.profile import ProfileContext
 from mpmd.observe.trace import Trace, TraceContext, measure_clock_offsets
 from mpmd.runtime.actor_handle import ActorHandle
+from mpmd.runtime.aio import off_loop
 from mpmd.runtime.array import RemoteArray, fetch
 from mpmd.runtime.buffers import BufferClient, gather
 from mpmd.runtime.controller import ActorConnection, EventLoopThread, Watchdog
@@ -226,6 +233,34 @@ class RemoteMesh:
         return rendezvous.connect(cls, where, num_actors, timeout=timeout, keys=keys, platform=platform,
                                   shutdown_on_close=shutdown_on_close, **kwargs)
 
+    # ---- awaitable twins (see mpmd.runtime.aio): the daemons start and stop in a worker thread ------------------
+    @classmethod
+    async def local_async(cls, *args: Any, **kwargs: Any) -> RemoteMesh:
+        """Awaitable twin of `local` (same arguments): the caller's event loop runs on while the daemons start.
+        If the await is cancelled, the mesh is closed as soon as it is up."""
+        return await off_loop(functools.partial(cls.local, *args, **kwargs), abandoned=cls.close)
+
+    @classmethod
+    async def connect_async(cls, addresses: Sequence[str], **kwargs: Any) -> RemoteMesh:
+        """Awaitable twin of `connect` (same arguments)."""
+        return await off_loop(functools.partial(cls.connect, addresses, **kwargs), abandoned=cls.close)
+
+    @classmethod
+    async def from_rendezvous_async(cls, where: str | Any, num_actors: int, **kwargs: Any) -> RemoteMesh:
+        """Awaitable twin of `from_rendezvous` (same arguments): waiting for the daemons to arrive does not hold
+        the caller's event loop."""
+        return await off_loop(functools.partial(cls.from_rendezvous, where, num_actors, **kwargs), abandoned=cls.close)
+
+    async def aclose(self) -> None:
+        """Awaitable twin of `close`. A cancelled await still closes the mesh (in the background)."""
+        await off_loop(self.close)
+
+    async def __aenter__(self) -> RemoteMesh:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
     def __enter__(self) -> RemoteMesh:
         return self
 
@@ -315,6 +350,13 @@ class RemoteMesh:
             raise MpmdError("this RemoteMesh is closed")
         return self._io.run(coro, timeout)
 
+    async def arun(self, coro: Any) -> Any:
+        """Await a coroutine run on the controller loop, from the caller's own event loop (`run`'s twin)."""
+        if self.closed:
+            coro.close()
+            raise MpmdError("this RemoteMesh is closed")
+        return await self._io.arun(coro)
+
     def submit_coroutine(self, coro: Any) -> concurrent.futures.Future[Any]:
         """Run `coro` on the controller loop without waiting; a concurrent future of its result."""
         if self.closed:
@@ -384,9 +426,17 @@ class RemoteMesh:
         """Several buffers per actor, one request per actor, all actors at once."""
         return self.buffers.get_many(bufs)
 
+    async def get_buffers_async(self, bufs: dict[int, list[int]]) -> dict[int, list[np.ndarray]]:
+        """`get_buffers`, awaited from the caller's event loop."""
+        return await self.buffers.get_many_async(bufs)
+
     def wait_buffers(self, bufs: dict[int, list[int]]) -> None:
         """Until the listed buffers are computed on their actors."""
         self.buffers.wait(bufs)
+
+    async def wait_buffers_async(self, bufs: dict[int, list[int]]) -> None:
+        """`wait_buffers`, awaited from the caller's event loop."""
+        await self.buffers.wait_async(bufs)
 
     def delete_buffers(self, buffers: dict[int, int]) -> None:
         """Free one buffer per actor now (waits for the actors)."""
@@ -428,6 +478,18 @@ class RemoteMesh:
     def put_replicated(self, value: Any, actors: Sequence[int], spec: Any = None) -> RemoteArray:
         """Copy a host value (numpy, jax or typed key array) to each of `actors`, dtype kept as it is, laid out
         as `spec` over each actor's devices (None: replicated); one RemoteArray."""
+        send, made = self._put(value, actors, spec)
+        self.run(send)
+        return made()
+
+    async def put_replicated_async(self, value: Any, actors: Sequence[int], spec: Any = None) -> RemoteArray:
+        """`put_replicated`, awaited from the caller's event loop."""
+        send, made = self._put(value, actors, spec)
+        await self.arun(send)
+        return made()
+
+    def _put(self, value: Any, actors: Sequence[int], spec: Any) -> tuple[Any, Callable[[], RemoteArray]]:
+        """The put requests (a coroutine to run on the loop) and how to make the RemoteArray once they are done."""
         wire = to_wire(value)
         dtype = getattr(value, "dtype", wire.dtype) if is_key(getattr(value, "dtype", None)) else wire.dtype
         shape = wire.shape[: wire.ndim - (len(key_impl(dtype).key_shape) if is_key(dtype) else 0)]
@@ -439,9 +501,9 @@ class RemoteMesh:
             self.actor_mesh.check_spec(spec, shape, "put")
             fields["layout"] = layout_wire(as_layout(spec))
         bufs = {a: self.new_buffer_id() for a in actors}
-        self.run(gather([self._conns[a].request("put", {"buf": b, **fields}, [wire]) for a, b in bufs.items()]))
+        send = gather([self._conns[a].request("put", {"buf": b, **fields}, [wire]) for a, b in bufs.items()])
         layout = as_layout(spec) if spec is not None else (() if self.actor_mesh is not None else None)
-        return RemoteArray(self, bufs, shape, dtype, remote_sharding(layout, self.actor_mesh))
+        return send, lambda: RemoteArray(self, bufs, shape, dtype, remote_sharding(layout, self.actor_mesh))
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"session {self.session:x}"

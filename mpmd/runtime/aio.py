@@ -1,0 +1,188 @@
+"""The awaitable API's plumbing: awaiting the runtime from the caller's own event loop without blocking it.
+
+The controller's loop runs in a thread of its own (`runtime.controller.EventLoopThread`); a framework that
+embeds mpmd runs another loop — the caller's. Every awaitable twin (`step.call_async`, `fetch_async`,
+`ready_async`, `actor.put_async` / `run_async`, `save_async`, `RemoteMesh.local_async`, ...) keeps the caller's
+loop free the same three ways:
+
+* what talks to actors runs on the controller's loop, awaited across threads (`EventLoopThread.arun`);
+* what computes here for long (tracing, planning and lowering a step, starting daemons, closing a mesh) runs
+  in a worker thread (`off_loop`); Python cannot stop a running thread, so a cancelled await leaves it to
+  finish and hands its result to a clean-up (a mesh started for nobody is closed);
+* what the runtime already tracks as a concurrent future (a dispatched step) is awaited with `watch`, which
+  never cancels it: another caller may wait for the same step.
+
+Cancelling the await of a step's outputs (`fetch_async`, `ready_async`) while that step still runs aborts
+it on its actors (see `DistributedFunction.call_async`): its buffers are freed and the mesh stays usable.
+
+    async def main():
+        async with await mpmd.RemoteMesh.local_async(num_actors=2) as mesh:
+            step = mpmd.distributed(train_step, mesh=mesh)
+            params, opt_state, losses = await step.call_async(params, opt_state, batch)
+            print(await mpmd.fetch_async(losses))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+
+from mpmd.compiler.avals import from_wire
+from mpmd.errors import MpmdError
+from mpmd.runtime.array import RemoteArray
+
+T = TypeVar("T")
+# Threads for work that would hold the caller's loop: a few, so that steps of several meshes compile at once.
+_WORKERS = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="mpmd-worker")
+
+
+async def watch(fut: concurrent.futures.Future[T]) -> T:
+    """Await a concurrent future from the running loop. Unlike `asyncio.wrap_future`, cancelling the await
+    leaves `fut` alone (a dispatched step goes on; other waiters still see its end)."""
+    loop = asyncio.get_running_loop()
+    waiter: asyncio.Future[T] = loop.create_future()
+
+    def settle() -> None:
+        if waiter.done():
+            return
+        if fut.cancelled():
+            waiter.cancel()
+        elif fut.exception() is not None:
+            waiter.set_exception(fut.exception())  # type: ignore[arg-type]
+        else:
+            waiter.set_result(fut.result())
+
+    def copy(_: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the caller's loop is closed: nobody waits any more
+            pass
+
+    fut.add_done_callback(copy)
+    return await waiter
+
+
+def start_in_worker(fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+    """Start `fn(*args)` in one of the runtime's worker threads; a concurrent future of its result."""
+    return _WORKERS.submit(fn, *args)
+
+
+async def off_loop(fn: Callable[[], T], *, abandoned: Callable[[T], Any] | None = None) -> T:
+    """`fn()` in a worker thread, awaited. If the await is cancelled the thread runs on (Python cannot stop
+    it) and, when it ends, `abandoned(result)` disposes of what nobody will use."""
+    fut = _WORKERS.submit(fn)
+    try:
+        return await watch(fut)
+    except asyncio.CancelledError:
+        if not fut.cancel() and abandoned is not None:
+            fut.add_done_callback(lambda f: abandoned(f.result()) if f.exception() is None else None)
+        raise
+
+
+def abortable(fut: concurrent.futures.Future[Any], abort: Callable[[], concurrent.futures.Future[Any]]) -> None:
+    """Say how to abort the work `fut` stands for (a dispatched step): `abort()` starts it and returns a
+    future of its end. `abort_unfinished` calls it for whoever awaits the work and is cancelled."""
+    fut.mpmd_abort = abort  # type: ignore[attr-defined]
+
+
+async def abort_unfinished(arrays: list[RemoteArray]) -> None:
+    """Abort every step that makes one of `arrays` and has not ended (the await of them was cancelled), and
+    wait until the actors have let go of it. Steps that ended stay as they are."""
+    aborts = {}
+    for x in arrays:
+        r = x._ready
+        if r is not None and not r.done() and hasattr(r, "mpmd_abort"):
+            aborts[id(r)] = r.mpmd_abort
+    if aborts:
+        await asyncio.gather(*(watch(abort()) for abort in aborts.values()), return_exceptions=True)
+
+
+def _remote_leaves(tree: Any) -> tuple[list[Any], Any]:
+    return jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, RemoteArray))
+
+
+async def _step_error_first(arrays: list[RemoteArray]) -> None:
+    """If a step making one of `arrays` failed, raise its error (clearer than an actor's note that a buffer
+    never came)."""
+    for x in arrays:
+        if x._ready is not None:
+            try:
+                await asyncio.wait_for(watch(x._ready), 30)
+            except Exception:
+                x._raise_step_error()
+
+
+async def fetch_async(tree: Any) -> Any:
+    """Awaitable twin of `mpmd.fetch`: every RemoteArray of a pytree brought here (numpy arrays, jax key
+    arrays for typed PRNG keys), one request per actor, all meshes at once, without blocking the caller's
+    event loop. Cancelling it while a step making one of the arrays still runs aborts that step.
+
+        losses = await mpmd.fetch_async(losses)
+    """
+    leaves, treedef = _remote_leaves(tree)
+    arrays = [x for x in leaves if isinstance(x, RemoteArray)]
+    wanted: dict[Any, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))  # mesh -> actor -> leaf indices
+    meshes: dict[int, Any] = {}
+    for i, x in enumerate(leaves):
+        if isinstance(x, RemoteArray) and x._host is None:
+            x._check_usable()
+            meshes[id(x.mesh)] = x.mesh
+            wanted[id(x.mesh)][x.actor].append(i)
+
+    async def from_mesh(key: int) -> dict[int, np.ndarray]:
+        per_actor = wanted[key]
+        got = await meshes[key].get_buffers_async({a: [leaves[i].buffers[a] for i in idx] for a, idx in per_actor.items()})
+        return {i: v for a, idx in per_actor.items() for i, v in zip(idx, got[a])}
+
+    async def started(i: int) -> dict[int, np.ndarray]:  # a fetch begun by copy_to_host_async
+        return {i: await watch(leaves[i]._host)}
+
+    try:
+        parts = await asyncio.gather(*(from_mesh(k) for k in wanted),
+                                     *(started(i) for i, x in enumerate(leaves) if isinstance(x, RemoteArray) and x._host is not None))
+    except asyncio.CancelledError:
+        await abort_unfinished(arrays)
+        raise
+    except MpmdError:
+        await _step_error_first(arrays)
+        raise
+    got = {i: v for part in parts for i, v in part.items()}
+    out = [from_wire(got[i], x.dtype) if isinstance(x, RemoteArray) else x for i, x in enumerate(leaves)]
+    return jax.tree.unflatten(treedef, out)
+
+
+async def ready_async(tree: Any) -> Any:
+    """Awaitable twin of `block_until_ready`: wait until every RemoteArray of a pytree is computed on its
+    actors (nothing is fetched) and return the tree; raises the error of a step that failed, naming actor and
+    task. Cancelling it while a step making one of the arrays still runs aborts that step on its actors.
+
+        params, opt_state, losses = await mpmd.ready_async(await step.call_async(params, opt_state, batch))
+    """
+    arrays = [x for x in _remote_leaves(tree)[0] if isinstance(x, RemoteArray)]
+    for x in arrays:
+        x._check_usable()
+    try:
+        for r in {id(x._ready): x._ready for x in arrays if x._ready is not None}.values():
+            try:
+                await watch(r)
+            except Exception:
+                for x in arrays:
+                    if x._ready is r:
+                        x._raise_step_error()
+                raise
+        by_mesh: dict[int, tuple[Any, dict[int, list[int]]]] = {}
+        for x in arrays:
+            _, bufs = by_mesh.setdefault(id(x.mesh), (x.mesh, defaultdict(list)))
+            for a, b in x.buffers.items():
+                bufs[a].append(b)
+        await asyncio.gather(*(mesh.wait_buffers_async(dict(bufs)) for mesh, bufs in by_mesh.values()))
+    except asyncio.CancelledError:
+        await abort_unfinished(arrays)
+        raise
+    return tree

@@ -1,0 +1,316 @@
+"""The awaitable API from the caller's own event loop (pytest-asyncio, asyncio_mode = "auto"), against real
+daemons: every twin equals its blocking form and jax.jit; the caller's loop keeps ticking while steps compile
+and run; two meshes step at once under `asyncio.gather`; a cancelled step is aborted on its actors and frees
+its buffers; a remote error and `asyncio.timeout` reach the await; a blocking call inside a loop still works."""
+
+import asyncio
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import mpmd
+from mpmd.testing import make_train_step, mlp, mlp_params, mse_loss, regression_batch
+
+
+def assert_trees_close(got, want, rtol=1e-5, atol=1e-6):
+    got, want = jax.tree.leaves(mpmd.fetch(got)), jax.tree.leaves(want)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=atol)
+
+
+def training(width=16, seed=0, layers=1):
+    """A 2-stage MLP train step (1F1B), its jax.jit reference, parameters, optimizer state and a batch."""
+    rng = np.random.default_rng(seed)
+    opt = optax.adam(1e-2)
+    params = mlp_params(rng, 2, width=width, layers_per_stage=layers)
+    step = make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(num_stages=2))
+    reference = jax.jit(make_train_step(mse_loss(mlp), opt, None))
+    return step, reference, params, opt.init(params), regression_batch(rng, 4, 8, width)
+
+
+class Ticker:
+    """A coroutine that sleeps 10 ms at a time and records how late each wake-up was (its loop's stalls)."""
+
+    def __init__(self) -> None:
+        self.gaps: list[float] = []
+        self._task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(0.01)
+            now = time.perf_counter()
+            self.gaps.append(now - last - 0.01)
+            last = now
+
+    async def __aenter__(self) -> "Ticker":
+        self._task = asyncio.create_task(self._run())
+        await asyncio.sleep(0)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._task.cancel()
+
+    @property
+    def largest(self) -> float:
+        return max(self.gaps, default=0.0)
+
+
+async def test_put_run_fetch_and_ready_twins_equal_their_blocking_forms(mesh2):
+    f = jax.jit(lambda p, x: {"h": jnp.tanh(x @ p["w"]), "n": jnp.sum(x**2)})
+    rng = np.random.default_rng(1)
+    p = {"w": rng.standard_normal((8, 4)).astype(np.float32)}
+    x = rng.standard_normal((5, 8)).astype(np.float32)
+    actor = mesh2.actor(1)
+    rp_async = {"w": await actor.put_async(p["w"])}
+    rp = {"w": actor.put(p["w"])}
+    assert rp_async["w"].actor == 1 and rp_async["w"].shape == (8, 4)
+    out_async = await actor.run_async(f, rp_async, x)
+    out = actor.run(f, rp, x)
+    assert isinstance(out_async["h"], mpmd.RemoteArray) and out_async["h"].actor == 1
+    assert await mpmd.ready_async(out_async) is out_async
+    got_async, got = await mpmd.fetch_async(out_async), mpmd.fetch(out)
+    want = f(p, x)
+    for k in want:
+        np.testing.assert_array_equal(got_async[k], got[k])
+        np.testing.assert_array_equal(got_async[k], np.asarray(want[k]))
+    # host leaves pass through, a fetch begun by copy_to_host_async is used, typed keys come back as keys
+    key = jax.random.key(3)
+    rk = await actor.put_async(key)
+    out["h"].copy_to_host_async()
+    tree = await mpmd.fetch_async({"h": out["h"], "host": 7, "key": rk})
+    np.testing.assert_array_equal(tree["h"], np.asarray(want["h"]))
+    assert tree["host"] == 7 and (jax.random.key_data(tree["key"]) == jax.random.key_data(key)).all()
+    assert (await actor.stats_async()).keys() == actor.stats().keys()
+
+
+async def test_call_async_equals_the_blocking_call_and_jax_jit_over_several_steps(mesh2):
+    step, reference, params, opt_state, batch = training()
+    blocking, awaited = mpmd.distributed(step, mesh=mesh2), mpmd.distributed(step, mesh=mesh2)
+    p, o = params, opt_state
+    bp, bo = params, opt_state
+    rp, ro = params, opt_state
+    for _ in range(3):
+        p, o, losses = await awaited.call_async(p, o, batch)
+        bp, bo, blosses = blocking(bp, bo, batch)
+        rp, ro, rlosses = reference(rp, ro, batch)
+        np.testing.assert_array_equal(await mpmd.fetch_async(losses), blosses.to_numpy())
+        np.testing.assert_allclose(await mpmd.fetch_async(losses), np.asarray(rlosses), rtol=1e-5)
+    assert_trees_close((p, o), (rp, ro))
+    assert_trees_close((p, o), mpmd.fetch((bp, bo)), rtol=0, atol=0)
+
+
+async def test_first_calls_awaited_together_compile_the_step_once(mesh2):
+    step, reference, params, opt_state, batch = training(seed=5)
+    dist = mpmd.distributed(step, mesh=mesh2)
+    outs = await asyncio.gather(*(dist.call_async(params, opt_state, batch) for _ in range(3)))
+    assert len(dist._compiled) == 1
+    want = reference(params, opt_state, batch)
+    for out in outs:
+        assert_trees_close(out, want)
+
+
+async def test_save_async_and_restore_async_equal_save_and_restore(mesh2, tmp_path):
+    step, _, params, opt_state, batch = training(seed=2)
+    dist = mpmd.distributed(step, mesh=mesh2)
+    p, o, _ = await dist.call_async(params, opt_state, batch)
+    tree = {"p": p, "o": o, "host": np.arange(3, dtype=np.int32)}
+    where = await mpmd.save_async(str(tmp_path / "a"), tree)
+    assert where.endswith("ckpt-1")
+    mpmd.save(str(tmp_path / "b"), tree)
+    got_async = await mpmd.restore_async(str(tmp_path / "a"), mesh2, like=tree)
+    got = mpmd.restore(str(tmp_path / "b"), mesh2, like=tree)
+    assert [x.actors for x in jax.tree.leaves(got_async["p"])] == [x.actors for x in jax.tree.leaves(p)]
+    assert_trees_close(got_async, mpmd.fetch(got), rtol=0, atol=0)
+    assert_trees_close(got_async, mpmd.fetch(tree), rtol=0, atol=0)
+
+
+async def test_local_async_connect_async_and_async_with_give_meshes_that_close():
+    ticker = Ticker()
+    async with ticker:
+        async with await mpmd.RemoteMesh.local_async(num_actors=1, transport="none") as mesh:
+            x = await mesh.actor(0).put_async(np.arange(4, dtype=np.float32))
+            y = await mesh.actor(0).run_async(jax.jit(lambda a: a * 2 + 1), x)
+            np.testing.assert_array_equal(await mpmd.fetch_async(y), np.arange(4) * 2 + 1)
+            other = await mpmd.RemoteMesh.connect_async(mesh.addresses, keys=mesh.keys, transport="none")
+            np.testing.assert_array_equal(await mpmd.fetch_async(await other.actor(0).put_async(np.ones(2))), np.ones(2))
+            await other.aclose()
+            assert other.closed and not mesh.closed
+        assert mesh.closed and all(p.proc.poll() is not None for p in mesh.processes)
+    print(f"largest gap of a 10 ms ticker while 1 daemon started and stopped: {ticker.largest * 1e3:.1f} ms")
+    assert ticker.largest < 0.5  # starting a daemon is a subprocess and a socket: no stall of the loop
+
+
+async def test_the_callers_loop_keeps_ticking_while_steps_compile_and_run(mesh2):
+    step, reference, params, opt_state, batch = training(width=32, seed=3, layers=2)
+    dist = mpmd.distributed(step, mesh=mesh2)
+    quiet = Ticker()  # what this machine alone does to a 10 ms ticker (other processes share its cores)
+    async with quiet:
+        await asyncio.sleep(1.0)
+    ticker = Ticker()
+    async with ticker:
+        t = time.perf_counter()
+        p, o, losses = await dist.call_async(params, opt_state, batch)  # traces, plans, lowers, ships: seconds
+        compile_s = time.perf_counter() - t
+        compile_gap = ticker.largest
+        for _ in range(5):
+            p, o, losses = await dist.call_async(p, o, batch)
+        got = await mpmd.fetch_async(losses)
+    rp, ro = params, opt_state
+    for _ in range(6):
+        rp, ro, rlosses = reference(rp, ro, batch)
+    np.testing.assert_allclose(got, np.asarray(rlosses), rtol=1e-5)
+    print(f"10 ms ticker: largest gap {ticker.largest * 1e3:.1f} ms while a step compiled ({compile_s:.1f} s; gap "
+          f"{compile_gap * 1e3:.1f} ms) and 6 ran; {quiet.largest * 1e3:.1f} ms with nothing to do")
+    assert compile_s > 0.2  # the compile really happened inside the window
+    assert ticker.largest < 0.05 + quiet.largest, (ticker.largest, quiet.largest)
+
+
+async def test_two_meshes_stepped_concurrently_with_gather_each_equal_jax_jit():
+    meshes = await asyncio.gather(mpmd.RemoteMesh.local_async(num_actors=2), mpmd.RemoteMesh.local_async(num_actors=2))
+    try:
+        runs = [training(seed=10), training(seed=11)]
+        dists = [mpmd.distributed(r[0], mesh=m) for r, m in zip(runs, meshes)]
+
+        async def train(dist, run):
+            _, _, p, o, batch = run
+            for _ in range(3):
+                p, o, losses = await dist.call_async(p, o, batch)
+            return await mpmd.fetch_async((p, o, losses))
+
+        results = await asyncio.gather(*(train(d, r) for d, r in zip(dists, runs)))
+        for (_, reference, p, o, batch), got in zip(runs, results):
+            for _ in range(3):
+                p, o, losses = reference(p, o, batch)
+            assert_trees_close(got, (p, o, losses))
+    finally:
+        await asyncio.gather(*(m.aclose() for m in meshes))
+
+
+def _slow_model(params, x):
+    x = jnp.tanh(x @ params[0])
+    x = mpmd.pipeline_yield(x)
+    return jax.lax.fori_loop(0, 400, lambda i, h: jnp.tanh(h @ params[1]), x)  # stage 1 (actor 1) takes a while
+
+
+def _slow_training():
+    opt = optax.sgd(0.01)
+    loss = lambda p, mb: jnp.mean((_slow_model(p, mb["x"]) - mb["y"]) ** 2)
+    rng = np.random.default_rng(0)
+    params = [rng.standard_normal((256, 256)).astype(np.float32) * 0.05 for _ in range(2)]
+    batch = {"x": rng.standard_normal((4, 64, 256)).astype(np.float32), "y": np.zeros((4, 64, 256), np.float32)}
+    return (make_train_step(loss, opt, mpmd.OneFOneB(num_stages=2)), jax.jit(make_train_step(loss, opt, None)), params,
+            opt.init(params), batch)
+
+
+async def _until_running(mesh, actor):
+    deadline = time.monotonic() + 20
+    while (await mesh.actor(actor).stats_async())["running"] == 0:
+        assert time.monotonic() < deadline, "the step never started on the actor"
+        await asyncio.sleep(0.005)
+
+
+async def _buffers(mesh):
+    return [(await mesh.actor(a).stats_async())["buffers"] for a in range(len(mesh))]
+
+
+@pytest.fixture(scope="module")
+def slow_mesh():
+    with mpmd.RemoteMesh.local(num_actors=2) as mesh:
+        step, reference, params, opt_state, batch = _slow_training()
+        dist = mpmd.distributed(step, mesh=mesh)
+        p, o, losses = dist(params, opt_state, batch)  # compiled and run once
+        losses.block_until_ready()
+        yield mesh, dist, reference, (p, o), (params, opt_state, batch)
+
+
+async def test_cancelling_an_awaited_step_aborts_it_frees_its_buffers_and_the_next_step_equals_jit(slow_mesh):
+    mesh, dist, reference, (p, o), (params, opt_state, batch) = slow_mesh
+    before = await _buffers(mesh)
+
+    async def one_step():
+        outs = await dist.call_async(p, o, batch)
+        return await mpmd.fetch_async(outs)
+
+    task = asyncio.create_task(one_step())
+    await _until_running(mesh, 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert [(await mesh.actor(a).stats_async())["running"] for a in (0, 1)] == [0, 0]
+    assert await _buffers(mesh) == before  # the step's intermediates and outputs are gone
+    # the next step, from the state the cancelled one started from, equals jax.jit's
+    rp, ro, _ = reference(params, opt_state, batch)
+    want = reference(rp, ro, batch)
+    assert_trees_close(await mpmd.fetch_async(await dist.call_async(p, o, batch)), want)
+
+
+async def test_cancelled_outputs_say_so_and_an_asyncio_timeout_around_a_twin_raises_timeout_error(slow_mesh):
+    mesh, dist, reference, (p, o), (params, opt_state, batch) = slow_mesh
+    before = await _buffers(mesh)
+    outs = await dist.call_async(p, o, batch)
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.05):
+            await mpmd.ready_async(outs)
+    assert await _buffers(mesh) == before
+    with pytest.raises(mpmd.MpmdError, match=r"step \d+ of step was cancelled"):
+        await mpmd.fetch_async(outs[2])
+    async with asyncio.timeout(120):  # a timeout that does not fire changes nothing
+        got = await mpmd.fetch_async(await dist.call_async(p, o, batch))
+    rp, ro, _ = reference(params, opt_state, batch)
+    assert_trees_close(got, reference(rp, ro, batch))
+    with pytest.raises(TimeoutError):  # around a compile too: the caller gets control back at once
+        async with asyncio.timeout(0.01):
+            await mpmd.distributed(_slow_training()[0], mesh=mesh).call_async(p, o, batch)
+
+
+async def test_a_remote_error_is_raised_by_the_await_naming_the_actor_and_the_step(mesh2):
+    step, _, params, opt_state, batch = training(seed=4)
+    dist = mpmd.distributed(step, mesh=mesh2)
+    p, o, losses = await dist.call_async(params, opt_state, batch)
+    await mpmd.ready_async(losses)
+    bogus = jax.tree.map(lambda x: x, p)
+    bogus[1][0] = mpmd.RemoteArray(mesh2, {1: 424242}, p[1][0].shape, np.float32)
+    outs = await dist.call_async(bogus, o, batch)
+    with pytest.raises(mpmd.RemoteError, match=r"(?s)actor 1, during step \d+ of step: .*no buffer 424242") as e:
+        await mpmd.ready_async(outs)
+    assert e.value.actor_id == 1
+    with pytest.raises(mpmd.RemoteError, match="no buffer 424242"):
+        await mpmd.fetch_async(outs[2])
+    p2, o2, losses2 = await dist.call_async(p, o, batch)  # the mesh is usable after
+    assert np.isfinite(await mpmd.fetch_async(losses2)).all()
+
+
+async def test_a_blocking_call_inside_a_running_loop_works_and_a_long_one_names_the_twins(mesh2, caplog, monkeypatch):
+    """The controller's loop is its own thread, so a blocking call from a coroutine cannot deadlock: it holds
+    the caller's loop only while it waits, and one that held it long is logged (once) naming the twins."""
+    from mpmd.runtime import controller
+
+    monkeypatch.setattr(controller, "_stall_logged", False)
+    step, reference, params, opt_state, batch = training(seed=6)
+    dist = mpmd.distributed(step, mesh=mesh2)
+    with caplog.at_level(logging.WARNING, logger="mpmd"):
+        p, o, losses = dist(params, opt_state, batch)  # compiles: holds this loop for a while
+        got = mpmd.fetch((p, o, losses))
+    assert_trees_close(got, reference(params, opt_state, batch))
+    assert any("call_async" in r.getMessage() and "fetch_async" in r.getMessage() for r in caplog.records), caplog.text
+    x = mesh2.actor(0).put(np.ones(3, np.float32))  # quick blocking calls just work
+    np.testing.assert_array_equal(await mpmd.fetch_async(x), x.to_numpy())
+
+
+async def test_a_remote_transfer_error_is_raised_by_the_await_naming_the_actors_and_the_step():
+    """Actor 0 gives up waiting for a gradient from the slow stage 1 (transfer_timeout 0.3 s): the await raises
+    the actor's error, naming actor 0, the step, and the actor whose value never came."""
+    step, _, params, opt_state, batch = _slow_training()
+    async with await mpmd.RemoteMesh.local_async(num_actors=2, transfer_timeout=0.3) as mesh:
+        outs = await mpmd.distributed(step, mesh=mesh).call_async(params, opt_state, batch)
+        with pytest.raises(mpmd.RemoteError, match=r"(?s)on actor 0, during step 0 of step: .*waited 0.3 s for .* from actor 1") as e:
+            await mpmd.fetch_async(outs)
+        assert e.value.actor_id == 0
+        assert [(await mesh.actor(a).stats_async())["running"] for a in (0, 1)] == [0, 0]
