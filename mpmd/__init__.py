@@ -9,13 +9,13 @@
 
 Public names (each has a docstring):
   RemoteMesh, ActorHandle, RemoteArray, fetch the runtime: actors, handles, remote buffers, fetching them
-  save, restore                               checkpoints of state held on actors (orbax-checkpoint)
+  save, restore, load                         checkpoints of state held on actors (orbax-checkpoint, verified, any layout)
   pipeline_yield, accumulate_grads, distributed   the pipeline API
   GPipe, OneFOneB, Custom, Task               schedules
   EagerOneFOneB, InterleavedOneFOneB, ZeroBubbleH1, InterleavedZeroBubble, ZeroBubbleV, DualPipeV   more schedules
   Schedule, validate, check_programs          write your own schedule; prove a schedule or compiled Programs deadlock-free
   simulate, Costs, SimResult                  mpmd.simulate(schedule, m, costs): step time, bubble, memory, pictures
-  MpmdError, RemoteError, ActorDiedError, PipelineError, ScheduleError   errors
+  MpmdError, RemoteError, ActorDiedError, PipelineError, ScheduleError, CheckpointError   errors
   ActorStartError, RendezvousError, IncompatibleActorError                 errors of starting or finding daemons
 
 Rooms (each package's docstring says more): api/primitives/step (this surface and the distributed step),
@@ -28,6 +28,7 @@ from mpmd.api import accumulate_grads, distributed, pipeline_yield
 from mpmd.errors import (
     ActorDiedError,
     ActorStartError,
+    CheckpointError,
     IncompatibleActorError,
     MpmdError,
     PipelineError,
@@ -36,7 +37,7 @@ from mpmd.errors import (
     ScheduleError,
 )
 from mpmd.runtime.array import RemoteArray, fetch
-from mpmd.runtime.checkpoint import restore, save
+from mpmd.runtime.checkpoint import load, restore, save
 from mpmd.runtime.mesh import ActorHandle, RemoteMesh
 from mpmd.schedules import (
     Custom,
@@ -60,6 +61,7 @@ __all__ = [
     "ActorDiedError",
     "ActorHandle",
     "ActorStartError",
+    "CheckpointError",
     "Costs",
     "Custom",
     "DualPipeV",
@@ -85,6 +87,7 @@ __all__ = [
     "check_programs",
     "distributed",
     "fetch",
+    "load",
     "pipeline_yield",
     "restore",
     "save",
