@@ -235,8 +235,9 @@ def _open(path: str) -> Manifest:
 def _match(m: Manifest, like: Any, what: str) -> tuple[list[Any], Any]:
     """`like`'s leaves, checked against the manifest: same paths, shapes and dtypes. Returns (leaves, treedef)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(like, is_leaf=_is_remote)
+    what = f"{what}: checkpoint {m.directory}"
     if len(flat) != len(m.leaves):
-        raise CheckpointError(f"{what}: {m.directory} holds {len(m.leaves)} arrays but `like` has {len(flat)} leaves; pass a tree "
+        raise CheckpointError(f"{what} holds {len(m.leaves)} arrays but `like` has {len(flat)} leaves; pass a tree "
                               "shaped like the one that was saved", checkpoint=m.directory)
     out = []
     for (p, x), leaf in zip(flat, m.leaves):

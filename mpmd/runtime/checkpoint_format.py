@@ -206,8 +206,13 @@ def check_parts(m: Manifest) -> None:
     for part, files in sorted(m.parts.items()):
         bad = check_listing(os.path.join(m.directory, part), files)
         if bad is not None:
-            leaf = next((x.path for x in m.leaves if x.part == part), None)
-            raise _bad(m.directory, f"{bad[1]} (part {part})", file=f"{part}/{bad[0]}" if bad[0] != "." else part, leaf=leaf)
+            held = [x.path for x in m.leaves if x.part == part]
+            writer = int(part.split("-")[1]) if part != HOST_PART else None
+            who = f"written by actor {writer}" if writer is not None else "the host leaves"
+            err = _bad(m.directory, f"{bad[1]} (part {part}, {who}, holding leaves {', '.join(held)[:300]})",
+                       file=f"{part}/{bad[0]}" if bad[0] != "." else part, leaf=held[0] if held else None)
+            err.actor = writer
+            raise err
 
 
 def checkpoint_number(name: str) -> int | None:
