@@ -108,6 +108,8 @@ def test_each_edit_of_the_manifest_is_a_checkpoint_error(mesh2, copy, redigest):
     path, ckpt, tree = copy
     original = (ckpt / "manifest.json").read_text()
     for name, change in EDITS.items():
+        if redigest and name == "leaf_digest":  # self-consistent, and the bytes are the saved ones: nothing to refuse
+            continue
         _edit(ckpt, change, redigest)
         with pytest.raises(mpmd.CheckpointError) as e:
             got = mpmd.restore(str(path), mesh2, like=like(tree))
