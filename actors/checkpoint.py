@@ -1,52 +1,33 @@
-"""An actor's half of a checkpoint: it writes the arrays it holds, and reads them back, with orbax-checkpoint
-(which writes to a temporary directory and commits it atomically). The controller (mpmd/runtime/checkpoint.py) names
-the directory, the arrays and the buffer ids, and commits the whole checkpoint once every actor is done.
+"""An actor's half of a checkpoint: it writes the arrays it holds as one orbax-checkpoint directory (a "part")
+and reads arrays back from any part — its own or another actor's — verifying every byte against the digests
+the controller took from the checkpoint's verified manifest (mpmd/runtime/checkpoint_format.py) before a
+single value reaches a buffer.
 
-| op        | request fields                                      | reply fields         |
-|-----------|-----------------------------------------------------|----------------------|
-| save      | dir, names: [str], bufs: [buf]                      | nbytes               |
-| restore   | dir, names: [str], bufs: [buf] (new ids)            | outputs: [{dtype, shape}] |
+Arrays are written as host (numpy) arrays in their full logical shape, whatever their layout over this
+actor's devices, so a part is readable by plain orbax-checkpoint and restorable onto any device mesh: a
+reader lays each array out over its own devices as the controller asks (`layouts`).
+
+| op        | request fields                                                    | reply fields                             |
+|-----------|-------------------------------------------------------------------|------------------------------------------|
+| save      | dir, names: [str], bufs: [buf]                                    | nbytes, written: [{shape, dtype, sha256}], files: {path: {size, sha256}} |
+| restore   | dir, names: [str], bufs: [buf] (new ids), expect: [{shape, dtype, sha256}], files: {path: {size, sha256}}, layouts: [layout or null], verify: bool | outputs: [{dtype, shape}], or problem: {file, leaf, why} (the buffers then fail) |
+
+(Not `arrays`: that header field announces a message's array frames, transport/protocol.py.) A `restore` whose files or arrays disagree with `expect`/`files` answers with `problem` (not an error reply)
+so that the controller can raise `mpmd.CheckpointError` naming the checkpoint, this actor, the file and the
+leaf; the new buffers are failed with the same text.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import Any
 
 import numpy as np
 
+from actors import spmd
 from actors.request import RequestError, field, int_list
+from transport.checkpoint_parts import CheckpointProblem, read_part, write_part
 from transport.protocol import Message, aval_header
-
-
-def _checkpointer() -> Any:
-    import orbax.checkpoint as ocp
-
-    return ocp.StandardCheckpointer()
-
-
-def _write(directory: str, arrays: dict[str, Any]) -> None:
-    ckpt = _checkpointer()
-    ckpt.save(os.path.abspath(directory), arrays)
-    ckpt.wait_until_finished()
-
-
-def _read(directory: str, names: list[str], device: Any) -> dict[str, Any]:
-    import jax
-    import orbax.checkpoint as ocp
-
-    path = os.path.abspath(directory)
-    meta = ocp.StandardCheckpointer().metadata(path)
-    tree = getattr(meta, "item_metadata", None) or getattr(meta, "tree", None) or meta
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    missing = [n for n in names if n not in tree]
-    if missing:
-        raise ValueError(f"checkpoint {path} holds no arrays {missing[:5]}")
-    # orbax restores a directory's whole tree; a replica reading its writer's directory keeps what it needs
-    target = {n: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=sharding) for n, m in tree.items()}
-    got = _checkpointer().restore(path, target)
-    return {n: got[n] for n in names}
 
 
 def _names(msg: Message) -> tuple[str, list[str], list[int]]:
@@ -58,26 +39,72 @@ def _names(msg: Message) -> tuple[str, list[str], list[int]]:
     return directory, names, bufs
 
 
+def _expectations(msg: Message, n: int) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]], list[Any], bool]:
+    expect = field(msg, "expect", list)
+    files = field(msg, "files", dict)
+    layouts = msg.header.get("layouts") or [None] * n
+    verify = msg.header.get("verify", True)
+    if len(expect) != n or not all(isinstance(e, dict) and isinstance(e.get("dtype"), str) and isinstance(e.get("shape"), list)
+                                   and isinstance(e.get("sha256"), str) for e in expect):
+        raise RequestError("'restore' field 'expect' must give {shape, dtype, sha256} per name")
+    if not all(isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
+               for k, v in files.items()):
+        raise RequestError("'restore' field 'files' must map each file to {size, sha256}")
+    if not isinstance(layouts, list) or len(layouts) != n:
+        raise RequestError("'restore' field 'layouts' must give one layout (or null) per name")
+    if not isinstance(verify, bool):
+        raise RequestError("'restore' field 'verify' must be a bool")
+    return expect, files, layouts, verify
+
+
 async def save(actor: Any, ses: Any, msg: Any) -> tuple[dict, list]:
-    """Write the buffers `bufs` as arrays `names` into the orbax directory `dir` (once they are computed)."""
+    """Write the buffers `bufs` as arrays `names` into the orbax directory `dir` (once they are computed);
+    reply with each array's digest and every file's."""
     directory, names, bufs = _names(msg)
     refs = [ses.buffers.ref(b) for b in bufs]  # taken now: a delete arriving next must not pull them away
     values = [await asyncio.shield(r) if isinstance(r, asyncio.Future) else r for r in refs]
-    await asyncio.to_thread(_write, directory, dict(zip(names, values)))
-    return {"nbytes": int(sum(int(np.asarray(v).nbytes) for v in values))}, []
+
+    # whole host arrays (a sharded value's shards gathered): the part fits any mesh that reads it
+    arrays, files = await asyncio.to_thread(lambda: write_part(directory, {n: np.asarray(v) for n, v in zip(names, values)}))
+    return {"nbytes": int(sum(int(np.prod(a["shape"], dtype=np.int64)) * np.dtype(a["dtype"]).itemsize for a in arrays)),
+            "written": arrays, "files": files}, []
 
 
 async def restore(actor: Any, ses: Any, msg: Any) -> tuple[dict, list]:
-    """Read arrays `names` from the orbax directory `dir` into new buffers `bufs`."""
+    """Read arrays `names` from the orbax directory `dir`, verify them, and lay each out over this actor's
+    devices as `layouts` says (replicated when null) in new buffers `bufs`."""
     directory, names, bufs = _names(msg)
+    expect, files, layouts, verify = _expectations(msg, len(names))
+    mesh = actor.cache.mesh
+    specs = []
+    for lay in layouts:
+        if lay is not None and mesh is None:
+            raise RequestError(f"actor {actor.actor_id} has no device mesh, so nothing can be laid out over its devices")
+        try:
+            specs.append(spmd.spec_from_wire(lay))
+        except ValueError as e:
+            raise RequestError(str(e)) from None
     for b in bufs:
         ses.buffers.reserve(b)
+
+    def read() -> list[Any]:
+        got = read_part(directory, names, expect, files, verify)
+        if mesh is not None:
+            return [spmd.put(got[n], mesh, s, actor.device) for n, s in zip(names, specs)]
+        import jax
+
+        return [jax.device_put(got[n], actor.device) for n in names]
+
     try:
-        got = await asyncio.to_thread(_read, directory, names, actor.device)
+        values = await asyncio.to_thread(read)
+    except CheckpointProblem as e:
+        for b in bufs:
+            ses.buffers.fail(b, RequestError(f"restore from {directory}: {e.why}"))
+        return {"problem": e.wire()}, []
     except BaseException as e:
         for b in bufs:
             ses.buffers.fail(b, e)
         raise
-    for n, b in zip(names, bufs):
-        ses.buffers.put(b, got[n])
-    return {"outputs": [aval_header(got[n].shape, got[n].dtype) for n in names]}, []
+    for b, v in zip(bufs, values):
+        ses.buffers.put(b, v)
+    return {"outputs": [aval_header(v.shape, v.dtype) for v in values]}, []

@@ -12,7 +12,7 @@
 
 Public names (each has a docstring):
   RemoteMesh, ActorHandle, RemoteArray, fetch the runtime: actors, handles, remote buffers, fetching them
-  save, restore                               checkpoints of state held on actors (orbax-checkpoint)
+  save, restore, load                         checkpoints of state held on actors (orbax-checkpoint, verified, any layout)
   fetch_async, ready_async, save_async, restore_async   awaitable twins, for the caller's own event loop (also
                                               RemoteMesh.local_async, step.call_async, actor(i).put_async / run_async)
   pipeline_yield, accumulate_grads, distributed   the pipeline API
@@ -21,7 +21,7 @@ Public names (each has a docstring):
   Schedule, validate, check_programs          write your own schedule; prove a schedule or compiled Programs deadlock-free
   simulate, Costs, SimResult                  mpmd.simulate(schedule, m, costs): step time, bubble, memory, pictures
   tune, TuneResult, SegmentCosts              pick schedule, microbatches, stage grouping (balance=): predict, then verify
-  MpmdError, RemoteError, ActorDiedError, PipelineError, ScheduleError   errors
+  MpmdError, RemoteError, ActorDiedError, PipelineError, ScheduleError, CheckpointError   errors
   ActorStartError, RendezvousError, IncompatibleActorError                 errors of starting or finding daemons
 
 Rooms (each package's docstring says more): api/primitives/step (this surface and the distributed step),
@@ -34,6 +34,7 @@ from mpmd.api import accumulate_grads, distributed, pipeline_yield
 from mpmd.errors import (
     ActorDiedError,
     ActorStartError,
+    CheckpointError,
     IncompatibleActorError,
     MpmdError,
     PipelineError,
@@ -43,7 +44,7 @@ from mpmd.errors import (
 )
 from mpmd.runtime.aio import fetch_async, ready_async
 from mpmd.runtime.array import RemoteArray, fetch
-from mpmd.runtime.checkpoint import restore, restore_async, save, save_async
+from mpmd.runtime.checkpoint import load, restore, restore_async, save, save_async
 from mpmd.runtime.mesh import ActorHandle, RemoteMesh
 from mpmd.schedules import (
     Custom,
@@ -69,6 +70,7 @@ __all__ = [
     "ActorDiedError",
     "ActorHandle",
     "ActorStartError",
+    "CheckpointError",
     "Costs",
     "Custom",
     "DualPipeV",
@@ -97,6 +99,7 @@ __all__ = [
     "distributed",
     "fetch",
     "fetch_async",
+    "load",
     "pipeline_yield",
     "ready_async",
     "restore",

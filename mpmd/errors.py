@@ -55,3 +55,15 @@ class PipelineError(MpmdError):
 
 class ScheduleError(PipelineError):
     """A schedule is inconsistent (missing or duplicated tasks, an order that would deadlock)."""
+
+
+class CheckpointError(MpmdError):
+    """A checkpoint cannot be saved or restored as asked: it is missing, incomplete, damaged or edited (a digest,
+    file or field disagrees with its verified manifest), or it does not fit the tree or mesh it is restored into.
+    Carries `checkpoint` (its directory), `actor` (the actor that found the problem, or None), `file` (the file
+    at fault, relative to the checkpoint, or None) and `leaf` (the tree path of the array at fault, or None)."""
+
+    def __init__(self, message: str, *, checkpoint: str | None = None, actor: int | None = None, file: str | None = None,
+                 leaf: str | None = None) -> None:
+        self.checkpoint, self.actor, self.file, self.leaf = checkpoint, actor, file, leaf
+        super().__init__(message)

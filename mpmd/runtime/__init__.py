@@ -9,7 +9,9 @@
   executables.py   lowering once, shipping executables and Programs to actors once
   sharding.py      layouts of arrays over each actor's own device mesh (SPMD inside an actor)
   wiring.py        which data-plane route each pair of actors uses, and wiring it
-  checkpoint.py    `save` / `restore` of state held on actors (orbax-checkpoint on each actor)
+  checkpoint.py    `save` / `restore` / `load` of state held on actors (orbax-checkpoint on each actor), verified
+  checkpoint_format.py             the on-disk layout and its manifest (digests of every array and file)
+  checkpoint_placement.py          where each restored array goes on a mesh other than the one that saved it
   launch/          starting daemons: local subprocesses, Ray actors, a rendezvous (SLURM, Kubernetes)
 
 The runtime imports the compiler's value conversions (`mpmd.compiler.avals`), observation (`mpmd.observe`)

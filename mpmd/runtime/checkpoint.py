@@ -1,47 +1,60 @@
-"""Checkpoints of state held on actors: `mpmd.save(path, tree)` / `mpmd.restore(path, mesh, like=tree)`.
+"""Checkpoints of state held on actors: `mpmd.save(path, tree)`, `mpmd.restore(path, mesh, like=tree)` and
+`mpmd.load(path)`.
 
     mpmd.save("ckpt", (params, opt_state))                      # each actor writes its own arrays
-    params, opt_state = mpmd.restore("ckpt", mesh, like=(params, opt_state))
-    await mpmd.save_async("ckpt", tree); tree = await mpmd.restore_async("ckpt", mesh, like=tree)   # in a coroutine
+    params, opt_state = mpmd.restore("ckpt", mesh, like=(params, opt_state))            # any mesh, any layout
+    params, opt_state = mpmd.restore("ckpt", mesh, like=(params, opt_state), for_step=step)  # where `step` reads them
+    host = mpmd.load("ckpt")                                     # no mesh: numpy arrays
 
-Each actor writes the arrays it holds with orbax-checkpoint (one copy of a replicated array); host leaves
-(numpy arrays, scalars) are written by the controller. A checkpoint is committed only when every part is
-written: parts go to `path/ckpt-<n>.tmp`, which is renamed to `path/ckpt-<n>`, and `path/LATEST` then names it
-(atomically replaced) — a crash during a save leaves the previous checkpoint loadable. `restore` puts every
-array back on the actors that held it (a fresh mesh of the same layout), typed PRNG keys included.
+Each actor writes the arrays it holds as one orbax-checkpoint directory, each array whole (one copy of a
+replicated array); host leaves (numpy arrays, scalars) are written by the controller. A checkpoint is
+committed only when every part is written: parts go to `path/ckpt-<n>.tmp`, with a manifest holding every
+array's and every file's SHA-256 (mpmd/runtime/checkpoint_format.py); the directory is renamed to
+`path/ckpt-<n>`, and `path/LATEST` then names it (atomically replaced) — a crash during a save leaves the
+previous checkpoint loadable, and the next save removes what the crashed one left behind.
+
+A restore verifies the manifest's own digest, then every part's listing, then every byte each actor reads
+before a value reaches a buffer; dtype and shape come from the verified manifest. Anything amiss raises
+`mpmd.CheckpointError` naming the checkpoint, actor, file and leaf.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import os
 import shutil
+import threading
+from collections import defaultdict
 from typing import Any
 
 import jax
 import numpy as np
 
-from mpmd.compiler.avals import dtype_text, from_wire, is_key, key_impl, to_wire
-from mpmd.errors import MpmdError
+from mpmd.compiler.avals import dtype_text, from_wire, is_key, key_impl, to_wire, wire_shape_dtype
+from mpmd.errors import CheckpointError, MpmdError
 from mpmd.runtime.aio import off_loop, watch
 from mpmd.runtime.array import RemoteArray
+from mpmd.runtime.checkpoint_format import (
+    HOST_PART,
+    Leaf,
+    Manifest,
+    check_parts,
+    checkpoint_number,
+    committed,
+    path_entries,
+    read_manifest,
+)
+from mpmd.runtime.checkpoint_placement import Target, dtype_matches, like_shape_dtype, targets
+from mpmd.runtime.sharding import layout_to_spec, layout_wire, remote_sharding
+from transport.checkpoint_parts import CheckpointProblem, read_part, write_part
 
-FORMAT = 1
+_SAVING: set[str] = set()  # the .tmp directories of saves of this process still being written
+_SAVING_LOCK = threading.Lock()
 
 
-def _leaves(tree: Any) -> tuple[list[Any], Any]:
-    return jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, RemoteArray))
-
-
-def _committed(path: str) -> str | None:
-    try:
-        with open(os.path.join(path, "LATEST")) as f:
-            name = f.read().strip()
-    except FileNotFoundError:
-        return None
-    return os.path.join(path, name) if name else None
+def _is_remote(x: Any) -> bool:
+    return isinstance(x, RemoteArray)
 
 
 class SaveHandle:
@@ -57,70 +70,137 @@ class SaveHandle:
         return self._future.result(timeout)
 
 
+def _start(path: str) -> tuple[str, str]:
+    """Pick the next checkpoint's name and make its .tmp directory, first removing the .tmp directories that
+    saves killed earlier left behind (not those of this process's saves still being written)."""
+    os.makedirs(path, exist_ok=True)
+    with _SAVING_LOCK:
+        numbers = []
+        for d in os.listdir(path):
+            n = checkpoint_number(d)
+            if n is None:
+                continue
+            numbers.append(n)
+            full = os.path.abspath(os.path.join(path, d))
+            if d.endswith(".tmp") and full not in _SAVING:
+                shutil.rmtree(full, ignore_errors=True)
+        name = f"ckpt-{1 + max(numbers, default=0)}"
+        tmp = os.path.abspath(os.path.join(path, name + ".tmp"))
+        os.makedirs(tmp)
+        _SAVING.add(tmp)
+    return name, tmp
+
+
+def _commit(path: str, name: str, tmp: str, keep: int) -> str:
+    final = os.path.join(path, name)
+    os.replace(tmp, final)
+    with open(os.path.join(path, "LATEST.tmp"), "w") as f:
+        f.write(name)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(os.path.join(path, "LATEST.tmp"), os.path.join(path, "LATEST"))
+    olds = sorted((d for d in os.listdir(path) if d != name and not d.endswith(".tmp") and checkpoint_number(d) is not None),
+                  key=checkpoint_number)
+    for d in olds[: max(0, len(olds) - (keep - 1))]:
+        shutil.rmtree(os.path.join(path, d), ignore_errors=True)
+    return final
+
+
 def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | SaveHandle:
     """Save a pytree of RemoteArrays (and host values) to directory `path`. Each actor writes its own arrays,
     concurrently with later steps (a step dispatched after this call does not wait for the write); with
-    `wait=False` the call returns a `SaveHandle` at once. The `keep` newest checkpoints are kept."""
-    leaves, _ = _leaves(tree)
-    meshes = {id(x.mesh): x.mesh for x in leaves if isinstance(x, RemoteArray)}
+    `wait=False` the call returns a `SaveHandle` at once. The `keep` newest checkpoints are kept. Returns the
+    committed checkpoint's directory (`path/ckpt-<n>`)."""
+    if keep < 1:
+        raise CheckpointError(f"mpmd.save: keep={keep}; keep at least the checkpoint being written (keep >= 1)", checkpoint=path)
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_remote)
+    meshes = {id(x.mesh): x.mesh for _, x in flat if isinstance(x, RemoteArray)}
     if len(meshes) > 1:
         raise MpmdError(f"mpmd.save: the tree holds arrays of {len(meshes)} meshes; save each mesh's state separately")
-    os.makedirs(path, exist_ok=True)
-    n = 1 + max([int(d.split("-")[1].split(".")[0]) for d in os.listdir(path) if d.startswith("ckpt-")] or [0])
-    name = f"ckpt-{n}"
-    tmp = os.path.join(path, name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    meta: dict[str, Any] = {"format": FORMAT, "leaves": []}
-    host: dict[str, np.ndarray] = {}
-    per_actor: dict[int, tuple[list[str], list[int]]] = {}
-    for i, x in enumerate(leaves):
-        leaf = f"leaf_{i:05d}"
+    for p, x in flat:
         if isinstance(x, RemoteArray):
             x._check_usable()
+    name, tmp = _start(path)
+    leaves: list[dict[str, Any]] = []
+    host: dict[str, np.ndarray] = {}
+    per_actor: dict[int, tuple[list[str], list[int], list[int]]] = {}  # writer -> names, buffers, leaf indices
+    mesh = next(iter(meshes.values()), None)
+    for i, (p, x) in enumerate(flat):
+        leaf = f"leaf_{i:05d}"
+        entry: dict[str, Any] = {"path": jax.tree_util.keystr(p), "entries": path_entries(p), "name": leaf}
+        if isinstance(x, RemoteArray):
             a = x.actor
-            names, bufs = per_actor.setdefault(a, ([], []))
+            names, bufs, idx = per_actor.setdefault(a, ([], [], []))
             names.append(leaf)
             bufs.append(x.buffers[a])
-            meta["leaves"].append({"kind": "remote", "actor": a, "actors": x.actors, "shape": list(x.shape),
-                                   "dtype": dtype_text(x.dtype), "key_impl": key_impl(x.dtype).name if is_key(x.dtype) else None})
+            idx.append(i)
+            layout = layout_wire(x.sharding.layout) if x.sharding is not None else None
+            entry.update(part=f"actor-{a}", shape=list(x.shape), dtype=dtype_text(x.dtype),
+                         key_impl=key_impl(x.dtype).name if is_key(x.dtype) else None, saved_actors=x.actors, saved_layout=layout)
         else:
-            value = np.asarray(to_wire(x))
+            value = np.array(to_wire(x))  # a copy: the caller may change its array while the save runs
             host[leaf] = value
-            meta["leaves"].append({"kind": "host", "shape": list(np.shape(x) if not hasattr(x, "shape") else x.shape), "dtype": value.dtype.name,
-                                   "key_impl": key_impl(x.dtype).name if is_key(getattr(x, "dtype", None)) else None})
-    if host:
-        np.savez(os.path.join(tmp, "host.npz"), **host)
-    with open(os.path.join(tmp, "meta.json"), "w") as f:
-        json.dump(meta, f)
+            dtype = getattr(x, "dtype", value.dtype)
+            entry.update(part=HOST_PART, shape=list(np.shape(x) if not hasattr(x, "shape") else x.shape),
+                         dtype=dtype_text(dtype) if is_key(dtype) else value.dtype.name,
+                         key_impl=key_impl(dtype).name if is_key(dtype) else None, saved_actors=[], saved_layout=None)
+        leaves.append(entry)
+    saved_by = {"actors": len(mesh) if mesh is not None else 0,
+                "actor_mesh": mesh.actor_mesh.to_wire() if mesh is not None and mesh.actor_mesh is not None else None}
 
-    def commit() -> str:
-        final = os.path.join(path, name)
-        os.replace(tmp, final)
-        with open(os.path.join(path, "LATEST.tmp"), "w") as f:
-            f.write(name)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(os.path.join(path, "LATEST.tmp"), os.path.join(path, "LATEST"))
-        olds = sorted((d for d in os.listdir(path) if d.startswith("ckpt-") and not d.endswith(".tmp") and d != name),
-                      key=lambda d: int(d.split("-")[1]))
-        for d in olds[: max(0, len(olds) - (keep - 1))]:
-            shutil.rmtree(os.path.join(path, d), ignore_errors=True)
-        return final
+    def finish(parts: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]], order: dict[str, list[int]]) -> str:
+        files = {}
+        for part, (arrays, listing) in parts.items():
+            files[part] = listing
+            for i, desc in zip(order[part], arrays):
+                want_shape, want_dtype = wire_shape_dtype(tuple(leaves[i]["shape"]), _leaf_dtype(leaves[i]))
+                if list(desc["shape"]) != list(want_shape) or desc["dtype"] != want_dtype.name:
+                    raise CheckpointError(f"mpmd.save: {part} wrote {leaves[i]['path']} as {desc['dtype']}{desc['shape']}, expected "
+                                          f"{want_dtype.name}{list(want_shape)}", checkpoint=tmp, leaf=leaves[i]["path"])
+                leaves[i].update(stored_shape=desc["shape"], stored_dtype=desc["dtype"], sha256=desc["sha256"])
+        manifest = Manifest(tmp, [_leaf(i, m) for i, m in enumerate(leaves)], files, saved_by)
+        manifest.write(tmp)
+        return _commit(path, name, tmp, keep)
 
+    host_order = {HOST_PART: [int(k.split("_")[1]) for k in host]}
+
+    def write_host() -> dict[str, Any]:
+        return {HOST_PART: write_part(os.path.join(tmp, HOST_PART), host)} if host else {}
+
+    def abandon(e: BaseException) -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    def done_saving() -> None:
+        with _SAVING_LOCK:
+            _SAVING.discard(tmp)
+
+    try:  # here, in the caller's thread: orbax in a thread of the controller loop's executor hangs
+        host_part = write_host()
+    except BaseException as e:
+        abandon(e)
+        done_saving()
+        raise
     if not per_actor:
-        done: concurrent.futures.Future[str] = concurrent.futures.Future()
-        done.set_result(commit())
-    else:
-        mesh = next(iter(meshes.values()))
+        return _finish_sync(lambda: finish(host_part, host_order), abandon, done_saving, wait)
 
-        async def write() -> str:
-            await asyncio.gather(*(mesh.conn(a).request("save", {"dir": os.path.join(tmp, f"actor-{a}"), "names": names, "bufs": bufs})
-                                   for a, (names, bufs) in per_actor.items()))
-            return await asyncio.to_thread(commit)
+    async def write() -> str:
+        try:
+            replies = await asyncio.gather(
+                *(mesh.conn(a).request("save", {"dir": os.path.join(tmp, f"actor-{a}"), "names": names, "bufs": bufs})
+                  for a, (names, bufs, _) in per_actor.items()))
+            parts = dict(host_part)
+            order = dict(host_order)
+            for (a, (_, _, idx)), r in zip(per_actor.items(), replies):
+                parts[f"actor-{a}"] = (r.header["written"], r.header["files"])
+                order[f"actor-{a}"] = idx
+            return await asyncio.to_thread(finish, parts, order)
+        except BaseException as e:
+            abandon(e)
+            raise
+        finally:
+            done_saving()
 
-        done = mesh.submit_coroutine(write())
-    handle = SaveHandle(done)
+    handle = SaveHandle(mesh.submit_coroutine(write()))
     return handle.wait() if wait else handle
 
 
@@ -141,74 +221,187 @@ async def save_async(path: str, tree: Any, *, keep: int = 1) -> str:
         raise
 
 
-def restore(path: str, mesh: Any, like: Any) -> Any:
-    """Load the latest checkpoint in `path` into `mesh`: a tree shaped like `like` (whose leaves may be
-    RemoteArrays, arrays or ShapeDtypeStructs: only the structure, shapes and dtypes are used), each array on
-    the actors that held it when it was saved."""
-    read, out = _restore_plan(path, mesh, like)
-    mesh.run(read)
-    return out
+def _finish_sync(run: Any, abandon: Any, done_saving: Any, wait: bool) -> str | SaveHandle:
+    future: concurrent.futures.Future[str] = concurrent.futures.Future()
+    try:
+        future.set_result(run())
+    except BaseException as e:
+        abandon(e)
+        future.set_exception(e)
+    finally:
+        done_saving()
+    handle = SaveHandle(future)
+    return handle.wait() if wait else handle
 
 
-async def restore_async(path: str, mesh: Any, like: Any) -> Any:
-    """Awaitable twin of `restore`: the checkpoint's metadata is read in a worker thread and the actors' reads
-    are awaited, so the caller's event loop runs on.
+def _leaf_dtype(m: dict[str, Any]) -> Any:
+    return jax.random.key(0, impl=m["key_impl"]).dtype if m.get("key_impl") else np.dtype(m["dtype"])
+
+
+def _leaf(i: int, m: dict[str, Any]) -> Leaf:
+    return Leaf(i, m["path"], m["entries"], tuple(m["shape"]), m["dtype"], m["key_impl"], m["part"], m["name"],
+                tuple(m["stored_shape"]), m["stored_dtype"], m["sha256"], tuple(m["saved_actors"]), m["saved_layout"])
+
+
+def _open(path: str) -> Manifest:
+    """The committed checkpoint's verified manifest, its parts' listings checked."""
+    m = read_manifest(committed(path))
+    check_parts(m)
+    return m
+
+
+def _match(m: Manifest, like: Any, what: str) -> tuple[list[Any], Any]:
+    """`like`'s leaves, checked against the manifest: same paths, shapes and dtypes. Returns (leaves, treedef)."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(like, is_leaf=_is_remote)
+    what = f"{what}: checkpoint {m.directory}"
+    if len(flat) != len(m.leaves):
+        raise CheckpointError(f"{what} holds {len(m.leaves)} arrays but `like` has {len(flat)} leaves; pass a tree "
+                              "shaped like the one that was saved", checkpoint=m.directory)
+    out = []
+    for (p, x), leaf in zip(flat, m.leaves):
+        path = jax.tree_util.keystr(p)
+        if path != leaf.path:
+            raise CheckpointError(f"{what}: `like` leaf {len(out)} is at {path}, the checkpoint's is at {leaf.path}; pass a tree with "
+                                  "the saved structure", checkpoint=m.directory, leaf=leaf.path)
+        shape, dtype = like_shape_dtype(x)
+        if shape != leaf.shape:
+            raise CheckpointError(f"{what}: leaf {leaf.path} was saved with shape {leaf.shape}, `like` has {shape}",
+                                  checkpoint=m.directory, leaf=leaf.path)
+        if not dtype_matches(dtype, leaf):
+            raise CheckpointError(f"{what}: leaf {leaf.path} was saved as {leaf.dtype}, `like` has {dtype_text(dtype)}; mpmd does not "
+                                  f"cast a checkpoint: pass `like` with dtype {leaf.dtype} (and cast after restoring if you mean to)",
+                                  checkpoint=m.directory, leaf=leaf.path)
+        out.append(x)
+    return out, treedef
+
+
+def _read_host(m: Manifest, part: str, verify: bool) -> dict[str, np.ndarray]:
+    """Every array of one part, read and verified here."""
+    leaves = [leaf for leaf in m.leaves if leaf.part == part]
+    try:
+        return read_part(os.path.join(m.directory, part), [x.name for x in leaves], [x.expect() for x in leaves], m.parts[part], verify)
+    except CheckpointProblem as e:
+        raise _problem(m, part, None, e.wire()) from None
+
+
+def _problem(m: Manifest, part: str, actor: int | None, p: dict[str, Any]) -> CheckpointError:
+    leaf = next((x.path for x in m.leaves if x.part == part and x.name == p.get("leaf")), None)
+    file = f"{part}/{p['file']}" if p.get("file") and p["file"] != "." else part
+    who = f"actor {actor}" if actor is not None else "the controller"
+    names = f", leaf {leaf}" if leaf else f" (part {part} holds {', '.join(x.path for x in m.leaves if x.part == part)[:200]})"
+    return CheckpointError(f"checkpoint {m.directory}: {who} found {file}{names}: {p.get('why')}; the checkpoint is damaged or was "
+                           "edited after the save: restore an earlier one", checkpoint=m.directory, actor=actor, file=file, leaf=leaf)
+
+
+def restore(path: str, mesh: Any, like: Any, *, for_step: Any = None, verify: bool = True) -> Any:
+    """Load the latest checkpoint in `path` into `mesh` — any mesh: it need not be the one that saved it. Returns
+    a tree shaped like `like` (whose leaves may be RemoteArrays, arrays or ShapeDtypeStructs; its paths, shapes
+    and dtypes must be the saved ones). Each array goes where `for_step` (a compiled distributed step, and
+    `like` its leading arguments) reads it, else where a `like` RemoteArray of this mesh is, else to the actors
+    that held it when saved (see mpmd/runtime/checkpoint_placement.py). Every byte is verified first;
+    `verify=False` skips the digests (for measuring what they cost) but never the manifest's own or the
+    dtype and shape checks. Raises `mpmd.CheckpointError` naming the checkpoint, actor, file and leaf."""
+    m = _open(path)
+    like_leaves, treedef = _match(m, like, "mpmd.restore")
+    where = targets(m.leaves, like_leaves, mesh, for_step)
+    am = mesh.actor_mesh
+    out: list[Any] = [None] * len(m.leaves)
+    host = _read_host(m, HOST_PART, verify) if HOST_PART in m.parts else {}
+    need: dict[tuple[int, str], list[tuple[Leaf, int, Any]]] = defaultdict(list)  # (reader, part) -> leaf, buffer, layout
+    for leaf, t in zip(m.leaves, where):
+        if leaf.part == HOST_PART:
+            value = from_wire(host[leaf.name], leaf.jax_dtype)
+            out[leaf.index] = value if not t.actors else mesh.put_replicated(value, list(t.actors), _spec(t))
+            continue
+        bufs = {}
+        for a in t.actors:
+            bufs[a] = mesh.new_buffer_id()
+            need[(a, leaf.part)].append((leaf, bufs[a], t.layout))
+        out[leaf.index] = RemoteArray(mesh, bufs, leaf.shape, leaf.jax_dtype, remote_sharding(t.layout, am))
+
+    async def read() -> list[Any]:
+        return list(await asyncio.gather(*(mesh.conn(a).request("restore", {
+            "dir": os.path.join(m.directory, part), "names": [x.name for x, _, _ in items], "bufs": [b for _, b, _ in items],
+            "expect": [x.expect() for x, _, _ in items], "files": m.parts[part],
+            "layouts": [layout_wire(lay) for _, _, lay in items], "verify": verify}) for (a, part), items in need.items())))
+
+    try:
+        replies = mesh.run(read())
+        for ((a, part), _), r in zip(need.items(), replies):
+            if r.header.get("problem") is not None:
+                raise _problem(m, part, a, r.header["problem"])
+    except BaseException:
+        for x in out:
+            if isinstance(x, RemoteArray):
+                try:
+                    x.delete()
+                except Exception:
+                    pass
+        raise
+    return jax.tree.unflatten(treedef, out)
+
+
+async def restore_async(path: str, mesh: Any, like: Any, *, for_step: Any = None, verify: bool = True) -> Any:
+    """Awaitable twin of `restore`: the checkpoint is read and verified in a worker thread, so the caller's
+    event loop runs on. Cancelling the await deletes what the restore made once it ends.
 
         params, opt_state = await mpmd.restore_async("ckpt", mesh, like=(params, opt_state))
     """
-    read, out = await off_loop(lambda: _restore_plan(path, mesh, like))
-    await mesh.arun(read)
-    return out
+    return await off_loop(lambda: restore(path, mesh, like, for_step=for_step, verify=verify), abandoned=_drop)
 
 
-def _restore_plan(path: str, mesh: Any, like: Any) -> tuple[Any, Any]:
-    """The actors' reads of the latest checkpoint in `path` (a coroutine for the controller loop) and the tree
-    they fill."""
-    ckpt = _committed(path)
-    if ckpt is None:
-        raise MpmdError(f"mpmd.restore: no committed checkpoint in {path!r} (no LATEST file); was mpmd.save called there?")
-    with open(os.path.join(ckpt, "meta.json")) as f:
-        meta = json.load(f)
-    leaves, treedef = _leaves(like)
-    saved = meta["leaves"]
-    if len(saved) != len(leaves):
-        raise MpmdError(f"mpmd.restore: {ckpt} holds {len(saved)} arrays but `like` has {len(leaves)} leaves; pass the tree "
-                        "that was saved")
-    for i, (m, x) in enumerate(zip(saved, leaves)):
-        shape = tuple(getattr(x, "shape", np.shape(x)))
-        if tuple(m["shape"]) != shape:
-            raise MpmdError(f"mpmd.restore: leaf {i} was saved with shape {tuple(m['shape'])}, `like` has {shape}")
-    host = dict(np.load(os.path.join(ckpt, "host.npz"))) if os.path.exists(os.path.join(ckpt, "host.npz")) else {}
-    need: dict[tuple[int, int], tuple[list[str], list[int]]] = {}  # (reader, writer) -> names, new buffer ids
-    out: list[Any] = [None] * len(saved)
-    for i, m in enumerate(saved):
-        leaf = f"leaf_{i:05d}"
-        if m["kind"] == "host":
-            v = host[leaf]
-            out[i] = from_wire(v, _dtype(m)) if m.get("key_impl") else v
-            continue
-        if max(m["actors"]) >= len(mesh):
-            raise MpmdError(f"mpmd.restore: leaf {i} lived on actors {m['actors']}, but the mesh has {len(mesh)}; restore into a "
-                            "mesh of the same layout")
-        bufs = {}
-        for a in m["actors"]:  # every replica reads the copy its writer saved
-            names, ids = need.setdefault((a, m["actor"]), ([], []))
-            names.append(leaf)
-            ids.append(mesh.new_buffer_id())
-            bufs[a] = ids[-1]
-        out[i] = RemoteArray(mesh, bufs, tuple(m["shape"]), _dtype(m))
-
-    async def read() -> None:
-        await asyncio.gather(*(mesh.conn(a).request("restore", {"dir": os.path.join(ckpt, f"actor-{w}"), "names": names, "bufs": ids})
-                               for (a, w), (names, ids) in need.items()))
-
-    return read(), jax.tree.unflatten(treedef, out)
+def _drop(tree: Any) -> None:
+    for x in jax.tree.leaves(tree, is_leaf=lambda v: isinstance(v, RemoteArray)):
+        if isinstance(x, RemoteArray):
+            x.delete()
 
 
-def _dtype(m: dict[str, Any]) -> Any:
-    if m.get("key_impl"):
-        return jax.random.key(0, impl=m["key_impl"]).dtype
-    return np.dtype(m["dtype"])
+def _spec(t: Target) -> Any:
+    return layout_to_spec(t.layout) if t.layout is not None else None
 
 
-__all__ = ["SaveHandle", "restore", "restore_async", "save", "save_async"]
+def load(path: str, like: Any = None, *, verify: bool = True) -> Any:
+    """The latest checkpoint in `path` as host values, with no mesh and no daemons: numpy arrays (jax key arrays
+    for typed PRNG keys), every byte verified. With `like`, in `like`'s tree (its paths, shapes and dtypes must
+    be the saved ones); without, in nested dicts and lists rebuilt from the saved paths (a namedtuple's or
+    dataclass's fields as a dict, a tuple as a list).
+
+        params, opt_state = mpmd.load("ckpt", like=(params, opt_state))
+        state = mpmd.load("ckpt")          # e.g. [{'w': array(...), 'b': ...}, ...]
+    """
+    m = _open(path)
+    values: dict[int, Any] = {}
+    for part in sorted(m.parts):
+        got = _read_host(m, part, verify)
+        for leaf in m.leaves:
+            if leaf.part == part:
+                values[leaf.index] = from_wire(got[leaf.name], leaf.jax_dtype)
+    flat = [values[i] for i in range(len(m.leaves))]
+    if like is not None:
+        _, treedef = _match(m, like, "mpmd.load")
+        return jax.tree.unflatten(treedef, flat)
+    return _rebuild([leaf.entries for leaf in m.leaves], flat)
+
+
+def _rebuild(entries: list[list[list[Any]]], values: list[Any]) -> Any:
+    """Nested dicts and lists from each leaf's path entries."""
+    if len(entries) == 1 and not entries[0]:
+        return values[0]
+    root: dict[Any, Any] = {}
+    for path, v in zip(entries, values):
+        node = root
+        for kind, key in path[:-1]:
+            node = node.setdefault((kind, key), {})
+        node[tuple(path[-1])] = v
+
+    def finish(node: Any) -> Any:
+        if not isinstance(node, dict) or not node or not all(isinstance(k, tuple) and len(k) == 2 for k in node):
+            return node
+        if all(kind in ("index", "flat") for kind, _ in node):
+            return [finish(node[k]) for k in sorted(node, key=lambda k: k[1])]
+        return {key: finish(v) for (_, key), v in node.items()}
+
+    return finish(root)
+
+
+__all__ = ["SaveHandle", "load", "restore", "restore_async", "save", "save_async"]

@@ -1,0 +1,124 @@
+"""Where each array of a checkpoint goes when it is restored onto a mesh — which need not be the mesh that saved
+it (another number of actors, another schedule or stage -> actor map, another device mesh per actor).
+
+The answer, per leaf, in this order:
+  1. `for_step=step`: the actors the compiled step reads that argument on, in the layout it was compiled for
+     (its `in_shardings`, or the layout its arguments had);
+  2. a `like` leaf that is a RemoteArray of the same mesh (e.g. a fresh init on the new mesh): its actors and
+     its layout;
+  3. otherwise the actors that held it when it was saved, when the mesh has them, in its saved layout when that
+     fits the new actors' device mesh (else replicated over their devices); a host leaf stays on the host.
+A leaf with no answer (it lived on actor 3, the mesh has 2) is a CheckpointError saying what to pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from mpmd.compiler.avals import dtype_text, is_key
+from mpmd.errors import CheckpointError, MpmdError
+from mpmd.runtime.array import RemoteArray
+from mpmd.runtime.checkpoint_format import HOST_PART, Leaf
+from mpmd.runtime.sharding import Layout, as_layout, layout_from_wire
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one leaf is restored: on `actors` laid out as `layout` (None: actors with one device each), or on
+    the host when `actors` is empty."""
+
+    actors: tuple[int, ...]
+    layout: Layout | None
+
+
+def like_shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
+    """The shape and dtype a `like` leaf stands for: a RemoteArray, jax or numpy array, ShapeDtypeStruct or
+    Python scalar."""
+    if isinstance(x, (RemoteArray, jax.ShapeDtypeStruct)) or hasattr(x, "shape") and hasattr(x, "dtype"):
+        return tuple(int(d) for d in x.shape), x.dtype
+    a = np.asarray(x)
+    return tuple(a.shape), a.dtype
+
+
+def dtype_matches(like: Any, leaf: Leaf) -> bool:
+    """Whether a `like` dtype is the saved one: equal, or what JAX makes of it (a float64 host array is float32
+    to a step without x64, and so is the saved value it produced). Never a cast of another precision."""
+    if is_key(like) or leaf.key_impl:
+        return dtype_text(like) == leaf.dtype
+    like = np.dtype(like)
+    if like.name == leaf.dtype:
+        return True
+    try:
+        return np.dtype(jax.dtypes.canonicalize_dtype(like)).name == leaf.dtype
+    except TypeError:
+        return False
+
+
+def step_homes(step: Any, mesh: Any, paths: list[str], shapes: list[tuple[int, ...]]) -> list[Target | None]:
+    """Per `like` leaf (its path as "args"+keystr), where the compiled `step` reads that argument: a Target, or
+    None for a leaf the step does not read."""
+    if getattr(step, "mesh", None) is not mesh:
+        raise CheckpointError(f"for_step={step!r:.80} is a distributed step of another mesh than the one restored into; pass the "
+                              "step made with mpmd.distributed(..., mesh=mesh) for this mesh")
+    compiled = list(getattr(step, "_compiled", {}).items())
+    for sig, c in reversed(compiled):  # the latest signature whose arguments these leaves are
+        index = {p: k for k, p in enumerate(c.arg_paths)}
+        if all(p in index and tuple(sig[1][index[p]][0]) == s for p, s in zip(paths, shapes)):
+            out: list[Target | None] = []
+            for p in paths:
+                k = index[p]
+                homes = tuple(sorted(c.plan.arg_homes[k]))
+                layout = c.plan.layouts.get(c.plan.arg_keys[k]) if mesh.actor_mesh is not None else None
+                out.append(Target(homes, layout if layout is not None or mesh.actor_mesh is None else ()) if homes else None)
+            return out
+    raise CheckpointError(f"for_step: {getattr(step, '__name__', 'the step')} is not compiled for arguments whose leaves are "
+                          f"{paths[:3]}{'...' if len(paths) > 3 else ''} with these shapes; call step.compile(*args) (host arrays "
+                          "of the right shapes will do) or run it once first, and pass like=(arg0, arg1, ...) — the leading "
+                          "arguments of the step, in order")
+
+
+def targets(leaves: list[Leaf], like: list[Any], mesh: Any, for_step: Any = None) -> list[Target]:
+    """Per saved leaf, where it is restored (see the module docstring)."""
+    am = mesh.actor_mesh
+    from_step: list[Target | None] = [None] * len(leaves)
+    if for_step is not None:
+        paths = [f"args{leaf.path}" for leaf in leaves]
+        from_step = step_homes(for_step, mesh, paths, [leaf.shape for leaf in leaves])
+    out = []
+    for leaf, x, t in zip(leaves, like, from_step):
+        if t is not None:
+            out.append(t)
+        elif isinstance(x, RemoteArray) and x.mesh is mesh and not x.is_deleted:
+            held = x.sharding.layout if x.sharding is not None else (() if am is not None else None)
+            out.append(Target(tuple(x.actors), held))
+        elif leaf.part == HOST_PART:
+            out.append(Target((), None))
+        else:
+            if max(leaf.saved_actors) >= len(mesh):
+                raise CheckpointError(
+                    f"leaf {leaf.path} was saved from actors {list(leaf.saved_actors)}, but this mesh has {len(mesh)} actors, so "
+                    "mpmd cannot guess where it goes: pass for_step=step (the compiled step that will read it) or like= a tree "
+                    "of RemoteArrays on this mesh (e.g. a fresh init) whose placement says where each leaf goes",
+                    checkpoint=None, leaf=leaf.path)
+            out.append(Target(leaf.saved_actors, _saved_layout(leaf, am)))
+    return out
+
+
+def _saved_layout(leaf: Leaf, am: Any) -> Layout | None:
+    if am is None:
+        return None
+    if leaf.saved_layout is None:
+        return ()
+    try:
+        layout = layout_from_wire(leaf.saved_layout)
+        am.check_spec(jax.sharding.PartitionSpec(*layout), leaf.shape, f"leaf {leaf.path}")
+    except (MpmdError, ValueError):
+        return ()  # that layout names axes these actors lack (or does not divide): replicated here
+    return as_layout(jax.sharding.PartitionSpec(*layout))
+
+
+__all__ = ["Target", "dtype_matches", "like_shape_dtype", "targets"]

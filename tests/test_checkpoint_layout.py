@@ -1,0 +1,109 @@
+"""A checkpoint does not depend on the mesh that saved it: saved from 4 actors, it restores onto 2 actors with
+an interleaved schedule, onto 2 actors of (1, 2) devices with in_shardings, and into host arrays with no
+mesh at all — and training continues as jax.jit of the same step would (real daemons)."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import mpmd
+from mpmd.testing import make_train_step
+from tests import models
+from tests.test_pipeline import assert_trees_close
+
+LOSS = models.mse_loss(models.mlp)
+OPT = optax.adam(1e-2)
+SPECS = [{"w": P(None, "model"), "b": P("model")} for _ in range(4)]
+
+
+def jit_steps(params, opt_state, batches):
+    step = jax.jit(make_train_step(LOSS, OPT, None))
+    losses = []
+    for b in batches:
+        params, opt_state, loss = step(params, opt_state, b)
+        losses.append(np.asarray(loss))
+    return jax.device_get(params), jax.device_get(opt_state), losses
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Two steps of a 4-stage MLP on 4 actors (1F1B), saved; with jax.jit's state after the same two steps."""
+    rng = np.random.default_rng(7)
+    params = models.mlp_params(rng, 4)
+    batches = [models.regression_batch(rng, 4, 2, 16) for _ in range(5)]
+    path = str(tmp_path_factory.mktemp("layout") / "ckpt")
+    with mpmd.RemoteMesh.local(num_actors=4) as mesh4:
+        step = mpmd.distributed(make_train_step(LOSS, OPT, mpmd.OneFOneB(4)), mesh=mesh4)
+        p, o = params, OPT.init(params)
+        for b in batches[:2]:
+            p, o, _ = step(p, o, b)
+        assert [p[s]["w"].actors for s in range(4)] == [[0], [1], [2], [3]]
+        mpmd.save(path, (p, o))
+    ref_p, ref_o, _ = jit_steps(params, OPT.init(params), batches[:2])
+    assert_trees_close(mpmd.load(path, like=(params, OPT.init(params))), (ref_p, ref_o))
+    return path, params, batches, (ref_p, ref_o)
+
+
+def test_saved_on_4_actors_restores_onto_2_actors_interleaved_and_trains_like_jit(saved):
+    path, params, batches, (ref_p, ref_o) = saved
+    want_p, want_o, want_losses = jit_steps(ref_p, ref_o, batches[2:])
+    with mpmd.RemoteMesh.local(num_actors=2) as mesh2:
+        step = mpmd.distributed(make_train_step(LOSS, OPT, mpmd.InterleavedOneFOneB(num_stages=4, num_actors=2)), mesh=mesh2)
+        step.compile(params, OPT.init(params), batches[2])  # host arrays of the right shapes: where each leaf is read
+        with pytest.raises(mpmd.CheckpointError, match="this mesh has 2 actors"):  # no placement given: refused, not guessed
+            mpmd.restore(path, mesh2, like=(params, OPT.init(params)))
+        p, o = mpmd.restore(path, mesh2, like=(params, OPT.init(params)), for_step=step)
+        assert [p[s]["w"].actors for s in range(4)] == [[0], [1], [0], [1]]  # stage s on actor s % 2 (interleaved)
+        again = mpmd.restore(path, mesh2, like=(p, o))  # like= RemoteArrays of this mesh: their placement
+        assert [x.actors for x in jax.tree.leaves(again, is_leaf=lambda x: isinstance(x, mpmd.RemoteArray))] == \
+               [x.actors for x in jax.tree.leaves((p, o), is_leaf=lambda x: isinstance(x, mpmd.RemoteArray))]
+        losses = []
+        for b in batches[2:]:
+            p, o, loss = step(p, o, b)
+            losses.append(loss.to_numpy())
+        assert_trees_close(p, want_p)
+        assert_trees_close(o, want_o)
+        for got, want in zip(losses, want_losses):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_saved_on_4_single_device_actors_restores_onto_2_actors_of_1x2_devices_with_in_shardings(saved):
+    path, params, batches, (ref_p, ref_o) = saved
+    dev = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    with jax.set_mesh(dev):  # the reference: jax.jit on one (1, 2) mesh, from the state jax.jit saved
+        rp = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(dev, s)), ref_p, SPECS)
+        want_p, want_o, want_losses = jit_steps(rp, ref_o, batches[2:])
+    with mpmd.RemoteMesh.local(num_actors=2, devices_per_actor=2, mesh_shape=(1, 2), axis_names=("data", "model")) as mesh:
+        schedule = mpmd.InterleavedOneFOneB(num_stages=4, num_actors=2)
+        first = mpmd.distributed(make_train_step(LOSS, OPT, schedule), mesh=mesh, in_shardings=(SPECS, None, None))
+        first.compile(params, OPT.init(params), batches[2])
+        p, o = mpmd.restore(path, mesh, like=(params, OPT.init(params)), for_step=first)
+        assert p[1]["w"].actors == [1] and p[1]["w"].sharding.spec == P(None, "model") and p[2]["b"].sharding.spec == P("model")
+        np.testing.assert_array_equal(p[1]["w"].to_numpy(), np.asarray(ref_p[1]["w"]))  # the saved bytes, resharded
+        p, o, loss = first(p, o, batches[2])
+        losses = [loss.to_numpy()]
+        rest = mpmd.distributed(make_train_step(LOSS, OPT, schedule), mesh=mesh, in_shardings=(None, None, None))
+        for b in batches[3:]:  # the step's own outputs, in the layouts they came out in
+            p, o, loss = rest(p, o, b)
+            losses.append(loss.to_numpy())
+        assert_trees_close(p, want_p)
+        assert_trees_close(o, want_o)
+        for got, want in zip(losses, want_losses):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_load_without_a_mesh_gives_host_arrays_that_jax_jit_continues_from(saved):
+    path, params, batches, (ref_p, ref_o) = saved
+    plain = mpmd.load(path)  # no like: dicts and lists rebuilt from the saved paths
+    assert isinstance(plain, list) and isinstance(plain[0][3], dict) and set(plain[0][3]) == {"w", "b"}
+    assert_trees_close(plain[0], ref_p)
+    p, o = mpmd.load(path, like=(params, OPT.init(params)))
+    assert type(o) is type(ref_o) and all(isinstance(x, np.ndarray) for x in jax.tree.leaves(p))
+    got = jit_steps(p, o, batches[2:])
+    want = jit_steps(ref_p, ref_o, batches[2:])
+    assert_trees_close(got[:2], want[:2])
+    for a, b in zip(got[2], want[2]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,171 @@
+"""A checkpoint is verified before anything in it is believed: a flipped bit in any file, any edit of the
+manifest, a missing or extra file is `mpmd.CheckpointError` naming the checkpoint, actor, file and leaf (real
+daemons; the saved values are the reference)."""
+
+import hashlib
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+import mpmd
+
+SAVED = {"w": np.arange(256 * 64, dtype=np.float32).reshape(256, 64) / 7, "b": np.linspace(-1, 1, 64).astype(np.float32)}
+
+
+@pytest.fixture(scope="module")
+def saved(mesh2, tmp_path_factory):
+    """A checkpoint of arrays on both actors (one replicated) and host leaves, a typed key among them."""
+    path = tmp_path_factory.mktemp("trusted") / "ckpt"
+    tree = {"w": mesh2.actor(0).put(SAVED["w"]), "b": mesh2.put_replicated(SAVED["b"], [0, 1]),
+            "v": mesh2.actor(1).put(SAVED["w"][:8] * 3), "step": np.int32(11), "key": jax.random.key(5)}
+    ckpt = mpmd.save(str(path), tree)
+    return path, os.path.basename(ckpt), tree
+
+
+@pytest.fixture
+def copy(saved, tmp_path):
+    path, name, tree = saved
+    dst = tmp_path / "ckpt"
+    shutil.copytree(path, dst)
+    return dst, dst / name, tree
+
+
+def like(tree):
+    return {k: (v if not isinstance(v, mpmd.RemoteArray) else jax.ShapeDtypeStruct(v.shape, v.dtype)) for k, v in tree.items()}
+
+
+def files_of(ckpt):
+    return sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file() and p.name != "manifest.json")
+
+
+def test_an_untouched_checkpoint_restores_the_saved_values_and_loads_without_a_mesh(mesh2, copy):
+    path, _, tree = copy
+    got = mpmd.restore(str(path), mesh2, like=like(tree))
+    np.testing.assert_array_equal(got["w"].to_numpy(), SAVED["w"])
+    np.testing.assert_array_equal(got["v"].to_numpy(), SAVED["w"][:8] * 3)
+    assert got["b"].actors == [0, 1] and got["w"].actors == [0] and got["v"].actors == [1]
+    host = mpmd.load(str(path))
+    assert set(host) == {"w", "b", "v", "step", "key"} and int(host["step"]) == 11
+    np.testing.assert_array_equal(host["b"], SAVED["b"])
+    np.testing.assert_array_equal(jax.random.key_data(host["key"]), jax.random.key_data(tree["key"]))
+
+
+def test_a_flipped_bit_in_any_file_of_any_part_is_a_checkpoint_error_naming_the_file(mesh2, copy):
+    path, ckpt, tree = copy
+    files = files_of(ckpt)
+    assert any(f.startswith("actor-0/") for f in files) and any(f.startswith("host/") for f in files)
+    for rel in files:
+        p = ckpt / rel
+        data = bytearray(p.read_bytes())
+        if not data:
+            continue
+        original = bytes(data)
+        data[len(data) // 2] ^= 0x10
+        p.write_bytes(bytes(data))
+        with pytest.raises(mpmd.CheckpointError) as e:
+            mpmd.restore(str(path), mesh2, like=like(tree))
+        assert e.value.file == rel, (rel, str(e.value))
+        assert e.value.checkpoint == str(ckpt) and str(ckpt) in str(e.value)
+        if rel.startswith("actor-"):
+            assert e.value.actor in (0, 1) and f"actor {e.value.actor}" in str(e.value)
+            assert e.value.leaf is not None or "holds" in str(e.value)
+        with pytest.raises(mpmd.CheckpointError):
+            mpmd.load(str(path))
+        p.write_bytes(original)
+    mpmd.restore(str(path), mesh2, like=like(tree))  # all restored: it reads again
+
+
+def _edit(ckpt, change, redigest=False):
+    doc = json.loads((ckpt / "manifest.json").read_text())
+    change(doc)
+    if redigest:  # a forger who also recomputes the manifest's own digest: the actors' checks still catch it
+        doc["sha256"] = hashlib.sha256(json.dumps(doc["body"], sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    (ckpt / "manifest.json").write_text(json.dumps(doc))
+
+
+def _leaf(doc, path):
+    return next(x for x in doc["body"]["leaves"] if x["path"] == path)
+
+
+EDITS = {
+    "dtype": lambda d: _leaf(d, "['w']").update(dtype="int32", stored_dtype="int32"),
+    "shape": lambda d: _leaf(d, "['w']").update(shape=[128, 128], stored_shape=[128, 128]),
+    "leaf_digest": lambda d: _leaf(d, "['v']").update(sha256="0" * 64),
+    "file_digest": lambda d: next(iter(d["body"]["parts"]["actor-1"].values())).update(sha256="f" * 64),
+    "file_size": lambda d: next(iter(d["body"]["parts"]["actor-0"].values())).update(size=1),
+    "leaf_part": lambda d: _leaf(d, "['w']").update(part="actor-1"),
+    "dropped_leaf": lambda d: d["body"]["leaves"].pop(),
+    "path": lambda d: _leaf(d, "['w']").update(path="['z']"),
+}
+
+
+@pytest.mark.parametrize("redigest", [False, True], ids=["plain_edit", "digest_recomputed"])
+def test_each_edit_of_the_manifest_is_a_checkpoint_error(mesh2, copy, redigest):
+    path, ckpt, tree = copy
+    original = (ckpt / "manifest.json").read_text()
+    for name, change in EDITS.items():
+        if redigest and name == "leaf_digest":  # self-consistent, and the bytes are the saved ones: nothing to refuse
+            continue
+        _edit(ckpt, change, redigest)
+        with pytest.raises(mpmd.CheckpointError) as e:
+            got = mpmd.restore(str(path), mesh2, like=like(tree))
+            got["w"].to_numpy()  # (never reached: nothing is handed over unverified)
+        assert str(ckpt) in str(e.value), (name, str(e.value))
+        if not redigest:
+            assert e.value.file == "manifest.json" and "digest" in str(e.value), (name, str(e.value))
+        if not redigest or name not in ("path", "dropped_leaf"):  # a consistent forged manifest that only renames or
+            with pytest.raises(mpmd.CheckpointError):           # drops a leaf is caught by `like`, not by the bytes
+                mpmd.load(str(path))
+        (ckpt / "manifest.json").write_text(original)
+    (ckpt / "manifest.json").write_text("{not json")
+    with pytest.raises(mpmd.CheckpointError, match="manifest.json"):
+        mpmd.restore(str(path), mesh2, like=like(tree))
+
+
+def test_a_missing_or_extra_file_part_or_checkpoint_is_a_checkpoint_error(mesh2, copy):
+    path, ckpt, tree = copy
+    victim = next(f for f in files_of(ckpt) if f.startswith("actor-1/"))
+    data = (ckpt / victim).read_bytes()
+    (ckpt / victim).unlink()
+    with pytest.raises(mpmd.CheckpointError, match="missing") as e:
+        mpmd.restore(str(path), mesh2, like=like(tree))
+    assert e.value.file == victim and "['v']" in str(e.value)
+    (ckpt / victim).write_bytes(data)
+    (ckpt / "actor-0" / "extra.bin").write_bytes(b"x")
+    with pytest.raises(mpmd.CheckpointError, match="extra") as e:
+        mpmd.restore(str(path), mesh2, like=like(tree))
+    assert e.value.file == "actor-0/extra.bin"
+    (ckpt / "actor-0" / "extra.bin").unlink()
+    shutil.rmtree(ckpt / "host")
+    with pytest.raises(mpmd.CheckpointError, match="host"):
+        mpmd.restore(str(path), mesh2, like=like(tree))
+    shutil.rmtree(ckpt)
+    with pytest.raises(mpmd.CheckpointError, match="LATEST names") as e:
+        mpmd.restore(str(path), mesh2, like=like(tree))
+    (path / "LATEST").write_text("../../etc")
+    with pytest.raises(mpmd.CheckpointError, match="not a checkpoint"):
+        mpmd.load(str(path))
+
+
+def test_a_like_tree_of_another_dtype_is_an_error_not_a_silent_cast(mesh2, copy):
+    path, _, tree = copy
+    wrong = like(tree)
+    wrong["w"] = np.zeros((256, 64), np.float16)
+    with pytest.raises(mpmd.CheckpointError, match=r"\['w'\] was saved as float32, `like` has float16"):
+        mpmd.restore(str(path), mesh2, like=wrong)
+    with pytest.raises(mpmd.CheckpointError, match="float16"):
+        mpmd.load(str(path), like=wrong)
+
+
+def test_an_interrupted_saves_temporary_directory_is_removed_by_the_next_save(mesh2, tmp_path):
+    path = tmp_path / "ckpt"
+    mpmd.save(str(path), {"a": mesh2.actor(0).put(np.ones(3, np.float32))})
+    (path / "ckpt-2.tmp" / "actor-0").mkdir(parents=True)  # what a save killed midway leaves
+    (path / "ckpt-2.tmp" / "actor-0" / "half").write_bytes(b"\0" * 10)
+    committed = mpmd.save(str(path), {"a": mesh2.actor(1).put(np.full(3, 2.0, np.float32))})
+    assert sorted(os.listdir(path)) == ["LATEST", os.path.basename(committed)]
+    np.testing.assert_array_equal(mpmd.load(str(path))["a"], np.full(3, 2.0))
