@@ -11,6 +11,7 @@ Public names (each has a docstring):
   RemoteMesh, ActorHandle, RemoteArray, fetch the runtime: actors, handles, remote buffers, fetching them
   save, restore                               checkpoints of state held on actors (orbax-checkpoint)
   pipeline_yield, accumulate_grads, distributed   the pipeline API
+  loaded                                      batch leaves each actor loads itself (a named loader function)
   GPipe, OneFOneB, Custom, Task               schedules
   EagerOneFOneB, InterleavedOneFOneB, ZeroBubbleH1, InterleavedZeroBubble, ZeroBubbleV, DualPipeV   more schedules
   Schedule, validate, check_programs          write your own schedule; prove a schedule or compiled Programs deadlock-free
@@ -37,6 +38,7 @@ from mpmd.errors import (
 )
 from mpmd.runtime.array import RemoteArray, fetch
 from mpmd.runtime.checkpoint import restore, save
+from mpmd.runtime.loader import loaded
 from mpmd.runtime.mesh import ActorHandle, RemoteMesh
 from mpmd.schedules import (
     Custom,
@@ -85,6 +87,7 @@ __all__ = [
     "check_programs",
     "distributed",
     "fetch",
+    "loaded",
     "pipeline_yield",
     "restore",
     "save",
