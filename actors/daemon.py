@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds a compile's checks, and then its compile, may each take (the request: 5 s more)")
     p.add_argument("--allow-custom-call", action="append", default=[], metavar="TARGET",
                    help="also allow executables to call this custom-call target (repeatable)")
+    p.add_argument("--allow-loader", action="append", default=[], metavar="MODULE:FUNCTION",
+                   help="a data-loader function a controller may have this actor call for its batch leaves (repeatable; "
+                        "see actors/loader.py)")
     p.add_argument("--max-unclaimed", type=int, default=10_000,
                    help="data-plane arrivals one peer may leave unclaimed here before further ones are refused")
     p.add_argument("--max-unclaimed-mb", type=int, default=32 * 1024, help="the same limit, in MiB")
@@ -198,7 +201,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     checker = BlobChecker(ALLOWED_CUSTOM_CALLS | frozenset(args.allow_custom_call), timeout=args.compile_timeout,
                           devices=len(jax.devices()))
     actor = Actor(args.actor_id, p2p, transfer_timeout=args.transfer_timeout, checker=checker,
-                  compile_timeout=args.compile_timeout)
+                  compile_timeout=args.compile_timeout, loaders=args.allow_loader)
     actor.limits = {"request_timeout": args.request_timeout, "compile_timeout": args.compile_timeout + COMPILE_GRACE,
                     "authenticated": secure, "insecure": args.insecure}
     if p2p is not None:

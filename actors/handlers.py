@@ -21,7 +21,9 @@ import numpy as np
 from actors import checkpoint, profiler, spmd
 from actors.buffers import BufferTable
 from actors.cache import ExecutableCache
+from actors.inputs import InputSegments
 from actors.interpreter import Interpreter
+from actors.loader import Loaders
 from actors.request import RequestError, field, int_list
 from actors.sandbox import BlobChecker
 from actors.stream import StepTrace, Stream, now
@@ -52,12 +54,14 @@ class Session:
         self.programs: dict[int, dict[str, Any]] = {}
         self.running: dict[tuple[int, int], asyncio.Task[Any]] = {}
         self.last_step_peak_bytes = 0  # most bytes a step's own buffer table held at once (last finished step)
+        self.inputs = InputSegments(actor_id)  # step arguments its controller hands over in shared memory
 
     def close(self) -> None:
         for task in self.running.values():
             task.cancel()
         self.buffers.clear()
         self.programs.clear()
+        self.inputs.close()
 
 
 SESSIONLESS = frozenset({"ping", "info", "hello", "compile", "connect_peers", "nccl_ids"})
@@ -69,8 +73,9 @@ class Actor:
     `checker` and `compile_timeout` bound what its cache compiles (see actors/cache.py)."""
 
     def __init__(self, actor_id: int, p2p: P2PTransport | None, transfer_timeout: float = 300.0,
-                 checker: BlobChecker | None = None, compile_timeout: float = 600.0) -> None:
+                 checker: BlobChecker | None = None, compile_timeout: float = 600.0, loaders: list[str] | tuple[str, ...] = ()) -> None:
         self.actor_id = actor_id
+        self.loaders = Loaders(loaders)  # the data-loader functions this daemon may call (--allow-loader)
         self.device = jax.devices()[0]
         # CPU computations run one after another through an order token (actors/stream.py); GPUs queue in order.
         ordered_calls = self.device.platform == "cpu"
@@ -96,6 +101,7 @@ class Actor:
             "run": self.run,
             "load_program": self.load_program,
             "run_program": self.run_program,
+            "input_shm": self.input_shm,
             "abort": self.abort,
             "connect_peers": self.connect_peers,
             "nccl_ids": self.nccl_ids,
@@ -273,6 +279,9 @@ class Actor:
             "errors": self.errors,
             "running": len(ses.running),
             "last_step_peak_bytes": ses.last_step_peak_bytes,
+            "shm_inputs": ses.inputs.reads,
+            "loader_calls": self.loaders.calls,
+            "shm_input_bytes": ses.inputs.bytes,
             "device_bytes": spmd.per_device_bytes(ses.buffers.values(), self.cache.mesh, self.device),
             "sessions": len(self.sessions),
             "p2p": self.p2p.stats() if self.p2p is not None else None,
@@ -329,8 +338,21 @@ class Actor:
         if len(inputs) != len(prog.inputs) or len(outputs) != len(prog.outputs):
             raise RequestError(f"program {pid} takes {len(prog.inputs)} inputs and {len(prog.outputs)} outputs; "
                                f"got {len(inputs)} and {len(outputs)}")
-        if sum(b < 0 for b in inputs) != len(msg.arrays):
-            raise RequestError(f"{sum(b < 0 for b in inputs)} inputs are marked inline (-1) but {len(msg.arrays)} arrays came")
+        if any(b < -3 for b in inputs):
+            raise RequestError(f"program {pid}: input ids are buffers (>= 0), -1 (inline frame), -2 (shared memory) or -3 "
+                               f"(loaded on the actor); got {inputs}")
+        loads = msg.header.get("loads", [])
+        if not isinstance(loads, list) or len(loads) != sum(b == -3 for b in inputs):
+            raise RequestError(f"'run_program' field 'loads' must hold one loader entry per input marked -3 "
+                               f"({sum(b == -3 for b in inputs)}), got {loads!r:.200}")
+        for spec in loads:  # all checked before anything starts
+            self.loaders.check(spec)
+        if sum(b == -1 for b in inputs) != len(msg.arrays):
+            raise RequestError(f"{sum(b == -1 for b in inputs)} inputs are marked inline (-1) but {len(msg.arrays)} arrays came")
+        notices = msg.header.get("shm_inputs", [])
+        if not isinstance(notices, list) or len(notices) != sum(b == -2 for b in inputs):
+            raise RequestError(f"'run_program' field 'shm_inputs' must hold one notice per input marked -2 "
+                               f"({sum(b == -2 for b in inputs)}), got {notices!r:.200}")
         sync = msg.header.get("sync", False)
         tracing = msg.header.get("trace", False)
         if not isinstance(sync, bool) or not isinstance(tracing, bool):
@@ -358,9 +380,27 @@ class Actor:
             raise RequestError("'run_program' field 'inline_layouts' must give one layout (or null) per inline array")
         layouts = iter(raw_layouts or [None] * len(msg.arrays))
         try:  # before anything is reserved: a failure here leaves nothing behind
-            placed = {i: self._to_device(next(inline), self._layout(next(layouts))) for i, b in enumerate(inputs) if b < 0}
+            placed = {i: self._to_device(next(inline), self._layout(next(layouts))) for i, b in enumerate(inputs) if b == -1}
         except Exception as e:
             raise RequestError(f"program {pid}: an inline input cannot be placed on actor {self.actor_id}: {e}") from None
+        # Shared-memory inputs are copied out now: the controller rewrites the segment once this request is answered.
+        shm_slots = iter(notices)
+        for i, b in enumerate(inputs):
+            if b == -2:
+                notice = next(shm_slots)
+                view = ses.inputs.read(notice)
+                spec = self._layout(notice.get("layout"))
+                try:
+                    placed[i] = self._to_device(view if self.cache.mesh is None else np.array(view), spec)
+                except Exception as e:
+                    raise RequestError(f"program {pid}: a shared-memory input cannot be placed on actor {self.actor_id}: {e}") from None
+        # Loaded leaves come in a worker thread, while the step before still runs; the step waits for them.
+        load_slots = iter(loads)
+        for i, b in enumerate(inputs):
+            if b == -3:
+                spec = next(load_slots)
+                lay = self._layout(spec.get("layout"))
+                placed[i] = self.loaders.start(spec, step, lambda host, lay=lay: self._to_device(host, lay))
         for b in received:
             ses.buffers.reserve(b)
         refs = [placed[i] if b < 0 else ses.buffers.ref(b) for i, b in enumerate(inputs)]
@@ -398,6 +438,12 @@ class Actor:
             trace.end = now()
             reply["trace"] = trace.to_wire()
         return reply, []
+
+    async def input_shm(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
+        """Accept step arguments in shared-memory segments named `prefix` + a number (see actors/inputs.py)."""
+        assert ses is not None
+        ses.inputs.set_prefix(msg.header.get("prefix"))
+        return {"prefix": ses.inputs.prefix}, []
 
     async def abort(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         """Cancel the running step (program, step), or every running step of the session when neither is given."""

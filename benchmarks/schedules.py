@@ -7,6 +7,12 @@ every Run's duration, a fused Run lasting the sum of its tasks); their ratio; pe
 the actors report them against the simulator's; and the pipeline efficiency 1 - mean measured bubble. One
 picture per schedule: the simulated timeline above the measured one.
 
+Then predictions that are not fitted to the run they predict: the Monte Carlo simulator
+(mpmd.schedules.montecarlo: task times, gaps and hop residuals drawn from the trace's own distributions, hops
+per route as latency + bytes / bandwidth) predicts each run's step time and bubble; and costs fitted on 1F1B
+with m microbatches predict every other schedule and 1F1B with 2m (per-stage costs split evenly when a
+schedule has more stages; I = W = B / 2 where the fit saw no split backward).
+
     python -m benchmarks.schedules [--actors 2,4] [--out benchmarks/out] [--steps 5]
 """
 
@@ -24,7 +30,8 @@ import numpy as np
 import mpmd
 from mpmd.observe.trace import as_sim_result, fit_costs, measured_bubbles
 from mpmd.schedules.draw import draw_stacked
-from mpmd.schedules.simulator import simulate_programs
+from mpmd.schedules.montecarlo import Empirical, simulate_monte_carlo
+from mpmd.schedules.simulator import Costs, simulate_programs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -76,7 +83,12 @@ def run_one(gpt, mesh, name: str, n: int, stages: int, args: argparse.Namespace,
     draw_stacked([sim, as_sim_result(trace, f"{name} measured")], [f"{name}, {n} actors: simulated (fitted costs)",
                                                                      f"{name}, {n} actors: measured"], str(picture))
     bubble_m = statistics.mean(meas.values())
+    costs = fit_costs(trace, stages)
+    mc = simulate_monte_carlo(programs, costs, runs=100)
+    w0, w1 = trace.window()
     return {"schedule": name, "actors": n, "stages": stages, "step_ms": statistics.median(times) * 1e3,
+            "traced_ms": (w1 - w0) * 1e3, "mc_ms": mc.step_time * 1e3, "mc_bubble": mc.bubble, "bubble_mean": bubble_m,
+            "costs": costs, "programs": programs, "microbatches": args.microbatches,
             "bubble_measured": [round(meas[a], 3) for a in sorted(meas)], "bubble_simulated": [round(b, 3) for b in sim.bubble_per_actor],
             "ratio": bubble_m / sim.bubble if sim.bubble > 0 else float("nan"), "peak_measured": measured_peak,
             "peak_simulated": list(sim.peak_bytes or []), "efficiency": 1 - bubble_m, "picture": str(picture)}
@@ -114,6 +126,50 @@ def main() -> None:
                   f"simulated {r['bubble_simulated']}  ratio {r['ratio']:.2f}  efficiency {r['efficiency']:.2f}  "
                   f"peak bytes measured {r['peak_measured']} simulated {r['peak_simulated']}", flush=True)
     print(f"\n(pinned one actor per core for up to {cores} actors; more actors share the cores)")
+    print("\nMonte Carlo prediction (costs from the run's own trace) vs the traced step:")
+    for r in rows:
+        print(f"  {r['schedule']:22s} {r['actors']} actors  step predicted {r['mc_ms']:8.2f} ms measured {r['traced_ms']:8.2f} ms "
+              f"({r['mc_ms'] / r['traced_ms']:.2f}x)  bubble predicted {r['mc_bubble']:.3f} measured {r['bubble_mean']:.3f}")
+    cross_config(gpt, rows, args, out)
+
+
+def rescaled(costs: Costs, stages: int) -> Costs:
+    """`costs` of s stages for a split of the same layers into `stages` (a multiple of s): each new stage costs
+    its old stage's share; I = W = B / 2 where the fit saw no split backward."""
+    old = len(costs.F) if isinstance(costs.F, tuple) else 1
+    k = stages // old
+
+    def per(v: float | tuple) -> tuple:
+        v = v if isinstance(v, tuple) else (float(v),) * old
+        return tuple(v[s // k] / k for s in range(stages))
+
+    b = per(costs.B)
+    split = any(per(costs.I)) or any(per(costs.W))
+    emp = costs.empirical or Empirical()
+    tasks = {(st, kind): tuple(x / k for x in xs) for (s0, kind), xs in emp.tasks for st in range(stages) if st // k == s0}
+    if not split:
+        tasks.update({(st, kind): tuple(x / 2 for x in xs) for (st, kd), xs in list(tasks.items()) if kd == "B" for kind in "IW"})
+    return Costs(F=per(costs.F), B=b, I=per(costs.I) if split else tuple(x / 2 for x in b), W=per(costs.W) if split else tuple(x / 2 for x in b),
+                 latency=costs.latency, bandwidth=costs.bandwidth, other=costs.other, gap=costs.gap, routes=costs.routes,
+                 empirical=Empirical(tuple(sorted(tasks.items())), emp.gaps, emp.hops))
+
+
+def cross_config(gpt, rows: list[dict], args: argparse.Namespace, out: pathlib.Path) -> None:  # noqa: ANN001
+    """Costs fitted on 1F1B (m microbatches) predict every other schedule, and 1F1B with 2m microbatches."""
+    for n in sorted({r["actors"] for r in rows}):
+        base = next((r for r in rows if r["actors"] == n and r["schedule"] == "OneFOneB"), None)
+        if base is None:
+            continue
+        print(f"\ncross-configuration, {n} actors: costs fitted on OneFOneB m={base['microbatches']}, predicting")
+        targets = [r for r in rows if r["actors"] == n and r is not base]
+        args2 = argparse.Namespace(**{**vars(args), "microbatches": 2 * args.microbatches})
+        with mpmd.RemoteMesh.local(num_actors=n, cpus_per_actor=1 if n <= len(os.sched_getaffinity(0)) else None) as mesh:
+            targets.append(run_one(gpt, mesh, "OneFOneB", n, n, args2, out))
+        for r in targets:
+            pred = simulate_monte_carlo(r["programs"], rescaled(base["costs"], r["stages"]), runs=100)
+            print(f"  {r['schedule']:22s} m={r['microbatches']:2d}  step predicted {pred.step_time * 1e3:8.2f} ms measured "
+                  f"{r['traced_ms']:8.2f} ms ({pred.step_time * 1e3 / r['traced_ms']:.2f}x)  bubble predicted {pred.bubble:.3f} "
+                  f"measured {r['bubble_mean']:.3f}", flush=True)
 
 
 if __name__ == "__main__":

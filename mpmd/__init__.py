@@ -16,6 +16,7 @@ Public names (each has a docstring):
   fetch_async, ready_async, save_async, restore_async   awaitable twins, for the caller's own event loop (also
                                               RemoteMesh.local_async, step.call_async, actor(i).put_async / run_async)
   pipeline_yield, accumulate_grads, distributed   the pipeline API
+  loaded                                      batch leaves each actor loads itself (a named loader function)
   GPipe, OneFOneB, Custom, Task               schedules
   EagerOneFOneB, InterleavedOneFOneB, ZeroBubbleH1, InterleavedZeroBubble, ZeroBubbleV, DualPipeV   more schedules
   Schedule, validate, check_programs          write your own schedule; prove a schedule or compiled Programs deadlock-free
@@ -45,6 +46,7 @@ from mpmd.errors import (
 from mpmd.runtime.aio import fetch_async, ready_async
 from mpmd.runtime.array import RemoteArray, fetch
 from mpmd.runtime.checkpoint import load, restore, restore_async, save, save_async
+from mpmd.runtime.loader import loaded
 from mpmd.runtime.mesh import ActorHandle, RemoteMesh
 from mpmd.schedules import (
     Custom,
@@ -100,6 +102,7 @@ __all__ = [
     "fetch",
     "fetch_async",
     "load",
+    "loaded",
     "pipeline_yield",
     "ready_async",
     "restore",

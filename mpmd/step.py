@@ -23,6 +23,7 @@ from mpmd.runtime.aio import abortable, start_in_worker, watch
 from mpmd.runtime.array import RemoteArray
 from mpmd.runtime.callbacks import run_host_calls
 from mpmd.runtime.controller import note_blocking
+from mpmd.runtime.loader import LoadedLeaf
 from mpmd.runtime.sharding import infer_layouts, layout_to_spec, layout_wire, remote_sharding, tree_specs
 from mpmd.schedules.override import use_schedule
 from transport.protocol import dtype_name
@@ -72,7 +73,7 @@ class CompiledStep:
 
 
 def _spec(x: Any, path: str) -> jax.ShapeDtypeStruct:
-    if isinstance(x, RemoteArray):
+    if isinstance(x, (RemoteArray, LoadedLeaf)):
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
     if callable(x) and not hasattr(x, "shape"):
         raise PipelineError(f"argument {path} is a function ({x!r:.60}), not an array: a distributed step, like jax.jit, takes "
@@ -391,12 +392,19 @@ class DistributedFunction:
         prologue: list[list[list[Any]]] = [[] for _ in range(n)]
         replicas: list[tuple[RemoteArray, int, int]] = []
         paths = compiled.arg_paths
+        host: list[list[tuple[int, np.ndarray, Any]]] = [[] for _ in range(n)]  # (slot in inputs, value, layout) per actor
+        loads: list[list[dict[str, Any]]] = [[] for _ in range(n)]  # leaves each actor loads itself (mpmd.runtime.loader)
         for k, (x, homes) in enumerate(zip(leaves, plan.arg_homes)):
-            for a in sorted(homes):
-                if not isinstance(x, RemoteArray):
+            if isinstance(x, LoadedLeaf):
+                for a in sorted(homes):
+                    inputs[a].append(-3)
+                    loads[a].append({**x.wire(), "layout": layout_wire(layouts[k]) if layouts is not None else None})
+                continue
+            wire = None if isinstance(x, RemoteArray) else to_wire(host_value(x))
+            for a in sorted(homes):  # only the actors whose Programs read this argument get it
+                if wire is not None:
+                    host[a].append((len(inputs[a]), wire, layout_wire(layouts[k]) if layouts is not None else None))
                     inputs[a].append(-1)
-                    inline[a].append(to_wire(host_value(x)))
-                    inline_layouts[a].append(layout_wire(layouts[k]) if layouts is not None else None)
                     continue
                 mesh.check_owned(x, f"argument {paths[k]}")
                 if a in x.buffers:
@@ -408,6 +416,7 @@ class DistributedFunction:
                     prologue[a].append(["recv", buf, src, tag, dtype_name(dtype), list(shape), "arg"])
                     inputs[a].append(buf)
                     replicas.append((x, a, buf))
+        staged = [self._stage_host_args(a, host[a], inputs[a], inline[a], inline_layouts[a]) for a in range(n)]
         for x, a, buf in replicas:  # the next step (maybe sent before this one ends) reads the copy
             x.buffers[a] = buf
         outs: list[dict[int, int]] = []
@@ -425,8 +434,31 @@ class DistributedFunction:
                       "sync": not mesh.overlap}
             if layouts is not None:
                 fields["inline_layouts"] = inline_layouts[a]
-            requests.append({"fields": fields, "arrays": inline[a]})
+            request: dict[str, Any] = {"fields": fields, "arrays": inline[a]}
+            if staged[a] is not None:
+                fields["shm_inputs"], request["release"] = staged[a]
+            if loads[a]:
+                fields["loads"] = loads[a]
+            requests.append(request)
         return requests, replicas, outs
+
+    def _stage_host_args(self, a: int, host: list[tuple[int, np.ndarray, Any]], inputs: list[int], inline: list[np.ndarray],
+                         inline_layouts: list[Any]) -> tuple[list[dict[str, Any]], Callable[[], None]] | None:
+        """Actor `a`'s host arguments: the large ones into shared memory when `a` shares this host (their input
+        slots become -2; see mpmd.runtime.inputs), the rest inline. The notices and the segment's release, or None."""
+        from mpmd.runtime.inputs import input_stager
+
+        stager = input_stager(self.mesh) if host else None
+        big = [(slot, v, lay) for slot, v, lay in host if stager.wants(a, v.nbytes)] if stager is not None else []
+        lease = stager.stage(a, [v for _, v, _ in big], [lay for _, _, lay in big]) if big else None
+        shared = {slot for slot, _, _ in big} if lease is not None else set()
+        for slot, v, lay in host:
+            if slot in shared:
+                inputs[slot] = -2
+            else:
+                inline.append(v)
+                inline_layouts.append(lay)
+        return lease
 
     def _send(self, requests: list[dict[str, Any]], trace: Any) -> list[asyncio.Future[Any]]:
         """Submit every actor's run_program (on the loop thread, before anything submitted after this step)."""
@@ -440,6 +472,9 @@ class DistributedFunction:
                 failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
                 failed.set_exception(e)
                 futures.append(failed)
+            release = req.get("release")
+            if release is not None:  # its shared-memory inputs were copied out once the actor answers
+                futures[-1].add_done_callback(lambda _, release=release: release())
         return futures
 
     async def _finish(self, futures: list[asyncio.Future[Any]], compiled: CompiledStep, replicas: list[Any], step: int,

@@ -60,3 +60,13 @@ def mse_loss(model: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
 def regression_batch(rng: np.random.Generator, num_microbatches: int, microbatch_size: int, width: int) -> dict[str, np.ndarray]:
     return {"x": rng.standard_normal((num_microbatches, microbatch_size, width)).astype(np.float32),
             "y": rng.standard_normal((num_microbatches, microbatch_size, width)).astype(np.float32)}
+
+
+LOADED_LEAF_SHAPE = (4, 16, 32)  # (microbatches, rows, width) of `synthetic_regression_leaf`
+
+
+def synthetic_regression_leaf(step: int, leaf: str) -> np.ndarray:
+    """A data loader for `mpmd.loaded` (tests and examples): leaf "x" or "y" of step `step`'s regression batch,
+    float32 of `LOADED_LEAF_SHAPE`, the same wherever it is called."""
+    seed = 2 * step + ("x", "y").index(leaf)
+    return np.random.default_rng(seed).standard_normal(LOADED_LEAF_SHAPE).astype(np.float32)

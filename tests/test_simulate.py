@@ -423,3 +423,85 @@ def test_cli_exits_2_with_the_validation_error(capsys):
 
 def test_mpmd_simulate_is_the_simulate_function():
     assert mpmd.simulate is simulate and mpmd.simulate(mpmd.GPipe(2), 2).step_time == 9
+
+
+# ---- fitted costs as distributions, and the Monte Carlo simulator (mpmd.schedules.montecarlo) ----------------
+def synthetic_trace(task_ms, gaps_ms, routes, m=4):
+    """A traced 2-actor 1F1B-like step with known costs: `task_ms[(stage, kind)]` per Run (ms), the gaps before
+    successive Runs cycling through `gaps_ms`, hops of route (src, dst) taking latency + bytes / bandwidth."""
+    from mpmd.observe.trace import ActorStep, RunSpan, Trace, TransferSpan
+
+    trace = Trace()
+    steps = {a: ActorStep(a, 0, 0.0, 0.0) for a in range(2)}
+    clock = [0.0, 0.0]
+    gap_iter = iter(gaps_ms * 100)
+    made = {}
+    order = {0: [(0, "F", i) for i in range(m)] + [(0, "B", i) for i in range(m)],
+             1: [(1, k, i) for i in range(m) for k in ("F", "B")]}
+    arrivals = {}
+    for a in (0, 1):  # actor 0 first: actor 1's forward Runs wait for its activations
+        for stage, kind, i in order[a]:
+            label = f"{stage}{kind}{i}"
+            ready = arrivals.get((a, label), clock[a])
+            could = max(clock[a], ready)
+            start = could + next(gap_iter) * 1e-3
+            end = start + task_ms[(stage, kind)] * 1e-3
+            steps[a].runs.append(RunSpan(label, clock[a], ready, start, end))
+            clock[a] = end
+            made[(a, label)] = end
+            if a == 0 and kind == "F":  # the activation to stage 1, bytes growing with the microbatch
+                nbytes = (i + 1) * 100_000
+                lat, bw = routes[(0, 1)]
+                arrive = end + lat + nbytes / bw
+                steps[0].transfers.append(TransferSpan("send", label, 1, nbytes, end, end, i))
+                steps[1].transfers.append(TransferSpan("recv", f"1F{i}", 0, nbytes, 0.0, arrive, i))
+                arrivals[(1, f"1F{i}")] = arrive
+    for a in (0, 1):
+        steps[a].end = clock[a]
+    trace.steps.append(steps)
+    return trace
+
+
+def test_fit_costs_recovers_known_task_times_gaps_and_per_route_latency_and_bandwidth():
+    from mpmd.observe.trace import fit_costs
+
+    task_ms = {(0, "F"): 1.0, (0, "B"): 2.0, (1, "F"): 1.5, (1, "B"): 2.5}
+    gaps_ms = [0.1, 0.3, 0.2]
+    costs = fit_costs(synthetic_trace(task_ms, gaps_ms, {(0, 1): (2e-4, 1e9)}), num_stages=2)
+    assert costs.F == pytest.approx((1e-3, 1.5e-3)) and costs.B == pytest.approx((2e-3, 2.5e-3))
+    routes = dict(costs.routes)
+    assert routes[(0, 1)][0] == pytest.approx(2e-4, rel=1e-6) and routes[(0, 1)][1] == pytest.approx(1e9, rel=1e-6)
+    assert costs.route_time(0, 1, 1e6) == pytest.approx(2e-4 + 1e-3)
+    samples = costs.empirical.task_samples()
+    assert samples[(1, "B")] == pytest.approx((2.5e-3,) * 4)
+    assert all(max(abs(r) for r in rs) < 1e-9 for _, rs in costs.empirical.hops)  # a straight line: no residual
+    assert set(round(g * 1e3, 6) for g in costs.empirical.gaps) <= set(gaps_ms)
+    assert costs.gap == pytest.approx(np.mean(costs.empirical.gaps))
+
+
+def test_trace_breakdown_of_each_actor_adds_up_to_the_step_time():
+    task_ms = {(0, "F"): 1.0, (0, "B"): 2.0, (1, "F"): 1.5, (1, "B"): 2.5}
+    trace = synthetic_trace(task_ms, [0.1, 0.3], {(0, 1): (2e-4, 1e9)})
+    w0, w1 = trace.window()
+    for a, b in trace.breakdown().items():
+        assert b.compute + b.waiting + b.overhead + b.idle == pytest.approx(w1 - w0)
+        assert b.wall == pytest.approx(w1 - w0) and min(b.compute, b.waiting, b.overhead, b.idle) >= 0
+        assert b.compute == pytest.approx(sum(task_ms[(a, k)] for k in "FB") * 4e-3)
+
+
+def test_monte_carlo_without_spread_equals_the_mean_model_and_with_spread_is_seeded_and_never_faster():
+    from mpmd.schedules.montecarlo import Empirical, simulate_monte_carlo
+
+    schedule, m = mpmd.OneFOneB(2), 4
+    progs = programs_from_table(schedule, validate(schedule, m))
+    base = Costs(F=1.0, B=2.0, latency=0.1)
+    flat = Costs(F=1.0, B=2.0, latency=0.1, empirical=Empirical.of({(0, "F"): [1.0], (1, "B"): [2.0]}, [], {}))
+    want = simulate_programs(progs, base)
+    got = simulate_monte_carlo(progs, flat, runs=5)
+    assert got.step_time == pytest.approx(want.step_time) and got.bubble == pytest.approx(want.bubble)
+    # Same means, spread out: the step is a max of sums (convex in the durations), so its mean can only grow.
+    spread = Costs(F=1.0, B=2.0, latency=0.1, empirical=Empirical.of(
+        {(s, k): [v * 0.5, v * 1.5] for s in range(2) for k, v in (("F", 1.0), ("B", 2.0))}, [], {((0, 1)): [-0.1, 0.1]}))
+    a, b = simulate_monte_carlo(progs, spread, runs=200, seed=7), simulate_monte_carlo(progs, spread, runs=200, seed=7)
+    assert a.step_times == b.step_times
+    assert a.step_time >= want.step_time - 1e-9 and a.p90 >= a.step_time and a.stdev > 0

@@ -34,10 +34,15 @@ ping, info, hello, compile, connect_peers and nccl_ids carry ``session`` (the co
 |                 | process, custom calls against an allow-list)            |                                               |
 | run             | exe, inputs: [buf], outputs: [buf]                      | outputs: [{dtype, shape}]                     |
 | load_program    | program: encoded Program (see transport/program.py)          | program: its id                               |
-| run_program     | program, step, inputs: [buf or -1], outputs: [buf],     | outputs: [{dtype, shape}]                     |
+| run_program     | program, step, inputs: [buf, -1 or -2], outputs: [buf], | outputs: [{dtype, shape}]                     |
 |                 | inline: [slot] (array frames for -1 inputs),            |                                               |
+|                 | shm_inputs: [{name, offset, nbytes, dtype, shape,       |                                               |
+|                 | [layout]}] (one per -2 input: a segment named with the  |                                               |
+|                 | session's input prefix; see actors/inputs.py),          |                                               |
 |                 | prologue: [instruction], sync: bool (await each send    |                                               |
 |                 | where it stands; default false)                         |                                               |
+| input_shm       | prefix: /mpmd-in-<hex>-<hex>-<actor>- (the names this   | prefix                                        |
+|                 | session's shared-memory inputs will have; set once)     |                                               |
 | connect_peers   | peers: {actor_id: {address, route: tcp, shm or nccl,   | connected: [actor_id], routes: {id: route}    |
 |                 | key: the peer's data-plane public key, shm_prefix,      |                                               |
 |                 | [nccl_out, nccl_in: NCCL unique ids]}},                 |                                               |
@@ -45,7 +50,8 @@ ping, info, hello, compile, connect_peers and nccl_ids carry ``session`` (the co
 | nccl_ids        | count (0-4096)                                          | ids: [NCCL unique id as 128 ints]             |
 | abort           | program, step; or neither (every step of the session)  | aborted: bool, steps: int (cancels them)      |
 | stats           | -                                                       | buffers, bytes, executables, compiles, hits,  |
-|                 |                                                         | programs, requests, errors, running, p2p      |
+|                 |                                                         | programs, requests, errors, running, p2p,     |
+|                 |                                                         | shm_inputs, shm_input_bytes                   |
 | shutdown        | -                                                       | - (the daemon exits after replying)           |
 
 Actor-to-actor data-plane messages (transport/p2p/plane.py) use the same framing, with ``src`` (sender actor

@@ -206,6 +206,7 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1) -> Any:
     could-start to start), and a transfer latency and bandwidth from the transfers."""
     import numpy as np
 
+    from mpmd.schedules.montecarlo import Empirical
     from mpmd.schedules.simulator import Costs
 
     kinds = ("F", "B", "I", "W")
@@ -238,6 +239,7 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1) -> Any:
     sends = {(a, t.peer, t.tag): t for a, x in steps.items() for t in x.transfers if t.kind == "send"}
     made = {(a, r.label): r.end for a, x in steps.items() for r in x.runs}
     small, big = [], []
+    per_route: dict[tuple[int, int], list[tuple[float, int]]] = {}
     for a, x in steps.items():
         for t in x.transfers:
             s = sends.get((t.peer, a, t.tag)) if t.kind == "recv" else None
@@ -245,12 +247,45 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1) -> Any:
                 continue
             d = t.end - made[(t.peer, s.label)]
             (small if t.nbytes <= 1 << 16 else big).append((d, t.nbytes))
+            per_route.setdefault((t.peer, a), []).append((d, t.nbytes))
+    routes, residuals = _fit_routes(per_route)
+    # The distributions the Monte Carlo simulator draws from: every single-task Run's duration, every gap.
+    task_samples: dict[tuple[int, str], list[float]] = {}
+    for x in steps.values():
+        for r in x.runs:
+            tasks = _tasks_of(r.label)
+            if len(tasks) == 1:
+                task_samples.setdefault(tasks[0], []).append(r.end - r.start)
+    empirical = Empirical.of(task_samples, gaps, residuals)
     # Means, not medians: a few slow transfers on the critical path cost the step what they cost.
     latency = float(np.mean([d for d, _ in small])) if small else 0.0
     slow = [(d - latency, n) for d, n in big if d > latency]
     bandwidth = sum(n for _, n in slow) / sum(d for d, _ in slow) if slow else float("inf")
     return Costs(F=per["F"], B=per["B"], I=per["I"], W=per["W"], other=float(np.median(other)) if other else 0.0,
-                 latency=max(latency, 0.0), bandwidth=bandwidth, gap=gap)
+                 latency=max(latency, 0.0), bandwidth=bandwidth, gap=gap, routes=routes, empirical=empirical)
+
+
+def _fit_routes(per_route: dict[tuple[int, int], list[tuple[float, int]]]) -> tuple[tuple, dict[tuple[int, int], list[float]]]:
+    """Per (sender, receiver): hop time = latency + bytes / bandwidth by least squares over its hops (latency
+    alone when all hops carry the same bytes), and each hop's residual from that line."""
+    import numpy as np
+
+    routes, residuals = [], {}
+    for pair, hops in sorted(per_route.items()):
+        d = np.array([h[0] for h in hops])
+        n = np.array([float(h[1]) for h in hops])
+        if len(set(n.tolist())) > 1:
+            lat, inv_bw = np.linalg.lstsq(np.stack([np.ones_like(n), n], axis=1), d, rcond=None)[0]
+            if inv_bw <= 0:  # bytes explain nothing here: a pure latency
+                lat, inv_bw = float(d.mean()), 0.0
+            if lat < 0:
+                lat, inv_bw = 0.0, float((d * n).sum() / (n * n).sum())
+        else:
+            lat, inv_bw = float(d.mean()), 0.0
+        bandwidth = 1.0 / inv_bw if inv_bw > 0 else float("inf")
+        routes.append((pair, (float(lat), bandwidth)))
+        residuals[pair] = [float(x) for x in d - (lat + n * inv_bw)]
+    return tuple(routes), residuals
 
 
 def measured_bubbles(trace: Trace, step: int = -1) -> dict[int, float]:

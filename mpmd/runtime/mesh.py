@@ -45,6 +45,7 @@ from mpmd.runtime.buffers import BufferClient, gather
 from mpmd.runtime.controller import ActorConnection, EventLoopThread, Watchdog
 from mpmd.runtime.executables import Executables
 from mpmd.runtime.launch.local import LocalOptions, LocalProcess, start_local
+from mpmd.runtime.loader import check_loader_name
 from mpmd.runtime.sharding import ActorMesh, as_layout, layout_wire, remote_sharding
 from mpmd.runtime.wiring import TRANSPORTS, wire_data_plane
 from transport.auth import ClientKeys
@@ -147,7 +148,8 @@ class RemoteMesh:
     @classmethod
     def local(cls, num_actors: int = 2, devices_per_actor: int = 1, *, transport: str = "auto", cache_dir: str | bool = True,
               address: str = "ipc", platform: str = "cpu", startup_timeout: float = 120.0, log_level: str = "WARNING",
-              cpus_per_actor: int | None = None, gpu_ids: Sequence[int] | None = None, **kwargs: Any) -> RemoteMesh:
+              cpus_per_actor: int | None = None, gpu_ids: Sequence[int] | None = None, loaders: Sequence[str] = (),
+              **kwargs: Any) -> RemoteMesh:
         """Spawn `num_actors` daemons on this machine, each with `devices_per_actor` CPU devices (or, with
         `platform="gpu"`, that many GPUs each: actor i gets GPUs i*d .. i*d+d-1).
 
@@ -156,6 +158,8 @@ class RemoteMesh:
         to its own k cores and sizes XLA's thread pool to them (fair pipeline measurements; big CPU hosts).
         `gpu_ids` deals out those GPUs instead (``(0,)``: every actor shares GPU 0).
         `cache_dir` is the actors' persistent compilation cache (default: ~/.cache/mpmd/xla; False: none).
+        `loaders`: "module:function" data loaders the actors may call for the batch leaves they read
+        (`mpmd.loaded`; see mpmd/runtime/loader.py).
         The daemons exit when the mesh is closed, when the `with` block ends, at interpreter exit, or when this
         process dies.
         """
@@ -164,7 +168,8 @@ class RemoteMesh:
         if transport == "nccl" and platform == "cpu":
             raise ValueError("transport='nccl' needs GPU actors: pass platform='gpu' (local actors run on CPU by default)")
         options = LocalOptions(devices_per_actor, platform, transport != "none", cache_dir, address, log_level, cpus_per_actor,
-                               startup_timeout, gpu_ids=tuple(gpu_ids) if gpu_ids is not None else None)
+                               startup_timeout, gpu_ids=tuple(gpu_ids) if gpu_ids is not None else None,
+                               loaders=tuple(check_loader_name(fn) for fn in loaders))
         local = start_local(num_actors, options)  # with ephemeral keys: authenticated with no user action
         try:
             mesh = cls(local.endpoints, local.processes, transport=transport, keys=local.keys, **kwargs)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from mpmd.errors import PipelineError, ScheduleError
 from mpmd.schedules.draw import draw_timeline, kind_of
+from mpmd.schedules.montecarlo import Empirical
 from mpmd.schedules.validation import Schedule, check_programs, replay_programs, replay_table, split_stages, task_inputs, validate
 from transport.program import TASK_KINDS, Delete, Label, Program, Recv, Run, Task
 from transport.protocol import dtype_from_name
@@ -51,6 +52,8 @@ class Costs:
     overhead: float = 0.0
     other: float = 0.0
     gap: float = 0.0
+    routes: tuple[tuple[tuple[int, int], tuple[float, float]], ...] = ()  # ((src, dst), (latency, bandwidth)) per actor pair
+    empirical: Empirical | None = None  # measured samples, for simulate_monte_carlo (mpmd.schedules.montecarlo)
 
     def __post_init__(self) -> None:
         for name in ("F", "B", "I", "W", "activation_bytes"):
@@ -81,6 +84,13 @@ class Costs:
     def transfer_time(self, nbytes: float) -> float:
         """How long `nbytes` take from one actor to another."""
         return self.latency + nbytes / self.bandwidth
+
+    def route_time(self, src: int, dst: int, nbytes: float) -> float:
+        """How long `nbytes` take from actor `src` to `dst`: that pair's fitted route if `routes` has it."""
+        for pair, (latency, bandwidth) in self.routes:
+            if pair == (src, dst):
+                return latency + nbytes / bandwidth
+        return self.transfer_time(nbytes)
 
     def check_stages(self, num_stages: int) -> None:
         """Raise ValueError unless every per-stage sequence has `num_stages` entries."""
@@ -267,7 +277,7 @@ def simulate_programs(programs: list[Program], costs: Costs | None = None, name:
     (its start) or the arrival of its Recv until its Delete (or a Run that donates it) or the end; inputs and
     constants from the start. Raises `PipelineError` if the programs cannot run (see `check_programs`)."""
     costs = costs or Costs()
-    run = replay_programs(programs, lambda a, r: _run_time(costs, r.label), lambda a, r: costs.transfer_time(_recv_bytes(r)))
+    run = replay_programs(programs, lambda a, r: _run_time(costs, r.label), lambda a, r: costs.route_time(r.from_actor, a, _recv_bytes(r)))
     if run.stuck:
         check_programs(programs)  # raises, naming who waits for what: getting stuck does not depend on the costs
         raise PipelineError("internal: programs got stuck on a cost model but not on unit costs")
@@ -295,7 +305,7 @@ def simulate_programs(programs: list[Program], costs: Costs | None = None, name:
                 t = run.ready[(a, i)]
                 born[ins.buf] = t
                 events.append((t, prog.buffer_bytes.get(ins.buf, 0)))
-                transfers.append((ins.from_actor, a, t - costs.transfer_time(_recv_bytes(ins)), t, str(ins.label)))
+                transfers.append((ins.from_actor, a, t - costs.route_time(ins.from_actor, a, _recv_bytes(ins)), t, str(ins.label)))
             elif isinstance(ins, Delete):
                 for b in ins.bufs:
                     if b in born:

@@ -85,6 +85,21 @@ def _create(name: str, size: int) -> mmap.mmap:
         os.close(fd)
 
 
+def create_segment(name: str, size: int) -> mmap.mmap:
+    """A new segment `name` of `size` bytes (mode 600, reserved now: a full /dev/shm fails here, not later), mapped."""
+    if _posixshmem is None:
+        raise OSError("POSIX shared memory is not available here")
+    return _create(name, size)
+
+
+def unlink(name: str) -> None:
+    """Remove a segment's name (its memory goes when the last mapping does); a name already gone is fine."""
+    try:
+        _posixshmem.shm_unlink(name)
+    except OSError:
+        pass
+
+
 class ShmSender:
     """The segments one actor sends to one peer through."""
 

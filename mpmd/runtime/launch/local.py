@@ -56,6 +56,7 @@ class LocalOptions:
     insecure: bool = False
     request_timeout: float | None = None
     gpu_ids: tuple[int, ...] | None = None
+    loaders: tuple[str, ...] = ()  # "module:function" data loaders the daemons may call (mpmd.runtime.loader)
 
     def __post_init__(self) -> None:
         if self.devices_per_actor < 1:
@@ -148,6 +149,8 @@ class LocalProcess:
             cmd += ["--cache-dir", str(cache)]
         if options.request_timeout is not None:
             cmd += ["--request-timeout", str(options.request_timeout)]
+        for fn in options.loaders:
+            cmd += ["--allow-loader", fn]
         cmd += ["--keys-stdin"] if keys is not None else ["--insecure"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.stderr, stdin=subprocess.PIPE, env=env,
                                      start_new_session=True)

@@ -1,0 +1,125 @@
+"""Step arguments the controller hands this actor through shared memory, when both share a host.
+
+A local controller writes each large host argument of a step (>= 64 KiB) into a POSIX shared-memory
+segment it made for this actor alone (mode 600) and puts only a small notice in the encrypted
+`run_program` request: ``{name, offset, nbytes, dtype, shape}`` (and ``layout`` on a device mesh). The
+segment names all start with a prefix the controller told this actor once, over the authenticated control
+plane (op ``input_shm``); a notice naming anything else is refused, so a request cannot make the actor map
+another controller's (or another user's) memory. The actor maps a segment once (read only), unlinks its
+name right after — nothing is left in /dev/shm if either side dies — checks every notice against the
+segment's bounds and the array's dtype and shape, and copies the bytes into memory JAX owns before the
+request's step starts. The controller rewrites a segment only after this request's reply has come (it
+double-buffers: step k+1's arguments are written into another segment while step k runs).
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import re
+import stat
+from typing import Any
+
+import numpy as np
+
+from actors.request import RequestError
+from transport.p2p import shm
+from transport.protocol import dtype_from_name
+
+_PREFIX = re.compile(r"^/mpmd-in-[0-9a-f]+-[0-9a-f]+-[0-9]+-$")  # /mpmd-in-<pid hex>-<token>-<actor>-
+ALIGN = 64
+MAX_SEGMENTS = 64  # mappings one session may hold; the controller double-buffers, so a handful is plenty
+
+
+class InputSegments:
+    """One session's view of the segments its controller writes step arguments into."""
+
+    def __init__(self, actor_id: int) -> None:
+        self.actor_id = actor_id
+        self.prefix: str | None = None
+        self.maps: dict[str, mmap.mmap] = {}
+        self.reads = 0  # arguments read from shared memory (reported by `stats` as shm_inputs)
+        self.bytes = 0
+
+    def set_prefix(self, prefix: Any) -> None:
+        """Accept segments named `prefix` + a number from now on (once per session; the same prefix again is fine)."""
+        if not isinstance(prefix, str) or not _PREFIX.match(prefix):
+            raise RequestError(f"'input_shm' field 'prefix' must look like '/mpmd-in-<hex>-<hex>-<actor>-', got {prefix!r}")
+        if self.prefix is not None and prefix != self.prefix:
+            raise RequestError(f"this session's input prefix is already {self.prefix!r}; it cannot change to {prefix!r}")
+        if not shm.available():
+            raise RequestError(f"actor {self.actor_id} has no POSIX shared memory; send arguments inline")
+        self.prefix = prefix
+
+    def read(self, notice: Any) -> np.ndarray:
+        """The array a notice points at: a read-only view of the segment (the caller copies it out)."""
+        if not isinstance(notice, dict):
+            raise RequestError(f"a shared-memory input notice must be a map, got {type(notice).__name__}")
+        name, offset, nbytes = notice.get("name"), notice.get("offset"), notice.get("nbytes")
+        dtype_name, shape = notice.get("dtype"), notice.get("shape")
+        if self.prefix is None:
+            raise RequestError(f"shared-memory input {name!r} refused: this session never named an input prefix ('input_shm')")
+        if not isinstance(name, str) or not name.startswith(self.prefix) or not name[len(self.prefix):].isdigit():
+            raise RequestError(f"shared-memory input {name!r} refused: its name is not {self.prefix!r} + a number, the prefix "
+                               "this session's controller announced")
+        for what, v in (("offset", offset), ("nbytes", nbytes)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise RequestError(f"shared-memory input {name}: {what} must be a non-negative int, got {v!r}")
+        if offset % ALIGN:
+            raise RequestError(f"shared-memory input {name}: offset {offset} is not a multiple of {ALIGN}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise RequestError(f"shared-memory input {name}: shape must be a list of non-negative ints, got {shape!r}")
+        try:
+            dtype = dtype_from_name(dtype_name)
+        except (ValueError, TypeError, KeyError) as e:
+            raise RequestError(f"shared-memory input {name}: {e}") from None
+        want = math.prod(shape) * dtype.itemsize
+        if nbytes != want:
+            raise RequestError(f"shared-memory input {name}: {dtype.name}{shape} is {want} bytes but the notice says {nbytes}")
+        mm = self._map(name)
+        if offset + nbytes > len(mm):
+            raise RequestError(f"shared-memory input {name}: bytes {offset}..{offset + nbytes} lie outside the segment "
+                               f"({len(mm)} bytes)")
+        self.reads += 1
+        self.bytes += nbytes
+        return np.frombuffer(mm, np.uint8, nbytes, offset).view(dtype).reshape(shape)
+
+    def _map(self, name: str) -> mmap.mmap:
+        mm = self.maps.get(name)
+        if mm is not None:
+            return mm
+        if len(self.maps) >= MAX_SEGMENTS:
+            raise RequestError(f"shared-memory input {name}: this session already maps {len(self.maps)} segments (the limit)")
+        try:
+            fd = shm._posixshmem.shm_open(name, os.O_RDONLY, 0)
+        except OSError as e:
+            raise RequestError(f"shared-memory input {name} cannot be opened on actor {self.actor_id}: {e.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid():
+                raise RequestError(f"shared-memory input {name} belongs to user {st.st_uid}, not to this actor's user")
+            if stat.S_IMODE(st.st_mode) & 0o077:
+                raise RequestError(f"shared-memory input {name} has mode {stat.S_IMODE(st.st_mode):o}; inputs must be 600")
+            if st.st_size == 0:
+                raise RequestError(f"shared-memory input {name} is empty")
+            mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        try:
+            shm._posixshmem.shm_unlink(name)  # mapped on both sides now: the name is no longer needed
+        except OSError:
+            pass
+        self.maps[name] = mm
+        return mm
+
+    def close(self) -> None:
+        for mm in self.maps.values():
+            try:
+                mm.close()
+            except BufferError:  # a view is still alive; the mapping goes with it
+                pass
+        self.maps.clear()
+
+
+__all__ = ["InputSegments"]

@@ -1,0 +1,84 @@
+"""Batch leaves an actor loads itself: the controller names a loader function and a leaf, the actor calls it.
+
+A `run_program` request may mark inputs -3 and carry ``loads: [{fn, name, shape, dtype, [layout]}]``, one per
+such input. The actor calls only functions on its allow-list (``mpmd-actor --allow-loader module:function``,
+repeatable; empty by default, so a daemon loads nothing unless its operator said so): it imports the module
+by name (never unpickles), calls ``fn(step, name)`` in a worker thread — while the step before still runs —
+and checks that the result is an array of the announced dtype and shape. Any failure fails that step with an
+error naming the function and the leaf; the daemon stays up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from actors.request import RequestError
+from transport.protocol import dtype_from_name
+
+MAX_LEAF_BYTES = 1 << 36
+
+
+class Loaders:
+    """The loader functions this daemon may call (`allowed`: "module:function" names), imported on first use."""
+
+    def __init__(self, allowed: Sequence[str] = ()) -> None:
+        self.allowed = frozenset(allowed)
+        self._fns: dict[str, Callable[..., Any]] = {}
+        self.calls = 0
+
+    def check(self, spec: Any) -> tuple[str, str, np.dtype, list[int]]:
+        """A `loads` entry's (fn, name, dtype, shape), checked; RequestError when malformed or not allowed."""
+        if not isinstance(spec, dict):
+            raise RequestError(f"a 'loads' entry must be a map, got {type(spec).__name__}")
+        fn, name, shape = spec.get("fn"), spec.get("name"), spec.get("shape")
+        if not isinstance(fn, str) or fn not in self.allowed:
+            raise RequestError(f"loader {fn!r} is not allowed on this actor (allowed: {sorted(self.allowed) or 'none'}); start the "
+                               "daemon with --allow-loader module:function (RemoteMesh.local(..., loaders=[...]))")
+        if not isinstance(name, str) or len(name) > 1024:
+            raise RequestError(f"loader {fn}: the leaf name must be a string, got {name!r:.80}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise RequestError(f"loader {fn}: shape must be a list of non-negative ints, got {shape!r}")
+        try:
+            dtype = dtype_from_name(spec.get("dtype"))
+        except ValueError as e:
+            raise RequestError(f"loader {fn}: {e}") from None
+        if math.prod(shape) * dtype.itemsize > MAX_LEAF_BYTES:
+            raise RequestError(f"loader {fn}: leaf {name} of {dtype.name}{shape} is larger than {MAX_LEAF_BYTES} bytes")
+        return fn, name, dtype, shape
+
+    def _function(self, fn: str) -> Callable[..., Any]:
+        got = self._fns.get(fn)
+        if got is None:
+            module, _, attr = fn.partition(":")
+            got = getattr(importlib.import_module(module), attr)
+            if not callable(got):
+                raise TypeError(f"loader {fn} is a {type(got).__name__}, not a function")
+            self._fns[fn] = got
+        return got
+
+    def load(self, fn: str, name: str, dtype: np.dtype, shape: list[int], step: int) -> np.ndarray:
+        """Call the loader for `name` at `step` (in a worker thread) and check what it returns."""
+        self.calls += 1
+        try:
+            out = self._function(fn)(step, name)
+        except Exception as e:
+            raise RuntimeError(f"loader {fn}({step}, {name!r}) failed: {type(e).__name__}: {e}") from e
+        host = np.asarray(out)
+        if host.dtype != dtype or list(host.shape) != list(shape):
+            raise RuntimeError(f"loader {fn}({step}, {name!r}) returned {host.dtype.name}{list(host.shape)}; the step was traced "
+                               f"with {dtype.name}{list(shape)}")
+        return np.ascontiguousarray(host)
+
+    def start(self, spec: Any, step: int, place: Callable[[np.ndarray], Any]) -> asyncio.Future[Any]:
+        """Check `spec` now, then load it in a worker thread and `place` it on the devices; the future of the value."""
+        fn, name, dtype, shape = self.check(spec)
+        return asyncio.ensure_future(asyncio.to_thread(lambda: place(self.load(fn, name, dtype, shape, step))))
+
+
+__all__ = ["Loaders"]

@@ -1,0 +1,186 @@
+"""A step's large host arguments, handed to actors on this host through shared memory.
+
+Sent inline, a host batch is encrypted by the controller's ZeroMQ I/O thread into every step request (about
+5 ms for 4 MiB under CURVE) and decrypted by the actor's, work that lands on the pipeline's critical path.
+For an actor on the controller's own host, `InputStager` writes every host argument of at least
+`SHM_INPUT_MIN_BYTES` into a shared-memory segment made for that actor alone (mode 600, named with a prefix
+the actor was told once over the authenticated control plane) in the calling thread — while the previous
+step still runs — and the request carries only a small notice per argument (see actors/inputs.py for what
+the actor checks). A segment is written again only after the request that read it has been answered; each
+actor has up to `MAX_SEGMENTS` of them, so step k+1's arguments are written while step k runs. When all are
+still in use (the caller is far ahead of the actors) the arguments go inline, as before.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import mmap
+import os
+import secrets
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from transport.p2p import shm
+from transport.p2p.base import host_id
+from transport.protocol import dtype_name
+
+log = logging.getLogger(__name__)
+
+SHM_INPUT_MIN_BYTES = 64 << 10  # smaller arguments go inline: a notice and a mapping cost more than their bytes
+MAX_SEGMENTS = 3  # per actor: the step running, the next one queued, the one being written
+ALIGN = 64  # each argument starts 64-byte aligned, as JAX likes host memory
+
+
+@dataclass
+class Segment:
+    name: str
+    size: int
+    mm: mmap.mmap
+    busy: bool = False
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class InputStager:
+    """The input segments of one mesh's actors (see the module docstring). `stage` runs in the caller's thread,
+    a lease's release on the controller loop; a lock keeps the pools consistent between them."""
+
+    def __init__(self, mesh: Any, min_bytes: int = SHM_INPUT_MIN_BYTES, max_segments: int = MAX_SEGMENTS) -> None:
+        self._mesh = weakref.ref(mesh)  # (the mesh keys the stager in a weak map: no strong reference back)
+        self.min_bytes = min_bytes
+        self.max_segments = max_segments
+        self._base = f"/mpmd-in-{os.getpid():x}-{secrets.token_hex(4)}-"
+        self._names = itertools.count()
+        self._lock = threading.Lock()
+        self._pools: dict[int, list[Segment]] = {}
+        self._told: dict[int, Any] = {}  # actor -> the connection its prefix was announced on (a reconnect asks again)
+        self._local: dict[int, bool] = {}
+        self.staged = 0  # arguments written to shared memory
+        self.fallbacks = 0  # steps whose arguments went inline because every segment was still in use
+        weakref.finalize(self, _close_all, self._pools)
+
+    @property
+    def mesh(self) -> Any:
+        mesh = self._mesh()
+        if mesh is None:
+            raise RuntimeError("the mesh of these input segments is gone")
+        return mesh
+
+    def prefix(self, actor: int) -> str:
+        return f"{self._base}{actor}-"
+
+    def wants(self, actor: int, nbytes: int) -> bool:
+        """Should an argument of `nbytes` for `actor` go through shared memory?"""
+        return nbytes >= self.min_bytes and self._is_local(actor)
+
+    def _is_local(self, actor: int) -> bool:
+        conn = self.mesh.conn(actor)
+        if self._told.get(actor) is conn:
+            return self._local[actor]
+        local = shm.available() and self._same_host(actor)
+        if local:
+            try:  # (a daemon without the op, or without shared memory, keeps getting its arguments inline)
+                self.mesh.run(conn.request("input_shm", {"prefix": self.prefix(actor)}))
+            except Exception as e:
+                log.warning("actor %d takes no shared-memory inputs (%s); its arguments go inline", actor, e)
+                local = False
+        with self._lock:  # a new daemon behind a reconnect has none of the old segments mapped: start afresh
+            for seg in self._pools.pop(actor, []):
+                _close(seg)
+        self._told[actor], self._local[actor] = conn, local
+        return local
+
+    def _same_host(self, actor: int) -> bool:
+        info = self.mesh.infos[actor].header
+        p2p = info.get("p2p")
+        if isinstance(p2p, dict) and p2p.get("host") is not None:
+            return p2p["host"] == host_id()
+        return any(p.actor_id == actor for p in getattr(self.mesh, "processes", ()))
+
+    def stage(self, actor: int, arrays: list[np.ndarray], layouts: list[Any]) -> tuple[list[dict[str, Any]], Callable[[], None]] | None:
+        """Write `arrays` into one free segment of `actor`'s; the request's notices and the release to call once
+        its reply has come. None when every segment is in use (send them inline)."""
+        offsets, total = [], 0
+        for a in arrays:
+            offsets.append(total)
+            total += _aligned(a.nbytes)
+        seg = self._acquire(actor, total)
+        if seg is None:
+            self.fallbacks += 1
+            return None
+        notices = []
+        for a, off, lay in zip(arrays, offsets, layouts):
+            dst = np.frombuffer(seg.mm, np.uint8, a.nbytes, off)
+            np.copyto(dst, np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+            notice = {"name": seg.name, "offset": off, "nbytes": int(a.nbytes), "dtype": dtype_name(a.dtype), "shape": list(a.shape)}
+            if lay is not None:
+                notice["layout"] = lay
+            notices.append(notice)
+        self.staged += len(arrays)
+
+        def release() -> None:
+            with self._lock:
+                seg.busy = False
+
+        return notices, release
+
+    def _acquire(self, actor: int, nbytes: int) -> Segment | None:
+        with self._lock:
+            pool = self._pools.setdefault(actor, [])
+            free = [s for s in pool if not s.busy]
+            fit = min((s for s in free if s.size >= nbytes), key=lambda s: s.size, default=None)
+            if fit is None:
+                if len(pool) >= self.max_segments:
+                    if not free:
+                        return None
+                    old = max(free, key=lambda s: s.size)  # too small for this step: replace it by a bigger one
+                    pool.remove(old)
+                    _close(old)
+                name = f"{self.prefix(actor)}{next(self._names)}"
+                fit = Segment(name, shm.size_class(nbytes), None)  # type: ignore[arg-type]
+                fit.mm = shm.create_segment(name, fit.size)
+                pool.append(fit)
+            fit.busy = True
+            return fit
+
+    def close(self) -> None:
+        _close_all(self._pools)
+
+
+def _close(seg: Segment) -> None:
+    shm.unlink(seg.name)  # (the actor unlinks it when it maps it; one never read is removed here)
+    try:
+        seg.mm.close()
+    except BufferError:
+        pass
+
+
+def _close_all(pools: dict[int, list[Segment]]) -> None:
+    for pool in pools.values():
+        for seg in pool:
+            _close(seg)
+    pools.clear()
+
+
+_STAGERS: weakref.WeakKeyDictionary[Any, InputStager] = weakref.WeakKeyDictionary()
+_STAGERS_LOCK = threading.Lock()
+
+
+def input_stager(mesh: Any) -> InputStager:
+    """The one stager of `mesh` (made on first use; its segments go with the mesh)."""
+    with _STAGERS_LOCK:
+        stager = _STAGERS.get(mesh)
+        if stager is None:
+            stager = _STAGERS[mesh] = InputStager(mesh)
+        return stager
+
+
+__all__ = ["SHM_INPUT_MIN_BYTES", "InputStager", "input_stager"]

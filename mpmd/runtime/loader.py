@@ -1,0 +1,68 @@
+"""Data loaded where it is read: each actor calls a named loader function for the batch leaves its stages read.
+
+    # mydata.py, importable on every actor's host:
+    def load(step: int, leaf: str) -> np.ndarray:     # leaf: "x", "y", ... (the leaf's path in the batch)
+        return np.load(f"/data/{leaf}/{step:06d}.npy")
+
+    mesh = mpmd.RemoteMesh.local(2, loaders=["mydata:load"])   # daemons: mpmd-actor --allow-loader mydata:load
+    batch = mpmd.loaded("mydata:load", {"x": jax.ShapeDtypeStruct((8, 32, 512), np.float32),
+                                        "y": jax.ShapeDtypeStruct((8, 32, 512), np.float32)})
+    for k in range(steps):
+        params, opt_state, loss = train_step(params, opt_state, batch)   # call k loads step k on the actors
+
+In place of host arrays, a step takes `LoadedLeaf`s: a function name, the leaf's name, its shape and dtype.
+Only that (and the step number, which counts the calls of the distributed function) crosses the control
+plane; each actor whose Programs read a leaf imports the function by name — never unpickles anything — and
+calls ``fn(step, leaf)`` in a worker thread while its previous step still runs. A daemon calls only the
+functions on its ``--allow-loader`` list (a local mesh passes `loaders=`), and checks what comes back
+against the declared shape and dtype.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+_NAME = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+@dataclass(frozen=True)
+class LoadedLeaf:
+    """One batch leaf an actor loads itself: ``fn(step, name)`` must return a `dtype` array of `shape`."""
+
+    fn: str
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def wire(self) -> dict[str, Any]:
+        from transport.protocol import dtype_name
+
+        return {"fn": self.fn, "name": self.name, "shape": list(self.shape), "dtype": dtype_name(self.dtype)}
+
+
+def check_loader_name(fn: str) -> str:
+    """`fn` if it names a function as "package.module:function"; ValueError otherwise."""
+    if not isinstance(fn, str) or not _NAME.match(fn):
+        raise ValueError(f"a loader is named 'package.module:function', got {fn!r}")
+    return fn
+
+
+def loaded(fn: str, spec: Any) -> Any:
+    """A pytree like `spec` (of `jax.ShapeDtypeStruct` or arrays, for their shape and dtype) whose leaves the
+    actors load themselves with the function `fn` ("module:function"); pass it where the step takes its batch.
+    A leaf's name is its path in `spec` joined by dots ("x", "inputs.0")."""
+    check_loader_name(fn)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(spec)
+    leaves = []
+    for path, leaf in flat:
+        name = ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path) or "batch"
+        leaves.append(LoadedLeaf(fn, name, tuple(int(d) for d in leaf.shape), np.dtype(leaf.dtype)))
+    return jax.tree.unflatten(treedef, leaves)
+
+
+__all__ = ["LoadedLeaf", "check_loader_name", "loaded"]

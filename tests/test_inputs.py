@@ -1,0 +1,164 @@
+"""Step arguments from the host: only to the actors that read them, large ones through shared memory on a
+local mesh (mpmd.runtime.inputs, actors/inputs.py), and hostile shared-memory notices refused."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import mpmd
+from mpmd.errors import MpmdError
+from mpmd.runtime.inputs import SHM_INPUT_MIN_BYTES, input_stager
+from mpmd.testing import make_train_step, mlp, mlp_params, mse_loss, regression_batch
+from transport.p2p import shm
+
+
+def _stats(mesh, a):
+    return mesh.actor(a).stats()
+
+
+def test_host_batch_goes_by_shared_memory_to_the_actors_that_read_it_and_steps_equal_jax_jit(mesh2):
+    rng = np.random.default_rng(0)
+    width, m, rows = 128, 4, 64  # each batch leaf is 4 * 64 * 128 * 4 bytes = 128 KiB: over the shm threshold
+    params = mlp_params(rng, num_stages=2, width=width)
+    opt = optax.sgd(1e-2)
+    dist = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh2)
+    ref = jax.jit(make_train_step(mse_loss(mlp), opt, None))
+    batches = [regression_batch(rng, m, rows, width) for _ in range(5)]
+    assert batches[0]["x"].nbytes >= SHM_INPUT_MIN_BYTES
+
+    report = dist.placement(params, opt.init(params), batches[0])
+    assert report.arguments["args[2]['x']"] == [0]  # inputs to the first stage only, labels to the last only
+    assert report.arguments["args[2]['y']"] == [1]
+
+    p_d, s_d, first = dist(params, opt.init(params), batches[0])  # then parameters and state live on the actors
+    before = [_stats(mesh2, a) for a in range(2)]
+    p_r, s_r = params, opt.init(params)
+    outs = [first]
+    for b in batches[1:]:  # dispatched back to back: step k+1's batch is written while step k runs
+        p_d, s_d, loss_d = dist(p_d, s_d, b)
+        outs.append(loss_d)
+    want = []
+    for b in batches:
+        p_r, s_r, loss_r = ref(p_r, s_r, b)
+        want.append(loss_r)
+    for got, w in zip(outs, want):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(w), rtol=1e-5, atol=1e-6)
+    for got, w in zip(jax.tree.leaves(mpmd.fetch(p_d)), jax.tree.leaves(p_r)):
+        np.testing.assert_allclose(got, np.asarray(w), rtol=1e-5, atol=1e-6)
+    after = [_stats(mesh2, a) for a in range(2)]
+    stager = input_stager(mesh2)
+    sent = [after[a]["shm_inputs"] - before[a]["shm_inputs"] for a in range(2)]
+    # One leaf per actor per step, unless the caller ran ahead of every segment (then that step went inline).
+    assert sent[0] == sent[1] >= len(batches) - 1 - stager.fallbacks
+    assert sent[0] >= 1
+    for a in range(2):
+        assert after[a]["shm_input_bytes"] - before[a]["shm_input_bytes"] == sent[a] * batches[0]["x"].nbytes
+    assert len(stager._pools[0]) <= stager.max_segments
+
+
+def _tiny(mesh, width=128, m=4, rows=64):
+    rng = np.random.default_rng(3)
+    params = mlp_params(rng, num_stages=2, width=width)
+    opt = optax.sgd(1e-2)
+    dist = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
+    ref = jax.jit(make_train_step(mse_loss(mlp), opt, None))
+    return dist, ref, params, opt.init(params), regression_batch(rng, m, rows, width)
+
+
+def test_small_host_arguments_still_go_inline(mesh2):
+    dist, ref, params, state, batch = _tiny(mesh2, width=8, m=2, rows=4)
+    before = [_stats(mesh2, a)["shm_inputs"] for a in range(2)]
+    np.testing.assert_allclose(np.asarray(dist(params, state, batch)[2]), np.asarray(ref(params, state, batch)[2]), rtol=1e-5)
+    assert [_stats(mesh2, a)["shm_inputs"] for a in range(2)] == before
+
+
+def _run(mesh, actor, pid, n_inputs, n_outputs, notice):
+    outputs = [mesh.new_buffer_id() for _ in range(n_outputs)]
+    fields = {"program": pid, "step": 10_000, "inputs": [-2] * n_inputs, "outputs": outputs, "prologue": [],
+              "shm_inputs": [notice] * n_inputs}
+    return mesh.run(mesh.conn(actor).request("run_program", fields))
+
+
+def test_hostile_shm_input_notices_are_refused_and_the_daemon_survives(mesh2):
+    dist, ref, params, state, batch = _tiny(mesh2)
+    np.testing.assert_allclose(np.asarray(dist(params, state, batch)[2]), np.asarray(ref(params, state, batch)[2]), rtol=1e-5)
+    compiled = dist.compile(params, state, batch)
+    actor = 0
+    prog = compiled.plan.programs[actor]
+    pid, n_inputs, n_outputs = compiled.program_ids[actor], len(prog.inputs), len(prog.outputs)
+    prefix = input_stager(mesh2).prefix(actor)  # announced to actor 0 by the call above
+    good = {"offset": 0, "nbytes": 128 * 256 * 4, "dtype": "float32", "shape": [128, 256]}
+    own = f"{prefix}{10**9}"  # a segment named as this session's inputs are, made here to point notices at
+    mm = shm.create_segment(own, 1 << 16)
+    try:
+        cases = [
+            ({**good, "name": "/mpmd-in-1-2-0-7"}, "not .* the prefix"),  # another controller's segment
+            ({**good, "name": "/psm_foreign"}, "not .* the prefix"),
+            ({**good, "name": f"{prefix}../x"}, "not .* the prefix"),
+            ({**good, "name": own, "nbytes": 12}, "bytes but the notice says"),  # wrong size for dtype and shape
+            ({**good, "name": own, "nbytes": 4, "shape": [1], "offset": 1 << 20}, "outside the segment"),
+            ({**good, "name": own}, "outside the segment"),  # 128 KiB announced, the segment holds 64 KiB
+            ({**good, "name": own, "offset": 3}, "multiple of 64"),
+            ({**good, "name": own, "dtype": "object"}, "unknown dtype"),
+            ({**good, "name": own, "shape": [-1]}, "non-negative"),
+            ("not a map", "must be a map"),
+        ]
+        for notice, why in cases:
+            with pytest.raises(MpmdError, match=why):
+                _run(mesh2, actor, pid, n_inputs, n_outputs, notice)
+        with pytest.raises(MpmdError, match="cannot change"):
+            mesh2.run(mesh2.conn(actor).request("input_shm", {"prefix": "/mpmd-in-1-2-0-"}))
+        with pytest.raises(MpmdError, match="must look like"):
+            mesh2.run(mesh2.conn(actor).request("input_shm", {"prefix": "/dev/shm/../etc"}))
+        with pytest.raises(MpmdError, match="one notice per input"):
+            mesh2.run(mesh2.conn(actor).request("run_program", {"program": pid, "step": 10_001, "inputs": [-2] * n_inputs,
+                                                                "outputs": [mesh2.new_buffer_id() for _ in range(n_outputs)],
+                                                                "prologue": []}))
+    finally:
+        mm.close()
+        shm.unlink(own)
+    assert mesh2.actor(actor).ping() is not None  # the daemon is up and still runs steps
+    np.testing.assert_allclose(np.asarray(dist(params, state, batch)[2]), np.asarray(ref(params, state, batch)[2]), rtol=1e-5)
+
+
+def test_actors_load_their_own_batch_leaves_with_a_named_loader_and_steps_equal_jax_jit():
+    from mpmd.testing import LOADED_LEAF_SHAPE, synthetic_regression_leaf
+
+    m, rows, width = LOADED_LEAF_SHAPE
+    rng = np.random.default_rng(5)
+    params = mlp_params(rng, num_stages=2, width=width)
+    opt = optax.sgd(1e-2)
+    ref = jax.jit(make_train_step(mse_loss(mlp), opt, None))
+    spec = {"x": jax.ShapeDtypeStruct(LOADED_LEAF_SHAPE, np.float32), "y": jax.ShapeDtypeStruct(LOADED_LEAF_SHAPE, np.float32)}
+    with mpmd.RemoteMesh.local(2, loaders=["mpmd.testing:synthetic_regression_leaf"]) as mesh:
+        dist = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
+        batch = mpmd.loaded("mpmd.testing:synthetic_regression_leaf", spec)
+        p_d, s_d = params, opt.init(params)
+        p_r, s_r = params, opt.init(params)
+        losses = []
+        for k in range(3):
+            p_d, s_d, loss = dist(p_d, s_d, batch)  # call k: each actor loads step k's leaves it reads
+            losses.append(loss)
+            host = {leaf: synthetic_regression_leaf(k, leaf) for leaf in ("x", "y")}
+            p_r, s_r, want = ref(p_r, s_r, host)
+            np.testing.assert_allclose(np.asarray(losses[-1]), np.asarray(want), rtol=1e-5, atol=1e-6)
+        for got, w in zip(jax.tree.leaves(mpmd.fetch(p_d)), jax.tree.leaves(p_r)):
+            np.testing.assert_allclose(got, np.asarray(w), rtol=1e-5, atol=1e-6)
+        assert [mesh.actor(a).stats()["loader_calls"] for a in range(2)] == [3, 3]  # x on actor 0, y on actor 1 only
+
+        # A loader the daemons were not told to allow is refused, and they keep running.
+        other = mpmd.loaded("os:getcwd", spec)
+        with pytest.raises(MpmdError, match="not allowed"):
+            jax.block_until_ready(dist(p_d, s_d, other)[2])
+        wrong = mpmd.loaded("mpmd.testing:synthetic_regression_leaf",
+                            {"x": jax.ShapeDtypeStruct(LOADED_LEAF_SHAPE, np.float64), "y": spec["y"]})
+        with pytest.raises(MpmdError, match="returned float32"):
+            np.asarray(mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)(
+                params, opt.init(params), wrong)[2])
+        np.asarray(dist(p_d, s_d, batch)[2])
+
+
+def test_a_loader_name_must_be_module_colon_function():
+    with pytest.raises(ValueError, match="module:function"):
+        mpmd.loaded("not a name; rm -rf", {"x": np.zeros(3)})
