@@ -66,3 +66,45 @@ def test_malformed_messages_are_rejected_with_a_reason(frames, needle):
 def test_object_arrays_cannot_be_encoded():
     with pytest.raises(ProtocolError, match="cannot be sent"):
         encode({"op": "x"}, [np.array([object()])])
+
+
+def test_a_header_field_named_arrays_is_refused_at_encoding():
+    """`arrays` is the frames' metadata: a field of that name would make the receiver drop the message."""
+    import pytest
+
+    from transport.protocol import encode
+
+    with pytest.raises(ValueError, match="reserved"):
+        encode({"op": "x", "arrays": [1, 2]}, [])
+
+
+async def test_an_unreadable_reply_fails_its_request_at_once_instead_of_hanging(tmp_path):
+    """A real ZeroMQ server answers with a header that announces an array but sends no frame: the request that
+    reply names fails with the reason (it used to be dropped, leaving the request waiting forever)."""
+    import asyncio
+
+    import msgpack
+    import pytest
+    import zmq
+    import zmq.asyncio
+
+    from transport.control import ControlClient
+    from transport.protocol import PROTOCOL_VERSION, ProtocolError
+
+    ctx = zmq.asyncio.Context()
+    server = ctx.socket(zmq.ROUTER)
+    address = f"ipc://{tmp_path}/s.sock"
+    server.bind(address)
+    client = ControlClient(ctx, address)
+    try:
+        fut = client.submit("ping")
+        ident, head = await server.recv_multipart()
+        rid = msgpack.unpackb(head)["id"]
+        bad = msgpack.packb({"v": PROTOCOL_VERSION, "op": "ok", "id": rid, "arrays": [{"dtype": "float32", "shape": [2]}]})
+        await server.send_multipart([ident, bad])
+        with pytest.raises(ProtocolError, match="could not be read"):
+            await asyncio.wait_for(fut, 5)
+    finally:
+        client.close()
+        server.close(linger=0)
+        ctx.term()

@@ -147,8 +147,12 @@ class ControlClient:
             self.last_heard = time.monotonic()
             try:
                 msg = decode(frames)
-            except ProtocolError:
-                continue  # a reply we cannot read has no future we could name; the request times out
+            except ProtocolError as e:  # fail the request the reply answers, if its header names it; else it times out
+                rid = _reply_id(frames)
+                fut = self._pending.pop(rid, None) if rid is not None else None
+                if fut is not None and not fut.done():
+                    fut.set_exception(ProtocolError(f"the reply from {self.address} could not be read: {e}"))
+                continue
             fut = self._pending.pop(msg.header.get("id"), None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
@@ -225,3 +229,13 @@ class ControlClient:
             pass
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
+
+
+def _reply_id(frames: Sequence[Any]) -> Any:
+    """The request id a malformed reply carries in its header, if the header itself can be read."""
+    from transport.protocol import parse_header
+
+    try:
+        return parse_header(frames[0]).get("id") if frames else None
+    except ProtocolError:
+        return None

@@ -148,6 +148,8 @@ def encode(header: dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> list[An
             a = a.astype(a.dtype.newbyteorder("<"))
         # 0-d and empty arrays still get a frame (possibly empty) so counts always match.
         payloads.append(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
+    if "arrays" in header:  # the receiver would take it for the payload frames' metadata and drop the message
+        raise ValueError("header field 'arrays' is reserved for the array frames' metadata; name the field otherwise")
     full = dict(header)
     full["v"] = PROTOCOL_VERSION
     if metas:
