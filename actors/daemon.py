@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-message-mb", type=int, default=8192, help="drop connections that send larger messages")
     p.add_argument("--server-key", default=None, help="this daemon's CURVE key pair (a *.key_secret file from `mpmd keys generate`)")
     p.add_argument("--authorized-keys", default=None, help="directory of *.key files: the controllers allowed to connect")
+    p.add_argument("--admin-key", action="append", default=[], metavar="NAME",
+                   help="an operator's key (NAME.key in --authorized-keys) that may rewire or stop this daemon whoever owns "
+                        "its job (repeatable); otherwise only the key of the job's first session may")
     p.add_argument("--keys-stdin", action="store_true", help=argparse.SUPPRESS)  # a local mesh hands ephemeral keys over a pipe
     p.add_argument("--insecure", action="store_true",
                    help="run without authentication: accept any client on any address (only on networks you trust)")
@@ -121,7 +124,9 @@ def load_security(args: argparse.Namespace) -> tuple[object | None, dict[bytes, 
         try:
             spec = json.loads(sys.stdin.readline())
             pair = KeyPair(spec["server_public"].encode(), spec["server_secret"].encode())
-            return pair, {k.encode(): v for k, v in spec["authorized"].items()}
+            authorized = {k.encode(): v for k, v in spec["authorized"].items()}
+            args.owner_keys = frozenset(authorized.values())  # a local mesh's daemons are owned by its key
+            return pair, authorized
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             fail(f"--keys-stdin: expected one JSON line with server_public, server_secret and authorized ({e})")
     if args.rendezvous and args.authorized_keys and not args.server_key and not args.insecure:
@@ -136,9 +141,16 @@ def load_security(args: argparse.Namespace) -> tuple[object | None, dict[bytes, 
         if args.insecure:
             fail("--insecure and --server-key contradict each other; drop one")
         try:
-            return KeyPair.load(args.server_key), load_authorized_keys(args.authorized_keys)
+            pair, authorized = KeyPair.load(args.server_key), load_authorized_keys(args.authorized_keys)
         except AuthKeyError as e:
             fail(str(e))
+        unknown = sorted(set(args.admin_key) - set(authorized.values()))
+        if unknown:
+            fail(f"--admin-key {', '.join(unknown)}: no such key in --authorized-keys {args.authorized_keys} (it holds "
+                 f"{sorted(authorized.values())}); an operator's public key goes there as NAME.key")
+        return pair, authorized
+    if args.admin_key:
+        fail("--admin-key names a key in --authorized-keys; a daemon without keys has no operators (every client is alike)")
     if not args.insecure and not is_loopback(args.listen):  # (the data plane is authenticated with its own keys anyway)
         fail(f"refusing to listen on {args.listen} without authentication: anyone who can reach it could read and "
                  "overwrite this job's arrays and run code here. Give the daemon keys (`mpmd keys generate DIR`, then "
@@ -199,11 +211,13 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
                           devices=len(jax.devices()))
     actor = Actor(args.actor_id, p2p, transfer_timeout=args.transfer_timeout, checker=checker,
                   compile_timeout=args.compile_timeout)
+    from actors.handlers import Ownership
+
+    actor.ownership = Ownership(secure, getattr(args, "owner_keys", frozenset()), frozenset(args.admin_key))
     actor.limits = {"request_timeout": args.request_timeout, "compile_timeout": args.compile_timeout + COMPILE_GRACE,
                     "authenticated": secure, "insecure": args.insecure}
     if p2p is not None:
-        p2p.admit = lambda key: None if key and key[0] in actor.sessions else (
-            f"no open session {key[0] if key else None!r} on actor {args.actor_id}")
+        p2p.admit = lambda key: actor.admits_transfer(key)
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # `kill -USR1 <pid>`: where is it stuck?
     stop = asyncio.Event()
     orphaned = asyncio.Event()
@@ -242,6 +256,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
             msg = decode(frames)
             req_id = msg.header.get("id")
             if msg.op == "shutdown":
+                actor.authorize_shutdown(msg, peer)  # the job's owner, or an operator, in a session of its own
                 await reply(identity.bytes, encode({"op": "reply", "id": req_id, "ok": True}))
                 stop.set()
                 return

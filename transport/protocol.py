@@ -11,9 +11,12 @@ interpreted only as the numeric dtypes in `ALLOWED_DTYPES`.
 
 Requests carry an integer ``"id"``; the reply echoes it with ``"op": "reply"`` (and ``"ok": true``) or
 ``"op": "error"`` (with ``"error"``: the exception class name, ``"message"``, ``"traceback"``). Every request
-gets its reply within the daemon's ``request_timeout`` (an error reply if need be). Requests other than
-ping, info, hello, compile, connect_peers and nccl_ids carry ``session`` (the controller's random id from
-``hello``); a session answers only the authenticated client (CURVE key) that opened it.
+gets its reply within the daemon's ``request_timeout`` (an error reply if need be). Every request but ping
+and hello carries ``session`` (the controller's random id from ``hello``); a session answers only the
+authenticated client (CURVE key) that opened it, and a request touches only its session's state. What every
+session shares (connect_peers, nccl_ids, shutdown, profile, building the device mesh) is changed only by
+the key that owns the daemon's job (the first session's key, until its last session closes; a local mesh's
+key) or an operator key (``mpmd-actor --admin-key``). A key holds at most 16 sessions per daemon.
 
 | op              | request fields                                          | reply fields                                  |
 |-----------------|---------------------------------------------------------|-----------------------------------------------|
@@ -46,7 +49,7 @@ ping, info, hello, compile, connect_peers and nccl_ids carry ``session`` (the co
 | abort           | program, step; or neither (every step of the session)  | aborted: bool, steps: int (cancels them)      |
 | stats           | -                                                       | buffers, bytes, executables, compiles, hits,  |
 |                 |                                                         | programs, requests, errors, running, p2p      |
-| shutdown        | -                                                       | - (the daemon exits after replying)           |
+| shutdown        | - (the owner's or an operator's session)                | - (the daemon exits after replying)           |
 
 Actor-to-actor data-plane messages (transport/p2p/plane.py) use the same framing, with ``src`` (sender actor
 id; when the data plane is authenticated the receiver takes the sender from its CURVE key and refuses a
