@@ -11,6 +11,10 @@ order, is what the daemon would do next — so the daemon itself only ever parse
    (``xla_python_cpu_callback``) would call into whatever Python object a pointer names,
 4. lower ``jax.jit(exp.call)`` for the blob's platforms (the rewriting the daemon's compile starts with).
 
+Between 3 and 4, every custom call's operand and result types (and kernel attributes) are checked against
+the form JAX itself writes for that kernel (`actors.signatures`): a kernel trusts them, and a LAPACK call
+whose result is smaller than its operand overwrites the heap of whoever runs it.
+
 XLA's own compile of a module that got through all four is left to the daemon (its result cannot leave a
 process without pickling); it runs in a thread with a timeout (see cache.py). The child starts in the
 background when the daemon starts, checks one blob at a time, exits after a minute without work, and is
@@ -22,7 +26,9 @@ cuSOLVER/hipSOLVER/cuSPARSE kernels, sharding markers, device placement, ``Alloc
 GPU kernel, Mosaic GPU and TPU kernels, shape assertions), which is also what exporting typical CPU and GPU
 programs uses (tests/test_security.py exports linalg, sharding, scan, RNG and convolution programs and checks
 each target they use is here). Left out on purpose: Python callbacks and ``tf.call_tf_function``, which run
-host code of the controller's choosing. ``mpmd-actor --allow-custom-call NAME`` adds one.
+host code of the controller's choosing, and Pallas kernels (``mosaic_gpu_v2``, ``tpu_custom_call``), which run device
+code of the controller's choosing that no type check can vet. ``mpmd-actor --allow-custom-call NAME`` adds one
+(trusted as it is: it has no signature in the table).
 """
 
 from __future__ import annotations
@@ -50,8 +56,7 @@ ALLOWED_CUSTOM_CALLS = frozenset({
     *_LAPACK, *_GPU,
     "cu_lu_pivots_to_permutation", "hip_lu_pivots_to_permutation", "cusparse_gtsv2_ffi",
     "cu_threefry2x32_ffi", "hip_threefry2x32_ffi",
-    "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "annotate_device_placement", "AllocateBuffer",
-    "mosaic_gpu_v2", "tpu_custom_call", "Eigh", "Qr", "ProductOfElementaryHouseholderReflectors", "LuDecomposition",
+    "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "annotate_device_placement", "AllocateBuffer", "Eigh", "Qr", "ProductOfElementaryHouseholderReflectors", "LuDecomposition",
     "ApproxTopK", "stablehlo.dynamic_approx_top_k", "stablehlo.dynamic_reduce_window", "stablehlo.dynamic_rng_bit_generator",
     "stablehlo.dynamic_top_k", "shape_assertion",
 })
@@ -213,6 +218,11 @@ class BlobChecker:
                               "which this actor does not allow (custom calls run native code by name; host callbacks "
                               "cannot work remotely). If it is a kernel you trust, start mpmd-actor with "
                               f"--allow-custom-call {bad[0]}")
+        wrong = report.get("wrong") or {}
+        checked = {t: why for t, why in wrong.items() if t in ALLOWED_CUSTOM_CALLS or t == "<unreadable>"}
+        if checked:  # (a target the operator added with --allow-custom-call has no table: it is trusted as it is)
+            target, why = next(iter(sorted(checked.items())))
+            raise BlobRefused(f"the executable was refused: {why}")
         return CheckResult(targets, tuple(report.get("platforms", ())), time.monotonic() - t)
 
     def _stop_soon(self) -> None:
@@ -241,6 +251,10 @@ def _child() -> None:
     import jax
     from jax import export
 
+    from actors.signatures import SignatureChecker, SignatureError, parse_custom_calls
+
+    signatures = SignatureChecker()
+
     def say(**report: object) -> None:
         sys.stdout.write(json.dumps(report) + "\n")
         sys.stdout.flush()
@@ -259,9 +273,19 @@ def _child() -> None:
             say(stage="reading its StableHLO")
             text = exp.mlir_module()
             targets = custom_call_targets(text)
+            say(stage="checking its custom calls' types")
+            wrong: dict[str, str] = {}
+            try:
+                for call in parse_custom_calls(text):
+                    try:
+                        signatures.check_call(call, tuple(exp.platforms))
+                    except SignatureError as e:
+                        wrong.setdefault(call.target, str(e)[:1500])
+            except SignatureError as e:
+                wrong["<unreadable>"] = str(e)[:1500]
             say(stage="lowering it")  # harmless whatever the targets: nothing runs; the parent judges them
             jax.jit(exp.call).trace(*exp.in_avals).lower(lowering_platforms=tuple(exp.platforms))
-            say(ok=True, targets=sorted(set(targets)), platforms=list(exp.platforms))
+            say(ok=True, targets=sorted(set(targets)), platforms=list(exp.platforms), wrong=wrong)
         except Exception as e:
             say(ok=False, error=f"{type(e).__name__}: {str(e)[:1000]}")
 

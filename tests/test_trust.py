@@ -127,3 +127,54 @@ def test_an_admin_key_that_is_not_authorized_stops_the_daemon_at_start(shared):
                           str(d / "server.key_secret"), "--authorized-keys", str(d / "authorized"), "--admin-key", "mallory"],
                          capture_output=True, text=True, timeout=60, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode != 0 and "--admin-key mallory: no such key" in out.stderr
+
+
+# ---- 5. a custom call's types must fit its kernel ------------------------------------------------------
+def _spotrf_blob(n_in: int, n_out: int, alias: bool = False) -> bytes:
+    """A blob whose one op is LAPACK's Cholesky kernel on an n_in x n_in operand with an n_out x n_out result
+    (what an attacker writes by hand; JAX never would unless n_in == n_out)."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    from jax import export
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+
+    exp = export.export(jax.jit(lambda x: x), platforms=["cpu"])(jax.ShapeDtypeStruct((n_in, n_in), jnp.float32))
+    aliases = (", output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [0], operand_index = 0, "
+               "operand_tuple_indices = []>]") if alias else ""
+    text = f"""module @jit_f attributes {{mhlo.num_partitions = 1 : i32, mhlo.num_replicas = 1 : i32}} {{
+  func.func public @main(%arg0: tensor<{n_in}x{n_in}xf32>) -> (tensor<{n_out}x{n_out}xf32>) {{
+    %0:2 = stablehlo.custom_call @lapack_spotrf_ffi(%arg0) {{mhlo.backend_config = {{uplo = 76 : ui8}}, mhlo.frontend_attributes = {{num_batch_dims = "0"}}, operand_layouts = [dense<[0, 1]> : tensor<2xindex>]{aliases}, result_layouts = [dense<[0, 1]> : tensor<2xindex>, dense<> : tensor<0xindex>]}} : (tensor<{n_in}x{n_in}xf32>) -> (tensor<{n_out}x{n_out}xf32>, tensor<i32>)
+    return %0#0 : tensor<{n_out}x{n_out}xf32>
+  }}
+}}"""
+    with mlir.make_ir_context():
+        code = mlir.module_to_bytecode(ir.Module.parse(text))
+    bad = dataclasses.replace(exp, mlir_module_serialized=code, out_avals=(jax.core.ShapedArray((n_out, n_out), jnp.float32),),
+                              out_shardings_hlo=(None,))
+    return bytes(bad.serialize())
+
+
+def _compile_raw(mesh, blob: bytes, rid: int = 1):
+    import hashlib
+
+    return raw_request(mesh.addresses[0], {"op": "compile", "id": rid, "session": mesh.session,
+                                           "digest": hashlib.sha256(blob).hexdigest()},
+                       keys=mesh.keys, arrays=[np.frombuffer(blob, np.uint8)], timeout_ms=120_000)
+
+
+def test_a_kernel_call_whose_result_does_not_fit_its_operand_is_refused_at_compile_naming_the_target():
+    with mpmd.RemoteMesh.local(num_actors=1) as mesh:
+        for n_in, n_out in ((64, 4), (4, 256)):
+            reply = _compile_raw(mesh, _spotrf_blob(n_in, n_out, alias=False))
+            assert reply.op == "error", reply.header
+            msg = reply.header["message"]
+            assert "'lapack_spotrf_ffi'" in msg and f"(tensor<{n_in}x{n_in}xf32>) -> (tensor<{n_out}x{n_out}xf32>, tensor<i32>)" in msg
+            assert f"JAX writes (tensor<{n_in}x{n_in}xf32>) -> (tensor<{n_in}x{n_in}xf32>, tensor<i32>)" in msg
+        assert _compile_raw(mesh, _spotrf_blob(8, 8, alias=True)).op == "reply"  # the form JAX writes is fine
+        # The daemon is alive, and a real Cholesky still runs and equals jax.jit's.
+        a = np.random.default_rng(0).standard_normal((6, 6)).astype(np.float32)
+        spd = a @ a.T + 6 * np.eye(6, dtype=np.float32)
+        got = mesh.actor(0).run(jax.jit(jax.numpy.linalg.cholesky), mesh.actor(0).put(spd)).to_numpy()
+        np.testing.assert_allclose(got, np.asarray(jax.jit(jax.numpy.linalg.cholesky)(spd)), rtol=1e-5, atol=1e-5)
