@@ -14,6 +14,7 @@ Its rooms, from the top down (a room imports only rooms below it; none imports `
 | request.py     | `RequestError` and the checked field getters every handler reads a request with             |
 | cache.py       | the executable cache: checked, bounded compiles keyed by content hash                        |
 | sandbox.py     | the compile checker: a blob is taken apart in a child process before the daemon touches it   |
+| signatures.py  | the custom-call table: each kernel's operand and result types, checked in the checker's child |
 | buffers.py     | the buffer table: buffer id -> array, or a future while it is produced or received          |
 | stream.py      | in-order execution of Runs (the order token) and the per-instruction trace of a step        |
 | spmd.py        | the actor's own device mesh, and arrays laid out over it                                     |

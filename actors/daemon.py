@@ -28,12 +28,14 @@ import faulthandler
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 
 from actors import cluster
 
-COMPILE_GRACE = 5.0  # a compile's bound is --compile-timeout plus this (its checker's start), so its own timeouts speak first
+COMPILE_GRACE = 5.0  # a compile's bound: --compile-timeout for its checks, again for XLA, plus this (a compile process's start)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,13 +66,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-message-mb", type=int, default=8192, help="drop connections that send larger messages")
     p.add_argument("--server-key", default=None, help="this daemon's CURVE key pair (a *.key_secret file from `mpmd keys generate`)")
     p.add_argument("--authorized-keys", default=None, help="directory of *.key files: the controllers allowed to connect")
+    p.add_argument("--admin-key", action="append", default=[], metavar="NAME",
+                   help="an operator's key (NAME.key in --authorized-keys) that may rewire or stop this daemon whoever owns "
+                        "its job (repeatable); otherwise only the key of the job's first session may")
     p.add_argument("--keys-stdin", action="store_true", help=argparse.SUPPRESS)  # a local mesh hands ephemeral keys over a pipe
     p.add_argument("--insecure", action="store_true",
                    help="run without authentication: accept any client on any address (only on networks you trust)")
     p.add_argument("--request-timeout", type=float, default=3600.0,
                    help="every request but compile gets its reply within this many seconds (an error reply if need be)")
     p.add_argument("--compile-timeout", type=float, default=600.0,
-                   help="seconds a compile's checks, and then its compile, may each take (the request: 5 s more)")
+                   help="seconds a compile's checks, and then its XLA compile, may each take (the request: twice this, plus 5 s); "
+                        "a compile past it is stopped (its process killed)")
+    p.add_argument("--compile-workers", type=int, default=2,
+                   help="compiles that may run at once, each in a child process stopped at --compile-timeout")
     p.add_argument("--allow-custom-call", action="append", default=[], metavar="TARGET",
                    help="also allow executables to call this custom-call target (repeatable)")
     p.add_argument("--allow-loader", action="append", default=[], metavar="MODULE:FUNCTION",
@@ -85,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cluster.resolve(args, p)  # what --slurm and --rendezvous imply (actor id, devices, addresses)
     if args.p2p == "ipc" and not args.ipc_dir:
         p.error("--p2p ipc needs --ipc-dir")
+    if args.compile_workers < 1:
+        p.error("--compile-workers must be at least 1")
     for name in ("request_timeout", "compile_timeout", "transfer_timeout"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
@@ -124,7 +134,9 @@ def load_security(args: argparse.Namespace) -> tuple[object | None, dict[bytes, 
         try:
             spec = json.loads(sys.stdin.readline())
             pair = KeyPair(spec["server_public"].encode(), spec["server_secret"].encode())
-            return pair, {k.encode(): v for k, v in spec["authorized"].items()}
+            authorized = {k.encode(): v for k, v in spec["authorized"].items()}
+            args.owner_keys = frozenset(authorized.values())  # a local mesh's daemons are owned by its key
+            return pair, authorized
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             fail(f"--keys-stdin: expected one JSON line with server_public, server_secret and authorized ({e})")
     if args.rendezvous and args.authorized_keys and not args.server_key and not args.insecure:
@@ -139,9 +151,16 @@ def load_security(args: argparse.Namespace) -> tuple[object | None, dict[bytes, 
         if args.insecure:
             fail("--insecure and --server-key contradict each other; drop one")
         try:
-            return KeyPair.load(args.server_key), load_authorized_keys(args.authorized_keys)
+            pair, authorized = KeyPair.load(args.server_key), load_authorized_keys(args.authorized_keys)
         except AuthKeyError as e:
             fail(str(e))
+        unknown = sorted(set(args.admin_key) - set(authorized.values()))
+        if unknown:
+            fail(f"--admin-key {', '.join(unknown)}: no such key in --authorized-keys {args.authorized_keys} (it holds "
+                 f"{sorted(authorized.values())}); an operator's public key goes there as NAME.key")
+        return pair, authorized
+    if args.admin_key:
+        fail("--admin-key names a key in --authorized-keys; a daemon without keys has no operators (every client is alike)")
     if not args.insecure and not is_loopback(args.listen):  # (the data plane is authenticated with its own keys anyway)
         fail(f"refusing to listen on {args.listen} without authentication: anyone who can reach it could read and "
                  "overwrite this job's arrays and run code here. Give the daemon keys (`mpmd keys generate DIR`, then "
@@ -158,13 +177,16 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     # Exported executables carry explicit dtypes, so 64-bit support only stops put() from narrowing
     # float64/int64 arrays; it changes nothing the controller lowered.
     jax.config.update("jax_enable_x64", True)
-    if args.cache_dir:
-        jax.config.update("jax_compilation_cache_dir", args.cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    # Compiles run in child processes (actors/sandbox.py) that write the executable into this compilation cache,
+    # and the daemon loads it from there: --cache-dir, or a private directory that goes when the daemon does.
+    compile_dir = args.cache_dir or tempfile.mkdtemp(prefix=f"compile-{args.actor_id}-", dir=args.mesh_dir)
+    jax.config.update("jax_compilation_cache_dir", compile_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
     from actors.handlers import Actor
     from actors.request import RequestError, format_exception
-    from actors.sandbox import ALLOWED_CUSTOM_CALLS, BlobChecker
+    from actors.sandbox import ALLOWED_CUSTOM_CALLS, BlobChecker, CheckerPool
     from transport.auth import Authenticator, KeyPair, configure_server, user_id
     from transport.control import bind_router
     from transport.p2p import DataPlane
@@ -198,15 +220,18 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
                         tcp=args.p2p == "tcp", max_message_bytes=max_bytes,
                         limits=ArrivalLimits(args.max_unclaimed, args.max_unclaimed_mb * 1024 * 1024))
         await p2p.start()
-    checker = BlobChecker(ALLOWED_CUSTOM_CALLS | frozenset(args.allow_custom_call), timeout=args.compile_timeout,
-                          devices=len(jax.devices()))
+    checker = CheckerPool([BlobChecker(ALLOWED_CUSTOM_CALLS | frozenset(args.allow_custom_call), timeout=args.compile_timeout,
+                                       devices=len(jax.devices())) for _ in range(args.compile_workers)])
+    checker.compile_dir = compile_dir
     actor = Actor(args.actor_id, p2p, transfer_timeout=args.transfer_timeout, checker=checker,
                   compile_timeout=args.compile_timeout, loaders=args.allow_loader)
-    actor.limits = {"request_timeout": args.request_timeout, "compile_timeout": args.compile_timeout + COMPILE_GRACE,
+    from actors.handlers import Ownership
+
+    actor.ownership = Ownership(secure, getattr(args, "owner_keys", frozenset()), frozenset(args.admin_key))
+    actor.limits = {"request_timeout": args.request_timeout, "compile_timeout": 2 * args.compile_timeout + COMPILE_GRACE,
                     "authenticated": secure, "insecure": args.insecure}
     if p2p is not None:
-        p2p.admit = lambda key: None if key and key[0] in actor.sessions else (
-            f"no open session {key[0] if key else None!r} on actor {args.actor_id}")
+        p2p.admit = lambda key: actor.admits_transfer(key)
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # `kill -USR1 <pid>`: where is it stuck?
     stop = asyncio.Event()
     orphaned = asyncio.Event()
@@ -223,7 +248,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     async def answer(msg, peer: str | None) -> tuple[dict, list]:
         """Run one request's handler within the request bound; a handler that is still busy then is cancelled
         (failing what it reserved) and the request gets an error instead."""
-        bound, flag = ((args.compile_timeout + COMPILE_GRACE, "--compile-timeout") if msg.op == "compile"
+        bound, flag = ((2 * args.compile_timeout + COMPILE_GRACE, "--compile-timeout") if msg.op == "compile"
                        else (args.request_timeout, "--request-timeout"))
         deadline = asyncio.timeout(bound)
         try:
@@ -245,6 +270,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
             msg = decode(frames)
             req_id = msg.header.get("id")
             if msg.op == "shutdown":
+                actor.authorize_shutdown(msg, peer)  # the job's owner, or an operator, in a session of its own
                 await reply(identity.bytes, encode({"op": "reply", "id": req_id, "ok": True}))
                 stop.set()
                 return
@@ -305,6 +331,8 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         t.cancel()
     await asyncio.sleep(0)
     checker.close()
+    if not args.cache_dir:
+        shutil.rmtree(compile_dir, ignore_errors=True)
     if p2p is not None:
         p2p.close()
     sock.close(linger=0)
@@ -407,6 +435,13 @@ def _running(pid: int) -> bool:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     server_pair, authorized = load_security(args)
+    if args.cache_dir and os.path.exists(args.cache_dir):  # the daemon loads compiled machine code from it
+        from transport.auth import AuthKeyError, check_safe_path
+
+        try:
+            check_safe_path(args.cache_dir, "--cache-dir")
+        except AuthKeyError as e:
+            raise SystemExit(f"mpmd-actor: {e} (the daemon runs the executables it finds there)") from None
     configure_environment(args)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format=f"[actor {args.actor_id}] %(levelname)s %(name)s: %(message)s")
     profile_to = os.environ.get("MPMD_ACTOR_PROFILE")  # a path prefix: cProfile the event loop thread into <prefix>.<id>

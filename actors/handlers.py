@@ -53,6 +53,7 @@ class Session:
         self.buffers = BufferTable(f"actor {actor_id} (session {session_id:x})")
         self.programs: dict[int, dict[str, Any]] = {}
         self.running: dict[tuple[int, int], asyncio.Task[Any]] = {}
+        self.executables: set[str] = set()  # the executables this session compiled: the only ones it may run
         self.last_step_peak_bytes = 0  # most bytes a step's own buffer table held at once (last finished step)
         self.inputs = InputSegments(actor_id)  # step arguments its controller hands over in shared memory
 
@@ -64,8 +65,33 @@ class Session:
         self.inputs.close()
 
 
-SESSIONLESS = frozenset({"ping", "info", "hello", "compile", "connect_peers", "nccl_ids"})
-MAX_SESSIONS = 64
+SESSIONLESS = frozenset({"ping", "hello"})
+# Ops that change what every session on this daemon shares (its data-plane wiring, its process, its profiler,
+# its device mesh): only the key that owns the daemon's job, or an operator (--admin-key), may send them.
+GOVERNING = frozenset({"connect_peers", "nccl_ids", "shutdown", "profile"})
+MAX_SESSIONS = 64  # sessions of keys other than the owner's and the operators' (they cannot be locked out)
+MAX_SESSIONS_PER_KEY = 16
+
+
+class Ownership:
+    """Who may change a daemon's shared resources. The owner is the key of the daemon's job: fixed at start
+    (a local mesh's key), or else the key that opens the first session, until its last session closes.
+    Operators (`--admin-key`) always may. Without authentication every client is the same identity."""
+
+    def __init__(self, authenticated: bool, owners: frozenset[str] = frozenset(), admins: frozenset[str] = frozenset()) -> None:
+        self.authenticated = authenticated
+        self.fixed = owners
+        self.admins = admins
+        self.owner: str | None = None  # the first session's key, while it has a session here
+
+    def governs(self, peer: str | None) -> bool:
+        if not self.authenticated:
+            return True
+        return peer is not None and (peer in self.admins or peer in self.fixed or (not self.fixed and peer == self.owner))
+
+    def describe(self) -> str:
+        owner = ", ".join(sorted(self.fixed)) if self.fixed else (self.owner or "nobody yet")
+        return f"owned by key {owner!r}" + (f"; operators {sorted(self.admins)}" if self.admins else "")
 
 
 class Actor:
@@ -85,6 +111,7 @@ class Actor:
         self.transfers = Transfers(actor_id, self.device, self.cache, p2p, transfer_timeout)
         self.interpreter = Interpreter(self.stream, self.cache, self.transfers)
         self.sessions: dict[int, Session] = {}
+        self.ownership = Ownership(authenticated=False)  # the daemon sets the real one (its keys, --admin-key)
         self.requests = 0
         self.errors = 0
         self.limits: dict[str, Any] = {}  # the daemon's bounds (request and compile timeouts), reported by `info`
@@ -131,25 +158,60 @@ class Actor:
             **self.limits,
         }, []
 
+    def _refuse_unless_governing(self, op: str, peer: str | None) -> None:
+        if not self.ownership.governs(peer):
+            raise RequestError(f"'{op}' changes what every session on actor {self.actor_id} shares (its data-plane wiring, "
+                               f"its process, its profiler or its device mesh), so only the key that owns the daemon's job "
+                               f"or an operator may send it; this daemon is {self.ownership.describe()}, and the request came "
+                               f"from key {peer!r}. Use daemons of your own, or ask their operator (mpmd-actor --admin-key)")
+
+    def admits_transfer(self, key: tuple[int, ...]) -> str | None:
+        """Why a data-plane arrival keyed `key` (session first) is not welcome here, or None."""
+        ses = self.sessions.get(key[0]) if key else None
+        if ses is None:
+            return f"no open session {key[0] if key else None!r} on actor {self.actor_id}"
+        if not self.ownership.governs(ses.owner):
+            return f"session {key[0]:x} on actor {self.actor_id} is not the job that owns its data plane"
+        return None
+
+    def authorize_shutdown(self, msg: Message, peer: str | None) -> None:
+        """Raise unless `peer` may stop this daemon (in an open session of its own, as the owner or an operator)."""
+        self._session_of(msg, peer)
+        self._refuse_unless_governing("shutdown", peer)
+
     async def hello(self, ses: Session | None, msg: Message, peer: str | None = None) -> tuple[dict, list]:
         """Open a session for a controller (its id is the controller's random choice); reply with `info`."""
         sid = field(msg, "session", int)
         if sid in self.sessions:
             raise RequestError(f"session {sid:x} is already open on actor {self.actor_id}; each controller picks a fresh id")
-        if len(self.sessions) >= MAX_SESSIONS:
-            raise RequestError(f"actor {self.actor_id} already serves {len(self.sessions)} sessions (the limit); close a mesh first")
-        mesh = msg.header.get("mesh")
-        if mesh is not None:
-            self._set_mesh(mesh)
+        own = sum(s.owner == peer for s in self.sessions.values())
+        if own >= MAX_SESSIONS_PER_KEY:
+            raise RequestError(f"key {peer!r} already holds {own} sessions on actor {self.actor_id} (the limit per key); close "
+                               "a mesh (mesh.close()) first")
+        claims = self.ownership.authenticated and not self.ownership.fixed and self.ownership.owner is None
+        if claims:
+            self.ownership.owner = peer  # the first session's key owns the daemon's job until its last session closes
+        try:
+            shared = sum(not self.ownership.governs(s.owner) for s in self.sessions.values())
+            if not self.ownership.governs(peer) and shared >= MAX_SESSIONS:
+                raise RequestError(f"actor {self.actor_id} already serves {shared} sessions of keys that do not own it (the "
+                                   "limit); close a mesh first")
+            mesh = msg.header.get("mesh")
+            if mesh is not None:
+                self._set_mesh(mesh, peer)
+        except BaseException:
+            if claims:
+                self.ownership.owner = None
+            raise
         self.sessions[sid] = Session(sid, self.actor_id, peer)
         return await self.info(None, msg)
 
     async def mesh(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         """Build this actor's device mesh (or check it is the one already built)."""
-        self._set_mesh(field(msg, "mesh", dict))
+        self._set_mesh(field(msg, "mesh", dict), ses.owner)
         return {"mesh": {"shape": list(self.cache.mesh.devices.shape), "axis_names": list(self.cache.mesh.axis_names)}}, []
 
-    def _set_mesh(self, wire: Any) -> None:
+    def _set_mesh(self, wire: Any, peer: str | None) -> None:
         """Build this actor's device mesh ({shape, axis_names}); every session must ask for the same one."""
         if not isinstance(wire, dict) or not isinstance(wire.get("shape"), list) or not isinstance(wire.get("axis_names"), list):
             raise RequestError("'hello' field 'mesh' must be {shape: [int], axis_names: [str]}")
@@ -162,6 +224,7 @@ class Actor:
                 raise RequestError(f"actor {self.actor_id} already runs a device mesh {dict(zip(have.axis_names, have.devices.shape))} "
                                    f"for another session; it cannot also be {dict(zip(names, shape))}")
             return
+        self._refuse_unless_governing("mesh", peer)  # building the daemon's one device mesh is the owner's choice
         try:
             self.cache.mesh = spmd.build_mesh(jax.devices(), shape, names)
         except ValueError as e:
@@ -173,6 +236,8 @@ class Actor:
         assert ses is not None
         self.sessions.pop(ses.id, None)
         ses.close()
+        if self.ownership.owner == ses.owner and not any(s.owner == ses.owner for s in self.sessions.values()):
+            self.ownership.owner = None  # its job is over: the next session's key owns the daemon
         if self.profile_state.session == ses.id:
             profiler.stop_quietly(self)
         if self.p2p is not None:
@@ -206,7 +271,14 @@ class Actor:
 
     async def hlo(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         """The optimized HLO text of a compiled executable (what XLA made of it: collectives, fusions)."""
-        return {"text": self.cache.get(field(msg, "exe", str)).as_text()}, []
+        return {"text": self._executable(ses, field(msg, "exe", str)).as_text()}, []
+
+    def _executable(self, ses: Session, key: str) -> Any:
+        """An executable this session compiled (another session's are not its to run, or to learn of)."""
+        if key not in ses.executables:
+            raise RequestError(f"no executable {key!r} in this session on actor {self.actor_id} ({len(ses.executables)} "
+                               "compiled by it); send it with 'compile' first")
+        return self.cache.get(key)
 
     async def get(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         """One buffer (`buf`) or several (`bufs`), each as an array frame, once computed."""
@@ -240,13 +312,15 @@ class Actor:
         if (in_layouts is not None or out_layouts is not None) and self.cache.mesh is None:
             raise RequestError(f"actor {self.actor_id} has no device mesh: layouts need a mesh (RemoteMesh(..., mesh_shape=...))")
         key, cached = await self.cache.compile(msg.arrays[0].data, digest, tuple(donate), in_layouts, out_layouts)
+        cached = cached and key in ses.executables  # (whether another session compiled it is not this one's business)
+        ses.executables.add(key)
         reply: dict[str, Any] = {"exe": key, "cached": cached}
         if in_layouts is not None:
             reply["out_layouts"] = self.cache.out_layouts(key)
         return reply, []
 
     async def run(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
-        exe = self.cache.get(field(msg, "exe", str))
+        exe = self._executable(ses, field(msg, "exe", str))
         inputs, outputs = int_list(msg, "inputs"), int_list(msg, "outputs")
         if set(inputs) & set(outputs) or len(set(outputs)) != len(outputs):
             raise RequestError(f"'run': an output buffer id is also an input or given twice (inputs {inputs}, outputs {outputs})")
@@ -268,24 +342,24 @@ class Actor:
 
     async def stats(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         assert ses is not None
-        return {
+        mine = {
             "buffers": len(ses.buffers),
             "bytes": ses.buffers.nbytes,
-            "executables": len(self.cache),
-            "compiles": self.cache.compiles,
-            "hits": self.cache.hits,
+            "executables": len(ses.executables),
             "programs": len(ses.programs),
-            "requests": self.requests,
-            "errors": self.errors,
             "running": len(ses.running),
             "last_step_peak_bytes": ses.last_step_peak_bytes,
             "shm_inputs": ses.inputs.reads,
             "loader_calls": self.loaders.calls,
             "shm_input_bytes": ses.inputs.bytes,
             "device_bytes": spmd.per_device_bytes(ses.buffers.values(), self.cache.mesh, self.device),
-            "sessions": len(self.sessions),
-            "p2p": self.p2p.stats() if self.p2p is not None else None,
-        }, []
+            "p2p": None,
+        }
+        if self.ownership.governs(ses.owner):  # what the daemon does for every session: its owner's and operators' to see
+            mine.update({"executables": len(self.cache), "compiles": self.cache.compiles, "hits": self.cache.hits,
+                         "requests": self.requests, "errors": self.errors, "sessions": len(self.sessions),
+                         "p2p": self.p2p.stats() if self.p2p is not None else None})
+        return mine, []
 
     async def connect_peers(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         if self.p2p is None:
@@ -324,10 +398,16 @@ class Actor:
             raise RequestError(f"'load_program': {e}") from None
         for ins in prog.instructions:
             if isinstance(ins, Run):
-                self.cache.get(ins.exe)  # every executable must be compiled before the program arrives
+                self._executable(ses, ins.exe)  # every executable must be compiled (by this session) before the program
+            elif isinstance(ins, (Send, Recv)) and not self.ownership.governs(ses.owner):
+                raise RequestError(self._not_wired(ses))
         prog.consts = {b: self._to_device(a) for b, a in prog.consts.items()}
         ses.programs[pid] = prog
         return {"program": pid}, []
+
+    def _not_wired(self, ses: Session) -> str:
+        return (f"actor {self.actor_id}'s data plane is wired for the job of another key ({self.ownership.describe()}); "
+                f"key {ses.owner!r} may run single-actor programs here, but not send or receive between actors")
 
     async def run_program(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         pid, step = field(msg, "program", int), field(msg, "step", int)
@@ -366,6 +446,8 @@ class Actor:
             raise RequestError(f"'run_program' prologue: {e}") from None
         if any(not isinstance(i, (Send, Recv)) for i in prologue):
             raise RequestError("a prologue holds only send and recv instructions")
+        if prologue and not self.ownership.governs(ses.owner):
+            raise RequestError(self._not_wired(ses))
         received = {i.buf for i in prologue if isinstance(i, Recv)}  # copied in from other actors, then read as inputs
         clash = set(outputs) & (set(inputs) | received)
         if clash or len(set(outputs)) != len(outputs):
@@ -467,16 +549,19 @@ class Actor:
             raise RequestError(f"unknown op {msg.op!r}; this actor serves {sorted(self.handlers)}")
         if msg.op == "hello":
             return await self.hello(None, msg, peer)
-        ses = None
-        if msg.op not in SESSIONLESS:
-            sid = msg.header.get("session")
-            ses = self.sessions.get(sid) if isinstance(sid, int) else None
-            if ses is not None and ses.owner != peer:
-                ses = None  # another client's session: as if it did not exist
-            if ses is None:
-                raise RequestError(f"'{msg.op}' needs an open session (got session {sid!r}); a controller opens one with "
-                                   f"'hello' when it connects ({len(self.sessions)} open on actor {self.actor_id})")
+        ses = None if msg.op in SESSIONLESS else self._session_of(msg, peer)
+        if msg.op in GOVERNING:
+            self._refuse_unless_governing(msg.op, peer)
         return await handler(ses, msg)
 
+    def _session_of(self, msg: Message, peer: str | None) -> Session:
+        """The open session a request names, if the key that sent it opened it."""
+        sid = msg.header.get("session")
+        ses = self.sessions.get(sid) if isinstance(sid, int) and not isinstance(sid, bool) else None
+        if ses is None or ses.owner != peer:  # another client's session: as if it did not exist
+            raise RequestError(f"'{msg.op}' needs an open session (got session {sid!r}); a controller opens one with "
+                               f"'hello' when it connects")
+        return ses
 
-__all__ = ["Actor", "Session"]
+
+__all__ = ["Actor", "Ownership", "Session"]

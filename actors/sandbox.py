@@ -11,6 +11,10 @@ order, is what the daemon would do next — so the daemon itself only ever parse
    (``xla_python_cpu_callback``) would call into whatever Python object a pointer names,
 4. lower ``jax.jit(exp.call)`` for the blob's platforms (the rewriting the daemon's compile starts with).
 
+Between 3 and 4, every custom call's operand and result types (and kernel attributes) are checked against
+the form JAX itself writes for that kernel (`actors.signatures`): a kernel trusts them, and a LAPACK call
+whose result is smaller than its operand overwrites the heap of whoever runs it.
+
 XLA's own compile of a module that got through all four is left to the daemon (its result cannot leave a
 process without pickling); it runs in a thread with a timeout (see cache.py). The child starts in the
 background when the daemon starts, checks one blob at a time, exits after a minute without work, and is
@@ -22,7 +26,9 @@ cuSOLVER/hipSOLVER/cuSPARSE kernels, sharding markers, device placement, ``Alloc
 GPU kernel, Mosaic GPU and TPU kernels, shape assertions), which is also what exporting typical CPU and GPU
 programs uses (tests/test_security.py exports linalg, sharding, scan, RNG and convolution programs and checks
 each target they use is here). Left out on purpose: Python callbacks and ``tf.call_tf_function``, which run
-host code of the controller's choosing. ``mpmd-actor --allow-custom-call NAME`` adds one.
+host code of the controller's choosing, and Pallas kernels (``mosaic_gpu_v2``, ``tpu_custom_call``), which run device
+code of the controller's choosing that no type check can vet. ``mpmd-actor --allow-custom-call NAME`` adds one
+(trusted as it is: it has no signature in the table).
 """
 
 from __future__ import annotations
@@ -37,8 +43,10 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +58,7 @@ ALLOWED_CUSTOM_CALLS = frozenset({
     *_LAPACK, *_GPU,
     "cu_lu_pivots_to_permutation", "hip_lu_pivots_to_permutation", "cusparse_gtsv2_ffi",
     "cu_threefry2x32_ffi", "hip_threefry2x32_ffi",
-    "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "annotate_device_placement", "AllocateBuffer",
-    "mosaic_gpu_v2", "tpu_custom_call", "Eigh", "Qr", "ProductOfElementaryHouseholderReflectors", "LuDecomposition",
+    "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "annotate_device_placement", "AllocateBuffer", "Eigh", "Qr", "ProductOfElementaryHouseholderReflectors", "LuDecomposition",
     "ApproxTopK", "stablehlo.dynamic_approx_top_k", "stablehlo.dynamic_reduce_window", "stablehlo.dynamic_rng_bit_generator",
     "stablehlo.dynamic_top_k", "shape_assertion",
 })
@@ -101,7 +108,11 @@ class BlobChecker:
         self.timeout = timeout
         self.idle = idle
         self.devices = devices
+        self.compile_dir: str | None = None  # the persistent compilation cache the child compiles into (None: no child compiles)
         self._proc: subprocess.Popen[bytes] | None = None
+        # Its own threads (starting the child, reading its pipe): a compile never waits for, nor holds, a thread that
+        # other requests (get, save, run) need from the event loop's default pool.
+        self._threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="compile-checker")
         self._lock = asyncio.Lock()
         self._idler: asyncio.TimerHandle | None = None
         self._stage = ""
@@ -113,7 +124,7 @@ class BlobChecker:
     async def start(self) -> None:
         """Start the child now (it takes about a second to import JAX) so the first compile does not wait."""
         async with self._lock:
-            await asyncio.to_thread(self._ensure)
+            await self._in_thread(self._ensure)
             if self._idler is not None:
                 self._idler.cancel()
             self._idler = asyncio.get_running_loop().call_later(self.idle, self._stop_soon)
@@ -130,8 +141,9 @@ class BlobChecker:
         env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
         env.pop("CUDA_VISIBLE_DEVICES", None)
         flags = env.get("XLA_FLAGS", "")
-        if "xla_force_host_platform_device_count" not in flags:  # sharded blobs lower only with as many devices
+        if self.devices > 1 and "xla_force_host_platform_device_count" not in flags:  # sharded blobs lower only with as many devices
             env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={self.devices}".strip()
+        # (otherwise the child's XLA flags are the daemon's own: they are part of the compilation cache's key)
         proc = subprocess.Popen([sys.executable, "-m", "actors.sandbox"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, env=env, start_new_session=True)
         assert proc.stdout is not None
@@ -143,14 +155,23 @@ class BlobChecker:
         self._proc = proc
         return proc
 
-    async def check(self, blob: bytes) -> CheckResult:
-        """Take `blob` apart in the child; raises BlobRefused naming what was wrong."""
+    async def _in_thread(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
+
+    async def check(self, blob: bytes, compile_spec: dict[str, Any] | None = None) -> CheckResult:
+        """Take `blob` apart in the child; raises BlobRefused naming what was wrong. With `compile_spec` (and a
+        `compile_dir`), the child then compiles it into the persistent compilation cache, so that the daemon's own
+        compile only loads the result: a compile past the timeout is stopped by killing the child, which frees its
+        cores at once (a compile thread in the daemon could not be stopped)."""
         async with self._lock:
             if self._idler is not None:
                 self._idler.cancel()
             self.checks += 1
             try:
-                return await self._check(blob)
+                result = await self._check(blob)
+                if compile_spec is not None and self.compile_dir is not None:
+                    await self._compile(compile_spec)
+                return result
             except BlobRefused:
                 # A reader that choked on bad bytes without crashing may be left corrupt (fuzzing saw later,
                 # harmless blobs hang in such a process): the next blob gets a fresh child.
@@ -158,19 +179,52 @@ class BlobChecker:
                 self._kill()
                 self._prewarm = asyncio.get_running_loop().create_task(self._start_quietly())  # the next one starts now
                 raise
+            except asyncio.CancelledError:  # (its child was killed) the next compile should not wait for a start
+                self._prewarm = asyncio.get_running_loop().create_task(self._start_quietly())
+                raise
             finally:
                 self._idler = asyncio.get_running_loop().call_later(self.idle, self._stop_soon)
 
-    def _exchange(self, proc: subprocess.Popen[bytes], blob: bytes) -> dict | None:
+    async def _compile(self, spec: dict[str, Any]) -> None:
+        proc = self._proc
+        if proc is None:
+            raise BlobRefused("the compile checker went away before compiling the executable; send it again")
+        payload = b"C" + json.dumps({**spec, "cache_dir": self.compile_dir}).encode()
+        exchange = asyncio.ensure_future(self._in_thread(self._exchange, proc, payload, "compiling it"))
+        try:
+            done, _ = await asyncio.wait({exchange}, timeout=self.timeout)
+        except asyncio.CancelledError:  # the request gave up: stop the compile now, not when XLA is done
+            self._kill()
+            raise
+        if not done:
+            self._kill()
+            await asyncio.wait({exchange})
+            self.restarts += 1
+            raise BlobRefused(f"the executable did not compile within {self.timeout:g} s (mpmd-actor --compile-timeout); its "
+                              "compile was stopped (the process compiling it was killed, so it uses no cores now). Split the "
+                              "stage, or start mpmd-actor with a longer --compile-timeout")
+        report = exchange.result()
+        if report is None:
+            code = await self._in_thread(proc.wait)
+            self._proc = None
+            self.restarts += 1
+            raise BlobRefused(f"the executable was refused: it crashed XLA's compiler ({_EXIT_NAMES.get(code, f'exit code {code}')}) "
+                              "in the compile process; the daemon is unaffected")
+        if not report.get("ok"):
+            raise BlobRefused(f"the executable did not compile: {report.get('error', 'unknown error')}")
+
+    def _exchange(self, proc: subprocess.Popen[bytes], blob: bytes, stage: str = "deserializing it") -> dict | None:
         """Send the blob, read the child's reports; the verdict, or None if the child died (runs in a thread)."""
         assert proc.stdin is not None and proc.stdout is not None
         self._stage = "sending it"
+        if not blob.startswith(b"C"):
+            blob = b"B" + blob
         try:
             proc.stdin.write(struct.pack("<Q", len(blob)) + blob)
             proc.stdin.flush()
         except (BrokenPipeError, OSError):
             return None
-        self._stage = "deserializing it"
+        self._stage = stage
         while True:
             line = proc.stdout.readline()
             if not line:
@@ -182,8 +236,8 @@ class BlobChecker:
 
     async def _check(self, blob: bytes) -> CheckResult:
         t = time.monotonic()
-        proc = await asyncio.to_thread(self._ensure)
-        exchange = asyncio.ensure_future(asyncio.to_thread(self._exchange, proc, blob))
+        proc = await self._in_thread(self._ensure)
+        exchange = asyncio.ensure_future(self._in_thread(self._exchange, proc, blob))
         try:
             done, _ = await asyncio.wait({exchange}, timeout=self.timeout)
         except asyncio.CancelledError:  # the request gave up: the child's state is unknown, so it goes
@@ -198,7 +252,7 @@ class BlobChecker:
                               "too short for it")
         report = exchange.result()
         if report is None:
-            code = await asyncio.to_thread(proc.wait)
+            code = await self._in_thread(proc.wait)
             self._proc = None
             self.restarts += 1
             how = _EXIT_NAMES.get(code, f"exit code {code}")
@@ -213,6 +267,11 @@ class BlobChecker:
                               "which this actor does not allow (custom calls run native code by name; host callbacks "
                               "cannot work remotely). If it is a kernel you trust, start mpmd-actor with "
                               f"--allow-custom-call {bad[0]}")
+        wrong = report.get("wrong") or {}
+        checked = {t: why for t, why in wrong.items() if t in ALLOWED_CUSTOM_CALLS or t == "<unreadable>"}
+        if checked:  # (a target the operator added with --allow-custom-call has no table: it is trusted as it is)
+            target, why = next(iter(sorted(checked.items())))
+            raise BlobRefused(f"the executable was refused: {why}")
         return CheckResult(targets, tuple(report.get("platforms", ())), time.monotonic() - t)
 
     def _stop_soon(self) -> None:
@@ -234,12 +293,81 @@ class BlobChecker:
         if self._prewarm is not None:
             self._prewarm.cancel()
         self._kill()
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+
+class CheckerPool:
+    """A few checkers (child processes), each checking and compiling one blob at a time: one slow compile
+    does not hold up the others, and every compile is bounded and stoppable."""
+
+    def __init__(self, checkers: Sequence[BlobChecker]) -> None:
+        self.checkers = list(checkers)
+        self._free: asyncio.Queue[BlobChecker] | None = None
+
+    @property
+    def compile_dir(self) -> str | None:
+        return self.checkers[0].compile_dir
+
+    @compile_dir.setter
+    def compile_dir(self, path: str | None) -> None:
+        for c in self.checkers:
+            c.compile_dir = path
+
+    async def check(self, blob: bytes, compile_spec: dict[str, Any] | None = None) -> CheckResult:
+        if self._free is None:
+            self._free = asyncio.Queue()
+            for c in self.checkers:
+                self._free.put_nowait(c)
+        checker = await self._free.get()
+        try:
+            return await checker.check(blob, compile_spec)
+        finally:
+            self._free.put_nowait(checker)
+
+    async def start(self) -> None:
+        """Start the first child now (the others start when two compiles overlap)."""
+        await self.checkers[0].start()
+
+    def close(self) -> None:
+        for c in self.checkers:
+            c.close()
+
+
+def build_executable(exp: Any, donate: tuple[int, ...], in_layouts: list | None, out_layouts: list | None, mesh: Any,
+                     device: Any, ordered: bool) -> Any:
+    """Compile a deserialized export as the daemon runs it: on `mesh` (None: one device) with its inputs laid out as
+    `in_layouts`, inputs `donate`d, and (`ordered`) an order token first. The daemon and the compile child run this
+    same function, so that the child's compile is the one the daemon then finds in the compilation cache."""
+    import jax
+
+    from actors import spmd
+    from actors.stream import TOKEN_AVAL
+    from actors.stream import ordered as with_token
+
+    fn, avals = exp.call, list(exp.in_avals)
+    kwargs: dict[str, Any] = {}
+    if mesh is not None:  # on a device mesh every input has a layout (replicated unless said otherwise)
+        shard = lambda w: spmd.sharding_of(mesh, spmd.spec_from_wire(w), device)  # noqa: E731
+        kwargs["in_shardings"] = tuple(shard(w) for w in (in_layouts if in_layouts is not None else [None] * len(avals)))
+        if out_layouts is not None and any(w is not None for w in out_layouts):
+            kwargs["out_shardings"] = tuple(None if w is None else shard(w) for w in out_layouts)  # None: XLA chooses
+    if ordered:
+        fn, avals, donate = with_token(fn), [TOKEN_AVAL, *avals], tuple(d + 1 for d in donate)
+        for name in ("in_shardings", "out_shardings"):
+            if name in kwargs:
+                kwargs[name] = (spmd.sharding_of(mesh, None, device), *kwargs[name])
+    with jax.default_device(device):
+        return jax.jit(fn, donate_argnums=donate, **kwargs).lower(*avals).compile()
 
 
 def _child() -> None:
     """The child's loop: 8-byte length, blob in; JSON lines out (stage reports, then the verdict)."""
     import jax
     from jax import export
+
+    from actors.signatures import SignatureChecker, SignatureError, parse_custom_calls
+
+    signatures = SignatureChecker()
 
     def say(**report: object) -> None:
         sys.stdout.write(json.dumps(report) + "\n")
@@ -248,22 +376,63 @@ def _child() -> None:
     inp = sys.stdin.buffer
     sys.stdout.write("READY\n")
     sys.stdout.flush()
+    exp: Any = None  # the last blob that passed its checks: the one a compile command compiles
+    jax.config.update("jax_enable_x64", True)  # as the daemon runs (it is part of the compilation cache's key)
     while True:
         head = inp.read(8)
         if len(head) < 8:
             return
         (n,) = struct.unpack("<Q", head)
-        blob = inp.read(n)
+        message = inp.read(n)
+        kind, blob = message[:1], message[1:]
+        if kind == b"C":
+            try:
+                _compile_in_child(exp, json.loads(blob))
+                say(ok=True)
+            except Exception as e:
+                say(ok=False, error=f"{type(e).__name__}: {str(e)[:1000]}")
+            continue
+        exp = None
         try:
             exp = export.deserialize(bytearray(blob))
             say(stage="reading its StableHLO")
             text = exp.mlir_module()
             targets = custom_call_targets(text)
+            say(stage="checking its custom calls' types")
+            wrong: dict[str, str] = {}
+            try:
+                for call in parse_custom_calls(text):
+                    try:
+                        signatures.check_call(call, tuple(exp.platforms))
+                    except SignatureError as e:
+                        wrong.setdefault(call.target, str(e)[:1500])
+            except SignatureError as e:
+                wrong["<unreadable>"] = str(e)[:1500]
             say(stage="lowering it")  # harmless whatever the targets: nothing runs; the parent judges them
             jax.jit(exp.call).trace(*exp.in_avals).lower(lowering_platforms=tuple(exp.platforms))
-            say(ok=True, targets=sorted(set(targets)), platforms=list(exp.platforms))
+            say(ok=True, targets=sorted(set(targets)), platforms=list(exp.platforms), wrong=wrong)
         except Exception as e:
+            exp = None
             say(ok=False, error=f"{type(e).__name__}: {str(e)[:1000]}")
+
+
+def _compile_in_child(exp: Any, spec: dict[str, Any]) -> None:
+    """Compile the checked export `exp` as the daemon will (`spec`: donate, layouts, mesh, ordered) into the
+    persistent compilation cache at spec["cache_dir"]."""
+    import jax
+
+    from actors import spmd
+
+    if exp is None:
+        raise ValueError("no checked blob to compile")
+    jax.config.update("jax_compilation_cache_dir", spec["cache_dir"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    mesh = spec.get("mesh")
+    device = jax.devices()[0]
+    built = spmd.build_mesh(jax.devices(), mesh["shape"], mesh["axis_names"]) if mesh else None
+    build_executable(exp, tuple(spec.get("donate", ())), spec.get("in_layouts"), spec.get("out_layouts"), built, device,
+                     bool(spec.get("ordered")))
 
 
 if __name__ == "__main__":

@@ -338,7 +338,7 @@ def _stage_blob() -> bytes:
 
 
 def _compile_all(t, blobs) -> list:
-    reqs = [({"op": "compile", "id": i + 1, "digest": hashlib.sha256(b).hexdigest()}, [np.frombuffer(b, np.uint8)])
+    reqs = [({"op": "compile", "id": i + 1, "session": t.mesh.session, "digest": hashlib.sha256(b).hexdigest()}, [np.frombuffer(b, np.uint8)])
             for i, b in enumerate(blobs)]
     s = dealer(t.address, t.keys, timeout_ms=60_000)  # each compile is bounded by --compile-timeout 2 s
     replies = []

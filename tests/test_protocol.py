@@ -68,16 +68,6 @@ def test_object_arrays_cannot_be_encoded():
         encode({"op": "x"}, [np.array([object()])])
 
 
-def test_a_header_field_named_arrays_is_refused_at_encoding():
-    """`arrays` is the frames' metadata: a field of that name would make the receiver drop the message."""
-    import pytest
-
-    from transport.protocol import encode
-
-    with pytest.raises(ValueError, match="reserved"):
-        encode({"op": "x", "arrays": [1, 2]}, [])
-
-
 async def test_an_unreadable_reply_fails_its_request_at_once_instead_of_hanging(tmp_path):
     """A real ZeroMQ server answers with a header that announces an array but sends no frame: the request that
     reply names fails with the reason (it used to be dropped, leaving the request waiting forever)."""

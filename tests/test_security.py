@@ -16,6 +16,7 @@ from jax import export
 
 import mpmd
 from actors.sandbox import ALLOWED_CUSTOM_CALLS, custom_call_targets
+from actors.signatures import SignatureChecker
 from mpmd import keys_cli
 from mpmd.compiler.program import Label, Program, Recv
 from mpmd.runtime.controller import ActorAuthError
@@ -311,6 +312,7 @@ def test_the_custom_calls_of_typical_cpu_and_gpu_programs_are_allowed():
     }
     cpu_only = {"eig": (jnp.linalg.eig, [m]), "schur": (jsl.schur, [m]), "hessenberg": (jsl.hessenberg, [m])}
     seen = set()
+    signatures = SignatureChecker()
     x64 = jax.config.jax_enable_x64
     jax.config.update("jax_enable_x64", True)
     try:
@@ -320,6 +322,7 @@ def test_the_custom_calls_of_typical_cpu_and_gpu_programs_are_allowed():
                 for target in custom_call_targets(text):
                     assert target in ALLOWED_CUSTOM_CALLS, f"{platform} {name} uses {target!r}"
                     seen.add(target)
+                signatures.check(text, (platform,))  # and each call has the types its kernel's table expects
     finally:
         jax.config.update("jax_enable_x64", x64)
     assert {"lapack_spotrf_ffi", "lapack_dsyevd_ffi", "cusolver_potrf_ffi", "cusolver_getrf_ffi"} <= seen

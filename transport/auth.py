@@ -17,8 +17,15 @@ Who holds which key:
   pipe, so it is authenticated with no user action and no key ever touches the disk.
 
 Key files are those of pyzmq (``zmq.auth``): ``NAME.key`` holds a public key, ``NAME.key_secret`` the
-pair. `generate_key_files` writes the secret one readable by its owner only; loading refuses a secret key
-file others can read (as ssh does).
+pair. `generate_key_files` writes the secret one readable by its owner only.
+
+Keys are trusted only from safe files — ssh's StrictModes rule (`check_safe_path`): a key file, after
+resolving symlinks, and every directory on its path must be owned by this process's user or root and not
+be writable by group or others; a secret key file must not be readable by them either; an
+``--authorized-keys`` directory must be safe itself. One exception, for directories *above* the file or
+directory named: a root-owned directory with the sticky bit (``/tmp``, mode 1777) is accepted, since no one
+else can remove or rename what we own in it (OpenSSH refuses even these; tools that keep state in /tmp, and
+pytest's tmp_path, need them). Anything else is refused, naming the file, its owner and its mode.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import pwd
+import re
 import stat
 import threading
 import time
@@ -61,6 +70,78 @@ def _check_z85_key(key: bytes, what: str) -> bytes:
     return key
 
 
+def _owner(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _trusted_owner(uid: int) -> bool:
+    return uid in (os.geteuid(), 0)
+
+
+def check_safe_path(path: str | os.PathLike[str], what: str, secret: bool = False) -> Path:
+    """Raise AuthKeyError unless `path` (a file or directory, symlinks resolved) and every directory above it
+    could have been written only by this user or root (see the module docstring); returns the resolved path."""
+    given = Path(path).expanduser()
+    real = Path(os.path.realpath(given))
+    shown = f"{given}" + (f" (-> {real})" if real != given.absolute() else "")
+    try:
+        st = os.stat(real)
+    except OSError as e:
+        raise AuthKeyError(f"cannot read {what} {shown}: {e.strerror}") from None
+    mode = stat.S_IMODE(st.st_mode)
+    if not _trusted_owner(st.st_uid):
+        raise AuthKeyError(f"{what} {shown} is owned by {_owner(st.st_uid)}, not by you ({_owner(os.geteuid())}) or root, "
+                           f"so another user could have put a key there; keys are trusted only from your own files "
+                           f"(`chown {_owner(os.geteuid()).split()[0]} {real}`, or make new ones with `mpmd keys generate`)")
+    if secret and mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise AuthKeyError(f"secret key file {shown} can be read by other users (mode {mode:o}, owner {_owner(st.st_uid)}); "
+                           f"run `chmod 600 {real}`")
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise AuthKeyError(f"{what} {shown} can be written by other users (mode {mode:o}, owner {_owner(st.st_uid)}), so "
+                           f"anyone could have put a key there; run `chmod go-w {real}`")
+    for parent in real.parents:
+        try:
+            pst = os.stat(parent)
+        except OSError as e:
+            raise AuthKeyError(f"cannot check directory {parent} above {what} {shown}: {e.strerror}") from None
+        pmode = stat.S_IMODE(pst.st_mode)
+        if not _trusted_owner(pst.st_uid):
+            raise AuthKeyError(f"directory {parent}, above {what} {shown}, is owned by {_owner(pst.st_uid)}, who could "
+                               f"replace what is in it; keep keys under directories owned by you or root")
+        if pmode & (stat.S_IWGRP | stat.S_IWOTH) and not (pst.st_uid == 0 and pmode & stat.S_ISVTX):
+            raise AuthKeyError(f"directory {parent}, above {what} {shown}, can be written by other users (mode {pmode:o}, "
+                               f"owner {_owner(pst.st_uid)}), who could replace what is in it; run `chmod go-w {parent}`")
+    return real
+
+
+_KEY_LINE = re.compile(r'^\s*(public|secret)-key\s*=\s*"([^"]*)"', re.MULTILINE)
+
+
+def _read_key_file(path: Path, what: str, secret: bool) -> tuple[bytes | None, bytes | None]:
+    """(public, secret) keys of a checked key file, read from the file that was checked (fstat on the open file)."""
+    real = check_safe_path(path, what, secret)
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise AuthKeyError(f"cannot read {what} {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise AuthKeyError(f"{what} {path} is not a regular file")
+        if not _trusted_owner(st.st_uid) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or (
+                secret and st.st_mode & (stat.S_IRWXG | stat.S_IRWXO)):
+            raise AuthKeyError(f"{what} {path} changed while it was checked (owner {_owner(st.st_uid)}, mode "
+                               f"{stat.S_IMODE(st.st_mode):o}); check who else writes there")
+        text = os.read(fd, 1 << 16).decode("utf-8", errors="replace")
+    finally:
+        os.close(fd)
+    found = {k: v.encode() for k, v in _KEY_LINE.findall(text)}
+    return found.get("public"), found.get("secret")
+
+
 @dataclass(frozen=True)
 class KeyPair:
     """A CURVE key pair as z85 text (40 bytes each); `secret` is None for a public key alone."""
@@ -86,6 +167,7 @@ class KeyPair:
         """A key pair from a ``*.key_secret`` file, or from a directory holding exactly one."""
         p = Path(path).expanduser()
         if p.is_dir():
+            check_safe_path(p, "key directory")
             secrets_ = sorted(p.glob(f"*{SECRET_SUFFIX}"))
             if len(secrets_) != 1:
                 raise AuthKeyError(f"{p} holds {len(secrets_)} secret key files ({[s.name for s in secrets_]}); "
@@ -93,25 +175,19 @@ class KeyPair:
             p = secrets_[0]
         if not p.is_file():
             raise AuthKeyError(f"no key file at {p} (make one with `mpmd keys generate DIR`)")
-        mode = p.stat().st_mode
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise AuthKeyError(f"secret key file {p} can be read by other users (mode {stat.S_IMODE(mode):o}); "
-                               f"run `chmod 600 {p}`")
-        try:
-            public, secret = zmq.auth.load_certificate(p)
-        except (OSError, ValueError) as e:
-            raise AuthKeyError(f"cannot read key file {p}: {e}") from None
+        public, secret = _read_key_file(p, "secret key file", secret=True)
+        if public is None:
+            raise AuthKeyError(f"cannot read key file {p}: it holds no public-key line (make one with `mpmd keys generate DIR`)")
         if secret is None:
             raise AuthKeyError(f"{p} holds only a public key; a *{SECRET_SUFFIX} file holds the pair")
         return cls(public, secret)
 
 
 def load_public_key(path: str | os.PathLike[str]) -> bytes:
-    """The public key in a ``*.key`` (or ``*.key_secret``) file."""
-    try:
-        public, _ = zmq.auth.load_certificate(Path(path).expanduser())
-    except (OSError, ValueError) as e:
-        raise AuthKeyError(f"cannot read public key file {path}: {e}") from None
+    """The public key in a ``*.key`` (or ``*.key_secret``) file, if the file is safe (`check_safe_path`)."""
+    public, _ = _read_key_file(Path(path).expanduser(), "public key file", secret=False)
+    if public is None:
+        raise AuthKeyError(f"cannot read public key file {path}: it holds no public-key line")
     return _check_z85_key(public, f"public key in {path}")
 
 
@@ -120,6 +196,7 @@ def load_authorized_keys(directory: str | os.PathLike[str]) -> dict[bytes, str]:
     d = Path(directory).expanduser()
     if not d.is_dir():
         raise AuthKeyError(f"--authorized-keys {d} is not a directory of *{PUBLIC_SUFFIX} files")
+    check_safe_path(d, "authorized-keys directory")  # (itself: no sticky-bit exception, anyone could add a key)
     keys = {load_public_key(f): f.name[: -len(PUBLIC_SUFFIX)] for f in sorted(d.glob(f"*{PUBLIC_SUFFIX}"))}
     if not keys:
         raise AuthKeyError(f"{d} holds no *{PUBLIC_SUFFIX} files, so no controller could connect; copy the controller's "
@@ -290,5 +367,5 @@ def is_loopback(address: str) -> bool:
         return False  # an interface name or a host name: reachable from outside as far as we can tell
 
 
-__all__ = ["AuthKeyError", "Authenticator", "ClientKeys", "KeyPair", "configure_client", "configure_server",
+__all__ = ["AuthKeyError", "Authenticator", "ClientKeys", "KeyPair", "check_safe_path", "configure_client", "configure_server",
            "generate_key_files", "is_loopback", "load_authorized_keys", "load_public_key", "user_id"]

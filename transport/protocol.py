@@ -11,9 +11,12 @@ interpreted only as the numeric dtypes in `ALLOWED_DTYPES`.
 
 Requests carry an integer ``"id"``; the reply echoes it with ``"op": "reply"`` (and ``"ok": true``) or
 ``"op": "error"`` (with ``"error"``: the exception class name, ``"message"``, ``"traceback"``). Every request
-gets its reply within the daemon's ``request_timeout`` (an error reply if need be). Requests other than
-ping, info, hello, compile, connect_peers and nccl_ids carry ``session`` (the controller's random id from
-``hello``); a session answers only the authenticated client (CURVE key) that opened it.
+gets its reply within the daemon's ``request_timeout`` (an error reply if need be). Every request but ping
+and hello carries ``session`` (the controller's random id from ``hello``); a session answers only the
+authenticated client (CURVE key) that opened it, and a request touches only its session's state. What every
+session shares (connect_peers, nccl_ids, shutdown, profile, building the device mesh) is changed only by
+the key that owns the daemon's job (the first session's key, until its last session closes; a local mesh's
+key) or an operator key (``mpmd-actor --admin-key``). A key holds at most 16 sessions per daemon.
 
 | op              | request fields                                          | reply fields                                  |
 |-----------------|---------------------------------------------------------|-----------------------------------------------|
@@ -52,7 +55,7 @@ ping, info, hello, compile, connect_peers and nccl_ids carry ``session`` (the co
 | stats           | -                                                       | buffers, bytes, executables, compiles, hits,  |
 |                 |                                                         | programs, requests, errors, running, p2p,     |
 |                 |                                                         | shm_inputs, shm_input_bytes                   |
-| shutdown        | -                                                       | - (the daemon exits after replying)           |
+| shutdown        | - (the owner's or an operator's session)                | - (the daemon exits after replying)           |
 
 Actor-to-actor data-plane messages (transport/p2p/plane.py) use the same framing, with ``src`` (sender actor
 id; when the data plane is authenticated the receiver takes the sender from its CURVE key and refuses a
@@ -148,8 +151,6 @@ def encode(header: dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> list[An
             a = a.astype(a.dtype.newbyteorder("<"))
         # 0-d and empty arrays still get a frame (possibly empty) so counts always match.
         payloads.append(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
-    if "arrays" in header:  # the receiver would take it for the payload frames' metadata and drop the message
-        raise ValueError("header field 'arrays' is reserved for the array frames' metadata; name the field otherwise")
     full = dict(header)
     full["v"] = PROTOCOL_VERSION
     if metas:

@@ -300,14 +300,14 @@ class RemoteMesh:
         new = self._connection(i, old.address)
 
         async def back() -> Any:
-            msg = await new.request("info")
             try:
-                await new.request("abort")  # every step of this session still running there
-                return msg, False
+                msg = await new.request("info")  # (in this session: a daemon answers nothing but ping outside one)
             except MpmdError as e:
                 if "needs an open session" not in str(e):
                     raise
                 return await new.request("hello"), True  # a new daemon: open the session there afresh
+            await new.request("abort")  # every step of this session still running there
+            return msg, False
 
         try:
             info, fresh = self.run(back())

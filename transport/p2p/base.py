@@ -70,18 +70,30 @@ class Mailbox:
             self._count[slot[0]] -= 1
             self._bytes[slot[0]] -= nbytes
 
+    def would_refuse(self, src: int, key: Hashable, nbytes: int) -> str | None:
+        """Why an arrival of `nbytes` would be refused now (before its payload is copied anywhere), or None."""
+        if (src, key) in self._slots:
+            return None  # a receive waits for it (or it is a duplicate, which `deliver` says)
+        if self._count[src] + 1 > self.limits.max_entries or self._bytes[src] + nbytes > self.limits.max_bytes:
+            return (f"actor {src} already has {self._count[src]} arrivals ({self._bytes[src]} bytes) waiting unclaimed "
+                    f"here (the limit is {self.limits.max_entries} arrivals, {self.limits.max_bytes} bytes)")
+        return None
+
+    def refuse(self, src: int, key: Hashable, reason: str) -> None:
+        """Remember that (src, key) was refused, so a receive posted for it later fails at once."""
+        self._refused[(src, key)] = reason
+        while len(self._refused) > self.REMEMBER_REFUSED:
+            self._refused.popitem(last=False)
+
     def deliver(self, src: int, key: Hashable, value: Any, nbytes: int = 0) -> str | None:
         """Hand `value` to its receive, or keep it until one is posted. Returns why it was refused (a peer
         over its `ArrivalLimits`, or a duplicate key), None when it was taken in."""
         slot = (src, key)
         fut = self._slots.get(slot)
         if fut is None:
-            if self._count[src] + 1 > self.limits.max_entries or self._bytes[src] + nbytes > self.limits.max_bytes:
-                reason = (f"actor {src} already has {self._count[src]} arrivals ({self._bytes[src]} bytes) waiting unclaimed "
-                          f"here (the limit is {self.limits.max_entries} arrivals, {self.limits.max_bytes} bytes)")
-                self._refused[slot] = reason
-                while len(self._refused) > self.REMEMBER_REFUSED:
-                    self._refused.popitem(last=False)
+            reason = self.would_refuse(src, key, nbytes)
+            if reason is not None:
+                self.refuse(src, key, reason)
                 return reason
             fut = self._slot(src, key)
             self._unclaimed[slot] = nbytes

@@ -55,6 +55,10 @@ BIG_PAYLOAD = 1 << 20  # received payloads this big are copied into aligned memo
 ROUTES = ("tcp", "shm", "nccl")
 DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024**3
 REMEMBER_EXPIRED = 4096  # finished steps whose late arrivals are dropped on sight
+# `refused` notices to one peer: at most this many a second (a burst of as many), so that a peer that floods us
+# and never reads its notices cannot make them pile up in our send queue; the rest are only counted.
+REFUSED_NOTICES_PER_SECOND = 50.0
+RECEIVE_QUEUE = 256  # messages per peer ZeroMQ may hold unread (a step's transfers are claimed as they come)
 
 
 class DataPlane(P2PTransport):
@@ -75,7 +79,9 @@ class DataPlane(P2PTransport):
         self._auth: Authenticator | None = None
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.RCVHWM, 0)
+        # Messages ZeroMQ holds for one peer before the loop reads them: past this it stops reading that peer's
+        # connection (the sender queues), so a flood is held back at the sender instead of piling up here.
+        self._router.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
         self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         if keys is not None:
             self._auth = Authenticator(self._ctx, f"actor {actor_id} data plane")
@@ -109,6 +115,7 @@ class DataPlane(P2PTransport):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
         self._copier = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"p2p-copy-{actor_id}")
+        self._notices: dict[int, tuple[float, float]] = {}  # peer -> (refused-notice tokens left, when counted)
         self.counters: Counter[str] = Counter()
 
     # ---- wiring ----------------------------------------------------------------------------------
@@ -332,10 +339,36 @@ class DataPlane(P2PTransport):
             reason = self._mailbox.deliver(src, key, value, nbytes)
         if reason is None:
             return
+        self._refuse(src, key, reason)
+
+    def _screen(self, src: int, key: tuple[int, ...], nbytes: int) -> bool:
+        """Before a payload is copied out of ZeroMQ's buffer: False (and the arrival dropped or refused) if it would
+        not be taken in, so a refused arrival costs no more memory than its header."""
+        if any(key[:n] in self._expired for n in self._expired_lengths):
+            self.counters["late_dropped"] += 1
+            return False
+        reason = self.admit(key) if self.admit is not None else None
+        if reason is None:
+            reason = self._mailbox.would_refuse(src, key, nbytes)
+        if reason is None:
+            return True
+        self._mailbox.refuse(src, key, reason)
+        self._refuse(src, key, reason)
+        return False
+
+    def _refuse(self, src: int, key: tuple[int, ...], reason: str) -> None:
         self.counters["refused"] += 1
         self._warn.warning("refused", "actor %d: refused transfer %s from actor %d: %s", self.actor_id, key, src, reason)
+        now = asyncio.get_running_loop().time() if self._loop is not None else 0.0
+        tokens, since = self._notices.get(src, (REFUSED_NOTICES_PER_SECOND, now))
+        tokens = min(REFUSED_NOTICES_PER_SECOND, tokens + (now - since) * REFUSED_NOTICES_PER_SECOND)
+        if tokens < 1:
+            self.counters["refused_unnoticed"] += 1
+            self._notices[src] = (tokens, now)
+            return
+        self._notices[src] = (tokens - 1, now)
         try:
-            self._post(src, {"op": "refused", "key": list(key), "reason": reason[:500]})
+            self._post(src, {"op": "refused", "key": list(key), "reason": reason[:300]})
         except TransferError:
             pass
 
@@ -391,6 +424,9 @@ class DataPlane(P2PTransport):
                     raise ProtocolError(f"shm_ack needs an int 'seg', got {seg!r}")
                 self._released(src, seg)
             elif op == "data":
+                specs = array_specs(header)
+                if key is not None and len(specs) == 1 and len(frames) == 3 and not self._screen(src, key, specs[0][2]):
+                    return  # (its frame goes back to ZeroMQ uncopied)
                 arrays = self._rx_payloads(frames[2:], header)
                 if key is None or len(arrays) != 1:
                     raise ProtocolError(f"data message needs an int-list 'key' and one array, got key {raw_key!r}")

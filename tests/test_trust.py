@@ -1,0 +1,402 @@
+"""Trust between identities and in what a daemon reads, against real daemons: one admitted key cannot rewire,
+stop or crowd out another key's job; key files are trusted only when no other user could have written them;
+an abandoned compile frees its cores at once; a custom call's types must fit its kernel; refused data-plane
+arrivals cost memory only for their headers."""
+
+import os
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import mpmd
+from mpmd.testing import make_train_step, mlp, mlp_params, mse_loss, regression_batch
+from tests.wire import raw_request, start_daemon, stop_daemon
+from transport.auth import ClientKeys, KeyPair, generate_key_files
+
+
+# ---- 1. one identity cannot touch another's job ------------------------------------------------------
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """Two daemons with a data plane, admitting the keys alice, bob and carol, and 'ops' as their operator."""
+    d = tmp_path_factory.mktemp("shared")
+    generate_key_files(d, "server")
+    for name in ("alice", "bob", "carol", "ops"):
+        generate_key_files(d / "authorized", name)
+    procs, addresses = [], []
+    for i in range(2):
+        proc, address = start_daemon("--listen", "tcp://127.0.0.1:0", "--actor-id", str(i), "--server-key", str(d / "server.key_secret"),
+                                     "--authorized-keys", str(d / "authorized"), "--admin-key", "ops")
+        procs.append(proc)
+        addresses.append(address)
+    keys = {n: ClientKeys.load(d / "authorized" / f"{n}.key_secret", d / "server.key") for n in ("alice", "bob", "carol", "ops")}
+    yield type("Shared", (), {"procs": procs, "addresses": addresses, "keys": keys, "dir": d})
+    for p in procs:
+        stop_daemon(p)
+
+
+def _train(mesh):
+    rng = np.random.default_rng(0)
+    params = mlp_params(rng, num_stages=2, width=8)
+    batch = regression_batch(rng, num_microbatches=4, microbatch_size=2, width=8)
+    optimizer = optax.sgd(0.1)
+    want = jax.jit(make_train_step(mse_loss(mlp), optimizer, None))(params, optimizer.init(params), batch)
+    step = mpmd.distributed(make_train_step(mse_loss(mlp), optimizer, mpmd.OneFOneB(num_stages=2)), mesh=mesh)
+    return step, (params, optimizer.init(params), batch), want
+
+
+def _check(got, want):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g.to_numpy() if hasattr(g, "to_numpy") else g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+def test_a_second_key_cannot_rewire_stop_or_crowd_out_the_job_of_the_key_that_owns_the_daemons(shared):
+    with mpmd.RemoteMesh.connect(shared.addresses, keys=shared.keys["alice"]) as alice:
+        step, args, want = _train(alice)
+        _check(step(*args), want)
+        bob = mpmd.RemoteMesh.connect(shared.addresses, keys=shared.keys["bob"], transport="none")
+        try:
+            # Bob names his own data-plane endpoint and key as alice's actor 1 (what would make him man in the middle).
+            evil = {"1": {"address": "tcp://127.0.0.1:1", "route": "tcp", "key": KeyPair.generate().public.decode(),
+                          "shm_prefix": "/x-"}}
+            for header in ({"op": "connect_peers", "id": 1, "peers": evil},  # no session at all
+                           {"op": "connect_peers", "id": 2, "session": bob.session, "peers": evil},
+                           {"op": "connect_peers", "id": 3, "session": alice.session, "peers": evil},  # alice's session id
+                           {"op": "nccl_ids", "id": 4, "session": bob.session, "count": 1},
+                           {"op": "shutdown", "id": 5},
+                           {"op": "shutdown", "id": 6, "session": bob.session},
+                           {"op": "profile", "id": 7, "session": bob.session, "action": "start"},
+                           {"op": "info", "id": 8},
+                           {"op": "stats", "id": 9, "session": alice.session}):
+                for address in shared.addresses:
+                    reply = raw_request(address, header, keys=shared.keys["bob"])
+                    assert reply.op == "error", (header, reply.header)
+                    msg = reply.header["message"]
+                    assert "needs an open session" in msg or ("only the key that owns the daemon's job" in msg and "'alice'" in msg), msg
+            assert all(p.poll() is None for p in shared.procs)
+            # Bob's own session works for his own buffers and single-actor runs, and sees nothing of alice's.
+            x = bob.actor(0).put(np.arange(3, dtype=np.float32))
+            np.testing.assert_array_equal(bob.actor(0).run(jax.jit(lambda a: a + 1), x).to_numpy(), [1, 2, 3])
+            stats = bob.actor(0).stats()
+            assert stats["p2p"] is None and "requests" not in stats
+            alice_exe = next(iter(alice.executables.compiled[0].values()))
+            reply = raw_request(shared.addresses[0], {"op": "run", "id": 10, "session": bob.session, "exe": alice_exe,
+                                                      "inputs": [x.buffers[0]], "outputs": [999]}, keys=shared.keys["bob"])
+            assert reply.op == "error" and "no executable" in reply.header["message"]
+            # ... and cannot open every session: 16 per key, while others (alice, carol) still get theirs.
+            extra = []
+            with pytest.raises(mpmd.MpmdError, match="sessions on actor 0 \\(the limit per key\\)"):
+                for _ in range(20):
+                    extra.append(mpmd.RemoteMesh.connect(shared.addresses[:1], keys=shared.keys["bob"], transport="none"))
+            assert len(extra) == 15
+            with mpmd.RemoteMesh.connect(shared.addresses[:1], keys=shared.keys["carol"], transport="none") as carol:
+                assert carol.actor(0).ping() > 0
+            for m in extra:
+                m.close()
+        finally:
+            bob.close()
+        # Alice's job is untouched: the same step again, results equal to jax.jit's.
+        _check(step(*args), want)
+        # The same key attaching a second controller (as RemoteMesh.connect(mesh.addresses, keys=mesh.keys)) works.
+        with mpmd.RemoteMesh.connect(alice.addresses, keys=alice.keys, transport="none") as again:
+            assert again.actor(1).stats()["p2p"] is not None
+
+
+def test_the_operator_key_may_stop_a_daemon_another_key_owns(shared, tmp_path):
+    d = shared.dir
+    proc, address = start_daemon("--listen", "tcp://127.0.0.1:0", "--p2p", "none", "--server-key", str(d / "server.key_secret"),
+                                 "--authorized-keys", str(d / "authorized"), "--admin-key", "ops")
+    try:
+        with mpmd.RemoteMesh.connect([address], keys=shared.keys["alice"], transport="none"):
+            ops = mpmd.RemoteMesh.connect([address], keys=shared.keys["ops"], transport="none")
+            reply = raw_request(address, {"op": "shutdown", "id": 1, "session": ops.session}, keys=shared.keys["ops"])
+            assert reply.op == "reply"
+            proc.wait(timeout=30)
+            ops.close()
+    finally:
+        stop_daemon(proc)
+
+
+def test_an_admin_key_that_is_not_authorized_stops_the_daemon_at_start(shared):
+    import subprocess
+    import sys
+
+    d = shared.dir
+    out = subprocess.run([sys.executable, "-m", "actors.daemon", "--listen", "tcp://127.0.0.1:0", "--p2p", "none", "--server-key",
+                          str(d / "server.key_secret"), "--authorized-keys", str(d / "authorized"), "--admin-key", "mallory"],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode != 0 and "--admin-key mallory: no such key" in out.stderr
+
+
+# ---- 5. a custom call's types must fit its kernel ------------------------------------------------------
+def _spotrf_blob(n_in: int, n_out: int, alias: bool = False) -> bytes:
+    """A blob whose one op is LAPACK's Cholesky kernel on an n_in x n_in operand with an n_out x n_out result
+    (what an attacker writes by hand; JAX never would unless n_in == n_out)."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    from jax import export
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+
+    exp = export.export(jax.jit(lambda x: x), platforms=["cpu"])(jax.ShapeDtypeStruct((n_in, n_in), jnp.float32))
+    aliases = (", output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [0], operand_index = 0, "
+               "operand_tuple_indices = []>]") if alias else ""
+    text = f"""module @jit_f attributes {{mhlo.num_partitions = 1 : i32, mhlo.num_replicas = 1 : i32}} {{
+  func.func public @main(%arg0: tensor<{n_in}x{n_in}xf32>) -> (tensor<{n_out}x{n_out}xf32>) {{
+    %0:2 = stablehlo.custom_call @lapack_spotrf_ffi(%arg0) {{mhlo.backend_config = {{uplo = 76 : ui8}}, mhlo.frontend_attributes = {{num_batch_dims = "0"}}, operand_layouts = [dense<[0, 1]> : tensor<2xindex>]{aliases}, result_layouts = [dense<[0, 1]> : tensor<2xindex>, dense<> : tensor<0xindex>]}} : (tensor<{n_in}x{n_in}xf32>) -> (tensor<{n_out}x{n_out}xf32>, tensor<i32>)
+    return %0#0 : tensor<{n_out}x{n_out}xf32>
+  }}
+}}"""
+    with mlir.make_ir_context():
+        code = mlir.module_to_bytecode(ir.Module.parse(text))
+    bad = dataclasses.replace(exp, mlir_module_serialized=code, out_avals=(jax.core.ShapedArray((n_out, n_out), jnp.float32),),
+                              out_shardings_hlo=(None,))
+    return bytes(bad.serialize())
+
+
+def _compile_raw(mesh, blob: bytes, rid: int = 1):
+    import hashlib
+
+    return raw_request(mesh.addresses[0], {"op": "compile", "id": rid, "session": mesh.session,
+                                           "digest": hashlib.sha256(blob).hexdigest()},
+                       keys=mesh.keys, arrays=[np.frombuffer(blob, np.uint8)], timeout_ms=120_000)
+
+
+def test_a_kernel_call_whose_result_does_not_fit_its_operand_is_refused_at_compile_naming_the_target():
+    with mpmd.RemoteMesh.local(num_actors=1) as mesh:
+        for n_in, n_out in ((64, 4), (4, 256)):
+            reply = _compile_raw(mesh, _spotrf_blob(n_in, n_out, alias=False))
+            assert reply.op == "error", reply.header
+            msg = reply.header["message"]
+            assert "'lapack_spotrf_ffi'" in msg and f"(tensor<{n_in}x{n_in}xf32>) -> (tensor<{n_out}x{n_out}xf32>, tensor<i32>)" in msg
+            assert f"JAX writes (tensor<{n_in}x{n_in}xf32>) -> (tensor<{n_in}x{n_in}xf32>, tensor<i32>)" in msg
+        assert _compile_raw(mesh, _spotrf_blob(8, 8, alias=True)).op == "reply"  # the form JAX writes is fine
+        # The daemon is alive, and a real Cholesky still runs and equals jax.jit's.
+        a = np.random.default_rng(0).standard_normal((6, 6)).astype(np.float32)
+        spd = a @ a.T + 6 * np.eye(6, dtype=np.float32)
+        got = mesh.actor(0).run(jax.jit(jax.numpy.linalg.cholesky), mesh.actor(0).put(spd)).to_numpy()
+        np.testing.assert_allclose(got, np.asarray(jax.jit(jax.numpy.linalg.cholesky)(spd)), rtol=1e-5, atol=1e-5)
+
+
+# ---- 4. an abandoned compile is gone -------------------------------------------------------------------
+def _slow_blob(salt: int, layers: int = 120) -> bytes:
+    """A stage whose XLA compile takes ~17 s here (its checks 0.3 s) (a chain of `layers` matmul-sine layers); `salt`
+    makes each blob distinct."""
+    import jax.numpy as jnp
+    from jax import export
+
+    def f(x):
+        for i in range(layers):
+            x = jnp.sin(x @ x.T + (i + salt * 1000))
+        return x
+
+    return bytes(export.export(jax.jit(f), platforms=["cpu"])(jax.ShapeDtypeStruct((64, 64), jnp.float32)).serialize())
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User+system CPU seconds of `pid` and all its descendants."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    pids = {pid}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) in pids or int(entry) == pid:
+                pids.add(int(entry))
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except OSError:
+            pass
+    return total
+
+
+def test_abandoned_slow_compiles_free_their_cores_and_later_compiles_and_saves_are_not_held_up(tmp_path):
+    import threading
+    import time
+
+    server, client = KeyPair.generate(), KeyPair.generate()
+    import json
+
+    handoff = json.dumps({"server_public": server.public.decode(), "server_secret": server.secret.decode(),
+                          "authorized": {client.public.decode(): "controller"}}).encode() + b"\n"
+    proc, address = start_daemon("--listen", f"ipc://{tmp_path}/a.sock", "--p2p", "none", "--keys-stdin", "--compile-timeout", "2",
+                                 stdin=handoff)
+    try:
+        with mpmd.RemoteMesh([address], keys=ClientKeys(client, (server.public,)), transport="none") as mesh:
+            for attempt in range(3):  # the compile processes start (on a loaded machine 2 s may not do the first time)
+                try:
+                    mesh.actor(0).run(jax.jit(lambda a, k=attempt: a - k), mesh.actor(0).put(np.zeros(2, np.float32)))
+                    break
+                except mpmd.MpmdError:
+                    pass
+            blobs = [_slow_blob(i) for i in range(6)]
+            replies: list = [None] * 6
+
+            def send(i: int) -> None:
+                replies[i] = _compile_raw(mesh, blobs[i], rid=100 + i)
+
+            t0 = time.monotonic()
+            threads = [threading.Thread(target=send, args=(i,)) for i in range(6)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            abandoned = time.monotonic() - t0
+            for r in replies:  # stopped at the compile timeout, or (waiting for a free compile process) at the request's bound
+                assert r is not None and r.op == "error", r and r.header
+                assert "did not compile within 2 s" in r.header["message"] or "did not finish within" in r.header["message"]
+            timed_out = [i for i, r in enumerate(replies) if "did not compile within 2 s" in r.header["message"]]
+            # The compiles are gone: once the replacement compile processes have started (importing JAX), the daemon
+            # and its children use next to no CPU (a compile left running would use a whole core: 3 s in 3 s).
+            time.sleep(6.0)
+            before = _cpu_seconds(proc.pid)
+            time.sleep(3.0)
+            busy = _cpu_seconds(proc.pid) - before
+            assert busy < 1.0, f"the daemon's processes used {busy:.1f} CPU s in 3 s after their compiles were abandoned"
+            if timed_out:  # a retry of a blob that timed out is refused at once rather than started again
+                t = time.monotonic()
+                again = _compile_raw(mesh, blobs[timed_out[0]], rid=200)
+                assert again.op == "error" and "not compiled again" in again.header["message"] and time.monotonic() - t < 5
+            # A small compile and a get (the thread pool's users) work in their usual time.
+            t = time.monotonic()
+            x = mesh.actor(0).put(np.arange(4, dtype=np.float32))
+            y = mesh.actor(0).run(jax.jit(lambda a: a * 2 + 1), x)
+            np.testing.assert_array_equal(y.to_numpy(), np.arange(4) * 2 + 1)
+            assert time.monotonic() - t < 30
+            print(f"6 abandoned compiles answered in {abandoned:.1f} s; CPU after: {busy:.2f} s in 3 s; small compile+run "
+                  f"{time.monotonic() - t:.1f} s")
+    finally:
+        stop_daemon(proc)
+
+
+# ---- 2. keys only from safe files ---------------------------------------------------------------------
+NOBODY = 65534
+
+
+def _daemon_refuses(*flags: str) -> str:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "actors.daemon", "--listen", "tcp://127.0.0.1:0", "--p2p", "none", *flags],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                         stdin=subprocess.DEVNULL)
+    assert out.returncode != 0 and "MPMD_ACTOR_READY" not in out.stdout, out
+    return out.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making files another user owns needs root")
+def test_keys_are_trusted_only_from_files_and_directories_no_other_user_could_have_written(tmp_path):
+    from transport.auth import AuthKeyError, load_authorized_keys
+
+    generate_key_files(tmp_path / "keys", "server")
+    generate_key_files(tmp_path / "keys" / "authorized", "alice")
+    auth, secret = tmp_path / "keys" / "authorized", tmp_path / "keys" / "server.key_secret"
+    assert load_authorized_keys(auth) and KeyPair.load(secret).secret  # under tmp_path (below /tmp, mode 1777): fine
+
+    # The authorized-keys directory owned by another user: the daemon does not start, and says why.
+    os.chown(auth, NOBODY, NOBODY)
+    err = _daemon_refuses("--server-key", str(secret), "--authorized-keys", str(auth))
+    assert f"authorized-keys directory {auth} is owned by nobody (uid {NOBODY})" in err
+    os.chown(auth, 0, 0)
+    # ... or root's but writable by everyone (even with the sticky bit: anyone could add a key to it).
+    for mode in (0o777, 0o1777, 0o775):
+        os.chmod(auth, mode)
+        with pytest.raises(AuthKeyError, match=f"authorized-keys directory {auth} can be written by other users \\(mode {mode:o}"):
+            load_authorized_keys(auth)
+    os.chmod(auth, 0o755)
+    # A planted key another user owns, directly or through a symlink (to a file in a safe directory, or not).
+    generate_key_files(tmp_path / "elsewhere", "mallory")
+    planted = tmp_path / "elsewhere" / "mallory.key"
+    os.chown(planted, NOBODY, NOBODY)
+    (auth / "mallory.key").symlink_to(planted)
+    err = _daemon_refuses("--server-key", str(secret), "--authorized-keys", str(auth))
+    assert f"public key file {auth / 'mallory.key'} (-> {planted}) is owned by nobody (uid {NOBODY})" in err
+    (auth / "mallory.key").unlink()
+    os.chown(planted, 0, 0)
+    os.chmod(planted, 0o666)
+    (auth / "mallory.key").symlink_to(planted)
+    with pytest.raises(AuthKeyError, match="can be written by other users \\(mode 666"):
+        load_authorized_keys(auth)
+    (auth / "mallory.key").unlink()
+    os.chmod(planted, 0o644)
+    os.chmod(tmp_path / "elsewhere", 0o777)  # the key is fine, the directory above it is not
+    (auth / "mallory.key").symlink_to(planted)
+    with pytest.raises(AuthKeyError, match=f"directory {tmp_path / 'elsewhere'}, above public key file .* can be written by other"):
+        load_authorized_keys(auth)
+    (auth / "mallory.key").unlink()
+    # A secret key owned by another user (mode 600), or readable by others: refused, by daemon and controller.
+    os.chown(secret, NOBODY, NOBODY)
+    err = _daemon_refuses("--server-key", str(secret), "--authorized-keys", str(auth))
+    assert f"secret key file {secret} is owned by nobody (uid {NOBODY})" in err
+    with pytest.raises(AuthKeyError, match="is owned by nobody"):
+        ClientKeys.of(secret)
+    os.chown(secret, 0, 0)
+    for mode in (0o644, 0o640, 0o604, 0o660):
+        os.chmod(secret, mode)
+        with pytest.raises(AuthKeyError, match=f"can be read by other users \\(mode {mode:o}"):
+            KeyPair.load(secret)
+    os.chmod(secret, 0o600)
+    # The controller's keys=DIR owned by another user.
+    d = tmp_path / "mine"
+    generate_key_files(d, "me")
+    os.chown(d, NOBODY, NOBODY)
+    with pytest.raises(AuthKeyError, match=f"key directory {d} is owned by nobody"):
+        ClientKeys.of(d)
+    os.chown(d, 0, 0)
+    assert ClientKeys.of(d).client.secret
+
+
+# ---- 6. refused arrivals cost only their headers --------------------------------------------------------
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def test_a_flood_of_refused_arrivals_keeps_the_daemons_memory_within_the_cap_plus_a_fixed_margin(tmp_path):
+    import json
+    import time
+
+    from tests.wire import FakePeer, wait_until
+
+    server, client = KeyPair.generate(), KeyPair.generate()
+    handoff = json.dumps({"server_public": server.public.decode(), "server_secret": server.secret.decode(),
+                          "authorized": {client.public.decode(): "controller"}}).encode() + b"\n"
+    proc, address = start_daemon("--listen", f"ipc://{tmp_path}/a.sock", "--p2p", "ipc", "--ipc-dir", str(tmp_path), "--keys-stdin",
+                                 "--max-unclaimed", "100", "--max-unclaimed-mb", "1", stdin=handoff)
+    try:
+        with mpmd.RemoteMesh([address], keys=ClientKeys(client, (server.public,)), transport="none") as mesh:
+            peer = FakePeer(mesh, 0, 7)  # it never reads the `refused` notices sent to it
+            try:
+                small, big = np.ones(1024, np.float32), np.ones(3 << 18, np.float32)  # 4 KiB, 3 MiB
+                for tag in range(200):
+                    peer.send({"op": "data", "key": [mesh.session, 5, 0, tag]}, [small])
+                assert wait_until(lambda: mesh.actor(0).stats()["p2p"].get("refused", 0) >= 100, 20)
+                time.sleep(1.0)
+                before = _rss_mib(proc.pid)
+                n_small, n_big = 20_000, 40
+                for tag in range(n_small):
+                    peer.send({"op": "data", "key": [mesh.session, 5, 0, 1000 + tag]}, [small])
+                for tag in range(n_big):
+                    peer.send({"op": "data", "key": [mesh.session, 5, 0, 100_000 + tag]}, [big])
+                total = 100 + n_small + n_big
+                assert wait_until(lambda: mesh.actor(0).stats()["p2p"].get("refused", 0) >= total, 120)
+                grown = _rss_mib(proc.pid) - before
+                payload = (n_small * small.nbytes + n_big * big.nbytes) / 2**20
+                print(f"RSS grew {grown:.1f} MiB for {payload:.0f} MiB of refused payload ({total} arrivals refused)")
+                assert grown < 1 + 48, f"the daemon's RSS grew {grown:.0f} MiB under a flood of refused arrivals"
+                stats = mesh.actor(0).stats()["p2p"]
+                assert stats["unclaimed"]["7"]["arrivals"] == 100 and stats.get("refused_unnoticed", 0) > 0
+            finally:
+                peer.close()
+            assert mesh.actor(0).ping() > 0
+    finally:
+        stop_daemon(proc)
