@@ -10,6 +10,7 @@
 Public names (each has a docstring):
   RemoteMesh, ActorHandle, RemoteArray, fetch the runtime: actors, handles, remote buffers, fetching them
   save, restore                               checkpoints of state held on actors (orbax-checkpoint)
+  Recovery                                    RemoteMesh.local(..., recover=Recovery(snapshot_every=10)): survive a lost actor
   pipeline_yield, accumulate_grads, distributed   the pipeline API
   GPipe, OneFOneB, Custom, Task               schedules
   EagerOneFOneB, InterleavedOneFOneB, ZeroBubbleH1, InterleavedZeroBubble, ZeroBubbleV, DualPipeV   more schedules
@@ -38,6 +39,7 @@ from mpmd.errors import (
 from mpmd.runtime.array import RemoteArray, fetch
 from mpmd.runtime.checkpoint import restore, save
 from mpmd.runtime.mesh import ActorHandle, RemoteMesh
+from mpmd.runtime.recovery import Recovery
 from mpmd.schedules import (
     Custom,
     DualPipeV,
@@ -71,6 +73,7 @@ __all__ = [
     "MpmdError",
     "OneFOneB",
     "PipelineError",
+    "Recovery",
     "RemoteArray",
     "RemoteError",
     "RemoteMesh",

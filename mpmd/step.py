@@ -262,16 +262,32 @@ class DistributedFunction:
     def __call__(self, *args: Any) -> Any:
         """Dispatch one step and return its outputs at once, as RemoteArrays (like jax.jit's asynchronous
         dispatch): the next call is sent while this one runs, and an error surfaces at the first fetch or
-        `block_until_ready()` of an output, or at the next call, naming the step."""
+        `block_until_ready()` of an output, or at the next call, naming the step. On a mesh made with
+        `recover=mpmd.Recovery(...)` the call is logged and a lost actor is recovered from (mpmd.runtime.recovery)."""
         self._raise_unseen_error()
+        recovery = getattr(self.mesh, "recovery", None)
+        if recovery is not None:
+            return recovery.call(self, args)
+        return self._call(args)
+
+    def _call(self, args: tuple[Any, ...], on_failure: Callable[[BaseException], Any] | None = None,
+              sent: list[Any] | None = None) -> Any:
+        """Dispatch one step (see `__call__`). `on_failure(error)`: a coroutine run on the loop when the step
+        fails; True means the step was recovered (its outputs were rebound: it ends normally). `sent` collects
+        the step's run_program futures (so that a recovery can wait for them)."""
         sig, leaves, _ = self._signature(args)
         compiled = self._compiled.get(sig) or self.compile(*args)
         step = next(self._step)
         mesh, plan = self.mesh, compiled.plan
         requests, replicas, outs = self._prepare(compiled, leaves, step, sig[2])
         trace = mesh.active_trace
-        done = mesh.dispatch(lambda: self._send(requests, trace),
-                             lambda futures: self._finish(futures, compiled, replicas, step, trace))
+        def send() -> list[asyncio.Future[Any]]:
+            futures = self._send(requests, trace)
+            if sent is not None:
+                sent.extend(futures)
+            return futures
+
+        done = mesh.dispatch(send, lambda futures: self._finish(futures, compiled, replicas, step, trace, on_failure))
         self._last = (step, done)
         results: list[Any] = []
         for (kind, val), ids, aval, key in zip(plan.out_homes, outs, plan.out_avals, plan.out_keys):
@@ -355,7 +371,7 @@ class DistributedFunction:
         return futures
 
     async def _finish(self, futures: list[asyncio.Future[Any]], compiled: CompiledStep, replicas: list[Any], step: int,
-                      trace: Any) -> None:
+                      trace: Any, on_failure: Callable[[BaseException], Any] | None = None) -> None:
         mesh = self.mesh
         try:
             await self._wait_all(futures, compiled, step)
@@ -363,6 +379,8 @@ class DistributedFunction:
             for x, a, buf in replicas:  # a copy that never arrived must not be read again
                 if x.buffers.get(a) == buf:
                     x.buffers.pop(a, None)
+            if on_failure is not None and isinstance(e, Exception) and await on_failure(e):
+                return  # recovered: the step was replayed and its outputs rebound
             raise name_step(e, step, getattr(self.fn, "__name__", "step")) from None
         if trace is not None:
             trace.add_step(step, {a: f.result().header.get("trace") for a, f in enumerate(futures)}, mesh.clock_offsets())

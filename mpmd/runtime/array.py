@@ -102,7 +102,10 @@ class RemoteArray:
         self._check_usable()
         try:
             return self.mesh.get_buffer(self.actor, self.buffers[self.actor])
-        except MpmdError:
+        except MpmdError as e:
+            before = dict(self.buffers)
+            if _recovered(self.mesh, e, self._ready) and self.buffers and self.buffers != before:
+                return self.mesh.get_buffer(self.actor, self.buffers[self.actor])  # rebound by the recovery
             if self._ready is not None:  # the actor's error for a failed step's output: prefer the step's own
                 try:
                     self._ready.result(timeout=30)
@@ -173,6 +176,20 @@ class RemoteArray:
         return f"RemoteArray({dtype_text(self.dtype)}{list(self.shape)}, {where}{sharding})"
 
 
+def _recovered(mesh: Any, error: BaseException, ready: Any) -> bool:
+    """Whether `mesh` recovered from the failure behind `error` (a mesh made with recover=...: its arrays may
+    have been rebound to restored buffers)."""
+    recovery = getattr(mesh, "recovery", None)
+    return recovery is not None and recovery.settle(error, ready)
+
+
+def _by_actor(arrays: list[RemoteArray], indices: list[int]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = defaultdict(list)
+    for x, i in zip(arrays, indices):
+        out[x.actor].append(i)
+    return out
+
+
 def fetch(tree: Any) -> Any:
     """Bring every RemoteArray of a pytree to the controller in one round trip per actor (other leaves stay
     as they are). Returns numpy arrays (jax key arrays for typed PRNG keys), in the same tree.
@@ -191,7 +208,14 @@ def fetch(tree: Any) -> Any:
         by_mesh[mesh][a] = idx
     for mesh, per_actor in by_mesh.items():
         bufs = {a: [leaves[i].buffers[a] for i in idx] for a, idx in per_actor.items()}
-        arrays = mesh.get_buffers(bufs)
+        try:
+            arrays = mesh.get_buffers(bufs)
+        except MpmdError as e:  # a lost actor the mesh recovered from: the arrays were rebound, read them again
+            if not _recovered(mesh, e, None) or any(leaves[i].is_deleted for idx in per_actor.values() for i in idx):
+                raise
+            per_actor = _by_actor([leaves[i] for idx in per_actor.values() for i in idx],
+                                  [i for idx in per_actor.values() for i in idx])
+            arrays = mesh.get_buffers({a: [leaves[i].buffers[a] for i in idx] for a, idx in per_actor.items()})
         for a, idx in per_actor.items():
             got.update(zip(idx, arrays[a]))
     out = [from_wire(got[i] if i in got else x._wire(), x.dtype) if isinstance(x, RemoteArray) else x for i, x in enumerate(leaves)]

@@ -38,6 +38,7 @@ from mpmd.runtime.buffers import BufferClient, gather
 from mpmd.runtime.controller import ActorConnection, EventLoopThread, Watchdog
 from mpmd.runtime.executables import Executables
 from mpmd.runtime.launch.local import LocalOptions, LocalProcess, start_local
+from mpmd.runtime.recovery import Recovery, enable_recovery
 from mpmd.runtime.sharding import ActorMesh, as_layout, layout_wire, remote_sharding
 from mpmd.runtime.wiring import TRANSPORTS, wire_data_plane
 from transport.auth import ClientKeys
@@ -91,6 +92,7 @@ class RemoteMesh:
         self.actor_mesh: ActorMesh | None = None
         self._offsets: dict[int, int] = {}
         self._tmpdir: str | None = None
+        self.recovery: Any = None  # a mpmd.runtime.recovery.RecoveryManager when made with recover=Recovery(...)
         _LIVE_MESHES.add(self)
         self.actors = [ActorHandle(self, i) for i in range(len(addresses))]
         try:
@@ -140,7 +142,7 @@ class RemoteMesh:
     @classmethod
     def local(cls, num_actors: int = 2, devices_per_actor: int = 1, *, transport: str = "auto", cache_dir: str | bool = True,
               address: str = "ipc", platform: str = "cpu", startup_timeout: float = 120.0, log_level: str = "WARNING",
-              cpus_per_actor: int | None = None, **kwargs: Any) -> RemoteMesh:
+              cpus_per_actor: int | None = None, recover: Recovery | None = None, **kwargs: Any) -> RemoteMesh:
         """Spawn `num_actors` daemons on this machine, each with `devices_per_actor` CPU devices (or, with
         `platform="gpu"`, that many GPUs each: actor i gets GPUs i*d .. i*d+d-1).
 
@@ -149,7 +151,8 @@ class RemoteMesh:
         to its own k cores and sizes XLA's thread pool to them (fair pipeline measurements; big CPU hosts).
         `cache_dir` is the actors' persistent compilation cache (default: ~/.cache/mpmd/xla; False: none).
         The daemons exit when the mesh is closed, when the `with` block ends, at interpreter exit, or when this
-        process dies.
+        process dies. `recover=mpmd.Recovery(snapshot_every=k)`: a daemon that dies is replaced by a new local
+        process and the lost steps are replayed (see `mpmd.Recovery`).
         """
         if transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {transport!r}; choose one of {TRANSPORTS}")
@@ -164,6 +167,12 @@ class RemoteMesh:
             local.cleanup()
             raise
         mesh._tmpdir = local.directory
+        if recover is not None:
+            try:
+                enable_recovery(mesh, recover, local.respawn)
+            except BaseException:
+                mesh.close()
+                raise
         return mesh
 
     @classmethod
@@ -249,14 +258,28 @@ class RemoteMesh:
     def platform(self) -> str:
         return self.infos[0].header["platform"]
 
-    def reconnect(self, i: int) -> dict[str, Any]:
+    @property
+    def recoveries(self) -> int:
+        """How many lost actors this mesh has recovered from (0 without `recover=`)."""
+        return self.recovery.count if self.recovery is not None else 0
+
+    def replace_actor(self, i: int, address: str, process: LocalProcess | None = None) -> dict[str, Any]:
+        """Drive a new daemon as actor `i` (started by this mesh's launcher, at `address`): a fresh session there,
+        its device mesh, the data plane rewired. Returns its info (see `reconnect`)."""
+        if process is not None:
+            self.processes = [process if p.actor_id == i else p for p in self.processes]
+        return self.reconnect(i, address)
+
+    def reconnect(self, i: int, address: str | None = None) -> dict[str, Any]:
         """Talk again to actor `i` after it was declared dead, once it is back: a stopped process resumed
         (``kill -CONT``), or a daemon restarted at the same address. Its running steps are aborted. The same
         daemon keeps this mesh's buffers and programs; a restarted one has none (this mesh opens a new session
         there and rewires the data plane; arrays that lived there are gone, and distributed functions made before
         must be made again: their programs are gone too). Returns the actor's info."""
         old = self._conns[i]
-        new = self._connection(i, old.address)
+        if address is not None:
+            self.addresses[i] = address
+        new = self._connection(i, address or old.address)
 
         async def back() -> Any:
             msg = await new.request("info")
@@ -281,6 +304,8 @@ class RemoteMesh:
                         i, new.address, info.header.get("pid"))
             self.executables.forget(i)
             self.infos[i] = info
+            if self.actor_mesh is not None:
+                self.run(new.request("mesh", {"mesh": self.actor_mesh.to_wire()}))
             if self.transport != "none" and len(self.actors) > 1:
                 self._wire()
         return dict(info.header)

@@ -1,0 +1,109 @@
+"""Transparent recovery (mpmd.Recovery) with real daemons: a training loop in which actors are killed with SIGKILL
+ends without an exception and with parameters bit-identical to an uninterrupted run; without recovery, or past
+max_failures, the loss surfaces as ActorDiedError naming the actor, within the usual bound."""
+
+import logging
+import os
+import random
+import signal
+import threading
+import time
+
+import numpy as np
+import optax
+import pytest
+
+import mpmd
+from mpmd.testing import make_train_step, mlp, mlp_params, mse_loss, regression_batch
+
+STEPS = 20
+WIDTH = 32
+OPT = optax.adam(1e-2)
+STEP = make_train_step(mse_loss(mlp), OPT, mpmd.OneFOneB(num_stages=2))
+
+
+def _batches():
+    rng = np.random.default_rng(1)
+    return [regression_batch(rng, 4, 8, WIDTH) for _ in range(STEPS)]
+
+
+def _params():
+    return mlp_params(np.random.default_rng(0), num_stages=2, width=WIDTH)
+
+
+def train(kills=(), recover=None, fetch_losses_every=0, when="before"):
+    """The loop a user writes. `kills`: (step, actor) pairs: that actor gets SIGKILL just before the step is
+    dispatched (`when="before"`) or while it runs ("during"). Returns (params, opt_state, losses, recoveries)."""
+    kills = dict(kills)
+    batches = _batches()
+    with mpmd.RemoteMesh.local(num_actors=2, recover=recover, heartbeat_timeout=5.0) as mesh:
+        dist = mpmd.distributed(STEP, mesh=mesh)
+        params = _params()
+        p, o = params, OPT.init(params)
+        all_losses = []
+        for i in range(STEPS):
+            victim = kills.get(i)
+            if victim is not None and when == "before":
+                os.kill(mesh.processes[victim].proc.pid, signal.SIGKILL)
+            p, o, losses = dist(p, o, batches[i])
+            if victim is not None and when == "during":
+                pid = mesh.processes[victim].proc.pid
+                threading.Timer(0.02, os.kill, (pid, signal.SIGKILL)).start()
+            all_losses.append(losses)
+            if fetch_losses_every and i % fetch_losses_every == 0:
+                losses.to_numpy()
+        p, o, all_losses = mpmd.fetch((p, o, all_losses))
+        return p, o, all_losses, mesh.recoveries
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    return train()
+
+
+def _assert_identical(got, want):
+    import jax
+
+    for a, b in zip(jax.tree.leaves(got[:3]), jax.tree.leaves(want[:3])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_one_actor_killed_at_a_random_step_the_loop_ends_bit_identical_to_an_uninterrupted_run(uninterrupted, caplog):
+    step = random.Random(os.getpid()).randrange(2, STEPS - 1)
+    with caplog.at_level(logging.WARNING, logger="mpmd.runtime.mesh"):
+        got = train(kills=[(step, 1)], recover=mpmd.Recovery(snapshot_every=5), fetch_losses_every=3, when="during")
+    assert got[3] == 1, f"kill at step {step}"
+    _assert_identical(got, uninterrupted)
+    assert any("recovered from actor 1 lost" in r.getMessage() and "steps replayed" in r.getMessage() for r in caplog.records)
+
+
+def test_two_actors_killed_at_different_steps_the_loop_ends_bit_identical(uninterrupted):
+    rng = random.Random(os.getpid() + 1)
+    first = rng.randrange(1, 9)
+    second = rng.randrange(first + 2, STEPS - 1)
+    got = train(kills=[(first, 0), (second, 1)], recover=mpmd.Recovery(snapshot_every=4))
+    assert got[3] == 2, (first, second)
+    _assert_identical(got, uninterrupted)
+
+
+def test_without_recovery_a_killed_actor_raises_actor_died_error_naming_it():
+    t = time.monotonic()
+    with pytest.raises(mpmd.ActorDiedError) as err:
+        train(kills=[(3, 1)])
+    assert err.value.actor_id == 1 and time.monotonic() - t < 60
+    assert "was killed by SIGKILL" in str(err.value)
+
+
+def test_past_max_failures_the_loss_raises_actor_died_error_naming_the_actor():
+    with pytest.raises(mpmd.ActorDiedError) as err:
+        train(kills=[(2, 0), (6, 1)], recover=mpmd.Recovery(snapshot_every=3, max_failures=1))
+    assert err.value.actor_id == 1
+
+
+def test_recovery_rejects_bad_settings_with_a_clear_error():
+    with pytest.raises(ValueError, match="snapshot_every"):
+        mpmd.Recovery(snapshot_every=0)
+    with pytest.raises(ValueError, match="max_failures"):
+        mpmd.Recovery(max_failures=-1)
+    with pytest.raises(TypeError, match="mpmd.Recovery"):
+        mpmd.RemoteMesh.local(num_actors=1, recover={"snapshot_every": 3})
