@@ -320,35 +320,38 @@ class RecoveryManager:
             fut.set_exception(e)
 
     def _recover_locked(self, error: BaseException, t0: float) -> dict[str, Any]:
-        mesh = self.mesh
         report: dict[str, Any] = {"what": _what(error)}
         lost = self._lost_actors(error)
         while True:
             self.failures += len(lost)
             if self.failures > self.config.max_failures:
                 raise MpmdError(f"{self.failures} lost actors in all, past Recovery(max_failures={self.config.max_failures})")
-            t = time.monotonic()
-            self._drain(lost)
-            report["drain"] = time.monotonic() - t
-            t = time.monotonic()
-            for i in lost:
-                address, process = self.respawn(i, self.config.spawn_timeout)
-                mesh.replace_actor(i, address, process)
-            report["spawn"] = time.monotonic() - t
-            t = time.monotonic()
-            for dist in self._functions():
-                for sig, compiled in list(dist._compiled.items()):
-                    dist._lower_and_ship(compiled.plan, compiled.program_ids, sig[2], compiled.out_tree)
-            report["reload"] = time.monotonic() - t
             try:
-                replayed = self._restore_and_replay(set(lost), report)
+                report["steps replayed"] = self._attempt(lost, report)
             except ActorDiedError as e:  # another actor lost meanwhile: again, from the snapshot
                 lost = self._lost_actors(e)
-                log.warning("actor %s lost during the recovery (%s); recovering again", lost, e)
+                log.warning("actor(s) %s lost during the recovery (%s); recovering again", lost, _what(e))
                 continue
-            report["steps replayed"] = replayed
             self.last_report = {**report, "started": t0}
             return report
+
+    def _attempt(self, lost: list[int], report: dict[str, Any]) -> int:
+        """Replace the `lost` actors, reload the steps there, roll back and replay; how many steps were replayed."""
+        mesh = self.mesh
+        t = time.monotonic()
+        self._drain(lost)
+        report["drain"] = time.monotonic() - t
+        t = time.monotonic()
+        for i in lost:
+            address, process = self.respawn(i, self.config.spawn_timeout)
+            mesh.replace_actor(i, address, process)
+        report["spawn"] = time.monotonic() - t
+        t = time.monotonic()
+        for dist in self._functions():
+            for sig, compiled in list(dist._compiled.items()):
+                dist._lower_and_ship(compiled.plan, compiled.program_ids, sig[2], compiled.out_tree)
+        report["reload"] = time.monotonic() - t
+        return self._restore_and_replay(set(lost), report)
 
     def _lost_actors(self, error: BaseException) -> list[int]:
         mesh = self.mesh
