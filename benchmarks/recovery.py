@@ -55,7 +55,7 @@ def run_block(dist, state, stream, steps: int) -> tuple[float, tuple]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--blocks", type=int, default=4, help="interleaved blocks with and without snapshots")
+    ap.add_argument("--blocks", type=int, default=6, help="pairs of blocks with and without snapshots")
     ap.add_argument("--block-steps", type=int, default=20)
     ap.add_argument("--snapshot-every", type=int, default=10)
     args = ap.parse_args(argv)
@@ -65,19 +65,25 @@ def main(argv: list[str] | None = None) -> None:
         manager = mesh.recovery
         state = (params, opt_state)
         _, state = run_block(dist, state, stream, 10)  # compile and warm up
-        with_s, without_s = [], []
-        for _ in range(args.blocks):
-            mesh.recovery = None
-            t, state = run_block(dist, state, stream, args.block_steps)
-            without_s.append(t)
+        with_s, without_s, ratios = [], [], []
+        for b in range(args.blocks):  # ABBA order: drift in the machine's load falls on both alike
+            pair = {}
+            for snapshots in ((False, True) if b % 2 == 0 else (True, False)):
+                mesh.recovery = manager if snapshots else None
+                pair[snapshots], state = run_block(dist, state, stream, args.block_steps)
             mesh.recovery = manager
-            t, state = run_block(dist, state, stream, args.block_steps)
-            with_s.append(t)
-        ratio = statistics.median(with_s) / statistics.median(without_s)
+            without_s.append(pair[False])
+            with_s.append(pair[True])
+            ratios.append(pair[True] / pair[False])
+        ratio = statistics.median(ratios)
+        calls = [manager.call_seconds, manager.calls]
+        print("per block (ms/step) without:", " ".join(f"{t * 1e3:.0f}" for t in without_s), " with:",
+              " ".join(f"{t * 1e3:.0f}" for t in with_s))
         nbytes = sum(np.asarray(x).nbytes for x in __import__("jax").tree.leaves(mpmd.fetch(state)))
         print(f"steady state: {statistics.median(without_s) * 1e3:.1f} ms/step without snapshots, "
               f"{statistics.median(with_s) * 1e3:.1f} ms/step with one every {args.snapshot_every} steps "
-              f"({nbytes / 2**20:.1f} MiB of state): ratio {ratio:.3f}")
+              f"({nbytes / 2**20:.1f} MiB of state): ratio {ratio:.3f} (median of {len(ratios)} pairs); the log and snapshot "
+              f"bookkeeping cost {calls[0] / max(calls[1], 1) * 1e3:.2f} ms per call on the controller")
 
         # A lost actor: kill actor 1 while a step runs, time until that step's loss arrives.
         p, o = state

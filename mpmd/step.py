@@ -179,21 +179,22 @@ class DistributedFunction:
                  t1 - t0, len(plan.templates), len(plan.programs), compiled.compile_seconds)
         return compiled
 
-    def _lower_and_ship(self, plan: StepPlan, ids: list[int], arg_layouts: tuple | None, out_tree: Any) -> list[Any]:
+    def _lower_and_ship(self, plan: StepPlan, ids: list[int], arg_layouts: tuple | None, out_tree: Any,
+                        lowered: list[tuple[Any, bytes]] | None = None) -> list[Any]:
         """Export each distinct executable once, here, and have every actor that runs it start compiling it at
         once (actors compile while the next one is exported); then load the Programs. With multi-device
         actors, executables are compiled wave by wave with their inputs' layouts (see mpmd.runtime.sharding). Returns
-        how many executables were exported."""
+        how many executables were exported. `lowered`: the plan's (template, blob) pairs, exported already."""
         mesh = self.mesh
         if arg_layouts is not None:
-            return self._lower_and_ship_sharded(plan, ids, arg_layouts, out_tree)
+            return self._lower_and_ship_sharded(plan, ids, arg_layouts, out_tree, lowered)
         users: dict[Any, list[int]] = {}
         for prog in plan.programs:
             for t in prog.executables:
                 users.setdefault(t, []).append(prog.actor)
         keys: dict[tuple[int, Any], Any] = {}
         progress = Progress(f"lowering {len(plan.templates)} executables for {len(plan.programs)} actors")
-        for i, (tpl, blob) in enumerate(iter_lowered(plan, mesh.platform)):
+        for i, (tpl, blob) in enumerate(lowered if lowered is not None else iter_lowered(plan, mesh.platform)):
             for a in users.get(tpl, ()):
                 keys[(a, tpl)] = mesh.submit_coroutine(mesh.executables.ensure_compiled(a, blob, tpl[-1]))
             progress.tick(f"lowered executable {i + 1}/{len(plan.templates)}")
@@ -208,9 +209,10 @@ class DistributedFunction:
         mesh.run(load())
         return programs
 
-    def _lower_and_ship_sharded(self, plan: StepPlan, ids: list[int], arg_layouts: tuple, out_tree: Any) -> list[Any]:
+    def _lower_and_ship_sharded(self, plan: StepPlan, ids: list[int], arg_layouts: tuple, out_tree: Any,
+                                lowered: list[tuple[Any, bytes]] | None = None) -> list[Any]:
         mesh = self.mesh
-        blobs = dict(iter_lowered(plan, mesh.platform))
+        blobs = dict(lowered if lowered is not None else iter_lowered(plan, mesh.platform))
         known: dict[Any, Any] = dict(zip(plan.arg_keys, arg_layouts))
         for us in plan.units.values():
             for u in us:

@@ -31,12 +31,18 @@ def _params():
     return mlp_params(np.random.default_rng(0), num_stages=2, width=WIDTH)
 
 
-def train(kills=(), recover=None, fetch_losses_every=0, when="before"):
-    """The loop a user writes. `kills`: (step, actor) pairs: that actor gets SIGKILL just before the step is
-    dispatched (`when="before"`) or while it runs ("during"). Returns (params, opt_state, losses, recoveries)."""
+def _sigkill(mesh, actor):
+    os.kill(mesh.processes[actor].proc.pid, signal.SIGKILL)
+
+
+def train(kills=(), recover=None, fetch_losses_every=0, when="before", open_mesh=None, kill=_sigkill):
+    """The loop a user writes. `kills`: (step, actor) pairs: that actor is killed (`kill(mesh, actor)`: SIGKILL)
+    just before the step is dispatched (`when="before"`) or while it runs ("during"). Returns (params,
+    opt_state, losses, recoveries)."""
     kills = dict(kills)
     batches = _batches()
-    with mpmd.RemoteMesh.local(num_actors=2, recover=recover, heartbeat_timeout=5.0) as mesh:
+    open_mesh = open_mesh or (lambda **kw: mpmd.RemoteMesh.local(num_actors=2, **kw))
+    with open_mesh(recover=recover, heartbeat_timeout=5.0) as mesh:
         dist = mpmd.distributed(STEP, mesh=mesh)
         params = _params()
         p, o = params, OPT.init(params)
@@ -44,11 +50,10 @@ def train(kills=(), recover=None, fetch_losses_every=0, when="before"):
         for i in range(STEPS):
             victim = kills.get(i)
             if victim is not None and when == "before":
-                os.kill(mesh.processes[victim].proc.pid, signal.SIGKILL)
+                kill(mesh, victim)
             p, o, losses = dist(p, o, batches[i])
             if victim is not None and when == "during":
-                pid = mesh.processes[victim].proc.pid
-                threading.Timer(0.02, os.kill, (pid, signal.SIGKILL)).start()
+                threading.Timer(0.02, kill, (mesh, victim)).start()
             all_losses.append(losses)
             if fetch_losses_every and i % fetch_losses_every == 0:
                 losses.to_numpy()
@@ -113,3 +118,22 @@ def test_actors_killed_back_to_back_one_during_the_recovery_of_the_other_the_loo
     got = train(kills=[(6, 0), (7, 1)], recover=mpmd.Recovery(snapshot_every=5))  # the loop does not wait: both go at once
     assert got[3] >= 1
     _assert_identical(got, uninterrupted)
+
+
+@pytest.mark.slow
+def test_on_ray_a_killed_ray_actor_is_replaced_in_its_bundle_and_the_loop_ends_bit_identical(uninterrupted):
+    ray = pytest.importorskip("ray", reason="the `ray` extra is not installed")
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
+             configure_logging=False, runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu"}})
+    try:
+        got = train(kills=[(7, 1)], recover=mpmd.Recovery(snapshot_every=5), fetch_losses_every=2, when="during",
+                    open_mesh=lambda **kw: mpmd.RemoteMesh.ray(2, startup_timeout=120, **kw),
+                    kill=lambda mesh, a: ray.kill(mesh.processes[a].handle))
+        assert got[3] == 1
+        _assert_identical(got, uninterrupted)
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("mpmd-")]
+        assert names == [], names  # closing removed the replacement too
+    finally:
+        ray.shutdown()

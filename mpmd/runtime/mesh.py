@@ -263,11 +263,16 @@ class RemoteMesh:
         """How many lost actors this mesh has recovered from (0 without `recover=`)."""
         return self.recovery.count if self.recovery is not None else 0
 
-    def replace_actor(self, i: int, address: str, process: LocalProcess | None = None) -> dict[str, Any]:
-        """Drive a new daemon as actor `i` (started by this mesh's launcher, at `address`): a fresh session there,
-        its device mesh, the data plane rewired. Returns its info (see `reconnect`)."""
+    def replace_actor(self, i: int, address: str, process: Any = None, server_key: bytes | None = None) -> dict[str, Any]:
+        """Drive a new daemon as actor `i` (started by this mesh's launcher, at `address`, with its own public key
+        `server_key` if it made one): a fresh session there, its device mesh, the data plane rewired. Returns its
+        info (see `reconnect`)."""
         if process is not None:
             self.processes = [process if p.actor_id == i else p for p in self.processes]
+        if server_key is not None and self._keys is not None:
+            servers = [self._keys.server_key(a) for a in range(len(self.actors))]
+            servers[i] = server_key
+            self._keys = ClientKeys(self._keys.client, tuple(servers))
         return self.reconnect(i, address)
 
     def reconnect(self, i: int, address: str | None = None) -> dict[str, Any]:

@@ -51,14 +51,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from mpmd.compiler.avals import from_wire
+from mpmd.compiler.avals import from_wire, is_key, key_impl, to_wire
+from mpmd.compiler.plan import iter_lowered
 from mpmd.errors import ActorDiedError, MpmdError
 from mpmd.runtime.array import RemoteArray
 
 log = logging.getLogger("mpmd.runtime.mesh")  # recoveries are the mesh's news: its logger says them
 
-# respawn(actor, timeout) -> (control address, local process or None): the launcher's replacement daemon
-Respawn = Callable[[int, float], tuple[str, Any]]
+# respawn(actor, timeout) -> (control address, process handle or None[, its public key when it made a new one]):
+# the launcher's replacement daemon (launch.local.LocalMesh.respawn, launch.ray.RayLaunch.respawn)
+Respawn = Callable[[int, float], tuple[Any, ...]]
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,8 @@ class RecoveryManager:
         self._recovery: concurrent.futures.Future[None] | None = None
         self._dists: weakref.WeakSet[Any] = weakref.WeakSet()  # every step logged: reloaded on a replacement
         self._kept: dict[int, tuple[np.ndarray, Any, Any]] = {}  # value id -> (host value, spec, dtype) of live arrays
-        self.last_report: dict[str, Any] = {}  # the last recovery's timings (benchmarks/recovery.py)
+        self.last_report: dict[str, Any] = {}
+        self.calls, self.call_seconds, self._last_dispatch = 0, 0.0, 0.0  # the bookkeeping's own cost (benchmarks)  # the last recovery's timings (benchmarks/recovery.py)
 
     # ---- logging steps -------------------------------------------------------------------------------
     def _vid(self, x: RemoteArray) -> int:
@@ -163,30 +166,40 @@ class RecoveryManager:
         with self._dispatch:
             if self.gave_up is not None:
                 return dist._call(args)
-            self._dists.add(dist)
-            leaves, treedef = jax.tree.flatten(args, is_leaf=lambda x: isinstance(x, RemoteArray))
-            rec = StepRecord(next(self._indices), dist, treedef, [], generation=self.generation)
-            remote = {}
-            for x in leaves:
-                if isinstance(x, RemoteArray):
-                    vid = self._vid(x)
-                    remote[vid] = x
-                    rec.leaves.append(("remote", vid, weakref.ref(x)))
-                else:  # kept for replay: a copy, in case the caller reuses its buffer
-                    rec.leaves.append(("host", np.array(x, copy=True) if isinstance(x, np.ndarray) else x))
-            snap = None
-            if self.snapshot is None and not self.pending or self._since_snapshot + 1 >= self.config.snapshot_every:
-                snap = self._start_snapshot(rec.index, remote)  # before the dispatch: it reads the inputs' buffers as they are
-            out = dist._call(args, self._on_failure_of(rec), rec.sent)
-            ins = {id(x) for x in remote.values()}
-            out_leaves = jax.tree.leaves(out, is_leaf=lambda x: isinstance(x, RemoteArray))
-            for j, y in enumerate(out_leaves):
-                if isinstance(y, RemoteArray) and id(y) not in ins:
-                    rec.outs.append((j, self._vid(y), weakref.ref(y)))
-            with self._state:
-                self.log.append(rec)
-                self._since_snapshot = 0 if snap is not None else self._since_snapshot + 1
+            t0 = time.perf_counter()
+            out = self._call_logged(dist, args)
+            self.calls += 1
+            self.call_seconds += time.perf_counter() - t0 - self._last_dispatch
             return out
+
+    def _call_logged(self, dist: Any, args: tuple[Any, ...]) -> Any:
+        """Log the call, snapshot its RemoteArray inputs when one is due, dispatch it, name its outputs."""
+        self._dists.add(dist)
+        leaves, treedef = jax.tree.flatten(args, is_leaf=lambda x: isinstance(x, RemoteArray))
+        rec = StepRecord(next(self._indices), dist, treedef, [], generation=self.generation)
+        remote = {}
+        for x in leaves:
+            if isinstance(x, RemoteArray):
+                vid = self._vid(x)
+                remote[vid] = x
+                rec.leaves.append(("remote", vid, weakref.ref(x)))
+            else:  # kept for replay: a copy, in case the caller reuses its buffer
+                rec.leaves.append(("host", np.array(x, copy=True) if isinstance(x, np.ndarray) else x))
+        snap = None
+        if self.snapshot is None and not self.pending or self._since_snapshot + 1 >= self.config.snapshot_every:
+            snap = self._start_snapshot(rec.index, remote)  # before the dispatch: it reads the inputs' buffers as they are
+        t = time.perf_counter()
+        out = dist._call(args, self._on_failure_of(rec), rec.sent)
+        self._last_dispatch = time.perf_counter() - t
+        ins = {id(x) for x in remote.values()}
+        out_leaves = jax.tree.leaves(out, is_leaf=lambda x: isinstance(x, RemoteArray))
+        for j, y in enumerate(out_leaves):
+            if isinstance(y, RemoteArray) and id(y) not in ins:
+                rec.outs.append((j, self._vid(y), weakref.ref(y)))
+        with self._state:
+            self.log.append(rec)
+            self._since_snapshot = 0 if snap is not None else self._since_snapshot + 1
+        return out
 
     def _start_snapshot(self, index: int, arrays: dict[int, RemoteArray]) -> Snapshot:
         """Fetch `arrays` (the inputs of log entry `index`) to host memory in the background."""
@@ -342,14 +355,17 @@ class RecoveryManager:
         self._drain(lost)
         report["drain"] = time.monotonic() - t
         t = time.monotonic()
-        for i in lost:
-            address, process = self.respawn(i, self.config.spawn_timeout)
-            mesh.replace_actor(i, address, process)
-        report["spawn"] = time.monotonic() - t
-        t = time.monotonic()
-        for dist in self._functions():
-            for sig, compiled in list(dist._compiled.items()):
-                dist._lower_and_ship(compiled.plan, compiled.program_ids, sig[2], compiled.out_tree)
+        steps = [(dist, sig, c) for dist in self._functions() for sig, c in list(dist._compiled.items())]
+        # Export the steps' executables again while the replacement starts (the daemon's start is mostly waiting).
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpmd-recovery-lower") as pool:
+            lowered = [pool.submit(lambda c=c: list(iter_lowered(c.plan, mesh.platform))) for _, _, c in steps]
+            for i in lost:
+                address, process, *key = self.respawn(i, self.config.spawn_timeout)
+                mesh.replace_actor(i, address, process, key[0] if key else None)
+            report["spawn"] = time.monotonic() - t
+            t = time.monotonic()
+            for (dist, sig, c), blobs in zip(steps, lowered):
+                dist._lower_and_ship(c.plan, c.program_ids, sig[2], c.out_tree, blobs.result())
         report["reload"] = time.monotonic() - t
         return self._restore_and_replay(set(lost), report)
 
@@ -403,16 +419,17 @@ class RecoveryManager:
             if gone:
                 stripped[vid] = (x, gone)
                 x.buffers = {a: b for a, b in x.buffers.items() if a not in replaced}
-        values: dict[int, RemoteArray] = {}
-        for vid, (actors, spec, dtype, ref) in snap.meta.items():  # every actor rolls back to the snapshot
-            fresh = mesh.put_replicated(from_wire(snap.values[vid], dtype), actors, spec)
-            values[vid] = self._rebind(ref(), fresh, vid)
         replayed_vids = {vid for r in records for _, vid, _ in r.outs}
-        for vid, (x, gone) in stripped.items():  # older live arrays that were on a replaced actor: put back there
-            if vid in values or vid in replayed_vids or vid not in self._kept:
-                continue  # (rolled back, remade by the replay, or lost: not in any snapshot)
-            value, spec, dtype = self._kept[vid]
-            fresh = mesh.put_replicated(from_wire(value, dtype), gone, spec)
+        back = [vid for vid, (x, gone) in stripped.items()  # older live arrays that were on a replaced actor
+                if vid not in snap.meta and vid not in replayed_vids and vid in self._kept]  # (else: lost, in no snapshot)
+        puts = [(snap.values[vid], actors, spec, dtype) for vid, (actors, spec, dtype, _) in snap.meta.items()]
+        puts += [(self._kept[vid][0], stripped[vid][1], self._kept[vid][1], self._kept[vid][2]) for vid in back]
+        arrays = put_all(mesh, puts)  # every actor rolls back to the snapshot; the older arrays go back where they were
+        values: dict[int, RemoteArray] = {}
+        for (vid, (_, _, _, ref)), fresh in zip(snap.meta.items(), arrays):
+            values[vid] = self._rebind(ref(), fresh, vid)
+        for vid, fresh in zip(back, arrays[len(snap.meta):]):
+            x = stripped[vid][0]
             x.buffers.update(fresh.buffers)
             fresh.buffers = {}
         report["restore"] = time.monotonic() - t
@@ -452,6 +469,28 @@ class RecoveryManager:
         if old:
             self.mesh.release_buffers(old)
         return user
+
+
+def put_all(mesh: Any, items: list[tuple[np.ndarray, list[int], Any, Any]]) -> list[RemoteArray]:
+    """Put many host values (wire form, as `get` returns them) on their actors at once: (value, actors,
+    PartitionSpec or None, dtype) each; one RemoteArray each, like `mesh.put_replicated`."""
+    from mpmd.runtime.sharding import as_layout, layout_wire, remote_sharding
+
+    requests, out = [], []
+    for value, actors, spec, dtype in items:
+        wire = to_wire(from_wire(value, dtype))
+        shape = wire.shape[: wire.ndim - (len(key_impl(dtype).key_shape) if is_key(dtype) else 0)]
+        fields = {"layout": layout_wire(as_layout(spec))} if spec is not None else {}
+        bufs = {a: mesh.new_buffer_id() for a in actors}
+        requests += [(a, {"buf": b, **fields}, wire) for a, b in bufs.items()]
+        layout = as_layout(spec) if spec is not None else (() if mesh.actor_mesh is not None else None)
+        out.append(RemoteArray(mesh, bufs, shape, dtype, remote_sharding(layout, mesh.actor_mesh)))
+
+    async def put() -> None:
+        await asyncio.gather(*(mesh.conn(a).request("put", f, [w]) for a, f, w in requests))
+
+    mesh.run(put())
+    return out
 
 
 def _what(error: BaseException) -> str:
