@@ -137,3 +137,35 @@ def test_on_ray_a_killed_ray_actor_is_replaced_in_its_bundle_and_the_loop_ends_b
         assert names == [], names  # closing removed the replacement too
     finally:
         ray.shutdown()
+
+
+def test_at_a_rendezvous_a_daemon_restarted_by_the_supervisor_replaces_the_lost_one_and_the_loop_ends_bit_identical(
+        uninterrupted, tmp_path):
+    """Daemons a cluster started (as srun or a StatefulSet would); the supervisor restarts a killed one with the
+    same --actor-id and it announces itself again."""
+    from tests.wire import start_daemon, stop_daemon
+    from transport.auth import generate_key_files
+
+    keys, rdv = tmp_path / "keys", tmp_path / "rdv"
+    generate_key_files(keys)
+
+    def daemon(i):
+        return start_daemon("--rendezvous", str(rdv), "--actor-id", str(i), "--authorized-keys", str(keys),
+                            "--listen", "tcp://127.0.0.1:0", "--p2p-host", "127.0.0.1")[0]
+
+    procs = [daemon(0), daemon(1)]
+
+    def kill_and_restart(mesh, i):
+        procs[i].kill()
+        procs[i].wait()
+        threading.Thread(target=lambda: procs.append(daemon(i))).start()  # the supervisor, a moment later
+
+    try:
+        got = train(kills=[(5, 1)], recover=mpmd.Recovery(snapshot_every=4, spawn_timeout=120), fetch_losses_every=2,
+                    open_mesh=lambda **kw: mpmd.RemoteMesh.from_rendezvous(rdv, 2, keys=keys, timeout=60, **kw),
+                    kill=kill_and_restart)
+        assert got[3] == 1
+        _assert_identical(got, uninterrupted)
+    finally:
+        for p in procs:
+            stop_daemon(p)

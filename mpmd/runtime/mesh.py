@@ -205,7 +205,9 @@ class RemoteMesh:
         `resources_per_actor`) with `placement_strategy`; each bundle gets a Ray actor that runs one `mpmd-actor`
         daemon bound to its node's address (`host` overrides it). Keys are ephemeral; only public keys cross the
         network. A Ray actor that dies surfaces as `ActorDiedError`; closing the mesh kills the Ray actors and
-        removes the placement group. Other keyword arguments go to `RemoteMesh`. See mpmd/runtime/launch/ray.py."""
+        removes the placement group. `recover=mpmd.Recovery(...)`: a lost daemon is replaced by a new Ray actor in
+        its bundle and the lost steps replayed (see `mpmd.Recovery`). Other keyword arguments go to `RemoteMesh`.
+        See mpmd/runtime/launch/ray.py."""
         from mpmd.runtime.launch import ray as ray_launcher
 
         return ray_launcher.connect(cls, num_actors, devices_per_actor, resources_per_actor, placement_strategy, platform=platform,
@@ -227,8 +229,10 @@ class RemoteMesh:
         num_actors-1 (`RendezvousError` names the missing ones), refuses daemons of another JAX version or
         `platform` (`IncompatibleActorError`), and connects with `keys` (the pair the daemons'
         --authorized-keys admits) and each daemon's public key from its arrival. With `shutdown_on_close`
-        the daemons exit when the mesh closes (so the srun step or the Job ends). Other keyword arguments go
-        to `RemoteMesh`. See mpmd/runtime/launch/rendezvous.py."""
+        the daemons exit when the mesh closes (so the srun step or the Job ends). `recover=mpmd.Recovery(...)`
+        (directory rendezvous): a lost actor is replaced by the next daemon that announces itself under its id —
+        restarted by the cluster's supervisor — and the lost steps replayed. Other keyword arguments go to
+        `RemoteMesh`. See mpmd/runtime/launch/rendezvous.py."""
         from mpmd.runtime.launch import rendezvous
 
         return rendezvous.connect(cls, where, num_actors, timeout=timeout, keys=keys, platform=platform,
