@@ -9,8 +9,10 @@
   sharding.py      layouts of arrays over each actor's own device mesh (SPMD inside an actor)
   wiring.py        which data-plane route each pair of actors uses, and wiring it
   checkpoint.py    `save` / `restore` of state held on actors (orbax-checkpoint on each actor)
+  recovery.py      `Recovery` — surviving a lost actor: step log, host snapshots, replacement, replay
   launch/          starting daemons: local subprocesses, Ray actors, a rendezvous (SLURM, Kubernetes)
 
-The runtime imports the compiler's value conversions (`mpmd.compiler.avals`), observation (`mpmd.observe`)
+The runtime imports the compiler's value conversions (`mpmd.compiler.avals`; recovery also re-exports a plan's
+executables with `mpmd.compiler.plan.iter_lowered`), observation (`mpmd.observe`)
 and the wire (`transport`); nothing here imports the user's surface (`mpmd.api`, `mpmd.step`).
 """

@@ -43,7 +43,7 @@ class RemoteArray:
     buffers (batched, asynchronously); `delete()` frees them now.
     """
 
-    __slots__ = ("__weakref__", "_host", "_ready", "buffers", "dtype", "mesh", "shape", "sharding")
+    __slots__ = ("__weakref__", "_host", "_ready", "_vid", "buffers", "dtype", "mesh", "shape", "sharding")
 
     def __init__(self, mesh: BufferOwner, buffers: dict[int, int], shape: tuple[int, ...], dtype: Any, sharding: Any = None,
                  ready: concurrent.futures.Future[Any] | None = None) -> None:
@@ -54,6 +54,7 @@ class RemoteArray:
         self.sharding = sharding  # how each actor holds it over its devices (None: on one device)
         self._host: concurrent.futures.Future[np.ndarray] | None = None
         self._ready = ready  # the dispatch of the step that makes it (None: made already)
+        self._vid = 0  # its value id in the mesh's recovery log (mpmd.runtime.recovery; 0: none yet)
 
     @property
     def actors(self) -> list[int]:

@@ -144,7 +144,7 @@ class RecoveryManager:
         self.pending: list[Snapshot] = []
         self._indices = itertools.count()
         self._vid_counter = itertools.count(1)
-        self._vids: weakref.WeakKeyDictionary[RemoteArray, int] = weakref.WeakKeyDictionary()
+        self._refs: dict[int, weakref.ref[RemoteArray]] = {}  # value id -> its array (dead ones swept at snapshots)
         self._dispatch = threading.RLock()  # held by a dispatch and for all of a recovery
         self._state = threading.Lock()  # the log and snapshots; never held across a wait on the loop
         self._since_snapshot = 0
@@ -156,10 +156,23 @@ class RecoveryManager:
 
     # ---- logging steps -------------------------------------------------------------------------------
     def _vid(self, x: RemoteArray) -> int:
-        vid = self._vids.get(x)
-        if vid is None:
-            vid = self._vids[x] = next(self._vid_counter)
+        """`x`'s value id (kept on the array itself: cheaper per call than a weak dictionary)."""
+        vid = x._vid
+        if not vid:
+            vid = x._vid = next(self._vid_counter)
+            self._refs[vid] = weakref.ref(x)
         return vid
+
+    def _live(self) -> list[tuple[int, RemoteArray]]:
+        """Every live array with a value id; forgets the dead ones."""
+        out = []
+        for vid, ref in list(self._refs.items()):
+            x = ref()
+            if x is None:
+                self._refs.pop(vid, None)
+            else:
+                out.append((vid, x))
+        return out
 
     def call(self, dist: Any, args: tuple[Any, ...]) -> Any:
         """Dispatch `dist(*args)`, logged (and snapshotted every `snapshot_every` calls)."""
@@ -182,7 +195,7 @@ class RecoveryManager:
             if isinstance(x, RemoteArray):
                 vid = self._vid(x)
                 remote[vid] = x
-                rec.leaves.append(("remote", vid, weakref.ref(x)))
+                rec.leaves.append(("remote", vid, self._refs[vid]))
             else:  # kept for replay: a copy, in case the caller reuses its buffer
                 rec.leaves.append(("host", np.array(x, copy=True) if isinstance(x, np.ndarray) else x))
         snap = None
@@ -195,7 +208,8 @@ class RecoveryManager:
         out_leaves = jax.tree.leaves(out, is_leaf=lambda x: isinstance(x, RemoteArray))
         for j, y in enumerate(out_leaves):
             if isinstance(y, RemoteArray) and id(y) not in ins:
-                rec.outs.append((j, self._vid(y), weakref.ref(y)))
+                vid = self._vid(y)
+                rec.outs.append((j, vid, self._refs[vid]))
         with self._state:
             self.log.append(rec)
             self._since_snapshot = 0 if snap is not None else self._since_snapshot + 1
@@ -208,7 +222,7 @@ class RecoveryManager:
         # Other live arrays of earlier steps (losses kept for later, ...): values never change, so each is
         # fetched once and kept while its array lives, to put back on a replacement that held it.
         with self._state:
-            others = {vid: x for x, vid in list(self._vids.items()) if vid not in arrays and vid not in self._kept and x.buffers}
+            others = {vid: x for vid, x in self._live() if vid not in arrays and vid not in self._kept and x.buffers}
         per_actor: dict[int, list[tuple[int, int]]] = {}
         for vid, x in [*arrays.items(), *others.items()]:
             per_actor.setdefault(x.actor, []).append((vid, x.buffers[x.actor]))
@@ -414,7 +428,7 @@ class RecoveryManager:
             records = [r for r in self.log if r.index >= snap.index]
         t = time.monotonic()
         stripped: dict[int, tuple[RemoteArray, list[int]]] = {}
-        for x, vid in list(self._vids.items()):  # buffers on a replaced actor are gone
+        for vid, x in self._live():  # buffers on a replaced actor are gone
             gone = [a for a in x.buffers if a in replaced]
             if gone:
                 stripped[vid] = (x, gone)
@@ -462,7 +476,8 @@ class RecoveryManager:
     def _rebind(self, user: RemoteArray | None, fresh: RemoteArray, vid: int) -> RemoteArray:
         """Point the user's array (if it still lives) at `fresh`'s buffers; returns the array that now holds them."""
         if user is None:
-            self._vids[fresh] = vid
+            fresh._vid = vid
+            self._refs[vid] = weakref.ref(fresh)
             return fresh
         old, user.buffers, fresh.buffers = user.buffers, dict(fresh.buffers), {}
         user._host = None
