@@ -169,3 +169,20 @@ def test_at_a_rendezvous_a_daemon_restarted_by_the_supervisor_replaces_the_lost_
     finally:
         for p in procs:
             stop_daemon(p)
+
+
+def test_an_actor_killed_before_the_first_step_compiles_is_replaced_and_the_loop_ends_bit_identical(uninterrupted):
+    got = train(kills=[(0, 1)], recover=mpmd.Recovery(snapshot_every=5))  # dead when the step is compiled
+    assert got[3] == 1
+    _assert_identical(got, uninterrupted)
+
+
+def test_with_two_devices_per_actor_a_killed_actor_is_recovered_bit_identical_to_the_same_mesh_uninterrupted():
+    def two_devices(**kw):
+        return mpmd.RemoteMesh.local(num_actors=2, devices_per_actor=2, **kw)
+
+    want = train(open_mesh=two_devices)
+    got = train(kills=[(9, 0)], recover=mpmd.Recovery(snapshot_every=4), open_mesh=two_devices, fetch_losses_every=2,
+                when="during")
+    assert got[3] == 1
+    _assert_identical(got, want)

@@ -151,7 +151,13 @@ class RemoteArray:
             except Exception:
                 self._raise_step_error()
                 raise
-        self.mesh.wait_buffers({a: [b] for a, b in self.buffers.items()})
+        try:
+            self.mesh.wait_buffers({a: [b] for a, b in self.buffers.items()})
+        except MpmdError as e:
+            before = dict(self.buffers)
+            if not (_recovered(self.mesh, e, self._ready) and self.buffers and self.buffers != before):
+                raise
+            self.mesh.wait_buffers({a: [b] for a, b in self.buffers.items()})  # rebound by the recovery
         return self
 
     def delete(self) -> None:

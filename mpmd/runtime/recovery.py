@@ -176,14 +176,20 @@ class RecoveryManager:
 
     def call(self, dist: Any, args: tuple[Any, ...]) -> Any:
         """Dispatch `dist(*args)`, logged (and snapshotted every `snapshot_every` calls)."""
-        with self._dispatch:
-            if self.gave_up is not None:
-                return dist._call(args)
-            t0 = time.perf_counter()
-            out = self._call_logged(dist, args)
-            self.calls += 1
-            self.call_seconds += time.perf_counter() - t0 - self._last_dispatch
-            return out
+        for attempt in itertools.count():
+            try:
+                with self._dispatch:
+                    if self.gave_up is not None:
+                        return dist._call(args)
+                    t0 = time.perf_counter()
+                    out = self._call_logged(dist, args)
+                    self.calls += 1
+                    self.call_seconds += time.perf_counter() - t0 - self._last_dispatch
+                    return out
+            except ActorDiedError as e:  # met while compiling or dispatching (outside the lock: recover, call again)
+                if attempt > self.config.max_failures or not self.recover_now(e):
+                    raise
+        raise AssertionError("unreachable")
 
     def _call_logged(self, dist: Any, args: tuple[Any, ...]) -> Any:
         """Log the call, snapshot its RemoteArray inputs when one is due, dispatch it, name its outputs."""
@@ -423,8 +429,8 @@ class RecoveryManager:
         mesh = self.mesh
         with self._state:
             snap = self.snapshot
-            if snap is None:
-                raise MpmdError("no complete snapshot to restore (the first one was still being taken)")
+            if snap is None:  # the first is still being taken: replay all, with the inputs where they are (if they are)
+                snap = Snapshot(self.log[0].index if self.log else 0, {}, complete=True)
             records = [r for r in self.log if r.index >= snap.index]
         t = time.monotonic()
         stripped: dict[int, tuple[RemoteArray, list[int]]] = {}
