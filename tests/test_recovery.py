@@ -57,6 +57,10 @@ def train(kills=(), recover=None, fetch_losses_every=0, when="before", open_mesh
             all_losses.append(losses)
             if fetch_losses_every and i % fetch_losses_every == 0:
                 losses.to_numpy()
+        if STEPS in kills:  # after the loop, once every step is done: the fetch meets the lost actor
+            all_losses[-1].block_until_ready()
+            kill(mesh, kills[STEPS])
+            time.sleep(0.5)
         p, o, all_losses = mpmd.fetch((p, o, all_losses))
         return p, o, all_losses, mesh.recoveries
 
@@ -186,3 +190,9 @@ def test_with_two_devices_per_actor_a_killed_actor_is_recovered_bit_identical_to
                 when="during")
     assert got[3] == 1
     _assert_identical(got, want)
+
+
+def test_an_actor_killed_after_the_last_step_is_recovered_by_the_fetch_and_the_values_are_bit_identical(uninterrupted):
+    got = train(kills=[(STEPS, 1)], recover=mpmd.Recovery(snapshot_every=6))
+    assert got[3] == 1
+    _assert_identical(got, uninterrupted)
