@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -71,8 +72,6 @@ def uninterrupted():
 
 
 def _assert_identical(got, want):
-    import jax
-
     for a, b in zip(jax.tree.leaves(got[:3]), jax.tree.leaves(want[:3])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -196,3 +195,28 @@ def test_an_actor_killed_after_the_last_step_is_recovered_by_the_fetch_and_the_v
     got = train(kills=[(STEPS, 1)], recover=mpmd.Recovery(snapshot_every=6))
     assert got[3] == 1
     _assert_identical(got, uninterrupted)
+
+
+def test_three_actors_under_gpipe_the_middle_one_killed_the_loop_ends_bit_identical():
+    opt = optax.sgd(0.05)
+    step = make_train_step(mse_loss(mlp), opt, mpmd.GPipe(num_stages=3))
+    rng = np.random.default_rng(1)
+    batches = [regression_batch(rng, 3, 4, 16) for _ in range(12)]
+
+    def run(recover):
+        with mpmd.RemoteMesh.local(num_actors=3, recover=recover) as mesh:
+            dist = mpmd.distributed(step, mesh=mesh)
+            params = mlp_params(np.random.default_rng(0), num_stages=3, width=16)
+            p, o, losses = params, opt.init(params), []
+            for i, b in enumerate(batches):
+                p, o, loss = dist(p, o, b)
+                losses.append(loss)
+                if recover is not None and i == 7:
+                    threading.Timer(0.01, _sigkill, (mesh, 1)).start()
+            return mpmd.fetch((p, o, losses)), mesh.recoveries
+
+    want, _ = run(None)
+    got, recoveries = run(mpmd.Recovery(snapshot_every=3))
+    assert recoveries == 1
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
