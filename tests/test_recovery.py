@@ -115,6 +115,8 @@ def test_recovery_rejects_bad_settings_with_a_clear_error():
         mpmd.Recovery(max_failures=-1)
     with pytest.raises(TypeError, match="mpmd.Recovery"):
         mpmd.RemoteMesh.local(num_actors=1, recover={"snapshot_every": 3})
+    with pytest.raises(ValueError, match="launcher that can start a replacement"):
+        mpmd.RemoteMesh.connect(["ipc:///nonexistent"], recover=mpmd.Recovery())
 
 
 def test_actors_killed_back_to_back_one_during_the_recovery_of_the_other_the_loop_ends_bit_identical(uninterrupted):

@@ -188,6 +188,9 @@ class RemoteMesh:
         `keys`: a key directory (or ``*.key_secret`` file) whose pair is both this controller's and the daemons'
         key, or a `transport.auth.ClientKeys` (the controller's pair and the daemons' public keys, for separate
         pairs). A wrong or missing key fails here with `ActorAuthError`, naming the actor."""
+        if "recover" in kwargs:
+            raise ValueError("recover= needs a launcher that can start a replacement daemon: RemoteMesh.local, .ray or "
+                             ".from_rendezvous (a daemon restarted at the same address can be taken back with mesh.reconnect(i))")
         return cls(addresses, keys=keys, **kwargs)
 
     @classmethod
