@@ -15,6 +15,7 @@ Public names (each has a docstring):
   save, restore, load                         checkpoints of state held on actors (orbax-checkpoint, verified, any layout)
   fetch_async, ready_async, save_async, restore_async   awaitable twins, for the caller's own event loop (also
                                               RemoteMesh.local_async, step.call_async, actor(i).put_async / run_async)
+  Recovery                                    RemoteMesh.local(..., recover=Recovery(snapshot_every=10)): survive a lost actor
   pipeline_yield, accumulate_grads, distributed   the pipeline API
   loaded                                      batch leaves each actor loads itself (a named loader function)
   GPipe, OneFOneB, Custom, Task               schedules
@@ -48,6 +49,7 @@ from mpmd.runtime.array import RemoteArray, fetch
 from mpmd.runtime.checkpoint import load, restore, restore_async, save, save_async
 from mpmd.runtime.loader import loaded
 from mpmd.runtime.mesh import ActorHandle, RemoteMesh
+from mpmd.runtime.recovery import Recovery
 from mpmd.schedules import (
     Custom,
     DualPipeV,
@@ -84,6 +86,7 @@ __all__ = [
     "MpmdError",
     "OneFOneB",
     "PipelineError",
+    "Recovery",
     "RemoteArray",
     "RemoteError",
     "RemoteMesh",

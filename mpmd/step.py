@@ -19,7 +19,7 @@ from mpmd.compiler.inline import inline_calls
 from mpmd.compiler.plan import StepPlan, iter_lowered, plan_step
 from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError
 from mpmd.observe.report import PlacementReport, placement_report
-from mpmd.runtime.aio import abortable, start_in_worker, watch
+from mpmd.runtime.aio import abortable, off_loop, start_in_worker, watch
 from mpmd.runtime.array import RemoteArray
 from mpmd.runtime.callbacks import run_host_calls
 from mpmd.runtime.controller import note_blocking
@@ -192,21 +192,22 @@ class DistributedFunction:
                  t1 - t0, len(plan.templates), len(plan.programs), compiled.compile_seconds)
         return compiled
 
-    def _lower_and_ship(self, plan: StepPlan, ids: list[int], arg_layouts: tuple | None, out_tree: Any) -> list[Any]:
+    def _lower_and_ship(self, plan: StepPlan, ids: list[int], arg_layouts: tuple | None, out_tree: Any,
+                        lowered: list[tuple[Any, bytes]] | None = None) -> list[Any]:
         """Export each distinct executable once, here, and have every actor that runs it start compiling it at
         once (actors compile while the next one is exported); then load the Programs. With multi-device
         actors, executables are compiled wave by wave with their inputs' layouts (see mpmd.runtime.sharding). Returns
-        how many executables were exported."""
+        how many executables were exported. `lowered`: the plan's (template, blob) pairs, exported already."""
         mesh = self.mesh
         if arg_layouts is not None:
-            return self._lower_and_ship_sharded(plan, ids, arg_layouts, out_tree)
+            return self._lower_and_ship_sharded(plan, ids, arg_layouts, out_tree, lowered)
         users: dict[Any, list[int]] = {}
         for prog in plan.programs:
             for t in prog.executables:
                 users.setdefault(t, []).append(prog.actor)
         keys: dict[tuple[int, Any], Any] = {}
         progress = Progress(f"lowering {len(plan.templates)} executables for {len(plan.programs)} actors")
-        for i, (tpl, blob) in enumerate(iter_lowered(plan, mesh.platform)):
+        for i, (tpl, blob) in enumerate(lowered if lowered is not None else iter_lowered(plan, mesh.platform)):
             for a in users.get(tpl, ()):
                 keys[(a, tpl)] = mesh.submit_coroutine(mesh.executables.ensure_compiled(a, blob, tpl[-1]))
             progress.tick(f"lowered executable {i + 1}/{len(plan.templates)}")
@@ -221,9 +222,10 @@ class DistributedFunction:
         mesh.run(load())
         return programs
 
-    def _lower_and_ship_sharded(self, plan: StepPlan, ids: list[int], arg_layouts: tuple, out_tree: Any) -> list[Any]:
+    def _lower_and_ship_sharded(self, plan: StepPlan, ids: list[int], arg_layouts: tuple, out_tree: Any,
+                                lowered: list[tuple[Any, bytes]] | None = None) -> list[Any]:
         mesh = self.mesh
-        blobs = dict(iter_lowered(plan, mesh.platform))
+        blobs = dict(lowered if lowered is not None else iter_lowered(plan, mesh.platform))
         known: dict[Any, Any] = dict(zip(plan.arg_keys, arg_layouts))
         for us in plan.units.values():
             for u in us:
@@ -293,25 +295,44 @@ class DistributedFunction:
         """Dispatch one step and return its outputs at once, as RemoteArrays (like jax.jit's asynchronous
         dispatch): the next call is sent while this one runs, and an error surfaces at the first fetch or
         `block_until_ready()` of an output, or at the next call, naming the step. From a coroutine, await
-        `call_async` instead: a first call compiles, which would hold the caller's event loop."""
+        `call_async` instead: a first call compiles, which would hold the caller's event loop. On a mesh made with
+        `recover=mpmd.Recovery(...)` the call is logged and a lost actor is recovered from (mpmd.runtime.recovery)."""
         self._raise_unseen_error()
+        recovery = getattr(self.mesh, "recovery", None)
+        if recovery is not None:
+            return recovery.call(self, args)
+        return self._call(args)
+
+    def _call(self, args: tuple[Any, ...], on_failure: Callable[[BaseException], Any] | None = None,
+              sent: list[Any] | None = None) -> Any:
+        """Dispatch one step (see `__call__`). `on_failure(error)`: a coroutine run on the loop when the step
+        fails; True means the step was recovered (its outputs were rebound: it ends normally). `sent` collects
+        the step's run_program futures (so that a recovery can wait for them)."""
         sig, leaves, _ = self._signature(args)
         compiled = self._compiled.get(sig)
         if compiled is None:
             t = time.perf_counter()
             compiled = self.compile(*args)
             note_blocking(time.perf_counter() - t, f"compiling {getattr(self.fn, '__name__', 'a step')}")
-        return self._dispatch(compiled, sig, leaves)[0]
+        return self._dispatch(compiled, sig, leaves, on_failure, sent)[0]
 
-    def _dispatch(self, compiled: CompiledStep, sig: Any, leaves: list[Any]) -> tuple[Any, Any]:
-        """Send one step (through the controller loop, in call order); its outputs and its done future."""
+    def _dispatch(self, compiled: CompiledStep, sig: Any, leaves: list[Any], on_failure: Callable[[BaseException], Any] | None = None,
+                  sent: list[Any] | None = None) -> tuple[Any, Any]:
+        """Send one step (through the controller loop, in call order); its outputs and its done future (see
+        `_call` for `on_failure` and `sent`)."""
         step = next(self._step)
         mesh, plan = self.mesh, compiled.plan
         requests, replicas, outs = self._prepare(compiled, leaves, step, sig[2])
         trace = mesh.active_trace
+
+        def send() -> list[asyncio.Future[Any]]:
+            futures = self._send(requests, trace)
+            if sent is not None:
+                sent.extend(futures)
+            return futures
+
         results: list[Any] = []
-        done = mesh.dispatch(lambda: self._send(requests, trace),
-                             lambda futures: self._finish(futures, compiled, replicas, step, trace, results))
+        done = mesh.dispatch(send, lambda futures: self._finish(futures, compiled, replicas, step, trace, results, on_failure))
         done.host_calls = bool(plan.host_calls)  # fetching an output waits for the step's callbacks (RemoteArray._wire)
         abortable(done, lambda: mesh.submit_coroutine(self._abort(done, compiled, step, outs)))
         self._last = (step, done)
@@ -337,8 +358,13 @@ class DistributedFunction:
 
             params, opt_state, losses = await train_step.call_async(params, opt_state, batch)
             print(await mpmd.fetch_async(losses))
+
+        On a recovering mesh the call goes through the recovery's log, like `step(*args)`, in a worker thread.
         """
         self._raise_unseen_error()
+        recovery = getattr(self.mesh, "recovery", None)
+        if recovery is not None:
+            return await off_loop(lambda: recovery.call(self, args))
         sig, leaves, _ = self._signature(args)
         compiled = self._compiled.get(sig)
         if compiled is None:
@@ -478,16 +504,17 @@ class DistributedFunction:
         return futures
 
     async def _finish(self, futures: list[asyncio.Future[Any]], compiled: CompiledStep, replicas: list[Any], step: int,
-                      trace: Any, outputs: list[Any] | None) -> None:
-        """Wait for the step's requests (abandoning the step everywhere if one fails), then run its host callbacks
-        on `outputs`' hidden part (filled by the dispatching thread long before the step can end)."""
+                      trace: Any, outputs: list[Any] | None, on_failure: Callable[[BaseException], Any] | None = None) -> None:
+        """Wait for the step's requests (abandoning the step everywhere if one fails; `on_failure` may recover
+        it), then run its host callbacks on `outputs`' hidden part (filled by the dispatching thread long before
+        the step can end)."""
         mesh = self.mesh
         hidden = outputs
         if compiled.plan.host_calls and hidden is not None:  # after the previous step's callbacks; before this step is done
             previous = getattr(self, "_host_calls_done", None)
             mine = self._host_calls_done = asyncio.get_running_loop().create_future()
             try:
-                await self._finish(futures, compiled, replicas, step, trace, None)
+                await self._finish(futures, compiled, replicas, step, trace, None, on_failure)
                 if previous is not None:
                     await previous
                 try:
@@ -508,6 +535,8 @@ class DistributedFunction:
                 self._cancelled.discard(step)
                 raise MpmdError(f"step {step} of {name} was cancelled (its await was cancelled) and aborted on the actors; "
                                 "its outputs are gone") from None
+            if on_failure is not None and isinstance(e, Exception) and await on_failure(e):
+                return  # recovered: the step was replayed and its outputs rebound
             raise name_step(e, step, name) from None
         self._cancelled.discard(step)  # (an abort that came after the step ended changed nothing)
         if trace is not None:

@@ -12,8 +12,10 @@
   checkpoint.py    `save` / `restore` / `load` of state held on actors (orbax-checkpoint on each actor), verified
   checkpoint_format.py             the on-disk layout and its manifest (digests of every array and file)
   checkpoint_placement.py          where each restored array goes on a mesh other than the one that saved it
+  recovery.py      `Recovery` — surviving a lost actor: step log, host snapshots, replacement, replay
   launch/          starting daemons: local subprocesses, Ray actors, a rendezvous (SLURM, Kubernetes)
 
-The runtime imports the compiler's value conversions (`mpmd.compiler.avals`), observation (`mpmd.observe`)
+The runtime imports the compiler's value conversions (`mpmd.compiler.avals`; recovery also re-exports a plan's
+executables with `mpmd.compiler.plan.iter_lowered`), observation (`mpmd.observe`)
 and the wire (`transport`); nothing here imports the user's surface (`mpmd.api`, `mpmd.step`).
 """

@@ -43,7 +43,7 @@ class RemoteArray:
     buffers (batched, asynchronously); `delete()` frees them now.
     """
 
-    __slots__ = ("__weakref__", "_host", "_ready", "buffers", "dtype", "mesh", "shape", "sharding")
+    __slots__ = ("__weakref__", "_host", "_ready", "_vid", "buffers", "dtype", "mesh", "shape", "sharding")
 
     def __init__(self, mesh: BufferOwner, buffers: dict[int, int], shape: tuple[int, ...], dtype: Any, sharding: Any = None,
                  ready: concurrent.futures.Future[Any] | None = None) -> None:
@@ -54,6 +54,7 @@ class RemoteArray:
         self.sharding = sharding  # how each actor holds it over its devices (None: on one device)
         self._host: concurrent.futures.Future[np.ndarray] | None = None
         self._ready = ready  # the dispatch of the step that makes it (None: made already)
+        self._vid = 0  # its value id in the mesh's recovery log (mpmd.runtime.recovery; 0: none yet)
 
     @property
     def actors(self) -> list[int]:
@@ -104,7 +105,10 @@ class RemoteArray:
         self._check_usable()
         try:
             return self.mesh.get_buffer(self.actor, self.buffers[self.actor])
-        except MpmdError:
+        except MpmdError as e:
+            before = dict(self.buffers)
+            if _recovered(self.mesh, e, self._ready) and self.buffers and self.buffers != before:
+                return self.mesh.get_buffer(self.actor, self.buffers[self.actor])  # rebound by the recovery
             if self._ready is not None:  # the actor's error for a failed step's output: prefer the step's own
                 try:
                     self._ready.result(timeout=30)
@@ -149,7 +153,13 @@ class RemoteArray:
             except Exception:
                 self._raise_step_error()
                 raise
-        self.mesh.wait_buffers({a: [b] for a, b in self.buffers.items()})
+        try:
+            self.mesh.wait_buffers({a: [b] for a, b in self.buffers.items()})
+        except MpmdError as e:
+            before = dict(self.buffers)
+            if not (_recovered(self.mesh, e, self._ready) and self.buffers and self.buffers != before):
+                raise
+            self.mesh.wait_buffers({a: [b] for a, b in self.buffers.items()})  # rebound by the recovery
         return self
 
     def delete(self) -> None:
@@ -175,6 +185,20 @@ class RemoteArray:
         return f"RemoteArray({dtype_text(self.dtype)}{list(self.shape)}, {where}{sharding})"
 
 
+def _recovered(mesh: Any, error: BaseException, ready: Any) -> bool:
+    """Whether `mesh` recovered from the failure behind `error` (a mesh made with recover=...: its arrays may
+    have been rebound to restored buffers)."""
+    recovery = getattr(mesh, "recovery", None)
+    return recovery is not None and recovery.settle(error, ready)
+
+
+def _by_actor(arrays: list[RemoteArray], indices: list[int]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = defaultdict(list)
+    for x, i in zip(arrays, indices):
+        out[x.actor].append(i)
+    return out
+
+
 def fetch(tree: Any) -> Any:
     """Bring every RemoteArray of a pytree to the controller in one round trip per actor (other leaves stay
     as they are). Returns numpy arrays (jax key arrays for typed PRNG keys), in the same tree.
@@ -195,7 +219,14 @@ def fetch(tree: Any) -> Any:
         by_mesh[mesh][a] = idx
     for mesh, per_actor in by_mesh.items():
         bufs = {a: [leaves[i].buffers[a] for i in idx] for a, idx in per_actor.items()}
-        arrays = mesh.get_buffers(bufs)
+        try:
+            arrays = mesh.get_buffers(bufs)
+        except MpmdError as e:  # a lost actor the mesh recovered from: the arrays were rebound, read them again
+            if not _recovered(mesh, e, None) or any(leaves[i].is_deleted for idx in per_actor.values() for i in idx):
+                raise
+            per_actor = _by_actor([leaves[i] for idx in per_actor.values() for i in idx],
+                                  [i for idx in per_actor.values() for i in idx])
+            arrays = mesh.get_buffers({a: [leaves[i].buffers[a] for i in idx] for a, idx in per_actor.items()})
         for a, idx in per_actor.items():
             got.update(zip(idx, arrays[a]))
     out = [from_wire(got[i] if i in got else x._wire(), x.dtype) if isinstance(x, RemoteArray) else x for i, x in enumerate(leaves)]

@@ -46,6 +46,7 @@ from mpmd.runtime.controller import ActorConnection, EventLoopThread, Watchdog
 from mpmd.runtime.executables import Executables
 from mpmd.runtime.launch.local import LocalOptions, LocalProcess, start_local
 from mpmd.runtime.loader import check_loader_name
+from mpmd.runtime.recovery import Recovery, enable_recovery
 from mpmd.runtime.sharding import ActorMesh, as_layout, layout_wire, remote_sharding
 from mpmd.runtime.wiring import TRANSPORTS, wire_data_plane
 from transport.auth import ClientKeys
@@ -99,6 +100,7 @@ class RemoteMesh:
         self.actor_mesh: ActorMesh | None = None
         self._offsets: dict[int, int] = {}
         self._tmpdir: str | None = None
+        self.recovery: Any = None  # a mpmd.runtime.recovery.RecoveryManager when made with recover=Recovery(...)
         _LIVE_MESHES.add(self)
         self.actors = [ActorHandle(self, i) for i in range(len(addresses))]
         try:
@@ -149,7 +151,7 @@ class RemoteMesh:
     def local(cls, num_actors: int = 2, devices_per_actor: int = 1, *, transport: str = "auto", cache_dir: str | bool = True,
               address: str = "ipc", platform: str = "cpu", startup_timeout: float = 120.0, log_level: str = "WARNING",
               cpus_per_actor: int | None = None, gpu_ids: Sequence[int] | None = None, loaders: Sequence[str] = (),
-              **kwargs: Any) -> RemoteMesh:
+              recover: Recovery | None = None, **kwargs: Any) -> RemoteMesh:
         """Spawn `num_actors` daemons on this machine, each with `devices_per_actor` CPU devices (or, with
         `platform="gpu"`, that many GPUs each: actor i gets GPUs i*d .. i*d+d-1).
 
@@ -161,7 +163,8 @@ class RemoteMesh:
         `loaders`: "module:function" data loaders the actors may call for the batch leaves they read
         (`mpmd.loaded`; see mpmd/runtime/loader.py).
         The daemons exit when the mesh is closed, when the `with` block ends, at interpreter exit, or when this
-        process dies.
+        process dies. `recover=mpmd.Recovery(snapshot_every=k)`: a daemon that dies is replaced by a new local
+        process and the lost steps are replayed (see `mpmd.Recovery`).
         """
         if transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {transport!r}; choose one of {TRANSPORTS}")
@@ -177,6 +180,12 @@ class RemoteMesh:
             local.cleanup()
             raise
         mesh._tmpdir = local.directory
+        if recover is not None:
+            try:
+                enable_recovery(mesh, recover, local.respawn)
+            except BaseException:
+                mesh.close()
+                raise
         return mesh
 
     @classmethod
@@ -192,6 +201,9 @@ class RemoteMesh:
         `keys`: a key directory (or ``*.key_secret`` file) whose pair is both this controller's and the daemons'
         key, or a `transport.auth.ClientKeys` (the controller's pair and the daemons' public keys, for separate
         pairs). A wrong or missing key fails here with `ActorAuthError`, naming the actor."""
+        if "recover" in kwargs:
+            raise ValueError("recover= needs a launcher that can start a replacement daemon: RemoteMesh.local, .ray or "
+                             ".from_rendezvous (a daemon restarted at the same address can be taken back with mesh.reconnect(i))")
         return cls(addresses, keys=keys, **kwargs)
 
     @classmethod
@@ -209,7 +221,9 @@ class RemoteMesh:
         `resources_per_actor`) with `placement_strategy`; each bundle gets a Ray actor that runs one `mpmd-actor`
         daemon bound to its node's address (`host` overrides it). Keys are ephemeral; only public keys cross the
         network. A Ray actor that dies surfaces as `ActorDiedError`; closing the mesh kills the Ray actors and
-        removes the placement group. Other keyword arguments go to `RemoteMesh`. See mpmd/runtime/launch/ray.py."""
+        removes the placement group. `recover=mpmd.Recovery(...)`: a lost daemon is replaced by a new Ray actor in
+        its bundle and the lost steps replayed (see `mpmd.Recovery`). Other keyword arguments go to `RemoteMesh`.
+        See mpmd/runtime/launch/ray.py."""
         from mpmd.runtime.launch import ray as ray_launcher
 
         return ray_launcher.connect(cls, num_actors, devices_per_actor, resources_per_actor, placement_strategy, platform=platform,
@@ -231,8 +245,10 @@ class RemoteMesh:
         num_actors-1 (`RendezvousError` names the missing ones), refuses daemons of another JAX version or
         `platform` (`IncompatibleActorError`), and connects with `keys` (the pair the daemons'
         --authorized-keys admits) and each daemon's public key from its arrival. With `shutdown_on_close`
-        the daemons exit when the mesh closes (so the srun step or the Job ends). Other keyword arguments go
-        to `RemoteMesh`. See mpmd/runtime/launch/rendezvous.py."""
+        the daemons exit when the mesh closes (so the srun step or the Job ends). `recover=mpmd.Recovery(...)`
+        (directory rendezvous): a lost actor is replaced by the next daemon that announces itself under its id —
+        restarted by the cluster's supervisor — and the lost steps replayed. Other keyword arguments go to
+        `RemoteMesh`. See mpmd/runtime/launch/rendezvous.py."""
         from mpmd.runtime.launch import rendezvous
 
         return rendezvous.connect(cls, where, num_actors, timeout=timeout, keys=keys, platform=platform,
@@ -290,14 +306,33 @@ class RemoteMesh:
     def platform(self) -> str:
         return self.infos[0].header["platform"]
 
-    def reconnect(self, i: int) -> dict[str, Any]:
+    @property
+    def recoveries(self) -> int:
+        """How many lost actors this mesh has recovered from (0 without `recover=`)."""
+        return self.recovery.count if self.recovery is not None else 0
+
+    def replace_actor(self, i: int, address: str, process: Any = None, server_key: bytes | None = None) -> dict[str, Any]:
+        """Drive a new daemon as actor `i` (started by this mesh's launcher, at `address`, with its own public key
+        `server_key` if it made one): a fresh session there, its device mesh, the data plane rewired. Returns its
+        info (see `reconnect`)."""
+        if process is not None:
+            self.processes = [process if p.actor_id == i else p for p in self.processes]
+        if server_key is not None and self._keys is not None:
+            servers = [self._keys.server_key(a) for a in range(len(self.actors))]
+            servers[i] = server_key
+            self._keys = ClientKeys(self._keys.client, tuple(servers))
+        return self.reconnect(i, address)
+
+    def reconnect(self, i: int, address: str | None = None) -> dict[str, Any]:
         """Talk again to actor `i` after it was declared dead, once it is back: a stopped process resumed
         (``kill -CONT``), or a daemon restarted at the same address. Its running steps are aborted. The same
         daemon keeps this mesh's buffers and programs; a restarted one has none (this mesh opens a new session
         there and rewires the data plane; arrays that lived there are gone, and distributed functions made before
         must be made again: their programs are gone too). Returns the actor's info."""
         old = self._conns[i]
-        new = self._connection(i, old.address)
+        if address is not None:
+            self.addresses[i] = address
+        new = self._connection(i, address or old.address)
 
         async def back() -> Any:
             try:
@@ -322,6 +357,8 @@ class RemoteMesh:
                         i, new.address, info.header.get("pid"))
             self.executables.forget(i)
             self.infos[i] = info
+            if self.actor_mesh is not None:
+                self.run(new.request("mesh", {"mesh": self.actor_mesh.to_wire()}))
             if self.transport != "none" and len(self.actors) > 1:
                 self._wire()
         return dict(info.header)

@@ -257,6 +257,31 @@ class LocalMesh:
     endpoints: list[str]
     directory: str
     keys: ClientKeys | None
+    options: LocalOptions | None = None
+    addresses: list[str] | None = None  # what each daemon was told to bind
+    cpus: list[list[int] | None] | None = None
+    handoff: dict[str, object] | None = None  # the daemons' keys (kept here, in memory only, to start replacements)
+
+    def respawn(self, actor_id: int, timeout: float) -> tuple[str, LocalProcess]:
+        """Start a replacement for daemon `actor_id` (stopping the old process if it still runs), with the same
+        options and keys, in the same directory; wait up to `timeout` seconds for it. Returns its control
+        endpoint and process (`ActorStartError` when it does not come up)."""
+        if self.options is None or self.addresses is None or self.cpus is None:
+            raise ActorStartError("this LocalMesh was not made by start_local: it cannot start replacements")
+        old = self.processes[actor_id]
+        if old.proc.poll() is None:
+            old.proc.kill()
+        old.proc.wait()
+        old.stop(0)  # its log and shared memory go
+        proc = LocalProcess(actor_id, self.addresses[actor_id], self.options, self.directory, self.cpus[actor_id], self.handoff)
+        try:
+            endpoint = proc.wait_ready(time.monotonic() + timeout)
+        except BaseException:
+            proc.stop(0)
+            raise
+        self.processes[actor_id] = proc
+        self.endpoints[actor_id] = endpoint
+        return endpoint, proc
 
     def cleanup(self) -> None:
         for p in self.processes:
@@ -279,7 +304,7 @@ def start_local(num_actors: int, options: LocalOptions) -> LocalMesh:
         handoff = {"server_public": server.public.decode(), "server_secret": server.secret.decode(),
                    "authorized": {client.public.decode(): "controller"}}
     procs: list[LocalProcess] = []
-    local = LocalMesh(procs, [], tmp, keys)
+    local = LocalMesh(procs, [], tmp, keys, options, addrs, cpus, handoff)
     try:
         for i, a in enumerate(addrs):
             procs.append(LocalProcess(i, a, options, tmp, cpus[i], handoff))

@@ -247,6 +247,35 @@ class RayLaunch:
     daemons: list[RayDaemon]
     keys: ClientKeys
     group: RayGroup
+    new_handle: Any = None  # new_handle(i) -> (a Ray actor in bundle i, its name): to start replacements
+    specs: list[dict[str, Any]] | None = None
+
+    def respawn(self, actor_id: int, timeout: float) -> tuple[str, RayDaemon, bytes]:
+        """Start a replacement for daemon `actor_id`: kill its Ray actor (if Ray has not), start a new one in
+        the same placement-group bundle and wait up to `timeout` seconds for its daemon. Returns its endpoint,
+        its handle and its daemon's public key (`ActorStartError` when it does not come up)."""
+        if self.new_handle is None or self.specs is None:
+            raise ActorStartError("this RayLaunch cannot start replacements")
+        ray = _ray()
+        old = self.daemons[actor_id]
+        try:
+            ray.kill(old.handle)
+        except Exception:
+            pass
+        handle, name = self.new_handle(actor_id)
+        try:
+            info = ray.get(handle.start.remote({**self.specs[actor_id], "startup_timeout": timeout}), timeout=timeout + 30)
+        except Exception as e:
+            try:
+                ray.kill(handle)
+            except Exception:
+                pass
+            why = _ray_reason(e) if isinstance(e, ray.exceptions.RayActorError) else f"{type(e).__name__}: {e}"
+            raise ActorStartError(f"no replacement for Ray actor {old.name} (actor {actor_id}) within {timeout:g} s: {why}") from None
+        daemon = RayDaemon(actor_id, handle, name, info, self.group)
+        self.daemons[actor_id] = daemon
+        self.endpoints[actor_id] = info["endpoint"]
+        return info["endpoint"], daemon, info["key"].encode()
 
     def cleanup(self) -> None:
         for d in self.daemons:
@@ -312,13 +341,21 @@ def start(num_actors: int, devices_per_actor: int = 1, resources_per_actor: Mapp
     custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")}
     handles, names = [], []
     daemons: list[RayDaemon] = []
+    generation = [0]
+
+    def new_handle(i: int) -> tuple[Any, str]:
+        """A Ray actor in bundle i (a replacement gets a new name: the dead one's may not be free yet)."""
+        name = f"mpmd-{token}-actor{i}" + (f"-r{generation[0]}" if generation[0] else "")
+        return remote.options(
+            name=name, num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), memory=bundle.get("memory"),
+            resources=custom or None, max_concurrency=4, max_restarts=0, runtime_env=dict(runtime_env) if runtime_env else None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group.group, placement_group_bundle_index=i)).remote(), name
+
     try:
         for i in range(num_actors):
-            names.append(f"mpmd-{token}-actor{i}")
-            handles.append(remote.options(
-                name=names[i], num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), memory=bundle.get("memory"),
-                resources=custom or None, max_concurrency=4, max_restarts=0, runtime_env=dict(runtime_env) if runtime_env else None,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group.group, placement_group_bundle_index=i)).remote())
+            handle, name = new_handle(i)
+            names.append(name)
+            handles.append(handle)
         specs = [{"actor_id": i, "host": host, "platform": platform, "devices": devices_per_actor, "log_level": log_level,
                   "cache_dir": cache_dir, "controller_key": client.public.decode(), "startup_timeout": startup_timeout,
                   "flags": list(daemon_flags)} for i in range(num_actors)]
@@ -350,7 +387,12 @@ def start(num_actors: int, devices_per_actor: int = 1, resources_per_actor: Mapp
     log.info("Ray mesh: %s", ", ".join(f"actor {d.actor_id} on {d.info['host']} ({d.info['endpoint']}"
                                       f"{', GPUs ' + d.info['gpus'] if d.info.get('gpus') else ''})" for d in daemons))
     keys = ClientKeys(client, tuple(d.info["key"].encode() for d in daemons))
-    return RayLaunch([d.info["endpoint"] for d in daemons], daemons, keys, group)
+
+    def replacement(i: int) -> tuple[Any, str]:
+        generation[0] += 1
+        return new_handle(i)
+
+    return RayLaunch([d.info["endpoint"] for d in daemons], daemons, keys, group, replacement, specs)
 
 
 def _fmt(resources: Mapping[str, float]) -> str:
@@ -361,8 +403,9 @@ def _fmt(resources: Mapping[str, float]) -> str:
 def connect(cls: Any, num_actors: int, devices_per_actor: int = 1, resources_per_actor: Mapping[str, float] | None = None,
             placement_strategy: str = "SPREAD", *, platform: str = "auto", cpus_per_actor: float = 1, host: str | None = None,
             placement_timeout: float = 60.0, startup_timeout: float = 120.0, log_level: str = "WARNING",
-            cache_dir: str | bool = True, runtime_env: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
-    """`RemoteMesh.ray`: start (see there), connect, check that every daemon runs this controller's JAX on one platform."""
+            cache_dir: str | bool = True, runtime_env: Mapping[str, Any] | None = None, recover: Any = None, **kwargs: Any) -> Any:
+    """`RemoteMesh.ray`: start (see there), connect, check that every daemon runs this controller's JAX on one platform.
+    With `recover` (a `mpmd.Recovery`), a lost daemon is replaced by a new Ray actor in the same bundle."""
     launch = start(num_actors, devices_per_actor, resources_per_actor, placement_strategy, platform=platform,
                    cpus_per_actor=cpus_per_actor, host=host, placement_timeout=placement_timeout,
                    startup_timeout=startup_timeout, log_level=log_level, cache_dir=cache_dir, runtime_env=runtime_env)
@@ -375,6 +418,10 @@ def connect(cls: Any, num_actors: int, devices_per_actor: int = 1, resources_per
         check_compatible([ActorFacts(d.actor_id, f"{d.info['host']} (Ray actor {d.name})", info.header["jax_version"],
                                      info.header["platform"]) for d, info in zip(launch.daemons, mesh.infos)],
                          None if platform == "auto" else platform)
+        if recover is not None:
+            from mpmd.runtime.recovery import enable_recovery
+
+            enable_recovery(mesh, recover, launch.respawn)
     except BaseException:
         mesh.close()
         raise

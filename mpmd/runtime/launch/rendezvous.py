@@ -327,11 +327,52 @@ def client_keys(keys: Any, arrivals: Sequence[Arrival]) -> ClientKeys | None:
     return ClientKeys(_pair_of(keys), tuple(a.key.encode() for a in arrivals if a.key))
 
 
+@dataclass
+class Reannouncement:
+    """Replacements from a rendezvous directory: the mesh cannot start a daemon elsewhere, but the cluster's
+    supervisor can (SLURM `--requeue`/a restarted task, a Kubernetes pod restarted, a shell loop): a daemon
+    that announces itself again under the lost actor's id is the replacement."""
+
+    directory: str
+    arrivals: list[Arrival]
+    platform: str | None
+    owned: bool  # the mesh asks its daemons to shut down at close
+
+    def respawn(self, actor_id: int, timeout: float) -> tuple[str, RendezvousDaemon | None, bytes | None]:
+        """Wait up to `timeout` seconds for a new daemon of `actor_id` (another instance than the lost one's, that
+        answers at its endpoint, of this JAX and platform); its endpoint, handle and public key."""
+        old = self.arrivals[actor_id]
+        waiting = _Waiting(self.directory, len(self.arrivals))
+        deadline = time.monotonic() + timeout
+        while True:
+            found, _ = read_arrivals(self.directory)
+            a = found.get(actor_id)
+            if a is not None and a.instance != old.instance:
+                waiting.offer(a)
+                if actor_id in waiting.live:
+                    check_compatible([facts_of(a)], self.platform)
+                    if bool(a.key) != bool(old.key):
+                        raise RendezvousError(f"the replacement {a.describe()} {'has' if a.key else 'has no'} keys, unlike the "
+                                              "daemon it replaces: start it the same way")
+                    self.arrivals[actor_id] = a
+                    log.info("actor %d: a replacement announced itself: %s", actor_id, a.describe())
+                    return a.endpoint, RendezvousDaemon(a) if self.owned else None, a.key.encode() if a.key else None
+            if time.monotonic() >= deadline:
+                raise RendezvousError(f"no new daemon for actor {actor_id} announced itself at the rendezvous {self.directory} "
+                                      f"within {timeout:g} s (Recovery(spawn_timeout=...)): the cluster's supervisor must "
+                                      "restart it (srun --requeue, a pod restart, ...) with the same --actor-id")
+            time.sleep(0.2)
+
+
 def connect(cls: Any, where: str | os.PathLike[str], num_actors: int, *, timeout: float = 300.0, keys: Any = None,
-            platform: str | None = None, shutdown_on_close: bool = True, **kwargs: Any) -> Any:
-    """`RemoteMesh.from_rendezvous`: gather, check, connect (see there)."""
+            platform: str | None = None, shutdown_on_close: bool = True, recover: Any = None, **kwargs: Any) -> Any:
+    """`RemoteMesh.from_rendezvous`: gather, check, connect (see there). With `recover` (a `mpmd.Recovery`; a
+    directory rendezvous only), a lost actor is replaced by the next daemon that announces itself under its id."""
     if isinstance(where, Path):
         where = str(where)
+    if recover is not None and is_tcp(where):
+        raise ValueError("recover= needs a rendezvous directory: replacements announced at a tcp:// rendezvous are not "
+                         "served after the mesh is made (use a directory every node sees)")
     arrivals = gather(where, num_actors, timeout, keys)
     check_compatible([facts_of(a) for a in arrivals], platform)
     ckeys = client_keys(keys, arrivals)
@@ -343,7 +384,15 @@ def connect(cls: Any, where: str | os.PathLike[str], num_actors: int, *, timeout
     if wrong:
         mesh.close()
         raise RendezvousError("; ".join(wrong) + ": the rendezvous holds records that do not match their daemons")
+    if recover is not None:
+        from mpmd.runtime.recovery import enable_recovery
+
+        try:
+            enable_recovery(mesh, recover, Reannouncement(str(where), list(arrivals), platform, shutdown_on_close).respawn)
+        except BaseException:
+            mesh.close()
+            raise
     return mesh
 
 
-__all__ = ["ActorFacts", "RendezvousDaemon", "TcpRendezvous", "check_compatible", "client_keys", "connect", "gather"]
+__all__ = ["ActorFacts", "Reannouncement", "RendezvousDaemon", "TcpRendezvous", "check_compatible", "client_keys", "connect", "gather"]

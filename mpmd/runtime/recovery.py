@@ -1,0 +1,523 @@
+"""Transparent recovery from a lost actor: snapshots of the state steps hand on, a log of the steps since, and
+the replay that rebuilds them on a replacement daemon.
+
+    mesh = mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(snapshot_every=10, max_failures=3))
+    for batch in data:
+        params, opt_state, losses = train_step(params, opt_state, batch)   # an actor killed here: the loop goes on
+
+The design, simplest correct first:
+
+* **Log.** Every call of a distributed step on the mesh is logged: its function, its host inputs (copied) and,
+  for each RemoteArray input, a *value id* — a stable name for a value that survives rebinding. Each output
+  RemoteArray gets a new value id.
+* **Snapshot.** Every `snapshot_every` calls, the RemoteArray inputs of that call (the state steps hand on:
+  parameters, optimizer state, anything else passed back in) are fetched to the controller's host memory by
+  an asynchronous `get` (one request per actor, in the background: step inputs are never donated, so the
+  get runs beside the pipeline and costs the copy of its bytes). The log is trimmed to the newest complete
+  snapshot. (A copy into a peer actor's memory would save the controller's memory and bandwidth: not done.)
+* **Recovery.** A step that fails because an actor is lost (`ActorDiedError`, or a step aborted by the
+  recovery) waits for one recovery, run in its own thread while new dispatches wait: survivors abort their
+  running steps; the launcher that started the lost daemon starts a replacement (`respawn(actor, timeout)`);
+  the mesh reconnects to it (new session, data plane rewired) and every compiled step is shipped to it again
+  (its executables come from the persistent compilation cache). Then *every* actor is rolled back to the
+  snapshot (its values put back on their actors) and the logged steps are replayed in order under fresh step
+  numbers: the result is bit-identical to a run without failure. Every live RemoteArray that named a logged
+  value is rebound to the replayed buffers, so the call in flight returns normally.
+* **What survives.** Values named in the log: the inputs of the snapshotted call and the outputs of every
+  logged call since, and any array that lived only on surviving actors. An array that lived on the lost actor
+  and was neither (e.g. put there by `mesh.actor(i).put` and never passed to a step since the snapshot) is
+  gone: reading it raises `RemoteError` ("holds no buffer").
+* **Bounds.** A replacement that does not come up within `spawn_timeout`, more than `max_failures` lost actors
+  in all, or a failure of the recovery itself ends it: the step raises the `ActorDiedError` it would have
+  raised without recovery (naming the actor), and the mesh stops recovering.
+
+Recoveries are logged on the ``mpmd.runtime.mesh`` logger (WARNING: which actor, how it died, seconds spent
+detecting, starting, reloading, restoring and replaying, steps replayed) and counted in `mesh.recoveries`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from mpmd.compiler.avals import from_wire, is_key, key_impl, to_wire
+from mpmd.compiler.plan import iter_lowered
+from mpmd.errors import ActorDiedError, MpmdError
+from mpmd.runtime.array import RemoteArray
+
+log = logging.getLogger("mpmd.runtime.mesh")  # recoveries are the mesh's news: its logger says them
+
+# respawn(actor, timeout) -> (control address, process handle or None[, its public key when it made a new one]):
+# the launcher's replacement daemon (launch.local.LocalMesh.respawn, launch.ray.RayLaunch.respawn)
+Respawn = Callable[[int, float], tuple[Any, ...]]
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """How a mesh survives a lost actor (`RemoteMesh.local(..., recover=Recovery())`, also `.ray`,
+    `.from_rendezvous`): every `snapshot_every` steps the state steps hand on is copied to the controller's
+    host memory in the background, and an actor that dies is replaced by its launcher, the state restored and
+    the steps since the snapshot replayed — bit-identical, the user's loop goes on.
+
+    `max_failures`: lost actors the mesh recovers from in all; one more raises `ActorDiedError` as without
+    recovery. `spawn_timeout`: seconds to wait for a replacement daemon before giving up the same way.
+    `drain_timeout`: seconds the recovery waits for survivors to abandon the failed steps.
+
+        mesh = mpmd.RemoteMesh.local(2, recover=mpmd.Recovery(snapshot_every=10, max_failures=3))
+        ...
+        print(mesh.recoveries)
+    """
+
+    snapshot_every: int = 10
+    max_failures: int = 3
+    spawn_timeout: float = 120.0
+    drain_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.snapshot_every, int) or self.snapshot_every < 1:
+            raise ValueError(f"Recovery(snapshot_every=...) must be an int >= 1 (steps between snapshots), got {self.snapshot_every!r}")
+        if not isinstance(self.max_failures, int) or self.max_failures < 0:
+            raise ValueError(f"Recovery(max_failures=...) must be an int >= 0 (lost actors to recover from), got {self.max_failures!r}")
+        for name in ("spawn_timeout", "drain_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Recovery({name}=...) must be a positive number of seconds, got {getattr(self, name)!r}")
+
+
+@dataclass
+class StepRecord:
+    """One logged call: enough to dispatch it again."""
+
+    index: int
+    dist: Any  # the DistributedFunction
+    treedef: Any
+    leaves: list[tuple[Any, ...]]  # ("host", value) or ("remote", value id, weakref to the RemoteArray)
+    outs: list[tuple[int, int, weakref.ref[RemoteArray]]] = field(default_factory=list)  # (flat position, value id, array)
+    sent: list[Any] = field(default_factory=list)  # its run_program futures (loop side)
+    generation: int = 0
+    replayed: bool = False
+
+
+@dataclass
+class Snapshot:
+    """The values of the RemoteArray inputs of log entry `index`, on the host once `done` holds."""
+
+    index: int
+    meta: dict[int, tuple[list[int], Any, Any, weakref.ref[RemoteArray]]]  # value id -> (actors, spec, dtype, array)
+    values: dict[int, np.ndarray] = field(default_factory=dict)
+    future: concurrent.futures.Future[Any] | None = None
+    complete: bool = False
+    others: dict[int, weakref.ref[RemoteArray]] = field(default_factory=dict)  # fetched into RecoveryManager._kept
+
+
+def enable_recovery(mesh: Any, config: Recovery, respawn: Respawn) -> RecoveryManager:
+    """Make `mesh` log its steps and recover from lost actors with `respawn`; returns the manager."""
+    if not isinstance(config, Recovery):
+        raise TypeError(f"recover= takes a mpmd.Recovery(snapshot_every=..., max_failures=...), got {config!r}")
+    mesh.recovery = RecoveryManager(mesh, config, respawn)
+    return mesh.recovery
+
+
+class RecoveryManager:
+    """The log, the snapshots and the recovery of one mesh (see the module docstring)."""
+
+    def __init__(self, mesh: Any, config: Recovery, respawn: Respawn) -> None:
+        self.mesh = mesh
+        self.config = config
+        self.respawn = respawn
+        self.count = 0  # recoveries done
+        self.failures = 0  # lost actors so far
+        self.gave_up: BaseException | None = None
+        self.generation = 0
+        self.log: list[StepRecord] = []
+        self.snapshot: Snapshot | None = None  # the newest complete one
+        self.pending: list[Snapshot] = []
+        self._indices = itertools.count()
+        self._vid_counter = itertools.count(1)
+        self._refs: dict[int, weakref.ref[RemoteArray]] = {}  # value id -> its array (dead ones swept at snapshots)
+        self._dispatch = threading.RLock()  # held by a dispatch and for all of a recovery
+        self._state = threading.Lock()  # the log and snapshots; never held across a wait on the loop
+        self._since_snapshot = 0
+        self._recovery: concurrent.futures.Future[None] | None = None
+        self._dists: weakref.WeakSet[Any] = weakref.WeakSet()  # every step logged: reloaded on a replacement
+        self._kept: dict[int, tuple[np.ndarray, Any, Any]] = {}  # value id -> (host value, spec, dtype) of live arrays
+        self.last_report: dict[str, Any] = {}
+        self.calls, self.call_seconds, self._last_dispatch = 0, 0.0, 0.0  # the bookkeeping's own cost (benchmarks)  # the last recovery's timings (benchmarks/recovery.py)
+
+    # ---- logging steps -------------------------------------------------------------------------------
+    def _vid(self, x: RemoteArray) -> int:
+        """`x`'s value id (kept on the array itself: cheaper per call than a weak dictionary)."""
+        vid = x._vid
+        if not vid:
+            vid = x._vid = next(self._vid_counter)
+            self._refs[vid] = weakref.ref(x)
+        return vid
+
+    def _live(self) -> list[tuple[int, RemoteArray]]:
+        """Every live array with a value id; forgets the dead ones."""
+        out = []
+        for vid, ref in list(self._refs.items()):
+            x = ref()
+            if x is None:
+                self._refs.pop(vid, None)
+            else:
+                out.append((vid, x))
+        return out
+
+    def call(self, dist: Any, args: tuple[Any, ...]) -> Any:
+        """Dispatch `dist(*args)`, logged (and snapshotted every `snapshot_every` calls)."""
+        for attempt in itertools.count():
+            try:
+                with self._dispatch:
+                    if self.gave_up is not None:
+                        return dist._call(args)
+                    t0 = time.perf_counter()
+                    out = self._call_logged(dist, args)
+                    self.calls += 1
+                    self.call_seconds += time.perf_counter() - t0 - self._last_dispatch
+                    return out
+            except ActorDiedError as e:  # met while compiling or dispatching (outside the lock: recover, call again)
+                if attempt > self.config.max_failures or not self.recover_now(e):
+                    raise
+        raise AssertionError("unreachable")
+
+    def _call_logged(self, dist: Any, args: tuple[Any, ...]) -> Any:
+        """Log the call, snapshot its RemoteArray inputs when one is due, dispatch it, name its outputs."""
+        self._dists.add(dist)
+        leaves, treedef = jax.tree.flatten(args, is_leaf=lambda x: isinstance(x, RemoteArray))
+        rec = StepRecord(next(self._indices), dist, treedef, [], generation=self.generation)
+        remote = {}
+        for x in leaves:
+            if isinstance(x, RemoteArray):
+                vid = self._vid(x)
+                remote[vid] = x
+                rec.leaves.append(("remote", vid, self._refs[vid]))
+            else:  # kept for replay: a copy, in case the caller reuses its buffer
+                rec.leaves.append(("host", np.array(x, copy=True) if isinstance(x, np.ndarray) else x))
+        snap = None
+        if self.snapshot is None and not self.pending or self._since_snapshot + 1 >= self.config.snapshot_every:
+            snap = self._start_snapshot(rec.index, remote)  # before the dispatch: it reads the inputs' buffers as they are
+        t = time.perf_counter()
+        out = dist._call(args, self._on_failure_of(rec), rec.sent)
+        self._last_dispatch = time.perf_counter() - t
+        ins = {id(x) for x in remote.values()}
+        out_leaves = jax.tree.leaves(out, is_leaf=lambda x: isinstance(x, RemoteArray))
+        for j, y in enumerate(out_leaves):
+            if isinstance(y, RemoteArray) and id(y) not in ins:
+                vid = self._vid(y)
+                rec.outs.append((j, vid, self._refs[vid]))
+        with self._state:
+            self.log.append(rec)
+            self._since_snapshot = 0 if snap is not None else self._since_snapshot + 1
+        return out
+
+    def _start_snapshot(self, index: int, arrays: dict[int, RemoteArray]) -> Snapshot:
+        """Fetch `arrays` (the inputs of log entry `index`) to host memory in the background."""
+        snap = Snapshot(index, {vid: (x.actors, x.sharding.spec if x.sharding is not None else None, x.dtype, weakref.ref(x))
+                                for vid, x in arrays.items()})
+        # Other live arrays of earlier steps (losses kept for later, ...): values never change, so each is
+        # fetched once and kept while its array lives, to put back on a replacement that held it.
+        with self._state:
+            others = {vid: x for vid, x in self._live() if vid not in arrays and vid not in self._kept and x.buffers}
+        per_actor: dict[int, list[tuple[int, int]]] = {}
+        for vid, x in [*arrays.items(), *others.items()]:
+            per_actor.setdefault(x.actor, []).append((vid, x.buffers[x.actor]))
+        held = [*arrays.values(), *others.values()]  # strong references until the gets are answered: no release overtakes them
+        snap.others = {vid: weakref.ref(x) for vid, x in others.items()}
+        mesh = self.mesh
+
+        async def fetch() -> dict[int, np.ndarray]:
+            replies = await asyncio.gather(*(mesh.conn(a).request("get", {"bufs": [b for _, b in vb]}) for a, vb in per_actor.items()))
+            got = {}
+            for vb, msg in zip(per_actor.values(), replies):
+                got.update({vid: arr for (vid, _), arr in zip(vb, msg.arrays)})
+            held.clear()
+            return got
+
+        snap.future = mesh.submit_coroutine(fetch())
+        snap.future.add_done_callback(lambda f: self._snapshot_done(snap, f))
+        with self._state:
+            self.pending.append(snap)
+        return snap
+
+    def _snapshot_done(self, snap: Snapshot, f: concurrent.futures.Future[Any]) -> None:
+        with self._state:
+            if snap in self.pending:
+                self.pending.remove(snap)
+            if f.cancelled() or f.exception() is not None:
+                log.debug("snapshot at step record %d failed: %s", snap.index, None if f.cancelled() else f.exception())
+                return
+            snap.values, snap.complete = f.result(), True
+            for vid, ref in snap.others.items():
+                x = ref()
+                if x is not None:
+                    self._kept[vid] = (snap.values.pop(vid), x.sharding.spec if x.sharding is not None else None, x.dtype)
+                    weakref.finalize(x, self._kept.pop, vid, None)
+            if self.snapshot is None or snap.index > self.snapshot.index:
+                self.snapshot = snap
+                self.log = [r for r in self.log if r.index >= snap.index]
+
+    # ---- failures -------------------------------------------------------------------------------------
+    def _on_failure_of(self, rec: StepRecord) -> Callable[[BaseException], Any]:
+        async def on_failure(e: BaseException) -> bool:
+            """On the loop: whether the failed step `rec` was recovered (then it ends normally)."""
+            if rec.replayed:
+                return True
+            lost = isinstance(e, ActorDiedError) or rec.generation != self.generation or self._running()
+            if self.gave_up is not None or not lost:
+                return False
+            if not self._running() and rec.generation != self.generation:
+                return False  # a recovery came and went without this step in its log (older than its snapshot)
+            try:
+                await asyncio.wrap_future(self._start_recovery(e))
+            except Exception:
+                return False
+            return rec.replayed  # every logged step dispatched before the recovery is replayed by it
+
+        return on_failure
+
+    def _running(self) -> bool:
+        return self._recovery is not None and not self._recovery.done()
+
+    def _start_recovery(self, error: BaseException) -> concurrent.futures.Future[None]:
+        """The recovery under way, or a new one (in its own thread: it waits on the loop)."""
+        if self._running():
+            assert self._recovery is not None
+            return self._recovery
+        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._recovery = fut
+        threading.Thread(target=self._recover, args=(error, fut), name="mpmd-recovery", daemon=True).start()
+        return fut
+
+    def settle(self, error: BaseException, ready: concurrent.futures.Future[Any] | None) -> bool:
+        """From a user thread whose read of an array failed with `error`: recover if an actor was lost (or wait
+        for the recovery under way), and for the step `ready` that makes the array; whether the mesh recovered
+        (then the array may have been rebound: read it again)."""
+        if self.gave_up is not None:
+            return False
+        if isinstance(error, ActorDiedError):
+            if not self.recover_now(error):
+                return False
+        elif self._running():
+            try:
+                self._recovery.result()  # type: ignore[union-attr]
+            except Exception:
+                return False
+        if ready is not None:
+            try:
+                ready.result(timeout=self.config.spawn_timeout + 60)
+            except Exception:
+                return False
+        return self.count > 0
+
+    def recover_now(self, error: BaseException) -> bool:
+        """From a user thread (a fetch that met a lost actor): recover, and say whether it worked."""
+        if self.gave_up is not None or not isinstance(error, ActorDiedError):
+            return False
+        if not self._running() and not self.mesh.conn(error.actor_id).dead and error.actor_id not in self._dead_processes():
+            return True  # replaced already (the error came from before): read again
+        fut = self.mesh.run(self._start(error))
+        try:
+            fut.result()
+        except Exception:
+            return False
+        return True
+
+    async def _start(self, error: BaseException) -> concurrent.futures.Future[None]:
+        return self._start_recovery(error)
+
+    def _recover(self, error: BaseException, fut: concurrent.futures.Future[None]) -> None:
+        t0 = time.monotonic()
+        try:
+            with self._dispatch:
+                self.generation += 1
+                report = self._recover_locked(error, t0)
+            self.count += 1
+            log.warning("recovered from %s in %.1f s (%s)", report.pop("what"), time.monotonic() - t0,
+                        ", ".join(f"{k} {v:.2f} s" if isinstance(v, float) else f"{k} {v}" for k, v in report.items()))
+            fut.set_result(None)
+        except BaseException as e:  # noqa: BLE001 - the failed steps raise their own ActorDiedError
+            self.gave_up = e
+            log.error("recovery from %s failed after %.1f s; the mesh stops recovering: %s", _what(error),
+                      time.monotonic() - t0, e)
+            fut.set_exception(e)
+
+    def _recover_locked(self, error: BaseException, t0: float) -> dict[str, Any]:
+        report: dict[str, Any] = {"what": _what(error)}
+        lost = self._lost_actors(error)
+        while True:
+            self.failures += len(lost)
+            if self.failures > self.config.max_failures:
+                raise MpmdError(f"{self.failures} lost actors in all, past Recovery(max_failures={self.config.max_failures})")
+            try:
+                report["steps replayed"] = self._attempt(lost, report)
+            except ActorDiedError as e:  # another actor lost meanwhile: again, from the snapshot
+                lost = self._lost_actors(e)
+                log.warning("actor(s) %s lost during the recovery (%s); recovering again", lost, _what(e))
+                continue
+            self.last_report = {**report, "started": t0}
+            return report
+
+    def _attempt(self, lost: list[int], report: dict[str, Any]) -> int:
+        """Replace the `lost` actors, reload the steps there, roll back and replay; how many steps were replayed."""
+        mesh = self.mesh
+        t = time.monotonic()
+        self._drain(lost)
+        report["drain"] = time.monotonic() - t
+        t = time.monotonic()
+        steps = [(dist, sig, c) for dist in self._functions() for sig, c in list(dist._compiled.items())]
+        # Export the steps' executables again while the replacement starts (the daemon's start is mostly waiting).
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpmd-recovery-lower") as pool:
+            lowered = [pool.submit(lambda c=c: list(iter_lowered(c.plan, mesh.platform))) for _, _, c in steps]
+            for i in lost:
+                address, process, *key = self.respawn(i, self.config.spawn_timeout)
+                mesh.replace_actor(i, address, process, key[0] if key else None)
+            report["spawn"] = time.monotonic() - t
+            t = time.monotonic()
+            for (dist, sig, c), blobs in zip(steps, lowered):
+                dist._lower_and_ship(c.plan, c.program_ids, sig[2], c.out_tree, blobs.result())
+        report["reload"] = time.monotonic() - t
+        return self._restore_and_replay(set(lost), report)
+
+    def _lost_actors(self, error: BaseException) -> list[int]:
+        mesh = self.mesh
+        lost = {i for i in range(len(mesh)) if mesh.conn(i).dead}
+        lost.update(self._dead_processes())
+        if isinstance(error, ActorDiedError) and 0 <= error.actor_id < len(mesh):
+            lost.add(error.actor_id)
+        if not lost:
+            raise MpmdError(f"no lost actor to replace ({error})")
+        return sorted(lost)
+
+    def _dead_processes(self) -> set[int]:
+        return {p.actor_id for p in getattr(self.mesh, "processes", ()) if p.dead_reason() is not None}
+
+    def _functions(self) -> list[Any]:
+        return list(self._dists)
+
+    def _drain(self, lost: list[int]) -> None:
+        """Survivors abandon every running step; wait (bounded) for the logged steps' requests to settle, and for
+        snapshots under way."""
+        mesh = self.mesh
+
+        async def drain() -> None:
+            survivors = [i for i in range(len(mesh)) if i not in lost and not mesh.conn(i).dead]
+            await asyncio.gather(*(mesh.conn(i).request("abort") for i in survivors), return_exceptions=True)
+            n = len(mesh)
+            with self._state:  # (the lost actors' requests failed with their connection)
+                futures = [f for r in self.log for k, f in enumerate(r.sent) if k % n not in lost and not f.done()]
+            if futures:
+                await asyncio.wait(futures, timeout=self.config.drain_timeout)
+            # (a request still unanswered belongs to the old connection of a lost actor: closed at the reconnect)
+
+        mesh.run(drain())
+        with self._state:
+            pending = [s.future for s in self.pending if s.future is not None]
+        concurrent.futures.wait(pending, timeout=self.config.drain_timeout)
+
+    def _restore_and_replay(self, replaced: set[int], report: dict[str, Any]) -> int:
+        mesh = self.mesh
+        with self._state:
+            snap = self.snapshot
+            if snap is None:  # the first is still being taken: replay all, with the inputs where they are (if they are)
+                snap = Snapshot(self.log[0].index if self.log else 0, {}, complete=True)
+            records = [r for r in self.log if r.index >= snap.index]
+        t = time.monotonic()
+        stripped: dict[int, tuple[RemoteArray, list[int]]] = {}
+        for vid, x in self._live():  # buffers on a replaced actor are gone
+            gone = [a for a in x.buffers if a in replaced]
+            if gone:
+                stripped[vid] = (x, gone)
+                x.buffers = {a: b for a, b in x.buffers.items() if a not in replaced}
+        replayed_vids = {vid for r in records for _, vid, _ in r.outs}
+        back = [vid for vid, (x, gone) in stripped.items()  # older live arrays that were on a replaced actor
+                if vid not in snap.meta and vid not in replayed_vids and vid in self._kept]  # (else: lost, in no snapshot)
+        puts = [(snap.values[vid], actors, spec, dtype) for vid, (actors, spec, dtype, _) in snap.meta.items()]
+        puts += [(self._kept[vid][0], stripped[vid][1], self._kept[vid][1], self._kept[vid][2]) for vid in back]
+        arrays = put_all(mesh, puts)  # every actor rolls back to the snapshot; the older arrays go back where they were
+        values: dict[int, RemoteArray] = {}
+        for (vid, (_, _, _, ref)), fresh in zip(snap.meta.items(), arrays):
+            values[vid] = self._rebind(ref(), fresh, vid)
+        for vid, fresh in zip(back, arrays[len(snap.meta):]):
+            x = stripped[vid][0]
+            x.buffers.update(fresh.buffers)
+            fresh.buffers = {}
+        report["restore"] = time.monotonic() - t
+        t = time.monotonic()
+        dones = []
+        for rec in records:
+            leaves = []
+            for leaf in rec.leaves:
+                if leaf[0] == "host":
+                    leaves.append(leaf[1])
+                    continue
+                _, vid, ref = leaf
+                x = values.get(vid) or ref()
+                if x is None or not x.buffers:
+                    raise MpmdError(f"cannot replay step record {rec.index}: one of its inputs lived on a lost actor and is "
+                                    "neither in the snapshot nor made by a step since")
+                leaves.append(x)
+            out = rec.dist._call(jax.tree.unflatten(rec.treedef, leaves), None, rec.sent)
+            dones.append(rec.dist._last[1])
+            out_leaves = jax.tree.leaves(out, is_leaf=lambda x: isinstance(x, RemoteArray))
+            for j, vid, ref in rec.outs:
+                values[vid] = self._rebind(ref(), out_leaves[j], vid)
+        for d in dones:
+            d.result()  # an ActorDiedError here: recover again
+        for rec in records:
+            rec.replayed = True
+        report["replay"] = time.monotonic() - t
+        return len(records)
+
+    def _rebind(self, user: RemoteArray | None, fresh: RemoteArray, vid: int) -> RemoteArray:
+        """Point the user's array (if it still lives) at `fresh`'s buffers; returns the array that now holds them."""
+        if user is None:
+            fresh._vid = vid
+            self._refs[vid] = weakref.ref(fresh)
+            return fresh
+        old, user.buffers, fresh.buffers = user.buffers, dict(fresh.buffers), {}
+        user._host = None
+        if old:
+            self.mesh.release_buffers(old)
+        return user
+
+
+def put_all(mesh: Any, items: list[tuple[np.ndarray, list[int], Any, Any]]) -> list[RemoteArray]:
+    """Put many host values (wire form, as `get` returns them) on their actors at once: (value, actors,
+    PartitionSpec or None, dtype) each; one RemoteArray each, like `mesh.put_replicated`."""
+    from mpmd.runtime.sharding import as_layout, layout_wire, remote_sharding
+
+    requests, out = [], []
+    for value, actors, spec, dtype in items:
+        wire = to_wire(from_wire(value, dtype))
+        shape = wire.shape[: wire.ndim - (len(key_impl(dtype).key_shape) if is_key(dtype) else 0)]
+        fields = {"layout": layout_wire(as_layout(spec))} if spec is not None else {}
+        bufs = {a: mesh.new_buffer_id() for a in actors}
+        requests += [(a, {"buf": b, **fields}, wire) for a, b in bufs.items()]
+        layout = as_layout(spec) if spec is not None else (() if mesh.actor_mesh is not None else None)
+        out.append(RemoteArray(mesh, bufs, shape, dtype, remote_sharding(layout, mesh.actor_mesh)))
+
+    async def put() -> None:
+        await asyncio.gather(*(mesh.conn(a).request("put", f, [w]) for a, f, w in requests))
+
+    mesh.run(put())
+    return out
+
+
+def _what(error: BaseException) -> str:
+    if isinstance(error, ActorDiedError):
+        return f"actor {error.actor_id} lost ({error.why.splitlines()[0] if error.why else 'no reason given'})"
+    return f"a failed step ({str(error).splitlines()[0]})"
+
+
+__all__ = ["Recovery", "RecoveryManager", "enable_recovery"]

@@ -1,0 +1,224 @@
+"""Transparent recovery (mpmd.Recovery) with real daemons: a training loop in which actors are killed with SIGKILL
+ends without an exception and with parameters bit-identical to an uninterrupted run; without recovery, or past
+max_failures, the loss surfaces as ActorDiedError naming the actor, within the usual bound."""
+
+import logging
+import os
+import random
+import signal
+import threading
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import mpmd
+from mpmd.testing import make_train_step, mlp, mlp_params, mse_loss, regression_batch
+
+STEPS = 20
+WIDTH = 32
+OPT = optax.adam(1e-2)
+STEP = make_train_step(mse_loss(mlp), OPT, mpmd.OneFOneB(num_stages=2))
+
+
+def _batches():
+    rng = np.random.default_rng(1)
+    return [regression_batch(rng, 4, 8, WIDTH) for _ in range(STEPS)]
+
+
+def _params():
+    return mlp_params(np.random.default_rng(0), num_stages=2, width=WIDTH)
+
+
+def _sigkill(mesh, actor):
+    os.kill(mesh.processes[actor].proc.pid, signal.SIGKILL)
+
+
+def train(kills=(), recover=None, fetch_losses_every=0, when="before", open_mesh=None, kill=_sigkill):
+    """The loop a user writes. `kills`: (step, actor) pairs: that actor is killed (`kill(mesh, actor)`: SIGKILL)
+    just before the step is dispatched (`when="before"`) or while it runs ("during"). Returns (params,
+    opt_state, losses, recoveries)."""
+    kills = dict(kills)
+    batches = _batches()
+    open_mesh = open_mesh or (lambda **kw: mpmd.RemoteMesh.local(num_actors=2, **kw))
+    with open_mesh(recover=recover, heartbeat_timeout=5.0) as mesh:
+        dist = mpmd.distributed(STEP, mesh=mesh)
+        params = _params()
+        p, o = params, OPT.init(params)
+        all_losses = []
+        for i in range(STEPS):
+            victim = kills.get(i)
+            if victim is not None and when == "before":
+                kill(mesh, victim)
+            p, o, losses = dist(p, o, batches[i])
+            if victim is not None and when == "during":
+                threading.Timer(0.02, kill, (mesh, victim)).start()
+            all_losses.append(losses)
+            if fetch_losses_every and i % fetch_losses_every == 0:
+                losses.to_numpy()
+        if STEPS in kills:  # after the loop, once every step is done: the fetch meets the lost actor
+            all_losses[-1].block_until_ready()
+            kill(mesh, kills[STEPS])
+            time.sleep(0.5)
+        p, o, all_losses = mpmd.fetch((p, o, all_losses))
+        return p, o, all_losses, mesh.recoveries
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    return train()
+
+
+def _assert_identical(got, want):
+    for a, b in zip(jax.tree.leaves(got[:3]), jax.tree.leaves(want[:3])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_one_actor_killed_at_a_random_step_the_loop_ends_bit_identical_to_an_uninterrupted_run(uninterrupted, caplog):
+    step = random.Random(os.getpid()).randrange(2, STEPS - 1)
+    with caplog.at_level(logging.WARNING, logger="mpmd.runtime.mesh"):
+        got = train(kills=[(step, 1)], recover=mpmd.Recovery(snapshot_every=5), fetch_losses_every=3, when="during")
+    assert got[3] == 1, f"kill at step {step}"
+    _assert_identical(got, uninterrupted)
+    assert any("recovered from actor 1 lost" in r.getMessage() and "steps replayed" in r.getMessage() for r in caplog.records)
+
+
+def test_two_actors_killed_at_different_steps_the_loop_ends_bit_identical(uninterrupted):
+    rng = random.Random(os.getpid() + 1)
+    first = rng.randrange(1, 9)
+    second = rng.randrange(first + 2, STEPS - 1)
+    got = train(kills=[(first, 0), (second, 1)], recover=mpmd.Recovery(snapshot_every=4), fetch_losses_every=2)
+    assert got[3] == 2, (first, second)
+    _assert_identical(got, uninterrupted)
+
+
+def test_without_recovery_a_killed_actor_raises_actor_died_error_naming_it():
+    t = time.monotonic()
+    with pytest.raises(mpmd.ActorDiedError) as err:
+        train(kills=[(3, 1)])
+    assert err.value.actor_id == 1 and time.monotonic() - t < 60
+    assert "was killed by SIGKILL" in str(err.value)
+
+
+def test_past_max_failures_the_loss_raises_actor_died_error_naming_the_actor():
+    with pytest.raises(mpmd.ActorDiedError) as err:
+        train(kills=[(2, 0), (6, 1)], recover=mpmd.Recovery(snapshot_every=3, max_failures=1), fetch_losses_every=1)
+    assert err.value.actor_id == 1 and "was killed by SIGKILL" in str(err.value)
+
+
+def test_recovery_rejects_bad_settings_with_a_clear_error():
+    with pytest.raises(ValueError, match="snapshot_every"):
+        mpmd.Recovery(snapshot_every=0)
+    with pytest.raises(ValueError, match="max_failures"):
+        mpmd.Recovery(max_failures=-1)
+    with pytest.raises(TypeError, match="mpmd.Recovery"):
+        mpmd.RemoteMesh.local(num_actors=1, recover={"snapshot_every": 3})
+    with pytest.raises(ValueError, match="launcher that can start a replacement"):
+        mpmd.RemoteMesh.connect(["ipc:///nonexistent"], recover=mpmd.Recovery())
+
+
+def test_actors_killed_back_to_back_one_during_the_recovery_of_the_other_the_loop_ends_bit_identical(uninterrupted):
+    got = train(kills=[(6, 0), (7, 1)], recover=mpmd.Recovery(snapshot_every=5))  # the loop does not wait: both go at once
+    assert got[3] >= 1
+    _assert_identical(got, uninterrupted)
+
+
+@pytest.mark.slow
+def test_on_ray_a_killed_ray_actor_is_replaced_in_its_bundle_and_the_loop_ends_bit_identical(uninterrupted):
+    ray = pytest.importorskip("ray", reason="the `ray` extra is not installed")
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
+             configure_logging=False, runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu"}})
+    try:
+        got = train(kills=[(7, 1)], recover=mpmd.Recovery(snapshot_every=5), fetch_losses_every=2, when="during",
+                    open_mesh=lambda **kw: mpmd.RemoteMesh.ray(2, startup_timeout=120, **kw),
+                    kill=lambda mesh, a: ray.kill(mesh.processes[a].handle))
+        assert got[3] == 1
+        _assert_identical(got, uninterrupted)
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("mpmd-")]
+        assert names == [], names  # closing removed the replacement too
+    finally:
+        ray.shutdown()
+
+
+def test_at_a_rendezvous_a_daemon_restarted_by_the_supervisor_replaces_the_lost_one_and_the_loop_ends_bit_identical(
+        uninterrupted, tmp_path):
+    """Daemons a cluster started (as srun or a StatefulSet would); the supervisor restarts a killed one with the
+    same --actor-id and it announces itself again."""
+    from tests.wire import start_daemon, stop_daemon
+    from transport.auth import generate_key_files
+
+    keys, rdv = tmp_path / "keys", tmp_path / "rdv"
+    generate_key_files(keys)
+
+    def daemon(i):
+        return start_daemon("--rendezvous", str(rdv), "--actor-id", str(i), "--authorized-keys", str(keys),
+                            "--listen", "tcp://127.0.0.1:0", "--p2p-host", "127.0.0.1")[0]
+
+    procs = [daemon(0), daemon(1)]
+
+    def kill_and_restart(mesh, i):
+        procs[i].kill()
+        procs[i].wait()
+        threading.Thread(target=lambda: procs.append(daemon(i))).start()  # the supervisor, a moment later
+
+    try:
+        got = train(kills=[(5, 1)], recover=mpmd.Recovery(snapshot_every=4, spawn_timeout=120), fetch_losses_every=2,
+                    open_mesh=lambda **kw: mpmd.RemoteMesh.from_rendezvous(rdv, 2, keys=keys, timeout=60, **kw),
+                    kill=kill_and_restart)
+        assert got[3] == 1
+        _assert_identical(got, uninterrupted)
+    finally:
+        for p in procs:
+            stop_daemon(p)
+
+
+def test_an_actor_killed_before_the_first_step_compiles_is_replaced_and_the_loop_ends_bit_identical(uninterrupted):
+    got = train(kills=[(0, 1)], recover=mpmd.Recovery(snapshot_every=5))  # dead when the step is compiled
+    assert got[3] == 1
+    _assert_identical(got, uninterrupted)
+
+
+def test_with_two_devices_per_actor_a_killed_actor_is_recovered_bit_identical_to_the_same_mesh_uninterrupted():
+    def two_devices(**kw):
+        return mpmd.RemoteMesh.local(num_actors=2, devices_per_actor=2, **kw)
+
+    want = train(open_mesh=two_devices)
+    got = train(kills=[(9, 0)], recover=mpmd.Recovery(snapshot_every=4), open_mesh=two_devices, fetch_losses_every=2,
+                when="during")
+    assert got[3] == 1
+    _assert_identical(got, want)
+
+
+def test_an_actor_killed_after_the_last_step_is_recovered_by_the_fetch_and_the_values_are_bit_identical(uninterrupted):
+    got = train(kills=[(STEPS, 1)], recover=mpmd.Recovery(snapshot_every=6))
+    assert got[3] == 1
+    _assert_identical(got, uninterrupted)
+
+
+def test_three_actors_under_gpipe_the_middle_one_killed_the_loop_ends_bit_identical():
+    opt = optax.sgd(0.05)
+    step = make_train_step(mse_loss(mlp), opt, mpmd.GPipe(num_stages=3))
+    rng = np.random.default_rng(1)
+    batches = [regression_batch(rng, 3, 4, 16) for _ in range(12)]
+
+    def run(recover):
+        with mpmd.RemoteMesh.local(num_actors=3, recover=recover) as mesh:
+            dist = mpmd.distributed(step, mesh=mesh)
+            params = mlp_params(np.random.default_rng(0), num_stages=3, width=16)
+            p, o, losses = params, opt.init(params), []
+            for i, b in enumerate(batches):
+                p, o, loss = dist(p, o, b)
+                losses.append(loss)
+                if recover is not None and i == 7:
+                    threading.Timer(0.01, _sigkill, (mesh, 1)).start()
+            return mpmd.fetch((p, o, losses)), mesh.recoveries
+
+    want, _ = run(None)
+    got, recoveries = run(mpmd.Recovery(snapshot_every=3))
+    assert recoveries == 1
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
