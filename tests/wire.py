@@ -21,6 +21,9 @@ def dealer(address: str, keys: ClientKeys | None = None, timeout_ms: int = 5000,
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    # A DEALER whose only peer refused its handshake has no pipe between reconnects, and a send then blocks: bound
+    # it too, so "no reply" is zmq.Again, never a hang.
+    s.setsockopt(zmq.SNDTIMEO, timeout_ms)
     if keys is not None:
         pair = client or keys.client
         s.curve_publickey, s.curve_secretkey, s.curve_serverkey = pair.public, pair.secret, keys.servers[0]
@@ -30,7 +33,7 @@ def dealer(address: str, keys: ClientKeys | None = None, timeout_ms: int = 5000,
 
 def raw_request(address: str, header: dict | Sequence[bytes], keys: ClientKeys | None = None, timeout_ms: int = 5000,
                 arrays: Sequence = ()) -> Message:
-    """One request on a fresh socket; raises zmq.Again when no reply comes within `timeout_ms`."""
+    """One request on a fresh socket; raises zmq.Again when it cannot be sent or no reply comes within `timeout_ms`."""
     s = dealer(address, keys, timeout_ms)
     try:
         s.send_multipart(encode(header, arrays) if isinstance(header, dict) else list(header))
