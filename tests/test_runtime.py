@@ -116,6 +116,7 @@ def raw_request(address, frames, timeout_ms=5000, keys=None):
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    s.setsockopt(zmq.SNDTIMEO, timeout_ms)
     if keys is not None:
         s.curve_publickey, s.curve_secretkey, s.curve_serverkey = keys.client.public, keys.client.secret, keys.servers[0]
     s.connect(address)
