@@ -137,12 +137,13 @@ def main() -> None:
     p.add_argument("--bytes", type=int, default=1024)
     args = p.parse_args()
     raw = raw_one_way(args.bytes)
-    with mpmd.RemoteMesh.local(num_actors=2, transport="tcp") as mesh:
-        base = chain_time(mesh, 1, args.bytes)
-        long = chain_time(mesh, args.hops + 1, args.bytes)
-    hop = (long - base) / args.hops
-    print(f"one hop of {args.bytes} B, actor to actor (send until usable on the next): {hop * 1e6:7.1f} us; "
-          f"raw ZeroMQ one-way between two processes: {raw * 1e6:6.1f} us; ratio {hop / raw:5.2f}")
+    for transport, what in (("auto", "same-host link (kernel-authenticated, default)"), ("tcp", "ZeroMQ ipc, CURVE")):
+        with mpmd.RemoteMesh.local(num_actors=2, transport=transport) as mesh:
+            base = chain_time(mesh, 1, args.bytes)
+            long = chain_time(mesh, args.hops + 1, args.bytes)
+        hop = (long - base) / args.hops
+        print(f"one hop of {args.bytes} B over {what}, actor to actor (send until usable on the next): {hop * 1e6:7.1f} us; "
+              f"raw ZeroMQ one-way between two processes: {raw * 1e6:6.1f} us; ratio {hop / raw:5.2f}")
     jit_t, mpmd_t = narrow_pipeline()
     print(f"narrow 16-stage MLP on 4 actors (interleaved 1F1B, 4 microbatches): {mpmd_t * 1e3:7.2f} ms per step vs jax.jit "
           f"{jit_t * 1e3:6.2f} ms ({mpmd_t / jit_t:5.1f}x)")

@@ -93,7 +93,8 @@ async def wire_data_plane(conns: list[Any], endpoints: list[dict[str, Any] | Non
     specs = peer_specs(routes, endpoints, ids)
     for spec in specs:  # each actor learns its peers' data-plane keys (and shm names) from us, authenticated
         for j, peer in spec.items():
-            peer.update(key=endpoints[int(j)].get("key"), shm_prefix=endpoints[int(j)].get("shm_prefix"))
+            ep = endpoints[int(j)]  # (a same-host pair's link is checked against the peer's process id)
+            peer.update(key=ep.get("key"), shm_prefix=ep.get("shm_prefix"), link=ep.get("link"), pid=ep.get("pid"))
     await asyncio.gather(*(c.request("connect_peers", {"peers": specs[i], "timeout": transfer_timeout})
                            for i, c in enumerate(conns)))
     return routes

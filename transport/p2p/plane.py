@@ -43,6 +43,7 @@ import numpy as np
 import zmq
 
 from transport.auth import Authenticator, KeyPair, configure_client, configure_server, user_id
+from transport.p2p import link as links
 from transport.p2p import shm
 from transport.p2p.base import ArrivalLimits, Mailbox, P2PTransport, TransferError, aligned_empty, host_id, host_view
 from transport.protocol import ProtocolError, array_specs, aval_header, encode, parse_header
@@ -117,11 +118,25 @@ class DataPlane(P2PTransport):
         self._copier = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"p2p-copy-{actor_id}")
         self._notices: dict[int, tuple[float, float]] = {}  # peer -> (refused-notice tokens left, when counted)
         self.counters: Counter[str] = Counter()
+        # Same-host links (link.py): peers on this host dial ours; we dial theirs at the first message to them.
+        self._listener: links.Listener | None = None
+        if links.available():
+            try:
+                self._listener = links.Listener(actor_id)
+            except OSError as e:
+                log.warning("actor %d: no same-host link listener (%s); same-host peers use ZeroMQ", actor_id, e)
+        self._links_out: dict[int, links.Link] = {}
+        self._links_in: dict[int, links.Link] = {}
+        self._peer_pid: dict[int, int] = {}
+        self._peer_link: dict[int, str] = {}
+        self._no_link: set[int] = set()  # peers whose link failed: ZeroMQ from now on
+        self._link_buf = bytearray(links.MAX_RECORD)
 
     # ---- wiring ----------------------------------------------------------------------------------
     def endpoint(self) -> dict[str, Any]:
         return {"tcp": self._tcp, "ipc": self._ipc, "host": self._host, "shm": shm.available(), "nccl": self._nccl_ok(),
-                "key": self._keys.public.decode() if self._keys is not None else None, "shm_prefix": self.shm_prefix}
+                "key": self._keys.public.decode() if self._keys is not None else None, "shm_prefix": self.shm_prefix,
+                "link": self._listener.name if self._listener is not None else None, "pid": os.getpid()}
 
     def _nccl_ok(self) -> bool:
         if self._nccl_device is None:
@@ -139,6 +154,8 @@ class DataPlane(P2PTransport):
             self._loop = asyncio.get_running_loop()
             self._loop.add_reader(self._router.getsockopt(zmq.FD), self._on_readable)
             self._loop.call_soon(self._on_readable)  # anything that came before the reader was added
+            if self._listener is not None:
+                self._loop.add_reader(self._listener.fileno(), self._on_link_dialled)
 
     async def connect(self, peers: dict[int, dict[str, Any]]) -> None:
         """Wire this actor to `peers`: {actor id: {address, route, key (the peer's public key; required when this
@@ -156,6 +173,7 @@ class DataPlane(P2PTransport):
                     if sender is not None:
                         sender.close()
                     self._shm_in.forget(peer)
+                    self._drop_links(peer)
                 self._address[peer] = address
                 if key is not None:
                     self._peer_keys[peer] = key
@@ -165,6 +183,11 @@ class DataPlane(P2PTransport):
             if prefix is not None:
                 self._peer_shm[peer] = prefix
             self.routes[peer] = route
+            if route == "shm" and spec.get("link") is not None:
+                self._peer_link[peer], self._peer_pid[peer] = spec["link"], spec["pid"]
+            else:
+                self._peer_link.pop(peer, None)
+                self._peer_pid.pop(peer, None)
             if route == "shm" and peer not in self._shm_out:
                 self._shm_out[peer] = shm.ShmSender(f"{self.shm_prefix}{peer}-")
             if route == "nccl":
@@ -198,6 +221,10 @@ class DataPlane(P2PTransport):
         prefix = spec.get("shm_prefix")
         if prefix is not None and (not isinstance(prefix, str) or not prefix.startswith("/mpmd-") or "/" in prefix[1:]):
             raise ValueError(f"peer {peer}: shm_prefix must look like '/mpmd-...', got {prefix!r}")
+        name, pid = spec.get("link"), spec.get("pid")
+        if name is not None and (not isinstance(name, str) or not name.startswith("mpmd-link-") or "\0" in name
+                                 or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0):
+            raise ValueError(f"peer {peer}: a link needs a name 'mpmd-link-...' and an int pid, got {name!r}, {pid!r}")
         return route, address, key, prefix, spec
 
     # ---- sending ---------------------------------------------------------------------------------
@@ -215,14 +242,56 @@ class DataPlane(P2PTransport):
         self._out[peer] = sock
         return sock
 
+    def _link_to(self, peer: int) -> links.Link | None:
+        """The link to a same-host `peer` (dialled now if need be), or None: ZeroMQ carries its messages."""
+        lk = self._links_out.get(peer)
+        if lk is not None and not lk.closed:
+            return lk
+        name = self._peer_link.get(peer)
+        if name is None or peer in self._no_link or self._loop is None or self.routes.get(peer) != "shm":
+            return None
+        try:
+            lk = self._links_out[peer] = links.Link.dial(name, self._peer_pid[peer], self._loop)
+        except links.LinkError as e:
+            self._no_link.add(peer)
+            log.warning("actor %d: no link to actor %d on this host (%s); its messages go over ZeroMQ", self.actor_id, peer, e)
+            return None
+        return lk
+
+    def _link_failed(self, peer: int, lk: links.Link, e: BaseException) -> None:
+        lk.close()
+        if self._links_out.get(peer) is lk:
+            del self._links_out[peer]
+        self._no_link.add(peer)
+        log.warning("actor %d: the link to actor %d broke (%s); its messages go over ZeroMQ", self.actor_id, peer, e)
+
+    def _drop_links(self, peer: int) -> None:
+        """Forget the links of a peer that is now another process (restarted)."""
+        for table in (self._links_out, self._links_in):
+            lk = table.pop(peer, None)
+            if lk is not None:
+                lk.close()
+        self._no_link.discard(peer)
+
     def _post(self, peer: int, header: dict[str, Any], arrays: list[np.ndarray] = (), track: bool = False) -> Any:
+        """Send one message to `peer`: over its link when it has one (returns None: the bytes have left this
+        actor), else over ZeroMQ (returns the tracker when `track`)."""
+        header = {**header, "src": self.actor_id}
+        lk = self._links_out.get(peer) or (self._link_to(peer) if peer in self._peer_link else None)
+        frames = None
+        if lk is not None:
+            frames = encode(header, arrays)
+            try:
+                if lk.post(frames):
+                    return None
+            except links.LinkError as e:
+                self._link_failed(peer, lk, e)
         sock = self._out.get(peer) or self._dial(peer)
         if sock is None:
             raise TransferError(f"actor {self.actor_id} has no route to actor {peer} (key {header.get('key')}); "
                                 f"connected: {sorted(self._address)}")
-        header = {**header, "src": self.actor_id}
         try:
-            frames = encode(header, arrays)
+            frames = frames or encode(header, arrays)
             # Small frames are copied into ZeroMQ's messages: cheaper than zero-copy's bookkeeping (half the time).
             copy = not track and sum(len(f) for f in frames) < SHM_MIN_BYTES
             return sock.send_multipart(frames, copy=copy, track=track, flags=zmq.NOBLOCK)
@@ -242,9 +311,18 @@ class DataPlane(P2PTransport):
         if route == "shm" and nbytes >= SHM_MIN_BYTES:
             await self._send_shm(peer, key, value, nbytes)
             return
+        ready = getattr(value, "is_ready", None)
+        lk = self._link_to(peer) if ready is not None and not ready() else None
+        if lk is not None:  # posted by a copier thread the moment the value is computed, with no hop back here
+            header = {"op": "data", "key": list(key), "src": self.actor_id}
+            err = await asyncio.get_running_loop().run_in_executor(self._copier, _post_when_ready, lk, header, value, None)
+            if err is None:
+                return
+            if err is not True:
+                self._link_failed(peer, lk, err)
         host = await host_view(value)
         tracker = self._post(peer, {"op": "data", "key": list(key)}, [host], track=wait)
-        if wait and not tracker.done:
+        if wait and tracker is not None and not tracker.done:
             await asyncio.to_thread(tracker.wait)
 
     async def _send_shm(self, peer: int, key: tuple[int, ...], value: Any, nbytes: int) -> None:
@@ -266,14 +344,22 @@ class DataPlane(P2PTransport):
             return
         try:
             ready = getattr(value, "is_ready", None)
+            notice = {"op": "shm", "key": list(key), "seg": seg.id, "name": seg.name, "size": seg.size,
+                      "arrays": [aval_header(value.shape, value.dtype)]}
             if nbytes >= 4 << 20 or (ready is not None and not ready()):
-                # Waiting for the value and copying it happen in one hop on a copier thread; two copiers take
-                # sends in program order, so the first activation out is the first one computed.
-                await asyncio.get_running_loop().run_in_executor(self._copier, _fill, sender, seg, value)
+                # Waiting for the value, copying it and (over a link) posting the notice happen in one hop on a
+                # copier thread; two copiers take sends in program order, so the first activation out is the first
+                # one computed.
+                lk = self._link_to(peer)
+                err = await asyncio.get_running_loop().run_in_executor(
+                    self._copier, _post_when_ready, lk, {**notice, "src": self.actor_id}, value, (sender, seg))
+                if err is None:
+                    return
+                if lk is not None and err is not True:
+                    self._link_failed(peer, lk, err)
             else:
                 _fill(sender, seg, value)
-            self._post(peer, {"op": "shm", "key": list(key), "seg": seg.id, "name": seg.name, "size": seg.size,
-                              "arrays": [aval_header(value.shape, value.dtype)]})
+            self._post(peer, notice)
         except BaseException:
             sender.give_back(seg.id)
             raise
@@ -400,22 +486,86 @@ class DataPlane(P2PTransport):
         frames = sock.recv_multipart(copy=False)  # all of one message, in one call (its frames arrive together)
         ident = frames[0]  # the sender's routing id: a claim, not a proof
         authenticated = user_id(ident) if self._keys is not None else None
-        header = src = key = None
-        try:
-            if len(frames) < 2:
-                raise ProtocolError("data message has no header frame")
-            header = parse_header(frames[1])
-            claimed, op = header.get("src"), header["op"]
+
+        def sender(header: dict[str, Any]) -> int:
+            claimed = header.get("src")
             if self._keys is not None:
                 if authenticated is None or not authenticated.isdigit():
                     raise ProtocolError(f"message over a connection not authenticated as an actor (user id {authenticated!r})")
-                src = int(authenticated)
-                if claimed is not None and claimed != src:
-                    raise ProtocolError(f"message claims to come from actor {claimed!r} but its key is actor {src}'s")
-            else:
-                if not isinstance(claimed, int) or isinstance(claimed, bool):
-                    raise ProtocolError("data message has no int 'src'")
-                src = claimed
+                if claimed is not None and claimed != int(authenticated):
+                    raise ProtocolError(f"message claims to come from actor {claimed!r} but its key is actor {authenticated}'s")
+                return int(authenticated)
+            if not isinstance(claimed, int) or isinstance(claimed, bool):
+                raise ProtocolError("data message has no int 'src'")
+            return claimed
+
+        if len(frames) < 2:
+            self._bad_message(None, None, authenticated or "no key", ProtocolError("data message has no header frame"))
+            return
+        self._on_message(sender, frames[1], [f.buffer for f in frames[2:]], authenticated or "no key")
+
+    # ---- same-host links -------------------------------------------------------------------------
+    def _on_link_dialled(self) -> None:
+        """A peer on this host dialled our link: kept if the kernel says it is the process the controller named for
+        a peer of ours, closed otherwise."""
+        while not self._closing:
+            got = self._listener.accept()
+            if got is None:
+                return
+            conn, pid, uid = got
+            src = next((p for p, q in self._peer_pid.items() if q == pid), None) if uid == os.getuid() else None
+            if src is None:
+                conn.close()
+                self.counters["refused_links"] += 1
+                self._warn.warning("refused-link", "actor %d: refused a link from process %d of user %d: not a peer of ours",
+                                   self.actor_id, pid, uid)
+                continue
+            lk = links.Link(conn, self._loop)
+            old = self._links_in.pop(src, None)
+            if old is not None:
+                old.close()
+            self._links_in[src] = lk
+            self._loop.add_reader(lk.fileno(), self._on_link_readable, src, lk)
+
+    def _on_link_readable(self, src: int, lk: links.Link) -> None:
+        """One message from `src`'s link (the descriptor is level-triggered: the loop calls again while more wait)."""
+        if self._closing or lk.closed:
+            return
+        n = lk.read(self._link_buf)
+        if n < 0:
+            return
+        if n == 0:  # the peer closed it (exited, or restarted and dials anew)
+            lk.close()
+            if self._links_in.get(src) is lk:
+                del self._links_in[src]
+            return
+        if n > len(self._link_buf):
+            self._bad_message(src, None, "link", ProtocolError(f"a {n}-byte link record (at most {len(self._link_buf)})"))
+            return
+        try:
+            header, payload = links.split_record(memoryview(self._link_buf), n)
+        except ValueError as e:
+            self._bad_message(src, None, "link", ProtocolError(str(e)))
+            return
+
+        def sender(h: dict[str, Any]) -> int:
+            claimed = h.get("src")
+            if claimed is not None and claimed != src:
+                raise ProtocolError(f"message claims to come from actor {claimed!r} but its link is actor {src}'s")
+            return src
+
+        self.counters["link_messages"] += 1
+        self._on_message(sender, header, [payload if payload is not None else memoryview(b"")], "link")
+
+    # ---- one message -----------------------------------------------------------------------------
+    def _on_message(self, sender: Callable[[dict[str, Any]], int], header_bytes: Any, payloads: list[Any], who: str) -> None:
+        """Handle one data-plane message: `sender(header)` says (or refuses) who sent it; `payloads` are its
+        array bytes (a link message always brings one, empty when it has no array)."""
+        header = src = key = None
+        try:
+            header = parse_header(header_bytes)
+            op = header["op"]
+            src = sender(header)
             raw_key = header.get("key")
             key = tuple(raw_key) if isinstance(raw_key, list) and all(isinstance(k, int) for k in raw_key) else None
             if op == "shm_ack":
@@ -425,9 +575,9 @@ class DataPlane(P2PTransport):
                 self._released(src, seg)
             elif op == "data":
                 specs = array_specs(header)
-                if key is not None and len(specs) == 1 and len(frames) == 3 and not self._screen(src, key, specs[0][2]):
-                    return  # (its frame goes back to ZeroMQ uncopied)
-                arrays = self._rx_payloads(frames[2:], header)
+                if key is not None and len(specs) == 1 and len(payloads) == 1 and not self._screen(src, key, specs[0][2]):
+                    return  # (its bytes are not copied anywhere)
+                arrays = self._rx_payloads(payloads, header)
                 if key is None or len(arrays) != 1:
                     raise ProtocolError(f"data message needs an int-list 'key' and one array, got key {raw_key!r}")
                 self.counters["received_bytes"] += arrays[0].nbytes
@@ -465,20 +615,24 @@ class DataPlane(P2PTransport):
             else:
                 raise ProtocolError(f"unknown data-plane op {op!r}")
         except Exception as e:
-            self.counters["bad_messages"] += 1
-            self._warn.warning("bad-message", "actor %d: bad data-plane message from %s: %s", self.actor_id,
-                               f"actor {src}" if src is not None else f"an unidentified sender ({authenticated or 'no key'})", e)
-            if src is not None and key is not None:  # fail the receive now rather than let it time out
-                err = e if isinstance(e, TransferError) else TransferError(f"actor {self.actor_id} got a bad transfer {key} from actor {src}: {e}")
-                self._fail(src, key, err)
+            self._bad_message(src, key, who, e)
 
-    def _rx_payloads(self, frames: list[Any], header: dict[str, Any]) -> list[Any]:
+    def _bad_message(self, src: int | None, key: tuple[int, ...] | None, who: str, e: Exception) -> None:
+        """Count and log a message that could not be taken in; its receive, if it names one, fails now."""
+        self.counters["bad_messages"] += 1
+        self._warn.warning("bad-message", "actor %d: bad data-plane message from %s: %s", self.actor_id,
+                           f"actor {src}" if src is not None else f"an unidentified sender ({who})", e)
+        if src is not None and key is not None:  # fail the receive now rather than let it time out
+            err = e if isinstance(e, TransferError) else TransferError(f"actor {self.actor_id} got a bad transfer {key} from actor {src}: {e}")
+            self._fail(src, key, err)
+
+    def _rx_payloads(self, frames: list[memoryview], header: dict[str, Any]) -> list[Any]:
         specs = array_specs(header)
         if len(frames) != len(specs):
             raise ProtocolError(f"header announces {len(specs)} arrays but {len(frames)} payload frames came")
         arrays = []
         for frame, (dtype, shape, nbytes) in zip(frames, specs):
-            got = len(frame.buffer)
+            got = frame.nbytes
             if got != nbytes:
                 raise ProtocolError(f"payload has {got} bytes, {dtype.name}{shape} needs {nbytes}")
             if nbytes == 0:
@@ -487,7 +641,7 @@ class DataPlane(P2PTransport):
                 arrays.append(_Unaligned(frame, dtype, shape, nbytes))
             else:  # one copy out of ZeroMQ's buffer, into memory aligned for JAX to alias
                 buf = aligned_empty(nbytes)
-                buf[:] = np.frombuffer(frame.buffer, np.uint8)
+                buf[:] = np.frombuffer(frame, np.uint8)
                 arrays.append(buf.view(dtype).reshape(shape))
         return arrays
 
@@ -497,7 +651,7 @@ class DataPlane(P2PTransport):
         def copy() -> None:
             try:
                 buf = aligned_empty(big.nbytes)
-                buf[:] = np.frombuffer(big.frame.buffer, np.uint8)
+                buf[:] = np.frombuffer(big.frame, np.uint8)
             except BaseException as e:  # (out of memory): the receive fails now instead of timing out
                 self._call(self._fail, src, key, TransferError(
                     f"actor {self.actor_id} could not take in transfer {key} ({big.nbytes} bytes) from actor {src}: {e}"))
@@ -545,6 +699,8 @@ class DataPlane(P2PTransport):
         out["shm_in_use"] = sum(len(s.busy) for s in self._shm_out.values())
         out["unclaimed"] = {str(p): {"arrivals": n, "bytes": b} for p, (n, b) in self._mailbox.unclaimed().items()}
         out["authenticated"] = self._keys is not None
+        out["links"] = {"out": sorted(p for p, lk in self._links_out.items() if not lk.closed),
+                        "in": sorted(p for p, lk in self._links_in.items() if not lk.closed)}
         if self._auth is not None:
             out["refused_connections"] = self._auth.refused
         return out
@@ -560,6 +716,15 @@ class DataPlane(P2PTransport):
                 pass
         if self._nccl is not None:
             self._nccl.close()
+        for lk in [*self._links_out.values(), *self._links_in.values()]:
+            lk.close()
+        if self._listener is not None:
+            if self._loop is not None and not self._loop.is_closed():
+                try:
+                    self._loop.remove_reader(self._listener.fileno())
+                except (RuntimeError, ValueError, OSError):
+                    pass
+            self._listener.close()
         for sender in self._shm_out.values():
             sender.close()
         self._shm_in.close()
@@ -585,3 +750,22 @@ def _fill(sender: shm.ShmSender, seg: shm.Segment, value: Any) -> None:
     """Copy `value` (waiting until it is computed) into `seg`; runs on a copier thread for big payloads."""
     host = np.asarray(value)
     sender.write(seg, host if host.flags.c_contiguous else np.ascontiguousarray(host))
+
+
+def _post_when_ready(lk: links.Link | None, header: dict[str, Any], value: Any,
+                     into: tuple[shm.ShmSender, shm.Segment] | None) -> BaseException | bool | None:
+    """On a copier thread: wait for `value`, copy it into a shared-memory segment (`into`; `header` is its
+    notice) or into the message itself, and post the message over `lk`. None: posted; True: the caller posts
+    it (no link, or too big for one record); a LinkError: the link broke (the caller posts it)."""
+    if into is not None:
+        _fill(*into, value)
+        if lk is None:
+            return True
+        frames = encode(header)
+    else:
+        host = np.asarray(value)
+        frames = encode(header, [host if host.flags.c_contiguous else np.ascontiguousarray(host)])
+    try:
+        return None if lk.post(frames) else True
+    except links.LinkError as e:
+        return e

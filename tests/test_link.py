@@ -1,0 +1,178 @@
+"""Same-host links (transport/p2p/link.py): data-plane messages between two actors of one host over a Unix
+SEQPACKET connection, authenticated by the kernel's word on the peer's process id. Real sockets, real
+DataPlanes (two in this process, so both have this process's id), and a real stranger process."""
+
+import asyncio
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import pytest
+
+from transport.auth import KeyPair
+from transport.p2p import link as links
+from transport.p2p.plane import DataPlane
+
+pytestmark = pytest.mark.skipif(not links.available(), reason="links need Linux (abstract Unix names, SEQPACKET)")
+
+
+async def pair(route="shm", keys=True):
+    """Two started, connected DataPlanes (actors 0 and 1) on `route`, CURVE keys on."""
+    d = tempfile.mkdtemp()
+    ka, kb = (KeyPair.generate(), KeyPair.generate()) if keys else (None, None)
+    a, b = DataPlane(0, ipc_dir=d, keys=ka, tcp=False), DataPlane(1, ipc_dir=d, keys=kb, tcp=False)
+    await a.start()
+    await b.start()
+
+    def spec(ep):
+        return {"address": ep["ipc"], "route": route, "key": ep["key"], "shm_prefix": ep["shm_prefix"],
+                "link": ep["link"], "pid": ep["pid"]}
+
+    await asyncio.gather(a.connect({1: spec(b.endpoint())}), b.connect({0: spec(a.endpoint())}))
+    return a, b
+
+
+def test_same_host_messages_travel_over_the_link_exactly_and_zeromq_carries_none():
+    rng = np.random.default_rng(0)
+    cases = [np.float32(3.5), np.zeros((0, 3), np.int8), rng.standard_normal(256).astype(np.float32),
+             rng.integers(0, 255, 60_000, dtype=np.uint8),  # just under the shared-memory threshold: inline on the link
+             rng.standard_normal((256, 512)).astype(np.float32)]  # 512 KiB: shared memory, notice on the link
+
+    async def go():
+        a, b = await pair()
+        try:
+            got = []
+            for i, x in enumerate(cases):
+                recv = asyncio.ensure_future(b.recv(0, (1, 0, i), 10))
+                await a.send(1, (1, 0, i), x)
+                got.append(np.array(await recv))
+            back = asyncio.ensure_future(a.recv(1, (1, 1, 0), 10))
+            await b.send(0, (1, 1, 0), cases[2])
+            got_back = np.array(await back)
+            await asyncio.sleep(0.05)
+            return got, got_back, a.stats(), b.stats()
+        finally:
+            a.close()
+            b.close()
+
+    got, got_back, sa, sb = asyncio.run(go())
+    for x, y in zip(cases, got):
+        assert y.dtype == np.asarray(x).dtype and y.shape == np.asarray(x).shape
+        np.testing.assert_array_equal(y, x)
+    np.testing.assert_array_equal(got_back, cases[2])
+    assert sa["links"] == {"out": [1], "in": [1]} and sb["links"] == {"out": [0], "in": [0]}
+    # Every message each way (data, shm notices, and the shm acks coming back) went over the links.
+    assert sb["link_messages"] >= len(cases) and sa["link_messages"] >= 1
+    assert sa.get("bad_messages", 0) == sb.get("bad_messages", 0) == 0
+
+
+def test_messages_posted_faster_than_the_receiver_reads_arrive_all_and_in_order():
+    """The receiver's loop is busy while 400 x 16 KiB are posted (far more than a socket buffer holds): the rest
+    wait in the link's backlog and are sent when the socket has room."""
+
+    async def go():
+        a, b = await pair()
+        try:
+            xs = [np.full(4096, i, np.float32) for i in range(400)]
+            for i, x in enumerate(xs):  # no await between posts: neither loop runs meanwhile
+                assert a.send_now(1, (2, 0, i), x)
+            got = [np.array(await b.recv(0, (2, 0, i), 10)) for i in range(len(xs))]
+            return xs, got
+        finally:
+            a.close()
+            b.close()
+
+    xs, got = asyncio.run(go())
+    for x, y in zip(xs, got):
+        np.testing.assert_array_equal(x, y)
+
+
+STRANGER = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.connect("\\0" + sys.argv[1])
+try:
+    s.sendmsg([b"\\x05\\x00\\x00\\x00", b"hello"])
+    print("closed" if s.recv(10) == b"" else "open")
+except (BrokenPipeError, ConnectionResetError):  # the actor had closed it already
+    print("closed")
+"""
+
+
+def test_a_stranger_process_that_dials_an_actors_link_is_refused_and_the_actor_carries_on():
+    async def go():
+        a, b = await pair()
+        try:
+            name = b.endpoint()["link"]
+            out = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", STRANGER, name],
+                                          capture_output=True, text=True, timeout=30)
+            recv = asyncio.ensure_future(b.recv(0, (3, 0, 0), 10))
+            await a.send(1, (3, 0, 0), np.arange(5.0))
+            return out, np.array(await recv), b.stats()
+        finally:
+            a.close()
+            b.close()
+
+    out, got, sb = asyncio.run(go())
+    assert out.returncode == 0 and out.stdout.strip() == "closed", out.stderr
+    np.testing.assert_array_equal(got, np.arange(5.0))
+    assert sb["refused_links"] == 1 and sb.get("bad_messages", 0) == 0
+
+
+def test_dialling_a_link_served_by_another_process_than_announced_fails():
+    listener = links.Listener(7)
+    try:
+        with pytest.raises(links.LinkError, match="not by process 1 "):
+            links.Link.dial(listener.name, 1, None)
+        with pytest.raises(links.LinkError, match="could not dial"):
+            links.Link.dial("mpmd-link-nobody-listens-here", 1, None)
+    finally:
+        listener.close()
+
+
+def test_a_message_too_big_for_one_record_is_left_to_zeromq():
+    listener = links.Listener(8)
+    import os
+
+    lk = links.Link.dial(listener.name, os.getpid(), None)
+    try:
+        assert lk.post([b"h", memoryview(bytes(100))])
+        assert not lk.post([b"h", memoryview(bytes(links.MAX_RECORD))])  # nothing sent: the caller uses ZeroMQ
+        assert not lk.post([b"h", b"a", b"b"])  # a record carries one array at most
+    finally:
+        lk.close()
+        listener.close()
+
+
+@pytest.mark.parametrize("bad", [{"link": "/tmp/x", "pid": 5}, {"link": "mpmd-link-1", "pid": "5"},
+                                 {"link": "mpmd-link-1", "pid": None}, {"link": "mpmd-link-\x001", "pid": 5},
+                                 {"link": "mpmd-link-1", "pid": True}])
+def test_a_peer_spec_with_a_bad_link_is_refused_before_anything_changes(bad):
+    async def go():
+        d = tempfile.mkdtemp()
+        a = DataPlane(0, ipc_dir=d, tcp=False)
+        try:
+            with pytest.raises(ValueError, match="link"):
+                await a.connect({1: {"address": f"ipc://{d}/x.sock", "route": "shm", "shm_prefix": "/mpmd-x-", **bad}})
+            return a.routes
+        finally:
+            a.close()
+
+    assert asyncio.run(go()) == {}
+
+
+def test_a_tcp_route_uses_no_link():
+    async def go():
+        a, b = await pair(route="tcp")
+        try:
+            recv = asyncio.ensure_future(b.recv(0, (4, 0, 0), 10))
+            await a.send(1, (4, 0, 0), np.arange(3))
+            return np.array(await recv), a.stats(), b.stats()
+        finally:
+            a.close()
+            b.close()
+
+    got, sa, sb = asyncio.run(go())
+    np.testing.assert_array_equal(got, np.arange(3))
+    assert sa["links"] == sb["links"] == {"out": [], "in": []} and "link_messages" not in sb
