@@ -34,8 +34,9 @@ _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 def available() -> bool:
-    """Links need Linux: abstract Unix socket names and SEQPACKET."""
-    return sys.platform.startswith("linux") and hasattr(socket, "SOCK_SEQPACKET")
+    """Links need Linux (abstract Unix socket names, SEQPACKET); MPMD_LINKS=0 in an actor's environment turns
+    them off (every message then goes over ZeroMQ, as across hosts)."""
+    return sys.platform.startswith("linux") and hasattr(socket, "SOCK_SEQPACKET") and os.environ.get("MPMD_LINKS", "1") != "0"
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int]:

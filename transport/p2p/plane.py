@@ -184,6 +184,8 @@ class DataPlane(P2PTransport):
                 self._peer_shm[peer] = prefix
             self.routes[peer] = route
             if route == "shm" and spec.get("link") is not None:
+                if self._peer_link.get(peer) not in (None, spec["link"]):  # another process now
+                    self._drop_links(peer)
                 self._peer_link[peer], self._peer_pid[peer] = spec["link"], spec["pid"]
             else:
                 self._peer_link.pop(peer, None)
