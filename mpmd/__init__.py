@@ -31,6 +31,8 @@ compiler/ (jaxpr -> Programs), schedules/ (tables, validation, simulator, pictur
 connections, checkpoints, launchers), observe/ (traces, profiles, reports), cli/ (the `mpmd` command).
 """
 
+from types import ModuleType as _ModuleType
+
 from mpmd import _aliases
 from mpmd.api import accumulate_grads, distributed, pipeline_yield
 from mpmd.errors import (
@@ -70,49 +72,5 @@ from mpmd.tuning import TuneResult, tune
 
 _aliases.install()  # old module paths (mpmd.simulator, mpmd.trace, ...) keep importing
 
-__all__ = [
-    "ActorDiedError",
-    "ActorHandle",
-    "ActorStartError",
-    "CheckpointError",
-    "Costs",
-    "Custom",
-    "DualPipeV",
-    "EagerOneFOneB",
-    "GPipe",
-    "IncompatibleActorError",
-    "InterleavedOneFOneB",
-    "InterleavedZeroBubble",
-    "MpmdError",
-    "OneFOneB",
-    "PipelineError",
-    "Recovery",
-    "RemoteArray",
-    "RemoteError",
-    "RemoteMesh",
-    "RendezvousError",
-    "Schedule",
-    "ScheduleError",
-    "SegmentCosts",
-    "SimResult",
-    "Task",
-    "TuneResult",
-    "ZeroBubbleH1",
-    "ZeroBubbleV",
-    "accumulate_grads",
-    "check_programs",
-    "distributed",
-    "fetch",
-    "fetch_async",
-    "load",
-    "loaded",
-    "pipeline_yield",
-    "ready_async",
-    "restore",
-    "restore_async",
-    "save",
-    "save_async",
-    "simulate",
-    "tune",
-    "validate",
-]
+# The public names are exactly the ones imported above (one list, not two to keep in step).
+__all__ = sorted(name for name, value in globals().items() if not name.startswith("_") and not isinstance(value, _ModuleType))
