@@ -17,7 +17,7 @@ Public names (each has a docstring):
                                               RemoteMesh.local_async, step.call_async, actor(i).put_async / run_async)
   Recovery                                    RemoteMesh.local(..., recover=Recovery(snapshot_every=10)): survive a lost actor
   pipeline_yield, accumulate_grads, distributed   the pipeline API
-  loaded                                      batch leaves each actor loads itself (a named loader function)
+  loaded_by_actors                            batch leaves each actor loads itself (a named loader function)
   GPipe, OneFOneB, Custom, Task               schedules
   EagerOneFOneB, InterleavedOneFOneB, ZeroBubbleH1, InterleavedZeroBubble, ZeroBubbleV, DualPipeV   more schedules
   Schedule, validate, check_programs          write your own schedule; prove a schedule or compiled Programs deadlock-free
@@ -49,7 +49,7 @@ from mpmd.errors import (
 from mpmd.runtime.aio import fetch_async, ready_async
 from mpmd.runtime.array import RemoteArray, fetch
 from mpmd.runtime.checkpoint import load, restore, restore_async, save, save_async
-from mpmd.runtime.loader import loaded
+from mpmd.runtime.loader import loaded_by_actors
 from mpmd.runtime.mesh import ActorHandle, RemoteMesh
 from mpmd.runtime.recovery import Recovery
 from mpmd.schedules import (
