@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 
@@ -85,6 +86,20 @@ class BufferTable:
         if fut is not None and not fut.done():
             fut.set_exception(exc)
             fut.exception()  # mark retrieved: readers may never come
+
+    async def produce(self, bufs: Sequence[int], values: Awaitable[Sequence[Any]],
+                      error: Callable[[BaseException], BaseException] = lambda e: e) -> Sequence[Any]:
+        """Await the `values` of the reserved `bufs` and store them; returns them. If that raises, every buf
+        fails with `error(exception)` (its readers get that), and the exception goes on."""
+        try:
+            got = await values
+        except BaseException as e:
+            for b in bufs:
+                self.fail(b, error(e))
+            raise
+        for b, v in zip(bufs, got):
+            self.put(b, v)
+        return got
 
     def has_value(self, buf: int) -> bool:
         return buf in self._entries

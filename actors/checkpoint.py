@@ -95,16 +95,11 @@ async def restore(actor: Any, ses: Any, msg: Any) -> tuple[dict, list]:
 
         return [jax.device_put(got[n], actor.device) for n in names]
 
+    def error(e: BaseException) -> BaseException:  # what a reader of the buffers gets
+        return RequestError(f"restore from {directory}: {e.why}") if isinstance(e, CheckpointProblem) else e
+
     try:
-        values = await asyncio.to_thread(read)
+        values = await ses.buffers.produce(bufs, asyncio.to_thread(read), error)
     except CheckpointProblem as e:
-        for b in bufs:
-            ses.buffers.fail(b, RequestError(f"restore from {directory}: {e.why}"))
         return {"problem": e.wire()}, []
-    except BaseException as e:
-        for b in bufs:
-            ses.buffers.fail(b, e)
-        raise
-    for b, v in zip(bufs, values):
-        ses.buffers.put(b, v)
     return {"outputs": [aval_header(v.shape, v.dtype) for v in values]}, []

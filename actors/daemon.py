@@ -185,6 +185,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
     from actors.handlers import Actor
+    from actors.interpreter import failed_task
     from actors.request import RequestError, format_exception
     from actors.sandbox import ALLOWED_CUSTOM_CALLS, BlobChecker, CheckerPool
     from transport.auth import Authenticator, KeyPair, configure_server, user_id
@@ -287,7 +288,9 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
             kind = "protocol" if isinstance(e, ProtocolError) else "request"
             warn.info(kind, "request %s failed: %s", req_id, str(e)[:300])
             try:
-                await reply(identity.bytes, encode(error_reply(req_id, e, format_exception(e), actor_id=args.actor_id)))
+                task = failed_task(e)  # the Run that raised it, if one did
+                await reply(identity.bytes, encode(error_reply(req_id, e, format_exception(e), actor_id=args.actor_id,
+                                                               **({"task": task} if task is not None else {}))))
             except Exception:  # an unencodable id or message: say it plainly
                 await reply(identity.bytes, encode({"op": "error", "id": None, "error": "ProtocolError", "message": str(e)[:1000]}))
 

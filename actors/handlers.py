@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import jax
@@ -35,6 +36,12 @@ from transport.protocol import Message, aval_header
 
 def to_host(x: Any) -> np.ndarray:
     return np.asarray(x)
+
+
+def marked(inputs: list[int], marker: int, entries: Iterable[Any]) -> Iterator[tuple[int, Any]]:
+    """(input slot, its entry) for every input marked `marker` (-2 shared memory, -3 loaded on the actor), paired
+    in order with the request's entries for them (their number is checked before)."""
+    return zip((i for i, b in enumerate(inputs) if b == marker), entries)
 
 
 def is_ready(x: Any) -> bool:
@@ -327,17 +334,15 @@ class Actor:
         refs = [ses.buffers.ref(b) for b in inputs]  # unknown ids fail here, before anything is reserved
         for b in outputs:
             ses.buffers.reserve(b)
-        try:
+
+        async def compute() -> list[Any]:
             args = [await asyncio.shield(r) if isinstance(r, asyncio.Future) else r for r in refs]
             _, results = self.stream.call(exe, args)
             if len(results) != len(outputs):
                 raise RequestError(f"executable returns {len(results)} values but {len(outputs)} output ids were given")
-        except BaseException as e:
-            for b in outputs:
-                ses.buffers.fail(b, e)
-            raise
-        for b, r in zip(outputs, results):
-            ses.buffers.put(b, r)
+            return results
+
+        results = await ses.buffers.produce(outputs, compute())
         return {"outputs": [aval_header(r.shape, r.dtype) for r in results]}, []
 
     async def stats(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
@@ -466,23 +471,16 @@ class Actor:
         except Exception as e:
             raise RequestError(f"program {pid}: an inline input cannot be placed on actor {self.actor_id}: {e}") from None
         # Shared-memory inputs are copied out now: the controller rewrites the segment once this request is answered.
-        shm_slots = iter(notices)
-        for i, b in enumerate(inputs):
-            if b == -2:
-                notice = next(shm_slots)
-                view = ses.inputs.read(notice)
-                spec = self._layout(notice.get("layout"))
-                try:
-                    placed[i] = self._to_device(view if self.cache.mesh is None else np.array(view), spec)
-                except Exception as e:
-                    raise RequestError(f"program {pid}: a shared-memory input cannot be placed on actor {self.actor_id}: {e}") from None
+        for i, notice in marked(inputs, -2, notices):
+            view = ses.inputs.read(notice)
+            try:
+                placed[i] = self._to_device(view if self.cache.mesh is None else np.array(view), self._layout(notice.get("layout")))
+            except Exception as e:
+                raise RequestError(f"program {pid}: a shared-memory input cannot be placed on actor {self.actor_id}: {e}") from None
         # Loaded leaves come in a worker thread, while the step before still runs; the step waits for them.
-        load_slots = iter(loads)
-        for i, b in enumerate(inputs):
-            if b == -3:
-                spec = next(load_slots)
-                lay = self._layout(spec.get("layout"))
-                placed[i] = self.loaders.start(spec, step, lambda host, lay=lay: self._to_device(host, lay))
+        for i, spec in marked(inputs, -3, loads):
+            lay = self._layout(spec.get("layout"))
+            placed[i] = self.loaders.start(spec, step, lambda host, lay=lay: self._to_device(host, lay))
         for b in received:
             ses.buffers.reserve(b)
         refs = [placed[i] if b < 0 else ses.buffers.ref(b) for i, b in enumerate(inputs)]

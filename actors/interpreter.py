@@ -11,7 +11,8 @@ until its bytes have left the actor, so compute stops while data moves. (Receive
 hoists them to the top of a program, and awaiting them there would deadlock a pipeline.)
 
 What the interpreter works on is handed to it: the executable cache, the in-order stream, the transfers over
-the data plane, and per step the buffer tables. It knows nothing of requests or sessions.
+the data plane, and per step the buffer tables. It knows nothing of requests or sessions: an exception a Run
+raises goes on as it was, marked with the Run's label (`failed_task`), which the error reply names as its task.
 """
 
 from __future__ import annotations
@@ -27,6 +28,20 @@ from actors.transfers import StepKey, Transfers
 from transport.program import Instruction, Program, Recv, Run, Send
 
 log = logging.getLogger(__name__)
+_TASK = "mpmd_task"  # the attribute of an exception that names the Run it came from
+
+
+def failed_task(e: BaseException) -> str | None:
+    """The label of the Run (e.g. ``1F3``) whose execution raised `e`, or None when no Run's did."""
+    task = getattr(e, _TASK, None)
+    return task if isinstance(task, str) else None
+
+
+def _mark_task(e: BaseException, label: str) -> None:
+    try:
+        setattr(e, _TASK, label)
+    except (AttributeError, TypeError):  # an exception type without attributes of its own: its reply names no task
+        pass
 
 
 class Interpreter:
@@ -70,10 +85,14 @@ class Interpreter:
                     args = env.all_now(ins.inputs)
                     if args is None:  # waits only for values still being received
                         args = [await env.get(b) for b in ins.inputs]
-                    if trace:
-                        results = await trace.run(self.stream, self.cache.get(ins.exe), args, str(ins.label), t0, now())
-                    else:
-                        _, results = self.stream.call(self.cache.get(ins.exe), args)
+                    try:
+                        if trace:
+                            results = await trace.run(self.stream, self.cache.get(ins.exe), args, str(ins.label), t0, now())
+                        else:
+                            _, results = self.stream.call(self.cache.get(ins.exe), args)
+                    except Exception as e:
+                        _mark_task(e, str(ins.label))
+                        raise
                     if ins.donate:  # their buffers now belong to the results
                         env.delete([ins.inputs[d] for d in ins.donate])
                     sizes = self._out_sizes.get(ins.exe)
@@ -101,4 +120,4 @@ class Interpreter:
             raise
 
 
-__all__ = ["Interpreter"]
+__all__ = ["Interpreter", "failed_task"]

@@ -43,7 +43,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -190,28 +190,39 @@ class BlobChecker:
         if proc is None:
             raise BlobRefused("the compile checker went away before compiling the executable; send it again")
         payload = b"C" + json.dumps({**spec, "cache_dir": self.compile_dir}).encode()
-        exchange = asyncio.ensure_future(self._in_thread(self._exchange, proc, payload, "compiling it"))
+        report = await self._report(
+            proc, payload, "compiling it",
+            lambda: f"the executable did not compile within {self.timeout:g} s (mpmd-actor --compile-timeout); its compile "
+                    "was stopped (the process compiling it was killed, so it uses no cores now). Split the stage, or start "
+                    "mpmd-actor with a longer --compile-timeout",
+            lambda how: f"the executable was refused: it crashed XLA's compiler ({how}) in the compile process; the daemon "
+                        "is unaffected")
+        if not report.get("ok"):
+            raise BlobRefused(f"the executable did not compile: {report.get('error', 'unknown error')}")
+
+    async def _report(self, proc: subprocess.Popen[bytes], payload: bytes, stage: str, timed_out: Callable[[], str],
+                      crashed: Callable[[str], str]) -> dict:
+        """The child's report on `payload` (`_exchange` in a thread), within the timeout. The child is stopped when
+        the request gives up (its state is unknown, and a compile would run on after nobody waits for it) or the
+        timeout passes: then BlobRefused(timed_out()); BlobRefused(crashed(how it exited)) when the child died."""
+        exchange = asyncio.ensure_future(self._in_thread(self._exchange, proc, payload, stage))
         try:
             done, _ = await asyncio.wait({exchange}, timeout=self.timeout)
-        except asyncio.CancelledError:  # the request gave up: stop the compile now, not when XLA is done
+        except asyncio.CancelledError:
             self._kill()
             raise
         if not done:
-            self._kill()
+            self._kill()  # the reading thread sees the pipe close and ends
             await asyncio.wait({exchange})
             self.restarts += 1
-            raise BlobRefused(f"the executable did not compile within {self.timeout:g} s (mpmd-actor --compile-timeout); its "
-                              "compile was stopped (the process compiling it was killed, so it uses no cores now). Split the "
-                              "stage, or start mpmd-actor with a longer --compile-timeout")
+            raise BlobRefused(timed_out())
         report = exchange.result()
         if report is None:
             code = await self._in_thread(proc.wait)
             self._proc = None
             self.restarts += 1
-            raise BlobRefused(f"the executable was refused: it crashed XLA's compiler ({_EXIT_NAMES.get(code, f'exit code {code}')}) "
-                              "in the compile process; the daemon is unaffected")
-        if not report.get("ok"):
-            raise BlobRefused(f"the executable did not compile: {report.get('error', 'unknown error')}")
+            raise BlobRefused(crashed(_EXIT_NAMES.get(code, f"exit code {code}")))
+        return report
 
     def _exchange(self, proc: subprocess.Popen[bytes], blob: bytes, stage: str = "deserializing it") -> dict | None:
         """Send the blob, read the child's reports; the verdict, or None if the child died (runs in a thread)."""
@@ -237,27 +248,12 @@ class BlobChecker:
     async def _check(self, blob: bytes) -> CheckResult:
         t = time.monotonic()
         proc = await self._in_thread(self._ensure)
-        exchange = asyncio.ensure_future(self._in_thread(self._exchange, proc, blob))
-        try:
-            done, _ = await asyncio.wait({exchange}, timeout=self.timeout)
-        except asyncio.CancelledError:  # the request gave up: the child's state is unknown, so it goes
-            self._kill()
-            raise
-        if not done:
-            self._kill()  # the reading thread sees the pipe close and ends
-            await asyncio.wait({exchange})
-            self.restarts += 1
-            raise BlobRefused(f"the executable was refused: {self._stage} did not finish within {self.timeout:g} s (the "
-                              "checker was stopped); the blob is corrupt or hostile, or mpmd-actor --compile-timeout is "
-                              "too short for it")
-        report = exchange.result()
-        if report is None:
-            code = await self._in_thread(proc.wait)
-            self._proc = None
-            self.restarts += 1
-            how = _EXIT_NAMES.get(code, f"exit code {code}")
-            raise BlobRefused(f"the executable was refused: it crashed the compile checker ({how}) while {self._stage}; the "
-                              "blob is corrupt or hostile (the daemon is unaffected)")
+        report = await self._report(
+            proc, blob, "deserializing it",
+            lambda: f"the executable was refused: {self._stage} did not finish within {self.timeout:g} s (the checker was "
+                    "stopped); the blob is corrupt or hostile, or mpmd-actor --compile-timeout is too short for it",
+            lambda how: f"the executable was refused: it crashed the compile checker ({how}) while {self._stage}; the blob "
+                        "is corrupt or hostile (the daemon is unaffected)")
         if not report.get("ok"):
             raise BlobRefused(f"the executable was refused while {self._stage}: {report.get('error', 'unknown error')}")
         targets = tuple(report.get("targets", ()))

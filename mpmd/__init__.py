@@ -17,7 +17,7 @@ Public names (each has a docstring):
                                               RemoteMesh.local_async, step.call_async, actor(i).put_async / run_async)
   Recovery                                    RemoteMesh.local(..., recover=Recovery(snapshot_every=10)): survive a lost actor
   pipeline_yield, accumulate_grads, distributed   the pipeline API
-  loaded                                      batch leaves each actor loads itself (a named loader function)
+  loaded_by_actors                            batch leaves each actor loads itself (a named loader function)
   GPipe, OneFOneB, Custom, Task               schedules
   EagerOneFOneB, InterleavedOneFOneB, ZeroBubbleH1, InterleavedZeroBubble, ZeroBubbleV, DualPipeV   more schedules
   Schedule, validate, check_programs          write your own schedule; prove a schedule or compiled Programs deadlock-free
@@ -30,6 +30,8 @@ Rooms (each package's docstring says more): api/primitives/step (this surface an
 compiler/ (jaxpr -> Programs), schedules/ (tables, validation, simulator, pictures), runtime/ (mesh, arrays,
 connections, checkpoints, launchers), observe/ (traces, profiles, reports), cli/ (the `mpmd` command).
 """
+
+from types import ModuleType as _ModuleType
 
 from mpmd import _aliases
 from mpmd.api import accumulate_grads, distributed, pipeline_yield
@@ -47,7 +49,7 @@ from mpmd.errors import (
 from mpmd.runtime.aio import fetch_async, ready_async
 from mpmd.runtime.array import RemoteArray, fetch
 from mpmd.runtime.checkpoint import load, restore, restore_async, save, save_async
-from mpmd.runtime.loader import loaded
+from mpmd.runtime.loader import loaded_by_actors
 from mpmd.runtime.mesh import ActorHandle, RemoteMesh
 from mpmd.runtime.recovery import Recovery
 from mpmd.schedules import (
@@ -70,49 +72,5 @@ from mpmd.tuning import TuneResult, tune
 
 _aliases.install()  # old module paths (mpmd.simulator, mpmd.trace, ...) keep importing
 
-__all__ = [
-    "ActorDiedError",
-    "ActorHandle",
-    "ActorStartError",
-    "CheckpointError",
-    "Costs",
-    "Custom",
-    "DualPipeV",
-    "EagerOneFOneB",
-    "GPipe",
-    "IncompatibleActorError",
-    "InterleavedOneFOneB",
-    "InterleavedZeroBubble",
-    "MpmdError",
-    "OneFOneB",
-    "PipelineError",
-    "Recovery",
-    "RemoteArray",
-    "RemoteError",
-    "RemoteMesh",
-    "RendezvousError",
-    "Schedule",
-    "ScheduleError",
-    "SegmentCosts",
-    "SimResult",
-    "Task",
-    "TuneResult",
-    "ZeroBubbleH1",
-    "ZeroBubbleV",
-    "accumulate_grads",
-    "check_programs",
-    "distributed",
-    "fetch",
-    "fetch_async",
-    "load",
-    "loaded",
-    "pipeline_yield",
-    "ready_async",
-    "restore",
-    "restore_async",
-    "save",
-    "save_async",
-    "simulate",
-    "tune",
-    "validate",
-]
+# The public names are exactly the ones imported above (one list, not two to keep in step).
+__all__ = sorted(name for name, value in globals().items() if not name.startswith("_") and not isinstance(value, _ModuleType))

@@ -324,6 +324,9 @@ class DistributedFunction:
         mesh, plan = self.mesh, compiled.plan
         requests, replicas, outs = self._prepare(compiled, leaves, step, sig[2])
         trace = mesh.active_trace
+        # The values the step's host callbacks read (never handed to the caller) exist before the step is sent,
+        # so its finish has them whenever it gets to them.
+        hidden = [self._output(plan, j, outs[j], leaves, None) for j in range(plan.num_outputs, len(plan.out_homes))]
 
         def send() -> list[asyncio.Future[Any]]:
             futures = self._send(requests, trace)
@@ -331,22 +334,26 @@ class DistributedFunction:
                 sent.extend(futures)
             return futures
 
-        results: list[Any] = []
-        done = mesh.dispatch(send, lambda futures: self._finish(futures, compiled, replicas, step, trace, results, on_failure))
+        done = mesh.dispatch(send, lambda futures: self._finish(futures, compiled, replicas, step, trace, hidden, on_failure))
         done.host_calls = bool(plan.host_calls)  # fetching an output waits for the step's callbacks (RemoteArray._wire)
         abortable(done, lambda: mesh.submit_coroutine(self._abort(done, compiled, step, outs)))
         self._last = (step, done)
-        for (kind, val), ids, aval, key in zip(plan.out_homes, outs, plan.out_avals, plan.out_keys):
-            if kind == "actors":
-                sharding = remote_sharding(plan.layouts.get(key), mesh.actor_mesh)
-                results.append(RemoteArray(mesh, ids, aval.shape, aval.dtype, sharding, ready=done))
-            elif kind == "arg":
-                results.append(leaves[val])
-            else:
-                results.append(np.asarray(val))
+        results = [self._output(plan, j, outs[j], leaves, done) for j in range(plan.num_outputs)]
         if trace is not None:
             trace.expect(done)
-        return jax.tree.unflatten(compiled.out_tree, results[: plan.num_outputs]), done
+        return jax.tree.unflatten(compiled.out_tree, results), done
+
+    def _output(self, plan: StepPlan, j: int, ids: dict[int, int], leaves: list[Any], ready: Any) -> Any:
+        """Flat step output `j`: a RemoteArray of buffers `ids` made by the step `ready` (None: not handed to
+        the caller), the argument it returns, or its constant value."""
+        kind, val = plan.out_homes[j]
+        if kind == "actors":
+            aval = plan.out_avals[j]
+            sharding = remote_sharding(plan.layouts.get(plan.out_keys[j]), self.mesh.actor_mesh)
+            return RemoteArray(self.mesh, ids, aval.shape, aval.dtype, sharding, ready=ready)
+        if kind == "arg":
+            return leaves[val]
+        return np.asarray(val)
 
     async def call_async(self, *args: Any) -> Any:
         """Awaitable twin of `step(*args)`, for the caller's own event loop: dispatches the step the same way
@@ -504,26 +511,34 @@ class DistributedFunction:
         return futures
 
     async def _finish(self, futures: list[asyncio.Future[Any]], compiled: CompiledStep, replicas: list[Any], step: int,
-                      trace: Any, outputs: list[Any] | None, on_failure: Callable[[BaseException], Any] | None = None) -> None:
-        """Wait for the step's requests (abandoning the step everywhere if one fails; `on_failure` may recover
-        it), then run its host callbacks on `outputs`' hidden part (filled by the dispatching thread long before
-        the step can end)."""
-        mesh = self.mesh
-        hidden = outputs
-        if compiled.plan.host_calls and hidden is not None:  # after the previous step's callbacks; before this step is done
-            previous = getattr(self, "_host_calls_done", None)
-            mine = self._host_calls_done = asyncio.get_running_loop().create_future()
-            try:
-                await self._finish(futures, compiled, replicas, step, trace, None, on_failure)
-                if previous is not None:
-                    await previous
-                try:
-                    await run_host_calls(mesh, compiled.plan.host_calls, hidden[compiled.plan.num_outputs:])
-                except MpmdError as e:
-                    raise name_step(e, step, getattr(self.fn, "__name__", "step")) from None
-            finally:
-                mine.set_result(None)
+                      trace: Any, hidden: list[Any], on_failure: Callable[[BaseException], Any] | None = None) -> None:
+        """Wait for the step (`_wait_step`), then run its host callbacks, if it has any, on `hidden` (the values
+        they read: the step's hidden outputs), after the previous step's callbacks and before this step counts
+        as done."""
+        calls = compiled.plan.host_calls
+        if not calls:
+            await self._wait_step(futures, compiled, replicas, step, trace, on_failure)
             return
+        # Taken before the first await: the steps' finishes start in dispatch order, so their callbacks chain in it.
+        previous = getattr(self, "_host_calls_done", None)
+        mine = self._host_calls_done = asyncio.get_running_loop().create_future()
+        try:
+            await self._wait_step(futures, compiled, replicas, step, trace, on_failure)
+            if previous is not None:
+                await previous
+            try:
+                await run_host_calls(self.mesh, calls, hidden)
+            except MpmdError as e:
+                raise name_step(e, step, getattr(self.fn, "__name__", "step")) from None
+        finally:
+            mine.set_result(None)  # resolved however this step ends: the next step's callbacks never wait forever
+
+    async def _wait_step(self, futures: list[asyncio.Future[Any]], compiled: CompiledStep, replicas: list[Any], step: int,
+                         trace: Any, on_failure: Callable[[BaseException], Any] | None = None) -> None:
+        """Wait for the step's requests. If one fails: the step is abandoned everywhere, argument copies it
+        made are forgotten, and the error is raised naming the step (or saying it was cancelled) — unless
+        `on_failure` recovers it. Records the step's trace when one is active."""
+        mesh = self.mesh
         try:
             await self._wait_all(futures, compiled, step)
         except BaseException as e:

@@ -66,7 +66,7 @@ LOADED_LEAF_SHAPE = (4, 16, 32)  # (microbatches, rows, width) of `synthetic_reg
 
 
 def synthetic_regression_leaf(step: int, leaf: str) -> np.ndarray:
-    """A data loader for `mpmd.loaded` (tests and examples): leaf "x" or "y" of step `step`'s regression batch,
-    float32 of `LOADED_LEAF_SHAPE`, the same wherever it is called."""
+    """A data loader for `mpmd.loaded_by_actors` (tests and examples): leaf "x" or "y" of step `step`'s regression
+    batch, float32 of `LOADED_LEAF_SHAPE`, the same wherever it is called."""
     seed = 2 * step + ("x", "y").index(leaf)
     return np.random.default_rng(seed).standard_normal(LOADED_LEAF_SHAPE).astype(np.float32)

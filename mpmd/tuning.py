@@ -38,18 +38,9 @@ import numpy as np
 
 from mpmd.compiler.plan import plan_step
 from mpmd.errors import MpmdError, PipelineError, ScheduleError
+from mpmd.schedules import builtin
 from mpmd.schedules.balance import SegmentCosts, best_grouping, group_costs
-from mpmd.schedules.builtin import (
-    DualPipeV,
-    EagerOneFOneB,
-    GPipe,
-    InterleavedOneFOneB,
-    InterleavedZeroBubble,
-    OneFOneB,
-    Schedule,
-    ZeroBubbleH1,
-    ZeroBubbleV,
-)
+from mpmd.schedules.builtin import Schedule
 from mpmd.schedules.simulator import simulate_programs
 from mpmd.step import DistributedFunction
 
@@ -207,17 +198,17 @@ def candidate_schedules(num_actors: int, num_segments: int, virtual_stages: Sequ
     p, n = num_actors, num_segments
     out: list[Schedule] = []
     if p <= n:
-        out += [GPipe(p), OneFOneB(p), EagerOneFOneB(p), ZeroBubbleH1(p)]
+        out += [builtin.GPipe(p), builtin.OneFOneB(p), builtin.EagerOneFOneB(p), builtin.ZeroBubbleH1(p)]
     for v in virtual_stages:
         if v >= 2 and v * p <= n:
-            out += [InterleavedOneFOneB(v * p, p), InterleavedZeroBubble(v * p, p)]
+            out += [builtin.InterleavedOneFOneB(v * p, p), builtin.InterleavedZeroBubble(v * p, p)]
     if 2 * p <= n and p > 1:
-        out += [ZeroBubbleV(p), DualPipeV(p)]
+        out += [builtin.ZeroBubbleV(p), builtin.DualPipeV(p)]
     return out
 
 
 def _with_balance(schedule: Schedule, grouping: tuple[int, ...]) -> Schedule:
-    if isinstance(schedule, (ZeroBubbleV, DualPipeV)):
+    if isinstance(schedule, (builtin.ZeroBubbleV, builtin.DualPipeV)):
         return type(schedule)(schedule.num_actors, balance=grouping)
     return replace(schedule, balance=grouping)
 

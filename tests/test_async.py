@@ -287,6 +287,37 @@ async def test_a_remote_error_is_raised_by_the_await_naming_the_actor_and_the_st
     assert np.isfinite(await mpmd.fetch_async(losses2)).all()
 
 
+async def test_a_run_that_fails_on_an_actor_is_named_by_its_task_in_the_remote_error(mesh2):
+    """A stage-1 parameter whose buffer on actor 1 is not of the shape the step was compiled for: the first Run of
+    actor 1's Program that reads it fails there, and the error names that Run's label as its task."""
+    from mpmd.compiler.program import Run
+
+    step, _, params, opt_state, batch = training(seed=5)
+    dist = mpmd.distributed(step, mesh=mesh2)
+    p, o, losses = await dist.call_async(params, opt_state, batch)
+    await mpmd.ready_async(losses)
+    target = p[1][0]
+    assert target.actors == [1]
+    wrong = await mesh2.actor(1).put_async(np.zeros(3, np.float32))
+    bogus = jax.tree.map(lambda x: x, p)
+    bogus[1][0] = mpmd.RemoteArray(mesh2, wrong.buffers, target.shape, target.dtype)  # claims the parameter's shape
+    wrong.buffers = {}  # the bogus handle owns the buffer now
+    # the Run that reads it: actor 1's Program takes the step's arguments it reads, in argument order
+    plan = dist.compile(bogus, o, batch).plan
+    leaves = jax.tree.leaves((bogus, o, batch), is_leaf=lambda x: isinstance(x, mpmd.RemoteArray))
+    k = next(i for i, x in enumerate(leaves) if x is bogus[1][0])
+    read_by_1 = [i for i, homes in enumerate(plan.arg_homes) if 1 in homes]
+    local = plan.programs[1].inputs[read_by_1.index(k)]
+    label = next(str(ins.label) for ins in plan.programs[1].instructions if isinstance(ins, Run) and local in ins.inputs)
+    outs = await dist.call_async(bogus, o, batch)
+    with pytest.raises(mpmd.RemoteError) as e:
+        await mpmd.ready_async(outs)
+    assert e.value.actor_id == 1 and e.value.task == label, str(e.value)
+    assert f"actor 1, task {label}" in str(e.value)
+    p2, o2, losses2 = await dist.call_async(p, o, batch)  # the mesh is usable after
+    assert np.isfinite(await mpmd.fetch_async(losses2)).all()
+
+
 async def test_a_blocking_call_inside_a_running_loop_works_and_a_long_one_names_the_twins(mesh2, caplog, monkeypatch):
     """The controller's loop is its own thread, so a blocking call from a coroutine cannot deadlock: it holds
     the caller's loop only while it waits, and one that held it long is logged (once) naming the twins."""

@@ -19,13 +19,25 @@ OPT = optax.adam(1e-2)
 SPECS = [{"w": P(None, "model"), "b": P("model")} for _ in range(4)]
 
 
-def jit_steps(params, opt_state, batches):
-    step = jax.jit(make_train_step(LOSS, OPT, None))
-    losses = []
+def run_steps(step, params, opt_state, batches, losses=()):
+    """`step` over `batches` from (params, opt_state): the last state and every loss, after `losses`."""
+    losses = list(losses)
     for b in batches:
         params, opt_state, loss = step(params, opt_state, b)
         losses.append(np.asarray(loss))
+    return params, opt_state, losses
+
+
+def jit_steps(params, opt_state, batches):
+    params, opt_state, losses = run_steps(jax.jit(make_train_step(LOSS, OPT, None)), params, opt_state, batches)
     return jax.device_get(params), jax.device_get(opt_state), losses
+
+
+def assert_same_training(got, want):
+    """Two runs' (params, opt_state, losses) agree."""
+    assert_trees_close(got[:2], want[:2])
+    for a, b in zip(got[2], want[2]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -60,14 +72,7 @@ def test_saved_on_4_actors_restores_onto_2_actors_interleaved_and_trains_like_ji
         again = mpmd.restore(path, mesh2, like=(p, o))  # like= RemoteArrays of this mesh: their placement
         assert [x.actors for x in jax.tree.leaves(again, is_leaf=lambda x: isinstance(x, mpmd.RemoteArray))] == \
                [x.actors for x in jax.tree.leaves((p, o), is_leaf=lambda x: isinstance(x, mpmd.RemoteArray))]
-        losses = []
-        for b in batches[2:]:
-            p, o, loss = step(p, o, b)
-            losses.append(loss.to_numpy())
-        assert_trees_close(p, want_p)
-        assert_trees_close(o, want_o)
-        for got, want in zip(losses, want_losses):
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert_same_training(run_steps(step, p, o, batches[2:]), (want_p, want_o, want_losses))
 
 
 def test_saved_on_4_single_device_actors_restores_onto_2_actors_of_1x2_devices_with_in_shardings(saved):
@@ -84,15 +89,9 @@ def test_saved_on_4_single_device_actors_restores_onto_2_actors_of_1x2_devices_w
         assert p[1]["w"].actors == [1] and p[1]["w"].sharding.spec == P(None, "model") and p[2]["b"].sharding.spec == P("model")
         np.testing.assert_array_equal(p[1]["w"].to_numpy(), np.asarray(ref_p[1]["w"]))  # the saved bytes, resharded
         p, o, loss = first(p, o, batches[2])
-        losses = [loss.to_numpy()]
         rest = mpmd.distributed(make_train_step(LOSS, OPT, schedule), mesh=mesh, in_shardings=(None, None, None))
-        for b in batches[3:]:  # the step's own outputs, in the layouts they came out in
-            p, o, loss = rest(p, o, b)
-            losses.append(loss.to_numpy())
-        assert_trees_close(p, want_p)
-        assert_trees_close(o, want_o)
-        for got, want in zip(losses, want_losses):
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        got = run_steps(rest, p, o, batches[3:], [loss.to_numpy()])  # the step's own outputs, in the layouts they came out in
+        assert_same_training(got, (want_p, want_o, want_losses))
 
 
 def test_load_without_a_mesh_gives_host_arrays_that_jax_jit_continues_from(saved):
@@ -102,8 +101,4 @@ def test_load_without_a_mesh_gives_host_arrays_that_jax_jit_continues_from(saved
     assert_trees_close(plain[0], ref_p)
     p, o = mpmd.load(path, like=(params, OPT.init(params)))
     assert type(o) is type(ref_o) and all(isinstance(x, np.ndarray) for x in jax.tree.leaves(p))
-    got = jit_steps(p, o, batches[2:])
-    want = jit_steps(ref_p, ref_o, batches[2:])
-    assert_trees_close(got[:2], want[:2])
-    for a, b in zip(got[2], want[2]):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert_same_training(jit_steps(p, o, batches[2:]), jit_steps(ref_p, ref_o, batches[2:]))

@@ -133,7 +133,7 @@ def test_actors_load_their_own_batch_leaves_with_a_named_loader_and_steps_equal_
     spec = {"x": jax.ShapeDtypeStruct(LOADED_LEAF_SHAPE, np.float32), "y": jax.ShapeDtypeStruct(LOADED_LEAF_SHAPE, np.float32)}
     with mpmd.RemoteMesh.local(2, loaders=["mpmd.testing:synthetic_regression_leaf"]) as mesh:
         dist = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
-        batch = mpmd.loaded("mpmd.testing:synthetic_regression_leaf", spec)
+        batch = mpmd.loaded_by_actors("mpmd.testing:synthetic_regression_leaf", spec)
         p_d, s_d = params, opt.init(params)
         p_r, s_r = params, opt.init(params)
         losses = []
@@ -148,11 +148,11 @@ def test_actors_load_their_own_batch_leaves_with_a_named_loader_and_steps_equal_
         assert [mesh.actor(a).stats()["loader_calls"] for a in range(2)] == [3, 3]  # x on actor 0, y on actor 1 only
 
         # A loader the daemons were not told to allow is refused, and they keep running.
-        other = mpmd.loaded("os:getcwd", spec)
+        other = mpmd.loaded_by_actors("os:getcwd", spec)
         with pytest.raises(MpmdError, match="not allowed"):
             jax.block_until_ready(dist(p_d, s_d, other)[2])
-        wrong = mpmd.loaded("mpmd.testing:synthetic_regression_leaf",
-                            {"x": jax.ShapeDtypeStruct(LOADED_LEAF_SHAPE, np.float64), "y": spec["y"]})
+        wrong = mpmd.loaded_by_actors("mpmd.testing:synthetic_regression_leaf",
+                                      {"x": jax.ShapeDtypeStruct(LOADED_LEAF_SHAPE, np.float64), "y": spec["y"]})
         with pytest.raises(MpmdError, match="returned float32"):
             np.asarray(mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)(
                 params, opt.init(params), wrong)[2])
@@ -161,4 +161,4 @@ def test_actors_load_their_own_batch_leaves_with_a_named_loader_and_steps_equal_
 
 def test_a_loader_name_must_be_module_colon_function():
     with pytest.raises(ValueError, match="module:function"):
-        mpmd.loaded("not a name; rm -rf", {"x": np.zeros(3)})
+        mpmd.loaded_by_actors("not a name; rm -rf", {"x": np.zeros(3)})

@@ -11,9 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 from jax.experimental import io_callback
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mpmd
@@ -21,7 +20,7 @@ from mpmd.errors import PipelineError
 from mpmd.runtime.sharding import ActorMesh
 from mpmd.testing import make_train_step
 from tests.test_pipeline import assert_trees_close
-from tests.test_spmd_flax import BATCH_SPEC, RULES, batches, build, loss_of
+from tests.test_spmd_flax import BATCH_SPEC, RULES, assert_like_reference, batches, build, loss_of, reference, run_steps
 from tests.test_user_programs import batch_of, compare, mlp2
 
 
@@ -35,46 +34,45 @@ def test_specs_placing_the_same_data_on_the_same_devices_are_one_layout():
     assert not am.equivalent(P("data"), P(None, "data"))
 
 
-def _reference(graphdef, params, opt, data, shape):
-    mesh = Mesh(np.array(jax.devices()[:2]).reshape(shape), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
-        step = jax.jit(make_train_step(loss_of(graphdef), opt, None))
-        p = jax.device_put(params, nnx.get_named_sharding(params, mesh))
-        o = opt.init(p)
-        losses = []
-        for b in data:
-            p, o, loss_value = step(p, o, jax.device_put(b, NamedSharding(mesh, BATCH_SPEC)))
-            losses.append(np.asarray(loss_value))
-    return jax.device_get(p), jax.device_get(o), losses
-
-
 @pytest.mark.parametrize("shape", [(2, 1), (1, 2)])
 def test_flax_logical_rules_naming_a_size_1_axis_train_3_steps_like_jit(shape):
     graphdef, params, specs = build()
     opt = optax.adamw(1e-2)
     data = batches(3)
-    rp, ro, rl = _reference(graphdef, params, opt, data, shape)
+    ref = reference(graphdef, params, opt, data, shape)
     with mpmd.RemoteMesh.local(num_actors=2, devices_per_actor=2, mesh_shape=shape, axis_names=("data", "model")) as mesh:
         with nn.logical_axis_rules(RULES):
             step = mpmd.distributed(make_train_step(loss_of(graphdef), opt, mpmd.OneFOneB(2)), mesh=mesh,
                                     in_shardings=(specs, None, BATCH_SPEC))
-            p, o = params, opt.init(params)
-            losses = []
-            for b in data:  # steps 2 and 3 take the outputs of the step before
-                p, o, loss_value = step(p, o, b)
-                losses.append(loss_value)
-        for got, want in zip(losses, rl):
-            np.testing.assert_allclose(got.to_numpy(), want, rtol=1e-5)
-        assert_trees_close(mpmd.fetch(p), rp)
-        assert_trees_close(mpmd.fetch(o), ro)
+            got = run_steps(step, params, opt, data)  # steps 2 and 3 take the outputs of the step before
+        assert_like_reference(got, ref)
 
 
 # ---- 2. side effects in stages ---------------------------------------------------------------------------
 LINE = re.compile(r"^\[a(\d) (\d)([FBIW])(\d+)\] (\w+)=(\S+)$")
 
 
-def _print_step(opt, with_callback=None):
+def _one_optimizer_step(opt, mb_grads_of):
+    """A step applying `opt` to the gradients that `mb_grads_of(params)` (a microbatch gradient function of the
+    step's params) accumulates over the batch, on 1F1B with 2 stages."""
+
     def step(params, opt_state, batch):
+        grads, losses = mpmd.accumulate_grads(mb_grads_of(params), batch, schedule=mpmd.OneFOneB(2))
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, losses
+
+    return step
+
+
+def _compare_trunk_step(mesh, opt, mb_grads_of, seed):
+    """`_one_optimizer_step` on {"trunk": a 2-layer MLP} equals jax.jit's over two batches."""
+    rng = np.random.default_rng(seed)
+    params = {"trunk": mlp2(rng)}
+    compare(mesh, _one_optimizer_step(opt, mb_grads_of), (params, opt.init(params)), [batch_of(rng) for _ in range(2)])
+
+
+def _print_step(opt, with_callback=None):
+    def mb_grads_of(params):
         def mb_grads(mb):
             def loss(p):
                 h = jnp.tanh(mb["x"] @ p[0]["w"] + p[0]["b"])
@@ -91,11 +89,9 @@ def _print_step(opt, with_callback=None):
             v, g = jax.value_and_grad(loss)(params)
             return g, v
 
-        grads, losses = mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.OneFOneB(2))
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, losses
+        return mb_grads
 
-    return step
+    return _one_optimizer_step(opt, mb_grads_of)
 
 
 def test_debug_prints_in_both_stages_reach_the_controller_once_per_microbatch_with_jit_values(mesh2, capsys):
@@ -266,7 +262,7 @@ def test_actor_critic_with_two_grad_calls_equals_jit(mesh2):
 def test_gan_step_with_a_discriminator_and_a_generator_gradient_equals_jit(mesh2):
     opt = optax.adam(1e-2)
 
-    def step(params, opt_state, batch):
+    def mb_grads_of(params):
         def mb_grads(mb):
             def gen(g):
                 return mpmd.pipeline_yield(jnp.tanh(mb["x"] @ g["w"] + g["b"]))  # generator: stage 0
@@ -285,39 +281,29 @@ def test_gan_step_with_a_discriminator_and_a_generator_gradient_equals_jit(mesh2
             lg, gg = jax.value_and_grad(g_loss)(params["g"])
             return {"d": gd, "g": gg}, (ld, lg)
 
-        grads, losses = mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.OneFOneB(2))
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, losses
+        return mb_grads
 
     rng = np.random.default_rng(5)
     g, d = mlp2(rng)
     params = {"g": g, "d": {**d, "out": rng.standard_normal((8, 1)).astype(np.float32) * 0.3}}
-    compare(mesh2, step, (params, opt.init(params)), [batch_of(rng) for _ in range(2)])
+    compare(mesh2, _one_optimizer_step(opt, mb_grads_of), (params, opt.init(params)), [batch_of(rng) for _ in range(2)])
 
 
 def test_a_vjp_whose_backward_is_called_twice_equals_jit(mesh2):
-    opt = optax.sgd(0.1)
-
-    def step(params, opt_state, batch):
+    def mb_grads_of(params):
         def mb_grads(mb):
             out, back = jax.vjp(lambda p: _two_stage(p, mb["x"]), params)
             (g_main,) = back(2 * (out - mb["y"]) / out.size)  # d mse
             (g_aux,) = back(jnp.full_like(out, 0.01))  # d (0.01 * sum(out))
             return jax.tree.map(jnp.add, g_main, g_aux), jnp.mean((out - mb["y"]) ** 2)
 
-        grads, losses = mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.OneFOneB(2))
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, losses
+        return mb_grads
 
-    rng = np.random.default_rng(6)
-    params = {"trunk": mlp2(rng)}
-    compare(mesh2, step, (params, opt.init(params)), [batch_of(rng) for _ in range(2)])
+    _compare_trunk_step(mesh2, optax.sgd(0.1), mb_grads_of, seed=6)
 
 
 def test_an_auxiliary_loss_on_the_first_stage_alone_equals_jit(mesh2):
-    opt = optax.adam(1e-2)
-
-    def step(params, opt_state, batch):
+    def mb_grads_of(params):
         def mb_grads(mb):
             def main(p):
                 return jnp.mean((_two_stage(p, mb["x"]) - mb["y"]) ** 2)
@@ -329,13 +315,9 @@ def test_an_auxiliary_loss_on_the_first_stage_alone_equals_jit(mesh2):
             la, ga = jax.value_and_grad(aux)(params)
             return jax.tree.map(jnp.add, gm, ga), lm + la
 
-        grads, losses = mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.OneFOneB(2))
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, losses
+        return mb_grads
 
-    rng = np.random.default_rng(7)
-    params = {"trunk": mlp2(rng)}
-    compare(mesh2, step, (params, opt.init(params)), [batch_of(rng) for _ in range(2)])
+    _compare_trunk_step(mesh2, optax.adam(1e-2), mb_grads_of, seed=7)
 
 
 def test_a_second_cotangent_computed_from_the_first_gradient_is_refused_saying_what_to_write(mesh2):

@@ -81,17 +81,22 @@ def _trusted_owner(uid: int) -> bool:
     return uid in (os.geteuid(), 0)
 
 
+def _stat(path: Path, cannot: str) -> tuple[os.stat_result, int]:
+    """`path`'s stat and permission bits; AuthKeyError("<cannot>: <why>") when it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise AuthKeyError(f"{cannot}: {e.strerror}") from None
+    return st, stat.S_IMODE(st.st_mode)
+
+
 def check_safe_path(path: str | os.PathLike[str], what: str, secret: bool = False) -> Path:
     """Raise AuthKeyError unless `path` (a file or directory, symlinks resolved) and every directory above it
     could have been written only by this user or root (see the module docstring); returns the resolved path."""
     given = Path(path).expanduser()
     real = Path(os.path.realpath(given))
     shown = f"{given}" + (f" (-> {real})" if real != given.absolute() else "")
-    try:
-        st = os.stat(real)
-    except OSError as e:
-        raise AuthKeyError(f"cannot read {what} {shown}: {e.strerror}") from None
-    mode = stat.S_IMODE(st.st_mode)
+    st, mode = _stat(real, f"cannot read {what} {shown}")
     if not _trusted_owner(st.st_uid):
         raise AuthKeyError(f"{what} {shown} is owned by {_owner(st.st_uid)}, not by you ({_owner(os.geteuid())}) or root, "
                            f"so another user could have put a key there; keys are trusted only from your own files "
@@ -103,11 +108,7 @@ def check_safe_path(path: str | os.PathLike[str], what: str, secret: bool = Fals
         raise AuthKeyError(f"{what} {shown} can be written by other users (mode {mode:o}, owner {_owner(st.st_uid)}), so "
                            f"anyone could have put a key there; run `chmod go-w {real}`")
     for parent in real.parents:
-        try:
-            pst = os.stat(parent)
-        except OSError as e:
-            raise AuthKeyError(f"cannot check directory {parent} above {what} {shown}: {e.strerror}") from None
-        pmode = stat.S_IMODE(pst.st_mode)
+        pst, pmode = _stat(parent, f"cannot check directory {parent} above {what} {shown}")
         if not _trusted_owner(pst.st_uid):
             raise AuthKeyError(f"directory {parent}, above {what} {shown}, is owned by {_owner(pst.st_uid)}, who could "
                                f"replace what is in it; keep keys under directories owned by you or root")

@@ -10,7 +10,8 @@ order. Nothing is ever unpickled: the header is msgpack (no extension types), pa
 interpreted only as the numeric dtypes in `ALLOWED_DTYPES`.
 
 Requests carry an integer ``"id"``; the reply echoes it with ``"op": "reply"`` (and ``"ok": true``) or
-``"op": "error"`` (with ``"error"``: the exception class name, ``"message"``, ``"traceback"``). Every request
+``"op": "error"`` (with ``"error"``: the exception class name, ``"message"``, ``"traceback"``, and ``"task"``: the
+label of the Program's Run that raised it, e.g. ``"1F3"``, when one did). Every request
 gets its reply within the daemon's ``request_timeout`` (an error reply if need be). Every request but ping
 and hello carries ``session`` (the controller's random id from ``hello``); a session answers only the
 authenticated client (CURVE key) that opened it, and a request touches only its session's state. What every

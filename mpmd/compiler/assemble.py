@@ -2,7 +2,7 @@
 adjacent units, choose donations, collect the distinct executables and emit one Program per actor. Pure:
 each pass gives new units and leaves the units it was given as they were.
 
-    order_units(loop, names, tasks, outside)              -> OrderedUnits
+    order_units(loop, names, tasks, outside, hidden)      -> OrderedUnits
     infer_step_transfers(ordered)                         -> Transfers
     fuse_units(ordered, transfers)                        -> ActorUnits
     donate_buffers(units, ordered, transfers, num_actors) -> ActorUnits
@@ -20,8 +20,7 @@ from typing import Any
 
 from jax.extend.core import Literal
 
-from mpmd.compiler.effects import HostCall
-from mpmd.compiler.host_calls import HiddenOutputs, step_call_operands
+from mpmd.compiler.host_calls import HiddenOutputs
 from mpmd.compiler.keys import MbIndex, Outer, OutputHome, ValueKey
 from mpmd.compiler.loop_tasks import CanonicalVars, LoopTasks, StepLoop
 from mpmd.compiler.outside_loop import OutsideLoop
@@ -70,11 +69,11 @@ class EmittedPrograms:
 
 
 def order_units(loop: StepLoop, names: CanonicalVars, tasks: LoopTasks, outside: OutsideLoop,
-                hidden: HiddenOutputs | None = None) -> OrderedUnits:
-    """Takes the loop, the canonical names, the loop's tasks and the units outside the loop; gives every
-    actor's units in order, with reads of an accumulated step value rewired to its last `Acc`, and the
-    step's argument and output keys: its own outputs, then the hidden ones its host callbacks read (the
-    callbacks before and after the loop are added to `hidden` here)."""
+                hidden: HiddenOutputs = HiddenOutputs()) -> OrderedUnits:
+    """Takes the loop, the canonical names, the loop's tasks, the units outside the loop and the step's host
+    callbacks (`hidden`: the passes' own, joined); gives every actor's units in order, with reads of an
+    accumulated step value rewired to its last `Acc`, and the step's argument and output keys: its own
+    outputs, then the hidden ones its host callbacks read."""
     finals: dict[Any, ValueKey] = dict(tasks.finals)
     per_actor: dict[int, list[Unit]] = defaultdict(list)
     for u in outside.pre:
@@ -95,11 +94,9 @@ def order_units(loop: StepLoop, names: CanonicalVars, tasks: LoopTasks, outside:
     out_keys: list[Any] = []
     for v in loop.jaxpr.outvars:
         out_keys.append(v if isinstance(v, Literal) else finals.get(Outer(names.resolve(v)), Outer(names.resolve(v))))
-    if hidden is not None:
-        for phase, i, e in outside.host_calls:
-            operands = step_call_operands(e, loop.consts, finals, avals, hidden)
-            hidden.calls.append(HostCall(e, operands, -1, phase, (0 if phase == "pre" else 2, i)))
-        out_keys.extend(hidden.keys)
+    for k, aval in outside.hidden_avals.items():
+        avals.setdefault(k, aval)
+    out_keys.extend(hidden.keys)
     const_keys = {k for us in units.values() for u in us for part in u.parts for k in part.inputs if isinstance(k, MbIndex)}
     return OrderedUnits(units, arg_keys, arg_homes, out_keys, const_keys, avals)
 

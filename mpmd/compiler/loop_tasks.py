@@ -190,12 +190,14 @@ class RegionPlan:
 class LoopTasks:
     """One unit per scheduled task that computes something, per actor in its table order (`units`); the
     avals of every key they name; the last `Acc` of every accumulator under the `Outer` key of its step
-    value (`finals`) and the actor that holds it (`acc_home`)."""
+    value (`finals`) and the actor that holds it (`acc_home`); the tasks' host callbacks, taken out
+    (`hidden`)."""
 
     units: dict[int, list[Unit]]
     avals: dict[ValueKey, Any]
     finals: dict[Outer, Acc]
     acc_home: dict[Any, int]
+    hidden: HiddenOutputs = HiddenOutputs()
 
     def step_values_read(self) -> dict[Var, set[int]]:
         """Step var -> the actors whose loop tasks read it."""
@@ -230,12 +232,11 @@ def region_plans(split: StageSplit, body: LoopBody, printed: frozenset[Any] = fr
     return plans
 
 
-def plan_loop_tasks(stages: ScheduledStages, body: LoopBody, names: CanonicalVars, hidden: HiddenOutputs | None = None) -> LoopTasks:
+def plan_loop_tasks(stages: ScheduledStages, body: LoopBody, names: CanonicalVars) -> LoopTasks:
     """Takes the scheduled stages, the body and the canonical names; gives one unit per scheduled task, in
     each actor's table order, reading `Outer` step values, `PerMb` values of its microbatch and the previous
     `Acc` of each accumulator it adds to, and writing `PerMb` and `Acc` values. Each task's host callbacks
-    become `HostCall`s in `hidden`, reading hidden outputs (the values each microbatch gave them)."""
-    hidden = hidden if hidden is not None else HiddenOutputs()
+    become `HostCall`s in the result's `hidden`, reading hidden outputs (the values each microbatch gave them)."""
     printed = frozenset(v for calls in stages.host_calls.values() for e in calls for v in var_inputs(e))
     plans = region_plans(stages.split, body, printed)
     stacked = {v for v, _ in body.stacked}
@@ -244,11 +245,12 @@ def plan_loop_tasks(stages: ScheduledStages, body: LoopBody, names: CanonicalVar
     first_seen: set[Any] = set()
     last: dict[Any, int] = {}
     units: dict[int, list[Unit]] = defaultdict(list)
+    calls: list[HostCall] = []
     for row in stages.table:
         for pos, task in enumerate(row):
             for j, e in enumerate(stages.host_calls.get((task.stage, task.kind), ())):
-                operands = [loop_operand(v, task.mb, body, names.leaf_outer, names.resolve, avals, hidden) for v in e.invars]
-                hidden.calls.append(HostCall(e, tuple(operands), stages.actor_of(task.stage), str(Label.of(task)), (1, pos, j)))
+                operands = [loop_operand(v, task.mb, body, names.leaf_outer, names.resolve, avals) for v in e.invars]
+                calls.append(HostCall(e, tuple(operands), stages.actor_of(task.stage), str(Label.of(task)), (1, pos, j)))
             info = plans.get(RegionKey(task.stage, task.kind))
             if info is None:
                 continue
@@ -292,7 +294,7 @@ def plan_loop_tasks(stages: ScheduledStages, body: LoopBody, names: CanonicalVar
             part = Part(fn, inputs, outputs, TaskTemplate(task.stage, task.kind, tuple(modes)), Label.of(task))
             units[a].append(Unit(a, [part]))
     finals, acc_home = _accumulator_finals(units, body)
-    return LoopTasks(units, avals, finals, acc_home)
+    return LoopTasks(units, avals, finals, acc_home, HiddenOutputs(tuple(calls)))
 
 
 def _accumulator_finals(units: dict[int, list[Unit]], body: LoopBody) -> tuple[dict[Outer, Acc], dict[Any, int]]:

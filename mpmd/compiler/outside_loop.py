@@ -2,7 +2,7 @@
 (and the invariants hoisted out of it) and after it (the gradients' tail, the optimizer update) on actors,
 and make a unit of each chunk of them. Pure: data in, data out; the rules are `mpmd.compiler.placement`'s.
 
-    place_outside_loop(loop, body, names, tasks, num_actors) -> OutsideLoop
+    place_outside_loop(loop, body, names, tasks, num_actors, printed) -> OutsideLoop
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from typing import Any
 from jax.extend.core import Var
 
 from mpmd.compiler.body import CONST, LoopBody, constants_needed
-from mpmd.compiler.effects import is_host_call
+from mpmd.compiler.effects import HostCall, is_host_call
 from mpmd.compiler.eqns import SyntheticEqn, eqns_fn, free_inputs, is_var
+from mpmd.compiler.host_calls import HiddenOutputs, step_call_operands
 from mpmd.compiler.keys import ChunkTemplate, Outer, ValueKey
 from mpmd.compiler.loop_tasks import CanonicalVars, LoopTasks, StepLoop
 from mpmd.compiler.placement import Chunk, make_chunks, place_post, place_pre, split_conds
@@ -28,13 +29,15 @@ from mpmd.compiler.units import Part, Unit
 class OutsideLoop:
     """The units before the loop (`pre`) and after it (`post`), one per chunk, in chunk order; which actors
     need each step value (`need`: the step arguments' homes come from it); the avals of the keys the units
-    name."""
+    name; the host callbacks before and after the loop, taken out (`hidden`: they run at the controller) and
+    the avals of the step values they read (`hidden_avals`)."""
 
     pre: list[Unit]
     post: list[Unit]
     need: dict[Var, set[int]]
     avals: dict[ValueKey, Any]
-    host_calls: list[tuple[str, int, Any]] = field(default_factory=list)  # (phase, index, equation): run at the controller
+    hidden: HiddenOutputs = HiddenOutputs()
+    hidden_avals: dict[ValueKey, Any] = field(default_factory=dict)
 
 
 def substitute(eqns: list[Any], resolve: Callable[[Any], Any]) -> list[Any]:
@@ -56,8 +59,8 @@ def place_outside_loop(loop: StepLoop, body: LoopBody, names: CanonicalVars, tas
     """Takes the loop, its body, the canonical names and the loop's tasks; gives the placed equations before
     and after the loop as units (after the loop placement follows the owner: the accumulators' actors and the
     actors whose tasks read a parameter), and where every step value is needed. Host callbacks are taken out
-    (`host_calls`); what they read, like the step values in `printed` (read by the loop's callbacks), is kept
-    as a step output."""
+    (`hidden`, reading an accumulated value as its last `Acc`); what they read, like the step values in
+    `printed` (read by the loop's callbacks), is kept as a step output."""
     jaxpr = loop.jaxpr
     step_outputs = {names.resolve(v) for v in jaxpr.outvars if isinstance(v, Var)} | set(printed)
     all_actors = set(range(num_actors))
@@ -84,7 +87,11 @@ def place_outside_loop(loop: StepLoop, body: LoopBody, names: CanonicalVars, tas
     avals: dict[ValueKey, Any] = {}
     pre_units = [Unit(c.actor, [chunk_part(c, body, consts, avals)]) for c in pre_chunks]
     post_units = [Unit(c.actor, [chunk_part(c, body, consts, avals)]) for c in post_chunks]
-    return OutsideLoop(pre_units, post_units, need, avals, host_calls)
+    hidden_avals: dict[ValueKey, Any] = {}
+    finals: dict[Any, ValueKey] = dict(tasks.finals)
+    calls = tuple(HostCall(e, step_call_operands(e, loop.consts, finals, hidden_avals), -1, phase, (0 if phase == "pre" else 2, i))
+                  for phase, i, e in host_calls)
+    return OutsideLoop(pre_units, post_units, need, avals, HiddenOutputs(calls), hidden_avals)
 
 
 def chunk_part(c: Chunk, body: LoopBody, consts: dict[Any, Any], avals: dict[ValueKey, Any]) -> Part:

@@ -14,7 +14,7 @@ pass                       takes                                         gives
 `plan_loop_tasks`          ScheduledStages, LoopBody, CanonicalVars      `LoopTasks`
 `place_outside_loop`       StepLoop, LoopBody, CanonicalVars, LoopTasks  `OutsideLoop`
 `order_units`              StepLoop, CanonicalVars, LoopTasks,           `OrderedUnits`
-                           OutsideLoop
+                           OutsideLoop, HiddenOutputs
 `infer_step_transfers`     OrderedUnits                                  `programs.Transfers`
 `fuse_units`               OrderedUnits, Transfers                       `ActorUnits`
 `donate_buffers`           ActorUnits, OrderedUnits, Transfers           `ActorUnits`
@@ -26,6 +26,10 @@ The first five live in `loop_tasks` (with `inline.inline_calls`, `body.analyse` 
 work), `place_outside_loop` in `outside_loop` (`placement`'s rules), the rest in `assemble` (`units.fuse`,
 `programs.choose_donations`, `programs.build_programs`): executables and Programs with every transfer
 inferred, also between non-adjacent stages and for values several stages share.
+
+Host callbacks: `plan_loop_tasks` and `place_outside_loop` each give the callbacks they took out
+(`HiddenOutputs`, operands naming values by key); `plan_step` joins them in that order and numbers the
+hidden outputs once, at the end.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from mpmd.compiler.assemble import (
     order_units,
 )
 from mpmd.compiler.effects import HostCall
-from mpmd.compiler.host_calls import HiddenOutputs, placed
+from mpmd.compiler.host_calls import placed
 from mpmd.compiler.keys import OutputHome, ValueKey
 from mpmd.compiler.loop_tasks import (
     analyse_loop_body,
@@ -105,10 +109,10 @@ def plan_step(outer: ClosedJaxpr, num_mesh_actors: int) -> StepPlan:
     body = analyse_loop_body(loop)
     stages = schedule_stages(loop, body, num_mesh_actors)
     names = canonical_vars(loop, body)
-    hidden = HiddenOutputs()
-    tasks = plan_loop_tasks(stages, body, names, hidden)
-    printed = frozenset(k.var for k in hidden.keys if isinstance(k, Outer))  # step values a task's callback prints
+    tasks = plan_loop_tasks(stages, body, names)
+    printed = frozenset(k.var for k in tasks.hidden.keys if isinstance(k, Outer))  # step values a task's callback prints
     outside = place_outside_loop(loop, body, names, tasks, stages.num_actors, printed)
+    hidden = tasks.hidden.then(outside.hidden)  # the loop's callbacks' values first, then those before and after it
     ordered = order_units(loop, names, tasks, outside, hidden)
     transfers = infer_step_transfers(ordered)
     fused = fuse_units(ordered, transfers)
@@ -117,7 +121,7 @@ def plan_step(outer: ClosedJaxpr, num_mesh_actors: int) -> StepPlan:
     emitted = emit_programs(ordered, final, transfers, stages.num_actors)
     num_outputs = len(outer.jaxpr.outvars)
     out_avals = [v.aval for v in outer.jaxpr.outvars] + [ordered.avals[k] for k in hidden.keys]
-    calls = [c if c.actor >= 0 else placed(c, emitted.out_homes[num_outputs:]) for c in hidden.calls]
+    calls = [c if c.actor >= 0 else placed(c, emitted.out_homes[num_outputs:]) for c in hidden.resolved()]
     return StepPlan(emitted.programs, [ordered.arg_homes[k] for k in ordered.arg_keys], emitted.out_homes, out_avals,
                     stages.table, stages.split, final.units, transfers, ordered.avals, templates, ordered.arg_keys,
                     ordered.out_keys, grouping=stages.grouping, num_outputs=num_outputs,

@@ -5,8 +5,8 @@
         return np.load(f"/data/{leaf}/{step:06d}.npy")
 
     mesh = mpmd.RemoteMesh.local(2, loaders=["mydata:load"])   # daemons: mpmd-actor --allow-loader mydata:load
-    batch = mpmd.loaded("mydata:load", {"x": jax.ShapeDtypeStruct((8, 32, 512), np.float32),
-                                        "y": jax.ShapeDtypeStruct((8, 32, 512), np.float32)})
+    batch = mpmd.loaded_by_actors("mydata:load", {"x": jax.ShapeDtypeStruct((8, 32, 512), np.float32),
+                                                  "y": jax.ShapeDtypeStruct((8, 32, 512), np.float32)})
     for k in range(steps):
         params, opt_state, loss = train_step(params, opt_state, batch)   # call k loads step k on the actors
 
@@ -52,7 +52,7 @@ def check_loader_name(fn: str) -> str:
     return fn
 
 
-def loaded(fn: str, spec: Any) -> Any:
+def loaded_by_actors(fn: str, spec: Any) -> Any:
     """A pytree like `spec` (of `jax.ShapeDtypeStruct` or arrays, for their shape and dtype) whose leaves the
     actors load themselves with the function `fn` ("module:function"); pass it where the step takes its batch.
     A leaf's name is its path in `spec` joined by dots ("x", "inputs.0")."""
@@ -65,4 +65,4 @@ def loaded(fn: str, spec: Any) -> Any:
     return jax.tree.unflatten(treedef, leaves)
 
 
-__all__ = ["LoadedLeaf", "check_loader_name", "loaded"]
+__all__ = ["LoadedLeaf", "check_loader_name", "loaded_by_actors"]

@@ -161,7 +161,7 @@ class RemoteMesh:
         `gpu_ids` deals out those GPUs instead (``(0,)``: every actor shares GPU 0).
         `cache_dir` is the actors' persistent compilation cache (default: ~/.cache/mpmd/xla; False: none).
         `loaders`: "module:function" data loaders the actors may call for the batch leaves they read
-        (`mpmd.loaded`; see mpmd/runtime/loader.py).
+        (`mpmd.loaded_by_actors`; see mpmd/runtime/loader.py).
         The daemons exit when the mesh is closed, when the `with` block ends, at interpreter exit, or when this
         process dies. `recover=mpmd.Recovery(snapshot_every=k)`: a daemon that dies is replaced by a new local
         process and the lost steps are replayed (see `mpmd.Recovery`).

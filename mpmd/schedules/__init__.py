@@ -14,24 +14,7 @@ Nothing here imports the compiler or the runtime: a schedule is data, and every 
 `check_programs` and `format_table`, as before the schedules became a package.
 """
 
-from mpmd.schedules.builtin import (
-    BUILTINS,
-    Custom,
-    DualPipeV,
-    EagerOneFOneB,
-    GPipe,
-    InterleavedOneFOneB,
-    InterleavedZeroBubble,
-    OneFOneB,
-    Schedule,
-    Task,
-    ZeroBubbleH1,
-    ZeroBubbleV,
-    backward,
-    one_f_one_b,
-)
-from mpmd.schedules.validation import check_programs, format_table, validate
+from mpmd.schedules import builtin
+from mpmd.schedules.builtin import *  # noqa: F403 -- builtin's __all__ is this package's public list
 
-__all__ = ["BUILTINS", "Custom", "DualPipeV", "EagerOneFOneB", "GPipe", "InterleavedOneFOneB", "InterleavedZeroBubble",
-           "OneFOneB", "Schedule", "Task", "ZeroBubbleH1", "ZeroBubbleV", "backward", "check_programs", "format_table",
-           "one_f_one_b", "validate"]
+__all__ = builtin.__all__
