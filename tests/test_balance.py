@@ -194,3 +194,16 @@ def test_profile_costs_measures_every_segment_on_the_actors_and_balances_with_th
     g = best_grouping(mpmd.OneFOneB(2), 4, seg)
     balanced = step.with_schedule(mpmd.OneFOneB(2, balance=seg))
     assert balanced.compile(params, opt.init(params), batch).plan.grouping == g
+
+
+def test_a_runs_own_overhead_is_paid_once_per_stage_task_and_does_not_scale_with_the_microbatch():
+    """Each segment time includes `run_overhead` (c = 1): a stage of k segments costs sum(t - c) + c, and
+    scaling to twice the rows doubles only t - c."""
+    seg = SegmentCosts(F=(3, 3, 3, 5), B=(6, 6, 6, 6), run_overhead=1.0)
+    costs = group_costs(seg, (3, 1))
+    assert costs.F == (3 * 2 + 1, 5) and costs.B == (3 * 5 + 1, 6)
+    assert stage_loads(seg, (3, 1)) == (3 * 2 + 3 * 5 + 2, 5 + 6)
+    twice = seg.scaled(2.0)
+    assert twice.F == (5, 5, 5, 9) and twice.B == (11, 11, 11, 11) and twice.run_overhead == 1.0
+    plain = SegmentCosts(F=(3, 3, 3, 5), B=(6, 6, 6, 6))  # no overhead known: plain sums, plain scaling
+    assert group_costs(plain, (3, 1)).F == (9, 5) and plain.scaled(2.0).F == (6, 6, 6, 10)

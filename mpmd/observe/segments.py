@@ -3,7 +3,10 @@
 The step is compiled with every segment its own stage (`SegmentProfile`: stage s on actor s % p, GPipe's
 order, so one microbatch's neighbouring tasks sit on different actors and never fuse into one Run), warmed
 up, and traced once; `fit_costs` turns the Run durations into per-segment times. A second variant with
-split backwards gives I and W. What comes back, a `SegmentCosts`, is what `balance=` and `mpmd.tune` read.
+split backwards gives I and W. A third puts every segment on one actor, where a microbatch's tasks fuse into
+few Runs: what the segments timed one Run each cost beyond that is each Run's own overhead (`run_overhead`;
+0.1-0.6 ms per Run on this 2-core VM, as much as a small segment's compute), paid once per stage task after
+grouping. What comes back, a `SegmentCosts`, is what `balance=` and `mpmd.tune` read.
 """
 
 from __future__ import annotations
@@ -64,6 +67,13 @@ def profile_costs(step: Any, *args: Any, steps: int = 2, split_backward: bool = 
     if split_backward:
         parts = _traced_costs(step, SegmentProfile(n, p, split=True), args, steps)
         i, w = tuple(parts.I), tuple(parts.W)
+    # Every segment on one actor: a microbatch's tasks fuse, so the total is nearly free of per-Run overhead.
+    together = _traced_costs(step, SegmentProfile(n, 1), args, steps)
+    apart_total = sum(fused.F) + sum(fused.B)
+    run_overhead = max(0.0, (apart_total - sum(together.F) - sum(together.B)) / (2 * n)) if n > 1 else 0.0
+    # A split backward runs I and W as two Runs where B was one: I + W - B is one Run's overhead there.
+    extra = sorted(a + b - c for a, b, c in zip(i, w, fused.B) if a > 0 and b > 0)
+    split_overhead = min(run_overhead, max(0.0, extra[len(extra) // 2])) if extra else 0.0
     return SegmentCosts(F=tuple(fused.F), B=tuple(fused.B), I=i, W=w, activation_bytes=out_bytes, latency=fused.latency,
                         bandwidth=fused.bandwidth, gap=fused.gap, other=fused.other, source="measured on the actors",
-                        microbatch_rows=rows)
+                        microbatch_rows=rows, run_overhead=run_overhead, split_overhead=split_overhead)

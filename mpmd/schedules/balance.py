@@ -45,7 +45,11 @@ class SegmentCosts:
     and `I`, `W` (the split backward; zeros when unknown, then taken as half of B each); the bytes crossing the
     boundary after each segment (`activation_bytes`, one per segment, the last one unused); and the runtime's
     costs that do not depend on the grouping (`latency`, `bandwidth`, `gap`, `overhead`, `other`, as in
-    `Costs`). `source` says where the times come from ("xla cost analysis", "measured on the actors")."""
+    `Costs`). `source` says where the times come from ("xla cost analysis", "measured on the actors").
+    `run_overhead`: the part of every task time above that is the cost of running one Run, whatever it computes
+    (measured: segments timed one Run each add up to more than the same segments fused into one Run); a stage
+    of k segments pays it once per task, not k times, and it does not grow with the microbatch. `split_overhead`:
+    the same for the I and W tasks of a split backward (measured apart: I + W - B per segment)."""
 
     F: tuple[float, ...]
     B: tuple[float, ...]
@@ -59,6 +63,8 @@ class SegmentCosts:
     other: float = 0.0
     source: str = ""
     microbatch_rows: int = field(default=0, compare=False)
+    run_overhead: float = 0.0
+    split_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         n = len(self.F)
@@ -75,9 +81,13 @@ class SegmentCosts:
         return len(self.F)
 
     def scaled(self, factor: float) -> SegmentCosts:
-        """The task times times `factor` (e.g. for another microbatch size); bytes scale too, runtime costs not."""
-        return replace(self, F=tuple(x * factor for x in self.F), B=tuple(x * factor for x in self.B),
-                       I=tuple(x * factor for x in self.I), W=tuple(x * factor for x in self.W),
+        """The task times times `factor` (e.g. for another microbatch size), less their `run_overhead`, which
+        stays; bytes scale too, runtime costs not."""
+        def scale(v: tuple[float, ...], c: float) -> tuple[float, ...]:
+            return tuple(max(x - c, 0.0) * factor + min(x, c) for x in v)
+
+        c, d = self.run_overhead, self.split_overhead
+        return replace(self, F=scale(self.F, c), B=scale(self.B, c), I=scale(self.I, d), W=scale(self.W, d),
                        activation_bytes=tuple(x * factor for x in self.activation_bytes))
 
     def table(self) -> str:
@@ -85,6 +95,8 @@ class SegmentCosts:
         lines = [f"segment costs ({self.source or 'given'}):", "  seg         F         B         I         W   bytes out"]
         for s in range(self.num_segments):
             lines.append(f"  {s:3d} {self.F[s]:9.3g} {self.B[s]:9.3g} {self.I[s]:9.3g} {self.W[s]:9.3g} {self.activation_bytes[s]:11.0f}")
+        if self.run_overhead:
+            lines.append(f"  each F, B above includes {self.run_overhead:.3g} (each I, W {self.split_overhead:.3g}) of one Run's own overhead, paid once per stage task")
         return "\n".join(lines)
 
 
@@ -139,18 +151,19 @@ def group_costs(seg: SegmentCosts, grouping: Sequence[int]) -> Costs:
     input gradient chains through them, its weight gradients add up), the bytes after it those of its last
     segment."""
     gs = groups(grouping)
+    def total(v: tuple[float, ...], c: float) -> tuple[float, ...]:  # one Run's overhead per stage task, not per segment
+        return tuple(sum(max(v[k] - c, 0.0) for k in g) + min(c, max((v[k] for k in g), default=0.0)) for g in gs)
 
-    def total(v: tuple[float, ...]) -> tuple[float, ...]:
-        return tuple(sum(v[k] for k in g) for g in gs)
-
-    return Costs(F=total(seg.F), B=total(seg.B), I=total(seg.I), W=total(seg.W),
+    c, d = seg.run_overhead, seg.split_overhead
+    return Costs(F=total(seg.F, c), B=total(seg.B, c), I=total(seg.I, d), W=total(seg.W, d),
                  activation_bytes=tuple(seg.activation_bytes[g[-1]] for g in gs), latency=seg.latency, bandwidth=seg.bandwidth,
                  gap=seg.gap, overhead=seg.overhead, other=seg.other)
 
 
 def stage_loads(seg: SegmentCosts, grouping: Sequence[int]) -> tuple[float, ...]:
     """Per stage, the compute of one microbatch (F + B over its segments)."""
-    return tuple(sum(seg.F[k] + seg.B[k] for k in g) for g in groups(grouping))
+    c = seg.run_overhead
+    return tuple(sum(max(seg.F[k] - c, 0.0) + max(seg.B[k] - c, 0.0) for k in g) + 2 * c for g in groups(grouping))
 
 
 def _compositions(n: int, k: int) -> list[tuple[int, ...]]:
