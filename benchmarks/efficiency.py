@@ -13,7 +13,10 @@ so they include everything a user waits for. Then:
 
     speedup = jit / two actors    ideal = p*m / (m+p-1)    efficiency = speedup / ideal
 
-and the trace summary of one 2-actor step (compute, waiting for data, runtime overhead, idle per actor). Two
+the cost of security — the same 2-actor step on daemons started with --insecure (no keys: nothing
+authenticated, nothing encrypted), as secure / insecure (target <= 1.05x on one host, where the data plane
+uses kernel-authenticated links and shared memory, and only the control plane is encrypted) — and the trace
+summary of one 2-actor step (compute, waiting for data, runtime overhead, idle per actor). Two
 copies of the jax.jit step run on the two cores at once tell how much two busy cores can do here (virtual
 machines often share physical cores): the ideal divided by that slowdown is what this machine allows.
 
@@ -126,6 +129,21 @@ def measure_mpmd(mesh, schedule, args: argparse.Namespace, trace_path: str | Non
     return t, trace
 
 
+def insecure_mesh(n: int):  # noqa: ANN201
+    """`n` local actors pinned one per core, started with --insecure (no keys anywhere)."""
+    import mpmd
+    from mpmd.runtime.launch.local import LocalOptions, start_local
+
+    local = start_local(n, LocalOptions(insecure=True, cpus_per_actor=1))
+    try:
+        mesh = mpmd.RemoteMesh(local.endpoints, local.processes, keys=None)
+    except BaseException:
+        local.cleanup()
+        raise
+    mesh._tmpdir = local.directory  # removed with the mesh (as RemoteMesh.local does)
+    return mesh
+
+
 def one_actor_schedule(m: int):  # noqa: ANN201
     import mpmd
 
@@ -157,6 +175,8 @@ def main() -> None:
         one_t, _ = measure_mpmd(one, one_actor_schedule(args.microbatches), args)
     with mpmd.RemoteMesh.local(num_actors=2, cpus_per_actor=1) as two:
         two_t, trace = measure_mpmd(two, mpmd.OneFOneB(2), args, args.trace or "/tmp/mpmd-efficiency-trace.json")
+    with insecure_mesh(2) as bare:
+        bare_t, _ = measure_mpmd(bare, mpmd.OneFOneB(2), args)
     s, m = 2, args.microbatches
     ideal = s * m / (m + s - 1)
     speedup = jit_t / two_t
@@ -170,6 +190,7 @@ def main() -> None:
     print(f"{'two copies of jax.jit at once':34s} each {corun:5.2f}x slower than alone: this machine's two cores give at most "
           f"{2 / corun:4.2f}x one core's throughput, so the 1F1B ideal here is {ceiling:4.2f} and efficiency against it "
           f"{speedup / ceiling:5.2f}")
+    print(f"{'same, daemons with --insecure':34s} {bare_t * 1e3:9.2f} ms   cost of security (keys / none) {two_t / bare_t:5.2f}x")
     print()
     print(trace.summary())
 

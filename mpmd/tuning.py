@@ -20,7 +20,9 @@ for each v in `virtual_stages`; ZB-V and DualPipeV with 2p), times each number o
 its best grouping of segments into stages (`mpmd.schedules.balance`). Each is compiled to Programs here (no
 actor is contacted) and timed by `simulate_programs` on the grouped costs, scaled linearly with the rows per
 microbatch; peak bytes per actor come from the same simulation (parameters, optimizer state, activations).
-A candidate above `memory_limit` on any actor is rejected with its peak in the table. Remat of a stage to
+A candidate above `memory_limit` on any actor is rejected with its peak in the table. With measured costs the
+predicted winner is then run for real once, and every prediction scaled by its measured / simulated time
+(`TuneResult.calibrate`; the ranking stays, the absolute times become what `verify` should find). Remat of a stage to
 fit the memory limit is not tried (not done: the compiler has no remat switch per stage yet).
 """
 
@@ -95,6 +97,7 @@ class TuneResult:
     batch_argnum: int
     memory_limit: int | None = None
     verified: list[Candidate] = field(default_factory=list)
+    calibration: float = 1.0  # measured / simulated step time of the candidate measured while tuning (1.0: none)
 
     @property
     def feasible(self) -> list[Candidate]:
@@ -119,6 +122,8 @@ class TuneResult:
     def table(self) -> str:
         lim = f", memory limit {self.memory_limit / 2**20:.1f} MiB" if self.memory_limit else ""
         head = f"mpmd.tune: {len(self.feasible)} of {len(self.candidates)} candidates fit{lim}; costs {self.costs.source}"
+        if self.calibration != 1.0:
+            head += f"; predictions x {self.calibration:.3f} (measured / simulated on the first candidate, run while tuning)"
         return "\n".join([head, HEADER, *(c.row() for c in self.candidates)])
 
     def __str__(self) -> str:
@@ -137,6 +142,21 @@ class TuneResult:
         for c in out:
             print(c.row())
         return out
+
+    def calibrate(self, steps: int = 2, warmup: int = 1, rounds: int = 2) -> float:
+        """Run the predicted winner for real and scale every prediction by measured / simulated (a uniform
+        factor: it keeps the ranking and fixes what the simulator misses everywhere alike, e.g. compute slowed by
+        the runtime's own threads on the same cores). Returns the factor."""
+        if not self.feasible:
+            return self.calibration
+        ref = self.feasible[0]
+        measured = measure(self.base.with_schedule(ref.schedule), self._args_for(ref), self.batch_argnum, steps, warmup, rounds)
+        factor = measured / (ref.predicted / self.calibration)
+        for c in self.candidates:
+            if c.predicted is not None:
+                c.predicted = c.predicted / self.calibration * factor
+        self.calibration = factor
+        return factor
 
     def _args_for(self, c: Candidate) -> tuple[Any, ...]:
         args = list(self.args)
@@ -219,7 +239,7 @@ def _divisors(rows: int, low: int, high: int) -> list[int]:
 
 def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = None, schedules: Sequence[Any] | None = None,
          microbatches: Sequence[int] | None = None, costs: SegmentCosts | str | None = None, virtual_stages: Sequence[int] = (2,),
-         batch_argnum: int = -1, profile_steps: int = 2) -> TuneResult:
+         batch_argnum: int = -1, profile_steps: int = 2, calibrate: bool | None = None) -> TuneResult:
     """Choose the schedule, number of microbatches and stage grouping with the shortest predicted step that fits
     `memory_limit` (bytes per actor; None: no limit), for `step_fn(*args)` on `mesh`.
 
@@ -228,6 +248,8 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
     consider (default: every built-in that fits); `microbatches`: counts to consider (default: the divisors
     of the batch's rows from p to 4 * p * v_max); `costs`: per-segment costs, "xla" for XLA's cost analysis
     (deterministic, no actor runs), or None to measure them on the actors (`step.profile_costs`).
+    `calibrate` (default: when the costs are measured): run the predicted winner for real once and scale every
+    prediction by measured / simulated (`TuneResult.calibrate`).
 
         result = mpmd.tune(train_step, params, opt_state, batch, mesh=mesh, memory_limit=1 << 30)
         print(result); result.verify(3)
@@ -280,7 +302,10 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
         for sched in cands:
             found.append(_predict(base, tuple(call_args), sched, m, scaled, p, memory_limit))
     found.sort(key=lambda c: (bool(c.rejected), c.predicted if c.predicted is not None else float("inf")))
-    return TuneResult(found, seg, base, args, batch_argnum, memory_limit)
+    result = TuneResult(found, seg, base, args, batch_argnum, memory_limit)
+    if calibrate if calibrate is not None else costs is None:
+        result.calibrate()
+    return result
 
 
 def _predict(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedule, m: int, seg: SegmentCosts, p: int,

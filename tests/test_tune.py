@@ -71,6 +71,12 @@ def test_tune_with_measured_costs_gives_a_winner_equal_to_jax_jit_and_verify_mea
     r = mpmd.tune(mpmd.distributed(step, mesh=mesh2), params, opt.init(params), batch, microbatches=[2, 4],
                   schedules=["OneFOneB", "ZeroBubbleH1"], profile_steps=1)
     assert r.costs.source == "measured on the actors" and len(r.feasible) == 4
+    # Calibrated while tuning: every prediction scaled alike by the winner's measured / simulated time.
+    raw = [c.predicted / r.calibration for c in r.feasible]
+    assert r.calibration > 0 and r.calibration != 1.0 and "predictions x" in r.table()
+    assert raw == sorted(raw)  # the ranking is the simulator's
+    again = r.calibrate(steps=1, warmup=0, rounds=1)
+    assert again == r.calibration and [c.predicted / again for c in r.feasible] == pytest.approx(raw)
     verified = r.verify(1, steps=2, warmup=1)
     assert verified[0] is r.best and verified[0].measured > 0
     assert "measured" in capsys.readouterr().out
