@@ -143,7 +143,7 @@ class TuneResult:
             print(c.row())
         return out
 
-    def calibrate(self, steps: int = 2, warmup: int = 1, rounds: int = 2) -> float:
+    def calibrate(self, steps: int = 3, warmup: int = 3, rounds: int = 3) -> float:
         """Run the predicted winner for real and scale every prediction by measured / simulated (a uniform
         factor: it keeps the ranking and fixes what the simulator misses everywhere alike, e.g. compute slowed by
         the runtime's own threads on the same cores). Returns the factor."""
