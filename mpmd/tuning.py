@@ -20,10 +20,11 @@ for each v in `virtual_stages`; ZB-V and DualPipeV with 2p), times each number o
 its best grouping of segments into stages (`mpmd.schedules.balance`). Each is compiled to Programs here (no
 actor is contacted) and timed by `simulate_programs` on the grouped costs, scaled linearly with the rows per
 microbatch; peak bytes per actor come from the same simulation (parameters, optimizer state, activations).
-A candidate above `memory_limit` on any actor is rejected with its peak in the table. With measured costs the
+A candidate above `memory_limit` on any actor is rejected with its peak in the table; with `remat=True` it
+is also tried with remat of every stage of the actors over the limit (their backward recomputes their
+forward: `remat=` on the schedule; those backward tasks then also pay the forward's time), as a row of its own. With measured costs the
 predicted winner is then run for real once, and every prediction scaled by its measured / simulated time
-(`TuneResult.calibrate`; the ranking stays, the absolute times become what `verify` should find). Remat of a stage to
-fit the memory limit is not tried (not done: the compiler has no remat switch per stage yet).
+(`TuneResult.calibrate`; the ranking stays, the absolute times become what `verify` should find).
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        return repr(self.schedule)
+        remat = getattr(self.schedule, "remat", ())
+        return repr(self.schedule) + (f" remat {','.join(map(str, remat))}" if remat else "")
 
     def row(self) -> str:
         pred = f"{self.predicted * 1e3:9.2f}" if self.predicted is not None else f"{'-':>9s}"
@@ -227,10 +229,10 @@ def candidate_schedules(num_actors: int, num_segments: int, virtual_stages: Sequ
     return out
 
 
-def _with_balance(schedule: Schedule, grouping: tuple[int, ...]) -> Schedule:
+def _with_balance(schedule: Schedule, grouping: tuple[int, ...], remat: tuple[int, ...] = ()) -> Schedule:
     if isinstance(schedule, (builtin.ZeroBubbleV, builtin.DualPipeV)):
-        return type(schedule)(schedule.num_actors, balance=grouping)
-    return replace(schedule, balance=grouping)
+        return type(schedule)(schedule.num_actors, balance=grouping, remat=remat)
+    return replace(schedule, balance=grouping, remat=remat)
 
 
 def _divisors(rows: int, low: int, high: int) -> list[int]:
@@ -239,7 +241,7 @@ def _divisors(rows: int, low: int, high: int) -> list[int]:
 
 def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = None, schedules: Sequence[Any] | None = None,
          microbatches: Sequence[int] | None = None, costs: SegmentCosts | str | None = None, virtual_stages: Sequence[int] = (2,),
-         batch_argnum: int = -1, profile_steps: int = 2, calibrate: bool | None = None) -> TuneResult:
+         batch_argnum: int = -1, profile_steps: int = 2, calibrate: bool | None = None, remat: bool = False) -> TuneResult:
     """Choose the schedule, number of microbatches and stage grouping with the shortest predicted step that fits
     `memory_limit` (bytes per actor; None: no limit), for `step_fn(*args)` on `mesh`.
 
@@ -248,7 +250,8 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
     consider (default: every built-in that fits); `microbatches`: counts to consider (default: the divisors
     of the batch's rows from p to 4 * p * v_max); `costs`: per-segment costs, "xla" for XLA's cost analysis
     (deterministic, no actor runs), or None to measure them on the actors (`step.profile_costs`).
-    `calibrate` (default: when the costs are measured): run the predicted winner for real once and scale every
+    `remat=True`: a candidate over `memory_limit` is also tried with remat of every stage of the actors over it
+    (a row of its own: "... remat 0,2"). `calibrate` (default: when the costs are measured): run the predicted winner for real once and scale every
     prediction by measured / simulated (`TuneResult.calibrate`).
 
         result = mpmd.tune(train_step, params, opt_state, batch, mesh=mesh, memory_limit=1 << 30)
@@ -300,7 +303,7 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
         if m != m0:
             call_args[batch_argnum] = resplit(args[batch_argnum], m)
         for sched in cands:
-            found.append(_predict(base, tuple(call_args), sched, m, scaled, p, memory_limit))
+            found.extend(_predict(base, tuple(call_args), sched, m, scaled, p, memory_limit, remat))
     found.sort(key=lambda c: (bool(c.rejected), c.predicted if c.predicted is not None else float("inf")))
     result = TuneResult(found, seg, base, args, batch_argnum, memory_limit)
     if calibrate if calibrate is not None else costs is None:
@@ -309,7 +312,8 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
 
 
 def _predict(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedule, m: int, seg: SegmentCosts, p: int,
-             memory_limit: int | None) -> Candidate:
+             memory_limit: int | None, remat: bool = False) -> list[Candidate]:
+    """The candidate (rejected when over `memory_limit`), and with `remat` then also its remat variant."""
     c = Candidate(schedule, m)
     try:
         if schedule.num_actors > p:
@@ -318,17 +322,46 @@ def _predict(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedul
             raise ScheduleError(f"needs at least {schedule.min_microbatches} microbatches")
         c.grouping = best_grouping(schedule, m, seg)
         c.schedule = _with_balance(schedule, c.grouping)
-        outer, _ = base.with_schedule(c.schedule).trace(*args)
-        plan = plan_step(outer, p)
-        sim = simulate_programs(plan.programs, group_costs(seg, c.grouping), name=c.name)
+        sim = _simulate(base, args, c.schedule, group_costs(seg, c.grouping), p)
     except (ScheduleError, PipelineError) as e:
         c.rejected = str(e).splitlines()[0][:120]
-        return c
+        return [c]
     c.predicted, c.bubble, c.peak_bytes = sim.step_time, sim.bubble, tuple(sim.peak_bytes or ())
-    if memory_limit is not None and c.peak_bytes and max(c.peak_bytes) > memory_limit:
-        a = int(np.argmax(c.peak_bytes))
-        c.rejected = f"peak {max(c.peak_bytes) / 2**20:.1f} MiB on actor {a} > memory_limit {memory_limit / 2**20:.1f} MiB"
-    return c
+    over = _over(c.peak_bytes, memory_limit)
+    if not over:
+        return [c]
+    a = max(over, key=lambda x: c.peak_bytes[x])
+    c.rejected = f"peak {c.peak_bytes[a] / 2**20:.1f} MiB on actor {a} > memory_limit {memory_limit / 2**20:.1f} MiB"
+    if not remat:
+        return [c]
+    # Another candidate: remat every stage of the actors over the limit (their backward recomputes their forward).
+    stages = tuple(s for s in range(c.schedule.num_stages) if c.schedule.actor_of(s) in over)
+    r = Candidate(_with_balance(c.schedule, c.grouping, stages), m, c.grouping)
+    sim = _simulate(base, args, r.schedule, with_remat(group_costs(seg, c.grouping), stages, r.schedule.split_backward), p)
+    r.predicted, r.bubble, r.peak_bytes = sim.step_time, sim.bubble, tuple(sim.peak_bytes or ())
+    still = _over(r.peak_bytes, memory_limit)
+    if still:
+        a = max(still, key=lambda x: r.peak_bytes[x])
+        r.rejected = f"peak {r.peak_bytes[a] / 2**20:.1f} MiB on actor {a} > memory_limit {memory_limit / 2**20:.1f} MiB"
+    return [c, r]
+
+
+def _simulate(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedule, costs: Any, p: int) -> Any:
+    outer, _ = base.with_schedule(schedule).trace(*args)
+    return simulate_programs(plan_step(outer, p).programs, costs, name=repr(schedule))
+
+
+def _over(peaks: Any, limit: int | None) -> set[int]:
+    """The actors whose simulated peak is above `limit`."""
+    return {a for a, b in enumerate(peaks or ()) if limit is not None and b > limit}
+
+
+def with_remat(costs: Any, stages: Sequence[int], split: bool) -> Any:
+    """`costs` with each remat stage's backward tasks (B, or I and W, which both recompute) also paying its forward."""
+    def plus(v: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(x + (costs.F[s] if s in stages else 0.0) for s, x in enumerate(v))
+
+    return replace(costs, B=plus(costs.B), I=plus(costs.I) if split else costs.I, W=plus(costs.W) if split else costs.W)
 
 
 def _xla_costs(base: DistributedFunction, args: tuple[Any, ...]) -> SegmentCosts:

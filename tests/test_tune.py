@@ -84,3 +84,17 @@ def test_tune_with_measured_costs_gives_a_winner_equal_to_jax_jit_and_verify_mea
     got = r.step(params, opt.init(params), mb)
     want = jax.jit(make_step(uneven_loss, opt, None))(params, opt.init(params), mb)
     assert_trees_close(got, want)
+
+
+def test_with_remat_a_candidate_over_the_memory_limit_gets_a_remat_row_that_fits():
+    free = tuned(microbatches=[8], schedules=["GPipe", "OneFOneB"])
+    peak = {type(c.schedule).__name__: max(c.peak_bytes) for c in free.candidates}
+    limit = (peak["OneFOneB"] + peak["GPipe"]) // 2
+    r = tuned(microbatches=[8], schedules=["GPipe", "OneFOneB"], memory_limit=limit, remat=True)
+    plain = [c for c in r.candidates if type(c.schedule).__name__ == "GPipe" and not c.schedule.remat]
+    remat = [c for c in r.candidates if type(c.schedule).__name__ == "GPipe" and c.schedule.remat]
+    assert len(plain) == 1 and "> memory_limit" in plain[0].rejected  # GPipe as it is still does not fit
+    assert len(remat) == 1 and not remat[0].rejected and max(remat[0].peak_bytes) <= limit < max(plain[0].peak_bytes)
+    # its backward pays the forward again: predicted slower than plain GPipe
+    assert remat[0].predicted > plain[0].predicted and "remat" in remat[0].name and "remat" in str(r)
+    assert not [c for c in r.candidates if type(c.schedule).__name__ == "OneFOneB" and c.schedule.remat]  # fits as it is

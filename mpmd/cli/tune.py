@@ -59,7 +59,7 @@ def _run(args: argparse.Namespace) -> int:
     limit = int(args.memory_limit_mib * 2**20) if args.memory_limit_mib else None
     with mpmd.RemoteMesh.local(num_actors=args.actors, cpus_per_actor=pin) as mesh:
         result = mpmd.tune(step, params, opt_state, batch, mesh=mesh, memory_limit=limit, microbatches=counts,
-                           costs="xla" if args.xla_costs else None)
+                           costs="xla" if args.xla_costs else None, remat=args.remat)
         print(result)
         if args.verify:
             result.verify(args.verify)
@@ -78,6 +78,7 @@ def add_subcommand(sub: Any) -> None:
     p.add_argument("--rows", type=int, default=4, help="sequences per microbatch of the batch as given")
     p.add_argument("--try-microbatches", default=None, help="comma-separated counts to consider (default: divisors of the rows)")
     p.add_argument("--memory-limit-mib", type=float, default=None)
+    p.add_argument("--remat", action="store_true", help="also try remat of the stages of actors over the memory limit")
     p.add_argument("--xla-costs", action="store_true", help="predict from XLA's cost analysis instead of measuring segments")
     p.add_argument("--verify", type=int, default=0, help="run the top k for real")
     p.set_defaults(run=_run)

@@ -26,7 +26,7 @@ from mpmd.compiler.host_calls import HiddenOutputs, loop_operand, strip_host_cal
 from mpmd.compiler.inline import inline_calls
 from mpmd.compiler.keys import Acc, AccumulatorMode, MbIndex, Outer, PerMb, RegionKey, TaskTemplate, ValueKey
 from mpmd.compiler.program import Label, Task
-from mpmd.compiler.stages import StageSplit, follow_inputs, recompute_cheap, split_backward, split_stages
+from mpmd.compiler.stages import StageSplit, follow_inputs, recompute_cheap, remat_stages, split_backward, split_stages
 from mpmd.compiler.units import Part, Unit, task_function
 from mpmd.errors import PipelineError
 from mpmd.primitives import accumulate_p
@@ -135,8 +135,8 @@ def check_schedule(schedule: Schedule | None, num_stages: int, num_mesh_actors: 
 
 def schedule_stages(loop: StepLoop, body: LoopBody, num_mesh_actors: int) -> ScheduledStages:
     """Takes the loop, its analysed body and the mesh's size; gives the stage regions (forward, backward; I
-    and W where the schedule splits backwards; inputs followed to their consumer's actor, cheap values
-    recomputed) and the schedule's table, validated for `num_microbatches`."""
+    and W where the schedule splits backwards; inputs followed to their consumer's actor, the forward of
+    `remat` stages copied into their backward, cheap values recomputed) and the schedule's table, validated for `num_microbatches`."""
     split, grouping = group_segments(split_stages(body), loop.schedule, body, loop.num_microbatches)
     check_schedule(loop.schedule, split.num_stages, num_mesh_actors)
     schedule = loop.schedule
@@ -145,6 +145,7 @@ def schedule_stages(loop: StepLoop, body: LoopBody, num_mesh_actors: int) -> Sch
     follow_inputs(split, body, schedule.actor_of)
     split_backward(split, {t.stage for row in table for t in row if t.kind in ("I", "W")})
     host_calls = strip_host_calls(split)
+    remat_stages(split, body, getattr(schedule, "remat", ()))
     recompute_cheap(split, body, schedule.actor_of)
     return ScheduledStages(schedule, table, split, grouping, host_calls)
 

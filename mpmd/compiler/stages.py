@@ -19,6 +19,7 @@ Then two refinements:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,6 +221,43 @@ def split_backward(split: StageSplit, stages: set[int]) -> None:
         split.regions[(s, "I")] = [e for e in b if id(e) in i_ids]
         split.regions[(s, "W")] = [e for e in b if id(e) not in i_ids]
     split.reindex()
+
+
+def remat_stages(split: StageSplit, body: LoopBody, stages: Sequence[int]) -> int:
+    """For each stage in `stages`, copy into its backward tasks (B, or I and W) the forward equations that
+    compute what they read of the forward, from the forward's own inputs: the stage's activations then live
+    only within a task, and between F and B only what F reads (its input activation, batch leaves) is kept —
+    `jax.checkpoint` of the stage. A forward equation that adds to an accumulator or a stacked output, or a
+    marker, or one whose values other tasks read too (they must have one producer), is not copied (what it
+    gives is still kept). In place; returns how many equations were copied."""
+    summed = set(body.accumulators) | {v for v, _ in body.stacked}
+    readers: dict[Var, set[Region]] = {}
+    for r, eqns in split.regions.items():
+        for e in eqns:
+            for v in var_inputs(e):
+                readers.setdefault(v, set()).add(r)
+    copied = 0
+    for s in stages:
+        fwd = split.regions.get((s, "F"), [])
+        made = {v: e for e in fwd for v in e.outvars if is_var(v)}
+        for kind in ("B", "I", "W"):
+            eqns = split.regions.get((s, kind))
+            if not eqns:
+                continue
+            own = {v for e in eqns for v in e.outvars}
+            chosen: set[int] = set()
+            todo = [v for e in eqns for v in var_inputs(e) if v in made and v not in own]
+            while todo:
+                e = made[todo.pop()]
+                if (id(e) in chosen or is_marker(e) or any(v in summed for v in e.outvars)
+                        or any(readers.get(v, set()) - {(s, "F"), (s, "B"), (s, "I"), (s, "W")} for v in e.outvars)):
+                    continue
+                chosen.add(id(e))
+                todo.extend(v for v in var_inputs(e) if v in made)
+            if chosen:
+                copied += len(chosen)
+                split.regions[(s, kind)] = [*(e for e in fwd if id(e) in chosen), *eqns]
+    return copied
 
 
 # Elementwise and shape-only primitives: recomputing them where they are read costs less than a transfer.

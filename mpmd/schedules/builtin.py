@@ -94,14 +94,20 @@ class Schedule:
 
     `balance` (keyword only) lets the step mark more boundaries than stages: "auto" groups consecutive marker
     segments into the stages that give the shortest simulated step, "even" by equal counts, a tuple gives the
-    counts (see `mpmd.schedules.balance`); None (default) wants one marker per stage boundary."""
+    counts (see `mpmd.schedules.balance`); None (default) wants one marker per stage boundary.
+
+    `remat` (keyword only): stages whose forward is recomputed in their backward, as `jax.checkpoint` would:
+    between a microbatch's F and B such a stage keeps only its inputs, not its activations, and its B computes
+    the forward again first (memory for time; `mpmd.tune` tries it where the memory limit demands)."""
 
     num_stages: int
     balance: object = field(default=None, kw_only=True, repr=False)
+    remat: tuple[int, ...] = field(default=(), kw_only=True, repr=False)
 
     def __post_init__(self) -> None:
         _positive(self, "num_stages", self.num_stages)
         check_balance(self)
+        check_remat(self)
 
     @property
     def num_actors(self) -> int:
@@ -129,6 +135,20 @@ class Schedule:
     def tasks(self, num_microbatches: int) -> list[list[Task]]:
         """One ordered task list per actor for `num_microbatches` microbatches."""
         raise NotImplementedError(f"{type(self).__name__} must define tasks(num_microbatches)")
+
+
+def check_remat(schedule: Schedule) -> None:
+    """`remat` must be a tuple of distinct stage indices of the schedule; normalised to a sorted tuple."""
+    r = schedule.remat
+    if isinstance(r, list):
+        r = tuple(r)
+    if not isinstance(r, tuple) or not all(isinstance(s, int) and not isinstance(s, bool) for s in r):
+        raise ScheduleError(f"{type(schedule).__name__}: remat must be a tuple of stage indices, got {schedule.remat!r}")
+    bad = [s for s in r if not 0 <= s < schedule.num_stages]
+    if bad or len(set(r)) != len(r):
+        raise ScheduleError(f"{type(schedule).__name__}: remat names stages {list(r)}; each must appear once and lie in "
+                         f"0..{schedule.num_stages - 1}")
+    object.__setattr__(schedule, "remat", tuple(sorted(r)))
 
 
 def backward(stage: int, mb: int, split: bool) -> Row:
@@ -279,11 +299,13 @@ class _VShape(Schedule):
     """The V placement: 2 * num_actors stages, actor a holding stages a and 2*num_actors-1-a, so the first and
     the last stage share actor 0 and every actor does the same work."""
 
-    def __init__(self, num_actors: int, *, balance: object = None) -> None:
+    def __init__(self, num_actors: int, *, balance: object = None, remat: tuple[int, ...] = ()) -> None:
         _positive(self, "num_actors", num_actors)
         object.__setattr__(self, "num_stages", 2 * num_actors)
         object.__setattr__(self, "balance", balance)
+        object.__setattr__(self, "remat", remat)
         check_balance(self)
+        check_remat(self)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_actors={self.num_actors})"

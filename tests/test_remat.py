@@ -1,0 +1,69 @@
+"""Remat of a stage (`remat=` on a schedule): its backward recomputes its forward, so between a microbatch's F
+and B only the stage's inputs are kept. Results equal jax.jit (real actors); the planned Programs keep fewer
+bytes (the simulator's peak per actor, from the same Programs the actors run); bad `remat` is refused."""
+
+import numpy as np
+import optax
+import pytest
+
+import mpmd
+from mpmd.compiler.plan import plan_step
+from mpmd.schedules.simulator import Costs, simulate_programs
+from mpmd.step import DistributedFunction
+from mpmd import testing as models
+from tests.test_balance import FakeMesh, uneven_loss, uneven_setup
+from tests.test_pipeline import make_step, run_both
+
+
+def deep_params(rng, stages=2, layers=3, width=16):
+    """An MLP of `stages` stages of `layers` tanh layers each: each stage keeps `layers` activations per microbatch."""
+    return models.mlp_params(rng, stages, width, layers)
+
+
+@pytest.mark.parametrize("schedule", [mpmd.OneFOneB(2, remat=(0,)), mpmd.GPipe(2, remat=(0, 1)),
+                                      mpmd.ZeroBubbleH1(2, remat=(0,))], ids=["1F1B-0", "GPipe-01", "ZBH1-0"])
+def test_remat_stages_train_equal_to_jax_jit(mesh2, schedule):
+    rng = np.random.default_rng(0)
+    params = deep_params(rng)
+    batches = [models.regression_batch(rng, 4, 3, 16) for _ in range(2)]
+    run_both(mesh2, models.mse_loss(models.mlp), params, batches, schedule)
+
+
+def test_remat_on_grouped_segments_equals_jax_jit(mesh2):
+    params, batch = uneven_setup(num_mb=4, rows=8)
+    run_both(mesh2, uneven_loss, params, [batch], mpmd.OneFOneB(2, balance=(3, 5), remat=(0, 1)), optax.adam(1e-3))
+
+
+def peaks(schedule, m=4):
+    """Peak bytes per actor of the planned Programs (simulated with unit costs)."""
+    rng = np.random.default_rng(0)
+    params = models.mlp_params(rng, 2, 64, 4)  # 2 stages of 4 tanh layers
+    batch = models.regression_batch(rng, m, 32, 64)
+    opt = optax.sgd(1e-3)
+    step = DistributedFunction(make_step(models.mse_loss(models.mlp), opt, schedule), FakeMesh(2))
+    outer, _ = step.trace(params, opt.init(params), batch)
+    plan = plan_step(outer, 2)
+    sim = simulate_programs(plan.programs, Costs(F=(1.0, 1.0), B=(2.0, 2.0)))
+    return sim.peak_bytes, plan
+
+
+def test_remat_lowers_the_planned_peak_of_the_remat_stage_only():
+    base, _ = peaks(mpmd.GPipe(2))
+    first, _ = peaks(mpmd.GPipe(2, remat=(0,)))
+    # GPipe keeps all 4 microbatches' activations of stage 0 (4 tanh layers of 32 x 64 floats) until the
+    # backward; with remat only each microbatch's input to the stage (the batch rows) stays.
+    assert first[0] < base[0] and first[1] == base[1]
+    assert base[0] - first[0] >= 4 * 3 * 32 * 64 * 4  # at least 3 of the 4 activations per microbatch no longer kept
+
+
+@pytest.mark.parametrize("bad", [(2,), (-1,), (0, 0), ("0",), (True,), 0])
+def test_bad_remat_is_refused_naming_the_schedule(bad):
+    with pytest.raises(mpmd.ScheduleError, match="remat"):
+        mpmd.OneFOneB(2, remat=bad)
+
+
+def test_remat_is_normalised_and_v_shapes_take_it():
+    assert mpmd.OneFOneB(2, remat=[1, 0]).remat == (0, 1)
+    assert mpmd.ZeroBubbleV(2, remat=(3,)).remat == (3,)
+    with pytest.raises(mpmd.ScheduleError, match="remat"):
+        mpmd.DualPipeV(2, remat=(4,))
