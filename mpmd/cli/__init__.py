@@ -50,7 +50,7 @@ def make_schedule(name: str, actors: int | None, stages: int | None) -> Any:
     cls = BUILTINS.get(name)
     if cls is None:
         raise ScheduleError(f"unknown schedule {name!r}; built-ins: {', '.join(BUILTINS)}")
-    params = set(inspect.signature(cls).parameters) - {"balance"}  # balance= is keyword-only and optional
+    params = set(inspect.signature(cls).parameters) - {"balance", "remat"}  # keyword-only and optional
     if params == {"num_stages", "num_actors"}:  # several stages per actor
         if actors is None or stages is None:
             raise ScheduleError(f"{name} needs both --actors and --stages (a multiple of --actors)")
