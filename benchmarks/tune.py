@@ -22,26 +22,14 @@ import mpmd
 
 
 def uneven_mlp_setup(width: int, rows: int, microbatches: int):  # noqa: ANN201
-    import jax.numpy as jnp
     import optax
 
-    from mpmd.testing import make_train_step
+    from mpmd.testing import make_train_step, mlp, mlp_params, mse_loss
 
     reps = (4, 4, 2, 1, 1, 1, 1, 2)
     rng = np.random.default_rng(0)
-    params = [[(rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32) for _ in range(r)] for r in reps]
-
-    def model(params, x):  # noqa: ANN001, ANN202
-        for i, layer in enumerate(params):
-            for w in layer:
-                x = jnp.tanh(x @ w)
-            if i < len(params) - 1:
-                x = mpmd.pipeline_yield(x)
-        return x
-
-    def loss(params, mb):  # noqa: ANN001, ANN202
-        return jnp.mean((model(params, mb["x"]) - mb["y"]) ** 2)
-
+    params = mlp_params(rng, len(reps), width, reps)  # a marker after each group of layers: 8 uneven segments
+    loss = mse_loss(mlp)
     opt = optax.adam(1e-3)
     batch = {"x": rng.standard_normal((microbatches, rows, width)).astype(np.float32),
              "y": rng.standard_normal((microbatches, rows, width)).astype(np.float32)}

@@ -7,7 +7,7 @@ one-screen API). Everything here is an ordinary JAX program with stage markers.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -34,10 +34,13 @@ def make_train_step(loss_fn: Callable[[Any, Any], Any], optimizer: Any, schedule
     return step
 
 
-def mlp_params(rng: np.random.Generator, num_stages: int, width: int = 16, layers_per_stage: int = 1) -> list[list[np.ndarray]]:
-    """Per stage, `layers_per_stage` square weight matrices."""
-    return [[(rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32) for _ in range(layers_per_stage)]
-            for _ in range(num_stages)]
+def mlp_params(rng: np.random.Generator, num_stages: int, width: int = 16,
+               layers_per_stage: int | Sequence[int] = 1) -> list[list[np.ndarray]]:
+    """Per stage, `layers_per_stage` square weight matrices (one count for all, or one per stage: uneven stages)."""
+    counts = [layers_per_stage] * num_stages if isinstance(layers_per_stage, int) else list(layers_per_stage)
+    if len(counts) != num_stages:
+        raise ValueError(f"layers_per_stage gives {len(counts)} counts for {num_stages} stages")
+    return [[(rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32) for _ in range(k)] for k in counts]
 
 
 def mlp(params: list[list[Any]], x: Any) -> Any:

@@ -2,7 +2,6 @@
 stage is the cost model's (XLA's cost analysis per segment, deterministic); results equal jax.jit."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -22,6 +21,7 @@ from mpmd.schedules.balance import (
     stage_loads,
 )
 from mpmd.step import DistributedFunction
+from mpmd.testing import mlp, mlp_params, mse_loss
 from tests.test_pipeline import assert_trees_close, make_step
 
 # 8 layers of 4, 4, 2, 1, 1, 1, 1, 2 matmuls: costs differ by up to 4x; a marker after every layer gives 8
@@ -30,22 +30,12 @@ REPS = (4, 4, 2, 1, 1, 1, 1, 2)
 WIDTH = 32
 
 
-def uneven_mlp(params, x):
-    for i, layer in enumerate(params):
-        for w in layer:
-            x = jnp.tanh(x @ w)
-        if i < len(params) - 1:
-            x = mpmd.pipeline_yield(x)
-    return x
-
-
-def uneven_loss(params, mb):
-    return jnp.mean((uneven_mlp(params, mb["x"]) - mb["y"]) ** 2)
+uneven_loss = mse_loss(mlp)  # params: a list per segment, a marker after each: 8 segments of REPS matmuls
 
 
 def uneven_setup(num_mb=4, rows=16, seed=0):
     rng = np.random.default_rng(seed)
-    params = [[(rng.standard_normal((WIDTH, WIDTH)) / np.sqrt(WIDTH)).astype(np.float32) for _ in range(r)] for r in REPS]
+    params = mlp_params(rng, len(REPS), WIDTH, REPS)
     batch = {"x": rng.standard_normal((num_mb, rows, WIDTH)).astype(np.float32),
              "y": rng.standard_normal((num_mb, rows, WIDTH)).astype(np.float32)}
     return params, batch

@@ -7,24 +7,19 @@ import optax
 import pytest
 
 import mpmd
+from mpmd import testing as models
 from mpmd.compiler.plan import plan_step
 from mpmd.schedules.simulator import Costs, simulate_programs
 from mpmd.step import DistributedFunction
-from mpmd import testing as models
 from tests.test_balance import FakeMesh, uneven_loss, uneven_setup
 from tests.test_pipeline import make_step, run_both
-
-
-def deep_params(rng, stages=2, layers=3, width=16):
-    """An MLP of `stages` stages of `layers` tanh layers each: each stage keeps `layers` activations per microbatch."""
-    return models.mlp_params(rng, stages, width, layers)
 
 
 @pytest.mark.parametrize("schedule", [mpmd.OneFOneB(2, remat=(0,)), mpmd.GPipe(2, remat=(0, 1)),
                                       mpmd.ZeroBubbleH1(2, remat=(0,))], ids=["1F1B-0", "GPipe-01", "ZBH1-0"])
 def test_remat_stages_train_equal_to_jax_jit(mesh2, schedule):
     rng = np.random.default_rng(0)
-    params = deep_params(rng)
+    params = models.mlp_params(rng, 2, 16, 3)  # 2 stages of 3 tanh layers: 3 activations per stage and microbatch
     batches = [models.regression_batch(rng, 4, 3, 16) for _ in range(2)]
     run_both(mesh2, models.mse_loss(models.mlp), params, batches, schedule)
 
