@@ -28,6 +28,20 @@ def var_inputs(eqn: Any) -> list[Var]:
     return [v for v in eqn.invars if isinstance(v, Var)]
 
 
+def upstream(roots: Iterable[Any], producer: dict[Any, Any], stop: Callable[[Any], bool] = lambda e: False) -> set[int]:
+    """The ids of the equations `roots` and of every equation they read from (`producer`: var -> equation),
+    not entering (nor counting) an equation for which `stop(eqn)` holds."""
+    seen: set[int] = set()
+    todo = list(roots)
+    while todo:
+        e = todo.pop()
+        if id(e) in seen or stop(e):
+            continue
+        seen.add(id(e))
+        todo.extend(producer[v] for v in var_inputs(e) if v in producer)
+    return seen
+
+
 def nbytes(v: Any) -> int:
     """Bytes of a value of `v`'s aval (typed keys count their key data)."""
     from mpmd.compiler.avals import wire_shape_dtype

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mpmd.compiler.eqns import is_var, var_inputs
+from mpmd.compiler.eqns import is_var, upstream, var_inputs
 from mpmd.errors import PipelineError
 
 Region = tuple[int, str]
@@ -51,14 +51,8 @@ def split_by_dataflow(eqns: Sequence[Any], aux: set[Any], is_fwd: Callable[[Any]
                                 "pipeline_yield marker runs on values computed from a gradient), so its forward cannot run "
                                 "before that backward in a pipeline schedule; compute the second forward from the "
                                 f"parameters and the microbatch only, or {ONE_VJP}")
-    forward: set[int] = set()
-    todo = [e for e in eqns if is_fwd(e)] + [producer[v] for v in aux if v in producer]
-    while todo:
-        e = todo.pop()
-        if id(e) in forward or id(e) in downstream_of_bwd:
-            continue
-        forward.add(id(e))
-        todo.extend(producer[v] for v in var_inputs(e) if v in producer)
+    forward = upstream([e for e in eqns if is_fwd(e)] + [producer[v] for v in aux if v in producer], producer,
+                       lambda e: id(e) in downstream_of_bwd)
     fwd_vars = {v for e in eqns if id(e) in forward for v in e.outvars}
     for e in eqns:  # a callback without outputs (a debug print) runs in the forward when it reads only forward values
         if not any(is_var(v) for v in e.outvars) and id(e) not in downstream_of_bwd:

@@ -26,7 +26,7 @@ from typing import Any
 from jax.extend.core import Var
 
 from mpmd.compiler.body import LoopBody
-from mpmd.compiler.eqns import is_var, nbytes, var_inputs
+from mpmd.compiler.eqns import is_var, nbytes, upstream, var_inputs
 from mpmd.compiler.multipass import split_by_dataflow
 from mpmd.errors import PipelineError
 from mpmd.primitives import BWD, FWD, pipeline_yield_p
@@ -136,15 +136,7 @@ def _forward_callbacks(region: list[Any], fwd_part: set[int], accumulators: set[
     producer = {v: e for e in region for v in e.outvars}
 
     def closure(roots: list[Any]) -> set[int]:
-        seen: set[int] = set()
-        todo = list(roots)
-        while todo:
-            e = todo.pop()
-            if id(e) in seen or id(e) in fwd_part:
-                continue
-            seen.add(id(e))
-            todo.extend(producer[v] for v in var_inputs(e) if v in producer)
-        return seen
+        return upstream(roots, producer, lambda e: id(e) in fwd_part)
 
     gradient = closure([producer[v] for v in accumulators if v in producer])
     for e in region:
@@ -238,6 +230,7 @@ def remat_stages(split: StageSplit, body: LoopBody, stages: Sequence[int]) -> in
                 readers.setdefault(v, set()).add(r)
     copied = 0
     for s in stages:
+        mine = {(s, k) for k in ("F", "B", "I", "W")}
         fwd = split.regions.get((s, "F"), [])
         made = {v: e for e in fwd for v in e.outvars if is_var(v)}
         for kind in ("B", "I", "W"):
@@ -245,15 +238,8 @@ def remat_stages(split: StageSplit, body: LoopBody, stages: Sequence[int]) -> in
             if not eqns:
                 continue
             own = {v for e in eqns for v in e.outvars}
-            chosen: set[int] = set()
-            todo = [v for e in eqns for v in var_inputs(e) if v in made and v not in own]
-            while todo:
-                e = made[todo.pop()]
-                if (id(e) in chosen or is_marker(e) or any(v in summed for v in e.outvars)
-                        or any(readers.get(v, set()) - {(s, "F"), (s, "B"), (s, "I"), (s, "W")} for v in e.outvars)):
-                    continue
-                chosen.add(id(e))
-                todo.extend(v for v in var_inputs(e) if v in made)
+            chosen = upstream((made[v] for e in eqns for v in var_inputs(e) if v in made and v not in own), made,
+                              lambda e: is_marker(e) or any(v in summed or readers.get(v, set()) - mine for v in e.outvars))
             if chosen:
                 copied += len(chosen)
                 split.regions[(s, kind)] = [*(e for e in fwd if id(e) in chosen), *eqns]
