@@ -279,7 +279,7 @@ class DataPlane(P2PTransport):
         """Send one message to `peer`: over its link when it has one (returns None: the bytes have left this
         actor), else over ZeroMQ (returns the tracker when `track`)."""
         header = {**header, "src": self.actor_id}
-        lk = self._links_out.get(peer) or (self._link_to(peer) if peer in self._peer_link else None)
+        lk = self._link_to(peer)
         frames = None
         if lk is not None:
             frames = encode(header, arrays)
@@ -314,14 +314,9 @@ class DataPlane(P2PTransport):
             await self._send_shm(peer, key, value, nbytes)
             return
         ready = getattr(value, "is_ready", None)
-        lk = self._link_to(peer) if ready is not None and not ready() else None
-        if lk is not None:  # posted by a copier thread the moment the value is computed, with no hop back here
-            header = {"op": "data", "key": list(key), "src": self.actor_id}
-            err = await asyncio.get_running_loop().run_in_executor(self._copier, _post_when_ready, lk, header, value, None)
-            if err is None:
+        if ready is not None and not ready() and self._link_to(peer) is not None:
+            if await self._post_when_ready(peer, {"op": "data", "key": list(key)}, value):
                 return
-            if err is not True:
-                self._link_failed(peer, lk, err)
         host = await host_view(value)
         tracker = self._post(peer, {"op": "data", "key": list(key)}, [host], track=wait)
         if wait and tracker is not None and not tracker.done:
@@ -352,19 +347,26 @@ class DataPlane(P2PTransport):
                 # Waiting for the value, copying it and (over a link) posting the notice happen in one hop on a
                 # copier thread; two copiers take sends in program order, so the first activation out is the first
                 # one computed.
-                lk = self._link_to(peer)
-                err = await asyncio.get_running_loop().run_in_executor(
-                    self._copier, _post_when_ready, lk, {**notice, "src": self.actor_id}, value, (sender, seg))
-                if err is None:
+                if await self._post_when_ready(peer, notice, value, (sender, seg)):
                     return
-                if lk is not None and err is not True:
-                    self._link_failed(peer, lk, err)
             else:
                 _fill(sender, seg, value)
             self._post(peer, notice)
         except BaseException:
             sender.give_back(seg.id)
             raise
+
+    async def _post_when_ready(self, peer: int, header: dict[str, Any], value: Any,
+                               into: tuple[shm.ShmSender, shm.Segment] | None = None) -> bool:
+        """On a copier thread: wait for `value`, copy it (into `into`'s segment, or into the message), and post
+        the message over `peer`'s link the moment it is computed, with no hop back to the loop. False when the
+        caller must post it (no link, too big for one record, or the link broke; the copy into `into` is done)."""
+        lk = self._link_to(peer)
+        err = await asyncio.get_running_loop().run_in_executor(self._copier, _post_when_ready, lk,
+                                                               {**header, "src": self.actor_id}, value, into)
+        if isinstance(err, BaseException):
+            self._link_failed(peer, lk, err)
+        return err is None
 
     def _ack(self, peer: int, seg_id: int) -> None:
         try:
