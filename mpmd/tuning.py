@@ -42,7 +42,7 @@ import numpy as np
 from mpmd.compiler.plan import plan_step
 from mpmd.errors import MpmdError, PipelineError, ScheduleError
 from mpmd.schedules import builtin
-from mpmd.schedules.balance import SegmentCosts, best_grouping, group_costs
+from mpmd.schedules.balance import SegmentCosts, best_grouping, group_costs, remat_costs
 from mpmd.schedules.builtin import Schedule
 from mpmd.schedules.simulator import simulate_programs
 from mpmd.step import DistributedFunction
@@ -326,42 +326,32 @@ def _predict(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedul
     except (ScheduleError, PipelineError) as e:
         c.rejected = str(e).splitlines()[0][:120]
         return [c]
-    c.predicted, c.bubble, c.peak_bytes = sim.step_time, sim.bubble, tuple(sim.peak_bytes or ())
-    over = _over(c.peak_bytes, memory_limit)
-    if not over:
-        return [c]
-    a = max(over, key=lambda x: c.peak_bytes[x])
-    c.rejected = f"peak {c.peak_bytes[a] / 2**20:.1f} MiB on actor {a} > memory_limit {memory_limit / 2**20:.1f} MiB"
-    if not remat:
+    over = _record(c, sim, memory_limit)
+    if not over or not remat:
         return [c]
     # Another candidate: remat every stage of the actors over the limit (their backward recomputes their forward).
     stages = tuple(s for s in range(c.schedule.num_stages) if c.schedule.actor_of(s) in over)
     r = Candidate(_with_balance(c.schedule, c.grouping, stages), m, c.grouping)
-    sim = _simulate(base, args, r.schedule, with_remat(group_costs(seg, c.grouping), stages, r.schedule.split_backward), p)
-    r.predicted, r.bubble, r.peak_bytes = sim.step_time, sim.bubble, tuple(sim.peak_bytes or ())
-    still = _over(r.peak_bytes, memory_limit)
-    if still:
-        a = max(still, key=lambda x: r.peak_bytes[x])
-        r.rejected = f"peak {r.peak_bytes[a] / 2**20:.1f} MiB on actor {a} > memory_limit {memory_limit / 2**20:.1f} MiB"
+    _record(r, _simulate(base, args, r.schedule, remat_costs(group_costs(seg, c.grouping), stages, r.schedule.split_backward), p),
+            memory_limit)
     return [c, r]
+
+
+def _record(c: Candidate, sim: Any, memory_limit: int | None) -> set[int]:
+    """Put the simulation's figures on `c`, rejecting it when an actor's peak is over `memory_limit`; returns
+    the actors over it."""
+    c.predicted, c.bubble, c.peak_bytes = sim.step_time, sim.bubble, tuple(sim.peak_bytes or ())
+    over = {a for a, b in enumerate(c.peak_bytes) if memory_limit is not None and b > memory_limit}
+    if over:
+        a = max(over, key=lambda x: c.peak_bytes[x])
+        c.rejected = f"peak {c.peak_bytes[a] / 2**20:.1f} MiB on actor {a} > memory_limit {memory_limit / 2**20:.1f} MiB"
+    return over
 
 
 def _simulate(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedule, costs: Any, p: int) -> Any:
     outer, _ = base.with_schedule(schedule).trace(*args)
     return simulate_programs(plan_step(outer, p).programs, costs, name=repr(schedule))
 
-
-def _over(peaks: Any, limit: int | None) -> set[int]:
-    """The actors whose simulated peak is above `limit`."""
-    return {a for a, b in enumerate(peaks or ()) if limit is not None and b > limit}
-
-
-def with_remat(costs: Any, stages: Sequence[int], split: bool) -> Any:
-    """`costs` with each remat stage's backward tasks (B, or I and W, which both recompute) also paying its forward."""
-    def plus(v: tuple[float, ...]) -> tuple[float, ...]:
-        return tuple(x + (costs.F[s] if s in stages else 0.0) for s, x in enumerate(v))
-
-    return replace(costs, B=plus(costs.B), I=plus(costs.I) if split else costs.I, W=plus(costs.W) if split else costs.W)
 
 
 def _xla_costs(base: DistributedFunction, args: tuple[Any, ...]) -> SegmentCosts:

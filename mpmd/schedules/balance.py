@@ -160,6 +160,15 @@ def group_costs(seg: SegmentCosts, grouping: Sequence[int]) -> Costs:
                  gap=seg.gap, overhead=seg.overhead, other=seg.other)
 
 
+def remat_costs(costs: Costs, stages: Sequence[int], split: bool) -> Costs:
+    """`costs` with each remat stage's backward tasks (B, or I and W when `split`: both recompute) also paying
+    that stage's forward."""
+    def plus(v: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(x + (costs.F[s] if s in stages else 0.0) for s, x in enumerate(v))
+
+    return replace(costs, B=plus(costs.B), I=plus(costs.I) if split else costs.I, W=plus(costs.W) if split else costs.W)
+
+
 def stage_loads(seg: SegmentCosts, grouping: Sequence[int]) -> tuple[float, ...]:
     """Per stage, the compute of one microbatch (F + B over its segments)."""
     c = seg.run_overhead
