@@ -44,21 +44,28 @@ def nbytes(value: Any) -> int:
 class BufferTable:
     """Holds arrays by id. Readers of a pending entry wait; a failed producer fails its readers.
 
+    A step's own table (`remember_failures`) also keeps why an entry failed, for readers that come after the
+    failure (a Run reaching a buffer whose receive already timed out). The session's table does not: a failure
+    holds a traceback, and with it whatever its frames held, for as long as the entry would be kept.
+
     Deleting an entry that is still pending forgets its name at once (later lookups fail) but keeps its
     waiters: a step that took it as an input before the delete arrived still gets the value, and the value
     is dropped as soon as it comes."""
 
-    def __init__(self, name: str = "actor") -> None:
+    def __init__(self, name: str = "actor", remember_failures: bool = False) -> None:
         self._name = name
+        self._remember = remember_failures  # a step's own table (dropped with the step): late readers get the reason
         self._entries: dict[int, Any] = {}
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._orphans: dict[int, asyncio.Future[Any]] = {}  # deleted while pending: resolved, never stored
+        self._failed: dict[int, BaseException] = {}  # failed while pending: a later reader gets the reason, not "unknown"
         self._sizes: dict[int, int] = {}  # bytes of each entry (a jax.Array's .nbytes costs microseconds)
         self._bytes = 0
         self.peak_bytes = 0  # the most bytes held at once
 
     def put(self, buf: int, value: Any, size: int | None = None) -> None:
         """Store `value` as `buf` (`size`: its bytes, when the caller knows them already)."""
+        self._failed.pop(buf, None)
         orphan = self._orphans.pop(buf, None)
         if orphan is not None:
             if not orphan.done():
@@ -78,11 +85,18 @@ class BufferTable:
         """Mark `buf` as coming: `get` waits for `put` (or `fail`) instead of raising."""
         if self._entries.pop(buf, None) is not None:
             self._bytes -= self._sizes.pop(buf, 0)
+        self._failed.pop(buf, None)
         if buf not in self._pending:
             self._pending[buf] = asyncio.get_running_loop().create_future()
 
     def fail(self, buf: int, exc: BaseException) -> None:
-        fut = self._pending.pop(buf, None) or self._orphans.pop(buf, None)
+        """`buf` will not come: its waiters, and whoever asks for it later (until it is deleted), get `exc`."""
+        fut = self._pending.pop(buf, None)
+        if fut is not None:
+            if self._remember:
+                self._failed[buf] = exc
+        else:
+            fut = self._orphans.pop(buf, None)
         if fut is not None and not fut.done():
             fut.set_exception(exc)
             fut.exception()  # mark retrieved: readers may never come
@@ -119,6 +133,11 @@ class BufferTable:
             return self._entries[buf]
         fut = self._pending.get(buf)
         if fut is None:
+            if buf in self._failed:
+                fut = asyncio.get_running_loop().create_future()
+                fut.set_exception(self._failed[buf])
+                fut.exception()  # retrieved: the caller awaits it, or drops it quietly
+                return fut
             raise UnknownBufferError(self._unknown(buf))
         return fut
 
@@ -135,6 +154,8 @@ class BufferTable:
             return self._entries[buf]
         fut = self._pending.get(buf)
         if fut is None:
+            if buf in self._failed:
+                raise self._failed[buf]
             raise UnknownBufferError(self._unknown(buf))
         return await asyncio.shield(fut)
 
@@ -147,7 +168,8 @@ class BufferTable:
             fut = self._pending.pop(b, None)
             if fut is not None:
                 self._orphans[b] = fut
-            n += (old is not None) + (fut is not None)
+            failed = self._failed.pop(b, None)
+            n += (old is not None) + (fut is not None) + (failed is not None)
         if n:
             release_host_memory()
         return n
@@ -158,7 +180,7 @@ class BufferTable:
     def clear(self) -> None:
         """Drop everything; entries still coming are cancelled (their producers are gone)."""
         waiting = [*self._pending.values(), *self._orphans.values()]
-        self._pending, self._orphans = {}, {}
+        self._pending, self._orphans, self._failed = {}, {}, {}
         self.delete(list(self._entries))
         for fut in waiting:
             if not fut.done():

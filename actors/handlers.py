@@ -487,7 +487,7 @@ class Actor:
         for b in outputs:
             ses.buffers.reserve(b)
         key = (pid, step)
-        env = BufferTable(f"actor {self.actor_id} program {pid} step {step}")
+        env = BufferTable(f"actor {self.actor_id} program {pid} step {step}", remember_failures=True)
         for b, v in prog.consts.items():
             env.put(b, v)
         trace = StepTrace() if tracing else None
