@@ -148,6 +148,10 @@ async def test_local_async_connect_async_and_async_with_give_meshes_that_close()
 
 
 async def test_the_callers_loop_keeps_ticking_while_steps_compile_and_run(mesh2):
+    """A loop held by the compile would stall for the whole compile (seconds). What remains are the stalls of
+    this 2-core machine itself: while both actors compile, the OS preempts the controller's whole process for
+    up to ~40 ms at a time (every thread stops, the GIL is not the cause: a sampling thread stalls with the
+    loop), more when CI shares the machine. So the bound is a fraction of the compile, not a scheduler quantum."""
     step, reference, params, opt_state, batch = training(width=32, seed=3, layers=2)
     dist = mpmd.distributed(step, mesh=mesh2)
     quiet = Ticker()  # what this machine alone does to a 10 ms ticker (other processes share its cores)
@@ -169,7 +173,7 @@ async def test_the_callers_loop_keeps_ticking_while_steps_compile_and_run(mesh2)
     print(f"10 ms ticker: largest gap {ticker.largest * 1e3:.1f} ms while a step compiled ({compile_s:.1f} s; gap "
           f"{compile_gap * 1e3:.1f} ms) and 6 ran; {quiet.largest * 1e3:.1f} ms with nothing to do")
     assert compile_s > 0.2  # the compile really happened inside the window
-    assert ticker.largest < 0.05 + quiet.largest, (ticker.largest, quiet.largest)
+    assert ticker.largest < min(0.25, compile_s / 4) + quiet.largest, (ticker.largest, quiet.largest, compile_s)
 
 
 async def test_two_meshes_stepped_concurrently_with_gather_each_equal_jax_jit():
