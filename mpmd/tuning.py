@@ -21,8 +21,10 @@ its best grouping of segments into stages (`mpmd.schedules.balance`). Each is co
 actor is contacted) and timed by `simulate_programs` on the grouped costs, scaled linearly with the rows per
 microbatch; peak bytes per actor come from the same simulation (parameters, optimizer state, activations).
 A candidate above `memory_limit` on any actor is rejected with its peak in the table; with `remat=True` it
-is also tried with remat of every stage of the actors over the limit (their backward recomputes their
-forward: `remat=` on the schedule; those backward tasks then also pay the forward's time), as a row of its own. With measured costs the
+is also tried with remat of stages of the actors over the limit (their backward recomputes their forward:
+`remat=` on the schedule; those backward tasks then also pay the forward's time), as a row of its own: the set
+of stages that recomputes the least forward time and fits (`balance.remat_sets`), else all of those actors'
+stages. With measured costs the
 predicted winner is then run for real once, and every prediction scaled by its measured / simulated time
 (`TuneResult.calibrate`; the ranking stays, the absolute times become what `verify` should find).
 """
@@ -42,7 +44,7 @@ import numpy as np
 from mpmd.compiler.plan import plan_step
 from mpmd.errors import MpmdError, PipelineError, ScheduleError
 from mpmd.schedules import builtin
-from mpmd.schedules.balance import SegmentCosts, best_grouping, group_costs, remat_costs
+from mpmd.schedules.balance import SegmentCosts, best_grouping, group_costs, remat_costs, remat_sets
 from mpmd.schedules.builtin import Schedule
 from mpmd.schedules.simulator import simulate_programs
 from mpmd.step import DistributedFunction
@@ -250,7 +252,8 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
     consider (default: every built-in that fits); `microbatches`: counts to consider (default: the divisors
     of the batch's rows from p to 4 * p * v_max); `costs`: per-segment costs, "xla" for XLA's cost analysis
     (deterministic, no actor runs), or None to measure them on the actors (`step.profile_costs`).
-    `remat=True`: a candidate over `memory_limit` is also tried with remat of every stage of the actors over it
+    `remat=True`: a candidate over `memory_limit` is also tried with remat of the cheapest set of stages of the
+    actors over it that fits (else all their stages)
     (a row of its own: "... remat 0,2"). `calibrate` (default: when the costs are measured): run the predicted winner for real once and scale every
     prediction by measured / simulated (`TuneResult.calibrate`).
 
@@ -329,12 +332,16 @@ def _predict(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedul
     over = _record(c, sim, memory_limit)
     if not over or not remat:
         return [c]
-    # Another candidate: remat every stage of the actors over the limit (their backward recomputes their forward).
-    stages = tuple(s for s in range(c.schedule.num_stages) if c.schedule.actor_of(s) in over)
-    r = Candidate(_with_balance(c.schedule, c.grouping, stages), m, c.grouping)
-    _record(r, _simulate(base, args, r.schedule, remat_costs(group_costs(seg, c.grouping), stages, r.schedule.split_backward), p),
-            memory_limit)
+    # Another candidate: remat of stages of the actors over the limit (their backward recomputes their forward),
+    # the set that recomputes the least forward time and brings every actor under the limit (all of them if none does).
+    costs = group_costs(seg, c.grouping)
+    for stages in remat_sets(c.schedule, over, costs.F):
+        r = Candidate(_with_balance(c.schedule, c.grouping, stages), m, c.grouping)
+        if not _record(r, _simulate(base, args, r.schedule, remat_costs(costs, stages, r.schedule.split_backward), p),
+                       memory_limit):
+            break
     return [c, r]
+
 
 
 def _record(c: Candidate, sim: Any, memory_limit: int | None) -> set[int]:

@@ -98,3 +98,22 @@ def test_with_remat_a_candidate_over_the_memory_limit_gets_a_remat_row_that_fits
     # its backward pays the forward again: predicted slower than plain GPipe
     assert remat[0].predicted > plain[0].predicted and "remat" in remat[0].name and "remat" in str(r)
     assert not [c for c in r.candidates if type(c.schedule).__name__ == "OneFOneB" and c.schedule.remat]  # fits as it is
+
+
+def test_remat_sets_try_the_cheapest_stages_of_the_actors_over_the_limit_first_and_all_of_them_last():
+    from mpmd.schedules.balance import remat_sets
+
+    inter = mpmd.InterleavedOneFOneB(4, 2)  # actor 0 holds stages 0 and 2, actor 1 stages 1 and 3
+    assert [inter.actor_of(s) for s in range(4)] == [0, 1, 0, 1]
+    assert remat_sets(inter, {0}, [3.0, 1.0, 1.0, 1.0]) == [(2,), (0,), (0, 2)]
+    # both actors over: each set recomputes a stage of each; cheapest forward first, the full set last
+    sets = remat_sets(inter, {0, 1}, [3.0, 2.0, 1.0, 1.0])
+    assert sets[0] == (2, 3) and sets[-1] == (0, 1, 2, 3) and len(sets) == len(set(sets))
+    assert all({inter.actor_of(s) for s in t} == {0, 1} for t in sets)
+    costs = [sum([3.0, 2.0, 1.0, 1.0][s] for s in t) for t in sets[:-1]]
+    assert costs == sorted(costs)
+    assert remat_sets(mpmd.GPipe(2), {1}, [1.0, 1.0]) == [(1,)]
+    # many stages: prefixes by forward time, not every subset
+    many = mpmd.InterleavedOneFOneB(16, 2)
+    sets = remat_sets(many, {0}, [float(s) for s in range(16)])
+    assert sets == [tuple(range(0, 2 * k, 2)) for k in range(1, 9)]

@@ -169,6 +169,21 @@ def remat_costs(costs: Costs, stages: Sequence[int], split: bool) -> Costs:
     return replace(costs, B=plus(costs.B), I=plus(costs.I) if split else costs.I, W=plus(costs.W) if split else costs.W)
 
 
+def remat_sets(schedule: Schedule, actors: set[int], forward: Sequence[float], most: int = 16) -> list[tuple[int, ...]]:
+    """Sets of stages to remat so that each of `actors` recomputes at least one of its own: cheapest first by
+    the `forward` time they recompute, every stage of those actors last. With more than `most` such sets, the
+    prefixes of the stages ordered by forward time instead."""
+    mine = [s for s in range(schedule.num_stages) if schedule.actor_of(s) in actors]
+    every = tuple(mine)
+    subsets = [t for k in range(1, len(mine) + 1) for t in itertools.combinations(mine, k)] if len(mine) <= 6 else []
+    subsets = [t for t in subsets if {schedule.actor_of(s) for s in t} == set(actors)]
+    if not subsets or len(subsets) > most:
+        by_time = sorted(mine, key=lambda s: forward[s])
+        subsets = [tuple(sorted(by_time[:k])) for k in range(1, len(mine) + 1)]
+        subsets = [t for t in subsets if {schedule.actor_of(s) for s in t} == set(actors)]
+    subsets.sort(key=lambda t: (sum(forward[s] for s in t), len(t)))
+    return [t for t in subsets if t != every] + [every]
+
 def stage_loads(seg: SegmentCosts, grouping: Sequence[int]) -> tuple[float, ...]:
     """Per stage, the compute of one microbatch (F + B over its segments)."""
     c = seg.run_overhead
