@@ -505,3 +505,20 @@ def test_monte_carlo_without_spread_equals_the_mean_model_and_with_spread_is_see
     a, b = simulate_monte_carlo(progs, spread, runs=200, seed=7), simulate_monte_carlo(progs, spread, runs=200, seed=7)
     assert a.step_times == b.step_times
     assert a.step_time >= want.step_time - 1e-9 and a.p90 >= a.step_time and a.stdev > 0
+
+
+def test_monte_carlo_draws_around_the_fitted_means_not_the_samples_own():
+    """The samples are Runs that did one task alone; the fit's means (over fused Runs too) may differ. The
+    draws keep the samples' shape and take the fit's mean: samples all twice the fitted F give the fitted step."""
+    from mpmd.schedules.montecarlo import Empirical, simulate_monte_carlo
+
+    schedule, m = mpmd.OneFOneB(2), 4
+    progs = programs_from_table(schedule, validate(schedule, m))
+    want = simulate_programs(progs, Costs(F=1.0, B=2.0, latency=0.1))
+    off = Costs(F=1.0, B=2.0, latency=0.1, empirical=Empirical.of({(s, "F"): [2.0, 2.0] for s in range(2)}, [], {}))
+    assert simulate_monte_carlo(progs, off, runs=3).step_time == pytest.approx(want.step_time)
+    # a spread of samples whose mean is off by 1.5x: the mean model's step from below, as with centred samples
+    spread = Costs(F=1.0, B=2.0, latency=0.1, empirical=Empirical.of({(s, "B"): [1.5, 4.5] for s in range(2)}, [], {}))
+    centred = Costs(F=1.0, B=2.0, latency=0.1, empirical=Empirical.of({(s, "B"): [1.0, 3.0] for s in range(2)}, [], {}))
+    a, b = simulate_monte_carlo(progs, spread, runs=50, seed=3), simulate_monte_carlo(progs, centred, runs=50, seed=3)
+    assert a.step_times == pytest.approx(b.step_times) and a.step_time >= want.step_time - 1e-9

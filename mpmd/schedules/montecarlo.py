@@ -23,7 +23,7 @@ from typing import Any
 
 from mpmd.errors import PipelineError
 from mpmd.schedules.validation import check_programs, replay_programs
-from transport.program import Program, Recv, Run
+from transport.program import Program, Recv, Run, Task
 from transport.protocol import dtype_from_name
 
 Samples = tuple[float, ...]
@@ -75,14 +75,29 @@ def _recv_bytes(recv: Recv) -> int:
     return math.prod(recv.shape) * dtype_from_name(recv.dtype).itemsize
 
 
+def _centred(tasks: dict[tuple[int, str], Samples], costs: Any) -> dict[tuple[int, str], Samples]:
+    """Each (stage, kind)'s samples scaled so that their mean is the cost's own figure for it (its shape kept).
+
+    The samples are the Runs that did that task alone (warm-up and cool-down); `fit_costs` fits the means over
+    every Run, fused ones included, and a task inside a fused Run may take longer or shorter than alone. The
+    mean is the fit's; the spread around it is what the samples show."""
+    out = {}
+    for (stage, kind), xs in tasks.items():
+        mean = statistics.fmean(xs)
+        want = costs.task_time(Task(stage, kind, 0))
+        out[(stage, kind)] = tuple(x * want / mean for x in xs) if mean > 0 and want > 0 else xs
+    return out
+
+
 def simulate_monte_carlo(programs: list[Program], costs: Any, runs: int = 100, seed: int = 0) -> MonteCarloResult:
-    """Replay `programs` `runs` times on `costs` (an `mpmd.Costs`), drawing each Run's task times, its gap and
-    each hop's residual from `costs.empirical` where it has samples (else the costs' own numbers), and hops'
+    """Replay `programs` `runs` times on `costs` (an `mpmd.Costs`), drawing each Run's task times (centred on
+    the costs' own means), its gap and each hop's residual from `costs.empirical` where it has samples (else the
+    costs' own numbers), and hops'
     base times from `costs.routes` per (sender, receiver) where given. Deterministic for a given `seed`."""
     if runs < 1:
         raise ValueError(f"runs must be >= 1, got {runs}")
     emp = getattr(costs, "empirical", None) or Empirical()
-    tasks, hops, gaps = emp.task_samples(), emp.hop_residuals(), emp.gaps
+    tasks, hops, gaps = _centred(emp.task_samples(), costs), emp.hop_residuals(), emp.gaps
     rng = random.Random(seed)
     step_times: list[float] = []
     bubbles: list[list[float]] = []
