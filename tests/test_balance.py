@@ -197,3 +197,15 @@ def test_a_runs_own_overhead_is_paid_once_per_stage_task_and_does_not_scale_with
     assert twice.F == (5, 5, 5, 9) and twice.B == (11, 11, 11, 11) and twice.run_overhead == 1.0
     plain = SegmentCosts(F=(3, 3, 3, 5), B=(6, 6, 6, 6))  # no overhead known: plain sums, plain scaling
     assert group_costs(plain, (3, 1)).F == (9, 5) and plain.scaled(2.0).F == (6, 6, 6, 10)
+
+
+def test_profiled_costs_are_the_median_of_several_traced_steps_fits():
+    from mpmd.observe.segments import median_costs
+    from mpmd.schedules.simulator import Costs
+
+    fits = [Costs(F=(1.0, 2.0), B=(3.0, 4.0), I=(0.0, 0.0), W=(0.0, 0.0), latency=l, gap=g)
+            for l, g in ((1e-4, 5e-5), (9e-4, 1e-5), (2e-4, 2e-5))]
+    fits[1] = Costs(F=(9.0, 2.5), B=(3.5, 0.1), I=(0.0, 0.0), W=(0.0, 0.0), latency=9e-4, gap=1e-5)  # one slow step
+    got = median_costs(fits)
+    assert got.F == (1.0, 2.0) and got.B == (3.0, 4.0) and got.latency == 2e-4 and got.gap == 2e-5
+    assert median_costs(fits[:1]) is fits[0]

@@ -2,7 +2,8 @@
 
 The step is compiled with every segment its own stage (`SegmentProfile`: stage s on actor s % p, GPipe's
 order, so one microbatch's neighbouring tasks sit on different actors and never fuse into one Run), warmed
-up, and traced once; `fit_costs` turns the Run durations into per-segment times. A second variant with
+up, and traced for three steps; `fit_costs` turns each step's Run durations into per-segment times, and the
+median over the steps is kept. A second variant with
 split backwards gives I and W. A third puts every segment on one actor, where a microbatch's tasks fuse into
 few Runs: what the segments timed one Run each cost beyond that is each Run's own overhead (`run_overhead`;
 0.1-0.6 ms per Run on this 2-core VM, as much as a small segment's compute), paid once per stage task after
@@ -41,7 +42,9 @@ def segment_layout(step: Any, *args: Any) -> tuple[int, tuple[float, ...], int, 
     return split.num_stages, tuple(out), loop.num_microbatches, rows
 
 
-def _traced_costs(step: Any, schedule: SegmentProfile, args: tuple[Any, ...], steps: int) -> Any:
+def _traced_costs(step: Any, schedule: SegmentProfile, args: tuple[Any, ...], steps: int, traced: int = 3) -> Any:
+    """Costs fitted to `traced` steps of the variant, each number the median over the steps' own fits (one
+    traced step of small tasks moves 10-30 % on a busy machine)."""
     import jax
 
     from mpmd.runtime.array import fetch
@@ -50,9 +53,22 @@ def _traced_costs(step: Any, schedule: SegmentProfile, args: tuple[Any, ...], st
     for _ in range(max(1, steps)):
         fetch(jax.tree.leaves(variant(*args))[-1])
     with step.mesh.trace() as t:
-        out = variant(*args)
-    fetch(jax.tree.leaves(out)[-1])
-    return fit_costs(t, schedule.num_stages)
+        for _ in range(traced):
+            fetch(jax.tree.leaves(variant(*args))[-1])
+    return median_costs([fit_costs(t, schedule.num_stages, k) for k in range(len(t.steps))])
+
+
+def median_costs(fits: list[Any]) -> Any:
+    """One `Costs` from several fits of the same Programs: each per-stage time, latency, bandwidth, gap and
+    other the median over the fits (the first fit's routes and samples)."""
+    import dataclasses
+    import statistics
+
+    if len(fits) == 1:
+        return fits[0]
+    per_stage = {k: tuple(statistics.median(v) for v in zip(*(getattr(f, k) for f in fits))) for k in ("F", "B", "I", "W")}
+    scalars = {k: statistics.median(getattr(f, k) for f in fits) for k in ("latency", "bandwidth", "gap", "other")}
+    return dataclasses.replace(fits[0], **per_stage, **scalars)
 
 
 def profile_costs(step: Any, *args: Any, steps: int = 2, split_backward: bool = True) -> SegmentCosts:
