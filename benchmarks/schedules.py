@@ -135,7 +135,8 @@ def main() -> None:
 
 def rescaled(costs: Costs, stages: int) -> Costs:
     """`costs` of s stages for a split of the same layers into `stages` (a multiple of s): each new stage costs
-    its old stage's share; I = W = B / 2 where the fit saw no split backward."""
+    its old stage's share; I = W = B / 2 where the fit saw no split backward. The per-Run `overhead` stays:
+    every Run pays it, however little it computes."""
     old = len(costs.F) if isinstance(costs.F, tuple) else 1
     k = stages // old
 
@@ -150,7 +151,7 @@ def rescaled(costs: Costs, stages: int) -> Costs:
     if not split:
         tasks.update({(st, kind): tuple(x / 2 for x in xs) for (st, kd), xs in list(tasks.items()) if kd == "B" for kind in "IW"})
     return Costs(F=per(costs.F), B=b, I=per(costs.I) if split else tuple(x / 2 for x in b), W=per(costs.W) if split else tuple(x / 2 for x in b),
-                 latency=costs.latency, bandwidth=costs.bandwidth, other=costs.other, gap=costs.gap, routes=costs.routes,
+                 latency=costs.latency, bandwidth=costs.bandwidth, other=costs.other, gap=costs.gap, overhead=costs.overhead, routes=costs.routes,
                  empirical=Empirical(tuple(sorted(tasks.items())), emp.gaps, emp.hops))
 
 

@@ -522,3 +522,28 @@ def test_monte_carlo_draws_around_the_fitted_means_not_the_samples_own():
     centred = Costs(F=1.0, B=2.0, latency=0.1, empirical=Empirical.of({(s, "B"): [1.0, 3.0] for s in range(2)}, [], {}))
     a, b = simulate_monte_carlo(progs, spread, runs=50, seed=3), simulate_monte_carlo(progs, centred, runs=50, seed=3)
     assert a.step_times == pytest.approx(b.step_times) and a.step_time >= want.step_time - 1e-9
+
+
+def test_fit_costs_separates_a_per_run_overhead_where_fused_and_single_task_runs_tell_it_apart():
+    """1F1B-like: single warm-up forwards, fused B+F, single cool-down backwards, each Run paying 0.4 ms on top
+    of its tasks. The fit recovers the tasks and the overhead; without fused Runs it cannot, and folds it in."""
+    from mpmd.observe.trace import ActorStep, RunSpan, Trace, fit_costs
+
+    f, b, o = 1e-3, 2e-3, 4e-4
+
+    def trace_of(labels):
+        t, x, clock = Trace(), ActorStep(0, 0, 0.0, 0.0), 0.0
+        for label in labels:
+            d = o + sum(f if p[1] == "F" else b for p in label.split("+"))
+            x.runs.append(RunSpan(label, clock, clock, clock, clock + d))
+            clock += d
+        x.end = clock
+        t.steps.append({0: x})
+        return t
+
+    fused = fit_costs(trace_of(["0F0", "0F1", "0B0+0F2", "0B1+0F3", "0B2", "0B3"]), num_stages=1)
+    assert fused.overhead == pytest.approx(o) and fused.F == pytest.approx((f,)) and fused.B == pytest.approx((b,))
+    single = fit_costs(trace_of(["0F0", "0F1", "0B0", "0B1"]), num_stages=1)
+    assert single.overhead == 0 and single.F == pytest.approx((f + o,)) and single.B == pytest.approx((b + o,))
+    # per_run=False: the old model (tasks absorb the overhead), as profile_costs wants it
+    assert fit_costs(trace_of(["0F0", "0B0+0F1", "0B1"]), 1, per_run=False).overhead == 0

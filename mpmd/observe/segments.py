@@ -55,19 +55,19 @@ def _traced_costs(step: Any, schedule: SegmentProfile, args: tuple[Any, ...], st
     with step.mesh.trace() as t:
         for _ in range(traced):
             fetch(jax.tree.leaves(variant(*args))[-1])
-    return median_costs([fit_costs(t, schedule.num_stages, k) for k in range(len(t.steps))])
+    return median_costs([fit_costs(t, schedule.num_stages, k, per_run=False) for k in range(len(t.steps))])
 
 
 def median_costs(fits: list[Any]) -> Any:
-    """One `Costs` from several fits of the same Programs: each per-stage time, latency, bandwidth, gap and
-    other the median over the fits (the first fit's routes and samples)."""
+    """One `Costs` from several fits of the same Programs: each per-stage time, latency, bandwidth, gap, other
+    and overhead the median over the fits (the first fit's routes and samples)."""
     import dataclasses
     import statistics
 
     if len(fits) == 1:
         return fits[0]
     per_stage = {k: tuple(statistics.median(v) for v in zip(*(getattr(f, k) for f in fits))) for k in ("F", "B", "I", "W")}
-    scalars = {k: statistics.median(getattr(f, k) for f in fits) for k in ("latency", "bandwidth", "gap", "other")}
+    scalars = {k: statistics.median(getattr(f, k) for f in fits) for k in ("latency", "bandwidth", "gap", "other", "overhead")}
     return dataclasses.replace(fits[0], **per_stage, **scalars)
 
 

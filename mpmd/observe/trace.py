@@ -199,11 +199,13 @@ def _tasks_of(label: str) -> list[tuple[int, str]]:
     return out
 
 
-def fit_costs(trace: Trace, num_stages: int, step: int = -1) -> Any:
+def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = True) -> Any:
     """`mpmd.Costs` fitted to a traced step: per stage, the F/B/I/W times that best explain every Run's
-    measured duration (a fused Run lasts the sum of its tasks; least squares over all Runs of the step),
-    the cost of Runs that do no task (`other`), the runtime's `gap` before each Run (mean time from
-    could-start to start), and a transfer latency and bandwidth from the transfers."""
+    measured duration (least squares over all Runs of the step: a Run lasts the sum of its tasks plus, with
+    `per_run`, one `overhead` that every Run pays whatever it computes — fitted only where the step has Runs
+    of different task counts, e.g. 1F1B's fused B+F beside its single warm-up Fs, else 0 and folded into the
+    task times), the cost of Runs that do no task (`other`), the runtime's `gap` before each Run (mean time
+    from could-start to start), and a transfer latency and bandwidth from the transfers."""
     import numpy as np
 
     from mpmd.schedules.montecarlo import Empirical
@@ -224,10 +226,21 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1) -> Any:
             rows.append(row)
             rhs.append(r.end - r.start)
     sol = np.zeros(len(col))
+    overhead = 0.0
     if rows:
         a_mat, b_vec = np.array(rows), np.array(rhs)
         used = a_mat.sum(axis=0) > 0
-        sol[used] = np.linalg.lstsq(a_mat[:, used], b_vec, rcond=None)[0]
+        a_used = a_mat[:, used]
+        with_run = np.hstack([a_used, np.ones((len(rows), 1))])
+        fit = None
+        if per_run and np.linalg.matrix_rank(with_run) > np.linalg.matrix_rank(a_used):
+            fit = np.linalg.lstsq(with_run, b_vec, rcond=None)[0]
+            if fit[-1] < 0 or (fit[:-1] < 0).any():  # not a per-Run constant this trace can tell apart
+                fit = None
+        if fit is not None:
+            sol[used], overhead = fit[:-1], float(fit[-1])
+        else:
+            sol[used] = np.linalg.lstsq(a_used, b_vec, rcond=None)[0]
     sol = np.maximum(sol, 0.0)
     per = {k: tuple(float(sol[col[(s, k)]]) for s in range(num_stages)) for k in kinds}
     # The gap: how long after it could have started (inputs there, the actor free) a Run started.
@@ -261,8 +274,8 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1) -> Any:
     latency = float(np.mean([d for d, _ in small])) if small else 0.0
     slow = [(d - latency, n) for d, n in big if d > latency]
     bandwidth = sum(n for _, n in slow) / sum(d for d, _ in slow) if slow else float("inf")
-    return Costs(F=per["F"], B=per["B"], I=per["I"], W=per["W"], other=float(np.median(other)) if other else 0.0,
-                 latency=max(latency, 0.0), bandwidth=bandwidth, gap=gap, routes=routes, empirical=empirical)
+    return Costs(F=per["F"], B=per["B"], I=per["I"], W=per["W"], other=max(0.0, float(np.median(other)) - overhead) if other else 0.0,
+                 latency=max(latency, 0.0), bandwidth=bandwidth, gap=gap, overhead=overhead, routes=routes, empirical=empirical)
 
 
 def _fit_routes(per_route: dict[tuple[int, int], list[tuple[float, int]]]) -> tuple[tuple, dict[tuple[int, int], list[float]]]:
