@@ -25,8 +25,9 @@ is also tried with remat of stages of the actors over the limit (their backward 
 `remat=` on the schedule; those backward tasks then also pay the forward's time), as a row of its own: the set
 of stages that recomputes the least forward time and fits (`balance.remat_sets`), else all of those actors'
 stages. With measured costs the
-predicted winner is then run for real once, and every prediction scaled by its measured / simulated time
-(`TuneResult.calibrate`; the ranking stays, the absolute times become what `verify` should find).
+three best predicted candidates are then run for real once each, and every prediction scaled by the median of
+their measured / simulated times (`TuneResult.calibrate`; the ranking stays, the absolute times become what
+`verify` should find).
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ class TuneResult:
         lim = f", memory limit {self.memory_limit / 2**20:.1f} MiB" if self.memory_limit else ""
         head = f"mpmd.tune: {len(self.feasible)} of {len(self.candidates)} candidates fit{lim}; costs {self.costs.source}"
         if self.calibration != 1.0:
-            head += f"; predictions x {self.calibration:.3f} (measured / simulated on the first candidate, run while tuning)"
+            head += f"; predictions x {self.calibration:.3f} (the median measured / simulated of the top candidates, run while tuning)"
         return "\n".join([head, HEADER, *(c.row() for c in self.candidates)])
 
     def __str__(self) -> str:
@@ -147,15 +148,18 @@ class TuneResult:
             print(c.row())
         return out
 
-    def calibrate(self, steps: int = 3, warmup: int = 3, rounds: int = 3) -> float:
-        """Run the predicted winner for real and scale every prediction by measured / simulated (a uniform
-        factor: it keeps the ranking and fixes what the simulator misses everywhere alike, e.g. compute slowed by
-        the runtime's own threads on the same cores). Returns the factor."""
+    def calibrate(self, steps: int = 3, warmup: int = 3, rounds: int = 3, top: int = 3) -> float:
+        """Run the `top` predicted candidates for real and scale every prediction by the median of their
+        measured / simulated (a uniform factor: it keeps the ranking and fixes what the simulator misses
+        everywhere alike, e.g. compute slowed by the runtime's own threads on the same cores; the median of a
+        few, because one candidate's run moves 10-30 % on a busy machine). Returns the factor."""
         if not self.feasible:
             return self.calibration
-        ref = self.feasible[0]
-        measured = measure(self.base.with_schedule(ref.schedule), self._args_for(ref), self.batch_argnum, steps, warmup, rounds)
-        factor = measured / (ref.predicted / self.calibration)
+        ratios = []
+        for ref in self.feasible[:max(1, top)]:
+            measured = measure(self.base.with_schedule(ref.schedule), self._args_for(ref), self.batch_argnum, steps, warmup, rounds)
+            ratios.append(measured / (ref.predicted / self.calibration))
+        factor = statistics.median(ratios)
         for c in self.candidates:
             if c.predicted is not None:
                 c.predicted = c.predicted / self.calibration * factor
@@ -254,8 +258,8 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
     (deterministic, no actor runs), or None to measure them on the actors (`step.profile_costs`).
     `remat=True`: a candidate over `memory_limit` is also tried with remat of the cheapest set of stages of the
     actors over it that fits (else all their stages)
-    (a row of its own: "... remat 0,2"). `calibrate` (default: when the costs are measured): run the predicted winner for real once and scale every
-    prediction by measured / simulated (`TuneResult.calibrate`).
+    (a row of its own: "... remat 0,2"). `calibrate` (default: when the costs are measured): run the top three for real once and scale every
+    prediction by the median of their measured / simulated (`TuneResult.calibrate`).
 
         result = mpmd.tune(train_step, params, opt_state, batch, mesh=mesh, memory_limit=1 << 30)
         print(result); result.verify(3)

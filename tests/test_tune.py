@@ -117,3 +117,19 @@ def test_remat_sets_try_the_cheapest_stages_of_the_actors_over_the_limit_first_a
     many = mpmd.InterleavedOneFOneB(16, 2)
     sets = remat_sets(many, {0}, [float(s) for s in range(16)])
     assert sets == [tuple(range(0, 2 * k, 2)) for k in range(1, 9)]
+
+
+def test_calibration_scales_by_the_median_ratio_of_the_top_candidates(monkeypatch):
+    """`measure` stands in for the real runs here (their times are what is under test: one run 2x slow must not
+    move the factor); every prediction is scaled alike and the ranking stays."""
+    from mpmd import tuning
+
+    r = tuned(microbatches=[2, 4])
+    before = {id(c): c.predicted for c in r.feasible}
+    top = r.feasible[:3]
+    slow = dict(zip((c.schedule for c in top), (1.2, 2.0, 1.1)))
+    monkeypatch.setattr(tuning, "measure", lambda step, args, *a: next(
+        before[id(c)] * slow[c.schedule] for c in top if step.schedule is c.schedule))
+    monkeypatch.setattr(tuning.DistributedFunction, "with_schedule", lambda self, s: type("S", (), {"schedule": s})())
+    assert r.calibrate() == pytest.approx(1.2)
+    assert [c.predicted for c in r.feasible] == pytest.approx([before[id(c)] * 1.2 for c in r.feasible])
