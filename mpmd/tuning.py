@@ -18,8 +18,10 @@ Candidates: every built-in schedule that fits the mesh's p actors and the step's
 (GPipe, 1F1B, eager 1F1B, ZB-H1 with p stages; interleaved 1F1B and interleaved zero bubble with v*p stages
 for each v in `virtual_stages`; ZB-V and DualPipeV with 2p), times each number of microbatches, each with
 its best grouping of segments into stages (`mpmd.schedules.balance`). Each is compiled to Programs here (no
-actor is contacted) and timed by `simulate_programs` on the grouped costs, scaled linearly with the rows per
-microbatch; peak bytes per actor come from the same simulation (parameters, optimizer state, activations).
+actor is contacted) and timed by `simulate_programs` on the grouped costs, scaled with the rows per
+microbatch (as rows ** exponent beyond each Run's own overhead: measured costs are also measured at the
+largest microbatch considered, and the exponent fitted from the two); peak bytes per actor come from the same
+simulation (parameters, optimizer state, activations).
 A candidate above `memory_limit` on any actor is rejected with its peak in the table; with `remat=True` it
 is also tried with remat of stages of the actors over the limit (their backward recomputes their forward:
 `remat=` on the schedule; those backward tasks then also pay the forward's time), as a row of its own: the set
@@ -284,6 +286,18 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
         raise PipelineError(f"tune: costs must be None (measure), 'xla' or SegmentCosts, got {costs!r}")
     if seg.num_segments != n:
         raise PipelineError(f"tune: the costs have {seg.num_segments} segments but the step has {n}")
+    total_rows = m0 * rows if rows else m0
+    vmax = max([*virtual_stages, 2])
+    counts = list(microbatches) if microbatches is not None else (_divisors(total_rows, p, 4 * p * vmax) if rows else [m0])
+    if costs is None and rows and min(counts) < m0:
+        # Also measured at the largest microbatch considered: how the compute grows with the rows (rarely linearly).
+        call_args = list(args)
+        call_args[batch_argnum] = resplit(args[batch_argnum], min(counts))
+        try:
+            seg = seg.with_rows_exponent(base.profile_costs(*call_args, steps=profile_steps))
+        except MpmdError as e:  # e.g. the larger microbatch does not fit: keep the linear model
+            log.warning("tune: could not measure the costs at %d microbatches (%s); scaling them linearly with the rows",
+                        min(counts), str(e).splitlines()[0])
     if schedules is None:
         cands = candidate_schedules(p, n, virtual_stages)
     else:
@@ -298,9 +312,6 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
                 cands += picked
             else:
                 cands.append(s)
-    total_rows = m0 * rows if rows else m0
-    vmax = max([*virtual_stages, 2])
-    counts = list(microbatches) if microbatches is not None else (_divisors(total_rows, p, 4 * p * vmax) if rows else [m0])
     found: list[Candidate] = []
     for m in counts:
         b = total_rows // m if rows else 0

@@ -209,3 +209,20 @@ def test_profiled_costs_are_the_median_of_several_traced_steps_fits():
     got = median_costs(fits)
     assert got.F == (1.0, 2.0) and got.B == (3.0, 4.0) and got.latency == 2e-4 and got.gap == 2e-5
     assert median_costs(fits[:1]) is fits[0]
+
+
+def test_segment_costs_scale_with_rows_as_the_exponent_measured_at_two_microbatch_sizes():
+    from dataclasses import replace
+
+    from mpmd.schedules.balance import SegmentCosts
+
+    at64 = SegmentCosts(F=(1.2, 2.2), B=(2.2, 4.2), microbatch_rows=64, run_overhead=0.2)
+    # 4x the rows: the work beyond the overhead (1+2+2+4 = 9) grows 2x, so rows ** 0.5
+    at256 = SegmentCosts(F=(2.2, 4.2), B=(4.2, 8.2), microbatch_rows=256, run_overhead=0.2)
+    fitted = at64.with_rows_exponent(at256)
+    assert fitted.rows_exponent == pytest.approx(0.5)
+    assert fitted.scaled(4.0).F == pytest.approx(at256.F) and fitted.scaled(4.0).B == pytest.approx(at256.B)
+    assert at64.scaled(4.0).F == pytest.approx((4.2, 8.2))  # the linear default
+    assert at64.with_rows_exponent(at64) is at64  # same rows: nothing to fit
+    wild = SegmentCosts(F=(1.2, 2.2), B=(2.2, 4.2), microbatch_rows=256, run_overhead=0.2)
+    assert at64.with_rows_exponent(replace(wild, F=(100.0, 100.0))).rows_exponent == 1.5  # clipped

@@ -65,6 +65,7 @@ class SegmentCosts:
     microbatch_rows: int = field(default=0, compare=False)
     run_overhead: float = 0.0
     split_overhead: float = 0.0
+    rows_exponent: float = 1.0
 
     def __post_init__(self) -> None:
         n = len(self.F)
@@ -81,14 +82,28 @@ class SegmentCosts:
         return len(self.F)
 
     def scaled(self, factor: float) -> SegmentCosts:
-        """The task times times `factor` (e.g. for another microbatch size), less their `run_overhead`, which
-        stays; bytes scale too, runtime costs not."""
+        """The task times for `factor` times the rows per microbatch: less their `run_overhead`, which stays,
+        times ``factor ** rows_exponent`` (1: linear; below 1 where bigger matmuls run faster per row, as
+        measured by `with_rows_exponent`); bytes scale linearly, runtime costs not."""
+        grow = factor ** self.rows_exponent
+
         def scale(v: tuple[float, ...], c: float) -> tuple[float, ...]:
-            return tuple(max(x - c, 0.0) * factor + min(x, c) for x in v)
+            return tuple(max(x - c, 0.0) * grow + min(x, c) for x in v)
 
         c, d = self.run_overhead, self.split_overhead
         return replace(self, F=scale(self.F, c), B=scale(self.B, c), I=scale(self.I, d), W=scale(self.W, d),
                        activation_bytes=tuple(x * factor for x in self.activation_bytes))
+
+    def with_rows_exponent(self, other: SegmentCosts) -> SegmentCosts:
+        """These costs with `rows_exponent` fitted from `other`, the same segments measured at another number
+        of rows per microbatch: the compute of all segments together (less each task's `run_overhead`) grows as
+        rows ** exponent (clipped to 0.5-1.5; unchanged when the rows are the same or unknown)."""
+        r0, r1 = self.microbatch_rows, other.microbatch_rows
+        work = lambda c: sum(max(x - c.run_overhead, 0.0) for x in (*c.F, *c.B))  # noqa: E731
+        if not r0 or not r1 or r0 == r1 or work(self) <= 0 or work(other) <= 0:
+            return self
+        exponent = math.log(work(other) / work(self)) / math.log(r1 / r0)
+        return replace(self, rows_exponent=min(1.5, max(0.5, exponent)))
 
     def table(self) -> str:
         """One line per segment: F, B, I, W and the boundary bytes."""
@@ -97,6 +112,8 @@ class SegmentCosts:
             lines.append(f"  {s:3d} {self.F[s]:9.3g} {self.B[s]:9.3g} {self.I[s]:9.3g} {self.W[s]:9.3g} {self.activation_bytes[s]:11.0f}")
         if self.run_overhead:
             lines.append(f"  each F, B above includes {self.run_overhead:.3g} (each I, W {self.split_overhead:.3g}) of one Run's own overhead, paid once per stage task")
+        if self.rows_exponent != 1.0:
+            lines.append(f"  measured at {self.microbatch_rows} rows per microbatch; the rest grows as rows ** {self.rows_exponent:.2f}")
         return "\n".join(lines)
 
 
