@@ -150,14 +150,8 @@ class BufferTable:
             return None
 
     async def get(self, buf: int) -> Any:
-        if buf in self._entries:
-            return self._entries[buf]
-        fut = self._pending.get(buf)
-        if fut is None:
-            if buf in self._failed:
-                raise self._failed[buf]
-            raise UnknownBufferError(self._unknown(buf))
-        return await asyncio.shield(fut)
+        got = self.ref(buf)
+        return await asyncio.shield(got) if isinstance(got, asyncio.Future) else got
 
     def delete(self, bufs: list[int]) -> int:
         n = 0
