@@ -294,7 +294,7 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
         call_args = list(args)
         call_args[batch_argnum] = resplit(args[batch_argnum], min(counts))
         try:
-            seg = seg.with_rows_exponent(base.profile_costs(*call_args, steps=profile_steps))
+            seg = seg.with_rows_exponent(base.profile_costs(*call_args, steps=profile_steps, split_backward=False))
         except MpmdError as e:  # e.g. the larger microbatch does not fit: keep the linear model
             log.warning("tune: could not measure the costs at %d microbatches (%s); scaling them linearly with the rows",
                         min(counts), str(e).splitlines()[0])
@@ -358,7 +358,6 @@ def _predict(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedul
     return [c, r]
 
 
-
 def _record(c: Candidate, sim: Any, memory_limit: int | None) -> set[int]:
     """Put the simulation's figures on `c`, rejecting it when an actor's peak is over `memory_limit`; returns
     the actors over it."""
@@ -373,7 +372,6 @@ def _record(c: Candidate, sim: Any, memory_limit: int | None) -> set[int]:
 def _simulate(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedule, costs: Any, p: int) -> Any:
     outer, _ = base.with_schedule(schedule).trace(*args)
     return simulate_programs(plan_step(outer, p).programs, costs, name=repr(schedule))
-
 
 
 def _xla_costs(base: DistributedFunction, args: tuple[Any, ...]) -> SegmentCosts:

@@ -96,10 +96,11 @@ class SegmentCosts:
 
     def with_rows_exponent(self, other: SegmentCosts) -> SegmentCosts:
         """These costs with `rows_exponent` fitted from `other`, the same segments measured at another number
-        of rows per microbatch: the compute of all segments together (less each task's `run_overhead`) grows as
+        of rows per microbatch: the compute of all segments together (less each task's `run_overhead`, the same at
+any rows) grows as
         rows ** exponent (clipped to 0.5-1.5; unchanged when the rows are the same or unknown)."""
         r0, r1 = self.microbatch_rows, other.microbatch_rows
-        work = lambda c: sum(max(x - c.run_overhead, 0.0) for x in (*c.F, *c.B))  # noqa: E731
+        work = lambda c: sum(max(x - self.run_overhead, 0.0) for x in (*c.F, *c.B))  # noqa: E731 - the overhead is fixed
         if not r0 or not r1 or r0 == r1 or work(self) <= 0 or work(other) <= 0:
             return self
         exponent = math.log(work(other) / work(self)) / math.log(r1 / r0)
@@ -191,15 +192,14 @@ def remat_sets(schedule: Schedule, actors: set[int], forward: Sequence[float], m
     the `forward` time they recompute, every stage of those actors last. With more than `most` such sets, the
     prefixes of the stages ordered by forward time instead."""
     mine = [s for s in range(schedule.num_stages) if schedule.actor_of(s) in actors]
-    every = tuple(mine)
-    subsets = [t for k in range(1, len(mine) + 1) for t in itertools.combinations(mine, k)] if len(mine) <= 6 else []
-    subsets = [t for t in subsets if {schedule.actor_of(s) for s in t} == set(actors)]
-    if not subsets or len(subsets) > most:
+    covers = lambda t: {schedule.actor_of(s) for s in t} == set(actors)  # noqa: E731
+    subsets = [t for k in range(1, len(mine) + 1) for t in itertools.combinations(mine, k) if covers(t)] if len(mine) <= 6 else []
+    if not subsets or len(subsets) > most:  # (every subset of many stages would be too many to simulate)
         by_time = sorted(mine, key=lambda s: forward[s])
-        subsets = [tuple(sorted(by_time[:k])) for k in range(1, len(mine) + 1)]
-        subsets = [t for t in subsets if {schedule.actor_of(s) for s in t} == set(actors)]
-    subsets.sort(key=lambda t: (sum(forward[s] for s in t), len(t)))
-    return [t for t in subsets if t != every] + [every]
+        subsets = [t for t in (tuple(sorted(by_time[:k])) for k in range(1, len(mine) + 1)) if covers(t)]
+    every = tuple(mine)
+    return sorted((t for t in subsets if t != every), key=lambda t: (sum(forward[s] for s in t), len(t))) + [every]
+
 
 def stage_loads(seg: SegmentCosts, grouping: Sequence[int]) -> tuple[float, ...]:
     """Per stage, the compute of one microbatch (F + B over its segments)."""
