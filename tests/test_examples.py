@@ -32,6 +32,7 @@ def test_the_minimal_mlp_example_trains_and_matches_jit(capsys):
     assert "losses, gradients and Adam's moments of all 20 steps equal jax.jit's" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_the_gpt_example_with_tensor_parallel_stages_matches_jit():
     """--tensor-parallel 2: each actor a (1, 2) mesh, attention heads and MLP split Megatron-style inside every
     stage; train() asserts its first steps equal jax.jit of the unsharded step on the same inputs: losses, gradients

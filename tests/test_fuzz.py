@@ -34,9 +34,9 @@ DATA = Path(__file__).parent / "data"
 
 @pytest.fixture
 def large(request):
-    """Large budgets run only when asked for (-m slow)."""
-    if "slow" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("large fuzzing budget: run with -m slow")
+    """Large budgets (minutes each) run only when asked for: MPMD_FUZZ_LARGE=1 pytest -m slow tests/test_fuzz.py."""
+    if os.environ.get("MPMD_FUZZ_LARGE") != "1":
+        pytest.skip("large fuzzing budget: run with MPMD_FUZZ_LARGE=1 pytest -m slow tests/test_fuzz.py")
 
 
 def small_budget(n: int) -> settings:

@@ -119,6 +119,7 @@ def test_recovery_rejects_bad_settings_with_a_clear_error():
         mpmd.RemoteMesh.connect(["ipc:///nonexistent"], recover=mpmd.Recovery())
 
 
+@pytest.mark.slow
 def test_actors_killed_back_to_back_one_during_the_recovery_of_the_other_the_loop_ends_bit_identical(uninterrupted):
     got = train(kills=[(6, 0), (7, 1)], recover=mpmd.Recovery(snapshot_every=5))  # the loop does not wait: both go at once
     assert got[3] >= 1
@@ -144,6 +145,7 @@ def test_on_ray_a_killed_ray_actor_is_replaced_in_its_bundle_and_the_loop_ends_b
         ray.shutdown()
 
 
+@pytest.mark.slow
 def test_at_a_rendezvous_a_daemon_restarted_by_the_supervisor_replaces_the_lost_one_and_the_loop_ends_bit_identical(
         uninterrupted, tmp_path):
     """Daemons a cluster started (as srun or a StatefulSet would); the supervisor restarts a killed one with the
@@ -182,6 +184,7 @@ def test_an_actor_killed_before_the_first_step_compiles_is_replaced_and_the_loop
     _assert_identical(got, uninterrupted)
 
 
+@pytest.mark.slow
 def test_with_two_devices_per_actor_a_killed_actor_is_recovered_bit_identical_to_the_same_mesh_uninterrupted():
     def two_devices(**kw):
         return mpmd.RemoteMesh.local(num_actors=2, devices_per_actor=2, **kw)
@@ -199,6 +202,7 @@ def test_an_actor_killed_after_the_last_step_is_recovered_by_the_fetch_and_the_v
     _assert_identical(got, uninterrupted)
 
 
+@pytest.mark.slow
 def test_three_actors_under_gpipe_the_middle_one_killed_the_loop_ends_bit_identical():
     opt = optax.sgd(0.05)
     step = make_train_step(mse_loss(mlp), opt, mpmd.GPipe(num_stages=3))

@@ -301,6 +301,7 @@ sys.exit(max(p.wait() for p in procs))
 """
 
 
+@pytest.mark.slow
 def test_the_sbatch_example_runs_as_written_with_srun_standing_in_for_slurm(tmp_path, keys):
     """examples/cluster/slurm_gpt.sbatch, executed by bash with the batch step's environment; `srun` is a stand-in
     (SLURM cannot run here) that starts the tasks on this machine with SLURM's per-task variables."""

@@ -219,6 +219,7 @@ def _cpu_seconds(pid: int) -> float:
     return total
 
 
+@pytest.mark.slow
 def test_abandoned_slow_compiles_free_their_cores_and_later_compiles_and_saves_are_not_held_up(tmp_path):
     import threading
     import time
