@@ -26,6 +26,7 @@ from mpmd.runtime.controller import note_blocking
 from mpmd.runtime.loader import LoadedLeaf
 from mpmd.runtime.sharding import infer_layouts, layout_to_spec, layout_wire, remote_sharding, tree_specs
 from mpmd.schedules.override import use_schedule
+from mpmd.static_leaves import hide, reveal
 from transport.protocol import dtype_name
 
 log = logging.getLogger(__name__)
@@ -97,8 +98,8 @@ def _is_remote(x: Any) -> bool:
 
 
 def arg_paths(args: tuple[Any, ...]) -> list[str]:
-    """Each flat argument's pytree path, as jax.jit names them: `params['blocks'][3]['w']`."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(args, is_leaf=_is_remote)
+    """Each flat argument's pytree path, as jax.jit names them: `params['blocks'][3]['w']` (static leaves have none)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(hide(args, _is_remote), is_leaf=_is_remote)
     out = []
     for path, _ in flat:
         text = jax.tree_util.keystr(path)  # "[0]['w']": the position in the argument tuple comes first
@@ -123,6 +124,8 @@ class DistributedFunction:
         self.__doc__ = fn.__doc__
 
     def _signature(self, args: tuple[Any, ...]) -> tuple[Any, list[Any], list[jax.ShapeDtypeStruct]]:
+        """(the compile cache's key, the data leaves, their specs); static leaves are in the key's treedef."""
+        args = hide(args, _is_remote)
         leaves, treedef = jax.tree.flatten(args, is_leaf=_is_remote)
         paths = arg_paths(args)
         specs = [_spec(x, path) for x, path in zip(leaves, paths)]
@@ -157,12 +160,12 @@ class DistributedFunction:
     def trace(self, *args: Any) -> Any:
         """The step's jaxpr (with nested calls inlined) for these arguments."""
         _, leaves, specs = self._signature(args)
-        treedef = jax.tree.structure(args, is_leaf=_is_remote)
+        treedef = jax.tree.structure(hide(args, _is_remote), is_leaf=_is_remote)
         out_box: list[Any] = []
 
         def flat(*xs: Any) -> list[Any]:
-            out = self.fn(*jax.tree.unflatten(treedef, xs))
-            leaves_out, tree = jax.tree.flatten(out)
+            out = self.fn(*reveal(jax.tree.unflatten(treedef, xs)))
+            leaves_out, tree = jax.tree.flatten(hide(out))
             out_box.append(tree)
             return leaves_out
 
@@ -341,7 +344,7 @@ class DistributedFunction:
         results = [self._output(plan, j, outs[j], leaves, done) for j in range(plan.num_outputs)]
         if trace is not None:
             trace.expect(done)
-        return jax.tree.unflatten(compiled.out_tree, results), done
+        return reveal(jax.tree.unflatten(compiled.out_tree, results)), done
 
     def _output(self, plan: StepPlan, j: int, ids: dict[int, int], leaves: list[Any], ready: Any) -> Any:
         """Flat step output `j`: a RemoteArray of buffers `ids` made by the step `ready` (None: not handed to

@@ -249,14 +249,6 @@ def test_error_when_the_schedule_needs_more_actors_suggests_several_stages_per_a
         _plan(_step_with(models.mlp, mpmd.GPipe(4)), _args(4), 2)
 
 
-def test_error_for_a_function_leaf_in_the_arguments_names_its_path():
-    params, opt_state, batch = _args(2)
-    params[1]["act"] = jnp.tanh
-    dist = DistributedFunction(_two_stage(models.mlp), FakeMesh(2))
-    with pytest.raises(mpmd.PipelineError, match=r"argument args\[0\]\[1\]\['act'\] is a function"):
-        dist.trace(params, opt_state, batch)
-
-
 def test_accumulate_grads_says_it_sums_when_fn_returns_the_wrong_shape():
     with pytest.raises(mpmd.PipelineError, match=r"must return \(grads, aux\)"):
         jax.make_jaxpr(lambda b: mpmd.accumulate_grads(lambda mb: mb["x"].sum(), b))({"x": jnp.ones((2, 3))})

@@ -1,0 +1,127 @@
+"""Leaves that are not data travel in the step's signature (mpmd/static_leaves.py): a function or a string
+among the arguments, and — as under `eqx.filter_jit` — every non-array leaf of an equinox Module. Each step
+is compared with jax.jit of the same step with those leaves closed over (or with eqx.filter_jit)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import mpmd
+from mpmd.static_leaves import Static, hide, reveal
+from tests.test_pipeline import assert_trees_close
+from tests.test_user_programs import batch_of, mlp2
+
+
+def _step(params, opt_state, batch, act, opt=optax.sgd(0.1)):
+    def mb_grads(mb):
+        def loss(p):
+            h = act(mb["x"] @ p[0]["w"] + p[0]["b"])
+            h = mpmd.pipeline_yield(h)
+            return jnp.mean((h @ p[1]["w"] + p[1]["b"] - mb["y"]) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        return grads, value
+
+    grads, losses = mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.OneFOneB(2))
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, losses
+
+
+def test_a_function_argument_is_static_and_a_new_function_recompiles_like_a_new_static_argnum(mesh2):
+    rng = np.random.default_rng(0)
+    params, batch = mlp2(rng), batch_of(rng)
+    opt_state = optax.sgd(0.1).init(params)
+    dist = mpmd.distributed(_step, mesh=mesh2)
+    for act in (jnp.tanh, jax.nn.relu, jnp.tanh):
+        got = dist(params, opt_state, batch, act)
+        want = jax.jit(functools.partial(_step, act=act))(params, opt_state, batch)
+        assert_trees_close(mpmd.fetch(got), want)
+    assert len(dist._compiled) == 2  # tanh, relu; tanh again is a cache hit
+    assert not any("[3]" in p for p in dist.compile(params, opt_state, batch, jnp.tanh).arg_paths)
+
+
+def test_functions_and_strings_in_the_outputs_come_back_as_they_went_in(mesh2):
+    rng = np.random.default_rng(1)
+    params, batch = mlp2(rng), batch_of(rng)
+    opt = optax.sgd(0.1)
+    config = {"act": jnp.tanh, "name": "run-7"}
+
+    def step(params, opt_state, batch, config):
+        new_params, opt_state, losses = _step(params, opt_state, batch, config["act"])
+        return new_params, opt_state, losses, config
+
+    got = mpmd.distributed(step, mesh=mesh2)(params, opt.init(params), batch, config)
+    assert got[3]["act"] is jnp.tanh and got[3]["name"] == "run-7"
+    assert_trees_close(mpmd.fetch(got[:3]), jax.jit(functools.partial(_step, act=jnp.tanh))(params, opt.init(params), batch))
+
+
+def test_static_values_key_by_equality_and_unhashable_ones_by_identity():
+    a, b = [1], [1]
+    assert jax.tree.structure(hide({"x": "s"})) == jax.tree.structure(hide({"x": "s"}))
+    assert jax.tree.structure(hide({"x": "s"})) != jax.tree.structure(hide({"x": "t"}))
+    sa, sb = jax.tree.structure(Static(a)), jax.tree.structure(Static(b))
+    assert sa != sb and sa == jax.tree.structure(Static(a))  # lists are unhashable: compared by identity
+    hash(sa)
+    tree = {"f": jnp.tanh, "x": np.ones(2), "n": 3}
+    hidden = hide(tree)
+    assert len(jax.tree.leaves(hidden)) == 2  # outside an equinox Module a Python number stays data, as under jax.jit
+    assert reveal(hidden)["f"] is jnp.tanh
+
+
+def test_an_equinox_model_with_activations_dropout_and_int_fields_trains_like_filter_jit(mesh2):
+    """equinox is not a dependency of mpmd: this runs where it is installed."""
+    eqx = pytest.importorskip("equinox")
+
+    class Block(eqx.Module):
+        mlp: eqx.nn.MLP
+        drop: eqx.nn.Dropout
+        heads: int  # not marked static: eqx.filter_jit keeps it static all the same
+
+        def __call__(self, x, key):
+            x = self.drop(self.mlp(x), key=key)
+            return x.reshape(self.heads, -1).sum(0)
+
+    class Model(eqx.Module):
+        a: Block
+        b: eqx.nn.MLP
+
+        def __call__(self, x, key):
+            return self.b(mpmd.pipeline_yield(self.a(x, key)))[0]
+
+    k = jax.random.split(jax.random.PRNGKey(0), 2)
+    model = Model(Block(eqx.nn.MLP(8, 16, 16, 2, key=k[0]), eqx.nn.Dropout(0.1), 2), eqx.nn.MLP(8, 1, 16, 2, key=k[1]))
+    opt = optax.adam(1e-2)
+    rng = np.random.default_rng(2)
+    batch = {"x": rng.normal(size=(4, 6, 8)).astype(np.float32), "y": rng.normal(size=(4, 6)).astype(np.float32),
+             "key": jax.random.split(jax.random.PRNGKey(1), 4)}
+
+    def step(model, opt_state, batch):
+        def mb_grads(mb):
+            @eqx.filter_value_and_grad
+            def loss(m):
+                keys = jax.random.split(mb["key"], mb["x"].shape[0])
+                return jnp.mean((jax.vmap(m)(mb["x"], keys) - mb["y"]) ** 2)
+
+            value, grads = loss(model)
+            return grads, value
+
+        grads, losses = mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.OneFOneB(2))
+        updates, opt_state = opt.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, losses
+
+    ref, dist = eqx.filter_jit(step), mpmd.distributed(step, mesh=mesh2)
+    r = d = (model, opt.init(eqx.filter(model, eqx.is_array)))
+    for _ in range(3):
+        r_out, d_out = ref(*r, batch), dist(*d, batch)
+        assert d_out[0].a.mlp.activation is model.a.mlp.activation and d_out[0].a.heads == 2
+        got, want = eqx.filter(mpmd.fetch(d_out), eqx.is_array), eqx.filter(r_out, eqx.is_array)
+        assert_trees_close(got, want)
+        r, d = r_out[:2], d_out[:2]
+    # inference mode is a new static value: a new compile, dropout off, still equal to filter_jit
+    inference = eqx.nn.inference_mode(d[0])
+    got = dist(inference, d[1], batch)[2]
+    np.testing.assert_allclose(mpmd.fetch(got), ref(eqx.nn.inference_mode(r[0]), r[1], batch)[2], rtol=1e-5, atol=1e-6)
