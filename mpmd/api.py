@@ -84,7 +84,8 @@ def _close_over_inputs(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, list[Any]]:
     return ClosedJaxpr(body, keep_vals), lifted_vals
 
 
-def distributed(fn: Callable[..., Any] | None = None, *, mesh: Any, in_shardings: Any = None, out_shardings: Any = None) -> Any:
+def distributed(fn: Callable[..., Any] | None = None, *, mesh: Any, in_shardings: Any = None, out_shardings: Any = None,
+                static_argnums: Any = (), static_argnames: Any = ()) -> Any:
     """Decorator: run a training step as an MPMD pipeline on `mesh`'s actors.
 
     The step must call `accumulate_grads` once, with a schedule. It is traced once per input signature
@@ -97,9 +98,13 @@ def distributed(fn: Callable[..., Any] | None = None, *, mesh: Any, in_shardings
     refers to the actor mesh too. Every stage task is compiled for its inputs' layouts, so XLA inserts the
     collectives jax.jit would.
 
+    `static_argnums` / `static_argnames` are jax.jit's: those arguments (hashable) key the compile cache and
+    reach the step as Python values. Functions and strings among the arguments, and every non-array leaf of an
+    equinox Module (as under `eqx.filter_jit`), are static without being named.
+
         @mpmd.distributed(mesh=mesh)
         def train_step(params, opt_state, batch): ...
     """
     if fn is None:
-        return lambda f: DistributedFunction(f, mesh, in_shardings, out_shardings)
-    return DistributedFunction(fn, mesh, in_shardings, out_shardings)
+        return lambda f: DistributedFunction(f, mesh, in_shardings, out_shardings, static_argnums, static_argnames)
+    return DistributedFunction(fn, mesh, in_shardings, out_shardings, static_argnums, static_argnames)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import itertools
 import logging
 import time
@@ -26,7 +27,7 @@ from mpmd.runtime.controller import note_blocking
 from mpmd.runtime.loader import LoadedLeaf
 from mpmd.runtime.sharding import infer_layouts, layout_to_spec, layout_wire, remote_sharding, tree_specs
 from mpmd.schedules.override import use_schedule
-from mpmd.static_leaves import hide, reveal
+from mpmd.static_leaves import Static, hide, reveal
 from transport.protocol import dtype_name
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,29 @@ def _is_remote(x: Any) -> bool:
     return isinstance(x, RemoteArray)
 
 
+def _static_argnums(fn: Callable[..., Any], argnums: Any, argnames: Any) -> frozenset[int]:
+    """jax.jit's static_argnums and static_argnames as one set of positions (names through fn's signature)."""
+    nums = {argnums} if isinstance(argnums, int) else set(argnums or ())
+    names = [argnames] if isinstance(argnames, str) else list(argnames or ())
+    if names:
+        params = list(inspect.signature(fn).parameters)
+        for name in names:
+            if name not in params:
+                raise PipelineError(f"static_argnames names {name!r}, which is not a parameter of "
+                                    f"{getattr(fn, '__name__', 'the step')} (its parameters: {params})")
+            nums.add(params.index(name))
+    return frozenset(nums)
+
+
+def _static_arg(i: int, value: Any) -> Static:
+    try:
+        hash(value)
+    except TypeError:
+        raise PipelineError(f"static argument args[{i}] is a {type(value).__name__}, which is not hashable: static arguments "
+                            "key the compile cache, as under jax.jit (pass a tuple, or a frozen dataclass)") from None
+    return Static(value)
+
+
 def arg_paths(args: tuple[Any, ...]) -> list[str]:
     """Each flat argument's pytree path, as jax.jit names them: `params['blocks'][3]['w']` (static leaves have none)."""
     flat, _ = jax.tree_util.tree_flatten_with_path(hide(args, _is_remote), is_leaf=_is_remote)
@@ -110,11 +134,13 @@ def arg_paths(args: tuple[Any, ...]) -> list[str]:
 class DistributedFunction:
     """What `mpmd.distributed` returns. Call it like the original function."""
 
-    def __init__(self, fn: Callable[..., Any], mesh: Any, in_shardings: Any = None, out_shardings: Any = None) -> None:
+    def __init__(self, fn: Callable[..., Any], mesh: Any, in_shardings: Any = None, out_shardings: Any = None,
+                 static_argnums: Any = (), static_argnames: Any = ()) -> None:
         self.fn = fn
         self.mesh = mesh
         self.in_shardings = in_shardings
         self.out_shardings = out_shardings
+        self.static_argnums = _static_argnums(fn, static_argnums, static_argnames)
         self._compiled: dict[Any, CompiledStep] = {}
         self._compiling: dict[Any, Any] = {}  # signature -> future of a compile running in a worker (call_async)
         self._cancelled: set[int] = set()  # steps aborted because their await was cancelled
@@ -123,9 +149,30 @@ class DistributedFunction:
         self.__wrapped__ = fn
         self.__doc__ = fn.__doc__
 
+    def _hidden(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """`args` with the static arguments and static leaves as Static nodes (mpmd/static_leaves.py)."""
+        if self.static_argnums:
+            n = len(args)
+            static = {i % n for i in self.static_argnums if -n <= i < n}
+            args = tuple(_static_arg(i, a) if i in static else a for i, a in enumerate(args))
+        return hide(args, _is_remote)
+
+    def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """Keyword arguments bound to their positions in the step's signature (a compiled step takes positions)."""
+        if not kwargs:
+            return args
+        try:
+            bound = inspect.signature(self.fn).bind(*args, **kwargs)
+        except (TypeError, ValueError) as e:
+            raise PipelineError(f"cannot bind the arguments of {getattr(self.fn, '__name__', 'the step')}: {e}") from None
+        if bound.kwargs:
+            raise PipelineError(f"keyword-only argument(s) {sorted(bound.kwargs)} of {getattr(self.fn, '__name__', 'the step')}: "
+                                "a distributed step takes its arguments by position; make them positional or close over them")
+        return bound.args
+
     def _signature(self, args: tuple[Any, ...]) -> tuple[Any, list[Any], list[jax.ShapeDtypeStruct]]:
         """(the compile cache's key, the data leaves, their specs); static leaves are in the key's treedef."""
-        args = hide(args, _is_remote)
+        args = self._hidden(args)
         leaves, treedef = jax.tree.flatten(args, is_leaf=_is_remote)
         paths = arg_paths(args)
         specs = [_spec(x, path) for x, path in zip(leaves, paths)]
@@ -160,7 +207,7 @@ class DistributedFunction:
     def trace(self, *args: Any) -> Any:
         """The step's jaxpr (with nested calls inlined) for these arguments."""
         _, leaves, specs = self._signature(args)
-        treedef = jax.tree.structure(hide(args, _is_remote), is_leaf=_is_remote)
+        treedef = jax.tree.structure(self._hidden(args), is_leaf=_is_remote)
         out_box: list[Any] = []
 
         def flat(*xs: Any) -> list[Any]:
@@ -190,7 +237,7 @@ class DistributedFunction:
         t1 = time.perf_counter()
         ids = [self.mesh.executables.new_program_id()] * len(plan.programs)  # one id: transfer keys (program, step, tag) must agree
         loaded = self._lower_and_ship(plan, ids, sig[2], out_tree)
-        compiled = self._compiled[sig] = CompiledStep(plan, ids, out_tree, time.perf_counter() - t0, arg_paths(args), loaded)
+        compiled = self._compiled[sig] = CompiledStep(plan, ids, out_tree, time.perf_counter() - t0, arg_paths(self._hidden(args)), loaded)
         log.info("compiled step: planned in %.2f s; %d executables lowered here, compiled on %d actors in parallel; %.2f s in all",
                  t1 - t0, len(plan.templates), len(plan.programs), compiled.compile_seconds)
         return compiled
@@ -277,6 +324,7 @@ class DistributedFunction:
         """The same step on the same mesh with `schedule` in place of the one its `accumulate_grads` names
         (compiled afresh on first call), e.g. `step.with_schedule(mpmd.ZeroBubbleH1(4, balance="auto"))`."""
         other = DistributedFunction(self.fn, self.mesh, self.in_shardings, self.out_shardings)
+        other.static_argnums = self.static_argnums
         other.schedule = schedule
         return other
 
@@ -294,13 +342,14 @@ class DistributedFunction:
         """The per-actor instruction lists for these arguments, one line per instruction."""
         return str(self.compile(*args).plan)
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Dispatch one step and return its outputs at once, as RemoteArrays (like jax.jit's asynchronous
         dispatch): the next call is sent while this one runs, and an error surfaces at the first fetch or
         `block_until_ready()` of an output, or at the next call, naming the step. From a coroutine, await
         `call_async` instead: a first call compiles, which would hold the caller's event loop. On a mesh made with
         `recover=mpmd.Recovery(...)` the call is logged and a lost actor is recovered from (mpmd.runtime.recovery)."""
         self._raise_unseen_error()
+        args = self._bind(args, kwargs)
         recovery = getattr(self.mesh, "recovery", None)
         if recovery is not None:
             return recovery.call(self, args)
@@ -358,7 +407,7 @@ class DistributedFunction:
             return leaves[val]
         return np.asarray(val)
 
-    async def call_async(self, *args: Any) -> Any:
+    async def call_async(self, *args: Any, **kwargs: Any) -> Any:
         """Awaitable twin of `step(*args)`, for the caller's own event loop: dispatches the step the same way
         and returns its RemoteArrays once the actors' requests are sent. A first call per signature traces,
         plans and lowers in a worker thread (calls awaiting the same signature share that compile), so the
@@ -372,6 +421,7 @@ class DistributedFunction:
         On a recovering mesh the call goes through the recovery's log, like `step(*args)`, in a worker thread.
         """
         self._raise_unseen_error()
+        args = self._bind(args, kwargs)
         recovery = getattr(self.mesh, "recovery", None)
         if recovery is not None:
             return await off_loop(lambda: recovery.call(self, args))

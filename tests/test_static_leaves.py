@@ -125,3 +125,46 @@ def test_an_equinox_model_with_activations_dropout_and_int_fields_trains_like_fi
     inference = eqx.nn.inference_mode(d[0])
     got = dist(inference, d[1], batch)[2]
     np.testing.assert_allclose(mpmd.fetch(got), ref(eqx.nn.inference_mode(r[0]), r[1], batch)[2], rtol=1e-5, atol=1e-6)
+
+
+def _scaled_step(params, opt_state, batch, scale, train, opt=optax.sgd(0.1)):
+    def mb_grads(mb):
+        def loss(p):
+            h = jnp.tanh(mb["x"] @ p[0]["w"] + p[0]["b"])
+            if train:  # a Python bool: only a static argument can steer Python control flow
+                h = h * scale
+            h = mpmd.pipeline_yield(h)
+            return jnp.mean((h @ p[1]["w"] + p[1]["b"] - mb["y"]) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        return grads, value
+
+    grads, losses = mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.GPipe(2))
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, losses
+
+
+@pytest.mark.parametrize("how", ["argnums", "argnames"])
+def test_static_argnums_and_argnames_steer_python_control_flow_like_jax_jit(mesh2, how):
+    rng = np.random.default_rng(3)
+    params, batch = mlp2(rng), batch_of(rng)
+    opt_state = optax.sgd(0.1).init(params)
+    kw = {"static_argnums": (4,)} if how == "argnums" else {"static_argnames": "train"}
+    ref = jax.jit(_scaled_step, **kw)
+    dist = mpmd.distributed(_scaled_step, mesh=mesh2, **kw)
+    for train in (True, False):
+        got = dist(params, opt_state, batch, np.float32(0.5), train=train)  # by keyword, bound to its position
+        assert_trees_close(mpmd.fetch(got), ref(params, opt_state, batch, np.float32(0.5), train))
+    assert len(dist._compiled) == 2
+
+
+def test_unhashable_static_arguments_and_unknown_names_are_refused_naming_them(mesh2):
+    with pytest.raises(mpmd.PipelineError, match="static_argnames names 'training'.*its parameters"):
+        mpmd.distributed(_scaled_step, mesh=mesh2, static_argnames="training")
+    rng = np.random.default_rng(4)
+    params, batch = mlp2(rng), batch_of(rng)
+    dist = mpmd.distributed(_scaled_step, mesh=mesh2, static_argnums=(3, 4))
+    with pytest.raises(mpmd.PipelineError, match=r"static argument args\[3\] is a list, which is not hashable"):
+        dist(params, optax.sgd(0.1).init(params), batch, [0.5], True)
+    with pytest.raises(mpmd.PipelineError, match="cannot bind the arguments of _scaled_step"):
+        dist(params, optax.sgd(0.1).init(params), batch, 0.5, True, bogus=1)
