@@ -151,7 +151,8 @@ def rescaled(costs: Costs, stages: int) -> Costs:
     if not split:
         tasks.update({(st, kind): tuple(x / 2 for x in xs) for (st, kd), xs in list(tasks.items()) if kd == "B" for kind in "IW"})
     return Costs(F=per(costs.F), B=b, I=per(costs.I) if split else tuple(x / 2 for x in b), W=per(costs.W) if split else tuple(x / 2 for x in b),
-                 latency=costs.latency, bandwidth=costs.bandwidth, other=costs.other, gap=costs.gap, overhead=costs.overhead, routes=costs.routes,
+                 latency=costs.latency, bandwidth=costs.bandwidth, other=costs.other, gap=costs.gap, overhead=costs.overhead, lead=costs.lead,
+                 tail=costs.tail, routes=costs.routes,
                  empirical=Empirical(tuple(sorted(tasks.items())), emp.gaps, emp.hops))
 
 

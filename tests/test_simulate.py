@@ -547,3 +547,31 @@ def test_fit_costs_separates_a_per_run_overhead_where_fused_and_single_task_runs
     assert single.overhead == 0 and single.F == pytest.approx((f + o,)) and single.B == pytest.approx((b + o,))
     # per_run=False: the old model (tasks absorb the overhead), as profile_costs wants it
     assert fit_costs(trace_of(["0F0", "0B0+0F1", "0B1"]), 1, per_run=False).overhead == 0
+
+
+def test_fit_costs_recovers_the_steps_lead_and_tail_and_the_simulated_step_spans_the_traced_window():
+    """The synthetic step shifted 0.7 ms after its start, ending 1.3 ms after its last Run: fit_costs finds both;
+    simulating the same Programs on the fit gives the traced window, and lead and tail count as every actor's idle."""
+    from mpmd.observe.trace import fit_costs
+
+    task_ms = {(0, "F"): 1.0, (0, "B"): 2.0, (1, "F"): 1.5, (1, "B"): 2.5}
+    trace = synthetic_trace(task_ms, [0.0], {(0, 1): (2e-4, 1e9)})
+    lead, tail = 7e-4, 1.3e-3
+    for a, x in trace.steps[0].items():
+        x.runs = [type(r)(r.label, r.waited_from + lead, r.ready + lead, r.start + lead, r.end + lead) for r in x.runs]
+        x.transfers = [type(t)(t.kind, t.label, t.peer, t.nbytes, t.start + lead, t.end + lead, t.tag) for t in x.transfers]
+    end = max(r.end for x in trace.steps[0].values() for r in x.runs) + tail
+    for x in trace.steps[0].values():
+        x.end = end
+    costs = fit_costs(trace, num_stages=2)
+    assert costs.lead == pytest.approx(lead) and costs.tail == pytest.approx(tail)
+    bare = Costs(F=(1e-3, 1.5e-3), B=(2e-3, 2.5e-3), latency=2e-4)
+    with_ends = Costs(F=(1e-3, 1.5e-3), B=(2e-3, 2.5e-3), latency=2e-4, lead=lead, tail=tail)
+    schedule = mpmd.OneFOneB(2)
+    a, b = mpmd.simulate(schedule, 4, bare), mpmd.simulate(schedule, 4, with_ends)
+    assert b.step_time == pytest.approx(a.step_time + lead + tail)
+    assert b.timeline[0][0][0] == pytest.approx(a.timeline[0][0][0] + lead)
+    for x, y in zip(a.bubble_per_actor, b.bubble_per_actor):  # the same busy time over a longer step
+        assert (1 - y) * b.step_time == pytest.approx((1 - x) * a.step_time)
+    with pytest.raises(ValueError, match="Costs.tail must be >= 0"):
+        Costs(tail=-1.0)

@@ -205,7 +205,8 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
     `per_run`, one `overhead` that every Run pays whatever it computes — fitted only where the step has Runs
     of different task counts, e.g. 1F1B's fused B+F beside its single warm-up Fs, else 0 and folded into the
     task times), the cost of Runs that do no task (`other`), the runtime's `gap` before each Run (mean time
-    from could-start to start), and a transfer latency and bandwidth from the transfers."""
+    from could-start to start), the step's `lead` and `tail` (idle before the first Run anywhere and after the
+    last), and a transfer latency and bandwidth from the transfers."""
     import numpy as np
 
     from mpmd.schedules.montecarlo import Empirical
@@ -262,6 +263,12 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
             (small if t.nbytes <= 1 << 16 else big).append((d, t.nbytes))
             per_route.setdefault((t.peer, a), []).append((d, t.nbytes))
     routes, residuals = _fit_routes(per_route)
+    # Lead and tail: from the step's start until the first Run anywhere starts, and from the last Run's end
+    # until the step ends (requests and inputs arriving; the last sends and the replies).
+    w0, w1 = trace.window(step)
+    runs = [r for x in steps.values() for r in x.runs]
+    lead = max(0.0, min(r.start for r in runs) - w0) if runs else 0.0
+    tail = max(0.0, w1 - max(r.end for r in runs)) if runs else 0.0
     # The distributions the Monte Carlo simulator draws from: every single-task Run's duration, every gap.
     task_samples: dict[tuple[int, str], list[float]] = {}
     for x in steps.values():
@@ -275,7 +282,8 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
     slow = [(d - latency, n) for d, n in big if d > latency]
     bandwidth = sum(n for _, n in slow) / sum(d for d, _ in slow) if slow else float("inf")
     return Costs(F=per["F"], B=per["B"], I=per["I"], W=per["W"], other=max(0.0, float(np.median(other)) - overhead) if other else 0.0,
-                 latency=max(latency, 0.0), bandwidth=bandwidth, gap=gap, overhead=overhead, routes=routes, empirical=empirical)
+                 latency=max(latency, 0.0), bandwidth=bandwidth, gap=gap, overhead=overhead, lead=lead, tail=tail, routes=routes,
+                 empirical=empirical)
 
 
 def _fit_routes(per_route: dict[tuple[int, int], list[tuple[float, int]]]) -> tuple[tuple, dict[tuple[int, int], list[float]]]:

@@ -44,8 +44,8 @@ class SegmentCosts:
     """Per-segment task times (seconds, or any one unit), one entry per segment: `F`, `B` (a whole backward),
     and `I`, `W` (the split backward; zeros when unknown, then taken as half of B each); the bytes crossing the
     boundary after each segment (`activation_bytes`, one per segment, the last one unused); and the runtime's
-    costs that do not depend on the grouping (`latency`, `bandwidth`, `gap`, `overhead`, `other`, as in
-    `Costs`). `source` says where the times come from ("xla cost analysis", "measured on the actors").
+    costs that do not depend on the grouping (`latency`, `bandwidth`, `gap`, `overhead`, `other`, `lead`,
+    `tail`, as in `Costs`). `source` says where the times come from ("xla cost analysis", "measured on the actors").
     `run_overhead`: the part of every task time above that is the cost of running one Run, whatever it computes
     (measured: segments timed one Run each add up to more than the same segments fused into one Run); a stage
     of k segments pays it once per task, not k times, and it does not grow with the microbatch. `split_overhead`:
@@ -61,6 +61,8 @@ class SegmentCosts:
     gap: float = 0.0
     overhead: float = 0.0
     other: float = 0.0
+    lead: float = 0.0
+    tail: float = 0.0
     source: str = ""
     microbatch_rows: int = field(default=0, compare=False)
     run_overhead: float = 0.0
@@ -175,7 +177,7 @@ def group_costs(seg: SegmentCosts, grouping: Sequence[int]) -> Costs:
     c, d = seg.run_overhead, seg.split_overhead
     return Costs(F=total(seg.F, c), B=total(seg.B, c), I=total(seg.I, d), W=total(seg.W, d),
                  activation_bytes=tuple(seg.activation_bytes[g[-1]] for g in gs), latency=seg.latency, bandwidth=seg.bandwidth,
-                 gap=seg.gap, overhead=seg.overhead, other=seg.other)
+                 gap=seg.gap, overhead=seg.overhead, other=seg.other, lead=seg.lead, tail=seg.tail)
 
 
 def remat_costs(costs: Costs, stages: Sequence[int], split: bool) -> Costs:

@@ -123,7 +123,7 @@ def simulate_monte_carlo(programs: list[Program], costs: Any, runs: int = 100, s
         if rep.stuck:
             check_programs(programs)
             raise PipelineError("internal: programs got stuck on a cost model but not on unit costs")
-        step = max(rep.end.values(), default=0.0)
+        step = max(rep.end.values(), default=0.0) + costs.lead + costs.tail  # idle for every actor (see Costs)
         step_times.append(step)
         per = []
         for a, prog in enumerate(programs):

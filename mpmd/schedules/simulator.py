@@ -40,7 +40,9 @@ class Costs:
     each stage; a number or one per stage), a Program's the bytes of its Recv's dtype and shape. `overhead`
     is added to every Run (as busy time); `gap` is idle time before every Run starts (the runtime's dispatch
     and argument handling: not compute, so it counts toward the bubble); Runs of a step phase (pre, post,
-    stack, ...) cost `other`. The default is the unit model F=1, B=2, I=W=1 with free transfers."""
+    stack, ...) cost `other`. `lead` is idle time before any actor can start its first Run (the step's request
+    and inputs arriving) and `tail` idle time after the last Run ends (the last sends, the replies): both add to
+    the step and to every actor's bubble. The default is the unit model F=1, B=2, I=W=1 with free transfers."""
 
     F: PerStage = 1.0
     B: PerStage = 2.0
@@ -52,6 +54,8 @@ class Costs:
     overhead: float = 0.0
     other: float = 0.0
     gap: float = 0.0
+    lead: float = 0.0
+    tail: float = 0.0
     routes: tuple[tuple[tuple[int, int], tuple[float, float]], ...] = ()  # ((src, dst), (latency, bandwidth)) per actor pair
     empirical: Empirical | None = None  # measured samples, for simulate_monte_carlo (mpmd.schedules.montecarlo)
 
@@ -63,7 +67,7 @@ class Costs:
                 raise ValueError(f"Costs.{name} must be a non-negative number or a sequence of them (one per stage), got {v!r}")
             if isinstance(v, Sequence):
                 object.__setattr__(self, name, tuple(float(x) for x in v))
-        for name in ("latency", "overhead", "other", "gap"):
+        for name in ("latency", "overhead", "other", "gap", "lead", "tail"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Costs.{name} must be >= 0, got {getattr(self, name)!r}")
         if not self.bandwidth > 0:
@@ -210,8 +214,12 @@ def _peak_activations(rows: Sequence[Sequence[Task]]) -> tuple[int, ...]:
 
 
 def _result(name: str, spans: list[list[Span]], rows: list[list[Task]], transfers: list[tuple[int, int, float, float, str]],
-            peak_bytes: tuple[int, ...] | None = None) -> SimResult:
-    step = max((e for row in spans for _, e, _ in row), default=0.0)
+            peak_bytes: tuple[int, ...] | None = None, costs: Costs | None = None) -> SimResult:
+    lead, tail = (costs.lead, costs.tail) if costs is not None else (0.0, 0.0)
+    if lead:
+        spans = [[(s + lead, e + lead, label) for s, e, label in row] for row in spans]
+        transfers = [(a, b, s + lead, e + lead, label) for a, b, s, e, label in transfers]
+    step = max((e for row in spans for _, e, _ in row), default=0.0) + tail
     bubbles = tuple(1.0 - sum(e - s for s, e, _ in row) / step if step > 0 else 0.0 for row in spans)
     return SimResult(step, bubbles, _peak_activations(rows), tuple(tuple(r) for r in spans), tuple(transfers), peak_bytes, name)
 
@@ -244,7 +252,7 @@ def simulate(schedule: Schedule, num_microbatches: int, costs: Costs | None = No
                 a, b = schedule.actor_of(d.stage), schedule.actor_of(t.stage)
                 if a != b:
                     transfers.append((a, b, run.end[d], run.end[d] + transfer(d, t), f"{d}->{t}"))
-    return _result(str(schedule), spans, table, transfers)
+    return _result(str(schedule), spans, table, transfers, costs=costs)
 
 
 def _recv_bytes(recv: Recv) -> int:
@@ -316,4 +324,4 @@ def simulate_programs(programs: list[Program], costs: Costs | None = None, name:
             peak = max(peak, live)
         peaks.append(peak)
     known = any(p.buffer_bytes for p in programs)  # without the compiler's sizes, peak bytes are unknown, not 0
-    return _result(name, spans, rows, transfers, tuple(peaks) if known else None)
+    return _result(name, spans, rows, transfers, tuple(peaks) if known else None, costs)
