@@ -11,7 +11,9 @@ Then predictions that are not fitted to the run they predict: the Monte Carlo si
 (mpmd.schedules.montecarlo: task times, gaps and hop residuals drawn from the trace's own distributions, hops
 per route as latency + bytes / bandwidth) predicts each run's step time and bubble; and costs fitted on 1F1B
 with m microbatches predict every other schedule and 1F1B with 2m (per-stage costs split evenly when a
-schedule has more stages; I = W = B / 2 where the fit saw no split backward).
+schedule has more stages; I = W = B / 2 where the fit saw no split backward) — and, for the schedules that
+split the backward, the same costs with I and W taken from ZB-H1's trace (two traced configurations, as the
+tuner profiles a fused and a split variant).
 
     python -m benchmarks.schedules [--actors 2,4] [--out benchmarks/out] [--steps 5]
 """
@@ -19,6 +21,7 @@ schedule has more stages; I = W = B / 2 where the fit saw no split backward).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import pathlib
@@ -28,6 +31,7 @@ import time
 import numpy as np
 
 import mpmd
+from mpmd.compiler.program import Run
 from mpmd.observe.trace import as_sim_result, fit_costs, measured_bubbles
 from mpmd.schedules.draw import draw_stacked
 from mpmd.schedules.montecarlo import Empirical, simulate_monte_carlo
@@ -167,11 +171,31 @@ def cross_config(gpt, rows: list[dict], args: argparse.Namespace, out: pathlib.P
         args2 = argparse.Namespace(**{**vars(args), "microbatches": 2 * args.microbatches})
         with mpmd.RemoteMesh.local(num_actors=n, cpus_per_actor=1 if n <= len(os.sched_getaffinity(0)) else None) as mesh:
             targets.append(run_one(gpt, mesh, "OneFOneB", n, n, args2, out))
+        zb = next((r for r in rows if r["actors"] == n and r["schedule"] == "ZeroBubbleH1"), None)
+        both = with_split_from(base["costs"], zb["costs"]) if zb is not None else None
         for r in targets:
             pred = simulate_monte_carlo(r["programs"], rescaled(base["costs"], r["stages"]), runs=100)
-            print(f"  {r['schedule']:22s} m={r['microbatches']:2d}  step predicted {pred.step_time * 1e3:8.2f} ms measured "
-                  f"{r['traced_ms']:8.2f} ms ({pred.step_time * 1e3 / r['traced_ms']:.2f}x)  bubble predicted {pred.bubble:.3f} "
-                  f"measured {r['bubble_mean']:.3f}", flush=True)
+            line = (f"  {r['schedule']:22s} m={r['microbatches']:2d}  step predicted {pred.step_time * 1e3:8.2f} ms measured "
+                    f"{r['traced_ms']:8.2f} ms ({pred.step_time * 1e3 / r['traced_ms']:.2f}x)  bubble predicted {pred.bubble:.3f} "
+                    f"measured {r['bubble_mean']:.3f}")
+            if both is not None and r is not zb and splits_backward(r["programs"]):
+                p2 = simulate_monte_carlo(r["programs"], rescaled(both, r["stages"]), runs=100)
+                line += f"; with I/W from ZB-H1's trace {p2.step_time * 1e3:8.2f} ms ({p2.step_time * 1e3 / r['traced_ms']:.2f}x)"
+            print(line, flush=True)
+
+
+def splits_backward(programs: list) -> bool:
+    """Do these Programs run split-backward (I, W) tasks?"""
+    return any(t.kind in ("I", "W") for p in programs for ins in p.instructions if isinstance(ins, Run) for t in ins.label.tasks)
+
+
+def with_split_from(costs: Costs, split: Costs) -> Costs:
+    """`costs` (a fit without a split backward) with I and W, and their samples, from `split` (a fit of the
+    same stages with one)."""
+    emp, other = costs.empirical or Empirical(), split.empirical or Empirical()
+    tasks = {k: v for k, v in emp.tasks if k[1] not in ("I", "W")}
+    tasks.update({k: v for k, v in other.tasks if k[1] in ("I", "W")})
+    return dataclasses.replace(costs, I=split.I, W=split.W, empirical=Empirical(tuple(sorted(tasks.items())), emp.gaps, emp.hops))
 
 
 if __name__ == "__main__":

@@ -61,7 +61,19 @@ def accumulate_grads(fn: Callable[[Any], tuple[Any, Any]], batch: Any, schedule:
         out_tree.append((g[1], aux[1], len(g[0])))
         return [*g[0], *aux[0]]
 
-    body, consts = _close_over_inputs(jax.make_jaxpr(flat_fn)(*mb_specs))
+    try:
+        closed = jax.make_jaxpr(flat_fn)(*mb_specs)
+    except ValueError as e:
+        if "different trace level" not in str(e):
+            raise
+        # flax nnx refuses a Module made outside the microbatch function's own trace (it would leak state).
+        raise PipelineError(
+            "the function given to accumulate_grads uses a flax nnx Module it closes over (nnx refuses graph nodes "
+            "from another trace level: the microbatch function is traced on its own). Pass the model's state in "
+            "functionally: `graphdef, params = nnx.split(model, nnx.Param)` outside, "
+            "`model = nnx.merge(graphdef, params)` inside the loss, and `jax.value_and_grad` over `params` "
+            f"(as examples/gpt.py does). nnx said: {str(e).splitlines()[0]}") from e
+    body, consts = _close_over_inputs(closed)
     g_tree, aux_tree, n_grads = out_tree[-1]
     outs = accumulate_p.bind(*leaves, *consts, body=body, num_mb_leaves=len(leaves), num_grads=n_grads,
                              num_microbatches=m, schedule=schedule)

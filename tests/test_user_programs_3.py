@@ -360,3 +360,22 @@ def test_closing_a_mesh_after_a_failed_step_leaves_no_pending_tasks(caplog):
     assert not [t for t in asyncio.all_tasks(mesh._io.loop) if not t.done()]  # each would warn when collected
     gc.collect()
     assert "Task was destroyed but it is pending" not in caplog.text
+
+
+def test_an_nnx_module_closed_over_by_the_microbatch_function_is_refused_saying_how_to_pass_it():
+    """nnx refuses a Module from another trace level inside nnx.value_and_grad; accumulate_grads traces the
+    microbatch function on its own, so the mutable style fails even under jax.jit: the error says what to write."""
+    from flax import nnx
+
+    model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+    batch = {"x": np.ones((2, 3, 4), np.float32), "y": np.ones((2, 3, 1), np.float32)}
+
+    def step(model, batch):
+        def mb_grads(mb):
+            loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(mb["x"]) - mb["y"]) ** 2))(model)
+            return grads, loss
+
+        return mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.GPipe(1))
+
+    with pytest.raises(PipelineError, match=r"flax nnx Module it closes over.*nnx.split\(model, nnx.Param\)"):
+        jax.jit(step)(model, batch)
