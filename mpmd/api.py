@@ -63,7 +63,7 @@ def accumulate_grads(fn: Callable[[Any], tuple[Any, Any]], batch: Any, schedule:
 
     try:
         closed = jax.make_jaxpr(flat_fn)(*mb_specs)
-    except ValueError as e:
+    except Exception as e:  # nnx raises ValueError or flax.errors.TraceContextError (a mutation), naming the level
         if "different trace level" not in str(e):
             raise
         # flax nnx refuses a Module made outside the microbatch function's own trace (it would leak state).

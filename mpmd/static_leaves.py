@@ -67,12 +67,13 @@ jax.tree_util.register_pytree_node(Static, lambda s: ((), _Key(s.value)), lambda
 
 
 def _is_data(x: Any) -> bool:
-    """An array or something that becomes one (a RemoteArray, a loaded leaf, a tracer, a numpy scalar)."""
-    return hasattr(x, "shape") and hasattr(x, "dtype")
+    """An array or something that becomes one (a RemoteArray, a loaded leaf, a tracer, a numpy scalar); not a
+    class such as `np.float32` (which has `shape` and `dtype` attributes too)."""
+    return not isinstance(x, type) and hasattr(x, "shape") and hasattr(x, "dtype")
 
 
 def _static_anywhere(x: Any) -> bool:
-    return isinstance(x, str) or (callable(x) and not _is_data(x))
+    return isinstance(x, (str, type)) or (callable(x) and not _is_data(x))
 
 
 def hide(tree: Any, is_leaf: Any = None) -> Any:

@@ -77,9 +77,6 @@ class CompiledStep:
 def _spec(x: Any, path: str) -> jax.ShapeDtypeStruct:
     if isinstance(x, (RemoteArray, LoadedLeaf)):
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
-    if callable(x) and not hasattr(x, "shape"):
-        raise PipelineError(f"argument {path} is a function ({x!r:.60}), not an array: a distributed step, like jax.jit, takes "
-                            "arrays and pytrees of arrays; close over the function instead (or use functools.partial)")
     try:
         x = host_value(x)
         if not is_key(x.dtype):
@@ -103,10 +100,11 @@ def _static_argnums(fn: Callable[..., Any], argnums: Any, argnames: Any) -> froz
     nums = {argnums} if isinstance(argnums, int) else set(argnums or ())
     names = [argnames] if isinstance(argnames, str) else list(argnames or ())
     if names:
-        params = list(inspect.signature(fn).parameters)
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        params = [p.name for p in inspect.signature(fn).parameters.values() if p.kind in kinds]  # a step takes positions
         for name in names:
             if name not in params:
-                raise PipelineError(f"static_argnames names {name!r}, which is not a parameter of "
+                raise PipelineError(f"static_argnames names {name!r}, which is not a positional parameter of "
                                     f"{getattr(fn, '__name__', 'the step')} (its parameters: {params})")
             nums.add(params.index(name))
     return frozenset(nums)
@@ -122,8 +120,9 @@ def _static_arg(i: int, value: Any) -> Static:
 
 
 def arg_paths(args: tuple[Any, ...]) -> list[str]:
-    """Each flat argument's pytree path, as jax.jit names them: `params['blocks'][3]['w']` (static leaves have none)."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(hide(args, _is_remote), is_leaf=_is_remote)
+    """Each flat argument's pytree path, as jax.jit names them: `params['blocks'][3]['w']`; `args` with its static
+    leaves hidden (DistributedFunction._hidden), which have none."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(args, is_leaf=_is_remote)
     out = []
     for path, _ in flat:
         text = jax.tree_util.keystr(path)  # "[0]['w']": the position in the argument tuple comes first
@@ -165,6 +164,7 @@ class DistributedFunction:
             bound = inspect.signature(self.fn).bind(*args, **kwargs)
         except (TypeError, ValueError) as e:
             raise PipelineError(f"cannot bind the arguments of {getattr(self.fn, '__name__', 'the step')}: {e}") from None
+        bound.apply_defaults()  # `step(p, batch=b)` of `def step(params, opt=None, batch=None)`: opt takes its default
         if bound.kwargs:
             raise PipelineError(f"keyword-only argument(s) {sorted(bound.kwargs)} of {getattr(self.fn, '__name__', 'the step')}: "
                                 "a distributed step takes its arguments by position; make them positional or close over them")

@@ -192,7 +192,7 @@ def resplit(batch: Any, num_microbatches: int) -> Any:
 def measure(step: DistributedFunction, args: tuple[Any, ...], batch_argnum: int, steps: int, warmup: int, rounds: int) -> float:
     """Seconds per step of `step` on `args`, threading state when the step returns its non-batch arguments
     first (params, opt_state, ... -> params, opt_state, ..., aux): the median of `rounds` rounds of `steps`."""
-    from mpmd.runtime.array import fetch
+    from mpmd.runtime.array import wait_ready
 
     args = list(args)
     batch_at = batch_argnum % len(args)
@@ -208,13 +208,13 @@ def measure(step: DistributedFunction, args: tuple[Any, ...], batch_argnum: int,
         return out
 
     for _ in range(warmup):
-        fetch(jax.tree.leaves(call())[-1])
+        wait_ready(call())
     times = []
     for _ in range(rounds):
         t = time.perf_counter()
         for _ in range(steps):
             out = call()
-        fetch(jax.tree.leaves(out)[-1])
+        wait_ready(out)
         times.append((time.perf_counter() - t) / steps)
     return statistics.median(times)
 
@@ -266,12 +266,15 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
         result = mpmd.tune(train_step, params, opt_state, batch, mesh=mesh, memory_limit=1 << 30)
         print(result); result.verify(3)
     """
-    if isinstance(step_fn, DistributedFunction):
-        mesh = mesh if mesh is not None else step_fn.mesh
-        step_fn = step_fn.fn
+    given = step_fn if isinstance(step_fn, DistributedFunction) else None
+    if given is not None:
+        mesh = mesh if mesh is not None else given.mesh
+        step_fn = given.fn
     if mesh is None:
         raise PipelineError("mpmd.tune needs mesh= (the RemoteMesh the step will run on)")
     base = DistributedFunction(step_fn, mesh)
+    if given is not None:  # the step's own static arguments and shardings, on the mesh tuned for
+        base.static_argnums, base.in_shardings, base.out_shardings = given.static_argnums, given.in_shardings, given.out_shardings
     p = len(mesh)
     from mpmd.observe.segments import segment_layout
 

@@ -2,7 +2,7 @@
 data plane, with random and mutated frames; and mutated `jax.export` blobs through `compile`. The property
 every time: no crash, every request answered within the daemon's bound, ping answered afterwards.
 
-The default suite runs a small budget (a few seconds); ``pytest -m slow tests/test_fuzz.py`` runs the large
+The default suite runs a small budget (a few seconds); ``MPMD_FUZZ_LARGE=1 pytest -m slow tests/test_fuzz.py`` the large
 one (thousands of requests and of mutated blobs)."""
 
 import hashlib

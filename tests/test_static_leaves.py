@@ -168,3 +168,19 @@ def test_unhashable_static_arguments_and_unknown_names_are_refused_naming_them(m
         dist(params, optax.sgd(0.1).init(params), batch, [0.5], True)
     with pytest.raises(mpmd.PipelineError, match="cannot bind the arguments of _scaled_step"):
         dist(params, optax.sgd(0.1).init(params), batch, 0.5, True, bogus=1)
+
+
+def test_keywords_skipping_a_defaulted_parameter_bind_and_a_dtype_class_is_static(mesh2):
+    rng = np.random.default_rng(5)
+    params, batch = mlp2(rng), batch_of(rng)
+    opt = optax.sgd(0.1)
+
+    def step(params, opt_state=None, batch=None, dtype=np.float32):
+        out = _step(params, opt_state, batch, jnp.tanh)
+        return (*out[:2], out[2].astype(dtype))
+
+    dist = mpmd.distributed(step, mesh=mesh2)
+    want = jax.jit(functools.partial(step, dtype=np.float16))(params, opt.init(params), batch)
+    got = dist(params, batch=batch, opt_state=opt.init(params), dtype=np.float16)  # a class among the arguments
+    assert np.asarray(mpmd.fetch(got[2])).dtype == np.float16
+    assert_trees_close(mpmd.fetch(got), want, rtol=1e-3, atol=1e-3)

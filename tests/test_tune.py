@@ -133,3 +133,19 @@ def test_calibration_scales_by_the_median_ratio_of_the_top_candidates(monkeypatc
     monkeypatch.setattr(tuning.DistributedFunction, "with_schedule", lambda self, s: type("S", (), {"schedule": s})())
     assert r.calibrate() == pytest.approx(1.2)
     assert [c.predicted for c in r.feasible] == pytest.approx([before[id(c)] * 1.2 for c in r.feasible])
+
+
+def test_tune_keeps_the_steps_static_arguments():
+    """A distributed step with static_argnames keeps them through tune: the bool steering Python control flow
+    stays a Python bool while every candidate is traced, and the winner carries it too."""
+    params, batch = uneven_setup(num_mb=4, rows=16)
+    opt = optax.adam(1e-3)
+    plain = make_step(uneven_loss, opt, mpmd.OneFOneB(2))
+
+    def step(params, opt_state, batch, twice):
+        out = plain(params, opt_state, batch)
+        return (*out[:2], out[2] * 2 if twice else out[2])  # `if` on a tracer would raise
+
+    dist = mpmd.distributed(step, mesh=FakeMesh(2), static_argnames="twice")
+    r = mpmd.tune(dist, params, opt.init(params), batch, True, costs="xla", microbatches=[4])
+    assert r.feasible and r.step.static_argnums == frozenset({3})

@@ -45,16 +45,14 @@ def segment_layout(step: Any, *args: Any) -> tuple[int, tuple[float, ...], int, 
 def _traced_costs(step: Any, schedule: SegmentProfile, args: tuple[Any, ...], steps: int, traced: int = 3) -> Any:
     """Costs fitted to `traced` steps of the variant, each number the median over the steps' own fits (one
     traced step of small tasks moves 10-30 % on a busy machine)."""
-    import jax
-
-    from mpmd.runtime.array import fetch
+    from mpmd.runtime.array import wait_ready
 
     variant = step.with_schedule(schedule)
     for _ in range(max(1, steps)):
-        fetch(jax.tree.leaves(variant(*args))[-1])
+        wait_ready(variant(*args))
     with step.mesh.trace() as t:
         for _ in range(traced):
-            fetch(jax.tree.leaves(variant(*args))[-1])
+            wait_ready(variant(*args))
     return median_costs([fit_costs(t, schedule.num_stages, k, per_run=False) for k in range(len(t.steps))])
 
 

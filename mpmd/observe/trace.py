@@ -264,10 +264,11 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
             per_route.setdefault((t.peer, a), []).append((d, t.nbytes))
     routes, residuals = _fit_routes(per_route)
     # Lead and tail: from the step's start until the first Run anywhere starts, and from the last Run's end
-    # until the step ends (requests and inputs arriving; the last sends and the replies).
+    # until the step ends (requests and inputs arriving; the last sends and the replies). The simulators charge
+    # a `gap` before every Run, the first one too: the lead is what is left of the wait after it.
     w0, w1 = trace.window(step)
     runs = [r for x in steps.values() for r in x.runs]
-    lead = max(0.0, min(r.start for r in runs) - w0) if runs else 0.0
+    lead = max(0.0, min(r.start for r in runs) - w0 - gap) if runs else 0.0
     tail = max(0.0, w1 - max(r.end for r in runs)) if runs else 0.0
     # The distributions the Monte Carlo simulator draws from: every single-task Run's duration, every gap.
     task_samples: dict[tuple[int, str], list[float]] = {}

@@ -199,6 +199,17 @@ def _by_actor(arrays: list[RemoteArray], indices: list[int]) -> dict[int, list[i
     return out
 
 
+def wait_ready(tree: Any) -> Any:
+    """Wait until the RemoteArrays of a pytree are computed, without fetching them (other leaves, such as a
+    step's static outputs, need no wait): one array per step that makes them, since a step's outputs are done
+    together. Returns `tree`; raises the error of a step that failed."""
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, RemoteArray))
+    one_per_step = {id(x._ready): x for x in leaves if isinstance(x, RemoteArray)}
+    for x in one_per_step.values():
+        x.block_until_ready()
+    return tree
+
+
 def fetch(tree: Any) -> Any:
     """Bring every RemoteArray of a pytree to the controller in one round trip per actor (other leaves stay
     as they are). Returns numpy arrays (jax key arrays for typed PRNG keys), in the same tree.
