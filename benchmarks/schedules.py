@@ -81,13 +81,14 @@ def run_one(gpt, mesh, name: str, n: int, stages: int, args: argparse.Namespace,
     loss.block_until_ready()
     measured_peak = [mesh.actor(a).stats()["last_step_peak_bytes"] for a in range(n)]
     programs = step.compile(*state, batch).plan.programs
-    sim = simulate_programs(programs, fit_costs(trace, stages), name=f"{name} simulated")
+    shared = len(os.sched_getaffinity(0)) if n > len(os.sched_getaffinity(0)) else None  # actors sharing the cores
+    costs = fit_costs(trace, stages, cores=shared)
+    sim = simulate_programs(programs, costs, name=f"{name} simulated")
     meas = measured_bubbles(trace)
     picture = out / f"{name}-{n}actors.svg"
     draw_stacked([sim, as_sim_result(trace, f"{name} measured")], [f"{name}, {n} actors: simulated (fitted costs)",
                                                                      f"{name}, {n} actors: measured"], str(picture))
     bubble_m = statistics.mean(meas.values())
-    costs = fit_costs(trace, stages)
     mc = simulate_monte_carlo(programs, costs, runs=100)
     w0, w1 = trace.window()
     return {"schedule": name, "actors": n, "stages": stages, "step_ms": statistics.median(times) * 1e3,
@@ -156,7 +157,7 @@ def rescaled(costs: Costs, stages: int) -> Costs:
         tasks.update({(st, kind): tuple(x / 2 for x in xs) for (st, kd), xs in list(tasks.items()) if kd == "B" for kind in "IW"})
     return Costs(F=per(costs.F), B=b, I=per(costs.I) if split else tuple(x / 2 for x in b), W=per(costs.W) if split else tuple(x / 2 for x in b),
                  latency=costs.latency, bandwidth=costs.bandwidth, other=costs.other, gap=costs.gap, overhead=costs.overhead, lead=costs.lead,
-                 tail=costs.tail, routes=costs.routes,
+                 tail=costs.tail, cores=costs.cores, routes=costs.routes,
                  empirical=Empirical(tuple(sorted(tasks.items())), emp.gaps, emp.hops))
 
 

@@ -575,3 +575,48 @@ def test_fit_costs_recovers_the_steps_lead_and_tail_and_the_simulated_step_spans
         assert (1 - y) * b.step_time == pytest.approx((1 - x) * a.step_time)
     with pytest.raises(ValueError, match="Costs.tail must be >= 0"):
         Costs(tail=-1.0)
+
+
+# ---- actors sharing cores (mpmd.schedules.sharing) ------------------------------------------------------------
+@pytest.mark.parametrize("schedule,m", [(mpmd.GPipe(2), 4), (mpmd.OneFOneB(4), 8), (mpmd.InterleavedOneFOneB(8, 4), 8)])
+def test_on_one_shared_core_the_step_takes_the_whole_work_and_on_enough_cores_nothing_changes(schedule, m):
+    """One core for every actor: the work is done one Run at a time, so the step is the sum of all Runs (the
+    fixed point reaches it within 1 %); as many cores as actors: the plain replay."""
+    progs = programs_from_table(schedule, validate(schedule, m))
+    alone = simulate_programs(progs, Costs(F=1.0, B=2.0))
+    work = sum(e - s for row in alone.timeline for s, e, _ in row)
+    assert simulate_programs(progs, Costs(F=1.0, B=2.0, cores=len(progs))).step_time == alone.step_time
+    one = simulate_programs(progs, Costs(F=1.0, B=2.0, cores=1))
+    assert 0.999 * work <= one.step_time <= 1.01 * work  # the damped fixed point approaches from below
+    two = simulate_programs(progs, Costs(F=1.0, B=2.0, cores=2)).step_time
+    assert max(alone.step_time, work / 2) <= two * 1.001 and two <= one.step_time  # never faster than half the work on 2 cores
+
+
+def test_sharing_factors_are_the_time_weighted_number_of_runs_over_the_cores():
+    from mpmd.schedules.sharing import sharing_factors
+
+    # actor 0 runs [0, 4); actor 1 runs [2, 4) and [4, 6); actor 2 runs [0, 2)
+    spans = [(0, 0.0, 4.0), (1, 2.0, 4.0), (1, 4.0, 6.0), (2, 0.0, 2.0)]
+    assert sharing_factors(spans, 1) == pytest.approx([2.0, 2.0, 1.0, 2.0])
+    assert sharing_factors(spans, 2) == pytest.approx([1.0, 1.0, 1.0, 1.0])
+
+
+def test_fit_costs_of_actors_sharing_a_core_recovers_each_runs_own_time():
+    """Two actors whose Runs ran side by side on one core, each taking twice its own time: the fit with cores=1
+    gives the own times, and simulating them on one shared core gives the measured step back."""
+    from mpmd.observe.trace import ActorStep, RunSpan, Trace, fit_costs
+
+    trace = Trace()
+    steps = {a: ActorStep(a, 0, 0.0, 0.0) for a in range(2)}
+    clock = 0.0
+    for i in range(4):  # both actors run their stage's forward of microbatch i at once, each 2x its 1 ms
+        for a in range(2):
+            steps[a].runs.append(RunSpan(f"{a}F{i}", clock, clock, clock, clock + 2e-3))
+        clock += 2e-3
+    for a in range(2):
+        steps[a].end = clock
+    trace.steps.append(steps)
+    assert fit_costs(trace, 2).F == pytest.approx((2e-3, 2e-3))
+    own = fit_costs(trace, 2, cores=1)
+    assert own.F == pytest.approx((1e-3, 1e-3)) and own.cores == 1
+    assert fit_costs(trace, 2, cores=2).cores is None  # a core each: nothing to undo

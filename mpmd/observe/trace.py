@@ -199,14 +199,16 @@ def _tasks_of(label: str) -> list[tuple[int, str]]:
     return out
 
 
-def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = True) -> Any:
+def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = True, cores: int | None = None) -> Any:
     """`mpmd.Costs` fitted to a traced step: per stage, the F/B/I/W times that best explain every Run's
     measured duration (least squares over all Runs of the step: a Run lasts the sum of its tasks plus, with
     `per_run`, one `overhead` that every Run pays whatever it computes — fitted only where the step has Runs
     of different task counts, e.g. 1F1B's fused B+F beside its single warm-up Fs, else 0 and folded into the
     task times), the cost of Runs that do no task (`other`), the runtime's `gap` before each Run (mean time
     from could-start to start), the step's `lead` and `tail` (idle before the first Run anywhere and after the
-    last), and a transfer latency and bandwidth from the transfers."""
+    last), and a transfer latency and bandwidth from the transfers. `cores`: the actors shared that many cores
+    (fewer than actors): each Run's duration is first divided by how much the Runs beside it slowed it
+    (mpmd.schedules.sharing), and the costs say `cores` so that the simulators slow them down again."""
     import numpy as np
 
     from mpmd.schedules.montecarlo import Empirical
@@ -215,17 +217,18 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
     kinds = ("F", "B", "I", "W")
     col = {(s, k): i for i, (s, k) in enumerate((s, k) for s in range(num_stages) for k in kinds)}
     rows, rhs, other = [], [], []
+    own = _own_durations(trace.steps[step], cores)
     for a, x in trace.steps[step].items():
         for r in x.runs:
             tasks = _tasks_of(r.label)
             if not tasks:
-                other.append(r.end - r.start)
+                other.append(own[id(r)])
                 continue
             row = np.zeros(len(col))
             for t in tasks:
                 row[col[t]] += 1
             rows.append(row)
-            rhs.append(r.end - r.start)
+            rhs.append(own[id(r)])
     sol = np.zeros(len(col))
     overhead = 0.0
     if rows:
@@ -276,7 +279,7 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
         for r in x.runs:
             tasks = _tasks_of(r.label)
             if len(tasks) == 1:
-                task_samples.setdefault(tasks[0], []).append(r.end - r.start)
+                task_samples.setdefault(tasks[0], []).append(own[id(r)])
     empirical = Empirical.of(task_samples, gaps, residuals)
     # Means, not medians: a few slow transfers on the critical path cost the step what they cost.
     latency = float(np.mean([d for d, _ in small])) if small else 0.0
@@ -284,7 +287,18 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
     bandwidth = sum(n for _, n in slow) / sum(d for d, _ in slow) if slow else float("inf")
     return Costs(F=per["F"], B=per["B"], I=per["I"], W=per["W"], other=max(0.0, float(np.median(other)) - overhead) if other else 0.0,
                  latency=max(latency, 0.0), bandwidth=bandwidth, gap=gap, overhead=overhead, lead=lead, tail=tail, routes=routes,
-                 empirical=empirical)
+                 empirical=empirical, cores=cores if cores is not None and cores < len(trace.steps[step]) else None)
+
+
+def _own_durations(steps: dict[int, ActorStep], cores: int | None) -> dict[int, float]:
+    """Each Run's duration (by id) as on a core of its own: measured, divided by its sharing factor."""
+    runs = [(a, r) for a, x in steps.items() for r in x.runs]
+    if cores is None or cores >= len(steps):
+        return {id(r): r.end - r.start for _, r in runs}
+    from mpmd.schedules.sharing import sharing_factors
+
+    factors = sharing_factors([(a, r.start, r.end) for a, r in runs], cores)
+    return {id(r): (r.end - r.start) / f for (_, r), f in zip(runs, factors)}
 
 
 def _fit_routes(per_route: dict[tuple[int, int], list[tuple[float, int]]]) -> tuple[tuple, dict[tuple[int, int], list[float]]]:

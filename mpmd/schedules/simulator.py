@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from mpmd.errors import PipelineError, ScheduleError
 from mpmd.schedules.draw import draw_timeline, kind_of
 from mpmd.schedules.montecarlo import Empirical
-from mpmd.schedules.validation import Schedule, check_programs, replay_programs, replay_table, split_stages, task_inputs, validate
+from mpmd.schedules.sharing import replay_shared
+from mpmd.schedules.validation import Schedule, check_programs, replay_table, split_stages, task_inputs, validate
 from transport.program import TASK_KINDS, Delete, Label, Program, Recv, Run, Task
 from transport.protocol import dtype_from_name
 
@@ -42,7 +43,9 @@ class Costs:
     and argument handling: not compute, so it counts toward the bubble); Runs of a step phase (pre, post,
     stack, ...) cost `other`. `lead` is idle time before any actor can start its first Run (the step's request
     and inputs arriving) and `tail` idle time after the last Run ends (the last sends, the replies): both add to
-    the step and to every actor's bubble. The default is the unit model F=1, B=2, I=W=1 with free transfers."""
+    the step and to every actor's bubble. `cores`: how many cores the actors share when they share one host's
+    CPU (fewer cores than actors: Runs running at once slow each other down, see mpmd.schedules.sharing);
+    None, each actor has its own. The default is the unit model F=1, B=2, I=W=1 with free transfers."""
 
     F: PerStage = 1.0
     B: PerStage = 2.0
@@ -56,6 +59,7 @@ class Costs:
     gap: float = 0.0
     lead: float = 0.0
     tail: float = 0.0
+    cores: int | None = None
     routes: tuple[tuple[tuple[int, int], tuple[float, float]], ...] = ()  # ((src, dst), (latency, bandwidth)) per actor pair
     empirical: Empirical | None = None  # measured samples, for simulate_monte_carlo (mpmd.schedules.montecarlo)
 
@@ -70,6 +74,8 @@ class Costs:
         for name in ("latency", "overhead", "other", "gap", "lead", "tail"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Costs.{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.cores is not None and (not isinstance(self.cores, int) or isinstance(self.cores, bool) or self.cores < 1):
+            raise ValueError(f"Costs.cores must be a positive int or None, got {self.cores!r}")
         if not self.bandwidth > 0:
             raise ValueError(f"Costs.bandwidth must be > 0 bytes per second, got {self.bandwidth!r}")
 
@@ -265,17 +271,18 @@ def _run_time(costs: Costs, label: Label) -> float:
     return costs.gap + costs.other + costs.overhead
 
 
-def _part_spans(costs: Costs, label: Label, start: float) -> list[Span]:
+def _part_spans(costs: Costs, label: Label, start: float, stretch: float = 1.0) -> list[Span]:
     """A Run's span cut into one span per part (a fused Run does several tasks, and maybe a step phase, one
-    after another); phases that take no time on this cost model are left out."""
+    after another); phases that take no time on this cost model are left out. `stretch`: the Run ran that
+    much slower (actors sharing cores)."""
     parts = label.parts or ((tuple(map(str, label.tasks)) or (label.kind,)))
-    out, t = [], start + costs.gap
+    out, t = [], start + costs.gap * stretch
     for i, p in enumerate(parts):
-        d = (costs.task_time(Task.parse(p)) if p[0].isdigit() else costs.other) + (costs.overhead if i == 0 else 0.0)
+        d = ((costs.task_time(Task.parse(p)) if p[0].isdigit() else costs.other) + (costs.overhead if i == 0 else 0.0)) * stretch
         if d > 0 or p[0].isdigit():
             out.append((t, t + d, p))
         t += d
-    return out or [(start + costs.gap, t, str(label))]
+    return out or [(start + costs.gap * stretch, t, str(label))]
 
 
 def simulate_programs(programs: list[Program], costs: Costs | None = None, name: str = "programs") -> SimResult:
@@ -285,7 +292,8 @@ def simulate_programs(programs: list[Program], costs: Costs | None = None, name:
     (its start) or the arrival of its Recv until its Delete (or a Run that donates it) or the end; inputs and
     constants from the start. Raises `PipelineError` if the programs cannot run (see `check_programs`)."""
     costs = costs or Costs()
-    run = replay_programs(programs, lambda a, r: _run_time(costs, r.label), lambda a, r: costs.route_time(r.from_actor, a, _recv_bytes(r)))
+    run, stretch = replay_shared(programs, lambda a, r: _run_time(costs, r.label),
+                                 lambda a, r: costs.route_time(r.from_actor, a, _recv_bytes(r)), costs.cores)
     if run.stuck:
         check_programs(programs)  # raises, naming who waits for what: getting stuck does not depend on the costs
         raise PipelineError("internal: programs got stuck on a cost model but not on unit costs")
@@ -295,7 +303,7 @@ def simulate_programs(programs: list[Program], costs: Costs | None = None, name:
     peaks = []
     for a, prog in enumerate(programs):
         spans.append([span for i, ins in enumerate(prog.instructions) if isinstance(ins, Run)
-                      for span in _part_spans(costs, ins.label, run.start[(a, i)])])
+                      for span in _part_spans(costs, ins.label, run.start[(a, i)], stretch.get((a, i), 1.0))])
         rows.append([t for ins in prog.instructions if isinstance(ins, Run) for t in ins.label.tasks])
         events: list[tuple[float, int]] = [(0.0, prog.buffer_bytes.get(b, 0)) for b in {*prog.inputs, *prog.consts}]
         born: dict[int, float] = {b: 0.0 for b in {*prog.inputs, *prog.consts}}
