@@ -112,3 +112,14 @@ def test_simulating_a_compiled_interleaved_step_gives_the_programs_task_order_an
         measured = mesh4.actor(a).stats()["last_step_peak_bytes"]
         assert abs(sim.peak_bytes[a] - measured) <= 0.1 * measured, (a, sim.peak_bytes[a], measured)
     assert all(p.count(Recv) > 0 for p in plan.programs)
+
+
+def test_a_local_mesh_says_how_many_cores_its_actors_share(mesh4, mesh2):
+    """Unpinned local actors may all run on this process's cores: 4 of them share those when there are fewer."""
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    assert mesh4.shared_cores() == (cores if cores < 4 else None)
+    assert mesh2.shared_cores() == (cores if cores < 2 else None)
+    with mpmd.RemoteMesh.local(num_actors=2, cpus_per_actor=1) as pinned:
+        assert pinned.shared_cores() == (1 if cores < 2 else None)  # one core each, when there are two

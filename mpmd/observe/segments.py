@@ -42,7 +42,8 @@ def segment_layout(step: Any, *args: Any) -> tuple[int, tuple[float, ...], int, 
     return split.num_stages, tuple(out), loop.num_microbatches, rows
 
 
-def _traced_costs(step: Any, schedule: SegmentProfile, args: tuple[Any, ...], steps: int, traced: int = 3) -> Any:
+def _traced_costs(step: Any, schedule: SegmentProfile, args: tuple[Any, ...], steps: int, traced: int = 3,
+                  cores: int | None = None) -> Any:
     """Costs fitted to `traced` steps of the variant, each number the median over the steps' own fits (one
     traced step of small tasks moves 10-30 % on a busy machine)."""
     from mpmd.runtime.array import wait_ready
@@ -53,7 +54,7 @@ def _traced_costs(step: Any, schedule: SegmentProfile, args: tuple[Any, ...], st
     with step.mesh.trace() as t:
         for _ in range(traced):
             wait_ready(variant(*args))
-    return median_costs([fit_costs(t, schedule.num_stages, k, per_run=False) for k in range(len(t.steps))])
+    return median_costs([fit_costs(t, schedule.num_stages, k, per_run=False, cores=cores) for k in range(len(t.steps))])
 
 
 def median_costs(fits: list[Any]) -> Any:
@@ -75,11 +76,12 @@ def profile_costs(step: Any, *args: Any, steps: int = 2, split_backward: bool = 
     n, out_bytes, m, rows = segment_layout(step, *args)
     p = min(len(step.mesh), n)
     log.info("profiling %d segments on %d actors, %d microbatches", n, p, m)
-    fused = _traced_costs(step, SegmentProfile(n, p, split=False), args, steps)
+    cores = getattr(step.mesh, "shared_cores", lambda: None)()  # actors sharing this host's cores: fit own times
+    fused = _traced_costs(step, SegmentProfile(n, p, split=False), args, steps, cores=cores)
     i: tuple[float, ...] = ()
     w: tuple[float, ...] = ()
     if split_backward:
-        parts = _traced_costs(step, SegmentProfile(n, p, split=True), args, steps)
+        parts = _traced_costs(step, SegmentProfile(n, p, split=True), args, steps, cores=cores)
         i, w = tuple(parts.I), tuple(parts.W)
     # Every segment on one actor: a microbatch's tasks fuse, so the total is nearly free of per-Run overhead.
     together = _traced_costs(step, SegmentProfile(n, 1), args, steps)
@@ -89,6 +91,6 @@ def profile_costs(step: Any, *args: Any, steps: int = 2, split_backward: bool = 
     extra = sorted(a + b - c for a, b, c in zip(i, w, fused.B) if a > 0 and b > 0)
     split_overhead = min(run_overhead, max(0.0, extra[len(extra) // 2])) if extra else 0.0
     return SegmentCosts(F=tuple(fused.F), B=tuple(fused.B), I=i, W=w, activation_bytes=out_bytes, latency=fused.latency,
-                        bandwidth=fused.bandwidth, gap=fused.gap, other=fused.other, lead=fused.lead, tail=fused.tail,
+                        bandwidth=fused.bandwidth, gap=fused.gap, other=fused.other, lead=fused.lead, tail=fused.tail, cores=cores,
                         source="measured on the actors",
                         microbatch_rows=rows, run_overhead=run_overhead, split_overhead=split_overhead)

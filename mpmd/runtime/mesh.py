@@ -23,6 +23,7 @@ import atexit
 import concurrent.futures
 import functools
 import logging
+import os
 import secrets
 import shutil
 import time
@@ -290,6 +291,21 @@ class RemoteMesh:
 
     def __len__(self) -> int:
         return len(self.actors)
+
+    def shared_cores(self) -> int | None:
+        """How many CPU cores this mesh's actors share when it started them all here, on the CPU, and they are
+        more than the cores they may run on (4 actors on a 2-core laptop); None when each has cores of its own or
+        they run elsewhere. What `mpmd.Costs(cores=...)` models."""
+        procs = [p for p in self.processes if getattr(p, "platform", None) == "cpu" and getattr(p, "proc", None) is not None]
+        if not procs or len(procs) != len(self):
+            return None
+        cores: set[int] = set()
+        for p in procs:
+            try:
+                cores |= os.sched_getaffinity(p.proc.pid)
+            except OSError:  # gone, or not ours to ask
+                return None
+        return len(cores) if len(cores) < len(procs) else None
 
     def actor(self, i: int) -> ActorHandle:
         if not 0 <= i < len(self.actors):

@@ -45,7 +45,8 @@ class SegmentCosts:
     and `I`, `W` (the split backward; zeros when unknown, then taken as half of B each); the bytes crossing the
     boundary after each segment (`activation_bytes`, one per segment, the last one unused); and the runtime's
     costs that do not depend on the grouping (`latency`, `bandwidth`, `gap`, `overhead`, `other`, `lead`,
-    `tail`, as in `Costs`). `source` says where the times come from ("xla cost analysis", "measured on the actors").
+    `tail`, `cores`, as in `Costs`). `source` says where the times come from ("xla cost analysis", "measured on
+    the actors").
     `run_overhead`: the part of every task time above that is the cost of running one Run, whatever it computes
     (measured: segments timed one Run each add up to more than the same segments fused into one Run); a stage
     of k segments pays it once per task, not k times, and it does not grow with the microbatch. `split_overhead`:
@@ -63,6 +64,7 @@ class SegmentCosts:
     other: float = 0.0
     lead: float = 0.0
     tail: float = 0.0
+    cores: int | None = None
     source: str = ""
     microbatch_rows: int = field(default=0, compare=False)
     run_overhead: float = 0.0
@@ -177,7 +179,7 @@ def group_costs(seg: SegmentCosts, grouping: Sequence[int]) -> Costs:
     c, d = seg.run_overhead, seg.split_overhead
     return Costs(F=total(seg.F, c), B=total(seg.B, c), I=total(seg.I, d), W=total(seg.W, d),
                  activation_bytes=tuple(seg.activation_bytes[g[-1]] for g in gs), latency=seg.latency, bandwidth=seg.bandwidth,
-                 gap=seg.gap, overhead=seg.overhead, other=seg.other, lead=seg.lead, tail=seg.tail)
+                 gap=seg.gap, overhead=seg.overhead, other=seg.other, lead=seg.lead, tail=seg.tail, cores=seg.cores)
 
 
 def remat_costs(costs: Costs, stages: Sequence[int], split: bool) -> Costs:

@@ -121,6 +121,7 @@ class LocalProcess:
     def __init__(self, actor_id: int, address: str, options: LocalOptions, ipc_dir: str | None = None,
                  cpus: list[int] | None = None, keys: dict[str, object] | None = None) -> None:
         self.actor_id = actor_id
+        self.platform = options.platform
         if ipc_dir:
             self.log_path = os.path.join(ipc_dir, f"actor{actor_id}.log")
             self.stderr = open(self.log_path, "wb")
