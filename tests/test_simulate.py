@@ -579,16 +579,21 @@ def test_fit_costs_recovers_the_steps_lead_and_tail_and_the_simulated_step_spans
 
 # ---- actors sharing cores (mpmd.schedules.sharing) ------------------------------------------------------------
 @pytest.mark.parametrize("schedule,m", [(mpmd.GPipe(2), 4), (mpmd.OneFOneB(4), 8), (mpmd.InterleavedOneFOneB(8, 4), 8)])
-def test_on_one_shared_core_the_step_takes_the_whole_work_and_on_enough_cores_nothing_changes(schedule, m):
+@pytest.mark.parametrize("uneven", [False, True])
+def test_on_one_shared_core_the_step_takes_the_whole_work_and_on_enough_cores_nothing_changes(schedule, m, uneven):
     """One core for every actor: the work is done one Run at a time, so the step is the sum of all Runs (the
-    fixed point reaches it within 1 %); as many cores as actors: the plain replay."""
+    processor-sharing fixed point reaches it within 0.1 %, even and uneven stages); as many cores as actors: the
+    plain replay; the schedule-table simulator and the Programs one agree."""
+    s = schedule.num_stages
+    f, b = ((1.0, 3.0, 0.5, 2.0, 1.0, 1.5, 0.7, 2.2)[:s], (2.0, 5.0, 1.0, 4.0, 2.0, 3.5, 1.2, 4.1)[:s]) if uneven else (1.0, 2.0)
     progs = programs_from_table(schedule, validate(schedule, m))
-    alone = simulate_programs(progs, Costs(F=1.0, B=2.0))
+    alone = simulate_programs(progs, Costs(F=f, B=b))
     work = sum(e - s for row in alone.timeline for s, e, _ in row)
-    assert simulate_programs(progs, Costs(F=1.0, B=2.0, cores=len(progs))).step_time == alone.step_time
-    one = simulate_programs(progs, Costs(F=1.0, B=2.0, cores=1))
-    assert 0.999 * work <= one.step_time <= 1.01 * work  # the damped fixed point approaches from below
-    two = simulate_programs(progs, Costs(F=1.0, B=2.0, cores=2)).step_time
+    assert simulate_programs(progs, Costs(F=f, B=b, cores=len(progs))).step_time == alone.step_time
+    one = simulate_programs(progs, Costs(F=f, B=b, cores=1))
+    assert one.step_time == pytest.approx(work, rel=1e-3)
+    assert mpmd.simulate(schedule, m, Costs(F=f, B=b, cores=1)).step_time == pytest.approx(one.step_time, rel=1e-3)
+    two = simulate_programs(progs, Costs(F=f, B=b, cores=2)).step_time
     assert max(alone.step_time, work / 2) <= two * 1.001 and two <= one.step_time  # never faster than half the work on 2 cores
 
 
@@ -599,6 +604,8 @@ def test_sharing_factors_are_the_time_weighted_number_of_runs_over_the_cores():
     spans = [(0, 0.0, 4.0), (1, 2.0, 4.0), (1, 4.0, 6.0), (2, 0.0, 2.0)]
     assert sharing_factors(spans, 1) == pytest.approx([2.0, 2.0, 1.0, 2.0])
     assert sharing_factors(spans, 2) == pytest.approx([1.0, 1.0, 1.0, 1.0])
+    # processor sharing, not the mean load: alone for 1, then three at once on 2 cores for 1: 2 / (1 + 2/3)
+    assert sharing_factors([(0, 0.0, 2.0), (1, 1.0, 2.0), (2, 1.0, 2.0)], 2) == pytest.approx([1.2, 1.5, 1.5])
 
 
 def test_fit_costs_of_actors_sharing_a_core_recovers_each_runs_own_time():

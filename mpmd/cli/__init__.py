@@ -37,6 +37,8 @@ def _parse_costs(text: str) -> Any:
         except ValueError:
             raise argparse.ArgumentTypeError(f"{item!r}: {value!r} is not a number (or numbers separated by ':')") from None
         kwargs[key] = tuple(vals) if len(vals) > 1 else vals[0]
+        if key == "cores" and len(vals) == 1 and vals[0].is_integer():
+            kwargs[key] = int(vals[0])
     try:
         return Costs(**kwargs)
     except ValueError as e:

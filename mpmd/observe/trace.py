@@ -295,10 +295,9 @@ def _own_durations(steps: dict[int, ActorStep], cores: int | None) -> dict[int, 
     runs = [(a, r) for a, x in steps.items() for r in x.runs]
     if cores is None or cores >= len(steps):
         return {id(r): r.end - r.start for _, r in runs}
-    from mpmd.schedules.sharing import sharing_factors
+    from mpmd.schedules.sharing import own_times
 
-    factors = sharing_factors([(a, r.start, r.end) for a, r in runs], cores)
-    return {id(r): (r.end - r.start) / f for (_, r), f in zip(runs, factors)}
+    return {id(r): w for (_, r), w in zip(runs, own_times([(a, r.start, r.end) for a, r in runs], cores))}
 
 
 def _fit_routes(per_route: dict[tuple[int, int], list[tuple[float, int]]]) -> tuple[tuple, dict[tuple[int, int], list[float]]]:

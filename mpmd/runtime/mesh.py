@@ -303,7 +303,7 @@ class RemoteMesh:
         for p in procs:
             try:
                 cores |= os.sched_getaffinity(p.proc.pid)
-            except OSError:  # gone, or not ours to ask
+            except (OSError, AttributeError):  # gone, not ours to ask, or no affinities here (macOS)
                 return None
         return len(cores) if len(cores) < len(procs) else None
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mpmd.errors import PipelineError
-from mpmd.schedules.sharing import replay_shared
+from mpmd.schedules.sharing import replay_programs_shared
 from mpmd.schedules.validation import check_programs
 from transport.program import Program, Recv, Run, Task
 from transport.protocol import dtype_from_name
@@ -120,7 +120,8 @@ def simulate_monte_carlo(programs: list[Program], costs: Any, runs: int = 100, s
             res = hops.get((r.from_actor, a))
             return max(0.0, base + rng.choice(res)) if res else base
 
-        rep, stretch = replay_shared(programs, run_time, transfer_time, getattr(costs, "cores", None))
+        rep, _ = replay_programs_shared(programs, run_time, transfer_time, getattr(costs, "cores", None),
+                                        lambda a, r: drawn_gap[(a, id(r))])
         if rep.stuck:
             check_programs(programs)
             raise PipelineError("internal: programs got stuck on a cost model but not on unit costs")
@@ -128,7 +129,7 @@ def simulate_monte_carlo(programs: list[Program], costs: Any, runs: int = 100, s
         step_times.append(step)
         per = []
         for a, prog in enumerate(programs):
-            busy = sum(rep.end[(a, i)] - rep.start[(a, i)] - drawn_gap.get((a, id(ins)), 0.0) * stretch.get((a, i), 1.0)
+            busy = sum(rep.end[(a, i)] - rep.start[(a, i)] - drawn_gap.get((a, id(ins)), 0.0)
                        for i, ins in enumerate(prog.instructions) if isinstance(ins, Run) and (a, i) in rep.end)
             per.append(1.0 - busy / step if step > 0 else 0.0)
         bubbles.append(per)

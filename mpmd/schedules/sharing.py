@@ -1,74 +1,133 @@
-"""Actors that share cores: a replay of compiled Programs where Runs running at once slow each other down.
+"""Actors that share cores: replays where Runs running at once slow each other down.
 
 The replay engines give every actor a device of its own. When more actors than cores run on one host (4
-CPU actors on a 2-core machine), k Runs computing at once on c < k cores each progress at c / k of their own
-speed. `replay_shared` finds durations consistent with that: replay, measure over each Run's span how many
-Runs ran beside it (time-weighted), stretch its duration by max(1, (1 + others) / cores), and replay again,
-damped, until the step time settles. Transfers are not stretched (the copies are short beside the Runs).
-A trace of actors sharing cores is read the other way (`fit_costs(..., cores=c)`): each Run's measured
-duration divided by the same factor over its measured span is what it would take on a core of its own.
+CPU actors on a 2-core machine), the k Runs computing at a moment on c < k cores each progress at c / k of
+their own speed (processor sharing). A Run of own time W that ran over [s, e) did W = ∫ min(1, c / k(t)) dt
+of work there; its slowdown is (e - s) / that integral. `settle` finds durations consistent with it: replay,
+compute each Run's slowdown over its replayed span, stretch its own time by it, and replay again, damped,
+until the slowdowns settle. A Run's idle part (the runtime's gap before it computes) is neither stretched nor
+counted as load, and transfers are not stretched (the copies are short beside the Runs).
+
+A trace of actors sharing cores is read the other way (`fit_costs(..., cores=c)`): the integral over each
+Run's measured span is the time it would take on a core of its own.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from typing import Any
 
-from mpmd.schedules.validation import ProgramReplay, replay_programs
+from mpmd.schedules.validation import ProgramReplay, TableReplay, replay_programs, replay_table
 from transport.program import Program, Recv, Run
 
-ROUNDS = 12  # fixed-point iterations (the step time moves < 0.1 % after ~8 on the GPT's Programs)
+ROUNDS = 30  # at most; each round roughly halves the error (stops when no slowdown moves by 1e-5)
 
 
-def sharing_factors(spans: list[tuple[int, float, float]], cores: int) -> list[float]:
-    """For spans (actor, start, end) of Runs, how much slower each ran for sharing `cores` cores: max(1, (1 +
-    the time-weighted mean number of other actors' Runs during it) / cores). An actor's own Runs follow one
-    another, so the Runs beside one are all the others: the integral of how many run at once over its span,
-    less its own length (a sweep over the starts and ends, then a lookup per span)."""
+def own_times(spans: list[tuple[int, float, float]], cores: int) -> list[float]:
+    """For spans (actor, start, end) of Runs that shared `cores` cores, each one's work: the integral over
+    its span of min(1, cores / number running). An actor's Runs follow one another (one at a time)."""
     events = sorted([(s, 1) for _, s, e in spans if e > s] + [(e, -1) for _, s, e in spans if e > s])
-    times, integral = [], []  # the integral of the number running, at each event time
-    running, total, last = 0, 0.0, None
+    times: list[float] = []
+    area: list[float] = []  # the integral of min(1, cores / running) up to each event time
+    running, total, last = 0, 0.0, 0.0
     for t, d in events:
-        if last is not None:
-            total += running * (t - last)
+        if running:
+            total += (t - last) * min(1.0, cores / running)
         if times and times[-1] == t:
-            integral[-1] = total
+            area[-1] = total
         else:
             times.append(t)
-            integral.append(total)
+            area.append(total)
         running += d
         last = t
 
-    def area(t: float) -> float:  # the integral up to t, t one of the event times
-        return integral[bisect.bisect_left(times, t)]
+    def at(t: float) -> float:  # t is one of the event times
+        return area[bisect.bisect_left(times, t)]
 
-    return [max(1.0, (1.0 + (area(e) - area(s) - (e - s)) / (e - s)) / cores) if e > s else 1.0 for _, s, e in spans]
+    return [at(e) - at(s) if e > s else 0.0 for _, s, e in spans]
 
 
-def replay_shared(programs: list[Program], run_time: Callable[[int, Run], float], transfer_time: Callable[[int, Recv], float],
-                  cores: int | None) -> tuple[ProgramReplay, dict[tuple[int, int], float]]:
+def sharing_factors(spans: list[tuple[int, float, float]], cores: int) -> list[float]:
+    """How much slower each span's Run ran for sharing `cores` cores: its length over its own time (>= 1)."""
+    return [(e - s) / w if w > 0 else 1.0 for (_, s, e), w in zip(spans, own_times(spans, cores))]
+
+
+def settle(replay: Callable[[Callable[[Hashable], float]], tuple[dict[Any, float], dict[Any, float]]],
+           keys: Callable[[], list[Hashable]], actor: Callable[[Hashable], int], busy: dict[Hashable, float],
+           idle: dict[Hashable, float], cores: int) -> dict[Hashable, float]:
+    """The slowdown of every Run (key) at the fixed point: `replay(duration)` replays with `duration(key)`
+    and returns (start, end) per key; a Run lasts idle + busy * slowdown, its load spans [start + idle, end)."""
+    stretch = {k: 1.0 for k in busy}
+    for _ in range(ROUNDS):
+        start, end = replay(lambda k: idle[k] + busy[k] * stretch[k])
+        ks = [k for k in keys() if k in start]
+        now = sharing_factors([(actor(k), start[k] + idle[k], end[k]) for k in ks], cores)
+        moved = 0.0
+        for k, f in zip(ks, now):
+            new = 0.5 * stretch[k] + 0.5 * f
+            moved = max(moved, abs(new - stretch[k]))
+            stretch[k] = new
+        if moved < 1e-5:
+            break
+    return stretch
+
+
+def replay_programs_shared(programs: list[Program], run_time: Callable[[int, Run], float], transfer_time: Callable[[int, Recv], float],
+                           cores: int | None, idle: Callable[[int, Run], float] = lambda a, r: 0.0
+                           ) -> tuple[ProgramReplay, dict[tuple[int, int], float]]:
     """`replay_programs` with the actors' Runs sharing `cores` cores (None, or at least one per actor: the plain
-    replay). `run_time` is asked once per Run. Returns the replay and each Run's stretch factor (>= 1)."""
+    replay). `run_time` (then `idle`, its part before computing) is asked once per Run. Returns the replay and
+    each Run's slowdown (>= 1), by (actor, index)."""
     index = {(a, id(ins)): i for a, p in enumerate(programs) for i, ins in enumerate(p.instructions) if isinstance(ins, Run)}
-    base: dict[tuple[int, int], float] = {}
+    total: dict[tuple[int, int], float] = {}
+    gaps: dict[tuple[int, int], float] = {}
 
     def once(a: int, r: Run) -> float:
         k = (a, index[(a, id(r))])
-        if k not in base:
-            base[k] = run_time(a, r)
-        return base[k]
+        if k not in total:
+            total[k] = run_time(a, r)
+            gaps[k] = min(idle(a, r), total[k])
+        return total[k]
 
     rep = replay_programs(programs, once, transfer_time)
-    stretch = {k: 1.0 for k in base}
     if cores is None or cores >= len(programs) or rep.stuck:
-        return rep, stretch
-    for _ in range(ROUNDS):
-        keys = list(rep.start)
-        now = dict(zip(keys, sharing_factors([(k[0], rep.start[k], rep.end[k]) for k in keys], cores)))
-        stretch = {k: 0.5 * stretch[k] + 0.5 * now.get(k, 1.0) for k in stretch}
-        rep = replay_programs(programs, lambda a, r: base[(a, index[(a, id(r))])] * stretch[(a, index[(a, id(r))])],
-                              transfer_time)
+        return rep, {k: 1.0 for k in total}
+    busy = {k: total[k] - gaps[k] for k in total}
+
+    def replay(duration: Callable[[Hashable], float]) -> tuple[dict[Any, float], dict[Any, float]]:
+        nonlocal rep
+        rep = replay_programs(programs, lambda a, r: duration((a, index[(a, id(r))])), transfer_time)
+        return rep.start, rep.end
+
+    stretch = settle(replay, lambda: list(total), lambda k: k[0], busy, gaps, cores)
+
+    def settled(a: int, r: Run) -> float:
+        k = (a, index[(a, id(r))])
+        return gaps[k] + busy[k] * stretch[k]
+
+    return replay_programs(programs, settled, transfer_time), stretch
+
+
+def replay_table_shared(table: list[list[Any]], num_stages: int, actor_of: Callable[[int], int], duration: Callable[[Any], float],
+                        transfer: Callable[[Any, Any], float], cores: int | None, idle: Callable[[Any], float] = lambda t: 0.0
+                        ) -> tuple[TableReplay, dict[Any, float]]:
+    """`replay_table` with the actors sharing `cores` cores (see `replay_programs_shared`); slowdowns by task."""
+    rep = replay_table(table, num_stages, actor_of, duration, transfer)
+    tasks = [t for row in table for t in row]
+    if cores is None or cores >= len(table) or rep.stuck:
+        return rep, {t: 1.0 for t in tasks}
+    gaps = {t: min(idle(t), duration(t)) for t in tasks}
+    busy = {t: duration(t) - gaps[t] for t in tasks}
+
+    def replay(d: Callable[[Hashable], float]) -> tuple[dict[Any, float], dict[Any, float]]:
+        nonlocal rep
+        rep = replay_table(table, num_stages, actor_of, d, transfer)
+        return rep.start, rep.end
+
+    stretch = settle(replay, lambda: tasks, lambda t: actor_of(t.stage), busy, gaps, cores)
+    rep = replay_table(table, num_stages, actor_of, lambda t: gaps[t] + busy[t] * stretch[t], transfer)
     return rep, stretch
 
 
-__all__ = ["replay_shared", "sharing_factors"]
+__all__ = ["own_times", "replay_programs_shared", "replay_table_shared", "settle", "sharing_factors"]

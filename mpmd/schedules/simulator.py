@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from mpmd.errors import PipelineError, ScheduleError
 from mpmd.schedules.draw import draw_timeline, kind_of
 from mpmd.schedules.montecarlo import Empirical
-from mpmd.schedules.sharing import replay_shared
-from mpmd.schedules.validation import Schedule, check_programs, replay_table, split_stages, task_inputs, validate
+from mpmd.schedules.sharing import replay_programs_shared, replay_table_shared
+from mpmd.schedules.validation import Schedule, check_programs, split_stages, task_inputs, validate
 from transport.program import TASK_KINDS, Delete, Label, Program, Recv, Run, Task
 from transport.protocol import dtype_from_name
 
@@ -247,8 +247,8 @@ def simulate(schedule: Schedule, num_microbatches: int, costs: Costs | None = No
         boundary = min(src.stage, dst.stage)  # F(s-1)->F(s) and B(s+1)->B(s) cross the boundary after the lower stage
         return costs.transfer_time(costs._per_stage("activation_bytes", boundary))
 
-    run = replay_table(table, schedule.num_stages, schedule.actor_of, lambda t: costs.gap + costs.task_time(t) + costs.overhead,
-                       transfer)
+    run, _ = replay_table_shared(table, schedule.num_stages, schedule.actor_of, lambda t: costs.gap + costs.task_time(t) + costs.overhead,
+                                 transfer, costs.cores, lambda t: costs.gap)
     spans = [[(run.start[t] + costs.gap, run.end[t], str(t)) for t in row] for row in table]
     split = split_stages(table)
     transfers = []
@@ -274,15 +274,15 @@ def _run_time(costs: Costs, label: Label) -> float:
 def _part_spans(costs: Costs, label: Label, start: float, stretch: float = 1.0) -> list[Span]:
     """A Run's span cut into one span per part (a fused Run does several tasks, and maybe a step phase, one
     after another); phases that take no time on this cost model are left out. `stretch`: the Run ran that
-    much slower (actors sharing cores)."""
+    much slower (actors sharing cores; the gap before it is not stretched)."""
     parts = label.parts or ((tuple(map(str, label.tasks)) or (label.kind,)))
-    out, t = [], start + costs.gap * stretch
+    out, t = [], start + costs.gap
     for i, p in enumerate(parts):
         d = ((costs.task_time(Task.parse(p)) if p[0].isdigit() else costs.other) + (costs.overhead if i == 0 else 0.0)) * stretch
         if d > 0 or p[0].isdigit():
             out.append((t, t + d, p))
         t += d
-    return out or [(start + costs.gap * stretch, t, str(label))]
+    return out or [(start + costs.gap, t, str(label))]
 
 
 def simulate_programs(programs: list[Program], costs: Costs | None = None, name: str = "programs") -> SimResult:
@@ -292,8 +292,9 @@ def simulate_programs(programs: list[Program], costs: Costs | None = None, name:
     (its start) or the arrival of its Recv until its Delete (or a Run that donates it) or the end; inputs and
     constants from the start. Raises `PipelineError` if the programs cannot run (see `check_programs`)."""
     costs = costs or Costs()
-    run, stretch = replay_shared(programs, lambda a, r: _run_time(costs, r.label),
-                                 lambda a, r: costs.route_time(r.from_actor, a, _recv_bytes(r)), costs.cores)
+    run, stretch = replay_programs_shared(programs, lambda a, r: _run_time(costs, r.label),
+                                          lambda a, r: costs.route_time(r.from_actor, a, _recv_bytes(r)), costs.cores,
+                                          lambda a, r: costs.gap)
     if run.stuck:
         check_programs(programs)  # raises, naming who waits for what: getting stuck does not depend on the costs
         raise PipelineError("internal: programs got stuck on a cost model but not on unit costs")
