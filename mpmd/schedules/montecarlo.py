@@ -100,6 +100,11 @@ def simulate_monte_carlo(programs: list[Program], costs: Any, runs: int = 100, s
     emp = getattr(costs, "empirical", None) or Empirical()
     tasks, hops, gaps = _centred(emp.task_samples(), costs), emp.hop_residuals(), emp.gaps
     rng = random.Random(seed)
+    cores = getattr(costs, "cores", None)
+    near = None  # with shared cores: every draw's fixed point starts from the mean model's (a few rounds then do)
+    if cores is not None:
+        near = replay_programs_shared(programs, lambda a, r: costs.run_time(r.label),
+                                      lambda a, r: costs.route_time(r.from_actor, a, _recv_bytes(r)), cores, lambda a, r: costs.gap)[1]
     step_times: list[float] = []
     bubbles: list[list[float]] = []
     for _ in range(runs):
@@ -120,8 +125,7 @@ def simulate_monte_carlo(programs: list[Program], costs: Any, runs: int = 100, s
             res = hops.get((r.from_actor, a))
             return max(0.0, base + rng.choice(res)) if res else base
 
-        rep, _ = replay_programs_shared(programs, run_time, transfer_time, getattr(costs, "cores", None),
-                                        lambda a, r: drawn_gap[(a, id(r))])
+        rep, _ = replay_programs_shared(programs, run_time, transfer_time, cores, lambda a, r: drawn_gap[(a, id(r))], near, rounds=4)
         if rep.stuck:
             check_programs(programs)
             raise PipelineError("internal: programs got stuck on a cost model but not on unit costs")

@@ -55,11 +55,13 @@ def sharing_factors(spans: list[tuple[int, float, float]], cores: int) -> list[f
 
 def settle(replay: Callable[[Callable[[Hashable], float]], tuple[dict[Any, float], dict[Any, float]]],
            keys: Callable[[], list[Hashable]], actor: Callable[[Hashable], int], busy: dict[Hashable, float],
-           idle: dict[Hashable, float], cores: int) -> dict[Hashable, float]:
+           idle: dict[Hashable, float], cores: int, start: dict[Hashable, float] | None = None, rounds: int = ROUNDS
+           ) -> dict[Hashable, float]:
     """The slowdown of every Run (key) at the fixed point: `replay(duration)` replays with `duration(key)`
-    and returns (start, end) per key; a Run lasts idle + busy * slowdown, its load spans [start + idle, end)."""
-    stretch = {k: 1.0 for k in busy}
-    for _ in range(ROUNDS):
+    and returns (start, end) per key; a Run lasts idle + busy * slowdown, its load spans [start + idle, end).
+    `start`: slowdowns to begin from (a nearby fixed point: few `rounds` then suffice)."""
+    stretch = {k: (start or {}).get(k, 1.0) for k in busy}
+    for _ in range(rounds):
         start, end = replay(lambda k: idle[k] + busy[k] * stretch[k])
         ks = [k for k in keys() if k in start]
         now = sharing_factors([(actor(k), start[k] + idle[k], end[k]) for k in ks], cores)
@@ -74,11 +76,12 @@ def settle(replay: Callable[[Callable[[Hashable], float]], tuple[dict[Any, float
 
 
 def replay_programs_shared(programs: list[Program], run_time: Callable[[int, Run], float], transfer_time: Callable[[int, Recv], float],
-                           cores: int | None, idle: Callable[[int, Run], float] = lambda a, r: 0.0
+                           cores: int | None, idle: Callable[[int, Run], float] = lambda a, r: 0.0,
+                           start: dict[tuple[int, int], float] | None = None, rounds: int = ROUNDS
                            ) -> tuple[ProgramReplay, dict[tuple[int, int], float]]:
     """`replay_programs` with the actors' Runs sharing `cores` cores (None, or at least one per actor: the plain
     replay). `run_time` (then `idle`, its part before computing) is asked once per Run. Returns the replay and
-    each Run's slowdown (>= 1), by (actor, index)."""
+    each Run's slowdown (>= 1), by (actor, index); `start` and `rounds` as for `settle`."""
     index = {(a, id(ins)): i for a, p in enumerate(programs) for i, ins in enumerate(p.instructions) if isinstance(ins, Run)}
     total: dict[tuple[int, int], float] = {}
     gaps: dict[tuple[int, int], float] = {}
@@ -100,7 +103,7 @@ def replay_programs_shared(programs: list[Program], run_time: Callable[[int, Run
         rep = replay_programs(programs, lambda a, r: duration((a, index[(a, id(r))])), transfer_time)
         return rep.start, rep.end
 
-    stretch = settle(replay, lambda: list(total), lambda k: k[0], busy, gaps, cores)
+    stretch = settle(replay, lambda: list(total), lambda k: k[0], busy, gaps, cores, start, rounds)
 
     def settled(a: int, r: Run) -> float:
         k = (a, index[(a, id(r))])

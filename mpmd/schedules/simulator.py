@@ -91,6 +91,13 @@ class Costs:
         """How long `task` runs (without the per-Run overhead)."""
         return self._per_stage(task.kind, task.stage)
 
+    def run_time(self, label: Label) -> float:
+        """How long a Run of `label` takes, the gap before it included: its tasks (a phase Run: `other`) plus
+        the per-Run overhead."""
+        if label.kind == "task" and label.tasks:
+            return self.gap + sum(self.task_time(t) for t in label.tasks) + self.overhead
+        return self.gap + self.other + self.overhead
+
     def transfer_time(self, nbytes: float) -> float:
         """How long `nbytes` take from one actor to another."""
         return self.latency + nbytes / self.bandwidth
@@ -265,12 +272,6 @@ def _recv_bytes(recv: Recv) -> int:
     return math.prod(recv.shape) * dtype_from_name(recv.dtype).itemsize
 
 
-def _run_time(costs: Costs, label: Label) -> float:
-    if label.kind == "task" and label.tasks:
-        return costs.gap + sum(costs.task_time(t) for t in label.tasks) + costs.overhead
-    return costs.gap + costs.other + costs.overhead
-
-
 def _part_spans(costs: Costs, label: Label, start: float, stretch: float = 1.0) -> list[Span]:
     """A Run's span cut into one span per part (a fused Run does several tasks, and maybe a step phase, one
     after another); phases that take no time on this cost model are left out. `stretch`: the Run ran that
@@ -292,7 +293,7 @@ def simulate_programs(programs: list[Program], costs: Costs | None = None, name:
     (its start) or the arrival of its Recv until its Delete (or a Run that donates it) or the end; inputs and
     constants from the start. Raises `PipelineError` if the programs cannot run (see `check_programs`)."""
     costs = costs or Costs()
-    run, stretch = replay_programs_shared(programs, lambda a, r: _run_time(costs, r.label),
+    run, stretch = replay_programs_shared(programs, lambda a, r: costs.run_time(r.label),
                                           lambda a, r: costs.route_time(r.from_actor, a, _recv_bytes(r)), costs.cores,
                                           lambda a, r: costs.gap)
     if run.stuck:
