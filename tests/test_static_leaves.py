@@ -16,19 +16,24 @@ from tests.test_pipeline import assert_trees_close
 from tests.test_user_programs import batch_of, mlp2
 
 
-def _step(params, opt_state, batch, act, opt=optax.sgd(0.1)):
+def _two_layers(params, opt_state, batch, first, schedule, opt=optax.sgd(0.1)):
+    """An SGD step of a 2-stage MLP whose first layer's output goes through `first` (Python, at trace time)."""
     def mb_grads(mb):
         def loss(p):
-            h = act(mb["x"] @ p[0]["w"] + p[0]["b"])
+            h = first(mb["x"] @ p[0]["w"] + p[0]["b"])
             h = mpmd.pipeline_yield(h)
             return jnp.mean((h @ p[1]["w"] + p[1]["b"] - mb["y"]) ** 2)
 
         value, grads = jax.value_and_grad(loss)(params)
         return grads, value
 
-    grads, losses = mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.OneFOneB(2))
+    grads, losses = mpmd.accumulate_grads(mb_grads, batch, schedule=schedule)
     updates, opt_state = opt.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, losses
+
+
+def _step(params, opt_state, batch, act):
+    return _two_layers(params, opt_state, batch, act, mpmd.OneFOneB(2))
 
 
 def test_a_function_argument_is_static_and_a_new_function_recompiles_like_a_new_static_argnum(mesh2):
@@ -127,21 +132,13 @@ def test_an_equinox_model_with_activations_dropout_and_int_fields_trains_like_fi
     np.testing.assert_allclose(mpmd.fetch(got), ref(eqx.nn.inference_mode(r[0]), r[1], batch)[2], rtol=1e-5, atol=1e-6)
 
 
-def _scaled_step(params, opt_state, batch, scale, train, opt=optax.sgd(0.1)):
-    def mb_grads(mb):
-        def loss(p):
-            h = jnp.tanh(mb["x"] @ p[0]["w"] + p[0]["b"])
-            if train:  # a Python bool: only a static argument can steer Python control flow
-                h = h * scale
-            h = mpmd.pipeline_yield(h)
-            return jnp.mean((h @ p[1]["w"] + p[1]["b"] - mb["y"]) ** 2)
+def _scaled_step(params, opt_state, batch, scale, train):
+    def first(z):
+        if train:  # a Python bool: only a static argument can steer Python control flow
+            return jnp.tanh(z) * scale
+        return jnp.tanh(z)
 
-        value, grads = jax.value_and_grad(loss)(params)
-        return grads, value
-
-    grads, losses = mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.GPipe(2))
-    updates, opt_state = opt.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, losses
+    return _two_layers(params, opt_state, batch, first, mpmd.GPipe(2))
 
 
 @pytest.mark.parametrize("how", ["argnums", "argnames"])
