@@ -154,10 +154,9 @@ def rescaled(costs: Costs, stages: int) -> Costs:
     tasks = {(st, kind): tuple(x / k for x in xs) for (s0, kind), xs in emp.tasks for st in range(stages) if st // k == s0}
     if not split:
         tasks.update({(st, kind): tuple(x / 2 for x in xs) for (st, kd), xs in list(tasks.items()) if kd == "B" for kind in "IW"})
-    return Costs(F=per(costs.F), B=b, I=per(costs.I) if split else tuple(x / 2 for x in b), W=per(costs.W) if split else tuple(x / 2 for x in b),
-                 latency=costs.latency, bandwidth=costs.bandwidth, other=costs.other, gap=costs.gap, overhead=costs.overhead, lead=costs.lead,
-                 tail=costs.tail, cores=costs.cores, routes=costs.routes,
-                 empirical=Empirical(tuple(sorted(tasks.items())), emp.gaps, emp.hops))
+    return dataclasses.replace(costs, F=per(costs.F), B=b, I=per(costs.I) if split else tuple(x / 2 for x in b),
+                               W=per(costs.W) if split else tuple(x / 2 for x in b),
+                               empirical=Empirical(tuple(sorted(tasks.items())), emp.gaps, emp.hops))
 
 
 def cross_config(gpt, rows: list[dict], args: argparse.Namespace, out: pathlib.Path) -> None:  # noqa: ANN001

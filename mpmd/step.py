@@ -323,8 +323,7 @@ class DistributedFunction:
     def with_schedule(self, schedule: Any) -> DistributedFunction:
         """The same step on the same mesh with `schedule` in place of the one its `accumulate_grads` names
         (compiled afresh on first call), e.g. `step.with_schedule(mpmd.ZeroBubbleH1(4, balance="auto"))`."""
-        other = DistributedFunction(self.fn, self.mesh, self.in_shardings, self.out_shardings)
-        other.static_argnums = self.static_argnums
+        other = DistributedFunction(self.fn, self.mesh, self.in_shardings, self.out_shardings, self.static_argnums)
         other.schedule = schedule
         return other
 

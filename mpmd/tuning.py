@@ -266,15 +266,13 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
         result = mpmd.tune(train_step, params, opt_state, batch, mesh=mesh, memory_limit=1 << 30)
         print(result); result.verify(3)
     """
-    given = step_fn if isinstance(step_fn, DistributedFunction) else None
-    if given is not None:
-        mesh = mesh if mesh is not None else given.mesh
-        step_fn = given.fn
-    if mesh is None:
+    if isinstance(step_fn, DistributedFunction):  # its static arguments and shardings too
+        mesh = mesh if mesh is not None else step_fn.mesh
+        base = DistributedFunction(step_fn.fn, mesh, step_fn.in_shardings, step_fn.out_shardings, step_fn.static_argnums)
+    elif mesh is None:
         raise PipelineError("mpmd.tune needs mesh= (the RemoteMesh the step will run on)")
-    base = DistributedFunction(step_fn, mesh)
-    if given is not None:  # the step's own static arguments and shardings, on the mesh tuned for
-        base.static_argnums, base.in_shardings, base.out_shardings = given.static_argnums, given.in_shardings, given.out_shardings
+    else:
+        base = DistributedFunction(step_fn, mesh)
     p = len(mesh)
     from mpmd.observe.segments import segment_layout
 

@@ -217,7 +217,8 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
     kinds = ("F", "B", "I", "W")
     col = {(s, k): i for i, (s, k) in enumerate((s, k) for s in range(num_stages) for k in kinds)}
     rows, rhs, other = [], [], []
-    own = _own_durations(trace.steps[step], cores)
+    shared = cores if cores is not None and cores < len(trace.steps[step]) else None  # else a core each: nothing to undo
+    own = _own_durations(trace.steps[step], shared)
     for a, x in trace.steps[step].items():
         for r in x.runs:
             tasks = _tasks_of(r.label)
@@ -287,13 +288,13 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
     bandwidth = sum(n for _, n in slow) / sum(d for d, _ in slow) if slow else float("inf")
     return Costs(F=per["F"], B=per["B"], I=per["I"], W=per["W"], other=max(0.0, float(np.median(other)) - overhead) if other else 0.0,
                  latency=max(latency, 0.0), bandwidth=bandwidth, gap=gap, overhead=overhead, lead=lead, tail=tail, routes=routes,
-                 empirical=empirical, cores=cores if cores is not None and cores < len(trace.steps[step]) else None)
+                 empirical=empirical, cores=shared)
 
 
 def _own_durations(steps: dict[int, ActorStep], cores: int | None) -> dict[int, float]:
-    """Each Run's duration (by id) as on a core of its own: measured, divided by its sharing factor."""
+    """Each Run's duration (by id) as on a core of its own (`cores` shared by the actors; None: as measured)."""
     runs = [(a, r) for a, x in steps.items() for r in x.runs]
-    if cores is None or cores >= len(steps):
+    if cores is None:
         return {id(r): r.end - r.start for _, r in runs}
     from mpmd.schedules.sharing import own_times
 

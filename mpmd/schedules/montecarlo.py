@@ -125,7 +125,7 @@ def simulate_monte_carlo(programs: list[Program], costs: Any, runs: int = 100, s
             res = hops.get((r.from_actor, a))
             return max(0.0, base + rng.choice(res)) if res else base
 
-        rep, _ = replay_programs_shared(programs, run_time, transfer_time, cores, lambda a, r: drawn_gap[(a, id(r))], near, rounds=4)
+        rep, _ = replay_programs_shared(programs, run_time, transfer_time, cores, lambda a, r: drawn_gap[(a, id(r))], initial=near, rounds=4)
         if rep.stuck:
             check_programs(programs)
             raise PipelineError("internal: programs got stuck on a cost model but not on unit costs")

@@ -54,16 +54,15 @@ def sharing_factors(spans: list[tuple[int, float, float]], cores: int) -> list[f
 
 
 def settle(replay: Callable[[Callable[[Hashable], float]], tuple[dict[Any, float], dict[Any, float]]],
-           keys: Callable[[], list[Hashable]], actor: Callable[[Hashable], int], busy: dict[Hashable, float],
-           idle: dict[Hashable, float], cores: int, start: dict[Hashable, float] | None = None, rounds: int = ROUNDS
-           ) -> dict[Hashable, float]:
-    """The slowdown of every Run (key) at the fixed point: `replay(duration)` replays with `duration(key)`
-    and returns (start, end) per key; a Run lasts idle + busy * slowdown, its load spans [start + idle, end).
-    `start`: slowdowns to begin from (a nearby fixed point: few `rounds` then suffice)."""
-    stretch = {k: (start or {}).get(k, 1.0) for k in busy}
+           actor: Callable[[Hashable], int], busy: dict[Hashable, float], idle: dict[Hashable, float], cores: int,
+           initial: dict[Hashable, float] | None = None, rounds: int = ROUNDS) -> dict[Hashable, float]:
+    """The slowdown of every Run (a key of `busy`) at the fixed point: `replay(duration)` replays with
+    `duration(key)` and returns (start, end) per key; a Run lasts idle + busy * slowdown, its load spans
+    [start + idle, end). `initial`: slowdowns to begin from (a nearby fixed point: few `rounds` then suffice)."""
+    stretch = {k: (initial or {}).get(k, 1.0) for k in busy}
     for _ in range(rounds):
         start, end = replay(lambda k: idle[k] + busy[k] * stretch[k])
-        ks = [k for k in keys() if k in start]
+        ks = [k for k in busy if k in start]
         now = sharing_factors([(actor(k), start[k] + idle[k], end[k]) for k in ks], cores)
         moved = 0.0
         for k, f in zip(ks, now):
@@ -77,11 +76,11 @@ def settle(replay: Callable[[Callable[[Hashable], float]], tuple[dict[Any, float
 
 def replay_programs_shared(programs: list[Program], run_time: Callable[[int, Run], float], transfer_time: Callable[[int, Recv], float],
                            cores: int | None, idle: Callable[[int, Run], float] = lambda a, r: 0.0,
-                           start: dict[tuple[int, int], float] | None = None, rounds: int = ROUNDS
+                           initial: dict[tuple[int, int], float] | None = None, rounds: int = ROUNDS
                            ) -> tuple[ProgramReplay, dict[tuple[int, int], float]]:
     """`replay_programs` with the actors' Runs sharing `cores` cores (None, or at least one per actor: the plain
     replay). `run_time` (then `idle`, its part before computing) is asked once per Run. Returns the replay and
-    each Run's slowdown (>= 1), by (actor, index); `start` and `rounds` as for `settle`."""
+    each Run's slowdown (>= 1), by (actor, index); `initial` and `rounds` as for `settle`."""
     index = {(a, id(ins)): i for a, p in enumerate(programs) for i, ins in enumerate(p.instructions) if isinstance(ins, Run)}
     total: dict[tuple[int, int], float] = {}
     gaps: dict[tuple[int, int], float] = {}
@@ -99,11 +98,10 @@ def replay_programs_shared(programs: list[Program], run_time: Callable[[int, Run
     busy = {k: total[k] - gaps[k] for k in total}
 
     def replay(duration: Callable[[Hashable], float]) -> tuple[dict[Any, float], dict[Any, float]]:
-        nonlocal rep
-        rep = replay_programs(programs, lambda a, r: duration((a, index[(a, id(r))])), transfer_time)
-        return rep.start, rep.end
+        r = replay_programs(programs, lambda a, r: duration((a, index[(a, id(r))])), transfer_time)
+        return r.start, r.end
 
-    stretch = settle(replay, lambda: list(total), lambda k: k[0], busy, gaps, cores, start, rounds)
+    stretch = settle(replay, lambda k: k[0], busy, gaps, cores, initial, rounds)
 
     def settled(a: int, r: Run) -> float:
         k = (a, index[(a, id(r))])
@@ -124,11 +122,10 @@ def replay_table_shared(table: list[list[Any]], num_stages: int, actor_of: Calla
     busy = {t: duration(t) - gaps[t] for t in tasks}
 
     def replay(d: Callable[[Hashable], float]) -> tuple[dict[Any, float], dict[Any, float]]:
-        nonlocal rep
-        rep = replay_table(table, num_stages, actor_of, d, transfer)
-        return rep.start, rep.end
+        r = replay_table(table, num_stages, actor_of, d, transfer)
+        return r.start, r.end
 
-    stretch = settle(replay, lambda: tasks, lambda t: actor_of(t.stage), busy, gaps, cores)
+    stretch = settle(replay, lambda t: actor_of(t.stage), busy, gaps, cores)
     rep = replay_table(table, num_stages, actor_of, lambda t: gaps[t] + busy[t] * stretch[t], transfer)
     return rep, stretch
 
