@@ -49,12 +49,46 @@ def test_host_batch_goes_by_shared_memory_to_the_actors_that_read_it_and_steps_e
     after = [_stats(mesh2, a) for a in range(2)]
     stager = input_stager(mesh2)
     sent = [after[a]["shm_inputs"] - before[a]["shm_inputs"] for a in range(2)]
-    # One leaf per actor per step, unless the caller ran ahead of every segment (then that step went inline).
-    assert sent[0] == sent[1] >= len(batches) - 1 - stager.fallbacks
-    assert sent[0] >= 1
+    # One leaf per actor per step: four steps dispatched ahead each have a segment (none went inline).
+    assert stager.fallbacks == 0
+    assert sent[0] == sent[1] == len(batches) - 1
     for a in range(2):
         assert after[a]["shm_input_bytes"] - before[a]["shm_input_bytes"] == sent[a] * batches[0]["x"].nbytes
     assert len(stager._pools[0]) <= stager.max_segments
+
+
+def test_input_pool_grows_for_steps_dispatched_ahead_up_to_its_count_and_bytes():
+    """The segment pool of one actor (no mesh needed: `_acquire` only makes segments): up to `max_segments`
+    busy at once while they fit in `pool_bytes`, always at least MIN_SEGMENTS, then None (that step goes inline)."""
+    if not shm.available():
+        pytest.skip("no POSIX shared memory here")
+    from mpmd.runtime import inputs
+
+    class Owner:  # the stager only keeps a weak reference to its mesh
+        pass
+
+    owner = Owner()
+    st = inputs.InputStager(owner, max_segments=5, pool_bytes=1 << 40)
+    try:
+        got = [st._acquire(0, 1 << 16) for _ in range(6)]
+        assert all(g is not None for g in got[:5]) and got[5] is None
+        got[2].busy = False  # a reply came: its segment is written again, no new one is made
+        assert st._acquire(0, 1 << 16) is got[2] and len(st._pools[0]) == 5
+    finally:
+        st.close()
+    size = shm.size_class(1 << 20)
+    st = inputs.InputStager(owner, max_segments=8, pool_bytes=4 * size)
+    try:
+        got = [st._acquire(1, 1 << 20) for _ in range(6)]
+        assert [g is not None for g in got] == [True] * 4 + [False] * 2  # the byte budget stops it at 4 of 8
+    finally:
+        st.close()
+    st = inputs.InputStager(owner, max_segments=8, pool_bytes=size)
+    try:  # a budget smaller than MIN_SEGMENTS segments still gets MIN_SEGMENTS: running, queued, being written
+        got = [st._acquire(2, 1 << 20) for _ in range(inputs.MIN_SEGMENTS + 1)]
+        assert [g is not None for g in got] == [True] * inputs.MIN_SEGMENTS + [False]
+    finally:
+        st.close()
 
 
 def _tiny(mesh, width=128, m=4, rows=64):

@@ -7,8 +7,11 @@ For an actor on the controller's own host, `InputStager` writes every host argum
 the actor was told once over the authenticated control plane) in the calling thread — while the previous
 step still runs — and the request carries only a small notice per argument (see actors/inputs.py for what
 the actor checks). A segment is written again only after the request that read it has been answered; each
-actor has up to `MAX_SEGMENTS` of them, so step k+1's arguments are written while step k runs. When all are
-still in use (the caller is far ahead of the actors) the arguments go inline, as before.
+actor has up to `MAX_SEGMENTS` of them (fewer for batches so big that they would pass `POOL_BYTES`, but at
+least `MIN_SEGMENTS`), so a training loop that dispatches several steps ahead, as JAX users do, stages each
+one. When all are still in use (the caller is further ahead still) the arguments go inline, as before: a
+benchmark loop of 5 steps dispatched back to back sent 2 of every 5 batches inline with 3 segments, each
+encrypted by the controller and decrypted by the actor on the pipeline's cores.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ from transport.protocol import dtype_name
 log = logging.getLogger(__name__)
 
 SHM_INPUT_MIN_BYTES = 64 << 10  # smaller arguments go inline: a notice and a mapping cost more than their bytes
-MAX_SEGMENTS = 3  # per actor: the step running, the next one queued, the one being written
+MAX_SEGMENTS = 8  # per actor: the step running, the ones queued behind it, the one being written
+MIN_SEGMENTS = 3  # per actor whatever their size: the step running, the next one queued, the one being written
+POOL_BYTES = 1 << 30  # per actor: beyond MIN_SEGMENTS, no new segment past this many bytes in all
 ALIGN = 64  # each argument starts 64-byte aligned, as JAX likes host memory
 
 
@@ -53,10 +58,12 @@ class InputStager:
     """The input segments of one mesh's actors (see the module docstring). `stage` runs in the caller's thread,
     a lease's release on the controller loop; a lock keeps the pools consistent between them."""
 
-    def __init__(self, mesh: Any, min_bytes: int = SHM_INPUT_MIN_BYTES, max_segments: int = MAX_SEGMENTS) -> None:
+    def __init__(self, mesh: Any, min_bytes: int = SHM_INPUT_MIN_BYTES, max_segments: int = MAX_SEGMENTS,
+                 pool_bytes: int = POOL_BYTES) -> None:
         self._mesh = weakref.ref(mesh)  # (the mesh keys the stager in a weak map: no strong reference back)
         self.min_bytes = min_bytes
         self.max_segments = max_segments
+        self.pool_bytes = pool_bytes
         self._base = f"/mpmd-in-{os.getpid():x}-{secrets.token_hex(4)}-"
         self._names = itertools.count()
         self._lock = threading.Lock()
@@ -138,14 +145,17 @@ class InputStager:
             free = [s for s in pool if not s.busy]
             fit = min((s for s in free if s.size >= nbytes), key=lambda s: s.size, default=None)
             if fit is None:
-                if len(pool) >= self.max_segments:
+                size = shm.size_class(nbytes)
+                full = len(pool) >= self.max_segments or (
+                    len(pool) >= MIN_SEGMENTS and sum(s.size for s in pool) + size > self.pool_bytes)
+                if full:
                     if not free:
                         return None
                     old = max(free, key=lambda s: s.size)  # too small for this step: replace it by a bigger one
                     pool.remove(old)
                     _close(old)
                 name = f"{self.prefix(actor)}{next(self._names)}"
-                fit = Segment(name, shm.size_class(nbytes), None)  # type: ignore[arg-type]
+                fit = Segment(name, size, None)  # type: ignore[arg-type]
                 fit.mm = shm.create_segment(name, fit.size)
                 pool.append(fit)
             fit.busy = True
