@@ -271,7 +271,9 @@ class Actor:
             raise RequestError(str(e)) from None
 
     def _to_device(self, host: np.ndarray, spec: Any = None) -> jax.Array:
-        # The host array views a ZeroMQ frame; copy once into memory JAX owns (each device only its shard).
+        # The host array views a ZeroMQ frame or an input segment. On CPU, JAX (0.10) aliases 64-byte-aligned
+        # host memory even with may_alias=False (the array keeps the frame alive); elsewhere it copies once
+        # (each device only its shard).
         if self.cache.mesh is not None:
             return spmd.put(host, self.cache.mesh, spec, self.device)
         return jax.device_put(host, self.device, may_alias=False)
@@ -470,11 +472,18 @@ class Actor:
             placed = {i: self._to_device(next(inline), self._layout(next(layouts))) for i, b in enumerate(inputs) if b == -1}
         except Exception as e:
             raise RequestError(f"program {pid}: an inline input cannot be placed on actor {self.actor_id}: {e}") from None
-        # Shared-memory inputs are copied out now: the controller rewrites the segment once this request is answered.
+        # Shared-memory inputs are placed now. On CPU the array aliases the segment (see `_to_device`): that is
+        # safe because the controller rewrites a segment only once this request is answered, and by then the
+        # step's table is cleared. A Program's outputs are results of its Runs (a step that returns an argument
+        # unchanged gets it back from the controller); an input that is also an output would outlive the step,
+        # so it is copied.
+        kept = set(prog.outputs)
         for i, notice in marked(inputs, -2, notices):
             view = ses.inputs.read(notice)
+            if self.cache.mesh is not None or prog.inputs[i] in kept:
+                view = np.array(view)
             try:
-                placed[i] = self._to_device(view if self.cache.mesh is None else np.array(view), self._layout(notice.get("layout")))
+                placed[i] = self._to_device(view, self._layout(notice.get("layout")))
             except Exception as e:
                 raise RequestError(f"program {pid}: a shared-memory input cannot be placed on actor {self.actor_id}: {e}") from None
         # Loaded leaves come in a worker thread, while the step before still runs; the step waits for them.
