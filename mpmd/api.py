@@ -8,6 +8,7 @@ from typing import Any
 import jax
 from jax.extend.core import ClosedJaxpr
 
+from mpmd.closures import lifted
 from mpmd.errors import PipelineError
 from mpmd.primitives import FWD, accumulate_p, pipeline_yield_p
 from mpmd.schedules import Schedule
@@ -52,6 +53,17 @@ def accumulate_grads(fn: Callable[[Any], tuple[Any, Any]], batch: Any, schedule:
         raise PipelineError("the batch has 0 microbatches")
     mb_specs = [jax.ShapeDtypeStruct(l.shape[1:], l.dtype) for l in leaves]
     out_tree: list[Any] = []
+    with lifted(fn) as body_fn:  # closed-over flax nnx Modules are re-made inside the body's own trace
+        closed = _trace_body(body_fn, treedef, mb_specs, out_tree)
+    body, consts = _close_over_inputs(closed)
+    g_tree, aux_tree, n_grads = out_tree[-1]
+    outs = accumulate_p.bind(*leaves, *consts, body=body, num_mb_leaves=len(leaves), num_grads=n_grads,
+                             num_microbatches=m, schedule=schedule)
+    return jax.tree.unflatten(g_tree, outs[:n_grads]), jax.tree.unflatten(aux_tree, outs[n_grads:])
+
+
+def _trace_body(fn: Callable[[Any], tuple[Any, Any]], treedef: Any, mb_specs: list[Any], out_tree: list[Any]) -> ClosedJaxpr:
+    """The microbatch function as a jaxpr over the flat microbatch leaves; appends its output trees to `out_tree`."""
 
     def flat_fn(*mb_leaves: Any) -> list[Any]:
         out = fn(jax.tree.unflatten(treedef, mb_leaves))
@@ -62,22 +74,19 @@ def accumulate_grads(fn: Callable[[Any], tuple[Any, Any]], batch: Any, schedule:
         return [*g[0], *aux[0]]
 
     try:
-        closed = jax.make_jaxpr(flat_fn)(*mb_specs)
+        return jax.make_jaxpr(flat_fn)(*mb_specs)
     except Exception as e:  # nnx raises ValueError or flax.errors.TraceContextError (a mutation), naming the level
         if "different trace level" not in str(e):
             raise
-        # flax nnx refuses a Module made outside the microbatch function's own trace (it would leak state).
+        # A Module reached some other way than a closure cell of the function itself (a global, an attribute,
+        # a helper's closure): nnx refuses graph nodes made outside the body's own trace.
         raise PipelineError(
-            "the function given to accumulate_grads uses a flax nnx Module it closes over (nnx refuses graph nodes "
-            "from another trace level: the microbatch function is traced on its own). Pass the model's state in "
-            "functionally: `graphdef, params = nnx.split(model, nnx.Param)` outside, "
-            "`model = nnx.merge(graphdef, params)` inside the loss, and `jax.value_and_grad` over `params` "
-            f"(as examples/gpt.py does). nnx said: {str(e).splitlines()[0]}") from e
-    body, consts = _close_over_inputs(closed)
-    g_tree, aux_tree, n_grads = out_tree[-1]
-    outs = accumulate_p.bind(*leaves, *consts, body=body, num_mb_leaves=len(leaves), num_grads=n_grads,
-                             num_microbatches=m, schedule=schedule)
-    return jax.tree.unflatten(g_tree, outs[:n_grads]), jax.tree.unflatten(aux_tree, outs[n_grads:])
+            "the function given to accumulate_grads uses a flax nnx Module made outside it that it does not close "
+            "over directly (a global, an attribute, or a helper function's closure), and nnx refuses graph nodes "
+            "from another trace level (the microbatch function is traced on its own). Close over the Module in the "
+            "function itself (`def mb(mb): return nnx.value_and_grad(loss)(model, mb)[::-1]`), or pass its state "
+            "functionally: `graphdef, params = nnx.split(model, nnx.Param)` outside, `nnx.merge(graphdef, params)` "
+            f"inside the loss (as examples/gpt.py does). nnx said: {str(e).splitlines()[0]}") from e
 
 
 def _close_over_inputs(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, list[Any]]:
