@@ -138,11 +138,14 @@ class TuneResult:
 
     def verify(self, k: int = 3, steps: int = 3, warmup: int = 2, rounds: int = 1) -> list[Candidate]:
         """Run the top `k` candidates for real (`warmup` steps, then `rounds` x `steps` timed ones; the median
-        round counts), print predicted and measured step times side by side and return those candidates."""
-        out = []
-        for c in self.feasible[:k]:
-            c.measured = measure(self.base.with_schedule(c.schedule), self._args_for(c), self.batch_argnum, steps, warmup, rounds)
-            out.append(c)
+        round counts), print predicted and measured step times side by side and return those candidates.
+        Rounds are interleaved (candidate 1, 2, ..., k, then again), so a slow spell of a shared machine
+        lands on several candidates rather than on one; one candidate's state is on the actors at a time."""
+        out = list(self.feasible[:k])
+        times = measure_interleaved([(self.base.with_schedule(c.schedule), self._args_for(c)) for c in out],
+                                    self.batch_argnum, steps, warmup, rounds)
+        for c, t in zip(out, times):
+            c.measured = t
             log.info("measured %s", c.row())
         self.verified = out
         print(HEADER)
@@ -157,11 +160,10 @@ class TuneResult:
         few, because one candidate's run moves 10-30 % on a busy machine). Returns the factor."""
         if not self.feasible:
             return self.calibration
-        ratios = []
-        for ref in self.feasible[:max(1, top)]:
-            measured = measure(self.base.with_schedule(ref.schedule), self._args_for(ref), self.batch_argnum, steps, warmup, rounds)
-            ratios.append(measured / (ref.predicted / self.calibration))
-        factor = statistics.median(ratios)
+        refs = self.feasible[:max(1, top)]
+        measured = measure_interleaved([(self.base.with_schedule(r.schedule), self._args_for(r)) for r in refs],
+                                       self.batch_argnum, steps, warmup, rounds)
+        factor = statistics.median(m / (r.predicted / self.calibration) for m, r in zip(measured, refs))
         for c in self.candidates:
             if c.predicted is not None:
                 c.predicted = c.predicted / self.calibration * factor
@@ -189,9 +191,21 @@ def resplit(batch: Any, num_microbatches: int) -> Any:
     return jax.tree.map(one, batch)
 
 
-def measure(step: DistributedFunction, args: tuple[Any, ...], batch_argnum: int, steps: int, warmup: int, rounds: int) -> float:
-    """Seconds per step of `step` on `args`, threading state when the step returns its non-batch arguments
-    first (params, opt_state, ... -> params, opt_state, ..., aux): the median of `rounds` rounds of `steps`."""
+def measure_interleaved(runs: Sequence[tuple[DistributedFunction, tuple[Any, ...]]], batch_argnum: int, steps: int,
+                        warmup: int, rounds: int) -> list[float]:
+    """Seconds per step of each (step, args), threading state when a step returns its non-batch arguments
+    first (params, opt_state, ... -> params, opt_state, ..., aux): the median of `rounds` rounds of `steps`,
+    taken round by round: in each round every step in turn runs from its
+    own `args` (the first round after `warmup` steps, later ones after one untimed step that puts the state on
+    the actors again), so only one step's state is held at a time and a slow spell is shared out."""
+    times: list[list[float]] = [[] for _ in runs]
+    for r in range(rounds):
+        for (step, args), out in zip(runs, times):
+            out.append(_timed_round(step, args, batch_argnum, steps, warmup if r == 0 else min(warmup, 1)))
+    return [statistics.median(t) for t in times]
+
+
+def _timed_round(step: DistributedFunction, args: tuple[Any, ...], batch_argnum: int, steps: int, warmup: int) -> float:
     from mpmd.runtime.array import wait_ready
 
     args = list(args)
@@ -209,14 +223,11 @@ def measure(step: DistributedFunction, args: tuple[Any, ...], batch_argnum: int,
 
     for _ in range(warmup):
         wait_ready(call())
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(steps):
-            out = call()
-        wait_ready(out)
-        times.append((time.perf_counter() - t) / steps)
-    return statistics.median(times)
+    t = time.perf_counter()
+    for _ in range(steps):
+        out = call()
+    wait_ready(out)
+    return (time.perf_counter() - t) / steps
 
 
 def _remote(x: Any) -> bool:

@@ -120,19 +120,26 @@ def test_remat_sets_try_the_cheapest_stages_of_the_actors_over_the_limit_first_a
 
 
 def test_calibration_scales_by_the_median_ratio_of_the_top_candidates(monkeypatch):
-    """`measure` stands in for the real runs here (their times are what is under test: one run 2x slow must not
-    move the factor); every prediction is scaled alike and the ranking stays."""
+    """A timed round stands in for the real runs here (their times are what is under test: one run 2x slow must
+    not move the factor); every prediction is scaled alike and the ranking stays. The rounds are interleaved:
+    candidate 1, 2, 3, then 1, 2, 3 again, the first round of each after `warmup` steps, later ones after one."""
     from mpmd import tuning
 
     r = tuned(microbatches=[2, 4])
     before = {id(c): c.predicted for c in r.feasible}
     top = r.feasible[:3]
     slow = dict(zip((c.schedule for c in top), (1.2, 2.0, 1.1)))
-    monkeypatch.setattr(tuning, "measure", lambda step, args, *a: next(
-        before[id(c)] * slow[c.schedule] for c in top if step.schedule is c.schedule))
+    calls = []
+
+    def timed_round(step, args, batch_argnum, steps, warmup):
+        calls.append((step.schedule, warmup))
+        return next(before[id(c)] * slow[c.schedule] for c in top if step.schedule is c.schedule)
+
+    monkeypatch.setattr(tuning, "_timed_round", timed_round)
     monkeypatch.setattr(tuning.DistributedFunction, "with_schedule", lambda self, s: type("S", (), {"schedule": s})())
-    assert r.calibrate() == pytest.approx(1.2)
+    assert r.calibrate(warmup=3, rounds=2) == pytest.approx(1.2)
     assert [c.predicted for c in r.feasible] == pytest.approx([before[id(c)] * 1.2 for c in r.feasible])
+    assert calls == [(c.schedule, 3) for c in top] + [(c.schedule, 1) for c in top]
 
 
 def test_tune_keeps_the_steps_static_arguments():
