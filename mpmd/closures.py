@@ -13,7 +13,8 @@ level ("Cannot extract graph node from different trace level"), so the way nnx u
         return model, optimizer, losses
 
 — would fail under plain `jax.jit` as well as `distributed`. `lifted(fn)` returns `fn` with each closure cell
-that holds nnx graph nodes (alone, or in a tuple, list or dict) split outside the trace and merged into fresh
+(of `fn`, or of a helper function it closes over) that holds nnx graph nodes (alone, or in a tuple, list or
+dict) split outside the trace and merged into fresh
 copies inside it, whose state values are the outer ones (so gradients and the pipeline see them as ordinary
 closed-over values). The body runs once for every microbatch, so state it mutates (an `Rngs` counter, batch
 statistics) could not carry from one microbatch to the next: that is refused, naming the variable. Nothing is
@@ -23,6 +24,7 @@ imported from flax unless flax is already imported.
 from __future__ import annotations
 
 import sys
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -43,13 +45,22 @@ def _nnx() -> Any:
     return nnx
 
 
-def _graph_cells(fn: Callable[..., Any], nnx: Any) -> list[tuple[Any, Any]]:
-    """(cell, contents) for each closure cell of `fn` holding nnx graph nodes."""
+def _graph_cells(fn: Callable[..., Any], nnx: Any, seen: set[int] | None = None, depth: int = 3) -> list[tuple[Any, Any]]:
+    """(cell, contents) for each closure cell holding nnx graph nodes, of `fn` and of the functions it closes
+    over (a helper defined beside it), `depth` levels down."""
+    seen = set() if seen is None else seen
     cells = []
     for cell in getattr(fn, "__closure__", None) or ():
+        if id(cell) in seen:
+            continue
+        seen.add(id(cell))
         try:
             value = cell.cell_contents
         except ValueError:  # an empty cell (a name assigned later in the enclosing function)
+            continue
+        if isinstance(value, types.FunctionType):
+            if depth > 1:
+                cells += _graph_cells(value, nnx, seen, depth - 1)
             continue
         nodes = jax.tree.leaves(value, is_leaf=nnx.graph.is_graph_node) if isinstance(value, (tuple, list, dict)) else [value]
         if any(nnx.graph.is_graph_node(n) for n in nodes):

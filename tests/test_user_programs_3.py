@@ -430,6 +430,36 @@ def test_nnx_modules_closed_over_by_the_microbatch_function_train_like_jax_jit(m
     assert_trees_close(mpmd.fetch(nnx.state(o_d)), nnx.state(o_r))
 
 
+def test_an_nnx_module_closed_over_by_a_helper_of_the_microbatch_function_equals_a_hand_written_loop():
+    """The Module sits in the closure of a helper the microbatch function calls: it is re-made too. Reference:
+    the same grads summed by a Python loop over the microbatches, without accumulate_grads."""
+    from flax import nnx
+
+    def loss_fn(model, mb):
+        return jnp.mean((model(mb["x"]) - mb["y"]) ** 2)
+
+    def step(model, batch):
+        def helper(mb):
+            return nnx.value_and_grad(loss_fn)(model, mb)
+
+        def mb_grads(mb):
+            loss, grads = helper(mb)
+            return grads, loss
+
+        return mpmd.accumulate_grads(mb_grads, batch, schedule=None)
+
+    def by_hand(model, batch):
+        out = [nnx.value_and_grad(loss_fn)(model, jax.tree.map(lambda x: x[i], batch)) for i in range(4)]
+        grads = jax.tree.map(lambda *g: sum(g[1:], g[0]), *[g for _, g in out])
+        return grads, jnp.stack([l for l, _ in out])
+
+    rng = np.random.default_rng(1)
+    batch = {"x": rng.standard_normal((4, 6, 8)).astype(np.float32), "y": rng.standard_normal((4, 6, 8)).astype(np.float32)}
+    model = _NnxTwoStage.model()
+    got, want = jax.jit(step)(model, batch), jax.jit(by_hand)(model, batch)
+    assert_trees_close(got, want)
+
+
 def test_an_nnx_module_whose_state_the_microbatch_function_changes_is_refused_naming_the_variable():
     """Dropout draws from the Module's Rngs, which advances a counter: one traced body runs every microbatch, so
     the change could not carry from one to the next. Refused (under jax.jit too), naming the variable."""
