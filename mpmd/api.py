@@ -6,9 +6,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend.core import ClosedJaxpr
 
-from mpmd.closures import lifted
+from mpmd.closures import Lifted, lifted
 from mpmd.errors import PipelineError
 from mpmd.primitives import FWD, accumulate_p, pipeline_yield_p
 from mpmd.schedules import Schedule
@@ -53,8 +54,12 @@ def accumulate_grads(fn: Callable[[Any], tuple[Any, Any]], batch: Any, schedule:
         raise PipelineError("the batch has 0 microbatches")
     mb_specs = [jax.ShapeDtypeStruct(l.shape[1:], l.dtype) for l in leaves]
     out_tree: list[Any] = []
-    with lifted(fn) as body_fn:  # closed-over flax nnx Modules are re-made inside the body's own trace
-        closed = _trace_body(body_fn, treedef, mb_specs, out_tree)
+    with lifted(fn) as lifted_fn:  # closed-over flax nnx Modules are re-made inside the body's own trace
+        if lifted_fn.uses_rngs:  # their Rngs draw per microbatch: the body takes the microbatch's index too
+            leaves = [*leaves, jax.numpy.arange(m, dtype=np.uint32)]  # (traced: made in the step, like any value)
+            mb_specs = [*mb_specs, jax.ShapeDtypeStruct((), np.uint32)]
+        closed = _trace_body(lifted_fn, treedef, mb_specs, out_tree)
+        lifted_fn.advance()
     body, consts = _close_over_inputs(closed)
     g_tree, aux_tree, n_grads = out_tree[-1]
     outs = accumulate_p.bind(*leaves, *consts, body=body, num_mb_leaves=len(leaves), num_grads=n_grads,
@@ -62,11 +67,15 @@ def accumulate_grads(fn: Callable[[Any], tuple[Any, Any]], batch: Any, schedule:
     return jax.tree.unflatten(g_tree, outs[:n_grads]), jax.tree.unflatten(aux_tree, outs[n_grads:])
 
 
-def _trace_body(fn: Callable[[Any], tuple[Any, Any]], treedef: Any, mb_specs: list[Any], out_tree: list[Any]) -> ClosedJaxpr:
-    """The microbatch function as a jaxpr over the flat microbatch leaves; appends its output trees to `out_tree`."""
+def _trace_body(fn: Lifted, treedef: Any, mb_specs: list[Any], out_tree: list[Any]) -> ClosedJaxpr:
+    """The microbatch function as a jaxpr over the flat microbatch leaves (and the microbatch's index, last,
+    when `fn.uses_rngs`); appends its output trees to `out_tree`."""
 
     def flat_fn(*mb_leaves: Any) -> list[Any]:
-        out = fn(jax.tree.unflatten(treedef, mb_leaves))
+        if fn.uses_rngs:
+            out = fn.call(jax.tree.unflatten(treedef, mb_leaves[:-1]), mb_leaves[-1])
+        else:
+            out = fn.call(jax.tree.unflatten(treedef, mb_leaves))
         if not isinstance(out, tuple) or len(out) != 2:
             raise PipelineError(f"the function given to accumulate_grads must return (grads, aux); got {type(out).__name__}")
         g, aux = jax.tree.flatten(out[0]), jax.tree.flatten(out[1])

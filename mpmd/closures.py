@@ -16,9 +16,10 @@ level ("Cannot extract graph node from different trace level"), so the way nnx u
 (of `fn`, or of a helper function it closes over) that holds nnx graph nodes (alone, or in a tuple, list or
 dict) split outside the trace and merged into fresh
 copies inside it, whose state values are the outer ones (so gradients and the pipeline see them as ordinary
-closed-over values). The body runs once for every microbatch, so state it mutates (an `Rngs` counter, batch
-statistics) could not carry from one microbatch to the next: that is refused, naming the variable. Nothing is
-imported from flax unless flax is already imported.
+closed-over values). `nnx.Rngs` streams (Dropout's) draw in each microbatch from their key folded with the
+count and the microbatch's index, and move on by one count per step (see `Lifted`). The body runs once for
+every microbatch, so other state it changes (batch statistics) could not carry from one microbatch to the
+next: that is refused, naming the variable. Nothing is imported from flax unless flax is already imported.
 """
 
 from __future__ import annotations
@@ -68,45 +69,100 @@ def _graph_cells(fn: Callable[..., Any], nnx: Any, seen: set[int] | None = None,
     return cells
 
 
-@contextmanager
-def lifted(fn: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
-    """`fn`, whose closed-over nnx graph nodes are re-made in whatever trace calls it (see the module
-    docstring); the cells hold the original objects again when the block ends."""
-    nnx = _nnx()
-    cells = _graph_cells(fn, nnx) if nnx is not None else []
-    if not cells:
-        yield fn
-        return
-    split = [(cell, value, jax.tree.map(lambda n: nnx.split(n) if nnx.graph.is_graph_node(n) else n, value,
-                                        is_leaf=nnx.graph.is_graph_node)) for cell, value in cells]
+class Lifted:
+    """The microbatch function with its closed-over nnx graph nodes re-made in the trace that calls it.
 
-    def run(*args: Any, **kwargs: Any) -> Any:
+    `uses_rngs`: the nodes hold `nnx.Rngs` streams. Then the body takes the microbatch's index as well
+    (`call(mb, index)`) and draws, in microbatch i, from the stream's key folded with its count and then
+    with i (the count starting at 0), so every microbatch of every step draws its own numbers; `advance()`,
+    called in the step's trace once the body is traced, moves each stream's count on by one (the step must
+    return the Module, as under jax.jit, for that to last)."""
+
+    def __init__(self, fn: Callable[..., Any], nnx: Any, cells: list[tuple[Any, Any]]) -> None:
+        self.fn, self._nnx, self._cells = fn, nnx, cells
+        is_node = nnx.graph.is_graph_node if nnx is not None else None
+        self._split = [(cell, value, jax.tree.map(lambda n: nnx.split(n) if is_node(n) else n, value, is_leaf=is_node))
+                       for cell, value in cells]
+        self._outer_streams = [s for _, value in cells for s in _streams(nnx, value)]
+        self.uses_rngs = bool(self._outer_streams)
+
+    def call(self, mb: Any, index: Any = None) -> Any:
+        if not self._split:
+            return self.fn(mb)
+        nnx = self._nnx
+
+        def is_part(n: Any) -> bool:
+            return isinstance(n, tuple) and len(n) == 2 and isinstance(n[0], nnx.graph.GraphDef)
+
         made = []
-        for cell, _, parts in split:
+        for cell, _, parts in self._split:
             def merge(n: Any) -> Any:
-                if isinstance(n, tuple) and len(n) == 2 and isinstance(n[0], nnx.graph.GraphDef):
-                    node = nnx.merge(n[0], n[1], copy=True)
-                    made.append((node, n[1]))
-                    return node
-                return n
-            cell.cell_contents = jax.tree.map(merge, parts, is_leaf=lambda n: isinstance(n, tuple) and len(n) == 2
-                                              and isinstance(n[0], nnx.graph.GraphDef))
-        out = fn(*args, **kwargs)
+                if not is_part(n):
+                    return n
+                node = nnx.merge(n[0], n[1], copy=True)
+                made.append((node, n[1]))
+                return node
+
+            cell.cell_contents = jax.tree.map(merge, parts, is_leaf=is_part)
+        if index is not None:
+            for node, _ in made:
+                for stream in _streams(nnx, node):
+                    stream.key[...] = jax.random.fold_in(jax.random.fold_in(stream.key[...], stream.count[...]), index)
+                    stream.count[...] = jax.numpy.zeros_like(stream.count[...])
+        out = self.fn(mb)
         for node, state in made:
             _refuse_mutation(nnx, node, state)
         return out
 
-    try:
-        yield run
-    finally:
-        for cell, value, _ in split:
+    def advance(self) -> None:
+        for stream in self._outer_streams:
+            try:
+                stream.count[...] += 1
+            except Exception as e:
+                if "trace level" not in str(e):
+                    raise
+                raise PipelineError(
+                    f"the microbatch function draws from nnx.Rngs ('{stream.tag}') of a Module made outside the step "
+                    "being traced, whose count cannot move on here, so every step would draw the same numbers. Pass "
+                    "the Module to the step as an argument and return it, as under jax.jit "
+                    f"(nnx said: {str(e).splitlines()[0]})") from e
+
+    def restore(self) -> None:
+        for cell, value, _ in self._split:
             cell.cell_contents = value
+
+
+def _streams(nnx: Any, value: Any) -> list[Any]:
+    """The nnx RngStreams reachable from `value` (graph nodes, alone or in a tuple, list or dict), each once."""
+    out, seen = [], set()
+    for node in jax.tree.leaves(value, is_leaf=nnx.graph.is_graph_node):
+        if not nnx.graph.is_graph_node(node):
+            continue
+        for _, v in nnx.graph.iter_graph(node):
+            if isinstance(v, nnx.RngStream) and id(v) not in seen:
+                seen.add(id(v))
+                out.append(v)
+    return out
+
+
+@contextmanager
+def lifted(fn: Callable[..., Any]) -> Iterator[Lifted]:
+    """`fn` as a `Lifted` (see the module docstring); the cells hold the original objects again when the
+    block ends."""
+    nnx = _nnx()
+    body = Lifted(fn, nnx, _graph_cells(fn, nnx) if nnx is not None else [])
+    try:
+        yield body
+    finally:
+        body.restore()
 
 
 def _refuse_mutation(nnx: Any, node: Any, state: Any) -> None:
     before = dict(nnx.to_flat_state(state))
     after = dict(nnx.to_flat_state(nnx.state(node)))
     for path, var in after.items():
+        if isinstance(var, (nnx.RngKey, nnx.RngCount)):  # set per microbatch by `Lifted.call`
+            continue
         old = before.get(path)
         new_value = var.get_value() if hasattr(var, "get_value") else var.value
         old_value = None if old is None else (old.get_value() if hasattr(old, "get_value") else old.value)
@@ -115,6 +171,6 @@ def _refuse_mutation(nnx: Any, node: Any, state: Any) -> None:
             raise PipelineError(
                 f"the function given to accumulate_grads changes the nnx state {type(node).__name__}.{where} "
                 f"({type(var).__name__}) of a Module it closes over. It runs once for every microbatch as one "
-                "traced body, so a change (an Rngs counter, batch statistics) cannot carry from one microbatch to "
-                "the next. Keep state changes outside accumulate_grads, or pass what changes per microbatch in the "
-                "batch (e.g. a PRNG key per microbatch, with nnx.Rngs made from it inside the loss).")
+                "traced body, so a change (batch statistics, a counter) cannot carry from one microbatch to the "
+                "next. Keep state changes outside accumulate_grads (e.g. BatchNorm with use_running_average=True "
+                "inside, statistics updated after), or pass what changes per microbatch in the batch.")

@@ -460,15 +460,53 @@ def test_an_nnx_module_closed_over_by_a_helper_of_the_microbatch_function_equals
     assert_trees_close(got, want)
 
 
-def test_an_nnx_module_whose_state_the_microbatch_function_changes_is_refused_naming_the_variable():
-    """Dropout draws from the Module's Rngs, which advances a counter: one traced body runs every microbatch, so
-    the change could not carry from one to the next. Refused (under jax.jit too), naming the variable."""
+def test_nnx_dropout_draws_per_microbatch_and_per_step_and_the_pipeline_equals_jax_jit(mesh2):
+    """Dropout draws from the Module's Rngs. In the body (one trace for every microbatch) a stream's key is
+    folded with its count and the microbatch's index, and the count moves on by one per step: identical
+    microbatches get different masks, a step after another different ones again, and the pipeline equals
+    jax.jit of the same step (same draws) for 3 steps."""
     from flax import nnx
 
-    model = _NnxTwoStage.model(dropout=True)
+    rng = np.random.default_rng(2)
+    one = {"x": rng.standard_normal((1, 6, 8)).astype(np.float32), "y": rng.standard_normal((1, 6, 8)).astype(np.float32)}
+    batch = jax.tree.map(lambda v: np.repeat(v, 4, axis=0), one)  # 4 identical microbatches
+    ref = jax.jit(_nnx_step(None))
+    dist = mpmd.distributed(_nnx_step(mpmd.OneFOneB(2)), mesh=mesh2)
+    m_r = _NnxTwoStage.model(dropout=True)
+    o_r = nnx.Optimizer(m_r, optax.sgd(0.0), wrt=nnx.Param)  # no update: only the draws change the losses
+    m_d = _NnxTwoStage.model(dropout=True)
+    o_d = nnx.Optimizer(m_d, optax.sgd(0.0), wrt=nnx.Param)
+    count0 = int(m_r.a.drop.rngs.count.get_value())
+    seen = []
+    for _ in range(3):
+        m_r, o_r, loss_r = ref(m_r, o_r, batch)
+        m_d, o_d, loss_d = dist(m_d, o_d, batch)
+        np.testing.assert_allclose(np.asarray(loss_d), np.asarray(loss_r), rtol=1e-5, atol=1e-6)
+        seen.append(np.asarray(loss_r))
+    losses = np.concatenate(seen)
+    assert len(np.unique(losses)) == len(losses)  # 12 draws, 12 different masks (identical data, no update)
+    assert int(m_r.a.drop.rngs.count.get_value()) == count0 + 3  # one count per step
+    assert int(mpmd.fetch(m_d.a.drop.rngs.count.get_value())) == count0 + 3
+    assert_trees_close(mpmd.fetch(nnx.state(m_d, nnx.Param)), nnx.state(m_r, nnx.Param))
+
+
+def test_an_nnx_module_whose_state_the_microbatch_function_changes_is_refused_naming_the_variable():
+    """BatchNorm in training mode updates its running statistics: one traced body runs every microbatch, so the
+    change could not carry from one to the next. Refused (under jax.jit too), naming the variable."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(8, 8, rngs=rngs)
+            self.bn = nnx.BatchNorm(8, rngs=rngs)
+
+        def __call__(self, x):
+            return self.bn(self.lin(x))
+
+    model = Net(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.sgd(1e-2), wrt=nnx.Param)
     batch = {"x": np.ones((2, 3, 8), np.float32), "y": np.ones((2, 3, 8), np.float32)}
-    with pytest.raises(PipelineError, match=r"changes the nnx state Model\.a\.drop\.rngs.*count.*cannot carry"):
+    with pytest.raises(PipelineError, match=r"changes the nnx state Net\.bn\.mean.*cannot carry"):
         jax.jit(_nnx_step(None))(model, optimizer, batch)
 
 
