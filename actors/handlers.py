@@ -357,6 +357,7 @@ class Actor:
             "running": len(ses.running),
             "last_step_peak_bytes": ses.last_step_peak_bytes,
             "shm_inputs": ses.inputs.reads,
+            "shm_input_maps": len(ses.inputs.maps),
             "loader_calls": self.loaders.calls,
             "shm_input_bytes": ses.inputs.bytes,
             "device_bytes": spmd.per_device_bytes(ses.buffers.values(), self.cache.mesh, self.device),
@@ -472,16 +473,20 @@ class Actor:
             placed = {i: self._to_device(next(inline), self._layout(next(layouts))) for i, b in enumerate(inputs) if b == -1}
         except Exception as e:
             raise RequestError(f"program {pid}: an inline input cannot be placed on actor {self.actor_id}: {e}") from None
-        # Shared-memory inputs are placed now. On CPU the array aliases the segment (see `_to_device`): that is
-        # safe because the controller rewrites a segment only once this request is answered, and by then the
-        # step's table is cleared. A Program's outputs are results of its Runs (a step that returns an argument
-        # unchanged gets it back from the controller); an input that is also an output would outlive the step,
-        # so it is copied.
-        kept = set(prog.outputs)
+        # Shared-memory inputs are placed now. On CPU (one device) the array aliases the segment without a copy
+        # (see `_to_device`), which the controller rewrites once this request is answered: so the reply then
+        # waits until the step's last Run has computed (Runs are dispatched asynchronously, and every one before
+        # it in the actor's stream is done by then). An input that is also a Program output, or that the Program
+        # sends (ZeroMQ may still read a frame after the send is posted), would outlive the request: it is
+        # copied, as is every input placed on another platform or over a device mesh.
+        copied = set(prog.outputs) | {ins.buf for ins in prog.instructions if isinstance(ins, Send)}
+        aliased = False
         for i, notice in marked(inputs, -2, notices):
             view = ses.inputs.read(notice)
-            if self.cache.mesh is not None or prog.inputs[i] in kept:
+            if self.cache.mesh is not None or self.device.platform != "cpu" or prog.inputs[i] in copied:
                 view = np.array(view)
+            else:
+                aliased = True
             try:
                 placed[i] = self._to_device(view, self._layout(notice.get("layout")))
             except Exception as e:
@@ -504,7 +509,9 @@ class Actor:
             self.interpreter.run_step((ses.id, pid, step), prog, env, refs, prologue, ses.buffers, sync, trace))
         ses.running[key] = task
         try:
-            await task
+            last = await task
+            if aliased and last is not None and not last.is_ready():  # see the shared-memory inputs above
+                await asyncio.to_thread(jax.block_until_ready, last)
             results = [env.get_now(local) for local in prog.outputs]
         except BaseException as e:
             why = RequestError(f"program {pid} step {step} was aborted on actor {self.actor_id}") if isinstance(

@@ -7,9 +7,12 @@ segment names all start with a prefix the controller told this actor once, over 
 plane (op ``input_shm``); a notice naming anything else is refused, so a request cannot make the actor map
 another controller's (or another user's) memory. The actor maps a segment once (read only), unlinks its
 name right after — nothing is left in /dev/shm if either side dies — checks every notice against the
-segment's bounds and the array's dtype and shape, and copies the bytes into memory JAX owns before the
-request's step starts. The controller rewrites a segment only after this request's reply has come (it
-double-buffers: step k+1's arguments are written into another segment while step k runs).
+segment's bounds and the array's dtype and shape. On CPU the step reads the array where it lies (JAX takes
+aligned host memory without a copy), elsewhere it is copied out first. The controller rewrites a segment
+only after this request's reply has come, and the reply waits until the step's Runs have computed (see
+`run_program` in actors/handlers.py); step k+1's arguments go into another segment while step k runs. A segment the
+controller closed (replaced by a bigger one) is named in the next notice's ``retire`` list and unmapped
+here, so the mappings a session holds stay bounded.
 """
 
 from __future__ import annotations
@@ -77,6 +80,13 @@ class InputSegments:
         want = math.prod(shape) * dtype.itemsize
         if nbytes != want:
             raise RequestError(f"shared-memory input {name}: {dtype.name}{shape} is {want} bytes but the notice says {nbytes}")
+        retire = notice.get("retire", [])
+        if not isinstance(retire, list) or len(retire) > MAX_SEGMENTS or not all(
+                isinstance(r, str) and r.startswith(self.prefix) and r[len(self.prefix):].isdigit() and r != name for r in retire):
+            raise RequestError(f"shared-memory input {name}: 'retire' must list other segments of this session's prefix "
+                               f"{self.prefix!r}, got {retire!r:.200}")
+        for r in retire:  # closed by the controller: unmapped now, or once the last array reading it is gone
+            self._unmap(r)
         mm = self._map(name)
         if offset + nbytes > len(mm):
             raise RequestError(f"shared-memory input {name}: bytes {offset}..{offset + nbytes} lie outside the segment "
@@ -112,6 +122,14 @@ class InputSegments:
             pass
         self.maps[name] = mm
         return mm
+
+    def _unmap(self, name: str) -> None:
+        mm = self.maps.pop(name, None)
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:  # an array still reads it in place: the mapping goes with the last one
+                pass
 
     def close(self) -> None:
         for mm in self.maps.values():

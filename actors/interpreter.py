@@ -62,29 +62,33 @@ class Interpreter:
         self.posts_first = transfers.device.platform == "cpu" and os.environ.get("MPMD_POST_FIRST", "1") != "0"
 
     async def run_step(self, step_key: StepKey, prog: Program, env: BufferTable, refs: list, prologue: list[Instruction],
-                       session_buffers: BufferTable, sync: bool, trace: StepTrace | None = None) -> None:
+                       session_buffers: BufferTable, sync: bool, trace: StepTrace | None = None) -> Any:
         """One step of `prog` in the step's own table `env`: its inputs are `refs` (values, or futures of
         values still being computed); the `prologue`'s transfers copy arguments between actors, reading and
-        writing `session_buffers`."""
+        writing `session_buffers`. Returns what marks the step's last Run done (Runs are dispatched
+        asynchronously: it may still be computing), or None when nothing can still be running."""
         # The prologue copies arguments between actors; post it before waiting for those arguments.
         transfers = self.transfers.start(step_key, session_buffers, prologue)
         try:
             for local, ref in zip(prog.inputs, refs):
                 env.put(local, await asyncio.shield(ref) if isinstance(ref, asyncio.Future) else ref)
-            await self.interpret(step_key, env, prog.instructions, sync, trace)
+            last = await self.interpret(step_key, env, prog.instructions, sync, trace)
             await asyncio.gather(*transfers)
+            return last
         finally:
             for t in transfers:
                 t.cancel()
 
     async def interpret(self, step_key: StepKey, env: BufferTable, instrs: list[Instruction], sync: bool,
-                        trace: StepTrace | None = None) -> None:
-        """Execute `instrs` in order over `env`, then wait for every transfer they started."""
+                        trace: StepTrace | None = None) -> Any:
+        """Execute `instrs` in order over `env`, then wait for every transfer they started. Returns what marks
+        the last Run done (None when no Run can still be computing)."""
         sends: dict[int, list[asyncio.Future[None]]] = {}
         recvs: list[asyncio.Future[None]] = []
         inflight: list[asyncio.Future[None]] = []  # sends whose buffer is already dropped from the table
         computed: list[asyncio.Future[None]] = []  # sends of computed values not yet posted (`posts_first`)
         debug = log.isEnabledFor(logging.DEBUG)
+        last = None
         try:
             for ins in instrs:
                 if debug:
@@ -101,7 +105,7 @@ class Interpreter:
                         if trace:
                             results = await trace.run(self.stream, self.cache.get(ins.exe), args, str(ins.label), t0, now())
                         else:
-                            _, results = self.stream.call(self.cache.get(ins.exe), args)
+                            last, results = self.stream.call(self.cache.get(ins.exe), args)
                     except Exception as e:
                         _mark_task(e, str(ins.label))
                         raise
@@ -129,6 +133,7 @@ class Interpreter:
                         inflight.extend(pending)
                     env.delete(list(ins.bufs))
             await asyncio.gather(*(t for ts in sends.values() for t in ts), *inflight, *recvs)
+            return last
         except BaseException:
             for t in [*recvs, *inflight, *(t for ts in sends.values() for t in ts)]:
                 t.cancel()

@@ -5,7 +5,8 @@ such input. The actor calls only functions on its allow-list (``mpmd-actor --all
 repeatable; empty by default, so a daemon loads nothing unless its operator said so): it imports the module
 by name (never unpickles), calls ``fn(step, name)`` in a worker thread — while the step before still runs —
 and checks that the result is an array of the announced dtype and shape. Any failure fails that step with an
-error naming the function and the leaf; the daemon stays up.
+error naming the function and the leaf; the daemon stays up. On CPU, JAX uses a 64-byte-aligned result in
+place (no copy), so a loader must return a fresh array each call, not refill one it returned before.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """Step arguments from the host: only to the actors that read them, large ones through shared memory on a
 local mesh (mpmd.runtime.inputs, actors/inputs.py), and hostile shared-memory notices refused."""
 
+import time
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -81,6 +84,18 @@ def test_input_pool_grows_for_steps_dispatched_ahead_up_to_its_count_and_bytes()
     try:
         got = [st._acquire(1, 1 << 20) for _ in range(6)]
         assert [g is not None for g in got] == [True] * 4 + [False] * 2  # the byte budget stops it at 4 of 8
+        for g in got[:4]:
+            g.busy = False
+        big = st._acquire(1, 2 << 20)  # a bigger batch: free segments are closed (and retired) to make room
+        assert big is not None and sum(s.size for s in st._pools[1]) <= 4 * size
+        assert len(st._retired[1]) == 2 and big.name not in st._retired[1]
+    finally:
+        st.close()
+    st = inputs.InputStager(owner, max_segments=3, pool_bytes=1 << 40)
+    try:  # full by count: a bigger batch replaces a free segment, the pool stays at 3
+        got = [st._acquire(3, 1 << 16) for _ in range(3)]
+        got[0].busy = False
+        assert st._acquire(3, 1 << 20) is not None and len(st._pools[3]) == 3 and st._retired[3] == [got[0].name]
     finally:
         st.close()
     st = inputs.InputStager(owner, max_segments=8, pool_bytes=size)
@@ -134,6 +149,9 @@ def test_hostile_shm_input_notices_are_refused_and_the_daemon_survives(mesh2):
             ({**good, "name": own, "nbytes": 4, "shape": [1], "offset": 1 << 20}, "outside the segment"),
             ({**good, "name": own}, "outside the segment"),  # 128 KiB announced, the segment holds 64 KiB
             ({**good, "name": own, "offset": 3}, "multiple of 64"),
+            ({**good, "name": own, "retire": ["/mpmd-in-1-2-0-7"]}, "'retire' must list"),  # not this session's
+            ({**good, "name": own, "retire": [own]}, "'retire' must list"),  # the segment being read
+            ({**good, "name": own, "retire": "x"}, "'retire' must list"),
             ({**good, "name": own, "dtype": "object"}, "unknown dtype"),
             ({**good, "name": own, "shape": [-1]}, "non-negative"),
             ("not a map", "must be a map"),
@@ -196,3 +214,66 @@ def test_actors_load_their_own_batch_leaves_with_a_named_loader_and_steps_equal_
 def test_a_loader_name_must_be_module_colon_function():
     with pytest.raises(ValueError, match="module:function"):
         mpmd.loaded_by_actors("not a name; rm -rf", {"x": np.zeros(3)})
+
+
+def test_a_host_argument_read_by_the_steps_last_run_is_not_rewritten_while_that_run_computes(mesh2):
+    """A host argument in shared memory is read in place on CPU, and the controller rewrites its segment once
+    the step's reply has come. Runs are dispatched asynchronously, so the reply waits for the step's last Run:
+    here a heavy last Run reads the host matrix `w` while the very next call (one segment: it is reused at
+    once) writes another `w` into the same segment. Every result equals jax.jit's."""
+    width = 256  # w is 256 KiB: over the shared-memory threshold
+
+    def step(w, batch):
+        def mb(m):
+            value, g = jax.value_and_grad(lambda w, m: jnp.mean(jnp.tanh(mpmd.pipeline_yield(m["x"] @ w) @ w)))(w, m)
+            return g, value
+
+        grads, losses = mpmd.accumulate_grads(mb, batch, schedule=mpmd.GPipe(2))
+        heavy = w
+        for _ in range(6):  # the last Run reads w for a while after the others are done
+            heavy = jnp.tanh(heavy @ w)
+        return w - 0.1 * grads + 1e-3 * heavy, losses
+
+    dist = mpmd.distributed(step, mesh=mesh2)
+    ref = jax.jit(step)
+    stager = input_stager(mesh2)
+    rng = np.random.default_rng(7)
+    batch = {"x": rng.standard_normal((2, 4, width)).astype(np.float32)}
+    ws = [rng.standard_normal((width, width)).astype(np.float32) / 16 for _ in range(6)]
+    np.asarray(dist(ws[0], batch)[0])  # compiled, and the prefixes announced
+    saved = stager.max_segments
+    stager.max_segments = 1
+    from mpmd.runtime import inputs
+
+    with stager._lock:
+        for actor, pool in stager._pools.items():
+            for seg in pool[1:]:  # closed and retired, as `_acquire` does
+                inputs._close(seg)
+                stager._retired.setdefault(actor, []).append(seg.name)
+            del pool[1:]
+    try:
+        outs = []
+        for w in ws:
+            outs.append(dist(w, batch)[0])
+            deadline = time.monotonic() + 60
+            while any(seg.busy for pool in stager._pools.values() for seg in pool):  # until the reply has come
+                assert time.monotonic() < deadline
+                time.sleep(0.0002)
+        for w, got in zip(ws, outs):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(ref(w, batch)[0]), rtol=1e-5, atol=1e-6)
+    finally:
+        stager.max_segments = saved
+
+
+def test_segments_replaced_by_bigger_ones_are_unmapped_on_the_actor():
+    """A batch that keeps growing makes the controller replace segments; each replaced one is retired in the next
+    notice and unmapped on the actor, so the mappings one session holds stay at the pool's size."""
+    with mpmd.RemoteMesh.local(2) as mesh:
+        stager = input_stager(mesh)
+        stager.max_segments = 3
+        for rows in (64, 128, 256, 512, 1024, 2048):  # each batch leaf twice the last: 128 KiB .. 4 MiB
+            dist, ref, params, state, batch = _tiny(mesh, width=128, m=4, rows=rows)
+            np.testing.assert_allclose(np.asarray(dist(params, state, batch)[2]), np.asarray(ref(params, state, batch)[2]),
+                                       rtol=1e-5, atol=1e-6)
+        assert all(len(pool) <= 3 for pool in stager._pools.values()) and stager.staged >= 12
+        assert [_stats(mesh, a)["shm_input_maps"] for a in range(2)] == [len(stager._pools[a]) for a in range(2)]

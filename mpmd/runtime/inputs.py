@@ -68,6 +68,7 @@ class InputStager:
         self._names = itertools.count()
         self._lock = threading.Lock()
         self._pools: dict[int, list[Segment]] = {}
+        self._retired: dict[int, list[str]] = {}  # actor -> segments closed here that it may still have mapped
         self._told: dict[int, Any] = {}  # actor -> the connection its prefix was announced on (a reconnect asks again)
         self._local: dict[int, bool] = {}
         self.staged = 0  # arguments written to shared memory
@@ -102,6 +103,7 @@ class InputStager:
         with self._lock:  # a new daemon behind a reconnect has none of the old segments mapped: start afresh
             for seg in self._pools.pop(actor, []):
                 _close(seg)
+            self._retired.pop(actor, None)
         self._told[actor], self._local[actor] = conn, local
         return local
 
@@ -132,6 +134,10 @@ class InputStager:
                 notice["layout"] = lay
             notices.append(notice)
         self.staged += len(arrays)
+        with self._lock:
+            retired = self._retired.pop(actor, [])
+        if retired:
+            notices[0]["retire"] = retired  # closed here: the actor unmaps them (its mappings stay bounded)
 
         def release() -> None:
             with self._lock:
@@ -146,14 +152,19 @@ class InputStager:
             fit = min((s for s in free if s.size >= nbytes), key=lambda s: s.size, default=None)
             if fit is None:
                 size = shm.size_class(nbytes)
-                full = len(pool) >= self.max_segments or (
-                    len(pool) >= MIN_SEGMENTS and sum(s.size for s in pool) + size > self.pool_bytes)
-                if full:
+
+                def over() -> bool:  # no room for one more segment of `size` (MIN_SEGMENTS always fit)
+                    return len(pool) >= self.max_segments or (
+                        len(pool) >= MIN_SEGMENTS and sum(s.size for s in pool) + size > self.pool_bytes)
+
+                while over():  # make room by closing free segments, the biggest first (all too small for this)
+                    free = [s for s in pool if not s.busy]
                     if not free:
                         return None
-                    old = max(free, key=lambda s: s.size)  # too small for this step: replace it by a bigger one
+                    old = max(free, key=lambda s: s.size)
                     pool.remove(old)
                     _close(old)
+                    self._retired.setdefault(actor, []).append(old.name)  # the actor unmaps it (next notice)
                 name = f"{self.prefix(actor)}{next(self._names)}"
                 fit = Segment(name, size, None)  # type: ignore[arg-type]
                 fit.mm = shm.create_segment(name, fit.size)

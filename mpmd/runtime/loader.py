@@ -32,7 +32,8 @@ _NAME = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 @dataclass(frozen=True)
 class LoadedLeaf:
-    """One batch leaf an actor loads itself: ``fn(step, name)`` must return a `dtype` array of `shape`."""
+    """One batch leaf an actor loads itself: ``fn(step, name)`` must return a `dtype` array of `shape`, a fresh
+    one each call (on CPU an aligned array is used in place, without a copy)."""
 
     fn: str
     name: str
