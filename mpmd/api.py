@@ -91,11 +91,12 @@ def _trace_body(fn: Lifted, treedef: Any, mb_specs: list[Any], out_tree: list[An
         # a helper's closure): nnx refuses graph nodes made outside the body's own trace.
         raise PipelineError(
             "the function given to accumulate_grads uses a flax nnx Module made outside it that it does not close "
-            "over directly (a global, an attribute, or a helper function's closure), and nnx refuses graph nodes "
-            "from another trace level (the microbatch function is traced on its own). Close over the Module in the "
-            "function itself (`def mb(mb): return nnx.value_and_grad(loss)(model, mb)[::-1]`), or pass its state "
-            "functionally: `graphdef, params = nnx.split(model, nnx.Param)` outside, `nnx.merge(graphdef, params)` "
-            f"inside the loss (as examples/gpt.py does). nnx said: {str(e).splitlines()[0]}") from e
+            "over (it reaches it through a global, an attribute of `self`, functools.partial, or a closure more "
+            "than 3 functions deep), and nnx refuses graph nodes from another trace level (the microbatch function "
+            "is traced on its own). Close over the Module in the function itself "
+            "(`def mb(mb): return nnx.value_and_grad(loss)(model, mb)[::-1]`), or pass its state functionally: "
+            "`graphdef, params = nnx.split(model, nnx.Param)` outside, `nnx.merge(graphdef, params)` inside the "
+            f"loss (as examples/gpt.py does). nnx said: {str(e).splitlines()[0]}") from e
 
 
 def _close_over_inputs(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, list[Any]]:

@@ -16,7 +16,8 @@ level ("Cannot extract graph node from different trace level"), so the way nnx u
 (of `fn`, or of a helper function it closes over) that holds nnx graph nodes (alone, or in a tuple, list or
 dict) split outside the trace and merged into fresh
 copies inside it, whose state values are the outer ones (so gradients and the pipeline see them as ordinary
-closed-over values). `nnx.Rngs` streams (Dropout's) draw in each microbatch from their key folded with the
+closed-over values). While the body is traced the cells hold the copies: tracing the same step from two
+threads at once is not supported (nor is it by nnx). `nnx.Rngs` streams (Dropout's) draw in each microbatch from their key folded with the
 count and the microbatch's index, and move on by one count per step (see `Lifted`). The body runs once for
 every microbatch, so other state it changes (batch statistics) could not carry from one microbatch to the
 next: that is refused, naming the variable. Nothing is imported from flax unless flax is already imported.
@@ -64,7 +65,8 @@ def _graph_cells(fn: Callable[..., Any], nnx: Any, seen: set[int] | None = None,
                 cells += _graph_cells(value, nnx, seen, depth - 1)
             continue
         nodes = jax.tree.leaves(value, is_leaf=nnx.graph.is_graph_node) if isinstance(value, (tuple, list, dict)) else [value]
-        if any(nnx.graph.is_graph_node(n) for n in nodes):
+        # (a Variable alone is read across trace levels without complaint: it stays as it is)
+        if any(nnx.graph.is_graph_node(n) and not isinstance(n, nnx.Variable) for n in nodes):
             cells.append((cell, value))
     return cells
 
@@ -83,7 +85,7 @@ class Lifted:
         is_node = nnx.graph.is_graph_node if nnx is not None else None
         self._split = [(cell, value, jax.tree.map(lambda n: nnx.split(n) if is_node(n) else n, value, is_leaf=is_node))
                        for cell, value in cells]
-        self._outer_streams = [s for _, value in cells for s in _streams(nnx, value)]
+        self._outer_streams = _streams(nnx, [value for _, value in cells])  # each once, however many cells reach it
         self.uses_rngs = bool(self._outer_streams)
 
     def call(self, mb: Any, index: Any = None) -> Any:
@@ -161,7 +163,9 @@ def _refuse_mutation(nnx: Any, node: Any, state: Any) -> None:
     before = dict(nnx.to_flat_state(state))
     after = dict(nnx.to_flat_state(nnx.state(node)))
     for path, var in after.items():
-        if isinstance(var, (nnx.RngKey, nnx.RngCount)):  # set per microbatch by `Lifted.call`
+        # Rng state is set per microbatch by `Lifted.call`. Params are what the body differentiates: nnx.remat
+        # and nnx.jit inside it write them back as new (equal) values, and a change would be dropped anyway.
+        if isinstance(var, (nnx.RngKey, nnx.RngCount, nnx.Param)):
             continue
         old = before.get(path)
         new_value = var.get_value() if hasattr(var, "get_value") else var.value
@@ -173,4 +177,5 @@ def _refuse_mutation(nnx: Any, node: Any, state: Any) -> None:
                 f"({type(var).__name__}) of a Module it closes over. It runs once for every microbatch as one "
                 "traced body, so a change (batch statistics, a counter) cannot carry from one microbatch to the "
                 "next. Keep state changes outside accumulate_grads (e.g. BatchNorm with use_running_average=True "
-                "inside, statistics updated after), or pass what changes per microbatch in the batch.")
+                "inside, statistics updated after), or pass what changes per microbatch in the batch. (nnx.remat or "
+                "nnx.jit inside the body write all state back, changed or not: use jax.checkpoint there instead.)")
