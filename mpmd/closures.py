@@ -85,7 +85,8 @@ class Lifted:
         is_node = nnx.graph.is_graph_node if nnx is not None else None
         self._split = [(cell, value, jax.tree.map(lambda n: nnx.split(n) if is_node(n) else n, value, is_leaf=is_node))
                        for cell, value in cells]
-        self._outer_streams = _streams(nnx, [value for _, value in cells])  # each once, however many cells reach it
+        # each once, however many cells reach it
+        self._outer_streams = _streams(nnx, [value for _, value in cells]) if cells else []
         self.uses_rngs = bool(self._outer_streams)
 
     def call(self, mb: Any, index: Any = None) -> Any:

@@ -460,6 +460,26 @@ def test_an_nnx_module_closed_over_by_a_helper_of_the_microbatch_function_equals
     assert_trees_close(got, want)
 
 
+def test_accumulate_grads_works_where_flax_was_never_imported():
+    """The nnx support imports nothing from flax and must not need it: a fresh interpreter without flax runs a
+    step under jax.jit and checks flax stayed out (the other tests here import flax, so this runs apart)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numpy as np, jax, optax\n"
+        "import mpmd\n"
+        "from mpmd.testing import make_train_step, mlp, mlp_params, mse_loss, regression_batch\n"
+        "step = make_train_step(mse_loss(mlp), optax.sgd(0.1), mpmd.GPipe(2))\n"
+        "params = mlp_params(np.random.default_rng(0), 2, 16, 1)\n"
+        "out = jax.jit(step)(params, optax.sgd(0.1).init(params), regression_batch(np.random.default_rng(1), 4, 8, 16))\n"
+        "assert 'flax' not in sys.modules\n"
+        "print(float(out[2].sum()))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.strip().splitlines()[-1]) > 0
+
+
 def test_nnx_remat_inside_the_body_a_closed_over_variable_and_rngs_reached_twice():
     """nnx.remat inside the microbatch function writes the Params back (equal): not refused. A Variable closed
     over alone is read as it is. An Rngs reached from two cells (the Module and its submodule) moves on once
