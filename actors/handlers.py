@@ -510,8 +510,6 @@ class Actor:
         ses.running[key] = task
         try:
             last = await task
-            if aliased and last is not None and not last.is_ready():  # see the shared-memory inputs above
-                await asyncio.to_thread(jax.block_until_ready, last)
             results = [env.get_now(local) for local in prog.outputs]
         except BaseException as e:
             why = RequestError(f"program {pid} step {step} was aborted on actor {self.actor_id}") if isinstance(
@@ -528,7 +526,12 @@ class Actor:
             ses.last_step_peak_bytes = env.peak_bytes
             env.clear()  # the step's intermediates go now (and with them any shared memory they aliased)
         for b, r in zip(outputs, results):
-            ses.buffers.put(b, r)
+            ses.buffers.put(b, r)  # (the next step's Runs may be dispatched from here on)
+        if aliased and last is not None and not last.is_ready():  # see the shared-memory inputs above
+            try:
+                await asyncio.to_thread(jax.block_until_ready, last)
+            except Exception:  # a Run failed: its outputs carry the error to whoever reads them
+                pass
         reply: dict[str, Any] = {"outputs": [aval_header(r.shape, r.dtype) for r in results]}
         if trace is not None:
             trace.end = now()
