@@ -47,12 +47,14 @@ def _nnx() -> Any:
     return nnx
 
 
-def _graph_cells(fn: Callable[..., Any], nnx: Any, seen: set[int] | None = None, depth: int = 3) -> list[tuple[Any, Any]]:
-    """(cell, contents) for each closure cell holding nnx graph nodes, of `fn` and of the functions it closes
-    over (a helper defined beside it), `depth` levels down."""
+def _graph_cells(fn: Callable[..., Any], nnx: Any, seen: set[int] | None = None, depth: int = 3) -> list[tuple[Any, Any, str]]:
+    """(cell, contents, name) for each closure cell holding nnx graph nodes, of `fn` and of the functions it
+    closes over (a helper defined beside it), `depth` levels down."""
     seen = set() if seen is None else seen
     cells = []
-    for cell in getattr(fn, "__closure__", None) or ():
+    code = getattr(fn, "__code__", None)
+    names = code.co_freevars if code is not None else ()
+    for i, cell in enumerate(getattr(fn, "__closure__", None) or ()):
         if id(cell) in seen:
             continue
         seen.add(id(cell))
@@ -67,7 +69,7 @@ def _graph_cells(fn: Callable[..., Any], nnx: Any, seen: set[int] | None = None,
         nodes = jax.tree.leaves(value, is_leaf=nnx.graph.is_graph_node) if isinstance(value, (tuple, list, dict)) else [value]
         # (a Variable alone is read across trace levels without complaint: it stays as it is)
         if any(nnx.graph.is_graph_node(n) and not isinstance(n, nnx.Variable) for n in nodes):
-            cells.append((cell, value))
+            cells.append((cell, value, names[i] if i < len(names) else f"<closure {i}>"))
     return cells
 
 
@@ -80,41 +82,28 @@ class Lifted:
     called in the step's trace once the body is traced, moves each stream's count on by one (the step must
     return the Module, as under jax.jit, for that to last)."""
 
-    def __init__(self, fn: Callable[..., Any], nnx: Any, cells: list[tuple[Any, Any]]) -> None:
+    def __init__(self, fn: Callable[..., Any], nnx: Any, cells: list[tuple[Any, Any, str]]) -> None:
         self.fn, self._nnx, self._cells = fn, nnx, cells
-        is_node = nnx.graph.is_graph_node if nnx is not None else None
-        self._split = [(cell, value, jax.tree.map(lambda n: nnx.split(n) if is_node(n) else n, value, is_leaf=is_node))
-                       for cell, value in cells]
-        # each once, however many cells reach it
-        self._outer_streams = _streams(nnx, [value for _, value in cells]) if cells else []
+        # One split of every cell's contents together: a Module reached from two cells (`model` and
+        # `sub = model.block`) stays one object in the body, as it is outside (same Rngs draws, same state).
+        self._parts = nnx.split(tuple(value for _, value, _ in cells)) if cells else None
+        self._outer_streams = _streams(nnx, tuple(value for _, value, _ in cells)) if cells else []
         self.uses_rngs = bool(self._outer_streams)
 
     def call(self, mb: Any, index: Any = None) -> Any:
-        if not self._split:
+        if not self._cells:
             return self.fn(mb)
         nnx = self._nnx
-
-        def is_part(n: Any) -> bool:
-            return isinstance(n, tuple) and len(n) == 2 and isinstance(n[0], nnx.graph.GraphDef)
-
-        made = []
-        for cell, _, parts in self._split:
-            def merge(n: Any) -> Any:
-                if not is_part(n):
-                    return n
-                node = nnx.merge(n[0], n[1], copy=True)
-                made.append((node, n[1]))
-                return node
-
-            cell.cell_contents = jax.tree.map(merge, parts, is_leaf=is_part)
+        graphdef, state = self._parts
+        made = nnx.merge(graphdef, state, copy=True)
+        for (cell, _, _), value in zip(self._cells, made):
+            cell.cell_contents = value
         if index is not None:
-            for node, _ in made:
-                for stream in _streams(nnx, node):
-                    stream.key[...] = jax.random.fold_in(jax.random.fold_in(stream.key[...], stream.count[...]), index)
-                    stream.count[...] = jax.numpy.zeros_like(stream.count[...])
+            for stream in _streams(nnx, made):
+                stream.key[...] = jax.random.fold_in(jax.random.fold_in(stream.key[...], stream.count[...]), index)
+                stream.count[...] = jax.numpy.zeros_like(stream.count[...])
         out = self.fn(mb)
-        for node, state in made:
-            _refuse_mutation(nnx, node, state)
+        _refuse_mutation(nnx, made, state, [name for _, _, name in self._cells])
         return out
 
     def advance(self) -> None:
@@ -131,20 +120,17 @@ class Lifted:
                     f"(nnx said: {str(e).splitlines()[0]})") from e
 
     def restore(self) -> None:
-        for cell, value, _ in self._split:
+        for cell, value, _ in self._cells:
             cell.cell_contents = value
 
 
-def _streams(nnx: Any, value: Any) -> list[Any]:
-    """The nnx RngStreams reachable from `value` (graph nodes, alone or in a tuple, list or dict), each once."""
+def _streams(nnx: Any, values: tuple[Any, ...]) -> list[Any]:
+    """The nnx RngStreams reachable from `values` (graph nodes, alone or in tuples, lists or dicts), each once."""
     out, seen = [], set()
-    for node in jax.tree.leaves(value, is_leaf=nnx.graph.is_graph_node):
-        if not nnx.graph.is_graph_node(node):
-            continue
-        for _, v in nnx.graph.iter_graph(node):
-            if isinstance(v, nnx.RngStream) and id(v) not in seen:
-                seen.add(id(v))
-                out.append(v)
+    for _, v in nnx.graph.iter_graph(values):
+        if isinstance(v, nnx.RngStream) and id(v) not in seen:
+            seen.add(id(v))
+            out.append(v)
     return out
 
 
@@ -160,7 +146,7 @@ def lifted(fn: Callable[..., Any]) -> Iterator[Lifted]:
         body.restore()
 
 
-def _refuse_mutation(nnx: Any, node: Any, state: Any) -> None:
+def _refuse_mutation(nnx: Any, node: Any, state: Any, names: list[str]) -> None:
     before = dict(nnx.to_flat_state(state))
     after = dict(nnx.to_flat_state(nnx.state(node)))
     for path, var in after.items():
@@ -172,9 +158,9 @@ def _refuse_mutation(nnx: Any, node: Any, state: Any) -> None:
         new_value = var.get_value() if hasattr(var, "get_value") else var.value
         old_value = None if old is None else (old.get_value() if hasattr(old, "get_value") else old.value)
         if old is None or new_value is not old_value:
-            where = ".".join(str(p) for p in path)
+            where = ".".join([names[path[0]], *(str(p) for p in path[1:])])
             raise PipelineError(
-                f"the function given to accumulate_grads changes the nnx state {type(node).__name__}.{where} "
+                f"the function given to accumulate_grads changes the nnx state {where} "
                 f"({type(var).__name__}) of a Module it closes over. It runs once for every microbatch as one "
                 "traced body, so a change (batch statistics, a counter) cannot carry from one microbatch to the "
                 "next. Keep state changes outside accumulate_grads (e.g. BatchNorm with use_running_average=True "

@@ -518,6 +518,35 @@ def test_nnx_remat_inside_the_body_a_closed_over_variable_and_rngs_reached_twice
     assert int(after.a.drop.rngs.count.get_value()) == count0 + 1  # once, though two cells reach it
 
 
+def test_a_module_reached_from_two_cells_is_one_object_in_the_body():
+    """`model` and `drop = model.drop` in two closure cells (and a Variable beside the Module in a tuple): the
+    body sees one Dropout, so its two calls draw two different masks, as two calls outside would."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(8, 8, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    model = Net(nnx.Rngs(0))
+    batch = {"x": np.ones((2, 64, 8), np.float32)}
+
+    def step(model, batch):
+        drop = model.drop
+        pair = (model, model.lin.kernel)
+
+        def mb(m):
+            first, second = model.drop(m["x"]), drop(m["x"])
+            return (), (first, second, jnp.sum(pair[1][...]) + 0 * jnp.sum(pair[0].lin.bias[...]))
+
+        return mpmd.accumulate_grads(mb, batch, schedule=None)[1]
+
+    first, second, kernel_sum = jax.jit(step)(model, batch)
+    assert not np.array_equal(np.asarray(first) == 0, np.asarray(second) == 0)  # two draws, two masks
+    assert not np.array_equal(np.asarray(first[0]) == 0, np.asarray(first[1]) == 0)  # and per microbatch
+    np.testing.assert_allclose(np.asarray(kernel_sum), np.full(2, float(jnp.sum(model.lin.kernel[...]))), rtol=1e-6)
+
+
 def test_nnx_dropout_draws_per_microbatch_and_per_step_and_the_pipeline_equals_jax_jit(mesh2):
     """Dropout draws from the Module's Rngs. In the body (one trace for every microbatch) a stream's key is
     folded with its count and the microbatch's index, and the count moves on by one per step: identical
@@ -564,7 +593,7 @@ def test_an_nnx_module_whose_state_the_microbatch_function_changes_is_refused_na
     model = Net(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.sgd(1e-2), wrt=nnx.Param)
     batch = {"x": np.ones((2, 3, 8), np.float32), "y": np.ones((2, 3, 8), np.float32)}
-    with pytest.raises(PipelineError, match=r"changes the nnx state Net\.bn\.mean.*cannot carry"):
+    with pytest.raises(PipelineError, match=r"changes the nnx state model\.bn\.mean.*cannot carry"):
         jax.jit(_nnx_step(None))(model, optimizer, batch)
 
 
