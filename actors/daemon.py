@@ -130,8 +130,9 @@ def keep_freed_memory() -> None:
     """glibc maps each allocation above its mmap threshold afresh and unmaps it when it is freed (and trims the
     heap's free top), so the activation and gradient buffers an actor allocates again every step came back as
     new zeroed pages: 1,000-1,300 page faults per step on each actor of the 2-actor 1F1B MLP. Buffers up to 32
-    MiB now come from the heap, and up to 1 GiB of freed memory stays there for the next step. Only where glibc
-    is the allocator; MPMD_MALLOC_KEEP=0 leaves glibc's defaults (to compare)."""
+    MiB now come from the heap, and up to 1 GiB of freed memory per malloc arena (XLA's, ZeroMQ's and the
+    worker threads' each have one) stays there for the next step: a daemon's resident memory stays near its
+    peak for its life. Only where glibc is the allocator; MPMD_MALLOC_KEEP=0 leaves glibc's defaults."""
     if os.environ.get("MPMD_MALLOC_KEEP", "1") == "0" or not sys.platform.startswith("linux"):
         return
     try:

@@ -418,6 +418,7 @@ class Actor:
                 f"key {ses.owner!r} may run single-actor programs here, but not send or receive between actors")
 
     async def run_program(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
+        ses.inputs.retire(msg.header.get("shm_inputs"))  # first: a request refused below still retires its segments
         pid, step = field(msg, "program", int), field(msg, "step", int)
         prog = ses.programs.get(pid)
         if prog is None:
@@ -527,7 +528,7 @@ class Actor:
             env.clear()  # the step's intermediates go now (and with them any shared memory they aliased)
         for b, r in zip(outputs, results):
             ses.buffers.put(b, r)  # (the next step's Runs may be dispatched from here on)
-        if aliased and last is not None and not last.is_ready():  # see the shared-memory inputs above
+        if aliased and self.stream.ordered and last is not None and not last.is_ready():  # see the inputs above
             try:
                 await asyncio.to_thread(jax.block_until_ready, last)
             except Exception:  # a Run failed: its outputs carry the error to whoever reads them

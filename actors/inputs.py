@@ -53,7 +53,28 @@ class InputSegments:
             raise RequestError(f"this session's input prefix is already {self.prefix!r}; it cannot change to {prefix!r}")
         if not shm.available():
             raise RequestError(f"actor {self.actor_id} has no POSIX shared memory; send arguments inline")
+        # Announced again (the controller reconnected): it starts its segments afresh, so the old ones go.
+        for name in list(self.maps):
+            self._unmap(name)
         self.prefix = prefix
+
+    def _ours(self, name: Any) -> bool:
+        return isinstance(name, str) and self.prefix is not None and name.startswith(self.prefix) and \
+            re.fullmatch(r"[0-9]+", name[len(self.prefix):]) is not None
+
+    def retire(self, notices: Any) -> None:
+        """Unmap the segments the controller closed, listed in the notices' ``retire`` fields (done first
+        thing in a request, so a request refused for another reason still retires them)."""
+        if not isinstance(notices, list):
+            return  # (the request's own check names this)
+        for notice in notices:
+            retire = notice.get("retire", []) if isinstance(notice, dict) else []
+            if not isinstance(retire, list) or len(retire) > MAX_SEGMENTS or not all(
+                    self._ours(r) and r != notice.get("name") for r in retire):
+                raise RequestError(f"shared-memory input {notice.get('name')!r}: 'retire' must list other segments of "
+                                   f"this session's prefix {self.prefix!r}, got {retire!r:.200}")
+            for r in retire:  # closed by the controller: unmapped now, or once the last array reading it is gone
+                self._unmap(r)
 
     def read(self, notice: Any) -> np.ndarray:
         """The array a notice points at: a read-only view of the segment (the caller copies it out)."""
@@ -63,7 +84,7 @@ class InputSegments:
         dtype_name, shape = notice.get("dtype"), notice.get("shape")
         if self.prefix is None:
             raise RequestError(f"shared-memory input {name!r} refused: this session never named an input prefix ('input_shm')")
-        if not isinstance(name, str) or not name.startswith(self.prefix) or not name[len(self.prefix):].isdigit():
+        if not self._ours(name):
             raise RequestError(f"shared-memory input {name!r} refused: its name is not {self.prefix!r} + a number, the prefix "
                                "this session's controller announced")
         for what, v in (("offset", offset), ("nbytes", nbytes)):
@@ -80,13 +101,6 @@ class InputSegments:
         want = math.prod(shape) * dtype.itemsize
         if nbytes != want:
             raise RequestError(f"shared-memory input {name}: {dtype.name}{shape} is {want} bytes but the notice says {nbytes}")
-        retire = notice.get("retire", [])
-        if not isinstance(retire, list) or len(retire) > MAX_SEGMENTS or not all(
-                isinstance(r, str) and r.startswith(self.prefix) and r[len(self.prefix):].isdigit() and r != name for r in retire):
-            raise RequestError(f"shared-memory input {name}: 'retire' must list other segments of this session's prefix "
-                               f"{self.prefix!r}, got {retire!r:.200}")
-        for r in retire:  # closed by the controller: unmapped now, or once the last array reading it is gone
-            self._unmap(r)
         mm = self._map(name)
         if offset + nbytes > len(mm):
             raise RequestError(f"shared-memory input {name}: bytes {offset}..{offset + nbytes} lie outside the segment "

@@ -91,6 +91,13 @@ def test_input_pool_grows_for_steps_dispatched_ahead_up_to_its_count_and_bytes()
         assert len(st._retired[1]) == 2 and big.name not in st._retired[1]
     finally:
         st.close()
+    st = inputs.InputStager(owner, max_segments=4, pool_bytes=4 * size)
+    try:  # no room even with the free segment closed (three big ones busy): None, and the free one is kept
+        got = [st._acquire(4, 1 << 20) for _ in range(3)] + [st._acquire(4, 1 << 16)]
+        got[3].busy = False
+        assert st._acquire(4, 2 << 20) is None and got[3] in st._pools[4] and not st._retired.get(4)
+    finally:
+        st.close()
     st = inputs.InputStager(owner, max_segments=3, pool_bytes=1 << 40)
     try:  # full by count: a bigger batch replaces a free segment, the pool stays at 3
         got = [st._acquire(3, 1 << 16) for _ in range(3)]
@@ -277,3 +284,7 @@ def test_segments_replaced_by_bigger_ones_are_unmapped_on_the_actor():
                                        rtol=1e-5, atol=1e-6)
         assert all(len(pool) <= 3 for pool in stager._pools.values()) and stager.staged >= 12
         assert [_stats(mesh, a)["shm_input_maps"] for a in range(2)] == [len(stager._pools[a]) for a in range(2)]
+        # A controller that reconnects announces its prefix again and starts its segments afresh: the actor
+        # lets the old mappings go (they would pin their memory until the session ends).
+        mesh.run(mesh.conn(0).request("input_shm", {"prefix": stager.prefix(0)}))
+        assert _stats(mesh, 0)["shm_input_maps"] == 0

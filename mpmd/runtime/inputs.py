@@ -157,10 +157,12 @@ class InputStager:
                     return len(pool) >= self.max_segments or (
                         len(pool) >= MIN_SEGMENTS and sum(s.size for s in pool) + size > self.pool_bytes)
 
-                while over():  # make room by closing free segments, the biggest first (all too small for this)
+                busy = [s for s in pool if s.busy]  # (all free ones are too small for this)
+                if len(busy) >= self.max_segments or (
+                        len(busy) >= MIN_SEGMENTS and sum(s.size for s in busy) + size > self.pool_bytes):
+                    return None  # no room even with every free segment closed: keep them, go inline
+                while over():  # make room by closing free segments, the biggest first
                     free = [s for s in pool if not s.busy]
-                    if not free:
-                        return None
                     old = max(free, key=lambda s: s.size)
                     pool.remove(old)
                     _close(old)
