@@ -368,12 +368,13 @@ class DistributedFunction:
         return self._dispatch(compiled, sig, leaves, on_failure, sent)[0]
 
     def _dispatch(self, compiled: CompiledStep, sig: Any, leaves: list[Any], on_failure: Callable[[BaseException], Any] | None = None,
-                  sent: list[Any] | None = None) -> tuple[Any, Any]:
+                  sent: list[Any] | None = None, may_wait: bool = True) -> tuple[Any, Any]:
         """Send one step (through the controller loop, in call order); its outputs and its done future (see
-        `_call` for `on_failure` and `sent`)."""
+        `_call` for `on_failure` and `sent`). `may_wait`: the calling thread may wait for a shared-memory input
+        segment when the caller is many steps ahead (not on a caller's event loop)."""
         step = next(self._step)
         mesh, plan = self.mesh, compiled.plan
-        requests, replicas, outs = self._prepare(compiled, leaves, step, sig[2])
+        requests, replicas, outs = self._prepare(compiled, leaves, step, sig[2], may_wait)
         trace = mesh.active_trace
         # The values the step's host callbacks read (never handed to the caller) exist before the step is sent,
         # so its finish has them whenever it gets to them.
@@ -432,7 +433,7 @@ class DistributedFunction:
                 running = self._compiling[sig] = start_in_worker(self.compile, *args)
                 running.add_done_callback(lambda _: self._compiling.pop(sig, None))
             compiled = await watch(running)
-        outs, done = self._dispatch(compiled, sig, leaves)
+        outs, done = self._dispatch(compiled, sig, leaves, may_wait=False)  # (this is the caller's loop)
         try:
             await self.mesh.arun(asyncio.sleep(0))  # queued behind the dispatch: its requests have left when this runs
         except asyncio.CancelledError:
@@ -466,8 +467,8 @@ class DistributedFunction:
             last[1].seen = True
             raise last[1].exception()
 
-    def _prepare(self, compiled: CompiledStep, leaves: list[Any], step: int,
-                 layouts: tuple | None) -> tuple[list[dict[str, Any]], list[Any], list[dict[int, int]]]:
+    def _prepare(self, compiled: CompiledStep, leaves: list[Any], step: int, layouts: tuple | None,
+                 may_wait: bool = True) -> tuple[list[dict[str, Any]], list[Any], list[dict[int, int]]]:
         """The run_program request of every actor, the argument replicas it makes, and every output's buffer ids."""
         mesh, plan = self.mesh, compiled.plan
         n = len(plan.programs)
@@ -501,7 +502,7 @@ class DistributedFunction:
                     prologue[a].append(["recv", buf, src, tag, dtype_name(dtype), list(shape), "arg"])
                     inputs[a].append(buf)
                     replicas.append((x, a, buf))
-        staged = [self._stage_host_args(a, host[a], inputs[a], inline[a], inline_layouts[a]) for a in range(n)]
+        staged = [self._stage_host_args(a, host[a], inputs[a], inline[a], inline_layouts[a], may_wait) for a in range(n)]
         for x, a, buf in replicas:  # the next step (maybe sent before this one ends) reads the copy
             x.buffers[a] = buf
         outs: list[dict[int, int]] = []
@@ -528,14 +529,14 @@ class DistributedFunction:
         return requests, replicas, outs
 
     def _stage_host_args(self, a: int, host: list[tuple[int, np.ndarray, Any]], inputs: list[int], inline: list[np.ndarray],
-                         inline_layouts: list[Any]) -> tuple[list[dict[str, Any]], Callable[[], None]] | None:
+                         inline_layouts: list[Any], may_wait: bool = True) -> tuple[list[dict[str, Any]], Callable[[], None]] | None:
         """Actor `a`'s host arguments: the large ones into shared memory when `a` shares this host (their input
         slots become -2; see mpmd.runtime.inputs), the rest inline. The notices and the segment's release, or None."""
-        from mpmd.runtime.inputs import input_stager
+        from mpmd.runtime.inputs import STAGE_WAIT, input_stager
 
         stager = input_stager(self.mesh) if host else None
         big = [(slot, v, lay) for slot, v, lay in host if stager.wants(a, v.nbytes)] if stager is not None else []
-        lease = stager.stage(a, [v for _, v, _ in big], [lay for _, _, lay in big]) if big else None
+        lease = stager.stage(a, [v for _, v, _ in big], [lay for _, _, lay in big], STAGE_WAIT if may_wait else 0.0) if big else None
         shared = {slot for slot, _, _ in big} if lease is not None else set()
         for slot, v, lay in host:
             if slot in shared:

@@ -11,6 +11,7 @@ import pytest
 
 import mpmd
 from mpmd.errors import MpmdError
+from mpmd.runtime import inputs as inputs_module
 from mpmd.runtime.inputs import SHM_INPUT_MIN_BYTES, input_stager
 from mpmd.testing import make_train_step, mlp, mlp_params, mse_loss, regression_batch
 from transport.p2p import shm
@@ -288,3 +289,35 @@ def test_segments_replaced_by_bigger_ones_are_unmapped_on_the_actor():
         # lets the old mappings go (they would pin their memory until the session ends).
         mesh.run(mesh.conn(0).request("input_shm", {"prefix": stager.prefix(0)}))
         assert _stats(mesh, 0)["shm_input_maps"] == 0
+
+
+def test_a_caller_far_ahead_waits_for_a_segment_instead_of_sending_batches_inline(mesh2):
+    """Ten steps dispatched back to back with three segments per actor: the calls beyond the third wait for a
+    reply to free one (backpressure) rather than send their batch inline; every result equals jax.jit's."""
+    dist, ref, params, state, batch = _tiny(mesh2)
+    np.asarray(dist(params, state, batch)[2])
+    stager = input_stager(mesh2)
+    saved = stager.max_segments
+    stager.max_segments = 3
+    with stager._lock:
+        for actor, pool in stager._pools.items():  # down to the three this test allows
+            for seg in [s for s in pool if not s.busy][3:]:
+                inputs_module._close(seg)
+                stager._retired.setdefault(actor, []).append(seg.name)
+                pool.remove(seg)
+    fallbacks, waits = stager.fallbacks, stager.waits
+    try:
+        rng = np.random.default_rng(11)
+        batches = [regression_batch(rng, 4, 64, 128) for _ in range(10)]
+        p_d, s_d, p_r, s_r, got, want = params, state, params, state, [], []
+        for b in batches:
+            p_d, s_d, loss = dist(p_d, s_d, b)
+            got.append(loss)
+            p_r, s_r, w = ref(p_r, s_r, b)
+            want.append(w)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+        assert stager.fallbacks == fallbacks and stager.waits > waits
+        assert all(len(pool) <= 3 for pool in stager._pools.values())
+    finally:
+        stager.max_segments = saved

@@ -9,9 +9,12 @@ step still runs — and the request carries only a small notice per argument (se
 the actor checks). A segment is written again only after the request that read it has been answered; each
 actor has up to `MAX_SEGMENTS` of them (fewer for batches so big that they would pass `POOL_BYTES`, but at
 least `MIN_SEGMENTS`), so a training loop that dispatches several steps ahead, as JAX users do, stages each
-one. When all are still in use (the caller is further ahead still) the arguments go inline, as before: a
-benchmark loop of 5 steps dispatched back to back sent 2 of every 5 batches inline with 3 segments, each
-encrypted by the controller and decrypted by the actor on the pipeline's cores.
+one. When all are still in use (the caller is further ahead still), a step call waits for a reply to free
+one (up to `STAGE_WAIT`; `call_async` does not wait, being on the caller's loop) and only then sends the
+arguments inline: each inline batch is encrypted by the controller's ZeroMQ thread and decrypted by the
+actor, on the cores the pipeline computes on (a loop of 20 steps dispatched back to back sent 12 of them
+inline and cost the controller's I/O thread 3.3 ms per step; with 3 segments, 2 of every 5 batches of
+benchmarks/efficiency had gone inline).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import mmap
 import os
 import secrets
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +43,7 @@ SHM_INPUT_MIN_BYTES = 64 << 10  # smaller arguments go inline: a notice and a ma
 MAX_SEGMENTS = 8  # per actor: the step running, the ones queued behind it, the one being written
 MIN_SEGMENTS = 3  # per actor whatever their size: the step running, the next one queued, the one being written
 POOL_BYTES = 1 << 30  # per actor: beyond MIN_SEGMENTS, no new segment past this many bytes in all
+STAGE_WAIT = 60.0  # seconds a step call waits for a segment to be freed before its arguments go inline
 ALIGN = 64  # each argument starts 64-byte aligned, as JAX likes host memory
 
 
@@ -67,12 +72,14 @@ class InputStager:
         self._base = f"/mpmd-in-{os.getpid():x}-{secrets.token_hex(4)}-"
         self._names = itertools.count()
         self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)  # notified when a reply releases a segment
         self._pools: dict[int, list[Segment]] = {}
         self._retired: dict[int, list[str]] = {}  # actor -> segments closed here that it may still have mapped
         self._told: dict[int, Any] = {}  # actor -> the connection its prefix was announced on (a reconnect asks again)
         self._local: dict[int, bool] = {}
         self.staged = 0  # arguments written to shared memory
         self.fallbacks = 0  # steps whose arguments went inline because every segment was still in use
+        self.waits = 0  # steps whose caller waited for a segment to be freed
         weakref.finalize(self, _close_all, self._pools)
 
     @property
@@ -114,14 +121,25 @@ class InputStager:
             return p2p["host"] == host_id()
         return any(p.actor_id == actor for p in getattr(self.mesh, "processes", ()))
 
-    def stage(self, actor: int, arrays: list[np.ndarray], layouts: list[Any]) -> tuple[list[dict[str, Any]], Callable[[], None]] | None:
+    def stage(self, actor: int, arrays: list[np.ndarray], layouts: list[Any],
+              wait: float = 0.0) -> tuple[list[dict[str, Any]], Callable[[], None]] | None:
         """Write `arrays` into one free segment of `actor`'s; the request's notices and the release to call once
-        its reply has come. None when every segment is in use (send them inline)."""
+        its reply has come. When every segment is in use, wait up to `wait` seconds for a reply to free one
+        (a caller that many steps ahead gains nothing by going further: backpressure, as a bounded prefetch
+        queue gives), then None (send them inline)."""
         offsets, total = [], 0
         for a in arrays:
             offsets.append(total)
             total += _aligned(a.nbytes)
         seg = self._acquire(actor, total)
+        if seg is None and wait > 0:
+            deadline = time.monotonic() + wait
+            with self._freed:
+                while seg is None and deadline > time.monotonic():
+                    self._freed.wait(min(1.0, deadline - time.monotonic()))
+                    seg = self._take(actor, total)
+                if seg is not None:
+                    self.waits += 1
         if seg is None:
             self.fallbacks += 1
             return None
@@ -140,39 +158,44 @@ class InputStager:
             notices[0]["retire"] = retired  # closed here: the actor unmaps them (its mappings stay bounded)
 
         def release() -> None:
-            with self._lock:
+            with self._freed:
                 seg.busy = False
+                self._freed.notify_all()
 
         return notices, release
 
     def _acquire(self, actor: int, nbytes: int) -> Segment | None:
         with self._lock:
-            pool = self._pools.setdefault(actor, [])
-            free = [s for s in pool if not s.busy]
-            fit = min((s for s in free if s.size >= nbytes), key=lambda s: s.size, default=None)
-            if fit is None:
-                size = shm.size_class(nbytes)
+            return self._take(actor, nbytes)
 
-                def over() -> bool:  # no room for one more segment of `size` (MIN_SEGMENTS always fit)
-                    return len(pool) >= self.max_segments or (
-                        len(pool) >= MIN_SEGMENTS and sum(s.size for s in pool) + size > self.pool_bytes)
+    def _take(self, actor: int, nbytes: int) -> Segment | None:
+        """`_acquire` with the lock held."""
+        pool = self._pools.setdefault(actor, [])
+        free = [s for s in pool if not s.busy]
+        fit = min((s for s in free if s.size >= nbytes), key=lambda s: s.size, default=None)
+        if fit is None:
+            size = shm.size_class(nbytes)
 
-                busy = [s for s in pool if s.busy]  # (all free ones are too small for this)
-                if len(busy) >= self.max_segments or (
-                        len(busy) >= MIN_SEGMENTS and sum(s.size for s in busy) + size > self.pool_bytes):
-                    return None  # no room even with every free segment closed: keep them, go inline
-                while over():  # make room by closing free segments, the biggest first
-                    free = [s for s in pool if not s.busy]
-                    old = max(free, key=lambda s: s.size)
-                    pool.remove(old)
-                    _close(old)
-                    self._retired.setdefault(actor, []).append(old.name)  # the actor unmaps it (next notice)
-                name = f"{self.prefix(actor)}{next(self._names)}"
-                fit = Segment(name, size, None)  # type: ignore[arg-type]
-                fit.mm = shm.create_segment(name, fit.size)
-                pool.append(fit)
-            fit.busy = True
-            return fit
+            def over() -> bool:  # no room for one more segment of `size` (MIN_SEGMENTS always fit)
+                return len(pool) >= self.max_segments or (
+                    len(pool) >= MIN_SEGMENTS and sum(s.size for s in pool) + size > self.pool_bytes)
+
+            busy = [s for s in pool if s.busy]  # (all free ones are too small for this)
+            if len(busy) >= self.max_segments or (
+                    len(busy) >= MIN_SEGMENTS and sum(s.size for s in busy) + size > self.pool_bytes):
+                return None  # no room even with every free segment closed: keep them, go inline
+            while over():  # make room by closing free segments, the biggest first
+                free = [s for s in pool if not s.busy]
+                old = max(free, key=lambda s: s.size)
+                pool.remove(old)
+                _close(old)
+                self._retired.setdefault(actor, []).append(old.name)  # the actor unmaps it (next notice)
+            name = f"{self.prefix(actor)}{next(self._names)}"
+            fit = Segment(name, size, None)  # type: ignore[arg-type]
+            fit.mm = shm.create_segment(name, fit.size)
+            pool.append(fit)
+        fit.busy = True
+        return fit
 
     def close(self) -> None:
         _close_all(self._pools)
