@@ -12,15 +12,16 @@ level ("Cannot extract graph node from different trace level"), so the way nnx u
         optimizer.update(model, grads)
         return model, optimizer, losses
 
-— would fail under plain `jax.jit` as well as `distributed`. `lifted(fn)` returns `fn` with each closure cell
-(of `fn`, or of a helper function it closes over) that holds nnx graph nodes (alone, or in a tuple, list or
-dict) split outside the trace and merged into fresh
-copies inside it, whose state values are the outer ones (so gradients and the pipeline see them as ordinary
-closed-over values). While the body is traced the cells hold the copies: tracing the same step from two
-threads at once is not supported (nor is it by nnx). `nnx.Rngs` streams (Dropout's) draw in each microbatch from their key folded with the
-count and the microbatch's index, and move on by one count per step (see `Lifted`). The body runs once for
-every microbatch, so other state it changes (batch statistics) could not carry from one microbatch to the
-next: that is refused, naming the variable. Nothing is imported from flax unless flax is already imported.
+— would fail under plain `jax.jit` as well as `distributed`. `lifted(fn)` gives `fn` as a `Lifted`: the
+contents of every closure cell (of `fn`, or of a helper function it closes over) that holds nnx graph nodes
+(alone, or in a tuple, list or dict) are split together outside the trace and merged once inside it, into
+copies whose state values are the outer ones (so gradients and the pipeline see ordinary closed-over values,
+and a Module reached from two cells stays one object). While the body is traced the cells hold the copies:
+tracing the same step from two threads at once is not supported (nor is it by nnx). `nnx.Rngs` streams
+(Dropout's) draw in each microbatch from their key folded with the count and the microbatch's index, and move
+on by one count per step (see `Lifted`). The body runs once for every microbatch, so other state it changes
+(batch statistics) could not carry from one microbatch to the next: that is refused, naming the variable.
+Nothing is imported from flax unless flax is already imported.
 """
 
 from __future__ import annotations
