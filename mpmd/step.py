@@ -95,16 +95,31 @@ def _is_remote(x: Any) -> bool:
     return isinstance(x, RemoteArray)
 
 
+def _parameters(fn: Callable[..., Any]) -> tuple[list[str], list[str]]:
+    """(positional parameter names, keyword-only parameter names) of `fn`. A step's compiled form takes one
+    tuple of arguments: the positional ones, then the keyword-only ones in signature order. With *args the
+    positions of keyword-only parameters are not fixed: none are counted (they stay refused, see `_bind`)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin or a callable without a signature
+        return [], []
+    positional = [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return positional, []
+    return positional, [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+
+
 def _static_argnums(fn: Callable[..., Any], argnums: Any, argnames: Any) -> frozenset[int]:
-    """jax.jit's static_argnums and static_argnames as one set of positions (names through fn's signature)."""
+    """jax.jit's static_argnums and static_argnames as one set of positions (names through fn's signature;
+    a keyword-only parameter's position comes after the positional ones, see `_parameters`)."""
     nums = {argnums} if isinstance(argnums, int) else set(argnums or ())
     names = [argnames] if isinstance(argnames, str) else list(argnames or ())
     if names:
-        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        params = [p.name for p in inspect.signature(fn).parameters.values() if p.kind in kinds]  # a step takes positions
+        positional, kwonly = _parameters(fn)
+        params = positional + kwonly
         for name in names:
             if name not in params:
-                raise PipelineError(f"static_argnames names {name!r}, which is not a positional parameter of "
+                raise PipelineError(f"static_argnames names {name!r}, which is not a parameter of "
                                     f"{getattr(fn, '__name__', 'the step')} (its parameters: {params})")
             nums.add(params.index(name))
     return frozenset(nums)
@@ -140,6 +155,7 @@ class DistributedFunction:
         self.in_shardings = in_shardings
         self.out_shardings = out_shardings
         self.static_argnums = _static_argnums(fn, static_argnums, static_argnames)
+        self._positional, self._kwonly = _parameters(fn)
         self._compiled: dict[Any, CompiledStep] = {}
         self._compiling: dict[Any, Any] = {}  # signature -> future of a compile running in a worker (call_async)
         self._cancelled: set[int] = set()  # steps aborted because their await was cancelled
@@ -157,18 +173,28 @@ class DistributedFunction:
         return hide(args, _is_remote)
 
     def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        """Keyword arguments bound to their positions in the step's signature (a compiled step takes positions)."""
-        if not kwargs:
+        """The call's arguments as the one tuple a compiled step takes: keyword arguments bound to their
+        positions in the step's signature, then its keyword-only parameters (given or defaulted) in order."""
+        if not kwargs and not self._kwonly:
             return args
+        name = getattr(self.fn, "__name__", "the step")
         try:
             bound = inspect.signature(self.fn).bind(*args, **kwargs)
         except (TypeError, ValueError) as e:
-            raise PipelineError(f"cannot bind the arguments of {getattr(self.fn, '__name__', 'the step')}: {e}") from None
+            raise PipelineError(f"cannot bind the arguments of {name}: {e}") from None
         bound.apply_defaults()  # `step(p, batch=b)` of `def step(params, opt=None, batch=None)`: opt takes its default
-        if bound.kwargs:
-            raise PipelineError(f"keyword-only argument(s) {sorted(bound.kwargs)} of {getattr(self.fn, '__name__', 'the step')}: "
-                                "a distributed step takes its arguments by position; make them positional or close over them")
-        return bound.args
+        extra = sorted(k for k in bound.kwargs if k not in self._kwonly)
+        if extra:
+            raise PipelineError(f"argument(s) {extra} of {name} go to its **kwargs or follow *args: a distributed step "
+                                "takes named parameters (positional or keyword-only); name them, or close over them")
+        return (*bound.args, *(bound.arguments[k] for k in self._kwonly))
+
+    def _invoke(self, args: tuple[Any, ...]) -> Any:
+        """Call the step's function on the tuple `_bind` made (keyword-only parameters by name)."""
+        if not self._kwonly:
+            return self.fn(*args)
+        n = len(self._positional)
+        return self.fn(*args[:n], **dict(zip(self._kwonly, args[n:])))
 
     def _signature(self, args: tuple[Any, ...]) -> tuple[Any, list[Any], list[jax.ShapeDtypeStruct]]:
         """(the compile cache's key, the data leaves, their specs); static leaves are in the key's treedef."""
@@ -211,7 +237,7 @@ class DistributedFunction:
         out_box: list[Any] = []
 
         def flat(*xs: Any) -> list[Any]:
-            out = self.fn(*reveal(jax.tree.unflatten(treedef, xs)))
+            out = self._invoke(reveal(jax.tree.unflatten(treedef, xs)))
             leaves_out, tree = jax.tree.flatten(hide(out))
             out_box.append(tree)
             return leaves_out

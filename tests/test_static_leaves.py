@@ -181,3 +181,32 @@ def test_keywords_skipping_a_defaulted_parameter_bind_and_a_dtype_class_is_stati
     got = dist(params, batch=batch, opt_state=opt.init(params), dtype=np.float16)  # a class among the arguments
     assert np.asarray(mpmd.fetch(got[2])).dtype == np.float16
     assert_trees_close(mpmd.fetch(got), want, rtol=1e-3, atol=1e-3)
+
+
+def _kwonly_step(params, opt_state, batch, *, scale, train=True):
+    return _scaled_step(params, opt_state, batch, scale, train)
+
+
+def test_keyword_only_parameters_bind_by_name_and_can_be_static_like_jax_jit(mesh2):
+    """`def step(params, opt_state, batch, *, scale, train=True)` with static_argnames='train', as jax.jit
+    takes it: a required keyword-only data argument, a defaulted static one steering Python control flow."""
+    rng = np.random.default_rng(6)
+    params, batch = mlp2(rng), batch_of(rng)
+    opt_state = optax.sgd(0.1).init(params)
+    ref = jax.jit(_kwonly_step, static_argnames="train")
+    dist = mpmd.distributed(_kwonly_step, mesh=mesh2, static_argnames="train")
+    for kwargs in ({"scale": np.float32(0.5)}, {"scale": np.float32(0.5), "train": False}, {"train": True, "scale": np.float32(2.0)}):
+        assert_trees_close(mpmd.fetch(dist(params, opt_state, batch, **kwargs)), ref(params, opt_state, batch, **kwargs))
+    assert len(dist._compiled) == 2  # train=True and train=False; scale is data
+    with pytest.raises(mpmd.PipelineError, match="cannot bind the arguments of _kwonly_step.*scale"):
+        dist(params, opt_state, batch)  # the required keyword-only one is missing
+
+
+def test_arguments_for_var_keywords_are_refused_naming_them(mesh2):
+    def step(params, opt_state, batch, **extra):
+        return _step(params, opt_state, batch, jnp.tanh)
+
+    rng = np.random.default_rng(7)
+    params, batch = mlp2(rng), batch_of(rng)
+    with pytest.raises(mpmd.PipelineError, match=r"\['bonus'\] of step go to its \*\*kwargs"):
+        mpmd.distributed(step, mesh=mesh2)(params, optax.sgd(0.1).init(params), batch, bonus=1)
