@@ -93,8 +93,9 @@ HEADER = (f"{'schedule':50s} {'m':>4s} {'grouping':>16s} {'pred ms':>9s} {'bubbl
 @dataclass
 class TuneResult:
     """What `mpmd.tune` found: `candidates`, the feasible ones first by predicted step time, then the rejected;
-    `best`, the winner; `step`, the winner as a ready `mpmd.distributed` step; `costs`, the segment costs
-    every prediction used. `reshape_batch(batch)` re-splits a batch to the winner's microbatches;
+    `best`, the winner — the fastest of the top candidates measured while tuning (`calibrate`: predict, then
+    prove), or the top predicted one when none was measured; `step`, the winner as a ready `mpmd.distributed`
+    step; `costs`, the segment costs every prediction used. `reshape_batch(batch)` re-splits a batch to the winner's microbatches;
     `verify(k)` runs the top k for real and prints predicted and measured side by side."""
 
     candidates: list[Candidate]
@@ -105,6 +106,7 @@ class TuneResult:
     memory_limit: int | None = None
     verified: list[Candidate] = field(default_factory=list)
     calibration: float = 1.0  # measured / simulated step time of the candidate measured while tuning (1.0: none)
+    chosen: Candidate | None = None  # the fastest of the candidates `calibrate` measured
 
     @property
     def feasible(self) -> list[Candidate]:
@@ -115,6 +117,8 @@ class TuneResult:
         if not self.feasible:
             raise MpmdError("no candidate fits: every one was rejected (see the table); raise memory_limit or mark more "
                             "stage boundaries\n" + self.table())
+        if self.chosen is not None and not self.chosen.rejected:
+            return self.chosen
         return self.feasible[0]
 
     @property
@@ -131,17 +135,21 @@ class TuneResult:
         head = f"mpmd.tune: {len(self.feasible)} of {len(self.candidates)} candidates fit{lim}; costs {self.costs.source}"
         if self.calibration != 1.0:
             head += f"; predictions x {self.calibration:.3f} (the median measured / simulated of the top candidates, run while tuning)"
+        if self.chosen is not None and not self.chosen.rejected:
+            head += f"\nwinner: {self.chosen.name} m={self.chosen.num_microbatches} (the fastest measured of those)"
         return "\n".join([head, HEADER, *(c.row() for c in self.candidates)])
 
     def __str__(self) -> str:
         return self.table()
 
     def verify(self, k: int = 3, steps: int = 3, warmup: int = 2, rounds: int = 1) -> list[Candidate]:
-        """Run the top `k` candidates for real (`warmup` steps, then `rounds` x `steps` timed ones; the median
-        round counts), print predicted and measured step times side by side and return those candidates.
+        """Run the winner and the next best predicted, `k` candidates in all, for real (`warmup` steps, then
+        `rounds` x `steps` timed ones; the median round counts), print predicted and measured step times side
+        by side and return those candidates (the winner first).
         Rounds are interleaved (candidate 1, 2, ..., k, then again), so a slow spell of a shared machine
         lands on several candidates rather than on one; one candidate's state is on the actors at a time."""
-        out = list(self.feasible[:k])
+        winner = self.best if self.feasible else None
+        out = ([winner] + [c for c in self.feasible if c is not winner])[:k] if winner is not None else []
         times = measure_interleaved([(self.base.with_schedule(c.schedule), self._args_for(c)) for c in out],
                                     self.batch_argnum, steps, warmup, rounds)
         for c, t in zip(out, times):
@@ -157,13 +165,15 @@ class TuneResult:
         """Run the `top` predicted candidates for real and scale every prediction by the median of their
         measured / simulated (a uniform factor: it keeps the ranking and fixes what the simulator misses
         everywhere alike, e.g. compute slowed by the runtime's own threads on the same cores; the median of a
-        few, because one candidate's run moves 10-30 % on a busy machine). Returns the factor."""
+        few, because one candidate's run moves 10-30 % on a busy machine). The fastest of them measured becomes
+        `best`: the simulator ranks, the measurement decides among its top few. Returns the factor."""
         if not self.feasible:
             return self.calibration
         refs = self.feasible[:max(1, top)]
         measured = measure_interleaved([(self.base.with_schedule(r.schedule), self._args_for(r)) for r in refs],
                                        self.batch_argnum, steps, warmup, rounds)
         factor = statistics.median(m / (r.predicted / self.calibration) for m, r in zip(measured, refs))
+        self.chosen = refs[min(range(len(refs)), key=measured.__getitem__)]  # the winner: the fastest measured
         for c in self.candidates:
             if c.predicted is not None:
                 c.predicted = c.predicted / self.calibration * factor

@@ -121,14 +121,15 @@ def test_remat_sets_try_the_cheapest_stages_of_the_actors_over_the_limit_first_a
 
 def test_calibration_scales_by_the_median_ratio_of_the_top_candidates(monkeypatch):
     """A timed round stands in for the real runs here (their times are what is under test: one run 2x slow must
-    not move the factor); every prediction is scaled alike and the ranking stays. The rounds are interleaved:
+    not move the factor); every prediction is scaled alike and the ranking stays, and the winner is the fastest
+    measured of the three. The rounds are interleaved:
     candidate 1, 2, 3, then 1, 2, 3 again, the first round of each after `warmup` steps, later ones after one."""
     from mpmd import tuning
 
     r = tuned(microbatches=[2, 4])
     before = {id(c): c.predicted for c in r.feasible}
     top = r.feasible[:3]
-    slow = dict(zip((c.schedule for c in top), (1.2, 2.0, 1.1)))
+    slow = dict(zip((c.schedule for c in top), (1.5, 2.0, 1.0)))
     calls = []
 
     def timed_round(step, args, batch_argnum, steps, warmup):
@@ -137,9 +138,12 @@ def test_calibration_scales_by_the_median_ratio_of_the_top_candidates(monkeypatc
 
     monkeypatch.setattr(tuning, "_timed_round", timed_round)
     monkeypatch.setattr(tuning.DistributedFunction, "with_schedule", lambda self, s: type("S", (), {"schedule": s})())
-    assert r.calibrate(warmup=3, rounds=2) == pytest.approx(1.2)
-    assert [c.predicted for c in r.feasible] == pytest.approx([before[id(c)] * 1.2 for c in r.feasible])
+    assert r.calibrate(warmup=3, rounds=2) == pytest.approx(1.5)
+    assert [c.predicted for c in r.feasible] == pytest.approx([before[id(c)] * 1.5 for c in r.feasible])
     assert calls == [(c.schedule, 3) for c in top] + [(c.schedule, 1) for c in top]
+    fastest = min(top, key=lambda c: before[id(c)] * slow[c.schedule])
+    assert fastest is not top[0]  # (the measurement overturns the prediction here)
+    assert r.best is fastest and r.chosen is fastest  # the winner: the fastest of the measured top three
 
 
 def test_tune_keeps_the_steps_static_arguments():
