@@ -54,7 +54,12 @@ def train(kills=(), recover=None, fetch_losses_every=0, when="before", open_mesh
                 kill(mesh, victim)
             p, o, losses = dist(p, o, batches[i])
             if victim is not None and when == "during":
-                threading.Timer(0.02, kill, (mesh, victim)).start()
+                # 20 ms into the step (it may still run, or just have ended); joined before the loop goes on, so
+                # the kill lands before the next steps — a short step's loop could otherwise finish, fetch and
+                # all, before the timer fired, and nothing would be lost (a kill at step 17 of 20 did that).
+                timer = threading.Timer(0.02, kill, (mesh, victim))
+                timer.start()
+                timer.join()
             all_losses.append(losses)
             if fetch_losses_every and i % fetch_losses_every == 0:
                 losses.to_numpy()
