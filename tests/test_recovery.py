@@ -222,8 +222,10 @@ def test_three_actors_under_gpipe_the_middle_one_killed_the_loop_ends_bit_identi
             for i, b in enumerate(batches):
                 p, o, loss = dist(p, o, b)
                 losses.append(loss)
-                if recover is not None and i == 7:
-                    threading.Timer(0.01, _sigkill, (mesh, 1)).start()
+                if recover is not None and i == 7:  # joined: the kill lands before the steps after it (see `train`)
+                    timer = threading.Timer(0.01, _sigkill, (mesh, 1))
+                    timer.start()
+                    timer.join()
             return mpmd.fetch((p, o, losses)), mesh.recoveries
 
     want, _ = run(None)
