@@ -480,7 +480,7 @@ class Actor:
         # it in the actor's stream is done by then). An input that is also a Program output, or that the Program
         # sends (ZeroMQ may still read a frame after the send is posted), would outlive the request: it is
         # copied, as is every input placed on another platform or over a device mesh.
-        copied = set(prog.outputs) | {ins.buf for ins in prog.instructions if isinstance(ins, Send)}
+        copied = set(prog.outputs) | {ins.buf for ins in prog.instructions if isinstance(ins, Send)} if notices else set()
         aliased = False
         for i, notice in marked(inputs, -2, notices):
             view = ses.inputs.read(notice)

@@ -156,9 +156,7 @@ def _refuse_mutation(nnx: Any, node: Any, state: Any, names: list[str]) -> None:
         if isinstance(var, (nnx.RngKey, nnx.RngCount, nnx.Param)):
             continue
         old = before.get(path)
-        new_value = var.get_value() if hasattr(var, "get_value") else var.value
-        old_value = None if old is None else (old.get_value() if hasattr(old, "get_value") else old.value)
-        if old is None or new_value is not old_value:
+        if old is None or var.get_value() is not old.get_value():
             where = ".".join([names[path[0]], *(str(p) for p in path[1:])])
             raise PipelineError(
                 f"the function given to accumulate_grads changes the nnx state {where} "

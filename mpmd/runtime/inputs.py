@@ -176,17 +176,14 @@ class InputStager:
         if fit is None:
             size = shm.size_class(nbytes)
 
-            def over() -> bool:  # no room for one more segment of `size` (MIN_SEGMENTS always fit)
-                return len(pool) >= self.max_segments or (
-                    len(pool) >= MIN_SEGMENTS and sum(s.size for s in pool) + size > self.pool_bytes)
+            def full(segs: list[Segment]) -> bool:  # no room beside `segs` for one of `size` (MIN_SEGMENTS always fit)
+                return len(segs) >= self.max_segments or (
+                    len(segs) >= MIN_SEGMENTS and sum(s.size for s in segs) + size > self.pool_bytes)
 
-            busy = [s for s in pool if s.busy]  # (all free ones are too small for this)
-            if len(busy) >= self.max_segments or (
-                    len(busy) >= MIN_SEGMENTS and sum(s.size for s in busy) + size > self.pool_bytes):
+            if full([s for s in pool if s.busy]):  # (every free one is too small for this)
                 return None  # no room even with every free segment closed: keep them, go inline
-            while over():  # make room by closing free segments, the biggest first
-                free = [s for s in pool if not s.busy]
-                old = max(free, key=lambda s: s.size)
+            while full(pool):  # make room by closing free segments, the biggest first
+                old = max((s for s in pool if not s.busy), key=lambda s: s.size)
                 pool.remove(old)
                 _close(old)
                 self._retired.setdefault(actor, []).append(old.name)  # the actor unmaps it (next notice)
