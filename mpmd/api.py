@@ -87,8 +87,8 @@ def _trace_body(fn: Lifted, treedef: Any, mb_specs: list[Any], out_tree: list[An
     except Exception as e:  # nnx raises ValueError or flax.errors.TraceContextError (a mutation), naming the level
         if "different trace level" not in str(e):
             raise
-        # A Module reached some other way than a closure cell of the function itself (a global, an attribute,
-        # a helper's closure): nnx refuses graph nodes made outside the body's own trace.
+        # A Module reached other than through a closure cell (a global, an attribute of self, a partial, a
+        # closure more than 3 functions deep): nnx refuses graph nodes made outside the body's own trace.
         raise PipelineError(
             "the function given to accumulate_grads uses a flax nnx Module made outside it that it does not close "
             "over (it reaches it through a global, an attribute of `self`, functools.partial, or a closure more "
