@@ -107,6 +107,8 @@ class TuneResult:
     verified: list[Candidate] = field(default_factory=list)
     calibration: float = 1.0  # measured / simulated step time of the candidate measured while tuning (1.0: none)
     chosen: Candidate | None = None  # the fastest of the candidates `calibrate` measured
+    calibrated: dict[int, float] = field(default_factory=dict)  # id(candidate) -> seconds per step `calibrate` measured
+    drift: float | None = None  # after `verify`: now / then for the candidates `calibrate` measured (the machine's drift)
 
     @property
     def feasible(self) -> list[Candidate]:
@@ -156,9 +158,14 @@ class TuneResult:
             c.measured = t
             log.info("measured %s", c.row())
         self.verified = out
+        again = [c.measured / self.calibrated[id(c)] for c in out if id(c) in self.calibrated]
+        self.drift = statistics.median(again) if again else None
         print(HEADER)
         for c in out:
             print(c.row())
+        if self.drift is not None:
+            print(f"the {len(again)} candidates calibrate measured ran {self.drift:.2f}x as long now as then (the machine's "
+                  f"drift since the predictions were scaled: measured/predicted moves by as much)")
         return out
 
     def calibrate(self, steps: int = 3, warmup: int = 3, rounds: int = 3, top: int = 3) -> float:
@@ -174,6 +181,7 @@ class TuneResult:
                                        self.batch_argnum, steps, warmup, rounds)
         factor = statistics.median(m / (r.predicted / self.calibration) for m, r in zip(measured, refs))
         self.chosen = refs[min(range(len(refs)), key=measured.__getitem__)]  # the winner: the fastest measured
+        self.calibrated = {id(r): m for r, m in zip(refs, measured)}
         for c in self.candidates:
             if c.predicted is not None:
                 c.predicted = c.predicted / self.calibration * factor

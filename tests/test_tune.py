@@ -144,6 +144,15 @@ def test_calibration_scales_by_the_median_ratio_of_the_top_candidates(monkeypatc
     fastest = min(top, key=lambda c: before[id(c)] * slow[c.schedule])
     assert fastest is not top[0]  # (the measurement overturns the prediction here)
     assert r.best is fastest and r.chosen is fastest  # the winner: the fastest of the measured top three
+    # verify measures them again; the machine now runs everything 1.2x as long, and verify says so (`drift`)
+    # while each candidate's measured/predicted moves by that much, predictions untouched.
+    monkeypatch.setattr(tuning, "_timed_round", lambda step, *a: 1.2 * timed_round(step, *a))
+    scaled = {id(c): c.predicted for c in r.feasible}
+    verified = r.verify(3)
+    assert r.drift == pytest.approx(1.2) and verified[0] is fastest
+    assert [c.predicted for c in r.feasible] == [scaled[id(c)] for c in r.feasible]
+    assert [c.measured / c.predicted for c in verified] == pytest.approx(
+        [1.2 * before[id(c)] * slow[c.schedule] / scaled[id(c)] for c in verified])
 
 
 def test_tune_keeps_the_steps_static_arguments():
