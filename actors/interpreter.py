@@ -117,7 +117,7 @@ class Interpreter:
                     for b, r, size in zip(ins.outputs, results, sizes):
                         env.put(b, r, size)
                 elif isinstance(ins, (Send, Recv)):
-                    (t,) = self.transfers.start(step_key, env, [ins], sync, trace)
+                    t = self.transfers.start_one(step_key, env, ins, sync, trace)
                     if sync and isinstance(ins, Send):
                         await t
                     else:

@@ -54,25 +54,24 @@ class Transfers:
     def start(self, step_key: StepKey, env: BufferTable, instrs: list[Instruction], sync: bool = False,
               trace: StepTrace | None = None) -> list[asyncio.Future[None]]:
         """Start the sends and receives in `instrs` (other instructions are skipped), one future each."""
-        tasks: list[Any] = []
-        plain = self.p2p is not None
-        for ins in instrs:
-            if isinstance(ins, Send):
-                ref = env.ref(ins.buf)  # taken now: a `del` right after the send may drop the buffer from the table
-                if plain and not sync and (ins.layout is None or self.cache.mesh is None):
-                    tasks.append(self._send_soon(ref, ins.to_actor, (*step_key, ins.tag), str(ins.label), trace))
-                else:
-                    tasks.append(asyncio.create_task(self._send(ref, ins.to_actor, (*step_key, ins.tag), str(ins.label), sync,
-                                                                trace, ins.layout)))
-            elif isinstance(ins, Recv):
-                env.reserve(ins.buf)
-                if plain and (ins.layout is None or self.cache.mesh is None):
-                    tasks.append(self._recv_soon(env, ins, (*step_key, ins.tag), trace))
-                else:
-                    tasks.append(asyncio.create_task(self._recv(env, ins, (*step_key, ins.tag), trace)))
-        return tasks
+        return [self.start_one(step_key, env, ins, sync, trace) for ins in instrs if isinstance(ins, (Send, Recv))]
 
-    def _send_soon(self, ref: Any, peer: int, key: tuple, label: str, trace: StepTrace | None = None) -> asyncio.Future[None]:
+    def start_one(self, step_key: StepKey, env: BufferTable, ins: Send | Recv, sync: bool = False,
+                  trace: StepTrace | None = None) -> asyncio.Future[None]:
+        """Start one Send or Recv; its future."""
+        plain = self.p2p is not None and (ins.layout is None or self.cache.mesh is None)
+        if isinstance(ins, Send):
+            ref = env.ref(ins.buf)  # taken now: a `del` right after the send may drop the buffer from the table
+            if plain and not sync:
+                return self._send_soon(ref, ins.to_actor, (*step_key, ins.tag), ins.label, trace)
+            return asyncio.create_task(self._send(ref, ins.to_actor, (*step_key, ins.tag), str(ins.label), sync, trace,
+                                                  ins.layout))
+        env.reserve(ins.buf)
+        if plain:
+            return self._recv_soon(env, ins, (*step_key, ins.tag), trace)
+        return asyncio.create_task(self._recv(env, ins, (*step_key, ins.tag), trace))
+
+    def _send_soon(self, ref: Any, peer: int, key: tuple, label: Any, trace: StepTrace | None = None) -> asyncio.Future[None]:
         """A Send as a future: posted the moment its value is there (at once if it is), through `_send` only
         for what `send_now` cannot post directly (big, NCCL or still-computing values)."""
         loop = asyncio.get_running_loop()
@@ -85,13 +84,13 @@ class Transfers:
                 t0 = now() if trace else 0
                 if self.p2p.send_now(peer, key, value):
                     if trace:
-                        trace.transfer("send", label, peer, int(value.nbytes), t0, now(), key[-1])
+                        trace.transfer("send", str(label), peer, int(value.nbytes), t0, now(), key[-1])
                     done.set_result(None)
                     return
             except BaseException as e:
                 done.set_exception(e)
                 return
-            task = loop.create_task(self._send(value, peer, key, label, trace=trace))
+            task = loop.create_task(self._send(value, peer, key, str(label), trace=trace))
             task.add_done_callback(lambda t: _settle(done, t))
             done.add_done_callback(lambda d: task.cancel() if d.cancelled() else None)
 

@@ -571,7 +571,7 @@ class DataPlane(P2PTransport):
             op = header["op"]
             src = sender(header)
             raw_key = header.get("key")
-            key = tuple(raw_key) if isinstance(raw_key, list) and all(isinstance(k, int) for k in raw_key) else None
+            key = tuple(raw_key) if type(raw_key) is list and all(type(k) is int for k in raw_key) else None
             if op == "shm_ack":
                 seg = header.get("seg")
                 if not isinstance(seg, int):
@@ -579,16 +579,19 @@ class DataPlane(P2PTransport):
                 self._released(src, seg)
             elif op == "data":
                 specs = array_specs(header)
-                if key is not None and len(specs) == 1 and len(payloads) == 1 and not self._screen(src, key, specs[0][2]):
+                if key is None or len(specs) != 1:
+                    raise ProtocolError(f"data message needs an int-list 'key' and one array, got key {raw_key!r} and "
+                                        f"{len(specs)} arrays")
+                if len(payloads) == 1 and not self._screen(src, key, specs[0][2]):
                     return  # (its bytes are not copied anywhere)
-                arrays = self._rx_payloads(payloads, header)
-                if key is None or len(arrays) != 1:
-                    raise ProtocolError(f"data message needs an int-list 'key' and one array, got key {raw_key!r}")
-                self.counters["received_bytes"] += arrays[0].nbytes
-                if isinstance(arrays[0], _Unaligned):
-                    self._deliver_big(src, key, arrays[0])
-                else:
-                    self._arrive(src, key, arrays[0], arrays[0].nbytes)
+                (array,) = self._rx_payloads(payloads, specs)
+                self.counters["received_bytes"] += array.nbytes
+                if isinstance(array, _Unaligned):
+                    self._deliver_big(src, key, array)
+                else:  # screened just now, in this same turn of the loop: only the mailbox is left to pass
+                    reason = self._mailbox.deliver(src, key, array, array.nbytes)
+                    if reason is not None:
+                        self._refuse(src, key, reason)
             elif op == "shm":
                 if key is None:
                     raise ProtocolError(f"shm notice needs an int-list 'key', got {raw_key!r}")
@@ -630,8 +633,7 @@ class DataPlane(P2PTransport):
             err = e if isinstance(e, TransferError) else TransferError(f"actor {self.actor_id} got a bad transfer {key} from actor {src}: {e}")
             self._fail(src, key, err)
 
-    def _rx_payloads(self, frames: list[memoryview], header: dict[str, Any]) -> list[Any]:
-        specs = array_specs(header)
+    def _rx_payloads(self, frames: list[memoryview], specs: list[tuple[np.dtype, list[int], int]]) -> list[Any]:
         if len(frames) != len(specs):
             raise ProtocolError(f"header announces {len(specs)} arrays but {len(frames)} payload frames came")
         arrays = []
