@@ -185,9 +185,22 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
 
     async def write() -> str:
         try:
-            replies = await asyncio.gather(
-                *(mesh.conn(a).request("save", {"dir": os.path.join(tmp, f"actor-{a}"), "names": names, "bufs": bufs})
-                  for a, (names, bufs, _) in per_actor.items()))
+            # Sent in this coroutine's first turn, before it awaits anything: a free of these buffers (the caller
+            # dropping its arrays) is sent in a later turn, and each actor takes its buffers as the request comes.
+            pending = []
+            try:
+                for a, (names, bufs, _) in per_actor.items():
+                    pending.append(mesh.conn(a).submit("save", {"dir": os.path.join(tmp, f"actor-{a}"), "names": names, "bufs": bufs}))
+            except BaseException:
+                for p in pending:
+                    p.close()
+                raise
+            # Every actor's answer before anything is abandoned: one actor's failure must not delete the directory
+            # while another still writes into it.
+            replies = await asyncio.gather(*pending, return_exceptions=True)
+            failed = [r for r in replies if isinstance(r, BaseException)]
+            if failed:
+                raise failed[0]
             parts = dict(host_part)
             order = dict(host_order)
             for (a, (_, _, idx)), r in zip(per_actor.items(), replies):
