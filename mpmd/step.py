@@ -488,8 +488,12 @@ class DistributedFunction:
                                    if not mesh.conn(a).dead), return_exceptions=True)
 
     def _raise_unseen_error(self) -> None:
+        if getattr(self.mesh, "closed", False):  # (a step in flight when it closed failed for that reason alone)
+            raise MpmdError("this RemoteMesh is closed: a distributed step runs on the mesh it was made for; make a new "
+                            "mesh and mpmd.distributed(fn, mesh=new_mesh)")
         last = getattr(self, "_last", None)
-        if last is not None and last[1].done() and last[1].exception() is not None and not getattr(last[1], "seen", False):
+        if (last is not None and last[1].done() and not last[1].cancelled() and last[1].exception() is not None
+                and not getattr(last[1], "seen", False)):
             last[1].seen = True
             raise last[1].exception()
 

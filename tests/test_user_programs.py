@@ -255,3 +255,23 @@ def test_a_step_refuses_arrays_of_another_mesh_and_of_a_closed_mesh_naming_the_a
     p[0]["w"].delete()
     with pytest.raises(mpmd.MpmdError, match=r"argument args\[0\]\[0\]\['w'\] is a deleted RemoteArray"):
         dist(p, opt.init(params), batch)
+
+
+def test_a_step_called_after_its_mesh_closed_with_a_step_in_flight_says_the_mesh_is_closed():
+    """The step in flight when the mesh closed failed because of the close: the next call says the mesh is
+    closed (it raised that step's error instead — a bare CancelledError, or 'actor 0 died ... exited with code 0')."""
+    rng = np.random.default_rng(9)
+    params = mlp2(rng)
+    opt = optax.sgd(0.1)
+    batch = batch_of(rng)
+    for _ in range(2):
+        mesh = mpmd.RemoteMesh.local(num_actors=2)
+        dist = mpmd.distributed(make_step(mse(lambda p, x: mpmd.pipeline_yield(jnp.tanh(x @ p[0]["w"])) @ p[1]["w"]), opt,
+                                          mpmd.GPipe(2)), mesh=mesh)
+        mpmd.fetch(dist(params, opt.init(params), batch))
+        in_flight = dist(params, opt.init(params), batch)
+        mesh.close()
+        with pytest.raises(mpmd.MpmdError, match="RemoteMesh is closed"):
+            dist(params, opt.init(params), batch)
+        with pytest.raises(mpmd.MpmdError, match="closed"):
+            mpmd.fetch(in_flight)
