@@ -75,6 +75,24 @@ def test_saved_on_4_actors_restores_onto_2_actors_interleaved_and_trains_like_ji
         assert_same_training(run_steps(step, p, o, batches[2:]), (want_p, want_o, want_losses))
 
 
+def test_one_argument_saved_alone_restores_where_the_step_reads_that_argument(saved, tmp_path):
+    """`mpmd.save(path, params)` and `mpmd.save(path, opt_state)` — one argument each, not a tuple of the leading
+    ones — restore with for_step onto the actors that read them (each was refused, with advice that contradicted
+    the other error), and training goes on as jax.jit's."""
+    path, params, batches, (ref_p, ref_o) = saved
+    want = jit_steps(ref_p, ref_o, batches[2:])
+    with mpmd.RemoteMesh.local(num_actors=2) as mesh2:
+        step = mpmd.distributed(make_train_step(LOSS, OPT, mpmd.InterleavedOneFOneB(num_stages=4, num_actors=2)), mesh=mesh2)
+        step.compile(params, OPT.init(params), batches[2])
+        p, o = mpmd.restore(path, mesh2, like=(params, OPT.init(params)), for_step=step)
+        mpmd.save(str(tmp_path / "p"), p)
+        mpmd.save(str(tmp_path / "o"), o)
+        p = mpmd.restore(str(tmp_path / "p"), mesh2, like=params, for_step=step)
+        o = mpmd.restore(str(tmp_path / "o"), mesh2, like=OPT.init(params), for_step=step)
+        assert [p[s]["w"].actors for s in range(4)] == [[0], [1], [0], [1]]
+        assert_same_training(run_steps(step, p, o, batches[2:]), want)
+
+
 def test_saved_on_4_single_device_actors_restores_onto_2_actors_of_1x2_devices_with_in_shardings(saved):
     path, params, batches, (ref_p, ref_o) = saved
     dev = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)

@@ -58,18 +58,28 @@ def dtype_matches(like: Any, leaf: Leaf) -> bool:
         return False
 
 
+def _prefixes(arg_paths: list[str]) -> list[str]:
+    """What a saved tree may be of a step's arguments: its leading arguments as a tuple ("args"), or one of them."""
+    count = 1 + max((int(p[5:p.index("]")]) for p in arg_paths if p.startswith("args[")), default=-1)
+    return ["args", *(f"args[{i}]" for i in range(count))]
+
+
 def step_homes(step: Any, mesh: Any, paths: list[str], shapes: list[tuple[int, ...]]) -> list[Target | None]:
-    """Per `like` leaf (its path as "args"+keystr), where the compiled `step` reads that argument: a Target, or
-    None for a leaf the step does not read."""
+    """Per `like` leaf (its path in the saved tree, a keystr), where the compiled `step` reads that argument: a
+    Target, or None for a leaf the step does not read. The saved tree is the step's leading arguments (saved as
+    a tuple) or one of its arguments (saved alone: `mpmd.save(path, state)` for `step(state, batch)`)."""
     if getattr(step, "mesh", None) is not mesh:
         raise CheckpointError(f"for_step={step!r:.80} is a distributed step of another mesh than the one restored into; pass the "
                               "step made with mpmd.distributed(..., mesh=mesh) for this mesh")
     compiled = list(getattr(step, "_compiled", {}).items())
     for sig, c in reversed(compiled):  # the latest signature whose arguments these leaves are
         index = {p: k for k, p in enumerate(c.arg_paths)}
-        if all(p in index and tuple(sig[1][index[p]][0]) == s for p, s in zip(paths, shapes)):
+        for prefix in _prefixes(c.arg_paths):
+            full = [prefix + p for p in paths]
+            if not all(p in index and tuple(sig[1][index[p]][0]) == s for p, s in zip(full, shapes)):
+                continue
             out: list[Target | None] = []
-            for p in paths:
+            for p in full:
                 k = index[p]
                 homes = tuple(sorted(c.plan.arg_homes[k]))
                 layout = c.plan.layouts.get(c.plan.arg_keys[k]) if mesh.actor_mesh is not None else None
@@ -77,8 +87,9 @@ def step_homes(step: Any, mesh: Any, paths: list[str], shapes: list[tuple[int, .
             return out
     raise CheckpointError(f"for_step: {getattr(step, '__name__', 'the step')} is not compiled for arguments whose leaves are "
                           f"{paths[:3]}{'...' if len(paths) > 3 else ''} with these shapes; call step.compile(*args) (host arrays "
-                          "of the right shapes will do) or run it once first, and pass like=(arg0, arg1, ...) — the leading "
-                          "arguments of the step, in order")
+                          "of the right shapes will do) or run it once first. The checkpoint must hold the step's leading "
+                          "arguments as a tuple (mpmd.save(path, (arg0, arg1, ...))) or one of its arguments as it is "
+                          "(mpmd.save(path, arg0))")
 
 
 def targets(leaves: list[Leaf], like: list[Any], mesh: Any, for_step: Any = None) -> list[Target]:
@@ -86,7 +97,7 @@ def targets(leaves: list[Leaf], like: list[Any], mesh: Any, for_step: Any = None
     am = mesh.actor_mesh
     from_step: list[Target | None] = [None] * len(leaves)
     if for_step is not None:
-        paths = [f"args{leaf.path}" for leaf in leaves]
+        paths = [leaf.path for leaf in leaves]
         from_step = step_homes(for_step, mesh, paths, [leaf.shape for leaf in leaves])
     out = []
     for leaf, x, t in zip(leaves, like, from_step):
