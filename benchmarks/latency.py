@@ -6,7 +6,7 @@
 * a narrow 16-stage MLP on 4 actors (4 stages each, interleaved 1F1B, 4 microbatches): step time against
   jax.jit of the same step in this process.
 
-    python -m benchmarks.latency [--hops 400] [--bytes 1024]
+    python -m benchmarks.latency [--hops 400] [--bytes 1024] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -135,15 +135,22 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hops", type=int, default=400)
     p.add_argument("--bytes", type=int, default=1024)
+    p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
-    raw = raw_one_way(args.bytes)
+    # The hop and its baseline are measured round by round, alternating, and each round's ratio is taken: this
+    # VM's speed drifts by 2x within minutes (raw ZeroMQ one-way 48-130 us in one hour), more than what is measured.
     for transport, what in (("auto", "same-host link (kernel-authenticated, default)"), ("tcp", "ZeroMQ ipc, CURVE")):
+        raws, hops = [], []
         with mpmd.RemoteMesh.local(num_actors=2, transport=transport) as mesh:
-            base = chain_time(mesh, 1, args.bytes)
-            long = chain_time(mesh, args.hops + 1, args.bytes)
-        hop = (long - base) / args.hops
-        print(f"one hop of {args.bytes} B over {what}, actor to actor (send until usable on the next): {hop * 1e6:7.1f} us; "
-              f"raw ZeroMQ one-way between two processes: {raw * 1e6:6.1f} us; ratio {hop / raw:5.2f}")
+            for _ in range(args.rounds):
+                raws.append(raw_one_way(args.bytes, n=500))
+                base = chain_time(mesh, 1, args.bytes, reps=7)
+                hops.append((chain_time(mesh, args.hops + 1, args.bytes, reps=7) - base) / args.hops)
+        ratios = [h / r for h, r in zip(hops, raws)]
+        print(f"one hop of {args.bytes} B over {what}, actor to actor (send until usable on the next): "
+              f"{statistics.median(hops) * 1e6:7.1f} us; raw ZeroMQ one-way between two processes: {statistics.median(raws) * 1e6:6.1f} us; "
+              f"ratio {statistics.median(ratios):5.2f} (median of {args.rounds} alternating rounds; "
+              f"{min(ratios):.2f}-{max(ratios):.2f})")
     jit_t, mpmd_t = narrow_pipeline()
     print(f"narrow 16-stage MLP on 4 actors (interleaved 1F1B, 4 microbatches): {mpmd_t * 1e3:7.2f} ms per step vs jax.jit "
           f"{jit_t * 1e3:6.2f} ms ({mpmd_t / jit_t:5.1f}x)")
