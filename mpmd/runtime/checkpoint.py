@@ -310,7 +310,7 @@ def restore(path: str, mesh: Any, like: Any, *, for_step: Any = None, verify: bo
     """Load the latest checkpoint in `path` into `mesh` — any mesh: it need not be the one that saved it. Returns
     a tree shaped like `like` (whose leaves may be RemoteArrays, arrays or ShapeDtypeStructs; its paths, shapes
     and dtypes must be the saved ones). Each array goes where `for_step` (a compiled distributed step, and
-    `like` its leading arguments) reads it, else where a `like` RemoteArray of this mesh is, else to the actors
+    `like` its leading arguments as a tuple, or one of its arguments saved alone) reads it, else where a `like` RemoteArray of this mesh is, else to the actors
     that held it when saved (see mpmd/runtime/checkpoint_placement.py). Every byte is verified first;
     `verify=False` skips the digests (for measuring what they cost) but never the manifest's own or the
     dtype and shape checks. Raises `mpmd.CheckpointError` naming the checkpoint, actor, file and leaf."""
