@@ -23,8 +23,8 @@ CURVE-authenticated with keys the daemon makes at start (see transport/auth.py) 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import asyncio
+import ctypes
 import faulthandler
 import json
 import logging
