@@ -225,3 +225,44 @@ def test_a_failing_stage_aborts_the_step_on_every_actor_and_the_mesh_stays_usabl
     with pytest.raises(mpmd.RemoteError, match="no buffer 424242"):
         dist(p, o, batch)
     assert np.isfinite(dist(p, o, batch)[2].to_numpy()).all()
+
+
+def test_a_segment_comes_back_through_its_control_page_only_once_the_receivers_view_is_gone():
+    """transport/p2p/shm.py in one process: the receiver's last view going marks that use of the segment
+    released in the segment's control page, and only then does the sender reclaim it (no message); a release
+    of an earlier use does not free a later one."""
+    import gc
+    import os
+
+    from transport.p2p import shm
+
+    sender, receiver = shm.ShmSender(f"/mpmd-test{os.getpid()}-"), shm.ShmReceiver()
+    try:
+        data = np.arange(1 << 14, dtype=np.float32)  # 64 KiB
+        seg = sender.acquire(data.nbytes)
+        sender.write(seg, data)
+        view = receiver.view(1, seg.id, seg.name, seg.mapped, np.dtype(np.float32), [1 << 14], data.nbytes)
+        np.testing.assert_array_equal(view, data)
+        assert sender.reclaim() == 0 and seg.id in sender.busy  # the view lives: not back
+        alias = view[3:]
+        del view
+        gc.collect()
+        assert sender.reclaim() == 0 and receiver.outstanding == 1  # a slice of it still lives
+        del alias
+        gc.collect()
+        assert receiver.outstanding == 0 and sender.reclaim() == 1 and not sender.busy
+        again = sender.acquire(data.nbytes)
+        assert again is seg and seg.uses == 2  # the same segment, its second use
+        second = receiver.view(1, seg.id, seg.name, seg.mapped, np.dtype(np.float32), [1 << 14], data.nbytes)
+        words = seg.control()
+        words[1] = 1  # what the receiver wrote for the first use: not a release of this one
+        words.release()
+        assert sender.reclaim() == 0
+        del second
+        gc.collect()
+        assert sender.reclaim() == 1
+        with pytest.raises(ValueError, match="control page"):
+            receiver.view(1, seg.id, seg.name, 1024, np.dtype(np.float32), [4], 16)
+    finally:
+        receiver.close()
+        sender.close()

@@ -24,7 +24,9 @@
   notice that fixes the order both sides post their NCCL calls in.
 
 Messages (protocol framing, ``src`` = sender actor id (informative when authenticated), ``key`` = transfer key):
-``data`` (one array frame), ``shm`` (seg, name, size; array metadata, no frame), ``shm_ack`` (seg),
+``data`` (one array frame), ``shm`` (seg, name, size = its mapping: payload and control page; array metadata,
+no frame; the receiver marks the segment released in its control page, see shm.py), ``shm_ack`` (seg: the
+segment is released; accepted, no longer sent),
 ``nccl`` (seq; array metadata, no frame), ``refused`` (reason: the receiver dropped that arrival).
 """
 
@@ -341,7 +343,7 @@ class DataPlane(P2PTransport):
             return
         try:
             ready = getattr(value, "is_ready", None)
-            notice = {"op": "shm", "key": list(key), "seg": seg.id, "name": seg.name, "size": seg.size,
+            notice = {"op": "shm", "key": list(key), "seg": seg.id, "name": seg.name, "size": seg.mapped,
                       "arrays": [aval_header(value.shape, value.dtype)]}
             if nbytes >= 4 << 20 or (ready is not None and not ready()):
                 # Waiting for the value, copying it and (over a link) posting the notice happen in one hop on a
@@ -367,20 +369,6 @@ class DataPlane(P2PTransport):
         if isinstance(err, BaseException):
             self._link_failed(peer, lk, err)
         return err is None
-
-    def _ack(self, peer: int, seg_id: int) -> None:
-        try:
-            self._post(peer, {"op": "shm_ack", "seg": seg_id})
-        except TransferError as e:
-            log.warning("actor %d: could not release shared-memory segment %d of actor %d: %s", self.actor_id, seg_id, peer, e)
-
-    def _ack_threadsafe(self, peer: int, seg_id: int) -> None:
-        if self._closing or self._loop is None:
-            return
-        try:
-            self._loop.call_soon_threadsafe(self._ack, peer, seg_id)
-        except RuntimeError:  # the loop is closed: the daemon is exiting
-            pass
 
     # ---- receiving -------------------------------------------------------------------------------
     async def recv(self, peer: int, key: tuple[int, ...], timeout: float | None = None) -> Any:
@@ -604,7 +592,7 @@ class DataPlane(P2PTransport):
                     raise TransferError(f"actor {self.actor_id} refused a shared-memory notice from actor {src} naming {name!r}: "
                                         "not a segment that actor made for this one")
                 try:
-                    view = self._shm_in.view(src, seg, name, size, dtype, shape, nbytes, lambda: self._ack_threadsafe(src, seg))
+                    view = self._shm_in.view(src, seg, name, size, dtype, shape, nbytes)
                 except (OSError, ValueError) as e:
                     raise TransferError(f"actor {self.actor_id} could not map shared memory {name} from actor {src}: {e}") from None
                 self.counters["received_bytes"] += nbytes

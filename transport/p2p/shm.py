@@ -6,8 +6,12 @@ one that sender's segment number `seg` must have (the sender's prefix comes from
 identity from its CURVE key; see plane.py) and it belongs to this user — so a notice cannot make the receiver
 map or unlink anybody else's segment. It maps each segment once and unlinks the name right after, so nothing
 is left in /dev/shm if either side dies; hands out an aligned numpy view
-that JAX aliases rather than copies, and sends ``{"op": "shm_ack", seg}`` back only when the last Python
-reference to that view is gone — so a segment is never reused while an array still aliases it. Segments
+that JAX aliases rather than copies, and marks the segment released only when the last Python reference to
+that view is gone — so a segment is never reused while an array still aliases it. The mark is a word in the
+segment's control page (the page after its payload area): the sender counts each use of a segment there, and
+the receiver writes back the count it saw when its view is gone; the sender reclaims released segments when it
+next needs one. (It was a ``{"op": "shm_ack", seg}`` message: one more wake of the sender's event loop per
+transfer, on the core its compute runs on. Such a message is still accepted.) Segments
 are pooled by power-of-two size class, up to a quarter of /dev/shm per pair (a training loop repeats its
 transfers, so after the first step every payload finds a warm segment) and reserved with `posix_fallocate` (a full /dev/shm is an error
 at reserve time, not a SIGBUS later).
@@ -36,6 +40,7 @@ log = logging.getLogger(__name__)
 _warn = RateLimitedLog(log)
 
 MIN_SEGMENT = 1 << 16
+CONTROL = 4096  # bytes after a segment's payload: [use count (sender), released use count (receiver)], uint64 each
 
 
 def _pool_limit() -> int:
@@ -60,11 +65,22 @@ def size_class(nbytes: int) -> int:
 
 @dataclass
 class Segment:
+    """A sender's segment: `size` payload bytes, then its control page (the mapping is `size + CONTROL` bytes)."""
+
     id: int
     name: str
     size: int
     mm: mmap.mmap
     unlinked: bool = False
+    uses: int = 0  # how many times it was handed out; the receiver writes this back when it is done with it
+
+    @property
+    def mapped(self) -> int:
+        return self.size + CONTROL
+
+    def control(self) -> memoryview:
+        """[uses, released] as a view of two native uint64 words."""
+        return memoryview(self.mm)[self.size : self.size + 16].cast("Q")
 
 
 _FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # map the pages now: a first write would fault on each
@@ -117,7 +133,24 @@ class ShmSender:
         self.created = 0
 
     def has_free(self, nbytes: int) -> bool:
+        self.reclaim()
         return bool(self.free.get(size_class(nbytes)))
+
+    def reclaim(self) -> int:
+        """Take back the busy segments whose receiver has marked this use of them released; how many."""
+        done = []
+        for seg in self.busy.values():
+            try:
+                words = seg.control()
+                released = words[1] == seg.uses
+                words.release()
+            except ValueError:  # closed meanwhile
+                continue
+            if released:
+                done.append(seg.id)
+        for seg_id in done:
+            self.release(seg_id)
+        return len(done)
 
     def in_flight(self, nbytes: int) -> bool:
         """Is a segment of this size class out with the receiver (and so likely back soon)?"""
@@ -127,14 +160,20 @@ class ShmSender:
     def acquire(self, nbytes: int) -> Segment:
         size = size_class(nbytes)
         pool = self.free.get(size)
+        if not pool and self.busy and self.reclaim():
+            pool = self.free.get(size)
         if pool:
             seg = pool.pop()
             self.free_bytes -= seg.size
         else:
             n = next(self._names)
             name = f"{self.prefix}{n}"
-            seg = Segment(n, name, size, _create(name, size))
+            seg = Segment(n, name, size, _create(name, size + CONTROL))
             self.created += 1
+        seg.uses += 1
+        words = seg.control()
+        words[0] = seg.uses  # before the notice goes: the receiver reads it when it maps the payload
+        words.release()
         self.busy[seg.id] = seg
         self.busy_bytes += seg.size
         return seg
@@ -224,19 +263,33 @@ class ShmReceiver:
         return mm
 
     def view(self, src: int, seg_id: int, name: str, size: int, dtype: np.dtype, shape: list[int], nbytes: int,
-             on_release: Callable[[], None]) -> np.ndarray:
-        """An array over the segment; `on_release` runs (in any thread) once no reference to it is left."""
+             on_release: Callable[[], None] | None = None) -> np.ndarray:
+        """An array over the segment (`size`: its mapping, payload and control page); once no reference to it is
+        left the segment is marked released for its sender, and `on_release` runs (in any thread)."""
+        if size < CONTROL + MIN_SEGMENT:
+            raise ValueError(f"shared-memory segment {seg_id} from actor {src}: {size} bytes cannot hold a payload and its control page")
         mm = self.open(src, seg_id, name, size)
-        if nbytes > len(mm):
-            raise ValueError(f"{dtype.name}{shape} needs {nbytes} bytes but segment {seg_id} from actor {src} has {len(mm)}")
+        payload = size - CONTROL
+        if nbytes > payload:
+            raise ValueError(f"{dtype.name}{shape} needs {nbytes} bytes but segment {seg_id} from actor {src} has {payload}")
+        words = memoryview(mm)[payload : payload + 16].cast("Q")
+        use = words[0]
+        words.release()
         root = np.frombuffer(mm, np.uint8, nbytes)
         self.outstanding += 1
-        weakref.finalize(root, self._released, on_release)
+        weakref.finalize(root, self._released, mm, payload, use, on_release)
         return root.view(dtype).reshape(shape)
 
-    def _released(self, on_release: Callable[[], None]) -> None:
+    def _released(self, mm: mmap.mmap, payload: int, use: int, on_release: Callable[[], None] | None) -> None:
         self.outstanding -= 1
-        on_release()
+        try:
+            words = memoryview(mm)[payload : payload + 16].cast("Q")
+            words[1] = use  # the sender may reuse the segment from now on
+            words.release()
+        except ValueError:  # the mapping is closed (the sender is gone)
+            pass
+        if on_release is not None:
+            on_release()
 
     def close(self) -> None:
         for mm in self.maps.values():
