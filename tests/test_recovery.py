@@ -132,6 +132,35 @@ def test_actors_killed_back_to_back_one_during_the_recovery_of_the_other_the_loo
 
 
 @pytest.mark.slow
+def test_a_replacement_killed_the_moment_it_appears_is_replaced_again_and_the_loop_ends_bit_identical(uninterrupted):
+    """The replacement dies while it starts: its handshake or wiring breaks (a reset connection reads as a refused
+    key), which is one more lost actor, not a failure of the recovery (it gave up, 3 runs of 4, blaming the keys)."""
+    hunters = []
+
+    def kill_twice(mesh, actor):
+        old = mesh.processes[actor].proc.pid
+
+        def hunt():
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                pid = mesh.processes[actor].proc.pid
+                if pid != old:
+                    os.kill(pid, signal.SIGKILL)
+                    return
+                time.sleep(0.002)
+
+        hunters.append(threading.Thread(target=hunt, daemon=True))
+        hunters[-1].start()
+        os.kill(old, signal.SIGKILL)
+
+    got = train(kills=[(5, 1)], recover=mpmd.Recovery(snapshot_every=4, max_failures=3), fetch_losses_every=1, kill=kill_twice)
+    hunters[0].join(1)
+    assert not hunters[0].is_alive()  # the replacement was found and killed
+    assert got[3] >= 1
+    _assert_identical(got, uninterrupted)
+
+
+@pytest.mark.slow
 def test_on_ray_a_killed_ray_actor_is_replaced_in_its_bundle_and_the_loop_ends_bit_identical(uninterrupted):
     ray = pytest.importorskip("ray", reason="the `ray` extra is not installed")
     if ray.is_initialized():

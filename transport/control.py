@@ -83,7 +83,8 @@ def _handshake_failure(kind: int, with_keys: bool) -> str:
         return "the actor refused this client's key (it is not among the keys the actor admits)"
     if not with_keys:
         return "the handshake failed: this client has no keys, and the actor wants them (it has a --server-key)"
-    return "the handshake failed: the actor's public key is not the one given, or the actor has no keys at all"
+    return ("the handshake failed: the actor's public key is not the one given, or the actor has no keys at all "
+            "(or its process went away during the handshake)")
 
 
 class ControlClient:

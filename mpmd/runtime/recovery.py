@@ -365,6 +365,15 @@ class RecoveryManager:
                 lost = self._lost_actors(e)
                 log.warning("actor(s) %s lost during the recovery (%s); recovering again", lost, _what(e))
                 continue
+            except Exception as e:
+                # A replacement that dies while it starts breaks the handshake or the wiring with errors of their own
+                # (a reset connection reads as a refused key): when a process is gone, that is one more lost actor.
+                dead = self._dead_processes(wait=1.0)
+                if not dead:
+                    raise
+                lost = sorted(dead | {i for i in range(len(self.mesh)) if self.mesh.conn(i).dead})
+                log.warning("actor(s) %s lost during the recovery (%s); recovering again", lost, _what(e))
+                continue
             self.last_report = {**report, "started": t0}
             return report
 
@@ -399,8 +408,14 @@ class RecoveryManager:
             raise MpmdError(f"no lost actor to replace ({error})")
         return sorted(lost)
 
-    def _dead_processes(self) -> set[int]:
-        return {p.actor_id for p in getattr(self.mesh, "processes", ()) if p.dead_reason() is not None}
+    def _dead_processes(self, wait: float = 0.0) -> set[int]:
+        """The actors whose process has exited (waiting up to `wait` seconds for one to show as exited)."""
+        deadline = time.monotonic() + wait
+        while True:
+            dead = {p.actor_id for p in getattr(self.mesh, "processes", ()) if p.dead_reason() is not None}
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.05)
 
     def _functions(self) -> list[Any]:
         return list(self._dists)
