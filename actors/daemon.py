@@ -99,6 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("request_timeout", "compile_timeout", "transfer_timeout"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
+    if args.cpu_devices is not None and args.cpu_devices < 1:
+        p.error(f"--cpu-devices must be at least 1, got {args.cpu_devices}")
+    if args.listen is not None and not args.listen.startswith(("tcp://", "ipc://")):
+        p.error(f"--listen takes tcp://host:port or ipc://path, got {args.listen!r}")
     return args
 
 
@@ -228,7 +232,10 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         auth = Authenticator(ctx, f"actor {args.actor_id} control socket", authorized)
         auth.start()
     max_bytes = args.max_message_mb * 1024 * 1024
-    sock, endpoint = bind_router(ctx, args.listen, max_bytes, configure=(lambda s: configure_server(s, server_pair)) if secure else None)
+    try:
+        sock, endpoint = bind_router(ctx, args.listen, max_bytes, configure=(lambda s: configure_server(s, server_pair)) if secure else None)
+    except zmq.ZMQError as e:
+        raise SystemExit(f"mpmd-actor: cannot listen on {args.listen}: {e}") from None
     p2p = None
     if args.p2p != "none":
         host = args.p2p_host or (args.listen.split("://", 1)[1].rsplit(":", 1)[0] if args.listen.startswith("tcp://") else "127.0.0.1")

@@ -40,6 +40,14 @@ def accumulate_grads(fn: Callable[[Any], tuple[Any, Any]], batch: Any, schedule:
     `fn`, cut at its `pipeline_yield` markers, run on the actors. A schedule set by
     `mpmd.schedules.override.use_schedule` (what `mpmd.tune` and `step.with_schedule` do) replaces it.
     """
+    if not callable(fn):
+        raise PipelineError(f"accumulate_grads(fn, batch, schedule=...): fn must be the per-microbatch function, got "
+                            f"{type(fn).__name__} {fn!r:.80}")
+    if schedule is not None and not isinstance(schedule, Schedule):
+        hint = (f"the class {schedule.__name__}: make one, e.g. {schedule.__name__}(num_stages=2)"
+                if isinstance(schedule, type) else f"{type(schedule).__name__} {schedule!r:.80}")
+        raise PipelineError(f"accumulate_grads: schedule must be a schedule such as mpmd.OneFOneB(num_stages=2) "
+                            f"(see mpmd.schedules), got {hint}")
     schedule = schedule_override() or schedule
     leaves, treedef = jax.tree.flatten(batch)
     if not leaves:

@@ -79,6 +79,9 @@ def _spec(x: Any, path: str) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
     try:
         x = host_value(x)
+        if x.dtype == np.dtype(object):  # (canonicalize_dtype lets it through; jax.jit refuses it)
+            raise TypeError("a numpy array of Python objects (dtype=object) holds no numbers JAX can use: build it with "
+                            "a numeric dtype, e.g. np.asarray(x, np.float32), or stack its elements with np.stack")
         if not is_key(x.dtype):
             jax.dtypes.canonicalize_dtype(x.dtype)
     except (TypeError, ValueError) as e:
@@ -150,6 +153,11 @@ class DistributedFunction:
 
     def __init__(self, fn: Callable[..., Any], mesh: Any, in_shardings: Any = None, out_shardings: Any = None,
                  static_argnums: Any = (), static_argnames: Any = ()) -> None:
+        if not callable(fn):
+            raise TypeError(f"mpmd.distributed: the step must be a function, got {type(fn).__name__} {fn!r:.80}")
+        if mesh is None or isinstance(mesh, (str, bytes, int, float)) or not hasattr(type(mesh), "__len__"):
+            raise TypeError(f"mpmd.distributed(..., mesh=...) needs the RemoteMesh the step runs on (e.g. "
+                            f"mpmd.RemoteMesh.local(num_actors=2)), got {type(mesh).__name__} {mesh!r:.80}")
         self.fn = fn
         self.mesh = mesh
         self.in_shardings = in_shardings

@@ -295,6 +295,7 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
         result = mpmd.tune(train_step, params, opt_state, batch, mesh=mesh, memory_limit=1 << 30)
         print(result); result.verify(3)
     """
+    _check_choices(memory_limit, schedules, microbatches, virtual_stages)  # before anything is measured
     if isinstance(step_fn, DistributedFunction):  # its static arguments and shardings too
         mesh = mesh if mesh is not None else step_fn.mesh
         base = DistributedFunction(step_fn.fn, mesh, step_fn.in_shardings, step_fn.out_shardings, step_fn.static_argnums)
@@ -357,6 +358,35 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
     if calibrate if calibrate is not None else costs is None:
         result.calibrate()
     return result
+
+
+def _check_choices(memory_limit: Any, schedules: Any, microbatches: Any, virtual_stages: Any) -> None:
+    """A PipelineError naming the first of tune's choices that makes no sense."""
+    from mpmd.schedules.builtin import BUILTINS
+
+    def positive_int(x: Any) -> bool:
+        return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x > 0
+
+    if memory_limit is not None and not positive_int(memory_limit):
+        raise PipelineError(f"tune: memory_limit is bytes per actor (a positive int) or None for no limit, got {memory_limit!r:.80}")
+    for name, counts in (("microbatches", microbatches), ("virtual_stages", virtual_stages)):
+        if counts is None and name == "microbatches":
+            continue
+        if isinstance(counts, (str, bytes)) or not isinstance(counts, Sequence) or not counts or not all(map(positive_int, counts)):
+            raise PipelineError(f"tune: {name} must be a non-empty list of positive ints, got {counts!r:.80}")
+    if schedules is None:
+        return
+    if isinstance(schedules, (str, bytes, Schedule)) or not isinstance(schedules, Sequence) or not schedules:
+        raise PipelineError(f"tune: schedules must be a non-empty list of schedules or built-in names (e.g. ['OneFOneB', "
+                            f"'ZeroBubbleH1']), or None for every built-in; got {schedules!r:.80}")
+    for s in schedules:
+        if isinstance(s, str) and s not in BUILTINS:
+            raise PipelineError(f"tune: unknown schedule {s!r}; built-ins are {', '.join(BUILTINS)}")
+        if isinstance(s, type) and issubclass(s, Schedule):
+            raise PipelineError(f"tune: schedules lists the class {s.__name__}; give its name {s.__name__!r} (tune picks the "
+                                "stages and actors) or a schedule such as " + f"{s.__name__}(num_stages=2)")
+        if not isinstance(s, (str, Schedule)):
+            raise PipelineError(f"tune: schedules holds {type(s).__name__} {s!r:.80}; give schedules or built-in names")
 
 
 def _predict(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedule, m: int, seg: SegmentCosts, p: int,

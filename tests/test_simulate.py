@@ -421,6 +421,16 @@ def test_cli_exits_2_with_the_validation_error(capsys):
     assert e.value.code == 2
 
 
+def test_cli_tune_refuses_counts_that_cannot_work_before_starting_anything(capsys):
+    for flags, said in ((["--actors", "0"], "--actors: must be above 0"), (["--layers", "0"], "--layers: must be above 0"),
+                        (["--memory-limit-mib", "-5"], "--memory-limit-mib: must be above 0")):
+        with pytest.raises(SystemExit) as e:
+            main(["tune", *flags])
+        assert e.value.code == 2 and said in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="must be a multiple of --heads 4"):
+        main(["tune", "--width", "130"])
+
+
 def test_mpmd_simulate_is_the_simulate_function():
     assert mpmd.simulate is simulate and mpmd.simulate(mpmd.GPipe(2), 2).step_time == 9
 

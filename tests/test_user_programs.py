@@ -275,3 +275,33 @@ def test_a_step_called_after_its_mesh_closed_with_a_step_in_flight_says_the_mesh
             dist(params, opt.init(params), batch)
         with pytest.raises(mpmd.MpmdError, match="closed"):
             mpmd.fetch(in_flight)
+
+
+def test_nonsense_arguments_are_refused_up_front_naming_what_is_wrong(mesh2):
+    """What users get wrong before anything runs: each gets an error naming the argument (they failed later, with
+    internal errors: 'NoneType has no len()', a string taken for a one-actor mesh, ''str' has no attribute
+    num_stages'...)."""
+    rng = np.random.default_rng(10)
+    params, batch = mlp2(rng), batch_of(rng)
+    opt = optax.sgd(0.1)
+    model = lambda p, x: mpmd.pipeline_yield(jnp.tanh(x @ p[0]["w"])) @ p[1]["w"]  # noqa: E731
+    good = make_step(mse(model), opt, mpmd.GPipe(2))
+    for mesh in (None, "x", 2):
+        with pytest.raises(TypeError, match="needs the RemoteMesh"):
+            mpmd.distributed(good, mesh=mesh)
+    with pytest.raises(TypeError, match="must be a function"):
+        mpmd.distributed(5, mesh=mesh2)
+    for schedule, what in (("1f1b", "got str"), (mpmd.OneFOneB, "the class OneFOneB")):
+        with pytest.raises(mpmd.PipelineError, match=what):
+            mpmd.distributed(make_step(mse(model), opt, schedule), mesh=mesh2)(params, opt.init(params), batch)
+    with pytest.raises(mpmd.PipelineError, match=r"args\[2\]\['x'\].*dtype=object"):
+        mpmd.distributed(good, mesh=mesh2)(params, opt.init(params), {**batch, "x": np.array([object()] * 4)})
+    for order in (None, "0F0", ("0F0", "0B0")):
+        with pytest.raises(mpmd.ScheduleError, match="order"):
+            mpmd.Custom(2, order=order)
+    for kwargs, what in ((dict(schedules=[mpmd.OneFOneB]), "the class OneFOneB"), (dict(schedules="OneFOneB"), "non-empty list"),
+                         (dict(schedules=[]), "non-empty list"), (dict(schedules=["Nope"]), "unknown schedule 'Nope'"),
+                         (dict(memory_limit="lots"), "memory_limit"), (dict(memory_limit=-1), "memory_limit"),
+                         (dict(microbatches=[0, 2]), "microbatches")):
+        with pytest.raises(mpmd.PipelineError, match=what):
+            mpmd.tune(good, params, opt.init(params), batch, mesh=mesh2, **kwargs)

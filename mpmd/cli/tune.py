@@ -49,14 +49,34 @@ def gpt_setup(gpt: ModuleType, layers: int, width: int, seq: int, heads: int, mi
     return step, params, opt.init(params), batch
 
 
+def _positive(kind: type) -> Any:
+    """An argparse type: a number of `kind` above 0 (argparse prints the usage and the message otherwise)."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # what argparse names in "invalid ... value"
+    return parse
+
+
 def _run(args: argparse.Namespace) -> int:
     import mpmd
 
+    if args.width % args.heads:
+        raise SystemExit(f"mpmd tune: --width {args.width} must be a multiple of --heads {args.heads}")
+    try:
+        counts = [int(x) for x in args.try_microbatches.split(",")] if args.try_microbatches else None
+    except ValueError:
+        raise SystemExit(f"mpmd tune: --try-microbatches takes comma-separated counts, e.g. 2,4,8; got {args.try_microbatches!r}") from None
     gpt = load_gpt()
     step, params, opt_state, batch = gpt_setup(gpt, args.layers, args.width, args.seq, args.heads, args.microbatches, args.rows)
     pin = 1 if args.actors <= len(os.sched_getaffinity(0)) else None
-    counts = [int(x) for x in args.try_microbatches.split(",")] if args.try_microbatches else None
-    limit = int(args.memory_limit_mib * 2**20) if args.memory_limit_mib else None
+    limit = int(args.memory_limit_mib * 2**20) if args.memory_limit_mib is not None else None
     with mpmd.RemoteMesh.local(num_actors=args.actors, cpus_per_actor=pin) as mesh:
         result = mpmd.tune(step, params, opt_state, batch, mesh=mesh, memory_limit=limit, microbatches=counts,
                            costs="xla" if args.xla_costs else None, remat=args.remat)
@@ -69,16 +89,16 @@ def _run(args: argparse.Namespace) -> int:
 def add_subcommand(sub: Any) -> None:
     p = sub.add_parser("tune", help="choose schedule, microbatches and stage grouping for the GPT example (mpmd.tune)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--actors", type=int, default=2)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--microbatches", type=int, default=8, help="microbatches of the batch as given")
-    p.add_argument("--rows", type=int, default=4, help="sequences per microbatch of the batch as given")
+    p.add_argument("--actors", type=_positive(int), default=2)
+    p.add_argument("--layers", type=_positive(int), default=8)
+    p.add_argument("--width", type=_positive(int), default=128)
+    p.add_argument("--seq", type=_positive(int), default=64)
+    p.add_argument("--heads", type=_positive(int), default=4)
+    p.add_argument("--microbatches", type=_positive(int), default=8, help="microbatches of the batch as given")
+    p.add_argument("--rows", type=_positive(int), default=4, help="sequences per microbatch of the batch as given")
     p.add_argument("--try-microbatches", default=None, help="comma-separated counts to consider (default: divisors of the rows)")
-    p.add_argument("--memory-limit-mib", type=float, default=None)
+    p.add_argument("--memory-limit-mib", type=_positive(float), default=None, help="bytes per actor, in MiB (default: no limit)")
     p.add_argument("--remat", action="store_true", help="also try remat of the stages of actors over the memory limit")
     p.add_argument("--xla-costs", action="store_true", help="predict from XLA's cost analysis instead of measuring segments")
-    p.add_argument("--verify", type=int, default=0, help="run the top k for real")
+    p.add_argument("--verify", type=int, default=0, help="run the top k for real (0: none)")
     p.set_defaults(run=_run)

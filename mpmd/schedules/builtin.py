@@ -52,6 +52,7 @@ minimum. `one_f_one_b` and `backward` are the helpers the built-ins use.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import zip_longest
 
@@ -457,6 +458,12 @@ class Custom(Schedule):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        example = "e.g. order=(('0F0', '0B0'), ('1F0', '1B0'))"
+        if isinstance(self.order, (str, bytes)) or not isinstance(self.order, Iterable):
+            raise ScheduleError(f"Custom: order must be one sequence of tasks per actor, {example}; got {self.order!r:.80}")
+        for i, row in enumerate(self.order):
+            if isinstance(row, (str, bytes, Task)) or not isinstance(row, Iterable):
+                raise ScheduleError(f"Custom: order[{i}] must be actor {i}'s sequence of tasks, {example}; got {row!r:.80}")
         rows = tuple(tuple(t if isinstance(t, Task) else Task.parse(t) for t in row) for row in self.order)
         object.__setattr__(self, "order", rows)
         object.__setattr__(self, "stage_actor", tuple(self.stage_actor))
