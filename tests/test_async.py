@@ -354,3 +354,24 @@ async def test_a_remote_transfer_error_is_raised_by_the_await_naming_the_actors_
         waiter, sender = (int(g) for g in re.search(pattern, str(e.value)).groups())
         assert {waiter, sender} == {0, 1} and e.value.actor_id == waiter
         assert [(await mesh.actor(a).stats_async())["running"] for a in (0, 1)] == [0, 0]
+
+
+async def test_a_fetch_in_flight_when_the_mesh_closes_says_the_mesh_closed_not_that_an_actor_died_or_was_cancelled():
+    """`await mesh.aclose()` while a fetch_async of a step's output runs: the fetch raises MpmdError saying the mesh
+    closed (it raised a bare CancelledError — which reads as the caller's task cancelled — or 'actor 0 died ...
+    exited with code 0'), and the next call says the mesh is closed."""
+    step, _, params, opt_state, batch = training()
+    for _ in range(3):
+        mesh = await mpmd.RemoteMesh.local_async(num_actors=2)
+        dist = mpmd.distributed(step, mesh=mesh)
+        p, o, losses = await dist.call_async(params, opt_state, batch)
+        for _ in range(4):
+            p, o, losses = await dist.call_async(p, o, batch)
+        fetch = asyncio.create_task(mpmd.fetch_async(losses))
+        await asyncio.sleep(0.01)
+        await mesh.aclose()
+        with pytest.raises(mpmd.MpmdError, match="closed") as e:
+            await fetch
+        assert not isinstance(e.value, mpmd.ActorDiedError)
+        with pytest.raises(mpmd.MpmdError, match="RemoteMesh is closed"):
+            await dist.call_async(p, o, batch)

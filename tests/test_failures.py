@@ -128,6 +128,35 @@ def test_a_stopped_actor_is_declared_dead_within_the_heartbeat_timeout_and_can_b
         assert wait_until(lambda: mesh.actor(1).stats()["running"] == 0, 10)
 
 
+def test_after_a_stopped_actor_is_reconnected_the_next_step_does_not_raise_the_failure_already_seen():
+    """A step's fetch fails while actor 1 is stopped (the user sees ActorDiedError); after kill -CONT and
+    reconnect the next step runs and equals jax.jit (it raised that old failure again: the fetch failed before
+    the step's own end, which was then taken for an error nobody had seen)."""
+    import optax
+
+    from mpmd.testing import make_train_step, mlp, mlp_params, mse_loss, regression_batch
+
+    rng = np.random.default_rng(3)
+    opt = optax.adam(1e-2)
+    params, batch = mlp_params(rng, 2, width=16), regression_batch(rng, 4, 4, 16)
+    reference = jax.jit(make_train_step(mse_loss(mlp), opt, None))
+    with mpmd.RemoteMesh.local(num_actors=2, heartbeat_timeout=2.0, heartbeat_interval=0.5) as mesh:
+        step = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
+        mpmd.fetch(step(params, opt.init(params), batch))
+        pid = mesh.processes[1].proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(mpmd.ActorDiedError):
+                mpmd.fetch(step(params, opt.init(params), batch))
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        mesh.reconnect(1)
+        got = mpmd.fetch(step(params, opt.init(params), batch))
+        want = reference(params, opt.init(params), batch)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
 def test_a_restarted_daemon_is_taken_back_with_reconnect_and_the_data_plane_is_rewired(tmp_path):
     """Daemons started by hand (as on a cluster); actor 1 is killed and started again at the same address with a
     new data-plane key: reconnect opens the session there afresh and rewires both actors."""

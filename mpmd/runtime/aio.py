@@ -149,7 +149,9 @@ async def fetch_async(tree: Any) -> Any:
     except asyncio.CancelledError:
         await abort_unfinished(arrays)
         raise
-    except MpmdError:
+    except MpmdError as e:
+        for x in arrays:
+            x._failed_fetch(e)
         await _step_error_first(arrays)
         raise
     got = {i: v for part in parts for i, v in part.items()}

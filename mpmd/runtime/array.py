@@ -89,6 +89,15 @@ class RemoteArray:
             raise MpmdError(f"{self!r} belongs to {self.mesh!r}, which is closed; its data is gone")
         self._raise_step_error()
 
+    def _failed_fetch(self, error: BaseException) -> None:
+        """A fetch of this array failed with `error`: raise the clearer error if there is one (its mesh closed
+        meanwhile), and count the step that makes it as seen failing (its next call does not raise it again)."""
+        if self._ready is not None:
+            self._ready.seen = True
+        if self.mesh.closed:
+            raise MpmdError(f"{self!r} belongs to {self.mesh!r}, which was closed while it was being fetched; its data "
+                            "is gone") from error
+
     def _raise_step_error(self) -> None:
         """If the step that makes this array failed, raise its error (once seen, the step's next call does not)."""
         r = self._ready
@@ -109,6 +118,7 @@ class RemoteArray:
             before = dict(self.buffers)
             if _recovered(self.mesh, e, self._ready) and self.buffers and self.buffers != before:
                 return self.mesh.get_buffer(self.actor, self.buffers[self.actor])  # rebound by the recovery
+            self._failed_fetch(e)
             if self._ready is not None:  # the actor's error for a failed step's output: prefer the step's own
                 try:
                     self._ready.result(timeout=30)
@@ -234,6 +244,9 @@ def fetch(tree: Any) -> Any:
             arrays = mesh.get_buffers(bufs)
         except MpmdError as e:  # a lost actor the mesh recovered from: the arrays were rebound, read them again
             if not _recovered(mesh, e, None) or any(leaves[i].is_deleted for idx in per_actor.values() for i in idx):
+                for idx in per_actor.values():
+                    for i in idx:
+                        leaves[i]._failed_fetch(e)
                 raise
             per_actor = _by_actor([leaves[i] for idx in per_actor.values() for i in idx],
                                   [i for idx in per_actor.values() for i in idx])

@@ -79,7 +79,15 @@ class EventLoopThread:
         it. Cancelling the await cancels `coro` where it runs."""
         if asyncio.get_running_loop() is self.loop:
             return await coro
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+        try:
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the caller's own cancellation
+            # Cancelled over there, not by the caller: the mesh closed under it. A CancelledError would read as the
+            # caller's task being cancelled.
+            raise MpmdError("the RemoteMesh was closed while this request ran") from None
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         if not self.loop.is_closed():
