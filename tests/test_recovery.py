@@ -262,3 +262,25 @@ def test_three_actors_under_gpipe_the_middle_one_killed_the_loop_ends_bit_identi
     assert recoveries == 1
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.slow
+def test_an_async_save_running_when_an_actor_is_lost_is_written_again_after_the_recovery(tmp_path):
+    """mpmd.save(..., wait=False), then actor 1 killed before the saved state is computed: the recovery aborts and
+    replays the steps it came from, the save goes again with the rebound arrays, and the checkpoint holds the
+    state the loop saved (it failed with 'program 1 step 6 was aborted on actor 0')."""
+    batches = _batches()
+    with mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(snapshot_every=4), heartbeat_timeout=5.0) as mesh:
+        dist = mpmd.distributed(STEP, mesh=mesh)
+        params = _params()
+        p, o = params, OPT.init(params)
+        for i in range(6):
+            p, o, losses = dist(p, o, batches[i])
+        handle = mpmd.save(str(tmp_path / "c"), (p, o), wait=False)
+        _sigkill(mesh, 1)
+        handle.wait(120)
+        want = mpmd.fetch((p, o))
+        assert mesh.recoveries == 1
+    got = mpmd.load(str(tmp_path / "c"), like=want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import os
 import shutil
 import threading
@@ -32,7 +33,7 @@ import jax
 import numpy as np
 
 from mpmd.compiler.avals import dtype_text, from_wire, is_key, key_impl, to_wire, wire_shape_dtype
-from mpmd.errors import CheckpointError, MpmdError
+from mpmd.errors import ActorDiedError, CheckpointError, MpmdError
 from mpmd.runtime.aio import off_loop, watch
 from mpmd.runtime.array import RemoteArray
 from mpmd.runtime.checkpoint_format import (
@@ -51,6 +52,8 @@ from transport.checkpoint_parts import CheckpointProblem, read_part, write_part
 
 _SAVING: set[str] = set()  # the .tmp directories of saves of this process still being written
 _SAVING_LOCK = threading.Lock()
+
+log = logging.getLogger(__name__)
 
 
 def _is_remote(x: Any) -> bool:
@@ -183,24 +186,49 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
     if not per_actor:
         return _finish_sync(lambda: finish(host_part, host_order), abandon, done_saving, wait)
 
+    recovery = getattr(mesh, "recovery", None)
+    generation = recovery.generation if recovery is not None else 0  # (counts recoveries started)
+
+    def send() -> list[Any]:
+        """Every actor's save request, sent now (the buffers as the arrays name them now: a recovery rebinds them)."""
+        pending = []
+        try:
+            for a, (names, _, idx) in per_actor.items():
+                bufs = [flat[i][1].buffers[a] for i in idx]
+                pending.append(mesh.conn(a).submit("save", {"dir": os.path.join(tmp, f"actor-{a}"), "names": names, "bufs": bufs}))
+        except BaseException:
+            for p in pending:
+                p.close()
+            raise
+        return pending
+
     async def write() -> str:
         try:
             # Sent in this coroutine's first turn, before it awaits anything: a free of these buffers (the caller
             # dropping its arrays) is sent in a later turn, and each actor takes its buffers as the request comes.
-            pending = []
-            try:
-                for a, (names, bufs, _) in per_actor.items():
-                    pending.append(mesh.conn(a).submit("save", {"dir": os.path.join(tmp, f"actor-{a}"), "names": names, "bufs": bufs}))
-            except BaseException:
-                for p in pending:
-                    p.close()
-                raise
-            # Every actor's answer before anything is abandoned: one actor's failure must not delete the directory
-            # while another still writes into it.
-            replies = await asyncio.gather(*pending, return_exceptions=True)
-            failed = [r for r in replies if isinstance(r, BaseException)]
-            if failed:
-                raise failed[0]
+            pending = send()
+            for attempt in range(2):
+                # Every actor's answer before anything is abandoned: one actor's failure must not delete the
+                # directory while another still writes into it.
+                replies = await asyncio.gather(*pending, return_exceptions=True)
+                failed = [r for r in replies if isinstance(r, BaseException)]
+                if not failed:
+                    break
+                lost = recovery is not None and (recovery.generation != generation or isinstance(failed[0], ActorDiedError))
+                if not lost:
+                    raise failed[0]
+                # An actor lost while the save ran: the recovery aborts the steps the saved arrays came from (the
+                # actor's own error names an aborted step) and replays them; then the arrays hold their values
+                # again, in new buffers, and the save goes again, once.
+                if recovery._recovery is not None:
+                    await asyncio.wait([asyncio.wrap_future(recovery._recovery)])
+                if attempt or recovery.gave_up is not None:
+                    raise CheckpointError(f"mpmd.save into {path}: an actor was lost while this save ran; nothing was "
+                                          f"committed ({str(failed[0]).splitlines()[0][:300]})", checkpoint=path) from failed[0]
+                log.warning("mpmd.save into %s: an actor was lost while it ran; the mesh recovered, saving again", path)
+                for a in per_actor:
+                    await asyncio.to_thread(shutil.rmtree, os.path.join(tmp, f"actor-{a}"), True)
+                pending = send()
             parts = dict(host_part)
             order = dict(host_order)
             for (a, (_, _, idx)), r in zip(per_actor.items(), replies):
