@@ -247,6 +247,12 @@ class DistributedFunction:
         def flat(*xs: Any) -> list[Any]:
             out = self._invoke(reveal(jax.tree.unflatten(treedef, xs)))
             leaves_out, tree = jax.tree.flatten(hide(out))
+            for k, x in enumerate(leaves_out):
+                if not isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+                    path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(hide(out))[0][k][0])
+                    raise PipelineError(f"{getattr(self.fn, '__name__', 'the step')} returned {x!r:.60} ({type(x).__name__}) at "
+                                        f"output{path}: a step returns arrays, numbers and pytrees of them (as under "
+                                        "jax.jit); compute it from arrays, or return it some other way")
             out_box.append(tree)
             return leaves_out
 

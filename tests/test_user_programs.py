@@ -296,6 +296,11 @@ def test_nonsense_arguments_are_refused_up_front_naming_what_is_wrong(mesh2):
             mpmd.distributed(make_step(mse(model), opt, schedule), mesh=mesh2)(params, opt.init(params), batch)
     with pytest.raises(mpmd.PipelineError, match=r"args\[2\]\['x'\].*dtype=object"):
         mpmd.distributed(good, mesh=mesh2)(params, opt.init(params), {**batch, "x": np.array([object()] * 4)})
+    def returns_an_object(params, opt_state, batch):
+        return {"loss": good(params, opt_state, batch)[2], "note": object()}
+
+    with pytest.raises(mpmd.PipelineError, match=r"returns_an_object returned <object.*at output\['note'\]"):
+        mpmd.distributed(returns_an_object, mesh=mesh2)(params, opt.init(params), batch)
     for order in (None, "0F0", ("0F0", "0B0")):
         with pytest.raises(mpmd.ScheduleError, match="order"):
             mpmd.Custom(2, order=order)
