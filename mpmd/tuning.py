@@ -295,7 +295,8 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
         result = mpmd.tune(train_step, params, opt_state, batch, mesh=mesh, memory_limit=1 << 30)
         print(result); result.verify(3)
     """
-    _check_choices(memory_limit, schedules, microbatches, virtual_stages)  # before anything is measured
+    memory_limit, schedules, microbatches, virtual_stages = _check_choices(memory_limit, schedules, microbatches,
+                                                                          virtual_stages)  # before anything is measured
     if isinstance(step_fn, DistributedFunction):  # its static arguments and shardings too
         mesh = mesh if mesh is not None else step_fn.mesh
         base = DistributedFunction(step_fn.fn, mesh, step_fn.in_shardings, step_fn.out_shardings, step_fn.static_argnums)
@@ -360,33 +361,50 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
     return result
 
 
-def _check_choices(memory_limit: Any, schedules: Any, microbatches: Any, virtual_stages: Any) -> None:
-    """A PipelineError naming the first of tune's choices that makes no sense."""
+def _check_choices(memory_limit: Any, schedules: Any, microbatches: Any, virtual_stages: Any) -> tuple[Any, Any, Any, Any]:
+    """tune's choices as lists and an int limit; a PipelineError naming the first that makes no sense."""
+    import math
+
     from mpmd.schedules.builtin import BUILTINS
 
     def positive_int(x: Any) -> bool:
         return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x > 0
 
-    if memory_limit is not None and not positive_int(memory_limit):
-        raise PipelineError(f"tune: memory_limit is bytes per actor (a positive int) or None for no limit, got {memory_limit!r:.80}")
+    def as_list(x: Any) -> list[Any] | None:
+        if isinstance(x, (str, bytes, Schedule)) or not hasattr(x, "__iter__"):
+            return None
+        return list(x.tolist() if isinstance(x, np.ndarray) else x)
+
+    if memory_limit is not None:
+        if (isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float, np.integer, np.floating))
+                or not math.isfinite(memory_limit) or memory_limit <= 0):
+            raise PipelineError(f"tune: memory_limit is bytes per actor (a positive number) or None for no limit, got "
+                                f"{memory_limit!r:.80}")
+        memory_limit = int(memory_limit)
+    lists = {}
     for name, counts in (("microbatches", microbatches), ("virtual_stages", virtual_stages)):
         if counts is None and name == "microbatches":
+            lists[name] = None
             continue
-        if isinstance(counts, (str, bytes)) or not isinstance(counts, Sequence) or not counts or not all(map(positive_int, counts)):
+        got = as_list(counts)
+        if not got or not all(map(positive_int, got)):
             raise PipelineError(f"tune: {name} must be a non-empty list of positive ints, got {counts!r:.80}")
-    if schedules is None:
-        return
-    if isinstance(schedules, (str, bytes, Schedule)) or not isinstance(schedules, Sequence) or not schedules:
-        raise PipelineError(f"tune: schedules must be a non-empty list of schedules or built-in names (e.g. ['OneFOneB', "
-                            f"'ZeroBubbleH1']), or None for every built-in; got {schedules!r:.80}")
-    for s in schedules:
-        if isinstance(s, str) and s not in BUILTINS:
-            raise PipelineError(f"tune: unknown schedule {s!r}; built-ins are {', '.join(BUILTINS)}")
-        if isinstance(s, type) and issubclass(s, Schedule):
-            raise PipelineError(f"tune: schedules lists the class {s.__name__}; give its name {s.__name__!r} (tune picks the "
-                                "stages and actors) or a schedule such as " + f"{s.__name__}(num_stages=2)")
-        if not isinstance(s, (str, Schedule)):
-            raise PipelineError(f"tune: schedules holds {type(s).__name__} {s!r:.80}; give schedules or built-in names")
+        lists[name] = [int(c) for c in got]
+    if schedules is not None:
+        got = as_list(schedules)
+        if not got:
+            raise PipelineError(f"tune: schedules must be a non-empty list of schedules or built-in names (e.g. ['OneFOneB', "
+                                f"'ZeroBubbleH1']), or None for every built-in; got {schedules!r:.80}")
+        for s in got:
+            if isinstance(s, str) and s not in BUILTINS:
+                raise PipelineError(f"tune: unknown schedule {s!r}; built-ins are {', '.join(BUILTINS)}")
+            if isinstance(s, type) and issubclass(s, Schedule):
+                raise PipelineError(f"tune: schedules lists the class {s.__name__}; give its name {s.__name__!r} (tune picks "
+                                    f"the stages and actors) or a schedule such as {s.__name__}(num_stages=2)")
+            if not isinstance(s, (str, Schedule)):
+                raise PipelineError(f"tune: schedules holds {type(s).__name__} {s!r:.80}; give schedules or built-in names")
+        schedules = got
+    return memory_limit, schedules, lists["microbatches"], lists["virtual_stages"]
 
 
 def _predict(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedule, m: int, seg: SegmentCosts, p: int,

@@ -26,7 +26,7 @@ import mpmd
 from mpmd.compiler.program import Label, Program, Recv
 from tests.wire import FakePeer, dealer, start_daemon, stop_daemon
 from transport.auth import ClientKeys, KeyPair
-from transport.protocol import ProtocolError, decode, encode
+from transport.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode
 
 REQUEST_TIMEOUT = 5.0
 DATA = Path(__file__).parent / "data"
@@ -118,7 +118,7 @@ frames_strategy = st.one_of(
     st.lists(st.binary(max_size=64), max_size=4),
     st.builds(lambda h, m, p: [msgpack.packb({**h, "arrays": m}, use_bin_type=True), *p],
               st.dictionaries(st.sampled_from(["v", "op", "id", "x"]), values), metas, st.lists(st.binary(max_size=40), max_size=3)),
-    st.builds(lambda op, m, p: [msgpack.packb({"v": 1, "op": op, "arrays": m}, use_bin_type=True), *p],
+    st.builds(lambda op, m, p: [msgpack.packb({"v": PROTOCOL_VERSION, "op": op, "arrays": m}, use_bin_type=True), *p],
               st.text(max_size=5), metas, st.lists(st.binary(max_size=40), max_size=3)),
 )
 @small_budget(300)

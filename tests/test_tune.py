@@ -2,6 +2,7 @@
 its reason in the table; the winner is a ready step whose results equal jax.jit; verify measures it."""
 
 import jax
+import numpy as np
 import optax
 import pytest
 
@@ -169,3 +170,12 @@ def test_tune_keeps_the_steps_static_arguments():
     dist = mpmd.distributed(step, mesh=FakeMesh(2), static_argnames="twice")
     r = mpmd.tune(dist, params, opt.init(params), batch, True, costs="xla", microbatches=[4])
     assert r.feasible and r.step.static_argnums == frozenset({3})
+
+
+def test_tune_takes_its_choices_as_any_iterable_and_a_limit_as_any_positive_number():
+    """What users pass: a float limit (1.5 * 2**30), a numpy array or generator of counts, a tuple of names."""
+    from mpmd.tuning import _check_choices
+
+    assert _check_choices(1.5 * 2**30, ("OneFOneB", mpmd.GPipe(2)), np.array([2, 4]), (c for c in (2, 3))) == \
+        (int(1.5 * 2**30), ["OneFOneB", mpmd.GPipe(2)], [2, 4], [2, 3])
+    assert _check_choices(None, None, None, (2,)) == (None, None, None, [2])

@@ -307,6 +307,6 @@ def test_nonsense_arguments_are_refused_up_front_naming_what_is_wrong(mesh2):
     for kwargs, what in ((dict(schedules=[mpmd.OneFOneB]), "the class OneFOneB"), (dict(schedules="OneFOneB"), "non-empty list"),
                          (dict(schedules=[]), "non-empty list"), (dict(schedules=["Nope"]), "unknown schedule 'Nope'"),
                          (dict(memory_limit="lots"), "memory_limit"), (dict(memory_limit=-1), "memory_limit"),
-                         (dict(microbatches=[0, 2]), "microbatches")):
+                         (dict(microbatches=[0, 2]), "microbatches"), (dict(memory_limit=float("nan")), "memory_limit")):
         with pytest.raises(mpmd.PipelineError, match=what):
             mpmd.tune(good, params, opt.init(params), batch, mesh=mesh2, **kwargs)

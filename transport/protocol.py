@@ -62,7 +62,9 @@ Actor-to-actor data-plane messages (transport/p2p/plane.py) use the same framing
 id; when the data plane is authenticated the receiver takes the sender from its CURVE key and refuses a
 ``src`` that disagrees) and ``key`` (the transfer key, a list of ints): ``data`` (one array frame), ``shm``
 (seg, name, size and the array's metadata; the payload is in shared memory; name must be the sender's
-``shm_prefix`` + receiver id + ``-`` + seg), ``shm_ack`` (seg: the receiver dropped its last view), ``nccl``
+``shm_prefix`` + receiver id + ``-`` + seg; size covers the payload and the control page after it, where the
+receiver marks the segment released once its last view is gone), ``shm_ack`` (seg: released; accepted, no
+longer sent), ``nccl``
 (seq and the array's metadata; the payload goes over NCCL), ``refused`` (reason: the receiver dropped that
 arrival, e.g. its sender is over its unclaimed-arrival limit).
 """
@@ -78,7 +80,7 @@ import ml_dtypes
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: an shm notice's size includes the segment's control page (no shm_ack sent)
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 
 ALLOWED_DTYPES: dict[str, np.dtype] = {

@@ -56,12 +56,22 @@ def _positive(kind: type) -> Any:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        if not value > 0 or value == float("inf"):  # (nan and inf too)
+            raise argparse.ArgumentTypeError(f"must be a number above 0, got {text}")
         return value
 
     parse.__name__ = kind.__name__  # what argparse names in "invalid ... value"
     return parse
+
+
+def _limit(text: str) -> float | None:
+    """--memory-limit-mib: a number above 0, or 0 for no limit."""
+    try:
+        if float(text) == 0:
+            return None
+    except ValueError:
+        pass
+    return _positive(float)(text)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -97,7 +107,7 @@ def add_subcommand(sub: Any) -> None:
     p.add_argument("--microbatches", type=_positive(int), default=8, help="microbatches of the batch as given")
     p.add_argument("--rows", type=_positive(int), default=4, help="sequences per microbatch of the batch as given")
     p.add_argument("--try-microbatches", default=None, help="comma-separated counts to consider (default: divisors of the rows)")
-    p.add_argument("--memory-limit-mib", type=_positive(float), default=None, help="bytes per actor, in MiB (default: no limit)")
+    p.add_argument("--memory-limit-mib", type=_limit, default=None, help="bytes per actor, in MiB (default, or 0: no limit)")
     p.add_argument("--remat", action="store_true", help="also try remat of the stages of actors over the memory limit")
     p.add_argument("--xla-costs", action="store_true", help="predict from XLA's cost analysis instead of measuring segments")
     p.add_argument("--verify", type=int, default=0, help="run the top k for real (0: none)")

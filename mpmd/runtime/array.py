@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from mpmd.compiler.avals import dtype_text, from_wire, is_key, wire_shape_dtype
-from mpmd.errors import MpmdError
+from mpmd.errors import ActorDiedError, MpmdError
 
 
 class BufferOwner(Protocol):
@@ -90,11 +90,14 @@ class RemoteArray:
         self._raise_step_error()
 
     def _failed_fetch(self, error: BaseException) -> None:
-        """A fetch of this array failed with `error`: raise the clearer error if there is one (its mesh closed
-        meanwhile), and count the step that makes it as seen failing (its next call does not raise it again)."""
-        if self._ready is not None:
+        """A fetch of this array failed with `error`. Raises the clearer error when its mesh closed meanwhile. When
+        the error is the loss of an actor holding it, the step that makes it fails of that same loss, which the
+        caller now sees: its next call does not raise it again (other failures are left for the step's own error
+        to be raised, by the fetch or by the next call)."""
+        closed = self.mesh.closed
+        if self._ready is not None and (closed or (isinstance(error, ActorDiedError) and error.actor_id in self.actors)):
             self._ready.seen = True
-        if self.mesh.closed:
+        if closed:
             raise MpmdError(f"{self!r} belongs to {self.mesh!r}, which was closed while it was being fetched; its data "
                             "is gone") from error
 
@@ -244,9 +247,15 @@ def fetch(tree: Any) -> Any:
             arrays = mesh.get_buffers(bufs)
         except MpmdError as e:  # a lost actor the mesh recovered from: the arrays were rebound, read them again
             if not _recovered(mesh, e, None) or any(leaves[i].is_deleted for idx in per_actor.values() for i in idx):
-                for idx in per_actor.values():
-                    for i in idx:
-                        leaves[i]._failed_fetch(e)
+                failed = [leaves[i] for idx in per_actor.values() for i in idx]
+                for x in failed:
+                    x._failed_fetch(e)
+                for x in failed:  # the actor's note for a failed step's output: prefer the step's own error
+                    if x._ready is not None and not getattr(x._ready, "seen", False):
+                        try:
+                            x._ready.result(timeout=30)
+                        except Exception:
+                            x._raise_step_error()
                 raise
             per_actor = _by_actor([leaves[i] for idx in per_actor.values() for i in idx],
                                   [i for idx in per_actor.values() for i in idx])

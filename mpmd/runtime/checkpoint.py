@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 import logging
 import os
 import shutil
@@ -202,11 +203,18 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
             raise
         return pending
 
+    async def handed(pending: list[Any]) -> list[Any]:
+        return pending
+
+    # Sent by a plain callback on the controller loop, queued now: ahead of any free of these buffers queued after
+    # this call (the caller dropping its arrays), as a step's requests are; each actor takes its buffers as the
+    # request comes. (From the write coroutine's first turn, one turn later, a free could still overtake it.)
+    sent = mesh.dispatch(send, handed)
+
     async def write() -> str:
+        pending: list[Any] = []
         try:
-            # Sent in this coroutine's first turn, before it awaits anything: a free of these buffers (the caller
-            # dropping its arrays) is sent in a later turn, and each actor takes its buffers as the request comes.
-            pending = send()
+            pending = await asyncio.wrap_future(sent)
             for attempt in range(2):
                 # Every actor's answer before anything is abandoned: one actor's failure must not delete the
                 # directory while another still writes into it.
@@ -214,15 +222,19 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
                 failed = [r for r in replies if isinstance(r, BaseException)]
                 if not failed:
                     break
-                lost = recovery is not None and (recovery.generation != generation or isinstance(failed[0], ActorDiedError))
+                died = next((f for f in failed if isinstance(f, ActorDiedError)), None)
+                lost = recovery is not None and (recovery.generation != generation or died is not None)
                 if not lost:
                     raise failed[0]
                 # An actor lost while the save ran: the recovery aborts the steps the saved arrays came from (the
                 # actor's own error names an aborted step) and replays them; then the arrays hold their values
                 # again, in new buffers, and the save goes again, once.
-                if recovery._recovery is not None:
-                    await asyncio.wait([asyncio.wrap_future(recovery._recovery)])
-                if attempt or recovery.gave_up is not None:
+                running = recovery._start_recovery(died) if died is not None else recovery._recovery
+                if running is not None:
+                    await asyncio.wait([asyncio.wrap_future(running)])
+                if recovery.gave_up is not None:
+                    raise failed[0]
+                if attempt:
                     raise CheckpointError(f"mpmd.save into {path}: an actor was lost while this save ran; nothing was "
                                           f"committed ({str(failed[0]).splitlines()[0][:300]})", checkpoint=path) from failed[0]
                 log.warning("mpmd.save into %s: an actor was lost while it ran; the mesh recovered, saving again", path)
@@ -236,6 +248,9 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
                 order[f"actor-{a}"] = idx
             return await asyncio.to_thread(finish, parts, order)
         except BaseException as e:
+            for p in pending:  # never awaited, when the save is cancelled before it waits for its replies
+                if inspect.iscoroutine(p) and inspect.getcoroutinestate(p) == inspect.CORO_CREATED:
+                    p.close()
             abandon(e)
             raise
         finally:

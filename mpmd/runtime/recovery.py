@@ -53,7 +53,7 @@ import numpy as np
 
 from mpmd.compiler.avals import from_wire, is_key, key_impl, to_wire
 from mpmd.compiler.plan import iter_lowered
-from mpmd.errors import ActorDiedError, MpmdError
+from mpmd.errors import ActorDiedError, ActorStartError, MpmdError
 from mpmd.runtime.array import RemoteArray
 
 log = logging.getLogger("mpmd.runtime.mesh")  # recoveries are the mesh's news: its logger says them
@@ -355,22 +355,27 @@ class RecoveryManager:
     def _recover_locked(self, error: BaseException, t0: float) -> dict[str, Any]:
         report: dict[str, Any] = {"what": _what(error)}
         lost = self._lost_actors(error)
+        last: BaseException | None = None  # what broke the attempt before this one
         while True:
             self.failures += len(lost)
             if self.failures > self.config.max_failures:
-                raise MpmdError(f"{self.failures} lost actors in all, past Recovery(max_failures={self.config.max_failures})")
+                raise MpmdError(f"{self.failures} lost actors in all, past Recovery(max_failures={self.config.max_failures})") from last
             try:
                 report["steps replayed"] = self._attempt(lost, report)
             except ActorDiedError as e:  # another actor lost meanwhile: again, from the snapshot
+                last = e
                 lost = self._lost_actors(e)
                 log.warning("actor(s) %s lost during the recovery (%s); recovering again", lost, _what(e))
                 continue
+            except ActorStartError:
+                raise  # a replacement that never came up (within spawn_timeout) ends the recovery, as documented
             except Exception as e:
                 # A replacement that dies while it starts breaks the handshake or the wiring with errors of their own
                 # (a reset connection reads as a refused key): when a process is gone, that is one more lost actor.
-                dead = self._dead_processes(wait=1.0)
+                dead = self._dead_processes(wait=1.0 if getattr(self.mesh, "processes", ()) else 0.0)
                 if not dead:
                     raise
+                last = e
                 lost = sorted(dead | {i for i in range(len(self.mesh)) if self.mesh.conn(i).dead})
                 log.warning("actor(s) %s lost during the recovery (%s); recovering again", lost, _what(e))
                 continue

@@ -461,10 +461,11 @@ class Custom(Schedule):
         example = "e.g. order=(('0F0', '0B0'), ('1F0', '1B0'))"
         if isinstance(self.order, (str, bytes)) or not isinstance(self.order, Iterable):
             raise ScheduleError(f"Custom: order must be one sequence of tasks per actor, {example}; got {self.order!r:.80}")
-        for i, row in enumerate(self.order):
-            if isinstance(row, (str, bytes, Task)) or not isinstance(row, Iterable):
+        order = [row if isinstance(row, (str, bytes, Task)) or not isinstance(row, Iterable) else tuple(row) for row in self.order]
+        for i, row in enumerate(order):  # (generators taken as they are: each is read once)
+            if not isinstance(row, tuple):
                 raise ScheduleError(f"Custom: order[{i}] must be actor {i}'s sequence of tasks, {example}; got {row!r:.80}")
-        rows = tuple(tuple(t if isinstance(t, Task) else Task.parse(t) for t in row) for row in self.order)
+        rows = tuple(tuple(t if isinstance(t, Task) else Task.parse(t) for t in row) for row in order)
         object.__setattr__(self, "order", rows)
         object.__setattr__(self, "stage_actor", tuple(self.stage_actor))
         if not rows:
