@@ -54,7 +54,12 @@ def accumulate_grads(fn: Callable[[Any], tuple[Any, Any]], batch: Any, schedule:
         raise PipelineError("accumulate_grads got an empty batch; pass arrays with a leading microbatch axis")
     sizes = {tuple(getattr(l, "shape", ()))[:1] for l in leaves}
     if any(len(s) == 0 for s in sizes):
-        raise PipelineError(f"every batch leaf needs a leading microbatch axis; got shapes {[getattr(l, 'shape', ()) for l in leaves]}")
+        shapes = [tuple(getattr(l, "shape", ())) for l in leaves]
+        in_lists = jax.tree.leaves(batch, is_leaf=lambda x: isinstance(x, (list, tuple)))
+        lists = (" (a Python list in a batch is a pytree of its elements: pass np.asarray(the_list))"
+                 if any(isinstance(x, (list, tuple)) for x in in_lists) else "")
+        raise PipelineError(f"every batch leaf needs a leading microbatch axis; got {len(shapes)} leaves of shapes "
+                            f"{shapes[:8]}{' ...' if len(shapes) > 8 else ''}{lists}")
     if len(sizes) != 1:
         raise PipelineError(f"batch leaves disagree on the number of microbatches (leading axis): {sorted(s[0] for s in sizes)}")
     m = next(iter(sizes))[0]
