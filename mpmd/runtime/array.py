@@ -101,6 +101,15 @@ class RemoteArray:
             raise MpmdError(f"{self!r} belongs to {self.mesh!r}, which was closed while it was being fetched; its data "
                             "is gone") from error
 
+    def _step_error_first(self) -> None:
+        """After the actor's note that this array's buffer never came (a failed step's output): raise the step's
+        own error instead, once the step has ended (waiting up to 30 s)."""
+        if self._ready is not None:
+            try:
+                self._ready.result(timeout=30)
+            except Exception:
+                self._raise_step_error()
+
     def _raise_step_error(self) -> None:
         """If the step that makes this array failed, raise its error (once seen, the step's next call does not)."""
         r = self._ready
@@ -122,11 +131,7 @@ class RemoteArray:
             if _recovered(self.mesh, e, self._ready) and self.buffers and self.buffers != before:
                 return self.mesh.get_buffer(self.actor, self.buffers[self.actor])  # rebound by the recovery
             self._failed_fetch(e)
-            if self._ready is not None:  # the actor's error for a failed step's output: prefer the step's own
-                try:
-                    self._ready.result(timeout=30)
-                except Exception:
-                    self._raise_step_error()
+            self._step_error_first()
             raise
 
     def to_numpy(self) -> np.ndarray:
@@ -250,12 +255,9 @@ def fetch(tree: Any) -> Any:
                 failed = [leaves[i] for idx in per_actor.values() for i in idx]
                 for x in failed:
                     x._failed_fetch(e)
-                for x in failed:  # the actor's note for a failed step's output: prefer the step's own error
-                    if x._ready is not None and not getattr(x._ready, "seen", False):
-                        try:
-                            x._ready.result(timeout=30)
-                        except Exception:
-                            x._raise_step_error()
+                for x in failed:
+                    if not getattr(x._ready, "seen", False):  # (a lost actor's error, seen now, is the one to raise)
+                        x._step_error_first()
                 raise
             per_actor = _by_actor([leaves[i] for idx in per_actor.values() for i in idx],
                                   [i for idx in per_actor.values() for i in idx])

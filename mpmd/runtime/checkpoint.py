@@ -127,16 +127,15 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
     name, tmp = _start(path)
     leaves: list[dict[str, Any]] = []
     host: dict[str, np.ndarray] = {}
-    per_actor: dict[int, tuple[list[str], list[int], list[int]]] = {}  # writer -> names, buffers, leaf indices
+    per_actor: dict[int, tuple[list[str], list[int]]] = {}  # writer -> names, leaf indices (buffers: read at each send)
     mesh = next(iter(meshes.values()), None)
     for i, (p, x) in enumerate(flat):
         leaf = f"leaf_{i:05d}"
         entry: dict[str, Any] = {"path": jax.tree_util.keystr(p), "entries": path_entries(p), "name": leaf}
         if isinstance(x, RemoteArray):
             a = x.actor
-            names, bufs, idx = per_actor.setdefault(a, ([], [], []))
+            names, idx = per_actor.setdefault(a, ([], []))
             names.append(leaf)
-            bufs.append(x.buffers[a])
             idx.append(i)
             layout = layout_wire(x.sharding.layout) if x.sharding is not None else None
             entry.update(part=f"actor-{a}", shape=list(x.shape), dtype=dtype_text(x.dtype),
@@ -194,7 +193,7 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
         """Every actor's save request, sent now (the buffers as the arrays name them now: a recovery rebinds them)."""
         pending = []
         try:
-            for a, (names, _, idx) in per_actor.items():
+            for a, (names, idx) in per_actor.items():
                 bufs = [flat[i][1].buffers[a] for i in idx]
                 pending.append(mesh.conn(a).submit("save", {"dir": os.path.join(tmp, f"actor-{a}"), "names": names, "bufs": bufs}))
         except BaseException:
@@ -243,7 +242,7 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
                 pending = send()
             parts = dict(host_part)
             order = dict(host_order)
-            for (a, (_, _, idx)), r in zip(per_actor.items(), replies):
+            for (a, (_, idx)), r in zip(per_actor.items(), replies):
                 parts[f"actor-{a}"] = (r.header["written"], r.header["files"])
                 order[f"actor-{a}"] = idx
             return await asyncio.to_thread(finish, parts, order)
