@@ -67,10 +67,9 @@ class Loaders:
         """Call the loader for `name` at `step` (in a worker thread) and check what it returns."""
         self.calls += 1
         try:
-            out = self._function(fn)(step, name)
-        except Exception as e:
+            host = np.asarray(self._function(fn)(step, name))
+        except BaseException as e:  # SystemExit too ("end of data" via sys.exit): it fails the step, not the daemon
             raise RuntimeError(f"loader {fn}({step}, {name!r}) failed: {type(e).__name__}: {e}") from e
-        host = np.asarray(out)
         if host.dtype != dtype or list(host.shape) != list(shape):
             raise RuntimeError(f"loader {fn}({step}, {name!r}) returned {host.dtype.name}{list(host.shape)}; the step was traced "
                                f"with {dtype.name}{list(shape)}")

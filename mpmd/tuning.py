@@ -150,6 +150,7 @@ class TuneResult:
         by side and return those candidates (the winner first).
         Rounds are interleaved (candidate 1, 2, ..., k, then again), so a slow spell of a shared machine
         lands on several candidates rather than on one; one candidate's state is on the actors at a time."""
+        _check_counts("TuneResult.verify", k=(k, 1), steps=(steps, 1), warmup=(warmup, 0), rounds=(rounds, 1))
         winner = self.best if self.feasible else None
         out = ([winner] + [c for c in self.feasible if c is not winner])[:k] if winner is not None else []
         times = measure_interleaved([(self.base.with_schedule(c.schedule), self._args_for(c)) for c in out],
@@ -174,6 +175,7 @@ class TuneResult:
         everywhere alike, e.g. compute slowed by the runtime's own threads on the same cores; the median of a
         few, because one candidate's run moves 10-30 % on a busy machine). The fastest of them measured becomes
         `best`: the simulator ranks, the measurement decides among its top few. Returns the factor."""
+        _check_counts("TuneResult.calibrate", steps=(steps, 1), warmup=(warmup, 0), rounds=(rounds, 1), top=(top, 1))
         if not self.feasible:
             return self.calibration
         refs = self.feasible[:max(1, top)]
@@ -278,7 +280,7 @@ def _divisors(rows: int, low: int, high: int) -> list[int]:
 
 def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = None, schedules: Sequence[Any] | None = None,
          microbatches: Sequence[int] | None = None, costs: SegmentCosts | str | None = None, virtual_stages: Sequence[int] = (2,),
-         batch_argnum: int = -1, profile_steps: int = 2, calibrate: bool | None = None, remat: bool = False) -> TuneResult:
+         batch_argnum: int | None = None, profile_steps: int = 2, calibrate: bool | None = None, remat: bool = False) -> TuneResult:
     """Choose the schedule, number of microbatches and stage grouping with the shortest predicted step that fits
     `memory_limit` (bytes per actor; None: no limit), for `step_fn(*args)` on `mesh`.
 
@@ -290,7 +292,9 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
     `remat=True`: a candidate over `memory_limit` is also tried with remat of the cheapest set of stages of the
     actors over it that fits (else all their stages)
     (a row of its own: "... remat 0,2"). `calibrate` (default: when the costs are measured): run the top three for real once and scale every
-    prediction by the median of their measured / simulated (`TuneResult.calibrate`).
+    prediction by the median of their measured / simulated (`TuneResult.calibrate`). `batch_argnum`: the
+    position of the batch tune re-splits (default: the last argument, not static, whose leaves all lead with
+    the step's microbatch count).
 
         result = mpmd.tune(train_step, params, opt_state, batch, mesh=mesh, memory_limit=1 << 30)
         print(result); result.verify(3)
@@ -308,6 +312,7 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
     from mpmd.observe.segments import segment_layout
 
     n, out_bytes, m0, rows = segment_layout(base, *args)
+    batch_argnum = _batch_argnum(args, batch_argnum, m0, base.static_argnums)
     if costs is None:
         seg = base.profile_costs(*args, steps=profile_steps)
     elif costs == "xla":
@@ -354,6 +359,36 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
     if calibrate if calibrate is not None else costs is None:
         result.calibrate()
     return result
+
+
+def _is_batch(arg: Any, m0: int) -> bool:
+    leaves = jax.tree.leaves(arg)
+    return bool(leaves) and all(len(np.shape(x)) >= 1 and np.shape(x)[0] == m0 for x in leaves)
+
+
+def _batch_argnum(args: tuple[Any, ...], batch_argnum: Any, m0: int, static: Any = ()) -> int:
+    """The position of the batch the step splits into its `m0` microbatches (every leaf [m0, rows, ...]): tune
+    re-splits it for each microbatch count it tries. None: the last argument, not static, that looks so."""
+    if batch_argnum is None:
+        found = [i for i in range(len(args)) if i not in static and _is_batch(args[i], m0)]
+        if not found:
+            raise PipelineError(f"tune: no argument is a batch of {m0} microbatches (every leaf [{m0}, rows, ...]); pass "
+                                "batch_argnum= the batch's position")
+        return found[-1]
+    if isinstance(batch_argnum, bool) or not isinstance(batch_argnum, (int, np.integer)) or not -len(args) <= batch_argnum < len(args):
+        raise PipelineError(f"tune: batch_argnum={batch_argnum!r:.40} names no argument of the {len(args)} given; it is the "
+                            "position of the batch (default None: the last argument that is one)")
+    if not _is_batch(args[batch_argnum], m0):
+        shapes = ", ".join(str(tuple(np.shape(x))) for x in jax.tree.leaves(args[batch_argnum])[:4]) or "no array leaves"
+        raise PipelineError(f"tune: argument {batch_argnum} is not the step's batch: its leaves ({shapes}) must all lead with "
+                            f"the {m0} microbatches that accumulate_grads splits it into; pass batch_argnum= the batch's position")
+    return int(batch_argnum) % len(args)
+
+
+def _check_counts(where: str, **counts: Any) -> None:
+    for name, (value, low) in counts.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise PipelineError(f"{where}: {name} must be an int >= {low}, got {value!r:.40}")
 
 
 def _check_choices(memory_limit: Any, schedules: Any, microbatches: Any, virtual_stages: Any) -> tuple[Any, Any, Any, Any]:

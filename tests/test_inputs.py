@@ -219,6 +219,21 @@ def test_actors_load_their_own_batch_leaves_with_a_named_loader_and_steps_equal_
         np.asarray(dist(p_d, s_d, batch)[2])
 
 
+def _loader_that_exits(step, name):
+    raise SystemExit(f"no data for step {step}")  # a user's "end of data"
+
+
+def test_a_loader_raising_system_exit_fails_its_leaf_not_the_daemon():
+    """`Loaders.load` runs in a worker thread of the daemon; a SystemExit it let through re-raised in the event
+    loop's task and took the daemon down (found by a probe). It must fail the step, naming the loader."""
+    from actors.loader import Loaders
+
+    loaders = Loaders(["tests.test_inputs:_loader_that_exits"])
+    fn, name, dtype, shape = loaders.check({"fn": "tests.test_inputs:_loader_that_exits", "name": "x", "shape": [2], "dtype": "float32"})
+    with pytest.raises(RuntimeError, match=r"_loader_that_exits\(3, 'x'\) failed: SystemExit: no data for step 3"):
+        loaders.load(fn, name, dtype, shape, 3)
+
+
 def test_a_loader_name_must_be_module_colon_function():
     with pytest.raises(ValueError, match="module:function"):
         mpmd.loaded_by_actors("not a name; rm -rf", {"x": np.zeros(3)})

@@ -179,3 +179,28 @@ def test_tune_takes_its_choices_as_any_iterable_and_a_limit_as_any_positive_numb
     assert _check_choices(1.5 * 2**30, ("OneFOneB", mpmd.GPipe(2)), np.array([2, 4]), (c for c in (2, 3))) == \
         (int(1.5 * 2**30), ["OneFOneB", mpmd.GPipe(2)], [2, 4], [2, 3])
     assert _check_choices(None, None, None, (2,)) == (None, None, None, [2])
+
+
+def test_tune_finds_the_batch_or_refuses_an_argument_that_is_not_one():
+    """tune re-splits the batch for every microbatch count: pointing batch_argnum at the optimizer state
+    (sgd's: no leaves) simulated every 'm=12' candidate with the 4 traced microbatches (found by a probe).
+    Without batch_argnum tune finds the batch itself, here before a static argument."""
+    params, batch = uneven_setup(num_mb=4, rows=12)
+    opt = optax.sgd(0.1)
+    step = make_step(uneven_loss, opt, mpmd.OneFOneB(2))
+    args = (params, opt.init(params), batch)
+    for bad in (1, 0, 5, -4, 1.0, True):
+        with pytest.raises(mpmd.PipelineError, match="batch_argnum|not the step's batch"):
+            mpmd.tune(step, *args, mesh=FakeMesh(2), costs="xla", schedules=["GPipe"], microbatches=[12], batch_argnum=bad)
+    r = mpmd.tune(step, *args, mesh=FakeMesh(2), costs="xla", schedules=["GPipe"], microbatches=[12])
+    assert r.batch_argnum == 2 and r.best.num_microbatches == 12
+    assert jax.tree.leaves(r._args_for(r.best)[2])[0].shape[:2] == (12, 4)
+
+
+def test_verify_and_calibrate_refuse_counts_that_measure_nothing():
+    r = tuned(schedules=["OneFOneB"], microbatches=[4])
+    for kw in ({"k": 0}, {"k": -1}, {"steps": 0}, {"rounds": 0}, {"warmup": -1}, {"k": 2.5}):
+        with pytest.raises(mpmd.PipelineError, match="TuneResult.verify: " + next(iter(kw))):
+            r.verify(**kw)
+    with pytest.raises(mpmd.PipelineError, match="TuneResult.calibrate: top"):
+        r.calibrate(top=0)
