@@ -47,7 +47,7 @@ import numpy as np
 from mpmd.compiler.plan import plan_step
 from mpmd.errors import MpmdError, PipelineError, ScheduleError
 from mpmd.schedules import builtin
-from mpmd.schedules.balance import SegmentCosts, best_grouping, group_costs, remat_costs, remat_sets
+from mpmd.schedules.balance import SegmentCosts, best_grouping, group_costs, remat_costs, remat_sets, resolve_grouping
 from mpmd.schedules.builtin import Schedule
 from mpmd.schedules.simulator import simulate_programs
 from mpmd.step import DistributedFunction
@@ -133,7 +133,7 @@ class TuneResult:
         return resplit(batch, (candidate or self.best).num_microbatches)
 
     def table(self) -> str:
-        lim = f", memory limit {self.memory_limit / 2**20:.1f} MiB" if self.memory_limit else ""
+        lim = f", memory limit {_size(self.memory_limit)}" if self.memory_limit else ""
         head = f"mpmd.tune: {len(self.feasible)} of {len(self.candidates)} candidates fit{lim}; costs {self.costs.source}"
         if self.calibration != 1.0:
             head += f"; predictions x {self.calibration:.3f} (the median measured / simulated of the top candidates, run while tuning)"
@@ -274,6 +274,10 @@ def _with_balance(schedule: Schedule, grouping: tuple[int, ...], remat: tuple[in
     return replace(schedule, balance=grouping, remat=remat)
 
 
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.1f} KiB" if nbytes >= 1024 else f"{int(nbytes)} bytes"
+
+
 def _divisors(rows: int, low: int, high: int) -> list[int]:
     return [d for d in range(max(1, low), min(rows, high) + 1) if rows % d == 0]
 
@@ -326,15 +330,16 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
     total_rows = m0 * rows if rows else m0
     vmax = max([*virtual_stages, 2])
     counts = list(microbatches) if microbatches is not None else (_divisors(total_rows, p, 4 * p * vmax) if rows else [m0])
-    if costs is None and rows and min(counts) < m0:
+    fits = [m for m in counts if not rows or total_rows % m == 0]
+    if costs is None and rows and fits and min(fits) < m0:
         # Also measured at the largest microbatch considered: how the compute grows with the rows (rarely linearly).
         call_args = list(args)
-        call_args[batch_argnum] = resplit(args[batch_argnum], min(counts))
+        call_args[batch_argnum] = resplit(args[batch_argnum], min(fits))
         try:
             seg = seg.with_rows_exponent(base.profile_costs(*call_args, steps=profile_steps, split_backward=False))
         except MpmdError as e:  # e.g. the larger microbatch does not fit: keep the linear model
             log.warning("tune: could not measure the costs at %d microbatches (%s); scaling them linearly with the rows",
-                        min(counts), str(e).splitlines()[0])
+                        min(fits), str(e).splitlines()[0])
     if schedules is None:
         cands = candidate_schedules(p, n, virtual_stages)
     else:  # (names checked by _check_choices)
@@ -344,8 +349,16 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
                 cands += [c for c in candidate_schedules(p, n, virtual_stages) if type(c).__name__ == s]
             else:
                 cands.append(s)
+    if not cands:
+        raise PipelineError(f"tune: no schedule to try: the step has {n} segment{'s' * (n != 1)} (mpmd.pipeline_yield markers + 1) "
+                            f"and the mesh {p} actors; every built-in needs a stage per actor (mark at least {p} stages)"
+                            if schedules is None else f"tune: none of the schedules {schedules} fits {p} actors and {n} segments")
     found: list[Candidate] = []
     for m in counts:
+        if rows and total_rows % m:
+            found.extend(Candidate(sched, m, rejected=f"{m} microbatches do not divide the batch's {total_rows} rows")
+                         for sched in cands)
+            continue
         b = total_rows // m if rows else 0
         # task times scale with the rows of a microbatch; the runtime's per-Run and per-transfer costs do not
         scaled = seg.scaled(b / seg.microbatch_rows) if rows and seg.microbatch_rows else seg
@@ -419,7 +432,7 @@ def _check_choices(memory_limit: Any, schedules: Any, microbatches: Any, virtual
         got = as_list(counts)
         if not got or not all(map(positive_int, got)):
             raise PipelineError(f"tune: {name} must be a non-empty list of positive ints, got {counts!r:.80}")
-        lists[name] = [int(c) for c in got]
+        lists[name] = list(dict.fromkeys(int(c) for c in got))  # each once, in the order given
     if schedules is not None:
         got = as_list(schedules)
         if not got:
@@ -446,8 +459,10 @@ def _predict(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedul
             raise ScheduleError(f"needs {schedule.num_actors} actors, the mesh has {p}")
         if m < schedule.min_microbatches:
             raise ScheduleError(f"needs at least {schedule.min_microbatches} microbatches")
-        c.grouping = best_grouping(schedule, m, seg)
-        c.schedule = _with_balance(schedule, c.grouping)
+        own = getattr(schedule, "balance", None)  # a grouping the user fixed ((1, 3) or "even") is kept; else tune's
+        kept = resolve_grouping(schedule, seg.num_segments, m, seg) if isinstance(own, tuple) or own == "even" else None
+        c.grouping = kept or best_grouping(schedule, m, seg)
+        c.schedule = _with_balance(schedule, c.grouping, tuple(getattr(schedule, "remat", ())))
         sim = _simulate(base, args, c.schedule, group_costs(seg, c.grouping), p)
     except (ScheduleError, PipelineError) as e:
         c.rejected = str(e).splitlines()[0][:120]
@@ -459,6 +474,7 @@ def _predict(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedul
     # the set that recomputes the least forward time and brings every actor under the limit (all of them if none does).
     costs = group_costs(seg, c.grouping)
     for stages in remat_sets(c.schedule, over, costs.F):
+        stages = tuple(sorted({*getattr(c.schedule, "remat", ()), *stages}))
         r = Candidate(_with_balance(c.schedule, c.grouping, stages), m, c.grouping)
         if not _record(r, _simulate(base, args, r.schedule, remat_costs(costs, stages, r.schedule.split_backward), p),
                        memory_limit):
@@ -473,7 +489,7 @@ def _record(c: Candidate, sim: Any, memory_limit: int | None) -> set[int]:
     over = {a for a, b in enumerate(c.peak_bytes) if memory_limit is not None and b > memory_limit}
     if over:
         a = max(over, key=lambda x: c.peak_bytes[x])
-        c.rejected = f"peak {c.peak_bytes[a] / 2**20:.1f} MiB on actor {a} > memory_limit {memory_limit / 2**20:.1f} MiB"
+        c.rejected = f"peak {_size(c.peak_bytes[a])} on actor {a} > memory_limit {_size(memory_limit)}"
     return over
 
 

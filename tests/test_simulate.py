@@ -176,7 +176,7 @@ def test_costs_from_measured_timings():
 
 
 def test_bad_costs_name_the_field():
-    with pytest.raises(ValueError, match="Costs.F must be a non-negative number"):
+    with pytest.raises(ValueError, match="Costs.F must be a finite non-negative number"):
         Costs(F=-1)
     with pytest.raises(ValueError, match="Costs.bandwidth must be > 0"):
         Costs(bandwidth=0)
@@ -583,7 +583,7 @@ def test_fit_costs_recovers_the_steps_lead_and_tail_and_the_simulated_step_spans
     assert b.timeline[0][0][0] == pytest.approx(a.timeline[0][0][0] + lead)
     for x, y in zip(a.bubble_per_actor, b.bubble_per_actor):  # the same busy time over a longer step
         assert (1 - y) * b.step_time == pytest.approx((1 - x) * a.step_time)
-    with pytest.raises(ValueError, match="Costs.tail must be >= 0"):
+    with pytest.raises(ValueError, match="Costs.tail must be a finite number >= 0"):
         Costs(tail=-1.0)
 
 
@@ -637,3 +637,63 @@ def test_fit_costs_of_actors_sharing_a_core_recovers_each_runs_own_time():
     own = fit_costs(trace, 2, cores=1)
     assert own.F == pytest.approx((1e-3, 1e-3)) and own.cores == 1
     assert fit_costs(trace, 2, cores=2).cores is None  # a core each: nothing to undo
+
+
+@pytest.mark.parametrize("kw", [{"F": math.nan}, {"F": (1.0, math.nan)}, {"gap": math.nan}, {"latency": math.inf},
+                                {"B": math.inf}, {"latency": "1"}, {"overhead": None}, {"bandwidth": math.nan}])
+def test_costs_refuse_nan_infinity_and_non_numbers(kw):
+    """A NaN task time timed 1F1B as nan with bubble 0; (1, nan) gave a finite wrong step (found by a probe)."""
+    with pytest.raises(ValueError, match=f"Costs.{next(iter(kw))}"):
+        Costs(**kw)
+
+
+def test_segment_costs_refuse_nan():
+    from mpmd.schedules.balance import SegmentCosts
+
+    with pytest.raises(ValueError, match="SegmentCosts.F"):  # it made balance pick (1, 7) for equal segments
+        SegmentCosts(F=(1, 1, 1, math.nan, 1, 1, 1, 1), B=(2,) * 8)
+    assert Costs(F=np.float32(2), B=np.array([1, 2])).B == (1.0, 2.0)  # numpy numbers and arrays are numbers
+
+
+def test_from_timings_refuses_keys_it_would_drop():
+    with pytest.raises(ValueError, match="names stage 5, but num_stages=2"):
+        Costs.from_timings({"5F": 1.0}, num_stages=2)
+    with pytest.raises(ValueError, match="timing key 3 is a int"):
+        Costs.from_timings({3: 1.0})
+    with pytest.raises(ValueError, match="not a finite number"):
+        Costs.from_timings({"F": math.nan})
+
+
+@pytest.mark.parametrize("schedule", [mpmd.OneFOneB, None, "OneFOneB"])
+def test_simulate_and_validate_name_what_is_not_a_schedule(schedule):
+    with pytest.raises(mpmd.ScheduleError, match="expected a schedule such as"):
+        simulate(schedule, 4)
+
+
+def test_simulate_refuses_costs_that_are_not_costs_and_schedules_whose_tasks_are_not_lists():
+    with pytest.raises(mpmd.ScheduleError, match="costs must be mpmd.Costs"):
+        simulate(mpmd.OneFOneB(2), 4, {"F": 1})
+
+    class NoRows(mpmd.OneFOneB):
+        def tasks(self, num_microbatches):
+            return None
+
+    with pytest.raises(mpmd.ScheduleError, match=r"tasks\(4\) must return one list of Tasks per actor"):
+        validate(NoRows(2), 4)
+
+
+def test_custom_refuses_tasks_that_are_not_tasks():
+    with pytest.raises(ValueError, match="1 is not a task"):  # as a bad string is
+        Custom(num_stages=2, order=((1, 2), (3, 4)))
+    with pytest.raises(mpmd.ScheduleError, match="stage and microbatch are ints >= 0"):  # it said "use 0 microbatches"
+        Custom(num_stages=1, order=((Task(0, "F", -1),),))
+
+
+def test_cli_writes_the_format_its_flag_names_and_says_when_it_cannot_write(tmp_path, capsys):
+    args = ["simulate", "--schedule", "OneFOneB", "--actors", "2", "--microbatches", "4"]
+    assert main([*args, "--svg", str(tmp_path / "a.png")]) == 0
+    assert (tmp_path / "a.png").read_text().lstrip().startswith(("<svg", "<?xml"))  # --svg: an SVG, whatever the name
+    assert main([*args, "--svg", str(tmp_path / "missing" / "a.svg")]) == 2
+    assert "cannot write" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*args, "--costs", "routes=1"])

@@ -52,7 +52,7 @@ def test_tune_respects_the_memory_limit_and_says_why_gpipe_was_rejected():
     limit = (peak["OneFOneB"] + peak["GPipe"]) // 2
     r = tuned(microbatches=[8], schedules=["GPipe", "OneFOneB"], memory_limit=limit)
     gpipe = next(c for c in r.candidates if type(c.schedule).__name__ == "GPipe")
-    assert gpipe.rejected.startswith(f"peak {peak['GPipe'] / 2**20:.1f} MiB") and "> memory_limit" in gpipe.rejected
+    assert gpipe.rejected.startswith(f"peak {peak['GPipe'] / 1024:.1f} KiB") and "> memory_limit" in gpipe.rejected  # KiB below 1 MiB
     assert type(r.best.schedule).__name__ == "OneFOneB" and gpipe not in r.feasible
     assert "memory_limit" in str(r)
 
@@ -204,3 +204,23 @@ def test_verify_and_calibrate_refuse_counts_that_measure_nothing():
             r.verify(**kw)
     with pytest.raises(mpmd.PipelineError, match="TuneResult.calibrate: top"):
         r.calibrate(top=0)
+
+
+def test_tune_keeps_a_given_schedules_remat_and_grouping_and_rejects_counts_that_do_not_divide():
+    """A schedule passed with remat= and balance=(1, 3) was tuned as plain 1F1B with tune's own grouping; a count
+    that does not divide the batch aborted the whole tune (found by a probe). Duplicates are tried once."""
+    plain = tuned(schedules=[mpmd.OneFOneB(2)], microbatches=[4])
+    mine = tuned(schedules=[mpmd.OneFOneB(2, remat=(0, 1), balance=(1, 7))], microbatches=[4, 4, 5])
+    kept = [c for c in mine.candidates if not c.rejected]
+    assert len(kept) == 1 and kept[0].schedule.remat == (0, 1) and kept[0].grouping == (1, 7)
+    assert max(kept[0].peak_bytes) < max(plain.candidates[0].peak_bytes)  # remat keeps fewer activations
+    (five,) = [c for c in mine.candidates if c.num_microbatches == 5]
+    assert five.rejected == "5 microbatches do not divide the batch's 64 rows"
+
+
+def test_tune_says_why_there_is_nothing_to_try():
+    params, batch = uneven_setup(num_mb=4, rows=16)
+    opt = optax.adam(1e-3)
+    step = make_step(uneven_loss, opt, mpmd.OneFOneB(2))
+    with pytest.raises(mpmd.PipelineError, match="every built-in needs a stage per actor"):
+        mpmd.tune(step, params, opt.init(params), batch, mesh=FakeMesh(16), costs="xla")

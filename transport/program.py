@@ -46,9 +46,9 @@ class Task:
 
     @classmethod
     def parse(cls, text: str) -> Task:
-        m = _TASK_RE.match(text.strip())
+        m = _TASK_RE.match(text.strip()) if isinstance(text, str) else None
         if m is None:
-            raise ValueError(f"{text!r} is not a task: write stage, kind (F, B, I or W), microbatch, e.g. '0F3' or '2W0'")
+            raise ValueError(f"{text!r:.60} is not a task: write stage, kind (F, B, I or W), microbatch, e.g. '0F3' or '2W0'")
         return cls(int(m.group(1)), m.group(2), int(m.group(3)))
 
 

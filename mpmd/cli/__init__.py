@@ -25,7 +25,7 @@ Registrar = Callable[[Any], None]  # takes argparse's subparsers object
 def _parse_costs(text: str) -> Any:
     from mpmd.schedules.simulator import Costs
 
-    fields = {f.name for f in dataclasses.fields(Costs)}
+    fields = {f.name for f in dataclasses.fields(Costs)} - {"routes", "empirical"}  # (not numbers: fitted from a trace)
     kwargs: dict[str, Any] = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, sep, value = item.partition("=")
@@ -84,9 +84,15 @@ def _simulate(args: argparse.Namespace) -> int:
     print(f"{schedule!r}, {args.microbatches} microbatches")
     print(format_table(schedule.tasks(args.microbatches)))
     print(result.summary())
-    for path, write in ((args.svg, result.draw), (args.png, result.draw), (args.trace, result.to_perfetto)):
+    writes = ((args.svg, lambda p: result.draw(p, fmt="svg")), (args.png, lambda p: result.draw(p, fmt="png")),
+              (args.trace, result.to_perfetto))
+    for path, write in writes:
         if path:
-            write(path)
+            try:
+                write(path)
+            except OSError as e:
+                print(f"mpmd simulate: cannot write {path}: {e.strerror or e}", file=sys.stderr)
+                return 2
             print(f"wrote {path}")
     return 0
 

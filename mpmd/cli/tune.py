@@ -81,15 +81,20 @@ def _run(args: argparse.Namespace) -> int:
         raise SystemExit(f"mpmd tune: --width {args.width} must be a multiple of --heads {args.heads}")
     try:
         counts = [int(x) for x in args.try_microbatches.split(",")] if args.try_microbatches else None
+        if counts is not None and min(counts) < 1:
+            raise ValueError
     except ValueError:
-        raise SystemExit(f"mpmd tune: --try-microbatches takes comma-separated counts, e.g. 2,4,8; got {args.try_microbatches!r}") from None
+        raise SystemExit(f"mpmd tune: --try-microbatches takes comma-separated counts above 0, e.g. 2,4,8; got {args.try_microbatches!r}") from None
     gpt = load_gpt()
     step, params, opt_state, batch = gpt_setup(gpt, args.layers, args.width, args.seq, args.heads, args.microbatches, args.rows)
     pin = 1 if args.actors <= len(os.sched_getaffinity(0)) else None
     limit = int(args.memory_limit_mib * 2**20) if args.memory_limit_mib is not None else None
     with mpmd.RemoteMesh.local(num_actors=args.actors, cpus_per_actor=pin) as mesh:
-        result = mpmd.tune(step, params, opt_state, batch, mesh=mesh, memory_limit=limit, microbatches=counts,
-                           costs="xla" if args.xla_costs else None, remat=args.remat)
+        try:
+            result = mpmd.tune(step, params, opt_state, batch, mesh=mesh, memory_limit=limit, microbatches=counts,
+                               costs="xla" if args.xla_costs else None, remat=args.remat)
+        except mpmd.MpmdError as e:
+            raise SystemExit(f"mpmd tune: {e}") from None
         print(result)
         if args.verify:
             result.verify(args.verify)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from mpmd.errors import ScheduleError
 from mpmd.schedules.builtin import BALANCE_MODES, Schedule, Task, backward, check_balance
-from mpmd.schedules.simulator import Costs, simulate
+from mpmd.schedules.simulator import Costs, _finite, simulate
 
 __all__ = ["BALANCE_MODES", "SegmentCosts", "SegmentProfile", "best_grouping", "check_balance", "even_grouping", "group_costs",
            "groups", "resolve_grouping", "stage_loads"]
@@ -72,14 +72,24 @@ class SegmentCosts:
     rows_exponent: float = 1.0
 
     def __post_init__(self) -> None:
-        n = len(self.F)
         for name in ("F", "B", "I", "W", "activation_bytes"):
-            v = tuple(float(x) for x in getattr(self, name))
+            got = getattr(self, name)
+            if isinstance(got, (str, bytes)) or not hasattr(got, "__iter__"):
+                raise ValueError(f"SegmentCosts.{name} must be a sequence with one value per segment, got {got!r:.80}")
+            object.__setattr__(self, name, tuple(got))
+        n = len(self.F)
+        if not n:
+            raise ValueError("SegmentCosts.F needs one value per segment, got none")
+        for name in ("F", "B", "I", "W", "activation_bytes"):
+            v = getattr(self, name)
             if name in ("I", "W", "activation_bytes") and not v:
                 v = tuple(b / 2 for b in self.B) if name in ("I", "W") else (0.0,) * n
-            if len(v) != n or any(x < 0 for x in v):
-                raise ValueError(f"SegmentCosts.{name} needs {n} non-negative values (one per segment), got {getattr(self, name)!r}")
-            object.__setattr__(self, name, v)
+            if len(v) != n or not all(map(_finite, v)):
+                raise ValueError(f"SegmentCosts.{name} needs {n} finite non-negative values (one per segment), got {getattr(self, name)!r:.200}")
+            object.__setattr__(self, name, tuple(float(x) for x in v))
+        for name in ("latency", "gap", "overhead", "other", "lead", "tail", "run_overhead", "split_overhead", "rows_exponent"):
+            if not _finite(getattr(self, name)):
+                raise ValueError(f"SegmentCosts.{name} must be a finite number >= 0, got {getattr(self, name)!r:.80}")
 
     @property
     def num_segments(self) -> int:

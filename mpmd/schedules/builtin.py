@@ -58,7 +58,7 @@ from itertools import zip_longest
 
 from mpmd.errors import ScheduleError
 from mpmd.schedules.validation import check_programs, format_table, validate
-from transport.program import Task
+from transport.program import TASK_KINDS, Task
 
 __all__ = ["Custom", "DualPipeV", "EagerOneFOneB", "GPipe", "InterleavedOneFOneB", "InterleavedZeroBubble", "OneFOneB",
            "Schedule", "Task", "ZeroBubbleH1", "ZeroBubbleV", "backward", "check_programs", "format_table", "one_f_one_b",
@@ -465,7 +465,12 @@ class Custom(Schedule):
         for i, row in enumerate(order):  # (generators taken as they are: each is read once)
             if not isinstance(row, tuple):
                 raise ScheduleError(f"Custom: order[{i}] must be actor {i}'s sequence of tasks, {example}; got {row!r:.80}")
-        rows = tuple(tuple(t if isinstance(t, Task) else Task.parse(t) for t in row) for row in order)
+        rows = tuple(tuple(t if isinstance(t, Task) else Task.parse(t) for t in row) for row in order)  # ValueError names a bad one
+        for i, row in enumerate(rows):
+            for t in row:
+                if not (t.kind in TASK_KINDS and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (t.stage, t.mb))):
+                    raise ScheduleError(f"Custom: order[{i}] holds Task({t.stage!r}, {t.kind!r}, {t.mb!r}); a task's stage and "
+                                        f"microbatch are ints >= 0 and its kind one of {', '.join(TASK_KINDS)}")
         object.__setattr__(self, "order", rows)
         object.__setattr__(self, "stage_actor", tuple(self.stage_actor))
         if not rows:

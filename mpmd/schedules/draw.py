@@ -42,10 +42,14 @@ def colour(kind: str) -> str:
     return COLOURS.get(kind, OTHER)
 
 
-def draw_timeline(result: Timeline, path: str, title: str | None = None) -> None:
-    """Write `result`'s timeline to `path`: PNG (via matplotlib) when it ends in ``.png``, SVG otherwise."""
+def draw_timeline(result: Timeline, path: str, title: str | None = None, fmt: str | None = None) -> None:
+    """Write `result`'s timeline to `path` as `fmt` ("png", via matplotlib, or "svg"); None: PNG when the path
+    ends in ``.png``, SVG otherwise."""
     title = result.name if title is None else title
-    if path.lower().endswith(".png"):
+    fmt = fmt or ("png" if str(path).lower().endswith(".png") else "svg")
+    if fmt not in ("png", "svg"):
+        raise ValueError(f"a timeline picture is 'png' or 'svg', got fmt={fmt!r:.40}")
+    if fmt == "png":
         _png(result, path, title)
     else:
         with open(path, "w") as f:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,11 @@ from transport.program import TASK_KINDS, Delete, Label, Program, Recv, Run, Tas
 from transport.protocol import dtype_from_name
 
 PerStage = float | Sequence[float]
+
+
+def _finite(x: object) -> bool:
+    """A real number, finite and >= 0 (NaN or infinity in a cost would time every schedule as nan or 0)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
 _COST_KEY = re.compile(r"^(\d*)([FBIW])(\d*)$")
 
 
@@ -66,18 +72,20 @@ class Costs:
     def __post_init__(self) -> None:
         for name in ("F", "B", "I", "W", "activation_bytes"):
             v = getattr(self, name)
-            vals = list(v) if isinstance(v, Sequence) else [v]
-            if not vals or any(not isinstance(x, (int, float)) or isinstance(x, bool) or x < 0 for x in vals):
-                raise ValueError(f"Costs.{name} must be a non-negative number or a sequence of them (one per stage), got {v!r}")
-            if isinstance(v, Sequence):
-                object.__setattr__(self, name, tuple(float(x) for x in v))
+            many = hasattr(v, "__iter__") and not isinstance(v, (str, bytes))
+            vals = list(v) if many else [v]
+            if not vals or not all(map(_finite, vals)):
+                raise ValueError(f"Costs.{name} must be a finite non-negative number or a sequence of them (one per stage), "
+                                 f"got {v!r:.80}")
+            object.__setattr__(self, name, tuple(float(x) for x in vals) if many else float(v))
         for name in ("latency", "overhead", "other", "gap", "lead", "tail"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"Costs.{name} must be >= 0, got {getattr(self, name)!r}")
-        if self.cores is not None and (not isinstance(self.cores, int) or isinstance(self.cores, bool) or self.cores < 1):
-            raise ValueError(f"Costs.cores must be a positive int or None, got {self.cores!r}")
-        if not self.bandwidth > 0:
-            raise ValueError(f"Costs.bandwidth must be > 0 bytes per second, got {self.bandwidth!r}")
+            if not _finite(getattr(self, name)):
+                raise ValueError(f"Costs.{name} must be a finite number >= 0, got {getattr(self, name)!r:.80}")
+            object.__setattr__(self, name, float(getattr(self, name)))
+        if self.cores is not None and (not isinstance(self.cores, numbers.Integral) or isinstance(self.cores, bool) or self.cores < 1):
+            raise ValueError(f"Costs.cores must be a positive int or None, got {self.cores!r:.80}")
+        if not (isinstance(self.bandwidth, numbers.Real) and not isinstance(self.bandwidth, bool) and self.bandwidth > 0):
+            raise ValueError(f"Costs.bandwidth must be > 0 bytes per second (math.inf: free), got {self.bandwidth!r:.80}")
 
     def _per_stage(self, name: str, stage: int) -> float:
         v = getattr(self, name)
@@ -127,9 +135,18 @@ class Costs:
         """
         every: dict[str, float] = {}
         samples: dict[tuple[str, int], list[float]] = {}
+        if not isinstance(timings, Mapping):
+            raise ValueError(f"timings must be a mapping like {{'F': 0.01, '1B': 0.02}}, got {type(timings).__name__}")
+        if num_stages is not None and (not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1):
+            raise ValueError(f"num_stages must be a positive int, got {num_stages!r:.40}")
         for key, sec in timings.items():
             if isinstance(key, tuple):
+                if len(key) != 2 or not isinstance(key[1], int) or isinstance(key[1], bool) or key[1] < 0:
+                    raise ValueError(f"timing key {key!r:.60}: a tuple key is (kind, stage), like ('F', 2)")
                 kind, stage, mb = key[0], key[1], ""
+            elif not isinstance(key, str):
+                raise ValueError(f"timing key {key!r:.60} is a {type(key).__name__}; keys are a kind ('F'), a stage's kind "
+                                 "('2F' or ('F', 2)) or a task ('2F3')")
             else:
                 m = _COST_KEY.match(key.strip())
                 if m is None:
@@ -139,9 +156,13 @@ class Costs:
                     raise ValueError(f"timing key {key!r}: a task key needs its stage, like '0F3'")
             if kind not in TASK_KINDS:
                 raise ValueError(f"timing key {key!r}: kind must be one of {', '.join(TASK_KINDS)}")
+            if not _finite(sec):
+                raise ValueError(f"timing {key!r}: {sec!r:.40} is not a finite number of seconds >= 0")
             if stage is None:
                 every[kind] = float(sec)
             else:
+                if num_stages is not None and stage >= num_stages:
+                    raise ValueError(f"timing key {key!r} names stage {stage}, but num_stages={num_stages}")
                 samples.setdefault((kind, stage), []).append(float(sec))
         fields: dict[str, PerStage] = dict(every)
         if samples:
@@ -205,9 +226,10 @@ class SimResult:
         with open(path, "w") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
-    def draw(self, path: str, title: str | None = None) -> None:
-        """Write a timeline picture: SVG (no dependency) or, for a path ending in .png, PNG via matplotlib."""
-        draw_timeline(self, path, title)
+    def draw(self, path: str, title: str | None = None, fmt: str | None = None) -> None:
+        """Write a timeline picture: SVG (no dependency) or, for a path ending in .png (or fmt="png"), PNG via
+        matplotlib."""
+        draw_timeline(self, path, title, fmt)
 
 
 def _peak_activations(rows: Sequence[Sequence[Task]]) -> tuple[int, ...]:
@@ -243,7 +265,11 @@ def simulate(schedule: Schedule, num_microbatches: int, costs: Costs | None = No
 
         mpmd.simulate(mpmd.GPipe(num_stages=4), 8).bubble   # 3/11 = (p-1)/(m+p-1)
     """
-    costs = costs or Costs()
+    if costs is None:
+        costs = Costs()
+    elif not isinstance(costs, Costs):
+        raise ScheduleError(f"costs must be mpmd.Costs (e.g. mpmd.Costs(F=1, B=2) or Costs.from_timings({{...}})), got "
+                            f"{type(costs).__name__}")
     table = validate(schedule, num_microbatches)
     try:
         costs.check_stages(schedule.num_stages)

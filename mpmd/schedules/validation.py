@@ -126,6 +126,9 @@ def validate(schedule: Schedule, num_microbatches: int) -> Table:
 
         table = validate(mpmd.OneFOneB(num_stages=4), 8)
     """
+    if isinstance(schedule, type) or not all(hasattr(schedule, a) for a in ("num_stages", "num_actors", "tasks", "actor_of")):
+        what = f"the class {schedule.__name__}" if isinstance(schedule, type) else f"{type(schedule).__name__} {schedule!r:.60}"
+        raise ScheduleError(f"expected a schedule such as mpmd.OneFOneB(num_stages=2), got {what}")
     name, m, n = str(schedule), num_microbatches, schedule.num_stages
     if not isinstance(m, int) or isinstance(m, bool) or m < 1:
         raise ScheduleError(f"{name}: the number of microbatches must be a positive int, got {m!r}")
@@ -139,7 +142,10 @@ def validate(schedule: Schedule, num_microbatches: int) -> Table:
         if not isinstance(a, int) or not 0 <= a < p:
             raise ScheduleError(f"{name} places stage {s} on actor {a!r}, but its actors are 0..{p - 1}; "
                                 "actor_of(stage) must return an actor below num_actors")
-    table = [list(row) for row in schedule.tasks(m)]
+    try:
+        table = [list(row) for row in schedule.tasks(m)]
+    except TypeError as e:
+        raise ScheduleError(f"{name}.tasks({m}) must return one list of Tasks per actor ({e})") from None
     if len(table) != p:
         raise ScheduleError(f"{name}.tasks({m}) gives {len(table)} task lists for its {p} actors; return one list per actor")
     seen: dict[Task, tuple[int, int]] = {}
