@@ -183,3 +183,32 @@ def test_mesh_profile_brings_back_a_jax_profiler_trace_per_actor_beside_mpmds_tr
         events = json.loads((tmp_path / f"mpmd_trace_{run}.json").read_text())["traceEvents"]
         assert {e["pid"] for e in events if e.get("ph") == "X"} == {0, 1}
         assert prof.trace is not None and len(prof.trace.steps) == 1
+
+
+def test_fit_costs_names_an_empty_trace_a_step_out_of_range_and_too_few_stages():
+    """fit_costs on bad input raised IndexError (no step, step past the end) and KeyError: (1, 'F') (a trace
+    of two stages fitted with num_stages=1); each must say what was wrong and what to pass."""
+    from mpmd.observe.trace import ActorStep, RunSpan, Trace, fit_costs
+
+    empty = Trace()
+    with pytest.raises(mpmd.MpmdError, match=r"the trace holds no step.*mesh\.trace\(\)"):
+        fit_costs(empty, 2)
+    t = Trace()
+    t.steps.append({})
+    for a, labels in enumerate([["0F0", "0B0"], ["1F0", "1B0"]]):  # one step, stage a on actor a
+        x, clock = ActorStep(a, 0, 0.0, 0.0), 0.0
+        for label in labels:
+            x.runs.append(RunSpan(label, clock, clock, clock, clock + 1e-3))
+            clock += 1e-3
+        x.end = clock
+        t.steps[0][a] = x
+    assert fit_costs(t, 2).F == pytest.approx((1e-3, 1e-3))  # the good case still fits
+    assert fit_costs(t, 2, step=-1).B == pytest.approx((1e-3, 1e-3))
+    with pytest.raises(mpmd.MpmdError, match=r"runs stage 1 .*num_stages=1.*at least 2"):
+        fit_costs(t, 1)
+    with pytest.raises(mpmd.MpmdError, match=r"step=5 but the trace holds 1 step: pass 0 or -1"):
+        fit_costs(t, 2, step=5)
+    with pytest.raises(mpmd.MpmdError, match=r"step=-2 but the trace holds 1 step"):
+        fit_costs(t, 2, step=-2)
+    with pytest.raises(mpmd.MpmdError, match=r"num_stages must be a positive int"):
+        fit_costs(t, 0)

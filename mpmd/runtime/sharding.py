@@ -123,6 +123,47 @@ def is_replicated(spec: PartitionSpec | None) -> bool:
     return spec is None or all(e is None for e in spec)
 
 
+def _is_spec(x: Any) -> bool:
+    return x is None or isinstance(x, (PartitionSpec, jax.sharding.NamedSharding))
+
+
+def _children(x: Any, is_leaf: Any) -> list[tuple[Any, Any]] | None:
+    """`x`'s (key, child) pairs one level down; None for a leaf."""
+    if is_leaf(x):
+        return None
+    flat, _ = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
+    if len(flat) == 1 and flat[0][0] == () and flat[0][1] is x:
+        return None
+    return [(path[0], child) for path, child in flat]
+
+
+def _shape_of(x: Any, is_leaf: Any = _is_spec) -> str:
+    """A short description of a tree node: "a dict of 50 (['w0'], ['w1'], ['w10'], ['w11'], ...)", "a leaf (ndarray)"."""
+    if x is None:
+        return "None"
+    kids = _children(x, is_leaf)
+    if kids is None:
+        return f"a leaf ({type(x).__name__})"
+    keys = [jax.tree_util.keystr((k,)) for k, _ in kids]
+    shown = ", ".join(keys[:4]) + (", ..." if len(keys) > 4 else "")
+    return f"a {type(x).__name__} of {len(keys)} ({shown})"[:160]
+
+
+def _first_mismatch(specs: Any, args: Any, is_remote: Any, path: str) -> tuple[str, str, str] | None:
+    """(where, what the sharding tree has there, what the argument tree has) of the first node where `specs`
+    is not a prefix of `args`; None where none is found (jax's check is the judge)."""
+    if _is_spec(specs):
+        return None
+    spec_kids, arg_kids = _children(specs, _is_spec), _children(args, is_remote)
+    if spec_kids is None or arg_kids is None or type(specs) is not type(args) or [k for k, _ in spec_kids] != [k for k, _ in arg_kids]:
+        return path, _shape_of(specs), _shape_of(args, is_remote)
+    for (k, s), (_, a) in zip(spec_kids, arg_kids):
+        found = _first_mismatch(s, a, is_remote, path + jax.tree_util.keystr((k,)))
+        if found is not None:
+            return found
+    return None
+
+
 def tree_specs(specs: Any, args: Any, what: str) -> list[PartitionSpec | None]:
     """Per flat leaf of `args`, its PartitionSpec from `specs` (a prefix pytree of PartitionSpec / None, like
     jax.jit's in_shardings). Raises MpmdError naming the mismatch."""
@@ -133,9 +174,14 @@ def tree_specs(specs: Any, args: Any, what: str) -> list[PartitionSpec | None]:
         specs, is_leaf=lambda x: x is None or isinstance(x, (PartitionSpec, jax.sharding.NamedSharding)))
     try:
         subtrees = spec_tree.flatten_up_to(args)
-    except (ValueError, TypeError) as e:
-        raise MpmdError(f"{what} is not a prefix of the arguments' tree (give a PartitionSpec or None per argument, or "
-                        f"per leaf): {e}") from None
+    except (ValueError, TypeError) as e:  # (jax's text holds the repr of every array: tens of KB for a model)
+        root = "args" if what.startswith("in") else "outputs"
+        where = _first_mismatch(specs, args, is_remote, root) or (root, _shape_of(specs), _shape_of(args, is_remote))
+        noun = "arguments" if root == "args" else "outputs"
+        jax_says = (str(e).split(";")[0].splitlines() or [""])[0][:100]  # e.g. "List arity mismatch: 2 != 1"
+        raise MpmdError(f"{what} is not a prefix of the {noun}' tree: at {where[0]}, {what} has {where[1]} where the "
+                        f"{noun} have {where[2]} ({jax_says}); give a PartitionSpec or None per {noun[:-1]}, or a tree of "
+                        f"them shaped like the {noun[:-1]} (a prefix of it)") from None
     expanded = [s for s, sub in zip(spec_leaves, subtrees) for _ in jax.tree.leaves(sub, is_leaf=is_remote)]
     leaves = jax.tree.leaves(args, is_leaf=is_remote)
     if len(expanded) != len(leaves):
