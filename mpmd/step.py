@@ -24,7 +24,7 @@ from mpmd.runtime.aio import abortable, off_loop, start_in_worker, watch
 from mpmd.runtime.array import RemoteArray
 from mpmd.runtime.callbacks import run_host_calls
 from mpmd.runtime.controller import note_blocking
-from mpmd.runtime.loader import LoadedLeaf
+from mpmd.runtime.loader import LoadedLeaf, named_in_argument
 from mpmd.runtime.sharding import infer_layouts, layout_to_spec, layout_wire, remote_sharding, tree_specs
 from mpmd.schedules.override import use_schedule
 from mpmd.static_leaves import Static, hide, reveal
@@ -208,6 +208,9 @@ class DistributedFunction:
         """(the compile cache's key, the data leaves, their specs); static leaves are in the key's treedef."""
         args = self._hidden(args)
         leaves, treedef = jax.tree.flatten(args, is_leaf=_is_remote)
+        if any(isinstance(x, LoadedLeaf) for x in leaves):  # a loader is told the leaf's path in the batch
+            keys = [k for k, _ in jax.tree_util.tree_flatten_with_path(args, is_leaf=_is_remote)[0]]
+            leaves = [named_in_argument(x, k) if isinstance(x, LoadedLeaf) else x for x, k in zip(leaves, keys)]
         paths = arg_paths(args)
         specs = [_spec(x, path) for x, path in zip(leaves, paths)]
         layouts = self._arg_layouts(args, leaves, paths, specs)

@@ -1,6 +1,7 @@
 """Step arguments from the host: only to the actors that read them, large ones through shared memory on a
 local mesh (mpmd.runtime.inputs, actors/inputs.py), and hostile shared-memory notices refused."""
 
+import re
 import time
 
 import jax
@@ -336,3 +337,55 @@ def test_a_caller_far_ahead_waits_for_a_segment_instead_of_sending_batches_inlin
         assert all(len(pool) <= 3 for pool in stager._pools.values())
     finally:
         stager.max_segments = saved
+
+
+def _leaf_by_name(step, leaf):
+    """A loader whose data depends on the leaf's name (and the step): two leaves loaded under one name are equal."""
+    from mpmd.testing import LOADED_LEAF_SHAPE
+
+    seed = [step, *leaf.encode()]
+    return np.random.default_rng(seed).standard_normal(LOADED_LEAF_SHAPE).astype(np.float32)
+
+
+def test_leaves_wrapped_one_by_one_are_named_by_their_path_in_the_batch_and_steps_equal_jax_jit():
+    """`{"x": loaded_by_actors(fn, s), "y": {"t": loaded_by_actors(fn, s)}}` called fn(k, "batch") for both
+    leaves (the name came from the spec, whose path is empty), so x and y silently held the same data (found by a
+    probe). The loader is told each leaf's path in the batch, "x" and "y.t", as for a spec given whole."""
+    from mpmd.testing import LOADED_LEAF_SHAPE
+
+    m, rows, width = LOADED_LEAF_SHAPE
+    rng = np.random.default_rng(6)
+    params = mlp_params(rng, num_stages=2, width=width)
+    opt = optax.sgd(1e-2)
+
+    def loss(p, mb):
+        return jnp.mean((mlp(p, mb["x"]) - mb["y"]["t"]) ** 2)
+
+    fn = "tests.test_inputs:_leaf_by_name"
+    s = jax.ShapeDtypeStruct(LOADED_LEAF_SHAPE, np.float32)
+    batch = {"x": mpmd.loaded_by_actors(fn, s), "y": {"t": mpmd.loaded_by_actors(fn, s)}}
+    ref = jax.jit(make_train_step(loss, opt, None))
+    with mpmd.RemoteMesh.local(2, loaders=[fn]) as mesh:
+        dist = mpmd.distributed(make_train_step(loss, opt, mpmd.OneFOneB(2)), mesh=mesh)
+        p_d, s_d, p_r, s_r = params, opt.init(params), params, opt.init(params)
+        for k in range(2):
+            p_d, s_d, got = dist(p_d, s_d, batch)
+            host = {"x": _leaf_by_name(k, "x"), "y": {"t": _leaf_by_name(k, "y.t")}}
+            assert not np.allclose(host["x"], host["y"]["t"])
+            p_r, s_r, want = ref(p_r, s_r, host)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+        for g, w in zip(jax.tree.leaves(mpmd.fetch(p_d)), jax.tree.leaves(p_r)):
+            np.testing.assert_allclose(g, np.asarray(w), rtol=1e-5, atol=1e-6)
+    # the common case is unchanged: a spec given whole names its leaves by their path in it
+    whole = mpmd.loaded_by_actors(fn, {"x": s, "inputs": [s, s]})
+    assert [whole["x"].name, *(x.name for x in whole["inputs"])] == ["x", "inputs.0", "inputs.1"]
+    assert mpmd.loaded_by_actors(fn, s).name == "batch"
+
+
+@pytest.mark.parametrize("leaf, shown", [(1.0, "'x' is 1.0 (float)"), ([8, 16], "'x.0' is 8 (int)"), ("f32", "'x' is 'f32' (str)")])
+def test_a_spec_leaf_without_shape_and_dtype_is_named_with_what_to_pass(leaf, shown):
+    """A float or a list of ints in the spec raised AttributeError: 'float' object has no attribute 'shape'."""
+    with pytest.raises(TypeError, match=rf"spec leaf {re.escape(shown)}.*jax\.ShapeDtypeStruct.*or an array"):
+        mpmd.loaded_by_actors("mpmd.testing:synthetic_regression_leaf", {"x": leaf})
+    ok = mpmd.loaded_by_actors("mpmd.testing:synthetic_regression_leaf", {"x": np.zeros((2, 3), np.int32), "y": np.float32(1)})
+    assert (ok["x"].shape, ok["x"].dtype, ok["y"].shape, ok["y"].dtype) == ((2, 3), np.int32, (), np.float32)

@@ -20,6 +20,7 @@ against the declared shape and dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -53,17 +54,40 @@ def check_loader_name(fn: str) -> str:
     return fn
 
 
+def leaf_name(path: Any) -> str:
+    """A pytree key path as a loader's leaf name: its keys joined by dots ("x", "inputs.0"); "" for no keys."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
 def loaded_by_actors(fn: str, spec: Any) -> Any:
     """A pytree like `spec` (of `jax.ShapeDtypeStruct` or arrays, for their shape and dtype) whose leaves the
     actors load themselves with the function `fn` ("module:function"); pass it where the step takes its batch.
-    A leaf's name is its path in `spec` joined by dots ("x", "inputs.0")."""
+    A leaf's name is its path in the batch joined by dots ("x", "inputs.0"): the step names each leaf by where
+    it finds it in its argument (`named_in_argument`), so ``{"x": loaded_by_actors(fn, s), "y": ...}`` loads
+    "x" and "y"; until then, and for a leaf that is the whole argument, by its path in `spec` ("batch" if none)."""
     check_loader_name(fn)
     flat, treedef = jax.tree_util.tree_flatten_with_path(spec)
     leaves = []
     for path, leaf in flat:
-        name = ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path) or "batch"
-        leaves.append(LoadedLeaf(fn, name, tuple(int(d) for d in leaf.shape), np.dtype(leaf.dtype)))
+        name = leaf_name(path) or "batch"
+        try:
+            shape, dtype = tuple(int(d) for d in leaf.shape), np.dtype(leaf.dtype)
+        except (AttributeError, TypeError, ValueError):
+            shape = dtype = None
+        if dtype is None or getattr(leaf, "dtype", None) is None:
+            raise TypeError(f"loaded_by_actors: spec leaf {name!r} is {leaf!r:.60} ({type(leaf).__name__}), which has no "
+                            "shape and dtype: pass a jax.ShapeDtypeStruct (e.g. jax.ShapeDtypeStruct((8, 32), np.float32)) "
+                            "or an array of the leaf's shape and dtype (a list or tuple in the spec is a node: its "
+                            "elements are the leaves)")
+        leaves.append(LoadedLeaf(fn, name, shape, dtype))
     return jax.tree.unflatten(treedef, leaves)
 
 
-__all__ = ["LoadedLeaf", "check_loader_name", "loaded_by_actors"]
+def named_in_argument(leaf: LoadedLeaf, path: Any) -> LoadedLeaf:
+    """`leaf` named by `path`, its key path in the step's argument tuple: the keys after the argument's
+    position, joined by dots — the leaf's path in the batch; unchanged when it is the whole argument."""
+    name = leaf_name(tuple(path)[1:])
+    return leaf if not name or name == leaf.name else dataclasses.replace(leaf, name=name)
+
+
+__all__ = ["LoadedLeaf", "check_loader_name", "leaf_name", "loaded_by_actors", "named_in_argument"]
