@@ -226,3 +226,19 @@ def test_segment_costs_scale_with_rows_as_the_exponent_measured_at_two_microbatc
     assert at64.with_rows_exponent(at64) is at64  # same rows: nothing to fit
     wild = SegmentCosts(F=(1.2, 2.2), B=(2.2, 4.2), microbatch_rows=256, run_overhead=0.2)
     assert at64.with_rows_exponent(replace(wild, F=(100.0, 100.0))).rows_exponent == 1.5  # clipped
+
+
+def test_the_local_search_past_the_exhaustive_limit_finds_the_best_grouping(monkeypatch):
+    """16 segments on 4 stages (455 groupings: past EXHAUSTIVE_MAX) went to (4, 4, 5, 3), 1.05x the best (5, 4,
+    4, 3): moving one boundary at a time could not get there (found by a probe). Every grouping simulated agrees."""
+    import mpmd.schedules.balance as bal
+    from mpmd.schedules.simulator import simulate
+
+    f = (1.0, 1.0, 1.0, 4.0, 1.0, 2.0, 1.0, 1.0, 4.0, 1.0, 1.0, 1.0, 1.0, 1.0, 4.0, 2.0)
+    seg = bal.SegmentCosts(F=f, B=tuple(2 * x for x in f))
+    schedule = mpmd.OneFOneB(4)
+    found = bal.best_grouping(schedule, 8, seg)
+    monkeypatch.setattr(bal, "EXHAUSTIVE_MAX", 10**9)
+    best = bal.best_grouping(schedule, 8, seg)
+    assert simulate(schedule, 8, bal.group_costs(seg, found)).step_time == simulate(schedule, 8, bal.group_costs(seg, best)).step_time
+    assert found == best == (5, 4, 4, 3)
