@@ -217,7 +217,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     from transport.control import bind_router
     from transport.p2p import DataPlane
     from transport.p2p.base import ArrivalLimits
-    from transport.protocol import ProtocolError, decode, encode, error_reply
+    from transport.protocol import ProtocolError, decode, encode, error_reply, message_id
     from transport.ratelimit import RateLimitedLog
 
     log = logging.getLogger("mpmd.actor")
@@ -296,6 +296,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         req_id = None
         peer = user_id(identity) if secure else None
         try:
+            req_id = message_id(frames)  # (before decode: a refused message's error reply still answers it)
             msg = decode(frames)
             req_id = msg.header.get("id")
             if msg.op == "shutdown":

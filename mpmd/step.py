@@ -8,7 +8,7 @@ import inspect
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +72,7 @@ class CompiledStep:
     compile_seconds: float
     arg_paths: list[str]
     loaded: list[Any] = field(default_factory=list)  # the Programs as the actors hold them (Runs name executable keys)
+    generation: int = 0  # the mesh's `generation` when the Programs were loaded (a daemon restarted since has none)
 
 
 def _spec(x: Any, path: str) -> jax.ShapeDtypeStruct:
@@ -146,6 +147,20 @@ def arg_paths(args: tuple[Any, ...]) -> list[str]:
         text = jax.tree_util.keystr(path)  # "[0]['w']": the position in the argument tuple comes first
         out.append(f"args{text}")
     return out
+
+
+def _host_layout(am: Any, x: jax.Array, shape: tuple[int, ...]) -> Any:
+    """The layout of a jax.Array sharded over a mesh like every actor's (the same axis names and sizes), else None."""
+    sharding = getattr(x, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding) or dict(getattr(mesh, "shape", {})) != dict(zip(am.axis_names, am.shape)):
+        return None
+    layout = am.canonical(sharding.spec)
+    try:
+        am.check_spec(layout_to_spec(layout), shape, "")
+    except (MpmdError, ValueError):
+        return None
+    return layout or None
 
 
 class DistributedFunction:
@@ -228,6 +243,8 @@ class DistributedFunction:
         out = []
         for x, u, path, spec in zip(leaves, user, paths, specs):
             held = am.canonical(x.sharding.layout) if isinstance(x, RemoteArray) and x.sharding is not None else None
+            if held is None and u is None and isinstance(x, jax.Array):
+                held = _host_layout(am, x, spec.shape)  # a host jax.Array keeps its sharding, as under jax.jit
             if u is not None:  # compared as jax.jit compares shardings: the same data on the same devices
                 am.check_spec(u, spec.shape, f"in_shardings for {path}")
                 if held is not None and am.canonical(u) != held:
@@ -268,19 +285,30 @@ class DistributedFunction:
                     closed = jax.make_jaxpr(flat)(*specs)
         return inline_calls(closed), out_box[-1]
 
+    def _cached(self, sig: Any) -> CompiledStep | None:
+        """The compiled step for `sig`, unless a daemon was restarted under the mesh since (mesh.reconnect to a new
+        daemon: the Programs it held are gone); then it is compiled and loaded again."""
+        hit = self._compiled.get(sig)
+        if hit is not None and hit.generation != getattr(self.mesh, "generation", 0):
+            del self._compiled[sig]
+            return None
+        return hit
+
     def compile(self, *args: Any) -> CompiledStep:
         """Trace, plan and ship the Programs for these arguments (done by the first call automatically)."""
         sig, leaves, specs = self._signature(args)
-        hit = self._compiled.get(sig)
+        hit = self._cached(sig)
         if hit is not None:
             return hit
+        generation = getattr(self.mesh, "generation", 0)
         t0 = time.perf_counter()
         outer, out_tree = self.trace(*args)
         plan = plan_step(outer, len(self.mesh))
         t1 = time.perf_counter()
         ids = [self.mesh.executables.new_program_id()] * len(plan.programs)  # one id: transfer keys (program, step, tag) must agree
         loaded = self._lower_and_ship(plan, ids, sig[2], out_tree)
-        compiled = self._compiled[sig] = CompiledStep(plan, ids, out_tree, time.perf_counter() - t0, arg_paths(self._hidden(args)), loaded)
+        compiled = self._compiled[sig] = CompiledStep(plan, ids, out_tree, time.perf_counter() - t0, arg_paths(self._hidden(args)), loaded,
+                                                      generation)
         log.info("compiled step: planned in %.2f s; %d executables lowered here, compiled on %d actors in parallel; %.2f s in all",
                  t1 - t0, len(plan.templates), len(plan.programs), compiled.compile_seconds)
         return compiled
@@ -403,7 +431,7 @@ class DistributedFunction:
         fails; True means the step was recovered (its outputs were rebound: it ends normally). `sent` collects
         the step's run_program futures (so that a recovery can wait for them)."""
         sig, leaves, _ = self._signature(args)
-        compiled = self._compiled.get(sig)
+        compiled = self._cached(sig)
         if compiled is None:
             t = time.perf_counter()
             compiled = self.compile(*args)
@@ -418,6 +446,10 @@ class DistributedFunction:
         step = next(self._step)
         mesh, plan = self.mesh, compiled.plan
         requests, replicas, outs = self._prepare(compiled, leaves, step, sig[2], may_wait)
+        # Arguments that earlier steps still make: if this step fails because one of those did, that is its error.
+        upstream = [(compiled.arg_paths[k], x._ready) for k, x in enumerate(leaves)
+                    if isinstance(x, RemoteArray) and x._ready is not None
+                    and not (x._ready.done() and not x._ready.cancelled() and x._ready.exception() is None)]
         trace = mesh.active_trace
         # The values the step's host callbacks read (never handed to the caller) exist before the step is sent,
         # so its finish has them whenever it gets to them.
@@ -429,7 +461,8 @@ class DistributedFunction:
                 sent.extend(futures)
             return futures
 
-        done = mesh.dispatch(send, lambda futures: self._finish(futures, compiled, replicas, step, trace, hidden, on_failure))
+        done = mesh.dispatch(send, lambda futures: self._finish(futures, compiled, replicas, step, trace, hidden, on_failure,
+                                                                upstream))
         done.host_calls = bool(plan.host_calls)  # fetching an output waits for the step's callbacks (RemoteArray._wire)
         abortable(done, lambda: mesh.submit_coroutine(self._abort(done, compiled, step, outs)))
         self._last = (step, done)
@@ -469,7 +502,7 @@ class DistributedFunction:
         if recovery is not None:
             return await off_loop(lambda: recovery.call(self, args))
         sig, leaves, _ = self._signature(args)
-        compiled = self._compiled.get(sig)
+        compiled = self._cached(sig)
         if compiled is None:
             running = self._compiling.get(sig)
             if running is None:
@@ -611,19 +644,20 @@ class DistributedFunction:
         return futures
 
     async def _finish(self, futures: list[asyncio.Future[Any]], compiled: CompiledStep, replicas: list[Any], step: int,
-                      trace: Any, hidden: list[Any], on_failure: Callable[[BaseException], Any] | None = None) -> None:
+                      trace: Any, hidden: list[Any], on_failure: Callable[[BaseException], Any] | None = None,
+                      upstream: Sequence[tuple[str, Any]] = ()) -> None:
         """Wait for the step (`_wait_step`), then run its host callbacks, if it has any, on `hidden` (the values
         they read: the step's hidden outputs), after the previous step's callbacks and before this step counts
         as done."""
         calls = compiled.plan.host_calls
         if not calls:
-            await self._wait_step(futures, compiled, replicas, step, trace, on_failure)
+            await self._wait_step(futures, compiled, replicas, step, trace, on_failure, upstream)
             return
         # Taken before the first await: the steps' finishes start in dispatch order, so their callbacks chain in it.
         previous = getattr(self, "_host_calls_done", None)
         mine = self._host_calls_done = asyncio.get_running_loop().create_future()
         try:
-            await self._wait_step(futures, compiled, replicas, step, trace, on_failure)
+            await self._wait_step(futures, compiled, replicas, step, trace, on_failure, upstream)
             if previous is not None:
                 await previous
             try:
@@ -634,7 +668,8 @@ class DistributedFunction:
             mine.set_result(None)  # resolved however this step ends: the next step's callbacks never wait forever
 
     async def _wait_step(self, futures: list[asyncio.Future[Any]], compiled: CompiledStep, replicas: list[Any], step: int,
-                         trace: Any, on_failure: Callable[[BaseException], Any] | None = None) -> None:
+                         trace: Any, on_failure: Callable[[BaseException], Any] | None = None,
+                         upstream: Sequence[tuple[str, Any]] = ()) -> None:
         """Wait for the step's requests. If one fails: the step is abandoned everywhere, argument copies it
         made are forgotten, and the error is raised naming the step (or saying it was cancelled) — unless
         `on_failure` recovers it. Records the step's trace when one is active."""
@@ -652,6 +687,11 @@ class DistributedFunction:
                                 "its outputs are gone") from None
             if on_failure is not None and isinstance(e, Exception) and await on_failure(e):
                 return  # recovered: the step was replayed and its outputs rebound
+            for path, ready in upstream:  # an argument an earlier step was making: its failure is the cause
+                await asyncio.wait([asyncio.wrap_future(ready)], timeout=30)
+                if ready.done() and not ready.cancelled() and ready.exception() is not None:
+                    raise MpmdError(f"step {step} of {name} read argument {path}, an output of a step that did not finish: "
+                                    f"{ready.exception()}") from None
             raise name_step(e, step, name) from None
         self._cancelled.discard(step)  # (an abort that came after the step ended changed nothing)
         if trace is not None:

@@ -265,6 +265,15 @@ async def test_cancelled_outputs_say_so_and_an_asyncio_timeout_around_a_twin_rai
     assert await _buffers(mesh) == before
     with pytest.raises(mpmd.MpmdError, match=r"step \d+ of step was cancelled"):
         await mpmd.fetch_async(outs[2])
+    # A step that reads a cancelled step's outputs says so (it said "holds no buffer N ... never put?"; a probe).
+    outs = await dist.call_async(p, o, batch)
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.05):
+            await mpmd.ready_async(outs)
+    with pytest.raises(mpmd.MpmdError, match=r"read argument .*an output of a step that did not finish: step \d+ of step was "
+                                             r"cancelled"):
+        await mpmd.fetch_async(await dist.call_async(outs[0], outs[1], batch))
+    assert await _buffers(mesh) == before
     async with asyncio.timeout(120):  # a timeout that does not fire changes nothing
         got = await mpmd.fetch_async(await dist.call_async(p, o, batch))
     rp, ro, _ = reference(params, opt_state, batch)

@@ -20,6 +20,7 @@ import pytest
 import zmq
 
 import mpmd
+from mpmd import testing
 from mpmd.compiler.program import Program
 from mpmd.testing import make_train_step
 from tests.wire import alive, start_daemon, stop_daemon, wait_until
@@ -175,6 +176,12 @@ def test_a_restarted_daemon_is_taken_back_with_reconnect_and_the_data_plane_is_r
             np.testing.assert_array_equal(run_transfers(mesh, [(0, 1, 0, a)])[0], a)
             kept = mesh.actor(0).put(np.ones(3, np.float32))
             lost = mesh.actor(1).put(np.ones(3, np.float32))
+            rng = np.random.default_rng(0)
+            params, opt = testing.mlp_params(rng, num_stages=2), optax.sgd(0.1)
+            batch = testing.regression_batch(rng, num_microbatches=2, microbatch_size=3, width=16)
+            step = mpmd.distributed(make_train_step(testing.mse_loss(testing.mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
+            want = jax.jit(make_train_step(testing.mse_loss(testing.mlp), opt, None))(params, opt.init(params), batch)[2]
+            np.testing.assert_allclose(step(params, opt.init(params), batch)[2].to_numpy(), want, rtol=1e-5)
             procs[1].kill()
             procs[1].wait()
             procs[1] = daemon(1)[0]
@@ -185,6 +192,8 @@ def test_a_restarted_daemon_is_taken_back_with_reconnect_and_the_data_plane_is_r
             assert kept.to_numpy().tolist() == [1, 1, 1]
             with pytest.raises(mpmd.RemoteError, match="holds no buffer"):
                 lost.to_numpy()
+            # The step made before loads its Programs again (it failed with "no program 1 on actor 1"; a probe).
+            np.testing.assert_allclose(step(params, opt.init(params), batch)[2].to_numpy(), want, rtol=1e-5)
     finally:
         for p in procs:
             stop_daemon(p)

@@ -340,3 +340,31 @@ def test_the_sbatch_example_runs_as_written_with_srun_standing_in_for_slurm(tmp_
     assert "the first 1 steps equal jax.jit's" in stdout, stdout
     assert (home / ".mpmd" / "keys").is_dir()  # made by the script on first use
     assert not (home / ".mpmd" / "rdv" / "77").exists()  # daemons withdrew, the script removed the directory
+
+
+def test_connect_refuses_daemons_listed_out_of_actor_id_order_or_of_another_protocol():
+    """connect([actor 1, actor 0]) was accepted and the first step failed with "actor 1 has no route to actor
+    1"; a daemon of another protocol version answered with an error reply the controller could not match to
+    its request, so hello waited for the heartbeat to give up ("no reply or heartbeat"). Found by a probe."""
+    procs = [spawn("--listen", "tcp://127.0.0.1:0", "--insecure", "--actor-id", str(i)) for i in range(2)]
+    other = subprocess.Popen([sys.executable, "-c", "import sys, transport.protocol as p; p.PROTOCOL_VERSION = 99; "
+                              "from actors.daemon import main; sys.argv[0] = 'mpmd-actor'; main()", "--parent-pid", str(os.getpid()),
+                              "--cpu-devices", "1", "--listen", "tcp://127.0.0.1:0", "--insecure"],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                             env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        a0, a1, a_other = ready(procs[0]), ready(procs[1]), ready(other)
+        with pytest.raises(mpmd.IncompatibleActorError, match="position 0 of the address list\\) was started as actor 1"):
+            mpmd.RemoteMesh.connect([a1, a0], transport="none")
+        with mpmd.RemoteMesh.connect([a0, a1], transport="none") as mesh:
+            assert [mesh.actor(i).ping() is not None for i in range(2)] == [True, True]
+        with pytest.raises(mpmd.MpmdError, match="protocol version 99 is not supported"):
+            mpmd.RemoteMesh.connect([a_other], transport="none")
+        with pytest.raises(ValueError, match="address 1 .* is not a daemon address"):
+            mpmd.RemoteMesh.connect([a0, "not-an-address"])
+        with pytest.raises(ValueError, match="a list of daemon addresses"):
+            mpmd.RemoteMesh.connect([])
+    finally:
+        for p in (*procs, other):
+            p.kill()
+            p.wait()

@@ -27,7 +27,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from transport.auth import KeyPair, configure_client
-from transport.protocol import Message, ProtocolError, decode, encode
+from transport.protocol import Message, ProtocolError, decode, encode, message_id
 
 DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024**3
 
@@ -233,10 +233,6 @@ class ControlClient:
 
 
 def _reply_id(frames: Sequence[Any]) -> Any:
-    """The request id a malformed reply carries in its header, if the header itself can be read."""
-    from transport.protocol import parse_header
-
-    try:
-        return parse_header(frames[0]).get("id") if frames else None
-    except ProtocolError:
-        return None
+    """The request id a malformed reply carries in its header (also one of another protocol version), if the
+    header itself can be read."""
+    return message_id(frames) if frames else None

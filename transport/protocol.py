@@ -188,6 +188,20 @@ def parse_header(frame: Any) -> dict[str, Any]:
     return header
 
 
+def message_id(frames: Sequence[Any]) -> int | None:
+    """The integer 'id' a message's header names even when the message is refused (another protocol version,
+    a bad field), so that the error reply can answer it; None when the header cannot be read at all."""
+    try:
+        head = _buffer(frames[0])
+        if head.nbytes > MAX_HEADER_BYTES:
+            return None
+        header = msgpack.unpackb(head, raw=False, strict_map_key=False)
+    except Exception:
+        return None
+    rid = header.get("id") if isinstance(header, dict) else None
+    return rid if isinstance(rid, int) and not isinstance(rid, bool) and -2**63 <= rid < 2**64 else None
+
+
 def array_spec(meta: Any, i: int = 0) -> tuple[np.dtype, list[int], int]:
     """One entry of header["arrays"] -> (dtype, shape, payload bytes), or ProtocolError."""
     if not isinstance(meta, dict) or not isinstance(meta.get("shape"), list):

@@ -24,6 +24,7 @@ import concurrent.futures
 import functools
 import logging
 import os
+import re
 import secrets
 import shutil
 import time
@@ -36,7 +37,7 @@ import numpy as np
 import zmq.asyncio
 
 from mpmd.compiler.avals import is_key, key_impl, to_wire
-from mpmd.errors import MpmdError
+from mpmd.errors import IncompatibleActorError, MpmdError
 from mpmd.observe.profile import ProfileContext
 from mpmd.observe.trace import Trace, TraceContext, measure_clock_offsets
 from mpmd.runtime.actor_handle import ActorHandle
@@ -51,6 +52,7 @@ from mpmd.runtime.recovery import Recovery, enable_recovery
 from mpmd.runtime.sharding import ActorMesh, as_layout, layout_wire, remote_sharding
 from mpmd.runtime.wiring import TRANSPORTS, wire_data_plane
 from transport.auth import ClientKeys
+from transport.protocol import ProtocolError
 
 log = logging.getLogger(__name__)
 _LIVE_MESHES: weakref.WeakSet[RemoteMesh] = weakref.WeakSet()
@@ -73,6 +75,16 @@ class RemoteMesh:
         devices are a 1-D mesh of N named "data"; one device each needs no mesh."""
         if transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {transport!r}; choose one of {TRANSPORTS}")
+        if isinstance(addresses, (str, bytes)) or not addresses:
+            raise ValueError(f"RemoteMesh needs a list of daemon addresses like ['tcp://node0:5555', 'tcp://node1:5555'], got "
+                             f"{addresses!r:.80}")
+        for i, a in enumerate(addresses):
+            if not isinstance(a, str) or not re.match(r"^(tcp|ipc)://\S+$", a):
+                raise ValueError(f"address {i} ({a!r:.80}) is not a daemon address: write tcp://HOST:PORT or ipc:///path (what "
+                                 "mpmd-actor printed when it started)")
+        if mesh_shape is not None and (isinstance(mesh_shape, (str, bytes)) or not hasattr(mesh_shape, "__iter__") or not all(
+                isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 1 for d in mesh_shape)):
+            raise ValueError(f"mesh_shape must be a sequence of positive ints, one per axis (e.g. (2, 2)), got {mesh_shape!r:.80}")
         if transfer_timeout <= 0:
             raise ValueError(f"transfer_timeout must be positive, got {transfer_timeout}")
         if not 0 < 2 * heartbeat_interval < heartbeat_timeout:
@@ -101,12 +113,17 @@ class RemoteMesh:
         self.actor_mesh: ActorMesh | None = None
         self._offsets: dict[int, int] = {}
         self._tmpdir: str | None = None
+        self.generation = 0  # counts daemons replaced under this mesh by reconnect (see DistributedFunction._cached)
         self.recovery: Any = None  # a mpmd.runtime.recovery.RecoveryManager when made with recover=Recovery(...)
         _LIVE_MESHES.add(self)
         self.actors = [ActorHandle(self, i) for i in range(len(addresses))]
         try:
-            self.infos = self.run(gather(self._all("hello")))
+            try:
+                self.infos = self.run(gather(self._all("hello")))
+            except ProtocolError as e:  # e.g. a daemon of another protocol version: its reply names the version
+                raise IncompatibleActorError(f"{e}: install the same mpmd on every node and the controller") from None
             self._opened = True
+            self._check_actors()
             self.actor_mesh = self._device_mesh(mesh_shape, axis_names)
             for c, info in zip(self._conns, self.infos):
                 c.bound, c.compile_bound = info.header.get("request_timeout"), info.header.get("compile_timeout")
@@ -115,6 +132,21 @@ class RemoteMesh:
         except BaseException:
             self.close()
             raise
+
+    def _check_actors(self) -> None:
+        """Each daemon is the actor its position names (the data plane routes by actor id) and runs this JAX."""
+        for i, info in enumerate(self.infos):
+            got = info.header.get("actor_id")
+            if got is not None and got != i:  # (None: a peer that does not say, e.g. a test's stand-in)
+                raise IncompatibleActorError(
+                    f"the daemon at {self.addresses[i]} (position {i} of the address list) was started as actor {got!r}: list "
+                    f"the daemons in actor-id order, each id once (mpmd-actor --actor-id {i} for this position)")
+            version = info.header.get("jax_version")
+            if version is not None and version != jax.__version__:
+                raise IncompatibleActorError(
+                    f"actor {i} on {self.addresses[i]} runs JAX {version}, but this controller runs JAX {jax.__version__}: "
+                    "executables are exported here and deserialized there, so install the same jax (and jaxlib) on every "
+                    "node and the controller")
 
     def _device_mesh(self, shape: Sequence[int] | None, names: Sequence[str] | None) -> ActorMesh | None:
         """Check every actor has the devices the mesh needs and have each build it (None: one device each)."""
@@ -152,7 +184,7 @@ class RemoteMesh:
     def local(cls, num_actors: int = 2, devices_per_actor: int = 1, *, transport: str = "auto", cache_dir: str | bool = True,
               address: str = "ipc", platform: str = "cpu", startup_timeout: float = 120.0, log_level: str = "WARNING",
               cpus_per_actor: int | None = None, gpu_ids: Sequence[int] | None = None, loaders: Sequence[str] = (),
-              recover: Recovery | None = None, **kwargs: Any) -> RemoteMesh:
+              recover: Recovery | None = None, request_timeout: float | None = None, **kwargs: Any) -> RemoteMesh:
         """Spawn `num_actors` daemons on this machine, each with `devices_per_actor` CPU devices (or, with
         `platform="gpu"`, that many GPUs each: actor i gets GPUs i*d .. i*d+d-1).
 
@@ -162,7 +194,9 @@ class RemoteMesh:
         `gpu_ids` deals out those GPUs instead (``(0,)``: every actor shares GPU 0).
         `cache_dir` is the actors' persistent compilation cache (default: ~/.cache/mpmd/xla; False: none).
         `loaders`: "module:function" data loaders the actors may call for the batch leaves they read
-        (`mpmd.loaded_by_actors`; see mpmd/runtime/loader.py).
+        (`mpmd.loaded_by_actors`; see mpmd/runtime/loader.py). `request_timeout`: seconds the daemons give any
+        one request, a step included (mpmd-actor --request-timeout; None: its default of an hour): a loader or
+        a Run that never returns fails its step after that long.
         The daemons exit when the mesh is closed, when the `with` block ends, at interpreter exit, or when this
         process dies. `recover=mpmd.Recovery(snapshot_every=k)`: a daemon that dies is replaced by a new local
         process and the lost steps are replayed (see `mpmd.Recovery`).
@@ -173,7 +207,7 @@ class RemoteMesh:
             raise ValueError("transport='nccl' needs GPU actors: pass platform='gpu' (local actors run on CPU by default)")
         options = LocalOptions(devices_per_actor, platform, transport != "none", cache_dir, address, log_level, cpus_per_actor,
                                startup_timeout, gpu_ids=tuple(gpu_ids) if gpu_ids is not None else None,
-                               loaders=tuple(check_loader_name(fn) for fn in loaders))
+                               loaders=tuple(check_loader_name(fn) for fn in loaders), request_timeout=request_timeout)
         local = start_local(num_actors, options)  # with ephemeral keys: authenticated with no user action
         try:
             mesh = cls(local.endpoints, local.processes, transport=transport, keys=local.keys, **kwargs)
@@ -343,8 +377,8 @@ class RemoteMesh:
         """Talk again to actor `i` after it was declared dead, once it is back: a stopped process resumed
         (``kill -CONT``), or a daemon restarted at the same address. Its running steps are aborted. The same
         daemon keeps this mesh's buffers and programs; a restarted one has none (this mesh opens a new session
-        there and rewires the data plane; arrays that lived there are gone, and distributed functions made before
-        must be made again: their programs are gone too). Returns the actor's info."""
+        there and rewires the data plane; arrays that lived there are gone; distributed steps compile and load
+        their Programs again at their next call). Returns the actor's info."""
         old = self._conns[i]
         if address is not None:
             self.addresses[i] = address
@@ -372,6 +406,7 @@ class RemoteMesh:
             log.warning("actor %d at %s is a new daemon (pid %s): its buffers and programs from before are gone",
                         i, new.address, info.header.get("pid"))
             self.executables.forget(i)
+            self.generation += 1  # distributed steps load their Programs again at their next call
             self.infos[i] = info
             if self.actor_mesh is not None:
                 self.run(new.request("mesh", {"mesh": self.actor_mesh.to_wire()}))
