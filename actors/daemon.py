@@ -296,8 +296,11 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         req_id = None
         peer = user_id(identity) if secure else None
         try:
-            req_id = message_id(frames)  # (before decode: a refused message's error reply still answers it)
-            msg = decode(frames)
+            try:
+                msg = decode(frames)
+            except ProtocolError:
+                req_id = message_id(frames)  # a refused message's error reply still answers it, when it can be read
+                raise
             req_id = msg.header.get("id")
             if msg.op == "shutdown":
                 actor.authorize_shutdown(msg, peer)  # the job's owner, or an operator, in a session of its own

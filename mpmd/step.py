@@ -509,6 +509,9 @@ class DistributedFunction:
                 running = self._compiling[sig] = start_in_worker(self.compile, *args)
                 running.add_done_callback(lambda _: self._compiling.pop(sig, None))
             compiled = await watch(running)
+            if compiled.generation != getattr(self.mesh, "generation", 0):  # a daemon was replaced while it compiled
+                self._compiled.pop(sig, None)
+                compiled = await watch(start_in_worker(self.compile, *args))
         outs, done = self._dispatch(compiled, sig, leaves, may_wait=False)  # (this is the caller's loop)
         try:
             await self.mesh.arun(asyncio.sleep(0))  # queued behind the dispatch: its requests have left when this runs
@@ -687,15 +690,24 @@ class DistributedFunction:
                                 "its outputs are gone") from None
             if on_failure is not None and isinstance(e, Exception) and await on_failure(e):
                 return  # recovered: the step was replayed and its outputs rebound
-            for path, ready in upstream:  # an argument an earlier step was making: its failure is the cause
-                await asyncio.wait([asyncio.wrap_future(ready)], timeout=30)
-                if ready.done() and not ready.cancelled() and ready.exception() is not None:
-                    raise MpmdError(f"step {step} of {name} read argument {path}, an output of a step that did not finish: "
-                                    f"{ready.exception()}") from None
+            if not isinstance(e, ActorDiedError):  # (a lost actor is this step's own error, with its type)
+                await self._raise_upstream_error(upstream, step, name)
             raise name_step(e, step, name) from None
         self._cancelled.discard(step)  # (an abort that came after the step ended changed nothing)
         if trace is not None:
             trace.add_step(step, {a: f.result().header.get("trace") for a, f in enumerate(futures)}, mesh.clock_offsets())
+
+    async def _raise_upstream_error(self, upstream: Sequence[tuple[str, Any]], step: int, name: str) -> None:
+        """This step failed: if an earlier step whose outputs it reads did not finish (cancelled, failed), that is
+        the cause, raised naming the argument. Waits for those steps to end, 30 s at most in all."""
+        by_step = {id(ready): (path, ready) for path, ready in reversed(upstream)}  # each step once (its first argument)
+        if not by_step or getattr(self.mesh, "closed", False):
+            return
+        await asyncio.wait([asyncio.wrap_future(r) for _, r in by_step.values()], timeout=30)
+        for path, ready in by_step.values():
+            if ready.done() and not ready.cancelled() and ready.exception() is not None:
+                raise MpmdError(f"step {step} of {name} read argument {path}, an output of a step that did not finish: "
+                                f"{ready.exception()}") from None
 
     async def _wait_all(self, requests: list[asyncio.Future[Any]], compiled: CompiledStep, step: int) -> None:
         done, pending = await asyncio.wait(requests, return_when=asyncio.FIRST_EXCEPTION)

@@ -192,7 +192,9 @@ class TuneResult:
 
     def _args_for(self, c: Candidate) -> tuple[Any, ...]:
         args = list(self.args)
-        args[self.batch_argnum] = resplit(args[self.batch_argnum], c.num_microbatches)
+        batch = args[self.batch_argnum]
+        if not all(np.shape(x)[:1] == (c.num_microbatches,) for x in jax.tree.leaves(batch)):  # (already split so: as given)
+            args[self.batch_argnum] = resplit(batch, c.num_microbatches)
         return tuple(args)
 
 
@@ -316,7 +318,6 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
     from mpmd.observe.segments import segment_layout
 
     n, out_bytes, m0, rows = segment_layout(base, *args)
-    batch_argnum = _batch_argnum(args, batch_argnum, m0, base.static_argnums)
     if costs is None:
         seg = base.profile_costs(*args, steps=profile_steps)
     elif costs == "xla":
@@ -330,6 +331,8 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
     total_rows = m0 * rows if rows else m0
     vmax = max([*virtual_stages, 2])
     counts = list(microbatches) if microbatches is not None else (_divisors(total_rows, p, 4 * p * vmax) if rows else [m0])
+    if batch_argnum is not None or any(m != m0 for m in counts):  # (only a re-split needs to know the batch)
+        batch_argnum = _batch_argnum(args, batch_argnum, m0, base.static_argnums)
     fits = [m for m in counts if not rows or total_rows % m == 0]
     if costs is None and rows and fits and min(fits) < m0:
         # Also measured at the largest microbatch considered: how the compute grows with the rows (rarely linearly).
@@ -368,7 +371,7 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
         for sched in cands:
             found.extend(_predict(base, tuple(call_args), sched, m, scaled, p, memory_limit, remat))
     found.sort(key=lambda c: (bool(c.rejected), c.predicted if c.predicted is not None else float("inf")))
-    result = TuneResult(found, seg, base, args, batch_argnum, memory_limit)
+    result = TuneResult(found, seg, base, args, batch_argnum if batch_argnum is not None else -1, memory_limit)
     if calibrate if calibrate is not None else costs is None:
         result.calibrate()
     return result

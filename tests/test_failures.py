@@ -75,6 +75,11 @@ def test_a_killed_actor_fails_the_step_naming_actor_address_and_task_and_the_oth
         after = mesh.actor(0).stats()
         assert after["running"] == 0 and after["buffers"] == before["buffers"], (before, after)
         assert not glob.glob(f"/dev/shm/mpmd-{victim}-*")  # the controller removed what the dead actor could not
+        # A step chained on one the lost actor failed raises the loss of that actor too, with its type and id.
+        p1, o1, _ = dist(p, o, batch)
+        with pytest.raises(mpmd.ActorDiedError, match=r"actor 1 died .*during step \d+ of step") as e:
+            dist(p1, o1, batch)[2].block_until_ready()
+        assert e.value.actor_id == 1
 
 
 def test_a_crashed_actor_is_reported_as_a_segfault_naming_the_request():

@@ -184,7 +184,7 @@ def test_tune_takes_its_choices_as_any_iterable_and_a_limit_as_any_positive_numb
 def test_tune_finds_the_batch_or_refuses_an_argument_that_is_not_one():
     """tune re-splits the batch for every microbatch count: pointing batch_argnum at the optimizer state
     (sgd's: no leaves) simulated every 'm=12' candidate with the 4 traced microbatches (found by a probe).
-    Without batch_argnum tune finds the batch itself, here before a static argument."""
+    Without batch_argnum tune finds the batch itself, also before a static argument."""
     params, batch = uneven_setup(num_mb=4, rows=12)
     opt = optax.sgd(0.1)
     step = make_step(uneven_loss, opt, mpmd.OneFOneB(2))
@@ -195,6 +195,13 @@ def test_tune_finds_the_batch_or_refuses_an_argument_that_is_not_one():
     r = mpmd.tune(step, *args, mesh=FakeMesh(2), costs="xla", schedules=["GPipe"], microbatches=[12])
     assert r.batch_argnum == 2 and r.best.num_microbatches == 12
     assert jax.tree.leaves(r._args_for(r.best)[2])[0].shape[:2] == (12, 4)
+
+    def with_flag(params, opt_state, batch, flag):
+        return step(params, opt_state, batch)
+
+    dist = mpmd.distributed(with_flag, mesh=FakeMesh(2), static_argnames="flag")
+    r = mpmd.tune(dist, *args, True, costs="xla", schedules=["GPipe"], microbatches=[12])
+    assert r.batch_argnum == 2 and r.best.num_microbatches == 12
 
 
 def test_verify_and_calibrate_refuse_counts_that_measure_nothing():

@@ -94,7 +94,7 @@ def _run(args: argparse.Namespace) -> int:
             result = mpmd.tune(step, params, opt_state, batch, mesh=mesh, memory_limit=limit, microbatches=counts,
                                costs="xla" if args.xla_costs else None, remat=args.remat)
         except mpmd.MpmdError as e:
-            raise SystemExit(f"mpmd tune: {e}") from None
+            raise SystemExit(f"mpmd {e}" if str(e).startswith("tune:") else f"mpmd tune: {e}") from None
         print(result)
         if args.verify:
             result.verify(args.verify)

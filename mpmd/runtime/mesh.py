@@ -136,17 +136,22 @@ class RemoteMesh:
     def _check_actors(self) -> None:
         """Each daemon is the actor its position names (the data plane routes by actor id) and runs this JAX."""
         for i, info in enumerate(self.infos):
-            got = info.header.get("actor_id")
-            if got is not None and got != i:  # (None: a peer that does not say, e.g. a test's stand-in)
-                raise IncompatibleActorError(
-                    f"the daemon at {self.addresses[i]} (position {i} of the address list) was started as actor {got!r}: list "
-                    f"the daemons in actor-id order, each id once (mpmd-actor --actor-id {i} for this position)")
+            self._check_id(i, info.header)
             version = info.header.get("jax_version")
             if version is not None and version != jax.__version__:
                 raise IncompatibleActorError(
                     f"actor {i} on {self.addresses[i]} runs JAX {version}, but this controller runs JAX {jax.__version__}: "
                     "executables are exported here and deserialized there, so install the same jax (and jaxlib) on every "
                     "node and the controller")
+
+    def _check_id(self, i: int, header: dict[str, Any]) -> None:
+        """The data plane routes by actor id: the daemon at position `i` must be actor `i` (unless nothing routes:
+        one actor, or no data plane). None: a peer that does not say (a test's stand-in)."""
+        got = header.get("actor_id")
+        if got is not None and got != i and self.transport != "none" and len(self.addresses) > 1:
+            raise IncompatibleActorError(
+                f"the daemon at {self.addresses[i]} (position {i} of the address list) was started as actor {got!r}: list "
+                f"the daemons in actor-id order, each id once (mpmd-actor --actor-id {i} for this position)")
 
     def _device_mesh(self, shape: Sequence[int] | None, names: Sequence[str] | None) -> ActorMesh | None:
         """Check every actor has the devices the mesh needs and have each build it (None: one device each)."""
@@ -396,6 +401,7 @@ class RemoteMesh:
 
         try:
             info, fresh = self.run(back())
+            self._check_id(i, info.header)
         except BaseException:
             self._io.call_soon(new.close)
             raise

@@ -400,6 +400,7 @@ class RecoveryManager:
             t = time.monotonic()
             for (dist, sig, c), blobs in zip(steps, lowered):
                 dist._lower_and_ship(c.plan, c.program_ids, sig[2], c.out_tree, blobs.result())
+                c.generation = mesh.generation  # loaded on the replacements: current again (see DistributedFunction._cached)
         report["reload"] = time.monotonic() - t
         return self._restore_and_replay(set(lost), report)
 

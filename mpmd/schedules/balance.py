@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -38,6 +38,7 @@ __all__ = ["BALANCE_MODES", "SegmentCosts", "SegmentProfile", "best_grouping", "
            "groups", "resolve_grouping", "stage_loads"]
 
 EXHAUSTIVE_MAX = 400  # groupings simulated one by one up to this count; beyond, a min-max start and local moves
+SEARCH_MAX = 150  # groupings the local search simulates at most (16 stages x 16 microbatches: ~12 ms each)
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class SegmentCosts:
     def __post_init__(self) -> None:
         for name in ("F", "B", "I", "W", "activation_bytes"):
             got = getattr(self, name)
-            if isinstance(got, (str, bytes)) or not hasattr(got, "__iter__"):
+            if isinstance(got, (str, bytes, Mapping, set, frozenset)) or not hasattr(got, "__iter__"):
                 raise ValueError(f"SegmentCosts.{name} must be a sequence with one value per segment, got {got!r:.80}")
             object.__setattr__(self, name, tuple(got))
         n = len(self.F)
@@ -269,28 +270,35 @@ def best_grouping(schedule: Schedule, num_microbatches: int, seg: SegmentCosts) 
 
     if math.comb(n - 1, k - 1) <= EXHAUSTIVE_MAX:
         return min(_compositions(n, k), key=score)
-    return min((_descend(start, score) for start in {_min_max([f + b for f, b in zip(seg.F, seg.B)], k), even_grouping(n, k)}),
-               key=lambda g: (score(g), g))
+    starts = sorted({_min_max([f + b for f, b in zip(seg.F, seg.B)], k), even_grouping(n, k)})
+    return min((_descend(start, score, seen) for start in starts), key=lambda g: (score(g), g))
 
 
-def _descend(current: tuple[int, ...], score: Any) -> tuple[int, ...]:
-    """Local search from `current`: move one segment from any stage to any other (the stages between shift by
-    one; moving only between neighbours got stuck 5-6 % above the best grouping), taking the best move while the
-    step gets shorter."""
+def _descend(current: tuple[int, ...], score: Any, seen: dict[tuple[int, ...], Any]) -> tuple[int, ...]:
+    """Local search from `current`: move one segment to a neighbouring stage, or, when no such move helps, to
+    any other stage (the stages between shift by one: moving only between neighbours got stuck 5-6 % above the
+    best grouping); the first move that shortens the step is taken, until none does or SEARCH_MAX groupings
+    have been simulated (`seen`)."""
     k = len(current)
-    while True:
-        moves = []
+
+    def moves(adjacent: bool) -> Any:
         for i in range(k):
-            for j in range(k):
-                if i != j and current[i] > 1:
+            for j in ((i - 1, i + 1) if adjacent else range(k)):
+                if 0 <= j < k and (abs(i - j) == 1) == adjacent and current[i] > 1:
                     g = list(current)
                     g[i] -= 1
                     g[j] += 1
-                    moves.append(tuple(g))
-        best = min(moves, key=lambda g: (score(g), g), default=current)
-        if score(best) >= score(current):
+                    yield tuple(g)
+
+    while len(seen) < SEARCH_MAX:
+        base = score(current)
+        better = next((g for g in moves(True) if score(g) < base), None)
+        if better is None:
+            better = next((g for g in moves(False) if score(g) < base), None)
+        if better is None:
             return current
-        current = best
+        current = better
+    return current
 
 
 def resolve_grouping(schedule: Schedule, num_segments: int, num_microbatches: int, costs: SegmentCosts | None = None) -> tuple[int, ...] | None:

@@ -74,7 +74,7 @@ class Costs:
             v = getattr(self, name)
             many = hasattr(v, "__iter__") and not isinstance(v, (str, bytes))
             vals = list(v) if many else [v]
-            if not vals or not all(map(_finite, vals)):
+            if isinstance(v, (Mapping, set, frozenset)) or not vals or not all(map(_finite, vals)):  # (a dict's keys are no costs)
                 raise ValueError(f"Costs.{name} must be a finite non-negative number or a sequence of them (one per stage), "
                                  f"got {v!r:.80}")
             object.__setattr__(self, name, tuple(float(x) for x in vals) if many else float(v))
