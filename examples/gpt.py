@@ -184,6 +184,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ray", action="store_true", help="start the --actors daemons through Ray (ray.init(address='auto') "
                                                         "on a Ray cluster, else a local Ray)")
     args = p.parse_args(argv)
+    for flag in ("actors", "microbatches", "rows", "seq", "layers", "width", "heads", "steps", "tensor_parallel"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if args.quick:
         args.steps, args.layers, args.width = min(args.steps, 120), 4, 64
     if args.stages is None:

@@ -294,8 +294,13 @@ class DistributedFunction:
             return None
         return hit
 
-    def compile(self, *args: Any) -> CompiledStep:
-        """Trace, plan and ship the Programs for these arguments (done by the first call automatically)."""
+    def compile(self, *args: Any, **kwargs: Any) -> CompiledStep:
+        """Trace, plan and ship the Programs for these arguments, given as to the step itself (done by the
+        first call automatically)."""
+        return self._compile(self._bind(args, kwargs))
+
+    def _compile(self, args: tuple[Any, ...]) -> CompiledStep:
+        """`compile` of arguments already bound (`_bind`)."""
         sig, leaves, specs = self._signature(args)
         hit = self._cached(sig)
         if hit is not None:
@@ -377,10 +382,11 @@ class DistributedFunction:
         mesh.run(load())
         return programs
 
-    def placement(self, *args: Any) -> PlacementReport:
+    def placement(self, *args: Any, **kwargs: Any) -> PlacementReport:
         """Where each argument and output of the step lives (per pytree path), and what moves between actors in
         one step, by kind (activations, activation gradients, parameters, gradient reductions, other)."""
-        compiled = self.compile(*args)
+        args = self._bind(args, kwargs)
+        compiled = self._compile(args)
         out_paths = [f"out{jax.tree_util.keystr(p)}" for p in _tree_paths(compiled.out_tree)]
         return placement_report(compiled.plan, compiled.arg_paths, out_paths)
 
@@ -389,7 +395,7 @@ class DistributedFunction:
         I=W=1, free transfers): step time, bubble per actor, peak activation bytes, timeline, pictures."""
         from mpmd.schedules.simulator import simulate_programs
 
-        return simulate_programs(self.compile(*args).plan.programs, costs, name=getattr(self.fn, "__name__", "step"))
+        return simulate_programs(self._compile(self._bind(args, {})).plan.programs, costs, name=getattr(self.fn, "__name__", "step"))
 
     def with_schedule(self, schedule: Any) -> DistributedFunction:
         """The same step on the same mesh with `schedule` in place of the one its `accumulate_grads` names
@@ -408,9 +414,9 @@ class DistributedFunction:
 
         return profile_costs(self, *args, steps=steps, split_backward=split_backward)
 
-    def program(self, *args: Any) -> str:
-        """The per-actor instruction lists for these arguments, one line per instruction."""
-        return str(self.compile(*args).plan)
+    def program(self, *args: Any, **kwargs: Any) -> str:
+        """The per-actor instruction lists for these arguments (given as to the step), one line per instruction."""
+        return str(self.compile(*args, **kwargs).plan)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Dispatch one step and return its outputs at once, as RemoteArrays (like jax.jit's asynchronous
@@ -434,7 +440,7 @@ class DistributedFunction:
         compiled = self._cached(sig)
         if compiled is None:
             t = time.perf_counter()
-            compiled = self.compile(*args)
+            compiled = self._compile(args)
             note_blocking(time.perf_counter() - t, f"compiling {getattr(self.fn, '__name__', 'a step')}")
         return self._dispatch(compiled, sig, leaves, on_failure, sent)[0]
 
@@ -479,9 +485,11 @@ class DistributedFunction:
             aval = plan.out_avals[j]
             sharding = remote_sharding(plan.layouts.get(plan.out_keys[j]), self.mesh.actor_mesh)
             return RemoteArray(self.mesh, ids, aval.shape, aval.dtype, sharding, ready=ready)
-        if kind == "arg":
+        # As under jax.jit: an argument returned as it is, or a constant, comes back as a jax Array of its traced
+        # dtype (a Python float an f32 Array, a float64 numpy array with x64 off an f32 one), not as the object given.
+        if kind == "arg" and isinstance(leaves[val], (RemoteArray, LoadedLeaf)):
             return leaves[val]
-        return np.asarray(val)
+        return jax.numpy.asarray(leaves[val] if kind == "arg" else val, dtype=plan.out_avals[j].dtype)
 
     async def call_async(self, *args: Any, **kwargs: Any) -> Any:
         """Awaitable twin of `step(*args)`, for the caller's own event loop: dispatches the step the same way
@@ -506,12 +514,12 @@ class DistributedFunction:
         if compiled is None:
             running = self._compiling.get(sig)
             if running is None:
-                running = self._compiling[sig] = start_in_worker(self.compile, *args)
+                running = self._compiling[sig] = start_in_worker(self._compile, args)
                 running.add_done_callback(lambda _: self._compiling.pop(sig, None))
             compiled = await watch(running)
             if compiled.generation != getattr(self.mesh, "generation", 0):  # a daemon was replaced while it compiled
                 self._compiled.pop(sig, None)
-                compiled = await watch(start_in_worker(self.compile, *args))
+                compiled = await watch(start_in_worker(self._compile, args))
         outs, done = self._dispatch(compiled, sig, leaves, may_wait=False)  # (this is the caller's loop)
         try:
             await self.mesh.arun(asyncio.sleep(0))  # queued behind the dispatch: its requests have left when this runs

@@ -33,7 +33,9 @@ def test_fetch_brings_a_whole_pytree_home_in_one_request_per_actor(mesh2):
     assert got["c"] == 7
     for g, w in zip(got["a"], host["a"]):
         np.testing.assert_array_equal(g, w)
-    np.testing.assert_array_equal(got["b"], host["b"])
+    # float64 with x64 off: put gives what jax.device_put gives, float32 (running it under jit then works)
+    assert got["b"].dtype == jax.device_put(host["b"]).dtype == np.float32
+    np.testing.assert_array_equal(got["b"], host["b"].astype(np.float32))
 
 
 def test_typed_prng_keys_round_trip_through_an_actor(mesh2):

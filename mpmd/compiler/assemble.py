@@ -93,7 +93,12 @@ def order_units(loop: StepLoop, names: CanonicalVars, tasks: LoopTasks, outside:
     arg_homes: dict[ValueKey, set[int]] = {Outer(v): set(outside.need.get(v, set())) for v in invars}
     out_keys: list[Any] = []
     for v in loop.jaxpr.outvars:
-        out_keys.append(v if isinstance(v, Literal) else finals.get(Outer(names.resolve(v)), Outer(names.resolve(v))))
+        if isinstance(v, Literal):
+            out_keys.append(v)
+        elif names.resolve(v) in loop.consts:  # a constant the step closes over and returns as it is
+            out_keys.append(Literal(loop.consts[names.resolve(v)], v.aval))
+        else:
+            out_keys.append(finals.get(Outer(names.resolve(v)), Outer(names.resolve(v))))
     for k, aval in outside.hidden_avals.items():
         avals.setdefault(k, aval)
     out_keys.extend(hidden.keys)

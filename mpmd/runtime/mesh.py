@@ -575,7 +575,7 @@ class RemoteMesh:
         return jax.tree.unflatten(treedef, out)
 
     def put_replicated(self, value: Any, actors: Sequence[int], spec: Any = None) -> RemoteArray:
-        """Copy a host value (numpy, jax or typed key array) to each of `actors`, dtype kept as it is, laid out
+        """Copy a host value (numpy, jax or typed key array) to each of `actors`, of the dtype jax.device_put gives it, laid out
         as `spec` over each actor's devices (None: replicated); one RemoteArray."""
         send, made = self._put(value, actors, spec)
         self.run(send)
@@ -589,6 +589,10 @@ class RemoteMesh:
 
     def _put(self, value: Any, actors: Sequence[int], spec: Any) -> tuple[Any, Callable[[], RemoteArray]]:
         """The put requests (a coroutine to run on the loop) and how to make the RemoteArray once they are done."""
+        if not isinstance(value, jax.Array) and not is_key(getattr(value, "dtype", None)):
+            host = np.asarray(value)  # as jax.device_put does: 64-bit numbers become 32-bit unless x64 is on
+            if host.dtype != object and host.dtype != jax.dtypes.canonicalize_dtype(host.dtype):
+                value = host.astype(jax.dtypes.canonicalize_dtype(host.dtype))
         wire = to_wire(value)
         dtype = getattr(value, "dtype", wire.dtype) if is_key(getattr(value, "dtype", None)) else wire.dtype
         shape = wire.shape[: wire.ndim - (len(key_impl(dtype).key_shape) if is_key(dtype) else 0)]
