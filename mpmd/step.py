@@ -487,9 +487,12 @@ class DistributedFunction:
             return RemoteArray(self.mesh, ids, aval.shape, aval.dtype, sharding, ready=ready)
         # As under jax.jit: an argument returned as it is, or a constant, comes back as a jax Array of its traced
         # dtype (a Python float an f32 Array, a float64 numpy array with x64 off an f32 one), not as the object given.
-        if kind == "arg" and isinstance(leaves[val], (RemoteArray, LoadedLeaf)):
+        dtype = plan.out_avals[j].dtype
+        if kind == "arg" and (isinstance(leaves[val], (RemoteArray, LoadedLeaf)) or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+                              or (isinstance(leaves[val], jax.Array) and leaves[val].dtype == dtype)):
             return leaves[val]
-        return jax.numpy.asarray(leaves[val] if kind == "arg" else val, dtype=plan.out_avals[j].dtype)
+        value = np.asarray(leaves[val] if kind == "arg" else val, dtype=dtype)
+        return jax.numpy.asarray(value) if j < plan.num_outputs else value  # (a host callback's operands stay numpy)
 
     async def call_async(self, *args: Any, **kwargs: Any) -> Any:
         """Awaitable twin of `step(*args)`, for the caller's own event loop: dispatches the step the same way

@@ -641,19 +641,22 @@ def _grads_and_losses(params, batch):
 def test_constants_and_arguments_a_step_returns_as_they_are_come_back_as_under_jit(mesh2):
     """A closed-over array returned unchanged failed with "internal: step output ... is computed nowhere"; a
     Python float argument returned as it is came back a float, 3 an int64 numpy array (jit: 32-bit Arrays)."""
-    def step(params, lr, batch):
+    def step(params, lr, batch, key):
         grads, losses = _grads_and_losses(params, batch)
         new = jax.tree.map(lambda p, g: p - lr * g, params, grads)
-        return new, losses, {"table": TABLE, "lr": lr, "three": 3, "f64": np.float64(2.5)}
+        return new, losses, {"table": TABLE, "lr": lr, "three": 3, "f64": np.float64(2.5), "key": key}
 
     rng = np.random.default_rng(0)
     params = [rng.standard_normal((8, 8)).astype(np.float32) * 0.1 for _ in range(2)]
     batch = {"x": rng.standard_normal((2, 4, 8)).astype(np.float32)}
-    want = jax.jit(step)(params, 0.5, batch)
-    got = mpmd.distributed(step, mesh=mesh2)(params, 0.5, batch)
-    for k in ("table", "lr", "three", "f64"):
+    key = jax.random.key(7)
+    want = jax.jit(step)(params, 0.5, batch, key)
+    got = mpmd.distributed(step, mesh=mesh2)(params, 0.5, batch, key)
+    for k in ("table", "lr", "three", "f64", "key"):
         assert isinstance(got[2][k], jax.Array) and got[2][k].dtype == want[2][k].dtype, (k, type(got[2][k]), got[2][k])
+    for k in ("table", "lr", "three", "f64"):
         np.testing.assert_array_equal(np.asarray(got[2][k]), np.asarray(want[2][k]))
+    np.testing.assert_array_equal(jax.random.key_data(got[2]["key"]), jax.random.key_data(want[2]["key"]))
     assert_trees_close(mpmd.fetch(got[:2]), want[:2])
 
 
