@@ -4,6 +4,7 @@ Programs (Send/Recv only), through the real interpreter and real daemons."""
 import itertools
 import time
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -46,7 +47,8 @@ def run_transfers(mesh, pairs, keep=False):
     inputs = {0: [], 1: []}
     outputs = {0: [], 1: []}
     for src, dst, tag, arr in pairs:
-        inputs[src].append(mesh.actor(src).put(arr))
+        with jax.enable_x64(True):  # put keeps 64-bit dtypes as jax.device_put does, only with x64 on: these test transport
+            inputs[src].append(mesh.actor(src).put(arr))
         outputs[dst].append(mesh.new_buffer_id())
 
     async def go():
