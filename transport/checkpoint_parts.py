@@ -29,7 +29,8 @@ _CHUNK = 1 << 22
 def array_digest(a: Any) -> str:
     """SHA-256 (hex) of an array's C-order bytes."""
     data = np.ascontiguousarray(a)
-    return hashlib.sha256(memoryview(data.reshape(-1)).cast("B") if data.size else b"").hexdigest()
+    # (as bytes through a uint8 view: a memoryview of bfloat16 and the other ml_dtypes cannot be made)
+    return hashlib.sha256(memoryview(data.reshape(-1).view(np.uint8)) if data.size else b"").hexdigest()
 
 
 def file_digest(path: str) -> str:
