@@ -1,7 +1,8 @@
 """Batch leaves an actor loads itself: the controller names a loader function and a leaf, the actor calls it.
 
-A `run_program` request may mark inputs -3 and carry ``loads: [{fn, name, shape, dtype, [layout]}]``, one per
-such input. The actor calls only functions on its allow-list (``mpmd-actor --allow-loader module:function``,
+A `run_program` request may mark inputs -3 and carry ``loads: [{fn, name, shape, dtype, [layout], [step]}]``, one
+per such input (`step`: the step to load, when not the request's own: a recovery's replay loads the data of the
+step it replays). The actor calls only functions on its allow-list (``mpmd-actor --allow-loader module:function``,
 repeatable; empty by default, so a daemon loads nothing unless its operator said so): it imports the module
 by name (never unpickles), calls ``fn(step, name)`` in a worker thread — while the step before still runs —
 and checks that the result is an array of the announced dtype and shape. Any failure fails that step with an
@@ -78,6 +79,8 @@ class Loaders:
     def start(self, spec: Any, step: int, place: Callable[[np.ndarray], Any]) -> asyncio.Future[Any]:
         """Check `spec` now, then load it in a worker thread and `place` it on the devices; the future of the value."""
         fn, name, dtype, shape = self.check(spec)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise RequestError(f"loader {fn}: the step to load must be an int >= 0, got {step!r:.40}")
         return asyncio.ensure_future(asyncio.to_thread(lambda: place(self.load(fn, name, dtype, shape, step))))
 
 

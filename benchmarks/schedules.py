@@ -126,8 +126,9 @@ def main() -> None:
             with mpmd.RemoteMesh.local(num_actors=n, cpus_per_actor=pin) as mesh:
                 r = run_one(gpt, mesh, name, n, stages, args, out)
             rows.append(r)
-            print(f"{name:22s} {n} actors {stages:2d} stages  step {r['step_ms']:8.2f} ms  bubble measured {r['bubble_measured']}  "
-                  f"simulated {r['bubble_simulated']}  ratio {r['ratio']:.2f}  efficiency {r['efficiency']:.2f}  "
+            fmt = lambda v: [round(float(x), 3) for x in v] if isinstance(v, (list, tuple)) else round(float(v), 3)  # noqa: E731
+            print(f"{name:22s} {n} actors {stages:2d} stages  step {r['step_ms']:8.2f} ms  bubble measured {fmt(r['bubble_measured'])}  "
+                  f"simulated {fmt(r['bubble_simulated'])}  ratio {r['ratio']:.2f}  efficiency {r['efficiency']:.2f}  "
                   f"peak bytes measured {r['peak_measured']} simulated {r['peak_simulated']}", flush=True)
     print(f"\n(pinned one actor per core for up to {cores} actors; more actors share the cores)")
     print("\nMonte Carlo prediction (costs from the run's own trace) vs the traced step:")

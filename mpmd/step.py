@@ -183,6 +183,8 @@ class DistributedFunction:
         self._compiling: dict[Any, Any] = {}  # signature -> future of a compile running in a worker (call_async)
         self._cancelled: set[int] = set()  # steps aborted because their await was cancelled
         self._step = itertools.count()
+        self._calls = itertools.count()  # the calls made (a recovery's replays are not counted): what loaders load
+        self._last_load = -1
         self.schedule: Any = None  # replaces the schedule the step names (see with_schedule)
         self.__wrapped__ = fn
         self.__doc__ = fn.__doc__
@@ -432,7 +434,7 @@ class DistributedFunction:
         return self._call(args)
 
     def _call(self, args: tuple[Any, ...], on_failure: Callable[[BaseException], Any] | None = None,
-              sent: list[Any] | None = None) -> Any:
+              sent: list[Any] | None = None, load_step: int | None = None) -> Any:
         """Dispatch one step (see `__call__`). `on_failure(error)`: a coroutine run on the loop when the step
         fails; True means the step was recovered (its outputs were rebound: it ends normally). `sent` collects
         the step's run_program futures (so that a recovery can wait for them)."""
@@ -442,16 +444,20 @@ class DistributedFunction:
             t = time.perf_counter()
             compiled = self._compile(args)
             note_blocking(time.perf_counter() - t, f"compiling {getattr(self.fn, '__name__', 'a step')}")
-        return self._dispatch(compiled, sig, leaves, on_failure, sent)[0]
+        return self._dispatch(compiled, sig, leaves, on_failure, sent, load_step=load_step)[0]
 
     def _dispatch(self, compiled: CompiledStep, sig: Any, leaves: list[Any], on_failure: Callable[[BaseException], Any] | None = None,
-                  sent: list[Any] | None = None, may_wait: bool = True) -> tuple[Any, Any]:
+                  sent: list[Any] | None = None, may_wait: bool = True, load_step: int | None = None) -> tuple[Any, Any]:
         """Send one step (through the controller loop, in call order); its outputs and its done future (see
         `_call` for `on_failure` and `sent`). `may_wait`: the calling thread may wait for a shared-memory input
-        segment when the caller is many steps ahead (not on a caller's event loop)."""
+        segment when the caller is many steps ahead (not on a caller's event loop). `load_step`: the call number
+        its actor-loaded leaves are loaded for (a recovery's replay of call k loads call k's data; default: the
+        next call number)."""
         step = next(self._step)
         mesh, plan = self.mesh, compiled.plan
-        requests, replicas, outs = self._prepare(compiled, leaves, step, sig[2], may_wait)
+        # (the call count, not `step`: a replay draws step numbers of its own, and must not shift later loads)
+        self._last_load = next(self._calls) if load_step is None else load_step
+        requests, replicas, outs = self._prepare(compiled, leaves, step, sig[2], may_wait, self._last_load)
         # Arguments that earlier steps still make: if this step fails because one of those did, that is its error.
         upstream = [(compiled.arg_paths[k], x._ready) for k, x in enumerate(leaves)
                     if isinstance(x, RemoteArray) and x._ready is not None
@@ -562,7 +568,7 @@ class DistributedFunction:
             raise last[1].exception()
 
     def _prepare(self, compiled: CompiledStep, leaves: list[Any], step: int, layouts: tuple | None,
-                 may_wait: bool = True) -> tuple[list[dict[str, Any]], list[Any], list[dict[int, int]]]:
+                 may_wait: bool = True, load_step: int | None = None) -> tuple[list[dict[str, Any]], list[Any], list[dict[int, int]]]:
         """The run_program request of every actor, the argument replicas it makes, and every output's buffer ids."""
         mesh, plan = self.mesh, compiled.plan
         n = len(plan.programs)
@@ -578,7 +584,8 @@ class DistributedFunction:
             if isinstance(x, LoadedLeaf):
                 for a in sorted(homes):
                     inputs[a].append(-3)
-                    loads[a].append({**x.wire(), "layout": layout_wire(layouts[k]) if layouts is not None else None})
+                    loads[a].append({**x.wire(), "layout": layout_wire(layouts[k]) if layouts is not None else None,
+                                     "step": step if load_step is None else load_step})
                 continue
             wire = None if isinstance(x, RemoteArray) else to_wire(host_value(x))
             for a in sorted(homes):  # only the actors whose Programs read this argument get it

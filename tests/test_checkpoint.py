@@ -8,6 +8,7 @@ import textwrap
 import jax
 import numpy as np
 import optax
+import pytest
 
 import mpmd
 from tests import models
@@ -110,3 +111,12 @@ def test_bfloat16_and_float8_leaves_save_and_restore_bit_exactly(mesh2, tmp_path
     mpmd.save(str(tmp_path / "remote"), remote)
     back = mpmd.restore(str(tmp_path / "remote"), mesh2, remote)
     assert back["w"].dtype == ml_dtypes.bfloat16 and back["w"].to_numpy().tobytes() == remote["w"].to_numpy().tobytes()
+
+
+def test_a_file_where_a_checkpoint_directory_belongs_is_a_checkpoint_error(tmp_path):
+    path = tmp_path / "a-file"
+    path.write_text("not a checkpoint")
+    with pytest.raises(mpmd.CheckpointError, match="is a file"):
+        mpmd.save(str(path), {"x": np.ones(3, np.float32)})
+    with pytest.raises(mpmd.CheckpointError, match="is a file, not a checkpoint directory"):
+        mpmd.load(str(path))

@@ -284,3 +284,37 @@ def test_an_async_save_running_when_an_actor_is_lost_is_written_again_after_the_
     got = mpmd.load(str(tmp_path / "c"), like=want)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.slow
+def test_with_actor_loaded_batches_the_replay_loads_the_data_of_the_steps_it_replays():
+    """A replay drew step numbers of its own, and the actors' loaders loaded those: every replayed step, and every
+    step after, trained on another step's data — silently (losses 17 % off jax.jit; found by a probe)."""
+    from mpmd.testing import LOADED_LEAF_SHAPE, synthetic_regression_leaf
+
+    m, rows, width = LOADED_LEAF_SHAPE
+    params = mlp_params(np.random.default_rng(5), num_stages=2, width=width)
+    spec = {k: jax.ShapeDtypeStruct(LOADED_LEAF_SHAPE, np.float32) for k in ("x", "y")}
+    ref = jax.jit(STEP)
+    rp, ro, want = params, OPT.init(params), []
+    for k in range(7):
+        rp, ro, loss = ref(rp, ro, {leaf: synthetic_regression_leaf(k, leaf) for leaf in ("x", "y")})
+        want.append(np.asarray(loss))
+    with mpmd.RemoteMesh.local(num_actors=2, loaders=["mpmd.testing:synthetic_regression_leaf"], heartbeat_timeout=5.0,
+                               recover=mpmd.Recovery(snapshot_every=2)) as mesh:
+        dist = mpmd.distributed(STEP, mesh=mesh)
+        batch = mpmd.loaded_by_actors("mpmd.testing:synthetic_regression_leaf", spec)
+        p, o, losses = params, OPT.init(params), []
+        for k in range(7):
+            if k in (3, 5):
+                _sigkill(mesh, 1 if k == 3 else 0)
+            p, o, loss = dist(p, o, batch)
+            losses.append(loss)
+            if k in (3, 5):
+                loss.block_until_ready()  # (two recoveries, not one for both)
+        got = mpmd.fetch((p, o, losses))
+        assert mesh.recoveries == 2
+    for k in range(7):
+        np.testing.assert_allclose(got[2][k], want[k], rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(got[:2]), jax.tree.leaves((rp, ro))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -117,6 +117,8 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
     committed checkpoint's directory (`path/ckpt-<n>`)."""
     if keep < 1:
         raise CheckpointError(f"mpmd.save: keep={keep}; keep at least the checkpoint being written (keep >= 1)", checkpoint=path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"mpmd.save: {path!r} is a file; checkpoints go in a directory (it is made if missing)", checkpoint=path)
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_remote)
     meshes = {id(x.mesh): x.mesh for _, x in flat if isinstance(x, RemoteArray)}
     if len(meshes) > 1:

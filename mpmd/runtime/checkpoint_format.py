@@ -179,6 +179,8 @@ def _parse(ckpt: str, body: dict[str, Any]) -> Manifest:
 def committed(path: str) -> str:
     """The directory of the checkpoint `path/LATEST` names. Raises CheckpointError when there is none."""
     latest = os.path.join(path, "LATEST")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"{path!r} is a file, not a checkpoint directory (give the directory mpmd.save wrote)", checkpoint=path)
     try:
         with open(latest) as f:
             name = f.read().strip()

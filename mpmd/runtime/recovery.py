@@ -106,6 +106,7 @@ class StepRecord:
     sent: list[Any] = field(default_factory=list)  # its run_program futures (loop side)
     generation: int = 0
     replayed: bool = False
+    load_step: int | None = None  # the step number its actor-loaded leaves were loaded for (a replay loads them again)
 
 
 @dataclass
@@ -209,6 +210,7 @@ class RecoveryManager:
             snap = self._start_snapshot(rec.index, remote)  # before the dispatch: it reads the inputs' buffers as they are
         t = time.perf_counter()
         out = dist._call(args, self._on_failure_of(rec), rec.sent)
+        rec.load_step = dist._last_load
         self._last_dispatch = time.perf_counter() - t
         ins = {id(x) for x in remote.values()}
         out_leaves = jax.tree.leaves(out, is_leaf=lambda x: isinstance(x, RemoteArray))
@@ -488,7 +490,7 @@ class RecoveryManager:
                     raise MpmdError(f"cannot replay step record {rec.index}: one of its inputs lived on a lost actor and is "
                                     "neither in the snapshot nor made by a step since")
                 leaves.append(x)
-            out = rec.dist._call(jax.tree.unflatten(rec.treedef, leaves), None, rec.sent)
+            out = rec.dist._call(jax.tree.unflatten(rec.treedef, leaves), None, rec.sent, load_step=rec.load_step)
             dones.append(rec.dist._last[1])
             out_leaves = jax.tree.leaves(out, is_leaf=lambda x: isinstance(x, RemoteArray))
             for j, vid, ref in rec.outs:
