@@ -97,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.compile_workers < 1:
         p.error("--compile-workers must be at least 1")
     for name in ("request_timeout", "compile_timeout", "transfer_timeout"):
-        if getattr(args, name) <= 0:
+        if not getattr(args, name) > 0:  # (NaN too)
             p.error(f"--{name.replace('_', '-')} must be positive")
     if args.cpu_devices is not None and args.cpu_devices < 1:
         p.error(f"--cpu-devices must be at least 1, got {args.cpu_devices}")

@@ -50,6 +50,9 @@ class Loaders:
             dtype = dtype_from_name(spec.get("dtype"))
         except ValueError as e:
             raise RequestError(f"loader {fn}: {e}") from None
+        step = spec.get("step", 0)
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**63:
+            raise RequestError(f"loader {fn}: the step to load must be an int >= 0, got {step!r:.40}")
         if math.prod(shape) * dtype.itemsize > MAX_LEAF_BYTES:
             raise RequestError(f"loader {fn}: leaf {name} of {dtype.name}{shape} is larger than {MAX_LEAF_BYTES} bytes")
         return fn, name, dtype, shape
@@ -79,8 +82,6 @@ class Loaders:
     def start(self, spec: Any, step: int, place: Callable[[np.ndarray], Any]) -> asyncio.Future[Any]:
         """Check `spec` now, then load it in a worker thread and `place` it on the devices; the future of the value."""
         fn, name, dtype, shape = self.check(spec)
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise RequestError(f"loader {fn}: the step to load must be an int >= 0, got {step!r:.40}")
         return asyncio.ensure_future(asyncio.to_thread(lambda: place(self.load(fn, name, dtype, shape, step))))
 
 

@@ -721,7 +721,10 @@ class DistributedFunction:
         by_step = {id(ready): (path, ready) for path, ready in reversed(upstream)}  # each step once (its first argument)
         if not by_step or getattr(self.mesh, "closed", False):
             return
-        await asyncio.wait([asyncio.wrap_future(r) for _, r in by_step.values()], timeout=30)
+        waits = [asyncio.wrap_future(r) for _, r in by_step.values()]
+        for w in waits:  # (read here, or asyncio logs "exception was never retrieved"; the step's own error is raised)
+            w.add_done_callback(lambda f: f.cancelled() or f.exception())
+        await asyncio.wait(waits, timeout=30)
         for path, ready in by_step.values():
             if ready.done() and not ready.cancelled() and ready.exception() is not None:
                 raise MpmdError(f"step {step} of {name} read argument {path}, an output of a step that did not finish: "

@@ -102,7 +102,7 @@ class TuneResult:
     costs: SegmentCosts
     base: DistributedFunction
     args: tuple[Any, ...]
-    batch_argnum: int
+    batch_argnum: int | None
     memory_limit: int | None = None
     verified: list[Candidate] = field(default_factory=list)
     calibration: float = 1.0  # measured / simulated step time of the candidate measured while tuning (1.0: none)
@@ -192,6 +192,8 @@ class TuneResult:
 
     def _args_for(self, c: Candidate) -> tuple[Any, ...]:
         args = list(self.args)
+        if self.batch_argnum is None:  # every candidate has the microbatches the batch is given with
+            return tuple(args)
         batch = args[self.batch_argnum]
         if not all(np.shape(x)[:1] == (c.num_microbatches,) for x in jax.tree.leaves(batch)):  # (already split so: as given)
             args[self.batch_argnum] = resplit(batch, c.num_microbatches)
@@ -231,7 +233,7 @@ def _timed_round(step: DistributedFunction, args: tuple[Any, ...], batch_argnum:
     from mpmd.runtime.array import wait_ready
 
     args = list(args)
-    batch_at = batch_argnum % len(args)
+    batch_at = (batch_argnum if batch_argnum is not None else -1) % len(args)
     state_at = [i for i in range(len(args)) if i != batch_at]
 
     def call() -> Any:
@@ -332,7 +334,7 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
     vmax = max([*virtual_stages, 2])
     counts = list(microbatches) if microbatches is not None else (_divisors(total_rows, p, 4 * p * vmax) if rows else [m0])
     if batch_argnum is not None or any(m != m0 for m in counts):  # (only a re-split needs to know the batch)
-        batch_argnum = _batch_argnum(args, batch_argnum, m0, base.static_argnums)
+        batch_argnum = _batch_argnum(args, batch_argnum, m0, base.static_argnums, rows)
     fits = [m for m in counts if not rows or total_rows % m == 0]
     if costs is None and rows and fits and min(fits) < m0:
         # Also measured at the largest microbatch considered: how the compute grows with the rows (rarely linearly).
@@ -371,7 +373,7 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
         for sched in cands:
             found.extend(_predict(base, tuple(call_args), sched, m, scaled, p, memory_limit, remat))
     found.sort(key=lambda c: (bool(c.rejected), c.predicted if c.predicted is not None else float("inf")))
-    result = TuneResult(found, seg, base, args, batch_argnum if batch_argnum is not None else -1, memory_limit)
+    result = TuneResult(found, seg, base, args, batch_argnum, memory_limit)  # (None: the batch is never re-split)
     if calibrate if calibrate is not None else costs is None:
         result.calibrate()
     return result
@@ -382,15 +384,20 @@ def _is_batch(arg: Any, m0: int) -> bool:
     return bool(leaves) and all(len(np.shape(x)) >= 1 and np.shape(x)[0] == m0 for x in leaves)
 
 
-def _batch_argnum(args: tuple[Any, ...], batch_argnum: Any, m0: int, static: Any = ()) -> int:
+def _batch_argnum(args: tuple[Any, ...], batch_argnum: Any, m0: int, static: Any = (), rows: int = 0) -> int:
     """The position of the batch the step splits into its `m0` microbatches (every leaf [m0, rows, ...]): tune
-    re-splits it for each microbatch count it tries. None: the last argument, not static, that looks so."""
+    re-splits it for each microbatch count it tries. None: the one argument, not static, that looks so."""
     if batch_argnum is None:
         found = [i for i in range(len(args)) if i not in static and _is_batch(args[i], m0)]
+        if len(found) > 1 and rows:  # (parameters may lead with m0 too; the batch's leaves also have the rows next)
+            found = [i for i in found if all(np.shape(x)[1:2] == (rows,) for x in jax.tree.leaves(args[i]))] or found
         if not found:
             raise PipelineError(f"tune: no argument is a batch of {m0} microbatches (every leaf [{m0}, rows, ...]); pass "
                                 "batch_argnum= the batch's position")
-        return found[-1]
+        if len(found) > 1:
+            raise PipelineError(f"tune: arguments {found} could each be the batch of {m0} microbatches; pass batch_argnum= "
+                                "the batch's position")
+        return found[0]
     if isinstance(batch_argnum, bool) or not isinstance(batch_argnum, (int, np.integer)) or not -len(args) <= batch_argnum < len(args):
         raise PipelineError(f"tune: batch_argnum={batch_argnum!r:.40} names no argument of the {len(args)} given; it is the "
                             "position of the batch (default None: the last argument that is one)")

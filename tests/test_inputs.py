@@ -228,11 +228,16 @@ def test_a_loader_raising_system_exit_fails_its_leaf_not_the_daemon():
     """`Loaders.load` runs in a worker thread of the daemon; a SystemExit it let through re-raised in the event
     loop's task and took the daemon down (found by a probe). It must fail the step, naming the loader."""
     from actors.loader import Loaders
+    from actors.request import RequestError
 
     loaders = Loaders(["tests.test_inputs:_loader_that_exits"])
     fn, name, dtype, shape = loaders.check({"fn": "tests.test_inputs:_loader_that_exits", "name": "x", "shape": [2], "dtype": "float32"})
     with pytest.raises(RuntimeError, match=r"_loader_that_exits\(3, 'x'\) failed: SystemExit: no data for step 3"):
         loaders.load(fn, name, dtype, shape, 3)
+    # The step a loads entry names is checked with the rest, before any loader of the request runs (a probe).
+    for bad in (-1, True, 1.5, "3", None, [1]):
+        with pytest.raises(RequestError, match="the step to load must be an int >= 0"):
+            loaders.check({"fn": "tests.test_inputs:_loader_that_exits", "name": "x", "shape": [2], "dtype": "float32", "step": bad})
 
 
 def test_a_loader_name_must_be_module_colon_function():

@@ -366,6 +366,8 @@ def test_connect_refuses_daemons_listed_out_of_actor_id_order_or_of_another_prot
             mpmd.RemoteMesh.connect([a0, "not-an-address"])
         with pytest.raises(ValueError, match="a list of daemon addresses"):
             mpmd.RemoteMesh.connect([])
+        with pytest.raises(ValueError, match="listed more than once"):
+            mpmd.RemoteMesh.connect([a0, a0])
     finally:
         for p in (*procs, other):
             p.kill()

@@ -231,3 +231,26 @@ def test_tune_says_why_there_is_nothing_to_try():
     step = make_step(uneven_loss, opt, mpmd.OneFOneB(2))
     with pytest.raises(mpmd.PipelineError, match="every built-in needs a stage per actor"):
         mpmd.tune(step, params, opt.init(params), batch, mesh=FakeMesh(16), costs="xla")
+
+
+def test_tune_leaves_the_arguments_alone_when_it_splits_nothing_and_asks_when_two_look_like_the_batch():
+    """With the batch first and only the traced count tried, verify re-split the parameters as if they were the
+    batch (-1); with parameters leading with the microbatch count too, tune took them (found by a probe)."""
+    params, batch = uneven_setup(num_mb=4, rows=16)
+    opt = optax.sgd(0.1)
+    plain = make_step(uneven_loss, opt, mpmd.OneFOneB(2))
+
+    def first(batch, params, opt_state):
+        return plain(params, opt_state, batch)
+
+    r = mpmd.tune(first, batch, params, opt.init(params), mesh=FakeMesh(2), costs="xla", microbatches=[4])
+    assert r.batch_argnum is None and r._args_for(r.best) == (batch, params, opt.init(params))
+    lookalike = {"w": np.zeros((4, 3), np.float32)}  # leads with the 4 microbatches, but not with the batch's rows
+
+    def two(lookalike, params, opt_state, batch):
+        return plain(params, opt_state, batch)
+
+    r = mpmd.tune(two, lookalike, params, opt.init(params), batch, mesh=FakeMesh(2), costs="xla", microbatches=[8])
+    assert r.batch_argnum == 3
+    with pytest.raises(mpmd.PipelineError, match=r"arguments \[0, 3\] could each be the batch"):
+        mpmd.tune(two, batch, params, opt.init(params), batch, mesh=FakeMesh(2), costs="xla", microbatches=[8])

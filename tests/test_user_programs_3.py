@@ -668,6 +668,18 @@ def test_put_gives_the_dtype_device_put_gives_and_the_result_runs(mesh2):
         np.testing.assert_array_equal(mesh2.actor(1).run(jax.jit(lambda x: x * 2), r).to_numpy(), np.asarray(value) * 2)
 
 
+def test_put_refuses_a_python_int_past_int32_as_device_put_does_and_the_local_timeout_must_be_a_number(mesh2):
+    """put(2**40) stored 0 with x64 off; request_timeout=nan started daemons that failed every request."""
+    with pytest.raises(OverflowError, match="too large to convert to int32"):
+        mesh2.actor(0).put(2**40)
+    assert mesh2.actor(0).put(np.array([1, 2], ">i4")).to_numpy().tolist() == [1, 2]  # big-endian: native order
+    from mpmd.runtime.launch.local import LocalOptions
+
+    for bad in (float("nan"), "5", True, 0):
+        with pytest.raises(ValueError, match="request_timeout must be a positive number"):
+            LocalOptions(request_timeout=bad)
+
+
 def test_program_placement_and_compile_take_the_steps_keyword_arguments(mesh2):
     def step(params, batch, *, scale=1.0):
         grads, losses = _grads_and_losses(params, batch)

@@ -82,6 +82,9 @@ class RemoteMesh:
             if not isinstance(a, str) or not re.match(r"^(tcp|ipc)://\S+$", a):
                 raise ValueError(f"address {i} ({a!r:.80}) is not a daemon address: write tcp://HOST:PORT or ipc:///path (what "
                                  "mpmd-actor printed when it started)")
+        twice = sorted({a for a in addresses if list(addresses).count(a) > 1})
+        if twice:
+            raise ValueError(f"addresses {twice} are listed more than once: each daemon is one actor, listed once")
         if mesh_shape is not None and (isinstance(mesh_shape, (str, bytes)) or not hasattr(mesh_shape, "__iter__") or not all(
                 isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 1 for d in mesh_shape)):
             raise ValueError(f"mesh_shape must be a sequence of positive ints, one per axis (e.g. (2, 2)), got {mesh_shape!r:.80}")
@@ -591,8 +594,13 @@ class RemoteMesh:
         """The put requests (a coroutine to run on the loop) and how to make the RemoteArray once they are done."""
         if not isinstance(value, jax.Array) and not is_key(getattr(value, "dtype", None)):
             host = np.asarray(value)  # as jax.device_put does: 64-bit numbers become 32-bit unless x64 is on
-            if host.dtype != object and host.dtype != jax.dtypes.canonicalize_dtype(host.dtype):
-                value = host.astype(jax.dtypes.canonicalize_dtype(host.dtype))
+            if host.dtype != object:
+                want = jax.dtypes.canonicalize_dtype(host.dtype).newbyteorder("=")  # (and in this machine's byte order)
+                if isinstance(value, int) and not isinstance(value, bool) and not np.can_cast(np.min_scalar_type(value), want):
+                    raise OverflowError(f"Python int {value} too large to convert to {want.name} (as jax.device_put says; "
+                                        "jax.config.update('jax_enable_x64', True) for 64-bit numbers)")
+                if host.dtype != want:
+                    value = host.astype(want)
         wire = to_wire(value)
         dtype = getattr(value, "dtype", wire.dtype) if is_key(getattr(value, "dtype", None)) else wire.dtype
         shape = wire.shape[: wire.ndim - (len(key_impl(dtype).key_shape) if is_key(dtype) else 0)]

@@ -76,7 +76,7 @@ class SegmentCosts:
     def __post_init__(self) -> None:
         for name in ("F", "B", "I", "W", "activation_bytes"):
             got = getattr(self, name)
-            if isinstance(got, (str, bytes, Mapping, set, frozenset)) or not hasattr(got, "__iter__"):
+            if isinstance(got, (str, bytes, Mapping, set, frozenset)) or not hasattr(got, "__iter__") or getattr(got, "ndim", 1) == 0:
                 raise ValueError(f"SegmentCosts.{name} must be a sequence with one value per segment, got {got!r:.80}")
             object.__setattr__(self, name, tuple(got))
         n = len(self.F)

@@ -35,7 +35,10 @@ PerStage = float | Sequence[float]
 
 def _finite(x: object) -> bool:
     """A real number, finite and >= 0 (NaN or infinity in a cost would time every schedule as nan or 0)."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+    try:
+        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+    except OverflowError:  # an int past float's range
+        return False
 _COST_KEY = re.compile(r"^(\d*)([FBIW])(\d*)$")
 
 

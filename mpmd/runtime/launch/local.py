@@ -67,8 +67,9 @@ class LocalOptions:
             raise ValueError(f"address must be 'ipc' or 'tcp', got {self.address!r}")
         if self.cpus_per_actor is not None and self.cpus_per_actor < 1:
             raise ValueError(f"cpus_per_actor must be >= 1 (or None), got {self.cpus_per_actor}")
-        if self.request_timeout is not None and self.request_timeout <= 0:
-            raise ValueError(f"request_timeout must be positive (or None), got {self.request_timeout}")
+        rt = self.request_timeout
+        if rt is not None and (isinstance(rt, bool) or not isinstance(rt, (int, float)) or not rt > 0):  # (NaN too)
+            raise ValueError(f"request_timeout must be a positive number of seconds (or None), got {rt!r:.40}")
 
 
 def default_cache_dir() -> str:
