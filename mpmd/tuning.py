@@ -195,7 +195,7 @@ class TuneResult:
         if self.batch_argnum is None:  # every candidate has the microbatches the batch is given with
             return tuple(args)
         batch = args[self.batch_argnum]
-        if not all(np.shape(x)[:1] == (c.num_microbatches,) for x in jax.tree.leaves(batch)):  # (already split so: as given)
+        if not _is_batch(batch, c.num_microbatches):  # (already split so: as given)
             args[self.batch_argnum] = resplit(batch, c.num_microbatches)
         return tuple(args)
 
@@ -301,8 +301,8 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
     actors over it that fits (else all their stages)
     (a row of its own: "... remat 0,2"). `calibrate` (default: when the costs are measured): run the top three for real once and scale every
     prediction by the median of their measured / simulated (`TuneResult.calibrate`). `batch_argnum`: the
-    position of the batch tune re-splits (default: the last argument, not static, whose leaves all lead with
-    the step's microbatch count).
+    position of the batch tune re-splits (default: the one argument, not static, whose leaves all lead with
+    the step's microbatch count, then its rows).
 
         result = mpmd.tune(train_step, params, opt_state, batch, mesh=mesh, memory_limit=1 << 30)
         print(result); result.verify(3)
@@ -400,7 +400,7 @@ def _batch_argnum(args: tuple[Any, ...], batch_argnum: Any, m0: int, static: Any
         return found[0]
     if isinstance(batch_argnum, bool) or not isinstance(batch_argnum, (int, np.integer)) or not -len(args) <= batch_argnum < len(args):
         raise PipelineError(f"tune: batch_argnum={batch_argnum!r:.40} names no argument of the {len(args)} given; it is the "
-                            "position of the batch (default None: the last argument that is one)")
+                            "position of the batch (default None: the one argument that looks like it)")
     if not _is_batch(args[batch_argnum], m0):
         shapes = ", ".join(str(tuple(np.shape(x))) for x in jax.tree.leaves(args[batch_argnum])[:4]) or "no array leaves"
         raise PipelineError(f"tune: argument {batch_argnum} is not the step's batch: its leaves ({shapes}) must all lead with "

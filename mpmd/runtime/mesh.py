@@ -20,6 +20,7 @@ profiles to `mpmd.observe`.
 from __future__ import annotations
 
 import atexit
+import collections
 import concurrent.futures
 import functools
 import logging
@@ -82,7 +83,7 @@ class RemoteMesh:
             if not isinstance(a, str) or not re.match(r"^(tcp|ipc)://\S+$", a):
                 raise ValueError(f"address {i} ({a!r:.80}) is not a daemon address: write tcp://HOST:PORT or ipc:///path (what "
                                  "mpmd-actor printed when it started)")
-        twice = sorted({a for a in addresses if list(addresses).count(a) > 1})
+        twice = sorted(a for a, k in collections.Counter(addresses).items() if k > 1)
         if twice:
             raise ValueError(f"addresses {twice} are listed more than once: each daemon is one actor, listed once")
         if mesh_shape is not None and (isinstance(mesh_shape, (str, bytes)) or not hasattr(mesh_shape, "__iter__") or not all(
@@ -138,14 +139,13 @@ class RemoteMesh:
 
     def _check_actors(self) -> None:
         """Each daemon is the actor its position names (the data plane routes by actor id) and runs this JAX."""
+        from mpmd.runtime.launch.rendezvous import ActorFacts, check_compatible
+
         for i, info in enumerate(self.infos):
             self._check_id(i, info.header)
-            version = info.header.get("jax_version")
-            if version is not None and version != jax.__version__:
-                raise IncompatibleActorError(
-                    f"actor {i} on {self.addresses[i]} runs JAX {version}, but this controller runs JAX {jax.__version__}: "
-                    "executables are exported here and deserialized there, so install the same jax (and jaxlib) on every "
-                    "node and the controller")
+        # (a daemon that answered speaks this protocol; a peer that does not say its JAX is a test's stand-in)
+        check_compatible([ActorFacts(i, self.addresses[i], info.header["jax_version"], str(info.header.get("platform", "")))
+                          for i, info in enumerate(self.infos) if info.header.get("jax_version") is not None])
 
     def _check_id(self, i: int, header: dict[str, Any]) -> None:
         """The data plane routes by actor id: the daemon at position `i` must be actor `i` (unless nothing routes:

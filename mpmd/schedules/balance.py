@@ -32,7 +32,7 @@ from typing import Any
 
 from mpmd.errors import ScheduleError
 from mpmd.schedules.builtin import BALANCE_MODES, Schedule, Task, backward, check_balance
-from mpmd.schedules.simulator import Costs, _finite, simulate
+from mpmd.schedules.simulator import Costs, is_cost, simulate
 
 __all__ = ["BALANCE_MODES", "SegmentCosts", "SegmentProfile", "best_grouping", "check_balance", "even_grouping", "group_costs",
            "groups", "resolve_grouping", "stage_loads"]
@@ -86,11 +86,11 @@ class SegmentCosts:
             v = getattr(self, name)
             if name in ("I", "W", "activation_bytes") and not v:
                 v = tuple(b / 2 for b in self.B) if name in ("I", "W") else (0.0,) * n
-            if len(v) != n or not all(map(_finite, v)):
+            if len(v) != n or not all(map(is_cost, v)):
                 raise ValueError(f"SegmentCosts.{name} needs {n} finite non-negative values (one per segment), got {getattr(self, name)!r:.200}")
             object.__setattr__(self, name, tuple(float(x) for x in v))
         for name in ("latency", "gap", "overhead", "other", "lead", "tail", "run_overhead", "split_overhead", "rows_exponent"):
-            if not _finite(getattr(self, name)):
+            if not is_cost(getattr(self, name)):
                 raise ValueError(f"SegmentCosts.{name} must be a finite number >= 0, got {getattr(self, name)!r:.80}")
 
     @property

@@ -33,7 +33,7 @@ from transport.protocol import dtype_from_name
 PerStage = float | Sequence[float]
 
 
-def _finite(x: object) -> bool:
+def is_cost(x: object) -> bool:
     """A real number, finite and >= 0 (NaN or infinity in a cost would time every schedule as nan or 0)."""
     try:
         return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
@@ -77,12 +77,12 @@ class Costs:
             v = getattr(self, name)
             many = hasattr(v, "__iter__") and not isinstance(v, (str, bytes))
             vals = list(v) if many else [v]
-            if isinstance(v, (Mapping, set, frozenset)) or not vals or not all(map(_finite, vals)):  # (a dict's keys are no costs)
+            if isinstance(v, (Mapping, set, frozenset)) or not vals or not all(map(is_cost, vals)):  # (a dict's keys are no costs)
                 raise ValueError(f"Costs.{name} must be a finite non-negative number or a sequence of them (one per stage), "
                                  f"got {v!r:.80}")
             object.__setattr__(self, name, tuple(float(x) for x in vals) if many else float(v))
         for name in ("latency", "overhead", "other", "gap", "lead", "tail"):
-            if not _finite(getattr(self, name)):
+            if not is_cost(getattr(self, name)):
                 raise ValueError(f"Costs.{name} must be a finite number >= 0, got {getattr(self, name)!r:.80}")
             object.__setattr__(self, name, float(getattr(self, name)))
         if self.cores is not None and (not isinstance(self.cores, numbers.Integral) or isinstance(self.cores, bool) or self.cores < 1):
@@ -159,7 +159,7 @@ class Costs:
                     raise ValueError(f"timing key {key!r}: a task key needs its stage, like '0F3'")
             if kind not in TASK_KINDS:
                 raise ValueError(f"timing key {key!r}: kind must be one of {', '.join(TASK_KINDS)}")
-            if not _finite(sec):
+            if not is_cost(sec):
                 raise ValueError(f"timing {key!r}: {sec!r:.40} is not a finite number of seconds >= 0")
             if stage is None:
                 every[kind] = float(sec)
