@@ -102,7 +102,7 @@ def _is_remote(x: Any) -> bool:
 def _parameters(fn: Callable[..., Any]) -> tuple[list[str], list[str]]:
     """(positional parameter names, keyword-only parameter names) of `fn`. A step's compiled form takes one
     tuple of arguments: the positional ones, then the keyword-only ones in signature order. With *args the
-    positions of keyword-only parameters are not fixed: none are counted (they stay refused, see `_bind`)."""
+    positions of keyword-only parameters are not fixed: none are counted (they stay refused, see `bind`)."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # a builtin or a callable without a signature
@@ -197,7 +197,7 @@ class DistributedFunction:
             args = tuple(_static_arg(i, a) if i in static else a for i, a in enumerate(args))
         return hide(args, _is_remote)
 
-    def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The call's arguments as the one tuple a compiled step takes: keyword arguments bound to their
         positions in the step's signature, then its keyword-only parameters (given or defaulted) in order."""
         if not kwargs and not self._kwonly:
@@ -215,7 +215,7 @@ class DistributedFunction:
         return (*bound.args, *(bound.arguments[k] for k in self._kwonly))
 
     def _invoke(self, args: tuple[Any, ...]) -> Any:
-        """Call the step's function on the tuple `_bind` made (keyword-only parameters by name)."""
+        """Call the step's function on the tuple `bind` made (keyword-only parameters by name)."""
         if not self._kwonly:
             return self.fn(*args)
         n = len(self._positional)
@@ -299,10 +299,10 @@ class DistributedFunction:
     def compile(self, *args: Any, **kwargs: Any) -> CompiledStep:
         """Trace, plan and ship the Programs for these arguments, given as to the step itself (done by the
         first call automatically)."""
-        return self._compile(self._bind(args, kwargs))
+        return self.compile_bound(self.bind(args, kwargs))
 
-    def _compile(self, args: tuple[Any, ...]) -> CompiledStep:
-        """`compile` of arguments already bound (`_bind`)."""
+    def compile_bound(self, args: tuple[Any, ...]) -> CompiledStep:
+        """`compile` of arguments already bound (`bind`)."""
         sig, leaves, specs = self._signature(args)
         hit = self._cached(sig)
         if hit is not None:
@@ -387,17 +387,18 @@ class DistributedFunction:
     def placement(self, *args: Any, **kwargs: Any) -> PlacementReport:
         """Where each argument and output of the step lives (per pytree path), and what moves between actors in
         one step, by kind (activations, activation gradients, parameters, gradient reductions, other)."""
-        args = self._bind(args, kwargs)
-        compiled = self._compile(args)
+        args = self.bind(args, kwargs)
+        compiled = self.compile_bound(args)
         out_paths = [f"out{jax.tree_util.keystr(p)}" for p in _tree_paths(compiled.out_tree)]
         return placement_report(compiled.plan, compiled.arg_paths, out_paths)
 
-    def simulate(self, *args: Any, costs: Any = None) -> Any:
-        """Time this step's compiled Programs on a cost model (`mpmd.Costs`; default unit costs F=1, B=2,
-        I=W=1, free transfers): step time, bubble per actor, peak activation bytes, timeline, pictures."""
+    def simulate(self, *args: Any, costs: Any = None, **kwargs: Any) -> Any:
+        """Time this step's compiled Programs for these arguments (given as to the step) on a cost model
+        (`mpmd.Costs`; default unit costs F=1, B=2, I=W=1, free transfers): step time, bubble per actor, peak
+        activation bytes, timeline, pictures."""
         from mpmd.schedules.simulator import simulate_programs
 
-        return simulate_programs(self._compile(self._bind(args, {})).plan.programs, costs, name=getattr(self.fn, "__name__", "step"))
+        return simulate_programs(self.compile_bound(self.bind(args, kwargs)).plan.programs, costs, name=getattr(self.fn, "__name__", "step"))
 
     def with_schedule(self, schedule: Any) -> DistributedFunction:
         """The same step on the same mesh with `schedule` in place of the one its `accumulate_grads` names
@@ -406,15 +407,15 @@ class DistributedFunction:
         other.schedule = schedule
         return other
 
-    def profile_costs(self, *args: Any, steps: int = 2, split_backward: bool = True) -> Any:
+    def profile_costs(self, *args: Any, steps: int = 2, split_backward: bool = True, **kwargs: Any) -> Any:
         """Measure every marker segment on the actors: the step is compiled with each segment its own stage
         (placed round-robin over the mesh's actors so no two fuse), run `steps` times to warm up, then traced;
         F, B (and, with `split_backward`, I and W from a second traced variant) per segment are fitted to the
         Run durations. Returns `mpmd.schedules.balance.SegmentCosts`, usable as `balance=` of any schedule and
-        by `mpmd.tune`. The arguments are not changed (the variant's outputs are dropped)."""
+        by `mpmd.tune`. The arguments (given as to the step) are not changed (the variant's outputs are dropped)."""
         from mpmd.observe.segments import profile_costs
 
-        return profile_costs(self, *args, steps=steps, split_backward=split_backward)
+        return profile_costs(self, *self.bind(args, kwargs), steps=steps, split_backward=split_backward)
 
     def program(self, *args: Any, **kwargs: Any) -> str:
         """The per-actor instruction lists for these arguments (given as to the step), one line per instruction."""
@@ -426,8 +427,12 @@ class DistributedFunction:
         `block_until_ready()` of an output, or at the next call, naming the step. From a coroutine, await
         `call_async` instead: a first call compiles, which would hold the caller's event loop. On a mesh made with
         `recover=mpmd.Recovery(...)` the call is logged and a lost actor is recovered from (mpmd.runtime.recovery)."""
+        return self.call_bound(self.bind(args, kwargs))
+
+    def call_bound(self, args: tuple[Any, ...]) -> Any:
+        """`__call__` of arguments already bound to the one tuple a compiled step takes (`bind`): what the
+        tuner and the profiler, which hold the arguments so, call."""
         self._raise_unseen_error()
-        args = self._bind(args, kwargs)
         recovery = getattr(self.mesh, "recovery", None)
         if recovery is not None:
             return recovery.call(self, args)
@@ -442,7 +447,7 @@ class DistributedFunction:
         compiled = self._cached(sig)
         if compiled is None:
             t = time.perf_counter()
-            compiled = self._compile(args)
+            compiled = self.compile_bound(args)
             note_blocking(time.perf_counter() - t, f"compiling {getattr(self.fn, '__name__', 'a step')}")
         return self._dispatch(compiled, sig, leaves, on_failure, sent, load_step=load_step)[0]
 
@@ -514,7 +519,7 @@ class DistributedFunction:
         On a recovering mesh the call goes through the recovery's log, like `step(*args)`, in a worker thread.
         """
         self._raise_unseen_error()
-        args = self._bind(args, kwargs)
+        args = self.bind(args, kwargs)
         recovery = getattr(self.mesh, "recovery", None)
         if recovery is not None:
             return await off_loop(lambda: recovery.call(self, args))
@@ -523,12 +528,12 @@ class DistributedFunction:
         if compiled is None:
             running = self._compiling.get(sig)
             if running is None:
-                running = self._compiling[sig] = start_in_worker(self._compile, args)
+                running = self._compiling[sig] = start_in_worker(self.compile_bound, args)
                 running.add_done_callback(lambda _: self._compiling.pop(sig, None))
             compiled = await watch(running)
             if compiled.generation != getattr(self.mesh, "generation", 0):  # a daemon was replaced while it compiled
                 self._compiled.pop(sig, None)
-                compiled = await watch(start_in_worker(self._compile, args))
+                compiled = await watch(start_in_worker(self.compile_bound, args))
         outs, done = self._dispatch(compiled, sig, leaves, may_wait=False)  # (this is the caller's loop)
         try:
             await self.mesh.arun(asyncio.sleep(0))  # queued behind the dispatch: its requests have left when this runs

@@ -109,6 +109,7 @@ class TuneResult:
     chosen: Candidate | None = None  # the fastest of the candidates `calibrate` measured
     calibrated: dict[int, float] = field(default_factory=dict)  # id(candidate) -> seconds per step `calibrate` measured
     drift: float | None = None  # after `verify`: now / then for the candidates `calibrate` measured (the machine's drift)
+    _steps: dict[int, DistributedFunction] = field(default_factory=dict, repr=False)  # id(candidate) -> its step, compiled once
 
     @property
     def feasible(self) -> list[Candidate]:
@@ -125,15 +126,23 @@ class TuneResult:
 
     @property
     def step(self) -> DistributedFunction:
-        """The winner as a distributed step on the same mesh (compiled on its first call)."""
-        return self.base.with_schedule(self.best.schedule)
+        """The winner as a distributed step on the same mesh (compiled on its first call; the same step object
+        every time, and the one `verify` and `calibrate` ran, so what they compiled is kept)."""
+        return self.step_for(self.best)
+
+    def step_for(self, candidate: Candidate) -> DistributedFunction:
+        """`candidate` as a distributed step on the same mesh (one per candidate, kept)."""
+        got = self._steps.get(id(candidate))
+        if got is None:
+            got = self._steps[id(candidate)] = self.base.with_schedule(candidate.schedule)
+        return got
 
     def reshape_batch(self, batch: Any, candidate: Candidate | None = None) -> Any:
         """`batch` re-split into the winner's (or `candidate`'s) number of microbatches."""
         return resplit(batch, (candidate or self.best).num_microbatches)
 
     def table(self) -> str:
-        lim = f", memory limit {_size(self.memory_limit)}" if self.memory_limit else ""
+        lim = f", memory limit {_size(self.memory_limit)}" if self.memory_limit is not None else ""
         head = f"mpmd.tune: {len(self.feasible)} of {len(self.candidates)} candidates fit{lim}; costs {self.costs.source}"
         if self.calibration != 1.0:
             head += f"; predictions x {self.calibration:.3f} (the median measured / simulated of the top candidates, run while tuning)"
@@ -153,7 +162,7 @@ class TuneResult:
         _check_counts("TuneResult.verify", k=(k, 1), steps=(steps, 1), warmup=(warmup, 0), rounds=(rounds, 1))
         winner = self.best if self.feasible else None
         out = ([winner] + [c for c in self.feasible if c is not winner])[:k] if winner is not None else []
-        times = measure_interleaved([(self.base.with_schedule(c.schedule), self._args_for(c)) for c in out],
+        times = measure_interleaved([(self.step_for(c), self._args_for(c)) for c in out],
                                     self.batch_argnum, steps, warmup, rounds)
         for c, t in zip(out, times):
             c.measured = t
@@ -179,7 +188,7 @@ class TuneResult:
         if not self.feasible:
             return self.calibration
         refs = self.feasible[:max(1, top)]
-        measured = measure_interleaved([(self.base.with_schedule(r.schedule), self._args_for(r)) for r in refs],
+        measured = measure_interleaved([(self.step_for(r), self._args_for(r)) for r in refs],
                                        self.batch_argnum, steps, warmup, rounds)
         factor = statistics.median(m / (r.predicted / self.calibration) for m, r in zip(measured, refs))
         self.chosen = refs[min(range(len(refs)), key=measured.__getitem__)]  # the winner: the fastest measured
@@ -237,7 +246,7 @@ def _timed_round(step: DistributedFunction, args: tuple[Any, ...], batch_argnum:
     state_at = [i for i in range(len(args)) if i != batch_at]
 
     def call() -> Any:
-        out = step(*args)
+        out = step.call_bound(tuple(args))
         if isinstance(out, tuple) and len(out) > len(state_at) and all(
                 jax.tree.structure(out[j], is_leaf=_remote) == jax.tree.structure(args[i], is_leaf=_remote)
                 for j, i in enumerate(state_at)):
@@ -247,6 +256,8 @@ def _timed_round(step: DistributedFunction, args: tuple[Any, ...], batch_argnum:
 
     for _ in range(warmup):
         wait_ready(call())
+    if not warmup:  # (the first call of a step not yet compiled for these arguments would time its compile)
+        step.compile_bound(tuple(args))
     t = time.perf_counter()
     for _ in range(steps):
         out = call()
@@ -288,7 +299,8 @@ def _divisors(rows: int, low: int, high: int) -> list[int]:
 
 def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = None, schedules: Sequence[Any] | None = None,
          microbatches: Sequence[int] | None = None, costs: SegmentCosts | str | None = None, virtual_stages: Sequence[int] = (2,),
-         batch_argnum: int | None = None, profile_steps: int = 2, calibrate: bool | None = None, remat: bool = False) -> TuneResult:
+         batch_argnum: int | None = None, profile_steps: int = 2, calibrate: bool | None = None, remat: bool = False,
+         step_kwargs: dict[str, Any] | None = None) -> TuneResult:
     """Choose the schedule, number of microbatches and stage grouping with the shortest predicted step that fits
     `memory_limit` (bytes per actor; None: no limit), for `step_fn(*args)` on `mesh`.
 
@@ -302,7 +314,8 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
     (a row of its own: "... remat 0,2"). `calibrate` (default: when the costs are measured): run the top three for real once and scale every
     prediction by the median of their measured / simulated (`TuneResult.calibrate`). `batch_argnum`: the
     position of the batch tune re-splits (default: the one argument, not static, whose leaves all lead with
-    the step's microbatch count, then its rows).
+    the step's microbatch count, then its rows), counted in `args` followed by the step's keyword-only
+    parameters in signature order. `step_kwargs`: the step's keyword arguments, as `step(*args, **step_kwargs)`.
 
         result = mpmd.tune(train_step, params, opt_state, batch, mesh=mesh, memory_limit=1 << 30)
         print(result); result.verify(3)
@@ -316,12 +329,15 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
         raise PipelineError("mpmd.tune needs mesh= (the RemoteMesh the step will run on)")
     else:
         base = DistributedFunction(step_fn, mesh)
+    if step_kwargs is not None and not isinstance(step_kwargs, dict):
+        raise PipelineError(f"tune: step_kwargs is a dict of the step's keyword arguments, got {type(step_kwargs).__name__}")
+    args = base.bind(args, step_kwargs or {})  # from here on one tuple, as a compiled step takes it
     p = len(mesh)
-    from mpmd.observe.segments import segment_layout
+    from mpmd.observe.segments import profile_costs, segment_layout
 
     n, out_bytes, m0, rows = segment_layout(base, *args)
     if costs is None:
-        seg = base.profile_costs(*args, steps=profile_steps)
+        seg = profile_costs(base, *args, steps=profile_steps)
     elif costs == "xla":
         seg = _xla_costs(base, args)
     elif isinstance(costs, SegmentCosts):
@@ -341,7 +357,7 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
         call_args = list(args)
         call_args[batch_argnum] = resplit(args[batch_argnum], min(fits))
         try:
-            seg = seg.with_rows_exponent(base.profile_costs(*call_args, steps=profile_steps, split_backward=False))
+            seg = seg.with_rows_exponent(profile_costs(base, *call_args, steps=profile_steps, split_backward=False))
         except MpmdError as e:  # e.g. the larger microbatch does not fit: keep the linear model
             log.warning("tune: could not measure the costs at %d microbatches (%s); scaling them linearly with the rows",
                         min(fits), str(e).splitlines()[0])
@@ -430,8 +446,8 @@ def _check_choices(memory_limit: Any, schedules: Any, microbatches: Any, virtual
 
     if memory_limit is not None:
         if (isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float, np.integer, np.floating))
-                or not math.isfinite(memory_limit) or memory_limit <= 0):
-            raise PipelineError(f"tune: memory_limit is bytes per actor (a positive number) or None for no limit, got "
+                or not math.isfinite(memory_limit) or memory_limit < 1):
+            raise PipelineError(f"tune: memory_limit is bytes per actor (a number, at least 1) or None for no limit, got "
                                 f"{memory_limit!r:.80}")
         memory_limit = int(memory_limit)
     lists = {}

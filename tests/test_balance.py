@@ -10,6 +10,7 @@ import mpmd
 from mpmd.compiler.grouping import merge_segments, xla_segment_costs
 from mpmd.compiler.loop_tasks import analyse_loop_body, find_step_loop
 from mpmd.compiler.plan import plan_step
+from mpmd.compiler.program import Run
 from mpmd.compiler.stages import split_stages
 from mpmd.errors import PipelineError
 from mpmd.schedules.balance import (
@@ -49,6 +50,11 @@ class FakeMesh:
 
     def __len__(self):
         return self.n
+
+
+def uneven_state(num_mb=4):
+    params, batch = uneven_setup(num_mb)
+    return params, optax.sgd(0.1).init(params), batch
 
 
 def traced(schedule, actors, num_mb=4):
@@ -155,6 +161,28 @@ def test_split_backward_schedules_group_their_input_and_weight_gradients():
     assert {k for (_, k) in plan.split.regions} >= {"F", "I", "W"}
     assert plan.grouping is not None and sum(plan.grouping) == 8
 
+
+
+def test_stage_zero_of_a_split_backward_is_charged_its_whole_backward():
+    """Stage 0 exports no input gradient, so the compiler gives it no I task and its W runs the input-gradient
+    chain through its inner segments as well. On one actor every schedule does the same work one task after
+    another: ZB-H1 must be predicted at the total work, as GPipe is (it was predicted a third faster)."""
+    split, body, seg = segment_costs()
+    outer = traced(mpmd.ZeroBubbleH1(1, balance="auto"), 1)
+    labels = [str(i.label) for i in plan_step(outer, 1).programs[0].instructions if isinstance(i, Run)]
+    assert not any("0I" in lab for lab in labels) and any("0W" in lab for lab in labels)
+    c = group_costs(seg, (8,))
+    assert c.I == (0.0,) and c.W == pytest.approx(c.B)
+    work = 4 * (sum(seg.F) + sum(seg.B))
+    for schedule in (mpmd.GPipe(1), mpmd.ZeroBubbleH1(1)):
+        assert mpmd.simulate(schedule, 4, c).step_time == pytest.approx(work, rel=1e-9)
+    r = mpmd.tune(make_step(uneven_loss, optax.sgd(0.1), None), *uneven_state(), mesh=FakeMesh(1), costs="xla",
+                  microbatches=[4], schedules=["GPipe", "ZeroBubbleH1"], calibrate=False)
+    times = {c.schedule.__class__.__name__: c.predicted for c in r.candidates}
+    assert times["ZeroBubbleH1"] == pytest.approx(times["GPipe"], rel=1e-6)
+    # later stages keep their I: it is what the stage before waits for
+    c2 = group_costs(seg, (5, 3))
+    assert c2.I[1] > 0 and c2.W[1] < c2.B[1]
 
 # ---- on real actors --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("schedule", [mpmd.OneFOneB(2, balance="auto"), mpmd.ZeroBubbleH1(2, balance="auto")], ids=["1f1b", "zb-h1"])

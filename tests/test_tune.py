@@ -8,6 +8,7 @@ import pytest
 
 import mpmd
 from mpmd.schedules.balance import group_costs
+from mpmd.testing import mlp, mlp_params, mse_loss, regression_batch
 from mpmd.tuning import candidate_schedules, resplit
 from tests.test_balance import FakeMesh, uneven_loss, uneven_setup
 from tests.test_pipeline import assert_trees_close, make_step
@@ -254,3 +255,66 @@ def test_tune_leaves_the_arguments_alone_when_it_splits_nothing_and_asks_when_tw
     assert r.batch_argnum == 3
     with pytest.raises(mpmd.PipelineError, match=r"arguments \[0, 3\] could each be the batch"):
         mpmd.tune(two, batch, params, opt.init(params), batch, mesh=FakeMesh(2), costs="xla", microbatches=[8])
+
+
+def kwonly_step(schedule=mpmd.OneFOneB(2)):
+    """A step whose batch is keyword-only (`step(params, opt_state, batch=b)`)."""
+    opt = optax.sgd(0.1)
+    inner = make_step(mse_loss(mlp), opt, schedule)
+
+    def step(params, opt_state, *, batch):
+        return inner(params, opt_state, batch)
+
+    params = mlp_params(np.random.default_rng(0), 2, 16)
+    batch = regression_batch(np.random.default_rng(1), 4, 4, 16)
+    return step, params, opt.init(params), batch
+
+
+def test_a_step_with_keyword_only_arguments_is_profiled_simulated_and_tuned(mesh2):
+    """profile_costs and simulate took no keyword arguments, and positionally the binding failed: a step with a
+    keyword-only batch could not be profiled, simulated or tuned at all (found by a probe)."""
+    step, params, opt_state, batch = kwonly_step()
+    dist = mpmd.distributed(step, mesh=mesh2)
+    seg = dist.profile_costs(params, opt_state, batch=batch, steps=1, split_backward=False)
+    assert seg.num_segments == 2 and all(f > 0 for f in seg.F)
+    sim = dist.simulate(params, opt_state, batch=batch, costs=mpmd.Costs(F=1.0, B=2.0))
+    assert sim.step_time == pytest.approx(mpmd.simulate(mpmd.OneFOneB(2), 4, mpmd.Costs(F=1.0, B=2.0)).step_time)
+    r = mpmd.tune(dist, params, opt_state, step_kwargs={"batch": batch}, costs=seg, schedules=["GPipe", "OneFOneB"],
+                  microbatches=[2, 4], calibrate=False)
+    assert r.batch_argnum == 2 and {c.num_microbatches for c in r.feasible} == {2, 4}
+    assert r.step is r.step  # one step object: what verify compiled is kept
+    got = r.step(params, opt_state, batch=r.reshape_batch(batch))
+    want = jax.jit(step)(params, opt_state, batch=r.reshape_batch(batch))
+    assert_trees_close(got, want)
+    with pytest.raises(mpmd.PipelineError, match="step_kwargs"):
+        mpmd.tune(dist, params, opt_state, step_kwargs=[batch], costs=seg)
+
+
+def test_a_timed_round_without_warmup_compiles_before_its_timer_starts(monkeypatch):
+    """verify(warmup=0) and calibrate(warmup=0) timed the first call, compile included (508 ms against 9 ms a
+    step): the step is compiled before the timer starts."""
+    import mpmd.tuning as tuning
+
+    events = []
+
+    class Step:
+        def compile_bound(self, args):
+            events.append("compile")
+
+        def call_bound(self, args):
+            events.append("call")
+            return ()
+
+    monkeypatch.setattr(tuning.time, "perf_counter", lambda: events.append("timer") or 0.0)
+    tuning._timed_round(Step(), (1, 2), None, 2, 0)
+    assert events == ["compile", "timer", "call", "call", "timer"]
+    events.clear()
+    tuning._timed_round(Step(), (1, 2), None, 1, 1)
+    assert events == ["call", "timer", "call", "timer"]
+
+
+def test_a_memory_limit_under_one_byte_is_refused_not_rounded_to_zero():
+    for bad in (0.5, 0.99, 0):
+        with pytest.raises(mpmd.PipelineError, match="memory_limit"):
+            tuned(memory_limit=bad)
+    assert "memory limit 1 bytes" in tuned(memory_limit=1.9, schedules=["OneFOneB"], microbatches=[4]).table()

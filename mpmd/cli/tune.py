@@ -64,6 +64,16 @@ def _positive(kind: type) -> Any:
     return parse
 
 
+def _count(text: str) -> int:
+    """--verify: a whole number, 0 or more."""
+    try:
+        if int(text) == 0:
+            return 0
+    except ValueError:
+        pass
+    return _positive(int)(text)
+
+
 def _limit(text: str) -> float | None:
     """--memory-limit-mib: a number above 0, or 0 for no limit."""
     try:
@@ -115,5 +125,5 @@ def add_subcommand(sub: Any) -> None:
     p.add_argument("--memory-limit-mib", type=_limit, default=None, help="bytes per actor, in MiB (default, or 0: no limit)")
     p.add_argument("--remat", action="store_true", help="also try remat of the stages of actors over the memory limit")
     p.add_argument("--xla-costs", action="store_true", help="predict from XLA's cost analysis instead of measuring segments")
-    p.add_argument("--verify", type=int, default=0, help="run the top k for real (0: none)")
+    p.add_argument("--verify", type=_count, default=0, help="run the top k for real (0: none)")
     p.set_defaults(run=_run)

@@ -50,10 +50,10 @@ def _traced_costs(step: Any, schedule: SegmentProfile, args: tuple[Any, ...], st
 
     variant = step.with_schedule(schedule)
     for _ in range(max(1, steps)):
-        wait_ready(variant(*args))
+        wait_ready(variant.call_bound(args))
     with step.mesh.trace() as t:
         for _ in range(traced):
-            wait_ready(variant(*args))
+            wait_ready(variant.call_bound(args))
     return median_costs([fit_costs(t, schedule.num_stages, k, per_run=False, cores=cores) for k in range(len(t.steps))])
 
 
@@ -71,7 +71,8 @@ def median_costs(fits: list[Any]) -> Any:
 
 
 def profile_costs(step: Any, *args: Any, steps: int = 2, split_backward: bool = True) -> SegmentCosts:
-    """Per-segment costs of `step` (a `DistributedFunction`) on these arguments, measured on its mesh's actors
+    """Per-segment costs of `step` (a `DistributedFunction`) on these arguments (bound, as
+    `DistributedFunction.call_bound` takes them), measured on its mesh's actors
     (see the module docstring). Compiles one or two variants of the step; leaves the arguments as they were."""
     n, out_bytes, m, rows = segment_layout(step, *args)
     p = min(len(step.mesh), n)

@@ -183,13 +183,18 @@ def groups(grouping: Sequence[int]) -> list[range]:
 def group_costs(seg: SegmentCosts, grouping: Sequence[int]) -> Costs:
     """The schedule's per-stage `Costs` for a grouping: a stage's task time is the sum over its segments (its
     input gradient chains through them, its weight gradients add up), the bytes after it those of its last
-    segment."""
+    segment. Split backward: stage 0 has no I (nothing reads its input's gradient; the compiler emits no 0I
+    task), so its W costs what its B does — the input-gradient chain through its inner segments included."""
     gs = groups(grouping)
     def total(v: tuple[float, ...], c: float) -> tuple[float, ...]:  # one Run's overhead per stage task, not per segment
         return tuple(sum(max(v[k] - c, 0.0) for k in g) + min(c, max((v[k] for k in g), default=0.0)) for g in gs)
 
     c, d = seg.run_overhead, seg.split_overhead
-    return Costs(F=total(seg.F, c), B=total(seg.B, c), I=total(seg.I, d), W=total(seg.W, d),
+    i, w = total(seg.I, d), total(seg.W, d)
+    if i and w:  # stage 0 exports no input gradient: the compiler gives it no I task, its W runs the whole backward
+        b0 = total(seg.B, c)[0]
+        i, w = (0.0, *i[1:]), (b0, *w[1:])
+    return Costs(F=total(seg.F, c), B=total(seg.B, c), I=i, W=w,
                  activation_bytes=tuple(seg.activation_bytes[g[-1]] for g in gs), latency=seg.latency, bandwidth=seg.bandwidth,
                  gap=seg.gap, overhead=seg.overhead, other=seg.other, lead=seg.lead, tail=seg.tail, cores=seg.cores)
 
