@@ -693,3 +693,33 @@ def test_program_placement_and_compile_take_the_steps_keyword_arguments(mesh2):
     assert dist.placement(params, batch, scale=2.0) is not None
     assert dist.compile(params, batch, scale=2.0) is dist.compile(params, batch=batch, scale=3.0)  # one signature
     assert_trees_close(mpmd.fetch(dist(params, batch, scale=2.0)), jax.jit(step)(params, batch, scale=2.0))
+
+
+# ---- 5. constant aux leaves ------------------------------------------------------------------------------
+def test_constant_aux_leaves_each_keep_their_own_value_dtype_and_shape(mesh2):
+    """Constant metrics beside the loss (Python floats and ints, a shape, jnp scalars, a bool, an equinox
+    BatchNorm state's `first_time=False`) came back all holding the last constant's value and aval — two
+    floats came back as [True, ...] — or failed to compile: each tail equation closed over the loop's
+    variables instead of its own (found by a probe)."""
+    rng = np.random.default_rng(0)
+    params = mlp2(rng)
+
+    def loss(p, mb):
+        h = mpmd.pipeline_yield(jnp.tanh(mb["x"] @ p[0]["w"] + p[0]["b"]))
+        return jnp.mean((h @ p[1]["w"] + p[1]["b"] - mb["y"]) ** 2)
+
+    def step(params, batch):
+        def mb_fn(mb):
+            value, grads = jax.value_and_grad(loss)(params, mb)
+            return grads, {"a_weight": 1.0, "b_scale": 2.0, "loss": value, "ok": jnp.array(True), "n": mb["x"].shape[0],
+                           "half": jnp.float16(0.5), "flag": jnp.array(False), "stat": jnp.zeros(8) + value}
+        grads, aux = mpmd.accumulate_grads(mb_fn, batch, schedule=mpmd.OneFOneB(2))
+        return grads, aux, aux["flag"][-1]
+
+    batch = batch_of(rng)
+    want = jax.jit(step)(params, batch)
+    got = mpmd.fetch(mpmd.distributed(step, mesh=mesh2)(params, batch))
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        assert np.asarray(g).dtype == np.asarray(w).dtype and np.shape(g) == np.shape(w)
+    assert_trees_close(got, want)
+    assert got[1]["b_scale"].tolist() == [2.0] * 4 and got[1]["n"].tolist() == [3] * 4

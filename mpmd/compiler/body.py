@@ -156,8 +156,9 @@ def analyse(body: ClosedJaxpr, num_mb_leaves: int, num_grads: int, num_microbatc
             if isinstance(v, Literal) or status[v] != VARYING:
                 src = [] if isinstance(v, Literal) else [v]
                 val = v.val if isinstance(v, Literal) else None
-                fn = (lambda: [jnp.broadcast_to(jnp.asarray(val, aval.dtype), (m, *aval.shape))]) if val is not None else (
-                    lambda x: [jnp.broadcast_to(x, (m, *x.shape))])
+                # (each lambda binds this leaf's value and aval now: a closure would read the loop's last ones)
+                fn = (lambda val=val, aval=aval: [jnp.broadcast_to(jnp.asarray(val, aval.dtype), (m, *aval.shape))]
+                      ) if val is not None else (lambda x: [jnp.broadcast_to(x, (m, *x.shape))])
                 tail.append(SyntheticEqn(fn, src, [out], "mpmd_broadcast_aux"))
             else:
                 stacked.append((v, out))
