@@ -184,6 +184,45 @@ def test_a_scanned_stack_of_four_stages_runs_on_four_actors(mesh4):
     assert "3F0" in text and "3B0" in text  # four stages (the head joined the last iteration's)
 
 
+def test_two_scanned_stacks_and_a_scan_of_scans_give_a_stage_per_iteration(mesh2):
+    """An encoder stack then a decoder stack (a marker in each body), and a scan of 2 groups over a scan of 2
+    layers: every iteration is a stage (4), not 3 — only the very last scan's last marker is dropped (each
+    scan's was, merging the encoder's last layer with the decoder's first; found by a probe). A marker
+    right after a scan still takes the place of the scan's own."""
+    from mpmd.compiler.loop_tasks import analyse_loop_body, find_step_loop
+    from mpmd.compiler.stages import split_stages
+
+    rng = np.random.default_rng(5)
+    w = lambda *s: (rng.standard_normal(s) / 3).astype(np.float32)  # noqa: E731
+    params = {"enc": w(2, 8, 8), "dec": w(2, 8, 8), "head": w(8, 8), "nest": w(2, 2, 8, 8)}
+
+    def block(h, w):
+        return mpmd.pipeline_yield(jnp.tanh(h @ w)), None
+
+    def two_scans(p, x):
+        h, _ = jax.lax.scan(block, x, p["enc"])
+        h, _ = jax.lax.scan(block, jnp.sin(h), p["dec"])  # (what lies between joins the decoder's first stage)
+        return h @ p["head"]
+
+    def marker_between(p, x):
+        h, _ = jax.lax.scan(block, x, p["enc"])
+        h, _ = jax.lax.scan(block, mpmd.pipeline_yield(h), p["dec"])
+        return h @ p["head"]
+
+    def nested(p, x):
+        h, _ = jax.lax.scan(lambda h, ws: (jax.lax.scan(block, h, ws)[0], None), x, p["nest"])
+        return h @ p["head"]
+
+    opt = optax.adam(1e-2)
+    for model in (two_scans, marker_between, nested):
+        step = make_step(mse(model), opt, mpmd.InterleavedOneFOneB(4, 2))
+        outer, _ = mpmd.distributed(step, mesh=mesh2).trace(params, opt.init(params), batch_of(rng))
+        assert split_stages(analyse_loop_body(find_step_loop(outer))).num_stages == 4, model.__name__
+    for model in (two_scans, nested):
+        compare(mesh2, make_step(mse(model), opt, mpmd.InterleavedOneFOneB(4, 2)), (params, opt.init(params)),
+                [batch_of(rng) for _ in range(2)])
+
+
 def contiguous_two_per_actor(num_microbatches):
     """4 stages on 2 actors (stages 0, 1 on actor 0; 2, 3 on actor 1), forwards then backwards."""
     m = num_microbatches

@@ -5,8 +5,11 @@
   `lax.scan` over stacked per-stage parameters) is unrolled, one iteration after another. The rule: a scan of
   S iterations with a marker at the end of its body gives S stages; what precedes the scan joins the first
   iteration's stage and what follows it (head, loss) the last one's, so the marker of the last iteration
-  (and, in the backward pass, its transpose in the first backward iteration) is dropped. Markers outside
-  the scan cut as usual. The iterations' stacked outputs (residuals for the backward pass) stay per-iteration
+  (and, in the backward pass, its transpose in the first backward iteration) is dropped — unless another
+  scan's markers come next (an encoder stack then a decoder stack, or a scan of scans: each iteration stays a
+  stage, S1 + S2 stages in all; what lies between joins the next scan's first stage). Markers outside the
+  scans cut as usual (one right after a scan takes the place of its last marker). Which markers to drop is
+  known only once every marker has been met, so a step with such scans is traced twice. The iterations' stacked outputs (residuals for the backward pass) stay per-iteration
   values wherever they are only sliced again, so no stage waits for another stage's residuals.
 * A marker inside a construct the compiler cannot cut (`jax.checkpoint`/remat, `lax.cond`/`switch`,
   `while_loop`/`fori_loop`, `custom_vjp`, `shard_map`, ...) is an error that names the construct and says
@@ -83,20 +86,30 @@ def _read(env: dict[Any, Any], x: Any) -> Any:
     return x.val if isinstance(x, Literal) else env[x]
 
 
+_EXPLICIT, _IN_SCAN, _SCAN_END = "explicit", "in a scan", "a scan's end"  # what made a marker (see `_Unroller.met`)
+
+
 class _Unroller:
-    """Evaluates equations under a JAX trace, inlining calls and unrolling scans that hold markers."""
+    """Evaluates equations under a JAX trace, inlining calls and unrolling scans that hold markers. Every
+    marker met is recorded in `met` as (direction, what made it); those whose position in that order is in
+    `drop` are evaluated as the identity (see the module docstring and `_scan_ends_to_drop`)."""
 
-    def __init__(self) -> None:
-        self.drop_next_fwd = 0  # markers to evaluate as identity (see the module docstring)
+    def __init__(self, drop: frozenset[int] = frozenset()) -> None:
+        self.drop = drop
+        self.met: list[tuple[str, str]] = []
+        self._scans = 0  # how many scans being unrolled enclose the equation evaluated now
 
-    def eval_jaxpr(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], skip_markers: set[int] | None = None) -> list[Any]:
+    def eval_jaxpr(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], scan_end: int | None = None) -> list[Any]:
+        """`scan_end`: the position of the marker in `jaxpr` that would end a scan's stages (if dropped)."""
         env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
         env.update(zip(jaxpr.invars, args))
         for i, eqn in enumerate(jaxpr.eqns):
             invals = [_read(env, x) for x in eqn.invars]
             name = eqn.primitive.name
-            if eqn.primitive is pipeline_yield_p and skip_markers is not None and i in skip_markers:
-                outs = [_value(x) for x in invals]
+            if eqn.primitive is pipeline_yield_p:
+                what = _SCAN_END if i == scan_end else _IN_SCAN if self._scans else _EXPLICIT
+                self.met.append((eqn.params["direction"], what))
+                outs = [_value(x) for x in invals] if len(self.met) - 1 in self.drop else bind_eqn(eqn, invals)
             elif name in _CALL_PARAMS and _CALL_PARAMS[name] in eqn.params and name not in ("custom_vjp_call", "custom_vjp_call_jaxpr"):
                 inner = eqn.params[_CALL_PARAMS[name]]
                 closed = inner if isinstance(inner, ClosedJaxpr) else ClosedJaxpr(inner, ())
@@ -122,32 +135,55 @@ class _Unroller:
         markers = [i for i, e in enumerate(body.jaxpr.eqns) if e.primitive is pipeline_yield_p]
         order = list(range(n))[::-1] if reverse else list(range(n))
         # The last forward iteration's last marker (or, in a transposed scan, the first backward
-        # iteration's first marker) would cut off the head: drop it (module docstring).
+        # iteration's first marker) would cut off the head: it may be dropped (module docstring).
         drop_at, drop_idx = None, None
         if markers and directions == {FWD}:
             drop_at, drop_idx = order[-1], markers[-1]
         elif markers and directions == {BWD}:
             drop_at, drop_idx = order[0], markers[0]
         ys: list[list[Any]] = [[] for _ in range(len(body.jaxpr.outvars) - ncarry)]
+        self._scans += 1
         for t in order:
             x_t = [x.items[t] if isinstance(x, _Stacked) else jax.lax.index_in_dim(_value(x), t, keepdims=False) for x in xs]
-            skip = {drop_idx} if t == drop_at else None
-            outs = self.eval_jaxpr(body.jaxpr, body.consts, [*consts, *carry, *x_t], skip)
+            outs = self.eval_jaxpr(body.jaxpr, body.consts, [*consts, *carry, *x_t], drop_idx if t == drop_at else None)
             carry = [_value(c) for c in outs[:ncarry]]
             for j, y in enumerate(outs[ncarry:]):
                 ys[j].append(_value(y))
+        self._scans -= 1
         if reverse:
             for y in ys:
                 y.reverse()
         return [*carry, *(_Stacked(y) for y in ys)]
 
 
+def _scan_ends_to_drop(met: list[tuple[str, str]]) -> frozenset[int]:
+    """Of the markers met (in order), the scan ends to drop: a forward one unless the next forward marker is
+    another scan's; a backward one (its transpose: the backward pass meets them in reverse) unless the
+    backward marker before it is."""
+    drop = set()
+    for k, (direction, what) in enumerate(met):
+        if what != _SCAN_END:
+            continue
+        if direction == FWD:
+            after = next((w for d, w in met[k + 1:] if d == FWD), None)
+        else:
+            after = next((w for d, w in reversed(met[:k]) if d == BWD), None)
+        if after in (None, _EXPLICIT):
+            drop.add(k)
+    return frozenset(drop)
+
+
 def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
     """Re-trace `closed` with every nested call inlined and every scan holding markers unrolled."""
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
-    unroller = _Unroller()
 
-    def fn(*args: Any) -> list[Any]:
-        return [_value(o) for o in unroller.eval_jaxpr(closed.jaxpr, closed.consts, args)]
+    def traced(unroller: _Unroller) -> ClosedJaxpr:
+        def fn(*args: Any) -> list[Any]:
+            return [_value(o) for o in unroller.eval_jaxpr(closed.jaxpr, closed.consts, args)]
 
-    return jax.make_jaxpr(fn)(*avals)
+        return jax.make_jaxpr(fn)(*avals)
+
+    first = _Unroller()
+    out = traced(first)
+    drop = _scan_ends_to_drop(first.met)
+    return traced(_Unroller(drop)) if drop else out
