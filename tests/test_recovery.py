@@ -2,6 +2,7 @@
 ends without an exception and with parameters bit-identical to an uninterrupted run; without recovery, or past
 max_failures, the loss surfaces as ActorDiedError naming the actor, within the usual bound."""
 
+import asyncio
 import logging
 import os
 import random
@@ -36,7 +37,7 @@ def _sigkill(mesh, actor):
     os.kill(mesh.processes[actor].proc.pid, signal.SIGKILL)
 
 
-def train(kills=(), recover=None, fetch_losses_every=0, when="before", open_mesh=None, kill=_sigkill):
+def train(kills=(), recover=None, fetch_losses_every=0, when="before", open_mesh=None, kill=_sigkill, fetch=mpmd.fetch):
     """The loop a user writes. `kills`: (step, actor) pairs: that actor is killed (`kill(mesh, actor)`: SIGKILL)
     just before the step is dispatched (`when="before"`) or while it runs ("during"). Returns (params,
     opt_state, losses, recoveries)."""
@@ -67,7 +68,7 @@ def train(kills=(), recover=None, fetch_losses_every=0, when="before", open_mesh
             all_losses[-1].block_until_ready()
             kill(mesh, kills[STEPS])
             time.sleep(0.5)
-        p, o, all_losses = mpmd.fetch((p, o, all_losses))
+        p, o, all_losses = fetch((p, o, all_losses))
         return p, o, all_losses, mesh.recoveries
 
 
@@ -234,6 +235,49 @@ def test_an_actor_killed_after_the_last_step_is_recovered_by_the_fetch_and_the_v
     got = train(kills=[(STEPS, 1)], recover=mpmd.Recovery(snapshot_every=6))
     assert got[3] == 1
     _assert_identical(got, uninterrupted)
+
+
+@pytest.mark.parametrize("wait", ["fetch_async", pytest.param("ready_async", marks=pytest.mark.slow)])
+def test_an_actor_killed_after_the_last_step_is_recovered_by_the_awaitable_fetch_too(uninterrupted, wait):
+    """fetch_async and ready_async raised ActorDiedError where mpmd.fetch and block_until_ready recover (found
+    by a probe)."""
+    async def read(tree):
+        if wait == "ready_async":
+            tree = await mpmd.ready_async(tree)
+        return await mpmd.fetch_async(tree)
+
+    got = train(kills=[(STEPS, 1)], recover=mpmd.Recovery(snapshot_every=6), fetch=lambda t: asyncio.run(read(t)))
+    assert got[3] == 1
+    _assert_identical(got, uninterrupted)
+
+
+def test_an_async_loop_awaiting_its_losses_every_step_survives_an_actor_killed_mid_step():
+    """The loop an asyncio user writes: call_async, then await fetch_async of the losses, every step; actor 0
+    is killed during step 3. The survivor's note that the step was aborted reached the user (a RemoteError)
+    where the blocking loop recovers; now the losses and final state equal jax.jit's (found by a probe)."""
+    batches = _batches()[:6]
+    ref = jax.jit(STEP)
+    p, o = _params(), OPT.init(_params())
+    want = []
+    for b in batches:
+        p, o, losses = ref(p, o, b)
+        want.append(losses)
+
+    async def loop(mesh):
+        dist = mpmd.distributed(STEP, mesh=mesh)
+        state, got = (_params(), OPT.init(_params())), []
+        for i, b in enumerate(batches):
+            *state, losses = await dist.call_async(*state, b)
+            if i == 3:
+                threading.Timer(0.02, _sigkill, (mesh, 0)).start()
+            got.append(await mpmd.fetch_async(losses))
+        return await mpmd.fetch_async(state), got
+
+    with mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(snapshot_every=2), heartbeat_timeout=5.0) as mesh:
+        state, got = asyncio.run(loop(mesh))
+        assert mesh.recoveries == 1
+    for a, b in zip(jax.tree.leaves((state, got)), jax.tree.leaves(((p, o), want))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

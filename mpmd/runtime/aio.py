@@ -118,13 +118,53 @@ async def _step_error_first(arrays: list[RemoteArray]) -> None:
                 x._raise_step_error()
 
 
+async def _recovered(arrays: list[RemoteArray], error: BaseException) -> bool:
+    """Whether the meshes of `arrays` made with recover=... recovered from the failure behind `error` (waiting
+    for the steps that make the arrays, and for a recovery, in a worker thread), so that reading the arrays
+    again may work: the awaitable form of `array._recovered`."""
+    meshes = {id(x.mesh): x.mesh for x in arrays if getattr(x.mesh, "recovery", None) is not None}
+    if not meshes:
+        return False
+    readies = list({id(x._ready): x._ready for x in arrays if x._ready is not None}.values())
+
+    def settle() -> bool:
+        concurrent.futures.wait(readies)  # a step in flight ends recovered (normally) or failed
+        return all(m.recovery.settle(error, None) for m in meshes.values())
+
+    return await off_loop(settle) and not any(x.is_deleted for x in arrays)
+
+
 async def fetch_async(tree: Any) -> Any:
     """Awaitable twin of `mpmd.fetch`: every RemoteArray of a pytree brought here (numpy arrays, jax key
     arrays for typed PRNG keys), one request per actor, all meshes at once, without blocking the caller's
-    event loop. Cancelling it while a step making one of the arrays still runs aborts that step.
+    event loop. Cancelling it while a step making one of the arrays still runs aborts that step. On a mesh
+    made with recover=..., a lost actor is recovered from and the arrays read again, as `mpmd.fetch` does.
 
         losses = await mpmd.fetch_async(losses)
     """
+    arrays = [x for x in _remote_leaves(tree)[0] if isinstance(x, RemoteArray)]
+    try:
+        return await _fetch_async(tree)
+    except MpmdError as e:
+        if not await _recovered(arrays, e):
+            await _failed(arrays, e)
+            raise
+    try:
+        return await _fetch_async(tree)  # (rebound by the recovery)
+    except MpmdError as e:
+        await _failed(arrays, e)
+        raise
+
+
+async def _failed(arrays: list[RemoteArray], e: MpmdError) -> None:
+    """A fetch of `arrays` failed with `e`: mark them, and raise the error of a step that failed making one
+    of them if there is one (clearer than an actor's note that a buffer never came)."""
+    for x in arrays:
+        x._failed_fetch(e)
+    await _step_error_first(arrays)
+
+
+async def _fetch_async(tree: Any) -> Any:
     leaves, treedef = _remote_leaves(tree)
     arrays = [x for x in leaves if isinstance(x, RemoteArray)]
     wanted: dict[Any, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))  # mesh -> actor -> leaf indices
@@ -149,11 +189,6 @@ async def fetch_async(tree: Any) -> Any:
     except asyncio.CancelledError:
         await abort_unfinished(arrays)
         raise
-    except MpmdError as e:
-        for x in arrays:
-            x._failed_fetch(e)
-        await _step_error_first(arrays)
-        raise
     got = {i: v for part in parts for i, v in part.items()}
     out = [from_wire(got[i], x.dtype) if isinstance(x, RemoteArray) else x for i, x in enumerate(leaves)]
     return jax.tree.unflatten(treedef, out)
@@ -165,8 +200,19 @@ async def ready_async(tree: Any) -> Any:
     task. Cancelling it while a step making one of the arrays still runs aborts that step on its actors.
 
         params, opt_state, losses = await mpmd.ready_async(await step.call_async(params, opt_state, batch))
+
+    On a mesh made with recover=..., a lost actor is recovered from, as `block_until_ready` does.
     """
     arrays = [x for x in _remote_leaves(tree)[0] if isinstance(x, RemoteArray)]
+    try:
+        return await _ready_async(tree, arrays)
+    except MpmdError as e:
+        if not await _recovered(arrays, e):
+            raise
+    return await _ready_async(tree, arrays)  # (rebound by the recovery)
+
+
+async def _ready_async(tree: Any, arrays: list[RemoteArray]) -> Any:
     for x in arrays:
         x._check_usable()
     try:
