@@ -362,3 +362,31 @@ def test_with_actor_loaded_batches_the_replay_loads_the_data_of_the_steps_it_rep
         np.testing.assert_allclose(got[2][k], want[k], rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.tree.leaves(got[:2]), jax.tree.leaves((rp, ro))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_closing_the_mesh_during_a_recovery_stops_it_quietly(caplog):
+    """The close cancelled the future the recovery thread set at its end (an uncaught InvalidStateError in
+    'mpmd-recovery'), or the recovery went on 'recovering again' from the closed mesh's errors, respawning
+    daemons until past max_failures (found by a probe). Now it stops, and no daemon is left."""
+    mesh = mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(snapshot_every=1), heartbeat_timeout=5.0)
+    dist = mpmd.distributed(STEP, mesh=mesh)
+    outs = dist(_params(), OPT.init(_params()), _batches()[0])
+    mpmd.fetch(outs)
+    _sigkill(mesh, 1)
+    uncaught, hook = [], threading.excepthook
+    threading.excepthook = lambda a: uncaught.append(f"{a.thread.name}: {a.exc_type.__name__}: {a.exc_value}")
+    try:
+        with caplog.at_level(logging.INFO, logger="mpmd"):
+            stepper = threading.Thread(target=lambda: pytest.raises(mpmd.MpmdError, lambda: mpmd.fetch(dist(*outs[:2], _batches()[1]))))
+            stepper.start()
+            time.sleep(1.0)  # the recovery is starting the replacement
+            mesh.close()
+            stepper.join(60)
+            deadline = time.monotonic() + 30
+            while any(t.name.startswith("mpmd-recovery") for t in threading.enumerate()) and time.monotonic() < deadline:
+                time.sleep(0.2)
+    finally:
+        threading.excepthook = hook
+    assert not stepper.is_alive() and not uncaught
+    assert not any("recovering again" in r.getMessage() or "past Recovery" in r.getMessage() for r in caplog.records)
+    assert all(p.proc.poll() is not None for p in mesh.processes)  # (replacements included)

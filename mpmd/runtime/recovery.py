@@ -347,24 +347,33 @@ class RecoveryManager:
             self.count += 1
             log.warning("recovered from %s in %.1f s (%s)", report.pop("what"), time.monotonic() - t0,
                         ", ".join(f"{k} {v:.2f} s" if isinstance(v, float) else f"{k} {v}" for k, v in report.items()))
-            fut.set_result(None)
+            if not fut.done():  # (cancelled when the mesh closed meanwhile: nobody waits)
+                fut.set_result(None)
         except BaseException as e:  # noqa: BLE001 - the failed steps raise their own ActorDiedError
             self.gave_up = e
-            log.error("recovery from %s failed after %.1f s; the mesh stops recovering: %s", _what(error),
-                      time.monotonic() - t0, e)
-            fut.set_exception(e)
+            if self.mesh.closed:
+                log.info("recovery from %s stopped: the mesh was closed", _what(error))
+            else:
+                log.error("recovery from %s failed after %.1f s; the mesh stops recovering: %s", _what(error),
+                          time.monotonic() - t0, e)
+            if not fut.done():
+                fut.set_exception(e)
 
     def _recover_locked(self, error: BaseException, t0: float) -> dict[str, Any]:
         report: dict[str, Any] = {"what": _what(error)}
         lost = self._lost_actors(error)
         last: BaseException | None = None  # what broke the attempt before this one
         while True:
+            if self.mesh.closed:  # (closed by its user while this ran: nothing to recover for)
+                raise MpmdError("the RemoteMesh was closed during the recovery") from last
             self.failures += len(lost)
             if self.failures > self.config.max_failures:
                 raise MpmdError(f"{self.failures} lost actors in all, past Recovery(max_failures={self.config.max_failures})") from last
             try:
                 report["steps replayed"] = self._attempt(lost, report)
             except ActorDiedError as e:  # another actor lost meanwhile: again, from the snapshot
+                if self.mesh.closed:
+                    continue  # (said at the top)
                 last = e
                 lost = self._lost_actors(e)
                 log.warning("actor(s) %s lost during the recovery (%s); recovering again", lost, _what(e))
@@ -374,6 +383,8 @@ class RecoveryManager:
             except Exception as e:
                 # A replacement that dies while it starts breaks the handshake or the wiring with errors of their own
                 # (a reset connection reads as a refused key): when a process is gone, that is one more lost actor.
+                if self.mesh.closed:
+                    continue  # (said at the top)
                 dead = self._dead_processes(wait=1.0 if getattr(self.mesh, "processes", ()) else 0.0)
                 if not dead:
                     raise
