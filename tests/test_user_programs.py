@@ -351,3 +351,23 @@ def test_nonsense_arguments_are_refused_up_front_naming_what_is_wrong(mesh2):
                          (dict(microbatches=[0, 2]), "microbatches"), (dict(memory_limit=float("nan")), "memory_limit")):
         with pytest.raises(mpmd.PipelineError, match=what):
             mpmd.tune(good, params, opt.init(params), batch, mesh=mesh2, **kwargs)
+
+
+def test_buffer_calls_on_a_closed_mesh_raise_and_leave_no_coroutine_unawaited():
+    """put, put_async, get_buffers and wait_buffers on a closed mesh raised the right error, and Python then warned
+    "coroutine 'ActorConnection.request' was never awaited" for each request they had made (found by a probe)."""
+    import asyncio
+    import gc
+    import warnings
+
+    mesh = mpmd.RemoteMesh.local(num_actors=2)
+    mesh.close()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for call in (lambda: mesh.actor(0).put(np.ones(3, np.float32)),
+                     lambda: asyncio.run(mesh.actor(0).put_async(np.ones(3, np.float32))),
+                     lambda: mesh.get_buffers({0: [1]}), lambda: mesh.wait_buffers({0: [1], 1: [2]})):
+            with pytest.raises(mpmd.MpmdError, match="RemoteMesh is closed"):
+                call()
+            gc.collect()
+    assert not [str(w.message) for w in caught if "never awaited" in str(w.message)]

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from mpmd.errors import MpmdError
-from mpmd.runtime.controller import ActorConnection, EventLoopThread
+from mpmd.runtime.controller import ActorConnection, EventLoopThread, close_unstarted
 
 
 async def gather(coros: Sequence[Any]) -> list[Any]:
@@ -40,7 +40,7 @@ class BufferClient:
 
     def _run(self, coro: Any) -> Any:
         if self._closed():
-            coro.close()
+            close_unstarted(coro)
             raise MpmdError("this RemoteMesh is closed")
         return self._io.run(coro)
 
@@ -80,7 +80,7 @@ class BufferClient:
 
     async def _arun(self, coro: Any) -> Any:
         if self._closed():
-            coro.close()
+            close_unstarted(coro)
             raise MpmdError("this RemoteMesh is closed")
         return await self._io.arun(coro)
 

@@ -50,6 +50,18 @@ def note_blocking(seconds: float, what: str = "a blocking mpmd call") -> None:
                 "RemoteMesh.local_async, ...) so the loop keeps running", what, seconds)
 
 
+def close_unstarted(coro: Any) -> None:
+    """Close a coroutine that will never run, and the coroutines it was given (`gather([request(...), ...])`):
+    closing only the outer one leaves Python to warn "coroutine ... was never awaited" for each inner one."""
+    frame = getattr(coro, "cr_frame", None)
+    if frame is not None:
+        for value in list(frame.f_locals.values()):
+            for inner in value if isinstance(value, (list, tuple)) else (value,):
+                if asyncio.iscoroutine(inner):
+                    inner.close()
+    coro.close()
+
+
 class EventLoopThread:
     """An asyncio loop (uvloop when installed) running in a daemon thread."""
 
@@ -66,7 +78,7 @@ class EventLoopThread:
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run `coro` on this loop and wait for its result (from any thread but this loop's own)."""
         if threading.current_thread() is self._thread:
-            coro.close()
+            close_unstarted(coro)
             raise RuntimeError("mpmd's blocking API cannot be called from its own event loop; await the _async twin")
         t = time.perf_counter()
         try:

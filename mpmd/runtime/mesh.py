@@ -45,7 +45,7 @@ from mpmd.runtime.actor_handle import ActorHandle
 from mpmd.runtime.aio import off_loop
 from mpmd.runtime.array import RemoteArray, fetch
 from mpmd.runtime.buffers import BufferClient, gather
-from mpmd.runtime.controller import ActorConnection, EventLoopThread, Watchdog
+from mpmd.runtime.controller import ActorConnection, EventLoopThread, Watchdog, close_unstarted
 from mpmd.runtime.executables import Executables
 from mpmd.runtime.launch.local import LocalOptions, LocalProcess, start_local
 from mpmd.runtime.loader import check_loader_name
@@ -448,21 +448,21 @@ class RemoteMesh:
     def run(self, coro: Any, timeout: float | None = None) -> Any:
         """Run a coroutine on the controller loop and wait for its result."""
         if self.closed:
-            coro.close()
+            close_unstarted(coro)
             raise MpmdError("this RemoteMesh is closed")
         return self._io.run(coro, timeout)
 
     async def arun(self, coro: Any) -> Any:
         """Await a coroutine run on the controller loop, from the caller's own event loop (`run`'s twin)."""
         if self.closed:
-            coro.close()
+            close_unstarted(coro)
             raise MpmdError("this RemoteMesh is closed")
         return await self._io.arun(coro)
 
     def submit_coroutine(self, coro: Any) -> concurrent.futures.Future[Any]:
         """Run `coro` on the controller loop without waiting; a concurrent future of its result."""
         if self.closed:
-            coro.close()
+            close_unstarted(coro)
             raise MpmdError("this RemoteMesh is closed")
         return self._io.submit(coro)
 
