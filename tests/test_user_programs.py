@@ -213,12 +213,23 @@ def test_two_scanned_stacks_and_a_scan_of_scans_give_a_stage_per_iteration(mesh2
         h, _ = jax.lax.scan(lambda h, ws: (jax.lax.scan(block, h, ws)[0], None), x, p["nest"])
         return h @ p["head"]
 
+    def nested_group_marker(p, x):  # a marker after each layer and after each group: the group's takes the layer's place
+        h, _ = jax.lax.scan(lambda h, ws: (mpmd.pipeline_yield(jnp.sin(jax.lax.scan(block, h, ws)[0])), None), x, p["nest"])
+        return h @ p["head"]
+
+    jitted = jax.jit(lambda h, w: mpmd.pipeline_yield(jnp.tanh(h @ w)))
+
+    def jitted_blocks(p, x):  # the marker inside a jitted block in the body: still a scan's end (it was not)
+        h, _ = jax.lax.scan(block, x, p["enc"])
+        h, _ = jax.lax.scan(lambda h, w: (jitted(h, w), None), h, p["dec"])
+        return h @ p["head"]
+
     opt = optax.adam(1e-2)
-    for model in (two_scans, marker_between, nested):
+    for model in (two_scans, marker_between, nested, nested_group_marker, jitted_blocks):
         step = make_step(mse(model), opt, mpmd.InterleavedOneFOneB(4, 2))
         outer, _ = mpmd.distributed(step, mesh=mesh2).trace(params, opt.init(params), batch_of(rng))
         assert split_stages(analyse_loop_body(find_step_loop(outer))).num_stages == 4, model.__name__
-    for model in (two_scans, nested):
+    for model in (two_scans, nested, jitted_blocks):
         compare(mesh2, make_step(mse(model), opt, mpmd.InterleavedOneFOneB(4, 2)), (params, opt.init(params)),
                 [batch_of(rng) for _ in range(2)])
 

@@ -4,12 +4,14 @@
 * A `lax.scan` whose body holds markers (a scanned stack of stages: `nnx.scan`, `nn.scan`, a hand-written
   `lax.scan` over stacked per-stage parameters) is unrolled, one iteration after another. The rule: a scan of
   S iterations with a marker at the end of its body gives S stages; what precedes the scan joins the first
-  iteration's stage and what follows it (head, loss) the last one's, so the marker of the last iteration
-  (and, in the backward pass, its transpose in the first backward iteration) is dropped — unless another
-  scan's markers come next (an encoder stack then a decoder stack, or a scan of scans: each iteration stays a
+  iteration's stage and what follows it (head, loss) the last one's, so the last marker of the last
+  iteration (however deep in the body: in a jitted block too; in the backward pass its transpose, the first
+  of the first backward iteration) is dropped — unless the next marker belongs to a scan unrolled after this
+  one (an encoder stack then a decoder stack, or the next group of a scan of scans: each iteration stays a
   stage, S1 + S2 stages in all; what lies between joins the next scan's first stage). Markers outside the
-  scans cut as usual (one right after a scan takes the place of its last marker). Which markers to drop is
-  known only once every marker has been met, so a step with such scans is traced twice. The iterations' stacked outputs (residuals for the backward pass) stay per-iteration
+  scans cut as usual, and one right after a scan (or after an inner scan, in the body of an outer one) takes
+  the place of its last marker. Which markers to drop is known only once every marker has been met, so a
+  step with such scans is traced twice. The iterations' stacked outputs (residuals for the backward pass) stay per-iteration
   values wherever they are only sliced again, so no stage waits for another stage's residuals.
 * A marker inside a construct the compiler cannot cut (`jax.checkpoint`/remat, `lax.cond`/`switch`,
   `while_loop`/`fori_loop`, `custom_vjp`, `shard_map`, ...) is an error that names the construct and says
@@ -86,29 +88,36 @@ def _read(env: dict[Any, Any], x: Any) -> Any:
     return x.val if isinstance(x, Literal) else env[x]
 
 
-_EXPLICIT, _IN_SCAN, _SCAN_END = "explicit", "in a scan", "a scan's end"  # what made a marker (see `_Unroller.met`)
+class _Unroll:
+    """One scan being (or having been) unrolled: when it started and ended on the unroller's clock, and the
+    marker that would end its stages (its last forward marker; in a transposed scan its first backward one)."""
+
+    def __init__(self, start: int, direction: str | None) -> None:
+        self.start, self.end = start, -1
+        self.direction = direction  # FWD or BWD when all the body's markers go one way (else no end is dropped)
+        self.end_marker: int | None = None
 
 
 class _Unroller:
     """Evaluates equations under a JAX trace, inlining calls and unrolling scans that hold markers. Every
-    marker met is recorded in `met` as (direction, what made it); those whose position in that order is in
-    `drop` are evaluated as the identity (see the module docstring and `_scan_ends_to_drop`)."""
+    marker met is recorded in `met` as (direction, the scans unrolling around it); those whose position in
+    that order is in `drop` are evaluated as the identity (see the module docstring and `_scan_ends_to_drop`)."""
 
     def __init__(self, drop: frozenset[int] = frozenset()) -> None:
         self.drop = drop
-        self.met: list[tuple[str, str]] = []
-        self._scans = 0  # how many scans being unrolled enclose the equation evaluated now
+        self.met: list[tuple[str, tuple[_Unroll, ...]]] = []
+        self.unrolls: list[_Unroll] = []
+        self._open: list[_Unroll] = []  # the scans being unrolled around the equation evaluated now
+        self._clock = 0  # ticks at every scan's start and end
 
-    def eval_jaxpr(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], scan_end: int | None = None) -> list[Any]:
-        """`scan_end`: the position of the marker in `jaxpr` that would end a scan's stages (if dropped)."""
+    def eval_jaxpr(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
         env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
         env.update(zip(jaxpr.invars, args))
-        for i, eqn in enumerate(jaxpr.eqns):
+        for eqn in jaxpr.eqns:
             invals = [_read(env, x) for x in eqn.invars]
             name = eqn.primitive.name
             if eqn.primitive is pipeline_yield_p:
-                what = _SCAN_END if i == scan_end else _IN_SCAN if self._scans else _EXPLICIT
-                self.met.append((eqn.params["direction"], what))
+                self.met.append((eqn.params["direction"], tuple(self._open)))
                 outs = [_value(x) for x in invals] if len(self.met) - 1 in self.drop else bind_eqn(eqn, invals)
             elif name in _CALL_PARAMS and _CALL_PARAMS[name] in eqn.params and name not in ("custom_vjp_call", "custom_vjp_call_jaxpr"):
                 inner = eqn.params[_CALL_PARAMS[name]]
@@ -132,43 +141,53 @@ class _Unroller:
         n, nc, ncarry, reverse = p["length"], p["num_consts"], p["num_carry"], p["reverse"]
         consts, carry, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
         directions = _marker_directions(body.jaxpr)
-        markers = [i for i, e in enumerate(body.jaxpr.eqns) if e.primitive is pipeline_yield_p]
         order = list(range(n))[::-1] if reverse else list(range(n))
-        # The last forward iteration's last marker (or, in a transposed scan, the first backward
-        # iteration's first marker) would cut off the head: it may be dropped (module docstring).
-        drop_at, drop_idx = None, None
-        if markers and directions == {FWD}:
-            drop_at, drop_idx = order[-1], markers[-1]
-        elif markers and directions == {BWD}:
-            drop_at, drop_idx = order[0], markers[0]
+        me = _Unroll(self._clock, next(iter(directions)) if len(directions) == 1 else None)
+        self._clock += 1
+        self.unrolls.append(me)
+        self._open.append(me)
         ys: list[list[Any]] = [[] for _ in range(len(body.jaxpr.outvars) - ncarry)]
-        self._scans += 1
         for t in order:
             x_t = [x.items[t] if isinstance(x, _Stacked) else jax.lax.index_in_dim(_value(x), t, keepdims=False) for x in xs]
-            outs = self.eval_jaxpr(body.jaxpr, body.consts, [*consts, *carry, *x_t], drop_idx if t == drop_at else None)
+            first = len(self.met)
+            outs = self.eval_jaxpr(body.jaxpr, body.consts, [*consts, *carry, *x_t])
+            # The last forward iteration's last marker (in a transposed scan, the first backward iteration's first
+            # marker), however deep in the body, would cut off the head: it may be dropped (module docstring).
+            mine = [k for k in range(first, len(self.met)) if self.met[k][0] == me.direction]
+            if mine and t == order[-1] and me.direction == FWD:
+                me.end_marker = mine[-1]
+            elif mine and t == order[0] and me.direction == BWD:
+                me.end_marker = mine[0]
             carry = [_value(c) for c in outs[:ncarry]]
             for j, y in enumerate(outs[ncarry:]):
                 ys[j].append(_value(y))
-        self._scans -= 1
+        self._open.pop()
+        me.end = self._clock
+        self._clock += 1
         if reverse:
             for y in ys:
                 y.reverse()
         return [*carry, *(_Stacked(y) for y in ys)]
 
 
-def _scan_ends_to_drop(met: list[tuple[str, str]]) -> frozenset[int]:
-    """Of the markers met (in order), the scan ends to drop: a forward one unless the next forward marker is
-    another scan's; a backward one (its transpose: the backward pass meets them in reverse) unless the
-    backward marker before it is."""
+def _scan_ends_to_drop(met: list[tuple[str, tuple[_Unroll, ...]]], unrolls: list[_Unroll]) -> frozenset[int]:
+    """Of the markers met (in order), the scan ends to drop. A forward scan's end stays only when the next
+    forward marker belongs to a scan unrolled after it ended (a second stack); it is dropped when nothing
+    follows, or a marker outside any later scan does (an explicit marker, or one of a scan around it, takes its
+    place). A backward end mirrors that: it stays only when the backward marker before it belongs to a scan
+    that ended before this one started (the backward pass meets the transposed scans in reverse)."""
     drop = set()
-    for k, (direction, what) in enumerate(met):
-        if what != _SCAN_END:
+    for u in unrolls:
+        k = u.end_marker
+        if k is None:
             continue
-        if direction == FWD:
-            after = next((w for d, w in met[k + 1:] if d == FWD), None)
+        if u.direction == FWD:
+            near = next((around for d, around in met[k + 1:] if d == FWD), None)
+            keep = near is not None and any(v.start > u.end for v in near)
         else:
-            after = next((w for d, w in reversed(met[:k]) if d == BWD), None)
-        if after in (None, _EXPLICIT):
+            near = next((around for d, around in reversed(met[:k]) if d == BWD), None)
+            keep = near is not None and any(v.end < u.start for v in near)
+        if not keep:
             drop.add(k)
     return frozenset(drop)
 
@@ -185,5 +204,5 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
 
     first = _Unroller()
     out = traced(first)
-    drop = _scan_ends_to_drop(first.met)
+    drop = _scan_ends_to_drop(first.met, first.unrolls)
     return traced(_Unroller(drop)) if drop else out
