@@ -109,7 +109,7 @@ class TuneResult:
     chosen: Candidate | None = None  # the fastest of the candidates `calibrate` measured
     calibrated: dict[int, float] = field(default_factory=dict)  # id(candidate) -> seconds per step `calibrate` measured
     drift: float | None = None  # after `verify`: now / then for the candidates `calibrate` measured (the machine's drift)
-    _steps: dict[int, DistributedFunction] = field(default_factory=dict, repr=False)  # id(candidate) -> its step, compiled once
+    _steps: dict[int, tuple[Candidate, DistributedFunction]] = field(default_factory=dict, repr=False)  # id -> (it, its step)
 
     @property
     def feasible(self) -> list[Candidate]:
@@ -133,9 +133,9 @@ class TuneResult:
     def step_for(self, candidate: Candidate) -> DistributedFunction:
         """`candidate` as a distributed step on the same mesh (one per candidate, kept)."""
         got = self._steps.get(id(candidate))
-        if got is None:
-            got = self._steps[id(candidate)] = self.base.with_schedule(candidate.schedule)
-        return got
+        if got is None or got[0] is not candidate:  # (held with its candidate: an id is reused once an object is gone)
+            got = self._steps[id(candidate)] = (candidate, self.base.with_schedule(candidate.schedule))
+        return got[1]
 
     def reshape_batch(self, batch: Any, candidate: Candidate | None = None) -> Any:
         """`batch` re-split into the winner's (or `candidate`'s) number of microbatches."""

@@ -163,7 +163,7 @@ def test_split_backward_schedules_group_their_input_and_weight_gradients():
 
 
 
-def test_stage_zero_of_a_split_backward_is_charged_its_whole_backward():
+def test_a_stage_without_an_input_gradient_stage_zero_or_after_a_frozen_prefix_is_charged_its_whole_backward():
     """Stage 0 exports no input gradient, so the compiler gives it no I task and its W runs the input-gradient
     chain through its inner segments as well. On one actor every schedule does the same work one task after
     another: ZB-H1 must be predicted at the total work, as GPipe is (it was predicted a third faster)."""
@@ -183,6 +183,17 @@ def test_stage_zero_of_a_split_backward_is_charged_its_whole_backward():
     # later stages keep their I: it is what the stage before waits for
     c2 = group_costs(seg, (5, 3))
     assert c2.I[1] > 0 and c2.W[1] < c2.B[1]
+    # ... unless nothing before them has parameters (a frozen prefix): then no I task there either (a review)
+    params, batch = uneven_setup()
+    params[0] = params[1] = []
+    opt = optax.sgd(0.1)
+    fn = make_step(uneven_loss, opt, mpmd.ZeroBubbleH1(2, balance=(2, 6)))
+    outer, _ = DistributedFunction(fn, FakeMesh(2)).trace(params, opt.init(params), batch)
+    body = analyse_loop_body(find_step_loop(outer))
+    frozen = group_costs(xla_segment_costs(split_stages(body), body), (2, 6))
+    runs = [str(i.label) for p in plan_step(outer, 2).programs for i in p.instructions if isinstance(i, Run)]
+    assert not any("I" in lab for lab in runs)
+    assert frozen.I == (0.0, 0.0) and frozen.W[1] == frozen.B[1] > 0
 
 # ---- on real actors --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("schedule", [mpmd.OneFOneB(2, balance="auto"), mpmd.ZeroBubbleH1(2, balance="auto")], ids=["1f1b", "zb-h1"])

@@ -424,7 +424,7 @@ def test_cli_exits_2_with_the_validation_error(capsys):
 def test_cli_tune_refuses_counts_that_cannot_work_before_starting_anything(capsys):
     for flags, said in ((["--actors", "0"], "--actors: must be a number above 0"), (["--layers", "0"], "--layers: must be a number above 0"),
                         (["--memory-limit-mib", "-5"], "--memory-limit-mib: must be a number above 0"),
-                        (["--verify", "-1"], "--verify: must be a number above 0"), (["--verify", "x"], "is not a number")):
+                        (["--verify", "-1"], "--verify: must be 0 (none) or more"), (["--verify", "x"], "is not a whole number")):
         with pytest.raises(SystemExit) as e:
             main(["tune", *flags])
         assert e.value.code == 2 and said in capsys.readouterr().err

@@ -67,11 +67,12 @@ def _positive(kind: type) -> Any:
 def _count(text: str) -> int:
     """--verify: a whole number, 0 or more."""
     try:
-        if int(text) == 0:
-            return 0
+        value = int(text)
     except ValueError:
-        pass
-    return _positive(int)(text)
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (none) or more, got {text}")
+    return value
 
 
 def _limit(text: str) -> float | None:
@@ -122,7 +123,7 @@ def add_subcommand(sub: Any) -> None:
     p.add_argument("--microbatches", type=_positive(int), default=8, help="microbatches of the batch as given")
     p.add_argument("--rows", type=_positive(int), default=4, help="sequences per microbatch of the batch as given")
     p.add_argument("--try-microbatches", default=None, help="comma-separated counts to consider (default: divisors of the rows)")
-    p.add_argument("--memory-limit-mib", type=_limit, default=None, help="bytes per actor, in MiB (default, or 0: no limit)")
+    p.add_argument("--memory-limit-mib", type=_limit, default=None, help="the memory limit per actor, in MiB (0, the default: no limit)")
     p.add_argument("--remat", action="store_true", help="also try remat of the stages of actors over the memory limit")
     p.add_argument("--xla-costs", action="store_true", help="predict from XLA's cost analysis instead of measuring segments")
     p.add_argument("--verify", type=_count, default=0, help="run the top k for real (0: none)")

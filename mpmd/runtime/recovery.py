@@ -54,6 +54,7 @@ import numpy as np
 from mpmd.compiler.avals import from_wire, is_key, key_impl, to_wire
 from mpmd.compiler.plan import iter_lowered
 from mpmd.errors import ActorDiedError, ActorStartError, MpmdError
+from mpmd.runtime.aio import watch
 from mpmd.runtime.array import RemoteArray
 
 log = logging.getLogger("mpmd.runtime.mesh")  # recoveries are the mesh's news: its logger says them
@@ -281,7 +282,7 @@ class RecoveryManager:
             if not self._running() and rec.generation != self.generation:
                 return False  # a recovery came and went without this step in its log (older than its snapshot)
             try:
-                await asyncio.wrap_future(self._start_recovery(e))
+                await watch(self._start_recovery(e))  # (not wrap_future: cancelling this await must not cancel the recovery)
             except Exception:
                 return False
             return rec.replayed  # every logged step dispatched before the recovery is replayed by it
@@ -347,8 +348,7 @@ class RecoveryManager:
             self.count += 1
             log.warning("recovered from %s in %.1f s (%s)", report.pop("what"), time.monotonic() - t0,
                         ", ".join(f"{k} {v:.2f} s" if isinstance(v, float) else f"{k} {v}" for k, v in report.items()))
-            if not fut.done():  # (cancelled when the mesh closed meanwhile: nobody waits)
-                fut.set_result(None)
+            _settle(fut, None)
         except BaseException as e:  # noqa: BLE001 - the failed steps raise their own ActorDiedError
             self.gave_up = e
             if self.mesh.closed:
@@ -356,8 +356,7 @@ class RecoveryManager:
             else:
                 log.error("recovery from %s failed after %.1f s; the mesh stops recovering: %s", _what(error),
                           time.monotonic() - t0, e)
-            if not fut.done():
-                fut.set_exception(e)
+            _settle(fut, e)
 
     def _recover_locked(self, error: BaseException, t0: float) -> dict[str, Any]:
         report: dict[str, Any] = {"what": _what(error)}
@@ -373,7 +372,7 @@ class RecoveryManager:
                 report["steps replayed"] = self._attempt(lost, report)
             except ActorDiedError as e:  # another actor lost meanwhile: again, from the snapshot
                 if self.mesh.closed:
-                    continue  # (said at the top)
+                    raise MpmdError("the RemoteMesh was closed during the recovery") from e
                 last = e
                 lost = self._lost_actors(e)
                 log.warning("actor(s) %s lost during the recovery (%s); recovering again", lost, _what(e))
@@ -384,7 +383,7 @@ class RecoveryManager:
                 # A replacement that dies while it starts breaks the handshake or the wiring with errors of their own
                 # (a reset connection reads as a refused key): when a process is gone, that is one more lost actor.
                 if self.mesh.closed:
-                    continue  # (said at the top)
+                    raise MpmdError("the RemoteMesh was closed during the recovery") from e
                 dead = self._dead_processes(wait=1.0 if getattr(self.mesh, "processes", ()) else 0.0)
                 if not dead:
                     raise
@@ -555,3 +554,15 @@ def _what(error: BaseException) -> str:
 
 
 __all__ = ["Recovery", "RecoveryManager", "enable_recovery"]
+
+
+def _settle(fut: concurrent.futures.Future[None], error: BaseException | None) -> None:
+    """End the recovery's future with `error` (None: it worked), unless it was cancelled: a mesh closing cancels
+    what its loop awaits, the recovery's future too, from another thread at any moment."""
+    try:
+        if error is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass

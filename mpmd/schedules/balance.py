@@ -183,18 +183,20 @@ def groups(grouping: Sequence[int]) -> list[range]:
 def group_costs(seg: SegmentCosts, grouping: Sequence[int]) -> Costs:
     """The schedule's per-stage `Costs` for a grouping: a stage's task time is the sum over its segments (its
     input gradient chains through them, its weight gradients add up), the bytes after it those of its last
-    segment. Split backward: stage 0 has no I (nothing reads its input's gradient; the compiler emits no 0I
-    task), so its W costs what its B does — the input-gradient chain through its inner segments included."""
+    segment. Split backward: a stage whose input's gradient nothing reads — stage 0, or one whose first segment
+    has no I (no parameters before it) — gets no I task from the compiler, so its W costs what its B does,
+    the input-gradient chain through its inner segments included."""
     gs = groups(grouping)
     def total(v: tuple[float, ...], c: float) -> tuple[float, ...]:  # one Run's overhead per stage task, not per segment
         return tuple(sum(max(v[k] - c, 0.0) for k in g) + min(c, max((v[k] for k in g), default=0.0)) for g in gs)
 
     c, d = seg.run_overhead, seg.split_overhead
-    i, w = total(seg.I, d), total(seg.W, d)
-    if i and w:  # stage 0 exports no input gradient: the compiler gives it no I task, its W runs the whole backward
-        b0 = total(seg.B, c)[0]
-        i, w = (0.0, *i[1:]), (b0, *w[1:])
-    return Costs(F=total(seg.F, c), B=total(seg.B, c), I=i, W=w,
+    i, w, b = total(seg.I, d), total(seg.W, d), total(seg.B, c)
+    if i and w:  # a stage that exports no input gradient has no I task: its W runs the whole backward
+        none = [k for k, g in enumerate(gs) if k == 0 or seg.I[g[0]] == 0]
+        i = tuple(0.0 if k in none else x for k, x in enumerate(i))
+        w = tuple(b[k] if k in none else x for k, x in enumerate(w))
+    return Costs(F=total(seg.F, c), B=b, I=i, W=w,
                  activation_bytes=tuple(seg.activation_bytes[g[-1]] for g in gs), latency=seg.latency, bandwidth=seg.bandwidth,
                  gap=seg.gap, overhead=seg.overhead, other=seg.other, lead=seg.lead, tail=seg.tail, cores=seg.cores)
 
@@ -205,7 +207,10 @@ def remat_costs(costs: Costs, stages: Sequence[int], split: bool) -> Costs:
     def plus(v: tuple[float, ...]) -> tuple[float, ...]:
         return tuple(x + (costs.F[s] if s in stages else 0.0) for s, x in enumerate(v))
 
-    return replace(costs, B=plus(costs.B), I=plus(costs.I) if split else costs.I, W=plus(costs.W) if split else costs.W)
+    def plus_i(v: tuple[float, ...]) -> tuple[float, ...]:  # (a stage without an I task recomputes in its W)
+        return tuple(x + (costs.F[s] if s in stages and x > 0 else 0.0) for s, x in enumerate(v))
+
+    return replace(costs, B=plus(costs.B), I=plus_i(costs.I) if split else costs.I, W=plus(costs.W) if split else costs.W)
 
 
 def remat_sets(schedule: Schedule, actors: set[int], forward: Sequence[float], most: int = 16) -> list[tuple[int, ...]]:
