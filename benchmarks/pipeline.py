@@ -5,7 +5,7 @@
 * compile time of the first distributed step vs the first `jax.jit` call;
 * a 2-stage 1F1B step vs the schedule's ideal (sum of one stage's compute, from the 1-actor run).
 
-    python benchmarks/pipeline.py
+    python -m benchmarks.pipeline
 """
 
 import time
@@ -147,4 +147,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

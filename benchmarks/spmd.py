@@ -14,7 +14,7 @@ W2 row-parallel, so every block ends in an all-reduce), 2 stages; AdamW; `--micr
 This machine has 2 cores, so 2 actors x 2 devices is 4 devices on 2 cores. Each configuration runs in a fresh
 benchmark process (XLA reads its flags at start-up):
 
-* `pinned` (DESIGN.md §7, the fair one): each actor pinned to its own core (`cpus_per_actor=1`) with
+* `pinned` (the fair one): each actor pinned to its own core (`cpus_per_actor=1`) with
   single-threaded XLA (`--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1`; the actor's two
   devices share its core); jax.jit pinned to one core with the same flags, i.e. the resources of one actor.
   Ideal mpmd/jit ratio for a 2-stage pipeline on 2 cores: (m+1)/(2m).

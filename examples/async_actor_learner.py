@@ -30,7 +30,7 @@ EXPERT = (np.random.default_rng(7).standard_normal((WIDTH, WIDTH)) / np.sqrt(WID
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iterations", type=int, default=6, help="rollout/train rounds per phase")
     ap.add_argument("--steps", type=int, default=4, help="learner steps per round (on the newest rollouts)")
     ap.add_argument("--envs", type=int, default=256, help="environments stepped together in a rollout")
