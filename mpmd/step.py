@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import inspect
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -180,7 +182,8 @@ class DistributedFunction:
         self.static_argnums = _static_argnums(fn, static_argnums, static_argnames)
         self._positional, self._kwonly = _parameters(fn)
         self._compiled: dict[Any, CompiledStep] = {}
-        self._compiling: dict[Any, Any] = {}  # signature -> future of a compile running in a worker (call_async)
+        self._compiling: dict[Any, Any] = {}  # signature -> future of a compile under way (in a worker, or a caller's thread)
+        self._compile_lock = threading.Lock()  # (callers in several threads: one compile per signature)
         self._cancelled: set[int] = set()  # steps aborted because their await was cancelled
         self._step = itertools.count()
         self._calls = itertools.count()  # the calls made (a recovery's replays are not counted): what loaders load
@@ -447,9 +450,31 @@ class DistributedFunction:
         compiled = self._cached(sig)
         if compiled is None:
             t = time.perf_counter()
-            compiled = self.compile_bound(args)
+            compiled = self._compile_once(sig, args)
             note_blocking(time.perf_counter() - t, f"compiling {getattr(self.fn, '__name__', 'a step')}")
         return self._dispatch(compiled, sig, leaves, on_failure, sent, load_step=load_step)[0]
+
+    def _compile_once(self, sig: Any, args: tuple[Any, ...]) -> CompiledStep:
+        """`compile_bound` in this thread, or the result of the same signature's compile already under way in
+        another (first calls from several threads at once compiled, and shipped, one Program each)."""
+        with self._compile_lock:
+            running = self._compiling.get(sig)
+            if running is None:
+                mine = self._compiling[sig] = concurrent.futures.Future()
+        if running is not None:
+            return running.result()
+        try:
+            compiled = self.compile_bound(args)
+        except BaseException as e:
+            mine.set_exception(e if isinstance(e, Exception) else
+                               MpmdError(f"the compile of this step in another thread was interrupted ({type(e).__name__})"))
+            mine.exception()  # (retrieved: nobody else may wait)
+            raise
+        finally:
+            with self._compile_lock:
+                self._compiling.pop(sig, None)
+        mine.set_result(compiled)
+        return compiled
 
     def _dispatch(self, compiled: CompiledStep, sig: Any, leaves: list[Any], on_failure: Callable[[BaseException], Any] | None = None,
                   sent: list[Any] | None = None, may_wait: bool = True, load_step: int | None = None) -> tuple[Any, Any]:
@@ -526,10 +551,11 @@ class DistributedFunction:
         sig, leaves, _ = self._signature(args)
         compiled = self._cached(sig)
         if compiled is None:
-            running = self._compiling.get(sig)
-            if running is None:
-                running = self._compiling[sig] = start_in_worker(self.compile_bound, args)
-                running.add_done_callback(lambda _: self._compiling.pop(sig, None))
+            with self._compile_lock:
+                running = self._compiling.get(sig)
+                if running is None:
+                    running = self._compiling[sig] = start_in_worker(self.compile_bound, args)
+                    running.add_done_callback(lambda f: self._compiling.pop(sig, None) if self._compiling.get(sig) is f else None)
             compiled = await watch(running)
             if compiled.generation != getattr(self.mesh, "generation", 0):  # a daemon was replaced while it compiled
                 self._compiled.pop(sig, None)

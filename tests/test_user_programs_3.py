@@ -723,3 +723,38 @@ def test_constant_aux_leaves_each_keep_their_own_value_dtype_and_shape(mesh2):
         assert np.asarray(g).dtype == np.asarray(w).dtype and np.shape(g) == np.shape(w)
     assert_trees_close(got, want)
     assert got[1]["b_scale"].tolist() == [2.0] * 4 and got[1]["n"].tolist() == [3] * 4
+
+
+def test_first_calls_from_several_threads_at_once_compile_and_ship_the_step_once():
+    """Three threads making the same step's first call at once traced, compiled and shipped it three times (an
+    actor held 4 Programs; found by a probe). Now the others wait for the first compile; every result equals
+    jax.jit's."""
+    import threading
+
+    rng = np.random.default_rng(3)
+    params = mlp2(rng)
+    opt = optax.sgd(0.1)
+
+    def loss(p, mb):
+        h = mpmd.pipeline_yield(jnp.tanh(mb["x"] @ p[0]["w"] + p[0]["b"]))
+        return jnp.mean((h @ p[1]["w"] + p[1]["b"] - mb["y"]) ** 2)
+
+    step = make_train_step(loss, opt, mpmd.OneFOneB(2))
+    batch = batch_of(rng)
+    want = jax.jit(make_train_step(loss, opt, None))(params, opt.init(params), batch)
+    with mpmd.RemoteMesh.local(num_actors=2) as mesh:
+        dist = mpmd.distributed(step, mesh=mesh)
+        got, start = [None] * 3, threading.Barrier(3)
+
+        def call(i):
+            start.wait()
+            got[i] = mpmd.fetch(dist(params, opt.init(params), batch))
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [mesh.actor(a).stats()["programs"] for a in range(2)] == [1, 1]
+    for g in got:
+        assert_trees_close(g, want)
