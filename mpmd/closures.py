@@ -101,7 +101,7 @@ class Lifted:
             cell.cell_contents = value
         if index is not None:
             for stream in _streams(nnx, made):
-                stream.key[...] = jax.random.fold_in(jax.random.fold_in(stream.key[...], stream.count[...]), index)
+                stream.key[...] = _fold(stream.key[...], stream.count[...], index)
                 stream.count[...] = jax.numpy.zeros_like(stream.count[...])
         out = self.fn(mb)
         _refuse_mutation(nnx, made, state, [name for _, _, name in self._cells])
@@ -123,6 +123,15 @@ class Lifted:
     def restore(self) -> None:
         for cell, value, _ in self._cells:
             cell.cell_contents = value
+
+
+def _fold(key: Any, count: Any, index: Any) -> Any:
+    """A stream's key folded with its count, then with the microbatch `index`; a stacked stream (the keys of
+    a layer stack made with nnx.split_rngs + nnx.vmap: one key and count per layer) key by key."""
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape:
+        one = jax.vmap(lambda k, c: jax.random.fold_in(jax.random.fold_in(k, c), index))
+        return one(key.reshape(-1), jax.numpy.broadcast_to(count, key.shape).reshape(-1)).reshape(key.shape)
+    return jax.random.fold_in(jax.random.fold_in(key, count), index)
 
 
 def _streams(nnx: Any, values: tuple[Any, ...]) -> list[Any]:

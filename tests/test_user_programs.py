@@ -234,6 +234,34 @@ def test_two_scanned_stacks_and_a_scan_of_scans_give_a_stage_per_iteration(mesh2
                 [batch_of(rng) for _ in range(2)])
 
 
+def test_a_marker_taking_a_scans_stacked_outputs_or_per_layer_inputs_trains_like_jit(mesh2):
+    """The per-layer hidden states a scan stacks, marked with the last state before a head that reads them all,
+    and per-layer inputs made in stage 0, marked and scanned over: the marker was handed the unrolled scan's
+    internal per-iteration list (TypeError 'interpreting argument to pipeline_yield'; the second in the
+    backward pass only; found by a probe)."""
+    rng = np.random.default_rng(6)
+    w = lambda *s: (rng.standard_normal(s) / 3).astype(np.float32)  # noqa: E731
+    params = {"enc": w(3, 8, 8), "head": w(8, 8), "emb": w(3, 8, 8)}
+
+    def stacked_outputs(p, x):
+        def body(h, w):
+            h = mpmd.pipeline_yield(jnp.tanh(h @ w))
+            return h, h
+        h, hiddens = jax.lax.scan(body, x, p["enc"])
+        h, hiddens = mpmd.pipeline_yield((h, hiddens))  # takes the place of the scan's last marker: 4 stages
+        return (h + hiddens.mean(0)) @ p["head"]
+
+    def per_layer_inputs(p, x):
+        extra = mpmd.pipeline_yield(jnp.einsum("bi,lij->lbj", x, p["emb"]))  # stage 0 makes one input per layer
+        h, _ = jax.lax.scan(lambda h, wx: (mpmd.pipeline_yield(jnp.tanh(h @ wx[0] + wx[1])), None), x, (p["enc"], extra))
+        return h @ p["head"]
+
+    opt = optax.adam(1e-2)
+    for model in (stacked_outputs, per_layer_inputs):
+        compare(mesh2, make_step(mse(model), opt, mpmd.InterleavedOneFOneB(4, 2)), (params, opt.init(params)),
+                [batch_of(rng) for _ in range(2)])
+
+
 def contiguous_two_per_actor(num_microbatches):
     """4 stages on 2 actors (stages 0, 1 on actor 0; 2, 3 on actor 1), forwards then backwards."""
     m = num_microbatches

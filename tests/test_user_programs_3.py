@@ -758,3 +758,51 @@ def test_first_calls_from_several_threads_at_once_compile_and_ship_the_step_once
         assert [mesh.actor(a).stats()["programs"] for a in range(2)] == [1, 1]
     for g in got:
         assert_trees_close(g, want)
+
+
+def test_an_nnx_layer_stack_with_dropout_rngs_made_by_split_rngs_and_vmap_trains_like_nnx_jit(mesh2):
+    """flax's scan-over-layers pattern (`nnx.split_rngs` + `nnx.vmap` to make the blocks, `nnx.scan` to run
+    them) with Dropout holding its own Rngs: each block's stream key is stacked, and folding it with the
+    microbatch failed ('fold_in accepts a single key', under plain nnx.jit too; found by a probe). Each layer's
+    key is now folded on its own."""
+    from flax import nnx
+
+    width, layers = 8, 2
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(width, width, rngs=rngs)
+            self.dropout = nnx.Dropout(0.3, rngs=rngs)
+
+        def __call__(self, x):
+            return mpmd.pipeline_yield(jax.nn.relu(self.dropout(self.linear(x))) + x)
+
+    class Stack(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def create(rngs):
+                return Block(rngs)
+
+            self.blocks = create(rngs)
+            self.head = nnx.Linear(width, width, rngs=rngs)
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def forward(x, block):
+                return block(x)
+
+            return self.head(forward(x, self.blocks))
+
+    step = _nnx_step(mpmd.OneFOneB(2))
+    rng = np.random.default_rng(7)
+    ref_model, dist_model = Stack(nnx.Rngs(0, dropout=1)), Stack(nnx.Rngs(0, dropout=1))
+    ref_opt = nnx.Optimizer(ref_model, optax.adam(1e-2), wrt=nnx.Param)
+    dist_opt = nnx.Optimizer(dist_model, optax.adam(1e-2), wrt=nnx.Param)
+    ref, dist = nnx.jit(step), mpmd.distributed(step, mesh=mesh2)
+    for _ in range(2):
+        batch = batch_of(rng)
+        ref_model, ref_opt, want = ref(ref_model, ref_opt, batch)
+        dist_model, dist_opt, got = dist(dist_model, dist_opt, batch)
+        assert_trees_close(mpmd.fetch(got), want)
+    assert_trees_close(mpmd.fetch(nnx.state(dist_model, nnx.Param)), nnx.state(ref_model, nnx.Param))

@@ -118,7 +118,8 @@ class _Unroller:
             name = eqn.primitive.name
             if eqn.primitive is pipeline_yield_p:
                 self.met.append((eqn.params["direction"], tuple(self._open)))
-                outs = [_value(x) for x in invals] if len(self.met) - 1 in self.drop else bind_eqn(eqn, invals)
+                vals = [_value(x) for x in invals]  # (a scan's stacked outputs, or its inputs' cotangents, marked whole)
+                outs = vals if len(self.met) - 1 in self.drop else bind_eqn(eqn, vals)
             elif name in _CALL_PARAMS and _CALL_PARAMS[name] in eqn.params and name not in ("custom_vjp_call", "custom_vjp_call_jaxpr"):
                 inner = eqn.params[_CALL_PARAMS[name]]
                 closed = inner if isinstance(inner, ClosedJaxpr) else ClosedJaxpr(inner, ())
