@@ -467,6 +467,20 @@ def _running(pid: int) -> bool:
             return True
 
 
+def raise_open_files_limit() -> None:
+    """Let the daemon hold as many connections as the system allows it (the soft limit up to the hard one): every
+    connection to its sockets, a stranger's too until ZeroMQ drops it, is a file descriptor, and at the usual soft
+    limit of 1024 a stranger's idle connections kept new controllers out."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20), hard))
+    except (ImportError, ValueError, OSError) as e:
+        logging.getLogger("mpmd.actor").debug("open-files limit left as it is: %s", e)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     server_pair, authorized = load_security(args)
@@ -479,6 +493,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"mpmd-actor: {e} (the daemon runs the executables it finds there)") from None
     configure_environment(args)
     keep_freed_memory()
+    raise_open_files_limit()
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format=f"[actor {args.actor_id}] %(levelname)s %(name)s: %(message)s")
     # A path prefix: cProfile the event loop thread into <prefix>.<id>; MPMD_ACTOR_PROFILE_CPU=1 times it in the
     # thread's CPU time instead of wall time (which counts time the thread waited for the core as its own).

@@ -31,7 +31,7 @@ from actors.stream import StepTrace, Stream, now
 from actors.transfers import Transfers
 from transport.p2p import P2PTransport
 from transport.program import ProgramError, Recv, Run, Send, decode_instruction, decode_program
-from transport.protocol import Message, aval_header
+from transport.protocol import MAX_GET_BUFFERS, Message, aval_header
 
 
 def to_host(x: Any) -> np.ndarray:
@@ -75,7 +75,7 @@ class Session:
 SESSIONLESS = frozenset({"ping", "hello"})
 # Ops that change what every session on this daemon shares (its data-plane wiring, its process, its profiler,
 # its device mesh): only the key that owns the daemon's job, or an operator (--admin-key), may send them.
-GOVERNING = frozenset({"connect_peers", "nccl_ids", "shutdown", "profile"})
+GOVERNING = frozenset({"connect_peers", "nccl_ids", "shutdown", "profile", "save", "restore"})
 MAX_SESSIONS = 64  # sessions of keys other than the owner's and the operators' (they cannot be locked out)
 MAX_SESSIONS_PER_KEY = 16
 
@@ -167,8 +167,9 @@ class Actor:
 
     def _refuse_unless_governing(self, op: str, peer: str | None) -> None:
         if not self.ownership.governs(peer):
-            raise RequestError(f"'{op}' changes what every session on actor {self.actor_id} shares (its data-plane wiring, "
-                               f"its process, its profiler or its device mesh), so only the key that owns the daemon's job "
+            raise RequestError(f"'{op}' changes or reads what every session on actor {self.actor_id} shares (its data-plane "
+                               f"wiring, its process, its profiler, its device mesh or its files: checkpoints), so only the key "
+                               f"that owns the daemon's job "
                                f"or an operator may send it; this daemon is {self.ownership.describe()}, and the request came "
                                f"from key {peer!r}. Use daemons of your own, or ask their operator (mpmd-actor --admin-key)")
 
@@ -292,6 +293,8 @@ class Actor:
     async def get(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         """One buffer (`buf`) or several (`bufs`), each as an array frame, once computed."""
         bufs = int_list(msg, "bufs") if "bufs" in msg.header else [field(msg, "buf", int)]
+        if len(bufs) > MAX_GET_BUFFERS:
+            raise RequestError(f"'get' asks for {len(bufs)} buffers; at most {MAX_GET_BUFFERS} per request (fetch in parts)")
         values = [await ses.buffers.get(b) for b in bufs]
         if all(is_ready(v) for v in values):
             return {}, [to_host(v) for v in values]

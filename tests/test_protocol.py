@@ -56,6 +56,13 @@ def test_non_contiguous_and_big_endian_arrays_are_sent_as_their_values():
         ([msgpack.packb({"v": PROTOCOL_VERSION, "op": "put", "arrays": [{"dtype": "object", "shape": [1]}]}), b"12345678"], "unknown dtype 'object'"),
         ([msgpack.packb({"v": PROTOCOL_VERSION, "op": "put", "arrays": [{"dtype": "float32", "shape": [3]}]}), b"1234"], "payload has 4 bytes"),
         ([msgpack.packb({"v": PROTOCOL_VERSION, "op": "put", "arrays": [{"dtype": "float32", "shape": [-1]}]}), b""], "bad shape"),
+        # shapes numpy cannot make raised a bare ValueError (the reply then named no request; found by a probe)
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "op": "put", "arrays": [{"dtype": "float32", "shape": [1] * 70}]}), b"1234"],
+         "more than 32 dimensions"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "op": "put", "arrays": [{"dtype": "uint8", "shape": [2**63, 0]}]}), b""], "elements"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "op": "put", "arrays": [{"dtype": "uint8", "shape": [2**40, 2**40, 0]}]}), b""],
+         "elements"),
+        ([b"\xc1\xc1\xc1"], "not valid msgpack: [A-Za-z]+"),  # (a reason, where it said nothing)
     ],
 )
 def test_malformed_messages_are_rejected_with_a_reason(frames, needle):

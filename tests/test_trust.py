@@ -67,6 +67,9 @@ def test_a_second_key_cannot_rewire_stop_or_crowd_out_the_job_of_the_key_that_ow
                            {"op": "shutdown", "id": 5},
                            {"op": "shutdown", "id": 6, "session": bob.session},
                            {"op": "profile", "id": 7, "session": bob.session, "action": "start"},
+                           # the daemon's files: a save anywhere it may write, a restore of alice's checkpoint (a probe)
+                           {"op": "save", "id": 11, "session": bob.session, "dir": "/tmp/mpmd-bob-was-here", "leaves": []},
+                           {"op": "restore", "id": 12, "session": bob.session, "dir": "/tmp", "leaves": []},
                            {"op": "info", "id": 8},
                            {"op": "stats", "id": 9, "session": alice.session}):
                 for address in shared.addresses:
@@ -401,3 +404,36 @@ def test_a_flood_of_refused_arrivals_keeps_the_daemons_memory_within_the_cap_plu
             assert mesh.actor(0).ping() > 0
     finally:
         stop_daemon(proc)
+
+
+def test_a_get_of_too_many_buffers_is_refused_and_the_controller_fetches_in_parts(mesh2, monkeypatch):
+    """One 'get' of a million buffer ids held the daemon's loop for 15 s building a reply whose header no
+    controller could read, and the owner's job was declared dead meanwhile (found by a probe). The daemon now
+    refuses more than MAX_GET_BUFFERS per request; the controller's fetch asks in parts (shown with parts of 2)."""
+    import mpmd.runtime.buffers as buffers
+    from transport.protocol import MAX_GET_BUFFERS
+
+    reply = raw_request(mesh2.addresses[0], {"op": "get", "id": 1, "session": mesh2.session, "bufs": [1] * (MAX_GET_BUFFERS + 1)},
+                        keys=mesh2.keys)
+    assert reply.op == "error" and f"at most {MAX_GET_BUFFERS} per request" in reply.header["message"]
+    assert mesh2.actor(0).ping() >= 0
+    xs = [mesh2.actor(0).put(np.full(3, i, np.float32)) for i in range(5)] + [mesh2.actor(1).put(np.ones(2, np.int32))]
+    monkeypatch.setattr(buffers, "MAX_GET_BUFFERS", 2)
+    got = mpmd.fetch(xs)
+    assert [g.tolist() for g in got] == [[float(i)] * 3 for i in range(5)] + [[1, 1]]
+
+
+def test_a_daemon_may_hold_as_many_connections_as_the_system_lets_it(mesh2):
+    """At the usual soft limit of 1024 open files, 1,078 idle TCP connections of a stranger without keys kept
+    new controllers out (found by a probe): the daemon raises its soft limit to the hard one, and drops a
+    connection that has not finished its handshake within transport.control.HANDSHAKE_MS."""
+    import resource
+
+    from transport.control import HANDSHAKE_MS
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    for p in mesh2.processes:
+        line = next(x for x in open(f"/proc/{p.proc.pid}/limits") if x.startswith("Max open files"))
+        got_soft, got_hard = line.split()[3:5]
+        assert got_soft == got_hard, line
+    assert HANDSHAKE_MS <= 10_000

@@ -40,6 +40,9 @@ class HandshakeFailed(ConnectionLost):
     """The actor and this client could not agree on who they are (CURVE keys, or keys on one side only)."""
 
 
+HANDSHAKE_MS = 10_000  # (ZeroMQ's default: 30 s, each a file descriptor a stranger holds for free)
+
+
 def bind_router(ctx: zmq.Context, address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                 configure: Callable[[zmq.Socket], None] | None = None) -> tuple[zmq.Socket, str]:
     """Bind a ROUTER that errors (instead of silently dropping) on unroutable replies.
@@ -54,6 +57,7 @@ def bind_router(ctx: zmq.Context, address: str, max_message_bytes: int = DEFAULT
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)  # a connection that never completes its handshake is dropped
     if configure is not None:
         configure(sock)
     if address.startswith("tcp://") and address.endswith(":0"):

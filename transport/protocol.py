@@ -82,6 +82,8 @@ import numpy as np
 
 PROTOCOL_VERSION = 2  # 2: an shm notice's size includes the segment's control page (no shm_ack sent)
 MAX_HEADER_BYTES = 16 * 1024 * 1024
+MAX_GET_BUFFERS = 65536  # buffers one 'get' may ask for (a daemon builds the reply on its event loop)
+MAX_DIMS, MAX_ELEMENTS = 32, 2**60  # an array's rank and element count (a zero-size one's too) numpy can hold
 
 ALLOWED_DTYPES: dict[str, np.dtype] = {
     name: np.dtype(name)
@@ -177,8 +179,8 @@ def parse_header(frame: Any) -> dict[str, Any]:
         raise ProtocolError(f"header of {head.nbytes} bytes exceeds the limit of {MAX_HEADER_BYTES}")
     try:
         header = msgpack.unpackb(head, raw=False, strict_map_key=False)
-    except Exception as e:  # msgpack raises several types for garbage
-        raise ProtocolError(f"header is not valid msgpack: {e}") from None
+    except Exception as e:  # msgpack raises several types for garbage (some without a message)
+        raise ProtocolError(f"header is not valid msgpack: {type(e).__name__}{': ' if str(e) else ''}{e}") from None
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
     if header.get("v") != PROTOCOL_VERSION:
@@ -209,7 +211,9 @@ def array_spec(meta: Any, i: int = 0) -> tuple[np.dtype, list[int], int]:
     dtype = dtype_from_name(meta.get("dtype"))
     shape = meta["shape"]
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise ProtocolError(f"array {i}: bad shape {shape!r}")
+        raise ProtocolError(f"array {i}: bad shape {shape!r:.200}")
+    if len(shape) > MAX_DIMS or math.prod(d for d in shape if d) > MAX_ELEMENTS:  # (what numpy could not make)
+        raise ProtocolError(f"array {i}: shape {shape!r:.200} has more than {MAX_DIMS} dimensions or {MAX_ELEMENTS} elements")
     return dtype, shape, math.prod(shape) * dtype.itemsize
 
 

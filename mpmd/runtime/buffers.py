@@ -18,6 +18,7 @@ import numpy as np
 
 from mpmd.errors import MpmdError
 from mpmd.runtime.controller import ActorConnection, EventLoopThread, close_unstarted
+from transport.protocol import MAX_GET_BUFFERS
 
 
 async def gather(coros: Sequence[Any]) -> list[Any]:
@@ -58,17 +59,27 @@ class BufferClient:
             raise MpmdError("this RemoteMesh is closed")
         return self._io.submit(get())
 
+    def _gets(self, bufs: dict[int, list[int]]) -> tuple[list[int], Any]:
+        """The 'get' requests for `bufs`: one per actor, or one per MAX_GET_BUFFERS of them (a daemon's limit)."""
+        parts = [(a, bufs[a][i:i + MAX_GET_BUFFERS]) for a in sorted(bufs) for i in range(0, max(len(bufs[a]), 1), MAX_GET_BUFFERS)]
+        return [a for a, _ in parts], gather([self._conns[a].request("get", {"bufs": b}) for a, b in parts])
+
+    @staticmethod
+    def _joined(actors: list[int], replies: list[Any]) -> dict[int, list[np.ndarray]]:
+        out: dict[int, list[np.ndarray]] = defaultdict(list)
+        for a, r in zip(actors, replies):
+            out[a].extend(r.arrays)
+        return dict(out)
+
     def get_many(self, bufs: dict[int, list[int]]) -> dict[int, list[np.ndarray]]:
-        """Several buffers per actor, one request per actor, all actors at once."""
-        actors = sorted(bufs)
-        replies = self._run(gather([self._conns[a].request("get", {"bufs": bufs[a]}) for a in actors]))
-        return {a: list(r.arrays) for a, r in zip(actors, replies)}
+        """Several buffers per actor, one request per actor (per MAX_GET_BUFFERS), all actors at once."""
+        actors, requests = self._gets(bufs)
+        return self._joined(actors, self._run(requests))
 
     async def get_many_async(self, bufs: dict[int, list[int]]) -> dict[int, list[np.ndarray]]:
         """`get_many`, awaited from the caller's event loop (the requests run on the controller's)."""
-        actors = sorted(bufs)
-        replies = await self._arun(gather([self._conns[a].request("get", {"bufs": bufs[a]}) for a in actors]))
-        return {a: list(r.arrays) for a, r in zip(actors, replies)}
+        actors, requests = self._gets(bufs)
+        return self._joined(actors, await self._arun(requests))
 
     def wait(self, bufs: dict[int, list[int]]) -> None:
         """Until every listed buffer is computed on its actor."""

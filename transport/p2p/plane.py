@@ -45,6 +45,7 @@ import numpy as np
 import zmq
 
 from transport.auth import Authenticator, KeyPair, configure_client, configure_server, user_id
+from transport.control import HANDSHAKE_MS
 from transport.p2p import link as links
 from transport.p2p import shm
 from transport.p2p.base import ArrivalLimits, Mailbox, P2PTransport, TransferError, aligned_empty, host_id, host_view
@@ -86,6 +87,7 @@ class DataPlane(P2PTransport):
         # connection (the sender queues), so a flood is held back at the sender instead of piling up here.
         self._router.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
         self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self._router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)  # (a stranger's idle connection is dropped)
         if keys is not None:
             self._auth = Authenticator(self._ctx, f"actor {actor_id} data plane")
             self._auth.start()
