@@ -2,7 +2,7 @@
 rendezvous (``--rendezvous DIR`` or ``tcp://HOST:PORT``) where it announces itself to the controller.
 
     srun mpmd-actor --slurm --rendezvous ~/.mpmd/rdv/$SLURM_JOB_ID --authorized-keys ~/.mpmd/keys
-    mpmd-actor --rendezvous tcp://controller:29500 --actor-id ${HOSTNAME##*-} --authorized-keys /keys   # e.g. a StatefulSet
+    mpmd-actor --rendezvous tcp://controller:29500 --actor-id ${HOSTNAME##*-} --authorized-keys "$d"   # a StatefulSet: see examples/cluster
 
 ``--slurm`` takes the actor id from ``SLURM_PROCID``, the GPUs from SLURM's binding (`slurm_devices`), and binds
 the node's address (`node_address`) on a free port. With ``--rendezvous`` and ``--authorized-keys DIR`` but no

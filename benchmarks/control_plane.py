@@ -1,6 +1,6 @@
 """Control plane: ping latency and put/get throughput, each against raw ZeroMQ in the same run.
 
-    python benchmarks/control_plane.py
+    python -m benchmarks.control_plane
 """
 
 import statistics

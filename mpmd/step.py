@@ -165,6 +165,11 @@ def _host_layout(am: Any, x: jax.Array, shape: tuple[int, ...]) -> Any:
     return layout or None
 
 
+class _Interrupted(Exception):
+    """A compile was interrupted in its own thread (KeyboardInterrupt, SystemExit): a thread waiting for it
+    compiles itself rather than fail of it."""
+
+
 class DistributedFunction:
     """What `mpmd.distributed` returns. Call it like the original function."""
 
@@ -182,7 +187,8 @@ class DistributedFunction:
         self.static_argnums = _static_argnums(fn, static_argnums, static_argnames)
         self._positional, self._kwonly = _parameters(fn)
         self._compiled: dict[Any, CompiledStep] = {}
-        self._compiling: dict[Any, Any] = {}  # signature -> future of a compile under way (in a worker, or a caller's thread)
+        self._compiling: dict[Any, Any] = {}  # signature -> future of the compile under way (in any thread)
+        self._async_compiles: dict[Any, Any] = {}  # signature -> the worker compiling it for call_async's callers
         self._compile_lock = threading.Lock()  # (callers in several threads: one compile per signature)
         self._cancelled: set[int] = set()  # steps aborted because their await was cancelled
         self._step = itertools.count()
@@ -295,7 +301,7 @@ class DistributedFunction:
         daemon: the Programs it held are gone); then it is compiled and loaded again."""
         hit = self._compiled.get(sig)
         if hit is not None and hit.generation != getattr(self.mesh, "generation", 0):
-            del self._compiled[sig]
+            self._compiled.pop(sig, None)  # (another thread may have dropped it already)
             return None
         return hit
 
@@ -305,11 +311,42 @@ class DistributedFunction:
         return self.compile_bound(self.bind(args, kwargs))
 
     def compile_bound(self, args: tuple[Any, ...]) -> CompiledStep:
-        """`compile` of arguments already bound (`bind`)."""
-        sig, leaves, specs = self._signature(args)
-        hit = self._cached(sig)
-        if hit is not None:
-            return hit
+        """`compile` of arguments already bound (`bind`): once per signature, however many threads ask at once
+        (the others wait for the compile under way: each would trace, compile and ship a Program of its own)."""
+        sig = self._signature(args)[0]
+        for _ in range(3):  # (again when a daemon was replaced while it compiled, as the call does)
+            compiled = self._cached(sig) or self._compile_once(sig, args)
+            if compiled.generation == getattr(self.mesh, "generation", 0):
+                break
+        return compiled
+
+    def _compile_once(self, sig: Any, args: tuple[Any, ...]) -> CompiledStep:
+        """`_compile_now` in this thread, or the result of the same signature's compile under way in another
+        (a trace error reaches every caller; a compile interrupted in its thread is started again by a waiter)."""
+        while True:
+            with self._compile_lock:
+                running = self._compiling.get(sig)
+                if running is None:
+                    mine = self._compiling[sig] = concurrent.futures.Future()
+            if running is None:
+                break
+            try:
+                return running.result()
+            except _Interrupted:
+                continue
+        try:
+            compiled = self._compile_now(sig, args)
+        except BaseException as e:
+            mine.set_exception(e if isinstance(e, Exception) else _Interrupted())
+            raise
+        finally:
+            with self._compile_lock:
+                self._compiling.pop(sig, None)
+        mine.set_result(compiled)
+        return compiled
+
+    def _compile_now(self, sig: Any, args: tuple[Any, ...]) -> CompiledStep:
+        """Trace, plan, lower and ship the step for `args` (signature `sig`), here and now."""
         generation = getattr(self.mesh, "generation", 0)
         t0 = time.perf_counter()
         outer, out_tree = self.trace(*args)
@@ -450,31 +487,9 @@ class DistributedFunction:
         compiled = self._cached(sig)
         if compiled is None:
             t = time.perf_counter()
-            compiled = self._compile_once(sig, args)
+            compiled = self.compile_bound(args)
             note_blocking(time.perf_counter() - t, f"compiling {getattr(self.fn, '__name__', 'a step')}")
         return self._dispatch(compiled, sig, leaves, on_failure, sent, load_step=load_step)[0]
-
-    def _compile_once(self, sig: Any, args: tuple[Any, ...]) -> CompiledStep:
-        """`compile_bound` in this thread, or the result of the same signature's compile already under way in
-        another (first calls from several threads at once compiled, and shipped, one Program each)."""
-        with self._compile_lock:
-            running = self._compiling.get(sig)
-            if running is None:
-                mine = self._compiling[sig] = concurrent.futures.Future()
-        if running is not None:
-            return running.result()
-        try:
-            compiled = self.compile_bound(args)
-        except BaseException as e:
-            mine.set_exception(e if isinstance(e, Exception) else
-                               MpmdError(f"the compile of this step in another thread was interrupted ({type(e).__name__})"))
-            mine.exception()  # (retrieved: nobody else may wait)
-            raise
-        finally:
-            with self._compile_lock:
-                self._compiling.pop(sig, None)
-        mine.set_result(compiled)
-        return compiled
 
     def _dispatch(self, compiled: CompiledStep, sig: Any, leaves: list[Any], on_failure: Callable[[BaseException], Any] | None = None,
                   sent: list[Any] | None = None, may_wait: bool = True, load_step: int | None = None) -> tuple[Any, Any]:
@@ -551,11 +566,11 @@ class DistributedFunction:
         sig, leaves, _ = self._signature(args)
         compiled = self._cached(sig)
         if compiled is None:
-            with self._compile_lock:
-                running = self._compiling.get(sig)
+            with self._compile_lock:  # (awaiting calls share one worker; compile_bound shares with threads too)
+                running = self._async_compiles.get(sig)
                 if running is None:
-                    running = self._compiling[sig] = start_in_worker(self.compile_bound, args)
-                    running.add_done_callback(lambda f: self._compiling.pop(sig, None) if self._compiling.get(sig) is f else None)
+                    running = self._async_compiles[sig] = start_in_worker(self.compile_bound, args)
+                    running.add_done_callback(lambda f: self._async_compiles.pop(sig, None) if self._async_compiles.get(sig) is f else None)
             compiled = await watch(running)
             if compiled.generation != getattr(self.mesh, "generation", 0):  # a daemon was replaced while it compiled
                 self._compiled.pop(sig, None)

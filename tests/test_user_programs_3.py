@@ -748,6 +748,8 @@ def test_first_calls_from_several_threads_at_once_compile_and_ship_the_step_once
 
         def call(i):
             start.wait()
+            if i == 0:  # (step.program and step.compile compile through the same door)
+                dist.program(params, opt.init(params), batch)
             got[i] = mpmd.fetch(dist(params, opt.init(params), batch))
 
         threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
