@@ -12,8 +12,9 @@
   scans cut as usual, and one right after a scan (or after an inner scan, in the body of an outer one) takes
   the place of its last marker. Which markers to drop is known only once every marker has been met, so a
   step with such scans is traced twice. (A marker at the start of the body is dropped all the same, which
-  merges the last two layers: the rule is for a marker at the end of the body, where users put it.) The iterations' stacked outputs (residuals for the backward pass) stay per-iteration
-  values wherever they are only sliced again, so no stage waits for another stage's residuals.
+  merges the last two layers: the rule is for a marker at the end of the body, where users put it.) The
+  iterations' stacked outputs (residuals for the backward pass) stay per-iteration values wherever they are
+  only sliced again, so no stage waits for another stage's residuals; a marker given them takes them whole.
 * A marker inside a construct the compiler cannot cut (`jax.checkpoint`/remat, `lax.cond`/`switch`,
   `while_loop`/`fori_loop`, `custom_vjp`, `shard_map`, ...) is an error that names the construct and says
   where to put the marker instead.
