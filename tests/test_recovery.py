@@ -268,9 +268,12 @@ def test_an_async_loop_awaiting_its_losses_every_step_survives_an_actor_killed_m
         state, got = (_params(), OPT.init(_params())), []
         for i, b in enumerate(batches):
             *state, losses = await dist.call_async(*state, b)
-            if i == 3:
-                threading.Timer(0.02, _sigkill, (mesh, 0)).start()
+            timer = threading.Timer(0.02, _sigkill, (mesh, 0)) if i == 3 else None
+            if timer is not None:
+                timer.start()
             got.append(await mpmd.fetch_async(losses))
+            if timer is not None:  # (the kill lands before the next step, however short this one was)
+                await asyncio.to_thread(timer.join)
         return await mpmd.fetch_async(state), got
 
     with mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(snapshot_every=2), heartbeat_timeout=5.0) as mesh:
