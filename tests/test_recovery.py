@@ -237,7 +237,8 @@ def test_an_actor_killed_after_the_last_step_is_recovered_by_the_fetch_and_the_v
     _assert_identical(got, uninterrupted)
 
 
-@pytest.mark.parametrize("wait", ["fetch_async", pytest.param("ready_async", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("wait", ["fetch_async", "ready_async"])
 def test_an_actor_killed_after_the_last_step_is_recovered_by_the_awaitable_fetch_too(uninterrupted, wait):
     """fetch_async and ready_async raised ActorDiedError where mpmd.fetch and block_until_ready recover (found
     by a probe)."""
@@ -251,6 +252,7 @@ def test_an_actor_killed_after_the_last_step_is_recovered_by_the_awaitable_fetch
     _assert_identical(got, uninterrupted)
 
 
+@pytest.mark.slow
 def test_an_async_loop_awaiting_its_losses_every_step_survives_an_actor_killed_mid_step():
     """The loop an asyncio user writes: call_async, then await fetch_async of the losses, every step; actor 0
     is killed during step 3. The survivor's note that the step was aborted reached the user (a RemoteError)
@@ -367,6 +369,7 @@ def test_with_actor_loaded_batches_the_replay_loads_the_data_of_the_steps_it_rep
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_closing_the_mesh_during_a_recovery_stops_it_quietly(caplog):
     """The close cancelled the future the recovery thread set at its end (an uncaught InvalidStateError in
     'mpmd-recovery'), or the recovery went on 'recovering again' from the closed mesh's errors, respawning
