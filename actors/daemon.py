@@ -298,7 +298,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         try:
             try:
                 msg = decode(frames)
-            except ProtocolError:
+            except Exception:
                 req_id = message_id(frames)  # a refused message's error reply still answers it, when it can be read
                 raise
             req_id = msg.header.get("id")

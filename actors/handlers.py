@@ -11,6 +11,7 @@ daemon (actors/daemon.py) turns into an error reply. The wire form of every op i
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from collections.abc import Iterable, Iterator
@@ -31,7 +32,7 @@ from actors.stream import StepTrace, Stream, now
 from actors.transfers import Transfers
 from transport.p2p import P2PTransport
 from transport.program import ProgramError, Recv, Run, Send, decode_instruction, decode_program
-from transport.protocol import MAX_GET_BUFFERS, Message, aval_header
+from transport.protocol import Message, aval_header
 
 
 def to_host(x: Any) -> np.ndarray:
@@ -293,16 +294,20 @@ class Actor:
     async def get(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         """One buffer (`buf`) or several (`bufs`), each as an array frame, once computed."""
         bufs = int_list(msg, "bufs") if "bufs" in msg.header else [field(msg, "buf", int)]
-        if len(bufs) > MAX_GET_BUFFERS:
-            raise RequestError(f"'get' asks for {len(bufs)} buffers; at most {MAX_GET_BUFFERS} per request (fetch in parts)")
-        values = [await ses.buffers.get(b) for b in bufs]
+        distinct = list(dict.fromkeys(bufs))  # (an id named twice is copied to the host once)
+        values = [await ses.buffers.get(b) for b in distinct]
+
+        def frames() -> list[Any]:
+            host = dict(zip(distinct, (to_host(v) for v in values)))
+            return [host[b] for b in bufs]
+
         if all(is_ready(v) for v in values):
-            return {}, [to_host(v) for v in values]
-        return {}, await asyncio.to_thread(lambda: [to_host(v) for v in values])
+            return {}, frames()
+        return {}, await asyncio.to_thread(frames)
 
     async def wait(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         """Reply once the buffers `bufs` are computed (what `block_until_ready` asks)."""
-        values = [await ses.buffers.get(b) for b in int_list(msg, "bufs")]
+        values = [await ses.buffers.get(b) for b in dict.fromkeys(int_list(msg, "bufs"))]
         if not all(is_ready(v) for v in values):
             await asyncio.to_thread(jax.block_until_ready, values)
         return {"ready": len(values)}, []
@@ -332,8 +337,8 @@ class Actor:
         return reply, []
 
     async def run(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
-        exe = self._executable(ses, field(msg, "exe", str))
         inputs, outputs = int_list(msg, "inputs"), int_list(msg, "outputs")
+        exe = self._executable(ses, field(msg, "exe", str))
         if set(inputs) & set(outputs) or len(set(outputs)) != len(outputs):
             raise RequestError(f"'run': an output buffer id is also an input or given twice (inputs {inputs}, outputs {outputs})")
         refs = [ses.buffers.ref(b) for b in inputs]  # unknown ids fail here, before anything is reserved
@@ -382,7 +387,7 @@ class Actor:
             raise RequestError("'connect_peers' field 'peers' must map actor ids to {address, route} maps") from None
         timeout = msg.header.get("timeout")
         if timeout is not None:
-            if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+            if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < math.inf:
                 raise RequestError(f"'connect_peers' field 'timeout' must be a positive number of seconds, got {timeout!r}")
             self.transfers.timeout = float(timeout)
         try:

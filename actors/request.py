@@ -7,7 +7,7 @@ from __future__ import annotations
 import traceback
 from typing import Any
 
-from transport.protocol import Message
+from transport.protocol import MAX_IDS, Message
 
 
 class RequestError(ValueError):
@@ -28,6 +28,8 @@ def field(msg: Message, name: str, kind: type | tuple[type, ...]) -> Any:
 def int_list(msg: Message, name: str) -> list[int]:
     """`msg`'s header field `name`, checked to be a list of ints (buffer ids)."""
     values = field(msg, name, list)
+    if len(values) > MAX_IDS:
+        raise RequestError(f"'{msg.op}' field {name!r} names {len(values)} ids; at most {MAX_IDS} per request (send in parts)")
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         raise RequestError(f"'{msg.op}' field {name!r} must be a list of ints")
     return values

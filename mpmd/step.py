@@ -24,6 +24,7 @@ from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError
 from mpmd.observe.report import PlacementReport, placement_report
 from mpmd.runtime.aio import abortable, off_loop, start_in_worker, watch
 from mpmd.runtime.array import RemoteArray
+from mpmd.runtime.buffers import in_parts
 from mpmd.runtime.callbacks import run_host_calls
 from mpmd.runtime.controller import note_blocking
 from mpmd.runtime.loader import LoadedLeaf, named_in_argument
@@ -600,8 +601,8 @@ class DistributedFunction:
             for ids in outs:
                 for a, b in ids.items():
                     per_actor.setdefault(a, []).append(b)
-            await asyncio.gather(*(mesh.conn(a).request("delete", {"bufs": bufs}) for a, bufs in per_actor.items()
-                                   if not mesh.conn(a).dead), return_exceptions=True)
+            await asyncio.gather(*(mesh.conn(a).request("delete", {"bufs": part}) for a, bufs in per_actor.items()
+                                   if not mesh.conn(a).dead for part in in_parts(bufs)), return_exceptions=True)
 
     def _raise_unseen_error(self) -> None:
         if getattr(self.mesh, "closed", False):  # (a step in flight when it closed failed for that reason alone)

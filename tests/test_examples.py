@@ -16,6 +16,7 @@ def load(name):
     return mod
 
 
+@pytest.mark.slow
 def test_the_quick_gpt_run_matches_jit_first_and_then_learns(tmp_path):
     pytest.importorskip("flax.nnx")
     gpt = load("gpt")
@@ -44,6 +45,7 @@ def test_the_gpt_example_with_tensor_parallel_stages_matches_jit():
     assert np.isfinite(result["last"]), result
 
 
+@pytest.mark.slow
 def test_the_async_actor_learner_example_learns_while_rollouts_overlap_training(capsys):
     """Small settings; run() asserts its learner's first step equals jax.jit's, then trains twice (rollout then
     train, and both at once in one event loop) and reports the overlap and the loop's largest stall."""

@@ -4,9 +4,11 @@ import msgpack
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from transport.protocol import ALLOWED_DTYPES, PROTOCOL_VERSION, ProtocolError, decode, encode
+from transport.protocol import (ALLOWED_DTYPES, MAX_ERROR_TEXT, MAX_HEADER_BYTES, PROTOCOL_VERSION, ProtocolError, decode, encode,
+                                error_reply)
 
 
 def roundtrip(header, arrays):
@@ -59,15 +61,40 @@ def test_non_contiguous_and_big_endian_arrays_are_sent_as_their_values():
         # shapes numpy cannot make raised a bare ValueError (the reply then named no request; found by a probe)
         ([msgpack.packb({"v": PROTOCOL_VERSION, "op": "put", "arrays": [{"dtype": "float32", "shape": [1] * 70}]}), b"1234"],
          "more than 32 dimensions"),
-        ([msgpack.packb({"v": PROTOCOL_VERSION, "op": "put", "arrays": [{"dtype": "uint8", "shape": [2**63, 0]}]}), b""], "elements"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "op": "put", "arrays": [{"dtype": "uint8", "shape": [2**63, 0]}]}), b""], "bytes"),
         ([msgpack.packb({"v": PROTOCOL_VERSION, "op": "put", "arrays": [{"dtype": "uint8", "shape": [2**40, 2**40, 0]}]}), b""],
-         "elements"),
+         "bytes"),
+        # within the element bound but not numpy's byte bound: a bare ValueError again, which also killed the
+        # controller's reply reader (found by a probe)
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "op": "put", "arrays": [{"dtype": "complex128", "shape": [0, 2**60]}]}), b""], "bytes"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "op": "put", "arrays": [{"dtype": "float64", "shape": [2**31, 0, 2**29]}]}), b""],
+         "bytes"),
         ([b"\xc1\xc1\xc1"], "not valid msgpack: [A-Za-z]+"),  # (a reason, where it said nothing)
     ],
 )
 def test_malformed_messages_are_rejected_with_a_reason(frames, needle):
     with pytest.raises(ProtocolError, match=needle):
         decode(frames)
+
+
+@settings(max_examples=300, deadline=None)
+@given(dtype=st.sampled_from(sorted(ALLOWED_DTYPES)), dims=st.lists(st.integers(0, 2**64 - 1), max_size=6))
+def test_any_zero_size_shape_either_decodes_or_is_refused_as_a_protocol_error(dtype, dims):
+    """Whatever a peer announces, decoding raises nothing but ProtocolError (what every reader catches)."""
+    shape = [*dims, 0]
+    try:
+        (a,) = decode([msgpack.packb({"v": PROTOCOL_VERSION, "op": "put", "arrays": [{"dtype": dtype, "shape": shape}]}), b""]).arrays
+    except ProtocolError:
+        return
+    assert list(a.shape) == shape and a.size == 0
+
+
+def test_an_error_reply_echoes_a_bounded_part_of_what_it_was_sent():
+    """A request with a 16 MB op got back a 32 MB error header, over what its sender may read (found by a probe)."""
+    reply = error_reply(1, ValueError("x" * (16 << 20)), "Traceback\n" + "y" * (16 << 20))
+    assert len(reply["message"]) < 2 * MAX_ERROR_TEXT and len(reply["traceback"]) < 2 * MAX_ERROR_TEXT
+    assert reply["message"].startswith("x" * 100) and "more characters" in reply["message"]
+    assert len(encode(reply)[0]) < MAX_HEADER_BYTES
 
 
 def test_object_arrays_cannot_be_encoded():

@@ -91,6 +91,7 @@ def test_one_actor_killed_at_a_random_step_the_loop_ends_bit_identical_to_an_uni
     assert any("recovered from actor 1 lost" in r.getMessage() and "steps replayed" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.slow
 def test_two_actors_killed_at_different_steps_the_loop_ends_bit_identical(uninterrupted):
     rng = random.Random(os.getpid() + 1)
     first = rng.randrange(1, 9)

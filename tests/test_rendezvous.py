@@ -368,6 +368,9 @@ def test_connect_refuses_daemons_listed_out_of_actor_id_order_or_of_another_prot
             mpmd.RemoteMesh.connect([])
         with pytest.raises(ValueError, match="listed more than once"):
             mpmd.RemoteMesh.connect([a0, a0])
+        for bad in (float("nan"), float("inf"), -1, "5"):  # (NaN passed, then every receive failed naming no cause)
+            with pytest.raises(ValueError, match="transfer_timeout must be a positive, finite number"):
+                mpmd.RemoteMesh.connect([a0, a1], transfer_timeout=bad)
     finally:
         for p in (*procs, other):
             p.kill()

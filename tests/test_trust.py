@@ -409,18 +409,56 @@ def test_a_flood_of_refused_arrivals_keeps_the_daemons_memory_within_the_cap_plu
 def test_a_get_of_too_many_buffers_is_refused_and_the_controller_fetches_in_parts(mesh2, monkeypatch):
     """One 'get' of a million buffer ids held the daemon's loop for 15 s building a reply whose header no
     controller could read, and the owner's job was declared dead meanwhile (found by a probe). The daemon now
-    refuses more than MAX_GET_BUFFERS per request; the controller's fetch asks in parts (shown with parts of 2)."""
+    refuses more than MAX_IDS per request; the controller's fetch asks in parts (shown with parts of 2)."""
     import mpmd.runtime.buffers as buffers
-    from transport.protocol import MAX_GET_BUFFERS
+    from transport.protocol import MAX_IDS
 
-    reply = raw_request(mesh2.addresses[0], {"op": "get", "id": 1, "session": mesh2.session, "bufs": [1] * (MAX_GET_BUFFERS + 1)},
+    reply = raw_request(mesh2.addresses[0], {"op": "get", "id": 1, "session": mesh2.session, "bufs": [1] * (MAX_IDS + 1)},
                         keys=mesh2.keys)
-    assert reply.op == "error" and f"at most {MAX_GET_BUFFERS} per request" in reply.header["message"]
+    assert reply.op == "error" and f"at most {MAX_IDS} per request" in reply.header["message"]
     assert mesh2.actor(0).ping() >= 0
     xs = [mesh2.actor(0).put(np.full(3, i, np.float32)) for i in range(5)] + [mesh2.actor(1).put(np.ones(2, np.int32))]
-    monkeypatch.setattr(buffers, "MAX_GET_BUFFERS", 2)
+    monkeypatch.setattr(buffers, "MAX_IDS", 2)
     got = mpmd.fetch(xs)
     assert [g.tolist() for g in got] == [[float(i)] * 3 for i in range(5)] + [[1, 1]]
+
+
+def test_every_list_of_ids_a_request_names_is_bounded_and_the_daemon_keeps_serving(mesh2):
+    """One 'wait', 'delete' or 'run' naming one buffer 16 million times held a daemon's event loop 10-77 s (the
+    owner's job was declared dead meanwhile) and grew it by up to 5.7 GB (found by a probe): every id list of a
+    request is bounded by MAX_IDS, as 'get's was; within it, an id named many times is copied to the host once."""
+    from transport.protocol import MAX_IDS
+
+    x = mesh2.actor(0).put(np.arange(4, dtype=np.float32))
+    (b,) = x.buffers.values()
+    many = [b] * (MAX_IDS + 1)
+    for op, fields in (("wait", {"bufs": many}), ("delete", {"bufs": many}), ("get", {"bufs": many}),
+                       ("run", {"exe": "none", "inputs": many, "outputs": [2**40]}), ("run", {"exe": "none", "inputs": [], "outputs": many})):
+        reply = raw_request(mesh2.addresses[0], {"op": op, "id": 1, "session": mesh2.session, **fields}, keys=mesh2.keys)
+        assert reply.op == "error" and f"at most {MAX_IDS} per request" in reply.header["message"], (op, reply.header)
+    reply = raw_request(mesh2.addresses[0], {"op": "get", "id": 2, "session": mesh2.session, "bufs": [b] * 1000}, keys=mesh2.keys)
+    assert reply.op == "reply" and len(reply.arrays) == 1000 and all(a.tolist() == [0, 1, 2, 3] for a in reply.arrays)
+    assert np.asarray(x).tolist() == [0, 1, 2, 3]  # (the refused 'delete' deleted nothing)
+
+
+def test_a_transfer_key_longer_than_the_runtime_makes_is_refused_before_anything_keeps_it(mesh2):
+    """A 4-byte arrival whose key held millions of ints was kept, as a tuple, in the mailbox or among the refused
+    keys, outside the per-peer caps that count payload bytes (1 GB of RSS from 60 messages; found by a probe)."""
+    from tests.wire import FakePeer, wait_until
+    from transport.p2p.base import MAX_KEY_INTS
+
+    def p2p() -> dict:
+        return mesh2.actor(1).stats()["p2p"]
+
+    bad = p2p().get("bad_messages", 0)
+    peer = FakePeer(mesh2, 1, 11)
+    try:
+        peer.send({"op": "data", "key": [mesh2.session, 5, 0, *range(MAX_KEY_INTS)]}, [np.ones(1, np.float32)])
+        peer.send({"op": "data", "key": [mesh2.session, 5, 0, 1]}, [np.ones(1, np.float32)])  # a well-formed one, kept
+        assert wait_until(lambda: p2p().get("bad_messages", 0) == bad + 1 and p2p()["unclaimed"].get("11", {}).get("arrivals") == 1, 10)
+    finally:
+        peer.close()
+    assert mesh2.actor(1).ping() > 0
 
 
 def test_a_daemon_may_hold_as_many_connections_as_the_system_lets_it(mesh2):

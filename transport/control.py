@@ -152,7 +152,7 @@ class ControlClient:
             self.last_heard = time.monotonic()
             try:
                 msg = decode(frames)
-            except ProtocolError as e:  # fail the request the reply answers, if its header names it; else it times out
+            except Exception as e:  # fail the request the reply answers, if its header names it; else it times out
                 rid = _reply_id(frames)
                 fut = self._pending.pop(rid, None) if rid is not None else None
                 if fut is not None and not fut.done():

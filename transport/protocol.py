@@ -82,8 +82,8 @@ import numpy as np
 
 PROTOCOL_VERSION = 2  # 2: an shm notice's size includes the segment's control page (no shm_ack sent)
 MAX_HEADER_BYTES = 16 * 1024 * 1024
-MAX_GET_BUFFERS = 65536  # buffers one 'get' may ask for (a daemon builds the reply on its event loop)
-MAX_DIMS, MAX_ELEMENTS = 32, 2**60  # an array's rank and element count (a zero-size one's too) numpy can hold
+MAX_IDS = 65536  # ids one list of a request may name ('get', 'wait', 'delete', 'run': a daemon walks it on its event loop)
+MAX_DIMS, MAX_BYTES = 32, 2**60  # an array's rank and bytes (a zero-size one's nonzero dimensions too) numpy can hold
 
 ALLOWED_DTYPES: dict[str, np.dtype] = {
     name: np.dtype(name)
@@ -212,8 +212,9 @@ def array_spec(meta: Any, i: int = 0) -> tuple[np.dtype, list[int], int]:
     shape = meta["shape"]
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise ProtocolError(f"array {i}: bad shape {shape!r:.200}")
-    if len(shape) > MAX_DIMS or math.prod(d for d in shape if d) > MAX_ELEMENTS:  # (what numpy could not make)
-        raise ProtocolError(f"array {i}: shape {shape!r:.200} has more than {MAX_DIMS} dimensions or {MAX_ELEMENTS} elements")
+    if len(shape) > MAX_DIMS or math.prod(d for d in shape if d) * dtype.itemsize > MAX_BYTES:  # (what numpy could not make)
+        raise ProtocolError(f"array {i}: {dtype.name}{shape!r:.200} has more than {MAX_DIMS} dimensions or would take more "
+                            f"than {MAX_BYTES} bytes (a zero-size one counts its other dimensions)")
     return dtype, shape, math.prod(shape) * dtype.itemsize
 
 
@@ -237,9 +238,20 @@ def decode(frames: Sequence[Any]) -> Message:
         buf = _buffer(frame)
         if buf.nbytes != expected:
             raise ProtocolError(f"array {i}: payload has {buf.nbytes} bytes, {dtype.name}{shape} needs {expected}")
-        arrays.append(np.frombuffer(buf, dtype=dtype).reshape(shape) if expected else np.zeros(shape, dtype))
+        try:
+            arrays.append(np.frombuffer(buf, dtype=dtype).reshape(shape) if expected else np.zeros(shape, dtype))
+        except (ValueError, TypeError, MemoryError) as e:  # (whatever numpy refuses is the sender's fault, said as such)
+            raise ProtocolError(f"array {i}: cannot make {dtype.name}{shape!r:.200}: {e}") from None
     return Message(header, arrays)
 
 
+MAX_ERROR_TEXT = 8192  # characters of an error reply's message, and of its traceback's end (a request's echo is bounded)
+
+
 def error_reply(req_id: Any, exc: BaseException, tb: str, **extra: Any) -> dict[str, Any]:
-    return {"op": "error", "id": req_id, "error": type(exc).__name__, "message": str(exc), "traceback": tb, **extra}
+    message = str(exc)
+    if len(message) > MAX_ERROR_TEXT:
+        message = f"{message[:MAX_ERROR_TEXT]}... ({len(message) - MAX_ERROR_TEXT} more characters)"
+    if len(tb) > MAX_ERROR_TEXT:
+        tb = f"...\n{tb[-MAX_ERROR_TEXT:]}"
+    return {"op": "error", "id": req_id, "error": type(exc).__name__, "message": message, "traceback": tb, **extra}

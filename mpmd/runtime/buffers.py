@@ -18,7 +18,7 @@ import numpy as np
 
 from mpmd.errors import MpmdError
 from mpmd.runtime.controller import ActorConnection, EventLoopThread, close_unstarted
-from transport.protocol import MAX_GET_BUFFERS
+from transport.protocol import MAX_IDS
 
 
 async def gather(coros: Sequence[Any]) -> list[Any]:
@@ -60,8 +60,8 @@ class BufferClient:
         return self._io.submit(get())
 
     def _gets(self, bufs: dict[int, list[int]]) -> tuple[list[int], Any]:
-        """The 'get' requests for `bufs`: one per actor, or one per MAX_GET_BUFFERS of them (a daemon's limit)."""
-        parts = [(a, bufs[a][i:i + MAX_GET_BUFFERS]) for a in sorted(bufs) for i in range(0, max(len(bufs[a]), 1), MAX_GET_BUFFERS)]
+        """The 'get' requests for `bufs`: one per actor, or one per MAX_IDS of them (a daemon's limit)."""
+        parts = [(a, part) for a in sorted(bufs) for part in in_parts(bufs[a])]
         return [a for a, _ in parts], gather([self._conns[a].request("get", {"bufs": b}) for a, b in parts])
 
     @staticmethod
@@ -72,7 +72,7 @@ class BufferClient:
         return dict(out)
 
     def get_many(self, bufs: dict[int, list[int]]) -> dict[int, list[np.ndarray]]:
-        """Several buffers per actor, one request per actor (per MAX_GET_BUFFERS), all actors at once."""
+        """Several buffers per actor, one request per actor (per MAX_IDS), all actors at once."""
         actors, requests = self._gets(bufs)
         return self._joined(actors, self._run(requests))
 
@@ -83,11 +83,11 @@ class BufferClient:
 
     def wait(self, bufs: dict[int, list[int]]) -> None:
         """Until every listed buffer is computed on its actor."""
-        self._run(gather([self._conns[a].request("wait", {"bufs": b}) for a, b in bufs.items()]))
+        self._run(gather([self._conns[a].request("wait", {"bufs": p}) for a, b in bufs.items() for p in in_parts(b)]))
 
     async def wait_async(self, bufs: dict[int, list[int]]) -> None:
         """`wait`, awaited from the caller's event loop."""
-        await self._arun(gather([self._conns[a].request("wait", {"bufs": b}) for a, b in bufs.items()]))
+        await self._arun(gather([self._conns[a].request("wait", {"bufs": p}) for a, b in bufs.items() for p in in_parts(b)]))
 
     async def _arun(self, coro: Any) -> Any:
         if self._closed():
@@ -119,9 +119,15 @@ class BufferClient:
         for a, bufs in by_actor.items():
             if not self._conns[a].dead:
                 try:  # sent now, in order behind everything submitted before
-                    asyncio.get_running_loop().create_task(_quiet(self._conns[a].submit("delete", {"bufs": bufs})))
+                    for part in in_parts(bufs):
+                        asyncio.get_running_loop().create_task(_quiet(self._conns[a].submit("delete", {"bufs": part})))
                 except MpmdError:
                     pass
+
+
+def in_parts(ids: list[int]) -> list[list[int]]:
+    """`ids` in lists of at most MAX_IDS, what one request may name (an empty list stays one empty part)."""
+    return [ids[i:i + MAX_IDS] for i in range(0, max(len(ids), 1), MAX_IDS)]
 
 
 async def _quiet(coro: Any) -> None:

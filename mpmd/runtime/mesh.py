@@ -24,6 +24,8 @@ import collections
 import concurrent.futures
 import functools
 import logging
+import math
+import numbers
 import os
 import re
 import secrets
@@ -89,8 +91,8 @@ class RemoteMesh:
         if mesh_shape is not None and (isinstance(mesh_shape, (str, bytes)) or not hasattr(mesh_shape, "__iter__") or not all(
                 isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 1 for d in mesh_shape)):
             raise ValueError(f"mesh_shape must be a sequence of positive ints, one per axis (e.g. (2, 2)), got {mesh_shape!r:.80}")
-        if transfer_timeout <= 0:
-            raise ValueError(f"transfer_timeout must be positive, got {transfer_timeout}")
+        if isinstance(transfer_timeout, bool) or not isinstance(transfer_timeout, numbers.Real) or not 0 < transfer_timeout < math.inf:
+            raise ValueError(f"transfer_timeout must be a positive, finite number of seconds, got {transfer_timeout!r}")
         if not 0 < 2 * heartbeat_interval < heartbeat_timeout:
             raise ValueError(f"heartbeat_timeout ({heartbeat_timeout}) must exceed twice heartbeat_interval ({heartbeat_interval}): "
                              "a busy actor answers a ping only every heartbeat_interval")

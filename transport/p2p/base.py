@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 ALIGNMENT = 64  # bytes; JAX aliases (does not copy) host arrays aligned like this
+MAX_KEY_INTS = 16  # a transfer key's length: the runtime's are (session, program, step, tag[, shard]); a longer one is refused
 
 
 class TransferError(RuntimeError):

@@ -48,7 +48,16 @@ from transport.auth import Authenticator, KeyPair, configure_client, configure_s
 from transport.control import HANDSHAKE_MS
 from transport.p2p import link as links
 from transport.p2p import shm
-from transport.p2p.base import ArrivalLimits, Mailbox, P2PTransport, TransferError, aligned_empty, host_id, host_view
+from transport.p2p.base import (
+    MAX_KEY_INTS,
+    ArrivalLimits,
+    Mailbox,
+    P2PTransport,
+    TransferError,
+    aligned_empty,
+    host_id,
+    host_view,
+)
 from transport.protocol import ProtocolError, array_specs, aval_header, encode, parse_header
 from transport.ratelimit import RateLimitedLog
 
@@ -561,7 +570,8 @@ class DataPlane(P2PTransport):
             op = header["op"]
             src = sender(header)
             raw_key = header.get("key")
-            key = tuple(raw_key) if type(raw_key) is list and all(type(k) is int for k in raw_key) else None
+            key = tuple(raw_key) if (type(raw_key) is list and len(raw_key) <= MAX_KEY_INTS
+                                     and all(type(k) is int for k in raw_key)) else None
             if op == "shm_ack":
                 seg = header.get("seg")
                 if not isinstance(seg, int):
@@ -570,8 +580,8 @@ class DataPlane(P2PTransport):
             elif op == "data":
                 specs = array_specs(header)
                 if key is None or len(specs) != 1:
-                    raise ProtocolError(f"data message needs an int-list 'key' and one array, got key {raw_key!r} and "
-                                        f"{len(specs)} arrays")
+                    raise ProtocolError(f"data message needs an int-list 'key' (at most {MAX_KEY_INTS}) and one array, got key "
+                                        f"{raw_key!r:.200} and {len(specs)} arrays")
                 if len(payloads) == 1 and not self._screen(src, key, specs[0][2]):
                     return  # (its bytes are not copied anywhere)
                 (array,) = self._rx_payloads(payloads, specs)
@@ -584,7 +594,7 @@ class DataPlane(P2PTransport):
                         self._refuse(src, key, reason)
             elif op == "shm":
                 if key is None:
-                    raise ProtocolError(f"shm notice needs an int-list 'key', got {raw_key!r}")
+                    raise ProtocolError(f"shm notice needs an int-list 'key' (at most {MAX_KEY_INTS}), got {raw_key!r:.200}")
                 ((dtype, shape, nbytes),) = array_specs(header)
                 seg, name, size = header.get("seg"), header.get("name"), header.get("size")
                 if not isinstance(seg, int) or not isinstance(size, int) or not isinstance(name, str):
