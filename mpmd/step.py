@@ -8,8 +8,10 @@ import contextlib
 import inspect
 import itertools
 import logging
+import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -166,6 +168,39 @@ def _host_layout(am: Any, x: jax.Array, shape: tuple[int, ...]) -> Any:
     return layout or None
 
 
+def _variables(tree: Any) -> list[tuple[str, Any, Any]]:
+    """(path, Variable, its value) for every flax nnx Variable in `tree` (none when flax is not imported)."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return []
+    try:
+        found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    except Exception:  # (a tree jax cannot walk is reported where the step's arguments are read)
+        return []
+    return [(jax.tree_util.keystr(p), v, v.get_value()) for p, v in found if isinstance(v, nnx.Variable)]
+
+
+def _named(path: str, names: list[str]) -> str:
+    """A path into the step's argument tuple ('[0].a.kernel') with the parameter's name ('model.a.kernel')."""
+    head, _, rest = path.partition("]")
+    i = int(head[1:]) if head[1:].isdigit() else -1
+    return f"{names[i]}{rest}" if 0 <= i < len(names) else path
+
+
+def _warn_lost_updates(fn: Any, names: list[str], before: list[tuple[str, Any, Any]], outs: list[Any]) -> None:
+    """Warn when the step set nnx Variables of its arguments in place (`optimizer.update(model, grads)`) and returned
+    none of the new values: as under jax.jit, such updates do not outlive the step (nnx.jit writes them back)."""
+    returned = {id(x) for x in outs}
+    lost = [_named(path, names) for path, var, old in before if var.get_value() is not old and id(var.get_value()) not in returned]
+    if lost:
+        name = getattr(fn, "__name__", "the step")
+        warnings.warn(f"{name} updates {len(lost)} nnx Variable(s) of its arguments in place (e.g. {', '.join(lost[:3])}) but "
+                      "does not return their new values: as under jax.jit, those updates are lost when the step returns, so "
+                      "the next call starts from the old values. Return the updated state (e.g. nnx.state(model), "
+                      "nnx.state(optimizer)) and nnx.update the objects with it, or pass and return nnx.split state "
+                      "(nnx.jit writes in-place updates back; jax.jit and mpmd.distributed do not)", UserWarning, stacklevel=3)
+
+
 class _Interrupted(Exception):
     """A compile was interrupted in its own thread (KeyboardInterrupt, SystemExit): a thread waiting for it
     compiles itself rather than fail of it."""
@@ -277,8 +312,11 @@ class DistributedFunction:
         out_box: list[Any] = []
 
         def flat(*xs: Any) -> list[Any]:
-            out = self._invoke(reveal(jax.tree.unflatten(treedef, xs)))
+            given = reveal(jax.tree.unflatten(treedef, xs))
+            before = _variables(given)
+            out = self._invoke(given)
             leaves_out, tree = jax.tree.flatten(hide(out))
+            _warn_lost_updates(self.fn, [*self._positional, *self._kwonly], before, leaves_out)
             for k, x in enumerate(leaves_out):
                 if not isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
                     path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(hide(out))[0][k][0])

@@ -47,7 +47,7 @@ import numpy as np
 from mpmd.compiler.plan import plan_step
 from mpmd.errors import MpmdError, PipelineError, ScheduleError
 from mpmd.schedules import builtin
-from mpmd.schedules.balance import SegmentCosts, best_grouping, group_costs, remat_costs, remat_sets, resolve_grouping
+from mpmd.schedules.balance import SegmentCosts, group_costs, ranked_groupings, remat_costs, remat_sets, resolve_grouping
 from mpmd.schedules.builtin import Schedule
 from mpmd.schedules.simulator import simulate_programs
 from mpmd.step import DistributedFunction
@@ -118,8 +118,12 @@ class TuneResult:
     @property
     def best(self) -> Candidate:
         if not self.feasible:
-            raise MpmdError("no candidate fits: every one was rejected (see the table); raise memory_limit or mark more "
-                            "stage boundaries\n" + self.table())
+            memory = sum("memory_limit" in (c.rejected or "") for c in self.candidates)
+            advice = ["raise memory_limit, pass remat=True or mark more stage boundaries"] if memory else []
+            if memory < len(self.candidates):
+                advice.append("pass microbatches=[...] and schedules=[...] that fit the batch and the mesh")
+            raise MpmdError(f"no candidate fits: all {len(self.candidates)} were rejected ({memory} over memory_limit; each "
+                            f"row of the table says why); {' or '.join(advice)}\n" + self.table())
         if self.chosen is not None and not self.chosen.rejected:
             return self.chosen
         return self.feasible[0]
@@ -293,6 +297,9 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.1f} KiB" if nbytes >= 1024 else f"{int(nbytes)} bytes"
 
 
+GROUPINGS_TRIED = 16  # groupings, fastest first, a candidate over memory_limit is simulated with before it is rejected
+
+
 def _divisors(rows: int, low: int, high: int) -> list[int]:
     return [d for d in range(max(1, low), min(rows, high) + 1) if rows % d == 0]
 
@@ -307,9 +314,10 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
     `step_fn` is the undecorated step or an `mpmd.distributed` one (then `mesh` defaults to its own). It is
     varied without changing its code (see the module docstring). `schedules`: schedules or built-in names to
     consider (default: every built-in that fits); `microbatches`: counts to consider (default: the divisors
-    of the batch's rows from p to 4 * p * v_max); `costs`: per-segment costs, "xla" for XLA's cost analysis
+    of the batch's rows from p to 4 * p * v_max, and the step's own count); `costs`: per-segment costs, "xla" for XLA's cost analysis
     (deterministic, no actor runs), or None to measure them on the actors (`step.profile_costs`).
-    `remat=True`: a candidate over `memory_limit` is also tried with remat of the cheapest set of stages of the
+    A candidate whose fastest grouping is over `memory_limit` takes the fastest of the next GROUPINGS_TRIED that fits.
+    `remat=True`: a candidate still over `memory_limit` is also tried with remat of the cheapest set of stages of the
     actors over it that fits (else all their stages)
     (a row of its own: "... remat 0,2"). `calibrate` (default: when the costs are measured): run the top three for real once and scale every
     prediction by the median of their measured / simulated (`TuneResult.calibrate`). `batch_argnum`: the
@@ -348,7 +356,8 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
         raise PipelineError(f"tune: the costs have {seg.num_segments} segments but the step has {n}")
     total_rows = m0 * rows if rows else m0
     vmax = max([*virtual_stages, 2])
-    counts = list(microbatches) if microbatches is not None else (_divisors(total_rows, p, 4 * p * vmax) if rows else [m0])
+    counts = list(microbatches) if microbatches is not None else (
+        sorted({*_divisors(total_rows, p, 4 * p * vmax), m0}) if rows else [m0])  # (the step's own count too, always)
     if batch_argnum is not None or any(m != m0 for m in counts):  # (only a re-split needs to know the batch)
         batch_argnum = _batch_argnum(args, batch_argnum, m0, base.static_argnums, rows)
     fits = [m for m in counts if not rows or total_rows % m == 0]
@@ -487,13 +496,23 @@ def _predict(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedul
             raise ScheduleError(f"needs at least {schedule.min_microbatches} microbatches")
         own = getattr(schedule, "balance", None)  # a grouping the user fixed ((1, 3) or "even") is kept; else tune's
         kept = resolve_grouping(schedule, seg.num_segments, m, seg) if isinstance(own, tuple) or own == "even" else None
-        c.grouping = kept or best_grouping(schedule, m, seg)
+        ranked = [kept] if kept else ranked_groupings(schedule, m, seg)
+        c.grouping = ranked[0]
         c.schedule = _with_balance(schedule, c.grouping, tuple(getattr(schedule, "remat", ())))
         sim = _simulate(base, args, c.schedule, group_costs(seg, c.grouping), p)
     except (ScheduleError, PipelineError) as e:
         c.rejected = str(e).splitlines()[0][:120]
         return [c]
     over = _record(c, sim, memory_limit)
+    if over:  # the fastest grouping is over the limit: the fastest of the next ones that fits, if one does
+        for g in ranked[1:GROUPINGS_TRIED]:
+            alt = Candidate(_with_balance(schedule, g, tuple(getattr(schedule, "remat", ()))), m, g)
+            if not _record(alt, _simulate(base, args, alt.schedule, group_costs(seg, g), p), memory_limit):
+                c, over = alt, set()
+                break
+        else:
+            if len(ranked) > 1:
+                c.rejected += f" (and in the next {min(len(ranked), GROUPINGS_TRIED) - 1} groupings by predicted time)"
     if not over or not remat:
         return [c]
     # Another candidate: remat of stages of the actors over the limit (their backward recomputes their forward),

@@ -7,8 +7,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from transport.protocol import (ALLOWED_DTYPES, MAX_ERROR_TEXT, MAX_HEADER_BYTES, PROTOCOL_VERSION, ProtocolError, decode, encode,
-                                error_reply)
+from transport.protocol import (
+    ALLOWED_DTYPES,
+    MAX_ERROR_TEXT,
+    MAX_HEADER_BYTES,
+    PROTOCOL_VERSION,
+    ProtocolError,
+    decode,
+    encode,
+    error_reply,
+)
 
 
 def roundtrip(header, arrays):

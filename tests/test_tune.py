@@ -318,3 +318,60 @@ def test_a_memory_limit_under_one_byte_is_refused_not_rounded_to_zero():
         with pytest.raises(mpmd.PipelineError, match="memory_limit"):
             tuned(memory_limit=bad)
     assert "memory limit 1 bytes" in tuned(memory_limit=1.9, schedules=["OneFOneB"], microbatches=[4]).table()
+
+
+def wide_middle_step():
+    """Four segments; the first one's output is 64x wider than the others' (what its stage keeps per microbatch)."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    widths = [16, 1024, 16, 16, 16]
+    params = [{"w": (rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32)} for a, b in zip(widths[:-1], widths[1:])]
+
+    def model(p, x):
+        for i, layer in enumerate(p):
+            x = jnp.tanh(x @ layer["w"])
+            if i < len(p) - 1:
+                x = mpmd.pipeline_yield(x)
+        return x
+
+    opt = optax.sgd(1e-2)
+    step = make_step(lambda p, mb: jnp.mean((model(p, mb["x"]) - mb["y"]) ** 2), opt, mpmd.OneFOneB(2))
+    batch = {"x": rng.standard_normal((4, 64, 16)).astype(np.float32), "y": rng.standard_normal((4, 64, 16)).astype(np.float32)}
+    costs = mpmd.SegmentCosts(F=(1e-3, 1e-3, 1e-3, 6e-3), B=(2e-3, 2e-3, 2e-3, 12e-3),
+                              activation_bytes=(64 * 1024 * 4, 64 * 16 * 4, 64 * 16 * 4, 0), source="given")
+    return step, (params, opt.init(params), batch), costs
+
+
+def test_a_candidate_whose_fastest_grouping_is_over_the_limit_takes_the_fastest_grouping_that_fits():
+    """tune chose each candidate's grouping by predicted time alone and rejected the candidate when that grouping
+    was over memory_limit, though a slower one fitted (found by a probe): it now takes the fastest that fits."""
+    step, args, costs = wide_middle_step()
+
+    def run(schedule, **kw):
+        return mpmd.tune(step, *args, mesh=FakeMesh(2), costs=costs, microbatches=[4], schedules=[schedule], **kw)
+
+    each = {g: run(mpmd.OneFOneB(2, balance=g)).candidates[0] for g in [(3, 1), (2, 2), (1, 3)]}
+    fastest = min(each, key=lambda g: each[g].predicted)
+    lowest = min(each, key=lambda g: max(each[g].peak_bytes))
+    assert fastest != lowest  # (the case: the fastest grouping is not the one that needs least memory)
+    limit = (max(each[lowest].peak_bytes) + max(each[fastest].peak_bytes)) // 2
+    fit = [g for g in each if max(each[g].peak_bytes) <= limit]
+    (c,) = run("OneFOneB", memory_limit=limit).candidates
+    assert not c.rejected and c.grouping == min(fit, key=lambda g: each[g].predicted) and max(c.peak_bytes) <= limit
+    assert c.predicted == pytest.approx(each[c.grouping].predicted)
+    (none,) = run("OneFOneB", memory_limit=max(each[lowest].peak_bytes) - 1).candidates
+    assert "> memory_limit" in none.rejected and "and in the next 2 groupings" in none.rejected
+
+
+def test_a_batch_whose_rows_have_no_divisor_in_range_is_tuned_at_its_own_count_and_an_empty_choice_says_why():
+    """17 rows on 2 actors: no count from 2 to 16 divides them, so tune considered nothing and then advised raising
+    a memory limit nobody had set (found by a probe). The step's own count is always a candidate."""
+    params, batch = uneven_setup(num_mb=17, rows=1)
+    opt = optax.adam(1e-3)
+    step = make_step(uneven_loss, opt, mpmd.OneFOneB(2))
+    r = mpmd.tune(step, params, opt.init(params), batch, mesh=FakeMesh(2), costs="xla", schedules=["OneFOneB", "GPipe"])
+    assert {c.num_microbatches for c in r.candidates} == {17} and r.best.num_microbatches == 17
+    tiny = mpmd.tune(step, params, opt.init(params), batch, mesh=FakeMesh(2), costs="xla", schedules=["OneFOneB"], memory_limit=1)
+    with pytest.raises(mpmd.MpmdError, match=r"all 1 were rejected \(1 over memory_limit.*raise memory_limit, pass remat=True"):
+        tiny.best

@@ -597,6 +597,28 @@ def test_an_nnx_module_whose_state_the_microbatch_function_changes_is_refused_na
         jax.jit(_nnx_step(None))(model, optimizer, batch)
 
 
+def test_a_step_updating_nnx_state_in_place_and_returning_only_the_loss_warns_that_the_update_is_lost(mesh2):
+    """nnx.jit writes in-place updates back; jax.jit (the reference) and mpmd.distributed do not, so a step written
+    for nnx.jit that returns only its loss trained nothing, silently (found by a probe). It warns now, naming the
+    Variables; the same step returning its Module and Optimizer does not."""
+    import warnings
+
+    from flax import nnx
+
+    def loss_only(model, optimizer, batch):
+        return _nnx_step(mpmd.OneFOneB(2))(model, optimizer, batch)[2]
+
+    batch = {"x": np.ones((4, 6, 8), np.float32), "y": np.zeros((4, 6, 8), np.float32)}
+    model = _NnxTwoStage.model()
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    with pytest.warns(UserWarning, match=r"loss_only updates \d+ nnx Variable.*model\.a\.lin\.(bias|kernel).*lost when the step returns"):
+        losses = mpmd.distributed(loss_only, mesh=mesh2)(model, optimizer, batch)
+    np.testing.assert_allclose(np.asarray(losses), np.asarray(jax.jit(loss_only)(model, optimizer, batch)), rtol=1e-5, atol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        mpmd.distributed(_nnx_step(mpmd.OneFOneB(2)), mesh=mesh2)(model, optimizer, batch)
+
+
 _GLOBAL_NNX_MODEL = None
 
 

@@ -35,7 +35,7 @@ from mpmd.schedules.builtin import BALANCE_MODES, Schedule, Task, backward, chec
 from mpmd.schedules.simulator import Costs, is_cost, simulate
 
 __all__ = ["BALANCE_MODES", "SegmentCosts", "SegmentProfile", "best_grouping", "check_balance", "even_grouping", "group_costs",
-           "groups", "resolve_grouping", "stage_loads"]
+           "groups", "ranked_groupings", "resolve_grouping", "stage_loads"]
 
 EXHAUSTIVE_MAX = 400  # groupings simulated one by one up to this count; beyond, a min-max start and local moves
 SEARCH_MAX = 150  # groupings the local search simulates at most (16 stages x 16 microbatches: ~12 ms each)
@@ -267,6 +267,20 @@ def best_grouping(schedule: Schedule, num_microbatches: int, seg: SegmentCosts) 
     (ties: the smaller largest stage load, then the earlier grouping). Every grouping is simulated when there
     are at most EXHAUSTIVE_MAX; otherwise a local search (`_descend`) from the min-max split of per-stage
     compute and from the even split, the better of the two."""
+    return _search(schedule, num_microbatches, seg)[0]
+
+
+def ranked_groupings(schedule: Schedule, num_microbatches: int, seg: SegmentCosts) -> list[tuple[int, ...]]:
+    """Groupings by simulated step time, `best_grouping`'s first, then the others it simulated (every one, or
+    those the local search visited) fastest first: what to fall back on when the fastest is over a memory limit."""
+    best, score, seen = _search(schedule, num_microbatches, seg)
+    n, k = seg.num_segments, schedule.num_stages
+    others = _compositions(n, k) if math.comb(n - 1, k - 1) <= EXHAUSTIVE_MAX else list(seen)
+    return [best, *sorted((g for g in others if g != best), key=lambda g: (score(g), g))]
+
+
+def _search(schedule: Schedule, num_microbatches: int, seg: SegmentCosts) -> tuple[tuple[int, ...], Any, dict[tuple[int, ...], Any]]:
+    """`best_grouping`'s search: (the grouping, the scoring function, every grouping it scored with its score)."""
     n, k = seg.num_segments, schedule.num_stages
     if k > n:
         raise ScheduleError(f"{schedule}: {k} stages but the step has only {n} segments ({n - 1} pipeline_yield markers); "
@@ -279,9 +293,9 @@ def best_grouping(schedule: Schedule, num_microbatches: int, seg: SegmentCosts) 
         return seen[g]
 
     if math.comb(n - 1, k - 1) <= EXHAUSTIVE_MAX:
-        return min(_compositions(n, k), key=score)
+        return min(_compositions(n, k), key=score), score, seen
     starts = sorted({_min_max([f + b for f, b in zip(seg.F, seg.B)], k), even_grouping(n, k)})
-    return min((_descend(start, score, seen) for start in starts), key=lambda g: (score(g), g))
+    return min((_descend(start, score, seen) for start in starts), key=lambda g: (score(g), g)), score, seen
 
 
 def _descend(current: tuple[int, ...], score: Any, seen: dict[tuple[int, ...], Any]) -> tuple[int, ...]:
