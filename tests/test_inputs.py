@@ -394,3 +394,47 @@ def test_a_spec_leaf_without_shape_and_dtype_is_named_with_what_to_pass(leaf, sh
         mpmd.loaded_by_actors("mpmd.testing:synthetic_regression_leaf", {"x": leaf})
     ok = mpmd.loaded_by_actors("mpmd.testing:synthetic_regression_leaf", {"x": np.zeros((2, 3), np.int32), "y": np.float32(1)})
     assert (ok["x"].shape, ok["x"].dtype, ok["y"].shape, ok["y"].dtype) == ((2, 3), np.int32, (), np.float32)
+
+
+def test_two_threads_first_steps_at_once_both_equal_jit_and_close_unlinks_what_a_dead_actor_never_read():
+    """Two threads' first calls on one mesh each announced the input segments, and the second announcement
+    unlinked the segment the first had just staged (the step failed: 'cannot be opened'); and segments an actor
+    killed before reading them stayed in /dev/shm after mesh.close() until the mesh was collected (a probe)."""
+    import glob
+    import os
+    import signal
+    import threading
+
+    rng = np.random.default_rng(0)
+    params = mlp_params(rng, num_stages=2, width=128)
+    opt = optax.sgd(1e-2)
+    batch = regression_batch(rng, 4, 64, 128)
+    want = jax.jit(make_train_step(mse_loss(mlp), opt, None))(params, opt.init(params), batch)[2]
+    with mpmd.RemoteMesh.local(num_actors=2) as mesh:
+        dist = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
+        dist.compile(params, opt.init(params), batch)
+        barrier, got, errors = threading.Barrier(2), [], []
+
+        def first_step() -> None:
+            barrier.wait()
+            try:
+                got.append(np.asarray(dist(params, opt.init(params), batch)[2]))
+            except Exception as e:  # (reported below, with the others)
+                errors.append(e)
+
+        threads = [threading.Thread(target=first_step) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors and len(got) == 2
+        for g in got:
+            np.testing.assert_allclose(g, np.asarray(want), rtol=1e-5, atol=1e-6)
+        stager = input_stager(mesh)
+        mine = f"/dev/shm{stager._base}*"
+        os.kill(mesh.processes[0].proc.pid, signal.SIGKILL)
+        mesh.processes[0].proc.wait(10)
+        with pytest.raises(MpmdError):
+            for _ in range(3):  # staged for actor 0, never read: its daemon is gone
+                np.asarray(dist(params, opt.init(params), batch)[2])
+    assert glob.glob(mine) == [], "mesh.close() left the dead actor's input segments in /dev/shm"

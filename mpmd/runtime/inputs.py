@@ -73,6 +73,7 @@ class InputStager:
         self._names = itertools.count()
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)  # notified when a reply releases a segment
+        self._announcing = threading.Lock()  # held while a prefix is announced to an actor (a request: never under _lock)
         self._pools: dict[int, list[Segment]] = {}
         self._retired: dict[int, list[str]] = {}  # actor -> segments closed here that it may still have mapped
         self._told: dict[int, Any] = {}  # actor -> the connection its prefix was announced on (a reconnect asks again)
@@ -100,6 +101,12 @@ class InputStager:
         conn = self.mesh.conn(actor)
         if self._told.get(actor) is conn:
             return self._local[actor]
+        with self._announcing:  # (two threads' first steps at once: announced once, else the second unlinked the first's segment)
+            if self._told.get(actor) is conn:
+                return self._local[actor]
+            return self._announce(actor, conn)
+
+    def _announce(self, actor: int, conn: Any) -> bool:
         local = shm.available() and self._same_host(actor)
         if local:
             try:  # (a daemon without the op, or without shared memory, keeps getting its arguments inline)
@@ -195,7 +202,9 @@ class InputStager:
         return fit
 
     def close(self) -> None:
-        _close_all(self._pools)
+        with self._lock:
+            _close_all(self._pools)
+            self._pools.clear()
 
 
 def _close(seg: Segment) -> None:
@@ -217,6 +226,14 @@ _STAGERS: weakref.WeakKeyDictionary[Any, InputStager] = weakref.WeakKeyDictionar
 _STAGERS_LOCK = threading.Lock()
 
 
+def close_stager(mesh: Any) -> None:
+    """Unlink `mesh`'s input segments now (its close: a segment no actor read would wait for the mesh's collection)."""
+    with _STAGERS_LOCK:
+        stager = _STAGERS.pop(mesh, None)
+    if stager is not None:
+        stager.close()
+
+
 def input_stager(mesh: Any) -> InputStager:
     """The one stager of `mesh` (made on first use; its segments go with the mesh)."""
     with _STAGERS_LOCK:
@@ -226,4 +243,4 @@ def input_stager(mesh: Any) -> InputStager:
         return stager
 
 
-__all__ = ["SHM_INPUT_MIN_BYTES", "InputStager", "input_stager"]
+__all__ = ["SHM_INPUT_MIN_BYTES", "InputStager", "close_stager", "input_stager"]

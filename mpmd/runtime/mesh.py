@@ -49,6 +49,7 @@ from mpmd.runtime.array import RemoteArray, fetch
 from mpmd.runtime.buffers import BufferClient, gather
 from mpmd.runtime.controller import ActorConnection, EventLoopThread, Watchdog, close_unstarted
 from mpmd.runtime.executables import Executables
+from mpmd.runtime.inputs import close_stager
 from mpmd.runtime.launch.local import LocalOptions, LocalProcess, start_local
 from mpmd.runtime.loader import check_loader_name
 from mpmd.runtime.recovery import Recovery, enable_recovery
@@ -430,21 +431,29 @@ class RemoteMesh:
         if self.closed:
             return
         self.closed = True
-        if self._opened:
-            try:  # local daemons are ours to stop; attached ones only forget this session
-                self._io.run(gather(self._all("shutdown" if self.processes else "bye")), timeout=5)
-            except Exception:
-                pass
-        for p in self.processes:
-            p.stop()
-        if self._tmpdir:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
-        self._io.call_soon(self._watchdog.stop)
-        for c in self._conns:
-            self._io.call_soon(c.close)
-        time.sleep(0.01)
-        self._io.stop()
-        self._ctx.destroy(linger=0)
+        try:
+            if self._opened:
+                try:  # local daemons are ours to stop; attached ones only forget this session
+                    self._io.run(gather(self._all("shutdown" if self.processes else "bye")), timeout=5)
+                except Exception:
+                    pass
+        finally:  # (a Ctrl-C during the goodbyes still stops, unlinks and removes everything below)
+            self._release_resources()
+
+    def _release_resources(self) -> None:
+        try:
+            for p in self.processes:
+                p.stop()
+        finally:
+            close_stager(self)
+            if self._tmpdir:
+                shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._io.call_soon(self._watchdog.stop)
+            for c in self._conns:
+                self._io.call_soon(c.close)
+            time.sleep(0.01)
+            self._io.stop()
+            self._ctx.destroy(linger=0)
 
     # ---- the controller loop -----------------------------------------------------------------------
     def run(self, coro: Any, timeout: float | None = None) -> Any:
