@@ -120,6 +120,7 @@ class Snapshot:
     future: concurrent.futures.Future[Any] | None = None
     complete: bool = False
     others: dict[int, weakref.ref[RemoteArray]] = field(default_factory=dict)  # fetched into RecoveryManager._kept
+    extra: set[int] = field(default_factory=set)  # in `meta` though not the call's inputs: the other arrays live then
 
 
 def enable_recovery(mesh: Any, config: Recovery, respawn: Respawn) -> RecoveryManager:
@@ -228,10 +229,18 @@ class RecoveryManager:
         """Fetch `arrays` (the inputs of log entry `index`) to host memory in the background."""
         snap = Snapshot(index, {vid: (x.actors, x.sharding.spec if x.sharding is not None else None, x.dtype, weakref.ref(x))
                                 for vid, x in arrays.items()})
-        # Other live arrays of earlier steps (losses kept for later, ...): values never change, so each is
-        # fetched once and kept while its array lives, to put back on a replacement that held it.
+        # Other live arrays of earlier steps (another chain of state, as an eval call's snapshot leaves the
+        # optimizer state; losses kept for later): part of the snapshot, since a step logged after it may read
+        # them once the caller has let them go. Values never change, so each is fetched once and kept while its
+        # array lives (`_kept`): a later snapshot takes it from there.
         with self._state:
-            others = {vid: x for vid, x in self._live() if vid not in arrays and vid not in self._kept and x.buffers}
+            live = [(vid, x) for vid, x in self._live() if vid not in arrays and x.buffers]
+            others = {vid: x for vid, x in live if vid not in self._kept}
+            cached = {vid: x for vid, x in live if vid in self._kept}
+            snap.values.update({vid: self._kept[vid][0] for vid in cached})
+        snap.meta.update({vid: (x.actors, x.sharding.spec if x.sharding is not None else None, x.dtype, weakref.ref(x))
+                          for vid, x in [*others.items(), *cached.items()]})
+        snap.extra = set(others) | set(cached)
         per_actor: dict[int, list[tuple[int, int]]] = {}
         for vid, x in [*arrays.items(), *others.items()]:
             per_actor.setdefault(x.actor, []).append((vid, x.buffers[x.actor]))
@@ -260,11 +269,12 @@ class RecoveryManager:
             if f.cancelled() or f.exception() is not None:
                 log.debug("snapshot at step record %d failed: %s", snap.index, None if f.cancelled() else f.exception())
                 return
-            snap.values, snap.complete = f.result(), True
+            snap.values.update(f.result())
+            snap.complete = True
             for vid, ref in snap.others.items():
                 x = ref()
                 if x is not None:
-                    self._kept[vid] = (snap.values.pop(vid), x.sharding.spec if x.sharding is not None else None, x.dtype)
+                    self._kept[vid] = (snap.values[vid], x.sharding.spec if x.sharding is not None else None, x.dtype)
                     weakref.finalize(x, self._kept.pop, vid, None)
             if self.snapshot is None or snap.index > self.snapshot.index:
                 self.snapshot = snap
@@ -473,15 +483,20 @@ class RecoveryManager:
                 stripped[vid] = (x, gone)
                 x.buffers = {a: b for a, b in x.buffers.items() if a not in replaced}
         replayed_vids = {vid for r in records for _, vid, _ in r.outs}
+        needed = {leaf[1] for r in records for leaf in r.leaves if leaf[0] == "remote"}
+        # The call's inputs go back on every actor (all roll back); the other arrays live at the snapshot only
+        # where needed: let go but read by a logged step, or still held and stripped of a buffer just now.
+        restore = {vid: meta for vid, meta in snap.meta.items()
+                   if vid not in snap.extra or (vid in stripped if meta[3]() is not None else vid in needed)}
         back = [vid for vid, (x, gone) in stripped.items()  # older live arrays that were on a replaced actor
                 if vid not in snap.meta and vid not in replayed_vids and vid in self._kept]  # (else: lost, in no snapshot)
-        puts = [(snap.values[vid], actors, spec, dtype) for vid, (actors, spec, dtype, _) in snap.meta.items()]
+        puts = [(snap.values[vid], actors, spec, dtype) for vid, (actors, spec, dtype, _) in restore.items()]
         puts += [(self._kept[vid][0], stripped[vid][1], self._kept[vid][1], self._kept[vid][2]) for vid in back]
         arrays = put_all(mesh, puts)  # every actor rolls back to the snapshot; the older arrays go back where they were
         values: dict[int, RemoteArray] = {}
-        for (vid, (_, _, _, ref)), fresh in zip(snap.meta.items(), arrays):
+        for (vid, (_, _, _, ref)), fresh in zip(restore.items(), arrays):
             values[vid] = self._rebind(ref(), fresh, vid)
-        for vid, fresh in zip(back, arrays[len(snap.meta):]):
+        for vid, fresh in zip(back, arrays[len(restore):]):
             x = stripped[vid][0]
             x.buffers.update(fresh.buffers)
             fresh.buffers = {}
