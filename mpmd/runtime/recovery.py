@@ -154,6 +154,7 @@ class RecoveryManager:
         self._recovery: concurrent.futures.Future[None] | None = None
         self._dists: weakref.WeakSet[Any] = weakref.WeakSet()  # every step logged: reloaded on a replacement
         self._kept: dict[int, tuple[np.ndarray, Any, Any]] = {}  # value id -> (host value, spec, dtype) of live arrays
+        self._externals: list[Snapshot] = []  # inputs of logged calls the log had not seen (put, restored), fetched
         self.last_report: dict[str, Any] = {}
         self.calls, self.call_seconds, self._last_dispatch = 0, 0.0, 0.0  # the bookkeeping's own cost (benchmarks)  # the last recovery's timings (benchmarks/recovery.py)
 
@@ -199,9 +200,11 @@ class RecoveryManager:
         self._dists.add(dist)
         leaves, treedef = jax.tree.flatten(args, is_leaf=lambda x: isinstance(x, RemoteArray))
         rec = StepRecord(next(self._indices), dist, treedef, [], generation=self.generation)
-        remote = {}
+        remote, unseen = {}, set()
         for x in leaves:
             if isinstance(x, RemoteArray):
+                if not x._vid:  # made outside the log: mesh.put, mpmd.restore, ...
+                    unseen.add(id(x))
                 vid = self._vid(x)
                 remote[vid] = x
                 rec.leaves.append(("remote", vid, self._refs[vid]))
@@ -210,6 +213,8 @@ class RecoveryManager:
         snap = None
         if self.snapshot is None and not self.pending or self._since_snapshot + 1 >= self.config.snapshot_every:
             snap = self._start_snapshot(rec.index, remote)  # before the dispatch: it reads the inputs' buffers as they are
+        elif unseen:  # no step made them: without their values, a replay of this call could not be
+            self._keep_external(rec.index, {vid: x for vid, x in remote.items() if id(x) in unseen})
         t = time.perf_counter()
         out = dist._call(args, self._on_failure_of(rec), rec.sent)
         rec.load_step = dist._last_load
@@ -241,11 +246,19 @@ class RecoveryManager:
         snap.meta.update({vid: (x.actors, x.sharding.spec if x.sharding is not None else None, x.dtype, weakref.ref(x))
                           for vid, x in [*others.items(), *cached.items()]})
         snap.extra = set(others) | set(cached)
-        per_actor: dict[int, list[tuple[int, int]]] = {}
-        for vid, x in [*arrays.items(), *others.items()]:
-            per_actor.setdefault(x.actor, []).append((vid, x.buffers[x.actor]))
-        held = [*arrays.values(), *others.values()]  # strong references until the gets are answered: no release overtakes them
         snap.others = {vid: weakref.ref(x) for vid, x in others.items()}
+        snap.future = self._fetch({**arrays, **others})
+        snap.future.add_done_callback(lambda f: self._snapshot_done(snap, f))
+        with self._state:
+            self.pending.append(snap)
+        return snap
+
+    def _fetch(self, arrays: dict[int, RemoteArray]) -> concurrent.futures.Future[dict[int, np.ndarray]]:
+        """Get `arrays` to the host in the background (one request per actor): their values by value id."""
+        per_actor: dict[int, list[tuple[int, int]]] = {}
+        for vid, x in arrays.items():
+            per_actor.setdefault(x.actor, []).append((vid, x.buffers[x.actor]))
+        held = list(arrays.values())  # strong references until the gets are answered: no release overtakes them
         mesh = self.mesh
 
         async def fetch() -> dict[int, np.ndarray]:
@@ -256,11 +269,22 @@ class RecoveryManager:
             held.clear()
             return got
 
-        snap.future = mesh.submit_coroutine(fetch())
-        snap.future.add_done_callback(lambda f: self._snapshot_done(snap, f))
+        return mesh.submit_coroutine(fetch())
+
+    def _keep_external(self, index: int, arrays: dict[int, RemoteArray]) -> None:
+        """Inputs of log entry `index` that no logged step made: fetched in the background and kept while the
+        log holds the entry, so that a replay can put them back where they were."""
+        ext = Snapshot(index, {vid: (x.actors, x.sharding.spec if x.sharding is not None else None, x.dtype, weakref.ref(x))
+                               for vid, x in arrays.items()})
+        ext.future = self._fetch(arrays)
+
+        def done(f: concurrent.futures.Future[Any]) -> None:
+            if not f.cancelled() and f.exception() is None:
+                ext.values, ext.complete = f.result(), True
+
+        ext.future.add_done_callback(done)
         with self._state:
-            self.pending.append(snap)
-        return snap
+            self._externals.append(ext)
 
     def _snapshot_done(self, snap: Snapshot, f: concurrent.futures.Future[Any]) -> None:
         with self._state:
@@ -279,6 +303,7 @@ class RecoveryManager:
             if self.snapshot is None or snap.index > self.snapshot.index:
                 self.snapshot = snap
                 self.log = [r for r in self.log if r.index >= snap.index]
+                self._externals = [e for e in self._externals if e.index >= snap.index]
 
     # ---- failures -------------------------------------------------------------------------------------
     def _on_failure_of(self, rec: StepRecord) -> Callable[[BaseException], Any]:
@@ -465,7 +490,7 @@ class RecoveryManager:
 
         mesh.run(drain())
         with self._state:
-            pending = [s.future for s in self.pending if s.future is not None]
+            pending = [s.future for s in [*self.pending, *self._externals] if s.future is not None]
         concurrent.futures.wait(pending, timeout=self.config.drain_timeout)
 
     def _restore_and_replay(self, replaced: set[int], report: dict[str, Any]) -> int:
@@ -490,8 +515,12 @@ class RecoveryManager:
                    if vid not in snap.extra or (vid in stripped if meta[3]() is not None else vid in needed)}
         back = [vid for vid, (x, gone) in stripped.items()  # older live arrays that were on a replaced actor
                 if vid not in snap.meta and vid not in replayed_vids and vid in self._kept]  # (else: lost, in no snapshot)
+        with self._state:  # inputs from outside the log that a logged step reads, let go or on a replaced actor
+            external = {vid: (e.values[vid], meta) for e in self._externals if e.complete for vid, meta in e.meta.items()
+                        if vid in needed and vid not in restore and (meta[3]() is None or vid in stripped)}
         puts = [(snap.values[vid], actors, spec, dtype) for vid, (actors, spec, dtype, _) in restore.items()]
         puts += [(self._kept[vid][0], stripped[vid][1], self._kept[vid][1], self._kept[vid][2]) for vid in back]
+        puts += [(value, actors, spec, dtype) for value, (actors, spec, dtype, _) in external.values()]
         arrays = put_all(mesh, puts)  # every actor rolls back to the snapshot; the older arrays go back where they were
         values: dict[int, RemoteArray] = {}
         for (vid, (_, _, _, ref)), fresh in zip(restore.items(), arrays):
@@ -500,6 +529,8 @@ class RecoveryManager:
             x = stripped[vid][0]
             x.buffers.update(fresh.buffers)
             fresh.buffers = {}
+        for (vid, (_, (_, _, _, ref))), fresh in zip(external.items(), arrays[len(restore) + len(back):]):
+            values[vid] = self._rebind(ref(), fresh, vid)
         report["restore"] = time.monotonic() - t
         t = time.monotonic()
         dones = []
