@@ -58,7 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--transfer-timeout", type=float, default=300.0,
                    help="seconds a receive waits for its peer before the step fails (the controller may change it)")
     p.add_argument("--p2p-host", default=None, help="address peers reach this actor's data plane on (default: the --listen host)")
-    p.add_argument("--cache-dir", default=None, help="JAX persistent compilation cache directory")
+    p.add_argument("--cache-dir", default=None, help="JAX persistent compilation cache directory (default: a private temporary one, removed at exit; "
+                   "RemoteMesh.local passes ~/.cache/mpmd/xla)")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process has exited")
     p.add_argument("--mesh-dir", default=None,
                    help="the private directory of the local mesh this daemon belongs to: if its --parent-pid exits without "
@@ -88,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-unclaimed", type=int, default=10_000,
                    help="data-plane arrivals one peer may leave unclaimed here before further ones are refused")
     p.add_argument("--max-unclaimed-mb", type=int, default=32 * 1024, help="the same limit, in MiB")
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--log-level", default="WARNING", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     cluster.add_arguments(p)
     args = p.parse_args(argv)
     cluster.resolve(args, p)  # what --slurm and --rendezvous imply (actor id, devices, addresses)
@@ -103,6 +104,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--cpu-devices must be at least 1, got {args.cpu_devices}")
     if args.listen is not None and not args.listen.startswith(("tcp://", "ipc://")):
         p.error(f"--listen takes tcp://host:port or ipc://path, got {args.listen!r}")
+    if args.listen is not None and args.listen.startswith("tcp://"):
+        port = args.listen.rpartition(":")[2]
+        if port != "*" and not (port.isdigit() and 0 <= int(port) <= 65535):
+            p.error(f"--listen {args.listen}: the port must be 0-65535 (0 or *: any free one), got {port!r}")
+    for name in ("max_message_mb", "max_unclaimed", "max_unclaimed_mb"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     return args
 
 

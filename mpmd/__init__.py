@@ -24,7 +24,7 @@ Public names (each has a docstring):
   simulate, Costs, SimResult                  mpmd.simulate(schedule, m, costs): step time, bubble, memory, pictures
   tune, TuneResult, SegmentCosts              pick schedule, microbatches, stage grouping (balance=): predict, then verify
   MpmdError, RemoteError, ActorDiedError, PipelineError, ScheduleError, CheckpointError   errors
-  ActorStartError, RendezvousError, IncompatibleActorError                 errors of starting or finding daemons
+  ActorStartError, RendezvousError, IncompatibleActorError, ActorAuthError  errors of starting, finding or trusting daemons
 
 Rooms (each package's docstring says more): api/primitives/step (this surface and the distributed step),
 compiler/ (jaxpr -> Programs), schedules/ (tables, validation, simulator, pictures), runtime/ (mesh, arrays,
@@ -49,6 +49,7 @@ from mpmd.errors import (
 from mpmd.runtime.aio import fetch_async, ready_async
 from mpmd.runtime.array import RemoteArray, fetch
 from mpmd.runtime.checkpoint import load, restore, restore_async, save, save_async
+from mpmd.runtime.controller import ActorAuthError
 from mpmd.runtime.loader import loaded_by_actors
 from mpmd.runtime.mesh import ActorHandle, RemoteMesh
 from mpmd.runtime.recovery import Recovery

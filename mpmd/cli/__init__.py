@@ -106,7 +106,7 @@ def register_simulate(sub: Any) -> None:
                                    "F=1, B=2, I=W=1, free transfers). Exit code 2 if the schedule cannot run.")
     p.add_argument("--schedule", required=True, choices=list(BUILTINS), help="built-in schedule class")
     p.add_argument("--actors", type=int, help="number of actors")
-    p.add_argument("--stages", type=int, help="number of stages (default: one per actor, two for V schedules)")
+    p.add_argument("--stages", type=int, help="number of stages (default: one per actor, two per actor for V schedules; interleaved schedules need it)")
     p.add_argument("--microbatches", type=int, required=True, help="number of microbatches")
     p.add_argument("--costs", type=_parse_costs, default=None,
                    help="cost model, e.g. F=1,B=2,I=1,W=1,latency=0.1 (fields of mpmd.Costs; per stage: F=1:1.5)")

@@ -100,6 +100,13 @@ def _run(args: argparse.Namespace) -> int:
     step, params, opt_state, batch = gpt_setup(gpt, args.layers, args.width, args.seq, args.heads, args.microbatches, args.rows)
     pin = 1 if args.actors <= len(os.sched_getaffinity(0)) else None
     limit = int(args.memory_limit_mib * 2**20) if args.memory_limit_mib is not None else None
+    import logging
+    import sys
+
+    logging.basicConfig(format="mpmd tune: %(message)s", stream=sys.stderr)
+    logging.getLogger("mpmd").setLevel(logging.INFO)  # progress: every variant compiled and profiled, as it happens
+    print(f"mpmd tune: measuring the segments on {args.actors} actors, then simulating every candidate (minutes on a "
+          "laptop: each profiled variant is compiled first)", file=sys.stderr, flush=True)
     with mpmd.RemoteMesh.local(num_actors=args.actors, cpus_per_actor=pin) as mesh:
         try:
             result = mpmd.tune(step, params, opt_state, batch, mesh=mesh, memory_limit=limit, microbatches=counts,
@@ -107,6 +114,8 @@ def _run(args: argparse.Namespace) -> int:
         except mpmd.MpmdError as e:
             raise SystemExit(f"mpmd {e}" if str(e).startswith("tune:") else f"mpmd tune: {e}") from None
         print(result)
+        if not result.feasible:
+            return 1
         if args.verify:
             result.verify(args.verify)
     return 0
