@@ -100,8 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("request_timeout", "compile_timeout", "transfer_timeout"):
         if not getattr(args, name) > 0:  # (NaN too)
             p.error(f"--{name.replace('_', '-')} must be positive")
-    if args.cpu_devices is not None and args.cpu_devices < 1:
-        p.error(f"--cpu-devices must be at least 1, got {args.cpu_devices}")
+    if args.cpu_devices is not None and not 1 <= args.cpu_devices <= 4096:
+        p.error(f"--cpu-devices must be 1-4096, got {args.cpu_devices}")
     if args.listen is not None and not args.listen.startswith(("tcp://", "ipc://")):
         p.error(f"--listen takes tcp://host:port or ipc://path, got {args.listen!r}")
     if args.listen is not None and args.listen.startswith("tcp://"):

@@ -342,6 +342,20 @@ def test_the_sbatch_example_runs_as_written_with_srun_standing_in_for_slurm(tmp_
     assert not (home / ".mpmd" / "rdv" / "77").exists()  # daemons withdrew, the script removed the directory
 
 
+def test_an_address_where_no_daemon_ever_answered_is_named_so_and_a_port_past_65535_is_refused():
+    """Both said 'actor 0 died or stopped answering ... mesh.reconnect(0) talks to it again', of a daemon that never
+    was; and mpmd-actor --listen tcp://127.0.0.1:99999 bound port 34463 (found by a probe)."""
+    import subprocess
+    import sys
+
+    with pytest.raises(mpmd.ActorDiedError, match="no daemon ever answered there.*nothing listens at that address") as e:
+        mpmd.RemoteMesh.connect(["tcp://127.0.0.1:1"], transport="none", heartbeat_interval=0.2, heartbeat_timeout=1.0)
+    assert "reconnect" not in str(e.value)
+    out = subprocess.run([sys.executable, "-m", "actors.daemon", "--listen", "tcp://127.0.0.1:99999", "--insecure"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "the port must be 0-65535" in out.stderr
+
+
 def test_connect_refuses_daemons_listed_out_of_actor_id_order_or_of_another_protocol():
     """connect([actor 1, actor 0]) was accepted and the first step failed with "actor 1 has no route to actor
     1"; a daemon of another protocol version answered with an error reply the controller could not match to

@@ -225,6 +225,13 @@ def test_stages_not_divisible_by_actors():
         mpmd.InterleavedOneFOneB(8)
 
 
+def test_a_table_too_big_to_build_is_refused_before_it_is_built():
+    """`mpmd simulate --microbatches 100000000` grew to gigabytes for minutes (found by a probe)."""
+    with pytest.raises(mpmd.ScheduleError, match="100000000 x 2 stages is more than a schedule table holds"):
+        mpmd.simulate(mpmd.GPipe(2), 100_000_000)
+    assert mpmd.simulate(mpmd.GPipe(2), 2000).step_time == 3 * 2001  # (unit costs: m + p - 1 F and B slots)
+
+
 def test_a_task_outside_the_stages_or_microbatches():
     with pytest.raises(mpmd.ScheduleError, match="2F0 on actor 1 is not a task of 2 stages x 1 microbatches") as err:
         validate(Custom(num_stages=2, order=(("0F0", "0B0"), ("1F0", "1B0", "2F0"))), 1)

@@ -117,6 +117,7 @@ class ControlClient:
         self.requests_sent = 0
         self.closed = False
         self.connected = False
+        self.ever_connected = False  # a handshake has succeeded on this connection once
         self.handshake_error: str | None = None  # the last refused handshake, until one succeeds
 
     def start(self) -> None:
@@ -149,7 +150,7 @@ class ControlClient:
                 frames = await self._sock.recv_multipart(copy=False)
             except (asyncio.CancelledError, zmq.ZMQError):
                 return
-            self.last_heard = time.monotonic()
+            self.last_heard, self.ever_connected = time.monotonic(), True
             try:
                 msg = decode(frames)
             except Exception as e:  # fail the request the reply answers, if its header names it; else it times out
@@ -170,7 +171,7 @@ class ControlClient:
                 return
             kind = event["event"]
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.connected, self.handshake_error = True, None
+                self.connected, self.ever_connected, self.handshake_error = True, True, None
             elif kind == zmq.EVENT_DISCONNECTED:
                 was, self.connected = self.connected, False
                 if was:

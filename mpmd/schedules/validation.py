@@ -119,6 +119,9 @@ def _fail(problem: str, table: Table, mark: dict[int, int] | None = None, notes:
     return ScheduleError(f"{problem}\n{format_table(table, mark, notes)}")
 
 
+MAX_TABLE_TASKS = 3_000_000  # tasks a table may hold (256 stages x 4096 microbatches x 3 is 3.1M: past any real step)
+
+
 def validate(schedule: Schedule, num_microbatches: int) -> Table:
     """Check that `schedule`'s table for `num_microbatches` is complete, placed consistently and cannot
     deadlock; return it. Raises `ScheduleError` naming the problem, with the table and the offending tasks
@@ -132,6 +135,10 @@ def validate(schedule: Schedule, num_microbatches: int) -> Table:
     name, m, n = str(schedule), num_microbatches, schedule.num_stages
     if not isinstance(m, int) or isinstance(m, bool) or m < 1:
         raise ScheduleError(f"{name}: the number of microbatches must be a positive int, got {m!r}")
+    if not isinstance(n, int) or m * n > MAX_TABLE_TASKS // 3:  # (F, B or I and W: three tasks per stage and microbatch at most)
+        raise ScheduleError(f"{name} with {m} microbatches: {m} x {n} stages is more than a schedule table holds here "
+                            f"({MAX_TABLE_TASKS // 3:,} microbatch-stages: validating it would take minutes and gigabytes); "
+                            "use fewer microbatches or stages")
     need = schedule.min_microbatches
     if m < need:
         raise ScheduleError(f"{name} needs at least {need} microbatches, got {m}; split the batch into {need} or more "
