@@ -33,7 +33,7 @@ def gpu_count(platform: str) -> int:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
     p.add_argument("--platform", default="gpu", choices=("gpu", "cpu"))
     p.add_argument("--width", type=int, default=2048)

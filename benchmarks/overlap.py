@@ -141,7 +141,7 @@ def measure(route: str, mib: int, microbatches: int, rounds: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=16)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--routes", default="shm,tcp")

@@ -56,7 +56,7 @@ def memcpy_throughput(payload: np.ndarray, reps: int = 4) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1,4,16,64,256", help="MiB, comma-separated")
     ap.add_argument("--routes", default="tcp,shm")
     ap.add_argument("--reps", type=int, default=3)

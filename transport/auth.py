@@ -215,7 +215,7 @@ def generate_key_files(directory: str | os.PathLike[str], name: str = "mpmd", ov
     if not overwrite:
         for p in (public_path, secret_path):
             if p.exists():
-                raise AuthKeyError(f"{p} exists; pick another name or directory (or overwrite it on purpose)")
+                raise AuthKeyError(f"{p} exists; pick another name or directory, or overwrite it on purpose (`mpmd keys generate --force`; overwrite=True)")
     pair = KeyPair.generate()
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     body = f'metadata\ncurve\n    public-key = "{pair.public.decode()}"\n'
