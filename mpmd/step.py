@@ -22,6 +22,7 @@ import numpy as np
 from mpmd.compiler.avals import dtype_text, host_value, is_key, to_wire, wire_shape_dtype
 from mpmd.compiler.inline import inline_calls
 from mpmd.compiler.plan import StepPlan, iter_lowered, plan_step
+from mpmd.compiler.program import Send
 from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError
 from mpmd.observe.report import PlacementReport, placement_report
 from mpmd.runtime.aio import abortable, off_loop, start_in_worker, watch
@@ -390,6 +391,10 @@ class DistributedFunction:
         t0 = time.perf_counter()
         outer, out_tree = self.trace(*args)
         plan = plan_step(outer, len(self.mesh))
+        if getattr(self.mesh, "transport", None) == "none" and any(
+                isinstance(ins, Send) for prog in plan.programs for ins in prog.instructions):
+            raise PipelineError(f"this step sends values between its {len(self.mesh)} actors, but the mesh was made with "
+                                "transport='none' (no data plane): make it with transport='auto' (the default)")
         t1 = time.perf_counter()
         ids = [self.mesh.executables.new_program_id()] * len(plan.programs)  # one id: transfer keys (program, step, tag) must agree
         loaded = self._lower_and_ship(plan, ids, sig[2], out_tree)

@@ -264,3 +264,20 @@ def test_an_actor_whose_controller_dies_exits_even_while_it_computes(tmp_path):
         parent.kill()
         actor.kill()
         actor.wait()
+
+
+def test_a_pipeline_on_a_mesh_without_a_data_plane_is_refused_at_compile_saying_which_transport_to_use():
+    """transport='none' compiled and shipped a 2-actor pipeline, whose first send then failed on an actor with a
+    remote traceback (found by a probe)."""
+    import optax
+
+    from mpmd.testing import make_train_step, mlp, mlp_params, mse_loss, regression_batch
+
+    opt = optax.sgd(0.1)
+    params = mlp_params(np.random.default_rng(0), 2, 8)
+    batch = regression_batch(np.random.default_rng(1), 2, 4, 8)
+    with mpmd.RemoteMesh.local(num_actors=2, transport="none") as mesh:
+        step = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
+        with pytest.raises(mpmd.PipelineError, match="transport='none' \\(no data plane\\): make it with transport='auto'"):
+            step(params, opt.init(params), batch)
+        assert [mesh.actor(a).stats()["programs"] for a in (0, 1)] == [0, 0]  # refused before anything was shipped
