@@ -314,7 +314,7 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
     `step_fn` is the undecorated step or an `mpmd.distributed` one (then `mesh` defaults to its own). It is
     varied without changing its code (see the module docstring). `schedules`: schedules or built-in names to
     consider (default: every built-in that fits); `microbatches`: counts to consider (default: the divisors
-    of the batch's rows from p to 4 * p * v_max, and the step's own count); `costs`: per-segment costs, "xla" for XLA's cost analysis
+    of the batch's rows from p to 4 * p * v_max, and the step's own count); `costs`: per-segment costs (SegmentCosts; without `microbatch_rows`, taken to be the step's own microbatch's), "xla" for XLA's cost analysis
     (deterministic, no actor runs), or None to measure them on the actors (`step.profile_costs`).
     A candidate whose fastest grouping is over `memory_limit` takes the fastest of the next GROUPINGS_TRIED that fits.
     `remat=True`: a candidate still over `memory_limit` is also tried with remat of the cheapest set of stages of the
@@ -391,7 +391,8 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
             continue
         b = total_rows // m if rows else 0
         # task times scale with the rows of a microbatch; the runtime's per-Run and per-transfer costs do not
-        scaled = seg.scaled(b / seg.microbatch_rows) if rows and seg.microbatch_rows else seg
+        # (costs given without their rows are taken to be the step's own microbatch's)
+        scaled = seg.scaled(b / (seg.microbatch_rows or rows)) if rows else seg
         call_args = list(args)
         if m != m0:
             call_args[batch_argnum] = resplit(args[batch_argnum], m)

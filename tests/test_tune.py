@@ -375,3 +375,21 @@ def test_a_batch_whose_rows_have_no_divisor_in_range_is_tuned_at_its_own_count_a
     tiny = mpmd.tune(step, params, opt.init(params), batch, mesh=FakeMesh(2), costs="xla", schedules=["OneFOneB"], memory_limit=1)
     with pytest.raises(mpmd.MpmdError, match=r"all 1 were rejected \(1 over memory_limit.*raise memory_limit, pass remat=True"):
         tiny.best
+
+
+def test_costs_given_without_their_rows_are_scaled_from_the_steps_own_microbatch():
+    """Hand-made SegmentCosts (no microbatch_rows) were used unscaled for every count: 8 microbatches of half
+    the rows each predicted as long as 8 of the full size (found by a probe)."""
+    import dataclasses
+
+    xla = tuned(microbatches=[4], schedules=["GPipe"]).costs
+    given = dataclasses.replace(xla, microbatch_rows=0)
+    params, batch = uneven_setup(num_mb=4, rows=16)
+    opt = optax.adam(1e-3)
+    step = make_step(uneven_loss, opt, mpmd.OneFOneB(2))
+    r = mpmd.tune(step, params, opt.init(params), batch, mesh=FakeMesh(2), costs=given, microbatches=[4, 8], schedules=["GPipe"])
+    by_m = {c.num_microbatches: c for c in r.candidates}
+    for m, rows in ((4, 16), (8, 8)):
+        c = by_m[m]
+        want = mpmd.simulate(mpmd.GPipe(2), m, group_costs(given.scaled(rows / 16), c.grouping)).step_time
+        assert c.predicted == pytest.approx(want, rel=1e-9)
