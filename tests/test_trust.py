@@ -453,8 +453,9 @@ def test_a_transfer_key_longer_than_the_runtime_makes_is_refused_before_anything
     bad = p2p().get("bad_messages", 0)
     peer = FakePeer(mesh2, 1, 11)
     try:
-        peer.send({"op": "data", "key": [mesh2.session, 5, 0, *range(MAX_KEY_INTS)]}, [np.ones(1, np.float32)])
-        peer.send({"op": "data", "key": [mesh2.session, 5, 0, 1]}, [np.ones(1, np.float32)])  # a well-formed one, kept
+        program = 2**40  # (no program of the shared mesh's: a key of a step that is over would be dropped, not kept)
+        peer.send({"op": "data", "key": [mesh2.session, program, 0, *range(MAX_KEY_INTS)]}, [np.ones(1, np.float32)])
+        peer.send({"op": "data", "key": [mesh2.session, program, 0, 1]}, [np.ones(1, np.float32)])  # well-formed: kept
         assert wait_until(lambda: p2p().get("bad_messages", 0) == bad + 1 and p2p()["unclaimed"].get("11", {}).get("arrivals") == 1, 10)
     finally:
         peer.close()
