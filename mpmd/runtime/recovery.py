@@ -23,8 +23,11 @@ The design, simplest correct first:
   snapshot (its values put back on their actors) and the logged steps are replayed in order under fresh step
   numbers: the result is bit-identical to a run without failure. Every live RemoteArray that named a logged
   value is rebound to the replayed buffers, so the call in flight returns normally.
-* **What survives.** Values named in the log: the inputs of the snapshotted call and the outputs of every
-  logged call since, and any array that lived only on surviving actors. An array that lived on the lost actor
+* **What survives.** Values named in the log: the inputs of the snapshotted call, every other array live when
+  the snapshot was taken (another chain of state: an eval call's snapshot still holds the optimizer state), the
+  outputs of every logged call since, inputs no logged call made (`mpmd.restore` on the same mesh, `mesh.put`:
+  fetched in the background when a logged call first reads them), and any array that lived only on surviving
+  actors. An array that lived on the lost actor
   and was neither (e.g. put there by `mesh.actor(i).put` and never passed to a step since the snapshot) is
   gone: reading it raises `RemoteError` ("holds no buffer").
 * **Bounds.** A replacement that does not come up within `spawn_timeout`, more than `max_failures` lost actors
