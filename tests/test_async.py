@@ -173,7 +173,10 @@ async def test_the_callers_loop_keeps_ticking_while_steps_compile_and_run(mesh2)
     print(f"10 ms ticker: largest gap {ticker.largest * 1e3:.1f} ms while a step compiled ({compile_s:.1f} s; gap "
           f"{compile_gap * 1e3:.1f} ms) and 6 ran; {quiet.largest * 1e3:.1f} ms with nothing to do")
     assert compile_s > 0.2  # the compile really happened inside the window
-    assert ticker.largest < min(0.25, compile_s / 4) + quiet.largest, (ticker.largest, quiet.largest, compile_s)
+    # (a compile of 0.57 s, its executables in the persistent cache, made the quarter 0.14 s, inside the 0.17 s
+    # stalls the OS gave the process while CI's daemons compiled: the bound is never under 0.2 s, still far below a
+    # held loop's stall, which is the whole local compile)
+    assert ticker.largest < min(0.25, max(compile_s / 4, 0.2)) + quiet.largest, (ticker.largest, quiet.largest, compile_s)
 
 
 async def test_two_meshes_stepped_concurrently_with_gather_each_equal_jax_jit():

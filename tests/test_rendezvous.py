@@ -250,7 +250,7 @@ def test_daemon_flags_that_cannot_work_are_refused_at_once_saying_what_to_do(tmp
         (("--rendezvous", str(tmp_path), "--authorized-keys", str(keys)), None, "needs this daemon's actor id: --actor-id N"),
         (("--rendezvous", str(tmp_path), "--actor-id", "0"), None, "needs --authorized-keys DIR"),
         (("--listen", "garbage://x", "--insecure"), None, "--listen takes tcp://host:port or ipc://path"),
-        (("--cpu-devices", "-3"), None, "--cpu-devices must be at least 1"),
+        (("--cpu-devices", "-3"), None, "--cpu-devices must be 1-4096"),
     ]
     for flags, env, said in cases:
         got = daemon(*flags, env=env)
