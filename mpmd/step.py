@@ -192,7 +192,8 @@ def _warn_lost_updates(fn: Any, names: list[str], before: list[tuple[str, Any, A
     """Warn when the step set nnx Variables of its arguments in place (`optimizer.update(model, grads)`) and returned
     none of the new values: as under jax.jit, such updates do not outlive the step (nnx.jit writes them back)."""
     returned = {id(x) for x in outs}
-    lost = [_named(path, names) for path, var, old in before if var.get_value() is not old and id(var.get_value()) not in returned]
+    now = [(path, var.get_value(), old) for path, var, old in before]
+    lost = [_named(path, names) for path, new, old in now if new is not old and id(new) not in returned]
     if lost:
         name = getattr(fn, "__name__", "the step")
         warnings.warn(f"{name} updates {len(lost)} nnx Variable(s) of its arguments in place (e.g. {', '.join(lost[:3])}) but "

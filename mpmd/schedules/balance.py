@@ -273,10 +273,8 @@ def best_grouping(schedule: Schedule, num_microbatches: int, seg: SegmentCosts) 
 def ranked_groupings(schedule: Schedule, num_microbatches: int, seg: SegmentCosts) -> list[tuple[int, ...]]:
     """Groupings by simulated step time, `best_grouping`'s first, then the others it simulated (every one, or
     those the local search visited) fastest first: what to fall back on when the fastest is over a memory limit."""
-    best, score, seen = _search(schedule, num_microbatches, seg)
-    n, k = seg.num_segments, schedule.num_stages
-    others = _compositions(n, k) if math.comb(n - 1, k - 1) <= EXHAUSTIVE_MAX else list(seen)
-    return [best, *sorted((g for g in others if g != best), key=lambda g: (score(g), g))]
+    best, _, seen = _search(schedule, num_microbatches, seg)  # (`seen` holds every grouping it scored: all, when exhaustive)
+    return [best, *sorted((g for g in seen if g != best), key=lambda g: (seen[g], g))]
 
 
 def _search(schedule: Schedule, num_microbatches: int, seg: SegmentCosts) -> tuple[tuple[int, ...], Any, dict[tuple[int, ...], Any]]:
