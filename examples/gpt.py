@@ -191,6 +191,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args.steps, args.layers, args.width = min(args.steps, 120), 4, 64
     if args.stages is None:
         args.stages = 2 * args.actors if args.schedule in ("ZeroBubbleV", "DualPipeV", "InterleavedOneFOneB", "InterleavedZeroBubble") else args.actors
+    batch_bytes = 2 * 4 * args.microbatches * args.rows * args.seq  # int32 tokens and targets of one step
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if batch_bytes > memory // 8:
+        raise SystemExit(f"--microbatches {args.microbatches} x --rows {args.rows} x --seq {args.seq} makes a {batch_bytes / 2**30:.1f} GiB "
+                         f"batch per step, over an eighth of this machine's {memory / 2**30:.0f} GiB: use fewer microbatches or rows")
     if args.heads % args.tensor_parallel:
         raise SystemExit(f"--heads {args.heads} must be a multiple of --tensor-parallel {args.tensor_parallel}")
     if args.layers % args.stages:

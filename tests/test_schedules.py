@@ -272,3 +272,16 @@ def test_bad_arguments_name_what_was_passed():
         validate(mpmd.GPipe(2), 0)
     with pytest.raises(ValueError, match="'0X1' is not a task"):
         Custom(num_stages=1, order=(("0X1",),))
+
+
+def test_a_schedules_repr_names_its_non_default_balance_and_remat():
+    """A schedule prints as the constructor call that makes it: options left at their defaults are not shown,
+    a balance or remat given is (the tune table and error messages print schedules by repr)."""
+    assert repr(mpmd.OneFOneB(2)) == "OneFOneB(num_stages=2)"
+    assert repr(mpmd.OneFOneB(4, balance="auto", remat=[2, 1])) == "OneFOneB(num_stages=4, balance='auto', remat=(1, 2))"
+    assert repr(mpmd.InterleavedOneFOneB(4, 2, balance=(1, 1, 2, 2))) == "InterleavedOneFOneB(num_stages=4, num_actors=2, balance=(1, 1, 2, 2))"
+    assert repr(mpmd.DualPipeV(2, remat=(0,))) == "DualPipeV(num_actors=2, remat=(0,))"
+    costs = mpmd.SegmentCosts(F=(1.0, 2.0, 3.0), B=(2.0, 4.0, 6.0))
+    assert repr(mpmd.GPipe(2, balance=costs)) == "GPipe(num_stages=2, balance=<costs of 3 segments>)"
+    for s in (mpmd.OneFOneB(4, balance="even", remat=(3,)), mpmd.ZeroBubbleH1(3, balance=(2, 1, 1))):
+        assert eval(repr(s), vars(mpmd)) == s

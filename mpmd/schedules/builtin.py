@@ -53,7 +53,7 @@ minimum. `one_f_one_b` and `backward` are the helpers the built-ins use.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from itertools import zip_longest
 
 from mpmd.errors import ScheduleError
@@ -88,7 +88,7 @@ def check_balance(schedule: object) -> None:
                         f"or a tuple of {n} positive segment counts (one per stage, e.g. {tuple([2] * n)}), got {b!r}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Schedule:
     """Base class: `num_stages` stages, one per actor, and `tasks(m)` giving each actor's order. Subclass it
     (frozen dataclass) and override `tasks`, and `actor_of`/`num_actors` for another placement.
@@ -109,6 +109,10 @@ class Schedule:
         _positive(self, "num_stages", self.num_stages)
         check_balance(self)
         check_remat(self)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)
+        return f"{type(self).__name__}({shown}{_options(self)})"
 
     @property
     def num_actors(self) -> int:
@@ -136,6 +140,18 @@ class Schedule:
     def tasks(self, num_microbatches: int) -> list[list[Task]]:
         """One ordered task list per actor for `num_microbatches` microbatches."""
         raise NotImplementedError(f"{type(self).__name__} must define tasks(num_microbatches)")
+
+
+def _options(schedule: Schedule) -> str:
+    """The keyword options that differ from their defaults, as a repr's tail: ", balance=..., remat=(...)"."""
+    out = ""
+    b = schedule.balance
+    if b is not None:
+        segments = getattr(b, "F", None)
+        out += f", balance=<costs of {len(segments)} segments>" if isinstance(segments, tuple) else f", balance={b!r}"
+    if schedule.remat:
+        out += f", remat={schedule.remat!r}"
+    return out
 
 
 def check_remat(schedule: Schedule) -> None:
@@ -178,7 +194,7 @@ def _zero_bubble(fwd: Row, inputs: Row, warmup: int, lag: int) -> Row:
     return order + weights[max(0, len(inputs) - lag):]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class GPipe(Schedule):
     """All forwards, then all backwards (Huang et al. 2019): bubble (p-1)/(m+p-1), every microbatch's
     activations alive at once."""
@@ -188,7 +204,7 @@ class GPipe(Schedule):
         return [[Task(s, "F", i) for i in range(m)] + [Task(s, "B", i) for i in range(m)] for s in range(self.num_stages)]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class OneFOneB(Schedule):
     """1F1B (PipeDream-flush, Narayanan et al. 2019): `p-1-a` warm-up forwards on actor a, then one forward and
     one backward in turn. GPipe's bubble, but actor a holds at most `p-a` microbatches of activations."""
@@ -199,7 +215,7 @@ class OneFOneB(Schedule):
                 for s in range(n)]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class EagerOneFOneB(Schedule):
     """JaxPP's Eager 1F1B: 1F1B with twice the warm-up, `2(p-1-a)` forwards on actor a, so each actor runs ahead
     by `p-1-a` more forwards and its sends overlap compute instead of stalling the next stage when transfers
@@ -211,7 +227,7 @@ class EagerOneFOneB(Schedule):
                 for s in range(n)]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class _Looped(Schedule):
     """Several stages per actor, placed circularly: stage s on actor s % num_actors."""
 
@@ -258,7 +274,7 @@ class _Looped(Schedule):
         return min((self.per_actor - 1) * len(self._rounds(m)[0]) + hops * (p - 1 - a), self.per_actor * m)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class InterleavedOneFOneB(_Looped):
     """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM): v = num_stages / num_actors stages per actor,
     stage s on actor s % num_actors; microbatches go through an actor's stages in rounds of p (about p when
@@ -271,7 +287,7 @@ class InterleavedOneFOneB(_Looped):
                 for a in range(self.num_actors)]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class ZeroBubbleH1(Schedule):
     """ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): 1F1B with the backward split into I and W.
     Actor a runs 1F1B's `p-1-a` warm-up forwards, then F and I in turn, each I followed by the W `a` places
@@ -284,7 +300,7 @@ class ZeroBubbleH1(Schedule):
                 for s in range(n)]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class InterleavedZeroBubble(_Looped):
     """ZB-H1 on the interleaved placement (the ZB paper's ZB1P with several stages per actor): Megatron's
     interleaved order with one forward of warm-up per actor of distance, `(v-1)*p + (p-1-a)`, I in place of B,
@@ -295,7 +311,7 @@ class InterleavedZeroBubble(_Looped):
         return [_zero_bubble(self._order(a, m, "F"), self._order(a, m, "I"), self._warmup(a, m, 1), a) for a in range(self.num_actors)]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class _VShape(Schedule):
     """The V placement: 2 * num_actors stages, actor a holding stages a and 2*num_actors-1-a, so the first and
     the last stage share actor 0 and every actor does the same work."""
@@ -309,7 +325,7 @@ class _VShape(Schedule):
         check_remat(self)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(num_actors={self.num_actors})"
+        return f"{type(self).__name__}(num_actors={self.num_actors}{_options(self)})"
 
     @property
     def num_actors(self) -> int:
@@ -480,7 +496,7 @@ class Custom(Schedule):
 
     def __repr__(self) -> str:
         placement = f", stage_actor={self.stage_actor}" if self.stage_actor else ""
-        return f"Custom(num_stages={self.num_stages}, {len(self.order)} actors{placement})"
+        return f"Custom(num_stages={self.num_stages}, {len(self.order)} actors{placement}{_options(self)})"
 
     @property
     def num_actors(self) -> int:
