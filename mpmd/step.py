@@ -616,10 +616,7 @@ class DistributedFunction:
                 if running is None:
                     running = self._async_compiles[sig] = start_in_worker(self.compile_bound, args)
                     running.add_done_callback(lambda f: self._async_compiles.pop(sig, None) if self._async_compiles.get(sig) is f else None)
-            compiled = await watch(running)
-            if compiled.generation != getattr(self.mesh, "generation", 0):  # a daemon was replaced while it compiled
-                self._compiled.pop(sig, None)
-                compiled = await watch(start_in_worker(self.compile_bound, args))
+            compiled = await watch(running)  # (compile_bound compiles again if a daemon was replaced meanwhile)
         outs, done = self._dispatch(compiled, sig, leaves, may_wait=False)  # (this is the caller's loop)
         try:
             await self.mesh.arun(asyncio.sleep(0))  # queued behind the dispatch: its requests have left when this runs
