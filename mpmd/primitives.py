@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -73,13 +74,19 @@ def reference_loop(body: Any, num_grads: int, batch_leaves: list[Any], consts: l
     """Sum the first `num_grads` outputs of `body` over microbatches and stack the rest (the meaning of
     `accumulate_grads`). `body` is a ClosedJaxpr taking (*microbatch leaves, *consts)."""
 
+    grads = [v.aval for v in body.jaxpr.outvars[:num_grads]]
+    summed = [i for i, a in enumerate(grads) if a.dtype != jax.dtypes.float0]  # (float0: an int leaf's "gradient", no data)
+
     def step(acc: list[Any], mb: list[Any]) -> tuple[list[Any], list[Any]]:
         outs = jax.core.eval_jaxpr(body.jaxpr, body.consts, *mb, *consts)
-        return [a + g for a, g in zip(acc, outs[:num_grads])], outs[num_grads:]
+        return [a + outs[i] for a, i in zip(acc, summed)], outs[num_grads:]
 
-    init = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in body.jaxpr.outvars[:num_grads]]
+    init = [jnp.zeros(grads[i].shape, grads[i].dtype) for i in summed]
     acc, stacked = jax.lax.scan(step, init, batch_leaves)
-    return [*acc, *stacked]
+    out = [np.zeros(a.shape, jax.dtypes.float0) for a in grads]
+    for i, a in zip(summed, acc):
+        out[i] = a
+    return [*out, *stacked]
 
 
 def _accumulate_impl(*args: Any, body: Any, num_mb_leaves: int, num_grads: int, num_microbatches: int, schedule: Any) -> list[Any]:

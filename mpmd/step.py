@@ -84,6 +84,9 @@ class CompiledStep:
 def _spec(x: Any, path: str) -> jax.ShapeDtypeStruct:
     if isinstance(x, (RemoteArray, LoadedLeaf)):
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    # A Python number is weakly typed, as under jax.jit (`w - lr * g` keeps bf16 w bf16), and so is a jax.Array
+    # made from one; numpy values are not.
+    weak = (type(x) in (int, float, complex)) or bool(getattr(x, "weak_type", False) and isinstance(x, jax.Array))
     try:
         x = host_value(x)
         if x.dtype == np.dtype(object):  # (canonicalize_dtype lets it through; jax.jit refuses it)
@@ -93,7 +96,7 @@ def _spec(x: Any, path: str) -> jax.ShapeDtypeStruct:
             jax.dtypes.canonicalize_dtype(x.dtype)
     except (TypeError, ValueError) as e:
         raise PipelineError(f"argument {path} is a {type(x).__name__}, which is not a valid JAX type: {e}") from None
-    return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+    return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, weak_type=weak)
 
 
 def _tree_paths(treedef: Any) -> list[Any]:
@@ -278,7 +281,7 @@ class DistributedFunction:
         paths = arg_paths(args)
         specs = [_spec(x, path) for x, path in zip(leaves, paths)]
         layouts = self._arg_layouts(args, leaves, paths, specs)
-        return (treedef, tuple((s.shape, dtype_text(s.dtype)) for s in specs), layouts), leaves, specs
+        return (treedef, tuple((s.shape, dtype_text(s.dtype), s.weak_type) for s in specs), layouts), leaves, specs
 
     def _arg_layouts(self, args: tuple[Any, ...], leaves: list[Any], paths: list[str], specs: list[Any]) -> tuple | None:
         """Per argument leaf, its layout over the actor mesh (None when actors have one device each)."""

@@ -410,3 +410,50 @@ def test_buffer_calls_on_a_closed_mesh_raise_and_leave_no_coroutine_unawaited():
                 call()
             gc.collect()
     assert not [str(w.message) for w in caught if "never awaited" in str(w.message)]
+
+
+def test_a_python_number_argument_is_weakly_typed_as_under_jit(mesh2):
+    """`w - lr * g` with a Python float `lr` keeps bf16 weights bf16 under jax.jit (a Python number is weakly
+    typed); a numpy float32 `lr` is not weak and promotes them to float32. The step must do the same and
+    compile the two apart (they give different programs)."""
+    def step(p, b, lr):
+        def mbf(mb):
+            def loss(p):
+                h = mpmd.pipeline_yield(jnp.tanh(mb @ p[0]))
+                return jnp.mean((h @ p[1]).astype(jnp.float32) ** 2)
+            l, g = jax.value_and_grad(loss)(p)
+            return g, l
+        g, l = mpmd.accumulate_grads(mbf, b, schedule=mpmd.GPipe(2))
+        return [w - lr * gw for w, gw in zip(p, g)], l
+
+    p = [jnp.full((4, 4), 0.1, jnp.bfloat16), jnp.full((4, 2), 0.1, jnp.bfloat16)]
+    b = jnp.ones((2, 3, 4), jnp.bfloat16)
+    dist = mpmd.distributed(step, mesh=mesh2)
+    for lr in (0.1, np.float32(0.1), jnp.asarray(0.1), jnp.float32(0.1)):
+        ref = jax.jit(step)(p, b, lr)
+        out = mpmd.fetch(dist(p, b, lr))
+        assert [w.dtype for w in out[0]] == [w.dtype for w in ref[0]], type(lr)
+        assert_trees_close(out, ref)
+    assert [w.dtype for w in ref[0]] == [jnp.float32] * 2 and len(dist._compiled) == 2  # weak bf16, strong f32
+
+
+def test_allow_int_gradients_of_an_int_leaf_run_under_jit_and_on_the_actors_alike(mesh2):
+    """`jax.value_and_grad(..., allow_int=True)` gives an int leaf a float0 'gradient': the undecorated step
+    (the reference, under jax.jit) must accept it like the pipeline does, not try to add float0 arrays."""
+    def step(p, b):
+        def mbf(mb):
+            def loss(p):
+                h = mpmd.pipeline_yield(jnp.tanh(mb @ p["w0"]) * p["n"])
+                return jnp.mean((h @ p["w1"]) ** 2)
+            l, g = jax.value_and_grad(loss, allow_int=True)(p)
+            return g, l
+        g, l = mpmd.accumulate_grads(mbf, b, schedule=mpmd.GPipe(2))
+        return g["w0"], g["w1"], l
+
+    p = {"w0": jnp.full((4, 4), 0.1), "w1": jnp.full((4, 2), 0.1), "n": jnp.array(3, jnp.int32)}
+    b = jnp.asarray(np.random.default_rng(0).normal(size=(3, 2, 4)), jnp.float32)
+    ref = jax.jit(step)(p, b)
+    assert_trees_close(mpmd.fetch(mpmd.distributed(step, mesh=mesh2)(p, b)), ref)
+    g_int = jax.jit(lambda p, b: mpmd.accumulate_grads(
+        lambda mb: (jax.grad(lambda p: jnp.sum(mb @ p["w0"]) * p["n"], allow_int=True)(p), ()), b, schedule=mpmd.GPipe(1))[0])(p, b)
+    assert g_int["n"].dtype == jax.dtypes.float0 and g_int["n"].shape == ()

@@ -47,7 +47,7 @@ class HostCall:
     """One callback to run at the controller after a step. `operands` name its values: ("out", j, row) is hidden
     step output j (row `row` of it when not None: a microbatch of a batch leaf), ("const", value) a value known
     when compiling. `actor` and `label` say where it ran (the prefix of its printed lines); `order` sorts the
-    calls of one actor as its Program runs them."""
+    calls as jax.jit's program would make them (before the loop, the loop microbatch by microbatch, after)."""
 
     eqn: Any
     operands: tuple[tuple[Any, ...], ...]

@@ -233,6 +233,15 @@ def region_plans(split: StageSplit, body: LoopBody, printed: frozenset[Any] = fr
     return plans
 
 
+def _program_order(task: Any) -> tuple[int, ...]:
+    """Where `task` falls in the loop as jax.jit runs it: microbatch by microbatch, each one's forwards from the
+    first stage to the last, then its backwards from the last to the first (a stage's weight gradients after
+    its input gradients). Host calls run in this order, as `io_callback(..., ordered=True)` promises."""
+    if task.kind == "F":
+        return (task.mb, 0, task.stage, 0)
+    return (task.mb, 1, -task.stage, 1 if task.kind == "W" else 0)
+
+
 def plan_loop_tasks(stages: ScheduledStages, body: LoopBody, names: CanonicalVars) -> LoopTasks:
     """Takes the scheduled stages, the body and the canonical names; gives one unit per scheduled task, in
     each actor's table order, reading `Outer` step values, `PerMb` values of its microbatch and the previous
@@ -251,7 +260,7 @@ def plan_loop_tasks(stages: ScheduledStages, body: LoopBody, names: CanonicalVar
         for pos, task in enumerate(row):
             for j, e in enumerate(stages.host_calls.get((task.stage, task.kind), ())):
                 operands = [loop_operand(v, task.mb, body, names.leaf_outer, names.resolve, avals) for v in e.invars]
-                calls.append(HostCall(e, tuple(operands), stages.actor_of(task.stage), str(Label.of(task)), (1, pos, j)))
+                calls.append(HostCall(e, tuple(operands), stages.actor_of(task.stage), str(Label.of(task)), (1, *_program_order(task), j)))
             info = plans.get(RegionKey(task.stage, task.kind))
             if info is None:
                 continue

@@ -125,7 +125,7 @@ def plan_step(outer: ClosedJaxpr, num_mesh_actors: int) -> StepPlan:
     return StepPlan(emitted.programs, [ordered.arg_homes[k] for k in ordered.arg_keys], emitted.out_homes, out_avals,
                     stages.table, stages.split, final.units, transfers, ordered.avals, templates, ordered.arg_keys,
                     ordered.out_keys, grouping=stages.grouping, num_outputs=num_outputs,
-                    host_calls=sorted(calls, key=lambda c: (c.order[0], c.actor, c.order[1:])))
+                    host_calls=sorted(calls, key=lambda c: (c.order, c.actor)))
 
 
 def iter_lowered(plan: StepPlan, platform: str) -> Iterator[tuple[Hashable, bytes]]:
