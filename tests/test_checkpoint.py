@@ -120,3 +120,58 @@ def test_a_file_where_a_checkpoint_directory_belongs_is_a_checkpoint_error(tmp_p
         mpmd.save(str(path), {"x": np.ones(3, np.float32)})
     with pytest.raises(mpmd.CheckpointError, match="is a file, not a checkpoint directory"):
         mpmd.load(str(path))
+
+
+def test_a_save_issued_later_stays_latest_whichever_commits_first(mesh2, tmp_path):
+    """Save A writes 64 MiB on actor 0, save B (issued after A) a few bytes on actor 1, so B usually commits
+    first. Whatever the order, LATEST must name B (it only moves forward) and A's commit must not delete B."""
+    path = str(tmp_path / "ckpt")
+    big = [mesh2.actor(0).put(np.full((2048, 2048), float(i), np.float32)) for i in range(4)]
+    a = mpmd.save(path, {"x": big, "tag": np.int32(1)}, wait=False)
+    b = mpmd.save(path, {"x": [mesh2.actor(1).put(np.full(3, 2.0, np.float32))], "tag": np.int32(2)}, wait=False)
+    got_b = b.wait()
+    a.wait()
+    with open(os.path.join(path, "LATEST")) as f:
+        assert f.read() == os.path.basename(got_b) == "ckpt-2"
+    assert int(mpmd.load(path)["tag"]) == 2
+    assert sorted(d for d in os.listdir(path) if d.startswith("ckpt")) == ["ckpt-2"]  # keep=1: the older A goes
+
+
+def test_another_processs_live_save_is_left_alone_and_a_dead_ones_leftovers_removed(tmp_path):
+    """A .tmp directory is removed by the next save only when no live save holds it: another process saving into
+    the same path holds an flock on its .tmp directory until its save ends (a real second process here)."""
+    path = tmp_path / "ckpt"
+    mpmd.save(str(path), {"a": np.ones(3, np.float32)})
+    live = path / "ckpt-5.tmp"
+    (live / "host").mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, os, sys
+        fd = os.open({str(live)!r}, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        print("held", flush=True)
+        sys.stdin.read()
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        mpmd.save(str(path), {"a": np.full(3, 2.0, np.float32)})
+        assert (live / "host").is_dir()  # another process's save in progress: untouched
+        assert sorted(os.listdir(path)) == ["LATEST", "ckpt-5.tmp", "ckpt-6"]
+    finally:
+        holder.communicate("", timeout=30)
+    mpmd.save(str(path), {"a": np.full(3, 3.0, np.float32)})  # its process is gone: what it left is removed
+    assert sorted(os.listdir(path)) == ["LATEST", "ckpt-7"]
+    np.testing.assert_array_equal(mpmd.load(str(path))["a"], np.full(3, 3.0))
+
+
+def test_a_relative_path_means_the_controllers_directory_and_a_users_own_folder_is_kept(mesh2, tmp_path, monkeypatch):
+    """The actors' working directory is not the controller's: a relative path is resolved where the caller is.
+    Only directories holding an mpmd manifest are old checkpoints to delete (a user's `ckpt-9` folder stays)."""
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("run/ckpt/ckpt-9")
+    with open("run/ckpt/ckpt-9/notes.txt", "w") as f:
+        f.write("mine")
+    saved = mpmd.save("run/ckpt", {"w": mesh2.actor(1).put(np.arange(4, dtype=np.float32))})
+    assert saved == str(tmp_path / "run" / "ckpt" / "ckpt-10")
+    got = mpmd.restore("run/ckpt", mesh2, like={"w": jax.ShapeDtypeStruct((4,), np.float32)})
+    np.testing.assert_array_equal(got["w"].to_numpy(), np.arange(4))
+    assert (tmp_path / "run/ckpt/ckpt-9/notes.txt").read_text() == "mine"

@@ -169,3 +169,32 @@ def test_an_interrupted_saves_temporary_directory_is_removed_by_the_next_save(me
     committed = mpmd.save(str(path), {"a": mesh2.actor(1).put(np.full(3, 2.0, np.float32))})
     assert sorted(os.listdir(path)) == ["LATEST", os.path.basename(committed)]
     np.testing.assert_array_equal(mpmd.load(str(path))["a"], np.full(3, 2.0))
+
+
+FORGED = {  # each with the manifest's digest recomputed: the manifest's own checks refuse it before any file is read
+    "negative_actor": lambda d: _leaf(d, "['w']").update(saved_actors=[-1]),
+    "no_actor": lambda d: _leaf(d, "['w']").update(saved_actors=[]),
+    "host_leaf_on_an_actor": lambda d: _leaf(d, "['step']").update(saved_actors=[0]),
+    "unknown_key_impl": lambda d: _leaf(d, "['key']").update(key_impl="bogus"),
+    "entry_not_a_pair": lambda d: _leaf(d, "['w']").update(entries=[["key"]]),
+    "entry_kind": lambda d: _leaf(d, "['w']").update(entries=[["nope", "w"]]),
+    "leaf_at_the_root": lambda d: _leaf(d, "['w']").update(entries=[]),
+    "two_leaves_one_path": lambda d: _leaf(d, "['w']").update(entries=[["key", "b"]]),
+    "leaf_inside_a_leaf": lambda d: _leaf(d, "['w']").update(entries=[["key", "b"], ["index", 0]]),
+}
+
+
+@pytest.mark.parametrize("name", list(FORGED))
+def test_a_forged_manifest_with_its_digest_recomputed_is_a_checkpoint_error_not_a_crash(mesh2, copy, name):
+    path, ckpt, tree = copy
+    _edit(ckpt, FORGED[name], redigest=True)
+    with pytest.raises(mpmd.CheckpointError, match="manifest.json: malformed"):
+        mpmd.load(str(path))
+    with pytest.raises(mpmd.CheckpointError, match="manifest.json: malformed"):
+        mpmd.restore(str(path), mesh2, like=like(tree))
+
+
+def test_a_string_leaf_is_refused_naming_it_before_anything_is_written(tmp_path):
+    with pytest.raises(mpmd.CheckpointError, match=r"leaf \['name'\] is a str.*arrays and numbers"):
+        mpmd.save(str(tmp_path / "c"), {"w": np.ones(3, np.float32), "name": "run-7"})
+    assert not (tmp_path / "c").exists() or not any(p.name.startswith("ckpt") for p in (tmp_path / "c").iterdir())

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import fcntl
 import inspect
 import logging
 import os
@@ -39,6 +41,7 @@ from mpmd.runtime.aio import off_loop, watch
 from mpmd.runtime.array import RemoteArray
 from mpmd.runtime.checkpoint_format import (
     HOST_PART,
+    MANIFEST,
     Leaf,
     Manifest,
     check_parts,
@@ -51,7 +54,7 @@ from mpmd.runtime.checkpoint_placement import Target, dtype_matches, like_shape_
 from mpmd.runtime.sharding import layout_to_spec, layout_wire, remote_sharding
 from transport.checkpoint_parts import CheckpointProblem, read_part, write_part
 
-_SAVING: set[str] = set()  # the .tmp directories of saves of this process still being written
+_SAVING: dict[str, int] = {}  # the .tmp directories of saves of this process still being written -> their flock'd fd
 _SAVING_LOCK = threading.Lock()
 
 log = logging.getLogger(__name__)
@@ -74,11 +77,40 @@ class SaveHandle:
         return self._future.result(timeout)
 
 
+@contextlib.contextmanager
+def _path_lock(path: str) -> Any:
+    """Held while a save picks its name or commits: saves into one `path` from several threads or processes
+    take turns there (an flock on the directory itself)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _being_written(tmp: str) -> bool:
+    """Whether a live save (of any process) holds `tmp`: each save holds an flock on its .tmp directory until it
+    ends, so one a killed process left behind is free."""
+    try:
+        fd = os.open(tmp, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 def _start(path: str) -> tuple[str, str]:
-    """Pick the next checkpoint's name and make its .tmp directory, first removing the .tmp directories that
-    saves killed earlier left behind (not those of this process's saves still being written)."""
+    """Pick the next checkpoint's name and make its .tmp directory (held until the save ends), first removing
+    the .tmp directories that saves killed earlier left behind (not those of saves still being written, in
+    this process or another)."""
     os.makedirs(path, exist_ok=True)
-    with _SAVING_LOCK:
+    with _SAVING_LOCK, _path_lock(path):
         numbers = []
         for d in os.listdir(path):
             n = checkpoint_number(d)
@@ -86,28 +118,53 @@ def _start(path: str) -> tuple[str, str]:
                 continue
             numbers.append(n)
             full = os.path.abspath(os.path.join(path, d))
-            if d.endswith(".tmp") and full not in _SAVING:
+            if d.endswith(".tmp") and full not in _SAVING and not _being_written(full):
                 shutil.rmtree(full, ignore_errors=True)
         name = f"ckpt-{1 + max(numbers, default=0)}"
         tmp = os.path.abspath(os.path.join(path, name + ".tmp"))
         os.makedirs(tmp)
-        _SAVING.add(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _SAVING[tmp] = fd
     return name, tmp
 
 
+def _done_saving(tmp: str) -> None:
+    with _SAVING_LOCK:
+        fd = _SAVING.pop(tmp, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _is_checkpoint(path: str, d: str) -> bool:
+    """A committed checkpoint directory `path/d` (its name, and a manifest in it: a user's own `ckpt-7` stays)."""
+    return (not d.endswith(".tmp") and checkpoint_number(d) is not None
+            and any(os.path.isfile(os.path.join(path, d, f)) for f in (MANIFEST, "meta.json")))
+
+
 def _commit(path: str, name: str, tmp: str, keep: int) -> str:
+    """Rename `tmp` to `path/name`; LATEST names it unless a save started later committed first (LATEST only
+    moves forward), and only the `keep` newest checkpoints stay."""
     final = os.path.join(path, name)
-    os.replace(tmp, final)
-    with open(os.path.join(path, "LATEST.tmp"), "w") as f:
-        f.write(name)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(os.path.join(path, "LATEST.tmp"), os.path.join(path, "LATEST"))
-    olds = sorted((d for d in os.listdir(path) if d != name and not d.endswith(".tmp") and checkpoint_number(d) is not None),
-                  key=checkpoint_number)
-    for d in olds[: max(0, len(olds) - (keep - 1))]:
-        shutil.rmtree(os.path.join(path, d), ignore_errors=True)
+    with _path_lock(path):
+        os.replace(tmp, final)
+        done = sorted((d for d in os.listdir(path) if _is_checkpoint(path, d)), key=checkpoint_number)
+        if done[-1] == name:
+            with open(os.path.join(path, "LATEST.tmp"), "w") as f:
+                f.write(name)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(os.path.join(path, "LATEST.tmp"), os.path.join(path, "LATEST"))
+        else:
+            log.info("mpmd.save: %s committed after %s, a save started later: LATEST stays %s", final, done[-1], done[-1])
+        for d in done[: max(0, len(done) - keep)]:
+            shutil.rmtree(os.path.join(path, d), ignore_errors=True)
     return final
+
+
+def _not_numeric(dt: np.dtype) -> bool:
+    """Strings, objects and raw/structured records (numpy's void); bfloat16 and float8 are kind 'V' too, but numbers."""
+    return dt.kind in "OSU" or issubclass(dt.type, np.void)
 
 
 def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | SaveHandle:
@@ -115,6 +172,7 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
     concurrently with later steps (a step dispatched after this call does not wait for the write); with
     `wait=False` the call returns a `SaveHandle` at once. The `keep` newest checkpoints are kept. Returns the
     committed checkpoint's directory (`path/ckpt-<n>`)."""
+    path = os.path.abspath(path)  # (the actors are told this path: their working directory may differ)
     if keep < 1:
         raise CheckpointError(f"mpmd.save: keep={keep}; keep at least the checkpoint being written (keep >= 1)", checkpoint=path)
     if os.path.exists(path) and not os.path.isdir(path):
@@ -126,6 +184,10 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
     for p, x in flat:
         if isinstance(x, RemoteArray):
             x._check_usable()
+        elif not is_key(getattr(x, "dtype", None)) and _not_numeric(np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)):
+            raise CheckpointError(f"mpmd.save: leaf {jax.tree_util.keystr(p)} is a {type(x).__name__} ({np.asarray(x).dtype}); a checkpoint "
+                                  "holds arrays and numbers: keep strings and other objects out of the saved tree (e.g. save them "
+                                  "beside it with json)", checkpoint=path, leaf=jax.tree_util.keystr(p))
     name, tmp = _start(path)
     leaves: list[dict[str, Any]] = []
     host: dict[str, np.ndarray] = {}
@@ -163,6 +225,10 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
                     raise CheckpointError(f"mpmd.save: {part} wrote {leaves[i]['path']} as {desc['dtype']}{desc['shape']}, expected "
                                           f"{want_dtype.name}{list(want_shape)}", checkpoint=tmp, leaf=leaves[i]["path"])
                 leaves[i].update(stored_shape=desc["shape"], stored_dtype=desc["dtype"], sha256=desc["sha256"])
+        missing = sorted(part for part in files if not os.path.exists(os.path.join(tmp, part)))
+        if missing:  # (nothing of mpmd removes a live save's parts; something else did)
+            raise CheckpointError(f"mpmd.save into {path}: part(s) {', '.join(missing)} vanished from {tmp} while the save ran; "
+                                  "nothing was committed (is something else writing into this directory?)", checkpoint=tmp)
         manifest = Manifest(tmp, [_leaf(i, m) for i, m in enumerate(leaves)], files, saved_by)
         manifest.write(tmp)
         return _commit(path, name, tmp, keep)
@@ -176,8 +242,7 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
         shutil.rmtree(tmp, ignore_errors=True)
 
     def done_saving() -> None:
-        with _SAVING_LOCK:
-            _SAVING.discard(tmp)
+        _done_saving(tmp)
 
     try:  # here, in the caller's thread: orbax in a thread of the controller loop's executor hangs
         host_part = write_host()
@@ -302,7 +367,7 @@ def _leaf(i: int, m: dict[str, Any]) -> Leaf:
 
 def _open(path: str) -> Manifest:
     """The committed checkpoint's verified manifest, its parts' listings checked."""
-    m = read_manifest(committed(path))
+    m = read_manifest(committed(os.path.abspath(path)))  # (the actors are told this path: their working directory may differ)
     check_parts(m)
     return m
 

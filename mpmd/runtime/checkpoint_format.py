@@ -169,11 +169,42 @@ def _parse(ckpt: str, body: dict[str, Any]) -> Manifest:
         if leaf.part not in parts or not leaf.name.isidentifier() or not _HEX.fullmatch(leaf.sha256):
             raise ValueError(f"leaf {leaf.path}: bad part, name or digest")
         np.dtype(leaf.stored_dtype)  # a dtype numpy knows, or ValueError/TypeError
+        if leaf.key_impl is not None:
+            if not isinstance(leaf.key_impl, str):
+                raise ValueError(f"leaf {leaf.path}: bad key_impl {leaf.key_impl!r}")
+            jax.random.key(0, impl=leaf.key_impl)  # a PRNG implementation this jax knows, or ValueError
+        if leaf.part == HOST_PART and leaf.saved_actors:
+            raise ValueError(f"leaf {leaf.path}: a host leaf names actors {list(leaf.saved_actors)}")
+        if leaf.part != HOST_PART and (not leaf.saved_actors or min(leaf.saved_actors) < 0
+                                       or len(set(leaf.saved_actors)) != len(leaf.saved_actors)):
+            raise ValueError(f"leaf {leaf.path}: saved_actors {list(leaf.saved_actors)} must name distinct actors >= 0")
         leaves.append(leaf)
+    _check_entries(leaves)
     saved_by = body["saved_by"]
     if not isinstance(saved_by, dict):
         raise TypeError("'saved_by' must be a map")
     return Manifest(ckpt, leaves, parts, saved_by)
+
+
+_ENTRY_KINDS = {"key": (str, int), "index": (int,), "attr": (str,), "flat": (int,)}
+
+
+def _check_entries(leaves: list[Leaf]) -> None:
+    """Every leaf's path entries are `path_entries` pairs, no two leaves at one path and none inside another's
+    (a tree `load` can rebuild): only a lone leaf sits at the root."""
+    seen: set[tuple[Any, ...]] = set()
+    for leaf in leaves:
+        for e in leaf.entries:
+            if not (isinstance(e, list) and len(e) == 2 and e[0] in _ENTRY_KINDS and isinstance(e[1], _ENTRY_KINDS[e[0]])
+                    and not isinstance(e[1], bool)):
+                raise ValueError(f"leaf {leaf.path}: bad path entry {e!r}")
+        seen.add(tuple(tuple(e) for e in leaf.entries))
+    if len(seen) != len(leaves):
+        raise ValueError("two leaves at one tree path")
+    for path in seen:
+        for k in range(len(path)):
+            if path[:k] in seen:
+                raise ValueError(f"a leaf at {list(path[:k])} holds another leaf at {list(path)}")
 
 
 def committed(path: str) -> str:
