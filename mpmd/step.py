@@ -82,7 +82,9 @@ class CompiledStep:
 
 
 def _spec(x: Any, path: str) -> jax.ShapeDtypeStruct:
-    if isinstance(x, (RemoteArray, LoadedLeaf)):
+    if isinstance(x, RemoteArray):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type)
+    if isinstance(x, LoadedLeaf):
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
     # A Python number is weakly typed, as under jax.jit (`w - lr * g` keeps bf16 w bf16), and so is a jax.Array
     # made from one; numpy values are not.
@@ -94,6 +96,8 @@ def _spec(x: Any, path: str) -> jax.ShapeDtypeStruct:
                             "a numeric dtype, e.g. np.asarray(x, np.float32), or stack its elements with np.stack")
         if not is_key(x.dtype):
             jax.dtypes.canonicalize_dtype(x.dtype)
+    except OverflowError as e:  # (jax.jit raises OverflowError too)
+        raise OverflowError(f"argument {path}: {e}") from None
     except (TypeError, ValueError) as e:
         raise PipelineError(f"argument {path} is a {type(x).__name__}, which is not a valid JAX type: {e}") from None
     return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, weak_type=weak)
@@ -583,7 +587,7 @@ class DistributedFunction:
         if kind == "actors":
             aval = plan.out_avals[j]
             sharding = remote_sharding(plan.layouts.get(plan.out_keys[j]), self.mesh.actor_mesh)
-            return RemoteArray(self.mesh, ids, aval.shape, aval.dtype, sharding, ready=ready)
+            return RemoteArray(self.mesh, ids, aval.shape, aval.dtype, sharding, ready=ready, weak_type=aval.weak_type)
         # As under jax.jit: an argument returned as it is, or a constant, comes back as a jax Array of its traced
         # dtype (a Python float an f32 Array, a float64 numpy array with x64 off an f32 one), not as the object given.
         dtype = plan.out_avals[j].dtype

@@ -194,7 +194,10 @@ def test_a_forged_manifest_with_its_digest_recomputed_is_a_checkpoint_error_not_
         mpmd.restore(str(path), mesh2, like=like(tree))
 
 
-def test_a_string_leaf_is_refused_naming_it_before_anything_is_written(tmp_path):
-    with pytest.raises(mpmd.CheckpointError, match=r"leaf \['name'\] is a str.*arrays and numbers"):
-        mpmd.save(str(tmp_path / "c"), {"w": np.ones(3, np.float32), "name": "run-7"})
+@pytest.mark.parametrize("value, kind", [(np.array(["run", "7"]), "str"), (np.array([{"a": 1}], dtype=object), "object")],
+                         ids=["array of strings", "object array"])
+def test_a_non_numeric_array_leaf_is_refused_naming_it_before_anything_is_written(tmp_path, value, kind):
+    """An array of strings or objects has no numbers to write (a plain `str` leaf is static, as in a step: not saved)."""
+    with pytest.raises(mpmd.CheckpointError, match=rf"leaf \['meta'\] is a ndarray \({kind}|<U.*arrays and numbers"):
+        mpmd.save(str(tmp_path / "c"), {"w": np.ones(3, np.float32), "meta": value})
     assert not (tmp_path / "c").exists() or not any(p.name.startswith("ckpt") for p in (tmp_path / "c").iterdir())

@@ -210,3 +210,46 @@ def test_arguments_for_var_keywords_are_refused_naming_them(mesh2):
     params, batch = mlp2(rng), batch_of(rng)
     with pytest.raises(mpmd.PipelineError, match=r"\['bonus'\] of step go to its \*\*kwargs"):
         mpmd.distributed(step, mesh=mesh2)(params, optax.sgd(0.1).init(params), batch, bonus=1)
+
+
+def test_an_equinox_models_static_fields_are_not_saved_and_come_back_from_like(mesh2, tmp_path):
+    """mpmd.save writes data only: an activation, `Dropout.p`/`inference` and an int field are the program, as
+    under `eqx.filter_jit` (they came back as arrays, and the restored model no longer traced; the activation
+    was refused). restore/load take them from `like`, as `eqx.tree_deserialise_leaves` does."""
+    import equinox as eqx
+
+    class Net(eqx.Module):
+        mlp: eqx.nn.MLP
+        drop: eqx.nn.Dropout
+        heads: int
+        b: eqx.nn.Linear
+
+        def __call__(self, x, key):
+            h = self.drop(self.mlp(x), key=key).reshape(self.heads, -1).sum(0)
+            return self.b(mpmd.pipeline_yield(h))
+
+    def step(model, batch):
+        def f(mb):
+            keys = jax.random.split(mb["key"], mb["x"].shape[0])
+            v, g = eqx.filter_value_and_grad(lambda m: jnp.mean((jax.vmap(m)(mb["x"], keys) - mb["y"]) ** 2))(model)
+            return g, v
+
+        g, losses = mpmd.accumulate_grads(f, batch, schedule=mpmd.OneFOneB(2))
+        return eqx.apply_updates(model, jax.tree.map(lambda g: -0.1 * g, g)), losses
+
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    model = Net(eqx.nn.MLP(4, 8, 8, 1, key=k[0]), eqx.nn.Dropout(0.1), 2, eqx.nn.Linear(4, 2, key=k[1]))
+    rng = np.random.default_rng(3)
+    batch = {"x": rng.normal(size=(2, 3, 4)).astype(np.float32), "y": rng.normal(size=(2, 3, 2)).astype(np.float32),
+             "key": jax.random.split(k[2], 2)}
+    dist = mpmd.distributed(step, mesh=mesh2)
+    trained, _ = dist(model, batch)
+    mpmd.save(str(tmp_path / "c"), trained)
+    back = mpmd.restore(str(tmp_path / "c"), mesh2, like=trained)
+    assert (back.drop.p, back.drop.inference, back.heads) == (0.1, False, 2) and back.mlp.activation is model.mlp.activation
+    host = mpmd.load(str(tmp_path / "c"), like=model)
+    assert (host.drop.p, host.drop.inference, host.heads) == (0.1, False, 2)
+    assert_trees_close(eqx.filter(host, eqx.is_array), eqx.filter(mpmd.fetch(trained), eqx.is_array))
+    want = eqx.filter_jit(step)(mpmd.fetch(trained), batch)
+    assert_trees_close(eqx.filter(mpmd.fetch(dist(back, batch)), eqx.is_array), eqx.filter(want, eqx.is_array))
+    assert sorted(mpmd.load(str(tmp_path / "c"))) == ["b", "mlp"]  # without `like`: the data alone (no drop, no heads)

@@ -437,6 +437,47 @@ def test_a_python_number_argument_is_weakly_typed_as_under_jit(mesh2):
     assert [w.dtype for w in ref[0]] == [jnp.float32] * 2 and len(dist._compiled) == 2  # weak bf16, strong f32
 
 
+def test_a_weakly_typed_output_fed_back_stays_weak_as_under_jit(mesh2):
+    """A step returning `lr * 0.99` of a Python-float lr: jax.jit's output is weak, so the next step's
+    `w - lr * g` keeps bf16 weights bf16. The RemoteArray handed back must be weak too (it came back strong
+    float32, and the weights turned float32 from the second step on)."""
+    def step(p, lr, b):
+        def mbf(mb):
+            def loss(p):
+                h = mpmd.pipeline_yield(jnp.tanh(mb @ p[0]))
+                return jnp.mean((h @ p[1]).astype(jnp.float32) ** 2)
+            l, g = jax.value_and_grad(loss)(p)
+            return g, l
+        g, _ = mpmd.accumulate_grads(mbf, b, schedule=mpmd.OneFOneB(2))
+        return [w - lr * gw for w, gw in zip(p, g)], lr * 0.99, lr * jnp.float32(2)
+
+    p = [jnp.full((4, 4), 0.1, jnp.bfloat16), jnp.full((4, 2), 0.1, jnp.bfloat16)]
+    b = jnp.ones((2, 3, 4), jnp.bfloat16)
+    dist = mpmd.distributed(step, mesh=mesh2)
+    r = d = (p, 0.1)
+    for _ in range(3):
+        ref, out = jax.jit(step)(*r, b), dist(*d, b)
+        assert [x.weak_type for x in out[1:]] == [x.weak_type for x in ref[1:]] == [True, False]
+        got = mpmd.fetch(out)
+        assert [w.dtype for w in got[0]] == [w.dtype for w in ref[0]] == [jnp.bfloat16] * 2
+        assert_trees_close(got, ref)
+        r, d = ref[:2], out[:2]
+
+
+def test_a_python_int_argument_past_int32_raises_overflow_as_under_jit(mesh2):
+    def step(b, offset):
+        g, _ = mpmd.accumulate_grads(lambda mb: jax.value_and_grad(lambda w: mpmd.pipeline_yield(mb * w).sum())(1.0)[::-1], b,
+                                     schedule=mpmd.GPipe(2))
+        return g + offset
+
+    b = np.ones((2, 3), np.float32)
+    with pytest.raises(OverflowError):
+        jax.jit(step)(b, 2**31 + 5)
+    with pytest.raises(OverflowError, match=r"argument args\[1\]: the Python int 2147483653 does not fit in int32"):
+        mpmd.distributed(step, mesh=mesh2)(b, 2**31 + 5)
+    np.testing.assert_allclose(mpmd.fetch(mpmd.distributed(step, mesh=mesh2)(b, 2**31 - 1)), jax.jit(step)(b, 2**31 - 1))
+
+
 def test_allow_int_gradients_of_an_int_leaf_run_under_jit_and_on_the_actors_alike(mesh2):
     """`jax.value_and_grad(..., allow_int=True)` gives an int leaf a float0 'gradient': the undecorated step
     (the reference, under jax.jit) must accept it like the pipeline does, not try to add float0 arrays."""

@@ -47,6 +47,12 @@ def host_value(x: Any) -> Any:
     if is_key(getattr(x, "dtype", None)):
         return x
     a = np.asarray(x)
+    if type(x) is int:  # as jax.jit does: a Python int beyond the traced integer type is an error, not wrapped
+        want = jax.dtypes.canonicalize_dtype(np.int64)
+        if not np.iinfo(want).min <= x <= np.iinfo(want).max:
+            raise OverflowError(f"the Python int {x} does not fit in {want} (the dtype JAX traces Python ints with"
+                                f"{'' if want == np.int64 else ' while jax_enable_x64 is off'}): pass a numpy array of a wider or "
+                                "unsigned dtype, or a float")
     want = jax.dtypes.canonicalize_dtype(a.dtype)
     return a if a.dtype == want else a.astype(want)
 

@@ -197,7 +197,7 @@ def _scan_ends_to_drop(met: list[tuple[str, tuple[_Unroll, ...]]], unrolls: list
 
 def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
     """Re-trace `closed` with every nested call inlined and every scan holding markers unrolled."""
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in closed.jaxpr.invars]
 
     def traced(unroller: _Unroller) -> ClosedJaxpr:
         def fn(*args: Any) -> list[Any]:

@@ -104,7 +104,8 @@ class ActorHandle:
         finally:
             if temps:
                 await conn.request("delete", {"bufs": temps})
-        outs = [RemoteArray(mesh, {self.index: b}, a.shape, a.dtype, remote_sharding(lay, mesh.actor_mesh))
+        outs = [RemoteArray(mesh, {self.index: b}, a.shape, a.dtype, remote_sharding(lay, mesh.actor_mesh),
+                            weak_type=getattr(a, "weak_type", False))
                 for b, a, lay in zip(out_bufs, out_avals, out_layouts)]
         return jax.tree.unflatten(out_tree, outs)
 

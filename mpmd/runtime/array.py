@@ -43,10 +43,10 @@ class RemoteArray:
     buffers (batched, asynchronously); `delete()` frees them now.
     """
 
-    __slots__ = ("__weakref__", "_host", "_ready", "_vid", "buffers", "dtype", "mesh", "shape", "sharding")
+    __slots__ = ("__weakref__", "_host", "_ready", "_vid", "buffers", "dtype", "mesh", "shape", "sharding", "weak_type")
 
     def __init__(self, mesh: BufferOwner, buffers: dict[int, int], shape: tuple[int, ...], dtype: Any, sharding: Any = None,
-                 ready: concurrent.futures.Future[Any] | None = None) -> None:
+                 ready: concurrent.futures.Future[Any] | None = None, weak_type: bool = False) -> None:
         self.mesh = mesh
         self.buffers = dict(buffers)
         self.shape = tuple(int(d) for d in shape)
@@ -55,6 +55,9 @@ class RemoteArray:
         self._host: concurrent.futures.Future[np.ndarray] | None = None
         self._ready = ready  # the dispatch of the step that makes it (None: made already)
         self._vid = 0  # its value id in the mesh's recovery log (mpmd.runtime.recovery; 0: none yet)
+        # Weakly typed, as jax.jit's output of `lr * 0.99` for a Python-float lr is: passed back to a step it
+        # stays weak, so `w - lr * g` keeps a bf16 `w` bf16 (jax's type promotion).
+        self.weak_type = bool(weak_type)
 
     @property
     def actors(self) -> list[int]:

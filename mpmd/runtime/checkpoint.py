@@ -13,6 +13,11 @@ array's and every file's SHA-256 (mpmd/runtime/checkpoint_format.py); the direct
 `path/ckpt-<n>`, and `path/LATEST` then names it (atomically replaced) — a crash during a save leaves the
 previous checkpoint loadable, and the next save removes what the crashed one left behind.
 
+Static leaves — functions, strings, and an equinox Module's fields that are not arrays (an activation,
+`Dropout.inference`, an int head count), the leaves a distributed step keeps static (mpmd/static_leaves.py) —
+are part of the program, not its state: a save does not write them, and `restore`/`load` with `like` take them
+from `like` (as `eqx.tree_deserialise_leaves` does); `load` without `like` returns the data alone.
+
 A restore verifies the manifest's own digest, then every part's listing, then every byte each actor reads
 before a value reaches a buffer; dtype and shape come from the verified manifest. Anything amiss raises
 `mpmd.CheckpointError` naming the checkpoint, actor, file and leaf.
@@ -52,6 +57,7 @@ from mpmd.runtime.checkpoint_format import (
 )
 from mpmd.runtime.checkpoint_placement import Target, dtype_matches, like_shape_dtype, targets
 from mpmd.runtime.sharding import layout_to_spec, layout_wire, remote_sharding
+from mpmd.static_leaves import hide, reveal
 from transport.checkpoint_parts import CheckpointProblem, read_part, write_part
 
 _SAVING: dict[str, int] = {}  # the .tmp directories of saves of this process still being written -> their flock'd fd
@@ -177,7 +183,7 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
         raise CheckpointError(f"mpmd.save: keep={keep}; keep at least the checkpoint being written (keep >= 1)", checkpoint=path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise CheckpointError(f"mpmd.save: {path!r} is a file; checkpoints go in a directory (it is made if missing)", checkpoint=path)
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_remote)
+    flat, _ = jax.tree_util.tree_flatten_with_path(hide(tree, is_leaf=_is_remote), is_leaf=_is_remote)
     meshes = {id(x.mesh): x.mesh for _, x in flat if isinstance(x, RemoteArray)}
     if len(meshes) > 1:
         raise MpmdError(f"mpmd.save: the tree holds arrays of {len(meshes)} meshes; save each mesh's state separately")
@@ -373,8 +379,9 @@ def _open(path: str) -> Manifest:
 
 
 def _match(m: Manifest, like: Any, what: str) -> tuple[list[Any], Any]:
-    """`like`'s leaves, checked against the manifest: same paths, shapes and dtypes. Returns (leaves, treedef)."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(like, is_leaf=_is_remote)
+    """`like`'s data leaves, checked against the manifest: same paths, shapes and dtypes. Returns (leaves, treedef:
+with `like`'s static leaves as `Static` nodes, to `reveal` after unflattening)."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(hide(like, is_leaf=_is_remote), is_leaf=_is_remote)
     what = f"{what}: checkpoint {m.directory}"
     if len(flat) != len(m.leaves):
         raise CheckpointError(f"{what} holds {len(m.leaves)} arrays but `like` has {len(flat)} leaves; pass a tree "
@@ -460,7 +467,7 @@ def restore(path: str, mesh: Any, like: Any, *, for_step: Any = None, verify: bo
                 except Exception:
                     pass
         raise
-    return jax.tree.unflatten(treedef, out)
+    return reveal(jax.tree.unflatten(treedef, out))
 
 
 async def restore_async(path: str, mesh: Any, like: Any, *, for_step: Any = None, verify: bool = True) -> Any:
@@ -501,7 +508,7 @@ def load(path: str, like: Any = None, *, verify: bool = True) -> Any:
     flat = [values[i] for i in range(len(m.leaves))]
     if like is not None:
         _, treedef = _match(m, like, "mpmd.load")
-        return jax.tree.unflatten(treedef, flat)
+        return reveal(jax.tree.unflatten(treedef, flat))
     return _rebuild([leaf.entries for leaf in m.leaves], flat)
 
 
