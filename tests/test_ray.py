@@ -91,3 +91,32 @@ def test_a_placement_the_cluster_cannot_hold_fails_naming_what_was_asked_and_lea
     assert settled() == ([], [])
     with pytest.raises(ValueError, match="placement_strategy"):
         mpmd.RemoteMesh.ray(2, placement_strategy="ANYWHERE")
+
+
+def test_an_unknown_keyword_is_refused_before_any_daemon_starts(local_ray):
+    with pytest.raises(TypeError, match="unexpected keyword argument.*heartbeat_intervall.*heartbeat_interval"):
+        mpmd.RemoteMesh.ray(2, heartbeat_intervall=1.0)
+    assert ours() == ([], [])  # nothing was placed
+
+
+def test_a_ray_address_naming_no_cluster_fails_fast_instead_of_hanging_in_ray_init(monkeypatch):
+    """`ray.init()` with RAY_ADDRESS naming a dead head waits without end; the launcher tries the address first.
+    (No Ray instance is started: the check runs before ray.init, against a port nothing listens on.)"""
+    import socket
+
+    from mpmd.runtime.launch.ray import _check_ray_address
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again below: nothing listens on it
+    t = time.monotonic()
+    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+        with pytest.raises(mpmd.ActorStartError, match=rf"RAY_ADDRESS='{address}' names no reachable Ray cluster"):
+            _check_ray_address(address)
+    assert time.monotonic() - t < 10
+    for address in ("", "auto", "local"):
+        _check_ray_address(address)  # Ray's own lookup
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        _check_ray_address(f"127.0.0.1:{s.getsockname()[1]}")

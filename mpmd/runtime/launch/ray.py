@@ -24,9 +24,11 @@ the same `mpmd-actor` process as everywhere else; Ray decides where it runs and 
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -317,6 +319,7 @@ def start(num_actors: int, devices_per_actor: int = 1, resources_per_actor: Mapp
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     if not ray.is_initialized():
+        _check_ray_address(os.environ.get("RAY_ADDRESS", ""))
         log.info("ray.init(): connecting to the Ray cluster of RAY_ADDRESS, or starting a local one")
         ray.init()
     if platform == "auto":
@@ -370,7 +373,8 @@ def start(num_actors: int, devices_per_actor: int = 1, resources_per_actor: Mapp
             except Exception as e:
                 failures.append(f"actor {i} ({names[i]}): {_ray_reason(e) if isinstance(e, ray.exceptions.RayActorError) else e}")
         if failures:
-            raise ActorStartError(f"{len(failures)} of {num_actors} Ray actors did not start their daemon:\n  " + "\n  ".join(failures))
+            raise ActorStartError(f"{len(failures)} of {num_actors} Ray actors did not start their daemon:\n  "
+                                  + "\n  ".join(_ANSI.sub("", f) for f in failures))
         daemons = [RayDaemon(i, h, n, info, group) for i, (h, n, info) in enumerate(zip(handles, names, infos))]
     except BaseException:
         for h in handles:
@@ -395,6 +399,21 @@ def start(num_actors: int, devices_per_actor: int = 1, resources_per_actor: Mapp
     return RayLaunch([d.info["endpoint"] for d in daemons], daemons, keys, group, replacement, specs)
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # Ray colours its errors' text: not for an exception message
+
+
+def _check_ray_address(address: str, timeout: float = 5.0) -> None:
+    """`ray.init()` waits without end for a cluster that is not there: try RAY_ADDRESS's host:port first."""
+    m = re.fullmatch(r"(?:ray://)?\[?([^\]/]+?)\]?:(\d+)/?", address.strip())
+    if m is None:
+        return  # "", "auto", "local": Ray's own lookup
+    try:
+        socket.create_connection((m.group(1), int(m.group(2))), timeout=timeout).close()
+    except OSError as e:
+        raise ActorStartError(f"RAY_ADDRESS={address!r} names no reachable Ray cluster ({e}): start it (`ray start --head`), "
+                              "fix or unset RAY_ADDRESS, or call ray.init(...) yourself before RemoteMesh.ray") from None
+
+
 def _fmt(resources: Mapping[str, float]) -> str:
     shown = {k: v for k, v in resources.items() if not k.startswith("node:") and k != "object_store_memory"}
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(shown.items())) + "}"
@@ -406,6 +425,12 @@ def connect(cls: Any, num_actors: int, devices_per_actor: int = 1, resources_per
             cache_dir: str | bool = True, runtime_env: Mapping[str, Any] | None = None, recover: Any = None, **kwargs: Any) -> Any:
     """`RemoteMesh.ray`: start (see there), connect, check that every daemon runs this controller's JAX on one platform.
     With `recover` (a `mpmd.Recovery`), a lost daemon is replaced by a new Ray actor in the same bundle."""
+    taken = {"addresses", "processes", "keys"}  # (what the launch passes itself)
+    params = inspect.signature(cls).parameters
+    unknown = sorted(n for n in kwargs if n in taken or n not in params)
+    if unknown:
+        raise TypeError(f"RemoteMesh.ray got unexpected keyword argument(s) {', '.join(unknown)} (checked before any daemon "
+                        f"starts); besides its launch options it takes RemoteMesh's: {', '.join(n for n in params if n not in taken)}")
     launch = start(num_actors, devices_per_actor, resources_per_actor, placement_strategy, platform=platform,
                    cpus_per_actor=cpus_per_actor, host=host, placement_timeout=placement_timeout,
                    startup_timeout=startup_timeout, log_level=log_level, cache_dir=cache_dir, runtime_env=runtime_env)
