@@ -507,6 +507,9 @@ class Actor:
         for b in received:
             ses.buffers.reserve(b)
         refs = [placed[i] if b < 0 else ses.buffers.ref(b) for i, b in enumerate(inputs)]
+        # The buffers the prologue sends are taken now too: the step's task starts on the loop's next turn, and a
+        # delete that came right behind this request (the caller dropped or donated them) is handled before.
+        sent = {i.buf: ses.buffers.ref(i.buf) for i in prologue if isinstance(i, Send)}
         for b in outputs:
             ses.buffers.reserve(b)
         key = (pid, step)
@@ -515,7 +518,7 @@ class Actor:
             env.put(b, v)
         trace = StepTrace() if tracing else None
         task = asyncio.get_running_loop().create_task(
-            self.interpreter.run_step((ses.id, pid, step), prog, env, refs, prologue, ses.buffers, sync, trace))
+            self.interpreter.run_step((ses.id, pid, step), prog, env, refs, prologue, ses.buffers, sync, trace, sent))
         ses.running[key] = task
         try:
             last = await task

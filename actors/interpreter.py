@@ -62,13 +62,14 @@ class Interpreter:
         self.posts_first = transfers.device.platform == "cpu" and os.environ.get("MPMD_POST_FIRST", "1") != "0"
 
     async def run_step(self, step_key: StepKey, prog: Program, env: BufferTable, refs: list, prologue: list[Instruction],
-                       session_buffers: BufferTable, sync: bool, trace: StepTrace | None = None) -> Any:
+                       session_buffers: BufferTable, sync: bool, trace: StepTrace | None = None,
+                       sent: dict[int, Any] | None = None) -> Any:
         """One step of `prog` in the step's own table `env`: its inputs are `refs` (values, or futures of
         values still being computed); the `prologue`'s transfers copy arguments between actors, reading and
-        writing `session_buffers`. Returns what marks the step's last Run done (Runs are dispatched
+        writing `session_buffers` (the buffers it sends taken already: `sent`). Returns what marks the step's last Run done (Runs are dispatched
         asynchronously: it may still be computing), or None when nothing can still be running."""
         # The prologue copies arguments between actors; post it before waiting for those arguments.
-        transfers = self.transfers.start(step_key, session_buffers, prologue)
+        transfers = self.transfers.start(step_key, session_buffers, prologue, taken=sent)
         try:
             for local, ref in zip(prog.inputs, refs):
                 env.put(local, await asyncio.shield(ref) if isinstance(ref, asyncio.Future) else ref)

@@ -52,16 +52,18 @@ class Transfers:
         self.timeout = timeout
 
     def start(self, step_key: StepKey, env: BufferTable, instrs: list[Instruction], sync: bool = False,
-              trace: StepTrace | None = None) -> list[asyncio.Future[None]]:
-        """Start the sends and receives in `instrs` (other instructions are skipped), one future each."""
-        return [self.start_one(step_key, env, ins, sync, trace) for ins in instrs if isinstance(ins, (Send, Recv))]
+              trace: StepTrace | None = None, taken: dict[int, Any] | None = None) -> list[asyncio.Future[None]]:
+        """Start the sends and receives in `instrs` (other instructions are skipped), one future each. `taken`:
+        the values (or futures) of sent buffers taken from `env` earlier (see Handlers.run_program)."""
+        return [self.start_one(step_key, env, ins, sync, trace, taken) for ins in instrs if isinstance(ins, (Send, Recv))]
 
     def start_one(self, step_key: StepKey, env: BufferTable, ins: Send | Recv, sync: bool = False,
-                  trace: StepTrace | None = None) -> asyncio.Future[None]:
+                  trace: StepTrace | None = None, taken: dict[int, Any] | None = None) -> asyncio.Future[None]:
         """Start one Send or Recv; its future."""
         plain = self.p2p is not None and (ins.layout is None or self.cache.mesh is None)
         if isinstance(ins, Send):
-            ref = env.ref(ins.buf)  # taken now: a `del` right after the send may drop the buffer from the table
+            # taken now (or before): a `del` right after the send may drop the buffer from the table
+            ref = taken[ins.buf] if taken is not None and ins.buf in taken else env.ref(ins.buf)
             if plain and not sync:
                 return self._send_soon(ref, ins.to_actor, (*step_key, ins.tag), ins.label, trace)
             return asyncio.create_task(self._send(ref, ins.to_actor, (*step_key, ins.tag), str(ins.label), sync, trace,

@@ -129,7 +129,7 @@ def _close_over_inputs(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, list[Any]]:
 
 
 def distributed(fn: Callable[..., Any] | None = None, *, mesh: Any, in_shardings: Any = None, out_shardings: Any = None,
-                static_argnums: Any = (), static_argnames: Any = ()) -> Any:
+                static_argnums: Any = (), static_argnames: Any = (), donate_argnums: Any = (), donate_argnames: Any = ()) -> Any:
     """Decorator: run a training step as an MPMD pipeline on `mesh`'s actors.
 
     The step must call `accumulate_grads` once, with a schedule. It is traced once per input signature
@@ -146,9 +146,14 @@ def distributed(fn: Callable[..., Any] | None = None, *, mesh: Any, in_shardings
     reach the step as Python values. Functions and strings among the arguments, and every non-array leaf of an
     equinox Module (as under `eqx.filter_jit`), are static without being named.
 
+    `donate_argnums` / `donate_argnames` are jax.jit's too: the RemoteArrays passed there are deleted once the
+    step is dispatched (their actor memory freed behind it), so `params, opt_state = step(params, opt_state,
+    batch)` holds one copy of the state; reading a donated array again raises.
+
         @mpmd.distributed(mesh=mesh)
         def train_step(params, opt_state, batch): ...
     """
     if fn is None:
-        return lambda f: DistributedFunction(f, mesh, in_shardings, out_shardings, static_argnums, static_argnames)
-    return DistributedFunction(fn, mesh, in_shardings, out_shardings, static_argnums, static_argnames)
+        return lambda f: DistributedFunction(f, mesh, in_shardings, out_shardings, static_argnums, static_argnames,
+                                             donate_argnums, donate_argnames)
+    return DistributedFunction(fn, mesh, in_shardings, out_shardings, static_argnums, static_argnames, donate_argnums, donate_argnames)

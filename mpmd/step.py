@@ -126,17 +126,20 @@ def _parameters(fn: Callable[..., Any]) -> tuple[list[str], list[str]]:
     return positional, [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
 
 
-def _static_argnums(fn: Callable[..., Any], argnums: Any, argnames: Any) -> frozenset[int]:
-    """jax.jit's static_argnums and static_argnames as one set of positions (names through fn's signature;
-    a keyword-only parameter's position comes after the positional ones, see `_parameters`)."""
+def _static_argnums(fn: Callable[..., Any], argnums: Any, argnames: Any, what: str = "static") -> frozenset[int]:
+    """jax.jit's static_argnums and static_argnames (or donate_argnums and donate_argnames) as one set of
+    positions (names through fn's signature; a keyword-only parameter's position comes after the positional
+    ones, see `_parameters`)."""
     nums = {argnums} if isinstance(argnums, int) else set(argnums or ())
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in nums):
+        raise PipelineError(f"{what}_argnums must be ints (argument positions), got {argnums!r}")
     names = [argnames] if isinstance(argnames, str) else list(argnames or ())
     if names:
         positional, kwonly = _parameters(fn)
         params = positional + kwonly
         for name in names:
             if name not in params:
-                raise PipelineError(f"static_argnames names {name!r}, which is not a parameter of "
+                raise PipelineError(f"{what}_argnames names {name!r}, which is not a parameter of "
                                     f"{getattr(fn, '__name__', 'the step')} (its parameters: {params})")
             nums.add(params.index(name))
     return frozenset(nums)
@@ -219,7 +222,7 @@ class DistributedFunction:
     """What `mpmd.distributed` returns. Call it like the original function."""
 
     def __init__(self, fn: Callable[..., Any], mesh: Any, in_shardings: Any = None, out_shardings: Any = None,
-                 static_argnums: Any = (), static_argnames: Any = ()) -> None:
+                 static_argnums: Any = (), static_argnames: Any = (), donate_argnums: Any = (), donate_argnames: Any = ()) -> None:
         if not callable(fn):
             raise TypeError(f"mpmd.distributed: the step must be a function, got {type(fn).__name__} {fn!r:.80}")
         if mesh is None or isinstance(mesh, (str, bytes, int, float)) or not hasattr(type(mesh), "__len__"):
@@ -230,6 +233,7 @@ class DistributedFunction:
         self.in_shardings = in_shardings
         self.out_shardings = out_shardings
         self.static_argnums = _static_argnums(fn, static_argnums, static_argnames)
+        self.donate_argnums = _static_argnums(fn, donate_argnums, donate_argnames, "donate")
         self._positional, self._kwonly = _parameters(fn)
         self._compiled: dict[Any, CompiledStep] = {}
         self._compiling: dict[Any, Any] = {}  # signature -> future of the compile under way (in any thread)
@@ -495,7 +499,8 @@ class DistributedFunction:
     def with_schedule(self, schedule: Any) -> DistributedFunction:
         """The same step on the same mesh with `schedule` in place of the one its `accumulate_grads` names
         (compiled afresh on first call), e.g. `step.with_schedule(mpmd.ZeroBubbleH1(4, balance="auto"))`."""
-        other = DistributedFunction(self.fn, self.mesh, self.in_shardings, self.out_shardings, self.static_argnums)
+        other = DistributedFunction(self.fn, self.mesh, self.in_shardings, self.out_shardings, self.static_argnums,
+                                    donate_argnums=self.donate_argnums)
         other.schedule = schedule
         return other
 
@@ -519,7 +524,24 @@ class DistributedFunction:
         `block_until_ready()` of an output, or at the next call, naming the step. From a coroutine, await
         `call_async` instead: a first call compiles, which would hold the caller's event loop. On a mesh made with
         `recover=mpmd.Recovery(...)` the call is logged and a lost actor is recovered from (mpmd.runtime.recovery)."""
-        return self.call_bound(self.bind(args, kwargs))
+        args = self.bind(args, kwargs)
+        out = self.call_bound(args)
+        self._donate(args, out)
+        return out
+
+    def _donate(self, args: tuple[Any, ...], out: Any) -> None:
+        """As jax.jit's donate_argnums: the RemoteArrays of the donated arguments are deleted once the step is
+        dispatched (their buffers freed behind it, as when the last reference goes); using one again raises.
+        One the step returns as it is stays (jax.jit hands the donated buffer to that output)."""
+        if not self.donate_argnums:
+            return
+        n = len(args)
+        donated = [args[i % n] for i in sorted(self.donate_argnums) if -n <= i < n and (i % n) not in self.static_argnums]
+        kept = {id(x) for x in jax.tree.leaves(out, is_leaf=_is_remote) if isinstance(x, RemoteArray)}
+        for x in jax.tree.leaves(donated, is_leaf=_is_remote):
+            if isinstance(x, RemoteArray) and x.mesh is self.mesh and id(x) not in kept and x.buffers:
+                buffers, x.buffers = x.buffers, {}
+                self.mesh.release_buffers(buffers)
 
     def call_bound(self, args: tuple[Any, ...]) -> Any:
         """`__call__` of arguments already bound to the one tuple a compiled step takes (`bind`): what the
@@ -625,6 +647,7 @@ class DistributedFunction:
                     running.add_done_callback(lambda f: self._async_compiles.pop(sig, None) if self._async_compiles.get(sig) is f else None)
             compiled = await watch(running)  # (compile_bound compiles again if a daemon was replaced meanwhile)
         outs, done = self._dispatch(compiled, sig, leaves, may_wait=False)  # (this is the caller's loop)
+        self._donate(args, outs)
         try:
             await self.mesh.arun(asyncio.sleep(0))  # queued behind the dispatch: its requests have left when this runs
         except asyncio.CancelledError:
