@@ -110,6 +110,7 @@ class TuneResult:
     calibrated: dict[int, float] = field(default_factory=dict)  # id(candidate) -> seconds per step `calibrate` measured
     drift: float | None = None  # after `verify`: now / then for the candidates `calibrate` measured (the machine's drift)
     _steps: dict[int, tuple[Candidate, DistributedFunction]] = field(default_factory=dict, repr=False)  # id -> (it, its step)
+    remat: bool = False  # whether tune was asked to try remat (remat=True): a candidate over the limit has a remat row
 
     @property
     def feasible(self) -> list[Candidate]:
@@ -119,7 +120,9 @@ class TuneResult:
     def best(self) -> Candidate:
         if not self.feasible:
             memory = sum("memory_limit" in (c.rejected or "") for c in self.candidates)
-            advice = ["raise memory_limit, pass remat=True or mark more stage boundaries"] if memory else []
+            advice = [("raise memory_limit or mark more stage boundaries (remat=True was tried: the remat rows are over "
+                       "the limit too)") if self.remat else "raise memory_limit, pass remat=True or mark more stage boundaries"
+                      ] if memory else []
             if memory < len(self.candidates):
                 advice.append("pass microbatches=[...] and schedules=[...] that fit the batch and the mesh")
             raise MpmdError(f"no candidate fits: all {len(self.candidates)} were rejected ({memory} over memory_limit; each "
@@ -192,9 +195,14 @@ class TuneResult:
         if not self.feasible:
             return self.calibration
         refs = self.feasible[:max(1, top)]
+        if not any(r.predicted for r in refs):
+            raise MpmdError(f"TuneResult.calibrate: the top {len(refs)} candidates are predicted to take 0 s per step (the "
+                            "costs give their tasks no time), so no measured / predicted factor exists; tune with measured "
+                            "costs (costs=None), costs='xla', or SegmentCosts with the segments' positive times")
         measured = measure_interleaved([(self.step_for(r), self._args_for(r)) for r in refs],
                                        self.batch_argnum, steps, warmup, rounds)
-        factor = statistics.median(m / (r.predicted / self.calibration) for m, r in zip(measured, refs))
+        # (a candidate predicted at 0 s has no ratio: the others' set the factor)
+        factor = statistics.median(m / (r.predicted / self.calibration) for m, r in zip(measured, refs) if r.predicted)
         self.chosen = refs[min(range(len(refs)), key=measured.__getitem__)]  # the winner: the fastest measured
         self.calibrated = {id(r): m for r, m in zip(refs, measured)}
         for c in self.candidates:
@@ -354,6 +362,11 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
         raise PipelineError(f"tune: costs must be None (measure), 'xla' or SegmentCosts, got {costs!r}")
     if seg.num_segments != n:
         raise PipelineError(f"tune: the costs have {seg.num_segments} segments but the step has {n}")
+    if not any(seg.F) and not any(seg.B):
+        raise PipelineError(f"tune: the segment costs ({seg.source or 'given'}) are all zero (F={seg.F}, B={seg.B}): every "
+                            "candidate would be predicted to take no compute and none could be ranked above another (nor "
+                            "calibrated: measured / 0); give SegmentCosts with the segments' positive times, costs='xla', or "
+                            "costs=None to measure them")
     total_rows = m0 * rows if rows else m0
     vmax = max([*virtual_stages, 2])
     counts = list(microbatches) if microbatches is not None else (
@@ -399,7 +412,7 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
         for sched in cands:
             found.extend(_predict(base, tuple(call_args), sched, m, scaled, p, memory_limit, remat))
     found.sort(key=lambda c: (bool(c.rejected), c.predicted if c.predicted is not None else float("inf")))
-    result = TuneResult(found, seg, base, args, batch_argnum, memory_limit)  # (None: the batch is never re-split)
+    result = TuneResult(found, seg, base, args, batch_argnum, memory_limit, remat=bool(remat))  # (None: the batch is never re-split)
     if calibrate if calibrate is not None else costs is None:
         result.calibrate()
     return result
@@ -500,7 +513,7 @@ def _predict(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedul
         ranked = [kept] if kept else ranked_groupings(schedule, m, seg)
         c.grouping = ranked[0]
         c.schedule = _with_balance(schedule, c.grouping, tuple(getattr(schedule, "remat", ())))
-        sim = _simulate(base, args, c.schedule, group_costs(seg, c.grouping), p)
+        sim = _simulate(base, args, c.schedule, _stage_costs(seg, c.grouping, c.schedule), p)
     except (ScheduleError, PipelineError) as e:
         c.rejected = str(e).splitlines()[0][:120]
         return [c]
@@ -508,7 +521,7 @@ def _predict(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedul
     if over:  # the fastest grouping is over the limit: the fastest of the next ones that fits, if one does
         for g in ranked[1:GROUPINGS_TRIED]:
             alt = Candidate(_with_balance(schedule, g, tuple(getattr(schedule, "remat", ()))), m, g)
-            if not _record(alt, _simulate(base, args, alt.schedule, group_costs(seg, g), p), memory_limit):
+            if not _record(alt, _simulate(base, args, alt.schedule, _stage_costs(seg, g, alt.schedule), p), memory_limit):
                 c, over = alt, set()
                 break
         else:
@@ -522,10 +535,17 @@ def _predict(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedul
     for stages in remat_sets(c.schedule, over, costs.F):
         stages = tuple(sorted({*getattr(c.schedule, "remat", ()), *stages}))
         r = Candidate(_with_balance(c.schedule, c.grouping, stages), m, c.grouping)
-        if not _record(r, _simulate(base, args, r.schedule, remat_costs(costs, stages, r.schedule.split_backward), p),
-                       memory_limit):
+        if not _record(r, _simulate(base, args, r.schedule, _stage_costs(seg, c.grouping, r.schedule), p), memory_limit):
             break
     return [c, r]
+
+
+def _stage_costs(seg: SegmentCosts, grouping: tuple[int, ...], schedule: Schedule) -> Any:
+    """The per-stage costs of `grouping`, the backward of the schedule's `remat` stages also paying their forward
+    (as `mpmd.simulate` counts them)."""
+    costs = group_costs(seg, grouping)
+    remat = tuple(getattr(schedule, "remat", ()) or ())
+    return remat_costs(costs, remat, schedule.split_backward) if remat else costs
 
 
 def _record(c: Candidate, sim: Any, memory_limit: int | None) -> set[int]:

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mpmd.errors import ScheduleError
+from mpmd.errors import MpmdError, ScheduleError
 
 Registrar = Callable[[Any], None]  # takes argparse's subparsers object
 
@@ -93,6 +93,9 @@ def _simulate(args: argparse.Namespace) -> int:
             except OSError as e:
                 print(f"mpmd simulate: cannot write {path}: {e.strerror or e}", file=sys.stderr)
                 return 2
+            except ImportError as e:  # (a PNG needs matplotlib; the message says so)
+                print(f"mpmd simulate: cannot write {path}: {e}", file=sys.stderr)
+                return 2
             print(f"wrote {path}")
     return 0
 
@@ -141,9 +144,14 @@ def build_parser(registrars: Sequence[Registrar] = ()) -> argparse.ArgumentParse
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``mpmd`` command; returns the exit code."""
+    """Entry point of the ``mpmd`` command; returns the exit code (2 when a subcommand raised an mpmd error or a
+    ValueError about its input: the message is printed as ``mpmd COMMAND: ...``, without a traceback)."""
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except (MpmdError, ValueError) as e:
+        print(f"mpmd {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

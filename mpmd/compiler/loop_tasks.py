@@ -128,9 +128,29 @@ def check_schedule(schedule: Schedule | None, num_stages: int, num_mesh_actors: 
     if schedule.num_actors > num_mesh_actors:
         raise PipelineError(
             f"the schedule {schedule} needs {schedule.num_actors} actors but the mesh has {num_mesh_actors}; start more actors, "
-            f"use fewer stages, or put several stages on each actor: e.g. InterleavedOneFOneB(num_stages={schedule.num_stages}, "
-            f"num_actors={num_mesh_actors}) or Custom(..., stage_actor=(...)) mapping each stage to one of the "
-            f"{num_mesh_actors} actors")
+            f"use fewer stages, or put several stages on each actor: e.g. "
+            + " or ".join(_fitting_schedules(schedule, num_stages, num_mesh_actors))
+            + f", or Custom(..., stage_actor=(...)) mapping each stage to one of the {num_mesh_actors} actors")
+
+
+def _fitting_schedules(schedule: Schedule, num_stages: int, num_actors: int) -> list[str]:
+    """Schedules, as their reprs with what they do, that run a step of `num_stages` stages on `num_actors` actors:
+    the interleaved placement when a divisor of the stages from 2 to `num_actors` spreads them evenly (it needs
+    num_stages a multiple of its actors), and one stage per actor with the marker segments grouped
+    (balance='auto'), the schedule's own kind where it places one stage per actor. Each is built here, so each
+    is a valid schedule."""
+    from mpmd.schedules import builtin
+
+    out = []
+    actors = max((d for d in range(2, min(num_actors, num_stages - 1) + 1) if num_stages % d == 0), default=None)
+    if actors is not None:
+        fit = builtin.InterleavedOneFOneB(num_stages=num_stages, num_actors=actors)
+        out.append(f"{fit!r} ({fit.per_actor} stages on each of {actors} actors)")
+    kinds = (builtin.GPipe, builtin.OneFOneB, builtin.EagerOneFOneB, builtin.ZeroBubbleH1)
+    kind = type(schedule) if type(schedule) in kinds else builtin.OneFOneB
+    fit = kind(num_stages=num_actors, balance="auto")
+    out.append(f"{fit!r} (the step's marker segments grouped into {num_actors} stage{'s' * (num_actors != 1)}, one per actor)")
+    return out
 
 
 def schedule_stages(loop: StepLoop, body: LoopBody, num_mesh_actors: int) -> ScheduledStages:

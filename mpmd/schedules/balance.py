@@ -32,7 +32,7 @@ from typing import Any
 
 from mpmd.errors import ScheduleError
 from mpmd.schedules.builtin import BALANCE_MODES, Schedule, Task, backward, check_balance
-from mpmd.schedules.simulator import Costs, is_cost, simulate
+from mpmd.schedules.simulator import MAX_COST, Costs, is_cost, simulate
 
 __all__ = ["BALANCE_MODES", "SegmentCosts", "SegmentProfile", "best_grouping", "check_balance", "even_grouping", "group_costs",
            "groups", "ranked_groupings", "resolve_grouping", "stage_loads"]
@@ -87,11 +87,12 @@ class SegmentCosts:
             if name in ("I", "W", "activation_bytes") and not v:
                 v = tuple(b / 2 for b in self.B) if name in ("I", "W") else (0.0,) * n
             if len(v) != n or not all(map(is_cost, v)):
-                raise ValueError(f"SegmentCosts.{name} needs {n} finite non-negative values (one per segment), got {getattr(self, name)!r:.200}")
+                raise ValueError(f"SegmentCosts.{name} needs {n} finite non-negative values (at most {MAX_COST:g}; one per segment), got "
+                                 f"{getattr(self, name)!r:.200}")
             object.__setattr__(self, name, tuple(float(x) for x in v))
         for name in ("latency", "gap", "overhead", "other", "lead", "tail", "run_overhead", "split_overhead", "rows_exponent"):
             if not is_cost(getattr(self, name)):
-                raise ValueError(f"SegmentCosts.{name} must be a finite number >= 0, got {getattr(self, name)!r:.80}")
+                raise ValueError(f"SegmentCosts.{name} must be a finite number >= 0 (at most {MAX_COST:g}), got {getattr(self, name)!r:.80}")
 
     @property
     def num_segments(self) -> int:
@@ -202,15 +203,10 @@ def group_costs(seg: SegmentCosts, grouping: Sequence[int]) -> Costs:
 
 
 def remat_costs(costs: Costs, stages: Sequence[int], split: bool) -> Costs:
-    """`costs` with each remat stage's backward tasks (B, or I and W when `split`: both recompute) also paying
-    that stage's forward."""
-    def plus(v: tuple[float, ...]) -> tuple[float, ...]:
-        return tuple(x + (costs.F[s] if s in stages else 0.0) for s, x in enumerate(v))
-
-    def plus_i(v: tuple[float, ...]) -> tuple[float, ...]:  # (a stage without an I task recomputes in its W)
-        return tuple(x + (costs.F[s] if s in stages and x > 0 else 0.0) for s, x in enumerate(v))
-
-    return replace(costs, B=plus(costs.B), I=plus_i(costs.I) if split else costs.I, W=plus(costs.W) if split else costs.W)
+    """`costs` (per-stage sequences, as `group_costs` gives) with each remat stage's backward tasks (B, or I and W
+    when `split`: both recompute) also paying that stage's forward: `Costs.with_remat`, which `simulate` applies
+    to a schedule's own `remat`."""
+    return costs.with_remat(stages, len(costs.F) if isinstance(costs.F, tuple) else max(stages, default=-1) + 1, split)
 
 
 def remat_sets(schedule: Schedule, actors: set[int], forward: Sequence[float], most: int = 16) -> list[tuple[int, ...]]:

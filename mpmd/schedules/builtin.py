@@ -16,13 +16,16 @@ microbatches, v stages per actor, and the microbatch activations actor a holds a
     GPipe(num_stages)                          stage s on actor s   (p-1)/(m+p-1)                  m
     OneFOneB(num_stages)                       stage s on actor s   (p-1)/(m+p-1)                  p-a
     EagerOneFOneB(num_stages)                  stage s on actor s   as 1F1B; hides slow transfers  2(p-a)-1
-    InterleavedOneFOneB(num_stages, num_actors)  s on s % p         (p-1)/(v*m+p-1), m >= p        (v-1)p + 2(p-1-a) + 1
+    InterleavedOneFOneB(num_stages, num_actors)  s on s % p         (p-1)/(v*m+p-1), m >= p        (v-1)q + 2(p-1-a) + 1 *
     ZeroBubbleH1(num_stages)                   stage s on actor s   (p-1)/(3m+p-1), m >= p         p (1F1B's peak)
     InterleavedZeroBubble(num_stages, num_actors)  s on s % p       (p-1)/(3vm+p-1), m >= p
     ZeroBubbleV(num_actors)                    V: a and 2p-1-a      (p-1)/(6m+p-1), m >= 2p-1      at most 2p
     DualPipeV(num_actors)                      V: a and 2p-1-a      (p-1)/(6m+p-1), needs m >= 2p
 
 The zero-bubble ones idle only the p-1 units of the pipeline fill on every actor.
+* at most vm. q = ceil(m / max(1, m // p)) is the number of microbatches in the first round of the interleaved
+  order: p when p divides m, all m when m < 2p (one round: p < m < 2p holds more than m = 2p does), between p and
+  2p - 1 otherwise.
 
 Writing your own, way 1 — a table, `Custom`, for one number of microbatches (any stage -> actor map):
 
@@ -52,6 +55,7 @@ minimum. `one_f_one_b` and `backward` are the helpers the built-ins use.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from itertools import zip_longest
@@ -67,9 +71,16 @@ __all__ = ["Custom", "DualPipeV", "EagerOneFOneB", "GPipe", "InterleavedOneFOneB
 Row = list[Task]
 
 
-def _positive(owner: object, name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+def _is_int(x: object) -> bool:
+    """An integer, Python's or numpy's (`numbers.Integral`), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _positive(owner: object, name: str, value: object) -> int:
+    """`value` as an int (a numpy integer too), or a ScheduleError unless it is an integer >= 1."""
+    if not _is_int(value) or value < 1:
         raise ScheduleError(f"{type(owner).__name__}: {name} must be a positive int, got {value!r}")
+    return int(value)
 
 
 BALANCE_MODES = ("auto", "even")
@@ -82,7 +93,7 @@ def check_balance(schedule: object) -> None:
     if b is None or hasattr(b, "num_segments") or (isinstance(b, str) and b in BALANCE_MODES):
         return
     n = getattr(schedule, "num_stages", 0)
-    if isinstance(b, tuple) and len(b) == n and all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in b):
+    if isinstance(b, tuple) and len(b) == n and all(_is_int(k) and k >= 1 for k in b):
         return
     raise ScheduleError(f"{type(schedule).__name__}: balance must be None, 'auto', 'even', segment costs (step.profile_costs(...)) "
                         f"or a tuple of {n} positive segment counts (one per stage, e.g. {tuple([2] * n)}), got {b!r}")
@@ -106,8 +117,10 @@ class Schedule:
     remat: tuple[int, ...] = field(default=(), kw_only=True, repr=False)
 
     def __post_init__(self) -> None:
-        _positive(self, "num_stages", self.num_stages)
+        object.__setattr__(self, "num_stages", _positive(self, "num_stages", self.num_stages))
         check_balance(self)
+        if isinstance(self.balance, tuple):  # (counts given as numpy integers kept as ints)
+            object.__setattr__(self, "balance", tuple(map(int, self.balance)))
         check_remat(self)
 
     def __repr__(self) -> str:
@@ -159,8 +172,9 @@ def check_remat(schedule: Schedule) -> None:
     r = schedule.remat
     if isinstance(r, list):
         r = tuple(r)
-    if not isinstance(r, tuple) or not all(isinstance(s, int) and not isinstance(s, bool) for s in r):
+    if not isinstance(r, tuple) or not all(map(_is_int, r)):
         raise ScheduleError(f"{type(schedule).__name__}: remat must be a tuple of stage indices, got {schedule.remat!r}")
+    r = tuple(map(int, r))
     bad = [s for s in r if not 0 <= s < schedule.num_stages]
     if bad or len(set(r)) != len(r):
         raise ScheduleError(f"{type(schedule).__name__}: remat names stages {list(r)}; each must appear once and lie in "
@@ -238,7 +252,7 @@ class _Looped(Schedule):
         if self.num_actors == 0:
             raise ScheduleError(f"{type(self).__name__} needs num_actors=, the number of actors its stages are spread over, e.g. "
                                 f"{type(self).__name__}(num_stages=8, num_actors=4)")
-        _positive(self, "num_actors", self.num_actors)
+        object.__setattr__(self, "num_actors", _positive(self, "num_actors", self.num_actors))
         if self.num_stages % self.num_actors:
             below, above = self.num_stages // self.num_actors * self.num_actors, (self.num_stages // self.num_actors + 1) * self.num_actors
             raise ScheduleError(f"{type(self).__name__}: num_stages={self.num_stages} is not a multiple of num_actors={self.num_actors}; "
@@ -277,9 +291,12 @@ class _Looped(Schedule):
 @dataclass(frozen=True, repr=False)
 class InterleavedOneFOneB(_Looped):
     """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM): v = num_stages / num_actors stages per actor,
-    stage s on actor s % num_actors; microbatches go through an actor's stages in rounds of p (about p when
-    p does not divide m); warm-up `(v-1)*p + 2*(p-1-a)` forwards on actor a, then one forward and one
-    backward in turn. Bubble (p-1)/(v*m+p-1) for m >= p."""
+    stage s on actor s % num_actors; microbatches go through an actor's stages in rounds of p (when p does
+    not divide m, m // p rounds as even as possible, the larger first: the first round holds q =
+    ceil(m / (m // p)) microbatches, up to 2p - 1; one round of m when m < p); warm-up `(v-1)*q + 2*(p-1-a)`
+    forwards on actor a (at most v*m), then one forward and one backward in turn. Bubble (p-1)/(v*m+p-1) for
+    m >= p; actor a holds at most `(v-1)*q + 2*(p-1-a) + 1` microbatch-stages of activations (v*m at most),
+    so a count of microbatches that p does not divide costs memory: m = 6 on 4 actors holds more than m = 8."""
 
     def tasks(self, num_microbatches: int) -> list[list[Task]]:
         m = num_microbatches
@@ -317,11 +334,12 @@ class _VShape(Schedule):
     the last stage share actor 0 and every actor does the same work."""
 
     def __init__(self, num_actors: int, *, balance: object = None, remat: tuple[int, ...] = ()) -> None:
-        _positive(self, "num_actors", num_actors)
-        object.__setattr__(self, "num_stages", 2 * num_actors)
+        object.__setattr__(self, "num_stages", 2 * _positive(self, "num_actors", num_actors))
         object.__setattr__(self, "balance", balance)
         object.__setattr__(self, "remat", remat)
         check_balance(self)
+        if isinstance(self.balance, tuple):
+            object.__setattr__(self, "balance", tuple(map(int, self.balance)))
         check_remat(self)
 
     def __repr__(self) -> str:

@@ -58,9 +58,13 @@ def draw_timeline(result: Timeline, path: str, title: str | None = None, fmt: st
 
 
 def _ticks(step: float) -> list[float]:
-    if step <= 0:
+    """Axis ticks 0, u, 2u, ... up to `step`, u a round number (1, 2 or 5 times a power of ten) near step / 10;
+    just 0 and the step where that unit is not a normal float (a step of a few subnormals)."""
+    if not step > 0:
         return [0.0]
     raw = step / 10
+    if raw < 1e-300:  # (10 ** floor(log10(raw)) would lose its digits, or raw is 0)
+        return [0.0, step]
     mag = 10.0 ** math.floor(math.log10(raw))
     unit = next(u * mag for u in (1, 2, 5, 10) if u * mag >= raw)
     return [i * unit for i in range(int(step / unit) + 1)]
@@ -69,10 +73,15 @@ def _ticks(step: float) -> list[float]:
 def svg(result: Timeline, title: str = "") -> str:
     """The timeline as an SVG document (a string)."""
 
+    if not math.isfinite(result.step_time):
+        raise ValueError(f"cannot draw a timeline whose step time is {result.step_time}; its costs overflowed")
     step = result.step_time or 1.0
     left, row_h, gap, width = 70, 28, 6, 1100
     top = 40
-    scale = (width - left - 20) / step
+    usable = width - left - 20
+
+    def at(t: float) -> float:  # (t / step first: usable / step overflows for a step of a few subnormals)
+        return left + t / step * usable
     height = top + result.num_actors * (row_h + gap) + 60
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="11">',
            '<rect width="100%" height="100%" fill="white"/>',
@@ -80,16 +89,16 @@ def svg(result: Timeline, title: str = "") -> str:
     for a, spans in enumerate(result.timeline):
         y = top + a * (row_h + gap)
         out.append(f'<text x="8" y="{y + row_h / 2 + 4}">actor {a}</text>')
-        out.append(f'<rect x="{left}" y="{y}" width="{step * scale:.2f}" height="{row_h}" fill="#f2f2f2"/>')
+        out.append(f'<rect x="{left}" y="{y}" width="{usable:.2f}" height="{row_h}" fill="#f2f2f2"/>')
         for s, e, label in spans:
-            x, w = left + s * scale, max((e - s) * scale, 0.5)
+            x, w = at(s), max(at(e) - at(s), 0.5)
             out.append(f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{row_h}" fill="{colour(kind_of(label))}" '
                        f'stroke="white" stroke-width="0.5"><title>{escape(label)} [{s:g}, {e:g}]</title></rect>')
             if w >= 6.5 * len(label):
                 out.append(f'<text x="{x + w / 2:.2f}" y="{y + row_h / 2 + 4}" fill="white" text-anchor="middle">{escape(label)}</text>')
     axis_y = top + result.num_actors * (row_h + gap) + 4
     for t in _ticks(step):
-        x = left + t * scale
+        x = at(t)
         out.append(f'<line x1="{x:.2f}" y1="{axis_y}" x2="{x:.2f}" y2="{axis_y + 4}" stroke="black"/>')
         out.append(f'<text x="{x:.2f}" y="{axis_y + 16}" text-anchor="middle">{t:g}</text>')
     for k, (kind, name) in enumerate(LEGEND):

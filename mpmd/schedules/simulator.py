@@ -15,6 +15,7 @@ is the fraction of the step it is idle; `SimResult.bubble` is the mean over acto
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import numbers
@@ -33,12 +34,23 @@ from transport.protocol import dtype_from_name
 PerStage = float | Sequence[float]
 
 
+MAX_COST = 1e100  # the largest time (or byte count) a cost model takes: sums of millions of them stay finite
+
+
 def is_cost(x: object) -> bool:
-    """A real number, finite and >= 0 (NaN or infinity in a cost would time every schedule as nan or 0)."""
+    """A real number, finite, >= 0 and at most MAX_COST (NaN or infinity in a cost would time every schedule as
+    nan or 0; a finite cost near float's range adds up to infinity over a step, then nan)."""
     try:
-        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and 0 <= float(x) <= MAX_COST
     except OverflowError:  # an int past float's range
         return False
+
+
+def _overflow(what: str) -> ScheduleError:
+    return ScheduleError(f"{what}: the cost model's times add up past the largest float (the step time would be inf); "
+                         f"give costs in a unit that keeps every time and the step below {MAX_COST:g}")
+
+
 _COST_KEY = re.compile(r"^(\d*)([FBIW])(\d*)$")
 
 
@@ -78,17 +90,47 @@ class Costs:
             many = hasattr(v, "__iter__") and not isinstance(v, (str, bytes))
             vals = list(v) if many else [v]
             if isinstance(v, (Mapping, set, frozenset)) or not vals or not all(map(is_cost, vals)):  # (a dict's keys are no costs)
-                raise ValueError(f"Costs.{name} must be a finite non-negative number or a sequence of them (one per stage), "
-                                 f"got {v!r:.80}")
+                raise ValueError(f"Costs.{name} must be a finite non-negative number (at most {MAX_COST:g}) or a sequence of them "
+                                 f"(one per stage), got {v!r:.80}")
             object.__setattr__(self, name, tuple(float(x) for x in vals) if many else float(v))
         for name in ("latency", "overhead", "other", "gap", "lead", "tail"):
             if not is_cost(getattr(self, name)):
-                raise ValueError(f"Costs.{name} must be a finite number >= 0, got {getattr(self, name)!r:.80}")
+                raise ValueError(f"Costs.{name} must be a finite number >= 0 (at most {MAX_COST:g}), got {getattr(self, name)!r:.80}")
             object.__setattr__(self, name, float(getattr(self, name)))
         if self.cores is not None and (not isinstance(self.cores, numbers.Integral) or isinstance(self.cores, bool) or self.cores < 1):
             raise ValueError(f"Costs.cores must be a positive int or None, got {self.cores!r:.80}")
         if not (isinstance(self.bandwidth, numbers.Real) and not isinstance(self.bandwidth, bool) and self.bandwidth > 0):
             raise ValueError(f"Costs.bandwidth must be > 0 bytes per second (math.inf: free), got {self.bandwidth!r:.80}")
+        most = max(self.activation_bytes) if isinstance(self.activation_bytes, tuple) else self.activation_bytes
+        try:
+            slow = most / self.bandwidth > MAX_COST
+        except OverflowError:
+            slow = True
+        if slow:
+            raise ValueError(f"Costs: a transfer of activation_bytes={most:g} at bandwidth={self.bandwidth:g} bytes per second takes "
+                             f"more than {MAX_COST:g}; give a larger bandwidth or fewer bytes (math.inf bandwidth: free transfers)")
+
+    def with_remat(self, stages: Sequence[int], num_stages: int, split: bool = True) -> Costs:
+        """These costs with the backward tasks of each of `stages` also paying that stage's forward: remat, as
+        `jax.checkpoint`, computes the forward again in the backward. B pays it, and with `split` (the default:
+        a stage uses B or I and W, so changing all three is right for both) I and W too, a split backward's two
+        Runs both recomputing; a stage without an I task (I = 0) recomputes in its W. The changed fields come
+        back as per-stage sequences of `num_stages` entries."""
+        if not stages:
+            return self
+        remat = set(stages)
+        fwd = [self._per_stage("F", s) for s in range(num_stages)]
+
+        def plus(name: str, only_where_positive: bool = False) -> tuple[float, ...]:
+            vals = [self._per_stage(name, s) for s in range(num_stages)]
+            return tuple(x + (fwd[s] if s in remat and (x > 0 or not only_where_positive) else 0.0) for s, x in enumerate(vals))
+
+        out = copy.copy(self)  # (not `replace`: a sum may pass MAX_COST, which only given costs must not)
+        object.__setattr__(out, "B", plus("B"))
+        if split:
+            object.__setattr__(out, "I", plus("I", only_where_positive=True))
+            object.__setattr__(out, "W", plus("W"))
+        return out
 
     def _per_stage(self, name: str, stage: int) -> float:
         v = getattr(self, name)
@@ -258,13 +300,16 @@ def _result(name: str, spans: list[list[Span]], rows: list[list[Task]], transfer
         spans = [[(s + lead, e + lead, label) for s, e, label in row] for row in spans]
         transfers = [(a, b, s + lead, e + lead, label) for a, b, s, e, label in transfers]
     step = max((e for row in spans for _, e, _ in row), default=0.0) + tail
+    if not math.isfinite(step):
+        raise _overflow(name or "simulation")
     bubbles = tuple(1.0 - sum(e - s for s, e, _ in row) / step if step > 0 else 0.0 for row in spans)
     return SimResult(step, bubbles, _peak_activations(rows), tuple(tuple(r) for r in spans), tuple(transfers), peak_bytes, name)
 
 
 def simulate(schedule: Schedule, num_microbatches: int, costs: Costs | None = None) -> SimResult:
     """Validate `schedule` for `num_microbatches` (raising `ScheduleError` if it cannot run) and time it on
-    `costs` (default: unit costs F=1, B=2, I=W=1, free transfers).
+    `costs` (default: unit costs F=1, B=2, I=W=1, free transfers). The backward tasks of the schedule's `remat`
+    stages also pay their stage's forward (`Costs.with_remat`), as the balancer and `mpmd.tune` count them.
 
         mpmd.simulate(mpmd.GPipe(num_stages=4), 8).bubble   # 3/11 = (p-1)/(m+p-1)
     """
@@ -278,6 +323,9 @@ def simulate(schedule: Schedule, num_microbatches: int, costs: Costs | None = No
         costs.check_stages(schedule.num_stages)
     except ValueError as e:
         raise ScheduleError(f"{schedule}: {e}") from None
+    # remat stages (`schedule.remat`) recompute their forward in their backward: those tasks pay it too, as the
+    # balancer and mpmd.tune count them (`balance.remat_costs`)
+    costs = costs.with_remat(tuple(getattr(schedule, "remat", ()) or ()), schedule.num_stages)
 
     def transfer(src: Task, dst: Task) -> float:
         boundary = min(src.stage, dst.stage)  # F(s-1)->F(s) and B(s+1)->B(s) cross the boundary after the lower stage

@@ -18,6 +18,7 @@ there; program inputs and constants exist from the start; `Delete` never blocks.
 
 from __future__ import annotations
 
+import numbers
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -119,7 +120,15 @@ def _fail(problem: str, table: Table, mark: dict[int, int] | None = None, notes:
     return ScheduleError(f"{problem}\n{format_table(table, mark, notes)}")
 
 
-MAX_TABLE_TASKS = 3_000_000  # tasks a table may hold (256 stages x 4096 microbatches x 3 is 3.1M: past any real step)
+# Tasks a table may hold, counted as 3 per microbatch-stage (F, and B or I and W): 66,666 microbatch-stages, e.g.
+# 64 stages x 1024 microbatches. Validating and simulating grow with the tasks (a 2-core machine: 3-6 s at the cap;
+# 1000 x 1000 took 6 minutes and gigabytes).
+MAX_TABLE_TASKS = 200_000
+
+
+def _is_count(x: object) -> bool:
+    """An integer (Python's or numpy's: `numbers.Integral`), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def validate(schedule: Schedule, num_microbatches: int) -> Table:
@@ -133,12 +142,19 @@ def validate(schedule: Schedule, num_microbatches: int) -> Table:
         what = f"the class {schedule.__name__}" if isinstance(schedule, type) else f"{type(schedule).__name__} {schedule!r:.60}"
         raise ScheduleError(f"expected a schedule such as mpmd.OneFOneB(num_stages=2), got {what}")
     name, m, n = str(schedule), num_microbatches, schedule.num_stages
-    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+    if not _is_count(m) or m < 1:
         raise ScheduleError(f"{name}: the number of microbatches must be a positive int, got {m!r}")
-    if not isinstance(n, int) or m * n > MAX_TABLE_TASKS // 3:  # (F, B or I and W: three tasks per stage and microbatch at most)
+    if not _is_count(n) or n < 1:
+        raise ScheduleError(f"{name}: num_stages must be a positive int, got {n!r}")
+    m, n = int(m), int(n)  # (numpy integers taken as ints)
+    if m * n > MAX_TABLE_TASKS // 3:  # (F, B or I and W: three tasks per stage and microbatch at most)
         raise ScheduleError(f"{name} with {m} microbatches: {m} x {n} stages is more than a schedule table holds here "
-                            f"({MAX_TABLE_TASKS // 3:,} microbatch-stages: validating it would take minutes and gigabytes); "
-                            "use fewer microbatches or stages")
+                            f"({MAX_TABLE_TASKS // 3:,} microbatch-stages: validating and simulating more takes more than a "
+                            f"few seconds, and minutes past a million); use fewer, larger microbatches or fewer stages"
+                            + (f" (at most {MAX_TABLE_TASKS // 3 // n:,} microbatches with {n} stages)" if MAX_TABLE_TASKS // 3 >= n else "")
+                            + ". To compare schedules at that "
+                            "scale, simulate fewer microbatches: once the pipeline is full, the step time grows by about the same "
+                            "amount with every microbatch")
     need = schedule.min_microbatches
     if m < need:
         raise ScheduleError(f"{name} needs at least {need} microbatches, got {m}; split the batch into {need} or more "
@@ -146,7 +162,7 @@ def validate(schedule: Schedule, num_microbatches: int) -> Table:
     p = schedule.num_actors
     for s in range(n):
         a = schedule.actor_of(s)
-        if not isinstance(a, int) or not 0 <= a < p:
+        if not _is_count(a) or not 0 <= a < p:
             raise ScheduleError(f"{name} places stage {s} on actor {a!r}, but its actors are 0..{p - 1}; "
                                 "actor_of(stage) must return an actor below num_actors")
     try:

@@ -1,0 +1,276 @@
+"""Fixes of what a probe of the schedules, the simulator, tune and the mpmd command found: zero costs in tune
+(D1), costs that overflow and the command's tracebacks (D2), simulate ignoring remat (D3), an invalid schedule
+suggested by an error (D4), InterleavedOneFOneB's documented peak (D5), the table cap (D6), numpy integers (D7),
+tune's remat advice (D8). Each test compares with a closed form or the simulator; no actor is started."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import mpmd
+from mpmd.cli import main
+from mpmd.schedules import BUILTINS, builtin, validate
+from mpmd.schedules.simulator import MAX_COST, Costs, simulate
+from mpmd.schedules.validation import MAX_TABLE_TASKS
+from tests.test_balance import FakeMesh
+from tests.test_pipeline import make_step
+
+
+def two_segments():
+    """A step of 2 marker segments (one pipeline_yield) on 2 microbatches of 2 rows, and its arguments."""
+    def loss(p, mb):
+        x = jnp.tanh(mb["x"] @ p[0])
+        x = mpmd.pipeline_yield(x)
+        return jnp.mean((x @ p[1] - mb["y"]) ** 2)
+
+    opt = optax.sgd(0.1)
+    params = [np.eye(4, dtype=np.float32)] * 2
+    batch = {"x": np.ones((2, 2, 4), np.float32), "y": np.zeros((2, 2, 4), np.float32)}
+    return make_step(loss, opt, mpmd.OneFOneB(2)), (params, opt.init(params), batch)
+
+
+def tune_two(**kw):
+    step, args = two_segments()
+    return mpmd.tune(step, *args, mesh=FakeMesh(2), microbatches=[2], **kw)
+
+
+# ---------------------------------------------------------------- D1: zero costs
+
+
+def test_tune_refuses_segment_costs_that_are_all_zero_before_anything_runs():
+    zero = mpmd.SegmentCosts(F=(0, 0), B=(0, 0))
+    for calibrate in (True, False):  # (FakeMesh has no actors: reaching calibrate would fail otherwise)
+        with pytest.raises(mpmd.PipelineError, match=r"segment costs \(given\) are all zero.*costs=None to measure"):
+            tune_two(costs=zero, calibrate=calibrate)
+    # a zero segment among positive ones is a cost like any other
+    assert tune_two(costs=mpmd.SegmentCosts(F=(0, 1), B=(0, 2)), schedules=["OneFOneB"]).best.predicted > 0
+
+
+def test_calibrate_takes_its_factor_from_the_candidates_predicted_above_zero(monkeypatch):
+    from mpmd import tuning
+
+    # every one at zero: no factor exists, and calibrate says so before running anything, changing nothing
+    r = tune_two(costs=mpmd.SegmentCosts(F=(1e-3, 1e-3), B=(2e-3, 2e-3)), schedules=["OneFOneB"])
+    r.feasible[0].predicted = 0.0
+    with pytest.raises(mpmd.MpmdError, match=r"predicted to take 0 s per step.*no measured / predicted factor"):
+        r.calibrate()
+    assert r.calibration == 1.0 and r.chosen is None
+    # one at zero among the top three: the other two set the factor (not measured / 0)
+    r = tune_two(costs=mpmd.SegmentCosts(F=(1e-3, 1e-3), B=(2e-3, 2e-3)), schedules=["GPipe", "OneFOneB", "ZeroBubbleH1"])
+    top = r.feasible[:3]
+    assert len(top) == 3
+    before = [c.predicted for c in top]
+    monkeypatch.setattr(tuning.DistributedFunction, "with_schedule", lambda self, s: type("S", (), {"schedule": s})())
+    monkeypatch.setattr(tuning, "_timed_round", lambda step, *a: next(
+        2.0 * b if b else 1.0 for c, b in zip(top, before) if c.schedule is step.schedule))
+    top[1].predicted = 0.0  # (e.g. a candidate whose tasks the costs give no time)
+    assert r.calibrate(rounds=1) == pytest.approx(2.0)  # the median of the other two ratios, 2 and 2
+    assert [c.predicted for c in top] == pytest.approx([2 * before[0], 0.0, 2 * before[2]])
+
+
+# ---------------------------------------------------------------- D2: costs that overflow; the command's errors
+
+
+def test_costs_past_max_cost_are_refused_and_costs_at_it_give_a_finite_step():
+    for kw in ({"F": 1e308}, {"B": (1.0, 1e300)}, {"latency": 1e200}, {"overhead": 1e101}, {"activation_bytes": 1e300}):
+        with pytest.raises(ValueError, match=re.escape(f"{MAX_COST:g}")):
+            Costs(**kw)
+    with pytest.raises(ValueError, match=r"transfer of activation_bytes=1e\+90 at bandwidth=1e-20.*larger bandwidth"):
+        Costs(activation_bytes=1e90, bandwidth=1e-20)
+    with pytest.raises(ValueError, match=re.escape(f"{MAX_COST:g}")):
+        mpmd.SegmentCosts(F=(1e308, 1.0), B=(1.0, 1.0))
+    p, m = 2, 4
+    r = simulate(mpmd.OneFOneB(p), m, Costs(F=MAX_COST, B=MAX_COST, activation_bytes=MAX_COST, bandwidth=1.0))
+    assert math.isfinite(r.step_time) and r.step_time >= (m + p - 1) * 2 * MAX_COST  # (1F1B's closed form, plus transfers)
+    assert all(0 <= b < 1 for b in r.bubble_per_actor)
+    # remat adds a forward to each backward: past MAX_COST, yet the step stays finite and is 1F1B's closed form
+    r = simulate(mpmd.OneFOneB(p, remat=(0, 1)), m, Costs(F=MAX_COST, B=MAX_COST))
+    assert r.step_time == pytest.approx((m + p - 1) * 3 * MAX_COST)
+
+
+def test_a_simulation_whose_times_add_up_to_inf_is_refused_not_returned_as_inf_and_nan():
+    from mpmd.schedules.simulator import simulate_programs
+    from tests.test_simulate import programs_from_table
+
+    schedule = mpmd.OneFOneB(2)
+    progs = programs_from_table(schedule, validate(schedule, 4))
+    fitted = Costs(routes=(((0, 1), (1e308, 1.0)), ((1, 0), (1e308, 1.0))))  # (routes come from a trace: not capped)
+    with pytest.raises(mpmd.ScheduleError, match=r"add up past the largest float.*below 1e\+100"):
+        simulate_programs(progs, fitted, name="two")
+
+
+def test_the_command_refuses_overflowing_costs_with_a_message_not_a_traceback(tmp_path, capsys):
+    args = ["simulate", "--schedule", "OneFOneB", "--actors", "2", "--microbatches", "4"]
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--costs", "F=1e308,B=1e308", "--svg", str(tmp_path / "inf.svg")])
+    assert e.value.code == 2 and "Costs.F must be a finite non-negative number (at most 1e+100)" in capsys.readouterr().err
+    assert not (tmp_path / "inf.svg").exists()
+
+
+def test_a_step_of_a_few_subnormals_draws_its_axis(tmp_path):
+    path = tmp_path / "tiny.svg"
+    assert main(["simulate", "--schedule", "OneFOneB", "--actors", "2", "--microbatches", "4", "--costs", "F=5e-324,B=0",
+                 "--svg", str(path)]) == 0
+    text = path.read_text()
+    assert "nan" not in text and "inf" not in text
+    xs = [float(x) for x in re.findall(r'<line x1="([0-9.]+)"', text)]
+    assert xs == [70.0, 1080.0]  # ticks at 0 and at the step: the two ends of the time axis
+    with pytest.raises(ValueError, match="step time is inf"):
+        from mpmd.schedules.draw import svg
+
+        svg(type("T", (), {"name": "t", "step_time": math.inf, "timeline": (), "num_actors": 0, "bubble": 0.0})())
+
+
+def test_the_command_prints_an_mpmd_or_value_error_of_a_subcommand_on_one_line_with_exit_2(monkeypatch, capsys):
+    import mpmd.schedules.simulator as simulator
+
+    args = ["simulate", "--schedule", "OneFOneB", "--actors", "2", "--microbatches", "4"]
+
+    def fails(*a, **k):
+        raise mpmd.PipelineError("the programs cannot run")
+
+    monkeypatch.setattr(simulator, "simulate", fails)
+    assert main(args) == 2
+    assert capsys.readouterr().err == "mpmd simulate: the programs cannot run\n"
+    monkeypatch.undo()
+
+    def bad_picture(self, path, title=None, fmt=None):
+        raise ValueError("a timeline picture is 'png' or 'svg'")
+
+    monkeypatch.setattr(simulator.SimResult, "draw", bad_picture)
+    assert main([*args, "--svg", "x.svg"]) == 2
+    assert capsys.readouterr().err == "mpmd simulate: a timeline picture is 'png' or 'svg'\n"
+
+
+# ---------------------------------------------------------------- D3: simulate counts remat
+
+
+def test_simulate_makes_a_remat_stages_backward_pay_its_forward_again():
+    p, m = 2, 4
+    # 1F1B under F=1, B=2: (m+p-1)(F+B); with every stage remat each B also runs F: (m+p-1)(F+F+B)
+    assert simulate(mpmd.OneFOneB(p), m).step_time == (m + p - 1) * 3
+    assert simulate(mpmd.OneFOneB(p, remat=(0, 1)), m).step_time == (m + p - 1) * 4
+    # one stage, per-stage costs: the same as that stage's B given as B + F
+    f, b = (1.0, 2.0, 3.0), (2.0, 4.0, 6.0)
+    got = simulate(mpmd.OneFOneB(3, remat=(1,)), 5, Costs(F=f, B=b))
+    assert got.step_time == simulate(mpmd.OneFOneB(3), 5, Costs(F=f, B=(2.0, 6.0, 6.0))).step_time
+    assert got.step_time > simulate(mpmd.OneFOneB(3), 5, Costs(F=f, B=b)).step_time
+    # split backwards: both halves recompute (I and W are Runs of their own), as tune's remat rows count them
+    zbv = mpmd.ZeroBubbleV(2, remat=(0, 3))
+    want = simulate(mpmd.ZeroBubbleV(2), 4, Costs(I=(2, 1, 1, 2), W=(2, 1, 1, 2))).step_time
+    assert simulate(zbv, 4).step_time == want > simulate(mpmd.ZeroBubbleV(2), 4).step_time
+
+
+def test_tune_predicts_a_schedules_own_remat_as_simulate_does():
+    seg = mpmd.SegmentCosts(F=(1.0, 1.0), B=(2.0, 2.0))
+    remat = tune_two(costs=seg, schedules=[mpmd.OneFOneB(2, remat=(0, 1))]).best
+    plain = tune_two(costs=seg, schedules=[mpmd.OneFOneB(2)]).best
+    paid = tune_two(costs=mpmd.SegmentCosts(F=(1.0, 1.0), B=(3.0, 3.0)), schedules=[mpmd.OneFOneB(2)]).best
+    assert remat.schedule.remat == (0, 1) and remat.predicted == pytest.approx(paid.predicted)
+    assert remat.predicted > plain.predicted
+    m = remat.num_microbatches
+    assert remat.predicted == pytest.approx(simulate(mpmd.OneFOneB(2, remat=(0, 1)), m, Costs(F=1.0, B=2.0)).step_time)
+
+
+# ---------------------------------------------------------------- D4: the suggested schedules are valid
+
+
+@pytest.mark.parametrize("stages, actors", [(3, 2), (8, 4), (6, 4), (5, 1), (12, 8), (7, 3)])
+def test_the_too_few_actors_error_suggests_schedules_that_fit_the_mesh(stages, actors):
+    from mpmd.compiler.loop_tasks import check_schedule
+
+    with pytest.raises(mpmd.PipelineError, match=f"needs {stages} actors but the mesh has {actors}") as e:
+        check_schedule(mpmd.OneFOneB(stages), stages, actors)
+    names = "|".join(BUILTINS)
+    suggested = re.findall(rf"\b((?:{names})\([^()]*\))", str(e.value).split("e.g.", 1)[1])
+    assert suggested
+    for text in suggested:
+        s = eval(text, dict(BUILTINS))  # raises ScheduleError if the suggestion is no valid schedule
+        assert s.num_actors <= actors and s.num_stages <= stages
+        if s.balance is None:  # runs the step's stages as they are
+            assert s.num_stages == stages
+        validate(s, max(s.min_microbatches, 2 * actors))
+    interleaved = [t for t in suggested if t.startswith("InterleavedOneFOneB")]
+    fits = [d for d in range(2, min(actors, stages - 1) + 1) if stages % d == 0]
+    assert len(interleaved) == bool(fits)  # offered exactly when a divisor spreads the stages evenly
+
+
+# ---------------------------------------------------------------- D5: InterleavedOneFOneB's documented peak
+
+
+def documented_interleaved_peak():
+    """The peak column of InterleavedOneFOneB's row in mpmd.schedules.builtin's table, as a function of p, v, m,
+    a and q (implicit products made explicit), capped at v*m as the footnote says."""
+    row = next(line for line in builtin.__doc__.splitlines() if line.strip().startswith("InterleavedOneFOneB("))
+    expr = row.split("m >= p", 1)[1].replace("*", "").strip()
+    expr = re.sub(r"(?<=[\w)])(?=\()|(?<=\))(?=\w)", "*", expr)
+    assert "at most vm" in builtin.__doc__
+    return lambda **names: min(eval(expr, {}, names), names["v"] * names["m"])
+
+
+def test_interleaved_1f1b_peak_activations_are_what_the_docstring_says_for_any_microbatch_count():
+    assert "q = ceil(m / max(1, m // p))" in builtin.__doc__
+    peak = documented_interleaved_peak()
+    for p in (2, 3, 4):
+        for v in (2, 3):
+            for m in range(1, 3 * p + 2):
+                q = math.ceil(m / max(1, m // p))
+                got = simulate(mpmd.InterleavedOneFOneB(v * p, p), m).peak_activations
+                assert got == tuple(peak(p=p, v=v, m=m, a=a, q=q) for a in range(p)), (p, v, m)
+    # p < m < 2p holds more than m = 2p: one round of all m microbatches
+    assert simulate(mpmd.InterleavedOneFOneB(8, 4), 7).peak_activations[0] > simulate(mpmd.InterleavedOneFOneB(8, 4), 8).peak_activations[0]
+
+
+# ---------------------------------------------------------------- D6: the table cap
+
+
+def test_a_table_past_the_cap_is_refused_at_once_with_the_largest_count_that_fits():
+    cap = MAX_TABLE_TASKS // 3  # microbatch-stages
+    assert cap <= 100_000  # (a simulation at the cap takes seconds; at the old cap of a million, minutes)
+    t = time.perf_counter()
+    for stages in (8, 1000):
+        with pytest.raises(mpmd.ScheduleError, match=rf"at most {cap // stages:,} microbatches with {stages} stages"):
+            simulate(mpmd.OneFOneB(stages), cap // stages + 1)
+    assert time.perf_counter() - t < 1.0
+    assert validate(mpmd.OneFOneB(8), 64)  # (well under: as before)
+
+
+# ---------------------------------------------------------------- D7: numpy integers
+
+
+def test_numpy_integers_are_counts_and_come_back_as_ints_but_bools_and_floats_are_not():
+    s = mpmd.OneFOneB(np.int64(2), remat=(np.int32(1),), balance=(np.int64(1), np.int64(1)))
+    assert repr(s) == "OneFOneB(num_stages=2, balance=(1, 1), remat=(1,))"
+    assert type(s.num_stages) is int and all(type(x) is int for x in (*s.remat, *s.balance))
+    assert simulate(mpmd.OneFOneB(np.int64(2)), np.int64(4)) == simulate(mpmd.OneFOneB(2), 4)
+    inter = mpmd.InterleavedOneFOneB(np.int64(4), np.uint8(2))
+    assert repr(inter) == "InterleavedOneFOneB(num_stages=4, num_actors=2)" and type(inter.num_actors) is int
+    assert simulate(inter, np.int16(4)) == simulate(mpmd.InterleavedOneFOneB(4, 2), 4)
+    assert mpmd.ZeroBubbleV(np.int64(2)) == mpmd.ZeroBubbleV(2)
+    for bad in (True, np.bool_(True), 2.0, np.float64(2)):
+        with pytest.raises(mpmd.ScheduleError, match="num_stages must be a positive int"):
+            mpmd.OneFOneB(bad)
+        with pytest.raises(mpmd.ScheduleError, match="number of microbatches must be a positive int"):
+            simulate(mpmd.OneFOneB(2), bad)
+
+
+# ---------------------------------------------------------------- D8: tune's advice
+
+
+def test_no_fit_advice_says_pass_remat_only_when_remat_was_not_passed():
+    for remat in (False, True):
+        r = tune_two(costs=mpmd.SegmentCosts(F=(1.0, 1.0), B=(2.0, 2.0)), schedules=["OneFOneB"], memory_limit=1, remat=remat)
+        assert r.candidates and not r.feasible
+        assert remat == any(c.schedule.remat for c in r.candidates)  # the remat rows tried, and over the limit too
+        with pytest.raises(mpmd.MpmdError, match="no candidate fits") as e:
+            r.best
+        first = str(e.value).splitlines()[0]
+        assert ("pass remat=True" in first) != remat
+        assert ("remat=True was tried" in first) == remat
