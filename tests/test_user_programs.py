@@ -412,18 +412,23 @@ def test_buffer_calls_on_a_closed_mesh_raise_and_leave_no_coroutine_unawaited():
     assert not [str(w.message) for w in caught if "never awaited" in str(w.message)]
 
 
+def _bf16_grads(p, b, schedule):
+    """Gradients and losses of a 2-stage bf16 model whose loss is computed in float32."""
+    def mbf(mb):
+        def loss(p):
+            h = mpmd.pipeline_yield(jnp.tanh(mb @ p[0]))
+            return jnp.mean((h @ p[1]).astype(jnp.float32) ** 2)
+        l, g = jax.value_and_grad(loss)(p)
+        return g, l
+    return mpmd.accumulate_grads(mbf, b, schedule=schedule)
+
+
 def test_a_python_number_argument_is_weakly_typed_as_under_jit(mesh2):
     """`w - lr * g` with a Python float `lr` keeps bf16 weights bf16 under jax.jit (a Python number is weakly
     typed); a numpy float32 `lr` is not weak and promotes them to float32. The step must do the same and
     compile the two apart (they give different programs)."""
     def step(p, b, lr):
-        def mbf(mb):
-            def loss(p):
-                h = mpmd.pipeline_yield(jnp.tanh(mb @ p[0]))
-                return jnp.mean((h @ p[1]).astype(jnp.float32) ** 2)
-            l, g = jax.value_and_grad(loss)(p)
-            return g, l
-        g, l = mpmd.accumulate_grads(mbf, b, schedule=mpmd.GPipe(2))
+        g, l = _bf16_grads(p, b, mpmd.GPipe(2))
         return [w - lr * gw for w, gw in zip(p, g)], l
 
     p = [jnp.full((4, 4), 0.1, jnp.bfloat16), jnp.full((4, 2), 0.1, jnp.bfloat16)]
@@ -442,13 +447,7 @@ def test_a_weakly_typed_output_fed_back_stays_weak_as_under_jit(mesh2):
     `w - lr * g` keeps bf16 weights bf16. The RemoteArray handed back must be weak too (it came back strong
     float32, and the weights turned float32 from the second step on)."""
     def step(p, lr, b):
-        def mbf(mb):
-            def loss(p):
-                h = mpmd.pipeline_yield(jnp.tanh(mb @ p[0]))
-                return jnp.mean((h @ p[1]).astype(jnp.float32) ** 2)
-            l, g = jax.value_and_grad(loss)(p)
-            return g, l
-        g, _ = mpmd.accumulate_grads(mbf, b, schedule=mpmd.OneFOneB(2))
+        g, _ = _bf16_grads(p, b, mpmd.OneFOneB(2))
         return [w - lr * gw for w, gw in zip(p, g)], lr * 0.99, lr * jnp.float32(2)
 
     p = [jnp.full((4, 4), 0.1, jnp.bfloat16), jnp.full((4, 2), 0.1, jnp.bfloat16)]
