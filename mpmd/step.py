@@ -491,10 +491,13 @@ class DistributedFunction:
     def simulate(self, *args: Any, costs: Any = None, **kwargs: Any) -> Any:
         """Time this step's compiled Programs for these arguments (given as to the step) on a cost model
         (`mpmd.Costs`; default unit costs F=1, B=2, I=W=1, free transfers): step time, bubble per actor, peak
-        activation bytes, timeline, pictures."""
-        from mpmd.schedules.simulator import simulate_programs
+        activation bytes, timeline, pictures. The backward of a stage the schedule remats pays its forward again,
+        as `mpmd.simulate(schedule)` counts it."""
+        from mpmd.schedules.simulator import Costs, simulate_programs
 
-        return simulate_programs(self.compile_bound(self.bind(args, kwargs)).plan.programs, costs, name=getattr(self.fn, "__name__", "step"))
+        plan = self.compile_bound(self.bind(args, kwargs)).plan
+        costs = (costs or Costs()).with_remat(plan.remat, plan.split.num_stages)
+        return simulate_programs(plan.programs, costs, name=getattr(self.fn, "__name__", "step"))
 
     def with_schedule(self, schedule: Any) -> DistributedFunction:
         """The same step on the same mesh with `schedule` in place of the one its `accumulate_grads` names

@@ -62,3 +62,18 @@ def test_remat_is_normalised_and_v_shapes_take_it():
     assert mpmd.ZeroBubbleV(2, remat=(3,)).remat == (3,)
     with pytest.raises(mpmd.ScheduleError, match="remat"):
         mpmd.DualPipeV(2, remat=(4,))
+
+
+def test_a_compiled_steps_simulation_counts_the_remat_as_mpmd_simulate_does(mesh2):
+    """step.simulate of the compiled Programs and mpmd.simulate of the schedule agree on a remat schedule: the
+    remat stage's backward pays its forward again (1F1B, p=2, m=4, F=1, B=2, stage 0 remat: B0 = 3)."""
+    schedule = mpmd.OneFOneB(2, remat=(0,))
+    rng = np.random.default_rng(0)
+    params = models.mlp_params(rng, 2, 16, 2)
+    batch = models.regression_batch(rng, 4, 3, 16)
+    opt = optax.sgd(1e-3)
+    step = mpmd.distributed(make_step(models.mse_loss(models.mlp), opt, schedule), mesh=mesh2)
+    costs = Costs(F=1.0, B=2.0)
+    want = mpmd.simulate(schedule, 4, costs).step_time
+    assert want > mpmd.simulate(mpmd.OneFOneB(2), 4, costs).step_time
+    assert step.simulate(params, opt.init(params), batch, costs=costs).step_time == pytest.approx(want)

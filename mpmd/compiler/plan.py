@@ -87,6 +87,7 @@ class StepPlan:
     grouping: tuple[int, ...] | None = None  # marker segments per stage, when the schedule's balance= grouped them
     num_outputs: int = -1  # the step's own outputs come first in out_*; hidden ones (host callbacks' operands) follow
     host_calls: list[HostCall] = field(default_factory=list)  # see mpmd.compiler.effects
+    remat: tuple[int, ...] = ()  # the stages whose backward recomputes their forward (the schedule's remat=)
 
     def stage_segments(self) -> str:
         """One line saying which marker segments each stage holds ('' without a grouping)."""
@@ -125,7 +126,8 @@ def plan_step(outer: ClosedJaxpr, num_mesh_actors: int) -> StepPlan:
     return StepPlan(emitted.programs, [ordered.arg_homes[k] for k in ordered.arg_keys], emitted.out_homes, out_avals,
                     stages.table, stages.split, final.units, transfers, ordered.avals, templates, ordered.arg_keys,
                     ordered.out_keys, grouping=stages.grouping, num_outputs=num_outputs,
-                    host_calls=sorted(calls, key=lambda c: (c.order, c.actor)))
+                    host_calls=sorted(calls, key=lambda c: (c.order, c.actor)),
+                    remat=tuple(sorted(getattr(stages.schedule, "remat", ()) or ())))
 
 
 def iter_lowered(plan: StepPlan, platform: str) -> Iterator[tuple[Hashable, bytes]]:
