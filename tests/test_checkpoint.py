@@ -91,6 +91,15 @@ def test_an_async_save_keeps_what_it_writes_when_the_caller_drops_it_at_once(mes
         got = mpmd.load(str(tmp_path / str(k)), like=want)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_array_equal(np.asarray(g), w)
+    donating = mpmd.distributed(make_step(models.mse_loss(models.mlp), opt, mpmd.OneFOneB(2)), mesh=mesh2, donate_argnums=(0, 1))
+    for k in range(4):  # the step right behind the save donates the saved arrays (deleted at its dispatch)
+        want = mpmd.fetch(tuple(state))
+        handle = mpmd.save(str(tmp_path / f"donated{k}"), tuple(state), wait=False)
+        *state, loss = donating(*state, batch)
+        handle.wait(60)
+        got = mpmd.load(str(tmp_path / f"donated{k}"), like=want)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(g), w)
     x = mesh2.actor(1).put(np.arange(1 << 16, dtype=np.float32))
     handle = mpmd.save(str(tmp_path / "alone"), {"x": x}, wait=False)
     del x

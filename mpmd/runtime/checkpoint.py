@@ -197,7 +197,10 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
     name, tmp = _start(path)
     leaves: list[dict[str, Any]] = []
     host: dict[str, np.ndarray] = {}
-    per_actor: dict[int, tuple[list[str], list[int]]] = {}  # writer -> names, leaf indices (buffers: read at each send)
+    per_actor: dict[int, tuple[list[str], list[int]]] = {}  # writer -> names, leaf indices
+    # The buffers as the arrays name them at this call: a step right behind that donates them (donate_argnums) empties
+    # the arrays before the loop sends this save; the free it queues goes after the save's request, which holds them.
+    at_call: dict[int, list[int]] = {}
     mesh = next(iter(meshes.values()), None)
     for i, (p, x) in enumerate(flat):
         leaf = f"leaf_{i:05d}"
@@ -207,6 +210,7 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
             names, idx = per_actor.setdefault(a, ([], []))
             names.append(leaf)
             idx.append(i)
+            at_call.setdefault(a, []).append(x.buffers[a])
             layout = layout_wire(x.sharding.layout) if x.sharding is not None else None
             entry.update(part=f"actor-{a}", shape=list(x.shape), dtype=dtype_text(x.dtype),
                          key_impl=key_impl(x.dtype).name if is_key(x.dtype) else None, saved_actors=x.actors, saved_layout=layout)
@@ -262,12 +266,20 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
     recovery = getattr(mesh, "recovery", None)
     generation = recovery.generation if recovery is not None else 0  # (counts recoveries started)
 
-    def send() -> list[Any]:
-        """Every actor's save request, sent now (the buffers as the arrays name them now: a recovery rebinds them)."""
+    def send(again: bool = False) -> list[Any]:
+        """Every actor's save request, sent now: the buffers as they were at the call, or, sent `again` after a
+        recovery, as the arrays name them now (the recovery rebinds them)."""
         pending = []
         try:
             for a, (names, idx) in per_actor.items():
-                bufs = [flat[i][1].buffers[a] for i in idx]
+                if not again:
+                    bufs = at_call[a]
+                elif any(a not in flat[i][1].buffers for i in idx):
+                    raise CheckpointError(f"mpmd.save into {path}: an actor was lost while this save ran and a saved array "
+                                          "was deleted (donated to a later step) before the mesh recovered; nothing was "
+                                          "committed: save again", checkpoint=path)
+                else:
+                    bufs = [flat[i][1].buffers[a] for i in idx]
                 pending.append(mesh.conn(a).submit("save", {"dir": os.path.join(tmp, f"actor-{a}"), "names": names, "bufs": bufs}))
         except BaseException:
             for p in pending:
@@ -312,7 +324,7 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
                 log.warning("mpmd.save into %s: an actor was lost while it ran; the mesh recovered, saving again", path)
                 for a in per_actor:
                     await asyncio.to_thread(shutil.rmtree, os.path.join(tmp, f"actor-{a}"), True)
-                pending = send()
+                pending = send(again=True)
             parts = dict(host_part)
             order = dict(host_order)
             for (a, (_, idx)), r in zip(per_actor.items(), replies):
