@@ -337,8 +337,12 @@ def _accumulator_finals(units: dict[int, list[Unit]], body: LoopBody) -> tuple[d
                 if isinstance(k, Acc):
                     finals[Outer(k.var)] = k
                     acc_home[k.var] = a
-    for v, out in body.stacked:
-        if Outer(v) in finals:
-            finals[Outer(out)] = finals.pop(Outer(v))
-            acc_home[out] = acc_home.pop(v)
+    # (One accumulator may stack into several step values: the microbatch function returns one value twice.)
+    stacked = [(v, out) for v, out in body.stacked if Outer(v) in finals]
+    inner = {Outer(v): (finals[Outer(v)], acc_home[v]) for v, _ in stacked}
+    for v, _ in stacked:
+        finals.pop(Outer(v), None)
+        acc_home.pop(v, None)
+    for v, out in stacked:
+        finals[Outer(out)], acc_home[out] = inner[Outer(v)]
     return finals, acc_home
