@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from mpmd.compiler.avals import dtype_text, host_value, is_key, to_wire, wire_shape_dtype
+from mpmd.compiler.avals import dtype_text, host_value, is_key, jax_array, to_wire, wire_shape_dtype
 from mpmd.compiler.inline import inline_calls
 from mpmd.compiler.plan import StepPlan, iter_lowered, plan_step
 from mpmd.compiler.program import Send
@@ -620,7 +620,8 @@ class DistributedFunction:
                               or (isinstance(leaves[val], jax.Array) and leaves[val].dtype == dtype)):
             return leaves[val]
         value = np.asarray(leaves[val] if kind == "arg" else val, dtype=dtype)
-        return jax.numpy.asarray(value) if j < plan.num_outputs else value  # (a host callback's operands stay numpy)
+        # (a host callback's operands stay numpy)
+        return jax_array(value, plan.out_avals[j].weak_type) if j < plan.num_outputs else value
 
     async def call_async(self, *args: Any, **kwargs: Any) -> Any:
         """Awaitable twin of `step(*args)`, for the caller's own event loop: dispatches the step the same way

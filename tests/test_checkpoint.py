@@ -6,13 +6,14 @@ import sys
 import textwrap
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 import mpmd
 from tests import models
-from tests.test_pipeline import make_step
+from tests.test_pipeline import assert_trees_close, make_step
 
 
 def train(mesh, state, batches, schedule):
@@ -184,3 +185,27 @@ def test_a_relative_path_means_the_controllers_directory_and_a_users_own_folder_
     got = mpmd.restore("run/ckpt", mesh2, like={"w": jax.ShapeDtypeStruct((4,), np.float32)})
     np.testing.assert_array_equal(got["w"].to_numpy(), np.arange(4))
     assert (tmp_path / "run/ckpt/ckpt-9/notes.txt").read_text() == "mine"
+
+
+def test_a_restored_array_is_weakly_typed_as_like_has_it_and_the_next_step_equals_jit(mesh2, tmp_path):
+    """A flax TrainState's `step` (the Python int 0, weak under jax.jit) came back strongly typed from
+    restore, though `like` held it weak: the next step had a new signature and outputs typed unlike jit's."""
+    def step(state, batch):
+        def mb(x):
+            v, g = jax.value_and_grad(lambda w: jnp.sum(mpmd.pipeline_yield(x @ w[0]) @ w[1]))(state["w"])
+            return g, v
+        g, _ = mpmd.accumulate_grads(mb, batch, schedule=mpmd.GPipe(2))
+        return {"w": jax.tree.map(lambda a, b: a - 0.1 * b, state["w"], g), "step": state["step"] + 1, "lr": state["lr"]}
+
+    state = {"w": [np.ones((4, 4), np.float32) / 4, np.ones((4, 2), np.float32)], "step": 0, "lr": 0.1}
+    batch = np.ones((2, 2, 4), np.float32)
+    dist = mpmd.distributed(step, mesh=mesh2)
+    out, want = dist(state, batch), jax.jit(step)(state, batch)
+    assert out["step"].weak_type and want["step"].weak_type
+    mpmd.save(str(tmp_path / "ck"), out)
+    back = mpmd.restore(str(tmp_path / "ck"), mesh2, like=out)
+    assert back["step"].weak_type and back["lr"].weak_type and not back["w"][0].weak_type
+    again, want_again = dist(back, batch), jax.jit(step)(want, batch)
+    for g, w in zip(jax.tree.leaves(again), jax.tree.leaves(want_again)):
+        assert g.weak_type == w.weak_type and g.dtype == w.dtype
+    assert_trees_close(mpmd.fetch(again), want_again)

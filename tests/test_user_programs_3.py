@@ -677,10 +677,32 @@ def test_constants_and_arguments_a_step_returns_as_they_are_come_back_as_under_j
     got = mpmd.distributed(step, mesh=mesh2)(params, 0.5, batch, key)
     for k in ("table", "lr", "three", "f64", "key"):
         assert isinstance(got[2][k], jax.Array) and got[2][k].dtype == want[2][k].dtype, (k, type(got[2][k]), got[2][k])
+    for k in ("table", "lr", "three", "f64"):  # (a Python 3 or 0.5 stays weak: `x * bf16` stays bf16)
+        assert got[2][k].weak_type == want[2][k].weak_type, k
+    assert (got[2]["lr"] * jnp.ones(2, jnp.bfloat16)).dtype == jnp.bfloat16
     for k in ("table", "lr", "three", "f64"):
         np.testing.assert_array_equal(np.asarray(got[2][k]), np.asarray(want[2][k]))
     np.testing.assert_array_equal(jax.random.key_data(got[2]["key"]), jax.random.key_data(want[2]["key"]))
     assert_trees_close(mpmd.fetch(got[:2]), want[:2])
+
+
+def test_one_value_returned_twice_in_the_microbatch_aux_comes_back_twice_as_under_jit(mesh2):
+    """A loss returned beside a metrics dict holding the same loss failed to compile ("internal: step output
+    ... is computed nowhere": both stacked outputs took the one accumulator)."""
+    rng = np.random.default_rng(3)
+    params = [rng.standard_normal((8, 8)).astype(np.float32) * 0.1 for _ in range(2)]
+    batch = {"x": rng.standard_normal((4, 2, 8)).astype(np.float32)}
+
+    def step(params, batch):
+        def mb(m):
+            value, g = jax.value_and_grad(lambda p: jnp.mean(mpmd.pipeline_yield(jnp.tanh(m["x"] @ p[0])) @ p[1]))(params)
+            return g, (value, {"loss": value, "again": value, "scaled": 2 * value})
+        return mpmd.accumulate_grads(mb, batch, schedule=mpmd.OneFOneB(2))
+
+    want = jax.jit(step)(params, batch)
+    got = mpmd.fetch(mpmd.distributed(step, mesh=mesh2)(params, batch))
+    assert_trees_close(got, want)
+    np.testing.assert_array_equal(got[1][1]["again"], got[1][0])
 
 
 def test_put_gives_the_dtype_device_put_gives_and_the_result_runs(mesh2):

@@ -57,6 +57,22 @@ def host_value(x: Any) -> Any:
     return a if a.dtype == want else a.astype(want)
 
 
+def jax_array(value: np.ndarray, weak_type: bool) -> jax.Array:
+    """A jax Array of `value`, weakly typed when `weak_type` (as jax.jit returns a Python scalar: an int32 that
+    `x * bf16_array` leaves bf16)."""
+    if not weak_type:
+        return jnp.asarray(value)
+    if value.ndim == 0:
+        out = jnp.asarray(value.item())  # a Python scalar: weak, of the default dtype (the weak aval's)
+        if out.dtype == value.dtype and out.weak_type:
+            return out
+    try:  # (no public way to make a weak array of any shape)
+        from jax._src.lax.lax import _convert_element_type
+        return _convert_element_type(value, np.dtype(value.dtype), weak_type=True)
+    except Exception:  # a jax without it: strongly typed, as before
+        return jnp.asarray(value)
+
+
 def to_wire(x: Any) -> np.ndarray:
     """A host value (numpy array, jax array, typed key array) as the plain numpy array an actor holds."""
     if is_key(getattr(x, "dtype", None)):

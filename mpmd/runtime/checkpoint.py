@@ -40,7 +40,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from mpmd.compiler.avals import dtype_text, from_wire, is_key, key_impl, to_wire, wire_shape_dtype
+from mpmd.compiler.avals import dtype_text, from_wire, is_key, jax_array, key_impl, to_wire, wire_shape_dtype
 from mpmd.errors import ActorDiedError, CheckpointError, MpmdError
 from mpmd.runtime.aio import off_loop, watch
 from mpmd.runtime.array import RemoteArray
@@ -452,13 +452,21 @@ def restore(path: str, mesh: Any, like: Any, *, for_step: Any = None, verify: bo
     for leaf, t in zip(m.leaves, where):
         if leaf.part == HOST_PART:
             value = from_wire(host[leaf.name], leaf.jax_dtype)
-            out[leaf.index] = value if not t.actors else mesh.put_replicated(value, list(t.actors), _spec(t))
+            weak = bool(getattr(like_leaves[leaf.index], "weak_type", False))
+            if t.actors:
+                out[leaf.index] = mesh.put_replicated(value, list(t.actors), _spec(t))
+                out[leaf.index].weak_type = weak
+            elif isinstance(like_leaves[leaf.index], jax.Array) and isinstance(value, np.ndarray):
+                out[leaf.index] = jax_array(value, weak)  # (a jax Array where `like` has one, weak as it is)
+            else:
+                out[leaf.index] = value
             continue
         bufs = {}
         for a in t.actors:
             bufs[a] = mesh.new_buffer_id()
             need[(a, leaf.part)].append((leaf, bufs[a], t.layout))
-        out[leaf.index] = RemoteArray(mesh, bufs, leaf.shape, leaf.jax_dtype, remote_sharding(t.layout, am))
+        out[leaf.index] = RemoteArray(mesh, bufs, leaf.shape, leaf.jax_dtype, remote_sharding(t.layout, am),
+                                      weak_type=bool(getattr(like_leaves[leaf.index], "weak_type", False)))  # (as `like` has it)
 
     async def read() -> list[Any]:
         return list(await asyncio.gather(*(mesh.conn(a).request("restore", {
