@@ -89,3 +89,34 @@ def test_two_controllers_on_the_same_daemons_never_see_each_others_buffers(mesh2
         del stolen
     np.testing.assert_array_equal(mine.to_numpy(), np.full(3, 1.0))  # the second controller left it alone
     assert jnp.asarray(mine.to_numpy()).sum() == 3.0
+
+
+def test_python_conversions_fetch_as_numpy_does_and_arithmetic_says_to_fetch_or_pass_the_array(mesh2):
+    """`float(loss)`, `f"{loss:.3f}"`, `loss.item()` failed with TypeErrors about RemoteArray; closing over a
+    RemoteArray in a step failed with "unsupported operand type(s) for @: 'LinearizeTracer' and 'RemoteArray'"."""
+    x = mesh2.actor(0).put(np.float32(2.5))
+    n = mesh2.actor(1).put(np.int32(3))
+    v = mesh2.actor(1).put(np.arange(6, dtype=np.float32).reshape(2, 3))
+    assert float(x) == 2.5 and int(x) == 2 and x.item() == 2.5 and complex(x) == 2.5
+    assert f"{x:.3f}" == "2.500" and f"{n:04d}" == "0003" and f"{v}" == repr(v)
+    assert bool(x) and not bool(mesh2.actor(0).put(np.float32(0))) and list(range(10))[n] == 3
+    assert v.tolist() == [[0, 1, 2], [3, 4, 5]] and len(v) == 2 and v.item(4) == 4.0
+    with pytest.raises(ValueError):
+        bool(v)  # (as numpy: ambiguous)
+    with pytest.raises(TypeError):
+        len(x)
+    for op in (lambda: x + 1, lambda: 1 - x, lambda: -x, lambda: v[0], lambda: x < 3, lambda: v @ v):
+        with pytest.raises(TypeError, match="lives on its actors.*pass it as an argument.*fetch it first"):
+            op()
+    assert x is not None and x != n and {x: 1}[x] == 1  # identity, as before
+
+    w = mesh2.actor(1).put(np.ones((4, 2), np.float32))
+
+    def step(p, batch):
+        def mb(b):
+            value, g = jax.value_and_grad(lambda p: jnp.sum(mpmd.pipeline_yield(b @ p) @ w))(p)
+            return g, value
+        return mpmd.accumulate_grads(mb, batch, schedule=mpmd.GPipe(2))
+
+    with pytest.raises(TypeError, match="pass it as an argument of the distributed step"):
+        mpmd.distributed(step, mesh=mesh2)(np.ones((4, 4), np.float32), np.ones((2, 2, 4), np.float32))

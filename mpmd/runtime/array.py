@@ -154,6 +154,43 @@ class RemoteArray:
         a = self.to_numpy()
         return a.astype(dtype) if dtype is not None else a
 
+    def item(self, *args: Any) -> Any:
+        """The element as a Python scalar (fetched), as `numpy.ndarray.item`."""
+        return self.to_numpy().item(*args)
+
+    def tolist(self) -> Any:
+        """The array as nested Python lists (fetched)."""
+        return self.to_numpy().tolist()
+
+    # Python conversions fetch, as numpy's do (a size-1 array only): `float(loss)`, `f"{loss:.3f}"`, `if done:`.
+    def __float__(self) -> float:
+        return float(self.to_numpy())
+
+    def __int__(self) -> int:
+        return int(self.to_numpy())
+
+    def __complex__(self) -> complex:
+        return complex(self.to_numpy())
+
+    def __bool__(self) -> bool:
+        return bool(self.to_numpy())
+
+    def __index__(self) -> int:
+        return self.to_numpy().__index__()
+
+    def __format__(self, spec: str) -> str:
+        return format(self.to_numpy(), spec) if spec else repr(self)
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of unsized object (a 0-d RemoteArray)")
+        return self.shape[0]
+
+    def _no_math(self, *_: Any) -> Any:
+        raise TypeError(f"{self!r} lives on its actors: arithmetic, indexing and comparisons do not run on the controller. "
+                        "Inside a step, pass it as an argument of the distributed step (closing over it does not work); "
+                        "outside, fetch it first (np.asarray(x) or mpmd.fetch(x)) and compute on the result")
+
     def copy_to_host_async(self) -> None:
         """Start fetching the array (what `jax.device_get` calls first); the next fetch uses the result."""
         if self._host is None:
@@ -204,6 +241,14 @@ class RemoteArray:
             where = f"on actor{'s' if len(self.buffers) > 1 else ''} {','.join(map(str, self.actors))}"
         sharding = f", sharding={self.sharding}" if self.sharding is not None else ""
         return f"RemoteArray({dtype_text(self.dtype)}{list(self.shape)}, {where}{sharding})"
+
+
+for _op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "divmod", "pow", "matmul", "and", "or", "xor", "lshift",
+            "rshift"):
+    setattr(RemoteArray, f"__{_op}__", RemoteArray._no_math)
+    setattr(RemoteArray, f"__r{_op}__", RemoteArray._no_math)
+for _op in ("neg", "pos", "abs", "invert", "lt", "le", "gt", "ge", "getitem"):
+    setattr(RemoteArray, f"__{_op}__", RemoteArray._no_math)
 
 
 def _recovered(mesh: Any, error: BaseException, ready: Any) -> bool:
