@@ -393,7 +393,7 @@ class RecoveryManager:
                 log.info("recovery from %s stopped: the mesh was closed", _what(error))
             else:
                 log.error("recovery from %s failed after %.1f s; the mesh stops recovering: %s", _what(error),
-                          time.monotonic() - t0, e)
+                          time.monotonic() - t0, e, exc_info=True)
             _settle(fut, e)
 
     def _recover_locked(self, error: BaseException, t0: float) -> dict[str, Any]:
@@ -544,7 +544,8 @@ class RecoveryManager:
                     leaves.append(leaf[1])
                     continue
                 _, vid, ref = leaf
-                x = values.get(vid) or ref()
+                x = values.get(vid)
+                x = ref() if x is None else x
                 if x is None or not x.buffers:
                     raise MpmdError(f"cannot replay step record {rec.index}: one of its inputs lived on a lost actor and is "
                                     "neither in the snapshot nor made by a step since")
