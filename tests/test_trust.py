@@ -113,7 +113,8 @@ def test_the_operator_key_may_stop_a_daemon_another_key_owns(shared, tmp_path):
     try:
         with mpmd.RemoteMesh.connect([address], keys=shared.keys["alice"], transport="none"):
             ops = mpmd.RemoteMesh.connect([address], keys=shared.keys["ops"], transport="none")
-            reply = raw_request(address, {"op": "shutdown", "id": 1, "session": ops.session}, keys=shared.keys["ops"])
+            # (30 s, not the 5 s default: a loaded 2-core machine once took longer than 5 s to answer)
+            reply = raw_request(address, {"op": "shutdown", "id": 1, "session": ops.session}, keys=shared.keys["ops"], timeout_ms=30_000)
             assert reply.op == "reply"
             proc.wait(timeout=30)
             ops.close()
