@@ -542,7 +542,7 @@ class DistributedFunction:
         donated = [args[i % n] for i in sorted(self.donate_argnums) if -n <= i < n and (i % n) not in self.static_argnums]
         kept = {id(x) for x in jax.tree.leaves(out, is_leaf=_is_remote) if isinstance(x, RemoteArray)}
         for x in jax.tree.leaves(donated, is_leaf=_is_remote):
-            if isinstance(x, RemoteArray) and x.mesh is self.mesh and id(x) not in kept and x.buffers:
+            if isinstance(x, RemoteArray) and x.mesh is self.mesh and id(x) not in kept and x.buffers and not x.copied:
                 buffers, x.buffers = x.buffers, {}
                 self.mesh.release_buffers(buffers)
 

@@ -1,5 +1,8 @@
 """RemoteArray behaves like the arrays users pass around, knows its mesh, and sessions keep controllers apart."""
 
+import copy
+import pickle
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,10 +108,13 @@ def test_python_conversions_fetch_as_numpy_does_and_arithmetic_says_to_fetch_or_
         bool(v)  # (as numpy: ambiguous)
     with pytest.raises(TypeError):
         len(x)
-    for op in (lambda: x + 1, lambda: 1 - x, lambda: -x, lambda: v[0], lambda: x < 3, lambda: v @ v):
+    for op in (lambda: x + 1, lambda: 1 - x, lambda: -x, lambda: v[0], lambda: x < 3, lambda: v @ v, lambda: x == 2.5,
+               lambda: x != 0, lambda: 0 == x):
         with pytest.raises(TypeError, match="lives on its actors.*pass it as an argument.*fetch it first"):
-            op()
-    assert x is not None and x != n and {x: 1}[x] == 1  # identity, as before
+            op()  # (`x == 0` was silently False whatever x held: object identity)
+    assert x is not None and {x: 1}[x] == 1 and x in {x}  # hashed by identity, as before
+    with pytest.raises(TypeError, match="cannot be pickled: mpmd.fetch"):
+        pickle.dumps(x)
 
     w = mesh2.actor(1).put(np.ones((4, 2), np.float32))
 
@@ -120,3 +126,27 @@ def test_python_conversions_fetch_as_numpy_does_and_arithmetic_says_to_fetch_or_
 
     with pytest.raises(TypeError, match="pass it as an argument of the distributed step"):
         mpmd.distributed(step, mesh=mesh2)(np.ones((4, 4), np.float32), np.ones((2, 2, 4), np.float32))
+
+
+def test_a_deep_copy_of_a_steps_output_is_the_same_immutable_array_and_survives_a_donating_step(mesh2):
+    """`best = copy.deepcopy(params)` failed ("cannot pickle '_thread.RLock'"). A RemoteArray is immutable,
+    so its copy is itself; a step that donates it then leaves it alone, so the copy still reads."""
+    def step(w, batch):
+        def mb(b):
+            value, g = jax.value_and_grad(lambda w: jnp.sum(mpmd.pipeline_yield(jnp.tanh(b @ w[0])) @ w[1]))(w)
+            return g, value
+        g, losses = mpmd.accumulate_grads(mb, batch, schedule=mpmd.GPipe(2))
+        return [a - 0.1 * b for a, b in zip(w, g)], losses
+
+    w = [np.full((4, 4), 0.25, np.float32), np.ones((4, 2), np.float32)]
+    batch = np.ones((2, 2, 4), np.float32)
+    dist = mpmd.distributed(step, mesh=mesh2, donate_argnums=0)
+    out, _ = dist(w, batch)
+    best = copy.deepcopy({"params": out})
+    assert best["params"][0] is out[0]
+    again, _ = dist(out, batch)  # donates `out`, which is also `best`
+    want = jax.jit(step)(w, batch)[0]
+    for b, o, wv in zip(best["params"], out, want):
+        assert not b.is_deleted and not o.is_deleted
+        np.testing.assert_allclose(np.asarray(b), np.asarray(wv), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(again[0]), np.asarray(jax.jit(step)(want, batch)[0][0]), rtol=1e-6)

@@ -43,7 +43,7 @@ class RemoteArray:
     buffers (batched, asynchronously); `delete()` frees them now.
     """
 
-    __slots__ = ("__weakref__", "_host", "_ready", "_vid", "buffers", "dtype", "mesh", "shape", "sharding", "weak_type")
+    __slots__ = ("__weakref__", "_host", "_ready", "_vid", "buffers", "copied", "dtype", "mesh", "shape", "sharding", "weak_type")
 
     def __init__(self, mesh: BufferOwner, buffers: dict[int, int], shape: tuple[int, ...], dtype: Any, sharding: Any = None,
                  ready: concurrent.futures.Future[Any] | None = None, weak_type: bool = False) -> None:
@@ -58,6 +58,7 @@ class RemoteArray:
         # Weakly typed, as jax.jit's output of `lr * 0.99` for a Python-float lr is: passed back to a step it
         # stays weak, so `w - lr * g` keeps a bf16 `w` bf16 (jax's type promotion).
         self.weak_type = bool(weak_type)
+        self.copied = False  # `copy.deepcopy` handed it out as its own copy: a step's donate_argnums leaves it alone
 
     @property
     def actors(self) -> list[int]:
@@ -186,6 +187,21 @@ class RemoteArray:
             raise TypeError("len() of unsized object (a 0-d RemoteArray)")
         return self.shape[0]
 
+    # A RemoteArray is immutable: a copy is the array itself. One copied is no longer donated (donate_argnums
+    # would delete the copy with it), as jax.jit keeps a donated buffer it cannot reuse.
+    def __copy__(self) -> RemoteArray:
+        self.copied = True
+        return self
+
+    def __deepcopy__(self, memo: Any) -> RemoteArray:
+        return self.__copy__()
+
+    def __reduce__(self) -> Any:
+        raise TypeError(f"{self!r} lives on its actors and cannot be pickled: mpmd.fetch(tree) it for its values "
+                        "(or mpmd.save the tree for a checkpoint)")
+
+    __hash__ = object.__hash__  # (by identity, as before `==` was refused)
+
     def _no_math(self, *_: Any) -> Any:
         raise TypeError(f"{self!r} lives on its actors: arithmetic, indexing and comparisons do not run on the controller. "
                         "Inside a step, pass it as an argument of the distributed step (closing over it does not work); "
@@ -247,7 +263,7 @@ for _op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "divmod", "pow", 
             "rshift"):
     setattr(RemoteArray, f"__{_op}__", RemoteArray._no_math)
     setattr(RemoteArray, f"__r{_op}__", RemoteArray._no_math)
-for _op in ("neg", "pos", "abs", "invert", "lt", "le", "gt", "ge", "getitem"):
+for _op in ("neg", "pos", "abs", "invert", "lt", "le", "gt", "ge", "eq", "ne", "getitem"):
     setattr(RemoteArray, f"__{_op}__", RemoteArray._no_math)
 
 
