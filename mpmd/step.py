@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from mpmd.compiler.avals import dtype_text, host_value, is_key, jax_array, to_wire, wire_shape_dtype
+from mpmd.compiler.avals import dtype_text, host_value, is_key, jax_array, not_numeric, to_wire, wire_shape_dtype
 from mpmd.compiler.inline import inline_calls
 from mpmd.compiler.plan import StepPlan, iter_lowered, plan_step
 from mpmd.compiler.program import Send
@@ -94,6 +94,9 @@ def _spec(x: Any, path: str) -> jax.ShapeDtypeStruct:
         if x.dtype == np.dtype(object):  # (canonicalize_dtype lets it through; jax.jit refuses it)
             raise TypeError("a numpy array of Python objects (dtype=object) holds no numbers JAX can use: build it with "
                             "a numeric dtype, e.g. np.asarray(x, np.float32), or stack its elements with np.stack")
+        if not is_key(x.dtype) and not_numeric(x.dtype):  # (canonicalize_dtype lets strings through too)
+            raise TypeError(f"a numpy array of dtype {x.dtype} holds no numbers JAX can use: pass it as a static argument "
+                            "(static_argnums / static_argnames: a hashable value such as a str or a tuple), or encode it as numbers")
         if not is_key(x.dtype):
             jax.dtypes.canonicalize_dtype(x.dtype)
     except OverflowError as e:  # (jax.jit raises OverflowError too)

@@ -376,6 +376,9 @@ def test_nonsense_arguments_are_refused_up_front_naming_what_is_wrong(mesh2):
         mpmd.distributed(good, mesh=mesh2)(params, opt.init(params), {"x": batch["x"].tolist(), "y": batch["y"].tolist()})
     with pytest.raises(mpmd.PipelineError, match=r"args\[2\]\['x'\].*dtype=object"):
         mpmd.distributed(good, mesh=mesh2)(params, opt.init(params), {**batch, "x": np.array([object()] * 4)})
+    for strings in (np.array(["double"]), np.array([b"ab", b"c"])):  # (traced as str192: wrong results, silently)
+        with pytest.raises(mpmd.PipelineError, match=rf"args\[2\]\['mode'\].*dtype {strings.dtype}.*static argument"):
+            mpmd.distributed(good, mesh=mesh2)(params, opt.init(params), {**batch, "mode": strings})
     def returns_an_object(params, opt_state, batch):
         return {"loss": good(params, opt_state, batch)[2], "note": object()}
 

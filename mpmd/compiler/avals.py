@@ -57,6 +57,11 @@ def host_value(x: Any) -> Any:
     return a if a.dtype == want else a.astype(want)
 
 
+def not_numeric(dt: np.dtype) -> bool:
+    """Strings, objects and raw/structured records (numpy's void); bfloat16 and float8 are kind 'V' too, but numbers."""
+    return dt.kind in "OSU" or issubclass(dt.type, np.void)
+
+
 def jax_array(value: np.ndarray, weak_type: bool) -> jax.Array:
     """A jax Array of `value`, weakly typed when `weak_type` (as jax.jit returns a Python scalar: an int32 that
     `x * bf16_array` leaves bf16)."""

@@ -40,7 +40,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from mpmd.compiler.avals import dtype_text, from_wire, is_key, jax_array, key_impl, to_wire, wire_shape_dtype
+from mpmd.compiler.avals import dtype_text, from_wire, is_key, jax_array, key_impl, not_numeric, to_wire, wire_shape_dtype
 from mpmd.errors import ActorDiedError, CheckpointError, MpmdError
 from mpmd.runtime.aio import off_loop, watch
 from mpmd.runtime.array import RemoteArray
@@ -168,11 +168,6 @@ def _commit(path: str, name: str, tmp: str, keep: int) -> str:
     return final
 
 
-def _not_numeric(dt: np.dtype) -> bool:
-    """Strings, objects and raw/structured records (numpy's void); bfloat16 and float8 are kind 'V' too, but numbers."""
-    return dt.kind in "OSU" or issubclass(dt.type, np.void)
-
-
 def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | SaveHandle:
     """Save a pytree of RemoteArrays (and host values) to directory `path`. Each actor writes its own arrays,
     concurrently with later steps (a step dispatched after this call does not wait for the write); with
@@ -190,7 +185,7 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
     for p, x in flat:
         if isinstance(x, RemoteArray):
             x._check_usable()
-        elif not is_key(getattr(x, "dtype", None)) and _not_numeric(np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)):
+        elif not is_key(getattr(x, "dtype", None)) and not_numeric(np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)):
             raise CheckpointError(f"mpmd.save: leaf {jax.tree_util.keystr(p)} is a {type(x).__name__} ({np.asarray(x).dtype}); a checkpoint "
                                   "holds arrays and numbers: keep strings and other objects out of the saved tree (e.g. save them "
                                   "beside it with json)", checkpoint=path, leaf=jax.tree_util.keystr(p))
