@@ -209,3 +209,54 @@ def test_a_restored_array_is_weakly_typed_as_like_has_it_and_the_next_step_equal
     for g, w in zip(jax.tree.leaves(again), jax.tree.leaves(want_again)):
         assert g.weak_type == w.weak_type and g.dtype == w.dtype
     assert_trees_close(mpmd.fetch(again), want_again)
+
+
+def test_zero_size_leaves_on_actors_and_host_save_restore_and_load(mesh2, tmp_path):
+    """A (0, 4) leaf failed to save (orbax refuses zero-size arrays: a raw ValueError, or a RemoteError from the
+    actor); an all-empty part too. The manifest's shape and dtype are all of such an array."""
+    import ml_dtypes
+
+    tree = {"w": mesh2.actor(0).put(np.ones((2, 3), np.float32)), "empty": mesh2.actor(1).put(np.zeros((0, 4), np.float32)),
+            "host_empty": np.zeros((3, 0), ml_dtypes.bfloat16), "alone": np.zeros((0,), np.int32)}
+    mpmd.save(str(tmp_path / "ck"), tree)
+    for got in (mpmd.load(str(tmp_path / "ck")), mpmd.fetch(mpmd.restore(str(tmp_path / "ck"), mesh2, like=tree))):
+        for k, want in (("w", np.ones((2, 3), np.float32)), ("empty", np.zeros((0, 4), np.float32)),
+                        ("host_empty", tree["host_empty"]), ("alone", tree["alone"])):
+            assert np.asarray(got[k]).shape == want.shape and np.asarray(got[k]).dtype == want.dtype, k
+            np.testing.assert_array_equal(np.asarray(got[k]), want)
+    mpmd.save(str(tmp_path / "only_empty"), {"e": mesh2.actor(1).put(np.zeros((0, 2), np.float32))})
+    assert mpmd.load(str(tmp_path / "only_empty"))["e"].shape == (0, 2)
+
+
+def test_python_numbers_come_back_python_numbers_and_list_positions_are_kept_without_like(mesh2, tmp_path):
+    """`{"lr": 0.1, "epoch": 3}` came back as float64/int64 numpy arrays, strongly typed to the next step (bf16
+    params turned float32 where jax.jit kept bf16); load without `like` packed list positions together, so an
+    optax chain's state[3] came back as state[1] (the entries between held no arrays)."""
+    import ml_dtypes
+
+    params = [np.full((4, 4), 0.25, ml_dtypes.bfloat16), np.ones((4, 2), ml_dtypes.bfloat16)]
+    cfg = {"lr": 0.1, "epoch": 3, "on": True}
+
+    def step(p, cfg, batch):
+        def mb(b):
+            value, g = jax.value_and_grad(lambda p: jnp.sum(mpmd.pipeline_yield(b @ p[0]) @ p[1]).astype(jnp.float32))(p)
+            return g, value
+        g, losses = mpmd.accumulate_grads(mb, batch, schedule=mpmd.GPipe(2))
+        return [w - cfg["lr"] * gw for w, gw in zip(p, g)], losses
+
+    mpmd.save(str(tmp_path / "ck"), {"params": params, "cfg": cfg})
+    back = mpmd.restore(str(tmp_path / "ck"), mesh2, like={"params": params, "cfg": cfg})
+    assert back["cfg"] == cfg and [type(back["cfg"][k]) for k in ("lr", "epoch", "on")] == [float, int, bool]
+    assert mpmd.load(str(tmp_path / "ck"), like={"params": params, "cfg": cfg})["cfg"] == cfg
+    batch = np.ones((2, 2, 4), ml_dtypes.bfloat16)
+    want = jax.jit(step)(params, cfg, batch)[0]
+    got = mpmd.distributed(step, mesh=mesh2)(back["params"], back["cfg"], batch)[0]
+    assert [g.dtype for g in got] == [w.dtype for w in want] == [jnp.bfloat16] * 2
+
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.scale_by_adam(), optax.add_decayed_weights(1e-4),
+                      optax.scale_by_schedule(optax.constant_schedule(1.0)))
+    w = {"w": np.ones(3, np.float32)}
+    mpmd.save(str(tmp_path / "opt"), {"opt_state": opt.init(w), "params": w})
+    loaded = mpmd.load(str(tmp_path / "opt"))["opt_state"]
+    assert len(loaded) == 4 and loaded[0] is None and loaded[2] is None
+    assert set(loaded[1]) == {"count", "mu", "nu"} and set(loaded[3]) == {"count"}

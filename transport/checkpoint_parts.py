@@ -109,10 +109,27 @@ def write_part(directory: str, arrays: dict[str, np.ndarray]) -> tuple[list[dict
     import orbax.checkpoint as ocp
 
     described = [{"shape": list(a.shape), "dtype": a.dtype.name, "sha256": array_digest(a)} for a in arrays.values()]
-    ckpt = ocp.StandardCheckpointer()
-    ckpt.save(os.path.abspath(directory), arrays)
-    ckpt.wait_until_finished()
+    stored = {n: a for n, a in arrays.items() if a.size}  # (orbax refuses a zero-size array: its manifest entry is all of it)
+    if stored:
+        ckpt = ocp.StandardCheckpointer()
+        ckpt.save(os.path.abspath(directory), stored)
+        ckpt.wait_until_finished()
+    else:
+        os.makedirs(directory)
     return described, directory_digests(directory)
+
+
+def _empty(e: dict[str, Any]) -> np.ndarray | None:
+    """The zero-size array the manifest entry `e` describes (written nowhere), or None when it has elements."""
+    if all(int(d) for d in e["shape"]):
+        return None
+    try:
+        dtype = np.dtype(e["dtype"])
+    except TypeError:  # bfloat16, float8_*: the ml_dtypes numbers
+        import ml_dtypes
+
+        dtype = np.dtype(getattr(ml_dtypes, str(e["dtype"])))
+    return np.zeros([int(d) for d in e["shape"]], dtype)
 
 
 def _orbax_read(directory: str, names: list[str]) -> dict[str, np.ndarray]:
@@ -151,8 +168,10 @@ def read_part(directory: str, names: list[str], expect: list[dict[str, Any]], fi
         hashing = pool.submit(verify_directory, directory, files) if verify else None
         got: dict[str, np.ndarray] | None = None
         failure: BaseException | None = None
+        empty = {n: _empty(e) for n, e in zip(names, expect)}
         try:
-            got = _orbax_read(directory, names)
+            stored = [n for n in names if empty[n] is None]
+            got = {**(_orbax_read(directory, stored) if stored else {}), **{n: a for n, a in empty.items() if a is not None}}
         except Exception as e:  # a damaged file makes orbax fail: name the file first, when hashing finds it
             failure = e
         bad = hashing.result() if hashing is not None else None

@@ -447,21 +447,21 @@ def restore(path: str, mesh: Any, like: Any, *, for_step: Any = None, verify: bo
     for leaf, t in zip(m.leaves, where):
         if leaf.part == HOST_PART:
             value = from_wire(host[leaf.name], leaf.jax_dtype)
-            weak = bool(getattr(like_leaves[leaf.index], "weak_type", False))
+            like_leaf = like_leaves[leaf.index]
             if t.actors:
                 out[leaf.index] = mesh.put_replicated(value, list(t.actors), _spec(t))
-                out[leaf.index].weak_type = weak
-            elif isinstance(like_leaves[leaf.index], jax.Array) and isinstance(value, np.ndarray):
-                out[leaf.index] = jax_array(value, weak)  # (a jax Array where `like` has one, weak as it is)
+                out[leaf.index].weak_type = _weak(like_leaf)
+            elif isinstance(like_leaf, jax.Array) and isinstance(value, np.ndarray):
+                out[leaf.index] = jax_array(value, _weak(like_leaf))  # (a jax Array where `like` has one, weak as it is)
             else:
-                out[leaf.index] = value
+                out[leaf.index] = _as_like(like_leaf, value)
             continue
         bufs = {}
         for a in t.actors:
             bufs[a] = mesh.new_buffer_id()
             need[(a, leaf.part)].append((leaf, bufs[a], t.layout))
         out[leaf.index] = RemoteArray(mesh, bufs, leaf.shape, leaf.jax_dtype, remote_sharding(t.layout, am),
-                                      weak_type=bool(getattr(like_leaves[leaf.index], "weak_type", False)))  # (as `like` has it)
+                                      weak_type=_weak(like_leaves[leaf.index]))  # (as `like` has it)
 
     async def read() -> list[Any]:
         return list(await asyncio.gather(*(mesh.conn(a).request("restore", {
@@ -500,6 +500,19 @@ def _drop(tree: Any) -> None:
             x.delete()
 
 
+def _weak(like: Any) -> bool:
+    """Whether a `like` leaf is weakly typed to JAX: a Python number, or an array that is."""
+    return type(like) in (int, float, complex) or bool(getattr(like, "weak_type", False))
+
+
+def _as_like(like: Any, value: Any) -> Any:
+    """A host value as `like` holds it: a Python number where `like` has one (saved as a 0-d int64/float64 array;
+    a numpy one would be strongly typed to a step, so `w - lr * g` would no longer keep bf16 `w` bf16)."""
+    if type(like) in (bool, int, float, complex) and isinstance(value, np.ndarray) and value.shape == ():
+        return type(like)(value.item())
+    return value
+
+
 def _spec(t: Target) -> Any:
     return layout_to_spec(t.layout) if t.layout is not None else None
 
@@ -508,7 +521,8 @@ def load(path: str, like: Any = None, *, verify: bool = True) -> Any:
     """The latest checkpoint in `path` as host values, with no mesh and no daemons: numpy arrays (jax key arrays
     for typed PRNG keys), every byte verified. With `like`, in `like`'s tree (its paths, shapes and dtypes must
     be the saved ones); without, in nested dicts and lists rebuilt from the saved paths (a namedtuple's or
-    dataclass's fields as a dict, a tuple as a list).
+    dataclass's fields as a dict, a tuple as a list, an element that held no arrays as None in its place). A Python
+    number where `like` has one comes back a Python number.
 
         params, opt_state = mpmd.load("ckpt", like=(params, opt_state))
         state = mpmd.load("ckpt")          # e.g. [{'w': array(...), 'b': ...}, ...]
@@ -522,8 +536,8 @@ def load(path: str, like: Any = None, *, verify: bool = True) -> Any:
                 values[leaf.index] = from_wire(got[leaf.name], leaf.jax_dtype)
     flat = [values[i] for i in range(len(m.leaves))]
     if like is not None:
-        _, treedef = _match(m, like, "mpmd.load")
-        return reveal(jax.tree.unflatten(treedef, flat))
+        like_leaves, treedef = _match(m, like, "mpmd.load")
+        return reveal(jax.tree.unflatten(treedef, [_as_like(x, v) for x, v in zip(like_leaves, flat)]))
     return _rebuild([leaf.entries for leaf in m.leaves], flat)
 
 
@@ -542,6 +556,12 @@ def _rebuild(entries: list[list[list[Any]]], values: list[Any]) -> Any:
         if not isinstance(node, dict) or not node or not all(isinstance(k, tuple) and len(k) == 2 for k in node):
             return node
         if all(kind in ("index", "flat") for kind, _ in node):
+            # (positions kept: an element that held no arrays — None, optax's EmptyState, () — is None here)
+            if all(isinstance(i, int) and 0 <= i < 1 << 20 for _, i in node):
+                out: list[Any] = [None] * (max(i for _, i in node) + 1)
+                for (_, i), v in node.items():
+                    out[i] = finish(v)
+                return out
             return [finish(node[k]) for k in sorted(node, key=lambda k: k[1])]
         return {key: finish(v) for (_, key), v in node.items()}
 
