@@ -12,7 +12,7 @@ from jax.extend.core import ClosedJaxpr
 from mpmd.closures import Lifted, lifted
 from mpmd.errors import PipelineError
 from mpmd.primitives import FWD, accumulate_p, pipeline_yield_p
-from mpmd.schedules import Schedule
+from mpmd.schedules.builtin import Schedule, not_a_schedule
 from mpmd.schedules.override import schedule_override
 from mpmd.step import DistributedFunction  # at import, not at the first `distributed`: importing it holds the GIL ~1 s
 
@@ -43,9 +43,7 @@ def accumulate_grads(fn: Callable[[Any], tuple[Any, Any]], batch: Any, schedule:
     if not callable(fn):
         raise PipelineError(f"accumulate_grads(fn, batch, schedule=...): fn must be the per-microbatch function, got "
                             f"{type(fn).__name__} {fn!r:.80}")
-    if schedule is not None and not isinstance(schedule, Schedule):
-        hint = (f"the class {schedule.__name__}: make one, e.g. {schedule.__name__}(num_stages=2)"
-                if isinstance(schedule, type) else f"{type(schedule).__name__} {schedule!r:.80}")
+    if schedule is not None and (hint := not_a_schedule(schedule)) is not None:
         raise PipelineError(f"accumulate_grads: schedule must be a schedule such as mpmd.OneFOneB(num_stages=2) "
                             f"(see mpmd.schedules), got {hint}")
     schedule = schedule_override() or schedule

@@ -23,7 +23,7 @@ from mpmd.compiler.avals import dtype_text, host_value, is_key, jax_array, not_n
 from mpmd.compiler.inline import inline_calls
 from mpmd.compiler.plan import StepPlan, iter_lowered, plan_step
 from mpmd.compiler.program import Send
-from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError
+from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError, ScheduleError
 from mpmd.observe.report import PlacementReport, placement_report
 from mpmd.runtime.aio import abortable, off_loop, start_in_worker, watch
 from mpmd.runtime.array import RemoteArray
@@ -32,6 +32,7 @@ from mpmd.runtime.callbacks import run_host_calls
 from mpmd.runtime.controller import note_blocking
 from mpmd.runtime.loader import LoadedLeaf, named_in_argument
 from mpmd.runtime.sharding import infer_layouts, layout_to_spec, layout_wire, remote_sharding, tree_specs
+from mpmd.schedules.builtin import not_a_schedule
 from mpmd.schedules.override import use_schedule
 from mpmd.static_leaves import Static, hide, reveal
 from transport.protocol import dtype_name
@@ -498,13 +499,19 @@ class DistributedFunction:
         as `mpmd.simulate(schedule)` counts it."""
         from mpmd.schedules.simulator import Costs, simulate_programs
 
+        if costs is not None and not isinstance(costs, Costs):
+            raise ScheduleError(f"step.simulate: costs must be mpmd.Costs (e.g. mpmd.Costs(F=1, B=2)), got {type(costs).__name__} "
+                                f"{costs!r:.80}")
         plan = self.compile_bound(self.bind(args, kwargs)).plan
-        costs = (costs or Costs()).with_remat(plan.remat, plan.split.num_stages)
+        costs = (costs if costs is not None else Costs()).with_remat(plan.remat, plan.split.num_stages)
         return simulate_programs(plan.programs, costs, name=getattr(self.fn, "__name__", "step"))
 
     def with_schedule(self, schedule: Any) -> DistributedFunction:
         """The same step on the same mesh with `schedule` in place of the one its `accumulate_grads` names
         (compiled afresh on first call), e.g. `step.with_schedule(mpmd.ZeroBubbleH1(4, balance="auto"))`."""
+        if (hint := not_a_schedule(schedule, duck=True)) is not None:
+            raise PipelineError(f"with_schedule: schedule must be a schedule such as mpmd.OneFOneB(num_stages=2) "
+                                f"(see mpmd.schedules), got {hint}")
         other = DistributedFunction(self.fn, self.mesh, self.in_shardings, self.out_shardings, self.static_argnums,
                                     donate_argnums=self.donate_argnums)
         other.schedule = schedule

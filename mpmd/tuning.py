@@ -340,7 +340,9 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
                                                                           virtual_stages)  # before anything is measured
     if isinstance(step_fn, DistributedFunction):  # its static arguments and shardings too
         mesh = mesh if mesh is not None else step_fn.mesh
-        base = DistributedFunction(step_fn.fn, mesh, step_fn.in_shardings, step_fn.out_shardings, step_fn.static_argnums)
+        # (donating as the user's step does: what tune measures runs through call_bound, which never donates)
+        base = DistributedFunction(step_fn.fn, mesh, step_fn.in_shardings, step_fn.out_shardings, step_fn.static_argnums,
+                                   donate_argnums=step_fn.donate_argnums)
     elif mesh is None:
         raise PipelineError("mpmd.tune needs mesh= (the RemoteMesh the step will run on)")
     else:

@@ -124,3 +124,45 @@ def test_a_local_mesh_says_how_many_cores_its_actors_share(mesh4, mesh2):
     if cores >= 2:
         with mpmd.RemoteMesh.local(num_actors=2, cpus_per_actor=1) as pinned:
             assert pinned.shared_cores() is None  # a core each
+
+
+def test_a_schedule_numbered_with_numpy_integers_runs_like_jit_and_bad_schedule_arguments_are_named(mesh2):
+    """A user's table built with np.arange (or actor_of answering np.int64) passed validation, then failed at
+    dispatch with msgpack's "can not serialize 'numpy.int64'"; with_schedule(mpmd.GPipe) and
+    step.simulate(costs={...}) failed with AttributeErrors deep inside (found by a probe)."""
+    import dataclasses
+
+    import jax
+
+    @dataclasses.dataclass(frozen=True)
+    class Reversed(mpmd.Schedule):  # stage s on actor 1 - s, numbered with numpy
+        def actor_of(self, s):
+            return np.int64(self.num_stages - 1 - s)
+
+        def tasks(self, m):
+            rows = [[mpmd.Task(s, "F", i) for i in np.arange(m)] + [mpmd.Task(s, "B", i) for i in np.arange(m)]
+                    for s in np.arange(self.num_stages)]
+            return rows[::-1]
+
+    def step_for(schedule):
+        def step(params, batch):
+            def mb(b):
+                value, g = jax.value_and_grad(lambda p: jnp.sum(mpmd.pipeline_yield(jnp.tanh(b @ p[0])) @ p[1]))(params)
+                return g, value
+            return mpmd.accumulate_grads(mb, batch, schedule=schedule)
+        return step
+
+    params = [np.full((4, 4), 0.25, np.float32), np.full((4, 4), 0.25, np.float32)]
+    batch = np.linspace(0, 1, 24, dtype=np.float32).reshape(2, 3, 4)
+    want = jax.jit(step_for(None))(params, batch)
+    dist = mpmd.distributed(step_for(Reversed(2)), mesh=mesh2)
+    got = mpmd.fetch(dist(params, batch))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-6)
+    assert [type(t.stage) for t in Reversed(2).tasks(2)[0]] == [int] * 4
+    for bad, what in ((mpmd.GPipe, "the class GPipe: make one"), ("GPipe", "str 'GPipe'")):
+        with pytest.raises(mpmd.PipelineError, match=f"with_schedule: schedule must be a schedule.*{what}"):
+            dist.with_schedule(bad)
+    with pytest.raises(mpmd.ScheduleError, match="costs must be mpmd.Costs.*dict"):
+        dist.simulate(params, batch, costs={"F": 1})
+    assert dist.simulate(params, batch, costs=mpmd.Costs(F=1, B=2)).step_time > 0

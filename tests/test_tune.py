@@ -70,7 +70,7 @@ def test_tune_with_measured_costs_gives_a_winner_equal_to_jax_jit_and_verify_mea
     params, batch = uneven_setup(num_mb=4, rows=16)
     opt = optax.adam(1e-3)
     step = make_step(uneven_loss, opt, mpmd.OneFOneB(2))
-    r = mpmd.tune(mpmd.distributed(step, mesh=mesh2), params, opt.init(params), batch, microbatches=[2, 4],
+    r = mpmd.tune(mpmd.distributed(step, mesh=mesh2, donate_argnums=(0, 1)), params, opt.init(params), batch, microbatches=[2, 4],
                   schedules=["OneFOneB", "ZeroBubbleH1"], profile_steps=1)
     assert r.costs.source == "measured on the actors" and len(r.feasible) == 4
     # Calibrated while tuning: every prediction scaled alike by the winner's measured / simulated time.
@@ -86,6 +86,11 @@ def test_tune_with_measured_costs_gives_a_winner_equal_to_jax_jit_and_verify_mea
     got = r.step(params, opt.init(params), mb)
     want = jax.jit(make_step(uneven_loss, opt, None))(params, opt.init(params), mb)
     assert_trees_close(got, want)
+    # The winner donates as the step given to tune does (it did not: the state stayed twice on the actors).
+    assert r.step.donate_argnums == {0, 1}
+    again = r.step(got[0], got[1], mb)
+    assert all(x.is_deleted for x in jax.tree.leaves(got[:2])) and not any(x.is_deleted for x in jax.tree.leaves(again[:2]))
+    assert_trees_close(again, jax.jit(make_step(uneven_loss, opt, None))(*want[:2], mb))
 
 
 def test_with_remat_a_candidate_over_the_memory_limit_gets_a_remat_row_that_fits():

@@ -25,6 +25,7 @@ torch.distributed.pipelining; a fused Run lists several, ``1F3+1B3``) or the ste
 
 from __future__ import annotations
 
+import numbers
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,13 @@ class Task:
     stage: int
     kind: str
     mb: int
+
+    def __post_init__(self) -> None:
+        # numpy integers (a user's table built with np.arange) as Python ints: they cross the wire in Programs
+        for name in ("stage", "mb"):
+            v = getattr(self, name)
+            if type(v) is not int and isinstance(v, numbers.Integral) and not isinstance(v, bool):
+                object.__setattr__(self, name, int(v))
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind}{self.mb}"

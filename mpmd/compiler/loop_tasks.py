@@ -111,7 +111,7 @@ class ScheduledStages:
         return self.schedule.num_actors
 
     def actor_of(self, stage: int) -> int:
-        return self.schedule.actor_of(stage)
+        return int(self.schedule.actor_of(stage))  # (a user's schedule may answer with a numpy integer)
 
 
 def check_schedule(schedule: Schedule | None, num_stages: int, num_mesh_actors: int) -> None:

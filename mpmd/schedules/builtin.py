@@ -64,6 +64,17 @@ from mpmd.errors import ScheduleError
 from mpmd.schedules.validation import check_programs, format_table, validate
 from transport.program import TASK_KINDS, Task
 
+
+def not_a_schedule(value: object, duck: bool = False) -> str | None:
+    """What is wrong with `value` as a schedule (None: it is one; with `duck`, any object with a schedule's
+    num_stages, actor_of and tasks, as `mpmd.schedules.validation.Schedule` reads it): the text after "got"."""
+    if isinstance(value, Schedule) or (duck and not isinstance(value, type) and hasattr(value, "num_stages")
+                                       and callable(getattr(value, "actor_of", None)) and callable(getattr(value, "tasks", None))):
+        return None
+    if isinstance(value, type):
+        return f"the class {value.__name__}: make one, e.g. {value.__name__}(num_stages=2)"
+    return f"{type(value).__name__} {value!r:.80}"
+
 __all__ = ["Custom", "DualPipeV", "EagerOneFOneB", "GPipe", "InterleavedOneFOneB", "InterleavedZeroBubble", "OneFOneB",
            "Schedule", "Task", "ZeroBubbleH1", "ZeroBubbleV", "backward", "check_programs", "format_table", "one_f_one_b",
            "validate", "BUILTINS"]
