@@ -172,6 +172,11 @@ def test_mesh_profile_brings_back_a_jax_profiler_trace_per_actor_beside_mpmds_tr
     step = mpmd.distributed(make_step(models.mse_loss(models.mlp), opt, mpmd.OneFOneB(2)), mesh=mesh2)
     batch = models.regression_batch(rng, 4, 4, 32)
     step(params, opt_state, batch)[2].block_until_ready()  # compiled outside the profile
+    # Inside mesh.trace() a profile is refused before it starts the actors' profilers (a failed one used to leave
+    # them running: every later profile on the mesh failed with "already profiling").
+    with mesh2.trace():
+        with pytest.raises(mpmd.MpmdError, match="inside a mesh.trace\\(\\) block: use one of them"):
+            mesh2.profile(tmp_path, run="nested").__enter__()
     for run in ("first", "second"):
         with mesh2.profile(tmp_path, run=run) as prof:
             out = step(params, opt_state, batch)

@@ -40,6 +40,9 @@ class ProfileContext:
         self.trace: Trace | None = None
 
     def __enter__(self) -> ProfileContext:
+        if getattr(self.mesh, "active_trace", None) is not None:  # (checked before any actor starts profiling)
+            raise MpmdError("mesh.profile() records mpmd's trace too, and this mesh is inside a mesh.trace() block: use one "
+                            "of them (the profile's own trace is `prof.trace`)")
         os.makedirs(self.logdir, exist_ok=True)
         started: list[int] = []
 
@@ -49,11 +52,11 @@ class ProfileContext:
 
         try:
             self.mesh.run(_gather([start(i) for i in range(len(self.mesh.addresses))]))
+            self._trace_ctx = self.mesh.trace()
+            self.trace = self._trace_ctx.__enter__()
         except BaseException:
-            self._stop(started, keep=False)
+            self._stop(started, keep=False)  # (what it started stops: a later mesh.profile() starts cleanly)
             raise
-        self._trace_ctx = self.mesh.trace()
-        self.trace = self._trace_ctx.__enter__()
         log.info("profiling %d actors into %s (run %s)", len(self.mesh.addresses), self.logdir, self.run)
         return self
 
