@@ -111,6 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("max_message_mb", "max_unclaimed", "max_unclaimed_mb"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.cpus is not None and not all(c.strip().isdigit() for c in args.cpus.split(",") if c.strip()):
+        p.error(f"--cpus takes core numbers separated by commas, e.g. 0,1, got {args.cpus!r}")
     return args
 
 
@@ -234,6 +236,11 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     if not secure and not args.insecure:
         log.warning("serving %s without authentication: any local user can reach it; 'compile' is refused (give the "
                     "daemon --server-key/--authorized-keys, or --insecure)", args.listen)
+    try:  # (an unknown --platform, or cuda on a machine without a GPU, fails here: say it in one line)
+        jax.devices()
+    except Exception as e:
+        raise SystemExit(f"mpmd-actor: JAX found no devices for --platform {args.platform or os.environ.get('JAX_PLATFORMS') or '(default)'}: "
+                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else '(is that device and its jaxlib plugin here?)'}") from None
     ctx = zmq.asyncio.Context.instance()
     auth = None
     if secure:
@@ -252,11 +259,16 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         device = jax.devices()[0]
         from actors.buffers import release_host_memory
 
-        p2p = DataPlane(args.actor_id, host, args.ipc_dir, nccl_device=device if device.platform == "gpu" else None,
-                        release_hook=release_host_memory, keys=None if args.insecure else KeyPair.generate(),
-                        tcp=args.p2p == "tcp", max_message_bytes=max_bytes,
-                        limits=ArrivalLimits(args.max_unclaimed, args.max_unclaimed_mb * 1024 * 1024))
-        await p2p.start()
+        try:
+            p2p = DataPlane(args.actor_id, host, args.ipc_dir, nccl_device=device if device.platform == "gpu" else None,
+                            release_hook=release_host_memory, keys=None if args.insecure else KeyPair.generate(),
+                            tcp=args.p2p == "tcp", max_message_bytes=max_bytes,
+                            limits=ArrivalLimits(args.max_unclaimed, args.max_unclaimed_mb * 1024 * 1024))
+            await p2p.start()
+        except (zmq.ZMQError, OSError) as e:
+            sock.close(0)
+            raise SystemExit(f"mpmd-actor: cannot start the data plane (--p2p {args.p2p}"
+                             f"{f', --ipc-dir {args.ipc_dir}' if args.ipc_dir else ''}, host {host}): {e}") from None
     checker = CheckerPool([BlobChecker(ALLOWED_CUSTOM_CALLS | frozenset(args.allow_custom_call), timeout=args.compile_timeout,
                                        devices=len(jax.devices())) for _ in range(args.compile_workers)])
     checker.compile_dir = compile_dir

@@ -251,10 +251,16 @@ def test_daemon_flags_that_cannot_work_are_refused_at_once_saying_what_to_do(tmp
         (("--rendezvous", str(tmp_path), "--actor-id", "0"), None, "needs --authorized-keys DIR"),
         (("--listen", "garbage://x", "--insecure"), None, "--listen takes tcp://host:port or ipc://path"),
         (("--cpu-devices", "-3"), None, "--cpu-devices must be 1-4096"),
+        (("--cpus", "a,b"), None, "--cpus takes core numbers separated by commas"),
     ]
     for flags, env, said in cases:
         got = daemon(*flags, env=env)
         assert got.returncode == 2 and said in got.stderr, (flags, got.stderr)
+    # Failing once started: one line each, no traceback (a raw RuntimeError / AssertionError / ZMQError before)
+    for flags, said in ((("--platform", "nosuch"), "JAX found no devices for --platform nosuch"),
+                        (("--p2p", "ipc", "--ipc-dir", str(tmp_path / "missing")), "cannot start the data plane (--p2p ipc")):
+        got = daemon("--listen", "tcp://127.0.0.1:0", *flags, env={"JAX_PLATFORMS": ""} if "--platform" in flags else None)
+        assert got.returncode == 1 and said in got.stderr and "Traceback" not in got.stderr, (flags, got.stderr)
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o770)
     os.chmod(shared, 0o770)
