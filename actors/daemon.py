@@ -306,7 +306,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         except BaseException as e:
             if deadline.expired():
                 raise RequestError(f"'{msg.op}' did not finish within {bound:g} s (mpmd-actor {flag}), so it was "
-                                   f"cancelled; {_waiting_on(msg)}") from None
+                                   f"cancelled; {_waiting_on(msg, actor.loaders.still_running())}") from None
             if isinstance(e, asyncio.CancelledError) and not asyncio.current_task().cancelling():
                 # Not the daemon stopping: something the handler awaited went away.
                 raise RequestError(f"'{msg.op}' was cancelled: a buffer it waited for was deleted or its step aborted") from None
@@ -412,7 +412,10 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
             pass
 
 
-def _waiting_on(msg) -> str:
+def _waiting_on(msg, loading: str | None = None) -> str:
+    if msg.op == "run_program" and loading:
+        return (f"program {msg.header.get('program')} step {msg.header.get('step')} was waiting for its data loader: "
+                f"{loading} had not returned (a loader that blocks holds the step; give it a timeout of its own)")
     bufs = msg.header.get("bufs") or ([msg.header["buf"]] if "buf" in msg.header else [])
     if msg.op in ("get", "wait") and isinstance(bufs, list) and bufs:
         return f"buffer(s) {bufs[:8]} were still being produced (is the step that makes them stuck?)"

@@ -2,6 +2,7 @@
 local mesh (mpmd.runtime.inputs, actors/inputs.py), and hostile shared-memory notices refused."""
 
 import re
+import threading
 import time
 
 import jax
@@ -15,6 +16,7 @@ from mpmd.errors import MpmdError
 from mpmd.runtime import inputs as inputs_module
 from mpmd.runtime.inputs import SHM_INPUT_MIN_BYTES, input_stager
 from mpmd.testing import make_train_step, mlp, mlp_params, mse_loss, regression_batch
+from tests.wire import wait_until
 from transport.p2p import shm
 
 
@@ -238,6 +240,39 @@ def test_a_loader_raising_system_exit_fails_its_leaf_not_the_daemon():
     for bad in (-1, True, 1.5, "3", None, [1]):
         with pytest.raises(RequestError, match="the step to load must be an int >= 0"):
             loaders.check({"fn": "tests.test_inputs:_loader_that_exits", "name": "x", "shape": [2], "dtype": "float32", "step": bad})
+
+
+_GATE = threading.Event()
+
+
+def _loader_that_waits(step, leaf):
+    _GATE.wait(30)
+    return np.zeros(2, np.float32)
+
+
+def test_a_step_timed_out_on_a_blocked_loader_names_the_loader_call_it_waits_for():
+    """A loader that blocked made the step time out with "program 1 step 0 was still running", as if the step's
+    own program hung (found by a probe): the request's timeout message now names the loader calls still running."""
+    from actors.daemon import _waiting_on
+    from actors.loader import Loaders
+    from transport.protocol import Message
+
+    loaders = Loaders(["tests.test_inputs:_loader_that_waits"])
+    fn, name, dtype, shape = loaders.check({"fn": "tests.test_inputs:_loader_that_waits", "name": "x", "shape": [2], "dtype": "float32"})
+    assert loaders.still_running() is None
+    _GATE.clear()
+    worker = threading.Thread(target=loaders.load, args=(fn, name, dtype, shape, 7))
+    worker.start()
+    try:
+        assert wait_until(lambda: loaders.still_running() is not None, 10)
+        msg = Message({"op": "run_program", "id": 1, "program": 3, "step": 7}, [])
+        said = _waiting_on(msg, loaders.still_running())
+        assert "program 3 step 7 was waiting for its data loader: tests.test_inputs:_loader_that_waits(7, 'x')" in said
+        assert "program 3 step 7 was still running" in _waiting_on(msg, None)
+    finally:
+        _GATE.set()
+        worker.join(30)
+    assert loaders.still_running() is None
 
 
 def test_a_loader_name_must_be_module_colon_function():
