@@ -111,6 +111,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("max_message_mb", "max_unclaimed", "max_unclaimed_mb"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    from transport.protocol import LOADER_NAME
+
+    for fn in args.allow_loader:
+        if not LOADER_NAME.match(fn):
+            p.error(f"--allow-loader takes a data loader named 'package.module:function', got {fn!r}")
     if args.cpus is not None and not all(c.strip().isdigit() for c in args.cpus.split(",") if c.strip()):
         p.error(f"--cpus takes core numbers separated by commas, e.g. 0,1, got {args.cpus!r}")
     return args
@@ -511,7 +516,7 @@ def main(argv: list[str] | None = None) -> None:
         from transport.auth import AuthKeyError, check_safe_path
 
         try:
-            check_safe_path(args.cache_dir, "--cache-dir")
+            check_safe_path(args.cache_dir, "--cache-dir", holds="compiled code")
         except AuthKeyError as e:
             raise SystemExit(f"mpmd-actor: {e} (the daemon runs the executables it finds there)") from None
     configure_environment(args)

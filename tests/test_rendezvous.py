@@ -252,6 +252,7 @@ def test_daemon_flags_that_cannot_work_are_refused_at_once_saying_what_to_do(tmp
         (("--listen", "garbage://x", "--insecure"), None, "--listen takes tcp://host:port or ipc://path"),
         (("--cpu-devices", "-3"), None, "--cpu-devices must be 1-4096"),
         (("--cpus", "a,b"), None, "--cpus takes core numbers separated by commas"),
+        (("--allow-loader", "not a name"), None, "--allow-loader takes a data loader named 'package.module:function'"),
     ]
     for flags, env, said in cases:
         got = daemon(*flags, env=env)

@@ -270,8 +270,16 @@ def test_bad_arguments_name_what_was_passed():
         mpmd.ZeroBubbleV(num_actors=-1)
     with pytest.raises(mpmd.ScheduleError, match="number of microbatches must be a positive int, got 0"):
         validate(mpmd.GPipe(2), 0)
-    with pytest.raises(ValueError, match="'0X1' is not a task"):
-        Custom(num_stages=1, order=(("0X1",),))
+    with pytest.raises(mpmd.ScheduleError, match=r"order\[0\]\[1\] \(actor 0's task 1\): '0X1' is not a task"):
+        Custom(num_stages=1, order=(("0F0", "0X1"),))  # (a ValueError naming no position before)
+
+    @dataclass(frozen=True)
+    class Strings(mpmd.Schedule):
+        def tasks(self, m):
+            return [[f"0{k}{i}" for k in "FB" for i in range(m)]]
+
+    with pytest.raises(mpmd.ScheduleError, match=r"must give Task objects, but actor 0's task 0 is a str '0F0' \(mpmd.Task.parse"):
+        validate(Strings(1), 1)
 
 
 def test_a_schedules_repr_names_its_non_default_balance_and_remat():

@@ -190,6 +190,19 @@ def test_mesh_profile_brings_back_a_jax_profiler_trace_per_actor_beside_mpmds_tr
         assert prof.trace is not None and len(prof.trace.steps) == 1
 
 
+def test_an_empty_trace_or_a_step_it_does_not_hold_is_an_mpmd_error_naming_what_it_holds():
+    """breakdown() of an empty trace and summary(step=3) of a one-step one raised a bare IndexError."""
+    from mpmd.observe.trace import Trace
+
+    t = Trace()
+    assert t.summary() == "no traced step"
+    for call in (t.breakdown, t.window, lambda: t.runs(0)):
+        with pytest.raises(mpmd.MpmdError, match=r"no traced step -1: it holds 0 step\(s\); run a step inside"):
+            call()
+    with pytest.raises(mpmd.MpmdError, match="a step is an int"):
+        t.breakdown("a")
+
+
 def test_fit_costs_names_an_empty_trace_a_step_out_of_range_and_too_few_stages():
     """fit_costs on bad input raised IndexError (no step, step past the end) and KeyError: (1, 'F') (a trace
     of two stages fitted with num_stages=1); each must say what was wrong and what to pass."""

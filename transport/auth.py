@@ -90,7 +90,7 @@ def _stat(path: Path, cannot: str) -> tuple[os.stat_result, int]:
     return st, stat.S_IMODE(st.st_mode)
 
 
-def check_safe_path(path: str | os.PathLike[str], what: str, secret: bool = False) -> Path:
+def check_safe_path(path: str | os.PathLike[str], what: str, secret: bool = False, holds: str = "a key") -> Path:
     """Raise AuthKeyError unless `path` (a file or directory, symlinks resolved) and every directory above it
     could have been written only by this user or root (see the module docstring); returns the resolved path."""
     given = Path(path).expanduser()
@@ -99,19 +99,19 @@ def check_safe_path(path: str | os.PathLike[str], what: str, secret: bool = Fals
     st, mode = _stat(real, f"cannot read {what} {shown}")
     if not _trusted_owner(st.st_uid):
         raise AuthKeyError(f"{what} {shown} is owned by {_owner(st.st_uid)}, not by you ({_owner(os.geteuid())}) or root, "
-                           f"so another user could have put a key there; keys are trusted only from your own files "
+                           f"so another user could have put {holds} there; keys are trusted only from your own files "
                            f"(`chown {_owner(os.geteuid()).split()[0]} {real}`, or make new ones with `mpmd keys generate`)")
     if secret and mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise AuthKeyError(f"secret key file {shown} can be read by other users (mode {mode:o}, owner {_owner(st.st_uid)}); "
                            f"run `chmod 600 {real}`")
     if mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise AuthKeyError(f"{what} {shown} can be written by other users (mode {mode:o}, owner {_owner(st.st_uid)}), so "
-                           f"anyone could have put a key there; run `chmod go-w {real}`")
+                           f"anyone could have put {holds} there; run `chmod go-w {real}`")
     for parent in real.parents:
         pst, pmode = _stat(parent, f"cannot check directory {parent} above {what} {shown}")
         if not _trusted_owner(pst.st_uid):
             raise AuthKeyError(f"directory {parent}, above {what} {shown}, is owned by {_owner(pst.st_uid)}, who could "
-                               f"replace what is in it; keep keys under directories owned by you or root")
+                               f"replace what is in it; keep {'keys' if holds == 'a key' else 'it'} under directories owned by you or root")
         if pmode & (stat.S_IWGRP | stat.S_IWOTH) and not (pst.st_uid == 0 and pmode & stat.S_ISVTX):
             raise AuthKeyError(f"directory {parent}, above {what} {shown}, can be written by other users (mode {pmode:o}, "
                                f"owner {_owner(pst.st_uid)}), who could replace what is in it; run `chmod go-w {parent}`")

@@ -72,6 +72,7 @@ arrival, e.g. its sender is over its unclaimed-arrival limit).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,6 +127,9 @@ class Message:
 
 
 _WIRE_NAMES: dict[np.dtype, str] = {dt: name for name, dt in ALLOWED_DTYPES.items()}  # (dtype.name costs ~2 us a call)
+
+
+LOADER_NAME = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # a data loader, "package.module:function"
 
 
 def dtype_name(dtype: Any) -> str:

@@ -132,20 +132,32 @@ class Trace:
 
     def runs(self, actor: int, step: int = -1) -> list[str]:
         """The labels of the Runs `actor` did in a traced step, in order."""
-        return [r.label for r in self.steps[step][actor].runs]
+        return [r.label for r in self._step(step)[actor].runs]
+
+    def _step(self, step: int) -> dict[int, ActorStep]:
+        """Traced step `step` (negative: from the end); an MpmdError naming what there is when there is none."""
+        from mpmd.errors import MpmdError
+
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise MpmdError(f"trace: a step is an int (its index among the traced steps; -1 the last), got {step!r:.40}")
+        if not -len(self.steps) <= step < len(self.steps):
+            raise MpmdError(f"trace: no traced step {step}: it holds {len(self.steps)} step(s)"
+                            + ("; run a step inside `with mesh.trace() as t:`" if not self.steps else ""))
+        return self.steps[step]
 
     def window(self, step: int = -1) -> tuple[float, float]:
-        s = self.steps[step]
+        s = self._step(step)
         return min(a.start for a in s.values()), max(a.end for a in s.values())
 
     def breakdown(self, step: int = -1) -> dict[int, Breakdown]:
         w = self.window(step)
-        return {a: breakdown(x, w) for a, x in sorted(self.steps[step].items())}
+        return {a: breakdown(x, w) for a, x in sorted(self._step(step).items())}
 
     def summary(self, step: int = -1) -> str:
         """Per actor: compute, waiting for data, runtime overhead, idle, as ms and shares of the step."""
         if not self.steps:
             return "no traced step"
+        self._step(step)
         lines = [f"traced step {step % len(self.steps)}: {(self.window(step)[1] - self.window(step)[0]) * 1e3:.2f} ms",
                  "actor   compute          waiting for data  runtime overhead  idle"]
         for a, b in self.breakdown(step).items():

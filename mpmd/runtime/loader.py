@@ -21,14 +21,13 @@ against the declared shape and dtype.
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import numpy as np
 
-_NAME = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+from transport.protocol import LOADER_NAME as _NAME
 
 
 @dataclass(frozen=True)

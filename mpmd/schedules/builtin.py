@@ -510,7 +510,13 @@ class Custom(Schedule):
         for i, row in enumerate(order):  # (generators taken as they are: each is read once)
             if not isinstance(row, tuple):
                 raise ScheduleError(f"Custom: order[{i}] must be actor {i}'s sequence of tasks, {example}; got {row!r:.80}")
-        rows = tuple(tuple(t if isinstance(t, Task) else Task.parse(t) for t in row) for row in order)  # ValueError names a bad one
+        def parsed(i: int, j: int, t: object) -> Task:
+            try:
+                return t if isinstance(t, Task) else Task.parse(t)
+            except ValueError as e:
+                raise ScheduleError(f"Custom: order[{i}][{j}] (actor {i}'s task {j}): {e}") from None
+
+        rows = tuple(tuple(parsed(i, j, t) for j, t in enumerate(row)) for i, row in enumerate(order))
         for i, row in enumerate(rows):
             for t in row:
                 if not (t.kind in TASK_KINDS and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (t.stage, t.mb))):

@@ -175,7 +175,10 @@ def validate(schedule: Schedule, num_microbatches: int) -> Table:
     home: dict[int, tuple[int, int]] = {}  # stage -> where its first task sits
     for a, row in enumerate(table):
         for i, t in enumerate(row):
-            if not isinstance(t, Task) or t.kind not in TASK_KINDS or not (0 <= t.stage < n and 0 <= t.mb < m):
+            if not isinstance(t, Task):
+                raise _fail(f"{name}.tasks({m}) must give Task objects, but actor {a}'s task {i} is a {type(t).__name__} "
+                            f"{t!r:.40}" + (f" (mpmd.Task.parse({t!r:.20}) makes one)" if isinstance(t, str) else ""), table, {a: i})
+            if t.kind not in TASK_KINDS or not (0 <= t.stage < n and 0 <= t.mb < m):
                 raise _fail(f"{t!s} on actor {a} is not a task of {n} stages x {m} microbatches (kinds F, B, I, W); "
                             f"tasks are stage, kind, microbatch like '0F3', with stage < {n} and microbatch < {m}",
                             table, {a: i})
