@@ -76,6 +76,12 @@ def test_keys_generate_writes_a_pair_only_its_owner_can_read_and_loading_checks_
     with pytest.raises(AuthKeyError, match="only a public key"):
         os.chmod(public, 0o600)
         KeyPair.load(public)
+    # Into a directory other users may write, generate refuses at once (it wrote a pair and printed a daemon
+    # command line that the daemon then refused, found by a probe).
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    assert keys_cli.main(["keys", "generate", str(shared)]) == 1 and not list(shared.iterdir())
 
 
 def test_the_right_key_works_and_wrong_or_missing_keys_are_refused_without_affecting_the_job(keyed):

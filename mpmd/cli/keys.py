@@ -14,10 +14,11 @@ The `mpmd` command registers this with `add_subcommand(subparsers)`; `main(argv)
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
-from transport.auth import AuthKeyError, generate_key_files
+from transport.auth import AuthKeyError, check_safe_path, generate_key_files
 
 
 def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -36,6 +37,8 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
 def run(args: argparse.Namespace) -> int:
     """Carry out a parsed ``mpmd keys ...`` command; returns the exit status."""
     try:
+        if os.path.isdir(args.dir):  # (a daemon refuses keys that other users could have replaced: say so now)
+            check_safe_path(args.dir, "key directory")
         public, secret = generate_key_files(args.dir, args.name, overwrite=args.force)
     except (AuthKeyError, OSError) as e:
         print(f"mpmd keys generate: {e}", file=sys.stderr)
