@@ -29,6 +29,7 @@ import faulthandler
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -116,7 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for fn in args.allow_loader:
         if not LOADER_NAME.match(fn):
             p.error(f"--allow-loader takes a data loader named 'package.module:function', got {fn!r}")
-    if args.cpus is not None and not all(c.strip().isdigit() for c in args.cpus.split(",") if c.strip()):
+    if args.cpus is not None and not re.fullmatch(r"\s*[0-9]+\s*(,\s*[0-9]+\s*)*,?\s*", args.cpus):
         p.error(f"--cpus takes core numbers separated by commas, e.g. 0,1, got {args.cpus!r}")
     return args
 
@@ -272,6 +273,8 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
             await p2p.start()
         except (zmq.ZMQError, OSError) as e:
             sock.close(0)
+            if auth is not None:
+                auth.stop()
             raise SystemExit(f"mpmd-actor: cannot start the data plane (--p2p {args.p2p}"
                              f"{f', --ipc-dir {args.ipc_dir}' if args.ipc_dir else ''}, host {host}): {e}") from None
     checker = CheckerPool([BlobChecker(ALLOWED_CUSTOM_CALLS | frozenset(args.allow_custom_call), timeout=args.compile_timeout,
@@ -311,7 +314,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         except BaseException as e:
             if deadline.expired():
                 raise RequestError(f"'{msg.op}' did not finish within {bound:g} s (mpmd-actor {flag}), so it was "
-                                   f"cancelled; {_waiting_on(msg, actor.loaders.still_running())}") from None
+                                   f"cancelled; {_waiting_on(msg, actor.loaders.still_running(msg.header.get('session')))}") from None
             if isinstance(e, asyncio.CancelledError) and not asyncio.current_task().cancelling():
                 # Not the daemon stopping: something the handler awaited went away.
                 raise RequestError(f"'{msg.op}' was cancelled: a buffer it waited for was deleted or its step aborted") from None

@@ -503,7 +503,7 @@ class Actor:
         # Loaded leaves come in a worker thread, while the step before still runs; the step waits for them.
         for i, spec in marked(inputs, -3, loads):
             lay = self._layout(spec.get("layout"))
-            placed[i] = self.loaders.start(spec, spec.get("step", step), lambda host, lay=lay: self._to_device(host, lay))
+            placed[i] = self.loaders.start(spec, spec.get("step", step), lambda host, lay=lay: self._to_device(host, lay), ses.id)
         for b in received:
             ses.buffers.reserve(b)
         refs = [placed[i] if b < 0 else ses.buffers.ref(b) for i, b in enumerate(inputs)]

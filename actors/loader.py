@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import itertools
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,7 +36,10 @@ class Loaders:
         self.allowed = frozenset(allowed)
         self._fns: dict[str, Callable[..., Any]] = {}
         self.calls = 0
-        self.running: dict[int, tuple[str, float]] = {}  # call number -> "fn(step, name)", when it started (monotonic)
+        self._numbers = itertools.count(1)
+        self._lock = threading.Lock()
+        # call number -> (whose: the session that asked), "fn(step, name)", when it started (monotonic)
+        self.running: dict[int, tuple[Any, str, float]] = {}
 
     def check(self, spec: Any) -> tuple[str, str, np.dtype, list[int]]:
         """A `loads` entry's (fn, name, dtype, shape), checked; RequestError when malformed or not allowed."""
@@ -69,34 +74,38 @@ class Loaders:
             self._fns[fn] = got
         return got
 
-    def load(self, fn: str, name: str, dtype: np.dtype, shape: list[int], step: int) -> np.ndarray:
+    def load(self, fn: str, name: str, dtype: np.dtype, shape: list[int], step: int, whose: Any = None) -> np.ndarray:
         """Call the loader for `name` at `step` (in a worker thread) and check what it returns."""
-        self.calls += 1
-        call = self.calls
-        self.running[call] = (f"{fn}({step}, {name!r})", time.monotonic())
+        call = next(self._numbers)
+        with self._lock:
+            self.calls += 1
+            self.running[call] = (whose, f"{fn}({step}, {name!r})", time.monotonic())
         try:
             host = np.asarray(self._function(fn)(step, name))
         except BaseException as e:  # SystemExit too ("end of data" via sys.exit): it fails the step, not the daemon
             raise RuntimeError(f"loader {fn}({step}, {name!r}) failed: {type(e).__name__}: {e}") from e
         finally:
-            self.running.pop(call, None)
+            with self._lock:
+                self.running.pop(call, None)
         if host.dtype != dtype or list(host.shape) != list(shape):
             raise RuntimeError(f"loader {fn}({step}, {name!r}) returned {host.dtype.name}{list(host.shape)}; the step was traced "
                                f"with {dtype.name}{list(shape)}")
         return np.ascontiguousarray(host)
 
-    def still_running(self) -> str | None:
-        """The loader calls that have not returned, for an error that timed out waiting on them (None: none)."""
+    def still_running(self, whose: Any = None) -> str | None:
+        """The loader calls of `whose` (a session) that have not returned, for an error that timed out waiting on
+        them (None: none)."""
         now = time.monotonic()
-        calls = sorted(self.running.values(), key=lambda c: c[1])
+        with self._lock:
+            calls = sorted((c for c in self.running.values() if c[0] == whose), key=lambda c: c[2])
         if not calls:
             return None
-        return ", ".join(f"{what} (running {now - t0:.1f} s)" for what, t0 in calls[:4]) + (" ..." if len(calls) > 4 else "")
+        return ", ".join(f"{what} (running {now - t0:.1f} s)" for _, what, t0 in calls[:4]) + (" ..." if len(calls) > 4 else "")
 
-    def start(self, spec: Any, step: int, place: Callable[[np.ndarray], Any]) -> asyncio.Future[Any]:
+    def start(self, spec: Any, step: int, place: Callable[[np.ndarray], Any], whose: Any = None) -> asyncio.Future[Any]:
         """Check `spec` now, then load it in a worker thread and `place` it on the devices; the future of the value."""
         fn, name, dtype, shape = self.check(spec)
-        return asyncio.ensure_future(asyncio.to_thread(lambda: place(self.load(fn, name, dtype, shape, step))))
+        return asyncio.ensure_future(asyncio.to_thread(lambda: place(self.load(fn, name, dtype, shape, step, whose))))
 
 
 __all__ = ["Loaders"]

@@ -181,6 +181,12 @@ FORGED = {  # each with the manifest's digest recomputed: the manifest's own che
     "leaf_at_the_root": lambda d: _leaf(d, "['w']").update(entries=[]),
     "two_leaves_one_path": lambda d: _leaf(d, "['w']").update(entries=[["key", "b"]]),
     "leaf_inside_a_leaf": lambda d: _leaf(d, "['w']").update(entries=[["key", "b"], ["index", 0]]),
+    # shapes no array can have, or a stored shape unlike the shape (a zero-size one is read from the manifest alone)
+    "negative_dimension": lambda d: _leaf(d, "['w']").update(shape=[0, -5], stored_shape=[0, -5]),
+    "65_dimensions": lambda d: _leaf(d, "['w']").update(shape=[0] + [1] * 64, stored_shape=[0] + [1] * 64),
+    "huge_dimension": lambda d: _leaf(d, "['w']").update(shape=[0, 2**63], stored_shape=[0, 2**63]),
+    "stored_unlike_shape": lambda d: _leaf(d, "['w']").update(stored_shape=[0]),
+    "stored_unlike_dtype": lambda d: _leaf(d, "['w']").update(stored_dtype="int32"),
 }
 
 
@@ -201,3 +207,13 @@ def test_a_non_numeric_array_leaf_is_refused_naming_it_before_anything_is_writte
     with pytest.raises(mpmd.CheckpointError, match=rf"leaf \['meta'\] is a ndarray \({kind}|<U.*arrays and numbers"):
         mpmd.save(str(tmp_path / "c"), {"w": np.ones(3, np.float32), "meta": value})
     assert not (tmp_path / "c").exists() or not any(p.name.startswith("ckpt") for p in (tmp_path / "c").iterdir())
+
+
+def test_list_positions_a_forged_manifest_makes_up_cost_no_memory_when_loading_without_like(copy):
+    """Leaf paths naming list positions near 2**20 made `load` without `like` build lists of a million slots per
+    leaf (8 MB each, from a few bytes of manifest): past a budget proportional to the arrays it is an error."""
+    path, ckpt, tree = copy
+    _edit(ckpt, lambda d: [leaf.update(entries=[["key", leaf["path"][2:-2]], ["index", 10**9]]) for leaf in d["body"]["leaves"]],
+          redigest=True)
+    with pytest.raises(mpmd.CheckpointError, match="list positions up to 1000000000 for 5 arrays; load it with like="):
+        mpmd.load(str(path))

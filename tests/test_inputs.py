@@ -261,18 +261,19 @@ def test_a_step_timed_out_on_a_blocked_loader_names_the_loader_call_it_waits_for
     fn, name, dtype, shape = loaders.check({"fn": "tests.test_inputs:_loader_that_waits", "name": "x", "shape": [2], "dtype": "float32"})
     assert loaders.still_running() is None
     _GATE.clear()
-    worker = threading.Thread(target=loaders.load, args=(fn, name, dtype, shape, 7))
+    worker = threading.Thread(target=loaders.load, args=(fn, name, dtype, shape, 7, 5))  # (for session 5)
     worker.start()
     try:
-        assert wait_until(lambda: loaders.still_running() is not None, 10)
+        assert wait_until(lambda: loaders.still_running(5) is not None, 10)
+        assert loaders.still_running(6) is None  # another session's step is not told of it
         msg = Message({"op": "run_program", "id": 1, "program": 3, "step": 7}, [])
-        said = _waiting_on(msg, loaders.still_running())
+        said = _waiting_on(msg, loaders.still_running(5))
         assert "program 3 step 7 was waiting for its data loader: tests.test_inputs:_loader_that_waits(7, 'x')" in said
         assert "program 3 step 7 was still running" in _waiting_on(msg, None)
     finally:
         _GATE.set()
         worker.join(30)
-    assert loaders.still_running() is None
+    assert loaders.still_running(5) is None
 
 
 def test_a_loader_name_must_be_module_colon_function():

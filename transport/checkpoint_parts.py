@@ -168,8 +168,8 @@ def read_part(directory: str, names: list[str], expect: list[dict[str, Any]], fi
         hashing = pool.submit(verify_directory, directory, files) if verify else None
         got: dict[str, np.ndarray] | None = None
         failure: BaseException | None = None
-        empty = {n: _empty(e) for n, e in zip(names, expect)}
         try:
+            empty = {n: _empty(e) for n, e in zip(names, expect)}
             stored = [n for n in names if empty[n] is None]
             got = {**(_orbax_read(directory, stored) if stored else {}), **{n: a for n, a in empty.items() if a is not None}}
         except Exception as e:  # a damaged file makes orbax fail: name the file first, when hashing finds it

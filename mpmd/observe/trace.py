@@ -14,6 +14,7 @@ later (Runs execute one after another), and ends when its result is ready.
 from __future__ import annotations
 
 import json
+import operator
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -138,8 +139,10 @@ class Trace:
         """Traced step `step` (negative: from the end); an MpmdError naming what there is when there is none."""
         from mpmd.errors import MpmdError
 
-        if not isinstance(step, int) or isinstance(step, bool):
-            raise MpmdError(f"trace: a step is an int (its index among the traced steps; -1 the last), got {step!r:.40}")
+        try:
+            step = operator.index(step)  # (numpy integers too)
+        except TypeError:
+            raise MpmdError(f"trace: a step is an int (its index among the traced steps; -1 the last), got {step!r:.40}") from None
         if not -len(self.steps) <= step < len(self.steps):
             raise MpmdError(f"trace: no traced step {step}: it holds {len(self.steps)} step(s)"
                             + ("; run a step inside `with mesh.trace() as t:`" if not self.steps else ""))

@@ -201,6 +201,10 @@ class RemoteArray:
                         "(or mpmd.save the tree for a checkpoint)")
 
     __hash__ = object.__hash__  # (by identity, as before `==` was refused)
+    __array_ufunc__ = None  # numpy's operators defer to ours (`np.ones(3) + x` raises as `x + 1` does; it fetched silently)
+
+    def __iter__(self) -> Any:
+        raise TypeError(f"{self!r} lives on its actors and cannot be iterated here: fetch it first (np.asarray(x) or mpmd.fetch(x))")
 
     def _no_math(self, *_: Any) -> Any:
         raise TypeError(f"{self!r} lives on its actors: arithmetic, indexing and comparisons do not run on the controller. "

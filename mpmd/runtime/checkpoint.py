@@ -197,6 +197,8 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
     # the arrays before the loop sends this save; the free it queues goes after the save's request, which holds them.
     at_call: dict[int, list[int]] = {}
     mesh = next(iter(meshes.values()), None)
+    recovery = getattr(mesh, "recovery", None)
+    generation = recovery.generation if recovery is not None else 0  # (counts recoveries started; read before any buffer id)
     for i, (p, x) in enumerate(flat):
         leaf = f"leaf_{i:05d}"
         entry: dict[str, Any] = {"path": jax.tree_util.keystr(p), "entries": path_entries(p), "name": leaf}
@@ -258,17 +260,14 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
     if not per_actor:
         return _finish_sync(lambda: finish(host_part, host_order), abandon, done_saving, wait)
 
-    recovery = getattr(mesh, "recovery", None)
-    generation = recovery.generation if recovery is not None else 0  # (counts recoveries started)
-
     def send(again: bool = False) -> list[Any]:
         """Every actor's save request, sent now: the buffers as they were at the call, or, sent `again` after a
         recovery, as the arrays name them now (the recovery rebinds them)."""
         pending = []
         try:
             for a, (names, idx) in per_actor.items():
-                if not again:
-                    bufs = at_call[a]
+                if not again:  # (as the arrays name them now — a recovery may have rebound them — or, donated since, at the call)
+                    bufs = [flat[i][1].buffers.get(a, b) for i, b in zip(idx, at_call[a])]
                 elif any(a not in flat[i][1].buffers for i in idx):
                     raise CheckpointError(f"mpmd.save into {path}: an actor was lost while this save ran and a saved array "
                                           "was deleted (donated to a later step) before the mesh recovered; nothing was "
@@ -538,14 +537,15 @@ def load(path: str, like: Any = None, *, verify: bool = True) -> Any:
     if like is not None:
         like_leaves, treedef = _match(m, like, "mpmd.load")
         return reveal(jax.tree.unflatten(treedef, [_as_like(x, v) for x, v in zip(like_leaves, flat)]))
-    return _rebuild([leaf.entries for leaf in m.leaves], flat)
+    return _rebuild([leaf.entries for leaf in m.leaves], flat, m.directory)
 
 
-def _rebuild(entries: list[list[list[Any]]], values: list[Any]) -> Any:
+def _rebuild(entries: list[list[list[Any]]], values: list[Any], directory: str | None = None) -> Any:
     """Nested dicts and lists from each leaf's path entries."""
     if len(entries) == 1 and not entries[0]:
         return values[0]
     root: dict[Any, Any] = {}
+    budget = [64 * len(values) + 1024]  # list slots all lists may take (a forged manifest's positions cost no bytes)
     for path, v in zip(entries, values):
         node = root
         for kind, key in path[:-1]:
@@ -557,8 +557,14 @@ def _rebuild(entries: list[list[list[Any]]], values: list[Any]) -> Any:
             return node
         if all(kind in ("index", "flat") for kind, _ in node):
             # (positions kept: an element that held no arrays — None, optax's EmptyState, () — is None here)
-            if all(isinstance(i, int) and 0 <= i < 1 << 20 for _, i in node):
-                out: list[Any] = [None] * (max(i for _, i in node) + 1)
+            if all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for _, i in node):
+                size = max(i for _, i in node) + 1
+                budget[0] -= size
+                if budget[0] < 0:
+                    raise CheckpointError(f"mpmd.load: checkpoint {directory}: its leaf paths name list positions up to {size - 1} "
+                                          f"for {len(values)} arrays; load it with like= (a tree shaped as the one saved)",
+                                          checkpoint=directory)
+                out: list[Any] = [None] * size
                 for (_, i), v in node.items():
                     out[i] = finish(v)
                 return out

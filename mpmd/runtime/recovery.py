@@ -98,7 +98,7 @@ class Recovery:
                 raise ValueError(f"Recovery({name}=...) must be a positive number of seconds, got {getattr(self, name)!r}")
 
 
-@dataclass
+@dataclass(eq=False)  # (compared by identity: its fields hold weakrefs of arrays, whose == is refused)
 class StepRecord:
     """One logged call: enough to dispatch it again."""
 
@@ -113,7 +113,7 @@ class StepRecord:
     load_step: int | None = None  # the step number its actor-loaded leaves were loaded for (a replay loads them again)
 
 
-@dataclass
+@dataclass(eq=False)  # (compared by identity, as above)
 class Snapshot:
     """The values of the RemoteArray inputs of log entry `index`, on the host once `done` holds."""
 
