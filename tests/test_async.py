@@ -179,6 +179,7 @@ async def test_the_callers_loop_keeps_ticking_while_steps_compile_and_run(mesh2)
     assert ticker.largest < min(0.25, max(compile_s / 4, 0.2)) + quiet.largest, (ticker.largest, quiet.largest, compile_s)
 
 
+@pytest.mark.slow  # (15-20 s: run with the slow ones, see .ci/run)
 async def test_two_meshes_stepped_concurrently_with_gather_each_equal_jax_jit():
     meshes = await asyncio.gather(mpmd.RemoteMesh.local_async(num_actors=2), mpmd.RemoteMesh.local_async(num_actors=2))
     try:
@@ -368,6 +369,7 @@ async def test_a_remote_transfer_error_is_raised_by_the_await_naming_the_actors_
         assert [(await mesh.actor(a).stats_async())["running"] for a in (0, 1)] == [0, 0]
 
 
+@pytest.mark.slow  # (15-20 s: run with the slow ones, see .ci/run)
 async def test_a_fetch_in_flight_when_the_mesh_closes_says_the_mesh_closed_not_that_an_actor_died_or_was_cancelled():
     """`await mesh.aclose()` while a fetch_async of a step's output runs: the fetch raises MpmdError saying the mesh
     closed (it raised a bare CancelledError — which reads as the caller's task cancelled — or 'actor 0 died ...

@@ -25,6 +25,7 @@ def train(mesh, state, batches, schedule):
     return tuple(state), [np.array(x) for x in mpmd.fetch(losses)]
 
 
+@pytest.mark.slow  # (15-20 s: run with the slow ones, see .ci/run)
 def test_checkpoint_kill_everything_restore_into_fresh_daemons_and_continue_bit_identically(tmp_path):
     rng = np.random.default_rng(0)
     params = models.mlp_params(rng, 2)

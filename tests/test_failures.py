@@ -163,6 +163,7 @@ def test_after_a_stopped_actor_is_reconnected_the_next_step_does_not_raise_the_f
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # (15-20 s: run with the slow ones, see .ci/run)
 def test_a_restarted_daemon_is_taken_back_with_reconnect_and_the_data_plane_is_rewired(tmp_path):
     """Daemons started by hand (as on a cluster); actor 1 is killed and started again at the same address with a
     new data-plane key: reconnect opens the session there afresh and rewires both actors."""

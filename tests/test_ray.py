@@ -53,6 +53,7 @@ def steps(mesh):
     return params, opt.init(params), batch, dist
 
 
+@pytest.mark.slow  # (15-20 s: run with the slow ones, see .ci/run)
 def test_a_ray_mesh_trains_like_jit_and_closing_leaves_no_ray_actor_or_placement_group(local_ray):
     with mpmd.RemoteMesh.ray(2, startup_timeout=120) as mesh:
         actors, groups = ours()

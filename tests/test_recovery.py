@@ -139,6 +139,7 @@ def _rolled_back(tmp_path, kill_at=None):
         return mpmd.fetch((p, o, losses)), mesh.recoveries
 
 
+@pytest.mark.slow  # (15-20 s: run with the slow ones, see .ci/run)
 def test_state_restored_from_a_checkpoint_on_the_recovering_mesh_survives_an_actor_lost_before_the_next_snapshot(tmp_path):
     """Arrays made by mpmd.restore have no step in the log: an actor lost before the next snapshot left the
     replay without them, and recovery gave up (found by a probe). Inputs the log has not seen are fetched in the

@@ -684,7 +684,7 @@ def test_simulate_refuses_costs_that_are_not_costs_and_schedules_whose_tasks_are
 
 
 def test_custom_refuses_tasks_that_are_not_tasks():
-    with pytest.raises(ValueError, match="1 is not a task"):  # as a bad string is
+    with pytest.raises(mpmd.ScheduleError, match=r"order\[0\]\[0\] \(actor 0's task 0\): 1 is not a task"):  # as a bad string is
         Custom(num_stages=2, order=((1, 2), (3, 4)))
     with pytest.raises(mpmd.ScheduleError, match="stage and microbatch are ints >= 0"):  # it said "use 0 microbatches"
         Custom(num_stages=1, order=((Task(0, "F", -1),),))
