@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import itertools
 import math
 import threading
 import time
@@ -35,8 +34,7 @@ class Loaders:
     def __init__(self, allowed: Sequence[str] = ()) -> None:
         self.allowed = frozenset(allowed)
         self._fns: dict[str, Callable[..., Any]] = {}
-        self.calls = 0
-        self._numbers = itertools.count(1)
+        self.calls = 0  # (also each running call's number)
         self._lock = threading.Lock()
         # call number -> (whose: the session that asked), "fn(step, name)", when it started (monotonic)
         self.running: dict[int, tuple[Any, str, float]] = {}
@@ -76,9 +74,9 @@ class Loaders:
 
     def load(self, fn: str, name: str, dtype: np.dtype, shape: list[int], step: int, whose: Any = None) -> np.ndarray:
         """Call the loader for `name` at `step` (in a worker thread) and check what it returns."""
-        call = next(self._numbers)
         with self._lock:
             self.calls += 1
+            call = self.calls
             self.running[call] = (whose, f"{fn}({step}, {name!r})", time.monotonic())
         try:
             host = np.asarray(self._function(fn)(step, name))

@@ -338,11 +338,8 @@ def _accumulator_finals(units: dict[int, list[Unit]], body: LoopBody) -> tuple[d
                     finals[Outer(k.var)] = k
                     acc_home[k.var] = a
     # (One accumulator may stack into several step values: the microbatch function returns one value twice.)
-    stacked = [(v, out) for v, out in body.stacked if Outer(v) in finals]
-    inner = {Outer(v): (finals[Outer(v)], acc_home[v]) for v, _ in stacked}
-    for v, _ in stacked:
-        finals.pop(Outer(v), None)
-        acc_home.pop(v, None)
-    for v, out in stacked:
-        finals[Outer(out)], acc_home[out] = inner[Outer(v)]
+    moved = {v: (finals.pop(Outer(v)), acc_home.pop(v)) for v in {v for v, _ in body.stacked if Outer(v) in finals}}
+    for v, out in body.stacked:
+        if v in moved:
+            finals[Outer(out)], acc_home[out] = moved[v]
     return finals, acc_home

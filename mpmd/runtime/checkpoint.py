@@ -261,19 +261,17 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
         return _finish_sync(lambda: finish(host_part, host_order), abandon, done_saving, wait)
 
     def send(again: bool = False) -> list[Any]:
-        """Every actor's save request, sent now: the buffers as they were at the call, or, sent `again` after a
-        recovery, as the arrays name them now (the recovery rebinds them)."""
+        """Every actor's save request, sent now, of the buffers the arrays name now (a recovery rebinds them); an
+        array donated since the call is saved from the buffers it named then — unless this is the save sent `again`
+        after a recovery, which those buffers did not survive."""
         pending = []
         try:
             for a, (names, idx) in per_actor.items():
-                if not again:  # (as the arrays name them now — a recovery may have rebound them — or, donated since, at the call)
-                    bufs = [flat[i][1].buffers.get(a, b) for i, b in zip(idx, at_call[a])]
-                elif any(a not in flat[i][1].buffers for i in idx):
+                if again and any(a not in flat[i][1].buffers for i in idx):
                     raise CheckpointError(f"mpmd.save into {path}: an actor was lost while this save ran and a saved array "
                                           "was deleted (donated to a later step) before the mesh recovered; nothing was "
                                           "committed: save again", checkpoint=path)
-                else:
-                    bufs = [flat[i][1].buffers[a] for i in idx]
+                bufs = [flat[i][1].buffers.get(a, b) for i, b in zip(idx, at_call[a])]
                 pending.append(mesh.conn(a).submit("save", {"dir": os.path.join(tmp, f"actor-{a}"), "names": names, "bufs": bufs}))
         except BaseException:
             for p in pending:

@@ -169,7 +169,7 @@ def _parse(ckpt: str, body: dict[str, Any]) -> Manifest:
                     str(m["sha256"]), tuple(int(a) for a in m["saved_actors"]), m["saved_layout"])
         if leaf.part not in parts or not leaf.name.isidentifier() or not _HEX.fullmatch(leaf.sha256):
             raise ValueError(f"leaf {leaf.path}: bad part, name or digest")
-        np.dtype(leaf.stored_dtype)  # a dtype numpy knows, or ValueError/TypeError
+        stored_dtype = np.dtype(leaf.stored_dtype)  # a dtype numpy knows, or ValueError/TypeError
         for shape in (leaf.shape, leaf.stored_shape):  # (an array numpy can make; a zero-size one is read from here alone)
             if len(shape) > 32 or not all(0 <= d < 1 << 48 for d in shape):
                 raise ValueError(f"leaf {leaf.path}: shape {list(shape)[:8]} is not one an array can have")
@@ -178,7 +178,7 @@ def _parse(ckpt: str, body: dict[str, Any]) -> Manifest:
                 raise ValueError(f"leaf {leaf.path}: bad key_impl {leaf.key_impl!r}")
             jax.random.key(0, impl=leaf.key_impl)  # a PRNG implementation this jax knows, or ValueError
         want_shape, want_dtype = wire_shape_dtype(leaf.shape, leaf.jax_dtype)
-        if tuple(want_shape) != leaf.stored_shape or want_dtype.name != np.dtype(leaf.stored_dtype).name:
+        if tuple(want_shape) != leaf.stored_shape or want_dtype.name != stored_dtype.name:
             raise ValueError(f"leaf {leaf.path}: stored as {leaf.stored_dtype}{list(leaf.stored_shape)}, but a {leaf.dtype}"
                              f"{list(leaf.shape)} array is stored as {want_dtype.name}{list(want_shape)}")
         if leaf.part == HOST_PART and leaf.saved_actors:
