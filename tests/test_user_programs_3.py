@@ -705,6 +705,32 @@ def test_one_value_returned_twice_in_the_microbatch_aux_comes_back_twice_as_unde
     np.testing.assert_array_equal(got[1][1]["again"], got[1][0])
 
 
+@pytest.mark.parametrize("returns", ["grads_in_aux", "grad_leaf_in_aux", "loss_summed_and_stacked", "leaf_summed",
+                                     "int_leaf_summed"])
+def test_a_value_both_summed_and_stacked_and_a_summed_batch_leaf_equal_jit(mesh2, returns):
+    """`return grads, grads` (per-microbatch gradients kept beside their sum), `return (grads, loss), loss`, and a
+    batch leaf returned in the summed slot (sample weights: `return (grads, mb["w"]), loss`) failed to compile with
+    "internal: ... computed nowhere" / "produced nowhere" (one accumulator had one mode; the leaf's sum read the
+    body's per-microbatch variable after the loop). Found by a probe."""
+    rng = np.random.default_rng(4)
+    params = [rng.standard_normal((8, 16)).astype(np.float32) / 3, rng.standard_normal((16, 4)).astype(np.float32) / 4]
+    batch = {"x": rng.standard_normal((4, 5, 8)).astype(np.float32), "w": rng.random(4).astype(np.float32),
+             "n": np.arange(4, dtype=np.int32)}
+
+    def step(params, batch):
+        def mb(m):
+            value, g = jax.value_and_grad(lambda p: m["w"] * jnp.mean(mpmd.pipeline_yield(jnp.tanh(m["x"] @ p[0])) @ p[1]))(params)
+            return {"grads_in_aux": (g, (g, value)), "grad_leaf_in_aux": (g, g[1]),
+                    "loss_summed_and_stacked": ((g, value), value), "leaf_summed": ((g, m["w"]), value),
+                    "int_leaf_summed": ((g, m["n"]), value)}[returns]
+        return mpmd.accumulate_grads(mb, batch, schedule=mpmd.OneFOneB(2))
+
+    want = jax.jit(step)(params, batch)
+    got = mpmd.fetch(mpmd.distributed(step, mesh=mesh2)(params, batch))
+    assert_trees_close(got, want)
+    assert jax.tree.map(lambda a: np.asarray(a).dtype, got) == jax.tree.map(lambda a: np.asarray(a).dtype, want)
+
+
 def test_put_gives_the_dtype_device_put_gives_and_the_result_runs(mesh2):
     """actor.put(np.ones(3)) kept float64 with x64 off; running it then failed on the actor."""
     for value in (np.ones(3), np.arange(3), 1.5):

@@ -24,7 +24,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Literal, Var
 
-from mpmd.compiler.eqns import SyntheticEqn, is_var, new_var, var_inputs
+from mpmd.compiler.eqns import SyntheticEqn, is_var, new_var, substitute, var_inputs
 from mpmd.primitives import pipeline_yield_p
 
 CONST, INVARIANT, VARYING = 0, 1, 2
@@ -163,9 +163,28 @@ def analyse(body: ClosedJaxpr, num_mb_leaves: int, num_grads: int, num_microbatc
             else:
                 stacked.append((v, out))
             outputs.append(out)
+    outputs = _sum_stacked_gradients(accumulators, stacked, tail, outputs)
     eqns = [e for e in varying if id(e) not in sunk]
     return LoopBody(eqns, consts, mb_leaves, outer_of, status, constant_defs, hoisted, accumulators, stacked, tail, outputs,
                     m, dict(uses))
+
+
+def _sum_stacked_gradients(accumulators: list[Var], stacked: list[tuple[Var, Var]], tail: list[Any],
+                           outputs: list[Any]) -> list[Any]:
+    """A value the microbatch function returns both to be summed (a gradient, or a part of one) and stacked
+    (in the aux: `return grads, grads`, `return (grads, loss), loss`) is only stacked in the loop; its sum is
+    the stacked value's sum over the microbatches, at the head of the tail (one accumulator has one mode).
+    Takes and edits `accumulators` and `tail`; returns the outputs with the sums in place of the values."""
+    sums: dict[Var, Var] = {}
+    for v, out in stacked:
+        if v in accumulators and v not in sums:
+            accumulators.remove(v)
+            sums[v] = new_var(v.aval)
+            tail.insert(len(sums) - 1, SyntheticEqn(lambda x: [jnp.sum(x, axis=0)], [out], [sums[v]], "mpmd_sum_stacked"))
+    if not sums:
+        return outputs
+    tail[len(sums):] = substitute(tail[len(sums):], lambda x: sums.get(x, x))
+    return [sums.get(o, o) if isinstance(o, Var) else o for o in outputs]
 
 
 def _bind_fn(eqn: Any) -> Any:

@@ -87,6 +87,20 @@ def new_var(aval: Any) -> Var:
     return core.Var(aval)
 
 
+def substitute(eqns: list[Any], resolve: Callable[[Any], Any]) -> list[Any]:
+    """The equations with every input var `v` replaced by `resolve(v)` (equations that read none unchanged)."""
+    out = []
+    for e in eqns:
+        new_in = [resolve(v) if isinstance(v, Var) else v for v in e.invars]
+        if new_in == list(e.invars):
+            out.append(e)
+        elif isinstance(e, SyntheticEqn):
+            out.append(SyntheticEqn(e.fn, new_in, e.outvars, e.name))
+        else:
+            out.append(e.replace(invars=new_in))
+    return out
+
+
 def read(env: dict[Any, Any], x: Any) -> Any:
     return x.val if isinstance(x, Literal) else env[x]
 

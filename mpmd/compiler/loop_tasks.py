@@ -184,6 +184,11 @@ class CanonicalVars:
             v = self.alias[v]
         return v
 
+    def after_loop(self, v: Any) -> Any:
+        """The step value `v` stands for in an equation after the loop, where a batch leaf's body input (read
+        by the sum of a leaf returned as a gradient) is its whole loop operand."""
+        return self.resolve(self.leaf_outer.get(v, v))
+
 
 def canonical_vars(loop: StepLoop, body: LoopBody) -> CanonicalVars:
     """Takes the loop and its body; gives the aliases that name every value by one canonical var."""

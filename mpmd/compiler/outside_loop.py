@@ -8,7 +8,6 @@ and make a unit of each chunk of them. Pure: data in, data out; the rules are `m
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +15,7 @@ from jax.extend.core import Var
 
 from mpmd.compiler.body import CONST, LoopBody, constants_needed
 from mpmd.compiler.effects import HostCall, is_host_call
-from mpmd.compiler.eqns import SyntheticEqn, eqns_fn, free_inputs, is_var
+from mpmd.compiler.eqns import eqns_fn, free_inputs, is_var, substitute
 from mpmd.compiler.host_calls import HiddenOutputs, step_call_operands
 from mpmd.compiler.keys import ChunkTemplate, Outer, ValueKey
 from mpmd.compiler.loop_tasks import CanonicalVars, LoopTasks, StepLoop
@@ -40,20 +39,6 @@ class OutsideLoop:
     hidden_avals: dict[ValueKey, Any] = field(default_factory=dict)
 
 
-def substitute(eqns: list[Any], resolve: Callable[[Any], Any]) -> list[Any]:
-    """The equations with every input var replaced by its canonical var."""
-    out = []
-    for e in eqns:
-        new_in = [resolve(v) if isinstance(v, Var) else v for v in e.invars]
-        if new_in == list(e.invars):
-            out.append(e)
-        elif isinstance(e, SyntheticEqn):
-            out.append(SyntheticEqn(e.fn, new_in, e.outvars, e.name))
-        else:
-            out.append(e.replace(invars=new_in))
-    return out
-
-
 def place_outside_loop(loop: StepLoop, body: LoopBody, names: CanonicalVars, tasks: LoopTasks, num_actors: int,
                        printed: frozenset[Any] = frozenset()) -> OutsideLoop:
     """Takes the loop, its body, the canonical names and the loop's tasks; gives the placed equations before
@@ -66,7 +51,7 @@ def place_outside_loop(loop: StepLoop, body: LoopBody, names: CanonicalVars, tas
     all_actors = set(range(num_actors))
     loop_need = tasks.step_values_read()
     pre = substitute([*loop.before, *body.hoisted], names.resolve)
-    post = split_conds(substitute([*body.tail, *loop.after], names.resolve))
+    post = split_conds(substitute([*body.tail, *loop.after], names.after_loop))
     host_calls = [(phase, i, e) for phase, eqns in (("pre", pre), ("post", post)) for i, e in enumerate(eqns) if is_host_call(e)]
     pre, post = [e for e in pre if not is_host_call(e)], [e for e in post if not is_host_call(e)]
     step_outputs |= {v for _, _, e in host_calls for v in e.invars if is_var(v)}  # computed, kept and fetched
