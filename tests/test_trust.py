@@ -9,7 +9,6 @@ import jax
 import numpy as np
 import optax
 import pytest
-import zmq
 
 import mpmd
 from mpmd.testing import make_train_step, mlp, mlp_params, mse_loss, regression_batch
@@ -114,19 +113,11 @@ def test_the_operator_key_may_stop_a_daemon_another_key_owns(shared, tmp_path):
     try:
         with mpmd.RemoteMesh.connect([address], keys=shared.keys["alice"], transport="none"):
             ops = mpmd.RemoteMesh.connect([address], keys=shared.keys["ops"], transport="none")
-            # Under a loaded machine (two full suites at once) the reply on a fresh CURVE socket was twice never seen
-            # within 30 s, the daemon still up: asked again, on a new socket, while it is still up (a shutdown that
-            # took effect with its reply lost counts; the cause of the lost request is not yet known).
-            for attempt in range(3):
-                try:
-                    reply = raw_request(address, {"op": "shutdown", "id": 1 + attempt, "session": ops.session},
-                                        keys=shared.keys["ops"], timeout_ms=15_000)
-                except zmq.Again:
-                    if proc.poll() is not None or attempt == 2:
-                        break
-                    continue
-                assert reply.op == "reply", reply.header
-                break
+            # The reply comes before the daemon goes (it was lost in 2 of 8 tries on a loaded machine: the socket
+            # closed with linger 0 right after the reply was queued; found by a probe).
+            reply = raw_request(address, {"op": "shutdown", "id": 1, "session": ops.session}, keys=shared.keys["ops"],
+                                timeout_ms=30_000)
+            assert reply.op == "reply", reply.header
             assert proc.wait(timeout=30) == 0
             ops.close()
     finally:
