@@ -227,6 +227,9 @@ class Actor:
         shape, names = wire["shape"], wire["axis_names"]
         if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape) or not all(isinstance(n, str) for n in names):
             raise RequestError(f"'hello' mesh shape must be positive ints and axis names strings, got {shape!r}, {names!r}")
+        if len(shape) != len(names) or len(set(names)) != len(names):
+            raise RequestError(f"'hello' mesh must name each axis once, one name per dimension, got shape {shape!r} and axis "
+                               f"names {names!r}")
         have = self.cache.mesh
         if have is not None:
             if list(have.devices.shape) != shape or list(have.axis_names) != names:

@@ -142,6 +142,9 @@ def raw_request(address, frames, timeout_ms=5000, keys=None):
         ({"op": "run_program", "id": 11, "program": 987654, "step": 0, "inputs": [], "outputs": []}, "no program 987654"),
         (({"op": "compile", "id": 12}, [np.frombuffer(b"not a stablehlo module", np.uint8)]), ""),
         ({"op": "get", "id": 13, "buf": 1, "session": 12345}, "needs an open session"),
+        # (a mesh with one name twice was accepted, and the next session's right request refused, contradicting itself)
+        ({"op": "mesh", "id": 14, "mesh": {"shape": [1, 1], "axis_names": ["x", "x"]}}, "must name each axis once"),
+        ({"op": "mesh", "id": 15, "mesh": {"shape": [1], "axis_names": ["x", "y"]}}, "one name per dimension"),
     ],
 )
 def test_malformed_requests_get_error_replies_and_the_daemon_keeps_serving(mesh2, frames, needle):
