@@ -474,3 +474,35 @@ def test_two_threads_first_steps_at_once_both_equal_jit_and_close_unlinks_what_a
             for _ in range(3):  # staged for actor 0, never read: its daemon is gone
                 np.asarray(dist(params, opt.init(params), batch)[2])
     assert glob.glob(mine) == [], "mesh.close() left the dead actor's input segments in /dev/shm"
+
+
+def test_a_full_dev_shm_sends_the_inputs_inline_at_once_says_so_and_steps_equal_jax_jit(monkeypatch, caplog):
+    """A container's small /dev/shm made every step fail with a bare 'OSError: [Errno 28] No space left on device'
+    (and, once caught, each step waited STAGE_WAIT s for a segment that could never be made). /dev/shm itself is
+    not shrunk here (that needs a mount namespace): segment creation in the controller raises the OSError a full
+    one raises; the actors' own shared memory is untouched. Found by a probe."""
+    import errno
+
+    def no_room(name, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    rng = np.random.default_rng(5)
+    params = mlp_params(rng, num_stages=2, width=128)
+    opt = optax.sgd(1e-2)
+    batches = [regression_batch(rng, 4, 64, 128) for _ in range(3)]
+    assert batches[0]["x"].nbytes >= SHM_INPUT_MIN_BYTES
+    ref = jax.jit(make_train_step(mse_loss(mlp), opt, None))
+    monkeypatch.setattr(inputs_module.shm, "create_segment", no_room)
+    with mpmd.RemoteMesh.local(num_actors=2) as mesh, caplog.at_level("WARNING", logger="mpmd.runtime.inputs"):
+        dist = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
+        state, state_r = (params, opt.init(params)), (params, opt.init(params))
+        for b in batches:  # dispatched back to back, as a training loop does
+            *state, loss = dist(*state, b)
+            *state_r, loss_r = ref(*state_r, b)
+            np.testing.assert_allclose(np.asarray(loss), np.asarray(loss_r), rtol=1e-5, atol=1e-6)
+        stager = input_stager(mesh)
+        assert stager.staged == 0 and stager.waits == 0 and stager.shm_failures >= 1
+        assert sum("no room in shared memory (/dev/shm)" in r.getMessage() and "--shm-size" in r.getMessage()
+                   for r in caplog.records) == 1  # said once, not every step
+        for got, w in zip(jax.tree.leaves(mpmd.fetch(state)), jax.tree.leaves(state_r)):
+            np.testing.assert_allclose(got, np.asarray(w), rtol=1e-5, atol=1e-6)

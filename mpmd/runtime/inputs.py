@@ -43,6 +43,7 @@ SHM_INPUT_MIN_BYTES = 64 << 10  # smaller arguments go inline: a notice and a ma
 MAX_SEGMENTS = 8  # per actor: the step running, the ones queued behind it, the one being written
 MIN_SEGMENTS = 3  # per actor whatever their size: the step running, the next one queued, the one being written
 POOL_BYTES = 1 << 30  # per actor: beyond MIN_SEGMENTS, no new segment past this many bytes in all
+NO_ROOM_RETRY = 10.0  # seconds after /dev/shm had no room for a segment before another is tried (meanwhile inline)
 STAGE_WAIT = 60.0  # seconds a step call waits for a segment to be freed before its arguments go inline
 ALIGN = 64  # each argument starts 64-byte aligned, as JAX likes host memory
 
@@ -81,6 +82,8 @@ class InputStager:
         self.staged = 0  # arguments written to shared memory
         self.fallbacks = 0  # steps whose arguments went inline because every segment was still in use
         self.waits = 0  # steps whose caller waited for a segment to be freed
+        self.shm_failures = 0  # segments /dev/shm had no room for (their steps went inline)
+        self._no_room_until: dict[int, float] = {}  # actor -> until when no new segment is tried (/dev/shm was full)
         weakref.finalize(self, _close_all, self._pools)
 
     @property
@@ -139,7 +142,7 @@ class InputStager:
             offsets.append(total)
             total += _aligned(a.nbytes)
         seg = self._acquire(actor, total)
-        if seg is None and wait > 0:
+        if seg is None and wait > 0 and not self._no_room_for(actor):  # (no room in /dev/shm: waiting frees none)
             deadline = time.monotonic() + wait
             with self._freed:
                 while seg is None and deadline > time.monotonic():
@@ -194,12 +197,30 @@ class InputStager:
                 pool.remove(old)
                 _close(old)
                 self._retired.setdefault(actor, []).append(old.name)  # the actor unmaps it (next notice)
+            if self._no_room_for(actor):
+                return None
             name = f"{self.prefix(actor)}{next(self._names)}"
             fit = Segment(name, size, None)  # type: ignore[arg-type]
-            fit.mm = shm.create_segment(name, fit.size)
+            try:
+                fit.mm = shm.create_segment(name, fit.size)
+            except OSError as e:  # /dev/shm full or too small (a container's 64 MiB): these inputs go inline
+                self._no_room(actor, size, e)
+                return None
             pool.append(fit)
         fit.busy = True
         return fit
+
+    def _no_room_for(self, actor: int) -> bool:
+        """Whether /dev/shm lately had no room for one of `actor`'s segments (asked again after `NO_ROOM_RETRY` s)."""
+        return self._no_room_until.get(actor, 0.0) > time.monotonic()
+
+    def _no_room(self, actor: int, size: int, error: OSError) -> None:
+        self._no_room_until[actor] = time.monotonic() + NO_ROOM_RETRY
+        if not self.shm_failures:
+            log.warning("no room in shared memory (/dev/shm) for a %d-byte input segment of actor %d (%s): step inputs "
+                        "go inline in the request instead, which is slower; give /dev/shm more room (e.g. docker run "
+                        "--shm-size=1g)", size, actor, error)
+        self.shm_failures += 1
 
     def close(self) -> None:
         with self._lock:
