@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import ctypes
 import faulthandler
+import functools
 import json
 import logging
 import os
@@ -297,9 +298,9 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         loop.add_signal_handler(sig, stop.set)
 
     async def reply(identity: bytes, frames: list) -> None:
-        try:
-            await sock.send_multipart([identity, *frames], copy=False)
-        except zmq.ZMQError as e:  # the controller went away (ROUTER_MANDATORY: host unreachable)
+        try:  # (never waits: a connection that leaves CONTROL_QUEUE replies unread loses the next ones, not the daemon)
+            await sock.send_multipart([identity, *frames], copy=False, flags=zmq.DONTWAIT)
+        except zmq.ZMQError as e:  # the controller went away (ROUTER_MANDATORY: host unreachable) or reads nothing
             warn.warning("reply", "could not reply to %r: %s", identity, e)
 
     async def answer(msg, peer: str | None) -> tuple[dict, list]:
@@ -355,13 +356,32 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
                 await reply(identity.bytes, encode({"op": "error", "id": None, "error": "ProtocolError", "message": str(e)[:1000]}))
 
     tasks: set[asyncio.Task[None]] = set()
+    in_flight: dict[bytes, int] = {}  # connection -> its requests being served
+
+    def served(t: asyncio.Task[None], who: bytes) -> None:
+        tasks.discard(t)
+        n = in_flight.pop(who) - 1
+        if n:
+            in_flight[who] = n
 
     async def receive() -> None:
         while True:
             identity, *frames = await sock.recv_multipart(copy=False)
+            who = identity.bytes
+            if in_flight.get(who, 0) >= MAX_IN_FLIGHT:  # a flood: answered at once, not queued behind the others' work
+                actor.errors += 1
+                warn.info("busy", "connection %r has %d requests in flight; refusing more", who, MAX_IN_FLIGHT)
+                await reply(who, encode(error_reply(message_id(frames), RequestError(
+                    f"{MAX_IN_FLIGHT} requests of this connection are still being served by actor {args.actor_id}; wait "
+                    "for their replies before sending more"), "", actor_id=args.actor_id)))
+                continue
+            in_flight[who] = in_flight.get(who, 0) + 1
             t = loop.create_task(handle(identity, frames))
             tasks.add(t)
-            t.add_done_callback(tasks.discard)
+            t.add_done_callback(functools.partial(served, who=who))
+            # A recv that finds a message waiting does not suspend: without this, a connection that keeps the
+            # socket full (a flood) would hold the loop here, and no request's task would run, anyone's.
+            await asyncio.sleep(0)
 
     async def poke() -> None:
         # Backstop against a lost wakeup: ZeroMQ signals its file descriptor edge-triggered; asking for the
@@ -398,7 +418,10 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         shutil.rmtree(compile_dir, ignore_errors=True)
     if p2p is not None:
         p2p.close()
-    sock.close(linger=0)
+    # A reply still queued (the shutdown's, above all) leaves before the process does: the close lingers and
+    # `flush_replies` at exit waits for it, a second at most (with linger 0 the reply to `shutdown` was lost in 2
+    # of 8 tries on a loaded machine: the client saw the daemon go without an answer).
+    sock.close(linger=REPLY_LINGER_MS)
     if auth is not None:
         auth.stop()
     if endpoint.startswith("ipc://"):
@@ -512,6 +535,26 @@ def raise_open_files_limit() -> None:
         logging.getLogger("mpmd.actor").debug("open-files limit left as it is: %s", e)
 
 
+REPLY_LINGER_MS = 1000
+# Requests one connection may have in flight at once (a controller dispatching steps far ahead stays well under:
+# one request per actor per step); past it a request is refused at once, so that one key's flood (an admitted
+# key that never reads its replies sent 6.5 million in 30 s) cannot queue without bound ahead of the others.
+MAX_IN_FLIGHT = 4096
+
+
+def flush_replies(wait_s: float = 2.0) -> None:
+    """Let ZeroMQ send what closed sockets still hold (up to their linger) before the process exits: the
+    context's term does that. Bounded by `wait_s`, in case a socket still open keeps term from returning."""
+    import threading
+
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context.instance()
+    t = threading.Thread(target=ctx.term, name="mpmd-flush-replies", daemon=True)
+    t.start()
+    t.join(wait_s)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     server_pair, authorized = load_security(args)
@@ -545,6 +588,7 @@ def main(argv: list[str] | None = None) -> None:
     # Not asyncio.run: at the end it would join the worker threads, and one may be waiting for a computation
     # nobody will read (a `get` that timed out).
     loop.run_until_complete(serve(args, server_pair, authorized))
+    flush_replies()
     if profile_to:
         profiler.disable()
         profiler.dump_stats(f"{profile_to}.{args.actor_id}")

@@ -106,6 +106,46 @@ def test_a_second_key_cannot_rewire_stop_or_crowd_out_the_job_of_the_key_that_ow
             assert again.actor(1).stats()["p2p"] is not None
 
 
+def test_a_key_that_floods_requests_and_reads_no_replies_does_not_starve_the_owners_job(shared):
+    """Bob (admitted, not the owner) sends requests as fast as he can and never reads a reply. Before: the daemon
+    queued them all (6.5 million in 30 s, RSS to 4 GB), its receive loop never yielded while messages were
+    waiting, and alice's controller, unanswered, declared the actor dead. Now each connection's queue is bounded,
+    a connection past MAX_IN_FLIGHT requests is refused at once, and the loop serves every connection's tasks."""
+    import threading
+
+    import msgpack
+
+    from tests.wire import dealer
+
+    with mpmd.RemoteMesh.connect(shared.addresses[:1], keys=shared.keys["alice"], transport="none") as alice:
+        flood = dealer(shared.addresses[0], shared.keys["bob"], timeout_ms=100)
+        frame = msgpack.packb({"v": 2, "op": "no-such-op", "id": 1})
+        done = threading.Event()
+        sent = [0]
+
+        def bob() -> None:
+            while not done.is_set():
+                try:
+                    flood.send(frame)  # blocks (up to 100 ms) once his queue on the daemon is full
+                    sent[0] += 1
+                except Exception:
+                    pass
+
+        t = threading.Thread(target=bob, daemon=True)
+        t.start()
+        try:
+            while sent[0] < 20_000:  # the flood is on
+                assert t.is_alive()
+                threading.Event().wait(0.05)
+            answered = [alice.actor(0).ping() for _ in range(5)]  # each fails with ActorDiedError if never answered
+        finally:
+            done.set()
+            t.join(5)
+            flood.close()
+        assert len(answered) == 5 and sent[0] > 20_000
+        assert shared.procs[0].poll() is None
+
+
 def test_the_operator_key_may_stop_a_daemon_another_key_owns(shared, tmp_path):
     d = shared.dir
     proc, address = start_daemon("--listen", "tcp://127.0.0.1:0", "--p2p", "none", "--server-key", str(d / "server.key_secret"),

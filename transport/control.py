@@ -40,6 +40,7 @@ class HandshakeFailed(ConnectionLost):
     """The actor and this client could not agree on who they are (CURVE keys, or keys on one side only)."""
 
 
+CONTROL_QUEUE = 10_000  # messages queued per connection on a daemon's control socket, each way
 HANDSHAKE_MS = 10_000  # (ZeroMQ's default: 30 s, each a file descriptor a stranger holds for free)
 
 
@@ -55,8 +56,11 @@ def bind_router(ctx: zmq.Context, address: str, max_message_bytes: int = DEFAULT
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
+    # Bounded per connection: a peer that sends faster than the daemon reads, or never reads its replies, is held
+    # back (its sends block) or loses replies, while ROUTER's fair queueing keeps serving the other connections.
+    # (The controller's own socket is unbounded, so its I/O thread always drains what a daemon sends it.)
+    sock.setsockopt(zmq.SNDHWM, CONTROL_QUEUE)
+    sock.setsockopt(zmq.RCVHWM, CONTROL_QUEUE)
     sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)  # a connection that never completes its handshake is dropped
     if configure is not None:
         configure(sock)
