@@ -78,6 +78,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run without authentication: accept any client on any address (only on networks you trust)")
     p.add_argument("--request-timeout", type=float, default=3600.0,
                    help="every request but compile gets its reply within this many seconds (an error reply if need be)")
+    p.add_argument("--session-timeout", type=float, default=60.0,
+                   help="a controller's session (its buffers, programs, steps and its key's claim on the daemon) ends when "
+                        "the controller has said nothing for this many seconds: a live one keeps it open on its own, so this "
+                        "only frees what a killed or cut-off controller left")
     p.add_argument("--compile-timeout", type=float, default=600.0,
                    help="seconds a compile's checks, and then its XLA compile, may each take (the request: twice this, plus 5 s); "
                         "a compile past it is stopped (its process killed)")
@@ -99,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--p2p ipc needs --ipc-dir")
     if args.compile_workers < 1:
         p.error("--compile-workers must be at least 1")
-    for name in ("request_timeout", "compile_timeout", "transfer_timeout"):
+    for name in ("request_timeout", "compile_timeout", "transfer_timeout", "session_timeout"):
         if not getattr(args, name) > 0:  # (NaN too)
             p.error(f"--{name.replace('_', '-')} must be positive")
     if args.cpu_devices is not None and not 1 <= args.cpu_devices <= 4096:
@@ -286,7 +290,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     from actors.handlers import Ownership
 
     actor.ownership = Ownership(secure, getattr(args, "owner_keys", frozenset()), frozenset(args.admin_key))
-    actor.limits = {"request_timeout": args.request_timeout, "compile_timeout": 2 * args.compile_timeout + COMPILE_GRACE,
+    actor.limits = {"request_timeout": args.request_timeout, "session_timeout": args.session_timeout, "compile_timeout": 2 * args.compile_timeout + COMPILE_GRACE,
                     "authenticated": secure, "insecure": args.insecure}
     if p2p is not None:
         p2p.admit = lambda key: actor.admits_transfer(key)
@@ -383,6 +387,15 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
             # socket full (a flood) would hold the loop here, and no request's task would run, anyone's.
             await asyncio.sleep(0)
 
+    async def expire_sessions() -> None:
+        # A controller that was killed or cut off never says 'bye': its session would hold its buffers and its
+        # key's claim on the daemon for good (16 killed controllers of one key locked that key out).
+        while True:
+            await asyncio.sleep(min(5.0, args.session_timeout / 4))
+            for sid, owner, idle in actor.expire_sessions(args.session_timeout):
+                log.warning("session %x of key %r: its controller said nothing for %.0f s (--session-timeout %g): closed, "
+                            "with its buffers and programs", sid, owner, idle, args.session_timeout)
+
     async def poke() -> None:
         # Backstop against a lost wakeup: ZeroMQ signals its file descriptor edge-triggered; asking for the
         # socket's events makes pyzmq handle whatever is waiting.
@@ -401,11 +414,13 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         print(f"MPMD_ACTOR_READY {endpoint} {_p2p_address(p2p)}", flush=True)
     receiver = loop.create_task(receive())
     poker = loop.create_task(poke())
+    expirer = loop.create_task(expire_sessions())
     loop.create_task(_quietly(checker.start()))  # the checker imports JAX meanwhile, so the first compile need not wait
     orphan_wait = loop.create_task(orphaned.wait())
     await asyncio.wait({loop.create_task(stop.wait()), orphan_wait}, return_when=asyncio.FIRST_COMPLETED)
     receiver.cancel()
     poker.cancel()
+    expirer.cancel()
     if publication is not None:
         publication.withdraw()
     if watcher is not None:

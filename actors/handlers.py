@@ -64,6 +64,7 @@ class Session:
         self.executables: set[str] = set()  # the executables this session compiled: the only ones it may run
         self.last_step_peak_bytes = 0  # most bytes a step's own buffer table held at once (last finished step)
         self.inputs = InputSegments(actor_id)  # step arguments its controller hands over in shared memory
+        self.last_seen = time.monotonic()  # when its controller last sent a request naming it (pings too)
 
     def close(self) -> None:
         for task in self.running.values():
@@ -246,6 +247,19 @@ class Actor:
     async def bye(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         """Close the caller's session: its buffers, programs and running steps go."""
         assert ses is not None
+        self._end(ses)
+        return {"closed": ses.id}, []
+
+    def expire_sessions(self, timeout: float) -> list[tuple[int, str | None, float]]:
+        """Close every session whose controller has sent nothing for `timeout` seconds (it keeps a live one open
+        with pings); (id, key, idle seconds) of each closed."""
+        now = time.monotonic()
+        idle = [(ses, now - ses.last_seen) for ses in self.sessions.values() if now - ses.last_seen > timeout]
+        for ses, _ in idle:
+            self._end(ses)
+        return [(ses.id, ses.owner, t) for ses, t in idle]
+
+    def _end(self, ses: Session) -> None:
         self.sessions.pop(ses.id, None)
         ses.close()
         if self.ownership.owner == ses.owner and not any(s.owner == ses.owner for s in self.sessions.values()):
@@ -254,7 +268,6 @@ class Actor:
             profiler.stop_quietly(self)
         if self.p2p is not None:
             self.p2p.expire((ses.id,))
-        return {"closed": ses.id}, []
 
     async def put(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         buf = field(msg, "buf", int)
@@ -581,6 +594,11 @@ class Actor:
             raise RequestError(f"unknown op {msg.op!r}; this actor serves {sorted(self.handlers)}")
         if msg.op == "hello":
             return await self.hello(None, msg, peer)
+        if msg.op == "ping":  # a controller's keep-alive names its session (a ping that names none is fine too)
+            sid = msg.header.get("session")
+            ses = self.sessions.get(sid) if isinstance(sid, int) and not isinstance(sid, bool) else None
+            if ses is not None and ses.owner == peer:
+                ses.last_seen = time.monotonic()
         ses = None if msg.op in SESSIONLESS else self._session_of(msg, peer)
         if msg.op in GOVERNING:
             self._refuse_unless_governing(msg.op, peer)
@@ -592,7 +610,9 @@ class Actor:
         ses = self.sessions.get(sid) if isinstance(sid, int) and not isinstance(sid, bool) else None
         if ses is None or ses.owner != peer:  # another client's session: as if it did not exist
             raise RequestError(f"'{msg.op}' needs an open session (got session {sid!r}); a controller opens one with "
-                               f"'hello' when it connects")
+                               f"'hello' when it connects (a session whose controller said nothing for the daemon's "
+                               f"--session-timeout is closed)")
+        ses.last_seen = time.monotonic()
         return ses
 
 

@@ -146,6 +146,50 @@ def test_a_key_that_floods_requests_and_reads_no_replies_does_not_starve_the_own
         assert shared.procs[0].poll() is None
 
 
+def test_a_killed_controllers_session_is_closed_after_the_session_timeout_and_a_live_idle_one_is_kept(shared, tmp_path):
+    """A controller killed with kill -9 never says 'bye': its session held its buffers for good (95 MiB per killed
+    controller that had put 100 MB), its key's claim on the daemon stayed, and 16 such sessions locked the key out.
+    The daemon now closes a session whose controller said nothing for --session-timeout; a live controller keeps
+    its own open by pinging when idle."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    d = shared.dir
+    proc, address = start_daemon("--listen", "tcp://127.0.0.1:0", "--p2p", "none", "--server-key", str(d / "server.key_secret"),
+                                 "--authorized-keys", str(d / "authorized"), "--session-timeout", "2")
+    script = tmp_path / "ctl.py"
+    script.write_text(
+        "import numpy as np, time, mpmd\n"
+        "from transport.auth import ClientKeys\n"
+        f"keys = ClientKeys.load({str(d / 'authorized' / 'alice.key_secret')!r}, {str(d / 'server.key')!r})\n"
+        f"m = mpmd.RemoteMesh.connect([{address!r}], keys=keys, transport='none')\n"
+        "x = m.actor(0).put(np.ones(1 << 18, np.float32)); x.block_until_ready()\n"
+        "print('ready', flush=True); time.sleep(600)\n")
+    ctl = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, cwd=os.getcwd())
+    try:
+        assert ctl.stdout.readline().strip() == b"ready"
+        with mpmd.RemoteMesh.connect([address], keys=shared.keys["alice"], transport="none") as alive:
+            sessions = lambda: alive.run(alive.conn(0).request("info")).header["sessions"]  # noqa: E731
+            assert sessions() == 2
+            ctl.send_signal(signal.SIGKILL)
+            ctl.wait()
+            deadline = time.monotonic() + 30
+            while sessions() != 1 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert sessions() == 1  # the killed controller's, closed; ours, which kept asking, open
+            time.sleep(5)  # idle for 2.5 session timeouts: our keep-alive pings hold it open
+            y = alive.actor(0).put(np.arange(3, dtype=np.float32))
+            np.testing.assert_array_equal(alive.actor(0).run(jax.jit(lambda a: a * 2), y).to_numpy(), [0, 2, 4])
+            assert sessions() == 1
+        assert "its controller said nothing for" in open(proc.log).read()
+    finally:
+        if ctl.poll() is None:
+            ctl.kill()
+        stop_daemon(proc)
+
+
 def test_the_operator_key_may_stop_a_daemon_another_key_owns(shared, tmp_path):
     d = shared.dir
     proc, address = start_daemon("--listen", "tcp://127.0.0.1:0", "--p2p", "none", "--server-key", str(d / "server.key_secret"),

@@ -119,6 +119,7 @@ class ControlClient:
         self.last_heard = time.monotonic()
         self.waiting_since = self.last_heard  # when the actor last came to owe us a reply after owing none
         self.requests_sent = 0
+        self.last_sent = self.last_heard  # when the last request left
         self.closed = False
         self.connected = False
         self.ever_connected = False  # a handshake has succeeded on this connection once
@@ -211,6 +212,7 @@ class ControlClient:
             self.outstanding.pop(req_id, None)
             raise
         self.requests_sent += 1
+        self.last_sent = time.monotonic()
         return fut
 
     async def request(self, op: str, fields: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> Message:

@@ -186,6 +186,14 @@ class ActorConnection:
         self.dead: str | None = None
         self.bound: float | None = None  # the actor's own bound on any request (its --request-timeout), from `hello`
         self.compile_bound: float | None = None  # and on a compile (its --compile-timeout and a little)
+        self.keepalive: float | None = None  # ping this often when idle, so the actor keeps our session open
+
+    def learn_limits(self, info: dict[str, Any]) -> None:
+        """Take the actor's bounds from its `hello` reply: on requests, on compiles, and on a silent session (its
+        --session-timeout: an idle controller pings four times within it)."""
+        self.bound, self.compile_bound = info.get("request_timeout"), info.get("compile_timeout")
+        timeout = info.get("session_timeout")
+        self.keepalive = max(0.5, timeout / 4) if isinstance(timeout, (int, float)) and timeout > 0 else None
 
     def submit(self, op: str, fields: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> Coroutine[Any, Any, Message]:
         """Send a request now (call on the loop thread); await the result for the reply. Error replies become
@@ -252,7 +260,12 @@ class ActorConnection:
         """Called by the watchdog every `tick`: ping a silent actor that owes replies; declare it dead when it
         has exited, when it has been silent so long that it would be past `timeout` before the next tick but one
         (so that it is declared within `timeout` of going silent), or when a request of it is overdue."""
-        if self.dead or self.client.pending == 0:
+        if self.dead:
+            return
+        if self.client.pending == 0:
+            if self.keepalive is not None and now - self.client.last_sent > self.keepalive and not self._pinging:
+                self._pinging = True  # idle: the actor closes a session it hears nothing of (mpmd-actor --session-timeout)
+                asyncio.get_running_loop().create_task(self._ping())
             return
         reason = self._alive() if self._alive else None
         silent = self.client.silent(now)
@@ -286,7 +299,7 @@ class ActorConnection:
 
     async def _ping(self) -> None:
         try:
-            await self.client.request("ping")
+            await self.client.request("ping", {"session": self.session})
         except Exception:
             pass
         finally:

@@ -133,7 +133,7 @@ class RemoteMesh:
             self._check_actors()
             self.actor_mesh = self._device_mesh(mesh_shape, axis_names)
             for c, info in zip(self._conns, self.infos):
-                c.bound, c.compile_bound = info.header.get("request_timeout"), info.header.get("compile_timeout")
+                c.learn_limits(info.header)
             if transport != "none" and len(self.actors) > 1:
                 self._wire()
         except BaseException:
@@ -413,7 +413,7 @@ class RemoteMesh:
             raise
         self._conns[i] = new
         self._io.call_soon(old.close)
-        new.bound, new.compile_bound = info.header.get("request_timeout"), info.header.get("compile_timeout")
+        new.learn_limits(info.header)
         if fresh:
             log.warning("actor %d at %s is a new daemon (pid %s): its buffers and programs from before are gone",
                         i, new.address, info.header.get("pid"))
