@@ -22,7 +22,7 @@ from mpmd.compiler.body import LoopBody
 from mpmd.compiler.eqns import eqns_fn, free_inputs, is_var, nbytes, spec_of
 from mpmd.compiler.stages import StageSplit, is_marker, split_backward
 from mpmd.errors import PipelineError, ScheduleError
-from mpmd.schedules.balance import SegmentCosts, groups, resolve_grouping
+from mpmd.schedules.balance import SegmentCosts, check_stage_count, groups, resolve_grouping
 
 __all__ = ["FLOPS_PER_SECOND", "BYTES_PER_SECOND", "group_segments", "merge_segments", "xla_segment_costs"]
 
@@ -93,6 +93,10 @@ def group_segments(split: StageSplit, schedule: Any, body: LoopBody, num_microba
     if schedule is None or getattr(schedule, "balance", None) is None:
         return split, None
     costs = None
+    try:
+        check_stage_count(schedule, split.num_stages)
+    except ScheduleError as e:
+        raise PipelineError(str(e)) from None
     if schedule.balance == "auto":
         split_bwd = any(t.kind in ("I", "W") for row in schedule.tasks(max(1, schedule.min_microbatches)) for t in row)
         costs = xla_segment_costs(split, body, with_split_backward=split_bwd)

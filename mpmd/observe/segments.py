@@ -43,9 +43,9 @@ def segment_layout(step: Any, *args: Any) -> tuple[int, tuple[float, ...], int, 
 
 
 def _traced_costs(step: Any, schedule: SegmentProfile, args: tuple[Any, ...], steps: int, traced: int = 3,
-                  cores: int | None = None) -> Any:
+                  cores: int | None = None) -> tuple[Any, set[int]]:
     """Costs fitted to `traced` steps of the variant, each number the median over the steps' own fits (one
-    traced step of small tasks moves 10-30 % on a busy machine)."""
+    traced step of small tasks moves 10-30 % on a busy machine), and the segments that ran an I task."""
     from mpmd.runtime.array import wait_ready
 
     variant = step.with_schedule(schedule)
@@ -54,7 +54,7 @@ def _traced_costs(step: Any, schedule: SegmentProfile, args: tuple[Any, ...], st
     with step.mesh.trace() as t:
         for _ in range(traced):
             wait_ready(variant.call_bound(args))
-    return median_costs([fit_costs(t, schedule.num_stages, k, per_run=False, cores=cores) for k in range(len(t.steps))])
+    return median_costs([fit_costs(t, schedule.num_stages, k, per_run=False, cores=cores) for k in range(len(t.steps))]), t.stages_with("I")
 
 
 def median_costs(fits: list[Any]) -> Any:
@@ -70,6 +70,9 @@ def median_costs(fits: list[Any]) -> Any:
     return dataclasses.replace(fits[0], **per_stage, **scalars)
 
 
+MIN_TASK_SECONDS = 1e-9  # the time a measured task that exists is given at least
+
+
 def profile_costs(step: Any, *args: Any, steps: int = 2, split_backward: bool = True) -> SegmentCosts:
     """Per-segment costs of `step` (a `DistributedFunction`) on these arguments (bound, as
     `DistributedFunction.call_bound` takes them), measured on its mesh's actors
@@ -78,18 +81,21 @@ def profile_costs(step: Any, *args: Any, steps: int = 2, split_backward: bool = 
     p = min(len(step.mesh), n)
     log.info("profiling %d segments on %d actors, %d microbatches", n, p, m)
     cores = getattr(step.mesh, "shared_cores", lambda: None)()  # actors sharing this host's cores: fit own times
-    fused = _traced_costs(step, SegmentProfile(n, p, split=False), args, steps, cores=cores)
+    fused, _ = _traced_costs(step, SegmentProfile(n, p, split=False), args, steps, cores=cores)
     i: tuple[float, ...] = ()
     w: tuple[float, ...] = ()
     if split_backward:
-        parts = _traced_costs(step, SegmentProfile(n, p, split=True), args, steps, cores=cores)
-        i, w = tuple(parts.I), tuple(parts.W)
+        parts, with_i = _traced_costs(step, SegmentProfile(n, p, split=True), args, steps, cores=cores)
+        # A zero I means "no input-gradient task" to the balancer; a segment that has one but whose I always ran
+        # fused with another task may fit to zero: it keeps a token time, so that it is not taken for one without.
+        i = tuple(max(x, MIN_TASK_SECONDS) if k in with_i else 0.0 for k, x in enumerate(parts.I))
+        w = tuple(parts.W)
     # Every segment on one actor: a microbatch's tasks fuse, so the total is nearly free of per-Run overhead.
-    together = _traced_costs(step, SegmentProfile(n, 1), args, steps)
+    together, _ = _traced_costs(step, SegmentProfile(n, 1), args, steps)
     apart_total = sum(fused.F) + sum(fused.B)
     run_overhead = max(0.0, (apart_total - sum(together.F) - sum(together.B)) / (2 * n)) if n > 1 else 0.0
     # A split backward runs I and W as two Runs where B was one: I + W - B is one Run's overhead there.
-    extra = sorted(a + b - c for a, b, c in zip(i, w, fused.B) if a > 0 and b > 0)
+    extra = sorted(a + b - c for a, b, c in zip(i, w, fused.B) if a > MIN_TASK_SECONDS and b > 0)
     split_overhead = min(run_overhead, max(0.0, extra[len(extra) // 2])) if extra else 0.0
     return SegmentCosts(F=tuple(fused.F), B=tuple(fused.B), I=i, W=w, activation_bytes=out_bytes, latency=fused.latency,
                         bandwidth=fused.bandwidth, gap=fused.gap, other=fused.other, lead=fused.lead, tail=fused.tail, cores=cores,

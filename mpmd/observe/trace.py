@@ -135,6 +135,10 @@ class Trace:
         """The labels of the Runs `actor` did in a traced step, in order."""
         return [r.label for r in self._step(step)[actor].runs]
 
+    def stages_with(self, kind: str) -> set[int]:
+        """The stages that ran a task of `kind` ("F", "B", "I" or "W"; alone or fused into a Run) in any traced step."""
+        return {s for st in self.steps for x in st.values() for r in x.runs for s, k in _tasks_of(r.label) if k == kind}
+
     def _step(self, step: int) -> dict[int, ActorStep]:
         """Traced step `step` (negative: from the end); an MpmdError naming what there is when there is none."""
         from mpmd.errors import MpmdError

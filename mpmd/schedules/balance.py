@@ -319,6 +319,15 @@ def _descend(current: tuple[int, ...], score: Any, seen: dict[tuple[int, ...], A
     return current
 
 
+def check_stage_count(schedule: Schedule, num_segments: int) -> None:
+    """Raise unless the balanced `schedule` has at most `num_segments` stages (checked before any table of its
+    stages is made: a schedule of 10**9 stages must be refused at once)."""
+    k = schedule.num_stages
+    if k > num_segments:
+        raise ScheduleError(f"{schedule} has {k} stages but the step has only {num_segments} segments ({num_segments - 1} "
+                            f"pipeline_yield markers); use at most {num_segments} stages or mark more boundaries")
+
+
 def resolve_grouping(schedule: Schedule, num_segments: int, num_microbatches: int, costs: SegmentCosts | None = None) -> tuple[int, ...] | None:
     """The grouping the schedule's `balance` asks for, for a step of `num_segments` segments: None for no
     balance; `costs` (or the balance's own SegmentCosts) are read for "auto"."""
@@ -327,9 +336,7 @@ def resolve_grouping(schedule: Schedule, num_segments: int, num_microbatches: in
     k = schedule.num_stages
     if b is None:
         return None
-    if k > num_segments:
-        raise ScheduleError(f"{schedule} has {k} stages but the step has only {num_segments} segments ({num_segments - 1} "
-                            f"pipeline_yield markers); use at most {num_segments} stages or mark more boundaries")
+    check_stage_count(schedule, num_segments)
     if b == "even":
         return even_grouping(num_segments, k)
     if isinstance(b, tuple):
