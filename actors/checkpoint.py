@@ -29,6 +29,19 @@ from actors.request import RequestError, field, int_list
 from transport.checkpoint_parts import CheckpointProblem, read_part, write_part
 from transport.protocol import Message, aval_header
 
+# orbax-checkpoint keeps process-wide state (temporary names, commit signals): two parts written at once in one
+# process failed (FileExistsError on its temporary directory, NOT_FOUND from its zarr driver) or hung in its signal
+# barrier (six saves of one state gathered at once). So this daemon reads and writes one part at a time; the
+# others wait here, holding no worker thread.
+_ORBAX: asyncio.Lock | None = None
+
+
+def _orbax() -> asyncio.Lock:
+    global _ORBAX
+    if _ORBAX is None:
+        _ORBAX = asyncio.Lock()
+    return _ORBAX
+
 
 def _names(msg: Message) -> tuple[str, list[str], list[int]]:
     directory = field(msg, "dir", str)
@@ -65,7 +78,8 @@ async def save(actor: Any, ses: Any, msg: Any) -> tuple[dict, list]:
     values = [await asyncio.shield(r) if isinstance(r, asyncio.Future) else r for r in refs]
 
     # whole host arrays (a sharded value's shards gathered): the part fits any mesh that reads it
-    arrays, files = await asyncio.to_thread(lambda: write_part(directory, {n: np.asarray(v) for n, v in zip(names, values)}))
+    async with _orbax():
+        arrays, files = await asyncio.to_thread(lambda: write_part(directory, {n: np.asarray(v) for n, v in zip(names, values)}))
     return {"nbytes": int(sum(int(np.prod(a["shape"], dtype=np.int64)) * np.dtype(a["dtype"]).itemsize for a in arrays)),
             "written": arrays, "files": files}, []
 
@@ -98,8 +112,12 @@ async def restore(actor: Any, ses: Any, msg: Any) -> tuple[dict, list]:
     def error(e: BaseException) -> BaseException:  # what a reader of the buffers gets
         return RequestError(f"restore from {directory}: {e.why}") if isinstance(e, CheckpointProblem) else e
 
+    async def read_one_at_a_time() -> list[Any]:
+        async with _orbax():
+            return await asyncio.to_thread(read)
+
     try:
-        values = await ses.buffers.produce(bufs, asyncio.to_thread(read), error)
+        values = await ses.buffers.produce(bufs, read_one_at_a_time(), error)
     except CheckpointProblem as e:
         return {"problem": e.wire()}, []
     return {"outputs": [aval_header(v.shape, v.dtype) for v in values]}, []

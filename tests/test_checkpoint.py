@@ -109,6 +109,44 @@ def test_an_async_save_keeps_what_it_writes_when_the_caller_drops_it_at_once(mes
     np.testing.assert_array_equal(mpmd.load(str(tmp_path / "alone"))["x"], np.arange(1 << 16, dtype=np.float32))
 
 
+def test_saves_gathered_at_once_on_the_same_actors_all_commit_and_close_waits_for_an_unfinished_one(tmp_path):
+    """Six save_async of one state gathered at once (each actor writes six parts at the same time): orbax keeps
+    process-wide state, and four such saves failed (FileExistsError on its temporary directory, NOT_FOUND from its
+    zarr driver), six hung in its signal barrier; the daemon now writes one part at a time. And a save(wait=False)
+    still writing when the mesh closes (the last checkpoint of a `with mesh:` block) was cancelled and its
+    directory removed; close now lets it commit. Found by a probe."""
+    import asyncio
+
+    opt = optax.adam(1e-2)
+    params = models.mlp_params(np.random.default_rng(0), 2, 32)
+    batch = models.regression_batch(np.random.default_rng(1), 2, 4, 32)
+
+    async def six_at_once() -> tuple:
+        async with await mpmd.RemoteMesh.local_async(num_actors=2) as mesh:
+            dist = mpmd.distributed(make_step(models.mse_loss(models.mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
+            *state, _ = await dist.call_async(params, opt.init(params), batch)
+            want = await mpmd.fetch_async(tuple(state))
+            async with asyncio.timeout(120):
+                dirs = await asyncio.gather(*(mpmd.save_async(str(tmp_path / f"g{k}"), tuple(state)) for k in range(6)))
+            return want, dirs
+
+    want, dirs = asyncio.run(six_at_once())
+    assert len(set(dirs)) == 6
+    for k in range(6):
+        got = mpmd.load(str(tmp_path / f"g{k}"), like=want)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(g), w)
+    with mpmd.RemoteMesh.local(num_actors=2) as mesh:
+        dist = mpmd.distributed(make_step(models.mse_loss(models.mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
+        *state, _ = dist(params, opt.init(params), batch)
+        want = mpmd.fetch(tuple(state))
+        handle = mpmd.save(str(tmp_path / "last"), tuple(state), wait=False)
+    assert handle.done() and handle.wait(0) == str(tmp_path / "last" / "ckpt-1")
+    got = mpmd.load(str(tmp_path / "last"), like=want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g), w)
+
+
 def test_bfloat16_and_float8_leaves_save_and_restore_bit_exactly(mesh2, tmp_path):
     """Saving any bfloat16 leaf failed, on the host and on the actors: the digest took a memoryview of the
     array, which numpy cannot make for the ml_dtypes (found by a probe)."""

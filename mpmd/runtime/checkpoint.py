@@ -333,6 +333,7 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
             done_saving()
 
     handle = SaveHandle(mesh.submit_coroutine(write()))
+    mesh.track_save(handle._future)
     return handle.wait() if wait else handle
 
 

@@ -101,6 +101,10 @@ class EventLoopThread:
             # caller's task being cancelled.
             raise MpmdError("the RemoteMesh was closed while this request ran") from None
 
+    def on_loop_thread(self) -> bool:
+        """Whether the caller is this loop's own thread."""
+        return threading.current_thread() is self._thread
+
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         if not self.loop.is_closed():
             self.loop.call_soon_threadsafe(fn, *args)

@@ -116,6 +116,7 @@ class RemoteMesh:
         self.executables = Executables(self._conns)
         self.closed = False
         self._opened = False
+        self._saves: set[concurrent.futures.Future[Any]] = set()  # mpmd.save calls still writing (close waits for them)
         self.active_trace: Trace | None = None
         self.actor_mesh: ActorMesh | None = None
         self._offsets: dict[int, int] = {}
@@ -430,6 +431,7 @@ class RemoteMesh:
         """Shut the actors down (if this mesh started them) and stop the controller loop."""
         if self.closed:
             return
+        self._wait_for_saves()
         self.closed = True
         try:
             if self._opened:
@@ -439,6 +441,18 @@ class RemoteMesh:
                     pass
         finally:  # (a Ctrl-C during the goodbyes still stops, unlinks and removes everything below)
             self._release_resources()
+
+    def track_save(self, future: concurrent.futures.Future[Any]) -> None:
+        """A save writing this mesh's arrays: `close` lets it commit first (as orbax's CheckpointManager.close does)."""
+        self._saves.add(future)
+        future.add_done_callback(self._saves.discard)
+
+    def _wait_for_saves(self) -> None:
+        saves = [f for f in list(self._saves) if not f.done()]
+        if not saves or self._io.on_loop_thread():  # (the loop itself cannot wait for what it runs)
+            return
+        log.info("closing the mesh: waiting for %d save(s) still writing to commit", len(saves))
+        concurrent.futures.wait(saves)
 
     def _release_resources(self) -> None:
         try:
