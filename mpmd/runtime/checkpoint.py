@@ -472,6 +472,9 @@ def restore(path: str, mesh: Any, like: Any, *, for_step: Any = None, verify: bo
         for ((a, part), _), r in zip(need.items(), replies):
             if r.header.get("problem") is not None:
                 raise _problem(m, part, a, r.header["problem"])
+        recovery = getattr(mesh, "recovery", None)
+        if recovery is not None:  # a lost actor must not take the restored values with it: kept for a replay
+            recovery.adopt([x for x in out if isinstance(x, RemoteArray)])
     except BaseException:
         for x in out:
             if isinstance(x, RemoteArray):

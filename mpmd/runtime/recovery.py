@@ -274,6 +274,21 @@ class RecoveryManager:
 
         return mesh.submit_coroutine(fetch())
 
+    def adopt(self, arrays: list[RemoteArray]) -> None:
+        """Arrays made outside the log that a step will read (what `mpmd.restore` made): their values fetched now,
+        waited for, and kept as a logged call's unseen inputs are, so a replay can put them back even when an actor
+        is lost before the first step that reads them has been snapshotted (that snapshot starts at the step's
+        dispatch; the kill can come first). Kept until a snapshot of a later step completes."""
+        arrays = [x for x in arrays if isinstance(x, RemoteArray) and x.buffers]
+        if not arrays:
+            return
+        by_vid = {self._vid(x): x for x in arrays}
+        ext = Snapshot(next(self._indices), {vid: (x.actors, x.sharding.spec if x.sharding is not None else None, x.dtype,
+                                                   weakref.ref(x)) for vid, x in by_vid.items()})
+        ext.values, ext.complete = self._fetch(by_vid).result(), True
+        with self._state:
+            self._externals.append(ext)
+
     def _keep_external(self, index: int, arrays: dict[int, RemoteArray]) -> None:
         """Inputs of log entry `index` that no logged step made: fetched in the background and kept while the
         log holds the entry, so that a replay can put them back where they were."""
@@ -503,6 +518,9 @@ class RecoveryManager:
             if snap is None:  # the first is still being taken: replay all, with the inputs where they are (if they are)
                 snap = Snapshot(self.log[0].index if self.log else 0, {}, complete=True)
             records = [r for r in self.log if r.index >= snap.index]
+        # Every input of the replay still alive now stays alive until the replay reads it: one collected midway
+        # (its last holder a pending snapshot the loss failed) freed its buffers after it was judged present.
+        pinned = [leaf[2]() for r in records for leaf in r.leaves if leaf[0] == "remote"]  # noqa: F841
         t = time.monotonic()
         stripped: dict[int, tuple[RemoteArray, list[int]]] = {}
         for vid, x in self._live():  # buffers on a replaced actor are gone
