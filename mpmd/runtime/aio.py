@@ -48,19 +48,22 @@ async def watch(fut: concurrent.futures.Future[T]) -> T:
     loop = asyncio.get_running_loop()
     waiter: asyncio.Future[T] = loop.create_future()
 
-    def settle() -> None:
+    # (`fut` reaches the callbacks as their argument, never through their closures: a closure over it would make
+    # a cycle — fut, its callback, fut — that kept its result, e.g. a restored tree's actor buffers, alive until
+    # the garbage collector ran, after the caller had let it go.)
+    def settle(done: concurrent.futures.Future[T]) -> None:
         if waiter.done():
             return
-        if fut.cancelled():
+        if done.cancelled():
             waiter.cancel()
-        elif fut.exception() is not None:
-            waiter.set_exception(fut.exception())  # type: ignore[arg-type]
+        elif done.exception() is not None:
+            waiter.set_exception(done.exception())  # type: ignore[arg-type]
         else:
-            waiter.set_result(fut.result())
+            waiter.set_result(done.result())
 
-    def copy(_: Any) -> None:
+    def copy(done: concurrent.futures.Future[T]) -> None:
         try:
-            loop.call_soon_threadsafe(settle)
+            loop.call_soon_threadsafe(settle, done)
         except RuntimeError:  # the caller's loop is closed: nobody waits any more
             pass
 

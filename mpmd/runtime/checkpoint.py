@@ -29,7 +29,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import fcntl
-import inspect
 import logging
 import os
 import shutil
@@ -287,14 +286,28 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
     # request comes. (From the write coroutine's first turn, one turn later, a free could still overtake it.)
     sent = mesh.dispatch(send, handed)
 
+    started = []
+
+    def after_handover(loop: asyncio.AbstractEventLoop, cleanup: Any) -> None:
+        """`cleanup()` once the requests handed over (if any) have been answered."""
+        def handed(f: concurrent.futures.Future[Any]) -> None:
+            sent_ok = not f.cancelled() and f.exception() is None
+            tasks = [asyncio.ensure_future(p, loop=loop) for p in f.result()] if sent_ok else []
+            loop.create_task(_abandon_after(tasks, cleanup))
+
+        sent.add_done_callback(handed)  # (called on the loop: the dispatch settles it there)
+
     async def write() -> str:
-        pending: list[Any] = []
+        started.append(True)
+        replies_of: list[asyncio.Future[Any]] = []  # each actor's reply, awaited by a task of its own
+        later = False  # the directory is removed, and its name freed, once the actors have answered
         try:
-            pending = await asyncio.wrap_future(sent)
+            replies_of = [asyncio.ensure_future(p) for p in await asyncio.wrap_future(sent)]
             for attempt in range(2):
                 # Every actor's answer before anything is abandoned: one actor's failure must not delete the
-                # directory while another still writes into it.
-                replies = await asyncio.gather(*pending, return_exceptions=True)
+                # directory while another still writes into it. (asyncio.wait: a cancel leaves the replies awaited.)
+                await asyncio.wait(replies_of)
+                replies = [f.exception() or f.result() for f in replies_of]
                 failed = [r for r in replies if isinstance(r, BaseException)]
                 if not failed:
                     break
@@ -316,7 +329,7 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
                 log.warning("mpmd.save into %s: an actor was lost while it ran; the mesh recovered, saving again", path)
                 for a in per_actor:
                     await asyncio.to_thread(shutil.rmtree, os.path.join(tmp, f"actor-{a}"), True)
-                pending = send(again=True)
+                replies_of = [asyncio.ensure_future(p) for p in send(again=True)]
             parts = dict(host_part)
             order = dict(host_order)
             for (a, (_, idx)), r in zip(per_actor.items(), replies):
@@ -324,15 +337,31 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
                 order[f"actor-{a}"] = idx
             return await asyncio.to_thread(finish, parts, order)
         except BaseException as e:
-            for p in pending:  # never awaited, when the save is cancelled before it waits for its replies
-                if inspect.iscoroutine(p) and inspect.getcoroutinestate(p) == inspect.CORO_CREATED:
-                    p.close()
-            abandon(e)
+            # Cancelled (or failed) while actors may still be writing into the .tmp directory: it is removed, and
+            # its name freed for the next save, only once they have answered (else the next save into `path`
+            # took the same name and met the old writes: FileExistsError, "Destination ... already exists").
+            loop = asyncio.get_running_loop()
+            cleanup = (lambda err=e: (abandon(err), done_saving()))  # noqa: E731 - (binds e: the except clause unbinds it)
+            if any(not f.done() for f in replies_of):
+                loop.create_task(_abandon_after(replies_of, cleanup))
+                later = True
+            elif not replies_of:  # cancelled before (or as) the requests were handed over: cleaned up once they are
+                after_handover(loop, cleanup)
+                later = True
+            else:
+                abandon(e)
             raise
         finally:
-            done_saving()
+            if not later:
+                done_saving()
 
     handle = SaveHandle(mesh.submit_coroutine(write()))
+
+    def never_ran(f: concurrent.futures.Future[Any]) -> None:  # cancelled before its first turn: cleaned up as above
+        if f.cancelled() and not started:
+            mesh._io.call_soon(lambda: after_handover(asyncio.get_running_loop(), lambda: (abandon(None), done_saving())))
+
+    handle._future.add_done_callback(never_ran)
     mesh.track_save(handle._future)
     return handle.wait() if wait else handle
 
@@ -352,6 +381,15 @@ async def save_async(path: str, tree: Any, *, keep: int = 1) -> str:
     except asyncio.CancelledError:
         handle._future.cancel()
         raise
+
+
+async def _abandon_after(replies: list[asyncio.Future[Any]], cleanup: Any) -> None:
+    """`cleanup()` once every reply has come (or failed): an abandoned save's actors may still be writing."""
+    try:
+        if replies:
+            await asyncio.wait(replies)
+    finally:
+        cleanup()
 
 
 def _finish_sync(run: Any, abandon: Any, done_saving: Any, wait: bool) -> str | SaveHandle:
