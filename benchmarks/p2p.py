@@ -62,6 +62,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    if not sizes or min(sizes) < 1:
+        ap.error(f"--sizes takes sizes of at least 1 MiB, got {args.sizes!r}")
+    if not set(args.routes.split(",")) <= {"tcp", "shm"}:
+        ap.error(f"--routes takes tcp and/or shm, got {args.routes!r}")
     print(f"{'route':>5} {'size':>8} {'one GiB/s':>9} {'x8 GiB/s':>9} {'base GiB/s':>10} {'one/base':>8} {'x8/base':>7}  baseline")
     for route in args.routes.split(","):
         with mpmd.RemoteMesh.local(num_actors=2, transport=route) as mesh:

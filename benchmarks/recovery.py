@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-steps", type=int, default=20)
     ap.add_argument("--snapshot-every", type=int, default=10)
     args = ap.parse_args(argv)
+    for flag in ("blocks", "block_steps", "snapshot_every"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     step, params, opt_state, stream = setup()
     with mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(snapshot_every=args.snapshot_every)) as mesh:
         dist = mpmd.distributed(step, mesh=mesh)
@@ -98,8 +101,8 @@ def main(argv: list[str] | None = None) -> None:
         # A lost actor: kill actor 1 while a step runs, time until that step's loss arrives.
         p, o = state
         for _ in range(args.snapshot_every // 2):  # halfway between snapshots: that many steps to replay
-            p, o, loss = dist(p, o, next(stream))
-        loss.to_numpy()
+            p, o, _ = dist(p, o, next(stream))
+        mpmd.fetch(o)
         p, o, loss = dist(p, o, next(stream))
         t0 = time.monotonic()
         os.kill(mesh.processes[1].proc.pid, signal.SIGKILL)

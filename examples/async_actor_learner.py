@@ -36,7 +36,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--envs", type=int, default=256, help="environments stepped together in a rollout")
     ap.add_argument("--horizon", type=int, default=64, help="environment steps per rollout")
     ap.add_argument("--microbatches", type=int, default=4)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    for flag in ("iterations", "steps", "envs", "horizon", "microbatches"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    if (args.envs * args.horizon) % args.microbatches:
+        ap.error(f"--microbatches {args.microbatches} must divide the {args.envs} x {args.horizon} transitions of a rollout")
+    return args
 
 
 def make_rollout(horizon: int, microbatches: int):

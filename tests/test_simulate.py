@@ -223,6 +223,9 @@ def test_png_picture(tmp_path):
     path = tmp_path / "t.png"
     simulate(mpmd.OneFOneB(2), 2).draw(str(path))
     assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="as .png or .svg"):  # (a .jpg was written as SVG, silently)
+        simulate(mpmd.OneFOneB(2), 2).draw(str(tmp_path / "t.jpg"))
+    assert not (tmp_path / "t.jpg").exists()
 
 
 # ---------------------------------------------------------------- compiled Programs

@@ -7,9 +7,8 @@ One pair used everywhere is the simplest setup: copy the directory to every node
 ``--server-key DIR/mpmd.key_secret --authorized-keys DIR`` and connect with ``RemoteMesh.connect(...,
 keys=DIR)``. For separate identities, generate a pair per controller, put the controllers' ``*.key`` files
 in the daemons' --authorized-keys directory, and pass `transport.auth.ClientKeys.load(...)` as `keys`.
-
-The `mpmd` command registers this with `add_subcommand(subparsers)`; `main(argv)` runs it alone.
 """
+# (The `mpmd` command registers this with `add_subcommand(subparsers)`; `main(argv)` runs it alone.)
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     """Add ``keys`` (with its ``generate`` action) to the `mpmd` command's subparsers."""
     keys = subparsers.add_parser("keys", help="make CURVE key pairs for daemons and controllers",
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    actions = keys.add_subparsers(dest="keys_action", required=True)
+    actions = keys.add_subparsers(dest="keys_action", metavar="ACTION", required=True)
     gen = actions.add_parser("generate", help="write a new key pair into DIR")
     gen.add_argument("dir", metavar="DIR", help="directory for the key files (created if missing)")
     gen.add_argument("--name", default="mpmd", help="file name of the pair: NAME.key and NAME.key_secret (default: mpmd)")
@@ -45,8 +44,13 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(f"wrote {public} (public: give it to whoever must admit this key)")
     print(f"wrote {secret} (secret, mode 600: keep it on the machines that use this identity)")
-    print(f"start daemons with: mpmd-actor --server-key {secret} --authorized-keys {public.parent}")
-    print(f"connect with:       mpmd.RemoteMesh.connect([...], keys={str(public.parent)!r})")
+    if args.name == "mpmd":
+        print(f"start daemons with: mpmd-actor --server-key {secret} --authorized-keys {public.parent}")
+        print(f"connect with:       mpmd.RemoteMesh.connect([...], keys={str(public.parent)!r})")
+    else:  # another identity: a controller's own pair, which daemons admit by its public key
+        print(f"admit it: put {public.name} in the daemons' --authorized-keys directory (they read it at start)")
+        print(f"connect with: mpmd.RemoteMesh.connect([...], keys=transport.auth.ClientKeys.load({str(secret)!r}, "
+              "<the daemons' public server key file>))")
     return 0
 
 

@@ -416,8 +416,10 @@ class RemoteMesh:
         self._io.call_soon(old.close)
         new.learn_limits(info.header)
         if fresh:
-            log.warning("actor %d at %s is a new daemon (pid %s): its buffers and programs from before are gone",
-                        i, new.address, info.header.get("pid"))
+            # (a recovery puts them back: then it is only news)
+            log.log(logging.INFO if getattr(self, "recovery", None) is not None else logging.WARNING,
+                    "actor %d at %s is a new daemon (pid %s): its buffers and programs from before are gone%s", i, new.address,
+                    info.header.get("pid"), "; the recovery puts them back" if getattr(self, "recovery", None) is not None else "")
             self.executables.forget(i)
             self.generation += 1  # distributed steps load their Programs again at their next call
             self.infos[i] = info

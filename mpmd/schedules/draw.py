@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 from collections.abc import Sequence
 from html import escape
@@ -43,10 +44,15 @@ def colour(kind: str) -> str:
 
 
 def draw_timeline(result: Timeline, path: str, title: str | None = None, fmt: str | None = None) -> None:
-    """Write `result`'s timeline to `path` as `fmt` ("png", via matplotlib, or "svg"); None: PNG when the path
-    ends in ``.png``, SVG otherwise."""
+    """Write `result`'s timeline to `path` as `fmt` ("png", via matplotlib, or "svg"); None: from the path's
+    ending, ``.png`` or ``.svg`` (another ending with no `fmt` is refused: it would hold the wrong format)."""
     title = result.name if title is None else title
-    fmt = fmt or ("png" if str(path).lower().endswith(".png") else "svg")
+    if fmt is None:
+        ending = os.path.splitext(str(path))[1].lower()
+        if ending not in (".png", ".svg"):
+            raise ValueError(f"a timeline picture is written as .png or .svg; {str(path)!r:.120} ends in {ending or 'nothing'}: "
+                             "name it .png or .svg, or pass fmt='png' / fmt='svg'")
+        fmt = ending[1:]
     if fmt not in ("png", "svg"):
         raise ValueError(f"a timeline picture is 'png' or 'svg', got fmt={fmt!r:.40}")
     if fmt == "png":
