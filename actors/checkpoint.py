@@ -20,6 +20,7 @@ leaf; the new buffers are failed with the same text.
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,7 @@ from transport.protocol import Message, aval_header
 # barrier (six saves of one state gathered at once). So this daemon reads and writes one part at a time; the
 # others wait here, holding no worker thread.
 _ORBAX: asyncio.Lock | None = None
+_ORBAX_THREAD = threading.Lock()  # also held by the thread itself: a cancelled request's thread runs on to its end
 
 
 def _orbax() -> asyncio.Lock:
@@ -41,6 +43,11 @@ def _orbax() -> asyncio.Lock:
     if _ORBAX is None:
         _ORBAX = asyncio.Lock()
     return _ORBAX
+
+
+def _alone(fn: Any) -> Any:
+    with _ORBAX_THREAD:
+        return fn()
 
 
 def _names(msg: Message) -> tuple[str, list[str], list[int]]:
@@ -79,7 +86,7 @@ async def save(actor: Any, ses: Any, msg: Any) -> tuple[dict, list]:
 
     # whole host arrays (a sharded value's shards gathered): the part fits any mesh that reads it
     async with _orbax():
-        arrays, files = await asyncio.to_thread(lambda: write_part(directory, {n: np.asarray(v) for n, v in zip(names, values)}))
+        arrays, files = await asyncio.to_thread(_alone, lambda: write_part(directory, {n: np.asarray(v) for n, v in zip(names, values)}))
     return {"nbytes": int(sum(int(np.prod(a["shape"], dtype=np.int64)) * np.dtype(a["dtype"]).itemsize for a in arrays)),
             "written": arrays, "files": files}, []
 
@@ -114,7 +121,7 @@ async def restore(actor: Any, ses: Any, msg: Any) -> tuple[dict, list]:
 
     async def read_one_at_a_time() -> list[Any]:
         async with _orbax():
-            return await asyncio.to_thread(read)
+            return await asyncio.to_thread(_alone, read)
 
     try:
         values = await ses.buffers.produce(bufs, read_one_at_a_time(), error)

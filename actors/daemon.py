@@ -378,6 +378,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
                 await reply(who, encode(error_reply(message_id(frames), RequestError(
                     f"{MAX_IN_FLIGHT} requests of this connection are still being served by actor {args.actor_id}; wait "
                     "for their replies before sending more"), "", actor_id=args.actor_id)))
+                await asyncio.sleep(0)  # (neither the recv nor the reply suspends: the others' tasks get their turn)
                 continue
             in_flight[who] = in_flight.get(who, 0) + 1
             t = loop.create_task(handle(identity, frames))

@@ -254,7 +254,8 @@ class Actor:
         """Close every session whose controller has sent nothing for `timeout` seconds (it keeps a live one open
         with pings); (id, key, idle seconds) of each closed."""
         now = time.monotonic()
-        idle = [(ses, now - ses.last_seen) for ses in self.sessions.values() if now - ses.last_seen > timeout]
+        idle = [(ses, now - ses.last_seen) for ses in self.sessions.values()
+                if now - ses.last_seen > timeout and not any(not t.done() for t in ses.running.values())]  # (not mid-step)
         for ses, _ in idle:
             self._end(ses)
         return [(ses.id, ses.owner, t) for ses, t in idle]

@@ -6,6 +6,7 @@ arrivals cost memory only for their headers."""
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -112,6 +113,7 @@ def test_a_key_that_floods_requests_and_reads_no_replies_does_not_starve_the_own
     waiting, and alice's controller, unanswered, declared the actor dead. Now each connection's queue is bounded,
     a connection past MAX_IN_FLIGHT requests is refused at once, and the loop serves every connection's tasks."""
     import threading
+    import time
 
     import msgpack
 
@@ -134,8 +136,9 @@ def test_a_key_that_floods_requests_and_reads_no_replies_does_not_starve_the_own
         t = threading.Thread(target=bob, daemon=True)
         t.start()
         try:
+            deadline = time.monotonic() + 60
             while sent[0] < 20_000:  # the flood is on
-                assert t.is_alive()
+                assert t.is_alive() and time.monotonic() < deadline, sent[0]
                 threading.Event().wait(0.05)
             answered = [alice.actor(0).ping() for _ in range(5)]  # each fails with ActorDiedError if never answered
         finally:
@@ -182,6 +185,21 @@ def test_a_killed_controllers_session_is_closed_after_the_session_timeout_and_a_
             time.sleep(5)  # idle for 2.5 session timeouts: our keep-alive pings hold it open
             y = alive.actor(0).put(np.arange(3, dtype=np.float32))
             np.testing.assert_array_equal(alive.actor(0).run(jax.jit(lambda a: a * 2), y).to_numpy(), [0, 2, 4])
+            assert sessions() == 1
+            # Busy for over two timeouts on work sent up front, the actor answering all along (no silence, so no
+            # heartbeat ping): the keep-alive still goes out (a review found the session closed mid-work).
+            slow = jax.jit(lambda a: jax.lax.fori_loop(0, 40, lambda i, a: jnp.tanh(a @ a) * 0.5, a))
+            z = alive.actor(0).put(np.eye(512, dtype=np.float32))
+            slow_z = alive.actor(0).run(slow, z).to_numpy()
+            t0 = time.monotonic()
+            alive.actor(0).run(slow, z).to_numpy()
+            per_run = time.monotonic() - t0
+            t0 = time.monotonic()
+            outs = [alive.actor(0).run(slow, z) for _ in range(max(4, int(7 / max(per_run, 0.01))))]  # ~7 s of work
+            outs[-1].block_until_ready()  # (sends nothing: waits for the runs' replies)
+            assert time.monotonic() - t0 > 3  # the work outlasted the session timeout
+            for o in outs:
+                np.testing.assert_array_equal(o.to_numpy(), slow_z)
             assert sessions() == 1
         assert "its controller said nothing for" in open(proc.log).read()
     finally:

@@ -276,7 +276,7 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
             for p in pending:
                 p.close()
             raise
-        return pending
+        return [asyncio.ensure_future(p) for p in pending]  # (tasks, made once: several may wait for them)
 
     async def handed(pending: list[Any]) -> list[Any]:
         return pending
@@ -286,23 +286,28 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
     # request comes. (From the write coroutine's first turn, one turn later, a free could still overtake it.)
     sent = mesh.dispatch(send, handed)
 
-    started = []
+    cleaned: list[bool] = []
+    committed: list[bool] = []
 
-    def after_handover(loop: asyncio.AbstractEventLoop, cleanup: Any) -> None:
-        """`cleanup()` once the requests handed over (if any) have been answered."""
+    def cleanup_once() -> None:  # (on the loop; a cancelled save may reach it twice: from write and from its handle)
+        if not cleaned:
+            cleaned.append(True)
+            abandon(None)
+            done_saving()
+
+    def after_handover(loop: asyncio.AbstractEventLoop) -> None:
+        """`cleanup_once()` once the requests handed over (if any) have been answered."""
         def handed(f: concurrent.futures.Future[Any]) -> None:
-            sent_ok = not f.cancelled() and f.exception() is None
-            tasks = [asyncio.ensure_future(p, loop=loop) for p in f.result()] if sent_ok else []
-            loop.create_task(_abandon_after(tasks, cleanup))
+            tasks = f.result() if not f.cancelled() and f.exception() is None else []
+            loop.create_task(_abandon_after(tasks, cleanup_once))
 
         sent.add_done_callback(handed)  # (called on the loop: the dispatch settles it there)
 
     async def write() -> str:
-        started.append(True)
         replies_of: list[asyncio.Future[Any]] = []  # each actor's reply, awaited by a task of its own
         later = False  # the directory is removed, and its name freed, once the actors have answered
         try:
-            replies_of = [asyncio.ensure_future(p) for p in await asyncio.wrap_future(sent)]
+            replies_of = await asyncio.wrap_future(sent)
             for attempt in range(2):
                 # Every actor's answer before anything is abandoned: one actor's failure must not delete the
                 # directory while another still writes into it. (asyncio.wait: a cancel leaves the replies awaited.)
@@ -329,37 +334,40 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
                 log.warning("mpmd.save into %s: an actor was lost while it ran; the mesh recovered, saving again", path)
                 for a in per_actor:
                     await asyncio.to_thread(shutil.rmtree, os.path.join(tmp, f"actor-{a}"), True)
-                replies_of = [asyncio.ensure_future(p) for p in send(again=True)]
+                replies_of = send(again=True)
             parts = dict(host_part)
             order = dict(host_order)
             for (a, (_, idx)), r in zip(per_actor.items(), replies):
                 parts[f"actor-{a}"] = (r.header["written"], r.header["files"])
                 order[f"actor-{a}"] = idx
-            return await asyncio.to_thread(finish, parts, order)
-        except BaseException as e:
+            out = await asyncio.to_thread(finish, parts, order)
+            committed.append(True)
+            return out
+        except BaseException:
             # Cancelled (or failed) while actors may still be writing into the .tmp directory: it is removed, and
             # its name freed for the next save, only once they have answered (else the next save into `path`
             # took the same name and met the old writes: FileExistsError, "Destination ... already exists").
             loop = asyncio.get_running_loop()
-            cleanup = (lambda err=e: (abandon(err), done_saving()))  # noqa: E731 - (binds e: the except clause unbinds it)
             if any(not f.done() for f in replies_of):
-                loop.create_task(_abandon_after(replies_of, cleanup))
+                loop.create_task(_abandon_after(replies_of, cleanup_once))
                 later = True
             elif not replies_of:  # cancelled before (or as) the requests were handed over: cleaned up once they are
-                after_handover(loop, cleanup)
+                after_handover(loop)
                 later = True
-            else:
-                abandon(e)
             raise
         finally:
             if not later:
-                done_saving()
+                if committed:  # (nothing to remove: the directory is the checkpoint now)
+                    cleaned.append(True)
+                    done_saving()
+                else:
+                    cleanup_once()
 
     handle = SaveHandle(mesh.submit_coroutine(write()))
 
-    def never_ran(f: concurrent.futures.Future[Any]) -> None:  # cancelled before its first turn: cleaned up as above
-        if f.cancelled() and not started:
-            mesh._io.call_soon(lambda: after_handover(asyncio.get_running_loop(), lambda: (abandon(None), done_saving())))
+    def never_ran(f: concurrent.futures.Future[Any]) -> None:  # cancelled, perhaps before its first turn: cleaned up
+        if f.cancelled():                                         # once the requests are answered (once, whoever asks)
+            mesh._io.call_soon(lambda: after_handover(asyncio.get_running_loop()))
 
     handle._future.add_done_callback(never_ran)
     mesh.track_save(handle._future)

@@ -197,7 +197,7 @@ class ActorConnection:
         --session-timeout: an idle controller pings four times within it)."""
         self.bound, self.compile_bound = info.get("request_timeout"), info.get("compile_timeout")
         timeout = info.get("session_timeout")
-        self.keepalive = max(0.5, timeout / 4) if isinstance(timeout, (int, float)) and timeout > 0 else None
+        self.keepalive = max(0.05, timeout / 4) if isinstance(timeout, (int, float)) and timeout > 0 else None
 
     def submit(self, op: str, fields: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> Coroutine[Any, Any, Message]:
         """Send a request now (call on the loop thread); await the result for the reply. Error replies become
@@ -266,10 +266,12 @@ class ActorConnection:
         (so that it is declared within `timeout` of going silent), or when a request of it is overdue."""
         if self.dead:
             return
+        if self.keepalive is not None and now - self.client.last_sent > self.keepalive and not self._pinging:
+            # Sent nothing for a while (idle, or waiting on work sent earlier): the actor closes a session it hears
+            # nothing of (mpmd-actor --session-timeout), so say something.
+            self._pinging = True
+            asyncio.get_running_loop().create_task(self._ping())
         if self.client.pending == 0:
-            if self.keepalive is not None and now - self.client.last_sent > self.keepalive and not self._pinging:
-                self._pinging = True  # idle: the actor closes a session it hears nothing of (mpmd-actor --session-timeout)
-                asyncio.get_running_loop().create_task(self._ping())
             return
         reason = self._alive() if self._alive else None
         silent = self.client.silent(now)

@@ -19,6 +19,7 @@ benchmarks/efficiency had gone inline).
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import mmap
@@ -217,9 +218,10 @@ class InputStager:
     def _no_room(self, actor: int, size: int, error: OSError) -> None:
         self._no_room_until[actor] = time.monotonic() + NO_ROOM_RETRY
         if not self.shm_failures:
-            log.warning("no room in shared memory (/dev/shm) for a %d-byte input segment of actor %d (%s): step inputs "
-                        "go inline in the request instead, which is slower; give /dev/shm more room (e.g. docker run "
-                        "--shm-size=1g)", size, actor, error)
+            full = error.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
+            log.warning("%s for a %d-byte input segment of actor %d (%s): step inputs go inline in the request instead, "
+                        "which is slower%s", "no room in shared memory (/dev/shm)" if full else "no shared-memory segment could be made",
+                        size, actor, error, "; give /dev/shm more room (e.g. docker run --shm-size=1g)" if full else "")
         self.shm_failures += 1
 
     def close(self) -> None:

@@ -433,7 +433,12 @@ class RemoteMesh:
         """Shut the actors down (if this mesh started them) and stop the controller loop."""
         if self.closed:
             return
-        self._wait_for_saves()
+        try:
+            self._wait_for_saves()  # (a Ctrl-C here still stops, unlinks and removes everything below)
+        except BaseException:
+            self.closed = True
+            self._release_resources()
+            raise
         self.closed = True
         try:
             if self._opened:

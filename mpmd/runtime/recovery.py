@@ -593,6 +593,9 @@ class RecoveryManager:
         return user
 
 
+PUTS_IN_FLIGHT = 1024
+
+
 def put_all(mesh: Any, items: list[tuple[np.ndarray, list[int], Any, Any]]) -> list[RemoteArray]:
     """Put many host values (wire form, as `get` returns them) on their actors at once: (value, actors,
     PartitionSpec or None, dtype) each; one RemoteArray each, like `mesh.put_replicated`."""
@@ -609,7 +612,13 @@ def put_all(mesh: Any, items: list[tuple[np.ndarray, list[int], Any, Any]]) -> l
         out.append(RemoteArray(mesh, bufs, shape, dtype, remote_sharding(layout, mesh.actor_mesh)))
 
     async def put() -> None:
-        await asyncio.gather(*(mesh.conn(a).request("put", f, [w]) for a, f, w in requests))
+        room = asyncio.Semaphore(PUTS_IN_FLIGHT)  # (a daemon refuses a connection's requests past its MAX_IN_FLIGHT)
+
+        async def one(a: int, f: dict[str, Any], w: np.ndarray) -> None:
+            async with room:
+                await mesh.conn(a).request("put", f, [w])
+
+        await asyncio.gather(*(one(a, f, w) for a, f, w in requests))
 
     mesh.run(put())
     return out
