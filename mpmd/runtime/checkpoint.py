@@ -286,90 +286,59 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
     # request comes. (From the write coroutine's first turn, one turn later, a free could still overtake it.)
     sent = mesh.dispatch(send, handed)
 
-    cleaned: list[bool] = []
-    committed: list[bool] = []
+    replies_now: list[asyncio.Future[Any]] = []  # the actors' replies the save waits for (sent, or sent again)
 
-    def cleanup_once() -> None:  # (on the loop; a cancelled save may reach it twice: from write and from its handle)
-        if not cleaned:
-            cleaned.append(True)
-            abandon(None)
-            done_saving()
+    async def write() -> str:
+        replies_now[:] = await asyncio.wrap_future(sent)
+        for attempt in range(2):
+            # Every actor's answer before anything is abandoned: one actor's failure must not delete the
+            # directory while another still writes into it. (asyncio.wait: a cancel leaves the replies awaited.)
+            await asyncio.wait(replies_now)
+            replies = [f.exception() or f.result() for f in replies_now]
+            failed = [r for r in replies if isinstance(r, BaseException)]
+            if not failed:
+                break
+            died = next((f for f in failed if isinstance(f, ActorDiedError)), None)
+            lost = recovery is not None and (recovery.generation != generation or died is not None)
+            if not lost:
+                raise failed[0]
+            # An actor lost while the save ran: the recovery aborts the steps the saved arrays came from (the
+            # actor's own error names an aborted step) and replays them; then the arrays hold their values
+            # again, in new buffers, and the save goes again, once.
+            running = recovery._start_recovery(died) if died is not None else recovery._recovery
+            if running is not None:
+                await asyncio.wait([asyncio.wrap_future(running)])
+            if recovery.gave_up is not None:
+                raise failed[0]
+            if attempt:
+                raise CheckpointError(f"mpmd.save into {path}: an actor was lost while this save ran; nothing was "
+                                      f"committed ({str(failed[0]).splitlines()[0][:300]})", checkpoint=path) from failed[0]
+            log.warning("mpmd.save into %s: an actor was lost while it ran; the mesh recovered, saving again", path)
+            for a in per_actor:
+                await asyncio.to_thread(shutil.rmtree, os.path.join(tmp, f"actor-{a}"), True)
+            replies_now[:] = send(again=True)
+        parts = dict(host_part)
+        order = dict(host_order)
+        for (a, (_, idx)), r in zip(per_actor.items(), replies):
+            parts[f"actor-{a}"] = (r.header["written"], r.header["files"])
+            order[f"actor-{a}"] = idx
+        out = await asyncio.to_thread(finish, parts, order)
+        done_saving()
+        return out
 
-    def after_handover(loop: asyncio.AbstractEventLoop) -> None:
-        """`cleanup_once()` once the requests handed over (if any) have been answered."""
+    def abandon_when_answered() -> None:
+        """(On the loop.) A save that ended without a commit — failed or cancelled, even before its first turn —
+        may still have actors writing into its .tmp directory: it is removed, and its name freed for the next save,
+        only once they have answered (else the next save into `path` took the same name and met the old writes)."""
         def handed(f: concurrent.futures.Future[Any]) -> None:
-            tasks = f.result() if not f.cancelled() and f.exception() is None else []
-            loop.create_task(_abandon_after(tasks, cleanup_once))
+            tasks = replies_now or (f.result() if not f.cancelled() and f.exception() is None else [])
+            asyncio.get_running_loop().create_task(_abandon_after(list(tasks), lambda: (abandon(None), done_saving())))
 
         sent.add_done_callback(handed)  # (called on the loop: the dispatch settles it there)
 
-    async def write() -> str:
-        replies_of: list[asyncio.Future[Any]] = []  # each actor's reply, awaited by a task of its own
-        later = False  # the directory is removed, and its name freed, once the actors have answered
-        try:
-            replies_of = await asyncio.wrap_future(sent)
-            for attempt in range(2):
-                # Every actor's answer before anything is abandoned: one actor's failure must not delete the
-                # directory while another still writes into it. (asyncio.wait: a cancel leaves the replies awaited.)
-                await asyncio.wait(replies_of)
-                replies = [f.exception() or f.result() for f in replies_of]
-                failed = [r for r in replies if isinstance(r, BaseException)]
-                if not failed:
-                    break
-                died = next((f for f in failed if isinstance(f, ActorDiedError)), None)
-                lost = recovery is not None and (recovery.generation != generation or died is not None)
-                if not lost:
-                    raise failed[0]
-                # An actor lost while the save ran: the recovery aborts the steps the saved arrays came from (the
-                # actor's own error names an aborted step) and replays them; then the arrays hold their values
-                # again, in new buffers, and the save goes again, once.
-                running = recovery._start_recovery(died) if died is not None else recovery._recovery
-                if running is not None:
-                    await asyncio.wait([asyncio.wrap_future(running)])
-                if recovery.gave_up is not None:
-                    raise failed[0]
-                if attempt:
-                    raise CheckpointError(f"mpmd.save into {path}: an actor was lost while this save ran; nothing was "
-                                          f"committed ({str(failed[0]).splitlines()[0][:300]})", checkpoint=path) from failed[0]
-                log.warning("mpmd.save into %s: an actor was lost while it ran; the mesh recovered, saving again", path)
-                for a in per_actor:
-                    await asyncio.to_thread(shutil.rmtree, os.path.join(tmp, f"actor-{a}"), True)
-                replies_of = send(again=True)
-            parts = dict(host_part)
-            order = dict(host_order)
-            for (a, (_, idx)), r in zip(per_actor.items(), replies):
-                parts[f"actor-{a}"] = (r.header["written"], r.header["files"])
-                order[f"actor-{a}"] = idx
-            out = await asyncio.to_thread(finish, parts, order)
-            committed.append(True)
-            return out
-        except BaseException:
-            # Cancelled (or failed) while actors may still be writing into the .tmp directory: it is removed, and
-            # its name freed for the next save, only once they have answered (else the next save into `path`
-            # took the same name and met the old writes: FileExistsError, "Destination ... already exists").
-            loop = asyncio.get_running_loop()
-            if any(not f.done() for f in replies_of):
-                loop.create_task(_abandon_after(replies_of, cleanup_once))
-                later = True
-            elif not replies_of:  # cancelled before (or as) the requests were handed over: cleaned up once they are
-                after_handover(loop)
-                later = True
-            raise
-        finally:
-            if not later:
-                if committed:  # (nothing to remove: the directory is the checkpoint now)
-                    cleaned.append(True)
-                    done_saving()
-                else:
-                    cleanup_once()
-
     handle = SaveHandle(mesh.submit_coroutine(write()))
-
-    def never_ran(f: concurrent.futures.Future[Any]) -> None:  # cancelled, perhaps before its first turn: cleaned up
-        if f.cancelled():                                         # once the requests are answered (once, whoever asks)
-            mesh._io.call_soon(lambda: after_handover(asyncio.get_running_loop()))
-
-    handle._future.add_done_callback(never_ran)
+    handle._future.add_done_callback(
+        lambda f: mesh._io.call_soon(abandon_when_answered) if f.cancelled() or f.exception() is not None else None)
     mesh.track_save(handle._future)
     return handle.wait() if wait else handle
 
