@@ -282,14 +282,10 @@ class RecoveryManager:
         arrays = [x for x in arrays if isinstance(x, RemoteArray) and x.buffers]
         if not arrays:
             return
-        by_vid = {self._vid(x): x for x in arrays}
-        ext = Snapshot(next(self._indices), {vid: (x.actors, x.sharding.spec if x.sharding is not None else None, x.dtype,
-                                                   weakref.ref(x)) for vid, x in by_vid.items()})
-        ext.values, ext.complete = self._fetch(by_vid).result(), True
-        with self._state:
-            self._externals.append(ext)
+        ext = self._keep_external(next(self._indices), {self._vid(x): x for x in arrays})
+        ext.values, ext.complete = ext.future.result(), True  # (waited for: its callback may run after this wakes)
 
-    def _keep_external(self, index: int, arrays: dict[int, RemoteArray]) -> None:
+    def _keep_external(self, index: int, arrays: dict[int, RemoteArray]) -> Snapshot:
         """Inputs of log entry `index` that no logged step made: fetched in the background and kept while the
         log holds the entry, so that a replay can put them back where they were."""
         ext = Snapshot(index, {vid: (x.actors, x.sharding.spec if x.sharding is not None else None, x.dtype, weakref.ref(x))
@@ -303,6 +299,7 @@ class RecoveryManager:
         ext.future.add_done_callback(done)
         with self._state:
             self._externals.append(ext)
+        return ext
 
     def _snapshot_done(self, snap: Snapshot, f: concurrent.futures.Future[Any]) -> None:
         with self._state:
