@@ -112,6 +112,7 @@ def test_an_async_save_keeps_what_it_writes_when_the_caller_drops_it_at_once(mes
     np.testing.assert_array_equal(mpmd.load(str(tmp_path / "alone"))["x"], np.arange(1 << 16, dtype=np.float32))
 
 
+@pytest.mark.slow  # (~20-35 s: the default suite stays under 15 minutes; .ci/run runs it)
 def test_saves_gathered_at_once_on_the_same_actors_all_commit_and_close_waits_for_an_unfinished_one(tmp_path):
     """Six save_async of one state gathered at once (each actor writes six parts at the same time): orbax keeps
     process-wide state, and four such saves failed (FileExistsError on its temporary directory, NOT_FOUND from its

@@ -93,6 +93,7 @@ def test_one_argument_saved_alone_restores_where_the_step_reads_that_argument(sa
         assert_same_training(run_steps(step, p, o, batches[2:]), want)
 
 
+@pytest.mark.slow  # (~20-35 s: the default suite stays under 15 minutes; .ci/run runs it)
 def test_saved_on_4_single_device_actors_restores_onto_2_actors_of_1x2_devices_with_in_shardings(saved):
     path, params, batches, (ref_p, ref_o) = saved
     dev = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)

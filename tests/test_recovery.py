@@ -318,6 +318,7 @@ def test_with_two_devices_per_actor_a_killed_actor_is_recovered_bit_identical_to
     _assert_identical(got, want)
 
 
+@pytest.mark.slow  # (~20-35 s: the default suite stays under 15 minutes; .ci/run runs it)
 def test_an_actor_killed_after_the_last_step_is_recovered_by_the_fetch_and_the_values_are_bit_identical(uninterrupted):
     got = train(kills=[(STEPS, 1)], recover=mpmd.Recovery(snapshot_every=6))
     assert got[3] == 1

@@ -149,6 +149,7 @@ def test_a_key_that_floods_requests_and_reads_no_replies_does_not_starve_the_own
         assert shared.procs[0].poll() is None
 
 
+@pytest.mark.slow  # (~20-35 s: the default suite stays under 15 minutes; .ci/run runs it)
 def test_a_killed_controllers_session_is_closed_after_the_session_timeout_and_a_live_idle_one_is_kept(shared, tmp_path):
     """A controller killed with kill -9 never says 'bye': its session held its buffers for good (95 MiB per killed
     controller that had put 100 MB), its key's claim on the daemon stayed, and 16 such sessions locked the key out.
