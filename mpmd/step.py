@@ -726,10 +726,13 @@ class DistributedFunction:
                     inputs[a].append(-1)
                     continue
                 mesh.check_owned(x, f"argument {paths[k]}")
+                if not any(b < n for b in x.buffers):
+                    self._copy_in(x, a, paths[k], n)
                 if a in x.buffers:
                     inputs[a].append(x.buffers[a])
                 else:  # copy it actor-to-actor first, in the same request, and keep the copy for next time
-                    src, buf, tag = x.actor, mesh.new_buffer_id(), -(k + 1) * n - a
+                    src = min(b for b in x.buffers if b < n)  # (an actor this step sends a request to)
+                    buf, tag = mesh.new_buffer_id(), -(k + 1) * n - a
                     shape, dtype = wire_shape_dtype(x.shape, x.dtype)
                     prologue[src].append(["send", x.buffers[src], a, tag, "arg"])
                     prologue[a].append(["recv", buf, src, tag, dtype_name(dtype), list(shape), "arg"])
@@ -760,6 +763,21 @@ class DistributedFunction:
                 fields["loads"] = loads[a]
             requests.append(request)
         return requests, replicas, outs
+
+    def _copy_in(self, x: RemoteArray, a: int, path: str, n: int) -> None:
+        """`x` lives only on actors this step has no Program on (e.g. parameters a 4-actor train step left on
+        actors 2 and 3, passed to an eval step on actors 0 and 1): copy it to actor `a` through the controller,
+        once (waiting for the step that makes it), and keep the copy as one of its replicas for the next steps."""
+        mesh = self.mesh
+        if mesh._io.on_loop_thread():
+            raise MpmdError(f"argument {path} lives only on actor(s) {x.actors}, which this step does not use; copy it "
+                            "first (mesh.put_replicated(mpmd.fetch(x), [actor]))")
+        log.info("argument %s lives only on actor(s) %s, which this step (on actors 0-%d) does not use: copying it to "
+                 "actor %d through the controller", path, x.actors, n - 1, a)
+        spec = x.sharding.spec if x.sharding is not None else None
+        copy = mesh.put_replicated(x.fetch(), [a], spec)
+        x.buffers.update(copy.buffers)  # (x frees it with its other buffers)
+        copy.buffers = {}
 
     def _stage_host_args(self, a: int, host: list[tuple[int, np.ndarray, Any]], inputs: list[int], inline: list[np.ndarray],
                          inline_layouts: list[Any], may_wait: bool = True) -> tuple[list[dict[str, Any]], Callable[[], None]] | None:

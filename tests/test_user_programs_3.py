@@ -879,3 +879,37 @@ def test_an_nnx_layer_stack_with_dropout_rngs_made_by_split_rngs_and_vmap_trains
         dist_model, dist_opt, got = dist(dist_model, dist_opt, batch)
         assert_trees_close(mpmd.fetch(got), want)
     assert_trees_close(mpmd.fetch(nnx.state(dist_model, nnx.Param)), nnx.state(ref_model, nnx.Param))
+
+
+# ---- state left on actors a later step does not use ------------------------------------------------------
+def _two_layer_loss(params, mb):
+    x = mpmd.pipeline_yield(jnp.tanh(mb["x"] @ params[0]))
+    return jnp.mean((x @ params[1] - mb["y"]) ** 2)
+
+
+def _train_2_stages(params, batch):
+    grads, losses = mpmd.accumulate_grads(lambda mb: jax.value_and_grad(_two_layer_loss)(params, mb)[::-1], batch,
+                                          schedule=mpmd.OneFOneB(2))
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), losses
+
+
+def _eval_1_stage(params, batch):
+    return mpmd.accumulate_grads(lambda mb: ((), _two_layer_loss(params, mb)), batch, schedule=mpmd.GPipe(1, balance="even"))[1]
+
+
+def test_an_eval_step_on_fewer_actors_reads_parameters_the_train_step_left_on_the_others_like_jit(mesh2):
+    """The train step leaves params[1] on actor 1 only; the eval step runs on actor 0 alone (it sends actor 1 no
+    request), so the array comes through the controller once and is kept on actor 0 (an IndexError before)."""
+    k = jax.random.split(jax.random.key(3), 3)
+    params = [jax.random.normal(k[0], (8, 16)) / 3, jax.random.normal(k[1], (16, 4)) / 4]
+    batch = {"x": jax.random.normal(k[2], (4, 2, 8)), "y": jnp.ones((4, 2, 4))}
+    train, evaluate = mpmd.distributed(_train_2_stages, mesh=mesh2), mpmd.distributed(_eval_1_stage, mesh=mesh2)
+    want_p, want_l = jax.jit(_train_2_stages)(params, batch)
+    got_p, got_l = train(params, batch)
+    assert got_p[1].actors == [1]
+    assert_trees_close(mpmd.fetch(evaluate(got_p, batch)), jax.jit(_eval_1_stage)(want_p, batch))
+    assert got_p[1].actors == [0, 1]  # the copy is kept for the next calls
+    assert_trees_close(mpmd.fetch(evaluate(got_p, batch)), jax.jit(_eval_1_stage)(want_p, batch))
+    want_p2, want_l2 = jax.jit(_train_2_stages)(want_p, batch)  # training goes on from the same arrays
+    got_p2, got_l2 = train(got_p, batch)
+    assert_trees_close(mpmd.fetch((got_p2, got_l2)), (want_p2, want_l2))
