@@ -125,6 +125,10 @@ def test_a_stopped_actor_is_declared_dead_within_the_heartbeat_timeout_and_can_b
             assert mesh.actor(0).ping() > 0
             with pytest.raises(mpmd.ActorDiedError):
                 mesh.actor(1).ping()
+            t = time.monotonic()
+            with pytest.raises(mpmd.ActorDiedError, match=r"reconnect\(1\) got no answer within 2 s"):
+                mesh.reconnect(1)  # still stopped: an error within heartbeat_timeout (it waited forever before)
+            assert time.monotonic() - t < timeout + 1.5
         finally:
             os.kill(pid, signal.SIGCONT)
         info = mesh.reconnect(1)

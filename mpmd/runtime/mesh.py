@@ -19,6 +19,7 @@ profiles to `mpmd.observe`.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import collections
 import concurrent.futures
@@ -40,7 +41,7 @@ import numpy as np
 import zmq.asyncio
 
 from mpmd.compiler.avals import is_key, key_impl, to_wire
-from mpmd.errors import IncompatibleActorError, MpmdError
+from mpmd.errors import ActorDiedError, IncompatibleActorError, MpmdError
 from mpmd.observe.profile import ProfileContext
 from mpmd.observe.trace import Trace, TraceContext, measure_clock_offsets
 from mpmd.runtime.actor_handle import ActorHandle
@@ -396,15 +397,25 @@ class RemoteMesh:
             self.addresses[i] = address
         new = self._connection(i, address or old.address)
 
+        bound = self._watchdog.timeout
+
         async def back() -> Any:
-            try:
-                msg = await new.request("info")  # (in this session: a daemon answers nothing but ping outside one)
-            except MpmdError as e:
-                if "needs an open session" not in str(e):
-                    raise
-                return await new.request("hello"), True  # a new daemon: open the session there afresh
-            await new.request("abort")  # every step of this session still running there
-            return msg, False
+            try:  # (bounded: a daemon that is not back would leave the caller waiting forever)
+                async with asyncio.timeout(bound):
+                    try:
+                        msg = await new.request("info")  # (in this session: a daemon answers nothing but ping outside one)
+                    except MpmdError as e:
+                        if "needs an open session" not in str(e):
+                            raise
+                        return await new.request("hello"), True  # a new daemon: open the session there afresh
+                    await new.request("abort")  # every step of this session still running there
+                    return msg, False
+            except TimeoutError:
+                raise ActorDiedError(i, (
+                    f"at {new.address}: mesh.reconnect({i}) got no answer within {bound:g} s (heartbeat_timeout), so it is not "
+                    "back. A stopped process answers once resumed (kill -CONT); a dead daemon must be restarted at that "
+                    "address first (one this mesh started and lost never comes back by itself: make a new mesh, or pass "
+                    "recover=mpmd.Recovery() to the mesh)"), during="reconnect") from None
 
         try:
             info, fresh = self.run(back())
