@@ -119,9 +119,10 @@ def test_a_train_loop_with_eval_calls_recovers_when_a_snapshot_fell_on_an_eval_b
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def _rolled_back(tmp_path, kill_at=None, snapshot_every=5, wait=True):
+def _rolled_back(tmp_path, kill_at=None, snapshot_every=5, wait=True, kill_before_restore=False):
     """Train 12 steps; at step 7 roll back to the checkpoint saved at step 5, on the same recovering mesh (with
-    `kill_at`, kill actor 1 once that step is done, or `wait=False` as soon as it is dispatched)."""
+    `kill_at`, kill actor 1 once that step is done, or `wait=False` as soon as it is dispatched;
+    `kill_before_restore`: once step 7 is done, just before the restore)."""
     batches = _batches()[:12]
     with mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(snapshot_every=snapshot_every), heartbeat_timeout=5.0) as mesh:
         dist = mpmd.distributed(STEP, mesh=mesh)
@@ -133,6 +134,9 @@ def _rolled_back(tmp_path, kill_at=None, snapshot_every=5, wait=True):
             if i == 5:
                 mpmd.save(str(tmp_path / f"ck{kill_at}"), (p, o))
             if i == 7:
+                if kill_before_restore:
+                    loss.block_until_ready()
+                    _sigkill(mesh, 1)
                 p, o = mpmd.restore(str(tmp_path / f"ck{kill_at}"), mesh, like=(p, o))
             if i == kill_at:
                 if wait:
@@ -156,6 +160,17 @@ def test_state_restored_from_a_checkpoint_on_the_recovering_mesh_survives_an_act
     # elsewhere (the restore now keeps them; a probe saw recovery give up, 2 runs of 2). A restored array on the
     # surviving actor, let go meanwhile, was also freed after the replay had judged it present (now held).
     got, recoveries = _rolled_back(tmp_path, kill_at=8, snapshot_every=1, wait=False)
+    assert recoveries == 1
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.slow  # (~15 s: two 12-step runs)
+def test_an_actor_lost_as_a_restore_reads_is_replaced_and_the_restore_reads_again(tmp_path):
+    """mpmd.restore met the lost actor and raised ActorDiedError, and so did every retry, until a step ran the
+    recovery (found by a probe); on a recovering mesh it now recovers and reads again, once."""
+    want, _ = _rolled_back(tmp_path)
+    got, recoveries = _rolled_back(tmp_path, kill_before_restore=True)
     assert recoveries == 1
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

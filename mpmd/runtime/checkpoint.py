@@ -449,7 +449,19 @@ def restore(path: str, mesh: Any, like: Any, *, for_step: Any = None, verify: bo
     `like` its leading arguments as a tuple, or one of its arguments saved alone) reads it, else where a `like` RemoteArray of this mesh is, else to the actors
     that held it when saved (see mpmd/runtime/checkpoint_placement.py). Every byte is verified first;
     `verify=False` skips the digests (for measuring what they cost) but never the manifest's own or the
-    dtype and shape checks. Raises `mpmd.CheckpointError` naming the checkpoint, actor, file and leaf."""
+    dtype and shape checks. Raises `mpmd.CheckpointError` naming the checkpoint, actor, file and leaf.
+    On a mesh with `recover=`, an actor lost while it reads is replaced and the restore reads again, once."""
+    recovery = getattr(mesh, "recovery", None)
+    try:
+        return _restore(path, mesh, like, for_step, verify)
+    except ActorDiedError as e:
+        if recovery is None or not recovery.recover_now(e):
+            raise
+    log.warning("mpmd.restore from %s: an actor was lost while it read; the mesh recovered, reading again", path)
+    return _restore(path, mesh, like, for_step, verify)
+
+
+def _restore(path: str, mesh: Any, like: Any, for_step: Any, verify: bool) -> Any:
     m = _open(path)
     like_leaves, treedef = _match(m, like, "mpmd.restore")
     where = targets(m.leaves, like_leaves, mesh, for_step)
