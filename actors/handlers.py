@@ -26,7 +26,7 @@ from actors.cache import ExecutableCache
 from actors.inputs import InputSegments
 from actors.interpreter import Interpreter
 from actors.loader import Loaders
-from actors.request import RequestError, field, int_list
+from actors.request import NoSession, RequestError, field, int_list
 from actors.sandbox import BlobChecker
 from actors.stream import StepTrace, Stream, now
 from actors.transfers import Transfers
@@ -120,6 +120,7 @@ class Actor:
         self.transfers = Transfers(actor_id, self.device, self.cache, p2p, transfer_timeout)
         self.interpreter = Interpreter(self.stream, self.cache, self.transfers)
         self.sessions: dict[int, Session] = {}
+        self.started = time.time()  # (named in the error for a session it does not have: a restart shows)
         self.ownership = Ownership(authenticated=False)  # the daemon sets the real one (its keys, --admin-key)
         self.requests = 0
         self.errors = 0
@@ -152,7 +153,7 @@ class Actor:
 
     # ---- simple requests -------------------------------------------------------------------------
     async def ping(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
-        return {"actor_id": self.actor_id, "time": time.time(), "clock": now()}, []
+        return {"actor_id": self.actor_id, "time": time.time(), "clock": now(), "pid": os.getpid()}, []
 
     async def info(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         devs = jax.devices()
@@ -600,6 +601,10 @@ class Actor:
             ses = self.sessions.get(sid) if isinstance(sid, int) and not isinstance(sid, bool) else None
             if ses is not None and ses.owner == peer:
                 ses.last_seen = time.monotonic()
+            reply, frames = await handler(None, msg)
+            if sid is not None:  # (a controller whose session is gone here takes this actor as lost)
+                reply["session_open"] = ses is not None and ses.owner == peer
+            return reply, frames
         ses = None if msg.op in SESSIONLESS else self._session_of(msg, peer)
         if msg.op in GOVERNING:
             self._refuse_unless_governing(msg.op, peer)
@@ -610,9 +615,11 @@ class Actor:
         sid = msg.header.get("session")
         ses = self.sessions.get(sid) if isinstance(sid, int) and not isinstance(sid, bool) else None
         if ses is None or ses.owner != peer:  # another client's session: as if it did not exist
-            raise RequestError(f"'{msg.op}' needs an open session (got session {sid!r}); a controller opens one with "
-                               f"'hello' when it connects (a session whose controller said nothing for the daemon's "
-                               f"--session-timeout is closed)")
+            raise NoSession(f"'{msg.op}' needs an open session (got session {sid!r}); a controller opens one with "
+                            f"'hello' when it connects. This daemon (pid {os.getpid()}, up since "
+                            f"{time.strftime('%H:%M:%S', time.localtime(self.started))}) has no such session: it was "
+                            f"closed (its controller said nothing for --session-timeout {self.limits.get('session_timeout')} s), "
+                            f"or it was opened with an earlier daemon at this address")
         ses.last_seen = time.monotonic()
         return ses
 

@@ -14,6 +14,12 @@ class RequestError(ValueError):
     """A well-formed message whose fields are wrong (missing, wrong type, unknown program)."""
 
 
+class NoSession(RequestError):
+    """A request names a session this daemon does not have: never opened, closed (its controller said nothing
+    for --session-timeout), or opened with an earlier daemon at this address (this one was restarted since).
+    Its own name on the wire: a controller that had that session open takes the actor as lost."""
+
+
 def field(msg: Message, name: str, kind: type | tuple[type, ...]) -> Any:
     """`msg`'s header field `name`, checked to be a `kind` (a bool is not an int)."""
     try:

@@ -87,6 +87,11 @@ def _spec(x: Any, path: str) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type)
     if isinstance(x, LoadedLeaf):
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    if isinstance(x, jax.core.Tracer):
+        raise PipelineError(f"argument {path} is a JAX tracer ({type(x).__name__}): a distributed step was called inside "
+                            "a JAX transformation (jax.jit, jax.grad, jax.vmap, lax.scan, ...), which cannot run its actors. "
+                            "Call the step outside any transformation; to transform the computation, transform the "
+                            "undecorated function (jax.jit(fn) runs the same step on this process)")
     # A Python number is weakly typed, as under jax.jit (`w - lr * g` keeps bf16 w bf16), and so is a jax.Array
     # made from one; numpy values are not.
     weak = (type(x) in (int, float, complex)) or bool(getattr(x, "weak_type", False) and isinstance(x, jax.Array))

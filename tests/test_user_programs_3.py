@@ -913,3 +913,18 @@ def test_an_eval_step_on_fewer_actors_reads_parameters_the_train_step_left_on_th
     want_p2, want_l2 = jax.jit(_train_2_stages)(want_p, batch)  # training goes on from the same arrays
     got_p2, got_l2 = train(got_p, batch)
     assert_trees_close(mpmd.fetch((got_p2, got_l2)), (want_p2, want_l2))
+
+
+@pytest.mark.parametrize("transform", ["jit", "grad", "vmap"])
+def test_a_distributed_step_called_inside_a_jax_transformation_is_refused_saying_so(mesh2, transform):
+    """It said "args[0] is a DynamicJaxprTracer, which is not a valid JAX type: __array__() was called on a
+    traced array" (found by a probe); the next call outside equals jax.jit."""
+    step = mpmd.distributed(_eval_1_stage, mesh=mesh2)
+    params = [jnp.ones((8, 16)) / 8, jnp.ones((16, 4)) / 16]
+    batch = {"x": jnp.ones((4, 2, 8)), "y": jnp.zeros((4, 2, 4))}
+    call = {"jit": lambda: jax.jit(step)(params, batch),
+            "grad": lambda: jax.grad(lambda p: step(p, batch).sum())(params),
+            "vmap": lambda: jax.vmap(step, in_axes=(None, 0))(params, jax.tree.map(lambda x: x[None], batch))}[transform]
+    with pytest.raises(PipelineError, match=r"args\[[01]\]\S* is a JAX tracer .*called inside a JAX transformation"):
+        call()
+    assert_trees_close(step(params, batch).to_numpy(), jax.jit(_eval_1_stage)(params, batch))

@@ -191,6 +191,7 @@ class ActorConnection:
         self.bound: float | None = None  # the actor's own bound on any request (its --request-timeout), from `hello`
         self.compile_bound: float | None = None  # and on a compile (its --compile-timeout and a little)
         self.keepalive: float | None = None  # ping this often when idle, so the actor keeps our session open
+        self.opened = False  # our session is open there (from `hello`): an answer without it means it was lost
 
     def learn_limits(self, info: dict[str, Any]) -> None:
         """Take the actor's bounds from its `hello` reply: on requests, on compiles, and on a silent session (its
@@ -198,6 +199,13 @@ class ActorConnection:
         self.bound, self.compile_bound = info.get("request_timeout"), info.get("compile_timeout")
         timeout = info.get("session_timeout")
         self.keepalive = max(0.05, timeout / 4) if isinstance(timeout, (int, float)) and timeout > 0 else None
+        self.opened = True
+
+    def _session_lost(self, said: str) -> str:
+        """The daemon answers, but without this mesh's session (restarted at the same address, or it closed
+        the session): everything this mesh kept there is gone, so the actor is lost (a recovery replaces it)."""
+        return self._declare(f"the daemon there no longer has this mesh's session {self.session}: it was restarted at "
+                             f"that address, or it closed the session ({said})")
 
     def submit(self, op: str, fields: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> Coroutine[Any, Any, Message]:
         """Send a request now (call on the loop thread); await the result for the reply. Error replies become
@@ -223,6 +231,8 @@ class ActorConnection:
             raise ActorDiedError(self.actor_id, await self._lost(str(e), getattr(e, "outstanding", None))) from None
         if msg.op == "error":
             h = msg.header
+            if h.get("error") == "NoSession" and self.opened:
+                raise ActorDiedError(self.actor_id, self._session_lost(str(h.get("message", ""))[:400]))
             raise RemoteError(self.actor_id, h.get("error", "Error"), h.get("message", ""), h.get("traceback", ""), h.get("task"))
         return msg
 
@@ -305,7 +315,9 @@ class ActorConnection:
 
     async def _ping(self) -> None:
         try:
-            await self.client.request("ping", {"session": self.session})
+            reply = await self.client.request("ping", {"session": self.session})
+            if reply.header.get("session_open") is False and self.opened and not self.dead:
+                self._session_lost(f"its pid is {reply.header.get('pid')} now; a ping found no session {self.session}")
         except Exception:
             pass
         finally:
