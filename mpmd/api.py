@@ -59,7 +59,10 @@ def accumulate_grads(fn: Callable[[Any], tuple[Any, Any]], batch: Any, schedule:
         raise PipelineError(f"every batch leaf needs a leading microbatch axis; got {len(shapes)} leaves of shapes "
                             f"{shapes[:8]}{' ...' if len(shapes) > 8 else ''}{lists}")
     if len(sizes) != 1:
-        raise PipelineError(f"batch leaves disagree on the number of microbatches (leading axis): {sorted(s[0] for s in sizes)}")
+        paths = jax.tree_util.tree_flatten_with_path(batch)[0]
+        which = ", ".join(f"batch{jax.tree_util.keystr(k)}: {getattr(l, 'shape', ())[0]}" for k, l in paths[:8])
+        raise PipelineError(f"batch leaves disagree on the number of microbatches (leading axis): {sorted(s[0] for s in sizes)} "
+                            f"({which}{' ...' if len(paths) > 8 else ''}); give every leaf the same leading axis")
     m = next(iter(sizes))[0]
     if m < 1:
         raise PipelineError("the batch has 0 microbatches")

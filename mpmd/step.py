@@ -256,6 +256,11 @@ class DistributedFunction:
         self.__wrapped__ = fn
         self.__doc__ = fn.__doc__
 
+    def __repr__(self) -> str:
+        schedule = f", schedule={self.schedule}" if self.schedule is not None else ""
+        return (f"<mpmd.distributed {getattr(self.fn, '__qualname__', type(self.fn).__name__)} on {self.mesh!r}{schedule}, "
+                f"{len(self._compiled)} signature{'s' * (len(self._compiled) != 1)} compiled>")
+
     def _hidden(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """`args` with the static arguments and static leaves as Static nodes (mpmd/static_leaves.py)."""
         if self.static_argnums:

@@ -144,7 +144,7 @@ def _args(num_stages, num_mb=4, opt=optax.sgd(0.1)):
 
 
 def test_error_when_markers_and_schedule_stages_disagree():
-    with pytest.raises(mpmd.PipelineError, match=r"marks 2 stages \(1 pipeline_yield markers\).*num_stages=3"):
+    with pytest.raises(mpmd.PipelineError, match=r"marks 2 stages \(1 pipeline_yield marker\) .*num_stages=3"):
         _plan(_step_with(models.mlp, mpmd.GPipe(3)), _args(2), 3)
 
 
@@ -156,7 +156,7 @@ def test_error_when_the_schedule_needs_more_actors_than_the_mesh_has():
 def test_error_when_microbatch_axes_disagree():
     params, opt_state, batch = _args(2)
     batch["y"] = batch["y"][:3]
-    with pytest.raises(mpmd.PipelineError, match=r"disagree on the number of microbatches.*\[3, 4\]"):
+    with pytest.raises(mpmd.PipelineError, match=r"disagree on the number of microbatches.*\[3, 4\] \(batch\['x'\]: 4, batch\['y'\]: 3\)"):
         _plan(_step_with(models.mlp, mpmd.GPipe(2)), (params, opt_state, batch), 2)
 
 
@@ -172,6 +172,20 @@ def test_error_when_the_step_has_no_accumulate_grads():
         return jax.grad(models.mse_loss(models.mlp))(params, jax.tree.map(lambda x: x[0], batch))
 
     with pytest.raises(mpmd.PipelineError, match="never calls mpmd.accumulate_grads"):
+        _plan(step, _args(2), 2)
+
+
+def test_error_when_accumulate_grads_is_nested_names_the_nesting():
+    """It blamed the markers ("the step marks 1 stages (0 pipeline_yield markers)"), found by a probe."""
+    grad_fn = jax.grad(models.mse_loss(models.mlp))
+
+    def step(params, opt_state, batch):
+        def per_microbatch(mb):
+            one = jax.tree.map(lambda a: a[None], mb)
+            return mpmd.accumulate_grads(lambda m: (grad_fn(params, m), 0.0), one, schedule=mpmd.GPipe(2))
+        return mpmd.accumulate_grads(per_microbatch, batch, schedule=mpmd.GPipe(2))
+
+    with pytest.raises(mpmd.PipelineError, match="accumulate_grads is called inside the function given to accumulate_grads"):
         _plan(step, _args(2), 2)
 
 

@@ -212,7 +212,8 @@ def test_without_recovery_a_killed_actor_raises_actor_died_error_naming_it():
 
 def _drop_session(mesh, actor):
     """The daemon forgets this mesh's session (what a daemon restarted at the same address, or one that closed
-    the session after --session-timeout, shows the mesh) while its process lives on."""
+    the session after --session-timeout, shows the mesh) while its process lives on. (Called with no step in
+    flight, as a session expires: a 'bye' would abort a running one, which a restart would not answer at all.)"""
     conn = mesh.conn(actor)
     mesh.run(conn.client.request("bye", {"session": conn.session}))
 
@@ -221,9 +222,9 @@ def test_a_daemon_that_lost_the_meshs_session_is_an_actor_lost_and_recovered_bit
     """Its next request was refused with a RemoteError ("needs an open session ... --session-timeout"), which
     no recovery took for a loss (found by a probe restarting a daemon at its address): the job failed."""
     with pytest.raises(mpmd.ActorDiedError, match="no longer has this mesh's session") as err:
-        train(kills=[(3, 1)], kill=_drop_session)
+        train(kills=[(3, 1)], kill=_drop_session, fetch_losses_every=1)
     assert err.value.actor_id == 1
-    got = train(kills=[(5, 1)], recover=mpmd.Recovery(snapshot_every=4), kill=_drop_session)
+    got = train(kills=[(5, 1)], recover=mpmd.Recovery(snapshot_every=4), kill=_drop_session, fetch_losses_every=1)
     assert got[3] == 1
     _assert_identical(got, uninterrupted)
 

@@ -284,3 +284,22 @@ def test_a_pipeline_on_a_mesh_without_a_data_plane_is_refused_at_compile_saying_
         with pytest.raises(mpmd.PipelineError, match="transport='none' \\(no data plane\\): make it with transport='auto'"):
             step(params, opt.init(params), batch)
         assert [mesh.actor(a).stats()["programs"] for a in (0, 1)] == [0, 0]  # refused before anything was shipped
+
+
+def test_a_ctrl_c_handed_to_another_thread_interrupts_a_fetch_at_once_and_the_mesh_works_after():
+    """A fetch waiting for a long computation sat through the Ctrl-C until the result came when the kernel (here:
+    signal.raise_signal from a timer thread) handed SIGINT to a thread other than the waiting one (found by a
+    probe); the wait is now timed, so the interrupt lands within a fraction of a second."""
+    with mpmd.RemoteMesh.local(num_actors=1) as mesh:
+        slow = jax.jit(lambda a: jax.lax.fori_loop(0, 16000, lambda i, v: jnp.tanh(v @ v), a))
+        y = mesh.actor(0).run(slow, mesh.actor(0).put(np.eye(256, dtype=np.float32) * 0.5))
+        timer = threading.Timer(0.3, signal.raise_signal, (signal.SIGINT,))
+        t = time.monotonic()
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            y.to_numpy()
+        interrupted = time.monotonic() - t
+        y.to_numpy()  # the computation itself went on, and ended well after the interrupt
+        assert interrupted < 1.5 and time.monotonic() - t > interrupted + 1.5, (interrupted, time.monotonic() - t)
+        x = mesh.actor(0).put(np.arange(4, dtype=np.float32))
+        assert mesh.actor(0).run(jax.jit(lambda a: a * 2), x).to_numpy().tolist() == [0, 2, 4, 6]

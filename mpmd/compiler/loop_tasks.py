@@ -70,6 +70,19 @@ def find_loop(jaxpr: Any) -> int:
     return loops[0]
 
 
+def _calls(jaxpr: Any, primitive: Any) -> bool:
+    """Whether `jaxpr` or any jaxpr nested in its equations' parameters has an equation of `primitive`."""
+    for e in jaxpr.eqns:
+        if e.primitive is primitive:
+            return True
+        for v in e.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns") and _calls(inner, primitive):
+                    return True
+    return False
+
+
 def find_step_loop(outer: ClosedJaxpr) -> StepLoop:
     """Takes the traced step; gives its loop and the loop's parameters. Rejects a step without exactly one
     loop, and stage markers outside the loop (PipelineError)."""
@@ -81,6 +94,10 @@ def find_step_loop(outer: ClosedJaxpr) -> StepLoop:
         raise PipelineError(f"pipeline_yield is used {where} accumulate_grads; stage markers belong inside the "
                             "microbatch function passed to accumulate_grads")
     p = jaxpr.eqns[li].params
+    if _calls(p["body"].jaxpr, accumulate_p):
+        raise PipelineError("accumulate_grads is called inside the function given to accumulate_grads; a step has one "
+                            "microbatch loop: compute each microbatch's gradients in the outer function (for gradient "
+                            "accumulation over more data, give the loop more microbatches)")
     return StepLoop(jaxpr, dict(zip(jaxpr.constvars, outer.consts)), li, p["schedule"], p["num_microbatches"],
                     p["num_mb_leaves"], p["num_grads"])
 
@@ -119,7 +136,8 @@ def check_schedule(schedule: Schedule | None, num_stages: int, num_mesh_actors: 
     if schedule is None:
         raise PipelineError("accumulate_grads inside mpmd.distributed needs a schedule, e.g. schedule=mpmd.OneFOneB(num_stages=2)")
     if num_stages != schedule.num_stages:
-        raise PipelineError(f"the step marks {num_stages} stages ({num_stages - 1} pipeline_yield markers) but the schedule "
+        raise PipelineError(f"the step marks {num_stages} stage{'s' * (num_stages != 1)} ({num_stages - 1} pipeline_yield "
+                            f"marker{'s' * (num_stages != 2)}) but the schedule "
                             f"{schedule} has num_stages={schedule.num_stages}; make them agree (a scanned stack of S "
                             "iterations with a marker in its body gives S stages)"
                             + (f", or group the {num_stages} marker segments into {schedule.num_stages} stages with "

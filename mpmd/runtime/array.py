@@ -11,6 +11,7 @@ import numpy as np
 
 from mpmd.compiler.avals import dtype_text, from_wire, is_key, wire_shape_dtype
 from mpmd.errors import ActorDiedError, MpmdError
+from mpmd.runtime.controller import result_of
 
 
 class BufferOwner(Protocol):
@@ -126,7 +127,7 @@ class RemoteArray:
         if self._ready is not None and getattr(self._ready, "host_calls", False):
             concurrent.futures.wait([self._ready])  # a step's callbacks print before any of its values is seen
         if self._host is not None:
-            return self._host.result()
+            return result_of(self._host)
         self._check_usable()
         try:
             return self.mesh.get_buffer(self.actor, self.buffers[self.actor])
@@ -227,7 +228,7 @@ class RemoteArray:
         self._check_usable()
         if self._ready is not None:
             try:
-                self._ready.result()
+                result_of(self._ready)
             except Exception:
                 self._raise_step_error()
                 raise

@@ -82,7 +82,7 @@ class EventLoopThread:
             raise RuntimeError("mpmd's blocking API cannot be called from its own event loop; await the _async twin")
         t = time.perf_counter()
         try:
-            return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+            return result_of(asyncio.run_coroutine_threadsafe(coro, self.loop), timeout)
         finally:
             note_blocking(time.perf_counter() - t)
 
@@ -173,6 +173,20 @@ class ActorAuthError(MpmdError):
         super().__init__(f"actor {actor_id} at {address}: {why}. The controller's keys (RemoteMesh.connect(..., keys=...)) "
                          "must be a pair the daemon's --authorized-keys admits, with the daemon's own public key; a daemon "
                          "without keys takes a controller without keys")
+
+
+def result_of(fut: concurrent.futures.Future[T], timeout: float | None = None) -> T:
+    """`fut.result(timeout)`, in timed waits when there is no timeout: a Ctrl-C that the kernel hands to another
+    of the process's threads (the controller loop, ZeroMQ's) still interrupts the waiting caller within 0.25 s
+    (an untimed wait can sleep through it until the result comes)."""
+    if timeout is not None:
+        return fut.result(timeout)
+    while True:
+        try:
+            return fut.result(0.25)
+        except TimeoutError:
+            if fut.done():
+                raise
 
 
 class ActorConnection:

@@ -661,7 +661,7 @@ class RemoteMesh:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"session {self.session:x}"
-        return f"RemoteMesh({len(self.addresses)} actors at {self.addresses[0]}{', ...' if len(self.addresses) > 1 else ''}; {state})"
+        return f"RemoteMesh({len(self.addresses)} actor{'s' * (len(self.addresses) != 1)} at {self.addresses[0]}{', ...' if len(self.addresses) > 1 else ''}; {state})"
 
 
 
