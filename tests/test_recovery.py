@@ -218,6 +218,7 @@ def _drop_session(mesh, actor):
     mesh.run(conn.client.request("bye", {"session": conn.session}))
 
 
+@pytest.mark.slow  # (~20 s: two 20-step runs)
 def test_a_daemon_that_lost_the_meshs_session_is_an_actor_lost_and_recovered_bit_identical(uninterrupted):
     """Its next request was refused with a RemoteError ("needs an open session ... --session-timeout"), which
     no recovery took for a loss (found by a probe restarting a daemon at its address): the job failed."""
