@@ -620,6 +620,26 @@ def test_a_step_updating_nnx_state_in_place_and_returning_only_the_loss_warns_th
         mpmd.distributed(_nnx_step(mpmd.OneFOneB(2)), mesh=mesh2)(model, optimizer, batch)
 
 
+def test_an_nnx_eval_step_whose_dropout_stream_moves_on_does_not_warn_and_equals_jit(mesh2):
+    """model.eval() still moves the dropout stream's count on (under jax.jit too); an eval step returning only
+    its losses warned that an update was lost (found by a probe), though nothing trains there."""
+    import warnings
+
+    def evaluate(model, batch):
+        model.eval()
+        losses = mpmd.accumulate_grads(lambda mb: ((), jnp.mean((model(mb["x"]) - mb["y"]) ** 2)), batch,
+                                       schedule=mpmd.GPipe(2))[1]
+        model.train()
+        return losses
+
+    batch = {"x": np.ones((4, 6, 8), np.float32), "y": np.zeros((4, 6, 8), np.float32)}
+    model = _NnxTwoStage.model(dropout=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        losses = mpmd.distributed(evaluate, mesh=mesh2)(model, batch)
+    np.testing.assert_allclose(np.asarray(losses), np.asarray(jax.jit(evaluate)(model, batch)), rtol=1e-5, atol=1e-6)
+
+
 _GLOBAL_NNX_MODEL = None
 
 
