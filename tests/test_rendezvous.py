@@ -396,3 +396,83 @@ def test_connect_refuses_daemons_listed_out_of_actor_id_order_or_of_another_prot
         for p in (*procs, other):
             p.kill()
             p.wait()
+
+
+def test_a_daemon_restarted_at_its_predecessors_address_takes_its_id_over_and_a_live_holder_elsewhere_keeps_it(tmp_path):
+    """claim() probed the holder's endpoint, where the restarted daemon itself already listens (a StatefulSet pod
+    restarted with the same fixed --listen address), took the dead predecessor for live and refused: the new
+    daemon exited, and again at every restart (found by a probe)."""
+    import dataclasses
+
+    from transport.rendezvous import ClaimedError, arrival_path, claim, read_arrival
+
+    with socket.socket() as ours, socket.socket() as elsewhere:
+        for s in (ours, elsewhere):
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+        here, there = (f"tcp://127.0.0.1:{s.getsockname()[1]}" for s in (ours, elsewhere))
+        old = Arrival(actor_id=0, endpoint=here, key=None, host="pod-0", pid=1, jax_version=jax.__version__, platform="cpu",
+                      devices=1, instance="first")
+        assert claim(tmp_path, old) is False
+        restarted = dataclasses.replace(old, instance="second")  # same address, same pid 1 in a fresh container
+        assert claim(tmp_path, restarted) is True
+        assert read_arrival(arrival_path(tmp_path, 0)).instance == "second"
+        with pytest.raises(ClaimedError):  # another address: the holder answers there, so it is live
+            claim(tmp_path, dataclasses.replace(old, endpoint=there, instance="third"))
+        assert read_arrival(arrival_path(tmp_path, 0)).instance == "second"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow  # (~15 s)
+def test_a_daemon_restarted_at_its_fixed_address_with_a_new_key_is_taken_back_by_the_recovery(tmp_path, keys):
+    """A StatefulSet pod restarts its daemon at the same --listen address, with a fresh server key. The restart
+    exited at once (its claim probed its own socket: see the test above), and the controller's socket, reconnecting
+    to the new daemon, met a CURVE handshake failure that it reported as ActorAuthError, which no recovery took
+    for a loss (found by a probe). Now the recovery takes the new daemon from the rendezvous; values equal jit."""
+    rdv = tmp_path / "rdv"
+    ports = [_free_port(), _free_port()]
+
+    def start(i):
+        proc = spawn("--rendezvous", str(rdv), "--actor-id", str(i), "--authorized-keys", str(keys),
+                     "--listen", f"tcp://127.0.0.1:{ports[i]}", "--p2p-host", "127.0.0.1")
+        procs.append(proc)
+        ready(proc)
+
+    procs: list[subprocess.Popen] = []
+    rng = np.random.default_rng(0)
+    params = testing.mlp_params(rng, num_stages=2)
+    batches = [testing.regression_batch(rng, num_microbatches=4, microbatch_size=3, width=16) for _ in range(6)]
+    opt = optax.adam(1e-2)
+    loss = testing.mse_loss(testing.mlp)
+    ref = jax.jit(testing.make_train_step(loss, opt, None))
+    try:
+        start(0)
+        start(1)
+        with mpmd.RemoteMesh.from_rendezvous(rdv, 2, keys=keys, timeout=30, heartbeat_timeout=3.0, heartbeat_interval=0.5,
+                                             recover=mpmd.Recovery(snapshot_every=2, spawn_timeout=30)) as mesh:
+            dist = mpmd.distributed(testing.make_train_step(loss, opt, mpmd.OneFOneB(2)), mesh=mesh)
+            rp, ro, dp, do = params, opt.init(params), params, opt.init(params)
+            losses = []
+            for i, b in enumerate(batches):
+                rp, ro, rl = ref(rp, ro, b)
+                dp, do, dl = dist(dp, do, b)
+                losses.append((dl, rl))
+                if i == 3:
+                    dl.block_until_ready()
+                    procs[1].send_signal(signal.SIGKILL)
+                    procs[1].wait()
+                    start(1)  # at once, at the same address
+            for dl, rl in losses:
+                np.testing.assert_allclose(np.asarray(dl), np.asarray(rl), rtol=1e-5, atol=1e-6)
+            for got, want in zip(jax.tree.leaves(mpmd.fetch(dp)), jax.tree.leaves(rp)):
+                np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-6)
+            assert mesh.recoveries == 1
+            assert mesh.actor(1).info()["pid"] == procs[-1].pid
+    finally:
+        for p in procs:
+            stop_daemon(p)

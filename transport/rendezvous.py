@@ -263,7 +263,9 @@ def claim(directory: str | os.PathLike[str], arrival: Arrival, probe_timeout: fl
                 continue  # withdrawn meanwhile: try again
             except (OSError, RendezvousFormatError):
                 holder = None  # a torn or foreign file: not a live daemon's
-            if holder is not None and endpoint_alive(holder.endpoint, probe_timeout):
+            # (A holder at our own endpoint is a predecessor: we listen there now — a daemon restarted at a fixed
+            # address, as a StatefulSet pod is — so a probe would only reach ourselves.)
+            if holder is not None and holder.endpoint != arrival.endpoint and endpoint_alive(holder.endpoint, probe_timeout):
                 raise ClaimedError(holder, str(d))
             try:
                 if os.stat(final).st_ino == st.st_ino:  # still the dead one (not a fresh claim made meanwhile)

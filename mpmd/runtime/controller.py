@@ -238,6 +238,10 @@ class ActorConnection:
         except ActorDiedError:
             raise
         except HandshakeFailed as e:
+            if self.opened:  # it answered with our keys before: another daemon (another key) took its address
+                raise ActorDiedError(self.actor_id, self._declare(
+                    "the daemon this mesh talked to is gone: what answers at that address now fails the CURVE handshake "
+                    f"(a daemon restarted there with another key, or an impostor; {str(e).split(': ', 1)[-1][:200]})")) from None
             raise ActorAuthError(self.actor_id, self.address, str(e).split(": ", 1)[-1]) from None
         except ConnectionLost as e:
             if self.client.closed:
@@ -302,19 +306,22 @@ class ActorConnection:
         overdue = self._overdue(now, timeout) if reason is None else None
         if reason is None and silent + 2 * tick > timeout:
             reason = f"no reply or heartbeat for {silent:.1f} s (heartbeat_timeout={timeout:g} s)"
-            if self._stacks is not None:
-                reason += f"; its threads were at:\n{self._stacks()}"
+            reason += self._threads()
         elif overdue is not None:
             reason = (f"its request {overdue.describe()} has waited {now - overdue.sent:.0f} s for a reply, past the actor's "
                       f"own bound of {self._bound(overdue.op):g} s on it (its --request-timeout or --compile-timeout) plus "
                       f"heartbeat_timeout={timeout:g} s")
-            if self._stacks is not None:
-                reason += f"; its threads were at:\n{self._stacks()}"
+            reason += self._threads()
         if reason is not None:
             self._declare(reason)
         elif silent > interval and not self._pinging:
             self._pinging = True
             asyncio.get_running_loop().create_task(self._ping())
+
+    def _threads(self) -> str:
+        """What a silent local actor's threads are doing, for the reason it is declared dead ('' if unknown)."""
+        stacks = self._stacks() if self._stacks is not None else ""
+        return f"; its threads were at:\n{stacks}" if stacks and stacks.strip() else ""
 
     def _bound(self, op: str) -> float | None:
         return (self.compile_bound or self.bound) if op == "compile" else self.bound
