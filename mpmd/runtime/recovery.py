@@ -623,7 +623,8 @@ def put_all(mesh: Any, items: list[tuple[np.ndarray, list[int], Any, Any]]) -> l
 
 def _what(error: BaseException) -> str:
     if isinstance(error, ActorDiedError):
-        return f"actor {error.actor_id} lost ({error.why.splitlines()[0] if error.why else 'no reason given'})"
+        first = error.why.splitlines()[0].removesuffix("; its threads were at:") if error.why else "no reason given"
+        return f"actor {error.actor_id} lost ({first})"  # (one line: a silent local actor's stacks are in the error)
     return f"a failed step ({str(error).splitlines()[0]})"
 
 

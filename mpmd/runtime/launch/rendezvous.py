@@ -358,9 +358,13 @@ class Reannouncement:
                     log.info("actor %d: a replacement announced itself: %s", actor_id, a.describe())
                     return a.endpoint, RendezvousDaemon(a) if self.owned else None, a.key.encode() if a.key else None
             if time.monotonic() >= deadline:
+                held = (f". The lost daemon's record still holds the id ({old.describe()}): if that process still exists "
+                        "but does not answer (stopped, hung, swapping), a replacement cannot claim the id while it "
+                        "accepts connections — kill it (kill -9 its pid on its host) so that the supervisor restarts it"
+                        if a is not None and a.instance == old.instance else "")
                 raise RendezvousError(f"no new daemon for actor {actor_id} announced itself at the rendezvous {self.directory} "
                                       f"within {timeout:g} s (Recovery(spawn_timeout=...)): the cluster's supervisor must "
-                                      "restart it (srun --requeue, a pod restart, ...) with the same --actor-id")
+                                      f"restart it (srun --requeue, a pod restart, ...) with the same --actor-id{held}")
             time.sleep(0.2)
 
 
