@@ -234,6 +234,7 @@ def test_past_max_failures_the_loss_raises_actor_died_error_naming_the_actor():
     with pytest.raises(mpmd.ActorDiedError) as err:
         train(kills=[(2, 0), (6, 1)], recover=mpmd.Recovery(snapshot_every=3, max_failures=1), fetch_losses_every=1)
     assert err.value.actor_id == 1 and "was killed by SIGKILL" in str(err.value)
+    assert "mpmd.Recovery gave up" in str(err.value) and "past Recovery(max_failures=1)" in str(err.value), str(err.value)
 
 
 def test_recovery_rejects_bad_settings_with_a_clear_error():

@@ -195,6 +195,7 @@ class RecoveryManager:
                     return out
             except ActorDiedError as e:  # met while compiling or dispatching (outside the lock: recover, call again)
                 if attempt > self.config.max_failures or not self.recover_now(e):
+                    self._say_gave_up(e)
                     raise
         raise AssertionError("unreachable")
 
@@ -328,16 +329,24 @@ class RecoveryManager:
                 return True
             lost = isinstance(e, ActorDiedError) or rec.generation != self.generation or self._running()
             if self.gave_up is not None or not lost:
+                self._say_gave_up(e)
                 return False
             if not self._running() and rec.generation != self.generation:
                 return False  # a recovery came and went without this step in its log (older than its snapshot)
             try:
                 await watch(self._start_recovery(e))  # (not wrap_future: cancelling this await must not cancel the recovery)
             except Exception:
+                self._say_gave_up(e)
                 return False
             return rec.replayed  # every logged step dispatched before the recovery is replayed by it
 
         return on_failure
+
+    def _say_gave_up(self, e: BaseException) -> None:
+        """A loss the mesh no longer recovers from says so, and why (else it reads as if no recovery was asked for)."""
+        if self.gave_up is not None and isinstance(e, ActorDiedError) and "mpmd.Recovery gave up" not in e.why:
+            e.why += f"\n(mpmd.Recovery gave up, so this mesh no longer recovers: {str(self.gave_up).splitlines()[0][:300]})"
+            e.args = (f"actor {e.actor_id} died or stopped answering{' during ' + e.during if e.during else ''}: {e.why}",)
 
     def _running(self) -> bool:
         return self._recovery is not None and not self._recovery.done()
@@ -357,6 +366,7 @@ class RecoveryManager:
         for the recovery under way), and for the step `ready` that makes the array; whether the mesh recovered
         (then the array may have been rebound: read it again)."""
         if self.gave_up is not None:
+            self._say_gave_up(error)
             return False
         if isinstance(error, ActorDiedError):
             if not self.recover_now(error):
@@ -376,6 +386,7 @@ class RecoveryManager:
     def recover_now(self, error: BaseException) -> bool:
         """From a user thread (a fetch that met a lost actor): recover, and say whether it worked."""
         if self.gave_up is not None or not isinstance(error, ActorDiedError):
+            self._say_gave_up(error)
             return False
         if not self._running() and not self.mesh.conn(error.actor_id).dead and error.actor_id not in self._dead_processes():
             return True  # replaced already (the error came from before): read again
@@ -383,6 +394,7 @@ class RecoveryManager:
         try:
             fut.result()
         except Exception:
+            self._say_gave_up(error)
             return False
         return True
 
@@ -417,7 +429,8 @@ class RecoveryManager:
                 raise MpmdError("the RemoteMesh was closed during the recovery") from last
             self.failures += len(lost)
             if self.failures > self.config.max_failures:
-                raise MpmdError(f"{self.failures} lost actors in all, past Recovery(max_failures={self.config.max_failures})") from last
+                raise MpmdError(f"{self.failures} lost actors in all (actor{'s' * (len(lost) != 1)} {', '.join(map(str, lost))} "
+                                f"this time), past Recovery(max_failures={self.config.max_failures})") from last
             try:
                 report["steps replayed"] = self._attempt(lost, report)
             except ActorDiedError as e:  # another actor lost meanwhile: again, from the snapshot
