@@ -303,6 +303,9 @@ class DistributedFunction:
             keys = [k for k, _ in jax.tree_util.tree_flatten_with_path(args, is_leaf=_is_remote)[0]]
             leaves = [named_in_argument(x, k) if isinstance(x, LoadedLeaf) else x for x, k in zip(leaves, keys)]
         paths = arg_paths(args)
+        for x, path in zip(leaves, paths):
+            if isinstance(x, RemoteArray) and x.mesh is not self.mesh and hasattr(self.mesh, "check_owned"):
+                self.mesh.check_owned(x, f"argument {path}")  # (before a compile, not after it)
         specs = [_spec(x, path) for x, path in zip(leaves, paths)]
         layouts = self._arg_layouts(args, leaves, paths, specs)
         return (treedef, tuple((s.shape, dtype_text(s.dtype), s.weak_type) for s in specs), layouts), leaves, specs

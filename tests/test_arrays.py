@@ -65,6 +65,11 @@ def test_an_array_of_another_mesh_is_refused_naming_both_meshes_and_adopted_on_r
             mesh2.actor(0).run(f, x)
         text = str(e.value)
         assert repr(other) in text and repr(mesh2) in text and "mesh.adopt(x)" in text
+        step = mpmd.distributed(lambda w, b: mpmd.accumulate_grads(lambda mb: ((), jnp.sum(mb * w)), b,
+                                                                   schedule=mpmd.GPipe(1))[1], mesh=mesh2)
+        with pytest.raises(mpmd.MpmdError, match=r"argument args\[0\] is RemoteArray.*mesh\.adopt\(x\)"):
+            step(x, np.ones((2, 4), np.float32))
+        assert not step._compiled  # refused before compiling the step (seconds on a real model), not after
         adopted = mesh2.adopt({"x": x, "host": 3.0})
         assert adopted["host"] == 3.0 and adopted["x"].mesh is mesh2 and adopted["x"].actors == [0]
         np.testing.assert_array_equal(mesh2.actor(0).run(f, adopted["x"]).to_numpy(), np.arange(4) * 2.0)
