@@ -211,10 +211,12 @@ def _warn_lost_updates(fn: Any, names: list[str], before: list[tuple[str, Any, A
     """Warn when the step set nnx Variables of its arguments in place (`optimizer.update(model, grads)`) and returned
     none of the new values: as under jax.jit, such updates do not outlive the step (nnx.jit writes them back)."""
     returned = {id(x) for x in outs}
-    # (a random stream's count moves on in any step that draws from it, in eval mode too: nothing trains there)
     rng_state = getattr(sys.modules.get("flax.nnx"), "RngState", ())
-    now = [(path, var.get_value(), old) for path, var, old in before if not isinstance(var, rng_state)]
-    lost = [_named(path, names) for path, new, old in now if new is not old and id(new) not in returned]
+    now = [(path, var.get_value(), old, isinstance(var, rng_state)) for path, var, old in before]
+    # A step that changes nothing but random streams' counts (an eval step: they move on in eval mode too) trains
+    # nothing to lose; beside other updates (a train step returning only its Params), a lost count repeats masks.
+    trains = any(new is not old for _, new, old, rng in now if not rng)
+    lost = [_named(path, names) for path, new, old, rng in now if new is not old and id(new) not in returned and (trains or not rng)]
     if lost:
         name = getattr(fn, "__name__", "the step")
         warnings.warn(f"{name} updates {len(lost)} nnx Variable(s) of its arguments in place (e.g. {', '.join(lost[:3])}) but "

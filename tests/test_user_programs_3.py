@@ -638,6 +638,16 @@ def test_an_nnx_eval_step_whose_dropout_stream_moves_on_does_not_warn_and_equals
         warnings.simplefilter("error", UserWarning)
         losses = mpmd.distributed(evaluate, mesh=mesh2)(model, batch)
     np.testing.assert_allclose(np.asarray(losses), np.asarray(jax.jit(evaluate)(model, batch)), rtol=1e-5, atol=1e-6)
+    # A train step returning only the Params loses the counts beside real updates: masks would repeat. It warns.
+    from flax import nnx
+
+    def params_only(model, optimizer, batch):
+        model, optimizer, losses = _nnx_step(mpmd.OneFOneB(2))(model, optimizer, batch)
+        return nnx.state(model, nnx.Param), losses
+
+    optimizer = nnx.Optimizer(model, optax.sgd(1e-2), wrt=nnx.Param)
+    with pytest.warns(UserWarning, match=r"params_only updates \d+ nnx Variable.*rngs\.count"):
+        mpmd.distributed(params_only, mesh=mesh2)(model, optimizer, batch)
 
 
 _GLOBAL_NNX_MODEL = None

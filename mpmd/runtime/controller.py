@@ -185,8 +185,8 @@ def result_of(fut: concurrent.futures.Future[T], timeout: float | None = None) -
         try:
             return fut.result(0.25)
         except TimeoutError:
-            if fut.done():
-                raise
+            if fut.done():  # (done just after the timed wait gave up, or its own TimeoutError: either way, its result)
+                return fut.result()
 
 
 class ActorConnection:
