@@ -419,6 +419,8 @@ def test_a_daemon_restarted_at_its_predecessors_address_takes_its_id_over_and_a_
         assert read_arrival(arrival_path(tmp_path, 0)).instance == "second"
         with pytest.raises(ClaimedError):  # another address: the holder answers there, so it is live
             claim(tmp_path, dataclasses.replace(old, endpoint=there, instance="third"))
+        with pytest.raises(ClaimedError):  # the same address string on another host (NAT, an ipc path): live too
+            claim(tmp_path, dataclasses.replace(old, host="pod-1", instance="fourth"))
         assert read_arrival(arrival_path(tmp_path, 0)).instance == "second"
 
 

@@ -263,9 +263,10 @@ def claim(directory: str | os.PathLike[str], arrival: Arrival, probe_timeout: fl
                 continue  # withdrawn meanwhile: try again
             except (OSError, RendezvousFormatError):
                 holder = None  # a torn or foreign file: not a live daemon's
-            # (A holder at our own endpoint is a predecessor: we listen there now — a daemon restarted at a fixed
-            # address, as a StatefulSet pod is — so a probe would only reach ourselves.)
-            if holder is not None and holder.endpoint != arrival.endpoint and endpoint_alive(holder.endpoint, probe_timeout):
+            # (A holder on our host at our own endpoint is a predecessor: we listen there now — a daemon restarted at
+            # a fixed address, as a StatefulSet pod is, keeps its hostname — so a probe would only reach ourselves.)
+            predecessor = holder is not None and holder.endpoint == arrival.endpoint and holder.host == arrival.host
+            if holder is not None and not predecessor and endpoint_alive(holder.endpoint, probe_timeout):
                 raise ClaimedError(holder, str(d))
             try:
                 if os.stat(final).st_ino == st.st_ino:  # still the dead one (not a fresh claim made meanwhile)

@@ -344,7 +344,9 @@ class RecoveryManager:
 
     def _say_gave_up(self, e: BaseException) -> None:
         """A loss the mesh no longer recovers from says so, and why (else it reads as if no recovery was asked for)."""
-        if self.gave_up is not None and isinstance(e, ActorDiedError) and "mpmd.Recovery gave up" not in e.why:
+        with _SAYING:  # (one error object may reach several threads: fail_pending hands it to every waiter)
+            if self.gave_up is None or not isinstance(e, ActorDiedError) or "mpmd.Recovery gave up" in e.why:
+                return
             e.why += f"\n(mpmd.Recovery gave up, so this mesh no longer recovers: {str(self.gave_up).splitlines()[0][:300]})"
             e.args = (f"actor {e.actor_id} died or stopped answering{' during ' + e.during if e.during else ''}: {e.why}",)
 
@@ -632,6 +634,9 @@ def put_all(mesh: Any, items: list[tuple[np.ndarray, list[int], Any, Any]]) -> l
 
     mesh.run(put())
     return out
+
+
+_SAYING = threading.Lock()
 
 
 def _what(error: BaseException) -> str:
