@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from mpmd.compiler.avals import dtype_text, host_value, is_key, jax_array, not_numeric, to_wire, wire_shape_dtype
+from mpmd.compiler.avals import dtype_text, from_wire, host_value, is_key, jax_array, not_numeric, to_wire, wire_shape_dtype
 from mpmd.compiler.inline import inline_calls
 from mpmd.compiler.plan import StepPlan, iter_lowered, plan_step
 from mpmd.compiler.program import Send
@@ -784,7 +784,8 @@ class DistributedFunction:
     def _copy_in(self, x: RemoteArray, a: int, path: str, n: int) -> None:
         """`x` lives only on actors this step has no Program on (e.g. parameters a 4-actor train step left on
         actors 2 and 3, passed to an eval step on actors 0 and 1): copy it to actor `a` through the controller,
-        once (waiting for the step that makes it), and keep the copy as one of its replicas for the next steps."""
+        once (waiting for the step that makes it), and keep the copy as one of its replicas for the next steps. (The
+        one fetch blocks the dispatching thread: under `call_async`, the caller's event loop, once per array.)"""
         mesh = self.mesh
         if mesh._io.on_loop_thread():
             raise MpmdError(f"argument {path} lives only on actor(s) {x.actors}, which this step does not use; copy it "
@@ -792,7 +793,10 @@ class DistributedFunction:
         log.info("argument %s lives only on actor(s) %s, which this step (on actors 0-%d) does not use: copying it to "
                  "actor %d through the controller", path, x.actors, n - 1, a)
         spec = x.sharding.spec if x.sharding is not None else None
-        copy = mesh.put_replicated(x.fetch(), [a], spec)
+        # (mesh.get_buffer, not x.fetch(): a lost actor must raise here, not start a recovery and wait for it — a
+        # recovering mesh dispatches under the lock its recovery takes; its caller recovers and calls again)
+        value = from_wire(mesh.get_buffer(x.actor, x.buffers[x.actor]), x.dtype)
+        copy = mesh.put_replicated(value, [a], spec)
         x.buffers.update(copy.buffers)  # (x frees it with its other buffers)
         copy.buffers = {}
 

@@ -520,3 +520,44 @@ def test_closing_the_mesh_during_a_recovery_stops_it_quietly(caplog):
     assert not stepper.is_alive() and not uncaught
     assert not any("recovering again" in r.getMessage() or "past Recovery" in r.getMessage() for r in caplog.records)
     assert all(p.proc.poll() is not None for p in mesh.processes)  # (replacements included)
+
+
+@pytest.mark.slow  # (~15 s)
+def test_an_eval_step_on_fewer_actors_meeting_a_lost_actor_recovers_and_equals_jit():
+    """The eval step runs on actor 0 alone and reads parameters the train step left on actor 1 (copied in through
+    the controller). Actor 1 is killed first: the copy's fetch started a recovery and waited for it while holding
+    the dispatch lock the recovery needs — a deadlock (found by a review); now the call recovers and goes again."""
+    import jax.numpy as jnp
+
+    def loss(params, mb):
+        x = mpmd.pipeline_yield(jnp.tanh(mb["x"] @ params[0]))
+        return jnp.mean((x @ params[1] - mb["y"]) ** 2)
+
+    def train(params, batch):
+        g, losses = mpmd.accumulate_grads(lambda mb: jax.value_and_grad(loss)(params, mb)[::-1], batch,
+                                          schedule=mpmd.OneFOneB(2))
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, g), losses
+
+    def evaluate(params, batch):
+        return mpmd.accumulate_grads(lambda mb: ((), loss(params, mb)), batch, schedule=mpmd.GPipe(1, balance="even"))[1]
+
+    k = jax.random.split(jax.random.key(3), 3)
+    params = [jax.random.normal(k[0], (8, 16)) / 3, jax.random.normal(k[1], (16, 4)) / 4]
+    batch = {"x": jax.random.normal(k[2], (4, 2, 8)), "y": jax.numpy.ones((4, 2, 4))}
+    want = params
+    for _ in range(3):
+        want, _ = jax.jit(train)(want, batch)
+    with mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(snapshot_every=1), heartbeat_timeout=5.0) as mesh:
+        tr, ev = mpmd.distributed(train, mesh=mesh), mpmd.distributed(evaluate, mesh=mesh)
+        p = params
+        for _ in range(3):
+            p, losses = tr(p, batch)
+        losses.block_until_ready()
+        _sigkill(mesh, 1)
+        got = {}
+        worker = threading.Thread(target=lambda: got.setdefault("losses", mpmd.fetch(ev(p, batch))), daemon=True)
+        worker.start()
+        worker.join(120)
+        assert "losses" in got, "the eval call never returned"
+        np.testing.assert_allclose(np.asarray(got["losses"]), np.asarray(jax.jit(evaluate)(want, batch)), rtol=1e-5, atol=1e-6)
+        assert mesh.recoveries == 1
