@@ -215,6 +215,8 @@ class Actor:
                 self.ownership.owner = None
             raise
         self.sessions[sid] = Session(sid, self.actor_id, peer)
+        if self.p2p is not None:  # (the id of a session that ended here, reopened: its transfers count again)
+            self.p2p.revive((sid,))
         return await self.info(None, msg)
 
     async def mesh(self, ses: Session | None, msg: Message) -> tuple[dict, list]:

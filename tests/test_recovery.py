@@ -225,9 +225,20 @@ def test_a_daemon_that_lost_the_meshs_session_is_an_actor_lost_and_recovered_bit
     with pytest.raises(mpmd.ActorDiedError, match="no longer has this mesh's session") as err:
         train(kills=[(3, 1)], kill=_drop_session, fetch_losses_every=1)
     assert err.value.actor_id == 1
-    got = train(kills=[(5, 1)], recover=mpmd.Recovery(snapshot_every=4), kill=_drop_session, fetch_losses_every=1)
+    pids = []
+
+    def drop(mesh, actor):
+        pids.append(mesh.processes[actor].proc.pid)
+        _drop_session(mesh, actor)
+        meshes.append(mesh)
+
+    meshes = []
+    got = train(kills=[(5, 1)], recover=mpmd.Recovery(snapshot_every=4), kill=drop, fetch_losses_every=1)
     assert got[3] == 1
     _assert_identical(got, uninterrupted)
+    # the daemon answers: the recovery opened a new session there (its transfers, under the reopened session's id,
+    # were dropped as the old session's before) rather than start another daemon
+    assert meshes[0].processes[1].proc.pid == pids[0]
 
 
 def test_past_max_failures_the_loss_raises_actor_died_error_naming_the_actor():

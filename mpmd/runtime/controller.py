@@ -206,6 +206,7 @@ class ActorConnection:
         self.compile_bound: float | None = None  # and on a compile (its --compile-timeout and a little)
         self.keepalive: float | None = None  # ping this often when idle, so the actor keeps our session open
         self.opened = False  # our session is open there (from `hello`): an answer without it means it was lost
+        self.session_gone = False  # declared lost because the daemon answers without our session
 
     def learn_limits(self, info: dict[str, Any]) -> None:
         """Take the actor's bounds from its `hello` reply: on requests, on compiles, and on a silent session (its
@@ -217,7 +218,9 @@ class ActorConnection:
 
     def _session_lost(self, said: str) -> str:
         """The daemon answers, but without this mesh's session (restarted at the same address, or it closed
-        the session): everything this mesh kept there is gone, so the actor is lost (a recovery replaces it)."""
+        the session): everything this mesh kept there is gone, so the actor is lost (a recovery opens a new
+        session there rather than start another daemon)."""
+        self.session_gone = True
         return self._declare(f"the daemon there no longer has this mesh's session {self.session}: it was restarted at "
                              f"that address, or it closed the session ({said})")
 

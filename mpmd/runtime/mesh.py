@@ -384,9 +384,9 @@ class RemoteMesh:
             servers = [self._keys.server_key(a) for a in range(len(self.actors))]
             servers[i] = server_key
             self._keys = ClientKeys(self._keys.client, tuple(servers))
-        return self.reconnect(i, address)
+        return self.reconnect(i, address, bound=max(60.0, self._watchdog.timeout))  # (a new daemon on a busy host)
 
-    def reconnect(self, i: int, address: str | None = None) -> dict[str, Any]:
+    def reconnect(self, i: int, address: str | None = None, bound: float | None = None) -> dict[str, Any]:
         """Talk again to actor `i` after it was declared dead, once it is back: a stopped process resumed
         (``kill -CONT``), or a daemon restarted at the same address. Its running steps are aborted. The same
         daemon keeps this mesh's buffers and programs; a restarted one has none (this mesh opens a new session
@@ -397,7 +397,7 @@ class RemoteMesh:
             self.addresses[i] = address
         new = self._connection(i, address or old.address)
 
-        bound = self._watchdog.timeout
+        bound = self._watchdog.timeout if bound is None else bound
 
         async def back() -> Any:
             try:  # (bounded: a daemon that is not back would leave the caller waiting forever)
@@ -412,10 +412,10 @@ class RemoteMesh:
                     return msg, False
             except TimeoutError:
                 raise ActorDiedError(i, (
-                    f"at {new.address}: mesh.reconnect({i}) got no answer within {bound:g} s (heartbeat_timeout), so it is not "
-                    "back. A stopped process answers once resumed (kill -CONT); a dead daemon must be restarted at that "
-                    "address first (one this mesh started and lost never comes back by itself: make a new mesh, or pass "
-                    "recover=mpmd.Recovery() to the mesh)"), during="reconnect") from None
+                    f"at {new.address}: mesh.reconnect({i}) got no answer within {bound:g} s, so it is not back. A stopped "
+                    "process answers once resumed (kill -CONT); a dead daemon must be restarted at that address first"
+                    + ("" if getattr(self, "recovery", None) is not None else " (one this mesh started and lost never comes "
+                       "back by itself: make a new mesh, or pass recover=mpmd.Recovery() to the mesh)")), during="reconnect") from None
 
         try:
             info, fresh = self.run(back())

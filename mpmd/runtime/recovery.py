@@ -471,6 +471,8 @@ class RecoveryManager:
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpmd-recovery-lower") as pool:
             lowered = [pool.submit(lambda c=c: list(iter_lowered(c.plan, mesh.platform))) for _, _, c in steps]
             for i in lost:
+                if self._rejoin(i):
+                    continue
                 address, process, *key = self.respawn(i, self.config.spawn_timeout)
                 mesh.replace_actor(i, address, process, key[0] if key else None)
             report["spawn"] = time.monotonic() - t
@@ -480,6 +482,20 @@ class RecoveryManager:
                 c.generation = mesh.generation  # loaded on the replacements: current again (see DistributedFunction._cached)
         report["reload"] = time.monotonic() - t
         return self._restore_and_replay(set(lost), report)
+
+    def _rejoin(self, i: int) -> bool:
+        """Actor `i` was lost because its daemon answers without this mesh's session (it closed the session after
+        --session-timeout, e.g. while this controller was suspended, or was restarted at its address): open a new
+        session there instead of starting another daemon (a rendezvous supervisor would never start one for a
+        daemon that is alive). Whether it worked."""
+        if not self.mesh.conn(i).session_gone:
+            return False
+        try:
+            self.mesh.reconnect(i, bound=max(60.0, self.mesh._watchdog.timeout))
+        except Exception as e:  # noqa: BLE001 - then it is replaced like any lost actor
+            log.warning("actor %d answered without this mesh's session but did not take a new one (%s); replacing it", i, e)
+            return False
+        return True
 
     def _lost_actors(self, error: BaseException) -> list[int]:
         mesh = self.mesh

@@ -236,6 +236,10 @@ class P2PTransport(abc.ABC):
         n = len(prefix)
         return self.abandon(lambda k: tuple(k[:n]) == prefix)
 
+    def revive(self, prefix: tuple[int, ...]) -> None:
+        """Keys starting with `prefix` are live again (a session reopened under the id of one that ended: a
+        controller's new session on a daemon that closed its old one). The default remembers nothing expired."""
+
     @abc.abstractmethod
     def close(self) -> None: ...
 

@@ -409,6 +409,9 @@ class DataPlane(P2PTransport):
     def abandon(self, predicate) -> int:
         return self._mailbox.drop(predicate)
 
+    def revive(self, prefix: tuple[int, ...]) -> None:
+        self._expired.pop(tuple(prefix), None)
+
     def expire(self, prefix: tuple[int, ...]) -> int:
         n = len(prefix)
         self._expired[tuple(prefix)] = None
