@@ -538,19 +538,8 @@ def test_an_eval_step_on_fewer_actors_meeting_a_lost_actor_recovers_and_equals_j
     """The eval step runs on actor 0 alone and reads parameters the train step left on actor 1 (copied in through
     the controller). Actor 1 is killed first: the copy's fetch started a recovery and waited for it while holding
     the dispatch lock the recovery needs — a deadlock (found by a review); now the call recovers and goes again."""
-    import jax.numpy as jnp
-
-    def loss(params, mb):
-        x = mpmd.pipeline_yield(jnp.tanh(mb["x"] @ params[0]))
-        return jnp.mean((x @ params[1] - mb["y"]) ** 2)
-
-    def train(params, batch):
-        g, losses = mpmd.accumulate_grads(lambda mb: jax.value_and_grad(loss)(params, mb)[::-1], batch,
-                                          schedule=mpmd.OneFOneB(2))
-        return jax.tree.map(lambda p, g: p - 0.1 * g, params, g), losses
-
-    def evaluate(params, batch):
-        return mpmd.accumulate_grads(lambda mb: ((), loss(params, mb)), batch, schedule=mpmd.GPipe(1, balance="even"))[1]
+    from tests.test_user_programs_3 import _eval_1_stage as evaluate
+    from tests.test_user_programs_3 import _train_2_stages as train
 
     k = jax.random.split(jax.random.key(3), 3)
     params = [jax.random.normal(k[0], (8, 16)) / 3, jax.random.normal(k[1], (16, 4)) / 4]
