@@ -33,7 +33,15 @@ class ActorDiedError(MpmdError):
         self.actor_id = actor_id
         self.why = why
         self.during = during
-        super().__init__(f"actor {actor_id} died or stopped answering{' during ' + during if during else ''}: {why}")
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        return f"actor {self.actor_id} died or stopped answering{' during ' + self.during if self.during else ''}: {self.why}"
+
+    def add_line(self, text: str) -> None:
+        """Say one more thing about this loss (in place: the error may already be in several waiters' hands)."""
+        self.why += f"\n{text}"
+        self.args = (self._message(),)
 
 
 class ActorStartError(MpmdError):

@@ -324,7 +324,7 @@ class ActorConnection:
     def _threads(self) -> str:
         """What a silent local actor's threads are doing, for the reason it is declared dead ('' if unknown)."""
         stacks = self._stacks() if self._stacks is not None else ""
-        return f"; its threads were at:\n{stacks}" if stacks and stacks.strip() else ""
+        return f"\nits threads were at:\n{stacks}" if stacks and stacks.strip() else ""
 
     def _bound(self, op: str) -> float | None:
         return (self.compile_bound or self.bound) if op == "compile" else self.bound

@@ -41,7 +41,7 @@ import numpy as np
 import zmq.asyncio
 
 from mpmd.compiler.avals import is_key, key_impl, to_wire
-from mpmd.errors import ActorDiedError, IncompatibleActorError, MpmdError
+from mpmd.errors import ActorDiedError, IncompatibleActorError, MpmdError, RemoteError
 from mpmd.observe.profile import ProfileContext
 from mpmd.observe.trace import Trace, TraceContext, measure_clock_offsets
 from mpmd.runtime.actor_handle import ActorHandle
@@ -404,8 +404,8 @@ class RemoteMesh:
                 async with asyncio.timeout(bound):
                     try:
                         msg = await new.request("info")  # (in this session: a daemon answers nothing but ping outside one)
-                    except MpmdError as e:
-                        if "needs an open session" not in str(e):
+                    except RemoteError as e:
+                        if e.remote_type != "NoSession":
                             raise
                         return await new.request("hello"), True  # a new daemon: open the session there afresh
                     await new.request("abort")  # every step of this session still running there

@@ -347,8 +347,7 @@ class RecoveryManager:
         with _SAYING:  # (one error object may reach several threads: fail_pending hands it to every waiter)
             if self.gave_up is None or not isinstance(e, ActorDiedError) or "mpmd.Recovery gave up" in e.why:
                 return
-            e.why += f"\n(mpmd.Recovery gave up, so this mesh no longer recovers: {str(self.gave_up).splitlines()[0][:300]})"
-            e.args = (f"actor {e.actor_id} died or stopped answering{' during ' + e.during if e.during else ''}: {e.why}",)
+            e.add_line(f"(mpmd.Recovery gave up, so this mesh no longer recovers: {str(self.gave_up).splitlines()[0][:300]})")
 
     def _running(self) -> bool:
         return self._recovery is not None and not self._recovery.done()
@@ -491,7 +490,7 @@ class RecoveryManager:
         if not self.mesh.conn(i).session_gone:
             return False
         try:
-            self.mesh.reconnect(i, bound=max(60.0, self.mesh._watchdog.timeout))
+            self.mesh.replace_actor(i, self.mesh.addresses[i])  # (the same daemon: no new process, no new key)
         except Exception as e:  # noqa: BLE001 - then it is replaced like any lost actor
             log.warning("actor %d answered without this mesh's session but did not take a new one (%s); replacing it", i, e)
             return False
@@ -657,8 +656,7 @@ _SAYING = threading.Lock()
 
 def _what(error: BaseException) -> str:
     if isinstance(error, ActorDiedError):
-        first = error.why.splitlines()[0].removesuffix("; its threads were at:") if error.why else "no reason given"
-        return f"actor {error.actor_id} lost ({first})"  # (one line: a silent local actor's stacks are in the error)
+        return f"actor {error.actor_id} lost ({error.why.splitlines()[0] if error.why else 'no reason given'})"
     return f"a failed step ({str(error).splitlines()[0]})"
 
 
