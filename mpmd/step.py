@@ -787,9 +787,6 @@ class DistributedFunction:
         once (waiting for the step that makes it), and keep the copy as one of its replicas for the next steps. (The
         one fetch blocks the dispatching thread: under `call_async`, the caller's event loop, once per array.)"""
         mesh = self.mesh
-        if mesh._io.on_loop_thread():
-            raise MpmdError(f"argument {path} lives only on actor(s) {x.actors}, which this step does not use; copy it "
-                            "first (mesh.put_replicated(mpmd.fetch(x), [actor]))")
         log.info("argument %s lives only on actor(s) %s, which this step (on actors 0-%d) does not use: copying it to "
                  "actor %d through the controller", path, x.actors, n - 1, a)
         spec = x.sharding.spec if x.sharding is not None else None

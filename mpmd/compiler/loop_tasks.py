@@ -20,7 +20,7 @@ from jax.extend.core import ClosedJaxpr, Var
 
 from mpmd.compiler.body import CONST, VARYING, LoopBody, analyse, constants_needed
 from mpmd.compiler.effects import HostCall, check_host_calls, used_vars
-from mpmd.compiler.eqns import eqns_fn, free_inputs, is_var, var_inputs
+from mpmd.compiler.eqns import contains_primitive, eqns_fn, free_inputs, is_var, var_inputs
 from mpmd.compiler.grouping import group_segments
 from mpmd.compiler.host_calls import HiddenOutputs, loop_operand, strip_host_calls
 from mpmd.compiler.inline import inline_calls
@@ -70,19 +70,6 @@ def find_loop(jaxpr: Any) -> int:
     return loops[0]
 
 
-def _calls(jaxpr: Any, primitive: Any) -> bool:
-    """Whether `jaxpr` or any jaxpr nested in its equations' parameters has an equation of `primitive`."""
-    for e in jaxpr.eqns:
-        if e.primitive is primitive:
-            return True
-        for v in e.params.values():
-            for sub in v if isinstance(v, (tuple, list)) else (v,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns") and _calls(inner, primitive):
-                    return True
-    return False
-
-
 def find_step_loop(outer: ClosedJaxpr) -> StepLoop:
     """Takes the traced step; gives its loop and the loop's parameters. Rejects a step without exactly one
     loop, and stage markers outside the loop (PipelineError)."""
@@ -94,7 +81,7 @@ def find_step_loop(outer: ClosedJaxpr) -> StepLoop:
         raise PipelineError(f"pipeline_yield is used {where} accumulate_grads; stage markers belong inside the "
                             "microbatch function passed to accumulate_grads")
     p = jaxpr.eqns[li].params
-    if _calls(p["body"].jaxpr, accumulate_p):
+    if contains_primitive(p["body"].jaxpr, accumulate_p):
         raise PipelineError("accumulate_grads is called inside the function given to accumulate_grads; a step has one "
                             "microbatch loop: compute each microbatch's gradients in the outer function (for gradient "
                             "accumulation over more data, give the loop more microbatches)")
