@@ -176,3 +176,88 @@ def test_a_tcp_route_uses_no_link():
     got, sa, sb = asyncio.run(go())
     np.testing.assert_array_equal(got, np.arange(3))
     assert sa["links"] == sb["links"] == {"out": [], "in": []} and "link_messages" not in sb
+
+
+def test_a_data_message_goes_with_a_compact_header_that_carries_every_dtype_shape_and_key_exactly():
+    """`pack_data` and `parse_data` against the array itself, for every wire dtype; then end to end over a link."""
+    from transport.protocol import ALLOWED_DTYPES
+
+    rng = np.random.default_rng(3)
+    cases = [np.array(rng.integers(0, 100, size), dt) for dt in ALLOWED_DTYPES.values()
+             for size in [(), (0, 5), (3, 1, 2), (7,)]]
+    cases.append(np.arange(24, dtype=">i4").reshape(2, 3, 4))  # big-endian: no compact header (msgpack's converts it)
+    key = (2**62 + 5, 9, 123456789, 3, 0, 1)
+    for x in cases[:-1]:
+        header, payload = links.pack_data(key, x)
+        assert header[0] == links.COMPACT
+        got_key, dt, shape = links.parse_data(memoryview(header))
+        assert (got_key, dt, shape, links.data_bytes(dt, shape)) == (key, x.dtype, x.shape, x.nbytes)
+        assert bytes(payload) == x.tobytes()
+    assert links.pack_data(key, cases[-1]) is None
+    assert links.pack_data((2**63,), np.zeros(3)) is None  # beyond int64: the msgpack header takes it
+
+    async def go():
+        a, b = await pair()
+        try:
+            got = []
+            for i, x in enumerate(cases):
+                recv = asyncio.ensure_future(b.recv(0, (4, 0, i), 10))
+                assert a.send_now(1, (4, 0, i), x) or await a.send(1, (4, 0, i), x) is None
+                got.append(await recv)
+            return got, b.stats()
+        finally:
+            a.close()
+            b.close()
+
+    got, sb = asyncio.run(go())
+    for x, y in zip(cases, got):
+        assert y.dtype == x.dtype.newbyteorder("=") and y.shape == x.shape and (y.size == 0 or y.ctypes.data % 64 == 0)
+        np.testing.assert_array_equal(y, x)
+    assert sb["link_messages"] == len(cases) and sb.get("bad_messages", 0) == 0
+
+
+def _compact(version=None, index=0, nkey=4, ndim=1, ints=(1, 0, 7, 0, 3)):
+    import struct
+
+    from transport.protocol import PROTOCOL_VERSION
+
+    head = struct.pack("<5B", links.COMPACT, PROTOCOL_VERSION if version is None else version, index, nkey, ndim)
+    return head + struct.pack(f"<{len(ints)}q", *ints)
+
+
+@pytest.mark.parametrize("record, fails_key", [
+    ((_compact(version=1), b"\0\0\0"), None),  # another protocol version
+    ((_compact(index=250), b"\0\0\0"), None),  # no such dtype
+    ((_compact(ndim=33, ints=(1, 0, 7, 0) + (1,) * 33), b"\0"), None),  # rank beyond numpy's
+    ((_compact()[:-3], b"\0\0\0"), None),  # truncated
+    ((_compact(ints=(1, 0, 7, 0, -3)), b""), (1, 0, 7, 0)),  # negative dimension
+    ((_compact(), b"\0\0"), (1, 0, 7, 0)),  # payload shorter than the shape needs
+    ((_compact(nkey=17, ints=(1,) * 17 + (3,)), b"\0\0\0"), None),  # key longer than any transfer's
+    ((_compact(ints=(1, 0, 7, 0, 2**61)), b"\0"), (1, 0, 7, 0)),  # more bytes than anything can hold
+])
+def test_a_malformed_compact_header_is_counted_fails_its_receive_at_once_and_the_link_carries_on(record, fails_key):
+    async def go():
+        a, b = await pair()
+        try:
+            waiting = asyncio.ensure_future(b.recv(0, (1, 0, 7, 0), 30))
+            await asyncio.sleep(0)
+            assert a._link_to(1).post(list(record))
+            ok = asyncio.ensure_future(b.recv(0, (5, 0, 0), 10))
+            assert a.send_now(1, (5, 0, 0), np.arange(3.0))
+            after = np.array(await ok)
+            try:
+                outcome = await asyncio.wait_for(waiting, 0.5)
+            except Exception as e:  # noqa: BLE001 - which one is the point
+                outcome = e
+            return outcome, after, b.stats()
+        finally:
+            a.close()
+            b.close()
+
+    outcome, after, sb = asyncio.run(go())
+    np.testing.assert_array_equal(after, np.arange(3.0))
+    assert sb["bad_messages"] == 1
+    if fails_key is not None:  # the key was read: its receive fails now, naming the sender
+        assert "from actor 0" in str(outcome) and not isinstance(outcome, TimeoutError), outcome
+    else:  # nothing in it can be trusted: the receive is left to its own timeout
+        assert isinstance(outcome, TimeoutError), outcome

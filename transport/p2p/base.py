@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import ctypes
 import os
 import socket
 from collections import Counter, OrderedDict
@@ -242,6 +243,20 @@ class P2PTransport(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None: ...
+
+
+def aligned_copy(frame: Any, nbytes: int) -> np.ndarray:
+    """A fresh ALIGNMENT-aligned uint8 copy of `frame` (exactly `nbytes` bytes: checked by the caller). Under 64 KiB into a bytearray
+    (zero-filled, then copied into in C: 1-2 us for 1 KiB, where `aligned_empty` and a numpy copy cost 4-9 us);
+    bigger ones into `aligned_empty` (which does not zero its memory first)."""
+    if nbytes >= 1 << 16:
+        buf = aligned_empty(nbytes)
+        buf[:] = np.frombuffer(frame, np.uint8)
+        return buf
+    raw = bytearray(nbytes + ALIGNMENT)
+    offset = (-ctypes.addressof(ctypes.c_char.from_buffer(raw))) % ALIGNMENT
+    raw[offset : offset + nbytes] = frame
+    return np.frombuffer(raw, np.uint8, nbytes, offset)
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:

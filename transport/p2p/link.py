@@ -13,7 +13,11 @@ plane. Bytes on a link never leave the kernel, so they need no encryption — th
 memory segments, which only this user's processes can map (see shm.py). Messages too big for one record,
 or to a peer without a link, go over ZeroMQ as before.
 
-A record is ``<u32 header length> <msgpack header> <payload bytes>`` (one array at most; see protocol.py).
+A record is ``<u32 header length> <header> <payload bytes>`` (one array at most). The header is msgpack (see
+protocol.py), except for the one message every hop sends: a ``data`` message's header may be compact — its first
+byte 0xC1 (a byte msgpack never uses), then the protocol version, the dtype's index in protocol.ALLOWED_DTYPES,
+the key's length and the rank, then the key and the shape as little-endian int64s (`pack_data` and `parse_data`;
+packing and parsing it cost ~1 us against ~9 us for the msgpack map).
 """
 
 from __future__ import annotations
@@ -27,10 +31,19 @@ import sys
 import threading
 from typing import Any
 
+import numpy as np
+
+from transport.protocol import ALLOWED_DTYPES, MAX_BYTES, MAX_DIMS, PROTOCOL_VERSION, ProtocolError
+
 MAX_RECORD = 1 << 17  # bytes of one message (header + payload); bigger ones travel over ZeroMQ
 SEND_BUFFER = 1 << 20  # asked of the kernel per link (it may give less: net.core.wmem_max)
 _LEN = struct.Struct("<I")
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+COMPACT = 0xC1  # first byte of a compact data header ("never used" in msgpack, so no msgpack header starts with it)
+_COMPACT_HEAD = struct.Struct("<5B")  # 0xC1, protocol version, dtype index, key length, rank
+_DTYPES = list(ALLOWED_DTYPES.values())
+_DTYPE_INDEX = {dt: i for i, dt in enumerate(_DTYPES)}
+_INTS: dict[int, struct.Struct] = {}  # count -> Struct of that many int64s
 
 
 def available() -> bool:
@@ -183,6 +196,58 @@ class Link:
         except (ValueError, OSError, RuntimeError, AttributeError):
             pass
         self.sock.close()
+
+
+def _ints(n: int) -> struct.Struct:
+    s = _INTS.get(n)
+    if s is None:
+        s = _INTS[n] = struct.Struct(f"<{n}q")
+    return s
+
+
+def pack_data(key: tuple[int, ...], host: np.ndarray) -> list[Any] | None:
+    """The frames of a ``data`` message carrying `host` (C-contiguous) under `key`, with a compact header; None
+    when it cannot have one (a dtype off the wire, a key or shape of more than 255 numbers or beyond int64)."""
+    index = _DTYPE_INDEX.get(host.dtype)
+    shape = host.shape
+    if index is None or len(key) > 255 or len(shape) > MAX_DIMS or host.dtype.byteorder == ">":
+        return None
+    try:
+        header = _COMPACT_HEAD.pack(COMPACT, PROTOCOL_VERSION, index, len(key), len(shape)) + _ints(len(key) + len(shape)).pack(*key, *shape)
+    except struct.error:
+        return None
+    return [header, memoryview(host.reshape(-1).view(np.uint8)) if host.size else b""]
+
+
+def parse_data(header: memoryview) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...]]:
+    """(key, dtype, shape) of a compact data header; ProtocolError when it is malformed (the shape is checked by
+    `data_bytes`, once the key is known: a bad shape fails that key's receive)."""
+    if len(header) < _COMPACT_HEAD.size:
+        raise ProtocolError(f"a compact data header of {len(header)} bytes")
+    _, version, index, nkey, ndim = _COMPACT_HEAD.unpack_from(header)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version} is not supported (expected {PROTOCOL_VERSION})")
+    if index >= len(_DTYPES) or ndim > MAX_DIMS:
+        raise ProtocolError(f"a compact data header with dtype index {index} and rank {ndim}")
+    ints = _ints(nkey + ndim)
+    if len(header) != _COMPACT_HEAD.size + ints.size:
+        raise ProtocolError(f"a compact data header of {len(header)} bytes for a {nkey}-number key and rank {ndim}")
+    values = ints.unpack_from(header, _COMPACT_HEAD.size)
+    return values[:nkey], _DTYPES[index], values[nkey:]
+
+
+def data_bytes(dtype: np.dtype, shape: tuple[int, ...]) -> int:
+    """The payload bytes of `dtype` `shape`; ProtocolError for a negative dimension or more than numpy can hold
+    (as protocol.array_spec: a zero-size array's other dimensions count too)."""
+    nbytes = bound = dtype.itemsize
+    for d in shape:
+        if d < 0:
+            raise ProtocolError(f"bad shape {list(shape)}")
+        nbytes *= d
+        bound *= d or 1
+    if bound > MAX_BYTES:
+        raise ProtocolError(f"{dtype.name}{list(shape)} would take more than {MAX_BYTES} bytes")
+    return nbytes
 
 
 def split_record(buf: memoryview, n: int) -> tuple[memoryview, memoryview | None]:

@@ -54,6 +54,7 @@ from transport.p2p.base import (
     Mailbox,
     P2PTransport,
     TransferError,
+    aligned_copy,
     aligned_empty,
     host_id,
     host_view,
@@ -313,6 +314,19 @@ class DataPlane(P2PTransport):
         except zmq.ZMQError as e:
             raise TransferError(f"actor {self.actor_id} could not send to actor {peer}: {e}") from None
 
+    def _post_data(self, peer: int, key: tuple[int, ...], host: np.ndarray, track: bool = False) -> Any:
+        """`_post` of a ``data`` message: over a link with a compact header when it can have one."""
+        lk = self._link_to(peer)
+        if lk is not None:
+            frames = links.pack_data(key, host)
+            if frames is not None:
+                try:
+                    if lk.post(frames):
+                        return None
+                except links.LinkError as e:
+                    self._link_failed(peer, lk, e)
+        return self._post(peer, {"op": "data", "key": list(key)}, [host], track=track)
+
     async def send(self, peer: int, key: tuple[int, ...], value: Any, wait: bool = False) -> None:
         route = self.routes.get(peer)
         if route is None:
@@ -331,7 +345,7 @@ class DataPlane(P2PTransport):
             if await self._post_when_ready(peer, {"op": "data", "key": list(key)}, value):
                 return
         host = await host_view(value)
-        tracker = self._post(peer, {"op": "data", "key": list(key)}, [host], track=wait)
+        tracker = self._post_data(peer, key, host, track=wait)
         if wait and tracker is not None and not tracker.done:
             await asyncio.to_thread(tracker.wait)
 
@@ -403,7 +417,7 @@ class DataPlane(P2PTransport):
             return False
         self.counters[f"sent_{route}_bytes"] += int(nbytes)
         self.counters["sent_arrays"] += 1
-        self._post(peer, {"op": "data", "key": list(key)}, [host])
+        self._post_data(peer, key, host)
         return True
 
     def abandon(self, predicate) -> int:
@@ -561,7 +575,29 @@ class DataPlane(P2PTransport):
             return src
 
         self.counters["link_messages"] += 1
+        if header and header[0] == links.COMPACT:
+            self._on_compact_data(src, header, payload)
+            return
         self._on_message(sender, header, [payload if payload is not None else memoryview(b"")], "link")
+
+    def _on_compact_data(self, src: int, header: memoryview, payload: memoryview | None) -> None:
+        """A ``data`` message with a compact header (see link.py), from `src`'s link: `_on_message`'s data case."""
+        key = None
+        try:
+            got, dtype, shape = links.parse_data(header)
+            if len(got) > MAX_KEY_INTS:
+                raise ProtocolError(f"data message needs a key of at most {MAX_KEY_INTS} ints")
+            key = got
+            nbytes = links.data_bytes(dtype, shape)
+            if not self._screen(src, key, nbytes):
+                return  # (its bytes are not copied anywhere)
+            (array,) = self._rx_payloads([payload if payload is not None else memoryview(b"")], [(dtype, shape, nbytes)])
+            self.counters["received_bytes"] += nbytes
+            reason = self._mailbox.deliver(src, key, array, nbytes)  # (screened just now, in this same turn)
+            if reason is not None:
+                self._refuse(src, key, reason)
+        except Exception as e:
+            self._bad_message(src, key, "link", e)
 
     # ---- one message -----------------------------------------------------------------------------
     def _on_message(self, sender: Callable[[dict[str, Any]], int], header_bytes: Any, payloads: list[Any], who: str) -> None:
@@ -649,9 +685,7 @@ class DataPlane(P2PTransport):
             elif nbytes >= BIG_PAYLOAD:  # aligned by a copier thread (see `_deliver_big`), not on the loop
                 arrays.append(_Unaligned(frame, dtype, shape, nbytes))
             else:  # one copy out of ZeroMQ's buffer, into memory aligned for JAX to alias
-                buf = aligned_empty(nbytes)
-                buf[:] = np.frombuffer(frame, np.uint8)
-                arrays.append(buf.view(dtype).reshape(shape))
+                arrays.append(aligned_copy(frame, nbytes).view(dtype).reshape(shape))
         return arrays
 
     def _deliver_big(self, src: int, key: tuple[int, ...], big: _Unaligned) -> None:
@@ -773,7 +807,8 @@ def _post_when_ready(lk: links.Link | None, header: dict[str, Any], value: Any,
         frames = encode(header)
     else:
         host = np.asarray(value)
-        frames = encode(header, [host if host.flags.c_contiguous else np.ascontiguousarray(host)])
+        host = host if host.flags.c_contiguous else np.ascontiguousarray(host)
+        frames = (links.pack_data(tuple(header["key"]), host) if lk is not None and header["op"] == "data" else None) or encode(header, [host])
     try:
         return None if lk.post(frames) else True
     except links.LinkError as e:
