@@ -61,3 +61,42 @@ async def test_the_sessions_table_forgets_a_failed_entry_so_no_traceback_is_kept
     table.fail(7, RuntimeError("aborted"))
     with pytest.raises(UnknownBufferError, match="holds no buffer 7"):
         await table.get(7)
+
+
+async def test_all_of_waits_for_every_transfer_and_fails_as_the_first_failure_at_once():
+    """actors.interpreter.all_of, the interpreter's wait for a step's transfers, against asyncio.gather's contract."""
+    import gc
+    import warnings
+
+    from actors.interpreter import all_of
+
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    done.set_result(1)
+    await all_of([])
+    await all_of([done])
+    b, c = loop.create_future(), loop.create_future()
+    w = all_of([done, b, c])
+    b.set_result(None)
+    await asyncio.sleep(0)
+    assert not w.done()  # one still going
+    c.set_result(None)
+    await asyncio.sleep(0)
+    assert w.done() and w.result() is None
+    slow, failing = loop.create_future(), loop.create_future()
+    w = all_of([slow, failing])
+    failing.set_exception(ValueError("a receive timed out"))
+    await asyncio.sleep(0)
+    assert isinstance(w.exception(), ValueError)  # at once, not after the slow one
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        slow.set_exception(KeyError("late"))  # marked retrieved: no "never retrieved" noise when collected
+        await asyncio.sleep(0)
+        assert slow._log_traceback is False
+        del slow
+        gc.collect()
+    cancelled = loop.create_future()
+    w = all_of([cancelled])
+    cancelled.cancel()
+    await asyncio.sleep(0)
+    assert isinstance(w.exception(), asyncio.CancelledError)
