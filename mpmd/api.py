@@ -52,12 +52,15 @@ def accumulate_grads(fn: Callable[[Any], tuple[Any, Any]], batch: Any, schedule:
         raise PipelineError("accumulate_grads got an empty batch; pass arrays with a leading microbatch axis")
     sizes = {tuple(getattr(l, "shape", ()))[:1] for l in leaves}
     if any(len(s) == 0 for s in sizes):
-        shapes = [tuple(getattr(l, "shape", ())) for l in leaves]
+        paths = jax.tree_util.tree_flatten_with_path(batch)[0]
+        bad = [f"batch{jax.tree_util.keystr(k)}: {type(l).__name__ if not hasattr(l, 'shape') else 'shape ()'}"
+               for k, l in paths if not tuple(getattr(l, "shape", ()))]
         in_lists = jax.tree.leaves(batch, is_leaf=lambda x: isinstance(x, (list, tuple)))
         lists = (" (a Python list in a batch is a pytree of its elements: pass np.asarray(the_list))"
                  if any(isinstance(x, (list, tuple)) for x in in_lists) else "")
-        raise PipelineError(f"every batch leaf needs a leading microbatch axis; got {len(shapes)} leaves of shapes "
-                            f"{shapes[:8]}{' ...' if len(shapes) > 8 else ''}{lists}")
+        raise PipelineError(f"every batch leaf needs a leading microbatch axis; {len(bad)} of {len(leaves)} "
+                            f"{'has' if len(bad) == 1 else 'have'} none ({', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''}): "
+                            f"pass constants by closure, not in the batch{lists}")
     if len(sizes) != 1:
         paths = jax.tree_util.tree_flatten_with_path(batch)[0]
         which = ", ".join(f"batch{jax.tree_util.keystr(k)}: {getattr(l, 'shape', ())[0]}" for k, l in paths[:8])

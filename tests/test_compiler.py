@@ -163,7 +163,8 @@ def test_error_when_microbatch_axes_disagree():
 def test_error_when_a_batch_leaf_has_no_microbatch_axis():
     params, opt_state, batch = _args(2)
     batch["y"] = np.float32(1.0)
-    with pytest.raises(mpmd.PipelineError, match="leading microbatch axis"):
+    batch["n"] = 3
+    with pytest.raises(mpmd.PipelineError, match=r"leading microbatch axis; 2 of 3 have none \(batch\['n'\]: shape \(\), batch\['y'\]: shape \(\)\)"):
         _plan(_step_with(models.mlp, mpmd.GPipe(2)), (params, opt_state, batch), 2)
 
 

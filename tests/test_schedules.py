@@ -136,6 +136,17 @@ def test_schedules_are_hashable_values():
     assert repr(mpmd.DualPipeV(4)) == "DualPipeV(num_actors=4)"
 
 
+@pytest.mark.parametrize("cls", [mpmd.DualPipeV, mpmd.ZeroBubbleV])
+def test_a_v_schedule_takes_num_stages_as_every_other_schedule_does_and_says_what_is_wrong(cls):
+    assert cls(num_stages=4) == cls(num_actors=2) == cls(2, num_stages=4) and cls(num_stages=4).num_stages == 4
+    with pytest.raises(mpmd.ScheduleError, match=rf"{cls.__name__} places 2 stages on each actor .* must be even; got 5"):
+        cls(num_stages=5)
+    with pytest.raises(mpmd.ScheduleError, match="must be 2 \\* num_actors"):
+        cls(num_actors=2, num_stages=6)
+    with pytest.raises(mpmd.ScheduleError, match=rf"{cls.__name__} needs num_actors"):
+        cls()
+
+
 # ---------------------------------------------------------------- errors, one per kind
 
 

@@ -342,9 +342,23 @@ class InterleavedZeroBubble(_Looped):
 @dataclass(frozen=True, repr=False)
 class _VShape(Schedule):
     """The V placement: 2 * num_actors stages, actor a holding stages a and 2*num_actors-1-a, so the first and
-    the last stage share actor 0 and every actor does the same work."""
+    the last stage share actor 0 and every actor does the same work. Given as `num_actors=k` or `num_stages=2k`."""
 
-    def __init__(self, num_actors: int, *, balance: object = None, remat: tuple[int, ...] = ()) -> None:
+    def __init__(self, num_actors: int | None = None, *, num_stages: int | None = None, balance: object = None,
+                 remat: tuple[int, ...] = ()) -> None:
+        # `num_stages=` too, as every other schedule is given: twice the actors, so it must be even.
+        name = type(self).__name__
+        if num_stages is not None:
+            stages = _positive(self, "num_stages", num_stages)
+            if stages % 2:
+                raise ScheduleError(f"{name} places 2 stages on each actor (the V), so num_stages must be even; got "
+                                    f"{stages}. Pass num_actors=k for 2k stages.")
+            if num_actors is not None and 2 * _positive(self, "num_actors", num_actors) != stages:
+                raise ScheduleError(f"{name}(num_actors={num_actors}, num_stages={num_stages}): the V has 2 stages per "
+                                    f"actor, so num_stages must be 2 * num_actors; pass one of them")
+            num_actors = stages // 2
+        elif num_actors is None:
+            raise ScheduleError(f"{name} needs num_actors (it has 2 stages per actor), e.g. {name}(num_actors=2)")
         object.__setattr__(self, "num_stages", 2 * _positive(self, "num_actors", num_actors))
         object.__setattr__(self, "balance", balance)
         object.__setattr__(self, "remat", remat)
