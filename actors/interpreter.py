@@ -51,7 +51,8 @@ def _mark_task(e: BaseException, label: str) -> None:
 def all_of(futs: list[asyncio.Future[Any]]) -> asyncio.Future[None]:
     """Done when every one of `futs` is, or failed as the first of them to fail (`asyncio.gather` without its
     results: gather wraps and checks each future and runs a callback of ~15 us per transfer, and a step has one
-    future per Send and Recv). Every failure is marked retrieved; a cancelled one fails it as cancelled."""
+    future per Send and Recv). Every failure is marked retrieved; a cancelled one fails it as cancelled; cancelling
+    it (the awaiting task cancelled) cancels every one still going, as gather does."""
     outer: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     left = len(futs) + 1  # (one more until every future is looked at below)
 
@@ -73,6 +74,8 @@ def all_of(futs: list[asyncio.Future[Any]]) -> asyncio.Future[None]:
         else:
             f.add_done_callback(one)
     one(None)
+    if not outer.done():
+        outer.add_done_callback(lambda o: [f.cancel() for f in futs] if o.cancelled() else None)
     return outer
 
 

@@ -100,3 +100,15 @@ async def test_all_of_waits_for_every_transfer_and_fails_as_the_first_failure_at
     cancelled.cancel()
     await asyncio.sleep(0)
     assert isinstance(w.exception(), asyncio.CancelledError)
+    going = [loop.create_future(), loop.create_future()]
+
+    async def step() -> None:
+        await all_of(going)
+
+    waiter = asyncio.create_task(step())
+    await asyncio.sleep(0)
+    waiter.cancel()  # the step was aborted while waiting: its transfers are cancelled with it, as under gather
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    await asyncio.sleep(0)
+    assert all(f.cancelled() for f in going)

@@ -182,6 +182,7 @@ def test_a_data_message_goes_with_a_compact_header_that_carries_every_dtype_shap
     """`pack_data` and `parse_data` against the array itself, for every wire dtype; then end to end over a link."""
     from transport.protocol import ALLOWED_DTYPES
 
+    assert sorted(links.COMPACT_DTYPES) == sorted(ALLOWED_DTYPES)  # every wire dtype has a compact number
     rng = np.random.default_rng(3)
     cases = [np.array(rng.integers(0, 100, size), dt) for dt in ALLOWED_DTYPES.values()
              for size in [(), (0, 5), (3, 1, 2), (7,)]]
@@ -214,6 +215,7 @@ def test_a_data_message_goes_with_a_compact_header_that_carries_every_dtype_shap
         assert y.dtype == x.dtype.newbyteorder("=") and y.shape == x.shape and (y.size == 0 or y.ctypes.data % 64 == 0)
         np.testing.assert_array_equal(y, x)
     assert sb["link_messages"] == len(cases) and sb.get("bad_messages", 0) == 0
+    assert sb["compact_messages"] == len(cases) - 1  # all but the big-endian one, which msgpack's header carried
 
 
 def _compact(version=None, index=0, nkey=4, ndim=1, ints=(1, 0, 7, 0, 3)):

@@ -118,10 +118,11 @@ def test_a_key_that_floods_requests_and_reads_no_replies_does_not_starve_the_own
     import msgpack
 
     from tests.wire import dealer
+    from transport.protocol import PROTOCOL_VERSION
 
     with mpmd.RemoteMesh.connect(shared.addresses[:1], keys=shared.keys["alice"], transport="none") as alice:
         flood = dealer(shared.addresses[0], shared.keys["bob"], timeout_ms=100)
-        frame = msgpack.packb({"v": 2, "op": "no-such-op", "id": 1})
+        frame = msgpack.packb({"v": PROTOCOL_VERSION, "op": "no-such-op", "id": 1})
         done = threading.Event()
         sent = [0]
 

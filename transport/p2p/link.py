@@ -15,7 +15,7 @@ or to a peer without a link, go over ZeroMQ as before.
 
 A record is ``<u32 header length> <header> <payload bytes>`` (one array at most). The header is msgpack (see
 protocol.py), except for the one message every hop sends: a ``data`` message's header may be compact — its first
-byte 0xC1 (a byte msgpack never uses), then the protocol version, the dtype's index in protocol.ALLOWED_DTYPES,
+byte 0xC1 (a byte msgpack never uses), then the protocol version, the dtype's index in COMPACT_DTYPES,
 the key's length and the rank, then the key and the shape as little-endian int64s (`pack_data` and `parse_data`;
 packing and parsing it cost ~1 us against ~9 us for the msgpack map).
 """
@@ -41,7 +41,10 @@ _LEN = struct.Struct("<I")
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 COMPACT = 0xC1  # first byte of a compact data header ("never used" in msgpack, so no msgpack header starts with it)
 _COMPACT_HEAD = struct.Struct("<5B")  # 0xC1, protocol version, dtype index, key length, rank
-_DTYPES = list(ALLOWED_DTYPES.values())
+# A compact header's dtype is its index here: part of the wire format (a change needs a new PROTOCOL_VERSION).
+COMPACT_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32",
+                  "float64", "complex64", "complex128", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+_DTYPES = [ALLOWED_DTYPES[name] for name in COMPACT_DTYPES]
 _DTYPE_INDEX = {dt: i for i, dt in enumerate(_DTYPES)}
 _INTS: dict[int, struct.Struct] = {}  # count -> Struct of that many int64s
 

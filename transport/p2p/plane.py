@@ -72,6 +72,7 @@ REMEMBER_EXPIRED = 4096  # finished steps whose late arrivals are dropped on sig
 # `refused` notices to one peer: at most this many a second (a burst of as many), so that a peer that floods us
 # and never reads its notices cannot make them pile up in our send queue; the rest are only counted.
 REFUSED_NOTICES_PER_SECOND = 50.0
+assert links.MAX_RECORD < BIG_PAYLOAD  # a link's payload is copied out of its read buffer on the loop (_rx_payloads)
 RECEIVE_QUEUE = 256  # messages per peer ZeroMQ may hold unread (a step's transfers are claimed as they come)
 
 
@@ -583,6 +584,7 @@ class DataPlane(P2PTransport):
     def _on_compact_data(self, src: int, header: memoryview, payload: memoryview | None) -> None:
         """A ``data`` message with a compact header (see link.py), from `src`'s link: `_on_message`'s data case."""
         key = None
+        self.counters["compact_messages"] += 1
         try:
             got, dtype, shape = links.parse_data(header)
             if len(got) > MAX_KEY_INTS:
@@ -591,6 +593,7 @@ class DataPlane(P2PTransport):
             nbytes = links.data_bytes(dtype, shape)
             if not self._screen(src, key, nbytes):
                 return  # (its bytes are not copied anywhere)
+            # (a link record is smaller than BIG_PAYLOAD: always copied here, never left in the reused read buffer)
             (array,) = self._rx_payloads([payload if payload is not None else memoryview(b"")], [(dtype, shape, nbytes)])
             self.counters["received_bytes"] += nbytes
             reason = self._mailbox.deliver(src, key, array, nbytes)  # (screened just now, in this same turn)
