@@ -74,8 +74,7 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        remat = getattr(self.schedule, "remat", ())
-        return repr(self.schedule) + (f" remat {','.join(map(str, remat))}" if remat else "")
+        return repr(self.schedule)  # (with its balance and remat)
 
     def row(self) -> str:
         pred = f"{self.predicted * 1e3:9.2f}" if self.predicted is not None else f"{'-':>9s}"
@@ -153,6 +152,9 @@ class TuneResult:
         head = f"mpmd.tune: {len(self.feasible)} of {len(self.candidates)} candidates fit{lim}; costs {self.costs.source}"
         if self.calibration != 1.0:
             head += f"; predictions x {self.calibration:.3f} (the median measured / simulated of the top candidates, run while tuning)"
+        elif self.costs.source.startswith("xla"):
+            head += ("\n(pred ms: XLA's estimate of the compute alone, without the runtime's per-Run and per-transfer costs —"
+                     " it ranks candidates; result.calibrate() or verify(k) measures them)")
         if self.chosen is not None and not self.chosen.rejected:
             head += f"\nwinner: {self.chosen.name} m={self.chosen.num_microbatches} (the fastest measured of those)"
         return "\n".join([head, HEADER, *(c.row() for c in self.candidates)])
@@ -302,7 +304,8 @@ def _with_balance(schedule: Schedule, grouping: tuple[int, ...], remat: tuple[in
 
 
 def _size(nbytes: float) -> str:
-    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.1f} KiB" if nbytes >= 1024 else f"{int(nbytes)} bytes"
+    return (f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.1f} KiB" if nbytes >= 1024
+            else f"{int(nbytes)} byte{'s' * (int(nbytes) != 1)}")
 
 
 GROUPINGS_TRIED = 16  # groupings, fastest first, a candidate over memory_limit is simulated with before it is rejected
@@ -354,6 +357,19 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
     from mpmd.observe.segments import profile_costs, segment_layout
 
     n, out_bytes, m0, rows = segment_layout(base, *args)
+    if schedules is None:  # (before anything is measured: a step that cannot pipeline is told so at once)
+        cands = candidate_schedules(p, n, virtual_stages)
+    else:  # (names checked by _check_choices)
+        cands = []
+        for s in schedules:
+            if isinstance(s, str):
+                cands += [c for c in candidate_schedules(p, n, virtual_stages) if type(c).__name__ == s]
+            else:
+                cands.append(s)
+    if not cands:
+        raise PipelineError(f"tune: no schedule to try: the step has {n} segment{'s' * (n != 1)} (mpmd.pipeline_yield markers + 1) "
+                            f"and the mesh {p} actors; every built-in needs a stage per actor (mark at least {p} stages)"
+                            if schedules is None else f"tune: none of the schedules {schedules} fits {p} actors and {n} segments")
     if costs is None:
         seg = profile_costs(base, *args, steps=profile_steps)
     elif costs == "xla":
@@ -385,19 +401,6 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
         except MpmdError as e:  # e.g. the larger microbatch does not fit: keep the linear model
             log.warning("tune: could not measure the costs at %d microbatches (%s); scaling them linearly with the rows",
                         min(fits), str(e).splitlines()[0])
-    if schedules is None:
-        cands = candidate_schedules(p, n, virtual_stages)
-    else:  # (names checked by _check_choices)
-        cands = []
-        for s in schedules:
-            if isinstance(s, str):
-                cands += [c for c in candidate_schedules(p, n, virtual_stages) if type(c).__name__ == s]
-            else:
-                cands.append(s)
-    if not cands:
-        raise PipelineError(f"tune: no schedule to try: the step has {n} segment{'s' * (n != 1)} (mpmd.pipeline_yield markers + 1) "
-                            f"and the mesh {p} actors; every built-in needs a stage per actor (mark at least {p} stages)"
-                            if schedules is None else f"tune: none of the schedules {schedules} fits {p} actors and {n} segments")
     found: list[Candidate] = []
     for m in counts:
         if rows and total_rows % m:
@@ -505,6 +508,7 @@ def _predict(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedul
              memory_limit: int | None, remat: bool = False) -> list[Candidate]:
     """The candidate (rejected when over `memory_limit`), and with `remat` then also its remat variant."""
     c = Candidate(schedule, m)
+    static: list[int] = []  # bytes every actor holds all step long (parameters, optimizer state, inputs), all actors
     try:
         if schedule.num_actors > p:
             raise ScheduleError(f"needs {schedule.num_actors} actors, the mesh has {p}")
@@ -515,11 +519,18 @@ def _predict(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedul
         ranked = [kept] if kept else ranked_groupings(schedule, m, seg)
         c.grouping = ranked[0]
         c.schedule = _with_balance(schedule, c.grouping, tuple(getattr(schedule, "remat", ())))
-        sim = _simulate(base, args, c.schedule, _stage_costs(seg, c.grouping, c.schedule), p)
+        sim = _simulate(base, args, c.schedule, _stage_costs(seg, c.grouping, c.schedule), p, static)
     except (ScheduleError, PipelineError) as e:
         c.rejected = str(e).splitlines()[0][:120]
         return [c]
     over = _record(c, sim, memory_limit)
+    floor = -(-sum(static) // p)
+    if over and memory_limit is not None and floor > memory_limit:
+        # What every grouping holds from start to end (parameters, optimizer state, the step's inputs) is more than
+        # the mesh has under the limit: no other grouping (nor remat) can fit, so none is simulated.
+        c.rejected += (f" (no grouping can fit: the step's parameters, optimizer state and inputs alone take "
+                       f"{_size(sum(static))}, {_size(floor)} per actor at best)")
+        return [c]
     if over:  # the fastest grouping is over the limit: the fastest of the next ones that fits, if one does
         for g in ranked[1:GROUPINGS_TRIED]:
             alt = Candidate(_with_balance(schedule, g, tuple(getattr(schedule, "remat", ()))), m, g)
@@ -561,9 +572,14 @@ def _record(c: Candidate, sim: Any, memory_limit: int | None) -> set[int]:
     return over
 
 
-def _simulate(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedule, costs: Any, p: int) -> Any:
+def _simulate(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedule, costs: Any, p: int,
+              static: list[int] | None = None) -> Any:
+    """`simulate_programs` of the step compiled with `schedule`; `static` gets each actor's bytes held all step long."""
     outer, _ = base.with_schedule(schedule).trace(*args)
-    return simulate_programs(plan_step(outer, p).programs, costs, name=repr(schedule))
+    programs = plan_step(outer, p).programs
+    if static is not None:
+        static[:] = [sum(prog.buffer_bytes.get(b, 0) for b in {*prog.inputs, *prog.consts}) for prog in programs]
+    return simulate_programs(programs, costs, name=repr(schedule))
 
 
 def _xla_costs(base: DistributedFunction, args: tuple[Any, ...]) -> SegmentCosts:

@@ -43,7 +43,8 @@ def test_tune_ranks_candidates_by_predicted_step_time_and_the_winner_is_the_fast
     assert one.predicted == pytest.approx(mpmd.simulate(mpmd.GPipe(2), 4, costs).step_time, rel=1e-9)
     (f0, f1), (b0, b1) = costs.F, costs.B
     assert one.predicted >= 4 * max(f0 + b0, f1 + b1) + min(f0 + b0, f1 + b1) - 1e-12
-    assert str(r).splitlines()[1].startswith("schedule")
+    lines = str(r).splitlines()  # xla's figures are said to be compute alone (they were read as real milliseconds)
+    assert lines[1].startswith("(pred ms: XLA's estimate of the compute alone") and lines[2].startswith("schedule")
 
 
 def test_tune_respects_the_memory_limit_and_says_why_gpipe_was_rejected():
@@ -239,6 +240,26 @@ def test_tune_says_why_there_is_nothing_to_try():
     step = make_step(uneven_loss, opt, mpmd.OneFOneB(2))
     with pytest.raises(mpmd.PipelineError, match="every built-in needs a stage per actor"):
         mpmd.tune(step, params, opt.init(params), batch, mesh=FakeMesh(16), costs="xla")
+    # Said before any measuring (it profiled the step for 13 s first; a FakeMesh cannot run it at all).
+    with pytest.raises(mpmd.PipelineError, match="every built-in needs a stage per actor"):
+        mpmd.tune(step, params, opt.init(params), batch, mesh=FakeMesh(16))
+
+
+def test_a_limit_under_what_the_step_holds_all_along_rejects_without_simulating_other_groupings(monkeypatch):
+    """With memory_limit=1 byte a tune of 32 candidates took two minutes (found by a probe): each rejected candidate
+    was compiled and simulated with 15 more groupings, though its parameters and optimizer state alone are over."""
+    import mpmd.tuning as tuning
+
+    calls = []
+    real = tuning._simulate
+    monkeypatch.setattr(tuning, "_simulate", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    r = tuned(microbatches=[4], schedules=["OneFOneB", "GPipe"], memory_limit=1)
+    assert len(calls) == 2 and not r.feasible  # one grouping each
+    for c in r.candidates:
+        assert "> memory_limit 1 byte" in c.rejected and "no grouping can fit" in c.rejected, c.rejected
+    calls.clear()
+    tuned(microbatches=[4], schedules=["OneFOneB"], memory_limit=max(r.candidates[0].peak_bytes) - 1)
+    assert len(calls) > 1  # over the limit but not over the floor: the other groupings are tried
 
 
 def test_tune_leaves_the_arguments_alone_when_it_splits_nothing_and_asks_when_two_look_like_the_batch():
@@ -324,7 +345,7 @@ def test_a_memory_limit_under_one_byte_is_refused_not_rounded_to_zero():
     for bad in (0.5, 0.99, 0):
         with pytest.raises(mpmd.PipelineError, match="memory_limit"):
             tuned(memory_limit=bad)
-    assert "memory limit 1 bytes" in tuned(memory_limit=1.9, schedules=["OneFOneB"], microbatches=[4]).table()
+    assert "memory limit 1 byte;" in tuned(memory_limit=1.9, schedules=["OneFOneB"], microbatches=[4]).table()
 
 
 def wide_middle_step():

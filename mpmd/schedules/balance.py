@@ -277,7 +277,7 @@ def _search(schedule: Schedule, num_microbatches: int, seg: SegmentCosts) -> tup
     """`best_grouping`'s search: (the grouping, the scoring function, every grouping it scored with its score)."""
     n, k = seg.num_segments, schedule.num_stages
     if k > n:
-        raise ScheduleError(f"{schedule}: {k} stages but the step has only {n} segments ({n - 1} pipeline_yield markers); "
+        raise ScheduleError(f"{schedule}: {k} stages but the step has only {segments(n)}; "
                             f"use at most {n} stages or mark more boundaries")
     seen: dict[tuple[int, ...], tuple[float, float]] = {}
 
@@ -319,13 +319,19 @@ def _descend(current: tuple[int, ...], score: Any, seen: dict[tuple[int, ...], A
     return current
 
 
+def segments(n: int) -> str:
+    """"5 segments (4 pipeline_yield markers)", "1 segment (no pipeline_yield marker)"."""
+    marks = "no pipeline_yield marker" if n == 1 else f"{n - 1} pipeline_yield marker{'s' * (n != 2)}"
+    return f"{n} segment{'s' * (n != 1)} ({marks})"
+
+
 def check_stage_count(schedule: Schedule, num_segments: int) -> None:
     """Raise unless the balanced `schedule` has at most `num_segments` stages (checked before any table of its
     stages is made: a schedule of 10**9 stages must be refused at once)."""
     k = schedule.num_stages
     if k > num_segments:
-        raise ScheduleError(f"{schedule} has {k} stages but the step has only {num_segments} segments ({num_segments - 1} "
-                            f"pipeline_yield markers); use at most {num_segments} stages or mark more boundaries")
+        raise ScheduleError(f"{schedule} has {k} stages but the step has only {segments(num_segments)}; use at most "
+                            f"{num_segments} stages or mark more boundaries")
 
 
 def resolve_grouping(schedule: Schedule, num_segments: int, num_microbatches: int, costs: SegmentCosts | None = None) -> tuple[int, ...] | None:
@@ -341,8 +347,8 @@ def resolve_grouping(schedule: Schedule, num_segments: int, num_microbatches: in
         return even_grouping(num_segments, k)
     if isinstance(b, tuple):
         if sum(b) != num_segments:
-            raise ScheduleError(f"{schedule}: balance={b} groups {sum(b)} segments but the step has {num_segments} "
-                                f"({num_segments - 1} pipeline_yield markers); give counts that sum to {num_segments}")
+            raise ScheduleError(f"{schedule}: balance={b} groups {sum(b)} segments but the step has {segments(num_segments)}; "
+                                f"give counts that sum to {num_segments}")
         return b
     seg = b if isinstance(b, SegmentCosts) else costs
     if seg is None:
