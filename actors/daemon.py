@@ -230,6 +230,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
+    from actors import collector
     from actors.handlers import Actor
     from actors.interpreter import failed_task
     from actors.request import RequestError, format_exception
@@ -411,6 +412,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         if publication is None:
             args.exit_status = 1
             stop.set()
+    collector.freeze()  # what the daemon keeps for its life, out of the collector's walks (actors/collector.py)
     if not stop.is_set():
         print(f"MPMD_ACTOR_READY {endpoint} {_p2p_address(p2p)}", flush=True)
     receiver = loop.create_task(receive())

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from actors import checkpoint, profiler, spmd
+from actors import checkpoint, collector, profiler, spmd
 from actors.buffers import BufferTable
 from actors.cache import ExecutableCache
 from actors.inputs import InputSegments
@@ -266,6 +266,7 @@ class Actor:
     def _end(self, ses: Session) -> None:
         self.sessions.pop(ses.id, None)
         ses.close()
+        collector.settle()  # what only this session used may sit in frozen cycles
         if self.ownership.owner == ses.owner and not any(s.owner == ses.owner for s in self.sessions.values()):
             self.ownership.owner = None  # its job is over: the next session's key owns the daemon
         if self.profile_state.session == ses.id:
@@ -354,6 +355,8 @@ class Actor:
         reply: dict[str, Any] = {"exe": key, "cached": cached}
         if in_layouts is not None:
             reply["out_layouts"] = self.cache.out_layouts(key)
+        if not cached:
+            collector.freeze()  # the executable and what its loading made are kept: out of the collector's walks
         return reply, []
 
     async def run(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
@@ -439,6 +442,7 @@ class Actor:
                 raise RequestError(self._not_wired(ses))
         prog.consts = {b: self._to_device(a) for b, a in prog.consts.items()}
         ses.programs[pid] = prog
+        collector.freeze()  # the Program's instructions are kept for the session's life
         return {"program": pid}, []
 
     def _not_wired(self, ses: Session) -> str:
