@@ -392,15 +392,16 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
     if batch_argnum is not None or any(m != m0 for m in counts):  # (only a re-split needs to know the batch)
         batch_argnum = _batch_argnum(args, batch_argnum, m0, base.static_argnums, rows)
     fits = [m for m in counts if not rows or total_rows % m == 0]
-    if costs is None and rows and fits and min(fits) < m0:
-        # Also measured at the largest microbatch considered: how the compute grows with the rows (rarely linearly).
+    # Also measured at the largest and the smallest microbatch considered: how the compute grows and shrinks with
+    # the rows (rarely linearly, and not as one power on both sides).
+    for other in sorted({min(fits), max(fits)} - {m0}) if costs is None and rows and fits else ():
         call_args = list(args)
-        call_args[batch_argnum] = resplit(args[batch_argnum], min(fits))
+        call_args[batch_argnum] = resplit(args[batch_argnum], other)
         try:
             seg = seg.with_rows_exponent(profile_costs(base, *call_args, steps=profile_steps, split_backward=False))
         except MpmdError as e:  # e.g. the larger microbatch does not fit: keep the linear model
             log.warning("tune: could not measure the costs at %d microbatches (%s); scaling them linearly with the rows",
-                        min(fits), str(e).splitlines()[0])
+                        other, str(e).splitlines()[0])
     found: list[Candidate] = []
     for m in counts:
         if rows and total_rows % m:

@@ -272,6 +272,16 @@ def test_segment_costs_scale_with_rows_as_the_exponent_measured_at_two_microbatc
     assert at64.with_rows_exponent(at64) is at64  # same rows: nothing to fit
     wild = SegmentCosts(F=(1.2, 2.2), B=(2.2, 4.2), microbatch_rows=256, run_overhead=0.2)
     assert at64.with_rows_exponent(replace(wild, F=(100.0, 100.0))).rows_exponent == 1.5  # clipped
+    # Measured at fewer rows too: a quarter of the rows leaves 4 ** -0.75 of every task's work (rows ** 0.75) below,
+    # while more rows still grow as rows ** 0.5 above; a factor of 1 is the costs themselves.
+    f = 4**-0.75
+    at16 = SegmentCosts(F=(0.2 + f, 0.2 + 2 * f), B=(0.2 + 2 * f, 0.2 + 4 * f), microbatch_rows=16, run_overhead=0.2)
+    both = fitted.with_rows_exponent(at16)
+    assert both.rows_exponent == pytest.approx(0.5) and both.rows_exponent_below == pytest.approx(0.75)
+    assert both.scaled(0.25).F == pytest.approx(at16.F) and both.scaled(0.25).B == pytest.approx(at16.B)
+    assert both.scaled(4.0).F == pytest.approx(at256.F) and both.scaled(1.0).F == pytest.approx(at64.F)
+    assert fitted.scaled(0.25).F != pytest.approx(at16.F)  # one exponent for both sides got it wrong
+    assert "as rows ** 0.75 for fewer rows" in both.table()
 
 
 def test_the_local_search_past_the_exhaustive_limit_finds_the_best_grouping(monkeypatch):
