@@ -260,13 +260,16 @@ class Actor:
         idle = [(ses, now - ses.last_seen) for ses in self.sessions.values()
                 if now - ses.last_seen > timeout and not any(not t.done() for t in ses.running.values())]  # (not mid-step)
         for ses, _ in idle:
-            self._end(ses)
+            self._end(ses, settle=False)
+        if idle:
+            collector.settle()  # (once for them all: each settle walks every object the daemon holds)
         return [(ses.id, ses.owner, t) for ses, t in idle]
 
-    def _end(self, ses: Session) -> None:
+    def _end(self, ses: Session, settle: bool = True) -> None:
         self.sessions.pop(ses.id, None)
         ses.close()
-        collector.settle()  # what only this session used may sit in frozen cycles
+        if settle:
+            collector.settle()  # what only this session used may sit in frozen cycles
         if self.ownership.owner == ses.owner and not any(s.owner == ses.owner for s in self.sessions.values()):
             self.ownership.owner = None  # its job is over: the next session's key owns the daemon
         if self.profile_state.session == ses.id:

@@ -44,6 +44,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from mpmd.compiler.avals import wire_shape_dtype
 from mpmd.compiler.plan import plan_step
 from mpmd.errors import MpmdError, PipelineError, ScheduleError
 from mpmd.schedules import builtin
@@ -509,7 +510,7 @@ def _predict(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedul
              memory_limit: int | None, remat: bool = False) -> list[Candidate]:
     """The candidate (rejected when over `memory_limit`), and with `remat` then also its remat variant."""
     c = Candidate(schedule, m)
-    static: list[int] = []  # bytes every actor holds all step long (parameters, optimizer state, inputs), all actors
+    static: list[int] = []  # bytes of the step's arguments the actors read (parameters, optimizer state, inputs)
     try:
         if schedule.num_actors > p:
             raise ScheduleError(f"needs {schedule.num_actors} actors, the mesh has {p}")
@@ -573,14 +574,21 @@ def _record(c: Candidate, sim: Any, memory_limit: int | None) -> set[int]:
     return over
 
 
+def _aval_bytes(aval: Any) -> int:
+    shape, dtype = wire_shape_dtype(tuple(aval.shape), aval.dtype)
+    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+
 def _simulate(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedule, costs: Any, p: int,
               static: list[int] | None = None) -> Any:
-    """`simulate_programs` of the step compiled with `schedule`; `static` gets each actor's bytes held all step long."""
+    """`simulate_programs` of the step compiled with `schedule`; `static` gets the bytes of every step argument some
+    actor reads, each counted once (held by at least one actor all step long, whatever the grouping: a leaf two
+    stages read is held twice by some groupings, once by others)."""
     outer, _ = base.with_schedule(schedule).trace(*args)
-    programs = plan_step(outer, p).programs
+    plan = plan_step(outer, p)
     if static is not None:
-        static[:] = [sum(prog.buffer_bytes.get(b, 0) for b in {*prog.inputs, *prog.consts}) for prog in programs]
-    return simulate_programs(programs, costs, name=repr(schedule))
+        static[:] = [_aval_bytes(plan.avals[k]) for k, homes in zip(plan.arg_keys, plan.arg_homes) if homes]
+    return simulate_programs(plan.programs, costs, name=repr(schedule))
 
 
 def _xla_costs(base: DistributedFunction, args: tuple[Any, ...]) -> SegmentCosts:

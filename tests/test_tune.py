@@ -421,3 +421,34 @@ def test_costs_given_without_their_rows_are_scaled_from_the_steps_own_microbatch
         c = by_m[m]
         want = mpmd.simulate(mpmd.GPipe(2), m, group_costs(given.scaled(rows / 16), c.grouping)).step_time
         assert c.predicted == pytest.approx(want, rel=1e-9)
+
+
+def test_the_memory_floor_counts_a_leaf_two_stages_read_once_so_a_grouping_that_fits_is_found():
+    """The floor summed each actor's inputs: a 512 KiB batch leaf read by segments 1 and 2 counted twice under the
+    fastest grouping (2, 2), and the candidate was rejected as 'no grouping can fit' though (1, 3) fits (a review)."""
+    import jax.numpy as jnp
+
+    def loss(params, mb):
+        h = jnp.tanh(mb["x"] @ params["A"])[:, :32]
+        h = mpmd.pipeline_yield(h)
+        h = mpmd.pipeline_yield(h + mb["z"].mean(1, keepdims=True))
+        h = mpmd.pipeline_yield(h * mb["z"].max(1, keepdims=True))
+        return jnp.mean((h - mb["y"]) ** 2)
+
+    rng = np.random.default_rng(0)
+    params = {"A": rng.standard_normal((32, 2048)).astype(np.float32)}  # 256 KiB
+    batch = {"x": rng.standard_normal((4, 2, 32)).astype(np.float32), "y": rng.standard_normal((4, 2, 32)).astype(np.float32),
+             "z": rng.standard_normal((4, 2, 16384)).astype(np.float32)}  # 512 KiB, read by two segments
+    opt = optax.sgd(0.1)
+    step = make_step(loss, opt, mpmd.OneFOneB(2))
+    costs = mpmd.SegmentCosts(F=(1.0,) * 4, B=(2.0,) * 4)
+
+    def run(schedule, **kw):
+        return mpmd.tune(step, params, opt.init(params), batch, mesh=FakeMesh(2), costs=costs, microbatches=[4],
+                         schedules=[schedule], **kw)
+
+    peak = {g: max(run(mpmd.OneFOneB(2, balance=g)).candidates[0].peak_bytes) for g in [(2, 2), (1, 3), (3, 1)]}
+    limit = min(peak.values()) + 1
+    assert peak[(2, 2)] > limit  # the fastest grouping is over, another fits
+    (c,) = run("OneFOneB", memory_limit=limit).candidates
+    assert not c.rejected and max(c.peak_bytes) <= limit and c.grouping == min(peak, key=peak.get), c.rejected
