@@ -2,7 +2,7 @@
 
 * one hop: a small activation sent by one actor until it is usable on the next — a chain of forwards between
   two actors (each Recv'd buffer is sent straight back), per hop — against a raw ZeroMQ one-way message
-  between two fresh processes (half a ping-pong round trip);
+  between two fresh processes (half a ping-pong round trip), both pinned to the same two cores;
 * a narrow 16-stage MLP on 4 actors (4 stages each, interleaved 1F1B, 4 microbatches): step time against
   jax.jit of the same step in this process.
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import os
 import statistics
 import subprocess
 import sys
@@ -38,11 +39,23 @@ while True:
 """
 
 
-def raw_one_way(nbytes: int, n: int = 2000) -> float:
-    """Half the median round trip of a raw ZeroMQ PAIR ping-pong between this process and a fresh one."""
+def pinned_cores() -> list[int] | None:
+    """Two cores to pin both sides of each measurement to (actor 0 / the ping side on the first, actor 1 / the echo
+    side on the second, as DESIGN.md's fair comparisons do), or None where fewer than two are ours."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return cores[:2] if len(cores) >= 2 else None
+
+
+def raw_one_way(nbytes: int, n: int = 2000, cores: list[int] | None = None) -> float:
+    """Half the median round trip of a raw ZeroMQ PAIR ping-pong between this process and a fresh one (pinned to
+    `cores[0]` and `cores[1]` while it runs, when given)."""
     import zmq
 
-    echo = subprocess.Popen([sys.executable, "-c", RAW_ECHO], stdout=subprocess.PIPE, text=True)
+    echo = subprocess.Popen([sys.executable, "-c", RAW_ECHO], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=(lambda: os.sched_setaffinity(0, {cores[1]})) if cores else None)
+    mine = os.sched_getaffinity(0) if cores else None
+    if cores:
+        os.sched_setaffinity(0, {cores[0]})
     try:
         port = int(echo.stdout.readline())
         s = zmq.Context.instance().socket(zmq.PAIR)
@@ -59,6 +72,8 @@ def raw_one_way(nbytes: int, n: int = 2000) -> float:
         s.close(0)
         return statistics.median(times) / 2
     finally:
+        if mine is not None:
+            os.sched_setaffinity(0, mine)
         echo.wait(5)
 
 
@@ -139,18 +154,22 @@ def main() -> None:
     args = p.parse_args()
     # The hop and its baseline are measured round by round, alternating, and each round's ratio is taken: this
     # VM's speed drifts by 2x within minutes (raw ZeroMQ one-way 48-130 us in one hour), more than what is measured.
+    # Both sides pinned alike: the actors to a core each (cpus_per_actor=1), the raw ping and echo to the same two
+    # cores. Unpinned, this VM's raw one-way ran 26 us in one spell and 41-76 us in others (the two processes on one
+    # core or on two), and the ratio followed it.
+    cores = pinned_cores()
     for transport, what in (("auto", "same-host link (kernel-authenticated, default)"), ("tcp", "ZeroMQ ipc, CURVE")):
         raws, hops = [], []
-        with mpmd.RemoteMesh.local(num_actors=2, transport=transport) as mesh:
+        with mpmd.RemoteMesh.local(num_actors=2, transport=transport, cpus_per_actor=1 if cores else None) as mesh:
             for _ in range(args.rounds):
-                raws.append(raw_one_way(args.bytes, n=500))
+                raws.append(raw_one_way(args.bytes, n=500, cores=cores))
                 base = chain_time(mesh, 1, args.bytes, reps=7)
                 hops.append((chain_time(mesh, args.hops + 1, args.bytes, reps=7) - base) / args.hops)
         ratios = [h / r for h, r in zip(hops, raws)]
         print(f"one hop of {args.bytes} B over {what}, actor to actor (send until usable on the next): "
               f"{statistics.median(hops) * 1e6:7.1f} us; raw ZeroMQ one-way between two processes: {statistics.median(raws) * 1e6:6.1f} us; "
               f"ratio {statistics.median(ratios):5.2f} (median of {args.rounds} alternating rounds; "
-              f"{min(ratios):.2f}-{max(ratios):.2f})")
+              f"{min(ratios):.2f}-{max(ratios):.2f}; {'both pinned to cores ' + str(cores) if cores else 'unpinned'})")
     jit_t, mpmd_t = narrow_pipeline()
     print(f"narrow 16-stage MLP on 4 actors (interleaved 1F1B, 4 microbatches): {mpmd_t * 1e3:7.2f} ms per step vs jax.jit "
           f"{jit_t * 1e3:6.2f} ms ({mpmd_t / jit_t:5.1f}x)")

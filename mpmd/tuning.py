@@ -119,10 +119,15 @@ class TuneResult:
     @property
     def best(self) -> Candidate:
         if not self.feasible:
-            memory = sum("memory_limit" in (c.rejected or "") for c in self.candidates)
-            advice = [("raise memory_limit or mark more stage boundaries (remat=True was tried: the remat rows are over "
-                       "the limit too)") if self.remat else "raise memory_limit, pass remat=True or mark more stage boundaries"
-                      ] if memory else []
+            over = [c for c in self.candidates if "memory_limit" in (c.rejected or "")]
+            memory = len(over)
+            if over and all(FLOOR in c.rejected for c in over):  # the arguments alone: nothing but room helps
+                advice = ["raise memory_limit or use more actors (the step's arguments alone are over it: neither remat nor "
+                          "more stage boundaries can help)"]
+            else:
+                advice = [("raise memory_limit or mark more stage boundaries (remat=True was tried: the remat rows are "
+                           "over the limit too)") if self.remat else "raise memory_limit, pass remat=True or mark more stage "
+                          "boundaries"] if memory else []
             if memory < len(self.candidates):
                 advice.append("pass microbatches=[...] and schedules=[...] that fit the batch and the mesh")
             raise MpmdError(f"no candidate fits: all {len(self.candidates)} were rejected ({memory} over memory_limit; each "
@@ -309,6 +314,7 @@ def _size(nbytes: float) -> str:
             else f"{int(nbytes)} byte{'s' * (int(nbytes) != 1)}")
 
 
+FLOOR = "no grouping can fit"  # said of a candidate whose step arguments alone are over memory_limit on every actor
 GROUPINGS_TRIED = 16  # groupings, fastest first, a candidate over memory_limit is simulated with before it is rejected
 
 
@@ -530,7 +536,7 @@ def _predict(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedul
     if over and memory_limit is not None and floor > memory_limit:
         # What every grouping holds from start to end (parameters, optimizer state, the step's inputs) is more than
         # the mesh has under the limit: no other grouping (nor remat) can fit, so none is simulated.
-        c.rejected += (f" (no grouping can fit: the step's parameters, optimizer state and inputs alone take "
+        c.rejected += (f" ({FLOOR}: the step's parameters, optimizer state and inputs alone take "
                        f"{_size(sum(static))}, {_size(floor)} per actor at best)")
         return [c]
     if over:  # the fastest grouping is over the limit: the fastest of the next ones that fits, if one does

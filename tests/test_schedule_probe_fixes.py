@@ -265,8 +265,15 @@ def test_numpy_integers_are_counts_and_come_back_as_ints_but_bools_and_floats_ar
 
 
 def test_no_fit_advice_says_pass_remat_only_when_remat_was_not_passed():
-    for remat in (False, True):
-        r = tune_two(costs=mpmd.SegmentCosts(F=(1.0, 1.0), B=(2.0, 2.0)), schedules=["OneFOneB"], memory_limit=1, remat=remat)
+    costs = mpmd.SegmentCosts(F=(1.0, 1.0), B=(2.0, 2.0))
+    # Under what the step's arguments alone take per actor (128 bytes here), nothing but room helps: said so, and
+    # neither remat nor other groupings are compiled for it.
+    r = tune_two(costs=costs, schedules=["OneFOneB"], memory_limit=1, remat=True)
+    assert not any(c.schedule.remat for c in r.candidates) and "no grouping can fit" in r.candidates[0].rejected
+    with pytest.raises(mpmd.MpmdError, match=r"raise memory_limit or use more actors \(the step's arguments alone"):
+        r.best
+    for remat in (False, True):  # over that floor (128 bytes) but under every peak (232-360 bytes)
+        r = tune_two(costs=costs, schedules=["OneFOneB"], memory_limit=200, remat=remat)
         assert r.candidates and not r.feasible
         assert remat == any(c.schedule.remat for c in r.candidates)  # the remat rows tried, and over the limit too
         with pytest.raises(mpmd.MpmdError, match="no candidate fits") as e:

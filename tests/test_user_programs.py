@@ -372,7 +372,7 @@ def test_nonsense_arguments_are_refused_up_front_naming_what_is_wrong(mesh2):
     for schedule, what in (("1f1b", "got str"), (mpmd.OneFOneB, "the class OneFOneB")):
         with pytest.raises(mpmd.PipelineError, match=what):
             mpmd.distributed(make_step(mse(model), opt, schedule), mesh=mesh2)(params, opt.init(params), batch)
-    with pytest.raises(mpmd.PipelineError, match=r"got 192 leaves of shapes \[\(\), .* \.\.\. \(a Python list in a batch"):
+    with pytest.raises(mpmd.PipelineError, match=r"192 of 192 have none \(batch\['x'\]\[0\]\[0\]\[0\]: shape \(\), .* \.\.\.\): .* \(a Python list in a batch"):
         mpmd.distributed(good, mesh=mesh2)(params, opt.init(params), {"x": batch["x"].tolist(), "y": batch["y"].tolist()})
     with pytest.raises(mpmd.PipelineError, match=r"args\[2\]\['x'\].*dtype=object"):
         mpmd.distributed(good, mesh=mesh2)(params, opt.init(params), {**batch, "x": np.array([object()] * 4)})

@@ -47,12 +47,14 @@ def _parse_costs(text: str) -> Any:
 
 def make_schedule(name: str, actors: int | None, stages: int | None) -> Any:
     """A built-in schedule by class name, from the actor and stage counts the command line gives."""
-    from mpmd.schedules import BUILTINS
+    from mpmd.schedules import BUILTINS, builtin
 
     cls = BUILTINS.get(name)
     if cls is None:
         raise ScheduleError(f"unknown schedule {name!r}; built-ins: {', '.join(BUILTINS)}")
     params = set(inspect.signature(cls).parameters) - {"balance", "remat"}  # keyword-only and optional
+    if issubclass(cls, builtin._VShape):  # V placement: two stages per actor (num_stages= is taken too)
+        params = {"num_actors"}
     if params == {"num_stages", "num_actors"}:  # several stages per actor
         if actors is None or stages is None:
             raise ScheduleError(f"{name} needs both --actors and --stages (a multiple of --actors)")
