@@ -602,8 +602,10 @@ class DistributedFunction:
         segment when the caller is many steps ahead (not on a caller's event loop). `load_step`: the call number
         its actor-loaded leaves are loaded for (a recovery's replay of call k loads call k's data; default: the
         next call number)."""
-        step = next(self._step)
         mesh, plan = self.mesh, compiled.plan
+        if may_wait:
+            mesh.wait_for_room()  # (a loop that only dispatches waits for the actors here, as under jax.jit)
+        step = next(self._step)
         # (the call count, not `step`: a replay draws step numbers of its own, and must not shift later loads)
         self._last_load = next(self._calls) if load_step is None else load_step
         requests, replicas, outs = self._prepare(compiled, leaves, step, sig[2], may_wait, self._last_load)
@@ -677,6 +679,7 @@ class DistributedFunction:
                     running = self._async_compiles[sig] = start_in_worker(self.compile_bound, args)
                     running.add_done_callback(lambda f: self._async_compiles.pop(sig, None) if self._async_compiles.get(sig) is f else None)
             compiled = await watch(running)  # (compile_bound compiles again if a daemon was replaced meanwhile)
+        await self.mesh.wait_for_room_async()
         outs, done = self._dispatch(compiled, sig, leaves, may_wait=False)  # (this is the caller's loop)
         self._donate(args, outs)
         try:
@@ -895,8 +898,13 @@ class DistributedFunction:
         await asyncio.wait(waits, timeout=30)
         for path, ready in by_step.values():
             if ready.done() and not ready.cancelled() and ready.exception() is not None:
-                raise MpmdError(f"step {step} of {name} read argument {path}, an output of a step that did not finish: "
-                                f"{ready.exception()}") from None
+                # The first failure, said once: a step after a failed one fails with it, and so does the next (the
+                # message quoted the one before it, which quoted its own: 250 KB after 1,700 steps).
+                cause = ready.exception()
+                root = getattr(cause, "mpmd_first_failure", cause)
+                err = MpmdError(f"step {step} of {name} read argument {path}, an output of a step that did not finish: {root}")
+                err.mpmd_first_failure = root
+                raise err from None
 
     async def _wait_all(self, requests: list[asyncio.Future[Any]], compiled: CompiledStep, step: int) -> None:
         done, pending = await asyncio.wait(requests, return_when=asyncio.FIRST_EXCEPTION)

@@ -303,3 +303,31 @@ def test_a_ctrl_c_handed_to_another_thread_interrupts_a_fetch_at_once_and_the_me
         assert interrupted < 1.5 and time.monotonic() - t > interrupted + 1.5, (interrupted, time.monotonic() - t)
         x = mesh.actor(0).put(np.arange(4, dtype=np.float32))
         assert mesh.actor(0).run(jax.jit(lambda a: a * 2), x).to_numpy().tolist() == [0, 2, 4, 6]
+
+
+def test_a_loop_that_only_dispatches_waits_for_the_actors_instead_of_flooding_them(mesh2, monkeypatch):
+    """Steps dispatched without ever waiting piled up until an actor refused the 4,097th request of the connection
+    and every later step failed (the soak benchmark at 6,000 steps). A caller now waits, as under jax.jit, once
+    MAX_STEPS_IN_FLIGHT steps are unfinished; here the limit is 2, and 12 steps still equal jax.jit's."""
+    import optax
+
+    import mpmd.runtime.mesh as mesh_module
+    from mpmd.testing import make_train_step, mlp, mlp_params, mse_loss, regression_batch
+
+    monkeypatch.setattr(mesh_module, "MAX_STEPS_IN_FLIGHT", 2)
+    opt = optax.sgd(0.1)
+    params = mlp_params(np.random.default_rng(0), 2, 8)
+    batch = regression_batch(np.random.default_rng(1), 2, 4, 8)
+    step = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh2)
+    ref = jax.jit(make_train_step(mse_loss(mlp), opt, None))
+    p, o = params, opt.init(params)
+    rp, ro = p, o
+    seen = []
+    for _ in range(12):
+        p, o, losses = step(p, o, batch)
+        seen.append(mesh2._steps_in_flight())
+        rp, ro, rl = ref(rp, ro, batch)
+    assert max(seen) <= 2
+    np.testing.assert_allclose(losses.to_numpy(), rl, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(mpmd.fetch(p)), jax.tree.leaves(rp)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -61,6 +61,7 @@ from transport.protocol import ProtocolError
 
 log = logging.getLogger(__name__)
 _LIVE_MESHES: weakref.WeakSet[RemoteMesh] = weakref.WeakSet()
+MAX_STEPS_IN_FLIGHT = 512  # steps dispatched and not finished before a caller waits (see RemoteMesh.wait_for_room)
 
 
 class RemoteMesh:
@@ -109,6 +110,7 @@ class RemoteMesh:
         self._keys = ClientKeys.of(keys) if keys is not None else None
         self._transfer_timeout = transfer_timeout
         self._io = EventLoopThread()
+        self._in_flight: collections.deque[concurrent.futures.Future[Any]] = collections.deque()  # dispatched steps, oldest first
         self._ctx = zmq.asyncio.Context()
         self._conns = [self._connection(i, a) for i, a in enumerate(addresses)]
         self._watchdog = Watchdog(self._conns, heartbeat_interval, heartbeat_timeout)
@@ -515,7 +517,30 @@ class RemoteMesh:
         (a coroutine) there. Returns a concurrent future of `finish`'s result, without waiting."""
         if self.closed:
             raise MpmdError("this RemoteMesh is closed")
-        return self._io.dispatch(send, finish)
+        done = self._io.dispatch(send, finish)
+        self._in_flight.append(done)
+        return done
+
+    def _steps_in_flight(self) -> int:
+        q = self._in_flight
+        while q and q[0].done():  # (steps end in about the order they were sent: the oldest first)
+            q.popleft()
+        return len(q)
+
+    def wait_for_room(self) -> None:
+        """Block until fewer than MAX_STEPS_IN_FLIGHT steps are dispatched and unfinished (each holds a request on
+        every actor, and an actor serves at most 4,096 per connection): a loop that only dispatches, as under
+        jax.jit's asynchronous dispatch, waits here for the actors instead of flooding them (it failed at step
+        ~4,100, and every later step with it). Not on the controller's loop (it must keep running)."""
+        if self._io.on_loop_thread():
+            return
+        while self._steps_in_flight() >= MAX_STEPS_IN_FLIGHT and not self.closed:
+            concurrent.futures.wait([self._in_flight[0]], timeout=0.25)  # (timed: Ctrl-C gets through)
+
+    async def wait_for_room_async(self) -> None:
+        """`wait_for_room` for a caller's own event loop (`call_async`)."""
+        while self._steps_in_flight() >= MAX_STEPS_IN_FLIGHT and not self.closed:
+            await asyncio.wait([asyncio.wrap_future(self._in_flight[0])], timeout=0.25)
 
     def conn(self, i: int) -> ActorConnection:
         """The connection to actor `i` (requests: see transport/protocol.py)."""
