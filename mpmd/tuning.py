@@ -44,7 +44,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from mpmd.compiler.avals import wire_shape_dtype
+from mpmd.compiler.eqns import aval_nbytes
 from mpmd.compiler.plan import plan_step
 from mpmd.errors import MpmdError, PipelineError, ScheduleError
 from mpmd.schedules import builtin
@@ -580,11 +580,6 @@ def _record(c: Candidate, sim: Any, memory_limit: int | None) -> set[int]:
     return over
 
 
-def _aval_bytes(aval: Any) -> int:
-    shape, dtype = wire_shape_dtype(tuple(aval.shape), aval.dtype)
-    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-
-
 def _simulate(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedule, costs: Any, p: int,
               static: list[int] | None = None) -> Any:
     """`simulate_programs` of the step compiled with `schedule`; `static` gets the bytes of every step argument some
@@ -593,7 +588,7 @@ def _simulate(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedu
     outer, _ = base.with_schedule(schedule).trace(*args)
     plan = plan_step(outer, p)
     if static is not None:
-        static[:] = [_aval_bytes(plan.avals[k]) for k, homes in zip(plan.arg_keys, plan.arg_homes) if homes]
+        static[:] = [aval_nbytes(plan.avals[k]) for k, homes in zip(plan.arg_keys, plan.arg_homes) if homes]
     return simulate_programs(plan.programs, costs, name=repr(schedule))
 
 

@@ -44,9 +44,13 @@ def upstream(roots: Iterable[Any], producer: dict[Any, Any], stop: Callable[[Any
 
 def nbytes(v: Any) -> int:
     """Bytes of a value of `v`'s aval (typed keys count their key data)."""
+    return aval_nbytes(v.aval)
+
+
+def aval_nbytes(aval: Any) -> int:
+    """Bytes of a value of `aval` (typed keys count their key data)."""
     from mpmd.compiler.avals import wire_shape_dtype
 
-    aval = v.aval
     shape, dtype = wire_shape_dtype(tuple(aval.shape), aval.dtype)
     return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 

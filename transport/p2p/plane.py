@@ -590,17 +590,25 @@ class DataPlane(P2PTransport):
             if len(got) > MAX_KEY_INTS:
                 raise ProtocolError(f"data message needs a key of at most {MAX_KEY_INTS} ints")
             key = got
-            nbytes = links.data_bytes(dtype, shape)
-            if not self._screen(src, key, nbytes):
-                return  # (its bytes are not copied anywhere)
-            # (a link record is smaller than BIG_PAYLOAD: always copied here, never left in the reused read buffer)
-            (array,) = self._rx_payloads([payload if payload is not None else memoryview(b"")], [(dtype, shape, nbytes)])
-            self.counters["received_bytes"] += nbytes
-            reason = self._mailbox.deliver(src, key, array, nbytes)  # (screened just now, in this same turn)
-            if reason is not None:
-                self._refuse(src, key, reason)
+            # (a link record is smaller than BIG_PAYLOAD: always copied, never left in the reused read buffer)
+            self._take_data(src, key, [payload if payload is not None else memoryview(b"")],
+                            (dtype, shape, links.data_bytes(dtype, shape)))
         except Exception as e:
             self._bad_message(src, key, "link", e)
+
+    def _take_data(self, src: int, key: tuple[int, ...], payloads: list[Any], spec: tuple[np.dtype, Any, int]) -> None:
+        """A data message's one array, its sender and key known: screened before its bytes are copied anywhere,
+        then handed to its receive (or kept until that is posted)."""
+        if len(payloads) == 1 and not self._screen(src, key, spec[2]):
+            return
+        (array,) = self._rx_payloads(payloads, [spec])
+        self.counters["received_bytes"] += array.nbytes
+        if isinstance(array, _Unaligned):
+            self._deliver_big(src, key, array)
+        else:  # screened just now, in this same turn of the loop: only the mailbox is left to pass
+            reason = self._mailbox.deliver(src, key, array, array.nbytes)
+            if reason is not None:
+                self._refuse(src, key, reason)
 
     # ---- one message -----------------------------------------------------------------------------
     def _on_message(self, sender: Callable[[dict[str, Any]], int], header_bytes: Any, payloads: list[Any], who: str) -> None:
@@ -624,16 +632,7 @@ class DataPlane(P2PTransport):
                 if key is None or len(specs) != 1:
                     raise ProtocolError(f"data message needs an int-list 'key' (at most {MAX_KEY_INTS}) and one array, got key "
                                         f"{raw_key!r:.200} and {len(specs)} arrays")
-                if len(payloads) == 1 and not self._screen(src, key, specs[0][2]):
-                    return  # (its bytes are not copied anywhere)
-                (array,) = self._rx_payloads(payloads, specs)
-                self.counters["received_bytes"] += array.nbytes
-                if isinstance(array, _Unaligned):
-                    self._deliver_big(src, key, array)
-                else:  # screened just now, in this same turn of the loop: only the mailbox is left to pass
-                    reason = self._mailbox.deliver(src, key, array, array.nbytes)
-                    if reason is not None:
-                        self._refuse(src, key, reason)
+                self._take_data(src, key, payloads, specs[0])
             elif op == "shm":
                 if key is None:
                     raise ProtocolError(f"shm notice needs an int-list 'key' (at most {MAX_KEY_INTS}), got {raw_key!r:.200}")
