@@ -7,7 +7,9 @@ before it, so XLA starts it the moment that one finishes — one after another l
 trip through Python between them, while the interpreter dispatches ahead as far as its inputs allow.
 
 `StepTrace` records, when asked, what each instruction did and when (the actor's monotonic clock, ns): a
-Run's wait for its inputs, its start and its end, each transfer's start, end, peer, bytes and tag. In a
+Run's wait for its inputs, its start and its end, each transfer's start, end, peer, bytes and tag; and the CPU
+time the actor's process used over the step (what, beside the Runs' own work, the runtime's threads take from
+cores the actors share). In a
 traced step each Run executes on one tracing thread that stamps its start and, after waiting for it, its end
 (exact durations; the interpreter does not dispatch ahead then). It costs nothing when off.
 """
@@ -78,6 +80,7 @@ class StepTrace:
         self.start = now()
         self.end = 0
         self.events: list[list[Any]] = []
+        self._cpu0 = time.process_time()  # the whole process's CPU: the runtime's threads and XLA's
 
     async def run(self, stream: Stream, exe: Any, args: Sequence[Any], label: str, waited_from: int, ready: int) -> Sequence[Any]:
         """Execute one Run on the tracing thread, timing it exactly; returns its outputs."""
@@ -98,4 +101,5 @@ class StepTrace:
         self.events.append([kind, label, peer, nbytes, start, end, tag])
 
     def to_wire(self) -> dict[str, Any]:
-        return {"start": self.start, "end": self.end, "events": self.events}
+        """The step's record; `cpu`: the CPU seconds the actor's process used from its start to now."""
+        return {"start": self.start, "end": self.end, "events": self.events, "cpu": time.process_time() - self._cpu0}

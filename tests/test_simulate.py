@@ -643,6 +643,67 @@ def test_fit_costs_of_actors_sharing_a_core_recovers_each_runs_own_time():
     assert fit_costs(trace, 2, cores=2).cores is None  # a core each: nothing to undo
 
 
+def test_the_runtimes_own_cpu_loads_shared_cores_as_that_many_more_things_running():
+    """Written-down model (mpmd.schedules.sharing): L CPU seconds of the runtime's own work over a step of T
+    seconds count as L / T more things running. Two actors each with one Run of work 1 at once on one core:
+    each progresses at 1 / (2 + L / T), so T = 2 + L / T, T = 1 + sqrt(1 + L) (L = 3: T = 3). Runs that do not
+    share cores are not slowed; Costs.runtime_cpu charges it per Run, Send and Recv of the Programs."""
+    from mpmd.schedules.sharing import runtime_load, settle
+
+    def replay(duration):
+        return {k: 0.0 for k in "ab"}, {k: duration(k) for k in "ab"}
+
+    busy, idle = {"a": 1.0, "b": 1.0}, {"a": 0.0, "b": 0.0}
+    assert settle(replay, lambda k: "ab".index(k), busy, idle, 1, load=3.0, rounds=200) == pytest.approx({"a": 3.0, "b": 3.0}, rel=1e-4)
+    assert settle(replay, lambda k: "ab".index(k), busy, idle, 1, rounds=200) == pytest.approx({"a": 2.0, "b": 2.0}, rel=1e-4)
+    progs = programs_from_table(mpmd.GPipe(2), validate(mpmd.GPipe(2), 4))
+    count = sum(isinstance(i, (Run, Send, Recv)) for p in progs for i in p.instructions)
+    assert runtime_load(progs, 1e-3) == pytest.approx(count * 1e-3) and runtime_load(progs, 0.0) == 0.0
+    plain = simulate_programs(progs, Costs(F=1.0, B=2.0, cores=1)).step_time
+    loaded = simulate_programs(progs, Costs(F=1.0, B=2.0, cores=1, runtime_cpu=0.5)).step_time
+    assert loaded > plain * 1.2  # 16 instructions x 0.5 s beside 12 s of Runs
+    assert simulate_programs(progs, Costs(F=1.0, B=2.0, cores=2, runtime_cpu=0.5)).step_time == pytest.approx(
+        simulate_programs(progs, Costs(F=1.0, B=2.0)).step_time)  # a core each: the runtime's CPU is not shared
+    table = mpmd.simulate(mpmd.GPipe(2), 4, Costs(F=1.0, B=2.0, cores=1, runtime_cpu=0.5)).step_time
+    assert table == pytest.approx(loaded, rel=0.02)  # the table counts a Run per task, a Send and a Recv per hop
+
+
+def test_fit_costs_reads_the_runtimes_cpu_per_instruction_from_what_each_actor_reports():
+    """Two actors on one core, each Run 2x its own 1 ms while both run; each actor reports CPU = its Runs' own
+    time + 0.2 ms per instruction (4 Runs, 4 transfers): the fit gives runtime_cpu = 0.2 ms and own times that
+    account for that load; without the reports it is 0."""
+    from mpmd.observe.trace import ActorStep, RunSpan, Trace, TransferSpan, fit_costs
+
+    def trace(report):
+        t = Trace()
+        steps = {a: ActorStep(a, 0, 0.0, 0.0) for a in range(2)}
+        clock = 0.0
+        for i in range(4):
+            for a in range(2):
+                steps[a].runs.append(RunSpan(f"{a}F{i}", clock, clock, clock, clock + 2e-3))
+                steps[a].transfers.append(TransferSpan("send" if a == 0 else "recv", f"0F{i}", 1 - a, 64, clock + 2e-3,
+                                                       clock + 2e-3, i))
+            clock += 2e-3
+        for a in range(2):
+            steps[a].end = clock
+        t.steps.append(steps)
+        if report:
+            for a in range(2):
+                steps[a].cpu = report[a]
+        return t
+
+    plain = fit_costs(trace(None), 2, cores=1)
+    assert plain.runtime_cpu == 0.0 and plain.F == pytest.approx((1e-3, 1e-3))
+    # with load L over the 8 ms window, b = L / 8 ms, each Run's own time is 2 ms / (2 + b)
+    runtime = 0.2e-3 * 16
+    b = runtime / 8e-3
+    own = 2e-3 * min(1.0, 1 / (2 + b))
+    got = fit_costs(trace({a: 4 * own + 8 * 0.2e-3 for a in range(2)}), 2, cores=1)
+    assert got.runtime_cpu == pytest.approx(0.2e-3, rel=1e-3)
+    assert got.F == pytest.approx((own, own), rel=1e-3)
+    assert fit_costs(trace({a: 1.0 for a in range(2)}), 2, cores=2).runtime_cpu == 0.0  # a core each: not read
+
+
 @pytest.mark.parametrize("kw", [{"F": math.nan}, {"F": (1.0, math.nan)}, {"gap": math.nan}, {"latency": math.inf},
                                 {"B": math.inf}, {"latency": "1"}, {"overhead": None}, {"bandwidth": math.nan}])
 def test_costs_refuse_nan_infinity_and_non_numbers(kw):

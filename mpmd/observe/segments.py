@@ -59,14 +59,15 @@ def _traced_costs(step: Any, schedule: SegmentProfile, args: tuple[Any, ...], st
 
 def median_costs(fits: list[Any]) -> Any:
     """One `Costs` from several fits of the same Programs: each per-stage time, latency, bandwidth, gap, other,
-    overhead, lead and tail the median over the fits (the first fit's routes and samples)."""
+    overhead, lead, tail and runtime CPU the median over the fits (the first fit's routes and samples)."""
     import dataclasses
     import statistics
 
     if len(fits) == 1:
         return fits[0]
     per_stage = {k: tuple(statistics.median(v) for v in zip(*(getattr(f, k) for f in fits))) for k in ("F", "B", "I", "W")}
-    scalars = {k: statistics.median(getattr(f, k) for f in fits) for k in ("latency", "bandwidth", "gap", "other", "overhead", "lead", "tail")}
+    scalars = {k: statistics.median(getattr(f, k) for f in fits) for k in ("latency", "bandwidth", "gap", "other", "overhead", "lead", "tail",
+                                                                  "runtime_cpu")}
     return dataclasses.replace(fits[0], **per_stage, **scalars)
 
 
@@ -100,4 +101,4 @@ def profile_costs(step: Any, *args: Any, steps: int = 2, split_backward: bool = 
     return SegmentCosts(F=tuple(fused.F), B=tuple(fused.B), I=i, W=w, activation_bytes=out_bytes, latency=fused.latency,
                         bandwidth=fused.bandwidth, gap=fused.gap, other=fused.other, lead=fused.lead, tail=fused.tail, cores=cores,
                         source="measured on the actors",
-                        microbatch_rows=rows, run_overhead=run_overhead, split_overhead=split_overhead)
+                        microbatch_rows=rows, run_overhead=run_overhead, split_overhead=split_overhead, runtime_cpu=fused.runtime_cpu)

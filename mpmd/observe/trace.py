@@ -14,6 +14,7 @@ later (Runs execute one after another), and ends when its result is ready.
 from __future__ import annotations
 
 import json
+import math
 import operator
 import threading
 from collections.abc import Iterator
@@ -53,13 +54,16 @@ class ActorStep:
     end: float
     runs: list[RunSpan] = field(default_factory=list)
     transfers: list[TransferSpan] = field(default_factory=list)
+    cpu: float | None = None  # CPU seconds the actor's process used over the step (None: not reported)
 
     @classmethod
     def from_wire(cls, actor: int, step: int, wire: dict[str, Any], offset_ns: int) -> ActorStep:
         def t(ns: int) -> float:
             return (ns - offset_ns) * NS
 
-        out = cls(actor, step, t(wire["start"]), t(wire["end"]))
+        cpu = wire.get("cpu")
+        ok = isinstance(cpu, (int, float)) and not isinstance(cpu, bool) and math.isfinite(cpu) and cpu >= 0
+        out = cls(actor, step, t(wire["start"]), t(wire["end"]), cpu=float(cpu) if ok else None)
         for ev in wire["events"]:
             if ev[0] == "run":
                 _, label, waited, ready, started, done = ev
@@ -260,7 +264,7 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
     col = {(s, k): i for i, (s, k) in enumerate((s, k) for s in range(num_stages) for k in kinds)}
     rows, rhs, other = [], [], []
     shared = cores if cores is not None and cores < len(trace.steps[step]) else None  # else a core each: nothing to undo
-    own = _own_durations(trace.steps[step], shared)
+    own, runtime_cpu = _own_durations(trace.steps[step], shared, trace.window(step))
     for a, x in trace.steps[step].items():
         for r in x.runs:
             tasks = _tasks_of(r.label)
@@ -330,17 +334,36 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
     bandwidth = sum(n for _, n in slow) / sum(d for d, _ in slow) if slow else float("inf")
     return Costs(F=per["F"], B=per["B"], I=per["I"], W=per["W"], other=max(0.0, float(np.median(other)) - overhead) if other else 0.0,
                  latency=max(latency, 0.0), bandwidth=bandwidth, gap=gap, overhead=overhead, lead=lead, tail=tail, routes=routes,
-                 empirical=empirical, cores=shared)
+                 empirical=empirical, cores=shared, runtime_cpu=runtime_cpu)
 
 
-def _own_durations(steps: dict[int, ActorStep], cores: int | None) -> dict[int, float]:
-    """Each Run's duration (by id) as on a core of its own (`cores` shared by the actors; None: as measured)."""
+def _own_durations(steps: dict[int, ActorStep], cores: int | None, window: tuple[float, float]) -> tuple[dict[int, float], float]:
+    """Each Run's duration (by id) as on a core of its own (`cores` shared by the actors; None: as measured),
+    and the CPU seconds the runtime spent per instruction beside the Runs (0.0 unless the actors share cores
+    and each reported its CPU): each actor's CPU over the step less its Runs' own times, over the step's Runs,
+    Sends and Recvs. The runtime's CPU loads the cores the Runs share (mpmd.schedules.sharing), so the two are
+    found together, a few rounds from none."""
     runs = [(a, r) for a, x in steps.items() for r in x.runs]
     if cores is None:
-        return {id(r): r.end - r.start for _, r in runs}
+        return {id(r): r.end - r.start for _, r in runs}, 0.0
     from mpmd.schedules.sharing import own_times
 
-    return {id(r): w for (_, r), w in zip(runs, own_times([(a, r.start, r.end) for a, r in runs], cores))}
+    spans = [(a, r.start, r.end) for a, r in runs]
+    reported = all(x.cpu is not None for x in steps.values())
+    instructions = sum(len(x.runs) + len(x.transfers) for x in steps.values())
+    span = window[1] - window[0]
+    load = 0.0
+    for _ in range(RUNTIME_ROUNDS):
+        own = {id(r): w for (_, r), w in zip(runs, own_times(spans, cores, load / span if span > 0 else 0.0))}
+        if not (reported and instructions and span > 0):
+            return own, 0.0
+        last, load = load, sum(max(0.0, (x.cpu or 0.0) - sum(own[id(r)] for r in x.runs)) for x in steps.values())
+        if abs(load - last) <= 1e-6 * max(load, 1e-12):
+            break
+    return own, load / instructions
+
+
+RUNTIME_ROUNDS = 50  # at most: the runtime's load and the Runs' own times are found together (each round moves them ~3x less)
 
 
 def _fit_routes(per_route: dict[tuple[int, int], list[tuple[float, int]]]) -> tuple[tuple, dict[tuple[int, int], list[float]]]:

@@ -73,6 +73,7 @@ class SegmentCosts:
     split_overhead: float = 0.0
     rows_exponent: float = 1.0
     rows_exponent_below: float = 0.0  # the same for fewer rows than measured at (0: `rows_exponent` both ways)
+    runtime_cpu: float = 0.0  # CPU seconds of the runtime's own threads per instruction, with `cores` (as in `Costs`)
 
     def __post_init__(self) -> None:
         for name in ("F", "B", "I", "W", "activation_bytes"):
@@ -92,7 +93,7 @@ class SegmentCosts:
                                  f"{getattr(self, name)!r:.200}")
             object.__setattr__(self, name, tuple(float(x) for x in v))
         for name in ("latency", "gap", "overhead", "other", "lead", "tail", "run_overhead", "split_overhead", "rows_exponent",
-                     "rows_exponent_below"):
+                     "rows_exponent_below", "runtime_cpu"):
             if not is_cost(getattr(self, name)):
                 raise ValueError(f"SegmentCosts.{name} must be a finite number >= 0 (at most {MAX_COST:g}), got {getattr(self, name)!r:.80}")
 
@@ -138,6 +139,9 @@ class SegmentCosts:
         if self.rows_exponent != 1.0 or self.rows_exponent_below:
             below = f" (as rows ** {self.rows_exponent_below:.2f} for fewer rows)" if self.rows_exponent_below else ""
             lines.append(f"  measured at {self.microbatch_rows} rows per microbatch; the rest grows as rows ** {self.rows_exponent:.2f}{below}")
+        if self.cores and self.runtime_cpu:
+            lines.append(f"  the actors share {self.cores} cores, and the runtime's own threads take {self.runtime_cpu:.3g} of them per "
+                         "Run, Send and Recv beside the Runs")
         return "\n".join(lines)
 
 
@@ -205,7 +209,8 @@ def group_costs(seg: SegmentCosts, grouping: Sequence[int]) -> Costs:
         w = tuple(b[k] if k in none else x for k, x in enumerate(w))
     return Costs(F=total(seg.F, c), B=b, I=i, W=w,
                  activation_bytes=tuple(seg.activation_bytes[g[-1]] for g in gs), latency=seg.latency, bandwidth=seg.bandwidth,
-                 gap=seg.gap, overhead=seg.overhead, other=seg.other, lead=seg.lead, tail=seg.tail, cores=seg.cores)
+                 gap=seg.gap, overhead=seg.overhead, other=seg.other, lead=seg.lead, tail=seg.tail, cores=seg.cores,
+                 runtime_cpu=seg.runtime_cpu)
 
 
 def remat_costs(costs: Costs, stages: Sequence[int], split: bool) -> Costs:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mpmd.errors import PipelineError
-from mpmd.schedules.sharing import replay_programs_shared
+from mpmd.schedules.sharing import replay_programs_shared, runtime_load
 from mpmd.schedules.validation import check_programs
 from transport.program import Program, Recv, Run, Task
 from transport.protocol import dtype_from_name
@@ -101,10 +101,12 @@ def simulate_monte_carlo(programs: list[Program], costs: Any, runs: int = 100, s
     tasks, hops, gaps = _centred(emp.task_samples(), costs), emp.hop_residuals(), emp.gaps
     rng = random.Random(seed)
     cores = getattr(costs, "cores", None)
+    load = runtime_load(programs, getattr(costs, "runtime_cpu", 0.0))
     near = None  # with shared cores: every draw's fixed point starts from the mean model's (a few rounds then do)
     if cores is not None:
         near = replay_programs_shared(programs, lambda a, r: costs.run_time(r.label),
-                                      lambda a, r: costs.route_time(r.from_actor, a, _recv_bytes(r)), cores, lambda a, r: costs.gap)[1]
+                                      lambda a, r: costs.route_time(r.from_actor, a, _recv_bytes(r)), cores, lambda a, r: costs.gap,
+                                      load=load)[1]
     step_times: list[float] = []
     bubbles: list[list[float]] = []
     for _ in range(runs):
@@ -125,7 +127,8 @@ def simulate_monte_carlo(programs: list[Program], costs: Any, runs: int = 100, s
             res = hops.get((r.from_actor, a))
             return max(0.0, base + rng.choice(res)) if res else base
 
-        rep, _ = replay_programs_shared(programs, run_time, transfer_time, cores, lambda a, r: drawn_gap[(a, id(r))], initial=near, rounds=4)
+        rep, _ = replay_programs_shared(programs, run_time, transfer_time, cores, lambda a, r: drawn_gap[(a, id(r))], initial=near,
+                                        rounds=4, load=load)
         if rep.stuck:
             check_programs(programs)
             raise PipelineError("internal: programs got stuck on a cost model but not on unit costs")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from mpmd.errors import PipelineError, ScheduleError
 from mpmd.schedules.draw import draw_timeline, kind_of
 from mpmd.schedules.montecarlo import Empirical
-from mpmd.schedules.sharing import replay_programs_shared, replay_table_shared
+from mpmd.schedules.sharing import replay_programs_shared, replay_table_shared, runtime_load
 from mpmd.schedules.validation import Schedule, check_programs, split_stages, task_inputs, validate
 from transport.program import TASK_KINDS, Delete, Label, Program, Recv, Run, Task
 from transport.protocol import dtype_from_name
@@ -66,7 +66,9 @@ class Costs:
     and inputs arriving) and `tail` idle time after the last Run ends (the last sends, the replies): both add to
     the step and to every actor's bubble. `cores`: how many cores the actors share when they share one host's
     CPU (fewer cores than actors: Runs running at once slow each other down, see mpmd.schedules.sharing);
-    None, each actor has its own. The default is the unit model F=1, B=2, I=W=1 with free transfers."""
+    None, each actor has its own. `runtime_cpu`: with `cores`, the CPU seconds the runtime's own threads spend
+    per instruction (each Run dispatched, each Send, each Recv), which load those cores beside the Runs. The
+    default is the unit model F=1, B=2, I=W=1 with free transfers."""
 
     F: PerStage = 1.0
     B: PerStage = 2.0
@@ -81,6 +83,7 @@ class Costs:
     lead: float = 0.0
     tail: float = 0.0
     cores: int | None = None
+    runtime_cpu: float = 0.0
     routes: tuple[tuple[tuple[int, int], tuple[float, float]], ...] = ()  # ((src, dst), (latency, bandwidth)) per actor pair
     empirical: Empirical | None = None  # measured samples, for simulate_monte_carlo (mpmd.schedules.montecarlo)
 
@@ -93,7 +96,7 @@ class Costs:
                 raise ValueError(f"Costs.{name} must be a finite non-negative number (at most {MAX_COST:g}) or a sequence of them "
                                  f"(one per stage), got {v!r:.80}")
             object.__setattr__(self, name, tuple(float(x) for x in vals) if many else float(v))
-        for name in ("latency", "overhead", "other", "gap", "lead", "tail"):
+        for name in ("latency", "overhead", "other", "gap", "lead", "tail", "runtime_cpu"):
             if not is_cost(getattr(self, name)):
                 raise ValueError(f"Costs.{name} must be a finite number >= 0 (at most {MAX_COST:g}), got {getattr(self, name)!r:.80}")
             object.__setattr__(self, name, float(getattr(self, name)))
@@ -331,18 +334,18 @@ def simulate(schedule: Schedule, num_microbatches: int, costs: Costs | None = No
         boundary = min(src.stage, dst.stage)  # F(s-1)->F(s) and B(s+1)->B(s) cross the boundary after the lower stage
         return costs.transfer_time(costs._per_stage("activation_bytes", boundary))
 
-    run, _ = replay_table_shared(table, schedule.num_stages, schedule.actor_of, lambda t: costs.gap + costs.task_time(t) + costs.overhead,
-                                 transfer, costs.cores, lambda t: costs.gap)
-    spans = [[(run.start[t] + costs.gap, run.end[t], str(t)) for t in row] for row in table]
     split = split_stages(table)
-    transfers = []
-    for row in table:
-        for t in row:
-            for d in task_inputs(t, schedule.num_stages, split):
-                a, b = schedule.actor_of(d.stage), schedule.actor_of(t.stage)
-                if a != b:
-                    transfers.append((a, b, run.end[d], run.end[d] + transfer(d, t), f"{d}->{t}"))
+    edges = [(d, t) for row in table for t in row for d in task_inputs(t, schedule.num_stages, split)
+             if schedule.actor_of(d.stage) != schedule.actor_of(t.stage)]
+    # the runtime's CPU: a Run per task, a Send and a Recv per edge between actors
+    load = costs.runtime_cpu * (sum(map(len, table)) + 2 * len(edges))
+    run, _ = replay_table_shared(table, schedule.num_stages, schedule.actor_of, lambda t: costs.gap + costs.task_time(t) + costs.overhead,
+                                 transfer, costs.cores, lambda t: costs.gap, load)
+    spans = [[(run.start[t] + costs.gap, run.end[t], str(t)) for t in row] for row in table]
+    transfers = [(schedule.actor_of(d.stage), schedule.actor_of(t.stage), run.end[d], run.end[d] + transfer(d, t), f"{d}->{t}")
+                 for d, t in edges]
     return _result(str(schedule), spans, table, transfers, costs=costs)
+
 
 
 def _recv_bytes(recv: Recv) -> int:
@@ -372,7 +375,7 @@ def simulate_programs(programs: list[Program], costs: Costs | None = None, name:
     costs = costs or Costs()
     run, stretch = replay_programs_shared(programs, lambda a, r: costs.run_time(r.label),
                                           lambda a, r: costs.route_time(r.from_actor, a, _recv_bytes(r)), costs.cores,
-                                          lambda a, r: costs.gap)
+                                          lambda a, r: costs.gap, load=runtime_load(programs, costs.runtime_cpu))
     if run.stuck:
         check_programs(programs)  # raises, naming who waits for what: getting stuck does not depend on the costs
         raise PipelineError("internal: programs got stuck on a cost model but not on unit costs")
