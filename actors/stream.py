@@ -8,8 +8,8 @@ trip through Python between them, while the interpreter dispatches ahead as far 
 
 `StepTrace` records, when asked, what each instruction did and when (the actor's monotonic clock, ns): a
 Run's wait for its inputs, its start and its end, each transfer's start, end, peer, bytes and tag; and the CPU
-time the actor's process used over the step (what, beside the Runs' own work, the runtime's threads take from
-cores the actors share). In a
+time the actor's event loop used over the step (what the runtime takes, beside the Runs, from cores the
+actors share). In a
 traced step each Run executes on one tracing thread that stamps its start and, after waiting for it, its end
 (exact durations; the interpreter does not dispatch ahead then). It costs nothing when off.
 """
@@ -80,7 +80,7 @@ class StepTrace:
         self.start = now()
         self.end = 0
         self.events: list[list[Any]] = []
-        self._cpu0 = time.process_time()  # the whole process's CPU: the runtime's threads and XLA's
+        self._cpu0 = time.thread_time()  # made on the event loop's thread: the runtime's own CPU (not XLA's threads')
 
     async def run(self, stream: Stream, exe: Any, args: Sequence[Any], label: str, waited_from: int, ready: int) -> Sequence[Any]:
         """Execute one Run on the tracing thread, timing it exactly; returns its outputs."""
@@ -101,5 +101,6 @@ class StepTrace:
         self.events.append([kind, label, peer, nbytes, start, end, tag])
 
     def to_wire(self) -> dict[str, Any]:
-        """The step's record; `cpu`: the CPU seconds the actor's process used from its start to now."""
-        return {"start": self.start, "end": self.end, "events": self.events, "cpu": time.process_time() - self._cpu0}
+        """The step's record; `cpu`: the CPU seconds the actor's event loop used from its start to now (called
+        on the loop's thread: receiving, sending, interpreting; a traced step's Runs execute on the tracing thread)."""
+        return {"start": self.start, "end": self.end, "events": self.events, "cpu": time.thread_time() - self._cpu0}

@@ -2,14 +2,14 @@
 every prediction?
 
 For the GPT example (a marker before every block) and an MLP with uneven layers (4, 4, 2, 1, 1, 1, 1, 2
-matmuls, a marker after each), on 2 actors pinned one per core: `mpmd.tune` measures the segment costs once
+matmuls, a marker after each), on 2 actors pinned one per core (`--actors 4`: four sharing the cores): `mpmd.tune` measures the segment costs once
 and predicts every candidate (each built-in schedule x each microbatch count, best grouping each); then every
 feasible candidate is run for real (`TuneResult.verify(all)`). Reported: the table with predicted and
 measured step times, measured/predicted per candidate (target 0.9-1.1), and the tuner's winner's measured
 time over the best measured time (target <= 1.10). The winner is fixed before that exhaustive measurement:
 the fastest of the top three predicted that tune measured while tuning (`TuneResult.calibrate`).
 
-    python -m benchmarks.tune [--models gpt,mlp] [--microbatches 2,4,8] [--steps 3] [--rounds 2]
+    python -m benchmarks.tune [--models gpt,mlp] [--microbatches 2,4,8] [--steps 3] [--rounds 2] [--actors 2]
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ def uneven_mlp_setup(width: int, rows: int, microbatches: int):  # noqa: ANN201
 def run(name: str, setup: tuple, args: argparse.Namespace) -> dict:
     step, *state, batch = setup
     counts = [int(x) for x in args.microbatches.split(",")]
-    pin = 1 if 2 <= len(os.sched_getaffinity(0)) else None
-    with mpmd.RemoteMesh.local(num_actors=2, cpus_per_actor=pin) as mesh:
+    pin = 1 if args.actors <= len(os.sched_getaffinity(0)) else None  # more actors than cores: they share them
+    with mpmd.RemoteMesh.local(num_actors=args.actors, cpus_per_actor=pin) as mesh:
         result = mpmd.tune(step, *state, batch, mesh=mesh, microbatches=counts)
         print(f"\n== {name}\n{result.costs.table()}\n{result}", flush=True)
         measured = result.verify(len(result.feasible), steps=args.steps, rounds=args.rounds)
@@ -66,6 +66,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--width", type=int, default=128)
+    p.add_argument("--actors", type=int, default=2, help="local actors (pinned one per core when there are enough cores)")
     args = p.parse_args()
     for name in args.models.split(","):
         if name == "gpt":

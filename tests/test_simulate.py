@@ -669,9 +669,10 @@ def test_the_runtimes_own_cpu_loads_shared_cores_as_that_many_more_things_runnin
 
 
 def test_fit_costs_reads_the_runtimes_cpu_per_instruction_from_what_each_actor_reports():
-    """Two actors on one core, each Run 2x its own 1 ms while both run; each actor reports CPU = its Runs' own
-    time + 0.2 ms per instruction (4 Runs, 4 transfers): the fit gives runtime_cpu = 0.2 ms and own times that
-    account for that load; without the reports it is 0."""
+    """Two actors on one core, each Run 2 ms while both run; each actor's event loop reports 1.6 ms of CPU over
+    the 8 ms step (4 Runs, 4 transfers: 0.2 ms per instruction): the fit gives runtime_cpu = 0.2 ms, and each
+    Run's own time is 2 ms x 1 / (2 + 3.2 / 8) (the loops' load counted as 0.4 more things running); without
+    the reports, or with a core each, none."""
     from mpmd.observe.trace import ActorStep, RunSpan, Trace, TransferSpan, fit_costs
 
     def trace(report):
@@ -686,22 +687,16 @@ def test_fit_costs_reads_the_runtimes_cpu_per_instruction_from_what_each_actor_r
             clock += 2e-3
         for a in range(2):
             steps[a].end = clock
+            steps[a].cpu = report
         t.steps.append(steps)
-        if report:
-            for a in range(2):
-                steps[a].cpu = report[a]
         return t
 
     plain = fit_costs(trace(None), 2, cores=1)
     assert plain.runtime_cpu == 0.0 and plain.F == pytest.approx((1e-3, 1e-3))
-    # with load L over the 8 ms window, b = L / 8 ms, each Run's own time is 2 ms / (2 + b)
-    runtime = 0.2e-3 * 16
-    b = runtime / 8e-3
-    own = 2e-3 * min(1.0, 1 / (2 + b))
-    got = fit_costs(trace({a: 4 * own + 8 * 0.2e-3 for a in range(2)}), 2, cores=1)
-    assert got.runtime_cpu == pytest.approx(0.2e-3, rel=1e-3)
-    assert got.F == pytest.approx((own, own), rel=1e-3)
-    assert fit_costs(trace({a: 1.0 for a in range(2)}), 2, cores=2).runtime_cpu == 0.0  # a core each: not read
+    got = fit_costs(trace(1.6e-3), 2, cores=1)
+    assert got.runtime_cpu == pytest.approx(0.2e-3)
+    assert got.F == pytest.approx((2e-3 / 2.4, 2e-3 / 2.4))
+    assert fit_costs(trace(1.6e-3), 2, cores=2).runtime_cpu == 0.0  # a core each: not read
 
 
 @pytest.mark.parametrize("kw", [{"F": math.nan}, {"F": (1.0, math.nan)}, {"gap": math.nan}, {"latency": math.inf},

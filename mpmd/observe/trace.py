@@ -54,7 +54,7 @@ class ActorStep:
     end: float
     runs: list[RunSpan] = field(default_factory=list)
     transfers: list[TransferSpan] = field(default_factory=list)
-    cpu: float | None = None  # CPU seconds the actor's process used over the step (None: not reported)
+    cpu: float | None = None  # CPU seconds the actor's event loop used over the step (None: not reported)
 
     @classmethod
     def from_wire(cls, actor: int, step: int, wire: dict[str, Any], offset_ns: int) -> ActorStep:
@@ -339,31 +339,20 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
 
 def _own_durations(steps: dict[int, ActorStep], cores: int | None, window: tuple[float, float]) -> tuple[dict[int, float], float]:
     """Each Run's duration (by id) as on a core of its own (`cores` shared by the actors; None: as measured),
-    and the CPU seconds the runtime spent per instruction beside the Runs (0.0 unless the actors share cores
-    and each reported its CPU): each actor's CPU over the step less its Runs' own times, over the step's Runs,
-    Sends and Recvs. The runtime's CPU loads the cores the Runs share (mpmd.schedules.sharing), so the two are
-    found together, a few rounds from none."""
+    and the CPU seconds the runtime spent per instruction (0.0 unless the actors share cores and each reported
+    its event loop's CPU): the actors' loops' CPU over the step's Runs, Sends and Recvs. That CPU loads the
+    cores the Runs share (mpmd.schedules.sharing), so the Runs' own times are read with it."""
     runs = [(a, r) for a, x in steps.items() for r in x.runs]
     if cores is None:
         return {id(r): r.end - r.start for _, r in runs}, 0.0
     from mpmd.schedules.sharing import own_times
 
-    spans = [(a, r.start, r.end) for a, r in runs]
-    reported = all(x.cpu is not None for x in steps.values())
     instructions = sum(len(x.runs) + len(x.transfers) for x in steps.values())
     span = window[1] - window[0]
-    load = 0.0
-    for _ in range(RUNTIME_ROUNDS):
-        own = {id(r): w for (_, r), w in zip(runs, own_times(spans, cores, load / span if span > 0 else 0.0))}
-        if not (reported and instructions and span > 0):
-            return own, 0.0
-        last, load = load, sum(max(0.0, (x.cpu or 0.0) - sum(own[id(r)] for r in x.runs)) for x in steps.values())
-        if abs(load - last) <= 1e-6 * max(load, 1e-12):
-            break
-    return own, load / instructions
-
-
-RUNTIME_ROUNDS = 50  # at most: the runtime's load and the Runs' own times are found together (each round moves them ~3x less)
+    reported = all(x.cpu is not None for x in steps.values()) and instructions > 0 and span > 0
+    load = sum(x.cpu or 0.0 for x in steps.values()) if reported else 0.0
+    own = own_times([(a, r.start, r.end) for a, r in runs], cores, load / span if reported else 0.0)
+    return {id(r): w for (_, r), w in zip(runs, own)}, (load / instructions if reported else 0.0)
 
 
 def _fit_routes(per_route: dict[tuple[int, int], list[tuple[float, int]]]) -> tuple[tuple, dict[tuple[int, int], list[float]]]:
