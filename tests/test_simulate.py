@@ -661,7 +661,7 @@ def test_the_runtimes_own_cpu_loads_shared_cores_as_that_many_more_things_runnin
     assert runtime_load(progs, 1e-3) == pytest.approx(count * 1e-3) and runtime_load(progs, 0.0) == 0.0
     plain = simulate_programs(progs, Costs(F=1.0, B=2.0, cores=1)).step_time
     loaded = simulate_programs(progs, Costs(F=1.0, B=2.0, cores=1, runtime_cpu=0.5)).step_time
-    assert loaded > plain * 1.2  # 16 instructions x 0.5 s beside 12 s of Runs
+    assert loaded > plain * 1.2  # 32 instructions (16 Runs, 8 Sends, 8 Recvs) x 0.5 s beside 24 s of Runs
     assert simulate_programs(progs, Costs(F=1.0, B=2.0, cores=2, runtime_cpu=0.5)).step_time == pytest.approx(
         simulate_programs(progs, Costs(F=1.0, B=2.0)).step_time)  # a core each: the runtime's CPU is not shared
     table = mpmd.simulate(mpmd.GPipe(2), 4, Costs(F=1.0, B=2.0, cores=1, runtime_cpu=0.5)).step_time
@@ -697,6 +697,44 @@ def test_fit_costs_reads_the_runtimes_cpu_per_instruction_from_what_each_actor_r
     assert got.runtime_cpu == pytest.approx(0.2e-3)
     assert got.F == pytest.approx((2e-3 / 2.4, 2e-3 / 2.4))
     assert fit_costs(trace(1.6e-3), 2, cores=2).runtime_cpu == 0.0  # a core each: not read
+
+
+def test_the_runtimes_load_fitted_over_a_window_with_lead_and_tail_simulates_the_traced_step_back():
+    """Two actors on one core, four 2 ms Runs each side by side, 2 ms before the first and after the last, each
+    loop reporting 1.6 ms of CPU: the fit spreads the 3.2 ms over the 12 ms window, and simulating the same
+    Programs on the fit gives 12 ms again (the simulators spread it over the Runs' span plus lead and tail)."""
+    from mpmd.observe.trace import ActorStep, RunSpan, Trace, fit_costs
+
+    t, lead = Trace(), 2e-3
+    steps = {a: ActorStep(a, 0, 0.0, 0.0, cpu=1.6e-3) for a in range(2)}
+    for i in range(4):
+        for a in range(2):
+            c = lead + i * 2e-3
+            steps[a].runs.append(RunSpan(f"{a}F{i}", c, c, c, c + 2e-3))
+    for a in range(2):
+        steps[a].end = lead + 8e-3 + 2e-3
+    t.steps.append(steps)
+    costs = fit_costs(t, 2, cores=1)
+    assert costs.lead == pytest.approx(lead) and costs.tail == pytest.approx(2e-3)
+    assert costs.runtime_cpu == pytest.approx(3.2e-3 / 8) and costs.F == pytest.approx((2e-3 / (2 + 3.2 / 12),) * 2)
+    progs = [Program(a, [], [], [Run(i, (), (10 * a + i,), Label.of(Task(a, "F", i))) for i in range(4)]) for a in range(2)]
+    assert simulate_programs(progs, costs).step_time == pytest.approx(12e-3, rel=1e-3)
+
+
+@pytest.mark.parametrize("cpu", [math.nan, math.inf, -1.0, True, "1", None, 1e300, 0.5])
+def test_a_cpu_report_that_cannot_be_a_loops_cpu_over_the_step_is_dropped_and_the_fit_goes_on(cpu):
+    """What an actor says its loop used is read only when it is a number between 0 and the step's wall time
+    (here 10 ms: 0.5 s is as impossible as NaN); else it is not reported, and the fit has no runtime load."""
+    from mpmd.observe.trace import ActorStep, Trace, fit_costs
+
+    wire = {"start": 0, "end": 10_000_000, "events": [["run", "0F0", 0, 0, 1_000_000, 9_000_000]], "cpu": cpu}
+    x = ActorStep.from_wire(0, 0, wire, 0)
+    assert x.cpu is None
+    t = Trace()
+    t.steps.append({0: x, 1: ActorStep.from_wire(1, 0, {**wire, "cpu": 1e-3}, 0)})
+    costs = fit_costs(t, 1, cores=1)
+    assert costs.runtime_cpu == 0.0 and costs.F[0] > 0
+    assert ActorStep.from_wire(0, 0, {**wire, "cpu": 2e-3}, 0).cpu == 2e-3
 
 
 @pytest.mark.parametrize("kw", [{"F": math.nan}, {"F": (1.0, math.nan)}, {"gap": math.nan}, {"latency": math.inf},

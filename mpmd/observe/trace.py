@@ -44,6 +44,9 @@ class TransferSpan:
     tag: int = -1
 
 
+CPU_SLACK = 1e-3  # seconds: the clocks of the step's window and of the loop's CPU are read apart
+
+
 @dataclass
 class ActorStep:
     """One actor's part of one traced step."""
@@ -61,8 +64,9 @@ class ActorStep:
         def t(ns: int) -> float:
             return (ns - offset_ns) * NS
 
-        cpu = wire.get("cpu")
-        ok = isinstance(cpu, (int, float)) and not isinstance(cpu, bool) and math.isfinite(cpu) and cpu >= 0
+        cpu = wire.get("cpu")  # a thread's CPU over the step is at most the step's wall time: anything else is dropped
+        ok = (isinstance(cpu, (int, float)) and not isinstance(cpu, bool) and math.isfinite(cpu)
+              and 0 <= cpu <= (wire["end"] - wire["start"]) * NS + CPU_SLACK)
         out = cls(actor, step, t(wire["start"]), t(wire["end"]), cpu=float(cpu) if ok else None)
         for ev in wire["events"]:
             if ev[0] == "run":

@@ -73,7 +73,7 @@ class SegmentCosts:
     split_overhead: float = 0.0
     rows_exponent: float = 1.0
     rows_exponent_below: float = 0.0  # the same for fewer rows than measured at (0: `rows_exponent` both ways)
-    runtime_cpu: float = 0.0  # CPU seconds of the runtime's own threads per instruction, with `cores` (as in `Costs`)
+    runtime_cpu: float = 0.0  # CPU seconds of an actor's event loop per instruction, with `cores` (as in `Costs`)
 
     def __post_init__(self) -> None:
         for name in ("F", "B", "I", "W", "activation_bytes"):
@@ -140,8 +140,8 @@ class SegmentCosts:
             below = f" (as rows ** {self.rows_exponent_below:.2f} for fewer rows)" if self.rows_exponent_below else ""
             lines.append(f"  measured at {self.microbatch_rows} rows per microbatch; the rest grows as rows ** {self.rows_exponent:.2f}{below}")
         if self.cores and self.runtime_cpu:
-            lines.append(f"  the actors share {self.cores} cores, and the runtime's own threads take {self.runtime_cpu:.3g} of them per "
-                         "Run, Send and Recv beside the Runs")
+            lines.append(f"  the actors share {self.cores} cores, and their event loops use {self.runtime_cpu * 1e3:.3g} ms of CPU "
+                         "(if the times are seconds) per Run, Send and Recv beside the Runs")
         return "\n".join(lines)
 
 

@@ -106,7 +106,7 @@ def simulate_monte_carlo(programs: list[Program], costs: Any, runs: int = 100, s
     if cores is not None:
         near = replay_programs_shared(programs, lambda a, r: costs.run_time(r.label),
                                       lambda a, r: costs.route_time(r.from_actor, a, _recv_bytes(r)), cores, lambda a, r: costs.gap,
-                                      load=load)[1]
+                                      load=load, extra=costs.lead + costs.tail)[1]
     step_times: list[float] = []
     bubbles: list[list[float]] = []
     for _ in range(runs):
@@ -128,7 +128,7 @@ def simulate_monte_carlo(programs: list[Program], costs: Any, runs: int = 100, s
             return max(0.0, base + rng.choice(res)) if res else base
 
         rep, _ = replay_programs_shared(programs, run_time, transfer_time, cores, lambda a, r: drawn_gap[(a, id(r))], initial=near,
-                                        rounds=4, load=load)
+                                        rounds=4, load=load, extra=costs.lead + costs.tail)
         if rep.stuck:
             check_programs(programs)
             raise PipelineError("internal: programs got stuck on a cost model but not on unit costs")

@@ -10,8 +10,8 @@ counted as load, and transfers are not stretched (the copies are short beside th
 threads (each actor's event loop dispatching Runs, sending and receiving; `Costs.runtime_cpu` per
 instruction) load the same cores: their CPU seconds over the step, spread evenly over it, count as that many
 more things running (`load`; on 4 actors sharing 2 cores with small stages it is more than the Runs' own
-work). Serving that load first instead (the Runs sharing what is left) predicted the tuner's 15 candidates on
-4 actors at 0.74-1.16x their measured step (7 within 10 %); this, 0.87-1.17x (11 within).
+work). Serving that load first instead (the Runs sharing what is left) over-predicted the tuner's
+interleaved and V-shaped candidates on 4 actors (measured 0.74-0.82x their prediction) where this model did not.
 
 A trace of actors sharing cores is read the other way (`fit_costs(..., cores=c)`): the integral over each
 Run's measured span is the time it would take on a core of its own.
@@ -68,25 +68,28 @@ def runtime_load(programs: list[Program], runtime_cpu: float) -> float:
     return runtime_cpu * sum(isinstance(ins, (Run, Send, Recv)) for p in programs for ins in p.instructions)
 
 
-def background_load(load: float, end: dict[Any, float]) -> float:
+def background_load(load: float, end: dict[Any, float], extra: float = 0.0) -> float:
     """How many cores `load` CPU seconds of the runtime's own work keep busy on average over a replayed step
-    whose Runs end at `end` (the step taken to last until the last one ends)."""
-    span = max(end.values(), default=0.0)
+    whose Runs end at `end` (replayed from 0), the step lasting `extra` more (its lead and tail: the window
+    `fit_costs` reads the load over)."""
+    span = max(end.values(), default=0.0) + extra
     return load / span if load > 0 and span > 0 else 0.0
 
 
 def settle(replay: Callable[[Callable[[Hashable], float]], tuple[dict[Any, float], dict[Any, float]]],
            actor: Callable[[Hashable], int], busy: dict[Hashable, float], idle: dict[Hashable, float], cores: int,
-           initial: dict[Hashable, float] | None = None, rounds: int = ROUNDS, load: float = 0.0) -> dict[Hashable, float]:
+           initial: dict[Hashable, float] | None = None, rounds: int = ROUNDS, load: float = 0.0, extra: float = 0.0
+           ) -> dict[Hashable, float]:
     """The slowdown of every Run (a key of `busy`) at the fixed point: `replay(duration)` replays with
     `duration(key)` and returns (start, end) per key; a Run lasts idle + busy * slowdown, its load spans
     [start + idle, end). `initial`: slowdowns to begin from (a nearby fixed point: few `rounds` then suffice).
-    `load`: CPU seconds the runtime's own threads use over the step on the same cores, spread over it evenly."""
+    `load`: CPU seconds the runtime's event loops use over the step on the same cores, spread over it evenly
+    (the step lasting `extra` beyond the last Run's end: see `background_load`)."""
     stretch = {k: (initial or {}).get(k, 1.0) for k in busy}
     for _ in range(rounds):
         start, end = replay(lambda k: idle[k] + busy[k] * stretch[k])
         ks = [k for k in busy if k in start]
-        now = sharing_factors([(actor(k), start[k] + idle[k], end[k]) for k in ks], cores, background_load(load, end))
+        now = sharing_factors([(actor(k), start[k] + idle[k], end[k]) for k in ks], cores, background_load(load, end, extra))
         moved = 0.0
         for k, f in zip(ks, now):
             new = 0.5 * stretch[k] + 0.5 * f
@@ -99,11 +102,11 @@ def settle(replay: Callable[[Callable[[Hashable], float]], tuple[dict[Any, float
 
 def replay_programs_shared(programs: list[Program], run_time: Callable[[int, Run], float], transfer_time: Callable[[int, Recv], float],
                            cores: int | None, idle: Callable[[int, Run], float] = lambda a, r: 0.0,
-                           initial: dict[tuple[int, int], float] | None = None, rounds: int = ROUNDS, load: float = 0.0
-                           ) -> tuple[ProgramReplay, dict[tuple[int, int], float]]:
+                           initial: dict[tuple[int, int], float] | None = None, rounds: int = ROUNDS, load: float = 0.0,
+                           extra: float = 0.0) -> tuple[ProgramReplay, dict[tuple[int, int], float]]:
     """`replay_programs` with the actors' Runs sharing `cores` cores (None, or at least one per actor: the plain
     replay). `run_time` (then `idle`, its part before computing) is asked once per Run. Returns the replay and
-    each Run's slowdown (>= 1), by (actor, index); `initial`, `rounds` and `load` as for `settle`."""
+    each Run's slowdown (>= 1), by (actor, index); `initial`, `rounds`, `load` and `extra` as for `settle`."""
     index = {(a, id(ins)): i for a, p in enumerate(programs) for i, ins in enumerate(p.instructions) if isinstance(ins, Run)}
     total: dict[tuple[int, int], float] = {}
     gaps: dict[tuple[int, int], float] = {}
@@ -124,7 +127,7 @@ def replay_programs_shared(programs: list[Program], run_time: Callable[[int, Run
         r = replay_programs(programs, lambda a, r: duration((a, index[(a, id(r))])), transfer_time)
         return r.start, r.end
 
-    stretch = settle(replay, lambda k: k[0], busy, gaps, cores, initial, rounds, load)
+    stretch = settle(replay, lambda k: k[0], busy, gaps, cores, initial, rounds, load, extra)
 
     def settled(a: int, r: Run) -> float:
         k = (a, index[(a, id(r))])
@@ -135,7 +138,7 @@ def replay_programs_shared(programs: list[Program], run_time: Callable[[int, Run
 
 def replay_table_shared(table: list[list[Any]], num_stages: int, actor_of: Callable[[int], int], duration: Callable[[Any], float],
                         transfer: Callable[[Any, Any], float], cores: int | None, idle: Callable[[Any], float] = lambda t: 0.0,
-                        load: float = 0.0) -> tuple[TableReplay, dict[Any, float]]:
+                        load: float = 0.0, extra: float = 0.0) -> tuple[TableReplay, dict[Any, float]]:
     """`replay_table` with the actors sharing `cores` cores (see `replay_programs_shared`); slowdowns by task."""
     rep = replay_table(table, num_stages, actor_of, duration, transfer)
     tasks = [t for row in table for t in row]
@@ -148,7 +151,7 @@ def replay_table_shared(table: list[list[Any]], num_stages: int, actor_of: Calla
         r = replay_table(table, num_stages, actor_of, d, transfer)
         return r.start, r.end
 
-    stretch = settle(replay, lambda t: actor_of(t.stage), busy, gaps, cores, load=load)
+    stretch = settle(replay, lambda t: actor_of(t.stage), busy, gaps, cores, load=load, extra=extra)
     rep = replay_table(table, num_stages, actor_of, lambda t: gaps[t] + busy[t] * stretch[t], transfer)
     return rep, stretch
 

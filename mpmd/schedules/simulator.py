@@ -66,7 +66,7 @@ class Costs:
     and inputs arriving) and `tail` idle time after the last Run ends (the last sends, the replies): both add to
     the step and to every actor's bubble. `cores`: how many cores the actors share when they share one host's
     CPU (fewer cores than actors: Runs running at once slow each other down, see mpmd.schedules.sharing);
-    None, each actor has its own. `runtime_cpu`: with `cores`, the CPU seconds the runtime's own threads spend
+    None, each actor has its own. `runtime_cpu`: with `cores`, the CPU seconds each actor's event loop spends
     per instruction (each Run dispatched, each Send, each Recv), which load those cores beside the Runs. The
     default is the unit model F=1, B=2, I=W=1 with free transfers."""
 
@@ -337,15 +337,15 @@ def simulate(schedule: Schedule, num_microbatches: int, costs: Costs | None = No
     split = split_stages(table)
     edges = [(d, t) for row in table for t in row for d in task_inputs(t, schedule.num_stages, split)
              if schedule.actor_of(d.stage) != schedule.actor_of(t.stage)]
-    # the runtime's CPU: a Run per task, a Send and a Recv per edge between actors
+    # the runtime's CPU: a Run per task, a Send and a Recv per edge between actors (a compiled step has a few
+    # more: its phase Runs and the arguments' transfers, which simulate_programs counts)
     load = costs.runtime_cpu * (sum(map(len, table)) + 2 * len(edges))
     run, _ = replay_table_shared(table, schedule.num_stages, schedule.actor_of, lambda t: costs.gap + costs.task_time(t) + costs.overhead,
-                                 transfer, costs.cores, lambda t: costs.gap, load)
+                                 transfer, costs.cores, lambda t: costs.gap, load, costs.lead + costs.tail)
     spans = [[(run.start[t] + costs.gap, run.end[t], str(t)) for t in row] for row in table]
     transfers = [(schedule.actor_of(d.stage), schedule.actor_of(t.stage), run.end[d], run.end[d] + transfer(d, t), f"{d}->{t}")
                  for d, t in edges]
     return _result(str(schedule), spans, table, transfers, costs=costs)
-
 
 
 def _recv_bytes(recv: Recv) -> int:
@@ -375,7 +375,8 @@ def simulate_programs(programs: list[Program], costs: Costs | None = None, name:
     costs = costs or Costs()
     run, stretch = replay_programs_shared(programs, lambda a, r: costs.run_time(r.label),
                                           lambda a, r: costs.route_time(r.from_actor, a, _recv_bytes(r)), costs.cores,
-                                          lambda a, r: costs.gap, load=runtime_load(programs, costs.runtime_cpu))
+                                          lambda a, r: costs.gap, load=runtime_load(programs, costs.runtime_cpu),
+                                          extra=costs.lead + costs.tail)
     if run.stuck:
         check_programs(programs)  # raises, naming who waits for what: getting stuck does not depend on the costs
         raise PipelineError("internal: programs got stuck on a cost model but not on unit costs")
