@@ -81,7 +81,7 @@ def run_one(gpt, mesh, name: str, n: int, stages: int, args: argparse.Namespace,
     loss.block_until_ready()
     measured_peak = [mesh.actor(a).stats()["last_step_peak_bytes"] for a in range(n)]
     programs = step.compile(*state, batch).plan.programs
-    costs = fit_costs(trace, stages, cores=mesh.shared_cores())  # 4 actors on 2 cores: their own times
+    costs = fit_costs(trace, stages, cores=mesh.shared_cores(), own_core=mesh.one_core_each())  # shared or pinned cores: own times
     sim = simulate_programs(programs, costs, name=f"{name} simulated")
     meas = measured_bubbles(trace)
     picture = out / f"{name}-{n}actors.svg"

@@ -121,9 +121,11 @@ def test_a_local_mesh_says_how_many_cores_its_actors_share(mesh4, mesh2):
     cores = len(os.sched_getaffinity(0))
     assert mesh4.shared_cores() == (cores if cores < 4 else None)
     assert mesh2.shared_cores() == (cores if cores < 2 else None)
+    assert not mesh4.one_core_each() and not mesh2.one_core_each()  # unpinned: no core of their own
     if cores >= 2:
         with mpmd.RemoteMesh.local(num_actors=2, cpus_per_actor=1) as pinned:
             assert pinned.shared_cores() is None  # a core each
+            assert pinned.one_core_each()  # so each actor's event loop shares its core with its Runs alone
 
 
 def test_a_schedule_numbered_with_numpy_integers_runs_like_jit_and_bad_schedule_arguments_are_named(mesh2):

@@ -662,10 +662,31 @@ def test_the_runtimes_own_cpu_loads_shared_cores_as_that_many_more_things_runnin
     plain = simulate_programs(progs, Costs(F=1.0, B=2.0, cores=1)).step_time
     loaded = simulate_programs(progs, Costs(F=1.0, B=2.0, cores=1, runtime_cpu=0.5)).step_time
     assert loaded > plain * 1.2  # 32 instructions (16 Runs, 8 Sends, 8 Recvs) x 0.5 s beside 24 s of Runs
-    assert simulate_programs(progs, Costs(F=1.0, B=2.0, cores=2, runtime_cpu=0.5)).step_time == pytest.approx(
-        simulate_programs(progs, Costs(F=1.0, B=2.0)).step_time)  # a core each: the runtime's CPU is not shared
+    assert simulate_programs(progs, Costs(F=1.0, B=2.0, cores=2)).step_time == pytest.approx(
+        simulate_programs(progs, Costs(F=1.0, B=2.0)).step_time)  # a core each and no loop CPU: the plain replay
     table = mpmd.simulate(mpmd.GPipe(2), 4, Costs(F=1.0, B=2.0, cores=1, runtime_cpu=0.5)).step_time
     assert table == pytest.approx(loaded, rel=0.02)  # the table counts a Run per task, a Send and a Recv per hop
+
+
+def test_an_actor_on_a_core_of_its_own_shares_it_with_its_event_loop_alone():
+    """Written-down model: an actor pinned to its own core whose loop uses L CPU seconds over a step of T runs its
+    Runs at 1 / (1 + L / T). One Run of 1 s and runtime_cpu = 2 s (one instruction): T = 1 + 2 / T, T = 2. Two
+    actors: each is slowed by its own loop only (a busier loop on actor 1 does not slow actor 0)."""
+    one = [Program(0, [], [], [Run(0, (), (0,), Label.of(Task(0, "F", 0)))])]
+    assert simulate_programs(one, Costs(F=1.0, runtime_cpu=2.0)).step_time == pytest.approx(2.0, rel=1e-4)
+    assert simulate_programs(one, Costs(F=1.0, runtime_cpu=2.0, cores=1)).step_time == pytest.approx(2.0, rel=1e-4)  # >= actors
+    assert simulate_programs(one, Costs(F=1.0)).step_time == 1.0
+    two = [Program(0, [], [], [Run(0, (), (0,), Label.of(Task(0, "F", 0)))]),
+           Program(1, [], [], [Run(0, (), (0,), Label.of(Task(1, "F", 0))), *[Run(i, (), (i,), Label.of(Task(1, "F", i)))
+                                                                              for i in range(1, 4)]])]
+    sim = simulate_programs(two, Costs(F=(1.0, 0.25), runtime_cpu=0.25))
+    t = sim.step_time  # actor 1: 4 Runs of 0.25 s and 1 s of loop CPU; actor 0: 1 Run of 1 s and 0.25 s of loop CPU
+    assert t == pytest.approx(1.0 * (1 + 1.0 / t), rel=1e-3)
+    assert sim.timeline[0][0][1] - sim.timeline[0][0][0] == pytest.approx(1.0 + 0.25 / t, rel=1e-3)
+    table = mpmd.simulate(mpmd.OneFOneB(2), 4, Costs(F=1.0, B=2.0, runtime_cpu=0.5)).step_time
+    progs = programs_from_table(mpmd.OneFOneB(2), validate(mpmd.OneFOneB(2), 4))
+    assert table == pytest.approx(simulate_programs(progs, Costs(F=1.0, B=2.0, runtime_cpu=0.5)).step_time, rel=0.02)
+    assert table > mpmd.simulate(mpmd.OneFOneB(2), 4, Costs(F=1.0, B=2.0)).step_time * 1.1
 
 
 def test_fit_costs_reads_the_runtimes_cpu_per_instruction_from_what_each_actor_reports():
@@ -696,7 +717,11 @@ def test_fit_costs_reads_the_runtimes_cpu_per_instruction_from_what_each_actor_r
     got = fit_costs(trace(1.6e-3), 2, cores=1)
     assert got.runtime_cpu == pytest.approx(0.2e-3)
     assert got.F == pytest.approx((2e-3 / 2.4, 2e-3 / 2.4))
-    assert fit_costs(trace(1.6e-3), 2, cores=2).runtime_cpu == 0.0  # a core each: not read
+    assert fit_costs(trace(1.6e-3), 2, cores=2).runtime_cpu == 0.0  # a core each, maybe not pinned: not read
+    # pinned to a core each: the 2 ms Runs ran at 1 / (1 + 1.6 / 8) beside each actor's own loop
+    pinned = fit_costs(trace(1.6e-3), 2, own_core=True)
+    assert pinned.runtime_cpu == pytest.approx(0.2e-3) and pinned.cores is None
+    assert pinned.F == pytest.approx((2e-3 / 1.2, 2e-3 / 1.2))
 
 
 def test_the_runtimes_load_fitted_over_a_window_with_lead_and_tail_simulates_the_traced_step_back():

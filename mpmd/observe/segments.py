@@ -43,7 +43,7 @@ def segment_layout(step: Any, *args: Any) -> tuple[int, tuple[float, ...], int, 
 
 
 def _traced_costs(step: Any, schedule: SegmentProfile, args: tuple[Any, ...], steps: int, traced: int = 3,
-                  cores: int | None = None) -> tuple[Any, set[int]]:
+                  cores: int | None = None, own_core: bool = False) -> tuple[Any, set[int]]:
     """Costs fitted to `traced` steps of the variant, each number the median over the steps' own fits (one
     traced step of small tasks moves 10-30 % on a busy machine), and the segments that ran an I task."""
     from mpmd.runtime.array import wait_ready
@@ -54,7 +54,8 @@ def _traced_costs(step: Any, schedule: SegmentProfile, args: tuple[Any, ...], st
     with step.mesh.trace() as t:
         for _ in range(traced):
             wait_ready(variant.call_bound(args))
-    return median_costs([fit_costs(t, schedule.num_stages, k, per_run=False, cores=cores) for k in range(len(t.steps))]), t.stages_with("I")
+    return median_costs([fit_costs(t, schedule.num_stages, k, per_run=False, cores=cores, own_core=own_core)
+                         for k in range(len(t.steps))]), t.stages_with("I")
 
 
 def median_costs(fits: list[Any]) -> Any:
@@ -82,17 +83,18 @@ def profile_costs(step: Any, *args: Any, steps: int = 2, split_backward: bool = 
     p = min(len(step.mesh), n)
     log.info("profiling %d segments on %d actors, %d microbatches", n, p, m)
     cores = getattr(step.mesh, "shared_cores", lambda: None)()  # actors sharing this host's cores: fit own times
-    fused, _ = _traced_costs(step, SegmentProfile(n, p, split=False), args, steps, cores=cores)
+    own = bool(getattr(step.mesh, "one_core_each", lambda: False)())  # or each on a core of its own, with its loop
+    fused, _ = _traced_costs(step, SegmentProfile(n, p, split=False), args, steps, cores=cores, own_core=own)
     i: tuple[float, ...] = ()
     w: tuple[float, ...] = ()
     if split_backward:
-        parts, with_i = _traced_costs(step, SegmentProfile(n, p, split=True), args, steps, cores=cores)
+        parts, with_i = _traced_costs(step, SegmentProfile(n, p, split=True), args, steps, cores=cores, own_core=own)
         # A zero I means "no input-gradient task" to the balancer; a segment that has one but whose I always ran
         # fused with another task may fit to zero: it keeps a token time, so that it is not taken for one without.
         i = tuple(max(x, MIN_TASK_SECONDS) if k in with_i else 0.0 for k, x in enumerate(parts.I))
         w = tuple(parts.W)
     # Every segment on one actor: a microbatch's tasks fuse, so the total is nearly free of per-Run overhead.
-    together, _ = _traced_costs(step, SegmentProfile(n, 1), args, steps)
+    together, _ = _traced_costs(step, SegmentProfile(n, 1), args, steps, own_core=own)
     apart_total = sum(fused.F) + sum(fused.B)
     run_overhead = max(0.0, (apart_total - sum(together.F) - sum(together.B)) / (2 * n)) if n > 1 else 0.0
     # A split backward runs I and W as two Runs where B was one: I + W - B is one Run's overhead there.

@@ -248,7 +248,8 @@ def _check_fit_args(trace: Trace, num_stages: int, step: int) -> None:
                         f"pass the traced schedule's num_stages (at least {top + 1})")
 
 
-def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = True, cores: int | None = None) -> Any:
+def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = True, cores: int | None = None,
+              own_core: bool = False) -> Any:
     """`mpmd.Costs` fitted to a traced step: per stage, the F/B/I/W times that best explain every Run's
     measured duration (least squares over all Runs of the step: a Run lasts the sum of its tasks plus, with
     `per_run`, one `overhead` that every Run pays whatever it computes — fitted only where the step has Runs
@@ -257,7 +258,10 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
     from could-start to start), the step's `lead` and `tail` (idle before the first Run anywhere and after the
     last), and a transfer latency and bandwidth from the transfers. `cores`: the actors shared that many cores
     (fewer than actors): each Run's duration is first divided by how much the Runs beside it slowed it
-    (mpmd.schedules.sharing), and the costs say `cores` so that the simulators slow them down again."""
+    (mpmd.schedules.sharing), and the costs say `cores` so that the simulators slow them down again.
+    `own_core`: each actor ran pinned to a core of its own (CPU), shared with its event loop alone. With either,
+    and each actor's loop CPU reported, the costs' `runtime_cpu` is that CPU per Run, Send and Recv, and the
+    Runs' own times are read without the loops' share."""
     import numpy as np
 
     from mpmd.schedules.montecarlo import Empirical
@@ -268,7 +272,7 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
     col = {(s, k): i for i, (s, k) in enumerate((s, k) for s in range(num_stages) for k in kinds)}
     rows, rhs, other = [], [], []
     shared = cores if cores is not None and cores < len(trace.steps[step]) else None  # else a core each: nothing to undo
-    own, runtime_cpu = _own_durations(trace.steps[step], shared, trace.window(step))
+    own, runtime_cpu = _own_durations(trace.steps[step], shared, trace.window(step), own_core)
     for a, x in trace.steps[step].items():
         for r in x.runs:
             tasks = _tasks_of(r.label)
@@ -341,19 +345,25 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
                  empirical=empirical, cores=shared, runtime_cpu=runtime_cpu)
 
 
-def _own_durations(steps: dict[int, ActorStep], cores: int | None, window: tuple[float, float]) -> tuple[dict[int, float], float]:
+def _own_durations(steps: dict[int, ActorStep], cores: int | None, window: tuple[float, float],
+                   own_core: bool = False) -> tuple[dict[int, float], float]:
     """Each Run's duration (by id) as on a core of its own (`cores` shared by the actors; None: as measured),
-    and the CPU seconds the runtime spent per instruction (0.0 unless the actors share cores and each reported
-    its event loop's CPU): the actors' loops' CPU over the step's Runs, Sends and Recvs. That CPU loads the
-    cores the Runs share (mpmd.schedules.sharing), so the Runs' own times are read with it."""
+    and the CPU seconds the runtime spent per instruction (0.0 unless the actors share cores or each has one of
+    its own (`own_core`), and each reported its event loop's CPU): the actors' loops' CPU over the step's Runs,
+    Sends and Recvs. That CPU loads the cores the Runs use (mpmd.schedules.sharing), so the Runs' own times
+    are read with it: on shared cores as that many more things running, on an actor's own core as its Runs
+    running at 1 / (1 + its loop's CPU / the step)."""
     runs = [(a, r) for a, x in steps.items() for r in x.runs]
-    if cores is None:
-        return {id(r): r.end - r.start for _, r in runs}, 0.0
-    from mpmd.schedules.sharing import own_times
-
     instructions = sum(len(x.runs) + len(x.transfers) for x in steps.values())
     span = window[1] - window[0]
     reported = all(x.cpu is not None for x in steps.values()) and instructions > 0 and span > 0
+    if cores is None:
+        if not (own_core and reported):
+            return {id(r): r.end - r.start for _, r in runs}, 0.0
+        share = {a: 1.0 + (x.cpu or 0.0) / span for a, x in steps.items()}
+        return {id(r): (r.end - r.start) / share[a] for a, r in runs}, sum(x.cpu or 0.0 for x in steps.values()) / instructions
+    from mpmd.schedules.sharing import own_times
+
     load = sum(x.cpu or 0.0 for x in steps.values()) if reported else 0.0
     own = own_times([(a, r.start, r.end) for a, r in runs], cores, load / span if reported else 0.0)
     return {id(r): w for (_, r), w in zip(runs, own)}, (load / instructions if reported else 0.0)

@@ -356,6 +356,24 @@ class RemoteMesh:
                 return None
         return len(cores) if len(cores) < len(procs) else None
 
+    def one_core_each(self) -> bool:
+        """Whether this mesh started its actors here, on the CPU, each pinned to a single core no other actor
+        runs on (`cpus_per_actor=1`): then an actor's event loop shares its core with its Runs alone, which
+        `profile_costs` and `fit_costs(..., own_core=True)` model."""
+        procs = [p for p in self.processes if getattr(p, "platform", None) == "cpu" and getattr(p, "proc", None) is not None]
+        if not procs or len(procs) != len(self):
+            return False
+        seen: set[int] = set()
+        for p in procs:
+            try:
+                cores = os.sched_getaffinity(p.proc.pid)
+            except (OSError, AttributeError):
+                return False
+            if len(cores) != 1 or cores & seen:
+                return False
+            seen |= cores
+        return True
+
     def actor(self, i: int) -> ActorHandle:
         if not 0 <= i < len(self.actors):
             raise IndexError(f"actor index {i} out of range: this mesh has {len(self.actors)} actors")

@@ -139,9 +139,10 @@ class SegmentCosts:
         if self.rows_exponent != 1.0 or self.rows_exponent_below:
             below = f" (as rows ** {self.rows_exponent_below:.2f} for fewer rows)" if self.rows_exponent_below else ""
             lines.append(f"  measured at {self.microbatch_rows} rows per microbatch; the rest grows as rows ** {self.rows_exponent:.2f}{below}")
-        if self.cores and self.runtime_cpu:
-            lines.append(f"  the actors share {self.cores} cores, and their event loops use {self.runtime_cpu * 1e3:.3g} ms of CPU "
-                         "(if the times are seconds) per Run, Send and Recv beside the Runs")
+        if self.runtime_cpu:
+            where = f"the {self.cores} cores the actors share" if self.cores else "each actor's own core"
+            lines.append(f"  the actors' event loops use {self.runtime_cpu * 1e3:.3g} ms of CPU (if the times are seconds) per Run, Send "
+                         f"and Recv on {where}, beside the Runs")
         return "\n".join(lines)
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mpmd.errors import PipelineError
-from mpmd.schedules.sharing import replay_programs_shared, runtime_load
+from mpmd.schedules.sharing import replay_programs_shared, runtime_loads
 from mpmd.schedules.validation import check_programs
 from transport.program import Program, Recv, Run, Task
 from transport.protocol import dtype_from_name
@@ -101,12 +101,13 @@ def simulate_monte_carlo(programs: list[Program], costs: Any, runs: int = 100, s
     tasks, hops, gaps = _centred(emp.task_samples(), costs), emp.hop_residuals(), emp.gaps
     rng = random.Random(seed)
     cores = getattr(costs, "cores", None)
-    load = runtime_load(programs, getattr(costs, "runtime_cpu", 0.0))
+    loads = runtime_loads(programs, getattr(costs, "runtime_cpu", 0.0))
+    load = sum(loads)
     near = None  # with shared cores: every draw's fixed point starts from the mean model's (a few rounds then do)
-    if cores is not None:
+    if cores is not None or load:
         near = replay_programs_shared(programs, lambda a, r: costs.run_time(r.label),
                                       lambda a, r: costs.route_time(r.from_actor, a, _recv_bytes(r)), cores, lambda a, r: costs.gap,
-                                      load=load, extra=costs.lead + costs.tail)[1]
+                                      load=load, extra=costs.lead + costs.tail, actor_loads=loads)[1]
     step_times: list[float] = []
     bubbles: list[list[float]] = []
     for _ in range(runs):
@@ -128,7 +129,7 @@ def simulate_monte_carlo(programs: list[Program], costs: Any, runs: int = 100, s
             return max(0.0, base + rng.choice(res)) if res else base
 
         rep, _ = replay_programs_shared(programs, run_time, transfer_time, cores, lambda a, r: drawn_gap[(a, id(r))], initial=near,
-                                        rounds=4, load=load, extra=costs.lead + costs.tail)
+                                        rounds=4, load=load, extra=costs.lead + costs.tail, actor_loads=loads)
         if rep.stuck:
             check_programs(programs)
             raise PipelineError("internal: programs got stuck on a cost model but not on unit costs")

@@ -12,6 +12,8 @@ instruction) load the same cores: their CPU seconds over the step, spread evenly
 more things running (`load`; on 4 actors sharing 2 cores with small stages it is more than the Runs' own
 work). Serving that load first instead (the Runs sharing what is left) over-predicted the tuner's
 interleaved and V-shaped candidates on 4 actors (measured 0.74-0.82x their prediction) where this model did not.
+Actors pinned to a core each (`cores` None, `Costs.runtime_cpu` > 0) share it with their own event loop
+alone: an actor whose loop uses L CPU seconds over a step of T runs its Runs at 1 / (1 + L / T).
 
 A trace of actors sharing cores is read the other way (`fit_costs(..., cores=c)`): the integral over each
 Run's measured span is the time it would take on a core of its own.
@@ -20,7 +22,7 @@ Run's measured span is the time it would take on a core of its own.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from mpmd.schedules.validation import ProgramReplay, TableReplay, replay_programs, replay_table
@@ -61,11 +63,15 @@ def sharing_factors(spans: list[tuple[int, float, float]], cores: int, backgroun
     return [(e - s) / w if w > 0 else 1.0 for (_, s, e), w in zip(spans, own_times(spans, cores, background))]
 
 
+def runtime_loads(programs: list[Program], runtime_cpu: float) -> list[float]:
+    """The CPU seconds each actor's event loop spends on its Program: `runtime_cpu` per Run, Send and Recv."""
+    return [runtime_cpu * sum(isinstance(ins, (Run, Send, Recv)) for ins in p.instructions) if runtime_cpu else 0.0
+            for p in programs]
+
+
 def runtime_load(programs: list[Program], runtime_cpu: float) -> float:
-    """The CPU seconds the runtime's own threads spend on `programs`: `runtime_cpu` per Run, Send and Recv."""
-    if not runtime_cpu:
-        return 0.0
-    return runtime_cpu * sum(isinstance(ins, (Run, Send, Recv)) for p in programs for ins in p.instructions)
+    """The CPU seconds the actors' event loops spend on `programs` in all (`runtime_loads` summed)."""
+    return sum(runtime_loads(programs, runtime_cpu))
 
 
 def background_load(load: float, end: dict[Any, float], extra: float = 0.0) -> float:
@@ -78,18 +84,23 @@ def background_load(load: float, end: dict[Any, float], extra: float = 0.0) -> f
 
 def settle(replay: Callable[[Callable[[Hashable], float]], tuple[dict[Any, float], dict[Any, float]]],
            actor: Callable[[Hashable], int], busy: dict[Hashable, float], idle: dict[Hashable, float], cores: int,
-           initial: dict[Hashable, float] | None = None, rounds: int = ROUNDS, load: float = 0.0, extra: float = 0.0
-           ) -> dict[Hashable, float]:
+           initial: dict[Hashable, float] | None = None, rounds: int = ROUNDS, load: float = 0.0, extra: float = 0.0,
+           actor_loads: Sequence[float] = ()) -> dict[Hashable, float]:
     """The slowdown of every Run (a key of `busy`) at the fixed point: `replay(duration)` replays with
     `duration(key)` and returns (start, end) per key; a Run lasts idle + busy * slowdown, its load spans
     [start + idle, end). `initial`: slowdowns to begin from (a nearby fixed point: few `rounds` then suffice).
     `load`: CPU seconds the runtime's event loops use over the step on the same cores, spread over it evenly
-    (the step lasting `extra` beyond the last Run's end: see `background_load`)."""
+    (the step lasting `extra` beyond the last Run's end: see `background_load`). `cores` None: each actor has
+    a core of its own, shared only with its own event loop, which uses `actor_loads[a]` CPU seconds over the
+    step: its Runs progress at 1 / (1 + that load / the step)."""
     stretch = {k: (initial or {}).get(k, 1.0) for k in busy}
     for _ in range(rounds):
         start, end = replay(lambda k: idle[k] + busy[k] * stretch[k])
         ks = [k for k in busy if k in start]
-        now = sharing_factors([(actor(k), start[k] + idle[k], end[k]) for k in ks], cores, background_load(load, end, extra))
+        if cores is None:
+            now = [1.0 + background_load(actor_loads[actor(k)] if actor(k) < len(actor_loads) else 0.0, end, extra) for k in ks]
+        else:
+            now = sharing_factors([(actor(k), start[k] + idle[k], end[k]) for k in ks], cores, background_load(load, end, extra))
         moved = 0.0
         for k, f in zip(ks, now):
             new = 0.5 * stretch[k] + 0.5 * f
@@ -103,10 +114,11 @@ def settle(replay: Callable[[Callable[[Hashable], float]], tuple[dict[Any, float
 def replay_programs_shared(programs: list[Program], run_time: Callable[[int, Run], float], transfer_time: Callable[[int, Recv], float],
                            cores: int | None, idle: Callable[[int, Run], float] = lambda a, r: 0.0,
                            initial: dict[tuple[int, int], float] | None = None, rounds: int = ROUNDS, load: float = 0.0,
-                           extra: float = 0.0) -> tuple[ProgramReplay, dict[tuple[int, int], float]]:
-    """`replay_programs` with the actors' Runs sharing `cores` cores (None, or at least one per actor: the plain
-    replay). `run_time` (then `idle`, its part before computing) is asked once per Run. Returns the replay and
-    each Run's slowdown (>= 1), by (actor, index); `initial`, `rounds`, `load` and `extra` as for `settle`."""
+                           extra: float = 0.0, actor_loads: Sequence[float] = ()) -> tuple[ProgramReplay, dict[tuple[int, int], float]]:
+    """`replay_programs` with the actors' Runs sharing `cores` cores (None, or at least one per actor: each
+    actor's core shared with its own event loop's `actor_loads`, or with none: the plain replay). `run_time`
+    (then `idle`, its part before computing) is asked once per Run. Returns the replay and each Run's slowdown
+    (>= 1), by (actor, index); `initial`, `rounds`, `load`, `extra` and `actor_loads` as for `settle`."""
     index = {(a, id(ins)): i for a, p in enumerate(programs) for i, ins in enumerate(p.instructions) if isinstance(ins, Run)}
     total: dict[tuple[int, int], float] = {}
     gaps: dict[tuple[int, int], float] = {}
@@ -119,7 +131,8 @@ def replay_programs_shared(programs: list[Program], run_time: Callable[[int, Run
         return total[k]
 
     rep = replay_programs(programs, once, transfer_time)
-    if cores is None or cores >= len(programs) or rep.stuck:
+    shared = cores is not None and cores < len(programs)
+    if rep.stuck or not (shared or any(actor_loads)):
         return rep, {k: 1.0 for k in total}
     busy = {k: total[k] - gaps[k] for k in total}
 
@@ -127,7 +140,7 @@ def replay_programs_shared(programs: list[Program], run_time: Callable[[int, Run
         r = replay_programs(programs, lambda a, r: duration((a, index[(a, id(r))])), transfer_time)
         return r.start, r.end
 
-    stretch = settle(replay, lambda k: k[0], busy, gaps, cores, initial, rounds, load, extra)
+    stretch = settle(replay, lambda k: k[0], busy, gaps, cores if shared else None, initial, rounds, load, extra, actor_loads)
 
     def settled(a: int, r: Run) -> float:
         k = (a, index[(a, id(r))])
@@ -138,11 +151,12 @@ def replay_programs_shared(programs: list[Program], run_time: Callable[[int, Run
 
 def replay_table_shared(table: list[list[Any]], num_stages: int, actor_of: Callable[[int], int], duration: Callable[[Any], float],
                         transfer: Callable[[Any, Any], float], cores: int | None, idle: Callable[[Any], float] = lambda t: 0.0,
-                        load: float = 0.0, extra: float = 0.0) -> tuple[TableReplay, dict[Any, float]]:
+                        load: float = 0.0, extra: float = 0.0, actor_loads: Sequence[float] = ()) -> tuple[TableReplay, dict[Any, float]]:
     """`replay_table` with the actors sharing `cores` cores (see `replay_programs_shared`); slowdowns by task."""
     rep = replay_table(table, num_stages, actor_of, duration, transfer)
     tasks = [t for row in table for t in row]
-    if cores is None or cores >= len(table) or rep.stuck:
+    shared = cores is not None and cores < len(table)
+    if rep.stuck or not (shared or any(actor_loads)):
         return rep, {t: 1.0 for t in tasks}
     gaps = {t: min(idle(t), duration(t)) for t in tasks}
     busy = {t: duration(t) - gaps[t] for t in tasks}
@@ -151,9 +165,11 @@ def replay_table_shared(table: list[list[Any]], num_stages: int, actor_of: Calla
         r = replay_table(table, num_stages, actor_of, d, transfer)
         return r.start, r.end
 
-    stretch = settle(replay, lambda t: actor_of(t.stage), busy, gaps, cores, load=load, extra=extra)
+    stretch = settle(replay, lambda t: actor_of(t.stage), busy, gaps, cores if shared else None, load=load, extra=extra,
+                     actor_loads=actor_loads)
     rep = replay_table(table, num_stages, actor_of, lambda t: gaps[t] + busy[t] * stretch[t], transfer)
     return rep, stretch
 
 
-__all__ = ["background_load", "own_times", "replay_programs_shared", "replay_table_shared", "runtime_load", "settle", "sharing_factors"]
+__all__ = ["background_load", "own_times", "replay_programs_shared", "replay_table_shared", "runtime_load", "runtime_loads", "settle",
+           "sharing_factors"]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from mpmd.errors import PipelineError, ScheduleError
 from mpmd.schedules.draw import draw_timeline, kind_of
 from mpmd.schedules.montecarlo import Empirical
-from mpmd.schedules.sharing import replay_programs_shared, replay_table_shared, runtime_load
+from mpmd.schedules.sharing import replay_programs_shared, replay_table_shared, runtime_load, runtime_loads
 from mpmd.schedules.validation import Schedule, check_programs, split_stages, task_inputs, validate
 from transport.program import TASK_KINDS, Delete, Label, Program, Recv, Run, Task
 from transport.protocol import dtype_from_name
@@ -66,8 +66,10 @@ class Costs:
     and inputs arriving) and `tail` idle time after the last Run ends (the last sends, the replies): both add to
     the step and to every actor's bubble. `cores`: how many cores the actors share when they share one host's
     CPU (fewer cores than actors: Runs running at once slow each other down, see mpmd.schedules.sharing);
-    None, each actor has its own. `runtime_cpu`: with `cores`, the CPU seconds each actor's event loop spends
-    per instruction (each Run dispatched, each Send, each Recv), which load those cores beside the Runs. The
+    None, each actor has its own. `runtime_cpu`: the CPU seconds each actor's event loop spends per
+    instruction (each Run dispatched, each Send, each Recv) on the cores its Runs use: with `cores`, the
+    shared ones; without, each actor's own core (CPU actors pinned to one core each: `fit_costs` reads it
+    from a trace only then; on a GPU, or where a loop has a core to spare, leave it 0). The
     default is the unit model F=1, B=2, I=W=1 with free transfers."""
 
     F: PerStage = 1.0
@@ -339,9 +341,12 @@ def simulate(schedule: Schedule, num_microbatches: int, costs: Costs | None = No
              if schedule.actor_of(d.stage) != schedule.actor_of(t.stage)]
     # the runtime's CPU: a Run per task, a Send and a Recv per edge between actors (a compiled step has a few
     # more: its phase Runs and the arguments' transfers, which simulate_programs counts)
-    load = costs.runtime_cpu * (sum(map(len, table)) + 2 * len(edges))
+    loads = [costs.runtime_cpu * len(row) for row in table]
+    for d, t in edges:
+        loads[schedule.actor_of(d.stage)] += costs.runtime_cpu
+        loads[schedule.actor_of(t.stage)] += costs.runtime_cpu
     run, _ = replay_table_shared(table, schedule.num_stages, schedule.actor_of, lambda t: costs.gap + costs.task_time(t) + costs.overhead,
-                                 transfer, costs.cores, lambda t: costs.gap, load, costs.lead + costs.tail)
+                                 transfer, costs.cores, lambda t: costs.gap, sum(loads), costs.lead + costs.tail, loads)
     spans = [[(run.start[t] + costs.gap, run.end[t], str(t)) for t in row] for row in table]
     transfers = [(schedule.actor_of(d.stage), schedule.actor_of(t.stage), run.end[d], run.end[d] + transfer(d, t), f"{d}->{t}")
                  for d, t in edges]
@@ -376,7 +381,7 @@ def simulate_programs(programs: list[Program], costs: Costs | None = None, name:
     run, stretch = replay_programs_shared(programs, lambda a, r: costs.run_time(r.label),
                                           lambda a, r: costs.route_time(r.from_actor, a, _recv_bytes(r)), costs.cores,
                                           lambda a, r: costs.gap, load=runtime_load(programs, costs.runtime_cpu),
-                                          extra=costs.lead + costs.tail)
+                                          extra=costs.lead + costs.tail, actor_loads=runtime_loads(programs, costs.runtime_cpu))
     if run.stuck:
         check_programs(programs)  # raises, naming who waits for what: getting stuck does not depend on the costs
         raise PipelineError("internal: programs got stuck on a cost model but not on unit costs")
