@@ -646,8 +646,8 @@ def test_fit_costs_of_actors_sharing_a_core_recovers_each_runs_own_time():
 def test_the_runtimes_own_cpu_loads_shared_cores_as_that_many_more_things_running():
     """Written-down model (mpmd.schedules.sharing): L CPU seconds of the runtime's own work over a step of T
     seconds count as L / T more things running. Two actors each with one Run of work 1 at once on one core:
-    each progresses at 1 / (2 + L / T), so T = 2 + L / T, T = 1 + sqrt(1 + L) (L = 3: T = 3). Runs that do not
-    share cores are not slowed; Costs.runtime_cpu charges it per Run, Send and Recv of the Programs."""
+    each progresses at 1 / (2 + L / T), so T = 2 + L / T, T = 1 + sqrt(1 + L) (L = 3: T = 3). With at least a
+    core per actor (`cores` given) Runs are not slowed; Costs.runtime_cpu charges it per Run, Send and Recv."""
     from mpmd.schedules.sharing import runtime_load, settle
 
     def replay(duration):
@@ -662,8 +662,8 @@ def test_the_runtimes_own_cpu_loads_shared_cores_as_that_many_more_things_runnin
     plain = simulate_programs(progs, Costs(F=1.0, B=2.0, cores=1)).step_time
     loaded = simulate_programs(progs, Costs(F=1.0, B=2.0, cores=1, runtime_cpu=0.5)).step_time
     assert loaded > plain * 1.2  # 32 instructions (16 Runs, 8 Sends, 8 Recvs) x 0.5 s beside 24 s of Runs
-    assert simulate_programs(progs, Costs(F=1.0, B=2.0, cores=2)).step_time == pytest.approx(
-        simulate_programs(progs, Costs(F=1.0, B=2.0)).step_time)  # a core each and no loop CPU: the plain replay
+    assert simulate_programs(progs, Costs(F=1.0, B=2.0, cores=2, runtime_cpu=0.5)).step_time == pytest.approx(
+        simulate_programs(progs, Costs(F=1.0, B=2.0)).step_time)  # a core each to spare: the plain replay
     table = mpmd.simulate(mpmd.GPipe(2), 4, Costs(F=1.0, B=2.0, cores=1, runtime_cpu=0.5)).step_time
     assert table == pytest.approx(loaded, rel=0.02)  # the table counts a Run per task, a Send and a Recv per hop
 
@@ -674,8 +674,11 @@ def test_an_actor_on_a_core_of_its_own_shares_it_with_its_event_loop_alone():
     actors: each is slowed by its own loop only (a busier loop on actor 1 does not slow actor 0)."""
     one = [Program(0, [], [], [Run(0, (), (0,), Label.of(Task(0, "F", 0)))])]
     assert simulate_programs(one, Costs(F=1.0, runtime_cpu=2.0)).step_time == pytest.approx(2.0, rel=1e-4)
-    assert simulate_programs(one, Costs(F=1.0, runtime_cpu=2.0, cores=1)).step_time == pytest.approx(2.0, rel=1e-4)  # >= actors
+    assert simulate_programs(one, Costs(F=1.0, runtime_cpu=2.0, cores=1)).step_time == 1.0  # a core per actor to spare
     assert simulate_programs(one, Costs(F=1.0)).step_time == 1.0
+    from mpmd.schedules.montecarlo import simulate_monte_carlo
+
+    assert simulate_monte_carlo(one, Costs(F=1.0, runtime_cpu=2.0), runs=3).step_time == pytest.approx(2.0, rel=1e-2)
     two = [Program(0, [], [], [Run(0, (), (0,), Label.of(Task(0, "F", 0)))]),
            Program(1, [], [], [Run(0, (), (0,), Label.of(Task(1, "F", 0))), *[Run(i, (), (i,), Label.of(Task(1, "F", i)))
                                                                               for i in range(1, 4)]])]
@@ -722,6 +725,11 @@ def test_fit_costs_reads_the_runtimes_cpu_per_instruction_from_what_each_actor_r
     pinned = fit_costs(trace(1.6e-3), 2, own_core=True)
     assert pinned.runtime_cpu == pytest.approx(0.2e-3) and pinned.cores is None
     assert pinned.F == pytest.approx((2e-3 / 1.2, 2e-3 / 1.2))
+    # loops that differ are read as their mean per instruction, as the simulators charge it: 2.4 ms and 0.8 ms
+    uneven = trace(1.6e-3)
+    uneven.steps[0][0].cpu, uneven.steps[0][1].cpu = 2.4e-3, 0.8e-3
+    both = fit_costs(uneven, 2, own_core=True)
+    assert both.runtime_cpu == pytest.approx(0.2e-3) and both.F == pytest.approx((2e-3 / 1.2, 2e-3 / 1.2))
 
 
 def test_the_runtimes_load_fitted_over_a_window_with_lead_and_tail_simulates_the_traced_step_back():

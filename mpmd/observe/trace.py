@@ -352,7 +352,7 @@ def _own_durations(steps: dict[int, ActorStep], cores: int | None, window: tuple
     its own (`own_core`), and each reported its event loop's CPU): the actors' loops' CPU over the step's Runs,
     Sends and Recvs. That CPU loads the cores the Runs use (mpmd.schedules.sharing), so the Runs' own times
     are read with it: on shared cores as that many more things running, on an actor's own core as its Runs
-    running at 1 / (1 + its loop's CPU / the step)."""
+    running at 1 / (1 + that CPU per instruction x its instructions / the step), as the simulators charge it."""
     runs = [(a, r) for a, x in steps.items() for r in x.runs]
     instructions = sum(len(x.runs) + len(x.transfers) for x in steps.values())
     span = window[1] - window[0]
@@ -360,8 +360,10 @@ def _own_durations(steps: dict[int, ActorStep], cores: int | None, window: tuple
     if cores is None:
         if not (own_core and reported):
             return {id(r): r.end - r.start for _, r in runs}, 0.0
-        share = {a: 1.0 + (x.cpu or 0.0) / span for a, x in steps.items()}
-        return {id(r): (r.end - r.start) / share[a] for a, r in runs}, sum(x.cpu or 0.0 for x in steps.values()) / instructions
+        # the actors' mean CPU per instruction, as the simulators charge it (runtime_cpu x an actor's instructions)
+        rate = sum(x.cpu or 0.0 for x in steps.values()) / instructions
+        share = {a: 1.0 + rate * (len(x.runs) + len(x.transfers)) / span for a, x in steps.items()}
+        return {id(r): (r.end - r.start) / share[a] for a, r in runs}, rate
     from mpmd.schedules.sharing import own_times
 
     load = sum(x.cpu or 0.0 for x in steps.values()) if reported else 0.0

@@ -73,7 +73,7 @@ class SegmentCosts:
     split_overhead: float = 0.0
     rows_exponent: float = 1.0
     rows_exponent_below: float = 0.0  # the same for fewer rows than measured at (0: `rows_exponent` both ways)
-    runtime_cpu: float = 0.0  # CPU seconds of an actor's event loop per instruction, with `cores` (as in `Costs`)
+    runtime_cpu: float = 0.0  # CPU seconds of an actor's event loop per instruction on its Runs' cores (as in `Costs`)
 
     def __post_init__(self) -> None:
         for name in ("F", "B", "I", "W", "activation_bytes"):

@@ -13,7 +13,9 @@ more things running (`load`; on 4 actors sharing 2 cores with small stages it is
 work). Serving that load first instead (the Runs sharing what is left) over-predicted the tuner's
 interleaved and V-shaped candidates on 4 actors (measured 0.74-0.82x their prediction) where this model did not.
 Actors pinned to a core each (`cores` None, `Costs.runtime_cpu` > 0) share it with their own event loop
-alone: an actor whose loop uses L CPU seconds over a step of T runs its Runs at 1 / (1 + L / T).
+alone: an actor whose loop uses L CPU seconds over a step of T (`runtime_cpu` x its Runs, Sends and Recvs)
+runs its Runs at 1 / (1 + L / T). `cores` at least the number of actors: the plain replay (a core each to
+spare, as `fit_costs` reads such a trace).
 
 A trace of actors sharing cores is read the other way (`fit_costs(..., cores=c)`): the integral over each
 Run's measured span is the time it would take on a core of its own.
@@ -83,7 +85,7 @@ def background_load(load: float, end: dict[Any, float], extra: float = 0.0) -> f
 
 
 def settle(replay: Callable[[Callable[[Hashable], float]], tuple[dict[Any, float], dict[Any, float]]],
-           actor: Callable[[Hashable], int], busy: dict[Hashable, float], idle: dict[Hashable, float], cores: int,
+           actor: Callable[[Hashable], int], busy: dict[Hashable, float], idle: dict[Hashable, float], cores: int | None,
            initial: dict[Hashable, float] | None = None, rounds: int = ROUNDS, load: float = 0.0, extra: float = 0.0,
            actor_loads: Sequence[float] = ()) -> dict[Hashable, float]:
     """The slowdown of every Run (a key of `busy`) at the fixed point: `replay(duration)` replays with
@@ -115,8 +117,8 @@ def replay_programs_shared(programs: list[Program], run_time: Callable[[int, Run
                            cores: int | None, idle: Callable[[int, Run], float] = lambda a, r: 0.0,
                            initial: dict[tuple[int, int], float] | None = None, rounds: int = ROUNDS, load: float = 0.0,
                            extra: float = 0.0, actor_loads: Sequence[float] = ()) -> tuple[ProgramReplay, dict[tuple[int, int], float]]:
-    """`replay_programs` with the actors' Runs sharing `cores` cores (None, or at least one per actor: each
-    actor's core shared with its own event loop's `actor_loads`, or with none: the plain replay). `run_time`
+    """`replay_programs` with the actors' Runs sharing `cores` cores (None: each actor's own core shared with its
+    own event loop's `actor_loads`; at least one per actor, or no loads: the plain replay). `run_time`
     (then `idle`, its part before computing) is asked once per Run. Returns the replay and each Run's slowdown
     (>= 1), by (actor, index); `initial`, `rounds`, `load`, `extra` and `actor_loads` as for `settle`."""
     index = {(a, id(ins)): i for a, p in enumerate(programs) for i, ins in enumerate(p.instructions) if isinstance(ins, Run)}
@@ -132,7 +134,7 @@ def replay_programs_shared(programs: list[Program], run_time: Callable[[int, Run
 
     rep = replay_programs(programs, once, transfer_time)
     shared = cores is not None and cores < len(programs)
-    if rep.stuck or not (shared or any(actor_loads)):
+    if rep.stuck or not (shared or (cores is None and any(actor_loads))):
         return rep, {k: 1.0 for k in total}
     busy = {k: total[k] - gaps[k] for k in total}
 
@@ -156,7 +158,7 @@ def replay_table_shared(table: list[list[Any]], num_stages: int, actor_of: Calla
     rep = replay_table(table, num_stages, actor_of, duration, transfer)
     tasks = [t for row in table for t in row]
     shared = cores is not None and cores < len(table)
-    if rep.stuck or not (shared or any(actor_loads)):
+    if rep.stuck or not (shared or (cores is None and any(actor_loads))):
         return rep, {t: 1.0 for t in tasks}
     gaps = {t: min(idle(t), duration(t)) for t in tasks}
     busy = {t: duration(t) - gaps[t] for t in tasks}

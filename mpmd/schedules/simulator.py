@@ -68,8 +68,9 @@ class Costs:
     CPU (fewer cores than actors: Runs running at once slow each other down, see mpmd.schedules.sharing);
     None, each actor has its own. `runtime_cpu`: the CPU seconds each actor's event loop spends per
     instruction (each Run dispatched, each Send, each Recv) on the cores its Runs use: with `cores`, the
-    shared ones; without, each actor's own core (CPU actors pinned to one core each: `fit_costs` reads it
-    from a trace only then; on a GPU, or where a loop has a core to spare, leave it 0). The
+    shared ones; without (None), each actor's own core (CPU actors pinned to one core each: `fit_costs` reads
+    it from a trace only then; on a GPU, or where a loop has a core to spare, leave it 0; `cores` at least the
+    number of actors: not charged). The
     default is the unit model F=1, B=2, I=W=1 with free transfers."""
 
     F: PerStage = 1.0
