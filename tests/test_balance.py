@@ -227,9 +227,29 @@ def test_profile_costs_measures_every_segment_on_the_actors_and_balances_with_th
     # ran fused with another task and fitted to nothing (a zero there read as "no I task" to the balancer).
     assert seg.I[0] == 0 and all(i > 0 for i in seg.I[1:]), seg.I
     assert seg.activation_bytes[:7] == (64 * WIDTH * 4,) * 7
+    # the loops' CPU is read only where it shares the Runs' cores (fewer cores than actors, or one each, pinned)
+    assert (seg.runtime_cpu > 0) == (mesh2.shared_cores() is not None or mesh2.one_core_each())
     g = best_grouping(mpmd.OneFOneB(2), 4, seg)
     balanced = step.with_schedule(mpmd.OneFOneB(2, balance=seg))
     assert balanced.compile(params, opt.init(params), batch).plan.grouping == g
+
+
+def test_profile_costs_on_actors_pinned_to_a_core_each_reads_their_loops_cpu():
+    """Actors pinned alone to a core each share it with their event loop: profile_costs reads the loops' CPU per
+    Run, Send and Recv (a few tens to hundreds of microseconds here), and the costs say no cores are shared."""
+    import os
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores to pin 2 actors apart")  # (the CI machine has 2)
+    params, batch = uneven_setup(num_mb=4, rows=16)
+    opt = optax.sgd(0.1)
+    with mpmd.RemoteMesh.local(num_actors=2, cpus_per_actor=1) as pinned:
+        step = mpmd.distributed(make_step(uneven_loss, opt, mpmd.OneFOneB(2)), mesh=pinned)
+        seg = step.profile_costs(params, opt.init(params), batch, steps=1, split_backward=False)
+    assert seg.cores is None and 1e-6 < seg.runtime_cpu < 0.05, seg.runtime_cpu
+    assert "each actor's own core" in seg.table()
+    costs = group_costs(seg, (4, 4))
+    assert costs.runtime_cpu == seg.runtime_cpu  # carried to the schedule's costs, which the simulators charge
 
 
 def test_a_runs_own_overhead_is_paid_once_per_stage_task_and_does_not_scale_with_the_microbatch():
