@@ -341,38 +341,33 @@ class RemoteMesh:
     def __len__(self) -> int:
         return len(self.actors)
 
+    def _local_cpu_affinities(self) -> list[set[int]] | None:
+        """Each actor's CPU affinity when this mesh started them all here, on the CPU; None otherwise (they run
+        elsewhere, on another platform, or their affinities cannot be read)."""
+        procs = [p for p in self.processes if getattr(p, "platform", None) == "cpu" and getattr(p, "proc", None) is not None]
+        if not procs or len(procs) != len(self):
+            return None
+        try:
+            return [set(os.sched_getaffinity(p.proc.pid)) for p in procs]
+        except (OSError, AttributeError):  # gone, not ours to ask, or no affinities here (macOS)
+            return None
+
     def shared_cores(self) -> int | None:
         """How many CPU cores this mesh's actors share when it started them all here, on the CPU, and they are
         more than the cores they may run on (4 actors on a 2-core laptop); None when each has cores of its own or
         they run elsewhere. What `mpmd.Costs(cores=...)` models."""
-        procs = [p for p in self.processes if getattr(p, "platform", None) == "cpu" and getattr(p, "proc", None) is not None]
-        if not procs or len(procs) != len(self):
+        each = self._local_cpu_affinities()
+        if each is None:
             return None
-        cores: set[int] = set()
-        for p in procs:
-            try:
-                cores |= os.sched_getaffinity(p.proc.pid)
-            except (OSError, AttributeError):  # gone, not ours to ask, or no affinities here (macOS)
-                return None
-        return len(cores) if len(cores) < len(procs) else None
+        cores = set().union(*each)
+        return len(cores) if len(cores) < len(each) else None
 
     def one_core_each(self) -> bool:
         """Whether this mesh started its actors here, on the CPU, each pinned to a single core no other actor
         runs on (`cpus_per_actor=1`): then an actor's event loop shares its core with its Runs alone, which
         `profile_costs` and `fit_costs(..., own_core=True)` model."""
-        procs = [p for p in self.processes if getattr(p, "platform", None) == "cpu" and getattr(p, "proc", None) is not None]
-        if not procs or len(procs) != len(self):
-            return False
-        seen: set[int] = set()
-        for p in procs:
-            try:
-                cores = os.sched_getaffinity(p.proc.pid)
-            except (OSError, AttributeError):
-                return False
-            if len(cores) != 1 or cores & seen:
-                return False
-            seen |= cores
-        return True
+        each = self._local_cpu_affinities()
+        return each is not None and all(len(c) == 1 for c in each) and len(set().union(*each)) == len(each)
 
     def actor(self, i: int) -> ActorHandle:
         if not 0 <= i < len(self.actors):
