@@ -648,17 +648,18 @@ def test_the_runtimes_own_cpu_loads_shared_cores_as_that_many_more_things_runnin
     seconds count as L / T more things running. Two actors each with one Run of work 1 at once on one core:
     each progresses at 1 / (2 + L / T), so T = 2 + L / T, T = 1 + sqrt(1 + L) (L = 3: T = 3). With at least a
     core per actor (`cores` given) Runs are not slowed; Costs.runtime_cpu charges it per Run, Send and Recv."""
-    from mpmd.schedules.sharing import runtime_load, settle
+    from mpmd.schedules.sharing import runtime_loads, settle
 
     def replay(duration):
         return {k: 0.0 for k in "ab"}, {k: duration(k) for k in "ab"}
 
     busy, idle = {"a": 1.0, "b": 1.0}, {"a": 0.0, "b": 0.0}
-    assert settle(replay, lambda k: "ab".index(k), busy, idle, 1, load=3.0, rounds=200) == pytest.approx({"a": 3.0, "b": 3.0}, rel=1e-4)
+    assert settle(replay, lambda k: "ab".index(k), busy, idle, 1, rounds=200, actor_loads=(1.0, 2.0)) == pytest.approx(
+        {"a": 3.0, "b": 3.0}, rel=1e-4)  # (shared: the loops' 3 s in all)
     assert settle(replay, lambda k: "ab".index(k), busy, idle, 1, rounds=200) == pytest.approx({"a": 2.0, "b": 2.0}, rel=1e-4)
     progs = programs_from_table(mpmd.GPipe(2), validate(mpmd.GPipe(2), 4))
     count = sum(isinstance(i, (Run, Send, Recv)) for p in progs for i in p.instructions)
-    assert runtime_load(progs, 1e-3) == pytest.approx(count * 1e-3) and runtime_load(progs, 0.0) == 0.0
+    assert sum(runtime_loads(progs, 1e-3)) == pytest.approx(count * 1e-3) and sum(runtime_loads(progs, 0.0)) == 0.0
     plain = simulate_programs(progs, Costs(F=1.0, B=2.0, cores=1)).step_time
     loaded = simulate_programs(progs, Costs(F=1.0, B=2.0, cores=1, runtime_cpu=0.5)).step_time
     assert loaded > plain * 1.2  # 32 instructions (16 Runs, 8 Sends, 8 Recvs) x 0.5 s beside 24 s of Runs

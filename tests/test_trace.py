@@ -39,9 +39,8 @@ def test_a_traced_one_f_one_b_step_runs_each_actors_tasks_in_the_schedule_order(
         parts = b[a].compute + b[a].waiting + b[a].overhead + b[a].idle
         assert b[a].compute > 0 and parts == pytest.approx(b[a].wall, rel=1e-6)
         # each actor reports the CPU its event loop used over the step (what fit_costs reads the runtime's load
-        # from): one thread's, so at most the step's wall time
-        x = t.steps[-1][a]
-        assert x.cpu is not None and 0 < x.cpu <= x.end - x.start + 1e-3
+        # from; a report over the step's wall time is dropped by from_wire, tested in test_simulate)
+        assert t.steps[-1][a].cpu is not None and t.steps[-1][a].cpu > 0
     text = t.summary()
     assert "compute" in text and "waiting for data" in text and "runtime overhead" in text
     path = tmp_path / "trace.json"

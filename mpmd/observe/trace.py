@@ -357,18 +357,15 @@ def _own_durations(steps: dict[int, ActorStep], cores: int | None, window: tuple
     instructions = sum(len(x.runs) + len(x.transfers) for x in steps.values())
     span = window[1] - window[0]
     reported = all(x.cpu is not None for x in steps.values()) and instructions > 0 and span > 0
+    # the actors' mean CPU per instruction, as the simulators charge it (runtime_cpu x an actor's instructions)
+    rate = sum(x.cpu for x in steps.values()) / instructions if reported and (cores is not None or own_core) else 0.0
     if cores is None:
-        if not (own_core and reported):
-            return {id(r): r.end - r.start for _, r in runs}, 0.0
-        # the actors' mean CPU per instruction, as the simulators charge it (runtime_cpu x an actor's instructions)
-        rate = sum(x.cpu or 0.0 for x in steps.values()) / instructions
-        share = {a: 1.0 + rate * (len(x.runs) + len(x.transfers)) / span for a, x in steps.items()}
-        return {id(r): (r.end - r.start) / share[a] for a, r in runs}, rate
+        share = {a: 1.0 + rate * (len(x.runs) + len(x.transfers)) / span for a, x in steps.items()} if rate else {}
+        return {id(r): (r.end - r.start) / share.get(a, 1.0) for a, r in runs}, rate
     from mpmd.schedules.sharing import own_times
 
-    load = sum(x.cpu or 0.0 for x in steps.values()) if reported else 0.0
-    own = own_times([(a, r.start, r.end) for a, r in runs], cores, load / span if reported else 0.0)
-    return {id(r): w for (_, r), w in zip(runs, own)}, (load / instructions if reported else 0.0)
+    own = own_times([(a, r.start, r.end) for a, r in runs], cores, rate * instructions / span if rate else 0.0)
+    return {id(r): w for (_, r), w in zip(runs, own)}, rate
 
 
 def _fit_routes(per_route: dict[tuple[int, int], list[tuple[float, int]]]) -> tuple[tuple, dict[tuple[int, int], list[float]]]:

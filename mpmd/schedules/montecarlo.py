@@ -102,12 +102,11 @@ def simulate_monte_carlo(programs: list[Program], costs: Any, runs: int = 100, s
     rng = random.Random(seed)
     cores = getattr(costs, "cores", None)
     loads = runtime_loads(programs, getattr(costs, "runtime_cpu", 0.0))
-    load = sum(loads)
     near = None  # with shared cores: every draw's fixed point starts from the mean model's (a few rounds then do)
-    if cores is not None or load:
+    if cores is not None or any(loads):
         near = replay_programs_shared(programs, lambda a, r: costs.run_time(r.label),
                                       lambda a, r: costs.route_time(r.from_actor, a, _recv_bytes(r)), cores, lambda a, r: costs.gap,
-                                      load=load, extra=costs.lead + costs.tail, actor_loads=loads)[1]
+                                      extra=costs.lead + costs.tail, actor_loads=loads)[1]
     step_times: list[float] = []
     bubbles: list[list[float]] = []
     for _ in range(runs):
@@ -129,7 +128,7 @@ def simulate_monte_carlo(programs: list[Program], costs: Any, runs: int = 100, s
             return max(0.0, base + rng.choice(res)) if res else base
 
         rep, _ = replay_programs_shared(programs, run_time, transfer_time, cores, lambda a, r: drawn_gap[(a, id(r))], initial=near,
-                                        rounds=4, load=load, extra=costs.lead + costs.tail, actor_loads=loads)
+                                        rounds=4, extra=costs.lead + costs.tail, actor_loads=loads)
         if rep.stuck:
             check_programs(programs)
             raise PipelineError("internal: programs got stuck on a cost model but not on unit costs")

@@ -9,7 +9,7 @@ until the slowdowns settle. A Run's idle part (the runtime's gap before it compu
 counted as load, and transfers are not stretched (the copies are short beside the Runs). The runtime's own
 threads (each actor's event loop dispatching Runs, sending and receiving; `Costs.runtime_cpu` per
 instruction) load the same cores: their CPU seconds over the step, spread evenly over it, count as that many
-more things running (`load`; on 4 actors sharing 2 cores with small stages it is more than the Runs' own
+more things running (the sum of `actor_loads`; on 4 actors sharing 2 cores with small stages it is more than the Runs' own
 work). Serving that load first instead (the Runs sharing what is left) over-predicted the tuner's
 interleaved and V-shaped candidates on 4 actors (measured 0.74-0.82x their prediction) where this model did not.
 Actors pinned to a core each (`cores` None, `Costs.runtime_cpu` > 0) share it with their own event loop
@@ -71,11 +71,6 @@ def runtime_loads(programs: list[Program], runtime_cpu: float) -> list[float]:
             for p in programs]
 
 
-def runtime_load(programs: list[Program], runtime_cpu: float) -> float:
-    """The CPU seconds the actors' event loops spend on `programs` in all (`runtime_loads` summed)."""
-    return sum(runtime_loads(programs, runtime_cpu))
-
-
 def background_load(load: float, end: dict[Any, float], extra: float = 0.0) -> float:
     """How many cores `load` CPU seconds of the runtime's own work keep busy on average over a replayed step
     whose Runs end at `end` (replayed from 0), the step lasting `extra` more (its lead and tail: the window
@@ -86,21 +81,22 @@ def background_load(load: float, end: dict[Any, float], extra: float = 0.0) -> f
 
 def settle(replay: Callable[[Callable[[Hashable], float]], tuple[dict[Any, float], dict[Any, float]]],
            actor: Callable[[Hashable], int], busy: dict[Hashable, float], idle: dict[Hashable, float], cores: int | None,
-           initial: dict[Hashable, float] | None = None, rounds: int = ROUNDS, load: float = 0.0, extra: float = 0.0,
+           initial: dict[Hashable, float] | None = None, rounds: int = ROUNDS, extra: float = 0.0,
            actor_loads: Sequence[float] = ()) -> dict[Hashable, float]:
     """The slowdown of every Run (a key of `busy`) at the fixed point: `replay(duration)` replays with
     `duration(key)` and returns (start, end) per key; a Run lasts idle + busy * slowdown, its load spans
     [start + idle, end). `initial`: slowdowns to begin from (a nearby fixed point: few `rounds` then suffice).
-    `load`: CPU seconds the runtime's event loops use over the step on the same cores, spread over it evenly
-    (the step lasting `extra` beyond the last Run's end: see `background_load`). `cores` None: each actor has
-    a core of its own, shared only with its own event loop, which uses `actor_loads[a]` CPU seconds over the
-    step: its Runs progress at 1 / (1 + that load / the step)."""
+    `actor_loads[a]`: CPU seconds actor a's event loop uses over the step (the step lasting `extra` beyond the
+    last Run's end: see `background_load`). With `cores`, all the loops' CPU loads the shared cores, spread
+    over the step evenly; `cores` None: each actor has a core of its own, shared only with its own loop, and
+    its Runs progress at 1 / (1 + its load / the step)."""
+    load = sum(actor_loads)
     stretch = {k: (initial or {}).get(k, 1.0) for k in busy}
     for _ in range(rounds):
         start, end = replay(lambda k: idle[k] + busy[k] * stretch[k])
         ks = [k for k in busy if k in start]
         if cores is None:
-            now = [1.0 + background_load(actor_loads[actor(k)] if actor(k) < len(actor_loads) else 0.0, end, extra) for k in ks]
+            now = [1.0 + background_load(actor_loads[actor(k)], end, extra) for k in ks]
         else:
             now = sharing_factors([(actor(k), start[k] + idle[k], end[k]) for k in ks], cores, background_load(load, end, extra))
         moved = 0.0
@@ -115,12 +111,12 @@ def settle(replay: Callable[[Callable[[Hashable], float]], tuple[dict[Any, float
 
 def replay_programs_shared(programs: list[Program], run_time: Callable[[int, Run], float], transfer_time: Callable[[int, Recv], float],
                            cores: int | None, idle: Callable[[int, Run], float] = lambda a, r: 0.0,
-                           initial: dict[tuple[int, int], float] | None = None, rounds: int = ROUNDS, load: float = 0.0,
+                           initial: dict[tuple[int, int], float] | None = None, rounds: int = ROUNDS,
                            extra: float = 0.0, actor_loads: Sequence[float] = ()) -> tuple[ProgramReplay, dict[tuple[int, int], float]]:
     """`replay_programs` with the actors' Runs sharing `cores` cores (None: each actor's own core shared with its
     own event loop's `actor_loads`; at least one per actor, or no loads: the plain replay). `run_time`
     (then `idle`, its part before computing) is asked once per Run. Returns the replay and each Run's slowdown
-    (>= 1), by (actor, index); `initial`, `rounds`, `load`, `extra` and `actor_loads` as for `settle`."""
+    (>= 1), by (actor, index); `initial`, `rounds`, `extra` and `actor_loads` (one per Program) as for `settle`."""
     index = {(a, id(ins)): i for a, p in enumerate(programs) for i, ins in enumerate(p.instructions) if isinstance(ins, Run)}
     total: dict[tuple[int, int], float] = {}
     gaps: dict[tuple[int, int], float] = {}
@@ -142,7 +138,7 @@ def replay_programs_shared(programs: list[Program], run_time: Callable[[int, Run
         r = replay_programs(programs, lambda a, r: duration((a, index[(a, id(r))])), transfer_time)
         return r.start, r.end
 
-    stretch = settle(replay, lambda k: k[0], busy, gaps, cores if shared else None, initial, rounds, load, extra, actor_loads)
+    stretch = settle(replay, lambda k: k[0], busy, gaps, cores if shared else None, initial, rounds, extra, actor_loads)
 
     def settled(a: int, r: Run) -> float:
         k = (a, index[(a, id(r))])
@@ -153,7 +149,7 @@ def replay_programs_shared(programs: list[Program], run_time: Callable[[int, Run
 
 def replay_table_shared(table: list[list[Any]], num_stages: int, actor_of: Callable[[int], int], duration: Callable[[Any], float],
                         transfer: Callable[[Any, Any], float], cores: int | None, idle: Callable[[Any], float] = lambda t: 0.0,
-                        load: float = 0.0, extra: float = 0.0, actor_loads: Sequence[float] = ()) -> tuple[TableReplay, dict[Any, float]]:
+                        extra: float = 0.0, actor_loads: Sequence[float] = ()) -> tuple[TableReplay, dict[Any, float]]:
     """`replay_table` with the actors sharing `cores` cores (see `replay_programs_shared`); slowdowns by task."""
     rep = replay_table(table, num_stages, actor_of, duration, transfer)
     tasks = [t for row in table for t in row]
@@ -167,11 +163,10 @@ def replay_table_shared(table: list[list[Any]], num_stages: int, actor_of: Calla
         r = replay_table(table, num_stages, actor_of, d, transfer)
         return r.start, r.end
 
-    stretch = settle(replay, lambda t: actor_of(t.stage), busy, gaps, cores if shared else None, load=load, extra=extra,
-                     actor_loads=actor_loads)
+    stretch = settle(replay, lambda t: actor_of(t.stage), busy, gaps, cores if shared else None, extra=extra, actor_loads=actor_loads)
     rep = replay_table(table, num_stages, actor_of, lambda t: gaps[t] + busy[t] * stretch[t], transfer)
     return rep, stretch
 
 
-__all__ = ["background_load", "own_times", "replay_programs_shared", "replay_table_shared", "runtime_load", "runtime_loads", "settle",
+__all__ = ["background_load", "own_times", "replay_programs_shared", "replay_table_shared", "runtime_loads", "settle",
            "sharing_factors"]

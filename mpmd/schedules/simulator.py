@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from mpmd.errors import PipelineError, ScheduleError
 from mpmd.schedules.draw import draw_timeline, kind_of
 from mpmd.schedules.montecarlo import Empirical
-from mpmd.schedules.sharing import replay_programs_shared, replay_table_shared, runtime_load, runtime_loads
+from mpmd.schedules.sharing import replay_programs_shared, replay_table_shared, runtime_loads
 from mpmd.schedules.validation import Schedule, check_programs, split_stages, task_inputs, validate
 from transport.program import TASK_KINDS, Delete, Label, Program, Recv, Run, Task
 from transport.protocol import dtype_from_name
@@ -347,7 +347,7 @@ def simulate(schedule: Schedule, num_microbatches: int, costs: Costs | None = No
         loads[schedule.actor_of(d.stage)] += costs.runtime_cpu
         loads[schedule.actor_of(t.stage)] += costs.runtime_cpu
     run, _ = replay_table_shared(table, schedule.num_stages, schedule.actor_of, lambda t: costs.gap + costs.task_time(t) + costs.overhead,
-                                 transfer, costs.cores, lambda t: costs.gap, sum(loads), costs.lead + costs.tail, loads)
+                                 transfer, costs.cores, lambda t: costs.gap, costs.lead + costs.tail, loads)
     spans = [[(run.start[t] + costs.gap, run.end[t], str(t)) for t in row] for row in table]
     transfers = [(schedule.actor_of(d.stage), schedule.actor_of(t.stage), run.end[d], run.end[d] + transfer(d, t), f"{d}->{t}")
                  for d, t in edges]
@@ -381,8 +381,8 @@ def simulate_programs(programs: list[Program], costs: Costs | None = None, name:
     costs = costs or Costs()
     run, stretch = replay_programs_shared(programs, lambda a, r: costs.run_time(r.label),
                                           lambda a, r: costs.route_time(r.from_actor, a, _recv_bytes(r)), costs.cores,
-                                          lambda a, r: costs.gap, load=runtime_load(programs, costs.runtime_cpu),
-                                          extra=costs.lead + costs.tail, actor_loads=runtime_loads(programs, costs.runtime_cpu))
+                                          lambda a, r: costs.gap, extra=costs.lead + costs.tail,
+                                          actor_loads=runtime_loads(programs, costs.runtime_cpu))
     if run.stuck:
         check_programs(programs)  # raises, naming who waits for what: getting stuck does not depend on the costs
         raise PipelineError("internal: programs got stuck on a cost model but not on unit costs")
