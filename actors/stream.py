@@ -45,19 +45,34 @@ class Stream:
 
     def __init__(self, device: Any, ordered_calls: bool) -> None:
         self.ordered = ordered_calls
+        self._where: Any = device
         self.token = jax.device_put(np.int32(0), device) if ordered_calls else None
 
     def on_mesh(self, mesh: Any) -> None:
         """Executables now run over a device mesh: the token is replicated over it."""
         if self.ordered:
-            self.token = jax.device_put(np.int32(0), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+            self._where = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            self.token = jax.device_put(np.int32(0), self._where)
+
+    def _healthy_token(self) -> Any:
+        """The token to order the next call after, replaced by a fresh one when the call that made it failed:
+        a failed call's token carries its error, and every later call that read it would fail with that error
+        (XLA's "Error dispatching computation: ...", stacking up) long after the failure was reported. A call
+        dispatched while a failing one still runs reads its token and fails too, as it was ordered after it."""
+        token = self.token
+        if token.is_ready():
+            try:
+                token.block_until_ready()
+            except Exception:  # the failure was (or will be) reported by whoever waits for that call's outputs
+                self.token = token = jax.device_put(np.int32(0), self._where)
+        return token
 
     def call(self, exe: Any, args: Sequence[Any]) -> tuple[Any, Sequence[Any]]:
         """Dispatch; returns (what marks this call done, its outputs)."""
         if not self.ordered:
             out = exe(*args)
             return out, out
-        out = exe(self.token, *args)
+        out = exe(self._healthy_token(), *args)
         self.token = out[0]
         return out[0], out[1:]
 

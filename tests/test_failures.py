@@ -338,3 +338,51 @@ def test_daemons_exit_and_leave_no_files_when_their_controller_dies(tmp_path, ho
     finally:
         ctl.kill()
         ctl.wait()
+
+
+def _fails_at_run_time(x):
+    """A computation XLA compiles but cannot run anywhere: its intermediate needs ~50 TB (RESOURCE_EXHAUSTED)."""
+    return jnp.cumsum(jnp.broadcast_to(x[..., None], x.shape + (1 << 40,)), axis=-1)[..., -1].mean()
+
+
+def test_a_computation_that_failed_on_an_actor_does_not_fail_the_ones_after_it():
+    """Every executable on a CPU actor is ordered after the one before by a token (actors/stream.py); a failed
+    call's token carries its error, and every later call used to fail with it ("Error dispatching computation")."""
+    with mpmd.RemoteMesh.local(num_actors=1) as mesh:
+        a = mesh.actor(0)
+        x = a.put(np.ones((2, 3), np.float32))
+        with pytest.raises(mpmd.RemoteError, match="RESOURCE_EXHAUSTED"):
+            a.run(jax.jit(_fails_at_run_time), x).to_numpy()
+        for _ in range(2):
+            np.testing.assert_array_equal(a.run(jax.jit(lambda v: v * 3), x).to_numpy(), np.full((2, 3), 3, np.float32))
+        assert mesh.actor(0).stats()["running"] == 0
+
+
+def test_a_step_whose_stage_failed_at_run_time_is_reported_and_the_next_step_equals_jit():
+    """The failure of stage 0's Run (actor 0) is the step's error, at once (not a transfer timeout blaming actor
+    1), and the same mesh then runs a correct step with the results of `jax.jit`."""
+    opt = optax.sgd(0.1)
+
+    def model(params, x, bad):
+        h = jnp.tanh(x @ params[0])
+        if bad:
+            h = h + 0.0 * _fails_at_run_time(x)
+        return mpmd.pipeline_yield(h) @ params[1]
+
+    def loss(bad):
+        return lambda params, mb: jnp.mean((model(params, mb["x"], bad) - mb["y"]) ** 2)
+
+    rng = np.random.default_rng(0)
+    params = [rng.standard_normal((8, 16)).astype(np.float32) / 4, rng.standard_normal((16, 4)).astype(np.float32) / 4]
+    batch = {"x": rng.standard_normal((4, 2, 8)).astype(np.float32), "y": rng.standard_normal((4, 2, 4)).astype(np.float32)}
+    with mpmd.RemoteMesh.local(num_actors=2, transfer_timeout=60) as mesh:
+        bad = mpmd.distributed(make_train_step(loss(True), opt, mpmd.OneFOneB(num_stages=2)), mesh=mesh)
+        t = time.monotonic()
+        with pytest.raises(mpmd.RemoteError, match="on actor 0.*RESOURCE_EXHAUSTED"):
+            mpmd.fetch(bad(params, opt.init(params), batch))
+        assert time.monotonic() - t < 30
+        good = make_train_step(loss(False), opt, mpmd.OneFOneB(num_stages=2))
+        got = mpmd.fetch(mpmd.distributed(good, mesh=mesh)(params, opt.init(params), batch))
+    want = jax.jit(good)(params, opt.init(params), batch)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
