@@ -31,12 +31,13 @@ from actors.sandbox import BlobChecker
 from actors.stream import StepTrace, Stream, now
 from actors.transfers import Transfers
 from transport.p2p import P2PTransport
+from transport.p2p.base import computed
 from transport.program import ProgramError, Recv, Run, Send, decode_instruction, decode_program
 from transport.protocol import Message, aval_header
 
 
 def to_host(x: Any) -> np.ndarray:
-    return np.asarray(x)
+    return computed(x)
 
 
 def marked(inputs: list[int], marker: int, entries: Iterable[Any]) -> Iterator[tuple[int, Any]]:

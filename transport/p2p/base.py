@@ -271,10 +271,20 @@ def _time_out(fut: asyncio.Future[Any]) -> None:
         fut.set_exception(TimeoutError())
 
 
+def computed(value: Any) -> np.ndarray:
+    """`np.asarray(value)` once `value` is computed, raising the error of its computation if that failed: numpy
+    reads a CPU jax.Array through the buffer protocol, and on an array whose computation failed XLA's check
+    aborts the whole process (`Check failed: buffer_.IsConcrete()`) where `block_until_ready` raises."""
+    wait = getattr(value, "block_until_ready", None)
+    if wait is not None:
+        wait()
+    return np.asarray(value)
+
+
 async def host_view(value: Any) -> np.ndarray:
     """A C-contiguous numpy view of a host array or a CPU jax.Array (waiting, off the loop, until it is computed)."""
     ready = getattr(value, "is_ready", None)
-    host = await asyncio.to_thread(np.asarray, value) if ready is not None and not ready() else np.asarray(value)
+    host = await asyncio.to_thread(computed, value) if ready is not None and not ready() else computed(value)
     return host if host.flags.c_contiguous else np.ascontiguousarray(host).reshape(host.shape)  # (keeps 0-d arrays 0-d)
 
 

@@ -56,6 +56,7 @@ from transport.p2p.base import (
     TransferError,
     aligned_copy,
     aligned_empty,
+    computed,
     host_id,
     host_view,
 )
@@ -413,7 +414,7 @@ class DataPlane(P2PTransport):
         nbytes = getattr(value, "nbytes", None)
         if nbytes is None or nbytes >= SHM_MIN_BYTES or (not isinstance(value, np.ndarray) and not value.is_ready()):
             return False
-        host = np.asarray(value)
+        host = computed(value)
         if not host.flags.c_contiguous:
             return False
         self.counters[f"sent_{route}_bytes"] += int(nbytes)
@@ -793,7 +794,7 @@ class _Unaligned:
 
 def _fill(sender: shm.ShmSender, seg: shm.Segment, value: Any) -> None:
     """Copy `value` (waiting until it is computed) into `seg`; runs on a copier thread for big payloads."""
-    host = np.asarray(value)
+    host = computed(value)
     sender.write(seg, host if host.flags.c_contiguous else np.ascontiguousarray(host))
 
 
@@ -808,7 +809,7 @@ def _post_when_ready(lk: links.Link | None, header: dict[str, Any], value: Any,
             return True
         frames = encode(header)
     else:
-        host = np.asarray(value)
+        host = computed(value)
         host = host if host.flags.c_contiguous else np.ascontiguousarray(host)
         frames = (links.pack_data(tuple(header["key"]), host) if lk is not None and header["op"] == "data" else None) or encode(header, [host])
     try:
