@@ -120,6 +120,7 @@ class Interpreter:
         inflight: list[asyncio.Future[None]] = []  # sends whose buffer is already dropped from the table
         computed: list[asyncio.Future[None]] = []  # sends of computed values not yet posted (`posts_first`)
         debug = log.isEnabledFor(logging.DEBUG)
+        watch = _SendWatch()
         last = None
         try:
             for ins in instrs:
@@ -132,7 +133,7 @@ class Interpreter:
                     t0 = now() if trace else 0
                     args = env.all_now(ins.inputs)
                     if args is None:  # waits only for values still being received
-                        args = [await env.get(b) for b in ins.inputs]
+                        args = await watch.inputs(env, ins.inputs)
                     try:
                         if trace:
                             results = await trace.run(self.stream, self.cache.get(ins.exe), args, str(ins.label), t0, now())
@@ -153,6 +154,8 @@ class Interpreter:
                     if sync and isinstance(ins, Send):
                         await t
                     else:
+                        if isinstance(ins, Send):
+                            watch.add(t)
                         (sends.setdefault(ins.buf, []) if isinstance(ins, Send) else recvs).append(t)
                         # (a value still being received is not waited for: its peer may be waiting for us)
                         if self.posts_first and isinstance(ins, Send) and env.has_value(ins.buf) and not t.done():
@@ -170,6 +173,46 @@ class Interpreter:
             for t in [*recvs, *inflight, *(t for ts in sends.values() for t in ts)]:
                 t.cancel()
             raise
+
+
+class _SendWatch:
+    """The sends of one step still in flight, so that a wait for a received value ends with the step's error the
+    moment one of them fails (its value's computation failed, say): the peer waiting for that value would
+    otherwise wait out the transfer timeout, and this actor with it for the peer's reply."""
+
+    def __init__(self) -> None:
+        self.pending = 0
+        self.failed: asyncio.Future[BaseException] | None = None
+
+    def add(self, t: asyncio.Future[None]) -> None:
+        if t.done():
+            self._settled(t, counted=False)
+            return
+        self.pending += 1
+        t.add_done_callback(self._settled)
+
+    def _settled(self, t: asyncio.Future[None], counted: bool = True) -> None:
+        self.pending -= counted
+        if not t.cancelled() and t.exception() is not None:
+            if self.failed is None:
+                self.failed = asyncio.get_running_loop().create_future()
+            if not self.failed.done():
+                self.failed.set_result(t.exception())
+
+    async def inputs(self, env: BufferTable, bufs: list[int]) -> list[Any]:
+        """`bufs`' values, waiting for those being received, or the first failure of a send of this step."""
+        if self.failed is not None and self.failed.done():
+            raise self.failed.result()
+        if not self.pending:
+            return [await env.get(b) for b in bufs]
+        if self.failed is None:
+            self.failed = asyncio.get_running_loop().create_future()
+        got = asyncio.ensure_future(asyncio.gather(*(env.get(b) for b in bufs)))
+        await asyncio.wait((got, self.failed), return_when=asyncio.FIRST_COMPLETED)
+        if got.done():
+            return got.result()
+        got.cancel()
+        raise self.failed.result()
 
 
 __all__ = ["Interpreter", "all_of", "failed_task"]

@@ -386,3 +386,35 @@ def test_a_step_whose_stage_failed_at_run_time_is_reported_and_the_next_step_equ
     want = jax.jit(good)(params, opt.init(params), batch)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def _cannot_allocate(nbytes: int) -> bool:
+    """Whether this machine refuses an allocation of `nbytes` outright (more than its memory and swap, under the
+    kernel's default overcommit heuristic), so a computation whose output is that big fails instead of running."""
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as f:
+            heuristic = f.read().strip() in ("0", "2")
+        with open("/proc/meminfo") as f:
+            info = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f}
+    except OSError:
+        return False
+    return heuristic and info["MemTotal"] + info.get("SwapTotal", 0) < nbytes // 2
+
+
+@pytest.mark.skipif(not _cannot_allocate(64 << 30), reason="this machine could allocate the 64 GiB activation the test needs to fail")
+def test_an_activation_that_failed_to_compute_fails_the_step_and_leaves_both_daemons_up():
+    """Stage 0's 64 GiB activation fails to allocate while it runs; no shared-memory segment holds it either, so
+    its send falls back to ZeroMQ frames, which read the array through numpy — on an array whose computation
+    failed XLA's check aborted the sending daemon (SIGABRT, `Check failed: buffer_.IsConcrete()`). Now it is the
+    step's error, and both actors then run a correct computation. (jax.jit fuses the activation away and runs.)"""
+
+    def step(w, batch):
+        fn = lambda x: mpmd.pipeline_yield(x[..., None] * w).mean()  # noqa: E731
+        return mpmd.accumulate_grads(lambda mb: ((), fn(mb)), batch, schedule=mpmd.GPipe(num_stages=2))[1]
+
+    with mpmd.RemoteMesh.local(num_actors=2, transfer_timeout=60) as mesh:
+        with pytest.raises(mpmd.RemoteError, match="on actor 0.*RESOURCE_EXHAUSTED"):
+            mpmd.fetch(mpmd.distributed(step, mesh=mesh)(np.ones(1 << 27, np.float32), np.ones((2, 4, 32), np.float32)))
+        for i in range(2):
+            a = mesh.actor(i)
+            np.testing.assert_array_equal(a.run(jax.jit(lambda v: v + 1), a.put(np.zeros(3, np.float32))).to_numpy(), np.ones(3))
