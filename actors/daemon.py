@@ -106,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("request_timeout", "compile_timeout", "transfer_timeout", "session_timeout"):
         if not getattr(args, name) > 0:  # (NaN too)
             p.error(f"--{name.replace('_', '-')} must be positive")
+    if args.parent_pid is not None and args.parent_pid < 1:  # (0 was ignored; -1 "exists" for root: kill(-1, 0))
+        p.error(f"--parent-pid takes the id of a running process (>= 1), got {args.parent_pid}")
     if args.cpu_devices is not None and not 1 <= args.cpu_devices <= 4096:
         p.error(f"--cpu-devices must be 1-4096, got {args.cpu_devices}")
     if args.listen is not None and not args.listen.startswith(("tcp://", "ipc://")):

@@ -159,3 +159,18 @@ def test_a_deep_copy_of_a_steps_output_is_the_same_immutable_array_and_survives_
         assert not b.is_deleted and not o.is_deleted
         np.testing.assert_allclose(np.asarray(b), np.asarray(wv), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(again[0]), np.asarray(jax.jit(step)(want, batch)[0][0]), rtol=1e-6)
+
+
+def test_jax_array_methods_on_a_remote_array_say_to_fetch_it_first_and_the_protocols_still_work(mesh2):
+    x = mesh2.actor(0).put(np.arange(6, dtype=np.float32).reshape(2, 3))
+    for name in ("mean", "T", "astype", "reshape", "at", "real", "sum"):
+        with pytest.raises(AttributeError, match=rf"has no \.{name} here: it lives on its actors.*mpmd\.fetch\(x\)"):
+            getattr(x, name)
+    assert not hasattr(x, "mean") and not hasattr(x, "no_such_thing")
+    with pytest.raises(AttributeError, match="no attribute 'no_such_thing'"):
+        x.no_such_thing  # noqa: B018
+    # what numpy, copy and jax.device_get look up keeps working
+    np.testing.assert_array_equal(np.asarray(x), np.arange(6, dtype=np.float32).reshape(2, 3))
+    assert copy.copy(x) is x or np.array_equal(np.asarray(copy.copy(x)), np.asarray(x))
+    np.testing.assert_array_equal(jax.device_get(x), np.arange(6, dtype=np.float32).reshape(2, 3))
+    assert np.asarray(x).mean() == 2.5

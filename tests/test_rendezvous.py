@@ -251,6 +251,8 @@ def test_daemon_flags_that_cannot_work_are_refused_at_once_saying_what_to_do(tmp
         (("--rendezvous", str(tmp_path), "--actor-id", "0"), None, "needs --authorized-keys DIR"),
         (("--listen", "garbage://x", "--insecure"), None, "--listen takes tcp://host:port or ipc://path"),
         (("--cpu-devices", "-3"), None, "--cpu-devices must be 1-4096"),
+        (("--parent-pid", "-1", "--insecure"), None, "--parent-pid takes the id of a running process (>= 1), got -1"),
+        (("--parent-pid", "0", "--insecure"), None, "--parent-pid takes the id of a running process (>= 1), got 0"),
         (("--cpus", "a,b"), None, "--cpus takes core numbers separated by commas"),
         (("--allow-loader", "not a name"), None, "--allow-loader takes a data loader named 'package.module:function'"),
     ]

@@ -212,6 +212,16 @@ class RemoteArray:
                         "Inside a step, pass it as an argument of the distributed step (closing over it does not work); "
                         "outside, fetch it first (np.asarray(x) or mpmd.fetch(x)) and compute on the result")
 
+    def __getattr__(self, name: str) -> Any:
+        # (only for names the class lacks: jax.Array's methods and properties — `.mean()`, `.T`, `.astype` — get the
+        # reason and what to do; other names, and the protocols copy, pickle and numpy probe, a plain AttributeError)
+        if not name.startswith("_") and hasattr(jax.Array, name):
+            raise AttributeError(
+                f"{self!r} has no .{name} here: it lives on its actors, and jax.Array's methods do not run on the "
+                "controller. Inside a step, pass it as an argument of the distributed step; outside, fetch it first "
+                f"(np.asarray(x) or mpmd.fetch(x)) and call .{name} on the result")
+        raise AttributeError(f"'RemoteArray' object has no attribute {name!r}")
+
     def copy_to_host_async(self) -> None:
         """Start fetching the array (what `jax.device_get` calls first); the next fetch uses the result."""
         if self._host is None:
