@@ -226,6 +226,8 @@ def test_too_few_microbatches_says_how_many_are_needed():
     with pytest.raises(mpmd.ScheduleError, match="is a table for 2 microbatches.*3 were asked for") as err:
         validate(Custom(num_stages=1, order=(("0F0", "0F1", "0B0", "0B1"),)), 3)
     assert "actor 0: 0F0 0F1 0B0 0B1" in str(err.value)
+    with pytest.raises(mpmd.ScheduleError, match="is a table for 2 microbatches.*1 were asked for; use 2 microbatches") as err:
+        validate(Custom(num_stages=1, order=(("0F0", "0F1", "0B0", "0B1"),)), 1)  # (not "at least 2": 3 fail too)
 
 
 def test_stages_not_divisible_by_actors():

@@ -558,6 +558,11 @@ class Custom(Schedule):
     def min_microbatches(self) -> int:
         return 1 + max((t.mb for row in self.order for t in row), default=0)
 
+    @property
+    def exact_microbatches(self) -> int:
+        """A written table runs exactly the microbatches it names (validation says so instead of "at least")."""
+        return self.min_microbatches
+
     def tasks(self, num_microbatches: int) -> list[list[Task]]:
         table = [list(row) for row in self.order]
         n = self.min_microbatches
