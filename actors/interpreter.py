@@ -200,19 +200,32 @@ class _SendWatch:
                 self.failed.set_result(t.exception())
 
     async def inputs(self, env: BufferTable, bufs: list[int]) -> list[Any]:
-        """`bufs`' values, waiting for those being received, or the first failure of a send of this step."""
+        """`bufs`' values, waiting for those being received, or the first failure of a send of this step (by
+        callbacks alone: no task, and no shared future is ever cancelled)."""
         if self.failed is not None and self.failed.done():
             raise self.failed.result()
-        if not self.pending:
-            return [await env.get(b) for b in bufs]
-        if self.failed is None:
-            self.failed = asyncio.get_running_loop().create_future()
-        got = asyncio.ensure_future(asyncio.gather(*(env.get(b) for b in bufs)))
-        await asyncio.wait((got, self.failed), return_when=asyncio.FIRST_COMPLETED)
-        if got.done():
-            return got.result()
-        got.cancel()
-        raise self.failed.result()
+        waiting = [r for r in map(env.ref, bufs) if isinstance(r, asyncio.Future) and not r.done()]
+        if waiting and self.pending:
+            loop = asyncio.get_running_loop()
+            failed = self.failed = self.failed or loop.create_future()
+            woke = loop.create_future()
+            remaining = set(waiting)
+
+            def wake(f: asyncio.Future[Any]) -> None:
+                remaining.discard(f)
+                if not woke.done() and (f is failed or not remaining or f.cancelled() or f.exception() is not None):
+                    woke.set_result(None)
+
+            for f in (*waiting, failed):
+                f.add_done_callback(wake)
+            try:
+                await woke
+            finally:
+                for f in (*waiting, failed):
+                    f.remove_done_callback(wake)
+            if failed.done():
+                raise failed.result()
+        return [await env.get(b) for b in bufs]
 
 
 __all__ = ["Interpreter", "all_of", "failed_task"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,6 +26,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 
 def ordered(fn: Callable[..., Sequence[Any]]) -> Callable[..., tuple]:
@@ -63,7 +66,8 @@ class Stream:
         if token.is_ready():
             try:
                 token.block_until_ready()
-            except Exception:  # the failure was (or will be) reported by whoever waits for that call's outputs
+            except Exception as e:  # reported by whoever waits for that call's outputs (logged: it may be no one)
+                log.warning("a computation failed on this actor (%s); the calls after it are ordered anew", str(e)[:300])
                 self.token = token = jax.device_put(np.int32(0), self._where)
         return token
 
