@@ -36,10 +36,6 @@ from transport.program import ProgramError, Recv, Run, Send, decode_instruction,
 from transport.protocol import Message, aval_header
 
 
-def to_host(x: Any) -> np.ndarray:
-    return computed(x)
-
-
 def marked(inputs: list[int], marker: int, entries: Iterable[Any]) -> Iterator[tuple[int, Any]]:
     """(input slot, its entry) for every input marked `marker` (-2 shared memory, -3 loaded on the actor), paired
     in order with the request's entries for them (their number is checked before)."""
@@ -323,7 +319,7 @@ class Actor:
         values = [await ses.buffers.get(b) for b in distinct]
 
         def frames() -> list[Any]:
-            host = dict(zip(distinct, (to_host(v) for v in values)))
+            host = dict(zip(distinct, (computed(v) for v in values)))
             return [host[b] for b in bufs]
 
         if all(is_ready(v) for v in values):

@@ -176,39 +176,30 @@ class Interpreter:
 
 
 class _SendWatch:
-    """The sends of one step still in flight, so that a wait for a received value ends with the step's error the
-    moment one of them fails (its value's computation failed, say): the peer waiting for that value would
-    otherwise wait out the transfer timeout, and this actor with it for the peer's reply."""
+    """The sends of one step, so that a wait for a received value ends with the step's error the moment one of
+    them fails (its value's computation failed, say): the peer waiting for that value would otherwise wait out
+    the transfer timeout, and this actor with it for the peer's reply."""
 
     def __init__(self) -> None:
-        self.pending = 0
-        self.failed: asyncio.Future[BaseException] | None = None
+        self.failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()  # the first error
 
     def add(self, t: asyncio.Future[None]) -> None:
         if t.done():
-            self._settled(t, counted=False)
-            return
-        self.pending += 1
-        t.add_done_callback(self._settled)
+            self._settled(t)
+        else:
+            t.add_done_callback(self._settled)
 
-    def _settled(self, t: asyncio.Future[None], counted: bool = True) -> None:
-        self.pending -= counted
-        if not t.cancelled() and t.exception() is not None:
-            if self.failed is None:
-                self.failed = asyncio.get_running_loop().create_future()
-            if not self.failed.done():
-                self.failed.set_result(t.exception())
+    def _settled(self, t: asyncio.Future[None]) -> None:
+        if not self.failed.done() and not t.cancelled() and t.exception() is not None:
+            self.failed.set_result(t.exception())
 
     async def inputs(self, env: BufferTable, bufs: list[int]) -> list[Any]:
         """`bufs`' values, waiting for those being received, or the first failure of a send of this step (by
         callbacks alone: no task, and no shared future is ever cancelled)."""
-        if self.failed is not None and self.failed.done():
-            raise self.failed.result()
+        failed = self.failed
         waiting = [r for r in map(env.ref, bufs) if isinstance(r, asyncio.Future) and not r.done()]
-        if waiting and self.pending:
-            loop = asyncio.get_running_loop()
-            failed = self.failed = self.failed or loop.create_future()
-            woke = loop.create_future()
+        if waiting and not failed.done():
+            woke = asyncio.get_running_loop().create_future()
             remaining = set(waiting)
 
             def wake(f: asyncio.Future[Any]) -> None:
@@ -223,8 +214,8 @@ class _SendWatch:
             finally:
                 for f in (*waiting, failed):
                     f.remove_done_callback(wake)
-            if failed.done():
-                raise failed.result()
+        if failed.done():
+            raise failed.result()
         return [await env.get(b) for b in bufs]
 
 

@@ -171,6 +171,5 @@ def test_jax_array_methods_on_a_remote_array_say_to_fetch_it_first_and_the_proto
         x.no_such_thing  # noqa: B018
     # what numpy, copy and jax.device_get look up keeps working
     np.testing.assert_array_equal(np.asarray(x), np.arange(6, dtype=np.float32).reshape(2, 3))
-    assert copy.copy(x) is x or np.array_equal(np.asarray(copy.copy(x)), np.asarray(x))
+    assert copy.copy(x) is x
     np.testing.assert_array_equal(jax.device_get(x), np.arange(6, dtype=np.float32).reshape(2, 3))
-    assert np.asarray(x).mean() == 2.5

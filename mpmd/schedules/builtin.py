@@ -514,6 +514,7 @@ class Custom(Schedule):
 
     order: tuple[tuple[str | Task, ...], ...] = ()
     stage_actor: tuple[int, ...] = ()
+    written_table = True  # (not a field) runs exactly the microbatches it names: validation leaves tasks(m) to say so
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -557,11 +558,6 @@ class Custom(Schedule):
     @property
     def min_microbatches(self) -> int:
         return 1 + max((t.mb for row in self.order for t in row), default=0)
-
-    @property
-    def exact_microbatches(self) -> int:
-        """A written table runs exactly the microbatches it names (validation says so instead of "at least")."""
-        return self.min_microbatches
 
     def tasks(self, num_microbatches: int) -> list[list[Task]]:
         table = [list(row) for row in self.order]
