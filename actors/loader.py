@@ -4,10 +4,15 @@ A `run_program` request may mark inputs -3 and carry ``loads: [{fn, name, shape,
 per such input (`step`: the step to load, when not the request's own: a recovery's replay loads the data of the
 step it replays). The actor calls only functions on its allow-list (``mpmd-actor --allow-loader module:function``,
 repeatable; empty by default, so a daemon loads nothing unless its operator said so): it imports the module
-by name (never unpickles), calls ``fn(step, name)`` in a worker thread — while the step before still runs —
+by name (never unpickles), calls ``fn(step, name)`` on a thread of its own — while the step before still runs —
 and checks that the result is an array of the announced dtype and shape. Any failure fails that step with an
 error naming the function and the leaf; the daemon stays up. On CPU, JAX uses a 64-byte-aligned result in
 place (no copy), so a loader must return a fresh array each call, not refill one it returned before.
+
+Each call gets a thread of its own, not one of the event loop's shared worker threads: a loader that never
+returns fails its step (the request's timeout names it) and keeps its thread, and with a shared pool a few
+such calls would have held every worker that fetches, checkpoints and other loaders wait for. At most
+`MAX_RUNNING` calls may be unfinished at once; past that a step's load is refused, naming them.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from actors.request import RequestError
 from transport.protocol import dtype_from_name
 
 MAX_LEAF_BYTES = 1 << 36
+MAX_RUNNING = 64  # loader calls not yet returned (hung ones keep their threads)
 
 
 class Loaders:
@@ -90,20 +96,46 @@ class Loaders:
                                f"with {dtype.name}{list(shape)}")
         return np.ascontiguousarray(host)
 
-    def still_running(self, whose: Any = None) -> str | None:
-        """The loader calls of `whose` (a session) that have not returned, for an error that timed out waiting on
-        them (None: none)."""
+    def still_running(self, whose: Any = None, any_session: bool = False) -> str | None:
+        """The loader calls of `whose` (a session; every session's with `any_session`) that have not returned,
+        for an error that timed out waiting on them (None: none)."""
         now = time.monotonic()
         with self._lock:
-            calls = sorted((c for c in self.running.values() if c[0] == whose), key=lambda c: c[2])
+            calls = sorted((c for c in self.running.values() if any_session or c[0] == whose), key=lambda c: c[2])
         if not calls:
             return None
         return ", ".join(f"{what} (running {now - t0:.1f} s)" for _, what, t0 in calls[:4]) + (" ..." if len(calls) > 4 else "")
 
     def start(self, spec: Any, step: int, place: Callable[[np.ndarray], Any], whose: Any = None) -> asyncio.Future[Any]:
-        """Check `spec` now, then load it in a worker thread and `place` it on the devices; the future of the value."""
+        """Check `spec` now, then load it on a thread of its own and `place` it on the devices; the future of
+        the value."""
         fn, name, dtype, shape = self.check(spec)
-        return asyncio.ensure_future(asyncio.to_thread(lambda: place(self.load(fn, name, dtype, shape, step, whose))))
+        with self._lock:
+            unfinished = len(self.running)
+        if unfinished >= MAX_RUNNING:
+            raise RequestError(f"loader {fn}: {unfinished} loader calls on this actor have not returned "
+                               f"({self.still_running(any_session=True)}); a loader must return (or raise) for each step — "
+                               "fix it, then restart the daemon to free their threads")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+
+        def settle(value: Any, error: BaseException | None) -> None:
+            if not fut.done():
+                fut.set_exception(error) if error is not None else fut.set_result(value)
+
+        def work() -> None:
+            value, error = None, None
+            try:
+                value = place(self.load(fn, name, dtype, shape, step, whose))
+            except BaseException as e:  # load() turns the loader's own errors into RuntimeError; place's too
+                error = e
+            try:
+                loop.call_soon_threadsafe(settle, value, error)
+            except RuntimeError:  # the loop closed (the daemon is stopping): no one waits
+                pass
+
+        threading.Thread(target=work, name=f"mpmd-loader-{fn}", daemon=True).start()
+        return fut
 
 
 __all__ = ["Loaders"]

@@ -1,6 +1,7 @@
 """Step arguments from the host: only to the actors that read them, large ones through shared memory on a
 local mesh (mpmd.runtime.inputs, actors/inputs.py), and hostile shared-memory notices refused."""
 
+import asyncio
 import re
 import threading
 import time
@@ -274,6 +275,52 @@ def test_a_step_timed_out_on_a_blocked_loader_names_the_loader_call_it_waits_for
         _GATE.set()
         worker.join(30)
     assert loaders.still_running(5) is None
+
+
+_HUNG = threading.Event()
+
+
+def _loader_that_hangs(step, leaf):
+    _HUNG.wait(60)
+    return np.zeros(2, np.float32)
+
+
+def _loader_that_answers(step, leaf):
+    return np.full(2, step, np.float32)
+
+
+def test_hung_loaders_keep_their_own_threads_and_leave_fetches_checkpoints_and_other_loaders_working():
+    """Loader calls ran on the event loop's shared worker threads (asyncio.to_thread), which fetches and
+    checkpoint saves and restores use too: a few loaders that never returned held every worker, and every
+    later save, restore and loaded step on that daemon timed out (found by a probe). Each call now has a thread
+    of its own; past MAX_RUNNING unfinished calls a load is refused, naming them."""
+    from actors import loader as loader_module
+    from actors.loader import Loaders
+    from actors.request import RequestError
+
+    hangs, answers = "tests.test_inputs:_loader_that_hangs", "tests.test_inputs:_loader_that_answers"
+    loaders = Loaders([hangs, answers])
+    spec = {"name": "x", "shape": [2], "dtype": "float32"}
+
+    async def scenario():
+        hung = [loaders.start({**spec, "fn": hangs}, k, lambda a: a) for k in range(40)]  # more than any default pool
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: 7), 10) == 7  # what fetches and saves run on
+        got = await asyncio.wait_for(loaders.start({**spec, "fn": answers}, 3, lambda a: a), 10)
+        np.testing.assert_array_equal(got, np.full(2, 3, np.float32))
+        assert not any(f.done() for f in hung)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(loader_module, "MAX_RUNNING", 40)
+            with pytest.raises(RequestError, match=r"40 loader calls on this actor have not returned \(.*_loader_that_hangs"):
+                loaders.start({**spec, "fn": answers}, 4, lambda a: a)
+        _HUNG.set()
+        assert [float(a[0]) for a in await asyncio.wait_for(asyncio.gather(*hung), 30)] == [0.0] * 40
+
+    _HUNG.clear()
+    try:
+        asyncio.run(scenario())
+    finally:
+        _HUNG.set()
+    assert loaders.still_running(any_session=True) is None
 
 
 def test_a_loader_name_must_be_module_colon_function():
