@@ -663,13 +663,19 @@ class DistributedFunction:
             params, opt_state, losses = await train_step.call_async(params, opt_state, batch)
             print(await mpmd.fetch_async(losses))
 
-        On a recovering mesh the call goes through the recovery's log, like `step(*args)`, in a worker thread.
+        On a recovering mesh the call goes through the recovery's log, like `step(*args)`, in a worker thread; cancelled
+        before its compile ended, it is not dispatched (the compile is kept).
         """
         self._raise_unseen_error()
         args = self.bind(args, kwargs)
         recovery = getattr(self.mesh, "recovery", None)
         if recovery is not None:
-            return await off_loop(lambda: recovery.call(self, args))
+            cancelled = threading.Event()
+            try:
+                return await off_loop(lambda: recovery.call(self, args, cancelled))
+            except asyncio.CancelledError:
+                cancelled.set()  # a compile or a recovery under way runs on; the step is not dispatched
+                raise
         sig, leaves, _ = self._signature(args)
         compiled = self._cached(sig)
         if compiled is None:

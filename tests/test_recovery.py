@@ -248,6 +248,44 @@ def test_past_max_failures_the_loss_raises_actor_died_error_naming_the_actor():
     assert "mpmd.Recovery gave up" in str(err.value) and "past Recovery(max_failures=1)" in str(err.value), str(err.value)
 
 
+def test_after_recovery_gave_up_every_later_steps_loss_says_so():
+    """Only the first error after giving up said "mpmd.Recovery gave up"; the steps after it went around the
+    log without the failure hook and read as if no recovery had been asked for (found by a probe)."""
+    batches = _batches()
+    with mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(snapshot_every=2, max_failures=0), heartbeat_timeout=5.0) as mesh:
+        dist = mpmd.distributed(STEP, mesh=mesh)
+        p, o = _params(), OPT.init(_params())
+        p, o, losses = dist(p, o, batches[0])
+        losses.block_until_ready()
+        _sigkill(mesh, 1)
+        for k in range(3):
+            with pytest.raises(mpmd.ActorDiedError) as err:
+                dist(p, o, batches[1 + k])[2].block_until_ready()
+            assert err.value.actor_id == 1 and "mpmd.Recovery gave up" in str(err.value), (k, str(err.value))
+
+
+def test_a_call_async_cancelled_while_it_compiles_on_a_recovering_mesh_is_not_dispatched():
+    """On a recovering mesh `call_async` runs `Recovery.call` in a worker thread; cancelled while the first
+    call compiled, that thread went on to dispatch and log the step anyway (a plain mesh's cancelled call
+    dispatches nothing: the step would run on, and an actor-loaded batch would skip a step; found by a probe)."""
+    batches = _batches()
+    want = jax.jit(make_train_step(mse_loss(mlp), OPT, None))(_params(), OPT.init(_params()), batches[0])
+
+    async def scenario():
+        async with await mpmd.RemoteMesh.local_async(num_actors=2, recover=mpmd.Recovery(snapshot_every=5)) as mesh:
+            dist = mpmd.distributed(STEP, mesh=mesh)
+            p, o = _params(), OPT.init(_params())
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(dist.call_async(p, o, batches[0]), 0.05)  # (the compile takes seconds)
+            got = await mpmd.fetch_async(await dist.call_async(p, o, batches[0]))  # waits for that compile
+            assert len(mesh.recovery.log) == 1  # the cancelled call logged and dispatched nothing
+            return got
+
+    got = asyncio.run(scenario())
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
 def test_recovery_rejects_bad_settings_with_a_clear_error():
     with pytest.raises(ValueError, match="snapshot_every"):
         mpmd.Recovery(snapshot_every=0)

@@ -181,13 +181,19 @@ class RecoveryManager:
                 out.append((vid, x))
         return out
 
-    def call(self, dist: Any, args: tuple[Any, ...]) -> Any:
-        """Dispatch `dist(*args)`, logged (and snapshotted every `snapshot_every` calls)."""
+    def call(self, dist: Any, args: tuple[Any, ...], cancelled: threading.Event | None = None) -> Any:
+        """Dispatch `dist(*args)`, logged (and snapshotted every `snapshot_every` calls). With `cancelled` (a
+        `call_async` in a worker thread): compile first, and dispatch nothing (None) if it was set meanwhile —
+        the caller stopped waiting, as a plain mesh's cancelled call dispatches nothing."""
         for attempt in itertools.count():
             try:
                 with self._dispatch:
+                    if cancelled is not None:
+                        dist.compile_bound(args)
+                        if cancelled.is_set():
+                            return None
                     if self.gave_up is not None:
-                        return dist._call(args)
+                        return dist._call(args, self._note_gave_up)
                     t0 = time.perf_counter()
                     out = self._call_logged(dist, args)
                     self.calls += 1
@@ -341,6 +347,11 @@ class RecoveryManager:
             return rec.replayed  # every logged step dispatched before the recovery is replayed by it
 
         return on_failure
+
+    async def _note_gave_up(self, e: BaseException) -> bool:
+        """The failure hook of a step dispatched after the recovery gave up: its error says so."""
+        self._say_gave_up(e)
+        return False
 
     def _say_gave_up(self, e: BaseException) -> None:
         """A loss the mesh no longer recovers from says so, and why (else it reads as if no recovery was asked for)."""
