@@ -167,6 +167,21 @@ def _commit(path: str, name: str, tmp: str, keep: int) -> str:
     return final
 
 
+
+def _failed_step(path: str, flat: list[tuple[Any, Any]]) -> CheckpointError | None:
+    """Why a save of `flat` (path, leaf) pairs failed when a saved array's step failed (an actor then says only
+    that the step was aborted): that step's error, naming the leaf; None when every such step succeeded."""
+    for p, x in flat:
+        ready = getattr(x, "_ready", None) if isinstance(x, RemoteArray) else None
+        if ready is not None and ready.done() and not ready.cancelled() and ready.exception() is not None:
+            err = ready.exception()
+            e = CheckpointError(f"mpmd.save into {path}: {jax.tree_util.keystr(p)} is an output of a step that did not finish: "
+                                f"{str(err).splitlines()[0][:500]}; nothing was committed", checkpoint=path, leaf=jax.tree_util.keystr(p))
+            e.__cause__ = err
+            return e
+    return None
+
+
 def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | SaveHandle:
     """Save a pytree of RemoteArrays (and host values) to directory `path`. Each actor writes its own arrays,
     concurrently with later steps (a step dispatched after this call does not wait for the write); with
@@ -300,8 +315,8 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
                 break
             died = next((f for f in failed if isinstance(f, ActorDiedError)), None)
             lost = recovery is not None and (recovery.generation != generation or died is not None)
-            if not lost:
-                raise failed[0]
+            if not lost:  # the lost actor's own error, else the failure of the step that made a saved array
+                raise died or _failed_step(path, flat) or failed[0]
             # An actor lost while the save ran: the recovery aborts the steps the saved arrays came from (the
             # actor's own error names an aborted step) and replays them; then the arrays hold their values
             # again, in new buffers, and the save goes again, once.
