@@ -14,6 +14,7 @@ continues from it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import pathlib
@@ -292,8 +293,11 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     with open_mesh(args) as mesh:
         shardings = (tensor_parallel_specs(params), None, None) if args.tensor_parallel > 1 else None
         step = mpmd.distributed(make_step(graphdef, optimizer, schedule), mesh=mesh, in_shardings=shardings)
-        if args.resume:
-            params, opt_state = mpmd.restore(args.resume, mesh, like=(params, opt_state))
+        if args.resume:  # onto this mesh as the step reads it: a checkpoint of another actor count or schedule too
+            sample = next(stream)
+            stream = itertools.chain([sample], stream)
+            step.compile(params, opt_state, sample)
+            params, opt_state = mpmd.restore(args.resume, mesh, like=(params, opt_state), for_step=step)
         elif args.check_steps:
             params, opt_state = check_against_jit(args, graphdef, optimizer, schedule, mesh, step, params, opt_state, stream,
                                                   shardings)
@@ -314,7 +318,8 @@ def train(args: argparse.Namespace) -> dict[str, float]:
         if args.save:
             mpmd.save(args.save, (params, opt_state))
             print(f"saved the trained state to {args.save}")
-    first, last = float(np.mean(losses[:5])), float(np.mean(losses[-5:]))
+    k = max(1, min(5, len(losses) // 2))  # (first and last k steps, apart)
+    first, last = float(np.mean(losses[:k])), float(np.mean(losses[-k:]))
     print(f"loss {first:.3f} -> {last:.3f} over {len(losses)} steps ({math.log(vocab):.3f} is uniform over bytes)")
     if args.plot:
         import matplotlib
@@ -329,7 +334,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
         pathlib.Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(args.plot, dpi=100)
         print(f"loss curve written to {args.plot}")
-    return {"first": first, "last": last}
+    return {"first": first, "last": last, "losses": losses}
 
 
 if __name__ == "__main__":

@@ -34,6 +34,19 @@ def test_the_minimal_mlp_example_trains_and_matches_jit(capsys):
 
 
 @pytest.mark.slow
+def test_the_gpt_example_resumes_a_checkpoint_of_4_actors_on_2(tmp_path):
+    """--save on 4 actors (1F1B), --resume on 2 (interleaved: 2 stages each): restore places each array where the
+    resumed step reads it (it refused before: "saved from actors [2], but this mesh has 2 actors"; a probe).
+    The resumed run's first loss, on the same first batch, is the trained model's (lower than the fresh one's)."""
+    pytest.importorskip("flax.nnx")
+    gpt = load("gpt")
+    small = ["--stages", "4", "--layers", "4", "--width", "32", "--steps", "3", "--check-steps", "0", "--plot", ""]
+    saved = gpt.train(gpt.parse([*small, "--actors", "4", "--save", str(tmp_path / "ck")]))
+    resumed = gpt.train(gpt.parse([*small, "--actors", "2", "--schedule", "InterleavedOneFOneB", "--resume", str(tmp_path / "ck")]))
+    assert resumed["losses"][0] < saved["losses"][0] - 0.2, (saved, resumed)
+
+
+@pytest.mark.slow
 def test_the_gpt_example_with_tensor_parallel_stages_matches_jit():
     """--tensor-parallel 2: each actor a (1, 2) mesh, attention heads and MLP split Megatron-style inside every
     stage; train() asserts its first steps equal jax.jit of the unsharded step on the same inputs: losses, gradients
