@@ -21,6 +21,7 @@ import numpy as np
 
 from mpmd.compiler.avals import dtype_text, from_wire, host_value, is_key, jax_array, not_numeric, to_wire, wire_shape_dtype
 from mpmd.compiler.inline import inline_calls
+from mpmd.compiler.lowering import without_callers_mesh
 from mpmd.compiler.plan import StepPlan, iter_lowered, plan_step
 from mpmd.compiler.program import Send
 from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError, ScheduleError
@@ -361,7 +362,7 @@ class DistributedFunction:
             return leaves_out
 
         am = getattr(self.mesh, "actor_mesh", None)
-        with use_schedule(self.schedule) if self.schedule is not None else contextlib.nullcontext():
+        with use_schedule(self.schedule) if self.schedule is not None else contextlib.nullcontext(), without_callers_mesh():
             if am is None:
                 closed = jax.make_jaxpr(flat)(*specs)
             else:  # with_sharding_constraint(x, P(...)) resolves against the actors' mesh, as jax.set_mesh would under jit

@@ -97,6 +97,26 @@ def test_megatron_mlp_on_two_actors_of_two_devices_equals_jit_on_a_1x2_mesh(mesh
     assert p[0]["w1"].actors == [0] and p[1]["w1"].actors == [1]
 
 
+@pytest.mark.parametrize("caller_shape", [(1, 2), (2, 2), (4,)])
+def test_a_step_called_under_the_callers_own_jax_set_mesh_equals_jit(mesh_1x2, caller_shape):
+    """Code written for jax.jit runs inside `with jax.set_mesh(mesh)`; the step traced and exported under that
+    mesh, so its executables were sized for the caller's devices and the actors refused them ("exported for 2
+    devices and is called in a context with 1 devices"), or tracing failed in JAX ("use_abstract_mesh cannot
+    change the size of the mesh"; found by a probe). The step runs on its actors' meshes whatever the caller set."""
+    rng = np.random.default_rng(0)
+    params = megatron_params(rng)
+    opt = optax.sgd(0.1)
+    batches = [batch_of(rng)]
+    rp, ro, rl = reference(mse(megatron), opt, params, MEGATRON_SPECS, batches, (1, 2))
+    names = ("data", "model")[: len(caller_shape)] if len(caller_shape) == 2 else ("x",)
+    caller = jax.make_mesh(caller_shape, names, axis_types=(AxisType.Auto,) * len(caller_shape))
+    with jax.set_mesh(caller):
+        step = mpmd.distributed(make_train_step(mse(megatron), opt, mpmd.OneFOneB(2)), mesh=mesh_1x2, in_shardings=(MEGATRON_SPECS, None, None))
+        p, o, loss = step(params, opt.init(params), batches[0])
+        np.testing.assert_allclose(loss.to_numpy(), rl[0], rtol=1e-5)
+    assert_trees_close(mpmd.fetch(p), rp)
+
+
 def test_a_host_jax_array_keeps_its_sharding_without_in_shardings_as_under_jit(mesh_1x2):
     """Parameters the user sharded with jax.device_put(NamedSharding(mesh like the actors', spec)) were placed
     replicated when the step had no in_shardings (found by a probe): as jax.jit does, they keep their layout."""

@@ -20,6 +20,7 @@ import jax
 
 from mpmd.compiler.body import LoopBody
 from mpmd.compiler.eqns import eqns_fn, free_inputs, is_var, nbytes, spec_of
+from mpmd.compiler.lowering import without_callers_mesh
 from mpmd.compiler.stages import StageSplit, is_marker, split_backward
 from mpmd.errors import PipelineError, ScheduleError
 from mpmd.schedules.balance import SegmentCosts, check_stage_count, groups, resolve_grouping
@@ -52,7 +53,8 @@ def _region_cost(eqns: list[Any]) -> tuple[float, float]:
     outputs = [v for e in eqns for v in e.outvars if is_var(v)]
     fn = eqns_fn(eqns, inputs, outputs, {})
     try:
-        got = jax.jit(fn).lower(*[spec_of(v) for v in inputs]).cost_analysis()
+        with without_callers_mesh():
+            got = jax.jit(fn).lower(*[spec_of(v) for v in inputs]).cost_analysis()
     except Exception as e:  # a region XLA cannot cost alone: fall back on its output bytes
         raise PipelineError(f"balance='auto': XLA's cost analysis of a segment failed ({e}); pass measured costs instead: "
                             "balance=step.profile_costs(*args)") from None
