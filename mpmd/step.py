@@ -521,7 +521,12 @@ class DistributedFunction:
             raise ScheduleError(f"step.simulate: costs must be mpmd.Costs (e.g. mpmd.Costs(F=1, B=2)), got {type(costs).__name__} "
                                 f"{costs!r:.80}")
         plan = self.compile_bound(self.bind(args, kwargs)).plan
-        costs = (costs if costs is not None else Costs()).with_remat(plan.remat, plan.split.num_stages)
+        costs = costs if costs is not None else Costs()
+        try:
+            costs.check_stages(plan.split.num_stages)
+        except ValueError as e:  # (per-segment costs of a grouped step: group them, or let balance= use them)
+            raise ScheduleError(f"step.simulate: {e} (this step's schedule runs {plan.split.num_stages} stages)") from None
+        costs = costs.with_remat(plan.remat, plan.split.num_stages)
         return simulate_programs(plan.programs, costs, name=getattr(self.fn, "__name__", "step"))
 
     def with_schedule(self, schedule: Any) -> DistributedFunction:

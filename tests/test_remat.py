@@ -77,3 +77,18 @@ def test_a_compiled_steps_simulation_counts_the_remat_as_mpmd_simulate_does(mesh
     want = mpmd.simulate(schedule, 4, costs).step_time
     assert want > mpmd.simulate(mpmd.OneFOneB(2), 4, costs).step_time
     assert step.simulate(params, opt.init(params), batch, costs=costs).step_time == pytest.approx(want)
+
+
+def test_a_compiled_steps_simulation_refuses_costs_for_another_number_of_stages(mesh2):
+    """step.simulate took per-segment costs (8 values) for a step grouped into 2 stages and returned a wrong time
+    silently, or a bare ValueError for other counts, where mpmd.simulate refuses them (a probe)."""
+    rng = np.random.default_rng(0)
+    params = models.mlp_params(rng, 2, 16, 2)
+    batch = models.regression_batch(rng, 4, 3, 16)
+    opt = optax.sgd(1e-3)
+    step = mpmd.distributed(make_step(models.mse_loss(models.mlp), opt, mpmd.OneFOneB(2)), mesh=mesh2)
+    for n in (1, 3, 8):
+        with pytest.raises(mpmd.ScheduleError, match=rf"Costs.F has {n} per-stage values for 2 stages.*runs 2 stages"):
+            step.simulate(params, opt.init(params), batch, costs=Costs(F=(1.0,) * n, B=2.0))
+    assert step.simulate(params, opt.init(params), batch, costs=Costs(F=(1.0, 1.0), B=2.0)).step_time == pytest.approx(
+        mpmd.simulate(mpmd.OneFOneB(2), 4, Costs(F=1.0, B=2.0)).step_time)
