@@ -385,8 +385,12 @@ def test_connect_refuses_daemons_listed_out_of_actor_id_order_or_of_another_prot
             assert mesh.actor(0).ping() is not None
         with pytest.raises(mpmd.MpmdError, match="protocol version 99 is not supported"):
             mpmd.RemoteMesh.connect([a_other], transport="none")
-        with pytest.raises(ValueError, match="address 1 .* is not a daemon address"):
-            mpmd.RemoteMesh.connect([a0, "not-an-address"])
+        for bad in ("not-an-address", "tcp://127.0.0.1", "tcp://127.0.0.1:abc", "tcp://127.0.0.1:99999", "tcp://:5555",
+                    "tcp://*:5555", "tcp://host:0"):  # (a bare pyzmq error, or 9.5 s waiting for no daemon; a probe)
+            t = time.monotonic()
+            with pytest.raises(ValueError, match=r"address 1 .* is not a daemon address: write tcp://HOST:PORT \(a port 1-65535\)"):
+                mpmd.RemoteMesh.connect([a0, bad])
+            assert time.monotonic() - t < 1
         with pytest.raises(ValueError, match="a list of daemon addresses"):
             mpmd.RemoteMesh.connect([])
         with pytest.raises(ValueError, match="listed more than once"):

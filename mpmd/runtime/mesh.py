@@ -64,6 +64,15 @@ _LIVE_MESHES: weakref.WeakSet[RemoteMesh] = weakref.WeakSet()
 MAX_STEPS_IN_FLIGHT = 512  # steps dispatched and not finished before a caller waits (see RemoteMesh.wait_for_room)
 
 
+
+def is_daemon_address(a: Any) -> bool:
+    """Whether `a` is an address a controller can connect to: tcp://HOST:PORT (HOST a name, an IPv4 address or
+    a bracketed IPv6 one; PORT 1-65535) or ipc://PATH."""
+    if not isinstance(a, str):
+        return False
+    tcp = re.match(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[^:/\s\[\]*]+):(\d{1,5})$", a)
+    return bool(re.match(r"^ipc://\S+$", a) or tcp and 1 <= int(tcp.group(2)) <= 65535)
+
 class RemoteMesh:
     """A set of actors (each an `mpmd-actor` daemon with its own devices) driven by this controller."""
 
@@ -85,9 +94,9 @@ class RemoteMesh:
             raise ValueError(f"RemoteMesh needs a list of daemon addresses like ['tcp://node0:5555', 'tcp://node1:5555'], got "
                              f"{addresses!r:.80}")
         for i, a in enumerate(addresses):
-            if not isinstance(a, str) or not re.match(r"^(tcp|ipc)://\S+$", a):
-                raise ValueError(f"address {i} ({a!r:.80}) is not a daemon address: write tcp://HOST:PORT or ipc:///path (what "
-                                 "mpmd-actor printed when it started)")
+            if not is_daemon_address(a):
+                raise ValueError(f"address {i} ({a!r:.80}) is not a daemon address: write tcp://HOST:PORT (a port 1-65535) or "
+                                 "ipc:///path (what mpmd-actor printed when it started)")
         twice = sorted(a for a, k in collections.Counter(addresses).items() if k > 1)
         if twice:
             raise ValueError(f"addresses {twice} are listed more than once: each daemon is one actor, listed once")
