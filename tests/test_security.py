@@ -73,8 +73,9 @@ def test_keys_generate_writes_a_pair_only_its_owner_can_read_and_loading_checks_
     os.chmod(secret, 0o644)
     with pytest.raises(AuthKeyError, match="can be read by other users.*chmod 600"):
         KeyPair.load(secret)
-    with pytest.raises(AuthKeyError, match="only a public key"):
-        os.chmod(public, 0o600)
+    # The public file as generated (mode 644) given where the pair belongs: it said to chmod 600 it (a probe).
+    assert stat.S_IMODE(public.stat().st_mode) == 0o644
+    with pytest.raises(AuthKeyError, match=rf"only a public key; pass the \*.key_secret file that holds the pair \(here: {secret}\)"):
         KeyPair.load(public)
     # Into a directory other users may write, generate refuses at once (it wrote a pair and printed a daemon
     # command line that the daemon then refused, found by a probe).

@@ -176,11 +176,19 @@ class KeyPair:
             p = secrets_[0]
         if not p.is_file():
             raise AuthKeyError(f"no key file at {p} (make one with `mpmd keys generate DIR`)")
-        public, secret = _read_key_file(p, "secret key file", secret=True)
+        # What the file holds first (a public key file given here is a mistake of its own, whatever its mode),
+        # then the secret key, read again under the secret file's stricter checks.
+        public, secret = _read_key_file(p, "key file", secret=False)
         if public is None:
             raise AuthKeyError(f"cannot read key file {p}: it holds no public-key line (make one with `mpmd keys generate DIR`)")
         if secret is None:
-            raise AuthKeyError(f"{p} holds only a public key; a *{SECRET_SUFFIX} file holds the pair")
+            pair = p.with_name(p.name[: -len(PUBLIC_SUFFIX)] + SECRET_SUFFIX) if p.name.endswith(PUBLIC_SUFFIX) else None
+            hint = f" (here: {pair})" if pair is not None and pair.exists() else ""
+            raise AuthKeyError(f"{p} holds only a public key; pass the *{SECRET_SUFFIX} file that holds the pair{hint}, or the "
+                               "directory that holds it")
+        public, secret = _read_key_file(p, "secret key file", secret=True)
+        if public is None or secret is None:
+            raise AuthKeyError(f"key file {p} changed while it was read; check who else writes there")
         return cls(public, secret)
 
 
