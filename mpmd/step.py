@@ -21,7 +21,7 @@ import numpy as np
 
 from mpmd.compiler.avals import dtype_text, from_wire, host_value, is_key, jax_array, not_numeric, to_wire, wire_shape_dtype
 from mpmd.compiler.inline import inline_calls
-from mpmd.compiler.lowering import without_callers_mesh
+from mpmd.compiler.lowering import rebind_constraints, without_callers_mesh
 from mpmd.compiler.plan import StepPlan, iter_lowered, plan_step
 from mpmd.compiler.program import Send
 from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError, ScheduleError
@@ -368,7 +368,7 @@ class DistributedFunction:
             else:  # with_sharding_constraint(x, P(...)) resolves against the actors' mesh, as jax.set_mesh would under jit
                 with jax.sharding.use_abstract_mesh(am.abstract):
                     closed = jax.make_jaxpr(flat)(*specs)
-        return inline_calls(closed), out_box[-1]
+        return inline_calls(rebind_constraints(closed, am)), out_box[-1]
 
     def _cached(self, sig: Any) -> CompiledStep | None:
         """The compiled step for `sig`, unless a daemon was restarted under the mesh since (mesh.reconnect to a new

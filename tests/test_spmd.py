@@ -117,6 +117,37 @@ def test_a_step_called_under_the_callers_own_jax_set_mesh_equals_jit(mesh_1x2, c
     assert_trees_close(mpmd.fetch(p), rp)
 
 
+def test_a_sharding_constraint_over_a_concrete_jax_mesh_of_the_actors_shape_equals_jit_and_another_mesh_is_refused(mesh_1x2):
+    """`with_sharding_constraint(h, NamedSharding(mesh, spec))` with a jax Mesh of this process, as jax.jit code
+    writes it: the export pinned the caller's device count and the actors refused the executable (a probe).
+    Over a mesh of the actors' shape and names it is rebound to their mesh; another mesh is a clear error."""
+    rng = np.random.default_rng(0)
+    params = megatron_params(rng)
+    opt = optax.sgd(0.1)
+    batches = [batch_of(rng)]
+    rp, ro, rl = reference(mse(megatron), opt, params, MEGATRON_SPECS, batches, (1, 2))
+
+    def model_over(mesh):
+        def model(params, x):
+            h = jnp.tanh(x @ params[0]["w1"])
+            h = jax.lax.with_sharding_constraint(h, NamedSharding(mesh, P("data", None, "model")))
+            x = mpmd.pipeline_yield(h) @ params[0]["w2"]
+            return jnp.tanh(x @ params[1]["w1"]) @ params[1]["w2"]
+        return model
+
+    same = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    step = mpmd.distributed(make_train_step(mse(model_over(same)), opt, mpmd.OneFOneB(2)), mesh=mesh_1x2,
+                            in_shardings=(MEGATRON_SPECS, None, None))
+    p, o, loss = step(params, opt.init(params), batches[0])
+    np.testing.assert_allclose(loss.to_numpy(), rl[0], rtol=1e-5)
+    assert_trees_close(mpmd.fetch(p), rp)
+    other = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    step = mpmd.distributed(make_train_step(mse(model_over(other)), opt, mpmd.OneFOneB(2)), mesh=mesh_1x2)
+    with pytest.raises(mpmd.PipelineError, match=r"uses a jax Mesh of shape \(2, 2\) .*\(a mesh of shape \(1, 2\) .*write "
+                                                 r"with_sharding_constraint\(x, P\('data', None, 'model'\)\)"):
+        step(params, opt.init(params), batches[0])
+
+
 def test_a_host_jax_array_keeps_its_sharding_without_in_shardings_as_under_jit(mesh_1x2):
     """Parameters the user sharded with jax.device_put(NamedSharding(mesh like the actors', spec)) were placed
     replicated when the step had no in_shardings (found by a probe): as jax.jit does, they keep their layout."""
@@ -257,8 +288,26 @@ def test_an_in_shardings_tree_that_is_not_a_prefix_gets_a_short_error_naming_whe
         assert len(str(e.value)) < 500 and "array(" not in str(e.value)
     with pytest.raises(mpmd.MpmdError, match=r"out_shardings is not a prefix of the outputs' tree: at outputs, "):
         tree_specs((P(), P()), (np.ones(3),), "out_shardings")
-    # a prefix still expands to one spec per leaf
+    # a prefix still expands to one spec per leaf; one per positional argument may come as a list, as jax.jit takes it
     assert tree_specs(([None, {f"w{i}": P() for i in range(50)}], None, None), args, "in_shardings") == [None] * 50 + [P()] * 50 + [None]
+    assert tree_specs([None, None, P("data")], args, "in_shardings") == [None] * 100 + [P("data")]
+    # where jax's text says what it got (the arguments' arrays), the error stops before it (a probe: "Expected list,
+    # got ([{'w1': array([[ 3.14e-02, ...")
+    with pytest.raises(mpmd.MpmdError, match=r"at args\[1\], in_shardings has a list of 1 .* \(Expected list\); give") as e:
+        tree_specs((None, [P()], None), (params, ({"a": np.zeros(3)}, np.zeros(2)), None), "in_shardings")
+    assert "rray(" not in str(e.value), str(e.value)
+
+
+def test_an_unconstrained_or_malformed_spec_entry_in_in_shardings_is_refused_naming_the_leaf():
+    """P.UNCONSTRAINED gave a bare TypeError ('UnconstrainedSingleton' object is not iterable; a probe)."""
+    from mpmd.runtime.sharding import ActorMesh
+
+    am = ActorMesh((1, 2), ("data", "model"))
+    with pytest.raises(mpmd.MpmdError, match=r"w1: PartitionSpec P\(None, UNCONSTRAINED\) leaves a dimension UNCONSTRAINED"):
+        am.check_spec(P(None, P.UNCONSTRAINED), (4, 4), "w1")
+    with pytest.raises(mpmd.MpmdError, match=r"w1: PartitionSpec .* has entry 3; each entry is None, an axis name or a tuple"):
+        am.check_spec(P(None, 3), (4, 4), "w1")
+    am.check_spec(P(None, ("data", "model")), (4, 4), "w1")
 
 
 def test_the_embedding_api_puts_and_runs_sharded_arrays(mesh_1x2):

@@ -53,3 +53,53 @@ def host_array(x: Any) -> Any:
     a = np.asarray(x)
     want = jax.dtypes.canonicalize_dtype(a.dtype)
     return a if a.dtype == want else a.astype(want)
+
+
+def rebind_constraints(closed: Any, actor_mesh: Any) -> Any:
+    """`closed` (a traced step) with every `with_sharding_constraint` over a concrete jax `Mesh` — written for the
+    caller's own devices, as `jax.jit` code does — rebound to the actors' mesh (`actor_mesh`, an ActorMesh; None
+    for one device each) when that mesh has the same axis names and shape: the executables run on the actors'
+    devices, and a concrete mesh pinned them to the caller's device count (the actors refused them). Any other
+    concrete mesh is an error naming it and what to write instead (a bare PartitionSpec resolves against each
+    actor's mesh)."""
+    from jax.extend.core import ClosedJaxpr
+    from jax.sharding import Mesh, NamedSharding
+
+    def fix(sharding: Any) -> Any:
+        mesh = getattr(sharding, "mesh", None)
+        if not isinstance(sharding, NamedSharding) or not isinstance(mesh, Mesh):
+            return sharding
+        shape = tuple(mesh.devices.shape)
+        if actor_mesh is not None and tuple(mesh.axis_names) == tuple(actor_mesh.axis_names) and shape == tuple(actor_mesh.shape):
+            return NamedSharding(actor_mesh.abstract, sharding.spec)
+        where = "one device each" if actor_mesh is None else f"a mesh of shape {tuple(actor_mesh.shape)} named {tuple(actor_mesh.axis_names)}"
+        from mpmd.errors import PipelineError
+
+        raise PipelineError(f"with_sharding_constraint(x, NamedSharding(mesh, {sharding.spec})) in the step uses a jax Mesh of shape "
+                            f"{shape} named {tuple(mesh.axis_names)}, but the step runs on its actors' devices ({where}): "
+                            f"write with_sharding_constraint(x, {sharding.spec}) (a bare PartitionSpec resolves against each "
+                            "actor's mesh), or give the actors that mesh (RemoteMesh.local(..., mesh_shape=..., axis_names=...))")
+
+    def param(p: Any) -> Any:
+        if isinstance(p, ClosedJaxpr):
+            j = jaxpr(p.jaxpr)
+            return p if j is p.jaxpr else ClosedJaxpr(j, p.consts)
+        if type(p).__name__ == "Jaxpr":
+            return jaxpr(p)
+        if isinstance(p, tuple) and p:
+            items = tuple(param(x) for x in p)
+            return p if all(a is b for a, b in zip(items, p)) else items
+        return p
+
+    def jaxpr(j: Any) -> Any:
+        eqns, changed = [], False
+        for e in j.eqns:
+            params = {k: param(v) for k, v in e.params.items()}
+            if e.primitive.name == "sharding_constraint":
+                params["sharding"] = fix(params["sharding"])
+            if any(params[k] is not v for k, v in e.params.items()):
+                e, changed = e.replace(params=params), True
+            eqns.append(e)
+        return j.replace(eqns=eqns) if changed else j
+
+    return param(closed)

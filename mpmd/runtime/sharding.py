@@ -11,6 +11,7 @@ PartitionSpecs travel as lists (one entry per dimension: None, an axis name, or 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +72,12 @@ class ActorMesh:
         sizes = dict(zip(self.axis_names, self.shape))
         used: list[str] = []
         for dim, entry in zip(shape, spec):
+            if entry is PartitionSpec.UNCONSTRAINED:
+                raise MpmdError(f"{what}: PartitionSpec {spec} leaves a dimension UNCONSTRAINED, which only "
+                                "with_sharding_constraint takes; say where each dimension goes (None: not split)")
+            if not (entry is None or isinstance(entry, str) or isinstance(entry, tuple) and all(isinstance(n, str) for n in entry)):
+                raise MpmdError(f"{what}: PartitionSpec {spec} has entry {entry!r:.60}; each entry is None, an axis name or a "
+                                "tuple of axis names")
             names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
             for n in names:
                 if n not in sizes:
@@ -170,6 +177,8 @@ def tree_specs(specs: Any, args: Any, what: str) -> list[PartitionSpec | None]:
     from mpmd.runtime.array import RemoteArray
 
     is_remote = lambda x: isinstance(x, RemoteArray)  # noqa: E731
+    if isinstance(specs, list) and isinstance(args, tuple) and len(specs) == len(args):
+        specs = tuple(specs)  # one per positional argument, as a list: jax.jit takes that too
     spec_leaves, spec_tree = jax.tree.flatten(
         specs, is_leaf=lambda x: x is None or isinstance(x, (PartitionSpec, jax.sharding.NamedSharding)))
     try:
@@ -178,7 +187,8 @@ def tree_specs(specs: Any, args: Any, what: str) -> list[PartitionSpec | None]:
         root = "args" if what.startswith("in") else "outputs"
         where = _first_mismatch(specs, args, is_remote, root) or (root, _shape_of(specs), _shape_of(args, is_remote))
         noun = "arguments" if root == "args" else "outputs"
-        jax_says = (str(e).split(";")[0].splitlines() or [""])[0][:100]  # e.g. "List arity mismatch: 2 != 1"
+        # e.g. "List arity mismatch: 2 != 1"; not what it got (the repr of the arguments' arrays)
+        jax_says = re.split(r",? got\b", (str(e).split(";")[0].splitlines() or [""])[0])[0][:100].strip(" (")
         raise MpmdError(f"{what} is not a prefix of the {noun}' tree: at {where[0]}, {what} has {where[1]} where the "
                         f"{noun} have {where[2]} ({jax_says}); give a PartitionSpec or None per {noun[:-1]}, or a tree of "
                         f"them shaped like the {noun[:-1]} (a prefix of it)") from None
