@@ -269,6 +269,9 @@ class Actor:
             collector.settle()  # what only this session used may sit in frozen cycles
         if self.ownership.owner == ses.owner and not any(s.owner == ses.owner for s in self.sessions.values()):
             self.ownership.owner = None  # its job is over: the next session's key owns the daemon
+        if not self.sessions and self.cache.mesh is not None:  # the next job may build another device mesh
+            self.cache.mesh = None  # (compiled executables are cached per mesh: one built again finds its own)
+            self.stream.off_mesh()
         if self.profile_state.session == ses.id:
             profiler.stop_quietly(self)
         if self.p2p is not None:

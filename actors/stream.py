@@ -48,6 +48,7 @@ class Stream:
 
     def __init__(self, device: Any, ordered_calls: bool) -> None:
         self.ordered = ordered_calls
+        self._device = device
         self._where: Any = device
         self.token = jax.device_put(np.int32(0), device) if ordered_calls else None
 
@@ -56,6 +57,12 @@ class Stream:
         if self.ordered:
             self._where = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
             self.token = jax.device_put(np.int32(0), self._where)
+
+    def off_mesh(self) -> None:
+        """Executables run on the one device again (the mesh went with the last session)."""
+        if self.ordered:
+            self._where = self._device
+            self.token = jax.device_put(np.int32(0), self._device)
 
     def _healthy_token(self) -> Any:
         """The token to order the next call after, replaced by a fresh one when the call that made it failed:

@@ -318,3 +318,35 @@ def test_the_embedding_api_puts_and_runs_sharded_arrays(mesh_1x2):
     f = jax.jit(lambda a: (a @ a.T).sum(axis=0))
     out = mesh_1x2.actor(0).run(f, r)
     np.testing.assert_allclose(out.to_numpy(), np.asarray(f(x)), rtol=1e-5)
+
+
+def test_a_daemon_builds_the_device_mesh_each_new_job_asks_for_once_the_last_one_closed(tmp_path):
+    """A hand-started daemon (as on a cluster) kept the first job's device mesh for good: every later job with
+    another shape or other axis names was refused until the daemon restarted (a probe). While a session is
+    open its mesh stays (another shape is refused); after the last one closes, the next job builds its own."""
+    import json
+
+    from tests.wire import start_daemon, stop_daemon
+    from transport.auth import ClientKeys, KeyPair
+
+    server, client = KeyPair.generate(), KeyPair.generate()
+    handoff = json.dumps({"server_public": server.public.decode(), "server_secret": server.secret.decode(),
+                          "authorized": {client.public.decode(): "controller"}}).encode() + b"\n"
+    keys = ClientKeys(client, (server.public,))
+    proc, address = start_daemon("--listen", f"ipc://{tmp_path}/a.sock", "--p2p", "none", "--cpu-devices", "2",
+                                 "--keys-stdin", stdin=handoff)
+    x = np.arange(16, dtype=np.float32).reshape(2, 8)
+    try:
+        for shape, names, spec in [((1, 2), ("data", "model"), P(None, "model")), ((2, 1), ("data", "model"), P("data")),
+                                   ((2,), ("x",), P(None, "x")), (None, None, P(None, "data"))]:
+            kw = {} if shape is None else {"mesh_shape": shape, "axis_names": names}
+            with mpmd.RemoteMesh.connect([address], keys=keys, transport="none", **kw) as mesh:
+                y = mesh.actor(0).run(jax.jit(lambda a: jnp.sin(a) * 2), mesh.actor(0).put(x, spec))
+                np.testing.assert_allclose(y.to_numpy(), np.sin(x) * 2, rtol=1e-6)
+                assert mesh.actor(0).put(x, spec).sharding.spec == spec
+                if shape == (1, 2):  # a second job at once must share the mesh
+                    with pytest.raises(mpmd.MpmdError, match=r"already runs a device mesh \{'data': 1, 'model': 2\}"):
+                        mpmd.RemoteMesh.connect([address], keys=keys, transport="none", mesh_shape=(2, 1),
+                                                axis_names=("data", "model")).close()
+    finally:
+        stop_daemon(proc)
