@@ -1,6 +1,8 @@
 """SPMD inside every actor: each stage runs sharded over its actor's device mesh exactly as jax.jit would on a
 single-process mesh of the same shape (the test process has 4 host devices, see conftest.py)."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -267,8 +269,16 @@ def test_layout_errors_name_the_argument_and_what_to_do(mesh_1x2):
     with pytest.raises(mpmd.MpmdError, match=r"in_shardings is not a prefix of the arguments.* at args\[0\]\[0\]") as e:
         step(params, opt.init(params), batch)
     assert len(str(e.value)) < 500 and "array(" not in str(e.value)
-    with pytest.raises(mpmd.MpmdError, match=r"actor 0 .* has 2 devices but mesh_shape \(2, 2\) needs 4"):
-        mpmd.RemoteMesh.local(num_actors=1, devices_per_actor=2, mesh_shape=(2, 2), axis_names=("data", "model"))
+    # RemoteMesh.local says what is wrong with its mesh arguments before it starts any daemon (it took 3-4 s: a probe)
+    for kw, want in [({"devices_per_actor": 2, "mesh_shape": (2, 2), "axis_names": ("data", "model")},
+                      r"mesh_shape \(2, 2\) needs 4 devices per actor, but devices_per_actor is 2"),
+                     ({"devices_per_actor": 2, "mesh_shape": (2,), "axis_names": ("a", "b")}, "differ in length"),
+                     ({"devices_per_actor": 2, "mesh_shape": (1, 2), "axis_names": ("a", "a")}, "distinct"),
+                     ({"devices_per_actor": 2, "axis_names": ("a",)}, "axis_names needs mesh_shape")]:
+        t = time.monotonic()
+        with pytest.raises((ValueError, mpmd.MpmdError), match=want):
+            mpmd.RemoteMesh.local(num_actors=1, **kw)
+        assert time.monotonic() - t < 0.5
 
 
 def test_an_in_shardings_tree_that_is_not_a_prefix_gets_a_short_error_naming_where_it_differs():

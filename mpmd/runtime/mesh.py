@@ -229,6 +229,15 @@ class RemoteMesh:
             raise ValueError(f"unknown transport {transport!r}; choose one of {TRANSPORTS}")
         if transport == "nccl" and platform == "cpu":
             raise ValueError("transport='nccl' needs GPU actors: pass platform='gpu' (local actors run on CPU by default)")
+        shape, names = kwargs.get("mesh_shape"), kwargs.get("axis_names")
+        if names is not None and shape is None:  # (checked before any daemon starts: they take seconds)
+            raise ValueError("axis_names needs mesh_shape too (one size per name)")
+        if shape is not None and not isinstance(shape, (str, bytes)) and hasattr(shape, "__iter__") and all(
+                isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 1 for d in shape):
+            am = ActorMesh(tuple(int(d) for d in shape), tuple(names) if names is not None else tuple(f"axis{i}" for i in range(len(shape))))
+            if isinstance(devices_per_actor, int) and am.size != devices_per_actor:
+                raise ValueError(f"mesh_shape {am.shape} needs {am.size} devices per actor, but devices_per_actor is "
+                                 f"{devices_per_actor}; pass devices_per_actor={am.size}")
         options = LocalOptions(devices_per_actor, platform, transport != "none", cache_dir, address, log_level, cpus_per_actor,
                                startup_timeout, gpu_ids=tuple(gpu_ids) if gpu_ids is not None else None,
                                loaders=tuple(check_loader_name(fn) for fn in loaders), request_timeout=request_timeout)
