@@ -277,8 +277,9 @@ class ActorConnection:
             outstanding = sorted(self.client.outstanding.values(), key=lambda o: o.sent)
         doing = [o.describe() for o in outstanding if o.op != "ping"]
         if not getattr(self.client, "ever_connected", True):
-            return (f"at {self.address}: no daemon ever answered there ({reason}): nothing listens at that address, or its "
-                    "host is unreachable or does not resolve; check the address and that mpmd-actor runs there")
+            return (f"at {self.address}: no daemon ever answered there ({reason}): nothing listens at that address, or what "
+                    "listens is not an mpmd-actor (no ZeroMQ handshake completed), or its host is unreachable or does not "
+                    "resolve; check the address and that mpmd-actor runs there")
         text = f"at {self.address}: {reason}"
         if doing:
             text += f"\nit was serving: {'; '.join(doing[:6])}{' ...' if len(doing) > 6 else ''}"
