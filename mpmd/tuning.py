@@ -11,7 +11,9 @@ How the step is varied without changing its code: the step names a schedule insi
 which replaces that schedule (the same mechanism as `step.with_schedule(s)`), so any step written for
 `mpmd.distributed` can be tuned as it is. The number of microbatches is varied by re-splitting the batch
 argument (by default the last one): every leaf [m, b, ...] becomes [m', m*b/m', ...], so m' runs over the
-divisors of the m*b rows. A loss that sums over microbatches changes scale with m' (divide by m, as
+divisors of the m*b rows. A batch that cannot be re-split so (one the actors load, a leaf without the rows
+such as a PRNG key per microbatch, leaves with different rows) is tried at the step's own count only, and the
+table says why. A loss that sums over microbatches changes scale with m' (divide by m, as
 examples/gpt.py does, to keep it the same).
 
 Candidates: every built-in schedule that fits the mesh's p actors and the step's n marker segments
@@ -47,6 +49,7 @@ import numpy as np
 from mpmd.compiler.eqns import aval_nbytes
 from mpmd.compiler.plan import plan_step
 from mpmd.errors import MpmdError, PipelineError, ScheduleError
+from mpmd.runtime.loader import LoadedLeaf
 from mpmd.schedules import builtin
 from mpmd.schedules.balance import SegmentCosts, group_costs, ranked_groupings, remat_costs, remat_sets, resolve_grouping
 from mpmd.schedules.builtin import Schedule
@@ -77,17 +80,28 @@ class Candidate:
     def name(self) -> str:
         return repr(self.schedule)  # (with its balance and remat)
 
-    def row(self) -> str:
+    def row(self, width: int = 50) -> str:
+        """The candidate's line of the table, its schedule in a column `width` wide (wider names widen the table)."""
         pred = f"{self.predicted * 1e3:9.2f}" if self.predicted is not None else f"{'-':>9s}"
         bub = f"{self.bubble:6.3f}" if self.bubble is not None else f"{'-':>6s}"
         peak = f"{max(self.peak_bytes) / 2**20:9.1f}" if self.peak_bytes else f"{'-':>9s}"
         meas = f"{self.measured * 1e3:9.2f}  {self.measured / self.predicted:5.2f}" if self.measured and self.predicted else ""
         grouping = ",".join(map(str, self.grouping))
-        return f"{self.name:50s} {self.num_microbatches:4d} {grouping:>16s} {pred} {bub} {peak}  {self.rejected or meas}"
+        return f"{self.name:{width}s} {self.num_microbatches:4d} {grouping:>16s} {pred} {bub} {peak}  {self.rejected or meas}"
 
 
-HEADER = (f"{'schedule':50s} {'m':>4s} {'grouping':>16s} {'pred ms':>9s} {'bubble':>6s} {'peak MiB':>9s}  "
-          "measured ms / measured:predicted, or why rejected")
+def header(width: int = 50) -> str:
+    """The table's column names, the schedule's column `width` wide."""
+    return (f"{'schedule':{width}s} {'m':>4s} {'grouping':>16s} {'pred ms':>9s} {'bubble':>6s} {'peak MiB':>9s}  "
+            "measured ms / measured:predicted, or why rejected")
+
+
+def _width(candidates: Sequence[Candidate]) -> int:
+    """The schedule column's width: 50, or the longest name's (a long one pushed every later column out of line)."""
+    return max([50, *(len(c.name) for c in candidates)])
+
+
+HEADER = header()
 
 
 @dataclass
@@ -109,8 +123,10 @@ class TuneResult:
     chosen: Candidate | None = None  # the fastest of the candidates `calibrate` measured
     calibrated: dict[int, float] = field(default_factory=dict)  # id(candidate) -> seconds per step `calibrate` measured
     drift: float | None = None  # after `verify`: now / then for the candidates `calibrate` measured (the machine's drift)
-    _steps: dict[int, tuple[Candidate, DistributedFunction]] = field(default_factory=dict, repr=False)  # id -> (it, its step)
+    _steps: dict[int, tuple[Candidate, DistributedFunction]] = field(default_factory=dict, repr=False)  # id -> (it, the step measured)
+    _handed: dict[int, tuple[Candidate, DistributedFunction]] = field(default_factory=dict, repr=False)  # id -> (it, the user's step)
     remat: bool = False  # whether tune was asked to try remat (remat=True): a candidate over the limit has a remat row
+    note: str = ""  # what tune could not try and why (e.g. a batch it cannot re-split: the step's own microbatch count only)
 
     @property
     def feasible(self) -> list[Candidate]:
@@ -138,14 +154,23 @@ class TuneResult:
 
     @property
     def step(self) -> DistributedFunction:
-        """The winner as a distributed step on the same mesh (compiled on its first call; the same step object
-        every time, and the one `verify` and `calibrate` ran, so what they compiled is kept)."""
+        """The winner as a distributed step on the same mesh (the same step object every time; see `step_for`)."""
         return self.step_for(self.best)
 
     def step_for(self, candidate: Candidate) -> DistributedFunction:
-        """`candidate` as a distributed step on the same mesh (one per candidate, kept)."""
-        got = self._steps.get(id(candidate))
+        """`candidate` as a distributed step on the same mesh (one per candidate, kept). It is not the step object
+        `verify` and `calibrate` run, whose calls count on (a `loaded_by_actors` batch is loaded for the call's
+        number: a training loop on that one started at the loader's step 14), so its first call loads step 0; it
+        compiles on its first call (the measured one's Programs carry that step's step numbers on the actors)."""
+        got = self._handed.get(id(candidate))
         if got is None or got[0] is not candidate:  # (held with its candidate: an id is reused once an object is gone)
+            got = self._handed[id(candidate)] = (candidate, self.base.with_schedule(candidate.schedule))
+        return got[1]
+
+    def _measured_step(self, candidate: Candidate) -> DistributedFunction:
+        """`candidate` as the distributed step `verify` and `calibrate` run (one per candidate, kept)."""
+        got = self._steps.get(id(candidate))
+        if got is None or got[0] is not candidate:
             got = self._steps[id(candidate)] = (candidate, self.base.with_schedule(candidate.schedule))
         return got[1]
 
@@ -163,7 +188,10 @@ class TuneResult:
                      " it ranks candidates; result.calibrate() or verify(k) measures them)")
         if self.chosen is not None and not self.chosen.rejected:
             head += f"\nwinner: {self.chosen.name} m={self.chosen.num_microbatches} (the fastest measured of those)"
-        return "\n".join([head, HEADER, *(c.row() for c in self.candidates)])
+        if self.note:
+            head += f"\n{self.note}"
+        width = _width(self.candidates)
+        return "\n".join([head, header(width), *(c.row(width) for c in self.candidates)])
 
     def __str__(self) -> str:
         return self.table()
@@ -175,9 +203,9 @@ class TuneResult:
         Rounds are interleaved (candidate 1, 2, ..., k, then again), so a slow spell of a shared machine
         lands on several candidates rather than on one; one candidate's state is on the actors at a time."""
         _check_counts("TuneResult.verify", k=(k, 1), steps=(steps, 1), warmup=(warmup, 0), rounds=(rounds, 1))
-        winner = self.best if self.feasible else None
-        out = ([winner] + [c for c in self.feasible if c is not winner])[:k] if winner is not None else []
-        times = measure_interleaved([(self.step_for(c), self._args_for(c)) for c in out],
+        winner = self.best  # (with no feasible candidate: the MpmdError saying why, as `best` and `step` raise)
+        out = ([winner] + [c for c in self.feasible if c is not winner])[:k]
+        times = measure_interleaved([(self._measured_step(c), self._args_for(c)) for c in out],
                                     self.batch_argnum, steps, warmup, rounds)
         for c, t in zip(out, times):
             c.measured = t
@@ -185,9 +213,10 @@ class TuneResult:
         self.verified = out
         again = [c.measured / self.calibrated[id(c)] for c in out if id(c) in self.calibrated]
         self.drift = statistics.median(again) if again else None
-        print(HEADER)
+        width = _width(out)
+        print(header(width))
         for c in out:
-            print(c.row())
+            print(c.row(width))
         if self.drift is not None:
             print(f"the {len(again)} candidates calibrate measured ran {self.drift:.2f}x as long now as then (the machine's "
                   f"drift since the predictions were scaled: measured/predicted moves by as much)")
@@ -207,7 +236,7 @@ class TuneResult:
             raise MpmdError(f"TuneResult.calibrate: the top {len(refs)} candidates are predicted to take 0 s per step (the "
                             "costs give their tasks no time), so no measured / predicted factor exists; tune with measured "
                             "costs (costs=None), costs='xla', or SegmentCosts with the segments' positive times")
-        measured = measure_interleaved([(self.step_for(r), self._args_for(r)) for r in refs],
+        measured = measure_interleaved([(self._measured_step(r), self._args_for(r)) for r in refs],
                                        self.batch_argnum, steps, warmup, rounds)
         # (a candidate predicted at 0 s has no ratio: the others' set the factor)
         factor = statistics.median(m / (r.predicted / self.calibration) for m, r in zip(measured, refs) if r.predicted)
@@ -230,18 +259,47 @@ class TuneResult:
 
 
 def resplit(batch: Any, num_microbatches: int) -> Any:
-    """Every leaf [m, b, ...] of `batch` as [num_microbatches, m*b/num_microbatches, ...]."""
-    def one(x: Any) -> Any:
+    """Every leaf [m, b, ...] of `batch` as [num_microbatches, m*b/num_microbatches, ...] (a leaf already of
+    `num_microbatches` as it is); a PipelineError naming the leaf that cannot be (`why_not_resplit`)."""
+    def one(path: Any, x: Any) -> Any:
+        if isinstance(x, LoadedLeaf) or np.shape(x)[:1] == (num_microbatches,):  # (already so; a loaded leaf only so)
+            if isinstance(x, LoadedLeaf) and x.shape[:1] != (num_microbatches,):
+                raise PipelineError(f"{LOADED}; pass microbatches=[{x.shape[0] if x.shape else 1}]")
+            return x
         x = np.asarray(x) if not isinstance(x, jax.Array) else x
         if x.ndim < 2:
-            raise PipelineError(f"tune re-splits the batch's leaves [m, b, ...] into other microbatch counts; a leaf of shape "
-                                f"{x.shape} has no row axis")
+            raise PipelineError(f"tune re-splits the batch's leaves [m, rows, ...] into other microbatch counts; the leaf "
+                                f"batch{jax.tree_util.keystr(path)} of shape {x.shape} has no row axis")
         rows = x.shape[0] * x.shape[1]
         if rows % num_microbatches:
             raise PipelineError(f"{num_microbatches} microbatches do not divide the batch's {rows} rows")
         return x.reshape(num_microbatches, rows // num_microbatches, *x.shape[2:])
 
-    return jax.tree.map(one, batch)
+    return jax.tree_util.tree_map_with_path(one, batch)
+
+
+LOADED = "a batch the actors load (loaded_by_actors) cannot be re-split into other microbatch counts"
+FIXED = "the batch cannot be re-split into other microbatch counts"
+
+
+def why_not_resplit(batch: Any) -> str:
+    """Why `batch` cannot be re-split into other microbatch counts, naming the leaf: it is loaded by the actors,
+    a leaf has no row axis (a PRNG key per microbatch, [m]), or two leaves have different rows per microbatch (a
+    key [m, 2] or a context [m, 1, d] beside x [m, rows, d]: a re-split would cut them elsewhere than the rows);
+    "" when every leaf is [m, rows, ...] with the same rows."""
+    first = None
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        name, shape = f"batch{jax.tree_util.keystr(path)}", tuple(np.shape(x))
+        if isinstance(x, LoadedLeaf):
+            return LOADED
+        if len(shape) < 2:
+            return f"{FIXED}: its leaf {name} of shape {shape} has no row axis (the second: [m, rows, ...])"
+        if first is None:
+            first = name, shape
+        elif shape[1] != first[1][1]:
+            return (f"{FIXED}: its leaves {first[0]} of shape {first[1]} and {name} of shape {shape} have different rows "
+                    "per microbatch (the second axis)")
+    return ""
 
 
 def measure_interleaved(runs: Sequence[tuple[DistributedFunction, tuple[Any, ...]]], batch_argnum: int, steps: int,
@@ -348,6 +406,13 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
     """
     memory_limit, schedules, microbatches, virtual_stages = _check_choices(memory_limit, schedules, microbatches,
                                                                           virtual_stages)  # before anything is measured
+    from mpmd.observe.segments import check_steps, profile_costs, segment_layout
+
+    check_steps("tune", "profile_steps", profile_steps)
+    for name, flag in (("calibrate", calibrate), ("remat", remat)):
+        if not isinstance(flag, (bool, np.bool_)) and not (flag is None and name == "calibrate"):
+            raise TypeError(f"tune: {name} must be True or False{' (or None: when the costs are measured)' * (name == 'calibrate')}, "
+                            f"got {type(flag).__name__} {flag!r:.40}")
     if isinstance(step_fn, DistributedFunction):  # its static arguments and shardings too
         mesh = mesh if mesh is not None else step_fn.mesh
         # (donating as the user's step does: what tune measures runs through call_bound, which never donates)
@@ -361,8 +426,6 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
         raise PipelineError(f"tune: step_kwargs is a dict of the step's keyword arguments, got {type(step_kwargs).__name__}")
     args = base.bind(args, step_kwargs or {})  # from here on one tuple, as a compiled step takes it
     p = len(mesh)
-    from mpmd.observe.segments import profile_costs, segment_layout
-
     n, out_bytes, m0, rows = segment_layout(base, *args)
     if schedules is None:  # (before anything is measured: a step that cannot pipeline is told so at once)
         cands = candidate_schedules(p, n, virtual_stages)
@@ -377,6 +440,28 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
         raise PipelineError(f"tune: no schedule to try: the step has {n} segment{'s' * (n != 1)} (mpmd.pipeline_yield markers + 1) "
                             f"and the mesh {p} actors; every built-in needs a stage per actor (mark at least {p} stages)"
                             if schedules is None else f"tune: none of the schedules {schedules} fits {p} actors and {n} segments")
+    total_rows = m0 * rows if rows else m0
+    vmax = max([*virtual_stages, 2])
+    counts = list(microbatches) if microbatches is not None else (
+        sorted({*_divisors(total_rows, p, 4 * p * vmax), m0}) if rows else [m0])  # (the step's own count too, always)
+    # (0 rows: the loop's batch leaves have no rows per microbatch in common)
+    why = "" if rows else f"{FIXED}: the step's batch leaves have no rows per microbatch (second axis) in common"
+    if batch_argnum is not None or any(m != m0 for m in counts):  # (only a re-split needs to know the batch)
+        batch_argnum = _batch_argnum(args, batch_argnum, m0, base.static_argnums, rows)
+        why = why_not_resplit(args[batch_argnum]) or why
+    elif why:  # (only the step's own count to try anyway: the batch is looked for to say which leaf)
+        try:
+            why = why_not_resplit(args[_batch_argnum(args, None, m0, base.static_argnums)]) or why
+        except PipelineError:
+            pass
+    note = ""
+    if why and any(m != m0 for m in counts):
+        if microbatches is not None:  # (asked for: said before anything is measured)
+            raise PipelineError(f"tune: {why}; pass microbatches=[{m0}] (the step's own count)")
+        counts = [m0]
+    if why:
+        note = f"only the step's own {m0} microbatches tried: {why}"
+        log.info("tune: %s", note)
     if costs is None:
         seg = profile_costs(base, *args, steps=profile_steps)
     elif costs == "xla":
@@ -392,19 +477,13 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
                             "candidate would be predicted to take no compute and none could be ranked above another (nor "
                             "calibrated: measured / 0); give SegmentCosts with the segments' positive times, costs='xla', or "
                             "costs=None to measure them")
-    total_rows = m0 * rows if rows else m0
-    vmax = max([*virtual_stages, 2])
-    counts = list(microbatches) if microbatches is not None else (
-        sorted({*_divisors(total_rows, p, 4 * p * vmax), m0}) if rows else [m0])  # (the step's own count too, always)
-    if batch_argnum is not None or any(m != m0 for m in counts):  # (only a re-split needs to know the batch)
-        batch_argnum = _batch_argnum(args, batch_argnum, m0, base.static_argnums, rows)
     fits = [m for m in counts if not rows or total_rows % m == 0]
     # Also measured at the largest and the smallest microbatch considered: how the compute grows and shrinks with
     # the rows (rarely linearly, and not as one power on both sides).
     for other in sorted({min(fits), max(fits)} - {m0}) if costs is None and rows and fits else ():
         call_args = list(args)
-        call_args[batch_argnum] = resplit(args[batch_argnum], other)
         try:
+            call_args[batch_argnum] = resplit(args[batch_argnum], other)
             seg = seg.with_rows_exponent(profile_costs(base, *call_args, steps=profile_steps, split_backward=False))
         except MpmdError as e:  # e.g. the larger microbatch does not fit: keep the linear model
             log.warning("tune: could not measure the costs at %d microbatches (%s); scaling them linearly with the rows",
@@ -420,12 +499,16 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
         # (costs given without their rows are taken to be the step's own microbatch's)
         scaled = seg.scaled(b / (seg.microbatch_rows or rows)) if rows else seg
         call_args = list(args)
-        if m != m0:
-            call_args[batch_argnum] = resplit(args[batch_argnum], m)
+        try:
+            if m != m0:
+                call_args[batch_argnum] = resplit(args[batch_argnum], m)
+        except PipelineError as e:
+            found.extend(Candidate(sched, m, rejected=str(e).splitlines()[0][:160]) for sched in cands)
+            continue
         for sched in cands:
             found.extend(_predict(base, tuple(call_args), sched, m, scaled, p, memory_limit, remat))
     found.sort(key=lambda c: (bool(c.rejected), c.predicted if c.predicted is not None else float("inf")))
-    result = TuneResult(found, seg, base, args, batch_argnum, memory_limit, remat=bool(remat))  # (None: the batch is never re-split)
+    result = TuneResult(found, seg, base, args, batch_argnum, memory_limit, remat=bool(remat), note=note)  # (None: the batch is never re-split)
     if calibrate if calibrate is not None else costs is None:
         result.calibrate()
     return result
@@ -531,6 +614,9 @@ def _predict(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedul
     except (ScheduleError, PipelineError) as e:
         c.rejected = str(e).splitlines()[0][:120]
         return [c]
+    except Exception as e:  # (tracing the step with this schedule or count failed in JAX or in the user's code)
+        c.rejected = f"tracing it raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:160]
+        return [c]
     over = _record(c, sim, memory_limit)
     floor = -(-sum(static) // p)
     if over and memory_limit is not None and floor > memory_limit:
@@ -596,9 +682,9 @@ def _xla_costs(base: DistributedFunction, args: tuple[Any, ...]) -> SegmentCosts
     from mpmd.compiler.grouping import xla_segment_costs
     from mpmd.compiler.loop_tasks import analyse_loop_body, find_step_loop
     from mpmd.compiler.stages import split_stages
+    from mpmd.observe.segments import batch_rows
 
     outer, _ = base.trace(*args)
     loop = find_step_loop(outer)
     body = analyse_loop_body(loop)
-    leaf = loop.eqn.invars[0].aval
-    return replace(xla_segment_costs(split_stages(body), body), microbatch_rows=int(leaf.shape[1]) if len(leaf.shape) > 1 else 0)
+    return replace(xla_segment_costs(split_stages(body), body), microbatch_rows=batch_rows(loop))

@@ -318,3 +318,15 @@ def test_the_local_search_past_the_exhaustive_limit_finds_the_best_grouping(monk
     best = bal.best_grouping(schedule, 8, seg)
     assert simulate(schedule, 8, bal.group_costs(seg, found)).step_time == simulate(schedule, 8, bal.group_costs(seg, best)).step_time
     assert found == best == (5, 4, 4, 3)
+
+
+def test_too_many_stages_for_the_segments_says_so_in_good_grammar():
+    """'use at most 1 stages' (a probe)."""
+    from mpmd.errors import ScheduleError
+    from mpmd.schedules.balance import resolve_grouping
+
+    schedule = mpmd.OneFOneB(2, balance="even")
+    with pytest.raises(ScheduleError) as e:
+        resolve_grouping(schedule, 1, 4)
+    assert str(e.value) == (f"{schedule} has 2 stages but the step has only 1 segment (no pipeline_yield marker); use at "
+                            "most 1 stage or mark more boundaries")

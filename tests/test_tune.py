@@ -452,3 +452,132 @@ def test_the_memory_floor_counts_a_leaf_two_stages_read_once_so_a_grouping_that_
     assert peak[(2, 2)] > limit  # the fastest grouping is over, another fits
     (c,) = run("OneFOneB", memory_limit=limit).candidates
     assert not c.rejected and max(c.peak_bytes) <= limit and c.grouping == min(peak, key=peak.get), c.rejected
+
+
+def keyed_loss(params, mb):
+    """uneven_loss with dropout on the inputs, a PRNG key per microbatch in the batch ("key"), and with a
+    per-microbatch context [1, WIDTH] added to them when the batch has one ("z")."""
+    x = mb["x"] + mb["z"] if "z" in mb else mb["x"]
+    if "key" in mb:
+        x = x * jax.random.bernoulli(mb["key"], 0.9, x.shape) / 0.9
+    return uneven_loss(params, {"x": x, "y": mb["y"]})
+
+
+def test_a_batch_with_a_key_or_a_context_leaf_is_tuned_at_its_own_count_and_the_table_says_which_leaf():
+    """The rows were the first batch leaf's second axis: a typed key [m] sorting first tuned at the step's own
+    count silently, one sorting last aborted tune ('a leaf of shape (4,) has no row axis', no name, no advice);
+    a context [m, 1, d] beside x [m, rows, d] was re-split and failed to broadcast (found by a probe)."""
+    from mpmd.observe.segments import segment_layout
+    from mpmd.step import DistributedFunction
+
+    params, batch = uneven_setup(num_mb=4, rows=16)
+    opt = optax.sgd(0.1)
+    step = make_step(keyed_loss, opt, mpmd.OneFOneB(2))
+    keyed = dict(batch, key=jax.random.split(jax.random.key(0), 4))
+    raw = dict(batch, key=np.asarray(jax.random.split(jax.random.PRNGKey(0), 4)))  # [4, 2] uint32
+    context = dict(batch, z=np.ones((4, 1, 32), np.float32))
+    # the rows per microbatch the costs are measured at: those every batch leaf has (16), else none
+    dist = DistributedFunction(step, FakeMesh(2))
+    assert [segment_layout(dist, params, opt.init(params), b)[3] for b in (batch, keyed, raw, context)] == [16, 0, 0, 0]
+    fixed = "only the step's own 4 microbatches tried: the batch cannot be re-split into other microbatch counts: "
+    for b, why in ((keyed, "its leaf batch['key'] of shape (4,) has no row axis (the second: [m, rows, ...])"),
+                   (raw, "its leaves batch['key'] of shape (4, 2) and batch['x'] of shape (4, 16, 32) have different "
+                         "rows per microbatch (the second axis)"),
+                   (context, "its leaves batch['x'] of shape (4, 16, 32) and batch['z'] of shape (4, 1, 32) have different "
+                             "rows per microbatch (the second axis)")):
+        r = mpmd.tune(step, params, opt.init(params), b, mesh=FakeMesh(2), costs="xla", schedules=["OneFOneB"])
+        assert [c.num_microbatches for c in r.candidates] == [4] and not r.best.rejected
+        assert r.note == fixed + why and r.table().splitlines()[2] == r.note
+        assert r.reshape_batch(b) is not None  # (the step's own count: as it is)
+    with pytest.raises(mpmd.PipelineError) as e:
+        mpmd.tune(step, params, opt.init(params), keyed, mesh=FakeMesh(2), costs="xla", schedules=["OneFOneB"], microbatches=[2, 4])
+    assert str(e.value) == ("tune: the batch cannot be re-split into other microbatch counts: its leaf batch['key'] of shape "
+                            "(4,) has no row axis (the second: [m, rows, ...]); pass microbatches=[4] (the step's own count)")
+
+
+def test_a_candidate_whose_trace_raises_is_a_rejected_row_not_a_crash():
+    """Raw keys [m, 2] beside x [m, 2, d] share their second axis, so tune re-splits them too: tracing m=2 or
+    m=8 fails in JAX (key data [4] or [1]), and that TypeError escaped tune (found by a probe)."""
+    params, batch = uneven_setup(num_mb=4, rows=2)
+    opt = optax.sgd(0.1)
+    step = make_step(keyed_loss, opt, mpmd.OneFOneB(2))
+    keyed = dict(batch, key=np.asarray(jax.random.split(jax.random.PRNGKey(0), 4)))
+    r = mpmd.tune(step, params, opt.init(params), keyed, mesh=FakeMesh(2), costs="xla", schedules=["OneFOneB"])
+    by_m = {c.num_microbatches: c for c in r.candidates}
+    assert sorted(by_m) == [2, 4, 8] and r.best is by_m[4]
+    for m in (2, 8):
+        assert by_m[m].rejected.startswith("tracing it raised TypeError: ") and "PRNG key" in by_m[m].rejected
+
+
+def test_tune_of_a_batch_the_actors_load_tries_its_own_count_and_the_winner_loads_from_step_0():
+    """A loaded_by_actors batch: tune said 'a leaf of shape () has no row axis'; and r.step, the object calibrate
+    and verify had run, loaded the loader's step 14 on its first call (found by a probe)."""
+    from mpmd.testing import LOADED_LEAF_SHAPE, make_train_step, synthetic_regression_leaf
+
+    fn = "mpmd.testing:synthetic_regression_leaf"
+    params = mlp_params(np.random.default_rng(5), num_stages=2, width=LOADED_LEAF_SHAPE[2])
+    opt = optax.sgd(1e-2)
+    spec = {leaf: jax.ShapeDtypeStruct(LOADED_LEAF_SHAPE, np.float32) for leaf in ("x", "y")}
+    with mpmd.RemoteMesh.local(2, loaders=[fn]) as mesh:
+        batch = mpmd.loaded_by_actors(fn, spec)
+        step = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
+        with pytest.raises(mpmd.PipelineError) as e:
+            mpmd.tune(step, params, opt.init(params), batch, costs="xla", schedules=["OneFOneB"], microbatches=[2, 4])
+        assert str(e.value) == ("tune: a batch the actors load (loaded_by_actors) cannot be re-split into other microbatch "
+                                "counts; pass microbatches=[4] (the step's own count)")
+        r = mpmd.tune(step, params, opt.init(params), batch, costs="xla", schedules=["OneFOneB", "GPipe"])
+        assert [c.num_microbatches for c in r.candidates] == [4, 4]
+        assert r.note == ("only the step's own 4 microbatches tried: a batch the actors load (loaded_by_actors) cannot be "
+                          "re-split into other microbatch counts")
+        r.calibrate(steps=1, warmup=1, rounds=1, top=2)  # (runs steps: their loads count on)
+        got = r.step(params, opt.init(params), r.reshape_batch(batch))
+        host = {leaf: synthetic_regression_leaf(0, leaf) for leaf in ("x", "y")}
+        assert_trees_close(got, jax.jit(make_train_step(mse_loss(mlp), opt, None))(params, opt.init(params), host))
+
+
+def test_tune_refuses_profile_steps_calibrate_and_remat_that_are_not_what_they_say():
+    """profile_steps="2" raised a bare TypeError, -1 and 0 ran one step; calibrate="yes" and remat="yes" were
+    taken as true (found by a probe)."""
+    from mpmd.step import DistributedFunction
+
+    params, batch = uneven_setup(num_mb=4, rows=16)
+    opt = optax.sgd(0.1)
+    step = make_step(uneven_loss, opt, mpmd.OneFOneB(2))
+    args = (params, opt.init(params), batch)
+    what = "(the steps run to warm up before the traced ones)"
+    for kw, error, message in (
+            ({"profile_steps": "2"}, TypeError, f"tune: profile_steps {what} must be an int >= 1, got str '2'"),
+            ({"profile_steps": 2.0}, TypeError, f"tune: profile_steps {what} must be an int >= 1, got float 2.0"),
+            ({"profile_steps": 0}, ValueError, f"tune: profile_steps {what} must be at least 1, got 0"),
+            ({"profile_steps": -1}, ValueError, f"tune: profile_steps {what} must be at least 1, got -1"),
+            ({"calibrate": "yes"}, TypeError, "tune: calibrate must be True or False (or None: when the costs are measured), "
+                                              "got str 'yes'"),
+            ({"remat": "yes"}, TypeError, "tune: remat must be True or False, got str 'yes'")):
+        with pytest.raises(error) as e:
+            mpmd.tune(step, *args, mesh=FakeMesh(2), costs="xla", schedules=["OneFOneB"], **kw)
+        assert str(e.value) == message
+    with pytest.raises(ValueError) as e:
+        DistributedFunction(step, FakeMesh(2)).profile_costs(*args, steps=0)
+    assert str(e.value) == f"profile_costs: steps {what} must be at least 1, got 0"
+
+
+def test_verify_with_no_candidate_that_fits_raises_as_best_does():
+    """verify printed a header and returned [] while best and step raised (found by a probe)."""
+    r = tuned(schedules=["OneFOneB"], microbatches=[4], memory_limit=1)
+    with pytest.raises(mpmd.MpmdError) as best:
+        r.best
+    with pytest.raises(mpmd.MpmdError) as verify:
+        r.verify(1)
+    assert str(verify.value) == str(best.value) and str(best.value).startswith("no candidate fits: all 1 were rejected")
+
+
+def test_the_table_widens_its_schedule_column_for_long_names():
+    """A name over 50 characters pushed that row's other columns out of line (found by a probe)."""
+    r = tuned(schedules=[mpmd.InterleavedZeroBubble(4, 2, remat=(0, 1, 2, 3)), "GPipe"], microbatches=[4])
+    width = max(len(c.name) for c in r.candidates)
+    assert width > 50
+    lines = r.table().splitlines()
+    rows = lines[-len(r.candidates):]
+    assert lines[-len(r.candidates) - 1][width:width + 5] == "    m"
+    for c, line in zip(r.candidates, rows):
+        assert line.startswith(c.name) and line[width:width + 5] == f" {c.num_microbatches:4d}"

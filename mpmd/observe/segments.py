@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
+
 from mpmd.compiler.eqns import nbytes
 from mpmd.compiler.loop_tasks import analyse_loop_body, find_step_loop
 from mpmd.compiler.stages import is_marker, split_stages
@@ -28,7 +30,8 @@ __all__ = ["profile_costs", "segment_layout"]
 
 def segment_layout(step: Any, *args: Any) -> tuple[int, tuple[float, ...], int, int]:
     """(number of marker segments, bytes each segment's closing marker passes on, microbatches, rows per
-    microbatch: the second axis of the first batch leaf, 0 when it has none) of the traced step."""
+    microbatch: the second axis every batch leaf shares, 0 when one has none or they differ, e.g. a
+    per-microbatch PRNG key [m] or [m, 2] next to inputs [m, rows, ...]) of the traced step."""
     outer, _ = step.trace(*args)
     loop = find_step_loop(outer)
     body = analyse_loop_body(loop)
@@ -37,9 +40,14 @@ def segment_layout(step: Any, *args: Any) -> tuple[int, tuple[float, ...], int, 
     for s in range(split.num_stages):
         fwd = split.regions.get((s, "F"), [])
         out.append(float(sum(nbytes(v) for v in fwd[-1].outvars)) if fwd and is_marker(fwd[-1]) else 0.0)
-    leaf = loop.eqn.invars[0].aval
-    rows = int(leaf.shape[1]) if len(leaf.shape) > 1 else 0
-    return split.num_stages, tuple(out), loop.num_microbatches, rows
+    return split.num_stages, tuple(out), loop.num_microbatches, batch_rows(loop)
+
+
+def batch_rows(loop: Any) -> int:
+    """The rows per microbatch of the step loop's batch: the second axis of every batch leaf if they all have the
+    same one, else 0 (the first leaf alone could be a key [m, 2] or a context [m, 1, d] beside x [m, rows, d])."""
+    second = {tuple(v.aval.shape[1:2]) for v in loop.eqn.invars[:loop.num_mb_leaves]}
+    return int(next(iter(second))[0]) if len(second) == 1 and () not in second else 0
 
 
 def _traced_costs(step: Any, schedule: SegmentProfile, args: tuple[Any, ...], steps: int, traced: int = 3,
@@ -72,6 +80,15 @@ def median_costs(fits: list[Any]) -> Any:
     return dataclasses.replace(fits[0], **per_stage, **scalars)
 
 
+def check_steps(where: str, name: str, steps: Any) -> None:
+    """A TypeError or ValueError unless `steps`, the warm-up steps run before the traced ones, is an int >= 1."""
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)):
+        raise TypeError(f"{where}: {name} (the steps run to warm up before the traced ones) must be an int >= 1, got "
+                        f"{type(steps).__name__} {steps!r:.40}")
+    if steps < 1:
+        raise ValueError(f"{where}: {name} (the steps run to warm up before the traced ones) must be at least 1, got {steps}")
+
+
 MIN_TASK_SECONDS = 1e-9  # the time a measured task that exists is given at least
 
 
@@ -79,6 +96,7 @@ def profile_costs(step: Any, *args: Any, steps: int = 2, split_backward: bool = 
     """Per-segment costs of `step` (a `DistributedFunction`) on these arguments (bound, as
     `DistributedFunction.call_bound` takes them), measured on its mesh's actors
     (see the module docstring). Compiles one or two variants of the step; leaves the arguments as they were."""
+    check_steps("profile_costs", "steps", steps)
     n, out_bytes, m, rows = segment_layout(step, *args)
     p = min(len(step.mesh), n)
     log.info("profiling %d segments on %d actors, %d microbatches", n, p, m)

@@ -343,7 +343,7 @@ def check_stage_count(schedule: Schedule, num_segments: int) -> None:
     k = schedule.num_stages
     if k > num_segments:
         raise ScheduleError(f"{schedule} has {k} stages but the step has only {segments(num_segments)}; use at most "
-                            f"{num_segments} stages or mark more boundaries")
+                            f"{num_segments} stage{'s' * (num_segments != 1)} or mark more boundaries")
 
 
 def resolve_grouping(schedule: Schedule, num_segments: int, num_microbatches: int, costs: SegmentCosts | None = None) -> tuple[int, ...] | None:
