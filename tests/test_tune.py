@@ -581,3 +581,15 @@ def test_the_table_widens_its_schedule_column_for_long_names():
     assert lines[-len(r.candidates) - 1][width:width + 5] == "    m"
     for c, line in zip(r.candidates, rows):
         assert line.startswith(c.name) and line[width:width + 5] == f" {c.num_microbatches:4d}"
+
+
+def test_segments_profiled_on_one_actor_say_they_could_not_be_timed_apart(caplog):
+    """On one actor every segment's tasks run fused, so profile_costs gave every segment the same time and
+    called it "measured on the actors" (a probe): its source and a warning now say what it is."""
+    params, batch = uneven_setup(num_mb=4, rows=16)
+    opt = optax.sgd(0.1)
+    with mpmd.RemoteMesh.local(num_actors=1) as mesh, caplog.at_level("WARNING", logger="mpmd"):
+        seg = mpmd.distributed(make_step(uneven_loss, opt, mpmd.OneFOneB(1, balance="even")), mesh=mesh).profile_costs(
+            params, opt.init(params), batch, steps=1, split_backward=False)
+    assert seg.source.startswith("measured on 1 actor: its segments run fused there")
+    assert "cannot time the 8 segments apart" in caplog.text

@@ -100,6 +100,11 @@ def profile_costs(step: Any, *args: Any, steps: int = 2, split_backward: bool = 
     n, out_bytes, m, rows = segment_layout(step, *args)
     p = min(len(step.mesh), n)
     log.info("profiling %d segments on %d actors, %d microbatches", n, p, m)
+    source = "measured on the actors"
+    if p == 1 and n > 1:  # (each stage's tasks fuse into one Run per microbatch on one actor)
+        source = "measured on 1 actor: its segments run fused there, so each has an equal share of their total"
+        log.warning("profile_costs on a mesh of 1 actor cannot time the %d segments apart (they run fused): each gets an equal "
+                    "share of their total; profile on 2 or more actors to balance stages by them", n)
     cores = getattr(step.mesh, "shared_cores", lambda: None)()  # actors sharing this host's cores: fit own times
     own = bool(getattr(step.mesh, "one_core_each", lambda: False)())  # or each on a core of its own, with its loop
     fused, _ = _traced_costs(step, SegmentProfile(n, p, split=False), args, steps, cores=cores, own_core=own)
@@ -120,5 +125,5 @@ def profile_costs(step: Any, *args: Any, steps: int = 2, split_backward: bool = 
     split_overhead = min(run_overhead, max(0.0, extra[len(extra) // 2])) if extra else 0.0
     return SegmentCosts(F=tuple(fused.F), B=tuple(fused.B), I=i, W=w, activation_bytes=out_bytes, latency=fused.latency,
                         bandwidth=fused.bandwidth, gap=fused.gap, other=fused.other, lead=fused.lead, tail=fused.tail, cores=cores,
-                        source="measured on the actors",
+                        source=source,
                         microbatch_rows=rows, run_overhead=run_overhead, split_overhead=split_overhead, runtime_cpu=fused.runtime_cpu)
