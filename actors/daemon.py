@@ -339,9 +339,12 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
                 raise
             req_id = msg.header.get("id")
             if msg.op == "shutdown":
-                actor.authorize_shutdown(msg, peer)  # the job's owner, or an operator, in a session of its own
-                await reply(identity.bytes, encode({"op": "reply", "id": req_id, "ok": True}))
-                stop.set()
+                # the job's owner, or an operator, in a session of its own; while other sessions are open only that
+                # session closes (the reply says stopped: false)
+                stopping = actor.authorize_shutdown(msg, peer)
+                await reply(identity.bytes, encode({"op": "reply", "id": req_id, "ok": True, "stopped": stopping}))
+                if stopping:
+                    stop.set()
                 return
             if msg.op == "compile" and not (secure or args.insecure):
                 raise RequestError("this daemon serves 'compile' only to an authenticated controller: start it with "

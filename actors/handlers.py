@@ -11,6 +11,7 @@ daemon (actors/daemon.py) turns into an error reply. The wire form of every op i
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import time
@@ -34,6 +35,8 @@ from transport.p2p import P2PTransport
 from transport.p2p.base import computed
 from transport.program import ProgramError, Recv, Run, Send, decode_instruction, decode_program
 from transport.protocol import Message, aval_header
+
+log = logging.getLogger(__name__)
 
 
 def marked(inputs: list[int], marker: int, entries: Iterable[Any]) -> Iterator[tuple[int, Any]]:
@@ -182,10 +185,18 @@ class Actor:
             return f"session {key[0]:x} on actor {self.actor_id} is not the job that owns its data plane"
         return None
 
-    def authorize_shutdown(self, msg: Message, peer: str | None) -> None:
-        """Raise unless `peer` may stop this daemon (in an open session of its own, as the owner or an operator)."""
-        self._session_of(msg, peer)
+    def authorize_shutdown(self, msg: Message, peer: str | None) -> bool:
+        """Raise unless `peer` may stop this daemon (in an open session of its own, as the owner or an operator).
+        Whether to stop: not while other sessions are open (another job on the same daemons, say, started from
+        the same rendezvous with the same key) — then only the asking session closes, as with 'bye'."""
+        ses = self._session_of(msg, peer)
         self._refuse_unless_governing("shutdown", peer)
+        if len(self.sessions) > 1:
+            log.warning("session %x asked this daemon to stop while %d other session(s) are open: only that session "
+                        "closes; the daemon keeps serving the others", ses.id, len(self.sessions) - 1)
+            self._end(ses)
+            return False
+        return True
 
     async def hello(self, ses: Session | None, msg: Message, peer: str | None = None) -> tuple[dict, list]:
         """Open a session for a controller (its id is the controller's random choice); reply with `info`."""

@@ -161,6 +161,35 @@ def test_a_killed_daemons_record_is_recognised_and_replaced_by_a_hand_started_da
     assert records(rdv) == []
 
 
+def test_a_second_job_on_the_same_rendezvous_shares_the_daemons_and_its_close_does_not_stop_them(tmp_path, keys, caplog):
+    """Job B, on job A's rendezvous directory with the same key (the README's one key for every job), connected
+    to A's daemons and its close stopped them under A's feet (a probe). Now B is warned, and its close ends only
+    its own session: A's mesh goes on; A's close, the last session, stops the daemon. A timeout of NaN waited
+    forever."""
+    rdv = tmp_path / "rdv"
+    proc = spawn("--rendezvous", str(rdv), "--actor-id", "0", "--authorized-keys", str(keys), "--listen", "tcp://127.0.0.1:0")
+    try:
+        ready(proc)
+        double = jax.jit(lambda a: a * 2.0)
+        with mpmd.RemoteMesh.from_rendezvous(rdv, 1, keys=keys, timeout=10, transport="none") as a:
+            with caplog.at_level("WARNING", logger="mpmd"):
+                b = mpmd.RemoteMesh.from_rendezvous(rdv, 1, keys=keys, timeout=10, transport="none")
+            assert "already serve another controller's session" in caplog.text
+            np.testing.assert_array_equal(b.actor(0).run(double, np.ones(3, np.float32)).to_numpy(), [2.0, 2.0, 2.0])
+            b.close()
+            time.sleep(0.5)
+            assert proc.poll() is None, stderr_of(proc)
+            np.testing.assert_array_equal(a.actor(0).run(double, np.arange(3, dtype=np.float32)).to_numpy(), [0.0, 2.0, 4.0])
+        assert proc.wait(15) == 0
+    finally:
+        stop_daemon(proc)
+    for bad in (float("nan"), float("inf"), 0, True):
+        with pytest.raises(ValueError, match="timeout must be a positive, finite number"):
+            mpmd.RemoteMesh.from_rendezvous(rdv, 1, keys=keys, timeout=bad)
+    with pytest.raises(ValueError, match="num_actors must be an int >= 1, got True"):
+        mpmd.RemoteMesh.from_rendezvous(rdv, True, keys=keys, timeout=1)
+
+
 def test_daemons_of_another_jax_version_or_platform_are_refused_naming_them(tmp_path, keys):
     """A second JAX install cannot run here: a daemon's arrival is edited to say what another install's would."""
     rdv = tmp_path / "rdv"

@@ -179,10 +179,10 @@ class _Waiting:
 def gather(where: str | os.PathLike[str], num_actors: int, timeout: float, keys: Any = None, poll: float = 0.2) -> list[Arrival]:
     """The arrivals of actors 0 .. num_actors-1 at `where` (a directory, or ``tcp://HOST:PORT`` to serve),
     each of a daemon that answers at its endpoint; `RendezvousError` naming the missing ones after `timeout`."""
-    if num_actors < 1:
-        raise ValueError(f"num_actors must be >= 1, got {num_actors}")
-    if timeout <= 0:
-        raise ValueError(f"timeout must be positive, got {timeout}")
+    if isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1:
+        raise ValueError(f"num_actors must be an int >= 1, got {num_actors!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
     if is_tcp(where):
         server = TcpRendezvous(str(where), keys)
         try:
@@ -374,6 +374,8 @@ def connect(cls: Any, where: str | os.PathLike[str], num_actors: int, *, timeout
     directory rendezvous only), a lost actor is replaced by the next daemon that announces itself under its id."""
     if isinstance(where, Path):
         where = str(where)
+    if not is_tcp(where):
+        where = os.path.expanduser(where)  # (a recovery reads the directory again, long after: "~/..." as written)
     if recover is not None and is_tcp(where):
         raise ValueError("recover= needs a rendezvous directory: replacements announced at a tcp:// rendezvous are not "
                          "served after the mesh is made (use a directory every node sees)")
@@ -388,6 +390,12 @@ def connect(cls: Any, where: str | os.PathLike[str], num_actors: int, *, timeout
     if wrong:
         mesh.close()
         raise RendezvousError("; ".join(wrong) + ": the rendezvous holds records that do not match their daemons")
+    shared = [a.actor_id for a, info in zip(arrivals, mesh.infos) if (info.header.get("sessions") or 0) > 1]
+    if shared:  # (they stay up when this mesh closes: only its own session goes)
+        log.warning("the daemons of actors %s at the rendezvous %s already serve another controller's session (another job "
+                    "on this rendezvous directory, or a controller that died and whose session has not expired yet); "
+                    "this mesh shares them, and closing it will not stop them. Give each job a directory of its own",
+                    shared, where)
     if recover is not None:
         from mpmd.runtime.recovery import enable_recovery
 
