@@ -97,7 +97,40 @@ def test_a_placement_the_cluster_cannot_hold_fails_naming_what_was_asked_and_lea
 def test_an_unknown_keyword_is_refused_before_any_daemon_starts(local_ray):
     with pytest.raises(TypeError, match="unexpected keyword argument.*heartbeat_intervall.*heartbeat_interval"):
         mpmd.RemoteMesh.ray(2, heartbeat_intervall=1.0)
+    for bad in (-1, 0, float("nan")):  # (-1 was taken)
+        with pytest.raises(ValueError, match="placement_timeout must be a positive, finite number"):
+            mpmd.RemoteMesh.ray(2, placement_timeout=bad)
     assert ours() == ([], [])  # nothing was placed
+
+
+def test_a_daemon_directory_whose_ray_worker_and_daemon_are_gone_is_swept_by_the_next_start_on_its_node():
+    """ray.kill takes a Ray actor's daemon with it before either removes its directory (log, data-plane socket):
+    a probe found one left per lost actor. The next DaemonHost.start on the node removes those whose recorded
+    worker and daemon pids are both gone, and leaves the others (a live pid, or no record: not ours to judge)."""
+    import os
+    import subprocess
+    import tempfile
+
+    from mpmd.runtime.launch.ray import OWNERS, sweep_stale_dirs
+
+    gone = []
+    for _ in range(2):
+        p = subprocess.Popen(["true"])
+        p.wait()
+        gone.append(p.pid)
+    stale, live, unrecorded = (tempfile.mkdtemp(prefix="mpmd-ray-") for _ in range(3))
+    try:
+        for d, pids in ((stale, gone), (live, [gone[0], os.getpid()])):
+            with open(os.path.join(d, OWNERS), "w") as f:
+                f.write(" ".join(map(str, pids)) + "\n")
+            open(os.path.join(d, "actor0.log"), "w").close()
+        sweep_stale_dirs()
+        assert not os.path.exists(stale) and os.path.exists(live) and os.path.exists(unrecorded)
+    finally:
+        import shutil
+
+        for d in (stale, live, unrecorded):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def test_a_ray_address_naming_no_cluster_fails_fast_instead_of_hanging_in_ray_init(monkeypatch):

@@ -176,7 +176,7 @@ class LocalProcess:
         assert self.proc.stdout is not None
         sel = selectors.DefaultSelector()
         sel.register(self.proc.stdout, selectors.EVENT_READ)
-        line = b""
+        line, eof = b"", False
         while not line.endswith(b"\n"):
             left = deadline - time.monotonic()
             if left <= 0 or self.proc.poll() is not None:
@@ -184,11 +184,17 @@ class LocalProcess:
             if sel.select(timeout=min(left, 0.2)):
                 chunk = os.read(self.proc.stdout.fileno(), 4096)
                 if not chunk:
+                    eof = True
                     break
                 line += chunk
         sel.close()
         text = line.decode(errors="replace").strip()
         if not text.startswith("MPMD_ACTOR_READY"):
+            if eof:  # its output ended: it is exiting (reaped in a moment)
+                try:
+                    self.proc.wait(timeout=2)
+                except subprocess.TimeoutExpired:
+                    pass
             why = describe_exit(self.proc.returncode) if self.proc.poll() is not None else "did not report ready in time"
             raise ActorStartError(f"local actor {self.actor_id} {why}. Its stderr:\n{self.stderr_tail()}")
         return text.split()[1]

@@ -24,6 +24,7 @@ the same `mpmd-actor` process as everywhere else; Ray decides where it runs and 
 
 from __future__ import annotations
 
+import glob
 import inspect
 import json
 import logging
@@ -62,6 +63,34 @@ def _tcp(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
+OWNERS = "owners"  # in a daemon's directory: the pids of its Ray worker and of the daemon
+
+
+def sweep_stale_dirs() -> None:
+    """Remove the directories of daemons on this node whose Ray worker and daemon are both gone: a Ray actor
+    killed (ray.kill, a lost node's restart) takes its daemon with it before either can remove its directory."""
+    for d in glob.glob(os.path.join(tempfile.gettempdir(), "mpmd-ray-*")):
+        try:
+            if os.stat(d).st_uid != os.getuid():
+                continue
+            with open(os.path.join(d, OWNERS)) as f:
+                pids = [int(p) for p in f.read().split()]
+        except (OSError, ValueError):
+            continue  # (not ours, being made, or from an older version: left alone)
+        if pids and not any(_alive(p) for p in pids):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class DaemonHost:
     """The Ray actor that runs one `mpmd-actor` daemon on its node (made remote by `start`; runs in a Ray worker)."""
 
@@ -76,6 +105,7 @@ class DaemonHost:
 
         actor_id = int(spec["actor_id"])
         host = spec.get("host") or ray.util.get_node_ip_address()
+        sweep_stale_dirs()
         self.dir = tempfile.mkdtemp(prefix="mpmd-ray-")  # mode 700: its ipc socket and log
         self.log_path = os.path.join(self.dir, f"actor{actor_id}.log")
         server = KeyPair.generate()  # made here, on the daemon's node; only the public half leaves
@@ -97,6 +127,8 @@ class DaemonHost:
         with open(self.log_path, "wb") as err:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
                                          start_new_session=True)
+        with open(os.path.join(self.dir, OWNERS), "w") as f:  # (for `sweep_stale_dirs` once both are gone)
+            f.write(f"{os.getpid()} {self.proc.pid}\n")
         keys = {"server_public": server.public.decode(), "server_secret": server.secret.decode(),
                 "authorized": {str(spec["controller_key"]): "controller"}}
         assert self.proc.stdin is not None
@@ -114,7 +146,7 @@ class DaemonHost:
         import selectors
 
         assert self.proc is not None and self.proc.stdout is not None
-        line = b""
+        line, eof = b"", False
         with selectors.DefaultSelector() as sel:
             sel.register(self.proc.stdout, selectors.EVENT_READ)
             while not line.endswith(b"\n") and time.monotonic() < deadline and self.proc.poll() is None:
@@ -125,6 +157,11 @@ class DaemonHost:
                     line += chunk
         text = line.decode(errors="replace").strip()
         if not text.startswith("MPMD_ACTOR_READY"):
+            if eof:  # its output ended: it is exiting (reaped in a moment)
+                try:
+                    self.proc.wait(timeout=2)
+                except subprocess.TimeoutExpired:
+                    pass
             why = describe_exit(self.proc.returncode) if self.proc.poll() is not None else "did not report ready in time"
             raise RuntimeError(f"its daemon {why}; its stderr:\n{self._tail(2000)}")
         return text.split()[1]
@@ -178,6 +215,8 @@ class RayGroup:
             self.release_all()
 
     def release_all(self) -> None:
+        if self.group is not None and not _ray().is_initialized():  # (ray.shutdown() removed it; Ray must not start again)
+            self.group = None
         if self.group is not None:
             from ray.util.placement_group import remove_placement_group
 
@@ -224,6 +263,9 @@ class RayDaemon:
 
     def stop(self, timeout: float = 3.0) -> None:
         ray = _ray()
+        if not ray.is_initialized():  # (ray.shutdown() came first: its actors are gone; a .remote() call would start a new Ray)
+            self.group.live.discard(self.actor_id)
+            return
         try:
             ray.get(self.handle.stop.remote(timeout), timeout=timeout + 5)
         except Exception:
@@ -233,6 +275,15 @@ class RayDaemon:
         except Exception:
             pass
         self.group.release(self.actor_id)
+
+
+def _cause(e: BaseException) -> str:
+    """What went wrong in a Ray task, without Ray's wrapping: the remote exception's own text (a RayTaskError
+    carries it as `cause`), else the last line of its message."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {str(cause).strip()[:1500]}"
+    return _ray_reason(e)
 
 
 def _ray_reason(e: BaseException) -> str:
@@ -260,6 +311,10 @@ class RayLaunch:
             raise ActorStartError("this RayLaunch cannot start replacements")
         ray = _ray()
         old = self.daemons[actor_id]
+        try:  # (its daemon removes its directory when its Ray actor still answers; else the next start on that node does)
+            ray.get(old.handle.stop.remote(1.0), timeout=3)
+        except Exception:
+            pass
         try:
             ray.kill(old.handle)
         except Exception:
@@ -272,7 +327,7 @@ class RayLaunch:
                 ray.kill(handle)
             except Exception:
                 pass
-            why = _ray_reason(e) if isinstance(e, ray.exceptions.RayActorError) else f"{type(e).__name__}: {e}"
+            why = _ANSI.sub("", _ray_reason(e) if isinstance(e, ray.exceptions.RayActorError) else _cause(e))
             raise ActorStartError(f"no replacement for Ray actor {old.name} (actor {actor_id}) within {timeout:g} s: {why}") from None
         daemon = RayDaemon(actor_id, handle, name, info, self.group)
         self.daemons[actor_id] = daemon
@@ -314,6 +369,9 @@ def start(num_actors: int, devices_per_actor: int = 1, resources_per_actor: Mapp
         raise ValueError(f"placement_strategy must be one of {STRATEGIES}, got {placement_strategy!r}")
     if platform not in ("auto", "cpu", "gpu"):
         raise ValueError(f"platform must be 'auto', 'cpu' or 'gpu', got {platform!r}")
+    for name, value in (("placement_timeout", placement_timeout), ("startup_timeout", startup_timeout)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
     ray = _ray()
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -371,7 +429,7 @@ def start(num_actors: int, devices_per_actor: int = 1, resources_per_actor: Mapp
             except ray.exceptions.GetTimeoutError:
                 failures.append(f"actor {i} ({names[i]}): not ready within {startup_timeout:g} s (startup_timeout)")
             except Exception as e:
-                failures.append(f"actor {i} ({names[i]}): {_ray_reason(e) if isinstance(e, ray.exceptions.RayActorError) else e}")
+                failures.append(f"actor {i} ({names[i]}): {_ray_reason(e) if isinstance(e, ray.exceptions.RayActorError) else _cause(e)}")
         if failures:
             raise ActorStartError(f"{len(failures)} of {num_actors} Ray actors did not start their daemon:\n  "
                                   + "\n  ".join(_ANSI.sub("", f) for f in failures))
