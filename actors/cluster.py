@@ -64,16 +64,19 @@ def slurm_task(environ: Mapping[str, str]) -> SlurmTask:
         value = environ.get(name)
         if value is None or value == "":
             return None
-        try:
-            return int(value)
-        except ValueError:
-            raise ValueError(f"--slurm: {name}={value!r} is not a number") from None
+        if not value.isdigit():  # (int() also takes "1_0", " 3", "+2")
+            raise ValueError(f"--slurm: {name}={value!r} is not a number")
+        return int(value)
 
     procid = number("SLURM_PROCID")
     if procid is None:
         raise ValueError("--slurm: SLURM_PROCID is not set, so this is not a task of an srun step; start the daemons with "
                          "`srun mpmd-actor --slurm ...`, or give each its id with --actor-id N instead of --slurm")
-    ntasks = number("SLURM_NTASKS") or number("SLURM_NPROCS")
+    ntasks = number("SLURM_NTASKS")
+    if ntasks is None:
+        ntasks = number("SLURM_NPROCS")
+    if ntasks == 0:
+        raise ValueError("--slurm: SLURM_NTASKS=0: an srun step has at least one task")
     if ntasks is not None and not 0 <= procid < ntasks:
         raise ValueError(f"--slurm: SLURM_PROCID={procid} is not below SLURM_NTASKS={ntasks}")
     node = number("SLURM_NODEID")

@@ -29,6 +29,7 @@ import faulthandler
 import functools
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -98,27 +99,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-level", default="WARNING", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     cluster.add_arguments(p)
     args = p.parse_args(argv)
+    if getattr(args, "rendezvous", None) == "":
+        p.error("--rendezvous takes a directory or tcp://HOST:PORT, got ''")
     cluster.resolve(args, p)  # what --slurm and --rendezvous imply (actor id, devices, addresses)
     if args.p2p == "ipc" and not args.ipc_dir:
         p.error("--p2p ipc needs --ipc-dir")
     if args.compile_workers < 1:
         p.error("--compile-workers must be at least 1")
-    for name in ("request_timeout", "compile_timeout", "transfer_timeout", "session_timeout"):
-        if not getattr(args, name) > 0:  # (NaN too)
-            p.error(f"--{name.replace('_', '-')} must be positive")
+    for name in ("request_timeout", "compile_timeout", "transfer_timeout", "session_timeout", "rendezvous_timeout"):
+        if not 0 < getattr(args, name) < math.inf:  # (NaN too)
+            p.error(f"--{name.replace('_', '-')} must be a positive, finite number of seconds, got {getattr(args, name)}")
+    if args.actor_id is not None and not 0 <= args.actor_id < 1 << 20:
+        p.error(f"--actor-id must be 0-{(1 << 20) - 1}, got {args.actor_id}")
     if args.parent_pid is not None and args.parent_pid < 1:  # (0 was ignored; -1 "exists" for root: kill(-1, 0))
         p.error(f"--parent-pid takes the id of a running process (>= 1), got {args.parent_pid}")
+    if args.parent_pid is not None:
+        try:
+            os.kill(args.parent_pid, 0)
+        except ProcessLookupError:
+            p.error(f"--parent-pid {args.parent_pid}: no such process (the daemon would stop at once)")
+        except (PermissionError, OverflowError):
+            pass
+    if args.mesh_dir is not None and not os.path.isdir(args.mesh_dir):
+        p.error(f"--mesh-dir {args.mesh_dir} is not a directory")
     if args.cpu_devices is not None and not 1 <= args.cpu_devices <= 4096:
         p.error(f"--cpu-devices must be 1-4096, got {args.cpu_devices}")
     if args.listen is not None and not args.listen.startswith(("tcp://", "ipc://")):
         p.error(f"--listen takes tcp://host:port or ipc://path, got {args.listen!r}")
-    if args.listen is not None and args.listen.startswith("tcp://"):
-        port = args.listen.rpartition(":")[2]
-        if port != "*" and not (port.isdigit() and 0 <= int(port) <= 65535):
-            p.error(f"--listen {args.listen}: the port must be 0-65535 (0 or *: any free one), got {port!r}")
-    for name in ("max_message_mb", "max_unclaimed", "max_unclaimed_mb"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for flag, value, free in (("--listen", args.listen, True), ("--rendezvous", getattr(args, "rendezvous", None), False)):
+        if value is not None and value.startswith("tcp://"):
+            rest = value[len("tcp://"):]
+            port = rest.rpartition(":")[2] if ":" in rest else ""
+            ok = port.isdigit() and (0 if free else 1) <= int(port) <= 65535 or free and port == "*"
+            if not ok or not rest.rpartition(":")[0]:
+                p.error(f"{flag} {value}: write tcp://HOST:PORT with a port {'0-65535 (0 or *: any free one)' if free else '1-65535'}"
+                        f", got {'no port' if not port else repr(port)}")
+    for name, most in (("max_message_mb", 1 << 20), ("max_unclaimed", 1 << 31), ("max_unclaimed_mb", 1 << 30)):
+        if not 1 <= getattr(args, name) <= most:
+            p.error(f"--{name.replace('_', '-')} must be 1-{most}, got {getattr(args, name)}")
     from transport.protocol import LOADER_NAME
 
     for fn in args.allow_loader:
@@ -225,12 +243,6 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     # Exported executables carry explicit dtypes, so 64-bit support only stops put() from narrowing
     # float64/int64 arrays; it changes nothing the controller lowered.
     jax.config.update("jax_enable_x64", True)
-    # Compiles run in child processes (actors/sandbox.py) that write the executable into this compilation cache,
-    # and the daemon loads it from there: --cache-dir, or a private directory that goes when the daemon does.
-    compile_dir = args.cache_dir or tempfile.mkdtemp(prefix=f"compile-{args.actor_id}-", dir=args.mesh_dir)
-    jax.config.update("jax_compilation_cache_dir", compile_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
     from actors import collector
     from actors.handlers import Actor
@@ -285,6 +297,13 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
                 auth.stop()
             raise SystemExit(f"mpmd-actor: cannot start the data plane (--p2p {args.p2p}"
                              f"{f', --ipc-dir {args.ipc_dir}' if args.ipc_dir else ''}, host {host}): {e}") from None
+    # Compiles run in child processes (actors/sandbox.py) that write the executable into this compilation cache,
+    # and the daemon loads it from there: --cache-dir, or a private directory that goes when the daemon does
+    # (made once the daemon can no longer fail to start: an early exit left it behind).
+    compile_dir = args.cache_dir or tempfile.mkdtemp(prefix=f"compile-{args.actor_id}-", dir=args.mesh_dir)
+    jax.config.update("jax_compilation_cache_dir", compile_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     checker = CheckerPool([BlobChecker(ALLOWED_CUSTOM_CALLS | frozenset(args.allow_custom_call), timeout=args.compile_timeout,
                                        devices=len(jax.devices())) for _ in range(args.compile_workers)])
     checker.compile_dir = compile_dir
@@ -441,6 +460,11 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         shutil.rmtree(compile_dir, ignore_errors=True)
     if p2p is not None:
         p2p.close()
+        if args.ipc_dir:  # (its data-plane socket: nobody dials it again)
+            try:
+                os.unlink(os.path.join(args.ipc_dir, f"p2p-{args.actor_id}.sock"))
+            except OSError:
+                pass
     # A reply still queued (the shutdown's, above all) leaves before the process does: the close lingers and
     # `flush_replies` at exit waits for it, a second at most (with linger 0 the reply to `shutdown` was lost in 2
     # of 8 tries on a loaded machine: the client saw the daemon go without an answer).
@@ -579,6 +603,15 @@ def flush_replies(wait_s: float = 2.0) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    try:
+        _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C while it starts (the signal handlers come later): no traceback
+        sys.stderr.write("mpmd-actor: interrupted while starting\n")
+        sys.stderr.flush()
+        os._exit(130)
+
+
+def _main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     server_pair, authorized = load_security(args)
     if args.cache_dir and os.path.exists(args.cache_dir):  # the daemon loads compiled machine code from it

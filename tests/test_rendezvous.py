@@ -24,7 +24,7 @@ import mpmd
 from actors.cluster import slurm_devices, slurm_task, tasks_per_node
 from mpmd import testing
 from mpmd.runtime.launch.rendezvous import TcpRendezvous
-from tests.wire import stop_daemon
+from tests.wire import start_daemon, stop_daemon
 from transport.auth import ClientKeys, KeyPair, generate_key_files
 from transport.rendezvous import Arrival, encode_message
 
@@ -267,6 +267,12 @@ def test_hand_started_daemons_find_the_tcp_rendezvous_the_controller_serves_and_
         server.close()
 
 
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
 def test_daemon_flags_that_cannot_work_are_refused_at_once_saying_what_to_do(tmp_path, keys):
     def daemon(*flags, env=None):
         clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
@@ -284,6 +290,19 @@ def test_daemon_flags_that_cannot_work_are_refused_at_once_saying_what_to_do(tmp
         (("--parent-pid", "0", "--insecure"), None, "--parent-pid takes the id of a running process (>= 1), got 0"),
         (("--cpus", "a,b"), None, "--cpus takes core numbers separated by commas"),
         (("--allow-loader", "not a name"), None, "--allow-loader takes a data loader named 'package.module:function'"),
+        # found by a probe: tracebacks, or accepted and then waiting or exiting 0
+        (("--max-message-mb", str(10**15)), None, "--max-message-mb must be 1-1048576"),
+        (("--mesh-dir", str(tmp_path / "missing")), None, "is not a directory"),
+        (("--rendezvous", "tcp://127.0.0.1", "--actor-id", "0", "--insecure"), None, "write tcp://HOST:PORT with a port 1-65535, got no port"),
+        (("--rendezvous", "tcp://127.0.0.1:99999", "--actor-id", "0", "--insecure"), None, "got '99999'"),
+        (("--rendezvous", ""), None, "--rendezvous takes a directory or tcp://HOST:PORT"),
+        (("--rendezvous-timeout", "nan"), None, "--rendezvous-timeout must be a positive, finite number"),
+        (("--rendezvous-timeout", "-5"), None, "--rendezvous-timeout must be a positive, finite number"),
+        (("--listen", "tcp://127.0.0.1", "--insecure"), None, "--listen tcp://127.0.0.1: write tcp://HOST:PORT with a port 0-65535"),
+        (("--actor-id", str(2**70)), None, "--actor-id must be 0-"),
+        (("--parent-pid", str(_dead_pid()), "--insecure"), None, "no such process"),
+        (("--slurm",), slurm_env(0, 1) | {"SLURM_NTASKS": "0"}, "SLURM_NTASKS=0"),
+        (("--slurm",), slurm_env(0, 1) | {"SLURM_PROCID": "1_0"}, "SLURM_PROCID='1_0' is not a number"),
     ]
     for flags, env, said in cases:
         got = daemon(*flags, env=env)
@@ -293,11 +312,29 @@ def test_daemon_flags_that_cannot_work_are_refused_at_once_saying_what_to_do(tmp
                         (("--p2p", "ipc", "--ipc-dir", str(tmp_path / "missing")), "cannot start the data plane (--p2p ipc")):
         got = daemon("--listen", "tcp://127.0.0.1:0", *flags, env={"JAX_PLATFORMS": ""} if "--platform" in flags else None)
         assert got.returncode == 1 and said in got.stderr and "Traceback" not in got.stderr, (flags, got.stderr)
+    # ... and leaving nothing behind: the private compile directory was made before these checks (a probe)
+    own_tmp = tmp_path / "tmp"
+    own_tmp.mkdir()
+    got = daemon("--listen", "tcp://127.0.0.1:0", "--p2p", "ipc", "--ipc-dir", str(tmp_path / "missing"), env={"TMPDIR": str(own_tmp)})
+    assert got.returncode == 1 and os.listdir(own_tmp) == [], (os.listdir(own_tmp), got.stderr)
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o770)
     os.chmod(shared, 0o770)
     with pytest.raises(mpmd.RendezvousError, match=r"writable by other users.*chmod 700"):
         mpmd.RemoteMesh.from_rendezvous(shared, 1, keys=keys, timeout=1)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_daemon_stopped_by_a_signal_removes_its_sockets(tmp_path, sig):
+    """The data-plane socket (--ipc-dir/p2p-<id>.sock) stayed behind on SIGTERM and SIGINT (a probe)."""
+    proc, _ = start_daemon("--listen", f"ipc://{tmp_path}/a0.sock", "--p2p", "ipc", "--ipc-dir", str(tmp_path), "--insecure")
+    try:
+        assert sorted(os.listdir(tmp_path)) == ["a0.sock", "p2p-0.sock"]
+        proc.send_signal(sig)
+        assert proc.wait(20) == 0
+    finally:
+        stop_daemon(proc)
+    assert os.listdir(tmp_path) == []
 
 
 def test_slurm_gpu_binding_is_kept_per_task_and_shared_gpus_are_split_by_local_task():
