@@ -132,7 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             port = rest.rpartition(":")[2] if ":" in rest else ""
             ok = port.isdigit() and (0 if free else 1) <= int(port) <= 65535 or free and port == "*"
             if not ok or not rest.rpartition(":")[0]:
-                p.error(f"{flag} {value}: write tcp://HOST:PORT with a port {'0-65535 (0 or *: any free one)' if free else '1-65535'}"
+                p.error(f"{flag} {value}: write tcp://HOST:PORT: the port must be {'0-65535 (0 or *: any free one)' if free else '1-65535'}"
                         f", got {'no port' if not port else repr(port)}")
     for name, most in (("max_message_mb", 1 << 20), ("max_unclaimed", 1 << 31), ("max_unclaimed_mb", 1 << 30)):
         if not 1 <= getattr(args, name) <= most:

@@ -188,10 +188,11 @@ class Actor:
     def authorize_shutdown(self, msg: Message, peer: str | None) -> bool:
         """Raise unless `peer` may stop this daemon (in an open session of its own, as the owner or an operator).
         Whether to stop: not while other sessions are open (another job on the same daemons, say, started from
-        the same rendezvous with the same key) — then only the asking session closes, as with 'bye'."""
+        the same rendezvous with the same key) — then only the asking session closes, as with 'bye' — unless an
+        operator (--admin-key) asks."""
         ses = self._session_of(msg, peer)
         self._refuse_unless_governing("shutdown", peer)
-        if len(self.sessions) > 1:
+        if len(self.sessions) > 1 and peer not in self.ownership.admins:
             log.warning("session %x asked this daemon to stop while %d other session(s) are open: only that session "
                         "closes; the daemon keeps serving the others", ses.id, len(self.sessions) - 1)
             self._end(ses)

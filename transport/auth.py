@@ -176,19 +176,24 @@ class KeyPair:
             p = secrets_[0]
         if not p.is_file():
             raise AuthKeyError(f"no key file at {p} (make one with `mpmd keys generate DIR`)")
-        # What the file holds first (a public key file given here is a mistake of its own, whatever its mode),
-        # then the secret key, read again under the secret file's stricter checks.
-        public, secret = _read_key_file(p, "key file", secret=False)
-        if public is None:
-            raise AuthKeyError(f"cannot read key file {p}: it holds no public-key line (make one with `mpmd keys generate DIR`)")
-        if secret is None:
+        try:
+            public, secret = _read_key_file(p, "secret key file", secret=True)
+        except AuthKeyError:  # a public key file given here (readable by all, as it should be) is a mistake of its own
+            try:
+                held = _read_key_file(p, "key file", secret=False)
+                public_only = held[0] is not None and held[1] is None
+            except AuthKeyError:
+                public_only = False
+            if not public_only:
+                raise
+            public, secret = b"", None
+        if secret is None and public is not None:
             pair = p.with_name(p.name[: -len(PUBLIC_SUFFIX)] + SECRET_SUFFIX) if p.name.endswith(PUBLIC_SUFFIX) else None
             hint = f" (here: {pair})" if pair is not None and pair.exists() else ""
             raise AuthKeyError(f"{p} holds only a public key; pass the *{SECRET_SUFFIX} file that holds the pair{hint}, or the "
                                "directory that holds it")
-        public, secret = _read_key_file(p, "secret key file", secret=True)
-        if public is None or secret is None:
-            raise AuthKeyError(f"key file {p} changed while it was read; check who else writes there")
+        if public is None:
+            raise AuthKeyError(f"cannot read key file {p}: it holds no public-key line (make one with `mpmd keys generate DIR`)")
         return cls(public, secret)
 
 
