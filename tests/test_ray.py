@@ -97,6 +97,8 @@ def test_a_placement_the_cluster_cannot_hold_fails_naming_what_was_asked_and_lea
 def test_an_unknown_keyword_is_refused_before_any_daemon_starts(local_ray):
     with pytest.raises(TypeError, match="unexpected keyword argument.*heartbeat_intervall.*heartbeat_interval"):
         mpmd.RemoteMesh.ray(2, heartbeat_intervall=1.0)
+    with pytest.raises(ValueError, match=r"mesh_shape \(2,\) needs 2 devices per actor, but devices_per_actor is 1"):
+        mpmd.RemoteMesh.ray(2, mesh_shape=(2,), axis_names=("x",))  # (refused once the daemons had started)
     for bad in (-1, 0, float("nan")):  # (-1 was taken)
         with pytest.raises(ValueError, match="placement_timeout must be a positive, finite number"):
             mpmd.RemoteMesh.ray(2, placement_timeout=bad)

@@ -65,6 +65,20 @@ MAX_STEPS_IN_FLIGHT = 512  # steps dispatched and not finished before a caller w
 
 
 
+def _check_mesh_arguments(kwargs: dict[str, Any], devices_per_actor: Any) -> None:
+    """A launcher's `mesh_shape` / `axis_names` checked against `devices_per_actor` before any daemon starts
+    (they take seconds); what only the daemons can say is checked once they answer (`_device_mesh`)."""
+    shape, names = kwargs.get("mesh_shape"), kwargs.get("axis_names")
+    if names is not None and shape is None:
+        raise ValueError("axis_names needs mesh_shape too (one size per name)")
+    if shape is not None and not isinstance(shape, (str, bytes)) and hasattr(shape, "__iter__") and all(
+            isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 1 for d in shape):
+        am = ActorMesh(tuple(int(d) for d in shape), tuple(names) if names is not None else tuple(f"axis{i}" for i in range(len(shape))))
+        if isinstance(devices_per_actor, int) and am.size != devices_per_actor:
+            raise ValueError(f"mesh_shape {am.shape} needs {am.size} devices per actor, but devices_per_actor is "
+                             f"{devices_per_actor}; pass devices_per_actor={am.size}")
+
+
 def is_daemon_address(a: Any) -> bool:
     """Whether `a` is an address a controller can connect to: tcp://HOST:PORT (HOST a name, an IPv4 address or
     a bracketed IPv6 one; PORT 1-65535) or ipc://PATH."""
@@ -229,15 +243,7 @@ class RemoteMesh:
             raise ValueError(f"unknown transport {transport!r}; choose one of {TRANSPORTS}")
         if transport == "nccl" and platform == "cpu":
             raise ValueError("transport='nccl' needs GPU actors: pass platform='gpu' (local actors run on CPU by default)")
-        shape, names = kwargs.get("mesh_shape"), kwargs.get("axis_names")
-        if names is not None and shape is None:  # (checked before any daemon starts: they take seconds)
-            raise ValueError("axis_names needs mesh_shape too (one size per name)")
-        if shape is not None and not isinstance(shape, (str, bytes)) and hasattr(shape, "__iter__") and all(
-                isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 1 for d in shape):
-            am = ActorMesh(tuple(int(d) for d in shape), tuple(names) if names is not None else tuple(f"axis{i}" for i in range(len(shape))))
-            if isinstance(devices_per_actor, int) and am.size != devices_per_actor:
-                raise ValueError(f"mesh_shape {am.shape} needs {am.size} devices per actor, but devices_per_actor is "
-                                 f"{devices_per_actor}; pass devices_per_actor={am.size}")
+        _check_mesh_arguments(kwargs, devices_per_actor)
         options = LocalOptions(devices_per_actor, platform, transport != "none", cache_dir, address, log_level, cpus_per_actor,
                                startup_timeout, gpu_ids=tuple(gpu_ids) if gpu_ids is not None else None,
                                loaders=tuple(check_loader_name(fn) for fn in loaders), request_timeout=request_timeout)
@@ -293,6 +299,8 @@ class RemoteMesh:
         its bundle and the lost steps replayed (see `mpmd.Recovery`). Other keyword arguments go to `RemoteMesh`.
         See mpmd/runtime/launch/ray.py."""
         from mpmd.runtime.launch import ray as ray_launcher
+
+        _check_mesh_arguments(kwargs, devices_per_actor)
 
         return ray_launcher.connect(cls, num_actors, devices_per_actor, resources_per_actor, placement_strategy, platform=platform,
                                     cpus_per_actor=cpus_per_actor, host=host, placement_timeout=placement_timeout,
