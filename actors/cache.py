@@ -73,17 +73,17 @@ class ExecutableCache:
     def __len__(self) -> int:
         return len(self._compiled)
 
-    def _compile(self, blob: bytes, donate: tuple[int, ...], in_layouts: list | None, out_layouts: list | None) -> Any:
+    def _compile(self, blob: bytes, donate: tuple[int, ...], in_layouts: list | None, out_layouts: list | None, mesh: Any) -> Any:
         exp = export.deserialize(bytearray(blob))
-        return build_executable(exp, donate, in_layouts, out_layouts, self.mesh, self._device, self._ordered)
+        return build_executable(exp, donate, in_layouts, out_layouts, mesh, self._device, self._ordered)
 
-    def _spec(self, donate: tuple[int, ...], in_layouts: list | None, out_layouts: list | None) -> dict[str, Any] | None:
+    def _spec(self, donate: tuple[int, ...], in_layouts: list | None, out_layouts: list | None, mesh_: Any) -> dict[str, Any] | None:
         """What the compile child needs to compile a blob exactly as `_compile` will (None: compile here)."""
         if self._checker is None or getattr(self._device, "platform", "cpu") != "cpu":
             return None
         mesh = None
-        if self.mesh is not None:
-            mesh = {"shape": list(self.mesh.devices.shape), "axis_names": list(self.mesh.axis_names)}
+        if mesh_ is not None:
+            mesh = {"shape": list(mesh_.devices.shape), "axis_names": list(mesh_.axis_names)}
         return {"donate": list(donate), "in_layouts": in_layouts, "out_layouts": out_layouts, "mesh": mesh, "ordered": self._ordered}
 
     def out_layouts(self, key: str) -> list[Any]:
@@ -104,7 +104,8 @@ class ExecutableCache:
                 self.refused += 1
                 raise BlobRefused(f"the executable's digest does not match its bytes ('digest' {expected_digest!r:.80}, "
                                   f"the {len(blob)} bytes hash to {got}); a compile request carries the SHA-256 of its blob")
-        how = ""
+        mesh = self.mesh  # (read once: the mesh goes with the last session, and a later job may build another)
+        how = "" if mesh is None else "-m" + hashlib.sha256(json.dumps([list(mesh.devices.shape), list(mesh.axis_names)]).encode()).hexdigest()[:12]
         if donate:
             how += "-d" + ".".join(map(str, donate))
         if in_layouts is not None or out_layouts is not None:
@@ -127,7 +128,7 @@ class ExecutableCache:
         self._compiling[key] = fut
         try:
             data = bytes(blob)
-            spec = self._spec(tuple(donate), in_layouts, out_layouts)
+            spec = self._spec(tuple(donate), in_layouts, out_layouts, mesh)
             if self._checker is not None:
                 try:
                     result = await self._checker.check(data, spec)
@@ -140,7 +141,7 @@ class ExecutableCache:
             loop = asyncio.get_running_loop()
             try:  # (after a compile in the child: a load from the compilation cache)
                 compiled = await asyncio.wait_for(loop.run_in_executor(self._threads, self._compile, data, tuple(donate), in_layouts,
-                                                                       out_layouts), self.compile_timeout)
+                                                                       out_layouts, mesh), self.compile_timeout)
             except TimeoutError:
                 self._remember_timeout(key)
                 log.warning("executable %s did not compile within %g s; its compile thread is left running", key, self.compile_timeout)
