@@ -318,6 +318,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         p2p.admit = lambda key: actor.admits_transfer(key)
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # `kill -USR1 <pid>`: where is it stuck?
     stop = asyncio.Event()
+    actor.request_stop = stop.set  # (a shutdown put off until the daemon's last session ends)
     orphaned = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -110,6 +110,8 @@ class Actor:
     def __init__(self, actor_id: int, p2p: P2PTransport | None, transfer_timeout: float = 300.0,
                  checker: BlobChecker | None = None, compile_timeout: float = 600.0, loaders: list[str] | tuple[str, ...] = ()) -> None:
         self.actor_id = actor_id
+        self.stop_when_idle = False  # a shutdown asked while other sessions were open: stop when the last one ends
+        self.request_stop: Any = None  # how to stop the daemon (set by it)
         self.loaders = Loaders(loaders)  # the data-loader functions this daemon may call (--allow-loader)
         self.device = jax.devices()[0]
         # CPU computations run one after another through an order token (actors/stream.py); GPUs queue in order.
@@ -193,8 +195,9 @@ class Actor:
         ses = self._session_of(msg, peer)
         self._refuse_unless_governing("shutdown", peer)
         if len(self.sessions) > 1 and peer not in self.ownership.admins:
-            log.warning("session %x asked this daemon to stop while %d other session(s) are open: only that session "
-                        "closes; the daemon keeps serving the others", ses.id, len(self.sessions) - 1)
+            log.warning("session %x asked this daemon to stop while %d other session(s) are open: that session closes, and "
+                        "the daemon stops once the others have closed or expired", ses.id, len(self.sessions) - 1)
+            self.stop_when_idle = True
             self._end(ses)
             return False
         return True
@@ -281,6 +284,8 @@ class Actor:
             collector.settle()  # what only this session used may sit in frozen cycles
         if self.ownership.owner == ses.owner and not any(s.owner == ses.owner for s in self.sessions.values()):
             self.ownership.owner = None  # its job is over: the next session's key owns the daemon
+        if not self.sessions and self.stop_when_idle and self.request_stop is not None:  # (a shutdown put off, above)
+            self.request_stop()
         if not self.sessions and self.cache.mesh is not None:  # the next job may build another device mesh
             self.cache.mesh = None  # (compiled executables are cached per mesh: one built again finds its own)
             self.stream.off_mesh()

@@ -150,6 +150,16 @@ def test_a_sharding_constraint_over_a_concrete_jax_mesh_of_the_actors_shape_equa
         step(params, opt.init(params), batches[0])
 
 
+def test_a_constraint_over_a_one_device_mesh_is_kept_for_one_device_actors():
+    """jax.jit code on a one-device machine may constrain over a 1-device Mesh: it pins nothing one-device
+    actors lack, and was refused by the rebinding (a review)."""
+    from mpmd.compiler.lowering import rebind_constraints
+
+    one = Mesh(np.array(jax.devices()[:1]).reshape(1), ("x",))
+    closed = jax.make_jaxpr(lambda a: jax.lax.with_sharding_constraint(a * 2, NamedSharding(one, P("x"))))(np.ones(4, np.float32))
+    assert rebind_constraints(closed, None) is closed
+
+
 def test_a_host_jax_array_keeps_its_sharding_without_in_shardings_as_under_jit(mesh_1x2):
     """Parameters the user sharded with jax.device_put(NamedSharding(mesh like the actors', spec)) were placed
     replicated when the step had no in_shardings (found by a probe): as jax.jit does, they keep their layout."""

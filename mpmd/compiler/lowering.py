@@ -70,8 +70,10 @@ def rebind_constraints(closed: Any, actor_mesh: Any) -> Any:
         if not isinstance(sharding, NamedSharding) or not isinstance(mesh, Mesh):
             return sharding
         shape = tuple(mesh.devices.shape)
+        if actor_mesh is None and mesh.size == 1:
+            return sharding  # (one device: it pins nothing the actors lack)
         if actor_mesh is not None and tuple(mesh.axis_names) == tuple(actor_mesh.axis_names) and shape == tuple(actor_mesh.shape):
-            return NamedSharding(actor_mesh.abstract, sharding.spec)
+            return NamedSharding(actor_mesh.abstract, sharding.spec, memory_kind=sharding.memory_kind)
         where = "one device each" if actor_mesh is None else f"a mesh of shape {tuple(actor_mesh.shape)} named {tuple(actor_mesh.axis_names)}"
         from mpmd.errors import PipelineError
 

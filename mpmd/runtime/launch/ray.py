@@ -153,6 +153,7 @@ class DaemonHost:
                 if sel.select(timeout=min(0.2, max(0.0, deadline - time.monotonic()))):
                     chunk = os.read(self.proc.stdout.fileno(), 4096)
                     if not chunk:
+                        eof = True
                         break
                     line += chunk
         text = line.decode(errors="replace").strip()
