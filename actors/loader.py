@@ -41,6 +41,7 @@ class Loaders:
         self.allowed = frozenset(allowed)
         self._fns: dict[str, Callable[..., Any]] = {}
         self.calls = 0  # (also each running call's number)
+        self.unfinished = 0  # calls started and not yet returned (hung ones included)
         self._lock = threading.Lock()
         # call number -> (whose: the session that asked), "fn(step, name)", when it started (monotonic)
         self.running: dict[int, tuple[Any, str, float]] = {}
@@ -110,8 +111,10 @@ class Loaders:
         """Check `spec` now, then load it on a thread of its own and `place` it on the devices; the future of
         the value."""
         fn, name, dtype, shape = self.check(spec)
-        with self._lock:
-            unfinished = len(self.running)
+        with self._lock:  # (counted here, not when its thread starts the call: a burst of starts cannot pass the limit)
+            unfinished = self.unfinished
+            if unfinished < MAX_RUNNING:
+                self.unfinished += 1
         if unfinished >= MAX_RUNNING:
             raise RequestError(f"loader {fn}: {unfinished} loader calls on this actor have not returned "
                                f"({self.still_running(any_session=True)}); a loader must return (or raise) for each step — "
@@ -129,6 +132,9 @@ class Loaders:
                 value = place(self.load(fn, name, dtype, shape, step, whose))
             except BaseException as e:  # load() turns the loader's own errors into RuntimeError; place's too
                 error = e
+            finally:
+                with self._lock:
+                    self.unfinished -= 1
             try:
                 loop.call_soon_threadsafe(settle, value, error)
             except RuntimeError:  # the loop closed (the daemon is stopping): no one waits
