@@ -615,6 +615,7 @@ def _predict(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedul
         c.rejected = str(e).splitlines()[0][:120]
         return [c]
     except Exception as e:  # (tracing the step with this schedule or count failed in JAX or in the user's code)
+        log.warning("tune: %s m=%d rejected: tracing it raised %s", c.name, c.num_microbatches, type(e).__name__, exc_info=True)
         c.rejected = f"tracing it raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:160]
         return [c]
     over = _record(c, sim, memory_limit)

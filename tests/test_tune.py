@@ -593,3 +593,19 @@ def test_segments_profiled_on_one_actor_say_they_could_not_be_timed_apart(caplog
             params, opt.init(params), batch, steps=1, split_backward=False)
     assert seg.source.startswith("measured on 1 actor: its segments run fused there")
     assert "cannot time the 8 segments apart" in caplog.text
+
+
+def test_the_rows_of_an_nnx_step_with_dropout_are_its_batchs_not_those_of_the_microbatch_index_mpmd_adds():
+    """accumulate_grads adds a microbatch index leaf [m] for closed-over nnx Rngs; the rows tune measures at came
+    out 0 for every nnx model with dropout (a review), and tune tried the step's own count alone."""
+    from flax import nnx
+
+    from mpmd.observe.segments import segment_layout
+    from mpmd.step import DistributedFunction
+    from tests.test_user_programs_3 import _nnx_step, _NnxTwoStage
+
+    batch = {"x": np.ones((4, 6, 8), np.float32), "y": np.ones((4, 6, 8), np.float32)}
+    for dropout in (False, True):
+        model = _NnxTwoStage.model(dropout=dropout)
+        opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        assert segment_layout(DistributedFunction(_nnx_step(mpmd.OneFOneB(2)), FakeMesh(2)), model, opt, batch)[3] == 6

@@ -46,7 +46,10 @@ def segment_layout(step: Any, *args: Any) -> tuple[int, tuple[float, ...], int, 
 def batch_rows(loop: Any) -> int:
     """The rows per microbatch of the step loop's batch: the second axis of every batch leaf if they all have the
     same one, else 0 (the first leaf alone could be a key [m, 2] or a context [m, 1, d] beside x [m, rows, d])."""
-    second = {tuple(v.aval.shape[1:2]) for v in loop.eqn.invars[:loop.num_mb_leaves]}
+    leaves = list(loop.eqn.invars[:loop.num_mb_leaves])
+    if len(leaves) > 1 and leaves[-1].aval.shape == (loop.num_microbatches,) and leaves[-1].aval.dtype == np.uint32:
+        leaves = leaves[:-1]  # the microbatch index accumulate_grads adds for closed-over nnx Rngs (mpmd/api.py)
+    second = {tuple(v.aval.shape[1:2]) for v in leaves}
     return int(next(iter(second))[0]) if len(second) == 1 and () not in second else 0
 
 
