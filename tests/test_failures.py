@@ -39,13 +39,17 @@ def _loss(params, mb):
     return jnp.mean((_slow_model(params, mb["x"]) - mb["y"]) ** 2)
 
 
-def test_a_killed_actor_fails_the_step_naming_actor_address_and_task_and_the_other_actor_frees_the_step():
+def _slow_setup():
+    """(optimizer, train step, params, batch) of the model whose stage 1 takes a while."""
     opt = optax.sgd(0.01)
-    step = make_train_step(_loss, opt, mpmd.OneFOneB(num_stages=2))
-
     rng = np.random.default_rng(0)
     params = [rng.standard_normal((256, 256)).astype(np.float32) * 0.05 for _ in range(2)]
     batch = {"x": rng.standard_normal((4, 64, 256)).astype(np.float32), "y": np.zeros((4, 64, 256), np.float32)}
+    return opt, make_train_step(_loss, opt, mpmd.OneFOneB(num_stages=2)), params, batch
+
+
+def test_a_killed_actor_fails_the_step_naming_actor_address_and_task_and_the_other_actor_frees_the_step():
+    opt, step, params, batch = _slow_setup()
     with mpmd.RemoteMesh.local(num_actors=2) as mesh:
         dist = mpmd.distributed(step, mesh=mesh)
         p, o, first = dist(params, opt.init(params), batch)  # compiles and runs once
@@ -87,11 +91,7 @@ def test_a_save_of_a_step_an_actor_died_in_raises_actor_died_error_naming_the_lo
     """Actor 1 is killed while the step whose outputs a save holds still runs: the save raised actor 0's reply
     ("program 1 step 3 was aborted on actor 0", a RemoteError), so a loop catching mpmd.ActorDiedError to restart
     from its last checkpoint missed it (found by a probe). Nothing is committed."""
-    opt = optax.sgd(0.01)
-    step = make_train_step(_loss, opt, mpmd.OneFOneB(num_stages=2))
-    rng = np.random.default_rng(0)
-    params = [rng.standard_normal((256, 256)).astype(np.float32) * 0.05 for _ in range(2)]
-    batch = {"x": rng.standard_normal((4, 64, 256)).astype(np.float32), "y": np.zeros((4, 64, 256), np.float32)}
+    opt, step, params, batch = _slow_setup()
     with mpmd.RemoteMesh.local(num_actors=2) as mesh:
         dist = mpmd.distributed(step, mesh=mesh)
         p, o, first = dist(params, opt.init(params), batch)

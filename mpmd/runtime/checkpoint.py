@@ -316,6 +316,13 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
             died = next((f for f in failed if isinstance(f, ActorDiedError)), None)
             lost = recovery is not None and (recovery.generation != generation or died is not None)
             if not lost:  # the lost actor's own error, else the failure of the step that made a saved array
+                if died is None:  # (that step's error reply may still be on its way: its actor freed the outputs first)
+                    steps = {id(r): r for _, x in flat if isinstance(x, RemoteArray) and (r := x._ready) is not None and not r.done()}
+                    if steps:
+                        waits = [asyncio.ensure_future(watch(r)) for r in steps.values()]
+                        await asyncio.wait(waits, timeout=5)
+                        for w in waits:  # (read, or given up: an error nobody reads would be logged)
+                            w.exception() if w.done() and not w.cancelled() else w.cancel()
                 raise died or _failed_step(path, flat) or failed[0]
             # An actor lost while the save ran: the recovery aborts the steps the saved arrays came from (the
             # actor's own error names an aborted step) and replays them; then the arrays hold their values
