@@ -525,6 +525,8 @@ def watch_parent(loop: asyncio.AbstractEventLoop, pid: int, gone: asyncio.Event,
         log.warning("parent process %d %s; shutting down", pid, why)
         gone.set()
 
+    from transport.rendezvous import process_running
+
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -532,7 +534,7 @@ def watch_parent(loop: asyncio.AbstractEventLoop, pid: int, gone: asyncio.Event,
         return lambda: None
     except (AttributeError, OSError):  # no pidfd (old kernel, not Linux): poll the process state
         async def poll() -> None:
-            while _running(pid):
+            while process_running(pid):
                 await asyncio.sleep(0.5)
             exited("is gone")
 
@@ -553,20 +555,6 @@ def watch_parent(loop: asyncio.AbstractEventLoop, pid: int, gone: asyncio.Event,
         os.close(fd)
 
     return cancel
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
 
 
 def raise_open_files_limit() -> None:

@@ -101,8 +101,6 @@ def _width(candidates: Sequence[Candidate]) -> int:
     return max([50, *(len(c.name) for c in candidates)])
 
 
-HEADER = header()
-
 
 @dataclass
 class TuneResult:

@@ -298,6 +298,21 @@ def withdraw(directory: str | os.PathLike[str], arrival: Arrival) -> bool:
         return False
 
 
+def process_running(pid: int) -> bool:
+    """Whether process `pid` of this host exists and has not exited (a zombie has; another user's counts)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+
 def endpoint_alive(endpoint: str, timeout: float = 1.0) -> bool:
     """Whether something accepts connections at a ZeroMQ tcp:// or ipc:// endpoint (a plain connect, then close)."""
     try:

@@ -46,6 +46,7 @@ from mpmd.errors import ActorStartError, MpmdError
 from mpmd.runtime.launch.local import default_cache_dir, describe_exit, remove_shared_memory, terminate
 from mpmd.runtime.launch.rendezvous import ActorFacts, check_compatible
 from transport.auth import ClientKeys, KeyPair
+from transport.rendezvous import process_running
 
 log = logging.getLogger(__name__)
 STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
@@ -77,18 +78,8 @@ def sweep_stale_dirs() -> None:
                 pids = [int(p) for p in f.read().split()]
         except (OSError, ValueError):
             continue  # (not ours, being made, or from an older version: left alone)
-        if pids and not any(_alive(p) for p in pids):
+        if pids and not any(process_running(p) for p in pids):
             shutil.rmtree(d, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class DaemonHost:
