@@ -114,12 +114,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.parent_pid is not None and args.parent_pid < 1:  # (0 was ignored; -1 "exists" for root: kill(-1, 0))
         p.error(f"--parent-pid takes the id of a running process (>= 1), got {args.parent_pid}")
     if args.parent_pid is not None:
-        try:
-            os.kill(args.parent_pid, 0)
-        except ProcessLookupError:
+        from transport.rendezvous import process_running
+
+        if args.parent_pid >= 1 << 31 or not process_running(args.parent_pid):
             p.error(f"--parent-pid {args.parent_pid}: no such process (the daemon would stop at once)")
-        except (PermissionError, OverflowError):
-            pass
     if args.mesh_dir is not None and not os.path.isdir(args.mesh_dir):
         p.error(f"--mesh-dir {args.mesh_dir} is not a directory")
     if args.cpu_devices is not None and not 1 <= args.cpu_devices <= 4096:
