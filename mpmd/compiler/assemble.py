@@ -93,8 +93,8 @@ def order_units(loop: StepLoop, names: CanonicalVars, tasks: LoopTasks, outside:
     arg_homes: dict[ValueKey, set[int]] = {Outer(v): set(outside.need.get(v, set())) for v in invars}
     out_keys: list[Any] = []
     for v in loop.jaxpr.outvars:
-        if isinstance(v, Literal):
-            out_keys.append(v)
+        if isinstance(v, Literal) or isinstance(names.resolve(v), Literal):  # (a float0 gradient resolves to its zeros)
+            out_keys.append(names.resolve(v))
         elif names.resolve(v) in loop.consts:  # a constant the step closes over and returns as it is
             out_keys.append(Literal(loop.consts[names.resolve(v)], v.aval))
         else:

@@ -12,7 +12,7 @@ The loop sums gradients. Where a gradient is a sum of several per-microbatch par
 cotangents of a weight used by several stages, the data gradient plus an invariant penalty gradient), the
 sum is pushed through it: each part is summed over the microbatches on its own (on the actor that computes
 it) and the parts are combined once, after the loop (`tail`). A gradient that is invariant or a literal zero
-(a frozen parameter under `stop_gradient`) is simply `m` times its value.
+(a frozen parameter under `stop_gradient`) is its value added up `m` times (in its dtype, as the loop adds it).
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal, Var
 
 from mpmd.compiler.eqns import SyntheticEqn, is_var, new_var, substitute, var_inputs
@@ -108,15 +110,19 @@ def analyse(body: ClosedJaxpr, num_mb_leaves: int, num_grads: int, num_microbatc
     accumulators: list[Var] = []
     sunk: set[int] = set()
 
-    def times_m(x: Any) -> Var:
-        """A tail var holding m * x (x an invariant or constant var, or a Literal)."""
+    def times_m(x: Any) -> Any:
+        """A tail var holding x summed m times (x an invariant or constant var, or a Literal), added in x's
+        dtype one microbatch at a time as the loop does (bool adds are `or`, ints wrap, a bf16 sum rounds
+        every step); a float0 "gradient" (of an int leaf) is its zeros, as jax gives it."""
         aval = x.aval
+        if aval.dtype == jax.dtypes.float0:
+            return Literal(np.zeros(aval.shape, jax.dtypes.float0), aval)
         out = new_var(aval)
         if isinstance(x, Literal):
             val = x.val
-            tail.append(SyntheticEqn(lambda: [jnp.full(aval.shape, val, aval.dtype) * m], [], [out], "mpmd_times_m"))
+            tail.append(SyntheticEqn(lambda: [repeated_sum(jnp.full(aval.shape, val, aval.dtype), m)], [], [out], "mpmd_times_m"))
         else:
-            tail.append(SyntheticEqn(lambda v: [v * jnp.asarray(m, v.dtype)], [x], [out], "mpmd_times_m"))
+            tail.append(SyntheticEqn(lambda v: [repeated_sum(v, m)], [x], [out], "mpmd_times_m"))
         return out
 
     def accumulate(v: Var) -> Var:
@@ -129,7 +135,7 @@ def analyse(body: ClosedJaxpr, num_mb_leaves: int, num_grads: int, num_microbatc
         if not sinkable:
             if v in mb_leaves:  # a microbatch slice itself: its sum is the batch leaf summed over axis 0
                 out = new_var(v.aval)
-                tail.append(SyntheticEqn(lambda x: [jnp.sum(x, axis=0)], [v], [out], "mpmd_sum_leaf"))
+                tail.append(SyntheticEqn(lambda x: [sequential_sum(x)], [v], [out], "mpmd_sum_leaf"))
                 return out
             if v not in accumulators:
                 accumulators.append(v)
@@ -180,11 +186,22 @@ def _sum_stacked_gradients(accumulators: list[Var], stacked: list[tuple[Var, Var
         if v in accumulators and v not in sums:
             accumulators.remove(v)
             sums[v] = new_var(v.aval)
-            tail.insert(len(sums) - 1, SyntheticEqn(lambda x: [jnp.sum(x, axis=0)], [out], [sums[v]], "mpmd_sum_stacked"))
+            tail.insert(len(sums) - 1, SyntheticEqn(lambda x: [sequential_sum(x)], [out], [sums[v]], "mpmd_sum_stacked"))
     if not sums:
         return outputs
     tail[len(sums):] = substitute(tail[len(sums):], lambda x: sums.get(x, x))
     return [sums.get(o, o) if isinstance(o, Var) else o for o in outputs]
+
+
+def sequential_sum(xs: Any) -> Any:
+    """xs summed over axis 0 the way the loop sums a per-microbatch value: from zeros, one slice at a time, in
+    xs's dtype (`jnp.sum` would widen bool and small ints and round a bf16 sum once)."""
+    return jax.lax.scan(lambda acc, x: (acc + x, None), jnp.zeros(xs.shape[1:], xs.dtype), xs)[0]
+
+
+def repeated_sum(x: Any, m: int) -> Any:
+    """x added to zeros m times in its dtype, one add at a time (not `m * x`: see `sequential_sum`)."""
+    return jax.lax.fori_loop(0, m, lambda _, acc: acc + x, jnp.zeros(x.shape, x.dtype))
 
 
 def _bind_fn(eqn: Any) -> Any:

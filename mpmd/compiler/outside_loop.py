@@ -47,7 +47,7 @@ def place_outside_loop(loop: StepLoop, body: LoopBody, names: CanonicalVars, tas
     (`hidden`, reading an accumulated value as its last `Acc`); what they read, like the step values in
     `printed` (read by the loop's callbacks), is kept as a step output."""
     jaxpr = loop.jaxpr
-    step_outputs = {names.resolve(v) for v in jaxpr.outvars if isinstance(v, Var)} | set(printed)
+    step_outputs = {r for r in map(names.resolve, jaxpr.outvars) if isinstance(r, Var)} | set(printed)
     all_actors = set(range(num_actors))
     loop_need = tasks.step_values_read()
     pre = substitute([*loop.before, *body.hoisted], names.resolve)

@@ -118,14 +118,25 @@ class Unit:
         """The flat function to export: wire-form arrays in and out (typed keys travel as key data)."""
         parts, inputs, outputs = list(self.parts), list(self.inputs), list(self.outputs)
         dtypes = [a.dtype for a in in_avals]
+        read_later = [{k for q in parts[j + 1:] for k in q.inputs} for j in range(len(parts))]
 
         def fn(*args: Any) -> tuple:
             env = {k: wrap_in(x, d) for k, x, d in zip(inputs, args, dtypes)}
-            for p in parts:
+            for p, later in zip(parts, read_later):
                 env.update(zip(p.outputs, p.fn(*(env[k] for k in p.inputs))))
+                passed = [k for k in p.outputs if k in later and _rounds_in_memory(env[k])]
+                env.update(zip(passed, jax.lax.optimization_barrier([env[k] for k in passed])))
             return tuple(unwrap_out(env[k]) for k in outputs)
 
         return fn
+
+
+def _rounds_in_memory(x: Any) -> bool:
+    """A float narrower than 32 bits: XLA may keep it wider inside one fusion (excess precision), so a value
+    one part of a fused unit hands the next goes through an optimization barrier, rounded to its dtype as if
+    the parts were separate executables (as jax.jit rounds a loop carry: a bf16 gradient sum then cast)."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
 
 
 def task_function(inner: Callable[..., Sequence[Any]], n_in: int, leaf_positions: Sequence[int], n_out: int,
