@@ -515,7 +515,7 @@ class DistributedFunction:
         (`mpmd.Costs`; default unit costs F=1, B=2, I=W=1, free transfers): step time, bubble per actor, peak
         activation bytes, timeline, pictures. The backward of a stage the schedule remats pays its forward again,
         as `mpmd.simulate(schedule)` counts it."""
-        from mpmd.schedules.simulator import Costs, simulate_programs
+        from mpmd.schedules.simulator import Costs, simulate_programs, without_input_grad
 
         if costs is not None and not isinstance(costs, Costs):
             raise ScheduleError(f"step.simulate: costs must be mpmd.Costs (e.g. mpmd.Costs(F=1, B=2)), got {type(costs).__name__} "
@@ -526,7 +526,7 @@ class DistributedFunction:
             costs.check_stages(plan.split.num_stages)
         except ValueError as e:  # (per-segment costs of a grouped step: group them, or let balance= use them)
             raise ScheduleError(f"step.simulate: {e} (this step's schedule runs {plan.split.num_stages} stages)") from None
-        costs = costs.with_remat(plan.remat, plan.split.num_stages)
+        costs = without_input_grad(plan.programs, costs).with_remat(plan.remat, plan.split.num_stages)
         return simulate_programs(plan.programs, costs, name=getattr(self.fn, "__name__", "step"))
 
     def with_schedule(self, schedule: Any) -> DistributedFunction:

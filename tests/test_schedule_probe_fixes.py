@@ -162,9 +162,10 @@ def test_simulate_makes_a_remat_stages_backward_pay_its_forward_again():
     got = simulate(mpmd.OneFOneB(3, remat=(1,)), 5, Costs(F=f, B=b))
     assert got.step_time == simulate(mpmd.OneFOneB(3), 5, Costs(F=f, B=(2.0, 6.0, 6.0))).step_time
     assert got.step_time > simulate(mpmd.OneFOneB(3), 5, Costs(F=f, B=b)).step_time
-    # split backwards: both halves recompute (I and W are Runs of their own), as tune's remat rows count them
+    # split backwards: both halves recompute (I and W are Runs of their own), as tune's remat rows count them;
+    # stage 0 has no I Run (its W runs the whole backward, I + W): it recomputes once
     zbv = mpmd.ZeroBubbleV(2, remat=(0, 3))
-    want = simulate(mpmd.ZeroBubbleV(2), 4, Costs(I=(2, 1, 1, 2), W=(2, 1, 1, 2))).step_time
+    want = simulate(mpmd.ZeroBubbleV(2), 4, Costs(I=(1, 1, 1, 2), W=(2, 1, 1, 2))).step_time
     assert simulate(zbv, 4).step_time == want > simulate(mpmd.ZeroBubbleV(2), 4).step_time
 
 

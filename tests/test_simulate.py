@@ -195,7 +195,7 @@ def test_perfetto_trace_has_one_track_per_actor_and_one_event_per_task(tmp_path)
     r.to_perfetto(str(path))
     trace = json.load(open(path))
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    assert len(spans) == 2 * 2 * 4 * 3
+    assert len(spans) == 2 * 2 * 4 * 3 - 4  # 4 stages, 4 microbatches, F I W each, but stage 0 has no I (no Run)
     assert all({"name", "ph", "ts", "dur", "pid", "tid"} <= set(e) for e in spans)
     assert {e["tid"] for e in spans} == {0, 1}
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
@@ -212,7 +212,7 @@ def test_svg_picture_has_a_box_per_task_coloured_by_kind(tmp_path):
     r.draw(str(path))
     root = ET.parse(path).getroot()
     boxes = [e for e in root.iter("{http://www.w3.org/2000/svg}rect") if e.find("{http://www.w3.org/2000/svg}title") is not None]
-    assert len(boxes) == 2 * 3 * 3
+    assert len(boxes) == 2 * 3 * 3 - 3  # stage 0 has no I task
     by_label = {e.find("{http://www.w3.org/2000/svg}title").text.split()[0]: e.get("fill") for e in boxes}
     assert by_label["0F0"] == COLOURS["F"] and by_label["1I2"] == COLOURS["I"] and by_label["0W1"] == COLOURS["W"]
     assert "0F0" in {e.text for e in root.iter("{http://www.w3.org/2000/svg}text")}
@@ -239,14 +239,16 @@ def same_spans(got, want) -> bool:
 
 def programs_from_table(schedule: mpmd.Schedule, table: list[list[Task]], shape=(4, 8), dtype="float32") -> list[Program]:
     """A minimal compiler: one Run per task reading its inputs (the dependency rules of the brief), a Recv for
-    each input made on another actor (all posted first, as mpmd's compiler does) and a Send after the Run."""
+    each input made on another actor (all posted first, as mpmd's compiler does) and a Send after the Run.
+    As mpmd's compiler, it gives stage 0 no I task (it exports no input gradient): its W reads what the I read."""
     split = {t.stage for row in table for t in row if t.kind in "IW"}
     n = schedule.num_stages
+    table = [[t for t in row if not (t.stage == 0 and t.kind == "I")] for row in table]
 
     def inputs(t: Task) -> list[Task]:
         if t.kind == "F":
             return [Task(t.stage - 1, "F", t.mb)] if t.stage else []
-        if t.kind == "W":
+        if t.kind == "W" and t.stage:
             return [Task(t.stage, "I", t.mb)]
         nxt = [Task(t.stage + 1, "I" if t.stage + 1 in split else "B", t.mb)] if t.stage < n - 1 else []
         return [Task(t.stage, "F", t.mb), *nxt]
@@ -295,8 +297,11 @@ class _NoActors:
         return self.n
 
 
-@pytest.mark.parametrize("schedule", [mpmd.OneFOneB(2), mpmd.EagerOneFOneB(3), mpmd.InterleavedOneFOneB(4, 2)])
+@pytest.mark.parametrize("schedule", [mpmd.OneFOneB(2), mpmd.EagerOneFOneB(3), mpmd.InterleavedOneFOneB(4, 2),
+                                      mpmd.ZeroBubbleH1(2), mpmd.DualPipeV(2)])
 def test_programs_the_compiler_makes_pass_check_programs_and_time_like_their_schedule(schedule):
+    """Split backwards included: the compiler gives stage 0 no I task, and both simulators charge its whole
+    backward (I + W) to its W."""
     import optax
 
     from mpmd.compiler.plan import plan_step
@@ -312,6 +317,7 @@ def test_programs_the_compiler_makes_pass_check_programs_and_time_like_their_sch
     mpmd.check_programs(programs)
     costs = Costs(latency=0.1)  # the step's other phases (slicing, optimizer) cost 0 by default
     got, want = simulate_programs(programs, costs), simulate(schedule, 4, costs)
+    assert not any(t.stage == 0 and t.kind == "I" for p in programs for r in p.instructions if isinstance(r, Run) for t in r.label.tasks)
     tasks_only = [[span for span in row if span[2] not in ("pre", "post", "slice", "stack")] for row in got.timeline]
     assert got.step_time == pytest.approx(want.step_time)
     assert same_spans(tasks_only, want.timeline)

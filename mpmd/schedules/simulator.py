@@ -138,6 +138,24 @@ class Costs:
             object.__setattr__(out, "W", plus("W"))
         return out
 
+    def without_input_grad(self, stages: Sequence[int], num_stages: int) -> Costs:
+        """These costs for a step whose `stages` split their backward but export no input gradient (stage 0,
+        or a stage nothing before it has parameters): the compiler gives them no I task, their W runs the
+        whole backward, so I costs nothing and W costs I + W. Idempotent; the changed fields come back as
+        per-stage sequences of `num_stages` entries. (`group_costs` and `fit_costs` give such stages I = 0
+        already: unchanged.)"""
+        moved = [s for s in set(stages) if self._per_stage("I", s) > 0]
+        if not moved:
+            return self
+        i = [self._per_stage("I", s) for s in range(num_stages)]
+        w = [self._per_stage("W", s) for s in range(num_stages)]
+        for s in moved:
+            i[s], w[s] = 0.0, i[s] + w[s]
+        out = copy.copy(self)  # (as with_remat: the sum may pass MAX_COST)
+        object.__setattr__(out, "I", tuple(i))
+        object.__setattr__(out, "W", tuple(w))
+        return out
+
     def _per_stage(self, name: str, stage: int) -> float:
         v = getattr(self, name)
         if isinstance(v, tuple):
@@ -331,24 +349,28 @@ def simulate(schedule: Schedule, num_microbatches: int, costs: Costs | None = No
         raise ScheduleError(f"{schedule}: {e}") from None
     # remat stages (`schedule.remat`) recompute their forward in their backward: those tasks pay it too, as the
     # balancer and mpmd.tune count them (`balance.remat_costs`)
+    split = split_stages(table)
+    # stage 0 exports no input gradient: a compiled step gives it no I task, its W does the whole backward
+    costs = costs.without_input_grad({0} & split, schedule.num_stages)
     costs = costs.with_remat(tuple(getattr(schedule, "remat", ()) or ()), schedule.num_stages)
 
     def transfer(src: Task, dst: Task) -> float:
         boundary = min(src.stage, dst.stage)  # F(s-1)->F(s) and B(s+1)->B(s) cross the boundary after the lower stage
         return costs.transfer_time(costs._per_stage("activation_bytes", boundary))
 
-    split = split_stages(table)
     edges = [(d, t) for row in table for t in row for d in task_inputs(t, schedule.num_stages, split)
              if schedule.actor_of(d.stage) != schedule.actor_of(t.stage)]
     # the runtime's CPU: a Run per task, a Send and a Recv per edge between actors (a compiled step has a few
     # more: its phase Runs and the arguments' transfers, which simulate_programs counts)
-    loads = [costs.runtime_cpu * len(row) for row in table]
+    ghost = lambda t: t.kind == "I" and t.stage == 0 and 0 in split  # noqa: E731  (no Run: see without_input_grad above)
+    loads = [costs.runtime_cpu * sum(not ghost(t) for t in row) for row in table]
     for d, t in edges:
         loads[schedule.actor_of(d.stage)] += costs.runtime_cpu
         loads[schedule.actor_of(t.stage)] += costs.runtime_cpu
-    run, _ = replay_table_shared(table, schedule.num_stages, schedule.actor_of, lambda t: costs.gap + costs.task_time(t) + costs.overhead,
-                                 transfer, costs.cores, lambda t: costs.gap, costs.lead + costs.tail, loads)
-    spans = [[(run.start[t] + costs.gap, run.end[t], str(t)) for t in row] for row in table]
+    run, _ = replay_table_shared(table, schedule.num_stages, schedule.actor_of,
+                                 lambda t: 0.0 if ghost(t) else costs.gap + costs.task_time(t) + costs.overhead,
+                                 transfer, costs.cores, lambda t: 0.0 if ghost(t) else costs.gap, costs.lead + costs.tail, loads)
+    spans = [[(run.start[t] + costs.gap, run.end[t], str(t)) for t in row if not ghost(t)] for row in table]
     transfers = [(schedule.actor_of(d.stage), schedule.actor_of(t.stage), run.end[d], run.end[d] + transfer(d, t), f"{d}->{t}")
                  for d, t in edges]
     return _result(str(schedule), spans, table, transfers, costs=costs)
@@ -372,13 +394,23 @@ def _part_spans(costs: Costs, label: Label, start: float, stretch: float = 1.0) 
     return out or [(start + costs.gap, t, str(label))]
 
 
+def without_input_grad(programs: Sequence[Program], costs: Costs) -> Costs:
+    """`costs` with the stages the programs give W tasks but no I task (no input gradient to export: see
+    `Costs.without_input_grad`) charging their whole backward to W."""
+    tasks = [t for prog in programs for ins in prog.instructions if isinstance(ins, Run) for t in ins.label.tasks]
+    if not tasks:
+        return costs
+    has_i = {t.stage for t in tasks if t.kind == "I"}
+    return costs.without_input_grad({t.stage for t in tasks if t.kind == "W"} - has_i, max(t.stage for t in tasks) + 1)
+
+
 def simulate_programs(programs: list[Program], costs: Costs | None = None, name: str = "programs") -> SimResult:
     """Time compiled Programs (one per actor) on `costs`: a Run costs the sum of its label's tasks (plus
     `overhead`; phase Runs cost `other`), a transfer `latency + bytes / bandwidth` with bytes from the Recv's
     dtype and shape. `peak_bytes` (None when no program has `buffer_bytes`) comes from `Program.buffer_bytes`: a buffer lives from the Run that makes it
     (its start) or the arrival of its Recv until its Delete (or a Run that donates it) or the end; inputs and
     constants from the start. Raises `PipelineError` if the programs cannot run (see `check_programs`)."""
-    costs = costs or Costs()
+    costs = without_input_grad(programs, costs or Costs())
     run, stretch = replay_programs_shared(programs, lambda a, r: costs.run_time(r.label),
                                           lambda a, r: costs.route_time(r.from_actor, a, _recv_bytes(r)), costs.cores,
                                           lambda a, r: costs.gap, extra=costs.lead + costs.tail,
