@@ -532,7 +532,7 @@ class DistributedFunction:
     def with_schedule(self, schedule: Any) -> DistributedFunction:
         """The same step on the same mesh with `schedule` in place of the one its `accumulate_grads` names
         (compiled afresh on first call), e.g. `step.with_schedule(mpmd.ZeroBubbleH1(4, balance="auto"))`."""
-        if (hint := not_a_schedule(schedule, duck=True)) is not None:
+        if (hint := not_a_schedule(schedule)) is not None:
             raise PipelineError(f"with_schedule: schedule must be a schedule such as mpmd.OneFOneB(num_stages=2) "
                                 f"(see mpmd.schedules), got {hint}")
         other = DistributedFunction(self.fn, self.mesh, self.in_shardings, self.out_shardings, self.static_argnums,

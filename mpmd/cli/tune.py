@@ -75,6 +75,17 @@ def _count(text: str) -> int:
     return value
 
 
+def _counts(text: str) -> list[int]:
+    """--try-microbatches: comma-separated counts above 0."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"takes comma-separated counts above 0, e.g. 2,4,8; got {text!r}")
+    return counts
+
+
 def _limit(text: str) -> float | None:
     """--memory-limit-mib: a number above 0, or 0 for no limit."""
     try:
@@ -89,13 +100,7 @@ def _run(args: argparse.Namespace) -> int:
     import mpmd
 
     if args.width % args.heads:
-        raise SystemExit(f"mpmd tune: --width {args.width} must be a multiple of --heads {args.heads}")
-    try:
-        counts = [int(x) for x in args.try_microbatches.split(",")] if args.try_microbatches else None
-        if counts is not None and min(counts) < 1:
-            raise ValueError
-    except ValueError:
-        raise SystemExit(f"mpmd tune: --try-microbatches takes comma-separated counts above 0, e.g. 2,4,8; got {args.try_microbatches!r}") from None
+        args.usage_error(f"--width {args.width} must be a multiple of --heads {args.heads}")
     gpt = load_gpt()
     step, params, opt_state, batch = gpt_setup(gpt, args.layers, args.width, args.seq, args.heads, args.microbatches, args.rows)
     pin = 1 if args.actors <= len(os.sched_getaffinity(0)) else None
@@ -105,11 +110,12 @@ def _run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(format="mpmd tune: %(message)s", stream=sys.stderr)
     logging.getLogger("mpmd").setLevel(logging.INFO)  # progress: every variant compiled and profiled, as it happens
-    print(f"mpmd tune: measuring the segments on {args.actors} actors, then simulating every candidate (minutes on a "
-          "laptop: each profiled variant is compiled first)", file=sys.stderr, flush=True)
+    how = ("estimating the segments' costs with XLA's cost analysis" if args.xla_costs else
+           f"measuring the segments on {args.actors} actors (minutes on a laptop: each profiled variant is compiled first)")
+    print(f"mpmd tune: {how}, then simulating every candidate", file=sys.stderr, flush=True)
     with mpmd.RemoteMesh.local(num_actors=args.actors, cpus_per_actor=pin) as mesh:
         try:
-            result = mpmd.tune(step, params, opt_state, batch, mesh=mesh, memory_limit=limit, microbatches=counts,
+            result = mpmd.tune(step, params, opt_state, batch, mesh=mesh, memory_limit=limit, microbatches=args.try_microbatches,
                                costs="xla" if args.xla_costs else None, remat=args.remat)
         except mpmd.MpmdError as e:
             raise SystemExit(f"mpmd {e}" if str(e).startswith("tune:") else f"mpmd tune: {e}") from None
@@ -131,9 +137,9 @@ def add_subcommand(sub: Any) -> None:
     p.add_argument("--heads", type=_positive(int), default=4)
     p.add_argument("--microbatches", type=_positive(int), default=8, help="microbatches of the batch as given")
     p.add_argument("--rows", type=_positive(int), default=4, help="sequences per microbatch of the batch as given")
-    p.add_argument("--try-microbatches", default=None, help="comma-separated counts to consider (default: divisors of the rows)")
+    p.add_argument("--try-microbatches", type=_counts, default=None, help="comma-separated counts to consider (default: divisors of the rows)")
     p.add_argument("--memory-limit-mib", type=_limit, default=None, help="the memory limit per actor, in MiB (0, the default: no limit)")
     p.add_argument("--remat", action="store_true", help="also try remat of the stages of actors over the memory limit")
     p.add_argument("--xla-costs", action="store_true", help="predict from XLA's cost analysis instead of measuring segments")
     p.add_argument("--verify", type=_count, default=0, help="run the top k for real (0: none)")
-    p.set_defaults(run=_run)
+    p.set_defaults(run=_run, usage_error=p.error)  # (usage_error: exits 2 with the usage, as argparse's own errors)

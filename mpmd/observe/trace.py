@@ -226,26 +226,32 @@ def _tasks_of(label: str) -> list[tuple[int, str]]:
     return out
 
 
-def _check_fit_args(trace: Trace, num_stages: int, step: int) -> None:
-    """MpmdError naming what `fit_costs` cannot fit: no traced step, a step out of range, or a trace whose Runs
-    compute stages past `num_stages`."""
+def _check_fit_args(trace: Trace, num_stages: int, step: int, cores: int | None) -> tuple[int, int]:
+    """MpmdError naming what `fit_costs` cannot fit: no traced step, a step out of range, a trace whose Runs
+    compute other stages than `num_stages`, or cores not a positive int; else (num_stages, step) as ints."""
     from mpmd.errors import MpmdError
+    from mpmd.schedules.validation import is_count
 
-    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
+    if not is_count(num_stages) or num_stages < 1:
         raise MpmdError(f"fit_costs: num_stages must be a positive int (the traced schedule's num_stages), got {num_stages!r:.40}")
+    if cores is not None and (not is_count(cores) or cores < 1):
+        raise MpmdError(f"fit_costs: cores must be a positive int (the cores the actors shared) or None, got {cores!r:.40}")
     n = len(trace.steps)
     if n == 0:
         raise MpmdError("fit_costs: the trace holds no step: call the distributed step inside `with mesh.trace() as t:` "
                         "(let it finish, e.g. fetch its outputs) and pass that trace")
-    if not isinstance(step, int) or isinstance(step, bool) or not -n <= step < n:
+    if not is_count(step) or not -n <= step < n:
         which = "0 or -1" if n == 1 else f"0..{n - 1}, or -{n}..-1 from the end (-1: the last)"
         raise MpmdError(f"fit_costs: step={step!r:.40} but the trace holds {n} step{'s' if n > 1 else ''}: pass {which}")
-    past = sorted({(s, r.label) for x in trace.steps[step].values() for r in x.runs for s, _ in _tasks_of(r.label)
-                   if s >= num_stages})
-    if past:
-        top = max(s for s, _ in past)
-        raise MpmdError(f"fit_costs: the traced step runs stage {top} (Run {past[-1][1]!r}) but num_stages={num_stages}: "
+    ran = sorted({(s, r.label) for x in trace.steps[step].values() for r in x.runs for s, _ in _tasks_of(r.label)})
+    top, label = ran[-1] if ran else (num_stages - 1, "")
+    if top >= num_stages:
+        raise MpmdError(f"fit_costs: the traced step runs stage {top} (Run {label!r}) but num_stages={num_stages}: "
                         f"pass the traced schedule's num_stages (at least {top + 1})")
+    if top + 1 < num_stages:
+        raise MpmdError(f"fit_costs: num_stages={num_stages} but the traced step runs {top + 1} stages: pass "
+                        f"num_stages={top + 1} (a stage it never ran has no costs to fit)")
+    return int(num_stages), int(step)
 
 
 def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = True, cores: int | None = None,
@@ -267,7 +273,7 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
     from mpmd.schedules.montecarlo import Empirical
     from mpmd.schedules.simulator import Costs
 
-    _check_fit_args(trace, num_stages, step)
+    num_stages, step = _check_fit_args(trace, num_stages, step, cores)
     kinds = ("F", "B", "I", "W")
     col = {(s, k): i for i, (s, k) in enumerate((s, k) for s in range(num_stages) for k in kinds)}
     rows, rhs, other = [], [], []

@@ -65,10 +65,10 @@ from mpmd.schedules.validation import check_programs, format_table, validate
 from transport.program import TASK_KINDS, Task
 
 
-def not_a_schedule(value: object, duck: bool = False) -> str | None:
-    """What is wrong with `value` as a schedule (None: it is one; with `duck`, any object with a schedule's
-    num_stages, actor_of and tasks, as `mpmd.schedules.validation.Schedule` reads it): the text after "got"."""
-    if isinstance(value, Schedule) or (duck and not isinstance(value, type) and hasattr(value, "num_stages")
+def not_a_schedule(value: object) -> str | None:
+    """What is wrong with `value` as a schedule (None: it is one: a `Schedule`, or any object with a schedule's
+    num_stages, num_actors, actor_of and tasks, as `mpmd.schedules.validation.Schedule` reads it): the text after "got"."""
+    if isinstance(value, Schedule) or (not isinstance(value, type) and hasattr(value, "num_stages") and hasattr(value, "num_actors")
                                        and callable(getattr(value, "actor_of", None)) and callable(getattr(value, "tasks", None))):
         return None
     if isinstance(value, type):

@@ -44,7 +44,7 @@ def colour(kind: str) -> str:
 
 
 def draw_timeline(result: Timeline, path: str, title: str | None = None, fmt: str | None = None) -> None:
-    """Write `result`'s timeline to `path` as `fmt` ("png", via matplotlib, or "svg"); None: from the path's
+    """Write `result`'s timeline to `path` as `fmt` ("png", via matplotlib, or "svg", any case); None: from the path's
     ending, ``.png`` or ``.svg`` (another ending with no `fmt` is refused: it would hold the wrong format)."""
     title = result.name if title is None else title
     if fmt is None:
@@ -53,6 +53,7 @@ def draw_timeline(result: Timeline, path: str, title: str | None = None, fmt: st
             raise ValueError(f"a timeline picture is written as .png or .svg; {str(path)!r:.120} ends in {ending or 'nothing'}: "
                              "name it .png or .svg, or pass fmt='png' / fmt='svg'")
         fmt = ending[1:]
+    fmt = fmt.lower() if isinstance(fmt, str) else fmt
     if fmt not in ("png", "svg"):
         raise ValueError(f"a timeline picture is 'png' or 'svg', got fmt={fmt!r:.40}")
     if fmt == "png":

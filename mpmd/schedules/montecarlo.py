@@ -23,7 +23,7 @@ from typing import Any
 
 from mpmd.errors import PipelineError
 from mpmd.schedules.sharing import replay_programs_shared, runtime_loads
-from mpmd.schedules.validation import check_programs
+from mpmd.schedules.validation import check_programs, is_count
 from transport.program import Program, Recv, Run, Task
 from transport.protocol import dtype_from_name
 
@@ -95,8 +95,8 @@ def simulate_monte_carlo(programs: list[Program], costs: Any, runs: int = 100, s
     the costs' own means), its gap and each hop's residual from `costs.empirical` where it has samples (else the
     costs' own numbers), and hops'
     base times from `costs.routes` per (sender, receiver) where given. Deterministic for a given `seed`."""
-    if runs < 1:
-        raise ValueError(f"runs must be >= 1, got {runs}")
+    if not is_count(runs) or runs < 1:
+        raise ValueError(f"simulate_monte_carlo: runs must be a positive int (how many replays), got {runs!r:.40}")
     emp = getattr(costs, "empirical", None) or Empirical()
     tasks, hops, gaps = _centred(emp.task_samples(), costs), emp.hop_residuals(), emp.gaps
     rng = random.Random(seed)

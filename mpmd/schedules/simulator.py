@@ -27,7 +27,7 @@ from mpmd.errors import PipelineError, ScheduleError
 from mpmd.schedules.draw import draw_timeline, kind_of
 from mpmd.schedules.montecarlo import Empirical
 from mpmd.schedules.sharing import replay_programs_shared, replay_table_shared, runtime_loads
-from mpmd.schedules.validation import Schedule, check_programs, split_stages, task_inputs, validate
+from mpmd.schedules.validation import Schedule, check_programs, is_count, split_stages, task_inputs, validate
 from transport.program import TASK_KINDS, Delete, Label, Program, Recv, Run, Task
 from transport.protocol import dtype_from_name
 
@@ -44,6 +44,12 @@ def is_cost(x: object) -> bool:
         return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and 0 <= float(x) <= MAX_COST
     except OverflowError:  # an int past float's range
         return False
+
+
+def _plain(x: object) -> object:
+    """A numpy or JAX array (or scalar) as Python numbers: a 0-d one (what jnp.mean returns) as its number, a 1-d
+    one as a list; anything else as it is."""
+    return x.tolist() if hasattr(x, "ndim") and hasattr(x, "tolist") else x
 
 
 def _overflow(what: str) -> ScheduleError:
@@ -92,7 +98,7 @@ class Costs:
 
     def __post_init__(self) -> None:
         for name in ("F", "B", "I", "W", "activation_bytes"):
-            v = getattr(self, name)
+            v = _plain(getattr(self, name))
             many = hasattr(v, "__iter__") and not isinstance(v, (str, bytes))
             vals = list(v) if many else [v]
             if isinstance(v, (Mapping, set, frozenset)) or not vals or not all(map(is_cost, vals)):  # (a dict's keys are no costs)
@@ -100,10 +106,12 @@ class Costs:
                                  f"(one per stage), got {v!r:.80}")
             object.__setattr__(self, name, tuple(float(x) for x in vals) if many else float(v))
         for name in ("latency", "overhead", "other", "gap", "lead", "tail", "runtime_cpu"):
-            if not is_cost(getattr(self, name)):
-                raise ValueError(f"Costs.{name} must be a finite number >= 0 (at most {MAX_COST:g}), got {getattr(self, name)!r:.80}")
-            object.__setattr__(self, name, float(getattr(self, name)))
-        if self.cores is not None and (not isinstance(self.cores, numbers.Integral) or isinstance(self.cores, bool) or self.cores < 1):
+            v = _plain(getattr(self, name))
+            if not is_cost(v):
+                raise ValueError(f"Costs.{name} must be a finite number >= 0 (at most {MAX_COST:g}), got {v!r:.80}")
+            object.__setattr__(self, name, float(v))
+        object.__setattr__(self, "bandwidth", _plain(self.bandwidth))
+        if self.cores is not None and (not is_count(self.cores) or self.cores < 1):
             raise ValueError(f"Costs.cores must be a positive int or None, got {self.cores!r:.80}")
         if not (isinstance(self.bandwidth, numbers.Real) and not isinstance(self.bandwidth, bool) and self.bandwidth > 0):
             raise ValueError(f"Costs.bandwidth must be > 0 bytes per second (math.inf: free), got {self.bandwidth!r:.80}")
@@ -206,13 +214,14 @@ class Costs:
         samples: dict[tuple[str, int], list[float]] = {}
         if not isinstance(timings, Mapping):
             raise ValueError(f"timings must be a mapping like {{'F': 0.01, '1B': 0.02}}, got {type(timings).__name__}")
-        if num_stages is not None and (not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1):
+        if num_stages is not None and (not is_count(num_stages) or num_stages < 1):
             raise ValueError(f"num_stages must be a positive int, got {num_stages!r:.40}")
+        num_stages = None if num_stages is None else int(num_stages)
         for key, sec in timings.items():
             if isinstance(key, tuple):
-                if len(key) != 2 or not isinstance(key[1], int) or isinstance(key[1], bool) or key[1] < 0:
+                if len(key) != 2 or not is_count(key[1]) or key[1] < 0:
                     raise ValueError(f"timing key {key!r:.60}: a tuple key is (kind, stage), like ('F', 2)")
-                kind, stage, mb = key[0], key[1], ""
+                kind, stage, mb = key[0], int(key[1]), ""
             elif not isinstance(key, str):
                 raise ValueError(f"timing key {key!r:.60} is a {type(key).__name__}; keys are a kind ('F'), a stage's kind "
                                  "('2F' or ('F', 2)) or a task ('2F3')")
@@ -225,6 +234,7 @@ class Costs:
                     raise ValueError(f"timing key {key!r}: a task key needs its stage, like '0F3'")
             if kind not in TASK_KINDS:
                 raise ValueError(f"timing key {key!r}: kind must be one of {', '.join(TASK_KINDS)}")
+            sec = _plain(sec)
             if not is_cost(sec):
                 raise ValueError(f"timing {key!r}: {sec!r:.40} is not a finite number of seconds >= 0")
             if stage is None:

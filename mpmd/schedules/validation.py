@@ -126,7 +126,7 @@ def _fail(problem: str, table: Table, mark: dict[int, int] | None = None, notes:
 MAX_TABLE_TASKS = 200_000
 
 
-def _is_count(x: object) -> bool:
+def is_count(x: object) -> bool:
     """An integer (Python's or numpy's: `numbers.Integral`), not a bool."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
@@ -142,9 +142,9 @@ def validate(schedule: Schedule, num_microbatches: int) -> Table:
         what = f"the class {schedule.__name__}" if isinstance(schedule, type) else f"{type(schedule).__name__} {schedule!r:.60}"
         raise ScheduleError(f"expected a schedule such as mpmd.OneFOneB(num_stages=2), got {what}")
     name, m, n = str(schedule), num_microbatches, schedule.num_stages
-    if not _is_count(m) or m < 1:
+    if not is_count(m) or m < 1:
         raise ScheduleError(f"{name}: the number of microbatches must be a positive int, got {m!r}")
-    if not _is_count(n) or n < 1:
+    if not is_count(n) or n < 1:
         raise ScheduleError(f"{name}: num_stages must be a positive int, got {n!r}")
     m, n = int(m), int(n)  # (numpy integers taken as ints)
     if m * n > MAX_TABLE_TASKS // 3:  # (F, B or I and W: three tasks per stage and microbatch at most)
@@ -155,14 +155,17 @@ def validate(schedule: Schedule, num_microbatches: int) -> Table:
                             + ". To compare schedules at that "
                             "scale, simulate fewer microbatches: once the pipeline is full, the step time grows by about the same "
                             "amount with every microbatch")
-    need = schedule.min_microbatches
+    need, p = schedule.min_microbatches, schedule.num_actors
+    if not is_count(need):
+        raise ScheduleError(f"{name}: min_microbatches must be an int, got {need!r:.40}")
+    if not is_count(p) or p < 1:
+        raise ScheduleError(f"{name}: num_actors must be a positive int, got {p!r:.40}")
     if m < need and not getattr(schedule, "written_table", False):  # (a written table's tasks(m) says what it runs)
         raise ScheduleError(f"{name} needs at least {need} microbatches, got {m}; split the batch into {need} or more "
                             "microbatches, or pick a schedule that needs fewer")
-    p = schedule.num_actors
     for s in range(n):
         a = schedule.actor_of(s)
-        if not _is_count(a) or not 0 <= a < p:
+        if not is_count(a) or not 0 <= a < p:
             raise ScheduleError(f"{name} places stage {s} on actor {a!r}, but its actors are 0..{p - 1}; "
                                 "actor_of(stage) must return an actor below num_actors")
     try:
@@ -178,6 +181,10 @@ def validate(schedule: Schedule, num_microbatches: int) -> Table:
             if not isinstance(t, Task):
                 raise _fail(f"{name}.tasks({m}) must give Task objects, but actor {a}'s task {i} is a {type(t).__name__} "
                             f"{t!r:.40}" + (f" (mpmd.Task.parse({t!r:.20}) makes one)" if isinstance(t, str) else ""), table, {a: i})
+            for field, v in (("stage", t.stage), ("microbatch", t.mb)):
+                if not is_count(v):
+                    raise _fail(f"{name}.tasks({m}): actor {a}'s task {i} has {field} {v!r:.40}; a Task's stage and "
+                                "microbatch are ints", table, {a: i})
             if t.kind not in TASK_KINDS or not (0 <= t.stage < n and 0 <= t.mb < m):
                 raise _fail(f"{t!s} on actor {a} is not a task of {n} stages x {m} microbatches (kinds F, B, I, W); "
                             f"tasks are stage, kind, microbatch like '0F3', with stage < {n} and microbatch < {m}",

@@ -1,0 +1,186 @@
+"""Bad arguments to the schedule and simulator API get an error naming what was wrong and what to give (not a raw
+TypeError later, nor a silent wrong result); numpy integers and 0-d / 1-d numpy and JAX arrays are taken where a
+Python int or number (or a sequence of them) is. No actor is started."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mpmd
+from mpmd.cli import main
+from mpmd.schedules import Task, validate
+from mpmd.schedules.montecarlo import simulate_monte_carlo
+from mpmd.schedules.simulator import Costs, simulate
+from transport.program import Label, Program, Run
+
+
+def gpipe(n, m, stage=int, mb=int):
+    return [[Task(stage(s), "F", mb(i)) for i in range(m)] + [Task(stage(s), "B", mb(i)) for i in range(m)] for s in range(n)]
+
+
+@dataclass(frozen=True)
+class FloatActors(mpmd.Schedule):
+    @property
+    def num_actors(self):
+        return 2.0
+
+    def tasks(self, m):
+        return gpipe(self.num_stages, m)
+
+
+@dataclass(frozen=True)
+class StrMin(mpmd.Schedule):
+    @property
+    def min_microbatches(self):
+        return "1"
+
+    def tasks(self, m):
+        return gpipe(self.num_stages, m)
+
+
+@dataclass(frozen=True)
+class Table(mpmd.Schedule):
+    """GPipe with its stages and microbatches made by `stage` and `mb` (float, bool, np.int64, ...)."""
+
+    stage: type = int
+    mb: type = int
+
+    def tasks(self, m):
+        return gpipe(self.num_stages, m, self.stage, self.mb)
+
+
+def test_validate_refuses_schedule_fields_and_task_indices_that_are_not_ints():
+    for schedule, said in ((FloatActors(2), r"num_actors must be a positive int, got 2\.0"),
+                           (StrMin(2), r"min_microbatches must be an int, got '1'"),
+                           (Table(2, stage=float), r"actor 0's task 0 has stage 0\.0; a Task's stage and microbatch are ints"),
+                           (Table(2, mb=float), r"actor 0's task 0 has microbatch 0\.0"),
+                           (Table(2, mb=bool), r"actor 0's task 0 has microbatch False")):
+        for check in (validate, simulate):
+            with pytest.raises(mpmd.ScheduleError, match=said):
+                check(schedule, 2)
+    assert validate(Table(2, stage=np.int64, mb=np.int64), 2) == validate(mpmd.GPipe(2), 2)  # numpy integers are ints
+
+
+def trace_of(labels_per_actor, steps=1):
+    """A Trace of `steps` steps; actor a runs its labels one after another, 1 ms each."""
+    from mpmd.observe.trace import ActorStep, RunSpan, Trace
+
+    t = Trace()
+    for k in range(steps):
+        t.steps.append({})
+        for a, labels in enumerate(labels_per_actor):
+            x, clock = ActorStep(a, k, 0.0, 0.0), 0.0
+            for label in labels:
+                x.runs.append(RunSpan(label, clock, clock, clock, clock + 1e-3))
+                clock += 1e-3
+            x.end = clock
+            t.steps[k][a] = x
+    return t
+
+
+def test_fit_costs_takes_numpy_ints_and_refuses_bad_cores_and_more_stages_than_the_trace_ran():
+    from mpmd.observe.trace import fit_costs
+
+    t = trace_of([["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]], steps=2)
+    assert fit_costs(t, 2, step=np.int64(0)) == fit_costs(t, 2, step=0)
+    assert fit_costs(t, np.int64(2)) == fit_costs(t, 2)
+    assert fit_costs(t, 2, cores=np.int64(1)) == fit_costs(t, 2, cores=1)
+    for cores in ("1", 1.0, True, 0):
+        with pytest.raises(mpmd.MpmdError, match=rf"fit_costs: cores must be a positive int .* or None, got {cores!r}"):
+            fit_costs(t, 2, cores=cores)
+    with pytest.raises(mpmd.MpmdError, match=r"num_stages=5 but the traced step runs 2 stages: pass num_stages=2"):
+        fit_costs(t, 5)
+
+
+def test_costs_take_0d_arrays_as_numbers_and_1d_numpy_and_jax_arrays_as_per_stage_values():
+    assert Costs(F=np.array(1.5)) == Costs(F=jnp.mean(jnp.array([1.0, 2.0]))) == Costs(F=1.5)
+    assert Costs(F=jnp.array([1.0, 2.0]), B=np.array([2.0, 3.0])) == Costs(F=(1.0, 2.0), B=(2.0, 3.0))
+    assert Costs(latency=np.array(0.5), bandwidth=np.array(1e9)) == Costs(latency=0.5, bandwidth=1e9)
+    assert type(Costs(F=np.array(1.5)).F) is float and type(Costs(F=jnp.array([1.0])).F[0]) is float
+    for bad in ({"a": 1.0}, {1.0}, "1", math.nan, -1.0, np.array(math.nan), jnp.array([1.0, -1.0]), np.ones((2, 2))):
+        with pytest.raises(ValueError, match=r"Costs\.F must be a finite non-negative number"):
+            Costs(F=bad)
+    two = Costs.from_timings({"1F": 1.0, "F": jnp.array(0.5)}, num_stages=2)
+    assert Costs.from_timings({"1F": 1.0, "F": 0.5}, num_stages=np.int64(2)) == two == Costs(F=(0.5, 1.0))
+    assert Costs.from_timings({("F", np.int64(1)): 1.0, "F": 0.5}, num_stages=2) == two
+
+
+class Duck:
+    """A schedule by its attributes (mpmd.schedules.validation.Schedule), not a subclass of mpmd.Schedule."""
+
+    num_stages = num_actors = 2
+    min_microbatches = 1
+    split_backward = False
+    balance = None
+    remat = ()
+
+    def actor_of(self, s):
+        return s
+
+    def tasks(self, m):
+        return gpipe(2, m)
+
+
+def test_accumulate_grads_takes_the_duck_typed_schedule_that_validate_and_with_schedule_take():
+    def fn(mb):
+        return mb * 2, mb.sum()
+
+    batch = np.arange(6, dtype=np.float32).reshape(3, 2)
+    assert validate(Duck(), 2)
+    got = mpmd.accumulate_grads(fn, batch, schedule=Duck())
+    want = mpmd.accumulate_grads(fn, batch, schedule=mpmd.GPipe(2))
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("flags, said", [(["--width", "10", "--heads", "4"], "--width 10 must be a multiple of --heads 4"),
+                                         (["--try-microbatches", "0,2"], "--try-microbatches: takes comma-separated counts above 0"),
+                                         (["--try-microbatches", "2,x"], "--try-microbatches: takes comma-separated counts above 0")])
+def test_cli_tune_argument_errors_exit_2_with_the_usage_like_argparses_own(flags, said, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["tune", *flags])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and said in err and err.startswith("usage: mpmd tune")
+
+
+def test_cli_tune_with_xla_costs_does_not_say_it_measures(monkeypatch, capsys):
+    from mpmd.cli import tune
+
+    class Stop(Exception):
+        pass
+
+    def stop(**kw):
+        raise Stop
+
+    monkeypatch.setattr(tune, "load_gpt", lambda: None)
+    monkeypatch.setattr(tune, "gpt_setup", lambda *a, **kw: (None, None, None, None))
+    monkeypatch.setattr(mpmd.RemoteMesh, "local", stop)
+    for flags, said in ((["--xla-costs"], "mpmd tune: estimating the segments' costs with XLA's cost analysis"),
+                        ([], "mpmd tune: measuring the segments on 2 actors")):
+        with pytest.raises(Stop):
+            main(["tune", *flags])
+        err = capsys.readouterr().err
+        assert said in err and ("measuring" in err) == (not flags)
+
+
+def test_draw_takes_fmt_in_any_case_as_it_takes_the_paths_ending(tmp_path):
+    r = simulate(mpmd.GPipe(2), 2)
+    r.draw(tmp_path / "a.svg", fmt="svg")
+    r.draw(tmp_path / "b.svg", fmt="SVG")
+    r.draw(tmp_path / "c.SVG")
+    assert (tmp_path / "a.svg").read_text() == (tmp_path / "b.svg").read_text() == (tmp_path / "c.SVG").read_text()
+    with pytest.raises(ValueError, match=r"a timeline picture is 'png' or 'svg', got fmt='gif'"):
+        r.draw(tmp_path / "d.svg", fmt="GIF")
+
+
+@pytest.mark.parametrize("runs", ["5", None, 2.0, True, 0])
+def test_simulate_monte_carlo_names_a_runs_that_is_not_a_positive_int(runs):
+    programs = [Program(a, [], [], [Run(i, (), (10 * a + i,), Label.of(Task(a, "F", i))) for i in range(2)]) for a in range(2)]
+    assert simulate_monte_carlo(programs, Costs(), runs=np.int64(2)).step_time == 2.0
+    with pytest.raises(ValueError, match=rf"simulate_monte_carlo: runs must be a positive int \(how many replays\), got {runs!r}"):
+        simulate_monte_carlo(programs, Costs(), runs=runs)
