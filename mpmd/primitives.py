@@ -10,6 +10,9 @@ implementation (and lowering, for plain `jax.jit`) is an ordinary scan: sum the 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -99,6 +102,52 @@ def _accumulate_abstract_eval(*avals: Any, body: Any, num_mb_leaves: int, num_gr
     return avals, body.effects  # the body's callbacks (ordered ones need their token threaded through the loop)
 
 
+def _reference_fn(body: Any, num_mb_leaves: int, num_grads: int) -> Any:
+    return lambda *a: reference_loop(body, num_grads, list(a[:num_mb_leaves]), list(a[num_mb_leaves:]))
+
+
+def _refuse_when_distributed(transform: str) -> None:
+    """A PipelineError while `distributed` traces a step: the loop must reach the compiler as one equation."""
+    if _DISTRIBUTED.get():
+        from mpmd.errors import PipelineError
+
+        raise PipelineError(f"{transform} of a function that calls mpmd.accumulate_grads cannot be pipelined: the step "
+                            "must call the loop itself. Under mpmd.distributed, transform inside the microbatch function "
+                            "(vmap / grad of the loss), or run the transformed step under plain jax.jit, where the loop "
+                            "is an ordinary scan")
+
+
+def _accumulate_batch(args: list[Any], dims: list[Any], *, body: Any, num_mb_leaves: int, num_grads: int,
+                      num_microbatches: int, schedule: Any) -> tuple[list[Any], list[Any]]:
+    """vmap of the loop (outside `distributed`): the vmapped scan it stands for."""
+    _refuse_when_distributed("jax.vmap")
+    outs = jax.vmap(_reference_fn(body, num_mb_leaves, num_grads), in_axes=list(dims))(*args)
+    return outs, [0] * len(outs)
+
+
+def _accumulate_jvp(primals: list[Any], tangents: list[Any], *, body: Any, num_mb_leaves: int, num_grads: int,
+                    num_microbatches: int, schedule: Any) -> tuple[list[Any], list[Any]]:
+    """jvp (and so grad) of the loop (outside `distributed`): the jvp of the scan it stands for."""
+    _refuse_when_distributed("jax.grad / jax.jvp")
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    outs, touts = jax.jvp(_reference_fn(body, num_mb_leaves, num_grads), list(primals), tangents)
+    return list(outs), list(touts)
+
+
 accumulate_p.def_impl(_accumulate_impl)
 accumulate_p.def_effectful_abstract_eval(_accumulate_abstract_eval)
 mlir.register_lowering(accumulate_p, mlir.lower_fun(_accumulate_impl, multiple_results=True))
+batching.primitive_batchers[accumulate_p] = _accumulate_batch
+ad.primitive_jvps[accumulate_p] = _accumulate_jvp
+
+_DISTRIBUTED: contextvars.ContextVar[bool] = contextvars.ContextVar("mpmd_tracing_distributed", default=False)
+
+
+@contextlib.contextmanager
+def tracing_distributed() -> Iterator[None]:
+    """While active, `distributed` is tracing a step: vmap or jvp of its loop is refused (see above)."""
+    token = _DISTRIBUTED.set(True)
+    try:
+        yield
+    finally:
+        _DISTRIBUTED.reset(token)

@@ -8,6 +8,7 @@ import contextlib
 import inspect
 import itertools
 import logging
+import os
 import sys
 import threading
 import time
@@ -26,6 +27,7 @@ from mpmd.compiler.plan import StepPlan, iter_lowered, plan_step
 from mpmd.compiler.program import Send
 from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError, ScheduleError
 from mpmd.observe.report import PlacementReport, placement_report
+from mpmd.primitives import tracing_distributed
 from mpmd.runtime.aio import abortable, off_loop, start_in_worker, watch
 from mpmd.runtime.array import RemoteArray
 from mpmd.runtime.buffers import in_parts
@@ -232,6 +234,15 @@ class _Interrupted(Exception):
     compiles itself rather than fail of it."""
 
 
+def _callers_level() -> int:
+    """The warnings stacklevel of the first frame outside mpmd (for the caller of this function's caller)."""
+    frame, level = sys._getframe(2), 2
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 class DistributedFunction:
     """What `mpmd.distributed` returns. Call it like the original function."""
 
@@ -362,7 +373,8 @@ class DistributedFunction:
             return leaves_out
 
         am = getattr(self.mesh, "actor_mesh", None)
-        with use_schedule(self.schedule) if self.schedule is not None else contextlib.nullcontext(), without_callers_mesh():
+        with use_schedule(self.schedule) if self.schedule is not None else contextlib.nullcontext(), without_callers_mesh(), \
+                tracing_distributed():
             if am is None:
                 closed = jax.make_jaxpr(flat)(*specs)
             else:  # with_sharding_constraint(x, P(...)) resolves against the actors' mesh, as jax.set_mesh would under jit
@@ -423,6 +435,11 @@ class DistributedFunction:
         """Trace, plan, lower and ship the step for `args` (signature `sig`), here and now."""
         generation = getattr(self.mesh, "generation", 0)
         t0 = time.perf_counter()
+        checks = [f for f in ("jax_debug_nans", "jax_debug_infs") if getattr(jax.config, f, False)]
+        if checks:
+            warnings.warn(f"{' and '.join(checks)} is set, but the actors do not check the values this step computes (a NaN "
+                          "is returned, not raised): check what you fetch (jnp.isfinite(loss)), or run the step under "
+                          "jax.jit to find where a NaN appears", stacklevel=_callers_level())
         outer, out_tree = self.trace(*args)
         plan = plan_step(outer, len(self.mesh))
         if getattr(self.mesh, "transport", None) == "none" and any(

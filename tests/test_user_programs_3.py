@@ -3,6 +3,7 @@ debug prints and callbacks inside stages, several backward passes of one forward
 called twice) — each equal to jax.jit of the same step, or refused before dispatch with what to write."""
 
 import asyncio
+import functools
 import re
 
 import flax.linen as nn
@@ -958,3 +959,88 @@ def test_a_distributed_step_called_inside_a_jax_transformation_is_refused_saying
     with pytest.raises(PipelineError, match=r"args\[[01]\]\S* is a JAX tracer .*called inside a JAX transformation"):
         call()
     assert_trees_close(step(params, batch).to_numpy(), jax.jit(_eval_1_stage)(params, batch))
+
+
+# ---- 9. jax transformations of a step that calls the loop ---------------------------------------------
+def _ensemble_step(params, batch, lr, loop):
+    def loss(p, mb):
+        return jnp.mean((mpmd.pipeline_yield(jnp.tanh(mb["x"] @ p[0])) @ p[1] - mb["y"]) ** 2)
+
+    if loop == "scan":  # what accumulate_grads means
+        def body(acc, mb):
+            v, g = jax.value_and_grad(loss)(params, mb)
+            return [a + b for a, b in zip(acc, g)], v
+        g, losses = jax.lax.scan(body, [jnp.zeros_like(p) for p in params], batch)
+    else:
+        g, losses = mpmd.accumulate_grads(lambda mb: jax.value_and_grad(loss)(params, mb)[::-1], batch, schedule=mpmd.OneFOneB(2))
+    return [p - lr * d for p, d in zip(params, g)], losses
+
+
+def test_vmap_and_grad_of_a_step_that_calls_the_loop_are_those_of_the_scan_it_stands_for_under_jit():
+    rng = np.random.default_rng(0)
+    params = [jnp.asarray(rng.normal(size=(4, 4)), jnp.float32) for _ in range(2)]
+    batch = {k: jnp.asarray(rng.normal(size=(4, 3, 4)), jnp.float32) for k in ("x", "y")}
+    ensemble = [jnp.stack([p, p * 0.5]) for p in params]
+    for loop in ("scan", "mpmd"):
+        step = functools.partial(_ensemble_step, loop=loop)
+        vm = jax.jit(jax.vmap(step, in_axes=(0, None, None)))(ensemble, batch, 0.1)
+        meta = jax.jit(jax.grad(lambda p: jnp.sum(step(p, batch, 0.1)[0][0])))(params)
+        if loop == "scan":
+            want = (vm, meta)
+    assert_trees_close((vm, meta), want, rtol=1e-6, atol=1e-6)
+
+
+def test_vmap_of_the_loop_inside_a_distributed_step_is_refused_saying_where_to_transform(mesh2):
+    rng = np.random.default_rng(0)
+    ensemble = [jnp.asarray(rng.normal(size=(2, 4, 4)), jnp.float32) for _ in range(2)]
+    batch = {k: jnp.asarray(rng.normal(size=(4, 3, 4)), jnp.float32) for k in ("x", "y")}
+    step = functools.partial(_ensemble_step, loop="mpmd")
+    with pytest.raises(PipelineError, match=r"jax.vmap of a function that calls mpmd.accumulate_grads cannot be pipelined.*"
+                                            r"inside the microbatch function"):
+        mpmd.distributed(lambda p, b: jax.vmap(step, in_axes=(0, None, None))(p, b, 0.1), mesh=mesh2)(ensemble, batch)
+    with pytest.raises(PipelineError, match=r"jax.grad / jax.jvp of a function that calls mpmd.accumulate_grads"):
+        mpmd.distributed(lambda p, b: jax.grad(lambda q: jnp.sum(step(q, b, 0.1)[0][0]))(p), mesh=mesh2)([e[0] for e in ensemble], batch)
+
+
+def test_a_lax_scan_of_optimizer_steps_is_refused_naming_the_scan_and_what_to_write(mesh2):
+    rng = np.random.default_rng(0)
+    params = [jnp.asarray(rng.normal(size=(4, 4)), jnp.float32) for _ in range(2)]
+    batches = {k: jnp.asarray(rng.normal(size=(2, 4, 3, 4)), jnp.float32) for k in ("x", "y")}
+
+    def steps(params, batches):
+        return jax.lax.scan(lambda p, b: _ensemble_step(p, b, 0.1, "mpmd"), params, batches)
+
+    assert jax.jit(steps)(params, batches)[1].shape == (2, 4)
+    with pytest.raises(PipelineError, match=r"accumulate_grads 2 times \(each iteration of a lax.scan.*one distributed call per optimizer step"):
+        mpmd.distributed(steps, mesh=mesh2)(params, batches)
+
+
+def test_jax_debug_nans_warns_that_the_actors_do_not_check_and_the_nan_comes_back_as_under_plain_jit(mesh2):
+    rng = np.random.default_rng(0)
+    params = [jnp.asarray(rng.normal(size=(4, 4)), jnp.float32) for _ in range(2)]
+    batch = {"x": jnp.full((4, 3, 4), jnp.nan, jnp.float32), "y": jnp.zeros((4, 3, 4), jnp.float32)}
+    step = functools.partial(_ensemble_step, lr=0.1, loop="mpmd")
+    with jax.debug_nans(True):
+        with pytest.raises(FloatingPointError):
+            jax.jit(step)(params, batch)
+        with pytest.warns(UserWarning, match=r"jax_debug_nans is set, but the actors do not check") as w:
+            losses = mpmd.fetch(mpmd.distributed(step, mesh=mesh2)(params, batch)[1])
+    assert w[0].filename == __file__
+    assert np.isnan(losses).all()
+
+
+def test_eqx_error_if_in_a_stage_is_refused_saying_to_check_the_returned_values(mesh2):
+    eqx = pytest.importorskip("equinox")  # (installed by the test extra)
+    rng = np.random.default_rng(0)
+    params = [jnp.asarray(rng.normal(size=(4, 4)), jnp.float32) for _ in range(2)]
+    batch = {k: jnp.asarray(rng.normal(size=(4, 3, 4)), jnp.float32) for k in ("x", "y")}
+
+    def step(params, batch):
+        def loss(p, mb):
+            h = eqx.error_if(jnp.tanh(mb["x"] @ p[0]), jnp.isnan(mb["x"]).any(), "nan input")
+            return jnp.mean((mpmd.pipeline_yield(h) @ p[1] - mb["y"]) ** 2)
+        return mpmd.accumulate_grads(lambda mb: jax.value_and_grad(loss)(params, mb)[::-1], batch, schedule=mpmd.GPipe(2))
+
+    jax.jit(step)(params, batch)
+    with pytest.raises(PipelineError, match=r"A runtime check \(eqx.error_if.*check the values the step returns"):
+        mpmd.distributed(step, mesh=mesh2)(params, batch)

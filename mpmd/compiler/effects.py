@@ -128,7 +128,10 @@ def check_host_calls(eqns: Iterable[Any], used: set[Any]) -> None:
                         f"{_describe(inner)} is inside {where} in a distributed step; mpmd runs host callbacks at the "
                         "controller with the values the stage computed, which it can do for callbacks in the stage itself "
                         "(also inside jax.jit-ted functions) but not inside this construct. Move the callback out of it "
-                        "(return the value from the construct and print it after), or print it after the step")
+                        "(return the value from the construct and print it after), or print it after the step"
+                        + (". A runtime check (eqx.error_if, equinox's or checkify's asserts) is such a callback in a cond: "
+                           "check the values the step returns instead (e.g. jnp.isfinite of the fetched loss), or run the "
+                           "step under jax.jit" if name == "cond" else ""))
 
 
 def used_vars(eqn_lists: Sequence[Iterable[Any]], outputs: Iterable[Any]) -> set[Any]:

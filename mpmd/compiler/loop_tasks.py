@@ -66,7 +66,9 @@ def find_loop(jaxpr: Any) -> int:
         raise PipelineError("the distributed function never calls mpmd.accumulate_grads; wrap the per-microbatch "
                             "gradient computation in accumulate_grads(fn, batch, schedule=...)")
     if len(loops) > 1:
-        raise PipelineError(f"the distributed function calls mpmd.accumulate_grads {len(loops)} times; one loop per step is supported")
+        raise PipelineError(f"the distributed function calls mpmd.accumulate_grads {len(loops)} times (each iteration of a "
+                            "lax.scan or fori_loop around it counts); one loop per step is supported: make one distributed "
+                            "call per optimizer step (calls are asynchronous: a Python loop of steps does not wait between them)")
     return loops[0]
 
 
