@@ -305,6 +305,21 @@ def test_python_numbers_come_back_python_numbers_and_list_positions_are_kept_wit
     assert set(loaded[1]) == {"count", "mu", "nu"} and set(loaded[3]) == {"count"}
 
 
+def test_python_numbers_saved_restore_into_the_weak_jax_values_a_step_makes_of_them(mesh2, tmp_path):
+    """A TrainState's `step=0` or an `lr=0.1` saved as Python numbers, restored with `like` holding what they
+    are after a step (weak int32 / float32 jax scalars), was refused asking for an int64 `like`, which a jax
+    array cannot hold without x64. Found by a probe."""
+    mpmd.save(str(tmp_path / "c"), {"step": 0, "lr": 0.1, "w": np.ones(2, np.float32)})
+    like = {"step": jnp.asarray(3), "lr": jnp.asarray(0.5), "w": np.ones(2, np.float32)}
+    for back in (mpmd.load(str(tmp_path / "c"), like=like), mpmd.fetch(mpmd.restore(str(tmp_path / "c"), mesh2, like=like))):
+        assert back["step"].dtype == jnp.int32 and back["lr"].dtype == jnp.float32
+        assert back["step"] == 0 and back["lr"] == np.float32(0.1)
+    restored = mpmd.restore(str(tmp_path / "c"), mesh2, like=like)
+    assert restored["step"].weak_type and restored["lr"].weak_type  # (as jax.jit makes them: `w * lr` keeps w's dtype)
+    with pytest.raises(mpmd.CheckpointError, match=r"saved as float32, `like` has int32"):
+        mpmd.load(str(tmp_path / "c"), like={**like, "w": np.ones(2, np.int32)})  # (a strongly typed array: no cast)
+
+
 def test_a_restore_async_result_let_go_frees_its_actor_buffers_without_the_garbage_collector(mesh2, tmp_path):
     """The awaited future and its callbacks made a reference cycle that kept the restored tree (its actor
     buffers: the state twice over) until the garbage collector ran. Found by a probe."""

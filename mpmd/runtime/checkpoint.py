@@ -438,7 +438,7 @@ with `like`'s static leaves as `Static` nodes, to `reveal` after unflattening)."
         if shape != leaf.shape:
             raise CheckpointError(f"{what}: leaf {leaf.path} was saved with shape {leaf.shape}, `like` has {shape}",
                                   checkpoint=m.directory, leaf=leaf.path)
-        if not dtype_matches(dtype, leaf):
+        if not dtype_matches(dtype, leaf, weak=_weak(x)):
             raise CheckpointError(f"{what}: leaf {leaf.path} was saved as {leaf.dtype}, `like` has {dtype_text(dtype)}; mpmd does not "
                                   f"cast a checkpoint: pass `like` with dtype {leaf.dtype} (and cast after restoring if you mean to)",
                                   checkpoint=m.directory, leaf=leaf.path)
@@ -493,8 +493,8 @@ def _restore(path: str, mesh: Any, like: Any, for_step: Any, verify: bool) -> An
     need: dict[tuple[int, str], list[tuple[Leaf, int, Any]]] = defaultdict(list)  # (reader, part) -> leaf, buffer, layout
     for leaf, t in zip(m.leaves, where):
         if leaf.part == HOST_PART:
-            value = from_wire(host[leaf.name], leaf.jax_dtype)
             like_leaf = like_leaves[leaf.index]
+            value = _as_jax_number(from_wire(host[leaf.name], leaf.jax_dtype), like_leaf)
             if t.actors:
                 out[leaf.index] = mesh.put_replicated(value, list(t.actors), _spec(t))
                 out[leaf.index].weak_type = _weak(like_leaf)
@@ -555,6 +555,15 @@ def _weak(like: Any) -> bool:
     return type(like) in (int, float, complex) or bool(getattr(like, "weak_type", False))
 
 
+def _as_jax_number(value: Any, like: Any) -> Any:
+    """A saved Python number (a 0-d int64 / float64) restored into a weakly typed jax array `like` (what a step
+    makes of the number: int32 / float32 without x64) as that dtype; anything else as it is (a Python number
+    `like` gets the saved number itself: `_as_like`)."""
+    if isinstance(like, jax.Array) and getattr(like, "weak_type", False) and isinstance(value, np.ndarray) and value.shape == () and not is_key(value.dtype):
+        return value.astype(jax.dtypes.canonicalize_dtype(value.dtype))
+    return value
+
+
 def _as_like(like: Any, value: Any) -> Any:
     """A host value as `like` holds it: a Python number where `like` has one (saved as a 0-d int64/float64 array;
     a numpy one would be strongly typed to a step, so `w - lr * g` would no longer keep bf16 `w` bf16)."""
@@ -587,7 +596,7 @@ def load(path: str, like: Any = None, *, verify: bool = True) -> Any:
     flat = [values[i] for i in range(len(m.leaves))]
     if like is not None:
         like_leaves, treedef = _match(m, like, "mpmd.load")
-        return reveal(jax.tree.unflatten(treedef, [_as_like(x, v) for x, v in zip(like_leaves, flat)]))
+        return reveal(jax.tree.unflatten(treedef, [_as_like(x, _as_jax_number(v, x)) for x, v in zip(like_leaves, flat)]))
     return _rebuild([leaf.entries for leaf in m.leaves], flat, m.directory)
 
 

@@ -44,15 +44,19 @@ def like_shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
     return tuple(a.shape), a.dtype
 
 
-def dtype_matches(like: Any, leaf: Leaf) -> bool:
+def dtype_matches(like: Any, leaf: Leaf, weak: bool = False) -> bool:
     """Whether a `like` dtype is the saved one: equal, or what JAX makes of it (a float64 host array is float32
-    to a step without x64, and so is the saved value it produced). Never a cast of another precision."""
+    to a step without x64, and so is the saved value it produced). Never a cast of another precision. `weak`: the
+    `like` leaf is weakly typed (a Python number, or what a step makes of one): a saved Python number (a 0-d
+    int64 / float64) matches the dtype JAX gives it."""
     if is_key(like) or leaf.key_impl:
         return dtype_text(like) == leaf.dtype
     like = np.dtype(like)
     if like.name == leaf.dtype:
         return True
     try:
+        if weak and leaf.shape == () and np.dtype(jax.dtypes.canonicalize_dtype(np.dtype(leaf.dtype))) == like:
+            return True
         return np.dtype(jax.dtypes.canonicalize_dtype(like)).name == leaf.dtype
     except TypeError:
         return False
