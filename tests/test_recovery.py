@@ -599,3 +599,38 @@ def test_an_eval_step_on_fewer_actors_meeting_a_lost_actor_recovers_and_equals_j
         assert "losses" in got, "the eval call never returned"
         np.testing.assert_allclose(np.asarray(got["losses"]), np.asarray(jax.jit(evaluate)(want, batch)), rtol=1e-5, atol=1e-6)
         assert mesh.recoveries == 1
+
+
+def _loop_through_actor_run(kill_at=None):
+    """Each step's learning-rate scale is computed on actor 1 with `mesh.actor(1).run` from the last step's
+    parameters there (the embedding API beside the steps); actor 1 is killed while step `kill_at` runs."""
+    import jax.numpy as jnp
+
+    def step(params, batch, scale):
+        grads, losses = mpmd.accumulate_grads(lambda mb: jax.value_and_grad(mse_loss(mlp))(params, mb)[::-1], batch,
+                                              schedule=mpmd.OneFOneB(num_stages=2))
+        return jax.tree.map(lambda p, g: p - 0.05 * scale * g, params, grads), losses
+
+    norm = jax.jit(lambda ws: 1.0 / (1.0 + jnp.sqrt(sum(jnp.sum(w ** 2) for w in ws))))
+    batches = _batches()[:6]
+    with mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(snapshot_every=3), heartbeat_timeout=5.0) as mesh:
+        dist = mpmd.distributed(step, mesh=mesh)
+        p, losses = _params(), []
+        for i, b in enumerate(batches):
+            scale = mesh.actor(1).run(norm, p[1]) if i else np.float32(1.0)
+            p, l = dist(p, b, scale)
+            losses.append(l)
+            if i == kill_at:
+                time.sleep(0.02)
+                _sigkill(mesh, 1)
+        return mpmd.fetch((p, losses)), mesh.recoveries
+
+
+def test_mesh_actor_run_meets_a_lost_actor_the_mesh_recovers_and_the_loop_ends_bit_identical():
+    """actor(i).run and put raised the no-recovery ActorDiedError on a recover= mesh (advising mesh.reconnect);
+    they now wait for the recovery and call again. Found by a probe."""
+    want, none = _loop_through_actor_run()
+    got, recoveries = _loop_through_actor_run(kill_at=3)
+    assert none == 0 and recoveries == 1
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -12,10 +13,12 @@ import jax
 import numpy as np
 
 from mpmd.compiler.avals import host_value, to_wire
-from mpmd.errors import MpmdError
+from mpmd.errors import ActorDiedError, MpmdError
 from mpmd.runtime.aio import off_loop, start_in_worker
 from mpmd.runtime.array import RemoteArray
 from mpmd.runtime.sharding import remote_sharding
+
+log = logging.getLogger(__name__)
 
 
 class ActorHandle:
@@ -31,20 +34,39 @@ class ActorHandle:
 
     def put(self, x: Any, spec: Any = None) -> RemoteArray:
         """Copy a host array (numpy, jax, or a typed PRNG key array) to this actor; with `spec` (a
-        PartitionSpec over the actor mesh) each of its devices gets only its shard."""
-        return self.mesh.put_replicated(x, [self.index], spec)
+        PartitionSpec over the actor mesh) each of its devices gets only its shard. On a mesh made with
+        recover=..., a lost actor is replaced and the copy made again."""
+        call = lambda: self.mesh.put_replicated(x, [self.index], spec)  # noqa: E731
+        try:
+            return call()
+        except ActorDiedError as e:
+            if not self._recovered(e, []):
+                raise
+        return call()
 
     async def put_async(self, x: Any, spec: Any = None) -> RemoteArray:
         """Awaitable twin of `put`, for the caller's own event loop: ``x = await mesh.actor(0).put_async(a)``."""
+        try:
+            return await self.mesh.put_replicated_async(x, [self.index], spec)
+        except ActorDiedError as e:
+            if not await off_loop(functools.partial(self._recovered, e, [])):
+                raise
         return await self.mesh.put_replicated_async(x, [self.index], spec)
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn` (e.g. a `jax.jit` function) on this actor. Arguments are RemoteArrays on this actor or
         host arrays (copied here first); returns the output pytree as RemoteArrays. `fn` is lowered once per
-        argument signature and compiled once per actor."""
+        argument signature and compiled once per actor. On a mesh made with recover=..., a lost actor is
+        replaced (the steps that made the arguments run again) and `fn` runs again, once."""
         # Lowered in a worker thread as run_async does: the exported blob carries the lowering thread's stack as
         # source locations, and the actors cache by its hash, so the same function must lower the same from anywhere.
-        return self.mesh.run(self._run_lowered(*start_in_worker(self._lower, fn, args).result()))
+        lowered = start_in_worker(self._lower, fn, args).result()
+        try:
+            return self.mesh.run(self._run_lowered(*lowered))
+        except ActorDiedError as e:
+            if not self._recovered(e, lowered[0]):
+                raise
+        return self.mesh.run(self._run_lowered(*lowered))
 
     async def run_async(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Awaitable twin of `run`, for the caller's own event loop: `fn` is lowered in a worker thread and the
@@ -53,7 +75,27 @@ class ActorHandle:
             y = await mesh.actor(0).run_async(jax.jit(f), x)
         """
         lowered = await off_loop(functools.partial(self._lower, fn, args))
+        try:
+            return await self.mesh.arun(self._run_lowered(*lowered))
+        except ActorDiedError as e:
+            if not await off_loop(functools.partial(self._recovered, e, lowered[0])):
+                raise
         return await self.mesh.arun(self._run_lowered(*lowered))
+
+    def _recovered(self, error: ActorDiedError, leaves: list[Any]) -> bool:
+        """From a user thread: whether the mesh (made with recover=...) recovered from the loss behind `error`
+        and the steps that make the RemoteArrays among `leaves` ended, so that the call may be made again."""
+        recovery = getattr(self.mesh, "recovery", None)
+        if recovery is None:
+            return False
+        arrays = [x for x in leaves if isinstance(x, RemoteArray)]
+        readies = list({id(x._ready): x._ready for x in arrays if x._ready is not None}.values())
+        if not all(recovery.settle(error, ready) for ready in readies or [None]):
+            return False
+        if any(x.is_deleted for x in arrays):
+            return False
+        log.warning("mesh.actor(%d): actor %s was lost; the mesh recovered, calling again", self.index, error.actor_id)
+        return True
 
     def _lower(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[list[Any], bytes, Any]:
         """Check the arguments and lower `fn` for them (here, once per signature): (argument leaves, blob,
