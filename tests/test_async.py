@@ -287,6 +287,23 @@ async def test_cancelled_outputs_say_so_and_an_asyncio_timeout_around_a_twin_rai
             await mpmd.distributed(_slow_training()[0], mesh=mesh).call_async(p, o, batch)
 
 
+async def test_a_timeout_in_one_task_leaves_the_step_to_another_task_awaiting_it(slow_mesh):
+    """A monitor awaiting the losses under asyncio.timeout aborted the step a learner task was awaiting the new
+    params of (the learner was told its await was cancelled, the state lost). The step now goes on while
+    another await waits for it; the last waiter's cancellation still aborts. Found by a probe."""
+    mesh, dist, reference, (p, o), (params, opt_state, batch) = slow_mesh
+    outs = await dist.call_async(p, o, batch)
+    learner = asyncio.create_task(mpmd.fetch_async(outs[:2]))
+    await asyncio.sleep(0)  # (the learner's fetch has begun)
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.02):
+            await mpmd.fetch_async(outs[2])
+    rp, ro, _ = reference(params, opt_state, batch)
+    want = reference(rp, ro, batch)
+    assert_trees_close(await learner, want[:2])
+    assert_trees_close(await mpmd.fetch_async(outs[2]), want[2])  # (the monitor's losses are there too)
+
+
 async def test_steps_chained_after_a_failed_one_name_the_first_failure_once(slow_mesh):
     """Each step after a failed one quoted the error of the one before it, which quoted its own: after ~1,700
     steps of a loop that only dispatched, one message was 250 KB (found by the soak benchmark)."""

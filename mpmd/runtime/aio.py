@@ -13,7 +13,8 @@ loop free the same three ways:
   never cancels it: another caller may wait for the same step.
 
 Cancelling the await of a step's outputs (`fetch_async`, `ready_async`) while that step still runs aborts
-it on its actors (see `DistributedFunction.call_async`): its buffers are freed and the mesh stays usable.
+it on its actors (see `DistributedFunction.call_async`): its buffers are freed and the mesh stays usable —
+unless another task awaits the same step's outputs at that moment: then the step goes on for it.
 
     async def main():
         async with await mpmd.RemoteMesh.local_async(num_actors=2) as mesh:
@@ -26,8 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import threading
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import jax
@@ -94,13 +97,33 @@ def abortable(fut: concurrent.futures.Future[Any], abort: Callable[[], concurren
     fut.mpmd_abort = abort  # type: ignore[attr-defined]
 
 
+_WAITERS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def awaiting(arrays: list[RemoteArray]) -> Iterator[None]:
+    """Count this await among those of the steps that make `arrays` (`abort_unfinished` aborts a step only
+    when the cancelled await was its only one: another task may wait for the same step's outputs)."""
+    readies = list({id(x._ready): x._ready for x in arrays if x._ready is not None}.values())
+    with _WAITERS_LOCK:
+        for r in readies:
+            r.mpmd_waiters = getattr(r, "mpmd_waiters", 0) + 1  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        with _WAITERS_LOCK:
+            for r in readies:
+                r.mpmd_waiters -= 1  # type: ignore[attr-defined]
+
+
 async def abort_unfinished(arrays: list[RemoteArray]) -> None:
-    """Abort every step that makes one of `arrays` and has not ended (the await of them was cancelled), and
-    wait until the actors have let go of it. Steps that ended stay as they are."""
+    """Abort every step that makes one of `arrays`, has not ended and that no other await waits for (this
+    await of them, inside `awaiting`, was cancelled), and wait until the actors have let go of it. Steps that
+    ended, or that another task still awaits, stay as they are."""
     aborts = {}
     for x in arrays:
         r = x._ready
-        if r is not None and not r.done() and hasattr(r, "mpmd_abort"):
+        if r is not None and not r.done() and hasattr(r, "mpmd_abort") and getattr(r, "mpmd_waiters", 0) <= 1:
             aborts[id(r)] = r.mpmd_abort
     if aborts:
         await asyncio.gather(*(watch(abort()) for abort in aborts.values()), return_exceptions=True)
@@ -192,12 +215,13 @@ async def _fetch_async(tree: Any) -> Any:
     async def started(i: int) -> dict[int, np.ndarray]:  # a fetch begun by copy_to_host_async
         return {i: await watch(leaves[i]._host)}
 
-    try:
-        parts = await asyncio.gather(*(from_mesh(k) for k in wanted),
-                                     *(started(i) for i, x in enumerate(leaves) if isinstance(x, RemoteArray) and x._host is not None))
-    except asyncio.CancelledError:
-        await abort_unfinished(arrays)
-        raise
+    with awaiting(arrays):
+        try:
+            parts = await asyncio.gather(*(from_mesh(k) for k in wanted),
+                                         *(started(i) for i, x in enumerate(leaves) if isinstance(x, RemoteArray) and x._host is not None))
+        except asyncio.CancelledError:
+            await abort_unfinished(arrays)
+            raise
     got = {i: v for part in parts for i, v in part.items()}
     out = [from_wire(got[i], x.dtype) if isinstance(x, RemoteArray) else x for i, x in enumerate(leaves)]
     return jax.tree.unflatten(treedef, out)
@@ -224,6 +248,11 @@ async def ready_async(tree: Any) -> Any:
 async def _ready_async(tree: Any, arrays: list[RemoteArray]) -> Any:
     for x in arrays:
         x._check_usable()
+    with awaiting(arrays):
+        return await _wait_ready(tree, arrays)
+
+
+async def _wait_ready(tree: Any, arrays: list[RemoteArray]) -> Any:
     try:
         for r in {id(x._ready): x._ready for x in arrays if x._ready is not None}.values():
             try:
