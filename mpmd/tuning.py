@@ -197,7 +197,8 @@ class TuneResult:
     def verify(self, k: int = 3, steps: int = 3, warmup: int = 2, rounds: int = 1) -> list[Candidate]:
         """Run the winner and the next best predicted, `k` candidates in all, for real (`warmup` steps, then
         `rounds` x `steps` timed ones; the median round counts), print predicted and measured step times side
-        by side and return those candidates (the winner first).
+        by side and return those candidates (the winner first). The fastest of them measured becomes the
+        winner (`best`, `step`), as in `calibrate`: the measurement decides among the candidates it measured.
         Rounds are interleaved (candidate 1, 2, ..., k, then again), so a slow spell of a shared machine
         lands on several candidates rather than on one; one candidate's state is on the actors at a time."""
         _check_counts("TuneResult.verify", k=(k, 1), steps=(steps, 1), warmup=(warmup, 0), rounds=(rounds, 1))
@@ -209,12 +210,17 @@ class TuneResult:
             c.measured = t
             log.info("measured %s", c.row())
         self.verified = out
+        self.chosen = min(out, key=lambda c: c.measured)
         again = [c.measured / self.calibrated[id(c)] for c in out if id(c) in self.calibrated]
         self.drift = statistics.median(again) if again else None
         width = _width(out)
         print(header(width))
         for c in out:
             print(c.row(width))
+        if self.chosen is not winner:
+            print(f"winner now {self.chosen.name} m={self.chosen.num_microbatches}: the fastest measured (predicted "
+                  f"{winner.name} m={winner.num_microbatches} measured {winner.measured / self.chosen.measured:.2f}x "
+                  "as long); result.best and result.step are it")
         if self.drift is not None:
             print(f"the {len(again)} candidates calibrate measured ran {self.drift:.2f}x as long now as then (the machine's "
                   f"drift since the predictions were scaled: measured/predicted moves by as much)")

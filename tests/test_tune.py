@@ -165,6 +165,24 @@ def test_calibration_scales_by_the_median_ratio_of_the_top_candidates(monkeypatc
         [1.2 * before[id(c)] * slow[c.schedule] / scaled[id(c)] for c in verified])
 
 
+def test_verify_makes_the_fastest_candidate_it_measured_the_winner(monkeypatch, capsys):
+    """With uncalibrated predictions (costs='xla' ranks by compute alone), verify(k) measured a faster candidate
+    than the winner and still handed out the slowest as `best` and `step`. A timed round stands in for the runs
+    (what is under test is the choice). Found by a probe."""
+    from mpmd import tuning
+
+    r = tuned(microbatches=[2, 4])
+    top = r.feasible[:3]
+    times = dict(zip((c.schedule for c in top), (3.0, 1.0, 2.0)))  # the predicted winner measures slowest
+    monkeypatch.setattr(tuning, "_timed_round", lambda step, *a: times[step.schedule])
+    monkeypatch.setattr(tuning.DistributedFunction, "with_schedule", lambda self, s: type("S", (), {"schedule": s})())
+    assert r.best is top[0]
+    verified = r.verify(3)
+    assert verified == top and r.best is top[1] and r.step.schedule is top[1].schedule
+    assert f"winner now {top[1].name} m={top[1].num_microbatches}: the fastest measured" in capsys.readouterr().out
+    assert f"winner: {top[1].name}" in r.table()
+
+
 def test_tune_keeps_the_steps_static_arguments():
     """A distributed step with static_argnames keeps them through tune: the bool steering Python control flow
     stays a Python bool while every candidate is traced, and the winner carries it too."""
