@@ -36,6 +36,7 @@ their measured / simulated times (`TuneResult.calibrate`; the ranking stays, the
 
 from __future__ import annotations
 
+import inspect
 import logging
 import statistics
 import time
@@ -428,6 +429,14 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
         base = DistributedFunction(step_fn, mesh)
     if step_kwargs is not None and not isinstance(step_kwargs, dict):
         raise PipelineError(f"tune: step_kwargs is a dict of the step's keyword arguments, got {type(step_kwargs).__name__}")
+    try:  # (a missing or extra argument: said here, not by a TypeError from deep inside the first trace)
+        inspect.signature(base.fn).bind(*args, **(step_kwargs or {}))
+    except TypeError as e:
+        raise PipelineError(f"tune: cannot call {getattr(base.fn, '__name__', 'the step')} with these arguments: {e}; pass "
+                            "every argument the step takes after it (the batch included), or its keyword arguments in "
+                            "step_kwargs") from None
+    except ValueError:  # no signature to read (a builtin or C callable): the trace says what is wrong
+        pass
     args = base.bind(args, step_kwargs or {})  # from here on one tuple, as a compiled step takes it
     p = len(mesh)
     n, out_bytes, m0, rows = segment_layout(base, *args)

@@ -184,3 +184,12 @@ def test_simulate_monte_carlo_names_a_runs_that_is_not_a_positive_int(runs):
     assert simulate_monte_carlo(programs, Costs(), runs=np.int64(2)).step_time == 2.0
     with pytest.raises(ValueError, match=rf"simulate_monte_carlo: runs must be a positive int \(how many replays\), got {runs!r}"):
         simulate_monte_carlo(programs, Costs(), runs=runs)
+
+
+@pytest.mark.parametrize("counts", [[1, 2], np.array([1, 2]), jnp.array([1, 2])])
+def test_balance_counts_as_a_list_or_a_1d_array_are_the_tuple_of_them(counts):
+    """balance=[4, 5] and np.array([4, 5]) were refused, asking for the tuple (found by a probe)."""
+    assert mpmd.OneFOneB(2, balance=counts) == mpmd.OneFOneB(2, balance=(1, 2))
+    assert mpmd.ZeroBubbleV(1, balance=counts).balance == (1, 2)
+    with pytest.raises(mpmd.ScheduleError, match="balance must be"):
+        mpmd.OneFOneB(2, balance=[1.5, 2])

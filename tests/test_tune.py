@@ -336,6 +336,18 @@ def test_a_step_with_keyword_only_arguments_is_profiled_simulated_and_tuned(mesh
         mpmd.tune(dist, params, opt_state, step_kwargs=[batch], costs=seg)
 
 
+def test_tune_without_the_batch_says_which_argument_is_missing_before_tracing():
+    """A missing batch raised a raw TypeError from inside the first trace (found by a probe)."""
+    params, batch = uneven_setup(num_mb=4, rows=16)
+    opt = optax.adam(1e-3)
+    step = make_step(uneven_loss, opt, mpmd.OneFOneB(2))
+    with pytest.raises(mpmd.PipelineError, match=r"tune: cannot call .* with these arguments: missing a required argument: "
+                                                 r"'batch'.*the batch included"):
+        mpmd.tune(step, params, opt.init(params), mesh=FakeMesh(2), costs="xla")
+    with pytest.raises(mpmd.PipelineError, match=r"too many positional arguments"):
+        mpmd.tune(step, params, opt.init(params), batch, batch, mesh=FakeMesh(2), costs="xla")
+
+
 def test_a_timed_round_without_warmup_compiles_before_its_timer_starts(monkeypatch):
     """verify(warmup=0) and calibrate(warmup=0) timed the first call, compile included (508 ms against 9 ms a
     step): the step is compiled before the timer starts."""

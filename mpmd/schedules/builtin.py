@@ -97,6 +97,14 @@ def _positive(owner: object, name: str, value: object) -> int:
 BALANCE_MODES = ("auto", "even")
 
 
+def as_counts(balance: object) -> object:
+    """A `balance` given as a list or a 1-d numpy / jax array of segment counts as the tuple of them; anything
+    else as it is (`check_balance` judges it)."""
+    if isinstance(balance, list) or getattr(balance, "ndim", None) == 1:
+        return tuple(balance.tolist() if hasattr(balance, "tolist") else balance)
+    return balance
+
+
 def check_balance(schedule: object) -> None:
     """A ScheduleError unless `schedule.balance` is None, "auto", "even", segment costs (`SegmentCosts`) or a
     tuple of positive segment counts, one per stage (see `mpmd.schedules.balance`)."""
@@ -129,6 +137,7 @@ class Schedule:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "num_stages", _positive(self, "num_stages", self.num_stages))
+        object.__setattr__(self, "balance", as_counts(self.balance))
         check_balance(self)
         if isinstance(self.balance, tuple):  # (counts given as numpy integers kept as ints)
             object.__setattr__(self, "balance", tuple(map(int, self.balance)))
@@ -360,7 +369,7 @@ class _VShape(Schedule):
         elif num_actors is None:
             raise ScheduleError(f"{name} needs num_actors (it has 2 stages per actor), e.g. {name}(num_actors=2)")
         object.__setattr__(self, "num_stages", 2 * _positive(self, "num_actors", num_actors))
-        object.__setattr__(self, "balance", balance)
+        object.__setattr__(self, "balance", as_counts(balance))
         object.__setattr__(self, "remat", remat)
         check_balance(self)
         if isinstance(self.balance, tuple):
