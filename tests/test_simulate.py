@@ -570,6 +570,30 @@ def test_fit_costs_separates_a_per_run_overhead_where_fused_and_single_task_runs
     assert fit_costs(trace_of(["0F0", "0B0+0F1", "0B1"]), 1, per_run=False).overhead == 0
 
 
+def test_fit_costs_splits_a_stage_whose_f_and_b_always_ran_fused_as_the_other_stages_split_theirs():
+    """The last stage's F and B ran as one Run each microbatch: only their sum is in the trace, and least squares
+    had put it all on one of them (an F of 0: another schedule's B then started before that stage's forwards were
+    done). The sum is split as the other stages' B / F (here 2.5), or 1:2 where no stage tells. Found by a probe."""
+    from mpmd.observe.trace import ActorStep, RunSpan, Trace, fit_costs
+
+    times = {(0, "F"): 1e-3, (0, "B"): 2.5e-3, (1, "F"): 1.2e-3, (1, "B"): 3e-3}
+
+    def trace_of(labels):
+        t, x, clock = Trace(), ActorStep(0, 0, 0.0, 0.0), 0.0
+        for label in labels:
+            d = sum(times[(int(p[0]), p[1])] for p in label.split("+"))
+            x.runs.append(RunSpan(label, clock, clock, clock, clock + d))
+            clock += d
+        x.end = clock
+        t.steps.append({0: x})
+        return t
+
+    got = fit_costs(trace_of(["0F0", "0F1", "1F0+1B0", "1F1+1B1", "0B0", "0B1"]), num_stages=2, per_run=False)
+    assert got.F == pytest.approx((1e-3, 4.2e-3 / 3.5)) and got.B == pytest.approx((2.5e-3, 4.2e-3 * 2.5 / 3.5))
+    alone = fit_costs(trace_of(["1F0+1B0", "1F1+1B1"]), num_stages=2, per_run=False)
+    assert alone.F[1] == pytest.approx(1.4e-3) and alone.B[1] == pytest.approx(2.8e-3)
+
+
 def test_fit_costs_recovers_the_steps_lead_and_tail_and_the_simulated_step_spans_the_traced_window():
     """The synthetic step shifted 0.7 ms after its start, ending 1.3 ms after its last Run: fit_costs finds both;
     simulating the same Programs on the fit gives the traced window, and lead and tail count as every actor's idle."""

@@ -307,6 +307,8 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
         else:
             sol[used] = np.linalg.lstsq(a_used, b_vec, rcond=None)[0]
     sol = np.maximum(sol, 0.0)
+    if rows:
+        _split_inseparable(sol, np.array(rows), col, num_stages)
     per = {k: tuple(float(sol[col[(s, k)]]) for s in range(num_stages)) for k in kinds}
     # The gap: how long after it could have started (inputs there, the actor free) a Run started.
     steps = trace.steps[step]
@@ -349,6 +351,28 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
     return Costs(F=per["F"], B=per["B"], I=per["I"], W=per["W"], other=max(0.0, float(np.median(other)) - overhead) if other else 0.0,
                  latency=max(latency, 0.0), bandwidth=bandwidth, gap=gap, overhead=overhead, lead=lead, tail=tail, routes=routes,
                  empirical=empirical, cores=shared, runtime_cpu=runtime_cpu)
+
+
+def _split_inseparable(sol: Any, a_mat: Any, col: dict[tuple[int, str], int], num_stages: int) -> None:
+    """In place: a stage whose F and B only ever ran in the same Runs (the last stage's, fused by the schedule
+    that was traced) has their sum fitted, not each: least squares may put all of it on one (an F of 0 would let
+    another schedule's B start before the stage's forwards are done). Split the sum as the other stages' B / F
+    (their median), or 1:2 where no stage tells."""
+    import numpy as np
+
+    together, ratios = [], []
+    for s in range(num_stages):
+        f, b = a_mat[:, col[(s, "F")]], a_mat[:, col[(s, "B")]]
+        if not f.any() or not b.any():
+            continue
+        if np.array_equal(f, b):
+            together.append(s)
+        elif sol[col[(s, "F")]] > 0:
+            ratios.append(sol[col[(s, "B")]] / sol[col[(s, "F")]])
+    r = float(np.median(ratios)) if ratios else 2.0
+    for s in together:
+        total = sol[col[(s, "F")]] + sol[col[(s, "B")]]
+        sol[col[(s, "F")]], sol[col[(s, "B")]] = total / (1 + r), total * r / (1 + r)
 
 
 def _own_durations(steps: dict[int, ActorStep], cores: int | None, window: tuple[float, float],
