@@ -234,8 +234,19 @@ class _Interrupted(Exception):
     compiles itself rather than fail of it."""
 
 
+def _warn_debug_checks() -> None:
+    """A warning (at the caller's line, once there by Python's default filter) when jax_debug_nans / _infs is on:
+    the actors do not check what a step computes."""
+    checks = [f for f in ("jax_debug_nans", "jax_debug_infs") if getattr(jax.config, f, False)]
+    if checks:
+        warnings.warn(f"{' and '.join(checks)} is set, but the actors do not check the values this step computes (a NaN "
+                      "is returned, not raised): check what you fetch (jnp.isfinite(loss)), or run the step under "
+                      "jax.jit to find where a NaN appears", stacklevel=_callers_level())
+
+
 def _callers_level() -> int:
-    """The warnings stacklevel of the first frame outside mpmd (for the caller of this function's caller)."""
+    """The warnings stacklevel, for `warnings.warn` in the function that calls this one, of the first frame
+    outside mpmd."""
     frame, level = sys._getframe(2), 2
     package = os.path.dirname(os.path.abspath(__file__)) + os.sep
     while frame is not None and frame.f_code.co_filename.startswith(package):
@@ -435,11 +446,6 @@ class DistributedFunction:
         """Trace, plan, lower and ship the step for `args` (signature `sig`), here and now."""
         generation = getattr(self.mesh, "generation", 0)
         t0 = time.perf_counter()
-        checks = [f for f in ("jax_debug_nans", "jax_debug_infs") if getattr(jax.config, f, False)]
-        if checks:
-            warnings.warn(f"{' and '.join(checks)} is set, but the actors do not check the values this step computes (a NaN "
-                          "is returned, not raised): check what you fetch (jnp.isfinite(loss)), or run the step under "
-                          "jax.jit to find where a NaN appears", stacklevel=_callers_level())
         outer, out_tree = self.trace(*args)
         plan = plan_step(outer, len(self.mesh))
         if getattr(self.mesh, "transport", None) == "none" and any(
@@ -599,6 +605,7 @@ class DistributedFunction:
     def call_bound(self, args: tuple[Any, ...]) -> Any:
         """`__call__` of arguments already bound to the one tuple a compiled step takes (`bind`): what the
         tuner and the profiler, which hold the arguments so, call."""
+        _warn_debug_checks()
         self._raise_unseen_error()
         recovery = getattr(self.mesh, "recovery", None)
         if recovery is not None:
@@ -689,6 +696,7 @@ class DistributedFunction:
         On a recovering mesh the call goes through the recovery's log, like `step(*args)`, in a worker thread; cancelled
         before its compile ended, it is not dispatched (the compile is kept).
         """
+        _warn_debug_checks()
         self._raise_unseen_error()
         args = self.bind(args, kwargs)
         recovery = getattr(self.mesh, "recovery", None)
