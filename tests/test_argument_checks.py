@@ -193,3 +193,11 @@ def test_balance_counts_as_a_list_or_a_1d_array_are_the_tuple_of_them(counts):
     assert mpmd.ZeroBubbleV(1, balance=counts).balance == (1, 2)
     with pytest.raises(mpmd.ScheduleError, match="balance must be"):
         mpmd.OneFOneB(2, balance=[1.5, 2])
+
+
+def test_two_custom_tables_of_one_shape_have_different_names_and_one_table_one_name():
+    """tune's table printed two different Custom tables under one name (found by a probe)."""
+    a = mpmd.Custom(2, order=[["0F0", "0B0"], ["1F0", "1B0"]])
+    b = mpmd.Custom(2, order=[["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]])
+    again = mpmd.Custom(2, order=(("0F0", "0B0"), ("1F0", "1B0")))
+    assert repr(a) != repr(b) and repr(a) == repr(again) and repr(a).startswith("Custom(num_stages=2, 2 actors, table ")

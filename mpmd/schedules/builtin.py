@@ -55,6 +55,7 @@ minimum. `one_f_one_b` and `backward` are the helpers the built-ins use.
 
 from __future__ import annotations
 
+import hashlib
 import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
@@ -555,7 +556,9 @@ class Custom(Schedule):
 
     def __repr__(self) -> str:
         placement = f", stage_actor={self.stage_actor}" if self.stage_actor else ""
-        return f"Custom(num_stages={self.num_stages}, {len(self.order)} actors{placement}{_options(self)})"
+        # (a digest of the table: two tables of one shape read apart, e.g. as rows of mpmd.tune's table)
+        table = hashlib.sha256(" ".join(",".join(map(str, row)) for row in self.order).encode()).hexdigest()[:6]
+        return f"Custom(num_stages={self.num_stages}, {len(self.order)} actors{placement}, table {table}{_options(self)})"
 
     @property
     def num_actors(self) -> int:
