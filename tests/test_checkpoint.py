@@ -318,6 +318,10 @@ def test_python_numbers_saved_restore_into_the_weak_jax_values_a_step_makes_of_t
     assert restored["step"].weak_type and restored["lr"].weak_type  # (as jax.jit makes them: `w * lr` keeps w's dtype)
     with pytest.raises(mpmd.CheckpointError, match=r"saved as float32, `like` has int32"):
         mpmd.load(str(tmp_path / "c"), like={**like, "w": np.ones(2, np.int32)})  # (a strongly typed array: no cast)
+    mpmd.save(str(tmp_path / "big"), {"step": 2**40})  # an int JAX cannot hold without x64: never wrapped
+    with pytest.raises(mpmd.CheckpointError, match=r"a saved int64 1099511627776 does not fit the int32 of its `like`"):
+        mpmd.load(str(tmp_path / "big"), like={"step": jnp.asarray(3)})
+    assert mpmd.load(str(tmp_path / "big"), like={"step": 0})["step"] == 2**40
 
 
 def test_a_restore_async_result_let_go_frees_its_actor_buffers_without_the_garbage_collector(mesh2, tmp_path):
