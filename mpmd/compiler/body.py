@@ -9,10 +9,12 @@ gradient sums are formed. Pure functions over jaxprs.
 * **Varying** equations are the stage tasks proper.
 
 The loop sums gradients. Where a gradient is a sum of several per-microbatch parts (`add_any` of the
-cotangents of a weight used by several stages, the data gradient plus an invariant penalty gradient), the
-sum is pushed through it: each part is summed over the microbatches on its own (on the actor that computes
-it) and the parts are combined once, after the loop (`tail`). A gradient that is invariant or a literal zero
-(a frozen parameter under `stop_gradient`) is its value added up `m` times (in its dtype, as the loop adds it).
+cotangents of a weight used by several stages), the sum is pushed through it: each part is summed over the
+microbatches on its own (on the actor that computes it) and the parts are combined once, after the loop
+(`tail`) — equal to the loop's sum to rounding for floats (exact for ints and bools). A float sum with a part
+that does not vary (the data gradient plus an L2 penalty's gradient) is not pushed: the loop adds it each
+microbatch, as jax.jit does. A gradient that is invariant or a literal zero (a frozen parameter under
+`stop_gradient`) is its value added up `m` times (in its dtype, as the loop adds it).
 """
 
 from __future__ import annotations
@@ -131,7 +133,11 @@ def analyse(body: ClosedJaxpr, num_mb_leaves: int, num_grads: int, num_microbatc
         e = producer.get(v)
         sinkable = (e is not None and e.primitive.name in _SUM_THROUGH and uses[v] == 1 and len(e.outvars) == 1
                     and all(getattr(x, "aval", None) is not None and x.aval.shape == v.aval.shape and x.aval.dtype == v.aval.dtype
-                            for x in e.invars))
+                            for x in e.invars)
+                    # a float part that does not vary (an L2 penalty's gradient) is added in the loop, as jax.jit adds
+                    # it: summed apart (m * c after the loop) it would round differently (bf16: percent)
+                    and (not jnp.issubdtype(v.aval.dtype, jnp.inexact)
+                         or all(isinstance(x, Var) and status.get(x, CONST) == VARYING for x in e.invars)))
         if not sinkable:
             if v in mb_leaves:  # a microbatch slice itself: its sum is the batch leaf summed over axis 0
                 out = new_var(v.aval)
