@@ -117,11 +117,13 @@ def _refuse_when_distributed(transform: str) -> None:
                             "is an ordinary scan")
 
 
-def _accumulate_batch(args: list[Any], dims: list[Any], *, body: Any, num_mb_leaves: int, num_grads: int,
+def _accumulate_batch(axis_data: Any, args: list[Any], dims: list[Any], *, body: Any, num_mb_leaves: int, num_grads: int,
                       num_microbatches: int, schedule: Any) -> tuple[list[Any], list[Any]]:
-    """vmap of the loop (outside `distributed`): the vmapped scan it stands for."""
+    """vmap of the loop (outside `distributed`): the vmapped scan it stands for, under the same axis (its name:
+    a collective over it inside the microbatch function, e.g. `lax.pmean(g, "ensemble")`)."""
     _refuse_when_distributed("jax.vmap")
-    outs = jax.vmap(_reference_fn(body, num_mb_leaves, num_grads), in_axes=list(dims))(*args)
+    outs = jax.vmap(_reference_fn(body, num_mb_leaves, num_grads), in_axes=list(dims), axis_name=axis_data.name,
+                    axis_size=axis_data.size, spmd_axis_name=axis_data.spmd_name)(*args)
     return outs, [0] * len(outs)
 
 
@@ -137,7 +139,7 @@ def _accumulate_jvp(primals: list[Any], tangents: list[Any], *, body: Any, num_m
 accumulate_p.def_impl(_accumulate_impl)
 accumulate_p.def_effectful_abstract_eval(_accumulate_abstract_eval)
 mlir.register_lowering(accumulate_p, mlir.lower_fun(_accumulate_impl, multiple_results=True))
-batching.primitive_batchers[accumulate_p] = _accumulate_batch
+batching.fancy_primitive_batchers[accumulate_p] = _accumulate_batch
 ad.primitive_jvps[accumulate_p] = _accumulate_jvp
 
 _DISTRIBUTED: contextvars.ContextVar[bool] = contextvars.ContextVar("mpmd_tracing_distributed", default=False)

@@ -990,6 +990,22 @@ def test_vmap_and_grad_of_a_step_that_calls_the_loop_are_those_of_the_scan_it_st
     assert_trees_close((vm, meta), want, rtol=1e-6, atol=1e-6)
 
 
+def test_vmap_with_an_axis_name_a_collective_in_the_microbatch_function_uses_equals_the_scan():
+    """An ensemble averaging its gradients over the vmapped axis (lax.pmean) inside the microbatch function: the
+    loop's batching rule re-vmapped without the axis name and lowering failed (found by review)."""
+    def step(w, batch, loop):
+        def f(mb):
+            v, g = jax.value_and_grad(lambda w: jnp.mean((mb @ w) ** 2))(w)
+            return jax.lax.pmean(g, "e"), v
+        if loop == "scan":
+            return jax.lax.scan(lambda acc, mb: (acc + f(mb)[0], f(mb)[1]), jnp.zeros_like(w), batch)
+        return mpmd.accumulate_grads(f, batch, schedule=mpmd.GPipe(1))
+
+    ws, batch = jnp.stack([jnp.eye(4), 2 * jnp.eye(4)]), jnp.ones((4, 3, 4))
+    got, want = (jax.jit(jax.vmap(lambda w, loop=loop: step(w, batch, loop), axis_name="e"))(ws) for loop in ("mpmd", "scan"))
+    assert_trees_close(got, want, rtol=0, atol=0)
+
+
 def test_vmap_of_the_loop_inside_a_distributed_step_is_refused_saying_where_to_transform(mesh2):
     rng = np.random.default_rng(0)
     ensemble = [jnp.asarray(rng.normal(size=(2, 4, 4)), jnp.float32) for _ in range(2)]
