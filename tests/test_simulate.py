@@ -592,6 +592,11 @@ def test_fit_costs_splits_a_stage_whose_f_and_b_always_ran_fused_as_the_other_st
     assert got.F == pytest.approx((1e-3, 4.2e-3 / 3.5)) and got.B == pytest.approx((2.5e-3, 4.2e-3 * 2.5 / 3.5))
     alone = fit_costs(trace_of(["1F0+1B0", "1F1+1B1"]), num_stages=2, per_run=False)
     assert alone.F[1] == pytest.approx(1.4e-3) and alone.B[1] == pytest.approx(2.8e-3)
+    # a split backward fuses the last stage's F and I (ZB-H1): split as the others do, here by stage 0's I / F
+    times.update({(0, "I"): 2e-3, (0, "W"): 1e-3, (1, "I"): 2.4e-3, (1, "W"): 1e-3})
+    zb = fit_costs(trace_of(["0F0", "1F0+1I0", "0I0", "0W0", "1W0", "0F1", "1F1+1I1", "0I1", "0W1", "1W1"]), num_stages=2,
+                   per_run=False)
+    assert zb.F == pytest.approx((1e-3, 1.2e-3)) and zb.I == pytest.approx((2e-3, 2.4e-3))
 
 
 def test_fit_costs_recovers_the_steps_lead_and_tail_and_the_simulated_step_spans_the_traced_window():

@@ -353,26 +353,31 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
                  empirical=empirical, cores=shared, runtime_cpu=runtime_cpu)
 
 
+_DEFAULT_RATIO = {("F", "B"): 2.0, ("F", "I"): 1.0, ("F", "W"): 1.0, ("B", "I"): 0.5, ("B", "W"): 0.5, ("I", "W"): 1.0}
+
+
 def _split_inseparable(sol: Any, a_mat: Any, col: dict[tuple[int, str], int], num_stages: int) -> None:
-    """In place: a stage whose F and B only ever ran in the same Runs (the last stage's, fused by the schedule
-    that was traced) has their sum fitted, not each: least squares may put all of it on one (an F of 0 would let
-    another schedule's B start before the stage's forwards are done). Split the sum as the other stages' B / F
-    (their median), or 1:2 where no stage tells."""
+    """In place: two tasks of a stage that only ever ran in the same Runs (the last stage's F and B, or F and I
+    under a split backward: fused by the schedule that was traced) have their sum fitted, not each: least
+    squares may split it anyhow, or put all of it on one (an F of 0 would let another schedule's B start before
+    the stage's forwards are done). Split the sum as the other stages split those two kinds (the median of
+    their ratios), else by the unit model's ratio (F:B 1:2, F:I 1:1, ...)."""
     import numpy as np
 
-    together, ratios = [], []
-    for s in range(num_stages):
-        f, b = a_mat[:, col[(s, "F")]], a_mat[:, col[(s, "B")]]
-        if not f.any() or not b.any():
-            continue
-        if np.array_equal(f, b):
-            together.append(s)
-        elif sol[col[(s, "F")]] > 0:
-            ratios.append(sol[col[(s, "B")]] / sol[col[(s, "F")]])
-    r = float(np.median(ratios)) if ratios else 2.0
-    for s in together:
-        total = sol[col[(s, "F")]] + sol[col[(s, "B")]]
-        sol[col[(s, "F")]], sol[col[(s, "B")]] = total / (1 + r), total * r / (1 + r)
+    for (k1, k2), default in _DEFAULT_RATIO.items():
+        together, ratios = [], []
+        for s in range(num_stages):
+            a, b = a_mat[:, col[(s, k1)]], a_mat[:, col[(s, k2)]]
+            if not a.any() or not b.any():
+                continue
+            if np.array_equal(a, b):
+                together.append(s)
+            elif sol[col[(s, k1)]] > 0:
+                ratios.append(sol[col[(s, k2)]] / sol[col[(s, k1)]])
+        r = float(np.median(ratios)) if ratios else default
+        for s in together:
+            total = sol[col[(s, k1)]] + sol[col[(s, k2)]]
+            sol[col[(s, k1)]], sol[col[(s, k2)]] = total / (1 + r), total * r / (1 + r)
 
 
 def _own_durations(steps: dict[int, ActorStep], cores: int | None, window: tuple[float, float],
