@@ -322,6 +322,9 @@ def test_python_numbers_saved_restore_into_the_weak_jax_values_a_step_makes_of_t
     with pytest.raises(mpmd.CheckpointError, match=r"a saved int64 1099511627776 does not fit the int32 of its `like`"):
         mpmd.load(str(tmp_path / "big"), like={"step": jnp.asarray(3)})
     assert mpmd.load(str(tmp_path / "big"), like={"step": 0})["step"] == 2**40
+    mpmd.save(str(tmp_path / "huge"), {"scale": 1e300})  # nor a finite float made inf
+    with pytest.raises(mpmd.CheckpointError, match=r"a saved float64 1e\+300 does not fit the float32"):
+        mpmd.load(str(tmp_path / "huge"), like={"scale": jnp.asarray(0.5)})
 
 
 def test_a_restore_async_result_let_go_frees_its_actor_buffers_without_the_garbage_collector(mesh2, tmp_path):

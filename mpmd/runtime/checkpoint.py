@@ -560,10 +560,12 @@ def _as_jax_number(value: Any, like: Any) -> Any:
     makes of the number: int32 / float32 without x64) as that dtype; anything else as it is (a Python number
     `like` gets the saved number itself: `_as_like`)."""
     if isinstance(like, jax.Array) and getattr(like, "weak_type", False) and isinstance(value, np.ndarray) and value.shape == () and not is_key(value.dtype):
-        out = value.astype(jax.dtypes.canonicalize_dtype(value.dtype))
-        if not np.issubdtype(value.dtype, np.inexact) and out != value:  # (a float rounds, as JAX rounds it; an int must fit)
+        with np.errstate(over="ignore"):
+            out = value.astype(jax.dtypes.canonicalize_dtype(value.dtype))
+        # (a float rounds, as JAX rounds it, but stays finite; an int must fit)
+        if (out != value) if not np.issubdtype(value.dtype, np.inexact) else (np.isfinite(value) and not np.isfinite(out)):
             raise CheckpointError(f"a saved {value.dtype} {value.item()} does not fit the {out.dtype} of its `like` (JAX without "
-                                  f"x64 holds no {value.dtype}): pass a Python int or a numpy {value.dtype} in `like` for it")
+                                  f"x64 holds no {value.dtype}): pass a Python number or a numpy {value.dtype} in `like` for it")
         return out
     return value
 
