@@ -89,6 +89,8 @@ class ActorHandle:
         if recovery is None:
             return False
         arrays = [x for x in leaves if isinstance(x, RemoteArray)]
+        if any(x._ready is None and error.actor_id in x.actors for x in arrays):
+            return False  # an argument put on the lost actor (no step makes it again): its data is gone, say so
         readies = list({id(x._ready): x._ready for x in arrays if x._ready is not None}.values())
         if not all(recovery.settle(error, ready) for ready in readies or [None]):
             return False
