@@ -421,6 +421,9 @@ class RemoteMesh:
         info (see `reconnect`)."""
         if process is not None:
             self.processes = [process if p.actor_id == i else p for p in self.processes]
+            if self.closed:  # closed while the replacement started: `close` stopped the processes it saw, not this one
+                process.stop()
+                raise MpmdError(f"the RemoteMesh was closed while a replacement for actor {i} started; it was stopped")
         if server_key is not None and self._keys is not None:
             servers = [self._keys.server_key(a) for a in range(len(self.actors))]
             servers[i] = server_key
