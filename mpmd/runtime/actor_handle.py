@@ -36,22 +36,11 @@ class ActorHandle:
         """Copy a host array (numpy, jax, or a typed PRNG key array) to this actor; with `spec` (a
         PartitionSpec over the actor mesh) each of its devices gets only its shard. On a mesh made with
         recover=..., a lost actor is replaced and the copy made again."""
-        call = lambda: self.mesh.put_replicated(x, [self.index], spec)  # noqa: E731
-        try:
-            return call()
-        except ActorDiedError as e:
-            if not self._recovered(e, []):
-                raise
-        return call()
+        return self._again_if_recovered(lambda: self.mesh.put_replicated(x, [self.index], spec), [])
 
     async def put_async(self, x: Any, spec: Any = None) -> RemoteArray:
         """Awaitable twin of `put`, for the caller's own event loop: ``x = await mesh.actor(0).put_async(a)``."""
-        try:
-            return await self.mesh.put_replicated_async(x, [self.index], spec)
-        except ActorDiedError as e:
-            if not await off_loop(functools.partial(self._recovered, e, [])):
-                raise
-        return await self.mesh.put_replicated_async(x, [self.index], spec)
+        return await self._again_if_recovered_async(lambda: self.mesh.put_replicated_async(x, [self.index], spec), [])
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn` (e.g. a `jax.jit` function) on this actor. Arguments are RemoteArrays on this actor or
@@ -61,12 +50,7 @@ class ActorHandle:
         # Lowered in a worker thread as run_async does: the exported blob carries the lowering thread's stack as
         # source locations, and the actors cache by its hash, so the same function must lower the same from anywhere.
         lowered = start_in_worker(self._lower, fn, args).result()
-        try:
-            return self.mesh.run(self._run_lowered(*lowered))
-        except ActorDiedError as e:
-            if not self._recovered(e, lowered[0]):
-                raise
-        return self.mesh.run(self._run_lowered(*lowered))
+        return self._again_if_recovered(lambda: self.mesh.run(self._run_lowered(*lowered)), lowered[0])
 
     async def run_async(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Awaitable twin of `run`, for the caller's own event loop: `fn` is lowered in a worker thread and the
@@ -75,12 +59,26 @@ class ActorHandle:
             y = await mesh.actor(0).run_async(jax.jit(f), x)
         """
         lowered = await off_loop(functools.partial(self._lower, fn, args))
+        return await self._again_if_recovered_async(lambda: self.mesh.arun(self._run_lowered(*lowered)), lowered[0])
+
+    def _again_if_recovered(self, call: Callable[[], Any], leaves: list[Any]) -> Any:
+        """`call()`, and once more if it met a lost actor and the mesh recovered (`_recovered`)."""
         try:
-            return await self.mesh.arun(self._run_lowered(*lowered))
+            return call()
         except ActorDiedError as e:
-            if not await off_loop(functools.partial(self._recovered, e, lowered[0])):
+            if not self._recovered(e, leaves):
                 raise
-        return await self.mesh.arun(self._run_lowered(*lowered))
+        return call()
+
+    async def _again_if_recovered_async(self, call: Callable[[], Any], leaves: list[Any]) -> Any:
+        """Awaitable twin of `_again_if_recovered` (`call()` makes the awaitable; the recovery is waited for in a
+        worker thread)."""
+        try:
+            return await call()
+        except ActorDiedError as e:
+            if not await off_loop(functools.partial(self._recovered, e, leaves)):
+                raise
+        return await call()
 
     def _recovered(self, error: ActorDiedError, leaves: list[Any]) -> bool:
         """From a user thread: whether the mesh (made with recover=...) recovered from the loss behind `error`

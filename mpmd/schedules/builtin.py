@@ -56,13 +56,12 @@ minimum. `one_f_one_b` and `backward` are the helpers the built-ins use.
 from __future__ import annotations
 
 import hashlib
-import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from itertools import zip_longest
 
 from mpmd.errors import ScheduleError
-from mpmd.schedules.validation import check_programs, format_table, validate
+from mpmd.schedules.validation import check_programs, format_table, is_count, validate
 from transport.program import TASK_KINDS, Task
 
 
@@ -83,14 +82,9 @@ __all__ = ["Custom", "DualPipeV", "EagerOneFOneB", "GPipe", "InterleavedOneFOneB
 Row = list[Task]
 
 
-def _is_int(x: object) -> bool:
-    """An integer, Python's or numpy's (`numbers.Integral`), not a bool."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
 def _positive(owner: object, name: str, value: object) -> int:
     """`value` as an int (a numpy integer too), or a ScheduleError unless it is an integer >= 1."""
-    if not _is_int(value) or value < 1:
+    if not is_count(value) or value < 1:
         raise ScheduleError(f"{type(owner).__name__}: {name} must be a positive int, got {value!r}")
     return int(value)
 
@@ -113,7 +107,7 @@ def check_balance(schedule: object) -> None:
     if b is None or hasattr(b, "num_segments") or (isinstance(b, str) and b in BALANCE_MODES):
         return
     n = getattr(schedule, "num_stages", 0)
-    if isinstance(b, tuple) and len(b) == n and all(_is_int(k) and k >= 1 for k in b):
+    if isinstance(b, tuple) and len(b) == n and all(is_count(k) and k >= 1 for k in b):
         return
     raise ScheduleError(f"{type(schedule).__name__}: balance must be None, 'auto', 'even', segment costs (step.profile_costs(...)) "
                         f"or a tuple of {n} positive segment counts (one per stage, e.g. {tuple([2] * n)}), got {b!r}")
@@ -193,7 +187,7 @@ def check_remat(schedule: Schedule) -> None:
     r = schedule.remat
     if isinstance(r, list):
         r = tuple(r)
-    if not isinstance(r, tuple) or not all(map(_is_int, r)):
+    if not isinstance(r, tuple) or not all(map(is_count, r)):
         raise ScheduleError(f"{type(schedule).__name__}: remat must be a tuple of stage indices, got {schedule.remat!r}")
     r = tuple(map(int, r))
     bad = [s for s in r if not 0 <= s < schedule.num_stages]
