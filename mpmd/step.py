@@ -22,7 +22,7 @@ import numpy as np
 
 from mpmd.compiler.avals import dtype_text, from_wire, host_value, is_key, jax_array, not_numeric, to_wire, wire_shape_dtype
 from mpmd.compiler.inline import inline_calls
-from mpmd.compiler.lowering import rebind_constraints, without_callers_mesh
+from mpmd.compiler.lowering import rebind_constraints, trace_mesh, without_callers_mesh
 from mpmd.compiler.plan import StepPlan, iter_lowered, plan_step
 from mpmd.compiler.program import Send
 from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError, ScheduleError
@@ -389,8 +389,18 @@ class DistributedFunction:
             if am is None:
                 closed = jax.make_jaxpr(flat)(*specs)
             else:  # with_sharding_constraint(x, P(...)) resolves against the actors' mesh, as jax.set_mesh would under jit
-                with jax.sharding.use_abstract_mesh(am.abstract):
-                    closed = jax.make_jaxpr(flat)(*specs)
+                traced_under = trace_mesh(am, getattr(self.mesh, "platform", None))
+                try:
+                    with jax.sharding.use_abstract_mesh(traced_under):
+                        closed = jax.make_jaxpr(flat)(*specs)
+                except ValueError as e:
+                    if "should match the mesh passed to shard_map" not in str(e):
+                        raise
+                    raise PipelineError(f"a shard_map in the step was given a jax Mesh other than its actors' mesh of shape "
+                                        f"{tuple(am.shape)} named {tuple(am.axis_names)} ({e}): write jax.shard_map(f, in_specs=..., "
+                                        "out_specs=...) without mesh= (it takes each actor's mesh), or give the actors that "
+                                        "mesh (RemoteMesh.local(..., mesh_shape=..., axis_names=...))") from None
+                return inline_calls(rebind_constraints(closed, am, traced_under)), out_box[-1]
         return inline_calls(rebind_constraints(closed, am)), out_box[-1]
 
     def _cached(self, sig: Any) -> CompiledStep | None:

@@ -150,6 +150,60 @@ def test_a_sharding_constraint_over_a_concrete_jax_mesh_of_the_actors_shape_equa
         step(params, opt.init(params), batches[0])
 
 
+def test_a_shard_map_in_a_stage_equals_jit_with_a_concrete_mesh_of_the_actors_shape_or_none_and_another_is_refused(mesh_1x2):
+    """`jax.shard_map(f, mesh=mesh, ...)` with a jax Mesh of this process, as jax.jit code writes it, failed to
+    trace: the step traced under the actors' abstract mesh, which lacked the device kind a concrete Mesh's has, and
+    shard_map checks that its mesh is the context's (JAX's "The context mesh ... should match the mesh passed to
+    shard_map"). A mesh of the actors' shape and names now runs on their mesh, as does a shard_map without mesh=
+    (against jax.jit under `jax.set_mesh`); another mesh is a clear error before anything runs."""
+    rng = np.random.default_rng(1)
+    params = megatron_params(rng)
+    opt = optax.sgd(0.1)
+    batches = [batch_of(rng)]
+    same = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+    def model_over(mesh):
+        def row_parallel(h, w):  # each device: its half of the hidden units, summed over the "model" axis
+            return jax.lax.psum(h @ w, "model")
+
+        def model(params, x):
+            h = jnp.tanh(x @ params[0]["w1"])
+            x = jax.shard_map(row_parallel, **({} if mesh is None else {"mesh": mesh}), in_specs=(P(None, None, "model"), P("model", None)),
+                              out_specs=P())(h, params[0]["w2"])
+            x = mpmd.pipeline_yield(x)
+            return jnp.tanh(x @ params[1]["w1"]) @ params[1]["w2"]
+        return model
+
+    for mesh in (same, None):
+        with jax.set_mesh(same):  # (jax.jit needs it for the shard_map without mesh=; the step ignores it)
+            rp, ro, rl = reference(mse(model_over(mesh)), opt, params, MEGATRON_SPECS, batches, (1, 2))
+        step = mpmd.distributed(make_train_step(mse(model_over(mesh)), opt, mpmd.OneFOneB(2)), mesh=mesh_1x2,
+                                in_shardings=(MEGATRON_SPECS, None, None))
+        p, o, loss = step(params, opt.init(params), batches[0])
+        np.testing.assert_allclose(loss.to_numpy(), rl[0], rtol=1e-5)
+        assert_trees_close(mpmd.fetch(p), rp)
+    for other in (Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2),
+                  Mesh(np.array(jax.devices()[:2]).reshape(2), ("model",), axis_types=(AxisType.Auto,))):
+        step = mpmd.distributed(make_train_step(mse(model_over(other)), opt, mpmd.OneFOneB(2)), mesh=mesh_1x2)
+        with pytest.raises(mpmd.PipelineError, match=r"shard_map.* jax Mesh .*actors' mesh of shape \(1, 2\).*without mesh="):
+            step(params, opt.init(params), batches[0])
+
+
+def test_a_shard_map_over_a_concrete_mesh_is_refused_for_one_device_actors():
+    """One-device actors cannot run a shard_map over two devices: an error naming the mesh, before anything runs."""
+    two = Mesh(np.array(jax.devices()[:2]).reshape(2), ("model",), axis_types=(AxisType.Auto,))
+    with mpmd.RemoteMesh.local(num_actors=2) as mesh:
+        def loss(params, mb):
+            h = jax.shard_map(lambda a: a * 2, mesh=two, in_specs=P("model"), out_specs=P("model"))(mb["x"] @ params[0])
+            return jnp.mean((mpmd.pipeline_yield(h) @ params[1] - mb["y"]) ** 2)
+
+        step = mpmd.distributed(make_train_step(loss, optax.sgd(0.1), mpmd.GPipe(2)), mesh=mesh)
+        params = [np.ones((4, 4), np.float32), np.ones((4, 2), np.float32)]
+        batch = {"x": np.ones((2, 4, 4), np.float32), "y": np.ones((2, 4, 2), np.float32)}
+        with pytest.raises(mpmd.PipelineError, match=r"shard_map\(f, mesh=mesh, \.\.\.\) in the step uses a jax Mesh of shape \(2,\).*one device each"):
+            step(params, optax.sgd(0.1).init(params), batch)
+
+
 def test_a_constraint_over_a_one_device_mesh_is_kept_for_one_device_actors():
     """jax.jit code on a one-device machine may constrain over a 1-device Mesh: it pins nothing one-device
     actors lack, and was refused by the rebinding (a review)."""

@@ -55,32 +55,56 @@ def host_array(x: Any) -> Any:
     return a if a.dtype == want else a.astype(want)
 
 
-def rebind_constraints(closed: Any, actor_mesh: Any) -> Any:
-    """`closed` (a traced step) with every `with_sharding_constraint` over a concrete jax `Mesh` — written for the
-    caller's own devices, as `jax.jit` code does — rebound to the actors' mesh (`actor_mesh`, an ActorMesh; None
-    for one device each) when that mesh has the same axis names and shape: the executables run on the actors'
-    devices, and a concrete mesh pinned them to the caller's device count (the actors refused them). Any other
-    concrete mesh is an error naming it and what to write instead (a bare PartitionSpec resolves against each
-    actor's mesh)."""
+def trace_mesh(actor_mesh: Any, platform: str | None) -> Any:
+    """The abstract mesh a step is traced under (`actor_mesh`, an ActorMesh, seen from here): the one a jax `Mesh`
+    of this process's devices in that shape has when they are of the actors' platform, so that code written for
+    `jax.jit` on such a Mesh — `shard_map(f, mesh=mesh, ...)` checks that its mesh is the context's — traces as
+    it does there (`rebind_constraints` then puts the actors' mesh in its place); else the bare abstract mesh."""
+    from jax.sharding import AxisType, Mesh
+
+    devices = jax.devices()
+    if platform is None or devices[0].platform != platform or len(devices) < actor_mesh.size:
+        return actor_mesh.abstract
+    grid = np.array(devices[: actor_mesh.size], dtype=object).reshape(actor_mesh.shape)
+    return Mesh(grid, tuple(actor_mesh.axis_names), axis_types=(AxisType.Auto,) * len(actor_mesh.shape)).abstract_mesh
+
+
+def rebind_constraints(closed: Any, actor_mesh: Any, traced_under: Any = None) -> Any:
+    """`closed` (a traced step) with every `with_sharding_constraint` and `shard_map` over a concrete jax `Mesh` —
+    written for the caller's own devices, as `jax.jit` code does — rebound to the actors' mesh (`actor_mesh`, an
+    ActorMesh; None for one device each; `traced_under`: the abstract mesh the step was traced under, by default
+    the actors') when that mesh has the same axis names and shape: the executables run on the actors' devices,
+    and a concrete mesh pinned them to the caller's device count (the actors refused them). Any other concrete
+    mesh is an error naming it and what to write instead (a bare PartitionSpec, or shard_map without `mesh=`,
+    resolves against each actor's mesh)."""
     from jax.extend.core import ClosedJaxpr
     from jax.sharding import Mesh, NamedSharding
+
+    abstract = traced_under if traced_under is not None else actor_mesh.abstract if actor_mesh is not None else None
+
+    def rebound(mesh: Any, what: str, instead: str) -> Any:
+        """`mesh` as the actors' abstract mesh; `mesh` itself if it pins nothing; else a PipelineError."""
+        if not isinstance(mesh, Mesh):
+            return mesh
+        shape = tuple(mesh.devices.shape)
+        if actor_mesh is None and mesh.size == 1:
+            return mesh  # (one device: it pins nothing the actors lack)
+        if actor_mesh is not None and tuple(mesh.axis_names) == tuple(actor_mesh.axis_names) and shape == tuple(actor_mesh.shape):
+            return abstract
+        where = "one device each" if actor_mesh is None else f"a mesh of shape {tuple(actor_mesh.shape)} named {tuple(actor_mesh.axis_names)}"
+        from mpmd.errors import PipelineError
+
+        raise PipelineError(f"{what} in the step uses a jax Mesh of shape {shape} named {tuple(mesh.axis_names)}, but the step "
+                            f"runs on its actors' devices ({where}): write {instead}, or give the actors that mesh "
+                            "(RemoteMesh.local(..., mesh_shape=..., axis_names=...))")
 
     def fix(sharding: Any) -> Any:
         mesh = getattr(sharding, "mesh", None)
         if not isinstance(sharding, NamedSharding) or not isinstance(mesh, Mesh):
             return sharding
-        shape = tuple(mesh.devices.shape)
-        if actor_mesh is None and mesh.size == 1:
-            return sharding  # (one device: it pins nothing the actors lack)
-        if actor_mesh is not None and tuple(mesh.axis_names) == tuple(actor_mesh.axis_names) and shape == tuple(actor_mesh.shape):
-            return NamedSharding(actor_mesh.abstract, sharding.spec, memory_kind=sharding.memory_kind)
-        where = "one device each" if actor_mesh is None else f"a mesh of shape {tuple(actor_mesh.shape)} named {tuple(actor_mesh.axis_names)}"
-        from mpmd.errors import PipelineError
-
-        raise PipelineError(f"with_sharding_constraint(x, NamedSharding(mesh, {sharding.spec})) in the step uses a jax Mesh of shape "
-                            f"{shape} named {tuple(mesh.axis_names)}, but the step runs on its actors' devices ({where}): "
-                            f"write with_sharding_constraint(x, {sharding.spec}) (a bare PartitionSpec resolves against each "
-                            "actor's mesh), or give the actors that mesh (RemoteMesh.local(..., mesh_shape=..., axis_names=...))")
+        new = rebound(mesh, f"with_sharding_constraint(x, NamedSharding(mesh, {sharding.spec}))",
+                      f"with_sharding_constraint(x, {sharding.spec}) (a bare PartitionSpec resolves against each actor's mesh)")
+        return sharding if new is mesh else NamedSharding(new, sharding.spec, memory_kind=sharding.memory_kind)
 
     def param(p: Any) -> Any:
         if isinstance(p, ClosedJaxpr):
@@ -99,6 +123,9 @@ def rebind_constraints(closed: Any, actor_mesh: Any) -> Any:
             params = {k: param(v) for k, v in e.params.items()}
             if e.primitive.name == "sharding_constraint":
                 params["sharding"] = fix(params["sharding"])
+            elif e.primitive.name == "shard_map" and isinstance(params.get("mesh"), Mesh):
+                params["mesh"] = rebound(params["mesh"], "shard_map(f, mesh=mesh, ...)",
+                                         "jax.shard_map(f, in_specs=..., out_specs=...) without mesh= (it takes each actor's mesh)")
             if any(params[k] is not v for k, v in e.params.items()):
                 e, changed = e.replace(params=params), True
             eqns.append(e)
