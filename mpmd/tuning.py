@@ -65,8 +65,8 @@ __all__ = ["Candidate", "TuneResult", "candidate_schedules", "tune"]
 @dataclass
 class Candidate:
     """One pipeline tune considered: `schedule` (with `balance=` its grouping), `num_microbatches`, the
-    prediction (seconds per step, mean bubble, peak bytes per actor) or why it was `rejected`, and, after
-    `TuneResult.verify`, the `measured` seconds per step."""
+    prediction (seconds per step, mean bubble, peak bytes per actor) or why it was `rejected`, and, once
+    `TuneResult.calibrate` (which tune runs with measured costs) or `verify` ran it, the `measured` seconds per step."""
 
     schedule: Schedule
     num_microbatches: int
@@ -247,6 +247,8 @@ class TuneResult:
         factor = statistics.median(m / (r.predicted / self.calibration) for m, r in zip(measured, refs) if r.predicted)
         self.chosen = refs[min(range(len(refs)), key=measured.__getitem__)]  # the winner: the fastest measured
         self.calibrated = {id(r): m for r, m in zip(refs, measured)}
+        for r, m in zip(refs, measured):  # (shown in the table beside the scaled prediction; verify measures again)
+            r.measured = m
         for c in self.candidates:
             if c.predicted is not None:
                 c.predicted = c.predicted / self.calibration * factor

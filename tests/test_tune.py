@@ -154,6 +154,10 @@ def test_calibration_scales_by_the_median_ratio_of_the_top_candidates(monkeypatc
     fastest = min(top, key=lambda c: before[id(c)] * slow[c.schedule])
     assert fastest is not top[0]  # (the measurement overturns the prediction here)
     assert r.best is fastest and r.chosen is fastest  # the winner: the fastest of the measured top three
+    # the table shows what calibrate measured beside each of the three (and nothing for the others, not run)
+    for c in r.feasible:
+        assert c.measured == (pytest.approx(before[id(c)] * slow[c.schedule]) if c in top else None)
+    assert f"{top[0].measured * 1e3:9.2f}  {top[0].measured / top[0].predicted:5.2f}" in r.table()
     # verify measures them again; the machine now runs everything 1.2x as long, and verify says so (`drift`)
     # while each candidate's measured/predicted moves by that much, predictions untouched.
     monkeypatch.setattr(tuning, "_timed_round", lambda step, *a: 1.2 * timed_round(step, *a))
