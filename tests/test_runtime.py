@@ -189,6 +189,38 @@ def test_local_mesh_leaves_no_process_behind():
     assert not any(_alive(pid) for pid in pids)
 
 
+def test_local_gpu_actors_on_a_machine_without_them_are_an_error_not_a_silent_cpu_mesh():
+    """`RemoteMesh.local(platform="gpu", devices_per_actor=2)` where JAX finds no GPU came up on one CPU device
+    each (JAX falls back to the CPU) and trained there without a word (a probe). The daemons are real; where a
+    GPU with JAX's CUDA plugin is present this check is the GPU tests' to make."""
+    try:
+        has_gpu = bool(jax.devices("gpu"))
+    except RuntimeError:
+        has_gpu = False
+    if has_gpu:
+        pytest.skip("this machine has GPUs: local GPU actors start on them")
+    before = set(_daemons_of_this_process())  # (other tests' meshes may be up)
+    with pytest.raises(mpmd.ActorStartError, match=r"local actor 0 runs on \d+ cpu device\(s\), but RemoteMesh.local asked "
+                                                   r"for devices_per_actor=2 on platform='gpu' .*sees no GPU"):
+        mpmd.RemoteMesh.local(2, platform="gpu", devices_per_actor=2)
+    assert set(_daemons_of_this_process()) <= before  # closed: no daemon of its own left behind
+
+
+def _daemons_of_this_process() -> list[int]:
+    """The live `mpmd-actor` processes this test process started (they carry --parent-pid with its pid)."""
+    mine = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"actors.daemon" in args and b"--parent-pid" in args and args[args.index(b"--parent-pid") + 1] == str(os.getpid()).encode():
+            if _alive(int(pid)):
+                mine.append(int(pid))
+    return mine
+
+
 def test_local_mesh_cleans_up_after_an_error_in_a_with_block():
     with pytest.raises(RuntimeError, match="user bug"), mpmd.RemoteMesh.local(num_actors=1) as mesh:
         pids = [p.proc.pid for p in mesh.processes]

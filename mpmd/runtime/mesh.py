@@ -51,7 +51,7 @@ from mpmd.runtime.buffers import BufferClient, gather
 from mpmd.runtime.controller import ActorConnection, EventLoopThread, Watchdog, close_unstarted
 from mpmd.runtime.executables import Executables
 from mpmd.runtime.inputs import close_stager
-from mpmd.runtime.launch.local import LocalOptions, LocalProcess, start_local
+from mpmd.runtime.launch.local import LocalOptions, LocalProcess, check_devices, start_local
 from mpmd.runtime.loader import check_loader_name
 from mpmd.runtime.recovery import Recovery, enable_recovery
 from mpmd.runtime.sharding import ActorMesh, as_layout, layout_wire, remote_sharding
@@ -252,6 +252,11 @@ class RemoteMesh:
             mesh = cls(local.endpoints, local.processes, transport=transport, keys=local.keys, **kwargs)
         except BaseException:
             local.cleanup()
+            raise
+        try:
+            check_devices([info.header for info in mesh.infos], options)
+        except BaseException:
+            mesh.close()
             raise
         mesh._tmpdir = local.directory
         if recover is not None:

@@ -23,7 +23,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from mpmd.errors import ActorStartError
 from transport.auth import ClientKeys, KeyPair
@@ -70,6 +72,24 @@ class LocalOptions:
         rt = self.request_timeout
         if rt is not None and (isinstance(rt, bool) or not isinstance(rt, (int, float)) or not rt > 0):  # (NaN too)
             raise ValueError(f"request_timeout must be a positive number of seconds (or None), got {rt!r:.40}")
+
+
+def check_devices(headers: Sequence[dict[str, Any]], options: LocalOptions) -> None:
+    """An `ActorStartError` unless every local daemon (its `info` header) runs on the platform and with the
+    number of devices asked for: JAX falls back to the CPU where it finds no GPU, and a host with fewer GPUs
+    than asked gives an actor fewer; either would train, silently, on something else than asked."""
+    want = "gpu" if options.platform == "gpu" else "cpu"
+    for i, h in enumerate(headers):
+        platform, n = h.get("platform"), len(h.get("devices") or [None])
+        if platform is None or (platform == want and n == options.devices_per_actor):
+            continue  # (a daemon that does not say: a test's stand-in)
+        hint = (" — JAX in this environment sees no GPU for it: install jax with its CUDA plugin (pip install "
+                "'jax[cuda12]') and check the GPUs are visible (nvidia-smi), or run on the CPU (platform='cpu')"
+                if want == "gpu" and platform != "gpu" else
+                f" — are there {options.devices_per_actor} GPUs per actor here? pass gpu_ids= the GPUs to deal out, or "
+                "fewer devices_per_actor" if want == "gpu" else "")
+        raise ActorStartError(f"local actor {i} runs on {n} {platform} device(s), but RemoteMesh.local asked for "
+                              f"devices_per_actor={options.devices_per_actor} on platform={options.platform!r}{hint}")
 
 
 def default_cache_dir() -> str:
