@@ -73,6 +73,16 @@ accumulate_p = Primitive("mpmd_accumulate")
 accumulate_p.multiple_results = True
 
 
+def _zeros_like_aval(aval: Any) -> Any:
+    """Zeros of `aval`'s shape and dtype, and of its sharding where its type carries one (a mesh's Explicit axes:
+    the scan's carry must keep the gradient's type, `float32[16,32@model]`)."""
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        return jnp.zeros(aval.shape, aval.dtype)
+    return jnp.zeros(aval.shape, aval.dtype, out_sharding=sharding)
+
+
 def reference_loop(body: Any, num_grads: int, batch_leaves: list[Any], consts: list[Any]) -> list[Any]:
     """Sum the first `num_grads` outputs of `body` over microbatches and stack the rest (the meaning of
     `accumulate_grads`). `body` is a ClosedJaxpr taking (*microbatch leaves, *consts)."""
@@ -84,7 +94,7 @@ def reference_loop(body: Any, num_grads: int, batch_leaves: list[Any], consts: l
         outs = jax.core.eval_jaxpr(body.jaxpr, body.consts, *mb, *consts)
         return [a + outs[i] for a, i in zip(acc, summed)], outs[num_grads:]
 
-    init = [jnp.zeros(grads[i].shape, grads[i].dtype) for i in summed]
+    init = [_zeros_like_aval(grads[i]) for i in summed]
     acc, stacked = jax.lax.scan(step, init, batch_leaves)
     out = [np.zeros(a.shape, jax.dtypes.float0) for a in grads]
     for i, a in zip(summed, acc):

@@ -1,6 +1,7 @@
 """SPMD inside every actor: each stage runs sharded over its actor's device mesh exactly as jax.jit would on a
 single-process mesh of the same shape (the test process has 4 host devices, see conftest.py)."""
 
+import functools
 import time
 
 import jax
@@ -202,6 +203,29 @@ def test_a_shard_map_over_a_concrete_mesh_is_refused_for_one_device_actors():
         batch = {"x": np.ones((2, 4, 4), np.float32), "y": np.ones((2, 4, 2), np.float32)}
         with pytest.raises(mpmd.PipelineError, match=r"shard_map\(f, mesh=mesh, \.\.\.\) in the step uses a jax Mesh of shape \(2,\).*one device each"):
             step(params, optax.sgd(0.1).init(params), batch)
+
+
+def test_accumulate_grads_under_jax_jit_on_a_mesh_of_explicit_axes_sums_as_its_loop():
+    """The undecorated step is its own reference: under jax.jit on `jax.make_mesh`'s default (Explicit axes) a
+    sharded parameter's gradient type carries its sharding (`float32[16,32@model]`), and the loop's zero sums did
+    not, so lax.scan refused the carry (a probe). The sums keep the gradient's sharding and equal a Python loop's."""
+    mesh = jax.make_mesh((1, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    rng = np.random.default_rng(0)
+    w = jax.device_put(rng.standard_normal((16, 32)).astype(np.float32), NamedSharding(mesh, P(None, "model")))
+    batch = rng.standard_normal((4, 8, 16)).astype(np.float32)
+
+    def grads_of(w, x):
+        return jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
+
+    def step(w, batch):
+        return mpmd.accumulate_grads(lambda x: (grads_of(w, x), jnp.sum(x)), batch, schedule=mpmd.GPipe(1))
+
+    with jax.set_mesh(mesh):
+        g, sums = jax.jit(step)(w, batch)
+        want = functools.reduce(lambda a, b: a + b, [jax.jit(grads_of)(w, batch[i]) for i in range(4)])
+    assert g.sharding.spec == P(None, "model")
+    np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(sums), np.stack([np.asarray(jax.jit(jnp.sum)(x)) for x in batch]))
 
 
 def test_a_constraint_over_a_one_device_mesh_is_kept_for_one_device_actors():
