@@ -234,6 +234,24 @@ class _Interrupted(Exception):
     compiles itself rather than fail of it."""
 
 
+def _actor_mesh_error(e: ValueError, am: Any, traced_under: Any) -> PipelineError | None:
+    """A PipelineError saying what to write for JAX's errors about the mesh a step traced under (None: another error)."""
+    where = (f"its actors' mesh of shape {tuple(am.shape)} named {tuple(am.axis_names)}" if am is not None else
+             "its actors' one device each" + (f" (traced over the axes {tuple(traced_under.axis_names)}, each of size 1)"
+                                              if traced_under is not None else ""))
+    text = str(e).split("\n")[0]
+    if "should match the mesh passed to shard_map" in text:
+        return PipelineError(f"a shard_map in the step was given a jax Mesh other than {where} ({text}): write jax.shard_map(f, "
+                             "in_specs=..., out_specs=...) without mesh= (it takes each actor's mesh), or give the actors that "
+                             "mesh (RemoteMesh.local(..., mesh_shape=..., axis_names=...))")
+    if "of type Auto" in text and "axis name" in text:
+        return PipelineError(f"explicit sharding in the step ({text}): the step runs on {where}, whose axes are automatic "
+                             "(AxisType.Auto, as jax.jit's were before Explicit axes); jax.sharding.reshard and out_sharding= "
+                             "naming mesh axes need Explicit axes, which actors do not build: write "
+                             "jax.lax.with_sharding_constraint(x, spec) instead (the same layout)")
+    return None
+
+
 def _warn_debug_checks() -> None:
     """A warning (at the caller's line, once there by Python's default filter) when jax_debug_nans / _infs is on:
     the actors do not check what a step computes."""
@@ -384,24 +402,24 @@ class DistributedFunction:
             return leaves_out
 
         am = getattr(self.mesh, "actor_mesh", None)
+        caller = jax.sharding.get_abstract_mesh()
+        traced_under = None
         with use_schedule(self.schedule) if self.schedule is not None else contextlib.nullcontext(), without_callers_mesh(), \
                 tracing_distributed():
-            if am is None:
-                closed = jax.make_jaxpr(flat)(*specs)
-            else:  # with_sharding_constraint(x, P(...)) resolves against the actors' mesh, as jax.set_mesh would under jit
+            if am is not None:  # with_sharding_constraint(x, P(...)) resolves against the actors' mesh, as under jax.set_mesh
                 traced_under = trace_mesh(am, getattr(self.mesh, "platform", None))
-                try:
-                    with jax.sharding.use_abstract_mesh(traced_under):
-                        closed = jax.make_jaxpr(flat)(*specs)
-                except ValueError as e:
-                    if "should match the mesh passed to shard_map" not in str(e):
-                        raise
-                    raise PipelineError(f"a shard_map in the step was given a jax Mesh other than its actors' mesh of shape "
-                                        f"{tuple(am.shape)} named {tuple(am.axis_names)} ({e}): write jax.shard_map(f, in_specs=..., "
-                                        "out_specs=...) without mesh= (it takes each actor's mesh), or give the actors that "
-                                        "mesh (RemoteMesh.local(..., mesh_shape=..., axis_names=...))") from None
-                return inline_calls(rebind_constraints(closed, am, traced_under)), out_box[-1]
-        return inline_calls(rebind_constraints(closed, am)), out_box[-1]
+            elif not caller.empty:  # one device each: the caller's axes, each of size 1 (P('model') splits nothing there)
+                traced_under = jax.sharding.AbstractMesh((1,) * len(caller.axis_names), tuple(caller.axis_names),
+                                                         axis_types=(jax.sharding.AxisType.Auto,) * len(caller.axis_names))
+            try:
+                with jax.sharding.use_abstract_mesh(traced_under) if traced_under is not None else contextlib.nullcontext():
+                    closed = jax.make_jaxpr(flat)(*specs)
+            except ValueError as e:
+                err = _actor_mesh_error(e, am, traced_under)
+                if err is None:
+                    raise
+                raise err from None
+        return inline_calls(rebind_constraints(closed, am, traced_under if am is not None else None)), out_box[-1]
 
     def _cached(self, sig: Any) -> CompiledStep | None:
         """The compiled step for `sig`, unless a daemon was restarted under the mesh since (mesh.reconnect to a new

@@ -228,6 +228,38 @@ def test_accumulate_grads_under_jax_jit_on_a_mesh_of_explicit_axes_sums_as_its_l
     np.testing.assert_array_equal(np.asarray(sums), np.stack([np.asarray(jax.jit(jnp.sum)(x)) for x in batch]))
 
 
+def test_one_device_actors_run_a_model_with_bare_spec_constraints_called_under_the_callers_mesh():
+    """A tensor-parallel model (`with_sharding_constraint(h, P('data', None, 'model'))`) called under the caller's
+    `jax.set_mesh` works under jax.jit; on one-device actors it failed in JAX ("requires a non-empty mesh in
+    context": a probe restoring a tensor-parallel checkpoint onto them). It now traces over the caller's axes,
+    each of size 1, and equals jax.jit."""
+    rng = np.random.default_rng(0)
+    params = megatron_params(rng)
+    opt = optax.sgd(0.1)
+    batches = [batch_of(rng)]
+    rp, ro, rl = reference(mse(megatron), opt, params, MEGATRON_SPECS, batches, (1, 1))
+    caller = jax.make_mesh((1, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    with mpmd.RemoteMesh.local(num_actors=2) as mesh, jax.set_mesh(caller):
+        step = mpmd.distributed(make_train_step(mse(megatron), opt, mpmd.OneFOneB(2)), mesh=mesh)
+        p, o, loss = step(params, opt.init(params), batches[0])
+        np.testing.assert_allclose(loss.to_numpy(), rl[0], rtol=1e-5)
+        assert_trees_close(mpmd.fetch(p), rp)
+
+
+def test_explicit_sharding_in_a_stage_is_refused_saying_to_write_a_sharding_constraint(mesh_1x2):
+    """Actors build their meshes with automatic axes: `jax.sharding.reshard` (Explicit axes) in a stage raised
+    JAX's "cannot contain axis names that are of type Auto"; now an error that says what to write instead."""
+    def model(params, x):
+        h = jax.sharding.reshard(jnp.tanh(x @ params[0]["w1"]), P(None, None, "model"))
+        return jnp.tanh(mpmd.pipeline_yield(h) @ params[0]["w2"] @ params[1]["w1"]) @ params[1]["w2"]
+
+    rng = np.random.default_rng(0)
+    params = megatron_params(rng)
+    step = mpmd.distributed(make_train_step(mse(model), optax.sgd(0.1), mpmd.OneFOneB(2)), mesh=mesh_1x2)
+    with pytest.raises(mpmd.PipelineError, match=r"explicit sharding in the step .*reshard.*write jax.lax.with_sharding_constraint"):
+        step(params, optax.sgd(0.1).init(params), batch_of(rng))
+
+
 def test_a_constraint_over_a_one_device_mesh_is_kept_for_one_device_actors():
     """jax.jit code on a one-device machine may constrain over a 1-device Mesh: it pins nothing one-device
     actors lack, and was refused by the rebinding (a review)."""
