@@ -86,6 +86,10 @@ class ExecutableCache:
             mesh = {"shape": list(mesh_.devices.shape), "axis_names": list(mesh_.axis_names)}
         return {"donate": list(donate), "in_layouts": in_layouts, "out_layouts": out_layouts, "mesh": mesh, "ordered": self._ordered}
 
+    def num_outputs(self, key: str) -> int:
+        """How many values an executable returns (without the order token)."""
+        return self.get(key).out_tree.num_leaves - (1 if self._ordered else 0)
+
     def out_layouts(self, key: str) -> list[Any]:
         """The layouts XLA chose for an executable's outputs (wire form), without the order token."""
         outs = list(self.get(key).output_shardings)

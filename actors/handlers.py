@@ -458,6 +458,9 @@ class Actor:
         for ins in prog.instructions:
             if isinstance(ins, Run):
                 self._executable(ses, ins.exe)  # every executable must be compiled (by this session) before the program
+                if len(ins.outputs) != self.cache.num_outputs(ins.exe):  # (a Run pairs them one to one)
+                    raise RequestError(f"'load_program': a Run of executable {ins.exe!r} names {len(ins.outputs)} output buffers, "
+                                       f"but it returns {self.cache.num_outputs(ins.exe)} values")
             elif isinstance(ins, (Send, Recv)) and not self.ownership.governs(ses.owner):
                 raise RequestError(self._not_wired(ses))
         prog.consts = {b: self._to_device(a) for b, a in prog.consts.items()}

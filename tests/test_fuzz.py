@@ -255,6 +255,21 @@ def test_a_run_program_failing_its_input_check_leaves_no_prologue_buffer_reserve
     assert time.monotonic() - t0 < REQUEST_TIMEOUT, "the get waited: the prologue buffer was left reserved"
 
 
+def test_a_program_whose_run_names_another_number_of_outputs_than_its_executable_returns_is_refused_at_load(target):
+    """A Run in a loaded Program paired its output ids with the executable's results one to one without counting
+    them: naming fewer dropped the rest silently (a probe; the `run` op refused it). Now `load_program` refuses it,
+    and the same Run with the right count loads."""
+    s = target.mesh.session
+    wire = lambda pid, outs: {"id": pid, "actor": 0, "inputs": [100], "outputs": outs[-1:], "consts": [],  # noqa: E731
+                              "instrs": [["run", target.exe, [100], outs, "0F0"]]}
+    replies = sorted(exchange(target, [({"op": "load_program", "id": i + 1, "session": s, "program": wire(70 + i, outs)},)
+                                       for i, outs in enumerate(([], [101, 102], [101]))]), key=lambda m: m.header["id"])
+    for reply, n in zip(replies[:2], (0, 2)):
+        assert reply.op == "error", reply.header
+        assert f"names {n} output buffers, but it returns 1 values" in reply.header["message"]
+    assert replies[2].op == "reply", replies[2].header
+
+
 # ---- the data plane ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def peer(target):
