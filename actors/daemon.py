@@ -153,9 +153,10 @@ def configure_environment(args: argparse.Namespace) -> None:
             os.sched_setaffinity(0, cores)
         except (ValueError, OSError) as e:
             raise SystemExit(f"mpmd-actor: cannot pin to cores {args.cpus!r}: {e}") from None
-        if len(cores) == 1:
+        if len(cores) == 1:  # (only --flags: XLA stops reading XLA_FLAGS at a word that is not one, e.g. a bare
+            # "intra_op_parallelism_threads=1", and ignored the device count after it: actors of 1 device, not --cpu-devices)
             flags = os.environ.get("XLA_FLAGS", "")
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1".strip()
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen=false".strip()
     if args.cpu_devices:
         flags = os.environ.get("XLA_FLAGS", "")
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.cpu_devices}".strip()

@@ -1,7 +1,6 @@
 """Does pipelining pay? A fair comparison on a machine with few cores.
 
-Every party gets cores of its own and single-threaded XLA (`--xla_cpu_multi_thread_eigen=false
-intra_op_parallelism_threads=1`):
+Every party gets cores of its own and single-threaded XLA (`--xla_cpu_multi_thread_eigen=false`):
 
 * `jax.jit` of the undecorated step, in a fresh process pinned to core 0;
 * mpmd on one actor pinned to core 0 running both stages (a 2-stage table on one actor);
@@ -34,7 +33,7 @@ import time
 
 import numpy as np
 
-ONE_CORE_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+ONE_CORE_FLAGS = "--xla_cpu_multi_thread_eigen=false"
 
 
 def build(width: int, layers: int, stages: int, schedule):  # noqa: ANN001 - a benchmark

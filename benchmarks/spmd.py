@@ -15,7 +15,7 @@ This machine has 2 cores, so 2 actors x 2 devices is 4 devices on 2 cores. Each 
 benchmark process (XLA reads its flags at start-up):
 
 * `pinned` (the fair one): each actor pinned to its own core (`cpus_per_actor=1`) with
-  single-threaded XLA (`--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1`; the actor's two
+  single-threaded XLA (`--xla_cpu_multi_thread_eigen=false`; the actor's two
   devices share its core); jax.jit pinned to one core with the same flags, i.e. the resources of one actor.
   Ideal mpmd/jit ratio for a 2-stage pipeline on 2 cores: (m+1)/(2m).
 * `unpinned`: nothing pinned, XLA's default thread pools everywhere (oversubscribed: each actor's pool
@@ -43,7 +43,7 @@ import time
 
 import numpy as np
 
-ONE_CORE_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+ONE_CORE_FLAGS = "--xla_cpu_multi_thread_eigen=false"
 SIZE_ARGS = ("width", "hidden", "blocks", "microbatches", "rows", "steps", "rounds", "warmup")
 
 

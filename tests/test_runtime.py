@@ -221,6 +221,18 @@ def _daemons_of_this_process() -> list[int]:
     return mine
 
 
+def test_pinned_local_actors_get_the_devices_asked_for_whatever_xla_flags_they_inherit():
+    """A pinned actor (`cpus_per_actor=1`) added single-threaded XLA flags ending in a word that is no flag
+    ("intra_op_parallelism_threads=1"): XLA stops reading XLA_FLAGS there, so the device count after it was
+    ignored and the actor had the count the test process's XLA_FLAGS gives (4 here), or 1 where it gives none:
+    never `devices_per_actor`. Found by the device check that local meshes now make."""
+    assert "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")  # (conftest: 4 host devices)
+    with mpmd.RemoteMesh.local(num_actors=1, devices_per_actor=2, cpus_per_actor=1, mesh_shape=(2,), axis_names=("x",)) as mesh:
+        assert len(mesh.infos[0].header["devices"]) == 2
+        x = mesh.actor(0).put(np.arange(8, dtype=np.float32), jax.sharding.PartitionSpec("x"))
+        np.testing.assert_array_equal(mesh.actor(0).run(jax.jit(lambda a: a * 2), x).to_numpy(), np.arange(8) * 2.0)
+
+
 def test_local_mesh_cleans_up_after_an_error_in_a_with_block():
     with pytest.raises(RuntimeError, match="user bug"), mpmd.RemoteMesh.local(num_actors=1) as mesh:
         pids = [p.proc.pid for p in mesh.processes]
