@@ -157,6 +157,18 @@ def _static_argnums(fn: Callable[..., Any], argnums: Any, argnames: Any, what: s
     return frozenset(nums)
 
 
+class _Default:
+    """A parameter the call did not pass (see `DistributedFunction.bind`)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<its default>"
+
+
+DEFAULT = _Default()
+
+
 def _static_arg(i: int, value: Any) -> Static:
     try:
         hash(value)
@@ -312,11 +324,15 @@ class DistributedFunction:
             n = len(args)
             static = {i % n for i in self.static_argnums if -n <= i < n}
             args = tuple(_static_arg(i, a) if i in static else a for i, a in enumerate(args))
+        if any(a is DEFAULT for a in args):  # (a parameter not passed: static, its default is the function's)
+            args = tuple(Static(a) if a is DEFAULT else a for a in args)
         return hide(args, _is_remote)
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The call's arguments as the one tuple a compiled step takes: keyword arguments bound to their
-        positions in the step's signature, then its keyword-only parameters (given or defaulted) in order."""
+        positions in the step's signature, then its keyword-only parameters in order; a parameter the call does
+        not pass is `DEFAULT` there (static: the function takes its own default, a Python value that is no
+        argument, as under jax.jit)."""
         if not kwargs and not self._kwonly:
             return args
         name = getattr(self.fn, "__name__", "the step")
@@ -324,19 +340,28 @@ class DistributedFunction:
             bound = inspect.signature(self.fn).bind(*args, **kwargs)
         except (TypeError, ValueError) as e:
             raise PipelineError(f"cannot bind the arguments of {name}: {e}") from None
-        bound.apply_defaults()  # `step(p, batch=b)` of `def step(params, opt=None, batch=None)`: opt takes its default
-        extra = sorted(k for k in bound.kwargs if k not in self._kwonly)
+        named = {*self._positional, *self._kwonly}
+        extra = sorted(e for k, v in bound.arguments.items() if k not in named
+                       for e in (v if bound.signature.parameters[k].kind is inspect.Parameter.VAR_KEYWORD else [k]))
         if extra:
             raise PipelineError(f"argument(s) {extra} of {name} go to its **kwargs or follow *args: a distributed step "
                                 "takes named parameters (positional or keyword-only); name them, or close over them")
-        return (*bound.args, *(bound.arguments[k] for k in self._kwonly))
+        got, params = bound.arguments, bound.signature.parameters
+        static = {[*self._positional, *self._kwonly][i] for i in self.static_argnums if -len(named) <= i < len(named)}
+        # (a static one not passed is its default: the same Python value, the same compiled step as when passed)
+        return tuple(got.get(k, params[k].default if k in static else DEFAULT) for k in [*self._positional, *self._kwonly])
 
     def _invoke(self, args: tuple[Any, ...]) -> Any:
-        """Call the step's function on the tuple `bind` made (keyword-only parameters by name)."""
-        if not self._kwonly:
-            return self.fn(*args)
+        """Call the step's function on the tuple `bind` made (keyword-only parameters by name; a `DEFAULT` left out,
+        so that the function's own default applies)."""
         n = len(self._positional)
-        return self.fn(*args[:n], **dict(zip(self._kwonly, args[n:])))
+        if not self._kwonly and not any(a is DEFAULT for a in args):
+            return self.fn(*args)
+        given = 0  # the leading positional arguments passed; a later one passed goes by name after a DEFAULT
+        while given < min(n, len(args)) and args[given] is not DEFAULT:
+            given += 1
+        by_name = {k: v for k, v in zip([*self._positional[given:], *self._kwonly], args[given:]) if v is not DEFAULT}
+        return self.fn(*args[:given], **by_name)
 
     def _signature(self, args: tuple[Any, ...]) -> tuple[Any, list[Any], list[jax.ShapeDtypeStruct]]:
         """(the compile cache's key, the data leaves, their specs); static leaves are in the key's treedef."""

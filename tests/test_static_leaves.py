@@ -202,6 +202,34 @@ def test_keyword_only_parameters_bind_by_name_and_can_be_static_like_jax_jit(mes
         dist(params, opt_state, batch)  # the required keyword-only one is missing
 
 
+def _defaults_step(params, opt_state, batch, scale=0.5, *, train=True, reps=2):
+    def first(z):
+        z = jnp.tile(z, (1, reps))[:, : z.shape[1]]  # reps: a shape (a Python int, never traced under jax.jit)
+        return jnp.tanh(z) * scale if train else jnp.tanh(z)  # train: Python control flow
+
+    return _two_layers(params, opt_state, batch, first, mpmd.OneFOneB(2))
+
+
+def test_parameters_the_call_leaves_at_their_defaults_stay_python_values_as_under_jax_jit(mesh2):
+    """A call with keyword arguments, or a step with keyword-only parameters, bound the call with every default
+    applied, so a default the call did not pass was traced: `if train:` raised TracerBoolConversionError and
+    `reps` as a shape a TypeError, where jax.jit keeps unpassed defaults as the function's own Python values
+    (a probe; functools.partial(step, scale=...) hit it too). Passed values are arguments, as under jax.jit."""
+    rng = np.random.default_rng(8)
+    params, batch = mlp2(rng), batch_of(rng)
+    opt_state = optax.sgd(0.1).init(params)
+    dist = mpmd.distributed(_defaults_step, mesh=mesh2)
+    for kwargs in ({}, {"scale": np.float32(0.25)}):
+        assert_trees_close(mpmd.fetch(dist(params, opt_state, batch, **kwargs)), jax.jit(_defaults_step)(params, opt_state, batch, **kwargs))
+    static = dict(static_argnames=("train", "reps"))  # passed, they are arguments: static ones, as jax.jit needs them
+    for kwargs in ({"train": False}, {"reps": 3, "scale": np.float32(0.25)}):
+        assert_trees_close(mpmd.fetch(mpmd.distributed(_defaults_step, mesh=mesh2, **static)(params, opt_state, batch, **kwargs)),
+                           jax.jit(_defaults_step, **static)(params, opt_state, batch, **kwargs))
+    partial = functools.partial(_defaults_step, scale=np.float32(2.0))
+    assert_trees_close(mpmd.fetch(mpmd.distributed(partial, mesh=mesh2)(params, opt_state, batch)),
+                       jax.jit(partial)(params, opt_state, batch))
+
+
 def test_arguments_for_var_keywords_are_refused_naming_them(mesh2):
     def step(params, opt_state, batch, **extra):
         return _step(params, opt_state, batch, jnp.tanh)
