@@ -96,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-unclaimed", type=int, default=10_000,
                    help="data-plane arrivals one peer may leave unclaimed here before further ones are refused")
     p.add_argument("--max-unclaimed-mb", type=int, default=32 * 1024, help="the same limit, in MiB")
+    p.add_argument("--guest-memory-mb", type=int, default=4096,
+                   help="MiB of buffers the sessions of keys that do not own the daemon's job may hold between them "
+                        "(their loaded programs are bounded alike); the owner's and operators' sessions are not bounded")
     p.add_argument("--log-level", default="WARNING", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     cluster.add_arguments(p)
     args = p.parse_args(argv)
@@ -132,7 +135,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             if not ok or not rest.rpartition(":")[0]:
                 p.error(f"{flag} {value}: write tcp://HOST:PORT: the port must be {'0-65535 (0 or *: any free one)' if free else '1-65535'}"
                         f", got {'no port' if not port else repr(port)}")
-    for name, most in (("max_message_mb", 1 << 20), ("max_unclaimed", 1 << 31), ("max_unclaimed_mb", 1 << 30)):
+    for name, most in (("max_message_mb", 1 << 20), ("max_unclaimed", 1 << 31), ("max_unclaimed_mb", 1 << 30),
+                       ("guest_memory_mb", 1 << 30)):
         if not 1 <= getattr(args, name) <= most:
             p.error(f"--{name.replace('_', '-')} must be 1-{most}, got {getattr(args, name)}")
     from transport.protocol import LOADER_NAME
@@ -311,6 +315,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     from actors.handlers import Ownership
 
     actor.ownership = Ownership(secure, getattr(args, "owner_keys", frozenset()), frozenset(args.admin_key))
+    actor.guest_bytes = args.guest_memory_mb * 1024 * 1024
     actor.limits = {"request_timeout": args.request_timeout, "session_timeout": args.session_timeout, "compile_timeout": 2 * args.compile_timeout + COMPILE_GRACE,
                     "authenticated": secure, "insecure": args.insecure}
     if p2p is not None:

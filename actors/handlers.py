@@ -65,12 +65,14 @@ class Session:
         self.last_step_peak_bytes = 0  # most bytes a step's own buffer table held at once (last finished step)
         self.inputs = InputSegments(actor_id)  # step arguments its controller hands over in shared memory
         self.last_seen = time.monotonic()  # when its controller last sent a request naming it (pings too)
+        self.program_words: dict[int, int] = {}  # each loaded Program's instructions and buffer ids (a guest's are bounded)
 
     def close(self) -> None:
         for task in self.running.values():
             task.cancel()
         self.buffers.clear()
         self.programs.clear()
+        self.program_words.clear()
         self.inputs.close()
 
 
@@ -80,6 +82,7 @@ SESSIONLESS = frozenset({"ping", "hello"})
 GOVERNING = frozenset({"connect_peers", "nccl_ids", "shutdown", "profile", "save", "restore"})
 MAX_SESSIONS = 64  # sessions of keys other than the owner's and the operators' (they cannot be locked out)
 MAX_SESSIONS_PER_KEY = 16
+GUEST_PROGRAM_WORDS_PER_MB = 16_384  # instructions and buffer ids guests' loaded Programs may hold per MiB of their quota
 
 
 class Ownership:
@@ -127,6 +130,7 @@ class Actor:
         self.requests = 0
         self.errors = 0
         self.limits: dict[str, Any] = {}  # the daemon's bounds (request and compile timeouts), reported by `info`
+        self.guest_bytes = 4 << 30  # buffer bytes the sessions of keys that do not own the job may hold (--guest-memory-mb)
         self.handlers = {
             "ping": self.ping,
             "info": self.info,
@@ -298,6 +302,7 @@ class Actor:
         buf = field(msg, "buf", int)
         if len(msg.arrays) != 1:
             raise RequestError(f"'put' carries {len(msg.arrays)} arrays, expected 1")
+        self._within_guest_quota(ses, more_bytes=int(msg.arrays[0].nbytes))
         ses.buffers.put(buf, self._to_device(msg.arrays[0], self._layout(msg.header.get("layout"))))
         return {"nbytes": int(msg.arrays[0].nbytes)}, []
 
@@ -382,6 +387,7 @@ class Actor:
     async def run(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         inputs, outputs = int_list(msg, "inputs"), int_list(msg, "outputs")
         exe = self._executable(ses, field(msg, "exe", str))
+        self._within_guest_quota(ses)  # (its outputs count once made: a guest over the quota runs nothing more)
         if set(inputs) & set(outputs) or len(set(outputs)) != len(outputs):
             raise RequestError(f"'run': an output buffer id is also an input or given twice (inputs {inputs}, outputs {outputs})")
         refs = [ses.buffers.ref(b) for b in inputs]  # unknown ids fail here, before anything is reserved
@@ -451,8 +457,12 @@ class Actor:
 
     # ---- programs --------------------------------------------------------------------------------
     async def load_program(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
+        wire = field(msg, "program", dict)
+        instrs = wire.get("instrs")
+        words = sum(1 + sum(len(x) for x in i if isinstance(x, list)) for i in instrs if isinstance(i, list)) if isinstance(instrs, list) else 0
+        self._within_guest_quota(ses, more_bytes=sum(int(a.nbytes) for a in msg.arrays), more_words=words)
         try:
-            pid, prog = decode_program(field(msg, "program", dict), msg.arrays)
+            pid, prog = decode_program(wire, msg.arrays)
         except ProgramError as e:
             raise RequestError(f"'load_program': {e}") from None
         for ins in prog.instructions:
@@ -465,8 +475,26 @@ class Actor:
                 raise RequestError(self._not_wired(ses))
         prog.consts = {b: self._to_device(a) for b, a in prog.consts.items()}
         ses.programs[pid] = prog
+        ses.program_words[pid] = words
         collector.freeze()  # the Program's instructions are kept for the session's life
         return {"program": pid}, []
+
+    def _within_guest_quota(self, ses: Session, more_bytes: int = 0, more_words: int = 0) -> None:
+        """A RequestError if `ses` is a guest's (its key does not own the daemon's job) and the guests' sessions would
+        hold more than their quota: buffer bytes (`--guest-memory-mb`) and, in proportion, loaded Program words. A
+        key the operator admitted beside the job's must not take the job's daemon down for lack of memory."""
+        if self.ownership.governs(ses.owner):
+            return
+        guests = [s for s in self.sessions.values() if not self.ownership.governs(s.owner)]
+        held, words = sum(s.buffers.nbytes for s in guests), sum(sum(s.program_words.values()) for s in guests)
+        most_words = self.guest_bytes // (1 << 20) * GUEST_PROGRAM_WORDS_PER_MB
+        if held + more_bytes > self.guest_bytes or words + more_words > most_words:
+            what = (f"{(held + more_bytes) / 2**20:.1f} MiB of buffers (the limit: {self.guest_bytes / 2**20:.0f} MiB)"
+                    if held + more_bytes > self.guest_bytes else
+                    f"{words + more_words} instruction words in loaded programs (the limit: {most_words})")
+            raise RequestError(f"key {ses.owner!r} does not own actor {self.actor_id}'s job ({self.ownership.describe()}); the "
+                               f"sessions of such keys would hold {what} between them: delete buffers or programs, close a "
+                               "mesh, or start the daemon with a larger --guest-memory-mb")
 
     def _not_wired(self, ses: Session) -> str:
         return (f"actor {self.actor_id}'s data plane is wired for the job of another key ({self.ownership.describe()}); "
@@ -478,6 +506,7 @@ class Actor:
         prog = ses.programs.get(pid)
         if prog is None:
             raise RequestError(f"no program {pid} on actor {self.actor_id}; load it first ({sorted(ses.programs)} loaded)")
+        self._within_guest_quota(ses, more_bytes=sum(int(a.nbytes) for a in msg.arrays))
         inputs, outputs = int_list(msg, "inputs"), int_list(msg, "outputs")
         if len(inputs) != len(prog.inputs) or len(outputs) != len(prog.outputs):
             raise RequestError(f"program {pid} takes {len(prog.inputs)} inputs and {len(prog.outputs)} outputs; "

@@ -107,6 +107,39 @@ def test_a_second_key_cannot_rewire_stop_or_crowd_out_the_job_of_the_key_that_ow
             assert again.actor(1).stats()["p2p"] is not None
 
 
+def test_keys_that_do_not_own_the_job_hold_buffers_and_programs_within_the_guest_quota(tmp_path):
+    """An admitted key beside the job's could put or load programs without bound (a probe took a daemon from 0.8
+    to 5 GB) and get the owner's daemon killed for lack of memory. Guests' sessions share --guest-memory-mb of
+    buffers (and, in proportion, Program words) between them; the owner is not bounded; freeing makes room."""
+    generate_key_files(tmp_path, "server")
+    for name in ("alice", "bob"):
+        generate_key_files(tmp_path / "authorized", name)
+    proc, address = start_daemon("--listen", "tcp://127.0.0.1:0", "--server-key", str(tmp_path / "server.key_secret"),
+                                 "--authorized-keys", str(tmp_path / "authorized"), "--guest-memory-mb", "1")
+    keys = {n: ClientKeys.load(tmp_path / "authorized" / f"{n}.key_secret", tmp_path / "server.key") for n in ("alice", "bob")}
+    quarter = np.zeros(1 << 16, np.float32)  # 256 KiB
+    try:
+        with mpmd.RemoteMesh.connect([address], keys=keys["alice"], transport="none") as alice, \
+                mpmd.RemoteMesh.connect([address], keys=keys["bob"], transport="none") as bob:
+            held = [bob.actor(0).put(quarter) for _ in range(3)]  # 768 KiB of the guests' 1 MiB
+            with pytest.raises(mpmd.RemoteError, match=r"key 'bob' does not own actor 0's job .*1.2 MiB of buffers \(the "
+                                                      r"limit: 1 MiB\).*--guest-memory-mb"):
+                bob.actor(0).put(np.zeros(1 << 17, np.float32))
+            owner = [alice.actor(0).put(np.zeros(1 << 20, np.float32)) for _ in range(3)]  # 12 MiB: the owner's job is not bounded
+            held.pop().delete()
+            again = bob.actor(0).put(quarter)  # room again
+            np.testing.assert_array_equal(bob.actor(0).run(jax.jit(lambda a: a + 1), again).to_numpy(), quarter + 1)
+            words = [["del", list(range(2000)), "x"]] * 10  # 20,010 words: over the 16,384 a 1 MiB quota gives programs
+            reply = raw_request(address, {"op": "load_program", "id": 1, "session": bob.session,
+                                          "program": {"id": 7, "actor": 0, "inputs": [], "outputs": [], "consts": [], "instrs": words}},
+                                keys=keys["bob"])
+            assert reply.op == "error" and "instruction words in loaded programs (the limit: 16384)" in reply.header["message"]
+            assert float(alice.actor(0).run(jax.jit(jnp.sum), owner[0]).to_numpy()) == 0.0
+        assert proc.poll() is None
+    finally:
+        stop_daemon(proc)
+
+
 def test_a_key_that_floods_requests_and_reads_no_replies_does_not_starve_the_owners_job(shared):
     """Bob (admitted, not the owner) sends requests as fast as he can and never reads a reply. Before: the daemon
     queued them all (6.5 million in 30 s, RSS to 4 GB), its receive loop never yielded while messages were
