@@ -391,8 +391,22 @@ def test_check_programs_run_reading_a_buffer_nothing_produces():
     assert "RUN" in listing_marks(str(err.value))[0]
     with pytest.raises(mpmd.PipelineError, match="reads buffer b1, but it is only made later, at instruction 1"):
         mpmd.check_programs([Program(0, [0], [], [Run(0, (1,), (2,)), Run(0, (0,), (1,))])])
-    with pytest.raises(mpmd.PipelineError, match="reads buffer b0, but it was deleted at instruction 0"):
+    with pytest.raises(mpmd.PipelineError, match=r"reads buffer b0, but it was deleted \(or donated to a Run\) at instruction 0"):
         mpmd.check_programs([Program(0, [0], [], [Delete((0,)), Run(0, (0,), (1,))])])
+
+
+def test_check_programs_a_buffer_read_after_a_run_donated_it_and_what_is_not_a_list_of_programs():
+    """The actor deletes a Run's donated inputs; check_programs let a later read of one pass (a probe), and a list
+    of ints or None failed with an AttributeError or TypeError."""
+    a0 = Program(0, [0], [2], [Run(0, (0,), (1,), Label.parse("0F0"), donate=(0,)), Run(0, (0,), (2,), Label.parse("0F1"))])
+    with pytest.raises(mpmd.PipelineError, match=r"actor 0 instruction 1 .* reads buffer b0, but it was deleted \(or donated to a "
+                                            r"Run\) at instruction 0"):
+        mpmd.check_programs([a0])
+    kept = Program(0, [0], [1], [Run(0, (0,), (1,), Label.parse("0F0"), donate=(0,)), Send(1, 1, 7)])  # the output is read: fine
+    mpmd.check_programs([kept, Program(1, [], [5], [Recv(5, 0, 7, "float32", (4,))])])
+    for bad in ([1, 2], None, "programs"):
+        with pytest.raises(mpmd.PipelineError, match="check_programs takes a list of Programs"):
+            mpmd.check_programs(bad)
 
 
 def test_check_programs_accepts_inputs_and_consts_and_a_send_of_a_received_buffer():

@@ -313,7 +313,7 @@ def _link(programs: list[Program]) -> tuple[list[dict[int, dict[int, _Source]]],
             for b in reads:
                 if b not in made:
                     if b in deleted:
-                        why = f"it was deleted at instruction {deleted[b]}"
+                        why = f"it was deleted (or donated to a Run) at instruction {deleted[b]}"
                     elif b in later and later[b] > i:
                         why = f"it is only made later, at instruction {later[b]}, so this can never run"
                     else:
@@ -321,6 +321,10 @@ def _link(programs: list[Program]) -> tuple[list[dict[int, dict[int, _Source]]],
                     raise fail(f"actor {a} instruction {i} ({ins}) reads buffer b{b}, but {why}", a, i)
             src[i] = {b: made[b] for b in reads}
             if isinstance(ins, Run):
+                for d in ins.donate:  # (the actor deletes a donated input: its buffer now holds an output)
+                    if 0 <= d < len(ins.inputs) and ins.inputs[d] not in ins.outputs:
+                        made.pop(ins.inputs[d], None)
+                        deleted[ins.inputs[d]] = i
                 for b in ins.outputs:
                     made[b] = _Source("run", i)
             elif isinstance(ins, Recv):
@@ -412,6 +416,10 @@ def check_programs(programs: list[Program]) -> None:
     Send reads is produced before it, every Recv has its Send and vice versa, and no Run waits forever.
     Raises `PipelineError` listing every actor's instructions with the stuck (or offending) one marked and
     what it waits for, from whom."""
+    if isinstance(programs, (str, bytes)) or not hasattr(programs, "__len__") or not all(isinstance(x, Program) for x in programs):
+        got = type(programs).__name__ if not hasattr(programs, "__len__") else f"{[type(x).__name__ for x in programs][:4]}"
+        raise PipelineError(f"check_programs takes a list of Programs, one per actor in actor order (as a compiled step's "
+                            f"`programs` holds them), got {got}")
     run = replay_programs(programs)
     if not run.stuck:
         return
