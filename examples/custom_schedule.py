@@ -47,8 +47,8 @@ def simulate_and_draw(picture: str) -> None:
 
 
 # ---- run_on_actors: trains with the custom schedule through mpmd.distributed ----------------------
-# Uses only what today's compiler runs: one stage per actor, fused F/B tasks. (Schedules with I/W tasks or
-# several stages per actor simulate and validate already; running them needs the new compiler.)
+# One stage per actor with fused F/B tasks here; tables with I/W tasks, several stages per actor (looped or
+# V-shaped) or another stage -> actor placement run through mpmd.distributed the same way.
 def run_on_actors(steps: int = 5) -> None:
     import jax
     import jax.numpy as jnp

@@ -57,7 +57,7 @@ def mesh4():
 def check_schedule(mesh, schedule, seed):
     rng = np.random.default_rng(seed)
     s = schedule.num_stages
-    m = max(schedule.min_microbatches, 2 * schedule.num_actors)
+    m = max(getattr(schedule, "min_microbatches", 1), 2 * schedule.num_actors)
     params = shared_skip_params(rng, s)
     opt = optax.adam(1e-2)
     step = make_step(loss_for(s), opt, schedule)
@@ -87,6 +87,27 @@ def check_schedule(mesh, schedule, seed):
 @pytest.mark.parametrize("schedule", schedules(2), ids=str)
 def test_every_schedule_on_two_actors_matches_jit(mesh2, schedule):
     check_schedule(mesh2, schedule, 0)
+
+
+class DuckOneFOneB:
+    """A schedule of the user's own that is no `mpmd.Schedule`: num_stages, num_actors, actor_of and tasks only."""
+
+    num_stages = num_actors = 2
+
+    def actor_of(self, stage):
+        return stage
+
+    def tasks(self, m):
+        return mpmd.OneFOneB(2).tasks(m)
+
+
+def test_a_duck_typed_schedule_without_min_microbatches_or_split_backward_validates_simulates_and_runs_like_jit(mesh2):
+    """A duck-typed schedule was accepted as one and then failed with an AttributeError for min_microbatches
+    (validate, simulate, accumulate_grads) or split_backward (a probe); they default to 1 and to the table's."""
+    duck = DuckOneFOneB()
+    assert mpmd.validate(duck, 4) == mpmd.validate(mpmd.OneFOneB(2), 4)
+    assert mpmd.simulate(duck, 4).step_time == pytest.approx(mpmd.simulate(mpmd.OneFOneB(2), 4).step_time)
+    check_schedule(mesh2, duck, 0)
 
 
 @pytest.mark.parametrize("schedule", schedules(4), ids=str)

@@ -61,18 +61,20 @@ from dataclasses import dataclass, field, fields
 from itertools import zip_longest
 
 from mpmd.errors import ScheduleError
-from mpmd.schedules.validation import check_programs, format_table, is_count, validate
+from mpmd.schedules.validation import SCHEDULE_ATTRIBUTES, check_programs, format_table, is_count, schedule_lacks, validate
 from transport.program import TASK_KINDS, Task
 
 
 def not_a_schedule(value: object) -> str | None:
     """What is wrong with `value` as a schedule (None: it is one: a `Schedule`, or any object with a schedule's
     num_stages, num_actors, actor_of and tasks, as `mpmd.schedules.validation.Schedule` reads it): the text after "got"."""
-    if isinstance(value, Schedule) or (not isinstance(value, type) and hasattr(value, "num_stages") and hasattr(value, "num_actors")
-                                       and callable(getattr(value, "actor_of", None)) and callable(getattr(value, "tasks", None))):
+    if isinstance(value, Schedule) or (not isinstance(value, type) and not schedule_lacks(value)):
         return None
     if isinstance(value, type):
         return f"the class {value.__name__}: make one, e.g. {value.__name__}(num_stages=2)"
+    lacks = schedule_lacks(value)
+    if len(lacks) < len(SCHEDULE_ATTRIBUTES) - 1:  # (close to one: say what it lacks)
+        return f"{type(value).__name__} {value!r:.80}, which lacks {', '.join(lacks)} (subclass mpmd.Schedule to write one)"
     return f"{type(value).__name__} {value!r:.80}"
 
 __all__ = ["Custom", "DualPipeV", "EagerOneFOneB", "GPipe", "InterleavedOneFOneB", "InterleavedZeroBubble", "OneFOneB",

@@ -30,8 +30,17 @@ from transport.program import TASK_KINDS, Delete, Instruction, Program, Recv, Ru
 Table = list[list[Task]]
 
 
+SCHEDULE_ATTRIBUTES = ("num_stages", "num_actors", "actor_of", "tasks")  # (min_microbatches: 1, split_backward: the table's, if absent)
+
+
+def schedule_lacks(value: object) -> list[str]:
+    """The attributes of a schedule (`Schedule` below) that `value` lacks: the one duck-typing rule for schedules."""
+    return [a for a in SCHEDULE_ATTRIBUTES if not hasattr(value, a) or (a in ("actor_of", "tasks") and not callable(getattr(value, a)))]
+
+
 class Schedule(Protocol):
-    """What a proof reads of a schedule (`mpmd.schedules.Schedule` has it; so may any object of the user's)."""
+    """What a proof reads of a schedule (`mpmd.schedules.Schedule` has it; so may any object of the user's, which
+    may leave out min_microbatches (then 1) and split_backward (then whatever its table does))."""
 
     num_stages: int
 
@@ -138,9 +147,11 @@ def validate(schedule: Schedule, num_microbatches: int) -> Table:
 
         table = validate(mpmd.OneFOneB(num_stages=4), 8)
     """
-    if isinstance(schedule, type) or not all(hasattr(schedule, a) for a in ("num_stages", "num_actors", "tasks", "actor_of")):
+    if isinstance(schedule, type) or schedule_lacks(schedule):
         what = f"the class {schedule.__name__}" if isinstance(schedule, type) else f"{type(schedule).__name__} {schedule!r:.60}"
-        raise ScheduleError(f"expected a schedule such as mpmd.OneFOneB(num_stages=2), got {what}")
+        lacks = "" if isinstance(schedule, type) else f" (it lacks {', '.join(schedule_lacks(schedule))})"
+        raise ScheduleError(f"expected a schedule such as mpmd.OneFOneB(num_stages=2), got {what}{lacks}; subclass mpmd.Schedule "
+                            "to write one")
     name, m, n = str(schedule), num_microbatches, schedule.num_stages
     if not is_count(m) or m < 1:
         raise ScheduleError(f"{name}: the number of microbatches must be a positive int, got {m!r}")
@@ -155,7 +166,7 @@ def validate(schedule: Schedule, num_microbatches: int) -> Table:
                             + ". To compare schedules at that "
                             "scale, simulate fewer microbatches: once the pipeline is full, the step time grows by about the same "
                             "amount with every microbatch")
-    need, p = schedule.min_microbatches, schedule.num_actors
+    need, p = getattr(schedule, "min_microbatches", 1), schedule.num_actors
     if not is_count(need):
         raise ScheduleError(f"{name}: min_microbatches must be an int, got {need!r:.40}")
     if not is_count(p) or p < 1:
@@ -202,7 +213,7 @@ def validate(schedule: Schedule, num_microbatches: int) -> Table:
             raise _fail(f"task {table[a][i]} is on actor {a} but stage {s} belongs to actor {schedule.actor_of(s)} "
                         f"(actor_of({s})); move stage {s}'s tasks there or change the placement", table, {a: i})
     split = split_stages(table)
-    if bool(split) != schedule.split_backward:
+    if hasattr(schedule, "split_backward") and bool(split) != schedule.split_backward:
         raise _fail(f"{name}.split_backward is {schedule.split_backward} but its table {'uses' if split else 'has no'} I/W tasks; "
                     "make split_backward return whether tasks() splits backwards", table)
     for t, (a, i) in seen.items():
