@@ -2,6 +2,7 @@
 trains a model with a skip connection between non-adjacent stages and a weight shared by the first and last
 stage to the same losses, parameters and optimizer state as jax.jit of the undecorated step."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -108,6 +109,28 @@ def test_a_duck_typed_schedule_without_min_microbatches_or_split_backward_valida
     assert mpmd.validate(duck, 4) == mpmd.validate(mpmd.OneFOneB(2), 4)
     assert mpmd.simulate(duck, 4).step_time == pytest.approx(mpmd.simulate(mpmd.OneFOneB(2), 4).step_time)
     check_schedule(mesh2, duck, 0)
+
+
+def test_an_evaluation_step_runs_a_table_of_forward_tasks_alone_and_equals_jit(mesh2):
+    """An evaluation loop (no gradients) compiles to forward tasks only, yet a Custom table of its F tasks alone
+    was refused ("tasks missing from the schedule: 0B0 ..."): the user had to write B tasks that never run (a
+    probe). A training loop still needs them all."""
+    def loss(params, mb):
+        x = mpmd.pipeline_yield(jnp.tanh(mb["x"] @ params[0]))
+        return jnp.mean((x @ params[1] - mb["y"]) ** 2)
+
+    forwards = mpmd.Custom(num_stages=2, order=(("0F1", "0F0"), ("1F1", "1F0")))  # (any order of the microbatches)
+    rng = np.random.default_rng(3)
+    params = [rng.standard_normal((4, 4)).astype(np.float32) for _ in range(2)]
+    batch = {"x": rng.standard_normal((2, 3, 4)).astype(np.float32), "y": rng.standard_normal((2, 3, 4)).astype(np.float32)}
+
+    def evaluate(params, batch):
+        return mpmd.accumulate_grads(lambda mb: ((), loss(params, mb)), batch, schedule=forwards)[1]
+
+    np.testing.assert_array_equal(mpmd.distributed(evaluate, mesh=mesh2)(params, batch).to_numpy(), np.asarray(jax.jit(evaluate)(params, batch)))
+    train = make_step(loss, optax.sgd(0.1), forwards)
+    with pytest.raises(mpmd.ScheduleError, match="tasks missing from the schedule: 0B0 0B1 1B0 1B1"):
+        mpmd.distributed(train, mesh=mesh2)(params, optax.sgd(0.1).init(params), batch)
 
 
 @pytest.mark.parametrize("schedule", schedules(4), ids=str)

@@ -168,7 +168,7 @@ def schedule_stages(loop: StepLoop, body: LoopBody, num_mesh_actors: int) -> Sch
     check_schedule(loop.schedule, split.num_stages, num_mesh_actors)
     schedule = loop.schedule
     assert schedule is not None
-    table = validate(schedule, loop.num_microbatches)
+    table = validate(schedule, loop.num_microbatches, forward_only=loop.num_grads == 0)  # (evaluation: F tasks are enough)
     follow_inputs(split, body, schedule.actor_of)
     split_backward(split, {t.stage for row in table for t in row if t.kind in ("I", "W")})
     host_calls = strip_host_calls(split)

@@ -140,10 +140,11 @@ def is_count(x: object) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def validate(schedule: Schedule, num_microbatches: int) -> Table:
+def validate(schedule: Schedule, num_microbatches: int, forward_only: bool = False) -> Table:
     """Check that `schedule`'s table for `num_microbatches` is complete, placed consistently and cannot
     deadlock; return it. Raises `ScheduleError` naming the problem, with the table and the offending tasks
-    in brackets.
+    in brackets. `forward_only` (a loop that computes no gradients: evaluation): only the F tasks must be
+    there (a table of F tasks alone is complete; backward tasks in it are checked as usual).
 
         table = validate(mpmd.OneFOneB(num_stages=4), 8)
     """
@@ -224,7 +225,9 @@ def validate(schedule: Schedule, num_microbatches: int) -> Table:
         if t.kind == "I" and Task(t.stage, "W", t.mb) not in seen:
             raise _fail(f"task {t} has no {Task(t.stage, 'W', t.mb)}: every input-gradient half I needs its weight-gradient "
                         "half W", table, {a: i})
-    expected = {Task(s, k, i) for s in range(n) for k in (("F", "I", "W") if s in split else ("F", "B")) for i in range(m)}
+    kinds = lambda s: ("F",) if forward_only and not any(t.stage == s and t.kind != "F" for t in seen) else (  # noqa: E731
+        ("F", "I", "W") if s in split else ("F", "B"))
+    expected = {Task(s, k, i) for s in range(n) for k in kinds(s) for i in range(m)}
     missing = expected - set(seen)
     if missing:
         raise _fail(f"tasks missing from the schedule: {' '.join(map(str, sorted(missing)))}", table)
