@@ -442,6 +442,10 @@ def test_cli_exits_2_with_the_validation_error(capsys):
     with pytest.raises(SystemExit) as e:
         main(["simulate", "--schedule", "GPipe", "--actors", "2", "--microbatches", "2", "--costs", "Q=1"])
     assert e.value.code == 2
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # (a cost given twice kept the last silently: a probe)
+        main(["simulate", "--schedule", "GPipe", "--actors", "2", "--microbatches", "2", "--costs", "F=1,B=2,F=2"])
+    assert e.value.code == 2 and "F is given twice" in capsys.readouterr().err
 
 
 def test_cli_tune_refuses_counts_that_cannot_work_before_starting_anything(capsys):

@@ -32,6 +32,9 @@ def _parse_costs(text: str) -> Any:
         if not sep or key not in fields:
             raise argparse.ArgumentTypeError(f"{item!r}: write NAME=VALUE with NAME one of {', '.join(sorted(fields))} "
                                              "(per-stage values separated by ':', e.g. F=1:1.5:1)")
+        if key in kwargs:
+            raise argparse.ArgumentTypeError(f"{key} is given twice in {text!r}; give each cost once (per-stage values "
+                                             f"separated by ':', e.g. {key}=1:1.5)")
         try:
             vals = [float(v) for v in value.split(":")]
         except ValueError:
