@@ -253,9 +253,10 @@ def _actor_mesh_error(e: ValueError, am: Any, traced_under: Any) -> PipelineErro
                                               if traced_under is not None else ""))
     text = str(e).split("\n")[0]
     if "should match the mesh passed to shard_map" in text:
-        return PipelineError(f"a shard_map in the step was given a jax Mesh other than {where} ({text}): write jax.shard_map(f, "
-                             "in_specs=..., out_specs=...) without mesh= (it takes each actor's mesh), or give the actors that "
-                             "mesh (RemoteMesh.local(..., mesh_shape=..., axis_names=...))")
+        return PipelineError(f"a shard_map in the step was given a jax Mesh other than {where} ({text}; the actors' axes are "
+                             "AxisType.Auto, so a Mesh of Explicit axes, jax.make_mesh's default, differs in them too): write "
+                             "jax.shard_map(f, in_specs=..., out_specs=...) without mesh= (it takes each actor's mesh), or give "
+                             "the actors that mesh (RemoteMesh.local(..., mesh_shape=..., axis_names=...))")
     if "of type Auto" in text and "axis name" in text:
         return PipelineError(f"explicit sharding in the step ({text}): the step runs on {where}, whose axes are automatic "
                              "(AxisType.Auto, as jax.jit's were before Explicit axes); jax.sharding.reshard and out_sharding= "
@@ -348,8 +349,15 @@ class DistributedFunction:
                                 "takes named parameters (positional or keyword-only); name them, or close over them")
         got, params = bound.arguments, bound.signature.parameters
         static = {[*self._positional, *self._kwonly][i] for i in self.static_argnums if -len(named) <= i < len(named)}
-        # (a static one not passed is its default: the same Python value, the same compiled step as when passed)
-        return tuple(got.get(k, params[k].default if k in static else DEFAULT) for k in [*self._positional, *self._kwonly])
+
+        def unpassed(k: str) -> Any:
+            # A static one is its default (the same Python value, the same compiled step as when passed); one holding
+            # arrays (functools.partial(step, w=x), x a RemoteArray too) is an argument, as it was given to the step.
+            default = params[k].default
+            return default if k in static or any(_is_remote(x) or hasattr(x, "shape") for x in
+                                                 jax.tree.leaves(default, is_leaf=_is_remote)) else DEFAULT
+
+        return tuple(got[k] if k in got else unpassed(k) for k in [*self._positional, *self._kwonly])
 
     def _invoke(self, args: tuple[Any, ...]) -> Any:
         """Call the step's function on the tuple `bind` made (keyword-only parameters by name; a `DEFAULT` left out,

@@ -230,6 +230,22 @@ def test_parameters_the_call_leaves_at_their_defaults_stay_python_values_as_unde
                        jax.jit(partial)(params, opt_state, batch))
 
 
+def test_a_partials_array_and_remote_array_keywords_are_arguments_of_the_step(mesh2):
+    """functools.partial(step, opt_state=x) makes `opt_state` a keyword-only parameter whose default holds arrays:
+    it stays an argument of the step (a RemoteArray there is the step's own state on the actors), as it was before
+    unpassed Python defaults were left to the function (a review found it refused then)."""
+    rng = np.random.default_rng(9)
+    params, batch = mlp2(rng), batch_of(rng)
+    opt_state = optax.sgd(0.1).init(params)
+    ref = jax.jit(_step, static_argnums=3)
+    rp, ro, _ = ref(params, opt_state, batch, jnp.tanh)
+    dp, do, _ = mpmd.distributed(_step, mesh=mesh2, static_argnums=3)(params, opt_state, batch, jnp.tanh)  # RemoteArrays
+    want = ref(rp, ro, batch, jnp.tanh)
+    for fixed, state in ((rp, ro), (dp, do)):
+        step = mpmd.distributed(functools.partial(_step, params=fixed, act=jnp.tanh), mesh=mesh2)
+        assert_trees_close(mpmd.fetch(step(opt_state=state, batch=batch)), want)
+
+
 def test_arguments_for_var_keywords_are_refused_naming_them(mesh2):
     def step(params, opt_state, batch, **extra):
         return _step(params, opt_state, batch, jnp.tanh)
