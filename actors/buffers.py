@@ -190,3 +190,7 @@ class BufferTable:
     @property
     def nbytes(self) -> int:
         return self._bytes
+
+    def size_of(self, buf: int) -> int:
+        """The bytes `buf` holds now (0: none, or not yet computed)."""
+        return self._sizes.get(buf, 0)

@@ -66,6 +66,7 @@ class Session:
         self.inputs = InputSegments(actor_id)  # step arguments its controller hands over in shared memory
         self.last_seen = time.monotonic()  # when its controller last sent a request naming it (pings too)
         self.program_words: dict[int, int] = {}  # each loaded Program's instructions and buffer ids (a guest's are bounded)
+        self.program_bytes: dict[int, int] = {}  # each loaded Program's constants (counted with the buffers)
 
     def close(self) -> None:
         for task in self.running.values():
@@ -73,6 +74,7 @@ class Session:
         self.buffers.clear()
         self.programs.clear()
         self.program_words.clear()
+        self.program_bytes.clear()
         self.inputs.close()
 
 
@@ -302,7 +304,7 @@ class Actor:
         buf = field(msg, "buf", int)
         if len(msg.arrays) != 1:
             raise RequestError(f"'put' carries {len(msg.arrays)} arrays, expected 1")
-        self._within_guest_quota(ses, more_bytes=int(msg.arrays[0].nbytes))
+        self._within_guest_quota(ses, more_bytes=int(msg.arrays[0].nbytes) - ses.buffers.size_of(buf))  # (a put replaces)
         ses.buffers.put(buf, self._to_device(msg.arrays[0], self._layout(msg.header.get("layout"))))
         return {"nbytes": int(msg.arrays[0].nbytes)}, []
 
@@ -460,7 +462,10 @@ class Actor:
         wire = field(msg, "program", dict)
         instrs = wire.get("instrs")
         words = sum(1 + sum(len(x) for x in i if isinstance(x, list)) for i in instrs if isinstance(i, list)) if isinstance(instrs, list) else 0
-        self._within_guest_quota(ses, more_bytes=sum(int(a.nbytes) for a in msg.arrays), more_words=words)
+        consts = sum(int(a.nbytes) for a in msg.arrays)
+        pid_given = wire.get("id")  # (a program loaded again under its id replaces the one before)
+        replaced = (ses.program_bytes.get(pid_given, 0), ses.program_words.get(pid_given, 0)) if isinstance(pid_given, int) else (0, 0)
+        self._within_guest_quota(ses, more_bytes=consts - replaced[0], more_words=words - replaced[1])
         try:
             pid, prog = decode_program(wire, msg.arrays)
         except ProgramError as e:
@@ -475,7 +480,7 @@ class Actor:
                 raise RequestError(self._not_wired(ses))
         prog.consts = {b: self._to_device(a) for b, a in prog.consts.items()}
         ses.programs[pid] = prog
-        ses.program_words[pid] = words
+        ses.program_words[pid], ses.program_bytes[pid] = words, consts
         collector.freeze()  # the Program's instructions are kept for the session's life
         return {"program": pid}, []
 
@@ -486,15 +491,16 @@ class Actor:
         if self.ownership.governs(ses.owner):
             return
         guests = [s for s in self.sessions.values() if not self.ownership.governs(s.owner)]
-        held, words = sum(s.buffers.nbytes for s in guests), sum(sum(s.program_words.values()) for s in guests)
+        held = sum(s.buffers.nbytes + sum(s.program_bytes.values()) for s in guests)
+        words = sum(sum(s.program_words.values()) for s in guests)
         most_words = self.guest_bytes // (1 << 20) * GUEST_PROGRAM_WORDS_PER_MB
         if held + more_bytes > self.guest_bytes or words + more_words > most_words:
             what = (f"{(held + more_bytes) / 2**20:.1f} MiB of buffers (the limit: {self.guest_bytes / 2**20:.0f} MiB)"
                     if held + more_bytes > self.guest_bytes else
                     f"{words + more_words} instruction words in loaded programs (the limit: {most_words})")
             raise RequestError(f"key {ses.owner!r} does not own actor {self.actor_id}'s job ({self.ownership.describe()}); the "
-                               f"sessions of such keys would hold {what} between them: delete buffers or programs, close a "
-                               "mesh, or start the daemon with a larger --guest-memory-mb")
+                               f"sessions of such keys would hold {what} between them: delete buffers, close a mesh, or "
+                               "start the daemon with a larger --guest-memory-mb")
 
     def _not_wired(self, ses: Session) -> str:
         return (f"actor {self.actor_id}'s data plane is wired for the job of another key ({self.ownership.describe()}); "

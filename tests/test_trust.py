@@ -128,6 +128,18 @@ def test_keys_that_do_not_own_the_job_hold_buffers_and_programs_within_the_guest
             owner = [alice.actor(0).put(np.zeros(1 << 20, np.float32)) for _ in range(3)]  # 12 MiB: the owner's job is not bounded
             held.pop().delete()
             again = bob.actor(0).put(quarter)  # room again
+            same = raw_request(address, {"op": "put", "id": 2, "session": bob.session, "buf": again.buffers[0],
+                                         "arrays": [{"dtype": "float32", "shape": [1 << 16]}]}, keys=keys["bob"], arrays=[quarter])
+            assert same.op == "reply", same.header  # (a put over a buffer replaces it: counted once)
+            # a program's constants count with the buffers (loading programs of constants got round the quota: a review)
+            const = lambda i: {"id": 20 + i, "actor": 0, "inputs": [], "outputs": [500], "consts": [500], "instrs": []}  # noqa: E731
+            loads = [raw_request(address, {"op": "load_program", "id": 3, "session": bob.session, "program": const(i)},
+                                 keys=keys["bob"], arrays=[quarter]) for i in range(2)]
+            assert loads[0].op == "reply", loads[0].header
+            assert loads[1].op == "error" and "MiB of buffers (the limit: 1 MiB)" in loads[1].header["message"]
+            again_0 = raw_request(address, {"op": "load_program", "id": 4, "session": bob.session, "program": const(0)},
+                                  keys=keys["bob"], arrays=[quarter])
+            assert again_0.op == "reply", again_0.header  # (loaded again under its id: replaces, counted once)
             np.testing.assert_array_equal(bob.actor(0).run(jax.jit(lambda a: a + 1), again).to_numpy(), quarter + 1)
             words = [["del", list(range(2000)), "x"]] * 10  # 20,010 words: over the 16,384 a 1 MiB quota gives programs
             reply = raw_request(address, {"op": "load_program", "id": 1, "session": bob.session,
