@@ -206,6 +206,18 @@ def test_local_gpu_actors_on_a_machine_without_them_are_an_error_not_a_silent_cp
     assert set(_daemons_of_this_process()) <= before  # closed: no daemon of its own left behind
 
 
+def test_the_local_device_check_names_fewer_gpus_than_asked_and_passes_what_was_asked():
+    """`check_devices` on the `info` headers local daemons send (written here as the daemons write them: the branch
+    of a GPU host with fewer GPUs than asked cannot run on this CPU machine)."""
+    from mpmd.runtime.launch.local import LocalOptions, check_devices
+
+    gpu = LocalOptions(devices_per_actor=2, platform="gpu")
+    check_devices([{"platform": "gpu", "devices": ["cuda:0", "cuda:1"]}] * 2, gpu)
+    with pytest.raises(mpmd.ActorStartError, match=r"local actor 1 runs on 1 gpu device\(s\), .*devices_per_actor=2.*are there 2 GPUs"):
+        check_devices([{"platform": "gpu", "devices": ["cuda:0", "cuda:1"]}, {"platform": "gpu", "devices": ["cuda:2"]}], gpu)
+    check_devices([{"platform": None}, {}], gpu)  # (a stand-in that does not say)
+
+
 def _daemons_of_this_process() -> list[int]:
     """The live `mpmd-actor` processes this test process started (they carry --parent-pid with its pid)."""
     mine = []
