@@ -452,7 +452,7 @@ class DistributedFunction:
                 if err is None:
                     raise
                 raise err from None
-        return inline_calls(rebind_constraints(closed, am, traced_under if am is not None else None)), out_box[-1]
+        return inline_calls(rebind_constraints(closed, am, traced_under)), out_box[-1]
 
     def _cached(self, sig: Any) -> CompiledStep | None:
         """The compiled step for `sig`, unless a daemon was restarted under the mesh since (mesh.reconnect to a new

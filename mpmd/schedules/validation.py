@@ -225,9 +225,9 @@ def validate(schedule: Schedule, num_microbatches: int, forward_only: bool = Fal
         if t.kind == "I" and Task(t.stage, "W", t.mb) not in seen:
             raise _fail(f"task {t} has no {Task(t.stage, 'W', t.mb)}: every input-gradient half I needs its weight-gradient "
                         "half W", table, {a: i})
-    kinds = lambda s: ("F",) if forward_only and not any(t.stage == s and t.kind != "F" for t in seen) else (  # noqa: E731
-        ("F", "I", "W") if s in split else ("F", "B"))
-    expected = {Task(s, k, i) for s in range(n) for k in kinds(s) for i in range(m)}
+    backward = {t.stage for t in seen if t.kind != "F"}  # (forward_only: a stage without backward tasks needs none)
+    kinds = {s: ("F",) if forward_only and s not in backward else ("F", "I", "W") if s in split else ("F", "B") for s in range(n)}
+    expected = {Task(s, k, i) for s in range(n) for k in kinds[s] for i in range(m)}
     missing = expected - set(seen)
     if missing:
         raise _fail(f"tasks missing from the schedule: {' '.join(map(str, sorted(missing)))}", table)

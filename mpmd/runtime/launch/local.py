@@ -83,13 +83,15 @@ def check_devices(headers: Sequence[dict[str, Any]], options: LocalOptions) -> N
         platform, n = h.get("platform"), len(h.get("devices") or [None])
         if platform is None or (platform == want and n == options.devices_per_actor):
             continue  # (a daemon that does not say: a test's stand-in)
-        hint = (" — JAX in this environment sees no GPU for it: install jax with its CUDA plugin (pip install "
-                "'jax[cuda12]') and check the GPUs are visible (nvidia-smi), or run on the CPU (platform='cpu')"
-                if want == "gpu" and platform != "gpu" else
-                f" — are there {options.devices_per_actor} GPUs per actor here? pass gpu_ids= the GPUs to deal out, or "
-                "fewer devices_per_actor" if want == "gpu" else
-                " — its CPU devices come from XLA_FLAGS' --xla_force_host_platform_device_count, which XLA ignores after a "
-                "word there that is no --flag: check XLA_FLAGS in this environment")
+        if want == "cpu":
+            hint = (" — its CPU devices come from XLA_FLAGS' --xla_force_host_platform_device_count, which XLA ignores after "
+                    "a word there that is no --flag: check XLA_FLAGS in this environment")
+        elif platform != "gpu":
+            hint = (" — JAX in this environment sees no GPU for it: install jax with its CUDA plugin (pip install "
+                    "'jax[cuda12]') and check the GPUs are visible (nvidia-smi), or run on the CPU (platform='cpu')")
+        else:
+            hint = (f" — are there {options.devices_per_actor} GPUs per actor here? pass gpu_ids= the GPUs to deal out, "
+                    "or fewer devices_per_actor")
         raise ActorStartError(f"local actor {i} runs on {n} {platform} device(s), but RemoteMesh.local asked for "
                               f"devices_per_actor={options.devices_per_actor} on platform={options.platform!r}{hint}")
 
