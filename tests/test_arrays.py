@@ -16,6 +16,10 @@ def test_remote_array_has_the_array_attributes_and_a_useful_repr(mesh2):
     r = mesh2.actor(1).put(a)
     assert (r.shape, r.dtype, r.ndim, r.size, r.nbytes) == (a.shape, a.dtype, a.ndim, a.size, a.nbytes)
     assert repr(r) == "RemoteArray(float32[2, 3, 4], on actor 1)"
+    # jnp functions and jax.jit refuse it with JAX's own TypeError, which shows it as str() does: say how to fetch it
+    for use in (jnp.mean, jax.jit(lambda x: x * 2)):
+        with pytest.raises(TypeError, match=r"on actor 1\) \(held by the actors: mpmd.fetch\(x\) brings it here\)"):
+            use(r)
     assert r.block_until_ready() is r
     np.testing.assert_array_equal(np.asarray(r), a)
     np.testing.assert_array_equal(jax.device_get(r), a)
@@ -106,7 +110,7 @@ def test_python_conversions_fetch_as_numpy_does_and_arithmetic_says_to_fetch_or_
     n = mesh2.actor(1).put(np.int32(3))
     v = mesh2.actor(1).put(np.arange(6, dtype=np.float32).reshape(2, 3))
     assert float(x) == 2.5 and int(x) == 2 and x.item() == 2.5 and complex(x) == 2.5
-    assert f"{x:.3f}" == "2.500" and f"{n:04d}" == "0003" and f"{v}" == repr(v)
+    assert f"{x:.3f}" == "2.500" and f"{n:04d}" == "0003" and f"{v}" == str(v) == f"{v!r} (held by the actors: mpmd.fetch(x) brings it here)"
     assert bool(x) and not bool(mesh2.actor(0).put(np.float32(0))) and list(range(10))[n] == 3
     assert v.tolist() == [[0, 1, 2], [3, 4, 5]] and len(v) == 2 and v.item(4) == 4.0
     with pytest.raises(ValueError):

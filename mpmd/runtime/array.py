@@ -181,7 +181,12 @@ class RemoteArray:
         return self.to_numpy().__index__()
 
     def __format__(self, spec: str) -> str:
-        return format(self.to_numpy(), spec) if spec else repr(self)
+        return format(self.to_numpy(), spec) if spec else str(self)
+
+    def __str__(self) -> str:
+        # (what print, f-strings and JAX's "is not a valid JAX type" error show: `jnp.mean(x)` and `jax.jit(f)(x)`
+        # of a RemoteArray then say how to use it here; repr stays short for containers)
+        return f"{self!r} (held by the actors: mpmd.fetch(x) brings it here)"
 
     def __len__(self) -> int:
         if not self.shape:
