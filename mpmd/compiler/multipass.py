@@ -50,7 +50,10 @@ def split_by_dataflow(eqns: Sequence[Any], aux: set[Any], is_fwd: Callable[[Any]
             raise PipelineError("a forward pass in the microbatch function reads the result of an earlier backward pass (a "
                                 "pipeline_yield marker runs on values computed from a gradient), so its forward cannot run "
                                 "before that backward in a pipeline schedule; compute the second forward from the "
-                                f"parameters and the microbatch only, or {ONE_VJP}")
+                                f"parameters and the microbatch only, or {ONE_VJP}. A gradient of a gradient across the "
+                                "markers (a gradient penalty, a Hessian-vector product) has this shape and cannot be "
+                                "pipelined: take the inner gradient where no pipeline_yield lies between its input and its "
+                                "output (within one stage), or run that step under plain jax.jit")
     forward = upstream([e for e in eqns if is_fwd(e)] + [producer[v] for v in aux if v in producer], producer,
                        lambda e: id(e) in downstream_of_bwd)
     fwd_vars = {v for e in eqns if id(e) in forward for v in e.outvars}
