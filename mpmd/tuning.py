@@ -518,7 +518,7 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
             if m != m0:
                 call_args[batch_argnum] = resplit(args[batch_argnum], m)
         except PipelineError as e:
-            found.extend(Candidate(sched, m, rejected=str(e).splitlines()[0][:160]) for sched in cands)
+            found.extend(Candidate(sched, m, rejected=_reason(str(e))) for sched in cands)
             continue
         for sched in cands:
             found.extend(_predict(base, tuple(call_args), sched, m, scaled, p, memory_limit, remat))
@@ -556,6 +556,15 @@ def _batch_argnum(args: tuple[Any, ...], batch_argnum: Any, m0: int, static: Any
         raise PipelineError(f"tune: argument {batch_argnum} is not the step's batch: its leaves ({shapes}) must all lead with "
                             f"the {m0} microbatches that accumulate_grads splits it into; pass batch_argnum= the batch's position")
     return int(batch_argnum) % len(args)
+
+
+def _reason(message: str, limit: int = 400) -> str:
+    """A rejection's reason for the table: the message's first line, cut at a word past `limit` characters."""
+    line = (message.splitlines() or [""])[0]
+    if len(line) <= limit:
+        return line
+    cut = line.rfind(" ", 0, limit)
+    return line[:cut if cut > limit // 2 else limit].rstrip(" ,;:(") + " ..."
 
 
 def _check_counts(where: str, **counts: Any) -> None:
@@ -627,11 +636,11 @@ def _predict(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedul
         c.schedule = _with_balance(schedule, c.grouping, tuple(getattr(schedule, "remat", ())))
         sim = _simulate(base, args, c.schedule, _stage_costs(seg, c.grouping, c.schedule), p, static)
     except (ScheduleError, PipelineError) as e:
-        c.rejected = str(e).splitlines()[0][:120]
+        c.rejected = _reason(str(e))
         return [c]
     except Exception as e:  # (tracing the step with this schedule or count failed in JAX or in the user's code)
         log.warning("tune: %s m=%d rejected: tracing it raised %s", c.name, c.num_microbatches, type(e).__name__, exc_info=True)
-        c.rejected = f"tracing it raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:160]
+        c.rejected = _reason(f"tracing it raised {type(e).__name__}: {str(e)}")
         return [c]
     over = _record(c, sim, memory_limit)
     floor = -(-sum(static) // p)

@@ -330,3 +330,26 @@ def test_too_many_stages_for_the_segments_says_so_in_good_grammar():
         resolve_grouping(schedule, 1, 4)
     assert str(e.value) == (f"{schedule} has 2 stages but the step has only 1 segment (no pipeline_yield marker); use at "
                             "most 1 stage or mark more boundaries")
+
+
+def test_all_zero_segment_costs_as_balance_are_refused_as_tune_refuses_them():
+    """`balance=SegmentCosts(F=(0,)*6, B=(0,)*6)` was taken silently and gave (1, 5): every grouping ties at no time
+    (a probe; `mpmd.tune` refused the same costs)."""
+    from mpmd.errors import ScheduleError
+    from mpmd.schedules.balance import resolve_grouping
+
+    zeros = mpmd.SegmentCosts(F=(0,) * 6, B=(0,) * 6)
+    with pytest.raises(ScheduleError, match=r"SegmentCosts are all zero .* give the segments' positive times"):
+        resolve_grouping(mpmd.OneFOneB(2, balance=zeros), 6, 4)
+    assert resolve_grouping(mpmd.OneFOneB(2, balance=mpmd.SegmentCosts(F=(0,) * 4 + (1, 1), B=(0,) * 6)), 6, 4) == (5, 1)
+
+
+def test_a_rejection_reason_keeps_its_first_line_whole_up_to_a_word():
+    """Reasons were cut at 160 characters mid-word ("...(7 pipeline_yield m", a probe)."""
+    from mpmd.tuning import _reason
+
+    short = "OneFOneB(2) has 2 stages but the step has 7 segments (7 pipeline_yield markers); give balance="
+    assert _reason(short + "\nmore") == short
+    long = " ".join(f"word{i}" for i in range(200))
+    cut = _reason(long)
+    assert cut.endswith(" ...") and long.startswith(cut[:-4]) and len(cut) <= 404 and cut[:-4].split()[-1] in long.split()

@@ -368,4 +368,8 @@ def resolve_grouping(schedule: Schedule, num_segments: int, num_microbatches: in
     if seg.num_segments != num_segments:
         raise ScheduleError(f"{schedule}: the balance's SegmentCosts has {seg.num_segments} segments but the step has "
                             f"{num_segments}; profile this step (step.profile_costs(*args)) again")
+    if seg is b and not any(seg.F) and not any(seg.B):
+        raise ScheduleError(f"{schedule}: the balance's SegmentCosts are all zero (F={seg.F}, B={seg.B}), so every grouping "
+                            "would take no time and none is better; give the segments' positive times (step.profile_costs"
+                            "(*args) measures them), balance='auto' or balance='even'")
     return best_grouping(schedule, num_microbatches, seg)
