@@ -553,3 +553,28 @@ def test_a_full_dev_shm_sends_the_inputs_inline_at_once_says_so_and_steps_equal_
                    for r in caplog.records) == 1  # said once, not every step
         for got, w in zip(jax.tree.leaves(mpmd.fetch(state)), jax.tree.leaves(state_r)):
             np.testing.assert_allclose(got, np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+def test_a_small_host_batch_refilled_in_place_right_after_the_call_does_not_change_that_step(mesh2):
+    """The call returns before the controller loop sends its requests; a batch under the shared-memory threshold
+    goes inline in them, and was sent from the caller's own arrays then: a data loader refilling its numpy buffers
+    for the next step changed this one's data (a probe: 9-20 of 10-20 steps computed on the refilled values).
+    The controller loop is held busy here while the call returns and the buffers are refilled."""
+    dist, ref, params, state, batch = _tiny(mesh2, width=8, m=2, rows=4)
+    np.asarray(dist(params, state, batch)[2])  # compiled
+    x, y = batch["x"].copy(), batch["y"].copy()
+    want = np.asarray(ref(params, state, {"x": x.copy(), "y": y.copy()})[2])
+    release = threading.Event()
+
+    async def hold_the_loop():
+        release.wait(30)  # (blocks the controller loop thread: nothing is sent meanwhile)
+
+    held = mesh2.submit_coroutine(hold_the_loop())
+    try:
+        losses = dist(params, state, {"x": x, "y": y})[2]
+        x[...] = 1e6  # the loader's next batch, into the same buffers
+        y[...] = -1e6
+    finally:
+        release.set()
+    held.result(30)
+    np.testing.assert_array_equal(np.asarray(losses), want)
