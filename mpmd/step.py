@@ -472,10 +472,14 @@ class DistributedFunction:
         """`compile` of arguments already bound (`bind`): once per signature, however many threads ask at once
         (the others wait for the compile under way: each would trace, compile and ship a Program of its own)."""
         sig = self._signature(args)[0]
-        for _ in range(3):  # (again when a daemon was replaced while it compiled, as the call does)
-            compiled = self._cached(sig) or self._compile_once(sig, args)
-            if compiled.generation == getattr(self.mesh, "generation", 0):
-                break
+        try:
+            for _ in range(3):  # (again when a daemon was replaced while it compiled, as the call does)
+                compiled = self._cached(sig) or self._compile_once(sig, args)
+                if compiled.generation == getattr(self.mesh, "generation", 0):
+                    break
+        except (ActorDiedError, concurrent.futures.CancelledError) as e:  # (the mesh closed meanwhile: say so)
+            getattr(self.mesh, "raise_if_closed_meanwhile", lambda e: None)(e)
+            raise
         return compiled
 
     def _compile_once(self, sig: Any, args: tuple[Any, ...]) -> CompiledStep:

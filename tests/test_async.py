@@ -5,6 +5,7 @@ its buffers; a remote error and `asyncio.timeout` reach the await; a blocking ca
 
 import asyncio
 import logging
+import threading
 import time
 
 import jax
@@ -425,3 +426,35 @@ async def test_a_fetch_in_flight_when_the_mesh_closes_says_the_mesh_closed_not_t
         assert not isinstance(e.value, mpmd.ActorDiedError)
         with pytest.raises(mpmd.MpmdError, match="RemoteMesh is closed"):
             await dist.call_async(p, o, batch)
+
+
+@pytest.mark.parametrize("how", ["stalled", "daemons exit"])
+async def test_aclose_while_a_first_call_compiles_says_the_mesh_was_closed_not_that_an_actor_died(how):
+    """A probe closed the mesh while a first `call_async` compiled: the call raised ActorDiedError ("actor 0
+    died ... exited with code 0; mesh.reconnect(0) talks to it again") or a bare CancelledError, by timing. The
+    compile's requests are held on the controller loop here until the close: either never answered ("stalled":
+    the loop stops under them) or answered by daemons already gone ("daemons exit")."""
+    step, _, params, state, batch = training()
+    mesh = await mpmd.RemoteMesh.local_async(num_actors=2)
+    dist = mpmd.distributed(step, mesh=mesh)
+    held, closing = [], threading.Event()
+    ensure_compiled = mesh.executables.ensure_compiled
+
+    async def compile_after_the_close(*args):  # (on the controller loop)
+        held.append(time.monotonic())
+        while how == "stalled" or not closing.is_set():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.5)  # (the daemons have their shutdown by now)
+        return await ensure_compiled(*args)
+
+    mesh.executables.ensure_compiled = compile_after_the_close
+    call = asyncio.create_task(dist.call_async(params, state, batch))
+    loop = asyncio.get_running_loop()
+    while not held or time.monotonic() - held[-1] < 1.0:  # (every executable lowered and sent to compile)
+        await asyncio.sleep(0.01)
+    closing.set()
+    await mesh.aclose()
+    with pytest.raises(mpmd.MpmdError, match="this RemoteMesh (is|was) closed") as e:
+        await asyncio.wait_for(call, 60)
+    assert not isinstance(e.value, mpmd.ActorDiedError), e.value
+    assert loop.is_running()

@@ -542,14 +542,31 @@ class RemoteMesh:
         if self.closed:
             close_unstarted(coro)
             raise MpmdError("this RemoteMesh is closed")
-        return self._io.run(coro, timeout)
+        try:
+            return self._io.run(coro, timeout)
+        except (ActorDiedError, concurrent.futures.CancelledError, asyncio.CancelledError) as e:
+            self.raise_if_closed_meanwhile(e)
+            raise
 
     async def arun(self, coro: Any) -> Any:
         """Await a coroutine run on the controller loop, from the caller's own event loop (`run`'s twin)."""
         if self.closed:
             close_unstarted(coro)
             raise MpmdError("this RemoteMesh is closed")
-        return await self._io.arun(coro)
+        try:
+            return await self._io.arun(coro)
+        except (ActorDiedError, concurrent.futures.CancelledError, asyncio.CancelledError) as e:
+            task = asyncio.current_task()
+            if not (isinstance(e, asyncio.CancelledError) and task is not None and task.cancelling()):  # (not the caller's own)
+                self.raise_if_closed_meanwhile(e)
+            raise
+
+    def raise_if_closed_meanwhile(self, e: BaseException) -> None:
+        """An actor that stopped, or a request the loop dropped, because this mesh was closed meanwhile (from another
+        thread or task, e.g. `aclose` while a first call compiles) is the close's doing, not a lost actor."""
+        if self.closed:
+            raise MpmdError(f"this RemoteMesh was closed while the request ran (mesh.close or aclose from another thread "
+                            f"or task; {type(e).__name__})") from e
 
     def submit_coroutine(self, coro: Any) -> concurrent.futures.Future[Any]:
         """Run `coro` on the controller loop without waiting; a concurrent future of its result."""
