@@ -234,7 +234,9 @@ def test_a_restarted_daemon_is_taken_back_with_reconnect_and_the_data_plane_is_r
             batch = testing.regression_batch(rng, num_microbatches=2, microbatch_size=3, width=16)
             step = mpmd.distributed(make_train_step(testing.mse_loss(testing.mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
             want = jax.jit(make_train_step(testing.mse_loss(testing.mlp), opt, None))(params, opt.init(params), batch)[2]
+            on_actors = step(params, opt.init(params), batch)[0]  # (its second stage's weights live on actor 1)
             np.testing.assert_allclose(step(params, opt.init(params), batch)[2].to_numpy(), want, rtol=1e-5)
+            both = mesh.put_replicated(np.full(2, 2, np.float32), [0, 1])
             procs[1].kill()
             procs[1].wait()
             procs[1] = daemon(1)[0]
@@ -243,8 +245,14 @@ def test_a_restarted_daemon_is_taken_back_with_reconnect_and_the_data_plane_is_r
             for src, dst in ((0, 1), (1, 0)):
                 np.testing.assert_array_equal(run_transfers(mesh, [(src, dst, 0, a)])[0], a)
             assert kept.to_numpy().tolist() == [1, 1, 1]
-            with pytest.raises(mpmd.RemoteError, match="holds no buffer"):
+            # An array that lived there says so (it said "holds no buffer ... was it deleted or never put?", a
+            # probe), fetched or passed to a step; one with a copy on a surviving actor reads that copy.
+            gone = r" \(RemoteArray\(float32\[.*\], on actor 1\)\) lived on actor 1, whose daemon was restarted \(mesh.reconnect\(1\) found a new one at .*: its data went"
+            with pytest.raises(mpmd.MpmdError, match="this array" + gone):
                 lost.to_numpy()
+            with pytest.raises(mpmd.MpmdError, match=r"argument args\[0\]\[1\]\[0\]" + gone):
+                step(on_actors, opt.init(params), batch)
+            assert both.to_numpy().tolist() == [2, 2] and both.actors == [0]
             # The step made before loads its Programs again (it failed with "no program 1 on actor 1"; a probe).
             np.testing.assert_allclose(step(params, opt.init(params), batch)[2].to_numpy(), want, rtol=1e-5)
     finally:

@@ -148,6 +148,7 @@ class RemoteMesh:
         self._offsets: dict[int, int] = {}
         self._tmpdir: str | None = None
         self.generation = 0  # counts daemons replaced under this mesh by reconnect (see DistributedFunction._cached)
+        self._replaced: dict[int, tuple[int, str]] = {}  # actor -> (first buffer id its new daemon may hold, when: reconnect)
         self.recovery: Any = None  # a mpmd.runtime.recovery.RecoveryManager when made with recover=Recovery(...)
         _LIVE_MESHES.add(self)
         self.actors = [ActorHandle(self, i) for i in range(len(addresses))]
@@ -482,6 +483,8 @@ class RemoteMesh:
                     info.header.get("pid"), "; the recovery puts them back" if getattr(self, "recovery", None) is not None else "")
             self.executables.forget(i)
             self.generation += 1  # distributed steps load their Programs again at their next call
+            if getattr(self, "recovery", None) is None:  # (a recovery puts the arrays back under their ids)
+                self._replaced[i] = (self.new_buffer_id(), time.strftime("%H:%M:%S"))
             self.infos[i] = info
             if self.actor_mesh is not None:
                 self.run(new.request("mesh", {"mesh": self.actor_mesh.to_wire()}))
@@ -685,6 +688,7 @@ class RemoteMesh:
         if x.mesh is self:
             if x.is_deleted:
                 raise MpmdError(f"{what} is a deleted RemoteArray; its data is gone")
+            self.check_not_replaced(x, what)
             return
         if x.mesh.closed:
             raise MpmdError(f"{what} is {x!r} of a closed mesh ({x.mesh!r}): its data went with that mesh's actors. "
@@ -692,6 +696,22 @@ class RemoteMesh:
                             "mesh, and pass the host values here")
         raise MpmdError(f"{what} is {x!r} of {x.mesh!r}, not of {self!r}: its buffers live in another session and cannot "
                         "be read here. Copy it into this mesh with mesh.adopt(x), or pass mpmd.fetch(x), a host value")
+
+    def check_not_replaced(self, x: RemoteArray, what: str) -> None:
+        """Refuse an array whose every copy lived on actors whose daemons `reconnect` found restarted (their buffers went
+        with the old daemons); copies on such actors are dropped when another copy lives on."""
+        lost = {a: b for a, b in x.buffers.items() if a in self._replaced and b < self._replaced[a][0]}
+        if not lost:
+            return
+        if len(lost) < len(x.buffers):
+            for a in lost:
+                del x.buffers[a]
+            return
+        a = min(lost)
+        raise MpmdError(f"{what} ({x!r}) lived on actor {a}, whose daemon was restarted (mesh.reconnect({a}) found a new one "
+                        f"at {self._replaced[a][1]}): its data went with the old daemon. Pass the values again from the host "
+                        "(kept with mpmd.fetch, or mpmd.restore from a checkpoint); recover=mpmd.Recovery() on the mesh puts "
+                        "lost arrays back by itself")
 
     def adopt(self, tree: Any) -> Any:
         """Copy the RemoteArrays of other meshes in a pytree into this one (to the same actor indices, or actor 0
