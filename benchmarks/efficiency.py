@@ -6,7 +6,8 @@ Every party gets cores of its own and single-threaded XLA (`--xla_cpu_multi_thre
 * mpmd on one actor pinned to core 0 running both stages (a 2-stage table on one actor);
 * mpmd on two actors pinned to cores 0 and 1, 2-stage 1F1B.
 
-The model: a 512-wide tanh MLP of 8 layers (4 per stage), 8 microbatches of 128 rows, SGD. Step times are
+The model: a 512-wide tanh MLP of 8 layers (4 per stage), 8 microbatches of 128 rows, SGD (`--optimizer adam`: the
+update moves 4x the bytes, and the first stage's runs after its last backward, on the step's tail). Step times are
 medians over rounds of `--steps` back-to-back steps (a training loop that fetches the loss once per round),
 so they include everything a user waits for. Then:
 
@@ -19,7 +20,8 @@ summary of one 2-actor step (compute, waiting for data, runtime overhead, idle p
 copies of the jax.jit step run on the two cores at once tell how much two busy cores can do here (virtual
 machines often share physical cores): the ideal divided by that slowdown is what this machine allows.
 
-    python -m benchmarks.efficiency [--width 512] [--layers 8] [--microbatches 8] [--rows 128] [--trace step.json]
+    python -m benchmarks.efficiency [--width 512] [--layers 8] [--microbatches 8] [--rows 128] [--optimizer sgd]
+                                    [--trace step.json]
 """
 
 from __future__ import annotations
@@ -36,12 +38,12 @@ import numpy as np
 ONE_CORE_FLAGS = "--xla_cpu_multi_thread_eigen=false"
 
 
-def build(width: int, layers: int, stages: int, schedule):  # noqa: ANN001 - a benchmark
+def build(width: int, layers: int, stages: int, schedule, optimizer: str = "sgd"):  # noqa: ANN001 - a benchmark
     import optax
 
     from mpmd.testing import make_train_step, mlp, mlp_params, mse_loss
 
-    opt = optax.sgd(1e-3)
+    opt = optax.adam(1e-3) if optimizer == "adam" else optax.sgd(1e-3)
     params = mlp_params(np.random.default_rng(0), stages, width, layers // stages)
     return make_train_step(mse_loss(mlp), opt, schedule), params, opt
 
@@ -61,7 +63,7 @@ def jit_child(args: argparse.Namespace) -> None:
 
     from mpmd.testing import regression_batch
 
-    step, params, opt = build(args.width, args.layers, 2, None)
+    step, params, opt = build(args.width, args.layers, 2, None, args.optimizer)
     batch = regression_batch(np.random.default_rng(1), args.microbatches, args.rows, args.width)
     f = jax.jit(step)
     state = (params, opt.init(params))
@@ -80,7 +82,7 @@ def jit_child(args: argparse.Namespace) -> None:
 def _jit_cmd(args: argparse.Namespace, core: int) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {ONE_CORE_FLAGS}".strip(), JAX_PLATFORMS="cpu")
     cmd = ["taskset", "-c", str(core), sys.executable, "-m", "benchmarks.efficiency", "--jit-child",
-           *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in ("width", "layers", "microbatches", "rows", "steps", "rounds"))]
+           *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in ("width", "layers", "microbatches", "rows", "steps", "rounds", "optimizer"))]
     return cmd, env
 
 
@@ -105,7 +107,7 @@ def measure_mpmd(mesh, schedule, args: argparse.Namespace, trace_path: str | Non
     import mpmd
     from mpmd.testing import regression_batch
 
-    step, params, opt = build(args.width, args.layers, 2, schedule)
+    step, params, opt = build(args.width, args.layers, 2, schedule, args.optimizer)
     batch = regression_batch(np.random.default_rng(1), args.microbatches, args.rows, args.width)
     dist = mpmd.distributed(step, mesh=mesh)
     state = dist(params, opt.init(params), batch)[:2]
@@ -156,6 +158,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--rows", type=int, default=128)
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
+                   help="adam: the update reads and writes 4x the bytes, and the first stage's runs after its last backward")
     p.add_argument("--steps", type=int, default=5, help="steps per timed round (dispatched back to back)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--trace", default=None, help="write the 2-actor step's Perfetto trace here")
@@ -179,7 +183,7 @@ def main() -> None:
     s, m = 2, args.microbatches
     ideal = s * m / (m + s - 1)
     speedup = jit_t / two_t
-    print(f"{args.layers}-layer {args.width}-wide tanh MLP, {m} microbatches of {args.rows}; each party on its own core(s), "
+    print(f"{args.layers}-layer {args.width}-wide tanh MLP ({args.optimizer}), {m} microbatches of {args.rows}; each party on its own core(s), "
           "single-threaded XLA")
     print(f"{'jax.jit, 1 core':34s} {jit_t * 1e3:9.2f} ms")
     print(f"{'mpmd, 1 actor (both stages)':34s} {one_t * 1e3:9.2f} ms   ratio to jax.jit {one_t / jit_t:5.2f}")
