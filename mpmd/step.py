@@ -833,7 +833,7 @@ class DistributedFunction:
         replicas: list[tuple[RemoteArray, int, int]] = []
         paths = compiled.arg_paths
         host: list[list[tuple[int, np.ndarray, Any]]] = [[] for _ in range(n)]  # (slot in inputs, value, layout) per actor
-        borrowed: set[int] = set()  # ids of host values that are the caller's own memory (see _stage_host_args)
+        borrowed: dict[int, list[Any]] = {}  # id -> [host value that is the caller's memory, its copy] (_stage_host_args)
         loads: list[list[dict[str, Any]]] = [[] for _ in range(n)]  # leaves each actor loads itself (mpmd.runtime.loader)
         for k, (x, homes) in enumerate(zip(leaves, plan.arg_homes)):
             if isinstance(x, LoadedLeaf):
@@ -843,8 +843,8 @@ class DistributedFunction:
                                      "step": step if load_step is None else load_step})
                 continue
             wire = None if isinstance(x, RemoteArray) else to_wire(host_value(x))
-            if wire is not None and wire.flags.writeable and (wire is x or not wire.flags.owndata):
-                borrowed.add(id(wire))
+            if wire is not None and not isinstance(x, jax.Array) and not (wire is not x and wire.flags.owndata):
+                borrowed[id(wire)] = [wire, None]  # (not made here, nor immutable: its owner may write it after the call)
             for a in sorted(homes):  # only the actors whose Programs read this argument get it
                 if wire is not None:
                     host[a].append((len(inputs[a]), wire, layout_wire(layouts[k]) if layouts is not None else None))
@@ -906,14 +906,15 @@ class DistributedFunction:
         copy.buffers = {}
 
     def _stage_host_args(self, a: int, host: list[tuple[int, np.ndarray, Any]], inputs: list[int], inline: list[np.ndarray],
-                         inline_layouts: list[Any], borrowed: set[int], may_wait: bool = True,
+                         inline_layouts: list[Any], borrowed: dict[int, list[Any]], may_wait: bool = True,
                          ) -> tuple[list[dict[str, Any]], Callable[[], None]] | None:
         """Actor `a`'s host arguments: the large ones into shared memory when `a` shares this host (their input
         slots become -2; see mpmd.runtime.inputs), the rest inline. The notices and the segment's release, or None.
 
         The call returns before its requests leave (the loop thread sends them), so an inline value that is the
-        caller's own writable memory (`borrowed`: a numpy batch a data loader refills in place for the next step) is
-        copied now, as the copy into shared memory is: the step computes on the values it was called with."""
+        caller's memory (`borrowed`: a numpy batch a data loader refills in place for the next step, a read-only view
+        of one) is copied now, once for all actors, as the copy into shared memory is: the step computes on the values
+        it was called with."""
         from mpmd.runtime.inputs import STAGE_WAIT, input_stager
 
         stager = input_stager(self.mesh) if host else None
@@ -924,7 +925,12 @@ class DistributedFunction:
             if slot in shared:
                 inputs[slot] = -2
             else:
-                inline.append(v.copy() if id(v) in borrowed else v)
+                mine = borrowed.get(id(v))
+                if mine is not None:
+                    if mine[1] is None:
+                        mine[1] = np.array(v, copy=True)
+                    v = mine[1]
+                inline.append(v)
                 inline_layouts.append(lay)
         return lease
 

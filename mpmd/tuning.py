@@ -558,8 +558,9 @@ def _batch_argnum(args: tuple[Any, ...], batch_argnum: Any, m0: int, static: Any
     return int(batch_argnum) % len(args)
 
 
-def _reason(message: str, limit: int = 400) -> str:
-    """A rejection's reason for the table: the message's first line, cut at a word past `limit` characters."""
+def _reason(message: str, limit: int = 800) -> str:
+    """A rejection's reason for the table: the message's first line, cut at its last space before `limit`
+    characters when longer."""
     line = (message.splitlines() or [""])[0]
     if len(line) <= limit:
         return line

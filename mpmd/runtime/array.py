@@ -92,8 +92,8 @@ class RemoteArray:
             raise MpmdError(f"{self!r} was deleted; its data is gone")
         if self.mesh.closed:
             raise MpmdError(f"{self!r} belongs to {self.mesh!r}, which is closed; its data is gone")
-        getattr(self.mesh, "check_not_replaced", lambda x, what: None)(self, "this array")
         self._raise_step_error()
+        getattr(self.mesh, "check_not_replaced", lambda x, what: None)(self, "this array")
 
     def _failed_fetch(self, error: BaseException) -> None:
         """A fetch of this array failed with `error`. Raises the clearer error when its mesh closed meanwhile. When

@@ -62,6 +62,10 @@ def close_unstarted(coro: Any) -> None:
     coro.close()
 
 
+CLOSED_MEANWHILE = ("this RemoteMesh was closed while the request ran (mesh.close or aclose from another thread or task): "
+                    "its actors and their data are gone")
+
+
 class EventLoopThread:
     """An asyncio loop (uvloop when installed) running in a daemon thread."""
 
@@ -99,7 +103,7 @@ class EventLoopThread:
                 raise  # the caller's own cancellation
             # Cancelled over there, not by the caller: the mesh closed under it. A CancelledError would read as the
             # caller's task being cancelled.
-            raise MpmdError("the RemoteMesh was closed while this request ran") from None
+            raise MpmdError(CLOSED_MEANWHILE) from None
 
     def on_loop_thread(self) -> bool:
         """Whether the caller is this loop's own thread."""

@@ -48,7 +48,7 @@ from mpmd.runtime.actor_handle import ActorHandle
 from mpmd.runtime.aio import off_loop
 from mpmd.runtime.array import RemoteArray, fetch
 from mpmd.runtime.buffers import BufferClient, gather
-from mpmd.runtime.controller import ActorConnection, EventLoopThread, Watchdog, close_unstarted
+from mpmd.runtime.controller import CLOSED_MEANWHILE, ActorConnection, EventLoopThread, Watchdog, close_unstarted
 from mpmd.runtime.executables import Executables
 from mpmd.runtime.inputs import close_stager
 from mpmd.runtime.launch.local import LocalOptions, LocalProcess, check_devices, start_local
@@ -473,6 +473,7 @@ class RemoteMesh:
         except BaseException:
             self._io.call_soon(new.close)
             raise
+        mark = self.new_buffer_id()  # (before the swap: an id from here on may name a buffer on the new daemon)
         self._conns[i] = new
         self._io.call_soon(old.close)
         new.learn_limits(info.header)
@@ -483,8 +484,8 @@ class RemoteMesh:
                     info.header.get("pid"), "; the recovery puts them back" if getattr(self, "recovery", None) is not None else "")
             self.executables.forget(i)
             self.generation += 1  # distributed steps load their Programs again at their next call
-            if getattr(self, "recovery", None) is None:  # (a recovery puts the arrays back under their ids)
-                self._replaced[i] = (self.new_buffer_id(), time.strftime("%H:%M:%S"))
+            if getattr(self, "recovery", None) is None:  # (a recovery puts the lost arrays back, rebinding them)
+                self._replaced[i] = (mark, time.strftime("%H:%M:%S"))
             self.infos[i] = info
             if self.actor_mesh is not None:
                 self.run(new.request("mesh", {"mesh": self.actor_mesh.to_wire()}))
@@ -547,7 +548,7 @@ class RemoteMesh:
             raise MpmdError("this RemoteMesh is closed")
         try:
             return self._io.run(coro, timeout)
-        except (ActorDiedError, concurrent.futures.CancelledError, asyncio.CancelledError) as e:
+        except (ActorDiedError, concurrent.futures.CancelledError) as e:
             self.raise_if_closed_meanwhile(e)
             raise
 
@@ -557,19 +558,16 @@ class RemoteMesh:
             close_unstarted(coro)
             raise MpmdError("this RemoteMesh is closed")
         try:
-            return await self._io.arun(coro)
-        except (ActorDiedError, concurrent.futures.CancelledError, asyncio.CancelledError) as e:
-            task = asyncio.current_task()
-            if not (isinstance(e, asyncio.CancelledError) and task is not None and task.cancelling()):  # (not the caller's own)
-                self.raise_if_closed_meanwhile(e)
+            return await self._io.arun(coro)  # (a cancellation not the caller's own comes out as "closed" already)
+        except ActorDiedError as e:
+            self.raise_if_closed_meanwhile(e)
             raise
 
     def raise_if_closed_meanwhile(self, e: BaseException) -> None:
         """An actor that stopped, or a request the loop dropped, because this mesh was closed meanwhile (from another
         thread or task, e.g. `aclose` while a first call compiles) is the close's doing, not a lost actor."""
         if self.closed:
-            raise MpmdError(f"this RemoteMesh was closed while the request ran (mesh.close or aclose from another thread "
-                            f"or task; {type(e).__name__})") from e
+            raise MpmdError(CLOSED_MEANWHILE) from e
 
     def submit_coroutine(self, coro: Any) -> concurrent.futures.Future[Any]:
         """Run `coro` on the controller loop without waiting; a concurrent future of its result."""
@@ -700,12 +698,12 @@ class RemoteMesh:
     def check_not_replaced(self, x: RemoteArray, what: str) -> None:
         """Refuse an array whose every copy lived on actors whose daemons `reconnect` found restarted (their buffers went
         with the old daemons); copies on such actors are dropped when another copy lives on."""
-        lost = {a: b for a, b in x.buffers.items() if a in self._replaced and b < self._replaced[a][0]}
+        held = dict(x.buffers)  # (one read: other threads fetch or pass the same array)
+        lost = {a for a, b in held.items() if a in self._replaced and b < self._replaced[a][0]}
         if not lost:
             return
-        if len(lost) < len(x.buffers):
-            for a in lost:
-                del x.buffers[a]
+        if len(lost) < len(held):
+            x.buffers = {a: b for a, b in held.items() if a not in lost}  # (replaced whole, as a recovery rebinds)
             return
         a = min(lost)
         raise MpmdError(f"{what} ({x!r}) lived on actor {a}, whose daemon was restarted (mesh.reconnect({a}) found a new one "

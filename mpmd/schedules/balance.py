@@ -368,7 +368,9 @@ def resolve_grouping(schedule: Schedule, num_segments: int, num_microbatches: in
     if seg.num_segments != num_segments:
         raise ScheduleError(f"{schedule}: the balance's SegmentCosts has {seg.num_segments} segments but the step has "
                             f"{num_segments}; profile this step (step.profile_costs(*args)) again")
-    if seg is b and not any(seg.F) and not any(seg.B):
+    if not any(seg.F) and not any(seg.B):
+        if seg is not b:  # (XLA found no cost in any segment: no grouping is better, so the plain one)
+            return even_grouping(num_segments, k)
         raise ScheduleError(f"{schedule}: the balance's SegmentCosts are all zero (F={seg.F}, B={seg.B}), so every grouping "
                             "would take no time and none is better; give the segments' positive times (step.profile_costs"
                             "(*args) measures them), balance='auto' or balance='even'")
