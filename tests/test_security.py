@@ -83,6 +83,13 @@ def test_keys_generate_writes_a_pair_only_its_owner_can_read_and_loading_checks_
     shared.mkdir()
     os.chmod(shared, 0o777)
     assert keys_cli.main(["keys", "generate", str(shared)]) == 1 and not list(shared.iterdir())
+    # ... and into a directory it would make inside one (it wrote the pair there, a probe)
+    assert keys_cli.main(["keys", "generate", str(shared / "k")]) == 1 and not list(shared.iterdir())
+    # A directory of two pairs (`--name` makes another beside the first) names the choice to make: it said to make
+    # one with `mpmd keys generate DIR`, which then refused (the pair exists; a probe).
+    assert keys_cli.main(["keys", "generate", str(tmp_path / "k"), "--name", "node3"]) == 0
+    with pytest.raises(AuthKeyError, match=r"2 secret key files .* ambiguous; name the file, e.g. keys='.*mpmd.key_secret'"):
+        KeyPair.load(tmp_path / "k")
 
 
 def test_the_right_key_works_and_wrong_or_missing_keys_are_refused_without_affecting_the_job(keyed):

@@ -170,9 +170,12 @@ class KeyPair:
         if p.is_dir():
             check_safe_path(p, "key directory")
             secrets_ = sorted(p.glob(f"*{SECRET_SUFFIX}"))
-            if len(secrets_) != 1:
-                raise AuthKeyError(f"{p} holds {len(secrets_)} secret key files ({[s.name for s in secrets_]}); "
-                                   f"expected exactly one (make one with `mpmd keys generate {p}`), or name the file")
+            if not secrets_:
+                raise AuthKeyError(f"{p} holds no secret key file (*{SECRET_SUFFIX}); make one with `mpmd keys generate {p}`, "
+                                   "or name the key file")
+            if len(secrets_) > 1:
+                raise AuthKeyError(f"{p} holds {len(secrets_)} secret key files ({[s.name for s in secrets_]}), so which one "
+                                   f"to use is ambiguous; name the file, e.g. keys='{secrets_[0]}'")
             p = secrets_[0]
         if not p.is_file():
             raise AuthKeyError(f"no key file at {p} (make one with `mpmd keys generate DIR`)")

@@ -13,9 +13,9 @@ in the daemons' --authorized-keys directory, and pass `transport.auth.ClientKeys
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from transport.auth import AuthKeyError, check_safe_path, generate_key_files
 
@@ -36,8 +36,12 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
 def run(args: argparse.Namespace) -> int:
     """Carry out a parsed ``mpmd keys ...`` command; returns the exit status."""
     try:
-        if os.path.isdir(args.dir):  # (a daemon refuses keys that other users could have replaced: say so now)
-            check_safe_path(args.dir, "key directory")
+        # (a daemon refuses keys that other users could have replaced: say so now, of a directory yet to be made too)
+        made = Path(args.dir).expanduser().absolute()
+        if made.is_dir():
+            check_safe_path(made, "key directory")
+        else:
+            check_safe_path(next(p for p in made.parents if p.is_dir()), f"directory that would hold the key directory {made}")
         public, secret = generate_key_files(args.dir, args.name, overwrite=args.force)
     except (AuthKeyError, OSError) as e:
         print(f"mpmd keys generate: {e}", file=sys.stderr)
