@@ -389,3 +389,32 @@ def test_cancelled_async_saves_then_another_into_the_same_path_commits_and_leave
     while any(d.endswith(".tmp") for d in os.listdir(path)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert sorted(os.listdir(path)) == ["LATEST", os.path.basename(last)]
+
+
+def test_a_restore_or_load_right_after_an_async_save_reads_what_that_save_commits(mesh2, tmp_path):
+    """`save(path, tree, wait=False)` then at once `restore(path, ...)` raised "no committed checkpoint (no LATEST
+    file); was mpmd.save called there?" (a probe): a read of `path` now waits for this process's saves into it, as
+    orbax's CheckpointManager does. The controller loop is held here while the save is issued, so it has
+    certainly not committed when the restore starts; released 0.5 s later."""
+    import threading
+
+    tree = {"w": mesh2.actor(1).put(np.arange(6, dtype=np.float32)), "b": mesh2.actor(0).put(np.ones(2, np.float32))}
+    want = mpmd.fetch(tree)
+    path = str(tmp_path / "ckpt")
+    for read in (lambda: mpmd.restore(path, mesh2, like=tree), lambda: mpmd.load(path, like=want)):
+        release = threading.Event()
+
+        async def hold_the_loop():
+            release.wait(30)
+
+        held = mesh2.submit_coroutine(hold_the_loop())
+        try:
+            handle = mpmd.save(path, tree, wait=False)
+            assert not handle.done()
+        finally:
+            threading.Timer(0.5, release.set).start()
+        got = mpmd.fetch(read())
+        held.result(30)
+        assert handle.done()
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(g), w)

@@ -69,6 +69,36 @@ def _is_remote(x: Any) -> bool:
     return isinstance(x, RemoteArray)
 
 
+_SAVING: dict[str, set[concurrent.futures.Future[Any]]] = {}  # path -> this process's saves into it still writing
+_SAVING_LOCK = threading.Lock()
+
+
+def _track_save(path: str, future: concurrent.futures.Future[Any]) -> None:
+    """Note a save into `path` until it ends, so that a restore or load of `path` waits for it (`_wait_for_saves`)."""
+    key = os.path.realpath(path)
+    with _SAVING_LOCK:
+        _SAVING.setdefault(key, set()).add(future)
+
+    def ended(f: concurrent.futures.Future[Any]) -> None:
+        with _SAVING_LOCK:
+            pending = _SAVING.get(key, set())
+            pending.discard(f)
+            if not pending:
+                _SAVING.pop(key, None)
+
+    future.add_done_callback(ended)
+
+
+def _wait_for_saves(path: str) -> None:
+    """Wait for this process's saves into `path` still writing (`save(..., wait=False)` right before a restore): the
+    latest checkpoint is the one they commit, as orbax's CheckpointManager reads after its async saves end."""
+    with _SAVING_LOCK:
+        pending = list(_SAVING.get(os.path.realpath(path), ()))
+    if pending:
+        log.info("waiting for %d save(s) into %s to commit before reading it", len(pending), path)
+        concurrent.futures.wait(pending)
+
+
 class SaveHandle:
     """A save in progress: `wait()` returns the committed directory (or raises the save's error)."""
 
@@ -362,6 +392,7 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
     handle._future.add_done_callback(
         lambda f: mesh._io.call_soon(abandon_when_answered) if f.cancelled() or f.exception() is not None else None)
     mesh.track_save(handle._future)
+    _track_save(path, handle._future)
     return handle.wait() if wait else handle
 
 
@@ -414,7 +445,9 @@ def _leaf(i: int, m: dict[str, Any]) -> Leaf:
 
 
 def _open(path: str) -> Manifest:
-    """The committed checkpoint's verified manifest, its parts' listings checked."""
+    """The committed checkpoint's verified manifest, its parts' listings checked (after this process's saves into
+    `path` still writing have ended)."""
+    _wait_for_saves(path)
     m = read_manifest(committed(os.path.abspath(path)))  # (the actors are told this path: their working directory may differ)
     check_parts(m)
     return m
