@@ -223,8 +223,8 @@ class TuneResult:
                   f"{winner.name} m={winner.num_microbatches} measured {winner.measured / self.chosen.measured:.2f}x "
                   "as long); result.best and result.step are it")
         if self.drift is not None:
-            print(f"the {len(again)} candidates calibrate measured ran {self.drift:.2f}x as long now as then (the machine's "
-                  f"drift since the predictions were scaled: measured/predicted moves by as much)")
+            print(f"the {len(again)} candidates that calibration measured ran {self.drift:.2f}x as long now as they did then "
+                  "(the machine's drift since the predictions were scaled: measured/predicted moves by as much)")
         return out
 
     def calibrate(self, steps: int = 3, warmup: int = 3, rounds: int = 3, top: int = 3) -> float:
