@@ -22,7 +22,7 @@ def main() -> None:
     with mpmd.RemoteMesh.local(num_actors=2) as mesh:
         remote_params = jax.tree.map(mesh.actor(1).put, params)  # lives on actor 1 from now on
         y = mesh.actor(1).run(affine, remote_params, x)  # lowered here, compiled once on actor 1
-        print(y, "->", y.to_numpy().round(3).tolist())
+        print(repr(y), "->", [round(float(v), 3) for v in y.to_numpy().ravel()])
         np.testing.assert_array_equal(y.to_numpy(), np.asarray(affine(params, x)))
         print("actor 1 stats:", mesh.actor(1).stats())
 
