@@ -698,6 +698,8 @@ class RemoteMesh:
     def check_not_replaced(self, x: RemoteArray, what: str) -> None:
         """Refuse an array whose every copy lived on actors whose daemons `reconnect` found restarted (their buffers went
         with the old daemons); copies on such actors are dropped when another copy lives on."""
+        if not self._replaced:  # (every step argument and fetch comes here: nothing to look at until a reconnect)
+            return
         held = dict(x.buffers)  # (one read: other threads fetch or pass the same array)
         lost = {a for a, b in held.items() if a in self._replaced and b < self._replaced[a][0]}
         if not lost:

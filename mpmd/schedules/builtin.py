@@ -68,11 +68,13 @@ from transport.program import TASK_KINDS, Task
 def not_a_schedule(value: object) -> str | None:
     """What is wrong with `value` as a schedule (None: it is one: a `Schedule`, or any object with a schedule's
     num_stages, num_actors, actor_of and tasks, as `mpmd.schedules.validation.Schedule` reads it): the text after "got"."""
-    if isinstance(value, Schedule) or (not isinstance(value, type) and not schedule_lacks(value)):
+    if isinstance(value, Schedule):
         return None
     if isinstance(value, type):
         return f"the class {value.__name__}: make one, e.g. {value.__name__}(num_stages=2)"
     lacks = schedule_lacks(value)
+    if not lacks:
+        return None
     if len(lacks) < len(SCHEDULE_ATTRIBUTES) - 1:  # (close to one: say what it lacks)
         return f"{type(value).__name__} {value!r:.80}, which lacks {', '.join(lacks)} (subclass mpmd.Schedule to write one)"
     return f"{type(value).__name__} {value!r:.80}"

@@ -148,10 +148,11 @@ def validate(schedule: Schedule, num_microbatches: int, forward_only: bool = Fal
 
         table = validate(mpmd.OneFOneB(num_stages=4), 8)
     """
-    if isinstance(schedule, type) or schedule_lacks(schedule):
+    lacks = [] if isinstance(schedule, type) else schedule_lacks(schedule)
+    if isinstance(schedule, type) or lacks:
         what = f"the class {schedule.__name__}" if isinstance(schedule, type) else f"{type(schedule).__name__} {schedule!r:.60}"
-        lacks = "" if isinstance(schedule, type) else f" (it lacks {', '.join(schedule_lacks(schedule))})"
-        raise ScheduleError(f"expected a schedule such as mpmd.OneFOneB(num_stages=2), got {what}{lacks}; subclass mpmd.Schedule "
+        missing = f" (it lacks {', '.join(lacks)})" if lacks else ""
+        raise ScheduleError(f"expected a schedule such as mpmd.OneFOneB(num_stages=2), got {what}{missing}; subclass mpmd.Schedule "
                             "to write one")
     name, m, n = str(schedule), num_microbatches, schedule.num_stages
     if not is_count(m) or m < 1:
