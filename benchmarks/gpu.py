@@ -42,6 +42,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=256)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--optimizer", default="adam", choices=("sgd", "adam"))
     args = p.parse_args()
     if args.platform == "cpu":
         os.environ["JAX_PLATFORMS"] = "cpu"
@@ -52,12 +53,13 @@ def main() -> None:
     from mpmd.testing import regression_batch
 
     figures: dict[str, object] = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "devices": [str(d) for d in jax.devices()],
-                                  "model": f"{args.layers}-layer {args.width}-wide tanh MLP, {args.microbatches} microbatches of {args.rows}"}
+                                  "model": f"{args.layers}-layer {args.width}-wide tanh MLP, {args.microbatches} microbatches of {args.rows}, "
+                                           f"{args.optimizer}"}
     os.makedirs(args.out, exist_ok=True)
     gpus = gpu_count(args.platform)
     figures["gpus"] = gpus
 
-    step, params, opt = build(args.width, args.layers, 2, None)
+    step, params, opt = build(args.width, args.layers, 2, None, args.optimizer)
     batch = regression_batch(np.random.default_rng(1), args.microbatches, args.rows, args.width)
     f = jax.jit(step)
     state = f(params, opt.init(params), batch)[:2]

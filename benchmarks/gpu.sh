@@ -1,18 +1,36 @@
 #!/usr/bin/env bash
-# One-shot GPU check for a lent GPU machine (<= 10 minutes): installs the GPU extra matching the CUDA driver,
-# runs the real-NCCL tests and benchmarks/gpu.py, and writes every figure and log under $OUT.
+# One-shot GPU check for a lent GPU machine (<= 10 minutes): the GPU tests (pipelines on GPU actors against
+# jax.jit; real NCCL where two GPUs exist), benchmarks/gpu.py's figures, and a CPU smoke of the compiler on this
+# machine's jax; every figure and log goes under $OUT.
 #     OUT=/tmp/out bash benchmarks/gpu.sh
+# Two ways to get the packages:
+# * online: a fresh venv with the GPU extra matching the CUDA driver and jax[cudaN];
+# * offline (the lent machines reach no registry): python3 already holds jax with CUDA, cupy and NCCL; what it
+#   lacks (pyzmq, pytest-asyncio) comes as wheels in .whl/, made beforehand on a machine with pip:
+#     pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl pyzmq pytest-asyncio
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/out/gpu}"
 mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu.log") 2>&1
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi || { echo "no GPU here (nvidia-smi failed)"; exit 1; }
-cuda_major=$(nvidia-smi | sed -n 's/.*CUDA Version: \([0-9]*\).*/\1/p' | head -1)
-extra=gpu; [ "${cuda_major:-12}" -ge 13 ] && extra=gpu-cuda13
-python3 -m venv .venv-gpu
-.venv-gpu/bin/pip install -q -e ".[test,$extra]" "jax[cuda${cuda_major:-12}]" || .venv-gpu/bin/pip install -q -e ".[test,$extra]"
-.venv-gpu/bin/python -c "import jax; print('jax', jax.__version__, jax.devices())"
-timeout 240 .venv-gpu/bin/python -m pytest -q -m gpu tests/test_nccl.py -rs | tee "$OUT/nccl-tests.txt"
-timeout 300 .venv-gpu/bin/python -m benchmarks.gpu --out "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+    PY=python3
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mpmd-site .whl/*.whl \
+        || { mkdir -p /tmp/mpmd-site && for w in .whl/*.whl; do $PY -m zipfile -e "$w" /tmp/mpmd-site; done; }
+    export PYTHONPATH="$PWD:/tmp/mpmd-site${PYTHONPATH:+:$PYTHONPATH}"
+else
+    cuda_major=$(nvidia-smi | sed -n 's/.*CUDA Version: \([0-9]*\).*/\1/p' | head -1)
+    extra=gpu; [ "${cuda_major:-12}" -ge 13 ] && extra=gpu-cuda13
+    python3 -m venv .venv-gpu
+    .venv-gpu/bin/pip install -q -e ".[test,$extra]" "jax[cuda${cuda_major:-12}]" || .venv-gpu/bin/pip install -q -e ".[test,$extra]"
+    PY=.venv-gpu/bin/python
+fi
+$PY -c "import sys, jax, zmq, mpmd; print(sys.version.split()[0], 'jax', jax.__version__, 'pyzmq', zmq.__version__, jax.devices())"
+timeout 120 $PY -m pytest -q -m gpu tests/test_gpu.py tests/test_nccl.py -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.txt"
+timeout 180 $PY -m benchmarks.gpu --out "$OUT" --steps 10 --rounds 3
+JAX_PLATFORMS=cpu timeout 80 $PY -m pytest -q -x -p no:cacheprovider tests/test_pipeline.py tests/test_user_programs.py 2>&1 \
+    | tail -25 | tee "$OUT/cpu-smoke.txt"
 echo "done: $(ls "$OUT")"
