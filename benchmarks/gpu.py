@@ -77,9 +77,10 @@ def main() -> None:
     print(f"{figures['model']} on {args.platform}: jax.jit {jit_t * 1e3:.2f} ms", flush=True)
 
     with mpmd.RemoteMesh.local(num_actors=1, platform=args.platform) as one:
-        one_t, _ = measure_mpmd(one, one_actor_schedule(args.microbatches), args)
+        one_t, trace = measure_mpmd(one, one_actor_schedule(args.microbatches), args, os.path.join(args.out, "gpu-one-trace.json"))
     figures["one_actor_ms"], figures["one_actor_vs_jit"] = one_t * 1e3, one_t / jit_t
     print(f"1 actor (both stages): {one_t * 1e3:.2f} ms = {one_t / jit_t:.2f}x jax.jit", flush=True)
+    print(trace.summary(), flush=True)
 
     shared = {"gpu_ids": (0,)} if args.platform == "gpu" else {}
     with mpmd.RemoteMesh.local(num_actors=2, platform=args.platform, transport="shm", **shared) as two:
