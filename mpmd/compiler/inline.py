@@ -141,7 +141,8 @@ class _Unroller:
     def _unroll_scan(self, eqn: Any, invals: list[Any]) -> list[Any]:
         p = eqn.params
         body: ClosedJaxpr = p["jaxpr"]
-        n, nc, ncarry, reverse = p["length"], p["num_consts"], p["num_carry"], p["reverse"]
+        n, reverse = p["length"], p["reverse"]
+        nc, ncarry = _scan_operand_counts(p)
         consts, carry, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
         directions = _marker_directions(body.jaxpr)
         order = list(range(n))[::-1] if reverse else list(range(n))
@@ -171,6 +172,15 @@ class _Unroller:
             for y in ys:
                 y.reverse()
         return [*carry, *(_Stacked(y) for y in ys)]
+
+
+def _scan_operand_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """How many of a scan equation's operands are consts and how many carry (the rest are xs): `num_consts` and
+    `num_carry` up to jax 0.10; from jax 0.11 the groups of the FlatTree `ft_in` (consts, carry, xs)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
 
 
 def _scan_ends_to_drop(met: list[tuple[str, tuple[_Unroll, ...]]], unrolls: list[_Unroll]) -> frozenset[int]:
