@@ -52,8 +52,10 @@ def full_precision():
     before = jax.config.jax_default_matmul_precision
     jax.config.update("jax_default_matmul_precision", "highest")
     try:
-        if not jax.devices("gpu"):
-            pytest.skip("jax sees no GPU")
+        try:
+            jax.devices("gpu")
+        except RuntimeError as e:  # e.g. JAX_PLATFORMS=cpu on a GPU machine (tests/conftest.py's default)
+            pytest.skip(f"jax sees no GPU here: {e}")
         yield
     finally:
         jax.config.update("jax_default_matmul_precision", before)
