@@ -30,7 +30,7 @@ from typing import Any
 from mpmd.schedules.validation import ProgramReplay, TableReplay, replay_programs, replay_table
 from transport.program import Program, Recv, Run, Send
 
-ROUNDS = 30  # at most; each round roughly halves the error (stops when no slowdown moves by 1e-5)
+ROUNDS = 30  # at most; each round roughly halves the error (stops when no slowdown would move by 1e-5)
 
 
 def own_times(spans: list[tuple[int, float, float]], cores: int, background: float = 0.0) -> list[float]:
@@ -99,13 +99,12 @@ def settle(replay: Callable[[Callable[[Hashable], float]], tuple[dict[Any, float
             now = [1.0 + background_load(actor_loads[actor(k)], end, extra) for k in ks]
         else:
             now = sharing_factors([(actor(k), start[k] + idle[k], end[k]) for k in ks], cores, background_load(load, end, extra))
-        moved = 0.0
-        for k, f in zip(ks, now):
-            new = 0.5 * stretch[k] + 0.5 * f
-            moved = max(moved, abs(new - stretch[k]))
-            stretch[k] = new
-        if moved < 1e-5:
+        moved = max((abs(f - stretch[k]) for k, f in zip(ks, now)), default=0.0)
+        if moved < 2e-5:  # settled: take the slowdowns this replay gives (the damped step stops short of them)
+            stretch.update(zip(ks, now))
             break
+        for k, f in zip(ks, now):
+            stretch[k] = 0.5 * stretch[k] + 0.5 * f
     return stretch
 
 
