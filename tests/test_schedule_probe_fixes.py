@@ -282,3 +282,18 @@ def test_no_fit_advice_says_pass_remat_only_when_remat_was_not_passed():
         first = str(e.value).splitlines()[0]
         assert ("pass remat=True" in first) != remat
         assert ("remat=True was tried" in first) == remat
+
+
+# ---------------------------------------------------------------- a probe's Custom tables (2026-12-04)
+
+
+def test_custom_names_the_mistake_not_its_symptom():
+    ok = (("0F0", "0F1", "0B0", "0B1"), ("1F0", "1B0", "1F1", "1B1"))
+    with pytest.raises(mpmd.ScheduleError, match=r"num_stages=3, but the table has no task of stage 2 \(it names stages 0, 1\)"):
+        mpmd.Custom(num_stages=3, order=ok)  # (said: 'places stage 2 on actor 2, but its actors are 0..1')
+    with pytest.raises(mpmd.ScheduleError, match=r"order\[0\]\[2\] \(0F1000000\) names microbatch 1000000, but the table's tasks "
+                                                 r"name 2 microbatches"):
+        mpmd.Custom(num_stages=2, order=(("0F0", "0B0", "0F1000000"), ("1F0", "1B0")))  # (said: more than a table holds)
+    with pytest.raises(mpmd.ScheduleError, match="not a dict; e.g. order=tuple"):
+        mpmd.Custom(num_stages=2, order={0: ("0F0", "0B0"), 1: ("1F0", "1B0")})  # (said: 'order[0] ... got 0')
+    assert simulate(mpmd.Custom(num_stages=2, order=ok), 2).timeline == simulate(mpmd.OneFOneB(2), 2).timeline

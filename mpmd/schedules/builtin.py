@@ -56,12 +56,20 @@ minimum. `one_f_one_b` and `backward` are the helpers the built-ins use.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from itertools import zip_longest
 
 from mpmd.errors import ScheduleError
-from mpmd.schedules.validation import SCHEDULE_ATTRIBUTES, check_programs, format_table, is_count, schedule_lacks, validate
+from mpmd.schedules.validation import (
+    MAX_TABLE_TASKS,
+    SCHEDULE_ATTRIBUTES,
+    check_programs,
+    format_table,
+    is_count,
+    schedule_lacks,
+    validate,
+)
 from transport.program import TASK_KINDS, Task
 
 
@@ -529,6 +537,9 @@ class Custom(Schedule):
         example = "e.g. order=(('0F0', '0B0'), ('1F0', '1B0'))"
         if isinstance(self.order, (str, bytes)) or not isinstance(self.order, Iterable):
             raise ScheduleError(f"Custom: order must be one sequence of tasks per actor, {example}; got {self.order!r:.80}")
+        if isinstance(self.order, Mapping):  # (iterating it would read its keys as the rows)
+            raise ScheduleError(f"Custom: order must be a sequence of rows in actor order (row a is actor a's tasks), not a "
+                                f"{type(self.order).__name__}; e.g. order=tuple(rows[a] for a in sorted(rows)); got {self.order!r:.80}")
         order = [row if isinstance(row, (str, bytes, Task)) or not isinstance(row, Iterable) else tuple(row) for row in self.order]
         for i, row in enumerate(order):  # (generators taken as they are: each is read once)
             if not isinstance(row, tuple):
@@ -549,6 +560,18 @@ class Custom(Schedule):
         object.__setattr__(self, "stage_actor", tuple(self.stage_actor))
         if not rows:
             raise ScheduleError("Custom needs order=, one tuple of tasks per actor, e.g. order=(('0F0', '0B0'), ('1F0', '1B0'))")
+        named = sorted({t.stage for row in rows for t in row})
+        if is_count(self.num_stages) and (missing := sorted(set(range(self.num_stages)) - set(named))):
+            raise ScheduleError(f"Custom: num_stages={self.num_stages}, but the table has no task of stage"
+                                f"{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} (it names stages "
+                                f"{', '.join(map(str, named))}); pass the number of stages the table holds or add the missing "
+                                f"stages' tasks\n{format_table([list(r) for r in rows])}")
+        mbs = {t.mb for row in rows for t in row}
+        if is_count(self.num_stages) and (1 + max(mbs, default=0)) * self.num_stages > MAX_TABLE_TASKS // 3:
+            i, j, t = max(((i, j, t) for i, row in enumerate(rows) for j, t in enumerate(row)), key=lambda x: x[2].mb)
+            raise ScheduleError(f"Custom: order[{i}][{j}] ({t}) names microbatch {t.mb}, but the table's tasks name "
+                                f"{len(mbs)} microbatch{'es' if len(mbs) > 1 else ''}: a table runs microbatches 0 .. its "
+                                f"highest, each one's every task written out (a typo?)")
         if self.stage_actor and len(self.stage_actor) != self.num_stages:
             raise ScheduleError(f"Custom: stage_actor has {len(self.stage_actor)} entries for num_stages={self.num_stages}; give one actor per stage")
 
