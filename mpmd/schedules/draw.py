@@ -92,7 +92,7 @@ def svg(result: Timeline, title: str = "") -> str:
     height = top + result.num_actors * (row_h + gap) + 60
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="11">',
            '<rect width="100%" height="100%" fill="white"/>',
-           f'<text x="{left}" y="20" font-size="14">{escape(title)}  (step {result.step_time:g}, bubble {result.bubble:.3f})</text>']
+           f'<text x="{left}" y="20" font-size="14">{escape(title)}  (step {result.step_time:.7g}, bubble {result.bubble:.3f})</text>']
     for a, spans in enumerate(result.timeline):
         y = top + a * (row_h + gap)
         out.append(f'<text x="8" y="{y + row_h / 2 + 4}">actor {a}</text>')
@@ -135,7 +135,7 @@ def _png(result: Timeline, path: str, title: str) -> None:
     ax.set_yticks(range(result.num_actors), [f"actor {a}" for a in range(result.num_actors)])
     ax.invert_yaxis()
     ax.set_xlabel("time")
-    ax.set_title(f"{title}  (step {result.step_time:g}, bubble {result.bubble:.3f})")
+    ax.set_title(f"{title}  (step {result.step_time:.7g}, bubble {result.bubble:.3f})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
