@@ -31,6 +31,7 @@ from jax import export
 
 from actors import spmd
 from actors.sandbox import BlobChecker, BlobRefused, CheckerPool, build_executable
+from actors.stream import output_bytes
 
 log = logging.getLogger(__name__)
 RETRY_AFTER = 30.0  # seconds a blob whose compile timed out is refused without compiling it again
@@ -64,6 +65,7 @@ class ExecutableCache:
         self.mesh: Any = None  # the actor's device mesh, once the controller names one
         self.compile_timeout = compile_timeout
         self._compiled: dict[str, Any] = {}
+        self._out_bytes: dict[str, int] = {}
         self._compiling: dict[str, asyncio.Future[Any]] = {}
         self.compiles = 0
         self.hits = 0
@@ -170,6 +172,13 @@ class ExecutableCache:
         now = time.monotonic()
         self._timed_out = {k: t for k, t in self._timed_out.items() if now - t < RETRY_AFTER}
         self._timed_out[key] = now
+
+    def output_bytes(self, key: str) -> int:
+        """The bytes an executable's outputs take (read once per executable: a key names one compiled program)."""
+        got = self._out_bytes.get(key)
+        if got is None:
+            got = self._out_bytes[key] = output_bytes(self.get(key))
+        return got
 
     def get(self, key: str) -> Any:
         try:

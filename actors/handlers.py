@@ -29,7 +29,7 @@ from actors.interpreter import Interpreter
 from actors.loader import Loaders
 from actors.request import NoSession, RequestError, field, int_list
 from actors.sandbox import BlobChecker
-from actors.stream import StepTrace, Stream, now
+from actors.stream import BIG_OUTPUT_BYTES, StepTrace, Stream, now
 from actors.transfers import Transfers
 from transport.p2p import P2PTransport
 from transport.p2p.base import computed
@@ -388,7 +388,8 @@ class Actor:
 
     async def run(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         inputs, outputs = int_list(msg, "inputs"), int_list(msg, "outputs")
-        exe = self._executable(ses, field(msg, "exe", str))
+        key = field(msg, "exe", str)
+        exe = self._executable(ses, key)
         self._within_guest_quota(ses)  # (its outputs count once made: a guest over the quota runs nothing more)
         if set(inputs) & set(outputs) or len(set(outputs)) != len(outputs):
             raise RequestError(f"'run': an output buffer id is also an input or given twice (inputs {inputs}, outputs {outputs})")
@@ -398,7 +399,10 @@ class Actor:
 
         async def compute() -> list[Any]:
             args = [await asyncio.shield(r) if isinstance(r, asyncio.Future) else r for r in refs]
-            _, results = self.stream.call(exe, args)
+            if self.cache.output_bytes(key) >= BIG_OUTPUT_BYTES:
+                _, results = await self.stream.call_off_loop(exe, args)
+            else:
+                _, results = self.stream.call(exe, args)
             if len(results) != len(outputs):
                 raise RequestError(f"executable returns {len(results)} values but {len(outputs)} output ids were given")
             return results

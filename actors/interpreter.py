@@ -27,7 +27,7 @@ from typing import Any
 
 from actors.buffers import BufferTable, nbytes
 from actors.cache import ExecutableCache
-from actors.stream import StepTrace, Stream, now
+from actors.stream import BIG_OUTPUT_BYTES, StepTrace, Stream, now
 from actors.transfers import StepKey, Transfers
 from transport.program import Instruction, Program, Recv, Run, Send
 
@@ -137,6 +137,8 @@ class Interpreter:
                     try:
                         if trace:
                             results = await trace.run(self.stream, self.cache.get(ins.exe), args, str(ins.label), t0, now())
+                        elif self.cache.output_bytes(ins.exe) >= BIG_OUTPUT_BYTES:
+                            last, results = await self.stream.call_off_loop(self.cache.get(ins.exe), args)
                         else:
                             last, results = self.stream.call(self.cache.get(ins.exe), args)
                     except Exception as e:

@@ -42,9 +42,24 @@ def ordered(fn: Callable[..., Sequence[Any]]) -> Callable[..., tuple]:
 
 TOKEN_AVAL = jax.ShapeDtypeStruct((), np.int32)
 
+# An executable whose outputs take this much is dispatched from a thread of its own, not the event loop's: XLA's
+# CPU client runs a cheap computation (a fill, a broadcast, a copy) inline in the calling thread, and with its
+# outputs' pages touched for the first time that took 7.6-9 s for 4 GiB here — the loop answered no heartbeat
+# meanwhile, and the controller declared the live actor dead (a probe). A thread hop costs ~0.1 ms: nothing
+# beside such outputs.
+BIG_OUTPUT_BYTES = 64 << 20
+
+
+def output_bytes(exe: Any) -> int:
+    """The bytes a compiled executable's outputs take (its order token included; 0 where jax does not say)."""
+    info = getattr(exe, "out_info", None)
+    return sum(int(np.prod(o.shape)) * np.dtype(o.dtype).itemsize for o in jax.tree.leaves(info)) if info is not None else 0
+
 
 class Stream:
     """The order token of one actor: `call(executable, args)` runs it after everything dispatched before."""
+
+    _big_calls: concurrent.futures.ThreadPoolExecutor | None = None
 
     def __init__(self, device: Any, ordered_calls: bool) -> None:
         self.ordered = ordered_calls
@@ -86,6 +101,14 @@ class Stream:
         out = exe(self._healthy_token(), *args)
         self.token = out[0]
         return out[0], out[1:]
+
+    async def call_off_loop(self, exe: Any, args: Sequence[Any]) -> tuple[Any, Sequence[Any]]:
+        """`call` from a thread of its own (one for the actor's big calls), the event loop serving meanwhile. A call
+        the loop dispatches in between reads the token before this one's: the two are not ordered against each
+        other (only the order of their computations, never their inputs and outputs, hangs on the token)."""
+        if Stream._big_calls is None:
+            Stream._big_calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpmd-big-run")
+        return await asyncio.get_running_loop().run_in_executor(Stream._big_calls, self.call, exe, args)
 
 
 def now() -> int:

@@ -396,6 +396,21 @@ def _fails_at_run_time(x):
     return jnp.cumsum(jnp.broadcast_to(x[..., None], x.shape + (1 << 40,)), axis=-1)[..., -1].mean()
 
 
+def test_an_actor_busy_making_a_big_output_still_answers_heartbeats():
+    """XLA's CPU client runs a cheap computation with a big output (a 2 GiB fill) inline in the calling thread,
+    touching every page: that took seconds, the daemon's event loop answered no heartbeat meanwhile, and the
+    controller declared the live actor dead for good (a probe: `actor.run(lambda: jnp.zeros(2**31))`). Big
+    outputs are dispatched from a thread of their own, in a Run of a step too, so the loop keeps answering."""
+    n = 1 << 29  # float32: 2 GiB
+    with mpmd.RemoteMesh.local(num_actors=1, heartbeat_interval=0.1, heartbeat_timeout=0.3) as mesh:
+        a = mesh.actor(0)
+        y = a.run(jax.jit(lambda: jnp.full((n,), 2.0, jnp.float32)))
+        assert y.shape == (n,)
+        y.block_until_ready()
+        del y
+        np.testing.assert_array_equal(a.run(jax.jit(lambda v: v * 3), np.ones(2, np.float32)).to_numpy(), [3.0, 3.0])
+
+
 def test_a_computation_that_failed_on_an_actor_does_not_fail_the_ones_after_it():
     """Every executable on a CPU actor is ordered after the one before by a token (actors/stream.py); a failed
     call's token carries its error, and every later call used to fail with it ("Error dispatching computation")."""
