@@ -5,6 +5,7 @@ Python int or number (or a sequence of them) is. No actor is started."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import jax.numpy as jnp
@@ -201,3 +202,24 @@ def test_two_custom_tables_of_one_shape_have_different_names_and_one_table_one_n
     b = mpmd.Custom(2, order=[["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]])
     again = mpmd.Custom(2, order=(("0F0", "0B0"), ("1F0", "1B0")))
     assert repr(a) != repr(b) and repr(a) == repr(again) and repr(a).startswith("Custom(num_stages=2, 2 actors, table ")
+
+
+def test_local_mesh_counts_and_actor_indices_are_checked_before_anything_starts():
+    """A probe: `RemoteMesh.local(num_actors=10**6)` spawned daemons without end (370 of them, load 500 on two
+    cores, no error after 600 s); None, '2' and 2.0 failed in an internal comparison; True was taken as 1; and
+    `mesh.actor('0')` failed comparing a str with an int."""
+    import mpmd.runtime.launch.local as local
+
+    for n in (None, "2", 2.0, True, 0):
+        with pytest.raises(ValueError, match=rf"num_actors must be a whole number >= 1, got {re.escape(repr(n))}"):
+            mpmd.RemoteMesh.local(num_actors=n)
+    with pytest.raises(ValueError, match=r"num_actors=1000000: each local actor is a daemon process .* GiB available"):
+        mpmd.RemoteMesh.local(num_actors=10**6)
+    with pytest.raises(ValueError, match="devices_per_actor must be a whole number >= 1, got None"):
+        mpmd.RemoteMesh.local(num_actors=1, devices_per_actor=None)
+    assert local._available_memory() is not None  # (Linux: the check is on)
+    with mpmd.RemoteMesh.local(num_actors=1) as mesh:
+        for bad in ("0", None, 0.0, True):
+            with pytest.raises(TypeError, match="mesh.actor takes an actor index, an int from 0 to 0"):
+                mesh.actor(bad)
+        assert mesh.actor(np.int64(0)) is mesh.actor(0)

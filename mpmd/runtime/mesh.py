@@ -402,6 +402,9 @@ class RemoteMesh:
         return each is not None and all(len(c) == 1 for c in each) and len(set().union(*each)) == len(each)
 
     def actor(self, i: int) -> ActorHandle:
+        """The handle of actor `i` (0 .. len(mesh) - 1)."""
+        if not isinstance(i, numbers.Integral) or isinstance(i, bool):
+            raise TypeError(f"mesh.actor takes an actor index, an int from 0 to {len(self.actors) - 1}; got {i!r:.40}")
         if not 0 <= i < len(self.actors):
             raise IndexError(f"actor index {i} out of range: this mesh has {len(self.actors)} actors")
         return self.actors[i]

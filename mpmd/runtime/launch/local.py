@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import glob
 import json
+import numbers
 import os
 import selectors
 import shutil
@@ -61,8 +62,9 @@ class LocalOptions:
     loaders: tuple[str, ...] = ()  # "module:function" data loaders the daemons may call (mpmd.runtime.loader)
 
     def __post_init__(self) -> None:
-        if self.devices_per_actor < 1:
-            raise ValueError(f"devices_per_actor must be >= 1, got {self.devices_per_actor}")
+        d = self.devices_per_actor
+        if not isinstance(d, numbers.Integral) or isinstance(d, bool) or d < 1:
+            raise ValueError(f"devices_per_actor must be a whole number >= 1, got {d!r:.40}")
         if self.platform not in ("cpu", "gpu"):
             raise ValueError(f"platform must be 'cpu' or 'gpu', got {self.platform!r}")
         if self.address not in ("ipc", "tcp"):
@@ -321,10 +323,31 @@ class LocalMesh:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
+DAEMON_BYTES = 300 << 20  # what one idle daemon (Python, JAX, its XLA client) takes: 250-350 MB resident here
+
+
+def _available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none: not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def start_local(num_actors: int, options: LocalOptions) -> LocalMesh:
     """Start `num_actors` daemons here and wait until each is ready; on failure nothing is left running."""
-    if num_actors < 1:
-        raise ValueError(f"num_actors must be >= 1, got {num_actors}")
+    if not isinstance(num_actors, numbers.Integral) or isinstance(num_actors, bool) or num_actors < 1:
+        raise ValueError(f"num_actors must be a whole number >= 1, got {num_actors!r:.40}")
+    num_actors = int(num_actors)
+    room = _available_memory()
+    if room is not None and num_actors * DAEMON_BYTES > room:
+        raise ValueError(f"num_actors={num_actors}: each local actor is a daemon process holding JAX (~{DAEMON_BYTES >> 20} MiB "
+                         f"before any array), {num_actors * DAEMON_BYTES / 2**30:.1f} GiB in all, and this machine has "
+                         f"{room / 2**30:.1f} GiB available; start fewer, or daemons on other machines (RemoteMesh.connect)")
     cpus = cpu_sets(num_actors, options.cpus_per_actor) if options.cpus_per_actor else [None] * num_actors
     tmp = tempfile.mkdtemp(prefix="mpmd-")  # mode 700: other users cannot reach the sockets in it
     addrs = [f"ipc://{tmp}/actor{i}.sock" if options.address == "ipc" else "tcp://127.0.0.1:0" for i in range(num_actors)]
@@ -338,9 +361,12 @@ def start_local(num_actors: int, options: LocalOptions) -> LocalMesh:
     procs: list[LocalProcess] = []
     local = LocalMesh(procs, [], tmp, keys, options, addrs, cpus, handoff)
     try:
-        for i, a in enumerate(addrs):
-            procs.append(LocalProcess(i, a, options, tmp, cpus[i], handoff))
         deadline = time.monotonic() + options.startup_timeout
+        for i, a in enumerate(addrs):
+            if time.monotonic() > deadline:
+                raise ActorStartError(f"starting {num_actors} local actors took longer than startup_timeout="
+                                      f"{options.startup_timeout:g} s ({i} started); start fewer, or pass a longer startup_timeout")
+            procs.append(LocalProcess(i, a, options, tmp, cpus[i], handoff))
         local.endpoints = [p.wait_ready(deadline) for p in procs]
         return local
     except BaseException:
