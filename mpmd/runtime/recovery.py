@@ -401,7 +401,10 @@ class RecoveryManager:
             self._say_gave_up(error)
             return False
         if not self._running() and not self.mesh.conn(error.actor_id).dead and error.actor_id not in self._dead_processes():
-            return True  # replaced already (the error came from before): read again
+            # Replaced already (the error came from before), or a daemon of no process here whose connection dropped:
+            # gone for good, restarted without our session, or a blip. Its answer to a ping says which.
+            if self._answers(error.actor_id):
+                return True  # read again
         fut = self.mesh.run(self._start(error))
         try:
             fut.result()
@@ -409,6 +412,23 @@ class RecoveryManager:
             self._say_gave_up(error)
             return False
         return True
+
+    def _answers(self, i: int) -> bool:
+        """Whether actor `i` answers a ping with this mesh's session open (a daemon that is gone is declared lost
+        by the watchdog within heartbeat_timeout; one restarted without our session, at once)."""
+        conn = self.mesh.conn(i)
+
+        async def ping() -> bool:
+            reply = await conn.request("ping", {"session": conn.session})
+            if reply.header.get("session_open") is False and conn.opened:
+                conn._session_lost(f"its pid is {reply.header.get('pid')} now; a ping found no session {conn.session}")
+                return False
+            return True
+
+        try:
+            return self.mesh.run(ping())
+        except ActorDiedError:
+            return False
 
     async def _start(self, error: BaseException) -> concurrent.futures.Future[None]:
         return self._start_recovery(error)
