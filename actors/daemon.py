@@ -39,6 +39,29 @@ import tempfile
 
 from actors import cluster
 
+STALE_COMPILE_DIR = re.compile(r"compile-\d+-(\d+)-[A-Za-z0-9_]+")
+
+
+def _sweep_stale_compile_dirs(parent: str) -> None:
+    """Remove the private compile directories that daemons of this user killed with SIGKILL left in `parent` (a
+    daemon removes its own at exit; one killed cannot): those named for a process that no longer exists."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        m = STALE_COMPILE_DIR.fullmatch(name)
+        path = os.path.join(parent, name)
+        try:
+            if m is None or os.lstat(path).st_uid != os.getuid() or not os.path.isdir(path) or os.path.islink(path):
+                continue
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except (OSError, ValueError, OverflowError):
+            continue
+
+
 COMPILE_GRACE = 5.0  # a compile's bound: --compile-timeout for its checks, again for XLA, plus this (a compile process's start)
 
 
@@ -303,7 +326,9 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     # Compiles run in child processes (actors/sandbox.py) that write the executable into this compilation cache,
     # and the daemon loads it from there: --cache-dir, or a private directory that goes when the daemon does
     # (made once the daemon can no longer fail to start: an early exit left it behind).
-    compile_dir = args.cache_dir or tempfile.mkdtemp(prefix=f"compile-{args.actor_id}-", dir=args.mesh_dir)
+    if not args.cache_dir:
+        _sweep_stale_compile_dirs(args.mesh_dir or tempfile.gettempdir())
+    compile_dir = args.cache_dir or tempfile.mkdtemp(prefix=f"compile-{args.actor_id}-{os.getpid()}-", dir=args.mesh_dir)
     jax.config.update("jax_compilation_cache_dir", compile_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

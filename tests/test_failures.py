@@ -484,3 +484,20 @@ def test_an_activation_that_failed_to_compute_fails_the_step_and_leaves_both_dae
         for i in range(2):
             a = mesh.actor(i)
             np.testing.assert_array_equal(a.run(jax.jit(lambda v: v + 1), a.put(np.zeros(3, np.float32))).to_numpy(), np.ones(3))
+
+
+def test_a_daemon_sweeps_the_compile_directories_of_killed_daemons_and_no_other(tmp_path):
+    """A daemon started without --cache-dir compiles into a private directory it removes at exit; one killed with
+    SIGKILL cannot, and each restart of such a daemon left one more behind (a probe). A daemon starting sweeps
+    those named for a process that no longer exists, and leaves a live daemon's and other names alone."""
+    from actors.daemon import _sweep_stale_compile_dirs
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead, live = tmp_path / f"compile-1-{gone.pid}-abc123", tmp_path / f"compile-0-{os.getpid()}-xyz789"
+    other = tmp_path / "compile-1-x"  # (an older name, or someone else's: not ours to judge)
+    for d in (dead, live, other):
+        d.mkdir()
+        (d / "entry").write_bytes(b"xla")
+    _sweep_stale_compile_dirs(str(tmp_path))
+    assert not dead.exists() and live.exists() and other.exists()

@@ -347,7 +347,7 @@ def test_a_ctrl_c_handed_to_another_thread_interrupts_a_fetch_at_once_and_the_me
     signal.raise_signal from a timer thread) handed SIGINT to a thread other than the waiting one (found by a
     probe); the wait is now timed, so the interrupt lands within a fraction of a second."""
     with mpmd.RemoteMesh.local(num_actors=1) as mesh:
-        slow = jax.jit(lambda a: jax.lax.fori_loop(0, 16000, lambda i, v: jnp.tanh(v @ v), a))
+        slow = jax.jit(lambda a: jax.lax.fori_loop(0, 40000, lambda i, v: jnp.tanh(v @ v), a))  # (~4 s here on a quiet day)
         y = mesh.actor(0).run(slow, mesh.actor(0).put(np.eye(256, dtype=np.float32) * 0.5))
         timer = threading.Timer(0.3, signal.raise_signal, (signal.SIGINT,))
         t = time.monotonic()
