@@ -223,3 +223,18 @@ def test_local_mesh_counts_and_actor_indices_are_checked_before_anything_starts(
             with pytest.raises(TypeError, match="mesh.actor takes an actor index, an int from 0 to 0"):
                 mesh.actor(bad)
         assert mesh.actor(np.int64(0)) is mesh.actor(0)
+
+
+def test_actor_run_takes_python_scalars_out_and_names_host_callbacks():
+    """A probe: `actor.run` of a plain function returning a Python float failed with "'float' object has no
+    attribute 'shape'" (jax.jit returns an Array), and one calling jax.debug.print with jax's bare
+    "serialization of host_callbacks is not yet implemented"."""
+    import jax
+
+    with mpmd.RemoteMesh.local(num_actors=1) as mesh:
+        a = mesh.actor(0)
+        v, one = a.run(lambda x: (x * 2, 1.0), np.ones(2, np.float32))
+        assert v.to_numpy().tolist() == [2.0, 2.0] and one.to_numpy() == np.asarray(jax.jit(lambda: 1.0)())
+        with pytest.raises(mpmd.MpmdError, match=r"cannot send a function that calls back to Python \(jax.debug.print"):
+            a.run(lambda x: (jax.debug.print("x {}", x), x)[1], np.ones(2, np.float32))
+        assert a.run(jax.jit(lambda x: x + 1), np.ones(2, np.float32)).to_numpy().tolist() == [2.0, 2.0]

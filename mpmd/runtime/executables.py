@@ -11,11 +11,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mpmd.compiler.avals import unwrap_out, wire_aval, wrap_in
 from mpmd.compiler.lowering import serialize_flat
 from mpmd.compiler.program import Program, encode_program
+from mpmd.errors import MpmdError
 from mpmd.runtime.controller import ActorConnection
 from mpmd.runtime.sharding import layout_from_wire, layout_wire
 
@@ -74,9 +76,17 @@ class Executables:
                 args = [wrap_in(x, a.dtype) for x, a in zip(xs, avals)]
                 out = fn(*jax.tree.unflatten(treedef, args))
                 out_leaves, out_tree = jax.tree.flatten(out)
+                out_leaves = [jnp.asarray(o) for o in out_leaves]  # (Python scalars too, as jax.jit returns them)
                 out_tree_box.append((out_tree, [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_leaves]))
                 return tuple(unwrap_out(o) for o in out_leaves)
 
-            blob = serialize_flat(flat, [wire_aval(a) for a in avals], platform)
+            try:
+                blob = serialize_flat(flat, [wire_aval(a) for a in avals], platform)
+            except NotImplementedError as e:
+                if "host_callbacks" not in str(e):
+                    raise
+                raise MpmdError(f"mesh.actor(i).run cannot send a function that calls back to Python (jax.debug.print, "
+                                f"jax.pure_callback, io_callback: {e}); leave the callback out, or run it in a step "
+                                "(mpmd.distributed), whose stages call back to the controller") from None
             hit = self._lowered[key] = (blob, out_tree_box[0])
         return hit
