@@ -98,6 +98,7 @@ def _spec(x: Any, path: str) -> jax.ShapeDtypeStruct:
     # A Python number is weakly typed, as under jax.jit (`w - lr * g` keeps bf16 w bf16), and so is a jax.Array
     # made from one; numpy values are not.
     weak = (type(x) in (int, float, complex)) or bool(getattr(x, "weak_type", False) and isinstance(x, jax.Array))
+    given = type(x).__name__
     try:
         x = host_value(x)
         if x.dtype == np.dtype(object):  # (canonicalize_dtype lets it through; jax.jit refuses it)
@@ -111,7 +112,7 @@ def _spec(x: Any, path: str) -> jax.ShapeDtypeStruct:
     except OverflowError as e:  # (jax.jit raises OverflowError too)
         raise OverflowError(f"argument {path}: {e}") from None
     except (TypeError, ValueError) as e:
-        raise PipelineError(f"argument {path} is a {type(x).__name__}, which is not a valid JAX type: {e}") from None
+        raise PipelineError(f"argument {path} is a {given}, which is not a valid JAX type: {e}") from None
     return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, weak_type=weak)
 
 

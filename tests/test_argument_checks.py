@@ -238,3 +238,14 @@ def test_actor_run_takes_python_scalars_out_and_names_host_callbacks():
         with pytest.raises(mpmd.MpmdError, match=r"cannot send a function that calls back to Python \(jax.debug.print"):
             a.run(lambda x: (jax.debug.print("x {}", x), x)[1], np.ones(2, np.float32))
         assert a.run(jax.jit(lambda x: x + 1), np.ones(2, np.float32)).to_numpy().tolist() == [2.0, 2.0]
+
+
+@pytest.mark.filterwarnings("ignore:Python iterable type 'generator' is treated as a leaf:DeprecationWarning")  # (jax's own)
+def test_an_argument_jax_cannot_use_is_named_by_its_own_type():
+    """A generator as a batch leaf was reported as "a ndarray" (the object array numpy made of it; a probe)."""
+    def step(p, batch):
+        return p * 2
+
+    with mpmd.RemoteMesh.local(num_actors=1) as mesh:
+        with pytest.raises(mpmd.PipelineError, match=r"argument args\[1\]\['x'\] is a generator, which is not a valid JAX type"):
+            mpmd.distributed(step, mesh=mesh)(np.ones(2, np.float32), {"x": (i for i in range(3))})
