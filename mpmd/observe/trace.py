@@ -17,7 +17,7 @@ import json
 import math
 import operator
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,26 +87,38 @@ class Breakdown:
     waiting: float  # the next Run's inputs were still being received
     overhead: float  # its inputs were there, but it had not started (interpreter, dispatch)
     idle: float  # before the first and after the last Run (other actors still working)
+    other: float = 0.0  # running Runs of other traced steps (steps dispatched back to back overlap)
 
     def fraction(self, name: str) -> float:
         return getattr(self, name) / self.wall if self.wall > 0 else 0.0
 
 
-def breakdown(a: ActorStep, window: tuple[float, float]) -> Breakdown:
+def _covered(x: float, y: float, spans: Sequence[tuple[float, float]]) -> float:
+    """How much of [x, y] the (disjoint) `spans` cover."""
+    return sum(max(0.0, min(y, e) - max(x, s)) for s, e in spans if e > x and s < y)
+
+
+def breakdown(a: ActorStep, window: tuple[float, float], others: Sequence[tuple[float, float]] = (),
+              queued_until: float | None = None) -> Breakdown:
+    """`a`'s time in the step `window`. Of steps dispatched back to back: `others`, the spans of this actor's Runs
+    in later traced steps, and `queued_until`, when its last Run of the earlier ones ended (until then the actor
+    was busy with those: the time is `other`, not waiting for data or overhead)."""
     w0, w1 = window
     compute = sum(r.end - r.start for r in a.runs)
     waiting = overhead = 0.0
-    prev_end = a.start
+    queued = max(0.0, min(queued_until, w1) - w0) if queued_until is not None else 0.0
+    prev_end = max(a.start, queued_until) if queued_until is not None else a.start
     for r in a.runs:
         gap_start = max(prev_end, w0)
         if r.start > gap_start:
             data_until = min(max(r.ready, gap_start), r.start)
-            waiting += data_until - gap_start
-            overhead += r.start - data_until
+            waiting += data_until - gap_start - _covered(gap_start, data_until, others)
+            overhead += r.start - data_until - _covered(data_until, r.start, others)
         prev_end = max(prev_end, r.end)
     wall = w1 - w0
-    idle = max(0.0, wall - compute - waiting - overhead)
-    return Breakdown(wall, compute, waiting, overhead, idle)
+    other = queued + _covered(max(w0, prev_end if queued_until is None else queued_until), w1, others)
+    idle = max(0.0, wall - compute - waiting - overhead - other)
+    return Breakdown(wall, compute, waiting, overhead, idle, other)
 
 
 class Trace:
@@ -166,17 +178,29 @@ class Trace:
 
     def breakdown(self, step: int = -1) -> dict[int, Breakdown]:
         w = self.window(step)
-        return {a: breakdown(x, w) for a, x in sorted(self._step(step).items())}
+        mine = self._step(step)
+        at = next(i for i, s in enumerate(self.steps) if s is mine)
+
+        def earlier_end(a: int) -> float | None:
+            return max((r.end for s in self.steps[:at] if a in s for r in s[a].runs), default=None)
+
+        return {a: breakdown(x, w, [(r.start, r.end) for s in self.steps[at + 1:] if a in s for r in s[a].runs], earlier_end(a))
+                for a, x in sorted(mine.items())}
 
     def summary(self, step: int = -1) -> str:
         """Per actor: compute, waiting for data, runtime overhead, idle, as ms and shares of the step."""
         if not self.steps:
             return "no traced step"
         self._step(step)
-        lines = [f"traced step {step % len(self.steps)}: {(self.window(step)[1] - self.window(step)[0]) * 1e3:.2f} ms",
-                 "actor   compute          waiting for data  runtime overhead  idle"]
-        for a, b in self.breakdown(step).items():
-            cells = [f"{getattr(b, n) * 1e3:8.2f} ms {b.fraction(n) * 100:4.0f}%" for n in ("compute", "waiting", "overhead", "idle")]
+        parts = self.breakdown(step)
+        overlap = any(b.other > 0 for b in parts.values())
+        names = ("compute", "waiting", "overhead", "idle") + (("other",) if overlap else ())
+        lines = [f"traced step {step % len(self.steps)}: {(self.window(step)[1] - self.window(step)[0]) * 1e3:.2f} ms"
+                 + (" (its window overlaps other traced steps, dispatched back to back: 'other steps' is this actor's time "
+                    "on them, running or queued behind their Runs)" if overlap else ""),
+                 "actor   compute          waiting for data  runtime overhead  idle" + ("              other steps" if overlap else "")]
+        for a, b in parts.items():
+            cells = [f"{getattr(b, n) * 1e3:8.2f} ms {b.fraction(n) * 100:4.0f}%" for n in names]
             lines.append(f"{a:5d}   " + "  ".join(cells))
         return "\n".join(lines)
 
