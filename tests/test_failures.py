@@ -501,3 +501,12 @@ def test_a_daemon_sweeps_the_compile_directories_of_killed_daemons_and_no_other(
         (d / "entry").write_bytes(b"xla")
     _sweep_stale_compile_dirs(str(tmp_path))
     assert not dead.exists() and live.exists() and other.exists()
+
+
+def test_a_daemon_that_stopped_cleanly_is_described_as_such():
+    """A daemon stops cleanly on SIGTERM (exit status 0), and a recovery's log said only "exited with code 0"
+    (a probe); the description says what a clean stop can be."""
+    from mpmd.runtime.launch.local import describe_exit
+
+    assert describe_exit(0).startswith("exited with code 0 (a clean stop: SIGTERM")
+    assert describe_exit(-signal.SIGTERM) == "was terminated (SIGTERM)" and describe_exit(3) == "exited with code 3"

@@ -125,6 +125,8 @@ _SIGNALS = {signal.SIGKILL: "was killed by SIGKILL (kill -9, or the kernel's out
 def describe_exit(code: int) -> str:
     if code < 0:
         return _SIGNALS.get(-code, f"was killed by signal {-code}")
+    if code == 0:  # (the daemon stops cleanly on SIGTERM and SIGINT too: its exit status does not say which)
+        return "exited with code 0 (a clean stop: SIGTERM, SIGINT, a shutdown request, or its controller gone)"
     return f"exited with code {code}"
 
 
