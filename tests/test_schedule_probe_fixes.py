@@ -297,3 +297,37 @@ def test_custom_names_the_mistake_not_its_symptom():
     with pytest.raises(mpmd.ScheduleError, match="not a dict; e.g. order=tuple"):
         mpmd.Custom(num_stages=2, order={0: ("0F0", "0B0"), 1: ("1F0", "1B0")})  # (said: 'order[0] ... got 0')
     assert simulate(mpmd.Custom(num_stages=2, order=ok), 2).timeline == simulate(mpmd.OneFOneB(2), 2).timeline
+
+
+@pytest.mark.parametrize("p,m,before,after", [(2, 1, 10, 9), (2, 2, 14, 13), (3, 1, 14, 13), (3, 3, 22, 21), (4, 4, 30, 29)])
+def test_zero_bubble_v_below_a_full_v_runs_no_w_before_an_i_the_step_waits_on(p, m, before, after):
+    """A probe (an exact search over every per-actor order): at m < 2p - 1 ZB-V ran a W before an I on the critical
+    path (m=1 on 2 actors: actor 1 ran 2W0 before 1I0; 10 units where 9 do). Ws are moved later where that
+    shortens the step; the peaks stay, and from a full V on (m >= 2p - 1) the table is as before: 6m + p - 1."""
+    s = mpmd.ZeroBubbleV(p)
+    r = simulate(s, m, Costs(F=1, B=2, I=1, W=1))
+    assert r.step_time == after < before
+    table = s.tasks(m)
+    for row in table:  # the same tasks, each actor's Fs and Is in the order they were
+        assert sorted(map(str, row)) == sorted(map(str, _zbv_rows(p, m)[table.index(row)]))
+        assert [t for t in row if t.kind != "W"] == [t for t in _zbv_rows(p, m)[table.index(row)] if t.kind != "W"]
+    full = 2 * p - 1
+    assert simulate(s, full, Costs(F=1, B=2, I=1, W=1)).step_time == 6 * full + p - 1
+    assert s.tasks(full) == _zbv_rows(p, full)
+
+
+def _zbv_rows(p, m):
+    from mpmd.schedules.builtin import _zbv_actor
+
+    return [_zbv_actor(p, a, m) for a in range(p)]
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_zero_bubble_v_below_a_full_v_trains_like_jit(mesh2, m):
+    from tests import models
+    from tests.test_pipeline import run_both
+
+    rng = np.random.default_rng(m)
+    params = models.mlp_params(rng, 4)
+    run_both(mesh2, models.mse_loss(models.mlp), params, [models.regression_batch(rng, m, 3, 16) for _ in range(2)],
+             mpmd.ZeroBubbleV(2))

@@ -56,7 +56,7 @@ minimum. `one_f_one_b` and `backward` are the helpers the built-ins use.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from itertools import zip_longest
 
@@ -67,6 +67,7 @@ from mpmd.schedules.validation import (
     check_programs,
     format_table,
     is_count,
+    replay_table,
     schedule_lacks,
     validate,
 )
@@ -402,7 +403,35 @@ class ZeroBubbleV(_VShape):
     steady state and holds at most 2p microbatch-stages of activations, like 1F1B's p stages of double size."""
 
     def tasks(self, num_microbatches: int) -> list[list[Task]]:
-        return [_zbv_actor(self.num_actors, a, num_microbatches) for a in range(self.num_actors)]
+        table = [_zbv_actor(self.num_actors, a, num_microbatches) for a in range(self.num_actors)]
+        if num_microbatches < 2 * self.num_actors - 1:  # the V never fills: some Ws stand before an I the step waits on
+            table = _defer_ws(table, self.num_stages, self.actor_of)
+        return table
+
+
+def _defer_ws(table: list[Row], num_stages: int, actor_of: Callable[[int], int]) -> list[Row]:
+    """`table` with a W moved past the task after it wherever that shortens the step with F = I = W (ZB-V's premise),
+    one move at a time until none does (a W feeds no other task, so a later W never deadlocks). At m < 2p - 1 the
+    order built for a full V ran a W before an I on the critical path: 10 units where 9 do at m=1 on 2 actors."""
+    def length(t: list[Row]) -> float:
+        return max(replay_table(t, num_stages, actor_of).end.values(), default=0.0)
+
+    best = length(table)
+    moved = True
+    while moved:
+        moved = False
+        for a, row in enumerate(table):
+            for i in range(len(row) - 1):
+                if row[i].kind == "W" and row[i + 1].kind != "W":
+                    cand = [list(r) for r in table]
+                    cand[a][i], cand[a][i + 1] = row[i + 1], row[i]
+                    got = length(cand)
+                    if got < best - 1e-9:
+                        table, best, moved = cand, got, True
+                        break
+            if moved:
+                break
+    return table
 
 
 def _zbv_actor(p: int, a: int, m: int) -> Row:
