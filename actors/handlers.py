@@ -399,9 +399,11 @@ class Actor:
 
         async def compute() -> list[Any]:
             args = [await asyncio.shield(r) if isinstance(r, asyncio.Future) else r for r in refs]
-            if self.cache.output_bytes(key) >= BIG_OUTPUT_BYTES:
+            if self.stream.offloads and self.cache.output_bytes(key) >= BIG_OUTPUT_BYTES:
                 _, results = await self.stream.call_off_loop(exe, args)
             else:
+                if self.stream.busy is not None:
+                    await self.stream.idle()
                 _, results = self.stream.call(exe, args)
             if len(results) != len(outputs):
                 raise RequestError(f"executable returns {len(results)} values but {len(outputs)} output ids were given")

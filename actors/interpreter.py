@@ -135,9 +135,11 @@ class Interpreter:
                     if args is None:  # waits only for values still being received
                         args = await watch.inputs(env, ins.inputs)
                     try:
+                        if self.stream.busy is not None:  # (a big call's thread holds the token)
+                            await self.stream.idle()
                         if trace:
                             results = await trace.run(self.stream, self.cache.get(ins.exe), args, str(ins.label), t0, now())
-                        elif self.cache.output_bytes(ins.exe) >= BIG_OUTPUT_BYTES:
+                        elif self.stream.offloads and self.cache.output_bytes(ins.exe) >= BIG_OUTPUT_BYTES:
                             last, results = await self.stream.call_off_loop(self.cache.get(ins.exe), args)
                         else:
                             last, results = self.stream.call(self.cache.get(ins.exe), args)

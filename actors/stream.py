@@ -51,9 +51,12 @@ BIG_OUTPUT_BYTES = 64 << 20
 
 
 def output_bytes(exe: Any) -> int:
-    """The bytes a compiled executable's outputs take (its order token included; 0 where jax does not say)."""
-    info = getattr(exe, "out_info", None)
-    return sum(int(np.prod(o.shape)) * np.dtype(o.dtype).itemsize for o in jax.tree.leaves(info)) if info is not None else 0
+    """The bytes a compiled executable's outputs take (its order token included; 0 where jax does not say, or for
+    a dtype numpy has no size of, such as a typed key's)."""
+    try:
+        return sum(int(np.prod(o.shape)) * np.dtype(o.dtype).itemsize for o in jax.tree.leaves(exe.out_info))
+    except (AttributeError, TypeError):
+        return 0
 
 
 class Stream:
@@ -66,6 +69,10 @@ class Stream:
         self._device = device
         self._where: Any = device
         self.token = jax.device_put(np.int32(0), device) if ordered_calls else None
+        # Big calls go through a thread on CPU only (a GPU client dispatches asynchronously); while one runs, every
+        # other call waits for it (`busy`, then `idle()`): the thread's token must stay the one the next call reads.
+        self.offloads = getattr(device, "platform", "cpu") == "cpu"
+        self.busy: asyncio.Future[Any] | None = None
 
     def on_mesh(self, mesh: Any) -> None:
         """Executables now run over a device mesh: the token is replicated over it."""
@@ -103,12 +110,28 @@ class Stream:
         return out[0], out[1:]
 
     async def call_off_loop(self, exe: Any, args: Sequence[Any]) -> tuple[Any, Sequence[Any]]:
-        """`call` from a thread of its own (one for the actor's big calls), the event loop serving meanwhile. A call
-        the loop dispatches in between reads the token before this one's: the two are not ordered against each
-        other (only the order of their computations, never their inputs and outputs, hangs on the token)."""
+        """`call` from a thread of its own (one for the actor's big calls), the event loop serving meanwhile (its
+        heartbeats too). Calls dispatched meanwhile wait (`idle`) until the thread is done with the token, also when
+        the caller of this one is cancelled."""
+        await self.idle()
         if Stream._big_calls is None:
             Stream._big_calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpmd-big-run")
-        return await asyncio.get_running_loop().run_in_executor(Stream._big_calls, self.call, exe, args)
+        done = self.busy = asyncio.wrap_future(Stream._big_calls.submit(self.call, exe, args))
+
+        def clear(_: Any) -> None:
+            if self.busy is done:
+                self.busy = None
+
+        done.add_done_callback(clear)
+        return await asyncio.shield(done)
+
+    async def idle(self) -> None:
+        """Wait until no big call holds the token (see `call_off_loop`)."""
+        while self.busy is not None:
+            try:
+                await asyncio.shield(self.busy)
+            except Exception:  # (its caller hears of its failure)
+                pass
 
 
 def now() -> int:

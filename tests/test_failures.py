@@ -397,12 +397,13 @@ def _fails_at_run_time(x):
 
 
 def test_an_actor_busy_making_a_big_output_still_answers_heartbeats():
-    """XLA's CPU client runs a cheap computation with a big output (a 2 GiB fill) inline in the calling thread,
+    """XLA's CPU client runs a cheap computation with a big output (a 4 GiB fill) inline in the calling thread,
     touching every page: that took seconds, the daemon's event loop answered no heartbeat meanwhile, and the
     controller declared the live actor dead for good (a probe: `actor.run(lambda: jnp.zeros(2**31))`). Big
-    outputs are dispatched from a thread of their own, in a Run of a step too, so the loop keeps answering."""
-    n = 1 << 29  # float32: 2 GiB
-    with mpmd.RemoteMesh.local(num_actors=1, heartbeat_interval=0.1, heartbeat_timeout=0.3) as mesh:
+    outputs are dispatched from a thread of their own (a step's Runs too, though a step's constant output did not
+    hold the loop here), so the loop keeps answering."""
+    n = 1 << 30  # float32: 4 GiB (filled in ~3 s here)
+    with mpmd.RemoteMesh.local(num_actors=1, heartbeat_interval=0.25, heartbeat_timeout=1.0) as mesh:
         a = mesh.actor(0)
         y = a.run(jax.jit(lambda: jnp.full((n,), 2.0, jnp.float32)))
         assert y.shape == (n,)
