@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import ctypes
 import faulthandler
+import fcntl
 import functools
 import json
 import logging
@@ -34,32 +35,51 @@ import os
 import re
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 
 from actors import cluster
 
-STALE_COMPILE_DIR = re.compile(r"compile-\d+-(\d+)-[A-Za-z0-9_]+")
+COMPILE_DIR = re.compile(r"mpmd-compile-\d+-[A-Za-z0-9_]+")  # a daemon's private compile directory (mkdtemp's suffix)
+COMPILE_LOCK = ".held"  # locked (flock) by its daemon for as long as it lives
+
+
+def _private_compile_dir(actor_id: int, parent: str | None) -> tuple[str, int]:
+    """A compile directory for this daemon alone, and the descriptor of the lock it holds on it until it exits."""
+    path = tempfile.mkdtemp(prefix=f"mpmd-compile-{actor_id}-", dir=parent)
+    fd = os.open(os.path.join(path, COMPILE_LOCK), os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return path, fd
 
 
 def _sweep_stale_compile_dirs(parent: str) -> None:
-    """Remove the private compile directories that daemons of this user killed with SIGKILL left in `parent` (a
-    daemon removes its own at exit; one killed cannot): those named for a process that no longer exists."""
+    """Remove the private compile directories that this user's daemons killed with SIGKILL left in `parent` (a
+    daemon removes its own at exit; one killed cannot): those whose lock no daemon holds. A lock, not a pid: the
+    directory may be shared by daemons of other pid spaces (containers, nodes sharing a scratch directory)."""
     try:
         names = os.listdir(parent)
     except OSError:
         return
     for name in names:
-        m = STALE_COMPILE_DIR.fullmatch(name)
+        if COMPILE_DIR.fullmatch(name) is None:
+            continue
         path = os.path.join(parent, name)
         try:
-            if m is None or os.lstat(path).st_uid != os.getuid() or not os.path.isdir(path) or os.path.islink(path):
+            st = os.lstat(path)
+            if st.st_uid != os.getuid() or not stat.S_ISDIR(st.st_mode):
                 continue
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except (OSError, ValueError, OverflowError):
+            fd = os.open(os.path.join(path, COMPILE_LOCK), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:  # (no lock file: one being made this moment; not ours; gone)
             continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its daemon lives (or locks do not work here: leave it)
+            continue
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+        finally:
+            os.close(fd)
 
 
 COMPILE_GRACE = 5.0  # a compile's bound: --compile-timeout for its checks, again for XLA, plus this (a compile process's start)
@@ -326,9 +346,11 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     # Compiles run in child processes (actors/sandbox.py) that write the executable into this compilation cache,
     # and the daemon loads it from there: --cache-dir, or a private directory that goes when the daemon does
     # (made once the daemon can no longer fail to start: an early exit left it behind).
-    if not args.cache_dir:
+    if args.cache_dir:
+        compile_dir = args.cache_dir
+    else:
         _sweep_stale_compile_dirs(args.mesh_dir or tempfile.gettempdir())
-    compile_dir = args.cache_dir or tempfile.mkdtemp(prefix=f"compile-{args.actor_id}-{os.getpid()}-", dir=args.mesh_dir)
+        compile_dir, _held = _private_compile_dir(args.actor_id, args.mesh_dir)  # (the lock goes with the process)
     jax.config.update("jax_compilation_cache_dir", compile_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

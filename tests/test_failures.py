@@ -489,19 +489,25 @@ def test_an_activation_that_failed_to_compute_fails_the_step_and_leaves_both_dae
 
 def test_a_daemon_sweeps_the_compile_directories_of_killed_daemons_and_no_other(tmp_path):
     """A daemon started without --cache-dir compiles into a private directory it removes at exit; one killed with
-    SIGKILL cannot, and each restart of such a daemon left one more behind (a probe). A daemon starting sweeps
-    those named for a process that no longer exists, and leaves a live daemon's and other names alone."""
-    from actors.daemon import _sweep_stale_compile_dirs
+    SIGKILL cannot, and each restart of such a daemon left one more behind (a probe). A daemon holds a lock on its
+    directory while it lives, and one starting sweeps the directories whose lock nobody holds — not a live
+    daemon's, whatever pid space it is in, nor one being made (no lock file yet), nor other names."""
+    from actors.daemon import _private_compile_dir, _sweep_stale_compile_dirs
 
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    dead, live = tmp_path / f"compile-1-{gone.pid}-abc123", tmp_path / f"compile-0-{os.getpid()}-xyz789"
-    other = tmp_path / "compile-1-x"  # (an older name, or someone else's: not ours to judge)
-    for d in (dead, live, other):
+    live, held = _private_compile_dir(0, str(tmp_path))  # (as a daemon makes it; this process holds the lock)
+    gone, fd = _private_compile_dir(1, str(tmp_path))
+    os.close(fd)  # its daemon was killed: the lock went with it
+    making = tmp_path / "mpmd-compile-2-abc123"
+    other = tmp_path / "compile-1-x"
+    for d in (making, other):
         d.mkdir()
-        (d / "entry").write_bytes(b"xla")
-    _sweep_stale_compile_dirs(str(tmp_path))
-    assert not dead.exists() and live.exists() and other.exists()
+    for d in (live, gone, making, other):
+        (tmp_path / d / "entry").write_bytes(b"xla")
+    try:
+        _sweep_stale_compile_dirs(str(tmp_path))
+        assert not os.path.exists(gone) and os.path.exists(live) and making.exists() and other.exists()
+    finally:
+        os.close(held)
 
 
 def test_a_daemon_that_stopped_cleanly_is_described_as_such():
