@@ -31,7 +31,9 @@ fi
 $PY -c "import sys, jax, zmq, mpmd; print(sys.version.split()[0], 'jax', jax.__version__, 'pyzmq', zmq.__version__, jax.devices())"
 JAX_PLATFORMS=cuda,cpu timeout 120 $PY -m pytest -q -m gpu tests/test_gpu.py tests/test_nccl.py -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.txt"
 timeout 180 $PY -m benchmarks.gpu --out "$OUT" --steps 10 --rounds 3
-JAX_PLATFORMS=cpu timeout 200 $PY -m pytest -q -p no:cacheprovider --timeout 90 -n 12 tests/test_user_programs.py \
+par=""; $PY -c "import xdist" 2> /dev/null && par="-n 12"        # (pytest-xdist and pytest-timeout where the machine has them)
+$PY -c "import pytest_timeout" 2> /dev/null && par="$par --timeout 90"
+JAX_PLATFORMS=cpu timeout 200 $PY -m pytest -q -p no:cacheprovider $par tests/test_user_programs.py \
     tests/test_user_programs_3.py tests/test_compiler.py tests/test_static_leaves.py tests/test_pipeline.py tests/test_remat.py \
     tests/test_schedules_run.py tests/test_sums.py tests/test_inputs.py tests/test_spmd.py 2>&1 \
     | grep -E "^(FAILED|ERROR)|passed|failed|Error" | tee "$OUT/cpu-smoke.txt"

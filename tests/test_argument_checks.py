@@ -1,6 +1,7 @@
 """Bad arguments to the schedule and simulator API get an error naming what was wrong and what to give (not a raw
 TypeError later, nor a silent wrong result); numpy integers and 0-d / 1-d numpy and JAX arrays are taken where a
-Python int or number (or a sequence of them) is. No actor is started."""
+Python int or number (or a sequence of them) is. No actor is started, except by the last tests (local meshes' counts,
+`mesh.actor`, `actor.run` and step arguments), which start one."""
 
 from __future__ import annotations
 
@@ -213,11 +214,11 @@ def test_local_mesh_counts_and_actor_indices_are_checked_before_anything_starts(
     for n in (None, "2", 2.0, True, 0):
         with pytest.raises(ValueError, match=rf"num_actors must be a whole number >= 1, got {re.escape(repr(n))}"):
             mpmd.RemoteMesh.local(num_actors=n)
-    with pytest.raises(ValueError, match=r"num_actors=1000000: each local actor is a daemon process .* GiB available"):
+    with pytest.raises(ValueError, match=r"num_actors=1000000: each local actor is a daemon process .* GiB of memory and swap"):
         mpmd.RemoteMesh.local(num_actors=10**6)
     with pytest.raises(ValueError, match="devices_per_actor must be a whole number >= 1, got None"):
         mpmd.RemoteMesh.local(num_actors=1, devices_per_actor=None)
-    assert local._available_memory() is not None  # (Linux: the check is on)
+    assert local._memory() is not None  # (Linux: the check is on)
     with mpmd.RemoteMesh.local(num_actors=1) as mesh:
         for bad in ("0", None, 0.0, True):
             with pytest.raises(TypeError, match="mesh.actor takes an actor index, an int from 0 to 0"):

@@ -344,13 +344,23 @@ class ActorConnection:
 
     async def _ping(self) -> None:
         try:
-            reply = await self.client.request("ping", {"session": self.session})
-            if reply.header.get("session_open") is False and self.opened and not self.dead:
-                self._session_lost(f"its pid is {reply.header.get('pid')} now; a ping found no session {self.session}")
+            self._session_kept(await self.client.request("ping", {"session": self.session}))
         except Exception:
             pass
         finally:
             self._pinging = False
+
+    async def answers(self) -> bool:
+        """Ping the daemon: whether it answers with this mesh's session open. One that answers without it (restarted,
+        or it closed the session) is declared lost; one that does not answer raises ActorDiedError (the watchdog
+        declares it within heartbeat_timeout)."""
+        return self._session_kept(await self.request("ping", {"session": self.session}))
+
+    def _session_kept(self, reply: Message) -> bool:
+        if reply.header.get("session_open") is False and self.opened and not self.dead:
+            self._session_lost(f"its pid is {reply.header.get('pid')} now; a ping found no session {self.session}")
+            return False
+        return True
 
     def close(self) -> None:
         self.client.close()

@@ -416,17 +416,8 @@ class RecoveryManager:
     def _answers(self, i: int) -> bool:
         """Whether actor `i` answers a ping with this mesh's session open (a daemon that is gone is declared lost
         by the watchdog within heartbeat_timeout; one restarted without our session, at once)."""
-        conn = self.mesh.conn(i)
-
-        async def ping() -> bool:
-            reply = await conn.request("ping", {"session": conn.session})
-            if reply.header.get("session_open") is False and conn.opened:
-                conn._session_lost(f"its pid is {reply.header.get('pid')} now; a ping found no session {conn.session}")
-                return False
-            return True
-
         try:
-            return self.mesh.run(ping())
+            return self.mesh.run(self.mesh.conn(i).answers())
         except ActorDiedError:
             return False
 

@@ -596,7 +596,8 @@ class Custom(Schedule):
                                 f"{', '.join(map(str, named))}); pass the number of stages the table holds or add the missing "
                                 f"stages' tasks\n{format_table([list(r) for r in rows])}")
         mbs = {t.mb for row in rows for t in row}
-        if is_count(self.num_stages) and (1 + max(mbs, default=0)) * self.num_stages > MAX_TABLE_TASKS // 3:
+        if (is_count(self.num_stages) and (1 + max(mbs, default=0)) * self.num_stages > MAX_TABLE_TASKS // 3
+                and len(mbs) < 1 + max(mbs)):  # (a table this large naming every microbatch gets the size limit's message)
             i, j, t = max(((i, j, t) for i, row in enumerate(rows) for j, t in enumerate(row)), key=lambda x: x[2].mb)
             raise ScheduleError(f"Custom: order[{i}][{j}] ({t}) names microbatch {t.mb}, but the table's tasks name "
                                 f"{len(mbs)} microbatch{'es' if len(mbs) > 1 else ''}: a table runs microbatches 0 .. its "

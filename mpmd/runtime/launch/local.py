@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import numbers
 import os
 import selectors
@@ -30,6 +31,8 @@ from typing import Any
 
 from mpmd.errors import ActorStartError
 from transport.auth import ClientKeys, KeyPair
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -328,16 +331,15 @@ class LocalMesh:
 DAEMON_BYTES = 300 << 20  # what one idle daemon (Python, JAX, its XLA client) takes: 250-350 MB resident here
 
 
-def _available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where there is none: not Linux)."""
+def _memory() -> dict[str, int] | None:
+    """/proc/meminfo's MemTotal, MemAvailable and SwapTotal in bytes (None where there is none: not Linux)."""
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+            got = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
+                   if k in ("MemTotal", "MemAvailable", "SwapTotal")}
     except (OSError, ValueError, IndexError):
-        pass
-    return None
+        return None
+    return got if "MemTotal" in got else None
 
 
 def start_local(num_actors: int, options: LocalOptions) -> LocalMesh:
@@ -345,11 +347,15 @@ def start_local(num_actors: int, options: LocalOptions) -> LocalMesh:
     if not isinstance(num_actors, numbers.Integral) or isinstance(num_actors, bool) or num_actors < 1:
         raise ValueError(f"num_actors must be a whole number >= 1, got {num_actors!r:.40}")
     num_actors = int(num_actors)
-    room = _available_memory()
-    if room is not None and num_actors * DAEMON_BYTES > room:
+    memory = _memory()
+    if memory is not None and num_actors * DAEMON_BYTES > memory["MemTotal"] + memory.get("SwapTotal", 0):
         raise ValueError(f"num_actors={num_actors}: each local actor is a daemon process holding JAX (~{DAEMON_BYTES >> 20} MiB "
                          f"before any array), {num_actors * DAEMON_BYTES / 2**30:.1f} GiB in all, and this machine has "
-                         f"{room / 2**30:.1f} GiB available; start fewer, or daemons on other machines (RemoteMesh.connect)")
+                         f"{(memory['MemTotal'] + memory.get('SwapTotal', 0)) / 2**30:.1f} GiB of memory and swap; start fewer, "
+                         "or daemons on other machines (RemoteMesh.connect)")
+    if memory is not None and num_actors * DAEMON_BYTES > memory.get("MemAvailable", memory["MemTotal"]):
+        log.warning("RemoteMesh.local: %d actors take ~%.1f GiB before any array, and %.1f GiB of memory is available now",
+                    num_actors, num_actors * DAEMON_BYTES / 2**30, memory.get("MemAvailable", 0) / 2**30)
     cpus = cpu_sets(num_actors, options.cpus_per_actor) if options.cpus_per_actor else [None] * num_actors
     tmp = tempfile.mkdtemp(prefix="mpmd-")  # mode 700: other users cannot reach the sockets in it
     addrs = [f"ipc://{tmp}/actor{i}.sock" if options.address == "ipc" else "tcp://127.0.0.1:0" for i in range(num_actors)]
