@@ -87,7 +87,7 @@ class Breakdown:
     waiting: float  # the next Run's inputs were still being received
     overhead: float  # its inputs were there, but it had not started (interpreter, dispatch)
     idle: float  # before the first and after the last Run (other actors still working)
-    other: float = 0.0  # running Runs of other traced steps (steps dispatched back to back overlap)
+    other: float = 0.0  # on other traced steps, running or queued behind their Runs (steps dispatched back to back overlap)
 
     def fraction(self, name: str) -> float:
         return getattr(self, name) / self.wall if self.wall > 0 else 0.0

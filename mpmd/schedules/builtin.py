@@ -400,7 +400,8 @@ class ZeroBubbleV(_VShape):
     """ZB-V (Qi et al. 2024, section 6): the V placement with split backwards. Actor a warms up with
     `2(p-a)-1` forwards of its first stage, then alternates its two stages so that each I can start as soon
     as the stage after it has sent its cotangent; Ws fill the gaps. With F = I = W it has no bubble in the
-    steady state and holds at most 2p microbatch-stages of activations, like 1F1B's p stages of double size."""
+    steady state and holds at most 2p microbatch-stages of activations, like 1F1B's p stages of double size.
+    Below 2p - 1 microbatches (the V never fills) a W moves after the task behind it where that shortens the step."""
 
     def tasks(self, num_microbatches: int) -> list[list[Task]]:
         table = [_zbv_actor(self.num_actors, a, num_microbatches) for a in range(self.num_actors)]
@@ -414,7 +415,8 @@ def _defer_ws(table: list[Row], num_stages: int, actor_of: Callable[[int], int])
     one move at a time until none does (a W feeds no other task, so a later W never deadlocks). At m < 2p - 1 the
     order built for a full V ran a W before an I on the critical path: 10 units where 9 do at m=1 on 2 actors."""
     def length(t: list[Row]) -> float:
-        return max(replay_table(t, num_stages, actor_of).end.values(), default=0.0)
+        end = replay_table(t, num_stages, actor_of).end
+        return max(end.values(), default=0.0) if len(end) == sum(map(len, t)) else float("inf")  # (all ran)
 
     best = length(table)
     moved = True
