@@ -29,7 +29,7 @@ from actors.interpreter import Interpreter
 from actors.loader import Loaders
 from actors.request import NoSession, RequestError, field, int_list
 from actors.sandbox import BlobChecker
-from actors.stream import BIG_OUTPUT_BYTES, StepTrace, Stream, now
+from actors.stream import StepTrace, Stream, now
 from actors.transfers import Transfers
 from transport.p2p import P2PTransport
 from transport.p2p.base import computed
@@ -399,12 +399,7 @@ class Actor:
 
         async def compute() -> list[Any]:
             args = [await asyncio.shield(r) if isinstance(r, asyncio.Future) else r for r in refs]
-            if self.stream.offloads and self.cache.output_bytes(key) >= BIG_OUTPUT_BYTES:
-                _, results = await self.stream.call_off_loop(exe, args)
-            else:
-                if self.stream.busy is not None:
-                    await self.stream.idle()
-                _, results = self.stream.call(exe, args)
+            _, results = await self.stream.call_awaited(exe, args, self.cache.output_bytes(key))
             if len(results) != len(outputs):
                 raise RequestError(f"executable returns {len(results)} values but {len(outputs)} output ids were given")
             return results

@@ -27,7 +27,7 @@ from typing import Any
 
 from actors.buffers import BufferTable, nbytes
 from actors.cache import ExecutableCache
-from actors.stream import BIG_OUTPUT_BYTES, StepTrace, Stream, now
+from actors.stream import StepTrace, Stream, now
 from actors.transfers import StepKey, Transfers
 from transport.program import Instruction, Program, Recv, Run, Send
 
@@ -135,12 +135,11 @@ class Interpreter:
                     if args is None:  # waits only for values still being received
                         args = await watch.inputs(env, ins.inputs)
                     try:
-                        if self.stream.busy is not None:  # (a big call's thread holds the token)
-                            await self.stream.idle()
                         if trace:
+                            await self.stream.idle()
                             results = await trace.run(self.stream, self.cache.get(ins.exe), args, str(ins.label), t0, now())
-                        elif self.stream.offloads and self.cache.output_bytes(ins.exe) >= BIG_OUTPUT_BYTES:
-                            last, results = await self.stream.call_off_loop(self.cache.get(ins.exe), args)
+                        elif self.stream.must_await(out := self.cache.output_bytes(ins.exe)):
+                            last, results = await self.stream.call_awaited(self.cache.get(ins.exe), args, out)
                         else:
                             last, results = self.stream.call(self.cache.get(ins.exe), args)
                     except Exception as e:

@@ -109,6 +109,18 @@ class Stream:
         self.token = out[0]
         return out[0], out[1:]
 
+    def must_await(self, out_bytes: int) -> bool:
+        """Whether a call of an executable whose outputs take `out_bytes` goes through `call_awaited` rather than
+        `call`: a big call's thread holds the token, or this call is big (one test per Run on the hot path)."""
+        return self.busy is not None or (self.offloads and out_bytes >= BIG_OUTPUT_BYTES)
+
+    async def call_awaited(self, exe: Any, args: Sequence[Any], out_bytes: int) -> tuple[Any, Sequence[Any]]:
+        """`call` once no big call holds the token; a big one (see `must_await`) from a thread of its own."""
+        if self.offloads and out_bytes >= BIG_OUTPUT_BYTES:
+            return await self.call_off_loop(exe, args)
+        await self.idle()
+        return self.call(exe, args)
+
     async def call_off_loop(self, exe: Any, args: Sequence[Any]) -> tuple[Any, Sequence[Any]]:
         """`call` from a thread of its own (one for the actor's big calls), the event loop serving meanwhile (its
         heartbeats too). Calls dispatched meanwhile wait (`idle`) until the thread is done with the token, also when

@@ -116,7 +116,7 @@ def breakdown(a: ActorStep, window: tuple[float, float], others: Sequence[tuple[
             overhead += r.start - data_until - _covered(data_until, r.start, others)
         prev_end = max(prev_end, r.end)
     wall = w1 - w0
-    other = queued + _covered(max(w0, prev_end if queued_until is None else queued_until), w1, others)
+    other = queued + _covered(w0 if queued_until is None else max(w0, queued_until), w1, others)
     idle = max(0.0, wall - compute - waiting - overhead - other)
     return Breakdown(wall, compute, waiting, overhead, idle, other)
 
