@@ -149,6 +149,17 @@ def test_a_single_microbatch_is_the_chain_of_per_stage_costs_and_transfers():
     assert r.step_time == pytest.approx(sum(f) + sum(b) + hops)
 
 
+def test_a_fitted_route_per_actor_pair_times_the_hops_of_a_schedule_too():
+    """`Costs.routes` (what `fit_costs` measures per pair of actors) times a schedule's hops as it times compiled
+    Programs' (it was read only by simulate_programs: a route of 10 s changed nothing here; a probe)."""
+    one_way = Costs(routes=(((0, 1), (10.0, math.inf)),))  # 0 -> 1 slow; 1 -> 0 falls back to latency 0
+    both = Costs(routes=(((0, 1), (10.0, math.inf)), ((1, 0), (10.0, math.inf))))
+    plain = simulate(mpmd.GPipe(2), 1).step_time  # F, F, B, B with unit costs F=1, B=2: 6
+    assert simulate(mpmd.GPipe(2), 1, one_way).step_time == pytest.approx(plain + 10)
+    assert simulate(mpmd.GPipe(2), 1, both).step_time == pytest.approx(plain + 20)
+    assert simulate(mpmd.GPipe(2), 1, both).step_time == pytest.approx(simulate(mpmd.GPipe(2), 1, Costs(latency=10.0)).step_time)
+
+
 def test_overhead_is_added_to_every_task_and_one_actor_has_no_bubble():
     r = simulate(mpmd.OneFOneB(1), 5, Costs(F=1, B=2, overhead=0.5))
     assert r.step_time == pytest.approx(5 * (1 + 2 + 2 * 0.5)) and r.bubble == 0

@@ -366,7 +366,8 @@ def simulate(schedule: Schedule, num_microbatches: int, costs: Costs | None = No
 
     def transfer(src: Task, dst: Task) -> float:
         boundary = min(src.stage, dst.stage)  # F(s-1)->F(s) and B(s+1)->B(s) cross the boundary after the lower stage
-        return costs.transfer_time(costs._per_stage("activation_bytes", boundary))
+        return costs.route_time(schedule.actor_of(src.stage), schedule.actor_of(dst.stage),
+                                costs._per_stage("activation_bytes", boundary))
 
     edges = [(d, t) for row in table for t in row for d in task_inputs(t, schedule.num_stages, split)
              if schedule.actor_of(d.stage) != schedule.actor_of(t.stage)]
