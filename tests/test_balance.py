@@ -234,6 +234,26 @@ def test_profile_costs_measures_every_segment_on_the_actors_and_balances_with_th
     assert balanced.compile(params, opt.init(params), batch).plan.grouping == g
 
 
+def test_the_split_profile_times_every_task_in_a_run_of_its_own(mesh2):
+    """profile_costs' split variant compiles without merging an actor's tasks into one Run: a W sends nothing,
+    so the actor's next task (another microbatch's I, of its stage or of the one 2 stages on) joined its Run and
+    the fit could not tell them apart — that I fitted to ~0, the W took its time (a probe). The unsplit variants
+    keep merging where it delays nothing (on one actor, that is what they measure)."""
+    from mpmd.schedules.balance import SegmentProfile
+
+    params, batch = uneven_setup(num_mb=4, rows=16)
+    opt = optax.sgd(0.1)
+    step = mpmd.distributed(make_step(uneven_loss, opt, mpmd.OneFOneB(2)), mesh=mesh2)
+
+    def task_runs(schedule):
+        plan = step.with_schedule(schedule).compile(params, opt.init(params), batch).plan
+        return [ins.label.tasks for p in plan.programs for ins in p.instructions if isinstance(ins, Run) and ins.label.tasks]
+
+    split = task_runs(SegmentProfile(8, 2, split=True))
+    assert len(split) == 8 * 4 * 3 - 4 and all(len(t) == 1 for t in split)  # F, I, W of 8 stages x 4 (stage 0: no I)
+    assert any(len(t) > 1 for t in task_runs(SegmentProfile(8, 1)))
+
+
 def test_profile_costs_on_actors_pinned_to_a_core_each_reads_their_loops_cpu():
     """Actors pinned alone to a core each share it with their event loop: profile_costs reads the loops' CPU per
     Run, Send and Recv (a few tens to hundreds of microseconds here), and the costs say no cores are shared."""

@@ -4,7 +4,7 @@ each pass gives new units and leaves the units it was given as they were.
 
     order_units(loop, names, tasks, outside, hidden)      -> OrderedUnits
     infer_step_transfers(ordered)                         -> Transfers
-    fuse_units(ordered, transfers)                        -> ActorUnits
+    fuse_units(ordered, transfers, merge)                 -> ActorUnits
     donate_buffers(units, ordered, transfers, num_actors) -> ActorUnits
     collect_templates(units, avals)                       -> Templates
     emit_programs(ordered, units, transfers, num_actors)  -> EmittedPrograms
@@ -118,16 +118,18 @@ def _copy(units: dict[int, list[Unit]]) -> dict[int, list[Unit]]:
     return {a: [dataclasses.replace(u, parts=list(u.parts)) for u in us] for a, us in units.items()}
 
 
-def fuse_units(ordered: OrderedUnits, transfers: Transfers) -> ActorUnits:
+def fuse_units(ordered: OrderedUnits, transfers: Transfers, merge: bool = True) -> ActorUnits:
     """Takes the ordered units and the transfers; gives every actor's units with each merged into the one
-    before it where that delays nothing (`units.fuse`), sealed so that a unit's outputs are what a later
-    unit, another actor or the step's caller reads."""
+    before it where that delays nothing (`units.fuse`; not with `merge` False: a Run per unit, as a schedule
+    that times each task apart asks), sealed so that a unit's outputs are what a later unit, another actor or
+    the step's caller reads."""
     per_actor = _copy(ordered.units)
     for us in per_actor.values():
         for u in us:
             u.seal(lambda k: True)
     for a, us in per_actor.items():
-        per_actor[a] = fuse(us, lambda k, a=a: transfers.received(k, a), lambda k, a=a: bool(transfers.sent_from(k, a)))
+        if merge:
+            per_actor[a] = fuse(us, lambda k, a=a: transfers.received(k, a), lambda k, a=a: bool(transfers.sent_from(k, a)))
     reads: dict[ValueKey, int] = defaultdict(int)
     for us in per_actor.values():
         for u in us:

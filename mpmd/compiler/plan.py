@@ -116,7 +116,7 @@ def plan_step(outer: ClosedJaxpr, num_mesh_actors: int) -> StepPlan:
     hidden = tasks.hidden.then(outside.hidden)  # the loop's callbacks' values first, then those before and after it
     ordered = order_units(loop, names, tasks, outside, hidden)
     transfers = infer_step_transfers(ordered)
-    fused = fuse_units(ordered, transfers)
+    fused = fuse_units(ordered, transfers, merge=getattr(stages.schedule, "fuse_runs", True))
     final = donate_buffers(fused, ordered, transfers, stages.num_actors)
     templates = collect_templates(final, ordered.avals)
     emitted = emit_programs(ordered, final, transfers, stages.num_actors)

@@ -162,6 +162,15 @@ class SegmentProfile:
         return stage % self.num_actors
 
     @property
+    def fuse_runs(self) -> bool:
+        """Whether the compiler may merge an actor's consecutive tasks into one Run (`compiler.units.fuse`). Not
+        with split backwards: a W sends nothing, so the next task of the actor — another microbatch's I, of
+        this stage or of the one p stages on — would join its Run, and the fit could not tell the two apart
+        (that I fitted to ~0 and the W took its time; a probe). Without split, no two tasks merge anyway
+        (each F reads from, and each B sends to, another actor), and on one actor merging is what is measured."""
+        return not self.split
+
+    @property
     def min_microbatches(self) -> int:
         return 1
 
