@@ -296,7 +296,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     from actors.request import RequestError, format_exception
     from actors.sandbox import ALLOWED_CUSTOM_CALLS, BlobChecker, CheckerPool
     from transport.auth import Authenticator, KeyPair, configure_server, user_id
-    from transport.control import bind_router
+    from transport.control import COMING_BYTES, bind_router
     from transport.p2p import DataPlane
     from transport.p2p.base import ArrivalLimits
     from transport.protocol import ProtocolError, decode, encode, error_reply, message_id
@@ -422,6 +422,9 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
                                    "--server-key/--authorized-keys (RemoteMesh.local does that by itself), or with "
                                    "--insecure to trust whoever can reach its socket")
             header, arrays = await answer(msg, peer)
+            size = sum(int(a.nbytes) for a in arrays)
+            if size >= COMING_BYTES:  # its bytes will hold the connection: say so first (transport/control.py)
+                await reply(identity.bytes, encode({"op": "coming", "id": req_id, "nbytes": size}))
             await reply(identity.bytes, encode({"op": "reply", "id": req_id, "ok": True, **header}, arrays))
         except asyncio.CancelledError:
             return  # the daemon is stopping

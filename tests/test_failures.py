@@ -412,6 +412,22 @@ def test_an_actor_busy_making_a_big_output_still_answers_heartbeats():
         np.testing.assert_array_equal(a.run(jax.jit(lambda v: v * 3), np.ones(2, np.float32)).to_numpy(), [3.0, 3.0])
 
 
+def test_a_big_put_and_fetch_hold_the_connection_without_counting_as_silence():
+    """One connection's messages cross in order: a heartbeat queued behind a big put (or the pong behind a big
+    fetch's reply) arrives seconds later, and a live actor was declared dead mid-put (1.3 GiB) and mid-fetch
+    (0.9 GiB; a probe), the mesh then failing every call. The bytes a request carries, and a big reply's that
+    the actor announces first, are granted their time on the line (transport/control.py LINE_FLOOR)."""
+    n = 96 * 2**20  # float32: 384 MiB each way (~1-4 s here: far past the 1 s heartbeat timeout below)
+    with mpmd.RemoteMesh.local(num_actors=1, heartbeat_interval=0.25, heartbeat_timeout=1.0) as mesh:
+        a = mesh.actor(0)
+        x = a.put(np.full((n,), 3.0, np.float32))
+        x.block_until_ready()
+        got = mpmd.fetch(x)
+        assert got.shape == (n,) and got[0] == got[-1] == 3.0
+        del got
+        np.testing.assert_array_equal(a.put(np.ones(2, np.float32)).to_numpy(), [1.0, 1.0])
+
+
 def test_a_computation_that_failed_on_an_actor_does_not_fail_the_ones_after_it():
     """Every executable on a CPU actor is ordered after the one before by a token (actors/stream.py); a failed
     call's token carries its error, and every later call used to fail with it ("Error dispatching computation")."""
