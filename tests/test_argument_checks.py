@@ -239,6 +239,22 @@ def test_actor_run_takes_python_scalars_out_and_names_host_callbacks():
         with pytest.raises(mpmd.MpmdError, match=r"cannot send a function that calls back to Python \(jax.debug.print"):
             a.run(lambda x: (jax.debug.print("x {}", x), x)[1], np.ones(2, np.float32))
         assert a.run(jax.jit(lambda x: x + 1), np.ones(2, np.float32)).to_numpy().tolist() == [2.0, 2.0]
+        with pytest.raises(TypeError, match=r"fn must be the function to run on the actor .* got int 5"):  # (was bare)
+            a.run(5, np.ones(2, np.float32))
+        with pytest.raises(TypeError, match=r"mesh must be the mpmd.RemoteMesh to load into, got NoneType"):
+            mpmd.restore("/nonexistent", None, [])  # (an AttributeError from inside; a probe)
+
+
+def test_pipeline_yield_called_eagerly_is_the_identity_itself():
+    """Outside any trace the marker gives back the very object (it gave a jax literal for a Python 3; a probe);
+    inside one it marks, also on a constant."""
+    import jax
+
+    x, tree = np.ones(2), {"a": 3, "b": [2.0]}
+    assert mpmd.pipeline_yield(3) == 3 and type(mpmd.pipeline_yield(3)) is int
+    assert mpmd.pipeline_yield(x) is x and mpmd.pipeline_yield(tree) is tree
+    jaxpr = jax.make_jaxpr(lambda v: mpmd.pipeline_yield(np.ones(2)) * v)(3.0)
+    assert "pipeline_yield" in str(jaxpr)
 
 
 @pytest.mark.filterwarnings("ignore:Python iterable type 'generator' is treated as a leaf:DeprecationWarning")  # (jax's own)

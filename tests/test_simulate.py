@@ -160,6 +160,18 @@ def test_a_fitted_route_per_actor_pair_times_the_hops_of_a_schedule_too():
     assert simulate(mpmd.GPipe(2), 1, both).step_time == pytest.approx(simulate(mpmd.GPipe(2), 1, Costs(latency=10.0)).step_time)
 
 
+@pytest.mark.parametrize("routes, says", [
+    ("garbage", "must be a sequence"), (((0, 1),), "each entry must be"), ((((0, 1), (1.0, 0)),), "bandwidth > 0"),
+    ((((0, 1), (math.nan, 1.0)),), "finite latency"), ((((0, 1), (-1.0, 1.0)),), "finite latency"),
+    ((((0, 0), (1.0, 1.0)),), "two different actors"), ((((0, 1.5), (1.0, 1.0)),), "two different actors"),
+])
+def test_bad_routes_are_refused_naming_the_entry(routes, says):
+    """Every other Costs field was checked; routes took anything and failed later, or never (a probe)."""
+    with pytest.raises(ValueError, match=says):
+        Costs(routes=routes)
+    assert Costs(routes=[((0, 1), (2.0, math.inf))]).routes == (((0, 1), (2.0, math.inf)),)
+
+
 def test_overhead_is_added_to_every_task_and_one_actor_has_no_bubble():
     r = simulate(mpmd.OneFOneB(1), 5, Costs(F=1, B=2, overhead=0.5))
     assert r.step_time == pytest.approx(5 * (1 + 2 + 2 * 0.5)) and r.bubble == 0

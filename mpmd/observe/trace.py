@@ -445,7 +445,7 @@ def _fit_routes(per_route: dict[tuple[int, int], list[tuple[float, int]]]) -> tu
         else:
             lat, inv_bw = float(d.mean()), 0.0
         bandwidth = 1.0 / inv_bw if inv_bw > 0 else float("inf")
-        routes.append((pair, (float(lat), bandwidth)))
+        routes.append((pair, (max(float(lat), 0.0), bandwidth)))  # (clocks of two hosts may disagree)
         residuals[pair] = [float(x) for x in d - (lat + n * inv_bw)]
     return tuple(routes), residuals
 

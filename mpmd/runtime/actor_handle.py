@@ -47,6 +47,7 @@ class ActorHandle:
         host arrays (copied here first); returns the output pytree as RemoteArrays. `fn` is lowered once per
         argument signature and compiled once per actor. On a mesh made with recover=..., a lost actor is
         replaced (the steps that made the arguments run again) and `fn` runs again, once."""
+        _check_callable(fn)
         # Lowered in a worker thread as run_async does: the exported blob carries the lowering thread's stack as
         # source locations, and the actors cache by its hash, so the same function must lower the same from anywhere.
         lowered = start_in_worker(self._lower, fn, args).result()
@@ -58,6 +59,7 @@ class ActorHandle:
 
             y = await mesh.actor(0).run_async(jax.jit(f), x)
         """
+        _check_callable(fn)
         lowered = await off_loop(functools.partial(self._lower, fn, args))
         return await self._again_if_recovered_async(lambda: self.mesh.arun(self._run_lowered(*lowered)), lowered[0])
 
@@ -184,3 +186,9 @@ def _stats(header: Any) -> dict[str, Any]:
     for k in ("op", "id", "ok", "v"):
         h.pop(k, None)
     return h
+
+
+def _check_callable(fn: Any) -> None:
+    if not callable(fn):
+        raise TypeError(f"actor.run(fn, *args): fn must be the function to run on the actor (e.g. jax.jit(f)), got "
+                        f"{type(fn).__name__} {fn!r:.60}; the arguments come after it")

@@ -506,6 +506,10 @@ def restore(path: str, mesh: Any, like: Any, *, for_step: Any = None, verify: bo
     `verify=False` skips the digests (for measuring what they cost) but never the manifest's own or the
     dtype and shape checks. Raises `mpmd.CheckpointError` naming the checkpoint, actor, file and leaf.
     On a mesh with `recover=`, an actor lost while it reads is replaced and the restore reads again, once."""
+    if not hasattr(mesh, "actor_mesh"):
+        raise TypeError(f"mpmd.restore(path, mesh, like): mesh must be the mpmd.RemoteMesh to load into, got "
+                        f"{type(mesh).__name__} {mesh!r:.60}; to read a checkpoint into host arrays without actors, use "
+                        "mpmd.load(path, like)")
     recovery = getattr(mesh, "recovery", None)
     try:
         return _restore(path, mesh, like, for_step, verify)

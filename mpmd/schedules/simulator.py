@@ -60,6 +60,29 @@ def _overflow(what: str) -> ScheduleError:
 _COST_KEY = re.compile(r"^(\d*)([FBIW])(\d*)$")
 
 
+def _checked_routes(routes: object) -> tuple[tuple[tuple[int, int], tuple[float, float]], ...]:
+    """`Costs.routes` as a tuple of ((src, dst), (latency, bandwidth)), or a ValueError naming the bad entry
+    (fitted routes are not capped at MAX_COST: a trace says what it says; only finite, and bandwidth > 0)."""
+    want = "((src, dst), (latency, bandwidth)) per actor pair, e.g. (((0, 1), (5e-5, 2e9)),)"
+    if isinstance(routes, (str, bytes, Mapping)) or not hasattr(routes, "__iter__"):
+        raise ValueError(f"Costs.routes must be a sequence of {want}, got {routes!r:.80}")
+    out = []
+    for r in routes:
+        try:
+            (src, dst), (latency, bandwidth) = r
+        except (TypeError, ValueError):
+            raise ValueError(f"Costs.routes: each entry must be {want}, got {r!r:.80}") from None
+        latency, bandwidth = _plain(latency), _plain(bandwidth)
+        real = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)  # noqa: E731
+        if not (is_count(src) and is_count(dst) and src >= 0 and dst >= 0 and src != dst):
+            raise ValueError(f"Costs.routes: a route joins two different actors (ints >= 0), got {(src, dst)!r:.80}")
+        if not (real(latency) and math.isfinite(latency) and latency >= 0) or not (real(bandwidth) and bandwidth > 0):
+            raise ValueError(f"Costs.routes: route {src}->{dst} needs a finite latency >= 0 and a bandwidth > 0 bytes per second, "
+                             f"got ({latency!r:.40}, {bandwidth!r:.40})")
+        out.append(((int(src), int(dst)), (float(latency), float(bandwidth))))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class Costs:
     """A cost model, in seconds (or any one unit). Task times `F`, `B`, `I`, `W` are one number for every
@@ -115,6 +138,7 @@ class Costs:
             raise ValueError(f"Costs.cores must be a positive int or None, got {self.cores!r:.80}")
         if not (isinstance(self.bandwidth, numbers.Real) and not isinstance(self.bandwidth, bool) and self.bandwidth > 0):
             raise ValueError(f"Costs.bandwidth must be > 0 bytes per second (math.inf: free), got {self.bandwidth!r:.80}")
+        object.__setattr__(self, "routes", _checked_routes(self.routes))
         most = max(self.activation_bytes) if isinstance(self.activation_bytes, tuple) else self.activation_bytes
         try:
             slow = most / self.bandwidth > MAX_COST
