@@ -95,14 +95,14 @@ class Unit:
     def seal(self, keep: Callable[[Key], bool]) -> None:
         """Inputs: what the parts read that no earlier part makes; outputs: what later code reads (`keep`)."""
         made: set[Key] = set()
-        ins: list[Key] = []
+        ins: dict[Key, None] = {}  # (ordered, and a set's lookups: a list's were quadratic in a step's leaves)
         for p in self.parts:
             for k in p.inputs:
-                if k not in made and k not in ins:
-                    ins.append(k)
+                if k not in made:
+                    ins.setdefault(k)
             made.update(p.outputs)
         outs = [k for p in self.parts for k in p.outputs if keep(k)]
-        self.inputs, self.outputs = ins, list(dict.fromkeys(outs))
+        self.inputs, self.outputs = list(ins), list(dict.fromkeys(outs))
 
     def template(self) -> Hashable:
         """Identity of the executable: the parts' templates and how their inputs and outputs are wired."""
