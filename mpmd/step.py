@@ -74,8 +74,12 @@ def wait_logged(futures: dict[Any, Any], what: str) -> dict[Any, Any]:
     return {k: f.result() for k, f in futures.items()}
 
 
-@dataclass
+@dataclass(repr=False)
 class CompiledStep:
+    """A step compiled for one argument signature: its plan and the Programs the actors hold. `str` is the
+    Programs (as `step.program(...)` prints them); `repr` one line (the dataclass's own printed every jaxpr
+    equation: half a megabyte for a small model)."""
+
     plan: StepPlan
     program_ids: list[int]
     out_tree: Any
@@ -83,6 +87,13 @@ class CompiledStep:
     arg_paths: list[str]
     loaded: list[Any] = field(default_factory=list)  # the Programs as the actors hold them (Runs name executable keys)
     generation: int = 0  # the mesh's `generation` when the Programs were loaded (a daemon restarted since has none)
+
+    def __repr__(self) -> str:
+        return (f"<CompiledStep: {self.plan!r}, {len(self.arg_paths)} argument leaves, compiled in {self.compile_seconds:.2f} s; "
+                f"print() it for the Programs>")
+
+    def __str__(self) -> str:
+        return str(self.plan)
 
 
 def _spec(x: Any, path: str) -> jax.ShapeDtypeStruct:

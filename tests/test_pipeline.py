@@ -1,5 +1,6 @@
 """Pipelined training steps equal `jax.jit` of the same undecorated step (losses, params, optimizer state)."""
 
+import re
 import time
 
 import jax
@@ -85,6 +86,20 @@ def test_skip_connection_from_stage_0_to_stage_2_matches_jit(mesh4, schedule):
     assert "SEND" in text and any(" -> a2 " in line for line in text.splitlines() if line.strip().split()[1:2] == ["SEND"]) or " -> a2 " in text
     actor0 = text.split("actor 1:")[0]
     assert "-> a2" in actor0 and "<- a2" in actor0
+
+
+def test_a_compiled_step_prints_its_programs_and_reprs_in_one_line(mesh2):
+    """`step.compile(...)` echoed in a notebook printed the dataclass: every jaxpr equation of the plan, half a
+    megabyte for a small model (a probe). Its repr is one line now, its str the Programs `step.program` prints."""
+    rng = np.random.default_rng(1)
+    params = models.mlp_params(rng, 2)
+    batch = models.regression_batch(rng, 4, 2, 16)
+    opt = optax.sgd(0.1)
+    dist = mpmd.distributed(make_step(models.mse_loss(models.mlp), opt, mpmd.OneFOneB(2)), mesh=mesh2)
+    compiled = dist.compile(params, opt.init(params), batch)
+    assert re.fullmatch(r"<CompiledStep: StepPlan\(2 actors, 2 stages, 16 tasks in \d+ Runs\), \d+ argument leaves, "
+                        r"compiled in [0-9.]+ s; print\(\) it for the Programs>", repr(compiled)), repr(compiled)
+    assert str(compiled) == dist.program(params, opt.init(params), batch)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.__name__)

@@ -61,7 +61,7 @@ from mpmd.compiler.loop_tasks import (
     schedule_stages,
 )
 from mpmd.compiler.outside_loop import place_outside_loop
-from mpmd.compiler.program import Program, Task
+from mpmd.compiler.program import Program, Run, Task
 from mpmd.compiler.programs import Transfers
 from mpmd.compiler.stages import StageSplit
 from mpmd.compiler.units import Outer, Unit
@@ -69,7 +69,7 @@ from mpmd.compiler.units import Outer, Unit
 __all__ = ["StepPlan", "find_loop", "iter_lowered", "plan_step"]
 
 
-@dataclass
+@dataclass(repr=False)
 class StepPlan:
     programs: list[Program]
     arg_homes: list[set[int]]  # per flat argument: actors that read it
@@ -98,6 +98,11 @@ class StepPlan:
         parts = [f"stage {s}: segment{'s' if len(g) > 1 else ''} {g[0]}" + (f"-{g[-1]}" if len(g) > 1 else "")
                  for s, g in enumerate(groups(self.grouping))]
         return f"stages from {sum(self.grouping)} marker segments, grouping {self.grouping}: " + ", ".join(parts)
+
+    def __repr__(self) -> str:
+        runs = sum(isinstance(i, Run) for p in self.programs for i in p.instructions)
+        return (f"StepPlan({len(self.programs)} actors, {self.split.num_stages} stages, {sum(map(len, self.table))} tasks "
+                f"in {runs} Runs)")
 
     def __str__(self) -> str:
         head = self.stage_segments()
