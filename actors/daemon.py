@@ -53,6 +53,20 @@ def _private_compile_dir(actor_id: int, parent: str | None) -> tuple[str, int]:
     return path, fd
 
 
+def _remove_mesh_files(mesh_dir: str, actor_id: int) -> None:
+    """Nobody will read this actor's log or dial its sockets again (its controller is gone): remove what is its own
+    in the local mesh's directory, and the directory once empty (the last daemon of the mesh to go removes it)."""
+    for name in (f"actor{actor_id}.sock", f"p2p-{actor_id}.sock", f"actor{actor_id}.log"):
+        try:
+            os.unlink(os.path.join(mesh_dir, name))
+        except OSError:
+            pass
+    try:
+        os.rmdir(mesh_dir)
+    except OSError:
+        pass
+
+
 def _sweep_stale_compile_dirs(parent: str) -> None:
     """Remove the private compile directories that this user's daemons killed with SIGKILL left in `parent` (a
     daemon removes its own at exit; one killed cannot): those whose lock no daemon holds. A lock, not a pid: the
@@ -163,6 +177,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         from transport.rendezvous import process_running
 
         if args.parent_pid >= 1 << 31 or not process_running(args.parent_pid):
+            if args.mesh_dir is not None and args.actor_id is not None:  # (a replacement its controller did not live to see)
+                _remove_mesh_files(args.mesh_dir, args.actor_id)
             p.error(f"--parent-pid {args.parent_pid}: no such process (the daemon would stop at once)")
     if args.mesh_dir is not None and not os.path.isdir(args.mesh_dir):
         p.error(f"--mesh-dir {args.mesh_dir} is not a directory")
@@ -493,7 +509,10 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
             stop.set()
     collector.freeze()  # what the daemon keeps for its life, out of the collector's walks (actors/collector.py)
     if not stop.is_set():
-        print(f"MPMD_ACTOR_READY {endpoint} {_p2p_address(p2p)}", flush=True)
+        try:
+            print(f"MPMD_ACTOR_READY {endpoint} {_p2p_address(p2p)}", flush=True)
+        except (BrokenPipeError, OSError):  # nobody reads it: the controller that started us is gone (cleaned up below)
+            orphaned.set()
     receiver = loop.create_task(receive())
     poker = loop.create_task(poke())
     expirer = loop.create_task(expire_sessions())
@@ -532,17 +551,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         except OSError:
             pass
     if orphaned.is_set() and args.mesh_dir:
-        # Nobody will read our log or dial our sockets again: remove what is ours, and the directory once empty
-        # (the last daemon of the mesh to go removes it).
-        for name in (f"actor{args.actor_id}.sock", f"p2p-{args.actor_id}.sock", f"actor{args.actor_id}.log"):
-            try:
-                os.unlink(os.path.join(args.mesh_dir, name))
-            except OSError:
-                pass
-        try:
-            os.rmdir(args.mesh_dir)
-        except OSError:
-            pass
+        _remove_mesh_files(args.mesh_dir, args.actor_id)
 
 
 def _waiting_on(msg, loading: str | None = None) -> str:
@@ -693,8 +702,11 @@ def _main(argv: list[str] | None = None) -> None:
         profiler.dump_stats(f"{profile_to}.{args.actor_id}")
     # Exit now, even if XLA is still running a computation nobody will read (the controller is gone or
     # asked us to stop): a normal interpreter exit would wait for it.
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except OSError:  # (its reader is gone: a pipe the controller closed)
+            pass
     os._exit(getattr(args, "exit_status", 0))
 
 

@@ -690,27 +690,30 @@ class DistributedFunction:
         return self._call(args)
 
     def _call(self, args: tuple[Any, ...], on_failure: Callable[[BaseException], Any] | None = None,
-              sent: list[Any] | None = None, load_step: int | None = None) -> Any:
+              sent: list[Any] | None = None, load_step: int | None = None, room: bool = True) -> Any:
         """Dispatch one step (see `__call__`). `on_failure(error)`: a coroutine run on the loop when the step
         fails; True means the step was recovered (its outputs were rebound: it ends normally). `sent` collects
-        the step's run_program futures (so that a recovery can wait for them)."""
+        the step's run_program futures (so that a recovery can wait for them). `room` False: dispatch without
+        waiting for fewer steps in flight (a recovery's replay, or a caller that waited before taking a lock the
+        recovery needs: the failed steps in flight end only once the recovery has run)."""
         sig, leaves, _ = self._signature(args)
         compiled = self._cached(sig)
         if compiled is None:
             t = time.perf_counter()
             compiled = self.compile_bound(args)
             note_blocking(time.perf_counter() - t, f"compiling {getattr(self.fn, '__name__', 'a step')}")
-        return self._dispatch(compiled, sig, leaves, on_failure, sent, load_step=load_step)[0]
+        return self._dispatch(compiled, sig, leaves, on_failure, sent, load_step=load_step, room=room)[0]
 
     def _dispatch(self, compiled: CompiledStep, sig: Any, leaves: list[Any], on_failure: Callable[[BaseException], Any] | None = None,
-                  sent: list[Any] | None = None, may_wait: bool = True, load_step: int | None = None) -> tuple[Any, Any]:
+                  sent: list[Any] | None = None, may_wait: bool = True, load_step: int | None = None,
+                  room: bool = True) -> tuple[Any, Any]:
         """Send one step (through the controller loop, in call order); its outputs and its done future (see
         `_call` for `on_failure` and `sent`). `may_wait`: the calling thread may wait for a shared-memory input
         segment when the caller is many steps ahead (not on a caller's event loop). `load_step`: the call number
         its actor-loaded leaves are loaded for (a recovery's replay of call k loads call k's data; default: the
         next call number)."""
         mesh, plan = self.mesh, compiled.plan
-        if may_wait:
+        if may_wait and room:
             mesh.wait_for_room()  # (a loop that only dispatches waits for the actors here, as under jax.jit)
         step = next(self._step)
         # (the call count, not `step`: a replay draws step numbers of its own, and must not shift later loads)

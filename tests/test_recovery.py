@@ -333,6 +333,118 @@ def test_a_replacement_killed_the_moment_it_appears_is_replaced_again_and_the_lo
     _assert_identical(got, uninterrupted)
 
 
+def _starting_daemon(actor, known):
+    """The pid of a daemon for `actor` that this process started and that is not in `known` (a replacement still
+    starting: not yet in mesh.processes), or None."""
+    me = os.getpid()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in known:
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == me and b"actors.daemon" in argv and b"--actor-id" in argv and argv[argv.index(b"--actor-id") + 1] == str(actor).encode():
+            return int(name)
+    return None
+
+
+def test_a_loop_at_the_in_flight_limit_when_an_actor_dies_recovers_instead_of_hanging(uninterrupted, monkeypatch):
+    """A loop that never waits sits at the limit of steps in flight; the steps an actor's loss failed end only
+    once the recovery has run, and the caller waited for room holding the lock the recovery needs (and the
+    replay waited for room too): hung for good (a probe, at 466 and 511 steps in flight). The limit is made 6
+    here to reach it in a 20-step loop."""
+    import mpmd.runtime.mesh as mesh_module
+
+    monkeypatch.setattr(mesh_module, "MAX_STEPS_IN_FLIGHT", 6)
+    done: list = []
+    worker = threading.Thread(target=lambda: done.append(train(kills=[(12, 1)], recover=mpmd.Recovery(snapshot_every=4))),
+                              daemon=True)
+    worker.start()
+    worker.join(120)
+    assert done, "the loop hung at the in-flight limit after the actor was lost"
+    assert done[0][3] >= 1
+    _assert_identical(done[0], uninterrupted)
+
+
+@pytest.mark.slow
+def test_a_replacement_that_dies_as_it_starts_is_one_more_lost_actor_and_the_loop_ends_bit_identical(uninterrupted):
+    """Killed before it reported ready: the start's ActorStartError ended the recovery with failures to spare (a
+    probe); as documented, it is one more lost actor (2 in all here), and the recovery goes on."""
+    hunters, meshes = [], []
+
+    def kill_starting(mesh, actor):
+        meshes.append(mesh)
+        known = {p.proc.pid for p in mesh.processes}
+
+        def hunt():
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                pid = _starting_daemon(actor, known)
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    return
+                time.sleep(0.002)
+
+        hunters.append(threading.Thread(target=hunt, daemon=True))
+        hunters[-1].start()
+        os.kill(mesh.processes[actor].proc.pid, signal.SIGKILL)
+
+    got = train(kills=[(5, 1)], recover=mpmd.Recovery(snapshot_every=4, max_failures=3), fetch_losses_every=1, kill=kill_starting)
+    hunters[0].join(1)
+    assert not hunters[0].is_alive()  # the starting replacement was found and killed
+    assert meshes[0].recovery.failures == 2 and got[3] >= 1
+    _assert_identical(got, uninterrupted)
+
+
+@pytest.mark.slow
+def test_two_actors_killed_at_once_count_two_and_a_second_loss_during_a_recovery_keeps_older_outputs():
+    """Of two actors killed together, one the first attempt did not get to replace was counted again on the retry
+    (3 lost of 2; a probe). And the actor replaced by the attempt before a second loss was no longer counted as
+    replaced: arrays that held buffers there (the losses of steps before the snapshot) were not restored, and
+    fetching them failed (UnknownBufferError; a probe)."""
+    batches = _batches()
+    with mpmd.RemoteMesh.local(num_actors=3, recover=mpmd.Recovery(snapshot_every=4, max_failures=4), heartbeat_timeout=5.0) as mesh:
+        step = mpmd.distributed(make_train_step(mse_loss(mlp), OPT, mpmd.OneFOneB(num_stages=3)), mesh=mesh)
+        params = mlp_params(np.random.default_rng(0), num_stages=3, width=WIDTH)
+        ref = jax.jit(make_train_step(mse_loss(mlp), OPT, None))
+        p, o, rp, ro, losses, want = params, OPT.init(params), params, OPT.init(params), [], []  # (the jit reference: rp, ro)
+        for i in range(7):
+            p, o, loss = step(p, o, batches[i])
+            rp, ro, rl = ref(rp, ro, batches[i])
+            losses.append(loss)
+            want.append(rl)
+        mpmd.fetch(p)
+        os.kill(mesh.processes[0].proc.pid, signal.SIGKILL)
+        os.kill(mesh.processes[2].proc.pid, signal.SIGKILL)
+        p, o, loss = step(p, o, batches[7])
+        loss.block_until_ready()
+        assert mesh.recovery.failures == 2
+        # actor 1 now, and actor 0 again while actor 1's replacement loads the steps
+        known = {q.proc.pid for q in mesh.processes}
+
+        def second():
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and _starting_daemon(1, known) is None:
+                time.sleep(0.01)
+            time.sleep(1.0)
+            os.kill(mesh.processes[0].proc.pid, signal.SIGKILL)
+
+        hunter = threading.Thread(target=second, daemon=True)
+        hunter.start()
+        os.kill(mesh.processes[1].proc.pid, signal.SIGKILL)
+        p, o, loss = step(p, o, batches[8])
+        loss.block_until_ready()
+        hunter.join(60)
+        got = mpmd.fetch(losses)  # (every one: older outputs survive the recovery)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, np.asarray(b), rtol=1e-6)
+        assert mesh.recovery.failures == 4
+
+
 @pytest.mark.slow
 def test_on_ray_a_killed_ray_actor_is_replaced_in_its_bundle_and_the_loop_ends_bit_identical(uninterrupted):
     ray = pytest.importorskip("ray", reason="the `ray` extra is not installed")

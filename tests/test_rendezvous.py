@@ -313,6 +313,14 @@ def test_daemon_flags_that_cannot_work_are_refused_at_once_saying_what_to_do(tmp
                         (("--p2p", "ipc", "--ipc-dir", str(tmp_path / "missing")), "cannot start the data plane (--p2p ipc")):
         got = daemon("--listen", "tcp://127.0.0.1:0", *flags, env={"JAX_PLATFORMS": ""} if "--platform" in flags else None)
         assert got.returncode == 1 and said in got.stderr and "Traceback" not in got.stderr, (flags, got.stderr)
+    # A replacement started as its controller died (no --parent-pid to serve) removes its files in the local mesh's
+    # directory, and the directory once empty: its killed predecessor's were left there (a probe).
+    mesh_dir = tmp_path / "mpmd-mesh"
+    mesh_dir.mkdir()
+    for name in ("actor1.sock", "p2p-1.sock", "actor1.log"):
+        (mesh_dir / name).write_text("")
+    got = daemon("--parent-pid", str(_dead_pid()), "--insecure", "--actor-id", "1", "--mesh-dir", str(mesh_dir))
+    assert got.returncode == 2 and "no such process" in got.stderr and not mesh_dir.exists(), got.stderr
     # ... and leaving nothing behind: the private compile directory was made before these checks (a probe)
     own_tmp = tmp_path / "tmp"
     own_tmp.mkdir()

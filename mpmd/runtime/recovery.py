@@ -187,13 +187,16 @@ class RecoveryManager:
         the caller stopped waiting, as a plain mesh's cancelled call dispatches nothing."""
         for attempt in itertools.count():
             try:
+                # Room is waited for before the lock, not under it: the steps in flight that an actor's loss failed end
+                # only once the recovery has run, and it needs the lock (a loop 512 steps ahead hung for good).
+                self.mesh.wait_for_room()
                 with self._dispatch:
                     if cancelled is not None:
                         dist.compile_bound(args)
                         if cancelled.is_set():
                             return None
                     if self.gave_up is not None:
-                        return dist._call(args, self._note_gave_up)
+                        return dist._call(args, self._note_gave_up, room=False)
                     t0 = time.perf_counter()
                     out = self._call_logged(dist, args)
                     self.calls += 1
@@ -226,7 +229,7 @@ class RecoveryManager:
         elif unseen:  # no step made them: without their values, a replay of this call could not be
             self._keep_external(rec.index, {vid: x for vid, x in remote.items() if id(x) in unseen})
         t = time.perf_counter()
-        out = dist._call(args, self._on_failure_of(rec), rec.sent)
+        out = dist._call(args, self._on_failure_of(rec), rec.sent, room=False)  # (room waited for in `call`)
         rec.load_step = dist._last_load
         self._last_dispatch = time.perf_counter() - t
         ins = {id(x) for x in remote.values()}
@@ -447,21 +450,33 @@ class RecoveryManager:
         report: dict[str, Any] = {"what": _what(error)}
         lost = self._lost_actors(error)
         last: BaseException | None = None  # what broke the attempt before this one
+        waiting: set[int] = set()  # lost actors the attempt before did not get to replace: counted once, not again
+        replaced: set[int] = set()  # every actor lost in this recovery, whichever attempt: their buffers are gone
         while True:
             if self.mesh.closed:  # (closed by its user while this ran: nothing to recover for)
                 raise MpmdError("the RemoteMesh was closed during the recovery") from last
-            self.failures += len(lost)
+            self.failures += len(set(lost) - waiting)
+            waiting = set(lost)
+            replaced |= waiting
             if self.failures > self.config.max_failures:
                 raise MpmdError(f"{self.failures} lost actors in all (actor{'s' * (len(lost) != 1)} {', '.join(map(str, lost))} "
                                 f"this time), past Recovery(max_failures={self.config.max_failures})") from last
             try:
-                report["steps replayed"] = self._attempt(lost, report)
+                report["steps replayed"] = self._attempt(lost, report, waiting, replaced)
             except ActorDiedError as e:  # another actor lost meanwhile: again, from the snapshot
                 if self.mesh.closed:
                     raise MpmdError("the RemoteMesh was closed during the recovery") from e
                 last = e
                 lost = self._lost_actors(e)
                 log.warning("actor(s) %s lost during the recovery (%s); recovering again", lost, _what(e))
+                continue
+            except _ReplacementDied as e:  # one more lost actor, as documented (not the end of the recovery)
+                if self.mesh.closed:
+                    raise MpmdError("the RemoteMesh was closed during the recovery") from e.error
+                last = e.error
+                waiting.discard(e.actor)
+                lost = sorted({e.actor} | {i for i in range(len(self.mesh)) if self.mesh.conn(i).dead} | self._dead_processes())
+                log.warning("the replacement of actor %d died as it started (%s); recovering again", e.actor, str(e.error)[:200])
                 continue
             except ActorStartError:
                 raise  # a replacement that never came up (within spawn_timeout) ends the recovery, as documented
@@ -480,8 +495,9 @@ class RecoveryManager:
             self.last_report = {**report, "started": t0}
             return report
 
-    def _attempt(self, lost: list[int], report: dict[str, Any]) -> int:
-        """Replace the `lost` actors, reload the steps there, roll back and replay; how many steps were replayed."""
+    def _attempt(self, lost: list[int], report: dict[str, Any], waiting: set[int], replaced: set[int]) -> int:
+        """Replace the `lost` actors (each taken out of `waiting` once replaced), reload the steps there, roll back
+        and replay, restoring what was on every actor in `replaced`; how many steps were replayed."""
         mesh = self.mesh
         t = time.monotonic()
         self._drain(lost)
@@ -493,16 +509,23 @@ class RecoveryManager:
             lowered = [pool.submit(lambda c=c: list(iter_lowered(c.plan, mesh.platform))) for _, _, c in steps]
             for i in lost:
                 if self._rejoin(i):
+                    waiting.discard(i)
                     continue
-                address, process, *key = self.respawn(i, self.config.spawn_timeout)
+                try:
+                    address, process, *key = self.respawn(i, self.config.spawn_timeout)
+                except ActorStartError as e:
+                    if getattr(e, "exited", False):  # its process died as it started (not: never ready in time)
+                        raise _ReplacementDied(i, e) from e
+                    raise
                 mesh.replace_actor(i, address, process, key[0] if key else None)
+                waiting.discard(i)
             report["spawn"] = time.monotonic() - t
             t = time.monotonic()
             for (dist, sig, c), blobs in zip(steps, lowered):
                 dist._lower_and_ship(c.plan, c.program_ids, sig[2], c.out_tree, blobs.result())
                 c.generation = mesh.generation  # loaded on the replacements: current again (see DistributedFunction._cached)
         report["reload"] = time.monotonic() - t
-        return self._restore_and_replay(set(lost), report)
+        return self._restore_and_replay(replaced, report)
 
     def _rejoin(self, i: int) -> bool:
         """Actor `i` was lost because its daemon answers without this mesh's session (it closed the session after
@@ -617,7 +640,8 @@ class RecoveryManager:
                     raise MpmdError(f"cannot replay step record {rec.index}: one of its inputs lived on a lost actor and is "
                                     "neither in the snapshot nor made by a step since")
                 leaves.append(x)
-            out = rec.dist._call(jax.tree.unflatten(rec.treedef, leaves), None, rec.sent, load_step=rec.load_step)
+            # (no wait for room: the failed steps counted in flight end only once this replay has rebound them)
+            out = rec.dist._call(jax.tree.unflatten(rec.treedef, leaves), None, rec.sent, load_step=rec.load_step, room=False)
             dones.append(rec.dist._last[1])
             out_leaves = jax.tree.leaves(out, is_leaf=lambda x: isinstance(x, RemoteArray))
             for j, vid, ref in rec.outs:
@@ -640,6 +664,14 @@ class RecoveryManager:
         if old:
             self.mesh.release_buffers(old)
         return user
+
+
+class _ReplacementDied(Exception):
+    """The process started to replace actor `actor` exited before it was ready (`error` says how)."""
+
+    def __init__(self, actor: int, error: BaseException) -> None:
+        super().__init__(actor, error)
+        self.actor, self.error = actor, error
 
 
 PUTS_IN_FLIGHT = 1024

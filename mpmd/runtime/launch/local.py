@@ -226,8 +226,11 @@ class LocalProcess:
                     self.proc.wait(timeout=2)
                 except subprocess.TimeoutExpired:
                     pass
-            why = describe_exit(self.proc.returncode) if self.proc.poll() is not None else "did not report ready in time"
-            raise ActorStartError(f"local actor {self.actor_id} {why}. Its stderr:\n{self.stderr_tail()}")
+            exited = self.proc.poll() is not None
+            why = describe_exit(self.proc.returncode) if exited else "did not report ready in time"
+            err = ActorStartError(f"local actor {self.actor_id} {why}. Its stderr:\n{self.stderr_tail()}")
+            err.exited = exited  # (a recovery counts a replacement that died as one more lost actor; a timeout ends it)
+            raise err
         return text.split()[1]
 
     def dead_reason(self) -> str | None:
