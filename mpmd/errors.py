@@ -47,6 +47,8 @@ class ActorDiedError(MpmdError):
 class ActorStartError(MpmdError):
     """A local actor daemon did not start."""
 
+    killed: bool = False  # its process was killed by a signal as it started (a recovery counts it as one more lost actor)
+
 
 class RendezvousError(ActorStartError):
     """Daemons started by a cluster's scheduler did not all arrive at their rendezvous in time, or arrived in a

@@ -347,6 +347,49 @@ def test_the_watchdog_treats_a_request_past_the_actors_bound_like_a_silent_actor
         router.close()
 
 
+def test_a_big_puts_time_on_the_line_is_not_silence_and_ends_with_its_reply(tmp_path):
+    """A stand-in actor (a real one cannot be made slow to take a put, nor to die right after it, on purpose): it
+    takes 2.5 s to answer a 256 MiB put, holding its pongs (as a ping queued behind the put's bytes arrives
+    late), then goes silent. The put is not taken for a dead actor (its 8 s at 32 MiB/s are granted), and the
+    grant ends with the reply: the silence after it is declared within heartbeat_timeout (it was granted for 8
+    s more, and a dead host was hidden that long; a review)."""
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(f"ipc://{tmp_path}/fake.sock")
+    stop, dead = threading.Event(), threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            if not router.poll(50):
+                continue
+            ident, *frames = router.recv_multipart()
+            h = decode(frames).header
+            if dead.is_set():
+                continue
+            if h["op"] == "put":
+                time.sleep(2.5)
+            router.send_multipart([ident, *encode({"op": "reply", "id": h["id"], "ok": True, "request_timeout": 3600.0,
+                                                   "platform": "cpu", "p2p": None, "pid": 0, "nbytes": 1})])
+            if h["op"] == "put":
+                dead.set()
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    try:
+        with mpmd.RemoteMesh([f"ipc://{tmp_path}/fake.sock"], transport="none", heartbeat_timeout=1.0, heartbeat_interval=0.25) as mesh:
+            client = mesh.conn(0).client
+            mesh.run(client.request("put", {"buf": 1, "session": "x"}, [np.zeros(64 * 2**20, np.float32)]))
+            t = time.monotonic()
+            with pytest.raises(mpmd.ActorDiedError, match=r"no reply or heartbeat for"):
+                mesh.actor(0).stats()
+            assert time.monotonic() - t < 4.0  # heartbeat_timeout 1 s (and a tick or two), not the 8 s granted the put
+    finally:
+        stop.set()
+        th.join()
+        router.close()
+
+
 def _state(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:

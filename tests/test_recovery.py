@@ -308,9 +308,10 @@ def test_actors_killed_back_to_back_one_during_the_recovery_of_the_other_the_loo
 def test_a_replacement_killed_the_moment_it_appears_is_replaced_again_and_the_loop_ends_bit_identical(uninterrupted):
     """The replacement dies while it starts: its handshake or wiring breaks (a reset connection reads as a refused
     key), which is one more lost actor, not a failure of the recovery (it gave up, 3 runs of 4, blaming the keys)."""
-    hunters = []
+    hunters, meshes = [], []
 
     def kill_twice(mesh, actor):
+        meshes.append(mesh)
         old = mesh.processes[actor].proc.pid
 
         def hunt():
@@ -329,7 +330,7 @@ def test_a_replacement_killed_the_moment_it_appears_is_replaced_again_and_the_lo
     got = train(kills=[(5, 1)], recover=mpmd.Recovery(snapshot_every=4, max_failures=3), fetch_losses_every=1, kill=kill_twice)
     hunters[0].join(1)
     assert not hunters[0].is_alive()  # the replacement was found and killed
-    assert got[3] >= 1
+    assert got[3] >= 1 and meshes[0].recovery.failures == 2  # (one more lost actor: a review found it counted 0 times)
     _assert_identical(got, uninterrupted)
 
 

@@ -37,7 +37,10 @@ def raw_request(address: str, header: dict | Sequence[bytes], keys: ClientKeys |
     s = dealer(address, keys, timeout_ms)
     try:
         s.send_multipart(encode(header, arrays) if isinstance(header, dict) else list(header))
-        return decode(s.recv_multipart())
+        msg = decode(s.recv_multipart())
+        while msg.op == "coming":  # (a reply of 16 MiB or more is announced first: transport/control.py)
+            msg = decode(s.recv_multipart())
+        return msg
     finally:
         s.close()
 

@@ -127,7 +127,7 @@ class ControlClient:
         self._watcher: asyncio.Task[None] | None = None
         self.last_heard = time.monotonic()
         self.waiting_since = self.last_heard  # when the actor last came to owe us a reply after owing none
-        self.line_busy_until = 0.0  # until when the big messages sent or announced may hold the connection
+        self._line: dict[int, float] = {}  # request id -> until when its big request or announced reply may hold the line
         self.requests_sent = 0
         self.last_sent = self.last_heard  # when the last request left
         self.closed = False
@@ -147,12 +147,13 @@ class ControlClient:
 
     def silent(self, now: float) -> float:
         """How long the actor has said nothing while it owed us a reply (an idle connection is not silent)."""
-        return now - max(self.last_heard, self.waiting_since, self.line_busy_until)
+        return now - max(self.last_heard, self.waiting_since, max(self._line.values(), default=0.0))
 
-    def _hold_line(self, nbytes: int) -> None:
-        """`nbytes` more are on the connection: the time they take at LINE_FLOOR is not silence."""
-        if nbytes >= COMING_BYTES:
-            self.line_busy_until = max(self.line_busy_until, time.monotonic()) + nbytes / LINE_FLOOR
+    def _hold_line(self, req_id: int, nbytes: int) -> None:
+        """`nbytes` of request `req_id` (or of its reply) are on the connection, behind the others held: the time they
+        take at LINE_FLOOR is not silence, until the reply comes (or the request fails). Once per request."""
+        if nbytes >= COMING_BYTES and req_id in self._pending and req_id not in self._line:
+            self._line[req_id] = max([time.monotonic(), *self._line.values()]) + nbytes / LINE_FLOOR
 
     def poke(self) -> None:
         """Backstop against a lost wakeup: ZeroMQ signals its file descriptor edge-triggered, and asking for the
@@ -181,8 +182,8 @@ class ControlClient:
                 continue
             if msg.op == "coming":  # a big reply follows: see the module docstring
                 n = msg.header.get("nbytes")
-                if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= DEFAULT_MAX_MESSAGE_BYTES and msg.header.get("id") in self._pending:
-                    self._hold_line(n)
+                if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= DEFAULT_MAX_MESSAGE_BYTES:
+                    self._hold_line(msg.header.get("id"), n)
                 continue
             fut = self._pending.pop(msg.header.get("id"), None)
             if fut is not None and not fut.done():
@@ -223,6 +224,7 @@ class ControlClient:
         def settled(_: Any) -> None:
             self._pending.pop(req_id, None)
             self.outstanding.pop(req_id, None)
+            self._line.pop(req_id, None)
 
         fut.add_done_callback(settled)
         try:
@@ -231,7 +233,7 @@ class ControlClient:
             self._pending.pop(req_id, None)
             self.outstanding.pop(req_id, None)
             raise
-        self._hold_line(sum(int(a.nbytes) for a in arrays))
+        self._hold_line(req_id, sum(int(a.nbytes) for a in arrays))
         self.requests_sent += 1
         self.last_sent = time.monotonic()
         return fut

@@ -444,8 +444,9 @@ def _fit_routes(per_route: dict[tuple[int, int], list[tuple[float, int]]]) -> tu
                 lat, inv_bw = 0.0, float((d * n).sum() / (n * n).sum())
         else:
             lat, inv_bw = float(d.mean()), 0.0
+        lat = max(float(lat), 0.0)  # (clocks of two hosts may disagree)
         bandwidth = 1.0 / inv_bw if inv_bw > 0 else float("inf")
-        routes.append((pair, (max(float(lat), 0.0), bandwidth)))  # (clocks of two hosts may disagree)
+        routes.append((pair, (lat, bandwidth)))
         residuals[pair] = [float(x) for x in d - (lat + n * inv_bw)]
     return tuple(routes), residuals
 

@@ -475,7 +475,7 @@ class RecoveryManager:
                     raise MpmdError("the RemoteMesh was closed during the recovery") from e.error
                 last = e.error
                 waiting.discard(e.actor)
-                lost = sorted({e.actor} | {i for i in range(len(self.mesh)) if self.mesh.conn(i).dead} | self._dead_processes())
+                lost = sorted({e.actor, *self._lost_actors(e.error)})
                 log.warning("the replacement of actor %d died as it started (%s); recovering again", e.actor, str(e.error)[:200])
                 continue
             except ActorStartError:
@@ -514,11 +514,11 @@ class RecoveryManager:
                 try:
                     address, process, *key = self.respawn(i, self.config.spawn_timeout)
                 except ActorStartError as e:
-                    if getattr(e, "exited", False):  # its process died as it started (not: never ready in time)
+                    if e.killed:  # its process was killed as it started (not: never ready in time, or refused to start)
                         raise _ReplacementDied(i, e) from e
                     raise
+                waiting.discard(i)  # a new actor from here: if it dies joining, that is one more lost actor
                 mesh.replace_actor(i, address, process, key[0] if key else None)
-                waiting.discard(i)
             report["spawn"] = time.monotonic() - t
             t = time.monotonic()
             for (dist, sig, c), blobs in zip(steps, lowered):
@@ -643,6 +643,8 @@ class RecoveryManager:
             # (no wait for room: the failed steps counted in flight end only once this replay has rebound them)
             out = rec.dist._call(jax.tree.unflatten(rec.treedef, leaves), None, rec.sent, load_step=rec.load_step, room=False)
             dones.append(rec.dist._last[1])
+            if len(dones) >= REPLAY_IN_FLIGHT:  # its own bound instead (a daemon serves 4,096 requests per connection)
+                dones[-REPLAY_IN_FLIGHT].result()
             out_leaves = jax.tree.leaves(out, is_leaf=lambda x: isinstance(x, RemoteArray))
             for j, vid, ref in rec.outs:
                 values[vid] = self._rebind(ref(), out_leaves[j], vid)
@@ -675,6 +677,7 @@ class _ReplacementDied(Exception):
 
 
 PUTS_IN_FLIGHT = 1024
+REPLAY_IN_FLIGHT = 512  # replayed steps dispatched and unfinished before the replay waits (the mesh's own limit)
 
 
 def put_all(mesh: Any, items: list[tuple[np.ndarray, list[int], Any, Any]]) -> list[RemoteArray]:

@@ -178,6 +178,13 @@ class Schedule:
         """True when the table uses I and W tasks instead of B."""
         return any(t.kind in ("I", "W") for row in self.tasks(self.min_microbatches) for t in row)
 
+    @property
+    def fuse_runs(self) -> bool:
+        """Whether the compiler may merge an actor's consecutive tasks into one Run where that delays nothing
+        (read by the compiler from any schedule object, True when it has none; a profiling schedule that must
+        time every task apart says False)."""
+        return True
+
     def tasks(self, num_microbatches: int) -> list[list[Task]]:
         """One ordered task list per actor for `num_microbatches` microbatches."""
         raise NotImplementedError(f"{type(self).__name__} must define tasks(num_microbatches)")

@@ -86,7 +86,8 @@ def _checked_routes(routes: object) -> tuple[tuple[tuple[int, int], tuple[float,
 @dataclass(frozen=True)
 class Costs:
     """A cost model, in seconds (or any one unit). Task times `F`, `B`, `I`, `W` are one number for every
-    stage or a sequence with one per stage. A transfer between actors takes `latency + bytes / bandwidth`;
+    stage or a sequence with one per stage. A transfer between actors takes `latency + bytes / bandwidth`
+    (or its pair's own latency and bandwidth in `routes`, as `fit_costs` measures them per pair);
     a schedule's transfers carry `activation_bytes` (the activation or cotangent crossing the boundary after
     each stage; a number or one per stage), a Program's the bytes of its Recv's dtype and shape. `overhead`
     is added to every Run (as busy time); `gap` is idle time before every Run starts (the runtime's dispatch

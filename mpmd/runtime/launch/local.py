@@ -229,7 +229,8 @@ class LocalProcess:
             exited = self.proc.poll() is not None
             why = describe_exit(self.proc.returncode) if exited else "did not report ready in time"
             err = ActorStartError(f"local actor {self.actor_id} {why}. Its stderr:\n{self.stderr_tail()}")
-            err.exited = exited  # (a recovery counts a replacement that died as one more lost actor; a timeout ends it)
+            err.killed = exited and self.proc.returncode < 0  # (a recovery counts it as one more lost actor; an exit of
+            # its own — flags refused, no port — or a timeout would come again: it ends the recovery)
             raise err
         return text.split()[1]
 
