@@ -2,6 +2,7 @@
 controllers that die (also as zombies) — detected within the stated bounds, with errors that say what
 happened, and nothing left behind."""
 
+import contextlib
 import glob
 import json
 import os
@@ -314,9 +315,10 @@ def test_every_request_is_answered_within_the_daemons_bound_and_leaves_nothing_r
         stop_daemon(proc)
 
 
-def test_the_watchdog_treats_a_request_past_the_actors_bound_like_a_silent_actor(tmp_path):
-    """A stand-in actor (a real daemon always answers within its bound, so its bound cannot be broken on
-    purpose): it answers `hello` (saying its bound is 0.5 s) and every ping, but never a `stats` request."""
+@contextlib.contextmanager
+def _stand_in_actor(tmp_path, answer):
+    """A ROUTER at ipc://tmp_path/fake.sock that calls `answer(header)` for each request and sends back the reply
+    header it returns (None: no reply), until the block ends. Yields its address."""
     ctx = zmq.Context.instance()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
@@ -329,22 +331,34 @@ def test_the_watchdog_treats_a_request_past_the_actors_bound_like_a_silent_actor
                 continue
             ident, *frames = router.recv_multipart()
             h = decode(frames).header
-            if h["op"] in ("hello", "ping", "bye", "shutdown"):
-                router.send_multipart([ident, *encode({"op": "reply", "id": h["id"], "ok": True, "request_timeout": 0.5,
-                                                       "platform": "cpu", "p2p": None, "pid": 0})])
+            reply = answer(h)
+            if reply is not None:
+                router.send_multipart([ident, *encode({"op": "reply", "id": h["id"], "ok": True, **reply})])
 
     th = threading.Thread(target=serve, daemon=True)
     th.start()
     try:
-        with mpmd.RemoteMesh([f"ipc://{tmp_path}/fake.sock"], transport="none", heartbeat_timeout=1.0, heartbeat_interval=0.25) as mesh:
-            t = time.monotonic()
-            with pytest.raises(mpmd.ActorDiedError, match=r"its request stats has waited \d+ s for a reply, past the actor's own bound of 0.5 s"):
-                mesh.actor(0).stats()
-            assert time.monotonic() - t < 10
+        yield f"ipc://{tmp_path}/fake.sock"
     finally:
         stop.set()
         th.join()
         router.close()
+
+
+def test_the_watchdog_treats_a_request_past_the_actors_bound_like_a_silent_actor(tmp_path):
+    """A stand-in actor (a real daemon always answers within its bound, so its bound cannot be broken on
+    purpose): it answers `hello` (saying its bound is 0.5 s) and every ping, but never a `stats` request."""
+    def answer(h):
+        if h["op"] in ("hello", "ping", "bye", "shutdown"):
+            return {"request_timeout": 0.5, "platform": "cpu", "p2p": None, "pid": 0}
+        return None
+
+    with _stand_in_actor(tmp_path, answer) as address:
+        with mpmd.RemoteMesh([address], transport="none", heartbeat_timeout=1.0, heartbeat_interval=0.25) as mesh:
+            t = time.monotonic()
+            with pytest.raises(mpmd.ActorDiedError, match=r"its request stats has waited \d+ s for a reply, past the actor's own bound of 0.5 s"):
+                mesh.actor(0).stats()
+            assert time.monotonic() - t < 10
 
 
 def test_a_big_puts_time_on_the_line_is_not_silence_and_ends_with_its_reply(tmp_path):
@@ -353,41 +367,24 @@ def test_a_big_puts_time_on_the_line_is_not_silence_and_ends_with_its_reply(tmp_
     late), then goes silent. The put is not taken for a dead actor (its 8 s at 32 MiB/s are granted), and the
     grant ends with the reply: the silence after it is declared within heartbeat_timeout (it was granted for 8
     s more, and a dead host was hidden that long; a review)."""
-    ctx = zmq.Context.instance()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind(f"ipc://{tmp_path}/fake.sock")
-    stop, dead = threading.Event(), threading.Event()
+    dead = threading.Event()
 
-    def serve():
-        while not stop.is_set():
-            if not router.poll(50):
-                continue
-            ident, *frames = router.recv_multipart()
-            h = decode(frames).header
-            if dead.is_set():
-                continue
-            if h["op"] == "put":
-                time.sleep(2.5)
-            router.send_multipart([ident, *encode({"op": "reply", "id": h["id"], "ok": True, "request_timeout": 3600.0,
-                                                   "platform": "cpu", "p2p": None, "pid": 0, "nbytes": 1})])
-            if h["op"] == "put":
-                dead.set()
+    def answer(h):
+        if dead.is_set():
+            return None
+        if h["op"] == "put":
+            time.sleep(2.5)
+            dead.set()
+        return {"request_timeout": 3600.0, "platform": "cpu", "p2p": None, "pid": 0, "nbytes": 1}
 
-    th = threading.Thread(target=serve, daemon=True)
-    th.start()
-    try:
-        with mpmd.RemoteMesh([f"ipc://{tmp_path}/fake.sock"], transport="none", heartbeat_timeout=1.0, heartbeat_interval=0.25) as mesh:
+    with _stand_in_actor(tmp_path, answer) as address:
+        with mpmd.RemoteMesh([address], transport="none", heartbeat_timeout=1.0, heartbeat_interval=0.25) as mesh:
             client = mesh.conn(0).client
             mesh.run(client.request("put", {"buf": 1, "session": "x"}, [np.zeros(64 * 2**20, np.float32)]))
             t = time.monotonic()
             with pytest.raises(mpmd.ActorDiedError, match=r"no reply or heartbeat for"):
                 mesh.actor(0).stats()
             assert time.monotonic() - t < 4.0  # heartbeat_timeout 1 s (and a tick or two), not the 8 s granted the put
-    finally:
-        stop.set()
-        th.join()
-        router.close()
 
 
 def _state(pid):
