@@ -301,12 +301,25 @@ class Actor:
             self.p2p.expire((ses.id,))
 
     async def put(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
+        """Store one array as `buf`: carried inline, or (field ``shm``) a notice of where a local controller wrote
+        it in one of its input segments (see actors/inputs.py), copied out here, since the controller writes that
+        segment again once this is answered."""
         buf = field(msg, "buf", int)
-        if len(msg.arrays) != 1:
+        notice = msg.header.get("shm")
+        if notice is not None:
+            if msg.arrays:
+                raise RequestError(f"'put' carries {len(msg.arrays)} arrays and a shared-memory notice; send one or the other")
+            ses.inputs.retire([notice])
+            host = ses.inputs.read(notice)
+        elif len(msg.arrays) != 1:
             raise RequestError(f"'put' carries {len(msg.arrays)} arrays, expected 1")
-        self._within_guest_quota(ses, more_bytes=int(msg.arrays[0].nbytes) - ses.buffers.size_of(buf))  # (a put replaces)
-        ses.buffers.put(buf, self._to_device(msg.arrays[0], self._layout(msg.header.get("layout"))))
-        return {"nbytes": int(msg.arrays[0].nbytes)}, []
+        else:
+            host = msg.arrays[0]
+        self._within_guest_quota(ses, more_bytes=int(host.nbytes) - ses.buffers.size_of(buf))  # (a put replaces)
+        if notice is not None:
+            host = np.array(host)  # (after the quota: a refused put copies nothing)
+        ses.buffers.put(buf, self._to_device(host, self._layout(msg.header.get("layout"))))
+        return {"nbytes": int(host.nbytes)}, []
 
     def _layout(self, wire: Any) -> Any:
         """A wire layout as a PartitionSpec (None: unsharded); layouts need this actor's device mesh."""
