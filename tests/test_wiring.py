@@ -2,7 +2,8 @@
 
 import pytest
 
-from mpmd.runtime.wiring import address_for, choose_routes, peer_specs
+from mpmd.errors import MpmdError
+from mpmd.runtime.wiring import address_for, check_reachable, choose_routes, peer_specs
 
 
 def ep(host, nccl=False, i=0):
@@ -43,3 +44,20 @@ def test_nccl_peer_specs_pair_each_direction_with_its_own_unique_id():
     assert specs[0]["1"]["nccl_out"] == specs[1]["0"]["nccl_in"] == [1] * 128
     assert specs[1]["0"]["nccl_out"] == specs[0]["1"]["nccl_in"] == [2] * 128
     assert specs[0]["1"]["address"] == eps[1]["tcp"]
+
+
+def test_a_loopback_data_plane_on_another_host_is_refused_naming_p2p_host():
+    """A daemon told --listen tcp://0.0.0.0:PORT without --p2p-host advertised tcp://127.0.0.1: its peers on other
+    nodes would dial their own machine and every step wait out the transfer timeout (a probe). Such a daemon now
+    advertises its node's address; a loopback address across hosts is refused at wiring, on one host it is fine."""
+    remote_loop = {"tcp": "tcp://127.0.0.1:5001", "host": "b", "shm": True}
+    eps = [ep("a", i=0), remote_loop]
+    with pytest.raises(MpmdError, match=r"actor 1's data plane is at tcp://127.0.0.1:5001, a loopback address.*--p2p-host"):
+        check_reachable(choose_routes("auto", eps), eps)
+    same = [{**ep("a", i=0), "tcp": "tcp://127.0.0.1:5000"}, {**remote_loop, "host": "a"}]
+    check_reachable(choose_routes("tcp", same), same)  # (one host: loopback reaches it)
+    check_reachable(choose_routes("auto", [ep("a", i=0), ep("b", i=1)]), [ep("a", i=0), ep("b", i=1)])
+    for local in ("tcp://[::1]:5001", "tcp://localhost:5001"):
+        eps = [ep("a", i=0), {**remote_loop, "tcp": local}]
+        with pytest.raises(MpmdError, match="loopback"):
+            check_reachable(choose_routes("auto", eps), eps)

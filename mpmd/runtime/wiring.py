@@ -49,6 +49,29 @@ def choose_routes(transport: str, endpoints: list[dict[str, Any] | None]) -> dic
     return routes
 
 
+def check_reachable(routes: dict[tuple[int, int], str], endpoints: list[dict[str, Any]]) -> None:
+    """Refuse a tcp route to a loopback data-plane address on another host: its sender would dial its own
+    machine, and every step would wait out the transfer timeout (a daemon told --listen tcp://0.0.0.0:PORT and no
+    --p2p-host advertised 127.0.0.1; a probe)."""
+    import ipaddress
+
+    from mpmd.errors import MpmdError
+
+    for (i, j), route in routes.items():
+        a, b = endpoints[i], endpoints[j]
+        if route != "tcp" or a.get("host") == b.get("host"):
+            continue
+        host = str(b.get("tcp", "")).split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+        try:
+            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            continue
+        if loopback:
+            raise MpmdError(f"actor {j}'s data plane is at {b.get('tcp')}, a loopback address, but actor {i} runs on another "
+                            f"host ({a.get('host')} and {b.get('host')}) and cannot reach it there: start actor {j}'s "
+                            "mpmd-actor with --p2p-host ADDRESS (an address of its node that the other nodes reach)")
+
+
 def address_for(sender: dict[str, Any], receiver: dict[str, Any]) -> str:
     """The receiver's data-plane address as the sender should dial it: ipc on one host, tcp across hosts."""
     if sender.get("host") == receiver.get("host") and receiver.get("ipc"):
@@ -83,6 +106,7 @@ async def wire_data_plane(conns: list[Any], endpoints: list[dict[str, Any] | Non
                         f"{sorted(set(range(len(endpoints))) - secured)} do not (started with --insecure?): start all "
                         "daemons the same way")
     routes = choose_routes(transport, endpoints)
+    check_reachable(routes, endpoints)
     ids: dict[tuple[int, int], list[int]] = {}
     senders = sorted({i for (i, _), r in routes.items() if r == "nccl"})
     if senders:
