@@ -53,6 +53,25 @@ def _private_compile_dir(actor_id: int, parent: str | None) -> tuple[str, int]:
     return path, fd
 
 
+def _import_loaders(names: list[str]) -> None:
+    """Import every --allow-loader function now (after JAX is set up), so that one this daemon cannot import stops it
+    at start, naming PYTHONPATH, rather than failing a step after dispatch. The working directory is searched too,
+    as `python -m actors.daemon` (what RemoteMesh.local starts) searches it; the `mpmd-actor` script did not (a probe)."""
+    import importlib
+
+    if names and os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
+    for name in names:
+        module, _, attr = name.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except Exception as e:  # noqa: BLE001 - the user's module: any error it raises at import is the answer
+            raise SystemExit(f"mpmd-actor: --allow-loader {name}: cannot import it here ({type(e).__name__}: {e}); put its "
+                             f"module on PYTHONPATH (this daemon's working directory {os.getcwd()} is searched too)") from None
+        if not callable(fn):
+            raise SystemExit(f"mpmd-actor: --allow-loader {name} is a {type(fn).__name__}, not a function")
+
+
 def _remove_mesh_files(mesh_dir: str, actor_id: int) -> None:
     """Nobody will read this actor's log or dial its sockets again (its controller is gone): remove what is its own
     in the local mesh's directory, and the directory once empty (the last daemon of the mesh to go removes it)."""
@@ -329,6 +348,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     except Exception as e:
         raise SystemExit(f"mpmd-actor: JAX found no devices for --platform {args.platform or os.environ.get('JAX_PLATFORMS') or '(default)'}: "
                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else '(is that device and its jaxlib plugin here?)'}") from None
+    _import_loaders(args.allow_loader)
     ctx = zmq.asyncio.Context.instance()
     auth = None
     if secure:

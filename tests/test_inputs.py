@@ -2,7 +2,10 @@
 local mesh (mpmd.runtime.inputs, actors/inputs.py), and hostile shared-memory notices refused."""
 
 import asyncio
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -344,6 +347,30 @@ def test_hung_loaders_keep_their_own_threads_and_leave_fetches_checkpoints_and_o
     finally:
         _HUNG.set()
     assert loaders.still_running(any_session=True) is None
+
+
+def test_a_hand_started_daemon_imports_its_loaders_at_start_from_its_working_directory(tmp_path):
+    """The `mpmd-actor` script did not search its working directory (`python -m actors.daemon`, what local meshes
+    start, does), and a loader it could not import failed the first step after dispatch (a probe). Loaders are
+    imported at start now, the working directory searched: a missing one stops the daemon at once, naming
+    PYTHONPATH."""
+    (tmp_path / "my_loader_mod.py").write_text("import numpy as np\n\ndef load(step, leaf):\n    return np.zeros(2, np.float32)\n")
+    exe = os.path.join(os.path.dirname(sys.executable), "mpmd-actor")
+    flags = [exe, "--listen", "tcp://127.0.0.1:0", "--insecure", "--p2p", "none", "--cpu-devices", "1", "--parent-pid", str(os.getpid())]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("PYTHONPATH", None)
+    ok = subprocess.Popen([*flags, "--allow-loader", "my_loader_mod:load"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    try:
+        line = ok.stdout.readline()
+        assert line.startswith("MPMD_ACTOR_READY"), ok.stderr.read()[-2000:] if ok.poll() is not None else line
+    finally:
+        ok.terminate()
+        ok.wait(10)
+    bad = subprocess.run([*flags, "--allow-loader", "no_such_module_here:load"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert bad.returncode == 1 and "--allow-loader no_such_module_here:load: cannot import it here" in bad.stderr
+    assert "PYTHONPATH" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
 
 
 def test_a_loader_name_must_be_module_colon_function():

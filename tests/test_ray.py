@@ -55,12 +55,23 @@ def steps(mesh):
 
 @pytest.mark.slow  # (15-20 s: run with the slow ones, see .ci/run)
 def test_a_ray_mesh_trains_like_jit_and_closing_leaves_no_ray_actor_or_placement_group(local_ray):
-    with mpmd.RemoteMesh.ray(2, startup_timeout=120) as mesh:
+    """Also with batches its actors load (RemoteMesh.ray had no `loaders=`, so loaded_by_actors could not work on
+    a Ray mesh; a probe)."""
+    fn = "mpmd.testing:synthetic_regression_leaf"
+    with mpmd.RemoteMesh.ray(2, startup_timeout=120, loaders=[fn]) as mesh:
         actors, groups = ours()
         assert len(actors) == 2 and len(groups) == 1, (actors, groups)
         assert [mesh.actor(i).info()["actor_id"] for i in range(2)] == [0, 1]
         assert mesh.actor(0).info()["authenticated"] is True  # keys made per mesh; only public halves crossed Ray
         trains_like_jit(mesh)
+        spec = {leaf: jax.ShapeDtypeStruct(testing.LOADED_LEAF_SHAPE, np.float32) for leaf in ("x", "y")}
+        params = testing.mlp_params(np.random.default_rng(5), num_stages=2, width=testing.LOADED_LEAF_SHAPE[2])
+        opt = optax.sgd(1e-2)
+        dist = mpmd.distributed(testing.make_train_step(testing.mse_loss(testing.mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
+        got = dist(params, opt.init(params), mpmd.loaded_by_actors(fn, spec))[2]
+        host = {leaf: testing.synthetic_regression_leaf(0, leaf) for leaf in ("x", "y")}
+        want = jax.jit(testing.make_train_step(testing.mse_loss(testing.mlp), opt, None))(params, opt.init(params), host)[2]
+        np.testing.assert_allclose(got.to_numpy(), np.asarray(want), rtol=1e-5, atol=1e-6)
     assert settled() == ([], [])
 
 

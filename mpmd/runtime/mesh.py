@@ -290,7 +290,8 @@ class RemoteMesh:
     def ray(cls, num_actors: int, devices_per_actor: int = 1, resources_per_actor: dict[str, float] | None = None,
             placement_strategy: str = "SPREAD", *, platform: str = "auto", cpus_per_actor: float = 1, host: str | None = None,
             placement_timeout: float = 60.0, startup_timeout: float = 120.0, log_level: str = "WARNING",
-            cache_dir: str | bool = True, runtime_env: dict[str, Any] | None = None, **kwargs: Any) -> RemoteMesh:
+            cache_dir: str | bool = True, runtime_env: dict[str, Any] | None = None, loaders: Sequence[str] = (),
+            **kwargs: Any) -> RemoteMesh:
         """Start `num_actors` daemons as Ray places them (the `ray` extra; ``ray.init()`` first, or it is called)::
 
             ray.init(address="auto")
@@ -302,8 +303,9 @@ class RemoteMesh:
         daemon bound to its node's address (`host` overrides it). Keys are ephemeral; only public keys cross the
         network. A Ray actor that dies surfaces as `ActorDiedError`; closing the mesh kills the Ray actors and
         removes the placement group. `recover=mpmd.Recovery(...)`: a lost daemon is replaced by a new Ray actor in
-        its bundle and the lost steps replayed (see `mpmd.Recovery`). Other keyword arguments go to `RemoteMesh`.
-        See mpmd/runtime/launch/ray.py."""
+        its bundle and the lost steps replayed (see `mpmd.Recovery`). `loaders`: "module:function" data loaders
+        the daemons may call (as for `local`; importable where Ray runs them: `runtime_env`). Other keyword
+        arguments go to `RemoteMesh`. See mpmd/runtime/launch/ray.py."""
         from mpmd.runtime.launch import ray as ray_launcher
 
         _check_mesh_arguments(kwargs, devices_per_actor)
@@ -311,7 +313,8 @@ class RemoteMesh:
         return ray_launcher.connect(cls, num_actors, devices_per_actor, resources_per_actor, placement_strategy, platform=platform,
                                     cpus_per_actor=cpus_per_actor, host=host, placement_timeout=placement_timeout,
                                     startup_timeout=startup_timeout, log_level=log_level, cache_dir=cache_dir,
-                                    runtime_env=runtime_env, **kwargs)
+                                    runtime_env=runtime_env,
+                                    daemon_flags=[f for fn in loaders for f in ("--allow-loader", check_loader_name(fn))], **kwargs)
 
     @classmethod
     def from_rendezvous(cls, where: str | Any, num_actors: int, *, timeout: float = 300.0, keys: Any = None,

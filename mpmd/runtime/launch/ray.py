@@ -472,7 +472,8 @@ def _fmt(resources: Mapping[str, float]) -> str:
 def connect(cls: Any, num_actors: int, devices_per_actor: int = 1, resources_per_actor: Mapping[str, float] | None = None,
             placement_strategy: str = "SPREAD", *, platform: str = "auto", cpus_per_actor: float = 1, host: str | None = None,
             placement_timeout: float = 60.0, startup_timeout: float = 120.0, log_level: str = "WARNING",
-            cache_dir: str | bool = True, runtime_env: Mapping[str, Any] | None = None, recover: Any = None, **kwargs: Any) -> Any:
+            cache_dir: str | bool = True, runtime_env: Mapping[str, Any] | None = None, recover: Any = None,
+            daemon_flags: Sequence[str] = (), **kwargs: Any) -> Any:
     """`RemoteMesh.ray`: start (see there), connect, check that every daemon runs this controller's JAX on one platform.
     With `recover` (a `mpmd.Recovery`), a lost daemon is replaced by a new Ray actor in the same bundle."""
     taken = {"addresses", "processes", "keys"}  # (what the launch passes itself)
@@ -483,7 +484,8 @@ def connect(cls: Any, num_actors: int, devices_per_actor: int = 1, resources_per
                         f"starts); besides its launch options it takes RemoteMesh's: {', '.join(n for n in params if n not in taken)}")
     launch = start(num_actors, devices_per_actor, resources_per_actor, placement_strategy, platform=platform,
                    cpus_per_actor=cpus_per_actor, host=host, placement_timeout=placement_timeout,
-                   startup_timeout=startup_timeout, log_level=log_level, cache_dir=cache_dir, runtime_env=runtime_env)
+                   startup_timeout=startup_timeout, log_level=log_level, cache_dir=cache_dir, runtime_env=runtime_env,
+                   daemon_flags=daemon_flags)
     try:
         mesh = cls(launch.endpoints, launch.daemons, keys=launch.keys, **kwargs)
     except BaseException:
