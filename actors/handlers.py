@@ -182,7 +182,23 @@ class Actor:
                                f"wiring, its process, its profiler, its device mesh or its files: checkpoints), so only the key "
                                f"that owns the daemon's job "
                                f"or an operator may send it; this daemon is {self.ownership.describe()}, and the request came "
-                               f"from key {peer!r}. Use daemons of your own, or ask their operator (mpmd-actor --admin-key)")
+                               f"from key {peer!r}. Use daemons of your own, or ask their operator (mpmd-actor --admin-key)"
+                               f"{self._owner_idle()}")
+
+    def _owner_idle(self) -> str:
+        """When the owning key's sessions are all silent (its controller killed, say): when they will close, freeing
+        the daemon for another key ('' when the owner is fixed, or one of its sessions is live)."""
+        owner = self.ownership.owner
+        timeout = self.limits.get("session_timeout")
+        if self.ownership.fixed or owner is None or not timeout:
+            return ""
+        now = time.monotonic()
+        idle = [now - s.last_seen for s in self.sessions.values() if s.owner == owner]
+        if not idle or min(idle) < 2.0:
+            return ""
+        return (f". The owner's controller has said nothing for {min(idle):.0f} s (killed?): its session closes after "
+                f"{timeout:g} s of silence (mpmd-actor --session-timeout), {max(0.0, timeout - min(idle)):.0f} s from now, "
+                "and then a controller of another key may take the daemon")
 
     def admits_transfer(self, key: tuple[int, ...]) -> str | None:
         """Why a data-plane arrival keyed `key` (session first) is not welcome here, or None."""
@@ -316,9 +332,13 @@ class Actor:
         else:
             host = msg.arrays[0]
         self._within_guest_quota(ses, more_bytes=int(host.nbytes) - ses.buffers.size_of(buf))  # (a put replaces)
-        if notice is not None:
-            host = np.array(host)  # (after the quota: a refused put copies nothing)
-        ses.buffers.put(buf, self._to_device(host, self._layout(msg.header.get("layout"))))
+        layout = self._layout(msg.header.get("layout"))
+        if notice is not None:  # copied (after the quota: a refused put copies nothing) in a worker thread: 1.2 GiB
+            # took 14 s on a loaded machine, and the loop must answer heartbeats meanwhile (a probe)
+            value = await asyncio.to_thread(lambda: self._to_device(np.array(host), layout))
+        else:
+            value = self._to_device(host, layout)
+        ses.buffers.put(buf, value)
         return {"nbytes": int(host.nbytes)}, []
 
     def _layout(self, wire: Any) -> Any:

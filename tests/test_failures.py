@@ -364,9 +364,9 @@ def test_the_watchdog_treats_a_request_past_the_actors_bound_like_a_silent_actor
 def test_a_big_puts_time_on_the_line_is_not_silence_and_ends_with_its_reply(tmp_path):
     """A stand-in actor (a real one cannot be made slow to take a put, nor to die right after it, on purpose): it
     takes 2.5 s to answer a 256 MiB put, holding its pongs (as a ping queued behind the put's bytes arrives
-    late), then goes silent. The put is not taken for a dead actor (its 8 s at 32 MiB/s are granted), and the
-    grant ends with the reply: the silence after it is declared within heartbeat_timeout (it was granted for 8
-    s more, and a dead host was hidden that long; a review)."""
+    late), then goes silent. The put is not taken for a dead actor (its 32 s at 8 MiB/s are granted), and the
+    grant ends with the reply: the silence after it is declared within heartbeat_timeout (it was granted for
+    the whole allowance more, and a dead host was hidden that long; a review)."""
     dead = threading.Event()
 
     def answer(h):
@@ -384,7 +384,7 @@ def test_a_big_puts_time_on_the_line_is_not_silence_and_ends_with_its_reply(tmp_
             t = time.monotonic()
             with pytest.raises(mpmd.ActorDiedError, match=r"no reply or heartbeat for"):
                 mesh.actor(0).stats()
-            assert time.monotonic() - t < 4.0  # heartbeat_timeout 1 s (and a tick or two), not the 8 s granted the put
+            assert time.monotonic() - t < 4.0  # heartbeat_timeout 1 s (and a tick or two), not the 32 s granted the put
 
 
 def _state(pid):

@@ -36,8 +36,9 @@ from transport.auth import KeyPair, configure_client
 from transport.protocol import Message, ProtocolError, decode, encode, message_id
 
 DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024**3
-LINE_FLOOR = 32 * 1024**2  # bytes per second a big message is granted on the control connection (encrypted, this
-# 2-core VM moved 125 MB/s loaded and ~300 MB/s idle)
+LINE_FLOOR = 8 * 1024**2  # bytes per second a big message is granted on the control connection (encrypted, this
+# 2-core VM moved ~300 MB/s idle, 125 MB/s loaded, and 16-21 MiB/s with the load average at 10-12: a 305 MiB fetch
+# was declared dead at 32 MiB/s; the grant ends with the reply, so a low floor costs only while the bytes cross)
 COMING_BYTES = 16 * 1024**2  # a reply this big is announced first ('coming')
 
 

@@ -5,6 +5,7 @@ remembers what each actor has so that a step's second call sends nothing but the
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 from collections.abc import Callable, Sequence
@@ -21,13 +22,17 @@ from mpmd.errors import MpmdError
 from mpmd.runtime.controller import ActorConnection
 from mpmd.runtime.sharding import layout_from_wire, layout_wire
 
+LOWERED_KEPT = 256  # functions `actor.run` keeps lowered (the most recently run)
+
 
 class Executables:
     """What this controller has lowered, and what each actor has compiled for it."""
 
     def __init__(self, conns: list[ActorConnection]) -> None:
         self._conns = conns  # the mesh's list: a reconnect replaces an entry in place
-        self._lowered: dict[Any, tuple[bytes, Any]] = {}
+        # (the last LOWERED_KEPT functions run: a loop of `actor.run(jax.jit(lambda ...))`, a new function each
+        # time, kept every one and its blob for the mesh's life; a probe)
+        self._lowered: collections.OrderedDict[Any, tuple[bytes, Any]] = collections.OrderedDict()
         self.compiled: list[dict[tuple, Any]] = [{} for _ in conns]
         self._program_ids = itertools.count(1)
 
@@ -69,7 +74,9 @@ class Executables:
         avals = tuple(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype) for x in leaves)
         key = (fn, treedef, avals, platform)
         hit = self._lowered.get(key)
-        if hit is None:
+        if hit is not None:
+            self._lowered.move_to_end(key)
+        else:
             out_tree_box: list[Any] = []
 
             def flat(*xs: Any) -> tuple[Any, ...]:
@@ -89,4 +96,6 @@ class Executables:
                                 f"jax.pure_callback, io_callback: {e}); leave the callback out, or run it in a step "
                                 "(mpmd.distributed), whose stages call back to the controller") from None
             hit = self._lowered[key] = (blob, out_tree_box[0])
+            while len(self._lowered) > LOWERED_KEPT:
+                self._lowered.popitem(last=False)
         return hit
