@@ -122,7 +122,8 @@ def test_python_conversions_fetch_as_numpy_does_and_arithmetic_says_to_fetch_or_
     np.testing.assert_array_equal(np.asarray(v) + 1, np.arange(6).reshape(2, 3) + 1)  # fetched, then computed
     for op in (lambda: x + 1, lambda: 1 - x, lambda: -x, lambda: v[0], lambda: x < 3, lambda: v @ v, lambda: x == 2.5,
                lambda: x != 0, lambda: 0 == x, lambda: np.ones(3) + x,
-               lambda: np.float32(2) * x, lambda: np.arange(3) == x):  # (numpy on the left fetched silently)
+               lambda: np.float32(2) * x, lambda: np.arange(3) == x,  # (numpy on the left fetched silently)
+               lambda: np.isfinite(x), lambda: np.add(v, 1), lambda: np.log(x)):  # (numpy's bare "does not support ufuncs")
         with pytest.raises(TypeError, match="lives on its actors.*pass it as an argument.*fetch it first"):
             op()  # (`x == 0` was silently False whatever x held: object identity)
     assert x is not None and {x: 1}[x] == 1 and x in {x}  # hashed by identity, as before

@@ -208,7 +208,12 @@ class RemoteArray:
                         "(or mpmd.save the tree for a checkpoint)")
 
     __hash__ = object.__hash__  # (by identity, as before `==` was refused)
-    __array_ufunc__ = None  # numpy's operators defer to ours (`np.ones(3) + x` raises as `x + 1` does; it fetched silently)
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        """numpy's ufuncs and operators (`np.isfinite(x)`, `np.add(x, 1)`, `np.ones(3) + x`) are refused as `x + 1`
+        is (they fetched silently once; then numpy's bare "does not support ufuncs"; a probe)."""
+        raise TypeError(f"numpy's {getattr(ufunc, '__name__', ufunc)} cannot run on {self!r}: it lives on its actors. Inside a "
+                        "step, pass it as an argument of the distributed step; outside, fetch it first (np.asarray(x) or "
+                        "mpmd.fetch(x)) and compute on the result")
 
     def __iter__(self) -> Any:
         raise TypeError(f"{self!r} lives on its actors and cannot be iterated here: fetch it first (np.asarray(x) or mpmd.fetch(x))")
