@@ -156,7 +156,7 @@ def make_schedule(name: str, actors: int, stages: int) -> mpmd.Schedule:
         raise SystemExit(f"--schedule {name!r} is not a built-in mpmd schedule; one of {', '.join(SCHEDULES)}")
     cls = getattr(mpmd, name)
     if name in ("ZeroBubbleV", "DualPipeV"):
-        return cls(num_actors=actors)
+        return cls(num_actors=actors, num_stages=stages)
     if name in ("InterleavedOneFOneB", "InterleavedZeroBubble"):
         return cls(num_stages=stages, num_actors=actors)
     return cls(num_stages=stages)
@@ -209,6 +209,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit(f"--heads {args.heads} must be a multiple of --tensor-parallel {args.tensor_parallel}")
     if args.layers % args.stages:
         raise SystemExit(f"--layers {args.layers} must be a multiple of --stages {args.stages}")
+    try:  # the schedule's own checks, as flag errors: stages per actor, the fewest microbatches it runs
+        schedule = make_schedule(args.schedule, args.actors, args.stages)
+        if schedule.num_actors != args.actors:
+            raise mpmd.ScheduleError(f"{schedule} runs on {schedule.num_actors} actors: give --stages {args.actors} (one per actor) "
+                                     f"with --actors {args.actors}, or --actors {schedule.num_actors}")
+        mpmd.validate(schedule, args.microbatches)
+    except (mpmd.ScheduleError, ValueError) as e:
+        raise SystemExit(f"--schedule {args.schedule} --stages {args.stages} --actors {args.actors} --microbatches "
+                         f"{args.microbatches}: {e}") from None
     return args
 
 
@@ -338,4 +347,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    train(parse())
+    try:
+        train(parse())
+    except mpmd.CheckpointError as e:  # (--resume of a missing or other-shaped checkpoint: the message is the answer)
+        raise SystemExit(f"examples/gpt.py: {e}") from None

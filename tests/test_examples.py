@@ -67,3 +67,17 @@ def test_the_async_actor_learner_example_learns_while_rollouts_overlap_training(
     assert "the learner's pipeline step equals jax.jit's" in out and "largest stall" in out
     assert result["last_return"] > result["first_return"], result  # the policy approaches the expert
     assert result["speedup"] > 0 and result["largest_gap"] >= 0
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--stages", "3", "--layers", "6"], "runs on 3 actors: give --stages 2"),
+    (["--schedule", "ZeroBubbleV", "--stages", "2"], r"num_stages must be 2 \* num_actors"),
+    (["--schedule", "DualPipeV", "--microbatches", "2"], "needs at least 4 microbatches"),
+    (["--schedule", "InterleavedOneFOneB", "--stages", "3", "--layers", "6"], "not a multiple of num_actors=2"),
+])
+def test_gpt_flags_a_schedule_cannot_run_stop_with_its_reason_before_any_actor_starts(flags, said):
+    """They ended in a traceback of 10-20 frames once the actors had started (a newcomer probe)."""
+    gpt = load("gpt")
+    with pytest.raises(SystemExit, match=said):
+        gpt.parse(flags)
+    assert gpt.make_schedule("ZeroBubbleV", 2, 4).num_stages == 4  # (--stages reaches the V schedules too)
