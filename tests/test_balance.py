@@ -375,3 +375,19 @@ def test_a_rejection_reason_keeps_its_first_line_whole_up_to_a_word():
     long = " ".join(f"word{i}" for i in range(400))
     cut = _reason(long)
     assert cut.endswith(" ...") and long.startswith(cut[:-4]) and len(cut) <= 804 and cut[:-4].split()[-1] in long.split()
+
+
+def test_a_runs_overhead_is_never_more_than_the_shortest_run_measured():
+    """Every measured Run holds one overhead, so the overhead is at most the shortest F or B; the difference of two
+    noisy totals once came out above every segment's F but one, each segment less it cost nothing, and balance=
+    picked a stage of 6 segments against one of the head alone (2.9x slower than "auto"; a probe)."""
+    from types import SimpleNamespace
+
+    from mpmd.observe.segments import run_overhead_of
+
+    apart = SimpleNamespace(F=(10.0, 0.5, 0.4, 0.6), B=(12.0, 1.0, 0.8, 1.2))
+    noisy = SimpleNamespace(F=(2.0, 0.1, 0.1, 0.1), B=(2.5, 0.2, 0.2, 0.2))  # fused: 20.0 less than apart, 2.5 a Run
+    assert run_overhead_of(apart, noisy, 4) == 0.4  # (not 2.5: then every segment but the first would cost nothing)
+    calm = SimpleNamespace(F=(9.8, 0.3, 0.2, 0.4), B=(11.8, 0.8, 0.6, 1.0))  # 1.6 less: 0.2 a Run
+    assert run_overhead_of(apart, calm, 4) == pytest.approx(0.2)
+    assert run_overhead_of(apart, apart, 4) == 0.0 and run_overhead_of(apart, noisy, 1) == 0.0
