@@ -165,6 +165,9 @@ def main() -> None:
     p.add_argument("--trace", default=None, help="write the 2-actor step's Perfetto trace here")
     p.add_argument("--jit-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    for flag, least in (("width", 1), ("layers", 2), ("microbatches", 1), ("rows", 1), ("steps", 1), ("rounds", 1)):
+        if getattr(args, flag) < least:  # (--layers 1 crashed in an IndexError, --steps 0 in a bare CalledProcessError)
+            p.error(f"--{flag} must be at least {least} (the 2-stage MLP needs a layer a stage), got {getattr(args, flag)}")
     if args.jit_child:
         jit_child(args)
         return

@@ -111,6 +111,10 @@ def main() -> None:
     p.add_argument("--only", default=None, help="comma-separated schedule names")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
     args = p.parse_args()
+    known = {name for n in (int(x) for x in args.actors.split(",")) for name, _ in schedules_for(n)}
+    unknown = sorted(set(args.only.split(",")) - known) if args.only else []
+    if unknown:  # (they were skipped in silence, and the run exited 0 having measured nothing)
+        p.error(f"--only {','.join(unknown)}: not a schedule this benchmark runs; pick from {', '.join(sorted(known))}")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gpt = gpt_module()
@@ -122,6 +126,7 @@ def main() -> None:
             if args.only and name not in args.only.split(","):
                 continue
             if args.layers % stages:
+                print(f"{name:22s} {n} actors {stages:2d} stages  skipped: --layers {args.layers} is not a multiple of its stages")
                 continue
             with mpmd.RemoteMesh.local(num_actors=n, cpus_per_actor=pin) as mesh:
                 r = run_one(gpt, mesh, name, n, stages, args, out)

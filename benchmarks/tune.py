@@ -69,6 +69,9 @@ def main() -> None:
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--actors", type=int, default=2, help="local actors (pinned one per core when there are enough cores)")
     args = p.parse_args()
+    unknown = sorted(set(args.models.split(",")) - {"gpt", "mlp"})
+    if unknown:  # (an unknown name ran the uneven MLP under that name)
+        p.error(f"--models {','.join(unknown)}: the models are gpt and mlp")
     for name in args.models.split(","):
         if name == "gpt":
             from mpmd.cli.tune import gpt_setup, load_gpt
