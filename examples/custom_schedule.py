@@ -100,6 +100,8 @@ def main() -> None:
     parser.add_argument("--simulate-only", action="store_true", help="do not start actors")
     parser.add_argument("--picture", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "custom_schedule.svg"), help="timeline picture (.svg, or .png with matplotlib)")
     args = parser.parse_args()
+    if not args.picture.endswith((".svg", ".png")):  # (checked before the simulation, not after it as a traceback)
+        parser.error(f"--picture {args.picture}: a timeline picture is written as .svg or .png")
     if os.path.dirname(args.picture):
         os.makedirs(os.path.dirname(args.picture), exist_ok=True)
     simulate_and_draw(args.picture)
