@@ -294,6 +294,7 @@ class Actor:
         idle = [(ses, now - ses.last_seen) for ses in self.sessions.values()
                 if now - ses.last_seen > timeout and not any(not t.done() for t in ses.running.values())]  # (not mid-step)
         for ses, _ in idle:
+            ses.inputs.sweep()  # (its controller is gone: segments it wrote that were never read stay in /dev/shm)
             self._end(ses, settle=False)
         if idle:
             collector.settle()  # (once for them all: each settle walks every object the daemon holds)

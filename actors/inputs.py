@@ -145,6 +145,22 @@ class InputSegments:
             except BufferError:  # an array still reads it in place: the mapping goes with the last one
                 pass
 
+    def sweep(self) -> int:
+        """Unlink the segments of this session's prefix still named in /dev/shm: written by a controller that died
+        (kill -9) before this actor mapped them, nobody else will (one was left behind for good; a probe). For a
+        session closed because its controller went silent. How many were removed."""
+        if self.prefix is None or not os.path.isdir("/dev/shm"):
+            return 0
+        removed = 0
+        for name in os.listdir("/dev/shm"):
+            if self._ours("/" + name):
+                try:
+                    shm._posixshmem.shm_unlink("/" + name)
+                    removed += 1
+                except OSError:
+                    pass
+        return removed
+
     def close(self) -> None:
         for mm in self.maps.values():
             try:

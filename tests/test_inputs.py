@@ -631,3 +631,30 @@ def test_a_small_host_batch_refilled_in_place_right_after_the_call_does_not_chan
         release.set()
     held.result(30)
     np.testing.assert_allclose(np.asarray(losses), want, rtol=1e-5)
+
+
+def test_a_session_closed_for_silence_unlinks_the_segments_its_controller_never_had_read():
+    """A controller killed (kill -9) after writing a segment and before its actor mapped it left the name in /dev/shm
+    for good (a probe found one); a session the daemon closes for silence sweeps its own prefix's names, and only
+    those."""
+    from actors.inputs import InputSegments
+
+    if not shm.available() or not os.path.isdir("/dev/shm"):
+        pytest.skip("needs POSIX shared memory in /dev/shm")
+    token = os.urandom(4).hex()
+    prefix = f"/mpmd-in-{os.getpid():x}-{token}-0-"
+    other = f"/mpmd-in-{os.getpid():x}-{token}-1-3"  # another actor's: not this session's to remove
+    for name in (prefix + "0", prefix + "7", other):
+        shm.create_segment(name, 4096).close()
+    try:
+        seg = InputSegments(0)
+        seg.set_prefix(prefix)
+        assert seg.sweep() == 2
+        left = set(os.listdir("/dev/shm"))
+        assert (prefix + "0")[1:] not in left and (prefix + "7")[1:] not in left and other[1:] in left
+    finally:
+        for name in (prefix + "0", prefix + "7", other):
+            try:
+                shm.unlink(name)
+            except OSError:
+                pass
