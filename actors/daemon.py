@@ -53,6 +53,21 @@ def _private_compile_dir(actor_id: int, parent: str | None) -> tuple[str, int]:
     return path, fd
 
 
+def _own_address(address: str) -> str:
+    """`address` if this machine can bind it (a hostname resolving to a stale, NAT or container-alias address cannot),
+    else 127.0.0.1 with a warning (the controller then refuses it for peers on other hosts, naming --p2p-host)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((address, 0))
+        return address
+    except OSError as e:
+        logging.getLogger("mpmd.actor").warning("this node's address %s cannot be bound here (%s): the data plane listens on "
+                                                "127.0.0.1; give --p2p-host ADDRESS for peers on other nodes", address, e)
+        return "127.0.0.1"
+
+
 def _import_loaders(names: list[str]) -> None:
     """Import every --allow-loader function now (after JAX is set up), so that one this daemon cannot import stops it
     at start, naming PYTHONPATH, rather than failing a step after dispatch. The working directory is searched too,
@@ -63,11 +78,18 @@ def _import_loaders(names: list[str]) -> None:
         sys.path.append(os.getcwd())
     for name in names:
         module, _, attr = name.partition(":")
+        sys.stdout.flush()
+        saved = os.dup(1)
+        os.dup2(2, 1)  # what the module prints goes to stderr: stdout's first line is the daemon's ready line
         try:
             fn = getattr(importlib.import_module(module), attr)
         except Exception as e:  # noqa: BLE001 - the user's module: any error it raises at import is the answer
             raise SystemExit(f"mpmd-actor: --allow-loader {name}: cannot import it here ({type(e).__name__}: {e}); put its "
                              f"module on PYTHONPATH (this daemon's working directory {os.getcwd()} is searched too)") from None
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
         if not callable(fn):
             raise SystemExit(f"mpmd-actor: --allow-loader {name} is a {type(fn).__name__}, not a function")
 
@@ -363,7 +385,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     if args.p2p != "none":
         host = args.p2p_host or (args.listen.split("://", 1)[1].rsplit(":", 1)[0] if args.listen.startswith("tcp://") else "127.0.0.1")
         if host in ("*", "0.0.0.0", "::", "[::]"):  # every interface: peers on other nodes dial this node's own address
-            host = cluster.node_address()
+            host = _own_address(cluster.node_address())
         device = jax.devices()[0]
         from actors.buffers import release_host_memory
 

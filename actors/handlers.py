@@ -194,7 +194,7 @@ class Actor:
             return ""
         now = time.monotonic()
         idle = [now - s.last_seen for s in self.sessions.values() if s.owner == owner]
-        if not idle or min(idle) < 2.0:
+        if not idle or min(idle) < min(10.0, timeout / 2):  # (a live controller pings when idle, every second or so)
             return ""
         return (f". The owner's controller has said nothing for {min(idle):.0f} s (killed?): its session closes after "
                 f"{timeout:g} s of silence (mpmd-actor --session-timeout), {max(0.0, timeout - min(idle)):.0f} s from now, "
@@ -336,7 +336,11 @@ class Actor:
         layout = self._layout(msg.header.get("layout"))
         if notice is not None:  # copied (after the quota: a refused put copies nothing) in a worker thread: 1.2 GiB
             # took 14 s on a loaded machine, and the loop must answer heartbeats meanwhile (a probe)
-            value = await asyncio.to_thread(lambda: self._to_device(np.array(host), layout))
+            try:
+                value = await asyncio.to_thread(lambda: self._to_device(np.array(host), layout))
+            finally:
+                if notice.get("once") is True:  # a segment of this put alone: unmapped now (the mapping goes with the view)
+                    ses.inputs.forget(notice.get("name"))
         else:
             value = self._to_device(host, layout)
         ses.buffers.put(buf, value)
@@ -670,7 +674,11 @@ class Actor:
     async def input_shm(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         """Accept step arguments in shared-memory segments named `prefix` + a number (see actors/inputs.py)."""
         assert ses is not None
-        ses.inputs.set_prefix(msg.header.get("prefix"))
+        prefix = msg.header.get("prefix")
+        if any(s is not ses and s.inputs.prefix == prefix for s in self.sessions.values()):  # (a session closed for
+            # silence unlinks its prefix's segments: one claiming another's could remove that controller's; a review)
+            raise RequestError(f"'input_shm' prefix {prefix!r} is another session's on actor {self.actor_id}")
+        ses.inputs.set_prefix(prefix)
         return {"prefix": ses.inputs.prefix}, []
 
     async def abort(self, ses: Session | None, msg: Message) -> tuple[dict, list]:

@@ -145,6 +145,11 @@ class InputSegments:
             except BufferError:  # an array still reads it in place: the mapping goes with the last one
                 pass
 
+    def forget(self, name: Any) -> None:
+        """Unmap a segment written for one request alone (a put's), once its array is copied out."""
+        if isinstance(name, str) and name in self.maps:
+            self._unmap(name)
+
     def sweep(self) -> int:
         """Unlink the segments of this session's prefix still named in /dev/shm: written by a controller that died
         (kill -9) before this actor mapped them, nobody else will (one was left behind for good; a probe). For a

@@ -167,7 +167,8 @@ def main() -> None:
     args = p.parse_args()
     for flag, least in (("width", 1), ("layers", 2), ("microbatches", 1), ("rows", 1), ("steps", 1), ("rounds", 1)):
         if getattr(args, flag) < least:  # (--layers 1 crashed in an IndexError, --steps 0 in a bare CalledProcessError)
-            p.error(f"--{flag} must be at least {least} (the 2-stage MLP needs a layer a stage), got {getattr(args, flag)}")
+            p.error(f"--{flag} must be at least {least}{' (the 2-stage MLP needs a layer a stage)' if flag == 'layers' else ''}, "
+                    f"got {getattr(args, flag)}")
     if args.jit_child:
         jit_child(args)
         return

@@ -143,11 +143,14 @@ def test_a_big_put_to_a_local_actor_goes_by_shared_memory_and_owns_its_copy(mesh
     is its own: the segment is written again by the next put, and each array keeps its values. Small puts, and
     a put on the controller's own loop, stay inline."""
     a = mesh2.actor(1)
-    before = _stats(mesh2, 1)["shm_inputs"]
+    before, maps = _stats(mesh2, 1)["shm_inputs"], _stats(mesh2, 1)["shm_input_maps"]
     big = [np.full((SHM_INPUT_MIN_BYTES // 4 * 3,), float(k), np.float32) for k in range(12)]  # more puts than segments
     xs = [a.put(v) for v in big]
     small = a.put(np.arange(4, dtype=np.int32))
     assert _stats(mesh2, 1)["shm_inputs"] - before == len(big)
+    # each put's segment is its own and gone once answered: none stays mapped there, none named in /dev/shm
+    assert _stats(mesh2, 1)["shm_input_maps"] == maps
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(input_stager(mesh2).prefix(1)[1:])]
     for x, v in zip(xs, big):
         np.testing.assert_array_equal(x.to_numpy(), v)
     np.testing.assert_array_equal(small.to_numpy(), np.arange(4, dtype=np.int32))

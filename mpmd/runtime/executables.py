@@ -46,10 +46,11 @@ class Executables:
         actor compiles it letting the inputs at `donate` share their buffers with outputs. With `in_layouts`
         (multi-device actors: one layout per input; `out_layouts` fixes some outputs', None lets XLA choose)
         it returns (key, the layouts of every output)."""
-        how = (blob, donate, in_layouts, out_layouts)
+        digest = hashlib.sha256(blob).hexdigest()
+        how = (digest, donate, in_layouts, out_layouts)  # (by digest: the blob itself was kept once per key, for good)
         known = self.compiled[actor].get(how)
         if known is None:
-            fields: dict[str, Any] = {"digest": hashlib.sha256(blob).hexdigest(), "donate": list(donate)}
+            fields: dict[str, Any] = {"digest": digest, "donate": list(donate)}
             if in_layouts is not None:
                 fields["in_layouts"] = [layout_wire(x) for x in in_layouts]
                 fields["out_layouts"] = [layout_wire(x) for x in (out_layouts or ())]
@@ -75,7 +76,10 @@ class Executables:
         key = (fn, treedef, avals, platform)
         hit = self._lowered.get(key)
         if hit is not None:
-            self._lowered.move_to_end(key)
+            try:
+                self._lowered.move_to_end(key)
+            except KeyError:  # (another thread evicted it meanwhile: it was lowered, and that is what counts)
+                pass
         else:
             out_tree_box: list[Any] = []
 

@@ -46,6 +46,7 @@ MIN_SEGMENTS = 3  # per actor whatever their size: the step running, the next on
 POOL_BYTES = 1 << 30  # per actor: beyond MIN_SEGMENTS, no new segment past this many bytes in all
 NO_ROOM_RETRY = 10.0  # seconds after /dev/shm had no room for a segment before another is tried (meanwhile inline)
 STAGE_WAIT = 60.0  # seconds a step call waits for a segment to be freed before its arguments go inline
+ONCE_IN_FLIGHT = 16  # one-shot segments (puts) per actor in flight before more go inline (an actor maps at most 64)
 ALIGN = 64  # each argument starts 64-byte aligned, as JAX likes host memory
 
 
@@ -85,6 +86,7 @@ class InputStager:
         self.waits = 0  # steps whose caller waited for a segment to be freed
         self.shm_failures = 0  # segments /dev/shm had no room for (their steps went inline)
         self._no_room_until: dict[int, float] = {}  # actor -> until when no new segment is tried (/dev/shm was full)
+        self._once: dict[int, int] = {}  # actor -> one-shot segments (puts) in flight
         weakref.finalize(self, _close_all, self._pools)
 
     @property
@@ -174,6 +176,38 @@ class InputStager:
                 self._freed.notify_all()
 
         return notices, release
+
+    def stage_once(self, actor: int, array: np.ndarray) -> tuple[dict[str, Any], Callable[[], None]] | None:
+        """A segment of its own for one array (a put): made, written, and its name and mapping gone once `done` is
+        called (the reply came); the actor unmaps it after copying the array out (``once``). Not a pooled segment:
+        a big put kept one of twice its size mapped on both sides for the mesh's life (a review). None (send it
+        inline): ONCE_IN_FLIGHT of the actor's are in flight already, or /dev/shm has no room for it."""
+        with self._lock:
+            if self._once.get(actor, 0) >= ONCE_IN_FLIGHT:
+                return None
+            self._once[actor] = self._once.get(actor, 0) + 1
+        name = f"{self.prefix(actor)}{next(self._names)}"
+        try:
+            mm = shm.create_segment(name, _aligned(max(array.nbytes, 1)))
+        except OSError:  # (no room: this put goes inline; the step arguments' pool is not marked full for it)
+            self._once_done(actor)
+            return None
+        np.copyto(np.frombuffer(mm, np.uint8, array.nbytes, 0), np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        seg = Segment(name, len(mm), mm)
+        notice = {"name": name, "offset": 0, "nbytes": int(array.nbytes), "dtype": dtype_name(array.dtype),
+                  "shape": list(array.shape), "once": True}
+        done_once = threading.Lock()
+
+        def done() -> None:
+            if done_once.acquire(blocking=False):  # (once: from the reply, or when the request is dropped unsent)
+                _close(seg)
+                self._once_done(actor)
+
+        return notice, done
+
+    def _once_done(self, actor: int) -> None:
+        with self._lock:
+            self._once[actor] -= 1
 
     def _acquire(self, actor: int, nbytes: int) -> Segment | None:
         with self._lock:

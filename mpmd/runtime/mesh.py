@@ -782,18 +782,20 @@ class RemoteMesh:
 
         stager = input_stager(self)
         shared = not self._io.on_loop_thread() and stager.wants(actor, wire.nbytes)  # (announcing a prefix waits on the loop)
-        staged = stager.stage(actor, [wire], [None]) if shared else None
+        staged = stager.stage_once(actor, wire) if shared else None
         if staged is None:
             return self._conns[actor].request("put", {"buf": buf, **fields}, [wire])
-        (notice,), release = staged
+        notice, done = staged
 
         async def put() -> Any:
             try:
                 return await self._conns[actor].request("put", {"buf": buf, **fields, "shm": notice})
             finally:
-                release()  # (answered, or failed: the segment is free for the next)
+                done()  # (answered, or failed: the segment goes)
 
-        return put()
+        coro = put()
+        weakref.finalize(coro, done)  # (a coroutine dropped unstarted — its await cancelled first — runs no finally)
+        return coro
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"session {self.session:x}"
