@@ -111,6 +111,8 @@ def main() -> None:
     p.add_argument("--only", default=None, help="comma-separated schedule names")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
     args = p.parse_args()
+    if not all(x.strip().isdigit() and int(x) >= 1 for x in args.actors.split(",")):
+        p.error(f"--actors takes actor counts separated by commas, e.g. 2,4, got {args.actors!r}")
     known = {name for n in (int(x) for x in args.actors.split(",")) for name, _ in schedules_for(n)}
     unknown = sorted(set(args.only.split(",")) - known) if args.only else []
     if unknown:  # (they were skipped in silence, and the run exited 0 having measured nothing)
