@@ -341,6 +341,8 @@ class Actor:
             finally:
                 if notice.get("once") is True:  # a segment of this put alone: unmapped now (the mapping goes with the view)
                     ses.inputs.forget(notice.get("name"))
+            # Again, now that the loop ran meanwhile: a guest's puts copying at once each passed the check above alone
+            self._within_guest_quota(ses, more_bytes=int(host.nbytes) - ses.buffers.size_of(buf))
         else:
             value = self._to_device(host, layout)
         ses.buffers.put(buf, value)
