@@ -207,7 +207,7 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, environ: 
             args.listen = _tcp(host, 0 if args.rendezvous else 5555)
         else:
             args.listen = "tcp://127.0.0.1:5555"
-    elif (args.slurm or args.rendezvous) and args.p2p_host is None and _host_of(args.listen) in ("*", "0.0.0.0", "::"):
+    elif (args.slurm or args.rendezvous) and args.p2p_host is None and _host_of(args.listen) in WILDCARDS:
         args.p2p_host = node_address(environ, toward)
     if args.actor_id is None:
         args.actor_id = 0
@@ -215,10 +215,13 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, environ: 
         parser.error(f"--actor-id must be >= 0, got {args.actor_id}")
 
 
+WILDCARDS = ("*", "0.0.0.0", "::", "[::]")  # bind hosts meaning every interface: others dial this node's address
+
+
 def advertised(endpoint: str, host: str | None) -> str:
     """`endpoint` as others dial it: a wildcard bind (0.0.0.0, *, ::) names this node's address instead."""
     bound = _host_of(endpoint)
-    if bound in ("*", "0.0.0.0", "::"):
+    if bound in WILDCARDS:
         return _tcp(host or node_address(), int(endpoint.rsplit(":", 1)[1]))
     return endpoint
 

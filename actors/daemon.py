@@ -384,7 +384,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     p2p = None
     if args.p2p != "none":
         host = args.p2p_host or (args.listen.split("://", 1)[1].rsplit(":", 1)[0] if args.listen.startswith("tcp://") else "127.0.0.1")
-        if host in ("*", "0.0.0.0", "::", "[::]"):  # every interface: peers on other nodes dial this node's own address
+        if host in cluster.WILDCARDS:  # every interface: peers on other nodes dial this node's own address
             host = _own_address(cluster.node_address())
         device = jax.devices()[0]
         from actors.buffers import release_host_memory

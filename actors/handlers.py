@@ -332,7 +332,10 @@ class Actor:
             raise RequestError(f"'put' carries {len(msg.arrays)} arrays, expected 1")
         else:
             host = msg.arrays[0]
-        self._within_guest_quota(ses, more_bytes=int(host.nbytes) - ses.buffers.size_of(buf))  # (a put replaces)
+        def within_quota() -> None:
+            self._within_guest_quota(ses, more_bytes=int(host.nbytes) - ses.buffers.size_of(buf))  # (a put replaces)
+
+        within_quota()
         layout = self._layout(msg.header.get("layout"))
         if notice is not None:  # copied (after the quota: a refused put copies nothing) in a worker thread: 1.2 GiB
             # took 14 s on a loaded machine, and the loop must answer heartbeats meanwhile (a probe)
@@ -341,8 +344,7 @@ class Actor:
             finally:
                 if notice.get("once") is True:  # a segment of this put alone: unmapped now (the mapping goes with the view)
                     ses.inputs.forget(notice.get("name"))
-            # Again, now that the loop ran meanwhile: a guest's puts copying at once each passed the check above alone
-            self._within_guest_quota(ses, more_bytes=int(host.nbytes) - ses.buffers.size_of(buf))
+            within_quota()  # again, now that the loop ran meanwhile: a guest's puts copying at once each passed alone
         else:
             value = self._to_device(host, layout)
         ses.buffers.put(buf, value)

@@ -156,14 +156,7 @@ class InputStager:
         if seg is None:
             self.fallbacks += 1
             return None
-        notices = []
-        for a, off, lay in zip(arrays, offsets, layouts):
-            dst = np.frombuffer(seg.mm, np.uint8, a.nbytes, off)
-            np.copyto(dst, np.ascontiguousarray(a).reshape(-1).view(np.uint8))
-            notice = {"name": seg.name, "offset": off, "nbytes": int(a.nbytes), "dtype": dtype_name(a.dtype), "shape": list(a.shape)}
-            if lay is not None:
-                notice["layout"] = lay
-            notices.append(notice)
+        notices = [_write(seg, a, off, lay) for a, off, lay in zip(arrays, offsets, layouts)]
         self.staged += len(arrays)
         with self._lock:
             retired = self._retired.pop(actor, [])
@@ -192,10 +185,8 @@ class InputStager:
         except OSError:  # (no room: this put goes inline; the step arguments' pool is not marked full for it)
             self._once_done(actor)
             return None
-        np.copyto(np.frombuffer(mm, np.uint8, array.nbytes, 0), np.ascontiguousarray(array).reshape(-1).view(np.uint8))
         seg = Segment(name, len(mm), mm)
-        notice = {"name": name, "offset": 0, "nbytes": int(array.nbytes), "dtype": dtype_name(array.dtype),
-                  "shape": list(array.shape), "once": True}
+        notice = {**_write(seg, array, 0), "once": True}
         done_once = threading.Lock()
 
         def done() -> None:
@@ -262,6 +253,16 @@ class InputStager:
         with self._lock:
             _close_all(self._pools)
             self._pools.clear()
+
+
+def _write(seg: Segment, array: np.ndarray, offset: int, layout: Any = None) -> dict[str, Any]:
+    """Copy `array` into `seg` at `offset`; the notice that tells the actor where it lies."""
+    np.copyto(np.frombuffer(seg.mm, np.uint8, array.nbytes, offset), np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+    notice = {"name": seg.name, "offset": offset, "nbytes": int(array.nbytes), "dtype": dtype_name(array.dtype),
+              "shape": list(array.shape)}
+    if layout is not None:
+        notice["layout"] = layout
+    return notice
 
 
 def _close(seg: Segment) -> None:
