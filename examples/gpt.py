@@ -198,6 +198,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--width {args.width} must be a multiple of --heads {args.heads} (each head gets width / heads features)")
     if args.quick:
         args.steps = min(args.steps, 120)
+    args.check_steps = min(args.check_steps, args.steps)  # (the checked steps are the first of the --steps trained)
     if args.stages is None:
         args.stages = 2 * args.actors if args.schedule in ("ZeroBubbleV", "DualPipeV", "InterleavedOneFOneB", "InterleavedZeroBubble") else args.actors
     batch_bytes = 2 * 4 * args.microbatches * args.rows * args.seq  # int32 tokens and targets of one step
@@ -249,10 +250,13 @@ def check_against_jit(args, graphdef, optimizer, schedule, mesh, step, params, o
     Compared: the step's loss, its gradients before the optimizer, and AdamW's moments after the update (running
     sums of the clipped gradients and of their squares). Not the parameters: AdamW divides the first moment by
     the root of the second, so a gradient that is pure rounding noise (the key bias's, see assert_close) moves
-    its parameter by about the learning rate with the noise's sign, which differs from jax.jit's."""
+    its parameter by about the learning rate with the noise's sign, which differs from jax.jit's.
+
+    These are training steps: returns the state after them and their losses, which count toward --steps."""
     grad_step = mpmd.distributed(make_grad_step(graphdef, schedule), mesh=mesh, in_shardings=shardings and (shardings[0], None))
     ref_grad_step = jax.jit(make_grad_step(graphdef, None))
     ref_step = jax.jit(make_step(graphdef, optimizer, None))
+    losses = []
     for i in range(args.check_steps):
         batch = next(stream)
         host_params, host_opt_state = mpmd.fetch((params, opt_state)) if i else (params, opt_state)
@@ -262,13 +266,14 @@ def check_against_jit(args, graphdef, optimizer, schedule, mesh, step, params, o
         assert_close(grads, ref_grads, f"step {i}'s gradients")
         params, opt_state, loss = step(params, opt_state, batch)
         _, ref_opt_state, ref_loss = ref_step(host_params, host_opt_state, batch)
-        assert_close(mpmd.fetch(loss), ref_loss, f"step {i}'s loss (the training step)")
+        losses.append(float(mpmd.fetch(loss)))
+        assert_close(losses[-1], ref_loss, f"step {i}'s loss (the training step)")
         got_opt_state = mpmd.fetch(opt_state)
         for moment in ("mu", "nu"):
             assert_close(optax.tree_utils.tree_get(got_opt_state, moment), optax.tree_utils.tree_get(ref_opt_state, moment),
                          f"AdamW's {moment} after step {i}")
     print(f"the first {args.check_steps} steps equal jax.jit's (losses, gradients, AdamW's moments)", flush=True)
-    return params, opt_state
+    return params, opt_state, losses
 
 
 def open_mesh(args: argparse.Namespace) -> mpmd.RemoteMesh:
@@ -307,12 +312,14 @@ def train(args: argparse.Namespace) -> dict[str, float]:
             stream = itertools.chain([sample], stream)
             step.compile(params, opt_state, sample)
             params, opt_state = mpmd.restore(args.resume, mesh, like=(params, opt_state), for_step=step)
-        elif args.check_steps:
-            params, opt_state = check_against_jit(args, graphdef, optimizer, schedule, mesh, step, params, opt_state, stream,
-                                                  shardings)
         losses: list[float] = []
+        if args.check_steps and not args.resume:  # (these are the first of the --steps steps)
+            params, opt_state, losses = check_against_jit(args, graphdef, optimizer, schedule, mesh, step, params, opt_state, stream,
+                                                          shardings)
+        checked = len(losses)
         t0 = time.perf_counter()
-        bar = tqdm(range(args.steps), desc=f"{args.schedule} on {args.actors} actors", file=sys.stdout, mininterval=0.5)
+        bar = tqdm(range(checked, args.steps), desc=f"{args.schedule} on {args.actors} actors", file=sys.stdout,
+                   mininterval=0.5, initial=checked, total=args.steps)
         pending = []
         for i in bar:
             params, opt_state, loss = step(params, opt_state, next(stream))
@@ -321,9 +328,11 @@ def train(args: argparse.Namespace) -> dict[str, float]:
                 for value in mpmd.fetch(pending):
                     losses.append(float(value))
                 pending = []
-                dt = (time.perf_counter() - t0) / len(losses)
+                dt = (time.perf_counter() - t0) / (len(losses) - checked)
                 bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", step_ms=f"{dt * 1e3:.1f}")
         bar.close()
+        counts = optax.tree_utils.tree_get_all_with_path(opt_state, "count")  # (AdamW's and its schedule's)
+        updates = max(int(mpmd.fetch(count)) for _, count in counts)
         if args.save:
             mpmd.save(args.save, (params, opt_state))
             print(f"saved the trained state to {args.save}")
@@ -343,7 +352,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
         pathlib.Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(args.plot, dpi=100)
         print(f"loss curve written to {args.plot}")
-    return {"first": first, "last": last, "losses": losses}
+    return {"first": first, "last": last, "losses": losses, "updates": updates}
 
 
 if __name__ == "__main__":

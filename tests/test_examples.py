@@ -25,6 +25,7 @@ def test_the_quick_gpt_run_matches_jit_first_and_then_learns(tmp_path):
     # and AdamW's moments (not the parameters: AdamW turns the rounding noise of a zero gradient into +-lr)
     result = gpt.train(gpt.parse(["--quick", "--steps", "60", "--plot", str(plot)]))
     assert result["last"] < result["first"] - 1.0, result  # bytes: from ~4.5 nats to well under 3.5
+    assert len(result["losses"]) == result["updates"] == 60  # the checked steps are the first of --steps (were 2 more)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 1000
 
 
