@@ -231,6 +231,12 @@ class Actor:
             raise RequestError(f"session {sid:x} is already open on actor {self.actor_id}; each controller picks a fresh id")
         own = sum(s.owner == peer for s in self.sessions.values())
         if own >= MAX_SESSIONS_PER_KEY:
+            if not self.ownership.authenticated:  # (every client is one identity here: the sessions may not be the caller's)
+                raise RequestError(
+                    f"actor {self.actor_id} already serves {own} sessions, its limit, and was started without keys, so every "
+                    "client that reaches its socket counts as one (other processes' sessions too): close a mesh, wait "
+                    "for idle sessions to expire (mpmd-actor --session-timeout), or start the daemons with "
+                    "--server-key and --authorized-keys so that each key gets its own sessions")
             raise RequestError(f"key {peer!r} already holds {own} sessions on actor {self.actor_id} (the limit per key); close "
                                "a mesh (mesh.close()) first")
         claims = self.ownership.authenticated and not self.ownership.fixed and self.ownership.owner is None
@@ -314,6 +320,7 @@ class Actor:
             self.stream.off_mesh()
         if self.profile_state.session == ses.id:
             profiler.stop_quietly(self)
+        self.transfers.session_timeouts.pop(ses.id, None)
         if self.p2p is not None:
             self.p2p.expire((ses.id,))
 
@@ -483,7 +490,7 @@ class Actor:
         if timeout is not None:
             if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < math.inf:
                 raise RequestError(f"'connect_peers' field 'timeout' must be a positive number of seconds, got {timeout!r}")
-            self.transfers.timeout = float(timeout)
+            self.transfers.session_timeouts[ses.id] = float(timeout)  # (its own steps' limit, not another job's)
         try:
             await self.p2p.connect(parsed)
         except (ValueError, KeyError) as e:

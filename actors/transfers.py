@@ -42,7 +42,8 @@ def _settle(fut: asyncio.Future[Any], task: asyncio.Future[Any]) -> None:
 class Transfers:
     """Starts Send and Recv instructions on one actor's data plane (`p2p`; None: the actor has none, and
     every transfer fails saying so). `cache` is read for the actor's device mesh, which sharded transfers
-    follow; `timeout` (seconds a receive waits for its peer) may be changed by the controller."""
+    follow; `timeout` is the seconds a receive waits for its peer, unless its session's controller set its own
+    (`session_timeouts`: one job's limit is not another's on the same daemons)."""
 
     def __init__(self, actor_id: int, device: Any, cache: ExecutableCache, p2p: P2PTransport | None, timeout: float) -> None:
         self.actor_id = actor_id
@@ -50,6 +51,11 @@ class Transfers:
         self.cache = cache
         self.p2p = p2p
         self.timeout = timeout
+        self.session_timeouts: dict[int, float] = {}  # session id -> the receive limit its controller asked for
+
+    def timeout_of(self, key: tuple) -> float:
+        """The seconds a receive keyed `key` (session first) waits for its peer."""
+        return self.session_timeouts.get(key[0], self.timeout) if key else self.timeout
 
     def start(self, step_key: StepKey, env: BufferTable, instrs: list[Instruction], sync: bool = False,
               trace: StepTrace | None = None, taken: dict[int, Any] | None = None) -> list[asyncio.Future[None]]:
@@ -132,7 +138,7 @@ class Transfers:
                 return
             exc = slot.exception()
             if exc is not None:
-                fail(self._recv_timed_out(peer, ins) if isinstance(exc, TimeoutError) else exc)
+                fail(self._recv_timed_out(peer, ins, key) if isinstance(exc, TimeoutError) else exc)
                 return
             got = slot.result()
             bad = self._recv_mismatch(peer, ins, want, tuple(ins.shape), got)
@@ -148,7 +154,7 @@ class Transfers:
 
         try:
             want = dtype_from_name(ins.dtype)
-            self.p2p.recv_then(peer, key, self.timeout, then)
+            self.p2p.recv_then(peer, key, self.timeout_of(key), then)
         except BaseException as e:
             fail(e)
         return done
@@ -205,17 +211,17 @@ class Transfers:
 
     async def _recv_one(self, peer: int, key: tuple, ins: Recv, want: np.dtype, shape: tuple[int, ...]) -> Any:
         try:
-            got = await self.p2p.recv(peer, key, self.timeout)
+            got = await self.p2p.recv(peer, key, self.timeout_of(key))
         except TimeoutError:
-            raise self._recv_timed_out(peer, ins) from None
+            raise self._recv_timed_out(peer, ins, key) from None
         bad = self._recv_mismatch(peer, ins, want, shape, got)
         if bad is not None:
             raise bad
         return got
 
-    def _recv_timed_out(self, peer: int, ins: Recv) -> TransferError:
+    def _recv_timed_out(self, peer: int, ins: Recv, key: tuple) -> TransferError:
         return TransferError(
-            f"actor {self.actor_id} waited {self.timeout:g} s for {ins.label} (tag {ins.tag}) from actor {peer} "
+            f"actor {self.actor_id} waited {self.timeout_of(key):g} s for {ins.label} (tag {ins.tag}) from actor {peer} "
             f"and nothing came; is actor {peer} stuck? (RemoteMesh(..., transfer_timeout=s) sets this limit)")
 
     def _recv_mismatch(self, peer: int, ins: Recv, want: np.dtype, shape: tuple[int, ...], got: Any) -> TransferError | None:

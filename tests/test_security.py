@@ -352,3 +352,19 @@ def test_the_custom_calls_of_typical_cpu_and_gpu_programs_are_allowed():
     finally:
         jax.config.update("jax_use_shardy_partitioner", True)
     assert targets and targets <= ALLOWED_CUSTOM_CALLS, targets
+
+
+def test_a_program_receiving_an_unknown_dtype_or_a_negative_shape_is_refused_when_loaded_not_when_run(mesh2):
+    """A raw client's recv of dtype "object" or shape [-5] was loaded and refused only by the step that ran it (a
+    probe); it is refused at load, naming the instruction, and the daemon serves on."""
+    from transport.program import ProgramError, decode_instruction
+
+    for dtype, shape in (("object", [4]), ("float32", [-5]), ("<f4", [2, 2])):
+        with pytest.raises(ProgramError, match="the dtype must be one of"):
+            decode_instruction(["recv", 0, 1, 2, dtype, shape, "xfer"])
+        wire = {"id": 900_100, "actor": 0, "inputs": [], "outputs": [0], "instrs": [["recv", 0, 1, 2, dtype, shape, "xfer"]]}
+        reply = raw_request(mesh2.addresses[0], {"op": "load_program", "id": 1, "session": mesh2.session, "program": wire},
+                            keys=mesh2.keys)
+        assert reply.op == "error" and "the dtype must be one of" in reply.header["message"], reply.header
+    assert decode_instruction(["recv", 0, 1, 2, "bfloat16", [0, 3], "xfer"]).shape == (0, 3)
+    assert mesh2.actor(0).ping() > 0

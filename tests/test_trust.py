@@ -107,6 +107,34 @@ def test_a_second_key_cannot_rewire_stop_or_crowd_out_the_job_of_the_key_that_ow
             assert again.actor(1).stats()["p2p"] is not None
 
 
+def test_a_second_controller_of_the_same_key_does_not_change_the_first_ones_receive_timeout(shared):
+    """Two jobs of one key on the same daemons (the README's one key for every job): the second's
+    `transfer_timeout` is its own. It was the daemon's one limit: a second controller connecting with 1 us made the
+    first one's next step fail, "waited 1e-06 s ... (RemoteMesh(..., transfer_timeout=s) sets this limit)" (a probe)."""
+    with mpmd.RemoteMesh.connect(shared.addresses, keys=shared.keys["alice"]) as alice:
+        step, args, want = _train(alice)
+        _check(step(*args), want)
+        with mpmd.RemoteMesh.connect(shared.addresses, keys=shared.keys["alice"], transfer_timeout=1e-6) as hasty:
+            for _ in range(3):
+                _check(step(*args), want)
+            assert hasty.actor(0).ping() > 0
+
+
+def test_a_daemon_without_keys_full_of_sessions_says_any_local_client_counts_and_how_to_give_each_key_its_own(tmp_path):
+    """Without keys every client is one identity: 16 sessions of a stranger's raw hellos refused the next user
+    with "key None already holds 16 sessions ... close a mesh first", though the user held none (a probe)."""
+    proc, address = start_daemon("--listen", f"ipc://{tmp_path}/a.sock", "--p2p", "none")
+    try:
+        for sid in range(1, 17):
+            assert raw_request(address, {"op": "hello", "id": sid, "session": sid}).op == "reply"
+        with pytest.raises(mpmd.MpmdError, match="started without keys") as e:
+            mpmd.RemoteMesh.connect([address], transport="none")
+        assert "--session-timeout" in str(e.value) and "--authorized-keys" in str(e.value)
+        assert raw_request(address, {"op": "ping", "id": 99}).op == "reply"
+    finally:
+        stop_daemon(proc)
+
+
 def test_keys_that_do_not_own_the_job_hold_buffers_and_programs_within_the_guest_quota(tmp_path):
     """An admitted key beside the job's could put or load programs without bound (a probe took a daemon from 0.8
     to 5 GB) and get the owner's daemon killed for lack of memory. Guests' sessions share --guest-memory-mb of
@@ -335,6 +363,25 @@ def test_a_kernel_call_whose_result_does_not_fit_its_operand_is_refused_at_compi
         spd = a @ a.T + 6 * np.eye(6, dtype=np.float32)
         got = mesh.actor(0).run(jax.jit(jax.numpy.linalg.cholesky), mesh.actor(0).put(spd)).to_numpy()
         np.testing.assert_allclose(got, np.asarray(jax.jit(jax.numpy.linalg.cholesky)(spd)), rtol=1e-5, atol=1e-5)
+
+
+def test_an_export_of_one_bare_array_runs_as_one_output_not_its_rows():
+    """A raw client's export of x -> 2x + 1 (one array, not a tuple) is an executable of one float32[4] output, as
+    exported; the daemon's order-token wrapper unpacked it into 4 float32[] outputs (a probe)."""
+    from jax import export
+
+    blob = bytes(export.export(jax.jit(lambda x: x * 2.0 + 1.0))(jax.ShapeDtypeStruct((4,), np.float32)).serialize())
+    with mpmd.RemoteMesh.local(num_actors=1) as mesh:
+        reply = _compile_raw(mesh, blob)
+        assert reply.op == "reply", reply.header
+        x = mesh.actor(0).put(np.arange(4, dtype=np.float32))
+        header = {"op": "run", "id": 2, "session": mesh.session, "exe": reply.header["exe"], "inputs": [x.buffers[0]],
+                  "outputs": [7001]}
+        ran = raw_request(mesh.addresses[0], header, keys=mesh.keys)
+        assert ran.op == "reply", ran.header
+        got = raw_request(mesh.addresses[0], {"op": "get", "id": 3, "session": mesh.session, "buf": 7001}, keys=mesh.keys)
+        assert got.op == "reply" and len(got.arrays) == 1, got.header
+        np.testing.assert_array_equal(got.arrays[0], np.array([1, 3, 5, 7], np.float32))
 
 
 # ---- 4. an abandoned compile is gone -------------------------------------------------------------------

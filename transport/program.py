@@ -30,6 +30,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from transport.protocol import ALLOWED_DTYPES
+
 TASK_KINDS = ("F", "B", "I", "W")
 _TASK_RE = re.compile(r"^(\d+)([FBIW])(\d+)$")
 
@@ -254,8 +256,11 @@ def decode_instruction(w: Any) -> Instruction:
             if len(w) not in (7, 8) or not isinstance(w[4], str):
                 raise ProgramError("recv needs [op, buf, from, tag, dtype, shape, label(, layout)]")
             layout = _layout(w[7]) if len(w) == 8 else None
-            return Recv(_int(w[1], "recv buf"), _int(w[2], "recv peer"), _int(w[3], "recv tag"), w[4], _ints(w[5], "recv shape"),
-                        _label(w[6]), layout)
+            shape = _ints(w[5], "recv shape")
+            if w[4] not in ALLOWED_DTYPES or any(d < 0 for d in shape):  # (refused at load, not when the step runs)
+                raise ProgramError(f"recv of dtype {w[4]!r:.40} and shape {list(shape)!r:.80}: the dtype must be one of "
+                                   f"{sorted(ALLOWED_DTYPES)} and every dimension at least 0")
+            return Recv(_int(w[1], "recv buf"), _int(w[2], "recv peer"), _int(w[3], "recv tag"), w[4], shape, _label(w[6]), layout)
         if op == "del":
             if len(w) != 3:
                 raise ProgramError("del needs [op, bufs, label]")
