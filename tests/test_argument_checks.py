@@ -178,6 +178,10 @@ def test_draw_takes_fmt_in_any_case_as_it_takes_the_paths_ending(tmp_path):
     assert (tmp_path / "a.svg").read_text() == (tmp_path / "b.svg").read_text() == (tmp_path / "c.SVG").read_text()
     with pytest.raises(ValueError, match=r"a timeline picture is 'png' or 'svg', got fmt='gif'"):
         r.draw(tmp_path / "d.svg", fmt="GIF")
+    pytest.importorskip("matplotlib")
+    for name in ("e.svg", "f.out", "g"):  # fmt="png" writes a PNG at exactly that path (it followed the ending: a probe)
+        r.draw(tmp_path / name, fmt="png")
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("runs", ["5", None, 2.0, True, 0])

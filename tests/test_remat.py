@@ -59,6 +59,7 @@ def test_bad_remat_is_refused_naming_the_schedule(bad):
 
 def test_remat_is_normalised_and_v_shapes_take_it():
     assert mpmd.OneFOneB(2, remat=[1, 0]).remat == (0, 1)
+    assert mpmd.OneFOneB(3, remat=np.array([2, 0])).remat == (0, 2)  # as balance= takes an array (refused: a probe)
     assert mpmd.ZeroBubbleV(2, remat=(3,)).remat == (3,)
     with pytest.raises(mpmd.ScheduleError, match="remat"):
         mpmd.DualPipeV(2, remat=(4,))

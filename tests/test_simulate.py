@@ -569,6 +569,19 @@ def test_monte_carlo_without_spread_equals_the_mean_model_and_with_spread_is_see
     assert a.step_time >= want.step_time - 1e-9 and a.p90 >= a.step_time and a.stdev > 0
 
 
+def test_monte_carlo_charges_stage_0s_whole_backward_to_its_w_as_the_mean_model_does():
+    """Stage 0 exports no input gradient: no I task, its W runs the whole backward and costs I + W. The Monte
+    Carlo replay used hand-made costs as given (27.0 for ZB-H1 where every other simulator gives 31.5; a probe)."""
+    from mpmd.schedules.montecarlo import simulate_monte_carlo
+
+    costs = Costs(F=1.0, B=2.0, I=5.0, W=0.5)
+    for schedule, m in ((mpmd.ZeroBubbleH1(2), 4), (mpmd.ZeroBubbleH1(3), 5)):
+        progs = programs_from_table(schedule, validate(schedule, m))
+        want = simulate_programs(progs, costs)
+        assert want.step_time == pytest.approx(simulate(schedule, m, costs).step_time)
+        assert simulate_monte_carlo(progs, costs, runs=3).step_time == pytest.approx(want.step_time)
+
+
 def test_monte_carlo_draws_around_the_fitted_means_not_the_samples_own():
     """The samples are Runs that did one task alone; the fit's means (over fused Runs too) may differ. The
     draws keep the samples' shape and take the fit's mean: samples all twice the fitted F give the fitted step."""
@@ -862,6 +875,12 @@ def test_segment_costs_refuse_nan():
     with pytest.raises(ValueError, match="SegmentCosts.F"):  # it made balance pick (1, 7) for equal segments
         SegmentCosts(F=(1, 1, 1, math.nan, 1, 1, 1, 1), B=(2,) * 8)
     assert Costs(F=np.float32(2), B=np.array([1, 2])).B == (1.0, 2.0)  # numpy numbers and arrays are numbers
+    # bandwidth and cores too, at once (they were refused later as Costs' own, and tune called every candidate's
+    # tracing failed, then said no candidate fit the batch: a probe)
+    for kw in ({"bandwidth": 0}, {"bandwidth": -1.0}, {"bandwidth": math.nan}, {"cores": 0}, {"cores": 1.5}):
+        with pytest.raises(ValueError, match=f"SegmentCosts.{next(iter(kw))}"):
+            SegmentCosts(F=(1, 1), B=(2, 2), **kw)
+    assert SegmentCosts(F=(1, 1), B=(2, 2), bandwidth=math.inf, cores=2).cores == 2
 
 
 def test_from_timings_refuses_keys_it_would_drop():
@@ -906,3 +925,13 @@ def test_cli_writes_the_format_its_flag_names_and_says_when_it_cannot_write(tmp_
     assert "cannot write" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([*args, "--costs", "routes=1"])
+
+
+def test_simulate_times_an_evaluation_table_of_forward_tasks_alone():
+    """A table of F tasks validates with forward_only=True and runs on the actors; simulate refused it ("tasks
+    missing from the schedule: 0B0 ...": a probe). Its step is the forward pipeline's (m + p - 1) F."""
+    evaluation = Custom(num_stages=2, order=(("0F0", "0F1", "0F2"), ("1F0", "1F1", "1F2")))
+    r = simulate(evaluation, 3, Costs(F=2.0), forward_only=True)
+    assert r.step_time == pytest.approx((3 + 2 - 1) * 2.0) and r.bubble == pytest.approx(1 / 4)
+    with pytest.raises(mpmd.ScheduleError, match="missing"):
+        simulate(evaluation, 3)

@@ -32,7 +32,7 @@ from typing import Any
 
 from mpmd.errors import ScheduleError
 from mpmd.schedules.builtin import BALANCE_MODES, Schedule, Task, backward, check_balance
-from mpmd.schedules.simulator import MAX_COST, Costs, is_cost, simulate
+from mpmd.schedules.simulator import MAX_COST, Costs, check_bandwidth_and_cores, is_cost, simulate
 
 __all__ = ["BALANCE_MODES", "SegmentCosts", "SegmentProfile", "best_grouping", "check_balance", "even_grouping", "group_costs",
            "groups", "ranked_groupings", "resolve_grouping", "stage_loads"]
@@ -96,6 +96,7 @@ class SegmentCosts:
                      "rows_exponent_below", "runtime_cpu"):
             if not is_cost(getattr(self, name)):
                 raise ValueError(f"SegmentCosts.{name} must be a finite number >= 0 (at most {MAX_COST:g}), got {getattr(self, name)!r:.80}")
+        check_bandwidth_and_cores("SegmentCosts", self.bandwidth, self.cores)
 
     @property
     def num_segments(self) -> int:
@@ -208,16 +209,13 @@ def group_costs(seg: SegmentCosts, grouping: Sequence[int]) -> Costs:
     has no I (no parameters before it) — gets no I task from the compiler, so its W costs what its B does,
     the input-gradient chain through its inner segments included."""
     gs = groups(grouping)
-    def total(v: tuple[float, ...], c: float) -> tuple[float, ...]:  # one Run's overhead per stage task, not per segment
-        return tuple(sum(max(v[k] - c, 0.0) for k in g) + min(c, max((v[k] for k in g), default=0.0)) for g in gs)
-
     c, d = seg.run_overhead, seg.split_overhead
-    i, w, b = total(seg.I, d), total(seg.W, d), total(seg.B, c)
+    i, w, b = _totals(seg.I, d, gs), _totals(seg.W, d, gs), _totals(seg.B, c, gs)
     if i and w:  # a stage that exports no input gradient has no I task: its W runs the whole backward
         none = [k for k, g in enumerate(gs) if k == 0 or seg.I[g[0]] == 0]
         i = tuple(0.0 if k in none else x for k, x in enumerate(i))
         w = tuple(b[k] if k in none else x for k, x in enumerate(w))
-    return Costs(F=total(seg.F, c), B=b, I=i, W=w,
+    return Costs(F=_totals(seg.F, c, gs), B=b, I=i, W=w,
                  activation_bytes=tuple(seg.activation_bytes[g[-1]] for g in gs), latency=seg.latency, bandwidth=seg.bandwidth,
                  gap=seg.gap, overhead=seg.overhead, other=seg.other, lead=seg.lead, tail=seg.tail, cores=seg.cores,
                  runtime_cpu=seg.runtime_cpu)
@@ -244,10 +242,16 @@ def remat_sets(schedule: Schedule, actors: set[int], forward: Sequence[float], m
     return sorted((t for t in subsets if t != every), key=lambda t: (sum(forward[s] for s in t), len(t))) + [every]
 
 
+def _totals(v: tuple[float, ...], c: float, gs: Sequence[Sequence[int]]) -> tuple[float, ...]:
+    """Per group of segments, the time of one task over them: each segment's `v` less the Run overhead `c`,
+    plus one overhead per stage task (at most its longest segment's time), not one per segment."""
+    return tuple(sum(max(v[k] - c, 0.0) for k in g) + min(c, max((v[k] for k in g), default=0.0)) for g in gs)
+
+
 def stage_loads(seg: SegmentCosts, grouping: Sequence[int]) -> tuple[float, ...]:
-    """Per stage, the compute of one microbatch (F + B over its segments)."""
-    c = seg.run_overhead
-    return tuple(sum(max(seg.F[k] - c, 0.0) + max(seg.B[k] - c, 0.0) for k in g) + 2 * c for g in groups(grouping))
+    """Per stage, the compute of one microbatch (F + B over its segments, as `group_costs` counts them)."""
+    gs = groups(grouping)
+    return tuple(f + b for f, b in zip(_totals(seg.F, seg.run_overhead, gs), _totals(seg.B, seg.run_overhead, gs)))
 
 
 def _compositions(n: int, k: int) -> list[tuple[int, ...]]:

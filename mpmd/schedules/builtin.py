@@ -205,6 +205,8 @@ def _options(schedule: Schedule) -> str:
 def check_remat(schedule: Schedule) -> None:
     """`remat` must be a tuple of distinct stage indices of the schedule; normalised to a sorted tuple."""
     r = schedule.remat
+    if getattr(r, "ndim", None) == 1 and hasattr(r, "tolist"):  # a numpy array of stage indices, as balance= takes
+        r = r.tolist()
     if isinstance(r, list):
         r = tuple(r)
     if not isinstance(r, tuple) or not all(map(is_count, r)):

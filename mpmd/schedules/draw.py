@@ -137,7 +137,7 @@ def _png(result: Timeline, path: str, title: str) -> None:
     ax.set_xlabel("time")
     ax.set_title(f"{title}  (step {result.step_time:.7g}, bubble {result.bubble:.3f})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")  # (what was asked, whatever the path ends in)
     plt.close(fig)
 
 

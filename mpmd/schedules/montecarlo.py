@@ -23,7 +23,7 @@ from typing import Any
 
 from mpmd.errors import PipelineError
 from mpmd.schedules.sharing import replay_programs_shared, runtime_loads
-from mpmd.schedules.validation import check_programs, is_count
+from mpmd.schedules.validation import check_programs, is_count, stages_without_input_grad
 from transport.program import Program, Recv, Run, Task
 from transport.protocol import dtype_from_name
 
@@ -97,6 +97,9 @@ def simulate_monte_carlo(programs: list[Program], costs: Any, runs: int = 100, s
     base times from `costs.routes` per (sender, receiver) where given. Deterministic for a given `seed`."""
     if not is_count(runs) or runs < 1:
         raise ValueError(f"simulate_monte_carlo: runs must be a positive int (how many replays), got {runs!r:.40}")
+    stages, num_stages = stages_without_input_grad(programs)  # (their W runs the whole backward: it costs I + W,
+    if stages:                                                # as in every other simulator)
+        costs = costs.without_input_grad(stages, num_stages)
     emp = getattr(costs, "empirical", None) or Empirical()
     tasks, hops, gaps = _centred(emp.task_samples(), costs), emp.hop_residuals(), emp.gaps
     rng = random.Random(seed)

@@ -27,7 +27,15 @@ from mpmd.errors import PipelineError, ScheduleError
 from mpmd.schedules.draw import draw_timeline, kind_of
 from mpmd.schedules.montecarlo import Empirical
 from mpmd.schedules.sharing import replay_programs_shared, replay_table_shared, runtime_loads
-from mpmd.schedules.validation import Schedule, check_programs, is_count, split_stages, task_inputs, validate
+from mpmd.schedules.validation import (
+    Schedule,
+    check_programs,
+    is_count,
+    split_stages,
+    stages_without_input_grad,
+    task_inputs,
+    validate,
+)
 from transport.program import TASK_KINDS, Delete, Label, Program, Recv, Run, Task
 from transport.protocol import dtype_from_name
 
@@ -44,6 +52,15 @@ def is_cost(x: object) -> bool:
         return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and 0 <= float(x) <= MAX_COST
     except OverflowError:  # an int past float's range
         return False
+
+
+def check_bandwidth_and_cores(owner: str, bandwidth: object, cores: object) -> None:
+    """A ValueError naming `owner`'s field unless `bandwidth` is a number > 0 (inf: free) and `cores` a positive int
+    or None."""
+    if cores is not None and (not is_count(cores) or cores < 1):
+        raise ValueError(f"{owner}.cores must be a positive int or None, got {cores!r:.80}")
+    if not (isinstance(bandwidth, numbers.Real) and not isinstance(bandwidth, bool) and bandwidth > 0):
+        raise ValueError(f"{owner}.bandwidth must be > 0 bytes per second (math.inf: free), got {bandwidth!r:.80}")
 
 
 def _plain(x: object) -> object:
@@ -135,10 +152,7 @@ class Costs:
                 raise ValueError(f"Costs.{name} must be a finite number >= 0 (at most {MAX_COST:g}), got {v!r:.80}")
             object.__setattr__(self, name, float(v))
         object.__setattr__(self, "bandwidth", _plain(self.bandwidth))
-        if self.cores is not None and (not is_count(self.cores) or self.cores < 1):
-            raise ValueError(f"Costs.cores must be a positive int or None, got {self.cores!r:.80}")
-        if not (isinstance(self.bandwidth, numbers.Real) and not isinstance(self.bandwidth, bool) and self.bandwidth > 0):
-            raise ValueError(f"Costs.bandwidth must be > 0 bytes per second (math.inf: free), got {self.bandwidth!r:.80}")
+        check_bandwidth_and_cores("Costs", self.bandwidth, self.cores)
         object.__setattr__(self, "routes", _checked_routes(self.routes))
         most = max(self.activation_bytes) if isinstance(self.activation_bytes, tuple) else self.activation_bytes
         try:
@@ -365,10 +379,12 @@ def _result(name: str, spans: list[list[Span]], rows: list[list[Task]], transfer
     return SimResult(step, bubbles, _peak_activations(rows), tuple(tuple(r) for r in spans), tuple(transfers), peak_bytes, name)
 
 
-def simulate(schedule: Schedule, num_microbatches: int, costs: Costs | None = None) -> SimResult:
+def simulate(schedule: Schedule, num_microbatches: int, costs: Costs | None = None, forward_only: bool = False) -> SimResult:
     """Validate `schedule` for `num_microbatches` (raising `ScheduleError` if it cannot run) and time it on
     `costs` (default: unit costs F=1, B=2, I=W=1, free transfers). The backward tasks of the schedule's `remat`
     stages also pay their stage's forward (`Costs.with_remat`), as the balancer and `mpmd.tune` count them.
+    `forward_only`: a loop that computes no gradients (evaluation), as `validate` takes it: a table of F tasks
+    alone will do.
 
         mpmd.simulate(mpmd.GPipe(num_stages=4), 8).bubble   # 3/11 = (p-1)/(m+p-1)
     """
@@ -377,7 +393,7 @@ def simulate(schedule: Schedule, num_microbatches: int, costs: Costs | None = No
     elif not isinstance(costs, Costs):
         raise ScheduleError(f"costs must be mpmd.Costs (e.g. mpmd.Costs(F=1, B=2) or Costs.from_timings({{...}})), got "
                             f"{type(costs).__name__}")
-    table = validate(schedule, num_microbatches)
+    table = validate(schedule, num_microbatches, forward_only=forward_only)
     try:
         costs.check_stages(schedule.num_stages)
     except ValueError as e:
@@ -433,11 +449,8 @@ def _part_spans(costs: Costs, label: Label, start: float, stretch: float = 1.0) 
 def without_input_grad(programs: Sequence[Program], costs: Costs) -> Costs:
     """`costs` with the stages the programs give W tasks but no I task (no input gradient to export: see
     `Costs.without_input_grad`) charging their whole backward to W."""
-    tasks = [t for prog in programs for ins in prog.instructions if isinstance(ins, Run) for t in ins.label.tasks]
-    if not tasks:
-        return costs
-    has_i = {t.stage for t in tasks if t.kind == "I"}
-    return costs.without_input_grad({t.stage for t in tasks if t.kind == "W"} - has_i, max(t.stage for t in tasks) + 1)
+    stages, num_stages = stages_without_input_grad(programs)
+    return costs.without_input_grad(stages, num_stages) if stages else costs
 
 
 def simulate_programs(programs: list[Program], costs: Costs | None = None, name: str = "programs") -> SimResult:

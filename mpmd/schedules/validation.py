@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numbers
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -74,6 +74,16 @@ def format_table(table: Table, mark: dict[int, int] | None = None, notes: dict[i
 def split_stages(table: Table) -> set[int]:
     """The stages whose backward the table splits into I and W."""
     return {t.stage for row in table for t in row if t.kind in ("I", "W")}
+
+
+def stages_without_input_grad(programs: Sequence[Program]) -> tuple[set[int], int]:
+    """The stages the compiled `programs` give W tasks but no I task (no input gradient to export: stage 0, or a
+    stage nothing before it has parameters), and the number of stages (0 when no Run has a task)."""
+    tasks = [t for prog in programs for ins in prog.instructions if isinstance(ins, Run) for t in ins.label.tasks]
+    if not tasks:
+        return set(), 0
+    has_i = {t.stage for t in tasks if t.kind == "I"}
+    return {t.stage for t in tasks if t.kind == "W"} - has_i, max(t.stage for t in tasks) + 1
 
 
 def task_inputs(t: Task, num_stages: int, split: set[int]) -> list[Task]:
