@@ -115,6 +115,17 @@ def _trace_body(fn: Lifted, treedef: Any, mb_specs: list[Any], out_tree: list[An
     except Exception as e:  # nnx raises ValueError or flax.errors.TraceContextError (a mutation), naming the level
         if "different trace level" not in str(e):
             raise
+        if "Rng" in str(e).split("different trace level")[0]:  # "Cannot mutate RngCount from a different trace level"
+            # Rngs state split off outside and merged inside the loss: a Dropout there advances a count that
+            # belongs to the outer trace (jax.lax.scan raises the same).
+            raise PipelineError(
+                "the function given to accumulate_grads advances a flax nnx Rngs stream (a Dropout, or rngs() "
+                "called) whose state was made outside it: nnx.merge(graphdef, params, rest) inside the loss with "
+                "`rest` (holding the RngCount) from an nnx.split outside, and nnx refuses to mutate it from the "
+                "microbatch function's own trace. Close over the Module and take its gradient with nnx "
+                "(`def mb(mb): return nnx.value_and_grad(loss)(model, mb)[::-1]`: nnx carries the count), or give "
+                "the Dropout its key per call from the microbatch (`self.drop(x, rngs=nnx.Rngs(dropout=key))`, say "
+                f"with `key = jax.random.fold_in(base, mb['index'])`). nnx said: {str(e).splitlines()[0]}") from e
         # A Module reached other than through a closure cell (a global, an attribute of self, a partial, a
         # closure more than 3 functions deep): nnx refuses graph nodes made outside the body's own trace.
         raise PipelineError(

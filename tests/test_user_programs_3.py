@@ -677,6 +677,37 @@ def test_an_nnx_module_reached_other_than_by_closure_is_refused_saying_how_to_pa
         _GLOBAL_NNX_MODEL = None
 
 
+def test_nnx_rngs_split_outside_and_advanced_inside_the_loss_is_refused_naming_the_rngs_not_a_global():
+    """nnx.split(model, nnx.Param, ...) outside and nnx.merge inside the loss, with a Dropout: nnx refuses to
+    advance the RngCount from the microbatch function's trace. The error blamed a Module reached through a global
+    and advised the split/merge the user had written (a probe)."""
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.dense, self.drop = nnx.Linear(4, 1, rngs=rngs), nnx.Dropout(0.2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.dense(self.drop(x))
+
+    graphdef, params, rest = nnx.split(Model(nnx.Rngs(0, dropout=1)), nnx.Param, ...)
+    batch = {"x": np.ones((2, 3, 4), np.float32), "y": np.ones((2, 3, 1), np.float32)}
+
+    def step(params, rest, batch):
+        def mb_grads(mb):
+            def loss(p):
+                return jnp.mean((nnx.merge(graphdef, p, rest)(mb["x"]) - mb["y"]) ** 2)
+
+            value, grads = jax.value_and_grad(loss)(params)
+            return grads, value
+
+        return mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.GPipe(1))
+
+    with pytest.raises(PipelineError, match=r"advances a flax nnx Rngs stream.*nnx.value_and_grad\(loss\)\(model, mb\)") as e:
+        jax.jit(step)(params, rest, batch)
+    assert "RngCount" in str(e.value) and "global" not in str(e.value)
+
+
 # ---- 4. what a step returns as it is, what put gives, inspecting a step with keywords (found by a probe) ----
 TABLE = np.arange(3, dtype=np.float32)
 
