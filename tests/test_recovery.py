@@ -264,6 +264,30 @@ def test_after_recovery_gave_up_every_later_steps_loss_says_so():
             assert err.value.actor_id == 1 and "mpmd.Recovery gave up" in str(err.value), (k, str(err.value))
 
 
+def test_an_array_put_only_on_a_lost_actor_fails_the_step_that_reads_it_saying_so_and_the_mesh_keeps_recovering():
+    """An input put by mesh.actor(0).put lives nowhere else: lost with actor 0, it cannot come back (the module
+    docstring). The step reading it raised a bare IndexError from the snapshot code, or the recovery failed
+    ("cannot replay step record 1") and the mesh stopped recovering for good: a later loss of actor 1 killed the
+    job (a probe). Now that step fails naming the lost actor, and the next loss is recovered."""
+    batches = _batches()
+    with mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(snapshot_every=100)) as mesh:
+        dist = mpmd.distributed(STEP, mesh=mesh)
+        p, o = _params(), OPT.init(_params())
+        p, o, losses = dist(p, o, batches[0])
+        losses.block_until_ready()
+        placed = {"x": mesh.actor(0).put(batches[1]["x"]), "y": batches[1]["y"]}
+        _sigkill(mesh, 0)
+        time.sleep(0.5)
+        with pytest.raises(mpmd.MpmdError, match=r"lived only on lost actor\(s\) \[0\]"):
+            mpmd.fetch(dist(p, o, placed))
+        assert mesh.recovery.gave_up is None and mesh.recoveries == 1
+        for k in range(2, 5):
+            if k == 3:
+                _sigkill(mesh, 1)
+            p, o, losses = dist(p, o, batches[k])
+        assert np.isfinite(mpmd.fetch(losses)).all() and mesh.recoveries == 2
+
+
 def test_a_call_async_cancelled_while_it_compiles_on_a_recovering_mesh_is_not_dispatched():
     """On a recovering mesh `call_async` runs `Recovery.call` in a worker thread; cancelled while the first
     call compiled, that thread went on to dispatch and log the step anyway (a plain mesh's cancelled call

@@ -89,7 +89,8 @@ class RemoteArray:
 
     def _check_usable(self) -> None:
         if not self.buffers:
-            raise MpmdError(f"{self!r} was deleted; its data is gone")
+            recovery = getattr(self.mesh, "recovery", None)
+            raise MpmdError((recovery.why_gone(self) if recovery is not None else None) or f"{self!r} was deleted; its data is gone")
         if self.mesh.closed:
             raise MpmdError(f"{self!r} belongs to {self.mesh!r}, which is closed; its data is gone")
         self._raise_step_error()

@@ -29,7 +29,9 @@ The design, simplest correct first:
   fetched in the background when a logged call first reads them), and any array that lived only on surviving
   actors. An array that lived on the lost actor
   and was neither (e.g. put there by `mesh.actor(i).put` and never passed to a step since the snapshot) is
-  gone: reading it raises `RemoteError` ("holds no buffer").
+  gone: reading it, or passing it to a step, raises `MpmdError` ("holds no buffer"). A logged step that reads
+  such an array is not replayed, nor are the steps that read what it made: each fails, saying so, and the
+  recovery goes on with the rest (it is not given up).
 * **Bounds.** A replacement that does not come up within `spawn_timeout`, more than `max_failures` lost actors
   in all, or a failure of the recovery itself ends it: the step raises the `ActorDiedError` it would have
   raised without recovery (naming the actor), and the mesh stops recovering.
@@ -110,6 +112,7 @@ class StepRecord:
     sent: list[Any] = field(default_factory=list)  # its run_program futures (loop side)
     generation: int = 0
     replayed: bool = False
+    unreplayable: str | None = None  # why the last recovery could not replay it (an input gone with a lost actor)
     load_step: int | None = None  # the step number its actor-loaded leaves were loaded for (a replay loads them again)
 
 
@@ -158,6 +161,7 @@ class RecoveryManager:
         self._dists: weakref.WeakSet[Any] = weakref.WeakSet()  # every step logged: reloaded on a replacement
         self._kept: dict[int, tuple[np.ndarray, Any, Any]] = {}  # value id -> (host value, spec, dtype) of live arrays
         self._externals: list[Snapshot] = []  # inputs of logged calls the log had not seen (put, restored), fetched
+        self._lost: dict[int, list[int]] = {}  # value id -> the lost actors that held its only buffers (no copy left)
         self.last_report: dict[str, Any] = {}
         self.calls, self.call_seconds, self._last_dispatch = 0, 0.0, 0.0  # the bookkeeping's own cost (benchmarks)  # the last recovery's timings (benchmarks/recovery.py)
 
@@ -216,6 +220,8 @@ class RecoveryManager:
         remote, unseen = {}, set()
         for x in leaves:
             if isinstance(x, RemoteArray):
+                if not x.buffers:
+                    self._refuse_gone(x, dist)
                 if not x._vid:  # made outside the log: mesh.put, mpmd.restore, ...
                     unseen.add(id(x))
                 vid = self._vid(x)
@@ -242,6 +248,21 @@ class RecoveryManager:
             self.log.append(rec)
             self._since_snapshot = 0 if snap is not None else self._since_snapshot + 1
         return out
+
+    def why_gone(self, x: RemoteArray) -> str | None:
+        """Why `x`, which holds no buffer, has none, when a recovery could not put it back; else None."""
+        actors = self._lost.get(x._vid) if x._vid else None
+        if not actors:
+            return None
+        return (f"{x!r} holds no buffer: it lived only on lost actor(s) {actors} and was neither in the recovery's snapshot "
+                "nor made by a step since (put there by mesh.actor(i).put, say). Pass its value again from the host")
+
+    def _refuse_gone(self, x: RemoteArray, dist: Any) -> None:
+        """Raise for an argument `x` with no buffer left: lost with an actor (see the module docstring), or deleted."""
+        why = self.why_gone(x)
+        if why:
+            raise MpmdError(f"an argument of {getattr(dist, '__name__', 'the step')}: {why}")
+        self.mesh.check_owned(x, f"an argument of {getattr(dist, '__name__', 'the step')}")  # (raises: deleted or donated)
 
     def _start_snapshot(self, index: int, arrays: dict[int, RemoteArray]) -> Snapshot:
         """Fetch `arrays` (the inputs of log entry `index`) to host memory in the background."""
@@ -347,7 +368,9 @@ class RecoveryManager:
             except Exception:
                 self._say_gave_up(e)
                 return False
-            return rec.replayed  # every logged step dispatched before the recovery is replayed by it
+            if not rec.replayed and rec.unreplayable and hasattr(e, "add_line"):
+                e.add_line(f"(the mesh recovered, but could not run this step again: {rec.unreplayable})")
+            return rec.replayed  # every logged step dispatched before the recovery is replayed by it, unless it cannot be
 
         return on_failure
 
@@ -624,11 +647,13 @@ class RecoveryManager:
             fresh.buffers = {}
         for (vid, (_, (_, _, _, ref))), fresh in zip(external.items(), arrays[len(restore) + len(back):]):
             values[vid] = self._rebind(ref(), fresh, vid)
+        self._lost.update({vid: sorted(gone) for vid, (x, gone) in stripped.items() if not x.buffers})
         report["restore"] = time.monotonic() - t
         t = time.monotonic()
-        dones = []
+        dones, replayed = [], []
+        unavailable: dict[int, str] = {}  # value id -> why no replay makes it (its step could not run again)
         for rec in records:
-            leaves = []
+            leaves, why = [], None
             for leaf in rec.leaves:
                 if leaf[0] == "host":
                     leaves.append(leaf[1])
@@ -636,10 +661,19 @@ class RecoveryManager:
                 _, vid, ref = leaf
                 x = values.get(vid)
                 x = ref() if x is None else x
-                if x is None or not x.buffers:
-                    raise MpmdError(f"cannot replay step record {rec.index}: one of its inputs lived on a lost actor and is "
-                                    "neither in the snapshot nor made by a step since")
+                why = unavailable.get(vid)
+                if why is None and (x is None or not x.buffers):
+                    why = (f"one of its inputs lived only on lost actor(s) {self._lost.get(vid, sorted(replaced))} and is neither in "
+                           "the snapshot nor made by a step since (put there by mesh.actor(i).put, say); pass it again")
+                if why is not None:
+                    break
                 leaves.append(x)
+            if why is not None:  # this step fails (its own error says why); the others are replayed, the mesh recovers
+                rec.unreplayable = why
+                unavailable.update({vid: f"it reads what step record {rec.index} made, which could not run again ({why})"
+                                    for _, vid, _ in rec.outs})
+                continue
+            replayed.append(rec)
             # (no wait for room: the failed steps counted in flight end only once this replay has rebound them)
             out = rec.dist._call(jax.tree.unflatten(rec.treedef, leaves), None, rec.sent, load_step=rec.load_step, room=False)
             dones.append(rec.dist._last[1])
@@ -650,10 +684,12 @@ class RecoveryManager:
                 values[vid] = self._rebind(ref(), out_leaves[j], vid)
         for d in dones:
             d.result()  # an ActorDiedError here: recover again
-        for rec in records:
+        for rec in replayed:
             rec.replayed = True
         report["replay"] = time.monotonic() - t
-        return len(records)
+        if len(replayed) < len(records):
+            report["steps that could not run again"] = len(records) - len(replayed)
+        return len(replayed)
 
     def _rebind(self, user: RemoteArray | None, fresh: RemoteArray, vid: int) -> RemoteArray:
         """Point the user's array (if it still lives) at `fresh`'s buffers; returns the array that now holds them."""
