@@ -388,6 +388,19 @@ async def test_a_blocking_call_inside_a_running_loop_works_and_a_long_one_names_
     np.testing.assert_array_equal(await mpmd.fetch_async(x), x.to_numpy())
 
 
+async def test_starting_local_daemons_inside_a_running_loop_is_logged_naming_the_twin(caplog, monkeypatch):
+    """RemoteMesh.local held the caller's loop 1.2-1.6 s starting its daemons and logged nothing: only requests
+    on the controller's loop were timed (a probe)."""
+    from mpmd.runtime import controller
+
+    monkeypatch.setattr(controller, "_stall_logged", False)
+    with caplog.at_level(logging.WARNING, logger="mpmd"):
+        with mpmd.RemoteMesh.local(num_actors=1, transport="none") as mesh:
+            assert mesh.actor(0).ping() > 0
+    said = [r.getMessage() for r in caplog.records if "held this thread's running event loop" in r.getMessage()]
+    assert said and said[0].startswith("RemoteMesh.local held") and "RemoteMesh.local_async" in said[0], caplog.text
+
+
 async def test_a_remote_transfer_error_is_raised_by_the_await_naming_the_actors_and_the_step():
     """Actor 0 gives up waiting for a gradient from the slow stage 1 (transfer_timeout 0.3 s): the await raises
     the actor's error, naming the actor that waited, the step, and the actor whose value never came. (On a loaded

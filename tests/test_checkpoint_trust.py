@@ -171,6 +171,23 @@ def test_an_interrupted_saves_temporary_directory_is_removed_by_the_next_save(me
     np.testing.assert_array_equal(mpmd.load(str(path))["a"], np.full(3, 2.0))
 
 
+def test_a_number_handed_to_an_abandoned_save_is_not_handed_out_again(mesh2, tmp_path):
+    """A save the controller abandoned (its actor stopped by SIGSTOP, the save failed, the .tmp removed) may still
+    be written by that actor once it is resumed: the next save took the same number and failed, "Destination
+    .../ckpt-2.tmp/actor-1 already exists" (a probe). Numbers are never reused within a process."""
+    from mpmd.runtime import checkpoint
+
+    path = tmp_path / "ckpt"
+    mpmd.save(str(path), {"a": mesh2.actor(0).put(np.ones(3, np.float32))})
+    name, tmp = checkpoint._start(str(path))  # a save that starts, and is abandoned: its .tmp goes
+    assert name == "ckpt-2"
+    checkpoint._done_saving(tmp)
+    shutil.rmtree(tmp)
+    committed = mpmd.save(str(path), {"a": mesh2.actor(1).put(np.full(3, 2.0, np.float32))})
+    assert os.path.basename(committed) == "ckpt-3"
+    np.testing.assert_array_equal(mpmd.load(str(path))["a"], np.full(3, 2.0))
+
+
 FORGED = {  # each with the manifest's digest recomputed: the manifest's own checks refuse it before any file is read
     "negative_actor": lambda d: _leaf(d, "['w']").update(saved_actors=[-1]),
     "no_actor": lambda d: _leaf(d, "['w']").update(saved_actors=[]),

@@ -55,12 +55,13 @@ from mpmd.runtime.checkpoint_format import (
     read_manifest,
 )
 from mpmd.runtime.checkpoint_placement import Target, dtype_matches, like_shape_dtype, targets
+from mpmd.runtime.controller import blocking
 from mpmd.runtime.sharding import layout_to_spec, layout_wire, remote_sharding
 from mpmd.static_leaves import hide, reveal
 from transport.checkpoint_parts import CheckpointProblem, read_part, write_part
 
-_SAVING: dict[str, int] = {}  # the .tmp directories of saves of this process still being written -> their flock'd fd
-_SAVING_LOCK = threading.Lock()
+_TMP_FDS: dict[str, int] = {}  # the .tmp directories of saves of this process still being written -> their flock'd fd
+_TMP_LOCK = threading.Lock()  # (and `_HANDED_OUT`)
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,8 @@ class SaveHandle:
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> str:
-        return self._future.result(timeout)
+        with blocking("a save's wait()"):
+            return self._future.result(timeout)
 
 
 @contextlib.contextmanager
@@ -140,12 +142,15 @@ def _being_written(tmp: str) -> bool:
     return False
 
 
+_HANDED_OUT: dict[str, int] = {}  # checkpoint directory -> the highest number `_start` gave a save there
+
+
 def _start(path: str) -> tuple[str, str]:
     """Pick the next checkpoint's name and make its .tmp directory (held until the save ends), first removing
     the .tmp directories that saves killed earlier left behind (not those of saves still being written, in
     this process or another)."""
     os.makedirs(path, exist_ok=True)
-    with _SAVING_LOCK, _path_lock(path):
+    with _TMP_LOCK, _path_lock(path):
         numbers = []
         for d in os.listdir(path):
             n = checkpoint_number(d)
@@ -153,20 +158,25 @@ def _start(path: str) -> tuple[str, str]:
                 continue
             numbers.append(n)
             full = os.path.abspath(os.path.join(path, d))
-            if d.endswith(".tmp") and full not in _SAVING and not _being_written(full):
+            if d.endswith(".tmp") and full not in _TMP_FDS and not _being_written(full):
                 shutil.rmtree(full, ignore_errors=True)
-        name = f"ckpt-{1 + max(numbers, default=0)}"
+        # Never a number this process handed out before, even one whose .tmp is gone: a save abandoned by this
+        # controller may still be written by an actor that was stopped (SIGSTOP) and resumed, into that name.
+        key = os.path.abspath(path)
+        number = 1 + max(max(numbers, default=0), _HANDED_OUT.get(key, 0))
+        _HANDED_OUT[key] = number
+        name = f"ckpt-{number}"
         tmp = os.path.abspath(os.path.join(path, name + ".tmp"))
         os.makedirs(tmp)
         fd = os.open(tmp, os.O_RDONLY)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        _SAVING[tmp] = fd
+        _TMP_FDS[tmp] = fd
     return name, tmp
 
 
 def _done_saving(tmp: str) -> None:
-    with _SAVING_LOCK:
-        fd = _SAVING.pop(tmp, None)
+    with _TMP_LOCK:
+        fd = _TMP_FDS.pop(tmp, None)
     if fd is not None:
         os.close(fd)
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -48,6 +49,16 @@ def note_blocking(seconds: float, what: str = "a blocking mpmd call") -> None:
     log.warning("%s held this thread's running event loop for %.2f s; from a coroutine, await its twin instead "
                 "(step.call_async, mpmd.fetch_async, mpmd.ready_async, actor.put_async / run_async, mpmd.save_async, "
                 "RemoteMesh.local_async, ...) so the loop keeps running", what, seconds)
+
+
+@contextlib.contextmanager
+def blocking(what: str) -> Iterator[None]:
+    """`note_blocking` for the time the block takes (starting daemons, waiting for a save: no loop round trip)."""
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        note_blocking(time.perf_counter() - t, what)
 
 
 def close_unstarted(coro: Any) -> None:

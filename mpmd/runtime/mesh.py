@@ -48,7 +48,7 @@ from mpmd.runtime.actor_handle import ActorHandle
 from mpmd.runtime.aio import off_loop
 from mpmd.runtime.array import RemoteArray, fetch
 from mpmd.runtime.buffers import BufferClient, gather
-from mpmd.runtime.controller import CLOSED_MEANWHILE, ActorConnection, EventLoopThread, Watchdog, close_unstarted
+from mpmd.runtime.controller import CLOSED_MEANWHILE, ActorConnection, EventLoopThread, Watchdog, blocking, close_unstarted
 from mpmd.runtime.executables import Executables
 from mpmd.runtime.inputs import close_stager
 from mpmd.runtime.launch.local import LocalOptions, LocalProcess, check_devices, start_local
@@ -248,7 +248,8 @@ class RemoteMesh:
         options = LocalOptions(devices_per_actor, platform, transport != "none", cache_dir, address, log_level, cpus_per_actor,
                                startup_timeout, gpu_ids=tuple(gpu_ids) if gpu_ids is not None else None,
                                loaders=tuple(check_loader_name(fn) for fn in loaders), request_timeout=request_timeout)
-        local = start_local(num_actors, options)  # with ephemeral keys: authenticated with no user action
+        with blocking("RemoteMesh.local"):  # (the daemons start without the loop's help: it is only waited on)
+            local = start_local(num_actors, options)  # with ephemeral keys: authenticated with no user action
         try:
             mesh = cls(local.endpoints, local.processes, transport=transport, keys=local.keys, **kwargs)
         except BaseException:
@@ -310,11 +311,13 @@ class RemoteMesh:
 
         _check_mesh_arguments(kwargs, devices_per_actor)
 
-        return ray_launcher.connect(cls, num_actors, devices_per_actor, resources_per_actor, placement_strategy, platform=platform,
-                                    cpus_per_actor=cpus_per_actor, host=host, placement_timeout=placement_timeout,
-                                    startup_timeout=startup_timeout, log_level=log_level, cache_dir=cache_dir,
-                                    runtime_env=runtime_env,
-                                    daemon_flags=[f for fn in loaders for f in ("--allow-loader", check_loader_name(fn))], **kwargs)
+        with blocking("RemoteMesh.ray"):
+            return ray_launcher.connect(cls, num_actors, devices_per_actor, resources_per_actor, placement_strategy, platform=platform,
+                                        cpus_per_actor=cpus_per_actor, host=host, placement_timeout=placement_timeout,
+                                        startup_timeout=startup_timeout, log_level=log_level, cache_dir=cache_dir,
+                                        runtime_env=runtime_env,
+                                        daemon_flags=[f for fn in loaders for f in ("--allow-loader", check_loader_name(fn))],
+                                        **kwargs)
 
     @classmethod
     def from_rendezvous(cls, where: str | Any, num_actors: int, *, timeout: float = 300.0, keys: Any = None,
@@ -336,8 +339,9 @@ class RemoteMesh:
         `RemoteMesh`. See mpmd/runtime/launch/rendezvous.py."""
         from mpmd.runtime.launch import rendezvous
 
-        return rendezvous.connect(cls, where, num_actors, timeout=timeout, keys=keys, platform=platform,
-                                  shutdown_on_close=shutdown_on_close, **kwargs)
+        with blocking("RemoteMesh.from_rendezvous"):
+            return rendezvous.connect(cls, where, num_actors, timeout=timeout, keys=keys, platform=platform,
+                                      shutdown_on_close=shutdown_on_close, **kwargs)
 
     # ---- awaitable twins (see mpmd.runtime.aio): the daemons start and stop in a worker thread ------------------
     @classmethod
