@@ -229,6 +229,34 @@ def test_a_failing_stage_aborts_the_step_on_every_actor_and_the_mesh_stays_usabl
     assert np.isfinite(dist(p, o, batch)[2].to_numpy()).all()
 
 
+def test_segments_a_sender_closes_past_its_pool_limit_are_unmapped_by_the_receiver_too(monkeypatch):
+    """Past its pool's limit a sender closes a released segment; the receiver kept its mapping for the rest of the
+    session: 20 more segments and 80 MiB mapped per 60 transfers alternating three sizes (a probe). It now unmaps
+    the segments their sender marked closed, so its mappings stay as few as the sender's pool."""
+    import gc
+    import os
+
+    from transport.p2p import shm
+
+    monkeypatch.setattr(shm, "POOL_LIMIT", 4 << 20)  # (a quarter of /dev/shm otherwise: GiBs)
+    sender, receiver = shm.ShmSender(f"/mpmd-test{os.getpid()}-closed-"), shm.ShmReceiver()
+    try:
+        for i in range(60):
+            n = (1 << 20, 2 << 20, 3 << 20)[i % 3]  # three size classes, 7 MiB together: past the limit
+            seg = sender.acquire(n)
+            sender.write(seg, np.full(n, i % 251, np.uint8))
+            view = receiver.view(0, seg.id, seg.name, seg.mapped, np.dtype(np.uint8), [n], n)
+            assert view[0] == view[-1] == i % 251
+            del view
+            gc.collect()
+            sender.reclaim()
+        assert sender.created >= 20  # (the pool cannot keep all three sizes: segments are closed and made anew)
+        assert len(receiver.maps) <= 4, len(receiver.maps)
+    finally:
+        sender.close()
+        receiver.close()
+
+
 def test_a_segment_comes_back_through_its_control_page_only_once_the_receivers_view_is_gone():
     """transport/p2p/shm.py in one process: the receiver's last view going marks that use of the segment
     released in the segment's control page, and only then does the sender reclaim it (no message); a release

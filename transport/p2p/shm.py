@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 _warn = RateLimitedLog(log)
 
 MIN_SEGMENT = 1 << 16
-CONTROL = 4096  # bytes after a segment's payload: [use count (sender), released use count (receiver)], uint64 each
+CONTROL = 4096  # bytes after a segment's payload: [use count (sender), released use count (receiver), closed], uint64 each
 
 
 def _pool_limit() -> int:
@@ -79,8 +79,8 @@ class Segment:
         return self.size + CONTROL
 
     def control(self) -> memoryview:
-        """[uses, released] as a view of two native uint64 words."""
-        return memoryview(self.mm)[self.size : self.size + 16].cast("Q")
+        """[uses, released, closed] as a view of three native uint64 words."""
+        return memoryview(self.mm)[self.size : self.size + 24].cast("Q")
 
 
 _FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # map the pages now: a first write would fault on each
@@ -194,7 +194,13 @@ class ShmSender:
         if self.free_bytes + self.busy_bytes + seg.size <= POOL_LIMIT:
             self.free.setdefault(seg.size, []).append(seg)
             self.free_bytes += seg.size
-        else:
+        else:  # past the pool's limit: never sent again, and its receiver may unmap it (`ShmReceiver.open`)
+            try:
+                words = seg.control()
+                words[2] = 1
+                words.release()
+            except ValueError:
+                pass
             _close(seg)
 
     def give_back(self, seg_id: int) -> None:
@@ -246,6 +252,7 @@ class ShmReceiver:
         if mm is None:
             if not name.startswith("/mpmd-") or "/" in name[1:]:
                 raise ValueError(f"shared-memory name {name!r} is not one of ours")
+            self._unmap_closed(src)  # (a new segment: the sender may have closed older ones, past its pool's limit)
             fd = _posixshmem.shm_open(name, os.O_RDWR, 0o600)
             try:
                 st = os.fstat(fd)
@@ -261,6 +268,22 @@ class ShmReceiver:
         elif len(mm) < size:
             raise ValueError(f"shared-memory segment {seg_id} from actor {src} is {len(mm)} bytes, {size} announced")
         return mm
+
+    def _unmap_closed(self, src: int) -> None:
+        """Drop the mappings of `src`'s segments that it marked closed (it never sends them again): their memory
+        stayed mapped here for the rest of the session, 80 MiB per 60 transfers of three sizes past the pool's
+        limit (a probe)."""
+        for key in [k for k in self.maps if k[0] == src]:
+            mm = self.maps[key]
+            try:
+                words = memoryview(mm)[len(mm) - CONTROL : len(mm) - CONTROL + 24].cast("Q")
+                closed = words[2] == 1
+                words.release()
+                if closed:
+                    mm.close()  # (its views are gone: the sender closes a segment only once it is released)
+                    del self.maps[key]
+            except (ValueError, BufferError):  # closed meanwhile, or a view still alive: it goes with the view
+                pass
 
     def view(self, src: int, seg_id: int, name: str, size: int, dtype: np.dtype, shape: list[int], nbytes: int,
              on_release: Callable[[], None] | None = None) -> np.ndarray:
