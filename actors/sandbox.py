@@ -340,7 +340,10 @@ def build_executable(exp: Any, donate: tuple[int, ...], in_layouts: list | None,
     from actors.stream import TOKEN_AVAL
     from actors.stream import ordered as with_token
 
-    fn, avals = exp.call, list(exp.in_avals)
+    def fn(*args: Any) -> tuple:  # its outputs as a flat tuple, whatever tree the export returns (one bare array:
+        return tuple(jax.tree.leaves(exp.call(*args)))  # one output, not its rows; the cache counts them so too)
+
+    avals = list(exp.in_avals)
     kwargs: dict[str, Any] = {}
     if mesh is not None:  # on a device mesh every input has a layout (replicated unless said otherwise)
         shard = lambda w: spmd.sharding_of(mesh, spmd.spec_from_wire(w), device)  # noqa: E731

@@ -35,8 +35,7 @@ def ordered(fn: Callable[..., Sequence[Any]]) -> Callable[..., tuple]:
     the order they were dispatched (the token of a call is ready only when the whole call is done)."""
 
     def with_token(token: Any, *args: Any) -> tuple:
-        outs = fn(*args)  # (an export of a function returning one bare array: one output, not its rows)
-        return (token + jnp.ones((), token.dtype), *(outs if isinstance(outs, (tuple, list)) else (outs,)))
+        return (token + jnp.ones((), token.dtype), *fn(*args))
 
     return with_token
 

@@ -123,7 +123,7 @@ class Transfers:
     def _recv_soon(self, env: BufferTable, ins: Recv, key: tuple, trace: StepTrace | None = None) -> asyncio.Future[None]:
         """A Recv as a future: its array goes into `env` in the callback that receives it (see `_recv`)."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        peer = ins.from_actor
+        peer, limit = ins.from_actor, self.timeout_of(key)
         t0 = now() if trace else 0
 
         def fail(e: BaseException) -> None:
@@ -138,7 +138,7 @@ class Transfers:
                 return
             exc = slot.exception()
             if exc is not None:
-                fail(self._recv_timed_out(peer, ins, key) if isinstance(exc, TimeoutError) else exc)
+                fail(self._recv_timed_out(peer, ins, limit) if isinstance(exc, TimeoutError) else exc)
                 return
             got = slot.result()
             bad = self._recv_mismatch(peer, ins, want, tuple(ins.shape), got)
@@ -154,7 +154,7 @@ class Transfers:
 
         try:
             want = dtype_from_name(ins.dtype)
-            self.p2p.recv_then(peer, key, self.timeout_of(key), then)
+            self.p2p.recv_then(peer, key, limit, then)
         except BaseException as e:
             fail(e)
         return done
@@ -211,17 +211,17 @@ class Transfers:
 
     async def _recv_one(self, peer: int, key: tuple, ins: Recv, want: np.dtype, shape: tuple[int, ...]) -> Any:
         try:
-            got = await self.p2p.recv(peer, key, self.timeout_of(key))
+            got = await self.p2p.recv(peer, key, limit := self.timeout_of(key))
         except TimeoutError:
-            raise self._recv_timed_out(peer, ins, key) from None
+            raise self._recv_timed_out(peer, ins, limit) from None
         bad = self._recv_mismatch(peer, ins, want, shape, got)
         if bad is not None:
             raise bad
         return got
 
-    def _recv_timed_out(self, peer: int, ins: Recv, key: tuple) -> TransferError:
+    def _recv_timed_out(self, peer: int, ins: Recv, limit: float) -> TransferError:
         return TransferError(
-            f"actor {self.actor_id} waited {self.timeout_of(key):g} s for {ins.label} (tag {ins.tag}) from actor {peer} "
+            f"actor {self.actor_id} waited {limit:g} s for {ins.label} (tag {ins.tag}) from actor {peer} "
             f"and nothing came; is actor {peer} stuck? (RemoteMesh(..., transfer_timeout=s) sets this limit)")
 
     def _recv_mismatch(self, peer: int, ins: Recv, want: np.dtype, shape: tuple[int, ...], got: Any) -> TransferError | None:

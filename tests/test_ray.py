@@ -76,7 +76,10 @@ def test_a_ray_mesh_trains_like_jit_and_closing_leaves_no_ray_actor_or_placement
 
 
 def test_a_ray_actor_killed_surfaces_as_actor_died_naming_it_and_close_still_cleans_up(local_ray):
-    mesh = mpmd.RemoteMesh.ray(2, startup_timeout=120, heartbeat_interval=0.5, heartbeat_timeout=4)
+    import asyncio
+
+    # (through the awaitable twin, which the stall warning names: its mesh is a plain one once made)
+    mesh = asyncio.run(mpmd.RemoteMesh.ray_async(2, startup_timeout=120, heartbeat_interval=0.5, heartbeat_timeout=4))
     try:
         params, opt_state, batch, dist = steps(mesh)
         dist(params, opt_state, batch)  # compiled and running

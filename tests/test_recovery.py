@@ -281,6 +281,8 @@ def test_an_array_put_only_on_a_lost_actor_fails_the_step_that_reads_it_saying_s
         with pytest.raises(mpmd.MpmdError, match=r"lived only on lost actor\(s\) \[0\]"):
             mpmd.fetch(dist(p, o, placed))
         assert mesh.recovery.gave_up is None and mesh.recoveries == 1
+        state = [x._vid for x in jax.tree.leaves((p, o)) if isinstance(x, mpmd.RemoteArray)]
+        assert state and not set(state) & set(mesh.recovery._lost)  # stage 0's state was put back: not lost
         for k in range(2, 5):
             if k == 3:
                 _sigkill(mesh, 1)

@@ -384,6 +384,23 @@ def test_an_export_of_one_bare_array_runs_as_one_output_not_its_rows():
         np.testing.assert_array_equal(got.arrays[0], np.array([1, 3, 5, 7], np.float32))
 
 
+@pytest.mark.parametrize("ordered", [True, False], ids=["ordered (CPU actors)", "unordered (GPU actors)"])
+def test_an_export_returning_one_array_or_a_dict_is_built_with_its_leaves_as_outputs(ordered):
+    """Both ways a daemon runs executables (an order token on CPU, none on GPU) give an export's output leaves as
+    its outputs: a bare float32[4] was 4 float32[] rows, and a dict one output holding the dict (a review)."""
+    from jax import export
+
+    from actors.sandbox import build_executable
+    from actors.stream import Stream
+
+    device = jax.devices()[0]
+    x = jax.device_put(np.arange(4, dtype=np.float32), device)
+    for fn, want in ((lambda v: v * 2.0 + 1.0, [[1, 3, 5, 7]]), (lambda v: {"a": v, "b": v + 1}, [[0, 1, 2, 3], [1, 2, 3, 4]])):
+        exp = export.deserialize(export.export(jax.jit(fn))(jax.ShapeDtypeStruct((4,), np.float32)).serialize())
+        _, results = Stream(device, ordered).call(build_executable(exp, (), None, None, None, device, ordered), [x])
+        assert [np.asarray(r).tolist() for r in results] == want
+
+
 # ---- 4. an abandoned compile is gone -------------------------------------------------------------------
 def _slow_blob(salt: int, layers: int = 120) -> bytes:
     """A stage whose XLA compile takes ~17 s here (its checks 0.3 s) (a chain of `layers` matmul-sine layers); `salt`

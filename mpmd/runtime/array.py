@@ -90,7 +90,10 @@ class RemoteArray:
     def _check_usable(self) -> None:
         if not self.buffers:
             recovery = getattr(self.mesh, "recovery", None)
-            raise MpmdError((recovery.why_gone(self) if recovery is not None else None) or f"{self!r} was deleted; its data is gone")
+            why = recovery.why_gone(self) if recovery is not None else None
+            if why:  # (lost with an actor: an output of a step that failed says that step's error)
+                self._raise_step_error()
+            raise MpmdError(why or f"{self!r} was deleted; its data is gone")
         if self.mesh.closed:
             raise MpmdError(f"{self!r} belongs to {self.mesh!r}, which is closed; its data is gone")
         self._raise_step_error()

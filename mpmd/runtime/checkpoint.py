@@ -110,7 +110,10 @@ class SaveHandle:
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> str:
-        with blocking("a save's wait()"):
+        return self._wait(timeout, "SaveHandle.wait")
+
+    def _wait(self, timeout: float | None, what: str) -> str:
+        with blocking(what):
             return self._future.result(timeout)
 
 
@@ -142,7 +145,7 @@ def _being_written(tmp: str) -> bool:
     return False
 
 
-_HANDED_OUT: dict[str, int] = {}  # checkpoint directory -> the highest number `_start` gave a save there
+_HANDED_OUT: dict[tuple[int, int], int] = {}  # checkpoint directory (device, inode) -> the highest number `_start` gave
 
 
 def _start(path: str) -> tuple[str, str]:
@@ -162,7 +165,8 @@ def _start(path: str) -> tuple[str, str]:
                 shutil.rmtree(full, ignore_errors=True)
         # Never a number this process handed out before, even one whose .tmp is gone: a save abandoned by this
         # controller may still be written by an actor that was stopped (SIGSTOP) and resumed, into that name.
-        key = os.path.abspath(path)
+        st = os.stat(path)
+        key = (st.st_dev, st.st_ino)  # (the directory itself: one a user removed and made again starts afresh)
         number = 1 + max(max(numbers, default=0), _HANDED_OUT.get(key, 0))
         _HANDED_OUT[key] = number
         name = f"ckpt-{number}"
@@ -403,7 +407,7 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
         lambda f: mesh._io.call_soon(abandon_when_answered) if f.cancelled() or f.exception() is not None else None)
     mesh.track_save(handle._future)
     _track_save(path, handle._future)
-    return handle.wait() if wait else handle
+    return handle._wait(None, "mpmd.save") if wait else handle
 
 
 async def save_async(path: str, tree: Any, *, keep: int = 1) -> str:
@@ -442,7 +446,7 @@ def _finish_sync(run: Any, abandon: Any, done_saving: Any, wait: bool) -> str | 
     finally:
         done_saving()
     handle = SaveHandle(future)
-    return handle.wait() if wait else handle
+    return handle._wait(None, "mpmd.save") if wait else handle
 
 
 def _leaf_dtype(m: dict[str, Any]) -> Any:

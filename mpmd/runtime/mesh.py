@@ -356,6 +356,12 @@ class RemoteMesh:
         return await off_loop(functools.partial(cls.connect, addresses, **kwargs), abandoned=cls.close)
 
     @classmethod
+    async def ray_async(cls, num_actors: int, **kwargs: Any) -> RemoteMesh:
+        """Awaitable twin of `ray` (same arguments): placing and starting the Ray actors does not hold the caller's
+        event loop."""
+        return await off_loop(functools.partial(cls.ray, num_actors, **kwargs), abandoned=cls.close)
+
+    @classmethod
     async def from_rendezvous_async(cls, where: str | Any, num_actors: int, **kwargs: Any) -> RemoteMesh:
         """Awaitable twin of `from_rendezvous` (same arguments): waiting for the daemons to arrive does not hold
         the caller's event loop."""

@@ -181,6 +181,7 @@ class RecoveryManager:
             x = ref()
             if x is None:
                 self._refs.pop(vid, None)
+                self._lost.pop(vid, None)
             else:
                 out.append((vid, x))
         return out
@@ -361,13 +362,13 @@ class RecoveryManager:
             if self.gave_up is not None or not lost:
                 self._say_gave_up(e)
                 return False
-            if not self._running() and rec.generation != self.generation:
-                return False  # a recovery came and went without this step in its log (older than its snapshot)
-            try:
-                await watch(self._start_recovery(e))  # (not wrap_future: cancelling this await must not cancel the recovery)
-            except Exception:
-                self._say_gave_up(e)
-                return False
+            if self._running() or rec.generation == self.generation:
+                try:
+                    await watch(self._start_recovery(e))  # (not wrap_future: cancelling this await must not cancel the recovery)
+                except Exception:
+                    self._say_gave_up(e)
+                    return False
+            # (else a recovery came and went: this step was in its log, or older than its snapshot)
             if not rec.replayed and rec.unreplayable and hasattr(e, "add_line"):
                 e.add_line(f"(the mesh recovered, but could not run this step again: {rec.unreplayable})")
             return rec.replayed  # every logged step dispatched before the recovery is replayed by it, unless it cannot be
@@ -647,7 +648,7 @@ class RecoveryManager:
             fresh.buffers = {}
         for (vid, (_, (_, _, _, ref))), fresh in zip(external.items(), arrays[len(restore) + len(back):]):
             values[vid] = self._rebind(ref(), fresh, vid)
-        self._lost.update({vid: sorted(gone) for vid, (x, gone) in stripped.items() if not x.buffers})
+        lost = {vid: sorted(gone) for vid, (x, gone) in stripped.items() if not x.buffers}  # (before the replay makes some)
         report["restore"] = time.monotonic() - t
         t = time.monotonic()
         dones, replayed = [], []
@@ -663,7 +664,7 @@ class RecoveryManager:
                 x = ref() if x is None else x
                 why = unavailable.get(vid)
                 if why is None and (x is None or not x.buffers):
-                    why = (f"one of its inputs lived only on lost actor(s) {self._lost.get(vid, sorted(replaced))} and is neither in "
+                    why = (f"one of its inputs lived only on lost actor(s) {lost.get(vid, sorted(replaced))} and is neither in "
                            "the snapshot nor made by a step since (put there by mesh.actor(i).put, say); pass it again")
                 if why is not None:
                     break
@@ -686,6 +687,8 @@ class RecoveryManager:
             d.result()  # an ActorDiedError here: recover again
         for rec in replayed:
             rec.replayed = True
+        with self._state:  # what is still without a buffer now is lost for good (the replay rebound the rest)
+            self._lost.update({vid: actors for vid, actors in lost.items() if not stripped[vid][0].buffers})
         report["replay"] = time.monotonic() - t
         if len(replayed) < len(records):
             report["steps that could not run again"] = len(records) - len(replayed)
