@@ -304,6 +304,8 @@ class DistributedFunction:
                  static_argnums: Any = (), static_argnames: Any = (), donate_argnums: Any = (), donate_argnames: Any = ()) -> None:
         if not callable(fn):
             raise TypeError(f"mpmd.distributed: the step must be a function, got {type(fn).__name__} {fn!r:.80}")
+        if isinstance(fn, DistributedFunction):  # a decorated step, distributed again (another mesh, other shardings):
+            fn = fn.fn  # its own function, with these options (as jax.jit of a jitted function)
         if mesh is None or isinstance(mesh, (str, bytes, int, float)) or not hasattr(type(mesh), "__len__"):
             raise TypeError(f"mpmd.distributed(..., mesh=...) needs the RemoteMesh the step runs on (e.g. "
                             f"mpmd.RemoteMesh.local(num_actors=2)), got {type(mesh).__name__} {mesh!r:.80}")

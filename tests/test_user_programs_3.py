@@ -1093,3 +1093,28 @@ def test_eqx_error_if_in_a_stage_is_refused_saying_to_check_the_returned_values(
     jax.jit(step)(params, batch)
     with pytest.raises(PipelineError, match=r"A runtime check \(eqx.error_if.*check the values the step returns"):
         mpmd.distributed(step, mesh=mesh2)(params, batch)
+
+
+def test_a_decorated_step_distributed_again_runs_its_own_function_with_the_new_options(mesh2):
+    """The README's `@mpmd.distributed(mesh=mesh) def train_step` passed to mpmd.distributed again (other shardings,
+    another mesh) was traced as a function that calls a distributed step: "a distributed step was called inside a
+    JAX transformation" (a newcomer probe). It is unwrapped, as jax.jit of a jitted function runs the function."""
+    from mpmd.testing import mlp, mlp_params, mse_loss, regression_batch
+
+    step = make_train_step(mse_loss(mlp), optax.sgd(0.1), mpmd.OneFOneB(2))
+    rng = np.random.default_rng(0)
+    params, batch = mlp_params(rng, num_stages=2, width=8), regression_batch(rng, num_microbatches=4, microbatch_size=2, width=8)
+    decorated = mpmd.distributed(mesh=mesh2)(step)
+    again = mpmd.distributed(decorated, mesh=mesh2, donate_argnums=(0,))
+    assert again.fn is step and again.donate_argnums == {0}
+    assert_trees_close(mpmd.fetch(again(params, optax.sgd(0.1).init(params), batch)),
+                       jax.jit(step)(params, optax.sgd(0.1).init(params), batch))
+
+
+def test_a_deleted_array_cannot_be_read_even_after_device_get_kept_its_value(mesh2):
+    """delete() then to_numpy() raised, except after jax.device_get, whose cached host copy was returned (a probe)."""
+    x = mesh2.actor(0).put(np.arange(4, dtype=np.float32))
+    np.testing.assert_array_equal(jax.device_get(x), np.arange(4))
+    x.delete()
+    with pytest.raises(mpmd.MpmdError, match="was deleted"):
+        x.to_numpy()

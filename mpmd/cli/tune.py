@@ -130,11 +130,11 @@ def _run(args: argparse.Namespace) -> int:
 def add_subcommand(sub: Any) -> None:
     p = sub.add_parser("tune", help="choose schedule, microbatches and stage grouping for the GPT example (mpmd.tune)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--actors", type=_positive(int), default=2)
-    p.add_argument("--layers", type=_positive(int), default=8)
-    p.add_argument("--width", type=_positive(int), default=128)
-    p.add_argument("--seq", type=_positive(int), default=64)
-    p.add_argument("--heads", type=_positive(int), default=4)
+    p.add_argument("--actors", type=_positive(int), default=2, help="the number of local actors (daemons) to tune for (default %(default)s)")
+    p.add_argument("--layers", type=_positive(int), default=8, help="transformer blocks of the GPT example (default %(default)s)")
+    p.add_argument("--width", type=_positive(int), default=128, help="its model width (default %(default)s)")
+    p.add_argument("--seq", type=_positive(int), default=64, help="tokens per sequence (default %(default)s)")
+    p.add_argument("--heads", type=_positive(int), default=4, help="attention heads (width must be a multiple) (default %(default)s)")
     p.add_argument("--microbatches", type=_positive(int), default=8, help="microbatches of the batch as given")
     p.add_argument("--rows", type=_positive(int), default=4, help="sequences per microbatch of the batch as given")
     p.add_argument("--try-microbatches", type=_counts, default=None, help="comma-separated counts to consider (default: divisors of the rows)")

@@ -267,8 +267,9 @@ class RemoteArray:
         return self
 
     def delete(self) -> None:
-        """Free the remote buffers now (waits for the actors to confirm)."""
-        buffers, self.buffers = self.buffers, {}
+        """Free the remote buffers now (waits for the actors to confirm). Reading it afterwards raises, even where a
+        value was fetched before (`jax.device_get` keeps one)."""
+        buffers, self.buffers, self._host = self.buffers, {}, None
         if buffers and not self.mesh.closed:
             self.mesh.delete_buffers(buffers)
 

@@ -88,7 +88,18 @@ def is_daemon_address(a: Any) -> bool:
     return bool(re.match(r"^ipc://\S+$", a) or tcp and 1 <= int(tcp.group(2)) <= 65535)
 
 class RemoteMesh:
-    """A set of actors (each an `mpmd-actor` daemon with its own devices) driven by this controller."""
+    """A set of actors (each an `mpmd-actor` daemon with its own devices) driven by this controller. Made by:
+
+        RemoteMesh.local(num_actors)                 daemons started on this machine (ended with the mesh)
+        RemoteMesh.connect(addresses, keys=...)      daemons started by hand on other nodes
+        RemoteMesh.ray(num_actors)                   daemons Ray places (the `ray` extra)
+        RemoteMesh.from_rendezvous(dir, num_actors)  daemons SLURM, Kubernetes or a script started, announcing themselves
+
+    (each with an `_async` twin). Use it as ``with ... as mesh:`` or call `close()`: its daemons' buffers go then.
+    `actor(i)` is one actor's handle (put, run, stats); `len(mesh)` the number of actors. The keyword arguments
+    below tune every constructor: `heartbeat_timeout` (seconds of silence before an actor is declared lost),
+    `transfer_timeout` (a receive's limit), `transport`, `overlap`, and `mesh_shape` / `axis_names` (each actor's
+    device mesh for SPMD stages)."""
 
     def __init__(self, addresses: Sequence[str], processes: Sequence[LocalProcess] = (), *,
                  heartbeat_interval: float = 1.0, heartbeat_timeout: float = 10.0, transport: str = "auto",
