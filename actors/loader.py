@@ -34,6 +34,18 @@ MAX_LEAF_BYTES = 1 << 36
 MAX_RUNNING = 64  # loader calls not yet returned (hung ones keep their threads)
 
 
+_NARROWED = {np.dtype(np.float64): np.dtype(np.float32), np.dtype(np.int64): np.dtype(np.int32),
+             np.dtype(np.uint64): np.dtype(np.uint32), np.dtype(np.complex128): np.dtype(np.complex64)}
+
+
+def _as_jit_takes(got: np.dtype, want: np.dtype) -> bool:
+    """Whether a loader's `got` array is what jax.jit takes as `want` on a controller without x64: the same type in
+    the other byte order (a big-endian .npy), or its 64-bit form (numpy's default, or jax.random's here: this
+    daemon runs with x64 on, so a loader that uses jax makes 64-bit values)."""
+    native = got.newbyteorder("=")
+    return native == want or _NARROWED.get(native) == want
+
+
 class Loaders:
     """The loader functions this daemon may call (`allowed`: "module:function" names), imported on first use."""
 
@@ -92,9 +104,11 @@ class Loaders:
         finally:
             with self._lock:
                 self.running.pop(call, None)
+        if host.dtype != dtype and list(host.shape) == list(shape) and _as_jit_takes(host.dtype, dtype):
+            host = host.astype(dtype)  # (the other byte order, or 64 bits where the step traced 32, as jax.jit takes them)
         if host.dtype != dtype or list(host.shape) != list(shape):
-            raise RuntimeError(f"loader {fn}({step}, {name!r}) returned {host.dtype.name}{list(host.shape)}; the step was traced "
-                               f"with {dtype.name}{list(shape)}")
+            raise RuntimeError(f"loader {fn}({step}, {name!r}) returned {host.dtype.str} {host.dtype.name}{list(host.shape)}; the "
+                               f"step was traced with {dtype.name}{list(shape)}")
         return np.ascontiguousarray(host)
 
     def still_running(self, whose: Any = None, any_session: bool = False) -> str | None:

@@ -87,6 +87,7 @@ class CompiledStep:
     arg_paths: list[str]
     loaded: list[Any] = field(default_factory=list)  # the Programs as the actors hold them (Runs name executable keys)
     generation: int = 0  # the mesh's `generation` when the Programs were loaded (a daemon restarted since has none)
+    arg_outputs: tuple[int, ...] | None = None  # the argument leaves the step returns as they are (found at first call)
 
     def __repr__(self) -> str:
         return (f"<CompiledStep: {self.plan!r}, {len(self.arg_paths)} argument leaves, compiled in {self.compile_seconds:.2f} s; "
@@ -322,7 +323,8 @@ class DistributedFunction:
         self._compile_lock = threading.Lock()  # (callers in several threads: one compile per signature)
         self._cancelled: set[int] = set()  # steps aborted because their await was cancelled
         self._step = itertools.count()
-        self._calls = itertools.count()  # the calls made (a recovery's replays are not counted): what loaders load
+        self._calls = 0  # the calls dispatched (a recovery's replays and refused calls are not counted): what loaders load
+        self._calls_lock = threading.Lock()
         self._last_load = -1
         self.schedule: Any = None  # replaces the schedule the step names (see with_schedule)
         self.__wrapped__ = fn
@@ -640,7 +642,22 @@ class DistributedFunction:
         other = DistributedFunction(self.fn, self.mesh, self.in_shardings, self.out_shardings, self.static_argnums,
                                     donate_argnums=self.donate_argnums)
         other.schedule = schedule
+        other._calls = self._calls  # (its first call loads the step this one would load next: the loop goes on)
         return other
+
+    @property
+    def next_load_step(self) -> int:
+        """The step number the next call's actor-loaded leaves (`mpmd.loaded_by_actors`) are loaded for: the
+        calls dispatched so far, unless set. Set it to go on where a run stopped (resuming from a checkpoint:
+        ``step.next_load_step = steps_done``); `with_schedule` and `mpmd.tune`'s steps carry it on."""
+        return self._calls
+
+    @next_load_step.setter
+    def next_load_step(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"next_load_step is a step number (an int >= 0), got {value!r:.40}")
+        with self._calls_lock:
+            self._calls = int(value)
 
     def profile_costs(self, *args: Any, steps: int = 2, split_backward: bool = True, **kwargs: Any) -> Any:
         """Measure every marker segment on the actors: the step is compiled with each segment its own stage
@@ -717,10 +734,23 @@ class DistributedFunction:
         mesh, plan = self.mesh, compiled.plan
         if may_wait and room:
             mesh.wait_for_room()  # (a loop that only dispatches waits for the actors here, as under jax.jit)
+        arg_outputs = compiled.arg_outputs
+        if arg_outputs is None:
+            arg_outputs = compiled.arg_outputs = tuple(v for kind, v in plan.out_homes[:plan.num_outputs] if kind == "arg")
+        for k in arg_outputs:
+            if isinstance(leaves[k], LoadedLeaf):
+                raise PipelineError(f"{getattr(self.fn, '__name__', 'the step')} returns its argument {compiled.arg_paths[k]} as it "
+                                    "is, a leaf the actors load themselves (mpmd.loaded_by_actors): its value never reaches "
+                                    "this controller. Return something computed from it instead, or call the loader here")
         step = next(self._step)
-        # (the call count, not `step`: a replay draws step numbers of its own, and must not shift later loads)
-        self._last_load = next(self._calls) if load_step is None else load_step
-        requests, replicas, outs = self._prepare(compiled, leaves, step, sig[2], may_wait, self._last_load)
+        # (the call count, not `step`: a replay draws step numbers of its own, and must not shift later loads; a
+        # call refused before it is sent loads nothing, and the next call loads what it would have)
+        with self._calls_lock:
+            load = self._calls if load_step is None else load_step
+            requests, replicas, outs = self._prepare(compiled, leaves, step, sig[2], may_wait, load)
+            if load_step is None:
+                self._calls += 1
+        self._last_load = load
         # Arguments that earlier steps still make: if this step fails because one of those did, that is its error.
         upstream = [(compiled.arg_paths[k], x._ready) for k, x in enumerate(leaves)
                     if isinstance(x, RemoteArray) and x._ready is not None

@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import mpmd
-from mpmd.errors import MpmdError
+from mpmd.errors import MpmdError, PipelineError
 from mpmd.runtime import inputs as inputs_module
 from mpmd.runtime.inputs import SHM_INPUT_MIN_BYTES, input_stager
 from mpmd.testing import make_train_step, mlp, mlp_params, mse_loss, regression_batch
@@ -245,11 +245,82 @@ def test_actors_load_their_own_batch_leaves_with_a_named_loader_and_steps_equal_
         with pytest.raises(MpmdError, match="not allowed"):
             jax.block_until_ready(dist(p_d, s_d, other)[2])
         wrong = mpmd.loaded_by_actors("mpmd.testing:synthetic_regression_leaf",
-                                      {"x": jax.ShapeDtypeStruct(LOADED_LEAF_SHAPE, np.float64), "y": spec["y"]})
-        with pytest.raises(MpmdError, match="returned float32"):
+                                      {"x": jax.ShapeDtypeStruct(LOADED_LEAF_SHAPE, np.int32), "y": spec["y"]})
+        with pytest.raises(MpmdError, match="returned <f4 float32.*traced with int32"):
             np.asarray(mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)(
                 params, opt.init(params), wrong)[2])
         np.asarray(dist(p_d, s_d, batch)[2])
+
+
+def test_the_step_a_call_loads_counts_dispatched_calls_and_can_be_set_and_carries_to_another_schedule():
+    """A call refused before it was sent (a deleted argument) used up its step number: the next call loaded step
+    2's data, step 1's was never trained on; with_schedule (and so tune's winner) started again at 0; a resumed run
+    could not start at its step (a probe). And a step returning a loaded leaf unchanged handed back its
+    descriptor, not data: it is refused, saying why."""
+    from mpmd.testing import LOADED_LEAF_SHAPE, synthetic_regression_leaf
+
+    fn = "mpmd.testing:synthetic_regression_leaf"
+    rng = np.random.default_rng(6)
+    params = mlp_params(rng, num_stages=2, width=LOADED_LEAF_SHAPE[2])
+    opt = optax.sgd(1e-2)
+    ref = jax.jit(make_train_step(mse_loss(mlp), opt, None))
+    spec = {leaf: jax.ShapeDtypeStruct(LOADED_LEAF_SHAPE, np.float32) for leaf in ("x", "y")}
+    batch = mpmd.loaded_by_actors(fn, spec)
+
+    def loss_of(k):  # the loss of one step from `params` on step k's data
+        return np.asarray(ref(params, opt.init(params), {leaf: synthetic_regression_leaf(k, leaf) for leaf in ("x", "y")})[2])
+
+    with mpmd.RemoteMesh.local(2, loaders=[fn]) as mesh:
+        dist = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
+        run = lambda step: np.asarray(step(params, opt.init(params), batch)[2])  # noqa: E731
+        np.testing.assert_allclose(run(dist), loss_of(0), rtol=1e-5, atol=1e-6)
+        gone = mesh.actor(0).put(np.asarray(params[0][0]))
+        gone.delete()
+        with pytest.raises(MpmdError, match="deleted"):
+            dist([[gone], params[1]], opt.init(params), batch)
+        np.testing.assert_allclose(run(dist), loss_of(1), rtol=1e-5, atol=1e-6)
+        assert dist.next_load_step == 2
+        dist.next_load_step = 5  # (resuming a run at its step 5)
+        np.testing.assert_allclose(run(dist), loss_of(5), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(run(dist.with_schedule(mpmd.GPipe(2))), loss_of(6), rtol=1e-5, atol=1e-6)
+        with pytest.raises(ValueError, match="next_load_step"):
+            dist.next_load_step = -1
+
+        def returns_y(p, b):
+            def mb_grads(mb):
+                return jax.value_and_grad(lambda q: jnp.mean((mlp(q, mb["x"]) - mb["y"]) ** 2))(p)[::-1]
+
+            _, losses = mpmd.accumulate_grads(mb_grads, b, schedule=mpmd.OneFOneB(2))
+            return losses, b["y"]
+
+        with pytest.raises(PipelineError, match=r"returns its argument .*\['y'\] as it is, a leaf the actors load"):
+            mpmd.distributed(returns_y, mesh=mesh)(params, {k: v for k, v in batch.items()})
+        assert dist.next_load_step == 6  # (the call on another schedule counted on its own step)
+
+
+def _big_endian_loader(step, leaf):
+    return np.arange(6, dtype=">f4").reshape(2, 3)
+
+
+def _float64_loader(step, leaf):
+    return np.arange(6, dtype=np.float64).reshape(2, 3)  # numpy's default (and jax.random's on a daemon: x64 is on)
+
+
+def test_a_loader_array_in_the_other_byte_order_or_64_bits_is_taken_as_jax_jit_takes_it():
+    """A big-endian .npy was refused, "returned float32[1, 4, 8]; the step was traced with float32[1, 4, 8]"; a float64
+    array (a loader using jax.random on the daemon, where x64 is on) was refused where jax.jit takes it as float32;
+    and a float64 spec with x64 off named float64 to the daemon while the step ran float32 (a probe)."""
+    from actors.loader import Loaders
+
+    loaders = Loaders(["tests.test_inputs:_big_endian_loader", "tests.test_inputs:_float64_loader"])
+    for fn in ("tests.test_inputs:_big_endian_loader", "tests.test_inputs:_float64_loader"):
+        got = loaders.load(*loaders.check({"fn": fn, "name": "x", "shape": [2, 3], "dtype": "float32"}), 0)
+        assert got.dtype == np.dtype(np.float32) and got.dtype.isnative
+        np.testing.assert_array_equal(got, np.arange(6).reshape(2, 3))
+    with pytest.raises(RuntimeError, match=r"returned >f4 float32\[2, 3\]; the step was traced with int32"):
+        loaders.load(*loaders.check({"fn": "tests.test_inputs:_big_endian_loader", "name": "x", "shape": [2, 3], "dtype": "int32"}), 0)
+    leaf = mpmd.loaded_by_actors("tests.test_inputs:_float64_loader", np.zeros((2, 3)))
+    assert leaf.dtype == (np.dtype(np.float64) if jax.config.jax_enable_x64 else np.dtype(np.float32))
 
 
 def _loader_that_exits(step, name):

@@ -70,7 +70,8 @@ def loaded_by_actors(fn: str, spec: Any) -> Any:
     for path, leaf in flat:
         name = leaf_name(path) or "batch"
         try:
-            shape, dtype = tuple(int(d) for d in leaf.shape), np.dtype(leaf.dtype)
+            # (its dtype as jax.jit takes an array of it: float64 is float32 unless x64 is on)
+            shape, dtype = tuple(int(d) for d in leaf.shape), np.dtype(jax.dtypes.canonicalize_dtype(leaf.dtype))
         except (AttributeError, TypeError, ValueError):
             shape = dtype = None
         if dtype is None or getattr(leaf, "dtype", None) is None:
