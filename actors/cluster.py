@@ -307,6 +307,7 @@ async def register(address: str, arrival: Any, args: argparse.Namespace, stop: a
     from zmq.utils.monitor import parse_monitor_message
 
     from transport.auth import configure_client
+    from transport.control import allow_ipv6
     from transport.rendezvous import RendezvousFormatError, decode_message, encode_message
 
     keys = _rendezvous_keys(args)
@@ -318,6 +319,7 @@ async def register(address: str, arrival: Any, args: argparse.Namespace, stop: a
     monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                                       | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
     try:
+        allow_ipv6(sock, address)
         sock.connect(address)
         await sock.send(encode_message("arrive", arrival=arrival.to_dict()))
         reply = asyncio.ensure_future(sock.recv())

@@ -157,8 +157,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "nccl per peer); 'ipc' only an ipc socket in --ipc-dir (actors on this host only); 'none' no data plane")
     p.add_argument("--ipc-dir", default=None, help="also bind the data plane on an ipc socket in this directory (same-host peers use it)")
     p.add_argument("--transfer-timeout", type=float, default=300.0,
-                   help="seconds a receive waits for its peer before the step fails (the controller may change it)")
-    p.add_argument("--p2p-host", default=None, help="address peers reach this actor's data plane on (default: the --listen host)")
+                   help="seconds a receive waits for its peer before the step fails (each controller may set its own)")
+    p.add_argument("--p2p-host", default=None, help="address peers reach this actor's data plane on (default: the --listen host; for a wildcard "
+                                                            "--listen such as tcp://0.0.0.0:PORT, this node's own address)")
     p.add_argument("--cache-dir", default=None, help="JAX persistent compilation cache directory (default: a private temporary one, removed at exit; "
                    "RemoteMesh.local passes ~/.cache/mpmd/xla)")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process has exited")

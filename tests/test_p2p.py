@@ -2,6 +2,7 @@
 Programs (Send/Recv only), through the real interpreter and real daemons."""
 
 import itertools
+import socket
 import time
 
 import jax
@@ -296,3 +297,29 @@ def test_a_segment_comes_back_through_its_control_page_only_once_the_receivers_v
     finally:
         receiver.close()
         sender.close()
+
+
+def test_daemons_listening_on_ipv6_run_a_step_over_a_tcp_data_plane_like_jit():
+    """--listen tcp://[::1]:0 stopped the daemon with "No such device": no ZeroMQ socket was told it may speak
+    IPv6 (a probe). Control and data plane now bind and connect on IPv6 hosts."""
+    import optax
+
+    from mpmd.testing import make_train_step, mlp, mlp_params, mse_loss, regression_batch
+    from tests.wire import start_daemon, stop_daemon
+
+    if not socket.has_ipv6:
+        pytest.skip("this host has no IPv6")
+    procs = [start_daemon("--listen", "tcp://[::1]:0", "--actor-id", str(i), "--insecure") for i in range(2)]
+    try:
+        assert all(address.startswith("tcp://[::1]:") for _, address in procs)
+        with mpmd.RemoteMesh.connect([address for _, address in procs], transport="tcp") as mesh:
+            assert mesh.routes == {(0, 1): "tcp", (1, 0): "tcp"}
+            rng = np.random.default_rng(0)
+            params, batch, opt = mlp_params(rng, num_stages=2, width=8), regression_batch(rng, 4, 2, 8), optax.sgd(0.1)
+            got = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)(params, opt.init(params), batch)
+            want = jax.jit(make_train_step(mse_loss(mlp), opt, None))(params, opt.init(params), batch)
+            for g, w in zip(jax.tree.leaves(mpmd.fetch(got)), jax.tree.leaves(want)):
+                np.testing.assert_allclose(g, np.asarray(w), rtol=1e-6, atol=1e-7)
+    finally:
+        for proc, _ in procs:
+            stop_daemon(proc)

@@ -54,6 +54,18 @@ CONTROL_QUEUE = 10_000  # messages queued per connection on a daemon's control s
 HANDSHAKE_MS = 10_000  # (ZeroMQ's default: 30 s, each a file descriptor a stranger holds for free)
 
 
+def tcp_endpoint(host: str, port: int | str) -> str:
+    """``tcp://host:port``, an IPv6 host in brackets (``tcp://[::1]:0``), as ZeroMQ reads it."""
+    return f"tcp://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"tcp://{host}:{port}"
+
+
+def allow_ipv6(sock: zmq.Socket, address: str) -> None:
+    """Let `sock` bind or connect to `address` when it names an IPv6 host (``tcp://[::]:5555``): ZeroMQ sockets speak
+    IPv4 only until told (a daemon told --listen tcp://[::]:0 stopped with "No such device"; a probe)."""
+    if address.startswith("tcp://") and address[len("tcp://"):].startswith("["):
+        sock.setsockopt(zmq.IPV6, 1)
+
+
 def bind_router(ctx: zmq.Context, address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                 configure: Callable[[zmq.Socket], None] | None = None) -> tuple[zmq.Socket, str]:
     """Bind a ROUTER that errors (instead of silently dropping) on unroutable replies.
@@ -76,6 +88,7 @@ def bind_router(ctx: zmq.Context, address: str, max_message_bytes: int = DEFAULT
         configure(sock)
     if address.startswith("tcp://") and address.endswith(":0"):
         address = address[:-2] + ":*"
+    allow_ipv6(sock, address)
     sock.bind(address)
     return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -120,6 +133,7 @@ class ControlClient:
         self._monitor = self._sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
             | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        allow_ipv6(self._sock, address)
         self._sock.connect(address)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Message]] = {}

@@ -45,7 +45,7 @@ import numpy as np
 import zmq
 
 from transport.auth import Authenticator, KeyPair, configure_client, configure_server, user_id
-from transport.control import HANDSHAKE_MS
+from transport.control import HANDSHAKE_MS, allow_ipv6, tcp_endpoint
 from transport.p2p import link as links
 from transport.p2p import shm
 from transport.p2p.base import (
@@ -106,7 +106,8 @@ class DataPlane(P2PTransport):
             configure_server(self._router, keys)
         self._tcp = None
         if tcp:
-            self._router.bind(f"tcp://{host}:0")
+            allow_ipv6(self._router, endpoint := tcp_endpoint(host, 0))
+            self._router.bind(endpoint)
             self._tcp = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._ipc = None
         if ipc_dir:
@@ -256,6 +257,7 @@ class DataPlane(P2PTransport):
         sock.setsockopt(zmq.IDENTITY, str(self.actor_id).encode())
         if self._keys is not None:
             configure_client(sock, self._keys, self._peer_keys[peer])
+        allow_ipv6(sock, address)
         sock.connect(address)
         self._out[peer] = sock
         return sock

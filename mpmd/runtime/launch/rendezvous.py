@@ -28,6 +28,7 @@ from typing import Any
 
 from mpmd.errors import IncompatibleActorError, RendezvousError
 from transport.auth import Authenticator, AuthKeyError, ClientKeys, KeyPair, configure_server
+from transport.control import allow_ipv6
 from transport.protocol import PROTOCOL_VERSION
 from transport.rendezvous import (
     Arrival,
@@ -243,6 +244,7 @@ class TcpRendezvous:
                 self.auth.start()
                 configure_server(self.sock, pair)
             bind = address[:-2] + ":*" if address.endswith(":0") else address
+            allow_ipv6(self.sock, bind)
             self.sock.bind(bind)
         except BaseException as e:
             self.close()
