@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -51,8 +52,14 @@ def digest(blob: bytes | memoryview) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
+KEPT_UNUSED = 256  # executables no open session uses that a daemon keeps for the next job (mpmd-actor --kept-executables)
+
+
 class ExecutableCache:
-    """`ordered`: every executable takes and returns an order token first (see actors/stream.py)."""
+    """`ordered`: every executable takes and returns an order token first (see actors/stream.py). Executables no
+    open session uses any more (`retire`) are kept, the `kept_unused` most recently retired, for a job that
+    compiles them again; older ones are dropped (a daemon serving job after job grew by every job's executables:
+    0.17 MB each, a probe)."""
 
     def __init__(self, device: Any, checker: BlobChecker | CheckerPool | None = None, compile_timeout: float = 600.0,
                  ordered: bool = False) -> None:
@@ -66,6 +73,8 @@ class ExecutableCache:
         self.compile_timeout = compile_timeout
         self._compiled: dict[str, Any] = {}
         self._out_bytes: dict[str, int] = {}
+        self._unused: OrderedDict[str, None] = OrderedDict()  # retired keys, oldest first
+        self.kept_unused = KEPT_UNUSED
         self._compiling: dict[str, asyncio.Future[Any]] = {}
         self.compiles = 0
         self.hits = 0
@@ -172,6 +181,25 @@ class ExecutableCache:
         now = time.monotonic()
         self._timed_out = {k: t for k, t in self._timed_out.items() if now - t < RETRY_AFTER}
         self._timed_out[key] = now
+
+    def retire(self, keys: Any) -> list[str]:
+        """`keys` are used by no open session now: keep them among the unused, dropping the oldest past
+        `kept_unused`; returns the keys dropped."""
+        for key in keys:
+            if key in self._compiled:
+                self._unused[key] = None
+                self._unused.move_to_end(key)
+        dropped = []
+        while len(self._unused) > self.kept_unused:
+            key, _ = self._unused.popitem(last=False)
+            self._compiled.pop(key, None)
+            self._out_bytes.pop(key, None)
+            dropped.append(key)
+        return dropped
+
+    def claim(self, key: str) -> None:
+        """A session uses `key` (again): it is not among the unused."""
+        self._unused.pop(key, None)
 
     def output_bytes(self, key: str) -> int:
         """The bytes an executable's outputs take (read once per executable: a key names one compiled program)."""

@@ -185,6 +185,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile-timeout", type=float, default=600.0,
                    help="seconds a compile's checks, and then its XLA compile, may each take (the request: twice this, plus 5 s); "
                         "a compile past it is stopped (its process killed)")
+    p.add_argument("--kept-executables", type=int, default=256,
+                   help="compiled executables no open session uses that are kept for later jobs (the oldest go first)")
     p.add_argument("--compile-workers", type=int, default=2,
                    help="compiles that may run at once, each in a child process stopped at --compile-timeout")
     p.add_argument("--allow-custom-call", action="append", default=[], metavar="TARGET",
@@ -208,6 +210,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--p2p ipc needs --ipc-dir")
     if args.compile_workers < 1:
         p.error("--compile-workers must be at least 1")
+    if args.kept_executables < 0:
+        p.error(f"--kept-executables must be 0 or more, got {args.kept_executables}")
     for name in ("request_timeout", "compile_timeout", "transfer_timeout", "session_timeout", "rendezvous_timeout"):
         if not 0 < getattr(args, name) < math.inf:  # (NaN too)
             p.error(f"--{name.replace('_', '-')} must be a positive, finite number of seconds, got {getattr(args, name)}")
@@ -418,6 +422,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     checker.compile_dir = compile_dir
     actor = Actor(args.actor_id, p2p, transfer_timeout=args.transfer_timeout, checker=checker,
                   compile_timeout=args.compile_timeout, loaders=args.allow_loader)
+    actor.cache.kept_unused = args.kept_executables
     from actors.handlers import Ownership
 
     actor.ownership = Ownership(secure, getattr(args, "owner_keys", frozenset()), frozenset(args.admin_key))

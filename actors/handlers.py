@@ -309,6 +309,9 @@ class Actor:
     def _end(self, ses: Session, settle: bool = True) -> None:
         self.sessions.pop(ses.id, None)
         ses.close()
+        in_use = set().union(*(s.executables for s in self.sessions.values()))
+        for key in self.cache.retire(ses.executables - in_use):  # (its executables no other session uses)
+            self.interpreter.forget(key)
         if settle:
             collector.settle()  # what only this session used may sit in frozen cycles
         if self.ownership.owner == ses.owner and not any(s.owner == ses.owner for s in self.sessions.values()):
@@ -428,6 +431,7 @@ class Actor:
         key, cached = await self.cache.compile(msg.arrays[0].data, digest, tuple(donate), in_layouts, out_layouts)
         cached = cached and key in ses.executables  # (whether another session compiled it is not this one's business)
         ses.executables.add(key)
+        self.cache.claim(key)
         reply: dict[str, Any] = {"exe": key, "cached": cached}
         if in_layouts is not None:
             reply["out_layouts"] = self.cache.out_layouts(key)

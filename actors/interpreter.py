@@ -92,6 +92,10 @@ class Interpreter:
         # a peer waits. So a Run waits until the sends of values computed before it have left (see `interpret`).
         self.posts_first = transfers.device.platform == "cpu" and os.environ.get("MPMD_POST_FIRST", "1") != "0"
 
+    def forget(self, exe: Any) -> None:
+        """The executable `exe` is gone from the cache."""
+        self._out_sizes.pop(exe, None)
+
     async def run_step(self, step_key: StepKey, prog: Program, env: BufferTable, refs: list, prologue: list[Instruction],
                        session_buffers: BufferTable, sync: bool, trace: StepTrace | None = None,
                        sent: dict[int, Any] | None = None) -> Any:

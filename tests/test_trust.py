@@ -694,3 +694,24 @@ def test_a_daemon_may_hold_as_many_connections_as_the_system_lets_it(mesh2):
         got_soft, got_hard = line.split()[3:5]
         assert got_soft == got_hard, line
     assert HANDSHAKE_MS <= 10_000
+
+
+def test_a_daemon_serving_job_after_job_keeps_only_the_newest_unused_executables(tmp_path):
+    """Executables stayed compiled after their last session closed: a daemon serving job after job grew by every
+    job's executables (25 per job, 0.17 MB each; a probe). Those no open session uses are kept, the newest
+    --kept-executables of them, for a later job that compiles them again."""
+    proc, address = start_daemon("--listen", f"ipc://{tmp_path}/a.sock", "--p2p", "none", "--insecure", "--kept-executables", "2")
+    try:
+        with mpmd.RemoteMesh.connect([address], transport="none") as owner:
+            kept = owner.actor(0).run(jax.jit(lambda a: a * 2), owner.actor(0).put(np.ones(3, np.float32)))
+            for job in range(4):
+                with mpmd.RemoteMesh.connect([address], transport="none") as mesh:
+                    x = mesh.actor(0).put(np.ones(3, np.float32))
+                    for k in range(3):  # three executables of its own
+                        got = mesh.actor(0).run(jax.jit(lambda a, k=k: a + (10 * job + k)), x).to_numpy()
+                        np.testing.assert_array_equal(got, np.full(3, 1 + 10 * job + k, np.float32))
+                    assert owner.actor(0).stats()["executables"] == 4 + min(2, 3 * job)  # the owner's, this job's three, kept ones
+            assert owner.actor(0).stats()["executables"] == 1 + 2  # the owner's, and the two newest unused
+            np.testing.assert_array_equal(owner.actor(0).run(jax.jit(lambda a: a * 2), kept).to_numpy(), [4, 4, 4])
+    finally:
+        stop_daemon(proc)
