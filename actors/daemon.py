@@ -82,7 +82,7 @@ def _import_loaders(names: list[str]) -> None:
         saved = os.dup(1)
         os.dup2(2, 1)  # what the module prints goes to stderr: stdout's first line is the daemon's ready line
         try:
-            fn = getattr(importlib.import_module(module), attr)
+            imported = importlib.import_module(module)
         except Exception as e:  # noqa: BLE001 - the user's module: any error it raises at import is the answer
             raise SystemExit(f"mpmd-actor: --allow-loader {name}: cannot import it here ({type(e).__name__}: {e}); put its "
                              f"module on PYTHONPATH (this daemon's working directory {os.getcwd()} is searched too)") from None
@@ -90,6 +90,10 @@ def _import_loaders(names: list[str]) -> None:
             sys.stdout.flush()
             os.dup2(saved, 1)
             os.close(saved)
+        fn = getattr(imported, attr, None)
+        if fn is None:
+            raise SystemExit(f"mpmd-actor: --allow-loader {name}: module {module} ({getattr(imported, '__file__', '?')}) "
+                             f"imported, but has no {attr!r}")
         if not callable(fn):
             raise SystemExit(f"mpmd-actor: --allow-loader {name} is a {type(fn).__name__}, not a function")
 

@@ -145,6 +145,7 @@ class Actor:
             "compile": self.compile,
             "run": self.run,
             "load_program": self.load_program,
+            "unload_programs": self.unload_programs,
             "run_program": self.run_program,
             "input_shm": self.input_shm,
             "abort": self.abort,
@@ -537,6 +538,16 @@ class Actor:
         ses.program_words[pid], ses.program_bytes[pid] = words, consts
         collector.freeze()  # the Program's instructions are kept for the session's life
         return {"program": pid}, []
+
+    async def unload_programs(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
+        """Drop the session's Programs `programs` (a step signature the controller let go); steps of them already
+        running finish. Ids it does not hold are skipped."""
+        ids = int_list(msg, "programs")
+        gone = [pid for pid in ids if ses.programs.pop(pid, None) is not None]
+        for pid in ids:
+            ses.program_words.pop(pid, None)
+            ses.program_bytes.pop(pid, None)
+        return {"unloaded": gone}, []
 
     def _within_guest_quota(self, ses: Session, more_bytes: int = 0, more_words: int = 0) -> None:
         """A RequestError if `ses` is a guest's (its key does not own the daemon's job) and the guests' sessions would

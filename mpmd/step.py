@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import inspect
@@ -13,6 +14,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -298,6 +300,17 @@ def _callers_level() -> int:
     return level
 
 
+MAX_SIGNATURES = 128  # argument signatures a distributed function keeps compiled (and loaded on its actors)
+
+
+def _unload_all(mesh_ref: Any, compiled: dict[Any, CompiledStep]) -> None:
+    """A distributed function is gone: its Programs go from the actors (any thread; nothing once the mesh is)."""
+    mesh = mesh_ref()
+    unload = getattr(mesh, "unload_programs", None)
+    if unload is not None and compiled:
+        unload(sorted({pid for c in list(compiled.values()) for pid in c.program_ids}))
+
+
 class DistributedFunction:
     """What `mpmd.distributed` returns. Call it like the original function."""
 
@@ -317,7 +330,13 @@ class DistributedFunction:
         self.static_argnums = _static_argnums(fn, static_argnums, static_argnames)
         self.donate_argnums = _static_argnums(fn, donate_argnums, donate_argnames, "donate")
         self._positional, self._kwonly = _parameters(fn)
-        self._compiled: dict[Any, CompiledStep] = {}
+        # the signatures compiled, least recently called first; past MAX_SIGNATURES the oldest is let go, its
+        # Programs unloaded from the actors (each held ~4 MiB here and up to ~0.6 MiB on an actor for good; a probe)
+        self._compiled: collections.OrderedDict[Any, CompiledStep] = collections.OrderedDict()
+        try:  # (and all of them once this function is gone: tune's candidates, a step made per call)
+            weakref.finalize(self, _unload_all, weakref.ref(mesh), self._compiled).atexit = False
+        except TypeError:  # (a mesh stand-in that takes no weak reference)
+            pass
         self._compiling: dict[Any, Any] = {}  # signature -> future of the compile under way (in any thread)
         self._async_compiles: dict[Any, Any] = {}  # signature -> the worker compiling it for call_async's callers
         self._compile_lock = threading.Lock()  # (callers in several threads: one compile per signature)
@@ -477,6 +496,11 @@ class DistributedFunction:
         if hit is not None and hit.generation != getattr(self.mesh, "generation", 0):
             self._compiled.pop(sig, None)  # (another thread may have dropped it already)
             return None
+        if hit is not None:
+            try:
+                self._compiled.move_to_end(sig)
+            except KeyError:  # (another thread let it go meanwhile: this call still runs it, loaded)
+                pass
         return hit
 
     def compile(self, *args: Any, **kwargs: Any) -> CompiledStep:
@@ -538,6 +562,14 @@ class DistributedFunction:
         loaded = self._lower_and_ship(plan, ids, sig[2], out_tree)
         compiled = self._compiled[sig] = CompiledStep(plan, ids, out_tree, time.perf_counter() - t0, arg_paths(self._hidden(args)), loaded,
                                                       generation)
+        while len(self._compiled) > MAX_SIGNATURES:
+            try:
+                _, old = self._compiled.popitem(last=False)
+            except KeyError:
+                break
+            unload = getattr(self.mesh, "unload_programs", None)
+            if unload is not None:
+                unload(sorted(set(old.program_ids)))
         log.info("compiled step: planned in %.2f s; %d executables lowered here, compiled on %d actors in parallel; %.2f s in all",
                  t1 - t0, len(plan.templates), len(plan.programs), compiled.compile_seconds)
         return compiled

@@ -445,6 +445,9 @@ def test_a_hand_started_daemon_imports_its_loaders_at_start_from_its_working_dir
                          text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert bad.returncode == 1 and "--allow-loader no_such_module_here:load: cannot import it here" in bad.stderr
     assert "PYTHONPATH" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+    typo = subprocess.run([*flags, "--allow-loader", "my_loader_mod:laod"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120, stdin=subprocess.DEVNULL)  # (it said "cannot import it": a probe)
+    assert typo.returncode == 1 and "module my_loader_mod" in typo.stderr and "imported, but has no 'laod'" in typo.stderr, typo.stderr
 
 
 def test_a_loader_name_must_be_module_colon_function():

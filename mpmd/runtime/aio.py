@@ -95,6 +95,15 @@ def abortable(fut: concurrent.futures.Future[Any], abort: Callable[[], concurren
     """Say how to abort the work `fut` stands for (a dispatched step): `abort()` starts it and returns a
     future of its end. `abort_unfinished` calls it for whoever awaits the work and is cancelled."""
     fut.mpmd_abort = abort  # type: ignore[attr-defined]
+    # Once the work is done there is nothing to abort: let go of `abort` (it holds the step function, which the
+    # mesh's list of steps in flight would otherwise keep alive, its Programs loaded on the actors).
+    fut.add_done_callback(lambda f: setattr(f, "mpmd_abort", _nothing_to_abort))
+
+
+def _nothing_to_abort() -> concurrent.futures.Future[Any]:
+    done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    done.set_result(None)
+    return done
 
 
 _WAITERS_LOCK = threading.Lock()

@@ -704,6 +704,27 @@ class RemoteMesh:
         """Free one buffer per actor now (waits for the actors)."""
         self.buffers.delete_now(buffers)
 
+    def unload_programs(self, ids: Sequence[int]) -> None:
+        """Drop the Programs `ids` from every actor, behind every step dispatched before (any thread; nothing once
+        the mesh is closed): a step signature let go (see DistributedFunction)."""
+        if self.closed or not ids:
+            return
+
+        def send() -> list[asyncio.Future[Any]]:
+            return [asyncio.ensure_future(c.submit("unload_programs", {"programs": list(ids)})) for c in self._conns if not c.dead]
+
+        async def finish(sent: list[asyncio.Future[Any]]) -> None:
+            for f in sent:
+                try:
+                    await f
+                except Exception:  # noqa: BLE001 - an actor lost or replaced meanwhile holds none of them any more
+                    pass
+
+        try:
+            self._io.dispatch(send, finish)
+        except Exception:  # noqa: BLE001 - (closed meanwhile)
+            pass
+
     def release_buffers(self, buffers: dict[int, int]) -> None:
         """Free buffers whose RemoteArray is gone, batched, behind every step dispatched before (any thread)."""
         self.buffers.release(buffers)
