@@ -90,6 +90,8 @@ class CompiledStep:
     loaded: list[Any] = field(default_factory=list)  # the Programs as the actors hold them (Runs name executable keys)
     generation: int = 0  # the mesh's `generation` when the Programs were loaded (a daemon restarted since has none)
     arg_outputs: tuple[int, ...] | None = None  # the argument leaves the step returns as they are (found at first call)
+    users: int = 0  # calls holding it between taking it and dispatching (its Programs are unloaded only when none)
+    dropped: bool = False  # let go of (evicted, replaced, or of an older mesh generation): unloaded once `users` is 0
 
     def __repr__(self) -> str:
         return (f"<CompiledStep: {self.plan!r}, {len(self.arg_paths)} argument leaves, compiled in {self.compile_seconds:.2f} s; "
@@ -339,7 +341,7 @@ class DistributedFunction:
             pass
         self._compiling: dict[Any, Any] = {}  # signature -> future of the compile under way (in any thread)
         self._async_compiles: dict[Any, Any] = {}  # signature -> the worker compiling it for call_async's callers
-        self._compile_lock = threading.Lock()  # (callers in several threads: one compile per signature)
+        self._compile_lock = threading.RLock()  # (callers in several threads: one compile per signature)
         self._cancelled: set[int] = set()  # steps aborted because their await was cancelled
         self._step = itertools.count()
         self._calls = 0  # the calls dispatched (a recovery's replays and refused calls are not counted): what loaders load
@@ -494,14 +496,52 @@ class DistributedFunction:
         daemon: the Programs it held are gone); then it is compiled and loaded again."""
         hit = self._compiled.get(sig)
         if hit is not None and hit.generation != getattr(self.mesh, "generation", 0):
-            self._compiled.pop(sig, None)  # (another thread may have dropped it already)
+            with self._compile_lock:
+                if self._compiled.get(sig) is hit:  # (another thread may have dropped it already)
+                    self._compiled.pop(sig, None)
+                    self._drop([hit])  # (the actors that were not restarted still hold its Programs)
             return None
         if hit is not None:
             try:
                 self._compiled.move_to_end(sig)
-            except KeyError:  # (another thread let it go meanwhile: this call still runs it, loaded)
+            except KeyError:  # (another thread let it go meanwhile: the caller takes it under the lock, `_take`)
                 pass
         return hit
+
+    def _take(self, sig: Any, args: tuple[Any, ...]) -> CompiledStep:
+        """The compiled step for `sig` (compiling it if need be), held for one call until `_let_go`: a signature
+        let go meanwhile (more than MAX_SIGNATURES called at once from other threads) keeps its Programs loaded
+        until this call is dispatched. (It was unloaded at once: "no program 1 on actor 0"; a probe.)"""
+        while True:
+            with self._compile_lock:
+                hit = self._cached(sig)
+                if hit is not None:
+                    hit.users += 1
+                    return hit
+            t = time.perf_counter()
+            self.compile_bound(args)
+            note_blocking(time.perf_counter() - t, f"compiling {getattr(self.fn, '__name__', 'a step')}")
+
+    def _let_go(self, compiled: CompiledStep) -> None:
+        """One call holding `compiled` has dispatched (or failed to)."""
+        with self._compile_lock:
+            compiled.users -= 1
+            unload = compiled.dropped and compiled.users == 0
+        if unload:
+            self._unload(compiled)
+
+    def _drop(self, olds: list[CompiledStep]) -> None:
+        """`olds` are let go of (called with `_compile_lock` held): their Programs are unloaded from the actors now,
+        or by the last call holding one (`_let_go`), behind that call's dispatch."""
+        for old in olds:
+            old.dropped = True
+            if old.users == 0:
+                self._unload(old)
+
+    def _unload(self, compiled: CompiledStep) -> None:
+        unload = getattr(self.mesh, "unload_programs", None)
+        if unload is not None:
+            unload(sorted(set(compiled.program_ids)))
 
     def compile(self, *args: Any, **kwargs: Any) -> CompiledStep:
         """Trace, plan and ship the Programs for these arguments, given as to the step itself (done by the
@@ -527,6 +567,9 @@ class DistributedFunction:
         (a trace error reaches every caller; a compile interrupted in its thread is started again by a waiter)."""
         while True:
             with self._compile_lock:
+                done = self._cached(sig)  # (compiled by another thread since the caller looked: not a second time)
+                if done is not None:
+                    return done
                 running = self._compiling.get(sig)
                 if running is None:
                     mine = self._compiling[sig] = concurrent.futures.Future()
@@ -559,17 +602,18 @@ class DistributedFunction:
                                 "transport='none' (no data plane): make it with transport='auto' (the default)")
         t1 = time.perf_counter()
         ids = [self.mesh.executables.new_program_id()] * len(plan.programs)  # one id: transfer keys (program, step, tag) must agree
-        loaded = self._lower_and_ship(plan, ids, sig[2], out_tree)
-        compiled = self._compiled[sig] = CompiledStep(plan, ids, out_tree, time.perf_counter() - t0, arg_paths(self._hidden(args)), loaded,
-                                                      generation)
-        while len(self._compiled) > MAX_SIGNATURES:
-            try:
-                _, old = self._compiled.popitem(last=False)
-            except KeyError:
-                break
-            unload = getattr(self.mesh, "unload_programs", None)
-            if unload is not None:
-                unload(sorted(set(old.program_ids)))
+        try:
+            loaded = self._lower_and_ship(plan, ids, sig[2], out_tree)
+        except BaseException:  # (Ctrl-C, or an actor's refusal, after some Programs were loaded: they go again)
+            getattr(self.mesh, "unload_programs", lambda ids: None)(sorted(set(ids)))
+            raise
+        compiled = CompiledStep(plan, ids, out_tree, time.perf_counter() - t0, arg_paths(self._hidden(args)), loaded, generation)
+        with self._compile_lock:
+            olds = [old] if (old := self._compiled.get(sig)) is not None else []
+            self._compiled[sig] = compiled
+            while len(self._compiled) > MAX_SIGNATURES:
+                olds.append(self._compiled.popitem(last=False)[1])
+            self._drop(olds)
         log.info("compiled step: planned in %.2f s; %d executables lowered here, compiled on %d actors in parallel; %.2f s in all",
                  t1 - t0, len(plan.templates), len(plan.programs), compiled.compile_seconds)
         return compiled
@@ -748,12 +792,11 @@ class DistributedFunction:
         waiting for fewer steps in flight (a recovery's replay, or a caller that waited before taking a lock the
         recovery needs: the failed steps in flight end only once the recovery has run)."""
         sig, leaves, _ = self._signature(args)
-        compiled = self._cached(sig)
-        if compiled is None:
-            t = time.perf_counter()
-            compiled = self.compile_bound(args)
-            note_blocking(time.perf_counter() - t, f"compiling {getattr(self.fn, '__name__', 'a step')}")
-        return self._dispatch(compiled, sig, leaves, on_failure, sent, load_step=load_step, room=room)[0]
+        compiled = self._take(sig, args)
+        try:
+            return self._dispatch(compiled, sig, leaves, on_failure, sent, load_step=load_step, room=room)[0]
+        finally:
+            self._let_go(compiled)
 
     def _dispatch(self, compiled: CompiledStep, sig: Any, leaves: list[Any], on_failure: Callable[[BaseException], Any] | None = None,
                   sent: list[Any] | None = None, may_wait: bool = True, load_step: int | None = None,
@@ -852,16 +895,22 @@ class DistributedFunction:
                 cancelled.set()  # a compile or a recovery under way runs on; the step is not dispatched
                 raise
         sig, leaves, _ = self._signature(args)
-        compiled = self._cached(sig)
-        if compiled is None:
-            with self._compile_lock:  # (awaiting calls share one worker; compile_bound shares with threads too)
-                running = self._async_compiles.get(sig)
+        while True:
+            with self._compile_lock:  # (held from here to its dispatch: see `_take`)
+                compiled = self._cached(sig)
+                if compiled is not None:
+                    compiled.users += 1
+                    break
+                running = self._async_compiles.get(sig)  # (awaiting calls share one worker; compile_bound threads too)
                 if running is None:
                     running = self._async_compiles[sig] = start_in_worker(self.compile_bound, args)
                     running.add_done_callback(lambda f: self._async_compiles.pop(sig, None) if self._async_compiles.get(sig) is f else None)
-            compiled = await watch(running)  # (compile_bound compiles again if a daemon was replaced meanwhile)
-        await self.mesh.wait_for_room_async()
-        outs, done = self._dispatch(compiled, sig, leaves, may_wait=False)  # (this is the caller's loop)
+            await watch(running)  # (compile_bound compiles again if a daemon was replaced meanwhile)
+        try:
+            await self.mesh.wait_for_room_async()
+            outs, done = self._dispatch(compiled, sig, leaves, may_wait=False)  # (this is the caller's loop)
+        finally:
+            self._let_go(compiled)
         self._donate(args, outs)
         try:
             await self.mesh.arun(asyncio.sleep(0))  # queued behind the dispatch: its requests have left when this runs

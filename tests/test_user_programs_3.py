@@ -5,6 +5,7 @@ called twice) — each equal to jax.jit of the same step, or refused before disp
 import asyncio
 import functools
 import re
+import threading
 
 import flax.linen as nn
 import jax
@@ -1147,3 +1148,50 @@ def test_a_step_keeps_its_newest_signatures_loaded_and_its_programs_go_from_the_
     assert [mesh2.actor(a).stats()["programs"] for a in range(2)] == before
     with pytest.raises(mpmd.MpmdError, match="'unload_programs' field 'programs' must be list, got str"):
         mesh2.run(mesh2.conn(0).request("unload_programs", {"programs": "all"}))
+
+
+def test_a_signature_let_go_while_another_thread_is_about_to_dispatch_it_still_runs(mesh2, monkeypatch):
+    """Thread A took signature 1 and waited for room; thread B's new shape let signature 1 go (MAX_SIGNATURES 1)
+    and its Programs were unloaded at once: A's step failed, "no program 1 on actor 0; load it first" (a probe).
+    A signature held by a call is unloaded only once that call is dispatched, behind it."""
+    from mpmd import step as step_module
+    from mpmd.testing import mlp, mlp_params, mse_loss, regression_batch
+
+    monkeypatch.setattr(step_module, "MAX_SIGNATURES", 1)
+    opt = optax.sgd(0.1)
+    train = make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2))
+    rng = np.random.default_rng(1)
+    params = mlp_params(rng, num_stages=2, width=8)
+    b1, b2 = (regression_batch(rng, num_microbatches=2, microbatch_size=rows, width=8) for rows in (2, 3))
+    before = [mesh2.actor(a).stats()["programs"] for a in range(2)]
+    dist = mpmd.distributed(train, mesh=mesh2)
+    mpmd.fetch(dist(params, opt.init(params), b1))
+    let_go = threading.Event()
+    real_wait = mesh2.wait_for_room
+
+    def wait_for_room():  # (A has taken its compiled step; the window is always there, this widens it)
+        if threading.current_thread().name == "A":
+            let_go.wait(120)
+        real_wait()
+
+    monkeypatch.setattr(mesh2, "wait_for_room", wait_for_room)
+    got = {}
+
+    def call(name, batch, then=None):
+        try:
+            got[name] = mpmd.fetch(dist(params, opt.init(params), batch))
+        except Exception as e:  # noqa: BLE001 - (reported below)
+            got[name] = e
+        if then is not None:
+            then.set()
+
+    a = threading.Thread(target=call, args=("A", b1), name="A")
+    b = threading.Thread(target=call, args=("B", b2, let_go), name="B")
+    a.start()
+    b.start()
+    b.join(200)
+    a.join(200)
+    for name, batch in (("A", b1), ("B", b2)):
+        assert not isinstance(got[name], Exception), got[name]
+        assert_trees_close(got[name], jax.jit(train)(params, opt.init(params), batch))
+    assert [mesh2.actor(i).stats()["programs"] - n for i, n in enumerate(before)] == [1, 1]  # (A's went after A's dispatch)
