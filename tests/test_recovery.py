@@ -17,6 +17,7 @@ import pytest
 
 import mpmd
 from mpmd.testing import make_train_step, mlp, mlp_params, mse_loss, regression_batch
+from tests.wire import wait_until
 
 STEPS = 20
 WIDTH = 32
@@ -288,6 +289,66 @@ def test_an_array_put_only_on_a_lost_actor_fails_the_step_that_reads_it_saying_s
                 _sigkill(mesh, 1)
             p, o, losses = dist(p, o, batches[k])
         assert np.isfinite(mpmd.fetch(losses)).all() and mesh.recoveries == 2
+
+
+def test_a_loop_donating_its_state_completes_its_snapshots_and_trims_its_log():
+    """The snapshot's get was sent a loop turn after the step that donates (and frees) its inputs: with
+    donate_argnums every snapshot failed, the log kept every step's batch for good and a recovery replayed from
+    the first step (30 records and the newest snapshot at record 0 after 30 steps; a probe)."""
+    batches = _batches()[:12]
+    with mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(snapshot_every=4)) as mesh:
+        dist = mpmd.distributed(STEP, mesh=mesh, donate_argnums=(0, 1))
+        p, o = _params(), OPT.init(_params())
+        for batch in batches:
+            p, o, losses = dist(p, o, batch)
+            losses.block_until_ready()
+        assert wait_until(lambda: mesh.recovery.snapshot is not None and mesh.recovery.snapshot.index >= 8, 10)
+        assert len(mesh.recovery.log) <= 4, len(mesh.recovery.log)
+
+
+def test_restored_state_a_step_donated_is_put_back_and_the_steps_after_it_replay_bit_identical(tmp_path):
+    """State made by mpmd.restore, held by the user and donated to a logged step, was taken for "still held" by the
+    recovery, which did not put it back: 4 of 5 steps "could not run again", their outputs said they lived on the
+    lost actor (a probe). It is put back, and the loop ends as an uninterrupted one."""
+    batches = _batches()[:5]
+
+    def run(kill):
+        with mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(snapshot_every=100)) as mesh:
+            dist = mpmd.distributed(STEP, mesh=mesh, donate_argnums=(0, 1))
+            p, o, _ = dist(_params(), OPT.init(_params()), batches[0])
+            mpmd.save(str(tmp_path / f"ckpt-{kill}"), (p, o))
+            kept = mpmd.restore(str(tmp_path / f"ckpt-{kill}"), mesh, like=(p, o))
+            p, o, loss = dist(*kept, batches[1])
+            losses = [loss]
+            for batch in batches[2:]:
+                p, o, loss = dist(p, o, batch)
+                losses.append(loss)
+            if kill:
+                _sigkill(mesh, 1)
+            got = mpmd.fetch((p, o, losses))
+            if kill:
+                assert mesh.recoveries == 1 and "steps that could not run again" not in mesh.recovery.last_report
+            return got
+
+    for g, w in zip(jax.tree.leaves(run(True)), jax.tree.leaves(run(False))):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_an_array_put_on_a_lost_actor_and_never_passed_to_a_step_says_it_is_gone():
+    """After the recovery, an array mesh.actor(1).put made, never read by a step, raised the replacement daemon's
+    "UnknownBufferError ... was it deleted or never put?", and mpmd.fetch of a tree holding it the stale
+    ActorDiedError advising mesh.reconnect (a probe). Both say what the recovery docstring promises."""
+    with mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(), heartbeat_timeout=5.0) as mesh:
+        x = mesh.actor(1).put(np.arange(4, dtype=np.float32))  # only on actor 1
+        y = mesh.actor(0).put(np.ones(4, np.float32))  # on actor 0, which survives
+        _sigkill(mesh, 1)
+        with pytest.raises(mpmd.MpmdError, match=r"holds no buffer: it lived only on lost actor\(s\) \[1\]"):
+            mpmd.fetch((x, y))
+        assert mesh.recoveries == 1
+        for read in (x.to_numpy, lambda: mesh.actor(1).run(jax.jit(lambda a: a + 1), x)):
+            with pytest.raises(mpmd.MpmdError, match=r"lived only on lost actor\(s\) \[1\]"):
+                read()
+        np.testing.assert_array_equal(y.to_numpy(), np.ones(4))
 
 
 def test_a_call_async_cancelled_while_it_compiles_on_a_recovering_mesh_is_not_dispatched():

@@ -346,7 +346,12 @@ def fetch(tree: Any) -> Any:
         try:
             arrays = mesh.get_buffers(bufs)
         except MpmdError as e:  # a lost actor the mesh recovered from: the arrays were rebound, read them again
-            if not _recovered(mesh, e, None) or any(leaves[i].is_deleted for idx in per_actor.values() for i in idx):
+            recovered = _recovered(mesh, e, None)
+            if recovered:  # (one the recovery could not put back says so, not the loss it recovered from)
+                for idx in per_actor.values():
+                    for i in idx:
+                        leaves[i]._check_usable()
+            if not recovered:
                 failed = [leaves[i] for idx in per_actor.values() for i in idx]
                 for x in failed:
                     x._failed_fetch(e)

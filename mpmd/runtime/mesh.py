@@ -511,8 +511,9 @@ class RemoteMesh:
                     info.header.get("pid"), "; the recovery puts them back" if getattr(self, "recovery", None) is not None else "")
             self.executables.forget(i)
             self.generation += 1  # distributed steps load their Programs again at their next call
-            if getattr(self, "recovery", None) is None:  # (a recovery puts the lost arrays back, rebinding them)
-                self._replaced[i] = (mark, time.strftime("%H:%M:%S"))
+            # (a recovery puts the arrays it can back, rebinding them to buffers from `mark` on: what still names an
+            # older buffer there, an array put on that actor and never passed to a step since, is gone)
+            self._replaced[i] = (mark, time.strftime("%H:%M:%S"))
             self.infos[i] = info
             if self.actor_mesh is not None:
                 self.run(new.request("mesh", {"mesh": self.actor_mesh.to_wire()}))
@@ -733,7 +734,8 @@ class RemoteMesh:
         """Refuse a RemoteArray of another (or a closed) mesh: its buffer ids mean nothing here."""
         if x.mesh is self:
             if x.is_deleted:
-                raise MpmdError(f"{what} is a deleted RemoteArray; its data is gone")
+                why = self.recovery.why_gone(x) if getattr(self, "recovery", None) is not None else None
+                raise MpmdError(f"{what}: {why}" if why else f"{what} is a deleted RemoteArray; its data is gone")
             self.check_not_replaced(x, what)
             return
         if x.mesh.closed:
@@ -756,6 +758,8 @@ class RemoteMesh:
             x.buffers = {a: b for a, b in held.items() if a not in lost}  # (replaced whole, as a recovery rebinds)
             return
         a = min(lost)
+        if getattr(self, "recovery", None) is not None:  # (as the recovery leaves what it could not put back)
+            raise MpmdError(f"{what}: {self.recovery.note_lost(x, sorted(lost))}")
         raise MpmdError(f"{what} ({x!r}) lived on actor {a}, whose daemon was restarted (mesh.reconnect({a}) found a new one "
                         f"at {self._replaced[a][1]}): its data went with the old daemon. Pass the values again from the host "
                         "(kept with mpmd.fetch, or mpmd.restore from a checkpoint); recover=mpmd.Recovery() on the mesh puts "

@@ -258,12 +258,17 @@ class RecoveryManager:
         return (f"{x!r} holds no buffer: it lived only on lost actor(s) {actors} and was neither in the recovery's snapshot "
                 "nor made by a step since (put there by mesh.actor(i).put, say). Pass its value again from the host")
 
+    def note_lost(self, x: RemoteArray, actors: list[int]) -> str:
+        """`x` lived only on the lost `actors` and no recovery put it back (it never reached a logged step): it
+        holds no buffer from now on; why, as `why_gone` says it."""
+        x.buffers = {}
+        with self._state:
+            self._lost[self._vid(x)] = actors
+        return self.why_gone(x) or ""
+
     def _refuse_gone(self, x: RemoteArray, dist: Any) -> None:
         """Raise for an argument `x` with no buffer left: lost with an actor (see the module docstring), or deleted."""
-        why = self.why_gone(x)
-        if why:
-            raise MpmdError(f"an argument of {getattr(dist, '__name__', 'the step')}: {why}")
-        self.mesh.check_owned(x, f"an argument of {getattr(dist, '__name__', 'the step')}")  # (raises: deleted or donated)
+        self.mesh.check_owned(x, f"an argument of {getattr(dist, '__name__', 'the step')}")  # (raises: lost, deleted or donated)
 
     def _start_snapshot(self, index: int, arrays: dict[int, RemoteArray]) -> Snapshot:
         """Fetch `arrays` (the inputs of log entry `index`) to host memory in the background."""
@@ -296,15 +301,24 @@ class RecoveryManager:
         held = list(arrays.values())  # strong references until the gets are answered: no release overtakes them
         mesh = self.mesh
 
-        async def fetch() -> dict[int, np.ndarray]:
-            replies = await asyncio.gather(*(mesh.conn(a).request("get", {"bufs": [b for _, b in vb]}) for a, vb in per_actor.items()))
+        def send() -> list[asyncio.Future[Any]]:
+            # Sent by a plain callback on the controller loop, queued now: ahead of the step dispatched next and of
+            # the free of the inputs it donates. (From a coroutine, a loop turn later, that free came first: with
+            # donate_argnums no snapshot ever completed, the log grew for good and a recovery replayed every
+            # step from the first; a probe.)
+            return [asyncio.ensure_future(mesh.conn(a).submit("get", {"bufs": [b for _, b in vb]})) for a, vb in per_actor.items()]
+
+        async def gathered(sent: list[asyncio.Future[Any]]) -> dict[int, np.ndarray]:
+            try:
+                replies = await asyncio.gather(*sent)
+            finally:
+                held.clear()
             got = {}
             for vb, msg in zip(per_actor.values(), replies):
                 got.update({vid: arr for (vid, _), arr in zip(vb, msg.arrays)})
-            held.clear()
             return got
 
-        return mesh.submit_coroutine(fetch())
+        return mesh.dispatch(send, gathered)
 
     def adopt(self, arrays: list[RemoteArray]) -> None:
         """Arrays made outside the log that a step will read (what `mpmd.restore` made): their values fetched now,
@@ -338,7 +352,9 @@ class RecoveryManager:
             if snap in self.pending:
                 self.pending.remove(snap)
             if f.cancelled() or f.exception() is not None:
-                log.debug("snapshot at step record %d failed: %s", snap.index, None if f.cancelled() else f.exception())
+                error = None if f.cancelled() else f.exception()  # (a lost actor's is what the recovery then handles)
+                log.log(logging.DEBUG if error is None or isinstance(error, ActorDiedError) or self.mesh.closed else logging.WARNING,
+                        "snapshot at step record %d failed: %s", snap.index, error)
                 return
             snap.values.update(f.result())
             snap.complete = True
@@ -627,27 +643,31 @@ class RecoveryManager:
         replayed_vids = {vid for r in records for _, vid, _ in r.outs}
         needed = {leaf[1] for r in records for leaf in r.leaves if leaf[0] == "remote"}
         # The call's inputs go back on every actor (all roll back); the other arrays live at the snapshot only
-        # where needed: let go but read by a logged step, or still held and stripped of a buffer just now.
+        # where needed: stripped of a buffer just now, or let go (or donated since: held, but with no buffer) and
+        # read by a logged step. (A donated one was taken for held, and the steps reading it were not replayed.)
+        def held(vid: int, x: RemoteArray | None) -> bool:
+            return x is not None and (bool(x.buffers) or vid in stripped)
+
         restore = {vid: meta for vid, meta in snap.meta.items()
-                   if vid not in snap.extra or (vid in stripped if meta[3]() is not None else vid in needed)}
+                   if vid not in snap.extra or vid in stripped or (not held(vid, meta[3]()) and vid in needed)}
         back = [vid for vid, (x, gone) in stripped.items()  # older live arrays that were on a replaced actor
                 if vid not in snap.meta and vid not in replayed_vids and vid in self._kept]  # (else: lost, in no snapshot)
         with self._state:  # inputs from outside the log that a logged step reads, let go or on a replaced actor
             external = {vid: (e.values[vid], meta) for e in self._externals if e.complete for vid, meta in e.meta.items()
-                        if vid in needed and vid not in restore and (meta[3]() is None or vid in stripped)}
+                        if vid in needed and vid not in restore and (not held(vid, meta[3]()) or vid in stripped)}
         puts = [(snap.values[vid], actors, spec, dtype) for vid, (actors, spec, dtype, _) in restore.items()]
         puts += [(self._kept[vid][0], stripped[vid][1], self._kept[vid][1], self._kept[vid][2]) for vid in back]
         puts += [(value, actors, spec, dtype) for value, (actors, spec, dtype, _) in external.values()]
         arrays = put_all(mesh, puts)  # every actor rolls back to the snapshot; the older arrays go back where they were
         values: dict[int, RemoteArray] = {}
         for (vid, (_, _, _, ref)), fresh in zip(restore.items(), arrays):
-            values[vid] = self._rebind(ref(), fresh, vid)
+            values[vid] = self._rebind(ref() if held(vid, ref()) else None, fresh, vid)  # (a donated one stays deleted)
         for vid, fresh in zip(back, arrays[len(restore):]):
             x = stripped[vid][0]
             x.buffers.update(fresh.buffers)
             fresh.buffers = {}
         for (vid, (_, (_, _, _, ref))), fresh in zip(external.items(), arrays[len(restore) + len(back):]):
-            values[vid] = self._rebind(ref(), fresh, vid)
+            values[vid] = self._rebind(ref() if held(vid, ref()) else None, fresh, vid)
         lost = {vid: sorted(gone) for vid, (x, gone) in stripped.items() if not x.buffers}  # (before the replay makes some)
         report["restore"] = time.monotonic() - t
         t = time.monotonic()
