@@ -145,7 +145,7 @@ def _being_written(tmp: str) -> bool:
     return False
 
 
-_HANDED_OUT: dict[tuple[int, int], int] = {}  # checkpoint directory (device, inode) -> the highest number `_start` gave
+_HANDED_OUT: dict[tuple[str, int, int], int] = {}  # checkpoint directory (path, device, inode) -> the highest number handed out
 
 
 def _start(path: str) -> tuple[str, str]:
@@ -166,7 +166,9 @@ def _start(path: str) -> tuple[str, str]:
         # Never a number this process handed out before, even one whose .tmp is gone: a save abandoned by this
         # controller may still be written by an actor that was stopped (SIGSTOP) and resumed, into that name.
         st = os.stat(path)
-        key = (st.st_dev, st.st_ino)  # (the directory itself: one a user removed and made again starts afresh)
+        # (the directory itself, where it is: one a user removed and made again, or a new one that got a removed
+        # one's inode, starts afresh)
+        key = (os.path.realpath(path), st.st_dev, st.st_ino)
         number = 1 + max(max(numbers, default=0), _HANDED_OUT.get(key, 0))
         _HANDED_OUT[key] = number
         name = f"ckpt-{number}"
