@@ -351,6 +351,40 @@ def test_an_array_put_on_a_lost_actor_and_never_passed_to_a_step_says_it_is_gone
         np.testing.assert_array_equal(y.to_numpy(), np.ones(4))
 
 
+def test_an_older_output_read_while_the_recovery_reloads_is_put_back_not_called_lost(monkeypatch):
+    """The replaced actor's old buffer ids were marked gone as soon as the replacement joined: a fetch in the
+    seconds the recovery then spends reloading steps, before it rebinds anything, declared an older loss (kept
+    from a snapshot) lost for good (a review). Until the recovery has rebound, a read waits for it."""
+    from mpmd.runtime import recovery as recovery_module
+
+    original = recovery_module.RecoveryManager._restore_and_replay
+    in_window = threading.Event()
+
+    def slow(self, replaced, report):
+        in_window.set()
+        time.sleep(2.0)  # (what reloading every step's executables on the replacement takes on a bigger model)
+        return original(self, replaced, report)
+
+    monkeypatch.setattr(recovery_module.RecoveryManager, "_restore_and_replay", slow)
+    batches = _batches()
+    with mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(snapshot_every=2), heartbeat_timeout=5.0) as mesh:
+        dist = mpmd.distributed(STEP, mesh=mesh)
+        p, o, loss0 = dist(_params(), OPT.init(_params()), batches[0])
+        for batch in batches[1:4]:
+            p, o, loss = dist(p, o, batch)
+        want = loss0.to_numpy()
+        assert wait_until(lambda: mesh.recovery.snapshot is not None and mesh.recovery.snapshot.index >= 2, 10)
+        _sigkill(mesh, 1)
+        worker = threading.Thread(target=lambda: mpmd.fetch(dist(p, o, batches[4])))
+        worker.start()
+        assert in_window.wait(60)
+        loss0._host = None  # (read from the actors again, as an array never fetched would be)
+        np.testing.assert_array_equal(mpmd.fetch(loss0), want)
+        worker.join(120)
+        assert mesh.recoveries == 1
+        np.testing.assert_array_equal(mpmd.fetch(loss0), want)
+
+
 def test_a_call_async_cancelled_while_it_compiles_on_a_recovering_mesh_is_not_dispatched():
     """On a recovering mesh `call_async` runs `Recovery.call` in a worker thread; cancelled while the first
     call compiled, that thread went on to dispatch and log the step anyway (a plain mesh's cancelled call

@@ -160,6 +160,7 @@ class RemoteMesh:
         self._tmpdir: str | None = None
         self.generation = 0  # counts daemons replaced under this mesh by reconnect (see DistributedFunction._cached)
         self._replaced: dict[int, tuple[int, str]] = {}  # actor -> (first buffer id its new daemon may hold, when: reconnect)
+        self._recovering: dict[int, tuple[int, str]] = {}  # the same for actors a recovery under way replaced
         self.recovery: Any = None  # a mpmd.runtime.recovery.RecoveryManager when made with recover=Recovery(...)
         _LIVE_MESHES.add(self)
         self.actors = [ActorHandle(self, i) for i in range(len(addresses))]
@@ -511,9 +512,11 @@ class RemoteMesh:
                     info.header.get("pid"), "; the recovery puts them back" if getattr(self, "recovery", None) is not None else "")
             self.executables.forget(i)
             self.generation += 1  # distributed steps load their Programs again at their next call
-            # (a recovery puts the arrays it can back, rebinding them to buffers from `mark` on: what still names an
-            # older buffer there, an array put on that actor and never passed to a step since, is gone)
-            self._replaced[i] = (mark, time.strftime("%H:%M:%S"))
+            if getattr(self, "recovery", None) is None:
+                self._replaced[i] = (mark, time.strftime("%H:%M:%S"))
+            else:  # (a recovery puts the arrays it can back, rebinding them to buffers from `mark` on; once it has, what
+                # still names an older buffer there — put on that actor, never passed to a step — is gone: `recovered`)
+                self._recovering[i] = (mark, time.strftime("%H:%M:%S"))
             self.infos[i] = info
             if self.actor_mesh is not None:
                 self.run(new.request("mesh", {"mesh": self.actor_mesh.to_wire()}))
@@ -704,6 +707,12 @@ class RemoteMesh:
     def delete_buffers(self, buffers: dict[int, int]) -> None:
         """Free one buffer per actor now (waits for the actors)."""
         self.buffers.delete_now(buffers)
+
+    def recovered(self) -> None:
+        """The recovery has put back and rebound what it could: arrays still naming a buffer of a daemon it replaced
+        are gone from now on (`check_not_replaced`). (Not before: a read during the recovery waits for it.)"""
+        self._replaced.update(self._recovering)
+        self._recovering.clear()
 
     def unload_programs(self, ids: Sequence[int]) -> None:
         """Drop the Programs `ids` from every actor, behind every step dispatched before (any thread; nothing once

@@ -709,6 +709,7 @@ class RecoveryManager:
             rec.replayed = True
         with self._state:  # what is still without a buffer now is lost for good (the replay rebound the rest)
             self._lost.update({vid: actors for vid, actors in lost.items() if not stripped[vid][0].buffers})
+        getattr(mesh, "recovered", lambda: None)()
         report["replay"] = time.monotonic() - t
         if len(replayed) < len(records):
             report["steps that could not run again"] = len(records) - len(replayed)
