@@ -433,6 +433,8 @@ class Actor:
         cached = cached and key in ses.executables  # (whether another session compiled it is not this one's business)
         ses.executables.add(key)
         self.cache.claim(key)
+        if self.sessions.get(ses.id) is not ses and not any(key in s.executables for s in self.sessions.values()):
+            self.cache.retire([key])  # (its session ended while it compiled: nobody's, like the rest of that session's)
         reply: dict[str, Any] = {"exe": key, "cached": cached}
         if in_layouts is not None:
             reply["out_layouts"] = self.cache.out_layouts(key)

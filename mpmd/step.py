@@ -89,7 +89,7 @@ class CompiledStep:
     arg_paths: list[str]
     loaded: list[Any] = field(default_factory=list)  # the Programs as the actors hold them (Runs name executable keys)
     generation: int = 0  # the mesh's `generation` when the Programs were loaded (a daemon restarted since has none)
-    arg_outputs: tuple[int, ...] | None = None  # the argument leaves the step returns as they are (found at first call)
+    arg_outputs: tuple[int, ...] | None = None  # the argument leaves the step (or a host callback) gets as they are
     users: int = 0  # calls holding it between taking it and dispatching (its Programs are unloaded only when none)
     dropped: bool = False  # let go of (evicted, replaced, or of an older mesh generation): unloaded once `users` is 0
 
@@ -811,20 +811,28 @@ class DistributedFunction:
             mesh.wait_for_room()  # (a loop that only dispatches waits for the actors here, as under jax.jit)
         arg_outputs = compiled.arg_outputs
         if arg_outputs is None:
-            arg_outputs = compiled.arg_outputs = tuple(v for kind, v in plan.out_homes[:plan.num_outputs] if kind == "arg")
+            arg_outputs = compiled.arg_outputs = tuple(v for kind, v in plan.out_homes if kind == "arg")  # (host callbacks' too)
         for k in arg_outputs:
             if isinstance(leaves[k], LoadedLeaf):
                 raise PipelineError(f"{getattr(self.fn, '__name__', 'the step')} returns its argument {compiled.arg_paths[k]} as it "
-                                    "is, a leaf the actors load themselves (mpmd.loaded_by_actors): its value never reaches "
-                                    "this controller. Return something computed from it instead, or call the loader here")
+                                    "is, or hands it to a host callback, and it is a leaf the actors load themselves "
+                                    "(mpmd.loaded_by_actors): its value never reaches this controller. Use something computed "
+                                    "from it instead, or call the loader here")
         step = next(self._step)
         # (the call count, not `step`: a replay draws step numbers of its own, and must not shift later loads; a
         # call refused before it is sent loads nothing, and the next call loads what it would have)
-        with self._calls_lock:
-            load = self._calls if load_step is None else load_step
+        load = load_step
+        if load is None:
+            with self._calls_lock:  # (the number only: _prepare may wait, and other callers of this step go on)
+                load, self._calls = self._calls, self._calls + 1
+        try:
             requests, replicas, outs = self._prepare(compiled, leaves, step, sig[2], may_wait, load)
+        except BaseException:
             if load_step is None:
-                self._calls += 1
+                with self._calls_lock:
+                    if self._calls == load + 1:  # (given back unless another call has taken the next one since)
+                        self._calls = load
+            raise
         self._last_load = load
         # Arguments that earlier steps still make: if this step fails because one of those did, that is its error.
         upstream = [(compiled.arg_paths[k], x._ready) for k, x in enumerate(leaves)

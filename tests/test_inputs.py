@@ -293,8 +293,13 @@ def test_the_step_a_call_loads_counts_dispatched_calls_and_can_be_set_and_carrie
             _, losses = mpmd.accumulate_grads(mb_grads, b, schedule=mpmd.OneFOneB(2))
             return losses, b["y"]
 
-        with pytest.raises(PipelineError, match=r"returns its argument .*\['y'\] as it is, a leaf the actors load"):
-            mpmd.distributed(returns_y, mesh=mesh)(params, {k: v for k, v in batch.items()})
+        def hands_y_to_a_callback(p, b):  # (the callback got the descriptor, as a 0-d object array: a review)
+            jax.debug.callback(lambda y: None, b["y"])
+            return returns_y(p, b)[0]
+
+        for step in (returns_y, hands_y_to_a_callback):
+            with pytest.raises(PipelineError, match=r"returns its argument .*\['y'\] as it is, or hands it to a host callback"):
+                mpmd.distributed(step, mesh=mesh)(params, {k: v for k, v in batch.items()})
         assert dist.next_load_step == 6  # (the call on another schedule counted on its own step)
 
 
