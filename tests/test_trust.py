@@ -402,10 +402,10 @@ def test_an_export_returning_one_array_or_a_dict_is_built_with_its_leaves_as_out
 
 
 # ---- 4. an abandoned compile is gone -------------------------------------------------------------------
-def _slow_blob(salt: int, layers: int = 120) -> bytes:
-    """A stage whose XLA compile takes ~17 s here (its checks 0.3 s) (a chain of `layers` matmul-sine layers, its 64
-    rows returned as 64 outputs, as the daemon once split a bare array: the one array compiled in under 2 s); `salt`
-    makes each blob distinct."""
+def _slow_blob(salt: int, layers: int = 600) -> bytes:
+    """A stage whose XLA compile takes seconds (a chain of `layers` matmul-sine layers, its 64 rows returned as 64
+    outputs: 4.3 s in a process of its own here, single-threaded; 120 layers of one array, ~17 s while the daemon split
+    a bare array into rows, compiled in under 2 s once it did not); `salt` makes each blob distinct."""
     import jax.numpy as jnp
     from jax import export
 
