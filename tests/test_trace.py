@@ -103,10 +103,12 @@ def test_a_slowed_stage_shows_up_in_the_trace_as_the_other_actors_recorded_wait_
     microbatch sent, its wait ending no earlier than that value's arrival and covering the slowed Run; so actor
     0's time is mostly waiting and its measured bubble is the larger. All of it is read off one traced step
     (order, attribution, overlap), not wall-time ratios between two runs, which load on the machine can invert.
-    Its own mesh: a traced step must not share actors with other tests' leftover work."""
+    Its own mesh: a traced step must not share actors with other tests' leftover work; each actor on a core of its
+    own with single-threaded XLA (unpinned, the slowed stage's matmul threads took both cores, and stage 0's Runs
+    measured a third of its time, not a fortieth: a failed CI run)."""
     from mpmd.observe.trace import measured_bubbles
 
-    with mpmd.RemoteMesh.local(num_actors=2) as mesh:
+    with mpmd.RemoteMesh.local(num_actors=2, cpus_per_actor=1 if (os.cpu_count() or 1) >= 2 else None) as mesh:
         t = _trace_a_step_with_stage_1_heavier(mesh, extra=40)
     step = t.steps[-1]
 
