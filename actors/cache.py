@@ -197,6 +197,11 @@ class ExecutableCache:
             dropped.append(key)
         return dropped
 
+    @property
+    def unused(self) -> list[str]:
+        """The executables no open session uses, oldest first (kept for a later job)."""
+        return list(self._unused)
+
     def claim(self, key: str) -> None:
         """A session uses `key` (again): it is not among the unused."""
         self._unused.pop(key, None)

@@ -34,7 +34,7 @@ from actors.transfers import Transfers
 from transport.p2p import P2PTransport
 from transport.p2p.base import computed
 from transport.program import ProgramError, Recv, Run, Send, decode_instruction, decode_program
-from transport.protocol import Message, aval_header
+from transport.protocol import MAX_IDS, Message, aval_header
 
 log = logging.getLogger(__name__)
 
@@ -310,9 +310,7 @@ class Actor:
     def _end(self, ses: Session, settle: bool = True) -> None:
         self.sessions.pop(ses.id, None)
         ses.close()
-        in_use = set().union(*(s.executables for s in self.sessions.values()))
-        for key in self.cache.retire(ses.executables - in_use):  # (its executables no other session uses)
-            self.interpreter.forget(key)
+        self._retire(ses.executables)  # (its executables no other session uses)
         if settle:
             collector.settle()  # what only this session used may sit in frozen cycles
         if self.ownership.owner == ses.owner and not any(s.owner == ses.owner for s in self.sessions.values()):
@@ -469,6 +467,7 @@ class Actor:
             "buffers": len(ses.buffers),
             "bytes": ses.buffers.nbytes,
             "executables": len(ses.executables),
+            "session_executables": len(ses.executables),  # (the owner's "executables" is the daemon's cache)
             "programs": len(ses.programs),
             "running": len(ses.running),
             "last_step_peak_bytes": ses.last_step_peak_bytes,
@@ -480,7 +479,7 @@ class Actor:
             "p2p": None,
         }
         if self.ownership.governs(ses.owner):  # what the daemon does for every session: its owner's and operators' to see
-            mine.update({"executables": len(self.cache), "compiles": self.cache.compiles, "hits": self.cache.hits,
+            mine.update({"executables": len(self.cache), "unused_executables": len(self.cache.unused), "compiles": self.cache.compiles, "hits": self.cache.hits,
                          "requests": self.requests, "errors": self.errors, "sessions": len(self.sessions),
                          "p2p": self.p2p.stats() if self.p2p is not None else None})
         return mine, []
@@ -542,14 +541,36 @@ class Actor:
         return {"program": pid}, []
 
     async def unload_programs(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
-        """Drop the session's Programs `programs` (a step signature the controller let go); steps of them already
-        running finish. Ids it does not hold are skipped."""
+        """Drop the session's Programs `programs` (a step signature the controller let go), and its executables
+        `executables` (optional: those no other signature of the controller uses) unless a Program it still holds
+        runs one; steps already running finish first. Ids and keys it does not hold are skipped."""
         ids = int_list(msg, "programs")
+        keys = field(msg, "executables", list) if "executables" in msg.header else []
+        if len(keys) > MAX_IDS or not all(isinstance(k, str) for k in keys):
+            raise RequestError(f"'unload_programs' field 'executables' must be a list of at most {MAX_IDS} executable keys")
         gone = [pid for pid in ids if ses.programs.pop(pid, None) is not None]
         for pid in ids:
             ses.program_words.pop(pid, None)
             ses.program_bytes.pop(pid, None)
-        return {"unloaded": gone}, []
+        still = {ins.exe for prog in ses.programs.values() for ins in prog.instructions if isinstance(ins, Run)} if keys else set()
+        freed = sorted(k for k in set(keys) if k in ses.executables and k not in still)
+        ses.executables.difference_update(freed)
+        running = [t for t in ses.running.values() if not t.done()]
+        if running:  # (a step dispatched before may still run them: retired once those steps are over)
+            asyncio.ensure_future(self._retire_after(running, freed))
+        else:
+            self._retire(freed)
+        return {"unloaded": gone, "executables": freed}, []
+
+    def _retire(self, keys: Any) -> None:
+        """`keys` left a session: those no open session uses are kept among the cache's unused, as a closed session's."""
+        in_use = set().union(*(s.executables for s in self.sessions.values()))
+        for key in self.cache.retire(set(keys) - in_use):
+            self.interpreter.forget(key)
+
+    async def _retire_after(self, running: list[asyncio.Task[Any]], keys: list[str]) -> None:
+        await asyncio.wait(running)
+        self._retire(keys)
 
     def _within_guest_quota(self, ses: Session, more_bytes: int = 0, more_words: int = 0) -> None:
         """A RequestError if `ses` is a guest's (its key does not own the daemon's job) and the guests' sessions would

@@ -92,6 +92,7 @@ class CompiledStep:
     arg_outputs: tuple[int, ...] | None = None  # the argument leaves the step (or a host callback) gets as they are
     users: int = 0  # calls holding it between taking it and dispatching (its Programs are unloaded only when none)
     dropped: bool = False  # let go of (evicted, replaced, or of an older mesh generation): unloaded once `users` is 0
+    holder: int | None = None  # its hold on the actors' executables (mpmd.runtime.executables), let go of with it
 
     def __repr__(self) -> str:
         return (f"<CompiledStep: {self.plan!r}, {len(self.arg_paths)} argument leaves, compiled in {self.compile_seconds:.2f} s; "
@@ -305,12 +306,16 @@ def _callers_level() -> int:
 MAX_SIGNATURES = 128  # argument signatures a distributed function keeps compiled (and loaded on its actors)
 
 
-def _unload_all(mesh_ref: Any, compiled: dict[Any, CompiledStep]) -> None:
-    """A distributed function is gone: its Programs go from the actors (any thread; nothing once the mesh is)."""
-    mesh = mesh_ref()
+def _unload(mesh: Any, compiled: list[CompiledStep]) -> None:
+    """`compiled`'s Programs go from the actors (any thread; nothing once the mesh is gone or without one)."""
     unload = getattr(mesh, "unload_programs", None)
     if unload is not None and compiled:
-        unload(sorted({pid for c in list(compiled.values()) for pid in c.program_ids}))
+        unload(sorted({pid for c in compiled for pid in c.program_ids}), [c.holder for c in compiled if c.holder is not None])
+
+
+def _unload_all(mesh_ref: Any, compiled: dict[Any, CompiledStep]) -> None:
+    """A distributed function is gone: every Program of its signatures goes from the actors."""
+    _unload(mesh_ref(), list(compiled.values()))
 
 
 class DistributedFunction:
@@ -528,7 +533,7 @@ class DistributedFunction:
             compiled.users -= 1
             unload = compiled.dropped and compiled.users == 0
         if unload:
-            self._unload(compiled)
+            _unload(self.mesh, [compiled])
 
     def _drop(self, olds: list[CompiledStep]) -> None:
         """`olds` are let go of (called with `_compile_lock` held): their Programs are unloaded from the actors now,
@@ -536,12 +541,7 @@ class DistributedFunction:
         for old in olds:
             old.dropped = True
             if old.users == 0:
-                self._unload(old)
-
-    def _unload(self, compiled: CompiledStep) -> None:
-        unload = getattr(self.mesh, "unload_programs", None)
-        if unload is not None:
-            unload(sorted(set(compiled.program_ids)))
+                _unload(self.mesh, [old])
 
     def compile(self, *args: Any, **kwargs: Any) -> CompiledStep:
         """Trace, plan and ship the Programs for these arguments, given as to the step itself (done by the
@@ -602,12 +602,14 @@ class DistributedFunction:
                                 "transport='none' (no data plane): make it with transport='auto' (the default)")
         t1 = time.perf_counter()
         ids = [self.mesh.executables.new_program_id()] * len(plan.programs)  # one id: transfer keys (program, step, tag) must agree
+        holder = self.mesh.executables.new_holder()
         try:
-            loaded = self._lower_and_ship(plan, ids, sig[2], out_tree)
+            loaded = self._lower_and_ship(plan, ids, sig[2], out_tree, holder=holder)
         except BaseException:  # (Ctrl-C, or an actor's refusal, after some Programs were loaded: they go again)
-            getattr(self.mesh, "unload_programs", lambda ids: None)(sorted(set(ids)))
+            getattr(self.mesh, "unload_programs", lambda ids, holders: None)(sorted(set(ids)), [holder])
             raise
-        compiled = CompiledStep(plan, ids, out_tree, time.perf_counter() - t0, arg_paths(self._hidden(args)), loaded, generation)
+        compiled = CompiledStep(plan, ids, out_tree, time.perf_counter() - t0, arg_paths(self._hidden(args)), loaded, generation,
+                                holder=holder)
         with self._compile_lock:
             olds = [old] if (old := self._compiled.get(sig)) is not None else []
             self._compiled[sig] = compiled
@@ -619,14 +621,15 @@ class DistributedFunction:
         return compiled
 
     def _lower_and_ship(self, plan: StepPlan, ids: list[int], arg_layouts: tuple | None, out_tree: Any,
-                        lowered: list[tuple[Any, bytes]] | None = None) -> list[Any]:
+                        lowered: list[tuple[Any, bytes]] | None = None, holder: int | None = None) -> list[Any]:
         """Export each distinct executable once, here, and have every actor that runs it start compiling it at
         once (actors compile while the next one is exported); then load the Programs. With multi-device
         actors, executables are compiled wave by wave with their inputs' layouts (see mpmd.runtime.sharding). Returns
-        how many executables were exported. `lowered`: the plan's (template, blob) pairs, exported already."""
+        how many executables were exported. `lowered`: the plan's (template, blob) pairs, exported already; `holder`:
+        the signature's hold on its executables (`Executables.new_holder`)."""
         mesh = self.mesh
         if arg_layouts is not None:
-            return self._lower_and_ship_sharded(plan, ids, arg_layouts, out_tree, lowered)
+            return self._lower_and_ship_sharded(plan, ids, arg_layouts, out_tree, lowered, holder)
         users: dict[Any, list[int]] = {}
         for prog in plan.programs:
             for t in prog.executables:
@@ -635,7 +638,7 @@ class DistributedFunction:
         progress = Progress(f"lowering {len(plan.templates)} executables for {len(plan.programs)} actors")
         for i, (tpl, blob) in enumerate(lowered if lowered is not None else iter_lowered(plan, mesh.platform)):
             for a in users.get(tpl, ()):
-                keys[(a, tpl)] = mesh.submit_coroutine(mesh.executables.ensure_compiled(a, blob, tpl[-1]))
+                keys[(a, tpl)] = mesh.submit_coroutine(mesh.executables.ensure_compiled(a, blob, tpl[-1], holder=holder))
             progress.tick(f"lowered executable {i + 1}/{len(plan.templates)}")
         exe_keys = wait_logged(keys, "executables compiled on the actors")
         import dataclasses
@@ -649,7 +652,7 @@ class DistributedFunction:
         return programs
 
     def _lower_and_ship_sharded(self, plan: StepPlan, ids: list[int], arg_layouts: tuple, out_tree: Any,
-                                lowered: list[tuple[Any, bytes]] | None = None) -> list[Any]:
+                                lowered: list[tuple[Any, bytes]] | None = None, holder: int | None = None) -> list[Any]:
         mesh = self.mesh
         blobs = dict(lowered if lowered is not None else iter_lowered(plan, mesh.platform))
         known: dict[Any, Any] = dict(zip(plan.arg_keys, arg_layouts))
@@ -669,7 +672,7 @@ class DistributedFunction:
 
         async def compile_unit(a: int, u: Any, ins: tuple, outs: tuple) -> tuple[str, list[Any]]:
             tpl = u.template()
-            return await mesh.executables.ensure_compiled(a, blobs[tpl], tpl[-1], ins, outs)
+            return await mesh.executables.ensure_compiled(a, blobs[tpl], tpl[-1], ins, outs, holder)
 
         exe, layouts = mesh.run(infer_layouts(plan.units, known, constraints, compile_unit))
         programs = [with_layouts(p, [exe[(p.actor, i)] for i in range(len(plan.units.get(p.actor, [])))], layouts)

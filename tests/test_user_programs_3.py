@@ -1150,6 +1150,43 @@ def test_a_step_keeps_its_newest_signatures_loaded_and_its_programs_go_from_the_
         mesh2.run(mesh2.conn(0).request("unload_programs", {"programs": "all"}))
 
 
+def test_executables_only_a_let_go_signature_used_leave_the_session_and_shared_ones_stay(mesh2, monkeypatch):
+    """unload_programs freed a signature's Programs but not its executables: a session that kept seeing new shapes
+    grew by every signature's executables (0.17 MB each) on every actor until it ended. Those no other signature
+    (nor `actor.run`) uses now leave the session and join the daemon's unused; the optimizer update's, which every
+    batch shape shares, stay, and the signature kept computes as jax.jit after its neighbour's went."""
+    import gc
+
+    from mpmd import step as step_module
+    from mpmd.testing import mlp, mlp_params, mse_loss, regression_batch
+
+    monkeypatch.setattr(step_module, "MAX_SIGNATURES", 1)
+    opt = optax.adam(0.1)
+    train = make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2))
+    rng = np.random.default_rng(1)
+    params = mlp_params(rng, num_stages=2, width=8)
+    batches = [regression_batch(rng, num_microbatches=2, microbatch_size=rows, width=8) for rows in (1, 2, 3)]
+    kept = mesh2.actor(0).run(jax.jit(lambda x: x * 3), np.ones(3, np.float32))  # (actor.run's executable is kept)
+
+    def session_exes() -> list[int]:
+        return [mesh2.actor(a).stats()["session_executables"] for a in range(2)]
+
+    before = session_exes()
+    dist = mpmd.distributed(train, mesh=mesh2)
+    counts = []
+    for batch in batches:  # each new shape lets the one before go
+        assert_trees_close(mpmd.fetch(dist(params, opt.init(params), batch)), jax.jit(train)(params, opt.init(params), batch))
+        counts.append(session_exes())
+    one = [c - b for c, b in zip(counts[0], before)]
+    assert all(n > 0 for n in one)
+    assert counts[1] == counts[0] and counts[2] == counts[0], (before, counts)  # (not one signature's more each time)
+    assert all(mesh2.actor(a).stats()["unused_executables"] > 0 for a in range(2))
+    del dist
+    gc.collect()
+    assert session_exes() == before
+    np.testing.assert_array_equal(mpmd.fetch(mesh2.actor(0).run(jax.jit(lambda x: x * 3), kept)), np.full(3, 9.0))
+
+
 def test_a_signature_let_go_while_another_thread_is_about_to_dispatch_it_still_runs(mesh2, monkeypatch):
     """Thread A took signature 1 and waited for room; thread B's new shape let signature 1 go (MAX_SIGNATURES 1)
     and its Programs were unloaded at once: A's step failed, "no program 1 on actor 0; load it first" (a probe).

@@ -35,17 +35,49 @@ class Executables:
         self._lowered: collections.OrderedDict[Any, tuple[bytes, Any]] = collections.OrderedDict()
         self.compiled: list[dict[tuple, Any]] = [{} for _ in conns]
         self._program_ids = itertools.count(1)
+        # Which step signatures (holders, `new_holder`) use each executable of each actor; `actor.run`'s are held for
+        # good. One no holder uses any more is let go of, here and in the actor's session (`release`): a session
+        # that kept seeing new shapes grew by every signature's executables (0.17 MB each) until it ended.
+        self._holders: dict[tuple[int, str], set[int]] = {}
+        self._held_by: dict[int, set[tuple[int, str]]] = {}
+        self._kept: set[tuple[int, str]] = set()
+        self._holder_ids = itertools.count(1)
 
     def forget(self, actor: int) -> None:
         """The actor was replaced by a new daemon: it has compiled nothing of ours."""
         self.compiled[actor] = {}
+        self._holders = {k: v for k, v in self._holders.items() if k[0] != actor}
+        self._kept = {k for k in self._kept if k[0] != actor}
+
+    def new_holder(self) -> int:
+        """A token for one step signature's executables (`ensure_compiled(..., holder=)`, `release`)."""
+        return next(self._holder_ids)
+
+    def release(self, holder: int) -> dict[int, list[str]]:
+        """`holder` (a step signature let go) uses its executables no more: those nobody else holds are forgotten
+        here (compiled again when next needed) and returned per actor, for the actors to let go of (on the
+        controller loop, in order with `ensure_compiled`, so a compile under way holds what it found)."""
+        gone: dict[int, list[str]] = {}
+        for ak in self._held_by.pop(holder, ()):
+            users = self._holders.get(ak)
+            if users is None or holder not in users:  # (held before the actor was replaced: that one is gone)
+                continue
+            users.discard(holder)
+            if not users and ak not in self._kept:
+                del self._holders[ak]
+                gone.setdefault(ak[0], []).append(ak[1])
+        for actor, keys in gone.items():
+            dead = set(keys)
+            self.compiled[actor] = {h: v for h, v in self.compiled[actor].items() if (v if isinstance(v, str) else v[0]) not in dead}
+        return gone
 
     async def ensure_compiled(self, actor: int, blob: bytes, donate: tuple[int, ...] = (), in_layouts: tuple | None = None,
-                              out_layouts: tuple | None = None) -> Any:
+                              out_layouts: tuple | None = None, holder: int | None = None) -> Any:
         """Ship `blob` to `actor` unless it has it compiled this way; returns the actor's executable key. The
         actor compiles it letting the inputs at `donate` share their buffers with outputs. With `in_layouts`
         (multi-device actors: one layout per input; `out_layouts` fixes some outputs', None lets XLA choose)
-        it returns (key, the layouts of every output)."""
+        it returns (key, the layouts of every output). `holder`: the step signature that uses it (None: kept for
+        good, as `actor.run`'s are)."""
         digest = hashlib.sha256(blob).hexdigest()
         how = (digest, donate, in_layouts, out_layouts)  # (by digest: the blob itself was kept once per key, for good)
         known = self.compiled[actor].get(how)
@@ -58,6 +90,12 @@ class Executables:
             key = msg.header["exe"]
             known = key if in_layouts is None else (key, [layout_from_wire(w) for w in msg.header["out_layouts"]])
             self.compiled[actor][how] = known
+        ak = (actor, known if isinstance(known, str) else known[0])
+        if holder is None:
+            self._kept.add(ak)
+        else:
+            self._holders.setdefault(ak, set()).add(holder)
+            self._held_by.setdefault(holder, set()).add(ak)
         return known
 
     async def load_program(self, actor: int, program: Program, program_id: int, exe_keys: list[str]) -> None:

@@ -714,14 +714,20 @@ class RemoteMesh:
         self._replaced.update(self._recovering)
         self._recovering.clear()
 
-    def unload_programs(self, ids: Sequence[int]) -> None:
+    def unload_programs(self, ids: Sequence[int], holders: Sequence[int] = ()) -> None:
         """Drop the Programs `ids` from every actor, behind every step dispatched before (any thread; nothing once
-        the mesh is closed): a step signature let go (see DistributedFunction)."""
-        if self.closed or not ids:
+        the mesh is closed): a step signature let go (see DistributedFunction). With them go the executables only
+        the `holders` (`Executables.new_holder`) used."""
+        if self.closed or not ids and not holders:
             return
 
         def send() -> list[asyncio.Future[Any]]:
-            return [asyncio.ensure_future(c.submit("unload_programs", {"programs": list(ids)})) for c in self._conns if not c.dead]
+            exes: dict[int, list[str]] = {}
+            for h in holders:  # (here, on the loop: in order with the compiles that may hold them again)
+                for a, keys in self.executables.release(h).items():
+                    exes.setdefault(a, []).extend(keys)
+            return [asyncio.ensure_future(c.submit("unload_programs", {"programs": list(ids), "executables": exes.get(a, [])}))
+                    for a, c in enumerate(self._conns) if not c.dead and (ids or exes.get(a))]
 
         async def finish(sent: list[asyncio.Future[Any]]) -> None:
             for f in sent:

@@ -221,8 +221,8 @@ class RecoveryManager:
         remote, unseen = {}, set()
         for x in leaves:
             if isinstance(x, RemoteArray):
-                if not x.buffers:
-                    self._refuse_gone(x, dist)
+                if not x.buffers:  # lost with an actor (see the module docstring), deleted or donated: raises
+                    self.mesh.check_owned(x, f"an argument of {getattr(dist, '__name__', 'the step')}")
                 if not x._vid:  # made outside the log: mesh.put, mpmd.restore, ...
                     unseen.add(id(x))
                 vid = self._vid(x)
@@ -265,10 +265,6 @@ class RecoveryManager:
         with self._state:
             self._lost[self._vid(x)] = actors
         return self.why_gone(x) or ""
-
-    def _refuse_gone(self, x: RemoteArray, dist: Any) -> None:
-        """Raise for an argument `x` with no buffer left: lost with an actor (see the module docstring), or deleted."""
-        self.mesh.check_owned(x, f"an argument of {getattr(dist, '__name__', 'the step')}")  # (raises: lost, deleted or donated)
 
     def _start_snapshot(self, index: int, arrays: dict[int, RemoteArray]) -> Snapshot:
         """Fetch `arrays` (the inputs of log entry `index`) to host memory in the background."""
@@ -562,7 +558,7 @@ class RecoveryManager:
             report["spawn"] = time.monotonic() - t
             t = time.monotonic()
             for (dist, sig, c), blobs in zip(steps, lowered):
-                dist._lower_and_ship(c.plan, c.program_ids, sig[2], c.out_tree, blobs.result())
+                dist._lower_and_ship(c.plan, c.program_ids, sig[2], c.out_tree, blobs.result(), c.holder)
                 c.generation = mesh.generation  # loaded on the replacements: current again (see DistributedFunction._cached)
         report["reload"] = time.monotonic() - t
         return self._restore_and_replay(replaced, report)
