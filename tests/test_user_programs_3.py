@@ -1232,3 +1232,22 @@ def test_a_signature_let_go_while_another_thread_is_about_to_dispatch_it_still_r
         assert not isinstance(got[name], Exception), got[name]
         assert_trees_close(got[name], jax.jit(train)(params, opt.init(params), batch))
     assert [mesh2.actor(i).stats()["programs"] - n for i, n in enumerate(before)] == [1, 1]  # (A's went after A's dispatch)
+
+
+def test_a_marker_whose_result_is_never_read_is_named_in_the_stage_count_error(mesh2):
+    """`mpmd.pipeline_yield(x)` without `x = ` marks no stage (nothing reads its result, and JAX's autodiff drops
+    its backward half): the stage-count error counted one marker fewer than the user wrote without saying why."""
+    def loss(p, mb):
+        x = jnp.tanh(mb["x"] @ p[0])
+        mpmd.pipeline_yield(x)  # (the mistake)
+        x = mpmd.pipeline_yield(jnp.tanh(x @ p[1]))
+        return jnp.mean((x @ p[2] - mb["y"]) ** 2)
+
+    def step(p, batch):
+        return mpmd.accumulate_grads(lambda mb: jax.value_and_grad(loss)(p, mb)[::-1], batch, schedule=mpmd.GPipe(3))
+
+    p = [jnp.ones((4, 4)) / 4] * 3
+    batch = {"x": jnp.ones((4, 2, 4)), "y": jnp.zeros((4, 2, 4))}
+    with pytest.raises(PipelineError, match=r"marks 2 stages .* 1 more pipeline_yield marker returned a value the step never "
+                                            r"reads, and so marked no stage: write `x = mpmd.pipeline_yield\(x\)`"):
+        mpmd.distributed(step, mesh=mesh2)(p, batch)

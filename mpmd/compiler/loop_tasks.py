@@ -26,7 +26,15 @@ from mpmd.compiler.host_calls import HiddenOutputs, loop_operand, strip_host_cal
 from mpmd.compiler.inline import inline_calls
 from mpmd.compiler.keys import Acc, AccumulatorMode, MbIndex, Outer, PerMb, RegionKey, TaskTemplate, ValueKey
 from mpmd.compiler.program import Label, Task
-from mpmd.compiler.stages import StageSplit, follow_inputs, recompute_cheap, remat_stages, split_backward, split_stages
+from mpmd.compiler.stages import (
+    StageSplit,
+    follow_inputs,
+    recompute_cheap,
+    remat_stages,
+    split_backward,
+    split_stages,
+    unused_markers,
+)
 from mpmd.compiler.units import Part, Unit, task_function
 from mpmd.errors import PipelineError
 from mpmd.primitives import accumulate_p
@@ -120,8 +128,9 @@ class ScheduledStages:
         return int(self.schedule.actor_of(stage))  # (a user's schedule may answer with a numpy integer)
 
 
-def check_schedule(schedule: Schedule | None, num_stages: int, num_mesh_actors: int) -> None:
-    """A PipelineError unless the schedule exists, has the step's number of stages and fits on the mesh."""
+def check_schedule(schedule: Schedule | None, num_stages: int, num_mesh_actors: int, unused: int = 0) -> None:
+    """A PipelineError unless the schedule exists, has the step's number of stages and fits on the mesh.
+    `unused`: markers whose result the step never reads (they mark no stage; said so)."""
     if schedule is None:
         raise PipelineError("accumulate_grads inside mpmd.distributed needs a schedule, e.g. schedule=mpmd.OneFOneB(num_stages=2)")
     if num_stages != schedule.num_stages:
@@ -131,7 +140,10 @@ def check_schedule(schedule: Schedule | None, num_stages: int, num_mesh_actors: 
                             "iterations with a marker in its body gives S stages)"
                             + (f", or group the {num_stages} marker segments into {schedule.num_stages} stages with "
                                f"balance='auto' (or 'even'), e.g. {type(schedule).__name__}(..., balance='auto')"
-                               if num_stages > schedule.num_stages else ""))
+                               if num_stages > schedule.num_stages else "")
+                            + (f". {unused} more pipeline_yield marker{'s' * (unused != 1)} returned a value the step never "
+                               "reads, and so marked no stage: write `x = mpmd.pipeline_yield(x)`, then use that x"
+                               if unused else ""))
     if schedule.num_actors > num_mesh_actors:
         raise PipelineError(
             f"the schedule {schedule} needs {schedule.num_actors} actors but the mesh has {num_mesh_actors}; start more actors, "
@@ -165,7 +177,8 @@ def schedule_stages(loop: StepLoop, body: LoopBody, num_mesh_actors: int) -> Sch
     and W where the schedule splits backwards; inputs followed to their consumer's actor, the forward of
     `remat` stages copied into their backward, cheap values recomputed) and the schedule's table, validated for `num_microbatches`."""
     split, grouping = group_segments(split_stages(body), loop.schedule, body, loop.num_microbatches)
-    check_schedule(loop.schedule, split.num_stages, num_mesh_actors)
+    check_schedule(loop.schedule, split.num_stages, num_mesh_actors,
+                   unused_markers(body) if loop.schedule is not None and split.num_stages != loop.schedule.num_stages else 0)
     schedule = loop.schedule
     assert schedule is not None
     table = validate(schedule, loop.num_microbatches, forward_only=loop.num_grads == 0)  # (evaluation: F tasks are enough)

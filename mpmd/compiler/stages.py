@@ -75,6 +75,14 @@ def _marker_depth(eqns: list[Any]) -> int:
     return best
 
 
+def unused_markers(body: LoopBody) -> int:
+    """How many forward markers' results nothing reads (`mpmd.pipeline_yield(x)` without `x = `): they end no
+    stage, and JAX's autodiff drops their backward half."""
+    read = {v for e in body.eqns for v in var_inputs(e)} | {v for v in body.outputs if isinstance(v, Var)}
+    read |= {v for v, _ in body.stacked} | set(body.accumulators)
+    return sum(1 for e in body.eqns if is_marker(e, FWD) and not any(v in read for v in e.outvars))
+
+
 def split_stages(body: LoopBody) -> StageSplit:
     eqns = body.eqns
     fwd = [i for i, e in enumerate(eqns) if is_marker(e, FWD)]
