@@ -432,7 +432,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     actor.ownership = Ownership(secure, getattr(args, "owner_keys", frozenset()), frozenset(args.admin_key))
     actor.guest_bytes = args.guest_memory_mb * 1024 * 1024
     actor.limits = {"request_timeout": args.request_timeout, "session_timeout": args.session_timeout, "compile_timeout": 2 * args.compile_timeout + COMPILE_GRACE,
-                    "authenticated": secure, "insecure": args.insecure}
+                    "authenticated": secure, "insecure": args.insecure, "max_message_bytes": max_bytes}
     if p2p is not None:
         p2p.admit = lambda key: actor.admits_transfer(key)
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # `kill -USR1 <pid>`: where is it stuck?

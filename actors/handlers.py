@@ -51,6 +51,21 @@ def is_ready(x: Any) -> bool:
     return ready() if ready is not None else True
 
 
+BIG_PROGRAM = 4096  # instructions past which a Program is counted and decoded in a thread beside the event loop
+
+
+def _program_words(instrs: Any) -> int:
+    """Instructions and the ids they name: what a guest's loaded Programs are bounded by."""
+    if not isinstance(instrs, list):
+        return 0
+    return sum(1 + sum(len(x) for x in i if isinstance(x, list)) for i in instrs if isinstance(i, list))
+
+
+async def _beside_loop(big: bool, fn: Any, *args: Any) -> Any:
+    """`fn(*args)`, in a thread when `big` (the loop answers other requests meanwhile), else here."""
+    return await asyncio.to_thread(fn, *args) if big else fn(*args)
+
+
 class Session:
     """What one controller owns on this actor: its buffers, its programs and its running steps. Ids of
     buffers and programs are the controller's own; two controllers' sessions never see each other's."""
@@ -67,6 +82,7 @@ class Session:
         self.last_seen = time.monotonic()  # when its controller last sent a request naming it (pings too)
         self.program_words: dict[int, int] = {}  # each loaded Program's instructions and buffer ids (a guest's are bounded)
         self.program_bytes: dict[int, int] = {}  # each loaded Program's constants (counted with the buffers)
+        self.program_made: dict[int, int] = {}  # each loaded Program's Runs' output bytes (a guest's step needs room for them)
 
     def close(self) -> None:
         for task in self.running.values():
@@ -75,6 +91,7 @@ class Session:
         self.programs.clear()
         self.program_words.clear()
         self.program_bytes.clear()
+        self.program_made.clear()
         self.inputs.close()
 
 
@@ -444,7 +461,7 @@ class Actor:
         inputs, outputs = int_list(msg, "inputs"), int_list(msg, "outputs")
         key = field(msg, "exe", str)
         exe = self._executable(ses, key)
-        self._within_guest_quota(ses)  # (its outputs count once made: a guest over the quota runs nothing more)
+        self._within_guest_quota(ses, more_bytes=self.cache.output_bytes(key))  # (room for its outputs first)
         if set(inputs) & set(outputs) or len(set(outputs)) != len(outputs):
             raise RequestError(f"'run': an output buffer id is also an input or given twice (inputs {inputs}, outputs {outputs})")
         refs = [ses.buffers.ref(b) for b in inputs]  # unknown ids fail here, before anything is reserved
@@ -517,26 +534,34 @@ class Actor:
     async def load_program(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         wire = field(msg, "program", dict)
         instrs = wire.get("instrs")
-        words = sum(1 + sum(len(x) for x in i if isinstance(x, list)) for i in instrs if isinstance(i, list)) if isinstance(instrs, list) else 0
+        big = isinstance(instrs, list) and len(instrs) > BIG_PROGRAM
+        # (a big Program is counted and decoded beside the loop, which answers meanwhile: a guest's million-instruction
+        # Program held it 13 s, past the owner's heartbeat limit, and the owner's job was declared dead; a probe)
+        words = await _beside_loop(big, _program_words, instrs)
         consts = sum(int(a.nbytes) for a in msg.arrays)
         pid_given = wire.get("id")  # (a program loaded again under its id replaces the one before)
         replaced = (ses.program_bytes.get(pid_given, 0), ses.program_words.get(pid_given, 0)) if isinstance(pid_given, int) else (0, 0)
         self._within_guest_quota(ses, more_bytes=consts - replaced[0], more_words=words - replaced[1])
         try:
-            pid, prog = decode_program(wire, msg.arrays)
+            pid, prog = await _beside_loop(big, decode_program, wire, msg.arrays)
         except ProgramError as e:
             raise RequestError(f"'load_program': {e}") from None
+        made = 0  # bytes its Runs' outputs take, all at once at the most: a guest's step must have room for them
         for ins in prog.instructions:
             if isinstance(ins, Run):
                 self._executable(ses, ins.exe)  # every executable must be compiled (by this session) before the program
                 if len(ins.outputs) != self.cache.num_outputs(ins.exe):  # (a Run pairs them one to one)
                     raise RequestError(f"'load_program': a Run of executable {ins.exe!r} names {len(ins.outputs)} output buffers, "
                                        f"but it returns {self.cache.num_outputs(ins.exe)} values")
-            elif isinstance(ins, (Send, Recv)) and not self.ownership.governs(ses.owner):
-                raise RequestError(self._not_wired(ses))
+                made += self.cache.output_bytes(ins.exe)
+            elif isinstance(ins, (Send, Recv)):
+                if not self.ownership.governs(ses.owner):
+                    raise RequestError(self._not_wired(ses))
+                self._check_peer(ins, "'load_program'")
         prog.consts = {b: self._to_device(a) for b, a in prog.consts.items()}
         ses.programs[pid] = prog
         ses.program_words[pid], ses.program_bytes[pid] = words, consts
+        ses.program_made[pid] = made
         collector.freeze()  # the Program's instructions are kept for the session's life
         return {"program": pid}, []
 
@@ -552,6 +577,7 @@ class Actor:
         for pid in ids:
             ses.program_words.pop(pid, None)
             ses.program_bytes.pop(pid, None)
+            ses.program_made.pop(pid, None)
         still = {ins.exe for prog in ses.programs.values() for ins in prog.instructions if isinstance(ins, Run)} if keys else set()
         freed = sorted(k for k in set(keys) if k in ses.executables and k not in still)
         ses.executables.difference_update(freed)
@@ -590,6 +616,16 @@ class Actor:
                                f"sessions of such keys would hold {what} between them: delete buffers, close a mesh, or "
                                "start the daemon with a larger --guest-memory-mb")
 
+    def _check_peer(self, ins: Send | Recv, what: str) -> None:
+        """A RequestError unless this actor's data plane is wired to the actor `ins` sends to or receives from (a recv
+        from another waited the whole --transfer-timeout)."""
+        peer = ins.to_actor if isinstance(ins, Send) else ins.from_actor
+        routes = self.p2p.routes if self.p2p is not None else {}
+        if peer not in routes:
+            raise RequestError(f"{what}: a {'send to' if isinstance(ins, Send) else 'recv from'} actor {peer}, but actor "
+                               f"{self.actor_id}'s data plane is not connected to it (connected: {sorted(routes)}"
+                               f"{'; started with --p2p none' if self.p2p is None else ''})")
+
     def _not_wired(self, ses: Session) -> str:
         return (f"actor {self.actor_id}'s data plane is wired for the job of another key ({self.ownership.describe()}); "
                 f"key {ses.owner!r} may run single-actor programs here, but not send or receive between actors")
@@ -600,7 +636,7 @@ class Actor:
         prog = ses.programs.get(pid)
         if prog is None:
             raise RequestError(f"no program {pid} on actor {self.actor_id}; load it first ({sorted(ses.programs)} loaded)")
-        self._within_guest_quota(ses, more_bytes=sum(int(a.nbytes) for a in msg.arrays))
+        self._within_guest_quota(ses, more_bytes=sum(int(a.nbytes) for a in msg.arrays) + ses.program_made.get(pid, 0))
         inputs, outputs = int_list(msg, "inputs"), int_list(msg, "outputs")
         if len(inputs) != len(prog.inputs) or len(outputs) != len(prog.outputs):
             raise RequestError(f"program {pid} takes {len(prog.inputs)} inputs and {len(prog.outputs)} outputs; "
@@ -625,16 +661,19 @@ class Actor:
         if not isinstance(sync, bool) or not isinstance(tracing, bool):
             raise RequestError("'run_program' fields 'sync' and 'trace' must be bools")
         raw_prologue = msg.header.get("prologue", [])
-        if not isinstance(raw_prologue, list):
-            raise RequestError("'run_program' field 'prologue' must be a list of instructions")
-        try:
-            prologue = [decode_instruction(i) for i in raw_prologue]
-        except ProgramError as e:
-            raise RequestError(f"'run_program' prologue: {e}") from None
-        if any(not isinstance(i, (Send, Recv)) for i in prologue):
-            raise RequestError("a prologue holds only send and recv instructions")
-        if prologue and not self.ownership.governs(ses.owner):
+        if not isinstance(raw_prologue, list) or len(raw_prologue) > MAX_IDS:
+            raise RequestError(f"'run_program' field 'prologue' must be a list of at most {MAX_IDS} instructions")
+        if raw_prologue and not self.ownership.governs(ses.owner):
             raise RequestError(self._not_wired(ses))
+        prologue = []
+        for raw in raw_prologue:  # (each checked as it comes: a million bad ones were all decoded first, 9 s on the loop)
+            try:
+                ins = decode_instruction(raw)
+            except ProgramError as e:
+                raise RequestError(f"'run_program' prologue: {e}") from None
+            if not isinstance(ins, (Send, Recv)):
+                raise RequestError("a prologue holds only send and recv instructions")
+            prologue.append(ins)
         received = {i.buf for i in prologue if isinstance(i, Recv)}  # copied in from other actors, then read as inputs
         clash = set(outputs) & (set(inputs) | received)
         if clash or len(set(outputs)) != len(outputs):
@@ -643,6 +682,8 @@ class Actor:
         # left reserved. Then take them all at once, so a delete arriving next cannot pull one away.
         for b in [*(b for b in inputs if b >= 0 and b not in received), *(i.buf for i in prologue if isinstance(i, Send))]:
             ses.buffers.ref(b)
+        for ins in prologue:
+            self._check_peer(ins, "'run_program' prologue")
         inline = iter(msg.arrays)
         raw_layouts = msg.header.get("inline_layouts")
         if raw_layouts is not None and (not isinstance(raw_layouts, list) or len(raw_layouts) != len(msg.arrays)):

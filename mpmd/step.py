@@ -1003,6 +1003,14 @@ class DistributedFunction:
                     inputs[a].append(buf)
                     replicas.append((x, a, buf))
         staged = [self._stage_host_args(a, host[a], inputs[a], inline[a], inline_layouts[a], borrowed, may_wait) for a in range(n)]
+        try:  # (before anything is sent: one actor's request refused would leave the others' steps waiting for it)
+            for a in range(n):
+                mesh.conn(a).check_size(f"a host argument of {getattr(self.fn, '__name__', 'the step')}", inline[a])
+        except MpmdError:
+            for lease in staged:
+                if lease is not None:
+                    lease[1]()
+            raise
         for x, a, buf in replicas:  # the next step (maybe sent before this one ends) reads the copy
             x.buffers[a] = buf
         outs: list[dict[int, int]] = []

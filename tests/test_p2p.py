@@ -156,9 +156,9 @@ def test_a_bad_data_plane_message_fails_the_receive_and_the_actor_survives(mesh2
     from tests.wire import FakePeer
 
     pid = next(_ids)
+    peer = FakePeer(mesh2, 1, 7)  # (first: a Program receiving from an actor the data plane is not wired to is refused)
     recv = Program(1, [], [0], [Recv(0, 7, 3, "float32", (1024, 64), Label("xfer"))])
     mesh2.run(mesh2.executables.load_program(1, recv, pid, []))
-    peer = FakePeer(mesh2, 1, 7)
     peer.send_raw([b"\x00garbage"])
     name = f"{peer.prefix}1-1"  # the name a segment of this peer's for actor 1 would have; there is none
     peer.send({"op": "shm", "key": [mesh2.session, pid, 0, 3], "seg": 1, "name": name,
@@ -323,3 +323,15 @@ def test_daemons_listening_on_ipv6_run_a_step_over_a_tcp_data_plane_like_jit():
     finally:
         for proc, _ in procs:
             stop_daemon(proc)
+
+
+def test_a_program_receiving_from_an_actor_the_data_plane_is_not_wired_to_is_refused_at_load(mesh2):
+    """A Program with a recv from actor 55 loaded, and its step waited the whole --transfer-timeout (300 s by default)
+    to say "is actor 55 stuck?", while a send to it failed at once (a probe): both are refused at load."""
+    for ins in (Recv(0, 55, 3, "float32", (4,), Label("xfer")), Send(0, 55, 3, Label("xfer"))):
+        with pytest.raises(mpmd.RemoteError, match=r"'load_program': a (recv from|send to) actor 55, but actor 1's data plane is "
+                                                   r"not connected to it \(connected: \[0"):
+            mesh2.run(mesh2.executables.load_program(1, Program(1, [0] if isinstance(ins, Send) else [], [] if isinstance(ins, Send) else [0],
+                                                                [ins]), next(_ids), []))
+    a = np.arange(6, dtype=np.float32)
+    np.testing.assert_array_equal(run_transfers(mesh2, [(0, 1, 0, a)])[0], a)

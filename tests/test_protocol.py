@@ -140,3 +140,15 @@ async def test_an_unreadable_reply_fails_its_request_at_once_instead_of_hanging(
         client.close()
         server.close(linger=0)
         ctx.term()
+
+
+def test_a_program_constant_under_an_input_id_or_named_twice_is_refused():
+    """A Program whose constant had an input's id loaded, and the constant was silently never read (a probe)."""
+    from transport.program import ProgramError, decode_program
+
+    one = np.ones(4, np.float32)
+    for consts, arrays in (([0], [one]), ([5, 5], [one, one])):
+        with pytest.raises(ProgramError, match="program constants need ids of their own, named once"):
+            decode_program({"id": 1, "actor": 0, "inputs": [0], "outputs": [1], "consts": consts, "instrs": []}, arrays)
+    pid, prog = decode_program({"id": 1, "actor": 0, "inputs": [0], "outputs": [1], "consts": [5], "instrs": []}, [one])
+    assert pid == 1 and list(prog.consts) == [5]

@@ -213,6 +213,7 @@ def test_a_local_mesh_is_authenticated_its_data_plane_refuses_strangers_and_it_l
 def test_a_peer_cannot_claim_another_actors_id_nor_name_someone_elses_shared_memory(single):
     mesh = single
     peer = FakePeer(mesh, 0, 7)
+    other = FakePeer(mesh, 0, 3)  # (actor 3, connected: a recv from an actor the data plane has no route to is refused at load)
     victim = f"/mpmd-victim-{os.getpid()}"
     fd = _posixshmem.shm_open(victim, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     os.ftruncate(fd, 1 << 16)
@@ -236,6 +237,7 @@ def test_a_peer_cannot_claim_another_actors_id_nor_name_someone_elses_shared_mem
         assert mesh.actor(0).ping() > 0
     finally:
         peer.close()
+        other.close()
         _posixshmem.shm_unlink(victim)
 
 

@@ -168,9 +168,16 @@ def test_keys_that_do_not_own_the_job_hold_buffers_and_programs_within_the_guest
             again_0 = raw_request(address, {"op": "load_program", "id": 4, "session": bob.session, "program": const(0)},
                                   keys=keys["bob"], arrays=[quarter])
             assert again_0.op == "reply", again_0.header  # (loaded again under its id: replaces, counted once)
+            for x in held:  # (room for the run's output: it counts before the run)
+                x.delete()
             out = bob.actor(0).run(jax.jit(lambda a: a + 1), again)
             np.testing.assert_array_equal(out.to_numpy(), quarter + 1)
             out.delete()  # (now: dropped, its 256 KiB were freed in the background and counted below when not yet freed)
+            # what a run makes counts before it runs (a guest's 1 GiB broadcast ran, and only its next request was refused)
+            before = bob.actor(0).stats()["bytes"]
+            with pytest.raises(mpmd.RemoteError, match=r"key 'bob' does not own actor 0's job .*MiB of buffers \(the limit: 1 MiB\)"):
+                bob.actor(0).run(jax.jit(lambda a: jnp.broadcast_to(a, (8, a.size))), again)
+            assert bob.actor(0).stats()["bytes"] <= before
             words = [["del", list(range(2000)), "x"]] * 10  # 20,010 words: over the 16,384 a 1 MiB quota gives programs
             reply = raw_request(address, {"op": "load_program", "id": 1, "session": bob.session,
                                           "program": {"id": 7, "actor": 0, "inputs": [], "outputs": [], "consts": [], "instrs": words}},
@@ -180,6 +187,45 @@ def test_keys_that_do_not_own_the_job_hold_buffers_and_programs_within_the_guest
         assert proc.poll() is None
     finally:
         stop_daemon(proc)
+
+
+def test_a_guests_huge_program_or_prologue_does_not_hold_the_daemon_past_the_owners_heartbeat(shared):
+    """Bob (admitted, not the owner) loaded a Program of 300,000 instructions (within his quota of words), or sent
+    a step whose prologue held a million bad ones: the daemon decoded each on its event loop (a probe: 13 s and
+    9 s), answered nothing meanwhile, and alice's controller declared the actor dead. A big Program decodes beside
+    the loop; a prologue is bounded, refused to a guest before it is read, and checked as it is read."""
+    import threading
+    import time
+
+    with mpmd.RemoteMesh.connect(shared.addresses[:1], keys=shared.keys["alice"], transport="none") as alice, \
+            mpmd.RemoteMesh.connect(shared.addresses[:1], keys=shared.keys["bob"], transport="none") as bob:
+        alice.actor(0).ping()
+        big = {"id": 77, "actor": 0, "inputs": [], "outputs": [], "consts": [], "instrs": [["del", [1], "x"]] * 300_000}
+        got = []
+        loading = threading.Thread(target=lambda: got.append(raw_request(
+            shared.addresses[0], {"op": "load_program", "id": 1, "session": bob.session, "program": big},
+            keys=shared.keys["bob"], timeout_ms=120_000)))
+        loading.start()
+        waits = []
+        while loading.is_alive():
+            t = time.monotonic()
+            alice.actor(0).ping()
+            waits.append(time.monotonic() - t)
+        loading.join()
+        assert got and got[0].op == "reply", got[0].header if got else "no reply"
+        assert waits and max(waits) < 2.0, (len(waits), max(waits))  # (before: the whole decode, seconds)
+        t = time.monotonic()
+        reply = raw_request(shared.addresses[0], {"op": "run_program", "id": 2, "session": bob.session, "program": 77, "step": 0,
+                                                  "inputs": [], "outputs": [], "prologue": [["del", [], "x"]] * 1_000_000},
+                            keys=shared.keys["bob"], timeout_ms=60_000)
+        assert reply.op == "error" and "'prologue' must be a list of at most 65536" in reply.header["message"], reply.header
+        reply = raw_request(shared.addresses[0], {"op": "run_program", "id": 3, "session": bob.session, "program": 77, "step": 0,
+                                                  "inputs": [], "outputs": [], "prologue": [["del", [], "x"]] * 60_000},
+                            keys=shared.keys["bob"], timeout_ms=60_000)
+        assert reply.op == "error" and "is wired for the job of another key" in reply.header["message"], reply.header
+        assert time.monotonic() - t < 5.0  # (refused before the prologue is read: it took 9 s for a million)
+        alice.actor(0).ping()
+    assert shared.procs[0].poll() is None
 
 
 def test_a_key_that_floods_requests_and_reads_no_replies_does_not_starve_the_owners_job(shared):
@@ -716,3 +762,32 @@ def test_a_daemon_serving_job_after_job_keeps_only_the_newest_unused_executables
             np.testing.assert_array_equal(owner.actor(0).run(jax.jit(lambda a: a * 2), kept).to_numpy(), [4, 4, 4])
     finally:
         stop_daemon(proc)
+
+
+def test_an_array_bigger_than_a_daemons_max_message_is_refused_naming_the_flag_not_read_as_a_lost_actor(monkeypatch):
+    """ZeroMQ drops a connection whose message passes the daemon's --max-message-mb: a step's 4 MiB host argument
+    sent inline (as to an actor on another host) read as "actor 0 died or stopped answering" while both daemons
+    lived (a probe). The controller knows each daemon's limit from its hello and refuses before anything is sent,
+    naming the flag. (Shared-memory inputs are switched off in this process, a stand-in for daemons on another
+    host: on the same host a big argument goes through shared memory, which the limit does not bound.)"""
+    from mpmd.runtime import inputs
+
+    monkeypatch.setattr(inputs.InputStager, "wants", lambda self, actor, nbytes: False)
+    procs = [start_daemon("--listen", "tcp://127.0.0.1:0", "--insecure", "--actor-id", str(i), "--max-message-mb", "1")
+             for i in range(2)]
+    try:
+        with mpmd.RemoteMesh.connect([a for _, a in procs]) as mesh:
+            step, (params, state, batch), want = _train(mesh)
+            _check(step(params, state, batch), want)
+            big = np.zeros((1 << 20,), np.float32)  # 4 MiB
+            with pytest.raises(mpmd.MpmdError, match=r"an array of 4.0 MiB \(float32\[1048576\]\) for actor 0 is bigger than "
+                                                     r"one message to it may be \(its mpmd-actor --max-message-mb 1\)"):
+                mesh.actor(0).put(big)
+            wide = regression_batch(np.random.default_rng(1), num_microbatches=4, microbatch_size=1 << 15, width=8)  # (4 MiB leaves)
+            with pytest.raises(mpmd.MpmdError, match=r"a host argument of .* is bigger than one message to it may be"):
+                step(params, state, wide)
+            _check(step(params, state, batch), want)  # (nothing was left half sent)
+            assert all(mesh.actor(i).ping() > 0 for i in range(2))
+    finally:
+        for p, _ in procs:
+            stop_daemon(p)

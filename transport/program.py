@@ -289,6 +289,10 @@ def decode_program(w: Any, const_arrays: list[Any] = ()) -> tuple[int, Program]:
     const_ids = _ints(w.get("consts", []), "program consts")
     if len(const_ids) != len(const_arrays):
         raise ProgramError(f"program lists {len(const_ids)} constants but {len(const_arrays)} arrays came")
-    prog = Program(actor, list(_ints(w.get("inputs", []), "program inputs")), list(_ints(w.get("outputs", []), "program outputs")),
+    inputs = list(_ints(w.get("inputs", []), "program inputs"))
+    if len(set(const_ids)) != len(const_ids) or set(const_ids) & set(inputs):
+        raise ProgramError(f"program constants need ids of their own, named once: {sorted(const_ids)[:20]} against inputs "
+                           f"{sorted(inputs)[:20]} (a constant under an input's id was silently never read)")
+    prog = Program(actor, inputs, list(_ints(w.get("outputs", []), "program outputs")),
                    [decode_instruction(i) for i in instrs], dict(zip(const_ids, const_arrays)))
     return pid, prog

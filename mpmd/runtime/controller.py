@@ -221,15 +221,30 @@ class ActorConnection:
         self.compile_bound: float | None = None  # and on a compile (its --compile-timeout and a little)
         self.keepalive: float | None = None  # ping this often when idle, so the actor keeps our session open
         self.opened = False  # our session is open there (from `hello`): an answer without it means it was lost
+        self.max_message: int | None = None  # the most bytes one frame to it may hold (its --max-message-mb)
         self.session_gone = False  # declared lost because the daemon answers without our session
 
     def learn_limits(self, info: dict[str, Any]) -> None:
         """Take the actor's bounds from its `hello` reply: on requests, on compiles, and on a silent session (its
         --session-timeout: an idle controller pings four times within it)."""
         self.bound, self.compile_bound = info.get("request_timeout"), info.get("compile_timeout")
+        most = info.get("max_message_bytes")
+        self.max_message = most if isinstance(most, int) and most > 0 else None
         timeout = info.get("session_timeout")
         self.keepalive = max(0.05, timeout / 4) if isinstance(timeout, (int, float)) and timeout > 0 else None
         self.opened = True
+
+    def check_size(self, what: str, arrays: Sequence[Any]) -> None:
+        """An MpmdError if an array is bigger than the daemon takes in one message (its --max-message-mb): ZeroMQ
+        would drop the connection, and the actor would read as lost."""
+        most = self.max_message
+        big = [a for a in arrays if most is not None and getattr(a, "nbytes", 0) > most]
+        if big:
+            a = big[0]
+            raise MpmdError(f"{what}: an array of {a.nbytes / 2**20:.1f} MiB ({getattr(a, 'dtype', '')}"
+                            f"{list(getattr(a, 'shape', ()))}) for actor {self.actor_id} is bigger than one message to it may be "
+                            f"(its mpmd-actor --max-message-mb {most // 2**20}): start the daemon with a larger "
+                            "--max-message-mb, or split the array")
 
     def _session_lost(self, said: str) -> str:
         """The daemon answers, but without this mesh's session (restarted at the same address, or it closed
@@ -244,6 +259,7 @@ class ActorConnection:
         `RemoteError`, a lost actor `ActorDiedError`."""
         if self.dead:
             raise ActorDiedError(self.actor_id, self.dead)
+        self.check_size(op, arrays)
         try:
             fut = self.client.submit(op, {"session": self.session, **(fields or {})}, arrays)
         except ConnectionLost as e:
