@@ -112,9 +112,7 @@ async def restore(actor: Any, ses: Any, msg: Any) -> tuple[dict, list]:
         got = read_part(directory, names, expect, files, verify)
         if mesh is not None:
             return [spmd.put(got[n], mesh, s, actor.device) for n, s in zip(names, specs)]
-        import jax
-
-        return [jax.device_put(got[n], actor.device) for n in names]
+        return [spmd.to_device(got[n], actor.device) for n in names]
 
     def error(e: BaseException) -> BaseException:  # what a reader of the buffers gets
         return RequestError(f"restore from {directory}: {e.why}") if isinstance(e, CheckpointProblem) else e

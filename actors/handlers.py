@@ -394,7 +394,7 @@ class Actor:
         # (each device only its shard).
         if self.cache.mesh is not None:
             return spmd.put(host, self.cache.mesh, spec, self.device)
-        return jax.device_put(host, self.device, may_alias=False)
+        return spmd.to_device(host, self.device)
 
     async def hlo(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         """The optimized HLO text of a compiled executable (what XLA made of it: collectives, fusions)."""

@@ -12,6 +12,8 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -55,10 +57,24 @@ def spec_of(value: Any) -> list[Any] | None:
     return None
 
 
+# 4- and 2-bit dtypes: one byte per element in numpy, packed on the device. jax.device_put of such a numpy array
+# left it unpacked, and an executable refused it ("compiled for input layouts that disagree"; a probe).
+SUB_BYTE = frozenset(np.dtype(getattr(ml_dtypes, n)) for n in ("int4", "uint4", "int2", "uint2", "float4_e2m1fn")
+                     if hasattr(ml_dtypes, n))
+
+
+def to_device(host: Any, device: Any) -> Any:
+    """`host` (a numpy array; anything else passes through device_put) on `device`, laid out as executables take it."""
+    if isinstance(host, np.ndarray) and host.dtype in SUB_BYTE:
+        with jax.default_device(device):
+            return jnp.array(host)
+    return jax.device_put(host, device, may_alias=False)
+
+
 def put(host: np.ndarray, mesh: Mesh | None, spec: PartitionSpec | None, device: Any) -> jax.Array:
     """A host array on this actor's devices, each device given only its own shard."""
     if mesh is None:
-        return jax.device_put(host, device, may_alias=False)
+        return to_device(host, device)
     sharding = sharding_of(mesh, spec, device)
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: np.require(np.asarray(host[idx]), requirements="C"))
 
@@ -91,7 +107,7 @@ def assemble(shape: tuple[int, ...], mesh: Mesh, spec: PartitionSpec, shards: di
     by_slice: dict[Any, np.ndarray] = {}
     for pos, data in shards.items():
         by_slice[_key(index_of[devices[pos]], shape)] = data
-    arrays = [jax.device_put(by_slice[_key(index_of[d], shape)], d) for d in devices]
+    arrays = [to_device(by_slice[_key(index_of[d], shape)], d) for d in devices]
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 

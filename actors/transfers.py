@@ -145,8 +145,8 @@ class Transfers:
             if bad is not None:
                 fail(bad)
                 return
-            if isinstance(got, np.ndarray) and self.device.platform != "cpu":
-                got = jax.device_put(got, self.device)
+            if isinstance(got, np.ndarray) and (self.device.platform != "cpu" or got.dtype in spmd.SUB_BYTE):
+                got = spmd.to_device(got, self.device)
             env.put(ins.buf, got)
             if trace:
                 trace.transfer("recv", str(ins.label), peer, int(got.nbytes), t0, now(), ins.tag)
@@ -198,8 +198,8 @@ class Transfers:
             # A received host array is ours alone (fresh aligned buffer, or shared memory reused only after the
             # array is gone). On CPU it stays a numpy array: an executable takes it as it is, without a copy
             # (and a forward to the next actor needs no conversion at all); elsewhere it moves to the device.
-            if isinstance(got, np.ndarray) and self.device.platform != "cpu":
-                got = jax.device_put(got, self.device)
+            if isinstance(got, np.ndarray) and (self.device.platform != "cpu" or got.dtype in spmd.SUB_BYTE):
+                got = spmd.to_device(got, self.device)
             env.put(ins.buf, got)
             if trace:
                 trace.transfer("recv", label, peer, int(got.nbytes), t0, now(), ins.tag)

@@ -108,8 +108,12 @@ ALLOWED_DTYPES: dict[str, np.dtype] = {
     )
 }
 ALLOWED_DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16)
-for _name in ("float8_e4m3fn", "float8_e5m2"):
-    ALLOWED_DTYPES[_name] = np.dtype(getattr(ml_dtypes, _name))
+# ml_dtypes' narrow types, as JAX takes them: one byte per element in numpy (the 4- and 2-bit ones too), so they
+# travel as bytes like int8 (quantized weights, fp8 and fp4 activations); those this ml_dtypes lacks are left out.
+for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3", "float8_e3m4", "float8_e4m3fnuz", "float8_e4m3b11fnuz",
+              "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn", "int4", "uint4", "int2", "uint2"):
+    if hasattr(ml_dtypes, _name) and np.dtype(getattr(ml_dtypes, _name)).itemsize == 1:
+        ALLOWED_DTYPES[_name] = np.dtype(getattr(ml_dtypes, _name))
 
 
 class ProtocolError(ValueError):
