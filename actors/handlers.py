@@ -66,6 +66,14 @@ async def _beside_loop(big: bool, fn: Any, *args: Any) -> Any:
     return await asyncio.to_thread(fn, *args) if big else fn(*args)
 
 
+async def _taken_now(ses: Session, bufs: list[int]) -> list[Any]:
+    """The values of `bufs`, each taken as the request arrives (a pending one as its future), then awaited: taken one
+    await at a time, a delete arriving meanwhile (the inputs a step donates, sent right behind it) pulled the later
+    ones away, and a snapshot's get of a donating loop's state failed every time (a probe)."""
+    refs = [ses.buffers.ref(b) for b in bufs]
+    return [await asyncio.shield(r) if isinstance(r, asyncio.Future) else r for r in refs]
+
+
 class Session:
     """What one controller owns on this actor: its buffers, its programs and its running steps. Ids of
     buffers and programs are the controller's own; two controllers' sessions never see each other's."""
@@ -411,7 +419,7 @@ class Actor:
         """One buffer (`buf`) or several (`bufs`), each as an array frame, once computed."""
         bufs = int_list(msg, "bufs") if "bufs" in msg.header else [field(msg, "buf", int)]
         distinct = list(dict.fromkeys(bufs))  # (an id named twice is copied to the host once)
-        values = [await ses.buffers.get(b) for b in distinct]
+        values = await _taken_now(ses, distinct)
 
         def frames() -> list[Any]:
             host = dict(zip(distinct, (computed(v) for v in values)))
@@ -423,7 +431,7 @@ class Actor:
 
     async def wait(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         """Reply once the buffers `bufs` are computed (what `block_until_ready` asks)."""
-        values = [await ses.buffers.get(b) for b in dict.fromkeys(int_list(msg, "bufs"))]
+        values = await _taken_now(ses, list(dict.fromkeys(int_list(msg, "bufs"))))
         if not all(is_ready(v) for v in values):
             await asyncio.to_thread(jax.block_until_ready, values)
         return {"ready": len(values)}, []

@@ -306,6 +306,35 @@ def test_a_loop_donating_its_state_completes_its_snapshots_and_trims_its_log():
         assert len(mesh.recovery.log) <= 4, len(mesh.recovery.log)
 
 
+def test_a_loop_donating_its_state_without_waiting_completes_its_snapshots_and_a_recovery_replays_from_them():
+    """Steps dispatched back to back, as the README's loop is: the snapshot's get of several buffers took them one
+    await at a time, and the delete of the inputs the next step donates (sent right behind it) pulled the later
+    ones away: every snapshot failed ("holds no buffer 30"), the log kept all 24 steps and a kill replayed them all
+    (a probe). The get takes every buffer as it arrives; the snapshots complete, hold the values the donating step
+    read, and a recovery from one ends as the uninterrupted loop does."""
+    batches = _batches()[:12]
+
+    def run(kill):
+        with mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(snapshot_every=4)) as mesh:
+            dist = mpmd.distributed(STEP, mesh=mesh, donate_argnums=(0, 1))
+            p, o = _params(), OPT.init(_params())
+            losses = []
+            for batch in batches:
+                p, o, loss = dist(p, o, batch)
+                losses.append(loss)
+            if kill:
+                assert wait_until(lambda: mesh.recovery.snapshot is not None and mesh.recovery.snapshot.index >= 8, 10)
+                assert len(mesh.recovery.log) <= 4, len(mesh.recovery.log)
+                _sigkill(mesh, 1)
+            got = mpmd.fetch((p, o, losses))
+            if kill:
+                assert mesh.recoveries == 1 and mesh.recovery.last_report["steps replayed"] <= 4, mesh.recovery.last_report
+            return got
+
+    for g, w in zip(jax.tree.leaves(run(True)), jax.tree.leaves(run(False))):
+        np.testing.assert_array_equal(g, w)
+
+
 def test_restored_state_a_step_donated_is_put_back_and_the_steps_after_it_replay_bit_identical(tmp_path):
     """State made by mpmd.restore, held by the user and donated to a logged step, was taken for "still held" by the
     recovery, which did not put it back: 4 of 5 steps "could not run again", their outputs said they lived on the
