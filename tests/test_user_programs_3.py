@@ -1150,11 +1150,12 @@ def test_a_step_keeps_its_newest_signatures_loaded_and_its_programs_go_from_the_
         mesh2.run(mesh2.conn(0).request("unload_programs", {"programs": "all"}))
 
 
-def test_executables_only_a_let_go_signature_used_leave_the_session_and_shared_ones_stay(mesh2, monkeypatch):
+def test_executables_only_a_let_go_signature_used_leave_the_session_and_actor_runs_stay(mesh2, monkeypatch):
     """unload_programs freed a signature's Programs but not its executables: a session that kept seeing new shapes
     grew by every signature's executables (0.17 MB each) on every actor until it ended. Those no other signature
-    (nor `actor.run`) uses now leave the session and join the daemon's unused; the optimizer update's, which every
-    batch shape shares, stay, and the signature kept computes as jax.jit after its neighbour's went."""
+    (nor `actor.run`) uses now leave the session and join the daemon's unused; `actor.run`'s stays, and the
+    signature kept computes as jax.jit after its neighbour's went. (Signatures share an executable only when its
+    blob is the same: `Executables.release` counts holders, tested by the two steps below.)"""
     import gc
 
     from mpmd import step as step_module
@@ -1185,6 +1186,30 @@ def test_executables_only_a_let_go_signature_used_leave_the_session_and_shared_o
     gc.collect()
     assert session_exes() == before
     np.testing.assert_array_equal(mpmd.fetch(mesh2.actor(0).run(jax.jit(lambda x: x * 3), kept)), np.full(3, 9.0))
+
+
+def test_a_signature_that_failed_to_compile_on_one_actor_leaves_no_executable_on_the_others():
+    """Actor 0 refuses every compile (--compile-timeout 0.001) while actor 1 compiles: the failed signature was let go
+    of while actor 1's compiles still ran, and those registered their executables for a signature already gone:
+    each new shape left them in actor 1's session for good (a probe). They are let go of as they come."""
+    from mpmd.testing import mlp, mlp_params, mse_loss, regression_batch
+    from tests.wire import start_daemon, stop_daemon, wait_until
+
+    procs = [start_daemon("--listen", "tcp://127.0.0.1:0", "--insecure", "--actor-id", str(i),
+                          *(["--compile-timeout", "0.001"] if i == 0 else [])) for i in range(2)]
+    try:
+        with mpmd.RemoteMesh.connect([a for _, a in procs]) as mesh:
+            opt = optax.adam(0.05)
+            dist = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
+            params = mlp_params(np.random.default_rng(0), num_stages=2, width=8)
+            for rows in (1, 2, 3):
+                with pytest.raises(mpmd.RemoteError, match="BlobRefused on actor 0"):
+                    dist(params, opt.init(params), regression_batch(np.random.default_rng(rows), 2, rows, 8))
+            assert wait_until(lambda: mesh.actor(1).stats()["session_executables"] == 0, 20), mesh.actor(1).stats()
+            assert not mesh.executables._holders and not dist._compiled
+    finally:
+        for p, _ in procs:
+            stop_daemon(p)
 
 
 def test_a_signature_let_go_while_another_thread_is_about_to_dispatch_it_still_runs(mesh2, monkeypatch):
@@ -1278,3 +1303,27 @@ def test_narrow_dtypes_cross_stages_come_in_as_arguments_and_go_out_as_results_a
     assert got[2].dtype == dt
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a).astype(np.float32), np.asarray(b).astype(np.float32))
+
+
+def test_an_executable_two_signatures_hold_stays_on_the_actor_until_both_let_go(mesh2):
+    """Holders are counted per executable and actor: the first signature let go releases nothing the second still
+    runs; the second's release drops it from the session, and a run of it afterwards compiles it again."""
+    from jax import export
+
+    ex = mesh2.executables
+    blob = export.export(jax.jit(lambda a: a * 5), platforms=["cpu"])(jax.ShapeDtypeStruct((3,), jnp.float32)).serialize()
+    first, second = ex.new_holder(), ex.new_holder()
+    before = mesh2.actor(0).stats()["session_executables"]
+    keys = [mesh2.run(ex.ensure_compiled(0, blob, holder=h)) for h in (first, second)]
+    assert keys[0] == keys[1] and mesh2.actor(0).stats()["session_executables"] == before + 1
+    for holder, gone in ((first, {}), (second, {0: [keys[0]]})):
+        assert mesh2.run(_released(mesh2, holder)) == gone
+    mesh2.run(mesh2.conn(0).request("unload_programs", {"programs": [], "executables": gone[0]}))
+    assert mesh2.actor(0).stats()["session_executables"] == before
+    with pytest.raises(mpmd.RemoteError, match="no executable .* in this session"):
+        mesh2.run(mesh2.conn(0).request("hlo", {"exe": keys[0]}))
+    np.testing.assert_array_equal(mesh2.actor(0).run(jax.jit(lambda a: a * 5), np.ones(3, np.float32)).to_numpy(), np.full(3, 5.0))
+
+
+async def _released(mesh, holder):
+    return mesh.executables.release(holder)  # (on the controller loop, where compiles hold)

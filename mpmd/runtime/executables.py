@@ -5,6 +5,7 @@ remembers what each actor has so that a step's second call sends nothing but the
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import hashlib
 import itertools
@@ -25,6 +26,13 @@ from mpmd.runtime.sharding import layout_from_wire, layout_wire
 LOWERED_KEPT = 256  # functions `actor.run` keeps lowered (the most recently run)
 
 
+async def _quietly(request: Any) -> None:
+    try:
+        await request
+    except Exception:  # noqa: BLE001 - an actor lost or replaced meanwhile holds none of it any more
+        pass
+
+
 class Executables:
     """What this controller has lowered, and what each actor has compiled for it."""
 
@@ -42,6 +50,7 @@ class Executables:
         self._held_by: dict[int, set[tuple[int, str]]] = {}
         self._kept: set[tuple[int, str]] = set()
         self._holder_ids = itertools.count(1)
+        self._open: set[int] = set()  # holders not yet released (a compile may answer after its signature's release)
 
     def forget(self, actor: int) -> None:
         """The actor was replaced by a new daemon: it has compiled nothing of ours."""
@@ -51,13 +60,16 @@ class Executables:
 
     def new_holder(self) -> int:
         """A token for one step signature's executables (`ensure_compiled(..., holder=)`, `release`)."""
-        return next(self._holder_ids)
+        holder = next(self._holder_ids)
+        self._open.add(holder)
+        return holder
 
     def release(self, holder: int) -> dict[int, list[str]]:
         """`holder` (a step signature let go) uses its executables no more: those nobody else holds are forgotten
         here (compiled again when next needed) and returned per actor, for the actors to let go of (on the
         controller loop, in order with `ensure_compiled`, so a compile under way holds what it found)."""
         gone: dict[int, list[str]] = {}
+        self._open.discard(holder)
         for ak in self._held_by.pop(holder, ()):
             users = self._holders.get(ak)
             if users is None or holder not in users:  # (held before the actor was replaced: that one is gone)
@@ -96,6 +108,11 @@ class Executables:
         else:
             self._holders.setdefault(ak, set()).add(holder)
             self._held_by.setdefault(holder, set()).add(ak)
+            if holder not in self._open:  # its signature failed to compile on another actor and was let go of while
+                # this compile ran: what it made here is let go of too (it stayed in the session for good; a probe)
+                gone = self.release(holder).get(actor)
+                if gone:
+                    asyncio.ensure_future(_quietly(self._conns[actor].request("unload_programs", {"programs": [], "executables": gone})))
         return known
 
     async def load_program(self, actor: int, program: Program, program_id: int, exe_keys: list[str]) -> None:
