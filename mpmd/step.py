@@ -545,8 +545,13 @@ class DistributedFunction:
 
     def compile(self, *args: Any, **kwargs: Any) -> CompiledStep:
         """Trace, plan and ship the Programs for these arguments, given as to the step itself (done by the
-        first call automatically)."""
-        return self.compile_bound(self.bind(args, kwargs))
+        first call automatically). On a recovering mesh an actor lost meanwhile is recovered from and the compile
+        done again, as a call is."""
+        return self._compile_recovering(self.bind(args, kwargs))
+
+    def _compile_recovering(self, args: tuple[Any, ...]) -> CompiledStep:
+        recovery = getattr(self.mesh, "recovery", None)
+        return recovery.compile(self, args) if recovery is not None else self.compile_bound(args)
 
     def compile_bound(self, args: tuple[Any, ...]) -> CompiledStep:
         """`compile` of arguments already bound (`bind`): once per signature, however many threads ask at once
@@ -688,8 +693,7 @@ class DistributedFunction:
     def placement(self, *args: Any, **kwargs: Any) -> PlacementReport:
         """Where each argument and output of the step lives (per pytree path), and what moves between actors in
         one step, by kind (activations, activation gradients, parameters, gradient reductions, other)."""
-        args = self.bind(args, kwargs)
-        compiled = self.compile_bound(args)
+        compiled = self._compile_recovering(self.bind(args, kwargs))
         out_paths = [f"out{jax.tree_util.keystr(p)}" for p in _tree_paths(compiled.out_tree)]
         return placement_report(compiled.plan, compiled.arg_paths, out_paths)
 
@@ -703,7 +707,7 @@ class DistributedFunction:
         if costs is not None and not isinstance(costs, Costs):
             raise ScheduleError(f"step.simulate: costs must be mpmd.Costs (e.g. mpmd.Costs(F=1, B=2)), got {type(costs).__name__} "
                                 f"{costs!r:.80}")
-        plan = self.compile_bound(self.bind(args, kwargs)).plan
+        plan = self.compile(*args, **kwargs).plan
         costs = costs if costs is not None else Costs()
         try:
             costs.check_stages(plan.split.num_stages)

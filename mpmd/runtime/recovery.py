@@ -186,6 +186,19 @@ class RecoveryManager:
                 out.append((vid, x))
         return out
 
+    def compile(self, dist: Any, args: tuple[Any, ...]) -> Any:
+        """`dist.compile_bound(args)`, recovering from an actor lost meanwhile and compiling again (an explicit
+        `step.compile` before `restore(..., for_step=step)` raised ActorDiedError on a mesh that recovered; a probe)."""
+        for attempt in itertools.count():
+            try:
+                with self._dispatch:
+                    return dist.compile_bound(args)
+            except ActorDiedError as e:
+                if attempt > self.config.max_failures or not self.recover_now(e):
+                    self._say_gave_up(e)
+                    raise
+        raise AssertionError("unreachable")
+
     def call(self, dist: Any, args: tuple[Any, ...], cancelled: threading.Event | None = None) -> Any:
         """Dispatch `dist(*args)`, logged (and snapshotted every `snapshot_every` calls). With `cancelled` (a
         `call_async` in a worker thread): compile first, and dispatch nothing (None) if it was set meanwhile —
