@@ -581,6 +581,9 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     for t in list(tasks):
         t.cancel()
     await asyncio.sleep(0)
+    if orphaned.is_set():  # the controller that started us died (kill -9): the input segments it wrote that were never
+        for ses in list(actor.sessions.values()):  # read are nobody's to unlink but ours (a probe found them for good)
+            ses.inputs.sweep()
     checker.close()
     if not args.cache_dir:
         shutil.rmtree(compile_dir, ignore_errors=True)

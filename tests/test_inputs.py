@@ -740,3 +740,33 @@ def test_a_session_closed_for_silence_unlinks_the_segments_its_controller_never_
                 shm.unlink(name)
             except OSError:
                 pass
+
+
+def test_a_local_controller_killed_while_its_first_steps_compile_leaves_no_input_segment(tmp_path):
+    """A controller killed (kill -9) with three steps dispatched while its actors still compiled: the daemons exited
+    with it, but the input segments it had written for those steps stayed in /dev/shm for good (6 names, a probe):
+    a daemon whose controller died sweeps its sessions' input segments as it exits."""
+    if not shm.available() or not os.path.isdir("/dev/shm"):
+        pytest.skip("needs POSIX shared memory in /dev/shm")
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import os, numpy as np, optax, mpmd\n"
+        "from mpmd.testing import make_train_step, mlp, mlp_params, mse_loss, regression_batch\n"
+        "opt = optax.sgd(0.1)\n"
+        "rng = np.random.default_rng(5)\n"
+        "batches = [regression_batch(rng, 4, 16, 256) for _ in range(3)]  # 64 KiB leaves: through shared memory\n"
+        "mesh = mpmd.RemoteMesh.local(num_actors=2)\n"
+        "print(os.getpid(), ' '.join(str(p.proc.pid) for p in mesh.processes), flush=True)\n"
+        "step = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)\n"
+        "p = mlp_params(np.random.default_rng(0), num_stages=2, width=256)\n"
+        "o = opt.init(p)\n"
+        "for b in batches:\n"
+        "    p, o, _ = step(p, o, b)\n"
+        "os.kill(os.getpid(), 9)\n")
+    proc = subprocess.run([sys.executable, str(child)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    controller, *daemons = [int(x) for x in proc.stdout.split()]
+    assert wait_until(lambda: not any(os.path.exists(f"/proc/{d}") for d in daemons), 30)
+    left = [n for n in os.listdir("/dev/shm") if n.startswith(f"mpmd-in-{controller:x}-")]
+    assert not left, left
