@@ -935,3 +935,14 @@ def test_simulate_times_an_evaluation_table_of_forward_tasks_alone():
     assert r.step_time == pytest.approx((3 + 2 - 1) * 2.0) and r.bubble == pytest.approx(1 / 4)
     with pytest.raises(mpmd.ScheduleError, match="missing"):
         simulate(evaluation, 3)
+
+
+@pytest.mark.parametrize("schedule", [mpmd.GPipe(3), mpmd.OneFOneB(3), mpmd.ZeroBubbleH1(3)])
+def test_a_forward_only_simulation_runs_the_forward_tasks_alone_and_stashes_nothing(schedule):
+    """`simulate(schedule, m, forward_only=True)` (an evaluation step) timed the schedule's backward tasks too and
+    counted every microbatch as kept for them (GPipe(2), m=8: 27 and (8, 8), as training; a probe). An evaluation
+    step is the forward pipeline alone: m + p - 1 forward times with unit costs, and nothing stashed."""
+    got = mpmd.simulate(schedule, 8, mpmd.Costs(F=1.0, B=2.0), forward_only=True)
+    assert got.step_time == pytest.approx(8 + 3 - 1)
+    assert got.peak_activations == (0, 0, 0)
+    assert all("F" in label and "B" not in label and "W" not in label for row in got.timeline for _, _, label in row)

@@ -367,7 +367,8 @@ def _peak_activations(rows: Sequence[Sequence[Task]]) -> tuple[int, ...]:
 
 
 def _result(name: str, spans: list[list[Span]], rows: list[list[Task]], transfers: list[tuple[int, int, float, float, str]],
-            peak_bytes: tuple[int, ...] | None = None, costs: Costs | None = None) -> SimResult:
+            peak_bytes: tuple[int, ...] | None = None, costs: Costs | None = None, stash: bool = True) -> SimResult:
+    """`stash` False: nothing is kept for a backward (an evaluation loop): no activations at their peak."""
     lead, tail = (costs.lead, costs.tail) if costs is not None else (0.0, 0.0)
     if lead:
         spans = [[(s + lead, e + lead, label) for s, e, label in row] for row in spans]
@@ -376,7 +377,8 @@ def _result(name: str, spans: list[list[Span]], rows: list[list[Task]], transfer
     if not math.isfinite(step):
         raise _overflow(name or "simulation")
     bubbles = tuple(1.0 - sum(e - s for s, e, _ in row) / step if step > 0 else 0.0 for row in spans)
-    return SimResult(step, bubbles, _peak_activations(rows), tuple(tuple(r) for r in spans), tuple(transfers), peak_bytes, name)
+    peaks = _peak_activations(rows) if stash else tuple(0 for _ in rows)
+    return SimResult(step, bubbles, peaks, tuple(tuple(r) for r in spans), tuple(transfers), peak_bytes, name)
 
 
 def simulate(schedule: Schedule, num_microbatches: int, costs: Costs | None = None, forward_only: bool = False) -> SimResult:
@@ -384,7 +386,8 @@ def simulate(schedule: Schedule, num_microbatches: int, costs: Costs | None = No
     `costs` (default: unit costs F=1, B=2, I=W=1, free transfers). The backward tasks of the schedule's `remat`
     stages also pay their stage's forward (`Costs.with_remat`), as the balancer and `mpmd.tune` count them.
     `forward_only`: a loop that computes no gradients (evaluation), as `validate` takes it: a table of F tasks
-    alone will do.
+    alone will do, and a schedule's backward tasks are left out (the compiled step runs none), as is their
+    stash: no activation is kept for a backward.
 
         mpmd.simulate(mpmd.GPipe(num_stages=4), 8).bubble   # 3/11 = (p-1)/(m+p-1)
     """
@@ -394,6 +397,8 @@ def simulate(schedule: Schedule, num_microbatches: int, costs: Costs | None = No
         raise ScheduleError(f"costs must be mpmd.Costs (e.g. mpmd.Costs(F=1, B=2) or Costs.from_timings({{...}})), got "
                             f"{type(costs).__name__}")
     table = validate(schedule, num_microbatches, forward_only=forward_only)
+    if forward_only:  # (it timed GPipe's backward too, and counted every microbatch stashed; a probe)
+        table = [[t for t in row if t.kind == "F"] for row in table]
     try:
         costs.check_stages(schedule.num_stages)
     except ValueError as e:
@@ -425,7 +430,7 @@ def simulate(schedule: Schedule, num_microbatches: int, costs: Costs | None = No
     spans = [[(run.start[t] + costs.gap, run.end[t], str(t)) for t in row if not ghost(t)] for row in table]
     transfers = [(schedule.actor_of(d.stage), schedule.actor_of(t.stage), run.end[d], run.end[d] + transfer(d, t), f"{d}->{t}")
                  for d, t in edges]
-    return _result(str(schedule), spans, table, transfers, costs=costs)
+    return _result(str(schedule), spans, table, transfers, costs=costs, stash=not forward_only)
 
 
 def _recv_bytes(recv: Recv) -> int:
