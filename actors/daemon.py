@@ -158,10 +158,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--devices", default=None, help="comma-separated visible GPU indices (sets CUDA_VISIBLE_DEVICES)")
     p.add_argument("--p2p", default="tcp", choices=["tcp", "ipc", "none"],
                    help="data plane to other actors: 'tcp' opens ZeroMQ endpoints (the controller then picks tcp, shm or "
-                        "nccl per peer); 'ipc' only an ipc socket in --ipc-dir (actors on this host only); 'none' no data plane")
+                        "nccl per peer); 'ipc' only an ipc socket in --ipc-dir (actors on this host only); 'none' no data plane (default: %(default)s)")
     p.add_argument("--ipc-dir", default=None, help="also bind the data plane on an ipc socket in this directory (same-host peers use it)")
     p.add_argument("--transfer-timeout", type=float, default=300.0,
-                   help="seconds a receive waits for its peer before the step fails (each controller may set its own)")
+                   help="seconds a receive waits for its peer before the step fails (each controller may set its own) (default: %(default)s)")
     p.add_argument("--p2p-host", default=None, help="address peers reach this actor's data plane on (default: the --listen host; for a wildcard "
                                                             "--listen such as tcp://0.0.0.0:PORT, this node's own address)")
     p.add_argument("--cache-dir", default=None, help="JAX persistent compilation cache directory (default: a private temporary one, removed at exit; "
@@ -171,7 +171,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the private directory of the local mesh this daemon belongs to: if its --parent-pid exits without "
                         "cleaning up, the daemon removes its own files there (actor<id>.sock, p2p-<id>.sock, actor<id>.log) "
                         "and the directory once it is empty")
-    p.add_argument("--max-message-mb", type=int, default=8192, help="drop connections that send larger messages")
+    p.add_argument("--max-message-mb", type=int, default=8192, help="drop connections that send larger messages (default: %(default)s)")
     p.add_argument("--server-key", default=None, help="this daemon's CURVE key pair (a *.key_secret file from `mpmd keys generate`)")
     p.add_argument("--authorized-keys", default=None, help="directory of *.key files: the controllers allowed to connect")
     p.add_argument("--admin-key", action="append", default=[], metavar="NAME",
@@ -181,30 +181,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--insecure", action="store_true",
                    help="run without authentication: accept any client on any address (only on networks you trust)")
     p.add_argument("--request-timeout", type=float, default=3600.0,
-                   help="every request but compile gets its reply within this many seconds (an error reply if need be)")
+                   help="every request but compile gets its reply within this many seconds (an error reply if need be) (default: %(default)s)")
     p.add_argument("--session-timeout", type=float, default=60.0,
                    help="a controller's session (its buffers, programs, steps and its key's claim on the daemon) ends when "
                         "the controller has said nothing for this many seconds: a live one keeps it open on its own, so this "
-                        "only frees what a killed or cut-off controller left")
+                        "only frees what a killed or cut-off controller left (default: %(default)s)")
     p.add_argument("--compile-timeout", type=float, default=600.0,
                    help="seconds a compile's checks, and then its XLA compile, may each take (the request: twice this, plus 5 s); "
-                        "a compile past it is stopped (its process killed)")
+                        "a compile past it is stopped (its process killed) (default: %(default)s)")
     p.add_argument("--kept-executables", type=int, default=256,
-                   help="compiled executables no open session uses that are kept for later jobs (the oldest go first)")
+                   help="compiled executables no open session uses that are kept for later jobs (the oldest go first) (default: %(default)s)")
     p.add_argument("--compile-workers", type=int, default=2,
-                   help="compiles that may run at once, each in a child process stopped at --compile-timeout")
+                   help="compiles that may run at once, each in a child process stopped at --compile-timeout (default: %(default)s)")
     p.add_argument("--allow-custom-call", action="append", default=[], metavar="TARGET",
                    help="also allow executables to call this custom-call target (repeatable)")
     p.add_argument("--allow-loader", action="append", default=[], metavar="MODULE:FUNCTION",
                    help="a data-loader function a controller may have this actor call for its batch leaves (repeatable; "
                         "see actors/loader.py)")
     p.add_argument("--max-unclaimed", type=int, default=10_000,
-                   help="data-plane arrivals one peer may leave unclaimed here before further ones are refused")
-    p.add_argument("--max-unclaimed-mb", type=int, default=32 * 1024, help="the same limit, in MiB")
+                   help="data-plane arrivals one peer may leave unclaimed here before further ones are refused (default: %(default)s)")
+    p.add_argument("--max-unclaimed-mb", type=int, default=32 * 1024, help="the same limit, in MiB (default: %(default)s)")
     p.add_argument("--guest-memory-mb", type=int, default=4096,
                    help="MiB of buffers the sessions of keys that do not own the daemon's job may hold between them "
-                        "(their loaded programs are bounded alike); the owner's and operators' sessions are not bounded")
-    p.add_argument("--log-level", default="WARNING", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+                        "(their loaded programs are bounded alike); the owner's and operators' sessions are not bounded (default: %(default)s)")
+    p.add_argument("--log-level", default="WARNING", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], help="(default: %(default)s)")
     cluster.add_arguments(p)
     args = p.parse_args(argv)
     if getattr(args, "rendezvous", None) == "":

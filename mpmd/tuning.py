@@ -407,6 +407,8 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
     position of the batch tune re-splits (default: the one argument, not static, whose leaves all lead with
     the step's microbatch count, then its rows), counted in `args` followed by the step's keyword-only
     parameters in signature order. `step_kwargs`: the step's keyword arguments, as `step(*args, **step_kwargs)`.
+    `virtual_stages`: the stages per actor the interleaved schedules are tried with. `profile_steps`: warm-up steps
+    of each variant `profile_costs` runs before the three it traces (each figure is the median of those three).
 
         result = mpmd.tune(train_step, params, opt_state, batch, mesh=mesh, memory_limit=1 << 30)
         print(result); result.verify(3)

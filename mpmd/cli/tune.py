@@ -135,9 +135,10 @@ def add_subcommand(sub: Any) -> None:
     p.add_argument("--width", type=_positive(int), default=128, help="its model width (default %(default)s)")
     p.add_argument("--seq", type=_positive(int), default=64, help="tokens per sequence (default %(default)s)")
     p.add_argument("--heads", type=_positive(int), default=4, help="attention heads (width must be a multiple) (default %(default)s)")
-    p.add_argument("--microbatches", type=_positive(int), default=8, help="microbatches of the batch as given")
-    p.add_argument("--rows", type=_positive(int), default=4, help="sequences per microbatch of the batch as given")
-    p.add_argument("--try-microbatches", type=_counts, default=None, help="comma-separated counts to consider (default: divisors of the rows)")
+    p.add_argument("--microbatches", type=_positive(int), default=8, help="microbatches of the batch as given (default: %(default)s)")
+    p.add_argument("--rows", type=_positive(int), default=4, help="sequences per microbatch of the batch as given (default: %(default)s)")
+    p.add_argument("--try-microbatches", type=_counts, default=None, help="comma-separated counts to consider (default: the divisors of the batch's "
+                   "microbatches x rows sequences from the actors to 4 x actors x stages per actor, and --microbatches)")
     p.add_argument("--memory-limit-mib", type=_limit, default=None, help="the memory limit per actor, in MiB (0, the default: no limit)")
     p.add_argument("--remat", action="store_true", help="also try remat of the stages of actors over the memory limit")
     p.add_argument("--xla-costs", action="store_true", help="predict from XLA's cost analysis instead of measuring segments")

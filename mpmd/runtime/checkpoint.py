@@ -640,7 +640,8 @@ def load(path: str, like: Any = None, *, verify: bool = True) -> Any:
     for typed PRNG keys), every byte verified. With `like`, in `like`'s tree (its paths, shapes and dtypes must
     be the saved ones); without, in nested dicts and lists rebuilt from the saved paths (a namedtuple's or
     dataclass's fields as a dict, a tuple as a list, an element that held no arrays as None in its place). A Python
-    number where `like` has one comes back a Python number.
+    number where `like` has one comes back a Python number. `verify=False` skips hashing the files' bytes (the
+    manifest's names, sizes, dtypes and shapes are still checked).
 
         params, opt_state = mpmd.load("ckpt", like=(params, opt_state))
         state = mpmd.load("ckpt")          # e.g. [{'w': array(...), 'b': ...}, ...]

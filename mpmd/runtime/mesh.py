@@ -244,6 +244,7 @@ class RemoteMesh:
         to its own k cores and sizes XLA's thread pool to them (fair pipeline measurements; big CPU hosts).
         `gpu_ids` deals out those GPUs instead (``(0,)``: every actor shares GPU 0).
         `cache_dir` is the actors' persistent compilation cache (default: ~/.cache/mpmd/xla; False: none).
+        `startup_timeout`: seconds each daemon has to say it is ready; `log_level`: the daemons' logging level.
         `loaders`: "module:function" data loaders the actors may call for the batch leaves they read
         (`mpmd.loaded_by_actors`; see mpmd/runtime/loader.py). `request_timeout`: seconds the daemons give any
         one request, a step included (mpmd-actor --request-timeout; None: its default of an hour): a loader or
