@@ -779,6 +779,7 @@ class DistributedFunction:
         for x in jax.tree.leaves(donated, is_leaf=_is_remote):
             if isinstance(x, RemoteArray) and x.mesh is self.mesh and id(x) not in kept and x.buffers and not x.copied:
                 buffers, x.buffers = x.buffers, {}
+                x.donated_to = getattr(self.fn, "__name__", "a step")
                 self.mesh.release_buffers(buffers)
 
     def call_bound(self, args: tuple[Any, ...]) -> Any:

@@ -1327,3 +1327,25 @@ def test_an_executable_two_signatures_hold_stays_on_the_actor_until_both_let_go(
 
 async def _released(mesh, holder):
     return mesh.executables.release(holder)  # (on the controller loop, where compiles hold)
+
+
+def test_a_donated_array_read_or_passed_again_says_it_was_donated_and_to_which_step(mesh2):
+    """Reading an array a step took with donate_argnums said "was deleted; its data is gone", naming neither the
+    donation nor the step (a newcomer probe)."""
+    from mpmd.testing import mlp, mlp_params, mse_loss, regression_batch
+
+    opt = optax.sgd(0.1)
+
+    def train_step(params, opt_state, batch):
+        return make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2))(params, opt_state, batch)
+
+    params = mlp_params(np.random.default_rng(0), num_stages=2, width=8)
+    batch = regression_batch(np.random.default_rng(1), num_microbatches=2, microbatch_size=2, width=8)
+    dist = mpmd.distributed(train_step, mesh=mesh2, donate_argnums=(0,))
+    p, o, _ = dist(params, opt.init(params), batch)
+    p2, _, _ = dist(p, o, batch)
+    with pytest.raises(mpmd.MpmdError, match=r"was donated to train_step \(donate_argnums\): its buffer went to that step's outputs"):
+        jax.tree.leaves(p)[0].to_numpy()
+    with pytest.raises(mpmd.MpmdError, match=r"argument args\[0\].*: RemoteArray\(.*\) was donated to train_step"):
+        dist(p, o, batch)
+    assert all(np.isfinite(x).all() for x in mpmd.fetch(jax.tree.leaves(p2)))

@@ -44,7 +44,8 @@ class RemoteArray:
     buffers (batched, asynchronously); `delete()` frees them now.
     """
 
-    __slots__ = ("__weakref__", "_host", "_ready", "_vid", "buffers", "copied", "dtype", "mesh", "shape", "sharding", "weak_type")
+    __slots__ = ("__weakref__", "_host", "_ready", "_vid", "buffers", "copied", "donated_to", "dtype", "mesh", "shape", "sharding",
+                 "weak_type")
 
     def __init__(self, mesh: BufferOwner, buffers: dict[int, int], shape: tuple[int, ...], dtype: Any, sharding: Any = None,
                  ready: concurrent.futures.Future[Any] | None = None, weak_type: bool = False) -> None:
@@ -56,6 +57,7 @@ class RemoteArray:
         self._host: concurrent.futures.Future[np.ndarray] | None = None
         self._ready = ready  # the dispatch of the step that makes it (None: made already)
         self._vid = 0  # its value id in the mesh's recovery log (mpmd.runtime.recovery; 0: none yet)
+        self.donated_to: str | None = None  # the step it was donated to (donate_argnums), once it was
         # Weakly typed, as jax.jit's output of `lr * 0.99` for a Python-float lr is: passed back to a step it
         # stays weak, so `w - lr * g` keeps a bf16 `w` bf16 (jax's type promotion).
         self.weak_type = bool(weak_type)
@@ -87,13 +89,20 @@ class RemoteArray:
     def is_deleted(self) -> bool:
         return not self.buffers
 
+    def deleted_why(self) -> str:
+        """What happened to a deleted array, said to whoever reads it."""
+        if self.donated_to is not None:
+            return (f"{self!r} was donated to {self.donated_to} (donate_argnums): its buffer went to that step's outputs; "
+                    "use those, or leave it out of donate_argnums")
+        return f"{self!r} was deleted; its data is gone"
+
     def _check_usable(self) -> None:
         if not self.buffers:
             recovery = getattr(self.mesh, "recovery", None)
             why = recovery.why_gone(self) if recovery is not None else None
             if why:  # (lost with an actor: an output of a step that failed says that step's error)
                 self._raise_step_error()
-            raise MpmdError(why or f"{self!r} was deleted; its data is gone")
+            raise MpmdError(why or self.deleted_why())
         if self.mesh.closed:
             raise MpmdError(f"{self!r} belongs to {self.mesh!r}, which is closed; its data is gone")
         self._raise_step_error()

@@ -751,7 +751,7 @@ class RemoteMesh:
         if x.mesh is self:
             if x.is_deleted:
                 why = self.recovery.why_gone(x) if getattr(self, "recovery", None) is not None else None
-                raise MpmdError(f"{what}: {why}" if why else f"{what} is a deleted RemoteArray; its data is gone")
+                raise MpmdError(f"{what}: {why or x.deleted_why()}")
             self.check_not_replaced(x, what)
             return
         if x.mesh.closed:
