@@ -306,6 +306,27 @@ def _callers_level() -> int:
 MAX_SIGNATURES = 128  # argument signatures a distributed function keeps compiled (and loaded on its actors)
 
 
+def _kept_layouts(plan: StepPlan, out_tree: Any, sig: Any) -> dict[Any, Any]:
+    """State keeps its layout across steps: each output made on the actors at the pytree path of an argument of its
+    shape and dtype (`params` returned where `params` came in) is laid out as that argument, as jax.jit's sharding
+    propagation keeps it (XLA chose the update's layout alone: a parameter came back replicated, then in its
+    gradient's layout; a probe)."""
+    treedef, specs, layouts = sig
+    if layouts is None:
+        return {}
+
+    def paths(tree: Any) -> list[tuple]:
+        return [k for k, _ in jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(tree, list(range(tree.num_leaves))))[0]]
+
+    args = {p: (spec[0], spec[1], lay) for p, spec, lay in zip(paths(treedef), specs, layouts)}
+    out = {}
+    for path, (kind, _), key, aval in zip(paths(out_tree), plan.out_homes, plan.out_keys, plan.out_avals):
+        arg = args.get(path)
+        if kind == "actors" and arg is not None and tuple(aval.shape) == tuple(arg[0]) and dtype_text(aval.dtype) == arg[1]:
+            out[key] = arg[2]
+    return out
+
+
 def _unload(mesh: Any, compiled: list[CompiledStep]) -> None:
     """`compiled`'s Programs go from the actors (any thread; nothing once the mesh is gone or without one)."""
     unload = getattr(mesh, "unload_programs", None)
@@ -609,7 +630,7 @@ class DistributedFunction:
         ids = [self.mesh.executables.new_program_id()] * len(plan.programs)  # one id: transfer keys (program, step, tag) must agree
         holder = self.mesh.executables.new_holder()
         try:
-            loaded = self._lower_and_ship(plan, ids, sig[2], out_tree, holder=holder)
+            loaded = self._lower_and_ship(plan, ids, sig[2], out_tree, holder=holder, arg_sig=sig)
         except BaseException:  # (Ctrl-C, or an actor's refusal, after some Programs were loaded: they go again)
             getattr(self.mesh, "unload_programs", lambda ids, holders: None)(sorted(set(ids)), [holder])
             raise
@@ -626,15 +647,16 @@ class DistributedFunction:
         return compiled
 
     def _lower_and_ship(self, plan: StepPlan, ids: list[int], arg_layouts: tuple | None, out_tree: Any,
-                        lowered: list[tuple[Any, bytes]] | None = None, holder: int | None = None) -> list[Any]:
+                        lowered: list[tuple[Any, bytes]] | None = None, holder: int | None = None, arg_sig: Any = None) -> list[Any]:
         """Export each distinct executable once, here, and have every actor that runs it start compiling it at
         once (actors compile while the next one is exported); then load the Programs. With multi-device
         actors, executables are compiled wave by wave with their inputs' layouts (see mpmd.runtime.sharding). Returns
         how many executables were exported. `lowered`: the plan's (template, blob) pairs, exported already; `holder`:
-        the signature's hold on its executables (`Executables.new_holder`)."""
+        the signature's hold on its executables (`Executables.new_holder`); `arg_sig`: the signature (its argument
+        tree and specs: state keeps its layout, `_kept_layouts`)."""
         mesh = self.mesh
         if arg_layouts is not None:
-            return self._lower_and_ship_sharded(plan, ids, arg_layouts, out_tree, lowered, holder)
+            return self._lower_and_ship_sharded(plan, ids, arg_layouts, out_tree, lowered, holder, arg_sig)
         users: dict[Any, list[int]] = {}
         for prog in plan.programs:
             for t in prog.executables:
@@ -657,7 +679,8 @@ class DistributedFunction:
         return programs
 
     def _lower_and_ship_sharded(self, plan: StepPlan, ids: list[int], arg_layouts: tuple, out_tree: Any,
-                                lowered: list[tuple[Any, bytes]] | None = None, holder: int | None = None) -> list[Any]:
+                                lowered: list[tuple[Any, bytes]] | None = None, holder: int | None = None,
+                                arg_sig: Any = None) -> list[Any]:
         mesh = self.mesh
         blobs = dict(lowered if lowered is not None else iter_lowered(plan, mesh.platform))
         known: dict[Any, Any] = dict(zip(plan.arg_keys, arg_layouts))
@@ -674,6 +697,10 @@ class DistributedFunction:
                 if kind == "actors" and spec is not None:
                     am.check_spec(spec, aval.shape, "out_shardings")
                     constraints[key] = am.canonical(spec)
+
+        if arg_sig is not None:
+            for key, lay in _kept_layouts(plan, out_tree, arg_sig).items():
+                constraints.setdefault(key, lay)
 
         async def compile_unit(a: int, u: Any, ins: tuple, outs: tuple) -> tuple[str, list[Any]]:
             tpl = u.template()

@@ -482,3 +482,40 @@ def test_a_daemon_builds_the_device_mesh_each_new_job_asks_for_once_the_last_one
                                                 axis_names=("data", "model")).close()
     finally:
         stop_daemon(proc)
+
+
+def test_parameters_keep_their_layout_across_steps_as_under_jit(mesh_2x2):
+    """A parameter whose gradient comes out in another layout than its own (w2: P('data', None), its gradient
+    P('model', None)) came back replicated after the first step (4x its memory) and in the gradient's layout from the
+    second on, where jax.jit keeps the input's every step (a probe; the README says state keeps its layout). An
+    output at an argument's pytree path, of its shape and dtype, is laid out as that argument."""
+    rng = np.random.default_rng(0)
+    d, f = 8, 16
+    params = [{"w1": (rng.standard_normal((d, f)) / 3).astype(np.float32), "w2": (rng.standard_normal((f, d)) / 4).astype(np.float32)},
+              {"w": (rng.standard_normal((d, d)) / 3).astype(np.float32)}]
+    specs = [{"w1": P(None, "model"), "w2": P("data", None)}, {"w": P()}]
+
+    def model(p, x):
+        x = jnp.tanh(x @ p[0]["w1"]) @ p[0]["w2"]
+        return mpmd.pipeline_yield(x) @ p[1]["w"]
+
+    loss = lambda p, mb: jnp.mean((model(p, mb["x"]) - mb["y"]) ** 2)  # noqa: E731
+    opt = optax.adam(1e-2)
+    batches = [{"x": rng.standard_normal((2, 4, d)).astype(np.float32), "y": rng.standard_normal((2, 4, d)).astype(np.float32)}
+               for _ in range(3)]
+    first = mpmd.distributed(make_train_step(loss, opt, mpmd.OneFOneB(2)), mesh=mesh_2x2, in_shardings=(specs, None, None))
+    rest = mpmd.distributed(make_train_step(loss, opt, mpmd.OneFOneB(2)), mesh=mesh_2x2)
+    def canonical(spec):  # (P('data', None) and P('data') lay out alike)
+        t = tuple(spec)
+        while t and t[-1] is None:
+            t = t[:-1]
+        return t
+
+    want = jax.tree.map(canonical, specs, is_leaf=lambda x: isinstance(x, P))
+    p, o = params, opt.init(params)
+    for i, b in enumerate(batches):
+        p, o, _ = (first if i == 0 else rest)(p, o, b)
+        got = jax.tree.map(lambda x: canonical(x.sharding.spec), p)
+        assert got == want, (i, got)
+    want_p, _, _ = reference(loss, opt, params, specs, batches, (2, 2))
+    assert_trees_close(mpmd.fetch(p), want_p)

@@ -571,7 +571,7 @@ class RecoveryManager:
             report["spawn"] = time.monotonic() - t
             t = time.monotonic()
             for (dist, sig, c), blobs in zip(steps, lowered):
-                dist._lower_and_ship(c.plan, c.program_ids, sig[2], c.out_tree, blobs.result(), c.holder)
+                dist._lower_and_ship(c.plan, c.program_ids, sig[2], c.out_tree, blobs.result(), c.holder, sig)
                 c.generation = mesh.generation  # loaded on the replacements: current again (see DistributedFunction._cached)
         report["reload"] = time.monotonic() - t
         return self._restore_and_replay(replaced, report)
