@@ -11,6 +11,7 @@ daemon (actors/daemon.py) turns into an error reply. The wire form of every op i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -52,6 +53,7 @@ def is_ready(x: Any) -> bool:
 
 
 BIG_PROGRAM = 4096  # instructions past which a Program is counted and decoded in a thread beside the event loop
+BIG_PROGRAM_WORDS = 1 << 16  # or ids named by its instructions (two instructions of 8 million ids stalled the loop 1.4 s)
 
 
 def _program_words(instrs: Any) -> int:
@@ -91,6 +93,8 @@ class Session:
         self.program_words: dict[int, int] = {}  # each loaded Program's instructions and buffer ids (a guest's are bounded)
         self.program_bytes: dict[int, int] = {}  # each loaded Program's constants (counted with the buffers)
         self.program_made: dict[int, int] = {}  # each loaded Program's Runs' output bytes (a guest's step needs room for them)
+        self.program_exes: dict[int, set[str]] = {}  # the executables each loaded Program runs
+        self.loading: dict[int, list[asyncio.Future[None]]] = {}  # Programs being decoded beside the loop, by id
 
     def close(self) -> None:
         for task in self.running.values():
@@ -100,6 +104,7 @@ class Session:
         self.program_words.clear()
         self.program_bytes.clear()
         self.program_made.clear()
+        self.program_exes.clear()
         self.inputs.close()
 
 
@@ -158,6 +163,7 @@ class Actor:
         self.errors = 0
         self.limits: dict[str, Any] = {}  # the daemon's bounds (request and compile timeouts), reported by `info`
         self.guest_bytes = 4 << 30  # buffer bytes the sessions of keys that do not own the job may hold (--guest-memory-mb)
+        self._guest_decodes = asyncio.Lock()  # guests' big Programs are decoded one at a time (see load_program)
         self.handlers = {
             "ping": self.ping,
             "info": self.info,
@@ -542,36 +548,57 @@ class Actor:
     async def load_program(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         wire = field(msg, "program", dict)
         instrs = wire.get("instrs")
-        big = isinstance(instrs, list) and len(instrs) > BIG_PROGRAM
-        # (a big Program is counted and decoded beside the loop, which answers meanwhile: a guest's million-instruction
-        # Program held it 13 s, past the owner's heartbeat limit, and the owner's job was declared dead; a probe)
-        words = await _beside_loop(big, _program_words, instrs)
-        consts = sum(int(a.nbytes) for a in msg.arrays)
         pid_given = wire.get("id")  # (a program loaded again under its id replaces the one before)
-        replaced = (ses.program_bytes.get(pid_given, 0), ses.program_words.get(pid_given, 0)) if isinstance(pid_given, int) else (0, 0)
-        self._within_guest_quota(ses, more_bytes=consts - replaced[0], more_words=words - replaced[1])
+        guest = not self.ownership.governs(ses.owner)
+        # A big Program is counted and decoded beside the loop, which answers meanwhile (a guest's million-instruction
+        # Program held it 13 s, past the owner's heartbeat limit, and the owner's job was declared dead; a probe), a
+        # guest's one at a time (forty at once stalled the owner 6 s); an unload of its id waits for it (`loading`).
+        done = asyncio.get_running_loop().create_future()
+        if isinstance(pid_given, int):  # (before the first await: an unload right behind it waits)
+            ses.loading.setdefault(pid_given, []).append(done)
         try:
-            pid, prog = await _beside_loop(big, decode_program, wire, msg.arrays)
-        except ProgramError as e:
-            raise RequestError(f"'load_program': {e}") from None
-        made = 0  # bytes its Runs' outputs take, all at once at the most: a guest's step must have room for them
-        for ins in prog.instructions:
-            if isinstance(ins, Run):
-                self._executable(ses, ins.exe)  # every executable must be compiled (by this session) before the program
-                if len(ins.outputs) != self.cache.num_outputs(ins.exe):  # (a Run pairs them one to one)
-                    raise RequestError(f"'load_program': a Run of executable {ins.exe!r} names {len(ins.outputs)} output buffers, "
-                                       f"but it returns {self.cache.num_outputs(ins.exe)} values")
-                made += self.cache.output_bytes(ins.exe)
-            elif isinstance(ins, (Send, Recv)):
-                if not self.ownership.governs(ses.owner):
-                    raise RequestError(self._not_wired(ses))
-                self._check_peer(ins, "'load_program'")
-        prog.consts = {b: self._to_device(a) for b, a in prog.consts.items()}
-        ses.programs[pid] = prog
-        ses.program_words[pid], ses.program_bytes[pid] = words, consts
-        ses.program_made[pid] = made
+            many = isinstance(instrs, list) and len(instrs) > BIG_PROGRAM
+            words = await _beside_loop(many, _program_words, instrs)
+            big = many or words > BIG_PROGRAM_WORDS
+            async with self._guest_decodes if guest and big else contextlib.nullcontext():
+                self._within_program_quota(ses, pid_given, words, msg)
+                try:
+                    pid, prog = await _beside_loop(big, decode_program, wire, msg.arrays)
+                except ProgramError as e:
+                    raise RequestError(f"'load_program': {e}") from None
+            made, exes = 0, set()  # bytes its Runs' outputs take, all at once at the most: a guest's step needs room for them
+            for ins in prog.instructions:
+                if isinstance(ins, Run):
+                    self._executable(ses, ins.exe)  # every executable must be compiled (by this session) before the program
+                    if len(ins.outputs) != self.cache.num_outputs(ins.exe):  # (a Run pairs them one to one)
+                        raise RequestError(f"'load_program': a Run of executable {ins.exe!r} names {len(ins.outputs)} output "
+                                           f"buffers, but it returns {self.cache.num_outputs(ins.exe)} values")
+                    made += self.cache.output_bytes(ins.exe)
+                    exes.add(ins.exe)
+                elif isinstance(ins, (Send, Recv)):
+                    if guest:
+                        raise RequestError(self._not_wired(ses))
+                    self._check_peer(ins, "'load_program'")
+            self._within_program_quota(ses, pid, words, msg)  # (again: other loads may have been recorded meanwhile)
+            prog.consts = {b: self._to_device(a) for b, a in prog.consts.items()}
+            ses.programs[pid] = prog
+            ses.program_words[pid], ses.program_bytes[pid] = words, sum(int(a.nbytes) for a in msg.arrays)
+            ses.program_made[pid], ses.program_exes[pid] = made, exes
+        finally:
+            done.set_result(None)
+            waiting = ses.loading.get(pid_given, [])
+            if done in waiting:
+                waiting.remove(done)
+                if not waiting:
+                    del ses.loading[pid_given]
         collector.freeze()  # the Program's instructions are kept for the session's life
         return {"program": pid}, []
+
+    def _within_program_quota(self, ses: Session, pid: Any, words: int, msg: Message) -> None:
+        """`_within_guest_quota` for a Program of `words` and `msg`'s constants loaded as `pid` (replacing its own)."""
+        replaced = (ses.program_bytes.get(pid, 0), ses.program_words.get(pid, 0)) if isinstance(pid, int) else (0, 0)
+        self._within_guest_quota(ses, more_bytes=sum(int(a.nbytes) for a in msg.arrays) - replaced[0],
+                                 more_words=words - replaced[1])
 
     async def unload_programs(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         """Drop the session's Programs `programs` (a step signature the controller let go), and its executables
@@ -581,12 +608,14 @@ class Actor:
         keys = field(msg, "executables", list) if "executables" in msg.header else []
         if len(keys) > MAX_IDS or not all(isinstance(k, str) for k in keys):
             raise RequestError(f"'unload_programs' field 'executables' must be a list of at most {MAX_IDS} executable keys")
+        for pid in ids:  # (a load of one still decoding beside the loop is let finish, then unloaded)
+            for waiting in list(ses.loading.get(pid, ())):
+                await asyncio.shield(waiting)
         gone = [pid for pid in ids if ses.programs.pop(pid, None) is not None]
         for pid in ids:
-            ses.program_words.pop(pid, None)
-            ses.program_bytes.pop(pid, None)
-            ses.program_made.pop(pid, None)
-        still = {ins.exe for prog in ses.programs.values() for ins in prog.instructions if isinstance(ins, Run)} if keys else set()
+            for table in (ses.program_words, ses.program_bytes, ses.program_made, ses.program_exes):
+                table.pop(pid, None)
+        still = set().union(*ses.program_exes.values()) if keys else set()
         freed = sorted(k for k in set(keys) if k in ses.executables and k not in still)
         ses.executables.difference_update(freed)
         running = [t for t in ses.running.values() if not t.done()]

@@ -791,3 +791,55 @@ def test_an_array_bigger_than_a_daemons_max_message_is_refused_naming_the_flag_n
     finally:
         for p, _ in procs:
             stop_daemon(p)
+
+
+def test_a_guests_programs_loaded_at_once_stay_within_its_quota_and_an_unload_waits_for_a_load_under_way(tmp_path):
+    """Big Programs are decoded beside the loop: eight loads at once were each checked against the totals before
+    the others were recorded, and five were kept, past the guest's 1 MiB and its words (a review); an unload of a
+    Program still decoding found nothing to drop, and the load then recorded it for good. The quota is checked again
+    as each is recorded, and an unload of an id waits for its load."""
+    import threading
+
+    generate_key_files(tmp_path, "server")
+    for name in ("alice", "bob"):
+        generate_key_files(tmp_path / "authorized", name)
+    proc, address = start_daemon("--listen", "tcp://127.0.0.1:0", "--server-key", str(tmp_path / "server.key_secret"),
+                                 "--authorized-keys", str(tmp_path / "authorized"), "--guest-memory-mb", "1")
+    keys = {n: ClientKeys.load(tmp_path / "authorized" / f"{n}.key_secret", tmp_path / "server.key") for n in ("alice", "bob")}
+    quarter = np.zeros(1 << 16, np.float32)  # 256 KiB
+    instrs = [["del", [], "x"]] * 5000  # (more than BIG_PROGRAM: decoded beside the loop)
+    try:
+        with mpmd.RemoteMesh.connect([address], keys=keys["alice"], transport="none") as alice, \
+                mpmd.RemoteMesh.connect([address], keys=keys["bob"], transport="none") as bob:
+            alice.actor(0).ping()
+            got = [None] * 8
+
+            def load(i):
+                prog = {"id": 100 + i, "actor": 0, "inputs": [], "outputs": [500], "consts": [500], "instrs": instrs}
+                got[i] = raw_request(address, {"op": "load_program", "id": 3, "session": bob.session, "program": prog},
+                                     keys=keys["bob"], arrays=[quarter], timeout_ms=60_000)
+
+            threads = [threading.Thread(target=load, args=(i,)) for i in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            kept = sum(g.op == "reply" for g in got)
+            assert 1 <= kept <= 3 and bob.actor(0).stats()["programs"] == kept, [g.header.get("message", "")[:100] for g in got]
+            # a load and the unload of its id sent right behind it, on one connection
+            from tests.wire import dealer
+            from transport.protocol import decode, encode
+
+            s = dealer(address, keys["alice"], timeout_ms=60_000)
+            try:
+                prog = {"id": 900, "actor": 0, "inputs": [], "outputs": [], "consts": [], "instrs": instrs}
+                s.send_multipart(encode({"op": "load_program", "id": 1, "session": alice.session, "program": prog}))
+                s.send_multipart(encode({"op": "unload_programs", "id": 2, "session": alice.session, "programs": [900]}))
+                replies = {m.header["id"]: m for m in (decode(s.recv_multipart()) for _ in range(2))}
+            finally:
+                s.close()
+            assert replies[1].op == "reply" and replies[2].header.get("unloaded") == [900], replies
+            assert alice.actor(0).stats()["programs"] == 0
+        assert proc.poll() is None
+    finally:
+        stop_daemon(proc)
