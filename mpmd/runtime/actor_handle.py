@@ -144,10 +144,15 @@ class ActorHandle:
                     await conn.request("put", {"buf": buf}, [to_wire(host_value(x))])
                     in_bufs.append(buf)
             out_bufs = [mesh.new_buffer_id() for _ in out_avals]
-            await conn.request("run", {"exe": exe, "inputs": in_bufs, "outputs": out_bufs})
+            try:
+                await conn.request("run", {"exe": exe, "inputs": in_bufs, "outputs": out_bufs})
+            except BaseException:  # (cancelled after the request went, its outputs were left for good; a probe)
+                for b in out_bufs:
+                    mesh.release_buffers({self.index: b})
+                raise
         finally:
-            if temps:
-                await conn.request("delete", {"bufs": temps})
+            for b in temps:  # (batched, behind the run: no await here, which a cancelled caller may not get to)
+                mesh.release_buffers({self.index: b})
         outs = [RemoteArray(mesh, {self.index: b}, a.shape, a.dtype, remote_sharding(lay, mesh.actor_mesh),
                             weak_type=getattr(a, "weak_type", False))
                 for b, a, lay in zip(out_bufs, out_avals, out_layouts)]

@@ -801,14 +801,24 @@ class RemoteMesh:
         """Copy a host value (numpy, jax or typed key array) to each of `actors`, of the dtype jax.device_put gives it, laid out
         as `spec` over each actor's devices (None: replicated); one RemoteArray."""
         send, made = self._put(value, actors, spec)
-        self.run(send)
-        return made()
+        x = made()
+        try:
+            self.run(send)
+        except BaseException:  # (refused on one actor, or interrupted: what reached the others goes too)
+            x.delete()
+            raise
+        return x
 
     async def put_replicated_async(self, value: Any, actors: Sequence[int], spec: Any = None) -> RemoteArray:
         """`put_replicated`, awaited from the caller's event loop."""
         send, made = self._put(value, actors, spec)
-        await self.arun(send)
-        return made()
+        x = made()
+        try:
+            await self.arun(send)
+        except BaseException:  # (cancelled after its requests went: the buffers they made were left for good; a probe)
+            x.delete()
+            raise
+        return x
 
     def _put(self, value: Any, actors: Sequence[int], spec: Any) -> tuple[Any, Callable[[], RemoteArray]]:
         """The put requests (a coroutine to run on the loop) and how to make the RemoteArray once they are done."""
