@@ -449,7 +449,7 @@ async def test_aclose_while_a_first_call_compiles_says_the_mesh_was_closed_not_t
     dist = mpmd.distributed(step, mesh=mesh)
     held = []
 
-    async def never_compiled(*args):  # (on the controller loop)
+    async def never_compiled(*args, **kwargs):  # (on the controller loop)
         held.append(time.monotonic())
         await asyncio.sleep(3600)
 
