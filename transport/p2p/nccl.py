@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,41 @@ def unique_id() -> list[int]:
     from cupy.cuda import nccl
 
     return [int(c) for c in nccl.get_unique_id()]
+
+
+SUB_BYTE_NAMES = frozenset(("int4", "uint4", "int2", "uint2", "float4_e2m1fn"))
+
+
+def as_sent(value: Any) -> Any:
+    """A device array of a dtype cupy lacks as the bytes NCCL carries (uint8 or wider unsigned ints): bfloat16 and the
+    8-bit floats bitcast; a 4- or 2-bit array (packed on the device) widened to one byte per element, as its numpy
+    form holds it (bitcasting it raised "4 * 4 != 8"; a review)."""
+    import jax
+    import jax.numpy as jnp
+
+    dtype = np.dtype(value.dtype)
+    if dtype.name in SUB_BYTE_NAMES:
+        if dtype.name == "float4_e2m1fn":
+            return jax.lax.bitcast_convert_type(value, jnp.uint4).astype(jnp.uint8)
+        wide = jnp.int8 if dtype.name.startswith("int") else jnp.uint8
+        return jax.lax.bitcast_convert_type(value.astype(wide), jnp.uint8)
+    return jax.lax.bitcast_convert_type(value, np.dtype(f"uint{8 * dtype.itemsize}"))
+
+
+def as_received(raw: Any, dtype: np.dtype, shape: Sequence[int]) -> Any:
+    """`as_sent` undone: `raw` (uint8, the bytes that arrived) as an array of `dtype` and `shape`."""
+    import jax
+    import jax.numpy as jnp
+
+    if dtype.name in SUB_BYTE_NAMES:
+        if dtype.name == "float4_e2m1fn":
+            return jax.lax.bitcast_convert_type(raw.astype(jnp.uint4), dtype).reshape(shape)
+        if dtype.name.startswith("int"):
+            raw = jax.lax.bitcast_convert_type(raw, jnp.int8)
+        return raw.astype(dtype).reshape(shape)
+    if dtype.itemsize > 1:
+        raw = raw.reshape(*shape, dtype.itemsize)
+    return jax.lax.bitcast_convert_type(raw, dtype).reshape(shape)
 
 
 @dataclass
@@ -96,15 +132,10 @@ class NcclLinks:
         if link is None:
             raise TransferError(f"actor {self.plane.actor_id} has no NCCL link to actor {peer} (key {key})")
         dtype = np.dtype(value.dtype)
-        if dtype.name not in CUPY_DTYPES and value.size:  # bfloat16, float8: send the bytes as unsigned ints
-            import jax
-
-            value_bits = jax.lax.bitcast_convert_type(value, np.dtype(f"uint{8 * dtype.itemsize}"))
-        else:
-            value_bits = value
+        value_bits = as_sent(value) if dtype.name not in CUPY_DTYPES and value.size else value
         if not value_bits.is_ready():
             await asyncio.to_thread(value_bits.block_until_ready)
-        nbytes = int(value.nbytes)
+        nbytes = int(value_bits.nbytes)
         event = None
         with self.cp.cuda.Device(self.device_id):
             # Numbering and posting happen without an await in between, so sends hit the wire in seq order.
@@ -148,11 +179,8 @@ class NcclLinks:
                 value = jnp.zeros(shape, dtype)
             elif dtype.name in CUPY_DTYPES:
                 value = jax.dlpack.from_dlpack(buf.view(dtype).reshape(shape))
-            else:  # bfloat16, float8: cupy has no such dtype; reinterpret the bytes on the device
-                raw = jax.dlpack.from_dlpack(buf)
-                if dtype.itemsize > 1:
-                    raw = raw.reshape(*shape, dtype.itemsize)
-                value = jax.lax.bitcast_convert_type(raw, dtype).reshape(shape)
+            else:  # bfloat16, float8, 4-bit: cupy has no such dtype; rebuilt from the bytes on the device
+                value = as_received(jax.dlpack.from_dlpack(buf), dtype, shape)
             self.plane.counters["received_bytes"] += buf.size
             self.plane._arrive(src, key, value, int(buf.size))
         except Exception as e:
