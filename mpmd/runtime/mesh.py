@@ -511,7 +511,10 @@ class RemoteMesh:
             log.log(logging.INFO if getattr(self, "recovery", None) is not None else logging.WARNING,
                     "actor %d at %s is a new daemon (pid %s): its buffers and programs from before are gone%s", i, new.address,
                     info.header.get("pid"), "; the recovery puts them back" if getattr(self, "recovery", None) is not None else "")
-            self.executables.forget(i)
+            if self._io.on_loop_thread():  # (on the loop, where compiles and releases change the same tables; a review)
+                self.executables.forget(i)
+            else:
+                self._io.call_soon(self.executables.forget, i)
             self.generation += 1  # distributed steps load their Programs again at their next call
             if getattr(self, "recovery", None) is None:
                 self._replaced[i] = (mark, time.strftime("%H:%M:%S"))
