@@ -13,9 +13,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from transport.protocol import ALLOWED_DTYPES, PACKED_DTYPES
 
 
 def build_mesh(devices: list[Any], shape: list[int], names: list[str]) -> Mesh:
@@ -59,8 +60,7 @@ def spec_of(value: Any) -> list[Any] | None:
 
 # 4- and 2-bit dtypes: one byte per element in numpy, packed on the device. jax.device_put of such a numpy array
 # left it unpacked, and an executable refused it ("compiled for input layouts that disagree"; a probe).
-SUB_BYTE = frozenset(np.dtype(getattr(ml_dtypes, n)) for n in ("int4", "uint4", "int2", "uint2", "float4_e2m1fn")
-                     if hasattr(ml_dtypes, n))
+SUB_BYTE = frozenset(ALLOWED_DTYPES[n] for n in PACKED_DTYPES)
 
 
 def to_device(host: Any, device: Any) -> Any:
@@ -75,6 +75,10 @@ def put(host: np.ndarray, mesh: Mesh | None, spec: PartitionSpec | None, device:
     """A host array on this actor's devices, each device given only its own shard."""
     if mesh is None:
         return to_device(host, device)
+    if host.dtype in SUB_BYTE:
+        raise ValueError(f"{host.dtype.name} arrays on actors with several devices are not supported: JAX lays them out "
+                         "unpacked where the executables take them packed; cast to int8 (or uint8) before the step and back "
+                         "inside it")
     sharding = sharding_of(mesh, spec, device)
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: np.require(np.asarray(host[idx]), requirements="C"))
 

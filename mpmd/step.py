@@ -40,7 +40,7 @@ from mpmd.runtime.sharding import infer_layouts, layout_to_spec, layout_wire, re
 from mpmd.schedules.builtin import not_a_schedule
 from mpmd.schedules.override import use_schedule
 from mpmd.static_leaves import Static, hide, reveal
-from transport.protocol import dtype_name
+from transport.protocol import PACKED_DTYPES, dtype_name
 
 log = logging.getLogger(__name__)
 PROGRESS_EVERY = 5.0  # seconds between progress lines of a long compile (INFO on the "mpmd.step" logger)
@@ -682,6 +682,11 @@ class DistributedFunction:
                                 lowered: list[tuple[Any, bytes]] | None = None, holder: int | None = None,
                                 arg_sig: Any = None) -> list[Any]:
         mesh = self.mesh
+        packed = sorted({getattr(a.dtype, "name", "") for a in plan.avals.values()} & PACKED_DTYPES)
+        if packed:
+            raise PipelineError(f"this step holds {', '.join(packed)} values, which actors with several devices cannot take "
+                                "(JAX lays them out unpacked where the executables take them packed): cast them to int8 (or "
+                                "uint8) before the step and pipeline_yield, and back where they are used")
         blobs = dict(lowered if lowered is not None else iter_lowered(plan, mesh.platform))
         known: dict[Any, Any] = dict(zip(plan.arg_keys, arg_layouts))
         for us in plan.units.values():

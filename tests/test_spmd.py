@@ -519,3 +519,23 @@ def test_parameters_keep_their_layout_across_steps_as_under_jit(mesh_2x2):
         assert got == want, (i, got)
     want_p, _, _ = reference(loss, opt, params, specs, batches, (2, 2))
     assert_trees_close(mpmd.fetch(p), want_p)
+
+
+def test_a_4_bit_value_on_actors_with_several_devices_is_refused_saying_to_cast_it(mesh_1x2):
+    """On an actor with several devices JAX lays a 4-bit array out unpacked where the executables take it packed:
+    the step failed on the actor, "compiled for input layouts that disagree" (a probe). It is refused before
+    dispatch, saying what to do; a put of one says the same."""
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(size=(4, 4)), jnp.float32)
+    q = jnp.asarray(rng.integers(0, 4, size=(4, 4)), jnp.float32).astype(jnp.int4)
+    batch = {"x": jnp.asarray(rng.normal(size=(2, 2, 4)), jnp.float32)}
+
+    def step(w, q, batch):
+        def loss(w, mb):
+            return jnp.mean(mpmd.pipeline_yield(mb["x"] @ w) @ q.astype(jnp.float32))
+        return mpmd.accumulate_grads(lambda mb: jax.value_and_grad(loss)(w, mb)[::-1], batch, schedule=mpmd.GPipe(2))
+
+    with pytest.raises(mpmd.PipelineError, match=r"holds int4 values, which actors with several devices cannot take.*cast them to int8"):
+        mpmd.distributed(step, mesh=mesh_1x2)(w, q, batch)
+    with pytest.raises(mpmd.RemoteError, match=r"int4 arrays on actors with several devices are not supported.*cast to int8"):
+        mesh_1x2.actor(0).put(np.asarray(q)).to_numpy()

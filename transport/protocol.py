@@ -116,6 +116,10 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3", "float8_e3m4", "flo
         ALLOWED_DTYPES[_name] = np.dtype(getattr(ml_dtypes, _name))
 
 
+# Of those, the ones a device holds packed (two or four to a byte; one byte each in numpy).
+PACKED_DTYPES = frozenset(n for n in ("int4", "uint4", "int2", "uint2", "float4_e2m1fn") if n in ALLOWED_DTYPES)
+
+
 class ProtocolError(ValueError):
     """A message that does not follow this protocol (bad header, unknown dtype, wrong payload size)."""
 

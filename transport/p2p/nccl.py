@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from transport.p2p.base import TransferError
-from transport.protocol import aval_header
+from transport.protocol import PACKED_DTYPES, aval_header
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +50,6 @@ def unique_id() -> list[int]:
     return [int(c) for c in nccl.get_unique_id()]
 
 
-SUB_BYTE_NAMES = frozenset(("int4", "uint4", "int2", "uint2", "float4_e2m1fn"))
-
-
 def as_sent(value: Any) -> Any:
     """A device array of a dtype cupy lacks as the bytes NCCL carries (uint8 or wider unsigned ints): bfloat16 and the
     8-bit floats bitcast; a 4- or 2-bit array (packed on the device) widened to one byte per element, as its numpy
@@ -61,7 +58,7 @@ def as_sent(value: Any) -> Any:
     import jax.numpy as jnp
 
     dtype = np.dtype(value.dtype)
-    if dtype.name in SUB_BYTE_NAMES:
+    if dtype.name in PACKED_DTYPES:
         if dtype.name == "float4_e2m1fn":
             return jax.lax.bitcast_convert_type(value, jnp.uint4).astype(jnp.uint8)
         wide = jnp.int8 if dtype.name.startswith("int") else jnp.uint8
@@ -74,7 +71,7 @@ def as_received(raw: Any, dtype: np.dtype, shape: Sequence[int]) -> Any:
     import jax
     import jax.numpy as jnp
 
-    if dtype.name in SUB_BYTE_NAMES:
+    if dtype.name in PACKED_DTYPES:
         if dtype.name == "float4_e2m1fn":
             return jax.lax.bitcast_convert_type(raw.astype(jnp.uint4), dtype).reshape(shape)
         if dtype.name.startswith("int"):
