@@ -4,6 +4,7 @@ and run; two meshes step at once under `asyncio.gather`; a cancelled step is abo
 its buffers; a remote error and `asyncio.timeout` reach the await; a blocking call inside a loop still works."""
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -528,3 +529,17 @@ async def test_cancelled_run_async_and_put_async_leave_no_buffer_on_the_actor():
         while (await a.stats_async())["buffers"] != before and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         assert (await a.stats_async())["buffers"] == before and cancelled > 0
+
+
+async def test_mesh_starts_abandoned_under_a_timeout_do_not_hold_up_another_meshs_first_call(mesh2, tmp_path):
+    """Eight `from_rendezvous_async` waits abandoned under `asyncio.timeout` kept running (Python cannot stop a
+    thread) in the runtime's shared pool of eight workers, and a first `call_async` on a healthy mesh, which compiles
+    in that pool, waited for them (20 s; a probe). A mesh's start waits in a thread of its own."""
+    for _ in range(8):
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.1):
+                await mpmd.RemoteMesh.from_rendezvous_async(str(tmp_path), 2, timeout=6)
+    step, reference, params, opt_state, batch = training(width=12)
+    dist = mpmd.distributed(step, mesh=mesh2)
+    got = await asyncio.wait_for(dist.call_async(params, opt_state, batch), 5)  # (compiled in a worker)
+    assert_trees_close(await mpmd.fetch_async(got), reference(params, opt_state, batch))

@@ -74,15 +74,33 @@ async def watch(fut: concurrent.futures.Future[T]) -> T:
     return await waiter
 
 
+def _own_thread(fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+    """`fn()` in a new daemon thread; a concurrent future of its result."""
+    fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever awaits it
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="mpmd-wait", daemon=True).start()
+    return fut
+
+
 def start_in_worker(fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
     """Start `fn(*args)` in one of the runtime's worker threads; a concurrent future of its result."""
     return _WORKERS.submit(fn, *args)
 
 
-async def off_loop(fn: Callable[[], T], *, abandoned: Callable[[T], Any] | None = None) -> T:
+async def off_loop(fn: Callable[[], T], *, abandoned: Callable[[T], Any] | None = None, own_thread: bool = False) -> T:
     """`fn()` in a worker thread, awaited. If the await is cancelled the thread runs on (Python cannot stop
-    it) and, when it ends, `abandoned(result)` disposes of what nobody will use."""
-    fut = _WORKERS.submit(fn)
+    it) and, when it ends, `abandoned(result)` disposes of what nobody will use. `own_thread`: a thread of its own,
+    not one of the shared pool's (a wait of a minute, as a mesh's start: eight abandoned under a timeout held every
+    worker, and a first call on another mesh waited for them; a probe)."""
+    fut = _own_thread(fn) if own_thread else _WORKERS.submit(fn)
     try:
         return await watch(fut)
     except asyncio.CancelledError:

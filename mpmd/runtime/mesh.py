@@ -361,28 +361,28 @@ class RemoteMesh:
     async def local_async(cls, *args: Any, **kwargs: Any) -> RemoteMesh:
         """Awaitable twin of `local` (same arguments): the caller's event loop runs on while the daemons start.
         If the await is cancelled, the mesh is closed as soon as it is up."""
-        return await off_loop(functools.partial(cls.local, *args, **kwargs), abandoned=cls.close)
+        return await off_loop(functools.partial(cls.local, *args, **kwargs), abandoned=cls.close, own_thread=True)
 
     @classmethod
     async def connect_async(cls, addresses: Sequence[str], **kwargs: Any) -> RemoteMesh:
         """Awaitable twin of `connect` (same arguments)."""
-        return await off_loop(functools.partial(cls.connect, addresses, **kwargs), abandoned=cls.close)
+        return await off_loop(functools.partial(cls.connect, addresses, **kwargs), abandoned=cls.close, own_thread=True)
 
     @classmethod
     async def ray_async(cls, num_actors: int, **kwargs: Any) -> RemoteMesh:
         """Awaitable twin of `ray` (same arguments): placing and starting the Ray actors does not hold the caller's
         event loop."""
-        return await off_loop(functools.partial(cls.ray, num_actors, **kwargs), abandoned=cls.close)
+        return await off_loop(functools.partial(cls.ray, num_actors, **kwargs), abandoned=cls.close, own_thread=True)
 
     @classmethod
     async def from_rendezvous_async(cls, where: str | Any, num_actors: int, **kwargs: Any) -> RemoteMesh:
         """Awaitable twin of `from_rendezvous` (same arguments): waiting for the daemons to arrive does not hold
         the caller's event loop."""
-        return await off_loop(functools.partial(cls.from_rendezvous, where, num_actors, **kwargs), abandoned=cls.close)
+        return await off_loop(functools.partial(cls.from_rendezvous, where, num_actors, **kwargs), abandoned=cls.close, own_thread=True)
 
     async def aclose(self) -> None:
         """Awaitable twin of `close`. A cancelled await still closes the mesh (in the background)."""
-        await off_loop(self.close)
+        await off_loop(self.close, own_thread=True)
 
     async def __aenter__(self) -> RemoteMesh:
         return self
