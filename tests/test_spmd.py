@@ -539,3 +539,24 @@ def test_a_4_bit_value_on_actors_with_several_devices_is_refused_saying_to_cast_
         mpmd.distributed(step, mesh=mesh_1x2)(w, q, batch)
     with pytest.raises(mpmd.RemoteError, match=r"int4 arrays on actors with several devices are not supported.*cast to int8"):
         mesh_1x2.actor(0).put(np.asarray(q)).to_numpy()
+
+
+def test_a_named_sharding_is_taken_over_a_mesh_of_the_actors_shape_and_refused_over_another(mesh_1x2):
+    """`actor(i).put(x, NamedSharding(...))` raised a bare TypeError ("object of type 'NamedSharding' has no len()"),
+    and in_shardings took a NamedSharding over a (2, 1) mesh on (1, 2) actors as its bare spec, so P('data') came out
+    replicated, where with_sharding_constraint refuses it (a probe). One over a mesh of the actors' shape and names
+    is its spec there; one over another mesh is refused, saying to pass the PartitionSpec."""
+    x = np.arange(32, dtype=np.float32).reshape(4, 8)
+    same = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    other = Mesh(np.array(jax.devices()[:2]).reshape(2, 1), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    put = mesh_1x2.actor(0).put(x, NamedSharding(same, P(None, "model")))
+    assert put.sharding.spec == P(None, "model")
+    np.testing.assert_array_equal(put.to_numpy(), x)
+    with pytest.raises(mpmd.MpmdError, match=r"put: NamedSharding\(P\('data',\)\) is over a jax Mesh of shape \(2, 1\).*give the "
+                                             r"PartitionSpec alone"):
+        mesh_1x2.actor(0).put(x, NamedSharding(other, P("data")))
+    step = mpmd.distributed(lambda w, b: mpmd.accumulate_grads(
+        lambda mb: jax.value_and_grad(lambda w: jnp.sum(mpmd.pipeline_yield(mb @ w) ** 2))(w)[::-1], b, schedule=mpmd.GPipe(2)),
+        mesh=mesh_1x2, in_shardings=(NamedSharding(other, P("data")), None))
+    with pytest.raises(mpmd.MpmdError, match=r"in_shardings for args\[0\]: NamedSharding\(P\('data',\)\) is over a jax Mesh"):
+        step(np.ones((8, 8), np.float32), np.ones((2, 2, 8), np.float32))

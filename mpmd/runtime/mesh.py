@@ -54,7 +54,7 @@ from mpmd.runtime.inputs import close_stager
 from mpmd.runtime.launch.local import LocalOptions, LocalProcess, check_devices, start_local
 from mpmd.runtime.loader import check_loader_name
 from mpmd.runtime.recovery import Recovery, enable_recovery
-from mpmd.runtime.sharding import ActorMesh, as_layout, layout_wire, remote_sharding
+from mpmd.runtime.sharding import ActorMesh, as_layout, as_spec, layout_wire, remote_sharding
 from mpmd.runtime.wiring import TRANSPORTS, wire_data_plane
 from transport.auth import ClientKeys
 from transport.protocol import ProtocolError
@@ -844,6 +844,7 @@ class RemoteMesh:
                 raise MpmdError("a PartitionSpec needs actors with several devices: make the mesh with devices_per_actor=N "
                                 "(and mesh_shape=..., axis_names=...)")
             self.actor_mesh.check_spec(spec, shape, "put")
+            spec = as_spec(spec)  # (a NamedSharding over the actors' own mesh shape: its spec)
             fields["layout"] = layout_wire(as_layout(spec))
         bufs = {a: self.new_buffer_id() for a in actors}
         send = gather([self._put_one(a, b, fields, wire) for a, b in bufs.items()])

@@ -65,8 +65,18 @@ class ActorMesh:
         """Whether two specs (or layouts) place the same data on the same devices of this mesh."""
         return self.canonical(a) == self.canonical(b)
 
-    def check_spec(self, spec: PartitionSpec, shape: Sequence[int], what: str) -> None:
-        """Refuse a spec naming an axis this mesh lacks, or splitting a dimension its axes do not divide."""
+    def check_spec(self, spec: Any, shape: Sequence[int], what: str) -> None:
+        """Refuse a spec naming an axis this mesh lacks, or splitting a dimension its axes do not divide; a
+        NamedSharding over a jax Mesh of another shape or other axis names (its spec would mean something else here)."""
+        if isinstance(spec, jax.sharding.NamedSharding):
+            theirs = (tuple(spec.mesh.axis_names), tuple(spec.mesh.devices.shape))
+            if theirs != (tuple(self.axis_names), tuple(self.shape)):
+                raise MpmdError(f"{what}: NamedSharding({spec.spec}) is over a jax Mesh of shape {theirs[1]} named {theirs[0]}, "
+                                f"but each actor's mesh is {tuple(self.shape)} named {tuple(self.axis_names)}; give the "
+                                f"PartitionSpec alone ({spec.spec}), laid out over the actors' own devices")
+            spec = spec.spec
+        elif not isinstance(spec, PartitionSpec):
+            spec = as_spec(spec)
         if len(spec) > len(shape):
             raise MpmdError(f"{what}: PartitionSpec {spec} has {len(spec)} entries for an array of rank {len(shape)}")
         sizes = dict(zip(self.axis_names, self.shape))
@@ -199,7 +209,7 @@ def tree_specs(specs: Any, args: Any, what: str) -> list[PartitionSpec | None]:
     for s in expanded:
         if s is not None and not isinstance(s, (PartitionSpec, jax.sharding.NamedSharding)):
             raise MpmdError(f"{what} must hold PartitionSpecs, NamedShardings or None, got {type(s).__name__} ({s!r:.60})")
-    return [as_spec(s) for s in expanded]
+    return [s if isinstance(s, jax.sharding.NamedSharding) else as_spec(s) for s in expanded]  # (check_spec judges a mesh)
 
 
 Layout = tuple  # a PartitionSpec as a tuple of entries; () is replicated
