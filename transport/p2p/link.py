@@ -43,7 +43,9 @@ COMPACT = 0xC1  # first byte of a compact data header ("never used" in msgpack, 
 _COMPACT_HEAD = struct.Struct("<5B")  # 0xC1, protocol version, dtype index, key length, rank
 # A compact header's dtype is its index here: part of the wire format (a change needs a new PROTOCOL_VERSION).
 COMPACT_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32",
-                  "float64", "complex64", "complex128", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+                  "float64", "complex64", "complex128", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+                  *(n for n in ("float8_e4m3", "float8_e3m4", "float8_e4m3fnuz", "float8_e4m3b11fnuz", "float8_e5m2fnuz",
+                                "float8_e8m0fnu", "float4_e2m1fn", "int4", "uint4", "int2", "uint2") if n in ALLOWED_DTYPES))
 _DTYPES = [ALLOWED_DTYPES[name] for name in COMPACT_DTYPES]
 _DTYPE_INDEX = {dt: i for i, dt in enumerate(_DTYPES)}
 _INTS: dict[int, struct.Struct] = {}  # count -> Struct of that many int64s
