@@ -379,12 +379,16 @@ class Actor:
         layout = self._layout(msg.header.get("layout"))
         if notice is not None:  # copied (after the quota: a refused put copies nothing) in a worker thread: 1.2 GiB
             # took 14 s on a loaded machine, and the loop must answer heartbeats meanwhile (a probe)
+            ses.buffers.reserve(buf)  # (a delete arriving during the copy, its put cancelled, drops it: it found nothing)
             try:
                 value = await asyncio.to_thread(lambda: self._to_device(np.array(host), layout))
+                within_quota()  # again, now that the loop ran meanwhile: a guest's puts copying at once each passed alone
+            except BaseException as e:
+                ses.buffers.fail(buf, e)
+                raise
             finally:
                 if notice.get("once") is True:  # a segment of this put alone: unmapped now (the mapping goes with the view)
                     ses.inputs.forget(notice.get("name"))
-            within_quota()  # again, now that the loop ran meanwhile: a guest's puts copying at once each passed alone
         else:
             value = self._to_device(host, layout)
         ses.buffers.put(buf, value)
@@ -554,7 +558,9 @@ class Actor:
         # Program held it 13 s, past the owner's heartbeat limit, and the owner's job was declared dead; a probe), a
         # guest's one at a time (forty at once stalled the owner 6 s); an unload of its id waits for it (`loading`).
         done = asyncio.get_running_loop().create_future()
-        if isinstance(pid_given, int):  # (before the first await: an unload right behind it waits)
+        if not isinstance(pid_given, int) or isinstance(pid_given, bool):
+            pid_given = None  # (decode_program says what is wrong with it)
+        if pid_given is not None:  # (before the first await: an unload right behind it waits)
             ses.loading.setdefault(pid_given, []).append(done)
         try:
             many = isinstance(instrs, list) and len(instrs) > BIG_PROGRAM

@@ -310,7 +310,8 @@ def _kept_layouts(plan: StepPlan, out_tree: Any, sig: Any) -> dict[Any, Any]:
     """State keeps its layout across steps: each output made on the actors at the pytree path of an argument of its
     shape and dtype (`params` returned where `params` came in) is laid out as that argument, as jax.jit's sharding
     propagation keeps it (XLA chose the update's layout alone: a parameter came back replicated, then in its
-    gradient's layout; a probe)."""
+    gradient's layout; a probe). Not for a replicated argument (a host value's default layout) nor for an output a
+    with_sharding_constraint makes: those go as XLA and the constraint say (a review)."""
     treedef, specs, layouts = sig
     if layouts is None:
         return {}
@@ -320,10 +321,11 @@ def _kept_layouts(plan: StepPlan, out_tree: Any, sig: Any) -> dict[Any, Any]:
 
     args = {p: (spec[0], spec[1], lay) for p, spec, lay in zip(paths(treedef), specs, layouts)}
     out = {}
-    for path, (kind, _), key, aval in zip(paths(out_tree), plan.out_homes, plan.out_keys, plan.out_avals):
+    for i, (path, (kind, _), key, aval) in enumerate(zip(paths(out_tree), plan.out_homes, plan.out_keys, plan.out_avals)):
         arg = args.get(path)
-        if kind == "actors" and arg is not None and tuple(aval.shape) == tuple(arg[0]) and dtype_text(aval.dtype) == arg[1]:
-            out[key] = arg[2]
+        if (kind == "actors" and arg is not None and arg[2] != () and i not in plan.constrained_outputs
+                and tuple(aval.shape) == tuple(arg[0]) and dtype_text(aval.dtype) == arg[1]):
+            out[key] = arg[2]  # (not a replicated one, which host values take by default, nor one the step constrains)
     return out
 
 
@@ -622,6 +624,9 @@ class DistributedFunction:
         t0 = time.perf_counter()
         outer, out_tree = self.trace(*args)
         plan = plan_step(outer, len(self.mesh))
+        made_by = {v: e.primitive.name for e in outer.jaxpr.eqns for v in e.outvars}
+        plan.constrained_outputs = frozenset(i for i, v in enumerate(outer.jaxpr.outvars)
+                                             if made_by.get(v) == "sharding_constraint")  # (see _kept_layouts)
         if getattr(self.mesh, "transport", None) == "none" and any(
                 isinstance(ins, Send) for prog in plan.programs for ins in prog.instructions):
             raise PipelineError(f"this step sends values between its {len(self.mesh)} actors, but the mesh was made with "

@@ -770,3 +770,29 @@ def test_a_local_controller_killed_while_its_first_steps_compile_leaves_no_input
     assert wait_until(lambda: not any(os.path.exists(f"/proc/{d}") for d in daemons), 30)
     left = [n for n in os.listdir("/dev/shm") if n.startswith(f"mpmd-in-{controller:x}-")]
     assert not left, left
+
+
+def test_a_put_let_go_while_the_actor_copies_it_from_shared_memory_leaves_no_buffer(mesh2):
+    """A big put is copied out of shared memory in a worker thread; a delete arriving meanwhile (its put cancelled
+    or refused on another actor, a review) found nothing to delete, and the copy was then stored for good. The put
+    reserves its buffer first, so the delete drops it."""
+    from mpmd.runtime.inputs import input_stager
+
+    before = mesh2.actor(0).stats()["buffers"]
+    big = np.ones((32, 1 << 20), np.float32)  # 128 MiB: its copy takes a while
+    stager = input_stager(mesh2)
+    assert stager.wants(0, big.nbytes)
+    notice, release = stager.stage_once(0, big)
+    buf = mesh2.new_buffer_id()
+
+    async def put_then_delete():  # (both sent now, in this order, on one connection)
+        put = asyncio.ensure_future(mesh2.conn(0).submit("put", {"buf": buf, "shm": notice}))
+        delete = asyncio.ensure_future(mesh2.conn(0).submit("delete", {"bufs": [buf]}))
+        return (await put).header, (await delete).header
+
+    try:
+        put, delete = mesh2.run(put_then_delete())
+    finally:
+        release()
+    assert put["nbytes"] == big.nbytes and delete["deleted"] == 1
+    assert wait_until(lambda: mesh2.actor(0).stats()["buffers"] == before, 10), mesh2.actor(0).stats()["buffers"]

@@ -182,7 +182,7 @@ def test_a_data_message_goes_with_a_compact_header_that_carries_every_dtype_shap
     """`pack_data` and `parse_data` against the array itself, for every wire dtype; then end to end over a link."""
     from transport.protocol import ALLOWED_DTYPES
 
-    assert sorted(links.COMPACT_DTYPES) == sorted(ALLOWED_DTYPES)  # every wire dtype has a compact number
+    assert set(ALLOWED_DTYPES) <= set(links.COMPACT_DTYPES)  # every wire dtype has a compact number
     rng = np.random.default_rng(3)
     cases = [np.array(rng.integers(0, 100, size), dt) for dt in ALLOWED_DTYPES.values()
              for size in [(), (0, 5), (3, 1, 2), (7,)]]

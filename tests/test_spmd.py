@@ -560,3 +560,27 @@ def test_a_named_sharding_is_taken_over_a_mesh_of_the_actors_shape_and_refused_o
         mesh=mesh_1x2, in_shardings=(NamedSharding(other, P("data")), None))
     with pytest.raises(mpmd.MpmdError, match=r"in_shardings for args\[0\]: NamedSharding\(P\('data',\)\) is over a jax Mesh"):
         step(np.ones((8, 8), np.float32), np.ones((2, 2, 8), np.float32))
+
+
+def test_a_constraint_on_the_returned_state_wins_over_the_arguments_layout(mesh_2x2):
+    """State keeps its argument's layout unless the step constrains it: host parameters (replicated by default)
+    returned through with_sharding_constraint come back laid out as the constraint says, as under jax.jit (a review:
+    the kept-layout rule forced them replicated)."""
+    rng = np.random.default_rng(1)
+    params = [{"w": (rng.standard_normal((8, 8)) / 3).astype(np.float32)}, {"w": (rng.standard_normal((8, 8)) / 3).astype(np.float32)}]
+    specs = [{"w": P("data", None)}, {"w": P(None, "model")}]
+
+    def model(p, x):
+        return mpmd.pipeline_yield(jnp.tanh(x @ p[0]["w"])) @ p[1]["w"]
+
+    loss = lambda p, mb: jnp.mean((model(p, mb["x"]) - mb["y"]) ** 2)  # noqa: E731
+    opt = optax.sgd(0.1)
+    train = make_train_step(loss, opt, mpmd.OneFOneB(2))
+
+    def step(p, o, b):
+        new_p, new_o, losses = train(p, o, b)
+        return jax.lax.with_sharding_constraint(new_p, specs), new_o, losses
+
+    batch = {"x": rng.standard_normal((2, 4, 8)).astype(np.float32), "y": rng.standard_normal((2, 4, 8)).astype(np.float32)}
+    p, _, _ = mpmd.distributed(step, mesh=mesh_2x2)(params, opt.init(params), batch)
+    assert [x.sharding.spec for x in jax.tree.leaves(p)] == [P("data"), P(None, "model")]

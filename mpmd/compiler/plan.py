@@ -88,6 +88,7 @@ class StepPlan:
     num_outputs: int = -1  # the step's own outputs come first in out_*; hidden ones (host callbacks' operands) follow
     host_calls: list[HostCall] = field(default_factory=list)  # see mpmd.compiler.effects
     remat: tuple[int, ...] = ()  # the stages whose backward recomputes their forward (the schedule's remat=)
+    constrained_outputs: frozenset[int] = frozenset()  # the step's outputs a with_sharding_constraint made (laid out so)
 
     def stage_segments(self) -> str:
         """One line saying which marker segments each stage holds ('' without a grouping)."""

@@ -808,19 +808,31 @@ class RemoteMesh:
         try:
             self.run(send)
         except BaseException:  # (refused on one actor, or interrupted: what reached the others goes too)
-            x.delete()
+            self._let_go(x)
             raise
         return x
+
+    def _let_go(self, x: RemoteArray) -> None:
+        """Free a put's buffers behind its requests, without waiting (a stalled actor must not hold the caller)."""
+        buffers, x.buffers = x.buffers, {}
+        for a, b in buffers.items():
+            self.release_buffers({a: b})
 
     async def put_replicated_async(self, value: Any, actors: Sequence[int], spec: Any = None) -> RemoteArray:
         """`put_replicated`, awaited from the caller's event loop (a big array is copied into shared memory in a worker
         thread: in the caller's, a 1 GiB put held its loop 0.7 s; a probe)."""
-        send, made = await off_loop(functools.partial(self._put, value, actors, spec))
+        x64 = jax.config.jax_enable_x64  # (per thread: the caller's, in the worker too)
+
+        def staged() -> Any:
+            with jax.enable_x64(x64):
+                return self._put(value, actors, spec)
+
+        send, made = await off_loop(staged)
         x = made()
         try:
             await self.arun(send)
         except BaseException:  # (cancelled after its requests went: the buffers they made were left for good; a probe)
-            x.delete()
+            self._let_go(x)
             raise
         return x
 
