@@ -135,16 +135,22 @@ def test_a_daemon_without_keys_full_of_sessions_says_any_local_client_counts_and
         stop_daemon(proc)
 
 
-def test_keys_that_do_not_own_the_job_hold_buffers_and_programs_within_the_guest_quota(tmp_path):
-    """An admitted key beside the job's could put or load programs without bound (a probe took a daemon from 0.8
-    to 5 GB) and get the owner's daemon killed for lack of memory. Guests' sessions share --guest-memory-mb of
-    buffers (and, in proportion, Program words) between them; the owner is not bounded; freeing makes room."""
+def _guest_daemon(tmp_path):
+    """A keyed daemon admitting 'alice' and 'bob', with a guest quota of 1 MiB: (process, address, their keys)."""
     generate_key_files(tmp_path, "server")
     for name in ("alice", "bob"):
         generate_key_files(tmp_path / "authorized", name)
     proc, address = start_daemon("--listen", "tcp://127.0.0.1:0", "--server-key", str(tmp_path / "server.key_secret"),
                                  "--authorized-keys", str(tmp_path / "authorized"), "--guest-memory-mb", "1")
     keys = {n: ClientKeys.load(tmp_path / "authorized" / f"{n}.key_secret", tmp_path / "server.key") for n in ("alice", "bob")}
+    return proc, address, keys
+
+
+def test_keys_that_do_not_own_the_job_hold_buffers_and_programs_within_the_guest_quota(tmp_path):
+    """An admitted key beside the job's could put or load programs without bound (a probe took a daemon from 0.8
+    to 5 GB) and get the owner's daemon killed for lack of memory. Guests' sessions share --guest-memory-mb of
+    buffers (and, in proportion, Program words) between them; the owner is not bounded; freeing makes room."""
+    proc, address, keys = _guest_daemon(tmp_path)
     quarter = np.zeros(1 << 16, np.float32)  # 256 KiB
     try:
         with mpmd.RemoteMesh.connect([address], keys=keys["alice"], transport="none") as alice, \
@@ -800,12 +806,7 @@ def test_a_guests_programs_loaded_at_once_stay_within_its_quota_and_an_unload_wa
     as each is recorded, and an unload of an id waits for its load."""
     import threading
 
-    generate_key_files(tmp_path, "server")
-    for name in ("alice", "bob"):
-        generate_key_files(tmp_path / "authorized", name)
-    proc, address = start_daemon("--listen", "tcp://127.0.0.1:0", "--server-key", str(tmp_path / "server.key_secret"),
-                                 "--authorized-keys", str(tmp_path / "authorized"), "--guest-memory-mb", "1")
-    keys = {n: ClientKeys.load(tmp_path / "authorized" / f"{n}.key_secret", tmp_path / "server.key") for n in ("alice", "bob")}
+    proc, address, keys = _guest_daemon(tmp_path)
     quarter = np.zeros(1 << 16, np.float32)  # 256 KiB
     instrs = [["del", [], "x"]] * 5000  # (more than BIG_PROGRAM: decoded beside the loop)
     try:
