@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.extend.core import Var
 
 from mpmd.compiler.avals import dtype_text, from_wire, host_value, is_key, jax_array, not_numeric, to_wire, wire_shape_dtype
 from mpmd.compiler.inline import inline_calls
@@ -625,8 +626,8 @@ class DistributedFunction:
         outer, out_tree = self.trace(*args)
         plan = plan_step(outer, len(self.mesh))
         made_by = {v: e.primitive.name for e in outer.jaxpr.eqns for v in e.outvars}
-        plan.constrained_outputs = frozenset(i for i, v in enumerate(outer.jaxpr.outvars)
-                                             if made_by.get(v) == "sharding_constraint")  # (see _kept_layouts)
+        plan.constrained_outputs = frozenset(i for i, v in enumerate(outer.jaxpr.outvars)  # (see _kept_layouts)
+                                             if isinstance(v, Var) and made_by.get(v) == "sharding_constraint")
         if getattr(self.mesh, "transport", None) == "none" and any(
                 isinstance(ins, Send) for prog in plan.programs for ins in prog.instructions):
             raise PipelineError(f"this step sends values between its {len(self.mesh)} actors, but the mesh was made with "
