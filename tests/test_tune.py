@@ -267,6 +267,17 @@ def test_tune_says_why_there_is_nothing_to_try():
         mpmd.tune(step, params, opt.init(params), batch, mesh=FakeMesh(16))
 
 
+def test_microbatch_counts_none_of_which_divides_the_batch_are_refused_before_anything_is_measured():
+    """microbatches=[3] for a batch of 64 rows: tune profiled the step on the actors (8 s on a probe's model) and
+    only then rejected every candidate, without saying which counts would do (found by a probe). A FakeMesh
+    cannot run a step, so reaching the measurement fails differently."""
+    params, batch = uneven_setup(num_mb=4, rows=16)
+    opt = optax.adam(1e-3)
+    step = make_step(uneven_loss, opt, mpmd.OneFOneB(2))
+    with pytest.raises(mpmd.PipelineError, match=r"microbatches=\[3, 5\]: none divides the batch's 64 rows .*microbatches=\[2, 4, 8, 16, 32, 64\]"):
+        mpmd.tune(step, params, opt.init(params), batch, mesh=FakeMesh(2), microbatches=[3, 5])
+
+
 def test_a_limit_under_what_the_step_holds_all_along_rejects_without_simulating_other_groupings(monkeypatch):
     """With memory_limit=1 byte a tune of 32 candidates took two minutes (found by a probe): each rejected candidate
     was compiled and simulated with 15 more groupings, though its parameters and optimizer state alone are over."""
