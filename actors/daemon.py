@@ -718,16 +718,36 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(130)
 
 
+def _checked_cache_dir(path: str) -> str:
+    """--cache-dir, made (mode 700) where it does not exist yet, once it and every directory above it could have been
+    written only by this user or root; exits saying why not. (Checking only a directory that already existed let
+    one be made inside a world-writable one, whose other users could then swap in compiled code of their own.)"""
+    from transport.auth import AuthKeyError, check_safe_path
+
+    given = os.path.expanduser(path)
+    try:
+        if os.path.lexists(given) and not os.path.isdir(given):
+            raise SystemExit(f"mpmd-actor: --cache-dir {path} is not a directory; name a directory (made if missing) for "
+                             "the compiled executables")
+        if not os.path.exists(given):
+            above = os.path.dirname(os.path.abspath(given))
+            while not os.path.exists(above):
+                above = os.path.dirname(above)
+            check_safe_path(above, f"the directory that --cache-dir {path} would be made in", holds="compiled code")
+            os.makedirs(given, mode=0o700, exist_ok=True)
+        check_safe_path(given, "--cache-dir", holds="compiled code")
+    except AuthKeyError as e:
+        raise SystemExit(f"mpmd-actor: {e} (the daemon runs the executables it finds there)") from None
+    except OSError as e:
+        raise SystemExit(f"mpmd-actor: cannot make --cache-dir {path}: {e.strerror}") from None
+    return given
+
+
 def _main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     server_pair, authorized = load_security(args)
-    if args.cache_dir and os.path.exists(args.cache_dir):  # the daemon loads compiled machine code from it
-        from transport.auth import AuthKeyError, check_safe_path
-
-        try:
-            check_safe_path(args.cache_dir, "--cache-dir", holds="compiled code")
-        except AuthKeyError as e:
-            raise SystemExit(f"mpmd-actor: {e} (the daemon runs the executables it finds there)") from None
+    if args.cache_dir:  # the daemon loads compiled machine code from it
+        args.cache_dir = _checked_cache_dir(args.cache_dir)
     configure_environment(args)
     keep_freed_memory()
     raise_open_files_limit()

@@ -568,6 +568,25 @@ def _daemon_refuses(*flags: str) -> str:
     return out.stderr
 
 
+def test_a_cache_dir_that_does_not_exist_yet_is_checked_where_it_would_be_made(tmp_path):
+    """--cache-dir ww/cache inside a world-writable ww started the daemon (only a directory that already existed was
+    checked) and made the cache there, where another user could swap in compiled code; a regular file was taken as
+    a cache directory silently (found by a probe). A missing one in a safe place is made, mode 700."""
+    from actors.daemon import _checked_cache_dir
+
+    ww = tmp_path / "ww"
+    ww.mkdir()
+    ww.chmod(0o777)
+    err = _daemon_refuses("--cache-dir", str(ww / "cache"))
+    assert f"directory that --cache-dir {ww / 'cache'} would be made in" in err and "can be written by other users" in err, err
+    assert not (ww / "cache").exists()
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit, match="is not a directory"):
+        _checked_cache_dir(str(tmp_path / "afile"))
+    made = _checked_cache_dir(str(tmp_path / "safe" / "cache"))
+    assert made == str(tmp_path / "safe" / "cache") and os.stat(made).st_mode & 0o777 == 0o700
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="making files another user owns needs root")
 def test_keys_are_trusted_only_from_files_and_directories_no_other_user_could_have_written(tmp_path):
     from transport.auth import AuthKeyError, load_authorized_keys
