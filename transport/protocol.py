@@ -197,10 +197,14 @@ def parse_header(frame: Any) -> dict[str, Any]:
         raise ProtocolError(f"header is not valid msgpack: {type(e).__name__}{': ' if str(e) else ''}{e}") from None
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
-    if header.get("v") != PROTOCOL_VERSION:
+    if header.get("v") != PROTOCOL_VERSION or type(header.get("v")) is not int:
         raise ProtocolError(f"protocol version {header.get('v')!r} is not supported (expected {PROTOCOL_VERSION})")
     if not isinstance(header.get("op"), str):
         raise ProtocolError("header has no string 'op'")
+    rid = header.get("id")
+    # (every reply echoes it: a 15 MiB id in each ping a client never reads queued 15 MiB per reply on the daemon)
+    if rid is not None and not (type(rid) is int and -2**63 <= rid < 2**64):
+        raise ProtocolError(f"header 'id' must be an integer (a request number) or absent, got {type(rid).__name__} {rid!r:.40}")
     return header
 
 
