@@ -436,6 +436,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     if p2p is not None:
         p2p.admit = lambda key: actor.admits_transfer(key)
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # `kill -USR1 <pid>`: where is it stuck?
+    faulthandler.enable(file=sys.stderr, all_threads=True)  # a fatal signal (SIGBUS, SIGSEGV) says where, in the log
     stop = asyncio.Event()
     actor.request_stop = stop.set  # (a shutdown put off until the daemon's last session ends)
     orphaned = asyncio.Event()

@@ -796,3 +796,31 @@ def test_a_put_let_go_while_the_actor_copies_it_from_shared_memory_leaves_no_buf
         release()
     assert put["nbytes"] == big.nbytes and delete["deleted"] == 1
     assert wait_until(lambda: mesh2.actor(0).stats()["buffers"] == before, 10), mesh2.actor(0).stats()["buffers"]
+
+
+def test_a_segment_its_writer_truncated_after_the_actor_mapped_it_is_refused_not_read_past_its_end():
+    """A same-user client that shrank an input segment (ftruncate) after the actor had mapped it, then named it in
+    another put: the copy read pages past the file's end and the daemon died of SIGBUS, saying nothing (found by a
+    probe). The actor checks the segment's size now before reading, refuses, and serves on."""
+    import mmap
+
+    if not shm.available() or not os.path.isdir("/dev/shm"):
+        pytest.skip("needs POSIX shared memory in /dev/shm")
+    with mpmd.RemoteMesh.local(1) as mesh:
+        prefix = f"/mpmd-in-{os.getpid():x}-{os.urandom(4).hex()}-0-"
+        conn = mesh.conn(0)
+        mesh.run(conn.request("input_shm", {"prefix": prefix}))  # (this session's stager is not used again)
+        name = prefix + "0"
+        with shm.create_segment(name, 1 << 20) as seg:
+            seg[:] = bytes(range(256)) * 4096
+            fd = shm._posixshmem.shm_open(name, os.O_RDWR, 0)
+            notice = {"name": name, "offset": 0, "nbytes": 1 << 20, "dtype": "uint8", "shape": [1 << 20]}
+            try:
+                mesh.run(conn.request("put", {"buf": 10**6, "shm": notice}))  # mapped (and its name unlinked) now
+                os.ftruncate(fd, mmap.PAGESIZE)
+                with pytest.raises(MpmdError, match=f"which shrank to {mmap.PAGESIZE} bytes after it was mapped"):
+                    mesh.run(conn.request("put", {"buf": 10**6 + 1, "shm": notice}))
+            finally:
+                os.close(fd)
+        assert mesh.processes[0].proc.poll() is None
+        assert _stats(mesh, 0)["buffers"] >= 1  # (the first put's buffer: the daemon and its session live on)
