@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -126,6 +127,17 @@ def _trace_body(fn: Lifted, treedef: Any, mb_specs: list[Any], out_tree: list[An
                 "(`def mb(mb): return nnx.value_and_grad(loss)(model, mb)[::-1]`: nnx carries the count), or give "
                 "the Dropout its key per call from the microbatch (`self.drop(x, rngs=nnx.Rngs(dropout=key))`, say "
                 f"with `key = jax.random.fold_in(base, mb['index'])`). nnx said: {str(e).splitlines()[0]}") from e
+        written = re.search(r"Cannot mutate (\w+) from a different trace level", str(e))
+        if written:  # e.g. "Cannot mutate BatchStat from a different trace level"
+            # State split off outside and merged inside the loss without copy=True: nnx.merge reuses the outer
+            # Variables, and a BatchNorm in training mode (or any Variable written) mutates them (a probe).
+            raise PipelineError(
+                f"the function given to accumulate_grads writes a flax nnx {written.group(1)} "
+                "whose Variable belongs to state made outside it: nnx.merge(graphdef, params, state) reuses the "
+                "Variables it is given (they live in the outer trace) and nnx refuses to write them from the microbatch "
+                "function's own trace. Merge copies inside the loss: `nnx.merge(graphdef, params, state, copy=True)`, "
+                "and return the new state (`nnx.state(model, nnx.BatchStat)`) as aux; or close over the Module and "
+                f"take its gradient with nnx. nnx said: {str(e).splitlines()[0]}") from e
         # A Module reached other than through a closure cell (a global, an attribute of self, a partial, a
         # closure more than 3 functions deep): nnx refuses graph nodes made outside the body's own trace.
         raise PipelineError(

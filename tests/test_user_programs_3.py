@@ -709,6 +709,44 @@ def test_nnx_rngs_split_outside_and_advanced_inside_the_loss_is_refused_naming_t
     assert "RngCount" in str(e.value) and "global" not in str(e.value)
 
 
+def test_nnx_batch_stats_merged_without_copy_and_written_inside_the_loss_is_refused_naming_copy_true():
+    """nnx.merge(graphdef, params, batch_stats) inside the loss, a BatchNorm in training mode: merge reuses the outer
+    Variables and nnx refuses the write. The error blamed a Module reached through a global and advised the very
+    split/merge the user had written (a probe); it names copy=True, with which the step runs."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.dense, self.bn = nnx.Linear(4, 4, rngs=rngs), nnx.BatchNorm(4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.bn(self.dense(x))
+
+    graphdef, params, stats = nnx.split(Net(nnx.Rngs(0)), nnx.Param, nnx.BatchStat)
+    batch = {"x": np.arange(24, dtype=np.float32).reshape(2, 3, 4)}
+
+    def make(copy):
+        def step(params, stats, batch):
+            def mb_grads(mb):
+                def loss(p):
+                    m = nnx.merge(graphdef, p, stats, copy=copy)
+                    return jnp.mean(m(mb["x"]) ** 2), nnx.state(m, nnx.BatchStat)
+
+                (value, new_stats), grads = jax.value_and_grad(loss, has_aux=True)(params)
+                return grads, (value, new_stats)
+
+            return mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.GPipe(1))
+        return step
+
+    with pytest.raises(PipelineError, match=r"writes a flax nnx BatchStat .*nnx.merge\(graphdef, params, state, copy=True\)") as e:
+        jax.jit(make(False))(params, stats, batch)
+    assert "global" not in str(e.value)
+    grads, (losses, new_stats) = jax.jit(make(True))(params, stats, batch)
+    assert losses.shape == (2,) and np.all(np.isfinite(np.asarray(losses)))
+    mean = jax.tree.leaves(new_stats)[0]
+    assert mean.shape[0] == 2 and not np.allclose(np.asarray(mean[0]), 0)  # (the running mean moved: written)
+
+
 # ---- 4. what a step returns as it is, what put gives, inspecting a step with keywords (found by a probe) ----
 TABLE = np.arange(3, dtype=np.float32)
 
