@@ -168,6 +168,26 @@ def test_error_when_a_batch_leaf_has_no_microbatch_axis():
         _plan(_step_with(models.mlp, mpmd.GPipe(2)), (params, opt_state, batch), 2)
 
 
+def test_a_marker_inside_a_custom_vjp_function_is_named_as_a_cause_of_too_few_stages():
+    """Under grad JAX runs a custom_vjp function's fwd rule and never traces the function itself, so a marker in its
+    body leaves no trace; the error blamed the schedule alone (a probe). It names custom_vjp as a cause now."""
+    @jax.custom_vjp
+    def two(w0, w1, x):
+        return jnp.tanh(mpmd.pipeline_yield(jnp.tanh(x @ w0)) @ w1)
+
+    two.defvjp(lambda w0, w1, x: jax.vjp(lambda a, b, c: jnp.tanh(jnp.tanh(c @ a) @ b), w0, w1, x), lambda vjp, g: vjp(g))
+
+    def step(params, batch):
+        def mb(mb):
+            value, grads = jax.value_and_grad(lambda p: jnp.mean(two(p[0], p[1], mb["x"]) ** 2))(params)
+            return grads, value
+        return mpmd.accumulate_grads(mb, batch, schedule=mpmd.OneFOneB(2))
+
+    params = [np.eye(8, dtype=np.float32)] * 2
+    with pytest.raises(mpmd.PipelineError, match=r"marks 1 stage \(0 pipeline_yield markers\).*inside a jax.custom_vjp function is not seen"):
+        _plan(step, (params, {"x": np.ones((2, 4, 8), np.float32)}), 2)
+
+
 def test_error_when_the_step_has_no_accumulate_grads():
     def step(params, opt_state, batch):
         return jax.grad(models.mse_loss(models.mlp))(params, jax.tree.map(lambda x: x[0], batch))

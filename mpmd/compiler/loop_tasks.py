@@ -143,7 +143,11 @@ def check_schedule(schedule: Schedule | None, num_stages: int, num_mesh_actors: 
                                if num_stages > schedule.num_stages else "")
                             + (f". {unused} more pipeline_yield marker{'s' * (unused != 1)} returned a value the step never "
                                "reads, and so marked no stage: write `x = mpmd.pipeline_yield(x)`, then use that x"
-                               if unused else ""))
+                               if unused else "")
+                            # (JAX differentiates a custom_vjp function through its fwd rule and never traces its
+                            # body, so no trace of such a marker is left to name: a probe's was dropped unsaid)
+                            + (". A marker inside a jax.custom_vjp function is not seen under grad (JAX runs its fwd "
+                               "rule, not the function): call pipeline_yield outside it" if num_stages < schedule.num_stages else ""))
     if schedule.num_actors > num_mesh_actors:
         raise PipelineError(
             f"the schedule {schedule} needs {schedule.num_actors} actors but the mesh has {num_mesh_actors}; start more actors, "
