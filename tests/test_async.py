@@ -543,3 +543,29 @@ async def test_mesh_starts_abandoned_under_a_timeout_do_not_hold_up_another_mesh
     dist = mpmd.distributed(step, mesh=mesh2)
     got = await asyncio.wait_for(dist.call_async(params, opt_state, batch), 5)  # (compiled in a worker)
     assert_trees_close(await mpmd.fetch_async(got), reference(params, opt_state, batch))
+
+
+def test_a_step_future_cancelled_when_the_controller_loop_stops_is_seen_settled_by_wait():
+    """The loop's stop cancels a dispatched step's task, and the step's concurrent future was cancelled with a bare
+    `Future.cancel()`: CANCELLED but never notified, so `concurrent.futures.wait` (a fetch_async's wait for the steps
+    it reads, on a recovering mesh) waited for good, and the interpreter could not exit (found by a probe: a
+    fetch_async awaited across aclose). The same wait for a future cancelled elsewhere returns (`wait_settled`)."""
+    import concurrent.futures
+
+    from mpmd.runtime.controller import EventLoopThread, wait_settled
+
+    io = EventLoopThread()
+
+    async def forever(sent):
+        await asyncio.Event().wait()
+
+    done = io.dispatch(lambda: None, forever)
+    time.sleep(0.1)
+    io.stop()
+    finished, _ = concurrent.futures.wait([done], timeout=2)
+    assert done.cancelled() and finished == {done}
+    bare = concurrent.futures.Future()
+    bare.cancel()  # (as another part of the code, or a user's, may)
+    t = time.monotonic()
+    wait_settled([bare])
+    assert time.monotonic() - t < 1

@@ -39,6 +39,7 @@ import numpy as np
 from mpmd.compiler.avals import from_wire
 from mpmd.errors import MpmdError
 from mpmd.runtime.array import RemoteArray
+from mpmd.runtime.controller import wait_settled
 
 T = TypeVar("T")
 # Threads for work that would hold the caller's loop: a few, so that steps of several meshes compile at once.
@@ -181,7 +182,7 @@ async def _recovered(arrays: list[RemoteArray], error: BaseException) -> bool:
     readies = list({id(x._ready): x._ready for x in arrays if x._ready is not None}.values())
 
     def settle() -> bool:
-        concurrent.futures.wait(readies)  # a step in flight ends recovered (normally) or failed
+        wait_settled(readies)  # a step in flight ends recovered (normally) or failed
         recovered = False
         for m in meshes.values():  # (the error came from one of them; a read of the others fails again if it must)
             try:

@@ -11,7 +11,7 @@ import numpy as np
 
 from mpmd.compiler.avals import dtype_text, from_wire, is_key, wire_shape_dtype
 from mpmd.errors import ActorDiedError, MpmdError
-from mpmd.runtime.controller import result_of
+from mpmd.runtime.controller import result_of, wait_settled
 
 
 class BufferOwner(Protocol):
@@ -139,7 +139,7 @@ class RemoteArray:
     def _wire(self) -> np.ndarray:
         """The array as the actors hold it (key data for a key array)."""
         if self._ready is not None and getattr(self._ready, "host_calls", False):
-            concurrent.futures.wait([self._ready])  # a step's callbacks print before any of its values is seen
+            wait_settled([self._ready])  # a step's callbacks print before any of its values is seen
         if self._host is not None:
             return result_of(self._host)
         self._check_usable()
@@ -342,7 +342,7 @@ def fetch(tree: Any) -> Any:
     wanted: dict[tuple[Any, int], list[int]] = defaultdict(list)  # (mesh, actor) -> leaf indices
     for i, x in enumerate(leaves):
         if isinstance(x, RemoteArray) and x._ready is not None and getattr(x._ready, "host_calls", False):
-            concurrent.futures.wait([x._ready])  # a step's callbacks print before any of its values is seen
+            wait_settled([x._ready])  # a step's callbacks print before any of its values is seen
         if isinstance(x, RemoteArray) and x._host is None:
             x._check_usable()
             wanted[(x.mesh, x.actor)].append(i)

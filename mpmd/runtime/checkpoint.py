@@ -55,7 +55,7 @@ from mpmd.runtime.checkpoint_format import (
     read_manifest,
 )
 from mpmd.runtime.checkpoint_placement import Target, dtype_matches, like_shape_dtype, targets
-from mpmd.runtime.controller import blocking
+from mpmd.runtime.controller import blocking, wait_settled
 from mpmd.runtime.sharding import layout_to_spec, layout_wire, remote_sharding
 from mpmd.static_leaves import hide, reveal
 from transport.checkpoint_parts import CheckpointProblem, read_part, write_part
@@ -97,7 +97,7 @@ def _wait_for_saves(path: str) -> None:
         pending = list(_SAVING.get(os.path.realpath(path), ()))
     if pending:
         log.info("waiting for %d save(s) into %s to commit before reading it", len(pending), path)
-        concurrent.futures.wait(pending)
+        wait_settled(pending)
 
 
 class SaveHandle:

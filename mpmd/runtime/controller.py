@@ -144,7 +144,7 @@ class EventLoopThread:
 
             def settle(t: asyncio.Task[Any]) -> None:
                 if t.cancelled():
-                    done.cancel()
+                    cancel_future(done)
                 elif t.exception() is not None:
                     done.set_exception(t.exception())
                 else:
@@ -188,6 +188,26 @@ class ActorAuthError(MpmdError):
         super().__init__(f"actor {actor_id} at {address}: {why}. The controller's keys (RemoteMesh.connect(..., keys=...)) "
                          "must be a pair the daemon's --authorized-keys admits, with the daemon's own public key; a daemon "
                          "without keys takes a controller without keys")
+
+
+def cancel_future(fut: concurrent.futures.Future[Any]) -> None:
+    """Cancel a pending concurrent future so that `concurrent.futures.wait` sees it too: `Future.cancel()` alone leaves
+    it CANCELLED but not notified, and `wait` waits on it for good (a probe: a fetch_async awaited across aclose on a
+    recovering mesh hung, and so did the interpreter's exit)."""
+    if fut.cancel():
+        fut.set_running_or_notify_cancel()
+
+
+def wait_settled(futures: Any, timeout: float | None = None) -> None:
+    """`concurrent.futures.wait(futures, timeout)`, also for a future another part cancelled with a bare
+    `Future.cancel()` (which `wait` never sees settle); timed waits, so a Ctrl-C gets through."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for f in futures:
+        while not f.done():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            concurrent.futures.wait([f], timeout=0.25 if left is None else min(left, 0.25))
 
 
 def result_of(fut: concurrent.futures.Future[T], timeout: float | None = None) -> T:

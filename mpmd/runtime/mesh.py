@@ -48,7 +48,15 @@ from mpmd.runtime.actor_handle import ActorHandle
 from mpmd.runtime.aio import off_loop
 from mpmd.runtime.array import RemoteArray, fetch
 from mpmd.runtime.buffers import BufferClient, gather
-from mpmd.runtime.controller import CLOSED_MEANWHILE, ActorConnection, EventLoopThread, Watchdog, blocking, close_unstarted
+from mpmd.runtime.controller import (
+    CLOSED_MEANWHILE,
+    ActorConnection,
+    EventLoopThread,
+    Watchdog,
+    blocking,
+    close_unstarted,
+    wait_settled,
+)
 from mpmd.runtime.executables import Executables
 from mpmd.runtime.inputs import close_stager
 from mpmd.runtime.launch.local import LocalOptions, LocalProcess, check_devices, start_local
@@ -558,7 +566,7 @@ class RemoteMesh:
         if not saves or self._io.on_loop_thread():  # (the loop itself cannot wait for what it runs)
             return
         log.info("closing the mesh: waiting for %d save(s) still writing to commit", len(saves))
-        concurrent.futures.wait(saves)
+        wait_settled(saves)
 
     def _release_resources(self) -> None:
         try:

@@ -61,6 +61,7 @@ from mpmd.compiler.plan import iter_lowered
 from mpmd.errors import ActorDiedError, ActorStartError, MpmdError
 from mpmd.runtime.aio import watch
 from mpmd.runtime.array import RemoteArray
+from mpmd.runtime.controller import wait_settled
 
 log = logging.getLogger("mpmd.runtime.mesh")  # recoveries are the mesh's news: its logger says them
 
@@ -630,7 +631,7 @@ class RecoveryManager:
         mesh.run(drain())
         with self._state:
             pending = [s.future for s in [*self.pending, *self._externals] if s.future is not None]
-        concurrent.futures.wait(pending, timeout=self.config.drain_timeout)
+        wait_settled(pending, timeout=self.config.drain_timeout)
 
     def _restore_and_replay(self, replaced: set[int], report: dict[str, Any]) -> int:
         mesh = self.mesh
