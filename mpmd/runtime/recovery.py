@@ -70,6 +70,14 @@ log = logging.getLogger("mpmd.runtime.mesh")  # recoveries are the mesh's news: 
 Respawn = Callable[[int, float], tuple[Any, ...]]
 
 
+def _failed(x: RemoteArray) -> bool:
+    """Whether the step that made `x` failed or was aborted (a cancelled fetch_async aborts it): its actors freed the
+    buffers `x` still names, so a snapshot that fetched it failed, every one after it too, and the log grew for good
+    (a probe)."""
+    r = x._ready
+    return r is not None and r.done() and (r.cancelled() or r.exception() is not None)
+
+
 @dataclass(frozen=True)
 class Recovery:
     """How a mesh survives a lost actor (`RemoteMesh.local(..., recover=Recovery())`, also `.ray`,
@@ -128,6 +136,7 @@ class Snapshot:
     complete: bool = False
     others: dict[int, weakref.ref[RemoteArray]] = field(default_factory=dict)  # fetched into RecoveryManager._kept
     extra: set[int] = field(default_factory=set)  # in `meta` though not the call's inputs: the other arrays live then
+    borrowed: dict[int, Snapshot] = field(default_factory=dict)  # value id -> the earlier pending snapshot fetching it
 
 
 def enable_recovery(mesh: Any, config: Recovery, respawn: Respawn) -> RecoveryManager:
@@ -161,6 +170,7 @@ class RecoveryManager:
         self._recovery: concurrent.futures.Future[None] | None = None
         self._dists: weakref.WeakSet[Any] = weakref.WeakSet()  # every step logged: reloaded on a replacement
         self._kept: dict[int, tuple[np.ndarray, Any, Any]] = {}  # value id -> (host value, spec, dtype) of live arrays
+        self._fetching: dict[int, Snapshot] = {}  # value id -> the pending snapshot fetching it into `_kept`
         self._externals: list[Snapshot] = []  # inputs of logged calls the log had not seen (put, restored), fetched
         self._lost: dict[int, list[int]] = {}  # value id -> the lost actors that held its only buffers (no copy left)
         self.last_report: dict[str, Any] = {}
@@ -289,13 +299,18 @@ class RecoveryManager:
         # them once the caller has let them go. Values never change, so each is fetched once and kept while its
         # array lives (`_kept`): a later snapshot takes it from there.
         with self._state:
-            live = [(vid, x) for vid, x in self._live() if vid not in arrays and x.buffers]
-            others = {vid: x for vid, x in live if vid not in self._kept}
+            live = [(vid, x) for vid, x in self._live() if vid not in arrays and x.buffers and not _failed(x)]
+            # (one an earlier snapshot still fetches is taken from it once it completes: a loop running ahead had 47
+            # pending at once, each fetching the same kept losses again, 16-24 times each; a probe: +217 MB, steps 3x
+            # slower over 4,000 kept losses)
+            snap.borrowed = {vid: self._fetching[vid] for vid, _ in live if vid not in self._kept and vid in self._fetching}
+            others = {vid: x for vid, x in live if vid not in self._kept and vid not in snap.borrowed}
             cached = {vid: x for vid, x in live if vid in self._kept}
             snap.values.update({vid: self._kept[vid][0] for vid in cached})
+            self._fetching.update({vid: snap for vid in others})
         snap.meta.update({vid: (x.actors, x.sharding.spec if x.sharding is not None else None, x.dtype, weakref.ref(x))
-                          for vid, x in [*others.items(), *cached.items()]})
-        snap.extra = set(others) | set(cached)
+                          for vid, x in live if vid in others or vid in cached or vid in snap.borrowed})
+        snap.extra = set(others) | set(cached) | set(snap.borrowed)
         snap.others = {vid: weakref.ref(x) for vid, x in others.items()}
         snap.future = self._fetch({**arrays, **others})
         snap.future.add_done_callback(lambda f: self._snapshot_done(snap, f))
@@ -359,14 +374,27 @@ class RecoveryManager:
 
     def _snapshot_done(self, snap: Snapshot, f: concurrent.futures.Future[Any]) -> None:
         with self._state:
+            for vid in snap.others:
+                if self._fetching.get(vid) is snap:
+                    del self._fetching[vid]
+            failed = f.cancelled() or f.exception() is not None
+            if not failed:
+                for src in {id(s): s for s in snap.borrowed.values()}.values():
+                    if src.future is not None and not src.future.done():  # (its callbacks, this one's, run in order)
+                        src.future.add_done_callback(lambda _, snap=snap, f=f: self._snapshot_done(snap, f))
+                        return
+                failed = not all(src.complete for src in snap.borrowed.values())
             if snap in self.pending:
                 self.pending.remove(snap)
-            if f.cancelled() or f.exception() is not None:
+            if failed:
                 error = None if f.cancelled() else f.exception()  # (a lost actor's is what the recovery then handles)
-                log.log(logging.DEBUG if error is None or isinstance(error, ActorDiedError) or self.mesh.closed else logging.WARNING,
-                        "snapshot at step record %d failed: %s", snap.index, error)
+                quiet = error is None or isinstance(error, ActorDiedError) or self.mesh.closed  # (the earlier one said why)
+                log.log(logging.DEBUG if quiet else logging.WARNING, "snapshot at step record %d failed: %s", snap.index,
+                        error or ("an earlier snapshot it took values from failed" if not f.cancelled() else "cancelled"))
                 return
             snap.values.update(f.result())
+            snap.values.update({vid: src.values[vid] for vid, src in snap.borrowed.items()})
+            snap.borrowed = {}  # (the earlier snapshots may go)
             snap.complete = True
             for vid, ref in snap.others.items():
                 x = ref()
