@@ -72,6 +72,10 @@ class BlobRefused(ValueError):
     """A serialized executable the daemon will not compile; the message says why and what to do."""
 
 
+class Killed(BlobRefused):
+    """The compile process was killed from outside (SIGKILL) while it checked or compiled a blob: tried once more."""
+
+
 def custom_call_targets(module_text: str) -> list[str]:
     """Every custom-call target named in a StableHLO module's text form, in order of appearance. A custom
     call whose target cannot be read is reported as ``<unreadable>`` (and so is never allowed)."""
@@ -168,10 +172,11 @@ class BlobChecker:
                 self._idler.cancel()
             self.checks += 1
             try:
-                result = await self._check(blob)
-                if compile_spec is not None and self.compile_dir is not None:
-                    await self._compile(compile_spec)
-                return result
+                try:
+                    return await self._check_and_compile(blob, compile_spec)
+                except Killed as e:  # from outside, not by the blob: once more, in a fresh process
+                    log.warning("%s; checking and compiling it once more in a fresh process", str(e).split(";")[0])
+                    return await self._check_and_compile(blob, compile_spec)
             except BlobRefused:
                 # A reader that choked on bad bytes without crashing may be left corrupt (fuzzing saw later,
                 # harmless blobs hang in such a process): the next blob gets a fresh child.
@@ -184,6 +189,12 @@ class BlobChecker:
                 raise
             finally:
                 self._idler = asyncio.get_running_loop().call_later(self.idle, self._stop_soon)
+
+    async def _check_and_compile(self, blob: bytes, compile_spec: dict[str, Any] | None) -> CheckResult:
+        result = await self._check(blob)
+        if compile_spec is not None and self.compile_dir is not None:
+            await self._compile(compile_spec)
+        return result
 
     async def _compile(self, spec: dict[str, Any]) -> None:
         proc = self._proc
@@ -221,6 +232,10 @@ class BlobChecker:
             code = await self._in_thread(proc.wait)
             self._proc = None
             self.restarts += 1
+            if code == -signal.SIGKILL:  # nothing in the process sends itself SIGKILL: the OOM killer, or kill -9
+                raise Killed(f"the process {stage} was killed (SIGKILL: the kernel's out-of-memory killer, or kill -9 — see "
+                             "dmesg), which says nothing about the executable; if memory is short, free some or give the "
+                             "stage less to compile, and call the step again (the daemon is unaffected)")
             raise BlobRefused(crashed(_EXIT_NAMES.get(code, f"exit code {code}")))
         return report
 

@@ -469,6 +469,47 @@ def _slow_blob(salt: int, layers: int = 600) -> bytes:
     return bytes(export.export(jax.jit(f), platforms=["cpu"])(jax.ShapeDtypeStruct((64, 64), jnp.float32)).serialize())
 
 
+def test_a_compile_process_killed_from_outside_is_tried_once_more_not_blamed_on_the_executable(tmp_path):
+    """The compile child SIGKILLed mid-compile (the OOM killer, say) failed the step with "the executable was refused:
+    it crashed XLA's compiler (SIGKILL)", and the user's loop died at its first step although a plain retry worked (a
+    probe). A SIGKILL says nothing about the blob: it is checked and compiled once more in a fresh process."""
+    import asyncio
+    import signal
+    import threading
+    import time
+
+    from actors.sandbox import BlobChecker
+
+    blob = _slow_blob(7, layers=120)
+
+    async def main():
+        checker = BlobChecker(timeout=120)
+        checker.compile_dir = str(tmp_path)
+        killed = []
+
+        def kill_while_compiling():
+            deadline = time.monotonic() + 60
+            while checker._stage != "compiling it" and time.monotonic() < deadline:
+                time.sleep(0.005)
+            proc = checker._proc
+            if proc is not None:
+                os.kill(proc.pid, signal.SIGKILL)
+                killed.append(proc.pid)
+
+        t = threading.Thread(target=kill_while_compiling)
+        t.start()
+        try:
+            result = await checker.check(blob, {"ordered": False})
+        finally:
+            t.join()
+            checker._kill()
+        assert killed and checker.restarts == 1  # (the killed process, replaced once)
+        assert result.platforms == ("cpu",)
+        assert any(tmp_path.iterdir())  # (the second process's compile, in the cache the daemon loads from)
+
+    asyncio.run(main())
+
+
 def _cpu_seconds(pid: int) -> float:
     """User+system CPU seconds of `pid` and all its descendants."""
     total = 0.0
