@@ -38,6 +38,7 @@ import signal
 import stat
 import sys
 import tempfile
+import time
 
 from actors import cluster
 
@@ -112,6 +113,40 @@ def _remove_mesh_files(mesh_dir: str, actor_id: int) -> None:
         pass
 
 
+CACHE_PRUNE_AGE = 3600.0  # s: an entry written or read more recently may be in use by another daemon sharing the cache
+
+
+def prune_compile_cache(path: str, max_bytes: int, now: float | None = None) -> int:
+    """Bound a shared --cache-dir: while its files take more than `max_bytes`, remove the least recently used ones
+    (by access time, else modification time) not touched for CACHE_PRUNE_AGE seconds. JAX's own bound needs a
+    package mpmd does not depend on (filelock); without one the cache grew by ~30 KB for every new step signature,
+    for good (a probe: 13,824 files). Returns the bytes removed."""
+    now = time.time() if now is None else now
+    entries = []
+    try:
+        with os.scandir(path) as it:
+            for e in it:
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    entries.append((max(st.st_atime, st.st_mtime), st.st_size, e.path))
+    except OSError:
+        return 0
+    total = sum(size for _, size, _ in entries)
+    removed = 0
+    for used, size, p in sorted(entries):
+        if total - removed <= max_bytes or now - used < CACHE_PRUNE_AGE:
+            break
+        try:
+            os.unlink(p)
+            removed += size
+        except OSError:
+            pass
+    return removed
+
+
 def _sweep_stale_compile_dirs(parent: str) -> None:
     """Remove the private compile directories that this user's daemons killed with SIGKILL left in `parent` (a
     daemon removes its own at exit; one killed cannot): those whose lock no daemon holds. A lock, not a pid: the
@@ -166,6 +201,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                             "--listen such as tcp://0.0.0.0:PORT, this node's own address)")
     p.add_argument("--cache-dir", default=None, help="JAX persistent compilation cache directory (default: a private temporary one, removed at exit; "
                    "RemoteMesh.local passes ~/.cache/mpmd/xla)")
+    p.add_argument("--cache-max-mb", type=float, default=4096, help="at start, remove the --cache-dir entries least recently used (and "
+                   "untouched for an hour) while it holds more than this; 0: no bound (default %(default)s)")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process has exited")
     p.add_argument("--mesh-dir", default=None,
                    help="the private directory of the local mesh this daemon belongs to: if its --parent-pid exits without "
@@ -216,6 +253,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--compile-workers must be at least 1")
     if args.kept_executables < 0:
         p.error(f"--kept-executables must be 0 or more, got {args.kept_executables}")
+    if not 0 <= args.cache_max_mb < math.inf:  # (NaN too)
+        p.error(f"--cache-max-mb must be 0 (no bound) or a positive, finite number of MiB, got {args.cache_max_mb}")
     for name in ("request_timeout", "compile_timeout", "transfer_timeout", "session_timeout", "rendezvous_timeout"):
         if not 0 < getattr(args, name) < math.inf:  # (NaN too)
             p.error(f"--{name.replace('_', '-')} must be a positive, finite number of seconds, got {getattr(args, name)}")
@@ -415,6 +454,11 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     # (made once the daemon can no longer fail to start: an early exit left it behind).
     if args.cache_dir:
         compile_dir = args.cache_dir
+        if args.cache_max_mb > 0:
+            pruned = prune_compile_cache(compile_dir, int(args.cache_max_mb * 1024 * 1024))
+            if pruned:
+                log.info("removed %.1f MiB of least recently used entries from --cache-dir %s (--cache-max-mb %g)",
+                         pruned / 2**20, compile_dir, args.cache_max_mb)
     else:
         _sweep_stale_compile_dirs(args.mesh_dir or tempfile.gettempdir())
         compile_dir, _held = _private_compile_dir(args.actor_id, args.mesh_dir)  # (the lock goes with the process)

@@ -904,3 +904,24 @@ def test_a_guests_programs_loaded_at_once_stay_within_its_quota_and_an_unload_wa
         assert proc.poll() is None
     finally:
         stop_daemon(proc)
+
+
+def test_a_shared_compile_cache_is_pruned_of_its_least_recently_used_entries_at_a_daemons_start(tmp_path):
+    """A --cache-dir shared by every local mesh (~/.cache/mpmd/xla) grew by ~30 KB for every new step signature and
+    was never bounded (13,824 files after a probe's runs). At start a daemon removes the least recently used entries
+    while it holds more than --cache-max-mb, never one used within the last hour (another daemon may be reading it)."""
+    from actors.daemon import CACHE_PRUNE_AGE, parse_args, prune_compile_cache
+
+    now = 1e9
+    for i in range(10):  # 10 entries of 1 KiB, used at now - 10 h .. now - 1 h ... and two in the last hour
+        f = tmp_path / f"entry{i}"
+        f.write_bytes(b"x" * 1024)
+        used = now - (10 - i) * 3600 if i < 8 else now - 60
+        os.utime(f, (used, used))
+    assert prune_compile_cache(str(tmp_path), 5 * 1024, now=now) == 5 * 1024
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"entry{i}" for i in range(5, 10)]  # the oldest five went
+    assert prune_compile_cache(str(tmp_path), 0, now=now) == 3 * 1024  # down to those used within CACHE_PRUNE_AGE
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["entry8", "entry9"] and CACHE_PRUNE_AGE == 3600
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            parse_args(["--cache-max-mb", bad])
