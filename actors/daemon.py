@@ -142,6 +142,8 @@ def prune_compile_cache(path: str, max_bytes: int, now: float | None = None) -> 
         try:
             os.unlink(p)
             removed += size
+        except FileNotFoundError:  # (another daemon starting beside this one took it: counted, or each would go on)
+            removed += size
         except OSError:
             pass
     return removed
@@ -770,21 +772,29 @@ def _checked_cache_dir(path: str) -> str:
     from transport.auth import AuthKeyError, check_safe_path
 
     given = os.path.expanduser(path)
+    if os.path.lexists(given) and not os.path.isdir(given):
+        raise SystemExit(f"mpmd-actor: --cache-dir {path} is not a directory; name a directory (made if missing) for "
+                         "the compiled executables")
+    missing = []  # the directories to make, outermost first
+    p = os.path.abspath(given)
+    while not os.path.lexists(p):
+        missing.insert(0, p)
+        p = os.path.dirname(p)
+    made = []
     try:
-        if os.path.lexists(given) and not os.path.isdir(given):
-            raise SystemExit(f"mpmd-actor: --cache-dir {path} is not a directory; name a directory (made if missing) for "
-                             "the compiled executables")
-        if not os.path.exists(given):
-            above = os.path.dirname(os.path.abspath(given))
-            while not os.path.exists(above):
-                above = os.path.dirname(above)
-            check_safe_path(above, f"the directory that --cache-dir {path} would be made in", holds="compiled code")
-            os.makedirs(given, mode=0o700, exist_ok=True)
-        check_safe_path(given, "--cache-dir", holds="compiled code")
-    except AuthKeyError as e:
-        raise SystemExit(f"mpmd-actor: {e} (the daemon runs the executables it finds there)") from None
-    except OSError as e:
-        raise SystemExit(f"mpmd-actor: cannot make --cache-dir {path}: {e.strerror}") from None
+        for p in missing:  # each mode 700 (os.makedirs gives the ones above the last the umask's mode: 775 under umask 002)
+            os.mkdir(p, 0o700)
+            made.append(p)
+        check_safe_path(given, "--cache-dir", holds="compiled code")  # (it and every directory above: a sticky /tmp passes)
+    except (AuthKeyError, OSError) as e:
+        for p in reversed(made):  # (nothing was loaded from them)
+            try:
+                os.rmdir(p)
+            except OSError:
+                pass
+        if isinstance(e, AuthKeyError):
+            raise SystemExit(f"mpmd-actor: {e} (the daemon runs the executables it finds there)") from None
+        raise SystemExit(f"mpmd-actor: cannot make --cache-dir {path}: {e.strerror or e}") from None
     return given
 
 

@@ -42,7 +42,6 @@ class InputSegments:
         self.actor_id = actor_id
         self.prefix: str | None = None
         self.maps: dict[str, mmap.mmap] = {}
-        self.fds: dict[str, int] = {}  # each mapped segment's file, kept open to see its size now (see `read`)
         self.reads = 0  # arguments read from shared memory (reported by `stats` as shm_inputs)
         self.bytes = 0
 
@@ -109,7 +108,7 @@ class InputSegments:
         # Reading a page past the file's end kills the process (SIGBUS): a segment its writer truncated since it was
         # mapped is refused here (a probe's put killed the daemon so). A process of this user that shrinks it while
         # a Run reads it in place still can, as it could kill the daemon outright; faulthandler says so in its log.
-        size = os.fstat(self.fds[name]).st_size
+        size = mm.size()  # (the file's size now: the mapping keeps a descriptor of it)
         if offset + nbytes > size:
             raise RequestError(f"shared-memory input {name}: bytes {offset}..{offset + nbytes} lie outside the segment, "
                                f"which shrank to {size} bytes after it was mapped (truncated by the process that wrote it)")
@@ -136,10 +135,8 @@ class InputSegments:
             if st.st_size == 0:
                 raise RequestError(f"shared-memory input {name} is empty")
             mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        except BaseException:
+        finally:
             os.close(fd)
-            raise
-        self.fds[name] = fd
         try:
             shm._posixshmem.shm_unlink(name)  # mapped on both sides now: the name is no longer needed
         except OSError:
@@ -148,9 +145,6 @@ class InputSegments:
         return mm
 
     def _unmap(self, name: str) -> None:
-        fd = self.fds.pop(name, None)
-        if fd is not None:
-            os.close(fd)
         mm = self.maps.pop(name, None)
         if mm is not None:
             try:
@@ -180,9 +174,6 @@ class InputSegments:
         return removed
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
         for mm in self.maps.values():
             try:
                 mm.close()

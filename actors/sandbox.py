@@ -124,6 +124,7 @@ class BlobChecker:
         self.checks = 0
         self.refused = 0
         self.restarts = 0
+        self._closed = False
 
     async def start(self) -> None:
         """Start the child now (it takes about a second to import JAX) so the first compile does not wait."""
@@ -175,8 +176,16 @@ class BlobChecker:
                 try:
                     return await self._check_and_compile(blob, compile_spec)
                 except Killed as e:  # from outside, not by the blob: once more, in a fresh process
+                    if self._closed:
+                        raise
                     log.warning("%s; checking and compiling it once more in a fresh process", str(e).split(";")[0])
+                try:
                     return await self._check_and_compile(blob, compile_spec)
+                except Killed:
+                    raise BlobRefused(f"the process {self._stage} was killed twice (SIGKILL), most likely by the kernel's "
+                                      "out-of-memory killer because compiling this executable takes more memory than is "
+                                      "free (see dmesg): give the stage less to compile (split it), free memory, or raise "
+                                      "the container's limit; the daemon is unaffected") from None
             except BlobRefused:
                 # A reader that choked on bad bytes without crashing may be left corrupt (fuzzing saw later,
                 # harmless blobs hang in such a process): the next blob gets a fresh child.
@@ -299,6 +308,7 @@ class BlobChecker:
             proc.wait()
 
     def close(self) -> None:
+        self._closed = True  # (a check its kill ends now is not tried again)
         if self._idler is not None:
             self._idler.cancel()
         if self._prewarm is not None:

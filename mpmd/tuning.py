@@ -483,7 +483,7 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
     if rows and not any(total_rows % m == 0 for m in counts):  # (asked for: said before anything is measured)
         ok = _divisors(total_rows, p, total_rows)[:8] or [m0]
         raise PipelineError(f"tune: microbatches={list(counts)}: none divides the batch's {total_rows} rows ({m0} microbatches "
-                            f"of {rows}); pass counts that do, e.g. microbatches={ok[:8]}")
+                            f"of {rows}); pass counts that do, e.g. microbatches={ok}")
     if costs is None:
         seg = profile_costs(base, *args, steps=profile_steps)
     elif costs == "xla":

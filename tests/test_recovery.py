@@ -978,3 +978,33 @@ def test_snapshots_fetch_each_kept_output_once_and_leave_out_an_aborted_steps_ou
         snap = mesh.recovery.snapshot  # every kept loss's value, taken from the snapshot that fetched it
         kept_values = [v for vid, v in snap.values.items() if vid in snap.extra and np.shape(v) == (4,)]
         assert len(kept_values) >= 40 and all(any(np.array_equal(k, w) for k in kept_values) for w in want)
+
+
+def test_a_snapshot_borrowing_from_one_that_still_waits_on_an_earlier_one_completes_once_all_have():
+    """Fetches end in any order (each waits for its own steps' outputs). S2 borrowed a kept value from S1, which
+    borrowed one from S0; S1's fetch ended first, then S2's: S2 saw S1's fetch done but S1 not complete and failed
+    ("an earlier snapshot it took values from failed"), so the values were fetched again later (a review). Each
+    now waits until those it borrows from have settled."""
+    import concurrent.futures
+    import types
+
+    from mpmd.runtime.recovery import RecoveryManager, Snapshot
+
+    rm = RecoveryManager(types.SimpleNamespace(closed=False), mpmd.Recovery(), None)
+    s0, s1, s2 = Snapshot(0, {}), Snapshot(1, {}), Snapshot(2, {})
+    s0.others, s1.others = {10: lambda: None}, {11: lambda: None}  # (their arrays already let go)
+    s1.borrowed, s2.borrowed = {10: s0}, {10: s0, 11: s1}
+    futures = [concurrent.futures.Future() for _ in range(3)]
+    for s, f in zip((s0, s1, s2), futures):
+        s.future = f
+    rm.pending = [s0, s1, s2]
+    a0, a1 = np.zeros(2), np.ones(2)
+    futures[1].set_result({11: a1})
+    rm._snapshot_done(s1, futures[1])
+    futures[2].set_result({})
+    rm._snapshot_done(s2, futures[2])
+    assert rm.snapshot is None and not s1.complete and not s2.complete
+    futures[0].set_result({10: a0})
+    rm._snapshot_done(s0, futures[0])
+    assert s0.complete and s1.complete and s2.complete and rm.snapshot is s2 and not rm.pending
+    assert set(s2.values) == {10, 11} and s2.values[10] is a0 and s2.values[11] is a1

@@ -137,6 +137,8 @@ class Snapshot:
     others: dict[int, weakref.ref[RemoteArray]] = field(default_factory=dict)  # fetched into RecoveryManager._kept
     extra: set[int] = field(default_factory=set)  # in `meta` though not the call's inputs: the other arrays live then
     borrowed: dict[int, Snapshot] = field(default_factory=dict)  # value id -> the earlier pending snapshot fetching it
+    settled: bool = False  # complete, or failed (its fetch, or an earlier snapshot it borrowed from)
+    waiters: list[Callable[[], None]] = field(default_factory=list)  # later snapshots borrowing from it, to go on once it settles
 
 
 def enable_recovery(mesh: Any, config: Recovery, respawn: Respawn) -> RecoveryManager:
@@ -373,16 +375,18 @@ class RecoveryManager:
         return ext
 
     def _snapshot_done(self, snap: Snapshot, f: concurrent.futures.Future[Any]) -> None:
+        """`snap`'s fetch `f` ended: it completes (and may become the newest snapshot, trimming the log) once every
+        earlier snapshot it took values from has settled, or fails; then the snapshots waiting on it go on."""
         with self._state:
             for vid in snap.others:
                 if self._fetching.get(vid) is snap:
                     del self._fetching[vid]
             failed = f.cancelled() or f.exception() is not None
             if not failed:
-                for src in {id(s): s for s in snap.borrowed.values()}.values():
-                    if src.future is not None and not src.future.done():  # (its callbacks, this one's, run in order)
-                        src.future.add_done_callback(lambda _, snap=snap, f=f: self._snapshot_done(snap, f))
-                        return
+                waiting = next((src for src in snap.borrowed.values() if not src.settled), None)
+                if waiting is not None:  # (run when it settles, outside the lock: see below)
+                    waiting.waiters.append(lambda: self._snapshot_done(snap, f))
+                    return
                 failed = not all(src.complete for src in snap.borrowed.values())
             if snap in self.pending:
                 self.pending.remove(snap)
@@ -391,20 +395,24 @@ class RecoveryManager:
                 quiet = error is None or isinstance(error, ActorDiedError) or self.mesh.closed  # (the earlier one said why)
                 log.log(logging.DEBUG if quiet else logging.WARNING, "snapshot at step record %d failed: %s", snap.index,
                         error or ("an earlier snapshot it took values from failed" if not f.cancelled() else "cancelled"))
-                return
-            snap.values.update(f.result())
-            snap.values.update({vid: src.values[vid] for vid, src in snap.borrowed.items()})
+            else:
+                snap.values.update(f.result())
+                snap.values.update({vid: src.values[vid] for vid, src in snap.borrowed.items()})
+                snap.complete = True
+                for vid, ref in snap.others.items():
+                    x = ref()
+                    if x is not None:
+                        self._kept[vid] = (snap.values[vid], x.sharding.spec if x.sharding is not None else None, x.dtype)
+                        weakref.finalize(x, self._kept.pop, vid, None)
+                if self.snapshot is None or snap.index > self.snapshot.index:
+                    self.snapshot = snap
+                    self.log = [r for r in self.log if r.index >= snap.index]
+                    self._externals = [e for e in self._externals if e.index >= snap.index]
             snap.borrowed = {}  # (the earlier snapshots may go)
-            snap.complete = True
-            for vid, ref in snap.others.items():
-                x = ref()
-                if x is not None:
-                    self._kept[vid] = (snap.values[vid], x.sharding.spec if x.sharding is not None else None, x.dtype)
-                    weakref.finalize(x, self._kept.pop, vid, None)
-            if self.snapshot is None or snap.index > self.snapshot.index:
-                self.snapshot = snap
-                self.log = [r for r in self.log if r.index >= snap.index]
-                self._externals = [e for e in self._externals if e.index >= snap.index]
+            snap.settled = True
+            waiters, snap.waiters = snap.waiters, []
+        for go_on in waiters:  # (not under the lock: each takes it)
+            go_on()
 
     # ---- failures -------------------------------------------------------------------------------------
     def _on_failure_of(self, rec: StepRecord) -> Callable[[BaseException], Any]:
@@ -761,6 +769,8 @@ class RecoveryManager:
             return fresh
         old, user.buffers, fresh.buffers = user.buffers, dict(fresh.buffers), {}
         user._host = None
+        if fresh._ready is not None:  # (an aborted step's output, replayed: made by the replay now, not failed)
+            user._ready = fresh._ready
         if old:
             self.mesh.release_buffers(old)
         return user
