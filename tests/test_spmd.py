@@ -3,6 +3,7 @@ single-process mesh of the same shape (the test process has 4 host devices, see 
 
 import functools
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -584,3 +585,30 @@ def test_a_constraint_on_the_returned_state_wins_over_the_arguments_layout(mesh_
     batch = {"x": rng.standard_normal((2, 4, 8)).astype(np.float32), "y": rng.standard_normal((2, 4, 8)).astype(np.float32)}
     p, _, _ = mpmd.distributed(step, mesh=mesh_2x2)(params, opt.init(params), batch)
     assert [x.sharding.spec for x in jax.tree.leaves(p)] == [P("data"), P(None, "model")]
+
+
+def test_out_shardings_for_an_argument_returned_unchanged_is_said_not_to_apply(mesh_1x2):
+    """out_shardings asking a passthrough output (an argument the step returns as it is) for another layout was
+    dropped unsaid: the array came back as it went in, and a later step whose in_shardings asked for that layout
+    refused it, advising the out_shardings the user had given (a probe). mpmd hands back the argument itself, so
+    it warns that the layout is not applied; one asked for as the argument already is says nothing."""
+    def step(w, keep, batch):
+        def mb(x):
+            value, g = jax.value_and_grad(lambda w: jnp.sum(mpmd.pipeline_yield(jnp.tanh(x @ w)) ** 2))(w)
+            return g, value
+        g, losses = mpmd.accumulate_grads(mb, batch, schedule=mpmd.GPipe(2))
+        return w - 0.1 * g, keep, losses
+
+    w = np.ones((8, 8), np.float32) / 8
+    batch = np.ones((2, 4, 8), np.float32)
+    first = mpmd.distributed(step, mesh=mesh_1x2, in_shardings=(P(None, "model"), None, None))
+    w1, _, _ = first(w, np.zeros(2, np.float32), batch)
+    assert w1.sharding.spec == P(None, "model")
+    relaid = mpmd.distributed(step, mesh=mesh_1x2, out_shardings=(None, P(), None))
+    with pytest.warns(UserWarning, match=r"out_shardings for output 1 \(flat\) is not applied: the step returns those arguments unchanged"):
+        _, k_out, _ = relaid(w1, w1, batch)
+    assert k_out is w1 and k_out.sharding.spec == P(None, "model")  # (as it came)
+    same = mpmd.distributed(step, mesh=mesh_1x2, out_shardings=(None, P(None, "model"), None))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same(w1, w1, batch)
