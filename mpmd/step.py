@@ -705,15 +705,16 @@ class DistributedFunction:
             am = mesh.actor_mesh
             out_specs = tree_specs(self.out_shardings, jax.tree.unflatten(out_tree, list(range(out_tree.num_leaves))), "out_shardings")
             kept_as_given = []
+            paths = [f"out{jax.tree_util.keystr(p)}" for p in _tree_paths(out_tree)]
             for j, ((kind, val), key, spec, aval) in enumerate(zip(plan.out_homes, plan.out_keys, out_specs, plan.out_avals)):
-                if kind == "actors" and spec is not None:
-                    am.check_spec(spec, aval.shape, "out_shardings")
+                if kind == "actors" and spec is not None:  # (the output named: a probe's error said only "out_shardings")
+                    am.check_spec(spec, aval.shape, f"out_shardings for {paths[j]}" if j < len(paths) else "out_shardings")
                     constraints[key] = am.canonical(spec)
                 elif kind == "arg" and spec is not None and am.canonical(spec) != am.canonical(arg_layouts[val]):
                     kept_as_given.append(j)
             if kept_as_given:  # (it was dropped unsaid, and a later step's in_shardings then refused the array; a probe)
                 warnings.warn(f"out_shardings for output{'s' * (len(kept_as_given) > 1)} {', '.join(map(str, kept_as_given))} "
-                              "(flat) is not applied: the step returns those arguments unchanged, and mpmd hands back each "
+                              f"({', '.join(paths[j] for j in kept_as_given if j < len(paths))}) is not applied: the step returns those arguments unchanged, and mpmd hands back each "
                               "argument itself, laid out as it came (jax.jit would copy it into the layout asked for). Lay "
                               "the argument out so where it is made (in_shardings, or the out_shardings of the step that "
                               "made it), or return a value computed from it", stacklevel=_callers_level())

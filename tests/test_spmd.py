@@ -605,10 +605,14 @@ def test_out_shardings_for_an_argument_returned_unchanged_is_said_not_to_apply(m
     w1, _, _ = first(w, np.zeros(2, np.float32), batch)
     assert w1.sharding.spec == P(None, "model")
     relaid = mpmd.distributed(step, mesh=mesh_1x2, out_shardings=(None, P(), None))
-    with pytest.warns(UserWarning, match=r"out_shardings for output 1 \(flat\) is not applied: the step returns those arguments unchanged"):
+    with pytest.warns(UserWarning, match=r"out_shardings for output 1 \(out\[1\]\) is not applied: the step returns those arguments unchanged"):
         _, k_out, _ = relaid(w1, w1, batch)
     assert k_out is w1 and k_out.sharding.spec == P(None, "model")  # (as it came)
     same = mpmd.distributed(step, mesh=mesh_1x2, out_shardings=(None, P(None, "model"), None))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         same(w1, w1, batch)
+    # An out_shardings a dimension does not take names the output (it said only "out_shardings"; a probe).
+    uneven = mpmd.distributed(step, mesh=mesh_1x2, out_shardings=(P(None, "model"), None, None))
+    with pytest.raises(mpmd.MpmdError, match=r"out_shardings for out\[0\]: dimension of size 3 is split over model = 2"):
+        uneven(np.ones((3, 3), np.float32), np.zeros(2, np.float32), np.ones((2, 4, 3), np.float32))
