@@ -403,3 +403,35 @@ def test_actor_run_keeps_a_bounded_number_of_functions_lowered(mesh2, monkeypatc
         np.testing.assert_array_equal(a.run(f, x).to_numpy(), np.arange(3) * k)
     assert len(mesh2.executables._lowered) == 4
     np.testing.assert_array_equal(a.run(fns[0], x).to_numpy(), np.zeros(3))  # (lowered again)
+
+
+def test_a_forked_child_cannot_use_its_parents_mesh_and_its_exit_leaves_the_mesh_alone(tmp_path):
+    """A DataLoader-style forked child that read a RemoteArray waited for good (the controller's thread is not in the
+    child), and a child that merely exited ran the atexit close of its parent's mesh: the mesh's private directory
+    (the daemons' sockets and logs) was removed under the parent, and a second controller could not attach (a probe).
+    The child is refused at once, naming the fork, and its exit leaves the mesh alone."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "fork.py"
+    script.write_text(
+        "import os, sys, numpy as np, mpmd\n"
+        "with mpmd.RemoteMesh.local(num_actors=1) as mesh:\n"
+        "    x = mesh.actor(0).put(np.arange(4, dtype=np.float32))\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        try:\n"
+        "            x.to_numpy()\n"
+        "            print('child read it', flush=True)\n"
+        "        except mpmd.MpmdError as e:\n"
+        "            print('child refused:', e, flush=True)\n"
+        "        sys.exit(0)  # (atexit runs: it must not close the parent's mesh)\n"
+        "    os.waitpid(pid, 0)\n"
+        "    print('dir kept:', os.path.isdir(mesh._tmpdir), 'read:', x.to_numpy().tolist(), flush=True)\n"
+        "    again = mpmd.RemoteMesh.connect(mesh.addresses, keys=mesh.keys)\n"
+        "    print('second controller:', again.actor(0).ping() > 0, flush=True)\n"
+        "    again.close()\n")
+    out = subprocess.run([sys.executable, "-W", "ignore", str(script)], capture_output=True, text=True, timeout=120,
+                         stdin=subprocess.DEVNULL)
+    assert "child refused: this RemoteMesh was made by process" in out.stdout and "forked from it" in out.stdout, out
+    assert "dir kept: True read: [0.0, 1.0, 2.0, 3.0]" in out.stdout and "second controller: True" in out.stdout, out

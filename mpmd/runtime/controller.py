@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
@@ -89,12 +90,24 @@ class EventLoopThread:
             self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="mpmd-controller", daemon=True)
         self._thread.start()
+        self.pid = os.getpid()  # (a forked child has no such thread: see `check_process`)
+
+    def check_process(self) -> None:
+        """Refuse a call from a process forked off the one that made this loop: its thread is not there, and a
+        request handed to it waited for good (a probe: a DataLoader-style worker that read a RemoteArray hung)."""
+        if os.getpid() != self.pid:
+            raise MpmdError(f"this RemoteMesh was made by process {self.pid}; a process forked from it ({os.getpid()}) cannot "
+                            "use it (its controller thread and connections stay in the parent): make the mesh after the "
+                            "fork, send host values to the child, or start it with multiprocessing's 'spawn' method")
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run `coro` on this loop and wait for its result (from any thread but this loop's own)."""
         if threading.current_thread() is self._thread:
             close_unstarted(coro)
             raise RuntimeError("mpmd's blocking API cannot be called from its own event loop; await the _async twin")
+        if os.getpid() != self.pid:
+            close_unstarted(coro)
+            self.check_process()
         t = time.perf_counter()
         try:
             return result_of(asyncio.run_coroutine_threadsafe(coro, self.loop), timeout)
@@ -106,6 +119,9 @@ class EventLoopThread:
         it. Cancelling the await cancels `coro` where it runs."""
         if asyncio.get_running_loop() is self.loop:
             return await coro
+        if os.getpid() != self.pid:
+            close_unstarted(coro)
+            self.check_process()
         try:
             return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
         except asyncio.CancelledError:
@@ -126,12 +142,16 @@ class EventLoopThread:
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run `coro` on the loop without waiting; a concurrent future of its result."""
+        if os.getpid() != self.pid:
+            close_unstarted(coro)
+            self.check_process()
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def dispatch(self, send: Callable[[], Any], finish: Callable[[Any], Any]) -> concurrent.futures.Future[Any]:
         """Call `send()` on the loop as soon as it gets there — so what it submits is ordered, in the order
         dispatches are called, ahead of anything submitted after this call — then run `finish(sent)` (a
         coroutine) there. Returns a concurrent future of `finish`'s result, without waiting."""
+        self.check_process()
         done: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
         def start() -> None:

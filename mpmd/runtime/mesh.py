@@ -540,6 +540,8 @@ class RemoteMesh:
         """Shut the actors down (if this mesh started them) and stop the controller loop."""
         if self.closed:
             return
+        if os.getpid() != self._io.pid:  # a forked child's: the mesh, its daemons and its directory are the parent's
+            return  # (its exit closed them: the parent's private directory was removed under it; a probe)
         try:
             self._wait_for_saves()  # (a Ctrl-C here still stops, unlinks and removes everything below)
         except BaseException:
