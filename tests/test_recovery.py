@@ -1008,3 +1008,23 @@ def test_a_snapshot_borrowing_from_one_that_still_waits_on_an_earlier_one_comple
     rm._snapshot_done(s0, futures[0])
     assert s0.complete and s1.complete and s2.complete and rm.snapshot is s2 and not rm.pending
     assert set(s2.values) == {10, 11} and s2.values[10] is a0 and s2.values[11] is a1
+
+
+def test_a_replacement_that_cannot_be_started_ends_the_recovery_instead_of_retrying_for_good():
+    """The mesh's directory removed (a /tmp cleaner), then an actor killed: every respawn failed with an OSError
+    (its log file cannot be made), no new actor was lost, and the recovery tried again 594 times in 30 s, the step
+    never returning (a probe). After three such attempts in a row it gives up; the step raises the lost actor's
+    error, saying why the mesh no longer recovers."""
+    import shutil
+
+    with mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(snapshot_every=1)) as mesh:
+        dist = mpmd.distributed(STEP, mesh=mesh)
+        p, o = _params(), OPT.init(_params())
+        p, o, losses = dist(p, o, _batches()[0])
+        mpmd.fetch(losses)
+        shutil.rmtree(mesh._tmpdir)
+        _sigkill(mesh, 1)
+        t = time.monotonic()
+        with pytest.raises(mpmd.ActorDiedError, match=r"(?s)actor 1 died.*mpmd.Recovery gave up.*could not replace actor 1"):
+            mpmd.fetch(dist(p, o, _batches()[1]))
+        assert time.monotonic() - t < 60

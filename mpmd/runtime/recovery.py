@@ -538,6 +538,7 @@ class RecoveryManager:
         last: BaseException | None = None  # what broke the attempt before this one
         waiting: set[int] = set()  # lost actors the attempt before did not get to replace: counted once, not again
         replaced: set[int] = set()  # every actor lost in this recovery, whichever attempt: their buffers are gone
+        stuck = 0  # attempts in a row that failed with no actor lost beyond those being replaced
         while True:
             if self.mesh.closed:  # (closed by its user while this ran: nothing to recover for)
                 raise MpmdError("the RemoteMesh was closed during the recovery") from last
@@ -576,6 +577,12 @@ class RecoveryManager:
                     raise
                 last = e
                 lost = sorted(dead | {i for i in range(len(self.mesh)) if self.mesh.conn(i).dead})
+                # The same actors again, nothing new lost: their replacement itself fails (a respawn's OSError — its log
+                # directory removed, no file descriptors or disk left). It was tried 594 times in 30 s, for good (a probe).
+                stuck = stuck + 1 if set(lost) <= waiting else 0
+                if stuck >= 3:
+                    raise MpmdError(f"the recovery could not replace actor{'s' * (len(lost) != 1)} {', '.join(map(str, lost))}: "
+                                    f"{_what(e)} ({stuck} attempts in a row)") from e
                 log.warning("actor(s) %s lost during the recovery (%s); recovering again", lost, _what(e))
                 continue
             self.last_report = {**report, "started": t0}
