@@ -6,6 +6,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import inspect
 import itertools
 import logging
@@ -803,6 +804,11 @@ class DistributedFunction:
     def program(self, *args: Any, **kwargs: Any) -> str:
         """The per-actor instruction lists for these arguments (given as to the step), one line per instruction."""
         return str(self.compile(*args, **kwargs).plan)
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        """On a class, a method: `trainer.step(params, batch)` calls the step with `trainer` as its first argument,
+        as jax.jit's methods do (`self` static with `static_argnums=0`; it was not bound: a probe)."""
+        return self if obj is None else functools.partial(self, obj)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Dispatch one step and return its outputs at once, as RemoteArrays (like jax.jit's asynchronous

@@ -1387,3 +1387,40 @@ def test_a_donated_array_read_or_passed_again_says_it_was_donated_and_to_which_s
     with pytest.raises(mpmd.MpmdError, match=r"argument args\[0\].*: RemoteArray\(.*\) was donated to train_step"):
         dist(p, o, batch)
     assert all(np.isfinite(x).all() for x in mpmd.fetch(jax.tree.leaves(p2)))
+
+
+def test_a_distributed_method_binds_self_as_jax_jit_does(mesh2):
+    """`@functools.partial(mpmd.distributed, mesh=..., static_argnums=0)` on a method, the jax.jit idiom: `self` was
+    not bound (static argument args[0] is a list...; without static_argnums a missing argument), so only
+    `Trainer.step(trainer, ...)` worked (a probe). The step is a method now, equal to the plain function's."""
+    import functools
+
+    import optax
+
+    from mpmd.testing import make_train_step, mlp, mlp_params, mse_loss, regression_batch
+
+    opt = optax.sgd(0.1)
+    plain = make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2))
+
+    class Trainer:
+        def __init__(self, scale):
+            self.scale = scale
+
+        def __hash__(self):
+            return hash(self.scale)
+
+        def __eq__(self, other):
+            return isinstance(other, Trainer) and other.scale == self.scale
+
+        @functools.partial(mpmd.distributed, mesh=mesh2, static_argnums=0)
+        def step(self, params, opt_state, batch):
+            p, o, losses = plain(params, opt_state, batch)
+            return p, o, losses * self.scale
+
+    rng = np.random.default_rng(0)
+    params = mlp_params(rng, num_stages=2, width=8)
+    batch = regression_batch(rng, 4, 2, 8)
+    want = jax.jit(plain)(params, opt.init(params), batch)[2]
+    got = Trainer(2.0).step(params, opt.init(params), batch)[2]
+    np.testing.assert_allclose(np.asarray(got), 2.0 * np.asarray(want), rtol=1e-6)
+    assert isinstance(Trainer.step, mpmd.step.DistributedFunction)  # (on the class: the step itself)
