@@ -418,3 +418,30 @@ def test_a_restore_or_load_right_after_an_async_save_reads_what_that_save_commit
         assert handle.done()
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_array_equal(np.asarray(g), w)
+
+
+def test_saves_of_host_trees_from_several_threads_at_once_all_commit(tmp_path):
+    """orbax keeps process-wide state: four threads each saving host arrays into a directory of its own hung in
+    orbax's blocking_key_value_get, and two failed now and then (FileExistsError on orbax's tmp directory,
+    NOT_FOUND in OCDBT; a probe). One orbax write or read at a time per process: every save commits and loads back."""
+    import threading
+
+    errors = []
+
+    def worker(k):
+        for i in range(5):
+            try:
+                tree = {"w": np.full((16, 4), k + i, np.float32), "b": np.arange(5.0) * k}
+                mpmd.save(str(tmp_path / f"t{k}"), tree)
+                got = mpmd.load(str(tmp_path / f"t{k}"), like=tree)
+                np.testing.assert_array_equal(got["w"], tree["w"])
+            except Exception as e:  # noqa: BLE001 - every failure is reported below
+                errors.append(f"thread {k} save {i}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a save still hangs"
+    assert not errors, errors

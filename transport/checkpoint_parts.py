@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -103,6 +104,12 @@ class CheckpointProblem(Exception):
         return {"file": self.file, "leaf": self.leaf, "why": self.why}
 
 
+# orbax keeps process-wide state (its async writers, its signalling client): saves from several threads of one process
+# at once failed now and then (FileExistsError on its tmp directory, NOT_FOUND in OCDBT) and, four at once, hung in
+# blocking_key_value_get (a probe: controller-side host parts). One orbax write or read at a time per process.
+_ORBAX_CALLS = threading.RLock()
+
+
 def write_part(directory: str, arrays: dict[str, np.ndarray]) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
     """Write host arrays as one orbax-checkpoint directory; each array's {shape, dtype, sha256} (in the order
     given) and every file's {size, sha256}."""
@@ -111,9 +118,10 @@ def write_part(directory: str, arrays: dict[str, np.ndarray]) -> tuple[list[dict
     described = [{"shape": list(a.shape), "dtype": a.dtype.name, "sha256": array_digest(a)} for a in arrays.values()]
     stored = {n: a for n, a in arrays.items() if a.size}  # (orbax refuses a zero-size array: its manifest entry is all of it)
     if stored:
-        ckpt = ocp.StandardCheckpointer()
-        ckpt.save(os.path.abspath(directory), stored)
-        ckpt.wait_until_finished()
+        with _ORBAX_CALLS:
+            ckpt = ocp.StandardCheckpointer()
+            ckpt.save(os.path.abspath(directory), stored)
+            ckpt.wait_until_finished()
     else:
         os.makedirs(directory)
     return described, directory_digests(directory)
@@ -139,12 +147,13 @@ def _orbax_read(directory: str, names: list[str]) -> dict[str, np.ndarray]:
     path = os.path.abspath(directory)
     item = {n: 0 for n in names}
     restore_args = {n: ocp.RestoreArgs(restore_type=np.ndarray) for n in names}
-    try:  # recent orbax reads just the arrays asked for
-        args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
-    except TypeError:
-        got = ocp.StandardCheckpointer().restore(path)
-    else:
-        got = ocp.PyTreeCheckpointer().restore(path, args=args)
+    with _ORBAX_CALLS:
+        try:  # recent orbax reads just the arrays asked for
+            args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+        except TypeError:
+            got = ocp.StandardCheckpointer().restore(path)
+        else:
+            got = ocp.PyTreeCheckpointer().restore(path, args=args)
     missing = [n for n in names if n not in got]
     if missing:
         raise CheckpointProblem(f"orbax found no array {missing[0]!r} there", leaf=missing[0])
