@@ -87,7 +87,7 @@ class InputStager:
         self.shm_failures = 0  # segments /dev/shm had no room for (their steps went inline)
         self._no_room_until: dict[int, float] = {}  # actor -> until when no new segment is tried (/dev/shm was full)
         self._once: dict[int, int] = {}  # actor -> one-shot segments (puts) in flight
-        weakref.finalize(self, _close_all, self._pools)
+        weakref.finalize(self, _close_all, self._pools, os.getpid())
 
     @property
     def mesh(self) -> Any:
@@ -273,7 +273,9 @@ def _close(seg: Segment) -> None:
         pass
 
 
-def _close_all(pools: dict[int, list[Segment]]) -> None:
+def _close_all(pools: dict[int, list[Segment]], pid: int | None = None) -> None:
+    if pid is not None and os.getpid() != pid:  # (a forked child's exit: the segments are its parent's, in use)
+        return
     for pool in pools.values():
         for seg in pool:
             _close(seg)
