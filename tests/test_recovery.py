@@ -935,7 +935,7 @@ def test_snapshots_fetch_each_kept_output_once_and_leave_out_an_aborted_steps_ou
     steps over 4,000). Now one an earlier pending snapshot fetches is taken from it. And a fetch_async cancelled by
     a deadline aborts its step, whose outputs the caller still held: every later snapshot fetched their freed
     buffers and failed, so the log grew for good."""
-    from mpmd.runtime.recovery import RecoveryManager, _failed
+    from mpmd.runtime.recovery import RecoveryManager
 
     fetched, most_pending = {}, [0]
     real = RecoveryManager._fetch
@@ -965,7 +965,7 @@ def test_snapshots_fetch_each_kept_output_once_and_leave_out_an_aborted_steps_ou
         _, _, aborted = await dist.call_async(p, o, batches[0])  # (its state let go: the loop goes on from p, o)
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(mpmd.fetch_async(aborted), timeout=1e-4)
-        assert _failed(aborted), "the deadline came after the step ended: nothing was aborted"
+        assert aborted._step_failed(), "the deadline came after the step ended: nothing was aborted"
         for b in batches[:12]:  # held: `aborted`
             p, o, losses = await dist.call_async(p, o, b)
             await mpmd.ready_async(losses)

@@ -129,6 +129,11 @@ class RemoteArray:
             except Exception:
                 self._raise_step_error()
 
+    def _step_failed(self) -> bool:
+        """Whether the step that makes this array failed or was aborted (its actors freed the buffers it names)."""
+        r = self._ready
+        return r is not None and r.done() and (r.cancelled() or r.exception() is not None)
+
     def _raise_step_error(self) -> None:
         """If the step that makes this array failed, raise its error (once seen, the step's next call does not)."""
         r = self._ready

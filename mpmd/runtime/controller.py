@@ -92,10 +92,13 @@ class EventLoopThread:
         self._thread.start()
         self.pid = os.getpid()  # (a forked child has no such thread: see `check_process`)
 
-    def check_process(self) -> None:
-        """Refuse a call from a process forked off the one that made this loop: its thread is not there, and a
-        request handed to it waited for good (a probe: a DataLoader-style worker that read a RemoteArray hung)."""
+    def check_process(self, coro: Any = None) -> None:
+        """Refuse a call from a process forked off the one that made this loop (closing `coro`, never started): its
+        thread is not there, and a request handed to it waited for good (a probe: a DataLoader-style worker that read
+        a RemoteArray hung)."""
         if os.getpid() != self.pid:
+            if coro is not None:
+                close_unstarted(coro)
             raise MpmdError(f"this RemoteMesh was made by process {self.pid}; a process forked from it ({os.getpid()}) cannot "
                             "use it (its controller thread and connections stay in the parent): make the mesh after the "
                             "fork, send host values to the child, or start it with multiprocessing's 'spawn' method")
@@ -105,9 +108,7 @@ class EventLoopThread:
         if threading.current_thread() is self._thread:
             close_unstarted(coro)
             raise RuntimeError("mpmd's blocking API cannot be called from its own event loop; await the _async twin")
-        if os.getpid() != self.pid:
-            close_unstarted(coro)
-            self.check_process()
+        self.check_process(coro)
         t = time.perf_counter()
         try:
             return result_of(asyncio.run_coroutine_threadsafe(coro, self.loop), timeout)
@@ -119,9 +120,7 @@ class EventLoopThread:
         it. Cancelling the await cancels `coro` where it runs."""
         if asyncio.get_running_loop() is self.loop:
             return await coro
-        if os.getpid() != self.pid:
-            close_unstarted(coro)
-            self.check_process()
+        self.check_process(coro)
         try:
             return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
         except asyncio.CancelledError:
@@ -142,9 +141,7 @@ class EventLoopThread:
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run `coro` on the loop without waiting; a concurrent future of its result."""
-        if os.getpid() != self.pid:
-            close_unstarted(coro)
-            self.check_process()
+        self.check_process(coro)
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def dispatch(self, send: Callable[[], Any], finish: Callable[[Any], Any]) -> concurrent.futures.Future[Any]:

@@ -70,14 +70,6 @@ log = logging.getLogger("mpmd.runtime.mesh")  # recoveries are the mesh's news: 
 Respawn = Callable[[int, float], tuple[Any, ...]]
 
 
-def _failed(x: RemoteArray) -> bool:
-    """Whether the step that made `x` failed or was aborted (a cancelled fetch_async aborts it): its actors freed the
-    buffers `x` still names, so a snapshot that fetched it failed, every one after it too, and the log grew for good
-    (a probe)."""
-    r = x._ready
-    return r is not None and r.done() and (r.cancelled() or r.exception() is not None)
-
-
 @dataclass(frozen=True)
 class Recovery:
     """How a mesh survives a lost actor (`RemoteMesh.local(..., recover=Recovery())`, also `.ray`,
@@ -301,7 +293,9 @@ class RecoveryManager:
         # them once the caller has let them go. Values never change, so each is fetched once and kept while its
         # array lives (`_kept`): a later snapshot takes it from there.
         with self._state:
-            live = [(vid, x) for vid, x in self._live() if vid not in arrays and x.buffers and not _failed(x)]
+            # (not an array whose step failed or was aborted: a cancelled fetch_async aborts it and its actors free the
+            # buffers it still names; a snapshot fetching one failed, every one after it too, and the log grew; a probe)
+            live = [(vid, x) for vid, x in self._live() if vid not in arrays and x.buffers and not x._step_failed()]
             # (one an earlier snapshot still fetches is taken from it once it completes: a loop running ahead had 47
             # pending at once, each fetching the same kept losses again, 16-24 times each; a probe: +217 MB, steps 3x
             # slower over 4,000 kept losses)
