@@ -174,6 +174,18 @@ def _static_argnums(fn: Callable[..., Any], argnums: Any, argnames: Any, what: s
                 raise PipelineError(f"{what}_argnames names {name!r}, which is not a parameter of "
                                     f"{getattr(fn, '__name__', 'the step')} (its parameters: {params})")
             nums.add(params.index(name))
+    try:
+        sig = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # (no signature to read: the positions are checked against each call's arguments)
+        sig = None
+    if sig is not None and not any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in sig):
+        positional, kwonly = _parameters(fn)
+        count = len(positional) + len(kwonly)
+        wrong = sorted(i for i in nums if not -count <= i < count)
+        if wrong:  # (as jax.jit: a position the step does not have would silently mark nothing)
+            raise PipelineError(f"{what}_argnums={sorted(nums)}: {getattr(fn, '__name__', 'the step')} takes {count} "
+                                f"argument{'s' * (count != 1)} ({', '.join(positional + kwonly) or 'none'}), so position"
+                                f"{'s' * (len(wrong) != 1)} {wrong} name{'s' * (len(wrong) == 1)} none of them; count from 0")
     return frozenset(nums)
 
 

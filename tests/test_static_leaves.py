@@ -158,6 +158,14 @@ def test_static_argnums_and_argnames_steer_python_control_flow_like_jax_jit(mesh
 def test_unhashable_static_arguments_and_unknown_names_are_refused_naming_them(mesh2):
     with pytest.raises(mpmd.PipelineError, match="static_argnames names 'training'.*its parameters"):
         mpmd.distributed(_scaled_step, mesh=mesh2, static_argnames="training")
+    # a position the step does not have is refused as jax.jit refuses it (else it would silently mark nothing)
+    with pytest.raises(ValueError, match=r"only accepts 5 positional"):
+        jax.jit(_scaled_step, static_argnums=7)
+    for nums in (7, (4, -6)):
+        with pytest.raises(mpmd.PipelineError, match=r"static_argnums=.*_scaled_step takes 5 arguments.*names none"):
+            mpmd.distributed(_scaled_step, mesh=mesh2, static_argnums=nums)
+    with pytest.raises(mpmd.PipelineError, match=r"donate_argnums=\[5\]"):
+        mpmd.distributed(_scaled_step, mesh=mesh2, donate_argnums=5)
     rng = np.random.default_rng(4)
     params, batch = mlp2(rng), batch_of(rng)
     dist = mpmd.distributed(_scaled_step, mesh=mesh2, static_argnums=(3, 4))
