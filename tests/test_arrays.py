@@ -178,3 +178,27 @@ def test_jax_array_methods_on_a_remote_array_say_to_fetch_it_first_and_the_proto
     np.testing.assert_array_equal(np.asarray(x), np.arange(6, dtype=np.float32).reshape(2, 3))
     assert copy.copy(x) is x
     np.testing.assert_array_equal(jax.device_get(x), np.arange(6, dtype=np.float32).reshape(2, 3))
+
+
+def test_an_output_of_a_cancelled_step_says_so_instead_of_raising_cancelled_error(mesh2):
+    """The future a RemoteArray waits on can end cancelled (its dispatch's task cancelled on the loop): reading
+    the array raised the bare `CancelledError` that `Future.exception()` raises for a cancelled future — which
+    reads as the caller's own cancellation. It says the step was cancelled. (The cancelled step is stood in for by
+    a cancelled future on a real step's output: no public call leaves an output of a cancelled step to read.)"""
+    import concurrent.futures
+
+    def step(w, batch):
+        def mb(b):
+            value, g = jax.value_and_grad(lambda w: jnp.sum(mpmd.pipeline_yield(jnp.tanh(b @ w[0])) @ w[1]))(w)
+            return g, value
+        return mpmd.accumulate_grads(mb, batch, schedule=mpmd.GPipe(2))
+
+    w = [np.full((4, 4), 0.25, np.float32), np.ones((4, 2), np.float32)]
+    g, _ = mpmd.distributed(step, mesh=mesh2)(w, np.ones((2, 2, 4), np.float32))
+    g[0]._ready.result(timeout=60)
+    cancelled = concurrent.futures.Future()
+    assert cancelled.cancel()
+    g[0]._ready = cancelled
+    with pytest.raises(mpmd.MpmdError, match="step that was cancelled"):
+        np.asarray(g[0])
+    np.testing.assert_allclose(np.asarray(g[1]), np.asarray(jax.jit(step)(w, np.ones((2, 2, 4), np.float32))[0][1]), rtol=1e-6)

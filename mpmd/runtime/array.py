@@ -137,6 +137,9 @@ class RemoteArray:
     def _raise_step_error(self) -> None:
         """If the step that makes this array failed, raise its error (once seen, the step's next call does not)."""
         r = self._ready
+        if r is not None and r.done() and r.cancelled():  # (exception() of a cancelled future raises CancelledError)
+            raise MpmdError(f"{self!r} is the output of a step that was cancelled before it ended; its data never came "
+                            "(call the step again)")
         if r is not None and r.done() and r.exception() is not None:
             r.seen = True
             raise r.exception()
