@@ -16,7 +16,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,6 +118,11 @@ def _spec(x: Any, path: str) -> jax.ShapeDtypeStruct:
     # made from one; numpy values are not.
     weak = (type(x) in (int, float, complex)) or bool(getattr(x, "weak_type", False) and isinstance(x, jax.Array))
     given = type(x).__name__
+    if isinstance(x, Iterator) and not hasattr(x, "__array__"):
+        # (np.asarray made it a 0-d object array and the hint said dtype=object: a generator is no array to convert)
+        raise PipelineError(f"argument {path} is a {given}, which is not a valid JAX type: a distributed step takes arrays "
+                            "(and pytrees of them), not iterators; take the step's values from it first, e.g. "
+                            "np.stack(list(it)) for a batch of [microbatches, ...], or next(it) for one")
     try:
         x = host_value(x)
         if x.dtype == np.dtype(object):  # (canonicalize_dtype lets it through; jax.jit refuses it)
