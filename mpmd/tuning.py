@@ -229,7 +229,8 @@ class TuneResult:
         return out
 
     def calibrate(self, steps: int = 3, warmup: int = 3, rounds: int = 3, top: int = 3) -> float:
-        """Run the `top` predicted candidates for real and scale every prediction by the median of their
+        """Run `top` candidates for real (`calibration_candidates`: the predicted winner, the best of other
+        microbatch counts predicted near it, the next best) and scale every prediction by the median of their
         measured / simulated (a uniform factor: it keeps the ranking and fixes what the simulator misses
         everywhere alike, e.g. compute slowed by the runtime's own threads on the same cores; the median of a
         few, because one candidate's run moves 10-30 % on a busy machine). The fastest of them measured becomes
@@ -237,7 +238,7 @@ class TuneResult:
         _check_counts("TuneResult.calibrate", steps=(steps, 1), warmup=(warmup, 0), rounds=(rounds, 1), top=(top, 1))
         if not self.feasible:
             return self.calibration
-        refs = self.feasible[:max(1, top)]
+        refs = self.calibration_candidates(top)
         if not any(r.predicted for r in refs):
             raise MpmdError(f"TuneResult.calibrate: the top {len(refs)} candidates are predicted to take 0 s per step (the "
                             "costs give their tasks no time), so no measured / predicted factor exists; tune with measured "
@@ -255,6 +256,28 @@ class TuneResult:
                 c.predicted = c.predicted / self.calibration * factor
         self.calibration = factor
         return factor
+
+    def calibration_candidates(self, top: int = 3) -> list[Candidate]:
+        """The `top` candidates `calibrate` runs, in predicted order: the predicted winner; then the best predicted of
+        each other microbatch count among those predicted within `SPREAD` of it; then the next best predicted. When
+        the top few share one count (they often do: a schedule's variants are a few % apart), an error of the
+        simulator that grows or shrinks with the count — the compute of a smaller microbatch, the runtime's cost per
+        task — went unmeasured, and the winner was chosen among candidates the error moved alike (GPT, 2026-12-05:
+        the top three all at m=2, predicted 169-172 ms; m=4 measured 128 against their 137-160)."""
+        feasible = self.feasible
+        if not feasible:
+            return []
+        picked, counts = [feasible[0]], {feasible[0].num_microbatches}
+        near = [c for c in feasible[1:] if c.predicted is None or feasible[0].predicted is None
+                or c.predicted <= SPREAD * feasible[0].predicted]
+        for c in near:
+            if len(picked) < top and c.num_microbatches not in counts:
+                picked.append(c)
+                counts.add(c.num_microbatches)
+        chosen = {id(c) for c in picked}
+        picked += [c for c in feasible[1:] if id(c) not in chosen][:max(0, top - len(picked))]
+        order = {id(c): i for i, c in enumerate(feasible)}
+        return sorted(picked, key=lambda c: order[id(c)])
 
     def _args_for(self, c: Candidate) -> tuple[Any, ...]:
         args = list(self.args)
@@ -425,7 +448,8 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
     A candidate whose fastest grouping is over `memory_limit` takes the fastest of the next GROUPINGS_TRIED that fits.
     `remat=True`: a candidate still over `memory_limit` is also tried with remat of the cheapest set of stages of the
     actors over it that fits (else all their stages)
-    (a row of its own: "... remat 0,2"). `calibrate` (default: when the costs are measured): run the top three for real once and scale every
+    (a row of its own: "... remat 0,2"). `calibrate` (default: when the costs are measured): run three near the top for real once (the winner and the
+    best of other microbatch counts predicted near it: `TuneResult.calibration_candidates`) and scale every
     prediction by the median of their measured / simulated (`TuneResult.calibrate`). `batch_argnum`: the
     position of the batch tune re-splits (default: the one argument, not static, whose leaves all lead with
     the step's microbatch count, then its rows), counted in `args` followed by the step's keyword-only
@@ -596,6 +620,9 @@ def _reason(message: str, limit: int = 800) -> str:
         return line
     cut = line.rfind(" ", 0, limit)
     return line[:cut if cut > limit // 2 else limit].rstrip(" ,;:(") + " ..."
+
+
+SPREAD = 1.3  # calibrate measures other microbatch counts' best when predicted within this factor of the winner
 
 
 def _check_counts(where: str, **counts: Any) -> None:
