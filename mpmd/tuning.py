@@ -39,7 +39,6 @@ from __future__ import annotations
 import inspect
 import logging
 import statistics
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -336,35 +335,23 @@ def why_not_resplit(batch: Any) -> str:
 def measure_interleaved(runs: Sequence[tuple[DistributedFunction, tuple[Any, ...]]], batch_argnum: int, steps: int,
                         warmup: int, rounds: int) -> list[float]:
     """Seconds per step of each (step, args), threading state when a step returns its non-batch arguments
-    first (params, opt_state, ... -> params, opt_state, ..., aux): the median of the `rounds` x `steps` steps'
-    own times (`_timed_round`), taken round by round: in each round every step in turn runs from its
+    first (params, opt_state, ... -> params, opt_state, ..., aux): the median of `rounds` rounds of `steps`,
+    taken round by round: in each round every step in turn runs from its
     own `args` (the first round after `warmup` steps, later ones after one untimed step that puts the state on
     the actors again), so only one step's state is held at a time and a slow spell is shared out."""
     times: list[list[float]] = [[] for _ in runs]
     for r in range(rounds):
         for (step, args), out in zip(runs, times):
-            out.extend(_timed_round(step, args, batch_argnum, steps, warmup if r == 0 else min(warmup, 1)))
+            out.append(_timed_round(step, args, batch_argnum, steps, warmup if r == 0 else min(warmup, 1)))
     return [statistics.median(t) for t in times]
 
 
-def _timed_round(step: DistributedFunction, args: tuple[Any, ...], batch_argnum: int, steps: int, warmup: int) -> list[float]:
-    """The seconds of each of `steps` steps dispatched back to back (after `warmup` untimed ones), read from the
-    steps' own completions: the first from the timer's start to its outputs being ready, each next one from the
-    step before it being ready to its own. A slow spell of a shared machine (2x for a few hundred ms is common here)
-    then lengthens the steps it hits, not the round's mean (one such spell moved identical candidates 1.5-2x
-    apart). Steps whose outputs hold no array being computed (nothing to watch) each get the round's mean."""
+def _timed_round(step: DistributedFunction, args: tuple[Any, ...], batch_argnum: int, steps: int, warmup: int) -> float:
     from mpmd.runtime.array import wait_ready
 
     args = list(args)
     batch_at = (batch_argnum if batch_argnum is not None else -1) % len(args)
     state_at = [i for i in range(len(args)) if i != batch_at]
-    stamps: list[float] = []
-    all_done = threading.Event()
-
-    def stamp(_: Any) -> None:  # (on the controller's loop thread, as the step's outputs become ready)
-        stamps.append(time.perf_counter())
-        if len(stamps) == steps:
-            all_done.set()
 
     def call() -> Any:
         out = step.call_bound(tuple(args))
@@ -379,21 +366,11 @@ def _timed_round(step: DistributedFunction, args: tuple[Any, ...], batch_argnum:
         wait_ready(call())
     if not warmup:  # (the first call of a step not yet compiled for these arguments would time its compile)
         step.compile_bound(tuple(args))
-    watched = 0
     t = time.perf_counter()
     for _ in range(steps):
         out = call()
-        ready = next((x._ready for x in jax.tree.leaves(out, is_leaf=_remote) if _remote(x) and x._ready is not None), None)
-        if ready is not None:  # (a step's outputs are all ready together: one of them tells)
-            watched += 1
-            ready.add_done_callback(stamp)
     wait_ready(out)
-    end = time.perf_counter()
-    # (the last completion's callback may run just after wait_ready returns: a future wakes its waiters first)
-    if watched == steps and all_done.wait(timeout=5):
-        done = sorted(stamps)
-        return [b - a for a, b in zip([t, *done], done)]
-    return [(end - t) / steps] * steps
+    return (time.perf_counter() - t) / steps
 
 
 def _remote(x: Any) -> bool:

@@ -68,8 +68,8 @@ def test_calibrate_takes_its_factor_from_the_candidates_predicted_above_zero(mon
     assert len(top) == 3
     before = [c.predicted for c in top]
     monkeypatch.setattr(tuning.DistributedFunction, "with_schedule", lambda self, s: type("S", (), {"schedule": s})())
-    monkeypatch.setattr(tuning, "_timed_round", lambda step, *a: [next(
-        2.0 * b if b else 1.0 for c, b in zip(top, before) if c.schedule is step.schedule)])
+    monkeypatch.setattr(tuning, "_timed_round", lambda step, *a: next(
+        2.0 * b if b else 1.0 for c, b in zip(top, before) if c.schedule is step.schedule))
     top[1].predicted = 0.0  # (e.g. a candidate whose tasks the costs give no time)
     assert r.calibrate(rounds=1) == pytest.approx(2.0)  # the median of the other two ratios, 2 and 2
     assert [c.predicted for c in top] == pytest.approx([2 * before[0], 0.0, 2 * before[2]])

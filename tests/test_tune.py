@@ -144,7 +144,7 @@ def test_calibration_scales_by_the_median_ratio_of_the_top_candidates(monkeypatc
 
     def timed_round(step, args, batch_argnum, steps, warmup):
         calls.append((step.schedule, warmup))
-        return [next(before[id(c)] * slow[c.schedule] for c in top if step.schedule is c.schedule)]
+        return next(before[id(c)] * slow[c.schedule] for c in top if step.schedule is c.schedule)
 
     monkeypatch.setattr(tuning, "_timed_round", timed_round)
     monkeypatch.setattr(tuning.DistributedFunction, "with_schedule", lambda self, s: type("S", (), {"schedule": s})())
@@ -160,7 +160,7 @@ def test_calibration_scales_by_the_median_ratio_of_the_top_candidates(monkeypatc
     assert f"{top[0].measured * 1e3:9.2f}  {top[0].measured / top[0].predicted:5.2f}" in r.table()
     # verify measures them again; the machine now runs everything 1.2x as long, and verify says so (`drift`)
     # while each candidate's measured/predicted moves by that much, predictions untouched.
-    monkeypatch.setattr(tuning, "_timed_round", lambda step, *a: [1.2 * t for t in timed_round(step, *a)])
+    monkeypatch.setattr(tuning, "_timed_round", lambda step, *a: 1.2 * timed_round(step, *a))
     scaled = {id(c): c.predicted for c in r.feasible}
     verified = r.verify(3)
     assert r.drift == pytest.approx(1.2) and verified[0] is fastest
@@ -204,7 +204,7 @@ def test_verify_makes_the_fastest_candidate_it_measured_the_winner(monkeypatch, 
     r = tuned(microbatches=[2, 4])
     top = r.feasible[:3]
     times = dict(zip((c.schedule for c in top), (3.0, 1.0, 2.0)))  # the predicted winner measures slowest
-    monkeypatch.setattr(tuning, "_timed_round", lambda step, *a: [times[step.schedule]])
+    monkeypatch.setattr(tuning, "_timed_round", lambda step, *a: times[step.schedule])
     monkeypatch.setattr(tuning.DistributedFunction, "with_schedule", lambda self, s: type("S", (), {"schedule": s})())
     assert r.best is top[0]
     verified = r.verify(3)
@@ -410,48 +410,6 @@ def test_a_timed_round_without_warmup_compiles_before_its_timer_starts(monkeypat
     events.clear()
     tuning._timed_round(Step(), (1, 2), None, 1, 1)
     assert events == ["call", "timer", "call", "timer"]
-
-
-def test_a_timed_round_times_each_step_so_a_slow_spell_moves_the_median_not_the_measurement(monkeypatch):
-    """A round's mean put one slow spell of the shared machine on the whole round: identical candidates measured
-    1.5-2x apart (benchmarks/tune.py, 2026-12-05). Each step is timed from its own completion (the step's
-    outputs' readiness), and a candidate's time is the median over its steps. A clock stands in for the machine:
-    each call of the stand-in step takes its listed seconds, and its outputs (an array named RemoteArray, as
-    the runtime's) are ready when it returns."""
-    import concurrent.futures
-
-    import mpmd.tuning as tuning
-
-    clock = [0.0]
-    monkeypatch.setattr(tuning.time, "perf_counter", lambda: clock[0])
-
-    class RemoteArray:
-        def __init__(self):
-            self._ready = concurrent.futures.Future()
-            self._ready.set_result(None)
-
-    class Step:
-        def __init__(self, durations):
-            self.durations = iter(durations)
-
-        def call_bound(self, args):
-            clock[0] += next(self.durations)
-            return RemoteArray()
-
-    # one slow step among three: its own time, the others theirs (a round's mean would give all three 0.4)
-    assert tuning._timed_round(Step([0.01, 0.1, 1.0, 0.1]), (1, 2), None, 3, 1) == pytest.approx([0.1, 1.0, 0.1])
-    # two rounds of three after one warmup step each: the median of the six steps' times
-    step = Step([0.5, 0.1, 1.0, 0.1, 0.5, 0.1, 0.1, 0.12])
-    assert tuning.measure_interleaved([(step, (1, 2))], None, 3, 1, 2) == [pytest.approx(0.1)]
-
-    class Host(Step):  # outputs with nothing being computed to watch: every step gets the round's mean
-        def call_bound(self, args):
-            clock[0] += next(self.durations)
-            return ()
-
-    host = Host([0.1, 0.2, 0.4])
-    host.compile_bound = lambda args: None
-    assert tuning._timed_round(host, (1, 2), None, 3, 0) == pytest.approx([0.7 / 3] * 3)
 
 
 def test_a_memory_limit_under_one_byte_is_refused_not_rounded_to_zero():
