@@ -9,7 +9,7 @@ measured step times, measured/predicted per candidate (target 0.9-1.1), and the 
 time over the best measured time (target <= 1.10). The winner is fixed before that exhaustive measurement:
 the fastest of the top three predicted that tune measured while tuning (`TuneResult.calibrate`).
 
-    python -m benchmarks.tune [--models gpt,mlp] [--microbatches 2,4,8] [--steps 3] [--rounds 2] [--actors 2]
+    python -m benchmarks.tune [--models gpt,mlp] [--microbatches 2,4,8] [--steps 3] [--rounds 3] [--actors 2]
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def main() -> None:
     p.add_argument("--models", default="gpt,mlp")
     p.add_argument("--microbatches", default="2,4,8")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds per candidate; the median counts (odd: one slow round is outvoted)")
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--actors", type=int, default=2, help="local actors (pinned one per core when there are enough cores)")
     args = p.parse_args()

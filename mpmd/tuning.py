@@ -195,9 +195,10 @@ class TuneResult:
     def __str__(self) -> str:
         return self.table()
 
-    def verify(self, k: int = 3, steps: int = 3, warmup: int = 2, rounds: int = 1) -> list[Candidate]:
+    def verify(self, k: int = 3, steps: int = 3, warmup: int = 2, rounds: int = 3) -> list[Candidate]:
         """Run the winner and the next best predicted, `k` candidates in all, for real (`warmup` steps, then
-        `rounds` x `steps` timed ones; the median round counts), print predicted and measured step times side
+        `rounds` x `steps` timed ones; the median round counts: with three, one slow spell of a shared machine —
+        2x for a few hundred ms is common here — decides no candidate's time), print predicted and measured step times side
         by side and return those candidates (the winner first). The fastest of them measured becomes the
         winner (`best`, `step`), as in `calibrate`: the measurement decides among the candidates it measured.
         Rounds are interleaved (candidate 1, 2, ..., k, then again), so a slow spell of a shared machine

@@ -80,7 +80,7 @@ def test_tune_with_measured_costs_gives_a_winner_equal_to_jax_jit_and_verify_mea
     assert raw == sorted(raw)  # the ranking is the simulator's
     again = r.calibrate(steps=1, warmup=0, rounds=1)
     assert again == r.calibration and [c.predicted / again for c in r.feasible] == pytest.approx(raw)
-    verified = r.verify(1, steps=2, warmup=1)
+    verified = r.verify(1, steps=2, warmup=1, rounds=1)
     assert verified[0] is r.best and verified[0].measured > 0
     assert "measured" in capsys.readouterr().out
     mb = r.reshape_batch(batch)
