@@ -838,12 +838,15 @@ class DistributedFunction:
         self._donate(args, out)
         return out
 
-    def _donate(self, args: tuple[Any, ...], out: Any) -> None:
+    def _donate(self, args: tuple[Any, ...], out: Any, done: Any = None) -> list[RemoteArray]:
         """As jax.jit's donate_argnums: the RemoteArrays of the donated arguments are deleted once the step is
         dispatched (their buffers freed behind it, as when the last reference goes); using one again raises.
-        One the step returns as it is stays (jax.jit hands the donated buffer to that output)."""
+        One the step returns as it is stays (jax.jit hands the donated buffer to that output). Returns the arrays
+        deleted; when there are some, the step's `done` future says so (`donating`): a cancelled await of its
+        outputs does not abort it (`mpmd.runtime.aio.abort_unfinished`), its outputs being the state's only copy."""
         if not self.donate_argnums:
-            return
+            return []
+        gone = []
         n = len(args)
         donated = [args[i % n] for i in sorted(self.donate_argnums) if -n <= i < n and (i % n) not in self.static_argnums]
         kept = {id(x) for x in jax.tree.leaves(out, is_leaf=_is_remote) if isinstance(x, RemoteArray)}
@@ -852,6 +855,14 @@ class DistributedFunction:
                 buffers, x.buffers = x.buffers, {}
                 x.donated_to = getattr(self.fn, "__name__", "a step")
                 self.mesh.release_buffers(buffers)
+                gone.append(x)
+        if gone and done is None:  # (the step's done future: that of an output it made, not one it passed through)
+            given = {id(x) for x in jax.tree.leaves(args, is_leaf=_is_remote)}
+            done = next((x._ready for x in jax.tree.leaves(out, is_leaf=_is_remote)
+                         if isinstance(x, RemoteArray) and id(x) not in given and x._ready is not None), None)
+        if gone and done is not None:
+            done.donating = True
+        return gone
 
     def call_bound(self, args: tuple[Any, ...]) -> Any:
         """`__call__` of arguments already bound to the one tuple a compiled step takes (`bind`): what the
@@ -998,10 +1009,15 @@ class DistributedFunction:
             outs, done = self._dispatch(compiled, sig, leaves, may_wait=False)  # (this is the caller's loop)
         finally:
             self._let_go(compiled)
-        self._donate(args, outs)
+        donated = self._donate(args, outs, done)
         try:
             await self.mesh.arun(asyncio.sleep(0))  # queued behind the dispatch: its requests have left when this runs
         except asyncio.CancelledError:
+            for x in donated:  # (their state went into outputs the caller never got: say so when they are read)
+                x.donated_to += (" (its call_async was cancelled after the step was dispatched, so its outputs never "
+                                 "reached the caller and the step was aborted: the state this array held is gone; "
+                                 "restore it from a checkpoint. A timeout belongs on the awaits of a donating step's "
+                                 "outputs, which do not abort it, not on its call_async)")
             await watch(done.mpmd_abort())
             raise
         return outs

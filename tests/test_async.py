@@ -305,6 +305,39 @@ async def test_a_timeout_in_one_task_leaves_the_step_to_another_task_awaiting_it
     assert_trees_close(await mpmd.fetch_async(outs[2]), want[2])  # (the monitor's losses are there too)
 
 
+async def test_a_timeout_on_a_donating_steps_output_leaves_the_step_running_and_a_cancelled_call_says_the_state_is_gone(slow_mesh):
+    """With donate_argnums, a timeout around fetching the loss aborted the step: the new parameters raised "was
+    cancelled" and the old ones "was donated ... use those" — a timeout on a loss took the whole training state.
+    A step that was donated its inputs now runs on when an await of its outputs is cancelled (its outputs are the
+    state's only copy). A call_async cancelled after its dispatch still aborts the step (the caller never got its
+    outputs); the donated arrays then say so instead of pointing at outputs that do not exist. Found by a probe."""
+    mesh, _, reference, (p, o), (params, opt_state, batch) = slow_mesh
+    step = mpmd.distributed(_slow_training()[0], mesh=mesh, donate_argnums=(0, 1))
+    p0, o0, _ = await dist_call(step, *mpmd.fetch((p, o)), batch)  # (compiled, and arrays of its own to donate)
+    p1, o1, losses = await step.call_async(p0, o0, batch)
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(1e-6):
+            await mpmd.fetch_async(losses)
+    rp, ro, _ = reference(params, opt_state, batch)
+    rp, ro, _ = reference(rp, ro, batch)
+    want = reference(rp, ro, batch)
+    assert_trees_close(await mpmd.fetch_async((p1, o1, losses)), want)  # the step ran on: nothing was lost
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(1e-6):  # (the call returns once dispatched: cancelled after it, as a timeout is)
+            await step.call_async(p1, o1, batch)
+    assert all(x.is_deleted for x in p1)
+    with pytest.raises(mpmd.MpmdError, match=r"donated to step .*its call_async was cancelled after the step was "
+                                             r"dispatched.*the state this array held is gone"):
+        await mpmd.fetch_async(p1[0])
+    assert [(await mesh.actor(a).stats_async())["running"] for a in (0, 1)] == [0, 0]
+
+
+async def dist_call(step, *args):
+    outs = await step.call_async(*args)
+    await mpmd.ready_async(outs)
+    return outs
+
+
 async def test_steps_chained_after_a_failed_one_name_the_first_failure_once(slow_mesh):
     """Each step after a failed one quoted the error of the one before it, which quoted its own: after ~1,700
     steps of a loop that only dispatched, one message was 250 KB (found by the soak benchmark)."""

@@ -147,11 +147,14 @@ def awaiting(arrays: list[RemoteArray]) -> Iterator[None]:
 async def abort_unfinished(arrays: list[RemoteArray]) -> None:
     """Abort every step that makes one of `arrays`, has not ended and that no other await waits for (this
     await of them, inside `awaiting`, was cancelled), and wait until the actors have let go of it. Steps that
-    ended, or that another task still awaits, stay as they are."""
+    ended, that another task still awaits, or that were donated their inputs (`donating`), stay as they are."""
     aborts = {}
     for x in arrays:
         r = x._ready
-        if r is not None and not r.done() and hasattr(r, "mpmd_abort") and getattr(r, "mpmd_waiters", 0) <= 1:
+        # (a step that was donated its inputs runs on: its outputs are now the only copy of that state, and the
+        # caller holds them — a timeout on fetching a loss took the parameters and the optimizer state with it)
+        if (r is not None and not r.done() and hasattr(r, "mpmd_abort") and getattr(r, "mpmd_waiters", 0) <= 1
+                and not getattr(r, "donating", False)):
             aborts[id(r)] = r.mpmd_abort
     if aborts:
         await asyncio.gather(*(watch(abort()) for abort in aborts.values()), return_exceptions=True)
