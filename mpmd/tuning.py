@@ -399,8 +399,16 @@ def _with_balance(schedule: Schedule, grouping: tuple[int, ...], remat: tuple[in
 
 
 def _size(nbytes: float) -> str:
-    return (f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.1f} KiB" if nbytes >= 1024
-            else f"{int(nbytes)} byte{'s' * (int(nbytes) != 1)}")
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} byte{'s' * (int(nbytes) != 1)}"
+
+
+def _sizes(a: float, b: float) -> tuple[str, str]:
+    """`_size` of both, with their exact bytes when the two read the same ("4.6 MiB > 4.6 MiB" said nothing)."""
+    x, y = _size(a), _size(b)
+    return (f"{x} ({int(a)} bytes)", f"{y} ({int(b)} bytes)") if x == y else (x, y)
 
 
 FLOOR = "no grouping can fit"  # said of a candidate whose step arguments alone are over memory_limit on every actor
@@ -723,7 +731,8 @@ def _record(c: Candidate, sim: Any, memory_limit: int | None) -> set[int]:
     over = {a for a, b in enumerate(c.peak_bytes) if memory_limit is not None and b > memory_limit}
     if over:
         a = max(over, key=lambda x: c.peak_bytes[x])
-        c.rejected = f"peak {_size(c.peak_bytes[a])} on actor {a} > memory_limit {_size(memory_limit)}"
+        peak, limit = _sizes(c.peak_bytes[a], memory_limit)
+        c.rejected = f"peak {peak} on actor {a} > memory_limit {limit}"
     return over
 
 

@@ -57,6 +57,12 @@ def test_tune_respects_the_memory_limit_and_says_why_gpipe_was_rejected():
     assert gpipe.rejected.startswith(f"peak {peak['GPipe'] / 1024:.1f} KiB") and "> memory_limit" in gpipe.rejected  # KiB below 1 MiB
     assert type(r.best.schedule).__name__ == "OneFOneB" and gpipe not in r.feasible
     assert "memory_limit" in str(r)
+    # one byte under the peak: both sizes read alike, so the exact bytes say why ("4.6 MiB > 4.6 MiB", a probe)
+    r = tuned(microbatches=[8], schedules=["GPipe"], memory_limit=peak["GPipe"] - 1)
+    assert r.candidates[0].rejected.startswith(
+        f"peak {peak['GPipe'] / 1024:.1f} KiB ({peak['GPipe']} bytes) on actor {r.candidates[0].peak_bytes.index(peak['GPipe'])} "
+        f"> memory_limit {(peak['GPipe'] - 1) / 1024:.1f} KiB ({peak['GPipe'] - 1} bytes)")
+    assert "memory limit 1.0 GiB;" in tuned(microbatches=[8], schedules=["GPipe"], memory_limit=2**30).table()  # (not 1024.0 MiB)
 
 
 def test_resplit_keeps_every_row():
