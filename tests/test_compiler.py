@@ -217,8 +217,16 @@ def test_error_when_a_marker_is_outside_accumulate_grads():
         params = mpmd.pipeline_yield(params)
         return inner(params, opt_state, batch)
 
-    with pytest.raises(mpmd.PipelineError, match="pipeline_yield is used before accumulate_grads"):
+    with pytest.raises(mpmd.PipelineError, match="pipeline_yield is used before accumulate_grads.*call it inside that function"):
         _plan(step, _args(2), 2)
+
+    def evaluated_after(params, opt_state, batch):  # (a loss on the updated parameters: said what to write instead)
+        new_params, new_state, losses = inner(params, opt_state, batch)
+        return new_params, new_state, models.mse_loss(models.mlp)(new_params, jax.tree.map(lambda a: a[0], batch))
+
+    with pytest.raises(mpmd.PipelineError, match=r"pipeline_yield is used after accumulate_grads.*a step of its own.*"
+                                                 r"accumulate_grads\(lambda mb: \(\(\), loss\(params, mb\)\)"):
+        _plan(evaluated_after, _args(2), 2)
 
 
 def test_error_when_accumulate_grads_has_no_schedule_inside_distributed():

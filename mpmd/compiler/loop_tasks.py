@@ -88,8 +88,13 @@ def find_step_loop(outer: ClosedJaxpr) -> StepLoop:
     stray = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "pipeline_yield"]
     if stray:
         where = "before" if stray[0] < li else "after"
+        instead = ("; to evaluate the model on the updated parameters (a loss after the update), do it in a step of its "
+                   "own on the same mesh: mpmd.accumulate_grads(lambda mb: ((), loss(params, mb)), batch, schedule=...) "
+                   "pipelines forward tasks only, and the parameters stay on the actors between the two steps"
+                   if where == "after" else
+                   "; to run a model with markers on the inputs first, call it inside that function (on each microbatch)")
         raise PipelineError(f"pipeline_yield is used {where} accumulate_grads; stage markers belong inside the "
-                            "microbatch function passed to accumulate_grads")
+                            f"microbatch function passed to accumulate_grads{instead}")
     p = jaxpr.eqns[li].params
     if contains_primitive(p["body"].jaxpr, accumulate_p):
         raise PipelineError("accumulate_grads is called inside the function given to accumulate_grads; a step has one "
