@@ -1013,11 +1013,8 @@ class DistributedFunction:
         try:
             await self.mesh.arun(asyncio.sleep(0))  # queued behind the dispatch: its requests have left when this runs
         except asyncio.CancelledError:
-            for x in donated:  # (their state went into outputs the caller never got: say so when they are read)
-                x.donated_to += (" (its call_async was cancelled after the step was dispatched, so its outputs never "
-                                 "reached the caller and the step was aborted: the state this array held is gone; "
-                                 "restore it from a checkpoint. A timeout belongs on the awaits of a donating step's "
-                                 "outputs, which do not abort it, not on its call_async)")
+            for x in donated:  # (their state went into outputs the caller never got: said when they are read)
+                x.donation_lost = True
             await watch(done.mpmd_abort())
             raise
         return outs

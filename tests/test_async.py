@@ -326,8 +326,8 @@ async def test_a_timeout_on_a_donating_steps_output_leaves_the_step_running_and_
         async with asyncio.timeout(1e-6):  # (the call returns once dispatched: cancelled after it, as a timeout is)
             await step.call_async(p1, o1, batch)
     assert all(x.is_deleted for x in p1)
-    with pytest.raises(mpmd.MpmdError, match=r"donated to step .*its call_async was cancelled after the step was "
-                                             r"dispatched.*the state this array held is gone"):
+    with pytest.raises(mpmd.MpmdError, match=r"donated to step \(donate_argnums\), whose call_async was cancelled after the "
+                                             r"step was dispatched.*the state this array held is gone"):
         await mpmd.fetch_async(p1[0])
     assert [(await mesh.actor(a).stats_async())["running"] for a in (0, 1)] == [0, 0]
 

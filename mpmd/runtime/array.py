@@ -44,7 +44,7 @@ class RemoteArray:
     buffers (batched, asynchronously); `delete()` frees them now.
     """
 
-    __slots__ = ("__weakref__", "_host", "_ready", "_vid", "buffers", "copied", "donated_to", "dtype", "mesh", "shape", "sharding",
+    __slots__ = ("__weakref__", "_host", "_ready", "_vid", "buffers", "copied", "donated_to", "donation_lost", "dtype", "mesh", "shape", "sharding",
                  "weak_type")
 
     def __init__(self, mesh: BufferOwner, buffers: dict[int, int], shape: tuple[int, ...], dtype: Any, sharding: Any = None,
@@ -58,6 +58,7 @@ class RemoteArray:
         self._ready = ready  # the dispatch of the step that makes it (None: made already)
         self._vid = 0  # its value id in the mesh's recovery log (mpmd.runtime.recovery; 0: none yet)
         self.donated_to: str | None = None  # the step it was donated to (donate_argnums), once it was
+        self.donation_lost = False  # that step's call_async was cancelled after its dispatch: its outputs never came
         # Weakly typed, as jax.jit's output of `lr * 0.99` for a Python-float lr is: passed back to a step it
         # stays weak, so `w - lr * g` keeps a bf16 `w` bf16 (jax's type promotion).
         self.weak_type = bool(weak_type)
@@ -91,6 +92,11 @@ class RemoteArray:
 
     def deleted_why(self) -> str:
         """What happened to a deleted array, said to whoever reads it."""
+        if self.donated_to is not None and self.donation_lost:
+            return (f"{self!r} was donated to {self.donated_to} (donate_argnums), whose call_async was cancelled after the "
+                    "step was dispatched: the step was aborted and its outputs never reached the caller, so the state this "
+                    "array held is gone (restore it from a checkpoint). A timeout belongs on the awaits of a donating "
+                    "step's outputs (fetch_async, ready_async: they do not abort it), not on its call_async")
         if self.donated_to is not None:
             return (f"{self!r} was donated to {self.donated_to} (donate_argnums): its buffer went to that step's outputs; "
                     "use those, or leave it out of donate_argnums")
