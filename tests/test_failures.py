@@ -261,6 +261,37 @@ def test_a_restarted_daemon_is_taken_back_with_reconnect_and_the_data_plane_is_r
             stop_daemon(p)
 
 
+def test_a_daemon_killed_while_idle_is_declared_lost_by_its_dropped_connection_not_after_the_heartbeat_timeout(tmp_path):
+    """Daemons started by hand (as on a cluster; no process for the controller to watch). One killed between steps
+    was declared lost only after heartbeat_timeout of silence (9.7 s, with the same words as a stopped one; a
+    probe): its connection dropped while nothing was pending, and the next step's requests queued behind it. The
+    dropped connection now says so within DROP_GRACE of the step."""
+    from mpmd.runtime.controller import DROP_GRACE
+
+    handoff, keys = _keys_handoff()
+    procs = [start_daemon("--listen", f"ipc://{tmp_path}/a{i}.sock", "--actor-id", str(i), "--p2p", "ipc", "--ipc-dir",
+                          str(tmp_path), "--keys-stdin", stdin=handoff)[0] for i in range(2)]
+    try:
+        with mpmd.RemoteMesh([f"ipc://{tmp_path}/a0.sock", f"ipc://{tmp_path}/a1.sock"], keys=keys,
+                             heartbeat_timeout=60) as mesh:
+            rng = np.random.default_rng(0)
+            params, opt = testing.mlp_params(rng, num_stages=2), optax.sgd(0.1)
+            batch = testing.regression_batch(rng, num_microbatches=2, microbatch_size=3, width=16)
+            step = mpmd.distributed(make_train_step(testing.mse_loss(testing.mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
+            step(params, opt.init(params), batch)[2].block_until_ready()
+            procs[1].kill()
+            procs[1].wait()
+            time.sleep(0.5)  # (the drop is seen while nothing is pending)
+            t = time.monotonic()
+            with pytest.raises(mpmd.ActorDiedError, match=r"actor 1 .*its connection dropped .* and has not come back") as e:
+                step(params, opt.init(params), batch)[2].block_until_ready()
+            assert time.monotonic() - t < 60 and "heartbeat" not in str(e.value)
+            assert time.monotonic() - t < DROP_GRACE + 10  # (not the 60 s of silence the heartbeat would wait)
+    finally:
+        for p in procs:
+            stop_daemon(p)
+
+
 def _error_of(fn):
     try:
         fn()

@@ -148,6 +148,7 @@ class ControlClient:
         self.closed = False
         self.connected = False
         self.ever_connected = False  # a handshake has succeeded on this connection once
+        self.dropped_at: float | None = None  # when the connection dropped, until a handshake succeeds again
         self.handshake_error: str | None = None  # the last refused handshake, until one succeeds
 
     def start(self) -> None:
@@ -213,9 +214,11 @@ class ControlClient:
             kind = event["event"]
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.connected, self.ever_connected, self.handshake_error = True, True, None
+                self.dropped_at = None
             elif kind == zmq.EVENT_DISCONNECTED:
                 was, self.connected = self.connected, False
                 if was:
+                    self.dropped_at = time.monotonic()
                     self.fail_pending(ConnectionLost(f"the connection to {self.address} was lost (the actor's process "
                                                      "exited, or its host is unreachable)"))
             elif kind in _HANDSHAKE_FAILURES:
