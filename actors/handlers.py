@@ -778,8 +778,12 @@ class Actor:
             last = await task
             results = [env.get_now(local) for local in prog.outputs]
         except BaseException as e:
-            why = RequestError(f"program {pid} step {step} was aborted on actor {self.actor_id}") if isinstance(
-                e, asyncio.CancelledError) else e
+            why = e
+            if isinstance(e, asyncio.CancelledError):  # aborted: a loader it still waits for is why the others timed out
+                loading = self.loaders.still_running(ses.id)
+                why = RequestError(f"program {pid} step {step} was aborted on actor {self.actor_id}" + (
+                    f" while it was waiting for its data loader: {loading} had not returned (a loader that blocks holds the "
+                    "step and the actors that wait for it; give it a timeout of its own)" if loading else ""))
             for b in [*outputs, *received]:  # (a prologue receive the step never got to is still reserved)
                 ses.buffers.fail(b, why)  # whoever waits for one learns why it will not come
             if why is not e:

@@ -1272,9 +1272,15 @@ class DistributedFunction:
                     pass
         await asyncio.gather(*pending, return_exceptions=True)
         errors = [f.exception() for f in requests if f.done() and not f.cancelled() and f.exception() is not None]
-        first = next((e for e in errors if isinstance(e, ActorDiedError)), None) or next(
-            (e for e in errors if "aborted" not in str(e)), errors[0])
+        # The cause, not its echoes: a lost actor; else an actor held by its data loader (the others timed out
+        # waiting for it: "nothing came from actor 1", blaming no loader; a probe); else one not just aborted.
+        first = (next((e for e in errors if isinstance(e, ActorDiedError)), None)
+                 or next((e for e in errors if WAITING_FOR_LOADER in str(e)), None)
+                 or next((e for e in errors if "aborted" not in str(e)), errors[0]))
         raise first
+
+
+WAITING_FOR_LOADER = "was waiting for its data loader"  # (actors/daemon.py `_waiting_on` says it)
 
 
 def with_layouts(prog: Any, unit_exes: list[str], layouts: dict[Any, Any]) -> Any:

@@ -382,6 +382,37 @@ def test_a_step_timed_out_on_a_blocked_loader_names_the_loader_call_it_waits_for
     assert loaders.still_running(5) is None
 
 
+def _labels_that_hang(step, leaf):
+    """Loads like `synthetic_regression_leaf`, but the labels (read by the last stage, actor 1) never come in time."""
+    from mpmd.testing import synthetic_regression_leaf
+
+    if leaf.endswith("y"):
+        time.sleep(60)
+    return synthetic_regression_leaf(step, leaf)
+
+
+def test_a_loader_that_hangs_on_the_last_actor_is_named_not_the_first_actor_left_waiting_for_it():
+    """The labels' loader hung on actor 1: the step failed with actor 0's "waited 3 s for xfer from actor 1 and
+    nothing came" (or its request timeout), naming no loader — only a loader hung on the actor whose error came
+    first was named (a probe). The aborted actor says what it was waiting for, and that is the step's error."""
+    from mpmd.testing import LOADED_LEAF_SHAPE, synthetic_regression_leaf
+
+    fn = "tests.test_inputs:_labels_that_hang"
+    rng = np.random.default_rng(7)
+    params = mlp_params(rng, num_stages=2, width=LOADED_LEAF_SHAPE[2])
+    opt = optax.sgd(1e-2)
+    spec = {leaf: jax.ShapeDtypeStruct(LOADED_LEAF_SHAPE, np.float32) for leaf in ("x", "y")}
+    with mpmd.RemoteMesh.local(2, loaders=[fn], transfer_timeout=3) as mesh:
+        dist = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
+        with pytest.raises(MpmdError, match=r"on actor 1.*was waiting for its data loader: "
+                                            r"tests.test_inputs:_labels_that_hang\(0, '(batch\.)?y'\)"):
+            dist(params, opt.init(params), mpmd.loaded_by_actors(fn, spec))[2].block_until_ready()
+        # the mesh goes on: the same step with the batch from the host equals jax.jit
+        batch = {leaf: synthetic_regression_leaf(0, leaf) for leaf in ("x", "y")}
+        want = jax.jit(make_train_step(mse_loss(mlp), opt, None))(params, opt.init(params), batch)[2]
+        np.testing.assert_allclose(np.asarray(dist(params, opt.init(params), batch)[2]), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
 _HUNG = threading.Event()
 
 
