@@ -1028,3 +1028,26 @@ def test_a_replacement_that_cannot_be_started_ends_the_recovery_instead_of_retry
         with pytest.raises(mpmd.ActorDiedError, match=r"(?s)actor 1 died.*mpmd.Recovery gave up.*could not replace actor 1"):
             mpmd.fetch(dist(p, o, _batches()[1]))
         assert time.monotonic() - t < 60
+
+
+def test_an_actor_handles_info_and_stats_recover_the_mesh_as_put_and_run_do():
+    """On a mesh made with recover=, `mesh.actor(i).info()` (the README's way to find a pid to kill) and `stats()`
+    raised ActorDiedError for a lost actor, advising mesh.reconnect, while `put` and `run` recovered (a probe).
+    They go to the replacement now, and the step after them equals an uninterrupted run's."""
+    with mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(), heartbeat_timeout=5.0) as mesh:
+        dist = mpmd.distributed(STEP, mesh=mesh)
+        params, batches = _params(), _batches()
+        p, o, _ = dist(params, OPT.init(params), batches[0])
+        mpmd.fetch(p)
+        old = mesh.actor(1).info()["pid"]
+        os.kill(old, signal.SIGKILL)
+        assert wait_until(lambda: mesh.processes[1].proc.poll() is not None, 10)
+        new = mesh.actor(1).info()["pid"]
+        assert new != old and mesh.recoveries
+        assert mesh.actor(1).stats()["buffers"] >= 0 and mesh.actor(1).ping() > 0
+        got = mpmd.fetch(dist(p, o, batches[1]))
+    ref = jax.jit(make_train_step(mse_loss(mlp), OPT, None))
+    rp, ro, _ = ref(params, OPT.init(params), batches[0])
+    want = ref(rp, ro, batches[1])
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)

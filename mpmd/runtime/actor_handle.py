@@ -63,6 +63,15 @@ class ActorHandle:
         lowered = await off_loop(functools.partial(self._lower, fn, args))
         return await self._again_if_recovered_async(lambda: self.mesh.arun(self._run_lowered(*lowered)), lowered[0])
 
+    def _request(self, op: str, fields: dict[str, Any] | None = None) -> Any:
+        """One request to this actor's daemon, its reply; on a mesh made with recover=..., to the replacement of a
+        lost one (as `put` and `run`: info() and stats() raised and advised mesh.reconnect; a probe)."""
+        return self._again_if_recovered(lambda: self.mesh.run(self.mesh.conn(self.index).request(op, fields)), [])
+
+    async def _request_async(self, op: str, fields: dict[str, Any] | None = None) -> Any:
+        """Awaitable twin of `_request`."""
+        return await self._again_if_recovered_async(lambda: self.mesh.arun(self.mesh.conn(self.index).request(op, fields)), [])
+
     def _again_if_recovered(self, call: Callable[[], Any], leaves: list[Any]) -> Any:
         """`call()`, and once more if it met a lost actor and the mesh recovered (`_recovered`)."""
         try:
@@ -161,29 +170,35 @@ class ActorHandle:
     def hlo(self, exe_key: str) -> str:
         """The optimized HLO text XLA compiled for one of this actor's executables (collectives, fusions):
         `step.compile(...).loaded[actor]` lists each Program's executable keys."""
-        return self.mesh.run(self.mesh.conn(self.index).request("hlo", {"exe": exe_key})).header["text"]
+        return self._request("hlo", {"exe": exe_key}).header["text"]
 
     def ping(self) -> float:
         """Round-trip time of a ping, in seconds."""
         t = time.perf_counter()
-        self.mesh.run(self.mesh.conn(self.index).request("ping"))
+        try:
+            self.mesh.run(self.mesh.conn(self.index).request("ping"))
+        except ActorDiedError as e:  # (a recovered mesh's replacement is pinged, and timed, afresh)
+            if not self._recovered(e, []):
+                raise
+            t = time.perf_counter()
+            self.mesh.run(self.mesh.conn(self.index).request("ping"))
         return time.perf_counter() - t
 
     def info(self) -> dict[str, Any]:
         """What the daemon says of itself: pid, platform, devices, versions, bounds."""
-        return dict(self.mesh.run(self.mesh.conn(self.index).request("info")).header)
+        return dict(self._request("info").header)
 
     def stats(self) -> dict[str, Any]:
         """Buffers held (count and bytes), executables cached, compiles and cache hits, requests served."""
-        return _stats(self.mesh.run(self.mesh.conn(self.index).request("stats")).header)
+        return _stats(self._request("stats").header)
 
     async def stats_async(self) -> dict[str, Any]:
         """Awaitable twin of `stats`."""
-        return _stats((await self.mesh.arun(self.mesh.conn(self.index).request("stats"))).header)
+        return _stats((await self._request_async("stats")).header)
 
     async def info_async(self) -> dict[str, Any]:
         """Awaitable twin of `info`."""
-        return dict((await self.mesh.arun(self.mesh.conn(self.index).request("info"))).header)
+        return dict((await self._request_async("info")).header)
 
 
 def _stats(header: Any) -> dict[str, Any]:
