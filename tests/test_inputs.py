@@ -855,3 +855,23 @@ def test_a_segment_its_writer_truncated_after_the_actor_mapped_it_is_refused_not
                 os.close(fd)
         assert mesh.processes[0].proc.poll() is None
         assert _stats(mesh, 0)["buffers"] >= 1  # (the first put's buffer: the daemon and its session live on)
+
+
+def test_a_put_the_host_has_no_memory_for_is_refused_naming_sizes_and_the_mesh_goes_on(monkeypatch):
+    """A 16 GiB put to a local actor went into /dev/shm of a 24 GiB machine (over the daemon's --max-message-mb,
+    which only the inline route checks) and on toward the OOM killer (a probe). A put through shared memory needs
+    the segment and the actor's copy at once: more than the host's MemAvailable is refused before anything is
+    written. The host's memory is stood in for (MemAvailable reported at 1.5x a 1 MiB put): filling this shared
+    machine's memory for real is not an option."""
+    from mpmd.runtime import inputs
+
+    x = np.arange(1 << 18, dtype=np.float32)  # 1 MiB
+    with mpmd.RemoteMesh.local(1) as mesh:
+        monkeypatch.setattr(inputs, "host_memory", lambda: {"MemTotal": 1 << 40, "MemAvailable": int(1.5 * x.nbytes)})
+        with pytest.raises(MpmdError, match=r"put: an array of 1.0 MiB \(float32\[262144\]\) for actor 0, which shares this "
+                                            r"host, needs about twice that in memory.*1.5 MiB available: put it in parts"):
+            mesh.actor(0).put(x)
+        monkeypatch.setattr(inputs, "host_memory", lambda: {"MemTotal": 1 << 40, "MemAvailable": 2 * x.nbytes})
+        y = mesh.actor(0).put(x)  # (twice fits: it goes)
+        np.testing.assert_array_equal(y.to_numpy(), x)
+        assert mesh.actor(0).stats()["buffers"] == 1

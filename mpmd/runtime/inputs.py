@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from mpmd.errors import MpmdError
+from mpmd.runtime.launch.local import host_memory
 from transport.p2p import shm
 from transport.p2p.base import host_id
 from transport.protocol import dtype_name
@@ -174,7 +176,16 @@ class InputStager:
         """A segment of its own for one array (a put): made, written, and its name and mapping gone once `done` is
         called (the reply came); the actor unmaps it after copying the array out (``once``). Not a pooled segment:
         a big put kept one of twice its size mapped on both sides for the mesh's life (a review). None (send it
-        inline): ONCE_IN_FLIGHT of the actor's are in flight already, or /dev/shm has no room for it."""
+        inline): ONCE_IN_FLIGHT of the actor's are in flight already, or /dev/shm has no room for it. An MpmdError
+        when the host has not the memory for the segment and the actor's copy of it at once (the put went ahead, a
+        16 GiB one into a 24 GiB machine's /dev/shm, on its way to the OOM killer; a probe)."""
+        memory = host_memory()
+        free = memory.get("MemAvailable") if memory else None
+        if free is not None and 2 * array.nbytes > free:
+            raise MpmdError(f"put: an array of {array.nbytes / 2**20:.1f} MiB ({array.dtype}{list(array.shape)}) for actor {actor}, "
+                            f"which shares this host, needs about twice that in memory at once (the shared-memory copy it "
+                            f"travels in and the actor's own), and this host has {free / 2**20:.1f} MiB available: put it in "
+                            "parts (split along an axis), or shard it over the actor's devices (put(x, spec)), or free memory")
         with self._lock:
             if self._once.get(actor, 0) >= ONCE_IN_FLIGHT:
                 return None

@@ -335,7 +335,7 @@ class LocalMesh:
 DAEMON_BYTES = 300 << 20  # what one idle daemon (Python, JAX, its XLA client) takes: 250-350 MB resident here
 
 
-def _memory() -> dict[str, int] | None:
+def host_memory() -> dict[str, int] | None:
     """/proc/meminfo's MemTotal, MemAvailable and SwapTotal in bytes (None where there is none: not Linux)."""
     try:
         with open("/proc/meminfo") as f:
@@ -351,7 +351,7 @@ def start_local(num_actors: int, options: LocalOptions) -> LocalMesh:
     if not isinstance(num_actors, numbers.Integral) or isinstance(num_actors, bool) or num_actors < 1:
         raise ValueError(f"num_actors must be a whole number >= 1, got {num_actors!r:.40}")
     num_actors = int(num_actors)
-    memory = _memory()
+    memory = host_memory()
     if memory is not None and num_actors * DAEMON_BYTES > memory["MemTotal"] + memory.get("SwapTotal", 0):
         raise ValueError(f"num_actors={num_actors}: each local actor is a daemon process holding JAX (~{DAEMON_BYTES >> 20} MiB "
                          f"before any array), {num_actors * DAEMON_BYTES / 2**30:.1f} GiB in all, and this machine has "
