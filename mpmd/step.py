@@ -123,8 +123,16 @@ def _spec(x: Any, path: str) -> jax.ShapeDtypeStruct:
         raise PipelineError(f"argument {path} is a {given}, which is not a valid JAX type: a distributed step takes arrays "
                             "(and pytrees of them), not iterators; take the step's values from it first, e.g. "
                             "np.stack(list(it)) for a batch of [microbatches, ...], or next(it) for one")
+    if isinstance(x, jax.ShapeDtypeStruct):  # (jax.jit's .lower takes one; host_value made it an object array)
+        raise PipelineError(f"argument {path} is a ShapeDtypeStruct ({x.dtype}{list(x.shape)}): a shape without values, "
+                            "and a distributed step (its compile too) takes the values it is called with: pass an array "
+                            "of that shape, e.g. np.zeros(s.shape, s.dtype)")
+    original = x
     try:
         x = host_value(x)
+        if x.dtype == np.dtype(object) and not isinstance(original, np.ndarray):  # (numpy made an object array of it)
+            raise TypeError("a step takes arrays, numbers, and pytrees (lists, tuples, dicts, dataclasses registered with "
+                            "jax.tree_util) of them")
         if x.dtype == np.dtype(object):  # (canonicalize_dtype lets it through; jax.jit refuses it)
             raise TypeError("a numpy array of Python objects (dtype=object) holds no numbers JAX can use: build it with "
                             "a numeric dtype, e.g. np.asarray(x, np.float32), or stack its elements with np.stack")

@@ -222,7 +222,7 @@ def test_local_mesh_counts_and_actor_indices_are_checked_before_anything_starts(
         mpmd.RemoteMesh.local(num_actors=10**6)
     with pytest.raises(ValueError, match="devices_per_actor must be a whole number >= 1, got None"):
         mpmd.RemoteMesh.local(num_actors=1, devices_per_actor=None)
-    assert local._memory() is not None  # (Linux: the check is on)
+    assert local.host_memory() is not None  # (Linux: the check is on)
     with mpmd.RemoteMesh.local(num_actors=1) as mesh:
         for bad in ("0", None, 0.0, True):
             with pytest.raises(TypeError, match="mesh.actor takes an actor index, an int from 0 to 0"):
@@ -265,6 +265,8 @@ def test_pipeline_yield_called_eagerly_is_the_identity_itself():
 def test_an_argument_jax_cannot_use_is_named_by_its_own_type():
     """A generator as a batch leaf was reported as "a ndarray" (the object array numpy made of it; a probe), then
     with the hint for an object array ("build it with a numeric dtype"): it says to take the values from it."""
+    import jax
+
     def step(p, batch):
         return p * 2
 
@@ -272,3 +274,14 @@ def test_an_argument_jax_cannot_use_is_named_by_its_own_type():
         with pytest.raises(mpmd.PipelineError, match=r"argument args\[1\]\['x'\] is a generator, which is not a valid JAX type.*"
                                                    r"not iterators.*np.stack\(list\(it\)\)"):
             mpmd.distributed(step, mesh=mesh)(np.ones(2, np.float32), {"x": (i for i in range(3))})
+        # Any object numpy wraps in an object array got that hint too (a probe: a ShapeDtypeStruct, as jax.jit's
+        # .lower takes): a shape without values says to pass values; another object, what a step takes.
+        dist = mpmd.distributed(step, mesh=mesh)
+        with pytest.raises(mpmd.PipelineError, match=r"argument args\[0\] is a ShapeDtypeStruct \(float32\[2\]\): a shape "
+                                                   r"without values.*np.zeros\(s.shape, s.dtype\)"):
+            dist.compile(jax.ShapeDtypeStruct((2,), np.float32), np.ones(2, np.float32))
+        with pytest.raises(mpmd.PipelineError, match=r"argument args\[1\] is a object, which is not a valid JAX type: a step "
+                                                   r"takes arrays, numbers, and pytrees"):
+            dist(np.ones(2, np.float32), object())
+        with pytest.raises(mpmd.PipelineError, match=r"args\[1\] is a ndarray.*dtype=object.*np.stack"):  # (a real one)
+            dist(np.ones(2, np.float32), np.array([object(), 1], dtype=object))
