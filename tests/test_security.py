@@ -85,11 +85,17 @@ def test_keys_generate_writes_a_pair_only_its_owner_can_read_and_loading_checks_
     assert keys_cli.main(["keys", "generate", str(shared)]) == 1 and not list(shared.iterdir())
     # ... and into a directory it would make inside one (it wrote the pair there, a probe)
     assert keys_cli.main(["keys", "generate", str(shared / "k")]) == 1 and not list(shared.iterdir())
-    # A directory of two pairs (`--name` makes another beside the first) names the choice to make: it said to make
-    # one with `mpmd keys generate DIR`, which then refused (the pair exists; a probe).
+    # `--name` makes another pair beside the first (as `mpmd keys --help` shows): the directory's own pair,
+    # mpmd.key_secret, is still what keys=DIR means (it was refused as ambiguous, breaking the documented
+    # connect(..., keys=DIR); a probe). Two pairs of which neither is the directory's own name the choice to make
+    # (it said to make one with `mpmd keys generate DIR`, which then refused: the pair exists; a probe).
+    os.chmod(secret, 0o600)
     assert keys_cli.main(["keys", "generate", str(tmp_path / "k"), "--name", "node3"]) == 0
-    with pytest.raises(AuthKeyError, match=r"2 secret key files .* ambiguous; name the file, e.g. keys='.*mpmd.key_secret'"):
-        KeyPair.load(tmp_path / "k")
+    assert KeyPair.load(tmp_path / "k") == pair != KeyPair.load(tmp_path / "k" / "node3.key_secret")
+    for name in ("alice", "bob"):
+        assert keys_cli.main(["keys", "generate", str(tmp_path / "two"), "--name", name]) == 0
+    with pytest.raises(AuthKeyError, match=r"2 secret key files .* ambiguous; name the file, e.g. keys='.*alice.key_secret'"):
+        KeyPair.load(tmp_path / "two")
 
 
 def test_the_right_key_works_and_wrong_or_missing_keys_are_refused_without_affecting_the_job(keyed):

@@ -165,7 +165,7 @@ class KeyPair:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> KeyPair:
-        """A key pair from a ``*.key_secret`` file, or from a directory holding exactly one."""
+        """A key pair from a ``*.key_secret`` file, or from a directory: its one, or ``mpmd.key_secret`` among several."""
         p = Path(path).expanduser()
         if p.is_dir():
             check_safe_path(p, "key directory")
@@ -173,6 +173,11 @@ class KeyPair:
             if not secrets_:
                 raise AuthKeyError(f"{p} holds no secret key file (*{SECRET_SUFFIX}); make one with `mpmd keys generate {p}`, "
                                    "or name the key file")
+            default = p / f"{DEFAULT_KEY_NAME}{SECRET_SUFFIX}"
+            if len(secrets_) > 1 and default in secrets_:
+                # the directory's own pair (`mpmd keys generate DIR`); the others beside it (`--name alice`) are other
+                # identities, used by naming their file (a probe: one more pair made keys=DIR ambiguous)
+                secrets_ = [default]
             if len(secrets_) > 1:
                 raise AuthKeyError(f"{p} holds {len(secrets_)} secret key files ({[s.name for s in secrets_]}), so which one "
                                    f"to use is ambiguous; name the file, e.g. keys='{secrets_[0]}'")
@@ -221,7 +226,10 @@ def load_authorized_keys(directory: str | os.PathLike[str]) -> dict[bytes, str]:
     return keys
 
 
-def generate_key_files(directory: str | os.PathLike[str], name: str = "mpmd", overwrite: bool = False) -> tuple[Path, Path]:
+DEFAULT_KEY_NAME = "mpmd"  # `mpmd keys generate DIR` writes DIR/mpmd.key and DIR/mpmd.key_secret
+
+
+def generate_key_files(directory: str | os.PathLike[str], name: str = DEFAULT_KEY_NAME, overwrite: bool = False) -> tuple[Path, Path]:
     """Write a new key pair as ``DIR/NAME.key`` (public) and ``DIR/NAME.key_secret`` (mode 600). Returns both paths."""
     if not name or "/" in name or name.startswith("."):
         raise AuthKeyError(f"key name {name!r} must be a plain file name")

@@ -52,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"start daemons with: mpmd-actor --server-key {secret} --authorized-keys {public.parent}")
         print(f"connect with:       mpmd.RemoteMesh.connect([...], keys={str(public.parent)!r})")
     else:  # another identity: a controller's own pair, which daemons admit by its public key
-        print(f"admit it: put {public.name} in the daemons' --authorized-keys directory (they read it at start)")
+        print(f"admit it: daemons admit the *.key files of their --authorized-keys directory, read at start (when that "
+              f"is {public.parent}, {public.name} is there already: restart them)")
         print(f"connect with: mpmd.RemoteMesh.connect([...], keys=transport.auth.ClientKeys.load({str(secret)!r}, "
               "<the daemons' public server key file>))")
     return 0
