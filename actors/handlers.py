@@ -27,7 +27,7 @@ from actors.buffers import BufferTable
 from actors.cache import ExecutableCache
 from actors.inputs import InputSegments
 from actors.interpreter import Interpreter
-from actors.loader import Loaders
+from actors.loader import Loaders, unfinished
 from actors.request import NoSession, RequestError, field, int_list
 from actors.sandbox import BlobChecker
 from actors.stream import StepTrace, Stream, now
@@ -755,9 +755,11 @@ class Actor:
             except Exception as e:
                 raise RequestError(f"program {pid}: a shared-memory input cannot be placed on actor {self.actor_id}: {e}") from None
         # Loaded leaves come in a worker thread, while the step before still runs; the step waits for them.
+        loading = []
         for i, spec in marked(inputs, -3, loads):
             lay = self._layout(spec.get("layout"))
             placed[i] = self.loaders.start(spec, spec.get("step", step), lambda host, lay=lay: self._to_device(host, lay), ses.id)
+            loading.append(placed[i])
         for b in received:
             ses.buffers.reserve(b)
         refs = [placed[i] if b < 0 else ses.buffers.ref(b) for i, b in enumerate(inputs)]
@@ -779,11 +781,11 @@ class Actor:
             results = [env.get_now(local) for local in prog.outputs]
         except BaseException as e:
             why = e
-            if isinstance(e, asyncio.CancelledError):  # aborted: a loader it still waits for is why the others timed out
-                loading = self.loaders.still_running(ses.id)
+            if isinstance(e, asyncio.CancelledError):  # aborted: its own loader, still not returned, is why the others waited
+                held = unfinished(loading)
                 why = RequestError(f"program {pid} step {step} was aborted on actor {self.actor_id}" + (
-                    f" while it was waiting for its data loader: {loading} had not returned (a loader that blocks holds the "
-                    "step and the actors that wait for it; give it a timeout of its own)" if loading else ""))
+                    f" while it was waiting for its data loader: {held} had not returned (a loader that blocks holds the "
+                    "step and the actors that wait for it; give it a timeout of its own)" if held else ""))
             for b in [*outputs, *received]:  # (a prologue receive the step never got to is still reserved)
                 ses.buffers.fail(b, why)  # whoever waits for one learns why it will not come
             if why is not e:

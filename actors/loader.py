@@ -135,6 +135,7 @@ class Loaders:
                                "fix it, then restart the daemon to free their threads")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
+        fut.mpmd_loading = (f"{fn}({step}, {name!r})", time.monotonic())  # type: ignore[attr-defined]  # (for `unfinished`)
 
         def settle(value: Any, error: BaseException | None) -> None:
             if not fut.done():
@@ -158,4 +159,12 @@ class Loaders:
         return fut
 
 
-__all__ = ["Loaders"]
+def unfinished(futures: list[asyncio.Future[Any]]) -> str | None:
+    """The loader calls among `futures` (from `Loaders.start`: one step's) that have not returned, as
+    `Loaders.still_running` says them (None: none)."""
+    now = time.monotonic()
+    calls = [f.mpmd_loading for f in futures if not f.done() and hasattr(f, "mpmd_loading")]
+    return ", ".join(f"{what} (running {now - t0:.1f} s)" for what, t0 in calls[:4]) + (" ..." if len(calls) > 4 else "") if calls else None
+
+
+__all__ = ["Loaders", "unfinished"]

@@ -7,7 +7,8 @@ and predicts every candidate (each built-in schedule x each microbatch count, be
 feasible candidate is run for real (`TuneResult.verify(all)`). Reported: the table with predicted and
 measured step times, measured/predicted per candidate (target 0.9-1.1), and the tuner's winner's measured
 time over the best measured time (target <= 1.10). The winner is fixed before that exhaustive measurement:
-the fastest of the top three predicted that tune measured while tuning (`TuneResult.calibrate`).
+the fastest of the three near the top that tune measured while tuning (`TuneResult.calibrate`,
+`TuneResult.calibration_candidates`).
 
     python -m benchmarks.tune [--models gpt,mlp] [--microbatches 2,4,8] [--steps 3] [--rounds 3] [--actors 2]
 """

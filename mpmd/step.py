@@ -104,6 +104,10 @@ class CompiledStep:
         return str(self.plan)
 
 
+def _a(name: str) -> str:
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
 def _spec(x: Any, path: str) -> jax.ShapeDtypeStruct:
     if isinstance(x, RemoteArray):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type)
@@ -120,7 +124,7 @@ def _spec(x: Any, path: str) -> jax.ShapeDtypeStruct:
     given = type(x).__name__
     if isinstance(x, Iterator) and not hasattr(x, "__array__"):
         # (np.asarray made it a 0-d object array and the hint said dtype=object: a generator is no array to convert)
-        raise PipelineError(f"argument {path} is a {given}, which is not a valid JAX type: a distributed step takes arrays "
+        raise PipelineError(f"argument {path} is {_a(given)}, which is not a valid JAX type: a distributed step takes arrays "
                             "(and pytrees of them), not iterators; take the step's values from it first, e.g. "
                             "np.stack(list(it)) for a batch of [microbatches, ...], or next(it) for one")
     if isinstance(x, jax.ShapeDtypeStruct):  # (jax.jit's .lower takes one; host_value made it an object array)
@@ -144,7 +148,7 @@ def _spec(x: Any, path: str) -> jax.ShapeDtypeStruct:
     except OverflowError as e:  # (jax.jit raises OverflowError too)
         raise OverflowError(f"argument {path}: {e}") from None
     except (TypeError, ValueError) as e:
-        raise PipelineError(f"argument {path} is a {given}, which is not a valid JAX type: {e}") from None
+        raise PipelineError(f"argument {path} is {_a(given)}, which is not a valid JAX type: {e}") from None
     return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, weak_type=weak)
 
 
@@ -189,7 +193,7 @@ def _static_argnums(fn: Callable[..., Any], argnums: Any, argnames: Any, what: s
             nums.add(params.index(name))
     try:
         sig = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # (no signature to read: the positions are checked against each call's arguments)
+    except (TypeError, ValueError):  # (no signature to read: a position past a call's arguments marks nothing there)
         sig = None
     if sig is not None and not any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in sig):
         positional, kwonly = _parameters(fn)
@@ -981,7 +985,9 @@ class DistributedFunction:
         plans and lowers in a worker thread (calls awaiting the same signature share that compile), so the
         caller's loop runs on meanwhile. Await the outputs with `mpmd.ready_async` / `mpmd.fetch_async`;
         cancelling either while the step runs aborts the step on its actors (its buffers are freed; later
-        steps run as before), and a remote error is raised there, naming actor and task.
+        steps run as before) — unless the step was donated its inputs (its outputs are then the state's only
+        copy: it runs on, to the actors' --request-timeout at most) — and a remote error is raised there, naming
+        actor and task.
 
             params, opt_state, losses = await train_step.call_async(params, opt_state, batch)
             print(await mpmd.fetch_async(losses))
@@ -1280,15 +1286,24 @@ class DistributedFunction:
                     pass
         await asyncio.gather(*pending, return_exceptions=True)
         errors = [f.exception() for f in requests if f.done() and not f.cancelled() and f.exception() is not None]
-        # The cause, not its echoes: a lost actor; else an actor held by its data loader (the others timed out
-        # waiting for it: "nothing came from actor 1", blaming no loader; a probe); else one not just aborted.
+        # The cause, not its echoes: a lost actor; an error of its own (not an abort, not a timeout waiting on
+        # another actor); an actor held by its own data loader, for which the others timed out ("nothing came from
+        # actor 1", blaming no loader; a probe); else the first not just aborted.
         first = (next((e for e in errors if isinstance(e, ActorDiedError)), None)
+                 or next((e for e in errors if "aborted" not in str(e) and not _waited_in_vain(e)), None)
                  or next((e for e in errors if WAITING_FOR_LOADER in str(e)), None)
                  or next((e for e in errors if "aborted" not in str(e)), errors[0]))
         raise first
 
 
-WAITING_FOR_LOADER = "was waiting for its data loader"  # (actors/daemon.py `_waiting_on` says it)
+WAITING_FOR_LOADER = "was waiting for its data loader"  # (actors/daemon.py `_waiting_on` and actors/handlers.py say it)
+
+
+def _waited_in_vain(e: BaseException) -> bool:
+    """Whether `e` is an actor's timeout waiting on something else (a receive that never came, a request past its
+    bound): an echo of another actor's trouble rather than a cause, unless it names its own loader."""
+    text = str(e)
+    return WAITING_FOR_LOADER not in text and ("and nothing came" in text or "did not finish within" in text)
 
 
 def with_layouts(prog: Any, unit_exes: list[str], layouts: dict[Any, Any]) -> Any:

@@ -240,7 +240,7 @@ class TuneResult:
             return self.calibration
         refs = self.calibration_candidates(top)
         if not any(r.predicted for r in refs):
-            raise MpmdError(f"TuneResult.calibrate: the top {len(refs)} candidates are predicted to take 0 s per step (the "
+            raise MpmdError(f"TuneResult.calibrate: the {len(refs)} candidates it runs are predicted to take 0 s per step (the "
                             "costs give their tasks no time), so no measured / predicted factor exists; tune with measured "
                             "costs (costs=None), costs='xla', or SegmentCosts with the segments' positive times")
         measured = measure_interleaved([(self._measured_step(r), self._args_for(r)) for r in refs],

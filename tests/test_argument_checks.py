@@ -280,7 +280,7 @@ def test_an_argument_jax_cannot_use_is_named_by_its_own_type():
         with pytest.raises(mpmd.PipelineError, match=r"argument args\[0\] is a ShapeDtypeStruct \(float32\[2\]\): a shape "
                                                    r"without values.*np.zeros\(s.shape, s.dtype\)"):
             dist.compile(jax.ShapeDtypeStruct((2,), np.float32), np.ones(2, np.float32))
-        with pytest.raises(mpmd.PipelineError, match=r"argument args\[1\] is a object, which is not a valid JAX type: a step "
+        with pytest.raises(mpmd.PipelineError, match=r"argument args\[1\] is an object, which is not a valid JAX type: a step "
                                                    r"takes arrays, numbers, and pytrees"):
             dist(np.ones(2, np.float32), object())
         with pytest.raises(mpmd.PipelineError, match=r"args\[1\] is a ndarray.*dtype=object.*np.stack"):  # (a real one)

@@ -273,7 +273,7 @@ def test_a_daemon_killed_while_idle_is_declared_lost_by_its_dropped_connection_n
                           str(tmp_path), "--keys-stdin", stdin=handoff)[0] for i in range(2)]
     try:
         with mpmd.RemoteMesh([f"ipc://{tmp_path}/a0.sock", f"ipc://{tmp_path}/a1.sock"], keys=keys,
-                             heartbeat_timeout=60) as mesh:
+                             heartbeat_timeout=30) as mesh:
             rng = np.random.default_rng(0)
             params, opt = testing.mlp_params(rng, num_stages=2), optax.sgd(0.1)
             batch = testing.regression_batch(rng, num_microbatches=2, microbatch_size=3, width=16)
@@ -285,8 +285,8 @@ def test_a_daemon_killed_while_idle_is_declared_lost_by_its_dropped_connection_n
             t = time.monotonic()
             with pytest.raises(mpmd.ActorDiedError, match=r"actor 1 .*its connection dropped .* and has not come back") as e:
                 step(params, opt.init(params), batch)[2].block_until_ready()
-            assert time.monotonic() - t < 60 and "heartbeat" not in str(e.value)
-            assert time.monotonic() - t < DROP_GRACE + 10  # (not the 60 s of silence the heartbeat would wait)
+            assert "heartbeat" not in str(e.value)
+            assert time.monotonic() - t < max(DROP_GRACE, 30 / 5) + 10 < 30  # (not the 30 s of silence the heartbeat waits)
     finally:
         for p in procs:
             stop_daemon(p)

@@ -875,3 +875,13 @@ def test_a_put_the_host_has_no_memory_for_is_refused_naming_sizes_and_the_mesh_g
         y = mesh.actor(0).put(x)  # (twice fits: it goes)
         np.testing.assert_array_equal(y.to_numpy(), x)
         assert mesh.actor(0).stats()["buffers"] == 1
+    # A put to several actors of this host writes a segment for each before any actor copies its own: each actor's
+    # copy still to come counts (2 actors: 3x the array at least; 2x for each actor's own check let it through).
+    with mpmd.RemoteMesh.local(2) as mesh:
+        monkeypatch.setattr(inputs, "host_memory", lambda: {"MemTotal": 1 << 40, "MemAvailable": int(2.5 * x.nbytes)})
+        with pytest.raises(MpmdError, match=r"for actor 1, which shares this host"):
+            mesh.put_replicated(x, [0, 1])
+        monkeypatch.setattr(inputs, "host_memory", lambda: {"MemTotal": 1 << 40, "MemAvailable": 4 * x.nbytes})
+        z = mesh.put_replicated(x, [0, 1])
+        np.testing.assert_array_equal(z.to_numpy(), x)
+        assert [mesh.actor(a).stats()["buffers"] for a in (0, 1)] == [1, 1]  # (the refused put left nothing there)

@@ -200,7 +200,8 @@ async def _recovered(arrays: list[RemoteArray], error: BaseException) -> bool:
 async def fetch_async(tree: Any) -> Any:
     """Awaitable twin of `mpmd.fetch`: every RemoteArray of a pytree brought here (numpy arrays, jax key
     arrays for typed PRNG keys), one request per actor, all meshes at once, without blocking the caller's
-    event loop. Cancelling it while a step making one of the arrays still runs aborts that step. On a mesh
+    event loop. Cancelling it while a step making one of the arrays still runs aborts that step (not one that was
+    donated its inputs: see `abort_unfinished`). On a mesh
     made with recover=..., a lost actor is recovered from and the arrays read again, as `mpmd.fetch` does.
 
         losses = await mpmd.fetch_async(losses)
@@ -261,7 +262,8 @@ async def _fetch_async(tree: Any) -> Any:
 async def ready_async(tree: Any) -> Any:
     """Awaitable twin of `block_until_ready`: wait until every RemoteArray of a pytree is computed on its
     actors (nothing is fetched) and return the tree; raises the error of a step that failed, naming actor and
-    task. Cancelling it while a step making one of the arrays still runs aborts that step on its actors.
+    task. Cancelling it while a step making one of the arrays still runs aborts that step on its actors (not one
+    that was donated its inputs: see `abort_unfinished`).
 
         params, opt_state, losses = await mpmd.ready_async(await step.call_async(params, opt_state, batch))
 

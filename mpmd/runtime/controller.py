@@ -2,8 +2,8 @@
 watchdog that turns a dead or silent actor into `ActorDiedError` within seconds instead of a hang.
 
 An actor is declared dead when its process exits (local actors), when its connection drops while requests
-wait (their replies can never come) or stays dropped `DROP_GRACE` seconds after requests are sent (one that
-dropped while idle), when it says nothing — not even to pings — for `heartbeat_timeout`
+wait (their replies can never come) or stays dropped `DROP_GRACE` seconds (or a fifth of `heartbeat_timeout` if
+more) after requests are sent (one that dropped while idle), when it says nothing — not even to pings — for `heartbeat_timeout`
 seconds, or when a request of it has waited longer than the actor's own bound on every request (its
 ``--request-timeout``) plus `heartbeat_timeout`. The error names the actor, its address, what it was serving
 and, for a local actor, its stacks (or why there are none); `RemoteMesh.reconnect` takes it back.
@@ -378,14 +378,15 @@ class ActorConnection:
         silent = self.client.silent(now)
         overdue = self._overdue(now, timeout) if reason is None else None
         dropped = getattr(self.client, "dropped_at", None)
-        if reason is None and dropped is not None and now - max(dropped, self.client.waiting_since) > min(DROP_GRACE, timeout):
+        grace = min(max(DROP_GRACE, timeout / 5), timeout)  # (a longer heartbeat_timeout, for a flaky network, waits longer)
+        if reason is None and dropped is not None and now - max(dropped, self.client.waiting_since) > grace:
             # The connection dropped (while idle: nothing was pending to fail then) and has not come back since
             # requests were sent: a daemon that lives keeps its connection, one restarted at the address reconnects
             # in well under a second. Said now instead of after heartbeat_timeout of silence (a probe: 9.7 s for a
             # killed daemon on another host, its message the same as a stopped one's).
             reason = (f"its connection dropped {now - dropped:.1f} s ago and has not come back (requests waited "
-                      f"{now - max(dropped, self.client.waiting_since):.1f} s): its process exited or was killed, or its "
-                      "host became unreachable")
+                      f"{now - max(dropped, self.client.waiting_since):.1f} s; a daemon that lives keeps its connection): its "
+                      "process exited or was killed, or its host became unreachable")
         elif reason is None and silent + 2 * tick > timeout:
             reason = f"no reply or heartbeat for {silent:.1f} s (heartbeat_timeout={timeout:g} s)"
             reason += self._threads()
@@ -440,7 +441,7 @@ class ActorConnection:
         self.client.close()
 
 
-DROP_GRACE = 2.0  # seconds a dropped connection may stay down while requests wait before its actor is declared lost
+DROP_GRACE = 2.0  # seconds (or heartbeat_timeout / 5 if more) a dropped connection may stay down while requests wait
 
 
 class Watchdog:

@@ -89,6 +89,7 @@ class InputStager:
         self.shm_failures = 0  # segments /dev/shm had no room for (their steps went inline)
         self._no_room_until: dict[int, float] = {}  # actor -> until when no new segment is tried (/dev/shm was full)
         self._once: dict[int, int] = {}  # actor -> one-shot segments (puts) in flight
+        self._once_bytes = 0  # their bytes, every actor's: each actor's copy of one is still to be made
         weakref.finalize(self, _close_all, self._pools, os.getpid())
 
     @property
@@ -181,7 +182,8 @@ class InputStager:
         16 GiB one into a 24 GiB machine's /dev/shm, on its way to the OOM killer; a probe)."""
         memory = host_memory()
         free = memory.get("MemAvailable") if memory else None
-        if free is not None and 2 * array.nbytes > free:
+        if free is not None and 2 * array.nbytes + self._once_bytes > free:  # (+ the actor copies of the puts in flight:
+            # a put to several actors of this host writes a segment for each before any copies it)
             raise MpmdError(f"put: an array of {array.nbytes / 2**20:.1f} MiB ({array.dtype}{list(array.shape)}) for actor {actor}, "
                             f"which shares this host, needs about twice that in memory at once (the shared-memory copy it "
                             f"travels in and the actor's own), and this host has {free / 2**20:.1f} MiB available: put it in "
@@ -190,11 +192,12 @@ class InputStager:
             if self._once.get(actor, 0) >= ONCE_IN_FLIGHT:
                 return None
             self._once[actor] = self._once.get(actor, 0) + 1
+            self._once_bytes += array.nbytes
         name = f"{self.prefix(actor)}{next(self._names)}"
         try:
             mm = shm.create_segment(name, _aligned(max(array.nbytes, 1)))
         except OSError:  # (no room: this put goes inline; the step arguments' pool is not marked full for it)
-            self._once_done(actor)
+            self._once_done(actor, array.nbytes)
             return None
         seg = Segment(name, len(mm), mm)
         notice = {**_write(seg, array, 0), "once": True}
@@ -203,13 +206,14 @@ class InputStager:
         def done() -> None:
             if done_once.acquire(blocking=False):  # (once: from the reply, or when the request is dropped unsent)
                 _close(seg)
-                self._once_done(actor)
+                self._once_done(actor, array.nbytes)
 
         return notice, done
 
-    def _once_done(self, actor: int) -> None:
+    def _once_done(self, actor: int, nbytes: int) -> None:
         with self._lock:
             self._once[actor] -= 1
+            self._once_bytes -= nbytes
 
     def _acquire(self, actor: int, nbytes: int) -> Segment | None:
         with self._lock:

@@ -869,7 +869,15 @@ class RemoteMesh:
             spec = as_spec(spec)  # (a NamedSharding over the actors' own mesh shape: its spec)
             fields["layout"] = layout_wire(as_layout(spec))
         bufs = {a: self.new_buffer_id() for a in actors}
-        send = gather([self._put_one(a, b, fields, wire) for a, b in bufs.items()])
+        puts: list[Any] = []
+        try:
+            for a, b in bufs.items():
+                puts.append(self._put_one(a, b, fields, wire))
+        except BaseException:  # (e.g. the host has not the memory for the next actor's: the ones made are not sent)
+            for p in puts:
+                p.close()
+            raise
+        send = gather(puts)
         layout = as_layout(spec) if spec is not None else (() if self.actor_mesh is not None else None)
         return send, lambda: RemoteArray(self, bufs, shape, dtype, remote_sharding(layout, self.actor_mesh))
 

@@ -771,6 +771,8 @@ class RecoveryManager:
         old, user.buffers, fresh.buffers = user.buffers, dict(fresh.buffers), {}
         user._host = None
         if fresh._ready is not None:  # (an aborted step's output, replayed: made by the replay now, not failed)
+            if getattr(user._ready, "donating", False):  # (the replay's outputs are the donated state's only copy too)
+                fresh._ready.donating = True
             user._ready = fresh._ready
         if old:
             self.mesh.release_buffers(old)
