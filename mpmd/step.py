@@ -1002,10 +1002,12 @@ class DistributedFunction:
         if recovery is not None:
             cancelled = threading.Event()
             try:
-                return await off_loop(lambda: recovery.call(self, args, cancelled))
+                outs = await off_loop(lambda: recovery.call(self, args, cancelled))
             except asyncio.CancelledError:
                 cancelled.set()  # a compile or a recovery under way runs on; the step is not dispatched
                 raise
+            self._donate(args, outs)  # (as `step(*args)` does after the recovery's call: donate_argnums did nothing here)
+            return outs
         sig, leaves, _ = self._signature(args)
         while True:
             with self._compile_lock:  # (held from here to its dispatch: see `_take`)

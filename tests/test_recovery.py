@@ -458,6 +458,29 @@ def test_a_call_async_cancelled_while_it_compiles_on_a_recovering_mesh_is_not_di
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+def test_call_async_on_a_recovering_mesh_donates_as_the_blocking_call_does():
+    """On a recovering mesh `call_async` returned before its donation: donate_argnums did nothing there (the inputs
+    stayed on the actors), where the blocking call and a plain mesh's call_async delete them (a review)."""
+    batches = _batches()
+    ref = jax.jit(make_train_step(mse_loss(mlp), OPT, None))
+    rp, ro, _ = ref(_params(), OPT.init(_params()), batches[0])
+    want = ref(rp, ro, batches[1])
+
+    async def scenario():
+        async with await mpmd.RemoteMesh.local_async(num_actors=2, recover=mpmd.Recovery(snapshot_every=5)) as mesh:
+            dist = mpmd.distributed(STEP, mesh=mesh, donate_argnums=(0, 1))
+            p, o, _ = await dist.call_async(_params(), OPT.init(_params()), batches[0])
+            p2, o2, losses = await dist.call_async(p, o, batches[1])
+            assert all(x.is_deleted for x in jax.tree.leaves((p, o)) if isinstance(x, mpmd.RemoteArray))
+            with pytest.raises(mpmd.MpmdError, match="was donated to"):
+                await mpmd.fetch_async(jax.tree.leaves(p)[0])
+            return await mpmd.fetch_async((p2, o2, losses))
+
+    got = asyncio.run(scenario())
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
 def test_recovery_rejects_bad_settings_with_a_clear_error():
     with pytest.raises(ValueError, match="snapshot_every"):
         mpmd.Recovery(snapshot_every=0)
