@@ -204,6 +204,10 @@ FORGED = {  # each with the manifest's digest recomputed: the manifest's own che
     "huge_dimension": lambda d: _leaf(d, "['w']").update(shape=[0, 2**63], stored_shape=[0, 2**63]),
     "stored_unlike_shape": lambda d: _leaf(d, "['w']").update(stored_shape=[0]),
     "stored_unlike_dtype": lambda d: _leaf(d, "['w']").update(stored_dtype="int32"),
+    # numpy knows 'object', and an empty leaf of it was read from the manifest alone (a probe)
+    "object_dtype": lambda d: _leaf(d, "['w']").update(shape=[0, 3], stored_shape=[0, 3], dtype="object", stored_dtype="object"),
+    # a tree 5000 levels deep: rebuilding it raised RecursionError (a probe)
+    "nested_5000_deep": lambda d: _leaf(d, "['w']").update(entries=[["key", "a"]] * 5000),
 }
 
 
@@ -233,4 +237,50 @@ def test_list_positions_a_forged_manifest_makes_up_cost_no_memory_when_loading_w
     _edit(ckpt, lambda d: [leaf.update(entries=[["key", leaf["path"][2:-2]], ["index", 10**9]]) for leaf in d["body"]["leaves"]],
           redigest=True)
     with pytest.raises(mpmd.CheckpointError, match="list positions up to 1000000000 for 5 arrays; load it with like="):
+        mpmd.load(str(path))
+
+
+def test_special_files_links_and_deep_json_in_a_checkpoint_are_refused_never_followed_or_waited_on(mesh2, copy, tmp_path):
+    """A crafted checkpoint directory (a probe): a FIFO listed as a part's file, or as LATEST, made load wait
+    forever; LATEST linked to /dev/zero grew without end; a checkpoint, part or manifest linked to a directory
+    elsewhere was read from there; a manifest nested deeper than Python's stack, a LATEST not UTF-8 or a directory
+    raised raw Python errors. Each is a CheckpointError naming it, at once."""
+    path, ckpt, tree = copy
+    outside = tmp_path / "outside"
+    shutil.copytree(ckpt, outside)
+
+    def fresh():
+        shutil.rmtree(path)
+        shutil.copytree(tmp_path / "pristine", path)
+
+    shutil.copytree(path, tmp_path / "pristine")
+    cases = {
+        "LATEST is a FIFO": (lambda: (os.remove(path / "LATEST"), os.mkfifo(path / "LATEST")), r"LATEST cannot be read"),
+        "LATEST links to /dev/zero": (lambda: (os.remove(path / "LATEST"), os.symlink("/dev/zero", path / "LATEST")),
+                                      r"LATEST cannot be read"),
+        "LATEST is a directory": (lambda: (os.remove(path / "LATEST"), os.mkdir(path / "LATEST")), r"LATEST cannot be read"),
+        "LATEST is not UTF-8": (lambda: (path / "LATEST").write_bytes(ckpt.name.encode() + b"\xff"), r"LATEST cannot be read"),
+        "the checkpoint links outside": (lambda: (shutil.rmtree(ckpt), os.symlink(outside, ckpt)), r"is a symbolic link"),
+        "a part links outside": (lambda: (shutil.rmtree(ckpt / "host"), os.symlink(outside / "host", ckpt / "host")),
+                                 r"host.*a symbolic link where the checkpoint wrote a directory"),
+        "the manifest links outside": (lambda: (os.remove(ckpt / "manifest.json"),
+                                                os.symlink(outside / "manifest.json", ckpt / "manifest.json")),
+                                       r"manifest.json: a symbolic link"),
+        "the manifest nests too deep": (lambda: (ckpt / "manifest.json").write_text("[" * 200_000 + "]" * 200_000),
+                                        r"manifest.json: unreadable or not JSON \(RecursionError"),
+    }
+    for name, (damage, said) in cases.items():
+        fresh()
+        damage()
+        for read in (lambda: mpmd.load(str(path)), lambda: mpmd.restore(str(path), mesh2, like=like(tree))):
+            with pytest.raises(mpmd.CheckpointError, match=said):
+                read()
+    # a FIFO among a part's files, listed in a manifest whose digest is recomputed: refused by its kind, not opened
+    fresh()
+    first = next(p for p in (ckpt / "host").rglob("*") if p.is_file())
+    os.remove(first)
+    os.mkfifo(first)
+    rel = str(first.relative_to(ckpt / "host"))
+    _edit(ckpt, lambda d: d["body"]["parts"]["host"][rel].update(size=0, sha256=hashlib.sha256(b"").hexdigest()), redigest=True)
+    with pytest.raises(mpmd.CheckpointError, match=r"not a regular file \(a FIFO"):
         mpmd.load(str(path))

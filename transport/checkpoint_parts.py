@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import os
+import stat
 import threading
 from typing import Any
 
@@ -35,9 +36,12 @@ def array_digest(a: Any) -> str:
 
 
 def file_digest(path: str) -> str:
-    """SHA-256 (hex) of a file's bytes."""
+    """SHA-256 (hex) of a regular file's bytes (opened without following a link or waiting on a FIFO: OSError)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
@@ -64,6 +68,8 @@ def directory_digests(directory: str) -> dict[str, dict[str, Any]]:
 def check_listing(directory: str, expected: dict[str, dict[str, Any]]) -> tuple[str, str] | None:
     """Compare the files under `directory` with `expected` by name and size only (cheap): None when they agree,
     else (file, what is wrong)."""
+    if os.path.islink(directory):  # (os.walk follows the root it is given: a part read from outside the checkpoint)
+        return ".", "a symbolic link where the checkpoint wrote a directory"
     if not os.path.isdir(directory):
         return ".", "the directory is missing"
     have = list_files(directory)
@@ -75,6 +81,8 @@ def check_listing(directory: str, expected: dict[str, dict[str, Any]]) -> tuple[
             return rel, "an extra file that the manifest does not list"
         if os.path.islink(os.path.join(directory, rel)):
             return rel, "a symbolic link where the checkpoint wrote a file"
+        if not stat.S_ISREG(os.lstat(os.path.join(directory, rel)).st_mode):  # (a FIFO: reading it waited forever)
+            return rel, "not a regular file (a FIFO, device or socket) where the checkpoint wrote a file"
         if have[rel] != expected[rel]["size"]:
             return rel, f"{have[rel]} bytes, the manifest says {expected[rel]['size']}"
     return None

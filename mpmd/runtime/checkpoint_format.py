@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ import numpy as np
 
 from mpmd.compiler.avals import wire_shape_dtype
 from mpmd.errors import CheckpointError
+from transport.protocol import ALLOWED_DTYPES
 
 FORMAT = "mpmd-checkpoint"
 VERSION = 2
@@ -126,6 +128,8 @@ def _bad(ckpt: str, why: str, *, file: str | None = MANIFEST, leaf: str | None =
 def read_manifest(ckpt: str) -> Manifest:
     """Read and verify `ckpt/manifest.json`: its digest, then every field's type. Raises CheckpointError."""
     where = os.path.join(ckpt, MANIFEST)
+    if os.path.islink(where):
+        raise _bad(ckpt, "a symbolic link where mpmd.save wrote a file: a checkpoint is read only inside its directory")
     if not os.path.isfile(where):
         if os.path.isfile(os.path.join(ckpt, "meta.json")):
             raise _bad(ckpt, "missing; this checkpoint was written by an older mpmd (format 1, meta.json, no digests) and "
@@ -134,8 +138,8 @@ def read_manifest(ckpt: str) -> Manifest:
     try:
         with open(where, "rb") as f:
             doc = json.loads(f.read())
-    except (ValueError, OSError) as e:
-        raise _bad(ckpt, f"unreadable or not JSON ({e}); the file was damaged or edited") from None
+    except (ValueError, OSError, RecursionError) as e:  # (nesting deeper than Python's stack: RecursionError)
+        raise _bad(ckpt, f"unreadable or not JSON ({type(e).__name__}: {str(e)[:200]}); the file was damaged or edited") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise _bad(ckpt, f"not an mpmd checkpoint manifest (format {doc.get('format') if isinstance(doc, dict) else None!r})")
     if doc.get("version") != VERSION:
@@ -146,8 +150,8 @@ def read_manifest(ckpt: str) -> Manifest:
                    "nothing in this checkpoint can be trusted (restore an earlier checkpoint)")
     try:
         return _parse(ckpt, body)
-    except (KeyError, TypeError, ValueError) as e:
-        raise _bad(ckpt, f"malformed ({type(e).__name__}: {e})") from None
+    except (KeyError, TypeError, ValueError, RecursionError) as e:
+        raise _bad(ckpt, f"malformed ({type(e).__name__}: {str(e)[:300]})") from None
 
 
 def _parse(ckpt: str, body: dict[str, Any]) -> Manifest:
@@ -169,7 +173,9 @@ def _parse(ckpt: str, body: dict[str, Any]) -> Manifest:
                     str(m["sha256"]), tuple(int(a) for a in m["saved_actors"]), m["saved_layout"])
         if leaf.part not in parts or not leaf.name.isidentifier() or not _HEX.fullmatch(leaf.sha256):
             raise ValueError(f"leaf {leaf.path}: bad part, name or digest")
-        stored_dtype = np.dtype(leaf.stored_dtype)  # a dtype numpy knows, or ValueError/TypeError
+        if leaf.stored_dtype not in ALLOWED_DTYPES:  # (numbers only: np.dtype('object') read an empty leaf of objects; a probe)
+            raise ValueError(f"leaf {leaf.path}: stored dtype {leaf.stored_dtype[:40]!r} is not one mpmd writes")
+        stored_dtype = np.dtype(leaf.stored_dtype)
         for shape in (leaf.shape, leaf.stored_shape):  # (an array numpy can make; a zero-size one is read from here alone)
             if len(shape) > 32 or not all(0 <= d < 1 << 48 for d in shape):
                 raise ValueError(f"leaf {leaf.path}: shape {list(shape)[:8]} is not one an array can have")
@@ -197,11 +203,17 @@ def _parse(ckpt: str, body: dict[str, Any]) -> Manifest:
 _ENTRY_KINDS = {"key": (str, int), "index": (int,), "attr": (str,), "flat": (int,)}
 
 
+MAX_DEPTH = 200  # levels of a saved pytree (a crafted manifest of 5000 made load raise RecursionError; a probe)
+
+
 def _check_entries(leaves: list[Leaf]) -> None:
     """Every leaf's path entries are `path_entries` pairs, no two leaves at one path and none inside another's
     (a tree `load` can rebuild): only a lone leaf sits at the root."""
     seen: set[tuple[Any, ...]] = set()
     for leaf in leaves:
+        if len(leaf.entries) > MAX_DEPTH:  # (rebuilding the tree recurses per level: Python's stack, a RecursionError)
+            raise ValueError(f"leaf {str(leaf.path)[:80]} sits {len(leaf.entries)} levels deep, more than the {MAX_DEPTH} a "
+                             "checkpoint's tree may have")
         for e in leaf.entries:
             if not (isinstance(e, list) and len(e) == 2 and e[0] in _ENTRY_KINDS and isinstance(e[1], _ENTRY_KINDS[e[0]])
                     and not isinstance(e[1], bool)):
@@ -215,21 +227,39 @@ def _check_entries(leaves: list[Leaf]) -> None:
                 raise ValueError(f"a leaf at {list(path[:k])} holds another leaf at {list(path)}")
 
 
+def _small_text(path: str, limit: int = 4096) -> str:
+    """The text of a small regular file, read without following a link or waiting on a FIFO (OSError), and
+    ValueError when it is over `limit` bytes or not UTF-8."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError("not a regular file")
+        raw = f.read(limit + 1)
+    if len(raw) > limit:
+        raise ValueError(f"more than {limit} bytes")
+    return raw.decode("utf-8").strip()  # (UnicodeDecodeError is a ValueError)
+
+
 def committed(path: str) -> str:
     """The directory of the checkpoint `path/LATEST` names. Raises CheckpointError when there is none."""
     latest = os.path.join(path, "LATEST")
     if os.path.exists(path) and not os.path.isdir(path):
         raise CheckpointError(f"{path!r} is a file, not a checkpoint directory (give the directory mpmd.save wrote)", checkpoint=path)
     try:
-        with open(latest) as f:
-            name = f.read().strip()
+        name = _small_text(latest)
     except FileNotFoundError:
         raise CheckpointError(f"no committed checkpoint in {path!r} (no LATEST file); was mpmd.save called there?",
                               checkpoint=path, file="LATEST") from None
+    except (OSError, ValueError) as e:  # (a FIFO waited forever, /dev/zero grew without end, a directory, not text)
+        raise CheckpointError(f"{latest} cannot be read as the small text file mpmd.save writes ({e}); the directory was "
+                              "damaged or edited", checkpoint=path, file="LATEST") from None
     if not _NAME.fullmatch(name):
         raise CheckpointError(f"{latest} names {name[:80]!r}, not a checkpoint (ckpt-<n>); the file was damaged or edited",
                               checkpoint=path, file="LATEST")
     ckpt = os.path.join(path, name)
+    if os.path.islink(ckpt):  # (a checkpoint is read only inside the directory it was given: a link leads outside)
+        raise CheckpointError(f"{ckpt} is a symbolic link; mpmd.save writes each checkpoint as a directory of its own, and "
+                              f"one is read only inside {path!r}", checkpoint=ckpt, file="LATEST")
     if not os.path.isdir(ckpt):
         raise CheckpointError(f"{latest} names {name!r}, but {ckpt} is missing; restore an older checkpoint by writing its "
                               "name into LATEST, or save again", checkpoint=ckpt, file="LATEST")
