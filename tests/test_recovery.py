@@ -824,6 +824,31 @@ def test_an_async_save_running_when_an_actor_is_lost_is_written_again_after_the_
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+def test_a_save_called_after_an_actor_was_noticed_lost_waits_for_the_recovery(tmp_path):
+    """The loss already noticed (the actor's connection marked dead) when mpmd.save was called: the save's requests
+    raised ActorDiedError as they were sent, outside the save's handling of a loss while it runs, and the caller
+    got it, advising mesh.reconnect, while the mesh recovered on its own (a probe). It waits for the recovery and
+    saves the rebound arrays, as a save under way does."""
+    batches = _batches()
+    with mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(snapshot_every=3), heartbeat_timeout=5.0) as mesh:
+        dist = mpmd.distributed(STEP, mesh=mesh)
+        params = _params()
+        p, o = params, OPT.init(params)
+        for i in range(3):
+            p, o, losses = dist(p, o, batches[i])
+        mpmd.fetch(losses)
+        for i in range(3, 6):
+            p, o, losses = dist(p, o, batches[i])
+        _sigkill(mesh, 1)
+        assert wait_until(lambda: mesh.conn(1).dead, 10)  # (noticed before the save is called)
+        mpmd.save(str(tmp_path / "c"), (p, o))
+        want = mpmd.fetch((p, o))
+        assert mesh.recoveries == 1
+    got = mpmd.load(str(tmp_path / "c"), like=want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 @pytest.mark.slow
 def test_with_actor_loaded_batches_the_replay_loads_the_data_of_the_steps_it_replays():
     """A replay drew step numbers of its own, and the actors' loaders loaded those: every replayed step, and every

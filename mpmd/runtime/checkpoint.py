@@ -325,6 +325,9 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
         array donated since the call is saved from the buffers it named then — unless this is the save sent `again`
         after a recovery, which those buffers did not survive."""
         pending = []
+        for a in per_actor:  # (before any is sent: an actor already lost makes `write` wait for the recovery first)
+            if mesh.conn(a).dead:
+                raise ActorDiedError(a, mesh.conn(a).dead)
         try:
             for a, (names, idx) in per_actor.items():
                 if again and any(a not in flat[i][1].buffers for i in idx):
@@ -350,7 +353,18 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
     replies_now: list[asyncio.Future[Any]] = []  # the actors' replies the save waits for (sent, or sent again)
 
     async def write() -> str:
-        replies_now[:] = await asyncio.wrap_future(sent)
+        try:
+            replies_now[:] = await asyncio.wrap_future(sent)
+        except ActorDiedError as lost:  # lost before the save was sent (nothing was): as a loss while it ran
+            if recovery is None:
+                raise
+            running = recovery._start_recovery(lost)
+            if running is not None:
+                await asyncio.wait([asyncio.wrap_future(running)])
+            if recovery.gave_up is not None:
+                raise
+            log.warning("mpmd.save into %s: an actor was lost before it was sent; the mesh recovered, saving", path)
+            replies_now[:] = send(again=True)
         for attempt in range(2):
             # Every actor's answer before anything is abandoned: one actor's failure must not delete the
             # directory while another still writes into it. (asyncio.wait: a cancel leaves the replies awaited.)
