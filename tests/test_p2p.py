@@ -147,6 +147,44 @@ def test_a_receive_whose_peer_never_sends_times_out_naming_both_actors_and_the_t
         assert mesh.actor(1).ping() > 0
 
 
+def test_a_segment_another_process_put_under_the_senders_name_is_refused_not_read_as_the_activation(mesh2):
+    """A process of the same user unlinked a sender's segment and made one of the same name and size, filled with
+    its own bytes, before the receiver opened it: the step computed with them (losses 28.09 against jax.jit's 1.43;
+    a probe). The notice carries the inode of the file the sender made, and the receiver maps only that file. The
+    sender is a stand-in registered like a real actor (tests/wire.py); the receiving daemon is real."""
+    import asyncio
+
+    from tests.wire import FakePeer
+    from transport.p2p import shm
+    from transport.p2p.shm import CONTROL
+
+    pid = next(_ids)
+    peer = FakePeer(mesh2, 1, 7)
+    recv = Program(1, [], [0], [Recv(0, 7, 3, "float32", (1024, 64), Label("xfer"))])
+    mesh2.run(mesh2.executables.load_program(1, recv, pid, []))
+    name, size = f"{peer.prefix}1-2", (1 << 18) + CONTROL
+    made: list[int] = []
+    shm._create(name, size, made).close()  # the sender's segment (its payload would be the activation)
+    shm.unlink(name)
+    other = shm.create_segment(name, size)  # another process's, under the same name and size
+    other[: 1 << 18] = np.full(1 << 16, 7.0, np.float32).tobytes()
+    try:
+        peer.send({"op": "shm", "key": [mesh2.session, pid, 0, 3], "seg": 2, "name": name, "size": size, "ino": made[0],
+                   "arrays": [{"dtype": "float32", "shape": [1024, 64]}]})
+
+        async def go():
+            return await mesh2.conn(1).request("run_program", {"program": pid, "step": 0, "inputs": [], "outputs": [mesh2.new_buffer_id()]})
+
+        with pytest.raises(mpmd.RemoteError, match=f"could not map shared memory {name} from actor 7: .* is not the file actor 7 made"):
+            mesh2.run(asyncio.wait_for(go(), 30))
+    finally:
+        other.close()
+        shm.unlink(name)
+        peer.close()
+    a = np.arange(1 << 16, dtype=np.float32)  # (big enough for shared memory: the real route still delivers)
+    np.testing.assert_array_equal(run_transfers(mesh2, [(0, 1, 0, a)])[0], a)
+
+
 def test_a_bad_data_plane_message_fails_the_receive_and_the_actor_survives(mesh2):
     """A notice naming shared memory that does not exist (or garbage bytes) on an actor's data-plane socket, from
     a peer the actor authenticates (a stand-in registered like a real actor: tests/wire.py): the receive it
@@ -162,7 +200,7 @@ def test_a_bad_data_plane_message_fails_the_receive_and_the_actor_survives(mesh2
     peer.send_raw([b"\x00garbage"])
     name = f"{peer.prefix}1-1"  # the name a segment of this peer's for actor 1 would have; there is none
     peer.send({"op": "shm", "key": [mesh2.session, pid, 0, 3], "seg": 1, "name": name,
-               "size": 1 << 18, "arrays": [{"dtype": "float32", "shape": [1024, 64]}]})
+               "size": 1 << 18, "ino": 0, "arrays": [{"dtype": "float32", "shape": [1024, 64]}]})
 
     async def go():
         return await mesh2.conn(1).request("run_program", {"program": pid, "step": 0, "inputs": [], "outputs": [mesh2.new_buffer_id()]})

@@ -230,7 +230,7 @@ def test_a_peer_cannot_claim_another_actors_id_nor_name_someone_elses_shared_mem
         mesh.run(mesh.executables.load_program(0, prog, pid, []))
         key = [mesh.session, pid, 0]
         peer.send({"op": "data", "src": 3, "key": [*key, 2]}, [np.ones(4, np.float32)])  # claims to be actor 3
-        peer.send({"op": "shm", "key": [*key, 1], "seg": 0, "name": victim, "size": 1 << 16,
+        peer.send({"op": "shm", "key": [*key, 1], "seg": 0, "name": victim, "size": 1 << 16, "ino": 0,
                    "arrays": [{"dtype": "float32", "shape": [16]}]})
         for seg in range(4):
             peer.send({"op": "shm_ack", "seg": seg})  # acks for segments nobody sent it: ignored

@@ -372,7 +372,7 @@ class DataPlane(P2PTransport):
             return
         try:
             ready = getattr(value, "is_ready", None)
-            notice = {"op": "shm", "key": list(key), "seg": seg.id, "name": seg.name, "size": seg.mapped,
+            notice = {"op": "shm", "key": list(key), "seg": seg.id, "name": seg.name, "size": seg.mapped, "ino": seg.ino,
                       "arrays": [aval_header(value.shape, value.dtype)]}
             if nbytes >= 4 << 20 or (ready is not None and not ready()):
                 # Waiting for the value, copying it and (over a link) posting the notice happen in one hop on a
@@ -640,15 +640,15 @@ class DataPlane(P2PTransport):
                 if key is None:
                     raise ProtocolError(f"shm notice needs an int-list 'key' (at most {MAX_KEY_INTS}), got {raw_key!r:.200}")
                 ((dtype, shape, nbytes),) = array_specs(header)
-                seg, name, size = header.get("seg"), header.get("name"), header.get("size")
-                if not isinstance(seg, int) or not isinstance(size, int) or not isinstance(name, str):
-                    raise ProtocolError("shm notice needs int 'seg', int 'size' and str 'name'")
+                seg, name, size, ino = header.get("seg"), header.get("name"), header.get("size"), header.get("ino")
+                if not isinstance(seg, int) or not isinstance(size, int) or not isinstance(name, str) or type(ino) is not int:
+                    raise ProtocolError("shm notice needs int 'seg', int 'size', str 'name' and int 'ino'")
                 prefix = self._peer_shm.get(src)
                 if prefix is None or name != f"{prefix}{self.actor_id}-{seg}":
                     raise TransferError(f"actor {self.actor_id} refused a shared-memory notice from actor {src} naming {name!r}: "
                                         "not a segment that actor made for this one")
                 try:
-                    view = self._shm_in.view(src, seg, name, size, dtype, shape, nbytes)
+                    view = self._shm_in.view(src, seg, name, size, dtype, shape, nbytes, ino=ino)
                 except (OSError, ValueError) as e:
                     raise TransferError(f"actor {self.actor_id} could not map shared memory {name} from actor {src}: {e}") from None
                 self.counters["received_bytes"] += nbytes

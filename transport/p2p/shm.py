@@ -1,10 +1,11 @@
 """Shared-memory payloads between actors on one host.
 
 The sender copies an array into a POSIX shared-memory segment it owns and sends a small ZeroMQ notice
-``{"op": "shm", seg, name, size, arrays: [aval]}``. The receiver maps the segment only if its name is the
+``{"op": "shm", seg, name, size, ino, arrays: [aval]}``. The receiver maps the segment only if its name is the
 one that sender's segment number `seg` must have (the sender's prefix comes from the controller, the sender's
-identity from its CURVE key; see plane.py) and it belongs to this user — so a notice cannot make the receiver
-map or unlink anybody else's segment. It maps each segment once and unlinks the name right after, so nothing
+identity from its CURVE key; see plane.py), it belongs to this user, and it is the file the sender made (its
+inode `ino`: another process of the user could put a file of its own under the name) — so a notice cannot make
+the receiver map or unlink anybody else's segment, nor read another's bytes as the activation. It maps each segment once and unlinks the name right after, so nothing
 is left in /dev/shm if either side dies; hands out an aligned numpy view
 that JAX aliases rather than copies, and marks the segment released only when the last Python reference to
 that view is gone — so a segment is never reused while an array still aliases it. The mark is a word in the
@@ -73,6 +74,7 @@ class Segment:
     mm: mmap.mmap
     unlinked: bool = False
     uses: int = 0  # how many times it was handed out; the receiver writes this back when it is done with it
+    ino: int = 0  # its file's inode, in the notice: the receiver maps only the file this sender made
 
     @property
     def mapped(self) -> int:
@@ -86,13 +88,17 @@ class Segment:
 _FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # map the pages now: a first write would fault on each
 
 
-def _create(name: str, size: int) -> mmap.mmap:
+def _create(name: str, size: int, inode: list[int] | None = None) -> mmap.mmap:
+    """The new segment `name`, mapped; its inode appended to `inode` (the receiver checks that what it opens under the
+    name is this file: another of the same user could take the name between the unlink and the open)."""
     fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         try:
             os.posix_fallocate(fd, 0, size)
         except AttributeError:  # pragma: no cover - macOS has no posix_fallocate
             os.ftruncate(fd, size)
+        if inode is not None:
+            inode.append(os.fstat(fd).st_ino)
         return mmap.mmap(fd, size, flags=_FLAGS)
     except BaseException:
         _posixshmem.shm_unlink(name)
@@ -168,7 +174,8 @@ class ShmSender:
         else:
             n = next(self._names)
             name = f"{self.prefix}{n}"
-            seg = Segment(n, name, size, _create(name, size + CONTROL))
+            inode: list[int] = []
+            seg = Segment(n, name, size, _create(name, size + CONTROL, inode), ino=inode[0])
             self.created += 1
         seg.uses += 1
         words = seg.control()
@@ -247,7 +254,7 @@ class ShmReceiver:
             except BufferError:  # a view is still alive; the mapping goes with it
                 pass
 
-    def open(self, src: int, seg_id: int, name: str, size: int) -> mmap.mmap:
+    def open(self, src: int, seg_id: int, name: str, size: int, ino: int | None = None) -> mmap.mmap:
         mm = self.maps.get((src, seg_id, name))
         if mm is None:
             if not name.startswith("/mpmd-") or "/" in name[1:]:
@@ -260,6 +267,10 @@ class ShmReceiver:
                     raise ValueError(f"shared-memory segment {name} belongs to user {st.st_uid}, not to this actor's user")
                 if st.st_size < size:
                     raise ValueError(f"shared-memory segment {name} is smaller than the announced {size} bytes")
+                if ino is not None and st.st_ino != ino:  # (a same-user process replaced the file: its bytes were read
+                    # as the activation, silently wrong; a probe)
+                    raise ValueError(f"shared-memory segment {name} is not the file actor {src} made (another took its "
+                                     "name); is something else on this host using mpmd's segment names?")
                 mm = mmap.mmap(fd, size, flags=_FLAGS)
             finally:
                 os.close(fd)
@@ -286,12 +297,12 @@ class ShmReceiver:
                 pass
 
     def view(self, src: int, seg_id: int, name: str, size: int, dtype: np.dtype, shape: list[int], nbytes: int,
-             on_release: Callable[[], None] | None = None) -> np.ndarray:
+             on_release: Callable[[], None] | None = None, ino: int | None = None) -> np.ndarray:
         """An array over the segment (`size`: its mapping, payload and control page); once no reference to it is
         left the segment is marked released for its sender, and `on_release` runs (in any thread)."""
         if size < CONTROL + MIN_SEGMENT:
             raise ValueError(f"shared-memory segment {seg_id} from actor {src}: {size} bytes cannot hold a payload and its control page")
-        mm = self.open(src, seg_id, name, size)
+        mm = self.open(src, seg_id, name, size, ino)
         payload = size - CONTROL
         if nbytes > payload:
             raise ValueError(f"{dtype.name}{shape} needs {nbytes} bytes but segment {seg_id} from actor {src} has {payload}")
