@@ -87,7 +87,8 @@ class InputSegments:
         if not self._ours(name):
             raise RequestError(f"shared-memory input {name!r} refused: its name is not {self.prefix!r} + a number, the prefix "
                                "this session's controller announced")
-        for what, v in (("offset", offset), ("nbytes", nbytes)):
+        ino = notice.get("ino")
+        for what, v in (("offset", offset), ("nbytes", nbytes), ("ino", ino)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise RequestError(f"shared-memory input {name}: {what} must be a non-negative int, got {v!r}")
         if offset % ALIGN:
@@ -101,7 +102,7 @@ class InputSegments:
         want = math.prod(shape) * dtype.itemsize
         if nbytes != want:
             raise RequestError(f"shared-memory input {name}: {dtype.name}{shape} is {want} bytes but the notice says {nbytes}")
-        mm = self._map(name)
+        mm = self._map(name, ino)
         if offset + nbytes > len(mm):
             raise RequestError(f"shared-memory input {name}: bytes {offset}..{offset + nbytes} lie outside the segment "
                                f"({len(mm)} bytes)")
@@ -116,7 +117,7 @@ class InputSegments:
         self.bytes += nbytes
         return np.frombuffer(mm, np.uint8, nbytes, offset).view(dtype).reshape(shape)
 
-    def _map(self, name: str) -> mmap.mmap:
+    def _map(self, name: str, ino: int) -> mmap.mmap:
         mm = self.maps.get(name)
         if mm is not None:
             return mm
@@ -134,6 +135,10 @@ class InputSegments:
                 raise RequestError(f"shared-memory input {name} has mode {stat.S_IMODE(st.st_mode):o}; inputs must be 600")
             if st.st_size == 0:
                 raise RequestError(f"shared-memory input {name} is empty")
+            if st.st_ino != ino:  # (another process of this user put its own file under the name: its bytes would be
+                # read as the step's inputs; a probe did it to the actors' own segments)
+                raise RequestError(f"shared-memory input {name} is not the file the controller made (another took its "
+                                   "name); is something else on this host using mpmd's segment names?")
             mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:
             os.close(fd)

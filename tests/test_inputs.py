@@ -178,11 +178,16 @@ def test_hostile_shm_input_notices_are_refused_and_the_daemon_survives(mesh2):
     prog = compiled.plan.programs[actor]
     pid, n_inputs, n_outputs = compiled.program_ids[actor], len(prog.inputs), len(prog.outputs)
     prefix = input_stager(mesh2).prefix(actor)  # announced to actor 0 by the call above
-    good = {"offset": 0, "nbytes": 128 * 256 * 4, "dtype": "float32", "shape": [128, 256]}
     own = f"{prefix}{10**9}"  # a segment named as this session's inputs are, made here to point notices at
-    mm = shm.create_segment(own, 1 << 16)
+    inode: list[int] = []
+    mm = shm.create_segment(own, 1 << 16, inode)
+    good = {"offset": 0, "nbytes": 128 * 256 * 4, "dtype": "float32", "shape": [128, 256], "ino": inode[0]}
     try:
         cases = [
+            # (first: once mapped, a segment is not opened again) a file other than the one the notice's maker made
+            # — another process of the user put its own under the name — or no inode at all
+            ({**good, "name": own, "ino": inode[0] + 1}, "is not the file the controller made"),
+            ({**{k: v for k, v in good.items() if k != "ino"}, "name": own}, "ino must be a non-negative int"),
             ({**good, "name": "/mpmd-in-1-2-0-7"}, "not .* the prefix"),  # another controller's segment
             ({**good, "name": "/psm_foreign"}, "not .* the prefix"),
             ({**good, "name": f"{prefix}../x"}, "not .* the prefix"),
@@ -693,7 +698,7 @@ def test_a_full_dev_shm_sends_the_inputs_inline_at_once_says_so_and_steps_equal_
     one raises; the actors' own shared memory is untouched. Found by a probe."""
     import errno
 
-    def no_room(name, size):
+    def no_room(name, size, inode=None):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     rng = np.random.default_rng(5)
@@ -842,10 +847,11 @@ def test_a_segment_its_writer_truncated_after_the_actor_mapped_it_is_refused_not
         conn = mesh.conn(0)
         mesh.run(conn.request("input_shm", {"prefix": prefix}))  # (this session's stager is not used again)
         name = prefix + "0"
-        with shm.create_segment(name, 1 << 20) as seg:
+        inode: list[int] = []
+        with shm.create_segment(name, 1 << 20, inode) as seg:
             seg[:] = bytes(range(256)) * 4096
             fd = shm._posixshmem.shm_open(name, os.O_RDWR, 0)
-            notice = {"name": name, "offset": 0, "nbytes": 1 << 20, "dtype": "uint8", "shape": [1 << 20]}
+            notice = {"name": name, "offset": 0, "nbytes": 1 << 20, "dtype": "uint8", "shape": [1 << 20], "ino": inode[0]}
             try:
                 mesh.run(conn.request("put", {"buf": 10**6, "shm": notice}))  # mapped (and its name unlinked) now
                 os.ftruncate(fd, mmap.PAGESIZE)

@@ -58,6 +58,7 @@ class Segment:
     size: int
     mm: mmap.mmap
     busy: bool = False
+    ino: int = 0  # its file's inode, in each notice: the actor maps only the file this controller made
 
 
 def _aligned(n: int) -> int:
@@ -195,11 +196,12 @@ class InputStager:
             self._once_bytes += array.nbytes
         name = f"{self.prefix(actor)}{next(self._names)}"
         try:
-            mm = shm.create_segment(name, _aligned(max(array.nbytes, 1)))
+            inode: list[int] = []
+            mm = shm.create_segment(name, _aligned(max(array.nbytes, 1)), inode)
         except OSError:  # (no room: this put goes inline; the step arguments' pool is not marked full for it)
             self._once_done(actor, array.nbytes)
             return None
-        seg = Segment(name, len(mm), mm)
+        seg = Segment(name, len(mm), mm, ino=inode[0])
         notice = {**_write(seg, array, 0), "once": True}
         done_once = threading.Lock()
 
@@ -242,8 +244,10 @@ class InputStager:
                 return None
             name = f"{self.prefix(actor)}{next(self._names)}"
             fit = Segment(name, size, None)  # type: ignore[arg-type]
+            inode: list[int] = []
             try:
-                fit.mm = shm.create_segment(name, fit.size)
+                fit.mm = shm.create_segment(name, fit.size, inode)
+                fit.ino = inode[0]
             except OSError as e:  # /dev/shm full or too small (a container's 64 MiB): these inputs go inline
                 self._no_room(actor, size, e)
                 return None
@@ -274,7 +278,7 @@ def _write(seg: Segment, array: np.ndarray, offset: int, layout: Any = None) -> 
     """Copy `array` into `seg` at `offset`; the notice that tells the actor where it lies."""
     np.copyto(np.frombuffer(seg.mm, np.uint8, array.nbytes, offset), np.ascontiguousarray(array).reshape(-1).view(np.uint8))
     notice = {"name": seg.name, "offset": offset, "nbytes": int(array.nbytes), "dtype": dtype_name(array.dtype),
-              "shape": list(array.shape)}
+              "shape": list(array.shape), "ino": seg.ino}
     if layout is not None:
         notice["layout"] = layout
     return notice

@@ -107,11 +107,12 @@ def _create(name: str, size: int, inode: list[int] | None = None) -> mmap.mmap:
         os.close(fd)
 
 
-def create_segment(name: str, size: int) -> mmap.mmap:
-    """A new segment `name` of `size` bytes (mode 600, reserved now: a full /dev/shm fails here, not later), mapped."""
+def create_segment(name: str, size: int, inode: list[int] | None = None) -> mmap.mmap:
+    """A new segment `name` of `size` bytes (mode 600, reserved now: a full /dev/shm fails here, not later), mapped;
+    its inode appended to `inode` when given (for the reader's check that it maps this file)."""
     if _posixshmem is None:
         raise OSError("POSIX shared memory is not available here")
-    return _create(name, size)
+    return _create(name, size, inode)
 
 
 def unlink(name: str) -> None:
