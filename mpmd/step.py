@@ -104,6 +104,15 @@ class CompiledStep:
         return str(self.plan)
 
 
+def _lays_out(shardings: Any) -> bool:
+    """Whether in_shardings / out_shardings lay anything out over devices: a PartitionSpec naming an axis, or a
+    sharding object (None leaves and P() constrain nothing on an actor of one device)."""
+    from jax.sharding import PartitionSpec
+
+    leaves = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return any(not isinstance(x, PartitionSpec) or any(a is not None for a in x) for x in leaves)
+
+
 def _a(name: str) -> str:
     return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
@@ -486,9 +495,13 @@ class DistributedFunction:
         """Per argument leaf, its layout over the actor mesh (None when actors have one device each)."""
         am = getattr(self.mesh, "actor_mesh", None)
         if am is None:
-            if self.in_shardings is not None:
-                raise PipelineError("in_shardings needs actors with several devices: make the mesh with devices_per_actor=N "
-                                    "(and mesh_shape=..., axis_names=...)")
+            # (all None, or P(): no constraint on one device, as jax.jit takes them; a spec of out_shardings was
+            # dropped unsaid here)
+            for name, given in (("in_shardings", self.in_shardings), ("out_shardings", self.out_shardings)):
+                if _lays_out(given):
+                    raise PipelineError(f"{name} needs actors with several devices: make the mesh with devices_per_actor=N "
+                                        f"(and mesh_shape=..., axis_names=...), or leave {name} out (or None) for actors of "
+                                        "one device each")
             return None
         user = tree_specs(self.in_shardings, args, "in_shardings") if self.in_shardings is not None else [None] * len(leaves)
         out = []

@@ -616,3 +616,27 @@ def test_out_shardings_for_an_argument_returned_unchanged_is_said_not_to_apply(m
     uneven = mpmd.distributed(step, mesh=mesh_1x2, out_shardings=(P(None, "model"), None, None))
     with pytest.raises(mpmd.MpmdError, match=r"out_shardings for out\[0\]: dimension of size 3 is split over model = 2"):
         uneven(np.ones((3, 3), np.float32), np.zeros(2, np.float32), np.ones((2, 4, 3), np.float32))
+
+
+def test_shardings_that_lay_nothing_out_run_on_actors_of_one_device_and_a_spec_is_refused_naming_both_ways(mesh2):
+    """in_shardings=(None, None, None) on actors of one device each was refused ("needs actors with several
+    devices") where jax.jit takes it: code written for any mesh, e.g. a restore onto one device per actor, broke
+    (a probe). None and P() constrain nothing there and run as without; a spec naming an axis is refused, for
+    out_shardings too, saying to leave them out."""
+    from mpmd.testing import mlp, mlp_params, mse_loss, regression_batch
+
+    rng = np.random.default_rng(3)
+    params, opt = mlp_params(rng, num_stages=2, width=8), optax.sgd(0.1)
+    batch = regression_batch(rng, 2, 4, 8)
+    want = jax.jit(make_train_step(mse_loss(mlp), opt, None), in_shardings=(None, None, None))(params, opt.init(params), batch)
+    for shardings in ((None, None, None), (P(), None, P())):
+        step = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh2, in_shardings=shardings,
+                                out_shardings=(None, None, None))
+        got = mpmd.fetch(step(params, opt.init(params), batch))
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6)
+    for kw in ({"in_shardings": (None, None, P("data"))}, {"out_shardings": (None, None, P("data"))}):
+        step = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh2, **kw)
+        with pytest.raises(mpmd.PipelineError, match=rf"{next(iter(kw))} needs actors with several devices.*or leave "
+                                                     rf"{next(iter(kw))} out"):
+            step(params, opt.init(params), batch)
