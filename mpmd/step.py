@@ -419,6 +419,18 @@ class DistributedFunction:
         self.__wrapped__ = fn
         self.__doc__ = fn.__doc__
 
+    def __copy__(self) -> DistributedFunction:  # (a shallow copy, as before __reduce__ refused: the same compiled steps)
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        self.__reduce__()
+
+    def __reduce__(self) -> Any:  # (it said "cannot pickle '_io.BufferedWriter' object"; a probe)
+        raise TypeError(f"{self!r} holds its mesh (a connection to running daemons) and its compiled Programs, so it cannot "
+                        "be pickled or deep-copied: make it again with mpmd.distributed(fn, mesh=...) where it is needed")
+
     def __repr__(self) -> str:
         schedule = f", schedule={self.schedule}" if self.schedule is not None else ""
         return (f"<mpmd.distributed {getattr(self.fn, '__qualname__', type(self.fn).__name__)} on {self.mesh!r}{schedule}, "

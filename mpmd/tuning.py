@@ -127,6 +127,18 @@ class TuneResult:
     remat: bool = False  # whether tune was asked to try remat (remat=True): a candidate over the limit has a remat row
     note: str = ""  # what tune could not try and why (e.g. a batch it cannot re-split: the step's own microbatch count only)
 
+    def __copy__(self) -> TuneResult:
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        self.__reduce__()
+
+    def __reduce__(self) -> Any:  # (it said "cannot pickle '_io.BufferedWriter' object"; a probe)
+        raise TypeError("a TuneResult holds the distributed steps it measured (their mesh: running daemons) and cannot be "
+                        "pickled or deep-copied; keep what it chose: result.best (schedule, num_microbatches), or str(result)")
+
     @property
     def feasible(self) -> list[Candidate]:
         return [c for c in self.candidates if not c.rejected]

@@ -202,3 +202,33 @@ def test_an_output_of_a_cancelled_step_says_so_instead_of_raising_cancelled_erro
     with pytest.raises(mpmd.MpmdError, match="step that was cancelled"):
         np.asarray(g[0])
     np.testing.assert_allclose(np.asarray(g[1]), np.asarray(jax.jit(step)(w, np.ones((2, 2, 4), np.float32))[0][1]), rtol=1e-6)
+
+
+def test_a_mesh_copies_as_itself_and_a_mesh_step_or_tune_result_refuses_pickling_saying_why(mesh2):
+    """copy.copy(mesh) made a shallow copy sharing the controller loop; its close() shut the original's down
+    ("Event loop is closed" on the next fetch). Deep copies and pickles of a mesh, a step or a TuneResult said
+    "cannot pickle '_io.BufferedWriter' object". And round() of a 0-d RemoteArray had no __round__ (a probe)."""
+    import optax
+
+    from mpmd.testing import make_train_step, mlp, mlp_params, mse_loss, regression_batch
+
+    x = mesh2.actor(0).put(np.full((), 2.6, np.float32))
+    assert copy.copy(mesh2) is mesh2 and copy.deepcopy(mesh2) is mesh2
+    with pytest.raises(TypeError, match="connection to running daemons and cannot be pickled.*RemoteMesh.connect"):
+        pickle.dumps(mesh2)
+    rng = np.random.default_rng(0)
+    params, opt = mlp_params(rng, num_stages=2, width=8), optax.sgd(0.1)
+    step = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh2)
+    again = copy.copy(step)  # (a shallow copy still works: the same function, mesh and compiled steps)
+    assert again.fn is step.fn and again.mesh is mesh2
+    for bad in (pickle.dumps, copy.deepcopy):
+        with pytest.raises(TypeError, match="cannot be pickled or deep-copied: make it again with mpmd.distributed"):
+            bad(step)
+    batch = regression_batch(rng, 2, 4, 8)
+    result = mpmd.tune(step, params, opt.init(params), batch, mesh=mesh2, costs="xla", microbatches=[2])
+    assert copy.copy(result).best is result.best
+    for bad in (pickle.dumps, copy.deepcopy):
+        with pytest.raises(TypeError, match="TuneResult holds the distributed steps"):
+            bad(result)
+    assert round(x) == round(np.float32(2.6)) == 3 and round(x, 1) == round(np.float32(2.6), 1)
+    np.testing.assert_allclose(mpmd.fetch(x), 2.6)  # (the mesh is still open and serving)

@@ -202,6 +202,9 @@ class RemoteArray:
     def __complex__(self) -> complex:
         return complex(self.to_numpy())
 
+    def __round__(self, ndigits: int | None = None) -> Any:  # (as numpy's: round(x) of a 0-d array fetches; a probe)
+        return round(self.to_numpy()[()] if not self.shape else self.to_numpy(), ndigits)
+
     def __bool__(self) -> bool:
         return bool(self.to_numpy())
 

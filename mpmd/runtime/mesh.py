@@ -904,6 +904,19 @@ class RemoteMesh:
         weakref.finalize(coro, done)  # (a coroutine dropped unstarted — its await cancelled first — runs no finally)
         return coro
 
+    # A mesh is its daemons and the controller loop that talks to them: a copy is the mesh itself (a shallow copy
+    # shared the loop, and its close() shut the original's down: "Event loop is closed"; a probe), and it cannot be
+    # pickled (its sockets, keys and loop stay in this process).
+    def __copy__(self) -> RemoteMesh:
+        return self
+
+    def __deepcopy__(self, memo: Any) -> RemoteMesh:
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError(f"{self!r} is a connection to running daemons and cannot be pickled: in another process, connect "
+                        "to the same daemons (RemoteMesh.connect) or start a mesh of its own")
+
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"session {self.session:x}"
         return f"RemoteMesh({len(self.addresses)} actor{'s' * (len(self.addresses) != 1)} at {self.addresses[0]}{', ...' if len(self.addresses) > 1 else ''}; {state})"
