@@ -191,6 +191,10 @@ def _static_argnums(fn: Callable[..., Any], argnums: Any, argnames: Any, what: s
     nums = {argnums} if isinstance(argnums, int) else set(argnums or ())
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in nums):
         raise PipelineError(f"{what}_argnums must be ints (argument positions), got {argnums!r}")
+    if not isinstance(argnames, str) and not (isinstance(argnames, (list, tuple, set, frozenset)) and all(
+            isinstance(n, str) for n in argnames)) and argnames is not None:  # (3: "'int' object is not iterable"; a probe)
+        raise PipelineError(f"{what}_argnames must be parameter names (a str, or a sequence of them), got {argnames!r:.60}; "
+                            f"positions go in {what}_argnums")
     names = [argnames] if isinstance(argnames, str) else list(argnames or ())
     if names:
         positional, kwonly = _parameters(fn)

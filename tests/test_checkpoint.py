@@ -445,3 +445,15 @@ def test_saves_of_host_trees_from_several_threads_at_once_all_commit(tmp_path):
         t.join(120)
     assert not any(t.is_alive() for t in threads), "a save still hangs"
     assert not errors, errors
+
+
+def test_a_path_or_keep_of_the_wrong_type_is_refused_naming_it(tmp_path):
+    """mpmd.load(None) and mpmd.save(None, ...) said only "expected str, bytes or os.PathLike object", and
+    keep="2" "'<' not supported between instances of 'str' and 'int'" (a probe)."""
+    with pytest.raises(TypeError, match=r"mpmd.save: the checkpoint directory must be a path .* got NoneType"):
+        mpmd.save(None, {"a": np.ones(2)})
+    with pytest.raises(TypeError, match=r"mpmd.load / mpmd.restore: the checkpoint directory must be a path"):
+        mpmd.load(None)
+    with pytest.raises(mpmd.CheckpointError, match=r"keep must be an int .* got str '2'"):
+        mpmd.save(str(tmp_path / "c"), {"a": np.ones(2)}, keep="2")
+    assert not (tmp_path / "c").exists()

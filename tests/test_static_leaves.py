@@ -166,6 +166,8 @@ def test_unhashable_static_arguments_and_unknown_names_are_refused_naming_them(m
             mpmd.distributed(_scaled_step, mesh=mesh2, static_argnums=nums)
     with pytest.raises(mpmd.PipelineError, match=r"donate_argnums=\[5\]"):
         mpmd.distributed(_scaled_step, mesh=mesh2, donate_argnums=5)
+    with pytest.raises(mpmd.PipelineError, match=r"static_argnames must be parameter names .* got 3; positions go in static_argnums"):
+        mpmd.distributed(_scaled_step, mesh=mesh2, static_argnames=3)
     rng = np.random.default_rng(4)
     params, batch = mlp2(rng), batch_of(rng)
     dist = mpmd.distributed(_scaled_step, mesh=mesh2, static_argnums=(3, 4))

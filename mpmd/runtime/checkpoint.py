@@ -228,12 +228,24 @@ def _failed_step(path: str, flat: list[tuple[Any, Any]]) -> CheckpointError | No
     return None
 
 
+def _check_path(where: str, path: Any) -> None:
+    """A TypeError naming `where` for a path that is not one (None gave os's bare "expected str, bytes or
+    os.PathLike object"; a probe)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{where}: the checkpoint directory must be a path (str or os.PathLike), got {type(path).__name__} "
+                        f"{path!r:.60}")
+
+
 def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | SaveHandle:
     """Save a pytree of RemoteArrays (and host values) to directory `path`. Each actor writes its own arrays,
     concurrently with later steps (a step dispatched after this call does not wait for the write); with
     `wait=False` the call returns a `SaveHandle` at once. The `keep` newest checkpoints are kept. Returns the
     committed checkpoint's directory (`path/ckpt-<n>`)."""
+    _check_path("mpmd.save", path)
     path = os.path.abspath(path)  # (the actors are told this path: their working directory may differ)
+    if not isinstance(keep, (int, np.integer)) or isinstance(keep, bool):  # ("2" < 1: a bare TypeError; a probe)
+        raise CheckpointError(f"mpmd.save: keep must be an int (how many checkpoints to keep), got {type(keep).__name__} "
+                              f"{keep!r:.40}", checkpoint=path)
     if keep < 1:
         raise CheckpointError(f"mpmd.save: keep={keep}; keep at least the checkpoint being written (keep >= 1)", checkpoint=path)
     if os.path.exists(path) and not os.path.isdir(path):
@@ -477,6 +489,7 @@ def _leaf(i: int, m: dict[str, Any]) -> Leaf:
 def _open(path: str) -> Manifest:
     """The committed checkpoint's verified manifest, its parts' listings checked (after this process's saves into
     `path` still writing have ended)."""
+    _check_path("mpmd.load / mpmd.restore", path)
     _wait_for_saves(path)
     m = read_manifest(committed(os.path.abspath(path)))  # (the actors are told this path: their working directory may differ)
     check_parts(m)
