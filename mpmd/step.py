@@ -423,7 +423,7 @@ class DistributedFunction:
         self.__wrapped__ = fn
         self.__doc__ = fn.__doc__
 
-    def __copy__(self) -> DistributedFunction:  # (a shallow copy, as before __reduce__ refused: the same compiled steps)
+    def __copy__(self) -> DistributedFunction:  # (shallow: the same function, mesh and compiled steps)
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
         return new
