@@ -385,7 +385,26 @@ def _unload_all(mesh_ref: Any, compiled: dict[Any, CompiledStep]) -> None:
     _unload(mesh_ref(), list(compiled.values()))
 
 
-class DistributedFunction:
+class ShallowCopyOnly:
+    """A copy.copy is shallow (the same mesh, the same compiled steps); a deep copy or a pickle raises a TypeError
+    saying `_not_pickled()` (they said "cannot pickle '_io.BufferedWriter' object"; a probe)."""
+
+    def _not_pickled(self) -> str:
+        raise NotImplementedError
+
+    def __copy__(self) -> Any:
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise TypeError(self._not_pickled())
+
+    def __reduce__(self) -> Any:
+        raise TypeError(self._not_pickled())
+
+
+class DistributedFunction(ShallowCopyOnly):
     """What `mpmd.distributed` returns. Call it like the original function."""
 
     def __init__(self, fn: Callable[..., Any], mesh: Any, in_shardings: Any = None, out_shardings: Any = None,
@@ -423,17 +442,9 @@ class DistributedFunction:
         self.__wrapped__ = fn
         self.__doc__ = fn.__doc__
 
-    def __copy__(self) -> DistributedFunction:  # (shallow: the same function, mesh and compiled steps)
-        new = object.__new__(type(self))
-        new.__dict__.update(self.__dict__)
-        return new
-
-    def __deepcopy__(self, memo: Any) -> Any:
-        self.__reduce__()
-
-    def __reduce__(self) -> Any:  # (it said "cannot pickle '_io.BufferedWriter' object"; a probe)
-        raise TypeError(f"{self!r} holds its mesh (a connection to running daemons) and its compiled Programs, so it cannot "
-                        "be pickled or deep-copied: make it again with mpmd.distributed(fn, mesh=...) where it is needed")
+    def _not_pickled(self) -> str:
+        return (f"{self!r} holds its mesh (a connection to running daemons) and its compiled Programs, so it cannot be "
+                "pickled or deep-copied: make it again with mpmd.distributed(fn, mesh=...) where it is needed")
 
     def __repr__(self) -> str:
         schedule = f", schedule={self.schedule}" if self.schedule is not None else ""

@@ -55,7 +55,7 @@ from mpmd.schedules import builtin
 from mpmd.schedules.balance import SegmentCosts, group_costs, ranked_groupings, remat_costs, remat_sets, resolve_grouping
 from mpmd.schedules.builtin import Schedule
 from mpmd.schedules.simulator import simulate_programs
-from mpmd.step import DistributedFunction
+from mpmd.step import DistributedFunction, ShallowCopyOnly
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def _width(candidates: Sequence[Candidate]) -> int:
 
 
 @dataclass
-class TuneResult:
+class TuneResult(ShallowCopyOnly):
     """What `mpmd.tune` found: `candidates`, the feasible ones first by predicted step time, then the rejected;
     `best`, the winner — the fastest of the top candidates measured while tuning (`calibrate`: predict, then
     prove), or the top predicted one when none was measured; `step`, the winner as a ready `mpmd.distributed`
@@ -127,17 +127,9 @@ class TuneResult:
     remat: bool = False  # whether tune was asked to try remat (remat=True): a candidate over the limit has a remat row
     note: str = ""  # what tune could not try and why (e.g. a batch it cannot re-split: the step's own microbatch count only)
 
-    def __copy__(self) -> TuneResult:
-        new = object.__new__(type(self))
-        new.__dict__.update(self.__dict__)
-        return new
-
-    def __deepcopy__(self, memo: Any) -> Any:
-        self.__reduce__()
-
-    def __reduce__(self) -> Any:  # (it said "cannot pickle '_io.BufferedWriter' object"; a probe)
-        raise TypeError("a TuneResult holds the distributed steps it measured (their mesh: running daemons) and cannot be "
-                        "pickled or deep-copied; keep what it chose: result.best (schedule, num_microbatches), or str(result)")
+    def _not_pickled(self) -> str:
+        return ("a TuneResult holds the distributed steps it measured (their mesh: running daemons) and cannot be pickled "
+                "or deep-copied; keep what it chose: result.best (schedule, num_microbatches), or str(result)")
 
     @property
     def feasible(self) -> list[Candidate]:
