@@ -71,6 +71,25 @@ def test_the_same_executable_from_a_second_controller_is_a_cache_hit(mesh2):
     assert after["compiles"] == before["compiles"] and after["hits"] == before["hits"] + 1
 
 
+def test_the_same_step_traced_from_another_line_compiles_nothing_new_on_the_actors(mesh2):
+    """The exported executables carried each op's stack up to the line that called the step: a second
+    `mpmd.distributed` of the same function, compiled from another line, exported other bytes, and the actors
+    (which cache by the bytes' hash) compiled every executable again (a probe). Locations are each op's own line."""
+    import optax
+
+    from mpmd.testing import make_train_step, mlp, mlp_params, mse_loss, regression_batch
+
+    rng = np.random.default_rng(0)
+    params, opt = mlp_params(rng, num_stages=2, width=8), optax.sgd(0.1)
+    batch = regression_batch(rng, 2, 4, 8)
+    fn = make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2))
+    first = mpmd.distributed(fn, mesh=mesh2).compile(params, opt.init(params), batch)
+    before = [mesh2.actor(a).stats()["compiles"] for a in (0, 1)]
+    second = (lambda: mpmd.distributed(fn, mesh=mesh2).compile(params, opt.init(params), batch))()  # (another line)
+    assert [mesh2.actor(a).stats()["compiles"] for a in (0, 1)] == before
+    assert [p.executables for p in second.loaded] == [p.executables for p in first.loaded]  # (the same on each actor)
+
+
 def test_buffers_are_freed_on_delete_and_on_garbage_collection(mesh2):
     actor = mesh2.actor(0)
     base = actor.stats()

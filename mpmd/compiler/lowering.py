@@ -39,9 +39,20 @@ def serialize_flat(fn: Callable[..., Sequence[Any]], avals: Sequence[jax.ShapeDt
                    donate: Sequence[int] = ()) -> bytes:
     """Export `fn` (flat arrays in, tuple of flat arrays out) for `platform` and serialize it. Inputs at
     `donate` may share their buffer with an output (the actor compiles with the same donation)."""
-    with without_callers_mesh():
+    with without_callers_mesh(), innermost_locations():
         exp = export.export(jax.jit(fn, donate_argnums=tuple(donate)), platforms=[export_platform(platform)])(*avals)
     return bytes(exp.serialize())
+
+
+def innermost_locations() -> Any:
+    """Each op's source location as its innermost frame only (the line that made it), not the stack up to the
+    caller: the actors cache executables by the blob's hash, and a step traced from another line (a second
+    `mpmd.distributed` of the same function, a signature traced again) exported other bytes — every executable
+    compiled again, the kept ones never hit (a probe). A null context where this JAX has no such setting."""
+    from jax._src import config as jax_config
+
+    limit = getattr(jax_config, "traceback_in_locations_limit", None)
+    return limit(1) if limit is not None else contextlib.nullcontext()
 
 
 def aval_of(x: Any) -> jax.ShapeDtypeStruct:
