@@ -179,14 +179,13 @@ def test_hostile_shm_input_notices_are_refused_and_the_daemon_survives(mesh2):
     pid, n_inputs, n_outputs = compiled.program_ids[actor], len(prog.inputs), len(prog.outputs)
     prefix = input_stager(mesh2).prefix(actor)  # announced to actor 0 by the call above
     own = f"{prefix}{10**9}"  # a segment named as this session's inputs are, made here to point notices at
-    inode: list[int] = []
-    mm = shm.create_segment(own, 1 << 16, inode)
-    good = {"offset": 0, "nbytes": 128 * 256 * 4, "dtype": "float32", "shape": [128, 256], "ino": inode[0]}
+    mm, ino = shm.create_segment(own, 1 << 16)
+    good = {"offset": 0, "nbytes": 128 * 256 * 4, "dtype": "float32", "shape": [128, 256], "ino": ino}
     try:
         cases = [
             # (first: once mapped, a segment is not opened again) a file other than the one the notice's maker made
             # — another process of the user put its own under the name — or no inode at all
-            ({**good, "name": own, "ino": inode[0] + 1}, "is not the file the controller made"),
+            ({**good, "name": own, "ino": ino + 1}, "is not the file the controller made"),
             ({**{k: v for k, v in good.items() if k != "ino"}, "name": own}, "ino must be a non-negative int"),
             ({**good, "name": "/mpmd-in-1-2-0-7"}, "not .* the prefix"),  # another controller's segment
             ({**good, "name": "/psm_foreign"}, "not .* the prefix"),
@@ -698,7 +697,7 @@ def test_a_full_dev_shm_sends_the_inputs_inline_at_once_says_so_and_steps_equal_
     one raises; the actors' own shared memory is untouched. Found by a probe."""
     import errno
 
-    def no_room(name, size, inode=None):
+    def no_room(name, size):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     rng = np.random.default_rng(5)
@@ -763,7 +762,7 @@ def test_a_session_closed_for_silence_unlinks_the_segments_its_controller_never_
     prefix = f"/mpmd-in-{os.getpid():x}-{token}-0-"
     other = f"/mpmd-in-{os.getpid():x}-{token}-1-3"  # another actor's: not this session's to remove
     for name in (prefix + "0", prefix + "7", other):
-        shm.create_segment(name, 4096).close()
+        shm.create_segment(name, 4096)[0].close()
     try:
         seg = InputSegments(0)
         seg.set_prefix(prefix)
@@ -847,11 +846,11 @@ def test_a_segment_its_writer_truncated_after_the_actor_mapped_it_is_refused_not
         conn = mesh.conn(0)
         mesh.run(conn.request("input_shm", {"prefix": prefix}))  # (this session's stager is not used again)
         name = prefix + "0"
-        inode: list[int] = []
-        with shm.create_segment(name, 1 << 20, inode) as seg:
+        seg, ino = shm.create_segment(name, 1 << 20)
+        with seg:
             seg[:] = bytes(range(256)) * 4096
             fd = shm._posixshmem.shm_open(name, os.O_RDWR, 0)
-            notice = {"name": name, "offset": 0, "nbytes": 1 << 20, "dtype": "uint8", "shape": [1 << 20], "ino": inode[0]}
+            notice = {"name": name, "offset": 0, "nbytes": 1 << 20, "dtype": "uint8", "shape": [1 << 20], "ino": ino}
             try:
                 mesh.run(conn.request("put", {"buf": 10**6, "shm": notice}))  # mapped (and its name unlinked) now
                 os.ftruncate(fd, mmap.PAGESIZE)

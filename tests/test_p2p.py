@@ -163,13 +163,13 @@ def test_a_segment_another_process_put_under_the_senders_name_is_refused_not_rea
     recv = Program(1, [], [0], [Recv(0, 7, 3, "float32", (1024, 64), Label("xfer"))])
     mesh2.run(mesh2.executables.load_program(1, recv, pid, []))
     name, size = f"{peer.prefix}1-2", (1 << 18) + CONTROL
-    made: list[int] = []
-    shm._create(name, size, made).close()  # the sender's segment (its payload would be the activation)
+    made, ino = shm.create_segment(name, size)  # the sender's segment (its payload would be the activation)
+    made.close()
     shm.unlink(name)
-    other = shm.create_segment(name, size)  # another process's, under the same name and size
+    other, _ = shm.create_segment(name, size)  # another process's, under the same name and size
     other[: 1 << 18] = np.full(1 << 16, 7.0, np.float32).tobytes()
     try:
-        peer.send({"op": "shm", "key": [mesh2.session, pid, 0, 3], "seg": 2, "name": name, "size": size, "ino": made[0],
+        peer.send({"op": "shm", "key": [mesh2.session, pid, 0, 3], "seg": 2, "name": name, "size": size, "ino": ino,
                    "arrays": [{"dtype": "float32", "shape": [1024, 64]}]})
 
         async def go():

@@ -802,46 +802,32 @@ def test_three_actors_under_gpipe_the_middle_one_killed_the_loop_ends_bit_identi
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.slow
-def test_an_async_save_running_when_an_actor_is_lost_is_written_again_after_the_recovery(tmp_path):
-    """mpmd.save(..., wait=False), then actor 1 killed before the saved state is computed: the recovery aborts and
-    replays the steps it came from, the save goes again with the rebound arrays, and the checkpoint holds the
-    state the loop saved (it failed with 'program 1 step 6 was aborted on actor 0')."""
+@pytest.mark.parametrize("when", [pytest.param("running", marks=pytest.mark.slow), "noticed"])
+def test_a_save_meeting_a_lost_actor_waits_for_the_recovery_and_writes_the_rebound_arrays(tmp_path, when):
+    """running: mpmd.save(..., wait=False), then actor 1 killed before the saved state is computed: the recovery
+    aborts and replays the steps it came from, the save goes again with the rebound arrays, and the checkpoint
+    holds the state the loop saved (it failed with 'program 1 step 6 was aborted on actor 0').
+    noticed: the loss already noticed (the actor's connection marked dead) when mpmd.save was called: the save's
+    requests raised ActorDiedError as they were sent, outside the save's handling of a loss while it runs, and
+    the caller got it, advising mesh.reconnect, while the mesh recovered on its own (a probe)."""
     batches = _batches()
-    with mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(snapshot_every=4), heartbeat_timeout=5.0) as mesh:
+    recover = mpmd.Recovery(snapshot_every=4 if when == "running" else 3)
+    with mpmd.RemoteMesh.local(num_actors=2, recover=recover, heartbeat_timeout=5.0) as mesh:
         dist = mpmd.distributed(STEP, mesh=mesh)
         params = _params()
         p, o = params, OPT.init(params)
         for i in range(6):
             p, o, losses = dist(p, o, batches[i])
-        handle = mpmd.save(str(tmp_path / "c"), (p, o), wait=False)
-        _sigkill(mesh, 1)
-        handle.wait(120)
-        want = mpmd.fetch((p, o))
-        assert mesh.recoveries == 1
-    got = mpmd.load(str(tmp_path / "c"), like=want)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-
-
-def test_a_save_called_after_an_actor_was_noticed_lost_waits_for_the_recovery(tmp_path):
-    """The loss already noticed (the actor's connection marked dead) when mpmd.save was called: the save's requests
-    raised ActorDiedError as they were sent, outside the save's handling of a loss while it runs, and the caller
-    got it, advising mesh.reconnect, while the mesh recovered on its own (a probe). It waits for the recovery and
-    saves the rebound arrays, as a save under way does."""
-    batches = _batches()
-    with mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(snapshot_every=3), heartbeat_timeout=5.0) as mesh:
-        dist = mpmd.distributed(STEP, mesh=mesh)
-        params = _params()
-        p, o = params, OPT.init(params)
-        for i in range(3):
-            p, o, losses = dist(p, o, batches[i])
-        mpmd.fetch(losses)
-        for i in range(3, 6):
-            p, o, losses = dist(p, o, batches[i])
-        _sigkill(mesh, 1)
-        assert wait_until(lambda: mesh.conn(1).dead, 10)  # (noticed before the save is called)
-        mpmd.save(str(tmp_path / "c"), (p, o))
+            if when == "noticed" and i == 2:
+                mpmd.fetch(losses)
+        if when == "running":
+            handle = mpmd.save(str(tmp_path / "c"), (p, o), wait=False)
+            _sigkill(mesh, 1)
+            handle.wait(120)
+        else:
+            _sigkill(mesh, 1)
+            assert wait_until(lambda: mesh.conn(1).dead, 10)  # (noticed before the save is called)
+            mpmd.save(str(tmp_path / "c"), (p, o))
         want = mpmd.fetch((p, o))
         assert mesh.recoveries == 1
     got = mpmd.load(str(tmp_path / "c"), like=want)

@@ -174,15 +174,12 @@ class ActorHandle:
 
     def ping(self) -> float:
         """Round-trip time of a ping, in seconds."""
-        t = time.perf_counter()
-        try:
-            self.mesh.run(self.mesh.conn(self.index).request("ping"))
-        except ActorDiedError as e:  # (a recovered mesh's replacement is pinged, and timed, afresh)
-            if not self._recovered(e, []):
-                raise
+        def timed() -> float:  # (a recovered mesh's replacement is pinged, and timed, afresh)
             t = time.perf_counter()
             self.mesh.run(self.mesh.conn(self.index).request("ping"))
-        return time.perf_counter() - t
+            return time.perf_counter() - t
+
+        return self._again_if_recovered(timed, [])
 
     def info(self) -> dict[str, Any]:
         """What the daemon says of itself: pid, platform, devices, versions, bounds."""

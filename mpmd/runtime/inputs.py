@@ -196,12 +196,11 @@ class InputStager:
             self._once_bytes += array.nbytes
         name = f"{self.prefix(actor)}{next(self._names)}"
         try:
-            inode: list[int] = []
-            mm = shm.create_segment(name, _aligned(max(array.nbytes, 1)), inode)
+            mm, ino = shm.create_segment(name, _aligned(max(array.nbytes, 1)))
         except OSError:  # (no room: this put goes inline; the step arguments' pool is not marked full for it)
             self._once_done(actor, array.nbytes)
             return None
-        seg = Segment(name, len(mm), mm, ino=inode[0])
+        seg = Segment(name, len(mm), mm, ino=ino)
         notice = {**_write(seg, array, 0), "once": True}
         done_once = threading.Lock()
 
@@ -244,10 +243,8 @@ class InputStager:
                 return None
             name = f"{self.prefix(actor)}{next(self._names)}"
             fit = Segment(name, size, None)  # type: ignore[arg-type]
-            inode: list[int] = []
             try:
-                fit.mm = shm.create_segment(name, fit.size, inode)
-                fit.ino = inode[0]
+                fit.mm, fit.ino = shm.create_segment(name, fit.size)
             except OSError as e:  # /dev/shm full or too small (a container's 64 MiB): these inputs go inline
                 self._no_room(actor, size, e)
                 return None

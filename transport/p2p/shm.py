@@ -88,18 +88,16 @@ class Segment:
 _FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # map the pages now: a first write would fault on each
 
 
-def _create(name: str, size: int, inode: list[int] | None = None) -> mmap.mmap:
-    """The new segment `name`, mapped; its inode appended to `inode` (the receiver checks that what it opens under the
-    name is this file: another of the same user could take the name between the unlink and the open)."""
+def _create(name: str, size: int) -> tuple[mmap.mmap, int]:
+    """The new segment `name`, mapped, and its file's inode (the receiver checks that what it opens under the name
+    is this file: another of the same user could take the name between the unlink and the open)."""
     fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         try:
             os.posix_fallocate(fd, 0, size)
         except AttributeError:  # pragma: no cover - macOS has no posix_fallocate
             os.ftruncate(fd, size)
-        if inode is not None:
-            inode.append(os.fstat(fd).st_ino)
-        return mmap.mmap(fd, size, flags=_FLAGS)
+        return mmap.mmap(fd, size, flags=_FLAGS), os.fstat(fd).st_ino
     except BaseException:
         _posixshmem.shm_unlink(name)
         raise
@@ -107,12 +105,12 @@ def _create(name: str, size: int, inode: list[int] | None = None) -> mmap.mmap:
         os.close(fd)
 
 
-def create_segment(name: str, size: int, inode: list[int] | None = None) -> mmap.mmap:
-    """A new segment `name` of `size` bytes (mode 600, reserved now: a full /dev/shm fails here, not later), mapped;
-    its inode appended to `inode` when given (for the reader's check that it maps this file)."""
+def create_segment(name: str, size: int) -> tuple[mmap.mmap, int]:
+    """A new segment `name` of `size` bytes (mode 600, reserved now: a full /dev/shm fails here, not later), mapped,
+    and its file's inode (for the reader's check that it maps this file)."""
     if _posixshmem is None:
         raise OSError("POSIX shared memory is not available here")
-    return _create(name, size, inode)
+    return _create(name, size)
 
 
 def unlink(name: str) -> None:
@@ -175,8 +173,8 @@ class ShmSender:
         else:
             n = next(self._names)
             name = f"{self.prefix}{n}"
-            inode: list[int] = []
-            seg = Segment(n, name, size, _create(name, size + CONTROL, inode), ino=inode[0])
+            mm, ino = _create(name, size + CONTROL)
+            seg = Segment(n, name, size, mm, ino=ino)
             self.created += 1
         seg.uses += 1
         words = seg.control()
