@@ -400,7 +400,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     from actors import collector
     from actors.handlers import Actor
     from actors.interpreter import failed_task
-    from actors.request import RequestError, format_exception
+    from actors.request import HeldByLoader, RequestError, StepAborted, WaitedInVain, format_exception
     from actors.sandbox import ALLOWED_CUSTOM_CALLS, BlobChecker, CheckerPool
     from transport.auth import Authenticator, KeyPair, configure_server, user_id
     from transport.control import COMING_BYTES, bind_router
@@ -507,11 +507,13 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
                 return await actor.handle(msg, peer)
         except BaseException as e:
             if deadline.expired():
-                raise RequestError(f"'{msg.op}' did not finish within {bound:g} s (mpmd-actor {flag}), so it was "
-                                   f"cancelled; {_waiting_on(msg, actor.loaders.still_running(msg.header.get('session')))}") from None
+                loading = actor.loaders.still_running(msg.header.get('session')) if msg.op == "run_program" else None
+                raise (HeldByLoader if loading else WaitedInVain)(
+                    f"'{msg.op}' did not finish within {bound:g} s (mpmd-actor {flag}), so it was cancelled; "
+                    f"{_waiting_on(msg, loading)}") from None
             if isinstance(e, asyncio.CancelledError) and not asyncio.current_task().cancelling():
                 # Not the daemon stopping: something the handler awaited went away.
-                raise RequestError(f"'{msg.op}' was cancelled: a buffer it waited for was deleted or its step aborted") from None
+                raise StepAborted(f"'{msg.op}' was cancelled: a buffer it waited for was deleted or its step aborted") from None
             raise
 
     async def handle(identity, frames: list) -> None:

@@ -28,7 +28,7 @@ from actors.cache import ExecutableCache
 from actors.inputs import InputSegments
 from actors.interpreter import Interpreter
 from actors.loader import Loaders, unfinished
-from actors.request import NoSession, RequestError, field, int_list
+from actors.request import HeldByLoader, NoSession, RequestError, StepAborted, field, int_list
 from actors.sandbox import BlobChecker
 from actors.stream import StepTrace, Stream, now
 from actors.transfers import Transfers
@@ -783,7 +783,7 @@ class Actor:
             why = e
             if isinstance(e, asyncio.CancelledError):  # aborted: its own loader, still not returned, is why the others waited
                 held = unfinished(loading)
-                why = RequestError(f"program {pid} step {step} was aborted on actor {self.actor_id}" + (
+                why = (HeldByLoader if held else StepAborted)(f"program {pid} step {step} was aborted on actor {self.actor_id}" + (
                     f" while it was waiting for its data loader: {held} had not returned (a loader that blocks holds the "
                     "step and the actors that wait for it; give it a timeout of its own)" if held else ""))
             for b in [*outputs, *received]:  # (a prologue receive the step never got to is still reserved)

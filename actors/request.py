@@ -20,6 +20,23 @@ class NoSession(RequestError):
     Its own name on the wire: a controller that had that session open takes the actor as lost."""
 
 
+# How a step's failure on one actor relates to the others' (its own name on the wire, which the controller reads
+# to say the cause rather than its echoes: mpmd/step.py `_cause`).
+class StepAborted(RequestError):
+    """The step was abandoned here because it failed elsewhere (the controller's abort, or a buffer it waited for
+    was deleted): an echo of another actor's error, never the cause."""
+
+
+class HeldByLoader(RequestError):
+    """The step could not go on because this actor's own data loader had not returned (aborted or timed out while
+    waiting for it): the cause the other actors' timeouts echo."""
+
+
+class WaitedInVain(RequestError):
+    """The request passed its bound waiting on something other than its own loader (a receive, another actor's
+    step): usually an echo of trouble elsewhere."""
+
+
 def field(msg: Message, name: str, kind: type | tuple[type, ...]) -> Any:
     """`msg`'s header field `name`, checked to be a `kind` (a bool is not an int)."""
     try:

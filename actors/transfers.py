@@ -20,7 +20,7 @@ from actors import spmd
 from actors.buffers import BufferTable
 from actors.cache import ExecutableCache
 from actors.stream import StepTrace, now
-from transport.p2p import P2PTransport, TransferError
+from transport.p2p import NothingCame, P2PTransport, TransferError
 from transport.program import Instruction, Recv, Send
 from transport.protocol import dtype_from_name
 
@@ -220,7 +220,7 @@ class Transfers:
         return got
 
     def _recv_timed_out(self, peer: int, ins: Recv, limit: float) -> TransferError:
-        return TransferError(
+        return NothingCame(
             f"actor {self.actor_id} waited {limit:g} s for {ins.label} (tag {ins.tag}) from actor {peer} "
             f"and nothing came; is actor {peer} stuck? (RemoteMesh(..., transfer_timeout=s) sets this limit)")
 

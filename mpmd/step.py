@@ -1328,24 +1328,20 @@ class DistributedFunction(ShallowCopyOnly):
                     pass
         await asyncio.gather(*pending, return_exceptions=True)
         errors = [f.exception() for f in requests if f.done() and not f.cancelled() and f.exception() is not None]
-        # The cause, not its echoes: a lost actor; an error of its own (not an abort, not a timeout waiting on
-        # another actor); an actor held by its own data loader, for which the others timed out ("nothing came from
-        # actor 1", blaming no loader; a probe); else the first not just aborted.
-        first = (next((e for e in errors if isinstance(e, ActorDiedError)), None)
-                 or next((e for e in errors if "aborted" not in str(e) and not _waited_in_vain(e)), None)
-                 or next((e for e in errors if WAITING_FOR_LOADER in str(e)), None)
-                 or next((e for e in errors if "aborted" not in str(e)), errors[0]))
-        raise first
+        raise min(errors, key=_echo_rank)  # (min keeps the first of a rank: the order the actors are numbered in)
 
 
-WAITING_FOR_LOADER = "was waiting for its data loader"  # (actors/daemon.py `_waiting_on` and actors/handlers.py say it)
+# The cause, not its echoes, by the name each actor's error has on the wire (actors/request.py, transport/p2p):
+# a lost actor; an error of its own; an actor held by its own data loader, for which the others timed out ("nothing
+# came from actor 1", blaming no loader; a probe); a timeout waiting on another actor; last, a step only aborted.
+_ECHOES = {"HeldByLoader": 2, "WaitedInVain": 3, "NothingCame": 3, "StepAborted": 4}
 
 
-def _waited_in_vain(e: BaseException) -> bool:
-    """Whether `e` is an actor's timeout waiting on something else (a receive that never came, a request past its
-    bound): an echo of another actor's trouble rather than a cause, unless it names its own loader."""
-    text = str(e)
-    return WAITING_FOR_LOADER not in text and ("and nothing came" in text or "did not finish within" in text)
+def _echo_rank(e: BaseException) -> int:
+    """How far `e`, one actor's error of a failed step, is from being the step's cause (0 = surely the cause)."""
+    if isinstance(e, ActorDiedError):
+        return 0
+    return _ECHOES.get(getattr(e, "remote_type", ""), 1)
 
 
 def with_layouts(prog: Any, unit_exes: list[str], layouts: dict[Any, Any]) -> Any:

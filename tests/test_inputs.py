@@ -417,6 +417,34 @@ def test_a_loader_that_hangs_on_the_last_actor_is_named_not_the_first_actor_left
         np.testing.assert_allclose(np.asarray(dist(params, opt.init(params), batch)[2]), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
+def _labels_that_fail_in_words_of_an_echo(step, leaf):
+    """Loads like `synthetic_regression_leaf`, but the labels' loader (actor 1) fails with a message that reads
+    like another actor's echo."""
+    from mpmd.testing import synthetic_regression_leaf
+
+    if leaf.endswith("y"):
+        raise OSError("the label shard was aborted upstream and nothing came; did not finish within 5 s")
+    return synthetic_regression_leaf(step, leaf)
+
+
+def test_the_step_error_is_the_failing_actors_own_even_when_its_words_read_like_an_echo():
+    """The step's error was chosen among the actors' errors by their text ("aborted", "nothing came", "did not
+    finish within" meant an echo of another actor's trouble), so a user's own error that used those words lost to
+    actor 0's abort. Each actor's error now has a name on the wire saying what it is (StepAborted, NothingCame,
+    WaitedInVain, HeldByLoader), and the step raises the cause by that name."""
+    from mpmd.testing import LOADED_LEAF_SHAPE
+
+    fn = "tests.test_inputs:_labels_that_fail_in_words_of_an_echo"
+    params = mlp_params(np.random.default_rng(7), num_stages=2, width=LOADED_LEAF_SHAPE[2])
+    opt = optax.sgd(1e-2)
+    spec = {leaf: jax.ShapeDtypeStruct(LOADED_LEAF_SHAPE, np.float32) for leaf in ("x", "y")}
+    with mpmd.RemoteMesh.local(2, loaders=[fn], transfer_timeout=3) as mesh:
+        dist = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
+        with pytest.raises(mpmd.RemoteError) as e:
+            dist(params, opt.init(params), mpmd.loaded_by_actors(fn, spec))[2].block_until_ready()
+        assert e.value.actor_id == 1 and "the label shard was aborted upstream" in str(e.value), str(e.value)
+
+
 _HUNG = threading.Event()
 
 

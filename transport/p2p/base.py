@@ -32,6 +32,11 @@ class TransferError(RuntimeError):
     """A transfer failed: the peer is unknown or gone, or the data is not what the receiver expected."""
 
 
+class NothingCame(TransferError):
+    """A receive waited its whole limit and nothing came from the peer: usually an echo of the peer's trouble
+    (its own name on the wire, so the controller can tell it from a cause)."""
+
+
 @dataclass(frozen=True)
 class ArrivalLimits:
     """How much one peer may leave in an actor's mailbox unclaimed (arrived before its receive was posted).
