@@ -457,3 +457,52 @@ def test_a_path_or_keep_of_the_wrong_type_is_refused_naming_it(tmp_path):
     with pytest.raises(mpmd.CheckpointError, match=r"keep must be an int .* got str '2'"):
         mpmd.save(str(tmp_path / "c"), {"a": np.ones(2)}, keep="2")
     assert not (tmp_path / "c").exists()
+
+
+def test_an_older_checkpoint_kept_by_keep_is_read_from_the_path_save_returned(mesh2, tmp_path):
+    """mpmd.save returns `path/ckpt-<n>`, but load and restore refused that path ("no LATEST file"), and an older
+    checkpoint kept by keep=2 could be read only by editing LATEST by hand (a probe). Its own directory reads."""
+    x = mesh2.actor(1).put(np.arange(6, dtype=np.float32))
+    paths = [mpmd.save(str(tmp_path / "c"), {"x": x, "n": np.int32(k)}, keep=2) for k in range(3)]
+    assert sorted(os.listdir(tmp_path / "c")) == ["LATEST", "ckpt-2", "ckpt-3"] and paths[1].endswith("ckpt-2")
+    older = mpmd.load(paths[1])
+    assert int(older["n"]) == 1 and older["x"].tolist() == list(range(6))
+    got = mpmd.restore(paths[1], mesh2, like={"x": x, "n": np.int32(0)})
+    assert int(got["n"]) == 1 and got["x"].actors == [1] and got["x"].to_numpy().tolist() == list(range(6))
+    assert int(mpmd.load(str(tmp_path / "c"))["n"]) == 2  # (the parent still reads its LATEST)
+    with pytest.raises(mpmd.CheckpointError, match=r"no committed checkpoint in .*ckpt-1.*Give the directory passed to mpmd.save"):
+        mpmd.load(paths[0])  # (removed by keep=2)
+    os.makedirs(tmp_path / "d" / "ckpt-7")  # a user's own directory of that name, no manifest: not a checkpoint
+    with pytest.raises(mpmd.CheckpointError, match=r"no committed checkpoint in .*ckpt-7"):
+        mpmd.load(str(tmp_path / "d" / "ckpt-7"))
+
+
+def test_a_save_that_cannot_write_is_a_checkpoint_error_and_leaves_the_previous_one_latest(mesh2, tmp_path):
+    """A save into a place it cannot write raised the bare OSError (and a part an actor could not write, the
+    actor's RemoteError), not mpmd.CheckpointError (a probe). Both are CheckpointError now, naming the
+    directory (and the actor), with the OSError or remote error as the cause."""
+    (tmp_path / "a_file").write_text("")
+    for tree in ({"n": np.ones(2)}, {"x": mesh2.actor(0).put(np.ones(2, np.float32))}):
+        with pytest.raises(mpmd.CheckpointError, match=r"mpmd.save into .*a_file/c: could not write here \(.*Not a directory") as e:
+            mpmd.save(str(tmp_path / "a_file" / "c"), tree)
+        assert isinstance(e.value.__cause__, OSError) and e.value.checkpoint.endswith("a_file/c")
+    # An actor's part: its directory taken by a file once the save has made the .tmp (as a full disk would fail it).
+    from mpmd.runtime import checkpoint as ck
+
+    real_start = ck._start
+
+    def start_then_block(path):
+        name, tmp = real_start(path)
+        (lambda p: open(p, "w").close())(os.path.join(tmp, "actor-1"))
+        return name, tmp
+
+    c = str(tmp_path / "c")
+    mpmd.save(c, {"x": mesh2.actor(1).put(np.zeros(2, np.float32))})
+    ck._start = start_then_block
+    try:
+        with pytest.raises(mpmd.CheckpointError, match=r"mpmd.save into .*/c: actor 1 could not write its part: ") as e:
+            mpmd.save(c, {"x": mesh2.actor(1).put(np.ones(2, np.float32))})
+    finally:
+        ck._start = real_start
+    assert e.value.actor == 1 and isinstance(e.value.__cause__, mpmd.RemoteError)
+    assert mpmd.load(c)["x"].tolist() == [0, 0]

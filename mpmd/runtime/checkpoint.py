@@ -40,7 +40,7 @@ import jax
 import numpy as np
 
 from mpmd.compiler.avals import dtype_text, from_wire, is_key, jax_array, key_impl, not_numeric, to_wire, wire_shape_dtype
-from mpmd.errors import ActorDiedError, CheckpointError, MpmdError
+from mpmd.errors import ActorDiedError, CheckpointError, MpmdError, RemoteError
 from mpmd.runtime.aio import off_loop, watch
 from mpmd.runtime.array import RemoteArray
 from mpmd.runtime.checkpoint_format import (
@@ -261,7 +261,10 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
             raise CheckpointError(f"mpmd.save: leaf {jax.tree_util.keystr(p)} is a {type(x).__name__} ({np.asarray(x).dtype}); a checkpoint "
                                   "holds arrays and numbers: keep strings and other objects out of the saved tree (e.g. save them "
                                   "beside it with json)", checkpoint=path, leaf=jax.tree_util.keystr(p))
-    name, tmp = _start(path)
+    try:
+        name, tmp = _start(path)
+    except OSError as e:  # (a read-only or full file system, a file where a directory goes: as any save failure)
+        raise _unwritable(path, e) from e
     leaves: list[dict[str, Any]] = []
     host: dict[str, np.ndarray] = {}
     per_actor: dict[int, tuple[list[str], list[int]]] = {}  # writer -> names, leaf indices
@@ -328,9 +331,11 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
     except BaseException as e:
         abandon(e)
         done_saving()
+        if isinstance(e, OSError):
+            raise _unwritable(path, e) from e
         raise
     if not per_actor:
-        return _finish_sync(lambda: finish(host_part, host_order), abandon, done_saving, wait)
+        return _finish_sync(lambda: finish(host_part, host_order), abandon, done_saving, wait, path)
 
     def send(again: bool = False) -> list[Any]:
         """Every actor's save request, sent now, of the buffers the arrays name now (a recovery rebinds them); an
@@ -395,7 +400,9 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
                         await asyncio.wait(waits, timeout=5)
                         for w in waits:  # (read, or given up: an error nobody reads would be logged)
                             w.exception() if w.done() and not w.cancelled() else w.cancel()
-                raise died or _failed_step(path, flat) or failed[0]
+                first = next(r for r in replies if isinstance(r, BaseException))
+                writer = list(per_actor)[replies.index(first)]
+                raise died or _failed_step(path, flat) or _not_written(path, writer, first)
             # An actor lost while the save ran: the recovery aborts the steps the saved arrays came from (the
             # actor's own error names an aborted step) and replays them; then the arrays hold their values
             # again, in new buffers, and the save goes again, once.
@@ -416,7 +423,10 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
         for (a, (_, idx)), r in zip(per_actor.items(), replies):
             parts[f"actor-{a}"] = (r.header["written"], r.header["files"])
             order[f"actor-{a}"] = idx
-        out = await asyncio.to_thread(finish, parts, order)
+        try:
+            out = await asyncio.to_thread(finish, parts, order)
+        except OSError as e:
+            raise _unwritable(path, e) from e
         done_saving()
         return out
 
@@ -464,13 +474,29 @@ async def _abandon_after(replies: list[asyncio.Future[Any]], cleanup: Any) -> No
         cleanup()
 
 
-def _finish_sync(run: Any, abandon: Any, done_saving: Any, wait: bool) -> str | SaveHandle:
+def _unwritable(path: str, e: OSError) -> CheckpointError:
+    return CheckpointError(f"mpmd.save into {path}: could not write here ({e}); nothing was committed and the previous "
+                           "checkpoint, if any, stays the latest", checkpoint=path)
+
+
+def _not_written(path: str, actor: int, e: BaseException) -> BaseException:
+    """An actor's failure to write its part of a save, as the save's CheckpointError (its remote error chained)."""
+    if not isinstance(e, RemoteError):
+        return e
+    err = CheckpointError(f"mpmd.save into {path}: actor {actor} could not write its part: {e.remote_type}: "
+                          f"{e.remote_message[:1000]}; nothing was committed and the previous checkpoint, if any, stays "
+                          "the latest", checkpoint=path, actor=actor)
+    err.__cause__ = e
+    return err
+
+
+def _finish_sync(run: Any, abandon: Any, done_saving: Any, wait: bool, path: str = "") -> str | SaveHandle:
     future: concurrent.futures.Future[str] = concurrent.futures.Future()
     try:
         future.set_result(run())
     except BaseException as e:
         abandon(e)
-        future.set_exception(e)
+        future.set_exception(_unwritable(path, e) if isinstance(e, OSError) else e)
     finally:
         done_saving()
     handle = SaveHandle(future)

@@ -241,15 +241,22 @@ def _small_text(path: str, limit: int = 4096) -> str:
 
 
 def committed(path: str) -> str:
-    """The directory of the checkpoint `path/LATEST` names. Raises CheckpointError when there is none."""
+    """The directory of the checkpoint `path/LATEST` names, or `path` itself when it is one committed checkpoint
+    (`path/ckpt-<n>`, what mpmd.save returned: an older one kept by `keep=`). Raises CheckpointError when there
+    is none."""
     latest = os.path.join(path, "LATEST")
     if os.path.exists(path) and not os.path.isdir(path):
         raise CheckpointError(f"{path!r} is a file, not a checkpoint directory (give the directory mpmd.save wrote)", checkpoint=path)
+    if _NAME.fullmatch(os.path.basename(os.path.normpath(path))) and not os.path.lexists(latest):
+        if os.path.islink(os.path.normpath(path)):  # (as one that LATEST names: read only where it is)
+            raise CheckpointError(f"{path!r} is a symbolic link; give the checkpoint's own directory", checkpoint=path)
+        if os.path.isfile(os.path.join(path, MANIFEST)):  # (committed: a save renames ckpt-<n>.tmp once all is written)
+            return os.path.normpath(path)
     try:
         name = _small_text(latest)
     except FileNotFoundError:
-        raise CheckpointError(f"no committed checkpoint in {path!r} (no LATEST file); was mpmd.save called there?",
-                              checkpoint=path, file="LATEST") from None
+        raise CheckpointError(f"no committed checkpoint in {path!r} (no LATEST file, no {MANIFEST}); was mpmd.save called there? "
+                              "Give the directory passed to mpmd.save, or one of its ckpt-<n>", checkpoint=path, file="LATEST") from None
     except (OSError, ValueError) as e:  # (a FIFO waited forever, /dev/zero grew without end, a directory, not text)
         raise CheckpointError(f"{latest} cannot be read as the small text file mpmd.save writes ({e}); the directory was "
                               "damaged or edited", checkpoint=path, file="LATEST") from None
@@ -261,8 +268,8 @@ def committed(path: str) -> str:
         raise CheckpointError(f"{ckpt} is a symbolic link; mpmd.save writes each checkpoint as a directory of its own, and "
                               f"one is read only inside {path!r}", checkpoint=ckpt, file="LATEST")
     if not os.path.isdir(ckpt):
-        raise CheckpointError(f"{latest} names {name!r}, but {ckpt} is missing; restore an older checkpoint by writing its "
-                              "name into LATEST, or save again", checkpoint=ckpt, file="LATEST")
+        raise CheckpointError(f"{latest} names {name!r}, but {ckpt} is missing; restore an older one by giving its own "
+                              "directory (path/ckpt-<n>, as mpmd.save returned it), or save again", checkpoint=ckpt, file="LATEST")
     return ckpt
 
 
