@@ -491,17 +491,18 @@ class DistributedFunction(ShallowCopyOnly):
 
         return tuple(got[k] if k in got else unpassed(k) for k in [*self._positional, *self._kwonly])
 
-    def _invoke(self, args: tuple[Any, ...]) -> Any:
-        """Call the step's function on the tuple `bind` made (keyword-only parameters by name; a `DEFAULT` left out,
-        so that the function's own default applies)."""
+    def _invoke(self, args: tuple[Any, ...], fn: Any = None) -> Any:
+        """Call the step's function (or `fn` in its place) on the tuple `bind` made (keyword-only parameters by
+        name; a `DEFAULT` left out, so that the function's own default applies)."""
+        fn = self.fn if fn is None else fn
         n = len(self._positional)
         if not self._kwonly and not any(a is DEFAULT for a in args):
-            return self.fn(*args)
+            return fn(*args)
         given = 0  # the leading positional arguments passed; a later one passed goes by name after a DEFAULT
         while given < min(n, len(args)) and args[given] is not DEFAULT:
             given += 1
         by_name = {k: v for k, v in zip([*self._positional[given:], *self._kwonly], args[given:]) if v is not DEFAULT}
-        return self.fn(*args[:given], **by_name)
+        return fn(*args[:given], **by_name)
 
     def _signature(self, args: tuple[Any, ...]) -> tuple[Any, list[Any], list[jax.ShapeDtypeStruct]]:
         """(the compile cache's key, the data leaves, their specs); static leaves are in the key's treedef."""
@@ -554,11 +555,12 @@ class DistributedFunction(ShallowCopyOnly):
         _, leaves, specs = self._signature(args)
         treedef = jax.tree.structure(self._hidden(args), is_leaf=_is_remote)
         out_box: list[Any] = []
+        unwrapped: list[Any] = []  # the function jax.jit wrapped, traced in its place when jit's cache holds another schedule
 
         def flat(*xs: Any) -> list[Any]:
             given = reveal(jax.tree.unflatten(treedef, xs))
             before = _variables(given)
-            out = self._invoke(given)
+            out = self._invoke(given, unwrapped[-1] if unwrapped else None)
             leaves_out, tree = jax.tree.flatten(hide(out))
             _warn_lost_updates(self.fn, [*self._positional, *self._kwonly], before, leaves_out)
             for k, x in enumerate(leaves_out):
@@ -580,15 +582,41 @@ class DistributedFunction(ShallowCopyOnly):
             elif not caller.empty:  # one device each: the caller's axes, each of size 1 (P('model') splits nothing there)
                 traced_under = jax.sharding.AbstractMesh((1,) * len(caller.axis_names), tuple(caller.axis_names),
                                                          axis_types=(jax.sharding.AxisType.Auto,) * len(caller.axis_names))
-            try:
-                with jax.sharding.use_abstract_mesh(traced_under) if traced_under is not None else contextlib.nullcontext():
-                    closed = jax.make_jaxpr(flat)(*specs)
-            except ValueError as e:
-                err = _actor_mesh_error(e, am, traced_under)
-                if err is None:
-                    raise
-                raise err from None
-        return inline_calls(rebind_constraints(closed, am, traced_under)), out_box[-1]
+            for again in (False, True):
+                try:
+                    with jax.sharding.use_abstract_mesh(traced_under) if traced_under is not None else contextlib.nullcontext():
+                        closed = jax.make_jaxpr(functools.partial(flat) if again else flat)(*specs)  # (a new function:
+                        # make_jaxpr keeps its traces too)
+                except ValueError as e:
+                    err = _actor_mesh_error(e, am, traced_under)
+                    if err is None:
+                        raise
+                    raise err from None
+                closed = inline_calls(rebind_constraints(closed, am, traced_under))
+                stale = self._stale_schedule(closed)
+                if stale is None:
+                    break
+                # A cache of traces around the loop (the step given as jax.jit(f)) handed back one made with another
+                # schedule: the override never reached accumulate_grads. Once more with the function jit wraps (the
+                # same jaxpr once its calls are inlined, as they are here), when there is one.
+                inner = getattr(self.fn, "__wrapped__", None)
+                if again or not callable(inner):
+                    raise PipelineError(
+                        f"the step's accumulate_grads ran with {stale!r}, not {self.schedule!r} as asked (with_schedule, "
+                        "tune, profile_costs): a cache of traces around it (jax.jit, or a jitted function holding the loop) "
+                        "reused a trace made with the other schedule; pass the undecorated function to mpmd.distributed "
+                        "(it compiles the step itself)")
+                unwrapped.append(inner)
+        return closed, out_box[-1]
+
+    def _stale_schedule(self, closed: Any) -> Any:
+        """The schedule the traced loop holds when it is not the one this step overrides it with (else None)."""
+        from mpmd.primitives import accumulate_p
+
+        if self.schedule is None:
+            return None
+        held = [e.params["schedule"] for e in closed.jaxpr.eqns if e.primitive is accumulate_p]
+        return next((s for s in held if s != self.schedule), None)
 
     def _cached(self, sig: Any) -> CompiledStep | None:
         """The compiled step for `sig`, unless a daemon was restarted under the mesh since (mesh.reconnect to a new

@@ -686,3 +686,31 @@ def test_the_rows_of_an_nnx_step_with_dropout_are_its_batchs_not_those_of_the_mi
         model = _NnxTwoStage.model(dropout=dropout)
         opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
         assert segment_layout(DistributedFunction(_nnx_step(mpmd.OneFOneB(2)), FakeMesh(2)), model, opt, batch)[3] == 6
+
+
+def test_a_step_given_as_jax_jit_runs_the_schedule_with_schedule_asks_for(mesh2):
+    """jax.jit keeps its first trace of the step, schedule and all: `distributed(jax.jit(f)).with_schedule(s)`
+    (what tune and profile_costs do for every candidate) ran the first schedule under the new one's name, and
+    tune ranked GPipe's time as ZeroBubbleH1's (a probe). The step's own function is traced instead then; a
+    jitted helper holding the loop, which cannot be unwrapped, is refused saying what to pass."""
+    from mpmd.testing import make_train_step
+
+    opt = optax.sgd(0.1)
+    rng = np.random.default_rng(0)
+    params, batch = mlp_params(rng, num_stages=2), regression_batch(rng, 4, 3, 16)
+    step = jax.jit(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)))
+    want = jax.jit(make_train_step(mse_loss(mlp), opt, None))(params, opt.init(params), batch)
+    dist = mpmd.distributed(step, mesh=mesh2)
+    dist(params, opt.init(params), batch)[2].block_until_ready()  # (the first trace, 1F1B's, in jit's cache)
+    for schedule, splits in ((mpmd.ZeroBubbleH1(2), True), (mpmd.GPipe(2), False)):
+        other = dist.with_schedule(schedule)
+        program = str(other.program(params, opt.init(params), batch))
+        assert ("W0" in program) == splits, (schedule, program[:400])
+        assert_trees_close(mpmd.fetch(other(params, opt.init(params), batch)), want, rtol=1e-5, atol=1e-6)
+
+    inner = jax.jit(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)))
+    wrapped = mpmd.distributed(lambda p, o, b: inner(p, o, b), mesh=mesh2)
+    wrapped(params, opt.init(params), batch)[2].block_until_ready()
+    with pytest.raises(mpmd.PipelineError, match=r"ran with OneFOneB\(num_stages=2\), not GPipe\(num_stages=2\) as asked .*"
+                                                 r"pass the undecorated function to mpmd.distributed"):
+        wrapped.with_schedule(mpmd.GPipe(2)).program(params, opt.init(params), batch)
