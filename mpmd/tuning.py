@@ -403,7 +403,9 @@ def _with_balance(schedule: Schedule, grouping: tuple[int, ...], remat: tuple[in
 
 
 def _size(nbytes: float) -> str:
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if nbytes >= 2**60:  # (memory_limit=1e30 read "909494701772928256.0 TiB"; a probe)
+        return f"{nbytes:.3g} bytes"
+    for unit, scale in (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
             return f"{nbytes / scale:.1f} {unit}"
     return f"{int(nbytes)} byte{'s' * (int(nbytes) != 1)}"
@@ -687,7 +689,10 @@ def _predict(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedul
         c.rejected = _reason(str(e))
         return [c]
     except Exception as e:  # (tracing the step with this schedule or count failed in JAX or in the user's code)
-        log.warning("tune: %s m=%d rejected: tracing it raised %s", c.name, c.num_microbatches, type(e).__name__, exc_info=True)
+        # (one line each: the reason is in the table; the traceback, 40 lines a candidate, only on DEBUG)
+        log.warning("tune: %s m=%d rejected: tracing it raised %s: %.200s", c.name, c.num_microbatches, type(e).__name__,
+                    str(e).splitlines()[0] if str(e) else "")
+        log.debug("tune: %s m=%d: the trace's traceback", c.name, c.num_microbatches, exc_info=True)
         c.rejected = _reason(f"tracing it raised {type(e).__name__}: {str(e)}")
         return [c]
     over = _record(c, sim, memory_limit)

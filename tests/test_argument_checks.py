@@ -285,3 +285,17 @@ def test_an_argument_jax_cannot_use_is_named_by_its_own_type():
             dist(np.ones(2, np.float32), object())
         with pytest.raises(mpmd.PipelineError, match=r"args\[1\] is a ndarray.*dtype=object.*np.stack"):  # (a real one)
             dist(np.ones(2, np.float32), np.array([object(), 1], dtype=object))
+
+
+def test_cli_tune_says_counts_in_its_own_flag_and_runs_as_python_m_mpmd_cli():
+    """`mpmd tune --try-microbatches 3` advised "pass counts that do, e.g. microbatches=[2, 4, ...]", mpmd.tune's
+    argument rather than the command's flag, and `python -m mpmd.cli` had no __main__ (a probe)."""
+    import subprocess
+    import sys
+
+    with pytest.raises(SystemExit) as e:
+        main(["tune", "--try-microbatches", "3", "--xla-costs"])
+    said = str(e.value.code)
+    assert "--try-microbatches 3: none divides" in said and "e.g. --try-microbatches 2,4," in said and "microbatches=[" not in said
+    out = subprocess.run([sys.executable, "-m", "mpmd.cli", "simulate", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("usage: mpmd simulate"), out.stderr[-500:]

@@ -63,6 +63,8 @@ def test_tune_respects_the_memory_limit_and_says_why_gpipe_was_rejected():
         f"peak {peak['GPipe'] / 1024:.1f} KiB ({peak['GPipe']} bytes) on actor {r.candidates[0].peak_bytes.index(peak['GPipe'])} "
         f"> memory_limit {(peak['GPipe'] - 1) / 1024:.1f} KiB ({peak['GPipe'] - 1} bytes)")
     assert "memory limit 1.0 GiB;" in tuned(microbatches=[8], schedules=["GPipe"], memory_limit=2**30).table()  # (not 1024.0 MiB)
+    # (a limit past any machine: it read "909494701772928256.0 TiB"; a probe)
+    assert "memory limit 1e+30 bytes;" in tuned(microbatches=[8], schedules=["GPipe"], memory_limit=1e30).table()
 
 
 def test_resplit_keeps_every_row():

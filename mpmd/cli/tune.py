@@ -12,6 +12,7 @@ import argparse
 import importlib.util
 import os
 import pathlib
+import re
 from types import ModuleType
 from typing import Any
 
@@ -118,7 +119,9 @@ def _run(args: argparse.Namespace) -> int:
             result = mpmd.tune(step, params, opt_state, batch, mesh=mesh, memory_limit=limit, microbatches=args.try_microbatches,
                                costs="xla" if args.xla_costs else None, remat=args.remat)
         except mpmd.MpmdError as e:
-            raise SystemExit(f"mpmd {e}" if str(e).startswith("tune:") else f"mpmd tune: {e}") from None
+            # (said in this command's words: its flag, not mpmd.tune's argument; a probe)
+            text = re.sub(r"microbatches=\[([\d, ]+)\]", lambda m: "--try-microbatches " + m.group(1).replace(" ", ""), str(e))
+            raise SystemExit(f"mpmd {text}" if text.startswith("tune:") else f"mpmd tune: {text}") from None
         print(result)
         if not result.feasible:
             return 1
