@@ -123,7 +123,7 @@ class RemoteArray:
         if self._ready is not None and (closed or (isinstance(error, ActorDiedError) and error.actor_id in self.actors)):
             self._ready.seen = True
         if closed:
-            raise MpmdError(f"{self!r} belongs to {self.mesh!r}, which was closed before its fetch ended; its data "
+            raise MpmdError(f"{self!r} belongs to {self.mesh!r}, which was closed before the fetch could end; its data "
                             "is gone") from error
 
     def _step_error_first(self) -> None:
