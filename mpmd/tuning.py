@@ -567,7 +567,7 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
             found.extend(Candidate(sched, m, rejected=_reason(str(e))) for sched in cands)
             continue
         for sched in cands:
-            found.extend(_predict(base, tuple(call_args), sched, m, scaled, p, memory_limit, remat))
+            found.extend(_predict(base, tuple(call_args), sched, m, scaled, p, memory_limit, remat, m0 if m != m0 else None))
     found.sort(key=lambda c: (bool(c.rejected), c.predicted if c.predicted is not None else float("inf")))
     result = TuneResult(found, seg, base, args, batch_argnum, memory_limit, remat=bool(remat), note=note)  # (None: the batch is never re-split)
     if calibrate if calibrate is not None else costs is None:
@@ -670,8 +670,9 @@ def _check_choices(memory_limit: Any, schedules: Any, microbatches: Any, virtual
 
 
 def _predict(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedule, m: int, seg: SegmentCosts, p: int,
-             memory_limit: int | None, remat: bool = False) -> list[Candidate]:
-    """The candidate (rejected when over `memory_limit`), and with `remat` then also its remat variant."""
+             memory_limit: int | None, remat: bool = False, resplit_from: int | None = None) -> list[Candidate]:
+    """The candidate (rejected when over `memory_limit`), and with `remat` then also its remat variant
+    (`resplit_from`: the step's own microbatch count, when `args` holds its batch re-split into `m`)."""
     c = Candidate(schedule, m)
     static: list[int] = []  # bytes of the step's arguments the actors read (parameters, optimizer state, inputs)
     try:
@@ -693,7 +694,9 @@ def _predict(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedul
         log.warning("tune: %s m=%d rejected: tracing it raised %s: %.200s", c.name, c.num_microbatches, type(e).__name__,
                     str(e).splitlines()[0] if str(e) else "")
         log.debug("tune: %s m=%d: the trace's traceback", c.name, c.num_microbatches, exc_info=True)
-        c.rejected = _reason(f"tracing it raised {type(e).__name__}: {str(e)}")
+        again = (f" (its batch re-split from {resplit_from} microbatches: the second axis of every batch leaf was taken for "
+                 f"the rows of a microbatch; if it is not, pass microbatches=[{resplit_from}])") if resplit_from else ""
+        c.rejected = _reason(f"tracing it raised {type(e).__name__}: {str(e)}") + again
         return [c]
     over = _record(c, sim, memory_limit)
     floor = -(-sum(static) // p)

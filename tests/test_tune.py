@@ -2,6 +2,7 @@
 its reason in the table; the winner is a ready step whose results equal jax.jit; verify measures it."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -716,3 +717,24 @@ def test_a_step_given_as_jax_jit_runs_the_schedule_with_schedule_asks_for(mesh2)
     with pytest.raises(mpmd.PipelineError, match=r"ran with OneFOneB\(num_stages=2\), not GPipe\(num_stages=2\) as asked .*"
                                                  r"pass the undecorated function to mpmd.distributed"):
         wrapped.with_schedule(mpmd.GPipe(2)).program(params, opt.init(params), batch)
+
+
+def test_a_batch_whose_second_axis_is_not_rows_gets_rejections_that_say_so():
+    """x [m, d] (a feature vector per microbatch): tune takes the second axis for rows and re-splits d; each such
+    candidate's trace fails in the model's matmul, and the reason said only "dot_general requires contracting
+    dimensions ..." (a probe). It now also says the batch was re-split and what to pass; the step's own count runs."""
+    rng = np.random.default_rng(0)
+    params = [rng.standard_normal((8, 8)).astype(np.float32) / 3, rng.standard_normal((8, 8)).astype(np.float32) / 3]
+    batch = {"x": rng.standard_normal((4, 8)).astype(np.float32), "y": rng.standard_normal((4, 8)).astype(np.float32)}
+
+    def loss(p, mb):
+        return jnp.mean((mpmd.pipeline_yield(jnp.tanh(mb["x"] @ p[0])) @ p[1] - mb["y"]) ** 2)
+
+    opt = optax.sgd(0.1)
+    r = mpmd.tune(make_step(loss, opt, mpmd.OneFOneB(2)), params, opt.init(params), batch, mesh=FakeMesh(2), costs="xla",
+                  schedules=["OneFOneB"], microbatches=[2, 4])
+    two = next(c for c in r.candidates if c.num_microbatches == 2)
+    assert two.rejected.startswith("tracing it raised") and two.rejected.endswith(
+        "(its batch re-split from 4 microbatches: the second axis of every batch leaf was taken for the rows of a "
+        "microbatch; if it is not, pass microbatches=[4])"), two.rejected
+    assert r.best.num_microbatches == 4
