@@ -403,7 +403,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     from actors.request import HeldByLoader, RequestError, StepAborted, WaitedInVain, format_exception
     from actors.sandbox import ALLOWED_CUSTOM_CALLS, BlobChecker, CheckerPool
     from transport.auth import Authenticator, KeyPair, configure_server, user_id
-    from transport.control import COMING_BYTES, bind_router
+    from transport.control import COMING_BYTES, COMING_LEAD, bind_router
     from transport.p2p import DataPlane
     from transport.p2p.base import ArrivalLimits
     from transport.protocol import ProtocolError, decode, encode, error_reply, message_id
@@ -542,6 +542,11 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
             size = sum(int(a.nbytes) for a in arrays)
             if size >= COMING_BYTES:  # its bytes will hold the connection: say so first (transport/control.py)
                 await reply(identity.bytes, encode({"op": "coming", "id": req_id, "nbytes": size}))
+                # ... and let ZeroMQ's I/O thread write that notice alone. It fills a batch of output from every
+                # message queued, encrypting each (CURVE) as it takes it: a notice queued together with a 1.5 GiB
+                # reply left only once all of it was encrypted, 10-30 s on a loaded machine, and the controller
+                # took the silence for a dead actor (a probe; 1 fetch in 3 with a 2.5 s heartbeat_timeout).
+                await asyncio.sleep(COMING_LEAD)
             await reply(identity.bytes, encode({"op": "reply", "id": req_id, "ok": True, **header}, arrays))
         except asyncio.CancelledError:
             return  # the daemon is stopping

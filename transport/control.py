@@ -40,6 +40,7 @@ LINE_FLOOR = 8 * 1024**2  # bytes per second a big message is granted on the con
 # 2-core VM moved ~300 MB/s idle, 125 MB/s loaded, and 16-21 MiB/s with the load average at 10-12: a 305 MiB fetch
 # was declared dead at 32 MiB/s; the grant ends with the reply, so a low floor costs only while the bytes cross)
 COMING_BYTES = 16 * 1024**2  # a reply this big is announced first ('coming')
+COMING_LEAD = 0.05  # seconds the announcing daemon gives the notice to leave before it queues the reply itself
 
 
 class ConnectionLost(ConnectionError):
