@@ -292,6 +292,36 @@ def test_a_daemon_killed_while_idle_is_declared_lost_by_its_dropped_connection_n
             stop_daemon(p)
 
 
+def test_every_output_of_a_step_that_met_a_killed_daemon_raises_the_loss_not_an_actors_abort(tmp_path):
+    """Daemons started by hand; actor 1 killed between steps; the next step's losses (actor 1) raise the loss. Its
+    outputs on actor 0 then raised actor 0's "StepAborted ... was aborted on actor 0", which names no lost actor (a
+    probe, daemons on tcp): a fetch whose error is not the loss of the array's own actor gives way to the step's error."""
+    handoff, keys = _keys_handoff()
+    started = [start_daemon("--listen", "tcp://127.0.0.1:0", "--actor-id", str(i), "--keys-stdin", stdin=handoff) for i in range(2)]
+    procs = [proc for proc, _ in started]
+    try:
+        with mpmd.RemoteMesh([addr for _, addr in started], keys=keys) as mesh:
+            rng = np.random.default_rng(0)
+            params, opt = testing.mlp_params(rng, num_stages=2), optax.sgd(0.1)
+            batch = testing.regression_batch(rng, num_microbatches=2, microbatch_size=3, width=16)
+            step = mpmd.distributed(make_train_step(testing.mse_loss(testing.mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
+            p, o, _ = step(params, opt.init(params), batch)
+            p[0][0].block_until_ready()
+            procs[1].kill()
+            procs[1].wait()
+            p3, o3, losses = step(p, o, batch)
+            with pytest.raises(mpmd.ActorDiedError, match=r"actor 1 died"):
+                mpmd.fetch(losses)
+            assert p3[0][0].actors == [0]
+            for fetch in (mpmd.fetch, lambda x: x.to_numpy()):
+                with pytest.raises(mpmd.ActorDiedError, match=r"actor 1 died or stopped answering during step 1 of "):
+                    fetch(p3[0][0])
+            assert mpmd.fetch(p[0][0]).shape == params[0][0].shape  # (the step before: whole)
+    finally:
+        for proc in procs:
+            stop_daemon(proc)
+
+
 def _error_of(fn):
     try:
         fn()

@@ -382,7 +382,9 @@ def fetch(tree: Any) -> Any:
                 for x in failed:
                     x._failed_fetch(e)
                 for x in failed:
-                    if not getattr(x._ready, "seen", False):  # (a lost actor's error, seen now, is the one to raise)
+                    # (the loss of an actor holding it is the one to raise; anything else an actor said of a failed
+                    # step's output, e.g. "aborted", gives way to the step's own error: a probe saw StepAborted)
+                    if not (isinstance(e, ActorDiedError) and e.actor_id in x.actors):
                         x._step_error_first()
                 raise
             per_actor = _by_actor([leaves[i] for idx in per_actor.values() for i in idx],
