@@ -289,7 +289,10 @@ def _warn_lost_updates(fn: Any, names: list[str], before: list[tuple[str, Any, A
     none of the new values: as under jax.jit, such updates do not outlive the step (nnx.jit writes them back)."""
     returned = {id(x) for x in outs}
     rng_state = getattr(sys.modules.get("flax.nnx"), "RngState", ())
-    now = [(path, var.get_value(), old, isinstance(var, rng_state)) for path, var, old in before]
+    # (a Variable holding no arrays, e.g. optax's MaskedNode in a masked-out slot that each update replaces with a
+    # new one, loses nothing: a probe saw the warning for optax.multi_transform over nnx Params)
+    now = [(path, var.get_value(), old, isinstance(var, rng_state)) for path, var, old in before
+           if jax.tree.leaves(var.get_value()) or jax.tree.leaves(old)]
     # A step that changes nothing but random streams' counts (an eval step: they move on in eval mode too) trains
     # nothing to lose; beside other updates (a train step returning only its Params), a lost count repeats masks.
     trains = any(new is not old for _, new, old, rng in now if not rng)

@@ -652,6 +652,45 @@ def test_an_nnx_eval_step_whose_dropout_stream_moves_on_does_not_warn_and_equals
         mpmd.distributed(params_only, mesh=mesh2)(model, optimizer, batch)
 
 
+def test_masked_optimizer_state_over_nnx_params_does_not_warn_of_lost_updates(mesh2):
+    """optax.multi_transform over nnx.split Params leaves a MaskedNode (no arrays) in each masked-out slot of the
+    state, and every update puts a new one there: a step returning its new state warned of 4 Variables updated in
+    place and lost (a probe). A Variable that holds no arrays loses nothing; the results equal jax.jit."""
+    import warnings
+
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.a, self.b = nnx.Linear(4, 8, rngs=rngs), nnx.Linear(8, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(mpmd.pipeline_yield(jnp.tanh(self.a(x))))
+
+    graphdef, params = nnx.split(Net(nnx.Rngs(0)), nnx.Param)
+    labels = lambda p: jax.tree_util.tree_map_with_path(  # noqa: E731
+        lambda path, _: "frozen" if "'a'" in jax.tree_util.keystr(path) else "train", p)
+    opt = optax.multi_transform({"train": optax.adam(1e-2), "frozen": optax.set_to_zero()}, labels)
+
+    def train_step(params, opt_state, batch):
+        def mb_grads(mb):
+            loss, grads = jax.value_and_grad(lambda p: jnp.mean((nnx.merge(graphdef, p)(mb["x"]) - mb["y"]) ** 2))(params)
+            return grads, loss
+
+        grads, losses = mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.OneFOneB(2))
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, losses
+
+    batch = {"x": np.random.default_rng(0).standard_normal((2, 4, 4)).astype(np.float32), "y": np.zeros((2, 4, 2), np.float32)}
+    state = opt.init(params)
+    want = jax.jit(train_step)(params, state, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        got = mpmd.fetch(mpmd.distributed(train_step, mesh=mesh2)(params, state, batch))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
 _GLOBAL_NNX_MODEL = None
 
 
