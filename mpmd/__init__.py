@@ -11,7 +11,7 @@
     print(await mpmd.fetch_async(losses))
 
 Public names (each has a docstring):
-  RemoteMesh, ActorHandle, RemoteArray, fetch the runtime: actors, handles, remote buffers, fetching them
+  RemoteMesh, ActorHandle, RemoteArray, fetch   the runtime: actors, handles, remote buffers, fetching them
   save, restore, load                         checkpoints of state held on actors (orbax-checkpoint, verified, any layout)
   fetch_async, ready_async, save_async, restore_async   awaitable twins, for the caller's own event loop (also
                                               RemoteMesh.local_async, step.call_async, actor(i).put_async / run_async)

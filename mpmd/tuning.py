@@ -228,7 +228,8 @@ class TuneResult(ShallowCopyOnly):
                   f"{winner.name} m={winner.num_microbatches} measured {winner.measured / self.chosen.measured:.2f}x "
                   "as long); result.best and result.step are it")
         if self.drift is not None:
-            print(f"the {len(again)} candidates that calibration measured ran {self.drift:.2f}x as long now as they did then "
+            which = "the candidate" if len(again) == 1 else f"the {len(again)} candidates"
+            print(f"{which} verified here that calibration had measured too ran {self.drift:.2f}x as long now as then "
                   "(the machine's drift since the predictions were scaled: measured/predicted moves by as much)")
         return out
 

@@ -559,3 +559,30 @@ def test_a_daemon_restarted_at_its_fixed_address_with_a_new_key_is_taken_back_by
     finally:
         for p in procs:
             stop_daemon(p)
+
+
+def test_daemons_started_by_hand_go_on_after_close_and_exit_with_shutdown_on_close(tmp_path):
+    """Daemons at fixed addresses serve the next job after `close` (each session ends); a newcomer found no way to
+    stop them but kill (a probe): `RemoteMesh.connect(..., shutdown_on_close=True)` asks them to exit at close, as
+    `from_rendezvous` does by default."""
+    generate_key_files(str(tmp_path / "keys"))
+    flags = ["--server-key", str(tmp_path / "keys" / "mpmd.key_secret"), "--authorized-keys", str(tmp_path / "keys")]
+    started = [start_daemon("--listen", "tcp://127.0.0.1:0", "--actor-id", str(i), *flags) for i in range(2)]
+    procs, addresses = [p for p, _ in started], [a for _, a in started]
+    try:
+        rng = np.random.default_rng(0)
+        params, opt = testing.mlp_params(rng, num_stages=2), optax.sgd(0.1)
+        batch = testing.regression_batch(rng, num_microbatches=2, microbatch_size=3, width=16)
+        step = testing.make_train_step(testing.mse_loss(testing.mlp), opt, mpmd.OneFOneB(2))
+        want = jax.jit(testing.make_train_step(testing.mse_loss(testing.mlp), opt, None))(params, opt.init(params), batch)[2]
+        for shutdown in (False, True):
+            with mpmd.RemoteMesh.connect(addresses, keys=str(tmp_path / "keys"), shutdown_on_close=shutdown) as mesh:
+                got = mpmd.distributed(step, mesh=mesh)(params, opt.init(params), batch)[2].to_numpy()
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+            if not shutdown:
+                time.sleep(1)
+                assert all(p.poll() is None for p in procs)  # (still serving)
+        assert [p.wait(30) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            stop_daemon(p)

@@ -291,7 +291,7 @@ class RemoteMesh:
         return mesh
 
     @classmethod
-    def connect(cls, addresses: Sequence[str], *, keys: Any = None, **kwargs: Any) -> RemoteMesh:
+    def connect(cls, addresses: Sequence[str], *, keys: Any = None, shutdown_on_close: bool = False, **kwargs: Any) -> RemoteMesh:
         """Attach to daemons started elsewhere, e.g. on each node::
 
             mpmd keys generate ~/.mpmd/keys        # once, then copy the directory to every node
@@ -302,10 +302,17 @@ class RemoteMesh:
 
         `keys`: a key directory (or ``*.key_secret`` file) whose pair is both this controller's and the daemons'
         key, or a `transport.auth.ClientKeys` (the controller's pair and the daemons' public keys, for separate
-        pairs). A wrong or missing key fails here with `ActorAuthError`, naming the actor."""
+        pairs). A wrong or missing key fails here with `ActorAuthError`, naming the actor. The daemons go on
+        serving after `close` (each session ends; the next job connects again); with `shutdown_on_close` they are
+        asked to exit (they do when this key owns their job, or is their --admin-key), as `kill -TERM` does."""
         if "recover" in kwargs:
             raise ValueError("recover= needs a launcher that can start a replacement daemon: RemoteMesh.local, .ray or "
                              ".from_rendezvous (a daemon restarted at the same address can be taken back with mesh.reconnect(i))")
+        if shutdown_on_close:
+            from mpmd.runtime.launch.rendezvous import AttachedDaemon
+
+            owned = [AttachedDaemon(i, a) for i, a in enumerate(addresses)] if not isinstance(addresses, (str, bytes)) else []
+            return cls(addresses, owned, keys=keys, **kwargs)
         return cls(addresses, keys=keys, **kwargs)
 
     @classmethod

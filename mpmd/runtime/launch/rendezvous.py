@@ -116,6 +116,25 @@ class RendezvousDaemon:
         pass
 
 
+class AttachedDaemon:
+    """A daemon started by hand at a known address (`RemoteMesh.connect(..., shutdown_on_close=True)`): as a
+    rendezvous daemon, the mesh asks it to shut down when it closes; nothing here to kill or wait for."""
+
+    def __init__(self, actor_id: int, address: str) -> None:
+        self.actor_id = actor_id
+        self.address = address
+
+    def dead_reason(self) -> str | None:
+        return None  # a process started elsewhere: only its connection and heartbeats tell
+
+    def stacks(self) -> str:
+        return (f"(not available here: it was started by hand at {self.address}; `kill -USR1 <its pid>` there writes "
+                "every thread's stack to its stderr)")
+
+    def stop(self, timeout: float = 3.0) -> None:
+        pass
+
+
 # ---- waiting for arrivals --------------------------------------------------------------------------
 class _Waiting:
     """The arrivals so far, each probed once (its endpoint must accept connections: a record left by a killed
