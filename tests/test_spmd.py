@@ -441,6 +441,30 @@ def test_an_unconstrained_or_malformed_spec_entry_in_in_shardings_is_refused_nam
     am.check_spec(P(None, ("data", "model")), (4, 4), "w1")
 
 
+def test_a_spec_over_a_mesh_of_other_axis_names_is_refused_with_a_spelling_that_works():
+    """A NamedSharding over a jax Mesh named ('x', 'y') was refused with "give the PartitionSpec alone
+    (P(None, 'y'))", which then failed on the actors' ('data', 'model') (a probe). The advice is the spec in the
+    actors' names, by position when the shapes agree; otherwise it says to use those names."""
+    from jax.sharding import Mesh, NamedSharding
+
+    from mpmd.compiler.lowering import rebind_constraints
+    from mpmd.runtime.sharding import ActorMesh
+
+    am = ActorMesh((1, 2), ("data", "model"))
+    xy = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("x", "y"))
+    assert am.in_own_names(P(None, "y"), xy) == P(None, "model") and am.in_own_names(P(("x", "y")), xy) == P(("data", "model"))
+    assert am.in_own_names(P("model"), xy) == P("model")  # (already the actors' names)
+    other_shape = Mesh(np.array(jax.devices()[:2]).reshape(2, 1), ("x", "y"))
+    assert am.in_own_names(P(None, "y"), other_shape) is None
+    with pytest.raises(mpmd.MpmdError, match=r"give the PartitionSpec alone \(P\(None, 'model'\)\)"):
+        am.check_spec(NamedSharding(xy, P(None, "y")), (4, 4), "w1")
+    with pytest.raises(mpmd.MpmdError, match=r"give a PartitionSpec in the actors' own axis names \('data', 'model'\)"):
+        am.check_spec(NamedSharding(other_shape, P(None, "y")), (4, 4), "w1")
+    closed = jax.make_jaxpr(lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(xy, P(None, "y"))))(np.ones((4, 4), np.float32))
+    with pytest.raises(mpmd.PipelineError, match=r"write with_sharding_constraint\(x, P\(None, 'model'\)\)"):
+        rebind_constraints(closed, am)
+
+
 def test_the_embedding_api_puts_and_runs_sharded_arrays(mesh_1x2):
     x = np.arange(64, dtype=np.float32).reshape(8, 8)
     r = mesh_1x2.actor(0).put(x, P(None, "model"))

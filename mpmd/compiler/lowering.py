@@ -113,8 +113,9 @@ def rebind_constraints(closed: Any, actor_mesh: Any, traced_under: Any = None) -
         mesh = getattr(sharding, "mesh", None)
         if not isinstance(sharding, NamedSharding) or not isinstance(mesh, Mesh):
             return sharding
-        new = rebound(mesh, f"with_sharding_constraint(x, NamedSharding(mesh, {sharding.spec}))",
-                      f"with_sharding_constraint(x, {sharding.spec}) (a bare PartitionSpec resolves against each actor's mesh)")
+        instead = "with_sharding_constraint(x, {}) (a bare PartitionSpec resolves against each actor's mesh)"
+        instead = actor_mesh.spec_advice(sharding.spec, mesh, instead) if actor_mesh is not None else instead.format(sharding.spec)
+        new = rebound(mesh, f"with_sharding_constraint(x, NamedSharding(mesh, {sharding.spec}))", instead)
         return sharding if new is mesh else NamedSharding(new, sharding.spec, memory_kind=sharding.memory_kind)
 
     def param(p: Any) -> Any:

@@ -61,6 +61,29 @@ class ActorMesh:
             entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
         return as_layout(PartitionSpec(*entries))
 
+    def in_own_names(self, spec: PartitionSpec, mesh: Any) -> PartitionSpec | None:
+        """`spec`, written for the jax Mesh `mesh`, spelled in this mesh's axis names: as it is when it names only
+        axes this mesh has, by position when the two meshes have the same shape; else None (no spelling says it)."""
+        entries = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+        if all(n in self.axis_names for names in entries for n in names):
+            return spec
+        theirs = tuple(getattr(mesh, "axis_names", ()))
+        if tuple(getattr(getattr(mesh, "devices", None), "shape", ())) != tuple(self.shape) or len(theirs) != len(self.axis_names):
+            return None
+        rename = dict(zip(theirs, self.axis_names))
+        if not all(n in rename for names in entries for n in names):
+            return None
+        out = [None if not names else rename[names[0]] if len(names) == 1 else tuple(rename[n] for n in names) for names in entries]
+        return PartitionSpec(*out)
+
+    def spec_advice(self, spec: PartitionSpec, mesh: Any, write: str) -> str:
+        """What to write instead of `spec` over the jax Mesh `mesh`: `write` formatted with the re-spelled spec, or,
+        when there is none, to spell it in this mesh's axis names."""
+        own = self.in_own_names(spec, mesh)
+        if own is not None:
+            return write.format(own)
+        return f"a PartitionSpec in the actors' own axis names {tuple(self.axis_names)} (over {tuple(self.shape)})"
+
     def equivalent(self, a: Any, b: Any) -> bool:
         """Whether two specs (or layouts) place the same data on the same devices of this mesh."""
         return self.canonical(a) == self.canonical(b)
@@ -72,8 +95,9 @@ class ActorMesh:
             theirs = (tuple(spec.mesh.axis_names), tuple(spec.mesh.devices.shape))
             if theirs != (tuple(self.axis_names), tuple(self.shape)):
                 raise MpmdError(f"{what}: NamedSharding({spec.spec}) is over a jax Mesh of shape {theirs[1]} named {theirs[0]}, "
-                                f"but each actor's mesh is {tuple(self.shape)} named {tuple(self.axis_names)}; give the "
-                                f"PartitionSpec alone ({spec.spec}), laid out over the actors' own devices")
+                                f"but each actor's mesh is {tuple(self.shape)} named {tuple(self.axis_names)}; give "
+                                f"{self.spec_advice(spec.spec, spec.mesh, 'the PartitionSpec alone ({})')}, laid out over the "
+                                "actors' own devices")
             spec = spec.spec
         elif not isinstance(spec, PartitionSpec):
             spec = as_spec(spec)
