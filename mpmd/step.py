@@ -619,7 +619,9 @@ class DistributedFunction(ShallowCopyOnly):
         if self.schedule is None:
             return None
         held = [e.params["schedule"] for e in closed.jaxpr.eqns if e.primitive is accumulate_p]
-        return next((s for s in held if s != self.schedule), None)
+        # (by identity: accumulate_grads binds the override itself; a Schedule subclass keeping its options outside
+        # its dataclass fields compares equal to one with other options, and its stale trace ran unsaid; a probe)
+        return next((s for s in held if s is not self.schedule), None)
 
     def _cached(self, sig: Any) -> CompiledStep | None:
         """The compiled step for `sig`, unless a daemon was restarted under the mesh since (mesh.reconnect to a new
