@@ -471,6 +471,17 @@ def test_cli_exits_2_with_the_validation_error(capsys):
     assert e.value.code == 2 and "F is given twice" in capsys.readouterr().err
 
 
+def test_cli_simulate_refuses_a_picture_named_for_the_other_format(tmp_path, capsys):
+    """`--svg out.png` wrote SVG into out.png, and `--png out.svg` PNG into out.svg (a probe). Refused, exit 2,
+    nothing written; other names take the flag's format."""
+    for flag, name in (("--svg", "out.png"), ("--png", "out.svg")):
+        assert main(["simulate", "--schedule", "GPipe", "--actors", "2", "--microbatches", "2", flag, str(tmp_path / name)]) == 2
+        assert f"{flag} {tmp_path / name}: that name ends in .{name[-3:]}" in capsys.readouterr().err
+        assert not (tmp_path / name).exists()
+    assert main(["simulate", "--schedule", "GPipe", "--actors", "2", "--microbatches", "2", "--svg", str(tmp_path / "t.pic")]) == 0
+    assert (tmp_path / "t.pic").read_text().startswith("<svg")
+
+
 def test_cli_tune_refuses_counts_that_cannot_work_before_starting_anything(capsys):
     for flags, said in ((["--actors", "0"], "--actors: must be a number above 0"), (["--layers", "0"], "--layers: must be a number above 0"),
                         (["--memory-limit-mib", "-5"], "--memory-limit-mib: must be a number above 0"),

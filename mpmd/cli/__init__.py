@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -91,6 +92,12 @@ def _simulate(args: argparse.Namespace) -> int:
     print(result.summary())
     writes = ((args.svg, lambda p: result.draw(p, fmt="svg")), (args.png, lambda p: result.draw(p, fmt="png")),
               (args.trace, result.to_perfetto))
+    for flag, path in (("--svg", args.svg), ("--png", args.png)):
+        ending = os.path.splitext(path or "")[1].lower()
+        if ending in (".png", ".svg") and ending != "." + flag[2:]:  # (`--svg out.png` wrote SVG into a .png; a probe)
+            print(f"mpmd simulate: {flag} {path}: that name ends in {ending}; name it .{flag[2:]} (or use --{ending[1:]})",
+                  file=sys.stderr)
+            return 2
     for path, write in writes:
         if path:
             try:
