@@ -79,7 +79,7 @@ def test_a_killed_actor_fails_the_step_naming_actor_address_and_task_and_the_oth
         assert mesh.addresses[1] in text and "was killed by SIGKILL" in text and f"pid {victim}" in text
         assert "run_program (program" in text and "step 1" in text
         # (not "mesh.reconnect(1) talks to it again": a daemon the mesh started and lost never comes back; a probe)
-        assert "mesh.reconnect" not in text and "make a new mesh, or pass recover=mpmd.Recovery()" in text
+        assert "mesh.reconnect" not in text and "a mesh made with recover=mpmd.Recovery() replaces it; without, make a new mesh" in text
         after = mesh.actor(0).stats()
         assert after["running"] == 0 and after["buffers"] == before["buffers"], (before, after)
         assert not glob.glob(f"/dev/shm/mpmd-{victim}-*")  # the controller removed what the dead actor could not

@@ -402,6 +402,32 @@ def test_an_array_put_on_a_lost_actor_and_never_passed_to_a_step_says_it_is_gone
         np.testing.assert_array_equal(y.to_numpy(), np.ones(4))
 
 
+def test_outputs_of_a_step_the_recovery_could_not_run_again_say_so_not_that_they_were_put_by_hand():
+    """A weight put on actor 1, actor 1 killed at once, the weight passed to step 4 and step 4's outputs to step 5:
+    the recovery cannot run either again (rightly). Fetched at once, their outputs said "was neither in the
+    recovery's snapshot nor made by a step since (put there by mesh.actor(i).put, say)" (a probe): they are the
+    outputs of steps. Whichever error comes first (the loss during the step, or the array's own), it says the
+    recovery could not run that step again, and why."""
+    batches = _batches()
+    with mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(snapshot_every=3), heartbeat_timeout=5.0) as mesh:
+        dist = mpmd.distributed(STEP, mesh=mesh)
+        p = _params()
+        o = OPT.init(p)
+        for i in range(4):
+            p, o, loss = dist(p, o, batches[i])
+        loss.block_until_ready()
+        w = mesh.actor(1).put(np.full_like(np.asarray(p[1][0]), 0.01))
+        _sigkill(mesh, 1)
+        p4, o4, loss4 = dist([p[0], [w]], o, batches[4])
+        p5, o5, loss5 = dist(p4, o4, batches[5])
+        for x in (loss4, loss5, p5[1][0]):
+            with pytest.raises(mpmd.MpmdError) as e:
+                mpmd.fetch(x)
+            assert "could not run" in str(e.value) and "lived only on lost actor(s) [1]" in str(e.value), str(e.value)
+        assert mesh.recoveries == 1
+        np.testing.assert_array_equal(mpmd.fetch(loss).shape, (4,))  # (the step before the loss: whole)
+
+
 def test_an_older_output_read_while_the_recovery_reloads_is_put_back_not_called_lost(monkeypatch):
     """The replaced actor's old buffer ids were marked gone as soon as the replacement joined: a fetch in the
     seconds the recovery then spends reloading steps, before it rebinds anything, declared an older loss (kept

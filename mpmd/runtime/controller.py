@@ -353,8 +353,8 @@ class ActorConnection:
         if doing:
             text += f"\nit was serving: {'; '.join(doing[:6])}{' ...' if len(doing) > 6 else ''}"
         if self._alive is not None and self._alive():  # (a process this mesh started, exited: reconnect cannot help)
-            return text + ("\nA daemon this mesh started does not come back once it exited: make a new mesh, or pass "
-                           "recover=mpmd.Recovery() to RemoteMesh.local to go on without a lost actor.")
+            return text + ("\nA daemon this mesh started does not come back once it exited: a mesh made with "
+                           "recover=mpmd.Recovery() replaces it; without, make a new mesh.")
         return text + (f"\nIf it comes back (e.g. after `kill -CONT`, or restarted at the same address), "
                        f"mesh.reconnect({self.actor_id}) talks to it again.")
 

@@ -167,6 +167,7 @@ class RecoveryManager:
         self._fetching: dict[int, Snapshot] = {}  # value id -> the pending snapshot fetching it into `_kept`
         self._externals: list[Snapshot] = []  # inputs of logged calls the log had not seen (put, restored), fetched
         self._lost: dict[int, list[int]] = {}  # value id -> the lost actors that held its only buffers (no copy left)
+        self._unmade: dict[int, str] = {}  # value id -> why the step that makes it could not run again (a recovery's)
         self.last_report: dict[str, Any] = {}
         self.calls, self.call_seconds, self._last_dispatch = 0, 0.0, 0.0  # the bookkeeping's own cost (benchmarks)  # the last recovery's timings (benchmarks/recovery.py)
 
@@ -187,6 +188,7 @@ class RecoveryManager:
             if x is None:
                 self._refs.pop(vid, None)
                 self._lost.pop(vid, None)
+                self._unmade.pop(vid, None)
             else:
                 out.append((vid, x))
         return out
@@ -273,6 +275,10 @@ class RecoveryManager:
         actors = self._lost.get(x._vid) if x._vid else None
         if not actors:
             return None
+        unmade = self._unmade.get(x._vid)
+        if unmade:  # (an output of a step the replay could not run: said as the step's own error says it; a probe)
+            return (f"{x!r} holds no buffer: the recovery could not run the step that makes it again ({unmade}); call that "
+                    "step again with inputs from the host or from steps that ran")
         return (f"{x!r} holds no buffer: it lived only on lost actor(s) {actors} and was neither in the recovery's snapshot "
                 "nor made by a step since (put there by mesh.actor(i).put, say). Pass its value again from the host")
 
@@ -720,6 +726,7 @@ class RecoveryManager:
         t = time.monotonic()
         dones, replayed = [], []
         unavailable: dict[int, str] = {}  # value id -> why no replay makes it (its step could not run again)
+        unmade: dict[int, str] = {}  # value id of such a step's output -> why, as its step's error says it
         for rec in records:
             leaves, why = [], None
             for leaf in rec.leaves:
@@ -740,6 +747,7 @@ class RecoveryManager:
                 rec.unreplayable = why
                 unavailable.update({vid: f"it reads what step record {rec.index} made, which could not run again ({why})"
                                     for _, vid, _ in rec.outs})
+                unmade.update({vid: f"step record {rec.index}: {why}" for _, vid, _ in rec.outs})
                 continue
             replayed.append(rec)
             # (no wait for room: the failed steps counted in flight end only once this replay has rebound them)
@@ -756,6 +764,7 @@ class RecoveryManager:
             rec.replayed = True
         with self._state:  # what is still without a buffer now is lost for good (the replay rebound the rest)
             self._lost.update({vid: actors for vid, actors in lost.items() if not stripped[vid][0].buffers})
+            self._unmade.update({vid: why for vid, why in unmade.items() if vid in self._lost})
         getattr(mesh, "recovered", lambda: None)()
         report["replay"] = time.monotonic() - t
         if len(replayed) < len(records):
