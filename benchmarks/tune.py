@@ -58,7 +58,42 @@ def run(name: str, setup: tuple, args: argparse.Namespace) -> dict:
         print(f"{name}: the candidates measured while tuning ran {result.drift:.2f}x as long in this pass; measured/predicted "
               f"over that drift {min(held):.2f}-{max(held):.2f}, {sum(0.9 <= r <= 1.1 for r in held)}/{len(held)} within 0.9-1.1",
               flush=True)
+    by_count = _per_count_ratios(result, measured)
+    if by_count is not None:  # (an experiment: calibration scaled per microbatch count instead of uniformly)
+        print(f"{name}: with calibration factors per microbatch count ({by_count[1]}) measured/predicted would be "
+              f"{min(by_count[0]):.2f}-{max(by_count[0]):.2f}, {sum(0.9 <= r <= 1.1 for r in by_count[0])}/{len(by_count[0])} "
+              "within 0.9-1.1", flush=True)
     return {"model": name, "winner_over_best": winner, "ratios": ratios, "drift": result.drift}
+
+
+def _per_count_ratios(result, measured):  # noqa: ANN001, ANN202
+    """measured/predicted for `measured` had calibration scaled each microbatch count by the median measured/simulated
+    of the calibration runs at that count (between counts it measured: log-linear in the count; beyond them: the
+    nearest), not by one factor for all; and the factors. None when calibration ran no candidate."""
+    import math
+    import statistics
+
+    runs = [(c, result.calibrated[id(c)]) for c in result.candidates if id(c) in getattr(result, "calibrated", {})]
+    raw = {id(c): c.predicted / result.calibration for c in result.candidates if c.predicted}
+    at: dict[int, list[float]] = {}
+    for c, m in runs:
+        if raw.get(id(c)):
+            at.setdefault(c.num_microbatches, []).append(m / raw[id(c)])
+    if not at:
+        return None
+    known = sorted((k, statistics.median(v)) for k, v in at.items())
+
+    def factor(m: int) -> float:
+        if m <= known[0][0]:
+            return known[0][1]
+        if m >= known[-1][0]:
+            return known[-1][1]
+        (a, fa), (b, fb) = next((x, y) for x, y in zip(known, known[1:]) if x[0] <= m <= y[0])
+        t = math.log(m / a) / math.log(b / a)
+        return math.exp(math.log(fa) + t * (math.log(fb) - math.log(fa)))
+
+    return ([c.measured / (raw[id(c)] * factor(c.num_microbatches)) for c in measured],
+            ", ".join(f"m={k}: {f:.2f}" for k, f in known))
 
 
 def main() -> None:
