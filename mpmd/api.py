@@ -14,7 +14,7 @@ from mpmd.closures import Lifted, lifted
 from mpmd.errors import PipelineError
 from mpmd.primitives import FWD, accumulate_p, pipeline_yield_p
 from mpmd.schedules.builtin import Schedule, not_a_schedule
-from mpmd.schedules.override import schedule_override
+from mpmd.schedules.override import note_loop, schedule_override
 from mpmd.step import DistributedFunction  # at import, not at the first `distributed`: importing it holds the GIL ~1 s
 
 
@@ -59,6 +59,7 @@ def accumulate_grads(fn: Callable[[Any], tuple[Any, Any]], batch: Any, schedule:
         raise PipelineError(f"accumulate_grads: schedule must be a schedule such as mpmd.OneFOneB(num_stages=2) "
                             f"(see mpmd.schedules), got {hint}")
     schedule = schedule_override() or schedule
+    note_loop(schedule)
     leaves, treedef = jax.tree.flatten(batch)
     if not leaves:
         raise PipelineError("accumulate_grads got an empty batch; pass arrays with a leading microbatch axis")

@@ -40,7 +40,7 @@ from mpmd.runtime.controller import note_blocking
 from mpmd.runtime.loader import LoadedLeaf, named_in_argument
 from mpmd.runtime.sharding import infer_layouts, layout_to_spec, layout_wire, remote_sharding, tree_specs
 from mpmd.schedules.builtin import not_a_schedule
-from mpmd.schedules.override import use_schedule
+from mpmd.schedules.override import noting_loops, use_schedule
 from mpmd.static_leaves import Static, hide, reveal
 from transport.protocol import PACKED_DTYPES, dtype_name
 
@@ -309,6 +309,11 @@ def _warn_lost_updates(fn: Any, names: list[str], before: list[tuple[str, Any, A
 class _Interrupted(Exception):
     """A compile was interrupted in its own thread (KeyboardInterrupt, SystemExit): a thread waiting for it
     compiles itself rather than fail of it."""
+
+
+def _is_jitted(fn: Any) -> bool:
+    """Whether `fn` is what jax.jit returns (a cache of traces whose `__wrapped__` is the function itself)."""
+    return type(fn).__name__ == "PjitFunction" and callable(getattr(fn, "__wrapped__", None))
 
 
 def _actor_mesh_error(e: ValueError, am: Any, traced_under: Any) -> PipelineError | None:
@@ -587,7 +592,8 @@ class DistributedFunction(ShallowCopyOnly):
                                                          axis_types=(jax.sharding.AxisType.Auto,) * len(caller.axis_names))
             for again in (False, True):
                 try:
-                    with jax.sharding.use_abstract_mesh(traced_under) if traced_under is not None else contextlib.nullcontext():
+                    with jax.sharding.use_abstract_mesh(traced_under) if traced_under is not None else contextlib.nullcontext(), \
+                            noting_loops() as seen:
                         closed = jax.make_jaxpr(functools.partial(flat) if again else flat)(*specs)  # (a new function:
                         # make_jaxpr keeps its traces too)
                 except ValueError as e:
@@ -596,32 +602,27 @@ class DistributedFunction(ShallowCopyOnly):
                         raise
                     raise err from None
                 closed = inline_calls(rebind_constraints(closed, am, traced_under))
-                stale = self._stale_schedule(closed)
-                if stale is None:
+                from mpmd.primitives import accumulate_p
+
+                held = [e.params["schedule"] for e in closed.jaxpr.eqns if e.primitive is accumulate_p]
+                if not held or seen:  # (no loop: said later; a loop accumulate_grads traced now: as asked)
                     break
-                # A cache of traces around the loop (the step given as jax.jit(f)) handed back one made with another
-                # schedule: the override never reached accumulate_grads. Once more with the function jit wraps (the
-                # same jaxpr once its calls are inlined, as they are here), when there is one.
-                inner = getattr(self.fn, "__wrapped__", None)
-                if again or not callable(inner):
+                # A cache of traces around the loop handed back one made before, under whatever schedule was in
+                # force then: the step given as jax.jit(f) (a probe: with_schedule and every candidate of tune ran
+                # the first schedule under another's name; and a plain step traced after with_schedule ran that one).
+                # Once more with the function jax.jit wraps: the same jaxpr once calls are inlined, as they are here.
+                if not again and _is_jitted(self.fn):
+                    unwrapped.append(self.fn.__wrapped__)
+                    continue
+                if self.schedule is not None and any(h is not self.schedule for h in held):
+                    stale = next(h for h in held if h is not self.schedule)
                     raise PipelineError(
                         f"the step's accumulate_grads ran with {stale!r}, not {self.schedule!r} as asked (with_schedule, "
-                        "tune, profile_costs): a cache of traces around it (jax.jit, or a jitted function holding the loop) "
-                        "reused a trace made with the other schedule; pass the undecorated function to mpmd.distributed "
-                        "(it compiles the step itself)")
-                unwrapped.append(inner)
+                        "tune, profile_costs): a cache of traces around it (a jitted function holding the loop) reused a "
+                        "trace made with the other schedule; call the loop's function undecorated inside the step, or "
+                        "pass the undecorated step to mpmd.distributed (it compiles the step itself)")
+                break  # (a jitted helper holding the loop, traced before with no override: as it was then)
         return closed, out_box[-1]
-
-    def _stale_schedule(self, closed: Any) -> Any:
-        """The schedule the traced loop holds when it is not the one this step overrides it with (else None)."""
-        from mpmd.primitives import accumulate_p
-
-        if self.schedule is None:
-            return None
-        held = [e.params["schedule"] for e in closed.jaxpr.eqns if e.primitive is accumulate_p]
-        # (by identity: accumulate_grads binds the override itself; a Schedule subclass keeping its options outside
-        # its dataclass fields compares equal to one with other options, and its stale trace ran unsaid; a probe)
-        return next((s for s in held if s is not self.schedule), None)
 
     def _cached(self, sig: Any) -> CompiledStep | None:
         """The compiled step for `sig`, unless a daemon was restarted under the mesh since (mesh.reconnect to a new

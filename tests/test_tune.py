@@ -737,8 +737,17 @@ def test_a_step_given_as_jax_jit_runs_the_schedule_with_schedule_asks_for(mesh2)
     wrapped = mpmd.distributed(lambda p, o, b: inner(p, o, b), mesh=mesh2)
     wrapped(params, opt.init(params), batch)[2].block_until_ready()
     with pytest.raises(mpmd.PipelineError, match=r"ran with OneFOneB\(num_stages=2\), not GPipe\(num_stages=2\) as asked .*"
-                                                 r"pass the undecorated function to mpmd.distributed"):
+                                                 r"pass the undecorated step to mpmd.distributed"):
         wrapped.with_schedule(mpmd.GPipe(2)).program(params, opt.init(params), batch)
+
+    # The other way round: jit's first trace made under with_schedule(GPipe), then the plain step (1F1B) traced
+    # after it ran GPipe (a review).
+    fresh = jax.jit(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)))
+    mpmd.distributed(fresh, mesh=mesh2).with_schedule(mpmd.GPipe(2)).program(params, opt.init(params), batch)
+    plain = str(mpmd.distributed(fresh, mesh=mesh2).program(params, opt.init(params), batch)).split("\n\n")[0]
+    order = [line.split()[2] for line in plain.splitlines() if " RUN " in line]
+    runs = " ".join(order)
+    assert runs.index("0B0") < runs.index("0F3"), order  # (1F1B: stage 0's first backward before its last forward)
 
 
 def test_a_batch_whose_second_axis_is_not_rows_gets_rejections_that_say_so():

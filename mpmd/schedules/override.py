@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 _OVERRIDE: contextvars.ContextVar[Any] = contextvars.ContextVar("mpmd_schedule_override", default=None)
+_TRACED: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("mpmd_loops_traced", default=None)
 
 
 @contextlib.contextmanager
@@ -32,3 +33,23 @@ def use_schedule(schedule: Any) -> Iterator[None]:
 def schedule_override() -> Any:
     """The schedule set by the innermost active `use_schedule`, or None."""
     return _OVERRIDE.get()
+
+
+@contextlib.contextmanager
+def noting_loops() -> Iterator[list[Any]]:
+    """While active, the schedule of every `accumulate_grads` traced in this thread (or asyncio task) is appended
+    to the list it yields: a traced step whose jaxpr holds a loop this list lacks came from a cache of traces
+    (jax.jit's), made under whatever schedule was in force then."""
+    seen: list[Any] = []
+    token = _TRACED.set(seen)
+    try:
+        yield seen
+    finally:
+        _TRACED.reset(token)
+
+
+def note_loop(schedule: Any) -> None:
+    """Called by `accumulate_grads` as it traces: see `noting_loops`."""
+    seen = _TRACED.get()
+    if seen is not None:
+        seen.append(schedule)
