@@ -460,6 +460,15 @@ def test_a_spec_over_a_mesh_of_other_axis_names_is_refused_with_a_spelling_that_
         am.check_spec(NamedSharding(xy, P(None, "y")), (4, 4), "w1")
     with pytest.raises(mpmd.MpmdError, match=r"give a PartitionSpec in the actors' own axis names \('data', 'model'\)"):
         am.check_spec(NamedSharding(other_shape, P(None, "y")), (4, 4), "w1")
+    # (P.UNCONSTRAINED names no axis: kept; the advice was built for every constraint and raised TypeError on it,
+    # even over a mesh that is the actors' own and is just rebound; a review)
+    assert am.in_own_names(P(P.UNCONSTRAINED, "y"), xy) == P(P.UNCONSTRAINED, "model")
+    with pytest.raises(mpmd.MpmdError, match=r"give the PartitionSpec alone \(P\(UNCONSTRAINED, 'model'\)\)"):
+        am.check_spec(NamedSharding(xy, P(P.UNCONSTRAINED, "y")), (4, 4), "w1")
+    own = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
+    kept = jax.make_jaxpr(lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(own, P(P.UNCONSTRAINED, "model"))))(
+        np.ones((4, 4), np.float32))
+    assert rebind_constraints(kept, am) is not None
     closed = jax.make_jaxpr(lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(xy, P(None, "y"))))(np.ones((4, 4), np.float32))
     with pytest.raises(mpmd.PipelineError, match=r"write with_sharding_constraint\(x, P\(None, 'model'\)\)"):
         rebind_constraints(closed, am)

@@ -93,7 +93,7 @@ def rebind_constraints(closed: Any, actor_mesh: Any, traced_under: Any = None) -
 
     abstract = traced_under if traced_under is not None else actor_mesh.abstract if actor_mesh is not None else None
 
-    def rebound(mesh: Any, what: str, instead: str) -> Any:
+    def rebound(mesh: Any, what: str, instead: Callable[[], str]) -> Any:
         """`mesh` as the actors' abstract mesh; `mesh` itself if it pins nothing; else a PipelineError."""
         if not isinstance(mesh, Mesh):
             return mesh
@@ -106,15 +106,18 @@ def rebind_constraints(closed: Any, actor_mesh: Any, traced_under: Any = None) -
         from mpmd.errors import PipelineError
 
         raise PipelineError(f"{what} in the step uses a jax Mesh of shape {shape} named {tuple(mesh.axis_names)}, but the step "
-                            f"runs on its actors' devices ({where}): write {instead}, or give the actors that mesh "
+                            f"runs on its actors' devices ({where}): write {instead()}, or give the actors that mesh "
                             "(RemoteMesh.local(..., mesh_shape=..., axis_names=...))")
 
     def fix(sharding: Any) -> Any:
         mesh = getattr(sharding, "mesh", None)
         if not isinstance(sharding, NamedSharding) or not isinstance(mesh, Mesh):
             return sharding
-        instead = "with_sharding_constraint(x, {}) (a bare PartitionSpec resolves against each actor's mesh)"
-        instead = actor_mesh.spec_advice(sharding.spec, mesh, instead) if actor_mesh is not None else instead.format(sharding.spec)
+        write = "with_sharding_constraint(x, {}) (a bare PartitionSpec resolves against each actor's mesh)"
+
+        def instead() -> str:  # (only when refused: said in the actors' axis names where it can be)
+            return actor_mesh.spec_advice(sharding.spec, mesh, write) if actor_mesh is not None else write.format(sharding.spec)
+
         new = rebound(mesh, f"with_sharding_constraint(x, NamedSharding(mesh, {sharding.spec}))", instead)
         return sharding if new is mesh else NamedSharding(new, sharding.spec, memory_kind=sharding.memory_kind)
 
@@ -137,7 +140,7 @@ def rebind_constraints(closed: Any, actor_mesh: Any, traced_under: Any = None) -
                 params["sharding"] = fix(params["sharding"])
             elif e.primitive.name == "shard_map" and isinstance(params.get("mesh"), Mesh):
                 params["mesh"] = rebound(params["mesh"], "shard_map(f, mesh=mesh, ...)",
-                                         "jax.shard_map(f, in_specs=..., out_specs=...) without mesh= (it takes each actor's mesh)")
+                                         lambda: "jax.shard_map(f, in_specs=..., out_specs=...) without mesh= (it takes each actor's mesh)")
             if any(params[k] is not v for k, v in e.params.items()):
                 e, changed = e.replace(params=params), True
             eqns.append(e)

@@ -64,16 +64,20 @@ class ActorMesh:
     def in_own_names(self, spec: PartitionSpec, mesh: Any) -> PartitionSpec | None:
         """`spec`, written for the jax Mesh `mesh`, spelled in this mesh's axis names: as it is when it names only
         axes this mesh has, by position when the two meshes have the same shape; else None (no spelling says it)."""
-        entries = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
-        if all(n in self.axis_names for names in entries for n in names):
+        # (an entry neither None, a name nor names, e.g. P.UNCONSTRAINED, names no axis: kept as it is)
+        entries = [() if e is None else (e,) if isinstance(e, str) else tuple(e) if isinstance(e, (tuple, list)) else e
+                   for e in spec]
+        named = [names for names in entries if isinstance(names, tuple)]
+        if all(n in self.axis_names for names in named for n in names):
             return spec
         theirs = tuple(getattr(mesh, "axis_names", ()))
         if tuple(getattr(getattr(mesh, "devices", None), "shape", ())) != tuple(self.shape) or len(theirs) != len(self.axis_names):
             return None
         rename = dict(zip(theirs, self.axis_names))
-        if not all(n in rename for names in entries for n in names):
+        if not all(n in rename for names in named for n in names):
             return None
-        out = [None if not names else rename[names[0]] if len(names) == 1 else tuple(rename[n] for n in names) for names in entries]
+        out = [e if not isinstance(names, tuple) else None if not names else rename[names[0]] if len(names) == 1
+               else tuple(rename[n] for n in names) for e, names in zip(spec, entries)]
         return PartitionSpec(*out)
 
     def spec_advice(self, spec: PartitionSpec, mesh: Any, write: str) -> str:
