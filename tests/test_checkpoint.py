@@ -506,3 +506,9 @@ def test_a_save_that_cannot_write_is_a_checkpoint_error_and_leaves_the_previous_
         ck._start = real_start
     assert e.value.actor == 1 and isinstance(e.value.__cause__, mpmd.RemoteError)
     assert mpmd.load(c)["x"].tolist() == [0, 0]
+    # Committed, but LATEST cannot be written (a directory in the way of its temporary file): said as committed,
+    # not as a save that wrote nothing (a review), and the checkpoint reads by its own directory.
+    os.makedirs(os.path.join(c, "LATEST.tmp"))
+    with pytest.raises(mpmd.CheckpointError, match=r"mpmd.save into .*/c: .*ckpt-\d+ was committed, but updating LATEST") as e:
+        mpmd.save(c, {"x": mesh2.actor(1).put(np.full(2, 7, np.float32))})
+    assert mpmd.load(e.value.checkpoint)["x"].tolist() == [7, 7] and mpmd.load(c)["x"].tolist() == [0, 0]

@@ -81,9 +81,10 @@ import ml_dtypes
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 4  # 2: an shm notice's size includes the segment's control page (no shm_ack sent); 3: compact
+PROTOCOL_VERSION = 5  # 2: an shm notice's size includes the segment's control page (no shm_ack sent); 3: compact
 # data headers on same-host links (transport/p2p/link.py), their dtype numbered by link.COMPACT_DTYPES; 4: a big reply
-# is announced by a 'coming' message first (transport/control.py)
+# is announced by a 'coming' message first (transport/control.py); 5: an actor's share of a failed step is named by
+# what it is (StepAborted, HeldByLoader, WaitedInVain, NothingCame: mpmd/step.py `_echo_rank` reads the names)
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 MAX_IDS = 65536  # ids one list of a request may name ('get', 'wait', 'delete', 'run': a daemon walks it on its event loop)
 MAX_DIMS, MAX_BYTES = 32, 2**60  # an array's rank and bytes (a zero-size one's nonzero dimensions too) numpy can hold

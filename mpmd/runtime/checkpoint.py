@@ -93,8 +93,10 @@ def _track_save(path: str, future: concurrent.futures.Future[Any]) -> None:
 def _wait_for_saves(path: str) -> None:
     """Wait for this process's saves into `path` still writing (`save(..., wait=False)` right before a restore): the
     latest checkpoint is the one they commit, as orbax's CheckpointManager reads after its async saves end."""
-    with _SAVING_LOCK:
-        pending = list(_SAVING.get(os.path.realpath(path), ()))
+    real = os.path.realpath(path)
+    with _SAVING_LOCK:  # (and into its parent, for one of its ckpt-<n>: a save's keep= may remove it meanwhile)
+        pending = [*_SAVING.get(real, ()), *(_SAVING.get(os.path.dirname(real), ()) if checkpoint_number(os.path.basename(real))
+                                             is not None else ())]
     if pending:
         log.info("waiting for %d save(s) into %s to commit before reading it", len(pending), path)
         wait_settled(pending)
@@ -199,19 +201,28 @@ def _commit(path: str, name: str, tmp: str, keep: int) -> str:
     final = os.path.join(path, name)
     with _path_lock(path):
         os.replace(tmp, final)
-        done = sorted((d for d in os.listdir(path) if _is_checkpoint(path, d)), key=checkpoint_number)
-        if done[-1] == name:
-            with open(os.path.join(path, "LATEST.tmp"), "w") as f:
-                f.write(name)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(os.path.join(path, "LATEST.tmp"), os.path.join(path, "LATEST"))
-        else:
-            log.info("mpmd.save: %s committed after %s, a save started later: LATEST stays %s", final, done[-1], done[-1])
-        for d in done[: max(0, len(done) - keep)]:
-            shutil.rmtree(os.path.join(path, d), ignore_errors=True)
+        try:
+            _latest_and_keep(path, name, final, keep)
+        except OSError as e:  # (committed: said so, not as a save that wrote nothing; a review)
+            raise CheckpointError(f"mpmd.save into {path}: {final} was committed, but updating LATEST or removing older "
+                                  f"checkpoints failed ({e}); read it by its own directory", checkpoint=final) from e
     return final
 
+
+def _latest_and_keep(path: str, name: str, final: str, keep: int) -> None:
+    """After `final` (`path/name`) is committed: LATEST names it unless a later-started save committed first, and
+    only the `keep` newest checkpoints stay. (Under the path's lock.)"""
+    done = sorted((d for d in os.listdir(path) if _is_checkpoint(path, d)), key=checkpoint_number)
+    if done[-1] == name:
+        with open(os.path.join(path, "LATEST.tmp"), "w") as f:
+            f.write(name)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(os.path.join(path, "LATEST.tmp"), os.path.join(path, "LATEST"))
+    else:
+        log.info("mpmd.save: %s committed after %s, a save started later: LATEST stays %s", final, done[-1], done[-1])
+    for d in done[: max(0, len(done) - keep)]:
+        shutil.rmtree(os.path.join(path, d), ignore_errors=True)
 
 
 def _failed_step(path: str, flat: list[tuple[Any, Any]]) -> CheckpointError | None:
