@@ -186,6 +186,25 @@ def test_one_actor_killed_at_a_random_step_the_loop_ends_bit_identical_to_an_uni
     assert any("recovered from actor 1 lost" in r.getMessage() and "steps replayed" in r.getMessage() for r in caplog.records)
 
 
+def test_both_actors_killed_at_once_are_both_replaced_bit_identical_and_the_report_names_both(uninterrupted):
+    """Both daemons SIGKILLed together: the recovery replaced both, but its report named the first alone (the
+    second read as "lost during the recovery"; a probe). `last_report["actors replaced"]` names both."""
+    meshes = []
+
+    def open_mesh(**kw):
+        meshes.append(mpmd.RemoteMesh.local(num_actors=2, **kw))
+        return meshes[-1]
+
+    def kill_both(mesh, _):
+        _sigkill(mesh, 0)
+        _sigkill(mesh, 1)
+
+    got = train(kills=[(7, 0)], recover=mpmd.Recovery(snapshot_every=5), open_mesh=open_mesh, kill=kill_both)
+    assert got[3] == 1
+    _assert_identical(got, uninterrupted)
+    assert meshes[0].recovery.last_report["actors replaced"] == [0, 1], meshes[0].recovery.last_report
+
+
 def test_a_loop_donating_its_state_recovers_from_a_killed_actor_bit_identical(uninterrupted):
     """Donated state is deleted at each dispatch; the replay after a loss recomputes it from the snapshot."""
     got = train(kills=[(6, 0)], recover=mpmd.Recovery(snapshot_every=4), when="during", donate=(0, 1))

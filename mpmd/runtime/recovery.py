@@ -585,6 +585,8 @@ class RecoveryManager:
                                     f"{_what(e)} ({stuck} attempts in a row)") from e
                 log.warning("actor(s) %s lost during the recovery (%s); recovering again", lost, _what(e))
                 continue
+            if len(replaced) > 1:  # (two killed at once read as one, and one more "lost during the recovery"; a probe)
+                report["actors replaced"] = sorted(replaced)
             self.last_report = {**report, "started": t0}
             return report
 
