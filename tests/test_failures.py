@@ -324,6 +324,37 @@ def test_every_output_of_a_step_that_met_a_killed_daemon_raises_the_loss_not_an_
             stop_daemon(proc)
 
 
+def test_a_step_whose_lowering_failed_leaves_the_executables_it_shares_with_the_next_step_usable(monkeypatch):
+    """A step failed in its lowering here after its first executables were sent to compile (a big-endian argument
+    did that; a probe); the next step, sharing those executables, failed once with "no executable ... in this
+    session": the first one's let-go unloaded an executable the second's compile had just added. The daemons are
+    real; the failing lowering is a stand-in (the controller's iter_lowered raises after its first executable)."""
+    from mpmd import step as step_module
+
+    real = step_module.iter_lowered
+
+    def failing(plan, platform):
+        for i, item in enumerate(real(plan, platform)):
+            if i == 1:
+                raise RuntimeError("lowering failed here (the test's stand-in)")
+            yield item
+
+    rng = np.random.default_rng(0)
+    params, opt = testing.mlp_params(rng, num_stages=2), optax.sgd(0.1)
+    batch = testing.regression_batch(rng, num_microbatches=2, microbatch_size=3, width=16)
+    step = make_train_step(testing.mse_loss(testing.mlp), opt, mpmd.GPipe(2))
+    want = jax.jit(make_train_step(testing.mse_loss(testing.mlp), opt, None))(params, opt.init(params), batch)
+    with mpmd.RemoteMesh.local(num_actors=2) as mesh:
+        for _ in range(3):
+            monkeypatch.setattr(step_module, "iter_lowered", failing)
+            with pytest.raises(RuntimeError, match="stand-in"):
+                mpmd.distributed(step, mesh=mesh)(params, opt.init(params), batch)
+            monkeypatch.setattr(step_module, "iter_lowered", real)
+            got = mpmd.fetch(mpmd.distributed(step, mesh=mesh)(params, opt.init(params), batch))
+            for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
 def _error_of(fn):
     try:
         fn()

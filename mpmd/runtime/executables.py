@@ -51,6 +51,10 @@ class Executables:
         self._kept: set[tuple[int, str]] = set()
         self._holder_ids = itertools.count(1)
         self._open: set[int] = set()  # holders not yet released (a compile may answer after its signature's release)
+        # compiles asked of an actor and not yet answered, per (actor, way of compiling): an executable let go of
+        # meanwhile is not unloaded while another signature's compile of it is under way (the actor would add it for
+        # that compile, then drop it: the second signature's Program named an executable its session lacked)
+        self._asked: collections.Counter[tuple[int, tuple]] = collections.Counter()
 
     def forget(self, actor: int) -> None:
         """The actor was replaced by a new daemon: it has compiled nothing of ours."""
@@ -76,6 +80,8 @@ class Executables:
                 continue
             users.discard(holder)
             if not users and ak not in self._kept:
+                if any(self._asked[(ak[0], how)] for how, v in self.compiled[ak[0]].items() if (v if isinstance(v, str) else v[0]) == ak[1]):
+                    continue  # (another signature's compile of it is under way: that one holds it once answered)
                 del self._holders[ak]
                 gone.setdefault(ak[0], []).append(ak[1])
         for actor, keys in gone.items():
@@ -98,7 +104,13 @@ class Executables:
             if in_layouts is not None:
                 fields["in_layouts"] = [layout_wire(x) for x in in_layouts]
                 fields["out_layouts"] = [layout_wire(x) for x in (out_layouts or ())]
-            msg = await self._conns[actor].request("compile", fields, [np.frombuffer(blob, np.uint8)])
+            self._asked[(actor, how)] += 1
+            try:
+                msg = await self._conns[actor].request("compile", fields, [np.frombuffer(blob, np.uint8)])
+            finally:
+                self._asked[(actor, how)] -= 1
+                if not self._asked[(actor, how)]:
+                    del self._asked[(actor, how)]
             key = msg.header["exe"]
             known = key if in_layouts is None else (key, [layout_from_wire(w) for w in msg.header["out_layouts"]])
             self.compiled[actor][how] = known
