@@ -140,9 +140,18 @@ def _spec(x: Any, path: str) -> jax.ShapeDtypeStruct:
         raise PipelineError(f"argument {path} is a ShapeDtypeStruct ({x.dtype}{list(x.shape)}): a shape without values, "
                             "and a distributed step (its compile too) takes the values it is called with: pass an array "
                             "of that shape, e.g. np.zeros(s.shape, s.dtype)")
+    if isinstance(x, range):  # (as jax.jit: numpy would make it an int array)
+        raise PipelineError(f"argument {path} is a range, which is not a valid JAX type: pass np.arange(...) (or the "
+                            "range as a static argument)")
     original = x
     try:
         x = host_value(x)
+        if x.dtype.kind in "mM":  # (jax.jit refuses datetimes; they reached the step's arithmetic here; a probe)
+            raise TypeError(f"a numpy array of dtype {x.dtype} (dates and times) holds no numbers JAX can use: encode it "
+                            "as numbers, e.g. x.astype(np.int64) (units since the epoch)")
+        if not x.dtype.isnative:  # (jax.jit refuses it; here lowering failed inside, with no path; a probe)
+            raise TypeError(f"a numpy array of non-native byte order ({x.dtype.str}): JAX takes arrays in this machine's "
+                            "order; pass x.astype(x.dtype.newbyteorder('='))")
         if x.dtype == np.dtype(object) and not isinstance(original, np.ndarray):  # (numpy made an object array of it)
             raise TypeError("a step takes arrays, numbers, and pytrees (lists, tuples, dicts, dataclasses registered with "
                             "jax.tree_util) of them")

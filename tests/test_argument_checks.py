@@ -285,6 +285,14 @@ def test_an_argument_jax_cannot_use_is_named_by_its_own_type():
             dist(np.ones(2, np.float32), object())
         with pytest.raises(mpmd.PipelineError, match=r"args\[1\] is a ndarray.*dtype=object.*np.stack"):  # (a real one)
             dist(np.ones(2, np.float32), np.array([object(), 1], dtype=object))
+        # Refused by jax.jit at the call, these reached the step's own arithmetic (or the lowering, whose failure then
+        # disturbed the next step; a probe): refused here too, naming the argument.
+        for value, said in ((np.ones(2, ">f4"), r"non-native byte order \(>f4\).*newbyteorder"),
+                            (np.array(["2026-12-05"], "datetime64[D]"), r"dtype datetime64\[D\] \(dates and times\).*astype"),
+                            (np.array([3], "timedelta64[s]"), r"dtype timedelta64\[s\]"),
+                            (range(3), r"is a range, which is not a valid JAX type: pass np.arange")):
+            with pytest.raises(mpmd.PipelineError, match=r"argument args\[1\] .*" + said):
+                dist(np.ones(2, np.float32), value)
 
 
 def test_cli_tune_says_counts_in_its_own_flag_and_runs_as_python_m_mpmd_cli():
