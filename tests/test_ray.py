@@ -170,3 +170,28 @@ def test_a_ray_address_naming_no_cluster_fails_fast_instead_of_hanging_in_ray_in
         s.bind(("127.0.0.1", 0))
         s.listen()
         _check_ray_address(f"127.0.0.1:{s.getsockname()[1]}")
+
+
+@pytest.mark.slow  # (~20 s: Ray started for itself; last in this module, as it shuts Ray down)
+def test_a_step_after_ray_shutdown_fails_at_once_and_close_starts_no_ray():
+    """After ray.shutdown() with a mesh open, the next step's fetch hung for good, and close started a new local Ray
+    whose agents outlived the program (a probe): the watchdog's `ray.wait` started it. Now the daemons are lost,
+    saying Ray was shut down, and nothing starts Ray again."""
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
+             configure_logging=False, runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu"}})
+    mesh = mpmd.RemoteMesh.ray(2)
+    try:
+        params, state, batch, dist = steps(mesh)
+        params, state, losses = dist(params, state, batch)
+        losses.block_until_ready()
+        ray.shutdown()
+        t = time.monotonic()
+        with pytest.raises(mpmd.ActorDiedError, match=r"Ray was shut down .* close the mesh and make a new one"):
+            mpmd.fetch(dist(params, state, batch))
+        assert time.monotonic() - t < 30 and not ray.is_initialized()
+    finally:
+        t = time.monotonic()
+        mesh.close()
+        assert time.monotonic() - t < 10 and not ray.is_initialized()

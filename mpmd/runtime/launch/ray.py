@@ -236,6 +236,11 @@ class RayDaemon:
         """Why the daemon is gone, from Ray's view; None while Ray reports it running (cheap: asks nothing remote)."""
         if self._dead is None:
             ray = _ray()
+            if not ray.is_initialized():  # (ray.wait would start a new local Ray: a step after ray.shutdown() hung, a
+                # close started one and left its agents behind; a probe)
+                self._dead = (f"Ray was shut down (ray.shutdown(), or the Ray cluster went away) while this mesh was open: "
+                              f"its Ray actor {self.name}, and the daemon in it, are gone; close the mesh and make a new one")
+                return self._dead
             ready, _ = ray.wait([self._exit], timeout=0)
             if not ready:
                 return None
@@ -248,6 +253,8 @@ class RayDaemon:
         return self._dead
 
     def stacks(self) -> str:
+        if not _ray().is_initialized():  # (a .remote() call would start a new local Ray)
+            return "(none: Ray was shut down)"
         try:
             return _ray().get(self.handle.stacks.remote(), timeout=3)
         except Exception as e:
@@ -302,6 +309,9 @@ class RayLaunch:
         if self.new_handle is None or self.specs is None:
             raise ActorStartError("this RayLaunch cannot start replacements")
         ray = _ray()
+        if not ray.is_initialized():  # (every Ray call below would start a new local Ray, with nothing of this mesh's)
+            raise ActorStartError(f"no replacement for actor {actor_id}: Ray was shut down (ray.shutdown(), or the Ray "
+                                  "cluster went away) while this mesh was open; close the mesh and make a new one")
         old = self.daemons[actor_id]
         try:  # (its daemon removes its directory when its Ray actor still answers; else the next start on that node does)
             ray.get(old.handle.stop.remote(1.0), timeout=3)
