@@ -930,8 +930,10 @@ def test_custom_refuses_tasks_that_are_not_tasks():
 
 def test_cli_writes_the_format_its_flag_names_and_says_when_it_cannot_write(tmp_path, capsys):
     args = ["simulate", "--schedule", "OneFOneB", "--actors", "2", "--microbatches", "4"]
-    assert main([*args, "--svg", str(tmp_path / "a.png")]) == 0
-    assert (tmp_path / "a.png").read_text().lstrip().startswith(("<svg", "<?xml"))  # --svg: an SVG, whatever the name
+    assert main([*args, "--svg", str(tmp_path / "a.pic")]) == 0
+    assert (tmp_path / "a.pic").read_text().lstrip().startswith(("<svg", "<?xml"))  # --svg: an SVG, whatever the name
+    assert main([*args, "--svg", str(tmp_path / "a.png")]) == 2  # (but not in a file named for the other format)
+    capsys.readouterr()
     assert main([*args, "--svg", str(tmp_path / "missing" / "a.svg")]) == 2
     assert "cannot write" in capsys.readouterr().err
     with pytest.raises(SystemExit):

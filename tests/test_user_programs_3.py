@@ -1280,7 +1280,8 @@ def test_a_signature_that_failed_to_compile_on_one_actor_leaves_no_executable_on
             dist = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
             params = mlp_params(np.random.default_rng(0), num_stages=2, width=8)
             for rows in (1, 2, 3):
-                with pytest.raises(mpmd.RemoteError, match="BlobRefused on actor 0"):
+                # (refused by its checker's 1 ms, or, on a loaded machine, the compile request's own bound first)
+                with pytest.raises(mpmd.RemoteError, match="BlobRefused on actor 0|WaitedInVain on actor 0: 'compile' did not finish"):
                     dist(params, opt.init(params), regression_batch(np.random.default_rng(rows), 2, rows, 8))
             assert wait_until(lambda: mesh.actor(1).stats()["session_executables"] == 0, 20), mesh.actor(1).stats()
             assert not mesh.executables._holders and not dist._compiled
