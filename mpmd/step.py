@@ -146,10 +146,10 @@ def _spec(x: Any, path: str) -> jax.ShapeDtypeStruct:
     original = x
     try:
         x = host_value(x)
-        if x.dtype.kind in "mM":  # (jax.jit refuses datetimes; they reached the step's arithmetic here; a probe)
+        if not is_key(x.dtype) and x.dtype.kind in "mM":  # (jax.jit refuses datetimes; they reached the step's arithmetic; a probe)
             raise TypeError(f"a numpy array of dtype {x.dtype} (dates and times) holds no numbers JAX can use: encode it "
                             "as numbers, e.g. x.astype(np.int64) (units since the epoch)")
-        if not x.dtype.isnative:  # (jax.jit refuses it; here lowering failed inside, with no path; a probe)
+        if not is_key(x.dtype) and not x.dtype.isnative:  # (jax.jit refuses it; lowering failed inside, with no path; a probe)
             raise TypeError(f"a numpy array of non-native byte order ({x.dtype.str}): JAX takes arrays in this machine's "
                             "order; pass x.astype(x.dtype.newbyteorder('='))")
         if x.dtype == np.dtype(object) and not isinstance(original, np.ndarray):  # (numpy made an object array of it)
