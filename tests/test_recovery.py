@@ -186,6 +186,7 @@ def test_one_actor_killed_at_a_random_step_the_loop_ends_bit_identical_to_an_uni
     assert any("recovered from actor 1 lost" in r.getMessage() and "steps replayed" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.slow  # (~15 s: two daemons started again; the default suite stays under 15 minutes)
 def test_both_actors_killed_at_once_are_both_replaced_bit_identical_and_the_report_names_both(uninterrupted):
     """Both daemons SIGKILLed together: the recovery replaced both, but its report named the first alone (the
     second read as "lost during the recovery"; a probe). `last_report["actors replaced"]` names both."""
