@@ -149,8 +149,11 @@ class TuneResult(ShallowCopyOnly):
                           "boundaries"] if memory else []
             if memory < len(self.candidates):
                 advice.append("pass microbatches=[...] and schedules=[...] that fit the batch and the mesh")
-            raise MpmdError(f"no candidate fits: all {len(self.candidates)} were rejected ({memory} over memory_limit; each "
-                            f"row of the table says why); {' or '.join(advice)}\n" + self.table())
+            reasons = list(dict.fromkeys((c.rejected or "").split(" (")[0] for c in self.candidates))
+            said = "; ".join(reasons[:3]) + (f"; and {len(reasons) - 3} other reasons" if len(reasons) > 3 else "")
+            memory_said = f"{memory} over memory_limit; " if self.memory_limit is not None else ""
+            raise MpmdError(f"no candidate fits: all {len(self.candidates)} were rejected ({memory_said}each row of the "
+                            f"table says why: {said}); {' or '.join(advice)}\n" + self.table())
         if self.chosen is not None and not self.chosen.rejected:
             return self.chosen
         return self.feasible[0]
@@ -485,6 +488,12 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
     args = base.bind(args, step_kwargs or {})  # from here on one tuple, as a compiled step takes it
     p = len(mesh)
     n, out_bytes, m0, rows = segment_layout(base, *args)
+    # (virtual stages too many for the step's segments: not tried, and said so in the table's note and any error)
+    unfit = [v for v in virtual_stages if v * p > n]
+    skipped = (f"the interleaved schedules with virtual_stages={unfit[0] if len(unfit) == 1 else unfit} not tried: "
+               f"{unfit[0]} virtual stages on {p} actors need {unfit[0] * p} segments and the step has {n}"
+               + (f"; nor ZeroBubbleV and DualPipeV, which need {2 * p}" if 2 * p > n and p > 1 and schedules is None else "")
+               + "; mark more stage boundaries to try them") if unfit else ""
     if schedules is None:  # (before anything is measured: a step that cannot pipeline is told so at once)
         cands = candidate_schedules(p, n, virtual_stages)
     else:  # (names checked by _check_choices)
@@ -492,12 +501,16 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
         for s in schedules:
             if isinstance(s, str):
                 cands += [c for c in candidate_schedules(p, n, virtual_stages) if type(c).__name__ == s]
+            elif s.num_actors > p:  # (said now, not as every row of a table whose .best then fails)
+                raise PipelineError(f"tune: the schedule {s!r:.120} needs {s.num_actors} actors and the mesh has {p}; give "
+                                    f"schedules for {p} actors, or names (tune sizes built-ins to the mesh)")
             else:
                 cands.append(s)
     if not cands:
         raise PipelineError(f"tune: no schedule to try: the step has {n} segment{'s' * (n != 1)} (mpmd.pipeline_yield markers + 1) "
                             f"and the mesh {p} actors; every built-in needs a stage per actor (mark at least {p} stages)"
-                            if schedules is None else f"tune: none of the schedules {schedules} fits {p} actors and {n} segments")
+                            if schedules is None else f"tune: none of the schedules {schedules} fits {p} actors and {n} segments"
+                            + (f" ({skipped})" if skipped and any("Interleaved" in str(s) for s in schedules) else ""))
     total_rows = m0 * rows if rows else m0
     vmax = max([*virtual_stages, 2])
     counts = list(microbatches) if microbatches is not None else (
@@ -512,13 +525,13 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
             why = why_not_resplit(args[_batch_argnum(args, None, m0, base.static_argnums)]) or why
         except PipelineError:
             pass
-    note = ""
+    note = skipped if skipped and (schedules is None or any("Interleaved" in str(s) for s in schedules)) else ""
     if why and any(m != m0 for m in counts):
         if microbatches is not None:  # (asked for: said before anything is measured)
             raise PipelineError(f"tune: {why}; pass microbatches=[{m0}] (the step's own count)")
         counts = [m0]
     if why:
-        note = f"only the step's own {m0} microbatches tried: {why}"
+        note = "; ".join(x for x in (f"only the step's own {m0} microbatches tried: {why}", note) if x)
         log.info("tune: %s", note)
     if rows and not any(total_rows % m == 0 for m in counts):  # (asked for: said before anything is measured)
         ok = _divisors(total_rows, p, total_rows)[:8] or [m0]
@@ -652,6 +665,9 @@ def _check_choices(memory_limit: Any, schedules: Any, microbatches: Any, virtual
         got = as_list(counts)
         if not got or not all(map(positive_int, got)):
             raise PipelineError(f"tune: {name} must be a non-empty list of positive ints, got {counts!r:.80}")
+        if name == "virtual_stages" and min(got) < 2:
+            raise PipelineError(f"tune: virtual_stages are the stages per actor of the interleaved schedules (at least 2: "
+                                f"one stage per actor is what the other schedules try), got {counts!r:.80}")
         lists[name] = list(dict.fromkeys(int(c) for c in got))  # each once, in the order given
     if schedules is not None:
         got = as_list(schedules)

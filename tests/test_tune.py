@@ -769,3 +769,34 @@ def test_a_batch_whose_second_axis_is_not_rows_gets_rejections_that_say_so():
         "(its batch re-split from 4 microbatches: the second axis of every batch leaf was taken for the rows of a "
         "microbatch; if it is not, pass microbatches=[4])"), two.rejected
     assert r.best.num_microbatches == 4
+
+
+def test_tune_says_which_virtual_stages_and_schedules_it_cannot_try_before_measuring():
+    """A probe (2026-12-05): virtual_stages=[1] was accepted and then skipped, virtual stages too many for the step's
+    segments dropped the interleaved schedules without a word (and the error, when only they were asked for, did not
+    say why), and a schedule object for more actors than the mesh has gave a table of rejected rows whose `.best`
+    then blamed a memory_limit nobody had set."""
+    params, batch = uneven_setup(num_mb=4, rows=16)
+    opt = optax.adam(1e-3)
+    step = make_step(uneven_loss, opt, mpmd.OneFOneB(2))
+    args = (params, opt.init(params), batch)
+    with pytest.raises(mpmd.PipelineError, match=r"virtual_stages are the stages per actor .*at least 2.*got \[1\]"):
+        mpmd.tune(step, *args, mesh=FakeMesh(2), costs="xla", virtual_stages=[1])
+    r = mpmd.tune(step, *args, mesh=FakeMesh(2), costs="xla", microbatches=[4], virtual_stages=[9])
+    n = r.costs.num_segments
+    assert 9 * 2 > n
+    assert f"virtual_stages=9 not tried: 9 virtual stages on 2 actors need 18 segments and the step has {n}" in r.table()
+    assert not any("Interleaved" in c.name for c in r.candidates)
+    with pytest.raises(mpmd.PipelineError, match=r"none of the schedules \['InterleavedOneFOneB'\] fits .*virtual_stages=9 "
+                                                  r"not tried: .*need 18 segments"):
+        mpmd.tune(step, *args, mesh=FakeMesh(2), costs="xla", schedules=["InterleavedOneFOneB"], virtual_stages=[9])
+    with pytest.raises(mpmd.PipelineError, match=r"the schedule OneFOneB\(num_stages=3\) needs 3 actors and the mesh has 2"):
+        mpmd.tune(step, *args, mesh=FakeMesh(2), costs="xla", schedules=[mpmd.OneFOneB(3)])
+    # With no memory_limit, a table that fits nothing says the rows' reasons, not "0 over memory_limit".
+    r = mpmd.tune(step, *args, mesh=FakeMesh(2), costs="xla", microbatches=[4], schedules=["GPipe", "OneFOneB"])
+    for c in r.candidates:
+        c.rejected = "needs at least 9 microbatches"
+    with pytest.raises(mpmd.MpmdError) as e:
+        r.best
+    first = str(e.value).splitlines()[0]
+    assert "memory_limit" not in first and "needs at least 9 microbatches" in first, first
