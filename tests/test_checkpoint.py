@@ -2,6 +2,7 @@
 
 import contextlib
 import gc
+import logging
 import os
 import subprocess
 import sys
@@ -512,3 +513,68 @@ def test_a_save_that_cannot_write_is_a_checkpoint_error_and_leaves_the_previous_
     with pytest.raises(mpmd.CheckpointError, match=r"mpmd.save into .*/c: .*ckpt-\d+ was committed, but updating LATEST") as e:
         mpmd.save(c, {"x": mesh2.actor(1).put(np.full(2, 7, np.float32))})
     assert mpmd.load(e.value.checkpoint)["x"].tolist() == [7, 7] and mpmd.load(c)["x"].tolist() == [0, 0]
+
+
+def test_a_host_part_orbax_cannot_write_is_a_checkpoint_error(tmp_path):
+    """A probe (2026-12-05): orbax and tensorstore say a full disk with a ValueError ("RESOURCE_EXHAUSTED: Error
+    writing ..."), which the host part's write let through bare; the README promises mpmd.CheckpointError. Here the
+    host part's directory is taken by a file once the save has made its .tmp (orbax: ValueError "... already
+    exists"), as a full disk fails it."""
+    from mpmd.runtime import checkpoint as ck
+
+    real_start = ck._start
+
+    def start_then_block(path):
+        name, tmp = real_start(path)
+        open(os.path.join(tmp, ck.HOST_PART), "w").close()
+        return name, tmp
+
+    c = str(tmp_path / "c")
+    mpmd.save(c, {"n": np.zeros(2)})
+    ck._start = start_then_block
+    try:
+        with pytest.raises(mpmd.CheckpointError, match=r"mpmd.save into .*/c: could not write here \(ValueError: .*nothing was "
+                                                       r"committed") as e:
+            mpmd.save(c, {"n": np.ones(2)})
+    finally:
+        ck._start = real_start
+    assert isinstance(e.value.__cause__, ValueError)
+    assert mpmd.load(c)["n"].tolist() == [0, 0]
+
+
+def test_a_background_save_that_fails_unwaited_is_logged_and_one_waited_for_raises_alone(mesh2, tmp_path, caplog):
+    """A probe (2026-12-05): `save(..., wait=False)` every few steps onto a full disk failed every time without a
+    word when nothing waited for the handles (no LATEST was ever written). Now such a failure is logged as an
+    error when it happens; one that something waits for (handle.wait, save_async) raises there and is not logged."""
+    import asyncio
+
+    from mpmd.runtime import checkpoint as ck
+
+    real_start = ck._start
+
+    def start_then_block(path):
+        name, tmp = real_start(path)
+        open(os.path.join(tmp, "actor-1"), "w").close()  # (the actor cannot make its part's directory)
+        return name, tmp
+
+    c = str(tmp_path / "c")
+    x = mesh2.actor(1).put(np.ones(2, np.float32))
+    ck._start = start_then_block
+    try:
+        with caplog.at_level(logging.ERROR, logger="mpmd.runtime.checkpoint"):
+            handle = mpmd.save(c, {"x": x}, wait=False)
+            end = time.monotonic() + 30
+            while not handle.done() and time.monotonic() < end:
+                time.sleep(0.02)
+            time.sleep(0.1)  # (the done-callbacks run right after)
+            said = [r.getMessage() for r in caplog.records if "failed in the background" in r.getMessage()]
+            assert len(said) == 1 and "actor 1 could not write its part" in said[0] and c in said[0], said
+            caplog.clear()
+            with pytest.raises(mpmd.CheckpointError, match="actor 1 could not write its part"):
+                asyncio.run(mpmd.save_async(c, {"x": x}))
+            with pytest.raises(mpmd.CheckpointError, match="actor 1 could not write its part"):
+                mpmd.save(c, {"x": x})
+            assert not [r for r in caplog.records if "failed in the background" in r.getMessage()]
+    finally:
+        ck._start = real_start
+    assert not os.path.exists(os.path.join(c, "LATEST"))

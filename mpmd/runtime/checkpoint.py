@@ -107,6 +107,7 @@ class SaveHandle:
 
     def __init__(self, future: concurrent.futures.Future[str]) -> None:
         self._future = future
+        self._seen = False  # whether anything has waited for it (else a failure is logged: `_said_if_unseen`)
 
     def done(self) -> bool:
         return self._future.done()
@@ -115,8 +116,21 @@ class SaveHandle:
         return self._wait(timeout, "SaveHandle.wait")
 
     def _wait(self, timeout: float | None, what: str) -> str:
+        self._seen = True
         with blocking(what):
             return self._future.result(timeout)
+
+    def _said_if_unseen(self, path: str) -> SaveHandle:
+        """A background save (`wait=False`) that fails before anything waits for it is logged as an error when it
+        fails: a training loop that checkpoints every N steps and never waits would otherwise go on believing it
+        checkpoints (orbax raises such an error at the next save; here the loop goes on, and says so)."""
+        def done(f: concurrent.futures.Future[str]) -> None:
+            if not self._seen and not f.cancelled() and (e := f.exception()) is not None:
+                log.error("mpmd.save(..., wait=False) into %s failed in the background (nothing had waited for its handle): "
+                          "%s: %s", path, type(e).__name__, e)
+
+        self._future.add_done_callback(done)
+        return self
 
 
 @contextlib.contextmanager
@@ -250,8 +264,15 @@ def _check_path(where: str, path: Any) -> None:
 def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | SaveHandle:
     """Save a pytree of RemoteArrays (and host values) to directory `path`. Each actor writes its own arrays,
     concurrently with later steps (a step dispatched after this call does not wait for the write); with
-    `wait=False` the call returns a `SaveHandle` at once. The `keep` newest checkpoints are kept. Returns the
-    committed checkpoint's directory (`path/ckpt-<n>`)."""
+    `wait=False` the call returns a `SaveHandle` at once (a save that fails before anything waits for its handle
+    is logged as an error). The `keep` newest checkpoints are kept. Returns the committed checkpoint's directory
+    (`path/ckpt-<n>`)."""
+    handle = _save(path, tree, keep)
+    return handle._wait(None, "mpmd.save") if wait else handle._said_if_unseen(os.path.abspath(path))
+
+
+def _save(path: str, tree: Any, keep: int) -> SaveHandle:
+    """`save`'s work: the save started (its arguments checked, the host part written), as a handle."""
     _check_path("mpmd.save", path)
     path = os.path.abspath(path)  # (the actors are told this path: their working directory may differ)
     if not isinstance(keep, (int, np.integer)) or isinstance(keep, bool):  # ("2" < 1: a bare TypeError; a probe)
@@ -342,11 +363,11 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
     except BaseException as e:
         abandon(e)
         done_saving()
-        if isinstance(e, OSError):
+        if _writing_failed(e):
             raise _unwritable(path, e) from e
         raise
     if not per_actor:
-        return _finish_sync(lambda: finish(host_part, host_order), abandon, done_saving, wait, path)
+        return _finish_sync(lambda: finish(host_part, host_order), abandon, done_saving, path)
 
     def send(again: bool = False) -> list[Any]:
         """Every actor's save request, sent now, of the buffers the arrays name now (a recovery rebinds them); an
@@ -436,8 +457,10 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
             order[f"actor-{a}"] = idx
         try:
             out = await asyncio.to_thread(finish, parts, order)
-        except OSError as e:
-            raise _unwritable(path, e) from e
+        except Exception as e:
+            if _writing_failed(e):
+                raise _unwritable(path, e) from e
+            raise
         done_saving()
         return out
 
@@ -456,7 +479,7 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
         lambda f: mesh._io.call_soon(abandon_when_answered) if f.cancelled() or f.exception() is not None else None)
     mesh.track_save(handle._future)
     _track_save(path, handle._future)
-    return handle._wait(None, "mpmd.save") if wait else handle
+    return handle
 
 
 async def save_async(path: str, tree: Any, *, keep: int = 1) -> str:
@@ -467,8 +490,7 @@ async def save_async(path: str, tree: Any, *, keep: int = 1) -> str:
 
         await mpmd.save_async("ckpt", (params, opt_state))
     """
-    handle = save(path, tree, wait=False, keep=keep)
-    assert isinstance(handle, SaveHandle)
+    handle = _save(path, tree, keep)  # (awaited here: its error is this coroutine's, not logged)
     try:
         return await watch(handle._future)
     except asyncio.CancelledError:
@@ -485,8 +507,16 @@ async def _abandon_after(replies: list[asyncio.Future[Any]], cleanup: Any) -> No
         cleanup()
 
 
-def _unwritable(path: str, e: OSError) -> CheckpointError:
-    return CheckpointError(f"mpmd.save into {path}: could not write here ({e}); nothing was committed and the previous "
+def _writing_failed(e: BaseException) -> bool:
+    """Whether `e`, raised while writing a checkpoint's files, is the place failing them (a full or read-only disk,
+    a file size limit, something in the way): an OSError, or what orbax and tensorstore raise for it (a ValueError
+    or another plain Exception, e.g. "RESOURCE_EXHAUSTED: Error writing ..."), not mpmd's own errors."""
+    return isinstance(e, Exception) and not isinstance(e, MpmdError)
+
+
+def _unwritable(path: str, e: BaseException) -> CheckpointError:
+    said = str(e) if isinstance(e, OSError) else f"{type(e).__name__}: {str(e)[:1000]}"
+    return CheckpointError(f"mpmd.save into {path}: could not write here ({said}); nothing was committed and the previous "
                            "checkpoint, if any, stays the latest", checkpoint=path)
 
 
@@ -501,17 +531,16 @@ def _not_written(path: str, actor: int, e: BaseException) -> BaseException:
     return err
 
 
-def _finish_sync(run: Any, abandon: Any, done_saving: Any, wait: bool, path: str = "") -> str | SaveHandle:
+def _finish_sync(run: Any, abandon: Any, done_saving: Any, path: str = "") -> SaveHandle:
     future: concurrent.futures.Future[str] = concurrent.futures.Future()
     try:
         future.set_result(run())
     except BaseException as e:
         abandon(e)
-        future.set_exception(_unwritable(path, e) if isinstance(e, OSError) else e)
+        future.set_exception(_unwritable(path, e) if _writing_failed(e) else e)
     finally:
         done_saving()
-    handle = SaveHandle(future)
-    return handle._wait(None, "mpmd.save") if wait else handle
+    return SaveHandle(future)
 
 
 def _leaf_dtype(m: dict[str, Any]) -> Any:
