@@ -15,16 +15,7 @@ from mpmd.errors import PipelineError
 from mpmd.primitives import FWD, accumulate_p, pipeline_yield_p
 from mpmd.schedules.builtin import Schedule, not_a_schedule
 from mpmd.schedules.override import note_loop, schedule_override
-from mpmd.step import DistributedFunction  # at import, not at the first `distributed`: importing it holds the GIL ~1 s
-
-
-def _eager() -> bool:
-    """Whether JAX traces nothing here (a marker on constants inside a trace still marks its stage)."""
-    try:
-        from jax._src import core
-        return isinstance(core.trace_ctx.trace, core.EvalTrace)
-    except (ImportError, AttributeError):  # (another JAX: binding is right either way)
-        return False
+from mpmd.step import DistributedFunction, eager  # at import, not at the first `distributed`: importing it holds the GIL ~1 s
 
 
 def pipeline_yield(x: Any) -> Any:
@@ -38,7 +29,7 @@ def pipeline_yield(x: Any) -> Any:
     leaves, treedef = jax.tree.flatten(x)
     if not leaves:
         raise PipelineError("pipeline_yield got an empty pytree; pass the activations that flow to the next stage")
-    if not any(isinstance(v, jax.core.Tracer) for v in leaves) and _eager():
+    if not any(isinstance(v, jax.core.Tracer) for v in leaves) and eager():
         return x  # called eagerly: the identity, the very object (binding would turn a Python 3 into a jax literal)
     return jax.tree.unflatten(treedef, pipeline_yield_p.bind(*leaves, direction=FWD))
 

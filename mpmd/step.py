@@ -33,7 +33,7 @@ from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError, S
 from mpmd.observe.report import PlacementReport, placement_report
 from mpmd.primitives import tracing_distributed
 from mpmd.runtime.aio import abortable, off_loop, start_in_worker, watch
-from mpmd.runtime.array import RemoteArray
+from mpmd.runtime.array import HELD, RemoteArray
 from mpmd.runtime.buffers import in_parts
 from mpmd.runtime.callbacks import run_host_calls
 from mpmd.runtime.controller import note_blocking
@@ -113,6 +113,20 @@ def _lays_out(shardings: Any) -> bool:
     return any(not isinstance(x, PartitionSpec) or any(a is not None for a in x) for x in leaves)
 
 
+def eager() -> bool:
+    """Whether JAX traces nothing here (no jax.jit, grad, vmap, scan, ... under way in this thread)."""
+    try:
+        from jax._src import core
+        return isinstance(core.trace_ctx.trace, core.EvalTrace)
+    except (ImportError, AttributeError):  # (another JAX: said by the tracer check of each argument instead)
+        return True
+
+
+IN_TRANSFORMATION = ("a distributed step was called inside a JAX transformation (jax.jit, jax.grad, jax.vmap, lax.scan, "
+                     "...), which cannot run its actors. Call the step outside any transformation; to transform the "
+                     "computation, transform the undecorated function (jax.jit(fn) runs the same step on this process)")
+
+
 def _a(name: str) -> str:
     return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
@@ -123,10 +137,7 @@ def _spec(x: Any, path: str) -> jax.ShapeDtypeStruct:
     if isinstance(x, LoadedLeaf):
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
     if isinstance(x, jax.core.Tracer):
-        raise PipelineError(f"argument {path} is a JAX tracer ({type(x).__name__}): a distributed step was called inside "
-                            "a JAX transformation (jax.jit, jax.grad, jax.vmap, lax.scan, ...), which cannot run its actors. "
-                            "Call the step outside any transformation; to transform the computation, transform the "
-                            "undecorated function (jax.jit(fn) runs the same step on this process)")
+        raise PipelineError(f"argument {path} is a JAX tracer ({type(x).__name__}): {IN_TRANSFORMATION}")
     # A Python number is weakly typed, as under jax.jit (`w - lr * g` keeps bf16 w bf16), and so is a jax.Array
     # made from one; numpy values are not.
     weak = (type(x) in (int, float, complex)) or bool(getattr(x, "weak_type", False) and isinstance(x, jax.Array))
@@ -228,6 +239,19 @@ def _static_argnums(fn: Callable[..., Any], argnums: Any, argnames: Any, what: s
     return frozenset(nums)
 
 
+def _no_remote_bound(fn: Any) -> None:
+    """A PipelineError when `fn` is a functools.partial (jax.tree_util.Partial too) binding a RemoteArray by position:
+    the step cannot send it to its actors from there (one bound by keyword is an argument, `bind`)."""
+    while isinstance(fn, functools.partial):
+        for k, a in enumerate(fn.args):
+            if any(_is_remote(x) for x in jax.tree.leaves(a, is_leaf=_is_remote)):
+                raise PipelineError(f"mpmd.distributed: {type(fn).__name__}({getattr(fn.func, '__name__', 'f')}, ...) binds a "
+                                    f"RemoteArray as its positional argument {k}: its value is on the actors, which the step "
+                                    "can only reach through its arguments; pass it as an argument of the step, or bind it "
+                                    "by keyword (functools.partial(f, name=x))")
+        fn = fn.func
+
+
 class _Default:
     """A parameter the call did not pass (see `DistributedFunction.bind`)."""
 
@@ -241,6 +265,10 @@ DEFAULT = _Default()
 
 
 def _static_arg(i: int, value: Any) -> Static:
+    if any(_is_remote(x) for x in jax.tree.leaves(value, is_leaf=_is_remote)):  # (hashable by identity: a compile each)
+        raise PipelineError(f"static argument args[{i}] holds a RemoteArray: a static argument is a Python value the "
+                            "step is compiled for, not data; leave it out of static_argnums (it is then an argument like "
+                            "any array)")
     try:
         hash(value)
     except TypeError:
@@ -440,6 +468,13 @@ class DistributedFunction(ShallowCopyOnly):
         self.static_argnums = _static_argnums(fn, static_argnums, static_argnames)
         self.donate_argnums = _static_argnums(fn, donate_argnums, donate_argnames, "donate")
         self._positional, self._kwonly = _parameters(fn)
+        n = len(self._positional) + len(self._kwonly)
+        both = sorted({i % n for i in self.static_argnums if -n <= i < n} & {i % n for i in self.donate_argnums if -n <= i < n}
+                      if n else self.static_argnums & self.donate_argnums)
+        if both:  # (as jax.jit refuses: a static argument is no buffer to donate)
+            raise PipelineError(f"mpmd.distributed: argument(s) {both} are both static and donated (static_argnums/names "
+                                "and donate_argnums/names); a static argument holds no buffer to donate: name it in one")
+        _no_remote_bound(fn)
         # the signatures compiled, least recently called first; past MAX_SIGNATURES the oldest is let go, its
         # Programs unloaded from the actors (each held ~4 MiB here and up to ~0.6 MiB on an actor for good; a probe)
         self._compiled: collections.OrderedDict[Any, CompiledStep] = collections.OrderedDict()
@@ -483,6 +518,9 @@ class DistributedFunction(ShallowCopyOnly):
         positions in the step's signature, then its keyword-only parameters in order; a parameter the call does
         not pass is `DEFAULT` there (static: the function takes its own default, a Python value that is no
         argument, as under jax.jit)."""
+        if not eager() and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs))):
+            # (arguments all constants: no tracer says it (`_spec` names the first); the step ran while jax.jit traced)
+            raise PipelineError(f"{getattr(self.fn, '__name__', 'the step')}: {IN_TRANSFORMATION}")
         if not kwargs and not self._kwonly:
             return args
         name = getattr(self.fn, "__name__", "the step")
@@ -493,8 +531,10 @@ class DistributedFunction(ShallowCopyOnly):
         named = {*self._positional, *self._kwonly}
         extra = sorted(e for k, v in bound.arguments.items() if k not in named
                        for e in (v if bound.signature.parameters[k].kind is inspect.Parameter.VAR_KEYWORD else [k]))
-        if extra:
-            raise PipelineError(f"argument(s) {extra} of {name} go to its **kwargs or follow *args: a distributed step "
+        if extra:  # (named: the keyword ones; *args alone is taken, by position)
+            said = [k for k in extra if bound.signature.parameters.get(k) is None
+                    or bound.signature.parameters[k].kind is not inspect.Parameter.VAR_POSITIONAL] or extra
+            raise PipelineError(f"argument(s) {said} of {name} go to its **kwargs or follow *args: a distributed step "
                                 "takes named parameters (positional or keyword-only); name them, or close over them")
         got, params = bound.arguments, bound.signature.parameters
         static = {[*self._positional, *self._kwonly][i] for i in self.static_argnums if -len(named) <= i < len(named)}
@@ -610,6 +650,14 @@ class DistributedFunction(ShallowCopyOnly):
                     if err is None:
                         raise
                     raise err from None
+                except TypeError as e:  # (JAX's "is not a valid JAX type" naming it by its str; jnp's "requires ndarray
+                    # or scalar arguments, got <class '...RemoteArray'>")
+                    if (HELD in str(e) or "RemoteArray" in str(e)) and "pass it as an argument" not in str(e):
+                        raise PipelineError(f"{getattr(self.fn, '__name__', 'the step')}: a RemoteArray reached JAX inside "
+                                            "the step without being one of its arguments (closed over, a global, or held "
+                                            "by a functools.partial): its value is on the actors, which the step reaches "
+                                            f"through its arguments only; pass it as an argument of the step ({e})") from e
+                    raise
                 closed = inline_calls(rebind_constraints(closed, am, traced_under))
                 from mpmd.primitives import accumulate_p
 

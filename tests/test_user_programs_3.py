@@ -1464,3 +1464,61 @@ def test_a_distributed_method_binds_self_as_jax_jit_does(mesh2):
     got = Trainer(2.0).step(params, opt.init(params), batch)[2]
     np.testing.assert_allclose(np.asarray(got), 2.0 * np.asarray(want), rtol=1e-6)
     assert isinstance(Trainer.step, mpmd.step.DistributedFunction)  # (on the class: the step itself)
+
+
+def test_a_step_inside_a_transformation_with_constant_arguments_is_refused_not_run_while_jax_traces(mesh2):
+    """A probe (2026-12-05): with no traced argument (closed-over constants, RemoteArrays) nothing refused a step
+    called inside jax.jit: a compiled one was dispatched while jit traced (donated inputs deleted, then never run
+    again by the jitted function's later calls), an uncompiled one failed with JAX's "`get_mesh` can only be used
+    outside of `jax.jit`"."""
+    step = mpmd.distributed(_eval_1_stage, mesh=mesh2)
+    params = [jnp.ones((8, 16)) / 8, jnp.ones((16, 4)) / 16]
+    batch = {"x": jnp.ones((4, 2, 8)), "y": jnp.zeros((4, 2, 4))}
+    for compiled in (False, True):
+        with pytest.raises(PipelineError, match=r"_eval_1_stage: a distributed step was called inside a JAX transformation"):
+            jax.jit(lambda s: step(params, batch) * s)(1.0)
+        assert_trees_close(step(params, batch).to_numpy(), jax.jit(_eval_1_stage)(params, batch))
+
+
+def test_a_remote_array_bound_by_partial_or_closed_over_is_refused_saying_to_pass_it_as_an_argument(mesh2):
+    """A probe (2026-12-05): a RemoteArray reached through functools.partial's positional arguments (or
+    jax.tree_util.Partial's, or a closure) got JAX's "is not a valid JAX type", raised from inside the user's
+    value_and_grad. By keyword it is an argument (bind) and equals jax.jit; by position it is refused when the step
+    is made; closed over, when it is traced; each naming what to do."""
+    params = [jnp.ones((8, 16)) / 8, jnp.ones((16, 4)) / 16]
+    batch = {"x": jnp.ones((4, 2, 8)), "y": jnp.zeros((4, 2, 4))}
+    remote = [mesh2.actor(0).put(np.asarray(p)) for p in params]
+    for bind in (functools.partial, jax.tree_util.Partial):
+        with pytest.raises(PipelineError, match=r"binds a RemoteArray as its positional argument 0: .*pass it as an argument"):
+            mpmd.distributed(bind(_eval_1_stage, remote), mesh=mesh2)
+    got = mpmd.distributed(functools.partial(_eval_1_stage, params=remote), mesh=mesh2)(batch=batch)
+    assert_trees_close(got.to_numpy(), jax.jit(_eval_1_stage)(params, batch))
+
+    for use in (lambda w: jnp.tanh(w), lambda w: jnp.where(True, w, 0.0), lambda w: jax.grad(lambda v: jnp.sum(v))(w)):
+        def closed(batch, use=use):
+            return mpmd.accumulate_grads(lambda mb: ((), _two_layer_loss([use(remote[0]), params[1]], mb)), batch,
+                                         schedule=mpmd.GPipe(1, balance="even"))[1]
+
+        with pytest.raises(PipelineError, match=r"closed: a RemoteArray reached JAX inside the step without being one of "
+                                                r"its arguments .*pass it as an argument of the step"):
+            mpmd.distributed(closed, mesh=mesh2)(batch)
+
+
+def test_static_and_donated_arguments_that_cannot_be_are_refused_like_jax_jit(mesh2):
+    """A probe (2026-12-05): a RemoteArray at a static position was taken as a static value (hashed by identity: a
+    compile per array, then "pass it as an argument" from inside the trace, though it was one); an argument both
+    static and donated was taken, the donation dropped (jax.jit refuses both); and the refusal of keyword-only
+    parameters after *args named the *args parameter too."""
+    def f(p, scale):
+        return p * 2
+
+    with pytest.raises(PipelineError, match=r"argument\(s\) \[1\] are both static and donated"):
+        mpmd.distributed(f, mesh=mesh2, static_argnums=1, donate_argnames="scale")
+    with pytest.raises(PipelineError, match=r"static argument args\[1\] holds a RemoteArray: .*leave it out of static_argnums"):
+        mpmd.distributed(f, mesh=mesh2, static_argnums=1)(np.ones(2, np.float32), mesh2.actor(0).put(np.ones(2, np.float32)))
+
+    def g(p, *rest, scale):
+        return p * scale
+
+    with pytest.raises(PipelineError, match=r"argument\(s\) \['scale'\] of g go to its \*\*kwargs or follow \*args"):
+        mpmd.distributed(g, mesh=mesh2)(np.ones(2, np.float32), 1, scale=2.0)

@@ -34,6 +34,9 @@ class BufferOwner(Protocol):
     def release_buffers(self, buffers: dict[int, int]) -> None: ...
 
 
+HELD = "held by the actors: mpmd.fetch(x) brings it here"  # (in str(x): JAX's errors quote it)
+
+
 class RemoteArray:
     """A handle to an array held by actors of one `RemoteMesh`. The data stays there until it is fetched
     (`np.asarray(x)`, `x.to_numpy()`, `jax.device_get(x)`, `mpmd.fetch(tree)`).
@@ -217,7 +220,7 @@ class RemoteArray:
     def __str__(self) -> str:
         # (what print, f-strings and JAX's "is not a valid JAX type" error show: `jnp.mean(x)` and `jax.jit(f)(x)`
         # of a RemoteArray then say how to use it here; repr stays short for containers)
-        return f"{self!r} (held by the actors: mpmd.fetch(x) brings it here)"
+        return f"{self!r} ({HELD})"
 
     def __len__(self) -> int:
         if not self.shape:
