@@ -667,3 +667,24 @@ def test_a_daemon_that_stopped_cleanly_is_described_as_such():
 
     assert describe_exit(0).startswith("exited with code 0 (a clean stop: SIGTERM")
     assert describe_exit(-signal.SIGTERM) == "was terminated (SIGTERM)" and describe_exit(3) == "exited with code 3"
+
+
+def test_a_mesh_dropped_without_close_stops_its_daemons_when_collected_saying_so():
+    """A probe (2026-12-05): a mesh dropped unclosed (a notebook cell run again: `mesh = RemoteMesh.local(2)`) was
+    collected, but its daemons (~200 MB each), loop thread and sockets lived until the interpreter exited. Now, as an
+    unclosed file, it releases them when collected, with a ResourceWarning; its directory goes too."""
+    import gc
+    import weakref
+
+    mesh = mpmd.RemoteMesh.local(num_actors=2)
+    x = mesh.actor(1).put(np.ones(3, np.float32))
+    assert x.to_numpy().tolist() == [1, 1, 1]
+    procs, directory, ref = [p.proc for p in mesh.processes], mesh._tmpdir, weakref.ref(mesh)
+    loop_thread = mesh._io._thread
+    del mesh, x
+    with pytest.warns(ResourceWarning, match=r"RemoteMesh\(2 actors at .*\) was dropped without close\(\): its daemons are "
+                                             r"stopped now"):
+        # (x's release is batched on the loop a moment: till it is sent, the loop holds the mesh's buffer client)
+        assert wait_until(lambda: gc.collect() is not None and ref() is None, 10)
+    assert wait_until(lambda: all(p.poll() is not None for p in procs), 15), "the dropped mesh's daemons still run"
+    assert wait_until(lambda: not os.path.exists(directory) and not loop_thread.is_alive(), 10)

@@ -30,7 +30,6 @@ import numbers
 import os
 import re
 import secrets
-import shutil
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -58,6 +57,7 @@ from mpmd.runtime.controller import (
     wait_settled,
 )
 from mpmd.runtime.executables import Executables
+from mpmd.runtime.held import Held, release_dropped
 from mpmd.runtime.inputs import close_stager
 from mpmd.runtime.launch.local import LocalOptions, LocalProcess, check_devices, start_local
 from mpmd.runtime.loader import check_loader_name
@@ -156,6 +156,11 @@ class RemoteMesh:
         self._ctx = zmq.asyncio.Context()
         self._conns = [self._connection(i, a) for i, a in enumerate(addresses)]
         self._watchdog = Watchdog(self._conns, heartbeat_interval, heartbeat_timeout)
+        self._held = Held(self.processes, self._io, self._ctx, self._conns, self._watchdog)  # (released once: close, or
+        # the mesh's collection when it was dropped unclosed; the finalizer holds them, never the mesh)
+        self._finalizer = weakref.finalize(self, release_dropped, self._held, f"RemoteMesh({len(addresses)} actor"
+                                           f"{'s' * (len(addresses) != 1)} at {addresses[0] if addresses else '-'})")
+        self._finalizer.atexit = False  # (at exit the daemons see their parent go and clean up after themselves)
         self._io.call_soon(self._watchdog.start)
         self.buffers = BufferClient(self._conns, self._io, lambda: self.closed)
         self.executables = Executables(self._conns)
@@ -165,7 +170,6 @@ class RemoteMesh:
         self.active_trace: Trace | None = None
         self.actor_mesh: ActorMesh | None = None
         self._offsets: dict[int, int] = {}
-        self._tmpdir: str | None = None
         self.generation = 0  # counts daemons replaced under this mesh by reconnect (see DistributedFunction._cached)
         self._replaced: dict[int, tuple[int, str]] = {}  # actor -> (first buffer id its new daemon may hold, when: reconnect)
         self._recovering: dict[int, tuple[int, str]] = {}  # the same for actors a recovery under way replaced
@@ -281,7 +285,7 @@ class RemoteMesh:
         except BaseException:
             mesh.close()
             raise
-        mesh._tmpdir = local.directory
+        mesh._held.tmpdir = local.directory
         if recover is not None:
             try:
                 enable_recovery(mesh, recover, local.respawn)
@@ -470,7 +474,7 @@ class RemoteMesh:
         `server_key` if it made one): a fresh session there, its device mesh, the data plane rewired. Returns its
         info (see `reconnect`)."""
         if process is not None:
-            self.processes = [process if p.actor_id == i else p for p in self.processes]
+            self.processes[:] = [process if p.actor_id == i else p for p in self.processes]  # (in place: `_held` holds it)
             if self.closed:  # closed while the replacement started: `close` stopped the processes it saw, not this one
                 process.stop()
                 raise MpmdError(f"the RemoteMesh was closed while a replacement for actor {i} started; it was stopped")
@@ -577,20 +581,17 @@ class RemoteMesh:
         log.info("closing the mesh: waiting for %d save(s) still writing to commit", len(saves))
         wait_settled(saves)
 
+    @property
+    def _tmpdir(self) -> str | None:
+        """The private directory of the daemons this mesh started (None: none), removed at close."""
+        return self._held.tmpdir
+
     def _release_resources(self) -> None:
+        self._finalizer.detach()
         try:
-            for p in self.processes:
-                p.stop()
+            self._held.release()
         finally:
             close_stager(self)
-            if self._tmpdir:
-                shutil.rmtree(self._tmpdir, ignore_errors=True)
-            self._io.call_soon(self._watchdog.stop)
-            for c in self._conns:
-                self._io.call_soon(c.close)
-            time.sleep(0.01)
-            self._io.stop()
-            self._ctx.destroy(linger=0)
 
     # ---- the controller loop -----------------------------------------------------------------------
     def run(self, coro: Any, timeout: float | None = None) -> Any:

@@ -1,0 +1,75 @@
+"""What a RemoteMesh holds outside Python's heap — the daemons it started, its controller loop thread, its ZeroMQ
+context and connections, its private directory — and their release, once: by `RemoteMesh.close`, or when a mesh
+dropped without closing is collected (`release_dropped`, a weakref.finalize that holds this and never the mesh).
+
+A notebook cell run again (`mesh = mpmd.RemoteMesh.local(2)`) dropped the previous mesh: it was collected, but its
+daemons (~200 MB each), loop thread and sockets stayed until the interpreter exited (a probe). As an unclosed file
+does, a dropped mesh now releases them when collected, with a ResourceWarning saying to close it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+import warnings
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class Held:
+    """The mesh's outside resources. `processes` and `conns` are the mesh's own lists (replaced in place);
+    `tmpdir` is set by the launcher once the mesh is made."""
+
+    def __init__(self, processes: list[Any], io: Any, ctx: Any, conns: list[Any], watchdog: Any) -> None:
+        self.processes = processes
+        self.io = io
+        self.ctx = ctx
+        self.conns = conns
+        self.watchdog = watchdog
+        self.tmpdir: str | None = None
+        self._lock = threading.Lock()
+        self._released = False
+        self._pid = os.getpid()
+
+    def release(self) -> None:
+        """Stop the daemons this mesh started, remove its directory, stop its loop and sockets (once; not in a
+        forked child, whose copy of the mesh is its parent's)."""
+        with self._lock:
+            if self._released or os.getpid() != self._pid:
+                return
+            self._released = True
+        try:
+            for p in list(self.processes):
+                p.stop()
+        finally:
+            if self.tmpdir:
+                shutil.rmtree(self.tmpdir, ignore_errors=True)
+            self.io.call_soon(self.watchdog.stop)
+            for c in list(self.conns):
+                self.io.call_soon(c.close)
+            time.sleep(0.01)
+            self.io.stop()
+            self.ctx.destroy(linger=0)
+
+
+def release_dropped(held: Held, what: str) -> None:
+    """(weakref.finalize of a mesh, never closed, now collected.) Release what it held — in a thread of its own: the
+    collection may run on any thread, the mesh's own loop thread included (which cannot stop itself), and while
+    that thread holds a lock the release would wait for."""
+    warnings.warn(f"{what} was dropped without close(): its daemons are stopped now; close a mesh when done (mesh.close(), "
+                  "or `with mpmd.RemoteMesh.local(...) as mesh:`)", ResourceWarning, stacklevel=2)
+    log.info("%s was collected unclosed: releasing its daemons and loop", what)
+    try:
+        threading.Thread(target=_quietly, args=(held,), name="mpmd-release-dropped-mesh").start()
+    except RuntimeError:  # (at interpreter shutdown no thread starts: here, then)
+        _quietly(held)
+
+
+def _quietly(held: Held) -> None:
+    try:
+        held.release()
+    except Exception:
+        log.debug("releasing a dropped mesh's resources failed", exc_info=True)
