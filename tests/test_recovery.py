@@ -17,6 +17,7 @@ import pytest
 
 import mpmd
 from mpmd.testing import make_train_step, mlp, mlp_params, mse_loss, regression_batch
+from tests.test_pipeline import assert_trees_close
 from tests.wire import wait_until
 
 STEPS = 20
@@ -457,10 +458,10 @@ def test_an_older_output_read_while_the_recovery_reloads_is_put_back_not_called_
     original = recovery_module.RecoveryManager._restore_and_replay
     in_window = threading.Event()
 
-    def slow(self, replaced, report):
+    def slow(self, *args):
         in_window.set()
         time.sleep(2.0)  # (what reloading every step's executables on the replacement takes on a bigger model)
-        return original(self, replaced, report)
+        return original(self, *args)
 
     monkeypatch.setattr(recovery_module.RecoveryManager, "_restore_and_replay", slow)
     batches = _batches()
@@ -685,6 +686,42 @@ def test_two_actors_killed_at_once_count_two_and_a_second_loss_during_a_recovery
         for a, b in zip(got, want):
             np.testing.assert_allclose(a, np.asarray(b), rtol=1e-6)
         assert mesh.recovery.failures == 4
+
+
+def test_a_survivor_lost_as_the_snapshot_goes_back_keeps_the_older_outputs(monkeypatch):
+    """A probe (2026-12-05): actor 1 killed, then actor 0 (the survivor) killed just as the recovery starts putting
+    the snapshot back. The first attempt had stripped the older outputs of their buffers on actor 1 before the put
+    failed; the retry saw arrays with no buffer, took them for let go, and every loss from before the snapshot
+    raised "was deleted; its data is gone" though the recovery reported success. The state equals jax.jit's and so
+    does every loss."""
+    from mpmd.runtime import recovery as recovery_module
+
+    original = recovery_module.RecoveryManager._restore_and_replay
+    meshes, fired = [], []
+
+    def survivor_dies(self, *args):
+        if not fired:
+            fired.append(1)
+            os.kill(meshes[0].processes[0].proc.pid, signal.SIGKILL)
+        return original(self, *args)
+
+    monkeypatch.setattr(recovery_module.RecoveryManager, "_restore_and_replay", survivor_dies)
+    batches = _batches()
+    ref = jax.jit(STEP)
+    with mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(snapshot_every=3), heartbeat_timeout=5.0) as mesh:
+        meshes.append(mesh)
+        dist = mpmd.distributed(STEP, mesh=mesh)
+        p, o, rp, ro, losses, want = _params(), OPT.init(_params()), _params(), OPT.init(_params()), [], []
+        for i in range(8):
+            if i == 6:
+                losses[-1].block_until_ready()
+                _sigkill(mesh, 1)
+            p, o, loss = dist(p, o, batches[i])
+            rp, ro, rl = ref(rp, ro, batches[i])
+            losses.append(loss)
+            want.append(rl)
+        assert_trees_close(mpmd.fetch((p, o, losses)), (rp, ro, want))
+        assert fired and mesh.recovery.last_report.get("actors replaced") == [0, 1]
 
 
 @pytest.mark.slow

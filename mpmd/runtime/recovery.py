@@ -538,6 +538,7 @@ class RecoveryManager:
         last: BaseException | None = None  # what broke the attempt before this one
         waiting: set[int] = set()  # lost actors the attempt before did not get to replace: counted once, not again
         replaced: set[int] = set()  # every actor lost in this recovery, whichever attempt: their buffers are gone
+        stripped: dict[int, tuple[RemoteArray, list[int]]] = {}  # arrays an attempt took buffers on `replaced` from
         stuck = 0  # attempts in a row that failed with no actor lost beyond those being replaced
         while True:
             if self.mesh.closed:  # (closed by its user while this ran: nothing to recover for)
@@ -549,7 +550,7 @@ class RecoveryManager:
                 raise MpmdError(f"{self.failures} lost actors in all (actor{'s' * (len(lost) != 1)} {', '.join(map(str, lost))} "
                                 f"this time), past Recovery(max_failures={self.config.max_failures})") from last
             try:
-                report["steps replayed"] = self._attempt(lost, report, waiting, replaced)
+                report["steps replayed"] = self._attempt(lost, report, waiting, replaced, stripped)
             except ActorDiedError as e:  # another actor lost meanwhile: again, from the snapshot
                 if self.mesh.closed:
                     raise MpmdError("the RemoteMesh was closed during the recovery") from e
@@ -590,9 +591,11 @@ class RecoveryManager:
             self.last_report = {**report, "started": t0}
             return report
 
-    def _attempt(self, lost: list[int], report: dict[str, Any], waiting: set[int], replaced: set[int]) -> int:
+    def _attempt(self, lost: list[int], report: dict[str, Any], waiting: set[int], replaced: set[int],
+                 stripped: dict[int, tuple[RemoteArray, list[int]]]) -> int:
         """Replace the `lost` actors (each taken out of `waiting` once replaced), reload the steps there, roll back
-        and replay, restoring what was on every actor in `replaced`; how many steps were replayed."""
+        and replay, restoring what was on every actor in `replaced` (`stripped`: see `_restore_and_replay`); how many
+        steps were replayed."""
         mesh = self.mesh
         t = time.monotonic()
         self._drain(lost)
@@ -620,7 +623,7 @@ class RecoveryManager:
                 dist._lower_and_ship(c.plan, c.program_ids, sig[2], c.out_tree, blobs.result(), c.holder, sig)
                 c.generation = mesh.generation  # loaded on the replacements: current again (see DistributedFunction._cached)
         report["reload"] = time.monotonic() - t
-        return self._restore_and_replay(replaced, report)
+        return self._restore_and_replay(replaced, report, stripped)
 
     def _rejoin(self, i: int) -> bool:
         """Actor `i` was lost because its daemon answers without this mesh's session (it closed the session after
@@ -678,8 +681,15 @@ class RecoveryManager:
             pending = [s.future for s in [*self.pending, *self._externals] if s.future is not None]
         wait_settled(pending, timeout=self.config.drain_timeout)
 
-    def _restore_and_replay(self, replaced: set[int], report: dict[str, Any]) -> int:
+    def _restore_and_replay(self, replaced: set[int], report: dict[str, Any],
+                            carried: dict[int, tuple[RemoteArray, list[int]]] | None = None) -> int:
+        """Roll every actor back to the snapshot, put back the older live arrays that were on a `replaced` actor,
+        and replay the logged steps since; how many were replayed. `carried`: the arrays an earlier attempt of this
+        recovery stripped of their buffers on a replaced actor (kept across attempts: one that failed midway — a
+        survivor lost while the snapshot went back — had left them with no buffer, and the next attempt took them
+        for let go: every older output was lost, said to be "deleted"; a probe)."""
         mesh = self.mesh
+        carried = {} if carried is None else carried
         with self._state:
             snap = self.snapshot
             if snap is None:  # the first is still being taken: replay all, with the inputs where they are (if they are)
@@ -692,9 +702,11 @@ class RecoveryManager:
         stripped: dict[int, tuple[RemoteArray, list[int]]] = {}
         for vid, x in self._live():  # buffers on a replaced actor are gone
             gone = [a for a in x.buffers if a in replaced]
-            if gone:
-                stripped[vid] = (x, gone)
+            before = carried[vid][1] if vid in carried and carried[vid][0] is x else []
+            if gone or before:
+                stripped[vid] = (x, sorted({*before, *gone}))
                 x.buffers = {a: b for a, b in x.buffers.items() if a not in replaced}
+        carried.update(stripped)
         replayed_vids = {vid for r in records for _, vid, _ in r.outs}
         needed = {leaf[1] for r in records for leaf in r.leaves if leaf[0] == "remote"}
         # The call's inputs go back on every actor (all roll back); the other arrays live at the snapshot only
