@@ -721,7 +721,9 @@ def test_a_survivor_lost_as_the_snapshot_goes_back_keeps_the_older_outputs(monke
             losses.append(loss)
             want.append(rl)
         assert_trees_close(mpmd.fetch((p, o, losses)), (rp, ro, want))
-        assert fired and mesh.recovery.last_report.get("actors replaced") == [0, 1]
+        report = mesh.recovery.last_report
+        assert fired and report.get("actors replaced") == [0, 1] and report["attempts"] == 2, report
+        assert report["total"] > report["spawn"] + report["reload"], report
 
 
 @pytest.mark.slow

@@ -466,7 +466,8 @@ class RemoteMesh:
 
     @property
     def recoveries(self) -> int:
-        """How many lost actors this mesh has recovered from (0 without `recover=`)."""
+        """How many recoveries this mesh has made (0 without `recover=`): two actors lost together, or one more lost
+        during a recovery, make one recovery (`mesh.recovery.failures` counts the lost actors)."""
         return self.recovery.count if self.recovery is not None else 0
 
     def replace_actor(self, i: int, address: str, process: Any = None, server_key: bytes | None = None) -> dict[str, Any]:

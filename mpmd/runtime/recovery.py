@@ -333,7 +333,11 @@ class RecoveryManager:
             # the free of the inputs it donates. (From a coroutine, a loop turn later, that free came first: with
             # donate_argnums no snapshot ever completed, the log grew for good and a recovery replayed every
             # step from the first; a probe.)
-            return [asyncio.ensure_future(mesh.conn(a).submit("get", {"bufs": [b for _, b in vb]})) for a, vb in per_actor.items()]
+            sent = [asyncio.ensure_future(mesh.conn(a).submit("get", {"bufs": [b for _, b in vb]})) for a, vb in per_actor.items()]
+            for f in sent:  # (read here too: when the fetch ends before `gathered` runs — the snapshot abandoned for a
+                # recovery — a survivor's get failing after the rollback was logged "Task exception was never retrieved")
+                f.add_done_callback(_read_error)
+            return sent
 
         async def gathered(sent: list[asyncio.Future[Any]]) -> dict[int, np.ndarray]:
             try:
@@ -540,9 +544,11 @@ class RecoveryManager:
         replaced: set[int] = set()  # every actor lost in this recovery, whichever attempt: their buffers are gone
         stripped: dict[int, tuple[RemoteArray, list[int]]] = {}  # arrays an attempt took buffers on `replaced` from
         stuck = 0  # attempts in a row that failed with no actor lost beyond those being replaced
+        attempts = 0
         while True:
             if self.mesh.closed:  # (closed by its user while this ran: nothing to recover for)
                 raise MpmdError("the RemoteMesh was closed during the recovery") from last
+            attempts += 1
             self.failures += len(set(lost) - waiting)
             waiting = set(lost)
             replaced |= waiting
@@ -588,7 +594,9 @@ class RecoveryManager:
                 continue
             if len(replaced) > 1:  # (two killed at once read as one, and one more "lost during the recovery"; a probe)
                 report["actors replaced"] = sorted(replaced)
-            self.last_report = {**report, "started": t0}
+            if attempts > 1:  # (the phases above are the last attempt's; the total is the whole recovery's)
+                report["attempts"] = attempts
+            self.last_report = {**report, "started": t0, "total": time.monotonic() - t0}
             return report
 
     def _attempt(self, lost: list[int], report: dict[str, Any], waiting: set[int], replaced: set[int],
@@ -843,6 +851,12 @@ def put_all(mesh: Any, items: list[tuple[np.ndarray, list[int], Any, Any]]) -> l
 
 
 _SAYING = threading.Lock()
+
+
+def _read_error(f: asyncio.Future[Any]) -> None:
+    """Mark `f`'s error as read (its waiter, if any, still gets it)."""
+    if not f.cancelled():
+        f.exception()
 
 
 def _what(error: BaseException) -> str:
