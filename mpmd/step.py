@@ -576,6 +576,27 @@ class DistributedFunction(ShallowCopyOnly):
         layouts = self._arg_layouts(args, leaves, paths, specs)
         return (treedef, tuple((s.shape, dtype_text(s.dtype), s.weak_type) for s in specs), layouts), leaves, specs
 
+    def _per_argument(self, args: tuple[Any, ...]) -> Any:
+        """`in_shardings` with an entry for every position of `args` (the bound tuple, its static arguments and the
+        parameters the call did not pass hidden as Static): as jax.jit counts them, a sequence gives one entry per
+        argument that is not static (a None goes in at each static position), and parameters the call left to their
+        defaults need none (`step(w, batch=b)` of `f(w, batch, scale=1.0)`: two entries, as for `step(w, b)`). A
+        sequence with an entry for every position is taken as it is."""
+        given = self.in_shardings
+        if not isinstance(given, (tuple, list)) or len(given) == len(args):
+            return given
+        n = len(args)
+        static = {i % n for i in self.static_argnums if -n <= i < n}
+        free = [i for i in range(n) if i not in static]
+        unpassed = {i for i in free if isinstance(args[i], Static) and args[i].value is DEFAULT}
+        if len(given) == len(free):
+            at = dict(zip(free, given))
+        elif len(given) == len(free) - len(unpassed):
+            at = dict(zip([i for i in free if i not in unpassed], given))
+        else:
+            return given  # (tree_specs says how it does not fit)
+        return tuple(at.get(i) for i in range(n))
+
     def _arg_layouts(self, args: tuple[Any, ...], leaves: list[Any], paths: list[str], specs: list[Any]) -> tuple | None:
         """Per argument leaf, its layout over the actor mesh (None when actors have one device each)."""
         am = getattr(self.mesh, "actor_mesh", None)
@@ -588,7 +609,7 @@ class DistributedFunction(ShallowCopyOnly):
                                         f"(and mesh_shape=..., axis_names=...), or leave {name} out (or None) for actors of "
                                         "one device each")
             return None
-        user = tree_specs(self.in_shardings, args, "in_shardings") if self.in_shardings is not None else [None] * len(leaves)
+        user = tree_specs(self._per_argument(args), args, "in_shardings") if self.in_shardings is not None else [None] * len(leaves)
         out = []
         for x, u, path, spec in zip(leaves, user, paths, specs):
             held = am.canonical(x.sharding.layout) if isinstance(x, RemoteArray) and x.sharding is not None else None

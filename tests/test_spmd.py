@@ -673,3 +673,30 @@ def test_shardings_that_lay_nothing_out_run_on_actors_of_one_device_and_a_spec_i
         with pytest.raises(mpmd.PipelineError, match=rf"{next(iter(kw))} needs actors with several devices.*or leave "
                                                      rf"{next(iter(kw))} out"):
             step(params, opt.init(params), batch)
+
+
+def test_in_shardings_count_the_arguments_as_jax_jit_does_static_and_unpassed_ones_left_out(mesh_1x2):
+    """A probe (2026-12-05): jax.jit takes one in_shardings entry per argument that is not static; mpmd wanted one
+    for the static argument too (and refused jit's count with "not a prefix ... a tuple of 2 ... a tuple of 3"),
+    and a call passing the batch by keyword wanted one more for the parameter left to its default. Each way the
+    step equals jax.jit, parameters laid out as asked."""
+    rng = np.random.default_rng(0)
+    params = megatron_params(rng)
+    opt = optax.sgd(1e-2)
+    batches = [batch_of(rng)]
+    rp, _, rl = reference(mse(megatron), opt, params, MEGATRON_SPECS, batches, (1, 2))
+    inner = make_train_step(mse(megatron), opt, mpmd.OneFOneB(2))
+
+    def scaled(n, p, o, batch, scale=1.0):  # n static, scale left to its default
+        return inner(p, o, batch)
+
+    def check(p, o, loss):
+        np.testing.assert_allclose(loss.to_numpy(), rl[0], rtol=1e-5)
+        assert_trees_close(mpmd.fetch(p), rp)
+        assert p[0]["w1"].sharding.spec == P(None, "model") and p[0]["w2"].sharding.layout == ("model",)
+
+    step = mpmd.distributed(scaled, mesh=mesh_1x2, static_argnums=0, in_shardings=(MEGATRON_SPECS, None, None))
+    check(*step(3, params, opt.init(params), batches[0]))  # jax.jit's count: the static argument has none
+    check(*step(3, params, opt.init(params), batch=batches[0]))  # by keyword: `scale`, unpassed, has none either
+    step = mpmd.distributed(scaled, mesh=mesh_1x2, static_argnums=0, in_shardings=(None, MEGATRON_SPECS, None, None))
+    check(*step(3, params, opt.init(params), batches[0]))  # one for every position, as before: still taken
