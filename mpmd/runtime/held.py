@@ -8,6 +8,7 @@ does, a dropped mesh now releases them when collected, with a ResourceWarning sa
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
@@ -34,6 +35,21 @@ class Held:
         self._released = False
         self._pid = os.getpid()
 
+    def say_goodbye(self) -> None:
+        """Tell the daemons this mesh is gone, as `close` does: those it owns shut down (a rendezvous or attached
+        daemon has no process here to stop), the others forget its session. Bounded; a dead one is skipped."""
+        if self._released or os.getpid() != self._pid:
+            return
+        op = "shutdown" if self.processes else "bye"
+
+        async def goodbyes() -> None:
+            await asyncio.gather(*(c.request(op) for c in self.conns if not c.dead), return_exceptions=True)
+
+        try:
+            self.io.run(goodbyes(), timeout=5)
+        except Exception:
+            pass
+
     def release(self) -> None:
         """Stop the daemons this mesh started, remove its directory, stop its loop and sockets (once; not in a
         forked child, whose copy of the mesh is its parent's)."""
@@ -58,7 +74,9 @@ class Held:
 def release_dropped(held: Held, what: str) -> None:
     """(weakref.finalize of a mesh, never closed, now collected.) Release what it held — in a thread of its own: the
     collection may run on any thread, the mesh's own loop thread included (which cannot stop itself), and while
-    that thread holds a lock the release would wait for."""
+    that thread holds a lock the release would wait for. (Nothing in a forked child: its copy is its parent's.)"""
+    if os.getpid() != held._pid:
+        return
     warnings.warn(f"{what} was dropped without close(): its daemons are stopped now; close a mesh when done (mesh.close(), "
                   "or `with mpmd.RemoteMesh.local(...) as mesh:`)", ResourceWarning, stacklevel=2)
     log.info("%s was collected unclosed: releasing its daemons and loop", what)
@@ -70,6 +88,7 @@ def release_dropped(held: Held, what: str) -> None:
 
 def _quietly(held: Held) -> None:
     try:
+        held.say_goodbye()
         held.release()
     except Exception:
         log.debug("releasing a dropped mesh's resources failed", exc_info=True)
