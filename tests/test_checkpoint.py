@@ -578,3 +578,37 @@ def test_a_background_save_that_fails_unwaited_is_logged_and_one_waited_for_rais
     finally:
         ck._start = real_start
     assert not os.path.exists(os.path.join(c, "LATEST"))
+
+
+def test_a_background_save_still_writing_when_the_script_ends_commits(tmp_path):
+    """A probe (2026-12-05): a script ending right after `mpmd.save(..., wait=False)` with its mesh unclosed lost
+    that checkpoint: the exit hook that closes meshes (and waits for their saves) ran after the interpreter had
+    stopped its executors, and the save failed with "cannot schedule new futures after interpreter shutdown" —
+    reported as a disk that could not be written — and exit status 0."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = textwrap.dedent(f"""
+        import numpy as np, mpmd
+        mesh = mpmd.RemoteMesh.local(num_actors=2)
+        w = mesh.actor(1).put(np.arange(65536, dtype=np.float32).reshape(256, 256))
+        mpmd.save({str(tmp_path / "c")!r}, {{"w": w, "n": 3}}, wait=False)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": root}, cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "failed in the background" not in done.stderr, done.stderr[-2000:]
+    got = mpmd.load(str(tmp_path / "c"))
+    assert got["n"] == 3 and np.array_equal(got["w"], np.arange(65536, dtype=np.float32).reshape(256, 256))
+
+
+def test_load_with_a_weakly_typed_like_gives_weakly_typed_jax_arrays_as_restore_does(mesh2, tmp_path):
+    """A probe (2026-12-05): `mpmd.load(like=...)` gave strong numpy values for like's weak jax scalars (restore
+    kept them weak), so `w - lr * w` of a bf16 `w` went float32 after a load."""
+    w = jnp.ones(4, jnp.bfloat16)
+    like = {"lr": jnp.asarray(0.5), "n": jnp.asarray(3), "w": w, "strong": np.float32(2.0)}
+    mpmd.save(str(tmp_path / "c"), like)
+    got = mpmd.load(str(tmp_path / "c"), like=like)
+    assert isinstance(got["lr"], jax.Array) and got["lr"].weak_type and got["n"].weak_type
+    assert not getattr(got["strong"], "weak_type", False) and got["strong"].dtype == np.float32
+    assert jax.jit(lambda w, lr: w - lr * w)(w, got["lr"]).dtype == jnp.bfloat16
+    again = mpmd.restore(str(tmp_path / "c"), mesh2, like)
+    assert again["lr"].weak_type == got["lr"].weak_type

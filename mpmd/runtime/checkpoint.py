@@ -510,8 +510,10 @@ async def _abandon_after(replies: list[asyncio.Future[Any]], cleanup: Any) -> No
 def _writing_failed(e: BaseException) -> bool:
     """Whether `e`, raised while writing a checkpoint's files, is the place failing them (a full or read-only disk,
     a file size limit, something in the way): an OSError, or what orbax and tensorstore raise for it (a ValueError
-    or another plain Exception, e.g. "RESOURCE_EXHAUSTED: Error writing ..."), not mpmd's own errors."""
-    return isinstance(e, Exception) and not isinstance(e, MpmdError)
+    or another plain Exception, e.g. "RESOURCE_EXHAUSTED: Error writing ..."), not mpmd's own errors nor the
+    interpreter shutting down ("cannot schedule new futures after interpreter shutdown")."""
+    return isinstance(e, Exception) and not isinstance(e, MpmdError) and not (
+        isinstance(e, RuntimeError) and "shutdown" in str(e))
 
 
 def _unwritable(path: str, e: BaseException) -> CheckpointError:
@@ -724,6 +726,16 @@ def _as_like(like: Any, value: Any) -> Any:
     return value
 
 
+def _loaded(like: Any, value: Any) -> Any:
+    """`load`'s value for a `like` leaf: as `like` holds it (`_as_like`), and a weakly typed jax Array where `like` has
+    a weakly typed array (a jax Array or RemoteArray): a numpy one would be strongly typed to the next step (`w - lr * w`
+    of bf16 `w` and a weak `lr` went float32 after a load; a probe)."""
+    value = _as_like(like, _as_jax_number(value, like))
+    if type(like) not in (bool, int, float, complex) and _weak(like) and isinstance(value, np.ndarray):
+        return jax_array(value, True)
+    return value
+
+
 def _spec(t: Target) -> Any:
     return layout_to_spec(t.layout) if t.layout is not None else None
 
@@ -733,7 +745,8 @@ def load(path: str, like: Any = None, *, verify: bool = True) -> Any:
     for typed PRNG keys), every byte verified. With `like`, in `like`'s tree (its paths, shapes and dtypes must
     be the saved ones); without, in nested dicts and lists rebuilt from the saved paths (a namedtuple's or
     dataclass's fields as a dict, a tuple as a list, an element that held no arrays as None in its place). A Python
-    number where `like` has one comes back a Python number. `verify=False` skips hashing the files' bytes (the
+    number where `like` has one comes back a Python number, and a weakly typed jax Array where `like` has a weakly
+    typed array. `verify=False` skips hashing the files' bytes (the
     manifest's names, sizes, dtypes and shapes are still checked).
 
         params, opt_state = mpmd.load("ckpt", like=(params, opt_state))
@@ -749,7 +762,7 @@ def load(path: str, like: Any = None, *, verify: bool = True) -> Any:
     flat = [values[i] for i in range(len(m.leaves))]
     if like is not None:
         like_leaves, treedef = _match(m, like, "mpmd.load")
-        return reveal(jax.tree.unflatten(treedef, [_as_like(x, _as_jax_number(v, x)) for x, v in zip(like_leaves, flat)]))
+        return reveal(jax.tree.unflatten(treedef, [_loaded(x, v) for x, v in zip(like_leaves, flat)]))
     return _rebuild([leaf.entries for leaf in m.leaves], flat, m.directory)
 
 
