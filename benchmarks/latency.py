@@ -41,7 +41,7 @@ while True:
 
 def pinned_cores() -> list[int] | None:
     """Two cores to pin both sides of each measurement to (actor 0 / the ping side on the first, actor 1 / the echo
-    side on the second, as DESIGN.md's fair comparisons do), or None where fewer than two are ours."""
+    side on the second, as the pipeline benchmarks pin their actors), or None where fewer than two are ours."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     return cores[:2] if len(cores) >= 2 else None
 

@@ -179,7 +179,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--check-steps", type=int, default=2, help="steps checked against jax.jit first")
     p.add_argument("--plot", default=str(OUT / "gpt_loss.png"), help="where to write the loss curve (.png); '' for none")
     p.add_argument("--save", default=None, help="save the trained state here (a directory)")
-    p.add_argument("--resume", default=None, help="start from the state saved here")
+    p.add_argument("--resume", default=None, help="go on from the state saved here: its data and learning rate pick up at the "
+                   "step it was saved at, up to --steps in all (on any actor count or schedule)")
+    p.add_argument("--stop-after", type=int, default=None, help="train this many of the --steps steps, then stop (and --save): "
+                   "a run that --resume finishes later")
     p.add_argument("--tensor-parallel", type=int, default=1, help="devices per actor for tensor parallelism inside each stage")
     p.add_argument("--seed", type=int, default=0, help="seed of the model, the data and their order (default %(default)s)")
     p.add_argument("--rendezvous", default=None, metavar="DIR|tcp://HOST:PORT",
@@ -194,6 +197,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if args.check_steps < 0:
         p.error(f"--check-steps must be 0 or more, got {args.check_steps}")
+    if args.stop_after is not None and args.stop_after < 1:
+        p.error(f"--stop-after must be at least 1, got {args.stop_after}")
     if args.width % args.heads:
         p.error(f"--width {args.width} must be a multiple of --heads {args.heads} (each head gets width / heads features)")
     if args.quick:
@@ -290,6 +295,12 @@ def open_mesh(args: argparse.Namespace) -> mpmd.RemoteMesh:
     return mpmd.RemoteMesh.local(num_actors=args.actors, devices_per_actor=args.tensor_parallel, **tp)
 
 
+def updates_of(opt_state) -> int:
+    """The optimizer steps taken (AdamW's count and its schedule's)."""
+    counts = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+    return max(int(mpmd.fetch(count)) for _, count in counts)
+
+
 def train(args: argparse.Namespace) -> dict[str, float]:
     from tqdm import tqdm
 
@@ -312,30 +323,38 @@ def train(args: argparse.Namespace) -> dict[str, float]:
             stream = itertools.chain([sample], stream)
             step.compile(params, opt_state, sample)
             params, opt_state = mpmd.restore(args.resume, mesh, like=(params, opt_state), for_step=step)
+            done = updates_of(opt_state)  # the steps it had taken: the same batches are skipped, the schedule goes on
+            for _ in range(done):
+                next(stream)
+        else:
+            done = 0
         losses: list[float] = []
         if args.check_steps and not args.resume:  # (these are the first of the --steps steps)
             params, opt_state, losses = check_against_jit(args, graphdef, optimizer, schedule, mesh, step, params, opt_state, stream,
                                                           shardings)
         checked = len(losses)
+        end = min(args.steps, done + args.stop_after) if args.stop_after is not None else args.steps
         t0 = time.perf_counter()
-        bar = tqdm(range(checked, args.steps), desc=f"{args.schedule} on {args.actors} actors", file=sys.stdout,
-                   mininterval=0.5, initial=checked, total=args.steps)
+        bar = tqdm(range(done + checked, end), desc=f"{args.schedule} on {args.actors} actors", file=sys.stdout,
+                   mininterval=0.5, initial=done + checked, total=args.steps)
         pending = []
         for i in bar:
             params, opt_state, loss = step(params, opt_state, next(stream))
             pending.append(loss)
-            if len(pending) >= 5 or i == args.steps - 1:  # fetch the loss every few steps: dispatch never waits
+            if len(pending) >= 5 or i == end - 1:  # fetch the loss every few steps: dispatch never waits
                 for value in mpmd.fetch(pending):
                     losses.append(float(value))
                 pending = []
                 dt = (time.perf_counter() - t0) / (len(losses) - checked)
                 bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", step_ms=f"{dt * 1e3:.1f}")
         bar.close()
-        counts = optax.tree_utils.tree_get_all_with_path(opt_state, "count")  # (AdamW's and its schedule's)
-        updates = max(int(mpmd.fetch(count)) for _, count in counts)
+        updates = updates_of(opt_state)
         if args.save:
             mpmd.save(args.save, (params, opt_state))
             print(f"saved the trained state to {args.save}")
+    if not losses:
+        print(f"nothing to train: the state had taken {updates} of --steps {args.steps} steps")
+        return {"first": math.nan, "last": math.nan, "losses": losses, "updates": updates}
     k = max(1, min(5, len(losses) // 2))  # (first and last k steps, apart)
     first, last = float(np.mean(losses[:k])), float(np.mean(losses[-k:]))
     print(f"loss {first:.3f} -> {last:.3f} over {len(losses)} steps ({math.log(vocab):.3f} is uniform over bytes)")
