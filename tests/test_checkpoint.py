@@ -612,3 +612,21 @@ def test_load_with_a_weakly_typed_like_gives_weakly_typed_jax_arrays_as_restore_
     assert jax.jit(lambda w, lr: w - lr * w)(w, got["lr"]).dtype == jnp.bfloat16
     again = mpmd.restore(str(tmp_path / "c"), mesh2, like)
     assert again["lr"].weak_type == got["lr"].weak_type
+
+
+def test_a_like_with_more_or_fewer_leaves_names_the_first_path_that_differs(tmp_path):
+    """A probe (2026-12-05): a `like` whose optimizer gained a leaf (optax.adam with a schedule for the saved
+    optax.adam(1e-3): its learning-rate step count) said only "holds 7 arrays but like has 8 leaves"; it names the
+    first leaf that differs now."""
+    params = {"w": np.ones((2, 2), np.float32), "b": np.zeros(2, np.float32)}
+    mpmd.save(str(tmp_path / "c"), (params, optax.adam(1e-3).init(params)))
+    like = (params, optax.adam(optax.linear_schedule(1e-3, 0.0, 10)).init(params))
+    with pytest.raises(mpmd.CheckpointError) as e:
+        mpmd.load(str(tmp_path / "c"), like=like)
+    text = str(e.value)
+    assert "holds 7 arrays but `like` has 8 leaves; the first that differs is leaf 7: `like` has [1][1].count, the " \
+           "checkpoint nothing" in text, text
+    with pytest.raises(mpmd.CheckpointError, match=r"the first that differs is leaf 2: `like` has nothing, the checkpoint "
+                                                   r"\[1\]\[0\]\.count") as e:
+        mpmd.load(str(tmp_path / "c"), like=(params,))
+    assert e.value.leaf == "[1][0].count"

@@ -569,9 +569,14 @@ def _match(m: Manifest, like: Any, what: str) -> tuple[list[Any], Any]:
 with `like`'s static leaves as `Static` nodes, to `reveal` after unflattening)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(hide(like, is_leaf=_is_remote), is_leaf=_is_remote)
     what = f"{what}: checkpoint {m.directory}"
-    if len(flat) != len(m.leaves):
-        raise CheckpointError(f"{what} holds {len(m.leaves)} arrays but `like` has {len(flat)} leaves; pass a tree "
-                              "shaped like the one that was saved", checkpoint=m.directory)
+    if len(flat) != len(m.leaves):  # (naming the first path that differs: e.g. an optimizer chain grown by one transform)
+        paths = [jax.tree_util.keystr(p) for p, _ in flat]
+        k = next((i for i, (a, b) in enumerate(zip(paths, m.leaves)) if a != b.path), min(len(paths), len(m.leaves)))
+        where = (f"; the first that differs is leaf {k}: `like` has {paths[k] if k < len(paths) else 'nothing'}, the "
+                 f"checkpoint {m.leaves[k].path if k < len(m.leaves) else 'nothing'}")
+        raise CheckpointError(f"{what} holds {len(m.leaves)} arrays but `like` has {len(flat)} leaves{where}; pass a tree "
+                              "shaped like the one that was saved", checkpoint=m.directory,
+                              leaf=m.leaves[k].path if k < len(m.leaves) else None)
     out = []
     for (p, x), leaf in zip(flat, m.leaves):
         path = jax.tree_util.keystr(p)
