@@ -59,12 +59,19 @@ def saved(tmp_path_factory):
     return path, params, batches, (ref_p, ref_o)
 
 
-def test_saved_on_4_actors_restores_onto_2_actors_interleaved_and_trains_like_jit(saved):
+def test_saved_on_4_actors_restores_onto_2_actors_interleaved_and_trains_like_jit(saved, tmp_path):
     path, params, batches, (ref_p, ref_o) = saved
     want_p, want_o, want_losses = jit_steps(ref_p, ref_o, batches[2:])
     with mpmd.RemoteMesh.local(num_actors=2) as mesh2:
         step = mpmd.distributed(make_train_step(LOSS, OPT, mpmd.InterleavedOneFOneB(num_stages=4, num_actors=2)), mesh=mesh2)
+        with pytest.raises(mpmd.CheckpointError, match=r"for_step: .* is not compiled yet; call step.compile"):
+            mpmd.restore(path, mesh2, like=(params, OPT.init(params)), for_step=step)
         step.compile(params, OPT.init(params), batches[2])  # host arrays of the right shapes: where each leaf is read
+        # (compiled, and the saved tree shaped otherwise than its arguments: said so, not "not compiled"; a probe)
+        mpmd.save(str(tmp_path / "d"), {"params": params, "step": 3})
+        with pytest.raises(mpmd.CheckpointError, match=r"the saved leaves .*'params'.* are not arguments of .* as it is "
+                                                       r"compiled \(its argument leaves: .*restores without for_step"):
+            mpmd.restore(str(tmp_path / "d"), mesh2, like={"params": params, "step": 0}, for_step=step)
         with pytest.raises(mpmd.CheckpointError, match="this mesh has 2 actors"):  # no placement given: refused, not guessed
             mpmd.restore(path, mesh2, like=(params, OPT.init(params)))
         p, o = mpmd.restore(path, mesh2, like=(params, OPT.init(params)), for_step=step)

@@ -89,11 +89,18 @@ def step_homes(step: Any, mesh: Any, paths: list[str], shapes: list[tuple[int, .
                 layout = c.plan.layouts.get(c.plan.arg_keys[k]) if mesh.actor_mesh is not None else None
                 out.append(Target(homes, layout if layout is not None or mesh.actor_mesh is None else ()) if homes else None)
             return out
-    raise CheckpointError(f"for_step: {getattr(step, '__name__', 'the step')} is not compiled for arguments whose leaves are "
-                          f"{paths[:3]}{'...' if len(paths) > 3 else ''} with these shapes; call step.compile(*args) (host arrays "
-                          "of the right shapes will do) or run it once first. The checkpoint must hold the step's leading "
-                          "arguments as a tuple (mpmd.save(path, (arg0, arg1, ...))) or one of its arguments as it is "
-                          "(mpmd.save(path, arg0))")
+    name = getattr(step, "__name__", "the step")
+    saved = f"{paths[:3]}{'...' if len(paths) > 3 else ''}"
+    how = ("The checkpoint must hold the step's leading arguments as a tuple (mpmd.save(path, (arg0, arg1, ...))) or one of "
+           "its arguments as it is (mpmd.save(path, arg0))")
+    if not compiled:
+        raise CheckpointError(f"for_step: {name} is not compiled yet; call step.compile(*args) (host arrays of the right shapes "
+                              f"will do) or run it once first. {how}")
+    args = compiled[-1][1].arg_paths
+    raise CheckpointError(f"for_step: the saved leaves {saved} (with their shapes) are not arguments of {name} as it is compiled "
+                          f"(its argument leaves: {args[:3]}{'...' if len(args) > 3 else ''}). {how}; a tree saved another way "
+                          "(a dict of params and opt_state, say) restores without for_step: where like's RemoteArrays of this "
+                          "mesh live, else on the actors that saved it")
 
 
 def targets(leaves: list[Leaf], like: list[Any], mesh: Any, for_step: Any = None) -> list[Target]:
