@@ -630,3 +630,35 @@ def test_a_like_with_more_or_fewer_leaves_names_the_first_path_that_differs(tmp_
                                                    r"\[1\]\[0\]\.count") as e:
         mpmd.load(str(tmp_path / "c"), like=(params,))
     assert e.value.leaf == "[1][0].count"
+
+
+def test_a_thread_still_training_when_the_main_thread_returns_keeps_its_mesh_until_it_ends(tmp_path):
+    """A review (2026-12-05): closing meshes in threading's exit hooks (to let a background save commit) closed them
+    before the interpreter waits for the program's other threads: a worker thread still stepping failed with "closed
+    before the fetch could end". Meshes close in a plain exit hook again (after those threads), and the save's last
+    write runs on a thread of its own instead of the interpreter's executor, which has stopped by then."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = textwrap.dedent(f"""
+        import threading, numpy as np, optax, mpmd
+        from mpmd import testing
+        mesh = mpmd.RemoteMesh.local(num_actors=2)
+        rng = np.random.default_rng(0)
+        params = testing.mlp_params(rng, num_stages=2)
+        batch = testing.regression_batch(rng, num_microbatches=4, microbatch_size=3, width=16)
+        opt = optax.sgd(1e-2)
+        step = mpmd.distributed(testing.make_train_step(testing.mse_loss(testing.mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
+        state = step(params, opt.init(params), batch)
+
+        def work(p, o):
+            for _ in range(10):
+                p, o, loss = step(p, o, batch)
+                loss.block_until_ready()
+            mpmd.save({str(tmp_path / "c")!r}, (p, o), wait=False)
+            print("worker done", flush=True)
+
+        threading.Thread(target=work, args=state[:2]).start()
+    """)
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": root}, cwd=root,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0 and "worker done" in done.stdout, done.stderr[-2000:]
+    assert os.path.exists(tmp_path / "c" / "LATEST"), done.stderr[-2000:]

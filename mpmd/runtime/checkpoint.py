@@ -448,7 +448,7 @@ def _save(path: str, tree: Any, keep: int) -> SaveHandle:
                                       f"committed ({str(failed[0]).splitlines()[0][:300]})", checkpoint=path) from failed[0]
             log.warning("mpmd.save into %s: an actor was lost while it ran; the mesh recovered, saving again", path)
             for a in per_actor:
-                await asyncio.to_thread(shutil.rmtree, os.path.join(tmp, f"actor-{a}"), True)
+                await off_loop(lambda a=a: shutil.rmtree(os.path.join(tmp, f"actor-{a}"), True), own_thread=True)
             replies_now[:] = send(again=True)
         parts = dict(host_part)
         order = dict(host_order)
@@ -456,7 +456,10 @@ def _save(path: str, tree: Any, keep: int) -> SaveHandle:
             parts[f"actor-{a}"] = (r.header["written"], r.header["files"])
             order[f"actor-{a}"] = idx
         try:
-            out = await asyncio.to_thread(finish, parts, order)
+            # (a thread of its own, not the interpreter's executor: a save still writing when the script ends commits
+            # in the exit hook that closes meshes, after the executors stopped taking work; it failed "cannot schedule
+            # new futures after interpreter shutdown" there; a probe)
+            out = await off_loop(lambda: finish(parts, order), own_thread=True)
         except Exception as e:
             if _writing_failed(e):
                 raise _unwritable(path, e) from e

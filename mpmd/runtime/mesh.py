@@ -30,7 +30,6 @@ import numbers
 import os
 import re
 import secrets
-import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -933,6 +932,7 @@ class RemoteMesh:
 
 
 
+@atexit.register  # (after the program's other threads have ended, and after the exit hooks it registered later)
 def _close_all() -> None:
     """Close every live mesh at exit (its saves still writing commit first, as at `close`)."""
     for mesh in list(_LIVE_MESHES):
@@ -940,13 +940,3 @@ def _close_all() -> None:
             mesh.close()
         except Exception:
             pass
-
-
-import concurrent.futures.thread  # noqa: E402,F401 - its exit hook registered first, so that ours runs before it
-
-try:  # before the interpreter stops its executors (threading's exit hooks, as concurrent.futures registers its own):
-    # a plain atexit hook came after, and a save(wait=False) still writing at exit failed to commit ("cannot schedule
-    # new futures after interpreter shutdown"; a probe). Hooks run last registered first: this one before theirs.
-    threading._register_atexit(_close_all)  # type: ignore[attr-defined]
-except (AttributeError, RuntimeError):
-    atexit.register(_close_all)
