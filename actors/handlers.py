@@ -27,7 +27,7 @@ from actors.buffers import BufferTable
 from actors.cache import ExecutableCache
 from actors.inputs import InputSegments
 from actors.interpreter import Interpreter
-from actors.loader import Loaders, unfinished
+from actors.loader import Loaders, queue, unfinished
 from actors.request import HeldByLoader, NoSession, RequestError, StepAborted, field, int_list
 from actors.sandbox import BlobChecker
 from actors.stream import StepTrace, Stream, now
@@ -754,27 +754,34 @@ class Actor:
                 placed[i] = self._to_device(view, self._layout(notice.get("layout")))
             except Exception as e:
                 raise RequestError(f"program {pid}: a shared-memory input cannot be placed on actor {self.actor_id}: {e}") from None
-        # Loaded leaves come in a worker thread, while the step before still runs; the step waits for them.
-        loading = []
-        for i, spec in marked(inputs, -3, loads):
-            lay = self._layout(spec.get("layout"))
-            placed[i] = self.loaders.start(spec, spec.get("step", step), lambda host, lay=lay: self._to_device(host, lay), ses.id)
-            loading.append(placed[i])
-        for b in received:
-            ses.buffers.reserve(b)
-        refs = [placed[i] if b < 0 else ses.buffers.ref(b) for i, b in enumerate(inputs)]
-        # The buffers the prologue sends are taken now too: the step's task starts on the loop's next turn, and a
-        # delete that came right behind this request (the caller dropped or donated them) is handled before.
-        sent = {i.buf: ses.buffers.ref(i.buf) for i in prologue if isinstance(i, Send)}
-        for b in outputs:
-            ses.buffers.reserve(b)
-        key = (pid, step)
-        env = BufferTable(f"actor {self.actor_id} program {pid} step {step}", remember_failures=True)
-        for b, v in prog.consts.items():
-            env.put(b, v)
-        trace = StepTrace() if tracing else None
-        task = asyncio.get_running_loop().create_task(
-            self.interpreter.run_step((ses.id, pid, step), prog, env, refs, prologue, ses.buffers, sync, trace, sent))
+        # Loaded leaves come in a worker thread, while the step before still runs (in the session's queue: one call at
+        # a time, in step order, at most AHEAD steps ahead); the step waits for them, and lets the queue go on as it ends.
+        specs = list(marked(inputs, -3, loads))
+        loading, end_loads = [], (lambda: None)
+        if specs:
+            places = [lambda host, lay=self._layout(spec.get("layout")): self._to_device(host, lay) for _, spec in specs]
+            loading, end_loads = queue(self.loaders, [spec for _, spec in specs], [spec.get("step", step) for _, spec in specs],
+                                       places, ses.id)
+            placed.update({i: f for (i, _), f in zip(specs, loading)})
+        try:
+            for b in received:
+                ses.buffers.reserve(b)
+            refs = [placed[i] if b < 0 else ses.buffers.ref(b) for i, b in enumerate(inputs)]
+            # The buffers the prologue sends are taken now too: the step's task starts on the loop's next turn, and a
+            # delete that came right behind this request (the caller dropped or donated them) is handled before.
+            sent = {i.buf: ses.buffers.ref(i.buf) for i in prologue if isinstance(i, Send)}
+            for b in outputs:
+                ses.buffers.reserve(b)
+            key = (pid, step)
+            env = BufferTable(f"actor {self.actor_id} program {pid} step {step}", remember_failures=True)
+            for b, v in prog.consts.items():
+                env.put(b, v)
+            trace = StepTrace() if tracing else None
+            task = asyncio.get_running_loop().create_task(
+                self.interpreter.run_step((ses.id, pid, step), prog, env, refs, prologue, ses.buffers, sync, trace, sent))
+        except BaseException:
+            end_loads()
+            raise
         ses.running[key] = task
         try:
             last = await task
@@ -792,6 +799,7 @@ class Actor:
                 raise why from None
             raise
         finally:
+            end_loads()
             ses.running.pop(key, None)
             if self.p2p is not None:
                 self.p2p.expire((ses.id, pid, step))  # leftovers go, and whatever still arrives for this step

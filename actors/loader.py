@@ -13,11 +13,18 @@ Each call gets a thread of its own, not one of the event loop's shared worker th
 returns fails its step (the request's timeout names it) and keeps its thread, and with a shared pool a few
 such calls would have held every worker that fetches, checkpoints and other loaders wait for. At most
 `MAX_RUNNING` calls may be unfinished at once; past that a step's load is refused, naming them.
+
+A session's steps load in a queue of their own (`Loaders.queue`): one call at a time, in the order the steps
+came, and at most `AHEAD` steps' data loaded before their steps end. A loop that dispatches a hundred steps
+ahead (as README's does) called the loader for all of them at once: a loader that is not thread-safe (one file
+handle: seek, then read; a generator) gave wrong batches silently, 64 calls refused the next step, and a CPU-heavy
+loader's threads starved the daemon's heartbeats; memory held every batch (a probe).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import importlib
 import math
 import threading
@@ -32,6 +39,7 @@ from transport.protocol import dtype_from_name
 
 MAX_LEAF_BYTES = 1 << 36
 MAX_RUNNING = 64  # loader calls not yet returned (hung ones keep their threads)
+AHEAD = 2  # steps of a session whose data is loaded and whose step has not ended: the one running and the next
 
 
 _NARROWED = {np.dtype(np.float64): np.dtype(np.float32), np.dtype(np.int64): np.dtype(np.int32),
@@ -57,6 +65,7 @@ class Loaders:
         self._lock = threading.Lock()
         # call number -> (whose: the session that asked), "fn(step, name)", when it started (monotonic)
         self.running: dict[int, tuple[Any, str, float]] = {}
+        self.queues: dict[Any, _Queue] = {}  # per session: its steps' loads, in order (`queue`)
 
     def check(self, spec: Any) -> tuple[str, str, np.dtype, list[int]]:
         """A `loads` entry's (fn, name, dtype, shape), checked; RequestError when malformed or not allowed."""
@@ -159,12 +168,110 @@ class Loaders:
         return fut
 
 
+class _Job:
+    """One step's loads in its session's queue."""
+
+    def __init__(self, leaves: list[tuple[Any, int, Callable[[np.ndarray], Any], asyncio.Future[Any]]], whose: Any,
+                 ended: asyncio.Future[None]) -> None:
+        self.leaves = leaves  # (spec, step, place, the future the step awaits)
+        self.whose = whose
+        self.ended = ended  # done once the step has ended (`end`)
+        self.counted = False  # its data is loaded and its step has not ended: one of the queue's `open`
+
+
+class _Queue:
+    """A session's steps waiting for their data, in the order they came."""
+
+    def __init__(self) -> None:
+        self.jobs: collections.deque[_Job] = collections.deque()
+        self.open = 0  # jobs loaded whose steps have not ended
+        self.wake = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+
+def _read(f: asyncio.Future[Any]) -> None:
+    if not f.cancelled():
+        f.exception()
+
+
+def queue(loaders: Loaders, specs: list[Any], steps: list[int], places: list[Callable[[np.ndarray], Any]],
+          whose: Any = None) -> tuple[list[asyncio.Future[Any]], Callable[[], None]]:
+    """One step's loads (`specs`, checked now: a RequestError when one is malformed or not allowed), queued behind
+    the session's earlier steps' (see the module docstring): the futures the step awaits, one per spec, and `end`,
+    to call once the step has ended (done, failed or aborted), which lets the queue go on."""
+    for spec in specs:
+        loaders.check(spec)
+    loop = asyncio.get_running_loop()
+    outers = []
+    for spec, step in zip(specs, steps):
+        f: asyncio.Future[Any] = loop.create_future()
+        f.mpmd_loading = [f"{spec.get('fn')}({step}, {spec.get('name')!r})", time.monotonic(), "queued"]  # type: ignore[attr-defined]
+        outers.append(f)
+    job = _Job(list(zip(specs, steps, places, outers)), whose, loop.create_future())
+    q = loaders.queues.setdefault(whose, _Queue())
+    q.jobs.append(job)
+    q.wake.set()
+    if q.task is None:
+        q.task = loop.create_task(_serve(loaders, q))
+
+    def end() -> None:
+        if job.ended.done():
+            return
+        job.ended.set_result(None)
+        if job.counted:
+            job.counted = False
+            q.open -= 1
+        for f in outers:  # (nobody awaits them any more)
+            if not f.done():
+                f.cancel()
+        q.wake.set()
+
+    return outers, end
+
+
+async def _serve(loaders: Loaders, q: _Queue) -> None:
+    """Load the queue's jobs one call at a time, in order, at most AHEAD steps ahead of the steps that end."""
+    try:
+        while q.jobs:
+            job = q.jobs[0]
+            if job.ended.done():  # its step ended (aborted, failed) before its turn
+                q.jobs.popleft()
+                continue
+            if q.open >= AHEAD:
+                q.wake.clear()
+                await q.wake.wait()
+                continue
+            q.jobs.popleft()
+            for spec, step, place, outer in job.leaves:
+                if job.ended.done():
+                    break
+                outer.mpmd_loading[1:] = [time.monotonic(), "running"]  # type: ignore[attr-defined]
+                try:
+                    inner = loaders.start(spec, step, place, job.whose)
+                except RequestError as e:
+                    if not outer.done():
+                        outer.set_exception(e)
+                    continue
+                inner.add_done_callback(_read)
+                await asyncio.wait({inner, job.ended}, return_when=asyncio.FIRST_COMPLETED)
+                if not inner.done():  # its step ended while the call runs: the call keeps its thread, the queue goes on
+                    break
+                if not outer.done():
+                    outer.set_exception(inner.exception()) if inner.exception() is not None else outer.set_result(inner.result())
+            if not job.ended.done():
+                job.counted = True
+                q.open += 1
+    finally:
+        q.task = None
+
+
 def unfinished(futures: list[asyncio.Future[Any]]) -> str | None:
-    """The loader calls among `futures` (from `Loaders.start`: one step's) that have not returned, as
+    """The loader calls among `futures` (one step's, from `queue` or `Loaders.start`) that have not returned, as
     `Loaders.still_running` says them (None: none)."""
     now = time.monotonic()
     calls = [f.mpmd_loading for f in futures if not f.done() and hasattr(f, "mpmd_loading")]
-    return ", ".join(f"{what} (running {now - t0:.1f} s)" for what, t0 in calls[:4]) + (" ..." if len(calls) > 4 else "") if calls else None
+    return ", ".join(f"{c[0]} ({c[2] if len(c) > 2 else 'running'} {now - c[1]:.1f} s)" for c in calls[:4]) + (
+        " ..." if len(calls) > 4 else "") if calls else None
 
 
-__all__ = ["Loaders", "unfinished"]
+__all__ = ["Loaders", "queue", "unfinished"]

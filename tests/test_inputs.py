@@ -918,3 +918,52 @@ def test_a_put_the_host_has_no_memory_for_is_refused_naming_sizes_and_the_mesh_g
         z = mesh.put_replicated(x, [0, 1])
         np.testing.assert_array_equal(z.to_numpy(), x)
         assert [mesh.actor(a).stats()["buffers"] for a in (0, 1)] == [1, 1]  # (the refused put left nothing there)
+
+
+_ONE_AT_A_TIME = threading.Lock()
+_LAST_STEP: dict[str, int] = {}
+
+
+def _serial_ordered_loader(step, leaf):
+    """(Runs in the daemon.) `synthetic_regression_leaf`, refusing to be called while another call runs or for an
+    earlier step than one it served: what a loader that reads one file handle (seek, then read) or a generator
+    silently gets wrong."""
+    from mpmd.testing import synthetic_regression_leaf
+
+    if not _ONE_AT_A_TIME.acquire(blocking=False):
+        raise RuntimeError("two loader calls ran at once")
+    try:
+        if step < _LAST_STEP.get(leaf, -1):
+            raise RuntimeError(f"step {step} loaded after step {_LAST_STEP[leaf]}")
+        _LAST_STEP[leaf] = step
+        time.sleep(0.01)
+        return synthetic_regression_leaf(step, leaf)
+    finally:
+        _ONE_AT_A_TIME.release()
+
+
+def test_a_loop_dispatching_many_steps_ahead_loads_one_call_at_a_time_in_step_order_and_equals_jax_jit():
+    """A probe (2026-12-05): README's loop dispatches steps without waiting; each actor started every queued step's
+    loader call at once (one thread each): a loader that is not thread-safe gave wrong batches silently, past 64
+    calls the next step was refused, and memory held every batch. A session's loads now go one call at a time, in
+    step order, at most actors.loader.AHEAD steps ahead."""
+    from mpmd.testing import LOADED_LEAF_SHAPE, synthetic_regression_leaf
+
+    fn = "tests.test_inputs:_serial_ordered_loader"
+    rng = np.random.default_rng(5)
+    params = mlp_params(rng, num_stages=2, width=LOADED_LEAF_SHAPE[2])
+    opt = optax.sgd(1e-2)
+    ref = jax.jit(make_train_step(mse_loss(mlp), opt, None))
+    spec = {leaf: jax.ShapeDtypeStruct(LOADED_LEAF_SHAPE, np.float32) for leaf in ("x", "y")}
+    with mpmd.RemoteMesh.local(2, loaders=[fn]) as mesh:
+        dist = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
+        p, s, losses = params, opt.init(params), []
+        for _ in range(24):  # none fetched until all are dispatched
+            p, s, loss = dist(p, s, mpmd.loaded_by_actors(fn, spec))
+            losses.append(loss)
+        got = mpmd.fetch(losses)
+        p_r, s_r = params, opt.init(params)
+        for k in range(24):
+            p_r, s_r, want = ref(p_r, s_r, {leaf: synthetic_regression_leaf(k, leaf) for leaf in ("x", "y")})
+            np.testing.assert_allclose(got[k], np.asarray(want), rtol=1e-5, atol=1e-6)
+        assert [mesh.actor(a).stats()["loader_calls"] for a in range(2)] == [24, 24]
