@@ -203,7 +203,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--width {args.width} must be a multiple of --heads {args.heads} (each head gets width / heads features)")
     if args.quick:
         args.steps = min(args.steps, 120)
-    args.check_steps = min(args.check_steps, args.steps)  # (the checked steps are the first of the --steps trained)
+    # (the checked steps are the first of the --steps trained, and of the --stop-after ones)
+    args.check_steps = min(args.check_steps, args.steps, args.stop_after or args.steps)
     if args.stages is None:
         args.stages = 2 * args.actors if args.schedule in ("ZeroBubbleV", "DualPipeV", "InterleavedOneFOneB", "InterleavedZeroBubble") else args.actors
     batch_bytes = 2 * 4 * args.microbatches * args.rows * args.seq  # int32 tokens and targets of one step

@@ -29,7 +29,7 @@ def pipeline_yield(x: Any) -> Any:
     leaves, treedef = jax.tree.flatten(x)
     if not leaves:
         raise PipelineError("pipeline_yield got an empty pytree; pass the activations that flow to the next stage")
-    if not any(isinstance(v, jax.core.Tracer) for v in leaves) and eager():
+    if not any(isinstance(v, jax.core.Tracer) for v in leaves) and eager(unknown=False):
         return x  # called eagerly: the identity, the very object (binding would turn a Python 3 into a jax literal)
     return jax.tree.unflatten(treedef, pipeline_yield_p.bind(*leaves, direction=FWD))
 

@@ -113,13 +113,14 @@ def _lays_out(shardings: Any) -> bool:
     return any(not isinstance(x, PartitionSpec) or any(a is not None for a in x) for x in leaves)
 
 
-def eager() -> bool:
-    """Whether JAX traces nothing here (no jax.jit, grad, vmap, scan, ... under way in this thread)."""
+def eager(unknown: bool = True) -> bool:
+    """Whether JAX traces nothing here (no jax.jit, grad, vmap, scan, ... under way in this thread); `unknown` on a
+    JAX without this internal API (a step's call then relies on its arguments' tracer check; a marker marks)."""
     try:
         from jax._src import core
         return isinstance(core.trace_ctx.trace, core.EvalTrace)
-    except (ImportError, AttributeError):  # (another JAX: said by the tracer check of each argument instead)
-        return True
+    except (ImportError, AttributeError):
+        return unknown
 
 
 IN_TRANSFORMATION = ("a distributed step was called inside a JAX transformation (jax.jit, jax.grad, jax.vmap, lax.scan, "
@@ -491,6 +492,7 @@ class DistributedFunction(ShallowCopyOnly):
         self._calls_lock = threading.Lock()
         self._last_load = -1
         self.schedule: Any = None  # replaces the schedule the step names (see with_schedule)
+        self._shardings_reading: str | None = None  # how a tuple of in_shardings is counted, once decided (`_per_argument`)
         self.__wrapped__ = fn
         self.__doc__ = fn.__doc__
 
@@ -583,18 +585,29 @@ class DistributedFunction(ShallowCopyOnly):
         defaults need none (`step(w, batch=b)` of `f(w, batch, scale=1.0)`: two entries, as for `step(w, b)`). A
         sequence with an entry for every position is taken as it is."""
         given = self.in_shardings
-        if not isinstance(given, (tuple, list)) or len(given) == len(args):
+        if not isinstance(given, (tuple, list)):
             return given
         n = len(args)
         static = {i % n for i in self.static_argnums if -n <= i < n}
         free = [i for i in range(n) if i not in static]
         unpassed = {i for i in free if isinstance(args[i], Static) and args[i].value is DEFAULT}
-        if len(given) == len(free):
-            at = dict(zip(free, given))
+        if len(given) == n and not static and not unpassed:
+            return given
+        if len(given) == n:
+            reading, at = "one per position", dict(enumerate(given))
+        elif len(given) == len(free):
+            reading, at = "one per argument not static", dict(zip(free, given))
         elif len(given) == len(free) - len(unpassed):
-            at = dict(zip([i for i in free if i not in unpassed], given))
+            reading, at = "one per argument not static", dict(zip([i for i in free if i not in unpassed], given))
         else:
             return given  # (tree_specs says how it does not fit)
+        # One reading for every call: a tuple read one way for one call and the other for a call passing one more
+        # argument would lay the arguments out shifted by one, silently (a review).
+        if self._shardings_reading not in (None, reading):
+            raise PipelineError(f"in_shardings has {len(given)} entries, read {self._shardings_reading} by an earlier call; this "
+                                f"call's {n} arguments ({len(static)} static) would read them {reading}, shifted: give "
+                                "in_shardings one entry per argument that is not static, as jax.jit counts them")
+        self._shardings_reading = reading
         return tuple(at.get(i) for i in range(n))
 
     def _arg_layouts(self, args: tuple[Any, ...], leaves: list[Any], paths: list[str], specs: list[Any]) -> tuple | None:

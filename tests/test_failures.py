@@ -682,8 +682,8 @@ def test_a_mesh_dropped_without_close_stops_its_daemons_when_collected_saying_so
     procs, directory, ref = [p.proc for p in mesh.processes], mesh._tmpdir, weakref.ref(mesh)
     loop_thread = mesh._io._thread
     del mesh, x
-    with pytest.warns(ResourceWarning, match=r"RemoteMesh\(2 actors at .*\) was dropped without close\(\): its daemons are "
-                                             r"stopped now"):
+    with pytest.warns(ResourceWarning, match=r"RemoteMesh\(2 actors at .*\) was dropped without close\(\): what it holds is "
+                                             r"released now \(the daemons it started are stopped\)"):
         # (x's release is batched on the loop a moment: till it is sent, the loop holds the mesh's buffer client)
         assert wait_until(lambda: gc.collect() is not None and ref() is None, 10)
     assert wait_until(lambda: all(p.poll() is not None for p in procs), 15), "the dropped mesh's daemons still run"

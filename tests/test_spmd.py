@@ -700,3 +700,6 @@ def test_in_shardings_count_the_arguments_as_jax_jit_does_static_and_unpassed_on
     check(*step(3, params, opt.init(params), batch=batches[0]))  # by keyword: `scale`, unpassed, has none either
     step = mpmd.distributed(scaled, mesh=mesh_1x2, static_argnums=0, in_shardings=(None, MEGATRON_SPECS, None, None))
     check(*step(3, params, opt.init(params), batches[0]))  # one for every position, as before: still taken
+    # ... but then never read the other way by a call passing one argument more (it would shift them by one; a review)
+    with pytest.raises(mpmd.PipelineError, match=r"in_shardings has 4 entries, read one per position by an earlier call"):
+        step(3, params, opt.init(params), batches[0], 2.0)

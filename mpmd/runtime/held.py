@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import queue
 import shutil
 import threading
 import time
@@ -72,23 +73,52 @@ class Held:
 
 
 def release_dropped(held: Held, what: str) -> None:
-    """(weakref.finalize of a mesh, never closed, now collected.) Release what it held — in a thread of its own: the
-    collection may run on any thread, the mesh's own loop thread included (which cannot stop itself), and while
-    that thread holds a lock the release would wait for. (Nothing in a forked child: its copy is its parent's.)"""
+    """(weakref.finalize of a mesh, never closed, now collected.) Hand what it held to the reaper thread: the
+    collection may run on any thread, the mesh's own loop thread included (which cannot stop itself), and while it
+    holds a lock the release, or even starting a thread, would wait for; a SimpleQueue's put is safe there.
+    (Nothing in a forked child: its copy is its parent's.)"""
     if os.getpid() != held._pid:
         return
-    warnings.warn(f"{what} was dropped without close(): its daemons are stopped now; close a mesh when done (mesh.close(), "
-                  "or `with mpmd.RemoteMesh.local(...) as mesh:`)", ResourceWarning, stacklevel=2)
-    log.info("%s was collected unclosed: releasing its daemons and loop", what)
-    try:
-        threading.Thread(target=_quietly, args=(held,), name="mpmd-release-dropped-mesh").start()
-    except RuntimeError:  # (at interpreter shutdown no thread starts: here, then)
-        _quietly(held)
+    warnings.warn(f"{what} was dropped without close(): what it holds is released now (the daemons it started are "
+                  "stopped); close a mesh when done (mesh.close(), or `with mpmd.RemoteMesh.local(...) as mesh:`)",
+                  ResourceWarning, stacklevel=1)
+    _DROPPED.put(held)  # (the reaper runs from the first mesh's making on: `start_reaper`)
 
 
-def _quietly(held: Held) -> None:
+_DROPPED: queue.SimpleQueue[Held] = queue.SimpleQueue()
+_REAPER: list[threading.Thread] = []
+_REAPER_LOCK = threading.Lock()
+
+
+def _reaper() -> None:
+    """Start the thread that releases dropped meshes, once."""
+    if _REAPER and _REAPER[0].is_alive():
+        return
+    if not _REAPER_LOCK.acquire(blocking=False):  # (held by this thread already, or another starting it)
+        return
     try:
-        held.say_goodbye()
-        held.release()
-    except Exception:
-        log.debug("releasing a dropped mesh's resources failed", exc_info=True)
+        if not (_REAPER and _REAPER[0].is_alive()):
+            t = threading.Thread(target=_reap, name="mpmd-release-dropped-meshes", daemon=True)
+            t.start()
+            _REAPER[:] = [t]
+    except RuntimeError:  # (at interpreter shutdown: the daemons see their parent go)
+        pass
+    finally:
+        _REAPER_LOCK.release()
+
+
+def start_reaper() -> None:
+    """Made sure of by every mesh as it is made (outside any collection): the thread a finalizer only hands to."""
+    _reaper()
+
+
+def _reap() -> None:
+    while True:
+        held = _DROPPED.get()
+        log.warning("a RemoteMesh was dropped without close(): releasing what it held (its loop, its sockets, the daemons "
+                    "it started)")
+        try:
+            held.say_goodbye()
+            held.release()
+        except Exception:
+            log.debug("releasing a dropped mesh's resources failed", exc_info=True)

@@ -57,7 +57,7 @@ from mpmd.runtime.controller import (
     wait_settled,
 )
 from mpmd.runtime.executables import Executables
-from mpmd.runtime.held import Held, release_dropped
+from mpmd.runtime.held import Held, release_dropped, start_reaper
 from mpmd.runtime.inputs import close_stager
 from mpmd.runtime.launch.local import LocalOptions, LocalProcess, check_devices, start_local
 from mpmd.runtime.loader import check_loader_name
@@ -161,6 +161,7 @@ class RemoteMesh:
         self._finalizer = weakref.finalize(self, release_dropped, self._held, f"RemoteMesh({len(addresses)} actor"
                                            f"{'s' * (len(addresses) != 1)} at {addresses[0] if addresses else '-'})")
         self._finalizer.atexit = False  # (at exit the daemons see their parent go and clean up after themselves)
+        start_reaper()
         self._io.call_soon(self._watchdog.start)
         self.buffers = BufferClient(self._conns, self._io, lambda: self.closed)
         self.executables = Executables(self._conns)
