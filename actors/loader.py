@@ -107,12 +107,16 @@ class Loaders:
             call = self.calls
             self.running[call] = (whose, f"{fn}({step}, {name!r})", time.monotonic())
         try:
-            host = np.asarray(self._function(fn)(step, name))
+            got = self._function(fn)(step, name)
+            host = np.asarray(got)
         except BaseException as e:  # SystemExit too ("end of data" via sys.exit): it fails the step, not the daemon
             raise RuntimeError(f"loader {fn}({step}, {name!r}) failed: {type(e).__name__}: {e}") from e
         finally:
             with self._lock:
                 self.running.pop(call, None)
+        if host.dtype == object:  # (None, a dict, a ragged list: numpy's "|O object[]" said nothing; a probe)
+            raise RuntimeError(f"loader {fn}({step}, {name!r}) returned a {type(got).__name__}, not an array; the step was "
+                               f"traced with {dtype.name}{list(shape)}")
         if host.dtype != dtype and list(host.shape) == list(shape) and _as_jit_takes(host.dtype, dtype):
             host = host.astype(dtype)  # (the other byte order, or 64 bits where the step traced 32, as jax.jit takes them)
         if host.dtype != dtype or list(host.shape) != list(shape):

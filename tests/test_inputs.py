@@ -967,3 +967,21 @@ def test_a_loop_dispatching_many_steps_ahead_loads_one_call_at_a_time_in_step_or
             p_r, s_r, want = ref(p_r, s_r, {leaf: synthetic_regression_leaf(k, leaf) for leaf in ("x", "y")})
             np.testing.assert_allclose(got[k], np.asarray(want), rtol=1e-5, atol=1e-6)
         assert [mesh.actor(a).stats()["loader_calls"] for a in range(2)] == [24, 24]
+
+
+def _loader_returning_none(step, leaf):
+    return None
+
+
+def test_loader_names_given_as_one_string_and_a_loader_returning_no_array_are_said_plainly():
+    """A probe (2026-12-05): `loaders="mydata:load"` was read letter by letter ("a loader is named
+    'package.module:function', got 'm'"), and a loader returning None failed with "returned |O object[]"."""
+    from actors.loader import Loaders
+
+    with pytest.raises(ValueError, match=r"loaders= is a list of .*got the string 'mydata:load': pass \['mydata:load'\]"):
+        mpmd.RemoteMesh.local(1, loaders="mydata:load")
+    fn = "tests.test_inputs:_loader_returning_none"
+    loaders = Loaders([fn])
+    with pytest.raises(RuntimeError, match=r"_loader_returning_none\(0, 'x'\) returned a NoneType, not an array; the step "
+                                           r"was traced with float32\[2\]"):
+        loaders.load(*loaders.check({"fn": fn, "name": "x", "shape": [2], "dtype": "float32"}), 0)

@@ -586,3 +586,30 @@ def test_daemons_started_by_hand_go_on_after_close_and_exit_with_shutdown_on_clo
     finally:
         for p in procs:
             stop_daemon(p)
+
+
+def test_a_lost_rendezvous_daemon_is_said_to_come_back_through_recover_not_reconnect(tmp_path, keys):
+    """A probe (2026-12-05): a rendezvous daemon's loss said "if it comes back ... mesh.reconnect(0) talks to it
+    again", but one restarted by its supervisor announces a new address and key, which reconnect does not read
+    (it timed out, then a key refusal). And a failed reconnect to another address left that address named."""
+    rdv = tmp_path / "rdv"
+    proc = spawn("--rendezvous", str(rdv), "--actor-id", "0", "--authorized-keys", str(keys), "--listen", "tcp://127.0.0.1:0")
+    try:
+        ready(proc)
+        with mpmd.RemoteMesh.from_rendezvous(rdv, 1, keys=keys, timeout=10, transport="none", heartbeat_interval=0.2,
+                                             heartbeat_timeout=1.0) as mesh:
+            before = list(mesh.addresses)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+            with pytest.raises(mpmd.ActorDiedError) as e:
+                for _ in range(100):
+                    mesh.actor(0).ping()
+                    time.sleep(0.1)
+            text = str(e.value)
+            assert "at a new address with a new key: a mesh made with recover=mpmd.Recovery()" in text, text
+            assert "talks to it again" not in text, text
+            with pytest.raises(mpmd.ActorDiedError):
+                mesh.reconnect(0, address=f"tcp://127.0.0.1:{_free_port()}", bound=1.0)
+            assert mesh.addresses == before
+    finally:
+        stop_daemon(proc)

@@ -246,8 +246,10 @@ class ActorConnection:
     """Requests to one actor; error replies become `RemoteError`, a lost actor `ActorDiedError`."""
 
     def __init__(self, actor_id: int, address: str, ctx: zmq.asyncio.Context, alive: Callable[[], str | None] | None,
-                 stacks: Callable[[], str] | None = None, session: int = 0, keys: ClientKeys | None = None):
+                 stacks: Callable[[], str] | None = None, session: int = 0, keys: ClientKeys | None = None,
+                 comeback: str | None = None):
         self.actor_id = actor_id
+        self._comeback = comeback  # how a daemon of this kind comes back, when `reconnect` cannot take it (a rendezvous')
         self.address = address
         self.session = session  # sent with every request: the actor keeps each controller's buffers apart
         self.client = ControlClient(ctx, address, (keys.client, keys.server_key(actor_id)) if keys is not None else None)
@@ -355,6 +357,8 @@ class ActorConnection:
         if self._alive is not None and self._alive():  # (a process this mesh started, exited: reconnect cannot help)
             return text + ("\nA daemon this mesh started does not come back once it exited: a mesh made with "
                            "recover=mpmd.Recovery() replaces it; without, make a new mesh.")
+        if self._comeback:
+            return text + "\n" + self._comeback
         return text + (f"\nIf it comes back (e.g. after `kill -CONT`, or restarted at the same address), "
                        f"mesh.reconnect({self.actor_id}) talks to it again.")
 

@@ -53,6 +53,14 @@ def check_loader_name(fn: str) -> str:
     return fn
 
 
+def check_loader_names(loaders: Any) -> tuple[str, ...]:
+    """A mesh's `loaders=`: a list of names (each checked); a single string is refused, not read letter by letter."""
+    if isinstance(loaders, (str, bytes)):
+        raise ValueError(f"loaders= is a list of 'package.module:function' names; got the string {loaders!r:.80}: pass "
+                         f"[{loaders!r:.80}]")
+    return tuple(check_loader_name(fn) for fn in loaders)
+
+
 def leaf_name(path: Any) -> str:
     """A pytree key path as a loader's leaf name: its keys joined by dots ("x", "inputs.0"); "" for no keys."""
     return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
@@ -90,4 +98,4 @@ def named_in_argument(leaf: LoadedLeaf, path: Any) -> LoadedLeaf:
     return leaf if not name or name == leaf.name else dataclasses.replace(leaf, name=name)
 
 
-__all__ = ["LoadedLeaf", "check_loader_name", "leaf_name", "loaded_by_actors", "named_in_argument"]
+__all__ = ["LoadedLeaf", "check_loader_name", "check_loader_names", "leaf_name", "loaded_by_actors", "named_in_argument"]

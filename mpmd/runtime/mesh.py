@@ -60,7 +60,7 @@ from mpmd.runtime.executables import Executables
 from mpmd.runtime.held import Held, release_dropped, start_reaper
 from mpmd.runtime.inputs import close_stager
 from mpmd.runtime.launch.local import LocalOptions, LocalProcess, check_devices, start_local
-from mpmd.runtime.loader import check_loader_name
+from mpmd.runtime.loader import check_loader_names
 from mpmd.runtime.recovery import Recovery, enable_recovery
 from mpmd.runtime.sharding import ActorMesh, as_layout, as_spec, layout_wire, remote_sharding
 from mpmd.runtime.wiring import TRANSPORTS, wire_data_plane
@@ -236,7 +236,7 @@ class RemoteMesh:
     def _connection(self, i: int, address: str) -> ActorConnection:
         proc = next((p for p in self.processes if p.actor_id == i), None)
         return ActorConnection(i, address, self._ctx, proc.dead_reason if proc else None, proc.stacks if proc else None,
-                               self.session, self._keys)
+                               self.session, self._keys, getattr(proc, "comeback", None))
 
     def _wire(self) -> None:
         """Choose every pair's route and tell each actor its peers (see `runtime.wiring`)."""
@@ -273,7 +273,7 @@ class RemoteMesh:
         _check_mesh_arguments(kwargs, devices_per_actor)
         options = LocalOptions(devices_per_actor, platform, transport != "none", cache_dir, address, log_level, cpus_per_actor,
                                startup_timeout, gpu_ids=tuple(gpu_ids) if gpu_ids is not None else None,
-                               loaders=tuple(check_loader_name(fn) for fn in loaders), request_timeout=request_timeout)
+                               loaders=check_loader_names(loaders), request_timeout=request_timeout)
         with blocking("RemoteMesh.local"):  # (the daemons start without the loop's help: it is only waited on)
             local = start_local(num_actors, options)  # with ephemeral keys: authenticated with no user action
         try:
@@ -349,7 +349,7 @@ class RemoteMesh:
                                         cpus_per_actor=cpus_per_actor, host=host, placement_timeout=placement_timeout,
                                         startup_timeout=startup_timeout, log_level=log_level, cache_dir=cache_dir,
                                         runtime_env=runtime_env,
-                                        daemon_flags=[f for fn in loaders for f in ("--allow-loader", check_loader_name(fn))],
+                                        daemon_flags=[f for fn in check_loader_names(loaders) for f in ("--allow-loader", fn)],
                                         **kwargs)
 
     @classmethod
@@ -493,8 +493,6 @@ class RemoteMesh:
         there and rewires the data plane; arrays that lived there are gone; distributed steps compile and load
         their Programs again at their next call). Returns the actor's info."""
         old = self._conns[i]
-        if address is not None:
-            self.addresses[i] = address
         new = self._connection(i, address or old.address)
 
         bound = self._watchdog.timeout if bound is None else bound
@@ -524,6 +522,8 @@ class RemoteMesh:
             self._io.call_soon(new.close)
             raise
         mark = self.new_buffer_id()  # (before the swap: an id from here on may name a buffer on the new daemon)
+        if address is not None:  # (only once it answered: a failed reconnect left the unreachable one named; a probe)
+            self.addresses[i] = address
         self._conns[i] = new
         self._io.call_soon(old.close)
         new.learn_limits(info.header)

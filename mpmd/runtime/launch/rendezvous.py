@@ -115,6 +115,12 @@ class RendezvousDaemon:
     def stop(self, timeout: float = 3.0) -> None:
         pass
 
+    # (what the connection says of a lost one: restarted, it announces a new address and key at the rendezvous, which
+    # reconnect does not read; a probe followed the reconnect hint into a timeout and a key refusal)
+    comeback = ("A daemon of a rendezvous comes back (restarted by its supervisor) at a new address with a new key: a mesh "
+                "made with recover=mpmd.Recovery() takes it back from the rendezvous; without, make a new mesh "
+                "(mpmd.RemoteMesh.from_rendezvous).")
+
 
 class AttachedDaemon:
     """A daemon started by hand at a known address (`RemoteMesh.connect(..., shutdown_on_close=True)`): as a
@@ -415,7 +421,8 @@ def connect(cls: Any, where: str | os.PathLike[str], num_actors: int, *, timeout
     if shared:  # (they stay up when this mesh closes: only its own session goes)
         log.warning("the daemons of actors %s at the rendezvous %s already serve another controller's session (another job "
                     "on this rendezvous directory, or a controller that died and whose session has not expired yet); "
-                    "this mesh shares them, and closing it will not stop them. Give each job a directory of its own",
+                    "this mesh shares them, and closing it stops them only once that other session closes or expires "
+                    "(mpmd-actor --session-timeout). Give each job a directory of its own",
                     shared, where)
     if recover is not None:
         from mpmd.runtime.recovery import enable_recovery
