@@ -588,6 +588,10 @@ class RemoteMesh:
         """The private directory of the daemons this mesh started (None: none), removed at close."""
         return self._held.tmpdir
 
+    @_tmpdir.setter
+    def _tmpdir(self, directory: str | None) -> None:  # (a launcher's, or a benchmark's own daemons')
+        self._held.tmpdir = directory
+
     def _release_resources(self) -> None:
         self._finalizer.detach()
         try:
