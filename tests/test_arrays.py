@@ -232,3 +232,33 @@ def test_a_mesh_copies_as_itself_and_a_mesh_step_or_tune_result_refuses_pickling
             bad(result)
     assert round(x) == round(np.float32(2.6)) == 3 and round(x, 1) == round(np.float32(2.6), 1)
     np.testing.assert_allclose(mpmd.fetch(x), 2.6)  # (the mesh is still open and serving)
+
+
+def test_actor_run_types_python_numbers_and_weak_arrays_as_jax_jit_does(mesh2):
+    """A probe (2026-12-05): actor.run traced every argument strongly typed: `bf16_array * 2.0` came back float32,
+    `int8_array * 100` int32 (200, 300 where jax.jit wraps to -56, 44), and outputs were never weak, so passing
+    one back promoted again."""
+    import functools
+
+    run = mesh2.actor(0).run
+    mul = jax.jit(lambda a, s: a * s)
+    for a, s in ((jnp.arange(4, dtype=jnp.bfloat16), 2.0), (np.arange(4, dtype=np.int8), 100), (np.ones(3, np.float32), 3)):
+        want = mul(a, s)
+        got = run(mul, a, s)
+        assert got.dtype == want.dtype and got.weak_type == want.weak_type
+        np.testing.assert_array_equal(got.to_numpy(), np.asarray(want))
+    scale = jax.jit(lambda s: s * 0.99)
+    out, want = run(scale, 0.1), scale(0.1)
+    assert out.weak_type and want.weak_type and out.dtype == want.dtype
+    bf = jnp.ones(3, jnp.bfloat16)
+    assert run(mul, bf, out).dtype == mul(bf, want).dtype == jnp.bfloat16  # a weak output passed back stays weak
+    # put as jax.device_put: a big-endian float64 is float32 with x64 off (it stayed float64, and run refused it)
+    be = np.arange(6, dtype=">f8").reshape(2, 3)
+    x = mesh2.actor(0).put(be)
+    assert x.dtype == jax.device_put(be.astype("<f8")).dtype == np.float32
+    np.testing.assert_array_equal(run(jax.jit(lambda v: v * 2), x).to_numpy(), be * 2)
+    with pytest.raises(mpmd.MpmdError, match=r"put takes one array \(or a number\), got dict .*jax.tree.map"):
+        mesh2.actor(0).put({"a": np.ones(2)})
+    with pytest.raises(mpmd.MpmdError, match=r"static arguments .* cannot be passed to it: bind them first"):
+        run(jax.jit(lambda a, n: a * n, static_argnums=1), np.ones(2, np.float32), 3)
+    np.testing.assert_array_equal(run(jax.jit(functools.partial(lambda a, n: a * n, n=3)), np.ones(2, np.float32)).to_numpy(), [3, 3])

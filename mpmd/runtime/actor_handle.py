@@ -122,10 +122,12 @@ class ActorHandle:
                 if self.index not in x.buffers:
                     raise MpmdError(f"argument args{path} ({x!r}) lives on actors {x.actors}, not on actor {self.index}; "
                                     f"copy it with mesh.actor({self.index}).put(mpmd.fetch(x)) first")
-                specs.append(jax.ShapeDtypeStruct(x.shape, x.dtype))
+                specs.append(jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type))
             else:
+                # (weakly typed as under jax.jit: a Python number, or a jax Array made from one; numpy values are not)
+                weak = type(x) in (int, float, complex) or bool(isinstance(x, jax.Array) and getattr(x, "weak_type", False))
                 try:
-                    specs.append(jax.ShapeDtypeStruct(np.shape(x), host_value(x).dtype))
+                    specs.append(jax.ShapeDtypeStruct(np.shape(x), host_value(x).dtype, weak_type=weak))
                 except (TypeError, ValueError) as e:
                     raise MpmdError(f"argument args{path} is a {type(x).__name__}, not an array: {e}") from None
         blob, out = mesh.executables.lower(fn, jax.tree.unflatten(treedef, specs), mesh.infos[self.index].header["platform"])

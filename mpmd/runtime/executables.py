@@ -139,7 +139,7 @@ class Executables:
         """Export `fn` for these argument shapes once; returns (blob, (output treedef, output avals)). The
         executable takes and returns arrays in their wire form (typed keys as key data)."""
         leaves, treedef = jax.tree.flatten(args)
-        avals = tuple(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype) for x in leaves)
+        avals = tuple(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, weak_type=bool(getattr(x, "weak_type", False))) for x in leaves)
         key = (fn, treedef, avals, platform)
         hit = self._lowered.get(key)
         if hit is not None:
@@ -149,13 +149,24 @@ class Executables:
                 pass
         else:
             out_tree_box: list[Any] = []
+            # Traced here with the arguments' weak types, as jax.jit traces them (`bf16_array * 2.0` stays bf16, an
+            # int8 wraps: the exported executable takes plain arrays, and gave float32, int32; a probe): the jaxpr
+            # has promotion resolved, and says which outputs are weak.
+            try:
+                closed, out_shapes = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(treedef, xs)), return_shape=True)(*avals)
+            except ValueError as e:
+                if "Non-hashable static arguments" not in str(e):
+                    raise
+                raise MpmdError("mesh.actor(i).run takes every argument as an array; a jitted function's static arguments "
+                                "(static_argnums / static_argnames) cannot be passed to it: bind them first, "
+                                "run(functools.partial(f, n=3), x) or run(jax.jit(functools.partial(f, n=3)), x)") from None
+            out_specs, out_tree = jax.tree.flatten(out_shapes)
 
             def flat(*xs: Any) -> tuple[Any, ...]:
                 args = [wrap_in(x, a.dtype) for x, a in zip(xs, avals)]
-                out = fn(*jax.tree.unflatten(treedef, args))
-                out_leaves, out_tree = jax.tree.flatten(out)
-                out_leaves = [jnp.asarray(o) for o in out_leaves]  # (Python scalars too, as jax.jit returns them)
-                out_tree_box.append((out_tree, [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_leaves]))
+                out_leaves = [jnp.asarray(o) for o in jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)]
+                out_tree_box.append((out_tree, [jax.ShapeDtypeStruct(o.shape, o.dtype, weak_type=bool(getattr(s, "weak_type", False)))
+                                                for o, s in zip(out_leaves, out_specs)]))
                 return tuple(unwrap_out(o) for o in out_leaves)
 
             try:

@@ -864,8 +864,13 @@ class RemoteMesh:
         """The put requests (a coroutine to run on the loop) and how to make the RemoteArray once they are done."""
         if not isinstance(value, jax.Array) and not is_key(getattr(value, "dtype", None)):
             host = np.asarray(value)  # as jax.device_put does: 64-bit numbers become 32-bit unless x64 is on
+            if host.dtype == object or host.dtype.kind in "USV":  # (a dict, None, a string: the wire's dtype list said it)
+                raise MpmdError(f"put takes one array (or a number), got {type(value).__name__} {value!r:.60}; put a tree's "
+                                "leaves one by one: jax.tree.map(mesh.actor(i).put, tree)")
             if host.dtype != object:
-                want = jax.dtypes.canonicalize_dtype(host.dtype).newbyteorder("=")  # (and in this machine's byte order)
+                # (in this machine's byte order first: canonicalize_dtype keeps '>f8' as it is, and a big-endian float64
+                # stayed 64-bit with x64 off; a probe)
+                want = jax.dtypes.canonicalize_dtype(host.dtype.newbyteorder("="))
                 if isinstance(value, int) and not isinstance(value, bool) and not np.can_cast(np.min_scalar_type(value), want):
                     raise OverflowError(f"Python int {value} too large to convert to {want.name} (as jax.device_put says; "
                                         "jax.config.update('jax_enable_x64', True) for 64-bit numbers)")
