@@ -172,5 +172,7 @@ def _refuse_mutation(nnx: Any, node: Any, state: Any, names: list[str]) -> None:
                 f"({type(var).__name__}) of a Module it closes over. It runs once for every microbatch as one "
                 "traced body, so a change (batch statistics, a counter) cannot carry from one microbatch to the "
                 "next. Keep state changes outside accumulate_grads (e.g. BatchNorm with use_running_average=True "
-                "inside, statistics updated after), or pass what changes per microbatch in the batch. (nnx.remat or "
+                "inside, statistics updated after; or return each microbatch's new statistics in the aux output and "
+                "average them after the loop, as flax linen's mutable=['batch_stats'] does), or pass what changes per "
+                "microbatch in the batch. (nnx.remat or "
                 "nnx.jit inside the body write all state back, changed or not: use jax.checkpoint there instead.)")
