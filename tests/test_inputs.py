@@ -256,19 +256,25 @@ def test_actors_load_their_own_batch_leaves_with_a_named_loader_and_steps_equal_
         np.asarray(dist(p_d, s_d, batch)[2])
 
 
+def _loaded_setup(seed):
+    """Parameters, optimizer, the jax.jit reference step and the loaded leaves' specs of the loader tests."""
+    from mpmd.testing import LOADED_LEAF_SHAPE
+
+    params = mlp_params(np.random.default_rng(seed), num_stages=2, width=LOADED_LEAF_SHAPE[2])
+    opt = optax.sgd(1e-2)
+    ref = jax.jit(make_train_step(mse_loss(mlp), opt, None))
+    return params, opt, ref, {leaf: jax.ShapeDtypeStruct(LOADED_LEAF_SHAPE, np.float32) for leaf in ("x", "y")}
+
+
 def test_the_step_a_call_loads_counts_dispatched_calls_and_can_be_set_and_carries_to_another_schedule():
     """A call refused before it was sent (a deleted argument) used up its step number: the next call loaded step
     2's data, step 1's was never trained on; with_schedule (and so tune's winner) started again at 0; a resumed run
     could not start at its step (a probe). And a step returning a loaded leaf unchanged handed back its
     descriptor, not data: it is refused, saying why."""
-    from mpmd.testing import LOADED_LEAF_SHAPE, synthetic_regression_leaf
+    from mpmd.testing import synthetic_regression_leaf
 
     fn = "mpmd.testing:synthetic_regression_leaf"
-    rng = np.random.default_rng(6)
-    params = mlp_params(rng, num_stages=2, width=LOADED_LEAF_SHAPE[2])
-    opt = optax.sgd(1e-2)
-    ref = jax.jit(make_train_step(mse_loss(mlp), opt, None))
-    spec = {leaf: jax.ShapeDtypeStruct(LOADED_LEAF_SHAPE, np.float32) for leaf in ("x", "y")}
+    params, opt, ref, spec = _loaded_setup(6)
     batch = mpmd.loaded_by_actors(fn, spec)
 
     def loss_of(k):  # the loss of one step from `params` on step k's data
@@ -947,14 +953,10 @@ def test_a_loop_dispatching_many_steps_ahead_loads_one_call_at_a_time_in_step_or
     loader call at once (one thread each): a loader that is not thread-safe gave wrong batches silently, past 64
     calls the next step was refused, and memory held every batch. A session's loads now go one call at a time, in
     step order, at most actors.loader.AHEAD steps ahead."""
-    from mpmd.testing import LOADED_LEAF_SHAPE, synthetic_regression_leaf
+    from mpmd.testing import synthetic_regression_leaf
 
     fn = "tests.test_inputs:_serial_ordered_loader"
-    rng = np.random.default_rng(5)
-    params = mlp_params(rng, num_stages=2, width=LOADED_LEAF_SHAPE[2])
-    opt = optax.sgd(1e-2)
-    ref = jax.jit(make_train_step(mse_loss(mlp), opt, None))
-    spec = {leaf: jax.ShapeDtypeStruct(LOADED_LEAF_SHAPE, np.float32) for leaf in ("x", "y")}
+    params, opt, ref, spec = _loaded_setup(5)
     with mpmd.RemoteMesh.local(2, loaders=[fn]) as mesh:
         dist = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
         p, s, losses = params, opt.init(params), []
