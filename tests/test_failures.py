@@ -688,3 +688,68 @@ def test_a_mesh_dropped_without_close_stops_its_daemons_when_collected_saying_so
         assert wait_until(lambda: gc.collect() is not None and ref() is None, 10)
     assert wait_until(lambda: all(p.poll() is not None for p in procs), 15), "the dropped mesh's daemons still run"
     assert wait_until(lambda: not os.path.exists(directory) and not loop_thread.is_alive(), 10)
+
+
+@pytest.mark.slow  # (~13 s: three meshes closed under four threads each)
+def test_a_mesh_closed_while_other_threads_fetch_and_save_says_closed_to_them():
+    """A probe (2026-12-05): threads fetching or saving while another closed the mesh got a bare CancelledError, or
+    "actor 0 died ... exited with code 0 ... make a new mesh" (the close's own stop of the daemons), and asyncio
+    printed the requests' unread errors. Each now gets an error saying the mesh was closed."""
+    import concurrent.futures
+
+    rng = np.random.default_rng(0)
+    params = testing.mlp_params(rng, num_stages=2)
+    batch = testing.regression_batch(rng, num_microbatches=4, microbatch_size=3, width=16)
+    opt = optax.sgd(1e-2)
+    errors = []
+
+    def fetching(step, p, o):
+        try:
+            for _ in range(10_000):
+                mpmd.fetch(step(p, o, batch)[2])
+        except BaseException as e:  # noqa: BLE001 - what the thread got is the test
+            errors.append(e)
+
+    def saving(d, p, o):
+        try:
+            for _ in range(10_000):
+                mpmd.save(d, (p, o))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    for k in range(3):  # (a race: the close lands in a request at a different point each time)
+        mesh = mpmd.RemoteMesh.local(num_actors=2)
+        step = mpmd.distributed(testing.make_train_step(testing.mse_loss(testing.mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
+        p, o, _ = step(params, opt.init(params), batch)
+        with tempfile.TemporaryDirectory() as d:
+            threads = [threading.Thread(target=fetching, args=(step, p, o)) for _ in range(2)]
+            threads += [threading.Thread(target=saving, args=(os.path.join(d, str(i)), p, o)) for i in range(2)]
+            for t in threads:
+                t.start()
+            time.sleep(0.6 + 0.4 * k)
+            mesh.close()
+            for t in threads:
+                t.join(60)
+    assert len(errors) == 12, errors
+    for e in errors:
+        assert isinstance(e, mpmd.MpmdError) and not isinstance(e, (mpmd.ActorDiedError, concurrent.futures.CancelledError)), repr(e)
+        assert "closed" in str(e), str(e)
+
+
+def test_a_job_started_with_stdin_stdout_and_stderr_closed_ends_cleanly():
+    """A probe (2026-12-05): with fds 0-2 closed, the controller loop's epoll descriptor took fd 2, and libuv aborted
+    the process (SIGABRT, status 134) when the mesh closed it at exit: a run that trained well reported as crashed."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory() as d:
+        marker = os.path.join(d, "done")
+        script = textwrap.dedent(f"""
+            import numpy as np, mpmd
+            mesh = mpmd.RemoteMesh.local(num_actors=1)
+            x = mesh.actor(0).put(np.ones(3, np.float32))
+            assert x.to_numpy().tolist() == [1, 1, 1]
+            open({marker!r}, "w").write("ok")
+        """)
+        done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": root}, cwd=root, timeout=120,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              preexec_fn=lambda: [os.close(fd) for fd in (0, 1, 2)])
+        assert done.returncode == 0 and open(marker).read() == "ok", done.returncode

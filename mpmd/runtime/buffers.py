@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from mpmd.errors import MpmdError
-from mpmd.runtime.controller import ActorConnection, EventLoopThread, close_unstarted
+from mpmd.errors import ActorDiedError, MpmdError
+from mpmd.runtime.controller import CLOSED_MEANWHILE, ActorConnection, EventLoopThread, close_unstarted
 from transport.protocol import MAX_IDS
 
 
@@ -43,7 +43,12 @@ class BufferClient:
         if self._closed():
             close_unstarted(coro)
             raise MpmdError("this RemoteMesh is closed")
-        return self._io.run(coro)
+        try:
+            return self._io.run(coro)
+        except (ActorDiedError, concurrent.futures.CancelledError) as e:  # (the close's doing, not a lost actor; a probe
+            if self._closed():  # saw a bare CancelledError, and "actor 0 died ... exited with code 0")
+                raise MpmdError(CLOSED_MEANWHILE) from e
+            raise
 
     def get(self, actor: int, buf: int) -> np.ndarray:
         """One buffer's value: a read-only view that keeps the received frame alive (no copy)."""

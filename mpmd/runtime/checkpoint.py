@@ -55,7 +55,7 @@ from mpmd.runtime.checkpoint_format import (
     read_manifest,
 )
 from mpmd.runtime.checkpoint_placement import Target, dtype_matches, like_shape_dtype, targets
-from mpmd.runtime.controller import blocking, wait_settled
+from mpmd.runtime.controller import CLOSED_MEANWHILE, blocking, wait_settled
 from mpmd.runtime.sharding import layout_to_spec, layout_wire, remote_sharding
 from mpmd.static_leaves import hide, reveal
 from transport.checkpoint_parts import CheckpointProblem, read_part, write_part
@@ -105,8 +105,9 @@ def _wait_for_saves(path: str) -> None:
 class SaveHandle:
     """A save in progress: `wait()` returns the committed directory (or raises the save's error)."""
 
-    def __init__(self, future: concurrent.futures.Future[str]) -> None:
+    def __init__(self, future: concurrent.futures.Future[str], mesh: Any = None) -> None:
         self._future = future
+        self._mesh = mesh  # (closed meanwhile: its cancelled write says so)
         self._seen = False  # whether anything has waited for it (else a failure is logged: `_said_if_unseen`)
 
     def done(self) -> bool:
@@ -118,7 +119,12 @@ class SaveHandle:
     def _wait(self, timeout: float | None, what: str) -> str:
         self._seen = True
         with blocking(what):
-            return self._future.result(timeout)
+            try:
+                return self._future.result(timeout)
+            except concurrent.futures.CancelledError as e:  # (a bare CancelledError when the mesh closed meanwhile)
+                if self._mesh is not None and self._mesh.closed:
+                    raise CheckpointError(f"{what}: {CLOSED_MEANWHILE}; this save committed nothing") from e
+                raise
 
     def _said_if_unseen(self, path: str) -> SaveHandle:
         """A background save (`wait=False`) that fails before anything waits for it is logged as an error when it
@@ -434,6 +440,8 @@ def _save(path: str, tree: Any, keep: int) -> SaveHandle:
                             w.exception() if w.done() and not w.cancelled() else w.cancel()
                 first = next(r for r in replies if isinstance(r, BaseException))
                 writer = list(per_actor)[replies.index(first)]
+                if mesh.closed:  # (the close's doing: not "actor 0 died ... exited with code 0"; a probe)
+                    raise CheckpointError(f"mpmd.save into {path}: {CLOSED_MEANWHILE}; nothing was committed", checkpoint=path) from first
                 raise died or _failed_step(path, flat) or _not_written(path, writer, first)
             # An actor lost while the save ran: the recovery aborts the steps the saved arrays came from (the
             # actor's own error names an aborted step) and replays them; then the arrays hold their values
@@ -477,7 +485,7 @@ def _save(path: str, tree: Any, keep: int) -> SaveHandle:
 
         sent.add_done_callback(handed)  # (called on the loop: the dispatch settles it there)
 
-    handle = SaveHandle(mesh.submit_coroutine(write()))
+    handle = SaveHandle(mesh.submit_coroutine(write()), mesh)
     handle._future.add_done_callback(
         lambda f: mesh._io.call_soon(abandon_when_answered) if f.cancelled() or f.exception() is not None else None)
     mesh.track_save(handle._future)

@@ -83,12 +83,15 @@ class EventLoopThread:
     """An asyncio loop (uvloop when installed) running in a daemon thread."""
 
     def __init__(self) -> None:
+        _standard_fds_open()
         try:
             import uvloop
 
             self.loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
         except ImportError:
             self.loop = asyncio.new_event_loop()
+        self.stopping = False
+        self.loop.set_exception_handler(self._unhandled)
         self._thread = threading.Thread(target=self.loop.run_forever, name="mpmd-controller", daemon=True)
         self._thread.start()
         self.pid = os.getpid()  # (a forked child has no such thread: see `check_process`)
@@ -173,10 +176,19 @@ class EventLoopThread:
         self.call_soon(start)
         return done
 
+    def _unhandled(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        """The loop's exception handler: as asyncio's, except that a request's error nobody read because the mesh
+        was closing (its daemons stopped under it: "actor 0 died ... exited with code 0") is not printed as a
+        traceback (a probe saw them on stderr after a close that raced saves)."""
+        if self.stopping and isinstance(context.get("exception"), MpmdError):
+            return
+        loop.default_exception_handler(context)
+
     def stop(self) -> None:
         """Cancel what is still pending on the loop (a failed step's bookkeeping, batched deletes), let it
         unwind, then stop and close the loop: a task left pending would be reported at exit ("Task was
         destroyed but it is pending!")."""
+        self.stopping = True
         if self.loop.is_running() and threading.current_thread() is not self._thread:
             try:
                 asyncio.run_coroutine_threadsafe(_cancel_pending(), self.loop).result(timeout=5)
@@ -187,6 +199,20 @@ class EventLoopThread:
             self._thread.join(timeout=5)
         if not self.loop.is_running() and not self.loop.is_closed():
             self.loop.close()
+
+
+def _standard_fds_open() -> None:
+    """Put /dev/null on any of file descriptors 0-2 this process has closed (a job started with <&- >&- 2>&-): else
+    the loop's epoll descriptor may become fd 2, and libuv aborts the process (SIGABRT) when it closes it — a run
+    that trained well reported as crashed (a probe); and the daemons' logs would take fds 0-1."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
 
 
 async def _cancel_pending() -> None:
