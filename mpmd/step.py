@@ -520,6 +520,9 @@ class DistributedFunction(ShallowCopyOnly):
         positions in the step's signature, then its keyword-only parameters in order; a parameter the call does
         not pass is `DEFAULT` there (static: the function takes its own default, a Python value that is no
         argument, as under jax.jit)."""
+        io = getattr(self.mesh, "_io", None)
+        if io is not None:  # (a forked child: said now; tracing a new signature there hung in JAX's lowering; a probe)
+            io.check_process()
         if not eager() and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs))):
             # (arguments all constants: no tracer says it (`_spec` names the first); the step ran while jax.jit traced)
             raise PipelineError(f"{getattr(self.fn, '__name__', 'the step')}: {IN_TRANSFORMATION}")

@@ -444,6 +444,10 @@ def test_a_forked_child_cannot_use_its_parents_mesh_and_its_exit_leaves_the_mesh
         "            print('child read it', flush=True)\n"
         "        except mpmd.MpmdError as e:\n"
         "            print('child refused:', e, flush=True)\n"
+        "        try:  # (a new step: it hung in JAX's lowering before it reached the mesh; a probe)\n"
+        "            mpmd.distributed(lambda v: v, mesh=mesh)(np.ones(2, np.float32))\n"
+        "        except mpmd.MpmdError as e:\n"
+        "            print('child step refused:', e, flush=True)\n"
         "        sys.exit(0)  # (atexit runs: it must not close the parent's mesh)\n"
         "    os.waitpid(pid, 0)\n"
         "    print('dir kept:', os.path.isdir(mesh._tmpdir), 'read:', x.to_numpy().tolist(), flush=True)\n"
@@ -453,4 +457,5 @@ def test_a_forked_child_cannot_use_its_parents_mesh_and_its_exit_leaves_the_mesh
     out = subprocess.run([sys.executable, "-W", "ignore", str(script)], capture_output=True, text=True, timeout=120,
                          stdin=subprocess.DEVNULL)
     assert "child refused: this RemoteMesh was made by process" in out.stdout and "forked from it" in out.stdout, out
+    assert "child step refused: this RemoteMesh was made by process" in out.stdout, out
     assert "dir kept: True read: [0.0, 1.0, 2.0, 3.0]" in out.stdout and "second controller: True" in out.stdout, out
