@@ -53,7 +53,7 @@ def host_value(x: Any) -> Any:
             raise OverflowError(f"the Python int {x} does not fit in {want} (the dtype JAX traces Python ints with"
                                 f"{'' if want == np.int64 else ' while jax_enable_x64 is off'}): pass a numpy array of a wider or "
                                 "unsigned dtype, or a float")
-    want = jax.dtypes.canonicalize_dtype(a.dtype.newbyteorder("=") if a.dtype.kind not in "OUSV" else a.dtype)  # ('>f8' kept)
+    want = jax.dtypes.canonicalize_dtype(a.dtype)
     return a if a.dtype == want else a.astype(want)
 
 

@@ -864,7 +864,7 @@ class RemoteMesh:
         """The put requests (a coroutine to run on the loop) and how to make the RemoteArray once they are done."""
         if not isinstance(value, jax.Array) and not is_key(getattr(value, "dtype", None)):
             host = np.asarray(value)  # as jax.device_put does: 64-bit numbers become 32-bit unless x64 is on
-            if host.dtype == object or host.dtype.kind in "USV":  # (a dict, None, a string: the wire's dtype list said it)
+            if host.dtype.kind in "OUS":  # (a dict, None, a string: the wire's dtype list said it; not bfloat16's "V")
                 raise MpmdError(f"put takes one array (or a number), got {type(value).__name__} {value!r:.60}; put a tree's "
                                 "leaves one by one: jax.tree.map(mesh.actor(i).put, tree)")
             if host.dtype != object:
