@@ -632,6 +632,7 @@ def test_a_like_with_more_or_fewer_leaves_names_the_first_path_that_differs(tmp_
     assert e.value.leaf == "[1][0].count"
 
 
+@pytest.mark.slow  # (~5 s: a subprocess training at exit; the default suite stays under 15 minutes)
 def test_a_thread_still_training_when_the_main_thread_returns_keeps_its_mesh_until_it_ends(tmp_path):
     """A review (2026-12-05): closing meshes in threading's exit hooks (to let a background save commit) closed them
     before the interpreter waits for the program's other threads: a worker thread still stepping failed with "closed

@@ -688,6 +688,7 @@ def test_two_actors_killed_at_once_count_two_and_a_second_loss_during_a_recovery
         assert mesh.recovery.failures == 4
 
 
+@pytest.mark.slow  # (~8 s: two actors lost and replaced; the default suite stays under 15 minutes)
 def test_a_survivor_lost_as_the_snapshot_goes_back_keeps_the_older_outputs(monkeypatch):
     """A probe (2026-12-05): actor 1 killed, then actor 0 (the survivor) killed just as the recovery starts putting
     the snapshot back. The first attempt had stripped the older outputs of their buffers on actor 1 before the put
