@@ -90,26 +90,18 @@ _REAPER: list[threading.Thread] = []
 _REAPER_LOCK = threading.Lock()
 
 
-def _reaper() -> None:
-    """Start the thread that releases dropped meshes, once."""
-    if _REAPER and _REAPER[0].is_alive():
-        return
-    if not _REAPER_LOCK.acquire(blocking=False):  # (held by this thread already, or another starting it)
-        return
-    try:
-        if not (_REAPER and _REAPER[0].is_alive()):
+def start_reaper() -> None:
+    """Start the thread that releases dropped meshes, once: by every mesh as it is made (outside any collection; a
+    finalizer only hands to it)."""
+    with _REAPER_LOCK:
+        if _REAPER and _REAPER[0].is_alive():
+            return
+        try:
             t = threading.Thread(target=_reap, name="mpmd-release-dropped-meshes", daemon=True)
             t.start()
             _REAPER[:] = [t]
-    except RuntimeError:  # (at interpreter shutdown: the daemons see their parent go)
-        pass
-    finally:
-        _REAPER_LOCK.release()
-
-
-def start_reaper() -> None:
-    """Made sure of by every mesh as it is made (outside any collection): the thread a finalizer only hands to."""
-    _reaper()
+        except RuntimeError:  # (at interpreter shutdown: the daemons see their parent go)
+            pass
 
 
 def _reap() -> None:

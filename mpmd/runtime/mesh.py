@@ -286,7 +286,7 @@ class RemoteMesh:
         except BaseException:
             mesh.close()
             raise
-        mesh._held.tmpdir = local.directory
+        mesh._tmpdir = local.directory
         if recover is not None:
             try:
                 enable_recovery(mesh, recover, local.respawn)
@@ -563,11 +563,8 @@ class RemoteMesh:
             raise
         self.closed = True
         try:
-            if self._opened:
-                try:  # local daemons are ours to stop; attached ones only forget this session
-                    self._io.run(gather(self._all("shutdown" if self.processes else "bye")), timeout=5)
-                except Exception:
-                    pass
+            if self._opened:  # local daemons are ours to stop; attached ones only forget this session
+                self._held.say_goodbye()
         finally:  # (a Ctrl-C during the goodbyes still stops, unlinks and removes everything below)
             self._release_resources()
 
