@@ -424,6 +424,25 @@ def test_actor_run_keeps_a_bounded_number_of_functions_lowered(mesh2, monkeypatc
     np.testing.assert_array_equal(a.run(fns[0], x).to_numpy(), np.zeros(3))  # (lowered again)
 
 
+def test_actor_run_keeps_a_bounded_number_of_executables_compiled_on_the_actor(monkeypatch):
+    """Each new function given to `actor.run` compiled an executable the actor's session kept for good (a loop of
+    `actor.run(jax.jit(lambda ...))` grew the daemon by one a call). The last RUN_KEPT run on an actor stay compiled
+    (3 here); an older one is unloaded from the actor and compiled again, with the same result, when run again."""
+    from mpmd.runtime import executables
+
+    monkeypatch.setattr(executables, "RUN_KEPT", 3)
+    with mpmd.RemoteMesh.local(num_actors=1) as mesh:  # (a mesh of its own: the shared one's session holds others')
+        a = mesh.actor(0)
+        x = a.put(np.arange(3, dtype=np.float32))
+        fns = [jax.jit(lambda v, k=k: v * k + 1) for k in range(8)]
+        for k, f in enumerate(fns):
+            np.testing.assert_array_equal(a.run(f, x).to_numpy(), np.arange(3) * k + 1)
+        assert a.stats()["session_executables"] == 3  # (the daemon's cache keeps the others among its unused)
+        np.testing.assert_array_equal(a.run(fns[0], x).to_numpy(), np.ones(3))  # (compiled again)
+        np.testing.assert_array_equal(a.run(fns[7], x).to_numpy(), np.arange(3) * 7 + 1)  # (still compiled)
+        assert a.stats()["session_executables"] == 3
+
+
 def test_a_forked_child_cannot_use_its_parents_mesh_and_its_exit_leaves_the_mesh_alone(tmp_path):
     """A DataLoader-style forked child that read a RemoteArray waited for good (the controller's thread is not in the
     child), and a child that merely exited ran the atexit close of its parent's mesh: the mesh's private directory

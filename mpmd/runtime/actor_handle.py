@@ -139,10 +139,10 @@ class ActorHandle:
         out_tree, out_avals = out
         out_layouts: list[Any] = [None] * len(out_avals)
         if mesh.actor_mesh is None:
-            exe = await mesh.executables.ensure_compiled(self.index, blob)
+            exe, holder = await mesh.executables.for_run(self.index, blob)
         else:  # compiled for the layouts its arguments have (host arguments: replicated), as jax.jit would
             in_layouts = tuple(x.sharding.layout if isinstance(x, RemoteArray) and x.sharding is not None else () for x in leaves)
-            exe, out_layouts = await mesh.executables.ensure_compiled(self.index, blob, (), in_layouts, None)
+            (exe, out_layouts), holder = await mesh.executables.for_run(self.index, blob, in_layouts)
         in_bufs = []
         temps = []
         try:
@@ -164,6 +164,7 @@ class ActorHandle:
         finally:
             for b in temps:  # (batched, behind the run: no await here, which a cancelled caller may not get to)
                 mesh.release_buffers({self.index: b})
+            mesh.executables.done_running(holder)
         outs = [RemoteArray(mesh, {self.index: b}, a.shape, a.dtype, remote_sharding(lay, mesh.actor_mesh),
                             weak_type=getattr(a, "weak_type", False))
                 for b, a, lay in zip(out_bufs, out_avals, out_layouts)]

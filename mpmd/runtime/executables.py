@@ -24,6 +24,7 @@ from mpmd.runtime.controller import ActorConnection
 from mpmd.runtime.sharding import layout_from_wire, layout_wire
 
 LOWERED_KEPT = 256  # functions `actor.run` keeps lowered (the most recently run)
+RUN_KEPT = 64  # executables `actor.run` keeps compiled on each actor (the most recently run)
 
 
 async def _quietly(request: Any) -> None:
@@ -55,12 +56,16 @@ class Executables:
         # meanwhile is not unloaded while another signature's compile of it is under way (the actor would add it for
         # that compile, then drop it: the second signature's Program named an executable its session lacked)
         self._asked: collections.Counter[tuple[int, tuple]] = collections.Counter()
+        # `actor.run`'s executables: the last RUN_KEPT run on each actor, each with a holder of its own (a loop of
+        # `actor.run(jax.jit(lambda ...))` compiled a new one every call, kept in the actor's session for good)
+        self._recent_runs: list[collections.OrderedDict[str, int]] = [collections.OrderedDict() for _ in conns]
 
     def forget(self, actor: int) -> None:
         """The actor was replaced by a new daemon: it has compiled nothing of ours."""
         self.compiled[actor] = {}
         self._holders = {k: v for k, v in self._holders.items() if k[0] != actor}
         self._kept = {k for k in self._kept if k[0] != actor}
+        self._recent_runs[actor] = collections.OrderedDict()
 
     def new_holder(self) -> int:
         """A token for one step signature's executables (`ensure_compiled(..., holder=)`, `release`)."""
@@ -95,7 +100,7 @@ class Executables:
         actor compiles it letting the inputs at `donate` share their buffers with outputs. With `in_layouts`
         (multi-device actors: one layout per input; `out_layouts` fixes some outputs', None lets XLA choose)
         it returns (key, the layouts of every output). `holder`: the step signature that uses it (None: kept for
-        good, as `actor.run`'s are)."""
+        good)."""
         digest = hashlib.sha256(blob).hexdigest()
         how = (digest, donate, in_layouts, out_layouts)  # (by digest: the blob itself was kept once per key, for good)
         known = self.compiled[actor].get(how)
@@ -126,6 +131,33 @@ class Executables:
                 if gone:
                     asyncio.ensure_future(_quietly(self._conns[actor].request("unload_programs", {"programs": [], "executables": gone})))
         return known
+
+    async def for_run(self, actor: int, blob: bytes, in_layouts: tuple | None = None) -> tuple[Any, int]:
+        """`ensure_compiled` for `actor.run`: returns (what ensure_compiled returns, a holder the caller keeps while its
+        run is under way and gives back with `done_running`). The last RUN_KEPT executables run on each actor stay
+        compiled; an older one is let go of once no run under way holds it (compiled again if run again)."""
+        holder = self.new_holder()
+        try:
+            known = await self.ensure_compiled(actor, blob, (), in_layouts, None, holder=holder)
+        except BaseException:
+            self.done_running(holder)
+            raise
+        key = known if isinstance(known, str) else known[0]
+        recent = self._recent_runs[actor]
+        if key in recent:
+            recent.move_to_end(key)
+        else:
+            kept = recent[key] = self.new_holder()
+            self._holders.setdefault((actor, key), set()).add(kept)
+            self._held_by.setdefault(kept, set()).add((actor, key))
+            while len(recent) > RUN_KEPT:
+                self.done_running(recent.popitem(last=False)[1])
+        return known, holder
+
+    def done_running(self, holder: int) -> None:
+        """Give back a holder of `for_run`: what nobody holds any more is unloaded from its actor."""
+        for actor, gone in self.release(holder).items():
+            asyncio.ensure_future(_quietly(self._conns[actor].request("unload_programs", {"programs": [], "executables": gone})))
 
     async def load_program(self, actor: int, program: Program, program_id: int, exe_keys: list[str]) -> None:
         """Ship one actor's Program (its Runs naming `exe_keys[i]` for executable i), constants as frames."""
