@@ -1124,6 +1124,7 @@ class DistributedFunction(ShallowCopyOnly):
         done.host_calls = bool(plan.host_calls)  # fetching an output waits for the step's callbacks (RemoteArray._wire)
         abortable(done, lambda: mesh.submit_coroutine(self._abort(done, compiled, step, outs)))
         self._last = (step, done)
+        done.reconnects = getattr(mesh, "reconnects", 0)
         results = [self._output(plan, j, outs[j], leaves, done) for j in range(plan.num_outputs)]
         if trace is not None:
             trace.expect(done)
@@ -1231,6 +1232,9 @@ class DistributedFunction(ShallowCopyOnly):
         if (last is not None and last[1].done() and not last[1].cancelled() and last[1].exception() is not None
                 and not getattr(last[1], "seen", False)):
             last[1].seen = True
+            if isinstance(last[1].exception(), ActorDiedError) and getattr(last[1], "reconnects", 0) != getattr(
+                    self.mesh, "reconnects", 0):  # (lost before a mesh.reconnect: the caller has seen a loss and mended it;
+                return  # the next step raised the old "died ... kill -CONT resumes it" again; a probe)
             raise last[1].exception()
 
     def _prepare(self, compiled: CompiledStep, leaves: list[Any], step: int, layouts: tuple | None,

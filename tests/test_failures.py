@@ -187,7 +187,8 @@ def test_a_stopped_actor_is_declared_dead_within_the_heartbeat_timeout_and_can_b
 def test_after_a_stopped_actor_is_reconnected_the_next_step_does_not_raise_the_failure_already_seen():
     """A step's fetch fails while actor 1 is stopped (the user sees ActorDiedError); after kill -CONT and
     reconnect the next step runs and equals jax.jit (it raised that old failure again: the fetch failed before
-    the step's own end, which was then taken for an error nobody had seen)."""
+    the step's own end, which was then taken for an error nobody had seen; and, with more steps dispatched than the
+    one fetched, the last one's failure, "... kill -CONT resumes it", after the user had done so; a probe)."""
     import optax
 
     from mpmd.testing import make_train_step, mlp, mlp_params, mse_loss, regression_batch
@@ -202,8 +203,9 @@ def test_after_a_stopped_actor_is_reconnected_the_next_step_does_not_raise_the_f
         pid = mesh.processes[1].proc.pid
         os.kill(pid, signal.SIGSTOP)
         try:
+            outs = [step(params, opt.init(params), batch) for _ in range(3)]
             with pytest.raises(mpmd.ActorDiedError):
-                mpmd.fetch(step(params, opt.init(params), batch))
+                mpmd.fetch(outs[0])  # (the others' failures are never looked at)
         finally:
             os.kill(pid, signal.SIGCONT)
         mesh.reconnect(1)

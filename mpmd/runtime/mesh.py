@@ -172,6 +172,7 @@ class RemoteMesh:
         self.actor_mesh: ActorMesh | None = None
         self._offsets: dict[int, int] = {}
         self.generation = 0  # counts daemons replaced under this mesh by reconnect (see DistributedFunction._cached)
+        self.reconnects = 0  # counts every reconnect (a step lost before one is not raised again by the next call)
         self._replaced: dict[int, tuple[int, str]] = {}  # actor -> (first buffer id its new daemon may hold, when: reconnect)
         self._recovering: dict[int, tuple[int, str]] = {}  # the same for actors a recovery under way replaced
         self.recovery: Any = None  # a mpmd.runtime.recovery.RecoveryManager when made with recover=Recovery(...)
@@ -525,6 +526,7 @@ class RemoteMesh:
         if address is not None:  # (only once it answered: a failed reconnect left the unreachable one named; a probe)
             self.addresses[i] = address
         self._conns[i] = new
+        self.reconnects += 1
         self._io.call_soon(old.close)
         new.learn_limits(info.header)
         if fresh:
