@@ -1522,3 +1522,28 @@ def test_static_and_donated_arguments_that_cannot_be_are_refused_like_jax_jit(me
 
     with pytest.raises(PipelineError, match=r"argument\(s\) \['scale'\] of g go to its \*\*kwargs or follow \*args"):
         mpmd.distributed(g, mesh=mesh2)(np.ones(2, np.float32), 1, scale=2.0)
+
+
+def test_a_remat_policy_offloading_residuals_to_host_memory_gives_jax_jits_gradients(mesh2):
+    """`jax.checkpoint` with `save_and_offload_only_these_names(..., offload_dst="pinned_host")` in both stages: the
+    forward task handed its backward a pinned-host residual, which the backward's executable (exported for
+    device-memory inputs) refused on the actor ("compiled for input shardings that disagree"); jax.jit ran it (a
+    probe). Losses, gradients and the updated parameters equal jax.jit's, under GPipe and 1F1B."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["h"], offload_src="device", offload_dst="pinned_host")
+
+    def block(layer, x):
+        h = checkpoint_name(jnp.sin(x @ layer["w"] + layer["b"]), "h")
+        return jnp.tanh(h @ layer["w"].T)
+
+    def loss(params, mb):
+        x = mpmd.pipeline_yield(jax.checkpoint(block, policy=policy)(params[0], mb["x"]))
+        return jnp.mean((jax.checkpoint(block, policy=policy)(params[1], x) - mb["y"]) ** 2)
+
+    rng = np.random.default_rng(5)
+    opt = optax.adam(1e-2)
+    params = mlp2(rng)
+    for schedule in (mpmd.GPipe(2), mpmd.OneFOneB(2)):
+        compare(mesh2, make_train_step(loss, opt, schedule), (params, opt.init(params)), [batch_of(rng), batch_of(rng)])

@@ -126,9 +126,20 @@ class Unit:
                 env.update(zip(p.outputs, p.fn(*(env[k] for k in p.inputs))))
                 passed = [k for k in p.outputs if k in later and _rounds_in_memory(env[k])]
                 env.update(zip(passed, jax.lax.optimization_barrier([env[k] for k in passed])))
-            return tuple(unwrap_out(env[k]) for k in outputs)
+            return tuple(unwrap_out(_in_device_memory(env[k])) for k in outputs)
 
         return fn
+
+
+def _in_device_memory(x: Any) -> Any:
+    """`x` moved to device memory if the unit made it in host memory: a remat policy that offloads residuals
+    (`save_and_offload_only_these_names(..., offload_dst="pinned_host")`) hands the backward task a pinned-host value,
+    which the backward's executable, exported for device-memory inputs, refused on the actor (jax.jit ran it; a
+    probe). The residual is kept in device memory between the tasks: correct, but not offloaded (see README)."""
+    space = getattr(getattr(x, "aval", None), "memory_space", None)
+    if space is None or getattr(space, "name", "Device") == "Device":
+        return x
+    return jax.device_put(x, type(space).Device)
 
 
 def _rounds_in_memory(x: Any) -> bool:
