@@ -331,3 +331,36 @@ def test_zero_bubble_v_below_a_full_v_trains_like_jit(mesh2, m):
     params = models.mlp_params(rng, 4)
     run_both(mesh2, models.mse_loss(models.mlp), params, [models.regression_batch(rng, m, 3, 16) for _ in range(2)],
              mpmd.ZeroBubbleV(2))
+
+
+def test_what_a_schedule_writer_meets_says_what_to_write():
+    """A second probe of schedules as users write them: a torch pipeline_order's None idle slots were refused ("None
+    is not a task"); a subclass placing 4 stages on 2 actors through actor_of alone was told to return 4 task lists
+    (num_actors defaults to num_stages); a table splitting backwards for some microbatch counts only was blamed on a
+    split_backward the user never wrote; a bad Custom stage_actor was reported as actor_of's; "use 1 microbatches"."""
+    with_idle = mpmd.Custom(num_stages=2, order=(("0F0", None, None, "0B0"), (None, "1F0", "1B0")))
+    assert with_idle.order == mpmd.Custom(num_stages=2, order=(("0F0", "0B0"), ("1F0", "1B0"))).order
+    assert validate(with_idle, 1)
+
+    class TwoPerActor(mpmd.Schedule):
+        def actor_of(self, stage):
+            return stage // 2
+
+        def tasks(self, m):
+            return [[mpmd.Task(s, k, i) for k in "FB" for s in (2 * a, 2 * a + 1)[:: 1 if k == "F" else -1] for i in range(m)]
+                    for a in range(2)]
+
+    with pytest.raises(mpmd.ScheduleError, match=r"overrides num_actors too, to return 2"):
+        validate(TwoPerActor(num_stages=4), 2)
+
+    class SplitWhenUseful(mpmd.Schedule):
+        def tasks(self, m):
+            kinds = "FIW" if m > 1 else "FB"
+            return [[mpmd.Task(s, k, i) for i in range(m) for k in kinds] for s in range(self.num_stages)]
+
+    with pytest.raises(mpmd.ScheduleError, match=r"reads it from tasks\(min_microbatches\)"):
+        validate(SplitWhenUseful(num_stages=1), 2)
+    with pytest.raises(mpmd.ScheduleError, match=r"stage_actor\[1\] must name one of the table's 2 rows"):
+        validate(mpmd.Custom(num_stages=2, order=(("0F0", "0B0"), ("1F0", "1B0")), stage_actor=(0, 5)), 1)
+    with pytest.raises(mpmd.ScheduleError, match=r"use 1 microbatch or write"):
+        mpmd.Custom(num_stages=1, order=(("0F0", "0B0"),)).tasks(2)

@@ -561,8 +561,9 @@ BUILTINS: dict[str, type[Schedule]] = {c.__name__: c for c in (GPipe, OneFOneB, 
 @dataclass(frozen=True)
 class Custom(Schedule):
     """A schedule written as a table: `order[actor]` lists that actor's tasks in order, as strings like ``"0F1"``
-    or `Task`s (F, B, or I and W), for one number of microbatches; `stage_actor[s]` is the actor of stage s
-    (default: stage s on actor s).
+    or `Task`s (F, B, or I and W), for one number of microbatches (None, an idle slot as in torch's pipeline_order, is
+    left out: an actor waits for its inputs by itself); `stage_actor[s]` is the actor of stage s (default: stage s on
+    actor s).
 
         mpmd.Custom(num_stages=4, order=(("0F0", "3F0", "3B0", "0B0"), ("1F0", "2F0", "2B0", "1B0")),
                     stage_actor=(0, 1, 1, 0))
@@ -590,7 +591,9 @@ class Custom(Schedule):
             except ValueError as e:
                 raise ScheduleError(f"Custom: order[{i}][{j}] (actor {i}'s task {j}): {e}") from None
 
-        rows = tuple(tuple(parsed(i, j, t) for j, t in enumerate(row)) for i, row in enumerate(order))
+        # (None: an idle slot, as torch.distributed.pipelining's pipeline_order writes bubbles; an actor waits for its
+        # inputs by itself, so it is left out)
+        rows = tuple(tuple(parsed(i, j, t) for j, t in enumerate(row) if t is not None) for i, row in enumerate(order))
         for i, row in enumerate(rows):
             for t in row:
                 if not (t.kind in TASK_KINDS and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (t.stage, t.mb))):
@@ -638,6 +641,6 @@ class Custom(Schedule):
         n = self.min_microbatches
         if num_microbatches != n:
             raise ScheduleError(f"{self!r} is a table for {n} microbatch{'es' if n > 1 else ''} (its tasks go up to microbatch {n - 1}), but "
-                                f"{num_microbatches} were asked for; use {n} microbatches or write the table for "
+                                f"{num_microbatches} were asked for; use {n} microbatch{'es' if n > 1 else ''} or write the table for "
                                 f"{num_microbatches}\n{format_table(table)}")
         return table

@@ -189,14 +189,19 @@ def validate(schedule: Schedule, num_microbatches: int, forward_only: bool = Fal
     for s in range(n):
         a = schedule.actor_of(s)
         if not is_count(a) or not 0 <= a < p:
-            raise ScheduleError(f"{name} places stage {s} on actor {a!r}, but its actors are 0..{p - 1}; "
-                                "actor_of(stage) must return an actor below num_actors")
+            raise ScheduleError(f"{name} places stage {s} on actor {a!r}, but its actors are 0..{p - 1}; " + (
+                f"stage_actor[{s}] must name one of the table's {p} rows" if getattr(schedule, "stage_actor", None) else
+                "actor_of(stage) must return an actor below num_actors"))
     try:
         table = [list(row) for row in schedule.tasks(m)]
     except TypeError as e:
         raise ScheduleError(f"{name}.tasks({m}) must return one list of Tasks per actor ({e})") from None
     if len(table) != p:
-        raise ScheduleError(f"{name}.tasks({m}) gives {len(table)} task lists for its {p} actors; return one list per actor")
+        used = 1 + max(schedule.actor_of(s) for s in range(n))
+        hint = (f" (num_actors defaults to num_stages: a schedule whose actor_of puts its {n} stages on {used} actors "
+                f"overrides num_actors too, to return {used})" if len(table) == used < p == n else "")
+        raise ScheduleError(f"{name}.tasks({m}) gives {len(table)} task lists for its {p} actors; return one list per "
+                            f"actor{hint}")
     seen: dict[Task, tuple[int, int]] = {}
     home: dict[int, tuple[int, int]] = {}  # stage -> where its first task sits
     for a, row in enumerate(table):
@@ -227,7 +232,8 @@ def validate(schedule: Schedule, num_microbatches: int, forward_only: bool = Fal
     split = split_stages(table)
     if hasattr(schedule, "split_backward") and bool(split) != schedule.split_backward:
         raise _fail(f"{name}.split_backward is {schedule.split_backward} but its table {'uses' if split else 'has no'} I/W tasks; "
-                    "make split_backward return whether tasks() splits backwards", table)
+                    "make split_backward return whether tasks() splits backwards (the Schedule base class reads it from "
+                    "tasks(min_microbatches): a table splits backwards for every microbatch count, or for none)", table)
     for t, (a, i) in seen.items():
         if t.kind == "B" and t.stage in split:
             other = next(u for u in seen if u.stage == t.stage and u.kind in ("I", "W"))
