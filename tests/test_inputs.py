@@ -987,3 +987,27 @@ def test_loader_names_given_as_one_string_and_a_loader_returning_no_array_are_sa
     with pytest.raises(RuntimeError, match=r"_loader_returning_none\(0, 'x'\) returned a NoneType, not an array; the step "
                                            r"was traced with float32\[2\]"):
         loaders.load(*loaders.check({"fn": fn, "name": "x", "shape": [2], "dtype": "float32"}), 0)
+
+
+def test_actor_run_takes_a_host_argument_bigger_than_one_message_through_shared_memory_as_put_does():
+    """`actor.run`'s host arguments went inline over the control socket: a 4 MiB one to a daemon started with
+    --max-message-mb 1 was refused ("bigger than one message to it may be") where `put` of it, through shared
+    memory, worked. They are put as `put` puts them now — sync and awaited — and the temporary copies go after."""
+    from tests.wire import start_daemon, stop_daemon
+
+    proc, address = start_daemon("--listen", "tcp://127.0.0.1:0", "--insecure", "--max-message-mb", "1")
+    try:
+        with mpmd.RemoteMesh.connect([address]) as mesh:
+            a = mesh.actor(0)
+            big = np.arange(1 << 20, dtype=np.float32)  # 4 MiB
+            y = a.run(jax.jit(lambda v, s: v * s), big, 2.0)
+            np.testing.assert_array_equal(y.to_numpy(), big * 2)
+
+            async def awaited():
+                return (await a.run_async(jax.jit(lambda v: v + 1), big)).to_numpy()
+
+            np.testing.assert_array_equal(asyncio.run(awaited()), big + 1)
+            assert a.stats()["shm_inputs"] >= 2
+            assert wait_until(lambda: a.stats()["buffers"] == 1, 10)  # (y; the two copies of `big` are let go behind)
+    finally:
+        stop_daemon(proc)

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from mpmd.compiler.avals import host_value, to_wire
+from mpmd.compiler.avals import host_value
 from mpmd.errors import ActorDiedError, MpmdError
 from mpmd.runtime.aio import off_loop, start_in_worker
 from mpmd.runtime.array import RemoteArray
@@ -51,7 +51,8 @@ class ActorHandle:
         # Lowered in a worker thread as run_async does: the exported blob carries the lowering thread's stack as
         # source locations, and the actors cache by its hash, so the same function must lower the same from anywhere.
         lowered = start_in_worker(self._lower, fn, args).result()
-        return self._again_if_recovered(lambda: self.mesh.run(self._run_lowered(*lowered)), lowered[0])
+        return self._again_if_recovered(lambda: self.mesh.run(self._run_lowered(*lowered, self._staged(lowered[0]))),
+                                        lowered[0])
 
     async def run_async(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Awaitable twin of `run`, for the caller's own event loop: `fn` is lowered in a worker thread and the
@@ -61,7 +62,22 @@ class ActorHandle:
         """
         _check_callable(fn)
         lowered = await off_loop(functools.partial(self._lower, fn, args))
-        return await self._again_if_recovered_async(lambda: self.mesh.arun(self._run_lowered(*lowered)), lowered[0])
+        x64 = jax.config.jax_enable_x64  # (per thread: the caller's, in the worker too)
+
+        def staged() -> list[Any]:
+            with jax.enable_x64(x64):
+                return self._staged(lowered[0])
+
+        async def attempt() -> Any:
+            return await self.mesh.arun(self._run_lowered(*lowered, await off_loop(staged)))
+
+        return await self._again_if_recovered_async(attempt, lowered[0])
+
+    def _staged(self, leaves: list[Any]) -> list[Any]:
+        """Each host argument's put to this actor, made here, off the controller loop, as `put` makes it (a big one
+        through shared memory: inline, a 20 MiB argument over the daemon's --max-message-mb was refused where `put`
+        of it worked); None for a RemoteArray."""
+        return [None if isinstance(x, RemoteArray) else self.mesh._put(host_value(x), [self.index], None) for x in leaves]
 
     def _request(self, op: str, fields: dict[str, Any] | None = None) -> Any:
         """One request to this actor's daemon, its reply; on a mesh made with recover=..., to the replacement of a
@@ -133,27 +149,30 @@ class ActorHandle:
         blob, out = mesh.executables.lower(fn, jax.tree.unflatten(treedef, specs), mesh.infos[self.index].header["platform"])
         return leaves, blob, out
 
-    async def _run_lowered(self, leaves: list[Any], blob: bytes, out: Any) -> Any:
-        """On the controller loop: have the actor compile `blob` (once), copy host arguments there, run it."""
+    async def _run_lowered(self, leaves: list[Any], blob: bytes, out: Any, staged: list[Any]) -> Any:
+        """On the controller loop: have the actor compile `blob` (once), copy host arguments there (their puts,
+        `staged`), run it."""
         mesh, conn = self.mesh, self.mesh.conn(self.index)
         out_tree, out_avals = out
         out_layouts: list[Any] = [None] * len(out_avals)
-        if mesh.actor_mesh is None:
-            exe, holder = await mesh.executables.for_run(self.index, blob)
-        else:  # compiled for the layouts its arguments have (host arguments: replicated), as jax.jit would
-            in_layouts = tuple(x.sharding.layout if isinstance(x, RemoteArray) and x.sharding is not None else () for x in leaves)
-            (exe, out_layouts), holder = await mesh.executables.for_run(self.index, blob, in_layouts)
         in_bufs = []
         temps = []
+        holder = None
         try:
-            for x in leaves:
-                if isinstance(x, RemoteArray):
+            if mesh.actor_mesh is None:
+                exe, holder = await mesh.executables.for_run(self.index, blob)
+            else:  # compiled for the layouts its arguments have (host arguments: replicated), as jax.jit would
+                in_layouts = tuple(x.sharding.layout if isinstance(x, RemoteArray) and x.sharding is not None else () for x in leaves)
+                (exe, out_layouts), holder = await mesh.executables.for_run(self.index, blob, in_layouts)
+            for x, put in zip(leaves, staged):
+                if put is None:
                     in_bufs.append(x.buffers[self.index])
                 else:
-                    buf = mesh.new_buffer_id()
-                    temps.append(buf)
-                    await conn.request("put", {"buf": buf}, [to_wire(host_value(x))])
-                    in_bufs.append(buf)
+                    send, made = put
+                    temp = made()
+                    temps.append(temp)
+                    await send
+                    in_bufs.append(temp.buffers[self.index])
             out_bufs = [mesh.new_buffer_id() for _ in out_avals]
             try:
                 await conn.request("run", {"exe": exe, "inputs": in_bufs, "outputs": out_bufs})
@@ -162,9 +181,13 @@ class ActorHandle:
                     mesh.release_buffers({self.index: b})
                 raise
         finally:
-            for b in temps:  # (batched, behind the run: no await here, which a cancelled caller may not get to)
-                mesh.release_buffers({self.index: b})
-            mesh.executables.done_running(holder)
+            for put in staged:  # (those not sent: their shared-memory segments go)
+                if put is not None:
+                    put[0].close()
+            for temp in temps:  # (batched, behind the run: no await here, which a cancelled caller may not get to)
+                mesh._let_go(temp)
+            if holder is not None:
+                mesh.executables.done_running(holder)
         outs = [RemoteArray(mesh, {self.index: b}, a.shape, a.dtype, remote_sharding(lay, mesh.actor_mesh),
                             weak_type=getattr(a, "weak_type", False))
                 for b, a, lay in zip(out_bufs, out_avals, out_layouts)]
