@@ -39,6 +39,7 @@ from mpmd.runtime.callbacks import run_host_calls
 from mpmd.runtime.controller import note_blocking
 from mpmd.runtime.loader import LoadedLeaf, named_in_argument
 from mpmd.runtime.sharding import infer_layouts, layout_to_spec, layout_wire, remote_sharding, tree_specs
+from mpmd.runtime.waiters import note_upstream
 from mpmd.schedules.builtin import not_a_schedule
 from mpmd.schedules.override import noting_loops, use_schedule
 from mpmd.static_leaves import Static, hide, reveal
@@ -1123,6 +1124,7 @@ class DistributedFunction(ShallowCopyOnly):
                                                                 upstream))
         done.host_calls = bool(plan.host_calls)  # fetching an output waits for the step's callbacks (RemoteArray._wire)
         abortable(done, lambda: mesh.submit_coroutine(self._abort(done, compiled, step, outs)))
+        note_upstream(done, [ready for _, ready in upstream])  # (awaiting this step keeps those from being aborted)
         self._last = (step, done)
         done.reconnects = getattr(mesh, "reconnects", 0)
         results = [self._output(plan, j, outs[j], leaves, done) for j in range(plan.num_outputs)]

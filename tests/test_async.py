@@ -305,6 +305,32 @@ async def test_a_timeout_in_one_task_leaves_the_step_to_another_task_awaiting_it
     assert_trees_close(await mpmd.fetch_async(outs[2]), want[2])  # (the monitor's losses are there too)
 
 
+async def test_a_timeout_in_one_task_leaves_the_step_to_a_thread_fetching_it_and_to_a_task_awaiting_a_later_step(slow_mesh):
+    """Two more waiters a cancelled await did not see (a probe): a thread blocked in the sync `mpmd.fetch` of the
+    same step (run_in_executor beside the loop) — the step was aborted under it; and a task awaiting a later step
+    that reads this one's outputs — the later step failed with "an output of a step that did not finish". Both
+    wait on now, and get jax.jit's values."""
+    mesh, dist, reference, (p, o), (params, opt_state, batch) = slow_mesh
+    rp, ro, _ = reference(params, opt_state, batch)
+    want = reference(rp, ro, batch)
+    outs = await dist.call_async(p, o, batch)
+    thread = asyncio.get_running_loop().run_in_executor(None, mpmd.fetch, outs[:2])
+    await _until_running(mesh, 1)
+    await asyncio.sleep(0.01)  # (the thread's fetch has begun)
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.02):
+            await mpmd.fetch_async(outs[2])
+    assert_trees_close(await thread, want[:2])
+    outs = await dist.call_async(p, o, batch)
+    later = await dist.call_async(outs[0], outs[1], batch)  # (reads the first one's outputs)
+    learner = asyncio.create_task(mpmd.fetch_async(later))
+    await asyncio.sleep(0)  # (the learner's fetch has begun)
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.02):
+            await mpmd.fetch_async(outs[2])
+    assert_trees_close(await learner, reference(*want[:2], batch))
+
+
 async def test_a_timeout_on_a_donating_steps_output_leaves_the_step_running_and_a_cancelled_call_says_the_state_is_gone(slow_mesh):
     """With donate_argnums, a timeout around fetching the loss aborted the step: the new parameters raised "was
     cancelled" and the old ones "was donated ... use those" — a timeout on a loss took the whole training state.

@@ -14,7 +14,8 @@ loop free the same three ways:
 
 Cancelling the await of a step's outputs (`fetch_async`, `ready_async`) while that step still runs aborts
 it on its actors (see `DistributedFunction.call_async`): its buffers are freed and the mesh stays usable —
-unless another task awaits the same step's outputs at that moment: then the step goes on for it.
+unless another task (or a thread's blocking fetch) waits for the same step's outputs at that moment, or for a
+later step's that reads them: then the step goes on for it.
 
     async def main():
         async with await mpmd.RemoteMesh.local_async(num_actors=2) as mesh:
@@ -40,6 +41,7 @@ from mpmd.compiler.avals import from_wire
 from mpmd.errors import MpmdError
 from mpmd.runtime.array import RemoteArray
 from mpmd.runtime.controller import wait_settled
+from mpmd.runtime.waiters import waiters, waiting_for
 
 T = TypeVar("T")
 # Threads for work that would hold the caller's loop: a few, so that steps of several meshes compile at once.
@@ -125,23 +127,13 @@ def _nothing_to_abort() -> concurrent.futures.Future[Any]:
     return done
 
 
-_WAITERS_LOCK = threading.Lock()
-
-
 @contextlib.contextmanager
 def awaiting(arrays: list[RemoteArray]) -> Iterator[None]:
-    """Count this await among those of the steps that make `arrays` (`abort_unfinished` aborts a step only
-    when the cancelled await was its only one: another task may wait for the same step's outputs)."""
-    readies = list({id(x._ready): x._ready for x in arrays if x._ready is not None}.values())
-    with _WAITERS_LOCK:
-        for r in readies:
-            r.mpmd_waiters = getattr(r, "mpmd_waiters", 0) + 1  # type: ignore[attr-defined]
-    try:
+    """Count this await among those of the steps that make `arrays` and of the unfinished steps they read from
+    (`abort_unfinished` aborts a step only when the cancelled await was its only one: another task, or a thread's
+    blocking fetch, may wait for the same step's outputs, or for a later step's that reads them; see `waiters`)."""
+    with waiting_for({id(x._ready): x._ready for x in arrays if x._ready is not None}.values()):
         yield
-    finally:
-        with _WAITERS_LOCK:
-            for r in readies:
-                r.mpmd_waiters -= 1  # type: ignore[attr-defined]
 
 
 async def abort_unfinished(arrays: list[RemoteArray]) -> None:
@@ -153,7 +145,7 @@ async def abort_unfinished(arrays: list[RemoteArray]) -> None:
         r = x._ready
         # (a step that was donated its inputs runs on: its outputs are now the only copy of that state, and the
         # caller holds them — a timeout on fetching a loss took the parameters and the optimizer state with it)
-        if (r is not None and not r.done() and hasattr(r, "mpmd_abort") and getattr(r, "mpmd_waiters", 0) <= 1
+        if (r is not None and not r.done() and hasattr(r, "mpmd_abort") and waiters(r) <= 1
                 and not getattr(r, "donating", False)):
             aborts[id(r)] = r.mpmd_abort
     if aborts:

@@ -12,6 +12,7 @@ import numpy as np
 from mpmd.compiler.avals import dtype_text, from_wire, is_key, wire_shape_dtype
 from mpmd.errors import ActorDiedError, MpmdError
 from mpmd.runtime.controller import result_of, wait_settled
+from mpmd.runtime.waiters import waiting_for
 
 
 class BufferOwner(Protocol):
@@ -155,6 +156,10 @@ class RemoteArray:
 
     def _wire(self) -> np.ndarray:
         """The array as the actors hold it (key data for a key array)."""
+        with waiting_for([self._ready]):  # (a coroutine's cancelled await of the same step does not abort it)
+            return self._wire_waited()
+
+    def _wire_waited(self) -> np.ndarray:
         if self._ready is not None and getattr(self._ready, "host_calls", False):
             wait_settled([self._ready])  # a step's callbacks print before any of its values is seen
         if self._host is not None:
@@ -279,6 +284,10 @@ class RemoteArray:
     def block_until_ready(self) -> RemoteArray:
         """Wait until the actors have computed this array (without fetching it); returns it. Raises the error
         of the step that makes it, if that failed."""
+        with waiting_for([self._ready]):  # (a coroutine's cancelled await of the same step does not abort it)
+            return self._block_until_ready()
+
+    def _block_until_ready(self) -> RemoteArray:
         self._check_usable()
         if self._ready is not None:
             try:
@@ -359,6 +368,11 @@ def fetch(tree: Any) -> Any:
         params_np = mpmd.fetch(params)
     """
     leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, RemoteArray))
+    with waiting_for({id(x._ready): x._ready for x in leaves if isinstance(x, RemoteArray)}.values()):
+        return _fetch(leaves, treedef)  # (a coroutine's cancelled await of the same steps does not abort them)
+
+
+def _fetch(leaves: list[Any], treedef: Any) -> Any:
     wanted: dict[tuple[Any, int], list[int]] = defaultdict(list)  # (mesh, actor) -> leaf indices
     for i, x in enumerate(leaves):
         if isinstance(x, RemoteArray) and x._ready is not None and getattr(x._ready, "host_calls", False):
