@@ -26,7 +26,7 @@ from jax.extend.core import Var
 
 from mpmd.compiler.avals import dtype_text, from_wire, host_value, is_key, jax_array, not_numeric, to_wire, wire_shape_dtype
 from mpmd.compiler.inline import inline_calls
-from mpmd.compiler.lowering import rebind_constraints, trace_mesh, without_callers_mesh
+from mpmd.compiler.lowering import rebind_constraints, tracing_mesh, without_callers_mesh
 from mpmd.compiler.plan import StepPlan, iter_lowered, plan_step
 from mpmd.compiler.program import Send
 from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError, ScheduleError
@@ -669,14 +669,9 @@ class DistributedFunction(ShallowCopyOnly):
 
         am = getattr(self.mesh, "actor_mesh", None)
         caller = jax.sharding.get_abstract_mesh()
-        traced_under = None
         with use_schedule(self.schedule) if self.schedule is not None else contextlib.nullcontext(), without_callers_mesh(), \
                 tracing_distributed():
-            if am is not None:  # with_sharding_constraint(x, P(...)) resolves against the actors' mesh, as under jax.set_mesh
-                traced_under = trace_mesh(am, getattr(self.mesh, "platform", None))
-            elif not caller.empty:  # one device each: the caller's axes, each of size 1 (P('model') splits nothing there)
-                traced_under = jax.sharding.AbstractMesh((1,) * len(caller.axis_names), tuple(caller.axis_names),
-                                                         axis_types=(jax.sharding.AxisType.Auto,) * len(caller.axis_names))
+            traced_under = tracing_mesh(am, caller, getattr(self.mesh, "platform", None))
             for again in (False, True):
                 try:
                     with jax.sharding.use_abstract_mesh(traced_under) if traced_under is not None else contextlib.nullcontext(), \

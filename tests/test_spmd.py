@@ -484,6 +484,34 @@ def test_the_embedding_api_puts_and_runs_sharded_arrays(mesh_1x2):
     np.testing.assert_allclose(out.to_numpy(), np.asarray(f(x)), rtol=1e-5)
 
 
+def test_the_embedding_api_runs_jax_jit_code_as_jax_jit_runs_it_in_the_callers_thread(mesh_2x2):
+    """`actor.run` lowered in a worker thread, outside the caller's thread-local JAX configuration, and exported a
+    jax.jit's shardings as they were (a probe): under `jax.enable_x64(True)` a float64 result came back float32;
+    under `jax.set_mesh(mesh)` a `jax.jit(f, out_shardings=P(...))` said no mesh was set; a jax.jit with
+    out_shardings over a Mesh of the actors' shape was refused by the actor ("exported for 4 devices and is called
+    in a context with 1 devices"). Each now gives jax.jit's values, dtypes and layouts."""
+    x = np.arange(64, dtype=np.float32).reshape(8, 8)
+    a = mesh_2x2.actor(1)
+    r = a.put(x, P(None, "model"))
+    widen = jax.jit(lambda v: v.astype(jnp.float64) * 2)
+    with jax.enable_x64(True):
+        want = widen(x)
+        got = a.run(widen, r)
+        assert got.dtype == want.dtype == np.float64
+        np.testing.assert_array_equal(mpmd.fetch(got), np.asarray(want))
+    hm = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    named = jax.jit(lambda v: v * 2, out_shardings=NamedSharding(hm, P("model", "data")))
+    bare = jax.jit(lambda v: v + 1, out_shardings=P("model"))
+    got = a.run(named, r)
+    assert got.sharding.spec == named(x).sharding.spec == P("model", "data")
+    np.testing.assert_array_equal(got.to_numpy(), x * 2)
+    with jax.set_mesh(hm):
+        want = bare(x)
+        got = a.run(bare, r)
+    assert got.sharding.spec == want.sharding.spec == P("model")
+    np.testing.assert_array_equal(got.to_numpy(), np.asarray(want))
+
+
 def test_a_daemon_builds_the_device_mesh_each_new_job_asks_for_once_the_last_one_closed(tmp_path):
     """A hand-started daemon (as on a cluster) kept the first job's device mesh for good: every later job with
     another shape or other axis names was refused until the daemon restarted (a probe). While a session is

@@ -80,14 +80,28 @@ def trace_mesh(actor_mesh: Any, platform: str | None) -> Any:
     return Mesh(grid, tuple(actor_mesh.axis_names), axis_types=(AxisType.Auto,) * len(actor_mesh.shape)).abstract_mesh
 
 
-def rebind_constraints(closed: Any, actor_mesh: Any, traced_under: Any = None) -> Any:
+def tracing_mesh(actor_mesh: Any, caller: Any, platform: str | None) -> Any:
+    """The abstract mesh a function for the actors is traced under (None: none): the actors' (`trace_mesh`) when
+    they have several devices each, so `with_sharding_constraint(x, P(...))` resolves against it as under
+    `jax.set_mesh`; else, when the caller set a mesh (`caller`: their abstract mesh), its axes each of size 1 (one
+    device each: P('model') splits nothing there)."""
+    if actor_mesh is not None:
+        return trace_mesh(actor_mesh, platform)
+    if caller is not None and not caller.empty:
+        names = tuple(caller.axis_names)
+        return jax.sharding.AbstractMesh((1,) * len(names), names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+    return None
+
+
+def rebind_constraints(closed: Any, actor_mesh: Any, traced_under: Any = None, jit_shardings: bool = False) -> Any:
     """`closed` (a traced step) with every `with_sharding_constraint` and `shard_map` over a concrete jax `Mesh` —
     written for the caller's own devices, as `jax.jit` code does — rebound to the actors' mesh (`actor_mesh`, an
     ActorMesh; None for one device each; `traced_under`: the abstract mesh the step was traced under, by default
     the actors') when that mesh has the same axis names and shape: the executables run on the actors' devices,
     and a concrete mesh pinned them to the caller's device count (the actors refused them). Any other concrete
     mesh is an error naming it and what to write instead (a bare PartitionSpec, or shard_map without `mesh=`,
-    resolves against each actor's mesh)."""
+    resolves against each actor's mesh). `jit_shardings`: a nested jax.jit's in_shardings and out_shardings too
+    (`actor.run`'s; a step inlines its nested calls, and theirs with them)."""
     from jax.extend.core import ClosedJaxpr
     from jax.sharding import Mesh, NamedSharding
 
@@ -109,16 +123,16 @@ def rebind_constraints(closed: Any, actor_mesh: Any, traced_under: Any = None) -
                             f"runs on its actors' devices ({where}): write {instead()}, or give the actors that mesh "
                             "(RemoteMesh.local(..., mesh_shape=..., axis_names=...))")
 
-    def fix(sharding: Any) -> Any:
+    def fix(sharding: Any, where: str = "with_sharding_constraint(x, {})") -> Any:
         mesh = getattr(sharding, "mesh", None)
         if not isinstance(sharding, NamedSharding) or not isinstance(mesh, Mesh):
             return sharding
-        write = "with_sharding_constraint(x, {}) (a bare PartitionSpec resolves against each actor's mesh)"
+        write = where + " (a bare PartitionSpec resolves against each actor's mesh)"
 
         def instead() -> str:  # (only when refused: said in the actors' axis names where it can be)
             return actor_mesh.spec_advice(sharding.spec, mesh, write) if actor_mesh is not None else write.format(sharding.spec)
 
-        new = rebound(mesh, f"with_sharding_constraint(x, NamedSharding(mesh, {sharding.spec}))", instead)
+        new = rebound(mesh, where.format(f"NamedSharding(mesh, {sharding.spec})"), instead)
         return sharding if new is mesh else NamedSharding(new, sharding.spec, memory_kind=sharding.memory_kind)
 
     def param(p: Any) -> Any:
@@ -138,6 +152,12 @@ def rebind_constraints(closed: Any, actor_mesh: Any, traced_under: Any = None) -
             params = {k: param(v) for k, v in e.params.items()}
             if e.primitive.name == "sharding_constraint":
                 params["sharding"] = fix(params["sharding"])
+            elif jit_shardings and e.primitive.name in ("jit", "pjit"):  # (a jax.jit's in_shardings / out_shardings)
+                for k in ("in_shardings", "out_shardings"):
+                    if isinstance(params.get(k), tuple):
+                        fixed = tuple(fix(x, f"jax.jit(f, {k}={{}})") for x in params[k])
+                        if any(a is not b for a, b in zip(fixed, params[k])):
+                            params[k] = fixed
             elif e.primitive.name == "shard_map" and isinstance(params.get("mesh"), Mesh):
                 params["mesh"] = rebound(params["mesh"], "shard_map(f, mesh=mesh, ...)",
                                          lambda: "jax.shard_map(f, in_specs=..., out_specs=...) without mesh= (it takes each actor's mesh)")

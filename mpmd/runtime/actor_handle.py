@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from mpmd.compiler.avals import host_value
+from mpmd.compiler.lowering import tracing_mesh
 from mpmd.errors import ActorDiedError, MpmdError
 from mpmd.runtime.aio import off_loop, start_in_worker
 from mpmd.runtime.array import RemoteArray
@@ -50,7 +51,7 @@ class ActorHandle:
         _check_callable(fn)
         # Lowered in a worker thread as run_async does: the exported blob carries the lowering thread's stack as
         # source locations, and the actors cache by its hash, so the same function must lower the same from anywhere.
-        lowered = start_in_worker(self._lower, fn, args).result()
+        lowered = start_in_worker(self._lower, fn, args, _callers_context()).result()
         return self._again_if_recovered(lambda: self.mesh.run(self._run_lowered(*lowered, self._staged(lowered[0]))),
                                         lowered[0])
 
@@ -61,11 +62,11 @@ class ActorHandle:
             y = await mesh.actor(0).run_async(jax.jit(f), x)
         """
         _check_callable(fn)
-        lowered = await off_loop(functools.partial(self._lower, fn, args))
-        x64 = jax.config.jax_enable_x64  # (per thread: the caller's, in the worker too)
+        context = _callers_context()
+        lowered = await off_loop(functools.partial(self._lower, fn, args, context))
 
         def staged() -> list[Any]:
-            with jax.enable_x64(x64):
+            with jax.enable_x64(context[0]):
                 return self._staged(lowered[0])
 
         async def attempt() -> Any:
@@ -124,9 +125,14 @@ class ActorHandle:
         log.warning("mesh.actor(%d): actor %s was lost; the mesh recovered, calling again", self.index, error.actor_id)
         return True
 
-    def _lower(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[list[Any], bytes, Any]:
-        """Check the arguments and lower `fn` for them (here, once per signature): (argument leaves, blob,
-        (output treedef, output avals))."""
+    def _lower(self, fn: Callable[..., Any], args: tuple[Any, ...], context: tuple[bool, Any]) -> tuple[list[Any], bytes, Any]:
+        """Check the arguments and lower `fn` for them (here, once per signature), in a worker thread under the
+        caller's `context` (`_callers_context`): (argument leaves, blob, (output treedef, output avals))."""
+        x64, (caller, callers_mesh) = context
+        with jax.enable_x64(x64):
+            return self._lower_here(fn, args, caller, callers_mesh)
+
+    def _lower_here(self, fn: Callable[..., Any], args: tuple[Any, ...], caller: Any, callers_mesh: Any) -> tuple[list[Any], bytes, Any]:
         mesh = self.mesh
         leaves, treedef = jax.tree.flatten(args, is_leaf=lambda x: isinstance(x, RemoteArray))
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
@@ -146,14 +152,16 @@ class ActorHandle:
                     specs.append(jax.ShapeDtypeStruct(np.shape(x), host_value(x).dtype, weak_type=weak))
                 except (TypeError, ValueError) as e:
                     raise MpmdError(f"argument args{path} is a {type(x).__name__}, not an array: {e}") from None
-        blob, out = mesh.executables.lower(fn, jax.tree.unflatten(treedef, specs), mesh.infos[self.index].header["platform"])
+        blob, out = mesh.executables.lower(fn, jax.tree.unflatten(treedef, specs), mesh.infos[self.index].header["platform"],
+                                           tracing_mesh(mesh.actor_mesh, caller, getattr(mesh, "platform", None)),
+                                           mesh.actor_mesh, callers_mesh)
         return leaves, blob, out
 
     async def _run_lowered(self, leaves: list[Any], blob: bytes, out: Any, staged: list[Any]) -> Any:
         """On the controller loop: have the actor compile `blob` (once), copy host arguments there (their puts,
         `staged`), run it."""
         mesh, conn = self.mesh, self.mesh.conn(self.index)
-        out_tree, out_avals = out
+        out_tree, out_avals, jit_layouts = out
         out_layouts: list[Any] = [None] * len(out_avals)
         in_bufs = []
         temps = []
@@ -163,7 +171,7 @@ class ActorHandle:
                 exe, holder = await mesh.executables.for_run(self.index, blob)
             else:  # compiled for the layouts its arguments have (host arguments: replicated), as jax.jit would
                 in_layouts = tuple(x.sharding.layout if isinstance(x, RemoteArray) and x.sharding is not None else () for x in leaves)
-                (exe, out_layouts), holder = await mesh.executables.for_run(self.index, blob, in_layouts)
+                (exe, out_layouts), holder = await mesh.executables.for_run(self.index, blob, in_layouts, jit_layouts)
             for x, put in zip(leaves, staged):
                 if put is None:
                     in_bufs.append(x.buffers[self.index])
@@ -229,6 +237,15 @@ def _stats(header: Any) -> dict[str, Any]:
     for k in ("op", "id", "ok", "v"):
         h.pop(k, None)
     return h
+
+
+def _callers_context() -> tuple[bool, Any]:
+    """What of the calling thread's JAX configuration `fn` is lowered under in a worker thread (both are
+    thread-local): jax_enable_x64 (under `jax.enable_x64(True)` a float64 result came back float32), and the mesh
+    the caller set (`jax.set_mesh`: its axes resolve a bare PartitionSpec as under jax.jit; a probe): (x64,
+    (abstract mesh, concrete mesh or None))."""
+    get_mesh = getattr(jax.sharding, "get_mesh", None)
+    return bool(jax.config.jax_enable_x64), (jax.sharding.get_abstract_mesh(), get_mesh() if get_mesh else None)
 
 
 def _check_callable(fn: Any) -> None:

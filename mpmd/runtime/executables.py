@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import hashlib
 import itertools
 from collections.abc import Callable, Sequence
@@ -17,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpmd.compiler.avals import unwrap_out, wire_aval, wrap_in
-from mpmd.compiler.lowering import serialize_flat
+from mpmd.compiler.inline import inline_calls
+from mpmd.compiler.lowering import rebind_constraints, serialize_flat, without_callers_mesh
 from mpmd.compiler.program import Program, encode_program
 from mpmd.errors import MpmdError
 from mpmd.runtime.controller import ActorConnection
@@ -132,13 +134,14 @@ class Executables:
                     asyncio.ensure_future(_quietly(self._conns[actor].request("unload_programs", {"programs": [], "executables": gone})))
         return known
 
-    async def for_run(self, actor: int, blob: bytes, in_layouts: tuple | None = None) -> tuple[Any, int]:
+    async def for_run(self, actor: int, blob: bytes, in_layouts: tuple | None = None,
+                      out_layouts: tuple | None = None) -> tuple[Any, int]:
         """`ensure_compiled` for `actor.run`: returns (what ensure_compiled returns, a holder the caller keeps while its
         run is under way and gives back with `done_running`). The last RUN_KEPT executables run on each actor stay
         compiled; an older one is let go of once no run under way holds it (compiled again if run again)."""
         holder = self.new_holder()
         try:
-            known = await self.ensure_compiled(actor, blob, (), in_layouts, None, holder=holder)
+            known = await self.ensure_compiled(actor, blob, (), in_layouts, out_layouts, holder=holder)
         except BaseException:
             self.done_running(holder)
             raise
@@ -167,12 +170,20 @@ class Executables:
     def new_program_id(self) -> int:
         return next(self._program_ids)
 
-    def lower(self, fn: Callable[..., Any], args: Sequence[Any], platform: str) -> tuple[bytes, Any]:
+    def lower(self, fn: Callable[..., Any], args: Sequence[Any], platform: str, traced_under: Any = None,
+              actor_mesh: Any = None, callers_mesh: Any = None) -> tuple[bytes, Any]:
         """Export `fn` for these argument shapes once; returns (blob, (output treedef, output avals)). The
-        executable takes and returns arrays in their wire form (typed keys as key data)."""
+        executable takes and returns arrays in their wire form (typed keys as key data). `fn` is traced under the
+        abstract mesh `traced_under` (lowering.tracing_mesh) and with jax_enable_x64 as this thread has it; a
+        concrete jax Mesh of the actors' shape in it is read as theirs (`rebind_constraints`, as a step's). A
+        `callers_mesh` (the concrete mesh the caller set) of the actors' axes and shape is traced under instead,
+        as jax.jit would be (`jax.jit(f, out_shardings=P(...))` needs a concrete one)."""
+        if callers_mesh is not None and (actor_mesh is None or getattr(callers_mesh, "empty", True) or tuple(
+                callers_mesh.axis_names) != tuple(actor_mesh.axis_names) or tuple(callers_mesh.devices.shape) != tuple(actor_mesh.shape)):
+            callers_mesh = None
         leaves, treedef = jax.tree.flatten(args)
         avals = tuple(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, weak_type=bool(getattr(x, "weak_type", False))) for x in leaves)
-        key = (fn, treedef, avals, platform)
+        key = (fn, treedef, avals, platform, traced_under, callers_mesh, bool(jax.config.jax_enable_x64))
         hit = self._lowered.get(key)
         if hit is not None:
             try:
@@ -185,7 +196,15 @@ class Executables:
             # int8 wraps: the exported executable takes plain arrays, and gave float32, int32; a probe): the jaxpr
             # has promotion resolved, and says which outputs are weak.
             try:
-                closed, out_shapes = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(treedef, xs)), return_shape=True)(*avals)
+                with without_callers_mesh(), (jax.set_mesh(callers_mesh) if callers_mesh is not None else
+                                              jax.sharding.use_abstract_mesh(traced_under) if traced_under is not None
+                                              else contextlib.nullcontext()):
+                    closed, out_shapes = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(treedef, xs)), return_shape=True)(*avals)
+                closed = rebind_constraints(closed, actor_mesh, traced_under, jit_shardings=True)
+                out_layouts = _jit_out_layouts(closed, actor_mesh)
+                if actor_mesh is not None:  # (a jax.jit's shardings over the actors' mesh exported the executable for
+                    closed = inline_calls(closed)  # all its devices, which an actor's checker refused: its out_shardings
+                    # are kept as the layouts the actor compiles the outputs for, as a step's out_shardings are)
             except ValueError as e:
                 if "Non-hashable static arguments" not in str(e):
                     raise
@@ -198,7 +217,7 @@ class Executables:
                 args = [wrap_in(x, a.dtype) for x, a in zip(xs, avals)]
                 out_leaves = [jnp.asarray(o) for o in jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)]
                 out_tree_box.append((out_tree, [jax.ShapeDtypeStruct(o.shape, o.dtype, weak_type=bool(getattr(s, "weak_type", False)))
-                                                for o, s in zip(out_leaves, out_specs)]))
+                                                for o, s in zip(out_leaves, out_specs)], out_layouts))
                 return tuple(unwrap_out(o) for o in out_leaves)
 
             try:
@@ -213,3 +232,19 @@ class Executables:
             while len(self._lowered) > LOWERED_KEPT:
                 self._lowered.popitem(last=False)
         return hit
+
+
+def _jit_out_layouts(closed: Any, actor_mesh: Any) -> tuple | None:
+    """The layouts over the actors' mesh that a function run whole by one jax.jit (`actor.run(jax.jit(f,
+    out_shardings=...), x)`) gives its outputs (None each where it leaves them to XLA), or None: one device each, or
+    not one jax.jit."""
+    from jax.sharding import NamedSharding
+
+    eqns = closed.jaxpr.eqns
+    if actor_mesh is None or len(eqns) != 1 or eqns[0].primitive.name not in ("jit", "pjit"):
+        return None
+    if list(eqns[0].outvars) != list(closed.jaxpr.outvars):
+        return None
+    layouts = tuple(actor_mesh.canonical(s.spec) if isinstance(s, NamedSharding) else None
+                    for s in eqns[0].params.get("out_shardings", ()))
+    return layouts if len(layouts) == len(closed.jaxpr.outvars) and any(x is not None for x in layouts) else None
