@@ -475,6 +475,9 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
         raise PipelineError("mpmd.tune needs mesh= (the RemoteMesh the step will run on)")
     else:
         base = DistributedFunction(step_fn, mesh)
+    if getattr(mesh, "closed", False):  # (costs="xla" contacts no actor: its table came, and the winner failed later)
+        raise MpmdError("tune: this RemoteMesh is closed: tune the step on the mesh it will run on, open (a new mesh, and "
+                        "mpmd.distributed(fn, mesh=new_mesh))")
     if step_kwargs is not None and not isinstance(step_kwargs, dict):
         raise PipelineError(f"tune: step_kwargs is a dict of the step's keyword arguments, got {type(step_kwargs).__name__}")
     try:  # (a missing or extra argument: said here, not by a TypeError from deep inside the first trace)

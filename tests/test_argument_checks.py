@@ -9,6 +9,7 @@ import math
 import re
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -307,3 +308,22 @@ def test_cli_tune_says_counts_in_its_own_flag_and_runs_as_python_m_mpmd_cli():
     assert "--try-microbatches 3: none divides" in said and "e.g. --try-microbatches 2,4," in said and "microbatches=[" not in said
     out = subprocess.run([sys.executable, "-m", "mpmd.cli", "simulate", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("usage: mpmd simulate"), out.stderr[-500:]
+
+
+def test_cli_tune_says_why_nothing_fits_in_its_own_flags_and_tune_refuses_a_closed_mesh(capsys):
+    """`mpmd tune --memory-limit-mib 1` printed the table and exited 1 without the library's "no candidate fits ...
+    raise memory_limit, pass remat=True" (a probe): it says it now, in the command's flags. And mpmd.tune with
+    costs="xla" on a closed mesh returned a whole table, the winner failing only when run: refused at once."""
+    assert main(["tune", "--actors", "2", "--layers", "2", "--width", "64", "--microbatches", "4", "--rows", "2",
+                 "--try-microbatches", "4", "--memory-limit-mib", "1", "--xla-costs"]) == 1
+    err = capsys.readouterr().err
+    assert "mpmd tune: no candidate fits: all 4 were rejected" in err
+    assert "raise --memory-limit-mib, pass --remat or mark more stage boundaries" in err and "memory_limit," not in err
+    mesh = mpmd.RemoteMesh.local(num_actors=1)
+    mesh.close()
+
+    def step(params, batch):
+        return mpmd.accumulate_grads(lambda mb: jax.value_and_grad(lambda p: jnp.sum(mb @ p))(params), batch)
+
+    with pytest.raises(mpmd.MpmdError, match="tune: this RemoteMesh is closed"):
+        mpmd.tune(mpmd.distributed(step, mesh=mesh), np.ones((2, 2), np.float32), np.ones((2, 3, 2), np.float32), costs="xla")

@@ -119,15 +119,25 @@ def _run(args: argparse.Namespace) -> int:
             result = mpmd.tune(step, params, opt_state, batch, mesh=mesh, memory_limit=limit, microbatches=args.try_microbatches,
                                costs="xla" if args.xla_costs else None, remat=args.remat)
         except mpmd.MpmdError as e:
-            # (said in this command's words: its flag, not mpmd.tune's argument; a probe)
-            text = re.sub(r"microbatches=\[([\d, ]+)\]", lambda m: "--try-microbatches " + m.group(1).replace(" ", ""), str(e))
+            text = _in_cli_words(str(e))
             raise SystemExit(f"mpmd {text}" if text.startswith("tune:") else f"mpmd tune: {text}") from None
-        print(result)
+        print(result, flush=True)
         if not result.feasible:
+            try:
+                result.best  # (its error says why nothing fits and what to do, in mpmd.tune's words)
+            except mpmd.MpmdError as e:
+                print(f"mpmd tune: {_in_cli_words(str(e))}", file=sys.stderr)
             return 1
         if args.verify:
             result.verify(args.verify)
     return 0
+
+
+def _in_cli_words(text: str) -> str:
+    """mpmd.tune's message in this command's words: its flags, not mpmd.tune's arguments (a probe)."""
+    text = re.sub(r"microbatches=\[([\d, ]+)\]", lambda m: "--try-microbatches " + m.group(1).replace(" ", ""), text)
+    return text.replace("raise memory_limit", "raise --memory-limit-mib").replace("pass remat=True", "pass --remat").replace(
+        "remat=True was tried", "--remat was tried")
 
 
 def add_subcommand(sub: Any) -> None:
