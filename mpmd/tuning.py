@@ -191,7 +191,9 @@ class TuneResult(ShallowCopyOnly):
             head += f"; predictions x {self.calibration:.3f} (the median measured / simulated of the top candidates, run while tuning)"
         elif self.costs.source.startswith("xla"):
             head += ("\n(pred ms: XLA's estimate of the compute alone, without the runtime's per-Run and per-transfer costs —"
-                     " it ranks candidates; result.calibrate() or verify(k) measures them)")
+                     " it ranks candidates of one microbatch count; across counts it favours the most microbatches, whose"
+                     " per-Run costs it leaves out (a probe saw the order reversed); result.calibrate() or verify(k) measures"
+                     " them)")
         if self.chosen is not None and not self.chosen.rejected:
             head += f"\nwinner: {self.chosen.name} m={self.chosen.num_microbatches} (the fastest measured of those)"
         if self.note:
