@@ -1115,13 +1115,14 @@ class DistributedFunction(ShallowCopyOnly):
                 sent.extend(futures)
             return futures
 
+        reconnects = getattr(mesh, "reconnects", 0)  # (as dispatched: see `_raise_unseen_error`)
         done = mesh.dispatch(send, lambda futures: self._finish(futures, compiled, replicas, step, trace, hidden, on_failure,
                                                                 upstream))
+        done.reconnects = reconnects
         done.host_calls = bool(plan.host_calls)  # fetching an output waits for the step's callbacks (RemoteArray._wire)
         abortable(done, lambda: mesh.submit_coroutine(self._abort(done, compiled, step, outs)))
         note_upstream(done, [ready for _, ready in upstream])  # (awaiting this step keeps those from being aborted)
         self._last = (step, done)
-        done.reconnects = getattr(mesh, "reconnects", 0)
         results = [self._output(plan, j, outs[j], leaves, done) for j in range(plan.num_outputs)]
         if trace is not None:
             trace.expect(done)

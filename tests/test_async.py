@@ -6,6 +6,7 @@ its buffers; a remote error and `asyncio.timeout` reach the await; a blocking ca
 import asyncio
 import contextlib
 import logging
+import os
 import time
 
 import jax
@@ -591,6 +592,35 @@ async def test_cancelled_run_async_and_put_async_leave_no_buffer_on_the_actor():
         while (await a.stats_async())["buffers"] != before and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         assert (await a.stats_async())["buffers"] == before and cancelled > 0
+
+
+async def test_a_run_async_with_a_big_host_argument_whose_compile_fails_leaves_nothing_and_warns_nothing(monkeypatch):
+    """`run` puts its host arguments as `put` does (a big one through shared memory), staged before the compile: one
+    whose compile failed, or timed out, closed the puts' gather unstarted, and each put inside it said "coroutine ...
+    was never awaited" (a review). Closed one by one now: no warning, no segment, no buffer left. (The actor's
+    refusal of the compile is stood in for — an exception from `for_run` — as a real one cannot be timed to come
+    after the staging here.)"""
+    import gc
+    import warnings
+
+    async with await mpmd.RemoteMesh.local_async(num_actors=1) as mesh:
+        a = mesh.actor(0)
+        big = np.ones((256, 1024), np.float32)  # 1 MiB
+
+        async def refused(*args, **kwargs):
+            raise mpmd.MpmdError("refused (a stand-in)")
+
+        monkeypatch.setattr(mesh.executables, "for_run", refused)
+        before = set(os.listdir("/dev/shm"))
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            for k in range(3):
+                with pytest.raises(mpmd.MpmdError, match="a stand-in"):
+                    await a.run_async(jax.jit(lambda v, k=k: v * k), big, big)
+            gc.collect()
+        assert not [w for w in said if "never awaited" in str(w.message)], [str(w.message) for w in said]
+        assert (await a.stats_async())["buffers"] == 0
+        assert not {f for f in set(os.listdir("/dev/shm")) - before if f.startswith(f"mpmd-in-{os.getpid():x}-")}
 
 
 async def test_mesh_starts_abandoned_under_a_timeout_do_not_hold_up_another_meshs_first_call(mesh2, tmp_path):

@@ -443,6 +443,37 @@ def test_actor_run_keeps_a_bounded_number_of_executables_compiled_on_the_actor(m
         assert a.stats()["session_executables"] == 3
 
 
+def test_an_executable_let_go_of_and_compiled_again_at_once_is_unloaded_before_the_new_compile(mesh2, monkeypatch):
+    """The unload of an executable `actor.run` let go of went a loop turn late: a compile of the same executable
+    asked meanwhile (another caller running it again) reached the actor first, and the late unload took it from the
+    session — that caller's run failed "no executable ... in this session" (a review). Sent at once now."""
+    from mpmd.runtime import executables
+
+    monkeypatch.setattr(executables, "RUN_KEPT", 1)
+    ex, a = mesh2.executables, mesh2.actor(0)
+    spec = [jax.ShapeDtypeStruct((3,), np.float32)]
+    plus, _ = ex.lower(jax.jit(lambda v: v + 1), spec, mesh2.platform)
+    times, _ = ex.lower(jax.jit(lambda v: v * 3), spec, mesh2.platform)
+    x = a.put(np.arange(3, dtype=np.float32))
+
+    async def two_callers():
+        _, first = await ex.for_run(0, plus)
+        ex.done_running(first)  # (kept: the last one run)
+        _, other = await ex.for_run(0, times)  # (evicts `plus`, let go of here)
+        key, again = await ex.for_run(0, plus)  # (compiled again at once)
+        out = mesh2.new_buffer_id()
+        try:
+            await mesh2.conn(0).request("run", {"exe": key, "inputs": [x.buffers[0]], "outputs": [out]})
+        finally:
+            ex.done_running(other)
+            ex.done_running(again)
+        return out
+
+    out = mesh2.run(two_callers())
+    np.testing.assert_array_equal(mesh2.get_buffer(0, out), np.arange(3) + 1)
+    mesh2.release_buffers({0: out})
+
+
 def test_a_forked_child_cannot_use_its_parents_mesh_and_its_exit_leaves_the_mesh_alone(tmp_path):
     """A DataLoader-style forked child that read a RemoteArray waited for good (the controller's thread is not in the
     child), and a child that merely exited ran the atexit close of its parent's mesh: the mesh's private directory

@@ -510,6 +510,11 @@ def test_the_embedding_api_runs_jax_jit_code_as_jax_jit_runs_it_in_the_callers_t
         got = a.run(bare, r)
     assert got.sharding.spec == want.sharding.spec == P("model")
     np.testing.assert_array_equal(got.to_numpy(), np.asarray(want))
+    explicit = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)  # (jax.make_mesh's default)
+    with jax.set_mesh(explicit):  # (traced under it as it was, every value typed with its sharding: even v * 2 failed)
+        got = a.run(jax.jit(lambda v: v * 2), r)
+    assert got.sharding.spec == P(None, "model")
+    np.testing.assert_array_equal(got.to_numpy(), x * 2)
 
 
 def test_a_daemon_builds_the_device_mesh_each_new_job_asks_for_once_the_last_one_closed(tmp_path):

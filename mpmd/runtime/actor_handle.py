@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from mpmd.compiler.lowering import tracing_mesh
 from mpmd.errors import ActorDiedError, MpmdError
 from mpmd.runtime.aio import off_loop, start_in_worker
 from mpmd.runtime.array import RemoteArray
+from mpmd.runtime.buffers import gather
 from mpmd.runtime.sharding import remote_sharding
 
 log = logging.getLogger(__name__)
@@ -78,7 +80,7 @@ class ActorHandle:
         """Each host argument's put to this actor, made here, off the controller loop, as `put` makes it (a big one
         through shared memory: inline, a 20 MiB argument over the daemon's --max-message-mb was refused where `put`
         of it worked); None for a RemoteArray."""
-        return [None if isinstance(x, RemoteArray) else self.mesh._put(host_value(x), [self.index], None) for x in leaves]
+        return [None if isinstance(x, RemoteArray) else self.mesh.put_requests(host_value(x), [self.index], None) for x in leaves]
 
     def _request(self, op: str, fields: dict[str, Any] | None = None) -> Any:
         """One request to this actor's daemon, its reply; on a mesh made with recover=..., to the replacement of a
@@ -127,7 +129,7 @@ class ActorHandle:
 
     def _lower(self, fn: Callable[..., Any], args: tuple[Any, ...], context: tuple[bool, Any]) -> tuple[list[Any], bytes, Any]:
         """Check the arguments and lower `fn` for them (here, once per signature), in a worker thread under the
-        caller's `context` (`_callers_context`): (argument leaves, blob, (output treedef, output avals))."""
+        caller's `context` (`_callers_context`): (argument leaves, blob, what `Executables.lower` says of the outputs)."""
         x64, (caller, callers_mesh) = context
         with jax.enable_x64(x64):
             return self._lower_here(fn, args, caller, callers_mesh)
@@ -176,10 +178,10 @@ class ActorHandle:
                 if put is None:
                     in_bufs.append(x.buffers[self.index])
                 else:
-                    send, made = put
+                    requests, made = put
                     temp = made()
                     temps.append(temp)
-                    await send
+                    await gather(requests)
                     in_bufs.append(temp.buffers[self.index])
             out_bufs = [mesh.new_buffer_id() for _ in out_avals]
             try:
@@ -189,9 +191,10 @@ class ActorHandle:
                     mesh.release_buffers({self.index: b})
                 raise
         finally:
-            for put in staged:  # (those not sent: their shared-memory segments go)
-                if put is not None:
-                    put[0].close()
+            for put in staged:  # (those never started: closed, their shared-memory segments go; a started one is
+                for request in put[0] if put is not None else ():  # its gather's, which ends it)
+                    if inspect.iscoroutine(request) and inspect.getcoroutinestate(request) == inspect.CORO_CREATED:
+                        request.close()
             for temp in temps:  # (batched, behind the run: no await here, which a cancelled caller may not get to)
                 mesh._let_go(temp)
             if holder is not None:

@@ -46,8 +46,8 @@ class Executables:
         self._lowered: collections.OrderedDict[Any, tuple[bytes, Any]] = collections.OrderedDict()
         self.compiled: list[dict[tuple, Any]] = [{} for _ in conns]
         self._program_ids = itertools.count(1)
-        # Which step signatures (holders, `new_holder`) use each executable of each actor; `actor.run`'s are held for
-        # good. One no holder uses any more is let go of, here and in the actor's session (`release`): a session
+        # Which step signatures (holders, `new_holder`) use each executable of each actor (`actor.run`'s: the runs
+        # under way, and the last RUN_KEPT run, `for_run`). One no holder uses any more is let go of, here and in the actor's session (`release`): a session
         # that kept seeing new shapes grew by every signature's executables (0.17 MB each) until it ended.
         self._holders: dict[tuple[int, str], set[int]] = {}
         self._held_by: dict[int, set[tuple[int, str]]] = {}
@@ -67,6 +67,9 @@ class Executables:
         self.compiled[actor] = {}
         self._holders = {k: v for k, v in self._holders.items() if k[0] != actor}
         self._kept = {k for k in self._kept if k[0] != actor}
+        for kept in self._recent_runs[actor].values():  # (the holders of what the old daemon had: nothing now)
+            self._open.discard(kept)
+            self._held_by.pop(kept, None)
         self._recent_runs[actor] = collections.OrderedDict()
 
     def new_holder(self) -> int:
@@ -129,9 +132,7 @@ class Executables:
             self._held_by.setdefault(holder, set()).add(ak)
             if holder not in self._open:  # its signature failed to compile on another actor and was let go of while
                 # this compile ran: what it made here is let go of too (it stayed in the session for good; a probe)
-                gone = self.release(holder).get(actor)
-                if gone:
-                    asyncio.ensure_future(_quietly(self._conns[actor].request("unload_programs", {"programs": [], "executables": gone})))
+                self._unload(self.release(holder))
         return known
 
     async def for_run(self, actor: int, blob: bytes, in_layouts: tuple | None = None,
@@ -159,8 +160,18 @@ class Executables:
 
     def done_running(self, holder: int) -> None:
         """Give back a holder of `for_run`: what nobody holds any more is unloaded from its actor."""
-        for actor, gone in self.release(holder).items():
-            asyncio.ensure_future(_quietly(self._conns[actor].request("unload_programs", {"programs": [], "executables": gone})))
+        self._unload(self.release(holder))
+
+    def _unload(self, gone: dict[int, list[str]]) -> None:
+        """Have each actor let go of the executables `gone` (`release`'s answer), the request sent now, on the loop: in
+        order with any compile asked after it (sent a loop turn later, a compile of the same executable asked
+        meanwhile went first, and the late unload took from the session what that compile had just put back; a review)."""
+        for actor, keys in gone.items():
+            try:
+                sent = self._conns[actor].submit("unload_programs", {"programs": [], "executables": keys})
+            except Exception:  # noqa: BLE001 - an actor lost or replaced meanwhile holds none of it any more
+                continue
+            asyncio.ensure_future(_quietly(sent))
 
     async def load_program(self, actor: int, program: Program, program_id: int, exe_keys: list[str]) -> None:
         """Ship one actor's Program (its Runs naming `exe_keys[i]` for executable i), constants as frames."""
@@ -172,7 +183,8 @@ class Executables:
 
     def lower(self, fn: Callable[..., Any], args: Sequence[Any], platform: str, traced_under: Any = None,
               actor_mesh: Any = None, callers_mesh: Any = None) -> tuple[bytes, Any]:
-        """Export `fn` for these argument shapes once; returns (blob, (output treedef, output avals)). The
+        """Export `fn` for these argument shapes once; returns (blob, (output treedef, output avals, the outputs'
+        layouts a jax.jit's out_shardings give them or None: `_jit_out_layouts`)). The
         executable takes and returns arrays in their wire form (typed keys as key data). `fn` is traced under the
         abstract mesh `traced_under` (lowering.tracing_mesh) and with jax_enable_x64 as this thread has it; a
         concrete jax Mesh of the actors' shape in it is read as theirs (`rebind_constraints`, as a step's). A
@@ -181,6 +193,10 @@ class Executables:
         if callers_mesh is not None and (actor_mesh is None or getattr(callers_mesh, "empty", True) or tuple(
                 callers_mesh.axis_names) != tuple(actor_mesh.axis_names) or tuple(callers_mesh.devices.shape) != tuple(actor_mesh.shape)):
             callers_mesh = None
+        elif callers_mesh is not None:  # (its axes Auto, as the actors' mesh's: jax.make_mesh's default Explicit axes
+            # typed every traced value with its sharding, and even `jax.jit(lambda v: v * 2)` failed; a review)
+            callers_mesh = jax.sharding.Mesh(callers_mesh.devices, callers_mesh.axis_names,
+                                             axis_types=(jax.sharding.AxisType.Auto,) * len(callers_mesh.axis_names))
         leaves, treedef = jax.tree.flatten(args)
         avals = tuple(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, weak_type=bool(getattr(x, "weak_type", False))) for x in leaves)
         key = (fn, treedef, avals, platform, traced_under, callers_mesh, bool(jax.config.jax_enable_x64))

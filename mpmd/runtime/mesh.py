@@ -861,6 +861,11 @@ class RemoteMesh:
 
     def _put(self, value: Any, actors: Sequence[int], spec: Any) -> tuple[Any, Callable[[], RemoteArray]]:
         """The put requests (a coroutine to run on the loop) and how to make the RemoteArray once they are done."""
+        puts, made = self.put_requests(value, actors, spec)
+        return gather(puts), made
+
+    def put_requests(self, value: Any, actors: Sequence[int], spec: Any) -> tuple[list[Any], Callable[[], RemoteArray]]:
+        """`_put`'s requests one per actor (coroutines: one not to be sent is closed), and how to make the RemoteArray."""
         if not isinstance(value, jax.Array) and not is_key(getattr(value, "dtype", None)):
             host = np.asarray(value)  # as jax.device_put does: 64-bit numbers become 32-bit unless x64 is on
             if host.dtype.kind in "OUS":  # (a dict, None, a string: the wire's dtype list said it; not bfloat16's "V")
@@ -895,9 +900,8 @@ class RemoteMesh:
             for p in puts:
                 p.close()
             raise
-        send = gather(puts)
         layout = as_layout(spec) if spec is not None else (() if self.actor_mesh is not None else None)
-        return send, lambda: RemoteArray(self, bufs, shape, dtype, remote_sharding(layout, self.actor_mesh))
+        return puts, lambda: RemoteArray(self, bufs, shape, dtype, remote_sharding(layout, self.actor_mesh))
 
     def _put_one(self, actor: int, buf: int, fields: dict[str, Any], wire: np.ndarray) -> Any:
         """The 'put' request of `wire` to `actor` (a coroutine): through one of its input segments when it shares
