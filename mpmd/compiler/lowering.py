@@ -119,8 +119,9 @@ def rebind_constraints(closed: Any, actor_mesh: Any, traced_under: Any = None, j
         where = "one device each" if actor_mesh is None else f"a mesh of shape {tuple(actor_mesh.shape)} named {tuple(actor_mesh.axis_names)}"
         from mpmd.errors import PipelineError
 
-        raise PipelineError(f"{what} in the step uses a jax Mesh of shape {shape} named {tuple(mesh.axis_names)}, but the step "
-                            f"runs on its actors' devices ({where}): write {instead()}, or give the actors that mesh "
+        it = "the function mesh.actor(i).run was given" if jit_shardings else "the step"
+        raise PipelineError(f"{what} in {it} uses a jax Mesh of shape {shape} named {tuple(mesh.axis_names)}, but it "
+                            f"runs on the actors' devices ({where}): write {instead()}, or give the actors that mesh "
                             "(RemoteMesh.local(..., mesh_shape=..., axis_names=...))")
 
     def fix(sharding: Any, where: str = "with_sharding_constraint(x, {})") -> Any:
