@@ -191,7 +191,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpus", default=None,
                    help="comma-separated cores to pin this daemon to (XLA's CPU thread pool is sized to them; one core "
                         "also turns off Eigen's multi-threading)")
-    p.add_argument("--platform", default=None, help="JAX platform to use (cpu, cuda); default: JAX's choice")
+    p.add_argument("--platform", default=None, help="JAX platform to use (cpu, or cuda — which RemoteMesh.local names platform=\"gpu\"); default: JAX's choice")
     p.add_argument("--devices", default=None, help="comma-separated visible GPU indices (sets CUDA_VISIBLE_DEVICES)")
     p.add_argument("--p2p", default="tcp", choices=["tcp", "ipc", "none"],
                    help="data plane to other actors: 'tcp' opens ZeroMQ endpoints (the controller then picks tcp, shm or "

@@ -198,6 +198,11 @@ def main() -> None:
           f"{2 / max(corun, 1.0):4.2f}x one core's throughput, so the 1F1B ideal here is {ceiling:4.2f} and efficiency "
           f"against it {speedup / ceiling:5.2f}")
     print(f"{'same, daemons with --insecure':34s} {bare_t * 1e3:9.2f} ms   cost of security (keys / none) {two_t / bare_t:5.2f}x")
+    if speedup / ideal > 1.0 or one_t / jit_t < 0.8 or corun < 0.8:  # (more than the ideal, or a party faster than jax.jit
+        # alone: the machine was busier while one of them was measured; a newcomer's run on a loaded machine)
+        print("\nWARNING: figures beyond what this machine can give (efficiency over 1, or jax.jit slower than mpmd on one "
+              "core or than two copies of itself): something else ran on these cores during the run; measure again on a "
+              "quiet machine")
     print()
     print(trace.summary())
 

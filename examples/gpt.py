@@ -358,7 +358,8 @@ def train(args: argparse.Namespace) -> dict[str, float]:
         return {"first": math.nan, "last": math.nan, "losses": losses, "updates": updates}
     k = max(1, min(5, len(losses) // 2))  # (first and last k steps, apart)
     first, last = float(np.mean(losses[:k])), float(np.mean(losses[-k:]))
-    print(f"loss {first:.3f} -> {last:.3f} over {len(losses)} steps ({math.log(vocab):.3f} is uniform over bytes)")
+    print(f"loss {first:.3f} -> {last:.3f} (means of the first and last {k} steps) over {len(losses)} steps "
+          f"({math.log(vocab):.3f} is uniform over bytes)")
     if args.plot:
         import matplotlib
 
