@@ -18,7 +18,8 @@ A session's steps load in a queue of their own (`Loaders.queue`): one call at a 
 came, and at most `AHEAD` steps' data loaded before their steps end. A loop that dispatches a hundred steps
 ahead (as README's does) called the loader for all of them at once: a loader that is not thread-safe (one file
 handle: seek, then read; a generator) gave wrong batches silently, 64 calls refused the next step, and a CPU-heavy
-loader's threads starved the daemon's heartbeats; memory held every batch (a probe).
+loader's threads starved the daemon's heartbeats; memory held every batch (a probe). A call whose step ended while it
+ran (aborted) is waited for before the next begins, up to `ABANDONED_WAIT` seconds (past that it is taken for hung).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from transport.protocol import dtype_from_name
 MAX_LEAF_BYTES = 1 << 36
 MAX_RUNNING = 64  # loader calls not yet returned (hung ones keep their threads)
 AHEAD = 2  # steps of a session whose data is loaded and whose step has not ended: the one running and the next
+ABANDONED_WAIT = 120.0  # seconds the queue waits for a call whose step ended meanwhile before it goes on without it
 
 
 _NARROWED = {np.dtype(np.float64): np.dtype(np.float32), np.dtype(np.int64): np.dtype(np.int32),
@@ -258,7 +260,11 @@ async def _serve(loaders: Loaders, q: _Queue) -> None:
                     continue
                 inner.add_done_callback(_read)
                 await asyncio.wait({inner, job.ended}, return_when=asyncio.FIRST_COMPLETED)
-                if not inner.done():  # its step ended while the call runs: the call keeps its thread, the queue goes on
+                if not inner.done():  # its step ended while the call runs (aborted: a recovery's survivor): the queue
+                    # goes on once the call returns — went on at once, the next steps' calls (the replay's) ran beside it,
+                    # and a loader that is not thread-safe failed or read wrong (a probe) — or, if it has not returned
+                    # within ABANDONED_WAIT, is taken for hung (it keeps its thread)
+                    await asyncio.wait({inner}, timeout=ABANDONED_WAIT)
                     break
                 if not outer.done():
                     outer.set_exception(inner.exception()) if inner.exception() is not None else outer.set_result(inner.result())

@@ -463,6 +463,49 @@ def _loader_that_answers(step, leaf):
     return np.full(2, step, np.float32)
 
 
+_SLOW_CALLS: list[tuple[str, int, float]] = []
+_SLOW_GO = threading.Event()
+
+
+def _loader_not_thread_safe(step, leaf):
+    _SLOW_CALLS.append(("start", step, time.monotonic()))
+    if step == 0:
+        _SLOW_GO.wait(30)  # (the call whose step is aborted while it runs)
+    _SLOW_CALLS.append(("end", step, time.monotonic()))
+    return np.full(2, step, np.float32)
+
+
+def test_a_load_whose_step_is_aborted_mid_call_is_waited_for_before_the_next_call():
+    """A recovery aborts a survivor's steps; one whose loader call was running ended, and the session's queue went
+    on at once: the replay's calls ran beside the abandoned one, and a loader that is not thread-safe (as the README
+    allows) failed the replayed step (a probe). The queue now waits for the abandoned call to return first."""
+    from actors.loader import Loaders, queue
+
+    slow = "tests.test_inputs:_loader_not_thread_safe"
+    loaders = Loaders([slow])
+    spec = {"fn": slow, "name": "x", "shape": [2], "dtype": "float32"}
+    _SLOW_CALLS.clear()
+    _SLOW_GO.clear()
+
+    async def scenario():
+        (first,), end_first = queue(loaders, [spec], [0], [lambda a: a], "session")
+        while not _SLOW_CALLS:
+            await asyncio.sleep(0.01)
+        end_first()  # (its step aborted while the call runs)
+        (replayed,), end_replayed = queue(loaders, [spec], [1], [lambda a: a], "session")
+        await asyncio.sleep(0.3)
+        assert [c[:2] for c in _SLOW_CALLS] == [("start", 0)]  # (not begun beside the running call)
+        _SLOW_GO.set()
+        np.testing.assert_array_equal(await asyncio.wait_for(replayed, 10), np.full(2, 1, np.float32))
+        end_replayed()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        _SLOW_GO.set()
+    assert [c[:2] for c in _SLOW_CALLS] == [("start", 0), ("end", 0), ("start", 1), ("end", 1)]
+
+
 def test_hung_loaders_keep_their_own_threads_and_leave_fetches_checkpoints_and_other_loaders_working():
     """Loader calls ran on the event loop's shared worker threads (asyncio.to_thread), which fetches and
     checkpoint saves and restores use too: a few loaders that never returned held every worker, and every
