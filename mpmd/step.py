@@ -210,6 +210,9 @@ def _static_argnums(fn: Callable[..., Any], argnums: Any, argnames: Any, what: s
     """jax.jit's static_argnums and static_argnames (or donate_argnums and donate_argnames) as one set of
     positions (names through fn's signature; a keyword-only parameter's position comes after the positional
     ones, see `_parameters`)."""
+    if not isinstance(argnums, int) and argnums is not None and not isinstance(argnums, (list, tuple, set, frozenset, range)):
+        raise PipelineError(f"{what}_argnums must be ints (argument positions), got {argnums!r:.60}")  # (1.5: "'float' object
+        # is not iterable"; a probe)
     nums = {argnums} if isinstance(argnums, int) else set(argnums or ())
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in nums):
         raise PipelineError(f"{what}_argnums must be ints (argument positions), got {argnums!r}")

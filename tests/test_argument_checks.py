@@ -327,3 +327,28 @@ def test_cli_tune_says_why_nothing_fits_in_its_own_flags_and_tune_refuses_a_clos
 
     with pytest.raises(mpmd.MpmdError, match="tune: this RemoteMesh is closed"):
         mpmd.tune(mpmd.distributed(step, mesh=mesh), np.ones((2, 2), np.float32), np.ones((2, 3, 2), np.float32), costs="xla")
+
+
+def test_hurried_arguments_are_named_before_anything_starts(tmp_path):
+    """A probe's list of wrong arguments that got an error naming something else: startup_timeout NaN ("cannot convert
+    float NaN to integer"), 0 ("took longer ... start fewer"), a str; log_level=10 ("expected str ... not int");
+    static_argnums=1.5 ("'float' object is not iterable"); for_step='x' ("a step of another mesh"); put(x, spec='bad')
+    ("needs actors with several devices"). Each names its argument now; no daemon starts for the first ones."""
+    for bad in (float("nan"), 0, -1, "5", True, float("inf")):
+        with pytest.raises(ValueError, match=r"startup_timeout must be a positive number of seconds"):
+            mpmd.RemoteMesh.local(num_actors=1, startup_timeout=bad)
+    for bad in (10, "LOUD", None):
+        with pytest.raises(ValueError, match=r"log_level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL"):
+            mpmd.RemoteMesh.local(num_actors=1, log_level=bad)
+    with mpmd.RemoteMesh.local(num_actors=1, log_level="info") as mesh:  # (any case, as the daemon's flag takes it)
+        for flag in ("static_argnums", "donate_argnums"):
+            with pytest.raises(mpmd.PipelineError, match=rf"{flag} must be ints \(argument positions\), got 1.5"):
+                mpmd.distributed(lambda a, b: a, mesh=mesh, **{flag: 1.5})
+        params = np.ones(3, np.float32)
+        mpmd.save(tmp_path / "ck", params)
+        with pytest.raises(mpmd.CheckpointError, match=r"for_step must be a step made with mpmd.distributed .*got str 'x'"):
+            mpmd.restore(tmp_path / "ck", mesh, like=params, for_step="x")
+        for bad in ("bad", 123):
+            with pytest.raises(mpmd.MpmdError, match=r"put: spec must be a PartitionSpec .*got (str 'bad'|int 123)"):
+                mesh.actor(0).put(params, spec=bad)
+        np.testing.assert_array_equal(mesh.actor(0).put(params).to_numpy(), params)

@@ -72,6 +72,9 @@ def step_homes(step: Any, mesh: Any, paths: list[str], shapes: list[tuple[int, .
     """Per `like` leaf (its path in the saved tree, a keystr), where the compiled `step` reads that argument: a
     Target, or None for a leaf the step does not read. The saved tree is the step's leading arguments (saved as
     a tuple) or one of its arguments (saved alone: `mpmd.save(path, state)` for `step(state, batch)`)."""
+    if not hasattr(step, "mesh") or not hasattr(step, "_compiled"):  # (a str was told it was "of another mesh"; a probe)
+        raise CheckpointError(f"for_step must be a step made with mpmd.distributed (compiled for the arguments restored), "
+                              f"got {type(step).__name__} {step!r:.60}")
     if getattr(step, "mesh", None) is not mesh:
         raise CheckpointError(f"for_step={step!r:.80} is a distributed step of another mesh than the one restored into; pass the "
                               "step made with mpmd.distributed(..., mesh=mesh) for this mesh")

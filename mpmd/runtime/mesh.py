@@ -884,6 +884,9 @@ class RemoteMesh:
         dtype = getattr(value, "dtype", wire.dtype) if is_key(getattr(value, "dtype", None)) else wire.dtype
         shape = wire.shape[: wire.ndim - (len(key_impl(dtype).key_shape) if is_key(dtype) else 0)]
         fields: dict[str, Any] = {}
+        if spec is not None and not isinstance(spec, (jax.sharding.PartitionSpec, jax.sharding.NamedSharding, tuple)):
+            raise MpmdError(f"put: spec must be a PartitionSpec (or a NamedSharding; None: replicated), got "
+                            f"{type(spec).__name__} {spec!r:.40}")  # (a str was told to use actors of several devices)
         if spec is not None:
             if self.actor_mesh is None:
                 raise MpmdError("a PartitionSpec needs actors with several devices: make the mesh with devices_per_actor=N "

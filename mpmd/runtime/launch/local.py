@@ -35,6 +35,9 @@ from transport.auth import ClientKeys, KeyPair
 log = logging.getLogger(__name__)
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # the daemons' --log-level
+
+
 @dataclass(frozen=True)
 class LocalOptions:
     """How to start local actor daemons.
@@ -77,6 +80,11 @@ class LocalOptions:
         rt = self.request_timeout
         if rt is not None and (isinstance(rt, bool) or not isinstance(rt, (int, float)) or not rt > 0):  # (NaN too)
             raise ValueError(f"request_timeout must be a positive number of seconds (or None), got {rt!r:.40}")
+        st = self.startup_timeout  # (NaN: "cannot convert float NaN to integer"; 0: "took longer ... start fewer"; a probe)
+        if isinstance(st, bool) or not isinstance(st, (int, float)) or not 0 < st < float("inf"):
+            raise ValueError(f"startup_timeout must be a positive number of seconds, got {st!r:.40}")
+        if not isinstance(self.log_level, str) or self.log_level.upper() not in LOG_LEVELS:  # (an int reached the daemon's argument list: "expected str ... not int")
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)} (the daemons' logging level), got {self.log_level!r:.40}")
 
 
 def check_devices(headers: Sequence[dict[str, Any]], options: LocalOptions) -> None:
