@@ -352,3 +352,19 @@ def test_hurried_arguments_are_named_before_anything_starts(tmp_path):
             with pytest.raises(mpmd.MpmdError, match=r"put: spec must be a PartitionSpec .*got (str 'bad'|int 123)"):
                 mesh.actor(0).put(params, spec=bad)
         np.testing.assert_array_equal(mesh.actor(0).put(params).to_numpy(), params)
+
+
+def test_actor_run_on_a_closed_mesh_says_closed_and_stages_nothing(monkeypatch):
+    """`actor.run` on a closed mesh staged its host arguments' puts first: the right "closed" came after a log line
+    about shared memory and a "coroutine ... was never awaited" warning when the unsent puts were collected (a
+    probe). Nothing is staged now: only the error."""
+    import jax
+
+    mesh = mpmd.RemoteMesh.local(num_actors=1)
+    a = mesh.actor(0)
+    mesh.close()
+    staged = []
+    monkeypatch.setattr(mesh, "put_requests", lambda *args: staged.append(args))
+    with pytest.raises(mpmd.MpmdError, match="this RemoteMesh is closed"):
+        a.run(jax.jit(lambda v: v + 1), np.ones((256, 128), np.float32))
+    assert staged == []

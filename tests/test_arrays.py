@@ -166,6 +166,41 @@ def test_a_deep_copy_of_a_steps_output_is_the_same_immutable_array_and_survives_
     np.testing.assert_allclose(np.asarray(again[0]), np.asarray(jax.jit(step)(want, batch)[0][0]), rtol=1e-6)
 
 
+def test_a_fetch_overtaken_by_a_step_donating_its_array_says_it_was_donated(mesh2, monkeypatch):
+    """A thread fetching params while another donated them to the next step got the actor's "holds no buffer N ...
+    was it deleted or never put?" (91 of 200 tries; a probe): the fetch had found the array usable, then the step's
+    dispatch deleted it and freed its buffer. It says what reading a donated array says. (The other thread's timing
+    is stood in for: the step is called between the fetch's check and its request, by wrapping `get_buffers`.)"""
+    def step(w, batch):
+        def mb(b):
+            value, g = jax.value_and_grad(lambda w: jnp.sum(mpmd.pipeline_yield(jnp.tanh(b @ w[0])) @ w[1]))(w)
+            return g, value
+        g, losses = mpmd.accumulate_grads(mb, batch, schedule=mpmd.GPipe(2))
+        return [a - 0.1 * b for a, b in zip(w, g)], losses
+
+    w = [np.full((4, 4), 0.25, np.float32), np.ones((4, 2), np.float32)]
+    batch = np.ones((2, 2, 4), np.float32)
+    dist = mpmd.distributed(step, mesh=mesh2, donate_argnums=0)
+    out, _ = dist(w, batch)
+    mpmd.fetch(out)
+    later = []
+    real = mesh2.get_buffers
+
+    def overtaken(bufs):
+        if not later:
+            later.append(dist(out, batch))  # (the other thread's call, donating `out`)
+            later[0][1].block_until_ready()
+        return real(bufs)
+
+    monkeypatch.setattr(mesh2, "get_buffers", overtaken)
+    with pytest.raises(mpmd.MpmdError, match=r"was donated to step \(donate_argnums\)"):
+        mpmd.fetch(out)
+    monkeypatch.undo()
+    want = jax.jit(step)(jax.jit(step)(w, batch)[0], batch)[0]
+    for got, wv in zip(mpmd.fetch(later[0][0]), want):
+        np.testing.assert_allclose(got, np.asarray(wv), rtol=1e-6)
+
+
 def test_jax_array_methods_on_a_remote_array_say_to_fetch_it_first_and_the_protocols_still_work(mesh2):
     x = mesh2.actor(0).put(np.arange(6, dtype=np.float32).reshape(2, 3))
     for name in ("mean", "T", "astype", "reshape", "at", "real", "sum"):

@@ -80,6 +80,8 @@ class ActorHandle:
         """Each host argument's put to this actor, made here, off the controller loop, as `put` makes it (a big one
         through shared memory: inline, a 20 MiB argument over the daemon's --max-message-mb was refused where `put`
         of it worked); None for a RemoteArray."""
+        if self.mesh.closed:  # (as mesh.run says it; staged first, the puts said "never awaited"; a probe)
+            raise MpmdError("this RemoteMesh is closed")
         return [None if isinstance(x, RemoteArray) else self.mesh.put_requests(host_value(x), [self.index], None) for x in leaves]
 
     def _request(self, op: str, fields: dict[str, Any] | None = None) -> Any:

@@ -129,6 +129,8 @@ class RemoteArray:
         if closed:
             raise MpmdError(f"{self!r} belongs to {self.mesh!r}, which was closed before the fetch could end; its data "
                             "is gone") from error
+        if not self.buffers:  # deleted meanwhile — donated to a step another thread called: said as reading it after
+            self._check_usable()  # would say it, not as the actor's "holds no buffer N ... never put?" (a probe)
 
     def _step_error_first(self) -> None:
         """After the actor's note that this array's buffer never came (a failed step's output): raise the step's
