@@ -142,18 +142,23 @@ def test_python_conversions_fetch_as_numpy_does_and_arithmetic_says_to_fetch_or_
         mpmd.distributed(step, mesh=mesh2)(np.ones((4, 4), np.float32), np.ones((2, 2, 4), np.float32))
 
 
+def _sgd_step(w, batch):
+    """A 2-stage SGD step (GPipe) that a test donates its weights to."""
+    def mb(b):
+        value, g = jax.value_and_grad(lambda w: jnp.sum(mpmd.pipeline_yield(jnp.tanh(b @ w[0])) @ w[1]))(w)
+        return g, value
+    g, losses = mpmd.accumulate_grads(mb, batch, schedule=mpmd.GPipe(2))
+    return [a - 0.1 * b for a, b in zip(w, g)], losses
+
+
+def _sgd_state():
+    return [np.full((4, 4), 0.25, np.float32), np.ones((4, 2), np.float32)], np.ones((2, 2, 4), np.float32)
+
+
 def test_a_deep_copy_of_a_steps_output_is_the_same_immutable_array_and_survives_a_donating_step(mesh2):
     """`best = copy.deepcopy(params)` failed ("cannot pickle '_thread.RLock'"). A RemoteArray is immutable,
     so its copy is itself; a step that donates it then leaves it alone, so the copy still reads."""
-    def step(w, batch):
-        def mb(b):
-            value, g = jax.value_and_grad(lambda w: jnp.sum(mpmd.pipeline_yield(jnp.tanh(b @ w[0])) @ w[1]))(w)
-            return g, value
-        g, losses = mpmd.accumulate_grads(mb, batch, schedule=mpmd.GPipe(2))
-        return [a - 0.1 * b for a, b in zip(w, g)], losses
-
-    w = [np.full((4, 4), 0.25, np.float32), np.ones((4, 2), np.float32)]
-    batch = np.ones((2, 2, 4), np.float32)
+    step, w, batch = _sgd_step, *_sgd_state()
     dist = mpmd.distributed(step, mesh=mesh2, donate_argnums=0)
     out, _ = dist(w, batch)
     best = copy.deepcopy({"params": out})
@@ -171,15 +176,7 @@ def test_a_fetch_overtaken_by_a_step_donating_its_array_says_it_was_donated(mesh
     was it deleted or never put?" (91 of 200 tries; a probe): the fetch had found the array usable, then the step's
     dispatch deleted it and freed its buffer. It says what reading a donated array says. (The other thread's timing
     is stood in for: the step is called between the fetch's check and its request, by wrapping `get_buffers`.)"""
-    def step(w, batch):
-        def mb(b):
-            value, g = jax.value_and_grad(lambda w: jnp.sum(mpmd.pipeline_yield(jnp.tanh(b @ w[0])) @ w[1]))(w)
-            return g, value
-        g, losses = mpmd.accumulate_grads(mb, batch, schedule=mpmd.GPipe(2))
-        return [a - 0.1 * b for a, b in zip(w, g)], losses
-
-    w = [np.full((4, 4), 0.25, np.float32), np.ones((4, 2), np.float32)]
-    batch = np.ones((2, 2, 4), np.float32)
+    step, w, batch = _sgd_step, *_sgd_state()
     dist = mpmd.distributed(step, mesh=mesh2, donate_argnums=0)
     out, _ = dist(w, batch)
     mpmd.fetch(out)
@@ -193,7 +190,7 @@ def test_a_fetch_overtaken_by_a_step_donating_its_array_says_it_was_donated(mesh
         return real(bufs)
 
     monkeypatch.setattr(mesh2, "get_buffers", overtaken)
-    with pytest.raises(mpmd.MpmdError, match=r"was donated to step \(donate_argnums\)"):
+    with pytest.raises(mpmd.MpmdError, match=r"was donated to _sgd_step \(donate_argnums\)"):
         mpmd.fetch(out)
     monkeypatch.undo()
     want = jax.jit(step)(jax.jit(step)(w, batch)[0], batch)[0]
