@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from mpmd.errors import ActorDiedError, MpmdError
 from mpmd.runtime.aio import off_loop, start_in_worker
 from mpmd.runtime.array import RemoteArray
 from mpmd.runtime.buffers import gather
+from mpmd.runtime.controller import close_if_unstarted
 from mpmd.runtime.sharding import remote_sharding
 
 log = logging.getLogger(__name__)
@@ -193,10 +193,9 @@ class ActorHandle:
                     mesh.release_buffers({self.index: b})
                 raise
         finally:
-            for put in staged:  # (those never started: closed, their shared-memory segments go; a started one is
-                for request in put[0] if put is not None else ():  # its gather's, which ends it)
-                    if inspect.iscoroutine(request) and inspect.getcoroutinestate(request) == inspect.CORO_CREATED:
-                        request.close()
+            for put in staged:  # (those never started: closed, their shared-memory segments go)
+                for request in put[0] if put is not None else ():
+                    close_if_unstarted(request)
             for temp in temps:  # (batched, behind the run: no await here, which a cancelled caller may not get to)
                 mesh._let_go(temp)
             if holder is not None:

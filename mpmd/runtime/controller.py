@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import inspect
 import logging
 import os
 import threading
@@ -73,6 +74,13 @@ def close_unstarted(coro: Any) -> None:
                 if asyncio.iscoroutine(inner):
                     inner.close()
     coro.close()
+
+
+def close_if_unstarted(coro: Any) -> None:
+    """`close_unstarted(coro)` if `coro` is a coroutine that never started; one already running is left to whoever
+    awaits it (e.g. the puts of a call cancelled part-way: the started ones end with their gather)."""
+    if inspect.iscoroutine(coro) and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+        close_unstarted(coro)
 
 
 CLOSED_MEANWHILE = ("this RemoteMesh was closed while the request ran (mesh.close or aclose from another thread or task): "
