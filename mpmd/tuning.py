@@ -150,7 +150,8 @@ class TuneResult(ShallowCopyOnly):
             if memory < len(self.candidates):
                 advice.append("pass microbatches=[...] and schedules=[...] that fit the batch and the mesh")
             reasons = list(dict.fromkeys((c.rejected or "").split(" (")[0] for c in self.candidates))
-            said = "; ".join(reasons[:3]) + (f"; and {len(reasons) - 3} other reasons" if len(reasons) > 3 else "")
+            more = len(reasons) - 3
+            said = "; ".join(reasons[:3]) + (f"; and {more} other reason{'s' if more > 1 else ''}" if more > 0 else "")
             memory_said = f"{memory} over memory_limit; " if self.memory_limit is not None else ""
             raise MpmdError(f"no candidate fits: all {len(self.candidates)} were rejected ({memory_said}each row of the "
                             f"table says why: {said}); {' or '.join(advice)}\n" + self.table())

@@ -312,11 +312,12 @@ def test_cli_tune_says_counts_in_its_own_flag_and_runs_as_python_m_mpmd_cli():
 
 def test_cli_tune_says_why_nothing_fits_in_its_own_flags_and_tune_refuses_a_closed_mesh(capsys):
     """`mpmd tune --memory-limit-mib 1` printed the table and exited 1 without the library's "no candidate fits ...
-    raise memory_limit, pass remat=True" (a probe): it says it now, in the command's flags. And mpmd.tune with
+    raise memory_limit, pass remat=True" (a probe): it says it now, in the command's flags, and the table once. And mpmd.tune with
     costs="xla" on a closed mesh returned a whole table, the winner failing only when run: refused at once."""
     assert main(["tune", "--actors", "2", "--layers", "2", "--width", "64", "--microbatches", "4", "--rows", "2",
                  "--try-microbatches", "4", "--memory-limit-mib", "1", "--xla-costs"]) == 1
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert (out + err).count("mpmd.tune: 0 of 4 candidates fit") == 1  # (the table once: the error's copy was printed too)
     assert "mpmd tune: no candidate fits: all 4 were rejected" in err
     assert "raise --memory-limit-mib, pass --remat or mark more stage boundaries" in err and "memory_limit," not in err
     mesh = mpmd.RemoteMesh.local(num_actors=1)

@@ -236,6 +236,9 @@ def test_stages_not_divisible_by_actors():
             cls(num_stages=6, num_actors=4)
     with pytest.raises(mpmd.ScheduleError, match="needs num_actors="):
         mpmd.InterleavedOneFOneB(8)
+    for cls in (mpmd.InterleavedOneFOneB, mpmd.InterleavedZeroBubble):  # (0 said "needs num_actors=": taken for not given)
+        with pytest.raises(mpmd.ScheduleError, match=rf"{cls.__name__}: num_actors must be a positive int, got 0"):
+            cls(8, 0)
 
 
 def test_a_table_too_big_to_build_is_refused_before_it_is_built():

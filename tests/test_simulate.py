@@ -482,6 +482,28 @@ def test_cli_simulate_refuses_a_picture_named_for_the_other_format(tmp_path, cap
     assert (tmp_path / "t.pic").read_text().startswith("<svg")
 
 
+def test_cli_simulate_names_the_flag_it_refuses_and_runs_as_python_m_mpmd(tmp_path, capsys):
+    """`--actors -2` was refused as the schedule's "num_stages must be a positive int", `--svg ''` wrote nothing and
+    said nothing (exit 0), and `python -m mpmd` had no __main__ (a probe)."""
+    import subprocess
+    import sys
+
+    for flags, said in ((["--actors", "-2"], "argument --actors: must be a number above 0, got -2"),
+                        (["--actors", "2", "--stages", "0"], "argument --stages: must be a number above 0, got 0"),
+                        (["--actors", "2", "--microbatches", "0"], "argument --microbatches: must be a number above 0, got 0")):
+        with pytest.raises(SystemExit) as e:
+            main(["simulate", "--schedule", "OneFOneB", "--microbatches", "4", *flags])
+        assert e.value.code == 2 and said in capsys.readouterr().err
+    for flag in ("--svg", "--png", "--trace"):
+        assert main(["simulate", "--schedule", "GPipe", "--actors", "2", "--microbatches", "2", flag, ""]) == 2
+        assert f"{flag} needs a file name, got ''" in capsys.readouterr().err
+    assert main(["simulate", "--schedule", "GPipe", "--actors", "2", "--microbatches", "2", "--trace", str(tmp_path / "t.svg")]) == 0
+    assert (tmp_path / "t.svg").read_text().lstrip().startswith(("{", "["))  # (a trace may be named anything)
+    out = subprocess.run([sys.executable, "-m", "mpmd", "simulate", "--schedule", "GPipe", "--actors", "2", "--microbatches", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "bubble per actor" in out.stdout, out.stderr[-500:]
+
+
 def test_cli_tune_refuses_counts_that_cannot_work_before_starting_anything(capsys):
     for flags, said in ((["--actors", "0"], "--actors: must be a number above 0"), (["--layers", "0"], "--layers: must be a number above 0"),
                         (["--memory-limit-mib", "-5"], "--memory-limit-mib: must be a number above 0"),

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from mpmd.cli.args import positive
 from mpmd.errors import MpmdError, ScheduleError
 
 Registrar = Callable[[Any], None]  # takes argparse's subparsers object
@@ -87,17 +88,20 @@ def _simulate(args: argparse.Namespace) -> int:
     except ScheduleError as e:
         print(f"mpmd simulate: {e}", file=sys.stderr)
         return 2
+    for flag, path in (("--svg", args.svg), ("--png", args.png), ("--trace", args.trace)):
+        if path is not None and not path.strip():  # (`--svg ''` wrote nothing and said nothing; a probe)
+            print(f"mpmd simulate: {flag} needs a file name, got {path!r}", file=sys.stderr)
+            return 2
+        ending = os.path.splitext(path or "")[1].lower()
+        if flag != "--trace" and ending in (".png", ".svg") and ending != "." + flag[2:]:  # (`--svg out.png` wrote SVG into a .png; a probe)
+            print(f"mpmd simulate: {flag} {path}: that name ends in {ending}; name it .{flag[2:]} (or use --{ending[1:]})",
+                  file=sys.stderr)
+            return 2
     print(f"{schedule!r}, {args.microbatches} microbatches")
     print(format_table(schedule.tasks(args.microbatches)))
     print(result.summary())
     writes = ((args.svg, lambda p: result.draw(p, fmt="svg")), (args.png, lambda p: result.draw(p, fmt="png")),
               (args.trace, result.to_perfetto))
-    for flag, path in (("--svg", args.svg), ("--png", args.png)):
-        ending = os.path.splitext(path or "")[1].lower()
-        if ending in (".png", ".svg") and ending != "." + flag[2:]:  # (`--svg out.png` wrote SVG into a .png; a probe)
-            print(f"mpmd simulate: {flag} {path}: that name ends in {ending}; name it .{flag[2:]} (or use --{ending[1:]})",
-                  file=sys.stderr)
-            return 2
     for path, write in writes:
         if path:
             try:
@@ -120,9 +124,9 @@ def register_simulate(sub: Any) -> None:
                        description="Validate a built-in schedule and simulate it on a cost model (default: unit costs "
                                    "F=1, B=2, I=W=1, free transfers). Exit code 2 if the schedule cannot run.")
     p.add_argument("--schedule", required=True, choices=list(BUILTINS), help="built-in schedule class")
-    p.add_argument("--actors", type=int, help="number of actors")
-    p.add_argument("--stages", type=int, help="number of stages (default: one per actor, two per actor for V schedules; interleaved schedules need it)")
-    p.add_argument("--microbatches", type=int, required=True, help="number of microbatches")
+    p.add_argument("--actors", type=positive(int), help="number of actors")
+    p.add_argument("--stages", type=positive(int), help="number of stages (default: one per actor, two per actor for V schedules; interleaved schedules need it)")
+    p.add_argument("--microbatches", type=positive(int), required=True, help="number of microbatches")
     p.add_argument("--costs", type=_parse_costs, default=None,
                    help="cost model, e.g. F=1,B=2,I=1,W=1,latency=0.1 (fields of mpmd.Costs; per stage: F=1:1.5)")
     p.add_argument("--svg", help="write the timeline picture as SVG")

@@ -16,6 +16,8 @@ import re
 from types import ModuleType
 from typing import Any
 
+from mpmd.cli.args import positive
+
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "gpt.py"
 
 
@@ -50,21 +52,6 @@ def gpt_setup(gpt: ModuleType, layers: int, width: int, seq: int, heads: int, mi
     return step, params, opt.init(params), batch
 
 
-def _positive(kind: type) -> Any:
-    """An argparse type: a number of `kind` above 0 (argparse prints the usage and the message otherwise)."""
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not value > 0 or value == float("inf"):  # (nan and inf too)
-            raise argparse.ArgumentTypeError(f"must be a number above 0, got {text}")
-        return value
-
-    parse.__name__ = kind.__name__  # what argparse names in "invalid ... value"
-    return parse
-
-
 def _count(text: str) -> int:
     """--verify: a whole number, 0 or more."""
     try:
@@ -94,7 +81,7 @@ def _limit(text: str) -> float | None:
             return None
     except ValueError:
         pass
-    return _positive(float)(text)
+    return positive(float)(text)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -125,8 +112,8 @@ def _run(args: argparse.Namespace) -> int:
         if not result.feasible:
             try:
                 result.best  # (its error says why nothing fits and what to do, in mpmd.tune's words)
-            except mpmd.MpmdError as e:
-                print(f"mpmd tune: {_in_cli_words(str(e))}", file=sys.stderr)
+            except mpmd.MpmdError as e:  # (its first line: the table it ends with was printed just above; a probe)
+                print(f"mpmd tune: {_in_cli_words(str(e).splitlines()[0])}", file=sys.stderr)
             return 1
         if args.verify:
             result.verify(args.verify)
@@ -143,13 +130,13 @@ def _in_cli_words(text: str) -> str:
 def add_subcommand(sub: Any) -> None:
     p = sub.add_parser("tune", help="choose schedule, microbatches and stage grouping for the GPT example (mpmd.tune)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--actors", type=_positive(int), default=2, help="the number of local actors (daemons) to tune for (default %(default)s)")
-    p.add_argument("--layers", type=_positive(int), default=8, help="transformer blocks of the GPT example (default %(default)s)")
-    p.add_argument("--width", type=_positive(int), default=128, help="its model width (default %(default)s)")
-    p.add_argument("--seq", type=_positive(int), default=64, help="tokens per sequence (default %(default)s)")
-    p.add_argument("--heads", type=_positive(int), default=4, help="attention heads (width must be a multiple) (default %(default)s)")
-    p.add_argument("--microbatches", type=_positive(int), default=8, help="microbatches of the batch as given (default: %(default)s)")
-    p.add_argument("--rows", type=_positive(int), default=4, help="sequences per microbatch of the batch as given (default: %(default)s)")
+    p.add_argument("--actors", type=positive(int), default=2, help="the number of local actors (daemons) to tune for (default %(default)s)")
+    p.add_argument("--layers", type=positive(int), default=8, help="transformer blocks of the GPT example (default %(default)s)")
+    p.add_argument("--width", type=positive(int), default=128, help="its model width (default %(default)s)")
+    p.add_argument("--seq", type=positive(int), default=64, help="tokens per sequence (default %(default)s)")
+    p.add_argument("--heads", type=positive(int), default=4, help="attention heads (width must be a multiple) (default %(default)s)")
+    p.add_argument("--microbatches", type=positive(int), default=8, help="microbatches of the batch as given (default: %(default)s)")
+    p.add_argument("--rows", type=positive(int), default=4, help="sequences per microbatch of the batch as given (default: %(default)s)")
     p.add_argument("--try-microbatches", type=_counts, default=None, help="comma-separated counts to consider (default: the divisors of the batch's "
                    "microbatches x rows sequences from the actors to 4 x actors x stages per actor, and --microbatches)")
     p.add_argument("--memory-limit-mib", type=_limit, default=None, help="the memory limit per actor, in MiB (0, the default: no limit)")

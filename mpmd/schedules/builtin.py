@@ -282,11 +282,11 @@ class EagerOneFOneB(Schedule):
 class _Looped(Schedule):
     """Several stages per actor, placed circularly: stage s on actor s % num_actors."""
 
-    num_actors: int = 0  # type: ignore[assignment]  # required; a default only because the base has a property here
+    num_actors: int = None  # type: ignore[assignment]  # required; a default only because the base has a property here
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.num_actors == 0:
+        if self.num_actors is None:  # (not 0: `num_actors=0` said it was not given; a probe)
             raise ScheduleError(f"{type(self).__name__} needs num_actors=, the number of actors its stages are spread over, e.g. "
                                 f"{type(self).__name__}(num_stages=8, num_actors=4)")
         object.__setattr__(self, "num_actors", _positive(self, "num_actors", self.num_actors))
