@@ -284,3 +284,15 @@ def test_special_files_links_and_deep_json_in_a_checkpoint_are_refused_never_fol
     _edit(ckpt, lambda d: d["body"]["parts"]["host"][rel].update(size=0, sha256=hashlib.sha256(b"").hexdigest()), redigest=True)
     with pytest.raises(mpmd.CheckpointError, match=r"not a regular file \(a FIFO"):
         mpmd.load(str(path))
+
+
+def test_a_damaged_parts_leaves_are_named_whole_then_counted():
+    """The message listing a damaged part's leaves was cut at 200 characters, mid-path ("... [1][1][2].co)"; a probe):
+    whole paths, then how many more."""
+    from mpmd.runtime.checkpoint import _some
+
+    paths = [f"[{i}][1][2].count" for i in range(40)]
+    said = _some(paths)
+    listed, more = said.split(" ... ")
+    assert listed.split(", ") == paths[: len(listed.split(", "))] and more == f"({40 - len(listed.split(', '))} more)"
+    assert len(listed) <= 200 and _some(["a", "b"]) == "a, b" and _some(["x" * 300]) == "x" * 300

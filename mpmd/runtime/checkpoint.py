@@ -615,11 +615,22 @@ def _read_host(m: Manifest, part: str, verify: bool) -> dict[str, np.ndarray]:
         raise _problem(m, part, None, e.wire()) from None
 
 
+def _some(paths: list[str], room: int = 200) -> str:
+    """`paths` joined, as many whole ones as fit in about `room` characters, then how many more (a path cut in half
+    read "... [1][1][2].co)"; a probe)."""
+    said: list[str] = []
+    for p in paths:
+        if said and sum(len(x) + 2 for x in said) + len(p) > room:
+            return ", ".join(said) + f" ... ({len(paths) - len(said)} more)"
+        said.append(p)
+    return ", ".join(said)
+
+
 def _problem(m: Manifest, part: str, actor: int | None, p: dict[str, Any]) -> CheckpointError:
     leaf = next((x.path for x in m.leaves if x.part == part and x.name == p.get("leaf")), None)
     file = f"{part}/{p['file']}" if p.get("file") and p["file"] != "." else part
     who = f"actor {actor}" if actor is not None else "the controller"
-    names = f", leaf {leaf}" if leaf else f" (part {part} holds {', '.join(x.path for x in m.leaves if x.part == part)[:200]})"
+    names = f", leaf {leaf}" if leaf else f" (part {part} holds {_some([x.path for x in m.leaves if x.part == part])})"
     return CheckpointError(f"checkpoint {m.directory}: {who} found {file}{names}: {p.get('why')}; the checkpoint is damaged or was "
                            "edited after the save: restore an earlier one", checkpoint=m.directory, actor=actor, file=file, leaf=leaf)
 

@@ -333,10 +333,12 @@ class RecoveryManager:
             # the free of the inputs it donates. (From a coroutine, a loop turn later, that free came first: with
             # donate_argnums no snapshot ever completed, the log grew for good and a recovery replayed every
             # step from the first; a probe.)
-            sent = [asyncio.ensure_future(mesh.conn(a).submit("get", {"bufs": [b for _, b in vb]})) for a, vb in per_actor.items()]
-            for f in sent:  # (read here too: when the fetch ends before `gathered` runs — the snapshot abandoned for a
-                # recovery — a survivor's get failing after the rollback was logged "Task exception was never retrieved")
-                f.add_done_callback(_read_error)
+            sent = []
+            for a, vb in per_actor.items():  # (each read as it is made: when the fetch ends before `gathered` runs —
+                # the snapshot abandoned for a recovery — a survivor's get failing after the rollback was logged "Task
+                # exception was never retrieved"; and a later actor's submit raising left the earlier ones unread)
+                sent.append(asyncio.ensure_future(mesh.conn(a).submit("get", {"bufs": [b for _, b in vb]})))
+                sent[-1].add_done_callback(_read_error)
             return sent
 
         async def gathered(sent: list[asyncio.Future[Any]]) -> dict[int, np.ndarray]:

@@ -672,7 +672,8 @@ class DataPlane(P2PTransport):
         """Count and log a message that could not be taken in; its receive, if it names one, fails now."""
         self.counters["bad_messages"] += 1
         self._warn.warning("bad-message", "actor %d: bad data-plane message from %s: %s", self.actor_id,
-                           f"actor {src}" if src is not None else f"an unidentified sender ({who})", e)
+                           f"actor {src}" if src is not None else f"actor {who} (by its key)" if who.isdigit()
+                           else f"an unidentified sender ({who})", e)  # (a forged src from a known key said "unidentified")
         if src is not None and key is not None:  # fail the receive now rather than let it time out
             err = e if isinstance(e, TransferError) else TransferError(f"actor {self.actor_id} got a bad transfer {key} from actor {src}: {e}")
             self._fail(src, key, err)
