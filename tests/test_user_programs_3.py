@@ -222,8 +222,18 @@ def test_a_breakpoint_and_an_io_callback_whose_result_is_used_are_refused_before
 
         return jax.lax.scan(body, h, None, length=2)[0]
 
-    with pytest.raises(PipelineError, match="inside a lax.scan body.*Move the callback out"):
+    with pytest.raises(PipelineError, match=r"inside a lax.scan \(or fixed-bound lax.fori_loop\) body.*Move the callback out"):
         mpmd.distributed(_one_stage_effect_step(in_scan), mesh=mesh2)(params, batch)
+
+    def in_fori(h):  # (a fixed-bound fori_loop is a scan: "inside a lax.scan body" alone did not say so; a probe)
+        def body(i, c):
+            jax.debug.print("c={c}", c=c.sum())
+            return c * 1.0
+
+        return jax.lax.fori_loop(0, 2, body, h)
+
+    with pytest.raises(PipelineError, match=r"inside a lax.scan \(or fixed-bound lax.fori_loop\) body"):
+        mpmd.distributed(_one_stage_effect_step(in_fori), mesh=mesh2)(params, batch)
 
 
 # ---- 3. several backward passes of one forward -----------------------------------------------------------

@@ -37,7 +37,7 @@ from mpmd.errors import PipelineError
 
 HOST_CALLS = frozenset({"debug_print", "debug_callback", "io_callback"})
 _RESULT_CALLS = frozenset({"io_callback", "pure_callback"})
-_CONSTRUCT_NAMES = {"scan": "a lax.scan body", "while": "a lax.while_loop / fori_loop body", "cond": "a lax.cond / switch branch",
+_CONSTRUCT_NAMES = {"scan": "a lax.scan (or fixed-bound lax.fori_loop) body", "while": "a lax.while_loop / fori_loop body", "cond": "a lax.cond / switch branch",
                     "remat2": "jax.checkpoint", "checkpoint": "jax.checkpoint", "custom_vjp_call": "a jax.custom_vjp function",
                     "custom_vjp_call_jaxpr": "a jax.custom_vjp function", "shard_map": "shard_map"}
 
