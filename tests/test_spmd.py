@@ -513,6 +513,9 @@ def test_the_embedding_api_puts_and_runs_sharded_arrays(mesh_1x2):
     x = np.arange(64, dtype=np.float32).reshape(8, 8)
     r = mesh_1x2.actor(0).put(x, P(None, "model"))
     assert r.sharding.spec == P(None, "model")
+    both = mesh_1x2.actor(0).put(x, P("data", "model"))  # (data is of size 1: the same layout, said as a step says it)
+    assert both.sharding.spec == P(None, "model") and both.sharding == r.sharding
+    np.testing.assert_array_equal(both.to_numpy(), x)
     assert mesh_1x2.actor(0).stats()["device_bytes"][0] >= 8 * 4 * 4
     f = jax.jit(lambda a: (a @ a.T).sum(axis=0))
     out = mesh_1x2.actor(0).run(f, r)

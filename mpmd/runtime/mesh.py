@@ -892,8 +892,10 @@ class RemoteMesh:
                 raise MpmdError("a PartitionSpec needs actors with several devices: make the mesh with devices_per_actor=N "
                                 "(and mesh_shape=..., axis_names=...)")
             self.actor_mesh.check_spec(spec, shape, "put")
-            spec = as_spec(spec)  # (a NamedSharding over the actors' own mesh shape: its spec)
-            fields["layout"] = layout_wire(as_layout(spec))
+            # (a NamedSharding over the actors' own mesh shape: its spec; in the one form a step's outputs have, size-1
+            # axes dropped: put(x, spec=P('data', 'model')) on a (1, 2) mesh read P('data', 'model'); a probe)
+            spec = self.actor_mesh.canonical(as_spec(spec))
+            fields["layout"] = layout_wire(spec)
         bufs = {a: self.new_buffer_id() for a in actors}
         puts: list[Any] = []
         try:
@@ -903,7 +905,7 @@ class RemoteMesh:
             for p in puts:
                 p.close()
             raise
-        layout = as_layout(spec) if spec is not None else (() if self.actor_mesh is not None else None)
+        layout = spec if spec is not None else (() if self.actor_mesh is not None else None)
         return puts, lambda: RemoteArray(self, bufs, shape, dtype, remote_sharding(layout, self.actor_mesh))
 
     def _put_one(self, actor: int, buf: int, fields: dict[str, Any], wire: np.ndarray) -> Any:
