@@ -369,3 +369,16 @@ def test_actor_run_on_a_closed_mesh_says_closed_and_stages_nothing(monkeypatch):
     with pytest.raises(mpmd.MpmdError, match="this RemoteMesh is closed"):
         a.run(jax.jit(lambda v: v + 1), np.ones((256, 128), np.float32))
     assert staged == []
+
+
+def test_a_misspelt_keyword_to_remote_mesh_local_is_refused_before_any_daemon_starts(monkeypatch):
+    """`RemoteMesh.local(2, mesh_shap=(1, 1))` started both daemons and then raised RemoteMesh.__init__'s TypeError,
+    8 s later (a probe). Refused first, naming what it passes on."""
+    from mpmd.runtime import mesh as mesh_module
+
+    def no_daemons(*args, **kwargs):
+        raise AssertionError("a daemon was started")
+
+    monkeypatch.setattr(mesh_module, "start_local", no_daemons)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'mesh_shap'; .* axis_names, .*mesh_shape"):
+        mpmd.RemoteMesh.local(num_actors=2, mesh_shap=(1, 1))

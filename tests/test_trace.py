@@ -267,3 +267,21 @@ def test_steps_dispatched_back_to_back_are_not_counted_twice(mesh2):
         assert sum(b.compute + b.waiting + b.overhead for b in parts) <= (last - first) * (1 + 1e-6), parts
     assert any(b.other > 0 for i in range(1, 4) for b in t.breakdown(i).values())  # (the windows did overlap)
     assert "other steps" in t.summary(-1)
+
+
+def test_a_step_whose_runs_interleave_an_earlier_steps_adds_up_to_its_window():
+    """Steps that do not depend on each other (the same params passed to each) interleave on an actor: one of this
+    step's Runs before the earlier step's last. That Run was counted as compute and again as 'other steps' (queued
+    behind the earlier step), and a row added up to 108-121 % (a probe). Synthetic spans, in seconds."""
+    from mpmd.observe.trace import ActorStep, RunSpan, Trace
+
+    def step(i, runs):
+        return {0: ActorStep(0, i, runs[0][0], runs[-1][1], [RunSpan(f"r{j}", s, s, s, e) for j, (s, e) in enumerate(runs)])}
+
+    t = Trace()
+    t.steps = [step(0, [(0.0, 1.0), (3.0, 4.0)]),  # the earlier step: its last Run after one of the next step's
+               step(1, [(1.0, 2.0), (5.0, 6.0)])]
+    b = t.breakdown(1)[0]
+    assert b.wall == 5.0 and b.compute == 2.0
+    assert b.other == pytest.approx(2.0)  # (1.0-2.0 is this step's own Run; 2.0-4.0 the earlier step's, and queued behind it)
+    assert b.compute + b.waiting + b.overhead + b.idle + b.other == pytest.approx(b.wall)

@@ -116,6 +116,9 @@ def breakdown(a: ActorStep, window: tuple[float, float], others: Sequence[tuple[
             overhead += r.start - data_until - _covered(data_until, r.start, others)
         prev_end = max(prev_end, r.end)
     wall = w1 - w0
+    if queued:  # (less this step's own Runs in that span, counted as compute: an actor that ran one of this step's
+        # Runs before an earlier step's last one was counted twice, and a row added up to 108-121 %; a probe)
+        queued -= _covered(w0, min(queued_until, w1), [(r.start, r.end) for r in a.runs])
     other = queued + _covered(w0 if queued_until is None else max(w0, queued_until), w1, others)
     idle = max(0.0, wall - compute - waiting - overhead - other)
     return Breakdown(wall, compute, waiting, overhead, idle, other)

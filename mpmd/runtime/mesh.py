@@ -24,6 +24,7 @@ import atexit
 import collections
 import concurrent.futures
 import functools
+import inspect
 import logging
 import math
 import numbers
@@ -62,7 +63,7 @@ from mpmd.runtime.inputs import close_stager
 from mpmd.runtime.launch.local import LocalOptions, LocalProcess, check_devices, start_local
 from mpmd.runtime.loader import check_loader_names
 from mpmd.runtime.recovery import Recovery, enable_recovery
-from mpmd.runtime.sharding import ActorMesh, as_layout, as_spec, layout_wire, remote_sharding
+from mpmd.runtime.sharding import ActorMesh, as_spec, layout_wire, remote_sharding
 from mpmd.runtime.wiring import TRANSPORTS, wire_data_plane
 from transport.auth import ClientKeys
 from transport.protocol import ProtocolError
@@ -265,12 +266,18 @@ class RemoteMesh:
         a Run that never returns fails its step after that long.
         The daemons exit when the mesh is closed, when the `with` block ends, at interpreter exit, or when this
         process dies. `recover=mpmd.Recovery(snapshot_every=k)`: a daemon that dies is replaced by a new local
-        process and the lost steps are replayed (see `mpmd.Recovery`).
+        process and the lost steps are replayed (see `mpmd.Recovery`). Other keywords (`mesh_shape`, `axis_names`,
+        `heartbeat_timeout`, `transfer_timeout`, ...) go to `RemoteMesh(...)`, which says what each does.
         """
         if transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {transport!r}; choose one of {TRANSPORTS}")
         if transport == "nccl" and platform == "cpu":
             raise ValueError("transport='nccl' needs GPU actors: pass platform='gpu' (local actors run on CPU by default)")
+        passed_on = sorted(set(inspect.signature(cls.__init__).parameters) - {"self", "addresses", "processes", "transport", "keys"})
+        unknown = sorted(set(kwargs) - set(passed_on))
+        if unknown:  # (before the daemons start: a misspelt mesh_shap= was a TypeError from __init__ after 8 s; a probe)
+            raise TypeError(f"RemoteMesh.local() got an unexpected keyword argument {unknown[0]!r}; besides its own it takes "
+                            f"RemoteMesh's {', '.join(passed_on)}")
         _check_mesh_arguments(kwargs, devices_per_actor)
         options = LocalOptions(devices_per_actor, platform, transport != "none", cache_dir, address, log_level, cpus_per_actor,
                                startup_timeout, gpu_ids=tuple(gpu_ids) if gpu_ids is not None else None,
