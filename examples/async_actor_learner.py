@@ -35,7 +35,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=4, help="learner steps per round (on the newest rollouts)")
     ap.add_argument("--envs", type=int, default=256, help="environments stepped together in a rollout")
     ap.add_argument("--horizon", type=int, default=64, help="environment steps per rollout")
-    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--microbatches", type=int, default=4, help="microbatches a learner step's pipeline splits its batch into")
     args = ap.parse_args(argv)
     for flag in ("iterations", "steps", "envs", "horizon", "microbatches"):
         if getattr(args, flag) < 1:

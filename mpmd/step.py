@@ -845,8 +845,9 @@ class DistributedFunction(ShallowCopyOnly):
             while len(self._compiled) > MAX_SIGNATURES:
                 olds.append(self._compiled.popitem(last=False)[1])
             self._drop(olds)
-        log.info("compiled step: planned in %.2f s; %d executables lowered here, compiled on %d actors in parallel; %.2f s in all",
-                 t1 - t0, len(plan.templates), len(plan.programs), compiled.compile_seconds)
+        n, a = len(plan.templates), len(plan.programs)
+        log.info("compiled step: planned in %.2f s; %d executable%s lowered here, compiled on %d actor%s in parallel; %.2f s in all",
+                 t1 - t0, n, "s" if n != 1 else "", a, "s" if a != 1 else "", compiled.compile_seconds)
         return compiled
 
     def _lower_and_ship(self, plan: StepPlan, ids: list[int], arg_layouts: tuple | None, out_tree: Any,

@@ -49,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {public} (public: give it to whoever must admit this key)")
     print(f"wrote {secret} (secret, mode 600: keep it on the machines that use this identity)")
     if args.name == "mpmd":
-        print(f"start daemons with: mpmd-actor --server-key {secret} --authorized-keys {public.parent}")
+        print(f"start daemons with: mpmd-actor --server-key {secret} --authorized-keys {public.parent} --listen tcp://0.0.0.0:5555")
+        print("                    (--listen: the address other nodes reach it at; without it a daemon binds 127.0.0.1 only)")
         print(f"connect with:       mpmd.RemoteMesh.connect([...], keys={str(public.parent)!r})")
     else:  # another identity: a controller's own pair, which daemons admit by its public key
         print(f"admit it: daemons admit the *.key files of their --authorized-keys directory, read at start (when that "
