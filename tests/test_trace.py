@@ -285,3 +285,20 @@ def test_a_step_whose_runs_interleave_an_earlier_steps_adds_up_to_its_window():
     assert b.wall == 5.0 and b.compute == 2.0
     assert b.other == pytest.approx(2.0)  # (1.0-2.0 is this step's own Run; 2.0-4.0 the earlier step's, and queued behind it)
     assert b.compute + b.waiting + b.overhead + b.idle + b.other == pytest.approx(b.wall)
+
+
+def test_fit_costs_fits_non_negative_costs_that_best_explain_the_runs():
+    """Least squares then clipping at 0: a trace whose fused B+F Run was shorter than its lone Fs (noise on a tiny
+    model) fitted B = -0.2 ms, clipped to 0, and left F at the lone Runs' 1.0 ms, the fused Run predicted 0.2 ms too
+    long (a probe saw B = 0 on both stages of a 16-wide model). A non-negative fit takes the best F with B = 0."""
+    from mpmd.observe.trace import ActorStep, RunSpan, Trace, fit_costs
+
+    t = Trace()
+    x, clock = ActorStep(0, 0, 0.0, 0.0), 0.0
+    for label, ms in (("0F0", 1.0), ("0F1", 1.0), ("0B0+0F2", 0.8)):
+        x.runs.append(RunSpan(label, clock, clock, clock, clock + ms * 1e-3))
+        clock += ms * 1e-3
+    x.end = clock
+    t.steps.append({0: x})
+    c = fit_costs(t, 1, per_run=False)
+    assert c.B[0] == 0 and c.F[0] == pytest.approx(2.8e-3 / 3)  # (the mean of the three: the best F once B is 0)
