@@ -121,10 +121,20 @@ def test_a_step_called_under_the_callers_own_jax_set_mesh_equals_jit(mesh_1x2, c
     assert_trees_close(mpmd.fetch(p), rp)
 
 
-def test_a_sharding_constraint_over_a_concrete_jax_mesh_of_the_actors_shape_equals_jit_and_another_mesh_is_refused(mesh_1x2):
+def _constrain(how, h, sharding):
+    if how == "constraint":
+        return jax.lax.with_sharding_constraint(h, sharding)
+    return jax.device_put((h, h), sharding)[0]  # (two operands, one equation)
+
+
+@pytest.mark.parametrize("how", ["constraint", "device_put"])
+def test_a_sharding_constraint_over_a_concrete_jax_mesh_of_the_actors_shape_equals_jit_and_another_mesh_is_refused(mesh_1x2, how):
     """`with_sharding_constraint(h, NamedSharding(mesh, spec))` with a jax Mesh of this process, as jax.jit code
     writes it: the export pinned the caller's device count and the actors refused the executable (a probe).
-    Over a mesh of the actors' shape and names it is rebound to their mesh; another mesh is a clear error."""
+    Over a mesh of the actors' shape and names it is rebound to their mesh; another mesh is a clear error. The same
+    for `jax.device_put(h, NamedSharding(mesh, spec))`, inside jax.jit a sharding constraint, in a stage or in a
+    function given to mesh.actor(i).run (the actor refused it: "exported for 2 devices and is called in a context
+    with 1"; a probe)."""
     rng = np.random.default_rng(0)
     params = megatron_params(rng)
     opt = optax.sgd(0.1)
@@ -134,39 +144,7 @@ def test_a_sharding_constraint_over_a_concrete_jax_mesh_of_the_actors_shape_equa
     def model_over(mesh):
         def model(params, x):
             h = jnp.tanh(x @ params[0]["w1"])
-            h = jax.lax.with_sharding_constraint(h, NamedSharding(mesh, P("data", None, "model")))
-            x = mpmd.pipeline_yield(h) @ params[0]["w2"]
-            return jnp.tanh(x @ params[1]["w1"]) @ params[1]["w2"]
-        return model
-
-    same = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-    step = mpmd.distributed(make_train_step(mse(model_over(same)), opt, mpmd.OneFOneB(2)), mesh=mesh_1x2,
-                            in_shardings=(MEGATRON_SPECS, None, None))
-    p, o, loss = step(params, opt.init(params), batches[0])
-    np.testing.assert_allclose(loss.to_numpy(), rl[0], rtol=1e-5)
-    assert_trees_close(mpmd.fetch(p), rp)
-    other = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-    step = mpmd.distributed(make_train_step(mse(model_over(other)), opt, mpmd.OneFOneB(2)), mesh=mesh_1x2)
-    with pytest.raises(mpmd.PipelineError, match=r"uses a jax Mesh of shape \(2, 2\) .*\(a mesh of shape \(1, 2\) .*write "
-                                                 r"with_sharding_constraint\(x, P\('data', None, 'model'\)\)"):
-        step(params, opt.init(params), batches[0])
-
-
-def test_a_device_put_to_a_named_sharding_over_a_concrete_mesh_in_a_stage_or_actor_run_equals_jit(mesh_1x2):
-    """`jax.device_put(h, NamedSharding(mesh, spec))` inside a stage, or in a function given to mesh.actor(i).run —
-    inside jax.jit, a sharding constraint — pinned the export to the caller's devices, and the actor refused it
-    ("exported for 2 devices and is called in a context with 1"; a probe). Over a mesh of the actors' shape it is a
-    constraint on their mesh, as with_sharding_constraint is; over another, the same clear error."""
-    rng = np.random.default_rng(0)
-    params = megatron_params(rng)
-    opt = optax.sgd(0.1)
-    batches = [batch_of(rng)]
-    rp, ro, rl = reference(mse(megatron), opt, params, MEGATRON_SPECS, batches, (1, 2))
-
-    def model_over(mesh):
-        def model(params, x):
-            h = jnp.tanh(x @ params[0]["w1"])
-            h, _ = jax.device_put((h, h), NamedSharding(mesh, P("data", None, "model")))  # (two operands, one equation)
+            h = _constrain(how, h, NamedSharding(mesh, P("data", None, "model")))
             x = mpmd.pipeline_yield(h) @ params[0]["w2"]
             return jnp.tanh(x @ params[1]["w1"]) @ params[1]["w2"]
         return model
@@ -178,12 +156,13 @@ def test_a_device_put_to_a_named_sharding_over_a_concrete_mesh_in_a_stage_or_act
     np.testing.assert_allclose(loss.to_numpy(), rl[0], rtol=1e-5)
     assert_trees_close(mpmd.fetch(p), rp)
     x = np.arange(16, dtype=np.float32).reshape(4, 4)
-    y = mesh_1x2.actor(0).run(jax.jit(lambda a: jax.device_put(a * 2, NamedSharding(same, P(None, "model")))), x)
+    y = mesh_1x2.actor(0).run(jax.jit(lambda a: _constrain(how, a * 2, NamedSharding(same, P(None, "model")))), x)
     np.testing.assert_array_equal(y.to_numpy(), x * 2)
-    assert y.sharding.spec == P(None, "model")
     other = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     step = mpmd.distributed(make_train_step(mse(model_over(other)), opt, mpmd.OneFOneB(2)), mesh=mesh_1x2)
-    with pytest.raises(mpmd.PipelineError, match=r"jax.device_put\(x, NamedSharding\(mesh, .*uses a jax Mesh of shape \(2, 2\)"):
+    said = "with_sharding_constraint" if how == "constraint" else "jax.device_put"
+    with pytest.raises(mpmd.PipelineError, match=rf"{said}\(x, NamedSharding\(mesh, .*uses a jax Mesh of shape \(2, 2\) .*\(a mesh "
+                                                 r"of shape \(1, 2\) .*write " + rf"{said}\(x, P\('data', None, 'model'\)\)"):
         step(params, opt.init(params), batches[0])
 
 
