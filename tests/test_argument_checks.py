@@ -382,3 +382,10 @@ def test_a_misspelt_keyword_to_remote_mesh_local_is_refused_before_any_daemon_st
     monkeypatch.setattr(mesh_module, "start_local", no_daemons)
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'mesh_shap'; .* axis_names, .*mesh_shape"):
         mpmd.RemoteMesh.local(num_actors=2, mesh_shap=(1, 1))
+
+    class Tagged(mpmd.RemoteMesh):  # (a subclass that takes **kwargs judges its own: not refused here)
+        def __init__(self, *args, tag=None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    with pytest.raises(AssertionError, match="a daemon was started"):
+        Tagged.local(num_actors=1, heartbeat_timeout=30.0)

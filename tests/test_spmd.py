@@ -124,7 +124,7 @@ def test_a_step_called_under_the_callers_own_jax_set_mesh_equals_jit(mesh_1x2, c
 def _constrain(how, h, sharding):
     if how == "constraint":
         return jax.lax.with_sharding_constraint(h, sharding)
-    return jax.device_put((h, h), sharding)[0]  # (two operands, one equation)
+    return jax.device_put((h, h), (sharding, jax.devices()[0]))[0]  # (two operands, one equation; one a device)
 
 
 @pytest.mark.parametrize("how", ["constraint", "device_put"])
@@ -132,9 +132,9 @@ def test_a_sharding_constraint_over_a_concrete_jax_mesh_of_the_actors_shape_equa
     """`with_sharding_constraint(h, NamedSharding(mesh, spec))` with a jax Mesh of this process, as jax.jit code
     writes it: the export pinned the caller's device count and the actors refused the executable (a probe).
     Over a mesh of the actors' shape and names it is rebound to their mesh; another mesh is a clear error. The same
-    for `jax.device_put(h, NamedSharding(mesh, spec))`, inside jax.jit a sharding constraint, in a stage or in a
-    function given to mesh.actor(i).run (the actor refused it: "exported for 2 devices and is called in a context
-    with 1"; a probe)."""
+    for `jax.device_put(h, NamedSharding(mesh, spec))` (inside jax.jit a no-op, its layout left to XLA), in a stage or
+    in a function given to mesh.actor(i).run (the actor refused it: "exported for 2 devices and is called in a context
+    with 1"; a probe), also beside a target that is a device."""
     rng = np.random.default_rng(0)
     params = megatron_params(rng)
     opt = optax.sgd(0.1)
@@ -160,9 +160,9 @@ def test_a_sharding_constraint_over_a_concrete_jax_mesh_of_the_actors_shape_equa
     np.testing.assert_array_equal(y.to_numpy(), x * 2)
     other = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     step = mpmd.distributed(make_train_step(mse(model_over(other)), opt, mpmd.OneFOneB(2)), mesh=mesh_1x2)
-    said = "with_sharding_constraint" if how == "constraint" else "jax.device_put"
+    said = "with_sharding_constraint" if how == "constraint" else "jax.device_put"  # (advice: what works in a step)
     with pytest.raises(mpmd.PipelineError, match=rf"{said}\(x, NamedSharding\(mesh, .*uses a jax Mesh of shape \(2, 2\) .*\(a mesh "
-                                                 r"of shape \(1, 2\) .*write " + rf"{said}\(x, P\('data', None, 'model'\)\)"):
+                                                 r"of shape \(1, 2\) .*write .*with_sharding_constraint\(x, P\('data', None, 'model'\)\)"):
         step(params, opt.init(params), batches[0])
 
 

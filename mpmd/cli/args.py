@@ -12,7 +12,7 @@ def positive(kind: type) -> Any:
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' if kind is int else ''}number") from None
         if not value > 0 or value == float("inf"):  # (nan and inf too)
             raise argparse.ArgumentTypeError(f"must be a number above 0, got {text}")
         return value

@@ -93,33 +93,9 @@ def tracing_mesh(actor_mesh: Any, caller: Any, platform: str | None) -> Any:
     return None
 
 
-def _device_put_as_constraints(e: Any, params: dict[str, Any], fix: Callable[..., Any], context: Any) -> list[Any] | None:
-    """`jax.device_put(x, NamedSharding(mesh, spec))` inside a traced function, `mesh` a concrete jax Mesh (in device
-    memory): one `with_sharding_constraint` per operand, on the actors' mesh — what it means inside jax.jit. Kept
-    as it was it pinned the export to the caller's devices, and the actor refused it ("exported for 4 devices and is
-    called in a context with 1"; a probe). None where it is anything else (a device, a host memory kind)."""
-    from jax.extend.core import new_jaxpr_eqn
-    from jax.sharding import Mesh, NamedSharding
-
-    targets = params.get("devices")
-    if not isinstance(targets, tuple) or len(targets) != len(e.invars) or not all(
-            isinstance(t, NamedSharding) and isinstance(t.mesh, Mesh) and t.memory_kind in (None, "device") for t in targets):
-        return None
-    try:
-        from jax._src.pjit import sharding_constraint_p
-    except ImportError:  # pragma: no cover - another JAX: leave it (the actor says why it cannot run it)
-        return None
-    fixed = [fix(t, "jax.device_put(x, {})") for t in targets]
-    if context is None or all(a is b for a, b in zip(fixed, targets)):
-        return None  # (nothing rebound: a one-device mesh on one-device actors pins nothing they lack)
-    return [new_jaxpr_eqn([x], [y], sharding_constraint_p, {"sharding": t, "layout": None, "context_mesh": context,
-                                                            "unconstrained_dims": frozenset()}, frozenset(), e.source_info, e.ctx)
-            for x, y, t in zip(e.invars, e.outvars, fixed)]
-
-
 def rebind_constraints(closed: Any, actor_mesh: Any, traced_under: Any = None, jit_shardings: bool = False) -> Any:
-    """`closed` (a traced step) with every `with_sharding_constraint`, `jax.device_put(x, NamedSharding(...))` and
-    `shard_map` over a concrete jax `Mesh` —
+    """`closed` (a traced step) with every `with_sharding_constraint`, `jax.device_put(x, NamedSharding(...))` (to
+    device memory: a no-op inside jax.jit, made one here) and `shard_map` over a concrete jax `Mesh` —
     written for the caller's own devices, as `jax.jit` code does — rebound to the actors' mesh (`actor_mesh`, an
     ActorMesh; None for one device each; `traced_under`: the abstract mesh the step was traced under, by default
     the actors') when that mesh has the same axis names and shape: the executables run on the actors' devices,
@@ -149,11 +125,11 @@ def rebind_constraints(closed: Any, actor_mesh: Any, traced_under: Any = None, j
                             f"runs on the actors' devices ({where}): write {instead()}, or give the actors that mesh "
                             "(RemoteMesh.local(..., mesh_shape=..., axis_names=...))")
 
-    def fix(sharding: Any, where: str = "with_sharding_constraint(x, {})") -> Any:
+    def fix(sharding: Any, where: str = "with_sharding_constraint(x, {})", advice: str | None = None) -> Any:
         mesh = getattr(sharding, "mesh", None)
         if not isinstance(sharding, NamedSharding) or not isinstance(mesh, Mesh):
             return sharding
-        write = where + " (a bare PartitionSpec resolves against each actor's mesh)"
+        write = (advice or where) + " (a bare PartitionSpec resolves against each actor's mesh)"
 
         def instead() -> str:  # (only when refused: said in the actors' axis names where it can be)
             return actor_mesh.spec_advice(sharding.spec, mesh, write) if actor_mesh is not None else write.format(sharding.spec)
@@ -184,12 +160,14 @@ def rebind_constraints(closed: Any, actor_mesh: Any, traced_under: Any = None, j
                         fixed = tuple(fix(x, f"jax.jit(f, {k}={{}})") for x in params[k])
                         if any(a is not b for a, b in zip(fixed, params[k])):
                             params[k] = fixed
-            elif e.primitive.name == "device_put":
-                constraints = _device_put_as_constraints(e, params, fix, abstract)
-                if constraints is not None:
-                    eqns.extend(constraints)
-                    changed = True
-                    continue
+            elif e.primitive.name == "device_put" and isinstance(params.get("devices"), tuple):
+                # (`jax.device_put(x, NamedSharding(mesh, spec))`, device memory: inside jax.jit it lowers to nothing, but
+                # its concrete mesh reached the export and the actor refused it, "exported for 4 devices and is called
+                # in a context with 1"; a probe. A mesh of the actors' shape: left to XLA as jax.jit leaves it)
+                targets = tuple(None if isinstance(t, NamedSharding) and t.memory_kind in (None, "device") and fix(
+                    t, "jax.device_put(x, {})", "jax.lax.with_sharding_constraint(x, {})") is not t else t for t in params["devices"])
+                if any(a is not b for a, b in zip(targets, params["devices"])):
+                    params["devices"] = targets
             elif e.primitive.name == "shard_map" and isinstance(params.get("mesh"), Mesh):
                 params["mesh"] = rebound(params["mesh"], "shard_map(f, mesh=mesh, ...)",
                                          lambda: "jax.shard_map(f, in_specs=..., out_specs=...) without mesh= (it takes each actor's mesh)")

@@ -273,9 +273,11 @@ class RemoteMesh:
             raise ValueError(f"unknown transport {transport!r}; choose one of {TRANSPORTS}")
         if transport == "nccl" and platform == "cpu":
             raise ValueError("transport='nccl' needs GPU actors: pass platform='gpu' (local actors run on CPU by default)")
-        passed_on = sorted(set(inspect.signature(cls.__init__).parameters) - {"self", "addresses", "processes", "transport", "keys"})
+        params = inspect.signature(cls.__init__).parameters.values()
+        passed_on = sorted(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                           and p.name not in ("self", "addresses", "processes", "transport", "keys"))
         unknown = sorted(set(kwargs) - set(passed_on))
-        if unknown:  # (before the daemons start: a misspelt mesh_shap= was a TypeError from __init__ after 8 s; a probe)
+        if unknown and not any(p.kind == p.VAR_KEYWORD for p in params):  # (a subclass's **kwargs: its own to judge)  # (before the daemons start: a misspelt mesh_shap= was a TypeError from __init__ after 8 s; a probe)
             raise TypeError(f"RemoteMesh.local() got an unexpected keyword argument {unknown[0]!r}; besides its own it takes "
                             f"RemoteMesh's {', '.join(passed_on)}")
         _check_mesh_arguments(kwargs, devices_per_actor)
