@@ -662,7 +662,7 @@ def _check_choices(memory_limit: Any, schedules: Any, microbatches: Any, virtual
                 or not math.isfinite(memory_limit) or memory_limit < 1):
             raise PipelineError(f"tune: memory_limit is bytes per actor (a number, at least 1) or None for no limit, got "
                                 f"{memory_limit!r:.80}")
-        memory_limit = math.ceil(memory_limit)  # (bytes: 1.5 read "1 byte"; 2.5e9 is 2500000000; a probe)
+        memory_limit = int(memory_limit)  # (whole bytes, rounded down: a peak of at most 1.5 bytes is one of at most 1)
     lists = {}
     for name, counts in (("microbatches", microbatches), ("virtual_stages", virtual_stages)):
         if counts is None and name == "microbatches":

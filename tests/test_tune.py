@@ -245,7 +245,6 @@ def test_tune_takes_its_choices_as_any_iterable_and_a_limit_as_any_positive_numb
     assert _check_choices(1.5 * 2**30, ("OneFOneB", mpmd.GPipe(2)), np.array([2, 4]), (c for c in (2, 3))) == \
         (int(1.5 * 2**30), ["OneFOneB", mpmd.GPipe(2)], [2, 4], [2, 3])
     assert _check_choices(None, None, None, (2,)) == (None, None, None, [2])
-    assert _check_choices(1.5, None, None, (2,))[0] == 2  # (bytes, rounded up: 1.5 read "1 byte"; a probe)
 
 
 def test_tune_finds_the_batch_or_refuses_an_argument_that_is_not_one():
