@@ -1190,7 +1190,8 @@ def test_a_snapshot_get_made_before_another_actors_submit_raised_is_read_not_log
             done = mesh.recovery._fetch({1: bogus, 2: x1})
             with pytest.raises(mpmd.ActorDiedError, match="marked dead by the test"):
                 done.result(timeout=30)
-            time.sleep(1)  # (actor 0's get is answered, with an error)
+            with pytest.raises(mpmd.RemoteError, match="holds no buffer"):  # (the same get again, after the first on
+                mesh.run(mesh.conn(0).request("get", {"bufs": [bogus.buffers[0]]}))  # that connection: answered by now)
         finally:
             conn.dead = None
         with caplog.at_level(logging.ERROR, logger="asyncio"):
