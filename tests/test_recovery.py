@@ -268,6 +268,8 @@ def test_past_max_failures_the_loss_raises_actor_died_error_naming_the_actor():
         train(kills=[(2, 0), (6, 1)], recover=mpmd.Recovery(snapshot_every=3, max_failures=1), fetch_losses_every=1)
     assert err.value.actor_id == 1 and "was killed by SIGKILL" in str(err.value)
     assert "mpmd.Recovery gave up" in str(err.value) and "past Recovery(max_failures=1)" in str(err.value), str(err.value)
+    # what to do now, and not the advice to make the mesh with the Recovery it was made with (a probe found both)
+    assert "mpmd.restore the last checkpoint" in str(err.value) and "recover=mpmd.Recovery() replaces it" not in str(err.value)
 
 
 def test_after_recovery_gave_up_every_later_steps_loss_says_so():

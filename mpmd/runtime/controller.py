@@ -83,6 +83,8 @@ def close_if_unstarted(coro: Any) -> None:
         close_unstarted(coro)
 
 
+EXITED_HINT = ("A daemon this mesh started does not come back once it exited: a mesh made with recover=mpmd.Recovery() "
+               "replaces it; without, make a new mesh.")  # (recovery.py words it otherwise once a Recovery gave up)
 CLOSED_MEANWHILE = ("this RemoteMesh was closed while the request ran (mesh.close or aclose from another thread or task): "
                     "its actors and their data are gone")
 
@@ -389,8 +391,7 @@ class ActorConnection:
         if doing:
             text += f"\nit was serving: {'; '.join(doing[:6])}{' ...' if len(doing) > 6 else ''}"
         if self._alive is not None and self._alive():  # (a process this mesh started, exited: reconnect cannot help)
-            return text + ("\nA daemon this mesh started does not come back once it exited: a mesh made with "
-                           "recover=mpmd.Recovery() replaces it; without, make a new mesh.")
+            return text + "\n" + EXITED_HINT
         if self._comeback:
             return text + "\n" + self._comeback
         return text + (f"\nIf it comes back (e.g. after `kill -CONT`, or restarted at the same address), "

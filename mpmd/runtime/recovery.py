@@ -61,7 +61,7 @@ from mpmd.compiler.plan import iter_lowered
 from mpmd.errors import ActorDiedError, ActorStartError, MpmdError
 from mpmd.runtime.aio import watch
 from mpmd.runtime.array import RemoteArray
-from mpmd.runtime.controller import wait_settled
+from mpmd.runtime.controller import EXITED_HINT, wait_settled
 
 log = logging.getLogger("mpmd.runtime.mesh")  # recoveries are the mesh's news: its logger says them
 
@@ -453,7 +453,10 @@ class RecoveryManager:
         with _SAYING:  # (one error object may reach several threads: fail_pending hands it to every waiter)
             if self.gave_up is None or not isinstance(e, ActorDiedError) or "mpmd.Recovery gave up" in e.why:
                 return
-            e.add_line(f"(mpmd.Recovery gave up, so this mesh no longer recovers: {str(self.gave_up).splitlines()[0][:300]})")
+            if EXITED_HINT in e.why:  # (advice to make the mesh with the Recovery it has: no help now)
+                e.why = e.why.replace("\n" + EXITED_HINT, "")
+            e.add_line(f"(mpmd.Recovery gave up, so this mesh no longer recovers: {str(self.gave_up).splitlines()[0][:300]}; "
+                       "make a new mesh, and mpmd.restore the last checkpoint onto it)")
 
     def _running(self) -> bool:
         return self._recovery is not None and not self._recovery.done()
@@ -535,7 +538,7 @@ class RecoveryManager:
                 log.info("recovery from %s stopped: the mesh was closed", _what(error))
             else:
                 log.error("recovery from %s failed after %.1f s; the mesh stops recovering: %s", _what(error),
-                          time.monotonic() - t0, e, exc_info=True)
+                          time.monotonic() - t0, e, exc_info=not isinstance(e, MpmdError))  # (its own words say why)
             _settle(fut, e)
 
     def _recover_locked(self, error: BaseException, t0: float) -> dict[str, Any]:
@@ -555,7 +558,7 @@ class RecoveryManager:
             waiting = set(lost)
             replaced |= waiting
             if self.failures > self.config.max_failures:
-                raise MpmdError(f"{self.failures} lost actors in all (actor{'s' * (len(lost) != 1)} {', '.join(map(str, lost))} "
+                raise MpmdError(f"{self.failures} lost actor{'s' * (self.failures != 1)} in all (actor{'s' * (len(lost) != 1)} {', '.join(map(str, lost))} "
                                 f"this time), past Recovery(max_failures={self.config.max_failures})") from last
             try:
                 report["steps replayed"] = self._attempt(lost, report, waiting, replaced, stripped)
