@@ -150,6 +150,34 @@ def test_a_tied_embedding_gradient_is_reduced_once_per_step_and_both_replicas_ar
             assert abs(t.src - t.dst) == 1 and t.nbytes < embed_bytes
 
 
+def test_a_global_norm_clip_summed_on_one_actor_leaves_a_tied_weights_update_on_both_replicas(mesh3):
+    """A weight tied between stages 0 and 2, and a small leaf of stage 2's only: clip_by_global_norm's sum ended on
+    actor 2, and the scalar pinned the tied weight's clipped update (and its Adam moments) to actor 2 alone, the
+    weight sent to actor 0 every step (not counted in placement), partial sums run where nothing read them (Runs
+    with no outputs). Found by a probe."""
+    def loss(params, mb):
+        x = jnp.tanh(mb["x"] @ params["tied"])
+        x = mpmd.pipeline_yield(x)
+        x = jnp.tanh(x @ params["mid"])
+        x = mpmd.pipeline_yield(x)
+        x = x * params["scale"]
+        return jnp.mean((x @ params["tied"].T - mb["y"]) ** 2)
+
+    rng = np.random.default_rng(12)
+    w = 256
+    params = {"tied": (rng.standard_normal((8, w)) / 4).astype(np.float32),
+              "mid": (rng.standard_normal((w, w)) / 16).astype(np.float32), "scale": np.ones((w,), np.float32)}
+    opt = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
+    dist, (p, o) = compare(mesh3, make_step(loss, opt, mpmd.OneFOneB(3)), (params, opt.init(params)),
+                           [batch_of(rng, m=3, b=2) for _ in range(3)])
+    assert p["tied"].actors == [0, 2] and o[1][0].mu["tied"].actors == [0, 2]
+    assert p["mid"].actors == [1] and p["scale"].actors == [2]
+    report = dist.placement(p, o, batch_of(rng, m=3, b=2))
+    assert report.by_kind()["parameters"] == (0, 0)
+    assert per_microbatch_weight_transfers(report, 8 * w * 4) == []
+    assert not [line for line in str(dist.program(p, o, batch_of(rng, m=3, b=2))).splitlines() if "-> []" in line]
+
+
 def test_an_l2_penalty_over_all_parameters_moves_no_weight_per_microbatch(mesh3):
     def loss(params, mb):
         h = jnp.tanh(mb["x"] @ params["s0"]["w"])

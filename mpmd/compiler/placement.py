@@ -60,7 +60,11 @@ def place_post(post: Sequence[Any], loc: dict[Var, set[int]], need: dict[Var, se
         located = [(v, loc[v]) for v in var_inputs(e) if v in loc]
         if not located:
             continue
-        common = set.intersection(*(set(w) for _, w in located))
+        # Small operands (a clipping scale, a step count) do not pin a large one: they are sent where it is. (A
+        # global norm summed up on one actor made a tied weight's update run there alone, the other replica's
+        # actor receiving the weight every step: a probe.)
+        large = [(v, w) for v, w in located if nbytes(v) > SMALL_BYTES] or located
+        common = set.intersection(*(set(w) for _, w in large))
         if common:
             where = common
         else:
@@ -75,8 +79,34 @@ def place_post(post: Sequence[Any], loc: dict[Var, set[int]], need: dict[Var, se
         placed[i] = where
         for v in _outs(e):
             loc[v] = set(where)
+    _prune_unread(post, placed, step_outputs, loc)
     _place_floating(post, placed, need, step_outputs, all_actors, loc)
     return [(e, placed[i]) for i, e in enumerate(post) if placed.get(i)]
+
+
+def _prune_unread(eqns: Sequence[Any], placed: dict[int, set[int]], step_outputs: set[Var], loc: dict[Var, set[int]]) -> None:
+    """Drop the actors where a placed equation's results are read by nothing (walking backwards): a partial sum
+    placed on every actor whose operands it joined, read on one only, ran on the others for nothing (a Run
+    with no outputs). A result some equation reads on another actor keeps every placement, one being its
+    source; step outputs and equations without results or with effects keep theirs."""
+    read_on: dict[Var, set[int]] = defaultdict(set)
+    for i in reversed(range(len(eqns))):
+        e = eqns[i]
+        where = placed.get(i)
+        if where is None:
+            continue
+        outs = _outs(e)
+        if outs and not e.effects and not any(v in step_outputs for v in outs):
+            readers = set().union(*(read_on.get(v, set()) for v in outs))
+            keep = where & readers
+            if keep and readers <= where and keep != where:
+                log.debug("after the loop, %s runs on actors %s only (its results are unread on %s)", e.primitive.name,
+                          sorted(keep), sorted(where - keep))
+                placed[i] = where = keep
+                for v in outs:
+                    loc[v] = set(keep)
+        for v in var_inputs(e):
+            read_on[v] |= where
 
 
 def _place_floating(eqns: Sequence[Any], placed: dict[int, set[int]], need: dict[Var, set[int]], step_outputs: set[Var],
