@@ -69,6 +69,12 @@ def _own_address(address: str) -> str:
         return "127.0.0.1"
 
 
+# Set while a loader's module is imported: a script that names itself as the loader module and starts a mesh at import
+# (no `if __name__ == "__main__":` guard) would have each actor start actors of its own, without end (a probe);
+# RemoteMesh.local and .ray refuse to start while it is set (mpmd/runtime/mesh.py reads the same name).
+IMPORTING_LOADER = "MPMD_ACTOR_IMPORTING_LOADER"
+
+
 def _import_loaders(names: list[str]) -> None:
     """Import every --allow-loader function now (after JAX is set up), so that one this daemon cannot import stops it
     at start, naming PYTHONPATH, rather than failing a step after dispatch. The working directory is searched too,
@@ -82,12 +88,14 @@ def _import_loaders(names: list[str]) -> None:
         sys.stdout.flush()
         saved = os.dup(1)
         os.dup2(2, 1)  # what the module prints goes to stderr: stdout's first line is the daemon's ready line
+        os.environ[IMPORTING_LOADER] = name
         try:
             imported = importlib.import_module(module)
         except Exception as e:  # noqa: BLE001 - the user's module: any error it raises at import is the answer
             raise SystemExit(f"mpmd-actor: --allow-loader {name}: cannot import it here ({type(e).__name__}: {e}); put its "
                              f"module on PYTHONPATH (this daemon's working directory {os.getcwd()} is searched too)") from None
         finally:
+            os.environ.pop(IMPORTING_LOADER, None)
             sys.stdout.flush()
             os.dup2(saved, 1)
             os.close(saved)
@@ -294,6 +302,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for fn in args.allow_loader:
         if not LOADER_NAME.match(fn):
             p.error(f"--allow-loader takes a data loader named 'package.module:function', got {fn!r}")
+        if fn.split(":", 1)[0] == "__main__":
+            p.error(f"--allow-loader {fn}: a daemon's __main__ is the daemon itself; name the module the function is in")
     if args.cpus is not None and not re.fullmatch(r"\s*[0-9]+\s*(,\s*[0-9]+\s*)*,?\s*", args.cpus):
         p.error(f"--cpus takes core numbers separated by commas, e.g. 0,1, got {args.cpus!r}")
     return args
@@ -502,12 +512,21 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         bound, flag = ((2 * args.compile_timeout + COMPILE_GRACE, "--compile-timeout") if msg.op == "compile"
                        else (args.request_timeout, "--request-timeout"))
         deadline = asyncio.timeout(bound)
+        before = actor.steps_running(msg.header.get("session")) if msg.op in QUEUED_BEHIND_STEPS else []
+        clock = None
         try:
             async with deadline:
-                return await actor.handle(msg, peer)
+                if before:  # its time counts once the steps dispatched before it ended (see QUEUED_BEHIND_STEPS)
+                    deadline.reschedule(None)
+                    clock = loop.create_task(_start_clock(deadline, before, bound))
+                try:
+                    return await actor.handle(msg, peer)
+                finally:
+                    if clock is not None:
+                        clock.cancel()
         except BaseException as e:
             if deadline.expired():
-                loading = actor.loaders.still_running(msg.header.get('session')) if msg.op == "run_program" else None
+                loading = getattr(e, "loading", None) if msg.op == "run_program" else None
                 raise (HeldByLoader if loading else WaitedInVain)(
                     f"'{msg.op}' did not finish within {bound:g} s (mpmd-actor {flag}), so it was cancelled; "
                     f"{_waiting_on(msg, loading)}") from None
@@ -619,6 +638,13 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
             print(f"MPMD_ACTOR_READY {endpoint} {_p2p_address(p2p)}", flush=True)
         except (BrokenPipeError, OSError):  # nobody reads it: the controller that started us is gone (cleaned up below)
             orphaned.set()
+        # The ready line is stdout's only line: what is printed later (a loader's print) goes to the log. The launcher
+        # stops reading the pipe after that line, so 64 KiB of prints blocked the loader's thread for good (a probe).
+        try:
+            sys.stdout.flush()
+        except (BrokenPipeError, OSError):
+            pass
+        os.dup2(2, 1)
     receiver = loop.create_task(receive())
     poker = loop.create_task(poke())
     expirer = loop.create_task(expire_sessions())
@@ -661,6 +687,18 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
             pass
     if orphaned.is_set() and args.mesh_dir:
         _remove_mesh_files(args.mesh_dir, args.actor_id)
+
+
+# Requests that may wait on steps dispatched before them (a step for its inputs and its turn, a get or wait for the
+# buffers a step makes): their --request-timeout counts from when the session's steps running at their arrival ended,
+# not from their arrival (a loop 45 steps ahead, or with a loader of 1 s, failed healthy steps as timed out: a
+# probe). Each step before is bounded the same way, so the wait is too; at most `bound` per step before it, at worst.
+QUEUED_BEHIND_STEPS = ("run_program", "get", "wait")
+
+
+async def _start_clock(deadline: asyncio.Timeout, before: list[asyncio.Task], bound: float) -> None:
+    await asyncio.wait(before, timeout=bound * len(before))
+    deadline.reschedule(asyncio.get_running_loop().time() + bound)
 
 
 def _waiting_on(msg, loading: str | None = None) -> str:

@@ -325,6 +325,12 @@ class Actor:
         self._end(ses)
         return {"closed": ses.id}, []
 
+    def steps_running(self, sid: Any) -> list[asyncio.Task[Any]]:
+        """The steps of session `sid` running (or waiting for their turn) now: what a request arriving behind them
+        may wait on (the daemon's request bound counts once they ended)."""
+        ses = self.sessions.get(sid) if isinstance(sid, int) and not isinstance(sid, bool) else None
+        return [t for t in ses.running.values() if not t.done()] if ses is not None else []
+
     def expire_sessions(self, timeout: float) -> list[tuple[int, str | None, float]]:
         """Close every session whose controller has sent nothing for `timeout` seconds (it keeps a live one open
         with pings); (id, key, idle seconds) of each closed."""
@@ -793,6 +799,7 @@ class Actor:
                 why = (HeldByLoader if held else StepAborted)(f"program {pid} step {step} was aborted on actor {self.actor_id}" + (
                     f" while it was waiting for its data loader: {held} had not returned (a loader that blocks holds the "
                     "step and the actors that wait for it; give it a timeout of its own)" if held else ""))
+                why.loading = held  # type: ignore[attr-defined]  # (this step's own loads: what a timeout names)
             for b in [*outputs, *received]:  # (a prologue receive the step never got to is still reserved)
                 ses.buffers.fail(b, why)  # whoever waits for one learns why it will not come
             if why is not e:

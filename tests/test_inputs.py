@@ -423,6 +423,40 @@ def test_a_loader_that_hangs_on_the_last_actor_is_named_not_the_first_actor_left
         np.testing.assert_allclose(np.asarray(dist(params, opt.init(params), batch)[2]), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
+def _slow_leaves(step, leaf):
+    """Loads like `synthetic_regression_leaf`, taking 0.6 s per call."""
+    from mpmd.testing import synthetic_regression_leaf
+
+    time.sleep(0.6)
+    return synthetic_regression_leaf(step, leaf)
+
+
+def test_steps_dispatched_ahead_behind_a_slow_loader_are_not_timed_out_for_the_time_they_queued():
+    """The daemon's --request-timeout ran from a request's arrival: ten steps dispatched at once behind a loader of
+    0.6 s a call, with a bound of 2 s, failed from the fourth on as "held by loader" (naming the next step's call,
+    which had just started), and a fetch of the last loss timed out (a probe; so did 45 steps of 0.19 s with a
+    bound of 4 s). A request's time now counts once the steps dispatched before it ended; each equals jax.jit."""
+    from mpmd.testing import LOADED_LEAF_SHAPE, synthetic_regression_leaf
+
+    fn = "tests.test_inputs:_slow_leaves"
+    params = mlp_params(np.random.default_rng(8), num_stages=2, width=LOADED_LEAF_SHAPE[2])
+    opt = optax.sgd(1e-2)
+    spec = {leaf: jax.ShapeDtypeStruct(LOADED_LEAF_SHAPE, np.float32) for leaf in ("x", "y")}
+    ref = jax.jit(make_train_step(mse_loss(mlp), opt, None))
+    with mpmd.RemoteMesh.local(2, loaders=[fn], request_timeout=2) as mesh:
+        dist = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
+        p, s = params, opt.init(params)
+        losses = []
+        for _ in range(10):
+            p, s, loss = dist(p, s, mpmd.loaded_by_actors(fn, spec))
+            losses.append(loss)
+        got = [np.asarray(x) for x in losses]
+        p_r, s_r = params, opt.init(params)
+        for k in range(10):
+            p_r, s_r, want = ref(p_r, s_r, {leaf: synthetic_regression_leaf(k, leaf) for leaf in ("x", "y")})
+            np.testing.assert_allclose(got[k], np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
 def _labels_that_fail_in_words_of_an_echo(step, leaf):
     """Loads like `synthetic_regression_leaf`, but the labels' loader (actor 1) fails with a message that reads
     like another actor's echo."""
@@ -570,6 +604,72 @@ def test_a_hand_started_daemon_imports_its_loaders_at_start_from_its_working_dir
 def test_a_loader_name_must_be_module_colon_function():
     with pytest.raises(ValueError, match="module:function"):
         mpmd.loaded_by_actors("not a name; rm -rf", {"x": np.zeros(3)})
+    # The script's own function: in an actor, __main__ is the daemon ("module __main__ (.../actors/daemon.py) imported,
+    # but has no 'load'", or the daemon's own `main` taken as the loader: a probe)
+    for refused in (lambda: mpmd.loaded_by_actors("__main__:load", {"x": np.zeros(3)}),
+                    lambda: mpmd.RemoteMesh.local(2, loaders=["__main__:load"])):
+        with pytest.raises(ValueError, match=r"'__main__:load'.*a module the actors can import"):
+            refused()
+    by_hand = subprocess.run([sys.executable, "-m", "actors.daemon", "--allow-loader", "__main__:main"], capture_output=True,
+                             text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert by_hand.returncode == 2 and "__main__ is the daemon itself" in by_hand.stderr, by_hand.stderr
+
+
+_CHATTY_MODULE = """
+import os
+import numpy as np
+import mpmd
+
+depth = int(os.environ.get("CHATTY_TEST_DEPTH", "0"))
+os.environ["CHATTY_TEST_DEPTH"] = str(depth + 1)
+if depth >= 2:  # (the test's own guard: before the fix, each actor started two more)
+    raise ImportError("depth guard of the test")
+
+
+def load(step, leaf):
+    return np.zeros((2, 2), np.float32)
+
+
+mpmd.RemoteMesh.local(2, loaders=["chatty_unguarded:load"]).close()
+"""
+
+
+def test_a_loader_module_that_starts_a_mesh_when_imported_is_refused_in_the_actor_not_started_again(tmp_path, monkeypatch):
+    """A script naming itself as the loader module, with no `if __name__ == "__main__":` guard: each actor imported
+    it and started two actors of its own, without end (a probe). The actor's import is refused, saying why."""
+    (tmp_path / "chatty_unguarded.py").write_text(_CHATTY_MODULE)
+    monkeypatch.chdir(tmp_path)  # (the daemons search their working directory)
+    monkeypatch.delenv("CHATTY_TEST_DEPTH", raising=False)
+    with pytest.raises(mpmd.ActorStartError, match="starts a mesh when imported.*__name__ == '__main__'"):
+        mpmd.RemoteMesh.local(2, loaders=["chatty_unguarded:load"])
+
+
+def _printing_leaves(step, leaf):
+    """Loads like `synthetic_regression_leaf`, printing 40 KB each call."""
+    from mpmd.testing import synthetic_regression_leaf
+
+    print(f"loading step {step} {leaf} " + "." * 40_000, flush=True)
+    return synthetic_regression_leaf(step, leaf)
+
+
+def test_a_loader_that_prints_goes_on_past_a_pipes_worth_of_output():
+    """The daemon's stdout was the pipe its launcher read the ready line from and then left unread: after 64 KiB of
+    a loader's prints, its thread blocked in write() for good and every later step failed as held by the loader (a
+    probe). What a daemon prints after its ready line goes to its log; each step equals jax.jit."""
+    from mpmd.testing import LOADED_LEAF_SHAPE, synthetic_regression_leaf
+
+    fn = "tests.test_inputs:_printing_leaves"
+    params = mlp_params(np.random.default_rng(9), num_stages=2, width=LOADED_LEAF_SHAPE[2])
+    opt = optax.sgd(1e-2)
+    spec = {leaf: jax.ShapeDtypeStruct(LOADED_LEAF_SHAPE, np.float32) for leaf in ("x", "y")}
+    ref = jax.jit(make_train_step(mse_loss(mlp), opt, None))
+    with mpmd.RemoteMesh.local(2, loaders=[fn], request_timeout=10) as mesh:
+        dist = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
+        p, s, p_r, s_r = params, opt.init(params), params, opt.init(params)
+        for k in range(4):  # 160 KB printed on each actor
+            p, s, loss = dist(p, s, mpmd.loaded_by_actors(fn, spec))
+            p_r, s_r, want = ref(p_r, s_r, {leaf: synthetic_regression_leaf(k, leaf) for leaf in ("x", "y")})
+            np.testing.assert_allclose(np.asarray(loss), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
 def test_a_host_argument_read_by_the_steps_last_run_is_not_rewritten_while_that_run_computes(mesh2):

@@ -50,6 +50,9 @@ def check_loader_name(fn: str) -> str:
     """`fn` if it names a function as "package.module:function"; ValueError otherwise."""
     if not isinstance(fn, str) or not _NAME.match(fn):
         raise ValueError(f"a loader is named 'package.module:function', got {fn!r}")
+    if fn.split(":", 1)[0] == "__main__":  # (the daemon's __main__ is its own module: a probe got "no 'load'" in daemon.py)
+        raise ValueError(f"a loader cannot be named {fn!r}: an actor's __main__ is the daemon, not your script. Put the "
+                         "function in a module the actors can import (e.g. mydata.py beside your script: 'mydata:load')")
     return fn
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import collections.abc
 import concurrent.futures
 import functools
 import inspect
@@ -74,9 +75,38 @@ MAX_STEPS_IN_FLIGHT = 512  # steps dispatched and not finished before a caller w
 
 
 
+def _refuse_inside_a_loader_import(what: str) -> None:
+    """An actor daemon imports its loaders' modules at start (actors/daemon.py sets MPMD_ACTOR_IMPORTING_LOADER
+    meanwhile): a script that names itself as the loader module and starts a mesh when imported would have every
+    actor start actors of its own, without end."""
+    name = os.environ.get("MPMD_ACTOR_IMPORTING_LOADER")
+    if name:
+        raise RuntimeError(f"{what} was called while an mpmd-actor imported the module of its loader {name!r}: that module "
+                           "starts a mesh when imported, so each actor would start actors of its own. Put the script's code "
+                           "under `if __name__ == '__main__':`, or the loader in a module of its own")
+
+
+def _check_options(mesh_shape: Any, transfer_timeout: Any, heartbeat_interval: Any, heartbeat_timeout: Any) -> None:
+    """RemoteMesh's own keyword arguments, checked (by every launcher before any daemon starts, and by RemoteMesh)."""
+    if mesh_shape is not None and (isinstance(mesh_shape, (str, bytes)) or not hasattr(mesh_shape, "__iter__") or not all(
+            isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 1 for d in mesh_shape)):
+        raise ValueError(f"mesh_shape must be a sequence of positive ints, one per axis (e.g. (2, 2)), got {mesh_shape!r:.80}")
+    for name, value in (("transfer_timeout", transfer_timeout), ("heartbeat_interval", heartbeat_interval),
+                        ("heartbeat_timeout", heartbeat_timeout)):  # (heartbeat_timeout=inf waited for good on an
+        # address nothing listens on; "10" was a TypeError from a comparison: a probe)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+            raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r:.40}")
+    if not 2 * heartbeat_interval < heartbeat_timeout:
+        raise ValueError(f"heartbeat_timeout ({heartbeat_timeout}) must exceed twice heartbeat_interval ({heartbeat_interval}): "
+                         "a busy actor answers a ping only every heartbeat_interval")
+
+
 def _check_mesh_arguments(kwargs: dict[str, Any], devices_per_actor: Any) -> None:
-    """A launcher's `mesh_shape` / `axis_names` checked against `devices_per_actor` before any daemon starts
-    (they take seconds); what only the daemons can say is checked once they answer (`_device_mesh`)."""
+    """A launcher's keyword arguments for RemoteMesh checked before any daemon starts (they take seconds), with
+    `mesh_shape` / `axis_names` against `devices_per_actor`; what only the daemons can say is checked once they
+    answer (`_device_mesh`)."""
+    _check_options(kwargs.get("mesh_shape"), kwargs.get("transfer_timeout", 300.0), kwargs.get("heartbeat_interval", 1.0),
+                   kwargs.get("heartbeat_timeout", 10.0))
     shape, names = kwargs.get("mesh_shape"), kwargs.get("axis_names")
     if names is not None and shape is None:
         raise ValueError("axis_names needs mesh_shape too (one size per name)")
@@ -124,6 +154,8 @@ class RemoteMesh:
         devices are a 1-D mesh of N named "data"; one device each needs no mesh."""
         if transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {transport!r}; choose one of {TRANSPORTS}")
+        if not isinstance(addresses, (str, bytes)) and isinstance(addresses, collections.abc.Iterable):
+            addresses = list(addresses)
         if isinstance(addresses, (str, bytes)) or not addresses:
             raise ValueError(f"RemoteMesh needs a list of daemon addresses like ['tcp://node0:5555', 'tcp://node1:5555'], got "
                              f"{addresses!r:.80}")
@@ -134,14 +166,7 @@ class RemoteMesh:
         twice = sorted(a for a, k in collections.Counter(addresses).items() if k > 1)
         if twice:
             raise ValueError(f"addresses {twice} are listed more than once: each daemon is one actor, listed once")
-        if mesh_shape is not None and (isinstance(mesh_shape, (str, bytes)) or not hasattr(mesh_shape, "__iter__") or not all(
-                isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 1 for d in mesh_shape)):
-            raise ValueError(f"mesh_shape must be a sequence of positive ints, one per axis (e.g. (2, 2)), got {mesh_shape!r:.80}")
-        if isinstance(transfer_timeout, bool) or not isinstance(transfer_timeout, numbers.Real) or not 0 < transfer_timeout < math.inf:
-            raise ValueError(f"transfer_timeout must be a positive, finite number of seconds, got {transfer_timeout!r}")
-        if not 0 < 2 * heartbeat_interval < heartbeat_timeout:
-            raise ValueError(f"heartbeat_timeout ({heartbeat_timeout}) must exceed twice heartbeat_interval ({heartbeat_interval}): "
-                             "a busy actor answers a ping only every heartbeat_interval")
+        _check_options(mesh_shape, transfer_timeout, heartbeat_interval, heartbeat_timeout)
         self.addresses = list(addresses)
         self.transport = transport
         self.overlap = overlap
@@ -269,6 +294,7 @@ class RemoteMesh:
         process and the lost steps are replayed (see `mpmd.Recovery`). Other keywords (`mesh_shape`, `axis_names`,
         `heartbeat_timeout`, `transfer_timeout`, ...) go to `RemoteMesh(...)`, which says what each does.
         """
+        _refuse_inside_a_loader_import("RemoteMesh.local")
         if transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {transport!r}; choose one of {TRANSPORTS}")
         if transport == "nccl" and platform == "cpu":
@@ -320,6 +346,8 @@ class RemoteMesh:
         pairs). A wrong or missing key fails here with `ActorAuthError`, naming the actor. The daemons go on
         serving after `close` (each session ends; the next job connects again); with `shutdown_on_close` they are
         asked to exit (they do when this key owns their job, or is their --admin-key), as `kill -TERM` does."""
+        if not isinstance(addresses, (str, bytes)) and isinstance(addresses, collections.abc.Iterable):
+            addresses = list(addresses)  # (a generator of addresses: "has no len()" — a probe)
         if "recover" in kwargs:
             raise ValueError("recover= needs a launcher that can start a replacement daemon: RemoteMesh.local, .ray or "
                              ".from_rendezvous (a daemon restarted at the same address can be taken back with mesh.reconnect(i))")
@@ -352,6 +380,7 @@ class RemoteMesh:
         arguments go to `RemoteMesh`. See mpmd/runtime/launch/ray.py."""
         from mpmd.runtime.launch import ray as ray_launcher
 
+        _refuse_inside_a_loader_import("RemoteMesh.ray")
         _check_mesh_arguments(kwargs, devices_per_actor)
 
         with blocking("RemoteMesh.ray"):
@@ -382,6 +411,7 @@ class RemoteMesh:
         `RemoteMesh`. See mpmd/runtime/launch/rendezvous.py."""
         from mpmd.runtime.launch import rendezvous
 
+        _check_mesh_arguments(kwargs, None)
         with blocking("RemoteMesh.from_rendezvous"):
             return rendezvous.connect(cls, where, num_actors, timeout=timeout, keys=keys, platform=platform,
                                       shutdown_on_close=shutdown_on_close, **kwargs)
