@@ -191,6 +191,10 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, environ: 
             args.devices, why = slurm_devices(environ, task)
             args.slurm_devices = why
     if args.rendezvous:
+        from transport.rendezvous import other_scheme
+
+        if other_scheme(args.rendezvous):
+            parser.error(f"--rendezvous: {other_scheme(args.rendezvous)}")
         if args.actor_id is None:
             parser.error("--rendezvous needs this daemon's actor id: --actor-id N (in a StatefulSet: the pod's ordinal, "
                          "${HOSTNAME##*-}; in an Indexed Job: $JOB_COMPLETION_INDEX), or --slurm under srun")

@@ -7,6 +7,7 @@ SLURM_STEP_TASKS_PER_NODE, SLURMD_NODENAME) as the stated substitute. Everything
 """
 
 import json
+import math
 import os
 import signal
 import socket
@@ -297,6 +298,7 @@ def test_daemon_flags_that_cannot_work_are_refused_at_once_saying_what_to_do(tmp
         (("--rendezvous", "tcp://127.0.0.1", "--actor-id", "0", "--insecure"), None, "write tcp://HOST:PORT: the port must be 1-65535, got no port"),
         (("--rendezvous", "tcp://127.0.0.1:99999", "--actor-id", "0", "--insecure"), None, "got '99999'"),
         (("--rendezvous", ""), None, "--rendezvous takes a directory or tcp://HOST:PORT"),
+        (("--rendezvous", "http://127.0.0.1:29518", "--actor-id", "0", "--insecure"), None, "tcp://HOST:PORT (lowercase), got 'http:"),
         (("--rendezvous-timeout", "nan"), None, "--rendezvous-timeout must be a positive, finite number"),
         (("--rendezvous-timeout", "-5"), None, "--rendezvous-timeout must be a positive, finite number"),
         (("--listen", "tcp://127.0.0.1", "--insecure"), None, "--listen tcp://127.0.0.1: write tcp://HOST:PORT: the port must be 0-65535"),
@@ -438,6 +440,44 @@ def test_an_address_where_no_daemon_ever_answered_is_named_so_and_a_port_past_65
     out = subprocess.run([sys.executable, "-m", "actors.daemon", "--listen", "tcp://127.0.0.1:99999", "--insecure"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "the port must be 0-65535" in out.stderr
+
+
+def test_launch_arguments_that_cannot_work_are_refused_before_any_wait_or_daemon(tmp_path, monkeypatch):
+    """Found by a probe: heartbeat_timeout=inf waited for good on an address nothing listens on ("10": a TypeError from
+    a comparison); connect(a generator) said "has no len()"; from_rendezvous(dir, mesh_shap=...) waited its whole
+    timeout, then said no actor arrived; from_rendezvous("http://h:p") made the directory ./http:/h:p and waited on
+    it; RemoteMesh.ray(num_actors=True) made one actor, devices_per_actor=1.5 one device, log_level="LOUD" failed
+    only once a daemon had started. Each is refused at once (no Ray is started here: the checks come first)."""
+    monkeypatch.chdir(tmp_path)
+    t0 = time.monotonic()
+    for bad in (math.inf, "10", True, -1.0):
+        for make in (lambda: mpmd.RemoteMesh.connect(["tcp://127.0.0.1:1"], heartbeat_timeout=bad),
+                     lambda: mpmd.RemoteMesh.local(2, heartbeat_timeout=bad)):
+            with pytest.raises(ValueError, match="heartbeat_timeout must be a positive, finite number of seconds"):
+                make()
+    with pytest.raises(ValueError, match="listed more than once"):
+        mpmd.RemoteMesh.connect(a for a in ["tcp://127.0.0.1:1", "tcp://127.0.0.1:1"])
+    with pytest.raises(TypeError, match="unexpected keyword argument.*mesh_shap.*checked before the wait"):
+        mpmd.RemoteMesh.from_rendezvous(str(tmp_path / "rdv"), 2, mesh_shap=(1,))
+    with pytest.raises(ValueError, match="platform must be None"):
+        mpmd.RemoteMesh.from_rendezvous(str(tmp_path / "rdv"), 2, platform="gpux")
+    with pytest.raises(ValueError, match=r"a directory every node sees or tcp://HOST:PORT \(lowercase\), got 'http://"):
+        mpmd.RemoteMesh.from_rendezvous("http://127.0.0.1:29518", 2)
+    assert not (tmp_path / "http:").exists()
+    for kwargs, said in [({"num_actors": True}, "num_actors must be a whole number >= 1"),
+                         ({"num_actors": "2"}, "num_actors must be a whole number >= 1"),
+                         ({"devices_per_actor": 1.5}, "devices_per_actor must be a whole number >= 1"),
+                         ({"cpus_per_actor": 0}, "cpus_per_actor must be a positive number"),
+                         ({"cpus_per_actor": "1"}, "cpus_per_actor must be a positive number"),
+                         ({"resources_per_actor": "CPU"}, "resources_per_actor must map Ray resource names"),
+                         ({"log_level": "LOUD"}, "log_level must be one of"),
+                         ({"transport": "nccl", "platform": "cpu"}, "transport='nccl' needs GPU actors"),
+                         ({"heartbeat_timeout": math.inf}, "heartbeat_timeout must be a positive")]:
+        with pytest.raises(ValueError, match=said):
+            mpmd.RemoteMesh.ray(**{"num_actors": 2, **kwargs})
+    assert time.monotonic() - t0 < 30
+    if "ray" in sys.modules:
+        assert not sys.modules["ray"].is_initialized()
 
 
 def test_connect_refuses_daemons_listed_out_of_actor_id_order_or_of_another_protocol():

@@ -113,10 +113,12 @@ _HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAIL
 def _handshake_failure(kind: int, with_keys: bool) -> str:
     if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return "the actor refused this client's key (it is not among the keys the actor admits)"
+    # (what closes the connection at once, not an mpmd-actor at all, fails the handshake the same way: said too, a probe)
     if not with_keys:
-        return "the handshake failed: this client has no keys, and the actor wants them (it has a --server-key)"
+        return ("the handshake failed: this client has no keys, and the actor wants them (it has a --server-key); or what "
+                "listens there is not an mpmd-actor (it closed the connection)")
     return ("the handshake failed: the actor's public key is not the one given, or the actor has no keys at all "
-            "(or its process went away during the handshake)")
+            "(or its process went away during the handshake, or what listens there is not an mpmd-actor)")
 
 
 class ControlClient:

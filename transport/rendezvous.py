@@ -174,6 +174,14 @@ def is_tcp(where: str | os.PathLike[str]) -> bool:
     return isinstance(where, str) and where.startswith("tcp://")
 
 
+def other_scheme(where: Any) -> str | None:
+    """Why `where` is no rendezvous when it reads as a URL of another scheme (http://, TCP://), else None: taken
+    as a directory, "http://h:1" made ./http:/h:1 and was waited on for the whole timeout (a probe)."""
+    if isinstance(where, str) and "://" in where and not is_tcp(where) and where.split("://", 1)[0].replace("+", "").isalnum():
+        return (f"a rendezvous is a directory every node sees or tcp://HOST:PORT (lowercase), got {where!r:.80}")
+    return None
+
+
 def arrival_path(directory: str | os.PathLike[str], actor_id: int) -> Path:
     return Path(directory) / f"actor-{actor_id}.json"
 
@@ -340,5 +348,5 @@ def endpoint_alive(endpoint: str, timeout: float = 1.0) -> bool:
 
 
 __all__ = ["Arrival", "ClaimedError", "RENDEZVOUS_VERSION", "RendezvousDirectoryError", "RendezvousFormatError", "arrival_path",
-           "check_directory", "claim", "decode_message", "encode_message", "endpoint_alive", "is_tcp", "read_arrival",
+           "check_directory", "claim", "decode_message", "encode_message", "endpoint_alive", "is_tcp", "other_scheme", "read_arrival",
            "read_arrivals", "withdraw"]

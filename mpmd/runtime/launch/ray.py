@@ -28,6 +28,8 @@ import glob
 import inspect
 import json
 import logging
+import math
+import numbers
 import os
 import re
 import secrets
@@ -43,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mpmd.errors import ActorStartError, MpmdError
-from mpmd.runtime.launch.local import default_cache_dir, describe_exit, remove_shared_memory, terminate
+from mpmd.runtime.launch.local import LOG_LEVELS, default_cache_dir, describe_exit, remove_shared_memory, terminate
 from mpmd.runtime.launch.rendezvous import ActorFacts, check_compatible
 from transport.auth import ClientKeys, KeyPair
 from transport.rendezvous import process_running
@@ -363,10 +365,19 @@ def start(num_actors: int, devices_per_actor: int = 1, resources_per_actor: Mapp
           daemon_flags: Sequence[str] = ()) -> RayLaunch:
     """Reserve a placement group, start a daemon in a Ray actor per bundle, and wait until all are ready; on
     failure nothing is left (Ray actors killed, group removed). See the module docstring."""
-    if num_actors < 1:
-        raise ValueError(f"num_actors must be >= 1, got {num_actors}")
-    if devices_per_actor < 1:
-        raise ValueError(f"devices_per_actor must be >= 1, got {devices_per_actor}")
+    for name, value in (("num_actors", num_actors), ("devices_per_actor", devices_per_actor)):  # (True was 1 actor, 1.5
+        # one device, "2" a TypeError from a comparison: a probe)
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a whole number >= 1, got {value!r:.40}")
+    if isinstance(cpus_per_actor, bool) or not isinstance(cpus_per_actor, numbers.Real) or not 0 < cpus_per_actor < math.inf:
+        raise ValueError(f"cpus_per_actor must be a positive number (Ray's CPU resource per actor), got {cpus_per_actor!r:.40}")
+    if resources_per_actor is not None and (not isinstance(resources_per_actor, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, numbers.Real) and not isinstance(v, bool) and v >= 0
+            for k, v in resources_per_actor.items())):
+        raise ValueError(f"resources_per_actor must map Ray resource names to amounts >= 0 (e.g. {{'TPU': 1}}), got "
+                         f"{resources_per_actor!r:.80}")
+    if not isinstance(log_level, str) or log_level.upper() not in LOG_LEVELS:
+        raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)} (the daemons' logging level), got {log_level!r:.40}")
     if placement_strategy not in STRATEGIES:
         raise ValueError(f"placement_strategy must be one of {STRATEGIES}, got {placement_strategy!r}")
     if platform not in ("auto", "cpu", "gpu"):
@@ -492,6 +503,8 @@ def connect(cls: Any, num_actors: int, devices_per_actor: int = 1, resources_per
     if unknown:
         raise TypeError(f"RemoteMesh.ray got unexpected keyword argument(s) {', '.join(unknown)} (checked before any daemon "
                         f"starts); besides its launch options it takes RemoteMesh's: {', '.join(n for n in params if n not in taken)}")
+    if kwargs.get("transport") == "nccl" and platform == "cpu":  # (refused by the daemons only after they started)
+        raise ValueError("transport='nccl' needs GPU actors: pass platform='gpu' (or 'auto' on a cluster with GPUs)")
     launch = start(num_actors, devices_per_actor, resources_per_actor, placement_strategy, platform=platform,
                    cpus_per_actor=cpus_per_actor, host=host, placement_timeout=placement_timeout,
                    startup_timeout=startup_timeout, log_level=log_level, cache_dir=cache_dir, runtime_env=runtime_env,

@@ -18,6 +18,7 @@ neither announce a daemon of its own nor read the arrivals.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -40,6 +41,7 @@ from transport.rendezvous import (
     encode_message,
     endpoint_alive,
     is_tcp,
+    other_scheme,
     read_arrivals,
 )
 
@@ -401,6 +403,18 @@ def connect(cls: Any, where: str | os.PathLike[str], num_actors: int, *, timeout
     directory rendezvous only), a lost actor is replaced by the next daemon that announces itself under its id."""
     if isinstance(where, Path):
         where = str(where)
+    wrong = other_scheme(where)
+    if wrong:
+        raise ValueError(wrong)
+    if platform is not None and (not isinstance(platform, str) or platform.lower() not in ("cpu", "gpu", "cuda", "rocm", "tpu")):
+        raise ValueError(f"platform must be None (whatever the daemons run on), 'cpu', 'gpu' or 'tpu', got {platform!r:.40}")
+    params = inspect.signature(cls).parameters  # (before the wait: a misspelt mesh_shap= waited the whole timeout, then
+    # said that no actor arrived; a probe)
+    unknown = sorted(n for n in kwargs if n in ("addresses", "processes", "keys") or n not in params)
+    if unknown and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        raise TypeError(f"RemoteMesh.from_rendezvous got unexpected keyword argument(s) {', '.join(unknown)} (checked before "
+                        f"the wait); besides its own it takes RemoteMesh's: "
+                        f"{', '.join(n for n in params if n not in ('addresses', 'processes', 'keys'))}")
     if not is_tcp(where):
         where = os.path.expanduser(where)  # (a recovery reads the directory again, long after: "~/..." as written)
     if recover is not None and is_tcp(where):
