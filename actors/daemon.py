@@ -635,7 +635,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     collector.freeze()  # what the daemon keeps for its life, out of the collector's walks (actors/collector.py)
     if not stop.is_set():
         try:
-            print(f"MPMD_ACTOR_READY {endpoint} {_p2p_address(p2p)}", flush=True)
+            print(f"MPMD_ACTOR_READY {_dialed(endpoint, args.p2p_host)} {_p2p_address(p2p)}", flush=True)
         except (BrokenPipeError, OSError):  # nobody reads it: the controller that started us is gone (cleaned up below)
             orphaned.set()
         # The ready line is stdout's only line: what is printed later (a loader's print) goes to the log. The launcher
@@ -711,6 +711,13 @@ def _waiting_on(msg, loading: str | None = None) -> str:
     if msg.op == "run_program":
         return f"program {msg.header.get('program')} step {msg.header.get('step')} was still running; its outputs are failed"
     return "nothing it reserved is left reserved"
+
+
+def _dialed(endpoint: str, host: str | None) -> str:
+    """The control endpoint as others dial it: a wildcard bind (tcp://0.0.0.0:5555) names this node's address."""
+    if endpoint.startswith("tcp://") and endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]") in cluster.WILDCARDS:
+        return cluster.advertised(endpoint, host or _own_address(cluster.node_address()))
+    return endpoint
 
 
 def _p2p_address(p2p) -> str:

@@ -104,7 +104,7 @@ def start_daemon(*flags: str, env: dict | None = None, stdin: bytes | None = Non
             err = f.read()[-2000:]
         stop_daemon(proc)
         raise RuntimeError(f"daemon did not start: {line!r}\n{err}")
-    return proc, line.split()[1].replace("0.0.0.0", "127.0.0.1")
+    return proc, line.split()[1]
 
 
 def stop_daemon(proc: subprocess.Popen) -> None:
