@@ -8,7 +8,8 @@
 On start it prints one line ``MPMD_ACTOR_READY <endpoint> <p2p endpoint>`` to stdout (``:0`` binds a free
 port, and the line says which). It serves requests until a ``shutdown`` request, SIGTERM or SIGINT, or
 (with ``--parent-pid``) until that process has exited (a zombie counts as exited). A bad request gets an
-error reply within ``--request-timeout``; it never stops the daemon. ``kill -USR1 <pid>`` writes every
+error reply within ``--request-timeout`` (a step, or a get or wait of what a step makes, from when the steps
+of its session before it ended); it never stops the daemon. ``kill -USR1 <pid>`` writes every
 thread's stack to stderr (the controller of a local mesh does this for an actor that stops answering, and
 shows the stacks in the error). With ``MPMD_ACTOR_PROFILE=<prefix>`` in its environment, a daemon profiles
 its event-loop thread (cProfile) into ``<prefix>.<actor id>`` on exit.
@@ -228,7 +229,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--insecure", action="store_true",
                    help="run without authentication: accept any client on any address (only on networks you trust)")
     p.add_argument("--request-timeout", type=float, default=3600.0,
-                   help="every request but compile gets its reply within this many seconds (an error reply if need be) (default: %(default)s)")
+                   help="every request but compile gets its reply within this many seconds (an error reply if need be); a step, "
+                        "or a get or wait of what a step makes, counts them from when the steps of its session before it "
+                        "ended (default: %(default)s)")
     p.add_argument("--session-timeout", type=float, default=60.0,
                    help="a controller's session (its buffers, programs, steps and its key's claim on the daemon) ends when "
                         "the controller has said nothing for this many seconds: a live one keeps it open on its own, so this "
@@ -416,7 +419,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     from transport.control import COMING_BYTES, COMING_LEAD, bind_router
     from transport.p2p import DataPlane
     from transport.p2p.base import ArrivalLimits
-    from transport.protocol import ProtocolError, decode, encode, error_reply, message_id
+    from transport.protocol import QUEUED_BEHIND_STEPS, ProtocolError, decode, encode, error_reply, message_id
     from transport.ratelimit import RateLimitedLog
 
     log = logging.getLogger("mpmd.actor")
@@ -689,14 +692,9 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         _remove_mesh_files(args.mesh_dir, args.actor_id)
 
 
-# Requests that may wait on steps dispatched before them (a step for its inputs and its turn, a get or wait for the
-# buffers a step makes): their --request-timeout counts from when the session's steps running at their arrival ended,
-# not from their arrival (a loop 45 steps ahead, or with a loader of 1 s, failed healthy steps as timed out: a
-# probe). Each step before is bounded the same way, so the wait is too; at most `bound` per step before it, at worst.
-QUEUED_BEHIND_STEPS = ("run_program", "get", "wait")
-
-
 async def _start_clock(deadline: asyncio.Timeout, before: list[asyncio.Task], bound: float) -> None:
+    """Start a queued request's bound once `before` (its session's steps running at its arrival) ended: each of them
+    is bounded the same way, so the wait is too — at most `bound` per step before it, at worst."""
     await asyncio.wait(before, timeout=bound * len(before))
     deadline.reschedule(asyncio.get_running_loop().time() + bound)
 

@@ -432,10 +432,11 @@ def _slow_leaves(step, leaf):
 
 
 def test_steps_dispatched_ahead_behind_a_slow_loader_are_not_timed_out_for_the_time_they_queued():
-    """The daemon's --request-timeout ran from a request's arrival: ten steps dispatched at once behind a loader of
-    0.6 s a call, with a bound of 2 s, failed from the fourth on as "held by loader" (naming the next step's call,
-    which had just started), and a fetch of the last loss timed out (a probe; so did 45 steps of 0.19 s with a
-    bound of 4 s). A request's time now counts once the steps dispatched before it ended; each equals jax.jit."""
+    """The daemon's --request-timeout ran from a request's arrival: steps dispatched at once behind a loader of 0.6 s
+    a call, with a bound of 2 s, failed from the fourth on as "held by loader" (naming the next step's call, which
+    had just started), and a fetch of the last loss timed out (a probe; so did 45 steps of 0.19 s with a bound of 4
+    s). A request's time now counts once the steps dispatched before it ended, on the daemon and in the controller's
+    watchdog (16 steps outlast bound + heartbeat_timeout: the actor was declared lost; a review); each equals jax.jit."""
     from mpmd.testing import LOADED_LEAF_SHAPE, synthetic_regression_leaf
 
     fn = "tests.test_inputs:_slow_leaves"
@@ -443,16 +444,16 @@ def test_steps_dispatched_ahead_behind_a_slow_loader_are_not_timed_out_for_the_t
     opt = optax.sgd(1e-2)
     spec = {leaf: jax.ShapeDtypeStruct(LOADED_LEAF_SHAPE, np.float32) for leaf in ("x", "y")}
     ref = jax.jit(make_train_step(mse_loss(mlp), opt, None))
-    with mpmd.RemoteMesh.local(2, loaders=[fn], request_timeout=2) as mesh:
+    with mpmd.RemoteMesh.local(2, loaders=[fn], request_timeout=2, heartbeat_timeout=4) as mesh:
         dist = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
         p, s = params, opt.init(params)
         losses = []
-        for _ in range(10):
+        for _ in range(16):
             p, s, loss = dist(p, s, mpmd.loaded_by_actors(fn, spec))
             losses.append(loss)
         got = [np.asarray(x) for x in losses]
         p_r, s_r = params, opt.init(params)
-        for k in range(10):
+        for k in range(16):
             p_r, s_r, want = ref(p_r, s_r, {leaf: synthetic_regression_leaf(k, leaf) for leaf in ("x", "y")})
             np.testing.assert_allclose(got[k], np.asarray(want), rtol=1e-5, atol=1e-6)
 

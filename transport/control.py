@@ -152,6 +152,7 @@ class ControlClient:
         self.connected = False
         self.ever_connected = False  # a handshake has succeeded on this connection once
         self.dropped_at: float | None = None  # when the connection dropped, until a handshake succeeds again
+        self.step_ended = 0.0  # when the last step's request (run_program) got its reply
         self.handshake_error: str | None = None  # the last refused handshake, until one succeeds
 
     def start(self) -> None:
@@ -244,7 +245,8 @@ class ControlClient:
 
         def settled(_: Any) -> None:
             self._pending.pop(req_id, None)
-            self.outstanding.pop(req_id, None)
+            if self.outstanding.pop(req_id, None) is not None and op == "run_program":
+                self.step_ended = time.monotonic()
             self._line.pop(req_id, None)
 
         fut.add_done_callback(settled)

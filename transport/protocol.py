@@ -12,7 +12,8 @@ interpreted only as the numeric dtypes in `ALLOWED_DTYPES`.
 Requests carry an integer ``"id"``; the reply echoes it with ``"op": "reply"`` (and ``"ok": true``) or
 ``"op": "error"`` (with ``"error"``: the exception class name, ``"message"``, ``"traceback"``, and ``"task"``: the
 label of the Program's Run that raised it, e.g. ``"1F3"``, when one did). Every request
-gets its reply within the daemon's ``request_timeout`` (an error reply if need be). Every request but ping
+gets its reply within the daemon's ``request_timeout`` (an error reply if need be), counted for the requests that
+wait on a session's earlier steps (`QUEUED_BEHIND_STEPS`) from when the steps running at their arrival ended. Every request but ping
 and hello carries ``session`` (the controller's random id from ``hello``); a session answers only the
 authenticated client (CURVE key) that opened it, and a request touches only its session's state. What every
 session shares (connect_peers, nccl_ids, shutdown, profile, building the device mesh) is changed only by
@@ -80,6 +81,12 @@ from typing import Any
 import ml_dtypes
 import msgpack
 import numpy as np
+
+# Requests that may wait on a session's steps dispatched before them (a step for its inputs and its turn, a get or
+# wait for the buffers a step makes): the daemon's --request-timeout counts for them from when the session's steps
+# running at their arrival ended, not from their arrival, and the controller's watchdog counts the same way (a loop
+# 45 steps ahead, or behind a loader of 1 s, failed healthy steps as timed out: a probe).
+QUEUED_BEHIND_STEPS = ("run_program", "get", "wait")
 
 PROTOCOL_VERSION = 5  # 2: an shm notice's size includes the segment's control page (no shm_ack sent); 3: compact
 # data headers on same-host links (transport/p2p/link.py), their dtype numbered by link.COMPACT_DTYPES; 4: a big reply

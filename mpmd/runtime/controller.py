@@ -34,7 +34,7 @@ import zmq.asyncio
 from mpmd.errors import ActorDiedError, MpmdError, RemoteError
 from transport.auth import ClientKeys
 from transport.control import ConnectionLost, ControlClient, HandshakeFailed
-from transport.protocol import Message
+from transport.protocol import QUEUED_BEHIND_STEPS, Message
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -433,8 +433,10 @@ class ActorConnection:
             reason = f"no reply or heartbeat for {silent:.1f} s (heartbeat_timeout={timeout:g} s)"
             reason += self._threads()
         elif overdue is not None:
-            reason = (f"its request {overdue.describe()} has waited {now - overdue.sent:.0f} s for a reply, past the actor's "
-                      f"own bound of {self._bound(overdue.op):g} s on it (its --request-timeout or --compile-timeout) plus "
+            late, start = overdue
+            since = "" if start == late.sent else " since the steps sent before it ended"
+            reason = (f"its request {late.describe()} has waited {now - start:.0f} s for a reply{since}, past the actor's "
+                      f"own bound of {self._bound(late.op):g} s on it (its --request-timeout or --compile-timeout) plus "
                       f"heartbeat_timeout={timeout:g} s")
             reason += self._threads()
         if reason is not None:
@@ -451,12 +453,22 @@ class ActorConnection:
     def _bound(self, op: str) -> float | None:
         return (self.compile_bound or self.bound) if op == "compile" else self.bound
 
-    def _overdue(self, now: float, timeout: float) -> Any:
-        """The first request waiting past the actor's bound on it plus `timeout`, or None."""
-        for o in self.client.outstanding.values():
+    def _overdue(self, now: float, timeout: float) -> tuple[Any, float] | None:
+        """The first request waiting past the actor's bound on it plus `timeout`, and since when its bound counts; or
+        None. As on the daemon, a request that may wait on the steps sent before it (QUEUED_BEHIND_STEPS) counts
+        from when they ended: while one of them has no reply yet, that one is watched instead (a queue of healthy
+        steps longer than bound + heartbeat_timeout had a live actor declared lost: a review)."""
+        step_before = False
+        for o in self.client.outstanding.values():  # (in the order sent)
+            start = o.sent
+            if o.op in QUEUED_BEHIND_STEPS:
+                if step_before:
+                    continue
+                start = max(start, getattr(self.client, "step_ended", 0.0))
+            step_before = step_before or o.op == "run_program"
             bound = self._bound(o.op)
-            if bound and now - o.sent > bound + timeout:
-                return o
+            if bound and now - start > bound + timeout:
+                return o, start
         return None
 
     async def _ping(self) -> None:
