@@ -460,7 +460,7 @@ def test_launch_arguments_that_cannot_work_are_refused_before_any_wait_or_daemon
     with pytest.raises(TypeError, match="unexpected keyword argument.*mesh_shap.*checked before the wait"):
         mpmd.RemoteMesh.from_rendezvous(str(tmp_path / "rdv"), 2, mesh_shap=(1,))
     with pytest.raises(ValueError, match="platform must be None"):
-        mpmd.RemoteMesh.from_rendezvous(str(tmp_path / "rdv"), 2, platform="gpux")
+        mpmd.RemoteMesh.from_rendezvous(str(tmp_path / "rdv"), 2, platform=["gpu"])
     with pytest.raises(ValueError, match=r"a directory every node sees or tcp://HOST:PORT \(lowercase\), got 'http://"):
         mpmd.RemoteMesh.from_rendezvous("http://127.0.0.1:29518", 2)
     assert not (tmp_path / "http:").exists()

@@ -538,7 +538,7 @@ class RecoveryManager:
                 log.info("recovery from %s stopped: the mesh was closed", _what(error))
             else:
                 log.error("recovery from %s failed after %.1f s; the mesh stops recovering: %s", _what(error),
-                          time.monotonic() - t0, e, exc_info=not isinstance(e, MpmdError))  # (its own words say why)
+                          time.monotonic() - t0, e, exc_info=not isinstance(e, GaveUp | ActorStartError))  # (its words say why)
             _settle(fut, e)
 
     def _recover_locked(self, error: BaseException, t0: float) -> dict[str, Any]:
@@ -558,7 +558,7 @@ class RecoveryManager:
             waiting = set(lost)
             replaced |= waiting
             if self.failures > self.config.max_failures:
-                raise MpmdError(f"{self.failures} lost actor{'s' * (self.failures != 1)} in all (actor{'s' * (len(lost) != 1)} {', '.join(map(str, lost))} "
+                raise GaveUp(f"{self.failures} lost actor{'s' * (self.failures != 1)} in all (actor{'s' * (len(lost) != 1)} {', '.join(map(str, lost))} "
                                 f"this time), past Recovery(max_failures={self.config.max_failures})") from last
             try:
                 report["steps replayed"] = self._attempt(lost, report, waiting, replaced, stripped)
@@ -813,6 +813,10 @@ class RecoveryManager:
         if old:
             self.mesh.release_buffers(old)
         return user
+
+
+class GaveUp(MpmdError):
+    """More actors were lost than Recovery(max_failures=...) allows: the recovery stops, by the user's setting."""
 
 
 class _ReplacementDied(Exception):

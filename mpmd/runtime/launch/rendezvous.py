@@ -406,8 +406,9 @@ def connect(cls: Any, where: str | os.PathLike[str], num_actors: int, *, timeout
     wrong = other_scheme(where)
     if wrong:
         raise ValueError(wrong)
-    if platform is not None and (not isinstance(platform, str) or platform.lower() not in ("cpu", "gpu", "cuda", "rocm", "tpu")):
-        raise ValueError(f"platform must be None (whatever the daemons run on), 'cpu', 'gpu' or 'tpu', got {platform!r:.40}")
+    if platform is not None and (not isinstance(platform, str) or not platform.strip()):
+        raise ValueError(f"platform must be None (whatever the daemons run on) or a JAX platform name such as 'cpu' or "
+                         f"'gpu', got {platform!r:.40}")
     params = inspect.signature(cls).parameters  # (before the wait: a misspelt mesh_shap= waited the whole timeout, then
     # said that no actor arrived; a probe)
     unknown = sorted(n for n in kwargs if n in ("addresses", "processes", "keys") or n not in params)
