@@ -1557,3 +1557,33 @@ def test_a_remat_policy_offloading_residuals_to_host_memory_gives_jax_jits_gradi
     params = mlp2(rng)
     for schedule in (mpmd.GPipe(2), mpmd.OneFOneB(2)):
         compare(mesh2, make_train_step(loss, opt, schedule), (params, opt.init(params)), [batch_of(rng), batch_of(rng)])
+
+
+_CLOSED_X = jnp.asarray(np.random.default_rng(31).standard_normal((4, 2, 8)), jnp.float32)  # module-level data
+_CLOSED_Y = np.random.default_rng(32).standard_normal((4, 2, 4)).astype(np.float32)
+
+
+@pytest.mark.parametrize("which", ["both", "labels", "numpy inputs"])
+def test_a_batch_the_step_closes_over_equals_jax_jit(mesh2, which):
+    """A batch leaf that is a module-level array (a constant of the step, not an argument): "internal: value ... read
+    by 0F0 on actor 0 is produced nowhere" (a probe), where jax.jit takes it."""
+    def loss(p, mb):
+        x = mpmd.pipeline_yield(jnp.tanh(mb["x"] @ p[0]))
+        return jnp.mean((x @ p[1] - mb["y"]) ** 2)
+
+    def step(params, x):
+        batch = {"both": {"x": _CLOSED_X, "y": _CLOSED_Y}, "labels": {"x": x, "y": _CLOSED_Y},
+                 "numpy inputs": {"x": np.asarray(_CLOSED_X), "y": jnp.asarray(_CLOSED_Y)}}[which]
+
+        def mb_grads(mb):
+            value, grads = jax.value_and_grad(loss)(params, mb)
+            return grads, value
+
+        return mpmd.accumulate_grads(mb_grads, batch, schedule=mpmd.OneFOneB(2))
+
+    rng = np.random.default_rng(33)
+    params = [(rng.standard_normal((8, 16)) / 3).astype(np.float32), (rng.standard_normal((16, 4)) / 4).astype(np.float32)]
+    x = rng.standard_normal((4, 2, 8)).astype(np.float32)
+    want = jax.jit(step)(params, x)
+    got = mpmd.fetch(mpmd.distributed(step, mesh=mesh2)(params, x))
+    assert_trees_close(got, want)

@@ -20,7 +20,7 @@ from jax.extend.core import ClosedJaxpr, Var
 
 from mpmd.compiler.body import CONST, VARYING, LoopBody, analyse, constants_needed
 from mpmd.compiler.effects import HostCall, check_host_calls, used_vars
-from mpmd.compiler.eqns import contains_primitive, eqns_fn, free_inputs, is_var, var_inputs
+from mpmd.compiler.eqns import contains_primitive, eqns_fn, free_inputs, is_var, new_var, var_inputs
 from mpmd.compiler.grouping import group_segments
 from mpmd.compiler.host_calls import HiddenOutputs, loop_operand, strip_host_calls
 from mpmd.compiler.inline import inline_calls
@@ -100,8 +100,30 @@ def find_step_loop(outer: ClosedJaxpr) -> StepLoop:
         raise PipelineError("accumulate_grads is called inside the function given to accumulate_grads; a step has one "
                             "microbatch loop: compute each microbatch's gradients in the outer function (for gradient "
                             "accumulation over more data, give the loop more microbatches)")
+    jaxpr, li = _batch_constants_copied(jaxpr, li)
     return StepLoop(jaxpr, dict(zip(jaxpr.constvars, outer.consts)), li, p["schedule"], p["num_microbatches"],
                     p["num_mb_leaves"], p["num_grads"])
+
+
+def _batch_constants_copied(jaxpr: Any, li: int) -> tuple[Any, int]:
+    """A batch leaf the step closes over (a module-level array, not an argument) is a constant of the step, which
+    nothing produced where the loop reads it ("internal: ... is produced nowhere": a probe). A copy of it before the
+    loop is a value like any other there: computed on the actors that read it, the constant in its executable."""
+    from jax._src import core
+    from jax._src.lax.lax import copy_p
+
+    loop = jaxpr.eqns[li]
+    consts = set(jaxpr.constvars)
+    invars, copies = list(loop.invars), []
+    for i in range(loop.params["num_mb_leaves"]):
+        v = invars[i]
+        if not is_var(v) or v in consts:
+            invars[i] = new_var(v.aval)
+            copies.append(core.new_jaxpr_eqn([v], [invars[i]], copy_p, {}, set(), loop.source_info))
+    if not copies:
+        return jaxpr, li
+    eqns = [*jaxpr.eqns[:li], *copies, loop.replace(invars=invars), *jaxpr.eqns[li + 1 :]]
+    return jaxpr.replace(eqns=eqns), li + len(copies)
 
 
 def analyse_loop_body(loop: StepLoop) -> LoopBody:
