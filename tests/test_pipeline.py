@@ -86,6 +86,9 @@ def test_skip_connection_from_stage_0_to_stage_2_matches_jit(mesh4, schedule):
     assert "SEND" in text and any(" -> a2 " in line for line in text.splitlines() if line.strip().split()[1:2] == ["SEND"]) or " -> a2 " in text
     actor0 = text.split("actor 1:")[0]
     assert "-> a2" in actor0 and "<- a2" in actor0
+    # a RECV names the Run that sent the value (every one said "(xfer)": a probe): stage 2's backward, here
+    recvs = [line for line in actor0.splitlines() if "RECV" in line and "<- a2" in line]
+    assert recvs and all(re.search(r"\((2F\d+\+)?2[BI]\d+\)$", line.strip()) for line in recvs), recvs
 
 
 def test_a_compiled_step_prints_its_programs_and_reprs_in_one_line(mesh2):

@@ -64,6 +64,11 @@ def build_programs(per_actor: dict[int, list[Unit]], num_actors: int, arg_keys: 
                    templates: dict[Hashable, int]) -> list[Program]:
     """One Program per actor. `templates[unit template] = executable index`, shared by every actor."""
     tags: dict[tuple[Key, int], int] = {kd: t for t, kd in enumerate(transfers.source)}
+    made_by: dict[Key, Label] = {}  # a received value's label: the Run that sends it (every RECV said "xfer": a probe)
+    for a, us in per_actor.items():
+        for u in us:
+            for k in u.outputs:
+                made_by.setdefault(k, u.label)
     programs = []
     for a in range(num_actors):
         local: dict[Key, int] = {}
@@ -78,7 +83,7 @@ def build_programs(per_actor: dict[int, list[Unit]], num_actors: int, arg_keys: 
         for (k, dst), src in transfers.source.items():
             if dst == a:
                 shape, dtype = wire_shape_dtype(tuple(avals[k].shape), avals[k].dtype)
-                instrs.append(Recv(buf(k), src, tags[(k, dst)], dtype_name(dtype), tuple(shape), _xfer_label(k)))
+                instrs.append(Recv(buf(k), src, tags[(k, dst)], dtype_name(dtype), tuple(shape), made_by.get(k, Label("xfer"))))
         for k in arg_keys:
             if a in arg_homes.get(k, ()):
                 for dst in transfers.sent_from(k, a):
@@ -101,10 +106,6 @@ def build_programs(per_actor: dict[int, list[Unit]], num_actors: int, arg_keys: 
         prog.buffer_keys = {b: k for k, b in local.items()}
         programs.append(prog)
     return programs
-
-
-def _xfer_label(k: Key) -> Label:
-    return Label("xfer")
 
 
 def _with_deletes(instrs: list[Any], keep: set[int]) -> list[Any]:
