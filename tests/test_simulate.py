@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import xml.etree.ElementTree as ET
 
 import numpy as np
@@ -227,6 +228,31 @@ def test_perfetto_trace_has_one_track_per_actor_and_one_event_per_task(tmp_path)
     assert first["tid"] == 0 and first["cat"] == "I" and first["dur"] == pytest.approx(1e6)
 
 
+@pytest.mark.parametrize("schedule", [mpmd.OneFOneB(3), mpmd.ZeroBubbleV(2)])
+def test_perfetto_flow_arrows_start_in_the_sending_task_and_end_in_the_reading_one(tmp_path, schedule):
+    """A flow event binds to the slice enclosing its time on its track: placed at the send's end and at the arrival,
+    0 of 16 arrows of a 1F1B trace started on the task that sent (a probe)."""
+    r = simulate(schedule, 4, costs=mpmd.Costs(F=1, B=2, I=1, W=1, latency=0.2) if schedule.split_backward else
+                 mpmd.Costs(F=1, B=2, latency=0.2))
+    path = tmp_path / "t.json"
+    r.to_perfetto(str(path))
+    events = json.load(open(path))["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+
+    def enclosing(tid, ts):
+        inside = [e["name"] for e in spans if e["tid"] == tid and e["ts"] < ts < e["ts"] + e["dur"]]
+        assert len(inside) == 1, (tid, ts, inside)
+        return inside[0]
+
+    flows = [e for e in events if e["ph"] in ("s", "f")]
+    assert flows and len(flows) == 2 * len(r.transfers)
+    for e in flows:
+        sent, _, read = e["name"].removeprefix("xfer ").partition("->")
+        if read.startswith("0I"):  # (stage 0 has no I task: its W runs the whole backward)
+            read = read.replace("I", "W")
+        assert enclosing(e["tid"], e["ts"]) == (sent if e["ph"] == "s" else read), e
+
+
 def test_svg_picture_has_a_box_per_task_coloured_by_kind(tmp_path):
     from mpmd.schedules.draw import COLOURS
 
@@ -239,6 +265,32 @@ def test_svg_picture_has_a_box_per_task_coloured_by_kind(tmp_path):
     by_label = {e.find("{http://www.w3.org/2000/svg}title").text.split()[0]: e.get("fill") for e in boxes}
     assert by_label["0F0"] == COLOURS["F"] and by_label["1I2"] == COLOURS["I"] and by_label["0W1"] == COLOURS["W"]
     assert "0F0" in {e.text for e in root.iter("{http://www.w3.org/2000/svg}text")}
+
+
+def test_stacked_pictures_share_one_time_axis(tmp_path):
+    """draw_stacked scaled each panel to its own step: a step of 15 and one of 30 were drawn the same width, a tick
+    of 10 at x=743 in one and x=407 in the other (a probe). The axis is the longest step's, in every panel."""
+    from mpmd.schedules.draw import draw_stacked
+
+    short = simulate(mpmd.OneFOneB(2), 2, costs=mpmd.Costs(F=1, B=2))
+    long = simulate(mpmd.OneFOneB(2), 2, costs=mpmd.Costs(F=2, B=4))
+    assert long.step_time == pytest.approx(2 * short.step_time)
+    path = tmp_path / "stacked.svg"
+    draw_stacked([short, long], ["short", "long"], str(path))
+    ns = "{http://www.w3.org/2000/svg}"
+    panels = [p for p in ET.parse(path).getroot() if p.tag == ns + "svg"]
+    assert len(panels) == 2
+    ticks = [{t.text: float(t.get("x")) for t in p.iter(ns + "text") if t.text and re.fullmatch(r"[0-9.e+-]+", t.text)}
+             for p in panels]
+    shared = set(ticks[0]) & set(ticks[1]) - {"0"}
+    assert shared and all(ticks[0][t] == pytest.approx(ticks[1][t]) for t in shared), ticks
+
+    def right_edge(panel):
+        boxes = [b for b in panel.iter(ns + "rect") if b.find(ns + "title") is not None]
+        return max(float(b.get("x")) + float(b.get("width")) for b in boxes)
+
+    left = 70  # (the panels' left margin)
+    assert right_edge(panels[0]) - left == pytest.approx((right_edge(panels[1]) - left) / 2, rel=0.01)
 
 
 def test_png_picture(tmp_path):

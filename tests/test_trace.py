@@ -2,6 +2,7 @@
 
 import json
 import os
+import types
 
 import jax
 import jax.numpy as jnp
@@ -167,7 +168,7 @@ def _trace_a_step_with_stage_1_heavier(mesh2, extra):
     return t
 
 
-def test_mesh_profile_brings_back_a_jax_profiler_trace_per_actor_beside_mpmds_trace(mesh2, tmp_path):
+def test_mesh_profile_brings_back_a_jax_profiler_trace_per_actor_beside_mpmds_trace(mesh2, tmp_path, monkeypatch):
     """jax.profiler runs inside each daemon; its xplane files come back and name each actor; a second
     profile starts cleanly after the first (the daemons' profiler was stopped)."""
     rng = np.random.default_rng(0)
@@ -193,6 +194,19 @@ def test_mesh_profile_brings_back_a_jax_profiler_trace_per_actor_beside_mpmds_tr
         events = json.loads((tmp_path / f"mpmd_trace_{run}.json").read_text())["traceEvents"]
         assert {e["pid"] for e in events if e.get("ph") == "X"} == {0, 1}
         assert prof.trace is not None and len(prof.trace.steps) == 1
+    # Two profiles with the default run name in one second: the second wrote over the first (a probe)
+    import mpmd.observe.profile as profile_module
+
+    monkeypatch.setattr(profile_module, "time", types.SimpleNamespace(strftime=lambda fmt: "2026_12_06_01_21_46"))  # (one second)
+    runs = []
+    for _ in range(2):
+        with mesh2.profile(tmp_path / "default") as prof:
+            step(params, opt_state, batch)[2].block_until_ready()
+        runs.append(prof.run)
+    assert runs[0] != runs[1] and all((tmp_path / "default" / "plugins" / "profile" / r).is_dir() for r in runs), runs
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(mpmd.MpmdError, match="cannot make the profile directory"):
+        mesh2.profile(tmp_path / "a_file").__enter__()
 
 
 def test_an_empty_trace_or_a_step_it_does_not_hold_is_an_mpmd_error_naming_what_it_holds():

@@ -25,6 +25,17 @@ from mpmd.observe.trace import Trace
 log = logging.getLogger(__name__)
 
 
+def _fresh_run(logdir: str, stamp: str) -> str:
+    """A run name not yet used under `logdir`: the time, then _2, _3, ... (two profiles in one second wrote into the
+    same run, the second over the first: a probe)."""
+    run, k = stamp, 1
+    while os.path.exists(os.path.join(logdir, "plugins", "profile", run)) or os.path.exists(
+            os.path.join(logdir, f"mpmd_trace_{run}.json")):
+        k += 1
+        run = f"{stamp}_{k}"
+    return run
+
+
 class ProfileContext:
     """What `RemoteMesh.profile` returns; `.trace` is mpmd's instruction trace of the same steps, `.files` the
     profile files written (after the block). `mesh` is the `RemoteMesh` whose actors are profiled."""
@@ -32,7 +43,7 @@ class ProfileContext:
     def __init__(self, mesh: Any, logdir: str | os.PathLike[str], run: str | None = None) -> None:
         self.mesh = mesh
         self.logdir = os.path.abspath(os.path.expanduser(os.fspath(logdir)))
-        self.run = run or time.strftime("%Y_%m_%d_%H_%M_%S")
+        self.run = run or _fresh_run(self.logdir, time.strftime("%Y_%m_%d_%H_%M_%S"))
         if os.sep in self.run or self.run in ("", ".", ".."):
             raise ValueError(f"run must be a plain directory name, got {self.run!r}")
         self.files: list[str] = []
@@ -43,7 +54,10 @@ class ProfileContext:
         if getattr(self.mesh, "active_trace", None) is not None:  # (checked before any actor starts profiling)
             raise MpmdError("mesh.profile() records mpmd's trace too, and this mesh is inside a mesh.trace() block: use one "
                             "of them (the profile's own trace is `prof.trace`)")
-        os.makedirs(self.logdir, exist_ok=True)
+        try:
+            os.makedirs(self.logdir, exist_ok=True)
+        except OSError as e:  # (a file of that name: a bare FileExistsError; a probe)
+            raise MpmdError(f"mesh.profile: cannot make the profile directory {self.logdir}: {e}") from None
         started: list[int] = []
 
         async def start(i: int) -> None:
