@@ -406,7 +406,7 @@ def _kept_layouts(plan: StepPlan, out_tree: Any, sig: Any) -> dict[Any, Any]:
     propagation keeps it (XLA chose the update's layout alone: a parameter came back replicated, then in its
     gradient's layout; a probe). Not for a replicated argument (a host value's default layout) nor for an output a
     with_sharding_constraint makes: those go as XLA and the constraint say (a review)."""
-    treedef, specs, layouts = sig
+    treedef, specs, layouts = sig[:3]
     if layouts is None:
         return {}
 
@@ -445,6 +445,9 @@ class ShallowCopyOnly:
     def __copy__(self) -> Any:
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
+        # The copy shares what the original holds (a step's compiled Programs, unloaded from the actors when the
+        # original is collected: a copy whose original was dropped failed every call with "no program 1"; a probe).
+        new.__dict__["_copied_from"] = self.__dict__.get("_copied_from", self)
         return new
 
     def __deepcopy__(self, memo: Any) -> Any:
@@ -452,6 +455,18 @@ class ShallowCopyOnly:
 
     def __reduce__(self) -> Any:
         raise TypeError(self._not_pickled())
+
+
+def _jax_context() -> Any:
+    """JAX's configuration a trace depends on (x64, default PRNG implementation, promotion rules, ...), as jax.jit keys
+    its cache by: a step compiled under one ran unchanged under another (`with jax.enable_x64(True):` gave the old
+    program's float32; threefry_partitionable its old random bits; a probe). These contexts are per thread."""
+    try:
+        from jax._src import config
+
+        return config.trace_context()
+    except (ImportError, AttributeError):  # (a JAX without it: keyed by x64 at least)
+        return jax.config.jax_enable_x64
 
 
 class DistributedFunction(ShallowCopyOnly):
@@ -570,8 +585,14 @@ class DistributedFunction(ShallowCopyOnly):
         by_name = {k: v for k, v in zip([*self._positional[given:], *self._kwonly], args[given:]) if v is not DEFAULT}
         return fn(*args[:given], **by_name)
 
-    def _signature(self, args: tuple[Any, ...]) -> tuple[Any, list[Any], list[jax.ShapeDtypeStruct]]:
-        """(the compile cache's key, the data leaves, their specs); static leaves are in the key's treedef."""
+    @staticmethod
+    def jax_context() -> Any:
+        """This thread's JAX config context, as the compile cache keys by it (what a recovery logs with each call)."""
+        return _jax_context()
+
+    def _signature(self, args: tuple[Any, ...], context: Any = None) -> tuple[Any, list[Any], list[jax.ShapeDtypeStruct]]:
+        """(the compile cache's key, the data leaves, their specs); static leaves are in the key's treedef. `context`:
+        the JAX config context to key by (default: this thread's; a recovery's replay gives the logged call's)."""
         args = self._hidden(args)
         leaves, treedef = jax.tree.flatten(args, is_leaf=_is_remote)
         if any(isinstance(x, LoadedLeaf) for x in leaves):  # a loader is told the leaf's path in the batch
@@ -583,7 +604,9 @@ class DistributedFunction(ShallowCopyOnly):
                 self.mesh.check_owned(x, f"argument {path}")  # (before a compile, not after it)
         specs = [_spec(x, path) for x, path in zip(leaves, paths)]
         layouts = self._arg_layouts(args, leaves, paths, specs)
-        return (treedef, tuple((s.shape, dtype_text(s.dtype), s.weak_type) for s in specs), layouts), leaves, specs
+        key = (treedef, tuple((s.shape, dtype_text(s.dtype), s.weak_type) for s in specs), layouts,
+               _jax_context() if context is None else context)
+        return key, leaves, specs
 
     def _per_argument(self, args: tuple[Any, ...]) -> Any:
         """`in_shardings` with an entry for every position of `args` (the bound tuple, its static arguments and the
@@ -1055,13 +1078,13 @@ class DistributedFunction(ShallowCopyOnly):
         return self._call(args)
 
     def _call(self, args: tuple[Any, ...], on_failure: Callable[[BaseException], Any] | None = None,
-              sent: list[Any] | None = None, load_step: int | None = None, room: bool = True) -> Any:
+              sent: list[Any] | None = None, load_step: int | None = None, room: bool = True, context: Any = None) -> Any:
         """Dispatch one step (see `__call__`). `on_failure(error)`: a coroutine run on the loop when the step
         fails; True means the step was recovered (its outputs were rebound: it ends normally). `sent` collects
         the step's run_program futures (so that a recovery can wait for them). `room` False: dispatch without
         waiting for fewer steps in flight (a recovery's replay, or a caller that waited before taking a lock the
-        recovery needs: the failed steps in flight end only once the recovery has run)."""
-        sig, leaves, _ = self._signature(args)
+        recovery needs: the failed steps in flight end only once the recovery has run). `context`: see `_signature`."""
+        sig, leaves, _ = self._signature(args, context)
         compiled = self._take(sig, args)
         try:
             return self._dispatch(compiled, sig, leaves, on_failure, sent, load_step=load_step, room=room)[0]
@@ -1122,12 +1145,20 @@ class DistributedFunction(ShallowCopyOnly):
         reconnects = getattr(mesh, "reconnects", 0)  # (as dispatched: see `_raise_unseen_error`)
         done = mesh.dispatch(send, lambda futures: self._finish(futures, compiled, replicas, step, trace, hidden, on_failure,
                                                                 upstream))
-        done.reconnects = reconnects
-        done.host_calls = bool(plan.host_calls)  # fetching an output waits for the step's callbacks (RemoteArray._wire)
-        abortable(done, lambda: mesh.submit_coroutine(self._abort(done, compiled, step, outs)))
-        note_upstream(done, [ready for _, ready in upstream])  # (awaiting this step keeps those from being aborted)
-        self._last = (step, done)
-        results = [self._output(plan, j, outs[j], leaves, done) for j in range(plan.num_outputs)]
+        results: list[Any] = []
+        try:  # (a KeyboardInterrupt here, before the outputs own their buffers, left them on the actors until close)
+            done.reconnects = reconnects
+            done.host_calls = bool(plan.host_calls)  # fetching an output waits for the step's callbacks (RemoteArray._wire)
+            abortable(done, lambda: mesh.submit_coroutine(self._abort(done, compiled, step, outs)))
+            note_upstream(done, [ready for _, ready in upstream])  # (awaiting this step keeps those from being aborted)
+            self._last = (step, done)
+            for j in range(plan.num_outputs):
+                results.append(self._output(plan, j, outs[j], leaves, done))
+        except BaseException:
+            for j in range(len(results), plan.num_outputs):
+                if outs[j]:
+                    mesh.release_buffers(outs[j])
+            raise
         if trace is not None:
             trace.expect(done)
         return reveal(jax.tree.unflatten(compiled.out_tree, results)), done

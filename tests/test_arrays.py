@@ -1,6 +1,7 @@
 """RemoteArray behaves like the arrays users pass around, knows its mesh, and sessions keep controllers apart."""
 
 import copy
+import gc
 import pickle
 
 import jax
@@ -77,6 +78,21 @@ def test_an_array_of_another_mesh_is_refused_naming_both_meshes_and_adopted_on_r
         adopted = mesh2.adopt({"x": x, "host": 3.0})
         assert adopted["host"] == 3.0 and adopted["x"].mesh is mesh2 and adopted["x"].actors == [0]
         np.testing.assert_array_equal(mesh2.actor(0).run(f, adopted["x"]).to_numpy(), np.arange(4) * 2.0)
+        # a weakly typed scalar stays weak (it came back strong: bf16 params times it became float32; a probe)
+        lr = other.actor(0).run(jax.jit(lambda: 0.5))
+        assert lr.weak_type and mesh2.adopt(lr).weak_type
+        w = mesh2.actor(0).put(jnp.ones(3, jnp.bfloat16))
+        assert mesh2.actor(0).run(jax.jit(lambda w, lr: w * lr), w, mesh2.adopt(lr)).dtype == jnp.bfloat16
+    # what a fetch hands out is read-only, as jax.device_get of a jax.Array: changing it changed every later fetch
+    # of the array (its cached copy; a probe)
+    y = mesh2.actor(0).put(np.arange(4, dtype=np.float32))
+    host = jax.device_get(y)
+    with pytest.raises(ValueError, match="read-only"):
+        host /= 8
+    for got in (mpmd.fetch(y), y.to_numpy(), np.asarray(y), mpmd.fetch([y])[0]):
+        np.testing.assert_array_equal(got, np.arange(4, dtype=np.float32))
+        with pytest.raises(ValueError, match="read-only"):
+            got[0] = 7
     # the other mesh is closed now: its arrays are refused, saying so
     with pytest.raises(mpmd.MpmdError, match="closed"):
         mesh2.actor(0).run(f, x)
@@ -253,6 +269,13 @@ def test_a_mesh_copies_as_itself_and_a_mesh_step_or_tune_result_refuses_pickling
     step = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh2)
     again = copy.copy(step)  # (a shallow copy still works: the same function, mesh and compiled steps)
     assert again.fn is step.fn and again.mesh is mesh2
+    # ... also once the original is collected (its Programs were unloaded from the actors: "no program 1"; a probe)
+    original = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh2)
+    original(params, opt.init(params), regression_batch(rng, 2, 4, 8))[2].block_until_ready()
+    alone = copy.copy(original)
+    del original
+    gc.collect()
+    alone(params, opt.init(params), regression_batch(rng, 2, 4, 8))[2].block_until_ready()
     for bad in (pickle.dumps, copy.deepcopy):
         with pytest.raises(TypeError, match="cannot be pickled or deep-copied: make it again with mpmd.distributed"):
             bad(step)

@@ -1587,3 +1587,27 @@ def test_a_batch_the_step_closes_over_equals_jax_jit(mesh2, which):
     want = jax.jit(step)(params, x)
     got = mpmd.fetch(mpmd.distributed(step, mesh=mesh2)(params, x))
     assert_trees_close(got, want)
+
+
+def test_a_step_called_under_another_jax_config_context_is_traced_again_as_jax_jit_is(mesh2):
+    """The compile cache was keyed by the arguments only: called inside `with jax.threefry_partitionable(...),
+    jax.enable_x64(True):` (per thread), a step compiled outside reran its old program — the old random bits and
+    float32 where jax.jit gives float64 (a probe)."""
+    def f(p, batch):
+        def mb(m):
+            noise = jax.random.uniform(jax.random.key(0), m.shape)
+            return (), jnp.sum(mpmd.pipeline_yield((m + noise) @ p[0]) @ p[1])
+
+        _, losses = mpmd.accumulate_grads(mb, batch, schedule=mpmd.GPipe(2))
+        return losses, jnp.asarray(1.0) / 3
+
+    p = [np.ones((4, 4), np.float32) / 3, np.ones((4, 2), np.float32) / 7]
+    batch = np.ones((2, 3, 4), np.float32) / 11
+    step = mpmd.distributed(f, mesh=mesh2)
+    assert_trees_close(mpmd.fetch(step(p, batch)), jax.jit(f)(p, batch))
+    with jax.threefry_partitionable(not jax.config.jax_threefry_partitionable), jax.enable_x64(True):
+        want = jax.jit(f)(p, batch)
+        got = mpmd.fetch(step(p, batch))
+        assert got[1].dtype == want[1].dtype == np.float64
+        assert_trees_close(got, want)
+    assert_trees_close(mpmd.fetch(step(p, batch)), jax.jit(f)(p, batch))  # (and back)

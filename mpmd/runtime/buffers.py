@@ -52,13 +52,13 @@ class BufferClient:
 
     def get(self, actor: int, buf: int) -> np.ndarray:
         """One buffer's value: a read-only view that keeps the received frame alive (no copy)."""
-        return self._run(self._conns[actor].request("get", {"buf": buf})).arrays[0]
+        return _read_only(self._run(self._conns[actor].request("get", {"buf": buf})).arrays[0])
 
     def get_async(self, actor: int, buf: int) -> concurrent.futures.Future[np.ndarray]:
         """Start fetching one buffer; a concurrent future of its numpy array."""
 
         async def get() -> np.ndarray:
-            return (await self._conns[actor].request("get", {"buf": buf})).arrays[0]
+            return _read_only((await self._conns[actor].request("get", {"buf": buf})).arrays[0])
 
         if self._closed():
             raise MpmdError("this RemoteMesh is closed")
@@ -73,7 +73,7 @@ class BufferClient:
     def _joined(actors: list[int], replies: list[Any]) -> dict[int, list[np.ndarray]]:
         out: dict[int, list[np.ndarray]] = defaultdict(list)
         for a, r in zip(actors, replies):
-            out[a].extend(r.arrays)
+            out[a].extend(_read_only(x) for x in r.arrays)
         return dict(out)
 
     def get_many(self, bufs: dict[int, list[int]]) -> dict[int, list[np.ndarray]]:
@@ -140,3 +140,10 @@ async def _quiet(coro: Any) -> None:
         await coro
     except Exception:
         pass
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """A fetched value as jax hands a jax.Array's out: read-only. An array caches what it fetched (`jax.device_get`
+    starts it), so a writable one let a caller's `host /= 8` change every later fetch of it (a probe)."""
+    a.flags.writeable = False
+    return a

@@ -121,7 +121,10 @@ class EventLoopThread:
         """Run `coro` on this loop and wait for its result (from any thread but this loop's own)."""
         if threading.current_thread() is self._thread:
             close_unstarted(coro)
-            raise RuntimeError("mpmd's blocking API cannot be called from its own event loop; await the _async twin")
+            raise RuntimeError("mpmd's blocking API cannot be called from its own event loop: a step's host callbacks "
+                               "(jax.debug.callback, io_callback) run there, so they cannot fetch a RemoteArray "
+                               "(np.asarray, mpmd.fetch) or call a step — pass the value into the step instead; code "
+                               "running on that loop awaits the _async twins")
         self.check_process(coro)
         t = time.perf_counter()
         try:

@@ -699,6 +699,11 @@ class RemoteMesh:
         while self._steps_in_flight() >= MAX_STEPS_IN_FLIGHT and not self.closed:
             concurrent.futures.wait([self._in_flight[0]], timeout=0.25)  # (timed: Ctrl-C gets through)
 
+    def wait_steps_in_flight(self) -> None:
+        """Block until every step dispatched so far has ended (a failed one keeps its error for its outputs)."""
+        if not self._io.on_loop_thread():
+            concurrent.futures.wait(list(self._in_flight))
+
     async def wait_for_room_async(self) -> None:
         """`wait_for_room` for a caller's own event loop (`call_async`)."""
         while self._steps_in_flight() >= MAX_STEPS_IN_FLIGHT and not self.closed:
@@ -860,6 +865,7 @@ class RemoteMesh:
         for i, v in zip(foreign, values):
             actors = [a if a < len(self) else 0 for a in leaves[i].actors]
             out[i] = self.put_replicated(v, sorted(set(actors)))
+            out[i].weak_type = leaves[i].weak_type  # (a weak lr came back strong: bf16 params became f32; a probe)
         return jax.tree.unflatten(treedef, out)
 
     def put_replicated(self, value: Any, actors: Sequence[int], spec: Any = None) -> RemoteArray:

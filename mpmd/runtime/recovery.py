@@ -115,6 +115,7 @@ class StepRecord:
     replayed: bool = False
     unreplayable: str | None = None  # why the last recovery could not replay it (an input gone with a lost actor)
     load_step: int | None = None  # the step number its actor-loaded leaves were loaded for (a replay loads them again)
+    context: Any = None  # JAX's config context of the call (per thread: the replay, in the recovery's, uses the caller's)
 
 
 @dataclass(eq=False)  # (compared by identity, as above)
@@ -237,7 +238,7 @@ class RecoveryManager:
         """Log the call, snapshot its RemoteArray inputs when one is due, dispatch it, name its outputs."""
         self._dists.add(dist)
         leaves, treedef = jax.tree.flatten(args, is_leaf=lambda x: isinstance(x, RemoteArray))
-        rec = StepRecord(next(self._indices), dist, treedef, [], generation=self.generation)
+        rec = StepRecord(next(self._indices), dist, treedef, [], generation=self.generation, context=getattr(dist, "jax_context", lambda: None)())
         remote, unseen = {}, set()
         for x in leaves:
             if isinstance(x, RemoteArray):
@@ -778,7 +779,8 @@ class RecoveryManager:
                 continue
             replayed.append(rec)
             # (no wait for room: the failed steps counted in flight end only once this replay has rebound them)
-            out = rec.dist._call(jax.tree.unflatten(rec.treedef, leaves), None, rec.sent, load_step=rec.load_step, room=False)
+            out = rec.dist._call(jax.tree.unflatten(rec.treedef, leaves), None, rec.sent, load_step=rec.load_step, room=False,
+                                 context=rec.context)
             dones.append(rec.dist._last[1])
             if len(dones) >= REPLAY_IN_FLIGHT:  # its own bound instead (a daemon serves 4,096 requests per connection)
                 dones[-REPLAY_IN_FLIGHT].result()
