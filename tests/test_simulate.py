@@ -738,6 +738,30 @@ def test_fit_costs_splits_a_stage_whose_f_and_b_always_ran_fused_as_the_other_st
     assert zb.F == pytest.approx((1e-3, 1.2e-3)) and zb.I == pytest.approx((2e-3, 2.4e-3))
 
 
+def test_fit_costs_is_not_pulled_off_by_one_outlying_run():
+    """Run times of a real 2-actor 1F1B step of a 64-wide MLP: its first Run took 0.65 ms where its like took 0.15,
+    and the fit made stage 0's F 0.4 ms and both stages' B 0 (the simulated step then had no backward at all; a
+    probe). The Runs the fit explains worst (past 3 robust standard deviations) are left out of a second fit."""
+    from mpmd.observe.trace import ActorStep, RunSpan, Trace, fit_costs
+
+    runs = {0: [("0F0", .649), ("0F1", .147), ("0B0+0F2", .182), ("0B1+0F3", .306), ("0B2+0F4", .172), ("0B3+0F5", .124),
+                ("0B4+0F6", .111), ("0B5+0F7", .102), ("0B6", .119), ("0B7+post", .128)],
+            1: [("1F0+1B0", .312), ("1F1+1B1", .152), ("1F2+1B2", .212), ("1F3+1B3", .247), ("1F4+1B4", .224),
+                ("1F5+1B5", .217), ("1F6+1B6", .215), ("1F7+1B7", .157), ("post", .134)]}
+    t, step = Trace(), {}
+    for a, rs in runs.items():
+        x, now = ActorStep(a, 0, 0.0, 0.01), 1e-4
+        for label, ms in rs:
+            x.runs.append(RunSpan(label, now, now, now, now + ms * 1e-3))
+            now += ms * 1e-3 + 2e-4
+        step[a] = x
+    t.steps.append(step)
+    c = fit_costs(t, 2)
+    assert all(b > 0.05e-3 for b in c.B), c.B
+    assert 0.05e-3 < c.F[0] < 0.2e-3, c.F  # (the lone forwards but the first: 0.147 ms)
+    assert c.F[0] + c.B[0] == pytest.approx(np.median([.182, .306, .172, .124, .111, .102]) * 1e-3, rel=0.35)
+
+
 def test_fit_costs_recovers_the_steps_lead_and_tail_and_the_simulated_step_spans_the_traced_window():
     """The synthetic step shifted 0.7 ms after its start, ending 1.3 ms after its last Run: fit_costs finds both;
     simulating the same Programs on the fit gives the traced window, and lead and tail count as every actor's idle."""
