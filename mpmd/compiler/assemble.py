@@ -82,8 +82,8 @@ def order_units(loop: StepLoop, names: CanonicalVars, tasks: LoopTasks, outside:
         per_actor[a].extend(tasks.units[a])
     for u in outside.post:
         per_actor[u.actor].append(u)
-    units = {a: [Unit(u.actor, [dataclasses.replace(p, inputs=[finals.get(k, k) for k in p.inputs]) for p in u.parts],
-                      replicas=u.replicas) for u in us] for a, us in per_actor.items()}
+    units = {a: [Unit(u.actor, [dataclasses.replace(p, inputs=[finals.get(k, k) for k in p.inputs]) for p in u.parts])
+                 for u in us] for a, us in per_actor.items()}
 
     invars = loop.jaxpr.invars
     avals: dict[ValueKey, Any] = {**tasks.avals, **outside.avals}

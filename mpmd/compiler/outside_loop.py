@@ -19,7 +19,7 @@ from mpmd.compiler.eqns import eqns_fn, free_inputs, is_var, substitute
 from mpmd.compiler.host_calls import HiddenOutputs, step_call_operands
 from mpmd.compiler.keys import ChunkTemplate, Outer, ValueKey
 from mpmd.compiler.loop_tasks import CanonicalVars, LoopTasks, StepLoop
-from mpmd.compiler.placement import Chunk, group_by_placement, make_chunks, place_post, place_pre, split_conds
+from mpmd.compiler.placement import Chunk, make_chunks, place_post, place_pre, split_conds
 from mpmd.compiler.program import Label
 from mpmd.compiler.units import Part, Unit
 
@@ -67,11 +67,11 @@ def place_outside_loop(loop: StepLoop, body: LoopBody, names: CanonicalVars, tas
     post_placed = place_post(post, loc, need, step_outputs, all_actors)
     pre_placed = place_pre(pre, need, step_outputs, all_actors, arg_hints)
     consts = {**loop.consts, **body.consts}
-    pre_chunks = make_chunks(group_by_placement(pre_placed), "pre", 0)
-    post_chunks = make_chunks(group_by_placement(post_placed), "post", len(pre_chunks))
+    pre_chunks = make_chunks(pre_placed, "pre", 0)
+    post_chunks = make_chunks(post_placed, "post", len(pre_chunks))
     avals: dict[ValueKey, Any] = {}
-    pre_units = [Unit(c.actor, [chunk_part(c, body, consts, avals)], replicas=c.replicas) for c in pre_chunks]
-    post_units = [Unit(c.actor, [chunk_part(c, body, consts, avals)], replicas=c.replicas) for c in post_chunks]
+    pre_units = [Unit(c.actor, [chunk_part(c, body, consts, avals)]) for c in pre_chunks]
+    post_units = [Unit(c.actor, [chunk_part(c, body, consts, avals)]) for c in post_chunks]
     hidden_avals: dict[ValueKey, Any] = {}
     finals: dict[Any, ValueKey] = dict(tasks.finals)
     calls = tuple(HostCall(e, step_call_operands(e, loop.consts, finals, hidden_avals), -1, phase, (0 if phase == "pre" else 2, i))

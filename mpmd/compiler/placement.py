@@ -43,7 +43,6 @@ class Chunk:
     phase: str  # "pre" or "post"
     seq: int
     eqns: list[Any] = field(default_factory=list)
-    replicas: frozenset[int] | None = None  # the actors computing these same equations, when more than this one
 
 
 def _outs(e: Any) -> list[Var]:
@@ -241,108 +240,33 @@ def _split_cond(e: Any) -> list[Any]:
 
 
 # ---- units ----------------------------------------------------------------------------------------------
-def replica_tags(placed: Sequence[tuple[Any, set[int]]]) -> list[frozenset[int] | None]:
-    """For each placed equation, the actors whose copies of it must compute bit for bit the same (in chunks of
-    their own: `make_chunks`), or None. That is an equation on several actors whose results are large (a tied
-    weight's update and optimizer state, on each replica) or read by such an equation (the clipping scale, the
-    bias corrections it uses): computed in chunks with different neighbours, XLA fused them differently and the
-    replicas drifted apart by rounding (a review). Scalars only the actors' own updates read stay untagged."""
-    readers: dict[Var, list[int]] = defaultdict(list)
-    for i, (e, _) in enumerate(placed):
-        for v in var_inputs(e):
-            readers[v].append(i)
-    tags: list[frozenset[int] | None] = [None] * len(placed)
-    for i in reversed(range(len(placed))):
-        e, where = placed[i]
-        if len(where) < 2:
-            continue
-        must: set[int] = set(where) if any(nbytes(v) > SMALL_BYTES for v in _outs(e)) else set()
-        for v in _outs(e):
-            for r in readers[v]:
-                must |= tags[r] or set()
-        must &= where  # (an actor whose copy no replicated equation reads computes it as it likes)
-        if len(must) > 1:
-            tags[i] = frozenset(must)
-    return tags
-
-
-def group_by_placement(placed: Sequence[tuple[Any, set[int]]]) -> list[tuple[Any, set[int]]]:
-    """The placed equations reordered (dependencies kept) so that those of one replica set (`replica_tags`) run back
-    to back: each next equation is the earliest ready one of the set of the one before, else the earliest ready
-    one. Replicated equations go in chunks of their own (`make_chunks`); in the traced order an optimizer's step
-    count, its bias corrections and a tied weight's update alternate, and made 38 Runs of 6."""
-    import heapq
-
-    tags = replica_tags(placed)
-    n = len(placed)
-    made_by: dict[Var, int] = {}
-    for i, (e, _) in enumerate(placed):
-        for v in _outs(e):
-            made_by[v] = i
-    waits = [0] * n
-    readers: dict[int, list[int]] = defaultdict(list)
-    for i, (e, _) in enumerate(placed):
-        deps = {made_by[v] for v in var_inputs(e) if v in made_by and made_by[v] != i}
-        waits[i] = len(deps)
-        for d in deps:
-            readers[d].append(i)
-    ready: dict[frozenset[int] | None, list[int]] = defaultdict(list)
-    for i in range(n):
-        if not waits[i]:
-            heapq.heappush(ready[tags[i]], i)
-    out: list[tuple[Any, set[int]]] = []
-    last: frozenset[int] | None = None
-    while len(out) < n:
-        if not ready.get(last):
-            last = min((k for k, h in ready.items() if h), key=lambda k: ready[k][0])
-        i = heapq.heappop(ready[last])
-        out.append(placed[i])
-        for r in readers[i]:
-            waits[r] -= 1
-            if not waits[r]:
-                heapq.heappush(ready[tags[r]], r)
-    return out
-
-
 def make_chunks(placed: Iterable[tuple[Any, set[int]]], phase: str, start_seq: int) -> list[Chunk]:
     """Group placed equations into per-actor chunks, closing a chunk when another actor needs one of its
-    values before it is complete. Equations placed on several actors (a tied weight's update on each of its
-    replicas) go in chunks of their own, the same equations on each of those actors, opened and closed together:
-    one executable, so every replica computes bit for bit the same (in chunks with different neighbours XLA fused
-    them differently, and a tied weight's replicas drifted apart by rounding: a review)."""
+    values before it is complete."""
     open_: dict[int, Chunk] = {}
     closed: list[Chunk] = []
     defined_in_open: dict[Var, set[int]] = defaultdict(set)
     seq = [start_seq]
 
     def close(a: int) -> None:
-        c = open_.get(a)
-        if c is None:
-            return
-        for b in sorted(c.replicas or {a}):  # a replicated chunk closes on all its actors at once
-            d = open_.pop(b, None)
-            if d is not None and d.eqns:
-                closed.append(d)
-                for e in d.eqns:
-                    for v in e.outvars:
-                        defined_in_open[v].discard(b)
+        c = open_.pop(a, None)
+        if c is not None and c.eqns:
+            closed.append(c)
+            for e in c.eqns:
+                for v in e.outvars:
+                    defined_in_open[v].discard(a)
 
-    placed = list(placed)
-    for (e, where), tag in zip(placed, replica_tags(placed)):
+    for e, where in placed:
         for a in sorted(where):
-            c = open_.get(a)
-            if c is not None and c.replicas != (tag if tag and a in tag else None):
-                close(a)
             for v in var_inputs(e):
                 owners = defined_in_open.get(v, set())
                 if owners and a not in owners:
                     for b in list(owners):
                         close(b)
                     close(a)
-        for a in sorted(where):
             c = open_.get(a)
             if c is None:
-                c = open_[a] = Chunk(a, phase, seq[0], replicas=tag if tag and a in tag else None)
+                c = open_[a] = Chunk(a, phase, seq[0])
                 seq[0] += 1
             c.eqns.append(e)
             for v in e.outvars:

@@ -87,8 +87,6 @@ class Unit:
     inputs: list[Key] = field(default_factory=list)
     outputs: list[Key] = field(default_factory=list)
     donate: tuple[int, ...] = ()
-    replicas: frozenset[int] | None = None  # the actors running the same equations, when more than this one (never fused
-    # with other units: one executable for all, so the replicas compute bit for bit the same)
 
     @property
     def label(self) -> Label:
@@ -182,15 +180,13 @@ def task_function(inner: Callable[..., Sequence[Any]], n_in: int, leaf_positions
 def fuse(units: list[Unit], received: Callable[[Key], bool], sent: Callable[[Key], bool]) -> list[Unit]:
     """Merge each unit of one actor's ordered list into the one before it when that delays nothing: the
     earlier unit sends nothing to other actors (its results would wait for the later part), and the later one
-    reads nothing received from another actor that the earlier one does not already wait for. Units replicated
-    on several actors stay apart (see `Unit.replicas`)."""
+    reads nothing received from another actor that the earlier one does not already wait for."""
     out: list[Unit] = []
     for u in units:
         if out:
             prev = out[-1]
             prev_waits = {k for k in prev.inputs if received(k)}
-            if (prev.replicas == u.replicas is None and not any(sent(k) for k in prev.outputs)
-                    and all(k in prev_waits or not received(k) for k in u.inputs)):
+            if not any(sent(k) for k in prev.outputs) and all(k in prev_waits or not received(k) for k in u.inputs):
                 prev.parts.extend(u.parts)
                 prev.seal(lambda k: True)
                 continue
