@@ -143,7 +143,9 @@ def test_accumulate_grads_takes_the_duck_typed_schedule_that_validate_and_with_s
 
 @pytest.mark.parametrize("flags, said", [(["--width", "10", "--heads", "4"], "--width 10 must be a multiple of --heads 4"),
                                          (["--try-microbatches", "0,2"], "--try-microbatches: takes comma-separated counts above 0"),
-                                         (["--try-microbatches", "2,x"], "--try-microbatches: takes comma-separated counts above 0")])
+                                         (["--try-microbatches", "2,x"], "--try-microbatches: takes comma-separated counts above 0"),
+                                         # (said before the actors start and measure for minutes, exit 2: it was 1; a probe)
+                                         (["--try-microbatches", "3,5"], "--try-microbatches 3,5: none divides the batch's 32 rows")])
 def test_cli_tune_argument_errors_exit_2_with_the_usage_like_argparses_own(flags, said, capsys):
     with pytest.raises(SystemExit) as e:
         main(["tune", *flags])
@@ -296,7 +298,7 @@ def test_an_argument_jax_cannot_use_is_named_by_its_own_type():
                 dist(np.ones(2, np.float32), value)
 
 
-def test_cli_tune_says_counts_in_its_own_flag_and_runs_as_python_m_mpmd_cli():
+def test_cli_tune_says_counts_in_its_own_flag_and_runs_as_python_m_mpmd_cli(capsys):
     """`mpmd tune --try-microbatches 3` advised "pass counts that do, e.g. microbatches=[2, 4, ...]", mpmd.tune's
     argument rather than the command's flag, and `python -m mpmd.cli` had no __main__ (a probe)."""
     import subprocess
@@ -304,7 +306,8 @@ def test_cli_tune_says_counts_in_its_own_flag_and_runs_as_python_m_mpmd_cli():
 
     with pytest.raises(SystemExit) as e:
         main(["tune", "--try-microbatches", "3", "--xla-costs"])
-    said = str(e.value.code)
+    said = capsys.readouterr().err
+    assert e.value.code == 2
     assert "--try-microbatches 3: none divides" in said and "e.g. --try-microbatches 2,4," in said and "microbatches=[" not in said
     out = subprocess.run([sys.executable, "-m", "mpmd.cli", "simulate", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("usage: mpmd simulate"), out.stderr[-500:]

@@ -85,6 +85,10 @@ def test_keys_generate_writes_a_pair_only_its_owner_can_read_and_loading_checks_
     assert keys_cli.main(["keys", "generate", str(shared)]) == 1 and not list(shared.iterdir())
     # ... and into a directory it would make inside one (it wrote the pair there, a probe)
     assert keys_cli.main(["keys", "generate", str(shared / "k")]) == 1 and not list(shared.iterdir())
+    # an empty directory name is refused, not taken as the working directory (a probe)
+    with pytest.raises(SystemExit) as e:
+        keys_cli.main(["keys", "generate", ""])
+    assert e.value.code == 2
     # `--name` makes another pair beside the first (as `mpmd keys --help` shows): the directory's own pair,
     # mpmd.key_secret, is still what keys=DIR means (it was refused as ambiguous, breaking the documented
     # connect(..., keys=DIR); a probe). Two pairs of which neither is the directory's own name the choice to make

@@ -26,11 +26,18 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     actions = keys.add_subparsers(dest="keys_action", metavar="ACTION", required=True)
     gen = actions.add_parser("generate", help="write a new key pair into DIR")
-    gen.add_argument("dir", metavar="DIR", help="directory for the key files (created if missing)")
+    gen.add_argument("dir", metavar="DIR", type=_directory, help="directory for the key files (created if missing)")
     gen.add_argument("--name", default="mpmd", help="file name of the pair: NAME.key and NAME.key_secret (default: mpmd)")
     gen.add_argument("--force", action="store_true", help="overwrite an existing pair of that name")
     keys.set_defaults(run=run)
     return keys
+
+
+def _directory(text: str) -> str:
+    """A directory name, not an empty one (`keys generate ""` wrote the pair into the working directory; a probe)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("takes a directory name (\".\" for this one), got an empty one")
+    return text
 
 
 def run(args: argparse.Namespace) -> int:

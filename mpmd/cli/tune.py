@@ -89,6 +89,11 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.width % args.heads:
         args.usage_error(f"--width {args.width} must be a multiple of --heads {args.heads}")
+    rows = args.microbatches * args.rows  # (refused before the actors start and measure for minutes: a probe)
+    if args.try_microbatches and not any(rows % m == 0 for m in args.try_microbatches):
+        args.usage_error(f"--try-microbatches {','.join(map(str, args.try_microbatches))}: none divides the batch's {rows} rows "
+                         f"(--microbatches {args.microbatches} x --rows {args.rows}); pass counts that do, e.g. --try-microbatches "
+                         f"{','.join([str(m) for m in range(2, rows + 1) if rows % m == 0][:6])}")
     gpt = load_gpt()
     step, params, opt_state, batch = gpt_setup(gpt, args.layers, args.width, args.seq, args.heads, args.microbatches, args.rows)
     pin = 1 if args.actors <= len(os.sched_getaffinity(0)) else None
