@@ -768,8 +768,14 @@ class DistributedFunction(ShallowCopyOnly):
                     hit.users += 1
                     return hit
             t = time.perf_counter()
-            self.compile_bound(args)
+            self.compile_bound(args, sig)
             note_blocking(time.perf_counter() - t, f"compiling {getattr(self.fn, '__name__', 'a step')}")
+
+    def _compile_as_caller(self, args: tuple[Any, ...], sig: Any, x64: bool) -> CompiledStep:
+        """`compile_bound` in a worker thread for a caller whose signature is `sig`, traced with the caller's x64
+        (a per-thread setting; the caller's other per-thread JAX contexts do not reach the worker)."""
+        with jax.enable_x64(x64):
+            return self.compile_bound(args, sig)
 
     def _let_go(self, compiled: CompiledStep) -> None:
         """One call holding `compiled` has dispatched (or failed to)."""
@@ -797,10 +803,12 @@ class DistributedFunction(ShallowCopyOnly):
         recovery = getattr(self.mesh, "recovery", None)
         return recovery.compile(self, args) if recovery is not None else self.compile_bound(args)
 
-    def compile_bound(self, args: tuple[Any, ...]) -> CompiledStep:
+    def compile_bound(self, args: tuple[Any, ...], sig: Any = None) -> CompiledStep:
         """`compile` of arguments already bound (`bind`): once per signature, however many threads ask at once
-        (the others wait for the compile under way: each would trace, compile and ship a Program of its own)."""
-        sig = self._signature(args)[0]
+        (the others wait for the compile under way: each would trace, compile and ship a Program of its own).
+        `sig`: the caller's signature, when this runs in another thread (its JAX config context is the caller's:
+        the worker's own keyed it apart, and call_async under `jax.enable_x64(True)` waited for it for good; a review)."""
+        sig = self._signature(args)[0] if sig is None else sig
         try:
             for _ in range(3):  # (again when a daemon was replaced while it compiled, as the call does)
                 compiled = self._cached(sig) or self._compile_once(sig, args)
@@ -1219,7 +1227,8 @@ class DistributedFunction(ShallowCopyOnly):
                     break
                 running = self._async_compiles.get(sig)  # (awaiting calls share one worker; compile_bound threads too)
                 if running is None:
-                    running = self._async_compiles[sig] = start_in_worker(self.compile_bound, args)
+                    running = self._async_compiles[sig] = start_in_worker(self._compile_as_caller, args, sig,
+                                                                          bool(jax.config.jax_enable_x64))
                     running.add_done_callback(lambda f: self._async_compiles.pop(sig, None) if self._async_compiles.get(sig) is f else None)
             await watch(running)  # (compile_bound compiles again if a daemon was replaced meanwhile)
         try:

@@ -93,6 +93,9 @@ def test_an_array_of_another_mesh_is_refused_naming_both_meshes_and_adopted_on_r
         np.testing.assert_array_equal(got, np.arange(4, dtype=np.float32))
         with pytest.raises(ValueError, match="read-only"):
             got[0] = 7
+    mine = np.array(y)  # a copy, writable, as np.array of a jax.Array (it was the read-only fetched view; a review)
+    mine[0] = 7
+    np.testing.assert_array_equal(y.to_numpy(), np.arange(4, dtype=np.float32))
     # the other mesh is closed now: its arrays are refused, saying so
     with pytest.raises(mpmd.MpmdError, match="closed"):
         mesh2.actor(0).run(f, x)

@@ -457,6 +457,47 @@ def test_the_watchdog_treats_a_request_past_the_actors_bound_like_a_silent_actor
             assert time.monotonic() - t < 10
 
 
+def test_a_queued_request_counts_from_when_the_steps_before_it_ended_and_a_later_steps_end_never_restarts_it():
+    """The watchdog's clock for a get, wait or step sent behind steps (the daemon counts its bound from when those
+    ended: a long queue of healthy steps had a live actor declared lost; a review). The clock's start is each
+    request's own: with one time per connection, any later step's end moved it, and a get that hung while the loop
+    went on was never flagged (a review). Unit-level: the connection's bookkeeping, on a socket that connects to
+    nothing (no actor is needed to tell which request is overdue when)."""
+    import zmq.asyncio
+
+    from mpmd.runtime.controller import ActorConnection
+    from transport.control import ControlClient, Outstanding
+
+    ctx = zmq.asyncio.Context()
+    client = ControlClient(ctx, "tcp://127.0.0.1:1")
+    try:
+        conn = ActorConnection.__new__(ActorConnection)
+        conn.bound, conn.compile_bound, conn.client = 10.0, None, client
+        out = client.outstanding
+        out[1] = Outstanding("run_program", {"step": 0}, 0.0)
+        out[2] = Outstanding("run_program", {"step": 1}, 0.0)
+        out[3] = Outstanding("get", {"buf": 7}, 0.0)  # behind both steps
+        assert conn._overdue(12.0, 5.0) is None  # 12 s, but behind steps with no reply yet: they are what is watched
+        assert conn._overdue(16.0, 5.0)[0] is out[1]  # the first step itself, past 10 + 5 s
+        del out[1]
+        client._step_settled(1)
+        del out[2]
+        client._step_settled(2)  # both ended: the get's clock starts now
+        start = out[3].started
+        assert start > 0 and conn._overdue(start + 14.0, 5.0) is None and conn._overdue(start + 16.0, 5.0)[0] is out[3]
+        # a hung get sent before the steps that follow it: their ends do not restart its clock
+        hung = Outstanding("get", {"buf": 8}, time.monotonic())
+        client.outstanding = {10: hung}
+        for k in range(11, 14):
+            client.outstanding[k] = Outstanding("run_program", {"step": k}, time.monotonic())
+            del client.outstanding[k]
+            client._step_settled(k)
+        assert hung.started == 0.0 and conn._overdue(hung.sent + 16.0, 5.0)[0] is hung
+    finally:
+        client.close()
+        ctx.term()
+
+
 def test_a_big_puts_time_on_the_line_is_not_silence_and_ends_with_its_reply(tmp_path):
     """A stand-in actor (a real one cannot be made slow to take a put, nor to die right after it, on purpose): it
     takes 2.5 s to answer a 256 MiB put, holding its pongs (as a ping queued behind the put's bytes arrives

@@ -1611,3 +1611,10 @@ def test_a_step_called_under_another_jax_config_context_is_traced_again_as_jax_j
         assert got[1].dtype == want[1].dtype == np.float64
         assert_trees_close(got, want)
     assert_trees_close(mpmd.fetch(step(p, batch)), jax.jit(f)(p, batch))  # (and back)
+    # call_async compiles in a worker thread: under the caller's x64 (it was keyed apart there and waited for good;
+    # a review)
+    fresh = mpmd.distributed(f, mesh=mesh2)
+    with jax.enable_x64(True):
+        got = mpmd.fetch(asyncio.run(asyncio.wait_for(fresh.call_async(p, batch), 120)))
+        assert got[1].dtype == np.float64
+        assert_trees_close(got, jax.jit(f)(p, batch))

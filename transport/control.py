@@ -33,7 +33,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from transport.auth import KeyPair, configure_client
-from transport.protocol import Message, ProtocolError, decode, encode, message_id
+from transport.protocol import QUEUED_BEHIND_STEPS, Message, ProtocolError, decode, encode, message_id
 
 DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024**3
 LINE_FLOOR = 8 * 1024**2  # bytes per second a big message is granted on the control connection (encrypted, this
@@ -101,6 +101,7 @@ class Outstanding:
     op: str
     fields: dict[str, Any]
     sent: float
+    started: float = 0.0  # (QUEUED_BEHIND_STEPS) when the last step sent before it got its reply, once all such have
 
     def describe(self) -> str:
         what = {k: self.fields[k] for k in ("program", "step", "exe", "buf", "bufs") if k in self.fields}
@@ -152,7 +153,6 @@ class ControlClient:
         self.connected = False
         self.ever_connected = False  # a handshake has succeeded on this connection once
         self.dropped_at: float | None = None  # when the connection dropped, until a handshake succeeds again
-        self.step_ended = 0.0  # when the last step's request (run_program) got its reply
         self.handshake_error: str | None = None  # the last refused handshake, until one succeeds
 
     def start(self) -> None:
@@ -229,6 +229,16 @@ class ControlClient:
                 self.handshake_error = f"{_handshake_failure(kind, self.with_keys)} (ZeroMQ {zmq.Event(kind).name})"
                 self.fail_pending(HandshakeFailed(f"cannot talk to {self.address}: {self.handshake_error}"))
 
+    def _step_settled(self, req_id: int) -> None:
+        """Step request `req_id` got its reply: the queued requests sent after it that no unanswered step precedes
+        now wait on nothing sent before them (`Outstanding.started`; a later step's end never moves an earlier
+        request's start, so one that hangs is still seen: a review)."""
+        now, step_before = time.monotonic(), False
+        for rid, o in self.outstanding.items():  # (in the order sent)
+            if rid > req_id and not step_before and o.op in QUEUED_BEHIND_STEPS:
+                o.started = max(o.started, now)
+            step_before = step_before or o.op == "run_program"
+
     def submit(self, op: str, fields: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> asyncio.Future[Message]:
         """Send one request now (on the loop thread; requests leave in the order they are submitted) and
         return the future of its reply (an "error" reply is a result, not an exception)."""
@@ -246,7 +256,7 @@ class ControlClient:
         def settled(_: Any) -> None:
             self._pending.pop(req_id, None)
             if self.outstanding.pop(req_id, None) is not None and op == "run_program":
-                self.step_ended = time.monotonic()
+                self._step_settled(req_id)
             self._line.pop(req_id, None)
 
         fut.add_done_callback(settled)

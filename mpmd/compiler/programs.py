@@ -64,11 +64,11 @@ def build_programs(per_actor: dict[int, list[Unit]], num_actors: int, arg_keys: 
                    templates: dict[Hashable, int]) -> list[Program]:
     """One Program per actor. `templates[unit template] = executable index`, shared by every actor."""
     tags: dict[tuple[Key, int], int] = {kd: t for t, kd in enumerate(transfers.source)}
-    made_by: dict[Key, Label] = {}  # a received value's label: the Run that sends it (every RECV said "xfer": a probe)
-    for a, us in per_actor.items():
+    made_by: dict[tuple[int, Key], Label] = {}  # a received value's label: the Run that makes it on the actor that sends
+    for a, us in per_actor.items():  # it (every RECV said "xfer": a probe)
         for u in us:
             for k in u.outputs:
-                made_by.setdefault(k, u.label)
+                made_by.setdefault((a, k), u.label)
     programs = []
     for a in range(num_actors):
         local: dict[Key, int] = {}
@@ -83,7 +83,7 @@ def build_programs(per_actor: dict[int, list[Unit]], num_actors: int, arg_keys: 
         for (k, dst), src in transfers.source.items():
             if dst == a:
                 shape, dtype = wire_shape_dtype(tuple(avals[k].shape), avals[k].dtype)
-                instrs.append(Recv(buf(k), src, tags[(k, dst)], dtype_name(dtype), tuple(shape), made_by.get(k, Label("xfer"))))
+                instrs.append(Recv(buf(k), src, tags[(k, dst)], dtype_name(dtype), tuple(shape), made_by.get((src, k), Label("xfer"))))
         for k in arg_keys:
             if a in arg_homes.get(k, ()):
                 for dst in transfers.sent_from(k, a):

@@ -29,11 +29,15 @@ def _fresh_run(logdir: str, stamp: str) -> str:
     """A run name not yet used under `logdir`: the time, then _2, _3, ... (two profiles in one second wrote into the
     same run, the second over the first: a probe)."""
     run, k = stamp, 1
-    while os.path.exists(os.path.join(logdir, "plugins", "profile", run)) or os.path.exists(
-            os.path.join(logdir, f"mpmd_trace_{run}.json")):
+    while True:  # (reserved by making its directory: two profiles begun at once take two names)
+        try:
+            if not os.path.exists(os.path.join(logdir, f"mpmd_trace_{run}.json")):
+                os.makedirs(os.path.join(logdir, "plugins", "profile", run))
+                return run
+        except FileExistsError:
+            pass
         k += 1
         run = f"{stamp}_{k}"
-    return run
 
 
 class ProfileContext:
@@ -43,8 +47,8 @@ class ProfileContext:
     def __init__(self, mesh: Any, logdir: str | os.PathLike[str], run: str | None = None) -> None:
         self.mesh = mesh
         self.logdir = os.path.abspath(os.path.expanduser(os.fspath(logdir)))
-        self.run = run or _fresh_run(self.logdir, time.strftime("%Y_%m_%d_%H_%M_%S"))
-        if os.sep in self.run or self.run in ("", ".", ".."):
+        self.run = run or ""  # (the default, a fresh name, is taken as the block starts)
+        if run and (os.sep in self.run or self.run in (".", "..")):
             raise ValueError(f"run must be a plain directory name, got {self.run!r}")
         self.files: list[str] = []
         self._trace_ctx: Any = None
@@ -56,8 +60,13 @@ class ProfileContext:
                             "of them (the profile's own trace is `prof.trace`)")
         try:
             os.makedirs(self.logdir, exist_ok=True)
+            if not self.run:
+                self.run = _fresh_run(self.logdir, time.strftime("%Y_%m_%d_%H_%M_%S"))
         except OSError as e:  # (a file of that name: a bare FileExistsError; a probe)
             raise MpmdError(f"mesh.profile: cannot make the profile directory {self.logdir}: {e}") from None
+        wait = getattr(self.mesh, "wait_steps_in_flight", None)  # (before the actors' profilers start: the steps
+        if wait is not None:  # dispatched before the block are not the profile's; a review)
+            wait()
         started: list[int] = []
 
         async def start(i: int) -> None:

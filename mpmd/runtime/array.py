@@ -192,6 +192,8 @@ class RemoteArray:
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         a = self.to_numpy()
+        if copy:  # (np.array(x) asks for a copy, and takes what comes back as one: the read-only fetched view was it)
+            return np.array(a, dtype=dtype, copy=True)
         return a.astype(dtype) if dtype is not None else a
 
     def item(self, *args: Any) -> Any:
