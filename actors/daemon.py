@@ -70,17 +70,13 @@ def _own_address(address: str) -> str:
         return "127.0.0.1"
 
 
-# Set while a loader's module is imported: a script that names itself as the loader module and starts a mesh at import
-# (no `if __name__ == "__main__":` guard) would have each actor start actors of its own, without end (a probe);
-# RemoteMesh.local and .ray refuse to start while it is set (mpmd/runtime/mesh.py reads the same name).
-IMPORTING_LOADER = "MPMD_ACTOR_IMPORTING_LOADER"
-
-
 def _import_loaders(names: list[str]) -> None:
     """Import every --allow-loader function now (after JAX is set up), so that one this daemon cannot import stops it
     at start, naming PYTHONPATH, rather than failing a step after dispatch. The working directory is searched too,
     as `python -m actors.daemon` (what RemoteMesh.local starts) searches it; the `mpmd-actor` script did not (a probe)."""
     import importlib
+
+    from transport.protocol import IMPORTING_LOADER  # (a script that starts a mesh at import is refused meanwhile)
 
     if names and os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.append(os.getcwd())

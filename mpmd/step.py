@@ -457,16 +457,17 @@ class ShallowCopyOnly:
         raise TypeError(self._not_pickled())
 
 
+try:  # (imported once, not on every call: the key is computed per call)
+    from jax._src.config import trace_context as _trace_context
+except ImportError:
+    _trace_context = None
+
+
 def _jax_context() -> Any:
     """JAX's configuration a trace depends on (x64, default PRNG implementation, promotion rules, ...), as jax.jit keys
     its cache by: a step compiled under one ran unchanged under another (`with jax.enable_x64(True):` gave the old
     program's float32; threefry_partitionable its old random bits; a probe). These contexts are per thread."""
-    try:
-        from jax._src import config
-
-        return config.trace_context()
-    except (ImportError, AttributeError):  # (a JAX without it: keyed by x64 at least)
-        return jax.config.jax_enable_x64
+    return _trace_context() if _trace_context is not None else jax.config.jax_enable_x64  # (a JAX without it: x64 at least)
 
 
 class DistributedFunction(ShallowCopyOnly):

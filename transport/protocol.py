@@ -88,6 +88,10 @@ import numpy as np
 # 45 steps ahead, or behind a loader of 1 s, failed healthy steps as timed out: a probe).
 QUEUED_BEHIND_STEPS = ("run_program", "get", "wait")
 
+# Set in a daemon's environment while it imports a loader's module (actors/daemon.py): RemoteMesh.local and .ray refuse
+# to start then (mpmd/runtime/mesh.py), or a script naming itself as the loader module would start actors without end.
+IMPORTING_LOADER = "MPMD_ACTOR_IMPORTING_LOADER"
+
 PROTOCOL_VERSION = 5  # 2: an shm notice's size includes the segment's control page (no shm_ack sent); 3: compact
 # data headers on same-host links (transport/p2p/link.py), their dtype numbered by link.COMPACT_DTYPES; 4: a big reply
 # is announced by a 'coming' message first (transport/control.py); 5: an actor's share of a failed step is named by

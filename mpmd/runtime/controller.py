@@ -467,7 +467,7 @@ class ActorConnection:
             if o.op in QUEUED_BEHIND_STEPS:
                 if step_before:
                     continue
-                start = max(start, getattr(o, "started", 0.0))
+                start = max(start, o.started)
             step_before = step_before or o.op == "run_program"
             bound = self._bound(o.op)
             if bound and now - start > bound + timeout:

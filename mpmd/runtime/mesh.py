@@ -67,7 +67,7 @@ from mpmd.runtime.recovery import Recovery, enable_recovery
 from mpmd.runtime.sharding import ActorMesh, as_spec, layout_wire, remote_sharding
 from mpmd.runtime.wiring import TRANSPORTS, wire_data_plane
 from transport.auth import ClientKeys
-from transport.protocol import ProtocolError
+from transport.protocol import IMPORTING_LOADER, ProtocolError
 
 log = logging.getLogger(__name__)
 _LIVE_MESHES: weakref.WeakSet[RemoteMesh] = weakref.WeakSet()
@@ -76,10 +76,10 @@ MAX_STEPS_IN_FLIGHT = 512  # steps dispatched and not finished before a caller w
 
 
 def _refuse_inside_a_loader_import(what: str) -> None:
-    """An actor daemon imports its loaders' modules at start (actors/daemon.py sets MPMD_ACTOR_IMPORTING_LOADER
+    """An actor daemon imports its loaders' modules at start (actors/daemon.py sets IMPORTING_LOADER
     meanwhile): a script that names itself as the loader module and starts a mesh when imported would have every
     actor start actors of its own, without end."""
-    name = os.environ.get("MPMD_ACTOR_IMPORTING_LOADER")
+    name = os.environ.get(IMPORTING_LOADER)
     if name:
         raise RuntimeError(f"{what} was called while an mpmd-actor imported the module of its loader {name!r}: that module "
                            "starts a mesh when imported, so each actor would start actors of its own. Put the script's code "
