@@ -339,7 +339,7 @@ def test_hurried_arguments_are_named_before_anything_starts(tmp_path):
     static_argnums=1.5 ("'float' object is not iterable"); for_step='x' ("a step of another mesh"); put(x, spec='bad')
     ("needs actors with several devices"). Each names its argument now; no daemon starts for the first ones."""
     for bad in (float("nan"), 0, -1, "5", True, float("inf")):
-        with pytest.raises(ValueError, match=r"startup_timeout must be a positive number of seconds"):
+        with pytest.raises(ValueError, match=r"startup_timeout must be a positive, finite number of seconds"):
             mpmd.RemoteMesh.local(num_actors=1, startup_timeout=bad)
     for bad in (10, "LOUD", None):
         with pytest.raises(ValueError, match=r"log_level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL"):

@@ -188,7 +188,7 @@ def test_a_second_job_on_the_same_rendezvous_shares_the_daemons_and_its_close_do
     for bad in (float("nan"), float("inf"), 0, True):
         with pytest.raises(ValueError, match="timeout must be a positive, finite number"):
             mpmd.RemoteMesh.from_rendezvous(rdv, 1, keys=keys, timeout=bad)
-    with pytest.raises(ValueError, match="num_actors must be an int >= 1, got True"):
+    with pytest.raises(ValueError, match="num_actors must be a whole number >= 1, got True"):
         mpmd.RemoteMesh.from_rendezvous(rdv, True, keys=keys, timeout=1)
 
 

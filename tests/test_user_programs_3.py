@@ -897,7 +897,7 @@ def test_put_refuses_a_python_int_past_int32_as_device_put_does_and_the_local_ti
     from mpmd.runtime.launch.local import LocalOptions
 
     for bad in (float("nan"), "5", True, 0):
-        with pytest.raises(ValueError, match="request_timeout must be a positive number"):
+        with pytest.raises(ValueError, match="request_timeout must be a positive, finite number"):
             LocalOptions(request_timeout=bad)
 
 

@@ -13,6 +13,7 @@
   checkpoint_format.py             the on-disk layout and its manifest (digests of every array and file)
   checkpoint_placement.py          where each restored array goes on a mesh other than the one that saved it
   recovery.py      `Recovery` — surviving a lost actor: step log, host snapshots, replacement, replay
+  arguments.py     checks of counts and durations the launchers, RemoteMesh and Recovery share
   launch/          starting daemons: local subprocesses, Ray actors, a rendezvous (SLURM, Kubernetes)
 
 The runtime imports the compiler's value conversions (`mpmd.compiler.avals`; recovery also re-exports a plan's

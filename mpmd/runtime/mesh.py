@@ -27,7 +27,6 @@ import concurrent.futures
 import functools
 import inspect
 import logging
-import math
 import numbers
 import os
 import re
@@ -47,6 +46,7 @@ from mpmd.observe.profile import ProfileContext
 from mpmd.observe.trace import Trace, TraceContext, measure_clock_offsets
 from mpmd.runtime.actor_handle import ActorHandle
 from mpmd.runtime.aio import off_loop
+from mpmd.runtime.arguments import check_seconds
 from mpmd.runtime.array import RemoteArray, fetch
 from mpmd.runtime.buffers import BufferClient, gather
 from mpmd.runtime.controller import (
@@ -93,9 +93,7 @@ def _check_options(mesh_shape: Any, transfer_timeout: Any, heartbeat_interval: A
         raise ValueError(f"mesh_shape must be a sequence of positive ints, one per axis (e.g. (2, 2)), got {mesh_shape!r:.80}")
     for name, value in (("transfer_timeout", transfer_timeout), ("heartbeat_interval", heartbeat_interval),
                         ("heartbeat_timeout", heartbeat_timeout)):  # (heartbeat_timeout=inf waited for good on an
-        # address nothing listens on; "10" was a TypeError from a comparison: a probe)
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
-            raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r:.40}")
+        check_seconds(name, value)  # address nothing listens on: a probe)
     if not 2 * heartbeat_interval < heartbeat_timeout:
         raise ValueError(f"heartbeat_timeout ({heartbeat_timeout}) must exceed twice heartbeat_interval ({heartbeat_interval}): "
                          "a busy actor answers a ping only every heartbeat_interval")

@@ -60,6 +60,7 @@ from mpmd.compiler.avals import from_wire, is_key, key_impl, to_wire
 from mpmd.compiler.plan import iter_lowered
 from mpmd.errors import ActorDiedError, ActorStartError, MpmdError
 from mpmd.runtime.aio import watch
+from mpmd.runtime.arguments import check_count, check_seconds
 from mpmd.runtime.array import RemoteArray
 from mpmd.runtime.controller import EXITED_HINT, wait_settled
 
@@ -92,13 +93,10 @@ class Recovery:
     drain_timeout: float = 10.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.snapshot_every, int) or self.snapshot_every < 1:
-            raise ValueError(f"Recovery(snapshot_every=...) must be an int >= 1 (steps between snapshots), got {self.snapshot_every!r}")
-        if not isinstance(self.max_failures, int) or self.max_failures < 0:
-            raise ValueError(f"Recovery(max_failures=...) must be an int >= 0 (lost actors to recover from), got {self.max_failures!r}")
+        check_count("Recovery(snapshot_every=...) (steps between snapshots)", self.snapshot_every)
+        check_count("Recovery(max_failures=...) (lost actors to recover from)", self.max_failures, minimum=0)
         for name in ("spawn_timeout", "drain_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"Recovery({name}=...) must be a positive number of seconds, got {getattr(self, name)!r}")
+            check_seconds(f"Recovery({name}=...)", getattr(self, name))
 
 
 @dataclass(eq=False)  # (compared by identity: its fields hold weakrefs of arrays, whose == is refused)

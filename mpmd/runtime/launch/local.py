@@ -16,7 +16,6 @@ from __future__ import annotations
 import glob
 import json
 import logging
-import numbers
 import os
 import selectors
 import shutil
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mpmd.errors import ActorStartError
+from mpmd.runtime.arguments import check_count, check_seconds
 from transport.auth import ClientKeys, KeyPair
 
 log = logging.getLogger(__name__)
@@ -68,21 +68,16 @@ class LocalOptions:
     loaders: tuple[str, ...] = ()  # "module:function" data loaders the daemons may call (mpmd.runtime.loader)
 
     def __post_init__(self) -> None:
-        d = self.devices_per_actor
-        if not isinstance(d, numbers.Integral) or isinstance(d, bool) or d < 1:
-            raise ValueError(f"devices_per_actor must be a whole number >= 1, got {d!r:.40}")
+        check_count("devices_per_actor", self.devices_per_actor)
         if self.platform not in ("cpu", "gpu"):
             raise ValueError(f"platform must be 'cpu' or 'gpu', got {self.platform!r}")
         if self.address not in ("ipc", "tcp"):
             raise ValueError(f"address must be 'ipc' or 'tcp', got {self.address!r}")
         if self.cpus_per_actor is not None and self.cpus_per_actor < 1:
             raise ValueError(f"cpus_per_actor must be >= 1 (or None), got {self.cpus_per_actor}")
-        rt = self.request_timeout
-        if rt is not None and (isinstance(rt, bool) or not isinstance(rt, (int, float)) or not rt > 0):  # (NaN too)
-            raise ValueError(f"request_timeout must be a positive number of seconds (or None), got {rt!r:.40}")
-        st = self.startup_timeout  # (NaN: "cannot convert float NaN to integer"; 0: "took longer ... start fewer"; a probe)
-        if isinstance(st, bool) or not isinstance(st, (int, float)) or not 0 < st < float("inf"):
-            raise ValueError(f"startup_timeout must be a positive number of seconds, got {st!r:.40}")
+        check_seconds("request_timeout", self.request_timeout, none_ok=True)
+        check_seconds("startup_timeout", self.startup_timeout)  # (NaN: "cannot convert float NaN to integer"; 0:
+        # "took longer ... start fewer": a probe)
         if not isinstance(self.log_level, str) or self.log_level.upper() not in LOG_LEVELS:  # (an int reached the daemon's argument list: "expected str ... not int")
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)} (the daemons' logging level), got {self.log_level!r:.40}")
 
@@ -356,9 +351,7 @@ def host_memory() -> dict[str, int] | None:
 
 def start_local(num_actors: int, options: LocalOptions) -> LocalMesh:
     """Start `num_actors` daemons here and wait until each is ready; on failure nothing is left running."""
-    if not isinstance(num_actors, numbers.Integral) or isinstance(num_actors, bool) or num_actors < 1:
-        raise ValueError(f"num_actors must be a whole number >= 1, got {num_actors!r:.40}")
-    num_actors = int(num_actors)
+    num_actors = check_count("num_actors", num_actors)
     memory = host_memory()
     if memory is not None and num_actors * DAEMON_BYTES > memory["MemTotal"] + memory.get("SwapTotal", 0):
         raise ValueError(f"num_actors={num_actors}: each local actor is a daemon process holding JAX (~{DAEMON_BYTES >> 20} MiB "

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mpmd.errors import ActorStartError, MpmdError
+from mpmd.runtime.arguments import check_count, check_seconds
 from mpmd.runtime.launch.local import LOG_LEVELS, default_cache_dir, describe_exit, remove_shared_memory, terminate
 from mpmd.runtime.launch.rendezvous import ActorFacts, check_compatible
 from transport.auth import ClientKeys, KeyPair
@@ -365,10 +366,8 @@ def start(num_actors: int, devices_per_actor: int = 1, resources_per_actor: Mapp
           daemon_flags: Sequence[str] = ()) -> RayLaunch:
     """Reserve a placement group, start a daemon in a Ray actor per bundle, and wait until all are ready; on
     failure nothing is left (Ray actors killed, group removed). See the module docstring."""
-    for name, value in (("num_actors", num_actors), ("devices_per_actor", devices_per_actor)):  # (True was 1 actor, 1.5
-        # one device, "2" a TypeError from a comparison: a probe)
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a whole number >= 1, got {value!r:.40}")
+    check_count("num_actors", num_actors)
+    check_count("devices_per_actor", devices_per_actor)
     if isinstance(cpus_per_actor, bool) or not isinstance(cpus_per_actor, numbers.Real) or not 0 < cpus_per_actor < math.inf:
         raise ValueError(f"cpus_per_actor must be a positive number (Ray's CPU resource per actor), got {cpus_per_actor!r:.40}")
     if resources_per_actor is not None and (not isinstance(resources_per_actor, Mapping) or not all(
@@ -382,9 +381,8 @@ def start(num_actors: int, devices_per_actor: int = 1, resources_per_actor: Mapp
         raise ValueError(f"placement_strategy must be one of {STRATEGIES}, got {placement_strategy!r}")
     if platform not in ("auto", "cpu", "gpu"):
         raise ValueError(f"platform must be 'auto', 'cpu' or 'gpu', got {platform!r}")
-    for name, value in (("placement_timeout", placement_timeout), ("startup_timeout", startup_timeout)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-            raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
+    check_seconds("placement_timeout", placement_timeout)
+    check_seconds("startup_timeout", startup_timeout)
     ray = _ray()
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from mpmd.errors import IncompatibleActorError, RendezvousError
+from mpmd.runtime.arguments import check_count, check_seconds
 from transport.auth import Authenticator, AuthKeyError, ClientKeys, KeyPair, configure_server
 from transport.control import allow_ipv6
 from transport.protocol import PROTOCOL_VERSION
@@ -207,10 +208,8 @@ class _Waiting:
 def gather(where: str | os.PathLike[str], num_actors: int, timeout: float, keys: Any = None, poll: float = 0.2) -> list[Arrival]:
     """The arrivals of actors 0 .. num_actors-1 at `where` (a directory, or ``tcp://HOST:PORT`` to serve),
     each of a daemon that answers at its endpoint; `RendezvousError` naming the missing ones after `timeout`."""
-    if isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1:
-        raise ValueError(f"num_actors must be an int >= 1, got {num_actors!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-        raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
+    num_actors = check_count("num_actors", num_actors)
+    check_seconds("timeout", timeout)
     if is_tcp(where):
         server = TcpRendezvous(str(where), keys)
         try:
