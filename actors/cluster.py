@@ -222,11 +222,24 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, environ: 
 WILDCARDS = ("*", "0.0.0.0", "::", "[::]")  # bind hosts meaning every interface: others dial this node's address
 
 
+def bindable(address: str) -> str:
+    """`address` if this machine can bind it (a hostname resolving to a stale, NAT or container-alias address cannot),
+    else 127.0.0.1 with a warning (the controller then refuses it for peers on other hosts, naming --p2p-host)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((address, 0))
+        return address
+    except OSError as e:
+        logging.getLogger("mpmd.actor").warning("this node's address %s cannot be bound here (%s): the data plane listens on "
+                                                "127.0.0.1; give --p2p-host ADDRESS for peers on other nodes", address, e)
+        return "127.0.0.1"
+
+
 def advertised(endpoint: str, host: str | None) -> str:
-    """`endpoint` as others dial it: a wildcard bind (0.0.0.0, *, ::) names this node's address instead."""
-    bound = _host_of(endpoint)
-    if bound in WILDCARDS:
-        return _tcp(host or node_address(), int(endpoint.rsplit(":", 1)[1]))
+    """`endpoint` as others dial it (the ready line, the rendezvous arrival): a wildcard bind (0.0.0.0, *, ::) names
+    `host`, else this node's address where it can be bound here."""
+    if _host_of(endpoint) in WILDCARDS:
+        return _tcp(host or bindable(node_address()), int(endpoint.rsplit(":", 1)[1]))
     return endpoint
 
 

@@ -55,21 +55,6 @@ def _private_compile_dir(actor_id: int, parent: str | None) -> tuple[str, int]:
     return path, fd
 
 
-def _own_address(address: str) -> str:
-    """`address` if this machine can bind it (a hostname resolving to a stale, NAT or container-alias address cannot),
-    else 127.0.0.1 with a warning (the controller then refuses it for peers on other hosts, naming --p2p-host)."""
-    import socket
-
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((address, 0))
-        return address
-    except OSError as e:
-        logging.getLogger("mpmd.actor").warning("this node's address %s cannot be bound here (%s): the data plane listens on "
-                                                "127.0.0.1; give --p2p-host ADDRESS for peers on other nodes", address, e)
-        return "127.0.0.1"
-
-
 def _import_loaders(names: list[str]) -> None:
     """Import every --allow-loader function now (after JAX is set up), so that one this daemon cannot import stops it
     at start, naming PYTHONPATH, rather than failing a step after dispatch. The working directory is searched too,
@@ -444,7 +429,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     if args.p2p != "none":
         host = args.p2p_host or (args.listen.split("://", 1)[1].rsplit(":", 1)[0] if args.listen.startswith("tcp://") else "127.0.0.1")
         if host in cluster.WILDCARDS:  # every interface: peers on other nodes dial this node's own address
-            host = _own_address(cluster.node_address())
+            host = cluster.bindable(cluster.node_address())
         device = jax.devices()[0]
         from actors.buffers import release_host_memory
 
@@ -634,7 +619,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     collector.freeze()  # what the daemon keeps for its life, out of the collector's walks (actors/collector.py)
     if not stop.is_set():
         try:
-            print(f"MPMD_ACTOR_READY {_dialed(endpoint, args.p2p_host)} {_p2p_address(p2p)}", flush=True)
+            print(f"MPMD_ACTOR_READY {cluster.advertised(endpoint, args.p2p_host)} {_p2p_address(p2p)}", flush=True)
         except (BrokenPipeError, OSError):  # nobody reads it: the controller that started us is gone (cleaned up below)
             orphaned.set()
         # The ready line is stdout's only line: what is printed later (a loader's print) goes to the log. The launcher
@@ -705,13 +690,6 @@ def _waiting_on(msg, loading: str | None = None) -> str:
     if msg.op == "run_program":
         return f"program {msg.header.get('program')} step {msg.header.get('step')} was still running; its outputs are failed"
     return "nothing it reserved is left reserved"
-
-
-def _dialed(endpoint: str, host: str | None) -> str:
-    """The control endpoint as others dial it: a wildcard bind (tcp://0.0.0.0:5555) names this node's address."""
-    if endpoint.startswith("tcp://") and endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]") in cluster.WILDCARDS:
-        return cluster.advertised(endpoint, host or _own_address(cluster.node_address()))
-    return endpoint
 
 
 def _p2p_address(p2p) -> str:
