@@ -32,7 +32,7 @@ from mpmd.compiler.program import Send
 from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError, ScheduleError
 from mpmd.observe.report import PlacementReport, placement_report
 from mpmd.primitives import tracing_distributed
-from mpmd.runtime.aio import abortable, off_loop, start_in_worker, watch
+from mpmd.runtime.aio import abortable, as_caller, callers_config, off_loop, start_in_worker, watch
 from mpmd.runtime.array import HELD, RemoteArray
 from mpmd.runtime.buffers import in_parts
 from mpmd.runtime.callbacks import run_host_calls
@@ -772,10 +772,11 @@ class DistributedFunction(ShallowCopyOnly):
             self.compile_bound(args, sig)
             note_blocking(time.perf_counter() - t, f"compiling {getattr(self.fn, '__name__', 'a step')}")
 
-    def _compile_as_caller(self, args: tuple[Any, ...], sig: Any, x64: bool) -> CompiledStep:
-        """`compile_bound` in a worker thread for a caller whose signature is `sig`, traced with the caller's x64
-        (a per-thread setting; the caller's other per-thread JAX contexts do not reach the worker)."""
-        with jax.enable_x64(x64):
+    def _compile_as_caller(self, args: tuple[Any, ...], sig: Any, local: dict[str, Any]) -> CompiledStep:
+        """`compile_bound` in a worker thread for a caller whose signature is `sig`, traced under the JAX options
+        the caller's thread set for itself (`callers_config`: x64, matmul precision, rank promotion, ..., which
+        `sig` is keyed by; the worker traced without them: a probe)."""
+        with as_caller(local):
             return self.compile_bound(args, sig)
 
     def _let_go(self, compiled: CompiledStep) -> None:
@@ -1229,7 +1230,7 @@ class DistributedFunction(ShallowCopyOnly):
                 running = self._async_compiles.get(sig)  # (awaiting calls share one worker; compile_bound threads too)
                 if running is None:
                     running = self._async_compiles[sig] = start_in_worker(self._compile_as_caller, args, sig,
-                                                                          bool(jax.config.jax_enable_x64))
+                                                                          callers_config())
                     running.add_done_callback(lambda f: self._async_compiles.pop(sig, None) if self._async_compiles.get(sig) is f else None)
             await watch(running)  # (compile_bound compiles again if a daemon was replaced meanwhile)
         try:

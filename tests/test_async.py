@@ -5,6 +5,7 @@ its buffers; a remote error and `asyncio.timeout` reach the await; a blocking ca
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -116,6 +117,39 @@ async def test_first_calls_awaited_together_compile_the_step_once(mesh2):
     want = reference(params, opt_state, batch)
     for out in outs:
         assert_trees_close(out, want)
+
+
+async def test_call_async_and_run_async_trace_under_the_callers_per_thread_jax_options(mesh2):
+    """The worker thread that traces for an awaiting caller sets the JAX options the caller's thread set (JAX keeps
+    them per thread): under `jax.default_prng_impl("rbg")` the step's random bits are rbg's, as under jax.jit, and
+    under `jax.numpy_rank_promotion("raise")` an implicit rank promotion is refused (a probe: only x64 reached the
+    worker, so the step drew threefry's bits and promoted ranks, cached under the caller's options)."""
+    _, _, params, _, batch = training(seed=7)
+
+    def step(params, batch, promote=False):
+        grads, losses = mpmd.accumulate_grads(lambda mb: jax.value_and_grad(mse_loss(mlp))(params, mb)[::-1], batch,
+                                              schedule=mpmd.OneFOneB(num_stages=2))
+        g = grads[0][0]
+        extra = jnp.ones((2,) + g.shape) if promote else jax.random.normal(jax.random.key(0), g.shape)
+        return g + extra, losses
+
+    noisy = lambda x: x + jax.random.normal(jax.random.key(0), x.shape)  # noqa: E731
+    x = np.arange(3, dtype=np.float32)
+    with jax.default_prng_impl("rbg"):
+        want, want_run = jax.jit(step)(params, batch), jax.jit(noisy)(x)
+        got = await mpmd.distributed(step, mesh=mesh2).call_async(params, batch)
+        got_run = await mesh2.actor(1).run_async(jax.jit(noisy), x)
+    assert_trees_close(got, want)
+    np.testing.assert_array_equal(await mpmd.fetch_async(got_run), want_run)
+    threefry = jax.jit(lambda p, b: step(p, b))(params, batch)  # (a new function: jax.jit's cache ignores the option)
+    assert not np.allclose(want[0], threefry[0])  # (threefry's bits differ: the option mattered)
+    with jax.numpy_rank_promotion("raise"):
+        with pytest.raises(ValueError, match="jax_numpy_rank_promotion=.raise."):
+            jax.jit(step, static_argnums=2)(params, batch, True)
+        with pytest.raises(ValueError, match="jax_numpy_rank_promotion=.raise."):
+            await mpmd.distributed(functools.partial(step, promote=True), mesh=mesh2).call_async(params, batch)
+        with pytest.raises(ValueError, match="jax_numpy_rank_promotion=.raise."):
+            await mesh2.actor(0).run_async(jax.jit(lambda a, b: a + b), x, np.ones((2, 3), np.float32))
 
 
 async def test_save_async_and_restore_async_equal_save_and_restore(mesh2, tmp_path):

@@ -15,7 +15,7 @@ import numpy as np
 from mpmd.compiler.avals import host_value
 from mpmd.compiler.lowering import tracing_mesh
 from mpmd.errors import ActorDiedError, MpmdError
-from mpmd.runtime.aio import off_loop, start_in_worker
+from mpmd.runtime.aio import as_caller, callers_config, off_loop, start_in_worker
 from mpmd.runtime.array import RemoteArray
 from mpmd.runtime.buffers import gather
 from mpmd.runtime.controller import close_if_unstarted
@@ -68,7 +68,7 @@ class ActorHandle:
         lowered = await off_loop(functools.partial(self._lower, fn, args, context))
 
         def staged() -> list[Any]:
-            with jax.enable_x64(context[0]):
+            with as_caller(context[0]):
                 return self._staged(lowered[0])
 
         async def attempt() -> Any:
@@ -129,11 +129,11 @@ class ActorHandle:
         log.warning("mesh.actor(%d): actor %s was lost; the mesh recovered, calling again", self.index, error.actor_id)
         return True
 
-    def _lower(self, fn: Callable[..., Any], args: tuple[Any, ...], context: tuple[bool, Any]) -> tuple[list[Any], bytes, Any]:
+    def _lower(self, fn: Callable[..., Any], args: tuple[Any, ...], context: tuple[dict[str, Any], Any]) -> tuple[list[Any], bytes, Any]:
         """Check the arguments and lower `fn` for them (here, once per signature), in a worker thread under the
         caller's `context` (`_callers_context`): (argument leaves, blob, what `Executables.lower` says of the outputs)."""
-        x64, (caller, callers_mesh) = context
-        with jax.enable_x64(x64):
+        config, (caller, callers_mesh) = context
+        with as_caller(config):
             return self._lower_here(fn, args, caller, callers_mesh)
 
     def _lower_here(self, fn: Callable[..., Any], args: tuple[Any, ...], caller: Any, callers_mesh: Any) -> tuple[list[Any], bytes, Any]:
@@ -243,13 +243,13 @@ def _stats(header: Any) -> dict[str, Any]:
     return h
 
 
-def _callers_context() -> tuple[bool, Any]:
+def _callers_context() -> tuple[dict[str, Any], Any]:
     """What of the calling thread's JAX configuration `fn` is lowered under in a worker thread (both are
-    thread-local): jax_enable_x64 (under `jax.enable_x64(True)` a float64 result came back float32), and the mesh
-    the caller set (`jax.set_mesh`: its axes resolve a bare PartitionSpec as under jax.jit; a probe): (x64,
-    (abstract mesh, concrete mesh or None))."""
+    thread-local): the options it set (`callers_config`: under `jax.enable_x64(True)` a float64 result came back
+    float32), and the mesh the caller set (`jax.set_mesh`: its axes resolve a bare PartitionSpec as under jax.jit;
+    a probe): (options, (abstract mesh, concrete mesh or None))."""
     get_mesh = getattr(jax.sharding, "get_mesh", None)
-    return bool(jax.config.jax_enable_x64), (jax.sharding.get_abstract_mesh(), get_mesh() if get_mesh else None)
+    return callers_config(), (jax.sharding.get_abstract_mesh(), get_mesh() if get_mesh else None)
 
 
 def _check_callable(fn: Any) -> None:

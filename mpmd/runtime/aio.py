@@ -93,6 +93,37 @@ def _own_thread(fn: Callable[[], T]) -> concurrent.futures.Future[T]:
     return fut
 
 
+try:
+    from jax._src.config import config_ext as _config_ext
+    from jax._src.config import config_states as _config_states
+except ImportError:  # (a JAX without them: x64 at least reaches the worker)
+    _config_ext = _config_states = None
+
+
+def callers_config() -> dict[str, Any]:
+    """The JAX options the calling thread set for itself (`with jax.enable_x64(True):`, `jax.default_matmul_precision`,
+    `jax.numpy_rank_promotion`, ...: JAX keeps them per thread), for a worker thread that traces for it to set
+    again (`as_caller`): a step compiled in a worker without them ran float32 where the caller asked float64, or
+    promoted ranks the caller's code refused (probes)."""
+    if _config_states is None:
+        return {"jax_enable_x64": bool(jax.config.jax_enable_x64)}
+    got = {}
+    for name, state in _config_states.items():
+        value = state.get_local()
+        if value is not _config_ext.unset:
+            got[name] = value
+    return got
+
+
+@contextlib.contextmanager
+def as_caller(config: dict[str, Any]) -> Iterator[None]:
+    """In this (worker) thread, the options `callers_config` read in the caller's."""
+    with contextlib.ExitStack() as stack:
+        for name, value in config.items():
+            stack.enter_context(_config_states[name](value) if _config_states is not None else jax.enable_x64(value))
+        yield
+
+
 def start_in_worker(fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
     """Start `fn(*args)` in one of the runtime's worker threads; a concurrent future of its result."""
     return _WORKERS.submit(fn, *args)
