@@ -17,7 +17,8 @@ its event-loop thread (cProfile) into ``<prefix>.<actor id>`` on exit.
 Security: with ``--server-key``/``--authorized-keys`` the control socket is a CURVE server that admits only
 the controllers whose public keys are in that directory, and every request is tied to the key that sent it.
 Without keys the daemon binds only to loopback or ipc (``--insecure`` lifts that, and trusts whoever can
-reach the socket), and serves ``compile`` only with ``--insecure``. The data plane between actors is
+reach the socket), and serves ``compile`` and what changes or reads what every session shares (``save``,
+``restore``, ``profile``, ``shutdown``, the data-plane wiring) only with ``--insecure``. The data plane between actors is
 CURVE-authenticated with keys the daemon makes at start (see transport/auth.py) unless ``--insecure``.
 """
 
@@ -392,7 +393,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     jax.config.update("jax_enable_x64", True)
 
     from actors import collector
-    from actors.handlers import Actor
+    from actors.handlers import GOVERNING, Actor
     from actors.interpreter import failed_task
     from actors.request import HeldByLoader, RequestError, StepAborted, WaitedInVain, format_exception
     from actors.sandbox import ALLOWED_CUSTOM_CALLS, BlobChecker, CheckerPool
@@ -406,9 +407,10 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     log = logging.getLogger("mpmd.actor")
     warn = RateLimitedLog(log)
     secure = server_pair is not None
+    trusted_only = GOVERNING | {"compile"}  # (without keys, refused unless --insecure: any local user reaches the socket)
     if not secure and not args.insecure:
-        log.warning("serving %s without authentication: any local user can reach it; 'compile' is refused (give the "
-                    "daemon --server-key/--authorized-keys, or --insecure)", args.listen)
+        log.warning("serving %s without authentication: any local user can reach it; %s are refused (give the "
+                    "daemon --server-key/--authorized-keys, or --insecure)", args.listen, ", ".join(sorted(trusted_only)))
     try:  # (an unknown --platform, or cuda on a machine without a GPU, fails here: say it in one line)
         jax.devices()
     except Exception as e:
@@ -529,6 +531,10 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
                 req_id = message_id(frames)  # a refused message's error reply still answers it, when it can be read
                 raise
             req_id = msg.header.get("id")
+            if msg.op in trusted_only and not (secure or args.insecure):
+                raise RequestError(f"this daemon serves {msg.op!r} only to an authenticated controller: start it with "
+                                   "--server-key/--authorized-keys (RemoteMesh.local does that by itself), or with "
+                                   "--insecure to trust whoever can reach its socket")
             if msg.op == "shutdown":
                 # the job's owner, or an operator, in a session of its own; while other sessions are open only that
                 # session closes (the reply says stopped: false)
@@ -537,10 +543,6 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
                 if stopping:
                     stop.set()
                 return
-            if msg.op == "compile" and not (secure or args.insecure):
-                raise RequestError("this daemon serves 'compile' only to an authenticated controller: start it with "
-                                   "--server-key/--authorized-keys (RemoteMesh.local does that by itself), or with "
-                                   "--insecure to trust whoever can reach its socket")
             header, arrays = await answer(msg, peer)
             size = sum(int(a.nbytes) for a in arrays)
             if size >= COMING_BYTES:  # its bytes will hold the connection: say so first (transport/control.py)

@@ -158,12 +158,23 @@ def test_a_non_loopback_bind_without_keys_refuses_to_start_and_says_so(tmp_path)
         stop_daemon(proc)
 
 
-def test_a_daemon_without_keys_serves_compile_only_when_started_insecure():
+def test_a_daemon_without_keys_serves_compile_and_the_shared_ops_only_when_started_insecure(tmp_path):
+    """Without keys any local user reaches the socket: besides `compile`, what writes files (`save`), lists and reads
+    them (`restore`), profiles, rewires or stops the daemon is refused (a probe planted a checkpoint of its bytes in
+    the daemon user's home, listed /etc file by file through restore's listing check, and shut the daemon down)."""
     blob = export.export(jax.jit(lambda a: a + 1), platforms=["cpu"])(jax.ShapeDtypeStruct((2,), jnp.float32)).serialize()
     proc, address = start_daemon("--listen", "tcp://127.0.0.1:0", "--p2p", "none")
     try:
         reply = raw_request(address, {"op": "compile", "id": 1}, arrays=[np.frombuffer(blob, np.uint8)])
         assert reply.op == "error" and "serves 'compile' only to an authenticated controller" in reply.header["message"]
+        assert raw_request(address, {"op": "hello", "id": 2, "session": 7}).op == "reply"
+        for op, fields in [("save", {"path": str(tmp_path / "planted"), "bufs": []}), ("restore", {"path": "/etc"}),
+                           ("profile", {}), ("connect_peers", {"peers": {}}), ("shutdown", {})]:
+            reply = raw_request(address, {"op": op, "id": 2, "session": 7, **fields})
+            assert reply.op == "error" and f"serves {op!r} only to an authenticated controller" in reply.header["message"], (
+                op, reply.header)
+        assert not (tmp_path / "planted").exists()
+        assert proc.poll() is None and raw_request(address, {"op": "ping", "id": 3}).op == "reply"  # (still up)
     finally:
         stop_daemon(proc)
 
