@@ -52,7 +52,7 @@ def is_ready(x: Any) -> bool:
     return ready() if ready is not None else True
 
 
-BIG_PROGRAM = 4096  # instructions past which a Program is counted and decoded in a thread beside the event loop
+BIG_PROGRAM = 4096  # instructions (or constants) past which a Program is counted, decoded and placed in a thread beside the event loop
 BIG_PROGRAM_WORDS = 1 << 16  # or ids named by its instructions (two instructions of 8 million ids stalled the loop 1.4 s)
 
 
@@ -569,8 +569,8 @@ class Actor:
         if pid_given is not None:  # (before the first await: an unload right behind it waits)
             ses.loading.setdefault(pid_given, []).append(done)
         try:
-            many = isinstance(instrs, list) and len(instrs) > BIG_PROGRAM
-            words = await _beside_loop(many, _program_words, instrs)
+            many = isinstance(instrs, list) and len(instrs) > BIG_PROGRAM or len(msg.arrays) > BIG_PROGRAM
+            words = await _beside_loop(many, _program_words, instrs) + len(msg.arrays)  # (each constant a word too)
             big = many or words > BIG_PROGRAM_WORDS
             async with self._guest_decodes if guest and big else contextlib.nullcontext():
                 self._within_program_quota(ses, pid_given, words, msg)
@@ -592,7 +592,9 @@ class Actor:
                         raise RequestError(self._not_wired(ses))
                     self._check_peer(ins, "'load_program'")
             self._within_program_quota(ses, pid, words, msg)  # (again: other loads may have been recorded meanwhile)
-            prog.consts = {b: self._to_device(a) for b, a in prog.consts.items()}
+            # (placed beside the loop when many: 60,000 empty constants held it 27 s, and a job's controller took its
+            # actor for dead; a probe)
+            prog.consts = await _beside_loop(big, lambda: {b: self._to_device(a) for b, a in prog.consts.items()})
             ses.programs[pid] = prog
             ses.program_words[pid], ses.program_bytes[pid] = words, sum(int(a.nbytes) for a in msg.arrays)
             ses.program_made[pid], ses.program_exes[pid] = made, exes

@@ -270,6 +270,28 @@ def test_a_program_whose_run_names_another_number_of_outputs_than_its_executable
     assert replies[2].op == "reply", replies[2].header
 
 
+def test_a_program_of_many_constants_is_placed_beside_the_loop_and_a_message_of_too_many_arrays_is_refused(target):
+    """60,000 empty constants in one `load_program` held the daemon's loop 27 s (each placed on the device there), and
+    the job's controller took its actor for dead; 600,000 arrays in one message were decoded first (a probe). Now
+    constants past BIG_PROGRAM are placed in a thread, so a ping sent right behind the load is answered before it,
+    and a message announcing more than MAX_IDS arrays is refused before any is read."""
+    from actors.handlers import BIG_PROGRAM
+    from transport.protocol import MAX_IDS
+
+    s, n = target.mesh.session, 4 * BIG_PROGRAM
+    consts = [np.zeros(0, np.bool_)] * n
+    load = ({"op": "load_program", "id": 1, "session": s,
+             "program": {"id": 90, "actor": 0, "inputs": [], "outputs": [], "consts": list(range(1000, 1000 + n)), "instrs": []}},
+            consts)
+    replies = exchange(target, [load, ({"op": "ping", "id": 2},)])
+    assert [r.header["id"] for r in replies] == [2, 1], [r.header for r in replies]  # (the loop answered the ping meanwhile)
+    assert replies[1].op == "reply" and replies[1].header["program"] == 90, replies[1].header
+    too_many = [msgpack.packb({"v": PROTOCOL_VERSION, "op": "load_program", "id": 3, "session": s,
+                               "arrays": [{"dtype": "bool", "shape": [0]}] * (MAX_IDS + 1)}, use_bin_type=True)]
+    reply = exchange(target, [too_many + [b""] * (MAX_IDS + 1)])[0]
+    assert reply.op == "error" and f"a message carries at most {MAX_IDS} arrays" in reply.header["message"], reply.header
+
+
 # ---- the data plane ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def peer(target):

@@ -252,6 +252,9 @@ def array_specs(header: dict[str, Any]) -> list[tuple[np.dtype, list[int], int]]
     metas = header.get("arrays", [])
     if not isinstance(metas, list):
         raise ProtocolError("header field 'arrays' must be a list")
+    if len(metas) > MAX_IDS:  # (600,000 empty ones held a daemon's loop for 20 s: a probe; a pytree's leaves go in one)
+        raise ProtocolError(f"a message carries at most {MAX_IDS} arrays, this one announces {len(metas)}; send them in "
+                            "several requests")
     return [array_spec(m, i) for i, m in enumerate(metas)]
 
 
