@@ -369,6 +369,9 @@ def build_executable(exp: Any, donate: tuple[int, ...], in_layouts: list | None,
         return tuple(jax.tree.leaves(exp.call(*args)))  # one output, not its rows; the cache counts them so too)
 
     avals = list(exp.in_avals)
+    if any(d >= len(avals) for d in donate):  # (jax.jit ignored them: another executable, the same program)
+        raise ValueError(f"donate names input positions {sorted(d for d in donate if d >= len(avals))}, but the executable "
+                         f"takes {len(avals)} inputs")
     kwargs: dict[str, Any] = {}
     if mesh is not None:  # on a device mesh every input has a layout (replicated unless said otherwise)
         shard = lambda w: spmd.sharding_of(mesh, spmd.spec_from_wire(w), device)  # noqa: E731

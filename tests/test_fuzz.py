@@ -292,6 +292,22 @@ def test_a_program_of_many_constants_is_placed_beside_the_loop_and_a_message_of_
     assert reply.op == "error" and f"a message carries at most {MAX_IDS} arrays" in reply.header["message"], reply.header
 
 
+def test_compile_refuses_donated_positions_the_executable_does_not_have_or_names_twice(target):
+    """`donate` of [-1], [0, 0] or [5] for a one-input executable was accepted, each compiled as another executable
+    of the same program with the positions ignored (a probe); each is now refused naming what was wrong."""
+    blob = export.export(jax.jit(lambda a: a + 3), platforms=["cpu"])(jax.ShapeDtypeStruct((4,), jnp.float32)).serialize()
+    frame = np.frombuffer(blob, np.uint8)
+    digest = hashlib.sha256(blob).hexdigest()
+    requests = [({"op": "compile", "id": i, "session": target.mesh.session, "digest": digest, "donate": d}, [frame])
+                for i, d in enumerate(([-1], [0, 0], [5], [0]))]
+    replies = sorted(exchange(target, requests), key=lambda m: m.header["id"])
+    for reply in replies[:2]:
+        assert reply.op == "error" and "'donate' must name distinct input positions (>= 0)" in reply.header["message"], reply.header
+    assert replies[2].op == "error" and "donate names input positions [5], but the executable takes 1 inputs" in (
+        replies[2].header["message"]), replies[2].header
+    assert replies[3].op == "reply", replies[3].header
+
+
 # ---- the data plane ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def peer(target):
