@@ -208,6 +208,17 @@ def test_a_breakpoint_and_an_io_callback_whose_result_is_used_are_refused_before
     with pytest.raises(PipelineError, match="breakpoint.*jax.debug.print"):
         mpmd.distributed(_one_stage_effect_step(brk), mesh=mesh2)(params, batch)
 
+    seen = []
+
+    def inspect(h):  # (its callback ran on the controller at export, then jax.export failed on its effect: a probe)
+        jax.debug.inspect_array_sharding(h, callback=seen.append)
+        return h
+
+    for fn in (inspect, lambda h: jax.jit(inspect)(h)):
+        with pytest.raises(PipelineError, match=r"inspect_array_sharding.*inside a distributed step.*RemoteArray.sharding"):
+            mpmd.distributed(_one_stage_effect_step(fn), mesh=mesh2)(params, batch)
+    assert seen == []
+
     def used(h):
         s = io_callback(lambda v: np.float32(1.0), jax.ShapeDtypeStruct((), jnp.float32), jax.lax.stop_gradient(h.sum()))
         return h * s

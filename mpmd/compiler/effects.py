@@ -14,6 +14,7 @@ What cannot run this way is refused before anything is dispatched, with what to 
 * an `io_callback` or `pure_callback` whose result the computation reads (the value would have to come back
   from the controller in the middle of a task);
 * `jax.debug.breakpoint` (there is no interactive frame to stop in on an actor);
+* `jax.debug.inspect_array_sharding` / `visualize_array_sharding` (XLA calls them as it compiles: on the actor);
 * a callback nested inside a construct the compiler does not take apart (`lax.scan` / `while_loop` /
   `cond` bodies, `jax.checkpoint`, `custom_vjp`, `shard_map`): its operands are not values of the task.
 Callbacks inside `jax.jit`-ted functions and `custom_jvp` functions (e.g. `jax.nn.relu`) are inlined first and
@@ -100,6 +101,10 @@ def _nested_call(jaxpr: Any) -> Any:
     return None
 
 
+def _inspects_sharding(jaxpr: Any) -> bool:
+    return any(e.primitive.name == "inspect_sharding" or any(_inspects_sharding(j) for j in sub_jaxprs(e)) for e in jaxpr.eqns)
+
+
 def check_host_calls(eqns: Iterable[Any], used: set[Any]) -> None:
     """Refuse, before dispatch, the callbacks a step cannot run (module docstring); `used` holds every var
     some equation or output reads."""
@@ -107,6 +112,12 @@ def check_host_calls(eqns: Iterable[Any], used: set[Any]) -> None:
         if isinstance(e, SyntheticEqn):
             continue
         name = e.primitive.name
+        if name == "inspect_sharding" or any(_inspects_sharding(j) for j in sub_jaxprs(e) if name != "mpmd_accumulate"):
+            # (its callback ran here at export with the controller's view, then jax.export failed on its effect: a probe)
+            raise PipelineError("jax.debug.inspect_array_sharding (or visualize_array_sharding) is inside a distributed "
+                                "step: XLA calls it as it compiles, and the stages compile on the actors, where no Python "
+                                "callback of this process can run. Look at the layouts the step gives instead: `.sharding` "
+                                "of its outputs (RemoteArray.sharding), or the compiled stage's HLO (mesh.actor(i).hlo)")
         if name == "debug_callback" and _is_breakpoint(e):
             raise PipelineError("jax.debug.breakpoint() is inside a distributed step: a stage runs on an actor, with no "
                                 "terminal to stop in. Debug the same function under jax.jit (accumulate_grads runs as a plain "
