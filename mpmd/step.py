@@ -657,13 +657,15 @@ class DistributedFunction(ShallowCopyOnly):
         out = []
         for x, u, path, spec in zip(leaves, user, paths, specs):
             held = am.canonical(x.sharding.layout) if isinstance(x, RemoteArray) and x.sharding is not None else None
-            if held is None and u is None and isinstance(x, jax.Array):
-                held = _host_layout(am, x, spec.shape)  # a host jax.Array keeps its sharding, as under jax.jit
+            if held is None and isinstance(x, jax.Array) and (u is None or getattr(x, "committed", False)):
+                held = _host_layout(am, x, spec.shape)  # a host jax.Array keeps its sharding, as under jax.jit (a committed
+                # one of another sharding than in_shardings asks is refused, as jax.jit refuses it: it was re-laid out; a probe)
             if u is not None:  # compared as jax.jit compares shardings: the same data on the same devices
                 am.check_spec(u, spec.shape, f"in_shardings for {path}")
                 if held is not None and am.canonical(u) != held:
                     raise PipelineError(
-                        f"argument {path} is laid out as {layout_to_spec(held)} on its actors but in_shardings asks for {u} "
+                        f"argument {path} is laid out as {layout_to_spec(held)}{'' if isinstance(x, RemoteArray) else ' (a committed jax.Array)'}"
+                        f"{' on its actors' if isinstance(x, RemoteArray) else ''} but in_shardings asks for {u} "
                         f"(over the actor mesh {dict(zip(am.axis_names, am.shape))}), as jax.jit refuses a committed array of "
                         "another sharding; give the step that made it out_shardings laying it out as asked, pass "
                         "in_shardings None for this argument (it keeps its own layout), or pass the host value mpmd.fetch(x)")

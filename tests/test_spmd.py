@@ -301,6 +301,17 @@ def test_a_host_jax_array_keeps_its_sharding_without_in_shardings_as_under_jit(m
     np.testing.assert_allclose(losses.to_numpy(), rl[0], rtol=1e-5)
     assert_trees_close(mpmd.fetch(p), rp)
     assert_trees_close(mpmd.fetch(o), ro)
+    # ... and one committed with another sharding than in_shardings asks is refused, as jax.jit refuses it (it was
+    # re-laid out silently: a probe)
+    w = held[0]["w1"]
+    asked = P("model", None)
+    with pytest.raises(ValueError, match="does not match the sharding"):
+        jax.jit(lambda a: a * 2, in_shardings=NamedSharding(local, asked))(w)
+    one = mpmd.distributed(lambda a, b: mpmd.accumulate_grads(lambda mb: (a * mb.sum(), mb), b, schedule=mpmd.GPipe(1)),
+                           mesh=mesh_1x2, in_shardings=(asked, None))
+    with pytest.raises(mpmd.PipelineError, match=r"laid out as P\(None, 'model'\) \(a committed jax.Array\) but in_shardings "
+                       r"asks for P\('model', None\).*as jax.jit refuses a committed array of another sharding"):
+        one(w, np.ones((2, 3), np.float32))
 
 
 def test_data_and_tensor_parallel_mlp_on_two_actors_of_four_devices_equals_jit_on_a_2x2_mesh(mesh_2x2):
