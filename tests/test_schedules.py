@@ -191,9 +191,14 @@ def test_a_stage_on_an_actor_that_does_not_exist():
 
 
 def test_a_stage_on_two_actors():
+    """The task marked is the one off the stage's actor (actor_of), whichever comes first (the later one was marked,
+    the correctly placed 1B0 here: a probe)."""
     with pytest.raises(mpmd.ScheduleError, match="stage 1 has tasks on two actors") as err:
         validate(Custom(num_stages=2, order=(("0F0", "0B0", "1F0"), ("1B0",))), 1)
-    check_marked(err, "1B0")
+    check_marked(err, "1F0")
+    with pytest.raises(mpmd.ScheduleError, match="stage 1 has tasks on two actors") as err:
+        validate(Custom(num_stages=2, order=(("0F0", "1F1", "0B0"), ("1F0", "1B0", "1B1"))), 2)
+    check_marked(err, "1F1")
 
 
 def test_a_task_on_the_wrong_actor():

@@ -222,9 +222,10 @@ def validate(schedule: Schedule, num_microbatches: int, forward_only: bool = Fal
                             "each task runs exactly once", table, {a: i})
             seen[t] = (a, i)
             b, j = home.setdefault(t.stage, (a, i))
-            if b != a:
+            if b != a:  # (the task marked: the one off actor_of's actor, not always the later one; a probe)
+                stray = {b: j} if schedule.actor_of(t.stage) == a else {a: i}
                 raise _fail(f"stage {t.stage} has tasks on two actors ({table[b][j]} on actor {b}, {t} on actor {a}); a stage "
-                            f"lives on one actor, actor_of({t.stage}) = {schedule.actor_of(t.stage)}", table, {a: i})
+                            f"lives on one actor, actor_of({t.stage}) = {schedule.actor_of(t.stage)}", table, stray)
     for s, (a, i) in sorted(home.items()):
         if schedule.actor_of(s) != a:
             raise _fail(f"task {table[a][i]} is on actor {a} but stage {s} belongs to actor {schedule.actor_of(s)} "
