@@ -17,7 +17,6 @@ here, so the mappings a session holds stay bounded.
 
 from __future__ import annotations
 
-import math
 import mmap
 import os
 import re
@@ -28,7 +27,7 @@ import numpy as np
 
 from actors.request import RequestError
 from transport.p2p import shm
-from transport.protocol import dtype_from_name
+from transport.protocol import ProtocolError, array_spec
 
 _PREFIX = re.compile(r"^/mpmd-in-[0-9a-f]+-[0-9a-f]+-[0-9]+-$")  # /mpmd-in-<pid hex>-<token>-<actor>-
 ALIGN = 64
@@ -93,13 +92,10 @@ class InputSegments:
                 raise RequestError(f"shared-memory input {name}: {what} must be a non-negative int, got {v!r}")
         if offset % ALIGN:
             raise RequestError(f"shared-memory input {name}: offset {offset} is not a multiple of {ALIGN}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise RequestError(f"shared-memory input {name}: shape must be a list of non-negative ints, got {shape!r}")
-        try:
-            dtype = dtype_from_name(dtype_name)
-        except (ValueError, TypeError, KeyError) as e:
-            raise RequestError(f"shared-memory input {name}: {e}") from None
-        want = math.prod(shape) * dtype.itemsize
+        try:  # (checked as a frame's array is: 70 dimensions were numpy's bare "maximum supported dimension"; a probe)
+            dtype, shape, want = array_spec({"dtype": dtype_name, "shape": shape})
+        except (ProtocolError, ValueError, TypeError, KeyError) as e:
+            raise RequestError(f"shared-memory input {name}: {str(e).removeprefix('array 0: ')}") from None
         if nbytes != want:
             raise RequestError(f"shared-memory input {name}: {dtype.name}{shape} is {want} bytes but the notice says {nbytes}")
         mm = self._map(name, ino)

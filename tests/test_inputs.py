@@ -199,6 +199,7 @@ def test_hostile_shm_input_notices_are_refused_and_the_daemon_survives(mesh2):
             ({**good, "name": own, "retire": "x"}, "'retire' must list"),
             ({**good, "name": own, "dtype": "object"}, "unknown dtype"),
             ({**good, "name": own, "shape": [-1]}, "non-negative"),
+            ({**good, "name": own, "shape": [1] * 70, "nbytes": 4}, "more than 32 dimensions"),  # (numpy's bare error: a probe)
             ("not a map", "must be a map"),
         ]
         for notice, why in cases:

@@ -241,7 +241,7 @@ def array_spec(meta: Any, i: int = 0) -> tuple[np.dtype, list[int], int]:
     dtype = dtype_from_name(meta.get("dtype"))
     shape = meta["shape"]
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise ProtocolError(f"array {i}: bad shape {shape!r:.200}")
+        raise ProtocolError(f"array {i}: bad shape {shape!r:.200} (a shape is a list of non-negative ints)")
     if len(shape) > MAX_DIMS or math.prod(d for d in shape if d) * dtype.itemsize > MAX_BYTES:  # (what numpy could not make)
         raise ProtocolError(f"array {i}: {dtype.name}{shape!r:.200} has more than {MAX_DIMS} dimensions or would take more "
                             f"than {MAX_BYTES} bytes (a zero-size one counts its other dimensions)")
