@@ -28,7 +28,7 @@ import numpy as np
 from actors import spmd
 from actors.request import RequestError, field, int_list
 from transport.checkpoint_parts import CheckpointProblem, read_part, write_part
-from transport.protocol import Message, aval_header
+from transport.protocol import Message, ProtocolError, array_spec, aval_header
 
 # orbax-checkpoint keeps process-wide state (temporary names, commit signals): two parts written at once in one
 # process failed (FileExistsError on its temporary directory, NOT_FOUND from its zarr driver) or hung in its signal
@@ -59,7 +59,8 @@ def _names(msg: Message) -> tuple[str, list[str], list[int]]:
     return directory, names, bufs
 
 
-def _expectations(msg: Message, n: int) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]], list[Any], bool]:
+def _expectations(msg: Message, names: list[str]) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]], list[Any], bool]:
+    n = len(names)
     expect = field(msg, "expect", list)
     files = field(msg, "files", dict)
     layouts = msg.header.get("layouts") or [None] * n
@@ -67,6 +68,11 @@ def _expectations(msg: Message, n: int) -> tuple[list[dict[str, Any]], dict[str,
     if len(expect) != n or not all(isinstance(e, dict) and isinstance(e.get("dtype"), str) and isinstance(e.get("shape"), list)
                                    and isinstance(e.get("sha256"), str) for e in expect):
         raise RequestError("'restore' field 'expect' must give {shape, dtype, sha256} per name")
+    for i, e in enumerate(expect):  # (dtype 'foo' blamed orbax, 'object' reached np.zeros: a probe)
+        try:
+            array_spec(e, i)
+        except ProtocolError as err:
+            raise RequestError(f"'restore' field 'expect', entry {i} ({names[i]!r:.40}): {str(err).removeprefix(f'array {i}: ')}") from None
     if not all(isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
                for k, v in files.items()):
         raise RequestError("'restore' field 'files' must map each file to {size, sha256}")
@@ -95,7 +101,7 @@ async def restore(actor: Any, ses: Any, msg: Any) -> tuple[dict, list]:
     """Read arrays `names` from the orbax directory `dir`, verify them, and lay each out over this actor's
     devices as `layouts` says (replicated when null) in new buffers `bufs`."""
     directory, names, bufs = _names(msg)
-    expect, files, layouts, verify = _expectations(msg, len(names))
+    expect, files, layouts, verify = _expectations(msg, names)
     mesh = actor.cache.mesh
     specs = []
     for lay in layouts:

@@ -308,6 +308,17 @@ def test_compile_refuses_donated_positions_the_executable_does_not_have_or_names
     assert replies[3].op == "reply", replies[3].header
 
 
+def test_restore_refuses_an_expected_dtype_or_shape_the_wire_does_not_carry(target):
+    """'foo' was an AttributeError blamed on orbax, 'object' reached np.zeros, 'V8' and '<U5' became numpy types (a
+    probe): an expected array is checked as a frame's array is, before any file is read."""
+    requests = [({"op": "restore", "id": i, "session": target.mesh.session, "dir": str(target.dir), "names": ["a"],
+                  "bufs": [900 + i], "files": {}, "expect": [{"dtype": d, "shape": shape, "sha256": "0" * 64}]},)
+                for i, (d, shape) in enumerate((("foo", [2]), ("object", [0, 3]), ("V8", [1]), ("<U5", [1]), ("float32", [1] * 70)))]
+    for reply in exchange(target, requests):
+        assert reply.op == "error" and "'restore' field 'expect', entry 0 ('a'):" in reply.header["message"], reply.header
+        assert "unknown dtype" in reply.header["message"] or "more than 32 dimensions" in reply.header["message"], reply.header
+
+
 # ---- the data plane ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def peer(target):

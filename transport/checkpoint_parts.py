@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from transport.protocol import dtype_from_name
+
 ALGORITHM = "sha256"
 _CHUNK = 1 << 22
 
@@ -139,13 +141,8 @@ def _empty(e: dict[str, Any]) -> np.ndarray | None:
     """The zero-size array the manifest entry `e` describes (written nowhere), or None when it has elements."""
     if all(int(d) for d in e["shape"]):
         return None
-    try:
-        dtype = np.dtype(e["dtype"])
-    except TypeError:  # bfloat16, float8_*: the ml_dtypes numbers
-        import ml_dtypes
-
-        dtype = np.dtype(getattr(ml_dtypes, str(e["dtype"])))
-    return np.zeros([int(d) for d in e["shape"]], dtype)
+    return np.zeros([int(d) for d in e["shape"]], dtype_from_name(e["dtype"]))  # (only the wire's dtypes: a manifest's
+    # 'object' made an array of objects, 'foo' an AttributeError blamed on orbax; a probe)
 
 
 def _orbax_read(directory: str, names: list[str]) -> dict[str, np.ndarray]:
