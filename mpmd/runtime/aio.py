@@ -110,9 +110,14 @@ def callers_config() -> dict[str, Any]:
     got = {}
     for name, state in _config_states.items():
         value = state.get_local()
-        if value is not _config_ext.unset:
+        if value is not _config_ext.unset and name not in _NOT_CARRIED:
             got[name] = value
     return got
+
+
+# Options whose value guards this thread against others: set again in a worker, jax.thread_guard(True) failed every
+# lowering ("Nested thread guards in different threads are not supported": a review).
+_NOT_CARRIED = frozenset({"jax_thread_guard"})
 
 
 @contextlib.contextmanager
