@@ -597,6 +597,10 @@ class Actor:
             # (placed beside the loop when many: 60,000 empty constants held it 27 s, and a job's controller took its
             # actor for dead; a probe)
             prog.consts = await _beside_loop(big, lambda: {b: self._to_device(a) for b, a in prog.consts.items()})
+            if self.sessions.get(ses.id) is not ses:  # (closed while the constants were placed: nothing is kept)
+                raise RequestError(f"session {ses.id} closed while program {pid} was loading on actor {self.actor_id}")
+            self._within_program_quota(ses, pid, words, msg)  # (and once more, with no await before it is recorded: two
+            # loads of a guest placing at once each passed the check alone; a review)
             ses.programs[pid] = prog
             ses.program_words[pid], ses.program_bytes[pid] = words, sum(int(a.nbytes) for a in msg.arrays)
             ses.program_made[pid], ses.program_exes[pid] = made, exes

@@ -292,6 +292,29 @@ def test_a_program_of_many_constants_is_placed_beside_the_loop_and_a_message_of_
     assert reply.op == "error" and f"a message carries at most {MAX_IDS} arrays" in reply.header["message"], reply.header
 
 
+async def test_a_programs_many_constants_are_placed_off_the_daemons_loop_and_few_on_it():
+    """The placing itself (0.3 ms a constant on a loaded machine) runs in a thread past BIG_PROGRAM constants: the
+    test above is answered early by the word count's thread alone (a review). An Actor in this process, its
+    `_to_device` watched."""
+    import threading
+
+    from actors.handlers import BIG_PROGRAM, Actor
+    from transport.protocol import Message
+
+    actor = Actor(0, None)
+    await actor.handle(Message({"op": "hello", "id": 1, "session": 5}))
+    placed_on = []
+    real = actor._to_device
+    actor._to_device = lambda host, spec=None: placed_on.append(threading.get_ident()) or real(host, spec)
+    for pid, n in ((3, BIG_PROGRAM + 1), (4, 3)):
+        placed_on.clear()
+        program = {"id": pid, "actor": 0, "inputs": [], "outputs": [], "consts": list(range(n)), "instrs": []}
+        reply, _ = await actor.handle(Message({"op": "load_program", "id": 2, "session": 5, "program": program},
+                                              [np.zeros(1, np.float32)] * n))
+        assert reply == {"program": pid} and len(placed_on) == n
+        assert (threading.get_ident() in placed_on) == (n <= BIG_PROGRAM), (pid, n)
+
+
 def test_compile_refuses_donated_positions_the_executable_does_not_have_or_names_twice(target):
     """`donate` of [-1], [0, 0] or [5] for a one-input executable was accepted, each compiled as another executable
     of the same program with the positions ignored (a probe); each is now refused naming what was wrong."""

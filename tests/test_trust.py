@@ -13,8 +13,9 @@ import pytest
 
 import mpmd
 from mpmd.testing import make_train_step, mlp, mlp_params, mse_loss, regression_batch
-from tests.wire import raw_request, start_daemon, stop_daemon
+from tests.wire import dealer, raw_request, start_daemon, stop_daemon
 from transport.auth import ClientKeys, KeyPair, generate_key_files
+from transport.protocol import decode, encode
 
 
 # ---- 1. one identity cannot touch another's job ------------------------------------------------------
@@ -144,6 +145,35 @@ def _guest_daemon(tmp_path):
                                  "--authorized-keys", str(tmp_path / "authorized"), "--guest-memory-mb", "1")
     keys = {n: ClientKeys.load(tmp_path / "authorized" / f"{n}.key_secret", tmp_path / "server.key") for n in ("alice", "bob")}
     return proc, address, keys
+
+
+def test_two_loads_of_a_guest_placing_their_constants_at_once_are_held_to_the_quota_together(tmp_path):
+    """Constants past BIG_PROGRAM are placed beside the loop; two such loads of a guest, sent together, each passed
+    the quota alone before either was recorded (a review: 1.22 MiB held against 1 MiB). One is refused."""
+    from actors.handlers import BIG_PROGRAM
+
+    proc, address, keys = _guest_daemon(tmp_path)  # 1 MiB for guests
+    try:
+        with mpmd.RemoteMesh.connect([address], keys=keys["alice"], transport="none") as alice, \
+                mpmd.RemoteMesh.connect([address], keys=keys["bob"], transport="none") as bob:
+            n = BIG_PROGRAM + 904  # 5000 constants of 128 B: 625 KiB a load, 10,000 words of the 16,384
+            consts = [np.zeros(32, np.float32)] * n
+            s = dealer(address, keys["bob"], timeout_ms=120_000)
+            try:
+                for i in (1, 2):
+                    prog = {"id": 40 + i, "actor": 0, "inputs": [], "outputs": [], "consts": list(range(10_000 * i, 10_000 * i + n)),
+                            "instrs": []}
+                    s.send_multipart(encode({"op": "load_program", "id": i, "session": bob.session, "program": prog}, consts))
+                replies = [decode(s.recv_multipart()) for _ in range(2)]
+            finally:
+                s.close()
+            assert sorted(r.op for r in replies) == ["error", "reply"], [r.header for r in replies]
+            refused = next(r for r in replies if r.op == "error")
+            assert "MiB of buffers (the limit: 1 MiB)" in refused.header["message"], refused.header
+            alice.actor(0).ping()
+        assert proc.poll() is None
+    finally:
+        stop_daemon(proc)
 
 
 def test_keys_that_do_not_own_the_job_hold_buffers_and_programs_within_the_guest_quota(tmp_path):
