@@ -313,6 +313,7 @@ def test_cli_tune_says_counts_in_its_own_flag_and_runs_as_python_m_mpmd_cli(caps
     assert out.returncode == 0 and out.stdout.startswith("usage: mpmd simulate"), out.stderr[-500:]
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_cli_tune_says_why_nothing_fits_in_its_own_flags_and_tune_refuses_a_closed_mesh(capsys):
     """`mpmd tune --memory-limit-mib 1` printed the table and exited 1 without the library's "no candidate fits ...
     raise memory_limit, pass remat=True" (a probe): it says it now, in the command's flags, and the table once. And mpmd.tune with

@@ -82,6 +82,7 @@ def test_saved_on_4_actors_restores_onto_2_actors_interleaved_and_trains_like_ji
         assert_same_training(run_steps(step, p, o, batches[2:]), (want_p, want_o, want_losses))
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_one_argument_saved_alone_restores_where_the_step_reads_that_argument(saved, tmp_path):
     """`mpmd.save(path, params)` and `mpmd.save(path, opt_state)` — one argument each, not a tuple of the leading
     ones — restore with for_step onto the actors that read them (each was refused, with advice that contradicted

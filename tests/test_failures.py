@@ -109,6 +109,7 @@ def test_a_save_of_a_step_an_actor_died_in_raises_actor_died_error_naming_the_lo
     assert not os.path.exists(tmp_path / "ck" / "LATEST")
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_a_save_of_a_failed_steps_outputs_names_that_steps_error():
     """The save said only that a step was aborted on some actor; it now names the saved leaf and why its step
     did not finish (as a step reading those outputs does)."""
@@ -148,6 +149,7 @@ def test_an_actor_idle_past_the_heartbeat_timeout_is_not_declared_dead_by_its_ne
             np.testing.assert_allclose(out.to_numpy(), np.sin(np.ones(64)) * (k + 2), rtol=1e-6)
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_a_stopped_actor_is_declared_dead_within_the_heartbeat_timeout_and_can_be_reconnected_after_it_resumes():
     timeout = 2.0
     with mpmd.RemoteMesh.local(num_actors=2, heartbeat_timeout=timeout, heartbeat_interval=0.5) as mesh:
@@ -184,6 +186,7 @@ def test_a_stopped_actor_is_declared_dead_within_the_heartbeat_timeout_and_can_b
         assert wait_until(lambda: mesh.actor(1).stats()["running"] == 0, 10)
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_after_a_stopped_actor_is_reconnected_the_next_step_does_not_raise_the_failure_already_seen():
     """A step's fetch fails while actor 1 is stopped (the user sees ActorDiedError); after kill -CONT and
     reconnect the next step runs and equals jax.jit (it raised that old failure again: the fetch failed before
@@ -265,6 +268,7 @@ def test_a_restarted_daemon_is_taken_back_with_reconnect_and_the_data_plane_is_r
             stop_daemon(p)
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_a_daemon_killed_while_idle_is_declared_lost_by_its_dropped_connection_not_after_the_heartbeat_timeout(tmp_path):
     """Daemons started by hand (as on a cluster; no process for the controller to watch). One killed between steps
     was declared lost only after heartbeat_timeout of silence (9.7 s, with the same words as a stopped one; a
@@ -296,6 +300,7 @@ def test_a_daemon_killed_while_idle_is_declared_lost_by_its_dropped_connection_n
             stop_daemon(p)
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_every_output_of_a_step_that_met_a_killed_daemon_raises_the_loss_not_an_actors_abort(tmp_path):
     """Daemons started by hand; actor 1 killed between steps; the next step's losses (actor 1) raise the loss. Its
     outputs on actor 0 then raised actor 0's "StepAborted ... was aborted on actor 0", which names no lost actor (a
@@ -326,6 +331,7 @@ def test_every_output_of_a_step_that_met_a_killed_daemon_raises_the_loss_not_an_
             stop_daemon(proc)
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_a_step_whose_lowering_failed_leaves_the_executables_it_shares_with_the_next_step_usable(monkeypatch):
     """A step failed in its lowering here after its first executables were sent to compile (a big-endian argument
     did that; a probe); the next step, sharing those executables, failed once with "no executable ... in this
@@ -573,6 +579,7 @@ def _fails_at_run_time(x):
     return jnp.cumsum(jnp.broadcast_to(x[..., None], x.shape + (1 << 40,)), axis=-1)[..., -1].mean()
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_an_actor_busy_making_a_big_output_still_answers_heartbeats():
     """XLA's CPU client runs a cheap computation with a big output (a 4 GiB fill) inline in the calling thread,
     touching every page: that took seconds, the daemon's event loop answered no heartbeat meanwhile, and the
@@ -589,6 +596,7 @@ def test_an_actor_busy_making_a_big_output_still_answers_heartbeats():
         np.testing.assert_array_equal(a.run(jax.jit(lambda v: v * 3), np.ones(2, np.float32)).to_numpy(), [3.0, 3.0])
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_a_big_put_and_fetch_hold_the_connection_without_counting_as_silence():
     """One connection's messages cross in order: a heartbeat queued behind a big put (or the pong behind a big
     fetch's reply) arrives seconds later, and a live actor was declared dead mid-put (1.3 GiB) and mid-fetch
@@ -662,6 +670,7 @@ def _cannot_allocate(nbytes: int) -> bool:
 
 
 @pytest.mark.skipif(not _cannot_allocate(64 << 30), reason="this machine could allocate the 64 GiB activation the test needs to fail")
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_an_activation_that_failed_to_compute_fails_the_step_and_leaves_both_daemons_up():
     """Stage 0's 64 GiB activation fails to allocate while it runs; no shared-memory segment holds it either, so
     its send falls back to ZeroMQ frames, which read the array through numpy — on an array whose computation

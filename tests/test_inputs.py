@@ -267,6 +267,7 @@ def _loaded_setup(seed):
     return params, opt, ref, {leaf: jax.ShapeDtypeStruct(LOADED_LEAF_SHAPE, np.float32) for leaf in ("x", "y")}
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_the_step_a_call_loads_counts_dispatched_calls_and_can_be_set_and_carries_to_another_schedule():
     """A call refused before it was sent (a deleted argument) used up its step number: the next call loaded step
     2's data, step 1's was never trained on; with_schedule (and so tune's winner) started again at 0; a resumed run
@@ -402,6 +403,7 @@ def _labels_that_hang(step, leaf):
     return synthetic_regression_leaf(step, leaf)
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_a_loader_that_hangs_on_the_last_actor_is_named_not_the_first_actor_left_waiting_for_it():
     """The labels' loader hung on actor 1: the step failed with actor 0's "waited 3 s for xfer from actor 1 and
     nothing came" (or its request timeout), naming no loader — only a loader hung on the actor whose error came
@@ -432,6 +434,7 @@ def _slow_leaves(step, leaf):
     return synthetic_regression_leaf(step, leaf)
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_steps_dispatched_ahead_behind_a_slow_loader_are_not_timed_out_for_the_time_they_queued():
     """The daemon's --request-timeout ran from a request's arrival: steps dispatched at once behind a loader of 0.6 s
     a call, with a bound of 2 s, failed from the fourth on as "held by loader" (naming the next step's call, which
@@ -576,6 +579,7 @@ def test_hung_loaders_keep_their_own_threads_and_leave_fetches_checkpoints_and_o
     assert loaders.still_running(any_session=True) is None
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_a_hand_started_daemon_imports_its_loaders_at_start_from_its_working_directory(tmp_path):
     """The `mpmd-actor` script did not search its working directory (`python -m actors.daemon`, what local meshes
     start, does), and a loader it could not import failed the first step after dispatch (a probe). Loaders are
@@ -825,6 +829,7 @@ def test_a_spec_leaf_without_shape_and_dtype_is_named_with_what_to_pass(leaf, sh
     assert (ok["x"].shape, ok["x"].dtype, ok["y"].shape, ok["y"].dtype) == ((2, 3), np.int32, (), np.float32)
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_two_threads_first_steps_at_once_both_equal_jit_and_close_unlinks_what_a_dead_actor_never_read():
     """Two threads' first calls on one mesh each announced the input segments, and the second announcement
     unlinked the segment the first had just staged (the step failed: 'cannot be opened'); and segments an actor
@@ -869,6 +874,7 @@ def test_two_threads_first_steps_at_once_both_equal_jit_and_close_unlinks_what_a
     assert glob.glob(mine) == [], "mesh.close() left the dead actor's input segments in /dev/shm"
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_a_full_dev_shm_sends_the_inputs_inline_at_once_says_so_and_steps_equal_jax_jit(monkeypatch, caplog):
     """A container's small /dev/shm made every step fail with a bare 'OSError: [Errno 28] No space left on device'
     (and, once caught, each step waited STAGE_WAIT s for a segment that could never be made). /dev/shm itself is
@@ -1093,6 +1099,7 @@ def _serial_ordered_loader(step, leaf):
         _ONE_AT_A_TIME.release()
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_a_loop_dispatching_many_steps_ahead_loads_one_call_at_a_time_in_step_order_and_equals_jax_jit():
     """A probe (2026-12-05): README's loop dispatches steps without waiting; each actor started every queued step's
     loader call at once (one thread each): a loader that is not thread-safe gave wrong batches silently, past 64

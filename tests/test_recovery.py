@@ -109,6 +109,7 @@ def _train_and_evaluate(kill_after=None, recover=None):
         return mpmd.fetch((p, o, evals)), mesh.recoveries
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_a_train_loop_with_eval_calls_recovers_when_a_snapshot_fell_on_an_eval_bit_identical():
     """A snapshot at an eval call held only the parameters; the optimizer state, live then but let go by the loop
     before the snapshot's fetch returned, was dropped, and the train step that made it trimmed from the log: the
@@ -263,6 +264,7 @@ def test_a_daemon_that_lost_the_meshs_session_is_an_actor_lost_and_recovered_bit
     assert meshes[0].processes[1].proc.pid == pids[0]
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_past_max_failures_the_loss_raises_actor_died_error_naming_the_actor():
     with pytest.raises(mpmd.ActorDiedError) as err:
         train(kills=[(2, 0), (6, 1)], recover=mpmd.Recovery(snapshot_every=3, max_failures=1), fetch_losses_every=1)
@@ -288,6 +290,7 @@ def test_after_recovery_gave_up_every_later_steps_loss_says_so():
             assert err.value.actor_id == 1 and "mpmd.Recovery gave up" in str(err.value), (k, str(err.value))
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_an_array_put_only_on_a_lost_actor_fails_the_step_that_reads_it_saying_so_and_the_mesh_keeps_recovering():
     """An input put by mesh.actor(0).put lives nowhere else: lost with actor 0, it cannot come back (the module
     docstring). The step reading it raised a bare IndexError from the snapshot code, or the recovery failed
@@ -329,6 +332,7 @@ def test_a_loop_donating_its_state_completes_its_snapshots_and_trims_its_log():
         assert len(mesh.recovery.log) <= 4, len(mesh.recovery.log)
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_a_loop_donating_its_state_without_waiting_completes_its_snapshots_and_a_recovery_replays_from_them():
     """Steps dispatched back to back, as the README's loop is: the snapshot's get of several buffers took them one
     await at a time, and the delete of the inputs the next step donates (sent right behind it) pulled the later
@@ -358,6 +362,7 @@ def test_a_loop_donating_its_state_without_waiting_completes_its_snapshots_and_a
         np.testing.assert_array_equal(g, w)
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_an_explicit_compile_on_a_recovering_mesh_waits_for_the_recovery_and_compiles_again():
     """`step.compile(...)` (what restore(..., for_step=step) asks for first) raised ActorDiedError when an actor was lost
     just before or during it, although the mesh recovered and the next call ran (a probe). It recovers, as a call
@@ -380,6 +385,7 @@ def test_an_explicit_compile_on_a_recovering_mesh_waits_for_the_recovery_and_com
         np.testing.assert_array_equal(g, w)
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_restored_state_a_step_donated_is_put_back_and_the_steps_after_it_replay_bit_identical(tmp_path):
     """State made by mpmd.restore, held by the user and donated to a logged step, was taken for "still held" by the
     recovery, which did not put it back: 4 of 5 steps "could not run again", their outputs said they lived on the
@@ -425,6 +431,7 @@ def test_an_array_put_on_a_lost_actor_and_never_passed_to_a_step_says_it_is_gone
         np.testing.assert_array_equal(y.to_numpy(), np.ones(4))
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_outputs_of_a_step_the_recovery_could_not_run_again_say_so_not_that_they_were_put_by_hand():
     """A weight put on actor 1, actor 1 killed at once, the weight passed to step 4 and step 4's outputs to step 5:
     the recovery cannot run either again (rightly). Fetched at once, their outputs said "was neither in the
@@ -451,6 +458,7 @@ def test_outputs_of_a_step_the_recovery_could_not_run_again_say_so_not_that_they
         np.testing.assert_array_equal(mpmd.fetch(loss).shape, (4,))  # (the step before the loss: whole)
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_an_older_output_read_while_the_recovery_reloads_is_put_back_not_called_lost(monkeypatch):
     """The replaced actor's old buffer ids were marked gone as soon as the replacement joined: a fetch in the
     seconds the recovery then spends reloading steps, before it rebinds anything, declared an older loss (kept
@@ -606,6 +614,7 @@ def _starting_daemon(actor, known):
     return None
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_a_loop_at_the_in_flight_limit_when_an_actor_dies_recovers_instead_of_hanging(uninterrupted, monkeypatch):
     """A loop that never waits sits at the limit of steps in flight; the steps an actor's loss failed end only
     once the recovery has run, and the caller waited for room holding the lock the recovery needs (and the
@@ -900,6 +909,7 @@ def test_three_actors_under_gpipe_the_middle_one_killed_the_loop_ends_bit_identi
 
 
 @pytest.mark.parametrize("when", [pytest.param("running", marks=pytest.mark.slow), "noticed"])
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_a_save_meeting_a_lost_actor_waits_for_the_recovery_and_writes_the_rebound_arrays(tmp_path, when):
     """running: mpmd.save(..., wait=False), then actor 1 killed before the saved state is computed: the recovery
     aborts and replays the steps it came from, the save goes again with the rebound arrays, and the checkpoint
@@ -1050,6 +1060,7 @@ def _loop_through_actor_run(kill_at=None):
         return mpmd.fetch((p, losses)), mesh.recoveries
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_mesh_actor_run_meets_a_lost_actor_the_mesh_recovers_and_the_loop_ends_bit_identical():
     """actor(i).run and put raised the no-recovery ActorDiedError on a recover= mesh (advising mesh.reconnect);
     they now wait for the recovery and call again. Found by a probe."""

@@ -275,6 +275,7 @@ def _dead_pid() -> int:
     return p.pid
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_daemon_flags_that_cannot_work_are_refused_at_once_saying_what_to_do(tmp_path, keys):
     def daemon(*flags, env=None):
         clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
