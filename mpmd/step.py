@@ -293,8 +293,9 @@ def arg_paths(args: tuple[Any, ...]) -> list[str]:
     return out
 
 
-def _host_layout(am: Any, x: jax.Array, shape: tuple[int, ...]) -> Any:
-    """The layout of a jax.Array sharded over a mesh like every actor's (the same axis names and sizes), else None."""
+def _host_layout(am: Any, x: jax.Array, shape: tuple[int, ...], replicated: Any = None) -> Any:
+    """The layout of a jax.Array sharded over a mesh like every actor's (the same axis names and sizes; `replicated`
+    when it is replicated over it), else None."""
     sharding = getattr(x, "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     if not isinstance(sharding, jax.sharding.NamedSharding) or dict(getattr(mesh, "shape", {})) != dict(zip(am.axis_names, am.shape)):
@@ -304,7 +305,7 @@ def _host_layout(am: Any, x: jax.Array, shape: tuple[int, ...]) -> Any:
         am.check_spec(layout_to_spec(layout), shape, "")
     except (MpmdError, ValueError):
         return None
-    return layout or None
+    return layout or replicated
 
 
 def _variables(tree: Any) -> list[tuple[str, Any, Any]]:
@@ -658,8 +659,10 @@ class DistributedFunction(ShallowCopyOnly):
         for x, u, path, spec in zip(leaves, user, paths, specs):
             held = am.canonical(x.sharding.layout) if isinstance(x, RemoteArray) and x.sharding is not None else None
             if held is None and isinstance(x, jax.Array) and (u is None or getattr(x, "committed", False)):
-                held = _host_layout(am, x, spec.shape)  # a host jax.Array keeps its sharding, as under jax.jit (a committed
-                # one of another sharding than in_shardings asks is refused, as jax.jit refuses it: it was re-laid out; a probe)
+                # a host jax.Array keeps its sharding, as under jax.jit; one committed to a mesh like the actors' (sharded
+                # or replicated) otherwise than in_shardings asks is refused, as jax.jit refuses it: it was re-laid out (a
+                # probe). One on a single device of this process is host data to the actors, laid out as asked.
+                held = _host_layout(am, x, spec.shape, replicated=None if u is None else ())
             if u is not None:  # compared as jax.jit compares shardings: the same data on the same devices
                 am.check_spec(u, spec.shape, f"in_shardings for {path}")
                 if held is not None and am.canonical(u) != held:

@@ -312,6 +312,16 @@ def test_a_host_jax_array_keeps_its_sharding_without_in_shardings_as_under_jit(m
     with pytest.raises(mpmd.PipelineError, match=r"laid out as P\(None, 'model'\) \(a committed jax.Array\) but in_shardings "
                        r"asks for P\('model', None\).*as jax.jit refuses a committed array of another sharding"):
         one(w, np.ones((2, 3), np.float32))
+    replicated = jax.device_put(np.asarray(w), NamedSharding(local, P()))
+    with pytest.raises(ValueError, match="does not match the sharding"):
+        jax.jit(lambda a: a * 2, in_shardings=NamedSharding(local, asked))(replicated)
+    with pytest.raises(mpmd.PipelineError, match=r"laid out as P\(\) \(a committed jax.Array\) but in_shardings asks"):
+        one(replicated, np.ones((2, 3), np.float32))
+    # one committed to a single device of this process is host data to the actors: laid out as asked
+    single = jax.device_put(np.asarray(w), jax.devices()[0])
+    grads, _ = one(single, np.ones((2, 3), np.float32))
+    assert grads.sharding.layout == ("model",)
+    np.testing.assert_allclose(grads.to_numpy(), np.asarray(w) * 3 * 2, rtol=1e-6)
 
 
 def test_data_and_tensor_parallel_mlp_on_two_actors_of_four_devices_equals_jit_on_a_2x2_mesh(mesh_2x2):
