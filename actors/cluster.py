@@ -230,8 +230,8 @@ def bindable(address: str) -> str:
             s.bind((address, 0))
         return address
     except OSError as e:
-        logging.getLogger("mpmd.actor").warning("this node's address %s cannot be bound here (%s): the data plane listens on "
-                                                "127.0.0.1; give --p2p-host ADDRESS for peers on other nodes", address, e)
+        logging.getLogger("mpmd.actor").warning("this node's address %s cannot be bound here (%s): 127.0.0.1 is used "
+                                                "instead; give --p2p-host ADDRESS for peers on other nodes", address, e)
         return "127.0.0.1"
 
 

@@ -464,6 +464,7 @@ class Actor:
         donate = int_list(msg, "donate") if "donate" in msg.header else []
         if any(d < 0 for d in donate) or len(set(donate)) != len(donate):  # (each was compiled as another executable)
             raise RequestError(f"'compile' field 'donate' must name distinct input positions (>= 0), got {donate[:16]}")
+        donate.sort()  # ([1, 0] and [0, 1] are one executable: a review)
         in_layouts, out_layouts = msg.header.get("in_layouts"), msg.header.get("out_layouts")
         for name, lay in (("in_layouts", in_layouts), ("out_layouts", out_layouts)):
             if lay is not None and not isinstance(lay, list):

@@ -92,6 +92,8 @@ class InputSegments:
                 raise RequestError(f"shared-memory input {name}: {what} must be a non-negative int, got {v!r}")
         if offset % ALIGN:
             raise RequestError(f"shared-memory input {name}: offset {offset} is not a multiple of {ALIGN}")
+        if not isinstance(shape, list):
+            raise RequestError(f"shared-memory input {name}: shape must be a list of non-negative ints, got {shape!r:.80}")
         try:  # (checked as a frame's array is: 70 dimensions were numpy's bare "maximum supported dimension"; a probe)
             dtype, shape, want = array_spec({"dtype": dtype_name, "shape": shape})
         except (ProtocolError, ValueError, TypeError, KeyError) as e:

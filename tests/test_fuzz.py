@@ -329,6 +329,12 @@ def test_compile_refuses_donated_positions_the_executable_does_not_have_or_names
     assert replies[2].op == "error" and "donate names input positions [5], but the executable takes 1 inputs" in (
         replies[2].header["message"]), replies[2].header
     assert replies[3].op == "reply", replies[3].header
+    two = export.export(jax.jit(lambda a, b: (a + b, a - b)), platforms=["cpu"])(*[jax.ShapeDtypeStruct((4,), jnp.float32)] * 2)
+    blob = two.serialize()
+    requests = [({"op": "compile", "id": i, "session": target.mesh.session, "digest": hashlib.sha256(blob).hexdigest(),
+                  "donate": d}, [np.frombuffer(blob, np.uint8)]) for i, d in enumerate(([1, 0], [0, 1]))]
+    keys = {r.header["exe"] for r in exchange(target, requests)}
+    assert len(keys) == 1, keys  # (one executable, whichever order the positions come in: a review)
 
 
 def test_restore_refuses_an_expected_dtype_or_shape_the_wire_does_not_carry(target):
