@@ -286,6 +286,9 @@ def test_a_program_of_many_constants_is_placed_beside_the_loop_and_a_message_of_
     replies = exchange(target, [load, ({"op": "ping", "id": 2},)])
     assert [r.header["id"] for r in replies] == [2, 1], [r.header for r in replies]  # (the loop answered the ping meanwhile)
     assert replies[1].op == "reply" and replies[1].header["program"] == 90, replies[1].header
+    with pytest.raises(mpmd.MpmdError, match=f"holds {MAX_IDS + 1} constants .*more than the {MAX_IDS} one request carries"):
+        target.mesh.run(target.mesh.executables.load_program(0, Program(0, [], [], [], {i: np.zeros(0, np.bool_) for i in range(
+            MAX_IDS + 1)}), 91, []))  # (the controller says so, naming what to do, before sending)
     too_many = [msgpack.packb({"v": PROTOCOL_VERSION, "op": "load_program", "id": 3, "session": s,
                                "arrays": [{"dtype": "bool", "shape": [0]}] * (MAX_IDS + 1)}, use_bin_type=True)]
     reply = exchange(target, [too_many + [b""] * (MAX_IDS + 1)])[0]

@@ -24,6 +24,7 @@ from mpmd.compiler.program import Program, encode_program
 from mpmd.errors import MpmdError
 from mpmd.runtime.controller import ActorConnection
 from mpmd.runtime.sharding import layout_from_wire, layout_wire
+from transport.protocol import MAX_IDS
 
 LOWERED_KEPT = 256  # functions `actor.run` keeps lowered (the most recently run)
 RUN_KEPT = 64  # executables `actor.run` keeps compiled on each actor (the most recently run)
@@ -176,6 +177,10 @@ class Executables:
     async def load_program(self, actor: int, program: Program, program_id: int, exe_keys: list[str]) -> None:
         """Ship one actor's Program (its Runs naming `exe_keys[i]` for executable i), constants as frames."""
         wire = encode_program(program, program_id, exe_keys)
+        if len(wire["consts"]) > MAX_IDS:  # (the daemon's refusal said to split a request the user cannot: a review)
+            raise MpmdError(f"the step's program on actor {actor} holds {len(wire['consts'])} constants (arrays the step "
+                            f"closes over), more than the {MAX_IDS} one request carries; pass such arrays to the step as "
+                            "arguments, or stack them into fewer arrays")
         await self._conns[actor].request("load_program", {"program": wire}, [program.consts[c] for c in wire["consts"]])
 
     def new_program_id(self) -> int:
