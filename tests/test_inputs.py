@@ -472,6 +472,7 @@ def _labels_that_fail_in_words_of_an_echo(step, leaf):
     return synthetic_regression_leaf(step, leaf)
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_the_step_error_is_the_failing_actors_own_even_when_its_words_read_like_an_echo():
     """The step's error was chosen among the actors' errors by their text ("aborted", "nothing came", "did not
     finish within" meant an echo of another actor's trouble), so a user's own error that used those words lost to
@@ -658,6 +659,7 @@ def _printing_leaves(step, leaf):
     return synthetic_regression_leaf(step, leaf)
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_a_loader_that_prints_goes_on_past_a_pipes_worth_of_output():
     """The daemon's stdout was the pipe its launcher read the ready line from and then left unread: after 64 KiB of
     a loader's prints, its thread blocked in write() for good and every later step failed as held by the loader (a
@@ -962,6 +964,7 @@ def test_a_session_closed_for_silence_unlinks_the_segments_its_controller_never_
                 pass
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_a_local_controller_killed_while_its_first_steps_compile_leaves_no_input_segment(tmp_path):
     """A controller killed (kill -9) with three steps dispatched while its actors still compiled: the daemons exited
     with it, but the input segments it had written for those steps stayed in /dev/shm for good (6 names, a probe):
@@ -1047,6 +1050,7 @@ def test_a_segment_its_writer_truncated_after_the_actor_mapped_it_is_refused_not
         assert _stats(mesh, 0)["buffers"] >= 1  # (the first put's buffer: the daemon and its session live on)
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_a_put_the_host_has_no_memory_for_is_refused_naming_sizes_and_the_mesh_goes_on(monkeypatch):
     """A 16 GiB put to a local actor went into /dev/shm of a 24 GiB machine (over the daemon's --max-message-mb,
     which only the inline route checks) and on toward the OOM killer (a probe). A put through shared memory needs

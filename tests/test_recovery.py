@@ -274,6 +274,7 @@ def test_past_max_failures_the_loss_raises_actor_died_error_naming_the_actor():
     assert "mpmd.restore the last checkpoint" in str(err.value) and "recover=mpmd.Recovery() replaces it" not in str(err.value)
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_after_recovery_gave_up_every_later_steps_loss_says_so():
     """Only the first error after giving up said "mpmd.Recovery gave up"; the steps after it went around the
     log without the failure hook and read as if no recovery had been asked for (found by a probe)."""
@@ -317,6 +318,7 @@ def test_an_array_put_only_on_a_lost_actor_fails_the_step_that_reads_it_saying_s
         assert np.isfinite(mpmd.fetch(losses)).all() and mesh.recoveries == 2
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_a_loop_donating_its_state_completes_its_snapshots_and_trims_its_log():
     """The snapshot's get was sent a loop turn after the step that donates (and frees) its inputs: with
     donate_argnums every snapshot failed, the log kept every step's batch for good and a recovery replayed from
@@ -414,6 +416,7 @@ def test_restored_state_a_step_donated_is_put_back_and_the_steps_after_it_replay
         np.testing.assert_array_equal(g, w)
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_an_array_put_on_a_lost_actor_and_never_passed_to_a_step_says_it_is_gone():
     """After the recovery, an array mesh.actor(1).put made, never read by a step, raised the replacement daemon's
     "UnknownBufferError ... was it deleted or never put?", and mpmd.fetch of a tree holding it the stale
@@ -493,6 +496,7 @@ def test_an_older_output_read_while_the_recovery_reloads_is_put_back_not_called_
         np.testing.assert_array_equal(mpmd.fetch(loss0), want)
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_a_call_async_cancelled_while_it_compiles_on_a_recovering_mesh_is_not_dispatched():
     """On a recovering mesh `call_async` runs `Recovery.call` in a worker thread; cancelled while the first
     call compiled, that thread went on to dispatch and log the step anyway (a plain mesh's cancelled call
@@ -807,6 +811,7 @@ def test_at_a_rendezvous_a_daemon_restarted_by_the_supervisor_replaces_the_lost_
             stop_daemon(p)
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_an_actor_killed_before_the_first_step_compiles_is_replaced_and_the_loop_ends_bit_identical(uninterrupted):
     got = train(kills=[(0, 1)], recover=mpmd.Recovery(snapshot_every=5))  # dead when the step is compiled
     assert got[3] == 1
@@ -1172,6 +1177,7 @@ def test_a_replacement_that_cannot_be_started_ends_the_recovery_instead_of_retry
         assert time.monotonic() - t < 60
 
 
+@pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_an_actor_handles_info_and_stats_recover_the_mesh_as_put_and_run_do():
     """On a mesh made with recover=, `mesh.actor(i).info()` (the README's way to find a pid to kill) and `stats()`
     raised ActorDiedError for a lost actor, advising mesh.reconnect, while `put` and `run` recovered (a probe).
