@@ -508,11 +508,29 @@ def test_a_save_that_cannot_write_is_a_checkpoint_error_and_leaves_the_previous_
         ck._start = real_start
     assert e.value.actor == 1 and isinstance(e.value.__cause__, mpmd.RemoteError)
     assert mpmd.load(c)["x"].tolist() == [0, 0]
-    # Committed, but LATEST cannot be written (a directory in the way of its temporary file): said as committed,
-    # not as a save that wrote nothing (a review), and the checkpoint reads by its own directory.
+    # LATEST's new contents cannot be written (a directory in the way of its temporary file): written before the
+    # checkpoint is renamed into place, so nothing is committed (a probe: a full disk left LATEST naming the older)
     os.makedirs(os.path.join(c, "LATEST.tmp"))
-    with pytest.raises(mpmd.CheckpointError, match=r"mpmd.save into .*/c: .*ckpt-\d+ was committed, but updating LATEST") as e:
+    with pytest.raises(mpmd.CheckpointError, match=r"mpmd.save into .*/c: could not write here .*LATEST.tmp.*nothing was committed"):
         mpmd.save(c, {"x": mesh2.actor(1).put(np.full(2, 7, np.float32))})
+    assert [d for d in os.listdir(c) if d.startswith("ckpt-") and not d.endswith(".tmp")] == ["ckpt-1"], os.listdir(c)
+    assert mpmd.load(c)["x"].tolist() == [0, 0]
+    os.rmdir(os.path.join(c, "LATEST.tmp"))
+    # Committed, but LATEST then cannot be replaced: said as committed, not as a save that wrote nothing (a review),
+    # and the checkpoint reads by its own directory.
+    real_replace = os.replace
+
+    def failing(src, dst, *a, **k):
+        if str(dst).endswith("LATEST"):
+            raise OSError(5, "Input/output error")
+        return real_replace(src, dst, *a, **k)
+
+    os.replace = failing
+    try:
+        with pytest.raises(mpmd.CheckpointError, match=r"mpmd.save into .*/c: .*ckpt-\d+ was committed, but updating LATEST") as e:
+            mpmd.save(c, {"x": mesh2.actor(1).put(np.full(2, 7, np.float32))})
+    finally:
+        os.replace = real_replace
     assert mpmd.load(e.value.checkpoint)["x"].tolist() == [7, 7] and mpmd.load(c)["x"].tolist() == [0, 0]
 
 

@@ -161,6 +161,34 @@ def test_a_like_tree_of_another_dtype_is_an_error_not_a_silent_cast(mesh2, copy)
         mpmd.load(str(path), like=wrong)
 
 
+def test_a_disk_too_full_for_latest_commits_nothing_and_latest_keeps_naming_the_previous_checkpoint(tmp_path, monkeypatch):
+    """The checkpoint was renamed into place before LATEST's new contents were written: a disk with room for the
+    checkpoint but not for them left it committed, LATEST naming the one before, and a restore of the path read that
+    older state without a word (a probe, on a 400 KiB tmpfs). Now LATEST's contents are written first: a failure to
+    write them commits nothing, and the path reads as before. (The full disk is a failing fsync of LATEST.tmp here:
+    mounting a small file system needs root.)"""
+    import errno
+
+    path = str(tmp_path / "c")
+    mpmd.save(path, {"w": np.zeros(4, np.float32)}, keep=1)
+    real = os.fsync
+
+    def full(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("LATEST.tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(mpmd.CheckpointError, match=r"could not write here .*No space left on device.*nothing was committed"):
+        mpmd.save(path, {"w": np.ones(4, np.float32)}, keep=1)
+    assert sorted(os.listdir(path)) == ["LATEST", "ckpt-1"]
+    np.testing.assert_array_equal(mpmd.load(path)["w"], np.zeros(4, np.float32))
+    monkeypatch.setattr(os, "fsync", real)
+    where = mpmd.save(path, {"w": np.full(4, 2, np.float32)}, keep=1)
+    assert sorted(os.listdir(path)) == ["LATEST", os.path.basename(where)]
+    np.testing.assert_array_equal(mpmd.load(path)["w"], np.full(4, 2, np.float32))
+
+
 def test_an_interrupted_saves_temporary_directory_is_removed_by_the_next_save(mesh2, tmp_path):
     path = tmp_path / "ckpt"
     mpmd.save(str(path), {"a": mesh2.actor(0).put(np.ones(3, np.float32))})

@@ -217,32 +217,38 @@ def _is_checkpoint(path: str, d: str) -> bool:
 
 def _commit(path: str, name: str, tmp: str, keep: int) -> str:
     """Rename `tmp` to `path/name`; LATEST names it unless a save started later committed first (LATEST only
-    moves forward), and only the `keep` newest checkpoints stay."""
+    moves forward), and only the `keep` newest checkpoints stay. LATEST's new contents are written (and synced)
+    before the rename, so that a disk too full for them commits nothing (it committed the checkpoint and left LATEST
+    naming the one before, which a restore of the path then read without a word: a probe); the renames after need
+    no room."""
     final = os.path.join(path, name)
+    latest_tmp = os.path.join(path, "LATEST.tmp")
     with _path_lock(path):
+        done = sorted((d for d in os.listdir(path) if _is_checkpoint(path, d)), key=checkpoint_number)
+        ahead = not done or checkpoint_number(done[-1]) < checkpoint_number(name)
+        if ahead:
+            try:
+                with open(latest_tmp, "w") as f:
+                    f.write(name)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.remove(latest_tmp)
+                raise  # (the caller removes `tmp` and says nothing was committed)
         os.replace(tmp, final)
         try:
-            _latest_and_keep(path, name, final, keep)
+            if ahead:
+                os.replace(latest_tmp, os.path.join(path, "LATEST"))
+            else:
+                log.info("mpmd.save: %s committed after %s, a save started later: LATEST stays %s", final, done[-1], done[-1])
+            done = sorted((d for d in os.listdir(path) if _is_checkpoint(path, d)), key=checkpoint_number)
+            for d in done[: max(0, len(done) - keep)]:
+                shutil.rmtree(os.path.join(path, d), ignore_errors=True)
         except OSError as e:  # (committed: said so, not as a save that wrote nothing; a review)
             raise CheckpointError(f"mpmd.save into {path}: {final} was committed, but updating LATEST or removing older "
                                   f"checkpoints failed ({e}); read it by its own directory", checkpoint=final) from e
     return final
-
-
-def _latest_and_keep(path: str, name: str, final: str, keep: int) -> None:
-    """After `final` (`path/name`) is committed: LATEST names it unless a later-started save committed first, and
-    only the `keep` newest checkpoints stay. (Under the path's lock.)"""
-    done = sorted((d for d in os.listdir(path) if _is_checkpoint(path, d)), key=checkpoint_number)
-    if done[-1] == name:
-        with open(os.path.join(path, "LATEST.tmp"), "w") as f:
-            f.write(name)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(os.path.join(path, "LATEST.tmp"), os.path.join(path, "LATEST"))
-    else:
-        log.info("mpmd.save: %s committed after %s, a save started later: LATEST stays %s", final, done[-1], done[-1])
-    for d in done[: max(0, len(done) - keep)]:
-        shutil.rmtree(os.path.join(path, d), ignore_errors=True)
 
 
 def _failed_step(path: str, flat: list[tuple[Any, Any]]) -> CheckpointError | None:
