@@ -189,6 +189,25 @@ def test_a_disk_too_full_for_latest_commits_nothing_and_latest_keeps_naming_the_
     np.testing.assert_array_equal(mpmd.load(path)["w"], np.full(4, 2, np.float32))
 
 
+def test_a_plain_orbax_checkpoint_is_named_as_one_with_what_to_do(tmp_path):
+    """A StandardCheckpointer directory or a CheckpointManager's got the generic 'was mpmd.save called there?' (a
+    probe): it is said to be orbax's own, to be read with orbax."""
+    import orbax.checkpoint as ocp
+
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(str(tmp_path / "plain"), {"w": np.ones(3, np.float32)})
+    ckpt.wait_until_finished()
+    manager = ocp.CheckpointManager(str(tmp_path / "managed"))
+    manager.save(3, args=ocp.args.StandardSave({"w": np.ones(3, np.float32)}))
+    manager.wait_until_finished()
+    for where in ("plain", "managed", "managed/3"):
+        with pytest.raises(mpmd.CheckpointError, match=r"is a plain orbax-checkpoint directory.*StandardCheckpointer"):
+            mpmd.load(str(tmp_path / where))
+    os.makedirs(tmp_path / "empty")
+    with pytest.raises(mpmd.CheckpointError, match="was mpmd.save called there"):
+        mpmd.load(str(tmp_path / "empty"))
+
+
 def test_an_interrupted_saves_temporary_directory_is_removed_by_the_next_save(mesh2, tmp_path):
     path = tmp_path / "ckpt"
     mpmd.save(str(path), {"a": mesh2.actor(0).put(np.ones(3, np.float32))})

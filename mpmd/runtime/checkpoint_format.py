@@ -240,6 +240,17 @@ def _small_text(path: str, limit: int = 4096) -> str:
     return raw.decode("utf-8").strip()  # (UnicodeDecodeError is a ValueError)
 
 
+def _orbax_made(path: str) -> bool:
+    """Whether `path` looks written by orbax itself: its metadata files, or a CheckpointManager's numbered steps."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    marks = {"_CHECKPOINT_METADATA", "_METADATA", "_sharding", "manifest.ocdbt"}
+    return bool(marks & set(names)) or any(n.isdigit() and os.path.isfile(os.path.join(path, n, "_CHECKPOINT_METADATA"))
+                                           for n in names[:1000])
+
+
 def committed(path: str) -> str:
     """The directory of the checkpoint `path/LATEST` names, or `path` itself when it is one committed checkpoint
     (`path/ckpt-<n>`, what mpmd.save returned: an older one kept by `keep=`). Raises CheckpointError when there
@@ -255,6 +266,11 @@ def committed(path: str) -> str:
     try:
         name = _small_text(latest)
     except FileNotFoundError:
+        if _orbax_made(path):  # (said as the generic "was mpmd.save called there?": a probe)
+            raise CheckpointError(f"{path!r} is a plain orbax-checkpoint directory, not one mpmd.save wrote (no LATEST, no "
+                                  f"{MANIFEST} with the digests mpmd checks): read it with orbax (e.g. "
+                                  "ocp.StandardCheckpointer().restore(path)) and pass the arrays to the step, or mpmd.save "
+                                  "them once", checkpoint=path, file="LATEST") from None
         raise CheckpointError(f"no committed checkpoint in {path!r} (no LATEST file, no {MANIFEST}); was mpmd.save called there? "
                               "Give the directory passed to mpmd.save, or one of its ckpt-<n>", checkpoint=path, file="LATEST") from None
     except (OSError, ValueError) as e:  # (a FIFO waited forever, /dev/zero grew without end, a directory, not text)
