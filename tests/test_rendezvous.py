@@ -438,6 +438,16 @@ def test_an_address_where_no_daemon_ever_answered_is_named_so_and_a_port_past_65
     with pytest.raises(mpmd.ActorDiedError, match="no daemon ever answered there.*nothing listens at that address") as e:
         mpmd.RemoteMesh.connect(["tcp://127.0.0.1:1"], transport="none", heartbeat_interval=0.2, heartbeat_timeout=1.0)
     assert "reconnect" not in str(e.value)
+    # ... and the daemons that did answer are told goodbye: the session the failed connect opened on them was left
+    # open until --session-timeout (a probe: shutdown_on_close of the next mesh then left that daemon running)
+    proc, good = start_daemon("--listen", "tcp://127.0.0.1:0", "--p2p", "none", "--insecure")
+    try:
+        with pytest.raises(mpmd.ActorDiedError, match="no daemon ever answered there"):
+            mpmd.RemoteMesh.connect([good, "tcp://127.0.0.1:1"], transport="none", heartbeat_interval=0.2, heartbeat_timeout=1.0)
+        with mpmd.RemoteMesh.connect([good], transport="none") as mesh:
+            assert mesh.actor(0).stats()["sessions"] == 1  # (this mesh's own alone)
+    finally:
+        stop_daemon(proc)
     out = subprocess.run([sys.executable, "-m", "actors.daemon", "--listen", "tcp://127.0.0.1:99999", "--insecure"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "the port must be 0-65535" in out.stderr

@@ -203,11 +203,14 @@ class RemoteMesh:
         _LIVE_MESHES.add(self)
         self.actors = [ActorHandle(self, i) for i in range(len(addresses))]
         try:
+            # (opened before the hellos are answered: when one daemon never answers, the others did open this session,
+            # and close must say goodbye to them; it was left open until --session-timeout, holding its key's claim
+            # and keeping shutdown_on_close from stopping them: a probe)
+            self._opened = True
             try:
                 self.infos = self.run(gather(self._all("hello")))
             except ProtocolError as e:  # e.g. a daemon of another protocol version: its reply names the version
                 raise IncompatibleActorError(f"{e}: install the same mpmd on every node and the controller") from None
-            self._opened = True
             self._check_actors()
             self.actor_mesh = self._device_mesh(mesh_shape, axis_names)
             for c, info in zip(self._conns, self.infos):
