@@ -336,7 +336,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
         checked = len(losses)
         end = min(args.steps, done + args.stop_after) if args.stop_after is not None else args.steps
         t0 = time.perf_counter()
-        bar = tqdm(range(done + checked, end), desc=f"{args.schedule} on {args.actors} actors", file=sys.stdout,
+        bar = tqdm(range(done + checked, end), desc=f"{args.schedule} on {args.actors} actor{'s' if args.actors != 1 else ''}", file=sys.stdout,
                    mininterval=0.5, initial=done + checked, total=args.steps)
         pending = []
         for i in bar:
