@@ -488,7 +488,8 @@ def test_a_queued_request_counts_from_when_the_steps_before_it_ended_and_a_later
         assert conn._overdue(12.0, 5.0) is None  # 12 s, but behind steps with no reply yet: they are what is watched
         assert conn._overdue(16.0, 5.0)[0] is out[1]  # the first step itself, past 10 + 5 s
         del out[1]
-        client._step_settled(1)
+        client._step_settled(1)  # the second step waited on the first alone: its clock starts; the get's not yet
+        assert out[2].started > 0 and out[3].started == 0.0
         del out[2]
         client._step_settled(2)  # both ended: the get's clock starts now
         start = out[3].started

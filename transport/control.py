@@ -233,11 +233,12 @@ class ControlClient:
         """Step request `req_id` got its reply: the queued requests sent after it that no unanswered step precedes
         now wait on nothing sent before them (`Outstanding.started`; a later step's end never moves an earlier
         request's start, so one that hangs is still seen: a review)."""
-        now, step_before = time.monotonic(), False
-        for rid, o in self.outstanding.items():  # (in the order sent)
-            if rid > req_id and not step_before and o.op in QUEUED_BEHIND_STEPS:
+        now = time.monotonic()
+        for rid, o in self.outstanding.items():  # (in the order sent; past the first unanswered step nothing moves)
+            if rid > req_id and o.op in QUEUED_BEHIND_STEPS:
                 o.started = max(o.started, now)
-            step_before = step_before or o.op == "run_program"
+            if o.op == "run_program":
+                break
 
     def submit(self, op: str, fields: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> asyncio.Future[Message]:
         """Send one request now (on the loop thread; requests leave in the order they are submitted) and

@@ -92,7 +92,7 @@ def _is_breakpoint(eqn: Any) -> bool:
 
 def _nested_call(jaxpr: Any) -> Any:
     for e in jaxpr.eqns:
-        if e.primitive.name in HOST_CALLS | _RESULT_CALLS:
+        if e.primitive.name in HOST_CALLS | _RESULT_CALLS | {"inspect_sharding"}:
             return e
         for j in sub_jaxprs(e):
             found = _nested_call(j)
@@ -101,8 +101,11 @@ def _nested_call(jaxpr: Any) -> Any:
     return None
 
 
-def _inspects_sharding(jaxpr: Any) -> bool:
-    return any(e.primitive.name == "inspect_sharding" or any(_inspects_sharding(j) for j in sub_jaxprs(e)) for e in jaxpr.eqns)
+# (its callback ran on the controller at export with the controller's view, then jax.export failed on its effect: a probe)
+_INSPECTS_SHARDING = ("jax.debug.inspect_array_sharding (or visualize_array_sharding) is inside a distributed step: XLA calls "
+                      "it as it compiles, and the stages compile on the actors, where no Python callback of this process can "
+                      "run. Look at the layouts the step gives instead: `.sharding` of its outputs (RemoteArray.sharding), "
+                      "or the compiled stage's HLO (mesh.actor(i).hlo)")
 
 
 def check_host_calls(eqns: Iterable[Any], used: set[Any]) -> None:
@@ -112,12 +115,8 @@ def check_host_calls(eqns: Iterable[Any], used: set[Any]) -> None:
         if isinstance(e, SyntheticEqn):
             continue
         name = e.primitive.name
-        if name == "inspect_sharding" or any(_inspects_sharding(j) for j in sub_jaxprs(e) if name != "mpmd_accumulate"):
-            # (its callback ran here at export with the controller's view, then jax.export failed on its effect: a probe)
-            raise PipelineError("jax.debug.inspect_array_sharding (or visualize_array_sharding) is inside a distributed "
-                                "step: XLA calls it as it compiles, and the stages compile on the actors, where no Python "
-                                "callback of this process can run. Look at the layouts the step gives instead: `.sharding` "
-                                "of its outputs (RemoteArray.sharding), or the compiled stage's HLO (mesh.actor(i).hlo)")
+        if name == "inspect_sharding":
+            raise PipelineError(_INSPECTS_SHARDING)
         if name == "debug_callback" and _is_breakpoint(e):
             raise PipelineError("jax.debug.breakpoint() is inside a distributed step: a stage runs on an actor, with no "
                                 "terminal to stop in. Debug the same function under jax.jit (accumulate_grads runs as a plain "
@@ -133,6 +132,8 @@ def check_host_calls(eqns: Iterable[Any], used: set[Any]) -> None:
         if name not in HOST_CALLS and name != "mpmd_accumulate":  # the loop body is checked on its own
             for j in sub_jaxprs(e):
                 inner = _nested_call(j)
+                if inner is not None and inner.primitive.name == "inspect_sharding":
+                    raise PipelineError(_INSPECTS_SHARDING)
                 if inner is not None:
                     where = _CONSTRUCT_NAMES.get(name, f"a {name!r} equation")
                     raise PipelineError(

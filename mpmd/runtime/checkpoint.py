@@ -242,7 +242,7 @@ def _commit(path: str, name: str, tmp: str, keep: int) -> str:
                 os.replace(latest_tmp, os.path.join(path, "LATEST"))
             else:
                 log.info("mpmd.save: %s committed after %s, a save started later: LATEST stays %s", final, done[-1], done[-1])
-            done = sorted((d for d in os.listdir(path) if _is_checkpoint(path, d)), key=checkpoint_number)
+            done = sorted([*done, name], key=checkpoint_number)  # (what the listing above holds now: this one is in)
             for d in done[: max(0, len(done) - keep)]:
                 shutil.rmtree(os.path.join(path, d), ignore_errors=True)
         except OSError as e:  # (committed: said so, not as a save that wrote nothing; a review)
