@@ -122,6 +122,22 @@ def test_tied_embeddings_on_first_and_last_stage_match_jit(mesh2, schedule):
     assert set(dp["embed"].actors) >= {0}
 
 
+def test_a_schedule_with_fuse_false_runs_every_task_alone_and_matches_jit(mesh2):
+    """`fuse=False`: no Run does two tasks (1F1B merges the last stage's F and B of a microbatch by default, which
+    XLA may compile slower than the two apart: a softmax-head stage 25 % on CPU), and the results are jax.jit's."""
+    rng = np.random.default_rng(3)
+    params = models.transformer_params(rng)
+    batches = [models.lm_batch(rng, 4, 2) for _ in range(2)]
+    opt = optax.adam(1e-2)
+    merged = mpmd.distributed(make_step(models.lm_loss, opt, mpmd.OneFOneB(2)), mesh=mesh2)
+    apart, _ = run_both(mesh2, models.lm_loss, params, batches, mpmd.OneFOneB(2, fuse=False), opt)
+    assert merged.compile(params, opt.init(params), batches[0]).plan.merges_tasks
+    plan = apart.compile(params, opt.init(params), batches[0]).plan
+    assert not plan.merges_tasks
+    runs = [i for p in plan.programs for i in p.instructions if type(i).__name__ == "Run"]
+    assert sum(len(r.label.tasks) for r in runs) == 16  # every task of 2 stages x 4 microbatches x (F, B) in a Run of its own
+
+
 def test_one_request_per_actor_per_step(mesh2):
     rng = np.random.default_rng(5)
     params = models.mlp_params(rng, 2)

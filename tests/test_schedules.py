@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 
 import mpmd
@@ -314,3 +315,21 @@ def test_a_schedules_repr_names_its_non_default_balance_and_remat():
     assert repr(mpmd.GPipe(2, balance=costs)) == "GPipe(num_stages=2, balance=<costs of 3 segments>)"
     for s in (mpmd.OneFOneB(4, balance="even", remat=(3,)), mpmd.ZeroBubbleH1(3, balance=(2, 1, 1))):
         assert eval(repr(s), vars(mpmd)) == s
+
+
+@pytest.mark.parametrize("make", [lambda f: mpmd.OneFOneB(2, fuse=f), lambda f: mpmd.DualPipeV(2, fuse=f),
+                                  lambda f: mpmd.InterleavedOneFOneB(4, 2, fuse=f),
+                                  lambda f: mpmd.Custom(num_stages=1, order=(("0F0", "0B0"),), fuse=f)])
+def test_fuse_is_a_keyword_of_every_schedule_shown_when_off_and_kept_by_replace(make):
+    """`fuse` (default True) says whether the compiler may merge an actor's consecutive tasks into one Run: the
+    compiler reads `fuse_runs`; off, it shows in the repr (tune's table names the two variants apart)."""
+    from dataclasses import replace
+
+    on, off = make(True), make(False)
+    assert on.fuse_runs is True and off.fuse_runs is False
+    assert "fuse" not in repr(on) and repr(off).endswith(", fuse=False)") and on != off
+    assert replace(on, fuse=False) == off and replace(off, balance=None).fuse is False
+    assert make(np.bool_(False)).fuse is False  # (a numpy bool taken as the bool it is)
+    for bad in ("no", 0, None):
+        with pytest.raises(mpmd.ScheduleError, match=r"fuse must be True or False .*got (str 'no'|int 0|NoneType None)"):
+            make(bad)

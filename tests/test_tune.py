@@ -1,6 +1,8 @@
 """mpmd.tune: every candidate predicted from one set of segment costs, ranked, the memory limit respected with
 its reason in the table; the winner is a ready step whose results equal jax.jit; verify measures it."""
 
+from dataclasses import replace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,7 +84,9 @@ def test_tune_with_measured_costs_gives_a_winner_equal_to_jax_jit_and_verify_mea
     step = make_step(uneven_loss, opt, mpmd.OneFOneB(2))
     r = mpmd.tune(mpmd.distributed(step, mesh=mesh2, donate_argnums=(0, 1)), params, opt.init(params), batch, microbatches=[2, 4],
                   schedules=["OneFOneB", "ZeroBubbleH1"], profile_steps=1)
-    assert r.costs.source == "measured on the actors" and len(r.feasible) == 4
+    assert r.costs.source == "measured on the actors" and len([c for c in r.feasible if c.schedule.fuse]) == 4
+    # (and the winner's twin with fuse=False, when its plan merges tasks: measured, not predicted apart)
+    assert len(r.feasible) == 4 + (not r.feasible[1].schedule.fuse)
     # Calibrated while tuning: every prediction scaled alike by the winner's measured / simulated time.
     raw = [c.predicted / r.calibration for c in r.feasible]
     assert r.calibration > 0 and r.calibration != 1.0 and "predictions x" in r.table()
@@ -157,6 +161,7 @@ def test_calibration_scales_by_the_median_ratio_of_the_top_candidates(monkeypatc
 
     monkeypatch.setattr(tuning, "_timed_round", timed_round)
     monkeypatch.setattr(tuning.DistributedFunction, "with_schedule", lambda self, s: type("S", (), {"schedule": s})())
+    monkeypatch.setattr(tuning.TuneResult, "_unmerged_twin", lambda self, c: None)  # (the next test measures it)
     assert r.calibrate(warmup=3, rounds=2) == pytest.approx(1.5)
     assert [c.predicted for c in r.feasible] == pytest.approx([before[id(c)] * 1.5 for c in r.feasible])
     assert calls == [(c.schedule, 3) for c in top] + [(c.schedule, 1) for c in top]
@@ -176,6 +181,49 @@ def test_calibration_scales_by_the_median_ratio_of_the_top_candidates(monkeypatc
     assert [c.predicted for c in r.feasible] == [scaled[id(c)] for c in r.feasible]
     assert [c.measured / c.predicted for c in verified] == pytest.approx(
         [1.2 * before[id(c)] * slow[c.schedule] / scaled[id(c)] for c in verified])
+
+
+@pytest.mark.parametrize("apart", [0.5, 2.0])
+def test_calibration_also_measures_the_winner_with_its_tasks_apart_and_keeps_the_faster(monkeypatch, apart):
+    """XLA compiles the tasks a Run merges as one program, which can be slower than the tasks apart (a stage ending
+    in a softmax head: 1F1B's merged F+B 25 % slower on CPU, 2026-12-06) and the simulator does not tell them apart:
+    calibrate also runs the predicted winner with fuse=False when its plan merges tasks. Its row follows the winner's,
+    with the winner's prediction; it does not move the factor; the faster of the two is the winner."""
+    from mpmd import tuning
+
+    r = tuned(microbatches=[4], schedules=["OneFOneB"])
+    top = r.calibration_candidates(3)
+    winner = top[0]
+    assert winner.schedule.fuse
+    before = {id(c): c.predicted for c in r.feasible}
+    calls = []
+
+    def timed_round(step, args, batch_argnum, steps, warmup):
+        calls.append(step.schedule)
+        return before[id(winner)] * (apart if not step.schedule.fuse else 1.0) if step.schedule.num_stages == 2 else 1.0
+
+    monkeypatch.setattr(tuning, "_timed_round", timed_round)
+    assert r.calibrate(warmup=1, rounds=1) == pytest.approx(1.0)  # (the merged ones measured as predicted)
+    twin = r.candidates[r.candidates.index(winner) + 1]
+    assert twin.schedule == replace(winner.schedule, fuse=False) and twin.num_microbatches == winner.num_microbatches
+    assert twin.predicted == winner.predicted and twin.grouping == winner.grouping and twin.peak_bytes == winner.peak_bytes
+    assert calls == [c.schedule for c in top] + [twin.schedule]
+    assert twin.measured == pytest.approx(apart * winner.measured)
+    assert r.best is (twin if apart < 1 else winner)
+    lines = r.table().splitlines()
+    rows = lines[next(i for i, line in enumerate(lines) if line.startswith("schedule ")) + 1:]
+    assert rows[0].startswith(winner.name + " ") and rows[1].startswith(twin.name + " ") and twin.name.endswith(", fuse=False)")
+    assert f"winner: {r.best.name} m=4" in r.table()
+
+
+def test_a_winner_whose_plan_merges_no_tasks_gets_no_twin(monkeypatch):
+    from mpmd import tuning
+
+    r = tuned(microbatches=[4], schedules=[mpmd.OneFOneB(2, fuse=False)])
+    calls = []
+    monkeypatch.setattr(tuning, "_timed_round", lambda step, *a: calls.append(step.schedule) or 1e-3)
+    r.calibrate(warmup=1, rounds=1, top=1)
+    assert len(calls) == 1 and not any(c.schedule.fuse for c in r.candidates)
 
 
 def test_calibration_measures_the_best_of_other_microbatch_counts_predicted_near_the_winner():

@@ -90,6 +90,11 @@ class StepPlan:
     remat: tuple[int, ...] = ()  # the stages whose backward recomputes their forward (the schedule's remat=)
     constrained_outputs: frozenset[int] = frozenset()  # the step's outputs a with_sharding_constraint made (laid out so)
 
+    @property
+    def merges_tasks(self) -> bool:
+        """Whether some Run does more than one schedule task (the schedule's `fuse` merged them)."""
+        return any(len(u.label.tasks) > 1 for units in self.units.values() for u in units)
+
     def stage_segments(self) -> str:
         """One line saying which marker segments each stage holds ('' without a grouping)."""
         if self.grouping is None:

@@ -137,11 +137,18 @@ class Schedule:
 
     `remat` (keyword only): stages whose forward is recomputed in their backward, as `jax.checkpoint` would:
     between a microbatch's F and B such a stage keeps only its inputs, not its activations, and its B computes
-    the forward again first (memory for time; `mpmd.tune` tries it where the memory limit demands)."""
+    the forward again first (memory for time; `mpmd.tune` tries it where the memory limit demands).
+
+    `fuse` (keyword only, default True): whether the compiler may merge an actor's consecutive tasks into one Run
+    where that delays nothing (e.g. the last stage's F and B of a microbatch in 1F1B): one dispatch instead of
+    several, and XLA compiles the merged tasks as one program, which may run faster or slower than the tasks apart
+    (measured on CPU, 2026-12-06: a stage ending in an 8192-word softmax head, F+B 25 % slower merged; MLP and conv
+    stages 5-15 % faster). `mpmd.tune` measures its winner both ways."""
 
     num_stages: int
     balance: object = field(default=None, kw_only=True, repr=False)
     remat: tuple[int, ...] = field(default=(), kw_only=True, repr=False)
+    fuse: bool = field(default=True, kw_only=True, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "num_stages", _positive(self, "num_stages", self.num_stages))
@@ -150,6 +157,7 @@ class Schedule:
         if isinstance(self.balance, tuple):  # (counts given as numpy integers kept as ints)
             object.__setattr__(self, "balance", tuple(map(int, self.balance)))
         check_remat(self)
+        check_fuse(self)
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)
@@ -182,8 +190,8 @@ class Schedule:
     def fuse_runs(self) -> bool:
         """Whether the compiler may merge an actor's consecutive tasks into one Run where that delays nothing
         (read by the compiler from any schedule object, True when it has none; a profiling schedule that must
-        time every task apart says False)."""
-        return True
+        time every task apart says False): the `fuse` option."""
+        return self.fuse
 
     def tasks(self, num_microbatches: int) -> list[list[Task]]:
         """One ordered task list per actor for `num_microbatches` microbatches."""
@@ -199,7 +207,20 @@ def _options(schedule: Schedule) -> str:
         out += f", balance=<costs of {len(segments)} segments>" if isinstance(segments, tuple) else f", balance={b!r}"
     if schedule.remat:
         out += f", remat={schedule.remat!r}"
+    if not schedule.fuse:
+        out += ", fuse=False"
     return out
+
+
+def check_fuse(schedule: Schedule) -> None:
+    """`fuse` must be True or False (a numpy bool is taken as one)."""
+    f = schedule.fuse
+    if type(f).__module__ == "numpy" and type(f).__name__ in ("bool", "bool_"):
+        f = f.item()
+    if not isinstance(f, bool):
+        raise ScheduleError(f"{type(schedule).__name__}: fuse must be True or False (whether the compiler may merge an "
+                            f"actor's consecutive tasks into one Run), got {type(f).__name__} {f!r:.40}")
+    object.__setattr__(schedule, "fuse", f)
 
 
 def check_remat(schedule: Schedule) -> None:
@@ -371,7 +392,7 @@ class _VShape(Schedule):
     the last stage share actor 0 and every actor does the same work. Given as `num_actors=k` or `num_stages=2k`."""
 
     def __init__(self, num_actors: int | None = None, *, num_stages: int | None = None, balance: object = None,
-                 remat: tuple[int, ...] = ()) -> None:
+                 remat: tuple[int, ...] = (), fuse: bool = True) -> None:
         # `num_stages=` too, as every other schedule is given: twice the actors, so it must be even.
         name = type(self).__name__
         if num_stages is not None:
@@ -388,10 +409,12 @@ class _VShape(Schedule):
         object.__setattr__(self, "num_stages", 2 * _positive(self, "num_actors", num_actors))
         object.__setattr__(self, "balance", as_counts(balance))
         object.__setattr__(self, "remat", remat)
+        object.__setattr__(self, "fuse", fuse)
         check_balance(self)
         if isinstance(self.balance, tuple):
             object.__setattr__(self, "balance", tuple(map(int, self.balance)))
         check_remat(self)
+        check_fuse(self)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_actors={self.num_actors}{_options(self)})"
