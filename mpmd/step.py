@@ -105,6 +105,19 @@ class CompiledStep:
         return str(self.plan)
 
 
+def _refuse_leaked_tracers(closed: Any, name: str) -> None:
+    """jax.jit's UnexpectedTracerError for a tracer of an earlier trace the step reads (kept by a side effect: a
+    list.append or a global in the loss): make_jaxpr took it for a constant, and it failed later as 'Too many
+    leaves for PyTreeDef' at export, or 'value ... produced nowhere' in the compiler (a probe)."""
+    leaked = [c for c in closed.consts if isinstance(c, jax.core.Tracer)]
+    if leaked:
+        raise jax.errors.UnexpectedTracerError(
+            f"{name} reads a traced value of an earlier trace ({leaked[0].aval.str_short()}, of a "
+            f"{type(leaked[0]).__name__}): a value saved by a side effect (appended to a list, stored in a global or on "
+            "an object) while a step or function was traced, used after that trace ended. Return the value from the "
+            "step instead (jax.checking_leaks() finds where it escaped)")
+
+
 def _lays_out(shardings: Any) -> bool:
     """Whether in_shardings / out_shardings lay anything out over devices: a PartitionSpec naming an axis, or a
     sharding object (None leaves and P() constrain nothing on an actor of one device)."""
@@ -723,6 +736,7 @@ class DistributedFunction(ShallowCopyOnly):
                                             "by a functools.partial): its value is on the actors, which the step reaches "
                                             f"through its arguments only; pass it as an argument of the step ({e})") from e
                     raise
+                _refuse_leaked_tracers(closed, getattr(self.fn, '__name__', 'the step'))
                 closed = inline_calls(rebind_constraints(closed, am, traced_under))
                 from mpmd.primitives import accumulate_p
 

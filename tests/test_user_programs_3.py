@@ -1629,3 +1629,36 @@ def test_a_step_called_under_another_jax_config_context_is_traced_again_as_jax_j
         got = mpmd.fetch(asyncio.run(asyncio.wait_for(fresh.call_async(p, batch), 120)))
         assert got[1].dtype == np.float64
         assert_trees_close(got, jax.jit(f)(p, batch))
+
+
+def test_a_tracer_leaked_by_a_side_effect_gets_jits_unexpected_tracer_error(mesh2):
+    """A loss that appends its value to a list leaks a tracer; a later step reading it (after the loop, or inside
+    the loss) failed as 'Too many leaves for PyTreeDef' at export or 'value ... produced nowhere' (a probe): make_jaxpr
+    took the dead tracer for a constant. jax.jit raises UnexpectedTracerError; so does the step, saying what to do."""
+    saved = []
+
+    def loss(p, mb):
+        v = jnp.mean((mpmd.pipeline_yield(jnp.tanh(mb["x"] @ p[0]["w"])) @ p[1]["w"] - mb["y"]) ** 2)
+        saved.append(v)
+        return v
+
+    def make(post, loss=loss):
+        def step(p, b):
+            g, losses = mpmd.accumulate_grads(lambda mb: jax.value_and_grad(loss)(p, mb)[::-1], b, schedule=mpmd.OneFOneB(2))
+            return post(g, losses)
+        return step
+
+    rng = np.random.default_rng(0)
+    params, batch = mlp2(rng), batch_of(rng)
+    mpmd.fetch(mpmd.distributed(make(lambda g, losses: losses), mesh=mesh2)(params, batch))
+    leaked = saved[0]
+    with pytest.raises(jax.errors.UnexpectedTracerError):
+        jax.jit(make(lambda g, losses: losses + leaked))(params, batch)
+    said = r"step reads a traced value of an earlier trace \(float32\[\], .*side effect.*Return the value from the step"
+    with pytest.raises(jax.errors.UnexpectedTracerError, match=said):
+        mpmd.distributed(make(lambda g, losses: losses + leaked), mesh=mesh2)(params, batch)
+    with pytest.raises(jax.errors.UnexpectedTracerError, match=said):
+        mpmd.distributed(make(lambda g, losses: losses, lambda p, mb: loss(p, mb) + leaked), mesh=mesh2)(params, batch)
+    # the mesh is unharmed: the step without the leak runs as jax.jit does
+    want = jax.jit(make(lambda g, losses: (g, losses)))(params, batch)
+    assert_trees_close(mpmd.distributed(make(lambda g, losses: (g, losses)), mesh=mesh2)(params, batch), want)
