@@ -525,10 +525,11 @@ async def test_a_remote_transfer_error_is_raised_by_the_await_naming_the_actors_
 
 
 @pytest.mark.slow  # (15-20 s: run with the slow ones, see .ci/run)
-async def test_a_fetch_in_flight_when_the_mesh_closes_says_the_mesh_closed_not_that_an_actor_died_or_was_cancelled():
-    """`await mesh.aclose()` while a fetch_async of a step's output runs: the fetch raises MpmdError saying the mesh
-    closed (it raised a bare CancelledError — which reads as the caller's task cancelled — or 'actor 0 died ...
-    exited with code 0'), and the next call says the mesh is closed."""
+@pytest.mark.parametrize("wait", ["fetch_async", "ready_async"])
+async def test_a_fetch_in_flight_when_the_mesh_closes_says_the_mesh_closed_not_that_an_actor_died_or_was_cancelled(wait):
+    """`await mesh.aclose()` while a fetch_async (or ready_async: a probe) of a step's output runs: the wait raises
+    MpmdError saying the mesh closed (it raised a bare CancelledError — which reads as the caller's task cancelled —
+    or 'actor 0 died ... exited with code 0'), and the next call says the mesh is closed."""
     step, _, params, opt_state, batch = training()
     for _ in range(3):
         mesh = await mpmd.RemoteMesh.local_async(num_actors=2)
@@ -536,7 +537,7 @@ async def test_a_fetch_in_flight_when_the_mesh_closes_says_the_mesh_closed_not_t
         p, o, losses = await dist.call_async(params, opt_state, batch)
         for _ in range(4):
             p, o, losses = await dist.call_async(p, o, batch)
-        fetch = asyncio.create_task(mpmd.fetch_async(losses))
+        fetch = asyncio.create_task(getattr(mpmd, wait)(losses))
         await asyncio.sleep(0.01)
         await mesh.aclose()
         with pytest.raises(mpmd.MpmdError, match="closed") as e:

@@ -330,6 +330,21 @@ async def _wait_ready(tree: Any, arrays: list[RemoteArray]) -> Any:
                 bufs[a].append(b)
         await asyncio.gather(*(mesh.wait_buffers_async(dict(bufs)) for mesh, bufs in by_mesh.values()))
     except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if not (task is not None and task.cancelling()):  # (not the caller's: the mesh's loop dropped the step)
+            _raise_if_closed_meanwhile(arrays, None)
         await abort_unfinished(arrays)
         raise
+    except Exception as e:
+        _raise_if_closed_meanwhile(arrays, e)
+        raise
     return tree
+
+
+def _raise_if_closed_meanwhile(arrays: list[RemoteArray], e: BaseException | None) -> None:
+    """A step whose actors stopped, or whose request the loop dropped, because its mesh was closed while it was
+    awaited (`aclose` from another task) is the close's doing: said so, as fetch_async says it (it was an
+    ActorDiedError 'exited with code 0', or a CancelledError of a task nobody cancelled: a probe)."""
+    for x in arrays:
+        if getattr(x.mesh, "closed", False):
+            x.mesh.raise_if_closed_meanwhile(e)
