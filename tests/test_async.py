@@ -706,3 +706,29 @@ def test_a_step_future_cancelled_when_the_controller_loop_stops_is_seen_settled_
     t = time.monotonic()
     wait_settled([bare])
     assert time.monotonic() - t < 1
+
+
+async def test_fetch_async_returns_a_steps_values_after_its_host_callbacks_ran_as_fetch_does():
+    """mpmd.fetch waits for a step's callbacks before any of its values is seen (its prints come first); fetch_async
+    returned the values while a 0.4 s jax.debug.callback still ran on the controller (a probe)."""
+    ran = []
+
+    def sink(x):
+        time.sleep(0.4)
+        ran.append(np.asarray(x))
+
+    def step(params, batch):
+        g, losses = mpmd.accumulate_grads(lambda mb: jax.value_and_grad(mse_loss(mlp))(params, mb)[::-1], batch,
+                                          schedule=mpmd.OneFOneB(2))
+        jax.debug.callback(sink, losses)
+        return g, losses
+
+    rng = np.random.default_rng(0)
+    params, batch = mlp_params(rng, 2, 16, 16), regression_batch(rng, 4, 2, 16)
+    async with await mpmd.RemoteMesh.local_async(num_actors=2) as mesh:
+        dist = mpmd.distributed(step, mesh=mesh)
+        for _ in range(2):
+            n = len(ran)
+            _, losses = await dist.call_async(params, batch)
+            got = await mpmd.fetch_async(losses)
+            assert len(ran) == n + 1 and np.array_equal(ran[-1], got)

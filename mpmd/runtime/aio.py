@@ -277,6 +277,9 @@ async def _fetch_async(tree: Any) -> Any:
 
     with awaiting(arrays):
         try:
+            for r in {id(x._ready): x._ready for x in arrays if getattr(x._ready, "host_calls", False)}.values():
+                with contextlib.suppress(Exception):  # a step's callbacks print before any of its values is seen, as
+                    await watch(r)  # fetch has them (it returned first: a probe); its error comes with the values
             parts = await asyncio.gather(*(from_mesh(k) for k in wanted),
                                          *(started(i) for i, x in enumerate(leaves) if isinstance(x, RemoteArray) and x._host is not None))
         except asyncio.CancelledError:
