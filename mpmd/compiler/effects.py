@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import sys
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -165,9 +167,51 @@ def run_host_call(call: HostCall, operands: Sequence[Any]) -> str:
     out = io.StringIO()
     args = [np.asarray(x) if not hasattr(x, "dtype") or not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
             for x in operands]
-    with contextlib.redirect_stdout(out):
+    with _stdout_of_this_thread(out):
         _host_callback(call.eqn)(*args)  # numpy values, as a callback under jax.jit receives them
     return out.getvalue()
+
+
+class _ByThread(io.TextIOBase):
+    """sys.stdout while callbacks run: what a thread running one writes goes to its buffer, what any other thread
+    writes to the stream it replaced, at once (contextlib.redirect_stdout took every thread's prints: a server's
+    own log lines came out 2 s late, each prefixed as the callback's: a probe)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def write(self, text: str) -> int:
+        buf = _CAPTURES.get(threading.get_ident())
+        return (buf if buf is not None else self.inner).write(text)
+
+    def flush(self) -> None:
+        if threading.get_ident() not in _CAPTURES:
+            self.inner.flush()
+
+    def __getattr__(self, name: str) -> Any:  # (encoding, isatty, fileno, ...: the stream's)
+        return getattr(self.inner, name)
+
+
+_CAPTURES: dict[int, io.StringIO] = {}
+_CAPTURING = threading.Lock()
+
+
+@contextlib.contextmanager
+def _stdout_of_this_thread(out: io.StringIO) -> Any:
+    """Send this thread's writes to sys.stdout into `out` while the block runs, other threads' through (one router
+    for any number of threads at once, removed with the last unless something replaced sys.stdout meanwhile)."""
+    me = threading.get_ident()
+    with _CAPTURING:
+        if not isinstance(sys.stdout, _ByThread):
+            sys.stdout = _ByThread(sys.stdout)
+        _CAPTURES[me] = out
+    try:
+        yield out
+    finally:
+        with _CAPTURING:
+            _CAPTURES.pop(me, None)
+            if not _CAPTURES and isinstance(sys.stdout, _ByThread):
+                sys.stdout = sys.stdout.inner
 
 
 def _host_callback(eqn: Any) -> Any:
