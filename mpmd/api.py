@@ -88,6 +88,19 @@ def accumulate_grads(fn: Callable[[Any], tuple[Any, Any]], batch: Any, schedule:
     return jax.tree.unflatten(g_tree, outs[:n_grads]), jax.tree.unflatten(aux_tree, outs[n_grads:])
 
 
+def _check_returned(out: tuple[Any, Any], fn: Lifted) -> None:
+    """A PipelineError naming the leaf of (grads, aux) that is no array or number (a str in the aux failed as JAX's
+    'function flat_fn at mpmd/api.py:95 ... returned a value of type str at output component [3]': a probe)."""
+    for path, x in jax.tree_util.tree_flatten_with_path(out)[0]:
+        if not (isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex)) or hasattr(x, "__jax_array__")):
+            name = getattr(getattr(fn, "fn", None), "__name__", "the function")
+            where = ("grads" if path[0].idx == 0 else "aux") + jax.tree_util.keystr(path[1:])
+            name = f" ({name})" if name not in ("<lambda>", "the function") else ""
+            raise PipelineError(f"the function given to accumulate_grads{name} returned {x!r:.60} ({type(x).__name__}) at {where}: "
+                                "it returns (grads, aux), pytrees of arrays and numbers (as a function under jax.jit "
+                                "does); return it some other way, or compute it from arrays")
+
+
 def _trace_body(fn: Lifted, treedef: Any, mb_specs: list[Any], out_tree: list[Any]) -> ClosedJaxpr:
     """The microbatch function as a jaxpr over the flat microbatch leaves (and the microbatch's index, last,
     when `fn.uses_rngs`); appends its output trees to `out_tree`."""
@@ -100,6 +113,7 @@ def _trace_body(fn: Lifted, treedef: Any, mb_specs: list[Any], out_tree: list[An
         if not isinstance(out, tuple) or len(out) != 2:
             raise PipelineError(f"the function given to accumulate_grads must return (grads, aux); got {type(out).__name__}")
         g, aux = jax.tree.flatten(out[0]), jax.tree.flatten(out[1])
+        _check_returned(out, fn)
         out_tree.append((g[1], aux[1], len(g[0])))
         return [*g[0], *aux[0]]
 

@@ -1662,3 +1662,62 @@ def test_a_tracer_leaked_by_a_side_effect_gets_jits_unexpected_tracer_error(mesh
     # the mesh is unharmed: the step without the leak runs as jax.jit does
     want = jax.jit(make(lambda g, losses: (g, losses)))(params, batch)
     assert_trees_close(mpmd.distributed(make(lambda g, losses: (g, losses)), mesh=mesh2)(params, batch), want)
+
+
+def test_a_callback_captures_its_own_prints_and_not_those_of_other_threads_meanwhile(mesh2, capsys):
+    """A callback's prints come out prefixed with where it ran; contextlib.redirect_stdout also took every other
+    thread's prints while it ran: an application's own log lines came out late, prefixed as the callback's (a probe)."""
+    started, printed = threading.Event(), threading.Event()
+
+    def sink(x):
+        print("from the callback")
+        started.set()
+        assert printed.wait(10)
+
+    def step(params, batch):
+        g, losses = mpmd.accumulate_grads(lambda mb: jax.value_and_grad(mse)(params, mb)[::-1], batch,
+                                          schedule=mpmd.OneFOneB(2))
+        jax.debug.callback(sink, losses)
+        return losses
+
+    def mse(p, mb):
+        x = mpmd.pipeline_yield(jnp.tanh(mb["x"] @ p[0]["w"]))
+        return jnp.mean((x @ p[1]["w"] - mb["y"]) ** 2)
+
+    def elsewhere():
+        assert started.wait(30)
+        print("from elsewhere")  # while the callback runs on the controller
+        printed.set()
+
+    rng = np.random.default_rng(0)
+    other = threading.Thread(target=elsewhere)
+    other.start()
+    mpmd.fetch(mpmd.distributed(step, mesh=mesh2)(mlp2(rng), batch_of(rng)))
+    other.join()
+    lines = capsys.readouterr().out.splitlines()
+    assert "from elsewhere" in lines and lines.count("[a1 post] from the callback") == 1, lines
+    assert lines.index("from elsewhere") < lines.index("[a1 post] from the callback")  # (said at once, not after)
+
+
+def test_a_microbatch_function_returning_a_string_is_told_which_leaf(mesh2):
+    """A str in the aux failed as JAX's 'function flat_fn at mpmd/api.py:95 ... at output component [3]', naming
+    mpmd's internals (a probe); now the user's function and the leaf's path."""
+    def loss(p, mb):
+        return jnp.mean((mpmd.pipeline_yield(jnp.tanh(mb["x"] @ p[0]["w"])) @ p[1]["w"] - mb["y"]) ** 2)
+
+    def per_mb(p, mb):
+        return jax.grad(loss)(p, mb), {"loss": loss(p, mb), "tag": "x"}
+
+    def step(p, b):
+        return mpmd.accumulate_grads(functools.partial(per_mb, p), b, schedule=mpmd.OneFOneB(2))
+
+    rng = np.random.default_rng(0)
+    with pytest.raises(PipelineError, match=r"the function given to accumulate_grads returned 'x' \(str\) at "
+                                            r"aux\['tag'\]: it returns \(grads, aux\), pytrees of arrays and numbers"):
+        mpmd.distributed(step, mesh=mesh2)(mlp2(rng), batch_of(rng))
+
+    def named(mb):
+        return {"w": jnp.tanh}, mb["x"].sum()
+
+    with pytest.raises(PipelineError, match=r"accumulate_grads \(named\) returned <PjitFunction.*at grads\['w'\]"):
+        mpmd.distributed(lambda p, b: mpmd.accumulate_grads(named, b, schedule=mpmd.OneFOneB(2)), mesh=mesh2)(mlp2(rng), batch_of(rng))
