@@ -57,7 +57,7 @@ def make_schedule(name: str, actors: int | None, stages: int | None) -> Any:
     cls = BUILTINS.get(name)
     if cls is None:
         raise ScheduleError(f"unknown schedule {name!r}; built-ins: {', '.join(BUILTINS)}")
-    params = set(inspect.signature(cls).parameters) - {"balance", "remat"}  # keyword-only and optional
+    params = set(inspect.signature(cls).parameters) - {"balance", "remat", "fuse"}  # keyword-only and optional
     if issubclass(cls, builtin._VShape):  # V placement: two stages per actor (num_stages= is taken too)
         params = {"num_actors"}
     if params == {"num_stages", "num_actors"}:  # several stages per actor
