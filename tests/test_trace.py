@@ -319,6 +319,25 @@ def test_a_step_whose_runs_interleave_an_earlier_steps_adds_up_to_its_window():
     assert b.compute + b.waiting + b.overhead + b.idle + b.other == pytest.approx(b.wall)
 
 
+def test_the_lead_and_bubble_of_a_step_queued_behind_earlier_ones_leave_out_their_time():
+    """Steps dispatched back to back: a step's window opens while its actors still run the earlier ones. fit_costs
+    took that queue for the step's lead (30 ms for the 8th of 8 steps of 7 ms: the prediction grew with the queue)
+    and measured_bubbles for bubble (0.91), both agreeing with the measurement by reading it back (a probe).
+    Synthetic spans, in seconds: two actors, each step F on actor 0 then F on actor 1."""
+    from mpmd.observe.trace import ActorStep, RunSpan, Trace, fit_costs, measured_bubbles
+
+    def step(i, t0, at):  # actor 0's Run at `at`, actor 1's 1 s later; the window opens at t0
+        return {0: ActorStep(0, i, t0, at + 1.0, [RunSpan("0F0", at, at, at, at + 1.0)]),
+                1: ActorStep(1, i, t0, at + 2.0, [RunSpan("1F0", at + 1.0, at + 1.0, at + 1.0, at + 2.0)])}
+
+    t = Trace()
+    t.steps = [step(0, 0.0, 0.5), step(1, 0.1, 2.5)]  # the second opened at 0.1, its actor 0 busy until 1.5, idle 1 s
+    assert fit_costs(t, 2, step=0).lead == pytest.approx(0.5)
+    assert fit_costs(t, 2, step=1).lead == pytest.approx(1.0)  # (from 1.5, when actor 0 was done with step 0; was 2.4)
+    # the window 0.1-4.5; actor 0 on step 0 until 1.5, computing 1 s of the 3 left; actor 1 until 2.5, 1 s of 2 left
+    assert measured_bubbles(t, 1) == pytest.approx({0: 2 / 3, 1: 0.5})  # (was 1 - 1 / 4.4 on both)
+
+
 def test_fit_costs_fits_non_negative_costs_that_best_explain_the_runs():
     """Least squares then clipping at 0: a trace whose fused B+F Run was shorter than its lone Fs (noise on a tiny
     model) fitted B = -0.2 ms, clipped to 0, and left F at the lone Runs' 1.0 ms, the fused Run predicted 0.2 ms too
