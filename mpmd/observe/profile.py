@@ -93,6 +93,14 @@ class ProfileContext:
             self.trace.to_perfetto(path)
             self.files.append(path)
 
+    async def __aenter__(self) -> ProfileContext:
+        """`async with mesh.profile(dir):` — starting (after the steps in flight) in a worker thread, off the
+        caller's event loop, as `async with mesh.trace()`."""
+        return await asyncio.to_thread(self.__enter__)
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.to_thread(self.__exit__, *exc)
+
     def _stop(self, actors: list[int], keep: bool) -> None:
         run_dir = os.path.join(self.logdir, "plugins", "profile", self.run)
 
