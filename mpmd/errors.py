@@ -48,6 +48,7 @@ class ActorStartError(MpmdError):
     """A local actor daemon did not start."""
 
     killed: bool = False  # its process was killed by a signal as it started (a recovery counts it as one more lost actor)
+    timed_out: bool = False  # it was still starting when its time ran out (a recovery names its spawn_timeout)
 
 
 class RendezvousError(ActorStartError):

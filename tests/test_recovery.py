@@ -188,6 +188,33 @@ def test_one_actor_killed_at_a_random_step_the_loop_ends_bit_identical_to_an_uni
     assert any("recovered from actor 1 lost" in r.getMessage() and "steps replayed" in r.getMessage() for r in caplog.records)
 
 
+def test_a_replay_holds_each_steps_state_only_until_the_next_step_reads_it(uninterrupted, monkeypatch):
+    """A replay kept every replayed step's outputs to its end: one copy of the state per step on the actors (60 steps
+    replayed peaked at 3x an actor's memory, 120 at 5x, and a larger state was OOM-killed again and again: a probe).
+    Counted here as the arrays with buffers alive as each replayed step is dispatched: the loop holds its losses (one
+    more per step), the replay no more than the state the next step reads."""
+    import gc
+
+    from mpmd.runtime.array import RemoteArray
+    from mpmd.step import DistributedFunction
+
+    alive, call = [], DistributedFunction._call
+
+    def counting(self, *args, **kwargs):
+        if "load_step" in kwargs:  # (a replayed step: the recovery's own call says which load step it replays)
+            gc.collect()
+            alive.append(sum(1 for o in gc.get_objects() if type(o) is RemoteArray and o.buffers))
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(DistributedFunction, "_call", counting)
+    got = train(kills=[(STEPS - 1, 1)], recover=mpmd.Recovery(snapshot_every=STEPS))
+    _assert_identical(got, uninterrupted)
+    assert len(alive) >= STEPS - 2, alive  # (the steps since the snapshot of step 0 or 1)
+    # (from the second on: the first reads what went back from the snapshot; each step after it was 8 more arrays held:
+    # the params and their Adam moments)
+    assert max(b - a for a, b in zip(alive[1:], alive[2:])) <= 1, str(alive)
+
+
 @pytest.mark.slow  # (~15 s: two daemons started again; the default suite stays under 15 minutes)
 def test_both_actors_killed_at_once_are_both_replaced_bit_identical_and_the_report_names_both(uninterrupted):
     """Both daemons SIGKILLed together: the recovery replaced both, but its report named the first alone (the
@@ -262,6 +289,28 @@ def test_a_daemon_that_lost_the_meshs_session_is_an_actor_lost_and_recovered_bit
     # the daemon answers: the recovery opened a new session there (its transfers, under the reopened session's id,
     # were dropped as the old session's before) rather than start another daemon
     assert meshes[0].processes[1].proc.pid == pids[0]
+
+
+def test_a_replacement_not_ready_within_spawn_timeout_is_said_so_naming_the_setting(caplog):
+    """The error said 'local actor 1 did not report ready in time. Its stderr:' and nothing after it: neither the
+    setting nor its value (a probe); and the recovery's log line ended '; stderr tail:' with the tail left out."""
+    with caplog.at_level(logging.WARNING, logger="mpmd.runtime.recovery"):
+        with pytest.raises(mpmd.ActorDiedError) as err:
+            train(kills=[(2, 1)], recover=mpmd.Recovery(snapshot_every=3, spawn_timeout=0.05), fetch_losses_every=1)
+    said = str(err.value)
+    assert err.value.actor_id == 1 and "mpmd.Recovery gave up" in said, said
+    assert "no replacement for actor 1 was ready within Recovery(spawn_timeout=0.05) seconds (raise it" in said, said
+    assert "did not report ready in time (its stderr is empty)" in said  # (it ended 'Its stderr:', nothing after)
+
+
+def test_the_recovery_log_says_why_an_actor_was_lost_without_a_dangling_stderr_heading():
+    """'recovered from actor 0 lost (... killed by SIGKILL ...; stderr tail:) in 3.9 s': the first line of the reason
+    kept the heading of the tail that follows it on the next lines (a probe)."""
+    from mpmd.runtime.recovery import _what
+
+    lost = mpmd.ActorDiedError(0, "its process (pid 7) was killed by SIGKILL; stderr tail:\nTraceback ...\nMemoryError")
+    assert _what(lost) == "actor 0 lost (its process (pid 7) was killed by SIGKILL)"
+    assert _what(mpmd.ActorDiedError(1, "no reply for 3 s")) == "actor 1 lost (no reply for 3 s)"
 
 
 @pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
@@ -428,6 +477,7 @@ def test_an_array_put_on_a_lost_actor_and_never_passed_to_a_step_says_it_is_gone
         with pytest.raises(mpmd.MpmdError, match=r"holds no buffer: it lived only on lost actor\(s\) \[1\]"):
             mpmd.fetch((x, y))
         assert mesh.recoveries == 1
+        assert repr(x) == "RemoteArray(float32[4], lost with actor 1)"  # (it said 'deleted': a probe)
         for read in (x.to_numpy, lambda: mesh.actor(1).run(jax.jit(lambda a: a + 1), x)):
             with pytest.raises(mpmd.MpmdError, match=r"lived only on lost actor\(s\) \[1\]"):
                 read()

@@ -324,8 +324,9 @@ class RemoteArray:
                 pass
 
     def __repr__(self) -> str:
-        if not self.buffers:
-            where = "deleted"
+        if not self.buffers:  # (lost with its actors, when a recovery could not put it back: it read 'deleted'; a probe)
+            lost = getattr(getattr(self.mesh, "recovery", None), "lost_with", lambda x: None)(self)
+            where = f"lost with actor{'s' * (len(lost) > 1)} {','.join(map(str, lost))}" if lost else "deleted"
         else:
             where = f"on actor{'s' if len(self.buffers) > 1 else ''} {','.join(map(str, self.actors))}"
         sharding = f", sharding={self.sharding}" if self.sharding is not None else ""

@@ -269,9 +269,13 @@ class RecoveryManager:
             self._since_snapshot = 0 if snap is not None else self._since_snapshot + 1
         return out
 
+    def lost_with(self, x: RemoteArray) -> list[int] | None:
+        """The lost actors `x` lived only on, when a recovery could not put it back (else None)."""
+        return self._lost.get(x._vid) if x._vid else None
+
     def why_gone(self, x: RemoteArray) -> str | None:
         """Why `x`, which holds no buffer, has none, when a recovery could not put it back; else None."""
-        actors = self._lost.get(x._vid) if x._vid else None
+        actors = self.lost_with(x)
         if not actors:
             return None
         unmade = self._unmade.get(x._vid)
@@ -626,6 +630,10 @@ class RecoveryManager:
                 except ActorStartError as e:
                     if e.killed:  # its process was killed as it started (not: never ready in time, or refused to start)
                         raise _ReplacementDied(i, e) from e
+                    if e.timed_out:  # (the message named no setting: a probe)
+                        raise ActorStartError(f"no replacement for actor {i} was ready within Recovery(spawn_timeout="
+                                              f"{self.config.spawn_timeout:g}) seconds (raise it if its daemons start "
+                                              f"slower): {e}") from e
                     raise
                 waiting.discard(i)  # a new actor from here: if it dies joining, that is one more lost actor
                 mesh.replace_actor(i, address, process, key[0] if key else None)
@@ -753,7 +761,11 @@ class RecoveryManager:
         dones, replayed = [], []
         unavailable: dict[int, str] = {}  # value id -> why no replay makes it (its step could not run again)
         unmade: dict[int, str] = {}  # value id of such a step's output -> why, as its step's error says it
-        for rec in records:
+        # The replay holds a value only until the last replayed step that reads it is dispatched (the user's own arrays
+        # keep theirs): every replayed step's state was held to the end, one copy of it per step on the actors, and a
+        # replay of 60 steps peaked at 3x an actor's memory (120: 5x; a larger state was OOM-killed: a probe).
+        last_read = {leaf[1]: k for k, r in enumerate(records) for leaf in r.leaves if leaf[0] == "remote"}
+        for k, rec in enumerate(records):
             leaves, why = [], None
             for leaf in rec.leaves:
                 if leaf[0] == "host":
@@ -785,6 +797,9 @@ class RecoveryManager:
             out_leaves = jax.tree.leaves(out, is_leaf=lambda x: isinstance(x, RemoteArray))
             for j, vid, ref in rec.outs:
                 values[vid] = self._rebind(ref(), out_leaves[j], vid)
+            del leaves, out, out_leaves
+            for vid in [vid for vid in values if last_read.get(vid, -1) <= k]:
+                del values[vid]
         for d in dones:
             d.result()  # an ActorDiedError here: recover again
         for rec in replayed:
@@ -869,8 +884,11 @@ def _read_error(f: asyncio.Future[Any]) -> None:
 
 
 def _what(error: BaseException) -> str:
+    """One line for the recovery's log: what was lost and why (the first line of the reason, without the heading
+    of the stderr tail that follows it: it ended '; stderr tail:', the tail left out; a probe)."""
     if isinstance(error, ActorDiedError):
-        return f"actor {error.actor_id} lost ({error.why.splitlines()[0] if error.why else 'no reason given'})"
+        first = error.why.splitlines()[0] if error.why else "no reason given"
+        return f"actor {error.actor_id} lost ({first.removesuffix('; stderr tail:')})"
     return f"a failed step ({str(error).splitlines()[0]})"
 
 

@@ -231,9 +231,12 @@ class LocalProcess:
                     pass
             exited = self.proc.poll() is not None
             why = describe_exit(self.proc.returncode) if exited else "did not report ready in time"
-            err = ActorStartError(f"local actor {self.actor_id} {why}. Its stderr:\n{self.stderr_tail()}")
+            tail = self.stderr_tail().strip()
+            err = ActorStartError(f"local actor {self.actor_id} {why}" + (f". Its stderr:\n{tail}" if tail else
+                                                                          " (its stderr is empty)"))
             err.killed = exited and self.proc.returncode < 0  # (a recovery counts it as one more lost actor; an exit of
             # its own — flags refused, no port — or a timeout would come again: it ends the recovery)
+            err.timed_out = not exited
             raise err
         return text.split()[1]
 
