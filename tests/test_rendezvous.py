@@ -486,9 +486,44 @@ def test_launch_arguments_that_cannot_work_are_refused_before_any_wait_or_daemon
                          ({"heartbeat_timeout": math.inf}, "heartbeat_timeout must be a positive")]:
         with pytest.raises(ValueError, match=said):
             mpmd.RemoteMesh.ray(**{"num_actors": 2, **kwargs})
+    for kwargs, error, said in [({"recover": 5}, TypeError, r"recover= takes a mpmd.Recovery"),
+                                ({"transport": "bogus"}, ValueError, "unknown transport 'bogus'"),
+                                ({"overlap": "no"}, TypeError, "overlap must be True or False, got str 'no'"),
+                                ({"keys": str(tmp_path / "no-such-keys")}, mpmd.RendezvousError, "no-such-keys")]:
+        # (each waited the whole timeout for daemons that were not up, then said that none arrived: a probe)
+        with pytest.raises(error, match=said):
+            mpmd.RemoteMesh.from_rendezvous(str(tmp_path / "rdv"), 2, timeout=60, **kwargs)
+        if "keys" not in kwargs:
+            with pytest.raises(error, match=said):
+                mpmd.RemoteMesh.ray(2, **kwargs)
+    with pytest.raises(TypeError, match="runtime_env must be a dict of Ray's runtime environment"):
+        mpmd.RemoteMesh.ray(2, runtime_env="x")
+    with pytest.raises(ValueError, match="from_rendezvous needs where="):
+        mpmd.RemoteMesh.from_rendezvous("", 2, timeout=60)
     assert time.monotonic() - t0 < 30
     if "ray" in sys.modules:
         assert not sys.modules["ray"].is_initialized()
+
+
+def test_a_callers_mistake_found_once_the_daemons_answer_leaves_them_running_for_the_corrected_call(tmp_path, keys):
+    """mesh_shape=(1, 2) on daemons of one device is found once they answer: the failed call stopped every daemon
+    and emptied the rendezvous, so the corrected call waited for daemons that were gone (under SLURM, the srun
+    step ended; a probe). Now the failed call ends its own session only."""
+    rdv = tmp_path / "rdv"
+    procs = [spawn("--rendezvous", str(rdv), "--actor-id", str(i), "--authorized-keys", str(keys)) for i in range(2)]
+    try:
+        for p in procs:
+            ready(p)
+        with pytest.raises(mpmd.MpmdError, match=r"mesh_shape \(1, 2\) needs 2"):
+            mpmd.RemoteMesh.from_rendezvous(rdv, 2, keys=keys, timeout=30, mesh_shape=(1, 2))
+        assert all(p.poll() is None for p in procs) and records(rdv) == ["actor-0.json", "actor-1.json"]
+        with mpmd.RemoteMesh.from_rendezvous(rdv, 2, keys=keys, timeout=30) as mesh:
+            trains_like_jit(mesh)
+        for p in procs:  # the mesh that was made owns them: its close stops them, as before
+            assert p.wait(15) == 0, stderr_of(p)
+    finally:
+        for p in procs:
+            stop_daemon(p)
 
 
 def test_connect_refuses_daemons_listed_out_of_actor_id_order_or_of_another_protocol():

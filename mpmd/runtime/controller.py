@@ -51,7 +51,7 @@ def note_blocking(seconds: float, what: str = "a blocking mpmd call") -> None:
     _stall_logged = True
     log.warning("%s held this thread's running event loop for %.2f s; from a coroutine, await its twin instead "
                 "(step.call_async, mpmd.fetch_async, mpmd.ready_async, actor.put_async / run_async, mpmd.save_async, "
-                "RemoteMesh.local_async, ...) so the loop keeps running", what, seconds)
+                "RemoteMesh.local_async, async with mesh.trace() / mesh.profile(...), ...) so the loop keeps running", what, seconds)
 
 
 @contextlib.contextmanager
@@ -302,6 +302,11 @@ class ActorConnection:
         self.opened = False  # our session is open there (from `hello`): an answer without it means it was lost
         self.max_message: int | None = None  # the most bytes one frame to it may hold (its --max-message-mb)
         self.session_gone = False  # declared lost because the daemon answers without our session
+
+    def describe(self, proc: Any) -> None:
+        """Say what `proc` (its daemon's handle: a local process, a rendezvous record) says of a lost or silent
+        actor: how it died, its threads' stacks, how it comes back."""
+        self._alive, self._stacks, self._comeback = proc.dead_reason, proc.stacks, getattr(proc, "comeback", None)
 
     def learn_limits(self, info: dict[str, Any]) -> None:
         """Take the actor's bounds from its `hello` reply: on requests, on compiles, and on a silent session (its

@@ -63,7 +63,7 @@ from mpmd.runtime.held import Held, release_dropped, start_reaper
 from mpmd.runtime.inputs import close_stager
 from mpmd.runtime.launch.local import LocalOptions, LocalProcess, check_devices, start_local
 from mpmd.runtime.loader import check_loader_names
-from mpmd.runtime.recovery import Recovery, enable_recovery
+from mpmd.runtime.recovery import Recovery, check_recovery, enable_recovery
 from mpmd.runtime.sharding import ActorMesh, as_spec, layout_wire, remote_sharding
 from mpmd.runtime.wiring import TRANSPORTS, wire_data_plane
 from transport.auth import ClientKeys
@@ -105,6 +105,12 @@ def _check_mesh_arguments(kwargs: dict[str, Any], devices_per_actor: Any) -> Non
     answer (`_device_mesh`)."""
     _check_options(kwargs.get("mesh_shape"), kwargs.get("transfer_timeout", 300.0), kwargs.get("heartbeat_interval", 1.0),
                    kwargs.get("heartbeat_timeout", 10.0))
+    # (a rendezvous waited its whole timeout, and Ray started every daemon, before these were refused: a probe)
+    check_recovery(kwargs.get("recover"))
+    if kwargs.get("transport", "auto") not in TRANSPORTS:
+        raise ValueError(f"unknown transport {kwargs['transport']!r}; choose one of {TRANSPORTS}")
+    if not isinstance(kwargs.get("overlap", True), (bool, np.bool_)):
+        raise TypeError(f"overlap must be True or False, got {type(kwargs['overlap']).__name__} {kwargs['overlap']!r:.40}")
     shape, names = kwargs.get("mesh_shape"), kwargs.get("axis_names")
     if names is not None and shape is None:
         raise ValueError("axis_names needs mesh_shape too (one size per name)")
@@ -165,6 +171,8 @@ class RemoteMesh:
         if twice:
             raise ValueError(f"addresses {twice} are listed more than once: each daemon is one actor, listed once")
         _check_options(mesh_shape, transfer_timeout, heartbeat_interval, heartbeat_timeout)
+        if not isinstance(overlap, (bool, np.bool_)):  # ("no" was taken for True: a probe)
+            raise TypeError(f"overlap must be True or False, got {type(overlap).__name__} {overlap!r:.40}")
         self.addresses = list(addresses)
         self.transport = transport
         self.overlap = overlap
@@ -193,6 +201,7 @@ class RemoteMesh:
         self._opened = False
         self._saves: set[concurrent.futures.Future[Any]] = set()  # mpmd.save calls still writing (close waits for them)
         self.active_trace: Trace | None = None
+        self.trace_claimed: Any = None  # a mesh.trace() block entering (waiting for the steps in flight), if any
         self.actor_mesh: ActorMesh | None = None
         self._offsets: dict[int, int] = {}
         self.generation = 0  # counts daemons replaced under this mesh by reconnect (see DistributedFunction._cached)
@@ -261,6 +270,14 @@ class RemoteMesh:
         self.run(gather(self._all("mesh", {"mesh": am.to_wire()})))
         return am
 
+    def own_daemons(self, processes: Sequence[Any]) -> None:
+        """Own `processes` from now on (their daemons stop as this mesh closes; their handles say how a lost one
+        died): a launcher that attaches to daemons it did not start adopts them only once the mesh is made and
+        checked, so that a failed attempt leaves them running for the next (see launch/rendezvous.py)."""
+        for proc in processes:
+            self.conn(proc.actor_id).describe(proc)
+        self.processes.extend(processes)
+
     def _connection(self, i: int, address: str) -> ActorConnection:
         proc = next((p for p in self.processes if p.actor_id == i), None)
         return ActorConnection(i, address, self._ctx, proc.dead_reason if proc else None, proc.stacks if proc else None,
@@ -307,7 +324,7 @@ class RemoteMesh:
         if unknown and not any(p.kind == p.VAR_KEYWORD for p in params):  # (a subclass's **kwargs: its own to judge)  # (before the daemons start: a misspelt mesh_shap= was a TypeError from __init__ after 8 s; a probe)
             raise TypeError(f"RemoteMesh.local() got an unexpected keyword argument {unknown[0]!r}; besides its own it takes "
                             f"RemoteMesh's {', '.join(passed_on)}")
-        _check_mesh_arguments(kwargs, devices_per_actor)
+        _check_mesh_arguments({**kwargs, "recover": recover}, devices_per_actor)
         options = LocalOptions(devices_per_actor, platform, transport != "none", cache_dir, address, log_level, cpus_per_actor,
                                startup_timeout, gpu_ids=tuple(gpu_ids) if gpu_ids is not None else None,
                                loaders=check_loader_names(loaders), request_timeout=request_timeout)

@@ -132,10 +132,17 @@ class Snapshot:
     waiters: list[Callable[[], None]] = field(default_factory=list)  # later snapshots borrowing from it, to go on once it settles
 
 
+def check_recovery(config: Any) -> None:
+    """A TypeError unless `config` is None or a `mpmd.Recovery` (launchers check it before anything starts)."""
+    if config is not None and not isinstance(config, Recovery):
+        raise TypeError(f"recover= takes a mpmd.Recovery(snapshot_every=..., max_failures=...), got {config!r:.80}")
+
+
 def enable_recovery(mesh: Any, config: Recovery, respawn: Respawn) -> RecoveryManager:
     """Make `mesh` log its steps and recover from lost actors with `respawn`; returns the manager."""
-    if not isinstance(config, Recovery):
-        raise TypeError(f"recover= takes a mpmd.Recovery(snapshot_every=..., max_failures=...), got {config!r}")
+    if config is None:
+        raise TypeError("recover= takes a mpmd.Recovery(snapshot_every=..., max_failures=...), got None")
+    check_recovery(config)
     mesh.recovery = RecoveryManager(mesh, config, respawn)
     return mesh.recovery
 
@@ -631,9 +638,11 @@ class RecoveryManager:
                     if e.killed:  # its process was killed as it started (not: never ready in time, or refused to start)
                         raise _ReplacementDied(i, e) from e
                     if e.timed_out:  # (the message named no setting: a probe)
-                        raise ActorStartError(f"no replacement for actor {i} was ready within Recovery(spawn_timeout="
-                                              f"{self.config.spawn_timeout:g}) seconds (raise it if its daemons start "
-                                              f"slower): {e}") from e
+                        said = ActorStartError(f"no replacement for actor {i} was ready within Recovery(spawn_timeout="
+                                               f"{self.config.spawn_timeout:g}) seconds (raise it if its daemons start "
+                                               f"slower): {e}")
+                        said.timed_out = True
+                        raise said from e
                     raise
                 waiting.discard(i)  # a new actor from here: if it dies joining, that is one more lost actor
                 mesh.replace_actor(i, address, process, key[0] if key else None)

@@ -249,10 +249,9 @@ class LocalProcess:
 
     def stacks(self) -> str:
         """Ask the daemon to dump every thread's stack (SIGUSR1, see actors/daemon.py) and return it, or say why not."""
-        state = _process_state(self.proc.pid)
-        if state == "T" or state == "t":
-            return (f"(none: its process (pid {self.proc.pid}) is stopped — SIGSTOP, or a debugger holds it — and a stopped "
-                    f"process cannot write its stacks; `kill -CONT {self.proc.pid}` resumes it)")
+        stopped = said_stopped(self.proc.pid)
+        if stopped:
+            return stopped
         try:
             start = os.path.getsize(self.log_path)
             os.kill(self.proc.pid, signal.SIGUSR1)
@@ -263,7 +262,7 @@ class LocalProcess:
         except OSError as e:
             return f"(could not dump its stacks: {e})"
         if not dump.strip():
-            return f"(none: it wrote nothing within 0.3 s of SIGUSR1; process state {state or 'unknown'})"
+            return f"(none: it wrote nothing within 0.3 s of SIGUSR1; process state {_process_state(self.proc.pid) or 'unknown'})"
         return dump + (f"\nits log before that:\n{before}" if before.strip() else "")
 
     def stop(self, timeout: float = 3.0) -> None:
@@ -287,6 +286,15 @@ def remove_shared_memory(pid: int) -> int:
         except OSError:
             pass
     return n
+
+
+def said_stopped(pid: int) -> str:
+    """'(none: its process ... is stopped ...)' when process `pid` (here) is stopped, else '': a stopped process cannot
+    write its stacks (asked for them, it wrote nothing, said as if it had nothing to say: a probe on Ray)."""
+    if _process_state(pid) in ("T", "t"):
+        return (f"(none: its process (pid {pid}) is stopped — SIGSTOP, or a debugger holds it — and a stopped "
+                f"process cannot write its stacks; `kill -CONT {pid}` resumes it)")
+    return ""
 
 
 def _process_state(pid: int) -> str | None:

@@ -46,7 +46,7 @@ from typing import Any
 
 from mpmd.errors import ActorStartError, MpmdError
 from mpmd.runtime.arguments import check_count, check_seconds
-from mpmd.runtime.launch.local import LOG_LEVELS, default_cache_dir, describe_exit, remove_shared_memory, terminate
+from mpmd.runtime.launch.local import LOG_LEVELS, default_cache_dir, describe_exit, remove_shared_memory, said_stopped, terminate
 from mpmd.runtime.launch.rendezvous import ActorFacts, check_compatible
 from transport.auth import ClientKeys, KeyPair
 from transport.rendezvous import process_running
@@ -179,6 +179,9 @@ class DaemonHost:
         """Every thread's stack of the daemon (SIGUSR1 makes it write them to its stderr)."""
         if self.proc is None or self.proc.poll() is not None:
             return "(none: its daemon is not running)"
+        stopped = said_stopped(self.proc.pid)
+        if stopped:
+            return stopped
         start = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
         os.kill(self.proc.pid, signal.SIGUSR1)
         time.sleep(0.3)
@@ -501,6 +504,9 @@ def connect(cls: Any, num_actors: int, devices_per_actor: int = 1, resources_per
     if unknown:
         raise TypeError(f"RemoteMesh.ray got unexpected keyword argument(s) {', '.join(unknown)} (checked before any daemon "
                         f"starts); besides its launch options it takes RemoteMesh's: {', '.join(n for n in params if n not in taken)}")
+    if runtime_env is not None and not isinstance(runtime_env, Mapping):  # (a bare ValueError from dict(): a probe)
+        raise TypeError(f"runtime_env must be a dict of Ray's runtime environment (e.g. {{'pip': [...], 'env_vars': {{...}}}}), "
+                        f"got {type(runtime_env).__name__} {runtime_env!r:.40}")
     if kwargs.get("transport") == "nccl" and platform == "cpu":  # (refused by the daemons only after they started)
         raise ValueError("transport='nccl' needs GPU actors: pass platform='gpu' (or 'auto' on a cluster with GPUs)")
     launch = start(num_actors, devices_per_actor, resources_per_actor, placement_strategy, platform=platform,

@@ -402,6 +402,8 @@ def connect(cls: Any, where: str | os.PathLike[str], num_actors: int, *, timeout
     directory rendezvous only), a lost actor is replaced by the next daemon that announces itself under its id."""
     if isinstance(where, Path):
         where = str(where)
+    if isinstance(where, str) and not where.strip():  # (it waited on the working directory: a probe)
+        raise ValueError("from_rendezvous needs where=: a directory every node sees, or tcp://HOST:PORT; got ''")
     wrong = other_scheme(where)
     if wrong:
         raise ValueError(wrong)
@@ -420,17 +422,34 @@ def connect(cls: Any, where: str | os.PathLike[str], num_actors: int, *, timeout
     if recover is not None and is_tcp(where):
         raise ValueError("recover= needs a rendezvous directory: replacements announced at a tcp:// rendezvous are not "
                          "served after the mesh is made (use a directory every node sees)")
+    if recover is not None:  # (before the wait, as the keys: said after the whole timeout, or after the daemons stopped)
+        from mpmd.runtime.recovery import check_recovery
+
+        check_recovery(recover)
+    if keys is not None and not isinstance(keys, ClientKeys):
+        _pair_of(keys)
     arrivals = gather(where, num_actors, timeout, keys)
     check_compatible([facts_of(a) for a in arrivals], platform)
     ckeys = client_keys(keys, arrivals)
     owned = [RendezvousDaemon(a) for a in arrivals] if shutdown_on_close else []
     log.info("connecting to %d actors from the rendezvous %s: %s", num_actors, where, ", ".join(a.describe() for a in arrivals))
-    mesh = cls([a.endpoint for a in arrivals], owned, keys=ckeys, **kwargs)
-    wrong = [f"actor {a.actor_id}'s endpoint {a.endpoint} is served by a daemon that says it is actor "
-             f"{info.header.get('actor_id')}" for a, info in zip(arrivals, mesh.infos) if info.header.get("actor_id") != a.actor_id]
-    if wrong:
+    # The mesh owns the daemons (stops them as it closes) only once it is made and checked: a mistake of the caller's
+    # (mesh_shape the daemons' devices cannot hold, a bad recover=) stopped every daemon and emptied the rendezvous, so
+    # that the corrected call waited for daemons that were gone (a probe). Until then a failure ends its session only.
+    mesh = cls([a.endpoint for a in arrivals], [], keys=ckeys, **kwargs)
+    try:
+        wrong = [f"actor {a.actor_id}'s endpoint {a.endpoint} is served by a daemon that says it is actor "
+                 f"{info.header.get('actor_id')}" for a, info in zip(arrivals, mesh.infos) if info.header.get("actor_id") != a.actor_id]
+        if wrong:
+            raise RendezvousError("; ".join(wrong) + ": the rendezvous holds records that do not match their daemons")
+        if recover is not None:
+            from mpmd.runtime.recovery import enable_recovery
+
+            enable_recovery(mesh, recover, Reannouncement(str(where), list(arrivals), platform, shutdown_on_close).respawn)
+    except BaseException:
         mesh.close()
-        raise RendezvousError("; ".join(wrong) + ": the rendezvous holds records that do not match their daemons")
+        raise
+    mesh.own_daemons(owned)
     shared = [a.actor_id for a, info in zip(arrivals, mesh.infos) if (info.header.get("sessions") or 0) > 1]
     if shared:  # (they stay up when this mesh closes: only its own session goes)
         log.warning("the daemons of actors %s at the rendezvous %s already serve another controller's session (another job "
@@ -438,14 +457,6 @@ def connect(cls: Any, where: str | os.PathLike[str], num_actors: int, *, timeout
                     "this mesh shares them, and closing it stops them only once that other session closes or expires "
                     "(mpmd-actor --session-timeout). Give each job a directory of its own",
                     shared, where)
-    if recover is not None:
-        from mpmd.runtime.recovery import enable_recovery
-
-        try:
-            enable_recovery(mesh, recover, Reannouncement(str(where), list(arrivals), platform, shutdown_on_close).respawn)
-        except BaseException:
-            mesh.close()
-            raise
     return mesh
 
 
