@@ -91,14 +91,18 @@ def accumulate_grads(fn: Callable[[Any], tuple[Any, Any]], batch: Any, schedule:
 def _check_returned(out: tuple[Any, Any], fn: Lifted) -> None:
     """A PipelineError naming the leaf of (grads, aux) that is no array or number (a str in the aux failed as JAX's
     'function flat_fn at mpmd/api.py:95 ... returned a value of type str at output component [3]': a probe)."""
-    for path, x in jax.tree_util.tree_flatten_with_path(out)[0]:
-        if not (isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex)) or hasattr(x, "__jax_array__")):
-            name = getattr(getattr(fn, "fn", None), "__name__", "the function")
-            where = ("grads" if path[0].idx == 0 else "aux") + jax.tree_util.keystr(path[1:])
-            name = f" ({name})" if name not in ("<lambda>", "the function") else ""
-            raise PipelineError(f"the function given to accumulate_grads{name} returned {x!r:.60} ({type(x).__name__}) at {where}: "
-                                "it returns (grads, aux), pytrees of arrays and numbers (as a function under jax.jit "
-                                "does); return it some other way, or compute it from arrays")
+    for part, tree in (("grads", out[0]), ("aux", out[1])):
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if not (isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex)) or hasattr(x, "__jax_array__")):
+                _refuse_returned(fn, f"{part}{jax.tree_util.keystr(path)}", x)
+
+
+def _refuse_returned(fn: Lifted, where: str, x: Any) -> None:
+    name = getattr(getattr(fn, "fn", None), "__name__", "the function")
+    name = f" ({name})" if name not in ("<lambda>", "the function") else ""
+    raise PipelineError(f"the function given to accumulate_grads{name} returned {x!r:.60} ({type(x).__name__}) at {where}: "
+                        "it returns (grads, aux), pytrees of arrays and numbers (as a function under jax.jit does); return "
+                        "it some other way, or compute it from arrays")
 
 
 def _trace_body(fn: Lifted, treedef: Any, mb_specs: list[Any], out_tree: list[Any]) -> ClosedJaxpr:

@@ -76,6 +76,8 @@ class Candidate:
     peak_bytes: tuple[int, ...] = ()
     rejected: str = ""
     measured: float | None = None
+    twin_of: Candidate | None = field(default=None, repr=False, compare=False)  # the candidate it is with fuse=False
+    # (made by `calibrate`: predicted as that one, measured apart)
 
     @property
     def name(self) -> str:
@@ -215,7 +217,8 @@ class TuneResult(ShallowCopyOnly):
         lands on several candidates rather than on one; one candidate's state is on the actors at a time."""
         _check_counts("TuneResult.verify", k=(k, 1), steps=(steps, 1), warmup=(warmup, 0), rounds=(rounds, 1))
         winner = self.best  # (with no feasible candidate: the MpmdError saying why, as `best` and `step` raise)
-        out = ([winner] + [c for c in self.feasible if c is not winner])[:k]
+        # (the winner's twin, when it is the winner's, beside it; other twins have their own measured already)
+        out = ([winner] + [c for c in self.feasible if c is not winner and (c.twin_of is None or c.twin_of is winner)])[:k]
         times = measure_interleaved([(self._measured_step(c), self._args_for(c)) for c in out],
                                     self.batch_argnum, steps, warmup, rounds)
         for c, t in zip(out, times):
@@ -286,11 +289,11 @@ class TuneResult(ShallowCopyOnly):
             return None
         for other in self.candidates:
             if other.schedule == twin and other.num_microbatches == c.num_microbatches:
-                return other
+                return other if not other.rejected else None  # (one given, and rejected: not run)
         outer, _ = self._measured_step(c).trace(*self._args_for(c))  # (the plan only: nothing compiled)
         if not plan_step(outer, len(self.base.mesh)).merges_tasks:
             return None
-        return Candidate(twin, c.num_microbatches, c.grouping, c.predicted, c.bubble, c.peak_bytes)
+        return Candidate(twin, c.num_microbatches, c.grouping, c.predicted, c.bubble, c.peak_bytes, twin_of=c)
 
     def calibration_candidates(self, top: int = 3) -> list[Candidate]:
         """The `top` candidates `calibrate` runs, in predicted order: the predicted winner; then the best predicted of
@@ -299,7 +302,7 @@ class TuneResult(ShallowCopyOnly):
         simulator that grows or shrinks with the count — the compute of a smaller microbatch, the runtime's cost per
         task — went unmeasured, and the winner was chosen among candidates the error moved alike (GPT, 2026-12-05:
         the top three all at m=2, predicted 169-172 ms; m=4 measured 128 against their 137-160)."""
-        feasible = self.feasible
+        feasible = [c for c in self.feasible if c.twin_of is None]  # (a twin is run beside its own, not in its place)
         if not feasible:
             return []
         picked, counts = [feasible[0]], {feasible[0].num_microbatches}

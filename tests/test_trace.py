@@ -336,6 +336,10 @@ def test_the_lead_and_bubble_of_a_step_queued_behind_earlier_ones_leave_out_thei
     assert fit_costs(t, 2, step=1).lead == pytest.approx(1.0)  # (from 1.5, when actor 0 was done with step 0; was 2.4)
     # the window 0.1-4.5; actor 0 on step 0 until 1.5, computing 1 s of the 3 left; actor 1 until 2.5, 1 s of 2 left
     assert measured_bubbles(t, 1) == pytest.approx({0: 2 / 3, 1: 0.5})  # (was 1 - 1 / 4.4 on both)
+    # steps that do not depend on each other interleave: an earlier step's Run ending after this one's first is no wait
+    t.steps = [step(0, 0.0, 0.5), step(1, 0.1, 2.5)]
+    t.steps[0][0].runs.append(RunSpan("0B0", 4.0, 4.0, 4.0, 5.0))
+    assert fit_costs(t, 2, step=1).lead == pytest.approx(1.0)  # (not 0: from 1.5 still)
 
 
 def test_fit_costs_fits_non_negative_costs_that_best_explain_the_runs():

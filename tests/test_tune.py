@@ -216,14 +216,40 @@ def test_calibration_also_measures_the_winner_with_its_tasks_apart_and_keeps_the
     assert f"winner: {r.best.name} m=4" in r.table()
 
 
-def test_a_winner_whose_plan_merges_no_tasks_gets_no_twin(monkeypatch):
+def test_a_winner_whose_plan_merges_no_tasks_or_that_fuses_nothing_gets_no_twin(monkeypatch):
     from mpmd import tuning
+    from mpmd.compiler.plan import StepPlan
 
-    r = tuned(microbatches=[4], schedules=[mpmd.OneFOneB(2, fuse=False)])
     calls = []
     monkeypatch.setattr(tuning, "_timed_round", lambda step, *a: calls.append(step.schedule) or 1e-3)
+    r = tuned(microbatches=[4], schedules=[mpmd.OneFOneB(2, fuse=False)])
     r.calibrate(warmup=1, rounds=1, top=1)
-    assert len(calls) == 1 and not any(c.schedule.fuse for c in r.candidates)
+    assert calls == [r.feasible[0].schedule] and len(r.candidates) == len(tuned(microbatches=[4], schedules=[mpmd.OneFOneB(2)]).candidates)
+    calls.clear()
+    monkeypatch.setattr(StepPlan, "merges_tasks", property(lambda self: False))  # (a plan in which every task is a Run)
+    r = tuned(microbatches=[4], schedules=["OneFOneB"])
+    n = len(r.candidates)
+    r.calibrate(warmup=1, rounds=1, top=1)
+    assert calls == [r.feasible[0].schedule] and r.feasible[0].schedule.fuse and len(r.candidates) == n
+
+
+def test_a_second_calibration_runs_the_same_candidates_and_the_twin_beside_them_not_in_their_place(monkeypatch):
+    """After a first calibrate the twin sits second, with the winner's prediction: the second one's top three took it
+    in place of the next candidate, and its ratio counted the winner's schedule twice in the factor (a review)."""
+    from mpmd import tuning
+
+    r = tuned(microbatches=[2, 4])
+    monkeypatch.setattr(tuning, "_timed_round", lambda step, *a: 1e-3)
+    top = r.calibration_candidates(3)
+    r.calibrate(warmup=1, rounds=1)
+    twins = [c for c in r.candidates if c.twin_of is not None]
+    assert [t.twin_of for t in twins] == [top[0]]
+    assert r.calibration_candidates(3) == top
+    calls = []
+    monkeypatch.setattr(tuning, "_timed_round", lambda step, *a: calls.append(step.schedule) or 1e-3)
+    r.calibrate(warmup=1, rounds=1)
+    assert calls == [c.schedule for c in top] + [twins[0].schedule]
+    assert [c for c in r.candidates if c.twin_of is not None] == twins  # (not a second one)
 
 
 def test_calibration_measures_the_best_of_other_microbatch_counts_predicted_near_the_winner():

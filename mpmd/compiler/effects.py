@@ -172,23 +172,26 @@ def run_host_call(call: HostCall, operands: Sequence[Any]) -> str:
     return out.getvalue()
 
 
-class _ByThread(io.TextIOBase):
+class _ByThread:
     """sys.stdout while callbacks run: what a thread running one writes goes to its buffer, what any other thread
     writes to the stream it replaced, at once (contextlib.redirect_stdout took every thread's prints: a server's
-    own log lines came out 2 s late, each prefixed as the callback's: a probe)."""
+    own log lines came out 2 s late, each prefixed as the callback's: a probe). Everything else (encoding, isatty,
+    fileno, ...) is the stream's; with no stream (sys.stdout None) other threads' writes go nowhere, as before."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
 
     def write(self, text: str) -> int:
         buf = _CAPTURES.get(threading.get_ident())
-        return (buf if buf is not None else self.inner).write(text)
+        if buf is not None:
+            return buf.write(text)
+        return self.inner.write(text) if self.inner is not None else len(text)
 
     def flush(self) -> None:
-        if threading.get_ident() not in _CAPTURES:
+        if threading.get_ident() not in _CAPTURES and self.inner is not None:
             self.inner.flush()
 
-    def __getattr__(self, name: str) -> Any:  # (encoding, isatty, fileno, ...: the stream's)
+    def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
 
@@ -204,12 +207,16 @@ def _stdout_of_this_thread(out: io.StringIO) -> Any:
     with _CAPTURING:
         if not isinstance(sys.stdout, _ByThread):
             sys.stdout = _ByThread(sys.stdout)
+        outer = _CAPTURES.get(me)  # (a capture inside one on the same thread: the outer one's again after it)
         _CAPTURES[me] = out
     try:
         yield out
     finally:
         with _CAPTURING:
-            _CAPTURES.pop(me, None)
+            if outer is not None:
+                _CAPTURES[me] = outer
+            else:
+                _CAPTURES.pop(me, None)
             if not _CAPTURES and isinstance(sys.stdout, _ByThread):
                 sys.stdout = sys.stdout.inner
 

@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from mpmd.errors import MpmdError
-from mpmd.observe.trace import Trace
+from mpmd.observe.trace import Trace, entered_off_loop
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,10 @@ class ProfileContext:
             raise MpmdError(f"mesh.profile: cannot make the profile directory {self.logdir}: {e}") from None
         wait = getattr(self.mesh, "wait_steps_in_flight", None)  # (before the actors' profilers start: the steps
         if wait is not None:  # dispatched before the block are not the profile's; a review)
-            wait()
+            from mpmd.runtime.controller import blocking
+
+            with blocking("entering mesh.profile()"):
+                wait()
         started: list[int] = []
 
         async def start(i: int) -> None:
@@ -95,8 +98,14 @@ class ProfileContext:
 
     async def __aenter__(self) -> ProfileContext:
         """`async with mesh.profile(dir):` — starting (after the steps in flight) in a worker thread, off the
-        caller's event loop, as `async with mesh.trace()`."""
-        return await asyncio.to_thread(self.__enter__)
+        caller's event loop, as `async with mesh.trace()`; cancelled, what it started stops once it has."""
+        return await entered_off_loop(self.__enter__, self._abandon)
+
+    def _abandon(self) -> None:
+        """Undo an entry whose caller is gone (its await cancelled): no trace left on, the profilers stopped, no files."""
+        if self._trace_ctx is not None:
+            self._trace_ctx._leave()
+        self._stop(list(range(len(self.mesh.addresses))), keep=False)
 
     async def __aexit__(self, *exc: object) -> None:
         await asyncio.to_thread(self.__exit__, *exc)

@@ -378,8 +378,14 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
     # the lead counts from then (it took in their queue: 30 ms for the 8th of 8 steps of 7 ms; a probe).
     w0, w1 = trace.window(step)
     runs = [r for x in steps.values() for r in x.runs]
-    queued = trace.queued_until(step)
-    lead = max(0.0, min(x.runs[0].start - max(w0, queued[a] or w0) for a, x in steps.items() if x.runs) - gap) if runs else 0.0
+    # (the last of their Runs ending before this step's first: steps that do not depend on each other interleave, and
+    # one ending after that left no lead at all; a review)
+    at = step % len(trace.steps)
+
+    def free_from(a: int, first: float) -> float:
+        return max([w0, *(r.end for s in trace.steps[:at] if a in s for r in s[a].runs if r.end <= first)])
+
+    lead = max(0.0, min(x.runs[0].start - free_from(a, x.runs[0].start) for a, x in steps.items() if x.runs) - gap) if runs else 0.0
     tail = max(0.0, w1 - max(r.end for r in runs)) if runs else 0.0
     # The distributions the Monte Carlo simulator draws from: every single-task Run's duration, every gap.
     task_samples: dict[tuple[int, str], list[float]] = {}
@@ -563,33 +569,62 @@ class TraceContext:
     def _enter(self) -> Trace:
         from mpmd.errors import MpmdError
 
-        if self.mesh.active_trace is not None:
-            raise MpmdError("this mesh is already tracing; nest no mesh.trace() blocks")
-        # Steps dispatched before the block end first: the actors' time on them read as the traced step "waiting for
-        # data" (86 of a 94 ms window, behind 6 untraced steps in flight; a probe).
-        wait = getattr(self.mesh, "wait_steps_in_flight", None)
-        if wait is not None:
-            wait()
-        self.mesh.measure_clock_offsets()
-        self.mesh.active_trace = self.trace
+        with _CLAIMING:  # (claimed before the wait: two tasks entering at once both traced, each clearing the other's)
+            if self.mesh.active_trace is not None or getattr(self.mesh, "trace_claimed", None) is not None:
+                raise MpmdError("this mesh is already tracing; nest no mesh.trace() blocks")
+            self.mesh.trace_claimed = self
+        try:
+            # Steps dispatched before the block end first: the actors' time on them read as the traced step "waiting
+            # for data" (86 of a 94 ms window, behind 6 untraced steps in flight; a probe).
+            wait = getattr(self.mesh, "wait_steps_in_flight", None)
+            if wait is not None:
+                wait()
+            self.mesh.measure_clock_offsets()
+            self.mesh.active_trace = self.trace
+        finally:
+            self.mesh.trace_claimed = None
         return self.trace
+
+    def _leave(self) -> None:
+        with _CLAIMING:
+            if self.mesh.active_trace is self.trace:  # (only its own)
+                self.mesh.active_trace = None
 
     def __exit__(self, *exc: object) -> None:
         from mpmd.runtime.controller import blocking
 
-        self.mesh.active_trace = None
+        self._leave()
         with blocking("leaving mesh.trace()"):
             self.trace.wait()
 
     async def __aenter__(self) -> Trace:
         """`async with mesh.trace() as t:` — the waits for steps in flight and the clock measurement in a worker
         thread: `with` held the caller's loop 5.6 s behind three slow steps, silently (a probe)."""
-        import asyncio
-
-        return await asyncio.to_thread(self._enter)
+        return await entered_off_loop(self._enter, self._leave)
 
     async def __aexit__(self, *exc: object) -> None:
         import asyncio
 
-        self.mesh.active_trace = None
+        self._leave()
         await asyncio.to_thread(self.trace.wait)
+
+
+_CLAIMING = threading.Lock()
+
+
+async def entered_off_loop(enter: Any, undo: Any) -> Any:
+    """`enter()` in a worker thread, awaited; when the await is cancelled (a timeout) while it runs on, `undo()` once it
+    has entered: the block the caller left never exits (a cancelled `async with mesh.trace()` left the mesh tracing
+    for good, every later step recorded into a trace nobody read: a review)."""
+    import asyncio
+
+    task = asyncio.ensure_future(asyncio.to_thread(enter))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        def entered(t: Any) -> None:
+            if not t.cancelled() and t.exception() is None:
+                threading.Thread(target=undo, name="mpmd-trace-undo", daemon=True).start()
+
+        task.add_done_callback(entered)
+        raise

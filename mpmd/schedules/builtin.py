@@ -143,7 +143,7 @@ class Schedule:
     where that delays nothing (e.g. the last stage's F and B of a microbatch in 1F1B): one dispatch instead of
     several, and XLA compiles the merged tasks as one program, which may run faster or slower than the tasks apart
     (measured on CPU, 2026-12-06: a stage ending in an 8192-word softmax head, F+B 25 % slower merged; MLP and conv
-    stages 5-15 % faster). `mpmd.tune` measures its winner both ways."""
+    stages 5-15 % faster). `mpmd.tune`, calibrating, measures its winner both ways when its plan merges tasks."""
 
     num_stages: int
     balance: object = field(default=None, kw_only=True, repr=False)
