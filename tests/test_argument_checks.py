@@ -393,3 +393,13 @@ def test_a_misspelt_keyword_to_remote_mesh_local_is_refused_before_any_daemon_st
 
     with pytest.raises(AssertionError, match="a daemon was started"):
         Tagged.local(num_actors=1, heartbeat_timeout=30.0)
+
+
+def test_a_ray_placement_error_lists_the_clusters_resources_without_rays_own():
+    """The placement error listed Ray's CPU_group_<id> / CPU_group_0_<id> resources of earlier placement groups beside
+    the cluster's own (a probe)."""
+    from mpmd.runtime.launch.ray import _fmt
+
+    got = _fmt({"CPU": 4.0, "GPU": 1.0, "memory": 2e9, "node:10.0.0.1": 1.0, "object_store_memory": 1e9,
+                "CPU_group_0_ab12": 1.0, "CPU_group_ab12": 2.0, "bundle_group_ab12": 1000.0})
+    assert got == "{CPU: 4, GPU: 1, memory: 2e+09}"

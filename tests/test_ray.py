@@ -143,6 +143,14 @@ def test_a_daemon_directory_whose_ray_worker_and_daemon_are_gone_is_swept_by_the
             open(os.path.join(d, "actor0.log"), "w").close()
         sweep_stale_dirs()
         assert not os.path.exists(stale) and os.path.exists(live) and os.path.exists(unrecorded)
+        # a surviving sibling's stop sweeps too: closing a mesh after ray.kill left them until the next mesh (a probe)
+        from mpmd.runtime.launch.ray import DaemonHost
+
+        stale = tempfile.mkdtemp(prefix="mpmd-ray-")
+        with open(os.path.join(stale, OWNERS), "w") as f:
+            f.write(" ".join(map(str, gone)) + "\n")
+        DaemonHost().stop()
+        assert not os.path.exists(stale) and os.path.exists(live)
     finally:
         import shutil
 

@@ -158,7 +158,8 @@ class DaemonHost:
                 except subprocess.TimeoutExpired:
                     pass
             why = describe_exit(self.proc.returncode) if self.proc.poll() is not None else "did not report ready in time"
-            raise RuntimeError(f"its daemon {why}; its stderr:\n{self._tail(2000)}")
+            tail = self._tail(2000).strip()
+            raise RuntimeError(f"its daemon {why}" + (f"; its stderr:\n{tail}" if tail else " (its stderr is empty)"))
         return text.split()[1]
 
     def _tail(self, n: int) -> str:
@@ -197,6 +198,7 @@ class DaemonHost:
             remove_shared_memory(self.proc.pid)
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)
+        sweep_stale_dirs()  # (those of siblings killed on this node: left until the next mesh started here; a probe)
 
 
 class RayGroup:
@@ -487,7 +489,8 @@ def _check_ray_address(address: str, timeout: float = 5.0) -> None:
 
 
 def _fmt(resources: Mapping[str, float]) -> str:
-    shown = {k: v for k, v in resources.items() if not k.startswith("node:") and k != "object_store_memory"}
+    shown = {k: v for k, v in resources.items()  # (not Ray's own: a node's, the placement groups' CPU_group_<id>: a probe)
+             if not k.startswith("node:") and k != "object_store_memory" and "_group_" not in k}
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(shown.items())) + "}"
 
 
