@@ -708,6 +708,18 @@ def test_a_step_future_cancelled_when_the_controller_loop_stops_is_seen_settled_
     assert time.monotonic() - t < 1
 
 
+def _with_callback(callback):
+    """A 2-stage step (grads, losses) whose losses go to `callback` on the controller; its parameters and batch."""
+    def step(params, batch):
+        g, losses = mpmd.accumulate_grads(lambda mb: jax.value_and_grad(mse_loss(mlp))(params, mb)[::-1], batch,
+                                          schedule=mpmd.OneFOneB(2))
+        jax.debug.callback(callback, losses)
+        return g, losses
+
+    rng = np.random.default_rng(0)
+    return step, mlp_params(rng, 2, 16, 16), regression_batch(rng, 4, 2, 16)
+
+
 async def test_fetch_async_returns_a_steps_values_after_its_host_callbacks_ran_as_fetch_does():
     """mpmd.fetch waits for a step's callbacks before any of its values is seen (its prints come first); fetch_async
     returned the values while a 0.4 s jax.debug.callback still ran on the controller (a probe)."""
@@ -717,14 +729,7 @@ async def test_fetch_async_returns_a_steps_values_after_its_host_callbacks_ran_a
         time.sleep(0.4)
         ran.append(np.asarray(x))
 
-    def step(params, batch):
-        g, losses = mpmd.accumulate_grads(lambda mb: jax.value_and_grad(mse_loss(mlp))(params, mb)[::-1], batch,
-                                          schedule=mpmd.OneFOneB(2))
-        jax.debug.callback(sink, losses)
-        return g, losses
-
-    rng = np.random.default_rng(0)
-    params, batch = mlp_params(rng, 2, 16, 16), regression_batch(rng, 4, 2, 16)
+    step, params, batch = _with_callback(sink)
     async with await mpmd.RemoteMesh.local_async(num_actors=2) as mesh:
         dist = mpmd.distributed(step, mesh=mesh)
         for _ in range(2):
@@ -740,17 +745,7 @@ async def test_async_with_mesh_trace_waits_for_the_steps_in_flight_off_the_calle
     worker thread; the trace holds the step traced inside, and only it. Two blocks entering at once: the second is
     refused (both traced, each clearing the other's trace: a review); one whose await is cancelled while it waits
     leaves the mesh not tracing once it would have entered (it stayed tracing for good: a review)."""
-    def slow(x):
-        time.sleep(1.0)
-
-    def step(params, batch):
-        g, losses = mpmd.accumulate_grads(lambda mb: jax.value_and_grad(mse_loss(mlp))(params, mb)[::-1], batch,
-                                          schedule=mpmd.OneFOneB(2))
-        jax.debug.callback(slow, losses)
-        return g, losses
-
-    rng = np.random.default_rng(0)
-    params, batch = mlp_params(rng, 2, 16, 16), regression_batch(rng, 4, 2, 16)
+    step, params, batch = _with_callback(lambda x: time.sleep(1.0))
     want = jax.jit(lambda p, b: mpmd.accumulate_grads(lambda mb: jax.value_and_grad(mse_loss(mlp))(p, mb)[::-1], b))(params, batch)
     quiet = Ticker()  # what this machine alone does to a 10 ms ticker
     async with quiet:
