@@ -7,6 +7,7 @@ import functools
 import re
 import sys
 import threading
+import time
 
 import flax.linen as nn
 import jax
@@ -1736,3 +1737,42 @@ def test_a_microbatch_function_returning_a_string_is_told_which_leaf(mesh2):
 
     with pytest.raises(PipelineError, match=r"accumulate_grads \(named\) returned <PjitFunction.*at grads\['w'\]"):
         mpmd.distributed(lambda p, b: mpmd.accumulate_grads(named, b, schedule=mpmd.OneFOneB(2)), mesh=mesh2)(mlp2(rng), batch_of(rng))
+
+
+def test_a_slow_callback_leaves_the_meshs_other_requests_answered_while_it_runs(mesh2):
+    """Callbacks ran on the controller loop: a 2 s one held every request of the mesh (another thread's stats, the
+    heartbeats, other steps) until it returned (a probe). They run in a worker thread now, still in order."""
+    started, order = threading.Event(), []
+
+    def slow(x):
+        order.append("slow")
+        started.set()
+        time.sleep(2.0)
+
+    def step(p, b):
+        g, losses = mpmd.accumulate_grads(lambda mb: jax.value_and_grad(_mse)(p, mb)[::-1], b, schedule=mpmd.OneFOneB(2))
+        jax.debug.callback(slow, losses)
+        jax.debug.callback(lambda x: order.append("next"), losses)
+        return losses
+
+    answered = []
+
+    def ask():
+        assert started.wait(60)
+        t = time.perf_counter()
+        mesh2.actor(1).stats()
+        answered.append(time.perf_counter() - t)
+
+    rng = np.random.default_rng(0)
+    params, batch = mlp2(rng), batch_of(rng)
+    other = threading.Thread(target=ask)
+    other.start()
+    got = mpmd.fetch(mpmd.distributed(step, mesh=mesh2)(params, batch))
+    other.join()
+    assert answered[0] < 1.0, answered  # (it waited out the callback: ~2 s)
+    assert order == ["slow", "next"]
+    np.testing.assert_array_equal(got, jax.jit(step)(params, batch))
+
+
+def _mse(p, mb):
+    return jnp.mean((mpmd.pipeline_yield(jnp.tanh(mb["x"] @ p[0]["w"])) @ p[1]["w"] - mb["y"]) ** 2)

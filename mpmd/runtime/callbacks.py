@@ -18,7 +18,7 @@ from mpmd.runtime.array import RemoteArray
 
 async def run_host_calls(mesh: Any, calls: Sequence[HostCall], hidden: Sequence[Any]) -> None:
     """Fetch `hidden` (RemoteArrays of this step, or host values) and run `calls` (sorted by actor and program
-    order) on them, on the controller loop. Output goes to the current `sys.stdout`."""
+    order) on them, in a worker thread, one after another. Output goes to the current `sys.stdout`."""
     values: list[Any] = [x if isinstance(x, RemoteArray) else host_value(x) for x in hidden]
     wanted: dict[int, list[int]] = defaultdict(list)
     where: dict[int, tuple[int, int]] = {}
@@ -32,9 +32,16 @@ async def run_host_calls(mesh: Any, calls: Sequence[HostCall], hidden: Sequence[
     arrays = {a: r.arrays for a, r in zip(actors, replies)}
     for j, (a, i) in where.items():
         values[j] = from_wire(arrays[a][i], hidden[j].dtype)
-    for call in calls:
-        operands = [op[1] if op[0] == "const" else values[op[1]] if op[2] is None else values[op[1]][op[2]] for op in call.operands]
-        text = run_host_call(call, operands)
-        if text:
-            sys.stdout.write(prefixed(call, text))
-    sys.stdout.flush()
+
+    def run_all() -> None:
+        for call in calls:
+            operands = [op[1] if op[0] == "const" else values[op[1]] if op[2] is None else values[op[1]][op[2]]
+                        for op in call.operands]
+            text = run_host_call(call, operands)
+            if text:
+                sys.stdout.write(prefixed(call, text))
+        sys.stdout.flush()
+
+    # In a worker thread, in order (awaited here, and the next step's after this one's): on the controller loop a slow
+    # callback held every request of the mesh, heartbeats and other steps included, until it returned (a probe).
+    await asyncio.to_thread(run_all)
