@@ -81,7 +81,12 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        return repr(self.schedule)  # (with its balance and remat)
+        """The schedule's repr with its balance, remat and fuse (a subclass's own dataclass repr leaves them out: its
+        fuse=False twin read as the candidate itself; a probe)."""
+        shown, tail = repr(self.schedule), builtin.options_tail(self.schedule)
+        if tail and tail not in shown:
+            shown = shown[:-1] + tail + ")" if shown.endswith(")") else shown + tail
+        return shown
 
     def row(self, width: int = 50) -> str:
         """The candidate's line of the table, its schedule in a column `width` wide (wider names widen the table)."""
@@ -89,6 +94,8 @@ class Candidate:
         bub = f"{self.bubble:6.3f}" if self.bubble is not None else f"{'-':>6s}"
         peak = f"{max(self.peak_bytes) / 2**20:9.1f}" if self.peak_bytes else f"{'-':>9s}"
         meas = f"{self.measured * 1e3:9.2f}  {self.measured / self.predicted:5.2f}" if self.measured and self.predicted else ""
+        if meas and self.twin_of is not None:  # (predicted as the candidate it twins: the simulator does not see XLA's merge)
+            meas += "  (pred: its merged twin's)"
         grouping = ",".join(map(str, self.grouping))
         return f"{self.name:{width}s} {self.num_microbatches:4d} {grouping:>16s} {pred} {bub} {peak}  {self.rejected or meas}"
 
@@ -284,8 +291,8 @@ class TuneResult(ShallowCopyOnly):
         if getattr(c.schedule, "fuse", False) is not True:
             return None
         try:
-            twin = replace(c.schedule, fuse=False)
-        except (TypeError, ValueError):  # (a schedule class whose fields replace cannot pass back: not tried)
+            twin = remade(c.schedule, fuse=False)
+        except (ScheduleError, ValueError):  # (a schedule class tune cannot re-make: not tried)
             return None
         for other in self.candidates:
             if other.schedule == twin and other.num_microbatches == c.num_microbatches:
@@ -433,7 +440,31 @@ def candidate_schedules(num_actors: int, num_segments: int, virtual_stages: Sequ
 def _with_balance(schedule: Schedule, grouping: tuple[int, ...], remat: tuple[int, ...] = ()) -> Schedule:
     if isinstance(schedule, (builtin.ZeroBubbleV, builtin.DualPipeV)):
         return type(schedule)(schedule.num_actors, balance=grouping, remat=remat, fuse=schedule.fuse)
-    return replace(schedule, balance=grouping, remat=remat)
+    return remade(schedule, balance=grouping, remat=remat)
+
+
+def remade(schedule: Schedule, **options: Any) -> Schedule:
+    """`schedule` with other `balance` / `remat` / `fuse` (`dataclasses.replace`), refused (ScheduleError) when that
+    makes another schedule: a subclass whose own __init__ keeps state outside its dataclass fields came back with
+    that state at its default, its task table another, and tune measured and returned that one without a word (a
+    probe); one whose __init__ takes none of these options failed as 'tracing it raised TypeError'."""
+    how = (f"tune re-makes a schedule with dataclasses.replace(schedule, {', '.join(f'{k}=...' for k in options)}): "
+           f"{type(schedule).__name__}")
+    try:
+        new = replace(schedule, **options)
+    except TypeError as e:
+        raise ScheduleError(f"{how}.__init__ must take num_stages and {', '.join(options)} as keywords, or be a frozen "
+                            f"dataclass ({e})") from None
+    probe = max(getattr(schedule, "min_microbatches", 1), 2 * getattr(schedule, "num_actors", 1))
+    try:
+        same = (new.num_actors == schedule.num_actors and [new.actor_of(s) for s in range(new.num_stages)]
+                == [schedule.actor_of(s) for s in range(schedule.num_stages)] and new.tasks(probe) == schedule.tasks(probe))
+    except Exception:  # noqa: BLE001 - (a table of one count: compared by its own length)
+        same = new.tasks(schedule.min_microbatches) == schedule.tasks(schedule.min_microbatches)
+    if not same:
+        raise ScheduleError(f"{how} came back as another schedule (its stage placement or task table differs): keep "
+                            "everything its tasks depend on in dataclass fields")
+    return new
 
 
 def _size(nbytes: float) -> str:

@@ -876,3 +876,45 @@ def test_tune_says_which_virtual_stages_and_schedules_it_cannot_try_before_measu
         r.best
     first = str(e.value).splitlines()[0]
     assert "memory_limit" not in first and "needs at least 9 microbatches" in first, first
+
+
+def test_a_user_schedule_tune_cannot_re_make_is_rejected_saying_why_and_a_dataclass_one_shows_its_options():
+    """tune re-makes each schedule with dataclasses.replace (its grouping, remat, the fuse=False twin): a subclass with
+    its own __init__ keeping state outside its fields came back with that state at its default, another task table,
+    measured and returned without a word; one whose __init__ takes no balance failed as 'tracing it raised
+    TypeError'; and a dataclass subclass's own repr left fuse=False out, so the twin's row read as the candidate (a
+    probe)."""
+    from dataclasses import dataclass
+
+    from mpmd.schedules import Task, one_f_one_b
+
+    class OwnInit(mpmd.Schedule):
+        def __init__(self, num_stages, extra=0, *, balance=None, remat=(), fuse=True):
+            super().__init__(num_stages, balance=balance, remat=remat, fuse=fuse)
+            object.__setattr__(self, "extra", extra)
+
+        def tasks(self, m):
+            return [one_f_one_b([Task(s, "F", i) for i in range(m)], [[Task(s, "B", i)] for i in range(m)],
+                                min(self.num_stages - s + self.extra, m)) for s in range(self.num_stages)]
+
+    class NoBalance(mpmd.OneFOneB):
+        def __init__(self, p):
+            super().__init__(p)
+
+    r = tuned(microbatches=[4], schedules=[OwnInit(2, extra=1), NoBalance(2), OwnInit(2)])
+    said = {type(c.schedule).__name__ + str(getattr(c.schedule, "extra", "")): c.rejected for c in r.candidates}
+    assert "came back as another schedule" in said["OwnInit1"] and "keep everything its tasks depend on" in said["OwnInit1"]
+    assert "NoBalance.__init__ must take num_stages and balance, remat as keywords" in said["NoBalance"], said
+    assert not said["OwnInit0"]  # (its default: the same table again)
+
+    @dataclass(frozen=True)
+    class LateOneFOneB(mpmd.Schedule):  # (as the schedules module's docstring writes one: its own dataclass repr)
+        def tasks(self, m):
+            return [one_f_one_b([Task(s, "F", i) for i in range(m)], [[Task(s, "B", i)] for i in range(m)],
+                                min(self.num_stages - s + 1, m)) for s in range(self.num_stages)]
+
+    from mpmd.tuning import Candidate
+
+    assert Candidate(LateOneFOneB(2, fuse=False, balance=(1, 1)), 4).name.endswith(
+        "LateOneFOneB(num_stages=2, balance=(1, 1), fuse=False)")  # (a dataclass's repr names a local class by its qualname)
+    assert "fuse" not in Candidate(LateOneFOneB(2), 4).name

@@ -161,7 +161,7 @@ class Schedule:
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)
-        return f"{type(self).__name__}({shown}{_options(self)})"
+        return f"{type(self).__name__}({shown}{options_tail(self)})"
 
     @property
     def num_actors(self) -> int:
@@ -198,7 +198,7 @@ class Schedule:
         raise NotImplementedError(f"{type(self).__name__} must define tasks(num_microbatches)")
 
 
-def _options(schedule: Schedule) -> str:
+def options_tail(schedule: Schedule) -> str:
     """The keyword options that differ from their defaults, as a repr's tail: ", balance=..., remat=(...)"."""
     out = ""
     b = schedule.balance
@@ -417,7 +417,7 @@ class _VShape(Schedule):
         check_fuse(self)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(num_actors={self.num_actors}{_options(self)})"
+        return f"{type(self).__name__}(num_actors={self.num_actors}{options_tail(self)})"
 
     @property
     def num_actors(self) -> int:
@@ -646,7 +646,7 @@ class Custom(Schedule):
         placement = f", stage_actor={self.stage_actor}" if self.stage_actor else ""
         # (a digest of the table: two tables of one shape read apart, e.g. as rows of mpmd.tune's table)
         table = hashlib.sha256(" ".join(",".join(map(str, row)) for row in self.order).encode()).hexdigest()[:6]
-        return f"Custom(num_stages={self.num_stages}, {len(self.order)} actors{placement}, table {table}{_options(self)})"
+        return f"Custom(num_stages={self.num_stages}, {len(self.order)} actors{placement}, table {table}{options_tail(self)})"
 
     @property
     def num_actors(self) -> int:
