@@ -561,7 +561,10 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
             warn.info(kind, "request %s failed: %s", req_id, str(e)[:300])
             try:
                 task = failed_task(e)  # the Run that raised it, if one did
-                await reply(identity.bytes, encode(error_reply(req_id, e, format_exception(e), actor_id=args.actor_id,
+                # (a request refused as given says all in its message: its traceback is the daemon's own lines, which
+                # read as a crash under the refusal: a probe)
+                tb = "" if isinstance(e, RequestError) else format_exception(e)
+                await reply(identity.bytes, encode(error_reply(req_id, e, tb, actor_id=args.actor_id,
                                                                **({"task": task} if task is not None else {}))))
             except Exception:  # an unencodable id or message: say it plainly
                 await reply(identity.bytes, encode({"op": "error", "id": None, "error": "ProtocolError", "message": str(e)[:1000]}))

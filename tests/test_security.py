@@ -167,6 +167,7 @@ def test_a_daemon_without_keys_serves_compile_and_the_shared_ops_only_when_start
     try:
         reply = raw_request(address, {"op": "compile", "id": 1}, arrays=[np.frombuffer(blob, np.uint8)])
         assert reply.op == "error" and "serves 'compile' only to an authenticated controller" in reply.header["message"]
+        assert not reply.header.get("traceback")  # (a refusal: the daemon's own lines read as a crash; a probe)
         assert raw_request(address, {"op": "hello", "id": 2, "session": 7}).op == "reply"
         for op, fields in [("save", {"path": str(tmp_path / "planted"), "bufs": []}), ("restore", {"path": "/etc"}),
                            ("profile", {}), ("connect_peers", {"peers": {}}), ("shutdown", {})]:
