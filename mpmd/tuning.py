@@ -77,7 +77,8 @@ class Candidate:
     rejected: str = ""
     measured: float | None = None
     twin_of: Candidate | None = field(default=None, repr=False, compare=False)  # the candidate it is with fuse=False
-    # (made by `calibrate`: predicted as that one, measured apart)
+    # (made by `calibrate` for its predicted winner, and measured beside it)
+    borrowed: bool = field(default=False, repr=False, compare=False)  # its prediction is its twin's (no costs to simulate it)
 
     @property
     def name(self) -> str:
@@ -94,7 +95,7 @@ class Candidate:
         bub = f"{self.bubble:6.3f}" if self.bubble is not None else f"{'-':>6s}"
         peak = f"{max(self.peak_bytes) / 2**20:9.1f}" if self.peak_bytes else f"{'-':>9s}"
         meas = f"{self.measured * 1e3:9.2f}  {self.measured / self.predicted:5.2f}" if self.measured and self.predicted else ""
-        if meas and self.twin_of is not None:  # (predicted as the candidate it twins: the simulator does not see XLA's merge)
+        if meas and self.borrowed:
             meas += "  (pred: its merged twin's)"
         grouping = ",".join(map(str, self.grouping))
         return f"{self.name:{width}s} {self.num_microbatches:4d} {grouping:>16s} {pred} {bub} {peak}  {self.rejected or meas}"
@@ -135,6 +136,7 @@ class TuneResult(ShallowCopyOnly):
     _handed: dict[int, tuple[Candidate, DistributedFunction]] = field(default_factory=dict, repr=False)  # id -> (it, the user's step)
     remat: bool = False  # whether tune was asked to try remat (remat=True): a candidate over the limit has a remat row
     note: str = ""  # what tune could not try and why (e.g. a batch it cannot re-split: the step's own microbatch count only)
+    scaled_costs: dict[int, SegmentCosts] = field(default_factory=dict, repr=False)  # m -> the costs its predictions used
 
     def _not_pickled(self) -> str:
         return ("a TuneResult holds the distributed steps it measured (their mesh: running daemons) and cannot be pickled "
@@ -287,7 +289,8 @@ class TuneResult(ShallowCopyOnly):
         """`c` with its schedule's `fuse=False`, when its plan merges tasks into one Run (else None): XLA compiles
         merged tasks as one program, which may run faster or slower than apart (a softmax-head stage's F+B 25 %
         slower merged on CPU, MLP stages faster: measured 2026-12-06) and the simulator does not tell them apart,
-        so `calibrate` measures the predicted winner both ways. Its prediction is the winner's."""
+        so `calibrate` measures the predicted winner both ways. Its prediction is its own plan's (None: over the
+        memory limit apart, or a schedule tune cannot re-make)."""
         if getattr(c.schedule, "fuse", False) is not True:
             return None
         try:
@@ -298,9 +301,23 @@ class TuneResult(ShallowCopyOnly):
             if other.schedule == twin and other.num_microbatches == c.num_microbatches:
                 return other if not other.rejected else None  # (one given, and rejected: not run)
         outer, _ = self._measured_step(c).trace(*self._args_for(c))  # (the plan only: nothing compiled)
-        if not plan_step(outer, len(self.base.mesh)).merges_tasks:
+        plan = plan_step(outer, len(self.base.mesh))
+        if not plan.merges_tasks:
             return None
-        return Candidate(twin, c.num_microbatches, c.grouping, c.predicted, c.bubble, c.peak_bytes, twin_of=c)
+        made = Candidate(twin, c.num_microbatches, c.grouping, c.predicted, c.bubble, c.peak_bytes, twin_of=c)
+        costs = self.scaled_costs.get(c.num_microbatches)
+        if costs is None:  # (a result made without them: its candidate's prediction, said so in its row)
+            made.borrowed = True
+            return made
+        # Its own prediction: the simulator charges each Run its overhead (not what XLA does to a merged one), as
+        # when the schedule is given with fuse=False (it was the candidate's own: ZB-V 9.08 ms where 9.64; a probe).
+        outer, _ = self.base.with_schedule(twin).trace(*self._args_for(c))
+        unmerged = simulate_programs(plan_step(outer, len(self.base.mesh)).programs, _stage_costs(costs, c.grouping, twin),
+                                     name=repr(twin))
+        if _record(made, unmerged, self.memory_limit):
+            return None  # (over the limit apart: not run)
+        made.predicted *= self.calibration  # (in the units of the other predictions: calibrate rescales them all)
+        return made
 
     def calibration_candidates(self, top: int = 3) -> list[Candidate]:
         """The `top` candidates `calibrate` runs, in predicted order: the predicted winner; then the best predicted of
@@ -628,6 +645,7 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
             log.warning("tune: could not measure the costs at %d microbatches (%s); scaling them linearly with the rows",
                         other, str(e).splitlines()[0])
     found: list[Candidate] = []
+    scaled_costs: dict[int, SegmentCosts] = {}
     for m in counts:
         if rows and total_rows % m:
             found.extend(Candidate(sched, m, rejected=f"{m} microbatches do not divide the batch's {total_rows} rows")
@@ -636,7 +654,7 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
         b = total_rows // m if rows else 0
         # task times scale with the rows of a microbatch; the runtime's per-Run and per-transfer costs do not
         # (costs given without their rows are taken to be the step's own microbatch's)
-        scaled = seg.scaled(b / (seg.microbatch_rows or rows)) if rows else seg
+        scaled = scaled_costs[m] = seg.scaled(b / (seg.microbatch_rows or rows)) if rows else seg
         call_args = list(args)
         try:
             if m != m0:
@@ -647,7 +665,8 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
         for sched in cands:
             found.extend(_predict(base, tuple(call_args), sched, m, scaled, p, memory_limit, remat, m0 if m != m0 else None))
     found.sort(key=lambda c: (bool(c.rejected), c.predicted if c.predicted is not None else float("inf")))
-    result = TuneResult(found, seg, base, args, batch_argnum, memory_limit, remat=bool(remat), note=note)  # (None: the batch is never re-split)
+    result = TuneResult(found, seg, base, args, batch_argnum, memory_limit, remat=bool(remat), note=note,
+                        scaled_costs=scaled_costs)  # (None: the batch is never re-split)
     if calibrate if calibrate is not None else costs is None:
         result.calibrate()
     return result
