@@ -266,7 +266,11 @@ class TuneResult(ShallowCopyOnly):
             raise MpmdError(f"TuneResult.calibrate: the {len(refs)} candidates it runs are predicted to take 0 s per step (the "
                             "costs give their tasks no time), so no measured / predicted factor exists; tune with measured "
                             "costs (costs=None), costs='xla', or SegmentCosts with the segments' positive times")
-        twin = self._unmerged_twin(refs[0])
+        try:
+            twin = self._unmerged_twin(refs[0])
+        except Exception as e:  # noqa: BLE001 - (its plan could not be made: the candidates are measured without it)
+            log.warning("tune: the fuse=False twin of %s was not tried: %s: %.200s", refs[0].name, type(e).__name__, e)
+            twin = None
         known = twin is not None and any(c is twin for c in self.candidates)  # (a second calibrate: measured again)
         runs = refs + [twin] * (twin is not None and all(r is not twin for r in refs))
         measured = measure_interleaved([(self._measured_step(r), self._args_for(r)) for r in runs],
