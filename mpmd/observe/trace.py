@@ -180,12 +180,15 @@ class Trace:
         s = self._step(step)
         return min(a.start for a in s.values()), max(a.end for a in s.values())
 
-    def queued_until(self, step: int = -1) -> dict[int, float | None]:
+    def queued_until(self, step: int = -1, by: dict[int, float] | None = None) -> dict[int, float | None]:
         """Per actor of the step, when its last Run of the traced steps before it ended (None: none): until then the
-        actor was busy with them (steps dispatched back to back overlap)."""
+        actor was busy with them (steps dispatched back to back overlap). `by`: per actor, only Runs ending by then
+        count (steps that do not depend on each other interleave)."""
         mine = self._step(step)
         at = next(i for i, s in enumerate(self.steps) if s is mine)
-        return {a: max((r.end for s in self.steps[:at] if a in s for r in s[a].runs), default=None) for a in mine}
+        limit = by or {}
+        return {a: max((r.end for s in self.steps[:at] if a in s for r in s[a].runs if r.end <= limit.get(a, math.inf)),
+                       default=None) for a in mine}
 
     def breakdown(self, step: int = -1) -> dict[int, Breakdown]:
         w = self.window(step)
@@ -380,12 +383,9 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
     runs = [r for x in steps.values() for r in x.runs]
     # (the last of their Runs ending before this step's first: steps that do not depend on each other interleave, and
     # one ending after that left no lead at all; a review)
-    at = step % len(trace.steps)
-
-    def free_from(a: int, first: float) -> float:
-        return max([w0, *(r.end for s in trace.steps[:at] if a in s for r in s[a].runs if r.end <= first)])
-
-    lead = max(0.0, min(x.runs[0].start - free_from(a, x.runs[0].start) for a, x in steps.items() if x.runs) - gap) if runs else 0.0
+    firsts = {a: x.runs[0].start for a, x in steps.items() if x.runs}
+    free = trace.queued_until(step, by=firsts)
+    lead = max(0.0, min(first - max(w0, free[a] or w0) for a, first in firsts.items()) - gap) if runs else 0.0
     tail = max(0.0, w1 - max(r.end for r in runs)) if runs else 0.0
     # The distributions the Monte Carlo simulator draws from: every single-task Run's duration, every gap.
     task_samples: dict[tuple[int, str], list[float]] = {}

@@ -99,6 +99,14 @@ def _check_options(mesh_shape: Any, transfer_timeout: Any, heartbeat_interval: A
                          "a busy actor answers a ping only every heartbeat_interval")
 
 
+def _check_data_plane(transport: Any, overlap: Any) -> None:
+    """`transport` one of TRANSPORTS, `overlap` a bool ("no" was taken for True: a probe)."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown transport {transport!r}; choose one of {TRANSPORTS}")
+    if not isinstance(overlap, (bool, np.bool_)):
+        raise TypeError(f"overlap must be True or False, got {type(overlap).__name__} {overlap!r:.40}")
+
+
 def _check_mesh_arguments(kwargs: dict[str, Any], devices_per_actor: Any) -> None:
     """A launcher's keyword arguments for RemoteMesh checked before any daemon starts (they take seconds), with
     `mesh_shape` / `axis_names` against `devices_per_actor`; what only the daemons can say is checked once they
@@ -107,10 +115,7 @@ def _check_mesh_arguments(kwargs: dict[str, Any], devices_per_actor: Any) -> Non
                    kwargs.get("heartbeat_timeout", 10.0))
     # (a rendezvous waited its whole timeout, and Ray started every daemon, before these were refused: a probe)
     check_recovery(kwargs.get("recover"))
-    if kwargs.get("transport", "auto") not in TRANSPORTS:
-        raise ValueError(f"unknown transport {kwargs['transport']!r}; choose one of {TRANSPORTS}")
-    if not isinstance(kwargs.get("overlap", True), (bool, np.bool_)):
-        raise TypeError(f"overlap must be True or False, got {type(kwargs['overlap']).__name__} {kwargs['overlap']!r:.40}")
+    _check_data_plane(kwargs.get("transport", "auto"), kwargs.get("overlap", True))
     shape, names = kwargs.get("mesh_shape"), kwargs.get("axis_names")
     if names is not None and shape is None:
         raise ValueError("axis_names needs mesh_shape too (one size per name)")
@@ -156,8 +161,7 @@ class RemoteMesh:
         `mesh_shape` / `axis_names`: the device mesh every actor builds over its own devices (SPMD inside each
         stage: e.g. (2, 2) named ("data", "model") on 4 devices per actor). Without them, actors with N > 1
         devices are a 1-D mesh of N named "data"; one device each needs no mesh."""
-        if transport not in TRANSPORTS:
-            raise ValueError(f"unknown transport {transport!r}; choose one of {TRANSPORTS}")
+        _check_data_plane(transport, overlap)
         if not isinstance(addresses, (str, bytes)) and isinstance(addresses, collections.abc.Iterable):
             addresses = list(addresses)
         if isinstance(addresses, (str, bytes)) or not addresses:
@@ -171,8 +175,6 @@ class RemoteMesh:
         if twice:
             raise ValueError(f"addresses {twice} are listed more than once: each daemon is one actor, listed once")
         _check_options(mesh_shape, transfer_timeout, heartbeat_interval, heartbeat_timeout)
-        if not isinstance(overlap, (bool, np.bool_)):  # ("no" was taken for True: a probe)
-            raise TypeError(f"overlap must be True or False, got {type(overlap).__name__} {overlap!r:.40}")
         self.addresses = list(addresses)
         self.transport = transport
         self.overlap = overlap
@@ -313,8 +315,7 @@ class RemoteMesh:
         `heartbeat_timeout`, `transfer_timeout`, ...) go to `RemoteMesh(...)`, which says what each does.
         """
         _refuse_inside_a_loader_import("RemoteMesh.local")
-        if transport not in TRANSPORTS:
-            raise ValueError(f"unknown transport {transport!r}; choose one of {TRANSPORTS}")
+        _check_data_plane(transport, kwargs.get("overlap", True))
         if transport == "nccl" and platform == "cpu":
             raise ValueError("transport='nccl' needs GPU actors: pass platform='gpu' (local actors run on CPU by default)")
         params = inspect.signature(cls.__init__).parameters.values()

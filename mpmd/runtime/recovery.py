@@ -132,17 +132,16 @@ class Snapshot:
     waiters: list[Callable[[], None]] = field(default_factory=list)  # later snapshots borrowing from it, to go on once it settles
 
 
-def check_recovery(config: Any) -> None:
-    """A TypeError unless `config` is None or a `mpmd.Recovery` (launchers check it before anything starts)."""
-    if config is not None and not isinstance(config, Recovery):
+def check_recovery(config: Any, optional: bool = True) -> None:
+    """A TypeError unless `config` is a `mpmd.Recovery` (or None, when `optional`): launchers check it before
+    anything starts."""
+    if not isinstance(config, Recovery) and not (optional and config is None):
         raise TypeError(f"recover= takes a mpmd.Recovery(snapshot_every=..., max_failures=...), got {config!r:.80}")
 
 
 def enable_recovery(mesh: Any, config: Recovery, respawn: Respawn) -> RecoveryManager:
     """Make `mesh` log its steps and recover from lost actors with `respawn`; returns the manager."""
-    if config is None:
-        raise TypeError("recover= takes a mpmd.Recovery(snapshot_every=..., max_failures=...), got None")
-    check_recovery(config)
+    check_recovery(config, optional=False)
     mesh.recovery = RecoveryManager(mesh, config, respawn)
     return mesh.recovery
 

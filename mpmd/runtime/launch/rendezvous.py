@@ -426,7 +426,7 @@ def connect(cls: Any, where: str | os.PathLike[str], num_actors: int, *, timeout
         from mpmd.runtime.recovery import check_recovery
 
         check_recovery(recover)
-    if keys is not None and not isinstance(keys, ClientKeys):
+    if keys is not None:
         _pair_of(keys)
     arrivals = gather(where, num_actors, timeout, keys)
     check_compatible([facts_of(a) for a in arrivals], platform)
