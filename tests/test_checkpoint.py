@@ -683,3 +683,30 @@ def test_a_thread_still_training_when_the_main_thread_returns_keeps_its_mesh_unt
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0 and "worker done" in done.stdout, done.stderr[-2000:]
     assert os.path.exists(tmp_path / "c" / "LATEST"), done.stderr[-2000:]
+
+
+def test_a_like_remote_array_of_another_mesh_or_deleted_is_refused_naming_the_leaf(mesh2, tmp_path):
+    """A `like` RemoteArray says where its leaf is restored; one of another (here closed) mesh or a deleted one says
+    nothing, and fell back to the actors that saved the leaf without a word (a probe): refused, naming the leaf."""
+    x = mesh2.actor(1).put(np.arange(6, dtype=np.float32))
+    mpmd.save(str(tmp_path / "c"), {"x": x})
+    with mpmd.RemoteMesh.local(num_actors=1) as other:
+        elsewhere = other.actor(0).put(np.zeros(6, np.float32))
+        with pytest.raises(mpmd.CheckpointError, match=r"like's leaf \['x'\] lives on RemoteMesh\(1 actor") as e:
+            mpmd.restore(str(tmp_path / "c"), mesh2, like={"x": elsewhere})
+    assert e.value.leaf == "['x']" and e.value.checkpoint.startswith(str(tmp_path / "c"))
+    gone = mesh2.actor(0).put(np.zeros(6, np.float32))
+    gone.delete()
+    with pytest.raises(mpmd.CheckpointError, match=r"like's leaf \['x'\] is deleted"):
+        mpmd.restore(str(tmp_path / "c"), mesh2, like={"x": gone})
+    back = mpmd.restore(str(tmp_path / "c"), mesh2, like={"x": x})["x"]  # (the mesh serves on)
+    assert back.actors == [1]
+    np.testing.assert_array_equal(back.to_numpy(), np.arange(6))
+
+
+def test_a_python_number_like_of_another_kind_is_named_as_one(tmp_path):
+    """A Python float `like` for a saved int32 was said to be 'float64' (its numpy dtype, not what JAX makes of it)."""
+    mpmd.save(str(tmp_path / "c"), {"step": np.int32(3)})
+    with pytest.raises(mpmd.CheckpointError, match=r"saved as int32, `like` has a Python float \(weakly typed\)"):
+        mpmd.load(str(tmp_path / "c"), like={"step": 0.0})
+    assert mpmd.load(str(tmp_path / "c"), like={"step": 0}) == {"step": 3}

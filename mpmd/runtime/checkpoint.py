@@ -605,11 +605,18 @@ with `like`'s static leaves as `Static` nodes, to `reveal` after unflattening)."
             raise CheckpointError(f"{what}: leaf {leaf.path} was saved with shape {leaf.shape}, `like` has {shape}",
                                   checkpoint=m.directory, leaf=leaf.path)
         if not dtype_matches(dtype, leaf, weak=_weak(x)):
-            raise CheckpointError(f"{what}: leaf {leaf.path} was saved as {leaf.dtype}, `like` has {dtype_text(dtype)}; mpmd does not "
+            raise CheckpointError(f"{what}: leaf {leaf.path} was saved as {leaf.dtype}, `like` has "
+                                  f"{_python_number(x) or dtype_text(dtype)}; mpmd does not "
                                   f"cast a checkpoint: pass `like` with dtype {leaf.dtype} (and cast after restoring if you mean to)",
                                   checkpoint=m.directory, leaf=leaf.path)
         out.append(x)
     return out, treedef
+
+
+def _python_number(x: Any) -> str:
+    """'a Python float (weakly typed)' for a Python number `like` leaf (its numpy dtype, float64, is not what JAX
+    makes of it; a probe), else ''."""
+    return f"a Python {type(x).__name__} (weakly typed)" if type(x) in (bool, int, float, complex) else ""
 
 
 def _read_host(m: Manifest, part: str, verify: bool) -> dict[str, np.ndarray]:
@@ -667,7 +674,7 @@ def restore(path: str, mesh: Any, like: Any, *, for_step: Any = None, verify: bo
 def _restore(path: str, mesh: Any, like: Any, for_step: Any, verify: bool) -> Any:
     m = _open(path)
     like_leaves, treedef = _match(m, like, "mpmd.restore")
-    where = targets(m.leaves, like_leaves, mesh, for_step)
+    where = targets(m.leaves, like_leaves, mesh, for_step, checkpoint=m.directory)
     am = mesh.actor_mesh
     out: list[Any] = [None] * len(m.leaves)
     host = _read_host(m, HOST_PART, verify) if HOST_PART in m.parts else {}

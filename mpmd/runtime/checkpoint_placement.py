@@ -106,8 +106,9 @@ def step_homes(step: Any, mesh: Any, paths: list[str], shapes: list[tuple[int, .
                           "mesh live, else on the actors that saved it")
 
 
-def targets(leaves: list[Leaf], like: list[Any], mesh: Any, for_step: Any = None) -> list[Target]:
-    """Per saved leaf, where it is restored (see the module docstring)."""
+def targets(leaves: list[Leaf], like: list[Any], mesh: Any, for_step: Any = None, checkpoint: str | None = None) -> list[Target]:
+    """Per saved leaf, where it is restored (see the module docstring). A `like` RemoteArray of another mesh or
+    deleted is refused: it says where its leaf goes no more (it silently fell back to the saving actors; a probe)."""
     am = mesh.actor_mesh
     from_step: list[Target | None] = [None] * len(leaves)
     if for_step is not None:
@@ -115,9 +116,15 @@ def targets(leaves: list[Leaf], like: list[Any], mesh: Any, for_step: Any = None
         from_step = step_homes(for_step, mesh, paths, [leaf.shape for leaf in leaves])
     out = []
     for leaf, x, t in zip(leaves, like, from_step):
+        if t is None and isinstance(x, RemoteArray) and (x.mesh is not mesh or x.is_deleted):
+            why = (f"is deleted (donated to a step or deleted); pass a live RemoteArray of {mesh!r:.80}" if x.mesh is mesh else
+                   f"lives on {x.mesh!r:.80}, not on {mesh!r:.80}, the mesh restored into; pass like= RemoteArrays of this "
+                   "mesh (a fresh init on it) or host arrays")
+            raise CheckpointError(f"mpmd.restore: checkpoint {checkpoint}: like's leaf {leaf.path} {why}, so it cannot say where the leaf goes", checkpoint=checkpoint,
+                                  leaf=leaf.path)
         if t is not None:
             out.append(t)
-        elif isinstance(x, RemoteArray) and x.mesh is mesh and not x.is_deleted:
+        elif isinstance(x, RemoteArray) and x.mesh is mesh:
             held = x.sharding.layout if x.sharding is not None else (() if am is not None else None)
             out.append(Target(tuple(x.actors), held))
         elif leaf.part == HOST_PART:
@@ -125,10 +132,10 @@ def targets(leaves: list[Leaf], like: list[Any], mesh: Any, for_step: Any = None
         else:
             if max(leaf.saved_actors) >= len(mesh):
                 raise CheckpointError(
-                    f"leaf {leaf.path} was saved from actors {list(leaf.saved_actors)}, but this mesh has {len(mesh)} actors, so "
+                    f"mpmd.restore: checkpoint {checkpoint}: leaf {leaf.path} was saved from actors {list(leaf.saved_actors)}, but this mesh has {len(mesh)} actors, so "
                     "mpmd cannot guess where it goes: pass for_step=step (the compiled step that will read it) or like= a tree "
                     "of RemoteArrays on this mesh (e.g. a fresh init) whose placement says where each leaf goes",
-                    checkpoint=None, leaf=leaf.path)
+                    checkpoint=checkpoint, leaf=leaf.path)
             out.append(Target(leaf.saved_actors, _saved_layout(leaf, am)))
     return out
 
