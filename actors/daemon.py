@@ -41,6 +41,7 @@ import stat
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 from actors import cluster
 
@@ -172,9 +173,22 @@ def _sweep_stale_compile_dirs(parent: str) -> None:
 COMPILE_GRACE = 5.0  # a compile's bound: --compile-timeout for its checks, again for XLA, plus this (a compile process's start)
 
 
+def _utf8(what: str) -> Callable[[str], str]:
+    """An argparse type: the text as given, refused (one line, exit 2) unless it is valid UTF-8 — ZeroMQ endpoints and
+    the names sent to peers are UTF-8, and a byte that is not (argv's surrogate escape) ended in a traceback from
+    zmq's bind (a probe)."""
+    def check(text: str) -> str:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise argparse.ArgumentTypeError(f"{what} {text.encode('utf-8', 'surrogateescape')!r:.120} is not valid UTF-8") from None
+        return text
+    return check
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mpmd-actor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--listen", default=None,
+    p.add_argument("--listen", default=None, type=_utf8("the endpoint"),
                    help="control endpoint (tcp://host:port, ipc://path); port 0 picks one (default: tcp://127.0.0.1:5555; "
                         "with --slurm or --rendezvous, this node's address on a free port)")
     p.add_argument("--actor-id", type=int, default=None, help="this actor's index in the mesh (default 0; with --slurm: SLURM_PROCID)")
@@ -187,10 +201,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--p2p", default="tcp", choices=["tcp", "ipc", "none"],
                    help="data plane to other actors: 'tcp' opens ZeroMQ endpoints (the controller then picks tcp, shm or "
                         "nccl per peer); 'ipc' only an ipc socket in --ipc-dir (actors on this host only); 'none' no data plane (default: %(default)s)")
-    p.add_argument("--ipc-dir", default=None, help="also bind the data plane on an ipc socket in this directory (same-host peers use it)")
+    p.add_argument("--ipc-dir", default=None, type=_utf8("the directory"), help="also bind the data plane on an ipc socket in this directory (same-host peers use it)")
     p.add_argument("--transfer-timeout", type=float, default=300.0,
                    help="seconds a receive waits for its peer before the step fails (each controller may set its own) (default: %(default)s)")
-    p.add_argument("--p2p-host", default=None, help="address peers reach this actor's data plane on (default: the --listen host; for a wildcard "
+    p.add_argument("--p2p-host", default=None, type=_utf8("the host"), help="address peers reach this actor's data plane on (default: the --listen host; for a wildcard "
                                                             "--listen such as tcp://0.0.0.0:PORT, this node's own address)")
     p.add_argument("--cache-dir", default=None, help="JAX persistent compilation cache directory (default: a private temporary one, removed at exit; "
                    "RemoteMesh.local passes ~/.cache/mpmd/xla)")

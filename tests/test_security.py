@@ -6,6 +6,8 @@ import asyncio
 import json
 import os
 import stat
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +23,7 @@ from mpmd import keys_cli
 from mpmd.compiler.program import Label, Program, Recv
 from mpmd.runtime.controller import ActorAuthError
 from tests.wire import FakePeer, dealer, raw_request, start_daemon, stop_daemon, wait_until
-from transport.auth import AuthKeyError, ClientKeys, KeyPair, generate_key_files
+from transport.auth import AuthKeyError, ClientKeys, KeyPair, check_safe_path, generate_key_files
 from transport.protocol import encode
 
 try:
@@ -60,6 +62,36 @@ def single(tmp_path_factory):
     yield mesh
     mesh.close()
     stop_daemon(proc)
+
+
+def test_keys_generate_makes_its_directory_755_under_any_umask_and_never_writes_through_a_link(tmp_path):
+    """Under umask 000 the key directory came out 777, which every daemon then refused; `--force` over a
+    symbolic link wrote the secret key into the link's target (a probe). Both before either file is written."""
+    old = os.umask(0)
+    try:
+        assert keys_cli.main(["keys", "generate", str(tmp_path / "a" / "k")]) == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "a").stat().st_mode) == stat.S_IMODE((tmp_path / "a" / "k").stat().st_mode) == 0o755
+    check_safe_path(tmp_path / "a" / "k", "key directory")  # what a daemon checks of --authorized-keys
+    (tmp_path / "victim").write_text("mine")
+    links = tmp_path / "links"
+    links.mkdir()
+    os.symlink(tmp_path / "victim", links / "mpmd.key_secret")
+    assert keys_cli.main(["keys", "generate", str(links), "--force"]) == 1
+    assert (tmp_path / "victim").read_text() == "mine" and sorted(p.name for p in links.iterdir()) == ["mpmd.key_secret"]
+    with pytest.raises(AuthKeyError, match="is a symbolic link .*remove the link"):
+        generate_key_files(links, overwrite=True)
+
+
+def test_mpmd_actor_refuses_an_endpoint_that_is_not_utf8_in_one_line():
+    """A non-UTF-8 --listen / --ipc-dir / --p2p-host ended in a traceback from zmq's bind (a probe)."""
+    bad = "ipc:///tmp/x" + b"\xff".decode("utf-8", "surrogateescape") + ".sock"
+    for option in ("--listen", "--ipc-dir", "--p2p-host"):
+        r = subprocess.run([sys.executable, "-m", "actors.daemon", option, bad], capture_output=True, text=True, timeout=60,
+                           errors="surrogateescape")
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"argument {option}:" in r.stderr and "is not valid UTF-8" in r.stderr
 
 
 def test_keys_generate_writes_a_pair_only_its_owner_can_read_and_loading_checks_it(tmp_path):

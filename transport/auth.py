@@ -234,8 +234,15 @@ def generate_key_files(directory: str | os.PathLike[str], name: str = DEFAULT_KE
     if not name or "/" in name or name.startswith("."):
         raise AuthKeyError(f"key name {name!r} must be a plain file name")
     d = Path(directory).expanduser()
+    made = [p for p in (d, *d.parents) if not p.exists()]
     d.mkdir(parents=True, exist_ok=True)
+    for p in reversed(made):  # (755 whatever the umask: under umask 000 it was 777, which every daemon then refused)
+        os.chmod(p, 0o755)
     public_path, secret_path = d / f"{name}{PUBLIC_SUFFIX}", d / f"{name}{SECRET_SUFFIX}"
+    for p in (public_path, secret_path):  # (before either is written: no pair is left half new)
+        if p.is_symlink():
+            raise AuthKeyError(f"{p} is a symbolic link (to {os.readlink(p)}); a key file is written only as a file of its own "
+                               "(--force wrote the secret key into the link's target): remove the link, or pick another directory")
     if not overwrite:
         for p in (public_path, secret_path):
             if p.exists():
@@ -251,7 +258,8 @@ def generate_key_files(directory: str | os.PathLike[str], name: str = DEFAULT_KE
 
 
 def _write(path: Path, text: str, mode: int, overwrite: bool) -> None:
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
+    """Write a key file, never through a symbolic link (overwriting one wrote the secret key into its target)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if overwrite else os.O_EXCL)
     fd = os.open(path, flags, mode)
     try:
         os.fchmod(fd, mode)
