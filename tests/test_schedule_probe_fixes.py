@@ -364,3 +364,49 @@ def test_what_a_schedule_writer_meets_says_what_to_write():
         validate(mpmd.Custom(num_stages=2, order=(("0F0", "0B0"), ("1F0", "1B0")), stage_actor=(0, 5)), 1)
     with pytest.raises(mpmd.ScheduleError, match=r"use 1 microbatch or write"):
         mpmd.Custom(num_stages=1, order=(("0F0", "0B0"),)).tasks(2)
+
+
+def test_replaying_a_table_looks_at_each_task_a_bounded_number_of_times_whatever_the_stage_count(monkeypatch):
+    """replay_table looked at every actor again in each pass, and a pass moved the backward wave one stage: work
+    grew with stages squared (GPipe on 4,000 stages: 169 s to validate, inside the size cap; a probe). A worklist
+    looks at an actor again only when the task it waits for has ended: each task's inputs are read a few times."""
+    from mpmd.schedules import validation
+
+    calls = 0
+    real = validation.task_inputs
+
+    def counted(*a):
+        nonlocal calls
+        calls += 1
+        return real(*a)
+
+    monkeypatch.setattr(validation, "task_inputs", counted)
+    schedule = mpmd.GPipe(num_stages=500)
+    table = [list(row) for row in schedule.tasks(2)]
+    replay = validation.replay_table(table, 500, schedule.actor_of)
+    tasks = sum(len(row) for row in table)
+    assert not replay.stuck and len(replay.end) == tasks == 2000
+    assert replay.end[mpmd.Task(0, "B", 1)] == (2 + 500 - 1) * 2  # GPipe's step: (m + p - 1) (F + B) with unit tasks
+    assert calls <= 3 * tasks, calls  # (the pass-per-wave replay: ~500,000)
+
+
+@pytest.mark.parametrize("where", ["tasks", "actor_of"])
+@pytest.mark.parametrize("error", [TypeError, KeyError, RuntimeError])
+def test_an_exception_in_a_user_schedules_own_method_names_the_schedule_and_keeps_its_traceback(where, error):
+    """A TypeError in a user's tasks() read as 'must return one list of Tasks per actor' with its line lost (`from
+    None`); a KeyError or RuntimeError there or in actor_of came out bare, naming no schedule (a probe)."""
+
+    class Buggy(mpmd.GPipe):
+        def tasks(self, m):
+            if where == "tasks":
+                raise error("my bug")
+            return super().tasks(m)
+
+        def actor_of(self, stage):
+            if where == "actor_of":
+                raise error("my bug")
+            return super().actor_of(stage)
+
+    with pytest.raises(mpmd.ScheduleError, match=rf"Buggy.*\.{where}\(\d\) raised {error.__name__}: .*my bug") as e:
+        mpmd.validate(Buggy(num_stages=2), 2)
+    assert isinstance(e.value.__cause__, error)
