@@ -5,7 +5,9 @@ tune's remat advice (D8). Each test compares with a closed form or the simulator
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
 import time
 
@@ -410,3 +412,20 @@ def test_an_exception_in_a_user_schedules_own_method_names_the_schedule_and_keep
     with pytest.raises(mpmd.ScheduleError, match=rf"Buggy.*\.{where}\(\d\) raised {error.__name__}: .*my bug") as e:
         mpmd.validate(Buggy(num_stages=2), 2)
     assert isinstance(e.value.__cause__, error)
+
+
+def test_simulate_checks_its_output_names_before_any_work(tmp_path, capsys):
+    """Two outputs named alike overwrote each other (both 'wrote'); an unwritable one failed after the table was
+    printed and the outputs before it written (a probe). Each is refused first, nothing printed or written."""
+    base = ["simulate", "--schedule", "OneFOneB", "--actors", "2", "--microbatches", "4"]
+    same = str(tmp_path / "same.svg")
+    assert main([*base, "--svg", same, "--trace", same]) == 2
+    err = capsys.readouterr()
+    assert "--svg and --trace both name" in err.err and "microbatches" not in err.out and not os.path.exists(same)
+    first = str(tmp_path / "first.svg")
+    assert main([*base, "--svg", first, "--trace", str(tmp_path / "no" / "such" / "t.json")]) == 2
+    err = capsys.readouterr()
+    assert "cannot write --trace" in err.err and "is not a directory" in err.err and not os.path.exists(first) and not err.out
+    assert main([*base, "--svg", str(tmp_path)]) == 2 and "is a directory" in capsys.readouterr().err
+    assert main([*base, "--svg", first, "--trace", str(tmp_path / "t.json")]) == 0
+    assert os.path.getsize(first) > 0 and json.loads((tmp_path / "t.json").read_text())

@@ -82,21 +82,37 @@ def _simulate(args: argparse.Namespace) -> int:
     from mpmd.schedules.simulator import simulate
     from mpmd.schedules.validation import format_table
 
+    # The output names checked before any work (an unwritable one failed after the table was printed and the files
+    # before it written; two outputs named alike overwrote each other, both "wrote"; a probe).
+    named: dict[str, str] = {}
+    for flag, path in (("--svg", args.svg), ("--png", args.png), ("--trace", args.trace)):
+        if path is None:
+            continue
+        if not path.strip():  # (`--svg ''` wrote nothing and said nothing; a probe)
+            print(f"mpmd simulate: {flag} needs a file name, got {path!r}", file=sys.stderr)
+            return 2
+        ending = os.path.splitext(path)[1].lower()
+        if flag != "--trace" and ending in (".png", ".svg") and ending != "." + flag[2:]:  # (`--svg out.png` wrote SVG into a .png; a probe)
+            print(f"mpmd simulate: {flag} {path}: that name ends in {ending}; name it .{flag[2:]} (or use --{ending[1:]})",
+                  file=sys.stderr)
+            return 2
+        same = named.get(os.path.realpath(path))
+        if same is not None:
+            print(f"mpmd simulate: {same} and {flag} both name {path}; give each output a file of its own", file=sys.stderr)
+            return 2
+        named[os.path.realpath(path)] = flag
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            why = "is a directory" if os.path.isdir(path) else f"{folder} is not a directory" if not os.path.isdir(folder) else \
+                f"{folder} is not writable"
+            print(f"mpmd simulate: cannot write {flag} {path}: {why}", file=sys.stderr)
+            return 2
     try:
         schedule = make_schedule(args.schedule, args.actors, args.stages)
         result = simulate(schedule, args.microbatches, args.costs)
     except ScheduleError as e:
         print(f"mpmd simulate: {e}", file=sys.stderr)
         return 2
-    for flag, path in (("--svg", args.svg), ("--png", args.png), ("--trace", args.trace)):
-        if path is not None and not path.strip():  # (`--svg ''` wrote nothing and said nothing; a probe)
-            print(f"mpmd simulate: {flag} needs a file name, got {path!r}", file=sys.stderr)
-            return 2
-        ending = os.path.splitext(path or "")[1].lower()
-        if flag != "--trace" and ending in (".png", ".svg") and ending != "." + flag[2:]:  # (`--svg out.png` wrote SVG into a .png; a probe)
-            print(f"mpmd simulate: {flag} {path}: that name ends in {ending}; name it .{flag[2:]} (or use --{ending[1:]})",
-                  file=sys.stderr)
-            return 2
     print(f"{schedule!r}, {args.microbatches} microbatches")
     print(format_table(schedule.tasks(args.microbatches)))
     print(result.summary())
