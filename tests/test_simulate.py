@@ -566,6 +566,12 @@ def test_cli_tune_refuses_counts_that_cannot_work_before_starting_anything(capsy
     with pytest.raises(SystemExit) as e:
         main(["tune", "--width", "130"])
     assert e.value.code == 2 and "must be a multiple of --heads 4" in capsys.readouterr().err
+    # a model past the machine's memory is refused in one line before anything is built (a JAX RESOURCE_EXHAUSTED
+    # traceback, or the machine taken; a probe)
+    with pytest.raises(SystemExit) as e:
+        main(["tune", "--layers", "2", "--width", "200000", "--heads", "1"])
+    assert re.fullmatch(r"mpmd tune: a GPT of --layers 2 and --width 200000 has about [\d,]+M parameters: .* GiB, more than this "
+                        r"machine's [\d.,]+ GiB available; pass a smaller --width or --layers", str(e.value.code))
 
 
 def test_mpmd_simulate_is_the_simulate_function():

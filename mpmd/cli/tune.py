@@ -94,6 +94,14 @@ def _run(args: argparse.Namespace) -> int:
         args.usage_error(f"--try-microbatches {','.join(map(str, args.try_microbatches))}: none divides the batch's {rows} rows "
                          f"(--microbatches {args.microbatches} x --rows {args.rows}); pass counts that do, e.g. --try-microbatches "
                          f"{','.join([str(m) for m in range(2, rows + 1) if rows % m == 0][:6])}")
+    # (a model past this machine's memory ended in a JAX RESOURCE_EXHAUSTED traceback, or took the machine; a probe)
+    weights = 12 * args.layers * args.width ** 2 + (256 + args.seq) * args.width  # blocks' attention and 4x MLP, embedding
+    need = 4 * weights * 4  # float32 params, AdamW's two moments and the gradients
+    have = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > have:
+        raise SystemExit(f"mpmd tune: a GPT of --layers {args.layers} and --width {args.width} has about {weights / 1e6:,.0f}M "
+                         f"parameters: with AdamW's moments and the gradients {need / 2**30:,.1f} GiB, more than this machine's "
+                         f"{have / 2**30:,.1f} GiB available; pass a smaller --width or --layers")
     gpt = load_gpt()
     step, params, opt_state, batch = gpt_setup(gpt, args.layers, args.width, args.seq, args.heads, args.microbatches, args.rows)
     pin = 1 if args.actors <= len(os.sched_getaffinity(0)) else None
