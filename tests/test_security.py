@@ -64,7 +64,7 @@ def single(tmp_path_factory):
     stop_daemon(proc)
 
 
-def test_keys_generate_makes_its_directory_755_under_any_umask_and_never_writes_through_a_link(tmp_path):
+def test_keys_generate_makes_its_directory_755_under_any_umask_and_never_writes_through_a_link(tmp_path, capsys):
     """Under umask 000 the key directory came out 777, which every daemon then refused; `--force` over a
     symbolic link wrote the secret key into the link's target (a probe). Both before either file is written."""
     old = os.umask(0)
@@ -82,6 +82,10 @@ def test_keys_generate_makes_its_directory_755_under_any_umask_and_never_writes_
     assert (tmp_path / "victim").read_text() == "mine" and sorted(p.name for p in links.iterdir()) == ["mpmd.key_secret"]
     with pytest.raises(AuthKeyError, match="is a symbolic link .*remove the link"):
         generate_key_files(links, overwrite=True)
+    (tmp_path / "a.svg").write_text("x")  # a file where the directory goes: said so (a bare "[Errno 17] File exists")
+    capsys.readouterr()
+    assert keys_cli.main(["keys", "generate", str(tmp_path / "a.svg")]) == 1
+    assert "a.svg is a file, not a directory" in capsys.readouterr().err
 
 
 def test_mpmd_actor_refuses_an_endpoint_that_is_not_utf8_in_one_line():

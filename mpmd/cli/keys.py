@@ -45,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         # (a daemon refuses keys that other users could have replaced: say so now, of a directory yet to be made too)
         made = Path(args.dir).expanduser().absolute()
+        if made.exists() and not made.is_dir():  # (a bare "[Errno 17] File exists"; a probe)
+            raise AuthKeyError(f"{args.dir} is a file, not a directory; name the directory the key pair goes in")
         if made.is_dir():
             check_safe_path(made, "key directory")
         else:
