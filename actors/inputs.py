@@ -34,6 +34,15 @@ ALIGN = 64
 MAX_SEGMENTS = 64  # mappings one session may hold; the controller double-buffers, so a handful is plenty
 
 
+def _kind(mode: int) -> str:
+    """What a file that is not a regular one is, in words."""
+    for test, word in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISDIR, "directory"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket"), (stat.S_ISLNK, "symbolic link")):
+        if test(mode):
+            return word
+    return f"file of mode {mode:o}"
+
+
 class InputSegments:
     """One session's view of the segments its controller writes step arguments into."""
 
@@ -122,11 +131,15 @@ class InputSegments:
         if len(self.maps) >= MAX_SEGMENTS:
             raise RequestError(f"shared-memory input {name}: this session already maps {len(self.maps)} segments (the limit)")
         try:
-            fd = shm._posixshmem.shm_open(name, os.O_RDONLY, 0)
+            # (non-blocking: a FIFO put under the name froze the daemon's loop in open() until a writer came; a probe)
+            fd = shm._posixshmem.shm_open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW, 0)
         except OSError as e:
             raise RequestError(f"shared-memory input {name} cannot be opened on actor {self.actor_id}: {e.strerror}") from None
         try:
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise RequestError(f"shared-memory input {name} is not a shared-memory segment (a regular file) but a "
+                                   f"{_kind(st.st_mode)}; is something else on this host using mpmd's segment names?")
             if st.st_uid != os.getuid():
                 raise RequestError(f"shared-memory input {name} belongs to user {st.st_uid}, not to this actor's user")
             if stat.S_IMODE(st.st_mode) & 0o077:

@@ -2,6 +2,7 @@
 local mesh (mpmd.runtime.inputs, actors/inputs.py), and hostile shared-memory notices refused."""
 
 import asyncio
+import contextlib
 import os
 import re
 import subprocess
@@ -1167,3 +1168,27 @@ def test_actor_run_takes_a_host_argument_bigger_than_one_message_through_shared_
             assert wait_until(lambda: a.stats()["buffers"] == 1, 10)  # (y; the two copies of `big` are let go behind)
     finally:
         stop_daemon(proc)
+
+
+def test_a_fifo_under_an_input_segments_name_is_refused_without_blocking_the_daemon():
+    """A FIFO made in /dev/shm under a name a session announced: the actor's shm_open(O_RDONLY) blocked its event
+    loop until a writer came, every session's requests and heartbeats with it (a probe held one 45 s). The open does
+    not block now, and anything but a regular file is refused, naming what it is; the daemon serves on."""
+    if not shm.available() or not os.path.isdir("/dev/shm"):
+        pytest.skip("needs POSIX shared memory in /dev/shm")
+    with mpmd.RemoteMesh.local(1) as mesh:
+        prefix = f"/mpmd-in-{os.getpid():x}-{os.urandom(4).hex()}-0-"
+        conn = mesh.conn(0)
+        mesh.run(conn.request("input_shm", {"prefix": prefix}))
+        name = prefix + "5"
+        os.mkfifo("/dev/shm" + name, 0o600)
+        try:
+            notice = {"name": name, "offset": 0, "nbytes": 16, "dtype": "float32", "shape": [4], "ino": 1}
+            t = time.monotonic()
+            with pytest.raises(MpmdError, match=f"shared-memory input {name} is not a shared-memory segment .* but a FIFO"):
+                mesh.run(asyncio.wait_for(conn.request("put", {"buf": 10**6, "shm": notice}), 20))
+            assert time.monotonic() - t < 10
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink("/dev/shm" + name)
+        np.testing.assert_array_equal(mesh.actor(0).put(np.arange(4.0, dtype=np.float32)).to_numpy(), np.arange(4.0))

@@ -2,6 +2,7 @@
 Programs (Send/Recv only), through the real interpreter and real daemons."""
 
 import itertools
+import os
 import socket
 import time
 
@@ -374,3 +375,21 @@ def test_a_program_receiving_from_an_actor_the_data_plane_is_not_wired_to_is_ref
                                                                 [ins]), next(_ids), []))
     a = np.arange(6, dtype=np.float32)
     np.testing.assert_array_equal(run_transfers(mesh2, [(0, 1, 0, a)])[0], a)
+
+
+def test_a_peer_segment_name_that_is_not_a_regular_file_is_refused():
+    """A FIFO (or anything but a regular file) under a segment name a peer announced is refused at open, naming it,
+    before any mapping (the input side blocked on one; a probe); its name is removed as a segment's would be."""
+    from transport.p2p import shm
+
+    if not shm.available() or not os.path.isdir("/dev/shm"):
+        pytest.skip("needs POSIX shared memory in /dev/shm")
+    name = f"/mpmd-test{os.getpid()}-fifo-0"
+    os.mkfifo("/dev/shm" + name, 0o600)
+    try:
+        with pytest.raises(ValueError, match=f"shared-memory segment {name} is not a regular file"):
+            shm.ShmReceiver().open(1, 0, name, 4096)
+        assert not os.path.exists("/dev/shm" + name)
+    finally:
+        if os.path.exists("/dev/shm" + name):
+            os.unlink("/dev/shm" + name)

@@ -24,6 +24,7 @@ import itertools
 import logging
 import mmap
 import os
+import stat
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -259,9 +260,12 @@ class ShmReceiver:
             if not name.startswith("/mpmd-") or "/" in name[1:]:
                 raise ValueError(f"shared-memory name {name!r} is not one of ours")
             self._unmap_closed(src)  # (a new segment: the sender may have closed older ones, past its pool's limit)
-            fd = _posixshmem.shm_open(name, os.O_RDWR, 0o600)
+            fd = _posixshmem.shm_open(name, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW, 0o600)  # (never blocks on a FIFO)
             try:
                 st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise ValueError(f"shared-memory segment {name} is not a regular file (mode {st.st_mode:o}); is something "
+                                     "else on this host using mpmd's segment names?")
                 if st.st_uid != os.getuid():
                     raise ValueError(f"shared-memory segment {name} belongs to user {st.st_uid}, not to this actor's user")
                 if st.st_size < size:
