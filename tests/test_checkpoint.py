@@ -710,3 +710,20 @@ def test_a_python_number_like_of_another_kind_is_named_as_one(tmp_path):
     with pytest.raises(mpmd.CheckpointError, match=r"saved as int32, `like` has a Python float \(weakly typed\)"):
         mpmd.load(str(tmp_path / "c"), like={"step": 0.0})
     assert mpmd.load(str(tmp_path / "c"), like={"step": 0}) == {"step": 3}
+
+
+def test_a_like_that_differs_only_in_nodes_without_arrays_is_warned_of(tmp_path):
+    """adamw's state is adam's plus an EmptyState: every array's path, shape and dtype match, so a restore into the
+    other optimizer's state went unnoticed (a probe). The manifest keeps the saved tree's node count; a `like` with
+    another count is warned of (old checkpoints without it, and a `like` of the same tree, are not)."""
+    import warnings
+
+    params = {"w": np.ones((3,), np.float32)}
+    state = (params, optax.adamw(1e-2).init(params))
+    mpmd.save(str(tmp_path / "c"), state)
+    with pytest.warns(UserWarning, match=r"the saved tree had \d+ nodes, `like` has \d+: every array matched"):
+        mpmd.load(str(tmp_path / "c"), like=(params, optax.adam(1e-2).init(params)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        back = mpmd.load(str(tmp_path / "c"), like=state)
+    assert_trees_close(back, state, rtol=0, atol=0)

@@ -33,6 +33,7 @@ import logging
 import os
 import shutil
 import threading
+import warnings
 from collections import defaultdict
 from typing import Any
 
@@ -294,7 +295,7 @@ def _save(path: str, tree: Any, keep: int) -> SaveHandle:
         raise CheckpointError(f"mpmd.save: keep={keep}; keep at least the checkpoint being written (keep >= 1)", checkpoint=path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise CheckpointError(f"mpmd.save: {path!r} is a file; checkpoints go in a directory (it is made if missing)", checkpoint=path)
-    flat, _ = jax.tree_util.tree_flatten_with_path(hide(tree, is_leaf=_is_remote), is_leaf=_is_remote)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(hide(tree, is_leaf=_is_remote), is_leaf=_is_remote)
     meshes = {id(x.mesh): x.mesh for _, x in flat if isinstance(x, RemoteArray)}
     if len(meshes) > 1:
         raise MpmdError(f"mpmd.save: the tree holds arrays of {len(meshes)} meshes; save each mesh's state separately")
@@ -339,7 +340,8 @@ def _save(path: str, tree: Any, keep: int) -> SaveHandle:
                          key_impl=key_impl(dtype).name if is_key(dtype) else None, saved_actors=[], saved_layout=None)
         leaves.append(entry)
     saved_by = {"actors": len(mesh) if mesh is not None else 0,
-                "actor_mesh": mesh.actor_mesh.to_wire() if mesh is not None and mesh.actor_mesh is not None else None}
+                "actor_mesh": mesh.actor_mesh.to_wire() if mesh is not None and mesh.actor_mesh is not None else None,
+                "tree_nodes": treedef.num_nodes}
 
     def finish(parts: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]], order: dict[str, list[int]]) -> str:
         files = {}
@@ -610,6 +612,11 @@ with `like`'s static leaves as `Static` nodes, to `reveal` after unflattening)."
                                   f"cast a checkpoint: pass `like` with dtype {leaf.dtype} (and cast after restoring if you mean to)",
                                   checkpoint=m.directory, leaf=leaf.path)
         out.append(x)
+    saved_nodes = m.saved_by.get("tree_nodes")
+    if isinstance(saved_nodes, int) and saved_nodes != treedef.num_nodes:
+        warnings.warn(f"{what}: the saved tree had {saved_nodes} nodes, `like` has {treedef.num_nodes}: every array matched by path, "
+                      "shape and dtype, but they differ in nodes that hold no array (an optimizer state's EmptyState, a None, an "
+                      "empty dict): is `like` the tree that was saved (the same optax chain, say)?", stacklevel=3)
     return out, treedef
 
 
