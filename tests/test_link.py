@@ -263,3 +263,65 @@ def test_a_malformed_compact_header_is_counted_fails_its_receive_at_once_and_the
         assert "from actor 0" in str(outcome) and not isinstance(outcome, TimeoutError), outcome
     else:  # nothing in it can be trusted: the receive is left to its own timeout
         assert isinstance(outcome, TimeoutError), outcome
+
+
+@pytest.mark.parametrize("route", ["shm", "tcp"])
+def test_a_wiring_with_a_wrong_peer_key_breaks_that_wiring_only(route):
+    """connect_peers told actor 0 a wrong key for actor 1 (a hostile or mistaken controller): actor 0 refused actor
+    1's handshake, and dropped the link. The next, correct wiring changed nothing on actor 1 (the same spec as
+    before), so its refused connection, which ZeroMQ does not re-dial, and its broken link stayed: every later
+    session's sends from 1 to 0 failed ('Resource temporarily unavailable') until the daemons restarted (a probe).
+    A new wiring now tries both again."""
+
+    async def go():
+        a, b = await pair(route)
+        good = {"address": b.endpoint()["ipc"], "route": route, "key": b.endpoint()["key"], "shm_prefix": b.endpoint()["shm_prefix"],
+                "link": b.endpoint()["link"], "pid": b.endpoint()["pid"]}
+        try:
+            x = np.arange(6, dtype=np.float32)
+            if route == "shm":  # (the link, which actor 0 drops at the wrong wiring; over ZeroMQ, a connection made
+                # before it would outlive it: the connection must first be made under the wrong key)
+                recv = asyncio.ensure_future(a.recv(1, (1, 0, 0), 10))
+                await b.send(0, (1, 0, 0), x)
+                np.testing.assert_array_equal(np.array(await recv), x)  # wired right: 1 -> 0 works
+            await a.connect({1: {**good, "key": KeyPair.generate().public.decode()}})  # the wrong key for actor 1
+            with pytest.raises(Exception):
+                recv = asyncio.ensure_future(a.recv(1, (1, 1, 0), 1.5))
+                await b.send(0, (1, 1, 0), x)
+                await recv
+            # the next session wires both right: actor 1's spec for actor 0 is what it was
+            spec_a = {"address": a.endpoint()["ipc"], "route": route, "key": a.endpoint()["key"],
+                      "shm_prefix": a.endpoint()["shm_prefix"], "link": a.endpoint()["link"], "pid": a.endpoint()["pid"]}
+            await asyncio.gather(a.connect({1: good}), b.connect({0: spec_a}))
+            for i in range(3):
+                recv = asyncio.ensure_future(a.recv(1, (2, 0, i), 10))
+                await b.send(0, (2, 0, i), x + i)
+                np.testing.assert_array_equal(np.array(await recv), x + i)
+        finally:
+            a.close()
+            b.close()
+
+    asyncio.run(go())
+
+
+def test_a_refused_nccl_wiring_changes_nothing():
+    """route 'nccl' without its unique ids (or on an actor with no NCCL) set the route, then failed on a bare
+    KeyError ('nccl_out'): the next step's send found no NCCL link, an AttributeError (a probe). Checked with the
+    rest of the spec now, before anything changes."""
+
+    async def go():
+        a, b = await pair("shm")
+        try:
+            spec = {"address": b.endpoint()["ipc"], "route": "nccl", "key": b.endpoint()["key"]}
+            with pytest.raises(ValueError, match="route nccl, but actor 0 has no NCCL"):
+                await a.connect({1: spec})
+            assert a.routes[1] == "shm"
+            x = np.arange(3, dtype=np.float32)
+            recv = asyncio.ensure_future(b.recv(0, (1, 0, 0), 10))
+            await a.send(1, (1, 0, 0), x)
+            np.testing.assert_array_equal(np.array(await recv), x)
+        finally:
+            a.close()
+            b.close()
+
+    asyncio.run(go())

@@ -77,6 +77,9 @@ assert links.MAX_RECORD < BIG_PAYLOAD  # a link's payload is copied out of its r
 RECEIVE_QUEUE = 256  # messages per peer ZeroMQ may hold unread (a step's transfers are claimed as they come)
 
 
+NCCL_ID_BYTES = 128  # an NCCL unique id (ncclUniqueId), as a list of byte values
+
+
 class DataPlane(P2PTransport):
     def __init__(self, actor_id: int, host: str = "127.0.0.1", ipc_dir: str | None = None, nccl_device: Any = None,
                  release_hook: Any = None, *, keys: KeyPair | None = None, tcp: bool = True,
@@ -197,6 +200,16 @@ class DataPlane(P2PTransport):
                     assert self._auth is not None
                     self._auth.revoke(str(peer))  # a restarted peer has a new key; the old one is no longer it
                     self._auth.admit({key: str(peer)})
+            else:  # the same peer as before. A wiring in between that gave it another key (refused: a probe) left
+                # two things that nothing tried again, every later session's transfers failing until a restart:
+                # our connection to it, whose handshake it refused (ZeroMQ does not re-dial a refused handshake: no
+                # pipe is left, so a send cannot post), and the link it dropped. A new wiring (a new session, or a
+                # recovery: nothing of the steps before is still in flight) dials both again at the first send. (Not
+                # only a connection seen refused: the refusal can reach this socket after the wiring.)
+                self._no_link.discard(peer)
+                old = self._out.pop(peer, None)
+                if old is not None:
+                    old.close(linger=0)
             if prefix is not None:
                 self._peer_shm[peer] = prefix
             self.routes[peer] = route
@@ -230,6 +243,15 @@ class DataPlane(P2PTransport):
                              "with --p2p ipc has no tcp endpoint: actors on other hosts cannot reach it)")
         if route == "shm" and not shm.available():
             raise ValueError(f"actor {self.actor_id} cannot use shared memory on this platform")
+        if route == "nccl":  # (checked here, before anything changes: the route was set, then a bare KeyError; a probe)
+            if not self._nccl_ok():
+                raise ValueError(f"peer {peer}: route nccl, but actor {self.actor_id} has no NCCL (a GPU daemon with nccl installed)")
+            for field in ("nccl_out", "nccl_in"):
+                uid = spec.get(field)
+                if (not isinstance(uid, (list, tuple)) or len(uid) != NCCL_ID_BYTES
+                        or not all(isinstance(b, int) and not isinstance(b, bool) and -128 <= b < 256 for b in uid)):
+                    raise ValueError(f"peer {peer}: route nccl needs '{field}', an NCCL unique id of {NCCL_ID_BYTES} byte values, "
+                                     f"got {uid!r:.60}")
         key = None
         if self._keys is not None:
             raw = spec.get("key")
