@@ -465,6 +465,51 @@ def test_the_watchdog_treats_a_request_past_the_actors_bound_like_a_silent_actor
             assert time.monotonic() - t < 10
 
 
+def test_a_peer_that_answers_pings_but_never_the_hello_is_declared_lost_not_waited_on_for_good(tmp_path, monkeypatch):
+    """A stand-in (a real daemon answers hello at once): it answers every ping, never the hello. Before the hello the
+    actor's own bounds are unknown, so the watchdog had none, and pings kept it alive: RemoteMesh.connect waited
+    for good (a probe: 240 s and on). A request now waits at most UNOPENED_BOUND (30 s; here 1 s) before the session
+    is open."""
+    from mpmd.runtime import controller
+
+    monkeypatch.setattr(controller, "UNOPENED_BOUND", 1.0)
+
+    def answer(h):
+        return {} if h["op"] == "ping" else None
+
+    with _stand_in_actor(tmp_path, answer) as address:
+        t = time.monotonic()
+        with pytest.raises(mpmd.ActorDiedError, match=r"its request hello has waited \d+ s for a reply \(a daemon answers a new "
+                                                      r"session's first requests within 1 s.*is it an mpmd-actor of this version\?"):
+            mpmd.RemoteMesh([address], transport="none", heartbeat_timeout=1.0, heartbeat_interval=0.25)
+        assert time.monotonic() - t < 10
+
+
+@pytest.mark.parametrize("field, value", [("devices", -3), ("p2p", "x"), ("request_timeout", "soon"), ("actor_id", True)])
+def test_a_hello_reply_with_a_field_of_the_wrong_type_is_an_incompatible_actor(tmp_path, field, value):
+    """A stand-in whose hello says devices=-3 ended in a TypeError deep in making the mesh (a probe); each field a
+    hello reply holds is checked for its type, and the peer refused, naming the field."""
+    def answer(h):
+        return {field: value} if h["op"] == "hello" else {} if h["op"] in ("ping", "bye") else None
+
+    with _stand_in_actor(tmp_path, answer) as address:
+        with pytest.raises(mpmd.IncompatibleActorError, match=rf"answered hello with {field}=.*is it an mpmd-actor of this version"):
+            mpmd.RemoteMesh([address], transport="none", heartbeat_timeout=5.0)
+
+
+def test_an_error_reply_whose_fields_are_not_text_is_still_a_remote_error(tmp_path):
+    """An error reply whose traceback was a list ended in an AttributeError inside RemoteError (a probe)."""
+    def answer(h):
+        if h["op"] == "stats":
+            return {"op": "error", "error": 7, "message": ["no"], "traceback": [1]}
+        return {"platform": "cpu", "p2p": None, "pid": 0} if h["op"] in ("hello", "ping", "bye") else None
+
+    with _stand_in_actor(tmp_path, answer) as address:
+        with mpmd.RemoteMesh([address], transport="none", heartbeat_timeout=5.0) as mesh:
+            with pytest.raises(mpmd.RemoteError, match=r"7 on actor 0: \['no'\]\n--- remote traceback ---\n\[1\]"):
+                mesh.actor(0).stats()
+
+
 def test_a_queued_request_counts_from_when_the_steps_before_it_ended_and_a_later_steps_end_never_restarts_it():
     """The watchdog's clock for a get, wait or step sent behind steps (the daemon counts its bound from when those
     ended: a long queue of healthy steps had a live actor declared lost; a review). The clock's start is each

@@ -281,6 +281,15 @@ def result_of(fut: concurrent.futures.Future[T], timeout: float | None = None) -
                 return fut.result()
 
 
+def _said(x: Any) -> str:
+    """A field of an error reply as text: a str as it is, anything else its repr, cut (a reply whose traceback was a
+    list ended in an AttributeError inside RemoteError; a probe)."""
+    return x if isinstance(x, str) else "" if x is None else repr(x)[:400]
+
+
+UNOPENED_BOUND = 30.0  # seconds a request may wait for its reply before the session is open (the actor's bounds unknown)
+
+
 class ActorConnection:
     """Requests to one actor; error replies become `RemoteError`, a lost actor `ActorDiedError`."""
 
@@ -369,7 +378,8 @@ class ActorConnection:
             h = msg.header
             if h.get("error") == "NoSession" and self.opened:
                 raise ActorDiedError(self.actor_id, self._session_lost(str(h.get("message", ""))[:400]))
-            raise RemoteError(self.actor_id, h.get("error", "Error"), h.get("message", ""), h.get("traceback", ""), h.get("task"))
+            raise RemoteError(self.actor_id, _said(h.get("error", "Error")), _said(h.get("message", "")), _said(h.get("traceback", "")),
+                              _said(h.get("task")) or None)
         return msg
 
     async def request(self, op: str, fields: dict[str, Any] | None = None, arrays: Sequence[np.ndarray] = ()) -> Message:
@@ -445,7 +455,10 @@ class ActorConnection:
             since = "" if start == late.sent else " since the steps sent before it ended"
             reason = (f"its request {late.describe()} has waited {now - start:.0f} s for a reply{since}, past the actor's "
                       f"own bound of {self._bound(late.op):g} s on it (its --request-timeout or --compile-timeout) plus "
-                      f"heartbeat_timeout={timeout:g} s")
+                      f"heartbeat_timeout={timeout:g} s") if self.opened else (
+                      f"its request {late.describe()} has waited {now - start:.0f} s for a reply (a daemon answers a new "
+                      f"session's first requests within {UNOPENED_BOUND:g} s, plus heartbeat_timeout={timeout:g} s): what "
+                      "answers there keeps the connection alive but does not serve; is it an mpmd-actor of this version?")
             reason += self._threads()
         if reason is not None:
             self._declare(reason)
@@ -459,6 +472,9 @@ class ActorConnection:
         return f"\nits threads were at:\n{stacks}" if stacks and stacks.strip() else ""
 
     def _bound(self, op: str) -> float | None:
+        if not self.opened:  # (before `hello` is answered the actor's bounds are unknown: a peer that answered pings
+            # but never the hello held RemoteMesh.connect for good; a probe)
+            return UNOPENED_BOUND
         return (self.compile_bound or self.bound) if op == "compile" else self.bound
 
     def _overdue(self, now: float, timeout: float) -> tuple[Any, float] | None:

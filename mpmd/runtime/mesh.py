@@ -237,6 +237,7 @@ class RemoteMesh:
         from mpmd.runtime.launch.rendezvous import ActorFacts, check_compatible
 
         for i, info in enumerate(self.infos):
+            _check_hello(self.addresses[i], info.header)
             self._check_id(i, info.header)
         # (a daemon that answered speaks this protocol; a peer that does not say its JAX is a test's stand-in)
         check_compatible([ActorFacts(i, self.addresses[i], info.header["jax_version"], str(info.header.get("platform", "")))
@@ -576,6 +577,7 @@ class RemoteMesh:
 
         try:
             info, fresh = self.run(back())
+            _check_hello(new.address, info.header)
             self._check_id(i, info.header)
         except BaseException:
             self._io.call_soon(new.close)
@@ -1012,6 +1014,24 @@ class RemoteMesh:
         state = "closed" if self.closed else f"session {self.session:x}"
         return f"RemoteMesh({len(self.addresses)} actor{'s' * (len(self.addresses) != 1)} at {self.addresses[0]}{', ...' if len(self.addresses) > 1 else ''}; {state})"
 
+
+
+_HELLO_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {  # what a daemon's hello reply may hold (absent: None)
+    "actor_id": ((int,), "an int"), "devices": ((list,), "a list"), "jax_version": ((str,), "a str"),
+    "platform": ((str,), "a str"), "p2p": ((dict,), "a map"), "pid": ((int,), "an int"), "sessions": ((int,), "an int"),
+    "request_timeout": ((int, float), "a number"), "compile_timeout": ((int, float), "a number"),
+    "session_timeout": ((int, float), "a number"), "max_message_bytes": ((int,), "an int")}
+
+
+def _check_hello(address: str, header: dict[str, Any]) -> None:
+    """An IncompatibleActorError unless every field a hello reply holds has its type (a stand-in that said
+    devices=-3 ended in a TypeError deep in the mesh's making, a reply without p2p in a KeyError; a probe)."""
+    for field, (types, what) in _HELLO_FIELDS.items():
+        value = header.get(field)
+        if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
+            raise IncompatibleActorError(f"the daemon at {address} answered hello with {field}={value!r:.60}, not {what}: is it an "
+                                         "mpmd-actor of this version? install the same mpmd on every node and the controller")
+    header.setdefault("p2p", None)
 
 
 @atexit.register  # (after the program's other threads have ended, and after the exit hooks it registered later)
