@@ -474,6 +474,11 @@ def test_an_unconstrained_or_malformed_spec_entry_in_in_shardings_is_refused_nam
     with pytest.raises(mpmd.MpmdError, match=r"w1: PartitionSpec .* has entry 3; each entry is None, an axis name or a tuple"):
         am.check_spec(P(None, 3), (4, 4), "w1")
     am.check_spec(P(None, ("data", "model")), (4, 4), "w1")
+    # an axis used twice is said so, whatever the shape (on one its axis does not divide it read "does not divide"; a probe)
+    with pytest.raises(mpmd.MpmdError, match=r"w1: PartitionSpec P\('model', 'model'\) uses axis 'model' twice"):
+        am.check_spec(P("model", "model"), (3, 4), "w1")
+    with pytest.raises(mpmd.MpmdError, match=r"w1: dimension of size 3 is split over model = 2 devices"):
+        am.check_spec(P("model", None), (3, 4), "w1")
 
 
 def test_a_spec_over_a_mesh_of_other_axis_names_is_refused_with_a_spelling_that_works():

@@ -124,6 +124,8 @@ class ActorMesh:
                 if n in used:
                     raise MpmdError(f"{what}: PartitionSpec {spec} uses axis {n!r} twice")
                 used.append(n)
+        for dim, entry in zip(shape, spec):  # (divisibility after every entry's names: P('d', 'd') was said not to divide)
+            names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
             k = math.prod(sizes[n] for n in names)
             if dim % k:
                 raise MpmdError(f"{what}: dimension of size {dim} is split over {'x'.join(names)} = {k} devices, which does not "
