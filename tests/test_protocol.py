@@ -158,3 +158,19 @@ def test_a_program_constant_under_an_input_id_or_named_twice_is_refused():
             decode_program({"id": 1, "actor": 0, "inputs": [0], "outputs": [1], "consts": consts, "instrs": []}, arrays)
     pid, prog = decode_program({"id": 1, "actor": 0, "inputs": [0], "outputs": [1], "consts": [5], "instrs": []}, [one])
     assert pid == 1 and list(prog.consts) == [5]
+
+
+def test_a_program_with_two_sends_or_receives_under_one_tag_and_peer_is_refused():
+    """Two sends to one peer under one tag: the peer's receive took one and the other waited out the transfer timeout
+    (300 s; a probe). Refused at load; the same tag to another peer, or a send and a receive, is fine."""
+    from transport.program import ProgramError, decode_program
+
+    def prog(*instrs):
+        return {"id": 3, "actor": 0, "inputs": [0], "outputs": [], "instrs": list(instrs)}
+
+    send, recv = ["send", 0, 1, 7, "0F0"], ["recv", 1, 1, 7, "float32", [4], "0B0"]
+    with pytest.raises(ProgramError, match="program 3 has two sends to actor 1 with tag 7"):
+        decode_program(prog(send, ["send", 0, 1, 7, "0F1"]))
+    with pytest.raises(ProgramError, match="program 3 has two recvs from actor 1 with tag 7"):
+        decode_program(prog(recv, ["recv", 2, 1, 7, "float32", [4], "0B1"]))
+    assert len(decode_program(prog(send, ["send", 0, 2, 7, "0F0"], recv))[1].instructions) == 3

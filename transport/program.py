@@ -293,6 +293,15 @@ def decode_program(w: Any, const_arrays: list[Any] = ()) -> tuple[int, Program]:
     if len(set(const_ids)) != len(const_ids) or set(const_ids) & set(inputs):
         raise ProgramError(f"program constants need ids of their own, named once: {sorted(const_ids)[:20]} against inputs "
                            f"{sorted(inputs)[:20]} (a constant under an input's id was silently never read)")
-    prog = Program(actor, inputs, list(_ints(w.get("outputs", []), "program outputs")),
-                   [decode_instruction(i) for i in instrs], dict(zip(const_ids, const_arrays)))
+    decoded = [decode_instruction(i) for i in instrs]
+    seen: set[tuple[str, int, int]] = set()
+    for ins in decoded:  # (two sends under one tag: the peer's receive took one, the other waited out the transfer
+        # timeout; a probe)
+        if isinstance(ins, (Send, Recv)):
+            key = ("send", ins.to_actor, ins.tag) if isinstance(ins, Send) else ("recv", ins.from_actor, ins.tag)
+            if key in seen:
+                raise ProgramError(f"program {pid} has two {key[0]}s {'to' if key[0] == 'send' else 'from'} actor {key[1]} with tag "
+                                   f"{key[2]}: a transfer's tag names it once per program and peer")
+            seen.add(key)
+    prog = Program(actor, inputs, list(_ints(w.get("outputs", []), "program outputs")), decoded, dict(zip(const_ids, const_arrays)))
     return pid, prog
