@@ -525,7 +525,7 @@ def test_a_queued_request_counts_from_when_the_steps_before_it_ended_and_a_later
     client = ControlClient(ctx, "tcp://127.0.0.1:1")
     try:
         conn = ActorConnection.__new__(ActorConnection)
-        conn.bound, conn.compile_bound, conn.client = 10.0, None, client
+        conn.bound, conn.compile_bound, conn.client, conn.opened = 10.0, None, client, True  # (a session open there)
         out = client.outstanding
         out[1] = Outstanding("run_program", {"step": 0}, 0.0)
         out[2] = Outstanding("run_program", {"step": 1}, 0.0)
