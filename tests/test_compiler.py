@@ -188,6 +188,58 @@ def test_a_marker_inside_a_custom_vjp_function_is_named_as_a_cause_of_too_few_st
         _plan(step, (params, {"x": np.ones((2, 4, 8), np.float32)}), 2)
 
 
+def test_a_marker_in_a_custom_vjp_fwd_rule_is_warned_of_and_plain_steps_are_not():
+    """A marker at the end of a custom_vjp's fwd rule cuts the forward (JAX traces the rule inline under grad), but
+    the bwd rule has none: every stage's backward ran in the last stage's task, all residuals sent there, without a
+    word (a probe; the numbers were right). Warned of now, naming the stages; a step whose gradients are the last
+    stage's alone, or a plain MLP, has no backward of earlier stages there and is not."""
+    import warnings
+
+    @jax.custom_vjp
+    def block(x, w):
+        return mpmd.pipeline_yield(jnp.tanh(x @ w))
+
+    def block_fwd(x, w):
+        h = jnp.tanh(x @ w)
+        return mpmd.pipeline_yield(h), (x, w, h)
+
+    def block_bwd(res, g):
+        x, w, h = res
+        gh = g * (1 - h ** 2)
+        return gh @ w.T, x.T @ gh
+
+    block.defvjp(block_fwd, block_bwd)
+
+    def loss(params, mb):
+        x = mb["x"]
+        for w in params[:-1]:
+            x = block(x, w)
+        return jnp.mean((x @ params[-1] - mb["y"]) ** 2)
+
+    def plain(params, mb):
+        x = mb["x"]
+        for w in params[:-1]:
+            x = mpmd.pipeline_yield(jnp.tanh(x @ w))
+        return jnp.mean((x @ params[-1] - mb["y"]) ** 2)
+
+    def step_of(argnums, loss=loss):
+        def step(params, batch):
+            return mpmd.accumulate_grads(lambda mb: jax.value_and_grad(lambda *p: loss(list(p), mb), argnums)(*params)[::-1],
+                                         batch, schedule=mpmd.InterleavedOneFOneB(4, 2))
+        return step
+
+    rng = np.random.default_rng(0)
+    params = [(rng.standard_normal((16, 16)) / 4).astype(np.float32) for _ in range(4)]
+    batch = {"x": rng.standard_normal((4, 8, 16)).astype(np.float32), "y": rng.standard_normal((4, 8, 16)).astype(np.float32)}
+    with pytest.warns(UserWarning, match=r"the backward work of stage\(s\) \[0, 1, 2\] runs in the last stage's task.*custom_vjp"):
+        _plan(step_of((0, 1, 2, 3)), (params, batch), 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _plan(step_of((3,), plain), (params, batch), 2)  # (the head's gradient alone: nothing of stages 0-2 in the backward)
+        _plan(step_of((0, 1, 2, 3), plain), (params, batch), 2)
+        _plan(_step_with(models.mlp, mpmd.OneFOneB(2)), _args(2), 2)
+
+
 def test_error_when_the_step_has_no_accumulate_grads():
     def step(params, opt_state, batch):
         return jax.grad(models.mse_loss(models.mlp))(params, jax.tree.map(lambda x: x[0], batch))
@@ -207,6 +259,22 @@ def test_error_when_accumulate_grads_is_nested_names_the_nesting():
         return mpmd.accumulate_grads(per_microbatch, batch, schedule=mpmd.GPipe(2))
 
     with pytest.raises(mpmd.PipelineError, match="accumulate_grads is called inside the function given to accumulate_grads"):
+        _plan(step, _args(2), 2)
+
+
+@pytest.mark.parametrize("wrap", ["cond", "checkpoint"])
+def test_error_when_accumulate_grads_is_inside_a_cond_or_remat_names_the_loop(wrap):
+    """The loop inside lax.cond or jax.checkpoint was refused for 'a pipeline_yield marker inside lax.cond' (the
+    markers of its body): the user wrote no marker there (a probe). The loop is named now."""
+    inner = _step_with(models.mlp, mpmd.GPipe(2))
+
+    def step(params, opt_state, batch):
+        if wrap == "cond":
+            return jax.lax.cond(True, inner, inner, params, opt_state, batch)
+        return jax.checkpoint(inner)(params, opt_state, batch)
+
+    what = {"cond": r"lax.cond / lax.switch", "checkpoint": r"jax.checkpoint \(remat\)"}[wrap]
+    with pytest.raises(mpmd.PipelineError, match=rf"accumulate_grads is called inside {what}, so the microbatch loop cannot be pipelined"):
         _plan(step, _args(2), 2)
 
 

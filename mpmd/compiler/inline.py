@@ -31,7 +31,7 @@ from jax.extend.core import ClosedJaxpr, Literal
 
 from mpmd.compiler.eqns import bind_eqn, contains_primitive, sub_jaxprs
 from mpmd.errors import PipelineError
-from mpmd.primitives import BWD, FWD, pipeline_yield_p
+from mpmd.primitives import BWD, FWD, accumulate_p, pipeline_yield_p
 
 _CALL_PARAMS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
                 "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr"}
@@ -129,6 +129,11 @@ class _Unroller:
             elif name == "scan" and has_marker(eqn.params["jaxpr"].jaxpr):
                 outs = self._unroll_scan(eqn, invals)
             else:
+                if name != "mpmd_accumulate" and any(contains_primitive(j, accumulate_p) for j in sub_jaxprs(eqn)):
+                    what = _CONSTRUCTS.get(name, (f"a {name!r} equation",))[0]  # (it blamed a marker in it; a probe)
+                    raise PipelineError(f"mpmd.accumulate_grads is called inside {what}, so the microbatch loop cannot be "
+                                        "pipelined: call it at the top level of the step (a condition or remat goes inside "
+                                        "the microbatch function, or around the step under plain jax.jit)")
                 if name != "mpmd_accumulate" and any(has_marker(j) for j in sub_jaxprs(eqn)):
                     what, fix = _CONSTRUCTS.get(name, (f"a {name!r} equation", "move the marker outside it"))
                     raise PipelineError(f"a pipeline_yield marker is inside {what}, which the compiler cannot cut into "
