@@ -118,6 +118,8 @@ def split_stages(body: LoopBody) -> StageSplit:
         for v in e.outvars:
             stage_of[v] = n - 1
     last_b = [e for e in last_region if id(e) not in fwd_part]
+    if fwd and not bwd:
+        _warn_backward_left_to_the_last_stage(last_b, regions[(n - 1, "F")], stage_of, n)
     # Backward regions: [first_bwd, bwd[1]), [bwd[1], bwd[2]), ...; each belongs to the latest stage whose
     # forward values it reads (what it differentiates).
     bounds = [*bwd, len(eqns)]
@@ -136,6 +138,24 @@ def split_stages(body: LoopBody) -> StageSplit:
         regions[(stage, "B")] = regions[(stage, "B")] + seg
         prev = stage
     return StageSplit(n, regions)
+
+
+def _warn_backward_left_to_the_last_stage(last_b: list[Any], last_f: list[Any], stage_of: dict[Var, int], n: int) -> None:
+    """No backward marker, yet the last stage's backward reads what earlier stages' forwards computed and the last
+    forward does not: earlier stages' backward work (their residuals) left to the last stage's actor. A marker in a
+    jax.custom_vjp's fwd rule does this: JAX traces the rule inline under grad, so its forward marker cuts, but the
+    bwd rule has none; the numbers come out right, but every stage's residuals travel to the last actor and it runs
+    every backward (a probe). (Gradients of the last stage alone, or an eval loop, read none: no warning.)"""
+    import warnings
+
+    forward_reads = {v for e in last_f for v in var_inputs(e)}
+    early = {stage_of[v] for e in last_b for v in var_inputs(e) if stage_of.get(v, n - 1) < n - 1 and v not in forward_reads}
+    if early:
+        warnings.warn(f"the step's backward pass has no stage markers, so the backward work of stage(s) "
+                      f"{sorted(early)} runs in the last stage's task, on its actor, with their forward values sent there: a "
+                      "pipeline_yield inside a jax.custom_vjp function does this (JAX differentiates its fwd rule, whose "
+                      "marker cuts the forward, while its bwd rule has none): call pipeline_yield outside the custom_vjp "
+                      "function", stacklevel=2)
 
 
 def _forward_callbacks(region: list[Any], fwd_part: set[int], accumulators: set[Var]) -> None:
