@@ -165,3 +165,28 @@ def test_dtypes_cupy_lacks_go_over_nccl_as_bytes_and_come_back_exact(name):
     got = as_received(raw, dtype, (2, 4))
     assert got.dtype == dtype
     np.testing.assert_array_equal(np.asarray(got).astype(np.float32), values.astype(np.float32))
+
+
+def test_an_nccl_spec_with_a_malformed_unique_id_is_refused_before_anything_changes(monkeypatch):
+    """route nccl's ids are checked with the rest of the spec (the route was set, then the ids failed deep in NCCL's
+    setup or as a bare KeyError; a probe): each must be 128 byte values. (cupy stood in for, as above.)"""
+    cupy, cuda, nccl = fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", nccl)
+
+    async def go():
+        d = tempfile.mkdtemp()
+        a = DataPlane(0, ipc_dir=d, nccl_device=jax.devices()[0])
+        await a.start()
+        try:
+            good = list(nccl.get_unique_id())
+            for bad in ([1] * 5, [300] * 128, ["x"] * 128, None, [True] * 128):
+                spec = {"address": f"ipc://{d}/nobody", "route": "nccl", "nccl_out": bad, "nccl_in": good}
+                with pytest.raises(ValueError, match=r"peer 1: route nccl needs 'nccl_out', an NCCL unique id of 128 byte values"):
+                    await a.connect({1: spec})
+                assert 1 not in a.routes
+        finally:
+            a.close()
+
+    asyncio.run(go())

@@ -200,16 +200,10 @@ class DataPlane(P2PTransport):
                     assert self._auth is not None
                     self._auth.revoke(str(peer))  # a restarted peer has a new key; the old one is no longer it
                     self._auth.admit({key: str(peer)})
-            else:  # the same peer as before. A wiring in between that gave it another key (refused: a probe) left
-                # two things that nothing tried again, every later session's transfers failing until a restart:
-                # our connection to it, whose handshake it refused (ZeroMQ does not re-dial a refused handshake: no
-                # pipe is left, so a send cannot post), and the link it dropped. A new wiring (a new session, or a
-                # recovery: nothing of the steps before is still in flight) dials both again at the first send. (Not
-                # only a connection seen refused: the refusal can reach this socket after the wiring.)
+            else:  # the same peer as before: a link it dropped meanwhile (a wiring in between that gave it another
+                # key: a probe) is tried again. (Its ZeroMQ connection stays: other sessions' transfers may be on it;
+                # one whose handshake was refused is dialled again at its next send, see `_post`.)
                 self._no_link.discard(peer)
-                old = self._out.pop(peer, None)
-                if old is not None:
-                    old.close(linger=0)
             if prefix is not None:
                 self._peer_shm[peer] = prefix
             self.routes[peer] = route
@@ -336,7 +330,16 @@ class DataPlane(P2PTransport):
             frames = frames or encode(header, arrays)
             # Small frames are copied into ZeroMQ's messages: cheaper than zero-copy's bookkeeping (half the time).
             copy = not track and sum(len(f) for f in frames) < SHM_MIN_BYTES
-            return sock.send_multipart(frames, copy=copy, track=track, flags=zmq.NOBLOCK)
+            try:
+                return sock.send_multipart(frames, copy=copy, track=track, flags=zmq.NOBLOCK)
+            except zmq.Again:  # (SNDHWM 0: only a socket left with no pipe, its handshake refused, which ZeroMQ does
+                # not re-dial: a wiring that gave the peer a wrong key for us had every later session's sends fail until
+                # the daemons restarted; a probe. Dialled again, once.)
+                self._out.pop(peer, None)
+                sock.close(linger=0)
+                sock = self._dial(peer)
+                assert sock is not None
+                return sock.send_multipart(frames, copy=copy, track=track, flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:
             raise TransferError(f"actor {self.actor_id} could not send to actor {peer}: {e}") from None
 
