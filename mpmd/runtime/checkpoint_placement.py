@@ -107,36 +107,44 @@ def step_homes(step: Any, mesh: Any, paths: list[str], shapes: list[tuple[int, .
 
 
 def targets(leaves: list[Leaf], like: list[Any], mesh: Any, for_step: Any = None, checkpoint: str | None = None) -> list[Target]:
-    """Per saved leaf, where it is restored (see the module docstring). A `like` RemoteArray of another mesh or
-    deleted is refused: it says where its leaf goes no more (it silently fell back to the saving actors; a probe)."""
+    """Per saved leaf, where it is restored (see the module docstring). `like` RemoteArrays of another mesh say
+    nothing of where to put a leaf here: without `for_step`, that is warned of (they were taken silently for this
+    mesh's and ignored; a probe). A deleted one of this mesh (the state a failed or donated step took, restored
+    from a checkpoint as that error says) leaves its leaf where it was saved, as a host leaf does."""
     am = mesh.actor_mesh
     from_step: list[Target | None] = [None] * len(leaves)
     if for_step is not None:
         paths = [leaf.path for leaf in leaves]
         from_step = step_homes(for_step, mesh, paths, [leaf.shape for leaf in leaves])
     out = []
+    elsewhere: list[str] = []
     for leaf, x, t in zip(leaves, like, from_step):
-        if t is None and isinstance(x, RemoteArray) and (x.mesh is not mesh or x.is_deleted):
-            why = (f"is deleted (donated to a step or deleted); pass a live RemoteArray of {mesh!r:.80}" if x.mesh is mesh else
-                   f"lives on {x.mesh!r:.80}, not on {mesh!r:.80}, the mesh restored into; pass like= RemoteArrays of this "
-                   "mesh (a fresh init on it) or host arrays")
-            raise CheckpointError(f"mpmd.restore: checkpoint {checkpoint}: like's leaf {leaf.path} {why}, so it cannot say where the leaf goes", checkpoint=checkpoint,
-                                  leaf=leaf.path)
         if t is not None:
             out.append(t)
-        elif isinstance(x, RemoteArray) and x.mesh is mesh:
+        elif isinstance(x, RemoteArray) and x.mesh is mesh and not x.is_deleted:
             held = x.sharding.layout if x.sharding is not None else (() if am is not None else None)
             out.append(Target(tuple(x.actors), held))
         elif leaf.part == HOST_PART:
             out.append(Target((), None))
         else:
+            if isinstance(x, RemoteArray) and x.mesh is not mesh and for_step is None:
+                elsewhere.append(leaf.path)
             if max(leaf.saved_actors) >= len(mesh):
                 raise CheckpointError(
-                    f"mpmd.restore: checkpoint {checkpoint}: leaf {leaf.path} was saved from actors {list(leaf.saved_actors)}, but this mesh has {len(mesh)} actors, so "
-                    "mpmd cannot guess where it goes: pass for_step=step (the compiled step that will read it) or like= a tree "
-                    "of RemoteArrays on this mesh (e.g. a fresh init) whose placement says where each leaf goes",
+                    f"mpmd.restore: checkpoint {checkpoint}: leaf {leaf.path} was saved from actors {list(leaf.saved_actors)}, "
+                    f"but this mesh has {len(mesh)} actors, so mpmd cannot guess where it goes: pass for_step=step (the "
+                    "compiled step that will read it) or like= a tree of RemoteArrays on this mesh (e.g. a fresh init) whose "
+                    "placement says where each leaf goes"
+                    + (" (like's are of another mesh)" if isinstance(x, RemoteArray) and x.mesh is not mesh else ""),
                     checkpoint=checkpoint, leaf=leaf.path)
             out.append(Target(leaf.saved_actors, _saved_layout(leaf, am)))
+    if elsewhere:
+        import warnings
+
+        warnings.warn(f"mpmd.restore: checkpoint {checkpoint}: like's RemoteArrays at {elsewhere[:3]}"
+                      f"{' ...' if len(elsewhere) > 3 else ''} are of another mesh, so they say nothing of where those leaves go "
+                      "here: each goes back to the actors that saved it; pass for_step=step, or like= RemoteArrays of this mesh",
+                      stacklevel=3)
     return out
 
 
