@@ -74,6 +74,12 @@ def test_keys_generate_makes_its_directory_755_under_any_umask_and_never_writes_
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "a").stat().st_mode) == stat.S_IMODE((tmp_path / "a" / "k").stat().st_mode) == 0o755
     check_safe_path(tmp_path / "a" / "k", "key directory")  # what a daemon checks of --authorized-keys
+    old = os.umask(0o077)  # a stricter umask's choice stays (a review: it was forced to 755)
+    try:
+        assert keys_cli.main(["keys", "generate", str(tmp_path / "strict")]) == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "strict").stat().st_mode) == 0o700
     (tmp_path / "victim").write_text("mine")
     links = tmp_path / "links"
     links.mkdir()

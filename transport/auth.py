@@ -236,8 +236,8 @@ def generate_key_files(directory: str | os.PathLike[str], name: str = DEFAULT_KE
     d = Path(directory).expanduser()
     made = [p for p in (d, *d.parents) if not p.exists()]
     d.mkdir(parents=True, exist_ok=True)
-    for p in reversed(made):  # (755 whatever the umask: under umask 000 it was 777, which every daemon then refused)
-        os.chmod(p, 0o755)
+    for p in reversed(made):  # (never writable by others whatever the umask: under umask 000 it was 777, which every
+        os.chmod(p, stat.S_IMODE(p.stat().st_mode) & ~0o022)  # daemon then refused; a stricter umask's 700 stays)
     public_path, secret_path = d / f"{name}{PUBLIC_SUFFIX}", d / f"{name}{SECRET_SUFFIX}"
     for p in (public_path, secret_path):  # (before either is written: no pair is left half new)
         if p.is_symlink():

@@ -102,9 +102,11 @@ def _simulate(args: argparse.Namespace) -> int:
             return 2
         named[os.path.realpath(path)] = flag
         folder = os.path.dirname(os.path.abspath(path))
-        if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        # (a file that exists is written in place: its own mode counts, not its folder's; `--trace /dev/stdout`)
+        writable = os.access(path, os.W_OK) if os.path.exists(path) else os.access(folder, os.W_OK)
+        if os.path.isdir(path) or not os.path.isdir(folder) or not writable:
             why = "is a directory" if os.path.isdir(path) else f"{folder} is not a directory" if not os.path.isdir(folder) else \
-                f"{folder} is not writable"
+                "is not writable" if os.path.exists(path) else f"{folder} is not writable"
             print(f"mpmd simulate: cannot write {flag} {path}: {why}", file=sys.stderr)
             return 2
     try:

@@ -97,7 +97,10 @@ def _run(args: argparse.Namespace) -> int:
     # (a model past this machine's memory ended in a JAX RESOURCE_EXHAUSTED traceback, or took the machine; a probe)
     weights = 12 * args.layers * args.width ** 2 + (256 + args.seq) * args.width  # blocks' attention and 4x MLP, embedding
     need = 4 * weights * 4  # float32 params, AdamW's two moments and the gradients
-    have = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    from mpmd.runtime.launch.local import host_memory
+
+    memory = host_memory() or {}  # (MemAvailable: free memory less the page cache it can take back; sysconf's is MemFree)
+    have = memory.get("MemAvailable") or os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if need > have:
         raise SystemExit(f"mpmd tune: a GPT of --layers {args.layers} and --width {args.width} has about {weights / 1e6:,.0f}M "
                          f"parameters: with AdamW's moments and the gradients {need / 2**30:,.1f} GiB, more than this machine's "
