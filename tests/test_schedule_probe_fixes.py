@@ -414,6 +414,20 @@ def test_an_exception_in_a_user_schedules_own_method_names_the_schedule_and_keep
     assert isinstance(e.value.__cause__, error)
 
 
+def test_an_exception_in_a_generator_tasks_names_the_schedule_too():
+    """A tasks() written as a generator runs as the table is read: its error was 'must return one list of Tasks per
+    actor' with no cause (a review)."""
+
+    class Lazy(mpmd.GPipe):
+        def tasks(self, m):
+            yield from super().tasks(m)
+            raise KeyError("my bug")
+
+    with pytest.raises(mpmd.ScheduleError, match=r"Lazy.*\.tasks\(2\) raised KeyError: 'my bug'") as e:
+        mpmd.validate(Lazy(num_stages=2), 2)
+    assert isinstance(e.value.__cause__, KeyError)
+
+
 def test_simulate_checks_its_output_names_before_any_work(tmp_path, capsys):
     """Two outputs named alike overwrote each other (both 'wrote'); an unwritable one failed after the table was
     printed and the outputs before it written (a probe). Each is refused first, nothing printed or written."""
