@@ -131,13 +131,13 @@ class InputSegments:
         if len(self.maps) >= MAX_SEGMENTS:
             raise RequestError(f"shared-memory input {name}: this session already maps {len(self.maps)} segments (the limit)")
         try:
-            # (non-blocking: a FIFO put under the name froze the daemon's loop in open() until a writer came; a probe)
-            fd = shm._posixshmem.shm_open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW, 0)
+            # (non-blocking on Linux: a FIFO put under the name froze the daemon's loop in open() until a writer came; a probe)
+            fd = shm._posixshmem.shm_open(name, os.O_RDONLY | shm.OPEN_FLAGS, 0)
         except OSError as e:
             raise RequestError(f"shared-memory input {name} cannot be opened on actor {self.actor_id}: {e.strerror}") from None
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
+            if shm.not_a_segment(st):
                 raise RequestError(f"shared-memory input {name} is not a shared-memory segment (a regular file) but a "
                                    f"{_kind(st.st_mode)}; is something else on this host using mpmd's segment names?")
             if st.st_uid != os.getuid():

@@ -25,6 +25,7 @@ import logging
 import mmap
 import os
 import stat
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +56,19 @@ def _pool_limit() -> int:
 
 
 POOL_LIMIT = _pool_limit()
+
+
+# Linux keeps POSIX shared memory as files in /dev/shm, where any user can put a FIFO under a name (an open of one
+# blocks until a writer comes: a daemon's event loop froze so; a probe): opened non-blocking, never through a link,
+# and only a regular file taken. (macOS's shm objects are not files: its shm_open takes no such flags, and its fstat
+# sets no file type.)
+_LINUX = sys.platform.startswith("linux")
+OPEN_FLAGS = os.O_NONBLOCK | os.O_NOFOLLOW if _LINUX else 0
+
+
+def not_a_segment(st: os.stat_result) -> bool:
+    """Whether a shared-memory name's fstat says it is no segment (on Linux: not a regular file)."""
+    return _LINUX and not stat.S_ISREG(st.st_mode)
 
 
 def available() -> bool:
@@ -260,10 +274,10 @@ class ShmReceiver:
             if not name.startswith("/mpmd-") or "/" in name[1:]:
                 raise ValueError(f"shared-memory name {name!r} is not one of ours")
             self._unmap_closed(src)  # (a new segment: the sender may have closed older ones, past its pool's limit)
-            fd = _posixshmem.shm_open(name, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW, 0o600)  # (never blocks on a FIFO)
+            fd = _posixshmem.shm_open(name, os.O_RDWR | OPEN_FLAGS, 0o600)
             try:
                 st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
+                if not_a_segment(st):
                     raise ValueError(f"shared-memory segment {name} is not a regular file (mode {st.st_mode:o}); is something "
                                      "else on this host using mpmd's segment names?")
                 if st.st_uid != os.getuid():
