@@ -1031,7 +1031,13 @@ def _check_hello(address: str, header: dict[str, Any]) -> None:
         if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
             raise IncompatibleActorError(f"the daemon at {address} answered hello with {field}={value!r:.60}, not {what}: is it an "
                                          "mpmd-actor of this version? install the same mpmd on every node and the controller")
-    header.setdefault("p2p", None)
+    p2p = header.setdefault("p2p", None)
+    for field, types, what in (*((f, (str,), "a str") for f in ("tcp", "ipc", "host", "key", "shm_prefix", "link")),
+                               *((f, (bool,), "a bool") for f in ("shm", "nccl")), ("pid", (int,), "an int")):
+        value = p2p.get(field) if p2p is not None else None  # (the wiring reads them: p2p={"tcp": 5} failed deep in it)
+        if value is not None and (not isinstance(value, types) or (bool not in types and isinstance(value, bool))):
+            raise IncompatibleActorError(f"the daemon at {address} answered hello with p2p.{field}={value!r:.60}, not {what}: is "
+                                         "it an mpmd-actor of this version? install the same mpmd on every node and the controller")
 
 
 @atexit.register  # (after the program's other threads have ended, and after the exit hooks it registered later)
