@@ -88,12 +88,18 @@ def fake_cupy():
     return cupy, cuda, nccl
 
 
-@pytest.fixture
-def nccl_pair(monkeypatch):
+def stand_in_cupy(monkeypatch):
+    """The fake cupy put where `import cupy` finds it; returns its nccl module."""
     cupy, cuda, nccl = fake_cupy()
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
     monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", nccl)
+    return nccl
+
+
+@pytest.fixture
+def nccl_pair(monkeypatch):
+    nccl = stand_in_cupy(monkeypatch)
 
     async def make():
         d = tempfile.mkdtemp()
@@ -170,10 +176,7 @@ def test_dtypes_cupy_lacks_go_over_nccl_as_bytes_and_come_back_exact(name):
 def test_an_nccl_spec_with_a_malformed_unique_id_is_refused_before_anything_changes(monkeypatch):
     """route nccl's ids are checked with the rest of the spec (the route was set, then the ids failed deep in NCCL's
     setup or as a bare KeyError; a probe): each must be 128 byte values. (cupy stood in for, as above.)"""
-    cupy, cuda, nccl = fake_cupy()
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
-    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
-    monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", nccl)
+    nccl = stand_in_cupy(monkeypatch)
 
     async def go():
         d = tempfile.mkdtemp()
