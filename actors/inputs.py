@@ -34,15 +34,6 @@ ALIGN = 64
 MAX_SEGMENTS = 64  # mappings one session may hold; the controller double-buffers, so a handful is plenty
 
 
-def _kind(mode: int) -> str:
-    """What a file that is not a regular one is, in words."""
-    for test, word in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISDIR, "directory"), (stat.S_ISCHR, "character device"),
-                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket"), (stat.S_ISLNK, "symbolic link")):
-        if test(mode):
-            return word
-    return f"file of mode {mode:o}"
-
-
 class InputSegments:
     """One session's view of the segments its controller writes step arguments into."""
 
@@ -137,9 +128,10 @@ class InputSegments:
             raise RequestError(f"shared-memory input {name} cannot be opened on actor {self.actor_id}: {e.strerror}") from None
         try:
             st = os.fstat(fd)
-            if shm.not_a_segment(st):
-                raise RequestError(f"shared-memory input {name} is not a shared-memory segment (a regular file) but a "
-                                   f"{_kind(st.st_mode)}; is something else on this host using mpmd's segment names?")
+            kind = shm.not_a_segment(st)
+            if kind:
+                raise RequestError(f"shared-memory input {name} is not a shared-memory segment (a regular file) but {kind}; "
+                                   "is something else on this host using mpmd's segment names?")
             if st.st_uid != os.getuid():
                 raise RequestError(f"shared-memory input {name} belongs to user {st.st_uid}, not to this actor's user")
             if stat.S_IMODE(st.st_mode) & 0o077:

@@ -19,6 +19,7 @@ Then two refinements:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,8 +147,6 @@ def _warn_backward_left_to_the_last_stage(last_b: list[Any], last_f: list[Any], 
     jax.custom_vjp's fwd rule does this: JAX traces the rule inline under grad, so its forward marker cuts, but the
     bwd rule has none; the numbers come out right, but every stage's residuals travel to the last actor and it runs
     every backward (a probe). (Gradients of the last stage alone, or an eval loop, read none: no warning.)"""
-    import warnings
-
     forward_reads = {v for e in last_f for v in var_inputs(e)}
     early = {stage_of[v] for e in last_b for v in var_inputs(e) if stage_of.get(v, n - 1) < n - 1 and v not in forward_reads}
     if early:

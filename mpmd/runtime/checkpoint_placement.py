@@ -13,6 +13,7 @@ A leaf with no answer (it lived on actor 3, the mesh has 2) is a CheckpointError
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,8 +140,6 @@ def targets(leaves: list[Leaf], like: list[Any], mesh: Any, for_step: Any = None
                     checkpoint=checkpoint, leaf=leaf.path)
             out.append(Target(leaf.saved_actors, _saved_layout(leaf, am)))
     if elsewhere:
-        import warnings
-
         warnings.warn(f"mpmd.restore: checkpoint {checkpoint}: like's RemoteArrays at {elsewhere[:3]}"
                       f"{' ...' if len(elsewhere) > 3 else ''} are of another mesh, so they say nothing of where those leaves go "
                       "here: each goes back to the actors that saved it; pass for_step=step, or like= RemoteArrays of this mesh",

@@ -1016,28 +1016,28 @@ class RemoteMesh:
 
 
 
+_NUMBER, _INT, _STR, _BOOL = ((int, float), "a number"), ((int,), "an int"), ((str,), "a str"), ((bool,), "a bool")
 _HELLO_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {  # what a daemon's hello reply may hold (absent: None)
-    "actor_id": ((int,), "an int"), "devices": ((list,), "a list"), "jax_version": ((str,), "a str"),
-    "platform": ((str,), "a str"), "p2p": ((dict,), "a map"), "pid": ((int,), "an int"), "sessions": ((int,), "an int"),
-    "request_timeout": ((int, float), "a number"), "compile_timeout": ((int, float), "a number"),
-    "session_timeout": ((int, float), "a number"), "max_message_bytes": ((int,), "an int")}
+    "actor_id": _INT, "devices": ((list,), "a list"), "jax_version": _STR, "platform": _STR, "p2p": ((dict,), "a map"),
+    "pid": _INT, "sessions": _INT, "request_timeout": _NUMBER, "compile_timeout": _NUMBER, "session_timeout": _NUMBER,
+    "max_message_bytes": _INT,
+    # its data plane's endpoint, which the wiring reads (p2p={"tcp": 5} failed deep in it)
+    "p2p.tcp": _STR, "p2p.ipc": _STR, "p2p.host": _STR, "p2p.key": _STR, "p2p.shm_prefix": _STR, "p2p.link": _STR,
+    "p2p.shm": _BOOL, "p2p.nccl": _BOOL, "p2p.pid": _INT}
 
 
 def _check_hello(address: str, header: dict[str, Any]) -> None:
     """An IncompatibleActorError unless every field a hello reply holds has its type (a stand-in that said
     devices=-3 ended in a TypeError deep in the mesh's making, a reply without p2p in a KeyError; a probe)."""
+    header.setdefault("p2p", None)
     for field, (types, what) in _HELLO_FIELDS.items():
-        value = header.get(field)
-        if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
+        outer, _, inner = field.partition(".")
+        value = header.get(outer)
+        if inner:
+            value = value.get(inner) if isinstance(value, dict) else None  # (p2p checked first: a map or None)
+        if value is not None and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
             raise IncompatibleActorError(f"the daemon at {address} answered hello with {field}={value!r:.60}, not {what}: is it an "
                                          "mpmd-actor of this version? install the same mpmd on every node and the controller")
-    p2p = header.setdefault("p2p", None)
-    for field, types, what in (*((f, (str,), "a str") for f in ("tcp", "ipc", "host", "key", "shm_prefix", "link")),
-                               *((f, (bool,), "a bool") for f in ("shm", "nccl")), ("pid", (int,), "an int")):
-        value = p2p.get(field) if p2p is not None else None  # (the wiring reads them: p2p={"tcp": 5} failed deep in it)
-        if value is not None and (not isinstance(value, types) or (bool not in types and isinstance(value, bool))):
-            raise IncompatibleActorError(f"the daemon at {address} answered hello with p2p.{field}={value!r:.60}, not {what}: is "
-                                         "it an mpmd-actor of this version? install the same mpmd on every node and the controller")
 
 
 @atexit.register  # (after the program's other threads have ended, and after the exit hooks it registered later)

@@ -160,7 +160,11 @@ def _users(name: str, call: str, method: Callable[[int], Any], arg: int) -> Any:
     except ScheduleError:
         raise
     except Exception as e:
-        raise ScheduleError(f"{name}.{call} raised {type(e).__name__}: {e} (the exception above says where)") from e
+        raise _raised(name, call, e) from e
+
+
+def _raised(name: str, call: str, e: Exception) -> ScheduleError:
+    return ScheduleError(f"{name}.{call} raised {type(e).__name__}: {e} (the exception above says where)")
 
 
 def is_count(x: object) -> bool:
@@ -218,7 +222,7 @@ def validate(schedule: Schedule, num_microbatches: int, forward_only: bool = Fal
     except TypeError as e:  # (chained: a generator's own TypeError is raised here too, and its line is the user's)
         raise ScheduleError(f"{name}.tasks({m}) must return one list of Tasks per actor ({e})") from e
     except Exception as e:  # (a tasks() written as a generator runs here)
-        raise ScheduleError(f"{name}.tasks({m}) raised {type(e).__name__}: {e} (the exception above says where)") from e
+        raise _raised(name, f"tasks({m})", e) from e
     if len(table) != p:
         used = 1 + max(schedule.actor_of(s) for s in range(n))
         hint = (f" (num_actors defaults to num_stages: a schedule whose actor_of puts its {n} stages on {used} actors "

@@ -66,9 +66,16 @@ _LINUX = sys.platform.startswith("linux")
 OPEN_FLAGS = os.O_NONBLOCK | os.O_NOFOLLOW if _LINUX else 0
 
 
-def not_a_segment(st: os.stat_result) -> bool:
-    """Whether a shared-memory name's fstat says it is no segment (on Linux: not a regular file)."""
-    return _LINUX and not stat.S_ISREG(st.st_mode)
+def not_a_segment(st: os.stat_result) -> str:
+    """What a shared-memory name's fstat says it is when that is no segment (on Linux: not a regular file; 'a
+    FIFO', say), else ''."""
+    if not _LINUX or stat.S_ISREG(st.st_mode):
+        return ""
+    for test, word in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link")):
+        if test(st.st_mode):
+            return word
+    return f"a file of mode {st.st_mode:o}"
 
 
 def available() -> bool:
@@ -277,9 +284,10 @@ class ShmReceiver:
             fd = _posixshmem.shm_open(name, os.O_RDWR | OPEN_FLAGS, 0o600)
             try:
                 st = os.fstat(fd)
-                if not_a_segment(st):
-                    raise ValueError(f"shared-memory segment {name} is not a regular file (mode {st.st_mode:o}); is something "
-                                     "else on this host using mpmd's segment names?")
+                kind = not_a_segment(st)
+                if kind:
+                    raise ValueError(f"shared-memory segment {name} is not a regular file but {kind}; is something else on this "
+                                     "host using mpmd's segment names?")
                 if st.st_uid != os.getuid():
                     raise ValueError(f"shared-memory segment {name} belongs to user {st.st_uid}, not to this actor's user")
                 if st.st_size < size:
