@@ -103,6 +103,11 @@ class DataPlane(P2PTransport):
         self._router.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
         self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self._router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)  # (a stranger's idle connection is dropped)
+        # A peer dials with its actor id as routing id. A restarted peer dials again under the same id while its old
+        # connection may still be here (a dead host's half-open TCP connection; a killed process's end noticed a
+        # moment later): without a handover ZeroMQ drops every message of the new connection, for good. Who sent a
+        # message is its key's word, never the routing id, so letting the newest connection take the id costs nothing.
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if keys is not None:
             self._auth = Authenticator(self._ctx, f"actor {actor_id} data plane")
             self._auth.start()
