@@ -2,6 +2,7 @@
 
 import os
 import signal
+import stat
 import threading
 import time
 
@@ -206,6 +207,28 @@ def test_local_mesh_leaves_no_process_behind():
     assert all(_alive(pid) for pid in pids)
     mesh.close()
     assert not any(_alive(pid) for pid in pids)
+
+
+def test_a_temporary_directory_too_long_for_unix_sockets_puts_the_mesh_sockets_in_tmp(tmp_path, monkeypatch):
+    """Under a TMPDIR whose socket paths would pass sockaddr_un's 107 bytes (a cluster job's scratch directory),
+    every local daemon failed to bind its ipc socket; the sockets now go to a directory of their own in /tmp."""
+    import tempfile
+
+    from mpmd.runtime.launch.local import socket_dir
+
+    long = tmp_path / ("d" * 110)
+    long.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long))
+    d = socket_dir("mpmd-", "p2p-1.sock")
+    try:
+        assert os.path.dirname(d) == "/tmp" and stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    finally:
+        os.rmdir(d)
+    with mpmd.RemoteMesh.local(num_actors=2) as mesh:
+        assert os.path.dirname(mesh._tmpdir) == "/tmp"
+        x = mesh.actor(0).put(np.arange(3.0))
+        assert mesh.actor(1).run(jax.jit(lambda a: a * 2), x.to_numpy()).to_numpy().tolist() == [0.0, 2.0, 4.0]
+    assert not os.path.exists(mesh._tmpdir)
 
 
 def test_local_gpu_actors_on_a_machine_without_them_are_an_error_not_a_silent_cpu_mesh():

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import zmq
+
 from mpmd.errors import ActorStartError
 from mpmd.runtime.arguments import check_count, check_seconds
 from transport.auth import ClientKeys, KeyPair
@@ -110,6 +112,30 @@ def default_cache_dir() -> str:
         return os.environ["MPMD_CACHE_DIR"]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "mpmd", "xla")
+
+
+IPC_PATH_MAX = 107  # bytes of a Unix socket path (sockaddr_un.sun_path less its NUL), where pyzmq does not say
+
+
+def socket_dir(prefix: str, longest_name: str) -> str:
+    """A new private directory (mode 700) for daemon sockets: in the temporary directory, or in /tmp when a socket
+    named `longest_name` there would be past the length a Unix socket path may have (a long TMPDIR, e.g. a cluster
+    job's scratch: every daemon failed to bind with a path error; a probe)."""
+    limit = getattr(zmq, "IPC_PATH_MAX_LEN", 0) or IPC_PATH_MAX
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    if len(os.path.join(tmp, longest_name).encode()) <= limit:
+        return tmp
+    os.rmdir(tmp)
+    if os.path.isdir("/tmp") and os.access("/tmp", os.W_OK | os.X_OK):
+        tmp = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+        if len(os.path.join(tmp, longest_name).encode()) <= limit:
+            log.info("the temporary directory %s is too long a path for Unix sockets; daemon sockets go to %s",
+                     tempfile.gettempdir(), tmp)
+            return tmp
+        os.rmdir(tmp)
+    raise ActorStartError(f"the temporary directory {tempfile.gettempdir()!r} is too long a path for the daemons' Unix sockets "
+                          f"(at most {limit} bytes with {longest_name!r}), and /tmp cannot be used instead; set TMPDIR to a "
+                          "shorter directory")
 
 
 def cpu_sets(num_actors: int, cpus_per_actor: int) -> list[list[int]]:
@@ -373,7 +399,7 @@ def start_local(num_actors: int, options: LocalOptions) -> LocalMesh:
         log.warning("RemoteMesh.local: %d actors take ~%.1f GiB before any array, and %.1f GiB of memory is available now",
                     num_actors, num_actors * DAEMON_BYTES / 2**30, memory.get("MemAvailable", 0) / 2**30)
     cpus = cpu_sets(num_actors, options.cpus_per_actor) if options.cpus_per_actor else [None] * num_actors
-    tmp = tempfile.mkdtemp(prefix="mpmd-")  # mode 700: other users cannot reach the sockets in it
+    tmp = socket_dir("mpmd-", f"p2p-{num_actors - 1}.sock")  # mode 700: other users cannot reach the sockets in it
     addrs = [f"ipc://{tmp}/actor{i}.sock" if options.address == "ipc" else "tcp://127.0.0.1:0" for i in range(num_actors)]
     keys = handoff = None
     if not options.insecure:

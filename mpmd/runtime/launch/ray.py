@@ -46,7 +46,15 @@ from typing import Any
 
 from mpmd.errors import ActorStartError, MpmdError
 from mpmd.runtime.arguments import check_count, check_seconds
-from mpmd.runtime.launch.local import LOG_LEVELS, default_cache_dir, describe_exit, remove_shared_memory, said_stopped, terminate
+from mpmd.runtime.launch.local import (
+    LOG_LEVELS,
+    default_cache_dir,
+    describe_exit,
+    remove_shared_memory,
+    said_stopped,
+    socket_dir,
+    terminate,
+)
 from mpmd.runtime.launch.rendezvous import ActorFacts, check_compatible
 from transport.auth import ClientKeys, KeyPair
 from transport.rendezvous import process_running
@@ -73,7 +81,8 @@ OWNERS = "owners"  # in a daemon's directory: the pids of its Ray worker and of 
 def sweep_stale_dirs() -> None:
     """Remove the directories of daemons on this node whose Ray worker and daemon are both gone: a Ray actor
     killed (ray.kill, a lost node's restart) takes its daemon with it before either can remove its directory."""
-    for d in glob.glob(os.path.join(tempfile.gettempdir(), "mpmd-ray-*")):
+    homes = {tempfile.gettempdir(), "/tmp"}  # (/tmp: where `socket_dir` puts them under a TMPDIR too long for sockets)
+    for d in (d for home in sorted(homes) for d in glob.glob(os.path.join(home, "mpmd-ray-*"))):
         try:
             if os.stat(d).st_uid != os.getuid():
                 continue
@@ -100,7 +109,7 @@ class DaemonHost:
         actor_id = int(spec["actor_id"])
         host = spec.get("host") or ray.util.get_node_ip_address()
         sweep_stale_dirs()
-        self.dir = tempfile.mkdtemp(prefix="mpmd-ray-")  # mode 700: its ipc socket and log
+        self.dir = socket_dir("mpmd-ray-", f"p2p-{actor_id}.sock")  # mode 700: its ipc socket and log
         self.log_path = os.path.join(self.dir, f"actor{actor_id}.log")
         server = KeyPair.generate()  # made here, on the daemon's node; only the public half leaves
         assert server.secret is not None
