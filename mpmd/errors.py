@@ -3,6 +3,9 @@ what to do."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 
 class MpmdError(Exception):
     """Base class of all mpmd errors."""
@@ -78,3 +81,13 @@ class CheckpointError(MpmdError):
                  leaf: str | None = None) -> None:
         self.checkpoint, self.actor, self.file, self.leaf = checkpoint, actor, file, leaf
         super().__init__(message)
+
+
+def callers_level() -> int:
+    """The `warnings.warn` stacklevel, for the function that calls this one, of the first frame outside mpmd: a
+    warning then names the user's line, however deep in mpmd it was raised."""
+    frame, level = sys._getframe(2), 2
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -10,7 +10,6 @@ import functools
 import inspect
 import itertools
 import logging
-import os
 import sys
 import threading
 import time
@@ -29,7 +28,7 @@ from mpmd.compiler.inline import inline_calls
 from mpmd.compiler.lowering import rebind_constraints, tracing_mesh, without_callers_mesh
 from mpmd.compiler.plan import StepPlan, iter_lowered, plan_step
 from mpmd.compiler.program import Send
-from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError, ScheduleError
+from mpmd.errors import ActorDiedError, MpmdError, PipelineError, RemoteError, ScheduleError, callers_level
 from mpmd.observe.report import PlacementReport, placement_report
 from mpmd.primitives import tracing_distributed
 from mpmd.runtime.aio import abortable, as_caller, callers_config, off_loop, start_in_worker, watch
@@ -359,7 +358,7 @@ def _warn_lost_updates(fn: Any, names: list[str], before: list[tuple[str, Any, A
                       "does not return their new values: as under jax.jit, those updates are lost when the step returns, so "
                       "the next call starts from the old values. Return the updated state (e.g. nnx.state(model), "
                       "nnx.state(optimizer)) and nnx.update the objects with it, or pass and return nnx.split state "
-                      "(nnx.jit writes in-place updates back; jax.jit and mpmd.distributed do not)", UserWarning, stacklevel=3)
+                      "(nnx.jit writes in-place updates back; jax.jit and mpmd.distributed do not)", UserWarning, stacklevel=callers_level())
 
 
 class _Interrupted(Exception):
@@ -398,17 +397,7 @@ def _warn_debug_checks() -> None:
     if checks:
         warnings.warn(f"{' and '.join(checks)} is set, but the actors do not check the values this step computes (a NaN "
                       "is returned, not raised): check what you fetch (jnp.isfinite(loss)), or run the step under "
-                      "jax.jit to find where a NaN appears", stacklevel=_callers_level())
-
-
-def _callers_level() -> int:
-    """The warnings stacklevel, for `warnings.warn` in the function that calls this one, of the first frame
-    outside mpmd."""
-    frame, level = sys._getframe(2), 2
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
+                      "jax.jit to find where a NaN appears", stacklevel=callers_level())
 
 
 MAX_SIGNATURES = 128  # argument signatures a distributed function keeps compiled (and loaded on its actors)
@@ -967,7 +956,7 @@ class DistributedFunction(ShallowCopyOnly):
                               f"({', '.join(paths[j] for j in kept_as_given if j < len(paths))}) is not applied: the step returns those arguments unchanged, and mpmd hands back each "
                               "argument itself, laid out as it came (jax.jit would copy it into the layout asked for). Lay "
                               "the argument out so where it is made (in_shardings, or the out_shardings of the step that "
-                              "made it), or return a value computed from it", stacklevel=_callers_level())
+                              "made it), or return a value computed from it", stacklevel=callers_level())
 
         if arg_sig is not None:
             for key, lay in _kept_layouts(plan, out_tree, arg_sig).items():

@@ -696,8 +696,9 @@ def test_a_like_remote_array_of_another_mesh_is_warned_of_and_a_deleted_one_rest
     mpmd.save(str(tmp_path / "c"), {"x": x})
     with mpmd.RemoteMesh.local(num_actors=1) as other:
         elsewhere = other.actor(0).put(np.zeros(6, np.float32))
-    with pytest.warns(UserWarning, match=r"like's RemoteArrays at \[\"\['x'\]\"\] are of another mesh.*back to the actors that saved"):
+    with pytest.warns(UserWarning, match=r"like's RemoteArrays at \[\"\['x'\]\"\] are of another mesh.*back to the actors that saved") as rec:
         back = mpmd.restore(str(tmp_path / "c"), mesh2, like={"x": elsewhere})["x"]
+    assert rec[0].filename == __file__  # (the caller's line, not one inside mpmd)
     assert back.actors == [1]
     np.testing.assert_array_equal(back.to_numpy(), np.arange(6))
     gone = mesh2.actor(0).put(np.zeros(6, np.float32))
@@ -726,8 +727,9 @@ def test_a_like_that_differs_only_in_nodes_without_arrays_is_warned_of(tmp_path)
     params = {"w": np.ones((3,), np.float32)}
     state = (params, optax.adamw(1e-2).init(params))
     mpmd.save(str(tmp_path / "c"), state)
-    with pytest.warns(UserWarning, match=r"the saved tree had \d+ nodes, `like` has \d+: every array matched"):
+    with pytest.warns(UserWarning, match=r"the saved tree had \d+ nodes, `like` has \d+: every array matched") as rec:
         mpmd.load(str(tmp_path / "c"), like=(params, optax.adam(1e-2).init(params)))
+    assert rec[0].filename == __file__  # (the caller's line, not one inside mpmd)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         back = mpmd.load(str(tmp_path / "c"), like=state)

@@ -231,8 +231,9 @@ def test_a_marker_in_a_custom_vjp_fwd_rule_is_warned_of_and_plain_steps_are_not(
     rng = np.random.default_rng(0)
     params = [(rng.standard_normal((16, 16)) / 4).astype(np.float32) for _ in range(4)]
     batch = {"x": rng.standard_normal((4, 8, 16)).astype(np.float32), "y": rng.standard_normal((4, 8, 16)).astype(np.float32)}
-    with pytest.warns(UserWarning, match=r"the backward work of stage\(s\) \[0, 1, 2\] runs in the last stage's task.*custom_vjp"):
+    with pytest.warns(UserWarning, match=r"the backward work of stage\(s\) \[0, 1, 2\] runs in the last stage's task.*custom_vjp") as rec:
         _plan(step_of((0, 1, 2, 3)), (params, batch), 2)
+    assert rec[0].filename == __file__  # (the caller's line, not one inside mpmd)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _plan(step_of((3,), plain), (params, batch), 2)  # (the head's gradient alone: nothing of stages 0-2 in the backward)

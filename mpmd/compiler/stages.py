@@ -29,7 +29,7 @@ from jax.extend.core import Var
 from mpmd.compiler.body import LoopBody
 from mpmd.compiler.eqns import is_var, nbytes, upstream, var_inputs
 from mpmd.compiler.multipass import split_by_dataflow
-from mpmd.errors import PipelineError
+from mpmd.errors import PipelineError, callers_level
 from mpmd.primitives import BWD, FWD, pipeline_yield_p
 
 Region = tuple[int, str]  # (stage, kind)
@@ -154,7 +154,7 @@ def _warn_backward_left_to_the_last_stage(last_b: list[Any], last_f: list[Any], 
                       f"{sorted(early)} runs in the last stage's task, on its actor, with their forward values sent there: a "
                       "pipeline_yield inside a jax.custom_vjp function does this (JAX differentiates its fwd rule, whose "
                       "marker cuts the forward, while its bwd rule has none): call pipeline_yield outside the custom_vjp "
-                      "function", stacklevel=2)
+                      "function", stacklevel=callers_level())
 
 
 def _forward_callbacks(region: list[Any], fwd_part: set[int], accumulators: set[Var]) -> None:

@@ -41,7 +41,7 @@ import jax
 import numpy as np
 
 from mpmd.compiler.avals import dtype_text, from_wire, is_key, jax_array, key_impl, not_numeric, to_wire, wire_shape_dtype
-from mpmd.errors import ActorDiedError, CheckpointError, MpmdError, RemoteError
+from mpmd.errors import ActorDiedError, CheckpointError, MpmdError, RemoteError, callers_level
 from mpmd.runtime.aio import off_loop, watch
 from mpmd.runtime.array import RemoteArray
 from mpmd.runtime.checkpoint_format import (
@@ -616,7 +616,7 @@ with `like`'s static leaves as `Static` nodes, to `reveal` after unflattening)."
     if isinstance(saved_nodes, int) and saved_nodes != treedef.num_nodes:
         warnings.warn(f"{what}: the saved tree had {saved_nodes} nodes, `like` has {treedef.num_nodes}: every array matched by path, "
                       "shape and dtype, but they differ in nodes that hold no array (an optimizer state's EmptyState, a None, an "
-                      "empty dict): is `like` the tree that was saved (the same optax chain, say)?", stacklevel=3)
+                      "empty dict): is `like` the tree that was saved (the same optax chain, say)?", stacklevel=callers_level())
     return out, treedef
 
 

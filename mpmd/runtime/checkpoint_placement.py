@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from mpmd.compiler.avals import dtype_text, is_key
-from mpmd.errors import CheckpointError, MpmdError
+from mpmd.errors import CheckpointError, MpmdError, callers_level
 from mpmd.runtime.array import RemoteArray
 from mpmd.runtime.checkpoint_format import HOST_PART, Leaf
 from mpmd.runtime.sharding import Layout, as_layout, layout_from_wire
@@ -143,7 +143,7 @@ def targets(leaves: list[Leaf], like: list[Any], mesh: Any, for_step: Any = None
         warnings.warn(f"mpmd.restore: checkpoint {checkpoint}: like's RemoteArrays at {elsewhere[:3]}"
                       f"{' ...' if len(elsewhere) > 3 else ''} are of another mesh, so they say nothing of where those leaves go "
                       "here: each goes back to the actors that saved it; pass for_step=step, or like= RemoteArrays of this mesh",
-                      stacklevel=3)
+                      stacklevel=callers_level())
     return out
 
 
