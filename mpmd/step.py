@@ -1096,22 +1096,24 @@ class DistributedFunction(ShallowCopyOnly):
         return self._call(args)
 
     def _call(self, args: tuple[Any, ...], on_failure: Callable[[BaseException], Any] | None = None,
-              sent: list[Any] | None = None, load_step: int | None = None, room: bool = True, context: Any = None) -> Any:
+              sent: list[Any] | None = None, load_step: int | None = None, room: bool = True, context: Any = None,
+              replay: bool = False) -> Any:
         """Dispatch one step (see `__call__`). `on_failure(error)`: a coroutine run on the loop when the step
         fails; True means the step was recovered (its outputs were rebound: it ends normally). `sent` collects
         the step's run_program futures (so that a recovery can wait for them). `room` False: dispatch without
         waiting for fewer steps in flight (a recovery's replay, or a caller that waited before taking a lock the
-        recovery needs: the failed steps in flight end only once the recovery has run). `context`: see `_signature`."""
+        recovery needs: the failed steps in flight end only once the recovery has run). `context`: see `_signature`.
+        `replay`: a recovery's replay of a logged step (not traced as a step of the caller's: counted)."""
         sig, leaves, _ = self._signature(args, context)
         compiled = self._take(sig, args)
         try:
-            return self._dispatch(compiled, sig, leaves, on_failure, sent, load_step=load_step, room=room)[0]
+            return self._dispatch(compiled, sig, leaves, on_failure, sent, load_step=load_step, room=room, replay=replay)[0]
         finally:
             self._let_go(compiled)
 
     def _dispatch(self, compiled: CompiledStep, sig: Any, leaves: list[Any], on_failure: Callable[[BaseException], Any] | None = None,
                   sent: list[Any] | None = None, may_wait: bool = True, load_step: int | None = None,
-                  room: bool = True) -> tuple[Any, Any]:
+                  room: bool = True, replay: bool = False) -> tuple[Any, Any]:
         """Send one step (through the controller loop, in call order); its outputs and its done future (see
         `_call` for `on_failure` and `sent`). `may_wait`: the calling thread may wait for a shared-memory input
         segment when the caller is many steps ahead (not on a caller's event loop). `load_step`: the call number
@@ -1150,6 +1152,9 @@ class DistributedFunction(ShallowCopyOnly):
                     if isinstance(x, RemoteArray) and x._ready is not None
                     and not (x._ready.done() and not x._ready.cancelled() and x._ready.exception() is None)]
         trace = mesh.active_trace
+        if trace is not None and replay:  # (a replay of an earlier step is not one of the steps the trace was asked for)
+            trace.count("replayed")
+            trace = None
         # The values the step's host callbacks read (never handed to the caller) exist before the step is sent,
         # so its finish has them whenever it gets to them.
         hidden = [self._output(plan, j, outs[j], leaves, None) for j in range(plan.num_outputs, len(plan.out_homes))]
@@ -1467,9 +1472,14 @@ class DistributedFunction(ShallowCopyOnly):
             name = getattr(self.fn, "__name__", "step")
             if step in self._cancelled:
                 self._cancelled.discard(step)
+                if trace is not None:
+                    trace.count("failed")
                 raise MpmdError(f"step {step} of {name} was cancelled (its await was cancelled) and aborted on the actors; "
                                 "its outputs are gone") from None
-            if on_failure is not None and isinstance(e, Exception) and await on_failure(e):
+            recovered = on_failure is not None and isinstance(e, Exception) and await on_failure(e)
+            if trace is not None:  # (its actors' records are lost with it: counted, so the trace can say so)
+                trace.count("recovered" if recovered else "failed")
+            if recovered:
                 return  # recovered: the step was replayed and its outputs rebound
             if not isinstance(e, ActorDiedError):  # (a lost actor is this step's own error, with its type)
                 await self._raise_upstream_error(upstream, step, name)

@@ -1277,3 +1277,30 @@ def test_a_snapshot_get_made_before_another_actors_submit_raised_is_read_not_log
             gc.collect()
             mesh.run(asyncio.sleep(0.1))  # (the loop reports a task collected unread on its next turns)
         assert "never retrieved" not in caplog.text
+
+
+def test_a_trace_across_a_recovery_holds_the_callers_steps_and_says_what_it_could_not_trace():
+    """mesh.trace() around a loop whose actor is killed held the recovery's replays of earlier steps as if they were
+    the caller's (8 traced steps for 3 calls, a probe), or nothing and "no traced step" without a word of why. A
+    replay is not traced as a step; the steps lost and recovered, and the replays, are counted and said."""
+    batches = _batches()
+    with mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(snapshot_every=10), heartbeat_timeout=5.0) as mesh:
+        dist = mpmd.distributed(STEP, mesh=mesh)
+        p, o = _params(), OPT.init(_params())
+        for i in range(3):
+            p, o, losses = dist(p, o, batches[i])
+        mpmd.fetch(losses)
+        with mesh.trace() as t:
+            for i in range(3, 6):
+                p, o, losses = dist(p, o, batches[i])
+                mpmd.fetch(losses)  # (each step ends before the next: the kill lands between steps 4 and 5)
+                if i == 4:
+                    _sigkill(mesh, 0)
+        assert mesh.recoveries == 1
+    ids = [next(iter(s.values())).step for s in t.steps]
+    untraced = t.untraced
+    # The three calls: each either traced (once) or counted as lost and recovered; the replays counted apart.
+    assert len(ids) + untraced.get("recovered", 0) == 3 and len(set(ids)) == len(ids), (ids, untraced)
+    assert untraced.get("replayed", 0) >= 1 and "replayed by a recovery" in t.summary(), (untraced, t.summary())
+    assert not untraced.get("failed"), untraced
+

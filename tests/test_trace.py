@@ -357,3 +357,23 @@ def test_fit_costs_fits_non_negative_costs_that_best_explain_the_runs():
     t.steps.append({0: x})
     c = fit_costs(t, 1, per_run=False)
     assert c.B[0] == 0 and c.F[0] == pytest.approx(2.8e-3 / 3)  # (the mean of the three: the best F once B is 0)
+
+
+def test_a_traced_step_that_fails_is_said_in_the_summary():
+    """A step that failed inside `mesh.trace()` (here its actors' loader gives data of another shape than declared)
+    left "no traced step" and nothing else (a probe): the failed steps are counted and said."""
+    from mpmd.testing import LOADED_LEAF_SHAPE
+
+    fn = "mpmd.testing:synthetic_regression_leaf"
+    m, rows, width = LOADED_LEAF_SHAPE
+    params = models.mlp_params(np.random.default_rng(0), 2, width=width)
+    opt = optax.sgd(0.1)
+    batch = mpmd.loaded_by_actors(fn, {leaf: jax.ShapeDtypeStruct((m, rows + 1, width), np.float32) for leaf in ("x", "y")})
+    with mpmd.RemoteMesh.local(2, loaders=[fn]) as mesh:
+        dist = mpmd.distributed(make_step(models.mse_loss(models.mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
+        with mesh.trace() as t:
+            out = dist(params, opt.init(params), batch)
+        with pytest.raises(mpmd.MpmdError):
+            mpmd.fetch(out)
+    assert t.steps == [] and t.untraced == {"failed": 1}
+    assert t.summary() == "no traced step (not traced: 1 step(s) failed or aborted (their errors surface through their outputs))"

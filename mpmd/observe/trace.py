@@ -130,8 +130,23 @@ class Trace:
 
     def __init__(self) -> None:
         self.steps: list[dict[int, ActorStep]] = []
+        # Steps dispatched while tracing that left no record: "failed" (or aborted), "recovered" (a lost actor's
+        # step, run again by the recovery), and the recovery's "replayed" earlier steps (not traced as steps).
+        self.untraced: dict[str, int] = {}
         self._pending: list[Any] = []
         self._lock = threading.Lock()
+
+    def count(self, kind: str) -> None:
+        """One more dispatched step of `kind` (see `untraced`) that is not among `steps`."""
+        with self._lock:
+            self.untraced[kind] = self.untraced.get(kind, 0) + 1
+
+    def untraced_note(self) -> str:
+        """What was dispatched while tracing but is not among the steps ("" when nothing)."""
+        said = {"failed": "failed or aborted (their errors surface through their outputs)",
+                "recovered": "lost with an actor and recovered", "replayed": "replayed by a recovery"}
+        parts = [f"{n} step(s) {said.get(k, k)}" for k, n in sorted(self.untraced.items()) if n]
+        return f"not traced: {'; '.join(parts)}" if parts else ""
 
     def expect(self, done: Any) -> None:
         """A traced step was dispatched; `done` is its (concurrent) future."""
@@ -200,8 +215,9 @@ class Trace:
 
     def summary(self, step: int = -1) -> str:
         """Per actor: compute, waiting for data, runtime overhead, idle, as ms and shares of the step."""
+        note = self.untraced_note()
         if not self.steps:
-            return "no traced step"
+            return "no traced step" + (f" ({note})" if note else "")
         self._step(step)
         parts = self.breakdown(step)
         overlap = any(b.other > 0 for b in parts.values())
@@ -213,6 +229,8 @@ class Trace:
         for a, b in parts.items():
             cells = [f"{getattr(b, n) * 1e3:8.2f} ms {b.fraction(n) * 100:4.0f}%" for n in names]
             lines.append(f"{a:5d}   " + "  ".join(cells))
+        if note:
+            lines.append(f"({len(self.steps)} traced step(s); {note})")
         return "\n".join(lines)
 
     def events(self) -> Iterator[dict[str, Any]]:

@@ -798,7 +798,7 @@ class RecoveryManager:
             replayed.append(rec)
             # (no wait for room: the failed steps counted in flight end only once this replay has rebound them)
             out = rec.dist._call(jax.tree.unflatten(rec.treedef, leaves), None, rec.sent, load_step=rec.load_step, room=False,
-                                 context=rec.context)
+                                 context=rec.context, replay=True)
             dones.append(rec.dist._last[1])
             if len(dones) >= REPLAY_IN_FLIGHT:  # its own bound instead (a daemon serves 4,096 requests per connection)
                 dones[-REPLAY_IN_FLIGHT].result()
