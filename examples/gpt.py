@@ -201,6 +201,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--stop-after must be at least 1, got {args.stop_after}")
     if args.width % args.heads:
         p.error(f"--width {args.width} must be a multiple of --heads {args.heads} (each head gets width / heads features)")
+    for flag, path, directory in (("--plot", args.plot, False), ("--save", args.save, True)):
+        why = _cannot_write(path, directory) if path else None
+        if why:  # (said before training: an unwritable name failed once the run was over; a probe)
+            p.error(f"{flag} {path}: {why}")
     if args.quick:
         args.steps = min(args.steps, 120)
     # (the checked steps are the first of the --steps trained, and of the --stop-after ones)
@@ -226,6 +230,23 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit(f"--schedule {args.schedule} --stages {args.stages} --actors {args.actors} --microbatches "
                          f"{args.microbatches}: {e}") from None
     return args
+
+
+def _cannot_write(path: str, directory: bool) -> str | None:
+    """Why `path` cannot be written as the loss curve (a .png, .svg or .pdf) or, with `directory`, as the checkpoint
+    directory (its missing parents are made); None when it can."""
+    if not directory and os.path.splitext(path)[1].lower() not in (".png", ".svg", ".pdf"):
+        return "name the picture .png, .svg or .pdf"
+    if os.path.exists(path) and os.path.isdir(path) != directory:
+        return "is a directory" if not directory else "is a file, not a directory"
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent} is a file, not a directory"
+    if not os.access(path if os.path.exists(path) else parent, os.W_OK):
+        return "is not writable" if os.path.exists(path) else f"{parent} is not writable"
+    return None
 
 
 # The pipeline sums the same float32 terms as jax.jit in another order (microbatch by microbatch on each stage,

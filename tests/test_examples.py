@@ -2,6 +2,7 @@
 
 import importlib.util
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -85,3 +86,20 @@ def test_gpt_flags_a_schedule_cannot_run_stop_with_its_reason_before_any_actor_s
     with pytest.raises(SystemExit, match=said):
         gpt.parse(flags)
     assert gpt.make_schedule("ZeroBubbleV", 2, 4).num_stages == 4  # (--stages reaches the V schedules too)
+
+
+def test_gpt_output_names_that_cannot_be_written_stop_before_training(tmp_path, capsys):
+    """`--save` naming a file, `--plot` naming a directory or a path under a file: each failed only once the run
+    was over (and `--plot DIR` said it wrote DIR while matplotlib wrote DIR.png; a newcomer probe)."""
+    gpt = load("gpt")
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    for flags, said in ((["--save", str(a_file)], "is a file, not a directory"),
+                        (["--plot", str(tmp_path)], r"name the picture \.png, \.svg or \.pdf"),
+                        (["--plot", str(a_file / "loss.png")], "is a file, not a directory"),
+                        (["--save", str(a_file / "ckpt")], "is a file, not a directory")):
+        with pytest.raises(SystemExit):
+            gpt.parse(flags)
+        assert re.search(said, capsys.readouterr().err), flags
+    args = gpt.parse(["--save", str(tmp_path / "new" / "ckpt"), "--plot", str(tmp_path / "pics" / "loss.svg")])
+    assert args.save.endswith("ckpt") and args.plot.endswith("loss.svg")

@@ -225,6 +225,20 @@ def test_mesh_profile_brings_back_a_jax_profiler_trace_per_actor_beside_mpmds_tr
     (tmp_path / "a_file").write_text("")
     with pytest.raises(mpmd.MpmdError, match="cannot make the profile directory"):
         mesh2.profile(tmp_path / "a_file").__enter__()
+    for blank in ("", "  "):  # ("" profiled into the working directory; a probe)
+        with pytest.raises(ValueError, match="logdir must name a directory"):
+            mesh2.profile(blank)
+
+
+def test_a_measured_step_as_a_sim_result_claims_no_peak_activations():
+    """`as_sim_result(trace).summary()` printed 'peak activations: a0 0 a1 0', placeholders read as measured (a probe)."""
+    from mpmd.observe.trace import as_sim_result
+    from mpmd.schedules.simulator import SimResult
+
+    r = SimResult(1.0, (0.1, 0.2), (), ((), ()), name="measured")
+    assert "peak activations" not in r.summary() and "bubble per actor:   a0 0.1000  a1 0.2000" in r.summary()
+    assert "peak activations:   a0 2  a1 1" in mpmd.simulate(mpmd.OneFOneB(2), 4).summary()  # (1F1B: p - s in flight)
+    assert as_sim_result.__doc__ and "empty" in as_sim_result.__doc__
 
 
 def test_an_empty_trace_or_a_step_it_does_not_hold_is_an_mpmd_error_naming_what_it_holds():

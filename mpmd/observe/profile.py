@@ -46,6 +46,8 @@ class ProfileContext:
 
     def __init__(self, mesh: Any, logdir: str | os.PathLike[str], run: str | None = None) -> None:
         self.mesh = mesh
+        if not isinstance(logdir, (str, os.PathLike)) or not os.fspath(logdir).strip():  # ("" was the working directory)
+            raise ValueError(f"mesh.profile: logdir must name a directory, got {logdir!r:.80}")
         self.logdir = os.path.abspath(os.path.expanduser(os.fspath(logdir)))
         self.run = run or ""  # (the default, a fresh name, is taken as the block starts)
         if run and (os.sep in self.run or self.run in (".", "..")):

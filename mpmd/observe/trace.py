@@ -540,13 +540,13 @@ def timeline(trace: Trace, step: int = -1) -> list[list[tuple[float, float, str]
 
 
 def as_sim_result(trace: Trace, name: str = "measured", step: int = -1) -> Any:
-    """A traced step in the simulator's result form (for pictures and comparisons): seconds from its start."""
+    """A traced step in the simulator's result form (for pictures and comparisons): seconds from its start. Its
+    `peak_activations` is empty: a trace does not record what each actor held (zeros read as measured ones)."""
     from mpmd.schedules.simulator import SimResult
 
     w0, w1 = trace.window(step)
     bubbles = measured_bubbles(trace, step)
-    return SimResult(w1 - w0, tuple(bubbles[a] for a in sorted(bubbles)), tuple(0 for _ in bubbles), tuple(map(tuple, timeline(trace, step))),
-                     name=name)
+    return SimResult(w1 - w0, tuple(bubbles[a] for a in sorted(bubbles)), (), tuple(map(tuple, timeline(trace, step))), name=name)
 
 
 async def measure_clock_offsets(conns: list[Any], pings: int = 8) -> dict[int, int]:

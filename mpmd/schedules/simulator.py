@@ -322,8 +322,9 @@ class SimResult:
     def summary(self) -> str:
         """A few lines: step time, bubble per actor and overall, peak activations (and bytes)."""
         lines = [f"{self.name}: step time {self.step_time:.7g}, bubble {self.bubble:.4f}",
-                 "bubble per actor:   " + "  ".join(f"a{a} {b:.4f}" for a, b in enumerate(self.bubble_per_actor)),
-                 "peak activations:   " + "  ".join(f"a{a} {n}" for a, n in enumerate(self.peak_activations))]
+                 "bubble per actor:   " + "  ".join(f"a{a} {b:.4f}" for a, b in enumerate(self.bubble_per_actor))]
+        if self.peak_activations:  # (empty: not known, as for a measured step: `as_sim_result`)
+            lines.append("peak activations:   " + "  ".join(f"a{a} {n}" for a, n in enumerate(self.peak_activations)))
         if self.peak_bytes is not None:
             lines.append("peak bytes:         " + "  ".join(f"a{a} {n}" for a, n in enumerate(self.peak_bytes)))
         return "\n".join(lines)
