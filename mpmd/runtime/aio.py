@@ -238,6 +238,8 @@ async def fetch_async(tree: Any) -> Any:
     try:
         return await _fetch_async(tree)
     except MpmdError as e:
+        for x in arrays:  # (a fetch begun by copy_to_host_async that failed is asked again)
+            x.drop_failed_host()
         if not await _recovered(arrays, e):
             await _failed(arrays, e)
             raise

@@ -164,18 +164,26 @@ class RemoteArray:
     def _wire_waited(self) -> np.ndarray:
         if self._ready is not None and getattr(self._ready, "host_calls", False):
             wait_settled([self._ready])  # a step's callbacks print before any of its values is seen
-        if self._host is not None:
-            return result_of(self._host)
-        self._check_usable()
+        before, host = dict(self.buffers), self._host
         try:
+            if host is not None:  # (begun by copy_to_host_async, as jax.device_get does: recovered from alike; a probe)
+                return result_of(host)
+            self._check_usable()
             return self.mesh.get_buffer(self.actor, self.buffers[self.actor])
         except MpmdError as e:
-            before = dict(self.buffers)
+            self.drop_failed_host()
             if _recovered(self.mesh, e, self._ready) and self.buffers and self.buffers != before:
                 return self.mesh.get_buffer(self.actor, self.buffers[self.actor])  # rebound by the recovery
             self._failed_fetch(e)
             self._step_error_first()
             raise
+
+    def drop_failed_host(self) -> None:
+        """Forget a fetch begun by `copy_to_host_async` that failed: the next read asks the actors again (it was
+        kept, and every later read of the array raised its error, even once the mesh had recovered; a probe)."""
+        host = self._host
+        if host is not None and host.done() and (host.cancelled() or host.exception() is not None):
+            self._host = None
 
     def to_numpy(self) -> np.ndarray:
         """Fetch the array to the controller (waits for the computation that produces it). The result is a
