@@ -998,6 +998,42 @@ def test_a_save_meeting_a_lost_actor_waits_for_the_recovery_and_writes_the_rebou
 
 
 @pytest.mark.slow
+def test_a_save_goes_again_after_each_loss_the_mesh_recovers_from(tmp_path):
+    """A save under way went again once: a second actor lost while it went again failed it ('nothing was
+    committed') although the mesh recovered — with wait=False only an ERROR log line (a soak probe). Here the
+    replacement of the first loss is killed the moment the save is about to go again (from the log record that
+    says so, on the controller's loop): the save goes a third time and commits the loop's state."""
+    batches = _batches()
+    killed = []
+
+    class KillOnRetry(logging.Handler):
+        def emit(self, record):
+            if "saving again" in record.getMessage() and not killed:
+                killed.append(mesh.processes[1].proc.pid)
+                _sigkill(mesh, 1)
+                mesh.processes[1].proc.wait()
+
+    handler = KillOnRetry()
+    logging.getLogger("mpmd.runtime.checkpoint").addHandler(handler)
+    try:
+        with mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(snapshot_every=4), heartbeat_timeout=5.0) as mesh:
+            dist = mpmd.distributed(STEP, mesh=mesh)
+            p, o = _params(), OPT.init(_params())
+            for i in range(6):
+                p, o, losses = dist(p, o, batches[i])
+            handle = mpmd.save(str(tmp_path / "c"), (p, o), wait=False)
+            _sigkill(mesh, 1)
+            handle.wait(120)
+            want = mpmd.fetch((p, o))
+            assert killed and mesh.recoveries == 2
+    finally:
+        logging.getLogger("mpmd.runtime.checkpoint").removeHandler(handler)
+    got = mpmd.load(str(tmp_path / "c"), like=want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.slow
 def test_with_actor_loaded_batches_the_replay_loads_the_data_of_the_steps_it_replays():
     """A replay drew step numbers of its own, and the actors' loaders loaded those: every replayed step, and every
     step after, trained on another step's data — silently (losses 17 % off jax.jit; found by a probe)."""
@@ -1304,3 +1340,20 @@ def test_a_trace_across_a_recovery_holds_the_callers_steps_and_says_what_it_coul
     assert untraced.get("replayed", 0) >= 1 and "replayed by a recovery" in t.summary(), (untraced, t.summary())
     assert not untraced.get("failed"), untraced
 
+
+
+@pytest.mark.parametrize("when", ["after", "during"])
+def test_jax_device_get_recovers_from_a_lost_actor_as_fetch_does(uninterrupted, when):
+    """`jax.device_get` starts each array's fetch with copy_to_host_async; that fetch's failure was returned as it
+    was (ActorDiedError, or StepAborted naming no lost actor) and kept: every later read of the arrays raised it,
+    mpmd.fetch and np.asarray too, until another step ran (a probe). It is recovered from as mpmd.fetch's is."""
+    def device_get_twice(tree):
+        got = jax.device_get(tree)
+        assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(mpmd.fetch(tree))))
+        return got
+
+    kills = [(STEPS, 1)] if when == "after" else [(STEPS - 1, 0)]
+    got = train(kills=kills, when="during" if when == "during" else "before", recover=mpmd.Recovery(snapshot_every=6),
+                fetch=device_get_twice)
+    assert got[3] == 1
+    _assert_identical(got, uninterrupted)

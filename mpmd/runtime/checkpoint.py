@@ -29,6 +29,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import fcntl
+import itertools
 import logging
 import os
 import shutil
@@ -428,7 +429,8 @@ def _save(path: str, tree: Any, keep: int) -> SaveHandle:
                 raise
             log.warning("mpmd.save into %s: an actor was lost before it was sent; the mesh recovered, saving", path)
             replies_now[:] = send(again=True)
-        for attempt in range(2):
+        seen = generation  # (the recoveries started when the save was last sent)
+        for attempt in itertools.count():
             # Every actor's answer before anything is abandoned: one actor's failure must not delete the
             # directory while another still writes into it. (asyncio.wait: a cancel leaves the replies awaited.)
             await asyncio.wait(replies_now)
@@ -437,7 +439,7 @@ def _save(path: str, tree: Any, keep: int) -> SaveHandle:
             if not failed:
                 break
             died = next((f for f in failed if isinstance(f, ActorDiedError)), None)
-            lost = recovery is not None and (recovery.generation != generation or died is not None)
+            lost = recovery is not None and (recovery.generation != seen or died is not None)
             if not lost:  # the lost actor's own error, else the failure of the step that made a saved array
                 if died is None:  # (that step's error reply may still be on its way: its actor freed the outputs first)
                     steps = {id(r): r for _, x in flat if isinstance(x, RemoteArray) and (r := x._ready) is not None and not r.done()}
@@ -453,19 +455,27 @@ def _save(path: str, tree: Any, keep: int) -> SaveHandle:
                 raise died or _failed_step(path, flat) or _not_written(path, writer, first)
             # An actor lost while the save ran: the recovery aborts the steps the saved arrays came from (the
             # actor's own error names an aborted step) and replays them; then the arrays hold their values
-            # again, in new buffers, and the save goes again, once.
+            # again, in new buffers, and the save goes again — after each loss the mesh recovers from (it went
+            # again once only, and a second loss lost the checkpoint while the mesh recovered; a probe).
             running = recovery._start_recovery(died) if died is not None else recovery._recovery
             if running is not None:
                 await asyncio.wait([asyncio.wrap_future(running)])
             if recovery.gave_up is not None:
                 raise failed[0]
-            if attempt:
-                raise CheckpointError(f"mpmd.save into {path}: an actor was lost while this save ran; nothing was "
+            if mesh.closed or attempt >= recovery.config.max_failures:  # (the mesh recovers that many losses at most)
+                raise CheckpointError(f"mpmd.save into {path}: " + (f"{CLOSED_MEANWHILE}" if mesh.closed else
+                                      f"an actor was lost while this save ran, {attempt + 1} times") + "; nothing was "
                                       f"committed ({str(failed[0]).splitlines()[0][:300]})", checkpoint=path) from failed[0]
+            seen = recovery.generation
             log.warning("mpmd.save into %s: an actor was lost while it ran; the mesh recovered, saving again", path)
             for a in per_actor:
                 await off_loop(lambda a=a: shutil.rmtree(os.path.join(tmp, f"actor-{a}"), True), own_thread=True)
-            replies_now[:] = send(again=True)
+            try:
+                replies_now[:] = send(again=True)
+            except ActorDiedError as again_lost:  # (a replacement lost already: as a loss while the save runs)
+                gone = asyncio.get_running_loop().create_future()
+                gone.set_exception(again_lost)
+                replies_now[:] = [gone]
         parts = dict(host_part)
         order = dict(host_order)
         for (a, (_, idx)), r in zip(per_actor.items(), replies):
