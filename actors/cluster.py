@@ -208,7 +208,10 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, environ: 
         if args.slurm or args.rendezvous:
             host = args.p2p_host or node_address(environ, toward)
             args.p2p_host = host
-            args.listen = _tcp(host, 0 if args.rendezvous else 5555)
+            # (without a rendezvous the controller is told the addresses: port 5555 + the task's place on its node, so
+            # that two tasks of one node do not both take 5555: the second failed with 'Address already in use'; a probe)
+            local = args.slurm_task.localid if args.slurm_task is not None and args.slurm_task.localid is not None else 0
+            args.listen = _tcp(host, 0 if args.rendezvous else 5555 + local)
         else:
             args.listen = "tcp://127.0.0.1:5555"
     elif (args.slurm or args.rendezvous) and args.p2p_host is None and _host_of(args.listen) in WILDCARDS:

@@ -190,7 +190,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mpmd-actor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--listen", default=None, type=_utf8("the endpoint"),
                    help="control endpoint (tcp://host:port, ipc://path); port 0 picks one (default: tcp://127.0.0.1:5555; "
-                        "with --slurm or --rendezvous, this node's address on a free port)")
+                        "with --rendezvous, this node's address on a free port; with --slurm alone, this node's address, port 5555 + "
+                        "SLURM_LOCALID)")
     p.add_argument("--actor-id", type=int, default=None, help="this actor's index in the mesh (default 0; with --slurm: SLURM_PROCID)")
     p.add_argument("--cpu-devices", type=int, default=None, help="give this actor N host (CPU) devices")
     p.add_argument("--cpus", default=None,

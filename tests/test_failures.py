@@ -270,6 +270,42 @@ def test_a_restarted_daemon_is_taken_back_with_reconnect_and_the_data_plane_is_r
             stop_daemon(p)
 
 
+def test_a_refused_reconnect_leaves_the_actor_lost_and_nothing_open_on_the_daemon_it_refused(tmp_path):
+    """Actor 1 restarted at its address as another actor id (or with fewer devices than the mesh's layout needs):
+    reconnect refused it, but it had opened this mesh's session there first, and the mesh's old connection to
+    that address — which reaches the new daemon — then used it as actor 1: puts succeeded, steps failed with 'no
+    program', the session stayed open on a daemon of another job (a multi-node probe). Now nothing stays open
+    there and actor 1 stays lost, saying so."""
+    handoff, keys = _keys_handoff()
+
+    def daemon(i, actor_id, devices="2"):
+        return start_daemon("--listen", f"ipc://{tmp_path}/a{i}.sock", "--actor-id", str(actor_id), "--p2p", "ipc", "--ipc-dir",
+                            str(tmp_path), "--keys-stdin", "--cpu-devices", devices, stdin=handoff)[0]
+
+    procs = [daemon(0, 0), daemon(1, 1)]
+    try:
+        with mpmd.RemoteMesh([f"ipc://{tmp_path}/a0.sock", f"ipc://{tmp_path}/a1.sock"], keys=keys, mesh_shape=(2,),
+                             axis_names=("d",)) as mesh:
+            mesh.actor(1).put(np.ones(3, np.float32))
+            for wrong, said in (({"actor_id": 0}, "was started as actor 0"), ({"actor_id": 1, "devices": "1"}, "needs 2")):
+                procs[1].kill()
+                procs[1].wait()
+                procs[1] = daemon(1, **wrong)
+                with pytest.raises(mpmd.MpmdError, match=said):
+                    mesh.reconnect(1)
+                for use in (lambda: mesh.actor(1).stats(), lambda: mesh.actor(1).put(np.ones(2, np.float32))):
+                    with pytest.raises(mpmd.ActorDiedError):
+                        use()
+            procs[1].kill()
+            procs[1].wait()
+            procs[1] = daemon(1, 1)
+            assert mesh.reconnect(1)["pid"] == procs[1].pid
+            assert mesh.actor(1).put(np.arange(3, dtype=np.float32)).to_numpy().tolist() == [0, 1, 2]
+    finally:
+        for p in procs:
+            stop_daemon(p)
+
+
 @pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_a_daemon_killed_while_idle_is_declared_lost_by_its_dropped_connection_not_after_the_heartbeat_timeout(tmp_path):
     """Daemons started by hand (as on a cluster; no process for the controller to watch). One killed between steps

@@ -371,6 +371,23 @@ def test_slurm_gpu_binding_is_kept_per_task_and_shared_gpus_are_split_by_local_t
         slurm_task({"SLURM_PROCID": "3", "SLURM_NTASKS": "2"})
 
 
+def test_slurm_tasks_of_one_node_without_a_rendezvous_listen_on_ports_of_their_own(monkeypatch, tmp_path):
+    """Without --rendezvous, every --slurm task of a node took port 5555: the second exited with 'Address already
+    in use' (a multi-node probe). Task SLURM_LOCALID=l listens on 5555 + l."""
+    from actors.daemon import parse_args
+
+    for k, v in {"SLURM_NTASKS": "4", "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}.items():
+        monkeypatch.setenv(k, v)
+    ports = []
+    for procid, localid in ((2, 0), (3, 1)):
+        monkeypatch.setenv("SLURM_PROCID", str(procid))
+        monkeypatch.setenv("SLURM_LOCALID", str(localid))
+        args = parse_args(["--slurm", "--authorized-keys", str(tmp_path)])
+        assert args.actor_id == procid
+        ports.append(int(args.listen.rsplit(":", 1)[1]))
+    assert ports == [5555, 5556]
+
+
 SRUN = r"""#!/usr/bin/env python3
 # Stand-in for SLURM's srun (no SLURM here): starts --ntasks copies of the command on this node with the
 # environment srun gives each task, and waits for them all (as `srun ... &` does in the batch script).

@@ -24,6 +24,7 @@ import atexit
 import collections
 import collections.abc
 import concurrent.futures
+import contextlib
 import functools
 import inspect
 import logging
@@ -575,11 +576,20 @@ class RemoteMesh:
                     + ("" if getattr(self, "recovery", None) is not None else " (one this mesh started and lost never comes "
                        "back by itself: make a new mesh, or pass recover=mpmd.Recovery() to the mesh)")), during="reconnect") from None
 
+        opened = False
         try:
             info, fresh = self.run(back())
+            opened = fresh
             _check_hello(new.address, info.header)
             self._check_id(i, info.header)
+            if fresh and self.actor_mesh is not None:  # (before the swap: a daemon that cannot hold the device mesh
+                # left actor i half rewired, and the next step advised a mesh_shape; a probe)
+                self.run(new.request("mesh", {"mesh": self.actor_mesh.to_wire()}))
         except BaseException:
+            if opened:  # the session opened there goes: it let this mesh's old connection to that address, which
+                # reaches the new daemon, use the daemon refused here as actor i (a probe)
+                with contextlib.suppress(Exception):
+                    self.run(asyncio.wait_for(new.request("bye"), 5))
             self._io.call_soon(new.close)
             raise
         mark = self.new_buffer_id()  # (before the swap: an id from here on may name a buffer on the new daemon)
@@ -605,8 +615,6 @@ class RemoteMesh:
                 # still names an older buffer there — put on that actor, never passed to a step — is gone: `recovered`)
                 self._recovering[i] = (mark, time.strftime("%H:%M:%S"))
             self.infos[i] = info
-            if self.actor_mesh is not None:
-                self.run(new.request("mesh", {"mesh": self.actor_mesh.to_wire()}))
             if self.transport != "none" and len(self.actors) > 1:
                 self._wire()
         return dict(info.header)
