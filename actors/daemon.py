@@ -413,7 +413,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     from actors.request import HeldByLoader, RequestError, StepAborted, WaitedInVain, format_exception
     from actors.sandbox import ALLOWED_CUSTOM_CALLS, BlobChecker, CheckerPool
     from transport.auth import Authenticator, KeyPair, configure_server, user_id
-    from transport.control import COMING_BYTES, COMING_LEAD, bind_router
+    from transport.control import COMING_BYTES, COMING_LEAD, bind_failure, bind_router, tcp_endpoint
     from transport.p2p import DataPlane
     from transport.p2p.base import ArrivalLimits
     from transport.protocol import QUEUED_BEHIND_STEPS, ProtocolError, decode, encode, error_reply, message_id
@@ -441,7 +441,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     try:
         sock, endpoint = bind_router(ctx, args.listen, max_bytes, configure=(lambda s: configure_server(s, server_pair)) if secure else None)
     except zmq.ZMQError as e:
-        raise SystemExit(f"mpmd-actor: cannot listen on {args.listen}: {e}") from None
+        raise SystemExit(f"mpmd-actor: cannot listen on {args.listen}: {bind_failure(args.listen, e)}") from None
     p2p = None
     if args.p2p != "none":
         host = args.p2p_host or (args.listen.split("://", 1)[1].rsplit(":", 1)[0] if args.listen.startswith("tcp://") else "127.0.0.1")
@@ -460,8 +460,9 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
             sock.close(0)
             if auth is not None:
                 auth.stop()
+            why = bind_failure(tcp_endpoint(host, 0), e) if isinstance(e, zmq.ZMQError) else str(e)
             raise SystemExit(f"mpmd-actor: cannot start the data plane (--p2p {args.p2p}"
-                             f"{f', --ipc-dir {args.ipc_dir}' if args.ipc_dir else ''}, host {host}): {e}") from None
+                             f"{f', --ipc-dir {args.ipc_dir}' if args.ipc_dir else ''}, host {host}): {why}") from None
     # Compiles run in child processes (actors/sandbox.py) that write the executable into this compilation cache,
     # and the daemon loads it from there: --cache-dir, or a private directory that goes when the daemon does
     # (made once the daemon can no longer fail to start: an early exit left it behind).

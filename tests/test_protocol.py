@@ -174,3 +174,28 @@ def test_a_program_with_two_sends_or_receives_under_one_tag_and_peer_is_refused(
     with pytest.raises(ProgramError, match="program 3 has two recvs from actor 1 with tag 7"):
         decode_program(prog(recv, ["recv", 2, 1, 7, "float32", [4], "0B1"]))
     assert len(decode_program(prog(send, ["send", 0, 2, 7, "0F0"], recv))[1].instructions) == 3
+
+
+def test_a_failed_bind_says_what_zeromqs_words_mean():
+    """ZeroMQ says 'No such device' of a host that does not resolve and of one that is no address of this machine
+    (a multi-node probe: daemons and the rendezvous said only that); a port in use says what to do."""
+    import zmq
+
+    from transport.control import bind_failure
+
+    ctx = zmq.Context.instance()
+    held = ctx.socket(zmq.ROUTER)
+    port = held.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        for address, said in ((f"tcp://nosuchhost.invalid:{port}", "the host 'nosuchhost.invalid' does not resolve"),
+                              (f"tcp://192.0.2.123:{port}", "'192.0.2.123' is no address of this machine"),
+                              (f"tcp://127.0.0.1:{port}", "another process listens there: choose another port")):
+            s = ctx.socket(zmq.ROUTER)
+            try:
+                with pytest.raises(zmq.ZMQError) as e:
+                    s.bind(address)
+                assert said in bind_failure(address, e.value), bind_failure(address, e.value)
+            finally:
+                s.close(0)
+    finally:
+        held.close(0)

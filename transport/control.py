@@ -21,7 +21,9 @@ with `ConnectionLost` (their replies can never come: a reconnected socket is a n
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -58,6 +60,23 @@ HANDSHAKE_MS = 10_000  # (ZeroMQ's default: 30 s, each a file descriptor a stran
 def tcp_endpoint(host: str, port: int | str) -> str:
     """``tcp://host:port``, an IPv6 host in brackets (``tcp://[::1]:0``), as ZeroMQ reads it."""
     return f"tcp://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"tcp://{host}:{port}"
+
+
+def bind_failure(address: str, e: zmq.ZMQError) -> str:
+    """ZeroMQ's reason a bind to `address` failed, with what it means where its words do not say: a host that does
+    not resolve, or is no address of this machine, is 'No such device' to ZeroMQ (a probe); a port in use."""
+    text = str(e)
+    if e.errno == errno.EADDRINUSE:
+        return f"{text} (another process listens there: choose another port, or port 0 for a free one)"
+    if address.startswith("tcp://") and e.errno in (errno.ENODEV, errno.EADDRNOTAVAIL, errno.EINVAL):
+        host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+        try:
+            socket.getaddrinfo(host, None)
+        except (OSError, UnicodeError):
+            return f"{text}: the host {host!r} does not resolve (check the name, or give an IP address of this machine)"
+        return (f"{text}: {host!r} is no address of this machine (bind one of its own addresses, or 0.0.0.0 for every "
+                "interface)")
+    return text
 
 
 def allow_ipv6(sock: zmq.Socket, address: str) -> None:

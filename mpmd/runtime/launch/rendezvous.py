@@ -30,7 +30,7 @@ from typing import Any
 from mpmd.errors import IncompatibleActorError, RendezvousError
 from mpmd.runtime.arguments import check_count, check_seconds
 from transport.auth import Authenticator, AuthKeyError, ClientKeys, KeyPair, configure_server
-from transport.control import allow_ipv6
+from transport.control import allow_ipv6, bind_failure
 from transport.protocol import PROTOCOL_VERSION
 from transport.rendezvous import (
     Arrival,
@@ -275,7 +275,7 @@ class TcpRendezvous:
         except BaseException as e:
             self.close()
             if isinstance(e, zmq.ZMQError):
-                raise RendezvousError(f"cannot serve the rendezvous at {address}: {e}") from None
+                raise RendezvousError(f"cannot serve the rendezvous at {address}: {bind_failure(address, e)}") from None
             raise
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.closed = False
