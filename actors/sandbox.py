@@ -149,16 +149,21 @@ class BlobChecker:
         if self.devices > 1 and "xla_force_host_platform_device_count" not in flags:  # sharded blobs lower only with as many devices
             env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={self.devices}".strip()
         # (otherwise the child's XLA flags are the daemon's own: they are part of the compilation cache's key)
-        proc = subprocess.Popen([sys.executable, "-m", "actors.sandbox"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, env=env, start_new_session=True)
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if line.strip() != b"READY":
+        for attempt in range(2):  # (once more: a child killed from outside as it started failed the step; a soak probe)
+            proc = subprocess.Popen([sys.executable, "-m", "actors.sandbox"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            if line.strip() == b"READY":
+                self._proc = proc
+                return proc
             proc.kill()
-            proc.wait()
-            raise RuntimeError(f"the compile checker did not start (said {line[:200]!r})")
-        self._proc = proc
-        return proc
+            code = proc.wait()
+            how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            if attempt:
+                raise RuntimeError(f"the compile checker did not start, twice (its process {how}, having said {line[:200]!r})")
+            log.warning("the compile checker did not start (its process %s, having said %r); starting it again", how, line[:200])
+        raise AssertionError("unreachable")
 
     async def _in_thread(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)

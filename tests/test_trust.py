@@ -973,3 +973,35 @@ def test_a_shared_compile_cache_is_pruned_of_its_least_recently_used_entries_at_
     for bad in ("-1", "nan", "inf"):
         with pytest.raises(SystemExit):
             parse_args(["--cache-max-mb", bad])
+
+
+def test_a_compile_checker_that_dies_as_it_starts_is_started_once_more_and_twice_says_how_it_died(monkeypatch):
+    """A soak probe's step failed with 'the compile checker did not start (said b'')': the child was killed from
+    outside before it said READY. It is started once more; a second failure names how the process ended."""
+    import subprocess
+
+    from actors import sandbox
+
+    real = subprocess.Popen
+    spawned = []
+
+    def popen(cmd, *args, **kwargs):
+        if cmd[1:] == ["-m", "actors.sandbox"] and len(spawned) < failures:
+            cmd = [cmd[0], "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+        spawned.append(cmd)
+        return real(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(sandbox.subprocess, "Popen", popen)
+    failures = 1
+    checker = sandbox.BlobChecker()
+    try:
+        assert checker._ensure().poll() is None and len(spawned) == 2  # (the first died; the second is the checker)
+    finally:
+        checker.close()
+    failures, spawned[:] = 2, []
+    checker = sandbox.BlobChecker()
+    try:
+        with pytest.raises(RuntimeError, match=r"did not start, twice \(its process killed by signal 9"):
+            checker._ensure()
+    finally:
+        checker.close()
