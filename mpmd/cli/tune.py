@@ -81,7 +81,10 @@ def _limit(text: str) -> float | None:
             return None
     except ValueError:
         pass
-    return positive(float)(text)
+    try:
+        return positive(float)(text)
+    except argparse.ArgumentTypeError as e:  # (it said "above 0" alone, where 0 is taken too; a probe)
+        raise argparse.ArgumentTypeError(f"{e} (or 0 for no limit)") from None
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -358,8 +358,8 @@ class SimResult:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
     def draw(self, path: str, title: str | None = None, fmt: str | None = None) -> None:
-        """Write a timeline picture: SVG (no dependency) or, for a path ending in .png (or fmt="png"), PNG via
-        matplotlib."""
+        """Write a timeline picture: SVG (no dependency) for a path ending in .svg, PNG via matplotlib for one
+        ending in .png; `fmt` ("svg" or "png") names the format of a path with another ending."""
         draw_timeline(self, path, title, fmt)
 
 
