@@ -261,9 +261,11 @@ def test_hand_started_daemons_find_the_tcp_rendezvous_the_controller_serves_and_
             sock.send(encode_message("arrive", arrival=fake.to_dict()))
         except zmq.Again:
             pass  # not even queued: it cannot be heard either way
-        with pytest.raises(mpmd.RendezvousError, match=r"only 0 of 1 actors arrived"):
+        with pytest.raises(mpmd.RendezvousError, match=r"only 0 of 1 actors arrived") as e:
             server.gather(1, timeout=1.0)
         assert server.auth.refused >= 1
+        # (said: a daemon of another job's key, or with a wrong one, is seen only here; its own log said why)
+        assert "connection(s) were refused at the handshake: a daemon whose --rendezvous-key" in str(e.value)
         sock.close()
     finally:
         server.close()

@@ -188,7 +188,7 @@ class _Waiting:
     def arrivals(self) -> list[Arrival]:
         return [self.live[i] for i in range(self.num_actors)]
 
-    def timed_out(self, timeout: float) -> RendezvousError:
+    def timed_out(self, timeout: float, notes: Sequence[str] = ()) -> RendezvousError:
         missing = [i for i in range(self.num_actors) if i not in self.live]
         arrived = ", ".join(f"{i} on {a.host}" for i, a in sorted(self.live.items())) or "none"
         lines = [f"only {len(self.live)} of {self.num_actors} actors arrived at the rendezvous {self.where} within {timeout:g} s: "
@@ -201,7 +201,7 @@ class _Waiting:
             lines.append(f"{a.describe()} arrived too, but num_actors={self.num_actors}")
         for name, why in sorted(self.bad.items()):
             lines.append(f"{name} was not read: {why}")
-        lines += self.refused
+        lines += [*self.refused, *notes]
         return RendezvousError("\n  ".join(lines))
 
 
@@ -291,7 +291,10 @@ class TcpRendezvous:
         while not waiting.complete():
             left = deadline - time.monotonic()
             if left <= 0:
-                raise waiting.timed_out(timeout)
+                refused = self.auth.refused if self.auth is not None else 0  # (the daemon's log said why; this did not: a probe)
+                raise waiting.timed_out(timeout, [f"{refused} connection(s) were refused at the handshake: a daemon whose "
+                                                  "--rendezvous-key (or --authorized-keys pair) is not this job's tried to arrive"]
+                                        if refused else [])
             if not poller.poll(min(left, 0.5) * 1000):
                 continue
             identity, *frames = self.sock.recv_multipart()
