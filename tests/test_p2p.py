@@ -393,3 +393,46 @@ def test_a_peer_segment_name_that_is_not_a_regular_file_is_refused():
     finally:
         if os.path.exists("/dev/shm" + name):
             os.unlink("/dev/shm" + name)
+
+
+def test_a_restarted_actor_is_heard_while_its_old_process_is_still_connected():
+    """Real DataPlanes in this process: actor 1's old incarnation keeps its connection to actor 0 open (a dead
+    host's half-open TCP connection stays until the kernel gives up on it; a killed process's end is noticed a
+    moment later) while its replacement, wired in with a new key, sends. Each dialled with its actor id as
+    ZeroMQ routing id, and actor 0's ROUTER ignored every message of the second connection under that id, for
+    good: the replacement's transfers never came (this also made a security test flake, its fake peer dialling
+    as actor 7 right after the previous test's had closed)."""
+    import asyncio
+    import tempfile
+
+    from transport.auth import KeyPair
+    from transport.p2p.plane import DataPlane
+
+    def spec(p):
+        ep = p.endpoint()
+        return {"address": ep["ipc"], "route": "tcp", "key": ep["key"]}  # (ZeroMQ: the route a link does not take)
+
+    async def go():
+        d = tempfile.mkdtemp()
+        a = DataPlane(0, ipc_dir=d, keys=KeyPair.generate(), tcp=False)
+        old = DataPlane(1, ipc_dir=d, keys=KeyPair.generate(), tcp=False)
+        new = None
+        try:
+            await a.start()
+            await old.start()
+            await asyncio.gather(a.connect({1: spec(old)}), old.connect({0: spec(a)}))
+            got = asyncio.ensure_future(a.recv(1, (1, 0, 0), 10))
+            await old.send(0, (1, 0, 0), np.arange(3, dtype=np.float32))
+            assert np.array(await got).tolist() == [0, 1, 2]
+            new = DataPlane(1, ipc_dir=tempfile.mkdtemp(), keys=KeyPair.generate(), tcp=False)
+            await new.start()
+            await asyncio.gather(a.connect({1: spec(new)}), new.connect({0: spec(a)}))  # (as a recovery rewires)
+            got = asyncio.ensure_future(a.recv(1, (1, 0, 1), 10))
+            await new.send(0, (1, 0, 1), np.arange(4, dtype=np.float32))
+            return np.array(await got).tolist()
+        finally:
+            for p in (a, old, new):
+                if p is not None:
+                    p.close()
+
+    assert asyncio.run(go()) == [0, 1, 2, 3]

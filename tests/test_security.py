@@ -353,32 +353,6 @@ def _compile(mesh, blob, digest=...):
     return mesh.run(mesh.conn(0).request("compile", fields, [np.frombuffer(blob, np.uint8)]))
 
 
-def test_a_restarted_peer_is_heard_while_its_old_connection_is_still_open(single):
-    """A peer restarted under the same actor id (a recovery: a new process, a new key) dials with the same ZeroMQ
-    routing id while its old connection may still be open here — a dead host's half-open TCP connection stays
-    until the kernel gives up on it, and even a killed local process's end is noticed by the I/O thread a moment
-    later. Without ROUTER_HANDOVER, ZeroMQ silently drops every message of the second connection for good; this
-    also made the capped-arrivals test above fail now and then, right after this file's earlier peer 7 closed."""
-    mesh = single
-    old = FakePeer(mesh, 0, 7)
-    new = None
-    try:
-        pid = 900_010  # (900_003 and 900_004 are the test above's: their late arrivals are dropped)
-        old.send({"op": "data", "key": [mesh.session, pid, 0, 0]}, [np.zeros(4, np.float32)])
-        assert wait_until(lambda: mesh.actor(0).stats()["p2p"]["unclaimed"].get("7", {}).get("arrivals") == 1, 10)
-        new = FakePeer(mesh, 0, 7)  # re-registered with its new key, as the controller wires a restarted actor
-        new.send({"op": "data", "key": [mesh.session, pid, 0, 1]}, [np.arange(4, dtype=np.float32)])
-        prog = Program(0, [], [0], [Recv(0, 7, 1, "float32", (4,), Label("xfer"))])
-        mesh.run(mesh.executables.load_program(0, prog, pid, []))
-        out = mesh.new_buffer_id()
-        mesh.run(asyncio.wait_for(mesh.conn(0).request("run_program", {"program": pid, "step": 0, "inputs": [], "outputs": [out]}), 20))
-        assert mpmd.RemoteArray(mesh, {0: out}, (4,), np.float32).to_numpy().tolist() == [0.0, 1.0, 2.0, 3.0]
-    finally:
-        old.close()
-        if new is not None:
-            new.close()
-
-
 def test_compile_checks_the_digest_and_refuses_custom_calls_off_the_allow_list(single):
     mesh = single
     x = jax.ShapeDtypeStruct((4, 4), jnp.float32)

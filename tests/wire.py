@@ -64,7 +64,6 @@ class FakePeer:
         target = mesh.infos[actor].header["p2p"]
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.IDENTITY, str(peer_id).encode())
         self.sock.curve_publickey, self.sock.curve_secretkey = self.pair.public, self.pair.secret
         self.sock.curve_serverkey = target["key"].encode()
         self.sock.connect(target["ipc"] or target["tcp"])

@@ -103,11 +103,6 @@ class DataPlane(P2PTransport):
         self._router.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
         self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self._router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)  # (a stranger's idle connection is dropped)
-        # A peer dials with its actor id as routing id. A restarted peer dials again under the same id while its old
-        # connection may still be here (a dead host's half-open TCP connection; a killed process's end noticed a
-        # moment later): without a handover ZeroMQ drops every message of the new connection, for good. Who sent a
-        # message is its key's word, never the routing id, so letting the newest connection take the id costs nothing.
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if keys is not None:
             self._auth = Authenticator(self._ctx, f"actor {actor_id} data plane")
             self._auth.start()
@@ -275,7 +270,10 @@ class DataPlane(P2PTransport):
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.IDENTITY, str(self.actor_id).encode())
+        # (no routing id of our own: ZeroMQ gives each connection one. Who sent a message is its key's word, never
+        # the routing id; a fixed one — the actor id — made a peer's ROUTER drop every message of a restarted actor,
+        # for good, while the old process's connection was still there: a dead host's half-open TCP connection, or
+        # a killed process's end not yet noticed. Without ROUTER_HANDOVER a second connection under an id is ignored.)
         if self._keys is not None:
             configure_client(sock, self._keys, self._peer_keys[peer])
         allow_ipv6(sock, address)
