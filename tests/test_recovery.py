@@ -1021,6 +1021,8 @@ def test_a_save_goes_again_after_each_loss_the_mesh_recovers_from(tmp_path):
             p, o = _params(), OPT.init(_params())
             for i in range(6):
                 p, o, losses = dist(p, o, batches[i])
+            mpmd.fetch(losses)
+            os.kill(mesh.processes[1].proc.pid, signal.SIGSTOP)  # (it cannot answer the save before it is killed)
             handle = mpmd.save(str(tmp_path / "c"), (p, o), wait=False)
             _sigkill(mesh, 1)
             handle.wait(120)

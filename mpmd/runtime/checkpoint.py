@@ -416,7 +416,18 @@ def _save(path: str, tree: Any, keep: int) -> SaveHandle:
 
     replies_now: list[asyncio.Future[Any]] = []  # the actors' replies the save waits for (sent, or sent again)
 
+    def send_again() -> list[asyncio.Future[Any]]:
+        """The save sent again after a recovery; a replacement lost already is a failed reply (a loss while the
+        save runs: it raised ActorDiedError out of the save)."""
+        try:
+            return send(again=True)
+        except ActorDiedError as again_lost:
+            gone = asyncio.get_running_loop().create_future()
+            gone.set_exception(again_lost)
+            return [gone]
+
     async def write() -> str:
+        seen = generation  # (the recoveries started when the save was last sent)
         try:
             replies_now[:] = await asyncio.wrap_future(sent)
         except ActorDiedError as lost:  # lost before the save was sent (nothing was): as a loss while it ran
@@ -428,8 +439,8 @@ def _save(path: str, tree: Any, keep: int) -> SaveHandle:
             if recovery.gave_up is not None:
                 raise
             log.warning("mpmd.save into %s: an actor was lost before it was sent; the mesh recovered, saving", path)
-            replies_now[:] = send(again=True)
-        seen = generation  # (the recoveries started when the save was last sent)
+            seen = recovery.generation
+            replies_now[:] = send_again()
         for attempt in itertools.count():
             # Every actor's answer before anything is abandoned: one actor's failure must not delete the
             # directory while another still writes into it. (asyncio.wait: a cancel leaves the replies awaited.)
@@ -470,12 +481,7 @@ def _save(path: str, tree: Any, keep: int) -> SaveHandle:
             log.warning("mpmd.save into %s: an actor was lost while it ran; the mesh recovered, saving again", path)
             for a in per_actor:
                 await off_loop(lambda a=a: shutil.rmtree(os.path.join(tmp, f"actor-{a}"), True), own_thread=True)
-            try:
-                replies_now[:] = send(again=True)
-            except ActorDiedError as again_lost:  # (a replacement lost already: as a loss while the save runs)
-                gone = asyncio.get_running_loop().create_future()
-                gone.set_exception(again_lost)
-                replies_now[:] = [gone]
+            replies_now[:] = send_again()
         parts = dict(host_part)
         order = dict(host_order)
         for (a, (_, idx)), r in zip(per_actor.items(), replies):
