@@ -473,6 +473,32 @@ def _jax_context() -> Any:
     return _trace_context() if _trace_context is not None else jax.config.jax_enable_x64  # (a JAX without it: x64 at least)
 
 
+class LoadCount:
+    """The calls a step has dispatched (a recovery's replays and calls refused before they are sent are not
+    counted): the step number its `mpmd.loaded_by_actors` leaves are loaded for. Shared by the steps
+    `with_schedule` makes; callers in several threads."""
+
+    def __init__(self, value: int = 0) -> None:
+        self.value = value
+        self._lock = threading.Lock()
+
+    def take(self) -> int:
+        """The number for a call being dispatched (the next call gets the one after)."""
+        with self._lock:
+            self.value += 1
+            return self.value - 1
+
+    def give_back(self, taken: int) -> None:
+        """A call that took `taken` was not sent: the next call loads it — unless another has taken one since."""
+        with self._lock:
+            if self.value == taken + 1:
+                self.value = taken
+
+    def set(self, value: int) -> None:
+        with self._lock:
+            self.value = value
+
+
 class DistributedFunction(ShallowCopyOnly):
     """What `mpmd.distributed` returns. Call it like the original function."""
 
@@ -511,8 +537,7 @@ class DistributedFunction(ShallowCopyOnly):
         self._compile_lock = threading.RLock()  # (callers in several threads: one compile per signature)
         self._cancelled: set[int] = set()  # steps aborted because their await was cancelled
         self._step = itertools.count()
-        self._calls = 0  # the calls dispatched (a recovery's replays and refused calls are not counted): what loaders load
-        self._calls_lock = threading.Lock()
+        self._count = LoadCount()  # the calls dispatched: what loaders load (shared with the steps with_schedule makes)
         self._last_load = -1
         self.schedule: Any = None  # replaces the schedule the step names (see with_schedule)
         self._shardings_reading: str | None = None  # how a tuple of in_shardings is counted, once decided (`_per_argument`)
@@ -1009,25 +1034,34 @@ class DistributedFunction(ShallowCopyOnly):
         if (hint := not_a_schedule(schedule)) is not None:
             raise PipelineError(f"with_schedule: schedule must be a schedule such as mpmd.OneFOneB(num_stages=2) "
                                 f"(see mpmd.schedules), got {hint}")
+        other = self._variant(schedule)
+        # (one count for both: a loop that switches between them loads each step once. A copy of the count made the
+        # switch back load again what the other had loaded: 0, 1, 0, 1, 2, 3 over A, A, B, B, A, A; a probe)
+        other._count = self._count
+        return other
+
+    def _variant(self, schedule: Any) -> DistributedFunction:
+        """`with_schedule`'s step with a count of its own, from this one's now: what tune and profile_costs measure
+        with (their calls must not move the training loop's count on)."""
         other = DistributedFunction(self.fn, self.mesh, self.in_shardings, self.out_shardings, self.static_argnums,
                                     donate_argnums=self.donate_argnums)
         other.schedule = schedule
-        other._calls = self._calls  # (its first call loads the step this one would load next: the loop goes on)
+        other._count = LoadCount(self._count.value)  # (its first call loads the step this one would load next)
         return other
 
     @property
     def next_load_step(self) -> int:
         """The step number the next call's actor-loaded leaves (`mpmd.loaded_by_actors`) are loaded for: the
         calls dispatched so far, unless set. Set it to go on where a run stopped (resuming from a checkpoint:
-        ``step.next_load_step = steps_done``); `with_schedule` and `mpmd.tune`'s steps carry it on."""
-        return self._calls
+        ``step.next_load_step = steps_done``). The steps `with_schedule` makes, and `mpmd.tune`'s, share it with
+        this one: a call of any of them moves it on for all."""
+        return self._count.value
 
     @next_load_step.setter
     def next_load_step(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
             raise ValueError(f"next_load_step is a step number (an int >= 0), got {value!r:.40}")
-        with self._calls_lock:
-            self._calls = int(value)
+        self._count.set(int(value))
 
     def profile_costs(self, *args: Any, steps: int = 2, split_backward: bool = True, **kwargs: Any) -> Any:
         """Measure every marker segment on the actors: the step is compiled with each segment its own stage
@@ -1134,17 +1168,12 @@ class DistributedFunction(ShallowCopyOnly):
         step = next(self._step)
         # (the call count, not `step`: a replay draws step numbers of its own, and must not shift later loads; a
         # call refused before it is sent loads nothing, and the next call loads what it would have)
-        load = load_step
-        if load is None:
-            with self._calls_lock:  # (the number only: _prepare may wait, and other callers of this step go on)
-                load, self._calls = self._calls, self._calls + 1
+        load = self._count.take() if load_step is None else load_step  # (the number only: _prepare may wait)
         try:
             requests, replicas, outs = self._prepare(compiled, leaves, step, sig[2], may_wait, load)
         except BaseException:
             if load_step is None:
-                with self._calls_lock:
-                    if self._calls == load + 1:  # (given back unless another call has taken the next one since)
-                        self._calls = load
+                self._count.give_back(load)
             raise
         self._last_load = load
         # Arguments that earlier steps still make: if this step fails because one of those did, that is its error.

@@ -179,7 +179,9 @@ class TuneResult(ShallowCopyOnly):
         """`candidate` as a distributed step on the same mesh (one per candidate, kept). It is not the step object
         `verify` and `calibrate` run, whose calls count on (a `loaded_by_actors` batch is loaded for the call's
         number: a training loop on that one started at the loader's step 14), so its first call loads the step the tuned
-        step would have loaded next (0 for a fresh one); it compiles on its first call (the measured one's Programs carry that step's step numbers on the actors)."""
+        step would have loaded next (0 for a fresh one), and it shares the tuned step's count: a loop going on with
+        either loads each step once; it compiles on its first call (the measured one's Programs carry that step's
+        step numbers on the actors)."""
         got = self._handed.get(id(candidate))
         if got is None or got[0] is not candidate:  # (held with its candidate: an id is reused once an object is gone)
             got = self._handed[id(candidate)] = (candidate, self.base.with_schedule(candidate.schedule))
@@ -189,7 +191,7 @@ class TuneResult(ShallowCopyOnly):
         """`candidate` as the distributed step `verify` and `calibrate` run (one per candidate, kept)."""
         got = self._steps.get(id(candidate))
         if got is None or got[0] is not candidate:
-            got = self._steps[id(candidate)] = (candidate, self.base.with_schedule(candidate.schedule))
+            got = self._steps[id(candidate)] = (candidate, self.base._variant(candidate.schedule))  # (a count of its own)
         return got[1]
 
     def reshape_batch(self, batch: Any, candidate: Candidate | None = None) -> Any:
@@ -552,7 +554,8 @@ def tune(step_fn: Any, *args: Any, mesh: Any = None, memory_limit: int | None = 
         # (donating as the user's step does: what tune measures runs through call_bound, which never donates)
         base = DistributedFunction(step_fn.fn, mesh, step_fn.in_shardings, step_fn.out_shardings, step_fn.static_argnums,
                                    donate_argnums=step_fn.donate_argnums)
-        base.next_load_step = step_fn.next_load_step  # (the winner's first call loads what the loop would load next)
+        base._count = step_fn._count  # (one count: the winner's first call loads what the loop would load next, and a
+        # loop going on with either step after tuning loads each step once; a copy made the other load them again)
     elif mesh is None:
         raise PipelineError("mpmd.tune needs mesh= (the RemoteMesh the step will run on)")
     else:

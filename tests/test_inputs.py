@@ -268,6 +268,31 @@ def _loaded_setup(seed):
     return params, opt, ref, {leaf: jax.ShapeDtypeStruct(LOADED_LEAF_SHAPE, np.float32) for leaf in ("x", "y")}
 
 
+def test_a_loop_switching_between_a_step_and_its_with_schedule_twin_loads_each_step_once():
+    """Both steps made up front, the loop switching A, A, B, B, A, A: the twin had a copy of the count, so its calls
+    loaded steps 0 and 1 again and A came back at 2 — batches trained twice, others never, silently (a probe). One
+    count for both; tune's and profile_costs' measuring steps keep counts of their own."""
+    from mpmd.testing import synthetic_regression_leaf
+
+    fn = "mpmd.testing:synthetic_regression_leaf"
+    params, opt, ref, spec = _loaded_setup(7)
+    batch = mpmd.loaded_by_actors(fn, spec)
+
+    def loss_of(k):
+        return np.asarray(ref(params, opt.init(params), {leaf: synthetic_regression_leaf(k, leaf) for leaf in ("x", "y")})[2])
+
+    with mpmd.RemoteMesh.local(2, loaders=[fn]) as mesh:
+        a = mpmd.distributed(make_train_step(mse_loss(mlp), opt, mpmd.OneFOneB(2)), mesh=mesh)
+        b = a.with_schedule(mpmd.GPipe(2))
+        for k, step in enumerate((a, a, b, b, a, a)):
+            assert step.next_load_step == k
+            np.testing.assert_allclose(np.asarray(step(params, opt.init(params), batch)[2]), loss_of(k), rtol=1e-5, atol=1e-6)
+        b.next_load_step = 9  # (set on either: both go on from there)
+        assert a.next_load_step == 9
+        a._variant(mpmd.GPipe(2))(params, opt.init(params), batch)  # (a measuring step's call moves neither on)
+        assert (a.next_load_step, b.next_load_step) == (9, 9)
+
+
 @pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
 def test_the_step_a_call_loads_counts_dispatched_calls_and_can_be_set_and_carries_to_another_schedule():
     """A call refused before it was sent (a deleted argument) used up its step number: the next call loaded step

@@ -59,7 +59,7 @@ def _traced_costs(step: Any, schedule: SegmentProfile, args: tuple[Any, ...], st
     traced step of small tasks moves 10-30 % on a busy machine), and the segments that ran an I task."""
     from mpmd.runtime.array import wait_ready
 
-    variant = step.with_schedule(schedule)
+    variant = step._variant(schedule)  # (a count of its own: profiling moves the training loop's load count on not at all)
     for _ in range(max(1, steps)):
         wait_ready(variant.call_bound(args))
     with step.mesh.trace() as t:
