@@ -157,8 +157,15 @@ class BlobChecker:
             if line.strip() == b"READY":
                 self._proc = proc
                 return proc
-            proc.kill()
-            code = proc.wait()
+            try:  # (its exit, before any kill of ours: at end of output it is exiting; one that said something else is
+                # stopped here, and not said to be "killed by signal 9")
+                code = proc.wait(5) if not line else proc.poll()
+            except subprocess.TimeoutExpired:
+                code = None
+            if code is None:
+                proc.kill()
+                proc.wait()
+                raise RuntimeError(f"the compile checker did not start: it said {line[:200]!r} instead of READY (stopped)")
             how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
             if attempt:
                 raise RuntimeError(f"the compile checker did not start, twice (its process {how}, having said {line[:200]!r})")

@@ -232,11 +232,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+PICTURES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".eps", ".ps", ".svgz", ".pgf")  # matplotlib's
+
+
 def _cannot_write(path: str, directory: bool) -> str | None:
-    """Why `path` cannot be written as the loss curve (a .png, .svg or .pdf) or, with `directory`, as the checkpoint
+    """Why `path` cannot be written as the loss curve (a picture file) or, with `directory`, as the checkpoint
     directory (its missing parents are made); None when it can."""
-    if not directory and os.path.splitext(path)[1].lower() not in (".png", ".svg", ".pdf"):
-        return "name the picture .png, .svg or .pdf"
+    if not directory and os.path.splitext(path)[1].lower() not in PICTURES:
+        return f"name the picture with an ending matplotlib writes ({', '.join(PICTURES)})"
     if os.path.exists(path) and os.path.isdir(path) != directory:
         return "is a directory" if not directory else "is a file, not a directory"
     parent = os.path.dirname(os.path.abspath(path))

@@ -95,7 +95,7 @@ def test_gpt_output_names_that_cannot_be_written_stop_before_training(tmp_path, 
     a_file = tmp_path / "f"
     a_file.write_text("x")
     for flags, said in ((["--save", str(a_file)], "is a file, not a directory"),
-                        (["--plot", str(tmp_path)], r"name the picture \.png, \.svg or \.pdf"),
+                        (["--plot", str(tmp_path)], r"name the picture with an ending matplotlib writes \(\.png, \.svg"),
                         (["--plot", str(a_file / "loss.png")], "is a file, not a directory"),
                         (["--save", str(a_file / "ckpt")], "is a file, not a directory")):
         with pytest.raises(SystemExit):

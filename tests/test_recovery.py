@@ -1343,7 +1343,6 @@ def test_a_trace_across_a_recovery_holds_the_callers_steps_and_says_what_it_coul
     assert not untraced.get("failed"), untraced
 
 
-
 @pytest.mark.parametrize("when", ["after", "during"])
 def test_jax_device_get_recovers_from_a_lost_actor_as_fetch_does(uninterrupted, when):
     """`jax.device_get` starts each array's fetch with copy_to_host_async; that fetch's failure was returned as it

@@ -68,7 +68,7 @@ def bind_failure(address: str, e: zmq.ZMQError) -> str:
     text = str(e)
     if e.errno == errno.EADDRINUSE:
         return f"{text} (another process listens there: choose another port, or port 0 for a free one)"
-    if address.startswith("tcp://") and e.errno in (errno.ENODEV, errno.EADDRNOTAVAIL, errno.EINVAL):
+    if address.startswith("tcp://") and e.errno in (errno.ENODEV, errno.EADDRNOTAVAIL):
         host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
         try:
             socket.getaddrinfo(host, None)

@@ -399,7 +399,8 @@ def start_local(num_actors: int, options: LocalOptions) -> LocalMesh:
         log.warning("RemoteMesh.local: %d actors take ~%.1f GiB before any array, and %.1f GiB of memory is available now",
                     num_actors, num_actors * DAEMON_BYTES / 2**30, memory.get("MemAvailable", 0) / 2**30)
     cpus = cpu_sets(num_actors, options.cpus_per_actor) if options.cpus_per_actor else [None] * num_actors
-    tmp = socket_dir("mpmd-", f"p2p-{num_actors - 1}.sock")  # mode 700: other users cannot reach the sockets in it
+    # (mode 700: other users cannot reach the sockets in it; the longest socket name in it decides its length)
+    tmp = socket_dir("mpmd-", max(f"actor{num_actors - 1}.sock", f"p2p-{num_actors - 1}.sock", key=len))
     addrs = [f"ipc://{tmp}/actor{i}.sock" if options.address == "ipc" else "tcp://127.0.0.1:0" for i in range(num_actors)]
     keys = handoff = None
     if not options.insecure:
