@@ -506,8 +506,11 @@ class DistributedFunction(ShallowCopyOnly):
                  static_argnums: Any = (), static_argnames: Any = (), donate_argnums: Any = (), donate_argnames: Any = ()) -> None:
         if not callable(fn):
             raise TypeError(f"mpmd.distributed: the step must be a function, got {type(fn).__name__} {fn!r:.80}")
+        schedule = None
         if isinstance(fn, DistributedFunction):  # a decorated step, distributed again (another mesh, other shardings):
-            fn = fn.fn  # its own function, with these options (as jax.jit of a jitted function)
+            # its own function, with these options (as jax.jit of a jitted function) — and the schedule with_schedule
+            # set, which is the step's, not an option of the call (it went back to the loop's own; a probe)
+            fn, schedule = fn.fn, fn.schedule
         if mesh is None or isinstance(mesh, (str, bytes, int, float)) or not hasattr(type(mesh), "__len__"):
             raise TypeError(f"mpmd.distributed(..., mesh=...) needs the RemoteMesh the step runs on (e.g. "
                             f"mpmd.RemoteMesh.local(num_actors=2)), got {type(mesh).__name__} {mesh!r:.80}")
@@ -539,7 +542,7 @@ class DistributedFunction(ShallowCopyOnly):
         self._step = itertools.count()
         self._count = LoadCount()  # the calls dispatched: what loaders load (shared with the steps with_schedule makes)
         self._last_load = -1
-        self.schedule: Any = None  # replaces the schedule the step names (see with_schedule)
+        self.schedule: Any = schedule  # replaces the schedule the step names (see with_schedule)
         self._shardings_reading: str | None = None  # how a tuple of in_shardings is counted, once decided (`_per_argument`)
         self.__wrapped__ = fn
         self.__doc__ = fn.__doc__

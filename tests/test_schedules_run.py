@@ -233,6 +233,11 @@ def test_a_schedule_numbered_with_numpy_integers_runs_like_jit_and_bad_schedule_
     for bad, what in ((mpmd.GPipe, "the class GPipe: make one"), ("GPipe", "str 'GPipe'")):
         with pytest.raises(mpmd.PipelineError, match=f"with_schedule: schedule must be a schedule.*{what}"):
             dist.with_schedule(bad)
+    # Distributed again (another mesh, say), a step keeps the schedule with_schedule set (it went back to the one its
+    # accumulate_grads names; a probe), as it keeps its function; an explicit with_schedule on it still replaces it.
+    again = mpmd.distributed(dist.with_schedule(mpmd.GPipe(2)), mesh=mesh2)
+    assert again.schedule == mpmd.GPipe(2) and again.program(params, batch) == dist.with_schedule(mpmd.GPipe(2)).program(params, batch)
+    assert again.program(params, batch) != dist.program(params, batch)  # (Reversed runs its tasks in another order)
     with pytest.raises(mpmd.ScheduleError, match="costs must be mpmd.Costs.*dict"):
         dist.simulate(params, batch, costs={"F": 1})
     assert dist.simulate(params, batch, costs=mpmd.Costs(F=1, B=2)).step_time > 0
