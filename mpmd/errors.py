@@ -85,7 +85,8 @@ class CheckpointError(MpmdError):
 
 def callers_level() -> int:
     """The `warnings.warn` stacklevel, for the function that calls this one, of the first frame outside mpmd: a
-    warning then names the user's line, however deep in mpmd it was raised."""
+    warning then names the user's line, however deep in mpmd it was raised (in this thread: one raised in a worker
+    thread — `restore_async`, a compile started by `call_async` — names the thread's frame)."""
     frame, level = sys._getframe(2), 2
     package = os.path.dirname(os.path.abspath(__file__)) + os.sep
     while frame is not None and frame.f_code.co_filename.startswith(package):

@@ -1508,9 +1508,12 @@ class DistributedFunction(ShallowCopyOnly):
                     trace.count("failed")
                 raise MpmdError(f"step {step} of {name} was cancelled (its await was cancelled) and aborted on the actors; "
                                 "its outputs are gone") from None
-            recovered = on_failure is not None and isinstance(e, Exception) and await on_failure(e)
-            if trace is not None:  # (its actors' records are lost with it: counted, so the trace can say so)
-                trace.count("recovered" if recovered else "failed")
+            recovered = False
+            try:
+                recovered = on_failure is not None and isinstance(e, Exception) and await on_failure(e)
+            finally:  # (also when the recovery gives up; its actors' records are lost with it: counted, so said)
+                if trace is not None:
+                    trace.count("recovered" if recovered else "failed")
             if recovered:
                 return  # recovered: the step was replayed and its outputs rebound
             if not isinstance(e, ActorDiedError):  # (a lost actor is this step's own error, with its type)

@@ -131,7 +131,8 @@ class Trace:
     def __init__(self) -> None:
         self.steps: list[dict[int, ActorStep]] = []
         # Steps dispatched while tracing that left no record: "failed" (or aborted), "recovered" (a lost actor's
-        # step, run again by the recovery), and the recovery's "replayed" earlier steps (not traced as steps).
+        # step, run again by the recovery: also counted among "replayed"), and the recovery's "replayed" steps
+        # (not traced as steps: the earlier ones since its snapshot, and the recovered ones).
         self.untraced: dict[str, int] = {}
         self._pending: list[Any] = []
         self._lock = threading.Lock()
@@ -144,7 +145,7 @@ class Trace:
     def untraced_note(self) -> str:
         """What was dispatched while tracing but is not among the steps ("" when nothing)."""
         said = {"failed": "failed or aborted (their errors surface through their outputs)",
-                "recovered": "lost with an actor and recovered", "replayed": "replayed by a recovery"}
+                "recovered": "lost with an actor and recovered", "replayed": "replayed by a recovery (the recovered among them)"}
         parts = [f"{n} step(s) {said.get(k, k)}" for k, n in sorted(self.untraced.items()) if n]
         return f"not traced: {'; '.join(parts)}" if parts else ""
 

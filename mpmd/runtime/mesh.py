@@ -24,7 +24,6 @@ import atexit
 import collections
 import collections.abc
 import concurrent.futures
-import contextlib
 import functools
 import inspect
 import logging
@@ -588,8 +587,11 @@ class RemoteMesh:
         except BaseException:
             if opened:  # the session opened there goes: it let this mesh's old connection to that address, which
                 # reaches the new daemon, use the daemon refused here as actor i (a probe)
-                with contextlib.suppress(Exception):
+                try:
                     self.run(asyncio.wait_for(new.request("bye"), 5))
+                except Exception as e:  # (said: the session stays open there until its --session-timeout)
+                    log.warning("mesh.reconnect(%d): could not close this mesh's session on the daemon refused at %s (%s); "
+                                "it stays open there until the daemon's --session-timeout", i, new.address, e)
             self._io.call_soon(new.close)
             raise
         mark = self.new_buffer_id()  # (before the swap: an id from here on may name a buffer on the new daemon)
