@@ -162,6 +162,7 @@ def test_calibration_scales_by_the_median_ratio_of_the_top_candidates(monkeypatc
 
     monkeypatch.setattr(tuning, "_timed_round", timed_round)
     monkeypatch.setattr(tuning.DistributedFunction, "with_schedule", lambda self, s: type("S", (), {"schedule": s})())
+    monkeypatch.setattr(tuning.DistributedFunction, "_variant", lambda self, s: type("S", (), {"schedule": s})())
     monkeypatch.setattr(tuning.TuneResult, "_unmerged_twin", lambda self, c: None)  # (the next test measures it)
     assert r.calibrate(warmup=3, rounds=2) == pytest.approx(1.5)
     assert [c.predicted for c in r.feasible] == pytest.approx([before[id(c)] * 1.5 for c in r.feasible])
@@ -295,6 +296,7 @@ def test_verify_makes_the_fastest_candidate_it_measured_the_winner(monkeypatch, 
     times = dict(zip((c.schedule for c in top), (3.0, 1.0, 2.0)))  # the predicted winner measures slowest
     monkeypatch.setattr(tuning, "_timed_round", lambda step, *a: times[step.schedule])
     monkeypatch.setattr(tuning.DistributedFunction, "with_schedule", lambda self, s: type("S", (), {"schedule": s})())
+    monkeypatch.setattr(tuning.DistributedFunction, "_variant", lambda self, s: type("S", (), {"schedule": s})())
     assert r.best is top[0]
     verified = r.verify(3)
     assert verified == top and r.best is top[1] and r.step.schedule is top[1].schedule
