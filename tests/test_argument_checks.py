@@ -403,3 +403,39 @@ def test_a_ray_placement_error_lists_the_clusters_resources_without_rays_own():
     got = _fmt({"CPU": 4.0, "GPU": 1.0, "memory": 2e9, "node:10.0.0.1": 1.0, "object_store_memory": 1e9,
                 "CPU_group_0_ab12": 1.0, "CPU_group_ab12": 2.0, "bundle_group_ab12": 1000.0})
     assert got == "{CPU: 4, GPU: 1, memory: 2e+09}"
+
+
+def test_public_arguments_a_fuzzing_probe_got_through_are_refused_naming_them(tmp_path):
+    """A probe of every public name's arguments: transfer_timeout=np.int64(2) passed the check and msgpack refused
+    it on the wire (2**70 overflowed there); cpus_per_actor='2' met a bare comparison; mesh_shape as a generator was
+    used up by its own check, and a dict read as its keys; save(wait='no') was taken for True, load(verify=2)
+    passed; save('') wrote into the working directory (where keep= prunes); loaders=5 and from_rendezvous(None)
+    met bare Python errors; RemoteArray.is_deleted was a property where jax.Array's is a method."""
+    from mpmd.runtime.arguments import check_seconds
+
+    assert check_seconds("t", np.int64(2)) == 2.0 and type(check_seconds("t", np.float32(1.5))) is float
+    for kw, said in (({"transfer_timeout": 2**70}, "transfer_timeout must be a positive, finite number of seconds"),
+                     ({"cpus_per_actor": "2"}, "cpus_per_actor"), ({"cpus_per_actor": [1, 1]}, "cpus_per_actor"),
+                     ({"cpus_per_actor": True}, "cpus_per_actor"),
+                     ({"devices_per_actor": 2, "mesh_shape": (d for d in (1, 2)), "axis_names": ("a", "b")}, "mesh_shape must be"),
+                     ({"devices_per_actor": 2, "mesh_shape": {1: 2}, "axis_names": ("a",)}, "mesh_shape must be")):
+        with pytest.raises(ValueError, match=said):
+            mpmd.RemoteMesh.local(num_actors=1, **kw)
+    with pytest.raises(TypeError, match="loaders= is a list of 'package.module:function' names, got int 5"):
+        mpmd.RemoteMesh.local(num_actors=1, loaders=5)
+    with pytest.raises(TypeError, match="from_rendezvous: where must be a directory every node sees"):
+        mpmd.RemoteMesh.from_rendezvous(None, 2)
+    with pytest.raises(TypeError, match="mpmd.save: wait must be True or False, got str 'no'"):
+        mpmd.save(str(tmp_path / "c"), {"x": np.ones(2)}, wait="no")
+    with pytest.raises(ValueError, match="mpmd.save: the checkpoint directory is an empty name"):
+        mpmd.save("", {"x": np.ones(2)})
+    mpmd.save(str(tmp_path / "c"), {"x": np.ones(2)})
+    with pytest.raises(TypeError, match="mpmd.load: verify must be True or False, got int 2"):
+        mpmd.load(str(tmp_path / "c"), verify=2)
+    with mpmd.RemoteMesh.local(num_actors=1, transfer_timeout=np.int64(30)) as mesh:  # (a numpy number: taken)
+        x = mesh.actor(0).put(np.arange(3.0))
+        with pytest.raises(TypeError, match="mpmd.restore: verify must be True or False, got str 'no'"):
+            mpmd.restore(str(tmp_path / "c"), mesh, like={"x": np.ones(2)}, verify="no")
+        assert x.is_deleted() is False
+        x.delete()
+        assert x.is_deleted() is True

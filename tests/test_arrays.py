@@ -185,7 +185,7 @@ def test_a_deep_copy_of_a_steps_output_is_the_same_immutable_array_and_survives_
     again, _ = dist(out, batch)  # donates `out`, which is also `best`
     want = jax.jit(step)(w, batch)[0]
     for b, o, wv in zip(best["params"], out, want):
-        assert not b.is_deleted and not o.is_deleted
+        assert not b.is_deleted() and not o.is_deleted()
         np.testing.assert_allclose(np.asarray(b), np.asarray(wv), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(again[0]), np.asarray(jax.jit(step)(want, batch)[0][0]), rtol=1e-6)
 

@@ -393,7 +393,7 @@ async def test_a_timeout_on_a_donating_steps_output_leaves_the_step_running_and_
     with pytest.raises(TimeoutError):
         async with asyncio.timeout(1e-6):  # (the call returns once dispatched: cancelled after it, as a timeout is)
             await step.call_async(p1, o1, batch)
-    assert all(x.is_deleted for x in p1)
+    assert all(x.is_deleted() for x in p1)
     with pytest.raises(mpmd.MpmdError, match=r"donated to step \(donate_argnums\), whose call_async was cancelled after the "
                                              r"step was dispatched.*the state this array held is gone"):
         await mpmd.fetch_async(p1[0])

@@ -582,7 +582,7 @@ def test_call_async_on_a_recovering_mesh_donates_as_the_blocking_call_does():
             dist = mpmd.distributed(STEP, mesh=mesh, donate_argnums=(0, 1))
             p, o, _ = await dist.call_async(_params(), OPT.init(_params()), batches[0])
             p2, o2, losses = await dist.call_async(p, o, batches[1])
-            assert all(x.is_deleted for x in jax.tree.leaves((p, o)) if isinstance(x, mpmd.RemoteArray))
+            assert all(x.is_deleted() for x in jax.tree.leaves((p, o)) if isinstance(x, mpmd.RemoteArray))
             with pytest.raises(mpmd.MpmdError, match="was donated to"):
                 await mpmd.fetch_async(jax.tree.leaves(p)[0])
             return await mpmd.fetch_async((p2, o2, losses))

@@ -99,7 +99,7 @@ def test_buffers_are_freed_on_delete_and_on_garbage_collection(mesh2):
     grown = actor.stats()
     assert grown["buffers"] == base["buffers"] + 2 and grown["bytes"] == base["bytes"] + 256 * 256 * 4 + 1000
     a.delete()
-    assert a.is_deleted
+    assert a.is_deleted()
     with pytest.raises(mpmd.MpmdError, match="deleted"):
         a.to_numpy()
     del b

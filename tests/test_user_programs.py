@@ -533,7 +533,7 @@ def test_donated_state_trains_like_jit_and_is_freed_on_the_actors(mesh2, how):
         r_out, d_out = ref(*r, batch), dist(*d, batch)
         assert_trees_close(mpmd.fetch(d_out), r_out)
         if i:
-            assert all(x.is_deleted for x in jax.tree.leaves(d)), "the donated state must be deleted"
+            assert all(x.is_deleted() for x in jax.tree.leaves(d)), "the donated state must be deleted"
             held.append(d)  # the caller keeps the old state objects: donation freed them all the same
         counts.append(sum(mesh2.actor(a).stats()["buffers"] for a in (0, 1)))
         r, d = r_out[:2], d_out[:2]

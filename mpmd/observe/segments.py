@@ -83,13 +83,16 @@ def median_costs(fits: list[Any]) -> Any:
     return dataclasses.replace(fits[0], **per_stage, **scalars)
 
 
+MAX_WARMUP = 1000  # warm-up steps profile_costs and tune take at most
+
+
 def check_steps(where: str, name: str, steps: Any) -> None:
     """A TypeError or ValueError unless `steps`, the warm-up steps run before the traced ones, is an int >= 1."""
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)):
         raise TypeError(f"{where}: {name} (the steps run to warm up before the traced ones) must be an int >= 1, got "
                         f"{type(steps).__name__} {steps!r:.40}")
-    if steps < 1:
-        raise ValueError(f"{where}: {name} (the steps run to warm up before the traced ones) must be at least 1, got {steps}")
+    if not 1 <= steps <= MAX_WARMUP:  # (2**70 was taken, and ran for good; a probe)
+        raise ValueError(f"{where}: {name} (the steps run to warm up before the traced ones) must be 1 to {MAX_WARMUP}, got {steps}")
 
 
 MIN_TASK_SECONDS = 1e-9  # the time a measured task that exists is given at least

@@ -124,7 +124,7 @@ class ActorHandle:
         readies = list({id(x._ready): x._ready for x in arrays if x._ready is not None}.values())
         if not all(recovery.settle(error, ready) for ready in readies or [None]):
             return False
-        if any(x.is_deleted for x in arrays):
+        if any(x.is_deleted() for x in arrays):
             return False
         log.warning("mesh.actor(%d): actor %s was lost; the mesh recovered, calling again", self.index, error.actor_id)
         return True

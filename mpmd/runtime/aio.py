@@ -222,7 +222,7 @@ async def _recovered(arrays: list[RemoteArray], error: BaseException) -> bool:
                 pass
         return recovered
 
-    return await off_loop(settle) and not any(x.is_deleted for x in arrays)
+    return await off_loop(settle) and not any(x.is_deleted() for x in arrays)
 
 
 async def fetch_async(tree: Any) -> Any:

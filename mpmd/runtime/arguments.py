@@ -4,7 +4,6 @@ without end: probes found each)."""
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Any
 
@@ -16,10 +15,15 @@ def check_count(name: str, value: Any, minimum: int = 1) -> int:
     return int(value)
 
 
-def check_seconds(name: str, value: Any, *, none_ok: bool = False) -> None:
-    """A positive, finite number of seconds (or None where `none_ok`); else ValueError naming `name`."""
+MAX_SECONDS = 1e9  # (~31 years: a duration past it is no deadline; 2**70 passed, then overflowed msgpack: a probe)
+
+
+def check_seconds(name: str, value: Any, *, none_ok: bool = False) -> float | None:
+    """`value` as a float: a positive, finite number of seconds up to MAX_SECONDS (or None where `none_ok`); else
+    ValueError naming `name`. (The float, not a numpy scalar: one crossed the wire and msgpack refused it.)"""
     if value is None and none_ok:
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
-        raise ValueError(f"{name} must be a positive, finite number of seconds{' (or None)' if none_ok else ''}, "
-                         f"got {value!r:.40}")
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value <= MAX_SECONDS:
+        raise ValueError(f"{name} must be a positive, finite number of seconds{' (or None)' if none_ok else ''} up to "
+                         f"{MAX_SECONDS:g}, got {value!r:.40}")
+    return float(value)

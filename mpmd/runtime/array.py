@@ -90,8 +90,9 @@ class RemoteArray:
         shape, dtype = wire_shape_dtype(self.shape, self.dtype)
         return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
-    @property
     def is_deleted(self) -> bool:
+        """Whether the array was deleted (or donated), as `jax.Array.is_deleted()` (a method there too: code written
+        for JAX called it and met "'bool' object is not callable"; a probe)."""
         return not self.buffers
 
     def deleted_why(self) -> str:

@@ -269,10 +269,20 @@ def _failed_step(path: str, flat: list[tuple[Any, Any]]) -> CheckpointError | No
 
 def _check_path(where: str, path: Any) -> None:
     """A TypeError naming `where` for a path that is not one (None gave os's bare "expected str, bytes or
-    os.PathLike object"; a probe)."""
+    os.PathLike object"; a probe), a ValueError for an empty one (it was the working directory, where `keep`
+    pruned: a probe)."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"{where}: the checkpoint directory must be a path (str or os.PathLike), got {type(path).__name__} "
                         f"{path!r:.60}")
+    if not os.fspath(path).strip():
+        raise ValueError(f"{where}: the checkpoint directory is an empty name {os.fspath(path)!r}; name a directory "
+                         "(e.g. 'checkpoints', or '.' for the working directory)")
+
+
+def _check_flag(where: str, name: str, value: Any) -> None:
+    """A TypeError naming `name` unless `value` is True or False ("no" was taken for True, 2 passed; a probe)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{where}: {name} must be True or False, got {type(value).__name__} {value!r:.40}")
 
 
 def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | SaveHandle:
@@ -281,6 +291,7 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
     `wait=False` the call returns a `SaveHandle` at once (a save that fails before anything waits for its handle
     is logged as an error). The `keep` newest checkpoints are kept. Returns the committed checkpoint's directory
     (`path/ckpt-<n>`)."""
+    _check_flag("mpmd.save", "wait", wait)
     handle = _save(path, tree, keep)
     return handle._wait(None, "mpmd.save") if wait else handle._said_if_unseen(os.path.abspath(path))
 
@@ -684,6 +695,7 @@ def restore(path: str, mesh: Any, like: Any, *, for_step: Any = None, verify: bo
         raise TypeError(f"mpmd.restore(path, mesh, like): mesh must be the mpmd.RemoteMesh to load into, got "
                         f"{type(mesh).__name__} {mesh!r:.60}; to read a checkpoint into host arrays without actors, use "
                         "mpmd.load(path, like)")
+    _check_flag("mpmd.restore", "verify", verify)
     recovery = getattr(mesh, "recovery", None)
     try:
         return _restore(path, mesh, like, for_step, verify)
@@ -815,6 +827,7 @@ def load(path: str, like: Any = None, *, verify: bool = True) -> Any:
         params, opt_state = mpmd.load("ckpt", like=(params, opt_state))
         state = mpmd.load("ckpt")          # e.g. [{'w': array(...), 'b': ...}, ...]
     """
+    _check_flag("mpmd.load", "verify", verify)
     m = _open(path)
     values: dict[int, Any] = {}
     for part in sorted(m.parts):

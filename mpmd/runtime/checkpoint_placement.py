@@ -122,7 +122,7 @@ def targets(leaves: list[Leaf], like: list[Any], mesh: Any, for_step: Any = None
     for leaf, x, t in zip(leaves, like, from_step):
         if t is not None:
             out.append(t)
-        elif isinstance(x, RemoteArray) and x.mesh is mesh and not x.is_deleted:
+        elif isinstance(x, RemoteArray) and x.mesh is mesh and not x.is_deleted():
             held = x.sharding.layout if x.sharding is not None else (() if am is not None else None)
             out.append(Target(tuple(x.actors), held))
         elif leaf.part == HOST_PART:

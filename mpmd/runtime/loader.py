@@ -61,6 +61,8 @@ def check_loader_names(loaders: Any) -> tuple[str, ...]:
     if isinstance(loaders, (str, bytes)):
         raise ValueError(f"loaders= is a list of 'package.module:function' names; got the string {loaders!r:.80}: pass "
                          f"[{loaders!r:.80}]")
+    if not isinstance(loaders, (list, tuple)):  # (5 met a bare "'int' object is not iterable"; a probe)
+        raise TypeError(f"loaders= is a list of 'package.module:function' names, got {type(loaders).__name__} {loaders!r:.80}")
     return tuple(check_loader_name(fn) for fn in loaders)
 
 

@@ -88,8 +88,10 @@ def _refuse_inside_a_loader_import(what: str) -> None:
 
 def _check_options(mesh_shape: Any, transfer_timeout: Any, heartbeat_interval: Any, heartbeat_timeout: Any) -> None:
     """RemoteMesh's own keyword arguments, checked (by every launcher before any daemon starts, and by RemoteMesh)."""
-    if mesh_shape is not None and (isinstance(mesh_shape, (str, bytes)) or not hasattr(mesh_shape, "__iter__") or not all(
-            isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 1 for d in mesh_shape)):
+    if mesh_shape is not None and (isinstance(mesh_shape, (str, bytes, collections.abc.Mapping, collections.abc.Iterator))
+                                   or not hasattr(mesh_shape, "__iter__") or not all(
+            isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 1 for d in mesh_shape)):  # (a generator was
+        # used up by this check, and a dict read as its keys; a probe)
         raise ValueError(f"mesh_shape must be a sequence of positive ints, one per axis (e.g. (2, 2)), got {mesh_shape!r:.80}")
     for name, value in (("transfer_timeout", transfer_timeout), ("heartbeat_interval", heartbeat_interval),
                         ("heartbeat_timeout", heartbeat_timeout)):  # (heartbeat_timeout=inf waited for good on an
@@ -184,7 +186,7 @@ class RemoteMesh:
         self.session = secrets.randbits(62) | 1
         self.processes = list(processes)  # the daemons this mesh started (and stops at close)
         self._keys = ClientKeys.of(keys) if keys is not None else None
-        self._transfer_timeout = transfer_timeout
+        self._transfer_timeout = float(transfer_timeout)  # (crosses the wire: msgpack refused a numpy scalar; a probe)
         self._io = EventLoopThread()
         self._in_flight: collections.deque[concurrent.futures.Future[Any]] = collections.deque()  # dispatched steps, oldest first
         self._ctx = zmq.asyncio.Context()
@@ -850,7 +852,7 @@ class RemoteMesh:
     def check_owned(self, x: RemoteArray, what: str) -> None:
         """Refuse a RemoteArray of another (or a closed) mesh: its buffer ids mean nothing here."""
         if x.mesh is self:
-            if x.is_deleted:
+            if x.is_deleted():
                 why = self.recovery.why_gone(x) if getattr(self, "recovery", None) is not None else None
                 raise MpmdError(f"{what}: {why or x.deleted_why()}")
             self.check_not_replaced(x, what)

@@ -75,8 +75,8 @@ class LocalOptions:
             raise ValueError(f"platform must be 'cpu' or 'gpu', got {self.platform!r}")
         if self.address not in ("ipc", "tcp"):
             raise ValueError(f"address must be 'ipc' or 'tcp', got {self.address!r}")
-        if self.cpus_per_actor is not None and self.cpus_per_actor < 1:
-            raise ValueError(f"cpus_per_actor must be >= 1 (or None), got {self.cpus_per_actor}")
+        if self.cpus_per_actor is not None:  # ('2' and [1, 1] met a bare comparison TypeError, True was 1; a probe)
+            check_count("cpus_per_actor (cores per local actor, or None)", self.cpus_per_actor)
         check_seconds("request_timeout", self.request_timeout, none_ok=True)
         check_seconds("startup_timeout", self.startup_timeout)  # (NaN: "cannot convert float NaN to integer"; 0:
         # "took longer ... start fewer": a probe)

@@ -405,6 +405,9 @@ def connect(cls: Any, where: str | os.PathLike[str], num_actors: int, *, timeout
     directory rendezvous only), a lost actor is replaced by the next daemon that announces itself under its id."""
     if isinstance(where, Path):
         where = str(where)
+    if not isinstance(where, (str, os.PathLike)):  # (None met os's bare "expected str, bytes or os.PathLike"; a probe)
+        raise TypeError(f"from_rendezvous: where must be a directory every node sees, or 'tcp://HOST:PORT', got "
+                        f"{type(where).__name__} {where!r:.60}")
     if isinstance(where, str) and not where.strip():  # (it waited on the working directory: a probe)
         raise ValueError("from_rendezvous needs where=: a directory every node sees, or tcp://HOST:PORT; got ''")
     wrong = other_scheme(where)
