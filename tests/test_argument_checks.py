@@ -416,7 +416,7 @@ def test_public_arguments_a_fuzzing_probe_got_through_are_refused_naming_them(tm
     assert check_seconds("t", np.int64(2)) == 2.0 and type(check_seconds("t", np.float32(1.5))) is float
     for kw, said in (({"transfer_timeout": 2**70}, "transfer_timeout must be a positive, finite number of seconds"),
                      ({"cpus_per_actor": "2"}, "cpus_per_actor"), ({"cpus_per_actor": [1, 1]}, "cpus_per_actor"),
-                     ({"cpus_per_actor": True}, "cpus_per_actor"),
+                     ({"cpus_per_actor": True}, "cpus_per_actor"), ({"devices_per_actor": 2**70}, "at most 4096"),
                      ({"devices_per_actor": 2, "mesh_shape": (d for d in (1, 2)), "axis_names": ("a", "b")}, "mesh_shape must be"),
                      ({"devices_per_actor": 2, "mesh_shape": {1: 2}, "axis_names": ("a",)}, "mesh_shape must be")):
         with pytest.raises(ValueError, match=said):

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # the daemons' --log-level
+MAX_LOCAL_DEVICES = 4096  # devices one local actor may be given (a host's GPUs, or forced CPU devices)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,9 @@ class LocalOptions:
 
     def __post_init__(self) -> None:
         check_count("devices_per_actor", self.devices_per_actor)
+        if self.devices_per_actor > MAX_LOCAL_DEVICES:  # (2**70 passed, and every daemon exited with code 2; a probe)
+            raise ValueError(f"devices_per_actor={self.devices_per_actor}: a local actor runs on this host's devices, at most "
+                             f"{MAX_LOCAL_DEVICES}")
         if self.platform not in ("cpu", "gpu"):
             raise ValueError(f"platform must be 'cpu' or 'gpu', got {self.platform!r}")
         if self.address not in ("ipc", "tcp"):
