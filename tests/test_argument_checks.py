@@ -423,6 +423,9 @@ def test_public_arguments_a_fuzzing_probe_got_through_are_refused_naming_them(tm
             mpmd.RemoteMesh.local(num_actors=1, **kw)
     with pytest.raises(TypeError, match="loaders= is a list of 'package.module:function' names, got int 5"):
         mpmd.RemoteMesh.local(num_actors=1, loaders=5)
+    for cache in (5, "", [".cache"]):
+        with pytest.raises(TypeError, match="cache_dir must be True .*, False or None .* or a directory"):
+            mpmd.RemoteMesh.local(num_actors=1, cache_dir=cache)
     with pytest.raises(TypeError, match="from_rendezvous: where must be a directory every node sees"):
         mpmd.RemoteMesh.from_rendezvous(None, 2)
     with pytest.raises(TypeError, match="mpmd.save: wait must be True or False, got str 'no'"):

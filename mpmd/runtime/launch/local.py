@@ -84,6 +84,10 @@ class LocalOptions:
         check_seconds("request_timeout", self.request_timeout, none_ok=True)
         check_seconds("startup_timeout", self.startup_timeout)  # (NaN: "cannot convert float NaN to integer"; 0:
         # "took longer ... start fewer": a probe)
+        if not (self.cache_dir is None or isinstance(self.cache_dir, bool) or (isinstance(self.cache_dir, (str, os.PathLike))
+                                                                 and os.fspath(self.cache_dir).strip())):
+            raise TypeError(f"cache_dir must be True (the default cache), False or None (none) or a directory, got "
+                            f"{type(self.cache_dir).__name__} {self.cache_dir!r:.60}")  # (5 was taken; a probe)
         if not isinstance(self.log_level, str) or self.log_level.upper() not in LOG_LEVELS:  # (an int reached the daemon's argument list: "expected str ... not int")
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)} (the daemons' logging level), got {self.log_level!r:.40}")
 
