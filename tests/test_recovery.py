@@ -600,8 +600,8 @@ def test_recovery_rejects_bad_settings_with_a_clear_error():
     # a bool is no count, and a string or NaN no timeout (they were a TypeError from a comparison, or taken)
     for bad, said in [({"snapshot_every": True}, r"Recovery\(snapshot_every=...\) \(steps between snapshots\) must be a whole "
                        "number >= 1, got True"),
-                      ({"spawn_timeout": "30"}, r"Recovery\(spawn_timeout=...\) must be a positive, finite number of seconds, "
-                       "got '30'"),
+                      ({"spawn_timeout": "30"}, r"Recovery\(spawn_timeout=...\) must be a positive, finite number of seconds up to "
+                       r"1e\+09, got '30'"),
                       ({"drain_timeout": float("nan")}, r"Recovery\(drain_timeout=...\) must be a positive, finite number"),
                       ({"max_failures": 1.0}, r"max_failures=...\) \(lost actors to recover from\) must be a whole number >= 0")]:
         with pytest.raises(ValueError, match=said):
