@@ -166,9 +166,11 @@ def main() -> None:
     p.add_argument("--jit-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.trace is not None:  # (checked before a minute of measuring: a missing folder failed at the end; a probe)
-        folder = os.path.dirname(os.path.abspath(args.trace))
-        if not args.trace.strip() or os.path.isdir(args.trace) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            p.error(f"--trace {args.trace!r}: name a file in a writable directory that exists")
+        from mpmd.cli.args import cannot_write
+
+        why = cannot_write(args.trace)
+        if why:
+            p.error(f"--trace {args.trace!r}: {why}")
     for flag, least in (("width", 1), ("layers", 2), ("microbatches", 1), ("rows", 1), ("steps", 1), ("rounds", 1)):
         if getattr(args, flag) < least:  # (--layers 1 crashed in an IndexError, --steps 0 in a bare CalledProcessError)
             p.error(f"--{flag} must be at least {least}{' (the 2-stage MLP needs a layer a stage)' if flag == 'layers' else ''}, "

@@ -27,6 +27,7 @@ import optax
 from flax import nnx
 
 import mpmd
+from mpmd.cli.args import cannot_write
 
 OUT = pathlib.Path(__file__).resolve().parent / "out"  # what the examples write (ignored by git)
 
@@ -162,6 +163,9 @@ def make_schedule(name: str, actors: int, stages: int) -> mpmd.Schedule:
     return cls(num_stages=stages)
 
 
+PICTURES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".eps", ".ps", ".svgz", ".pgf")  # matplotlib's
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a one-minute run: at most 120 steps")
@@ -201,8 +205,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--stop-after must be at least 1, got {args.stop_after}")
     if args.width % args.heads:
         p.error(f"--width {args.width} must be a multiple of --heads {args.heads} (each head gets width / heads features)")
+    if args.plot and os.path.splitext(args.plot)[1].lower() not in PICTURES:
+        p.error(f"--plot {args.plot}: name the picture with an ending matplotlib writes ({', '.join(PICTURES)})")
     for flag, path, directory in (("--plot", args.plot, False), ("--save", args.save, True)):
-        why = _cannot_write(path, directory) if path else None
+        why = cannot_write(path, directory, parents=True) if path else None
         if why:  # (said before training: an unwritable name failed once the run was over; a probe)
             p.error(f"{flag} {path}: {why}")
     if args.quick:
@@ -230,26 +236,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit(f"--schedule {args.schedule} --stages {args.stages} --actors {args.actors} --microbatches "
                          f"{args.microbatches}: {e}") from None
     return args
-
-
-PICTURES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".eps", ".ps", ".svgz", ".pgf")  # matplotlib's
-
-
-def _cannot_write(path: str, directory: bool) -> str | None:
-    """Why `path` cannot be written as the loss curve (a picture file) or, with `directory`, as the checkpoint
-    directory (its missing parents are made); None when it can."""
-    if not directory and os.path.splitext(path)[1].lower() not in PICTURES:
-        return f"name the picture with an ending matplotlib writes ({', '.join(PICTURES)})"
-    if os.path.exists(path) and os.path.isdir(path) != directory:
-        return "is a directory" if not directory else "is a file, not a directory"
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        return f"{parent} is a file, not a directory"
-    if not os.access(path if os.path.exists(path) else parent, os.W_OK):
-        return "is not writable" if os.path.exists(path) else f"{parent} is not writable"
-    return None
 
 
 # The pipeline sums the same float32 terms as jax.jit in another order (microbatch by microbatch on each stage,

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mpmd.cli.args import positive
+from mpmd.cli.args import cannot_write, positive
 from mpmd.errors import MpmdError, ScheduleError
 
 Registrar = Callable[[Any], None]  # takes argparse's subparsers object
@@ -101,12 +101,8 @@ def _simulate(args: argparse.Namespace) -> int:
             print(f"mpmd simulate: {same} and {flag} both name {path}; give each output a file of its own", file=sys.stderr)
             return 2
         named[os.path.realpath(path)] = flag
-        folder = os.path.dirname(os.path.abspath(path))
-        # (a file that exists is written in place: its own mode counts, not its folder's; `--trace /dev/stdout`)
-        writable = os.access(path, os.W_OK) if os.path.exists(path) else os.access(folder, os.W_OK)
-        if os.path.isdir(path) or not os.path.isdir(folder) or not writable:
-            why = "is a directory" if os.path.isdir(path) else f"{folder} is not a directory" if not os.path.isdir(folder) else \
-                "is not writable" if os.path.exists(path) else f"{folder} is not writable"
+        why = cannot_write(path)
+        if why:
             print(f"mpmd simulate: cannot write {flag} {path}: {why}", file=sys.stderr)
             return 2
     try:

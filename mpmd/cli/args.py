@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 
@@ -19,3 +20,22 @@ def positive(kind: type) -> Any:
 
     parse.__name__ = kind.__name__  # what argparse names in "invalid ... value"
     return parse
+
+
+def cannot_write(path: str, directory: bool = False, parents: bool = False) -> str | None:
+    """Why an output `path` cannot be written — a file, or with `directory` a directory — checked before the work
+    that writes it (an unwritable name failed once the work was done; probes); None when it can. `parents`: its
+    missing parent directories will be made (else the folder must exist). A file that exists is written in place:
+    its own mode counts, not its folder's (`/dev/stdout`)."""
+    if not path.strip():
+        return "needs a name"
+    if os.path.exists(path) and os.path.isdir(path) != directory:
+        return "is a directory" if not directory else "is a file, not a directory"
+    folder = os.path.dirname(os.path.abspath(path))
+    while parents and not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        return f"{folder} is a file, not a directory" if os.path.exists(folder) else f"{folder} is not a directory"
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        return "is not writable" if os.path.exists(path) else f"{folder} is not writable"
+    return None
