@@ -80,6 +80,15 @@ def uninterrupted():
     return train()
 
 
+def _first_steps(dist, batches, n):
+    """The state after the first `n` steps of `dist` from the start, every one ended (its losses fetched)."""
+    p, o = _params(), OPT.init(_params())
+    for i in range(n):
+        p, o, losses = dist(p, o, batches[i])
+    mpmd.fetch(losses)
+    return p, o
+
+
 def _assert_identical(got, want):
     for a, b in zip(jax.tree.leaves(got[:3]), jax.tree.leaves(want[:3])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -1018,10 +1027,7 @@ def test_a_save_goes_again_after_each_loss_the_mesh_recovers_from(tmp_path):
     try:
         with mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(snapshot_every=4), heartbeat_timeout=5.0) as mesh:
             dist = mpmd.distributed(STEP, mesh=mesh)
-            p, o = _params(), OPT.init(_params())
-            for i in range(6):
-                p, o, losses = dist(p, o, batches[i])
-            mpmd.fetch(losses)
+            p, o = _first_steps(dist, batches, 6)
             os.kill(mesh.processes[1].proc.pid, signal.SIGSTOP)  # (it cannot answer the save before it is killed)
             handle = mpmd.save(str(tmp_path / "c"), (p, o), wait=False)
             _sigkill(mesh, 1)
@@ -1324,10 +1330,7 @@ def test_a_trace_across_a_recovery_holds_the_callers_steps_and_says_what_it_coul
     batches = _batches()
     with mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(snapshot_every=10), heartbeat_timeout=5.0) as mesh:
         dist = mpmd.distributed(STEP, mesh=mesh)
-        p, o = _params(), OPT.init(_params())
-        for i in range(3):
-            p, o, losses = dist(p, o, batches[i])
-        mpmd.fetch(losses)
+        p, o = _first_steps(dist, batches, 3)
         with mesh.trace() as t:
             for i in range(3, 6):
                 p, o, losses = dist(p, o, batches[i])
