@@ -72,7 +72,8 @@ def accumulate_grads(fn: Callable[[Any], tuple[Any, Any]], batch: Any, schedule:
                             f"({which}{' ...' if len(paths) > 8 else ''}); give every leaf the same leading axis")
     m = next(iter(sizes))[0]
     if m < 1:
-        raise PipelineError("the batch has 0 microbatches")
+        raise PipelineError("the batch has 0 microbatches (its leaves' leading axis is 0): give at least one, shaped "
+                            "[microbatches, rows per microbatch, ...], e.g. x.reshape(m, -1, *x.shape[1:])")
     mb_specs = [jax.ShapeDtypeStruct(l.shape[1:], l.dtype) for l in leaves]
     out_tree: list[Any] = []
     with lifted(fn) as lifted_fn:  # closed-over flax nnx Modules are re-made inside the body's own trace

@@ -771,7 +771,9 @@ def _check_choices(memory_limit: Any, schedules: Any, microbatches: Any, virtual
                 raise PipelineError(f"tune: schedules lists the class {s.__name__}; give its name {s.__name__!r} (tune picks "
                                     f"the stages and actors) or a schedule such as {s.__name__}(num_stages=2)")
             if not isinstance(s, (str, Schedule)):
-                raise PipelineError(f"tune: schedules holds {type(s).__name__} {s!r:.80}; give schedules or built-in names")
+                raise PipelineError(f"tune: schedules holds {type(s).__name__} {s!r:.80}; give built-in names or mpmd.Schedule "
+                                    "objects (tune re-makes each with other balance= and remat= by dataclasses.replace: write "
+                                    "your own as a frozen dataclass subclassing mpmd.Schedule, or an mpmd.Custom table)")
         schedules = got
     return memory_limit, schedules, lists["microbatches"], lists["virtual_stages"]
 
@@ -785,6 +787,8 @@ def _predict(base: DistributedFunction, args: tuple[Any, ...], schedule: Schedul
     try:
         if schedule.num_actors > p:
             raise ScheduleError(f"needs {schedule.num_actors} actors, the mesh has {p}")
+        if getattr(schedule, "written_table", False) and m != schedule.min_microbatches:  # (a table names its microbatches)
+            raise ScheduleError(f"a table written for exactly {schedule.min_microbatches} microbatches")
         if m < schedule.min_microbatches:
             raise ScheduleError(f"needs at least {schedule.min_microbatches} microbatches")
         own = getattr(schedule, "balance", None)  # a grouping the user fixed ((1, 3) or "even") is kept; else tune's

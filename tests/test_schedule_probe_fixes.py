@@ -443,3 +443,67 @@ def test_simulate_checks_its_output_names_before_any_work(tmp_path, capsys):
     assert main([*base, "--svg", str(tmp_path)]) == 2 and "is a directory" in capsys.readouterr().err
     assert main([*base, "--svg", first, "--trace", str(tmp_path / "t.json")]) == 0
     assert os.path.getsize(first) > 0 and json.loads((tmp_path / "t.json").read_text())
+
+
+# ---------------------------------------------------------------- a probe of hand-written schedules (session 36)
+
+
+@pytest.mark.parametrize("order", [(("0F0", "0B0"), ("1F0",)), (("0F0", "0F1", "0B0", "0B1"), ("1F0", "1F1"))])
+def test_a_forward_only_table_with_a_backward_whose_next_stage_has_none_is_refused_naming_the_missing_tasks(order):
+    """An evaluation loop (forward_only) needs F tasks alone; a table giving stage 0 backwards but stage 1 none met a
+    bare KeyError (Task(stage=1, kind='B', mb=0)) in the deadlock proof, from validate, simulate and a real evaluation
+    step alike (a probe): stage 0's backward reads stage 1's, so those are missing."""
+    m = len(order[1])
+    schedule = mpmd.Custom(2, order=order)
+    want = " ".join(f"1B{i}" for i in range(m))
+    with pytest.raises(mpmd.ScheduleError, match=rf"tasks missing from the schedule: {want}; this loop computes no gradients"):
+        validate(schedule, m, forward_only=True)
+    with pytest.raises(mpmd.ScheduleError, match="tasks missing"):
+        simulate(schedule, m, Costs(F=1.0, B=2.0), forward_only=True)
+    # the same table with stage 1's backwards too is complete; with none at all, too
+    full = mpmd.Custom(2, order=(order[0], tuple(t for i in range(m) for t in (f"1F{i}", f"1B{i}"))))
+    assert validate(full, m, forward_only=True)
+    fwd = mpmd.Custom(2, order=tuple(tuple(t for t in row if "F" in t) for row in order))
+    assert simulate(fwd, m, Costs(F=1.0), forward_only=True).step_time == m + 1  # (m + p - 1) forwards of 1
+
+
+def test_custom_takes_stage_actor_none_as_the_default_placement_and_refuses_one_that_is_no_sequence():
+    """`stage_actor=None` met "'NoneType' object is not iterable" (a probe): it is the default, stage s on actor s."""
+    order = (("0F0", "0B0"), ("1F0", "1B0"))
+    assert mpmd.Custom(2, order=order, stage_actor=None).actor_of(1) == 1
+    for bad in ("01", 5, {0: 0, 1: 1}):
+        with pytest.raises(mpmd.ScheduleError, match="stage_actor must be a sequence with one actor per stage"):
+            mpmd.Custom(2, order=order, stage_actor=bad)
+
+
+def test_a_task_is_written_in_ascii_digits():
+    """Arabic-Indic digits parsed as a task ("٠F٠" read as 0F0; a probe); a number of thousands of digits met Python's
+    int-conversion limit instead of the task's message."""
+    from transport.program import Task
+
+    assert Task.parse(" 12W3 ") == Task(12, "W", 3)
+    for bad in ("٠F٠", "1" * 5000 + "F0", "0F"):
+        with pytest.raises(ValueError, match="is not a task"):
+            Task.parse(bad)
+    with pytest.raises(mpmd.ScheduleError, match=r"order\[0\]\[0\].*is not a task"):
+        mpmd.Custom(1, order=(("٠F٠", "0B0"),))
+
+
+def test_simulate_programs_checks_its_costs_as_simulate_does():
+    """simulate_programs took Costs of 3 per-stage values for 2-stage Programs silently, and a dict met
+    "'dict' object has no attribute 'cores'" (a probe); `mpmd.simulate` refuses both."""
+    from mpmd.schedules.simulator import simulate_programs
+    from transport.program import Label, Program, Recv, Run, Send, Task
+
+    def run(i, ins, outs, task):
+        return Run(i, ins, outs, Label.of(Task.parse(task)))
+
+    progs = [Program(0, [0], [3], [run(0, (0,), (1,), "0F0"), Send(1, 1, 1), Recv(2, 1, 2, "float32", (2,)),
+                                   run(1, (1, 2), (3,), "0B0")]),
+             Program(1, [], [], [Recv(0, 0, 1, "float32", (2,)), run(0, (0,), (1,), "1F0"), run(1, (1,), (2,), "1B0"),
+                                 Send(2, 0, 2)])]
+    assert simulate_programs(progs, Costs(F=1.0, B=2.0)).step_time == 6.0  # F, F, B, B
+    with pytest.raises(mpmd.ScheduleError, match=r"Costs.F has 3 per-stage values for 2 stages"):
+        simulate_programs(progs, Costs(F=(1.0, 1.0, 1.0), B=2.0))
+    with pytest.raises(mpmd.ScheduleError, match="costs must be mpmd.Costs.*got dict"):
+        simulate_programs(progs, {"F": 1.0})

@@ -33,7 +33,7 @@ from typing import Any
 from transport.protocol import ALLOWED_DTYPES
 
 TASK_KINDS = ("F", "B", "I", "W")
-_TASK_RE = re.compile(r"^(\d+)([FBIW])(\d+)$")
+_TASK_RE = re.compile(r"^([0-9]{1,9})([FBIW])([0-9]{1,9})$")  # (ASCII digits: Unicode ones, "٠F٠", read as 0F0; a probe)
 
 
 @dataclass(frozen=True, order=True)

@@ -623,7 +623,11 @@ class Custom(Schedule):
                     raise ScheduleError(f"Custom: order[{i}] holds Task({t.stage!r}, {t.kind!r}, {t.mb!r}); a task's stage and "
                                         f"microbatch are ints >= 0 and its kind one of {', '.join(TASK_KINDS)}")
         object.__setattr__(self, "order", rows)
-        object.__setattr__(self, "stage_actor", tuple(self.stage_actor))
+        placement = () if self.stage_actor is None else self.stage_actor  # (None: the default, stage s on actor s)
+        if isinstance(placement, (str, bytes, Mapping)) or not isinstance(placement, Iterable):
+            raise ScheduleError(f"Custom: stage_actor must be a sequence with one actor per stage, e.g. stage_actor=(0, 1, 1, 0) "
+                                f"(or left out: stage s on actor s); got {placement!r:.80}")
+        object.__setattr__(self, "stage_actor", tuple(placement))
         if not rows:
             raise ScheduleError("Custom needs order=, one tuple of tasks per actor, e.g. order=(('0F0', '0B0'), ('1F0', '1B0'))")
         named = sorted({t.stage for row in rows for t in row})

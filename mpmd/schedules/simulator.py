@@ -476,8 +476,19 @@ def simulate_programs(programs: list[Program], costs: Costs | None = None, name:
     `overhead`; phase Runs cost `other`), a transfer `latency + bytes / bandwidth` with bytes from the Recv's
     dtype and shape. `peak_bytes` (None when no program has `buffer_bytes`) comes from `Program.buffer_bytes`: a buffer lives from the Run that makes it
     (its start) or the arrival of its Recv until its Delete (or a Run that donates it) or the end; inputs and
-    constants from the start. Raises `PipelineError` if the programs cannot run (see `check_programs`)."""
-    costs = without_input_grad(programs, costs or Costs())
+    constants from the start. Raises `PipelineError` if the programs cannot run (see `check_programs`), and
+    `ScheduleError` for costs that are not a `Costs` or give per-stage values for another number of stages."""
+    if costs is None:
+        costs = Costs()
+    elif not isinstance(costs, Costs):  # (a dict met "'dict' object has no attribute 'cores'"; a probe)
+        raise ScheduleError(f"simulate_programs: costs must be mpmd.Costs (e.g. mpmd.Costs(F=1, B=2)), got {type(costs).__name__}")
+    _, num_stages = stages_without_input_grad(programs)
+    try:  # (3 per-stage values for 2 stages were taken silently, where `simulate` refuses them; a probe)
+        if num_stages:
+            costs.check_stages(num_stages)
+    except ValueError as e:
+        raise ScheduleError(f"{name}: {e}") from None
+    costs = without_input_grad(programs, costs)
     run, stretch = replay_programs_shared(programs, lambda a, r: costs.run_time(r.label),
                                           lambda a, r: costs.route_time(r.from_actor, a, _recv_bytes(r)), costs.cores,
                                           lambda a, r: costs.gap, extra=costs.lead + costs.tail,

@@ -271,11 +271,15 @@ def validate(schedule: Schedule, num_microbatches: int, forward_only: bool = Fal
             raise _fail(f"task {t} has no {Task(t.stage, 'W', t.mb)}: every input-gradient half I needs its weight-gradient "
                         "half W", table, {a: i})
     backward = {t.stage for t in seen if t.kind != "F"}  # (forward_only: a stage without backward tasks needs none)
+    if forward_only and backward:  # (but a backward reads the next stage's: every later stage needs one too)
+        backward |= set(range(min(backward), n))
     kinds = {s: ("F",) if forward_only and s not in backward else ("F", "I", "W") if s in split else ("F", "B") for s in range(n)}
     expected = {Task(s, k, i) for s in range(n) for k in kinds[s] for i in range(m)}
     missing = expected - set(seen)
     if missing:
-        raise _fail(f"tasks missing from the schedule: {' '.join(map(str, sorted(missing)))}", table)
+        hint = ("; this loop computes no gradients (evaluation): leave its backward tasks out, or give each stage after "
+                "one with backward tasks its backward too" if forward_only and any(t.kind != "F" for t in missing) else "")
+        raise _fail(f"tasks missing from the schedule: {' '.join(map(str, sorted(missing)))}{hint}", table)
     _prove_table(schedule, table)
     return table
 
@@ -291,6 +295,8 @@ def _prove_table(schedule: Schedule, table: Table) -> None:
     for a, i in run.stuck.items():
         t = table[a][i]
         d = next(d for d in task_inputs(t, n, split) if d not in run.end)
+        if d not in where:  # (validate checks completeness first; a table proved alone may lack it)
+            raise _fail(f"task {t} on actor {a} needs {d}, which the schedule lacks; add {d} or leave {t} out", table, {a: i})
         b, j = where[d]
         if b == a:
             if t.kind == "W":
