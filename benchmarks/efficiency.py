@@ -27,6 +27,7 @@ machines often share physical cores): the ideal divided by that slowdown is what
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -86,8 +87,39 @@ def _jit_cmd(args: argparse.Namespace, core: int) -> tuple[list[str], dict[str, 
     return cmd, env
 
 
+def _cores() -> list[int]:
+    """The cores this process may use, in order: the local actors pinned one per core take them so (actor i the
+    i-th; mpmd/runtime/launch/local.py cpu_sets), and so do the jax.jit children (a literal core 0 and 1 were
+    other cores than the actors' under a restricted CPU set; a review)."""
+    return sorted(os.sched_getaffinity(0))
+
+
+@contextlib.contextmanager
+def process_pinned(cores: set[int]):  # noqa: ANN201
+    """Every thread of this process (the controller: its event loop, ZeroMQ's I/O threads, the batch's copier)
+    pinned to `cores` inside the block, as it was after: in the 1-actor run the controller then shares the one
+    actor's core as jax.jit's host work shares its one core (unpinned, it took 2-3 % of a step of CPU on the
+    other core, beside a 5 % target; a review). Threads started inside inherit the pinning."""
+    mine = os.sched_getaffinity(0)
+    before = {}
+    for t in [int(t) for t in os.listdir("/proc/self/task")]:
+        try:
+            before[t] = os.sched_getaffinity(t)
+            os.sched_setaffinity(t, cores)
+        except OSError:  # (a thread that ended meanwhile)
+            pass
+    try:
+        yield
+    finally:
+        for t in [int(t) for t in os.listdir("/proc/self/task")]:
+            try:
+                os.sched_setaffinity(t, before.get(t, mine))  # (one started inside: as this thread was)
+            except OSError:
+                pass
+
+
 def measure_jit(args: argparse.Namespace) -> float:
-    cmd, env = _jit_cmd(args, 0)
+    cmd, env = _jit_cmd(args, _cores()[0])
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["jit"]
 
@@ -96,7 +128,7 @@ def measure_corun(args: argparse.Namespace) -> float:
     """How much slower the single-core jax.jit step gets when another copy runs on core 1 at the same time:
     what two busy actors can get out of this machine's two cores (1.0 on two independent cores)."""
     procs = []
-    for core in (0, 1):
+    for core in _cores()[:2]:
         cmd, env = _jit_cmd(args, core)
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
     times = [json.loads(p.communicate()[0].strip().splitlines()[-1])["jit"] for p in procs]
@@ -184,7 +216,7 @@ def main() -> None:
 
     jit_t = measure_jit(args)
     corun = measure_corun(args) / jit_t
-    with mpmd.RemoteMesh.local(num_actors=1, cpus_per_actor=1) as one:
+    with mpmd.RemoteMesh.local(num_actors=1, cpus_per_actor=1) as one, process_pinned({_cores()[0]}):
         one_t, _ = measure_mpmd(one, one_actor_schedule(args.microbatches), args)
     with mpmd.RemoteMesh.local(num_actors=2, cpus_per_actor=1) as two:
         two_t, trace = measure_mpmd(two, mpmd.OneFOneB(2), args, args.trace or "/tmp/mpmd-efficiency-trace.json")

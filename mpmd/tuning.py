@@ -407,11 +407,15 @@ def measure_interleaved(runs: Sequence[tuple[DistributedFunction, tuple[Any, ...
     first (params, opt_state, ... -> params, opt_state, ..., aux): the median of `rounds` rounds of `steps`,
     taken round by round: in each round every step in turn runs from its
     own `args` (the first round after `warmup` steps, later ones after one untimed step that puts the state on
-    the actors again), so only one step's state is held at a time and a slow spell is shared out."""
+    the actors again), so only one step's state is held at a time and a slow spell is shared out. Round r starts
+    at step r (mod their number): no step always runs first (verify's winner did, in every round: a machine
+    drifting one way over the rounds was charged to it alone; a review)."""
     times: list[list[float]] = [[] for _ in runs]
     for r in range(rounds):
-        for (step, args), out in zip(runs, times):
-            out.append(_timed_round(step, args, batch_argnum, steps, warmup if r == 0 else min(warmup, 1)))
+        order = [(i + r) % len(runs) for i in range(len(runs))]
+        for i in order:
+            step, args = runs[i]
+            times[i].append(_timed_round(step, args, batch_argnum, steps, warmup if r == 0 else min(warmup, 1)))
     return [statistics.median(t) for t in times]
 
 

@@ -927,3 +927,15 @@ def test_a_user_schedule_tune_cannot_re_make_is_rejected_saying_why_and_a_datacl
     assert Candidate(LateOneFOneB(2, fuse=False, balance=(1, 1)), 4).name.endswith(
         "LateOneFOneB(num_stages=2, balance=(1, 1), fuse=False)")  # (a dataclass's repr names a local class by its qualname)
     assert "fuse" not in Candidate(LateOneFOneB(2), 4).name
+
+
+def test_interleaved_measurement_rotates_which_candidate_runs_first_in_each_round(monkeypatch):
+    """verify's winner ran first in every round, so a machine drifting one way over the rounds biased its time
+    alone (a review of the benchmarks). Round r now starts at candidate r: each candidate takes each place once."""
+    from mpmd import tuning
+
+    calls: list[str] = []
+    monkeypatch.setattr(tuning, "_timed_round", lambda step, args, b, steps, warmup: calls.append(step) or float(len(calls)))
+    got = tuning.measure_interleaved([("a", ()), ("b", ()), ("c", ())], 0, 1, 2, 3)
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert got == [6.0, 4.0, 5.0]  # the median of each one's rounds: a 1, 6, 8; b 2, 4, 9; c 3, 5, 7
