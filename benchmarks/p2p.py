@@ -12,6 +12,7 @@ real daemons, until the received array is a JAX array on actor 1.
 import argparse
 import asyncio
 import itertools
+import os
 import time
 
 import numpy as np
@@ -58,16 +59,26 @@ def memcpy_throughput(payload: np.ndarray, reps: int = 4) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1,4,16,64,256", help="MiB, comma-separated")
-    ap.add_argument("--routes", default="tcp,shm")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--routes", default="tcp,shm", help="tcp and/or shm, comma-separated")
+    ap.add_argument("--reps", type=int, default=3, help="transfers timed per size (the best is kept)")
     args = ap.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
+    # (checked before any daemon: --sizes x died in a ValueError's traceback, --reps 0 in a min() of nothing)
+    try:
+        sizes = [int(s) for s in args.sizes.split(",")]
+    except ValueError:
+        sizes = []
     if not sizes or min(sizes) < 1:
-        ap.error(f"--sizes takes sizes of at least 1 MiB, got {args.sizes!r}")
-    if not set(args.routes.split(",")) <= {"tcp", "shm"}:
-        ap.error(f"--routes takes tcp and/or shm, got {args.routes!r}")
+        ap.error(f"--sizes takes whole MiB of at least 1, separated by commas (e.g. 1,16,64), got {args.sizes!r}")
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if max(sizes) * 2**20 * 10 > memory:  # the payload here, its copy on actor 0, the x8 transfer's eight on actor 1
+        ap.error(f"--sizes {max(sizes)}: ten copies of {max(sizes)} MiB are held at once, over this machine's {memory / 2**30:.0f} GiB")
+    routes = args.routes.split(",")
+    if not set(routes) <= {"tcp", "shm"}:
+        ap.error(f"--routes takes tcp and/or shm, separated by commas, got {args.routes!r}")
+    if args.reps < 1:
+        ap.error(f"--reps must be at least 1, got {args.reps}")
     print(f"{'route':>5} {'size':>8} {'one GiB/s':>9} {'x8 GiB/s':>9} {'base GiB/s':>10} {'one/base':>8} {'x8/base':>7}  baseline")
-    for route in args.routes.split(","):
+    for route in dict.fromkeys(routes):  # (a route named twice runs once)
         with mpmd.RemoteMesh.local(num_actors=2, transport=route) as mesh:
             for mib in sizes:
                 n = mib * 1024 * 1024

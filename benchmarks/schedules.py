@@ -1,19 +1,24 @@
 """Every built-in schedule on the GPT example, predicted and measured side by side.
 
 For each schedule, on 2 actors (pinned one per core, single-threaded XLA) and 4 actors (sharing the
-machine's cores when it has fewer): the step time; each actor's bubble measured from a real-run trace; the
-simulator's bubble for the same compiled Programs with costs fitted to that very trace (least squares over
-every Run's duration, a fused Run lasting the sum of its tasks); their ratio; peak buffer bytes per actor as
-the actors report them against the simulator's; and the pipeline efficiency 1 - mean measured bubble. One
-picture per schedule: the simulated timeline above the measured one.
+machine's cores when it has fewer): the step time (median of untraced steps); then two steps traced one after
+the other, the first to fit costs to and the second held out. Against the first: each actor's bubble
+measured from its trace; the simulator's bubble for the same compiled Programs with costs fitted to that very
+trace (least squares over every Run's duration, a fused Run lasting the sum of its tasks) — how well the model
+fits, not a prediction; their ratio; the peak bytes of each actor's buffer table (the actors' own accounting:
+the nbytes of the step's buffers held at once, the same sizes the simulator adds up; not the allocator's peak
+or RSS) against the simulator's; and the pipeline efficiency 1 - mean measured bubble. One picture per
+schedule: the simulated timeline above the first traced step.
 
-Then predictions that are not fitted to the run they predict: the Monte Carlo simulator
-(mpmd.schedules.montecarlo: task times, gaps and hop residuals drawn from the trace's own distributions, hops
-per route as latency + bytes / bandwidth) predicts each run's step time and bubble; and costs fitted on 1F1B
-with m microbatches predict every other schedule and 1F1B with 2m (per-stage costs split evenly when a
-schedule has more stages; I = W = B / 2 where the fit saw no split backward) — and, for the schedules that
-split the backward, the same costs with I and W taken from ZB-H1's trace (two traced configurations, as the
-tuner profiles a fused and a split variant).
+Then predictions compared with a step their costs were not fitted to: the Monte Carlo simulator
+(mpmd.schedules.montecarlo: costs, and task times, gaps and hop residuals drawn from the distributions, of
+the first traced step; hops per route as latency + bytes / bandwidth) predicts the held-out second traced
+step of the same schedule and mesh (its step time and bubble; the untraced median is printed beside it) — a
+prediction from one step to the next, not to a new configuration; and costs fitted on 1F1B's first traced step
+with m microbatches predict every other schedule's held-out step and 1F1B's with 2m (per-stage costs split
+evenly when a schedule has more stages; I = W = B / 2 where the fit saw no split backward) — and, for the
+schedules that split the backward, the same costs with I and W taken from ZB-H1's first traced step (two
+traced configurations, as the tuner profiles a fused and a split variant).
 
     python -m benchmarks.schedules [--actors 2,4] [--out benchmarks/out] [--steps 5]
 """
@@ -31,6 +36,7 @@ import time
 import numpy as np
 
 import mpmd
+from mpmd.cli.args import cannot_write
 from mpmd.compiler.program import Run
 from mpmd.observe.trace import as_sim_result, fit_costs, measured_bubbles
 from mpmd.schedules.draw import draw_stacked
@@ -38,6 +44,8 @@ from mpmd.schedules.montecarlo import Empirical, simulate_monte_carlo
 from mpmd.schedules.simulator import Costs, simulate_programs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+HEADS = 4  # the GPT's attention heads
+CORPUS = 1 << 20  # bytes of the generated corpus the batches are drawn from
 
 
 def gpt_module():  # noqa: ANN201
@@ -57,12 +65,12 @@ def run_one(gpt, mesh, name: str, n: int, stages: int, args: argparse.Namespace,
     import optax
     from flax import nnx
 
-    model = gpt.GPT(256, args.width, args.layers, 4, args.seq, stages, nnx.Rngs(0))
+    model = gpt.GPT(256, args.width, args.layers, HEADS, args.seq, stages, nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
     opt = optax.adamw(1e-3)
     schedule = gpt.make_schedule(name, n, stages)
     step = mpmd.distributed(gpt.make_step(graphdef, opt, schedule), mesh=mesh)
-    data = np.frombuffer(gpt.corpus(1 << 20), np.uint8)
+    data = np.frombuffer(gpt.corpus(CORPUS), np.uint8)
     stream = gpt.batches(data, args.microbatches, args.rows, args.seq, np.random.default_rng(0))
     batch = next(stream)
     state = step(params, opt.init(params), batch)[:2]
@@ -76,72 +84,104 @@ def run_one(gpt, mesh, name: str, n: int, stages: int, args: argparse.Namespace,
             *state, loss = step(*state, batch)
         loss.block_until_ready()
         times.append((time.perf_counter() - t) / args.steps)
-    with mesh.trace() as trace:
+    with mesh.trace() as trace:  # the step the costs are fitted to
         *state, loss = step(*state, batch)
     loss.block_until_ready()
-    measured_peak = [mesh.actor(a).stats()["last_step_peak_bytes"] for a in range(n)]
+    buffer_peak = [mesh.actor(a).stats()["last_step_peak_bytes"] for a in range(n)]  # the buffer tables' accounting, this step
+    with mesh.trace() as held_out:  # a step no cost is fitted to: what the predictions are compared with
+        *state, loss = step(*state, batch)
+    loss.block_until_ready()
     programs = step.compile(*state, batch).plan.programs
     costs = fit_costs(trace, stages, cores=mesh.shared_cores(), own_core=mesh.one_core_each())  # shared or pinned cores: own times
     sim = simulate_programs(programs, costs, name=f"{name} simulated")
     meas = measured_bubbles(trace)
     picture = out / f"{name}-{n}actors.svg"
-    draw_stacked([sim, as_sim_result(trace, f"{name} measured")], [f"{name}, {n} actors: simulated (fitted costs)",
+    draw_stacked([sim, as_sim_result(trace, f"{name} measured")], [f"{name}, {n} actors: simulated (costs fitted to this trace)",
                                                                      f"{name}, {n} actors: measured"], str(picture))
     bubble_m = statistics.mean(meas.values())
     mc = simulate_monte_carlo(programs, costs, runs=100)
-    w0, w1 = trace.window()
+    w0, w1 = held_out.window()
     return {"schedule": name, "actors": n, "stages": stages, "step_ms": statistics.median(times) * 1e3,
-            "traced_ms": (w1 - w0) * 1e3, "mc_ms": mc.step_time * 1e3, "mc_bubble": mc.bubble, "bubble_mean": bubble_m,
+            "held_out_ms": (w1 - w0) * 1e3, "held_out_bubble": statistics.mean(measured_bubbles(held_out).values()),
+            "mc_ms": mc.step_time * 1e3, "mc_bubble": mc.bubble, "bubble_mean": bubble_m,
             "costs": costs, "programs": programs, "microbatches": args.microbatches,
             "bubble_measured": [round(meas[a], 3) for a in sorted(meas)], "bubble_simulated": [round(b, 3) for b in sim.bubble_per_actor],
-            "ratio": bubble_m / sim.bubble if sim.bubble > 0 else float("nan"), "peak_measured": measured_peak,
+            "ratio": bubble_m / sim.bubble if sim.bubble > 0 else float("nan"), "peak_buffers": buffer_peak,
             "peak_simulated": list(sim.peak_bytes or []), "efficiency": 1 - bubble_m, "picture": str(picture)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--actors", default="2,4")
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--actors", default="2,4", help="actor counts, comma-separated")
+    p.add_argument("--width", type=int, default=128, help="model width (a multiple of the 4 attention heads)")
+    p.add_argument("--layers", type=int, default=8, help="transformer blocks (a schedule whose stages do not divide them is skipped)")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--rows", type=int, default=4)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--rows", type=int, default=4, help="rows per microbatch")
+    p.add_argument("--steps", type=int, default=5, help="steps per timed round (dispatched back to back)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--only", default=None, help="comma-separated schedule names")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "out"), help="folder for the pictures")
     args = p.parse_args()
+    # Every flag is checked here, before any actor starts (--steps 0 died in an UnboundLocalError after a mesh had
+    # started; a schedule refusing --microbatches only when its turn came, minutes in).
+    for flag in ("width", "layers", "seq", "microbatches", "rows", "steps", "rounds"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    if args.width % HEADS:
+        p.error(f"--width {args.width} must be a multiple of the model's {HEADS} attention heads")
+    if args.seq > CORPUS // 2:
+        p.error(f"--seq {args.seq}: windows are drawn from a {CORPUS}-byte corpus; at most {CORPUS // 2}")
     if not all(x.strip().isdigit() and int(x) >= 1 for x in args.actors.split(",")):
         p.error(f"--actors takes actor counts separated by commas, e.g. 2,4, got {args.actors!r}")
     known = {name for n in (int(x) for x in args.actors.split(",")) for name, _ in schedules_for(n)}
     unknown = sorted(set(args.only.split(",")) - known) if args.only else []
     if unknown:  # (they were skipped in silence, and the run exited 0 having measured nothing)
         p.error(f"--only {','.join(unknown)}: not a schedule this benchmark runs; pick from {', '.join(sorted(known))}")
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    why = cannot_write(args.out, directory=True, parents=True)
+    try:
+        if not why:  # (made now, not after the first schedule's minutes: root passes os.access where mkdir still fails)
+            pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = e.strerror or str(e)
+    if why:
+        p.error(f"--out {args.out}: {why}")
+    plan = [(n, name, stages) for n in (int(x) for x in args.actors.split(",")) for name, stages in schedules_for(n)
+            if not args.only or name in args.only.split(",")]
+    if all(args.layers % stages for _, _, stages in plan):
+        p.error(f"--layers {args.layers}: no schedule to run has a stage count that divides it "
+                f"({', '.join(sorted({str(st) for _, _, st in plan}))} stages)")
     gpt = gpt_module()
+    for n, name, stages in plan:  # each schedule's own limits (the fewest microbatches it runs), up front
+        if args.layers % stages == 0:
+            try:
+                mpmd.validate(gpt.make_schedule(name, n, stages), args.microbatches)
+            except (mpmd.ScheduleError, ValueError) as e:
+                p.error(f"--microbatches {args.microbatches}: {name} on {n} actors cannot run it: {e}")
+    out = pathlib.Path(args.out)
     cores = len(os.sched_getaffinity(0))
     rows = []
-    for n in (int(x) for x in args.actors.split(",")):
-        pin = 1 if n <= cores else None
-        for name, stages in schedules_for(n):
-            if args.only and name not in args.only.split(","):
-                continue
-            if args.layers % stages:
-                print(f"{name:22s} {n} actors {stages:2d} stages  skipped: --layers {args.layers} is not a multiple of its stages")
-                continue
-            with mpmd.RemoteMesh.local(num_actors=n, cpus_per_actor=pin) as mesh:
-                r = run_one(gpt, mesh, name, n, stages, args, out)
-            rows.append(r)
-            fmt = lambda v: [round(float(x), 3) for x in v] if isinstance(v, (list, tuple)) else round(float(v), 3)  # noqa: E731
-            print(f"{name:22s} {n} actors {stages:2d} stages  step {r['step_ms']:8.2f} ms  bubble measured {fmt(r['bubble_measured'])}  "
-                  f"simulated {fmt(r['bubble_simulated'])}  ratio {r['ratio']:.2f}  efficiency {r['efficiency']:.2f}  "
-                  f"peak bytes measured {r['peak_measured']} simulated {r['peak_simulated']}", flush=True)
-    print(f"\n(pinned one actor per core for up to {cores} actors; more actors share the cores)")
-    print("\nMonte Carlo prediction (costs from the run's own trace) vs the traced step:")
+    for n, name, stages in plan:
+        if args.layers % stages:
+            print(f"{name:22s} {n} actors {stages:2d} stages  skipped: --layers {args.layers} is not a multiple of its stages")
+            continue
+        with mpmd.RemoteMesh.local(num_actors=n, cpus_per_actor=1 if n <= cores else None) as mesh:
+            r = run_one(gpt, mesh, name, n, stages, args, out)
+        rows.append(r)
+        fmt = lambda v: [round(float(x), 3) for x in v] if isinstance(v, (list, tuple)) else round(float(v), 3)  # noqa: E731
+        print(f"{name:22s} {n} actors {stages:2d} stages  step {r['step_ms']:8.2f} ms  bubble measured {fmt(r['bubble_measured'])}  "
+              f"fitted {fmt(r['bubble_simulated'])}  ratio {r['ratio']:.2f}  efficiency {r['efficiency']:.2f}  "
+              f"peak buffer-table bytes {r['peak_buffers']} simulated {r['peak_simulated']}", flush=True)
+    print(f"\n(pinned one actor per core for up to {cores} actors; more actors share the cores. bubble 'fitted': the simulator "
+          "on costs fitted to the very step it is set beside, a check of the fit, not a prediction. peak buffer-table bytes: "
+          "the actors' own accounting of the step's buffers held at once, the sizes the simulator adds up; not the allocator "
+          "or RSS)")
+    print("\nMonte Carlo prediction (costs fitted to each run's first traced step) vs its second traced step, held out "
+          "(the untraced median beside it):")
     for r in rows:
-        print(f"  {r['schedule']:22s} {r['actors']} actors  step predicted {r['mc_ms']:8.2f} ms measured {r['traced_ms']:8.2f} ms "
-              f"({r['mc_ms'] / r['traced_ms']:.2f}x)  bubble predicted {r['mc_bubble']:.3f} measured {r['bubble_mean']:.3f}")
+        print(f"  {r['schedule']:22s} {r['actors']} actors  step predicted {r['mc_ms']:8.2f} ms held out {r['held_out_ms']:8.2f} ms "
+              f"({r['mc_ms'] / r['held_out_ms']:.2f}x; untraced {r['step_ms']:8.2f} ms)  bubble predicted {r['mc_bubble']:.3f} "
+              f"held out {r['held_out_bubble']:.3f}")
     cross_config(gpt, rows, args, out)
 
 
@@ -173,7 +213,8 @@ def cross_config(gpt, rows: list[dict], args: argparse.Namespace, out: pathlib.P
         base = next((r for r in rows if r["actors"] == n and r["schedule"] == "OneFOneB"), None)
         if base is None:
             continue
-        print(f"\ncross-configuration, {n} actors: costs fitted on OneFOneB m={base['microbatches']}, predicting")
+        print(f"\ncross-configuration, {n} actors: costs fitted on OneFOneB m={base['microbatches']} (its first traced step), "
+              "predicting each run's held-out traced step")
         targets = [r for r in rows if r["actors"] == n and r is not base]
         args2 = argparse.Namespace(**{**vars(args), "microbatches": 2 * args.microbatches})
         with mpmd.RemoteMesh.local(num_actors=n, cpus_per_actor=1 if n <= len(os.sched_getaffinity(0)) else None) as mesh:
@@ -182,12 +223,12 @@ def cross_config(gpt, rows: list[dict], args: argparse.Namespace, out: pathlib.P
         both = with_split_from(base["costs"], zb["costs"]) if zb is not None else None
         for r in targets:
             pred = simulate_monte_carlo(r["programs"], rescaled(base["costs"], r["stages"]), runs=100)
-            line = (f"  {r['schedule']:22s} m={r['microbatches']:2d}  step predicted {pred.step_time * 1e3:8.2f} ms measured "
-                    f"{r['traced_ms']:8.2f} ms ({pred.step_time * 1e3 / r['traced_ms']:.2f}x)  bubble predicted {pred.bubble:.3f} "
-                    f"measured {r['bubble_mean']:.3f}")
+            line = (f"  {r['schedule']:22s} m={r['microbatches']:2d}  step predicted {pred.step_time * 1e3:8.2f} ms held out "
+                    f"{r['held_out_ms']:8.2f} ms ({pred.step_time * 1e3 / r['held_out_ms']:.2f}x)  bubble predicted {pred.bubble:.3f} "
+                    f"held out {r['held_out_bubble']:.3f}")
             if both is not None and r is not zb and splits_backward(r["programs"]):
                 p2 = simulate_monte_carlo(r["programs"], rescaled(both, r["stages"]), runs=100)
-                line += f"; with I/W from ZB-H1's trace {p2.step_time * 1e3:8.2f} ms ({p2.step_time * 1e3 / r['traced_ms']:.2f}x)"
+                line += f"; with I/W from ZB-H1's trace {p2.step_time * 1e3:8.2f} ms ({p2.step_time * 1e3 / r['held_out_ms']:.2f}x)"
             print(line, flush=True)
 
 

@@ -5,7 +5,9 @@ Two `mpmd-actor` daemons started by hand as the README's "daemons started by han
 `RemoteMesh.connect`; a model of its own (GELU layers with biases, Adam, the loss averaged in the step) and a
 training loop that fetches the loss every step; `jax.jit` of the same step in a fresh process pinned to core 0.
 
-    speedup = jit / mpmd    ideal = p*m / (m+p-1)    efficiency = speedup / ideal
+    speedup = jit / mpmd    efficiency = speedup / ideal
+    ideal = (every task's time summed: one actor doing it all) / (the schedule's step by mpmd.simulate), each
+            layer's F = 1, B = 2 (I = W = 1), transfers free: p*m / (m+p-1) for GPipe and 1F1B, more for ZB-H1
 
     python -m benchmarks.third_party [--width 512] [--layers 6] [--rows 96] [--microbatches 8] [--schedule OneFOneB]
 """
@@ -88,19 +90,60 @@ def jit_child(args: argparse.Namespace) -> None:
     print(json.dumps(median_time(one, args.steps)))
 
 
+def usable_schedules() -> dict[str, object]:
+    """The built-in schedules that run this 2-stage model on 2 actors, as `main` builds them: {name: schedule}."""
+    from mpmd.errors import ScheduleError
+    from mpmd.schedules import BUILTINS
+
+    out = {}
+    for name, cls in BUILTINS.items():
+        try:
+            schedule = cls(num_stages=2)
+        except ScheduleError:  # (the interleaved ones need num_actors=: with 2 stages on 2 actors they are 1F1B)
+            continue
+        if schedule.num_actors == 2:  # (the V-shaped ones put 2 stages on 1 actor)
+            out[name] = schedule
+    return out
+
+
+def ideal_speedup(schedule, layers: int, m: int) -> float:  # noqa: ANN001
+    """One actor's time for every task over the schedule's simulated step, each layer costing F = 1, B = 2
+    (I = W = 1), transfers free: the speedup a perfect runtime would reach on this split of the layers."""
+    import mpmd
+
+    per = (layers // 2, layers - layers // 2)  # the layers of each stage: the model yields after layer layers // 2 - 1
+    costs = mpmd.Costs(F=per, B=tuple(2 * x for x in per), I=per, W=per)
+    return 3 * layers * m / mpmd.simulate(schedule, m, costs).step_time
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--width", type=int, default=512)
-    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--layers", type=int, default=6, help="split into 2 stages after layer layers // 2")
     p.add_argument("--rows", type=int, default=96)
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--schedule", default="OneFOneB", help="a built-in schedule of 2 stages (OneFOneB, EagerOneFOneB, GPipe, ...)")
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--schedule", default="OneFOneB", help="a built-in schedule of 2 stages on 2 actors (OneFOneB, EagerOneFOneB, GPipe, "
+                                                          "ZeroBubbleH1)")
+    p.add_argument("--steps", type=int, default=30, help="timed steps (after 5 untimed)")
     p.add_argument("--jit-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    # Checked before any daemon starts: --steps 0 died in a bare CalledProcessError, an unknown --schedule in an
+    # AttributeError after the daemons and a whole jax.jit child had run.
+    for flag, least in (("width", 1), ("layers", 2), ("rows", 1), ("microbatches", 1), ("steps", 1)):
+        if getattr(args, flag) < least:
+            p.error(f"--{flag} must be at least {least}{' (a layer for each of the 2 stages)' if flag == 'layers' else ''}, "
+                    f"got {getattr(args, flag)}")
     if args.jit_child:
         return jit_child(args)
     import mpmd
+
+    usable = usable_schedules()
+    if args.schedule not in usable:
+        p.error(f"--schedule {args.schedule}: not a built-in schedule of 2 stages on 2 actors; pick one of {', '.join(usable)}")
+    try:
+        ideal = ideal_speedup(usable[args.schedule], args.layers, args.microbatches)
+    except mpmd.ScheduleError as e:
+        p.error(f"--schedule {args.schedule} --microbatches {args.microbatches}: {e}")
 
     bin_dir = os.path.dirname(sys.executable)
     work = tempfile.mkdtemp(prefix="mpmd-third-party-")
@@ -119,7 +162,7 @@ def main() -> None:
                *(f"--{k}={getattr(args, k)}" for k in ("width", "layers", "rows", "microbatches", "steps"))]
         jit_t = json.loads(subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
         with mpmd.RemoteMesh.connect(addresses, keys=keys) as mesh:
-            step, params, opt_state, batch = build(args, getattr(mpmd, args.schedule)(num_stages=2))
+            step, params, opt_state, batch = build(args, usable[args.schedule])
             dist = mpmd.distributed(step, mesh=mesh)
             state = [params, opt_state]
 
@@ -134,12 +177,14 @@ def main() -> None:
         for d in daemons:
             d.wait(10)
         shutil.rmtree(work, ignore_errors=True)
-    m = args.microbatches
-    ideal = 2 * m / (m + 1)
+    m, first = args.microbatches, args.layers // 2
     print(f"{args.layers}-layer {args.width}-wide GELU MLP, Adam, {m} microbatches of {args.rows}, {args.schedule}; "
           "hand-started daemons pinned with taskset, CURVE keys")
-    print(f"jax.jit (1 core) {jit_t * 1e3:.2f} ms   mpmd (2 actors) {t * 1e3:.2f} ms   speedup {jit_t / t:.3f}   ideal {ideal:.3f}   "
-          f"efficiency {jit_t / t / ideal:.3f}")
+    if args.layers % 2:
+        print(f"(--layers {args.layers} does not split evenly into 2 stages: {first} and {args.layers - first} layers; "
+              "the ideal counts the uneven split)")
+    print(f"jax.jit (1 core) {jit_t * 1e3:.2f} ms   mpmd (2 actors) {t * 1e3:.2f} ms   speedup {jit_t / t:.3f}   "
+          f"ideal {ideal:.3f} ({args.schedule}, simulated, per-layer F=1 B=2)   efficiency {jit_t / t / ideal:.3f}")
 
 
 if __name__ == "__main__":
