@@ -482,6 +482,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     checker = CheckerPool([BlobChecker(ALLOWED_CUSTOM_CALLS | frozenset(args.allow_custom_call), timeout=args.compile_timeout,
                                        devices=len(jax.devices())) for _ in range(args.compile_workers)])
     checker.compile_dir = compile_dir
+    checker.checkers[0].adopt(getattr(args, "early_checker", None))
     actor = Actor(args.actor_id, p2p, transfer_timeout=args.transfer_timeout, checker=checker,
                   compile_timeout=args.compile_timeout, loaders=args.allow_loader)
     actor.cache.kept_unused = args.kept_executables
@@ -849,6 +850,11 @@ def _main(argv: list[str] | None = None) -> None:
     if args.cache_dir:  # the daemon loads compiled machine code from it
         args.cache_dir = _checked_cache_dir(args.cache_dir)
     configure_environment(args)
+    from actors.sandbox import spawn_early
+
+    # The compile child's JAX import beside the daemon's own, where its device count is known before JAX is: a
+    # CPU actor (a GPU actor's child is started when the daemon has counted its GPUs)
+    args.early_checker = spawn_early(args.cpu_devices or 1) if os.environ.get("JAX_PLATFORMS") == "cpu" else None
     keep_freed_memory()
     raise_open_files_limit()
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format=f"[actor {args.actor_id}] %(levelname)s %(name)s: %(message)s")
