@@ -52,7 +52,8 @@ class SegmentCosts:
     `run_overhead`: the part of every task time above that is the cost of running one Run, whatever it computes
     (measured: segments timed one Run each add up to more than the same segments fused into one Run); a stage
     of k segments pays it once per task, not k times, and it does not grow with the microbatch. `split_overhead`:
-    the same for the I and W tasks of a split backward (measured apart: I + W - B per segment)."""
+    the same for the I and W tasks of a split backward (measured as `run_overhead` is: the segments' I and W timed a
+    Run each against their whole backward fused on one actor)."""
 
     F: tuple[float, ...]
     B: tuple[float, ...]
