@@ -28,6 +28,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import jax
 from jax import export
 
 from actors import spmd
@@ -53,6 +54,7 @@ def digest(blob: bytes | memoryview) -> str:
 
 
 KEPT_UNUSED = 256  # executables no open session uses that a daemon keeps for the next job (mpmd-actor --kept-executables)
+CLEAR_JAX_CACHES_AFTER = 64  # executables dropped between two clears of JAX's own caches (`ExecutableCache.retire`)
 
 
 class ExecutableCache:
@@ -76,6 +78,7 @@ class ExecutableCache:
         self._unused: OrderedDict[str, None] = OrderedDict()  # retired keys, oldest first
         self.kept_unused = KEPT_UNUSED
         self._compiling: dict[str, asyncio.Future[Any]] = {}
+        self._dropped = 0  # executables dropped since JAX's caches were last cleared
         self.compiles = 0
         self.hits = 0
         self.refused = 0
@@ -195,6 +198,14 @@ class ExecutableCache:
             self._compiled.pop(key, None)
             self._out_bytes.pop(key, None)
             dropped.append(key)
+        self._dropped += len(dropped)
+        if self._dropped >= CLEAR_JAX_CACHES_AFTER and not self._compiling:  # (no compile thread is lowering now)
+            # JAX's own caches (abstract evaluation, lowering) keep every deserialized export in their keys, bounded
+            # only by their LRU sizes: the daemon grew 5-12 KB per executable compiled and dropped, past this cap (a
+            # probe). The executables in use are held here, not there: clearing costs a retrace of the daemon's few
+            # helper functions, once per so many drops.
+            self._dropped = 0
+            jax.clear_caches()
         return dropped
 
     @property

@@ -532,3 +532,26 @@ def test_a_forked_child_cannot_use_its_parents_mesh_and_its_exit_leaves_the_mesh
     assert "child refused: this RemoteMesh was made by process" in out.stdout and "forked from it" in out.stdout, out
     assert "child step refused: this RemoteMesh was made by process" in out.stdout, out
     assert "dir kept: True read: [0.0, 1.0, 2.0, 3.0]" in out.stdout and "second controller: True" in out.stdout, out
+
+
+def test_removing_a_daemons_shared_memory_removes_its_segments_alone_and_keeps_no_pattern_per_pid():
+    """remove_shared_memory globbed /dev/shm/mpmd-<pid>-*: fnmatch's cache kept two compiled patterns per daemon's
+    pid for the controller's life (a probe of 50 meshes in one process)."""
+    import fnmatch
+
+    from mpmd.runtime.launch.local import remove_shared_memory
+
+    pid = 2**22 + os.getpid()  # (no process has it: pids stay below 2**22)
+    mine = [f"/dev/shm/mpmd-{pid}-{i}" for i in range(3)]
+    other = f"/dev/shm/mpmd-{pid}1-0"  # another pid's, sharing the digits
+    for path in (*mine, other):
+        open(path, "wb").close()
+    try:
+        before = fnmatch._compile_pattern.cache_info().currsize
+        assert remove_shared_memory(pid) == 3
+        assert not any(os.path.exists(p) for p in mine) and os.path.exists(other)
+        assert fnmatch._compile_pattern.cache_info().currsize == before
+    finally:
+        for path in (*mine, other):
+            if os.path.exists(path):
+                os.unlink(path)

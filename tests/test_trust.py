@@ -1038,3 +1038,50 @@ def test_a_compile_child_started_early_is_adopted_by_its_checker_and_one_for_oth
     checker.adopt(unused)
     checker.close()
     assert unused.proc.poll() is not None
+
+
+def test_a_compile_child_is_replaced_after_so_many_blobs_and_the_daemon_clears_jax_caches_after_so_many_drops(monkeypatch):
+    """JAX's caches keep every deserialized export they saw: the compile child grew 73 MB per 1,000 executables and,
+    with no minute's pause, was never replaced; the daemon grew 5-12 KB per executable dropped past its cap (a leak
+    probe). A child serves RECYCLE_AFTER blobs, then a fresh one takes over; the daemon clears JAX's caches after
+    CLEAR_JAX_CACHES_AFTER drops, not while a compile is lowering."""
+    import asyncio
+
+    from jax import export
+
+    from actors import cache as cache_mod
+    from actors import sandbox
+
+    monkeypatch.setattr(sandbox, "RECYCLE_AFTER", 2)
+    blob = bytes(export.export(jax.jit(lambda x: x * 2.0 + 1.0))(jax.ShapeDtypeStruct((4,), np.float32)).serialize())
+
+    async def main():
+        checker = sandbox.BlobChecker(timeout=120)
+        try:
+            pids = []
+            for _ in range(5):
+                await checker.check(blob)
+                pids.append(checker._proc.pid)
+            return pids
+        finally:
+            checker.close()
+
+    pids = asyncio.run(main())
+    assert pids[0] == pids[1] != pids[2] == pids[3] != pids[4], pids
+
+    cleared = []
+    monkeypatch.setattr(cache_mod.jax, "clear_caches", lambda: cleared.append(1))
+    monkeypatch.setattr(cache_mod, "CLEAR_JAX_CACHES_AFTER", 3)
+    c = cache_mod.ExecutableCache(device=None)
+    c.kept_unused = 1
+    for k in range(4):
+        c._compiled[f"k{k}"] = object()
+    c.retire(["k0", "k1", "k2"])  # two dropped
+    assert not cleared
+    c._compiling["busy"] = None  # a compile lowering in a thread: not now
+    c.retire(["k3"])  # the third drop
+    assert not cleared and len(c._compiled) == 1
+    del c._compiling["busy"]
+    c._compiled.update({"k4": object(), "k5": object()})
+    c.retire(["k4"])
+    assert cleared == [1] and c._dropped == 0

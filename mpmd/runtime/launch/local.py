@@ -13,7 +13,6 @@ that `LocalMesh.cleanup` removes; if this process dies without cleaning up (SIGK
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
@@ -312,10 +311,14 @@ class LocalProcess:
 def remove_shared_memory(pid: int) -> int:
     """Unlink the shared-memory segments a daemon made (names start with /mpmd-<pid>-) that are still there
     after it is gone (it unlinks its own when it exits normally; not when it is killed)."""
-    n = 0
-    for path in glob.glob(f"/dev/shm/mpmd-{pid}-*"):
+    n, prefix = 0, f"mpmd-{pid}-"
+    try:  # (not glob: fnmatch's cache kept two compiled patterns per daemon's pid for the process's life; a probe)
+        names = [e.name for e in os.scandir("/dev/shm") if e.name.startswith(prefix)]
+    except OSError:  # (no /dev/shm: nothing made there)
+        return 0
+    for name in names:
         try:
-            os.unlink(path)
+            os.unlink(os.path.join("/dev/shm", name))
             n += 1
         except OSError:
             pass
