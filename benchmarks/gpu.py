@@ -44,6 +44,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--optimizer", default="adam", choices=("sgd", "adam"))
     args = p.parse_args()
+    from mpmd.cli.args import cannot_write
+
+    why = cannot_write(args.out, directory=True, parents=True)  # (checked before minutes of work, not after)
+    if why:
+        p.error(f"--out {args.out}: {why}")
     if args.platform == "cpu":
         os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
@@ -52,12 +57,20 @@ def main() -> None:
     from benchmarks.efficiency import build, measure_mpmd, one_actor_schedule, timed_rounds
     from mpmd.testing import regression_batch
 
+    gpus = gpu_count(args.platform)
+    if args.platform == "gpu" and not gpus:  # (it ran the 'gpu' jax.jit reference on the CPU for 2 minutes; a review)
+        p.error(f"--platform gpu, but jax sees no GPU ({jax.devices()}): is jax's CUDA plugin installed? "
+                "(--platform cpu runs this on CPU actors)")
     figures: dict[str, object] = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "devices": [str(d) for d in jax.devices()],
                                   "model": f"{args.layers}-layer {args.width}-wide tanh MLP, {args.microbatches} microbatches of {args.rows}, "
                                            f"{args.optimizer}"}
     os.makedirs(args.out, exist_ok=True)
-    gpus = gpu_count(args.platform)
     figures["gpus"] = gpus
+
+    def save() -> None:
+        """gpu.json as far as it goes: written after each section (a hang in a later one lost the earlier figures)."""
+        with open(os.path.join(args.out, "gpu.json"), "w") as fh:
+            json.dump(figures, fh, indent=1)
 
     step, params, opt = build(args.width, args.layers, 2, None, args.optimizer)
     batch = regression_batch(np.random.default_rng(1), args.microbatches, args.rows, args.width)
@@ -75,11 +88,13 @@ def main() -> None:
     jit_t = timed_rounds(jit_round, args.rounds) / args.steps
     figures["jit_ms"] = jit_t * 1e3
     print(f"{figures['model']} on {args.platform}: jax.jit {jit_t * 1e3:.2f} ms", flush=True)
+    save()
 
     with mpmd.RemoteMesh.local(num_actors=1, platform=args.platform) as one:
         one_t, trace = measure_mpmd(one, one_actor_schedule(args.microbatches), args, os.path.join(args.out, "gpu-one-trace.json"))
     figures["one_actor_ms"], figures["one_actor_vs_jit"] = one_t * 1e3, one_t / jit_t
     print(f"1 actor (both stages): {one_t * 1e3:.2f} ms = {one_t / jit_t:.2f}x jax.jit", flush=True)
+    save()
     print(trace.summary(), flush=True)
 
     shared = {"gpu_ids": (0,)} if args.platform == "gpu" else {}
@@ -87,6 +102,7 @@ def main() -> None:
         shm_t, trace = measure_mpmd(two, mpmd.OneFOneB(2), args, os.path.join(args.out, "gpu-shm-trace.json"))
     figures["two_actors_one_gpu_shm_ms"], figures["two_actors_one_gpu_shm_vs_jit"] = shm_t * 1e3, shm_t / jit_t
     print(f"2 actors on one device, 1F1B through host memory: {shm_t * 1e3:.2f} ms = {shm_t / jit_t:.2f}x jax.jit", flush=True)
+    save()
     print(trace.summary(), flush=True)
 
     if gpus >= 2:
@@ -102,8 +118,7 @@ def main() -> None:
         figures["nccl"] = f"skipped: {gpus} GPU(s) visible, the NCCL route needs two"
         print(figures["nccl"], flush=True)
 
-    with open(os.path.join(args.out, "gpu.json"), "w") as fh:
-        json.dump(figures, fh, indent=1)
+    save()
     print(f"figures in {os.path.join(args.out, 'gpu.json')}", file=sys.stderr)
 
 

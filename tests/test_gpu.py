@@ -1,7 +1,7 @@
 """Pipelines on a GPU: GPU actors sharing GPU 0 (activations through host memory, the shm route) against jax.jit.
 
-Skipped without an NVIDIA GPU that jax can use (`nvidia-smi` and a jax CUDA plugin); run on a GPU machine with
-`pytest -m gpu tests/test_gpu.py` (`benchmarks/gpu.sh` does). The NCCL route needs two GPUs: tests/test_nccl.py.
+Skipped without an NVIDIA GPU that jax can use (`nvidia-smi` and a jax CUDA plugin) — failed instead with
+MPMD_REQUIRE_GPU=1; run on a GPU machine with `pytest -m gpu tests/test_gpu.py` (`benchmarks/gpu.sh` does). The NCCL route needs two GPUs: tests/test_nccl.py.
 Every process (this one, for the jax.jit reference, and the actors) shares the GPU, so none preallocates; and fp32
 matmuls run at full precision in all of them: XLA's default on a GPU rounds matmul operands to TF32, where a stage
 compiled alone may pick other kernels than the whole step, so equal arithmetic needs the full precision. The steps
@@ -30,20 +30,26 @@ pytestmark = pytest.mark.gpu
 CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
 
 
-def _cuda_jax() -> bool:
-    """An NVIDIA driver and a jax CUDA plugin are here (checked without starting any jax backend)."""
+# Set (benchmarks/gpu.sh does, on a lent GPU machine): a missing GPU or CUDA backend fails these tests instead of
+# skipping them (a skip read as a pass there; a review).
+REQUIRE_GPU = os.environ.get("MPMD_REQUIRE_GPU") == "1"
+
+
+def _why_no_cuda_jax() -> str | None:
+    """Why there is no NVIDIA driver or jax CUDA plugin here, or None (checked without starting any jax backend)."""
     if shutil.which("nvidia-smi") is None:
-        return False
+        return "needs an NVIDIA GPU (no nvidia-smi here)"
     for name in CUDA_PLUGINS:
         try:
             if importlib.util.find_spec(name) is not None:
-                return True
+                return None
         except (ImportError, ValueError):
             continue
-    return False
+    return "needs jax with CUDA (jax[cuda12] or jax[cuda13]): no jax CUDA plugin is installed"
 
 
-needs_gpu = pytest.mark.skipif(not _cuda_jax(), reason="needs an NVIDIA GPU and jax with CUDA (jax[cuda12] or jax[cuda13])")
+NO_GPU = _why_no_cuda_jax()
+needs_gpu = pytest.mark.skipif(NO_GPU is not None and not REQUIRE_GPU, reason=NO_GPU or "")
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +58,12 @@ def full_precision():
     before = jax.config.jax_default_matmul_precision
     jax.config.update("jax_default_matmul_precision", "highest")
     try:
+        if NO_GPU is not None:  # (here only with MPMD_REQUIRE_GPU=1)
+            pytest.fail(f"MPMD_REQUIRE_GPU=1 and this {NO_GPU}")
         try:
             jax.devices("gpu")
         except RuntimeError as e:  # e.g. JAX_PLATFORMS=cpu on a GPU machine (tests/conftest.py's default)
-            pytest.skip(f"jax sees no GPU here: {e}")
+            (pytest.fail if REQUIRE_GPU else pytest.skip)(f"jax sees no GPU here: {e}")
         yield
     finally:
         jax.config.update("jax_default_matmul_precision", before)

@@ -1,7 +1,7 @@
 """Which data-plane route each pair of actors uses, decided once by the controller from the actors' `info`.
 
-    transport="auto"   NCCL when every actor has GPUs (and NCCL); otherwise shared memory between actors on
-                       one host and TCP between hosts
+    transport="auto"   NCCL when every actor has GPUs (and NCCL), except between two actors on one GPU; otherwise
+                       shared memory between actors on one host and TCP between hosts
     transport="tcp"    ZeroMQ frames for every pair (over ipc:// when both actors share a host)
     transport="shm"    shared memory where both actors share a host, TCP otherwise
     transport="nccl"   NCCL for every pair; an error if some actor cannot
@@ -39,7 +39,12 @@ def choose_routes(transport: str, endpoints: list[dict[str, Any] | None]) -> dic
                 continue
             a, b = endpoints[i], endpoints[j]
             same_host = a.get("host") == b.get("host") and a.get("host") is not None
-            if transport == "nccl" or (transport == "auto" and all_nccl):
+            gpu = shared_gpu(a, b)
+            if transport == "nccl" and gpu is not None and not (a.get("gpu_shared") is True and b.get("gpu_shared") is True):
+                raise ValueError(f"transport='nccl': actors {i} and {j} share one GPU ({gpu}), and NCCL refuses two ranks on one "
+                                 "GPU. Use transport='shm' (or 'auto'), or give each actor its own GPU (gpu_ids=(0, 1, ...) "
+                                 "with RemoteMesh.local); NCCL >= 2.30 allows it with NCCL_MULTI_RANK_GPU_ENABLE=1 in the actors")
+            if transport == "nccl" or (transport == "auto" and all_nccl and gpu is None):
                 route = "nccl"
             elif transport in ("shm", "auto") and same_host and a.get("shm") and b.get("shm"):
                 route = "shm"
@@ -47,6 +52,15 @@ def choose_routes(transport: str, endpoints: list[dict[str, Any] | None]) -> dic
                 route = "tcp"
             routes[(i, j)] = route
     return routes
+
+
+def shared_gpu(a: dict[str, Any], b: dict[str, Any]) -> str | None:
+    """The physical GPU (PCI bus id) two actors' data planes both use, or None: NCCL refuses two ranks on one GPU
+    ("Duplicate GPU detected"; RemoteMesh.local(gpu_ids=(0,)) puts every actor on GPU 0; a review)."""
+    gpu = a.get("gpu")
+    if isinstance(gpu, str) and gpu == b.get("gpu") and a.get("host") is not None and a.get("host") == b.get("host"):
+        return gpu
+    return None
 
 
 def check_reachable(routes: dict[tuple[int, int], str], endpoints: list[dict[str, Any]]) -> None:

@@ -11,14 +11,19 @@ Arrays cross as raw bytes (any dtype, bfloat16 and float8 included). The sender 
 with DLPack (no copy) once it is computed; the receiver hands its buffer to JAX with DLPack (no host
 copy). Completion is an event recorded on the link's stream after the call.
 
-Multi-device actors: only device arrays on the actor's first device are handled (one shard).
+Each link is connected when it is made (`setup`): NCCL connects a pair lazily, at its first send/recv, and that call
+blocks the host until the peer makes its own first call (NVIDIA/nccl#1346), which on the event loop deadlocked the
+first transfer of every link (its notice went out only after the send returned; a review).
+
+Values not on the actor's device (host numpy shards of a multi-device actor, an array on another of its devices) are
+put there first; an array spread over several devices crosses only when fully replicated (one copy).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,18 +41,64 @@ CUPY_DTYPES = frozenset(("bool", "int8", "int16", "int32", "int64", "uint8", "ui
 
 
 def available() -> bool:
+    """cupy's NCCL bindings and the NCCL library itself: since cupy v9 `from cupy.cuda import nccl` imports without
+    the library and says so in `nccl.available` (True was said on a machine without libnccl; a review)."""
     try:
-        from cupy.cuda import nccl  # noqa: F401
-
-        return True
+        from cupy.cuda import nccl
     except Exception:
         return False
+    return bool(getattr(nccl, "available", False))
 
 
 def unique_id() -> list[int]:
+    """A fresh NCCL unique id as 128 byte values 0-255 (cupy >= 14 gives bytes, cupy 13 a tuple of signed chars)."""
     from cupy.cuda import nccl
 
-    return [int(c) for c in nccl.get_unique_id()]
+    return [int(c) & 0xFF for c in nccl.get_unique_id()]
+
+
+def communicator(nccl: Any, uid: Sequence[int], rank: int) -> Any:
+    """Rank `rank` of the two-rank communicator of unique id `uid` (byte values, signed or not: the one place their
+    form is fixed). Blocks until the other rank joins."""
+    raw = bytes(int(b) & 0xFF for b in uid)
+    try:  # cupy >= 14 takes `bytes commId` and refuses a tuple (cupy_backends/cuda/libs/nccl.pyx; a review)
+        return nccl.NcclCommunicator(2, raw, rank)
+    except TypeError:  # cupy < 14: a tuple of signed chars (a byte over 127 as is: OverflowError)
+        return nccl.NcclCommunicator(2, tuple(b - 256 if b > 127 else b for b in raw), rank)
+
+
+def device_index(device: Any) -> int:
+    """The CUDA ordinal of a jax device in this process (`is not None`: an `or` chain took GPU 0's local_hardware_id 0
+    for missing and used its global id instead; a review)."""
+    for name in ("local_hardware_id", "id"):
+        index = getattr(device, name, None)
+        if index is not None:
+            return int(index)
+    return 0
+
+
+def physical_gpu(device: Any) -> str | None:
+    """Which physical GPU `device` is — its PCI bus id — or None if unknown. (Every actor sees its GPUs from 0 on,
+    under its own CUDA_VISIBLE_DEVICES, so the ordinal cannot tell two actors on one GPU from two on two.)"""
+    try:
+        import cupy
+
+        return str(cupy.cuda.Device(device_index(device)).pci_bus_id)
+    except Exception:
+        return None
+
+
+def shares_gpus() -> bool:
+    """This NCCL lets two ranks use one GPU: NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1 (otherwise it refuses them:
+    "Duplicate GPU detected", or ncclInvalidUsage from 2.30 on)."""
+    if os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
+        return False
+    try:
+        from cupy.cuda import nccl
+
+        return int(nccl.get_version()) >= 23000
+    except Exception:
+        return False
 
 
 def as_sent(value: Any) -> Any:
@@ -86,9 +137,16 @@ def as_received(raw: Any, dtype: np.dtype, shape: Sequence[int]) -> Any:
 class Link:
     comm: Any
     stream: Any
-    seq: itertools.count = field(default_factory=itertools.count)
+    sent: int = 0  # the next send's seq
     expect: int = 0
     notices: dict[int, tuple] = field(default_factory=dict)
+    # (event, buffers...) of calls NCCL may still read or write: held here until the event is done, so a task cancelled
+    # while it waits does not free a buffer under NCCL (a review)
+    pending: list[tuple] = field(default_factory=list)
+
+    def hold(self, *entry: Any) -> None:
+        self.pending = [p for p in self.pending if not p[0].done]
+        self.pending.append(entry)
 
 
 async def _until(event: Any) -> None:
@@ -105,47 +163,105 @@ class NcclLinks:
 
         self.cp, self.nccl = cupy, nccl
         self.plane = plane
-        self.device_id = int(getattr(device, "local_hardware_id", None) or getattr(device, "id", 0) or 0)
+        self.device = device
+        self.device_id = device_index(device)
         self.out: dict[int, Link] = {}
         self.inn: dict[int, Link] = {}
 
     def setup(self, links: list[tuple[int, int, list[int]]]) -> None:
-        """Create the communicators for (sender, receiver, unique id) links, in the given order. Blocks."""
+        """Create and connect the communicators for (sender, receiver, unique id) links, in the given order. Blocks."""
         me = self.plane.actor_id
         with self.cp.cuda.Device(self.device_id):
             for src, dst, uid in links:
                 if (dst if src == me else src) in (self.out if src == me else self.inn):
                     continue
                 rank = 0 if src == me else 1
-                comm = self.nccl.NcclCommunicator(2, tuple(uid), rank)
+                comm = communicator(self.nccl, uid, rank)
                 link = Link(comm, self.cp.cuda.Stream(non_blocking=True))
+                try:
+                    self._connect(link, rank)
+                except BaseException:
+                    _abort(comm)
+                    raise
                 if rank == 0:
                     self.out[dst] = link
                 else:
                     self.inn[src] = link
 
+    def _connect(self, link: Link, rank: int) -> None:
+        """One 1-byte transfer on a new link, waited for: NCCL connects a pair at its first send/recv, which blocks the
+        host until the peer's first call (NVIDIA/nccl#1346; src/transport.cc). Both sides get here right after the
+        communicator is made, in the same global order and off the event loop, so that first call happens now and
+        never on the loop, where a send blocked before its notice went out (a review)."""
+        probe = self.cp.zeros(1, self.cp.uint8)
+        if rank == 0:
+            link.comm.send(probe.data.ptr, 1, self.nccl.NCCL_UINT8, 1, link.stream.ptr)
+        else:
+            link.comm.recv(probe.data.ptr, 1, self.nccl.NCCL_UINT8, 0, link.stream.ptr)
+        link.stream.synchronize()
+
+    def drop(self, peer: int) -> None:
+        """Abort and forget the links with `peer` (another process now: a restart); the next `setup` makes new ones,
+        numbered from 0 again."""
+        for table in (self.out, self.inn):
+            link = table.pop(peer, None)
+            if link is not None:
+                _abort(link.comm)
+
+    def _on_device(self, value: Any, key: tuple[int, ...]) -> Any:
+        """`value` as one array on this actor's device: NCCL reads device memory. Host arrays (a multi-device actor
+        sends host numpy shards: actors/spmd.py) and arrays on another device are put there; an array spread over
+        several devices only when fully replicated (DLPack exports one shard, while its nbytes is the whole; a review)."""
+        import jax
+
+        if not isinstance(value, jax.Array):
+            return jax.device_put(np.asarray(value), self.device)
+        devices = value.devices()
+        if len(devices) > 1:
+            if not value.is_fully_replicated:
+                raise TransferError(f"actor {self.plane.actor_id}: the NCCL route sends one device's array, and {key} is split over "
+                                    f"{len(devices)} devices ({value.sharding}); send it replicated, or use transport='shm'/'tcp'")
+            value = next((s.data for s in value.addressable_shards if s.device == self.device), value.addressable_shards[0].data)
+        return value if value.devices() == {self.device} else jax.device_put(value, self.device)
+
     async def send(self, peer: int, key: tuple[int, ...], value: Any, wait: bool) -> None:
-        link = self.out.get(peer)
-        if link is None:
+        if peer not in self.out:
             raise TransferError(f"actor {self.plane.actor_id} has no NCCL link to actor {peer} (key {key})")
+        value = self._on_device(value, key)
         dtype = np.dtype(value.dtype)
         value_bits = as_sent(value) if dtype.name not in CUPY_DTYPES and value.size else value
         if not value_bits.is_ready():
             await asyncio.to_thread(value_bits.block_until_ready)
+        link = self.out.get(peer)  # (again: dropped meanwhile, by a restart of the peer)
+        if link is None:
+            raise TransferError(f"actor {self.plane.actor_id} has no NCCL link to actor {peer} (key {key})")
         nbytes = int(value_bits.nbytes)
         event = None
         with self.cp.cuda.Device(self.device_id):
-            # Numbering and posting happen without an await in between, so sends hit the wire in seq order.
-            seq = next(link.seq)
+            buf = self.cp.from_dlpack(value_bits) if nbytes else None
+            # The notice goes first, so the receiver posts its receive whatever the send does; numbering, notice and
+            # send happen without an await in between, so sends hit the wire in seq order. A notice that fails
+            # consumes no number (it had wedged the link: the receiver waited for that seq for ever; a review).
+            self.plane._post(peer, {"op": "nccl", "key": list(key), "seq": link.sent, "arrays": [aval_header(value.shape, value.dtype)]})
+            link.sent += 1
             if nbytes:
-                buf = self.cp.from_dlpack(value_bits)
-                link.comm.send(buf.data.ptr, nbytes, self.nccl.NCCL_UINT8, 1, link.stream.ptr)
-                event = self.cp.cuda.Event(disable_timing=True)
-                event.record(link.stream)
-        self.plane._post(peer, {"op": "nccl", "key": list(key), "seq": seq, "arrays": [aval_header(value.shape, value.dtype)]})
+                try:
+                    link.comm.send(buf.data.ptr, nbytes, self.nccl.NCCL_UINT8, 1, link.stream.ptr)
+                    event = self.cp.cuda.Event(disable_timing=True)
+                    event.record(link.stream)
+                except Exception as e:  # its receive is posted and never matched: the link is no use now
+                    self.drop_out(peer, link)
+                    raise TransferError(f"actor {self.plane.actor_id}: NCCL send {key} to actor {peer} failed ({e}); "
+                                        "the link is closed until the actors are wired again") from None
+                link.hold(event, value_bits, buf)  # the JAX buffer stays alive until NCCL has read it
         self.plane.counters["sent_nccl_bytes"] += nbytes
         if event is not None:
-            await _until(event)  # the JAX buffer (held by `value_bits`) stays alive until NCCL has read it
+            await _until(event)
+
+    def drop_out(self, peer: int, link: Link) -> None:
+        if self.out.get(peer) is link:
+            del self.out[peer]
+        _abort(link.comm)
 
     def on_notice(self, src: int, key: tuple[int, ...], seq: int, dtype: np.dtype, shape: list[int], nbytes: int) -> None:
         link = self.inn.get(src)
@@ -160,9 +276,17 @@ class NcclLinks:
                 buf = self.cp.empty(nbytes_, self.cp.uint8)
                 event = None
                 if nbytes_:
-                    link.comm.recv(buf.data.ptr, nbytes_, self.nccl.NCCL_UINT8, 0, link.stream.ptr)
+                    try:
+                        link.comm.recv(buf.data.ptr, nbytes_, self.nccl.NCCL_UINT8, 0, link.stream.ptr)
+                    except Exception as e:  # the sends after it would land in the wrong receives: the link is no use now
+                        if self.inn.get(src) is link:
+                            del self.inn[src]
+                        _abort(link.comm)
+                        raise TransferError(f"actor {self.plane.actor_id}: NCCL receive {key_} from actor {src} failed ({e}); "
+                                            "the link is closed until the actors are wired again") from None
                     event = self.cp.cuda.Event(disable_timing=True)
                     event.record(link.stream)
+                    link.hold(event, buf)  # (NCCL writes it until the event: not freed by a cancelled _deliver)
             asyncio.get_running_loop().create_task(self._deliver(src, key_, buf, event, dtype_, shape_))
 
     async def _deliver(self, src: int, key: tuple[int, ...], buf: Any, event: Any, dtype: np.dtype, shape: list[int]) -> None:
@@ -191,3 +315,11 @@ class NcclLinks:
                 pass
         self.out.clear()
         self.inn.clear()
+
+
+def _abort(comm: Any) -> None:
+    """End a communicator whose peer is gone or whose calls may never be matched (ncclCommAbort: destroy may wait)."""
+    try:
+        (comm.abort if hasattr(comm, "abort") else comm.destroy)()
+    except Exception:
+        pass

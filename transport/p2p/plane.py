@@ -77,7 +77,7 @@ assert links.MAX_RECORD < BIG_PAYLOAD  # a link's payload is copied out of its r
 RECEIVE_QUEUE = 256  # messages per peer ZeroMQ may hold unread (a step's transfers are claimed as they come)
 
 
-NCCL_ID_BYTES = 128  # an NCCL unique id (ncclUniqueId), as a list of byte values
+NCCL_ID_BYTES = 128  # an NCCL unique id (ncclUniqueId), as a list of byte values (signed or not: nccl.communicator fixes the form)
 
 
 class DataPlane(P2PTransport):
@@ -128,6 +128,7 @@ class DataPlane(P2PTransport):
         self._shm_in = shm.ShmReceiver()
         self._nccl_device = nccl_device
         self._nccl: Any = None
+        self._gpu: tuple[str | None, bool] | None = None  # (PCI bus id of the NCCL device, NCCL may share it), once asked
         self._mailbox = Mailbox(limits)
         self._expired: OrderedDict[tuple[int, ...], None] = OrderedDict()
         self._expired_lengths: set[int] = set()
@@ -154,9 +155,19 @@ class DataPlane(P2PTransport):
 
     # ---- wiring ----------------------------------------------------------------------------------
     def endpoint(self) -> dict[str, Any]:
-        return {"tcp": self._tcp, "ipc": self._ipc, "host": self._host, "shm": shm.available(), "nccl": self._nccl_ok(),
+        """What peers need to reach this actor; with NCCL also its physical GPU (``gpu``: its PCI bus id) and whether its
+        NCCL lets two ranks share one (``gpu_shared``), so the wiring keeps actors on one GPU off the NCCL route, which
+        refuses them ("Duplicate GPU detected"; a review)."""
+        nccl_ok = self._nccl_ok()
+        if nccl_ok and self._gpu is None:
+            from transport.p2p import nccl
+
+            self._gpu = (nccl.physical_gpu(self._nccl_device), nccl.shares_gpus())
+        gpu, shared = self._gpu if nccl_ok and self._gpu is not None else (None, False)
+        return {"tcp": self._tcp, "ipc": self._ipc, "host": self._host, "shm": shm.available(), "nccl": nccl_ok,
                 "key": self._keys.public.decode() if self._keys is not None else None, "shm_prefix": self.shm_prefix,
-                "link": self._listener.name if self._listener is not None else None, "pid": os.getpid()}
+                "link": self._listener.name if self._listener is not None else None, "pid": os.getpid(),
+                "gpu": gpu, "gpu_shared": shared}
 
     def _nccl_ok(self) -> bool:
         if self._nccl_device is None:
@@ -194,6 +205,8 @@ class DataPlane(P2PTransport):
                         sender.close()
                     self._shm_in.forget(peer)
                     self._drop_links(peer)
+                    if self._nccl is not None:  # its communicators (and their seq numbers) were the old process's: new
+                        self._nccl.drop(peer)  # ones are made below (setup skipped a peer that had a link; a review)
                 self._address[peer] = address
                 if key is not None:
                     self._peer_keys[peer] = key
