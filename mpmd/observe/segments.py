@@ -2,7 +2,7 @@
 
 The step is compiled with every segment its own stage (`SegmentProfile`: stage s on actor s % p, GPipe's
 order, so one microbatch's neighbouring tasks sit on different actors and never fuse into one Run), warmed
-up, and traced for three steps; `fit_costs` turns each step's Run durations into per-segment times, and the
+up, and traced for three steps, round by round with the variants below (a busy spell lands on all of them); `fit_costs` turns each step's Run durations into per-segment times, and the
 median over the steps is kept. A second variant with
 split backwards gives I and W. A third puts every segment on one actor, where a microbatch's tasks fuse into
 few Runs: what the segments timed one Run each cost beyond that is each Run's own overhead (`run_overhead`;
@@ -53,20 +53,31 @@ def batch_rows(loop: Any) -> int:
     return int(next(iter(second))[0]) if len(second) == 1 and () not in second else 0
 
 
-def _traced_costs(step: Any, schedule: SegmentProfile, args: tuple[Any, ...], steps: int, traced: int = 3,
-                  cores: int | None = None, own_core: bool = False) -> tuple[Any, set[int]]:
-    """Costs fitted to `traced` steps of the variant, each number the median over the steps' own fits (one
-    traced step of small tasks moves 10-30 % on a busy machine), and the segments that ran an I task."""
+def _traced_costs(step: Any, variants: list[tuple[SegmentProfile, int | None]], args: tuple[Any, ...], steps: int,
+                  traced: int = 3, own_core: bool = False) -> list[tuple[Any, set[int]]]:
+    """Per (schedule, cores) variant of the step: its costs fitted to `traced` steps, each number the median over the
+    steps' own fits (one traced step of small tasks moves 10-30 % on a busy machine), and the segments that ran an I
+    task. The variants' traced steps are taken round by round — one of each, then again, each after an untimed step
+    of its own — so that a busy spell of a shared machine lands on every variant alike: `run_overhead_of` and
+    `split_overhead_of` read differences between them, and variants measured one after the other once read a Run's
+    overhead as 2.9 ms where it is about 0 (the variant timed apart ran in a busy spell, the fused one after it),
+    which put every prediction of that tune off (3 of 24 candidates within 10 %; 2026-12-06)."""
     from mpmd.runtime.array import wait_ready
 
-    variant = step._variant(schedule)  # (a count of its own: profiling moves the training loop's load count on not at all)
-    for _ in range(max(1, steps)):
-        wait_ready(variant.call_bound(args))
-    with step.mesh.trace() as t:
-        for _ in range(traced):
+    made = [step._variant(schedule) for schedule, _ in variants]  # (counts of their own: the loop's load count stays)
+    for variant in made:
+        for _ in range(max(1, steps)):
             wait_ready(variant.call_bound(args))
-    return median_costs([fit_costs(t, schedule.num_stages, k, per_run=False, cores=cores, own_core=own_core)
-                         for k in range(len(t.steps))]), t.stages_with("I")
+    fits: list[list[Any]] = [[] for _ in variants]
+    with_i: list[set[int]] = [set() for _ in variants]
+    for _ in range(traced):
+        for k, ((schedule, cores), variant) in enumerate(zip(variants, made)):
+            wait_ready(variant.call_bound(args))  # (after another variant's step: this one's caches warm again)
+            with step.mesh.trace() as t:
+                wait_ready(variant.call_bound(args))
+            fits[k].append(fit_costs(t, schedule.num_stages, -1, per_run=False, cores=cores, own_core=own_core))
+            with_i[k] |= t.stages_with("I")
+    return [(median_costs(f), w) for f, w in zip(fits, with_i)]
 
 
 def median_costs(fits: list[Any]) -> Any:
@@ -141,17 +152,20 @@ def profile_costs(step: Any, *args: Any, steps: int = 2, split_backward: bool = 
                     "share of their total; profile on 2 or more actors to balance stages by them", n)
     cores = getattr(step.mesh, "shared_cores", lambda: None)()  # actors sharing this host's cores: fit own times
     own = bool(getattr(step.mesh, "one_core_each", lambda: False)())  # or each on a core of its own, with its loop
-    fused, _ = _traced_costs(step, SegmentProfile(n, p, split=False), args, steps, cores=cores, own_core=own)
+    # The segments apart (a Run each), their backward split (I and W apart), and every segment on one actor, where
+    # a microbatch's tasks fuse, so that its total is nearly free of per-Run overhead.
+    variants = [(SegmentProfile(n, p, split=False), cores), (SegmentProfile(n, 1), None)]
+    if split_backward:
+        variants.append((SegmentProfile(n, p, split=True), cores))
+    (fused, _), (together, _), *split = _traced_costs(step, variants, args, steps, own_core=own)
     i: tuple[float, ...] = ()
     w: tuple[float, ...] = ()
-    if split_backward:
-        parts, with_i = _traced_costs(step, SegmentProfile(n, p, split=True), args, steps, cores=cores, own_core=own)
+    if split:
+        parts, with_i = split[0]
         # A zero I means "no input-gradient task" to the balancer; a segment that has one but whose I always ran
         # fused with another task may fit to zero: it keeps a token time, so that it is not taken for one without.
         i = tuple(max(x, MIN_TASK_SECONDS) if k in with_i else 0.0 for k, x in enumerate(parts.I))
         w = tuple(parts.W)
-    # Every segment on one actor: a microbatch's tasks fuse, so the total is nearly free of per-Run overhead.
-    together, _ = _traced_costs(step, SegmentProfile(n, 1), args, steps, own_core=own)
     run_overhead = run_overhead_of(fused, together, n)
     split_overhead = split_overhead_of(i, w, together, run_overhead)
     return SegmentCosts(F=tuple(fused.F), B=tuple(fused.B), I=i, W=w, activation_bytes=out_bytes, latency=fused.latency,
