@@ -23,6 +23,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -79,6 +80,8 @@ class ExecutableCache:
         self.kept_unused = KEPT_UNUSED
         self._compiling: dict[str, asyncio.Future[Any]] = {}
         self._dropped = 0  # executables dropped since JAX's caches were last cleared
+        self._busy = 0  # compile threads running `_compile` now (one abandoned by a timeout or a cancel included)
+        self._busy_lock = threading.Lock()
         self.compiles = 0
         self.hits = 0
         self.refused = 0
@@ -88,8 +91,14 @@ class ExecutableCache:
         return len(self._compiled)
 
     def _compile(self, blob: bytes, donate: tuple[int, ...], in_layouts: list | None, out_layouts: list | None, mesh: Any) -> Any:
-        exp = export.deserialize(bytearray(blob))
-        return build_executable(exp, donate, in_layouts, out_layouts, mesh, self._device, self._ordered)
+        with self._busy_lock:
+            self._busy += 1
+        try:
+            exp = export.deserialize(bytearray(blob))
+            return build_executable(exp, donate, in_layouts, out_layouts, mesh, self._device, self._ordered)
+        finally:
+            with self._busy_lock:
+                self._busy -= 1
 
     def _spec(self, donate: tuple[int, ...], in_layouts: list | None, out_layouts: list | None, mesh_: Any) -> dict[str, Any] | None:
         """What the compile child needs to compile a blob exactly as `_compile` will (None: compile here)."""
@@ -199,11 +208,12 @@ class ExecutableCache:
             self._out_bytes.pop(key, None)
             dropped.append(key)
         self._dropped += len(dropped)
-        if self._dropped >= CLEAR_JAX_CACHES_AFTER and not self._compiling:  # (no compile thread is lowering now)
+        if self._dropped >= CLEAR_JAX_CACHES_AFTER and not self._busy:  # (no compile thread lowers now, an abandoned one included)
             # JAX's own caches (abstract evaluation, lowering) keep every deserialized export in their keys, bounded
             # only by their LRU sizes: the daemon grew 5-12 KB per executable compiled and dropped, past this cap (a
-            # probe). The executables in use are held here, not there: clearing costs a retrace of the daemon's few
-            # helper functions, once per so many drops.
+            # probe). The executables in use are held here (Compiled objects), not there, and a call already running
+            # keeps its own cache entry; other threads may still run executables or put arrays meanwhile, which only
+            # retrace the daemon's few helper functions (from the persistent cache), once per so many drops.
             self._dropped = 0
             jax.clear_caches()
         return dropped

@@ -483,6 +483,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
                                        devices=len(jax.devices())) for _ in range(args.compile_workers)])
     checker.compile_dir = compile_dir
     checker.checkers[0].adopt(getattr(args, "early_checker", None))
+    args.early_checker = None  # (the checker's now: `_main` stops it only if the daemon ends before this line)
     actor = Actor(args.actor_id, p2p, transfer_timeout=args.transfer_timeout, checker=checker,
                   compile_timeout=args.compile_timeout, loaders=args.allow_loader)
     actor.cache.kept_unused = args.kept_executables
@@ -876,7 +877,14 @@ def _main(argv: list[str] | None = None) -> None:
     asyncio.set_event_loop(loop)
     # Not asyncio.run: at the end it would join the worker threads, and one may be waiting for a computation
     # nobody will read (a `get` that timed out).
-    loop.run_until_complete(serve(args, server_pair, authorized))
+    try:
+        loop.run_until_complete(serve(args, server_pair, authorized))
+    finally:  # a daemon that ends before its checker took the early child (a bind failure, no devices) stops it (it
+        # was left to exit at its stdin's end, in its own session: out of reach of a kill of the daemon's group; a review)
+        early = getattr(args, "early_checker", None)
+        if early is not None and early.proc.poll() is None:
+            early.proc.kill()
+            early.proc.wait()
     flush_replies()
     if profile_to:
         profiler.disable()

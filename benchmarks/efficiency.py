@@ -2,8 +2,9 @@
 
 Every party gets cores of its own and single-threaded XLA (`--xla_cpu_multi_thread_eigen=false`):
 
-* `jax.jit` of the undecorated step, in a fresh process pinned to core 0;
-* mpmd on one actor pinned to core 0 running both stages (a 2-stage table on one actor);
+* `jax.jit` of the undecorated step, in a fresh process pinned to this process's first core;
+* mpmd on one actor pinned to that core running both stages (a 2-stage table on one actor), the controller pinned
+  there too while it runs (as `jax.jit` does all its host work on its one core);
 * mpmd on two actors pinned to cores 0 and 1, 2-stage 1F1B.
 
 The model: a 512-wide tanh MLP of 8 layers (4 per stage), 8 microbatches of 128 rows, SGD (`--optimizer adam`: the
@@ -97,25 +98,17 @@ def _cores() -> list[int]:
 @contextlib.contextmanager
 def process_pinned(cores: set[int]):  # noqa: ANN201
     """Every thread of this process (the controller: its event loop, ZeroMQ's I/O threads, the batch's copier)
-    pinned to `cores` inside the block, as it was after: in the 1-actor run the controller then shares the one
-    actor's core as jax.jit's host work shares its one core (unpinned, it took 2-3 % of a step of CPU on the
-    other core, beside a 5 % target; a review). Threads started inside inherit the pinning."""
+    pinned to `cores` inside the block, and to this thread's cores again after: in the 1-actor run the controller
+    then shares the one actor's core as jax.jit's host work shares its one core (unpinned, it took 2-3 % of a step of
+    CPU on the other core, beside a 5 % target; a review). Threads started inside inherit the pinning."""
+    from benchmarks.spmd import pin_all_threads
+
     mine = os.sched_getaffinity(0)
-    before = {}
-    for t in [int(t) for t in os.listdir("/proc/self/task")]:
-        try:
-            before[t] = os.sched_getaffinity(t)
-            os.sched_setaffinity(t, cores)
-        except OSError:  # (a thread that ended meanwhile)
-            pass
+    pin_all_threads(cores)
     try:
         yield
     finally:
-        for t in [int(t) for t in os.listdir("/proc/self/task")]:
-            try:
-                os.sched_setaffinity(t, before.get(t, mine))  # (one started inside: as this thread was)
-            except OSError:
-                pass
+        pin_all_threads(mine)
 
 
 def measure_jit(args: argparse.Namespace) -> float:
@@ -125,7 +118,7 @@ def measure_jit(args: argparse.Namespace) -> float:
 
 
 def measure_corun(args: argparse.Namespace) -> float:
-    """How much slower the single-core jax.jit step gets when another copy runs on core 1 at the same time:
+    """How much slower the single-core jax.jit step gets when another copy runs on the second core at the same time:
     what two busy actors can get out of this machine's two cores (1.0 on two independent cores)."""
     procs = []
     for core in _cores()[:2]:

@@ -224,7 +224,7 @@ class TuneResult(ShallowCopyOnly):
         2x for a few hundred ms is common here — decides no candidate's time), print predicted and measured step times side
         by side and return those candidates (the winner first). The fastest of them measured becomes the
         winner (`best`, `step`), as in `calibrate`: the measurement decides among the candidates it measured.
-        Rounds are interleaved (candidate 1, 2, ..., k, then again), so a slow spell of a shared machine
+        Rounds are interleaved (candidate 1, 2, ..., k, then 2, ..., k, 1: each round starts one later), so a slow spell of a shared machine
         lands on several candidates rather than on one; one candidate's state is on the actors at a time."""
         _check_counts("TuneResult.verify", k=(k, 1), steps=(steps, 1), warmup=(warmup, 0), rounds=(rounds, 1))
         winner = self.best  # (with no feasible candidate: the MpmdError saying why, as `best` and `step` raise)

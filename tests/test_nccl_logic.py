@@ -461,6 +461,20 @@ def test_a_failed_notice_consumes_no_sequence_number_and_a_failed_send_closes_it
             assert comm.aborted
             with pytest.raises(TransferError, match="no NCCL link to actor 1"):
                 await a.send(1, (4,), jnp.arange(5.0))
+            # Wired again (fresh ids, as every wiring hands out): both sides make the link anew. The receiver had kept
+            # its old one and skipped it, and the sender blocked in NCCL's init for good, waiting for it (a review).
+            from cupy.cuda import nccl
+
+            up, down = list(nccl.get_unique_id()), list(nccl.get_unique_id())
+            kept = b._nccl.inn[0]
+            await asyncio.wait_for(asyncio.gather(
+                a.connect({1: {"address": b.endpoint()["ipc"], "route": "nccl", "nccl_out": up, "nccl_in": down}}),
+                b.connect({0: {"address": a.endpoint()["ipc"], "route": "nccl", "nccl_out": down, "nccl_in": up}})), 20)
+            assert b._nccl.inn[0] is not kept and kept.comm.aborted
+            r = asyncio.ensure_future(b.recv(0, (5,)))
+            await a.send(1, (5,), jnp.arange(4.0))
+            np.testing.assert_array_equal(np.asarray(await asyncio.wait_for(r, 10)), np.arange(4.0))
+            assert a._nccl.out[1].pending == []  # (released once NCCL is done: not kept until the next transfer)
             return got
         finally:
             a.close()

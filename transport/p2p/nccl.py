@@ -63,8 +63,11 @@ def communicator(nccl: Any, uid: Sequence[int], rank: int) -> Any:
     raw = bytes(int(b) & 0xFF for b in uid)
     try:  # cupy >= 14 takes `bytes commId` and refuses a tuple (cupy_backends/cuda/libs/nccl.pyx; a review)
         return nccl.NcclCommunicator(2, raw, rank)
-    except TypeError:  # cupy < 14: a tuple of signed chars (a byte over 127 as is: OverflowError)
-        return nccl.NcclCommunicator(2, tuple(b - 256 if b > 127 else b for b in raw), rank)
+    except TypeError as first:  # cupy < 14: a tuple of signed chars (a byte over 127 as is: OverflowError)
+        try:
+            return nccl.NcclCommunicator(2, tuple(b - 256 if b > 127 else b for b in raw), rank)
+        except TypeError:  # (neither form: the first error is the one that says why)
+            raise first from None
 
 
 def device_index(device: Any) -> int:
@@ -143,10 +146,16 @@ class Link:
     # (event, buffers...) of calls NCCL may still read or write: held here until the event is done, so a task cancelled
     # while it waits does not free a buffer under NCCL (a review)
     pending: list[tuple] = field(default_factory=list)
+    uid: bytes = b""  # the unique id it was made with: a wiring that gives another makes a new link (`setup`)
 
     def hold(self, *entry: Any) -> None:
-        self.pending = [p for p in self.pending if not p[0].done]
+        self.release()
         self.pending.append(entry)
+
+    def release(self) -> None:
+        """Forget the calls NCCL is done with (kept, the last buffers of a link stayed alive until its next transfer,
+        beyond their Delete: one activation per link direction more at the peak; a review)."""
+        self.pending = [p for p in self.pending if not p[0].done]
 
 
 async def _until(event: Any) -> None:
@@ -173,11 +182,19 @@ class NcclLinks:
         me = self.plane.actor_id
         with self.cp.cuda.Device(self.device_id):
             for src, dst, uid in links:
-                if (dst if src == me else src) in (self.out if src == me else self.inn):
+                peer, table = (dst, self.out) if src == me else (src, self.inn)
+                raw = bytes(int(b) & 0xFF for b in uid)
+                old = table.get(peer)
+                if old is not None and old.uid == raw:
                     continue
+                if old is not None:  # (every wiring hands out fresh ids, to both sides of a pair alike: a link one side
+                    # dropped after a failed call, or a restarted peer's, is made anew on both; kept, the side without
+                    # one blocked in NCCL's init for good, waiting for a peer that kept its old link; a review)
+                    del table[peer]
+                    _abort(old.comm)
                 rank = 0 if src == me else 1
                 comm = communicator(self.nccl, uid, rank)
-                link = Link(comm, self.cp.cuda.Stream(non_blocking=True))
+                link = Link(comm, self.cp.cuda.Stream(non_blocking=True), uid=raw)
                 try:
                     self._connect(link, rank)
                 except BaseException:
@@ -257,6 +274,7 @@ class NcclLinks:
         self.plane.counters["sent_nccl_bytes"] += nbytes
         if event is not None:
             await _until(event)
+            link.release()
 
     def drop_out(self, peer: int, link: Link) -> None:
         if self.out.get(peer) is link:
@@ -287,15 +305,18 @@ class NcclLinks:
                     event = self.cp.cuda.Event(disable_timing=True)
                     event.record(link.stream)
                     link.hold(event, buf)  # (NCCL writes it until the event: not freed by a cancelled _deliver)
-            asyncio.get_running_loop().create_task(self._deliver(src, key_, buf, event, dtype_, shape_))
+            asyncio.get_running_loop().create_task(self._deliver(src, key_, buf, event, dtype_, shape_, link))
 
-    async def _deliver(self, src: int, key: tuple[int, ...], buf: Any, event: Any, dtype: np.dtype, shape: list[int]) -> None:
+    async def _deliver(self, src: int, key: tuple[int, ...], buf: Any, event: Any, dtype: np.dtype, shape: list[int],
+                       link: Link | None = None) -> None:
         import jax
         import jax.numpy as jnp
 
         try:
             if event is not None:
                 await _until(event)
+                if link is not None:
+                    link.release()
             if buf.size == 0:
                 value = jnp.zeros(shape, dtype)
             elif dtype.name in CUPY_DTYPES:
