@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 import mpmd
+from mpmd.cli.args import positive
 from mpmd.compiler.program import Label, Program, Recv, Send
 from transport.protocol import dtype_name
 
@@ -165,13 +166,10 @@ def narrow_pipeline(width: int = 16, stages: int = 16, actors: int = 4, m: int =
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hops", type=int, default=400, help="hops in the timed chain (beyond the 1-hop chain subtracted)")
-    p.add_argument("--bytes", type=int, default=1024, help="bytes of the activation sent")
-    p.add_argument("--rounds", type=int, default=5, help="alternating rounds of hop and raw baseline")
-    args = p.parse_args()
-    for flag in ("hops", "bytes", "rounds"):  # (before any daemon: --hops 0 died in a ZeroDivisionError, --rounds 0 in a StatisticsError)
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    p.add_argument("--hops", type=positive(int), default=400, help="hops in the timed chain (beyond the 1-hop chain subtracted)")
+    p.add_argument("--bytes", type=positive(int), default=1024, help="bytes of the activation sent")
+    p.add_argument("--rounds", type=positive(int), default=5, help="alternating rounds of hop and raw baseline")
+    args = p.parse_args()  # (counts above 0, before any daemon: --hops 0 died in a ZeroDivisionError, --rounds 0 in a StatisticsError)
     # The hop and its baseline are measured round by round, alternating, and each round's ratio is taken: this
     # VM's speed drifts by 2x within minutes (raw ZeroMQ one-way 48-130 us in one hour), more than what is measured.
     # Both sides pinned alike: the actors to a core each (cpus_per_actor=1), the raw ping and echo to the same two

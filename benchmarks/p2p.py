@@ -19,6 +19,7 @@ import numpy as np
 
 import mpmd
 from benchmarks.control_plane import raw_throughput
+from mpmd.cli.args import positive
 from mpmd.compiler.program import Label, Program, Recv, Send
 from transport.protocol import dtype_name
 
@@ -60,7 +61,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1,4,16,64,256", help="MiB, comma-separated")
     ap.add_argument("--routes", default="tcp,shm", help="tcp and/or shm, comma-separated")
-    ap.add_argument("--reps", type=int, default=3, help="transfers timed per size (the best is kept)")
+    ap.add_argument("--reps", type=positive(int), default=3, help="transfers timed per size (the best is kept)")
     args = ap.parse_args()
     # (checked before any daemon: --sizes x died in a ValueError's traceback, --reps 0 in a min() of nothing)
     try:
@@ -75,8 +76,6 @@ def main() -> None:
     routes = args.routes.split(",")
     if not set(routes) <= {"tcp", "shm"}:
         ap.error(f"--routes takes tcp and/or shm, separated by commas, got {args.routes!r}")
-    if args.reps < 1:
-        ap.error(f"--reps must be at least 1, got {args.reps}")
     print(f"{'route':>5} {'size':>8} {'one GiB/s':>9} {'x8 GiB/s':>9} {'base GiB/s':>10} {'one/base':>8} {'x8/base':>7}  baseline")
     for route in dict.fromkeys(routes):  # (a route named twice runs once)
         with mpmd.RemoteMesh.local(num_actors=2, transport=route) as mesh:

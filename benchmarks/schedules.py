@@ -36,7 +36,7 @@ import time
 import numpy as np
 
 import mpmd
-from mpmd.cli.args import cannot_write
+from mpmd.cli.args import cannot_write, positive
 from mpmd.compiler.program import Run
 from mpmd.observe.trace import as_sim_result, fit_costs, measured_bubbles
 from mpmd.schedules.draw import draw_stacked
@@ -113,21 +113,18 @@ def run_one(gpt, mesh, name: str, n: int, stages: int, args: argparse.Namespace,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--actors", default="2,4", help="actor counts, comma-separated")
-    p.add_argument("--width", type=int, default=128, help="model width (a multiple of the 4 attention heads)")
-    p.add_argument("--layers", type=int, default=8, help="transformer blocks (a schedule whose stages do not divide them is skipped)")
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--rows", type=int, default=4, help="rows per microbatch")
-    p.add_argument("--steps", type=int, default=5, help="steps per timed round (dispatched back to back)")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--width", type=positive(int), default=128, help="model width (a multiple of the 4 attention heads)")
+    p.add_argument("--layers", type=positive(int), default=8, help="transformer blocks (a schedule whose stages do not divide them is skipped)")
+    p.add_argument("--seq", type=positive(int), default=64)
+    p.add_argument("--microbatches", type=positive(int), default=8)
+    p.add_argument("--rows", type=positive(int), default=4, help="rows per microbatch")
+    p.add_argument("--steps", type=positive(int), default=5, help="steps per timed round (dispatched back to back)")
+    p.add_argument("--rounds", type=positive(int), default=3)
     p.add_argument("--only", default=None, help="comma-separated schedule names")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "out"), help="folder for the pictures")
     args = p.parse_args()
     # Every flag is checked here, before any actor starts (--steps 0 died in an UnboundLocalError after a mesh had
-    # started; a schedule refusing --microbatches only when its turn came, minutes in).
-    for flag in ("width", "layers", "seq", "microbatches", "rows", "steps", "rounds"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    # started; a schedule refusing --microbatches only when its turn came, minutes in): counts by their type, above 0.
     if args.width % HEADS:
         p.error(f"--width {args.width} must be a multiple of the model's {HEADS} attention heads")
     if args.seq > CORPUS // 2:

@@ -57,7 +57,7 @@ def run(name: str, setup: tuple, args: argparse.Namespace) -> dict:
           f"{min(ratios):.2f}-{max(ratios):.2f} (target 0.9-1.1), {sum(0.9 <= r <= 1.1 for r in ratios)}/{len(ratios)} within", flush=True)
     # The calibration candidates set the uniform factor every prediction is scaled by, so theirs are partly fitted (the
     # median one is 1.00 by construction): the others' ratios alone are a prediction held out from it (a review).
-    held_out = [r for c, r in zip(measured, ratios) if id(c) not in getattr(result, "calibrated", {})]
+    held_out = [r for c, r in zip(measured, ratios) if id(c) not in result.calibrated]
     if held_out and len(held_out) < len(ratios):
         print(f"{name}: held out from the calibration ({len(held_out)} candidates it did not run): measured/predicted "
               f"{min(held_out):.2f}-{max(held_out):.2f}, {sum(0.9 <= r <= 1.1 for r in held_out)}/{len(held_out)} within 0.9-1.1",
@@ -86,7 +86,7 @@ def _per_count_ratios(result, measured):  # noqa: ANN001, ANN202
     import math
     import statistics
 
-    runs = [(c, result.calibrated[id(c)]) for c in result.candidates if id(c) in getattr(result, "calibrated", {})]
+    runs = [(c, result.calibrated[id(c)]) for c in result.candidates if id(c) in result.calibrated]
     raw = {id(c): c.predicted / result.calibration for c in result.candidates if c.predicted}
     at: dict[int, list[float]] = {}
     for c, m in runs:

@@ -158,6 +158,13 @@ class Link:
         self.pending = [p for p in self.pending if not p[0].done]
 
 
+def _drop_link(table: dict[int, Link], peer: int, link: Link) -> None:
+    """Abort `link` and forget it as `peer`'s in `table` (if it is still the one there)."""
+    if table.get(peer) is link:
+        del table[peer]
+    _abort(link.comm)
+
+
 async def _until(event: Any) -> None:
     delay = 20e-6
     while not event.done:
@@ -190,8 +197,7 @@ class NcclLinks:
                 if old is not None:  # (every wiring hands out fresh ids, to both sides of a pair alike: a link one side
                     # dropped after a failed call, or a restarted peer's, is made anew on both; kept, the side without
                     # one blocked in NCCL's init for good, waiting for a peer that kept its old link; a review)
-                    del table[peer]
-                    _abort(old.comm)
+                    _drop_link(table, peer, old)
                 rank = 0 if src == me else 1
                 comm = communicator(self.nccl, uid, rank)
                 link = Link(comm, self.cp.cuda.Stream(non_blocking=True), uid=raw)
@@ -221,9 +227,9 @@ class NcclLinks:
         """Abort and forget the links with `peer` (another process now: a restart); the next `setup` makes new ones,
         numbered from 0 again."""
         for table in (self.out, self.inn):
-            link = table.pop(peer, None)
+            link = table.get(peer)
             if link is not None:
-                _abort(link.comm)
+                _drop_link(table, peer, link)
 
     def _on_device(self, value: Any, key: tuple[int, ...]) -> Any:
         """`value` as one array on this actor's device: NCCL reads device memory. Host arrays (a multi-device actor
@@ -267,7 +273,7 @@ class NcclLinks:
                     event = self.cp.cuda.Event(disable_timing=True)
                     event.record(link.stream)
                 except Exception as e:  # its receive is posted and never matched: the link is no use now
-                    self.drop_out(peer, link)
+                    _drop_link(self.out, peer, link)
                     raise TransferError(f"actor {self.plane.actor_id}: NCCL send {key} to actor {peer} failed ({e}); "
                                         "the link is closed until the actors are wired again") from None
                 link.hold(event, value_bits, buf)  # the JAX buffer stays alive until NCCL has read it
@@ -275,11 +281,6 @@ class NcclLinks:
         if event is not None:
             await _until(event)
             link.release()
-
-    def drop_out(self, peer: int, link: Link) -> None:
-        if self.out.get(peer) is link:
-            del self.out[peer]
-        _abort(link.comm)
 
     def on_notice(self, src: int, key: tuple[int, ...], seq: int, dtype: np.dtype, shape: list[int], nbytes: int) -> None:
         link = self.inn.get(src)
@@ -297,9 +298,7 @@ class NcclLinks:
                     try:
                         link.comm.recv(buf.data.ptr, nbytes_, self.nccl.NCCL_UINT8, 0, link.stream.ptr)
                     except Exception as e:  # the sends after it would land in the wrong receives: the link is no use now
-                        if self.inn.get(src) is link:
-                            del self.inn[src]
-                        _abort(link.comm)
+                        _drop_link(self.inn, src, link)
                         raise TransferError(f"actor {self.plane.actor_id}: NCCL receive {key_} from actor {src} failed ({e}); "
                                             "the link is closed until the actors are wired again") from None
                     event = self.cp.cuda.Event(disable_timing=True)
