@@ -495,6 +495,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
                     "authenticated": secure, "insecure": args.insecure, "max_message_bytes": max_bytes}
     if p2p is not None:
         p2p.admit = lambda key: actor.admits_transfer(key)
+        p2p.timeout_of = actor.transfers.timeout_of
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # `kill -USR1 <pid>`: where is it stuck?
     faulthandler.enable(file=sys.stderr, all_threads=True)  # a fatal signal (SIGBUS, SIGSEGV) says where, in the log
     stop = asyncio.Event()

@@ -35,6 +35,8 @@ WIRES: dict[bytes, deque] = {}
 ARRIVED: dict[tuple[bytes, int], threading.Event] = {}  # (communicator, rank): that rank has made its first p2p call
 EVENTS_DONE = [True]  # False: NCCL is still at work (events recorded now stay not done until this is True again)
 FROM_DLPACK: list = []  # weak references to the buffers NCCL was given to send
+STALLED: set[int] = set()  # streams whose NCCL calls never complete: a peer lost mid-transfer (`FakeComm.lost`)
+STREAMS = itertools.count(1)
 
 
 class FakeBuf(np.ndarray):
@@ -57,6 +59,9 @@ class FakeComm:
         self.rank = rank
         self.calls = []
         self.connected = self.aborted = False
+        # The peer is lost mid-transfer: calls from now on never complete (NCCL waits for ever), and aborting the
+        # communicator does not complete them either: the events recorded after them stay not done.
+        self.lost = False
 
     def _connect(self):
         assert not self.aborted, "a call on an aborted communicator"
@@ -70,12 +75,18 @@ class FakeComm:
     def send(self, ptr, count, dtype, peer, stream):
         assert self.rank == 0 and peer == 1, "a link's rank 0 only sends to rank 1"
         self._connect()
+        if self.lost:
+            STALLED.add(stream)
+            return
         self.wire.append(ctypes.string_at(ptr, count))
         self.calls.append(("send", count))
 
     def recv(self, ptr, count, dtype, peer, stream):
         assert self.rank == 1 and peer == 0, "a link's rank 1 only receives from rank 0"
         self._connect()
+        if self.lost:
+            STALLED.add(stream)
+            return
         deadline = time.monotonic() + 3  # (a real receive waits on its stream for the data; here on the host, a while)
         while not self.wire and time.monotonic() < deadline:
             time.sleep(0.001)
@@ -111,13 +122,14 @@ def fake_cupy():
     class Event:
         def __init__(self, disable_timing=False):
             self._done = EVENTS_DONE[0]
+            self._stream = None
 
         @property
         def done(self):
-            return self._done or EVENTS_DONE[0]
+            return (self._done or EVENTS_DONE[0]) and self._stream not in STALLED
 
         def record(self, stream):
-            pass
+            self._stream = stream.ptr
 
     class Device:
         def __init__(self, i):
@@ -145,7 +157,7 @@ def fake_cupy():
         return buf
 
     cuda = types.SimpleNamespace(nccl=nccl, Event=Event, Device=Device, used=used,
-                                 Stream=lambda non_blocking=False: types.SimpleNamespace(ptr=0, synchronize=lambda: None))
+                                 Stream=lambda non_blocking=False: types.SimpleNamespace(ptr=next(STREAMS), synchronize=lambda: None))
     cupy = types.SimpleNamespace(cuda=cuda, uint8=np.uint8, from_dlpack=from_dlpack,
                                  empty=lambda n, dtype: np.empty(n, dtype).view(FakeBuf),
                                  zeros=lambda n, dtype: np.zeros(n, dtype).view(FakeBuf))
@@ -515,6 +527,72 @@ def test_a_cancelled_send_keeps_its_buffer_until_nccl_is_done_with_it(nccl_pair)
 
     alive, freed = asyncio.run(go())
     assert alive == [True] and freed
+
+
+def test_nccl_transfers_on_a_dropped_link_fail_at_once_naming_peer_and_key(nccl_pair):
+    """A transfer whose NCCL call never completes (its peer lost mid-transfer) polled its event for ever, and still
+    did once its link was dropped and the communicator aborted (a restarted peer, a failed call): the receive hung
+    (with no limit) or waited out its whole limit, and the send never returned (a review). Both end at once now."""
+
+    async def go():
+        a, b = await nccl_pair()
+        try:
+            b._nccl.inn[0].comm.lost = True  # (b's receive is posted and never completes)
+            r = asyncio.ensure_future(b.recv(0, (7, 1)))  # (no mailbox limit: only the route can end it)
+            await asyncio.wait_for(a.send(1, (7, 1), jnp.arange(4.0)), 10)
+            while not b._nccl.inn[0].pending:  # (the notice has come and the receive is posted)
+                await asyncio.sleep(0.01)
+            b._nccl.drop(0)  # (as `connect` does for a restarted peer)
+            with pytest.raises(TransferError, match=r"actor 1: NCCL receive \(7, 1\) from actor 0 failed: its NCCL link "
+                                                    r"was closed before the transfer completed \(actor 0 is another process"):
+                await asyncio.wait_for(r, 30)  # (generous: before, it never ended)
+            comm = a._nccl.out[1].comm
+            comm.lost = True  # (a's send is enqueued and never completes)
+            s = asyncio.ensure_future(a.send(1, (7, 2), jnp.arange(4.0)))
+            while not a._nccl.out[1].pending:
+                await asyncio.sleep(0.01)
+            a._nccl.drop(1)
+            with pytest.raises(TransferError, match=r"actor 0: NCCL send \(7, 2\) to actor 1 failed: its NCCL link was closed"):
+                await asyncio.wait_for(s, 30)
+            assert comm.aborted
+        finally:
+            a.close()
+            b.close()
+
+    asyncio.run(go())
+
+
+def test_an_nccl_transfer_that_never_completes_fails_at_its_limit_and_closes_the_link(nccl_pair):
+    """NCCL waits for a lost peer for ever, and nothing aborted the link: a send waited for ever, and a receive's
+    delivery polled for ever (its buffer held, every later receive on the link queued behind it; a review). Each
+    waits at most its session's limit (`DataPlane.timeout_of`, which the daemon sets), then fails naming peer and
+    key and closes the link, so later transfers fail at once until the actors are wired again."""
+
+    async def go():
+        a, b = await nccl_pair()
+        a.timeout_of = b.timeout_of = lambda key: 0.2
+        try:
+            comm = b._nccl.inn[0].comm
+            comm.lost = True
+            r = asyncio.ensure_future(b.recv(0, (3, 1)))  # (no mailbox limit: the route's own limit ends it)
+            await asyncio.wait_for(a.send(1, (3, 1), jnp.arange(4.0)), 10)
+            with pytest.raises(TransferError, match=r"actor 1: NCCL receive \(3, 1\) from actor 0 failed: NCCL had not "
+                                                    r"completed it after 0.2 s .*the link is closed until the actors are wired again"):
+                await asyncio.wait_for(r, 30)
+            assert comm.aborted and 0 not in b._nccl.inn
+            comm = a._nccl.out[1].comm
+            comm.lost = True
+            with pytest.raises(TransferError, match=r"actor 0: NCCL send \(3, 2\) to actor 1 failed: NCCL had not completed "
+                                                    r"it after 0.2 s .*the link is closed until the actors are wired again"):
+                await asyncio.wait_for(a.send(1, (3, 2), jnp.arange(4.0)), 30)
+            assert comm.aborted
+            with pytest.raises(TransferError, match="no NCCL link to actor 1"):
+                await a.send(1, (3, 3), jnp.arange(4.0))
+        finally:
+            a.close()
+            b.close()
+
+    asyncio.run(go())
 
 
 def test_gpu_0_is_used_when_its_local_hardware_id_is_0(monkeypatch):

@@ -35,6 +35,10 @@ from transport.protocol import PACKED_DTYPES, aval_header
 
 log = logging.getLogger(__name__)
 
+# The seconds a transfer waits for NCCL to complete it when the plane has no `timeout_of` (mpmd-actor
+# --transfer-timeout's default): a call on a link whose peer is lost never completes.
+WAIT_LIMIT = 300.0
+
 # dtypes cupy (and so DLPack into cupy) can represent; others cross as their raw bytes
 CUPY_DTYPES = frozenset(("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32",
                          "float64", "complex64", "complex128"))
@@ -147,6 +151,7 @@ class Link:
     # while it waits does not free a buffer under NCCL (a review)
     pending: list[tuple] = field(default_factory=list)
     uid: bytes = b""  # the unique id it was made with: a wiring that gives another makes a new link (`setup`)
+    closed: str | None = None  # why its communicator was aborted (`_drop_link`): its transfers end at once
 
     def hold(self, *entry: Any) -> None:
         self.release()
@@ -158,16 +163,31 @@ class Link:
         self.pending = [p for p in self.pending if not p[0].done]
 
 
-def _drop_link(table: dict[int, Link], peer: int, link: Link) -> None:
-    """Abort `link` and forget it as `peer`'s in `table` (if it is still the one there)."""
+def _drop_link(table: dict[int, Link], peer: int, link: Link, why: str) -> None:
+    """Abort `link` and forget it as `peer`'s in `table` (if it is still the one there); `why` ends the transfers
+    still waiting on it (`_until`)."""
     if table.get(peer) is link:
         del table[peer]
-    _abort(link.comm)
+    if link.closed is None:
+        link.closed = why
+        _abort(link.comm)
 
 
-async def _until(event: Any) -> None:
+async def _until(event: Any, link: Link, limit: float | None) -> None:
+    """Wait for `event`, a call's completion on `link` (polled: a CUDA event has no awaitable form). TransferError
+    as soon as the link is closed — its communicator aborted: the event may never complete, and what it would say
+    of the bytes is not to be trusted — or once `limit` seconds have passed: NCCL waits for a lost peer for ever.
+    (Unbounded, a transfer on an aborted or stalled link polled for ever, holding its buffer and its step; a review.)"""
+    loop = asyncio.get_running_loop()
+    deadline = None if limit is None else loop.time() + limit
     delay = 20e-6
-    while not event.done:
+    while True:
+        if link.closed is not None:
+            raise TransferError(f"its NCCL link was closed before the transfer completed ({link.closed})")
+        if event.done:
+            return
+        if deadline is not None and loop.time() >= deadline:
+            raise TransferError(f"NCCL had not completed it after {limit:g} s (a lost or stuck peer: NCCL waits for ever)")
         await asyncio.sleep(delay)
         delay = min(delay * 2, 1e-3)
 
@@ -197,7 +217,7 @@ class NcclLinks:
                 if old is not None:  # (every wiring hands out fresh ids, to both sides of a pair alike: a link one side
                     # dropped after a failed call, or a restarted peer's, is made anew on both; kept, the side without
                     # one blocked in NCCL's init for good, waiting for a peer that kept its old link; a review)
-                    _drop_link(table, peer, old)
+                    _drop_link(table, peer, old, f"actor {me} was wired to actor {peer} again")
                 rank = 0 if src == me else 1
                 comm = communicator(self.nccl, uid, rank)
                 link = Link(comm, self.cp.cuda.Stream(non_blocking=True), uid=raw)
@@ -225,11 +245,17 @@ class NcclLinks:
 
     def drop(self, peer: int) -> None:
         """Abort and forget the links with `peer` (another process now: a restart); the next `setup` makes new ones,
-        numbered from 0 again."""
+        numbered from 0 again. Transfers still waiting on them fail at once."""
         for table in (self.out, self.inn):
             link = table.get(peer)
             if link is not None:
-                _drop_link(table, peer, link)
+                _drop_link(table, peer, link, f"actor {peer} is another process now: a restart")
+
+    def _limit(self, key: tuple[int, ...]) -> float | None:
+        """The seconds a transfer keyed `key` may wait for NCCL: the receive limit of its session
+        (`DataPlane.timeout_of`, set by the daemon), else `WAIT_LIMIT`."""
+        timeout_of = getattr(self.plane, "timeout_of", None)
+        return WAIT_LIMIT if timeout_of is None else timeout_of(key)
 
     def _on_device(self, value: Any, key: tuple[int, ...]) -> Any:
         """`value` as one array on this actor's device: NCCL reads device memory. Host arrays (a multi-device actor
@@ -273,13 +299,18 @@ class NcclLinks:
                     event = self.cp.cuda.Event(disable_timing=True)
                     event.record(link.stream)
                 except Exception as e:  # its receive is posted and never matched: the link is no use now
-                    _drop_link(self.out, peer, link)
+                    _drop_link(self.out, peer, link, f"NCCL send {key} to actor {peer} failed ({e})")
                     raise TransferError(f"actor {self.plane.actor_id}: NCCL send {key} to actor {peer} failed ({e}); "
                                         "the link is closed until the actors are wired again") from None
                 link.hold(event, value_bits, buf)  # the JAX buffer stays alive until NCCL has read it
         self.plane.counters["sent_nccl_bytes"] += nbytes
         if event is not None:
-            await _until(event)
+            try:
+                await _until(event, link, self._limit(key))
+            except TransferError as e:  # (the calls after it on the link's stream would wait behind it: closed)
+                _drop_link(self.out, peer, link, f"NCCL send {key} to actor {peer} did not complete")
+                raise TransferError(f"actor {self.plane.actor_id}: NCCL send {key} to actor {peer} failed: {e}; "
+                                    "the link is closed until the actors are wired again") from None
             link.release()
 
     def on_notice(self, src: int, key: tuple[int, ...], seq: int, dtype: np.dtype, shape: list[int], nbytes: int) -> None:
@@ -298,7 +329,7 @@ class NcclLinks:
                     try:
                         link.comm.recv(buf.data.ptr, nbytes_, self.nccl.NCCL_UINT8, 0, link.stream.ptr)
                     except Exception as e:  # the sends after it would land in the wrong receives: the link is no use now
-                        _drop_link(self.inn, src, link)
+                        _drop_link(self.inn, src, link, f"NCCL receive {key_} from actor {src} failed ({e})")
                         raise TransferError(f"actor {self.plane.actor_id}: NCCL receive {key_} from actor {src} failed ({e}); "
                                             "the link is closed until the actors are wired again") from None
                     event = self.cp.cuda.Event(disable_timing=True)
@@ -307,15 +338,18 @@ class NcclLinks:
             asyncio.get_running_loop().create_task(self._deliver(src, key_, buf, event, dtype_, shape_, link))
 
     async def _deliver(self, src: int, key: tuple[int, ...], buf: Any, event: Any, dtype: np.dtype, shape: list[int],
-                       link: Link | None = None) -> None:
+                       link: Link) -> None:
         import jax
         import jax.numpy as jnp
 
         try:
             if event is not None:
-                await _until(event)
-                if link is not None:
-                    link.release()
+                try:
+                    await _until(event, link, self._limit(key))
+                except TransferError as e:  # (the receives after it on the link's stream would wait behind it: closed)
+                    _drop_link(self.inn, src, link, f"NCCL receive {key} from actor {src} did not complete")
+                    raise TransferError(f"{e}; the link is closed until the actors are wired again") from None
+                link.release()
             if buf.size == 0:
                 value = jnp.zeros(shape, dtype)
             elif dtype.name in CUPY_DTYPES:
@@ -329,6 +363,7 @@ class NcclLinks:
 
     def close(self) -> None:
         for link in [*self.out.values(), *self.inn.values()]:
+            link.closed = "the data plane closed"
             try:
                 link.comm.destroy()
             except Exception:

@@ -133,6 +133,8 @@ class DataPlane(P2PTransport):
         self._expired: OrderedDict[tuple[int, ...], None] = OrderedDict()
         self._expired_lengths: set[int] = set()
         self.admit: Callable[[tuple[int, ...]], str | None] | None = None  # why an arrival's key is not welcome, or None
+        # the seconds a transfer keyed so may wait (its session's receive limit); bounds an NCCL call's wait (nccl.py)
+        self.timeout_of: Callable[[tuple[int, ...]], float] | None = None
         self._warn = RateLimitedLog(log)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
