@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -83,6 +84,9 @@ class ExecutableCache:
         self._busy = 0  # compile threads running `_compile` now (one abandoned by a timeout or a cancel included)
         self._busy_lock = threading.Lock()
         self.compiles = 0
+        # called on the loop after each new executable (it went into the persistent compilation cache): the daemon
+        # bounds that directory with it (actors/compile_cache.py)
+        self.on_compiled: Callable[[], None] | None = None
         self.hits = 0
         self.refused = 0
         self.check_seconds = 0.0
@@ -177,6 +181,8 @@ class ExecutableCache:
             self._compiled[key] = compiled
             self.compiles += 1
             fut.set_result(compiled)
+            if self.on_compiled is not None:
+                self.on_compiled()
             log.debug("compiled executable %s", key)
             return key, False
         except BaseException as e:

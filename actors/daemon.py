@@ -40,10 +40,10 @@ import signal
 import stat
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 
 from actors import cluster
+from actors.compile_cache import CompileCacheBound, prune_compile_cache
 
 COMPILE_DIR = re.compile(r"mpmd-compile-\d+-[A-Za-z0-9_]+")  # a daemon's private compile directory (mkdtemp's suffix)
 COMPILE_LOCK = ".held"  # locked (flock) by its daemon for as long as it lives
@@ -103,42 +103,6 @@ def _remove_mesh_files(mesh_dir: str, actor_id: int) -> None:
         os.rmdir(mesh_dir)
     except OSError:
         pass
-
-
-CACHE_PRUNE_AGE = 3600.0  # s: an entry written or read more recently may be in use by another daemon sharing the cache
-
-
-def prune_compile_cache(path: str, max_bytes: int, now: float | None = None) -> int:
-    """Bound a shared --cache-dir: while its files take more than `max_bytes`, remove the least recently used ones
-    (by access time, else modification time) not touched for CACHE_PRUNE_AGE seconds. JAX's own bound needs a
-    package mpmd does not depend on (filelock); without one the cache grew by ~30 KB for every new step signature,
-    for good (a probe: 13,824 files). Returns the bytes removed."""
-    now = time.time() if now is None else now
-    entries = []
-    try:
-        with os.scandir(path) as it:
-            for e in it:
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if stat.S_ISREG(st.st_mode):
-                    entries.append((max(st.st_atime, st.st_mtime), st.st_size, e.path))
-    except OSError:
-        return 0
-    total = sum(size for _, size, _ in entries)
-    removed = 0
-    for used, size, p in sorted(entries):
-        if total - removed <= max_bytes or now - used < CACHE_PRUNE_AGE:
-            break
-        try:
-            os.unlink(p)
-            removed += size
-        except FileNotFoundError:  # (another daemon starting beside this one took it: counted, or each would go on)
-            removed += size
-        except OSError:
-            pass
-    return removed
 
 
 def _sweep_stale_compile_dirs(parent: str) -> None:
@@ -209,8 +173,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                             "--listen such as tcp://0.0.0.0:PORT, this node's own address)")
     p.add_argument("--cache-dir", default=None, help="JAX persistent compilation cache directory (default: a private temporary one, removed at exit; "
                    "RemoteMesh.local passes ~/.cache/mpmd/xla)")
-    p.add_argument("--cache-max-mb", type=float, default=4096, help="at start, remove the --cache-dir entries least recently used (and "
-                   "untouched for an hour) while it holds more than this; 0: no bound (default %(default)s)")
+    p.add_argument("--cache-max-mb", type=float, default=4096, help="at start and every few new executables, remove the compilation cache's "
+                   "entries least recently used (and untouched for an hour) while it holds more than this; 0: no bound (default %(default)s)")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process has exited")
     p.add_argument("--mesh-dir", default=None,
                    help="the private directory of the local mesh this daemon belongs to: if its --parent-pid exits without "
@@ -487,6 +451,8 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     actor = Actor(args.actor_id, p2p, transfer_timeout=args.transfer_timeout, checker=checker,
                   compile_timeout=args.compile_timeout, loaders=args.allow_loader)
     actor.cache.kept_unused = args.kept_executables
+    if args.cache_max_mb > 0:  # (pruned at start only, a daemon serving job after job grew it without bound; a review)
+        actor.cache.on_compiled = CompileCacheBound(compile_dir, int(args.cache_max_mb * 1024 * 1024)).wrote
     from actors.handlers import Ownership
 
     actor.ownership = Ownership(secure, getattr(args, "owner_keys", frozenset()), frozenset(args.admin_key))

@@ -958,7 +958,8 @@ def test_a_shared_compile_cache_is_pruned_of_its_least_recently_used_entries_at_
     """A --cache-dir shared by every local mesh (~/.cache/mpmd/xla) grew by ~30 KB for every new step signature and
     was never bounded (13,824 files after a probe's runs). At start a daemon removes the least recently used entries
     while it holds more than --cache-max-mb, never one used within the last hour (another daemon may be reading it)."""
-    from actors.daemon import CACHE_PRUNE_AGE, parse_args, prune_compile_cache
+    from actors.compile_cache import CACHE_PRUNE_AGE, prune_compile_cache
+    from actors.daemon import parse_args
 
     now = 1e9
     for i in range(10):  # 10 entries of 1 KiB, used at now - 10 h .. now - 1 h ... and two in the last hour

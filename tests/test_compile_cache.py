@@ -1,0 +1,108 @@
+"""The bound on a daemon's persistent compilation cache while it lives (actors/compile_cache.py)."""
+
+import asyncio
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+
+from actors.cache import ExecutableCache
+from actors.compile_cache import CompileCacheBound, prune_compile_cache
+
+HOURS = 3600.0
+
+
+@pytest.fixture
+def jax_compile_cache(tmp_path):
+    """JAX's persistent compilation cache in `tmp_path`, as the daemon sets it up (every entry written)."""
+    from jax._src import compilation_cache
+
+    settings = {"jax_compilation_cache_dir": str(tmp_path), "jax_persistent_cache_min_compile_time_secs": 0,
+                "jax_persistent_cache_min_entry_size_bytes": 0}
+    saved = {name: getattr(jax.config, name) for name in settings}
+    compilation_cache.reset_cache()
+    for name, value in settings.items():
+        jax.config.update(name, value)
+    try:
+        yield tmp_path
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
+
+
+def _files(path) -> dict[str, int]:
+    return {e.name: e.stat().st_size for e in os.scandir(path) if e.is_file()}
+
+
+def _two_hours_pass(path) -> None:
+    """Every entry's last use moves two hours back: a daemon's life compressed (entries used within the last hour
+    are never pruned: another daemon may be reading them)."""
+    for e in os.scandir(path):
+        st = e.stat()
+        os.utime(e.path, (st.st_atime - 2 * HOURS, st.st_mtime - 2 * HOURS))
+
+
+def test_a_long_lived_daemons_compile_cache_stays_within_its_bound_as_it_compiles(jax_compile_cache):
+    """The cache was pruned only at a daemon's start: one serving job after job for days grew it by every new
+    executable until it restarted (a review). Real compiles through `ExecutableCache` into JAX's persistent cache,
+    hours apart: after each new executable the daemon's bound (`CompileCacheBound`, every=1 here) prunes the least
+    recently used entries, so the directory stays within its bound and the newest entries stay."""
+    path = jax_compile_cache
+    cache = ExecutableCache(jax.devices()[0])
+    written: list[set[str]] = []  # the files each compile added, oldest first
+    arg = jax.ShapeDtypeStruct((4,), jnp.float32)
+
+    async def go(bound: CompileCacheBound) -> None:
+        cache.on_compiled = bound.wrote
+        for i in range(8):
+            before = set(_files(path))
+            blob = export.export(jax.jit(lambda a, i=i: a * (i + 2) + i), platforms=["cpu"])(arg).serialize()
+            key, cached = await cache.compile(blob)
+            assert not cached
+            bound.join(30)  # (the prune runs in a thread of its own: done before time moves on)
+            written.append(set(_files(path)) - before)
+            assert written[-1], "the compile wrote no entry: is JAX's persistent cache set up?"
+            _two_hours_pass(path)
+
+    try:
+        first = export.export(jax.jit(lambda a: a - 1), platforms=["cpu"])(arg).serialize()
+        asyncio.run(cache.compile(first))
+        limit = 3 * sum(_files(path).values())  # about three executables' entries
+        assert limit > 0, "the compile wrote no entry: is JAX's persistent cache set up?"
+        _two_hours_pass(path)
+        bound = CompileCacheBound(str(path), limit, every=1)
+        asyncio.run(go(bound))
+    finally:
+        cache._threads.shutdown(wait=True)
+    left = _files(path)
+    assert sum(left.values()) <= limit, (sum(left.values()), limit, sorted(left))
+    assert bound.removed > 0
+    assert written[-1] <= set(left) and written[-2] <= set(left), "the newest entries were pruned"
+    assert not written[0] & set(left), "the oldest entry outlived newer ones"
+
+
+def test_a_prune_every_few_executables_leaves_entries_in_use_and_the_lock(tmp_path):
+    """`every`: one prune per so many new executables, counting from the last; an entry used within the last hour
+    (being written or read now) and the private directory's lock file stay whatever the bound."""
+    now = os.stat(tmp_path).st_mtime
+    for i in range(6):
+        f = tmp_path / f"entry{i}-cache"
+        f.write_bytes(b"x" * 1024)
+        used = now - (10 - i) * HOURS if i < 4 else now  # entries 4 and 5 in use now
+        os.utime(f, (used, used))
+    (tmp_path / ".held").write_bytes(b"")
+    os.utime(tmp_path / ".held", (now - 100 * HOURS, now - 100 * HOURS))
+    bound = CompileCacheBound(str(tmp_path), 0, every=3)
+    bound.wrote()
+    bound.wrote()
+    bound.join(30)
+    assert len(_files(tmp_path)) == 7  # (two new executables: no prune yet)
+    bound.wrote()
+    bound.join(30)
+    assert sorted(_files(tmp_path)) == [".held", "entry4-cache", "entry5-cache"] and bound.removed == 4 * 1024
+    assert prune_compile_cache(str(tmp_path), 0) == 0
+    with pytest.raises(ValueError, match="every"):
+        CompileCacheBound(str(tmp_path), 0, every=0)
