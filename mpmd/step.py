@@ -1336,6 +1336,9 @@ class DistributedFunction(ShallowCopyOnly):
         inline_layouts: list[list[Any]] = [[] for _ in range(n)]
         prologue: list[list[list[Any]]] = [[] for _ in range(n)]
         replicas: list[tuple[RemoteArray, int, int]] = []
+        # (one copy per array and actor: an array at two leaves — `step(params, params, batch)`, or twice in a pytree
+        # — made two, and the second's id overwrote the first's in x.buffers: that buffer stayed on the actor for good)
+        copying: dict[tuple[int, int], int] = {}
         paths = compiled.arg_paths
         host: list[list[tuple[int, np.ndarray, Any]]] = [[] for _ in range(n)]  # (slot in inputs, value, layout) per actor
         borrowed: dict[int, list[Any]] = {}  # id -> [host value that is the caller's memory, its copy] (_stage_host_args)
@@ -1360,6 +1363,8 @@ class DistributedFunction(ShallowCopyOnly):
                     self._copy_in(x, a, paths[k], n)
                 if a in x.buffers:
                     inputs[a].append(x.buffers[a])
+                elif (id(x), a) in copying:  # (this array again: its copy made by this request)
+                    inputs[a].append(copying[id(x), a])
                 else:  # copy it actor-to-actor first, in the same request, and keep the copy for next time
                     src = min(b for b in x.buffers if b < n)  # (an actor this step sends a request to)
                     buf, tag = mesh.new_buffer_id(), -(k + 1) * n - a
@@ -1368,6 +1373,7 @@ class DistributedFunction(ShallowCopyOnly):
                     prologue[a].append(["recv", buf, src, tag, dtype_name(dtype), list(shape), "arg"])
                     inputs[a].append(buf)
                     replicas.append((x, a, buf))
+                    copying[id(x), a] = buf
         staged = [self._stage_host_args(a, host[a], inputs[a], inline[a], inline_layouts[a], borrowed, may_wait) for a in range(n)]
         try:  # (before anything is sent: one actor's request refused would leave the others' steps waiting for it)
             for a in range(n):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import mpmd
+from tests.wire import wait_until
 
 
 def test_remote_array_has_the_array_attributes_and_a_useful_repr(mesh2):
@@ -215,6 +216,42 @@ def test_a_fetch_overtaken_by_a_step_donating_its_array_says_it_was_donated(mesh
     want = jax.jit(step)(jax.jit(step)(w, batch)[0], batch)[0]
     for got, wv in zip(mpmd.fetch(later[0][0]), want):
         np.testing.assert_allclose(got, np.asarray(wv), rtol=1e-6)
+
+
+def _twice_step(w, v, batch):
+    """A 2-stage step whose stage 0 reads w[0] and v[0]: `_twice_step(x, x, batch)` reads one array at two leaves."""
+    def mb(b):
+        value, g = jax.value_and_grad(lambda w: jnp.sum(mpmd.pipeline_yield(jnp.tanh(b @ w[0]) * jnp.sum(v[0])) @ w[1]))(w)
+        return g, value
+    g, losses = mpmd.accumulate_grads(mb, batch, schedule=mpmd.GPipe(2))
+    return [a - 0.1 * b for a, b in zip(w, g)], losses
+
+
+@pytest.mark.parametrize("donate", [(), (0, 1)])
+def test_one_array_at_two_leaves_held_by_the_other_actor_is_copied_once_and_freed_with_it(mesh2, donate):
+    """`step(x, x, batch)`, donating both or neither, with x held by actor 1 and read by stage 0 on actor 0 at both
+    leaves: each leaf made its own copy on actor 0 and the second's id replaced the first's in the array, so the
+    first copy stayed on actor 0 for good (2 buffers a call here; a probe). One copy is made and read at both
+    leaves; the results are jax.jit's of the same arguments (jax.jit itself refuses a buffer donated twice; here the
+    step's arguments are never handed to its executables, so reading one twice is safe); a donated array is deleted
+    once, and afterwards the actors hold what they held before."""
+    w, _ = _sgd_state()
+    batch = np.ones((2, 2, 4), np.float32)
+    dist = mpmd.distributed(_twice_step, mesh=mesh2, donate_argnums=donate)
+    gc.collect()
+    before = [mesh2.actor(a).stats()["buffers"] for a in range(2)]
+    x = [mesh2.actor(1).put(v) for v in w]
+    new, losses = dist(x, x, batch)
+    want = jax.jit(_twice_step)(w, w, batch)
+    for got, wv in zip(jax.tree.leaves(mpmd.fetch((new, losses))), jax.tree.leaves(want)):
+        np.testing.assert_allclose(got, np.asarray(wv), rtol=1e-6)
+    assert [v.is_deleted() for v in x] == [bool(donate)] * 2
+    if not donate:
+        assert sorted(x[0].buffers) == [0, 1]  # (the copy kept for the next call)
+    del x, new, losses
+    gc.collect()
+    held = lambda: [mesh2.actor(a).stats()["buffers"] for a in range(2)]  # noqa: E731
+    assert wait_until(lambda: held() == before, 10), (held(), before)
 
 
 def test_jax_array_methods_on_a_remote_array_say_to_fetch_it_first_and_the_protocols_still_work(mesh2):
