@@ -173,6 +173,29 @@ def test_bad_routes_are_refused_naming_the_entry(routes, says):
     assert Costs(routes=[((0, 1), (2.0, math.inf))]).routes == (((0, 1), (2.0, math.inf)),)
 
 
+@pytest.mark.parametrize("how", ["simulate", "simulate_programs", "simulate_monte_carlo", "Costs.check_actors"])
+@pytest.mark.parametrize("route", [(1, 2), (3, 0)])
+def test_a_route_naming_an_actor_the_schedule_lacks_is_refused_naming_it_and_the_actor_count(how, route):
+    """Routes fitted on a trace of 4 actors, given to a 2-actor schedule: the routes past actor 1 were ignored and
+    the step timed on other costs than those given (a 1 s route 1->2 changed nothing; a probe). Refused where
+    the number of actors is known, naming the route and the count; routes between the schedule's actors still time."""
+    from mpmd.schedules.montecarlo import simulate_monte_carlo
+
+    schedule = mpmd.OneFOneB(2)
+    costs = Costs(routes=(((0, 1), (1.0, math.inf)), (route, (1.0, math.inf))))
+    says = rf"route {route[0]}->{route[1]}, but there are 2 actors \(0 to 1\)"
+    run = {"simulate": lambda c: simulate(schedule, 4, c),
+           "simulate_programs": lambda c: simulate_programs(programs_from_table(schedule, validate(schedule, 4)), c),
+           "simulate_monte_carlo": lambda c: simulate_monte_carlo(programs_from_table(schedule, validate(schedule, 4)), c, runs=2),
+           "Costs.check_actors": lambda c: c.check_actors(2)}[how]
+    with pytest.raises(ValueError if how == "Costs.check_actors" else mpmd.ScheduleError, match=says):
+        run(costs)
+    kept = Costs(routes=(((0, 1), (1.0, math.inf)),))
+    if how != "Costs.check_actors":  # (the route between the schedule's two actors: 4 forward hops of 1 s each way)
+        assert run(kept).step_time > run(Costs()).step_time + 1
+    costs.check_actors(4)
+
+
 def test_overhead_is_added_to_every_task_and_one_actor_has_no_bubble():
     r = simulate(mpmd.OneFOneB(1), 5, Costs(F=1, B=2, overhead=0.5))
     assert r.step_time == pytest.approx(5 * (1 + 2 + 2 * 0.5)) and r.bubble == 0

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mpmd.errors import PipelineError
+from mpmd.errors import PipelineError, ScheduleError
 from mpmd.schedules.sharing import replay_programs_shared, runtime_loads
 from mpmd.schedules.validation import check_programs, is_count, stages_without_input_grad
 from transport.program import Program, Recv, Run, Task
@@ -97,6 +97,10 @@ def simulate_monte_carlo(programs: list[Program], costs: Any, runs: int = 100, s
     base times from `costs.routes` per (sender, receiver) where given. Deterministic for a given `seed`."""
     if not is_count(runs) or runs < 1:
         raise ValueError(f"simulate_monte_carlo: runs must be a positive int (how many replays), got {runs!r:.40}")
+    try:
+        costs.check_actors(len(programs))  # (as simulate_programs: a route past the programs' actors would be ignored)
+    except ValueError as e:
+        raise ScheduleError(f"simulate_monte_carlo: {e}") from None
     stages, num_stages = stages_without_input_grad(programs)  # (their W runs the whole backward: it costs I + W,
     if stages:                                                # as in every other simulator)
         costs = costs.without_input_grad(stages, num_stages)

@@ -233,6 +233,15 @@ class Costs:
                 return latency + nbytes / bandwidth
         return self.transfer_time(nbytes)
 
+    def check_actors(self, num_actors: int) -> None:
+        """Raise ValueError unless every route joins two of `num_actors` actors (0 to num_actors - 1): a route past
+        them (routes fitted on a trace of more actors) would be ignored, and the costs would not be the ones given."""
+        for (src, dst), _ in self.routes:
+            if max(src, dst) >= num_actors:
+                raise ValueError(f"Costs.routes has route {src}->{dst}, but there are {num_actors} actors (0 to {num_actors - 1}); "
+                                 "give routes between those actors only (costs fitted on a trace of more actors: "
+                                 "dataclasses.replace(costs, routes=...) without the others)")
+
     def check_stages(self, num_stages: int) -> None:
         """Raise ValueError unless every per-stage sequence has `num_stages` entries."""
         for name in ("F", "B", "I", "W", "activation_bytes"):
@@ -414,6 +423,7 @@ def simulate(schedule: Schedule, num_microbatches: int, costs: Costs | None = No
         table = [[t for t in row if t.kind == "F"] for row in table]
     try:
         costs.check_stages(schedule.num_stages)
+        costs.check_actors(schedule.num_actors)
     except ValueError as e:
         raise ScheduleError(f"{schedule}: {e}") from None
     # remat stages (`schedule.remat`) recompute their forward in their backward: those tasks pay it too, as the
@@ -477,7 +487,8 @@ def simulate_programs(programs: list[Program], costs: Costs | None = None, name:
     dtype and shape. `peak_bytes` (None when no program has `buffer_bytes`) comes from `Program.buffer_bytes`: a buffer lives from the Run that makes it
     (its start) or the arrival of its Recv until its Delete (or a Run that donates it) or the end; inputs and
     constants from the start. Raises `PipelineError` if the programs cannot run (see `check_programs`), and
-    `ScheduleError` for costs that are not a `Costs` or give per-stage values for another number of stages."""
+    `ScheduleError` for costs that are not a `Costs`, give per-stage values for another number of stages or routes
+    between actors past the programs'."""
     if costs is None:
         costs = Costs()
     elif not isinstance(costs, Costs):  # (a dict met "'dict' object has no attribute 'cores'"; a probe)
@@ -486,6 +497,7 @@ def simulate_programs(programs: list[Program], costs: Costs | None = None, name:
     try:  # (3 per-stage values for 2 stages were taken silently, where `simulate` refuses them; a probe)
         if num_stages:
             costs.check_stages(num_stages)
+        costs.check_actors(len(programs))
     except ValueError as e:
         raise ScheduleError(f"{name}: {e}") from None
     costs = without_input_grad(programs, costs)
