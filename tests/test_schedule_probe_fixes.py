@@ -507,3 +507,54 @@ def test_simulate_programs_checks_its_costs_as_simulate_does():
         simulate_programs(progs, Costs(F=(1.0, 1.0, 1.0), B=2.0))
     with pytest.raises(mpmd.ScheduleError, match="costs must be mpmd.Costs.*got dict"):
         simulate_programs(progs, {"F": 1.0})
+
+
+class _SwapsLater(mpmd.OneFOneB):
+    """1F1B on 2 actors whose `actor_of` answers as 1F1B for its first `honest` calls, then swaps the two actors (a
+    counter in a user's method: the answer changes from call to call)."""
+
+    def __init__(self, honest: int) -> None:
+        super().__init__(num_stages=2)
+        object.__setattr__(self, "_calls", [0, honest])  # (not a field: the schedule stays hashable and equal to itself)
+
+    def actor_of(self, stage: int) -> int:
+        self._calls[0] += 1
+        a = super().actor_of(stage)
+        return a if self._calls[0] <= self._calls[1] else 1 - a
+
+
+def test_a_schedule_whose_actor_of_answers_otherwise_when_asked_again_is_refused_naming_the_stage():
+    """Its first answers checked, its later ones contradicted them: validate said "task 0F0 is on actor 0 but stage 0
+    belongs to actor 1", as if the table were wrong (a probe). validate asks each stage twice and refuses an answer
+    that changed, naming the stage and both answers."""
+    with pytest.raises(mpmd.ScheduleError, match=r"actor_of\(0\) answered 0, then 1 when asked again; a stage lives on one actor: "
+                                                 r"actor_of must give the same answer at every call"):
+        validate(_SwapsLater(honest=2), 4)
+
+
+def test_a_step_compiles_and_simulates_on_the_placement_validate_proved_not_on_later_answers_of_actor_of():
+    """The compiler asked actor_of again in every pass (follow_inputs, recompute_cheap, each task's placement): a
+    schedule answering as 1F1B while validated (each stage asked twice) and swapped after compiled Programs running
+    stage 1's tasks on actor 0 and stage 0's on actor 1, against the table validate proved deadlock-free (a probe;
+    answers changing within the passes failed check_programs with messages about internal buffers, or split a stage
+    over two actors). The placement is read once per trace: every Run's tasks are on the actor of its row in the
+    validated table, as for 1F1B itself, and simulate times the same placement."""
+    from mpmd.compiler.plan import plan_step
+    from mpmd.step import DistributedFunction
+    from tests import models
+
+    rng = np.random.default_rng(0)
+    params, batch = models.mlp_params(rng, 2, 8), models.regression_batch(rng, 4, 2, 8)
+    opt = optax.adam(1e-3)
+
+    def placed(schedule):
+        step = make_step(models.mse_loss(models.mlp), opt, schedule)
+        outer, _ = DistributedFunction(step, FakeMesh(2)).trace(params, opt.init(params), batch)
+        return [{str(t) for ins in prog.instructions if type(ins).__name__ == "Run" for t in ins.label.tasks}
+                for prog in plan_step(outer, 2).programs]
+
+    table = validate(mpmd.OneFOneB(2), 4)
+    assert placed(_SwapsLater(honest=4)) == placed(mpmd.OneFOneB(2)) == [{str(t) for t in row} for row in table]
+    costs = Costs(F=(1.0, 3.0), routes=(((0, 1), (5.0, math.inf)),))  # (a slow 0 -> 1: which actor holds stage 0 matters)
+    got, want = simulate(_SwapsLater(honest=4), 4, costs), simulate(mpmd.OneFOneB(2), 4, costs)
+    assert got.transfers == want.transfers and got.step_time == want.step_time

@@ -38,7 +38,8 @@ from mpmd.compiler.stages import (
 from mpmd.compiler.units import Part, Unit, task_function
 from mpmd.errors import PipelineError
 from mpmd.primitives import accumulate_p
-from mpmd.schedules import Schedule, validate
+from mpmd.schedules import Schedule
+from mpmd.schedules.validation import validate_placed
 
 
 # ---- the loop in the step ------------------------------------------------------------------------------
@@ -139,20 +140,23 @@ def analyse_loop_body(loop: StepLoop) -> LoopBody:
 # ---- stages on the schedule ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ScheduledStages:
-    """The body's varying equations cut into stage regions, and the schedule's validated task table."""
+    """The body's varying equations cut into stage regions, and the schedule's validated task table with the
+    placement it was proved with: the schedule's `tasks` and `actor_of` are asked once per trace, and every pass
+    after reads these (a user's `actor_of` asked again may answer otherwise: a stage split over two actors)."""
 
     schedule: Schedule
     table: list[list[Task]]  # per actor: its tasks in order
     split: StageSplit
     grouping: tuple[int, ...] | None = None  # marker segments per stage when the schedule's balance= grouped them
     host_calls: dict[tuple[int, str], list[Any]] = field(default_factory=dict)  # per region: its callbacks, taken out
+    placement: tuple[int, ...] = ()  # placement[stage]: its actor, as validate read it (validate_placed)
 
     @property
     def num_actors(self) -> int:
-        return self.schedule.num_actors
+        return len(self.table)  # (validate gave one row per actor of the schedule's num_actors, read once)
 
     def actor_of(self, stage: int) -> int:
-        return int(self.schedule.actor_of(stage))  # (a user's schedule may answer with a numpy integer)
+        return self.placement[stage]
 
 
 def check_schedule(schedule: Schedule | None, num_stages: int, num_mesh_actors: int, unused: int = 0) -> None:
@@ -212,13 +216,14 @@ def schedule_stages(loop: StepLoop, body: LoopBody, num_mesh_actors: int) -> Sch
                    unused_markers(body) if loop.schedule is not None and split.num_stages != loop.schedule.num_stages else 0)
     schedule = loop.schedule
     assert schedule is not None
-    table = validate(schedule, loop.num_microbatches, forward_only=loop.num_grads == 0)  # (evaluation: F tasks are enough)
-    follow_inputs(split, body, schedule.actor_of)
+    table, placement = validate_placed(schedule, loop.num_microbatches, forward_only=loop.num_grads == 0)  # (evaluation: F tasks are enough)
+    actor_of = placement.__getitem__  # (asked once, above: the passes below ask it hundreds of times)
+    follow_inputs(split, body, actor_of)
     split_backward(split, {t.stage for row in table for t in row if t.kind in ("I", "W")})
     host_calls = strip_host_calls(split)
     remat_stages(split, body, getattr(schedule, "remat", ()))
-    recompute_cheap(split, body, schedule.actor_of)
-    return ScheduledStages(schedule, table, split, grouping, host_calls)
+    recompute_cheap(split, body, actor_of)
+    return ScheduledStages(schedule, table, split, grouping, host_calls, placement)
 
 
 # ---- canonical names -----------------------------------------------------------------------------------

@@ -169,7 +169,8 @@ class Schedule:
         return self.num_stages
 
     def actor_of(self, stage: int) -> int:
-        """The actor that runs `stage`."""
+        """The actor that runs `stage`: the same answer at every call (`validate` asks each stage twice and refuses
+        an answer that changed; a step and `simulate` use the answers validate proved the table with)."""
         return stage
 
     def stages_of(self, actor: int) -> list[int]:

@@ -34,7 +34,7 @@ from mpmd.schedules.validation import (
     split_stages,
     stages_without_input_grad,
     task_inputs,
-    validate,
+    validate_placed,
 )
 from transport.program import TASK_KINDS, Delete, Label, Program, Recv, Run, Task
 from transport.protocol import dtype_from_name
@@ -418,12 +418,13 @@ def simulate(schedule: Schedule, num_microbatches: int, costs: Costs | None = No
     elif not isinstance(costs, Costs):
         raise ScheduleError(f"costs must be mpmd.Costs (e.g. mpmd.Costs(F=1, B=2) or Costs.from_timings({{...}})), got "
                             f"{type(costs).__name__}")
-    table = validate(schedule, num_microbatches, forward_only=forward_only)
+    table, placement = validate_placed(schedule, num_microbatches, forward_only=forward_only)
+    actor_of = placement.__getitem__  # (the placement validate proved, asked once: not actor_of again for every hop)
     if forward_only:  # (it timed GPipe's backward too, and counted every microbatch stashed; a probe)
         table = [[t for t in row if t.kind == "F"] for row in table]
     try:
         costs.check_stages(schedule.num_stages)
-        costs.check_actors(schedule.num_actors)
+        costs.check_actors(len(table))  # (validate read num_actors once: one row per actor)
     except ValueError as e:
         raise ScheduleError(f"{schedule}: {e}") from None
     # remat stages (`schedule.remat`) recompute their forward in their backward: those tasks pay it too, as the
@@ -435,23 +436,23 @@ def simulate(schedule: Schedule, num_microbatches: int, costs: Costs | None = No
 
     def transfer(src: Task, dst: Task) -> float:
         boundary = min(src.stage, dst.stage)  # F(s-1)->F(s) and B(s+1)->B(s) cross the boundary after the lower stage
-        return costs.route_time(schedule.actor_of(src.stage), schedule.actor_of(dst.stage),
+        return costs.route_time(actor_of(src.stage), actor_of(dst.stage),
                                 costs._per_stage("activation_bytes", boundary))
 
     edges = [(d, t) for row in table for t in row for d in task_inputs(t, schedule.num_stages, split)
-             if schedule.actor_of(d.stage) != schedule.actor_of(t.stage)]
+             if actor_of(d.stage) != actor_of(t.stage)]
     # the runtime's CPU: a Run per task, a Send and a Recv per edge between actors (a compiled step has a few
     # more: its phase Runs and the arguments' transfers, which simulate_programs counts)
     ghost = lambda t: t.kind == "I" and t.stage == 0 and 0 in split  # noqa: E731  (no Run: see without_input_grad above)
     loads = [costs.runtime_cpu * sum(not ghost(t) for t in row) for row in table]
     for d, t in edges:
-        loads[schedule.actor_of(d.stage)] += costs.runtime_cpu
-        loads[schedule.actor_of(t.stage)] += costs.runtime_cpu
-    run, _ = replay_table_shared(table, schedule.num_stages, schedule.actor_of,
+        loads[actor_of(d.stage)] += costs.runtime_cpu
+        loads[actor_of(t.stage)] += costs.runtime_cpu
+    run, _ = replay_table_shared(table, schedule.num_stages, actor_of,
                                  lambda t: 0.0 if ghost(t) else costs.gap + costs.task_time(t) + costs.overhead,
                                  transfer, costs.cores, lambda t: 0.0 if ghost(t) else costs.gap, costs.lead + costs.tail, loads)
     spans = [[(run.start[t] + costs.gap, run.end[t], str(t)) for t in row if not ghost(t)] for row in table]
-    transfers = [(schedule.actor_of(d.stage), schedule.actor_of(t.stage), run.end[d], run.end[d] + transfer(d, t), f"{d}->{t}")
+    transfers = [(actor_of(d.stage), actor_of(t.stage), run.end[d], run.end[d] + transfer(d, t), f"{d}->{t}")
                  for d, t in edges]
     return _result(str(schedule), spans, table, transfers, costs=costs, stash=not forward_only)
 

@@ -180,6 +180,14 @@ def validate(schedule: Schedule, num_microbatches: int, forward_only: bool = Fal
 
         table = validate(mpmd.OneFOneB(num_stages=4), 8)
     """
+    return validate_placed(schedule, num_microbatches, forward_only)[0]
+
+
+def validate_placed(schedule: Schedule, num_microbatches: int, forward_only: bool = False) -> tuple[Table, tuple[int, ...]]:
+    """`validate`, also giving the placement it proved the table with: `placement[stage]` is `actor_of(stage)`,
+    asked once per stage (and once more, to refuse a schedule whose answers change from call to call). Whoever
+    goes on to use the table reads the placement from this tuple, not from `actor_of` again: a user's method
+    could answer otherwise later (a counter, a random draw), and a stage would then be split over two actors."""
     lacks = [] if isinstance(schedule, type) else schedule_lacks(schedule)
     if isinstance(schedule, type) or lacks:
         what = f"the class {schedule.__name__}" if isinstance(schedule, type) else f"{type(schedule).__name__} {schedule!r:.60}"
@@ -208,12 +216,22 @@ def validate(schedule: Schedule, num_microbatches: int, forward_only: bool = Fal
     if m < need and not getattr(schedule, "written_table", False):  # (a written table's tasks(m) says what it runs)
         raise ScheduleError(f"{name} needs at least {need} microbatches, got {m}; split the batch into {need} or more "
                             "microbatches, or pick a schedule that needs fewer")
+    placed = []
     for s in range(n):
         a = _users(name, f"actor_of({s})", schedule.actor_of, s)
         if not is_count(a) or not 0 <= a < p:
             raise ScheduleError(f"{name} places stage {s} on actor {a!r}, but its actors are 0..{p - 1}; " + (
                 f"stage_actor[{s}] must name one of the table's {p} rows" if getattr(schedule, "stage_actor", None) else
                 "actor_of(stage) must return an actor below num_actors"))
+        placed.append(int(a))  # (a numpy integer taken as an int)
+    placement = tuple(placed)
+    again = tuple(_users(name, f"actor_of({s})", schedule.actor_of, s) for s in range(n))
+    if again != placement:
+        s = next(s for s in range(n) if again[s] != placement[s])
+        raise ScheduleError(f"{name}.actor_of({s}) answered {placement[s]}, then {again[s]!r:.40} when asked again; a stage lives on "
+                            "one actor: actor_of must give the same answer at every call (compute it from the schedule's own "
+                            "fields, not from a counter, a random draw or state that changes)")
+    actor_of = placement.__getitem__
     rows = _users(name, f"tasks({m})", schedule.tasks, m)
     try:
         table = [list(row) for row in rows]
@@ -224,7 +242,7 @@ def validate(schedule: Schedule, num_microbatches: int, forward_only: bool = Fal
     except Exception as e:  # (a tasks() written as a generator runs here)
         raise _raised(name, f"tasks({m})", e) from e
     if len(table) != p:
-        used = 1 + max(schedule.actor_of(s) for s in range(n))
+        used = 1 + max(placement)
         hint = (f" (num_actors defaults to num_stages: a schedule whose actor_of puts its {n} stages on {used} actors "
                 f"overrides num_actors too, to return {used})" if len(table) == used < p == n else "")
         raise ScheduleError(f"{name}.tasks({m}) gives {len(table)} task lists for its {p} actors; return one list per "
@@ -250,12 +268,12 @@ def validate(schedule: Schedule, num_microbatches: int, forward_only: bool = Fal
             seen[t] = (a, i)
             b, j = home.setdefault(t.stage, (a, i))
             if b != a:  # (the task marked: the one off actor_of's actor, not always the later one; a probe)
-                stray = {b: j} if schedule.actor_of(t.stage) == a else {a: i}
+                stray = {b: j} if actor_of(t.stage) == a else {a: i}
                 raise _fail(f"stage {t.stage} has tasks on two actors ({table[b][j]} on actor {b}, {t} on actor {a}); a stage "
-                            f"lives on one actor, actor_of({t.stage}) = {schedule.actor_of(t.stage)}", table, stray)
+                            f"lives on one actor, actor_of({t.stage}) = {actor_of(t.stage)}", table, stray)
     for s, (a, i) in sorted(home.items()):
-        if schedule.actor_of(s) != a:
-            raise _fail(f"task {table[a][i]} is on actor {a} but stage {s} belongs to actor {schedule.actor_of(s)} "
+        if actor_of(s) != a:
+            raise _fail(f"task {table[a][i]} is on actor {a} but stage {s} belongs to actor {actor_of(s)} "
                         f"(actor_of({s})); move stage {s}'s tasks there or change the placement", table, {a: i})
     split = split_stages(table)
     if hasattr(schedule, "split_backward") and bool(split) != schedule.split_backward:
@@ -280,13 +298,12 @@ def validate(schedule: Schedule, num_microbatches: int, forward_only: bool = Fal
         hint = ("; this loop computes no gradients (evaluation): leave its backward tasks out, or give each stage after "
                 "one with backward tasks its backward too" if forward_only and any(t.kind != "F" for t in missing) else "")
         raise _fail(f"tasks missing from the schedule: {' '.join(map(str, sorted(missing)))}{hint}", table)
-    _prove_table(schedule, table)
-    return table
+    _prove_table(table, n, actor_of)
+    return table, placement
 
 
-def _prove_table(schedule: Schedule, table: Table) -> None:
-    n = schedule.num_stages
-    run = replay_table(table, n, schedule.actor_of)
+def _prove_table(table: Table, n: int, actor_of: Callable[[int], int]) -> None:
+    run = replay_table(table, n, actor_of)
     if not run.stuck:
         return
     split = split_stages(table)
