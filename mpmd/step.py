@@ -754,7 +754,7 @@ class DistributedFunction(ShallowCopyOnly):
                                             f"through its arguments only; pass it as an argument of the step ({e})") from e
                     raise
                 _refuse_leaked_tracers(closed, getattr(self.fn, '__name__', 'the step'))
-                closed = inline_calls(rebind_constraints(closed, am, traced_under))
+                closed = inline_calls(rebind_constraints(closed, am, traced_under), step=True)
                 from mpmd.primitives import accumulate_p
 
                 held = [e.params["schedule"] for e in closed.jaxpr.eqns if e.primitive is accumulate_p]

@@ -298,6 +298,31 @@ def test_error_when_a_marker_is_outside_accumulate_grads():
         _plan(evaluated_after, _args(2), 2)
 
 
+@pytest.mark.parametrize("where", ["cond after", "while_loop after", "cond before"])
+def test_a_model_evaluated_outside_accumulate_grads_inside_a_cond_or_loop_is_refused_as_outside_the_loop(where):
+    """A loss every k steps under lax.cond, or a line search's while_loop (optax.lbfgs), after the loop: the error
+    blamed the cond or loop and said to move the marker out of it, which only led to the refusal of a marker after
+    accumulate_grads (a probe). It says that refusal at once."""
+    inner = _step_with(models.mlp, mpmd.GPipe(2))
+    loss = models.mse_loss(models.mlp)
+
+    def step(params, opt_state, batch):
+        first = jax.tree.map(lambda a: a[0], batch)
+        if where == "cond before":
+            jax.lax.cond(True, lambda: loss(params, first), lambda: 0.0)
+        new_params, new_state, losses = inner(params, opt_state, batch)
+        if where == "cond after":
+            return new_params, new_state, jax.lax.cond(True, lambda: loss(new_params, first), lambda: 0.0)
+        if where == "while_loop after":
+            lr = jax.lax.while_loop(lambda lr: loss(jax.tree.map(lambda p: p * lr, new_params), first) > 1.0, lambda lr: lr / 2, 1.0)
+            return new_params, new_state, lr
+        return new_params, new_state, losses
+
+    when = where.split()[1]
+    with pytest.raises(mpmd.PipelineError, match=rf"pipeline_yield is used {when} accumulate_grads; stage markers belong inside"):
+        _plan(step, _args(2), 2)
+
+
 def test_error_when_accumulate_grads_has_no_schedule_inside_distributed():
     with pytest.raises(mpmd.PipelineError, match="needs a schedule"):
         _plan(_step_with(models.mlp, None), _args(2), 2)

@@ -105,8 +105,10 @@ class _Unroller:
     marker met is recorded in `met` as (direction, the scans unrolling around it); those whose position in
     that order is in `drop` are evaluated as the identity (see the module docstring and `_scan_ends_to_drop`)."""
 
-    def __init__(self, drop: frozenset[int] = frozenset()) -> None:
+    def __init__(self, drop: frozenset[int] = frozenset(), step: bool = False) -> None:
         self.drop = drop
+        self.step = step  # evaluating a whole step, around its microbatch loop (not the loop's body)
+        self.past_loop = False  # (a step's) accumulate_grads evaluated already
         self.met: list[tuple[str, tuple[_Unroll, ...]]] = []
         self.unrolls: list[_Unroll] = []
         self._open: list[_Unroll] = []  # the scans being unrolled around the equation evaluated now
@@ -135,10 +137,14 @@ class _Unroller:
                                         "pipelined: call it at the top level of the step (a condition or remat goes inside "
                                         "the microbatch function, or around the step under plain jax.jit)")
                 if name != "mpmd_accumulate" and any(has_marker(j) for j in sub_jaxprs(eqn)):
+                    if self.step:  # (a model evaluated after the loop, in a cond or a line search's while_loop, was told
+                        # to move its marker out of the cond: then refused as used after accumulate_grads; a probe)
+                        raise marker_outside_loop("after" if self.past_loop else "before")
                     what, fix = _CONSTRUCTS.get(name, (f"a {name!r} equation", "move the marker outside it"))
                     raise PipelineError(f"a pipeline_yield marker is inside {what}, which the compiler cannot cut into "
                                         f"stages; {fix}")
                 outs = bind_eqn(eqn, [_value(x) for x in invals])
+                self.past_loop = self.past_loop or name == "mpmd_accumulate"
             for v, o in zip(eqn.outvars, outs):
                 env[v] = o
         return [_read(env, v) for v in jaxpr.outvars]
@@ -210,8 +216,20 @@ def _scan_ends_to_drop(met: list[tuple[str, tuple[_Unroll, ...]]], unrolls: list
     return frozenset(drop)
 
 
-def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
-    """Re-trace `closed` with every nested call inlined and every scan holding markers unrolled."""
+def marker_outside_loop(where: str) -> PipelineError:
+    """The error for a stage marker used `where` ("before" or "after") a step's accumulate_grads."""
+    instead = ("; to evaluate the model on the updated parameters (a loss after the update), do it in a step of its "
+               "own on the same mesh: mpmd.accumulate_grads(lambda mb: ((), loss(params, mb)), batch, schedule=...) "
+               "pipelines forward tasks only, and the parameters stay on the actors between the two steps"
+               if where == "after" else
+               "; to run a model with markers on the inputs first, call it inside that function (on each microbatch)")
+    return PipelineError(f"pipeline_yield is used {where} accumulate_grads; stage markers belong inside the "
+                         f"microbatch function passed to accumulate_grads{instead}")
+
+
+def inline_calls(closed: ClosedJaxpr, step: bool = False) -> ClosedJaxpr:
+    """Re-trace `closed` with every nested call inlined and every scan holding markers unrolled. `step`: `closed` is
+    a whole step (its microbatch loop bound as it is): a marker met there is outside the loop, and refused so."""
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in closed.jaxpr.invars]
 
     def traced(unroller: _Unroller) -> ClosedJaxpr:
@@ -220,7 +238,7 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
 
         return jax.make_jaxpr(fn)(*avals)
 
-    first = _Unroller()
+    first = _Unroller(step=step)
     out = traced(first)
     drop = _scan_ends_to_drop(first.met, first.unrolls)
-    return traced(_Unroller(drop)) if drop else out
+    return traced(_Unroller(drop, step)) if drop else out

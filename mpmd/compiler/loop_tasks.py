@@ -23,7 +23,7 @@ from mpmd.compiler.effects import HostCall, check_host_calls, used_vars
 from mpmd.compiler.eqns import contains_primitive, eqns_fn, free_inputs, is_var, new_var, var_inputs
 from mpmd.compiler.grouping import group_segments
 from mpmd.compiler.host_calls import HiddenOutputs, loop_operand, strip_host_calls
-from mpmd.compiler.inline import inline_calls
+from mpmd.compiler.inline import inline_calls, marker_outside_loop
 from mpmd.compiler.keys import Acc, AccumulatorMode, MbIndex, Outer, PerMb, RegionKey, TaskTemplate, ValueKey
 from mpmd.compiler.program import Label, Task
 from mpmd.compiler.stages import (
@@ -88,14 +88,7 @@ def find_step_loop(outer: ClosedJaxpr) -> StepLoop:
     li = find_loop(jaxpr)
     stray = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "pipeline_yield"]
     if stray:
-        where = "before" if stray[0] < li else "after"
-        instead = ("; to evaluate the model on the updated parameters (a loss after the update), do it in a step of its "
-                   "own on the same mesh: mpmd.accumulate_grads(lambda mb: ((), loss(params, mb)), batch, schedule=...) "
-                   "pipelines forward tasks only, and the parameters stay on the actors between the two steps"
-                   if where == "after" else
-                   "; to run a model with markers on the inputs first, call it inside that function (on each microbatch)")
-        raise PipelineError(f"pipeline_yield is used {where} accumulate_grads; stage markers belong inside the "
-                            f"microbatch function passed to accumulate_grads{instead}")
+        raise marker_outside_loop("before" if stray[0] < li else "after")
     p = jaxpr.eqns[li].params
     if contains_primitive(p["body"].jaxpr, accumulate_p):
         raise PipelineError("accumulate_grads is called inside the function given to accumulate_grads; a step has one "
