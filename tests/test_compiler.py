@@ -241,6 +241,40 @@ def test_a_marker_in_a_custom_vjp_fwd_rule_is_warned_of_and_plain_steps_are_not(
         _plan(_step_with(models.mlp, mpmd.OneFOneB(2)), _args(2), 2)
 
 
+def test_markers_on_values_no_gradient_flows_through_are_warned_of_as_such_not_as_a_custom_vjp():
+    """A marker on a bool mask alone, the float activation crossing as a plain value: no gradient flows through the
+    marker, so it cannot cut the backward, and stage 0's backward runs on the last actor (the numbers right). The
+    warning blamed a jax.custom_vjp the program did not have (a probe); it says what the markers carry and what to
+    mark instead. Marking the activation with its mask warns of nothing."""
+    import warnings
+
+    def masked(params, mb):
+        x = jnp.tanh(mb["x"] @ params[0])
+        mask = mpmd.pipeline_yield(x[:, 0] > 0)
+        return jnp.mean(jnp.where(mask[:, None], x @ params[1], 0.0) ** 2)
+
+    def both(params, mb):
+        x, mask = mpmd.pipeline_yield((jnp.tanh(mb["x"] @ params[0]), mb["x"][:, 0] > 0))
+        return jnp.mean(jnp.where(mask[:, None], x @ params[1], 0.0) ** 2)
+
+    def step_of(loss):
+        def step(params, batch):
+            return mpmd.accumulate_grads(lambda mb: jax.value_and_grad(loss)(params, mb)[::-1], batch,
+                                         schedule=mpmd.OneFOneB(2))
+        return step
+
+    rng = np.random.default_rng(0)
+    params = [(rng.standard_normal((8, 8)) / 3).astype(np.float32) for _ in range(2)]
+    batch = {"x": rng.standard_normal((4, 3, 8)).astype(np.float32)}
+    with pytest.warns(UserWarning, match=r"stage\(s\) \[0\] runs in the last stage's task.*the stage markers carry no float "
+                                         r"value.*mark the float activation that flows on to the next stage") as rec:
+        _plan(step_of(masked), (params, batch), 2)
+    assert not any("custom_vjp" in str(w.message) for w in rec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _plan(step_of(both), (params, batch), 2)
+
+
 def test_error_when_the_step_has_no_accumulate_grads():
     def step(params, opt_state, batch):
         return jax.grad(models.mse_loss(models.mlp))(params, jax.tree.map(lambda x: x[0], batch))

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax.numpy as jnp
 from jax.extend.core import Var
 
 from mpmd.compiler.body import LoopBody
@@ -120,7 +121,7 @@ def split_stages(body: LoopBody) -> StageSplit:
             stage_of[v] = n - 1
     last_b = [e for e in last_region if id(e) not in fwd_part]
     if fwd and not bwd:
-        _warn_backward_left_to_the_last_stage(last_b, regions[(n - 1, "F")], stage_of, n)
+        _warn_backward_left_to_the_last_stage(last_b, regions[(n - 1, "F")], stage_of, n, [eqns[i] for i in fwd])
     # Backward regions: [first_bwd, bwd[1]), [bwd[1], bwd[2]), ...; each belongs to the latest stage whose
     # forward values it reads (what it differentiates).
     bounds = [*bwd, len(eqns)]
@@ -141,20 +142,30 @@ def split_stages(body: LoopBody) -> StageSplit:
     return StageSplit(n, regions)
 
 
-def _warn_backward_left_to_the_last_stage(last_b: list[Any], last_f: list[Any], stage_of: dict[Var, int], n: int) -> None:
+def _warn_backward_left_to_the_last_stage(last_b: list[Any], last_f: list[Any], stage_of: dict[Var, int], n: int,
+                                          markers: list[Any]) -> None:
     """No backward marker, yet the last stage's backward reads what earlier stages' forwards computed and the last
-    forward does not: earlier stages' backward work (their residuals) left to the last stage's actor. A marker in a
-    jax.custom_vjp's fwd rule does this: JAX traces the rule inline under grad, so its forward marker cuts, but the
-    bwd rule has none; the numbers come out right, but every stage's residuals travel to the last actor and it runs
-    every backward (a probe). (Gradients of the last stage alone, or an eval loop, read none: no warning.)"""
+    forward does not: earlier stages' backward work (their residuals) left to the last stage's actor. Two causes:
+    markers that carry no gradient (on a bool mask or int positions only, while the float activation crosses as a
+    plain value: a marker cuts the backward only where a gradient flows through it; a probe), and a marker in a
+    jax.custom_vjp's fwd rule: JAX traces the rule inline under grad, so its forward marker cuts, but the bwd rule
+    has none. The numbers come out right, but every stage's residuals travel to the last actor and it runs every
+    backward (a probe). (Gradients of the last stage alone, or an eval loop, read none: no warning.)"""
     forward_reads = {v for e in last_f for v in var_inputs(e)}
     early = {stage_of[v] for e in last_b for v in var_inputs(e) if stage_of.get(v, n - 1) < n - 1 and v not in forward_reads}
-    if early:
-        warnings.warn(f"the step's backward pass has no stage markers, so the backward work of stage(s) "
-                      f"{sorted(early)} runs in the last stage's task, on its actor, with their forward values sent there: a "
-                      "pipeline_yield inside a jax.custom_vjp function does this (JAX differentiates its fwd rule, whose "
-                      "marker cuts the forward, while its bwd rule has none): call pipeline_yield outside the custom_vjp "
-                      "function", stacklevel=callers_level())
+    if not early:
+        return
+    floats = any(jnp.issubdtype(v.aval.dtype, jnp.inexact) for e in markers for v in var_inputs(e) if hasattr(v.aval, "dtype"))
+    why = ("a pipeline_yield inside a jax.custom_vjp function does this (JAX differentiates its fwd rule, whose marker "
+           "cuts the forward, while its bwd rule has none): call pipeline_yield outside the custom_vjp function; so do "
+           "markers on values no gradient flows through (jax.lax.stop_gradient): mark the activation the next stage "
+           "differentiates" if floats else
+           "the stage markers carry no float value (a bool mask, int positions), so no gradient flows through them and "
+           "they cannot cut the backward pass: mark the float activation that flows on to the next stage (with the "
+           "mask beside it: pipeline_yield((x, mask)))")
+    warnings.warn(f"the step's backward pass has no stage markers, so the backward work of stage(s) {sorted(early)} "
+                  f"runs in the last stage's task, on its actor, with their forward values sent there: {why}",
+                  stacklevel=callers_level())
 
 
 def _forward_callbacks(region: list[Any], fwd_part: set[int], accumulators: set[Var]) -> None:
