@@ -144,8 +144,30 @@ def _args(num_stages, num_mb=4, opt=optax.sgd(0.1)):
 
 
 def test_error_when_markers_and_schedule_stages_disagree():
-    with pytest.raises(mpmd.PipelineError, match=r"marks 2 stages \(1 pipeline_yield marker\) .*num_stages=3"):
+    with pytest.raises(mpmd.PipelineError, match=r"marks 2 stages \(1 pipeline_yield marker\) .*num_stages=3") as e:
         _plan(_step_with(models.mlp, mpmd.GPipe(3)), _args(2), 3)
+    assert "beside" not in str(e.value)
+
+
+def test_a_marker_beside_another_not_after_it_is_named_as_ending_no_stage_and_no_custom_vjp_is_blamed():
+    """Two markers, the second on a value computed from the parameters alone (not from the first's value): stages
+    follow the data, so both end stage 0. The error counted "1 pipeline_yield marker" for code with two and blamed a
+    jax.custom_vjp the program did not have (a probe); it says what the second marker did."""
+    def loss(params, mb):
+        x = mpmd.pipeline_yield(jnp.tanh(mb["x"] @ params[0]))
+        y = mpmd.pipeline_yield(jnp.ones((2, 8)) * params[1][0, 0])
+        return jnp.mean((x + y) ** 2)
+
+    def step(params, batch):
+        return mpmd.accumulate_grads(lambda mb: jax.value_and_grad(loss)(params, mb)[::-1], batch, schedule=mpmd.OneFOneB(3))
+
+    rng = np.random.default_rng(0)
+    params = [rng.standard_normal((8, 8)).astype(np.float32) for _ in range(2)]
+    batch = {"x": rng.standard_normal((4, 2, 8)).astype(np.float32)}
+    with pytest.raises(mpmd.PipelineError, match=r"marks 2 stages .*num_stages=3.* 1 more pipeline_yield marker marked a value "
+                                                 r"computed beside another marked value, not from it") as e:
+        _plan(step, (params, batch), 3)
+    assert "custom_vjp" not in str(e.value)
 
 
 def test_error_when_the_schedule_needs_more_actors_than_the_mesh_has():

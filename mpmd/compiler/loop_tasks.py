@@ -29,6 +29,7 @@ from mpmd.compiler.program import Label, Task
 from mpmd.compiler.stages import (
     StageSplit,
     follow_inputs,
+    forward_markers,
     recompute_cheap,
     remat_stages,
     split_backward,
@@ -152,9 +153,10 @@ class ScheduledStages:
         return self.placement[stage]
 
 
-def check_schedule(schedule: Schedule | None, num_stages: int, num_mesh_actors: int, unused: int = 0) -> None:
+def check_schedule(schedule: Schedule | None, num_stages: int, num_mesh_actors: int, unused: int = 0, markers: int = 0) -> None:
     """A PipelineError unless the schedule exists, has the step's number of stages and fits on the mesh.
-    `unused`: markers whose result the step never reads (they mark no stage; said so)."""
+    `unused`: markers whose result the step never reads (they mark no stage; said so); `markers`: every forward
+    marker, those beside another (not computed from it) marking no stage of their own (said so too)."""
     if schedule is None:
         raise PipelineError("accumulate_grads inside mpmd.distributed needs a schedule, e.g. schedule=mpmd.OneFOneB(num_stages=2)")
     if num_stages != schedule.num_stages:
@@ -168,10 +170,15 @@ def check_schedule(schedule: Schedule | None, num_stages: int, num_mesh_actors: 
                             + (f". {unused} more pipeline_yield marker{'s' * (unused != 1)} returned a value the step never "
                                "reads, and so marked no stage: write `x = mpmd.pipeline_yield(x)`, then use that x"
                                if unused else "")
+                            + (f". {side} more pipeline_yield marker{'s' * (side != 1)} marked a value computed beside "
+                               "another marked value, not from it (from the parameters alone, say), and so ended no stage of "
+                               "its own: stages follow the data, and a marker ends one where the next stage computes from "
+                               "its value" if (side := markers - unused - (num_stages - 1)) > 0 else "")
                             # (JAX differentiates a custom_vjp function through its fwd rule and never traces its
                             # body, so no trace of such a marker is left to name: a probe's was dropped unsaid)
                             + (". A marker inside a jax.custom_vjp function is not seen under grad (JAX runs its fwd "
-                               "rule, not the function): call pipeline_yield outside it" if num_stages < schedule.num_stages else ""))
+                               "rule, not the function): call pipeline_yield outside it"
+                               if num_stages + unused + max(side, 0) < schedule.num_stages else ""))
     if schedule.num_actors > num_mesh_actors:
         raise PipelineError(
             f"the schedule {schedule} needs {schedule.num_actors} actors but the mesh has {num_mesh_actors}; start more actors, "
@@ -205,8 +212,9 @@ def schedule_stages(loop: StepLoop, body: LoopBody, num_mesh_actors: int) -> Sch
     and W where the schedule splits backwards; inputs followed to their consumer's actor, the forward of
     `remat` stages copied into their backward, cheap values recomputed) and the schedule's table, validated for `num_microbatches`."""
     split, grouping = group_segments(split_stages(body), loop.schedule, body, loop.num_microbatches)
-    check_schedule(loop.schedule, split.num_stages, num_mesh_actors,
-                   unused_markers(body) if loop.schedule is not None and split.num_stages != loop.schedule.num_stages else 0)
+    off = loop.schedule is not None and split.num_stages != loop.schedule.num_stages
+    check_schedule(loop.schedule, split.num_stages, num_mesh_actors, unused_markers(body) if off else 0,
+                   forward_markers(body) if off else 0)
     schedule = loop.schedule
     assert schedule is not None
     table, placement = validate_placed(schedule, loop.num_microbatches, forward_only=loop.num_grads == 0)  # (evaluation: F tasks are enough)

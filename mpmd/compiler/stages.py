@@ -77,6 +77,11 @@ def _marker_depth(eqns: list[Any]) -> int:
     return best
 
 
+def forward_markers(body: LoopBody) -> int:
+    """How many forward markers the loop body has (every one, whether it ends a stage or not)."""
+    return sum(1 for e in body.eqns if is_marker(e, FWD))
+
+
 def unused_markers(body: LoopBody) -> int:
     """How many forward markers' results nothing reads (`mpmd.pipeline_yield(x)` without `x = `): they end no
     stage, and JAX's autodiff drops their backward half."""
