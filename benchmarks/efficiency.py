@@ -10,7 +10,9 @@ Every party gets cores of its own and single-threaded XLA (`--xla_cpu_multi_thre
 The model: a 512-wide tanh MLP of 8 layers (4 per stage), 8 microbatches of 128 rows, SGD (`--optimizer adam`: the
 update moves 4x the bytes, and the first stage's runs after its last backward, on the step's tail). Step times are
 medians over rounds of `--steps` back-to-back steps (a training loop that fetches the loss once per round),
-so they include everything a user waits for. Then:
+so they include everything a user waits for. Every party is kept running and timed round by round, the order rotated
+each round (jax.jit, two copies of it at once, 1 actor, 2 actors, 2 actors without keys), so that a slow spell of
+this shared machine falls on all of them alike rather than on whichever was measured in it. Then:
 
     speedup = jit / two actors    ideal = p*m / (m+p-1)    efficiency = speedup / ideal
 
@@ -31,9 +33,11 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -60,7 +64,8 @@ def timed_rounds(run_round, rounds: int) -> float:  # noqa: ANN001
 
 
 def jit_child(args: argparse.Namespace) -> None:
-    """Runs in a fresh process pinned to one core: the jax.jit step time."""
+    """Runs in a fresh process pinned to one core and serves the jax.jit step: each line "round" on stdin runs one
+    round of `--steps` steps and answers its seconds per step as a JSON line; end of input ends it."""
     import jax
 
     from mpmd.testing import regression_batch
@@ -71,14 +76,48 @@ def jit_child(args: argparse.Namespace) -> None:
     state = (params, opt.init(params))
     out = f(*state, batch)
     jax.block_until_ready(out)
-
-    def one_round() -> None:
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "round":
+            break
         s = state
+        t = time.perf_counter()
         for _ in range(args.steps):
             s = f(*s, batch)[:2]
         jax.block_until_ready(s)
+        print(json.dumps({"jit": (time.perf_counter() - t) / args.steps}), flush=True)
 
-    print(json.dumps({"jit": timed_rounds(one_round, args.rounds) / args.steps}))
+
+class JitParty:
+    """A jax.jit child pinned to `core`, kept alive between rounds (see jit_child)."""
+
+    def __init__(self, args: argparse.Namespace, core: int) -> None:
+        cmd, env = _jit_cmd(args, core)
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._answer()  # (compiled and warm)
+
+    def _answer(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"the jax.jit child ended (exit status {self.proc.wait()}); run it alone to see why: "
+                             f"{' '.join(self.proc.args)}")
+        return json.loads(line)
+
+    def start_round(self) -> None:
+        self.proc.stdin.write("round\n")
+        self.proc.stdin.flush()
+
+    def end_round(self) -> float:
+        return self._answer()["jit"]
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def _jit_cmd(args: argparse.Namespace, core: int) -> tuple[list[str], dict[str, str]]:
@@ -111,48 +150,60 @@ def process_pinned(cores: set[int]):  # noqa: ANN201
         pin_all_threads(mine)
 
 
-def measure_jit(args: argparse.Namespace) -> float:
-    cmd, env = _jit_cmd(args, _cores()[0])
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])["jit"]
+class MpmdParty:
+    """The benchmark's step on `mesh` with `schedule`, warm, run a round at a time (`pinned`: this process's threads
+    on those cores while it runs, as in the 1-actor case)."""
 
+    def __init__(self, mesh, schedule, args: argparse.Namespace, pinned: set[int] | None = None) -> None:  # noqa: ANN001
+        import mpmd
+        from mpmd.testing import regression_batch
 
-def measure_corun(args: argparse.Namespace) -> float:
-    """How much slower the single-core jax.jit step gets when another copy runs on the second core at the same time:
-    what two busy actors can get out of this machine's two cores (1.0 on two independent cores)."""
-    procs = []
-    for core in _cores()[:2]:
-        cmd, env = _jit_cmd(args, core)
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
-    times = [json.loads(p.communicate()[0].strip().splitlines()[-1])["jit"] for p in procs]
-    return float(np.mean(times))
+        self.mesh, self.args, self.pinned = mesh, args, pinned
+        step, params, opt = build(args.width, args.layers, 2, schedule, args.optimizer)
+        self.batch = regression_batch(np.random.default_rng(1), args.microbatches, args.rows, args.width)
+        self.dist = mpmd.distributed(step, mesh=mesh)
+        with self._pinned():
+            state = self.dist(params, opt.init(params), self.batch)[:2]
+            self.state = self.dist(*state, self.batch)[:2]
+            self.state[0][0][0].block_until_ready()
 
+    def _pinned(self):  # noqa: ANN202
+        return process_pinned(self.pinned) if self.pinned else contextlib.nullcontext()
 
-def measure_mpmd(mesh, schedule, args: argparse.Namespace, trace_path: str | None = None):  # noqa: ANN001
-    import mpmd
-    from mpmd.testing import regression_batch
+    def round(self) -> float:
+        """One round of `--steps` steps dispatched back to back, the loss fetched at the end: seconds per step."""
+        with self._pinned():
+            t = time.perf_counter()
+            for _ in range(self.args.steps):
+                *self.state, losses = self.dist(*self.state, self.batch)
+            losses.block_until_ready()
+            return (time.perf_counter() - t) / self.args.steps
 
-    step, params, opt = build(args.width, args.layers, 2, schedule, args.optimizer)
-    batch = regression_batch(np.random.default_rng(1), args.microbatches, args.rows, args.width)
-    dist = mpmd.distributed(step, mesh=mesh)
-    state = dist(params, opt.init(params), batch)[:2]
-    state = dist(*state, batch)[:2]
-    state[0][0][0].block_until_ready()
-
-    def one_round() -> None:
-        nonlocal state
-        for _ in range(args.steps):
-            *state, losses = dist(*state, batch)
+    def trace(self, path: str):  # noqa: ANN201
+        with self.mesh.trace() as trace:
+            *self.state, losses = self.dist(*self.state, self.batch)
         losses.block_until_ready()
+        trace.to_perfetto(path)
+        return trace
 
-    t = timed_rounds(one_round, args.rounds) / args.steps
-    trace = None
-    if trace_path is not None:
-        with mesh.trace() as trace:
-            *state, losses = dist(*state, batch)
-        losses.block_until_ready()
-        trace.to_perfetto(trace_path)
-    return t, trace
+
+def measure_mpmd(mesh, schedule, args: argparse.Namespace, trace_path: str | None = None):  # noqa: ANN001, ANN201
+    """One party alone (benchmarks/gpu.py): the median seconds per step over `--rounds` rounds, and the trace of one
+    more step written to `trace_path` (None: no trace)."""
+    party = MpmdParty(mesh, schedule, args)
+    t = statistics.median(party.round() for _ in range(args.rounds))
+    return t, (party.trace(trace_path) if trace_path is not None else None)
+
+
+def alternated(parties: dict[str, Any], rounds: int) -> dict[str, list[float]]:
+    """Each party's seconds per step, round by round, the parties' order rotated each round. A party is a function
+    that runs one round and returns its time."""
+    names = list(parties)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            times[n].append(parties[n]())
+    return times
 
 
 def insecure_mesh(n: int):  # noqa: ANN201
@@ -186,7 +237,7 @@ def main() -> None:
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
                    help="adam: the update reads and writes 4x the bytes, and the first stage's runs after its last backward")
     p.add_argument("--steps", type=int, default=5, help="steps per timed round (dispatched back to back)")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=7, help="rounds per party, the parties alternated")
     p.add_argument("--trace", default=None, help="write the 2-actor step's Perfetto trace here")
     p.add_argument("--jit-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -207,14 +258,34 @@ def main() -> None:
         raise SystemExit("this benchmark needs 2 cores (one per actor)")
     import mpmd
 
-    jit_t = measure_jit(args)
-    corun = measure_corun(args) / jit_t
-    with mpmd.RemoteMesh.local(num_actors=1, cpus_per_actor=1) as one, process_pinned({_cores()[0]}):
-        one_t, _ = measure_mpmd(one, one_actor_schedule(args.microbatches), args)
-    with mpmd.RemoteMesh.local(num_actors=2, cpus_per_actor=1) as two:
-        two_t, trace = measure_mpmd(two, mpmd.OneFOneB(2), args, args.trace or "/tmp/mpmd-efficiency-trace.json")
-    with insecure_mesh(2) as bare:
-        bare_t, _ = measure_mpmd(bare, mpmd.OneFOneB(2), args)
+    cores = _cores()
+    jits: list[JitParty] = []
+    with contextlib.ExitStack() as stack:
+        stack.callback(lambda: [j.close() for j in jits])
+        for core in cores[:2]:
+            jits.append(JitParty(args, core))
+        one = stack.enter_context(mpmd.RemoteMesh.local(num_actors=1, cpus_per_actor=1))
+        two = stack.enter_context(mpmd.RemoteMesh.local(num_actors=2, cpus_per_actor=1))
+        bare = stack.enter_context(insecure_mesh(2))
+        one_p = MpmdParty(one, one_actor_schedule(args.microbatches), args, pinned={cores[0]})
+        two_p = MpmdParty(two, mpmd.OneFOneB(2), args)
+        bare_p = MpmdParty(bare, mpmd.OneFOneB(2), args)
+
+        def jit_round() -> float:
+            jits[0].start_round()
+            return jits[0].end_round()
+
+        def corun_round() -> float:  # both copies at once: their mean
+            for j in jits:
+                j.start_round()
+            return float(np.mean([j.end_round() for j in jits]))
+
+        times = alternated({"jit": jit_round, "corun": corun_round, "one": one_p.round, "two": two_p.round,
+                            "bare": bare_p.round}, args.rounds)
+        trace = two_p.trace(args.trace or "/tmp/mpmd-efficiency-trace.json")
+    med = {n: statistics.median(ts) for n, ts in times.items()}
+    jit_t, one_t, two_t, bare_t = med["jit"], med["one"], med["two"], med["bare"]
+    corun = med["corun"] / jit_t
     s, m = 2, args.microbatches
     ideal = s * m / (m + s - 1)
     speedup = jit_t / two_t
@@ -224,6 +295,9 @@ def main() -> None:
     print(f"{'mpmd, 1 actor (both stages)':34s} {one_t * 1e3:9.2f} ms   ratio to jax.jit {one_t / jit_t:5.2f}")
     print(f"{'mpmd, 2 actors, 1F1B':34s} {two_t * 1e3:9.2f} ms   speedup {speedup:5.2f}   ideal {ideal:5.2f}   "
           f"efficiency {speedup / ideal:5.2f}")
+    per_round = [j / t / ideal for j, t in zip(times["jit"], times["two"])]
+    print(f"{'':34s} efficiency round by round (jax.jit and 2 actors of the same round): "
+          f"{' '.join(f'{e:.2f}' for e in per_round)} (median {statistics.median(per_round):.2f})")
     ceiling = ideal / max(corun, 1.0)  # (two copies measured faster than one is this VM's noise: no ceiling above ideal)
     print(f"{'two copies of jax.jit at once':34s} each {corun:5.2f}x its time alone: this machine's two cores give at most "
           f"{2 / max(corun, 1.0):4.2f}x one core's throughput, so the 1F1B ideal here is {ceiling:4.2f} and efficiency "
