@@ -181,10 +181,7 @@ class ExecutableCache:
             self._compiled[key] = compiled
             self.compiles += 1
             fut.set_result(compiled)
-            if self.on_compiled is not None:
-                self.on_compiled()
             log.debug("compiled executable %s", key)
-            return key, False
         except BaseException as e:
             if isinstance(e, asyncio.CancelledError):
                 fut.cancel()  # whoever waits for the same blob learns its compile was abandoned
@@ -194,6 +191,12 @@ class ExecutableCache:
             raise
         finally:
             self._compiling.pop(key, None)
+        if self.on_compiled is not None:  # (after the compile's outcome is settled: a failing hook is not the compile's)
+            try:
+                self.on_compiled()
+            except Exception:  # noqa: BLE001 - the executable is compiled and cached whatever the hook does
+                log.exception("the hook after a new executable failed")
+        return key, False
 
     def _remember_timeout(self, key: str) -> None:
         now = time.monotonic()

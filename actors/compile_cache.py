@@ -26,7 +26,8 @@ PRUNE_EVERY = 8  # new executables between two prunes while a daemon lives (each
 def prune_compile_cache(path: str, max_bytes: int, now: float | None = None) -> int:
     """Bound a compilation cache directory: while its files take more than `max_bytes`, remove the least recently
     used ones (by access time, else modification time) not touched for CACHE_PRUNE_AGE seconds — so never one
-    being written or read now. Files named with a leading dot (a daemon's lock on its private directory) are not
+    being written now, nor one read in the last hour where the file system records reads (under `relatime` or
+    `noatime` it may not: an entry pruned while wanted is compiled again, JAX's read of a vanished file a miss). Files named with a leading dot (a daemon's lock on its private directory) are not
     entries and stay. Without it the cache grew by ~30 KB for every new step signature, for good (a probe: 13,824
     files). Returns the bytes removed."""
     now = time.time() if now is None else now

@@ -97,11 +97,13 @@ class JitParty:
         self._answer()  # (compiled and warm)
 
     def _answer(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise SystemExit(f"the jax.jit child ended (exit status {self.proc.wait()}); run it alone to see why: "
-                             f"{' '.join(self.proc.args)}")
-        return json.loads(line)
+        while True:  # (what else the child prints, a library's notice on stdout say, is passed over)
+            line = self.proc.stdout.readline()
+            if not line:
+                raise SystemExit(f"the jax.jit child ended (exit status {self.proc.wait()}); run it alone to see why: "
+                                 f"{' '.join(self.proc.args)}")
+            if line.startswith("{"):
+                return json.loads(line)
 
     def start_round(self) -> None:
         self.proc.stdin.write("round\n")

@@ -106,3 +106,27 @@ def test_a_prune_every_few_executables_leaves_entries_in_use_and_the_lock(tmp_pa
     assert prune_compile_cache(str(tmp_path), 0) == 0
     with pytest.raises(ValueError, match="every"):
         CompileCacheBound(str(tmp_path), 0, every=0)
+
+
+def test_a_failing_hook_after_a_compile_does_not_fail_the_compile():
+    """The hook ran inside the compile's try, after its future was set: a hook that raised (a prune thread that could
+    not start) made the compile raise InvalidStateError though the executable was compiled and cached (a review).
+    The compile returns as compiled; the hook's failure is only logged."""
+    cache = ExecutableCache(jax.devices()[0])
+    calls = []
+
+    def boom() -> None:
+        calls.append(1)
+        raise RuntimeError("can't start new thread")
+
+    cache.on_compiled = boom
+    blob = export.export(jax.jit(lambda a: a + 1), platforms=["cpu"])(jax.ShapeDtypeStruct((4,), jnp.float32)).serialize()
+
+    async def go() -> tuple:
+        return await cache.compile(blob), await cache.compile(blob)
+
+    try:
+        (key, cached), again = asyncio.run(go())
+    finally:
+        cache._threads.shutdown()
+    assert not cached and again == (key, True) and cache.compiles == 1 and calls == [1]

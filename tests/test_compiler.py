@@ -1,5 +1,7 @@
 """The primitives, the splitting and placement passes, and the user errors, on jaxprs alone (no processes)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -377,6 +379,13 @@ def test_a_model_evaluated_outside_accumulate_grads_inside_a_cond_or_loop_is_ref
     when = where.split()[1]
     with pytest.raises(mpmd.PipelineError, match=rf"pipeline_yield is used {when} accumulate_grads; stage markers belong inside"):
         _plan(step, _args(2), 2)
+
+    def no_loop(params, opt_state, batch):  # (no accumulate_grads at all: no marker is before or after it; a review)
+        return jax.lax.cond(True, lambda: loss(params, jax.tree.map(lambda a: a[0], batch)), lambda: 0.0)
+
+    with pytest.raises(mpmd.PipelineError) as e:
+        _plan(no_loop, _args(2), 2)
+    assert "accumulate_grads;" not in str(e.value) and re.search(r"inside lax.cond|never calls mpmd.accumulate_grads", str(e.value))
 
 
 def test_error_when_accumulate_grads_has_no_schedule_inside_distributed():

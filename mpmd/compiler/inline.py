@@ -238,6 +238,7 @@ def inline_calls(closed: ClosedJaxpr, step: bool = False) -> ClosedJaxpr:
 
         return jax.make_jaxpr(fn)(*avals)
 
+    step = step and contains_primitive(closed.jaxpr, accumulate_p)  # (without a loop, no marker is before or after it)
     first = _Unroller(step=step)
     out = traced(first)
     drop = _scan_ends_to_drop(first.met, first.unrolls)

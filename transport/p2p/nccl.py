@@ -251,6 +251,12 @@ class NcclLinks:
             if link is not None:
                 _drop_link(table, peer, link, f"actor {peer} is another process now: a restart")
 
+    def _no_link(self, what: str) -> TransferError:
+        return TransferError(f"actor {self.plane.actor_id} has no NCCL link {what}: none was made, or a transfer on it failed or "
+                             "stalled and it was closed (see the error of that step); a pair's NCCL links are made when the "
+                             "mesh wires its data plane (at its start, and for an actor restarted and reconnected): make the "
+                             "mesh again, or use transport='shm' or 'tcp'")
+
     def _limit(self, key: tuple[int, ...]) -> float | None:
         """The seconds a transfer keyed `key` may wait for NCCL: the receive limit of its session
         (`DataPlane.timeout_of`, set by the daemon), else `WAIT_LIMIT`."""
@@ -275,7 +281,7 @@ class NcclLinks:
 
     async def send(self, peer: int, key: tuple[int, ...], value: Any, wait: bool) -> None:
         if peer not in self.out:
-            raise TransferError(f"actor {self.plane.actor_id} has no NCCL link to actor {peer} (key {key})")
+            raise self._no_link(f"to actor {peer} (key {key})")
         value = self._on_device(value, key)
         dtype = np.dtype(value.dtype)
         value_bits = as_sent(value) if dtype.name not in CUPY_DTYPES and value.size else value
@@ -283,7 +289,7 @@ class NcclLinks:
             await asyncio.to_thread(value_bits.block_until_ready)
         link = self.out.get(peer)  # (again: dropped meanwhile, by a restart of the peer)
         if link is None:
-            raise TransferError(f"actor {self.plane.actor_id} has no NCCL link to actor {peer} (key {key})")
+            raise self._no_link(f"to actor {peer} (key {key})")
         nbytes = int(value_bits.nbytes)
         event = None
         with self.cp.cuda.Device(self.device_id):
@@ -316,7 +322,7 @@ class NcclLinks:
     def on_notice(self, src: int, key: tuple[int, ...], seq: int, dtype: np.dtype, shape: list[int], nbytes: int) -> None:
         link = self.inn.get(src)
         if link is None:
-            self.plane._mailbox.fail(src, key, TransferError(f"actor {self.plane.actor_id} has no NCCL link from actor {src}"))
+            self.plane._mailbox.fail(src, key, self._no_link(f"from actor {src} (key {key})"))
             return
         link.notices[seq] = (key, dtype, shape, nbytes)
         while link.expect in link.notices:  # post receives strictly in the sender's order
