@@ -40,6 +40,7 @@ import signal
 import stat
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 
 from actors import cluster
@@ -477,6 +478,8 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         except zmq.ZMQError as e:  # the controller went away (ROUTER_MANDATORY: host unreachable) or reads nothing
             warn.warning("reply", "could not reply to %r: %s", identity, e)
 
+    abandoned = Abandoned(args.actor_id)
+
     async def answer(msg, peer: str | None) -> tuple[dict, list]:
         """Run one request's handler within the request bound; a handler that is still busy then is cancelled
         (failing what it reserved) and the request gets an error instead."""
@@ -498,9 +501,12 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         except BaseException as e:
             if deadline.expired():
                 loading = getattr(e, "loading", None) if msg.op == "run_program" else None
+                still = abandoned.still_computing()
+                if not loading and not still:
+                    abandoned.cut_off(msg, actor.stream.token)
                 raise (HeldByLoader if loading else WaitedInVain)(
                     f"'{msg.op}' did not finish within {bound:g} s (mpmd-actor {flag}), so it was cancelled; "
-                    f"{_waiting_on(msg, loading)}") from None
+                    f"{_waiting_on(msg, loading)}{still}") from None
             if isinstance(e, asyncio.CancelledError) and not asyncio.current_task().cancelling():
                 # Not the daemon stopping: something the handler awaited went away.
                 raise StepAborted(f"'{msg.op}' was cancelled: a buffer it waited for was deleted or its step aborted") from None
@@ -670,6 +676,45 @@ async def _start_clock(deadline: asyncio.Timeout, before: list[asyncio.Task], bo
     deadline.reschedule(asyncio.get_running_loop().time() + bound)
 
 
+class Abandoned:
+    """The last computation a request bound cut off: XLA cannot stop one that runs, so an actor's Runs after it (this
+    job's next steps, another job's) wait for it, and their own bounds ran out blaming themselves (a probe: a step
+    cut off after 2 s computed for 2 more minutes while every later step and job failed "still running"). A later
+    request that runs out while it still computes says so."""
+
+    def __init__(self, actor_id: int) -> None:
+        self.actor_id = actor_id
+        self.token: object | None = None  # the order token of the last call dispatched when it was cut off
+        self.what = ""
+
+    def cut_off(self, msg, token: object | None) -> None:
+        """`msg`'s request ran out while `token` (the last call dispatched) marks what still computes."""
+        try:
+            if token is None or token.is_ready():  # (calls not ordered on a token, or nothing computing: nothing to follow)
+                return
+        except Exception:  # noqa: BLE001
+            return
+        self.token = token
+        what = f"program {msg.header.get('program')} step {msg.header.get('step')}" if msg.op == "run_program" else f"'{msg.op}'"
+        self.what = (f"what was dispatched up to the request {what} (session {msg.header.get('session')!s:.20}) that ran out at "
+                     f"{time.strftime('%H:%M:%S')}")
+
+    def still_computing(self) -> str:
+        """What to add to a request's timeout error: '' unless the cut-off computation still runs."""
+        token = self.token
+        try:
+            busy = token is not None and not token.is_ready()
+        except Exception:  # noqa: BLE001 - (a token whose computation failed is done)
+            busy = False
+        if not busy:
+            self.token = None
+            return ""
+        return (f"; this actor (actor {self.actor_id}) is still computing {self.what}: XLA cannot stop "
+                "a computation once it runs, so what runs on this actor after it waits for it — wait for it to end, give "
+                "such steps a longer mpmd-actor --request-timeout (RemoteMesh.local(request_timeout=...)), or restart the "
+                "daemon")
+
+
 def _waiting_on(msg, loading: str | None = None) -> str:
     if msg.op == "run_program" and loading:
         return (f"program {msg.header.get('program')} step {msg.header.get('step')} was waiting for its data loader: "
@@ -809,6 +854,14 @@ def _checked_cache_dir(path: str) -> str:
         if isinstance(e, AuthKeyError):
             raise SystemExit(f"mpmd-actor: {e} (the daemon runs the executables it finds there)") from None
         raise SystemExit(f"mpmd-actor: cannot make --cache-dir {path}: {e.strerror or e}") from None
+    try:  # (an unwritable one was taken silently: every compile's entry failed to be written, which only the log said,
+        # and the compile child's executables could not reach the daemon through it; a probe)
+        fd, probe = tempfile.mkstemp(prefix=".mpmd-write-check-", dir=given)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise SystemExit(f"mpmd-actor: --cache-dir {path} cannot be written ({e.strerror or e}): the compile child writes "
+                         "each executable there for the daemon to load; name a directory this user can write") from None
     return given
 
 

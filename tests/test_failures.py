@@ -448,8 +448,17 @@ def test_every_request_is_answered_within_the_daemons_bound_and_leaves_nothing_r
                 mesh.get_buffer(0, waiting)
             slow = jax.jit(lambda v: jax.lax.fori_loop(0, 20_000_000, lambda i, a: jnp.sin(a) + 0.5, v))
             y = mesh.actor(0).run(slow, np.ones(1024, np.float32))  # returns at once; computes for a long while
-            with pytest.raises(mpmd.RemoteError, match=r"'get' did not finish within 1 s .*were still being produced"):
+            with pytest.raises(mpmd.RemoteError, match=r"'get' did not finish within 1 s .*were still being produced") as e:
                 y.to_numpy()
+            assert "still computing" not in str(e.value)  # (nothing was cut off before it)
+            # What runs after it waits for it (XLA cannot stop a computation): the next request that runs out says
+            # why, not only that its own buffer was still being produced (a probe: every later step and job failed
+            # blaming itself while a step cut off minutes before still computed)
+            light = mesh.actor(0).run(jax.jit(lambda v: v + 1), np.ones(4, np.float32))
+            with pytest.raises(mpmd.RemoteError, match=r"'get' did not finish within 1 s .*were still being produced.*; this "
+                                                       r"actor \(actor 0\) is still computing what was dispatched up to the "
+                                                       r"request 'get' .* that ran out at .*XLA cannot stop a computation"):
+                light.to_numpy()
             assert mesh.actor(0).stats()["running"] == 0 and mesh.actor(0).ping() > 0
     finally:
         stop_daemon(proc)

@@ -665,6 +665,9 @@ def test_a_cache_dir_that_does_not_exist_yet_is_checked_where_it_would_be_made(t
     (tmp_path / "afile").write_text("x")
     with pytest.raises(SystemExit, match="is not a directory"):
         _checked_cache_dir(str(tmp_path / "afile"))
+    # One this user cannot write (root included) was taken silently, each compile's entry failing in the log (a probe)
+    with pytest.raises(SystemExit, match=r"--cache-dir /proc/self/fdinfo cannot be written .*name a directory this user can write"):
+        _checked_cache_dir("/proc/self/fdinfo")
     # Every directory it makes is 700, under any umask (os.makedirs left those above the last 775 under umask 002,
     # and the daemon then refused what it had made itself; a review).
     old = os.umask(0o002)
