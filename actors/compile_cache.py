@@ -20,6 +20,7 @@ import time
 log = logging.getLogger(__name__)
 
 CACHE_PRUNE_AGE = 3600.0  # s: an entry written or read more recently may be in use by another daemon sharing the cache
+EMPTY_AGE = 60.0  # s: an empty entry older than this is a failed write's leftover (see prune_compile_cache)
 PRUNE_EVERY = 8  # new executables between two prunes while a daemon lives (each prune reads the whole directory)
 
 
@@ -27,9 +28,11 @@ def prune_compile_cache(path: str, max_bytes: int, now: float | None = None) -> 
     """Bound a compilation cache directory: while its files take more than `max_bytes`, remove the least recently
     used ones (by access time, else modification time) not touched for CACHE_PRUNE_AGE seconds — so never one
     being written now, nor one read in the last hour where the file system records reads (under `relatime` or
-    `noatime` it may not: an entry pruned while wanted is compiled again, JAX's read of a vanished file a miss). Files named with a leading dot (a daemon's lock on its private directory) are not
-    entries and stay. Without it the cache grew by ~30 KB for every new step signature, for good (a probe: 13,824
-    files). Returns the bytes removed."""
+    `noatime` it may not: an entry pruned while wanted is compiled again, JAX's read of a vanished file a miss).
+    Empty files untouched for EMPTY_AGE seconds go whatever the bound: a write that failed (a full disk) leaves them,
+    every later read of one fails and recompiles, and being young they outlived the hour (a probe). Files named with
+    a leading dot (a daemon's lock on its private directory) are not entries and stay. Without it the cache grew by
+    ~30 KB for every new step signature, for good (a probe: 13,824 files). Returns the bytes removed."""
     now = time.time() if now is None else now
     entries = []
     try:
@@ -41,8 +44,15 @@ def prune_compile_cache(path: str, max_bytes: int, now: float | None = None) -> 
                     st = e.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                if stat.S_ISREG(st.st_mode):
-                    entries.append((max(st.st_atime, st.st_mtime), st.st_size, e.path))
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                if st.st_size == 0 and now - st.st_mtime >= EMPTY_AGE:  # (not one being written now)
+                    try:
+                        os.unlink(e.path)
+                    except OSError:
+                        pass
+                    continue
+                entries.append((max(st.st_atime, st.st_mtime), st.st_size, e.path))
     except OSError:
         return 0
     total = sum(size for _, size, _ in entries)
@@ -103,4 +113,4 @@ class CompileCacheBound:
             thread.join(timeout)
 
 
-__all__ = ["CACHE_PRUNE_AGE", "PRUNE_EVERY", "CompileCacheBound", "prune_compile_cache"]
+__all__ = ["CACHE_PRUNE_AGE", "EMPTY_AGE", "PRUNE_EVERY", "CompileCacheBound", "prune_compile_cache"]

@@ -130,3 +130,18 @@ def test_a_failing_hook_after_a_compile_does_not_fail_the_compile():
     finally:
         cache._threads.shutdown()
     assert not cached and again == (key, True) and cache.compiles == 1 and calls == [1]
+
+
+def test_empty_entries_a_failed_write_left_go_at_the_next_prune_whatever_their_age_and_the_bound(tmp_path):
+    """A full disk left empty entries (JAX's write failed): every later read of one failed and recompiled, and being
+    young they outlived the hour's protection for good (a probe). An empty file untouched for a minute goes at the
+    next prune even under the bound; one just made (a write in progress) and every non-empty young entry stay."""
+    import time
+
+    now = time.time()
+    for name, size, age in (("left", 0, 120.0), ("writing", 0, 5.0), ("young", 100, 120.0), (".held", 0, 10 * HOURS)):
+        p = tmp_path / name
+        p.write_bytes(b"x" * size)
+        os.utime(p, (now - age, now - age))
+    assert prune_compile_cache(str(tmp_path), max_bytes=1 << 30, now=now) == 0
+    assert sorted(os.listdir(tmp_path)) == [".held", "writing", "young"]
