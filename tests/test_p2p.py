@@ -436,3 +436,18 @@ def test_a_restarted_actor_is_heard_while_its_old_process_is_still_connected():
                     p.close()
 
     assert asyncio.run(go()) == [0, 1, 2, 3]
+
+
+def test_the_shared_memory_pool_of_a_pair_is_capped_by_mpmd_shm_pool_mb(monkeypatch, caplog):
+    """The pool outlives jobs (a daemon keeps what its largest job needed, up to a quarter of /dev/shm per pair: ~6 GB
+    on a 24 GB node; a probe): MPMD_SHM_POOL_MB caps it; a value that is no size is said and the default kept."""
+    from transport.p2p import shm
+
+    default = shm._pool_limit()
+    monkeypatch.setenv("MPMD_SHM_POOL_MB", "64")
+    assert shm._pool_limit() == 64 << 20
+    for bad in ("0", "lots", "-5", "nan"):
+        monkeypatch.setenv("MPMD_SHM_POOL_MB", bad)
+        with caplog.at_level("WARNING"):
+            assert shm._pool_limit() == default
+        assert f"MPMD_SHM_POOL_MB must be a number of MiB, at least 1, got {bad!r}" in caplog.text

@@ -47,7 +47,18 @@ CONTROL = 4096  # bytes after a segment's payload: [use count (sender), released
 
 
 def _pool_limit() -> int:
-    """Shared memory one (sender, receiver) pair keeps mapped, in use or free for reuse: a quarter of /dev/shm."""
+    """Shared memory one (sender, receiver) pair keeps mapped, in use or free for reuse: a quarter of /dev/shm, or
+    MPMD_SHM_POOL_MB in the actor's environment (an operator's cap on a shared node: the pool outlives jobs, so a
+    daemon keeps what its largest job needed)."""
+    given = os.environ.get("MPMD_SHM_POOL_MB")
+    if given:
+        try:
+            mb = float(given)
+        except ValueError:
+            mb = -1.0
+        if 1 <= mb < 1 << 30:
+            return int(mb * (1 << 20))
+        log.warning("MPMD_SHM_POOL_MB must be a number of MiB, at least 1, got %r: a quarter of /dev/shm is kept instead", given)
     try:
         st = os.statvfs("/dev/shm")
         return max(1 << 28, st.f_frsize * st.f_blocks // 4)
