@@ -40,6 +40,7 @@ import signal
 import stat
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
@@ -396,6 +397,10 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     except Exception as e:
         raise SystemExit(f"mpmd-actor: JAX found no devices for --platform {args.platform or os.environ.get('JAX_PLATFORMS') or '(default)'}: "
                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else '(is that device and its jaxlib plugin here?)'}") from None
+    from actors.sandbox import warm_lowering
+
+    # JAX's one-time lowering work, beside the rest of the start and the controller's first trace (see warm_lowering)
+    threading.Thread(target=_quietly_warm, args=(warm_lowering,), name="mpmd-warm-lowering", daemon=True).start()
     _import_loaders(args.allow_loader)
     ctx = zmq.asyncio.Context.instance()
     auth = None
@@ -713,6 +718,13 @@ class Abandoned:
                 "a computation once it runs, so what runs on this actor after it waits for it — wait for it to end, give "
                 "such steps a longer mpmd-actor --request-timeout (RemoteMesh.local(request_timeout=...)), or restart the "
                 "daemon")
+
+
+def _quietly_warm(warm: Callable[[], None]) -> None:
+    try:
+        warm()
+    except Exception as e:  # noqa: BLE001 - an optimisation: the first compile pays for it then
+        logging.getLogger("mpmd.actor").debug("warming JAX's lowering failed: %s", e)
 
 
 def _waiting_on(msg, loading: str | None = None) -> str:

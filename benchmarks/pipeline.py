@@ -2,10 +2,12 @@
 
 * step time of a compute-bound MLP on 1 actor vs `jax.jit` of the same step in this process;
 * dispatch overhead per `Run` instruction (a step of many tiny tasks, per instruction);
-* the first distributed step (trace, compile, run) vs the first `jax.jit` call, both with cold caches;
+* the first distributed step (trace, compile, run) vs the first `jax.jit` call, both with cold caches, right after
+  the actors started (`--settle S`: S seconds later, once their start has finished — the compile child up, JAX's
+  lowering warmed — as after a user's model and data setup);
 * a 2-stage 1F1B step vs the schedule's ideal (sum of one stage's compute, from the 1-actor run).
 
-    python -m benchmarks.pipeline
+    python -m benchmarks.pipeline [--settle 0]
 """
 
 import time
@@ -118,16 +120,17 @@ def dispatch_per_run(mesh, n: int = 400, reps: int = 15) -> tuple[float, float]:
     return (tn - t1) / n, t1
 
 
-def main() -> None:
+def main(settle: float = 0.0) -> None:
     import tempfile
 
     with tempfile.TemporaryDirectory() as cache, mpmd.RemoteMesh.local(num_actors=2, cache_dir=cache) as mesh:
+        time.sleep(settle)
         one = mpmd.RemoteMesh.connect(mesh.addresses[:1], transport="none", keys=mesh.keys)
         jit_t, dist_t, jit_c, dist_c, _ = bench_vs_jit(one, width=512, depth=4, mbs=4, mb_size=256)
         print(f"compute-bound step (1 actor, 512x512 MLP x4, 4 mbs of 256): jax.jit {jit_t * 1e3:.1f} ms, "
               f"mpmd {dist_t * 1e3:.1f} ms, ratio {dist_t / jit_t:.3f}")
-        print(f"first step (trace + compile + run; cold caches both sides): jax.jit {jit_c:.2f} s, mpmd {dist_c:.2f} s, "
-              f"ratio {dist_c / jit_c:.2f}")
+        print(f"first step (trace + compile + run; cold caches both sides; {settle:g} s after the actors started): "
+              f"jax.jit {jit_c:.2f} s, mpmd {dist_c:.2f} s, ratio {dist_c / jit_c:.2f}")
         per_run, whole = dispatch_per_run(one)
         print(f"dispatch: {per_run * 1e6:.1f} µs per Run instruction (a program of 401 chained tiny Runs vs one of 1, "
               f"in one request; the 1-Run step's round trip {whole * 1e6:.0f} µs)")
@@ -157,5 +160,9 @@ def main() -> None:
 if __name__ == "__main__":
     import argparse
 
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
-    main()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--settle", type=float, default=0.0, help="seconds between the actors' start and the first step")
+    settle = p.parse_args().settle
+    if not 0 <= settle <= 600:  # (nan too)
+        p.error(f"--settle takes seconds from 0 to 600, got {settle}")
+    main(settle)
