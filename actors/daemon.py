@@ -397,10 +397,6 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     except Exception as e:
         raise SystemExit(f"mpmd-actor: JAX found no devices for --platform {args.platform or os.environ.get('JAX_PLATFORMS') or '(default)'}: "
                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else '(is that device and its jaxlib plugin here?)'}") from None
-    from actors.sandbox import warm_lowering
-
-    # JAX's one-time lowering work, beside the rest of the start and the controller's first trace (see warm_lowering)
-    threading.Thread(target=_quietly_warm, args=(warm_lowering,), name="mpmd-warm-lowering", daemon=True).start()
     _import_loaders(args.allow_loader)
     ctx = zmq.asyncio.Context.instance()
     auth = None
@@ -433,6 +429,12 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
             why = bind_failure(tcp_endpoint(host, 0), e) if isinstance(e, zmq.ZMQError) else str(e)
             raise SystemExit(f"mpmd-actor: cannot start the data plane (--p2p {args.p2p}"
                              f"{f', --ipc-dir {args.ipc_dir}' if args.ipc_dir else ''}, host {host}): {why}") from None
+    from actors.sandbox import warm_lowering
+
+    # JAX's one-time lowering work, beside the rest of the start and the controller's first trace (see warm_lowering);
+    # started once the daemon can no longer fail to start: an exit while the thread is inside JAX's C++ code aborted
+    # the process (SIGABRT) after its message, which a launcher read as a crash (a review)
+    threading.Thread(target=_quietly_warm, args=(warm_lowering,), name="mpmd-warm-lowering", daemon=True).start()
     # Compiles run in child processes (actors/sandbox.py) that write the executable into this compilation cache,
     # and the daemon loads it from there: --cache-dir, or a private directory that goes when the daemon does
     # (made once the daemon can no longer fail to start: an early exit left it behind).
@@ -507,7 +509,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
             if deadline.expired():
                 loading = getattr(e, "loading", None) if msg.op == "run_program" else None
                 still = abandoned.still_computing()
-                if not loading and not still:
+                if not loading and not still and msg.op in ("run_program", "run", "get", "wait"):  # (what waits for computation)
                     abandoned.cut_off(msg, actor.stream.token)
                 raise (HeldByLoader if loading else WaitedInVain)(
                     f"'{msg.op}' did not finish within {bound:g} s (mpmd-actor {flag}), so it was cancelled; "
@@ -685,7 +687,8 @@ class Abandoned:
     """The last computation a request bound cut off: XLA cannot stop one that runs, so an actor's Runs after it (this
     job's next steps, another job's) wait for it, and their own bounds ran out blaming themselves (a probe: a step
     cut off after 2 s computed for 2 more minutes while every later step and job failed "still running"). A later
-    request that runs out while it still computes says so."""
+    request that runs out while it still computes says so. (CPU actors: their Runs are ordered on a token to follow;
+    a GPU actor's are not, and its errors say nothing more.)"""
 
     def __init__(self, actor_id: int) -> None:
         self.actor_id = actor_id
@@ -701,8 +704,8 @@ class Abandoned:
             return
         self.token = token
         what = f"program {msg.header.get('program')} step {msg.header.get('step')}" if msg.op == "run_program" else f"'{msg.op}'"
-        self.what = (f"what was dispatched up to the request {what} (session {msg.header.get('session')!s:.20}) that ran out at "
-                     f"{time.strftime('%H:%M:%S')}")
+        self.what = (f"what was dispatched to it before {time.strftime('%H:%M:%S')}, when a request on it ran out ({what}, "
+                     f"session {msg.header.get('session')!s:.20})")
 
     def still_computing(self) -> str:
         """What to add to a request's timeout error: '' unless the cut-off computation still runs."""
@@ -834,6 +837,18 @@ def main(argv: list[str] | None = None) -> None:
         sys.stderr.write("mpmd-actor: interrupted while starting\n")
         sys.stderr.flush()
         os._exit(130)
+    except SystemExit as e:  # a refusal to start: its message and status, then out at once, as the normal end does (an
+        # interpreter shutdown with JAX's threads still running can abort the process after the message)
+        code = e.code
+        if isinstance(code, str):
+            sys.stderr.write(code + "\n")
+            code = 1
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except OSError:
+                pass
+        os._exit(code if isinstance(code, int) else (0 if code is None else 1))
 
 
 def _checked_cache_dir(path: str) -> str:
@@ -873,7 +888,8 @@ def _checked_cache_dir(path: str) -> str:
         os.unlink(probe)
     except OSError as e:
         raise SystemExit(f"mpmd-actor: --cache-dir {path} cannot be written ({e.strerror or e}): the compile child writes "
-                         "each executable there for the daemon to load; name a directory this user can write") from None
+                         "each executable there for the daemon to load; name a directory this user can write (a read-only "
+                         "cache made elsewhere: copy it to one; or leave --cache-dir out for a private one)") from None
     return given
 
 

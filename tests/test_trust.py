@@ -663,6 +663,22 @@ def _daemon_refuses(*flags: str) -> str:
     return out.stderr
 
 
+def test_a_daemon_refusing_to_start_once_jax_is_up_exits_with_status_1_and_its_message_not_an_abort():
+    """A refusal after JAX started its threads (an address not this machine's, a loader it cannot import) left the
+    interpreter's shutdown to run beside a thread inside JAX's C++ code: 4 of 10 starts aborted (SIGABRT) after the
+    message, which a launcher and the recovery read as a crashed actor (a review). Each exits 1 with its message."""
+    import subprocess
+    import sys
+
+    for flags, says in ((["--listen", "tcp://203.0.113.7:5999"], "cannot listen on tcp://203.0.113.7:5999"),
+                        (["--listen", "tcp://127.0.0.1:0", "--allow-loader", "nonexist_mod_zz:fn"], "cannot import it here")):
+        for _ in range(3):
+            out = subprocess.run([sys.executable, "-m", "actors.daemon", "--insecure", "--p2p", "none", *flags],
+                                 capture_output=True, text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                                 stdin=subprocess.DEVNULL)
+            assert out.returncode == 1 and says in out.stderr, (out.returncode, out.stderr[-1500:])
+
+
 def test_a_cache_dir_that_does_not_exist_yet_is_checked_where_it_would_be_made(tmp_path):
     """--cache-dir ww/cache inside a world-writable ww started the daemon (only a directory that already existed was
     checked) and made the cache there, where another user could swap in compiled code; a regular file was taken as

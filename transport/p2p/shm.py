@@ -58,7 +58,7 @@ def _pool_limit() -> int:
             mb = -1.0
         if 1 <= mb < 1 << 30:
             return int(mb * (1 << 20))
-        log.warning("MPMD_SHM_POOL_MB must be a number of MiB, at least 1, got %r: a quarter of /dev/shm is kept instead", given)
+        log.warning("MPMD_SHM_POOL_MB must be a number of MiB from 1 to 2**30, got %r: a quarter of /dev/shm is kept instead", given)
     try:
         st = os.statvfs("/dev/shm")
         return max(1 << 28, st.f_frsize * st.f_blocks // 4)
