@@ -434,7 +434,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     # JAX's one-time lowering work, beside the rest of the start and the controller's first trace (see warm_lowering);
     # started once the daemon can no longer fail to start: an exit while the thread is inside JAX's C++ code aborted
     # the process (SIGABRT) after its message, which a launcher read as a crash (a review)
-    threading.Thread(target=_quietly_warm, args=(warm_lowering,), name="mpmd-warm-lowering", daemon=True).start()
+    threading.Thread(target=warm_lowering, name="mpmd-warm-lowering", daemon=True).start()
     # Compiles run in child processes (actors/sandbox.py) that write the executable into this compilation cache,
     # and the daemon loads it from there: --cache-dir, or a private directory that goes when the daemon does
     # (made once the daemon can no longer fail to start: an early exit left it behind).
@@ -695,12 +695,17 @@ class Abandoned:
         self.token: object | None = None  # the order token of the last call dispatched when it was cut off
         self.what = ""
 
+    @staticmethod
+    def _computing(token: object | None) -> bool:
+        """Whether the call whose order token this is still computes (None: calls not ordered on a token)."""
+        try:
+            return token is not None and not token.is_ready()
+        except Exception:  # noqa: BLE001 - (a token whose computation failed is done)
+            return False
+
     def cut_off(self, msg, token: object | None) -> None:
         """`msg`'s request ran out while `token` (the last call dispatched) marks what still computes."""
-        try:
-            if token is None or token.is_ready():  # (calls not ordered on a token, or nothing computing: nothing to follow)
-                return
-        except Exception:  # noqa: BLE001
+        if not self._computing(token):  # (nothing computing: nothing to follow)
             return
         self.token = token
         what = f"program {msg.header.get('program')} step {msg.header.get('step')}" if msg.op == "run_program" else f"'{msg.op}'"
@@ -709,25 +714,13 @@ class Abandoned:
 
     def still_computing(self) -> str:
         """What to add to a request's timeout error: '' unless the cut-off computation still runs."""
-        token = self.token
-        try:
-            busy = token is not None and not token.is_ready()
-        except Exception:  # noqa: BLE001 - (a token whose computation failed is done)
-            busy = False
-        if not busy:
+        if not self._computing(self.token):
             self.token = None
             return ""
         return (f"; this actor (actor {self.actor_id}) is still computing {self.what}: XLA cannot stop "
                 "a computation once it runs, so what runs on this actor after it waits for it — wait for it to end, give "
                 "such steps a longer mpmd-actor --request-timeout (RemoteMesh.local(request_timeout=...)), or restart the "
                 "daemon")
-
-
-def _quietly_warm(warm: Callable[[], None]) -> None:
-    try:
-        warm()
-    except Exception as e:  # noqa: BLE001 - an optimisation: the first compile pays for it then
-        logging.getLogger("mpmd.actor").debug("warming JAX's lowering failed: %s", e)
 
 
 def _waiting_on(msg, loading: str | None = None) -> str:
@@ -842,13 +835,18 @@ def main(argv: list[str] | None = None) -> None:
         code = e.code
         if isinstance(code, str):
             sys.stderr.write(code + "\n")
-            code = 1
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except OSError:
-                pass
-        os._exit(code if isinstance(code, int) else (0 if code is None else 1))
+        _flush_and_exit(code if isinstance(code, int) else (0 if code is None else 1))
+
+
+def _flush_and_exit(status: int) -> None:
+    """Out at once, with `status`, what is printed flushed: even if XLA is still running a computation nobody will read
+    (the controller is gone or asked us to stop), which a normal interpreter exit would wait for, or abort in."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except OSError:  # (its reader is gone: a pipe the controller closed)
+            pass
+    os._exit(status)
 
 
 def _checked_cache_dir(path: str) -> str:
@@ -937,14 +935,7 @@ def _main(argv: list[str] | None = None) -> None:
     if profile_to:
         profiler.disable()
         profiler.dump_stats(f"{profile_to}.{args.actor_id}")
-    # Exit now, even if XLA is still running a computation nobody will read (the controller is gone or
-    # asked us to stop): a normal interpreter exit would wait for it.
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except OSError:  # (its reader is gone: a pipe the controller closed)
-            pass
-    os._exit(getattr(args, "exit_status", 0))
+    _flush_and_exit(getattr(args, "exit_status", 0))
 
 
 if __name__ == "__main__":

@@ -426,19 +426,24 @@ def build_executable(exp: Any, donate: tuple[int, ...], in_layouts: list | None,
     return lower_executable(exp, donate, in_layouts, out_layouts, mesh, device, ordered).compile()
 
 
-def warm_lowering() -> None:
+def warm_lowering() -> str | None:
     """Lower a tiny export the way `build_executable` lowers a step's, without compiling it. A process's first
     lowering pays ~0.2 s of JAX's one-time work (a 4-layer MLP stage's took 210-390 ms in a fresh process, 8-32 ms
     after this): the first step waited for it twice, in the compile child's check and in the daemon's load. Each
-    does it at its start instead, off the first step's path."""
+    does it at its start instead, off the first step's path. An optimisation: a failure is returned (None: warmed),
+    never raised — the first compile pays for it then."""
     import jax
     import jax.numpy as jnp
     from jax import export
 
-    blob = export.export(jax.jit(lambda a: (jnp.tanh(a @ a),)))(jax.ShapeDtypeStruct((4, 4), jnp.float32)).serialize()
-    exp = export.deserialize(bytearray(blob))
-    lower_executable(exp, (), None, None, None, jax.devices()[0], True)
-    jax.jit(exp.call).trace(*exp.in_avals).lower(lowering_platforms=tuple(exp.platforms))  # (the check's own lowering)
+    try:
+        blob = export.export(jax.jit(lambda a: (jnp.tanh(a @ a),)))(jax.ShapeDtypeStruct((4, 4), jnp.float32)).serialize()
+        exp = export.deserialize(bytearray(blob))
+        lower_executable(exp, (), None, None, None, jax.devices()[0], True)
+        jax.jit(exp.call).trace(*exp.in_avals).lower(lowering_platforms=tuple(exp.platforms))  # (the check's own lowering)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def lower_executable(exp: Any, donate: tuple[int, ...], in_layouts: list | None, out_layouts: list | None, mesh: Any,
@@ -487,10 +492,7 @@ def _child() -> None:
 
     inp = sys.stdin.buffer
     jax.config.update("jax_enable_x64", True)  # as the daemon runs (it is part of the compilation cache's key)
-    try:
-        warm_lowering()  # (while the daemon starts: the first blob's check and compile need not pay for it)
-    except Exception:  # noqa: BLE001 - an optimisation: the first blob pays for it then
-        pass
+    warm_lowering()  # (while the daemon starts: the first blob's check and compile need not pay for it)
     sys.stdout.write("READY\n")
     sys.stdout.flush()
     exp: Any = None  # the last blob that passed its checks: the one a compile command compiles

@@ -257,6 +257,12 @@ class NcclLinks:
                              "mesh wires its data plane (at its start, and for an actor restarted and reconnected): make the "
                              "mesh again, or use transport='shm' or 'tcp'")
 
+    def _closed(self, table: dict[int, Link], peer: int, link: Link, what: str, cause: str) -> TransferError:
+        """Abort `link` after `what` (a call on it) failed; the error to raise, `cause` after "failed"."""
+        _drop_link(table, peer, link, f"{what} failed{cause}")
+        return TransferError(f"actor {self.plane.actor_id}: {what} failed{cause}; the link is closed until the actors are "
+                             "wired again")
+
     def _limit(self, key: tuple[int, ...]) -> float | None:
         """The seconds a transfer keyed `key` may wait for NCCL: the receive limit of its session
         (`DataPlane.timeout_of`, set by the daemon), else `WAIT_LIMIT`."""
@@ -305,18 +311,14 @@ class NcclLinks:
                     event = self.cp.cuda.Event(disable_timing=True)
                     event.record(link.stream)
                 except Exception as e:  # its receive is posted and never matched: the link is no use now
-                    _drop_link(self.out, peer, link, f"NCCL send {key} to actor {peer} failed ({e})")
-                    raise TransferError(f"actor {self.plane.actor_id}: NCCL send {key} to actor {peer} failed ({e}); "
-                                        "the link is closed until the actors are wired again") from None
+                    raise self._closed(self.out, peer, link, f"NCCL send {key} to actor {peer}", f" ({e})") from None
                 link.hold(event, value_bits, buf)  # the JAX buffer stays alive until NCCL has read it
         self.plane.counters["sent_nccl_bytes"] += nbytes
         if event is not None:
             try:
                 await _until(event, link, self._limit(key))
             except TransferError as e:  # (the calls after it on the link's stream would wait behind it: closed)
-                _drop_link(self.out, peer, link, f"NCCL send {key} to actor {peer} did not complete")
-                raise TransferError(f"actor {self.plane.actor_id}: NCCL send {key} to actor {peer} failed: {e}; "
-                                    "the link is closed until the actors are wired again") from None
+                raise self._closed(self.out, peer, link, f"NCCL send {key} to actor {peer}", f": {e}") from None
             link.release()
 
     def on_notice(self, src: int, key: tuple[int, ...], seq: int, dtype: np.dtype, shape: list[int], nbytes: int) -> None:
@@ -335,9 +337,7 @@ class NcclLinks:
                     try:
                         link.comm.recv(buf.data.ptr, nbytes_, self.nccl.NCCL_UINT8, 0, link.stream.ptr)
                     except Exception as e:  # the sends after it would land in the wrong receives: the link is no use now
-                        _drop_link(self.inn, src, link, f"NCCL receive {key_} from actor {src} failed ({e})")
-                        raise TransferError(f"actor {self.plane.actor_id}: NCCL receive {key_} from actor {src} failed ({e}); "
-                                            "the link is closed until the actors are wired again") from None
+                        raise self._closed(self.inn, src, link, f"NCCL receive {key_} from actor {src}", f" ({e})") from None
                     event = self.cp.cuda.Event(disable_timing=True)
                     event.record(link.stream)
                     link.hold(event, buf)  # (NCCL writes it until the event: not freed by a cancelled _deliver)
