@@ -107,7 +107,12 @@ class Interpreter:
         transfers = self.transfers.start(step_key, session_buffers, prologue, taken=sent)
         try:
             for local, ref in zip(prog.inputs, refs):
-                env.put(local, await asyncio.shield(ref) if isinstance(ref, asyncio.Future) else ref)
+                if isinstance(ref, asyncio.Future):
+                    arriving = not ref.done()
+                    ref = await asyncio.shield(ref)
+                    if trace and arriving:
+                        trace.arrivals[local] = now()
+                env.put(local, ref)
             last = await self.interpret(step_key, env, prog.instructions, sync, trace)
             await asyncio.gather(*transfers)
             return last
@@ -141,7 +146,8 @@ class Interpreter:
                     try:
                         if trace:
                             await self.stream.idle()
-                            results = await trace.run(self.stream, self.cache.get(ins.exe), args, str(ins.label), t0, now())
+                            results = await trace.run(self.stream, self.cache.get(ins.exe), args, str(ins.label), t0, now(),
+                                                    trace.arrived(ins.inputs))
                         elif self.stream.must_await(out := self.cache.output_bytes(ins.exe)):
                             last, results = await self.stream.call_awaited(self.cache.get(ins.exe), args, out)
                         else:

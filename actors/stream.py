@@ -153,9 +153,13 @@ def now() -> int:
 class StepTrace:
     """What one step did on one actor, instruction by instruction (times in ns on the actor's clock).
 
-    events: ["run", label, waited_from, inputs_ready, started, done]
+    events: ["run", label, waited_from, inputs_ready, started, done, arrived]
             ["send", label, peer, nbytes, start, done, tag]
             ["recv", label, peer, nbytes, posted, arrived, tag]
+
+    A Run's `arrived` is when the last of its inputs that came this step (received, or handed in by the step's
+    request) arrived, 0 when none did: `inputs_ready` is when the interpreter saw them there, which is later
+    when it reached the Run late (posting the sends before it), and a simulator's gap counts from the arrival.
     """
 
     _executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -164,9 +168,15 @@ class StepTrace:
         self.start = now()
         self.end = 0
         self.events: list[list[Any]] = []
+        self.arrivals: dict[int, int] = {}  # buffer -> when it arrived this step (received, or an input handed in)
         self._cpu0 = time.thread_time()  # made on the event loop's thread: the runtime's own CPU (not XLA's threads')
 
-    async def run(self, stream: Stream, exe: Any, args: Sequence[Any], label: str, waited_from: int, ready: int) -> Sequence[Any]:
+    def arrived(self, bufs: Sequence[int]) -> int:
+        """When the last of `bufs` that arrived this step did (0: none did)."""
+        return max((self.arrivals.get(b, 0) for b in bufs), default=0)
+
+    async def run(self, stream: Stream, exe: Any, args: Sequence[Any], label: str, waited_from: int, ready: int,
+                  arrived: int = 0) -> Sequence[Any]:
         """Execute one Run on the tracing thread, timing it exactly; returns its outputs."""
         if StepTrace._executor is None:
             StepTrace._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpmd-traced-run")
@@ -178,11 +188,14 @@ class StepTrace:
             return t0, now(), outs
 
         t0, t1, outs = await asyncio.get_running_loop().run_in_executor(StepTrace._executor, timed)
-        self.events.append(["run", label, waited_from, ready, t0, t1])
+        self.events.append(["run", label, waited_from, ready, t0, t1, arrived])
         return outs
 
-    def transfer(self, kind: str, label: str, peer: int, nbytes: int, start: int, end: int, tag: int) -> None:
+    def transfer(self, kind: str, label: str, peer: int, nbytes: int, start: int, end: int, tag: int, buf: int | None = None) -> None:
+        """A Send or Recv done; a Recv's `buf` arrived at `end`."""
         self.events.append([kind, label, peer, nbytes, start, end, tag])
+        if buf is not None:
+            self.arrivals[buf] = end
 
     def to_wire(self) -> dict[str, Any]:
         """The step's record; `cpu`: the CPU seconds the actor's event loop used from its start to now (called

@@ -149,7 +149,7 @@ class Transfers:
                 got = spmd.to_device(got, self.device)
             env.put(ins.buf, got)
             if trace:
-                trace.transfer("recv", str(ins.label), peer, int(got.nbytes), t0, now(), ins.tag)
+                trace.transfer("recv", str(ins.label), peer, int(got.nbytes), t0, now(), ins.tag, ins.buf)
             done.set_result(None)
 
         try:
@@ -202,7 +202,7 @@ class Transfers:
                 got = spmd.to_device(got, self.device)
             env.put(ins.buf, got)
             if trace:
-                trace.transfer("recv", label, peer, int(got.nbytes), t0, now(), ins.tag)
+                trace.transfer("recv", label, peer, int(got.nbytes), t0, now(), ins.tag, ins.buf)
         except asyncio.CancelledError:
             raise  # the step was aborted: its handler tells whoever waits for the buffer why (run_program)
         except BaseException as e:

@@ -38,6 +38,7 @@ import numpy as np
 import mpmd
 from mpmd.cli.args import cannot_write, positive
 from mpmd.compiler.program import Run
+from mpmd.observe.replay import replay_trace
 from mpmd.observe.trace import as_sim_result, fit_costs, measured_bubbles
 from mpmd.schedules.draw import draw_stacked
 from mpmd.schedules.montecarlo import Empirical, simulate_monte_carlo
@@ -100,6 +101,7 @@ def run_one(gpt, mesh, name: str, n: int, stages: int, args: argparse.Namespace,
                                                                      f"{name}, {n} actors: measured"], str(picture))
     bubble_m = statistics.mean(meas.values())
     mc = simulate_monte_carlo(programs, costs, runs=100)
+    replayed = replay_trace(trace, programs)
     w0, w1 = held_out.window()
     return {"schedule": name, "actors": n, "stages": stages, "step_ms": statistics.median(times) * 1e3,
             "held_out_ms": (w1 - w0) * 1e3, "held_out_bubble": statistics.mean(measured_bubbles(held_out).values()),
@@ -107,7 +109,8 @@ def run_one(gpt, mesh, name: str, n: int, stages: int, args: argparse.Namespace,
             "costs": costs, "programs": programs, "microbatches": args.microbatches,
             "bubble_measured": [round(meas[a], 3) for a in sorted(meas)], "bubble_simulated": [round(b, 3) for b in sim.bubble_per_actor],
             "ratio": bubble_m / sim.bubble if sim.bubble > 0 else float("nan"), "peak_buffers": buffer_peak,
-            "peak_simulated": list(sim.peak_bytes or []), "efficiency": 1 - bubble_m, "picture": str(picture)}
+            "peak_simulated": list(sim.peak_bytes or []), "efficiency": 1 - bubble_m, "picture": str(picture),
+            "replayed": replayed, "fitted_ms": sim.step_time * 1e3, "traced_ms": (trace.window()[1] - trace.window()[0]) * 1e3}
 
 
 def main() -> None:
@@ -168,9 +171,12 @@ def main() -> None:
         fmt = lambda v: [round(float(x), 3) for x in v] if isinstance(v, (list, tuple)) else round(float(v), 3)  # noqa: E731
         print(f"{name:22s} {n} actors {stages:2d} stages  step {r['step_ms']:8.2f} ms  bubble measured {fmt(r['bubble_measured'])}  "
               f"fitted {fmt(r['bubble_simulated'])}  ratio {r['ratio']:.2f}  efficiency {r['efficiency']:.2f}  "
+              f"step fitted/traced {r['fitted_ms'] / r['traced_ms']:.3f}  replayed {r['replayed']:.3f}  "
               f"peak buffer-table bytes {r['peak_buffers']} simulated {r['peak_simulated']}", flush=True)
     print(f"\n(pinned one actor per core for up to {cores} actors; more actors share the cores. bubble 'fitted': the simulator "
-          "on costs fitted to the very step it is set beside, a check of the fit, not a prediction. peak buffer-table bytes: "
+          "on costs fitted to the very step it is set beside, a check of the fit, not a prediction; 'replayed': that step "
+          "replayed over its Programs with its own Runs', gaps' and hops' measured times, over its measured span (1.0: "
+          "the Programs' dependencies explain it). peak buffer-table bytes: "
           "the actors' own accounting of the step's buffers held at once, the sizes the simulator adds up; not the allocator "
           "or RSS)")
     print("\nMonte Carlo prediction (costs fitted to each run's first traced step) vs its second traced step, held out "
@@ -201,7 +207,7 @@ def rescaled(costs: Costs, stages: int) -> Costs:
         tasks.update({(st, kind): tuple(x / 2 for x in xs) for (st, kd), xs in list(tasks.items()) if kd == "B" for kind in "IW"})
     return dataclasses.replace(costs, F=per(costs.F), B=b, I=per(costs.I) if split else tuple(x / 2 for x in b),
                                W=per(costs.W) if split else tuple(x / 2 for x in b),
-                               empirical=Empirical(tuple(sorted(tasks.items())), emp.gaps, emp.hops))
+                               empirical=Empirical(tuple(sorted(tasks.items())), emp.gaps, emp.hops, emp.factors))
 
 
 def cross_config(gpt, rows: list[dict], args: argparse.Namespace, out: pathlib.Path) -> None:  # noqa: ANN001
@@ -240,7 +246,7 @@ def with_split_from(costs: Costs, split: Costs) -> Costs:
     emp, other = costs.empirical or Empirical(), split.empirical or Empirical()
     tasks = {k: v for k, v in emp.tasks if k[1] not in ("I", "W")}
     tasks.update({k: v for k, v in other.tasks if k[1] in ("I", "W")})
-    return dataclasses.replace(costs, I=split.I, W=split.W, empirical=Empirical(tuple(sorted(tasks.items())), emp.gaps, emp.hops))
+    return dataclasses.replace(costs, I=split.I, W=split.W, empirical=Empirical(tuple(sorted(tasks.items())), emp.gaps, emp.hops, emp.factors))
 
 
 if __name__ == "__main__":
