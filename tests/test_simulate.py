@@ -706,6 +706,49 @@ def test_a_run_event_says_when_its_last_input_arrived_and_an_older_actors_does_n
     assert runs[1].could_start(0.9e-6) == pytest.approx(1.2e-6) and runs[2].could_start(1.0e-6) == pytest.approx(2.0e-6)
 
 
+def test_replay_trace_replays_a_step_with_its_own_times_and_refuses_another_programs_trace():
+    """A trace made by replaying Programs (each Run a gap then its time, each hop its time) is replayed back to
+    exactly its span; with a hop 1.0 longer than the trace's Runs allow, the replay waits for it (longer than
+    the trace); a trace of other Programs is refused, naming the actor."""
+    from mpmd.observe.replay import replay_trace
+    from mpmd.observe.trace import ActorStep, RunSpan, Trace, TransferSpan
+    from mpmd.schedules.validation import replay_programs
+
+    schedule, m = mpmd.OneFOneB(2), 4
+    progs = programs_from_table(schedule, validate(schedule, m))
+    gap, hop = 0.1, 0.3
+    rep = replay_programs(progs, lambda a, r: gap + (1.0 if r.label.tasks[0].kind == "F" else 2.0) + 0.01 * a, lambda a, r: hop)
+    t = Trace()
+    steps = {a: ActorStep(a, 0, 0.0, max(rep.end.values())) for a in range(2)}
+    for a, p in enumerate(progs):
+        tag_of = {ins.buf: ins.tag for ins in p.instructions if isinstance(ins, Recv)}
+        arrival = {ins.tag: rep.ready[(a, i)] for i, ins in enumerate(p.instructions) if isinstance(ins, Recv)}
+        for i, ins in enumerate(p.instructions):
+            if isinstance(ins, Run):
+                got = [arrival[tag_of[b]] for b in ins.inputs if b in tag_of]
+                steps[a].runs.append(RunSpan(str(ins.label), rep.start[(a, i)], rep.start[(a, i)], rep.start[(a, i)] + gap, rep.end[(a, i)],
+                                             max(got) if got else -math.inf))
+            elif isinstance(ins, Send):
+                made = max(rep.end[(a, j)] for j, x in enumerate(p.instructions[:i]) if isinstance(x, Run) and ins.buf in x.outputs)
+                steps[a].transfers.append(TransferSpan("send", str(ins.label), ins.to_actor, 128, made, made, ins.tag))
+            elif isinstance(ins, Recv):
+                steps[a].transfers.append(TransferSpan("recv", str(ins.label), ins.from_actor, 128, 0.0, arrival[ins.tag], ins.tag))
+    t.steps.append(steps)
+    first = min(r.start for x in steps.values() for r in x.runs)
+    last = max(r.end for x in steps.values() for r in x.runs)
+    assert replay_trace(t, progs) == pytest.approx((max(rep.end.values()) - first) / (last - first))
+    assert replay_trace(t, progs) == pytest.approx(1.0)
+    recv = next(x for x in steps[1].transfers if x.kind == "recv")
+    steps[1].transfers[steps[1].transfers.index(recv)] = TransferSpan("recv", recv.label, recv.peer, 128, 0.0, recv.end + 1.0, recv.tag)
+    assert replay_trace(t, progs) > 1.0 + 0.5 / (last - first)
+    # the trace of a 1-actor program, or of programs with other Runs, is not this step's
+    with pytest.raises(mpmd.MpmdError, match="actors"):
+        replay_trace(t, progs[:1])
+    other = programs_from_table(mpmd.GPipe(2), validate(mpmd.GPipe(2), m))
+    with pytest.raises(mpmd.MpmdError, match="actor 0 ran .*not the trace of these programs"):
+        replay_trace(t, other)
+
+
 def test_monte_carlo_draws_runs_without_samples_of_their_own_from_every_runs_spread():
     """Most of 1F1B's Runs do two tasks, and the task samples are of Runs that did one: the Monte Carlo replay
     drew nothing for them and gave the mean model's step (a real step ended 0-7 % later than its Runs at their
