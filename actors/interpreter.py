@@ -106,13 +106,12 @@ class Interpreter:
         # The prologue copies arguments between actors; post it before waiting for those arguments.
         transfers = self.transfers.start(step_key, session_buffers, prologue, taken=sent)
         try:
+            if trace:  # (each input still being computed or received: when it arrives, whatever is awaited then)
+                for local, ref in zip(prog.inputs, refs):
+                    if isinstance(ref, asyncio.Future) and not ref.done():
+                        ref.add_done_callback(lambda _, local=local: trace.arrivals.setdefault(local, now()))
             for local, ref in zip(prog.inputs, refs):
-                if isinstance(ref, asyncio.Future):
-                    arriving = not ref.done()
-                    ref = await asyncio.shield(ref)
-                    if trace and arriving:
-                        trace.arrivals[local] = now()
-                env.put(local, ref)
+                env.put(local, await asyncio.shield(ref) if isinstance(ref, asyncio.Future) else ref)
             last = await self.interpret(step_key, env, prog.instructions, sync, trace)
             await asyncio.gather(*transfers)
             return last

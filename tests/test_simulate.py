@@ -699,11 +699,15 @@ def test_fit_costs_counts_a_runs_gap_from_its_last_inputs_arrival_not_from_when_
 def test_a_run_event_says_when_its_last_input_arrived_and_an_older_actors_does_not():
     from mpmd.observe.trace import ActorStep
 
-    wire = {"start": 0, "end": 10_000, "events": [["run", "0F0", 0, 10, 20, 900, 0], ["run", "0F1", 900, 1500, 1510, 2000, 1200],
-                                                  ["run", "0F2", 2000, 2000, 2010, 3000]]}
+    events = [["run", "0F0", 0, 10, 20, 900], ["recv", "x", 1, 8, 0, 1200, 3], ["run", "0F1", 900, 1500, 1510, 2000]]
+    wire = {"start": 0, "end": 10_000, "events": events, "run_arrivals": [0, 1200]}
     runs = ActorStep.from_wire(0, 0, wire, offset_ns=0).runs
-    assert runs[0].arrived == -math.inf and runs[1].arrived == pytest.approx(1.2e-6) and runs[2].arrived is None
-    assert runs[1].could_start(0.9e-6) == pytest.approx(1.2e-6) and runs[2].could_start(1.0e-6) == pytest.approx(2.0e-6)
+    assert runs[0].arrived == -math.inf and runs[1].arrived == pytest.approx(1.2e-6)  # (0: none came this step)
+    assert runs[0].could_start(0.5e-6) == pytest.approx(0.5e-6) and runs[1].could_start(0.9e-6) == pytest.approx(1.2e-6)
+    # an older actor's record (no arrivals), or arrivals that are not one int >= 0 per Run: read from `ready`
+    for bad in (None, [0], [0, 1200, 5], [0, True], [0, -1], [0, 1.5], [0, "1200"], "ab"):
+        runs = ActorStep.from_wire(0, 0, {**wire, "run_arrivals": bad}, offset_ns=0).runs
+        assert [r.arrived for r in runs] == [None, None] and runs[1].could_start(0.9e-6) == pytest.approx(1.5e-6)
 
 
 def test_replay_trace_replays_a_step_with_its_own_times_and_refuses_another_programs_trace():
@@ -766,12 +770,35 @@ def test_monte_carlo_draws_runs_without_samples_of_their_own_from_every_runs_spr
     a, b = simulate_monte_carlo(progs, spread, runs=300, seed=3), simulate_monte_carlo(progs, spread, runs=300, seed=3)
     assert a.step_times == b.step_times and a.stdev > 0
     assert a.step_time > 1.02 * want.step_time  # slow Runs on the critical path are not made up by fast ones off it
-    # fit_costs keeps each Run's own duration over its fitted one: two fused Runs of 3 and 5 ms fitted at 4 ms each
+    # the factors are drawn scaled to mean 1: the mean is the fit's
+    doubled = Costs(F=1.0, B=2.0, latency=0.1, empirical=Empirical(factors=(2.0, 2.0)))
+    assert simulate_monte_carlo(progs, doubled, runs=5).step_time == pytest.approx(want.step_time)
+    # fit_costs keeps each fused Run's own duration over its fitted one (3 and 5 ms, over the same fitted F + B).
+    # Not a Run that also did a step phase (its phase's time is no task's) nor one of a task alone where fused ones
+    # exist (a review: such Runs' factors of 2-10 made fused Runs 1.4-2x longer on average)
     t = Trace()
-    x = ActorStep(0, 0, 0.0, 8e-3)
-    x.runs = [RunSpan("0F0+0B0", 0.0, 0.0, 0.0, 3e-3, -math.inf), RunSpan("0F1+0B1", 3e-3, 3e-3, 3e-3, 8e-3, -math.inf)]
+    x = ActorStep(0, 0, 0.0, 17.5e-3)
+    clock = 0.0
+    for label, ms in (("pre+0F0", 2.5), ("0F1", 1.0), ("0F2+0B0", 3.0), ("0F3+0B1", 5.0), ("0B2", 3.0), ("0B3", 3.0)):
+        x.runs.append(RunSpan(label, clock, clock, clock, clock + ms * 1e-3, -math.inf))
+        clock += ms * 1e-3
     t.steps.append({0: x})
-    assert sorted(fit_costs(t, 1).empirical.factors) == pytest.approx([0.75, 1.25])
+    c = fit_costs(t, 1)
+    want = c.F[0] + c.B[0] + c.overhead
+    assert sorted(c.empirical.factors) == pytest.approx([3e-3 / want, 5e-3 / want])
+
+
+def test_monte_carlo_without_factors_draws_each_of_a_fused_runs_tasks_from_its_samples():
+    """An Empirical without factors (made by hand, or fitted from Runs of one task each) keeps the spread of a
+    fused Run's tasks: each draws from its samples (the factors' first cut drew nothing then)."""
+    from mpmd.schedules.montecarlo import Empirical, simulate_monte_carlo
+
+    fused = Program(0, [0], [1], [Run(0, (0,), (1,), Label.of(Task(0, "F", 0), Task(0, "B", 0)))])
+    tasks = {(0, "F"): [0.5, 1.5], (0, "B"): [1.0, 3.0]}
+    spread = simulate_monte_carlo([fused], Costs(F=1.0, B=2.0, empirical=Empirical.of(tasks, [], {})), runs=50, seed=1)
+    assert spread.stdev > 0 and set(spread.step_times) <= {1.5, 2.5, 3.5, 4.5}
+    flat = simulate_monte_carlo([fused], Costs(F=1.0, B=2.0, empirical=Empirical.of(tasks, [], {}, factors=[1.0])), runs=5)
+    assert flat.stdev == 0 and flat.step_time == pytest.approx(3.0)
 
 
 def test_monte_carlo_without_spread_equals_the_mean_model_and_with_spread_is_seeded_and_never_faster():

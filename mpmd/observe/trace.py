@@ -76,10 +76,19 @@ class ActorStep:
         ok = (isinstance(cpu, (int, float)) and not isinstance(cpu, bool) and math.isfinite(cpu)
               and 0 <= cpu <= (wire["end"] - wire["start"]) * NS + CPU_SLACK)
         out = cls(actor, step, t(wire["start"]), t(wire["end"]), cpu=float(cpu) if ok else None)
+        # When each Run's last input that came this step arrived (0: none did): ints, one per run event, or
+        # nothing at all (an actor that does not report them: RunSpan.arrived None).
+        arrivals = wire.get("run_arrivals")
+        runs = sum(1 for ev in wire["events"] if ev[0] == "run")
+        if not (isinstance(arrivals, list) and len(arrivals) == runs
+                and all(type(x) is int and x >= 0 for x in arrivals)):  # noqa: E721 (bool is no time)
+            arrivals = [None] * runs
+        each = iter(arrivals)
         for ev in wire["events"]:
             if ev[0] == "run":
-                _, label, waited, ready, started, done, *more = ev
-                arrived = (t(more[0]) if more[0] else -math.inf) if more else None  # (0: no input arrived this step)
+                _, label, waited, ready, started, done = ev
+                got = next(each)
+                arrived = None if got is None else t(got) if got else -math.inf
                 out.runs.append(RunSpan(label, t(waited), t(ready), t(started), t(done), arrived))
             else:
                 kind, label, peer, nbytes, s, e, tag = ev
@@ -271,8 +280,9 @@ class Trace:
                 for r in x.runs:
                     yield {"ph": "X", "name": r.label, "pid": a, "tid": 0, "ts": us(r.start), "dur": max(us(r.end) - us(r.start), 0.0),
                            "cat": "run", "args": {"waited_ms": (r.ready - r.waited_from) * 1e3}}
-                    if r.ready > r.waited_from:
-                        yield from span(a, "wait", f"wait {r.label}", r.waited_from, r.ready)
+                    until = r.ready if r.arrived is None else min(r.ready, max(r.waited_from, r.arrived))  # (for data)
+                    if until > r.waited_from:
+                        yield from span(a, "wait", f"wait {r.label}", r.waited_from, until)
                 for t in x.transfers:
                     yield from span(a, t.kind, f"{t.kind} {t.label} {'->' if t.kind == 'send' else '<-'} a{t.peer}", t.start,
                                     t.end, {"bytes": t.nbytes, "peer": t.peer})
@@ -389,20 +399,11 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
     # were a fifth of what they were, and a replay of the step with its own Runs, gaps and hops ended 2 % early.)
     gaps = [b.start - b.could_start(a.end) for x in steps.values() for a, b in zip(x.runs, x.runs[1:]) if b.start >= b.could_start(a.end)]
     gap = float(np.mean(gaps)) if gaps else 0.0  # the mean: the simulator adds it to every Run, the sum must match
-    # A transfer lasts from the end of the Run that made the value on the sender (the send's own start is
-    # later when the value had to be seen computed first) until it arrived.
-    sends = {(a, t.peer, t.tag): t for a, x in steps.items() for t in x.transfers if t.kind == "send"}
-    made = {(a, r.label): r.end for a, x in steps.items() for r in x.runs}
-    small, big = [], []
+    small, big = [], []  # (each transfer's time: see hop_times)
     per_route: dict[tuple[int, int], list[tuple[float, int]]] = {}
-    for a, x in steps.items():
-        for t in x.transfers:
-            s = sends.get((t.peer, a, t.tag)) if t.kind == "recv" else None
-            if s is None or (t.peer, s.label) not in made:
-                continue
-            d = t.end - made[(t.peer, s.label)]
-            (small if t.nbytes <= 1 << 16 else big).append((d, t.nbytes))
-            per_route.setdefault((t.peer, a), []).append((d, t.nbytes))
+    for (src, dst, _), (d, nbytes) in hop_times(steps).items():
+        (small if nbytes <= 1 << 16 else big).append((d, nbytes))
+        per_route.setdefault((src, dst), []).append((d, nbytes))
     routes, residuals = _fit_routes(per_route)
     # Lead and tail: from the step's start until the first Run anywhere starts, and from the last Run's end
     # until the step ends (requests and inputs arriving; the last sends and the replies). The simulators charge
@@ -424,15 +425,7 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
             tasks = _tasks_of(r.label)
             if len(tasks) == 1:
                 task_samples.setdefault(tasks[0], []).append(own[id(r)])
-    # Every task Run's duration over its fitted one: the spread the Monte Carlo simulator draws fused Runs from.
-    fitted = {(s, k): per[k][s] for s in range(num_stages) for k in kinds}
-    factors = []
-    for x in steps.values():
-        for r in x.runs:
-            want = sum(fitted[t] for t in _tasks_of(r.label)) + overhead
-            if _tasks_of(r.label) and want > 0:
-                factors.append(own[id(r)] / want)
-    empirical = Empirical.of(task_samples, gaps, residuals, factors)
+    empirical = Empirical.of(task_samples, gaps, residuals, _run_factors(steps, own, per, overhead))
     # Means, not medians: a few slow transfers on the critical path cost the step what they cost.
     latency = float(np.mean([d for d, _ in small])) if small else 0.0
     slow = [(d - latency, n) for d, n in big if d > latency]
@@ -440,6 +433,43 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
     return Costs(F=per["F"], B=per["B"], I=per["I"], W=per["W"], other=max(0.0, float(np.median(other)) - overhead) if other else 0.0,
                  latency=max(latency, 0.0), bandwidth=bandwidth, gap=gap, overhead=overhead, lead=lead, tail=tail, routes=routes,
                  empirical=empirical, cores=shared, runtime_cpu=runtime_cpu)
+
+
+def hop_times(steps: dict[int, ActorStep]) -> dict[tuple[int, int, int], tuple[float, int]]:
+    """Each transfer of a traced step, by (sender, receiver, tag): from the end of the Run that made the value on
+    the sender (the send's own start is later when the value had to be seen computed first) until its arrival,
+    and its bytes. Transfers whose send or making Run the trace lacks are left out."""
+    sends = {(a, t.peer, t.tag): t for a, x in steps.items() for t in x.transfers if t.kind == "send"}
+    made = {(a, r.label): r.end for a, x in steps.items() for r in x.runs}
+    out = {}
+    for a, x in steps.items():
+        for t in x.transfers:
+            s = sends.get((t.peer, a, t.tag)) if t.kind == "recv" else None
+            if s is not None and (t.peer, s.label) in made:
+                out[(t.peer, a, t.tag)] = (t.end - made[(t.peer, s.label)], t.nbytes)
+    return out
+
+
+def _run_factors(steps: dict[int, ActorStep], own: dict[int, float], per: dict[str, tuple[float, ...]], overhead: float) -> list[float]:
+    """The spread the Monte Carlo simulator draws fused Runs from: each Run's own duration over its fitted one,
+    of the Runs doing several tasks and nothing else (those doing one, where none does several), without those
+    past 3x the median either way. A Run that also does a step phase (``pre+0F0``) lasts its phase too, and one
+    whose tasks fitted near 0 gives any ratio: as factors they made fused Runs 1.4-2x longer on average (a
+    review)."""
+    import statistics
+
+    pure: list[tuple[float, int]] = []
+    for x in steps.values():
+        for r in x.runs:
+            tasks = _tasks_of(r.label)
+            want = sum(per[k][s] for s, k in tasks) + overhead
+            if tasks and len(tasks) == len(r.label.split("+")) and want > 0:
+                pure.append((own[id(r)] / want, len(tasks)))
+    got = [f for f, n in pure if n > 1] or [f for f, _ in pure]
+    if not got:
+        return []
+    mid = statistics.median(got)
+    return [f for f in got if mid / 3 <= f <= 3 * mid]
 
 
 def _robust(solve: Any, a_mat: Any, b_vec: Any, rounds: int = 2) -> Any:

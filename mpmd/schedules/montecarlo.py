@@ -8,9 +8,9 @@ most of 1F1B's), every gap between could-start and start, every hop's time beyon
 ``latency + bytes / bandwidth`` — and `simulate_monte_carlo` replays the Programs `runs` times, each Run and
 hop drawing from those samples (a fixed seed: the same answer every time), and reports the mean.
 
-Replaying a traced 2-actor 1F1B step with its own Runs' durations, gaps and hops ends within 0.3 % of the
-measured step; with every Run at its fitted mean instead, 0-7 % early (this VM's Runs of one task vary by
-+-15 % from one to the next, and the slow ones on the critical path are not made up by fast ones elsewhere).
+A traced 2-actor 1F1B step replayed with its own Runs' durations, gaps and hops is the step; with every Run
+at its fitted mean instead it ended 0-7 % early (this VM's Runs of one task vary by +-15 % from one to the
+next, and the slow ones on the critical path are not made up by fast ones elsewhere).
 
     costs = fit_costs(trace, num_stages)                 # carries costs.empirical and costs.routes
     mc = simulate_monte_carlo(programs, costs, runs=200)
@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +40,8 @@ class Empirical:
     """Measured samples (seconds). `tasks`: ((stage, kind), durations of Runs doing just that task);
     `gaps`: a Run's start minus when it could have started; `hops`: ((src, dst), each hop's time minus its
     route's fitted latency + bytes / bandwidth); `factors`: each Run's duration over the one its fitted costs
-    give it (drawn for Runs doing several tasks, and tasks without samples). Tuples of pairs, so that `Costs`
-    stays hashable."""
+    give it (drawn, scaled to mean 1, for Runs doing several tasks and tasks without samples; without factors,
+    each of a fused Run's tasks draws from its samples). Tuples of pairs, so that `Costs` stays hashable."""
 
     tasks: tuple[tuple[tuple[int, str], Samples], ...] = ()
     gaps: Samples = ()
@@ -56,7 +56,7 @@ class Empirical:
 
     @classmethod
     def of(cls, tasks: Mapping[tuple[int, str], list[float]], gaps: list[float],
-           hops: Mapping[tuple[int, int], list[float]], factors: list[float] = ()) -> Empirical:
+           hops: Mapping[tuple[int, int], list[float]], factors: Sequence[float] = ()) -> Empirical:
         return cls(tuple(sorted((k, tuple(v)) for k, v in tasks.items() if v)), tuple(gaps),
                    tuple(sorted((k, tuple(v)) for k, v in hops.items() if v)), tuple(factors))
 
@@ -102,7 +102,7 @@ def simulate_monte_carlo(programs: list[Program], costs: Any, runs: int = 100, s
     """Replay `programs` `runs` times on `costs` (an `mpmd.Costs`), drawing each Run's task times (centred on
     the costs' own means), its gap and each hop's residual from `costs.empirical` where it has samples (else the
     costs' own numbers; a Run doing several tasks, or a task without samples: its costs' time times a drawn
-    factor where the empirical has factors), and hops'
+    factor, the factors scaled to mean 1, where the empirical has factors), and hops'
     base times from `costs.routes` per (sender, receiver) where given. Deterministic for a given `seed`."""
     if not is_count(runs) or runs < 1:
         raise ValueError(f"simulate_monte_carlo: runs must be a positive int (how many replays), got {runs!r:.40}")
@@ -114,7 +114,9 @@ def simulate_monte_carlo(programs: list[Program], costs: Any, runs: int = 100, s
     if stages:                                                # as in every other simulator)
         costs = costs.without_input_grad(stages, num_stages)
     emp = getattr(costs, "empirical", None) or Empirical()
-    tasks, hops, gaps, factors = _centred(emp.task_samples(), costs), emp.hop_residuals(), emp.gaps, emp.factors
+    tasks, hops, gaps = _centred(emp.task_samples(), costs), emp.hop_residuals(), emp.gaps
+    mean = statistics.fmean(emp.factors) if emp.factors else 0.0
+    factors = tuple(f / mean for f in emp.factors) if mean > 0 else ()  # (their mean is the fit's, as the tasks' samples)
     rng = random.Random(seed)
     cores = getattr(costs, "cores", None)
     loads = runtime_loads(programs, getattr(costs, "runtime_cpu", 0.0))
@@ -136,8 +138,10 @@ def simulate_monte_carlo(programs: list[Program], costs: Any, runs: int = 100, s
             if one in tasks:
                 return g + rng.choice(tasks[one]) + costs.overhead
             if r.label.kind == "task" and r.label.tasks:
-                t = sum(costs.task_time(t) for t in r.label.tasks) + costs.overhead
-                return g + t * (rng.choice(factors) if factors else 1.0)
+                if factors:
+                    return g + (sum(costs.task_time(t) for t in r.label.tasks) + costs.overhead) * rng.choice(factors)
+                draws = (rng.choice(tasks[(t.stage, t.kind)]) if (t.stage, t.kind) in tasks else costs.task_time(t) for t in r.label.tasks)
+                return g + sum(draws) + costs.overhead
             return g + costs.other + costs.overhead
 
         def transfer_time(a: int, r: Recv) -> float:
