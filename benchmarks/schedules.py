@@ -1,26 +1,28 @@
 """Every built-in schedule on the GPT example, predicted and measured side by side.
 
 For each schedule, on 2 actors (pinned one per core, single-threaded XLA) and 4 actors (sharing the
-machine's cores when it has fewer): the step time (median of untraced steps); then two steps traced one after
-the other, the first to fit costs to and the second held out. Against the first: each actor's bubble
+machine's cores when it has fewer): the step time (median of untraced steps); then steps traced one after
+the other, each alone: the first to fit costs to, the next `--held-out` (3) held out (their median step time
+and bubble: this VM's step moves by 10-30 % from one step to the next). Against the first: each actor's bubble
 measured from its trace; the simulator's bubble for the same compiled Programs with costs fitted to that very
 trace (least squares over every Run's duration, a fused Run lasting the sum of its tasks) — how well the model
-fits, not a prediction; their ratio; the peak bytes of each actor's buffer table (the actors' own accounting:
+fits, not a prediction; their ratio; the simulated step over the traced one, and the traced step replayed with
+its own times (mpmd.observe.replay: 1.0 when the record is whole); the peak bytes of each actor's buffer table (the actors' own accounting:
 the nbytes of the step's buffers held at once, the same sizes the simulator adds up; not the allocator's peak
 or RSS) against the simulator's; and the pipeline efficiency 1 - mean measured bubble. One picture per
 schedule: the simulated timeline above the first traced step.
 
 Then predictions compared with a step their costs were not fitted to: the Monte Carlo simulator
 (mpmd.schedules.montecarlo: costs, and task times, gaps and hop residuals drawn from the distributions, of
-the first traced step; hops per route as latency + bytes / bandwidth) predicts the held-out second traced
-step of the same schedule and mesh (its step time and bubble; the untraced median is printed beside it) — a
+the first traced step; hops per route as latency + bytes / bandwidth) predicts the held-out traced steps of
+the same schedule and mesh (their step time and bubble; the untraced median is printed beside it) — a
 prediction from one step to the next, not to a new configuration; and costs fitted on 1F1B's first traced step
 with m microbatches predict every other schedule's held-out step and 1F1B's with 2m (per-stage costs split
 evenly when a schedule has more stages; I = W = B / 2 where the fit saw no split backward) — and, for the
 schedules that split the backward, the same costs with I and W taken from ZB-H1's first traced step (two
 traced configurations, as the tuner profiles a fused and a split variant).
 
-    python -m benchmarks.schedules [--actors 2,4] [--out benchmarks/out] [--steps 5]
+    python -m benchmarks.schedules [--actors 2,4] [--out benchmarks/out] [--steps 5] [--held-out 3]
 """
 
 from __future__ import annotations
@@ -89,9 +91,14 @@ def run_one(gpt, mesh, name: str, n: int, stages: int, args: argparse.Namespace,
         *state, loss = step(*state, batch)
     loss.block_until_ready()
     buffer_peak = [mesh.actor(a).stats()["last_step_peak_bytes"] for a in range(n)]  # the buffer tables' accounting, this step
-    with mesh.trace() as held_out:  # a step no cost is fitted to: what the predictions are compared with
-        *state, loss = step(*state, batch)
-    loss.block_until_ready()
+    held_ms, held_bubble = [], []
+    for _ in range(args.held_out):  # steps no cost is fitted to, each traced alone: what the predictions are compared with
+        with mesh.trace() as held_out:
+            *state, loss = step(*state, batch)
+        loss.block_until_ready()
+        w0, w1 = held_out.window()
+        held_ms.append((w1 - w0) * 1e3)
+        held_bubble.append(statistics.mean(measured_bubbles(held_out).values()))
     programs = step.compile(*state, batch).plan.programs
     costs = fit_costs(trace, stages, cores=mesh.shared_cores(), own_core=mesh.one_core_each())  # shared or pinned cores: own times
     sim = simulate_programs(programs, costs, name=f"{name} simulated")
@@ -102,9 +109,8 @@ def run_one(gpt, mesh, name: str, n: int, stages: int, args: argparse.Namespace,
     bubble_m = statistics.mean(meas.values())
     mc = simulate_monte_carlo(programs, costs, runs=100)
     replayed = replay_trace(trace, programs)
-    w0, w1 = held_out.window()
     return {"schedule": name, "actors": n, "stages": stages, "step_ms": statistics.median(times) * 1e3,
-            "held_out_ms": (w1 - w0) * 1e3, "held_out_bubble": statistics.mean(measured_bubbles(held_out).values()),
+            "held_out_ms": statistics.median(held_ms), "held_out_bubble": statistics.median(held_bubble),
             "mc_ms": mc.step_time * 1e3, "mc_bubble": mc.bubble, "bubble_mean": bubble_m,
             "costs": costs, "programs": programs, "microbatches": args.microbatches,
             "bubble_measured": [round(meas[a], 3) for a in sorted(meas)], "bubble_simulated": [round(b, 3) for b in sim.bubble_per_actor],
@@ -123,6 +129,8 @@ def main() -> None:
     p.add_argument("--rows", type=positive(int), default=4, help="rows per microbatch")
     p.add_argument("--steps", type=positive(int), default=5, help="steps per timed round (dispatched back to back)")
     p.add_argument("--rounds", type=positive(int), default=3)
+    p.add_argument("--held-out", type=positive(int), default=3,
+                   help="traced steps the predictions are compared with (their median step time and bubble; each traced alone)")
     p.add_argument("--only", default=None, help="comma-separated schedule names")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "out"), help="folder for the pictures")
     args = p.parse_args()
@@ -179,7 +187,7 @@ def main() -> None:
           "the Programs' dependencies explain it). peak buffer-table bytes: "
           "the actors' own accounting of the step's buffers held at once, the sizes the simulator adds up; not the allocator "
           "or RSS)")
-    print("\nMonte Carlo prediction (costs fitted to each run's first traced step) vs its second traced step, held out "
+    print(f"\nMonte Carlo prediction (costs fitted to each run's first traced step) vs the {args.held_out} traced steps after it, held out "
           "(the untraced median beside it):")
     for r in rows:
         print(f"  {r['schedule']:22s} {r['actors']} actors  step predicted {r['mc_ms']:8.2f} ms held out {r['held_out_ms']:8.2f} ms "
