@@ -183,8 +183,8 @@ def main() -> None:
               f"peak buffer-table bytes {r['peak_buffers']} simulated {r['peak_simulated']}", flush=True)
     print(f"\n(pinned one actor per core for up to {cores} actors; more actors share the cores. bubble 'fitted': the simulator "
           "on costs fitted to the very step it is set beside, a check of the fit, not a prediction; 'replayed': that step "
-          "replayed over its Programs with its own Runs', gaps' and hops' measured times, over its measured span (1.0: "
-          "the Programs' dependencies explain it). peak buffer-table bytes: "
+          "replayed over its Programs with its own Runs', gaps' and hops' measured times, over its measured span (1.0 when "
+          "the record is whole: every Run's last arrival reported, every transfer matched). peak buffer-table bytes: "
           "the actors' own accounting of the step's buffers held at once, the sizes the simulator adds up; not the allocator "
           "or RSS)")
     print(f"\nMonte Carlo prediction (costs fitted to each run's first traced step) vs the {args.held_out} traced steps after it, held out "
