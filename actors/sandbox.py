@@ -105,6 +105,7 @@ _EXIT_NAMES = {-signal.SIGSEGV: "SIGSEGV", -signal.SIGABRT: "SIGABRT", -signal.S
 # saw (its RSS grew 73 MB per 1,000 executables, and a job that compiles without a minute's pause never replaced it;
 # a probe). The next check after that many starts the fresh child (about a second, once in so many compiles).
 RECYCLE_AFTER = 256
+START_GRACE = 1.5  # s a compile waits for a busy compile child before another child starts (CheckerPool)
 
 
 @dataclass(frozen=True)
@@ -395,18 +396,21 @@ class CheckerPool:
     checker whose child is down only when there is nothing to wait for: a child's start (importing JAX, ~1.2 s of
     a core here) took longer than the compiles queued behind a warm one. Handed out in turn, the second compile of
     a daemon's life started the second child: 1.7 s for a blob that compiles in 0.22 s, and a 2-actor 1F1B step's
-    first call waited 3.5 s for its 4 executables per actor (measured 2026-12-06). With `spare_cores` (default: the
-    daemon may use 4 cores or more), a check that must wait also starts one more child in the background, so that
-    long compiles overlap once it is up; without, the children past the first start only when nothing else
-    could take the check."""
+    first call waited 3.5 s for its 4 executables per actor (measured 2026-12-06). A check that has waited
+    `start_grace` seconds (default: none on a daemon that may use 4 cores or more, else START_GRACE) starts one more
+    child in the background, so that a long or hostile compile does not hold up the others for long."""
 
-    def __init__(self, checkers: Sequence[BlobChecker], spare_cores: bool | None = None) -> None:
+    def __init__(self, checkers: Sequence[BlobChecker], start_grace: float | None = None) -> None:
         self.checkers = list(checkers)
         self._free = list(self.checkers)  # in the pool's order
         self._starting: set[BlobChecker] = set()  # free, but their child is being started (a check would wait for it)
         self._changed: asyncio.Event | None = None  # set when a checker comes back or a child is up
         self._starter: asyncio.Task[None] | None = None
-        self.spare_cores = len(os.sched_getaffinity(0)) >= 4 if spare_cores is None else spare_cores
+        self._start_failed = False  # (a background start failed: none again until a check ends, or it would spin)
+        if start_grace is None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            start_grace = 0.0 if cores >= 4 else START_GRACE
+        self.start_grace = start_grace
 
     @property
     def compile_dir(self) -> str | None:
@@ -424,9 +428,12 @@ class CheckerPool:
         finally:
             self._free.append(checker)
             self._free.sort(key=self.checkers.index)
+            self._start_failed = False
             self._notify()
 
     async def _take(self) -> BlobChecker:
+        loop = asyncio.get_running_loop()
+        since = loop.time()
         while True:
             free = [c for c in self._free if c not in self._starting]
             pick = next((c for c in free if c.ready), None)
@@ -435,10 +442,17 @@ class CheckerPool:
             if pick is not None:
                 self._free.remove(pick)
                 return pick
-            if free and self.spare_cores and not self._starting:
-                self._start(free[0])
+            timeout = None
+            if free and not self._starting and not self._start_failed:
+                timeout = since + self.start_grace - loop.time()
+                if timeout <= 0:
+                    self._start(free[0])
+                    timeout = None
             changed = self._changed = self._changed or asyncio.Event()
-            await changed.wait()
+            try:
+                await asyncio.wait_for(changed.wait(), timeout)
+            except TimeoutError:
+                pass
 
     def _notify(self) -> None:
         if self._changed is not None:
@@ -453,6 +467,7 @@ class CheckerPool:
             try:
                 await checker.start()
             except Exception as e:  # noqa: BLE001 - the check that takes it starts it (and says what goes wrong)
+                self._start_failed = True
                 log.warning("a compile checker did not start: %s", e)
             finally:
                 self._starting.discard(checker)

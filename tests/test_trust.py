@@ -1120,11 +1120,12 @@ def test_a_compile_child_is_replaced_after_so_many_blobs_and_the_daemon_clears_j
     assert cleared == [1] and c._dropped == 0
 
 
-def test_a_compile_goes_to_a_warm_compile_child_and_a_cold_one_starts_only_when_cores_are_spare():
+def test_a_compile_goes_to_a_warm_compile_child_and_a_cold_one_starts_once_a_compile_waited_its_grace():
     """The pool handed its checkers out in turn, so a daemon's second compile started the second child (JAX's import,
     ~1.2 s): 1.7 s for a blob that compiles in 0.2 s, and a 2-actor 1F1B step's first call waited 3.5 s (a probe).
-    Sequential checks, and overlapping ones without spare cores, all go to the first child; with spare cores an
-    overlapping check starts another child in the background and the pool then uses both."""
+    Sequential checks, and overlapping ones that wait less than the pool's start grace, all go to the first child;
+    a check that waits longer (here: no grace, as on a daemon with 4 cores or more) starts another child in the
+    background, and the pool then uses both."""
     import asyncio
 
     from jax import export
@@ -1135,7 +1136,7 @@ def test_a_compile_goes_to_a_warm_compile_child_and_a_cold_one_starts_only_when_
              for k in range(4)]
 
     async def main(spare: bool, overlap: bool) -> tuple[list[bool], list[int]]:
-        pool = sandbox.CheckerPool([sandbox.BlobChecker(timeout=120) for _ in range(2)], spare_cores=spare)
+        pool = sandbox.CheckerPool([sandbox.BlobChecker(timeout=120) for _ in range(2)], start_grace=0.0 if spare else 60.0)
         try:
             await pool.start()
             if overlap:
