@@ -651,6 +651,8 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     if orphaned.is_set():  # the controller that started us died (kill -9): the input segments it wrote that were never
         for ses in list(actor.sessions.values()):  # read are nobody's to unlink but ours (a probe found them for good)
             ses.inputs.sweep()
+    for ses in list(actor.sessions.values()):  # (get segments written for a reply that never came, or was never read)
+        ses.inputs.unlink_outputs(list(ses.inputs.written))
     checker.close()
     if not args.cache_dir:
         shutil.rmtree(compile_dir, ignore_errors=True)

@@ -25,7 +25,7 @@ import numpy as np
 from actors import checkpoint, collector, profiler, spmd
 from actors.buffers import BufferTable
 from actors.cache import ExecutableCache
-from actors.inputs import InputSegments
+from actors.inputs import OUTPUT_MIN_BYTES, InputSegments
 from actors.interpreter import Interpreter
 from actors.loader import Loaders, queue, unfinished
 from actors.request import HeldByLoader, NoSession, RequestError, StepAborted, field, int_list
@@ -435,15 +435,35 @@ class Actor:
         """One buffer (`buf`) or several (`bufs`), each as an array frame, once computed."""
         bufs = int_list(msg, "bufs") if "bufs" in msg.header else [field(msg, "buf", int)]
         distinct = list(dict.fromkeys(bufs))  # (an id named twice is copied to the host once)
+        into = msg.header.get("into")  # a segment name per entry of bufs (see InputSegments.write_output)
+        if into is not None and (not isinstance(into, list) or len(into) != len(bufs)):
+            raise RequestError(f"'get' field 'into' must list one segment name (or nil) per buffer ({len(bufs)})")
         values = await _taken_now(ses, distinct)
 
-        def frames() -> list[Any]:
+        def frames() -> tuple[dict, list[Any]]:
             host = dict(zip(distinct, (computed(v) for v in values)))
-            return [host[b] for b in bufs]
+            if into is None:
+                return {}, [host[b] for b in bufs]
+            first: dict[int, dict | None] = {}  # buffer -> its notice (a buffer named twice is written once)
+            try:
+                for b, name in zip(bufs, into):
+                    if b not in first:
+                        first[b] = ses.inputs.write_output(name, host[b])
+            except BaseException:
+                ses.inputs.unlink_outputs(n["name"] for n in first.values() if n is not None)
+                raise
+            notices = [first[b] for b in bufs]
+            return {"shm": notices}, [host[b] for b, n in zip(bufs, notices) if n is None]
 
-        if all(is_ready(v) for v in values):
-            return {}, frames()
-        return {}, await asyncio.to_thread(frames)
+        if all(is_ready(v) for v in values) and (into is None or all(getattr(v, "nbytes", 0) < OUTPUT_MIN_BYTES for v in values)):
+            return frames()  # (small: copied here, on the loop)
+        work = asyncio.ensure_future(asyncio.to_thread(frames))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:  # (the thread goes on: what it writes for a reply that will not come goes then)
+            work.add_done_callback(lambda w: None if w.cancelled() or w.exception() is not None else ses.inputs.unlink_outputs(
+                n["name"] for n in w.result()[0].get("shm", []) if n is not None))
+            raise
 
     async def wait(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         """Reply once the buffers `bufs` are computed (what `block_until_ready` asks)."""
@@ -516,6 +536,7 @@ class Actor:
             "running": len(ses.running),
             "last_step_peak_bytes": ses.last_step_peak_bytes,
             "shm_inputs": ses.inputs.reads,
+            "shm_outputs": ses.inputs.outputs,
             "shm_input_maps": len(ses.inputs.maps),
             "loader_calls": self.loaders.calls,
             "shm_input_bytes": ses.inputs.bytes,

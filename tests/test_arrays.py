@@ -203,11 +203,11 @@ def test_a_fetch_overtaken_by_a_step_donating_its_array_says_it_was_donated(mesh
     later = []
     real = mesh2.get_buffers
 
-    def overtaken(bufs):
+    def overtaken(bufs, *sizes):
         if not later:
             later.append(dist(out, batch))  # (the other thread's call, donating `out`)
             later[0][1].block_until_ready()
-        return real(bufs)
+        return real(bufs, *sizes)
 
     monkeypatch.setattr(mesh2, "get_buffers", overtaken)
     with pytest.raises(mpmd.MpmdError, match=r"was donated to _sgd_step \(donate_argnums\)"):

@@ -22,11 +22,11 @@ class BufferOwner(Protocol):
     @property
     def closed(self) -> bool: ...
 
-    def get_buffer(self, actor: int, buf: int) -> np.ndarray: ...
+    def get_buffer(self, actor: int, buf: int, nbytes: int = 0) -> np.ndarray: ...
 
     def get_buffer_async(self, actor: int, buf: int) -> concurrent.futures.Future[np.ndarray]: ...
 
-    def get_buffers(self, bufs: dict[int, list[int]]) -> dict[int, list[np.ndarray]]: ...
+    def get_buffers(self, bufs: dict[int, list[int]], nbytes: dict[int, list[int]] | None = None) -> dict[int, list[np.ndarray]]: ...
 
     def wait_buffers(self, bufs: dict[int, list[int]]) -> None: ...
 
@@ -170,11 +170,11 @@ class RemoteArray:
             if host is not None:  # (begun by copy_to_host_async, as jax.device_get does: recovered from alike; a probe)
                 return result_of(host)
             self._check_usable()
-            return self.mesh.get_buffer(self.actor, self.buffers[self.actor])
+            return self.mesh.get_buffer(self.actor, self.buffers[self.actor], self.nbytes)
         except MpmdError as e:
             self.drop_failed_host()
             if _recovered(self.mesh, e, self._ready) and self.buffers and self.buffers != before:
-                return self.mesh.get_buffer(self.actor, self.buffers[self.actor])  # rebound by the recovery
+                return self.mesh.get_buffer(self.actor, self.buffers[self.actor], self.nbytes)  # rebound by the recovery
             self._failed_fetch(e)
             self._step_error_first()
             raise
@@ -401,7 +401,7 @@ def _fetch(leaves: list[Any], treedef: Any) -> Any:
     for mesh, per_actor in by_mesh.items():
         bufs = {a: [leaves[i].buffers[a] for i in idx] for a, idx in per_actor.items()}
         try:
-            arrays = mesh.get_buffers(bufs)
+            arrays = mesh.get_buffers(bufs, {a: [leaves[i].nbytes for i in idx] for a, idx in per_actor.items()})
         except MpmdError as e:  # a lost actor the mesh recovered from: the arrays were rebound, read them again
             recovered = _recovered(mesh, e, None)
             if recovered:  # (one the recovery could not put back says so, not the loss it recovered from)
@@ -420,7 +420,8 @@ def _fetch(leaves: list[Any], treedef: Any) -> Any:
                 raise
             per_actor = _by_actor([leaves[i] for idx in per_actor.values() for i in idx],
                                   [i for idx in per_actor.values() for i in idx])
-            arrays = mesh.get_buffers({a: [leaves[i].buffers[a] for i in idx] for a, idx in per_actor.items()})
+            arrays = mesh.get_buffers({a: [leaves[i].buffers[a] for i in idx] for a, idx in per_actor.items()},
+                                      {a: [leaves[i].nbytes for i in idx] for a, idx in per_actor.items()})
         for a, idx in per_actor.items():
             got.update(zip(idx, arrays[a]))
     out = [from_wire(got[i] if i in got else x._wire(), x.dtype) if isinstance(x, RemoteArray) else x for i, x in enumerate(leaves)]

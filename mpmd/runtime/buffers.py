@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import logging
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,7 +19,10 @@ import numpy as np
 
 from mpmd.errors import ActorDiedError, MpmdError
 from mpmd.runtime.controller import CLOSED_MEANWHILE, ActorConnection, EventLoopThread, close_unstarted
+from transport.p2p import shm
 from transport.protocol import MAX_IDS
+
+log = logging.getLogger(__name__)
 
 
 async def gather(coros: Sequence[Any]) -> list[Any]:
@@ -29,10 +33,15 @@ async def gather(coros: Sequence[Any]) -> list[Any]:
 class BufferClient:
     """Buffer ids of one controller session, and the requests that read, wait for and free them."""
 
-    def __init__(self, conns: list[ActorConnection], io: EventLoopThread, closed: Callable[[], bool]) -> None:
+    def __init__(self, conns: list[ActorConnection], io: EventLoopThread, closed: Callable[[], bool],
+                 out_names: Callable[[int, int], list[str] | None] | None = None) -> None:
         self._conns = conns  # the mesh's list: a reconnect replaces an entry in place
         self._io = io
         self._closed = closed
+        # (actor, count) -> fresh shared-memory segment names for a get's large values, None for an actor on another
+        # host (mpmd/runtime/inputs.py: InputStager.output_names, read_output)
+        self._out_names = out_names
+        self._no_shm: set[int] = set()  # actors whose segments could not be read (another user's daemon): inline
         self._ids = itertools.count(1)
         self._garbage: list[tuple[int, int]] = []  # touched on the loop thread only
 
@@ -50,9 +59,47 @@ class BufferClient:
                 raise MpmdError(CLOSED_MEANWHILE) from e
             raise
 
-    def get(self, actor: int, buf: int) -> np.ndarray:
-        """One buffer's value: a read-only view that keeps the received frame alive (no copy)."""
-        return _read_only(self._run(self._conns[actor].request("get", {"buf": buf})).arrays[0])
+    def get(self, actor: int, buf: int, nbytes: int = 0) -> np.ndarray:
+        """One buffer's value: a read-only view that keeps the received frame (or shared memory) alive (no copy).
+        `nbytes`: its size, if known (a large value from an actor on this host comes through shared memory)."""
+        return _read_only(self._run(self._get(actor, [buf], self._names(actor, [nbytes])))[0])
+
+    def _names(self, actor: int, sizes: list[int]) -> list[str | None] | None:
+        """Segment names for the large values (by their `sizes`) of a get from `actor` through shared memory, None
+        for the rest (all None: none goes so). Asked in the caller's thread: the first one announces the segments'
+        prefix to the actor, a request of its own."""
+        from mpmd.runtime.inputs import SHM_INPUT_MIN_BYTES
+
+        if self._out_names is None or actor in self._no_shm or not any(n >= SHM_INPUT_MIN_BYTES for n in sizes) or \
+                self._io.on_loop_thread():
+            return None
+        names = self._out_names(actor, sum(n >= SHM_INPUT_MIN_BYTES for n in sizes))
+        if names is None:
+            return None
+        it = iter(names)
+        return [next(it) if n >= SHM_INPUT_MIN_BYTES else None for n in sizes]
+
+    async def _get(self, actor: int, bufs: list[int], names: list[str | None] | None) -> list[np.ndarray]:
+        """The values of `bufs` on `actor`, through the segments `names` (one per buffer, None: in the reply) when given."""
+        fields: dict[str, Any] = {"bufs": bufs}
+        if names is not None:
+            fields["into"] = names
+        try:
+            reply = await self._conns[actor].request("get", fields)
+            notices = reply.header.get("shm") if names is not None else None
+            if notices is None:  # (all inline: small values, or a daemon that writes none)
+                return list(reply.arrays)
+            try:
+                return _values(actor, reply, notices, names)
+            except MpmdError as e:  # (another user's daemon on this host, say: its segments are not ours to read)
+                if actor not in self._no_shm:
+                    log.warning("%s; values from actor %d come in the reply from now on", e, actor)
+                self._no_shm.add(actor)
+                return list((await self._conns[actor].request("get", {"bufs": bufs})).arrays)
+        finally:  # (each one read is gone already; these are what a failure, or the actor's before it, left)
+            for name in names or ():
+                if name is not None:
+                    shm.unlink(name)
 
     def get_async(self, actor: int, buf: int) -> concurrent.futures.Future[np.ndarray]:
         """Start fetching one buffer; a concurrent future of its numpy array."""
@@ -64,21 +111,24 @@ class BufferClient:
             raise MpmdError("this RemoteMesh is closed")
         return self._io.submit(get())
 
-    def _gets(self, bufs: dict[int, list[int]]) -> tuple[list[int], Any]:
-        """The 'get' requests for `bufs`: one per actor, or one per MAX_IDS of them (a daemon's limit)."""
-        parts = [(a, part) for a in sorted(bufs) for part in in_parts(bufs[a])]
-        return [a for a, _ in parts], gather([self._conns[a].request("get", {"bufs": b}) for a, b in parts])
+    def _gets(self, bufs: dict[int, list[int]], nbytes: dict[int, list[int]] | None = None) -> tuple[list[int], Any]:
+        """The 'get' requests for `bufs`: one per actor, or one per MAX_IDS of them (a daemon's limit); `nbytes`:
+        their sizes, if known (large values from actors on this host come through shared memory)."""
+        parts = [(a, start, part) for a in sorted(bufs) for start, part in zip(itertools.count(0, MAX_IDS), in_parts(bufs[a]))]
+        return [a for a, _, _ in parts], gather([
+            self._get(a, b, self._names(a, nbytes[a][start:start + len(b)]) if nbytes else None) for a, start, b in parts])
 
     @staticmethod
-    def _joined(actors: list[int], replies: list[Any]) -> dict[int, list[np.ndarray]]:
+    def _joined(actors: list[int], replies: list[list[np.ndarray]]) -> dict[int, list[np.ndarray]]:
         out: dict[int, list[np.ndarray]] = defaultdict(list)
         for a, r in zip(actors, replies):
-            out[a].extend(_read_only(x) for x in r.arrays)
+            out[a].extend(_read_only(x) for x in r)
         return dict(out)
 
-    def get_many(self, bufs: dict[int, list[int]]) -> dict[int, list[np.ndarray]]:
-        """Several buffers per actor, one request per actor (per MAX_IDS), all actors at once."""
-        actors, requests = self._gets(bufs)
+    def get_many(self, bufs: dict[int, list[int]], nbytes: dict[int, list[int]] | None = None) -> dict[int, list[np.ndarray]]:
+        """Several buffers per actor, one request per actor (per MAX_IDS), all actors at once; `nbytes`: their
+        sizes, as `get`'s."""
+        actors, requests = self._gets(bufs, nbytes)
         return self._joined(actors, self._run(requests))
 
     async def get_many_async(self, bufs: dict[int, list[int]]) -> dict[int, list[np.ndarray]]:
@@ -128,6 +178,28 @@ class BufferClient:
                         asyncio.get_running_loop().create_task(_quiet(self._conns[a].submit("delete", {"bufs": part})))
                 except MpmdError:
                     pass
+
+
+def _values(actor: int, reply: Any, notices: Any, names: list[str | None]) -> list[np.ndarray]:
+    """A get's values from its reply: inline frames, and those the actor wrote into the request's segments (its
+    `notices`: one per buffer, None for an inline one; a buffer named twice is written once)."""
+    from mpmd.runtime.inputs import read_output
+
+    given = {n for n in names if n is not None}
+    if not isinstance(notices, list) or len(notices) != len(names) or len(reply.arrays) != sum(n is None for n in notices) \
+            or any(n is not None and (not isinstance(n, dict) or n.get("name") not in given) for n in notices):
+        raise MpmdError(f"actor {actor}'s reply to a fetch of {len(names)} values does not match it ({len(reply.arrays)} "
+                        f"inline, segment notices {notices!r:.200})")
+    frames, read = iter(reply.arrays), {}
+    out = []
+    for n in notices:
+        if n is None:
+            out.append(next(frames))
+        else:
+            if n["name"] not in read:
+                read[n["name"]] = read_output(actor, n, n["name"])
+            out.append(read[n["name"]])
+    return out
 
 
 def in_parts(ids: list[int]) -> list[list[int]]:

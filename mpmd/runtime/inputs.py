@@ -15,6 +15,11 @@ arguments inline: each inline batch is encrypted by the controller's ZeroMQ thre
 actor, on the cores the pipeline computes on (a loop of 20 steps dispatched back to back sent 12 of them
 inline and cost the controller's I/O thread 3.3 ms per step; with 3 segments, 2 of every 5 batches of
 benchmarks/efficiency had gone inline).
+
+The other way, a large value fetched from an actor on this host (`output_names`, `read_output`): the `get` request
+names a fresh segment of the actor's prefix for each value, the actor creates it and copies the value in
+(actors/inputs.py), and the value is copied out here (through ZeroMQ's CURVE a 64 MiB get ran at 0.14-0.21 GiB/s,
+a quarter of a put).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import logging
 import mmap
 import os
 import secrets
+import stat
 import threading
 import time
 import weakref
@@ -38,7 +44,7 @@ from mpmd.errors import MpmdError
 from mpmd.runtime.launch.local import host_memory
 from transport.p2p import shm
 from transport.p2p.base import host_id
-from transport.protocol import dtype_name
+from transport.protocol import ProtocolError, array_spec, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +143,13 @@ class InputStager:
         if isinstance(p2p, dict) and p2p.get("host") is not None:
             return p2p["host"] == host_id()
         return any(p.actor_id == actor for p in getattr(self.mesh, "processes", ()))
+
+    def output_names(self, actor: int, count: int) -> list[str] | None:
+        """`count` fresh segment names for a `get` from `actor` to write large values into (see `read_output`);
+        None when it does not share this host."""
+        if not self._is_local(actor):
+            return None
+        return [f"{self.prefix(actor)}{next(self._names)}" for _ in range(count)]  # (next() holds the GIL: each name once)
 
     def stage(self, actor: int, arrays: list[np.ndarray], layouts: list[Any],
               wait: float = 0.0) -> tuple[list[dict[str, Any]], Callable[[], None]] | None:
@@ -271,6 +284,40 @@ class InputStager:
             self._pools.clear()
 
 
+def read_output(actor: int, notice: Any, name: str) -> np.ndarray:
+    """The value actor `actor` wrote into segment `name` for a `get`, per its reply's `notice`: a copy in this
+    process's memory (read in place, a fetched value kept /dev/shm's memory, which bounds every shared-memory path,
+    as long as the caller kept it); the segment is gone afterwards."""
+    try:
+        if not isinstance(notice, dict) or notice.get("name") != name:
+            raise ValueError(f"its notice names {notice.get('name') if isinstance(notice, dict) else notice!r:.80}, not {name!r}")
+        dtype, shape, nbytes = array_spec({"dtype": notice.get("dtype"), "shape": notice.get("shape")})
+        if notice.get("nbytes") != nbytes or nbytes == 0:
+            raise ValueError(f"{dtype.name}{list(shape)} is {nbytes} bytes but the notice says {notice.get('nbytes')!r:.40}")
+        fd = shm._posixshmem.shm_open(name, os.O_RDONLY | shm.OPEN_FLAGS, 0)
+        try:
+            st = os.fstat(fd)
+            kind = shm.not_a_segment(st)
+            if kind or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077 or st.st_ino != notice.get("ino"):
+                raise ValueError(f"{name} is not the segment the actor made ({kind or 'another file, owner or mode'}); is "
+                                 "something else on this host using mpmd's segment names?")
+            if st.st_size < nbytes:
+                raise ValueError(f"{name} holds {st.st_size} bytes, fewer than the {nbytes} of {dtype.name}{list(shape)}")
+            mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+    except (OSError, ValueError, ProtocolError, TypeError, KeyError) as e:
+        raise MpmdError(f"actor {actor}'s reply to a fetch pointed at shared memory that cannot be read: {e}") from None
+    finally:
+        shm.unlink(name)
+    try:
+        out = np.empty(shape, dtype)
+        np.copyto(out.reshape(-1).view(np.uint8), np.frombuffer(mm, np.uint8, nbytes))
+        return out
+    finally:
+        mm.close()
+
+
 def _write(seg: Segment, array: np.ndarray, offset: int, layout: Any = None) -> dict[str, Any]:
     """Copy `array` into `seg` at `offset`; the notice that tells the actor where it lies."""
     np.copyto(np.frombuffer(seg.mm, np.uint8, array.nbytes, offset), np.ascontiguousarray(array).reshape(-1).view(np.uint8))
@@ -319,4 +366,4 @@ def input_stager(mesh: Any) -> InputStager:
         return stager
 
 
-__all__ = ["SHM_INPUT_MIN_BYTES", "InputStager", "close_stager", "input_stager"]
+__all__ = ["SHM_INPUT_MIN_BYTES", "InputStager", "close_stager", "input_stager", "read_output"]

@@ -199,7 +199,7 @@ class RemoteMesh:
         self._finalizer.atexit = False  # (at exit the daemons see their parent go and clean up after themselves)
         start_reaper()
         self._io.call_soon(self._watchdog.start)
-        self.buffers = BufferClient(self._conns, self._io, lambda: self.closed)
+        self.buffers = BufferClient(self._conns, self._io, lambda: self.closed, self._output_names)
         self.executables = Executables(self._conns)
         self.closed = False
         self._opened = False
@@ -784,17 +784,18 @@ class RemoteMesh:
     def new_buffer_id(self) -> int:
         return self.buffers.new_id()
 
-    def get_buffer(self, actor: int, buf: int) -> np.ndarray:
-        """One buffer's value (a read-only view of the received bytes)."""
-        return self.buffers.get(actor, buf)
+    def get_buffer(self, actor: int, buf: int, nbytes: int = 0) -> np.ndarray:
+        """One buffer's value (a read-only view of the received bytes); `nbytes`: its size, if known (a large one
+        from an actor on this host comes through shared memory)."""
+        return self.buffers.get(actor, buf, nbytes)
 
     def get_buffer_async(self, actor: int, buf: int) -> concurrent.futures.Future[np.ndarray]:
         """Start fetching one buffer; a concurrent future of its value."""
         return self.buffers.get_async(actor, buf)
 
-    def get_buffers(self, bufs: dict[int, list[int]]) -> dict[int, list[np.ndarray]]:
-        """Several buffers per actor, one request per actor, all actors at once."""
-        return self.buffers.get_many(bufs)
+    def get_buffers(self, bufs: dict[int, list[int]], nbytes: dict[int, list[int]] | None = None) -> dict[int, list[np.ndarray]]:
+        """Several buffers per actor, one request per actor, all actors at once; `nbytes`: their sizes, as `get_buffer`'s."""
+        return self.buffers.get_many(bufs, nbytes)
 
     async def get_buffers_async(self, bufs: dict[int, list[int]]) -> dict[int, list[np.ndarray]]:
         """`get_buffers`, awaited from the caller's event loop."""
@@ -985,6 +986,12 @@ class RemoteMesh:
             raise
         layout = spec if spec is not None else (() if self.actor_mesh is not None else None)
         return puts, lambda: RemoteArray(self, bufs, shape, dtype, remote_sharding(layout, self.actor_mesh))
+
+    def _output_names(self, actor: int, count: int) -> list[str] | None:
+        """Segment names for a get's large values from `actor` (None: it is on another host; see inputs.py)."""
+        from mpmd.runtime.inputs import input_stager
+
+        return input_stager(self).output_names(actor, count)
 
     def _put_one(self, actor: int, buf: int, fields: dict[str, Any], wire: np.ndarray) -> Any:
         """The 'put' request of `wire` to `actor` (a coroutine): through one of its input segments when it shares
