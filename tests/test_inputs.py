@@ -1248,6 +1248,12 @@ def test_a_big_fetch_from_a_local_actor_comes_by_shared_memory_and_equals_what_w
     np.testing.assert_allclose(tree["y"][1], big.sum(), rtol=1e-6)
     assert jnp.array_equal(jax.random.key_data(tree["keys"]), jax.random.key_data(jax.random.split(jax.random.key(3), 20000)))
     assert _stats(mesh2, 1)["shm_outputs"] == before + 1 + 3  # (x once though named twice, y's first, the keys' data)
+    z = a.put(big + 1.0)
+    z.copy_to_host_async()  # (what jax.device_get starts with: its result is the next fetch's)
+    np.testing.assert_array_equal(np.asarray(z), big + 1.0)
+    w = a.put(big + 2.0)
+    np.testing.assert_array_equal(asyncio.run(mpmd.fetch_async({"w": w}))["w"], big + 2.0)
+    assert _stats(mesh2, 1)["shm_outputs"] == before + 1 + 3 + 2
     assert not _ours_in_dev_shm(mesh2, 1)
 
 

@@ -271,7 +271,8 @@ async def _fetch_async(tree: Any) -> Any:
 
     async def from_mesh(key: int) -> dict[int, np.ndarray]:
         per_actor = wanted[key]
-        got = await meshes[key].get_buffers_async({a: [leaves[i].buffers[a] for i in idx] for a, idx in per_actor.items()})
+        got = await meshes[key].get_buffers_async({a: [leaves[i].buffers[a] for i in idx] for a, idx in per_actor.items()},
+                                                  {a: [leaves[i].nbytes for i in idx] for a, idx in per_actor.items()})
         return {i: v for a, idx in per_actor.items() for i, v in zip(idx, got[a])}
 
     async def started(i: int) -> dict[int, np.ndarray]:  # a fetch begun by copy_to_host_async

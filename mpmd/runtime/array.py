@@ -24,7 +24,7 @@ class BufferOwner(Protocol):
 
     def get_buffer(self, actor: int, buf: int, nbytes: int = 0) -> np.ndarray: ...
 
-    def get_buffer_async(self, actor: int, buf: int) -> concurrent.futures.Future[np.ndarray]: ...
+    def get_buffer_async(self, actor: int, buf: int, nbytes: int = 0) -> concurrent.futures.Future[np.ndarray]: ...
 
     def get_buffers(self, bufs: dict[int, list[int]], nbytes: dict[int, list[int]] | None = None) -> dict[int, list[np.ndarray]]: ...
 
@@ -288,7 +288,7 @@ class RemoteArray:
         """Start fetching the array (what `jax.device_get` calls first); the next fetch uses the result."""
         if self._host is None:
             self._check_usable()
-            self._host = self.mesh.get_buffer_async(self.actor, self.buffers[self.actor])
+            self._host = self.mesh.get_buffer_async(self.actor, self.buffers[self.actor], self.nbytes)
 
     def is_ready(self) -> bool:
         """Whether the step making it has finished on every actor (without asking them)."""

@@ -34,11 +34,11 @@ class BufferClient:
     """Buffer ids of one controller session, and the requests that read, wait for and free them."""
 
     def __init__(self, conns: list[ActorConnection], io: EventLoopThread, closed: Callable[[], bool],
-                 out_names: Callable[[int, int], list[str] | None] | None = None) -> None:
+                 out_names: Callable[[int, int, bool], list[str] | None] | None = None) -> None:
         self._conns = conns  # the mesh's list: a reconnect replaces an entry in place
         self._io = io
         self._closed = closed
-        # (actor, count) -> fresh shared-memory segment names for a get's large values, None for an actor on another
+        # (actor, count, announce) -> fresh shared-memory segment names for a get's large values, None for an actor on another
         # host (mpmd/runtime/inputs.py: InputStager.output_names, read_output)
         self._out_names = out_names
         self._no_shm: set[int] = set()  # actors whose segments could not be read (another user's daemon): inline
@@ -64,7 +64,7 @@ class BufferClient:
         `nbytes`: its size, if known (a large value from an actor on this host comes through shared memory)."""
         return _read_only(self._run(self._get(actor, [buf], self._names(actor, [nbytes])))[0])
 
-    def _names(self, actor: int, sizes: list[int]) -> list[str | None] | None:
+    def _names(self, actor: int, sizes: list[int], announce: bool = True) -> list[str | None] | None:
         """Segment names for the large values (by their `sizes`) of a get from `actor` through shared memory, None
         for the rest (all None: none goes so). Asked in the caller's thread: the first one announces the segments'
         prefix to the actor, a request of its own."""
@@ -73,7 +73,7 @@ class BufferClient:
         if self._out_names is None or actor in self._no_shm or not any(n >= SHM_INPUT_MIN_BYTES for n in sizes) or \
                 self._io.on_loop_thread():
             return None
-        names = self._out_names(actor, sum(n >= SHM_INPUT_MIN_BYTES for n in sizes))
+        names = self._out_names(actor, sum(n >= SHM_INPUT_MIN_BYTES for n in sizes), announce)
         if names is None:
             return None
         it = iter(names)
@@ -101,22 +101,27 @@ class BufferClient:
                 if name is not None:
                     shm.unlink(name)
 
-    def get_async(self, actor: int, buf: int) -> concurrent.futures.Future[np.ndarray]:
-        """Start fetching one buffer; a concurrent future of its numpy array."""
-
-        async def get() -> np.ndarray:
-            return _read_only((await self._conns[actor].request("get", {"buf": buf})).arrays[0])
-
+    def get_async(self, actor: int, buf: int, nbytes: int = 0) -> concurrent.futures.Future[np.ndarray]:
+        """Start fetching one buffer; a concurrent future of its numpy array (`nbytes` as `get`'s, through shared
+        memory only once the actor knows the segments' prefix: announcing it would wait for a reply here)."""
         if self._closed():
             raise MpmdError("this RemoteMesh is closed")
+        names = self._names(actor, [nbytes], announce=False)
+
+        async def get() -> np.ndarray:
+            return _read_only((await self._get(actor, [buf], names))[0])
+
         return self._io.submit(get())
 
-    def _gets(self, bufs: dict[int, list[int]], nbytes: dict[int, list[int]] | None = None) -> tuple[list[int], Any]:
+    def _gets(self, bufs: dict[int, list[int]], nbytes: dict[int, list[int]] | None = None,
+              announce: bool = True) -> tuple[list[int], Any]:
         """The 'get' requests for `bufs`: one per actor, or one per MAX_IDS of them (a daemon's limit); `nbytes`:
-        their sizes, if known (large values from actors on this host come through shared memory)."""
+        their sizes, if known (large values from actors on this host come through shared memory; `announce`: as
+        `_names`)."""
         parts = [(a, start, part) for a in sorted(bufs) for start, part in zip(itertools.count(0, MAX_IDS), in_parts(bufs[a]))]
         return [a for a, _, _ in parts], gather([
-            self._get(a, b, self._names(a, nbytes[a][start:start + len(b)]) if nbytes else None) for a, start, b in parts])
+            self._get(a, b, self._names(a, nbytes[a][start:start + len(b)], announce) if nbytes else None)
+            for a, start, b in parts])
 
     @staticmethod
     def _joined(actors: list[int], replies: list[list[np.ndarray]]) -> dict[int, list[np.ndarray]]:
@@ -131,9 +136,10 @@ class BufferClient:
         actors, requests = self._gets(bufs, nbytes)
         return self._joined(actors, self._run(requests))
 
-    async def get_many_async(self, bufs: dict[int, list[int]]) -> dict[int, list[np.ndarray]]:
-        """`get_many`, awaited from the caller's event loop (the requests run on the controller's)."""
-        actors, requests = self._gets(bufs)
+    async def get_many_async(self, bufs: dict[int, list[int]], nbytes: dict[int, list[int]] | None = None) -> dict[int, list[np.ndarray]]:
+        """`get_many`, awaited from the caller's event loop (the requests run on the controller's; through shared
+        memory only once the actor knows the segments' prefix, as `get_async`)."""
+        actors, requests = self._gets(bufs, nbytes, announce=False)
         return self._joined(actors, await self._arun(requests))
 
     def wait(self, bufs: dict[int, list[int]]) -> None:

@@ -144,9 +144,11 @@ class InputStager:
             return p2p["host"] == host_id()
         return any(p.actor_id == actor for p in getattr(self.mesh, "processes", ()))
 
-    def output_names(self, actor: int, count: int) -> list[str] | None:
+    def output_names(self, actor: int, count: int, announce: bool = True) -> list[str] | None:
         """`count` fresh segment names for a `get` from `actor` to write large values into (see `read_output`);
-        None when it does not share this host."""
+        None when it does not share this host (or, without `announce`, has not been told the prefix yet)."""
+        if not announce and self._told.get(actor) is not self.mesh.conn(actor):
+            return None
         if not self._is_local(actor):
             return None
         return [f"{self.prefix(actor)}{next(self._names)}" for _ in range(count)]  # (next() holds the GIL: each name once)

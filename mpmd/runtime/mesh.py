@@ -789,17 +789,17 @@ class RemoteMesh:
         from an actor on this host comes through shared memory)."""
         return self.buffers.get(actor, buf, nbytes)
 
-    def get_buffer_async(self, actor: int, buf: int) -> concurrent.futures.Future[np.ndarray]:
-        """Start fetching one buffer; a concurrent future of its value."""
-        return self.buffers.get_async(actor, buf)
+    def get_buffer_async(self, actor: int, buf: int, nbytes: int = 0) -> concurrent.futures.Future[np.ndarray]:
+        """Start fetching one buffer; a concurrent future of its value (`nbytes` as `get_buffer`'s)."""
+        return self.buffers.get_async(actor, buf, nbytes)
 
     def get_buffers(self, bufs: dict[int, list[int]], nbytes: dict[int, list[int]] | None = None) -> dict[int, list[np.ndarray]]:
         """Several buffers per actor, one request per actor, all actors at once; `nbytes`: their sizes, as `get_buffer`'s."""
         return self.buffers.get_many(bufs, nbytes)
 
-    async def get_buffers_async(self, bufs: dict[int, list[int]]) -> dict[int, list[np.ndarray]]:
+    async def get_buffers_async(self, bufs: dict[int, list[int]], nbytes: dict[int, list[int]] | None = None) -> dict[int, list[np.ndarray]]:
         """`get_buffers`, awaited from the caller's event loop."""
-        return await self.buffers.get_many_async(bufs)
+        return await self.buffers.get_many_async(bufs, nbytes)
 
     def wait_buffers(self, bufs: dict[int, list[int]]) -> None:
         """Until the listed buffers are computed on their actors."""
@@ -987,11 +987,11 @@ class RemoteMesh:
         layout = spec if spec is not None else (() if self.actor_mesh is not None else None)
         return puts, lambda: RemoteArray(self, bufs, shape, dtype, remote_sharding(layout, self.actor_mesh))
 
-    def _output_names(self, actor: int, count: int) -> list[str] | None:
+    def _output_names(self, actor: int, count: int, announce: bool = True) -> list[str] | None:
         """Segment names for a get's large values from `actor` (None: it is on another host; see inputs.py)."""
         from mpmd.runtime.inputs import input_stager
 
-        return input_stager(self).output_names(actor, count)
+        return input_stager(self).output_names(actor, count, announce)
 
     def _put_one(self, actor: int, buf: int, fields: dict[str, Any], wire: np.ndarray) -> Any:
         """The 'put' request of `wire` to `actor` (a coroutine): through one of its input segments when it shares
