@@ -4,7 +4,8 @@
 * dispatch overhead per `Run` instruction (a step of many tiny tasks, per instruction);
 * the first distributed step (trace, compile, run) vs the first `jax.jit` call, both with cold caches, right after
   the actors started (`--settle S`: S seconds later, once their start has finished — the compile child up, JAX's
-  lowering warmed — as after a user's model and data setup);
+  lowering warmed — as after a user's model and data setup); and the first call of a 2-stage 1F1B step on 2
+  actors (several executables per actor) vs `jax.jit`'s of the same step;
 * a 2-stage 1F1B step vs the schedule's ideal (sum of one stage's compute, from the 1-actor run).
 
     python -m benchmarks.pipeline [--settle 0]
@@ -142,8 +143,16 @@ def main(settle: float = 0.0) -> None:
         batch = {"x": rng.standard_normal((mbs, mb_size, width)).astype(np.float32),
                  "y": rng.standard_normal((mbs, mb_size, width)).astype(np.float32)}
         dist2 = mpmd.distributed(step2, mesh=mesh)
+        t = time.perf_counter()
         out = dist2(params2, opt.init(params2), batch)
         out[2].to_numpy()
+        first2 = time.perf_counter() - t
+        ref2 = jax.jit(make(2, width, depth, mpmd.OneFOneB(2))[0])  # (its own copy, traced afresh)
+        t = time.perf_counter()
+        jax.block_until_ready(ref2(params2, opt.init(params2), batch))
+        jit_first2 = time.perf_counter() - t
+        print(f"first call of the 2-stage 1F1B step on 2 actors (an executable per task kind and actor, compiled in "
+              f"the actors' compile children): jax.jit {jit_first2:.2f} s, mpmd {first2:.2f} s, ratio {first2 / jit_first2:.2f}")
         t2 = timed(lambda: dist2(out[0], out[1], batch)[2].to_numpy(), 5)
         step1, params1, _ = make(1, width, depth, mpmd.GPipe(1))  # one stage's work, on one actor
         one = mpmd.RemoteMesh.connect(mesh.addresses[:1], transport="none", keys=mesh.keys)
