@@ -9,7 +9,8 @@ order, is what the daemon would do next — so the daemon itself only ever parse
 3. read every ``stablehlo.custom_call`` target and compare it with the allow-list: a custom call runs a
    C++ function linked into jaxlib by name, and ``deserialize`` does not check which — host callbacks
    (``xla_python_cpu_callback``) would call into whatever Python object a pointer names,
-4. lower ``jax.jit(exp.call)`` for the blob's platforms (the rewriting the daemon's compile starts with).
+4. lower ``jax.jit(exp.call)`` for the blob's platforms (the rewriting the daemon's compile starts with) — left
+   out where the child compiles the blob next (CPU daemons), since that compile lowers it first.
 
 Between 3 and 4, every custom call's operand and result types (and kernel attributes) are checked against
 the form JAX itself writes for that kernel (`actors.signatures`): a kernel trusts them, and a LAPACK call
@@ -261,8 +262,9 @@ class BlobChecker:
                 self._idler = asyncio.get_running_loop().call_later(self.idle, self._stop_soon)
 
     async def _check_and_compile(self, blob: bytes, compile_spec: dict[str, Any] | None) -> CheckResult:
-        result = await self._check(blob)
-        if compile_spec is not None and self.compile_dir is not None:
+        compiles = compile_spec is not None and self.compile_dir is not None
+        result = await self._check(blob, compiled_next=compiles)
+        if compiles:
             await self._compile(compile_spec)
         return result
 
@@ -310,11 +312,10 @@ class BlobChecker:
         return report
 
     def _exchange(self, proc: subprocess.Popen[bytes], blob: bytes, stage: str = "deserializing it") -> dict | None:
-        """Send the blob, read the child's reports; the verdict, or None if the child died (runs in a thread)."""
+        """Send a message (its kind byte first: B a blob to check, b one to check whose compile follows, C that
+        compile), read the child's reports; the verdict, or None if the child died (runs in a thread)."""
         assert proc.stdin is not None and proc.stdout is not None
         self._stage = "sending it"
-        if not blob.startswith(b"C"):
-            blob = b"B" + blob
         try:
             proc.stdin.write(struct.pack("<Q", len(blob)) + blob)
             proc.stdin.flush()
@@ -330,11 +331,13 @@ class BlobChecker:
                 return report
             self._stage = report["stage"]
 
-    async def _check(self, blob: bytes) -> CheckResult:
+    async def _check(self, blob: bytes, compiled_next: bool = False) -> CheckResult:
         t = time.monotonic()
         proc = await self._in_thread(self._ensure)
+        # (the kind byte is always ours: a blob starting with "C" was taken for a compile command, of JSON of the
+        # sender's choosing, and its check passed with no custom calls)
         report = await self._report(
-            proc, blob, "deserializing it",
+            proc, (b"b" if compiled_next else b"B") + blob, "deserializing it",
             lambda: f"the executable was refused: {self._stage} did not finish within {self.timeout:g} s (the checker was "
                     "stopped); the blob is corrupt or hostile, or mpmd-actor --compile-timeout is too short for it",
             lambda how: f"the executable was refused: it crashed the compile checker ({how}) while {self._stage}; the blob "
@@ -595,8 +598,9 @@ def _child() -> None:
                         wrong.setdefault(call.target, str(e)[:1500])
             except SignatureError as e:
                 wrong["<unreadable>"] = str(e)[:1500]
-            say(stage="lowering it")  # harmless whatever the targets: nothing runs; the parent judges them
-            jax.jit(exp.call).trace(*exp.in_avals).lower(lowering_platforms=tuple(exp.platforms))
+            if kind != b"b":  # (a compile that follows lowers it for the daemon's platform first: ~10 ms saved per blob)
+                say(stage="lowering it")  # harmless whatever the targets: nothing runs; the parent judges them
+                jax.jit(exp.call).trace(*exp.in_avals).lower(lowering_platforms=tuple(exp.platforms))
             say(ok=True, targets=sorted(set(targets)), platforms=list(exp.platforms), wrong=wrong)
         except Exception as e:
             exp = None

@@ -1157,3 +1157,32 @@ def test_a_compile_goes_to_a_warm_compile_child_and_a_cold_one_starts_once_a_com
     assert asyncio.run(main(spare=False, overlap=True)) == ([True, False], [4, 0])
     ready, checks = asyncio.run(main(spare=True, overlap=True))
     assert ready == [True, True] and sum(checks) == 4 and checks[0] >= 1
+
+
+def test_a_blob_that_starts_like_a_compile_command_is_checked_as_a_blob(tmp_path):
+    """The checker told a blob from a compile command by its first byte: a blob starting with "C" went to the child
+    as a compile command, of JSON of the sender's choosing (the previous blob compiled into a directory it named),
+    and its check passed with no custom calls, so the daemon then deserialized the unchecked bytes itself (found
+    reading the checker). The kind byte is the checker's own: such a blob is refused as the bytes it is."""
+    import asyncio
+    import json
+
+    from jax import export
+
+    from actors import sandbox
+
+    good = bytes(export.export(jax.jit(lambda x: x * 2.0))(jax.ShapeDtypeStruct((4,), np.float32)).serialize())
+    elsewhere = tmp_path / "not-yours"
+    hostile = b"C" + json.dumps({"cache_dir": str(elsewhere), "ordered": False}).encode()
+
+    async def main():
+        checker = sandbox.BlobChecker(timeout=120)
+        try:
+            assert (await checker.check(good)).platforms == ("cpu",)
+            with pytest.raises(sandbox.BlobRefused, match="refused while deserializing"):
+                await checker.check(hostile)
+        finally:
+            checker.close()
+
+    asyncio.run(main())
+    assert not elsewhere.exists()
