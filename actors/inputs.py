@@ -17,8 +17,9 @@ here, so the mappings a session holds stay bounded.
 The other way (a `get` of a large value, `write_output`): the controller names, in the encrypted request, a fresh
 segment of its prefix for each value; the actor creates it (mode 600, must not exist yet), copies the value in and
 replies with a notice ``{name, ino, nbytes, dtype, shape}`` instead of the bytes; the controller maps it, checks it
-is that file, unlinks the name and reads the value in place (a 64 MiB get went through ZeroMQ's CURVE at 0.14-0.21
-GiB/s). A name the controller never mapped (it died) goes with the session's `sweep`.
+is that file, unlinks the name and copies the value out (a 64 MiB get went through ZeroMQ's CURVE at 0.14-0.21
+GiB/s). A segment whose reply never came (the get cancelled) or was never read goes when the session ends or the
+daemon stops; until then a session's unread ones are bounded by OUTPUT_MAX_BYTES.
 """
 
 from __future__ import annotations

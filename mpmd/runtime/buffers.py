@@ -60,8 +60,9 @@ class BufferClient:
             raise
 
     def get(self, actor: int, buf: int, nbytes: int = 0) -> np.ndarray:
-        """One buffer's value: a read-only view that keeps the received frame (or shared memory) alive (no copy).
-        `nbytes`: its size, if known (a large value from an actor on this host comes through shared memory)."""
+        """One buffer's value, read-only: a view that keeps the received frame alive (no copy), or the copy of what
+        the actor wrote into shared memory (`nbytes`: its size, if known: a large value from an actor on this host
+        comes so)."""
         return _read_only(self._run(self._get(actor, [buf], self._names(actor, [nbytes])))[0])
 
     def _names(self, actor: int, sizes: list[int], announce: bool = True) -> list[str | None] | None:
