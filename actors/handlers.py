@@ -438,6 +438,8 @@ class Actor:
         into = msg.header.get("into")  # a segment name per entry of bufs (see InputSegments.write_output)
         if into is not None and (not isinstance(into, list) or len(into) != len(bufs)):
             raise RequestError(f"'get' field 'into' must list one segment name (or nil) per buffer ({len(bufs)})")
+        if into is not None and not self.ownership.governs(ses.owner):
+            into = None  # (a guest's values come in the reply: /dev/shm is not in its quota)
         values = await _taken_now(ses, distinct)
 
         def frames() -> tuple[dict, list[Any]]:

@@ -56,6 +56,7 @@ class InputSegments:
         self.outputs = 0  # values a `get` handed back through shared memory
         self.written: dict[str, int] = {}  # get segments made for this session (name -> bytes), until seen read
         self._lock = threading.Lock()  # (get segments are written in worker threads)
+        self._closed = False
 
     def set_prefix(self, prefix: Any) -> None:
         """Accept segments named `prefix` + a number from now on (once per session; the same prefix again is fine)."""
@@ -78,12 +79,19 @@ class InputSegments:
         if value.nbytes < OUTPUT_MIN_BYTES or not self._ours(name) or not self._room_for(value.nbytes):
             return None
         host = np.ascontiguousarray(value)
+        dtype = dtype_name(host.dtype)  # (before the segment: a dtype that cannot travel leaves none behind)
         try:
             mm, ino = shm.create_segment(name, host.nbytes)
         except OSError:
             return None
         with self._lock:
-            self.written[name] = host.nbytes
+            closed = self._closed
+            if not closed:
+                self.written[name] = host.nbytes
+        if closed:  # (the session ended while this get's thread ran: nothing would unlink it)
+            mm.close()
+            shm.unlink(name)
+            return None
         try:
             np.copyto(np.frombuffer(mm, np.uint8, host.nbytes), host.reshape(-1).view(np.uint8))
         except BaseException:
@@ -93,7 +101,7 @@ class InputSegments:
             mm.close()
         with self._lock:
             self.outputs += 1
-        return {"name": name, "ino": ino, "nbytes": int(host.nbytes), "dtype": dtype_name(host.dtype), "shape": list(host.shape)}
+        return {"name": name, "ino": ino, "nbytes": int(host.nbytes), "dtype": dtype, "shape": list(host.shape)}
 
     def _room_for(self, nbytes: int) -> bool:
         """Whether `nbytes` more fit in OUTPUT_MAX_BYTES of segments written for this session and not yet read (its
@@ -240,6 +248,8 @@ class InputSegments:
         return removed
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
         self.unlink_outputs(list(self.written))  # (those its controller never read: a get abandoned mid-way)
         for mm in self.maps.values():
             try:

@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -1314,21 +1315,28 @@ def test_get_segments_no_controller_reads_are_bounded_and_gone_when_the_daemon_s
         assert segs.write_output(f"{prefix}5", value) is None  # (1, 2 and 4 still unread)
         for k in (1, 2, 4):
             shm.unlink(f"{prefix}{k}")
-        for k in range(6, 6 + 2 * actor_inputs.MAX_SEGMENTS):  # (read at once each time: the remembered names stay few)
+        monkeypatch.setattr(actor_inputs, "OUTPUT_MAX_BYTES", 1 << 30)
+        for k in range(6, 6 + 3 * actor_inputs.MAX_SEGMENTS):  # (read at once each time: the remembered names stay few)
             n = segs.write_output(f"{prefix}{k}", value)
             shm.unlink(n["name"])
-        assert len(segs.written) <= actor_inputs.MAX_SEGMENTS + 3
+        assert len(segs.written) <= actor_inputs.MAX_SEGMENTS
     finally:
         segs.close()
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix[1:])]
+    assert segs.write_output(f"{prefix}1000", value) is None  # (after the session's end: a get's thread still running)
+    assert not os.path.exists(f"/dev/shm{prefix}1000")
 
-    with mpmd.RemoteMesh.local(num_actors=1) as mesh:
-        x = mesh.actor(0).put(np.ones(1 << 16, np.float32))
-        x.to_numpy()
-        name = f"{input_stager(mesh).prefix(0)}{10**9}"
-        reply = mesh.run(mesh.conn(0).request("get", {"bufs": [x.buffers[0]], "into": [name]}))
-        assert reply.header["shm"][0]["name"] == name and os.path.exists(f"/dev/shm{name}")
-    assert not os.path.exists(f"/dev/shm{name}")
+    for kill in (False, True):  # a daemon stopped cleanly unlinks them; one killed leaves them to the mesh's close
+        with mpmd.RemoteMesh.local(num_actors=1) as mesh:
+            x = mesh.actor(0).put(np.ones(1 << 16, np.float32))
+            x.to_numpy()
+            name = f"{input_stager(mesh).prefix(0)}{10**9}"
+            reply = mesh.run(mesh.conn(0).request("get", {"bufs": [x.buffers[0]], "into": [name]}))
+            assert reply.header["shm"][0]["name"] == name and os.path.exists(f"/dev/shm{name}")
+            if kill:
+                os.kill(mesh.processes[0].proc.pid, signal.SIGKILL)
+                mesh.processes[0].proc.wait(10)
+        assert not os.path.exists(f"/dev/shm{name}")
 
 
 def test_a_fetch_whose_segment_cannot_be_read_comes_in_the_reply_and_the_next_ones_too(monkeypatch, caplog):

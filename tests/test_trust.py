@@ -1125,7 +1125,7 @@ def test_a_compile_goes_to_a_warm_compile_child_and_a_cold_one_starts_once_a_com
     ~1.2 s): 1.7 s for a blob that compiles in 0.2 s, and a 2-actor 1F1B step's first call waited 3.5 s (a probe).
     Sequential checks, and overlapping ones that wait less than the pool's start grace, all go to the first child;
     a check that waits longer (here: no grace, as on a daemon with 4 cores or more) starts another child in the
-    background, and the pool then uses both."""
+    background."""
     import asyncio
 
     from jax import export
@@ -1145,10 +1145,7 @@ def test_a_compile_goes_to_a_warm_compile_child_and_a_cold_one_starts_once_a_com
                 for b in blobs:
                     await pool.check(b)
             if spare:  # (the background start may end after the checks: wait for it)
-                for _ in range(200):
-                    if all(c.ready for c in pool.checkers):
-                        break
-                    await asyncio.sleep(0.05)
+                await asyncio.wait_for(asyncio.shield(pool._starter), 300)
             return [c.ready for c in pool.checkers], [c.checks for c in pool.checkers]
         finally:
             pool.close()
@@ -1156,7 +1153,7 @@ def test_a_compile_goes_to_a_warm_compile_child_and_a_cold_one_starts_once_a_com
     assert asyncio.run(main(spare=False, overlap=False)) == ([True, False], [4, 0])
     assert asyncio.run(main(spare=False, overlap=True)) == ([True, False], [4, 0])
     ready, checks = asyncio.run(main(spare=True, overlap=True))
-    assert ready == [True, True] and sum(checks) == 4 and checks[0] >= 1
+    assert ready == [True, True] and sum(checks) == 4
 
 
 def test_a_blob_that_starts_like_a_compile_command_is_checked_as_a_blob(tmp_path):
@@ -1186,3 +1183,37 @@ def test_a_blob_that_starts_like_a_compile_command_is_checked_as_a_blob(tmp_path
 
     asyncio.run(main())
     assert not elsewhere.exists()
+
+
+def test_a_guests_get_never_writes_shared_memory_the_owners_does(tmp_path):
+    """A get may ask the actor to write each large value into a shared-memory segment (a fetch from a local actor):
+    memory outside any quota, so a guest key's gets come in the reply whatever they ask (a review: a guest that never
+    read its segments could hold 1 GiB of /dev/shm per session); the owner's are written."""
+    from mpmd.runtime.inputs import input_stager
+
+    proc, address, keys = _guest_daemon(tmp_path)
+    value = np.arange(1 << 15, dtype=np.float32)  # 128 KiB
+    made = []
+    try:
+        with mpmd.RemoteMesh.connect([address], keys=keys["alice"], transport="none") as alice, \
+                mpmd.RemoteMesh.connect([address], keys=keys["bob"], transport="none") as bob:
+            for mesh, who in ((alice, "alice"), (bob, "bob")):
+                x = mesh.actor(0).put(value)
+                prefix = input_stager(mesh).prefix(0)  # (told already, if the daemon shares this host: the same again is fine)
+                told = raw_request(address, {"op": "input_shm", "id": 1, "session": mesh.session, "prefix": prefix}, keys=keys[who])
+                assert told.op == "reply", told.header
+                made.append(f"{prefix}{10**9}")
+                got = raw_request(address, {"op": "get", "id": 2, "session": mesh.session, "bufs": [x.buffers[0]],
+                                            "into": [made[-1]]}, keys=keys[who])
+                assert got.op == "reply", got.header
+                if who == "alice":
+                    assert got.header["shm"][0]["name"] == made[-1] and not got.arrays
+                else:
+                    assert "shm" not in got.header and np.array_equal(got.arrays[0], value)
+                    assert not os.path.exists(f"/dev/shm{made[-1]}")
+        assert proc.poll() is None
+    finally:
+        for name in made:
+            if os.path.exists(f"/dev/shm{name}"):
+                os.unlink(f"/dev/shm{name}")
+        stop_daemon(proc)

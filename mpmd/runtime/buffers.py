@@ -90,8 +90,8 @@ class BufferClient:
             notices = reply.header.get("shm") if names is not None else None
             if notices is None:  # (all inline: small values, or a daemon that writes none)
                 return list(reply.arrays)
-            try:
-                return _values(actor, reply, notices, names)
+            try:  # (copied out in a thread: a big one would hold every other reply on this loop)
+                return await asyncio.to_thread(_values, actor, reply, notices, names)
             except MpmdError as e:  # (another user's daemon on this host, say: its segments are not ours to read)
                 if actor not in self._no_shm:
                     log.warning("%s; values from actor %d come in the reply from now on", e, actor)
@@ -194,7 +194,8 @@ def _values(actor: int, reply: Any, notices: Any, names: list[str | None]) -> li
 
     given = {n for n in names if n is not None}
     if not isinstance(notices, list) or len(notices) != len(names) or len(reply.arrays) != sum(n is None for n in notices) \
-            or any(n is not None and (not isinstance(n, dict) or n.get("name") not in given) for n in notices):
+            or any(n is not None and (not isinstance(n, dict) or not isinstance(n.get("name"), str) or n["name"] not in given)
+                   for n in notices):
         raise MpmdError(f"actor {actor}'s reply to a fetch of {len(names)} values does not match it ({len(reply.arrays)} "
                         f"inline, segment notices {notices!r:.200})")
     frames, read = iter(reply.arrays), {}

@@ -284,6 +284,12 @@ class InputStager:
         with self._lock:
             _close_all(self._pools)
             self._pools.clear()
+        # Any other segment of this mesh's prefix is dead with it: one an actor made for a get that was cancelled,
+        # or whose daemon was killed before it could unlink what was never read.
+        if os.path.isdir("/dev/shm"):
+            for name in os.listdir("/dev/shm"):
+                if name.startswith(self._base[1:]):
+                    shm.unlink("/" + name)
 
 
 def read_output(actor: int, notice: Any, name: str) -> np.ndarray:
