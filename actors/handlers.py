@@ -463,8 +463,11 @@ class Actor:
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:  # (the thread goes on: what it writes for a reply that will not come goes then)
-            work.add_done_callback(lambda w: None if w.cancelled() or w.exception() is not None else ses.inputs.unlink_outputs(
-                n["name"] for n in w.result()[0].get("shm", []) if n is not None))
+            def unlink_written(w: asyncio.Future[tuple[dict, list[Any]]]) -> None:
+                if not w.cancelled() and w.exception() is None:
+                    ses.inputs.unlink_outputs(n["name"] for n in w.result()[0].get("shm", []) if n is not None)
+
+            work.add_done_callback(unlink_written)
             raise
 
     async def wait(self, ses: Session | None, msg: Message) -> tuple[dict, list]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import mmap
 import os
 import re
-import stat
 import threading
 from typing import Any
 
@@ -198,16 +197,9 @@ class InputSegments:
             if kind:
                 raise RequestError(f"shared-memory input {name} is not a shared-memory segment (a regular file) but {kind}; "
                                    "is something else on this host using mpmd's segment names?")
-            if st.st_uid != os.getuid():
-                raise RequestError(f"shared-memory input {name} belongs to user {st.st_uid}, not to this actor's user")
-            if stat.S_IMODE(st.st_mode) & 0o077:
-                raise RequestError(f"shared-memory input {name} has mode {stat.S_IMODE(st.st_mode):o}; inputs must be 600")
-            if st.st_size == 0:
-                raise RequestError(f"shared-memory input {name} is empty")
-            if st.st_ino != ino:  # (another process of this user put its own file under the name: its bytes would be
-                # read as the step's inputs; a probe did it to the actors' own segments)
-                raise RequestError(f"shared-memory input {name} is not the file the controller made (another took its "
-                                   "name); is something else on this host using mpmd's segment names?")
+            why = shm.refusal(st, ino, "the controller") or ("is empty" if st.st_size == 0 else "")
+            if why:
+                raise RequestError(f"shared-memory input {name} {why}")
             mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:
             os.close(fd)

@@ -109,6 +109,7 @@ def run_one(gpt, mesh, name: str, n: int, stages: int, args: argparse.Namespace,
     bubble_m = statistics.mean(meas.values())
     mc = simulate_monte_carlo(programs, costs, runs=100)
     replayed = replay_trace(trace, programs)
+    t0, t1 = trace.window()
     return {"schedule": name, "actors": n, "stages": stages, "step_ms": statistics.median(times) * 1e3,
             "held_out_ms": statistics.median(held_ms), "held_out_bubble": statistics.median(held_bubble),
             "mc_ms": mc.step_time * 1e3, "mc_bubble": mc.bubble, "bubble_mean": bubble_m,
@@ -116,7 +117,7 @@ def run_one(gpt, mesh, name: str, n: int, stages: int, args: argparse.Namespace,
             "bubble_measured": [round(meas[a], 3) for a in sorted(meas)], "bubble_simulated": [round(b, 3) for b in sim.bubble_per_actor],
             "ratio": bubble_m / sim.bubble if sim.bubble > 0 else float("nan"), "peak_buffers": buffer_peak,
             "peak_simulated": list(sim.peak_bytes or []), "efficiency": 1 - bubble_m, "picture": str(picture),
-            "replayed": replayed, "fitted_ms": sim.step_time * 1e3, "traced_ms": (trace.window()[1] - trace.window()[0]) * 1e3}
+            "replayed": replayed, "fitted_ms": sim.step_time * 1e3, "traced_ms": (t1 - t0) * 1e3}
 
 
 def main() -> None:

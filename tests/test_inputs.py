@@ -1281,7 +1281,7 @@ def test_hostile_get_segment_names_never_overwrite_a_file_and_a_bad_notice_is_re
         reply = mesh2.run(mesh2.conn(0).request("get", {"bufs": [x.buffers[0]], "into": [fresh]}))
         notice = reply.header["shm"][0]
         assert notice["name"] == fresh and not reply.arrays
-        with pytest.raises(MpmdError, match="not the segment the actor made"):
+        with pytest.raises(MpmdError, match="is not the file actor 0 made"):
             inputs_module.read_output(0, {**notice, "ino": notice["ino"] + 1}, fresh)
         assert not os.path.exists(f"/dev/shm{fresh}")
         with pytest.raises(MpmdError, match="bytes but the notice says"):

@@ -397,7 +397,7 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
     # (From the arrival of its last input, not from when the interpreter saw it there: reaching a Run late, after
     # posting the sends before it, is the runtime's time too. Counted from when it saw them, a 1F1B step's gaps
     # were a fifth of what they were, and a replay of the step with its own Runs, gaps and hops ended 2 % early.)
-    gaps = [b.start - b.could_start(a.end) for x in steps.values() for a, b in zip(x.runs, x.runs[1:]) if b.start >= b.could_start(a.end)]
+    gaps = [g for x in steps.values() for a, b in zip(x.runs, x.runs[1:]) if (g := b.start - b.could_start(a.end)) >= 0]
     gap = float(np.mean(gaps)) if gaps else 0.0  # the mean: the simulator adds it to every Run, the sum must match
     small, big = [], []  # (each transfer's time: see hop_times)
     per_route: dict[tuple[int, int], list[tuple[float, int]]] = {}

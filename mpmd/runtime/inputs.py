@@ -30,7 +30,6 @@ import logging
 import mmap
 import os
 import secrets
-import stat
 import threading
 import time
 import weakref
@@ -306,9 +305,10 @@ def read_output(actor: int, notice: Any, name: str) -> np.ndarray:
         try:
             st = os.fstat(fd)
             kind = shm.not_a_segment(st)
-            if kind or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077 or st.st_ino != notice.get("ino"):
-                raise ValueError(f"{name} is not the segment the actor made ({kind or 'another file, owner or mode'}); is "
-                                 "something else on this host using mpmd's segment names?")
+            why = f"is {kind}, not a shared-memory segment" if kind else shm.refusal(
+                st, notice.get("ino") if isinstance(notice.get("ino"), int) else -1, f"actor {actor}")
+            if why:
+                raise ValueError(f"{name} {why}")
             if st.st_size < nbytes:
                 raise ValueError(f"{name} holds {st.st_size} bytes, fewer than the {nbytes} of {dtype.name}{list(shape)}")
             mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)

@@ -89,6 +89,20 @@ def not_a_segment(st: os.stat_result) -> str:
     return f"a file of mode {st.st_mode:o}"
 
 
+def refusal(st: os.stat_result, ino: int | None, maker: str) -> str:
+    """Why a regular file opened by a segment's name (`st`: its fstat; `not_a_segment` first) is not the segment
+    `maker` made with inode `ino` (None: not checked), as the end of a sentence naming it; '' when it is: another
+    user's, readable by others, or another file under the name (a same-user process replaced it: its bytes were
+    read as ours, silently wrong; a probe) — each reader of a segment checks all of these."""
+    if st.st_uid != os.getuid():
+        return f"belongs to user {st.st_uid}, not to this process's user"
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        return f"has mode {stat.S_IMODE(st.st_mode):o}; segments must be 600"
+    if ino is not None and st.st_ino != ino:
+        return f"is not the file {maker} made (another took its name); is something else on this host using mpmd's segment names?"
+    return ""
+
+
 def available() -> bool:
     return _posixshmem is not None
 
@@ -299,14 +313,11 @@ class ShmReceiver:
                 if kind:
                     raise ValueError(f"shared-memory segment {name} is not a regular file but {kind}; is something else on this "
                                      "host using mpmd's segment names?")
-                if st.st_uid != os.getuid():
-                    raise ValueError(f"shared-memory segment {name} belongs to user {st.st_uid}, not to this actor's user")
+                why = refusal(st, ino, f"actor {src}")
+                if why:
+                    raise ValueError(f"shared-memory segment {name} {why}")
                 if st.st_size < size:
                     raise ValueError(f"shared-memory segment {name} is smaller than the announced {size} bytes")
-                if ino is not None and st.st_ino != ino:  # (a same-user process replaced the file: its bytes were read
-                    # as the activation, silently wrong; a probe)
-                    raise ValueError(f"shared-memory segment {name} is not the file actor {src} made (another took its "
-                                     "name); is something else on this host using mpmd's segment names?")
                 mm = mmap.mmap(fd, size, flags=_FLAGS)
             finally:
                 os.close(fd)
