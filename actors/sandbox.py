@@ -164,6 +164,7 @@ class BlobChecker:
         self._prewarm: asyncio.Task[None] | None = None
         self._early: subprocess.Popen[bytes] | None = None  # a child started before the daemon imported JAX (adopt)
         self._served = 0  # blobs the current child was given
+        self.on_ready: Callable[[], None] | None = None  # called when a child started in the background is up (CheckerPool)
         self.checks = 0
         self.refused = 0
         self.restarts = 0
@@ -182,6 +183,9 @@ class BlobChecker:
             await self.start()
         except Exception as e:  # the next check starts it (and reports what goes wrong)
             log.warning("the compile checker did not restart: %s", e)
+            return
+        if self.on_ready is not None:  # (a check waiting for the pool may take this child now, not after its grace)
+            self.on_ready()
 
     def adopt(self, early: EarlyChild | None) -> None:
         """Take a child `spawn_early` started before the daemon imported JAX, if it was started for as many devices
@@ -408,12 +412,14 @@ class CheckerPool:
         self._free = list(self.checkers)  # in the pool's order
         self._starting: set[BlobChecker] = set()  # free, but their child is being started (a check would wait for it)
         self._changed: asyncio.Event | None = None  # set when a checker comes back or a child is up
-        self._starter: asyncio.Task[None] | None = None
+        self._starters: set[asyncio.Task[None]] = set()  # background starts under way (all cancelled at close)
         self._start_failed = False  # (a background start failed: none again until a check ends, or it would spin)
         if start_grace is None:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
             start_grace = 0.0 if cores >= 4 else START_GRACE
         self.start_grace = start_grace
+        for c in self.checkers:  # (a child re-started after a refused blob wakes a check waiting for the pool)
+            c.on_ready = self._notify
 
     @property
     def compile_dir(self) -> str | None:
@@ -476,16 +482,18 @@ class CheckerPool:
                 self._starting.discard(checker)
                 self._notify()
 
-        self._starter = asyncio.get_running_loop().create_task(go())
-        return self._starter
+        task = asyncio.get_running_loop().create_task(go())
+        self._starters.add(task)
+        task.add_done_callback(self._starters.discard)
+        return task
 
     async def start(self) -> None:
         """Start the first child now (the others start as said above)."""
         await self._start(self.checkers[0])
 
     def close(self) -> None:
-        if self._starter is not None:
-            self._starter.cancel()
+        for task in list(self._starters):
+            task.cancel()
         for c in self.checkers:
             c.close()
 

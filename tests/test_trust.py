@@ -1145,7 +1145,7 @@ def test_a_compile_goes_to_a_warm_compile_child_and_a_cold_one_starts_once_a_com
                 for b in blobs:
                     await pool.check(b)
             if spare:  # (the background start may end after the checks: wait for it)
-                await asyncio.wait_for(asyncio.shield(pool._starter), 300)
+                await asyncio.wait_for(asyncio.gather(*pool._starters), 300)
             return [c.ready for c in pool.checkers], [c.checks for c in pool.checkers]
         finally:
             pool.close()
@@ -1154,6 +1154,54 @@ def test_a_compile_goes_to_a_warm_compile_child_and_a_cold_one_starts_once_a_com
     assert asyncio.run(main(spare=False, overlap=True)) == ([True, False], [4, 0])
     ready, checks = asyncio.run(main(spare=True, overlap=True))
     assert ready == [True, True] and sum(checks) == 4
+
+
+def test_a_compile_child_restarted_after_a_refused_blob_serves_a_waiting_check_at_once():
+    """After a refused blob the checker starts a fresh child in the background; a check waiting for the pool then
+    (its other checker busy) waited out the pool's start grace — up to 1.5 s — before taking it (a review). The
+    fresh child now wakes the waiting check. The busy checker is a stand-in that never finishes (a fake: a real
+    compile that takes minutes cannot be made on purpose); the refusing and the waiting checks use real children,
+    and the grace is an hour, so only the wake-up can serve the waiting check."""
+    import asyncio
+
+    from jax import export
+
+    from actors import sandbox
+
+    good = bytes(export.export(jax.jit(lambda x: x + 1.0))(jax.ShapeDtypeStruct((4,), np.float32)).serialize())
+
+    class Busy:
+        ready = True
+        compile_dir = None
+
+        def __init__(self) -> None:
+            self.on_ready = None
+            self.release = asyncio.Event()
+
+        async def check(self, blob, compile_spec=None):
+            await self.release.wait()
+
+        def close(self) -> None:
+            pass
+
+    async def main() -> None:
+        real, busy = sandbox.BlobChecker(timeout=120), Busy()
+        pool = sandbox.CheckerPool([real, busy], start_grace=3600.0)
+        try:
+            await pool.start()
+            with pytest.raises(sandbox.BlobRefused):
+                await pool.check(b"not a blob")  # the real child is killed and started again in the background
+            held = asyncio.ensure_future(pool.check(b"held"))  # takes the busy stand-in, the real child being down
+            await asyncio.sleep(0)
+            assert not real.ready and not held.done()
+            result = await asyncio.wait_for(pool.check(good), 120)  # served by the restarted child
+            assert result.platforms == ("cpu",) and real.checks == 2 and not held.done()
+            busy.release.set()
+            await held
+        finally:
+            pool.close()
+
+    asyncio.run(main())
 
 
 def test_a_blob_that_starts_like_a_compile_command_is_checked_as_a_blob(tmp_path):
