@@ -182,7 +182,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the private directory of the local mesh this daemon belongs to: if its --parent-pid exits without "
                         "cleaning up, the daemon removes its own files there (actor<id>.sock, p2p-<id>.sock, actor<id>.log) "
                         "and the directory once it is empty")
-    p.add_argument("--max-message-mb", type=int, default=8192, help="drop connections that send larger messages (default: %(default)s)")
+    p.add_argument("--max-message-mb", type=int, default=8192, help="the most bytes of arrays one message may carry: ZeroMQ drops a connection that sends a bigger frame, the daemon refuses a message whose frames together are bigger (default: %(default)s)")
     p.add_argument("--server-key", default=None, help="this daemon's CURVE key pair (a *.key_secret file from `mpmd keys generate`)")
     p.add_argument("--authorized-keys", default=None, help="directory of *.key files: the controllers allowed to connect")
     p.add_argument("--admin-key", action="append", default=[], metavar="NAME",
@@ -580,6 +580,18 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         while True:
             identity, *frames = await sock.recv_multipart(copy=False)
             who = identity.bytes
+            total = sum(len(f) for f in frames[1:])  # the arrays (the header frame is bounded as a frame)
+            if total > max_bytes:  # ZeroMQ drops a connection for one frame over the limit, not for many frames under it
+                actor.errors += 1
+                warn.info("too-big", "connection %r sent %d bytes of arrays in %d frames; refused", who, total, len(frames))
+                req_id = message_id(frames)
+                del frames  # (before the reply: the message's memory is let go at once)
+                await reply(who, encode(error_reply(req_id, RequestError(
+                    f"a request with {total} bytes of arrays is over actor {args.actor_id}'s --max-message-mb "
+                    f"({max_bytes // 2**20} MiB): split it, or start the daemon with a larger --max-message-mb"), "",
+                    actor_id=args.actor_id)))
+                await asyncio.sleep(0)
+                continue
             if in_flight.get(who, 0) >= MAX_IN_FLIGHT:  # a flood: answered at once, not queued behind the others' work
                 actor.errors += 1
                 warn.info("busy", "connection %r has %d requests in flight; refusing more", who, MAX_IN_FLIGHT)

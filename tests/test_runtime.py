@@ -201,6 +201,45 @@ def test_an_oversized_message_drops_only_its_connection():
         p.wait(10)
 
 
+def test_a_message_of_many_frames_each_under_the_limit_is_refused_by_its_total():
+    """ZeroMQ's MAXMSGSIZE bounds each frame, not a message: a message of 30 frames of 64 MiB each, under a limit of
+    100 MiB, was taken in whole (the daemon at 2.2 GB) and handled (a probe). The daemon now refuses a request whose
+    arrays together pass --max-message-mb, naming the flag, and its data plane drops such a message; both go on
+    serving, and the controller refuses to send such a request."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "actors.daemon", "--listen", "tcp://127.0.0.1:0", "--insecure", "--p2p", "tcp",
+                          "--max-message-mb", "1"], stdout=subprocess.PIPE, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        _, address, p2p = p.stdout.readline().decode().split()[:3]
+        parts = [np.zeros(600 << 10, np.uint8) for _ in range(3)]  # 0.6 MiB each, 1.8 MiB in all
+        header = {"op": "put", "id": 1, "buf": 1, "arrays": [{"dtype": "uint8", "shape": [600 << 10]}] * 3}
+        reply = raw_request(address, [encode(header)[0], *(a.tobytes() for a in parts)])
+        assert reply.op == "error" and "--max-message-mb (1 MiB)" in reply.header["message"], reply.header
+        ctx = zmq.Context.instance()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 10000)  # (sent in full before close)
+        s.connect(p2p)
+        s.send_multipart([encode({"op": "data", "src": 1, "key": [1, 2, 3], "arrays": [{"dtype": "uint8", "shape": [600 << 10]}]})[0],
+                          *(a.tobytes() for a in parts)])
+        s.close()
+        with mpmd.RemoteMesh.connect([address]) as mesh:
+            deadline = time.monotonic() + 30
+            while mesh.actor(0).stats()["p2p"].get("bad_messages", 0) < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert mesh.actor(0).stats()["p2p"]["bad_messages"] == 1
+            x = mesh.actor(0).put(np.arange(4.0))  # still serving
+            assert x.to_numpy().tolist() == [0.0, 1.0, 2.0, 3.0]
+            with pytest.raises(mpmd.MpmdError, match=r"3 arrays of 1.8 MiB in all for actor 0 are more than one message to it "
+                                                     r"may hold \(its mpmd-actor --max-message-mb 1\)"):
+                mesh.conn(0).check_size("put", parts)
+        assert p.poll() is None
+    finally:
+        p.terminate()
+        p.wait(10)
+
+
 def test_local_mesh_leaves_no_process_behind():
     mesh = mpmd.RemoteMesh.local(num_actors=2)
     pids = [p.proc.pid for p in mesh.processes]

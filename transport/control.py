@@ -91,7 +91,8 @@ def bind_router(ctx: zmq.Context, address: str, max_message_bytes: int = DEFAULT
     """Bind a ROUTER that errors (instead of silently dropping) on unroutable replies.
 
     ``tcp://host:0`` binds a free port. Returns the socket and the endpoint actually bound.
-    Messages over `max_message_bytes` make ZeroMQ drop the sender's connection; the daemon stays up.
+    A frame over `max_message_bytes` makes ZeroMQ drop the sender's connection; the daemon stays up. (ZeroMQ bounds
+    frames, not messages: the daemon refuses a request whose frames pass the limit together.)
     `configure` runs on the socket before it binds (e.g. `transport.auth.configure_server`).
     """
     sock = ctx.socket(zmq.ROUTER)

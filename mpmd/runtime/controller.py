@@ -328,8 +328,9 @@ class ActorConnection:
         self.opened = True
 
     def check_size(self, what: str, arrays: Sequence[Any]) -> None:
-        """An MpmdError if an array is bigger than the daemon takes in one message (its --max-message-mb): ZeroMQ
-        would drop the connection, and the actor would read as lost."""
+        """An MpmdError if an array, or the arrays together, are bigger than the daemon takes in one message (its
+        --max-message-mb): ZeroMQ would drop the connection for one array over it (the actor would read as lost),
+        and the daemon refuses a request whose arrays together are."""
         most = self.max_message
         big = [a for a in arrays if most is not None and getattr(a, "nbytes", 0) > most]
         if big:
@@ -338,6 +339,11 @@ class ActorConnection:
                             f"{list(getattr(a, 'shape', ()))}) for actor {self.actor_id} is bigger than one message to it may be "
                             f"(its mpmd-actor --max-message-mb {most // 2**20}): start the daemon with a larger "
                             "--max-message-mb, or split the array")
+        total = sum(getattr(a, "nbytes", 0) for a in arrays)
+        if most is not None and total > most:  # (the daemon refuses a request whose arrays together pass it)
+            raise MpmdError(f"{what}: {len(arrays)} arrays of {total / 2**20:.1f} MiB in all for actor {self.actor_id} are more than "
+                            f"one message to it may hold (its mpmd-actor --max-message-mb {most // 2**20}): start the daemon "
+                            "with a larger --max-message-mb, or pass fewer or smaller arrays at once")
 
     def _session_lost(self, said: str) -> str:
         """The daemon answers, but without this mesh's session (restarted at the same address, or it closed

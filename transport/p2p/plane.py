@@ -9,7 +9,8 @@
   connection by the peer's actor id, which is where a message's sender is taken from (a header's ``src``
   that disagrees is refused). A shared-memory notice is honoured only for a segment whose name is the
   sender's own (its prefix is part of its endpoint, passed on by the controller).
-* Bounded: the ROUTER drops connections that send messages over `max_message_bytes`; arrivals nobody has
+* Bounded: the ROUTER drops connections that send a frame over `max_message_bytes`, and a message whose frames
+  pass it together is dropped once read (ZeroMQ's own bound is per frame); arrivals nobody has
   claimed are capped per peer (`ArrivalLimits`; beyond, the sender gets a ``refused`` message); a step's
   leftovers and anything arriving for it later are dropped once it is over (`expire`); arrivals for a key
   the actor does not admit (`admit`, e.g. a closed session) are refused. Log lines about bad input are
@@ -101,7 +102,8 @@ class DataPlane(P2PTransport):
         # Messages ZeroMQ holds for one peer before the loop reads them: past this it stops reading that peer's
         # connection (the sender queues), so a flood is held back at the sender instead of piling up here.
         self._router.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
-        self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # (ZeroMQ's bound is per frame: see _rx_one)
+        self._max_message = max_message_bytes
         self._router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)  # (a stranger's idle connection is dropped)
         if keys is not None:
             self._auth = Authenticator(self._ctx, f"actor {actor_id} data plane")
@@ -568,6 +570,12 @@ class DataPlane(P2PTransport):
 
         if len(frames) < 2:
             self._bad_message(None, None, authenticated or "no key", ProtocolError("data message has no header frame"))
+            return
+        total = sum(len(f) for f in frames[2:])  # the arrays (the header frame is bounded as a frame)
+        if total > self._max_message:  # (ZeroMQ drops a connection for a frame over the limit, not for many frames under it)
+            self._bad_message(None, None, authenticated or "no key", ProtocolError(
+                f"a message with {total} bytes of arrays in {len(frames) - 2} frames, over this actor's --max-message-mb "
+                f"({self._max_message // 2**20} MiB)"))
             return
         self._on_message(sender, frames[1], [f.buffer for f in frames[2:]], authenticated or "no key")
 
