@@ -438,6 +438,14 @@ class Actor:
         into = msg.header.get("into")  # a segment name per entry of bufs (see InputSegments.write_output)
         if into is not None and (not isinstance(into, list) or len(into) != len(bufs)):
             raise RequestError(f"'get' field 'into' must list one segment name (or nil) per buffer ({len(bufs)})")
+        pooled = msg.header.get("pooled")  # per entry of into: a segment the controller made for reuse
+        if pooled is not None and (into is None or not isinstance(pooled, list) or len(pooled) != len(into)
+                                   or not all(isinstance(p, bool) for p in pooled)):
+            raise RequestError(f"'get' field 'pooled' must list one bool per entry of 'into' ({len(bufs)})")
+        forget = msg.header.get("forget")  # pooled segments the controller dropped: unmapped here
+        if forget is not None and (not isinstance(forget, list) or len(forget) > MAX_IDS):
+            raise RequestError(f"'get' field 'forget' must list at most {MAX_IDS} segment names")
+        ses.inputs.forget_outputs(forget)
         if into is not None and not self.ownership.governs(ses.owner):
             into = None  # (a guest's values come in the reply: /dev/shm is not in its quota)
         values = await _taken_now(ses, distinct)
@@ -448,9 +456,9 @@ class Actor:
                 return {}, [host[b] for b in bufs]
             first: dict[int, dict | None] = {}  # buffer -> its notice (a buffer named twice is written once)
             try:
-                for b, name in zip(bufs, into):
+                for b, name, reuse in zip(bufs, into, pooled or [False] * len(into)):
                     if b not in first:
-                        first[b] = ses.inputs.write_output(name, host[b])
+                        first[b] = ses.inputs.write_output(name, host[b], reuse)
             except BaseException:
                 ses.inputs.unlink_outputs(n["name"] for n in first.values() if n is not None)
                 raise

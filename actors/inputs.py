@@ -19,7 +19,13 @@ segment of its prefix for each value; the actor creates it (mode 600, must not e
 replies with a notice ``{name, ino, nbytes, dtype, shape}`` instead of the bytes; the controller maps it, checks it
 is that file, unlinks the name and copies the value out (a 64 MiB get went through ZeroMQ's CURVE at 0.14-0.21
 GiB/s). A segment whose reply never came (the get cancelled) or was never read goes when the session ends or the
-daemon stops; until then a session's unread ones are bounded by OUTPUT_MAX_BYTES.
+daemon stops; until then a session's unread ones are bounded by OUTPUT_MAX_BYTES. A get may instead name segments the
+controller made and keeps for reuse (``pooled``): making a 64 MiB segment costs ~42 ms of tmpfs pages, copying into
+a warm one ~6. Such a segment is mapped here once (read-write; this user's, mode 600, big enough) and kept, up to
+OUTPUT_MAPS per session, until the controller says it dropped it (``forget``); it is never unlinked here, the
+controller names it once and unlinks the name after its first get (both mappings then hold the memory, which goes
+with the last of them). When the mapping is gone here (evicted) and the name with it, the value goes into a fresh
+segment of that name as above, and the controller, seeing another inode, reads that one and drops its own.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import mmap
 import os
 import re
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -41,6 +48,7 @@ ALIGN = 64
 MAX_SEGMENTS = 64  # mappings one session may hold; the controller double-buffers, so a handful is plenty
 OUTPUT_MIN_BYTES = 64 << 10  # a smaller value a `get` asks for goes in the reply: a segment costs more than its bytes
 OUTPUT_MAX_BYTES = 1 << 30  # a session's get segments not yet read by its controller; past it, values go in the reply
+OUTPUT_MAPS = 8  # pooled get segments of its controller's a session keeps mapped (the least recently used goes first)
 
 
 class InputSegments:
@@ -54,6 +62,7 @@ class InputSegments:
         self.bytes = 0
         self.outputs = 0  # values a `get` handed back through shared memory
         self.written: dict[str, int] = {}  # get segments made for this session (name -> bytes), until seen read
+        self.out_maps: OrderedDict[str, tuple[mmap.mmap, int]] = OrderedDict()  # pooled get segments: (mapping, inode)
         self._lock = threading.Lock()  # (get segments are written in worker threads)
         self._closed = False
 
@@ -70,15 +79,29 @@ class InputSegments:
             self._unmap(name)
         self.prefix = prefix
 
-    def write_output(self, name: Any, value: np.ndarray) -> dict[str, Any] | None:
+    def write_output(self, name: Any, value: np.ndarray, pooled: bool = False) -> dict[str, Any] | None:
         """Copy `value` into a new segment `name` (one of this session's prefix; see the module docstring) and
         return its notice; None when it should go in the reply instead: small, no prefix named, no room in /dev/shm,
         the name taken (another process's doing: never overwritten), or OUTPUT_MAX_BYTES of this session's still
-        unread by its controller. Runs in worker threads."""
-        if value.nbytes < OUTPUT_MIN_BYTES or not self._ours(name) or not self._room_for(value.nbytes):
+        unread by its controller. `pooled`: `name` is a segment the controller made for reuse, written in place
+        (made here as a new one when it is gone). Runs in worker threads."""
+        if value.nbytes < OUTPUT_MIN_BYTES or not self._ours(name):
             return None
         host = np.ascontiguousarray(value)
         dtype = dtype_name(host.dtype)  # (before the segment: a dtype that cannot travel leaves none behind)
+        if pooled:
+            got = self._pooled(name, host.nbytes)
+            if got is not None:
+                mm, ino = got
+                if mm.size() < host.nbytes:  # (shrunk since it was mapped: a write past its end kills the process)
+                    self.forget_outputs([name])
+                    return None
+                np.copyto(np.frombuffer(mm, np.uint8, host.nbytes), host.reshape(-1).view(np.uint8))
+                with self._lock:
+                    self.outputs += 1
+                return {"name": name, "ino": ino, "nbytes": int(host.nbytes), "dtype": dtype, "shape": list(host.shape)}
+        if not self._room_for(value.nbytes):
+            return None
         try:
             mm, ino = shm.create_segment(name, host.nbytes)
         except OSError:
@@ -101,6 +124,52 @@ class InputSegments:
         with self._lock:
             self.outputs += 1
         return {"name": name, "ino": ino, "nbytes": int(host.nbytes), "dtype": dtype, "shape": list(host.shape)}
+
+    def _pooled(self, name: str, nbytes: int) -> tuple[mmap.mmap, int] | None:
+        """The mapping of the controller's pooled segment `name` (mapped now if it is not yet), None when there is
+        none under that name, or it is not one this session may write: not a regular file, another user's, readable
+        by others, or smaller than `nbytes`."""
+        with self._lock:
+            if self._closed:
+                return None
+            got = self.out_maps.get(name)
+            if got is not None:
+                self.out_maps.move_to_end(name)
+                return got
+        try:
+            # (non-blocking on Linux: a FIFO under the name would freeze the thread in open() until a writer came)
+            fd = shm._posixshmem.shm_open(name, os.O_RDWR | shm.OPEN_FLAGS, 0)
+        except OSError:
+            return None  # (gone: the controller unlinked it after its first get; a new one is made under the name)
+        try:
+            st = os.fstat(fd)
+            if shm.not_a_segment(st) or shm.refusal(st, None, "the controller") or st.st_size < nbytes:
+                return None
+            mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        evicted = []
+        with self._lock:
+            if self._closed:
+                evicted.append(mm)
+                got = None
+            else:
+                got = self.out_maps[name] = (mm, st.st_ino)
+                while len(self.out_maps) > OUTPUT_MAPS:
+                    evicted.append(self.out_maps.popitem(last=False)[1][0])
+        for old in evicted:
+            _close_map(old)
+        return got
+
+    def forget_outputs(self, names: Any) -> None:
+        """Unmap the pooled get segments the controller dropped (its `forget` list; names of this prefix only)."""
+        if not isinstance(names, list):
+            return
+        for name in names:
+            with self._lock:
+                got = self.out_maps.pop(name, None) if isinstance(name, str) else None
+            if got is not None:
+                _close_map(got[0])
 
     def _room_for(self, nbytes: int) -> bool:
         """Whether `nbytes` more fit in OUTPUT_MAX_BYTES of segments written for this session and not yet read (its
@@ -242,13 +311,23 @@ class InputSegments:
     def close(self) -> None:
         with self._lock:
             self._closed = True
+            pooled, self.out_maps = list(self.out_maps.values()), OrderedDict()
         self.unlink_outputs(list(self.written))  # (those its controller never read: a get abandoned mid-way)
+        for mm, _ in pooled:
+            _close_map(mm)
         for mm in self.maps.values():
             try:
                 mm.close()
             except BufferError:  # a view is still alive; the mapping goes with it
                 pass
         self.maps.clear()
+
+
+def _close_map(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:  # (a write into it still holds a view: the mapping goes with it)
+        pass
 
 
 __all__ = ["InputSegments"]

@@ -1294,6 +1294,92 @@ def test_hostile_get_segment_names_never_overwrite_a_file_and_a_bad_notice_is_re
     assert a.ping() is not None
 
 
+def test_repeated_big_fetches_reuse_one_pooled_segment_and_a_lost_mapping_heals(monkeypatch):
+    """Each large fetch from a local actor made a fresh segment (~42 ms of tmpfs pages for 64 MiB, the most of a
+    fetch's time). The controller now keeps the segments for the next gets: many fetches of one size go through one
+    segment, each value equal to what was put, and no name stays in /dev/shm. When the actor no longer maps a
+    pooled segment (dropped there), it writes into a fresh one of that name: the controller reads that one (another
+    inode) and drops its own, and the next fetch makes a new pooled one. A segment held by a get that was cancelled
+    is not reused, and the actor is told to forget it at the next get; one idle past OUTPUT_IDLE is dropped by the
+    next get (the pool holds /dev/shm's memory)."""
+    with mpmd.RemoteMesh.local(num_actors=1) as mesh:
+        a = mesh.actor(0)
+        stager = input_stager(mesh)
+        values = [np.full((SHM_INPUT_MIN_BYTES // 4 * 3,), float(k), np.float32) for k in range(5)]
+        xs = [a.put(v) for v in values]
+        before = _stats(mesh, 0)["shm_outputs"]
+        for x, v in zip(xs, values):
+            np.testing.assert_array_equal(x.to_numpy(), v)
+            assert not _ours_in_dev_shm(mesh, 0)
+        pool = stager._outputs[0]
+        assert len(pool) == 1 and not pool[0].busy and _stats(mesh, 0)["shm_outputs"] == before + 5
+        first = pool[0]
+        np.testing.assert_array_equal(mpmd.fetch({"a": xs[0], "b": xs[1]})["b"], values[1])  # two at once: two segments
+        assert len(pool) == 2 and first in pool
+
+        with stager._lock:  # the actor drops its mapping of `first` (as when it evicts it), the pool here keeps it
+            stager._forget[0] = [first.name]
+        got = mpmd.fetch({"a": xs[2], "b": xs[3]})
+        np.testing.assert_array_equal(got["a"], values[2])
+        np.testing.assert_array_equal(got["b"], values[3])
+        assert first not in pool and first.name in stager._forget[0]  # (read from the actor's own; then dropped)
+        np.testing.assert_array_equal(xs[4].to_numpy(), values[4])
+        assert 0 not in stager._forget and len(pool) >= 1 and not _ours_in_dev_shm(mesh, 0)
+
+        fn = jax.jit(lambda u: jnp.sort(jnp.sin(jnp.arange(1 << 24, dtype=jnp.float32) * u[0]))[:u.size])
+        slow = a.run(fn, xs[1])
+        lease = stager.output_lease(0, [slow.nbytes])
+        held = lease.segments[lease.names[0]]
+
+        async def cancelled() -> None:
+            t = asyncio.ensure_future(mesh.buffers._get(0, [slow.buffers[0]], lease))
+            await asyncio.sleep(0.05)
+            t.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await t
+
+        mesh.run(cancelled())
+        assert held not in pool and held.name in stager._forget[0]
+        np.testing.assert_array_equal(slow.to_numpy(), np.asarray(fn(values[1])))
+        assert 0 not in stager._forget and a.ping() is not None
+        idle = list(pool)
+        monkeypatch.setattr(inputs_module, "OUTPUT_IDLE", 0.0)
+        np.testing.assert_array_equal(xs[0].to_numpy(), values[0])
+        assert idle and not {s.name for s in idle} & {s.name for s in pool} and set(stager._forget[0]) == {s.name for s in idle}
+
+
+def test_a_pooled_get_segment_name_the_actor_may_not_write_gets_the_value_in_the_reply(mesh2):
+    """A get may name a segment the controller made for reuse (`pooled`): the actor writes into it in place only when
+    it is a regular file of its own user with mode 600 and big enough; anything else under such a name (readable by
+    others, too small) is left as it was and the value comes in the reply. Bad `pooled` and `forget` fields are
+    refused naming them."""
+    a = mesh2.actor(0)
+    big = np.full((SHM_INPUT_MIN_BYTES // 4,), 5.0, np.float32)
+    x = a.put(big)
+    x.to_numpy()  # (the prefix is announced)
+    prefix = input_stager(mesh2).prefix(0)
+    open_name, small_name = f"{prefix}{10**9 + 7}", f"{prefix}{10**9 + 8}"
+    mm_open, _ = shm.create_segment(open_name, 1 << 20)
+    os.chmod(f"/dev/shm{open_name}", 0o644)
+    mm_small, _ = shm.create_segment(small_name, 4096)
+    try:
+        for name in (open_name, small_name):
+            reply = mesh2.run(mesh2.conn(0).request("get", {"bufs": [x.buffers[0]], "into": [name], "pooled": [True]}))
+            assert reply.header["shm"] == [None] and np.array_equal(reply.arrays[0], big)
+        assert bytes(mm_open[:16]) == bytes(16) and bytes(mm_small[:16]) == bytes(16)
+        with pytest.raises(MpmdError, match="'pooled' must list one bool per entry of 'into'"):
+            mesh2.run(mesh2.conn(0).request("get", {"bufs": [x.buffers[0]], "into": [open_name], "pooled": ["yes"]}))
+        with pytest.raises(MpmdError, match="'forget' must list at most"):
+            mesh2.run(mesh2.conn(0).request("get", {"bufs": [x.buffers[0]], "forget": "all"}))
+    finally:
+        mm_open.close()
+        mm_small.close()
+        shm.unlink(open_name)
+        shm.unlink(small_name)
+    np.testing.assert_array_equal(x.to_numpy(), big)
+    assert a.ping() is not None
+
+
 def test_get_segments_no_controller_reads_are_bounded_and_gone_when_the_daemon_stops(monkeypatch):
     """A get's segments are the actor's to clean up until the controller reads them: a controller that never reads
     them (killed, or hostile) cannot fill /dev/shm past OUTPUT_MAX_BYTES per session (values then come in the reply),
@@ -1344,15 +1430,15 @@ def test_a_fetch_whose_segment_cannot_be_read_comes_in_the_reply_and_the_next_on
     asked again inline, says so once, and later fetches from that actor skip shared memory (a large fetch failed
     there where it had worked inline; a review). Stood in for by a read that fails the way that one would."""
     calls = []
-    real = inputs_module.read_output
+    real = inputs_module.OutputLease.read
 
-    def unreadable(actor, notice, name):
+    def unreadable(lease, notice, name):
         calls.append(name)
-        real(actor, notice, name)  # (the segment is read and unlinked as usual; then it is refused)
-        raise MpmdError(f"actor {actor}'s reply to a fetch pointed at shared memory that cannot be read: [Errno 13] "
+        real(lease, notice, name)  # (the segment is read as usual; then it is refused)
+        raise MpmdError(f"actor {lease.actor}'s reply to a fetch pointed at shared memory that cannot be read: [Errno 13] "
                         "Permission denied")
 
-    monkeypatch.setattr(inputs_module, "read_output", unreadable)
+    monkeypatch.setattr(inputs_module.OutputLease, "read", unreadable)
     big = np.arange(1 << 16, dtype=np.float32)
     with mpmd.RemoteMesh.local(num_actors=1) as mesh:
         x = mesh.actor(0).put(big)

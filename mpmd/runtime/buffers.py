@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from mpmd.errors import ActorDiedError, MpmdError
+from mpmd.errors import ActorDiedError, MpmdError, RemoteError
 from mpmd.runtime.controller import CLOSED_MEANWHILE, ActorConnection, EventLoopThread, close_unstarted
 from transport.p2p import shm
 from transport.protocol import MAX_IDS
@@ -34,13 +34,13 @@ class BufferClient:
     """Buffer ids of one controller session, and the requests that read, wait for and free them."""
 
     def __init__(self, conns: list[ActorConnection], io: EventLoopThread, closed: Callable[[], bool],
-                 out_names: Callable[[int, int, bool], list[str] | None] | None = None) -> None:
+                 out_lease: Callable[[int, list[int], bool], Any] | None = None) -> None:
         self._conns = conns  # the mesh's list: a reconnect replaces an entry in place
         self._io = io
         self._closed = closed
-        # (actor, count, announce) -> fresh shared-memory segment names for a get's large values, None for an actor on another
-        # host (mpmd/runtime/inputs.py: InputStager.output_names, read_output)
-        self._out_names = out_names
+        # (actor, sizes, announce) -> the shared-memory segments of a get's large values (an OutputLease), None for an
+        # actor on another host (mpmd/runtime/inputs.py: InputStager.output_lease)
+        self._out_lease = out_lease
         self._no_shm: set[int] = set()  # actors whose segments could not be read (another user's daemon): inline
         self._ids = itertools.count(1)
         self._garbage: list[tuple[int, int]] = []  # touched on the loop thread only
@@ -63,54 +63,57 @@ class BufferClient:
         """One buffer's value, read-only: a view that keeps the received frame alive (no copy), or the copy of what
         the actor wrote into shared memory (`nbytes`: its size, if known: a large value from an actor on this host
         comes so)."""
-        return _read_only(self._run(self._get(actor, [buf], self._names(actor, [nbytes])))[0])
+        return _read_only(self._run(self._get(actor, [buf], self._lease(actor, [nbytes])))[0])
 
-    def _names(self, actor: int, sizes: list[int], announce: bool = True) -> list[str | None] | None:
-        """Segment names for the large values (by their `sizes`) of a get from `actor` through shared memory, None
-        for the rest (all None: none goes so). Asked in the caller's thread: the first one announces the segments'
-        prefix to the actor, a request of its own."""
+    def _lease(self, actor: int, sizes: list[int], announce: bool = True) -> Any:
+        """The shared-memory segments for the large values (by their `sizes`) of a get from `actor`, None when none
+        goes so. Asked in the caller's thread: the first one announces the segments' prefix to the actor, a request
+        of its own."""
         from mpmd.runtime.inputs import SHM_INPUT_MIN_BYTES
 
-        if self._out_names is None or actor in self._no_shm or not any(n >= SHM_INPUT_MIN_BYTES for n in sizes) or \
+        if self._out_lease is None or actor in self._no_shm or not any(n >= SHM_INPUT_MIN_BYTES for n in sizes) or \
                 self._io.on_loop_thread():
             return None
-        names = self._out_names(actor, sum(n >= SHM_INPUT_MIN_BYTES for n in sizes), announce)
-        if names is None:
-            return None
-        it = iter(names)
-        return [next(it) if n >= SHM_INPUT_MIN_BYTES else None for n in sizes]
+        return self._out_lease(actor, sizes, announce)
 
-    async def _get(self, actor: int, bufs: list[int], names: list[str | None] | None) -> list[np.ndarray]:
-        """The values of `bufs` on `actor`, through the segments `names` (one per buffer, None: in the reply) when given."""
-        fields: dict[str, Any] = {"bufs": bufs}
-        if names is not None:
-            fields["into"] = names
+    async def _get(self, actor: int, bufs: list[int], lease: Any) -> list[np.ndarray]:
+        """The values of `bufs` on `actor`, through the segments of `lease` (an OutputLease: one name per buffer, None:
+        in the reply) when given."""
+        fields: dict[str, Any] = {"bufs": bufs, **(lease.fields() if lease is not None else {})}
+        answered = False
         try:
             reply = await self._conns[actor].request("get", fields)
-            notices = reply.header.get("shm") if names is not None else None
+            answered = True  # (the actor's writing is over: what it wrote, it wrote before replying)
+            notices = reply.header.get("shm") if lease is not None else None
             if notices is None:  # (all inline: small values, or a daemon that writes none)
                 return list(reply.arrays)
             try:  # (copied out in a thread: a big one would hold every other reply on this loop)
-                return await asyncio.to_thread(_values, actor, reply, notices, names)
+                return await asyncio.to_thread(_values, actor, reply, notices, lease)
             except MpmdError as e:  # (another user's daemon on this host, say: its segments are not ours to read)
                 if actor not in self._no_shm:
                     log.warning("%s; values from actor %d come in the reply from now on", e, actor)
                 self._no_shm.add(actor)
                 return list((await self._conns[actor].request("get", {"bufs": bufs})).arrays)
-        finally:  # (each one read is gone already; these are what a failure, or the actor's before it, left)
-            for name in names or ():
-                if name is not None:
-                    shm.unlink(name)
+        except RemoteError:
+            answered = True  # (an error reply: the actor is done with the segments too)
+            raise
+        finally:  # (a fresh one read is gone already; these are what a failure, or the actor's before it, left, and
+            # the pooled ones' names, which the actor has mapped by now)
+            if lease is not None:
+                for name in lease.names:
+                    if name is not None:
+                        shm.unlink(name)
+                lease.release(answered)
 
     def get_async(self, actor: int, buf: int, nbytes: int = 0) -> concurrent.futures.Future[np.ndarray]:
         """Start fetching one buffer; a concurrent future of its numpy array (`nbytes` as `get`'s, through shared
         memory only once the actor knows the segments' prefix: announcing it would wait for a reply here)."""
         if self._closed():
             raise MpmdError("this RemoteMesh is closed")
-        names = self._names(actor, [nbytes], announce=False)
+        lease = self._lease(actor, [nbytes], announce=False)
 
         async def get() -> np.ndarray:
-            return _read_only((await self._get(actor, [buf], names))[0])
+            return _read_only((await self._get(actor, [buf], lease))[0])
 
         return self._io.submit(get())
 
@@ -118,10 +121,10 @@ class BufferClient:
               announce: bool = True) -> tuple[list[int], Any]:
         """The 'get' requests for `bufs`: one per actor, or one per MAX_IDS of them (a daemon's limit); `nbytes`:
         their sizes, if known (large values from actors on this host come through shared memory; `announce`: as
-        `_names`)."""
+        `_lease`)."""
         parts = [(a, start, part) for a in sorted(bufs) for start, part in zip(itertools.count(0, MAX_IDS), in_parts(bufs[a]))]
         return [a for a, _, _ in parts], gather([
-            self._get(a, b, self._names(a, nbytes[a][start:start + len(b)], announce) if nbytes else None)
+            self._get(a, b, self._lease(a, nbytes[a][start:start + len(b)], announce) if nbytes else None)
             for a, start, b in parts])
 
     @staticmethod
@@ -187,11 +190,10 @@ class BufferClient:
                     pass
 
 
-def _values(actor: int, reply: Any, notices: Any, names: list[str | None]) -> list[np.ndarray]:
+def _values(actor: int, reply: Any, notices: Any, lease: Any) -> list[np.ndarray]:
     """A get's values from its reply: inline frames, and those the actor wrote into the request's segments (its
     `notices`: one per buffer, None for an inline one; a buffer named twice is written once)."""
-    from mpmd.runtime.inputs import read_output
-
+    names = lease.names
     given = {n for n in names if n is not None}
     if not isinstance(notices, list) or len(notices) != len(names) or len(reply.arrays) != sum(n is None for n in notices) \
             or any(n is not None and (not isinstance(n, dict) or not isinstance(n.get("name"), str) or n["name"] not in given)
@@ -205,7 +207,7 @@ def _values(actor: int, reply: Any, notices: Any, names: list[str | None]) -> li
             out.append(next(frames))
         else:
             if n["name"] not in read:
-                read[n["name"]] = read_output(actor, n, n["name"])
+                read[n["name"]] = lease.read(n, n["name"])
             out.append(read[n["name"]])
     return out
 

@@ -16,10 +16,16 @@ actor, on the cores the pipeline computes on (a loop of 20 steps dispatched back
 inline and cost the controller's I/O thread 3.3 ms per step; with 3 segments, 2 of every 5 batches of
 benchmarks/efficiency had gone inline).
 
-The other way, a large value fetched from an actor on this host (`output_names`, `read_output`): the `get` request
-names a fresh segment of the actor's prefix for each value, the actor creates it and copies the value in
-(actors/inputs.py), and the value is copied out here (through ZeroMQ's CURVE a 64 MiB get ran at 0.14-0.21 GiB/s,
-a quarter of a put).
+The other way, a large value fetched from an actor on this host (`output_lease`, `OutputLease.read`): the `get`
+request names a segment of the actor's prefix for each value, the actor copies the value in (actors/inputs.py), and
+it is copied out here (through ZeroMQ's CURVE a 64 MiB get ran at 0.14-0.21 GiB/s, a quarter of a put). The segments
+are this stager's, kept per actor for the next gets (up to OUTPUT_SEGMENTS per actor and OUTPUT_POOL_BYTES for the
+mesh; one idle for OUTPUT_IDLE seconds is dropped by a later get; a get that finds none free names a fresh one,
+which the actor makes): a fresh 64 MiB segment costs ~42 ms of tmpfs pages, the copies
+in and out ~6 and ~14. A pooled segment is named once — the actor maps it at its first get and keeps the mapping, and
+its name is unlinked after that get — and goes back to the pool only when its get's reply came (a get cancelled or
+failed on the way drops it: the actor's thread may still write into it), which the next get tells the actor
+(``forget``).
 """
 
 from __future__ import annotations
@@ -55,6 +61,9 @@ NO_ROOM_RETRY = 10.0  # seconds after /dev/shm had no room for a segment before 
 STAGE_WAIT = 60.0  # seconds a step call waits for a segment to be freed before its arguments go inline
 ONCE_IN_FLIGHT = 16  # one-shot segments (puts) per actor in flight before more go inline (an actor maps at most 64)
 ALIGN = 64  # each argument starts 64-byte aligned, as JAX likes host memory
+OUTPUT_SEGMENTS = 8  # pooled get segments per actor (a get that finds none free names a fresh one)
+OUTPUT_POOL_BYTES = 512 << 20  # their bytes at most, all actors of the mesh together (memory of /dev/shm, held)
+OUTPUT_IDLE = 60.0  # seconds a pooled get segment may sit unused before a later get drops it
 
 
 @dataclass
@@ -64,6 +73,7 @@ class Segment:
     mm: mmap.mmap
     busy: bool = False
     ino: int = 0  # its file's inode, in each notice: the actor maps only the file this controller made
+    used: float = 0.0  # when a get last took it (pooled get segments)
 
 
 def _aligned(n: int) -> int:
@@ -96,7 +106,10 @@ class InputStager:
         self._no_room_until: dict[int, float] = {}  # actor -> until when no new segment is tried (/dev/shm was full)
         self._once: dict[int, int] = {}  # actor -> one-shot segments (puts) in flight
         self._once_bytes = 0  # their bytes, every actor's: each actor's copy of one is still to be made
+        self._outputs: dict[int, list[Segment]] = {}  # actor -> pooled get segments (see the module docstring)
+        self._forget: dict[int, list[str]] = {}  # actor -> pooled get segments dropped here, to tell it at its next get
         weakref.finalize(self, _close_all, self._pools, os.getpid())
+        weakref.finalize(self, _close_all, self._outputs, os.getpid())
 
     @property
     def mesh(self) -> Any:
@@ -133,6 +146,9 @@ class InputStager:
             for seg in self._pools.pop(actor, []):
                 _close(seg)
             self._retired.pop(actor, None)
+            for seg in self._outputs.pop(actor, []):  # (one a get holds now is dropped by its release)
+                _close(seg)
+            self._forget.pop(actor, None)
         self._told[actor], self._local[actor] = conn, local
         return local
 
@@ -143,14 +159,57 @@ class InputStager:
             return p2p["host"] == host_id()
         return any(p.actor_id == actor for p in getattr(self.mesh, "processes", ()))
 
-    def output_names(self, actor: int, count: int, announce: bool = True) -> list[str] | None:
-        """`count` fresh segment names for a `get` from `actor` to write large values into (see `read_output`);
-        None when it does not share this host (or, without `announce`, has not been told the prefix yet)."""
+    def output_lease(self, actor: int, sizes: list[int], announce: bool = True) -> OutputLease | None:
+        """The segments a `get` from `actor` of values of `sizes` bytes has them written into (None for a value
+        under the threshold: in the reply); None when it does not share this host (or, without `announce`, has not
+        been told the prefix yet). Release it once the get is over (`OutputLease.release`)."""
         if not announce and self._told.get(actor) is not self.mesh.conn(actor):
             return None
         if not self._is_local(actor):
             return None
-        return [f"{self.prefix(actor)}{next(self._names)}" for _ in range(count)]  # (next() holds the GIL: each name once)
+        lease = OutputLease(self, actor)
+        with self._lock:
+            lease.forget = self._forget.pop(actor, [])
+            pool = self._outputs.setdefault(actor, [])
+            for n in sizes:
+                seg = self._take_output(pool, actor, n) if n >= self.min_bytes else None
+                if seg is not None:
+                    lease.segments[seg.name] = seg
+                lease.names.append(None if n < self.min_bytes else seg.name if seg is not None
+                                   else f"{self.prefix(actor)}{next(self._names)}")  # (a fresh one the actor makes)
+                lease.pooled.append(seg is not None)
+        return lease
+
+    def _take_output(self, pool: list[Segment], actor: int, nbytes: int) -> Segment | None:
+        """A free pooled get segment of `actor`'s for `nbytes` (made now if there is room), marked busy; None: none
+        (with the lock held)."""
+        now = time.monotonic()
+        for a, segs in self._outputs.items():  # (idle ones go: a burst of fetches does not hold /dev/shm for good)
+            for seg in [s for s in segs if not s.busy and now - s.used > OUTPUT_IDLE]:
+                self._drop_output(a, seg)
+        fit = min((s for s in pool if not s.busy and s.size >= nbytes), key=lambda s: s.size, default=None)
+        if fit is None:
+            size = shm.size_class(nbytes)
+            held = sum(s.size for segs in self._outputs.values() for s in segs)
+            if len(pool) >= OUTPUT_SEGMENTS or held + size > OUTPUT_POOL_BYTES or self._no_room_for(actor):
+                return None
+            name = f"{self.prefix(actor)}{next(self._names)}"
+            try:
+                mm, ino = shm.create_segment(name, size)
+            except OSError:  # (no room in /dev/shm: this value goes through a fresh segment, or inline)
+                return None
+            fit = Segment(name, size, mm, ino=ino)
+            pool.append(fit)
+        fit.busy, fit.used = True, now
+        return fit
+
+    def _drop_output(self, actor: int, seg: Segment) -> None:
+        """Close a pooled get segment here and tell the actor at its next get (with the lock held)."""
+        pool = self._outputs.get(actor, [])
+        if seg in pool:
+            pool.remove(seg)
+            self._forget.setdefault(actor, []).append(seg.name)
+        _close(seg)
 
     def stage(self, actor: int, arrays: list[np.ndarray], layouts: list[Any],
               wait: float = 0.0) -> tuple[list[dict[str, Any]], Callable[[], None]] | None:
@@ -283,12 +342,67 @@ class InputStager:
         with self._lock:
             _close_all(self._pools)
             self._pools.clear()
+            _close_all(self._outputs)
         # Any other segment of this mesh's prefix is dead with it: one an actor made for a get that was cancelled,
         # or whose daemon was killed before it could unlink what was never read.
         if os.path.isdir("/dev/shm"):
             for name in os.listdir("/dev/shm"):
                 if name.startswith(self._base[1:]):
                     shm.unlink("/" + name)
+
+
+class OutputLease:
+    """The segments of one `get` (see `InputStager.output_lease`): `names` (one per value, None: in the reply) and
+    `pooled` go in the request, with `forget`; `read` copies out one value the actor wrote, `release` ends it."""
+
+    def __init__(self, stager: InputStager, actor: int) -> None:
+        self.stager, self.actor = stager, actor
+        self.names: list[str | None] = []
+        self.pooled: list[bool] = []
+        self.segments: dict[str, Segment] = {}  # the pooled ones, by name
+        self.forget: list[str] = []
+        self._stale: set[str] = set()  # pooled ones the actor did not write (it made a segment of its own instead)
+
+    def fields(self) -> dict[str, Any]:
+        """The get request's fields for these segments."""
+        fields: dict[str, Any] = {"into": self.names}
+        if self.segments:
+            fields["pooled"] = self.pooled
+        if self.forget:
+            fields["forget"] = self.forget
+        return fields
+
+    def read(self, notice: Any, name: str) -> np.ndarray:
+        """The value the actor wrote into segment `name` (per its reply's `notice`), copied out."""
+        seg = self.segments.get(name)
+        if seg is None or not isinstance(notice, dict) or notice.get("ino") != seg.ino:
+            if seg is not None:  # (its mapping there was gone, and with it the name: the actor made a new one)
+                self._stale.add(name)
+            return read_output(self.actor, notice, name)
+        try:
+            if notice.get("name") != name:
+                raise ValueError(f"its notice names {notice.get('name')!r:.80}, not {name!r}")
+            dtype, shape, nbytes = array_spec({"dtype": notice.get("dtype"), "shape": notice.get("shape")})
+            if notice.get("nbytes") != nbytes or nbytes == 0 or nbytes > seg.size:
+                raise ValueError(f"{dtype.name}{list(shape)} is {nbytes} bytes but the notice says {notice.get('nbytes')!r:.40} "
+                                 f"(the segment holds {seg.size})")
+        except (ValueError, ProtocolError, TypeError, KeyError) as e:
+            self._stale.add(name)
+            raise MpmdError(f"actor {self.actor}'s reply to a fetch pointed at shared memory that cannot be read: {e}") from None
+        out = np.empty(shape, dtype)
+        np.copyto(out.reshape(-1).view(np.uint8), np.frombuffer(seg.mm, np.uint8, nbytes))
+        return out
+
+    def release(self, answered: bool) -> None:
+        """The get is over: its pooled segments go back to the pool when its reply came (`answered`: the actor wrote
+        what it would), else they are dropped — a cancelled get's thread may still be writing into them."""
+        stager = self.stager
+        with stager._lock:
+            for name, seg in self.segments.items():
+                if answered and name not in self._stale and seg in stager._outputs.get(self.actor, []):
+                    seg.busy = False
+                else:
+                    stager._drop_output(self.actor, seg)
 
 
 def read_output(actor: int, notice: Any, name: str) -> np.ndarray:
@@ -374,4 +488,4 @@ def input_stager(mesh: Any) -> InputStager:
         return stager
 
 
-__all__ = ["SHM_INPUT_MIN_BYTES", "InputStager", "close_stager", "input_stager", "read_output"]
+__all__ = ["SHM_INPUT_MIN_BYTES", "InputStager", "OutputLease", "close_stager", "input_stager", "read_output"]

@@ -199,7 +199,7 @@ class RemoteMesh:
         self._finalizer.atexit = False  # (at exit the daemons see their parent go and clean up after themselves)
         start_reaper()
         self._io.call_soon(self._watchdog.start)
-        self.buffers = BufferClient(self._conns, self._io, lambda: self.closed, self._output_names)
+        self.buffers = BufferClient(self._conns, self._io, lambda: self.closed, self._output_lease)
         self.executables = Executables(self._conns)
         self.closed = False
         self._opened = False
@@ -987,11 +987,11 @@ class RemoteMesh:
         layout = spec if spec is not None else (() if self.actor_mesh is not None else None)
         return puts, lambda: RemoteArray(self, bufs, shape, dtype, remote_sharding(layout, self.actor_mesh))
 
-    def _output_names(self, actor: int, count: int, announce: bool = True) -> list[str] | None:
-        """Segment names for a get's large values from `actor` (None: it is on another host; see inputs.py)."""
+    def _output_lease(self, actor: int, sizes: list[int], announce: bool = True) -> Any:
+        """The shared-memory segments for a get's large values from `actor` (None: it is on another host; see inputs.py)."""
         from mpmd.runtime.inputs import input_stager
 
-        return input_stager(self).output_names(actor, count, announce)
+        return input_stager(self).output_lease(actor, sizes, announce)
 
     def _put_one(self, actor: int, buf: int, fields: dict[str, Any], wire: np.ndarray) -> Any:
         """The 'put' request of `wire` to `actor` (a coroutine): through one of its input segments when it shares
