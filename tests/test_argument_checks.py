@@ -187,12 +187,29 @@ def test_draw_takes_fmt_in_any_case_as_it_takes_the_paths_ending(tmp_path):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("runs", ["5", None, 2.0, True, 0])
+@pytest.mark.parametrize("runs", ["5", None, 2.0, True, 0, 10**6])
 def test_simulate_monte_carlo_names_a_runs_that_is_not_a_positive_int(runs):
+    """(10**6 replays ran on for minutes: at most 10,000; a probe.)"""
     programs = [Program(a, [], [], [Run(i, (), (10 * a + i,), Label.of(Task(a, "F", i))) for i in range(2)]) for a in range(2)]
     assert simulate_monte_carlo(programs, Costs(), runs=np.int64(2)).step_time == 2.0
-    with pytest.raises(ValueError, match=rf"simulate_monte_carlo: runs must be a positive int \(how many replays\), got {runs!r}"):
+    with pytest.raises(ValueError, match=rf"simulate_monte_carlo: runs must be an int from 1 to 10000 \(how many replays\), got {runs!r}"):
         simulate_monte_carlo(programs, Costs(), runs=runs)
+
+
+def test_simulate_monte_carlo_checks_its_costs_and_programs_as_simulate_programs_does():
+    """Per-stage costs for 3 stages were taken for a 2-stage step (35.0 came out), None met an AttributeError, and an
+    empty list of programs came out as a step of 0 from simulate_programs (a probe)."""
+    from mpmd.schedules.simulator import simulate_programs
+
+    programs = [Program(a, [], [], [Run(i, (), (10 * a + i,), Label.of(Task(a, "F", i))) for i in range(2)]) for a in range(2)]
+    for replay in (simulate_monte_carlo, simulate_programs):
+        with pytest.raises(mpmd.ScheduleError, match="Costs.F has 3 per-stage values for 2 stages"):
+            replay(programs, Costs(F=(1, 2, 3)))
+        with pytest.raises(mpmd.ScheduleError, match="programs must be a list of Programs, one per actor, got \\[\\]"):
+            replay([], Costs())
+    for bad in (None, {"F": 1}):
+        with pytest.raises(mpmd.ScheduleError, match=f"costs must be mpmd.Costs .* got {type(bad).__name__}"):
+            simulate_monte_carlo(programs, bad)
 
 
 @pytest.mark.parametrize("counts", [[1, 2], np.array([1, 2]), jnp.array([1, 2])])

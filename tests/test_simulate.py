@@ -655,6 +655,48 @@ def test_fit_costs_recovers_known_task_times_gaps_and_per_route_latency_and_band
     assert costs.gap == pytest.approx(np.mean(costs.empirical.gaps))
 
 
+def test_fit_costs_estimates_the_backward_kinds_the_traced_schedule_did_not_run():
+    """A 1F1B trace has no I or W task, a zero-bubble one no B: fitted at 0 they read as free, and ZeroBubbleH1
+    predicted from a 1F1B trace came out at half its measured time (a probe). I and W are now half of B each,
+    and B is I + W (the first stage's W, which runs its whole backward, is its B)."""
+    from mpmd.observe.trace import ActorStep, RunSpan, Trace, fit_costs
+
+    task_ms = {(0, "F"): 1.0, (0, "B"): 2.0, (1, "F"): 1.5, (1, "B"): 3.0}
+    costs = fit_costs(synthetic_trace(task_ms, [0.0], {(0, 1): (2e-4, 1e9)}), num_stages=2)
+    assert costs.B == pytest.approx((2e-3, 3e-3))
+    assert costs.I == pytest.approx((1e-3, 1.5e-3)) and costs.W == pytest.approx((1e-3, 1.5e-3))
+
+    ms = 1e-3
+    t = Trace()
+    zb = {0: [("0F0", 1.0), ("0F1", 1.0), ("0W0", 2.0), ("0W1", 2.0)],
+          1: [("1F0", 1.5), ("1I0", 1.0), ("1F1", 1.5), ("1I1", 1.0), ("1W0", 2.0), ("1W1", 2.0)]}
+    steps = {}
+    for a, runs in zb.items():
+        x, clock = ActorStep(a, 0, 0.0, 0.0), 0.0
+        for label, d in runs:
+            x.runs.append(RunSpan(label, clock, clock, clock, clock + d * ms, -math.inf))
+            clock += d * ms
+        x.end = clock
+        steps[a] = x
+    t.steps.append(steps)
+    costs = fit_costs(t, num_stages=2)
+    assert costs.W == pytest.approx((2 * ms, 2 * ms)) and costs.I == pytest.approx((0.0, 1 * ms))
+    assert costs.B == pytest.approx((2 * ms, 3 * ms))
+
+
+def test_fit_costs_names_a_trace_or_flag_it_cannot_take():
+    """None, or a list of traces, met "has no attribute 'steps'"; own_core="yes" was taken as true (a probe)."""
+    from mpmd.observe.trace import fit_costs
+
+    trace = synthetic_trace({(0, "F"): 1.0, (0, "B"): 2.0, (1, "F"): 1.5, (1, "B"): 3.0}, [0.0], {(0, 1): (2e-4, 1e9)})
+    for bad in (None, [trace]):
+        with pytest.raises(mpmd.MpmdError, match=f"trace must be the Trace of .* got {type(bad).__name__}"):
+            fit_costs(bad, 2)
+    with pytest.raises(mpmd.MpmdError, match="own_core must be True or False, got 'yes'"):
+        fit_costs(trace, 2, own_core="yes")
+    assert fit_costs(trace, 2, own_core=np.bool_(False)).F == pytest.approx((1e-3, 1.5e-3))
+
+
 def test_trace_breakdown_of_each_actor_adds_up_to_the_step_time():
     task_ms = {(0, "F"): 1.0, (0, "B"): 2.0, (1, "F"): 1.5, (1, "B"): 2.5}
     trace = synthetic_trace(task_ms, [0.1, 0.3], {(0, 1): (2e-4, 1e9)})

@@ -311,6 +311,9 @@ def _check_fit_args(trace: Trace, num_stages: int, step: int, cores: int | None)
     from mpmd.errors import MpmdError
     from mpmd.schedules.validation import is_count
 
+    if not isinstance(trace, Trace):  # (None or a list of traces met "has no attribute 'steps'"; a probe)
+        raise MpmdError(f"fit_costs: trace must be the Trace of `with mesh.trace() as t:` (one trace, not a list), got "
+                        f"{type(trace).__name__}")
     if not is_count(num_stages) or num_stages < 1:
         raise MpmdError(f"fit_costs: num_stages must be a positive int (the traced schedule's num_stages), got {num_stages!r:.40}")
     if cores is not None and (not is_count(cores) or cores < 1):
@@ -346,13 +349,19 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
     (mpmd.schedules.sharing), and the costs say `cores` so that the simulators slow them down again.
     `own_core`: each actor ran pinned to a core of its own (CPU), shared with its event loop alone. With either,
     and each actor's loop CPU reported, the costs' `runtime_cpu` is that CPU per Run, Send and Recv, and the
-    Runs' own times are read without the loops' share."""
+    Runs' own times are read without the loops' share. Backward kinds the traced schedule did not run are
+    estimated from those it did: B as I + W, I and W as half of B each."""
     import numpy as np
 
     from mpmd.schedules.montecarlo import Empirical
     from mpmd.schedules.simulator import Costs
 
     num_stages, step = _check_fit_args(trace, num_stages, step, cores)
+    for flag, v in (("per_run", per_run), ("own_core", own_core)):
+        if not isinstance(v, (bool, np.bool_)):  # ("yes" was taken as true; a probe)
+            from mpmd.errors import MpmdError
+
+            raise MpmdError(f"fit_costs: {flag} must be True or False, got {v!r:.40}")
     kinds = ("F", "B", "I", "W")
     col = {(s, k): i for i, (s, k) in enumerate((s, k) for s in range(num_stages) for k in kinds)}
     rows, rhs, other = [], [], []
@@ -391,6 +400,7 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
     sol = np.maximum(sol, 0.0)
     if rows:
         _split_inseparable(sol, np.array(rows), col, num_stages)
+        _estimate_unrun(sol, np.array(rows), col, num_stages)
     per = {k: tuple(float(sol[col[(s, k)]]) for s in range(num_stages)) for k in kinds}
     # The gap: how long after it could have started (inputs there, the actor free) a Run started.
     steps = trace.steps[step]
@@ -494,6 +504,23 @@ def _robust(solve: Any, a_mat: Any, b_vec: Any, rounds: int = 2) -> Any:
 
 
 _DEFAULT_RATIO = {("F", "B"): 2.0, ("F", "I"): 1.0, ("F", "W"): 1.0, ("B", "I"): 0.5, ("B", "W"): 0.5, ("I", "W"): 1.0}
+
+
+def _estimate_unrun(sol: Any, a_mat: Any, col: dict[tuple[int, str], int], num_stages: int) -> None:
+    """In place: the backward kinds a stage's traced schedule did not run, from the ones it did — a whole B as its
+    I + W (a zero-bubble trace predicting 1F1B), and a split backward's I and W as half of B each (a 1F1B trace
+    predicting a zero-bubble schedule; a stage without an I task, the first, runs I + W in its W, that is B). Left
+    at 0 they read as free: ZeroBubbleH1 predicted from a 1F1B trace came out at half its measured time (a
+    probe)."""
+    def ran(s: int, k: str) -> bool:
+        return bool(a_mat[:, col[(s, k)]].any())
+
+    for s in range(num_stages):
+        b, i, w = col[(s, "B")], col[(s, "I")], col[(s, "W")]
+        if not ran(s, "B") and (ran(s, "I") or ran(s, "W")):
+            sol[b] = sol[i] + sol[w]
+        elif ran(s, "B") and not ran(s, "I") and not ran(s, "W"):
+            sol[i] = sol[w] = sol[b] / 2
 
 
 def _split_inseparable(sol: Any, a_mat: Any, col: dict[tuple[int, str], int], num_stages: int) -> None:

@@ -98,19 +98,31 @@ def _centred(tasks: dict[tuple[int, str], Samples], costs: Any) -> dict[tuple[in
     return out
 
 
+MAX_RUNS = 10_000  # replays one call makes at most
+
+
 def simulate_monte_carlo(programs: list[Program], costs: Any, runs: int = 100, seed: int = 0) -> MonteCarloResult:
     """Replay `programs` `runs` times on `costs` (an `mpmd.Costs`), drawing each Run's task times (centred on
     the costs' own means), its gap and each hop's residual from `costs.empirical` where it has samples (else the
     costs' own numbers; a Run doing several tasks, or a task without samples: its costs' time times a drawn
     factor, the factors scaled to mean 1, where the empirical has factors), and hops'
     base times from `costs.routes` per (sender, receiver) where given. Deterministic for a given `seed`."""
-    if not is_count(runs) or runs < 1:
-        raise ValueError(f"simulate_monte_carlo: runs must be a positive int (how many replays), got {runs!r:.40}")
-    try:
-        costs.check_actors(len(programs))  # (as simulate_programs: a route past the programs' actors would be ignored)
+    if not is_count(runs) or not 1 <= runs <= MAX_RUNS:  # (10**6 ran on for minutes; a probe)
+        raise ValueError(f"simulate_monte_carlo: runs must be an int from 1 to {MAX_RUNS} (how many replays), got {runs!r:.40}")
+    if not isinstance(programs, (list, tuple)) or not programs:
+        raise ScheduleError(f"simulate_monte_carlo: programs must be a list of Programs, one per actor, got {programs!r:.80}")
+    if not all(hasattr(costs, m) for m in ("check_stages", "check_actors", "run_time", "route_time")):  # (None or a dict
+        # met "'NoneType' object has no attribute 'check_actors'"; a probe. mpmd.Costs is the simulator's: not imported here)
+        raise ScheduleError(f"simulate_monte_carlo: costs must be mpmd.Costs (e.g. mpmd.Costs(F=1, B=2) or fit_costs(trace, "
+                            f"num_stages)), got {type(costs).__name__}")
+    stages, num_stages = stages_without_input_grad(programs)  # (their W runs the whole backward: it costs I + W,
+    try:  # (as simulate_programs: per-stage values for another number of stages, or a route past the programs' actors,
+        # were taken silently; a probe)
+        if num_stages:
+            costs.check_stages(num_stages)
+        costs.check_actors(len(programs))
     except ValueError as e:
         raise ScheduleError(f"simulate_monte_carlo: {e}") from None
-    stages, num_stages = stages_without_input_grad(programs)  # (their W runs the whole backward: it costs I + W,
     if stages:                                                # as in every other simulator)
         costs = costs.without_input_grad(stages, num_stages)
     emp = getattr(costs, "empirical", None) or Empirical()

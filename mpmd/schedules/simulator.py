@@ -494,6 +494,8 @@ def simulate_programs(programs: list[Program], costs: Costs | None = None, name:
         costs = Costs()
     elif not isinstance(costs, Costs):  # (a dict met "'dict' object has no attribute 'cores'"; a probe)
         raise ScheduleError(f"simulate_programs: costs must be mpmd.Costs (e.g. mpmd.Costs(F=1, B=2)), got {type(costs).__name__}")
+    if not isinstance(programs, (list, tuple)) or not programs:  # (an empty list came out as a step of 0; a probe)
+        raise ScheduleError(f"{name}: programs must be a list of Programs, one per actor, got {programs!r:.80}")
     _, num_stages = stages_without_input_grad(programs)
     try:  # (3 per-stage values for 2 stages were taken silently, where `simulate` refuses them; a probe)
         if num_stages:
