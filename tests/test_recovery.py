@@ -1041,6 +1041,52 @@ def test_a_save_goes_again_after_each_loss_the_mesh_recovers_from(tmp_path):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+def _loader_failing_at_step_2(step, leaf):
+    """A loader (`loaded_by_actors`) whose step 2 is a bad record, every time it is asked for it."""
+    from mpmd.testing import synthetic_regression_leaf
+
+    if step == 2:
+        raise ValueError(f"bad record at step {step}")
+    return synthetic_regression_leaf(step, leaf)
+
+
+def test_a_logged_step_that_failed_fails_again_in_the_replay_and_the_recovery_goes_on():
+    """A loop that catches a step's failure (its loader's bad record) and goes on with its old state: a later lost
+    actor's replay ran that step again, it failed again as it had, and the recovery took that for its own failure —
+    it gave up, the step in flight failed and the mesh no longer recovered (a probe). The replayed step fails with
+    its own error; the rest replay and the loop goes on, equal to jax.jit of the steps that succeeded."""
+    from mpmd.testing import LOADED_LEAF_SHAPE, synthetic_regression_leaf
+
+    fn = "tests.test_recovery:_loader_failing_at_step_2"
+    m, rows, width = LOADED_LEAF_SHAPE
+    params = mlp_params(np.random.default_rng(5), num_stages=2, width=width)
+    spec = {k: jax.ShapeDtypeStruct(LOADED_LEAF_SHAPE, np.float32) for k in ("x", "y")}
+    ref = jax.jit(STEP)
+    rp, ro = params, OPT.init(params)
+    for k in (0, 1, 3, 4, 5):
+        rp, ro, _ = ref(rp, ro, {leaf: synthetic_regression_leaf(k, leaf) for leaf in ("x", "y")})
+    with mpmd.RemoteMesh.local(num_actors=2, loaders=[fn], heartbeat_timeout=5.0, recover=mpmd.Recovery(snapshot_every=100)) as mesh:
+        dist = mpmd.distributed(STEP, mesh=mesh)
+        batch = mpmd.loaded_by_actors(fn, spec)
+        p, o = params, OPT.init(params)
+        failed = []
+        for k in range(6):
+            if k == 5:
+                _sigkill(mesh, 0)
+            np_, no_, loss = dist(p, o, batch)
+            try:
+                loss.to_numpy()
+            except mpmd.MpmdError as e:
+                failed.append((k, str(e)))
+                continue
+            p, o = np_, no_
+        got = mpmd.fetch((p, o))
+        assert mesh.recoveries == 1
+    assert [k for k, _ in failed] == [2] and "bad record at step 2" in failed[0][1]
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves((rp, ro))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_with_actor_loaded_batches_the_replay_loads_the_data_of_the_steps_it_replays():
     """A replay drew step numbers of its own, and the actors' loaders loaded those: every replayed step, and every

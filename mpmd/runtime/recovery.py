@@ -58,7 +58,7 @@ import numpy as np
 
 from mpmd.compiler.avals import from_wire, is_key, key_impl, to_wire
 from mpmd.compiler.plan import iter_lowered
-from mpmd.errors import ActorDiedError, ActorStartError, MpmdError
+from mpmd.errors import ActorDiedError, ActorStartError, MpmdError, RemoteError
 from mpmd.runtime.aio import watch
 from mpmd.runtime.arguments import check_count, check_seconds
 from mpmd.runtime.array import RemoteArray
@@ -801,15 +801,15 @@ class RecoveryManager:
                                  context=rec.context, replay=True)
             dones.append(rec.dist._last[1])
             if len(dones) >= REPLAY_IN_FLIGHT:  # its own bound instead (a daemon serves 4,096 requests per connection)
-                dones[-REPLAY_IN_FLIGHT].result()
+                self._replayed_step_done(replayed[-REPLAY_IN_FLIGHT], dones[-REPLAY_IN_FLIGHT])
             out_leaves = jax.tree.leaves(out, is_leaf=lambda x: isinstance(x, RemoteArray))
             for j, vid, ref in rec.outs:
                 values[vid] = self._rebind(ref(), out_leaves[j], vid)
             del leaves, out, out_leaves
             for vid in [vid for vid in values if last_read.get(vid, -1) <= k]:
                 del values[vid]
-        for d in dones:
-            d.result()  # an ActorDiedError here: recover again
+        for rec, d in zip(replayed, dones):
+            self._replayed_step_done(rec, d)  # an ActorDiedError here: recover again
         for rec in replayed:
             rec.replayed = True
         with self._state:  # what is still without a buffer now is lost for good (the replay rebound the rest)
@@ -820,6 +820,20 @@ class RecoveryManager:
         if len(replayed) < len(records):
             report["steps that could not run again"] = len(records) - len(replayed)
         return len(replayed)
+
+    def _replayed_step_done(self, rec: StepRecord, done: concurrent.futures.Future[Any]) -> None:
+        """Wait for a replayed step. A step that fails on an actor as steps fail (its loader raised, as it did when the
+        step first ran; an input that carries an error) is replayed all the same: its outputs carry that error, as
+        the first run's did, and the recovery goes on (it gave up, the mesh lost for good, over a batch its loop had
+        caught and skipped; a probe). A lost actor raises: the recovery starts again."""
+        try:
+            done.result()
+        except RemoteError as e:
+            dead = [i for i in range(len(self.mesh)) if self.mesh.conn(i).dead]
+            if dead:  # (an abort because a peer was lost: a loss, not the step's own failure)
+                raise ActorDiedError(dead[0], str(e).splitlines()[0][:300]) from e
+            log.info("replayed step record %d failed again on an actor (%s); its outputs carry that error",
+                     rec.index, str(e).splitlines()[0][:200])
 
     def _rebind(self, user: RemoteArray | None, fresh: RemoteArray, vid: int) -> RemoteArray:
         """Point the user's array (if it still lives) at `fresh`'s buffers; returns the array that now holds them."""
