@@ -313,6 +313,9 @@ def _save(path: str, tree: Any, keep: int) -> SaveHandle:
         raise MpmdError(f"mpmd.save: the tree holds arrays of {len(meshes)} meshes; save each mesh's state separately")
     for p, x in flat:
         if isinstance(x, RemoteArray):
+            failed = _failed_step(path, [(p, x)])  # (as it says when the failure comes during the save: the step's own
+            if failed is not None:  # error came bare once the controller had seen it, a RemoteError, not this; a probe)
+                raise failed
             x._check_usable()
         elif not is_key(getattr(x, "dtype", None)) and not_numeric(np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)):
             raise CheckpointError(f"mpmd.save: leaf {jax.tree_util.keystr(p)} is a {type(x).__name__} ({np.asarray(x).dtype}); a checkpoint "
