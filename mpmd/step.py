@@ -1478,29 +1478,37 @@ class DistributedFunction(ShallowCopyOnly):
         as done."""
         calls = compiled.plan.host_calls
         if not calls:
-            await self._wait_step(futures, compiled, replicas, step, trace, on_failure, upstream)
+            record = await self._wait_step(futures, compiled, replicas, step, trace, on_failure, upstream)
+            if record is not None:
+                trace.add_step(step, record, self.mesh.clock_offsets())
             return
         # Taken before the first await: the steps' finishes start in dispatch order, so their callbacks chain in it.
         previous = getattr(self, "_host_calls_done", None)
         mine = self._host_calls_done = asyncio.get_running_loop().create_future()
         try:
-            await self._wait_step(futures, compiled, replicas, step, trace, on_failure, upstream)
+            record = await self._wait_step(futures, compiled, replicas, step, trace, on_failure, upstream)
             if previous is not None:
                 await previous
             try:
                 await run_host_calls(self.mesh, calls, hidden)
-            except MpmdError as e:
-                raise name_step(e, step, getattr(self.fn, "__name__", "step")) from None
+            except BaseException as e:
+                if trace is not None:  # (a step whose callback failed is no step to fit costs to: counted, not recorded)
+                    trace.count("failed")
+                if isinstance(e, MpmdError):
+                    raise name_step(e, step, getattr(self.fn, "__name__", "step")) from None
+                raise
+            if record is not None:
+                trace.add_step(step, record, self.mesh.clock_offsets())
         finally:
             mine.set_result(None)  # resolved however this step ends: the next step's callbacks never wait forever
 
     async def _wait_step(self, futures: list[asyncio.Future[Any]], compiled: CompiledStep, replicas: list[Any], step: int,
                          trace: Any, on_failure: Callable[[BaseException], Any] | None = None,
-                         upstream: Sequence[tuple[str, Any]] = ()) -> None:
+                         upstream: Sequence[tuple[str, Any]] = ()) -> dict[int, Any] | None:
         """Wait for the step's requests. If one fails: the step is abandoned everywhere, argument copies it
         made are forgotten, and the error is raised naming the step (or saying it was cancelled) — unless
-        `on_failure` recovers it. Records the step's trace when one is active."""
-        mesh = self.mesh
+        `on_failure` recovers it. Returns the actors' trace records when a trace is active and the step ran (the
+        caller adds them once its host callbacks, if any, have run too), else None."""
         try:
             await self._wait_all(futures, compiled, step)
         except BaseException as e:
@@ -1521,13 +1529,12 @@ class DistributedFunction(ShallowCopyOnly):
                 if trace is not None:
                     trace.count("recovered" if recovered else "failed")
             if recovered:
-                return  # recovered: the step was replayed and its outputs rebound
+                return None  # recovered: the step was replayed and its outputs rebound
             if not isinstance(e, ActorDiedError):  # (a lost actor is this step's own error, with its type)
                 await self._raise_upstream_error(upstream, step, name)
             raise name_step(e, step, name) from None
         self._cancelled.discard(step)  # (an abort that came after the step ended changed nothing)
-        if trace is not None:
-            trace.add_step(step, {a: f.result().header.get("trace") for a, f in enumerate(futures)}, mesh.clock_offsets())
+        return {a: f.result().header.get("trace") for a, f in enumerate(futures)} if trace is not None else None
 
     async def _raise_upstream_error(self, upstream: Sequence[tuple[str, Any]], step: int, name: str) -> None:
         """This step failed: if an earlier step whose outputs it reads did not finish (cancelled, failed), that is

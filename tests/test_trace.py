@@ -394,6 +394,40 @@ def test_fit_costs_fits_non_negative_costs_that_best_explain_the_runs():
     assert c.B[0] == 0 and c.F[0] == pytest.approx(2.8e-3 / 3)  # (the mean of the three: the best F once B is 0)
 
 
+def _raises_on_the_host(v):
+    if v > 0:
+        raise RuntimeError("boom from callback")
+
+
+def test_a_traced_step_whose_host_callback_fails_is_counted_not_recorded():
+    """A step whose host callback (jax.debug.callback, run on the controller after the actors' part) raised was
+    recorded among `t.steps` as a normal step, and fit_costs fitted it without a word (a probe): only the actors'
+    own failures were counted. It is counted as failed, as they are, and a step after it is recorded."""
+    def model(params, x):
+        x = jnp.tanh(x @ params[0]["w"])
+        jax.debug.callback(_raises_on_the_host, params[2])
+        x = mpmd.pipeline_yield(x)
+        return x @ params[1]["w"]
+
+    def loss(params, mb):
+        return jnp.mean((model(params, mb["x"]) - mb["y"]) ** 2)
+
+    k = jax.random.split(jax.random.key(0), 3)
+    batch = {"x": jax.random.normal(k[2], (4, 4, 16)), "y": jnp.zeros((4, 4, 4))}
+    with mpmd.RemoteMesh.local(num_actors=2) as mesh:
+        @mpmd.distributed(mesh=mesh)
+        def grad_step(params, batch):
+            return mpmd.accumulate_grads(lambda mb: jax.value_and_grad(loss)(params, mb)[::-1], batch,
+                                         schedule=mpmd.OneFOneB(num_stages=2))
+
+        params = [{"w": jax.random.normal(k[0], (16, 32)) / 4}, {"w": jax.random.normal(k[1], (32, 4)) / 6}]
+        with mesh.trace() as t:
+            with pytest.raises(RuntimeError, match="boom from callback"):  # (the callback's own error, as it raised it)
+                mpmd.fetch(grad_step([*params, np.float32(1)], batch))
+            mpmd.fetch(grad_step([*params, np.float32(-1)], batch))
+    assert len(t.steps) == 1 and t.untraced == {"failed": 1}
+
+
 def test_a_traced_step_that_fails_is_said_in_the_summary():
     """A step that failed inside `mesh.trace()` (here its actors' loader gives data of another shape than declared)
     left "no traced step" and nothing else (a probe): the failed steps are counted and said."""
