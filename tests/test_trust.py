@@ -708,6 +708,29 @@ def test_a_cache_dir_that_does_not_exist_yet_is_checked_where_it_would_be_made(t
     assert all(os.stat(d).st_mode & 0o777 == 0o700 for d in (tmp_path / "safe", tmp_path / "safe" / ".cache", made))
 
 
+def test_a_local_mesh_under_a_group_writable_home_runs_without_the_default_cache_and_says_why(tmp_path, monkeypatch, caplog):
+    """With a group-writable home directory (mode 775), RemoteMesh.local() did not start: every daemon refused the
+    default cache under it (a probe). The default one, where unsafe, is left out with a warning naming the directory
+    and what to do; a cache_dir given outright is still refused by the daemons, and a safe default is used."""
+    from mpmd.runtime.launch import local
+
+    home = tmp_path / "home"
+    home.mkdir()
+    home.chmod(0o775)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("MPMD_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    with caplog.at_level("WARNING", logger=local.__name__):
+        with mpmd.RemoteMesh.local(num_actors=1) as mesh:
+            np.testing.assert_array_equal(mesh.actor(0).run(jax.jit(lambda a: a + 1), np.arange(3.0)).to_numpy(), [1.0, 2.0, 3.0])
+    assert f"directory {home} can be written by other users" in caplog.text and "MPMD_CACHE_DIR" in caplog.text
+    assert not (home / ".cache").exists()
+    with pytest.raises(mpmd.ActorStartError, match="can be written by other users"):
+        mpmd.RemoteMesh.local(num_actors=1, cache_dir=str(home / "mine"))
+    home.chmod(0o755)
+    assert local.usable_default_cache_dir() == str(home / ".cache" / "mpmd" / "xla")
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="making files another user owns needs root")
 def test_keys_are_trusted_only_from_files_and_directories_no_other_user_could_have_written(tmp_path):
     from transport.auth import AuthKeyError, load_authorized_keys
