@@ -48,7 +48,8 @@ class LocalOptions:
     `cpus_per_actor`: pin actor i to its own `k` cores (cores i*k .. i*k+k-1 of those this process may use)
     and size XLA's CPU thread pool to them; None leaves scheduling to the OS.
     `cache_dir`: JAX's persistent compilation cache for the actors (a restarted job skips XLA compilation):
-    True (default) is `default_cache_dir()`, False turns it off, a string is that directory.
+    True (default) is `default_cache_dir()` (none where other users could write it: `usable_default_cache_dir`),
+    False turns it off, a string is that directory.
     `gpu_ids`: with platform="gpu", the GPUs to deal out instead of 0, 1, 2, ...: actor i gets
     gpu_ids[(i*d + k) % len(gpu_ids)] for k < d, so ``(0,)`` puts every actor on GPU 0 (a pipeline through host
     memory on one GPU; set XLA_PYTHON_CLIENT_MEM_FRACTION so that they fit together).

@@ -48,12 +48,12 @@ from mpmd.errors import ActorStartError, MpmdError
 from mpmd.runtime.arguments import check_count, check_seconds
 from mpmd.runtime.launch.local import (
     LOG_LEVELS,
-    default_cache_dir,
     describe_exit,
     remove_shared_memory,
     said_stopped,
     socket_dir,
     terminate,
+    usable_default_cache_dir,
 )
 from mpmd.runtime.launch.rendezvous import ActorFacts, check_compatible
 from transport.auth import ClientKeys, KeyPair
@@ -124,8 +124,9 @@ class DaemonHost:
         else:
             env.pop("JAX_PLATFORMS", None)
         cache = spec.get("cache_dir")
+        cache = usable_default_cache_dir() if cache is True else cache  # (this node's: its home may be another's)
         if cache:
-            cmd += ["--cache-dir", default_cache_dir() if cache is True else str(cache)]
+            cmd += ["--cache-dir", str(cache)]
         cmd += [str(f) for f in spec.get("flags", ())]
         with open(self.log_path, "wb") as err:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
