@@ -111,6 +111,9 @@ class SaveHandle:
         self._future = future
         self._mesh = mesh  # (closed meanwhile: its cancelled write says so)
         self._seen = False  # whether anything has waited for it (else a failure is logged: `_said_if_unseen`)
+        self._cleared = concurrent.futures.Future()  # set once a failed save's .tmp directory is gone
+
+    CLEAR_WAIT = 30.0  # seconds a failed save's wait waits for its .tmp directory to be removed before it raises
 
     def done(self) -> bool:
         return self._future.done()
@@ -126,6 +129,11 @@ class SaveHandle:
             except concurrent.futures.CancelledError as e:  # (a bare CancelledError when the mesh closed meanwhile)
                 if self._mesh is not None and self._mesh.closed:
                     raise CheckpointError(f"{what}: {CLOSED_MEANWHILE}; this save committed nothing") from e
+                raise
+            except Exception:  # (once its actors answered, its .tmp goes: a failed save waited for leaves none behind;
+                # it was still there when the error came, a probe)
+                if not (self._mesh is not None and self._mesh.closed):
+                    concurrent.futures.wait([self._cleared], timeout=self.CLEAR_WAIT)
                 raise
 
     def _said_if_unseen(self, path: str) -> SaveHandle:
@@ -517,9 +525,17 @@ def _save(path: str, tree: Any, keep: int) -> SaveHandle:
         """(On the loop.) A save that ended without a commit — failed or cancelled, even before its first turn —
         may still have actors writing into its .tmp directory: it is removed, and its name freed for the next save,
         only once they have answered (else the next save into `path` took the same name and met the old writes)."""
+        def cleanup() -> None:
+            try:
+                abandon(None)
+                done_saving()
+            finally:  # (what a failed save's wait waits for: SaveHandle._wait)
+                if not handle._cleared.done():
+                    handle._cleared.set_result(None)
+
         def handed(f: concurrent.futures.Future[Any]) -> None:
             tasks = replies_now or (f.result() if not f.cancelled() and f.exception() is None else [])
-            asyncio.get_running_loop().create_task(_abandon_after(list(tasks), lambda: (abandon(None), done_saving())))
+            asyncio.get_running_loop().create_task(_abandon_after(list(tasks), cleanup))
 
         sent.add_done_callback(handed)  # (called on the loop: the dispatch settles it there)
 
@@ -544,6 +560,10 @@ async def save_async(path: str, tree: Any, *, keep: int = 1) -> str:
         return await watch(handle._future)
     except asyncio.CancelledError:
         handle._future.cancel()
+        raise
+    except Exception:  # (as `save`: a failed save leaves no .tmp behind once it has said so)
+        if not (handle._mesh is not None and handle._mesh.closed):
+            await asyncio.wait([asyncio.wrap_future(handle._cleared)], timeout=SaveHandle.CLEAR_WAIT)
         raise
 
 
