@@ -76,6 +76,66 @@ class Segment:
     used: float = 0.0  # when a get last took it (pooled get segments)
 
 
+class ReusedSegments:
+    """Segments of one direction kept for the next transfers of a mesh's local actors (big gets and puts): a fresh
+    64 MiB segment costs ~42 ms of tmpfs pages, a copy into a warm one ~6. Up to OUTPUT_SEGMENTS per actor and
+    OUTPUT_POOL_BYTES in all (memory of /dev/shm, held); one idle for OUTPUT_IDLE seconds is dropped by a later take.
+    A dropped one's name is kept for the actor (`told`), which unmaps it when the next request says so. Used with
+    the stager's lock held."""
+
+    def __init__(self) -> None:
+        self.pools: dict[int, list[Segment]] = {}
+        self.told: dict[int, list[str]] = {}  # actor -> names dropped here, to tell it
+
+    def take(self, actor: int, nbytes: int, name: Callable[[], str], no_room: bool) -> Segment | None:
+        """A free segment of `actor`'s of at least `nbytes` (made now, named `name()`, if there is room and /dev/shm
+        had lately, `no_room` False), marked busy; None: none."""
+        now = time.monotonic()
+        for a, segs in self.pools.items():  # (idle ones go: a burst of transfers does not hold /dev/shm for good)
+            for seg in [s for s in segs if not s.busy and now - s.used > OUTPUT_IDLE]:
+                self.drop(a, seg)
+        pool = self.pools.setdefault(actor, [])
+        fit = min((s for s in pool if not s.busy and s.size >= nbytes), key=lambda s: s.size, default=None)
+        if fit is None:
+            size = shm.size_class(nbytes)
+            held = sum(s.size for segs in self.pools.values() for s in segs)
+            if len(pool) >= OUTPUT_SEGMENTS or held + size > OUTPUT_POOL_BYTES or no_room:
+                return None
+            made = name()
+            try:
+                mm, ino = shm.create_segment(made, size)
+            except OSError:  # (no room in /dev/shm: this transfer goes through a fresh segment, or inline)
+                return None
+            fit = Segment(made, size, mm, ino=ino)
+            pool.append(fit)
+        fit.busy, fit.used = True, now
+        return fit
+
+    def release(self, actor: int, seg: Segment, answered: bool) -> None:
+        """The transfer through `seg` is over: back to the pool when its reply came (the actor is done with it), else
+        dropped — a cancelled transfer's actor thread may still be copying."""
+        if answered and seg in self.pools.get(actor, []):
+            seg.busy = False
+        else:
+            self.drop(actor, seg)
+
+    def drop(self, actor: int, seg: Segment) -> None:
+        pool = self.pools.get(actor, [])
+        if seg in pool:
+            pool.remove(seg)
+            self.told.setdefault(actor, []).append(seg.name)
+        _close(seg)
+
+    def reset(self, actor: int) -> None:
+        """A new daemon for `actor` (a reconnect): it maps none of them."""
+        for seg in self.pools.pop(actor, []):  # (one a transfer holds now is dropped by its release)
+            _close(seg)
+        self.told.pop(actor, None)
+
+    def close(self) -> None:
+        _close_all(self.pools)
+
+
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -106,10 +166,11 @@ class InputStager:
         self._no_room_until: dict[int, float] = {}  # actor -> until when no new segment is tried (/dev/shm was full)
         self._once: dict[int, int] = {}  # actor -> one-shot segments (puts) in flight
         self._once_bytes = 0  # their bytes, every actor's: each actor's copy of one is still to be made
-        self._outputs: dict[int, list[Segment]] = {}  # actor -> pooled get segments (see the module docstring)
-        self._forget: dict[int, list[str]] = {}  # actor -> pooled get segments dropped here, to tell it at its next get
+        self.gets = ReusedSegments()  # what the actors write big gets' values into (see the module docstring)
+        self.puts = ReusedSegments()  # what big puts are written into for them
         weakref.finalize(self, _close_all, self._pools, os.getpid())
-        weakref.finalize(self, _close_all, self._outputs, os.getpid())
+        weakref.finalize(self, _close_all, self.gets.pools, os.getpid())
+        weakref.finalize(self, _close_all, self.puts.pools, os.getpid())
 
     @property
     def mesh(self) -> Any:
@@ -146,9 +207,8 @@ class InputStager:
             for seg in self._pools.pop(actor, []):
                 _close(seg)
             self._retired.pop(actor, None)
-            for seg in self._outputs.pop(actor, []):  # (one a get holds now is dropped by its release)
-                _close(seg)
-            self._forget.pop(actor, None)
+            self.gets.reset(actor)
+            self.puts.reset(actor)
         self._told[actor], self._local[actor] = conn, local
         return local
 
@@ -169,47 +229,19 @@ class InputStager:
             return None
         lease = OutputLease(self, actor)
         with self._lock:
-            lease.forget = self._forget.pop(actor, [])
-            pool = self._outputs.setdefault(actor, [])
+            lease.forget = self.gets.told.pop(actor, [])
             for n in sizes:
-                seg = self._take_output(pool, actor, n) if n >= self.min_bytes else None
+                seg = self.gets.take(actor, n, lambda: self._name(actor), self._no_room_for(actor)) if n >= self.min_bytes else None
                 if seg is not None:
                     lease.segments[seg.name] = seg
                 lease.names.append(None if n < self.min_bytes else seg.name if seg is not None
-                                   else f"{self.prefix(actor)}{next(self._names)}")  # (a fresh one the actor makes)
+                                   else self._name(actor))  # (a fresh one the actor makes)
                 lease.pooled.append(seg is not None)
         return lease
 
-    def _take_output(self, pool: list[Segment], actor: int, nbytes: int) -> Segment | None:
-        """A free pooled get segment of `actor`'s for `nbytes` (made now if there is room), marked busy; None: none
-        (with the lock held)."""
-        now = time.monotonic()
-        for a, segs in self._outputs.items():  # (idle ones go: a burst of fetches does not hold /dev/shm for good)
-            for seg in [s for s in segs if not s.busy and now - s.used > OUTPUT_IDLE]:
-                self._drop_output(a, seg)
-        fit = min((s for s in pool if not s.busy and s.size >= nbytes), key=lambda s: s.size, default=None)
-        if fit is None:
-            size = shm.size_class(nbytes)
-            held = sum(s.size for segs in self._outputs.values() for s in segs)
-            if len(pool) >= OUTPUT_SEGMENTS or held + size > OUTPUT_POOL_BYTES or self._no_room_for(actor):
-                return None
-            name = f"{self.prefix(actor)}{next(self._names)}"
-            try:
-                mm, ino = shm.create_segment(name, size)
-            except OSError:  # (no room in /dev/shm: this value goes through a fresh segment, or inline)
-                return None
-            fit = Segment(name, size, mm, ino=ino)
-            pool.append(fit)
-        fit.busy, fit.used = True, now
-        return fit
-
-    def _drop_output(self, actor: int, seg: Segment) -> None:
-        """Close a pooled get segment here and tell the actor at its next get (with the lock held)."""
-        pool = self._outputs.get(actor, [])
-        if seg in pool:
-            pool.remove(seg)
-            self._forget.setdefault(actor, []).append(seg.name)
-        _close(seg)
+    def _name(self, actor: int) -> str:
+        """A segment name of `actor`'s prefix never given before (next() holds the GIL: each name once)."""
+        return f"{self.prefix(actor)}{next(self._names)}"
 
     def stage(self, actor: int, arrays: list[np.ndarray], layouts: list[Any],
               wait: float = 0.0) -> tuple[list[dict[str, Any]], Callable[[], None]] | None:
@@ -247,13 +279,15 @@ class InputStager:
 
         return notices, release
 
-    def stage_once(self, actor: int, array: np.ndarray) -> tuple[dict[str, Any], Callable[[], None]] | None:
-        """A segment of its own for one array (a put): made, written, and its name and mapping gone once `done` is
-        called (the reply came); the actor unmaps it after copying the array out (``once``). Not a pooled segment:
-        a big put kept one of twice its size mapped on both sides for the mesh's life (a review). None (send it
-        inline): ONCE_IN_FLIGHT of the actor's are in flight already, or /dev/shm has no room for it. An MpmdError
-        when the host has not the memory for the segment and the actor's copy of it at once (the put went ahead, a
-        16 GiB one into a 24 GiB machine's /dev/shm, on its way to the OOM killer; a probe)."""
+    def stage_once(self, actor: int, array: np.ndarray) -> tuple[dict[str, Any], Callable[[bool], None]] | None:
+        """A segment for one array (a put), written, and the notice to send; call `done(answered)` when the request
+        is over. One of the reused put segments (`puts`: the actor keeps its mapping, and unmaps one dropped here when a
+        later notice's ``retire`` names it; not the step arguments' pool, whose segments a big put kept, twice its size,
+        for the mesh's life: a review), else one of its own, gone at `done` (the actor unmaps it after copying the
+        array out: ``once``). None (send it inline): ONCE_IN_FLIGHT of the actor's are in flight already, or /dev/shm
+        has no room for it. An MpmdError when the host has not the memory for the segment and the actor's copy of it
+        at once (the put went ahead, a 16 GiB one into a 24 GiB machine's /dev/shm, on its way to the OOM killer; a
+        probe)."""
         memory = host_memory()
         free = memory.get("MemAvailable") if memory else None
         if free is not None and 2 * array.nbytes + self._once_bytes > free:  # (+ the actor copies of the puts in flight:
@@ -267,7 +301,25 @@ class InputStager:
                 return None
             self._once[actor] = self._once.get(actor, 0) + 1
             self._once_bytes += array.nbytes
-        name = f"{self.prefix(actor)}{next(self._names)}"
+            reused = self.puts.take(actor, array.nbytes, lambda: self._name(actor), self._no_room_for(actor))
+            retire = self.puts.told.pop(actor, [])
+        if reused is not None:
+            notice = _write(reused, array, 0)
+            if retire:
+                notice["retire"] = retire  # (dropped here: the actor unmaps them)
+            once = threading.Lock()
+
+            def release(answered: bool = False) -> None:
+                if once.acquire(blocking=False):  # (once: from the reply, or when the request is dropped unsent)
+                    with self._lock:
+                        self.puts.release(actor, reused, answered)
+                    self._once_done(actor, array.nbytes)
+
+            return notice, release
+        if retire:
+            with self._lock:  # (told with the next put that has a notice of its own to carry them)
+                self.puts.told.setdefault(actor, [])[:0] = retire
+        name = self._name(actor)
         try:
             mm, ino = shm.create_segment(name, _aligned(max(array.nbytes, 1)))
         except OSError:  # (no room: this put goes inline; the step arguments' pool is not marked full for it)
@@ -277,7 +329,7 @@ class InputStager:
         notice = {**_write(seg, array, 0), "once": True}
         done_once = threading.Lock()
 
-        def done() -> None:
+        def done(answered: bool = False) -> None:
             if done_once.acquire(blocking=False):  # (once: from the reply, or when the request is dropped unsent)
                 _close(seg)
                 self._once_done(actor, array.nbytes)
@@ -342,7 +394,8 @@ class InputStager:
         with self._lock:
             _close_all(self._pools)
             self._pools.clear()
-            _close_all(self._outputs)
+            self.gets.close()
+            self.puts.close()
         # Any other segment of this mesh's prefix is dead with it: one an actor made for a get that was cancelled,
         # or whose daemon was killed before it could unlink what was never read.
         if os.path.isdir("/dev/shm"):
@@ -396,13 +449,9 @@ class OutputLease:
     def release(self, answered: bool) -> None:
         """The get is over: its pooled segments go back to the pool when its reply came (`answered`: the actor wrote
         what it would), else they are dropped — a cancelled get's thread may still be writing into them."""
-        stager = self.stager
-        with stager._lock:
+        with self.stager._lock:
             for name, seg in self.segments.items():
-                if answered and name not in self._stale and seg in stager._outputs.get(self.actor, []):
-                    seg.busy = False
-                else:
-                    stager._drop_output(self.actor, seg)
+                self.stager.gets.release(self.actor, seg, answered and name not in self._stale)
 
 
 def read_output(actor: int, notice: Any, name: str) -> np.ndarray:

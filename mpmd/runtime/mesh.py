@@ -1007,10 +1007,16 @@ class RemoteMesh:
         notice, done = staged
 
         async def put() -> Any:
+            answered = False
             try:
-                return await self._conns[actor].request("put", {"buf": buf, **fields, "shm": notice})
+                reply = await self._conns[actor].request("put", {"buf": buf, **fields, "shm": notice})
+                answered = True
+                return reply
+            except RemoteError:
+                answered = True  # (an error reply: the actor is done with the segment too)
+                raise
             finally:
-                done()  # (answered, or failed: the segment goes)
+                done(answered)  # (a reused segment goes back to its pool once answered, else it is dropped)
 
         coro = put()
         weakref.finalize(coro, done)  # (a coroutine dropped unstarted — its await cancelled first — runs no finally)
