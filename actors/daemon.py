@@ -867,31 +867,17 @@ def _checked_cache_dir(path: str) -> str:
     """--cache-dir, made (mode 700) where it does not exist yet, once it and every directory above it could have been
     written only by this user or root; exits saying why not. (Checking only a directory that already existed let
     one be made inside a world-writable one, whose other users could then swap in compiled code of their own.)"""
-    from transport.auth import AuthKeyError, check_safe_path
+    from transport.auth import AuthKeyError, make_safe_dir
 
     given = os.path.expanduser(path)
     if os.path.lexists(given) and not os.path.isdir(given):
         raise SystemExit(f"mpmd-actor: --cache-dir {path} is not a directory; name a directory (made if missing) for "
                          "the compiled executables")
-    missing = []  # the directories to make, outermost first
-    p = os.path.abspath(given)
-    while not os.path.lexists(p):
-        missing.insert(0, p)
-        p = os.path.dirname(p)
-    made = []
     try:
-        for p in missing:  # each mode 700 (os.makedirs gives the ones above the last the umask's mode: 775 under umask 002)
-            os.mkdir(p, 0o700)
-            made.append(p)
-        check_safe_path(given, "--cache-dir", holds="compiled code")  # (it and every directory above: a sticky /tmp passes)
-    except (AuthKeyError, OSError) as e:
-        for p in reversed(made):  # (nothing was loaded from them)
-            try:
-                os.rmdir(p)
-            except OSError:
-                pass
-        if isinstance(e, AuthKeyError):
-            raise SystemExit(f"mpmd-actor: {e} (the daemon runs the executables it finds there)") from None
+        make_safe_dir(given, "--cache-dir", holds="compiled code")
+    except AuthKeyError as e:
+        raise SystemExit(f"mpmd-actor: {e} (the daemon runs the executables it finds there)") from None
+    except OSError as e:
         raise SystemExit(f"mpmd-actor: cannot make --cache-dir {path}: {e.strerror or e}") from None
     try:  # (an unwritable one was taken silently: every compile's entry failed to be written, which only the log said,
         # and the compile child's executables could not reach the daemon through it; a probe)

@@ -438,10 +438,10 @@ class Actor:
         into = msg.header.get("into")  # a segment name per entry of bufs (see InputSegments.write_output)
         if into is not None and (not isinstance(into, list) or len(into) != len(bufs)):
             raise RequestError(f"'get' field 'into' must list one segment name (or nil) per buffer ({len(bufs)})")
-        pooled = msg.header.get("pooled")  # per entry of into: a segment the controller made for reuse
+        pooled = msg.header.get("pooled")  # per entry of into: the inode of a segment the controller made for reuse, or 0
         if pooled is not None and (into is None or not isinstance(pooled, list) or len(pooled) != len(into)
-                                   or not all(isinstance(p, bool) for p in pooled)):
-            raise RequestError(f"'get' field 'pooled' must list one bool per entry of 'into' ({len(bufs)})")
+                                   or not all(type(p) is int and p >= 0 for p in pooled)):
+            raise RequestError(f"'get' field 'pooled' must list one inode (an int, 0: none) per entry of 'into' ({len(bufs)})")
         forget = msg.header.get("forget")  # pooled segments the controller dropped: unmapped here
         if forget is not None and (not isinstance(forget, list) or len(forget) > MAX_IDS):
             raise RequestError(f"'get' field 'forget' must list at most {MAX_IDS} segment names")
@@ -456,7 +456,7 @@ class Actor:
                 return {}, [host[b] for b in bufs]
             first: dict[int, dict | None] = {}  # buffer -> its notice (a buffer named twice is written once)
             try:
-                for b, name, reuse in zip(bufs, into, pooled or [False] * len(into)):
+                for b, name, reuse in zip(bufs, into, pooled or [0] * len(into)):
                     if b not in first:
                         first[b] = ses.inputs.write_output(name, host[b], reuse)
             except BaseException:

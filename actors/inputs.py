@@ -77,26 +77,33 @@ class InputSegments:
         # Announced again (the controller reconnected): it starts its segments afresh, so the old ones go.
         for name in list(self.maps):
             self._unmap(name)
+        with self._lock:
+            pooled, self.out_maps = list(self.out_maps.values()), OrderedDict()
+        for mm, _ in pooled:
+            _close_map(mm)
         self.prefix = prefix
 
-    def write_output(self, name: Any, value: np.ndarray, pooled: bool = False) -> dict[str, Any] | None:
+    def write_output(self, name: Any, value: np.ndarray, pooled: int = 0) -> dict[str, Any] | None:
         """Copy `value` into a new segment `name` (one of this session's prefix; see the module docstring) and
         return its notice; None when it should go in the reply instead: small, no prefix named, no room in /dev/shm,
         the name taken (another process's doing: never overwritten), or OUTPUT_MAX_BYTES of this session's still
-        unread by its controller. `pooled`: `name` is a segment the controller made for reuse, written in place
-        (made here as a new one when it is gone). Runs in worker threads."""
+        unread by its controller. `pooled`: `name` is a segment the controller made for reuse, whose file has this
+        inode, written in place (made here as a new one when it is gone). Runs in worker threads."""
         if value.nbytes < OUTPUT_MIN_BYTES or not self._ours(name):
             return None
         host = np.ascontiguousarray(value)
         dtype = dtype_name(host.dtype)  # (before the segment: a dtype that cannot travel leaves none behind)
         if pooled:
-            got = self._pooled(name, host.nbytes)
+            got = self._pooled(name, host.nbytes, pooled)
             if got is not None:
                 mm, ino = got
-                if mm.size() < host.nbytes:  # (shrunk since it was mapped: a write past its end kills the process)
-                    self.forget_outputs([name])
+                try:
+                    if mm.size() < host.nbytes:  # (shrunk since it was mapped: a write past its end kills the process)
+                        self.forget_outputs([name])
+                        return None
+                    np.copyto(np.frombuffer(mm, np.uint8, host.nbytes), host.reshape(-1).view(np.uint8))
+                except ValueError:  # (closed meanwhile: another get's thread mapped one more and let this one go)
                     return None
-                np.copyto(np.frombuffer(mm, np.uint8, host.nbytes), host.reshape(-1).view(np.uint8))
                 with self._lock:
                     self.outputs += 1
                 return {"name": name, "ino": ino, "nbytes": int(host.nbytes), "dtype": dtype, "shape": list(host.shape)}
@@ -125,15 +132,15 @@ class InputSegments:
             self.outputs += 1
         return {"name": name, "ino": ino, "nbytes": int(host.nbytes), "dtype": dtype, "shape": list(host.shape)}
 
-    def _pooled(self, name: str, nbytes: int) -> tuple[mmap.mmap, int] | None:
+    def _pooled(self, name: str, nbytes: int, ino: int) -> tuple[mmap.mmap, int] | None:
         """The mapping of the controller's pooled segment `name` (mapped now if it is not yet), None when there is
         none under that name, or it is not one this session may write: not a regular file, another user's, readable
-        by others, or smaller than `nbytes`."""
+        by others, another file than the controller's (inode `ino`), or smaller than `nbytes`."""
         with self._lock:
             if self._closed:
                 return None
             got = self.out_maps.get(name)
-            if got is not None:
+            if got is not None and got[1] == ino:
                 self.out_maps.move_to_end(name)
                 return got
         try:
@@ -143,7 +150,7 @@ class InputSegments:
             return None  # (gone: the controller unlinked it after its first get; a new one is made under the name)
         try:
             st = os.fstat(fd)
-            if shm.not_a_segment(st) or shm.refusal(st, None, "the controller") or st.st_size < nbytes:
+            if shm.not_a_segment(st) or shm.refusal(st, ino, "the controller") or st.st_size < nbytes:
                 return None
             mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
@@ -154,11 +161,14 @@ class InputSegments:
                 evicted.append(mm)
                 got = None
             else:
+                old = self.out_maps.pop(name, None)  # (another file under the name before: its mapping goes)
+                if old is not None:
+                    evicted.append(old[0])
                 got = self.out_maps[name] = (mm, st.st_ino)
                 while len(self.out_maps) > OUTPUT_MAPS:
                     evicted.append(self.out_maps.popitem(last=False)[1][0])
-        for old in evicted:
-            _close_map(old)
+        for gone in evicted:
+            _close_map(gone)
         return got
 
     def forget_outputs(self, names: Any) -> None:

@@ -723,12 +723,24 @@ def test_a_local_mesh_under_a_group_writable_home_runs_without_the_default_cache
     with caplog.at_level("WARNING", logger=local.__name__):
         with mpmd.RemoteMesh.local(num_actors=1) as mesh:
             np.testing.assert_array_equal(mesh.actor(0).run(jax.jit(lambda a: a + 1), np.arange(3.0)).to_numpy(), [1.0, 2.0, 3.0])
-    assert f"directory {home} can be written by other users" in caplog.text and "MPMD_CACHE_DIR" in caplog.text
+    assert f"directory {home}, above the default compilation cache" in caplog.text and "can be written by other users" in caplog.text
+    assert "MPMD_CACHE_DIR" in caplog.text
     assert not (home / ".cache").exists()
     with pytest.raises(mpmd.ActorStartError, match="can be written by other users"):
         mpmd.RemoteMesh.local(num_actors=1, cache_dir=str(home / "mine"))
     home.chmod(0o755)
-    assert local.usable_default_cache_dir() == str(home / ".cache" / "mpmd" / "xla")
+    assert local.usable_default_cache_dir() == str(home / ".cache" / "mpmd" / "xla")  # (made, mode 700)
+    assert (home / ".cache" / "mpmd" / "xla").is_dir()
+    # one not made yet under a sticky /tmp is made and used (it was refused: /tmp was checked as the cache; a review)
+    import shutil
+    import uuid
+
+    xdg = f"/tmp/mpmd-test-xdg-{uuid.uuid4().hex}"  # (not made yet, right under /tmp)
+    monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+    try:
+        assert local.usable_default_cache_dir() == f"{xdg}/mpmd/xla"
+    finally:
+        shutil.rmtree(xdg, ignore_errors=True)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="making files another user owns needs root")

@@ -118,6 +118,32 @@ def check_safe_path(path: str | os.PathLike[str], what: str, secret: bool = Fals
     return real
 
 
+def make_safe_dir(path: str | os.PathLike[str], what: str, holds: str) -> str:
+    """`path` as a directory, made (each missing level mode 700, whatever the umask) where it does not exist yet, once
+    it and every directory above it could have been written only by this user or root (`check_safe_path`); else
+    what it made is removed again and AuthKeyError (or OSError: it could not be made) says why. Returns the path."""
+    given = os.path.expanduser(os.fspath(path))
+    missing = []  # the directories to make, outermost first
+    p = os.path.abspath(given)
+    while not os.path.lexists(p):
+        missing.insert(0, p)
+        p = os.path.dirname(p)
+    made = []
+    try:
+        for p in missing:  # (os.makedirs gives the ones above the last the umask's mode: 775 under umask 002)
+            os.mkdir(p, 0o700)
+            made.append(p)
+        check_safe_path(given, what, holds=holds)  # (it and every directory above: a sticky /tmp passes)
+    except (AuthKeyError, OSError):
+        for p in reversed(made):
+            try:
+                os.rmdir(p)
+            except OSError:
+                pass
+        raise
+    return given
+
+
 _KEY_LINE = re.compile(r'^\s*(public|secret)-key\s*=\s*"([^"]*)"', re.MULTILINE)
 
 

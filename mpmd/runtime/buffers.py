@@ -11,13 +11,14 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from mpmd.errors import ActorDiedError, MpmdError, RemoteError
+from mpmd.errors import ActorDiedError, MpmdError
 from mpmd.runtime.controller import CLOSED_MEANWHILE, ActorConnection, EventLoopThread, close_unstarted
 from transport.p2p import shm
 from transport.protocol import MAX_IDS
@@ -76,14 +77,24 @@ class BufferClient:
             return None
         return self._out_lease(actor, sizes, announce)
 
-    async def _get(self, actor: int, bufs: list[int], lease: Any) -> list[np.ndarray]:
+    def _get(self, actor: int, bufs: list[int], lease: Any) -> Any:
+        """The coroutine of `_get_now`; its lease is released (as not answered) when the coroutine goes unstarted (a
+        caller's await cancelled before the controller loop ran it: no finally of it runs)."""
+        coro = self._get_now(actor, bufs, lease)
+        if lease is not None:
+            weakref.finalize(coro, lease.release, False)
+        return coro
+
+    async def _get_now(self, actor: int, bufs: list[int], lease: Any) -> list[np.ndarray]:
         """The values of `bufs` on `actor`, through the segments of `lease` (an OutputLease: one name per buffer, None:
         in the reply) when given."""
         fields: dict[str, Any] = {"bufs": bufs, **(lease.fields() if lease is not None else {})}
         answered = False
         try:
             reply = await self._conns[actor].request("get", fields)
-            answered = True  # (the actor's writing is over: what it wrote, it wrote before replying)
+            # (the actor's writing is over: it replies once its thread wrote; an error reply — a request that timed
+            # out there, say — may come while that thread still writes: then the reused segments are dropped)
+            answered = True
             notices = reply.header.get("shm") if lease is not None else None
             if notices is None:  # (all inline: small values, or a daemon that writes none)
                 return list(reply.arrays)
@@ -94,9 +105,6 @@ class BufferClient:
                     log.warning("%s; values from actor %d come in the reply from now on", e, actor)
                 self._no_shm.add(actor)
                 return list((await self._conns[actor].request("get", {"bufs": bufs})).arrays)
-        except RemoteError:
-            answered = True  # (an error reply: the actor is done with the segments too)
-            raise
         finally:  # (a fresh one read is gone already; these are what a failure, or the actor's before it, left, and
             # the pooled ones' names, which the actor has mapped by now)
             if lease is not None:
@@ -110,10 +118,10 @@ class BufferClient:
         memory only once the actor knows the segments' prefix: announcing it would wait for a reply here)."""
         if self._closed():
             raise MpmdError("this RemoteMesh is closed")
-        lease = self._lease(actor, [nbytes], announce=False)
+        inner = self._get(actor, [buf], self._lease(actor, [nbytes], announce=False))  # (made now: released if never run)
 
         async def get() -> np.ndarray:
-            return _read_only((await self._get(actor, [buf], lease))[0])
+            return _read_only((await inner)[0])
 
         return self._io.submit(get())
 

@@ -34,6 +34,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 import warnings
 from collections import defaultdict
 from typing import Any
@@ -132,9 +133,22 @@ class SaveHandle:
                 raise
             except Exception:  # (once its actors answered, its .tmp goes: a failed save waited for leaves none behind;
                 # it was still there when the error came, a probe)
-                if not (self._mesh is not None and self._mesh.closed):
-                    concurrent.futures.wait([self._cleared], timeout=self.CLEAR_WAIT)
+                self._wait_cleared()
                 raise
+
+    def _wait_cleared(self) -> None:
+        """Wait (CLEAR_WAIT seconds at most) until a failed save's .tmp directory is gone — not for a save still
+        running (a wait that timed out), nor on the controller loop's own thread or with its mesh closed (the loop
+        removes it)."""
+        mesh = self._mesh
+        if not self._future.done() or self._future.cancelled() or mesh is None or mesh.closed:
+            return
+        io = getattr(mesh, "_io", None)
+        if io is not None and io.on_loop_thread():
+            return
+        deadline = time.monotonic() + self.CLEAR_WAIT
+        while not self._cleared.done() and not mesh.closed and time.monotonic() < deadline:
+            concurrent.futures.wait([self._cleared], timeout=0.1)
 
     def _said_if_unseen(self, path: str) -> SaveHandle:
         """A background save (`wait=False`) that fails before anything waits for it is logged as an error when it
@@ -562,7 +576,7 @@ async def save_async(path: str, tree: Any, *, keep: int = 1) -> str:
         handle._future.cancel()
         raise
     except Exception:  # (as `save`: a failed save leaves no .tmp behind once it has said so)
-        if not (handle._mesh is not None and handle._mesh.closed):
+        if handle._mesh is not None and not handle._mesh.closed:
             await asyncio.wait([asyncio.wrap_future(handle._cleared)], timeout=SaveHandle.CLEAR_WAIT)
         raise
 

@@ -79,17 +79,19 @@ class Segment:
 class ReusedSegments:
     """Segments of one direction kept for the next transfers of a mesh's local actors (big gets and puts): a fresh
     64 MiB segment costs ~42 ms of tmpfs pages, a copy into a warm one ~6. Up to OUTPUT_SEGMENTS per actor and
-    OUTPUT_POOL_BYTES in all (memory of /dev/shm, held); one idle for OUTPUT_IDLE seconds is dropped by a later take.
-    A dropped one's name is kept for the actor (`told`), which unmaps it when the next request says so. Used with
-    the stager's lock held."""
+    OUTPUT_POOL_BYTES in all (memory of /dev/shm, held: no timer lets them go, a later take drops those idle for
+    OUTPUT_IDLE seconds, the mesh's close all). A dropped one's name is kept for the actor (`told`), which unmaps it
+    when its next request of that direction says so (until then its mapping holds the memory). Used with the
+    stager's lock held."""
 
     def __init__(self) -> None:
         self.pools: dict[int, list[Segment]] = {}
         self.told: dict[int, list[str]] = {}  # actor -> names dropped here, to tell it
+        self.failed_until = 0.0  # (monotonic) no segment is made before then: /dev/shm had no room for one
 
     def take(self, actor: int, nbytes: int, name: Callable[[], str], no_room: bool) -> Segment | None:
         """A free segment of `actor`'s of at least `nbytes` (made now, named `name()`, if there is room and /dev/shm
-        had lately, `no_room` False), marked busy; None: none."""
+        had lately: `no_room` False, and none of this pool failed for NO_ROOM_RETRY seconds), marked busy; None: none."""
         now = time.monotonic()
         for a, segs in self.pools.items():  # (idle ones go: a burst of transfers does not hold /dev/shm for good)
             for seg in [s for s in segs if not s.busy and now - s.used > OUTPUT_IDLE]:
@@ -99,12 +101,13 @@ class ReusedSegments:
         if fit is None:
             size = shm.size_class(nbytes)
             held = sum(s.size for segs in self.pools.values() for s in segs)
-            if len(pool) >= OUTPUT_SEGMENTS or held + size > OUTPUT_POOL_BYTES or no_room:
+            if len(pool) >= OUTPUT_SEGMENTS or held + size > OUTPUT_POOL_BYTES or no_room or self.failed_until > now:
                 return None
             made = name()
             try:
                 mm, ino = shm.create_segment(made, size)
-            except OSError:  # (no room in /dev/shm: this transfer goes through a fresh segment, or inline)
+            except OSError:  # (no room in /dev/shm: this transfer goes through a fresh segment, or inline; none is tried
+                self.failed_until = now + NO_ROOM_RETRY  # again for a while, or each big transfer paid a failed one)
                 return None
             fit = Segment(made, size, mm, ino=ino)
             pool.append(fit)
@@ -236,7 +239,7 @@ class InputStager:
                     lease.segments[seg.name] = seg
                 lease.names.append(None if n < self.min_bytes else seg.name if seg is not None
                                    else self._name(actor))  # (a fresh one the actor makes)
-                lease.pooled.append(seg is not None)
+                lease.pooled.append(seg.ino if seg is not None else 0)
         return lease
 
     def _name(self, actor: int) -> str:
@@ -304,17 +307,23 @@ class InputStager:
             reused = self.puts.take(actor, array.nbytes, lambda: self._name(actor), self._no_room_for(actor))
             retire = self.puts.told.pop(actor, [])
         if reused is not None:
-            notice = _write(reused, array, 0)
-            if retire:
-                notice["retire"] = retire  # (dropped here: the actor unmaps them)
             once = threading.Lock()
 
             def release(answered: bool = False) -> None:
                 if once.acquire(blocking=False):  # (once: from the reply, or when the request is dropped unsent)
                     with self._lock:
                         self.puts.release(actor, reused, answered)
+                        if not answered and retire:  # (they may not have reached the actor: told again)
+                            self.puts.told.setdefault(actor, [])[:0] = retire
                     self._once_done(actor, array.nbytes)
 
+            try:
+                notice = _write(reused, array, 0)
+            except BaseException:
+                release(False)
+                raise
+            if retire:
+                notice["retire"] = retire  # (dropped here: the actor unmaps them)
             return notice, release
         if retire:
             with self._lock:  # (told with the next put that has a notice of its own to carry them)
@@ -411,10 +420,11 @@ class OutputLease:
     def __init__(self, stager: InputStager, actor: int) -> None:
         self.stager, self.actor = stager, actor
         self.names: list[str | None] = []
-        self.pooled: list[bool] = []
+        self.pooled: list[int] = []  # per name: the inode of the reused segment it names (0: a fresh one the actor makes)
         self.segments: dict[str, Segment] = {}  # the pooled ones, by name
         self.forget: list[str] = []
         self._stale: set[str] = set()  # pooled ones the actor did not write (it made a segment of its own instead)
+        self._released = False
 
     def fields(self) -> dict[str, Any]:
         """The get request's fields for these segments."""
@@ -448,10 +458,16 @@ class OutputLease:
 
     def release(self, answered: bool) -> None:
         """The get is over: its pooled segments go back to the pool when its reply came (`answered`: the actor wrote
-        what it would), else they are dropped — a cancelled get's thread may still be writing into them."""
+        what it would), else they are dropped — a cancelled get's thread may still be writing into them — and the
+        names it was to tell the actor to forget are kept for the next get. Once; later calls do nothing."""
         with self.stager._lock:
+            if self._released:
+                return
+            self._released = True
             for name, seg in self.segments.items():
                 self.stager.gets.release(self.actor, seg, answered and name not in self._stale)
+            if not answered and self.forget:  # (it may not have reached the actor: unmapping twice is harmless)
+                self.stager.gets.told.setdefault(self.actor, [])[:0] = self.forget
 
 
 def read_output(actor: int, notice: Any, name: str) -> np.ndarray:

@@ -1010,11 +1010,8 @@ class RemoteMesh:
             answered = False
             try:
                 reply = await self._conns[actor].request("put", {"buf": buf, **fields, "shm": notice})
-                answered = True
+                answered = True  # (only a reply that it was put: an error reply may come while the copy still reads)
                 return reply
-            except RemoteError:
-                answered = True  # (an error reply: the actor is done with the segment too)
-                raise
             finally:
                 done(answered)  # (a reused segment goes back to its pool once answered, else it is dropped)
 

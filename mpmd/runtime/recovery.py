@@ -58,7 +58,7 @@ import numpy as np
 
 from mpmd.compiler.avals import from_wire, is_key, key_impl, to_wire
 from mpmd.compiler.plan import iter_lowered
-from mpmd.errors import ActorDiedError, ActorStartError, MpmdError, RemoteError
+from mpmd.errors import ActorDiedError, ActorStartError, MpmdError
 from mpmd.runtime.aio import watch
 from mpmd.runtime.arguments import check_count, check_seconds
 from mpmd.runtime.array import RemoteArray
@@ -112,6 +112,7 @@ class StepRecord:
     generation: int = 0
     replayed: bool = False
     unreplayable: str | None = None  # why the last recovery could not replay it (an input gone with a lost actor)
+    failed: bool = False  # it failed when it ran, of its own error (not a lost actor's): its replay may fail so again
     load_step: int | None = None  # the step number its actor-loaded leaves were loaded for (a replay loads them again)
     context: Any = None  # JAX's config context of the call (per thread: the replay, in the recovery's, uses the caller's)
 
@@ -436,6 +437,8 @@ class RecoveryManager:
             if rec.replayed:
                 return True
             lost = isinstance(e, ActorDiedError) or rec.generation != self.generation or self._running()
+            if not lost:
+                rec.failed = True
             if self.gave_up is not None or not lost:
                 self._say_gave_up(e)
                 return False
@@ -822,17 +825,23 @@ class RecoveryManager:
         return len(replayed)
 
     def _replayed_step_done(self, rec: StepRecord, done: concurrent.futures.Future[Any]) -> None:
-        """Wait for a replayed step. A step that fails on an actor as steps fail (its loader raised, as it did when the
-        step first ran; an input that carries an error) is replayed all the same: its outputs carry that error, as
-        the first run's did, and the recovery goes on (it gave up, the mesh lost for good, over a batch its loop had
-        caught and skipped; a probe). A lost actor raises: the recovery starts again."""
+        """Wait for a replayed step. A step that failed of its own error when it first ran (its loader raised on a bad
+        record; an input that carried an error) and fails again in the replay is replayed all the same: its outputs
+        carry that error, as the first run's did, and the recovery goes on (it gave up, the mesh lost for good, over
+        a batch its loop had caught and skipped; a probe). Any other failure raises: a lost actor's (the recovery
+        starts again), or one of a step that had succeeded (the replay cannot make what it made: the recovery fails
+        loudly rather than leave the state broken)."""
         try:
             done.result()
-        except RemoteError as e:
-            dead = [i for i in range(len(self.mesh)) if self.mesh.conn(i).dead]
+        except ActorDiedError:
+            raise
+        except MpmdError as e:
+            if not rec.failed:
+                raise
+            dead = sorted({i for i in range(len(self.mesh)) if self.mesh.conn(i).dead} | self._dead_processes())
             if dead:  # (an abort because a peer was lost: a loss, not the step's own failure)
                 raise ActorDiedError(dead[0], str(e).splitlines()[0][:300]) from e
-            log.info("replayed step record %d failed again on an actor (%s); its outputs carry that error",
+            log.info("replayed step record %d failed again, as when it ran (%s); its outputs carry that error",
                      rec.index, str(e).splitlines()[0][:200])
 
     def _rebind(self, user: RemoteArray | None, fresh: RemoteArray, vid: int) -> RemoteArray:

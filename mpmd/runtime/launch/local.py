@@ -126,26 +126,24 @@ _UNSAFE_DEFAULT_SAID: set[str] = set()
 
 
 def usable_default_cache_dir() -> str | None:
-    """`default_cache_dir()`, or None (no persistent cache: each daemon compiles into a private one) when it, or a
-    directory above what of it exists, could be written by other users: a daemon refuses such a --cache-dir (it runs
-    what it finds there), and RemoteMesh.local() failed to start on a machine whose home directory is group-writable
-    (a probe). Said once per directory, with what to do."""
-    from transport.auth import AuthKeyError, check_safe_path
+    """`default_cache_dir()` (made now, mode 700, where it does not exist), or None (no persistent cache: each daemon
+    compiles into a private one) when it, or a directory above it, could be written by other users: a daemon
+    refuses such a --cache-dir (it runs what it finds there), and RemoteMesh.local() failed to start on a machine
+    whose home directory is group-writable (a probe). Said once per directory, with what to do. One named by
+    $MPMD_CACHE_DIR is the user's choice: refused, as a cache_dir given outright is."""
+    from transport.auth import AuthKeyError, make_safe_dir
 
     path = os.path.abspath(os.path.expanduser(default_cache_dir()))
-    there = path
-    while not os.path.lexists(there):
-        there = os.path.dirname(there)
+    if os.environ.get("MPMD_CACHE_DIR"):
+        return path  # (the daemons check it, and refuse to start saying why)
     try:
-        check_safe_path(there, "the default compilation cache" if there == path else "the default compilation cache's directory",
-                        holds="compiled code")
-    except AuthKeyError as e:
+        return make_safe_dir(path, "the default compilation cache", holds="compiled code")
+    except (AuthKeyError, OSError) as e:
         if path not in _UNSAFE_DEFAULT_SAID:
             _UNSAFE_DEFAULT_SAID.add(path)
             log.warning("%s. The local actors run without a persistent compilation cache (%s: each start compiles again): "
                         "fix that, or name a safe directory with MPMD_CACHE_DIR or RemoteMesh.local(cache_dir=...)", e, path)
         return None
-    return path
 
 
 IPC_PATH_MAX = 107  # bytes of a Unix socket path (sockaddr_un.sun_path less its NUL), where pyzmq does not say
