@@ -760,6 +760,7 @@ def test_a_host_argument_read_by_the_steps_last_run_is_not_rewritten_while_that_
         stager.max_segments = saved
 
 
+@pytest.mark.slow  # (moved out of the default run, 18.5 minutes on this VM on 2026-12-07: .ci/run runs it when time allows)
 def test_segments_replaced_by_bigger_ones_are_unmapped_on_the_actor():
     """A batch that keeps growing makes the controller replace segments; each replaced one is retired in the next
     notice and unmapped on the actor, so the mappings one session holds stay at the pool's size."""
@@ -1330,7 +1331,7 @@ def test_repeated_big_fetches_reuse_one_pooled_segment_and_a_lost_mapping_heals(
         np.testing.assert_array_equal(xs[4].to_numpy(), values[4])
         assert 0 not in stager.gets.told and len(pool) >= 1 and not _ours_in_dev_shm(mesh, 0)
 
-        fn = jax.jit(lambda u: jnp.sort(jnp.sin(jnp.arange(1 << 24, dtype=jnp.float32) * u[0]))[:u.size])
+        fn = jax.jit(lambda u: jnp.sort(jnp.sin(jnp.arange(1 << 22, dtype=jnp.float32) * u[0]))[:u.size])
         slow = a.run(fn, xs[1])
         lease = stager.output_lease(0, [slow.nbytes])
         held = lease.segments[lease.names[0]]

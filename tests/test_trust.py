@@ -511,6 +511,7 @@ def _slow_blob(salt: int, layers: int = 600) -> bytes:
     return bytes(export.export(jax.jit(f), platforms=["cpu"])(jax.ShapeDtypeStruct((64, 64), jnp.float32)).serialize())
 
 
+@pytest.mark.slow  # (moved out of the default run, 18.5 minutes on this VM on 2026-12-07: .ci/run runs it when time allows)
 def test_a_compile_process_killed_from_outside_is_tried_once_more_not_blamed_on_the_executable(tmp_path):
     """The compile child SIGKILLed mid-compile (the OOM killer, say) failed the step with "the executable was refused:
     it crashed XLA's compiler (SIGKILL)", and the user's loop died at its first step although a plain retry worked (a
@@ -663,6 +664,7 @@ def _daemon_refuses(*flags: str) -> str:
     return out.stderr
 
 
+@pytest.mark.slow  # (moved out of the default run, 18.5 minutes on this VM on 2026-12-07: .ci/run runs it when time allows)
 def test_a_daemon_refusing_to_start_once_jax_is_up_exits_with_status_1_and_its_message_not_an_abort():
     """A refusal after JAX started its threads (an address not this machine's, a loader it cannot import) left the
     interpreter's shutdown to run beside a thread inside JAX's C++ code: 4 of 10 starts aborted (SIGABRT) after the
