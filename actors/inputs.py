@@ -77,10 +77,7 @@ class InputSegments:
         # Announced again (the controller reconnected): it starts its segments afresh, so the old ones go.
         for name in list(self.maps):
             self._unmap(name)
-        with self._lock:
-            pooled, self.out_maps = list(self.out_maps.values()), OrderedDict()
-        for mm, _ in pooled:
-            _close_map(mm)
+        self._unmap_outputs()
         self.prefix = prefix
 
     def write_output(self, name: Any, value: np.ndarray, pooled: int = 0) -> dict[str, Any] | None:
@@ -170,6 +167,13 @@ class InputSegments:
         for gone in evicted:
             _close_map(gone)
         return got
+
+    def _unmap_outputs(self) -> None:
+        """Unmap every pooled get segment (the session ends, or its controller starts its segments afresh)."""
+        with self._lock:
+            pooled, self.out_maps = list(self.out_maps.values()), OrderedDict()
+        for mm, _ in pooled:
+            _close_map(mm)
 
     def forget_outputs(self, names: Any) -> None:
         """Unmap the pooled get segments the controller dropped (its `forget` list; names of this prefix only)."""
@@ -321,10 +325,8 @@ class InputSegments:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            pooled, self.out_maps = list(self.out_maps.values()), OrderedDict()
         self.unlink_outputs(list(self.written))  # (those its controller never read: a get abandoned mid-way)
-        for mm, _ in pooled:
-            _close_map(mm)
+        self._unmap_outputs()
         for mm in self.maps.values():
             try:
                 mm.close()
