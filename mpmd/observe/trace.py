@@ -305,39 +305,62 @@ def _tasks_of(label: str) -> list[tuple[int, str]]:
     return out
 
 
-def _check_fit_args(trace: Trace, num_stages: int, step: int, cores: int | None) -> tuple[int, int]:
+def _check_fit_args(trace: Any, num_stages: int, step: Any, cores: int | None) -> tuple[int, list[tuple[Trace, int]]]:
     """MpmdError naming what `fit_costs` cannot fit: no traced step, a step out of range, a trace whose Runs
-    compute other stages than `num_stages`, or cores not a positive int; else (num_stages, step) as ints."""
+    compute other stages than `num_stages`, or cores not a positive int; else (num_stages, the (trace, step
+    index) pairs to fit: `step` of each trace given, or each of the steps `step` lists, or every step with "all")."""
     from mpmd.errors import MpmdError
     from mpmd.schedules.validation import is_count
 
-    if not isinstance(trace, Trace):  # (None or a list of traces met "has no attribute 'steps'"; a probe)
-        raise MpmdError(f"fit_costs: trace must be the Trace of `with mesh.trace() as t:` (one trace, not a list), got "
-                        f"{type(trace).__name__}")
+    traces = list(trace) if isinstance(trace, (list, tuple)) else [trace]
+    if not traces or not all(isinstance(t, Trace) for t in traces):  # (None met "has no attribute 'steps'"; a probe)
+        got = type(trace).__name__ if not traces or not isinstance(trace, (list, tuple)) else \
+            f"a {type(trace).__name__} holding {', '.join(sorted({type(t).__name__ for t in traces}))}"
+        raise MpmdError(f"fit_costs: trace must be the Trace of `with mesh.trace() as t:`, or a non-empty list of such "
+                        f"Traces (of the same step), got {got}")
     if not is_count(num_stages) or num_stages < 1:
         raise MpmdError(f"fit_costs: num_stages must be a positive int (the traced schedule's num_stages), got {num_stages!r:.40}")
     if cores is not None and (not is_count(cores) or cores < 1):
         raise MpmdError(f"fit_costs: cores must be a positive int (the cores the actors shared) or None, got {cores!r:.40}")
-    n = len(trace.steps)
-    if n == 0:
-        raise MpmdError("fit_costs: the trace holds no step: call the distributed step inside `with mesh.trace() as t:` "
-                        "(let it finish, e.g. fetch its outputs) and pass that trace")
-    if not is_count(step) or not -n <= step < n:
-        which = "0 or -1" if n == 1 else f"0..{n - 1}, or -{n}..-1 from the end (-1: the last)"
-        raise MpmdError(f"fit_costs: step={step!r:.40} but the trace holds {n} step{'s' if n > 1 else ''}: pass {which}")
-    ran = sorted({(s, r.label) for x in trace.steps[step].values() for r in x.runs for s, _ in _tasks_of(r.label)})
-    top, label = ran[-1] if ran else (num_stages - 1, "")
-    if top >= num_stages:
-        raise MpmdError(f"fit_costs: the traced step runs stage {top} (Run {label!r}) but num_stages={num_stages}: "
-                        f"pass the traced schedule's num_stages (at least {top + 1})")
-    if top + 1 < num_stages:
-        raise MpmdError(f"fit_costs: num_stages={num_stages} but the traced step runs {top + 1} stages: pass "
-                        f"num_stages={top + 1} (a stage it never ran has no costs to fit)")
-    return int(num_stages), int(step)
+    many = isinstance(step, (list, tuple, range))
+    if many and (not step or len(step) > MAX_FIT_STEPS) or not many and not (isinstance(step, str) and step == "all" or is_count(step)):
+        raise MpmdError(f"fit_costs: step must be a step's index (-1: the last), a non-empty list of up to {MAX_FIT_STEPS} "
+                        f"indices, or \"all\", got {step!r:.40}")
+    units: list[tuple[Trace, int]] = []
+    for k, t in enumerate(traces):
+        n = len(t.steps)
+        where = f"trace {k} of {len(traces)}" if len(traces) > 1 else "the trace"
+        if n == 0:
+            raise MpmdError(f"fit_costs: {where} holds no step: call the distributed step inside `with mesh.trace() as t:` "
+                            "(let it finish, e.g. fetch its outputs) and pass that trace")
+        for i in (step if many else range(n) if isinstance(step, str) else [step]):
+            if not is_count(i) or not -n <= i < n:
+                which = "0 or -1" if n == 1 else f"0..{n - 1}, or -{n}..-1 from the end (-1: the last)"
+                raise MpmdError(f"fit_costs: step={i!r:.40} but {where} holds {n} step{'s' if n > 1 else ''}: pass {which}")
+            units.append((t, int(i) % n))
+    if len(units) > MAX_FIT_STEPS:
+        raise MpmdError(f"fit_costs: {len(units)} steps to fit, more than {MAX_FIT_STEPS}: pass fewer traces or steps")
+    for t, i in units:
+        ran = sorted({(s, r.label) for x in t.steps[i].values() for r in x.runs for s, _ in _tasks_of(r.label)})
+        top, label = ran[-1] if ran else (num_stages - 1, "")
+        if top >= num_stages:
+            raise MpmdError(f"fit_costs: the traced step runs stage {top} (Run {label!r}) but num_stages={num_stages}: "
+                            f"pass the traced schedule's num_stages (at least {top + 1})")
+        if top + 1 < num_stages:
+            raise MpmdError(f"fit_costs: num_stages={num_stages} but the traced step runs {top + 1} stages: pass "
+                            f"num_stages={top + 1} (a stage it never ran has no costs to fit)")
+    actors = {frozenset(t.steps[i]) for t, i in units}
+    if len(actors) > 1:
+        raise MpmdError(f"fit_costs: the steps to fit ran on different actors ({' vs '.join(str(sorted(a)) for a in actors)}): "
+                        "pool only steps of the same compiled step on the same mesh")
+    return int(num_stages), units
 
 
-def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = True, cores: int | None = None,
-              own_core: bool = False) -> Any:
+MAX_FIT_STEPS = 1000  # traced steps one fit pools at most
+
+
+def fit_costs(trace: Trace | Sequence[Trace], num_stages: int, step: int | Sequence[int] | str = -1, per_run: bool = True,
+              cores: int | None = None, own_core: bool = False) -> Any:
     """`mpmd.Costs` fitted to a traced step: per stage, the F/B/I/W times that best explain every Run's
     measured duration (least squares over all Runs of the step: a Run lasts the sum of its tasks plus, with
     `per_run`, one `overhead` that every Run pays whatever it computes — fitted only where the step has Runs
@@ -350,13 +373,18 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
     `own_core`: each actor ran pinned to a core of its own (CPU), shared with its event loop alone. With either,
     and each actor's loop CPU reported, the costs' `runtime_cpu` is that CPU per Run, Send and Recv, and the
     Runs' own times are read without the loops' share. Backward kinds the traced schedule did not run are
-    estimated from those it did: B as I + W, I and W as half of B each."""
+    estimated from those it did: B as I + W, I and W as half of B each.
+
+    Several steps fit together: `step` a list of indices (or "all": every traced step), or `trace` a list of
+    Traces of the same step on the same mesh (`step` then picks in each). Their Runs, gaps, hops and samples are
+    pooled, their leads and tails averaged: one traced step of this VM moves 10-30 % from the next, and a fit to
+    one step predicts the next no better than that."""
     import numpy as np
 
     from mpmd.schedules.montecarlo import Empirical
     from mpmd.schedules.simulator import Costs
 
-    num_stages, step = _check_fit_args(trace, num_stages, step, cores)
+    num_stages, units = _check_fit_args(trace, num_stages, step, cores)
     for flag, v in (("per_run", per_run), ("own_core", own_core)):
         if not isinstance(v, (bool, np.bool_)):  # ("yes" was taken as true; a probe)
             from mpmd.errors import MpmdError
@@ -365,19 +393,19 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
     kinds = ("F", "B", "I", "W")
     col = {(s, k): i for i, (s, k) in enumerate((s, k) for s in range(num_stages) for k in kinds)}
     rows, rhs, other = [], [], []
-    shared = cores if cores is not None and cores < len(trace.steps[step]) else None  # else a core each: nothing to undo
-    own, runtime_cpu = _own_durations(trace.steps[step], shared, trace.window(step), own_core)
-    for a, x in trace.steps[step].items():
-        for r in x.runs:
-            tasks = _tasks_of(r.label)
-            if not tasks:
-                other.append(own[id(r)])
-                continue
-            row = np.zeros(len(col))
-            for t in tasks:
-                row[col[t]] += 1
-            rows.append(row)
-            rhs.append(own[id(r)])
+    fitted = [(t.steps[i], *_own_durations(t.steps[i], _shared(cores, t.steps[i]), t.window(i), own_core)) for t, i in units]
+    for steps, own, _ in fitted:
+        for a, x in steps.items():
+            for r in x.runs:
+                tasks = _tasks_of(r.label)
+                if not tasks:
+                    other.append(own[id(r)])
+                    continue
+                row = np.zeros(len(col))
+                for t in tasks:
+                    row[col[t]] += 1
+                rows.append(row)
+                rhs.append(own[id(r)])
     sol = np.zeros(len(col))
     overhead = 0.0
     if rows:
@@ -402,47 +430,94 @@ def fit_costs(trace: Trace, num_stages: int, step: int = -1, per_run: bool = Tru
         _split_inseparable(sol, np.array(rows), col, num_stages)
         _estimate_unrun(sol, np.array(rows), col, num_stages)
     per = {k: tuple(float(sol[col[(s, k)]]) for s in range(num_stages)) for k in kinds}
-    # The gap: how long after it could have started (inputs there, the actor free) a Run started.
-    steps = trace.steps[step]
-    # (From the arrival of its last input, not from when the interpreter saw it there: reaching a Run late, after
-    # posting the sends before it, is the runtime's time too. Counted from when it saw them, a 1F1B step's gaps
-    # were a fifth of what they were, and a replay of the step with its own Runs, gaps and hops ended 2 % early.)
-    gaps = [g for x in steps.values() for a, b in zip(x.runs, x.runs[1:]) if (g := b.start - b.could_start(a.end)) >= 0]
-    gap = float(np.mean(gaps)) if gaps else 0.0  # the mean: the simulator adds it to every Run, the sum must match
-    small, big = [], []  # (each transfer's time: see hop_times)
-    per_route: dict[tuple[int, int], list[tuple[float, int]]] = {}
-    for (src, dst, _), (d, nbytes) in hop_times(steps).items():
-        (small if nbytes <= 1 << 16 else big).append((d, nbytes))
-        per_route.setdefault((src, dst), []).append((d, nbytes))
-    routes, residuals = _fit_routes(per_route)
-    # Lead and tail: from the step's start until the first Run anywhere starts, and from the last Run's end
-    # until the step ends (requests and inputs arriving; the last sends and the replies). The simulators charge
-    # a `gap` before every Run, the first one too: the lead is what is left of the wait after it.
-    # An actor still busy with earlier traced steps (dispatched back to back) could start only when it was done:
-    # the lead counts from then (it took in their queue: 30 ms for the 8th of 8 steps of 7 ms; a probe).
-    w0, w1 = trace.window(step)
-    runs = [r for x in steps.values() for r in x.runs]
-    # (the last of their Runs ending before this step's first: steps that do not depend on each other interleave, and
-    # one ending after that left no lead at all; a review)
-    firsts = {a: x.runs[0].start for a, x in steps.items() if x.runs}
-    free = trace.queued_until(step, by=firsts)
-    lead = max(0.0, min(first - max(w0, free[a] or w0) for a, first in firsts.items()) - gap) if runs else 0.0
-    tail = max(0.0, w1 - max(r.end for r in runs)) if runs else 0.0
-    # The distributions the Monte Carlo simulator draws from: every single-task Run's duration, every gap.
+    gaps: list[float] = []
+    hops: list[tuple[tuple[int, int], float, int, float]] = []  # (route, time, bytes, the unit's longest Run)
+    stall_gaps: list[tuple[float, float]] = []
+    leads, tails, factors = [], [], []
     task_samples: dict[tuple[int, str], list[float]] = {}
-    for x in steps.values():
-        for r in x.runs:
-            tasks = _tasks_of(r.label)
-            if len(tasks) == 1:
-                task_samples.setdefault(tasks[0], []).append(own[id(r)])
-    empirical = Empirical.of(task_samples, gaps, residuals, _run_factors(steps, own, per, overhead))
+    for (t, i), (steps, own, _) in zip(units, fitted):
+        longest = max(own.values(), default=0.0)
+        # The gap: how long after it could have started (inputs there, the actor free) a Run started.
+        # (From the arrival of its last input, not from when the interpreter saw it there: reaching a Run late, after
+        # posting the sends before it, is the runtime's time too. Counted from when it saw them, a 1F1B step's gaps
+        # were a fifth of what they were, and a replay of the step with its own Runs, gaps and hops ended 2 % early.)
+        stall_gaps += [(g, longest) for x in steps.values() for a, b in zip(x.runs, x.runs[1:])
+                       if (g := b.start - b.could_start(a.end)) >= 0]
+        hops += [((src, dst), d, nbytes, longest) for (src, dst, _), (d, nbytes) in hop_times(steps).items()]  # (see hop_times)
+        leads.append(_lead(t, i, steps))
+        runs = [r for x in steps.values() for r in x.runs]
+        tails.append(max(0.0, t.window(i)[1] - max(r.end for r in runs)) if runs else 0.0)
+        # The distributions the Monte Carlo simulator draws from: every single-task Run's duration, every gap.
+        for x in steps.values():
+            for r in x.runs:
+                tasks = _tasks_of(r.label)
+                if len(tasks) == 1:
+                    task_samples.setdefault(tasks[0], []).append(own[id(r)])
+        factors += _run_factors(steps, own, per, overhead)
+    gaps = [g for (g, _), stalled in zip(stall_gaps, _stalls([g for g, _ in stall_gaps], [w for _, w in stall_gaps])) if not stalled]
+    gap = float(np.mean(gaps)) if gaps else 0.0  # the mean: the simulator adds it to every Run, the sum must match
+    # The simulators charge a `gap` before every Run, the first one too: the lead is what is left of the wait after it.
+    lead = max(0.0, float(np.mean(leads)) - gap)
+    per_route: dict[tuple[int, int], list[tuple[float, int]]] = {}
+    for pair, d, nbytes, _ in hops:
+        per_route.setdefault(pair, []).append((d, nbytes))
+    _, first = _fit_routes(per_route)  # (stalls found on each route's residuals from its line; the line fitted again without them)
+    at = {pair: iter(_stalls(res, [w for q, _, _, w in hops if q == pair])) for pair, res in first.items()}
+    hops = [h for h in hops if not next(at[h[0]])]
+    per_route = {}
+    for pair, d, nbytes, _ in hops:
+        per_route.setdefault(pair, []).append((d, nbytes))
+    routes, residuals = _fit_routes(per_route)
+    empirical = Empirical.of(task_samples, gaps, residuals, factors)
+    small = [(d, n) for _, d, n, _ in hops if n <= 1 << 16]
+    big = [(d, n) for _, d, n, _ in hops if n > 1 << 16]
     # Means, not medians: a few slow transfers on the critical path cost the step what they cost.
     latency = float(np.mean([d for d, _ in small])) if small else 0.0
     slow = [(d - latency, n) for d, n in big if d > latency]
     bandwidth = sum(n for _, n in slow) / sum(d for d, _ in slow) if slow else float("inf")
     return Costs(F=per["F"], B=per["B"], I=per["I"], W=per["W"], other=max(0.0, float(np.median(other)) - overhead) if other else 0.0,
-                 latency=max(latency, 0.0), bandwidth=bandwidth, gap=gap, overhead=overhead, lead=lead, tail=tail, routes=routes,
-                 empirical=empirical, cores=shared, runtime_cpu=runtime_cpu)
+                 latency=max(latency, 0.0), bandwidth=bandwidth, gap=gap, overhead=overhead, lead=lead, tail=float(np.mean(tails)),
+                 routes=routes, empirical=empirical, cores=_shared(cores, fitted[0][0]),
+                 runtime_cpu=float(np.mean([rate for _, _, rate in fitted])))
+
+
+STALL_SPREAD = 20.0  # robust standard deviations past its kind's median a stalled gap or hop lies at least
+
+
+def _stalls(xs: list[float], longest: list[float]) -> list[bool]:
+    """Which of `xs` (gaps, or hops' residuals from their route's line) are stalls: longer than the longest Run of
+    their step (`longest`, each its own) and past STALL_SPREAD robust standard deviations (1.4826 x the median
+    absolute deviation) of their kind. An actor or the machine stopped, not the runtime's jitter: one stall of
+    150 ms delayed three hops in flight at once, and drawn on their own, one replay in three met one (a ZB-V
+    step predicted 2.2x its held-out steps; the 1-6 ms tails of this VM's hops, 10-70 deviations out, stay)."""
+    import numpy as np
+
+    if len(xs) < 3:
+        return [False] * len(xs)
+    x = np.asarray(xs, float)
+    med = float(np.median(x))
+    mad = 1.4826 * float(np.median(np.abs(x - med)))
+    return [bool(v > w and v > med + STALL_SPREAD * mad) for v, w in zip(x, longest)]
+
+
+def _shared(cores: int | None, steps: dict[int, ActorStep]) -> int | None:
+    """The cores the actors of a traced step shared: `cores` when fewer than its actors, else None (a core each:
+    nothing to undo)."""
+    return cores if cores is not None and cores < len(steps) else None
+
+
+def _lead(trace: Trace, step: int, steps: dict[int, ActorStep]) -> float:
+    """From the step's start until the first Run anywhere starts (requests and inputs arriving), the gap before
+    it included. An actor still busy with earlier traced steps (dispatched back to back) could start only when it
+    was done: the lead counts from then (it took in their queue: 30 ms for the 8th of 8 steps of 7 ms; a probe)."""
+    # (the last of their Runs ending before this step's first: steps that do not depend on each other interleave, and
+    # one ending after that left no lead at all; a review)
+    firsts = {a: x.runs[0].start for a, x in steps.items() if x.runs}
+    if not firsts:
+        return 0.0
+    w0, _ = trace.window(step)
+    free = trace.queued_until(step, by=firsts)
+    return max(0.0, min(first - max(w0, free[a] or w0) for a, first in firsts.items()))
 
 
 def hop_times(steps: dict[int, ActorStep]) -> dict[tuple[int, int, int], tuple[float, int]]:
