@@ -364,8 +364,8 @@ def fit_costs(trace: Trace | Sequence[Trace], num_stages: int, step: int | Seque
     """`mpmd.Costs` fitted to a traced step: per stage, the F/B/I/W times that best explain every Run's
     measured duration (least squares over all Runs of the step: a Run lasts the sum of its tasks plus, with
     `per_run`, one `overhead` that every Run pays whatever it computes — fitted only where the step has Runs
-    of different task counts, e.g. 1F1B's fused B+F beside its single warm-up Fs, else 0 and folded into the
-    task times), the cost of Runs that do no task (`other`), the runtime's `gap` before each Run (mean time
+    of different task counts, e.g. 1F1B's fused B+F beside its single warm-up Fs, and where it stands 2 standard
+    errors clear of the Runs' scatter, else 0 and folded into the task times), the cost of Runs that do no task (`other`), the runtime's `gap` before each Run (mean time
     from could-start to start), the step's `lead` and `tail` (idle before the first Run anywhere and after the
     last), and a transfer latency and bandwidth from the transfers. `cores`: the actors shared that many cores
     (fewer than actors): each Run's duration is first divided by how much the Runs beside it slowed it
@@ -416,8 +416,8 @@ def fit_costs(trace: Trace | Sequence[Trace], num_stages: int, step: int | Seque
         fit = None
         if per_run and np.linalg.matrix_rank(with_run) > np.linalg.matrix_rank(a_used):
             fit = _robust(lambda a, b: np.linalg.lstsq(a, b, rcond=None)[0], with_run, b_vec)
-            if fit[-1] < 0 or (fit[:-1] < 0).any():  # not a per-Run constant this trace can tell apart
-                fit = None
+            if fit[-1] < 0 or (fit[:-1] < 0).any() or not _significant(with_run, b_vec, fit):  # not a per-Run
+                fit = None  # constant this trace can tell apart
         if fit is not None:
             sol[used], overhead = fit[:-1], float(fit[-1])
         else:  # (non-negative: a least-squares cost below 0, clipped to 0 after, left the others fitted for it and
@@ -555,6 +555,21 @@ def _run_factors(steps: dict[int, ActorStep], own: dict[int, float], per: dict[s
         return []
     mid = statistics.median(got)
     return [f for f in got if mid / 3 <= f <= 3 * mid]
+
+
+def _significant(a_mat: Any, b_vec: Any, x: Any) -> bool:
+    """Is the last coefficient of the least-squares fit `x` (the per-Run overhead) at least 2 standard errors
+    above 0, the Runs' scatter taken robustly (1.4826 x the median absolute residual)? On 4 actors sharing 2
+    cores, where each Run's own time is read through how the Runs beside it shared the cores, one traced step's
+    overhead came out anywhere from 0 to 3 ms, and 2.2 ms pooled over three: rescaled to 8 stages, every Run paid
+    it, and the interleaved schedules were predicted 1.4-1.7x their measured step."""
+    import numpy as np
+
+    r = b_vec - a_mat @ x
+    sigma = 1.4826 * float(np.median(np.abs(r - np.median(r))))
+    var = float(np.linalg.pinv(a_mat.T @ a_mat)[-1, -1])  # (pinv: two tasks that only ever ran together leave the
+    # design short of full rank, the overhead still told apart)
+    return bool(x[-1] >= 2 * sigma * max(var, 0.0) ** 0.5)
 
 
 def _robust(solve: Any, a_mat: Any, b_vec: Any, rounds: int = 2) -> Any:
