@@ -2,8 +2,8 @@
 
 For each schedule, on 2 actors (pinned one per core, single-threaded XLA) and 4 actors (sharing the
 machine's cores when it has fewer): the step time (median of untraced steps); then steps traced one after
-the other, each alone: the first to fit costs to, the next `--held-out` (3) held out (their median step time
-and bubble: this VM's step moves by 10-30 % from one step to the next). Against the first: each actor's bubble
+the other, each alone: the first `--fit-steps` (3) to fit costs to, the next `--held-out` (3) held out (their
+median step time and bubble: this VM's step moves by 10-30 % from one step to the next). Against the first: each actor's bubble
 measured from its trace; the simulator's bubble for the same compiled Programs with costs fitted to that very
 trace (least squares over every Run's duration, a fused Run lasting the sum of its tasks) — how well the model
 fits, not a prediction; their ratio; the simulated step over the traced one, and the traced step replayed with
@@ -14,15 +14,16 @@ schedule: the simulated timeline above the first traced step.
 
 Then predictions compared with a step their costs were not fitted to: the Monte Carlo simulator
 (mpmd.schedules.montecarlo: costs, and task times, gaps and hop residuals drawn from the distributions, of
-the first traced step; hops per route as latency + bytes / bandwidth) predicts the held-out traced steps of
+the fitted steps pooled — and, in brackets, of the first alone; hops per route as latency + bytes / bandwidth)
+predicts the held-out traced steps of
 the same schedule and mesh (their step time and bubble; the untraced median is printed beside it) — a
-prediction from one step to the next, not to a new configuration; and costs fitted on 1F1B's first traced step
+prediction from one step to the next, not to a new configuration; and costs fitted on 1F1B's traced steps
 with m microbatches predict every other schedule's held-out step and 1F1B's with 2m (per-stage costs split
 evenly when a schedule has more stages; I = W = B / 2 where the fit saw no split backward) — and, for the
-schedules that split the backward, the same costs with I and W taken from ZB-H1's first traced step (two
+schedules that split the backward, the same costs with I and W taken from ZB-H1's traced steps (two
 traced configurations, as the tuner profiles a fused and a split variant).
 
-    python -m benchmarks.schedules [--actors 2,4] [--out benchmarks/out] [--steps 5] [--held-out 3]
+    python -m benchmarks.schedules [--actors 2,4] [--out benchmarks/out] [--steps 5] [--fit-steps 3] [--held-out 3]
 """
 
 from __future__ import annotations
@@ -87,9 +88,13 @@ def run_one(gpt, mesh, name: str, n: int, stages: int, args: argparse.Namespace,
             *state, loss = step(*state, batch)
         loss.block_until_ready()
         times.append((time.perf_counter() - t) / args.steps)
-    with mesh.trace() as trace:  # the step the costs are fitted to
-        *state, loss = step(*state, batch)
-    loss.block_until_ready()
+    fitted = []
+    for _ in range(args.fit_steps):  # the steps the costs are fitted to, each traced alone
+        with mesh.trace() as trace:
+            *state, loss = step(*state, batch)
+        loss.block_until_ready()
+        fitted.append(trace)
+    trace = fitted[0]
     buffer_peak = [mesh.actor(a).stats()["last_step_peak_bytes"] for a in range(n)]  # the buffer tables' accounting, this step
     held_ms, held_bubble = [], []
     for _ in range(args.held_out):  # steps no cost is fitted to, each traced alone: what the predictions are compared with
@@ -101,6 +106,7 @@ def run_one(gpt, mesh, name: str, n: int, stages: int, args: argparse.Namespace,
         held_bubble.append(statistics.mean(measured_bubbles(held_out).values()))
     programs = step.compile(*state, batch).plan.programs
     costs = fit_costs(trace, stages, cores=mesh.shared_cores(), own_core=mesh.one_core_each())  # shared or pinned cores: own times
+    pooled = fit_costs(fitted, stages, cores=mesh.shared_cores(), own_core=mesh.one_core_each())  # every fitted step's Runs
     sim = simulate_programs(programs, costs, name=f"{name} simulated")
     meas = measured_bubbles(trace)
     picture = out / f"{name}-{n}actors.svg"
@@ -108,11 +114,14 @@ def run_one(gpt, mesh, name: str, n: int, stages: int, args: argparse.Namespace,
                                                                      f"{name}, {n} actors: measured"], str(picture))
     bubble_m = statistics.mean(meas.values())
     mc = simulate_monte_carlo(programs, costs, runs=100)
+    mc_pooled = simulate_monte_carlo(programs, pooled, runs=100)
     replayed = replay_trace(trace, programs)
     t0, t1 = trace.window()
     return {"schedule": name, "actors": n, "stages": stages, "step_ms": statistics.median(times) * 1e3,
             "held_out_ms": statistics.median(held_ms), "held_out_bubble": statistics.median(held_bubble),
             "mc_ms": mc.step_time * 1e3, "mc_bubble": mc.bubble, "bubble_mean": bubble_m,
+            "pooled_ms": mc_pooled.step_time * 1e3, "pooled_bubble": mc_pooled.bubble, "pooled": pooled,
+            "fitted_steps_ms": [(t.window()[1] - t.window()[0]) * 1e3 for t in fitted], "held_steps_ms": held_ms,
             "costs": costs, "programs": programs, "microbatches": args.microbatches,
             "bubble_measured": [round(meas[a], 3) for a in sorted(meas)], "bubble_simulated": [round(b, 3) for b in sim.bubble_per_actor],
             "ratio": bubble_m / sim.bubble if sim.bubble > 0 else float("nan"), "peak_buffers": buffer_peak,
@@ -130,6 +139,8 @@ def main() -> None:
     p.add_argument("--rows", type=positive(int), default=4, help="rows per microbatch")
     p.add_argument("--steps", type=positive(int), default=5, help="steps per timed round (dispatched back to back)")
     p.add_argument("--rounds", type=positive(int), default=3)
+    p.add_argument("--fit-steps", type=positive(int), default=3,
+                   help="traced steps the costs are fitted to (each traced alone; the first alone and all pooled are both printed)")
     p.add_argument("--held-out", type=positive(int), default=3,
                    help="traced steps the predictions are compared with (their median step time and bubble; each traced alone)")
     p.add_argument("--only", default=None, help="comma-separated schedule names")
@@ -188,12 +199,16 @@ def main() -> None:
           "the record is whole: every Run's last arrival reported, every transfer matched). peak buffer-table bytes: "
           "the actors' own accounting of the step's buffers held at once, the sizes the simulator adds up; not the allocator "
           "or RSS)")
-    print(f"\nMonte Carlo prediction (costs fitted to each run's first traced step) vs the {args.held_out} traced steps after it, held out "
-          "(the untraced median beside it):")
+    print(f"\nMonte Carlo prediction (costs fitted to each run's {args.fit_steps} traced steps pooled; to the first alone in "
+          f"brackets) vs the {args.held_out} traced steps after them, held out (the untraced median beside it):")
     for r in rows:
-        print(f"  {r['schedule']:22s} {r['actors']} actors  step predicted {r['mc_ms']:8.2f} ms held out {r['held_out_ms']:8.2f} ms "
-              f"({r['mc_ms'] / r['held_out_ms']:.2f}x; untraced {r['step_ms']:8.2f} ms)  bubble predicted {r['mc_bubble']:.3f} "
-              f"held out {r['held_out_bubble']:.3f}")
+        print(f"  {r['schedule']:22s} {r['actors']} actors  step predicted {r['pooled_ms']:8.2f} ms held out {r['held_out_ms']:8.2f} ms "
+              f"({r['pooled_ms'] / r['held_out_ms']:.2f}x [{r['mc_ms'] / r['held_out_ms']:.2f}x]; untraced {r['step_ms']:8.2f} ms)  "
+              f"bubble predicted {r['pooled_bubble']:.3f} [{r['mc_bubble']:.3f}] held out {r['held_out_bubble']:.3f}  "
+              f"(steps fitted {', '.join(f'{x:.0f}' for x in r['fitted_steps_ms'])} ms; held out "
+              f"{', '.join(f'{x:.0f}' for x in r['held_steps_ms'])} ms)")
+    within = lambda key: sum(0.9 <= r[key] / r["held_out_ms"] <= 1.1 for r in rows)  # noqa: E731
+    print(f"  step within 10 %: {within('pooled_ms')} of {len(rows)} pooled, {within('mc_ms')} of {len(rows)} from the first step alone")
     cross_config(gpt, rows, args, out)
 
 
@@ -225,23 +240,31 @@ def cross_config(gpt, rows: list[dict], args: argparse.Namespace, out: pathlib.P
         base = next((r for r in rows if r["actors"] == n and r["schedule"] == "OneFOneB"), None)
         if base is None:
             continue
-        print(f"\ncross-configuration, {n} actors: costs fitted on OneFOneB m={base['microbatches']} (its first traced step), "
-              "predicting each run's held-out traced step")
+        print(f"\ncross-configuration, {n} actors: costs fitted on OneFOneB m={base['microbatches']} (its {args.fit_steps} traced "
+              "steps pooled; its first alone in brackets), predicting each run's held-out traced step")
         targets = [r for r in rows if r["actors"] == n and r is not base]
         args2 = argparse.Namespace(**{**vars(args), "microbatches": 2 * args.microbatches})
         with mpmd.RemoteMesh.local(num_actors=n, cpus_per_actor=1 if n <= len(os.sched_getaffinity(0)) else None) as mesh:
             targets.append(run_one(gpt, mesh, "OneFOneB", n, n, args2, out))
         zb = next((r for r in rows if r["actors"] == n and r["schedule"] == "ZeroBubbleH1"), None)
-        both = with_split_from(base["costs"], zb["costs"]) if zb is not None else None
+        both = with_split_from(base["pooled"], zb["pooled"]) if zb is not None else None
+        counts = [0, 0, 0]
         for r in targets:
-            pred = simulate_monte_carlo(r["programs"], rescaled(base["costs"], r["stages"]), runs=100)
+            pred = simulate_monte_carlo(r["programs"], rescaled(base["pooled"], r["stages"]), runs=100)
+            one = simulate_monte_carlo(r["programs"], rescaled(base["costs"], r["stages"]), runs=100)
+            x, x1 = pred.step_time * 1e3 / r["held_out_ms"], one.step_time * 1e3 / r["held_out_ms"]
+            counts[0] += 0.9 <= x <= 1.1
+            counts[1] += 0.9 <= x1 <= 1.1
             line = (f"  {r['schedule']:22s} m={r['microbatches']:2d}  step predicted {pred.step_time * 1e3:8.2f} ms held out "
-                    f"{r['held_out_ms']:8.2f} ms ({pred.step_time * 1e3 / r['held_out_ms']:.2f}x)  bubble predicted {pred.bubble:.3f} "
+                    f"{r['held_out_ms']:8.2f} ms ({x:.2f}x [{x1:.2f}x])  bubble predicted {pred.bubble:.3f} [{one.bubble:.3f}] "
                     f"held out {r['held_out_bubble']:.3f}")
             if both is not None and r is not zb and splits_backward(r["programs"]):
                 p2 = simulate_monte_carlo(r["programs"], rescaled(both, r["stages"]), runs=100)
-                line += f"; with I/W from ZB-H1's trace {p2.step_time * 1e3:8.2f} ms ({p2.step_time * 1e3 / r['held_out_ms']:.2f}x)"
+                x2 = p2.step_time * 1e3 / r["held_out_ms"]
+                counts[2] += 0.9 <= x2 <= 1.1
+                line += f"; with I/W from ZB-H1's trace {p2.step_time * 1e3:8.2f} ms ({x2:.2f}x)"
             print(line, flush=True)
+        print(f"  step within 10 %: {counts[0]} of {len(targets)} pooled, {counts[1]} from the first step alone")
 
 
 def splits_backward(programs: list) -> bool:

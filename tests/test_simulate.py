@@ -740,6 +740,9 @@ def test_fit_costs_pools_several_traced_steps():
     assert sorted(samples[(1, "B")]) == pytest.approx([2.5e-3] * 4 + [4.5e-3] * 4)
     assert len(pooled.empirical.gaps) == len(fit_costs(fast, 2).empirical.gaps) + len(fit_costs(slow, 2).empirical.gaps)
     assert fit_costs([fast], 2) == fit_costs(fast, 2) and fit_costs(both, 2, step=[1]) == fit_costs(both, 2, step=1) == fit_costs(slow, 2)
+    # of three or more, a step over 1.25x their median is left out (the machine slowed all of it)
+    again = synthetic_trace({(0, "F"): 1.1, (0, "B"): 2.1, (1, "F"): 1.6, (1, "B"): 2.6}, [0.1], {(0, 1): (2e-4, 1e9)})
+    assert fit_costs([fast, slow, again], 2) == fit_costs([fast, again], 2) != fit_costs([fast, slow], 2)
     for step, said in (([], "a non-empty list"), ("some", "got 'some'"), ([0, 2], "step=2 but the trace holds 2 steps"),
                        (1.0, "got 1.0")):
         with pytest.raises(mpmd.MpmdError, match=said):

@@ -378,13 +378,14 @@ def fit_costs(trace: Trace | Sequence[Trace], num_stages: int, step: int | Seque
     Several steps fit together: `step` a list of indices (or "all": every traced step), or `trace` a list of
     Traces of the same step on the same mesh (`step` then picks in each). Their Runs, gaps, hops and samples are
     pooled, their leads and tails averaged: one traced step of this VM moves 10-30 % from the next, and a fit to
-    one step predicts the next no better than that."""
+    one step predicts the next no better than that. Of three or more, a step longer than SLOW_STEP x their median
+    is left out (the machine slowed all of it)."""
     import numpy as np
 
     from mpmd.schedules.montecarlo import Empirical
     from mpmd.schedules.simulator import Costs
 
-    num_stages, units = _check_fit_args(trace, num_stages, step, cores)
+    num_stages, units = _without_slow_steps(*_check_fit_args(trace, num_stages, step, cores))
     for flag, v in (("per_run", per_run), ("own_core", own_core)):
         if not isinstance(v, (bool, np.bool_)):  # ("yes" was taken as true; a probe)
             from mpmd.errors import MpmdError
@@ -479,6 +480,22 @@ def fit_costs(trace: Trace | Sequence[Trace], num_stages: int, step: int | Seque
                  latency=max(latency, 0.0), bandwidth=bandwidth, gap=gap, overhead=overhead, lead=lead, tail=float(np.mean(tails)),
                  routes=routes, empirical=empirical, cores=_shared(cores, fitted[0][0]),
                  runtime_cpu=float(np.mean([rate for _, _, rate in fitted])))
+
+
+SLOW_STEP = 1.25  # a step this many times the median of the steps pooled with it is left out of the fit
+
+
+def _without_slow_steps(num_stages: int, units: list[tuple[Trace, int]]) -> tuple[int, list[tuple[Trace, int]]]:
+    """(num_stages, the units without those whose step took over SLOW_STEP x the median step, where there are three
+    or more). A step the machine slowed throughout (another process, a page-cache flush) is not the pipeline's:
+    pooled with two others, one 1F1B step's fit predicted the next steps at 1.18x, where the first alone gave 0.96x."""
+    import statistics
+
+    if len(units) < 3:
+        return num_stages, units
+    spans = [t.window(i)[1] - t.window(i)[0] for t, i in units]
+    mid = statistics.median(spans)
+    return num_stages, [u for u, d in zip(units, spans) if d <= SLOW_STEP * mid]
 
 
 STALL_SPREAD = 20.0  # robust standard deviations past its kind's median a stalled gap or hop lies at least
