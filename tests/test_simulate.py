@@ -749,6 +749,9 @@ def test_fit_costs_pools_several_traced_steps():
             fit_costs(both, 2, step=step)
     with pytest.raises(mpmd.MpmdError, match="step=1 but trace 0 of 2 holds 1 step"):
         fit_costs([fast, slow], 2, step=1)
+    for twice in (lambda: fit_costs([fast, fast], 2), lambda: fit_costs(both, 2, step=[1, -1])):
+        with pytest.raises(mpmd.MpmdError, match="a traced step is listed twice"):
+            twice()
 
 
 def test_trace_breakdown_of_each_actor_adds_up_to_the_step_time():

@@ -340,6 +340,9 @@ def _check_fit_args(trace: Any, num_stages: int, step: Any, cores: int | None) -
             units.append((t, int(i) % n))
     if len(units) > MAX_FIT_STEPS:
         raise MpmdError(f"fit_costs: {len(units)} steps to fit, more than {MAX_FIT_STEPS}: pass fewer traces or steps")
+    if len({(id(t), i) for t, i in units}) < len(units):  # (its Runs would count twice, its gaps and hops too)
+        raise MpmdError("fit_costs: a traced step is listed twice (the same Trace twice, or an index and its negative "
+                        "twin in step=): list each step once")
     for t, i in units:
         ran = sorted({(s, r.label) for x in t.steps[i].values() for r in x.runs for s, _ in _tasks_of(r.label)})
         top, label = ran[-1] if ran else (num_stages - 1, "")
@@ -361,19 +364,19 @@ MAX_FIT_STEPS = 1000  # traced steps one fit pools at most
 
 def fit_costs(trace: Trace | Sequence[Trace], num_stages: int, step: int | Sequence[int] | str = -1, per_run: bool = True,
               cores: int | None = None, own_core: bool = False) -> Any:
-    """`mpmd.Costs` fitted to a traced step: per stage, the F/B/I/W times that best explain every Run's
-    measured duration (least squares over all Runs of the step: a Run lasts the sum of its tasks plus, with
-    `per_run`, one `overhead` that every Run pays whatever it computes — fitted only where the step has Runs
-    of different task counts, e.g. 1F1B's fused B+F beside its single warm-up Fs, and where it stands 2 standard
-    errors clear of the Runs' scatter, else 0 and folded into the task times), the cost of Runs that do no task (`other`), the runtime's `gap` before each Run (mean time
-    from could-start to start), the step's `lead` and `tail` (idle before the first Run anywhere and after the
-    last), and a transfer latency and bandwidth from the transfers. `cores`: the actors shared that many cores
-    (fewer than actors): each Run's duration is first divided by how much the Runs beside it slowed it
-    (mpmd.schedules.sharing), and the costs say `cores` so that the simulators slow them down again.
-    `own_core`: each actor ran pinned to a core of its own (CPU), shared with its event loop alone. With either,
-    and each actor's loop CPU reported, the costs' `runtime_cpu` is that CPU per Run, Send and Recv, and the
-    Runs' own times are read without the loops' share. Backward kinds the traced schedule did not run are
-    estimated from those it did: B as I + W, I and W as half of B each.
+    """`mpmd.Costs` fitted to a traced step: per stage, the F/B/I/W times that best explain every Run's measured
+    duration (least squares over all Runs of the step: a Run lasts the sum of its tasks plus, with `per_run`, one
+    `overhead` that every Run pays whatever it computes — fitted only where the step has Runs of different task
+    counts, e.g. 1F1B's fused B+F beside its single warm-up Fs, and where it stands 2 standard errors clear of the
+    Runs' scatter, else 0 and folded into the task times), the cost of Runs that do no task (`other`), the runtime's
+    `gap` before each Run (mean time from could-start to start), the step's `lead` and `tail` (idle before the first
+    Run anywhere and after the last), and a transfer latency and bandwidth from the transfers. `cores`: the actors
+    shared that many cores (fewer than actors): each Run's duration is first divided by how much the Runs beside it
+    slowed it (mpmd.schedules.sharing), and the costs say `cores` so that the simulators slow them down again.
+    `own_core`: each actor ran pinned to a core of its own (CPU), shared with its event loop alone. With either, and
+    each actor's loop CPU reported, the costs' `runtime_cpu` is that CPU per Run, Send and Recv, and the Runs' own
+    times are read without the loops' share. Backward kinds the traced schedule did not run are estimated from those
+    it did: B as I + W, I and W as half of B each.
 
     Several steps fit together: `step` a list of indices (or "all": every traced step), or `trace` a list of
     Traces of the same step on the same mesh (`step` then picks in each). Their Runs, gaps, hops and samples are
@@ -431,7 +434,6 @@ def fit_costs(trace: Trace | Sequence[Trace], num_stages: int, step: int | Seque
         _split_inseparable(sol, np.array(rows), col, num_stages)
         _estimate_unrun(sol, np.array(rows), col, num_stages)
     per = {k: tuple(float(sol[col[(s, k)]]) for s in range(num_stages)) for k in kinds}
-    gaps: list[float] = []
     hops: list[tuple[tuple[int, int], float, int, float]] = []  # (route, time, bytes, the unit's longest Run)
     stall_gaps: list[tuple[float, float]] = []
     leads, tails, factors = [], [], []
