@@ -95,7 +95,7 @@ def run_one(gpt, mesh, name: str, n: int, stages: int, args: argparse.Namespace,
         loss.block_until_ready()
         fitted.append(trace)
     trace = fitted[0]
-    buffer_peak = [mesh.actor(a).stats()["last_step_peak_bytes"] for a in range(n)]  # the buffer tables' accounting, this step
+    buffer_peak = [mesh.actor(a).stats()["last_step_peak_bytes"] for a in range(n)]  # the buffer tables' accounting, the last fitted step
     held_ms, held_bubble = [], []
     for _ in range(args.held_out):  # steps no cost is fitted to, each traced alone: what the predictions are compared with
         with mesh.trace() as held_out:

@@ -718,6 +718,13 @@ def test_fit_costs_leaves_stalls_out_of_the_hops_and_gaps_it_fits_and_samples():
     res = dict(c.empirical.hops)[(0, 1)]
     assert len(res) == 7 and max(res) == pytest.approx(1.5e-3, rel=0.2)
     assert max(c.empirical.gaps) < 1e-3 and c.gap == pytest.approx(c0.gap, rel=0.1)
+    # on the route's largest hop (the most bytes), where a plain least-squares line bends to it (a review)
+    last = synthetic_trace(task_ms, [0.1, 0.3, 0.2], {(0, 1): (2e-4, 1e9)}, m=8)
+    got = last.steps[0][1].transfers
+    got[:] = [dataclasses.replace(t, end=t.end + 0.150) if t.kind == "recv" and t.tag == 7 else t for t in got]
+    c = fit_costs(last, 2)
+    lat, bw = dict(c.routes)[(0, 1)]
+    assert lat == pytest.approx(2e-4, rel=1e-3) and bw == pytest.approx(1e9, rel=1e-3) and len(dict(c.empirical.hops)[(0, 1)]) == 7
 
 
 def test_fit_costs_pools_several_traced_steps():
@@ -744,12 +751,13 @@ def test_fit_costs_pools_several_traced_steps():
     again = synthetic_trace({(0, "F"): 1.1, (0, "B"): 2.1, (1, "F"): 1.6, (1, "B"): 2.6}, [0.1], {(0, 1): (2e-4, 1e9)})
     assert fit_costs([fast, slow, again], 2) == fit_costs([fast, again], 2) != fit_costs([fast, slow], 2)
     for step, said in (([], "a non-empty list"), ("some", "got 'some'"), ([0, 2], "step=2 but the trace holds 2 steps"),
-                       (1.0, "got 1.0")):
+                       (1.0, "got 1.0"), ([True], "step lists True, not a step's index")):
         with pytest.raises(mpmd.MpmdError, match=said):
             fit_costs(both, 2, step=step)
     with pytest.raises(mpmd.MpmdError, match="step=1 but trace 0 of 2 holds 1 step"):
         fit_costs([fast, slow], 2, step=1)
-    for twice in (lambda: fit_costs([fast, fast], 2), lambda: fit_costs(both, 2, step=[1, -1])):
+    for twice in (lambda: fit_costs([fast, fast], 2), lambda: fit_costs(both, 2, step=[1, -1]),
+                  lambda: fit_costs([fast, both], 2, step=[0])):  # (both's first step is fast's)
         with pytest.raises(mpmd.MpmdError, match="a traced step is listed twice"):
             twice()
 
@@ -887,6 +895,18 @@ def test_monte_carlo_draws_runs_without_samples_of_their_own_from_every_runs_spr
     c = fit_costs(t, 1)
     want = c.F[0] + c.B[0] + c.overhead
     assert sorted(c.empirical.factors) == pytest.approx([3e-3 / want, 5e-3 / want])
+
+
+def test_monte_carlo_refuses_factors_that_are_not_finite_and_positive():
+    """The factors scale Runs as they are (no longer to mean 1): a negative, infinite or NaN one would give Runs of any
+    length (a review)."""
+    from mpmd.schedules.montecarlo import Empirical, simulate_monte_carlo
+
+    schedule = mpmd.OneFOneB(2)
+    progs = programs_from_table(schedule, validate(schedule, 4))
+    for bad in ((1.0, -0.5), (math.inf,), (math.nan, 1.0), (0.0,)):
+        with pytest.raises(mpmd.ScheduleError, match="factors must be finite numbers above 0"):
+            simulate_monte_carlo(progs, Costs(F=1.0, B=2.0, empirical=Empirical(factors=bad)), runs=3)
 
 
 def test_monte_carlo_without_factors_draws_each_of_a_fused_runs_tasks_from_its_samples():

@@ -327,6 +327,7 @@ def _check_fit_args(trace: Any, num_stages: int, step: Any, cores: int | None) -
         raise MpmdError(f"fit_costs: step must be a step's index (-1: the last), a non-empty list of up to {MAX_FIT_STEPS} "
                         f"indices, or \"all\", got {step!r:.40}")
     units: list[tuple[Trace, int]] = []
+    wheres: list[str] = []
     for k, t in enumerate(traces):
         n = len(t.steps)
         where = f"trace {k} of {len(traces)}" if len(traces) > 1 else "the trace"
@@ -334,28 +335,34 @@ def _check_fit_args(trace: Any, num_stages: int, step: Any, cores: int | None) -
             raise MpmdError(f"fit_costs: {where} holds no step: call the distributed step inside `with mesh.trace() as t:` "
                             "(let it finish, e.g. fetch its outputs) and pass that trace")
         for i in (step if many else range(n) if isinstance(step, str) else [step]):
-            if not is_count(i) or not -n <= i < n:
+            if not is_count(i):
+                raise MpmdError(f"fit_costs: step lists {i!r:.40}, not a step's index: list ints (-1: the last)")
+            if not -n <= i < n:
                 which = "0 or -1" if n == 1 else f"0..{n - 1}, or -{n}..-1 from the end (-1: the last)"
                 raise MpmdError(f"fit_costs: step={i!r:.40} but {where} holds {n} step{'s' if n > 1 else ''}: pass {which}")
             units.append((t, int(i) % n))
+            wheres.append(f"step {int(i) % n} of {where}")
     if len(units) > MAX_FIT_STEPS:
         raise MpmdError(f"fit_costs: {len(units)} steps to fit, more than {MAX_FIT_STEPS}: pass fewer traces or steps")
-    if len({(id(t), i) for t, i in units}) < len(units):  # (its Runs would count twice, its gaps and hops too)
-        raise MpmdError("fit_costs: a traced step is listed twice (the same Trace twice, or an index and its negative "
-                        "twin in step=): list each step once")
-    for t, i in units:
+    if len({id(t.steps[i]) for t, i in units}) < len(units):  # (its Runs would count twice, its gaps and hops too, and
+        # the overhead's standard error shrink: [t] * 4 kept an overhead that t alone does not; a review)
+        raise MpmdError("fit_costs: a traced step is listed twice (the same Trace twice, an index and its negative "
+                        "twin in step=, or two Traces holding the same step): list each step once")
+    for (t, i), where in zip(units, wheres):
         ran = sorted({(s, r.label) for x in t.steps[i].values() for r in x.runs for s, _ in _tasks_of(r.label)})
         top, label = ran[-1] if ran else (num_stages - 1, "")
         if top >= num_stages:
-            raise MpmdError(f"fit_costs: the traced step runs stage {top} (Run {label!r}) but num_stages={num_stages}: "
+            raise MpmdError(f"fit_costs: the traced step ({where}) runs stage {top} (Run {label!r}) but num_stages={num_stages}: "
                             f"pass the traced schedule's num_stages (at least {top + 1})")
         if top + 1 < num_stages:
-            raise MpmdError(f"fit_costs: num_stages={num_stages} but the traced step runs {top + 1} stages: pass "
+            raise MpmdError(f"fit_costs: num_stages={num_stages} but the traced step ({where}) runs {top + 1} stages: pass "
                             f"num_stages={top + 1} (a stage it never ran has no costs to fit)")
-    actors = {frozenset(t.steps[i]) for t, i in units}
-    if len(actors) > 1:
-        raise MpmdError(f"fit_costs: the steps to fit ran on different actors ({' vs '.join(str(sorted(a)) for a in actors)}): "
-                        "pool only steps of the same compiled step on the same mesh")
+    first = sorted(units[0][0].steps[units[0][1]])
+    for (t, i), where in zip(units, wheres):
+        if sorted(t.steps[i]) != first:
+            raise MpmdError(f"fit_costs: {where} holds records of actors {sorted(t.steps[i])} where {wheres[0]} holds "
+                            f"{first}: an actor's record is missing, or the steps ran on different meshes; pool only "
+                            "whole steps of the same compiled step on the same mesh")
     return int(num_stages), units
 
 
@@ -464,7 +471,7 @@ def fit_costs(trace: Trace | Sequence[Trace], num_stages: int, step: int | Seque
     per_route: dict[tuple[int, int], list[tuple[float, int]]] = {}
     for pair, d, nbytes, _ in hops:
         per_route.setdefault(pair, []).append((d, nbytes))
-    _, first = _fit_routes(per_route)  # (stalls found on each route's residuals from its line; the line fitted again without them)
+    first = _robust_residuals(per_route)  # (stalls found on each route's residuals from a robust line; fitted again without them)
     at = {pair: iter(_stalls(res, [w for q, _, _, w in hops if q == pair])) for pair, res in first.items()}
     hops = [h for h in hops if not next(at[h[0]])]
     per_route = {}
@@ -481,7 +488,7 @@ def fit_costs(trace: Trace | Sequence[Trace], num_stages: int, step: int | Seque
     return Costs(F=per["F"], B=per["B"], I=per["I"], W=per["W"], other=max(0.0, float(np.median(other)) - overhead) if other else 0.0,
                  latency=max(latency, 0.0), bandwidth=bandwidth, gap=gap, overhead=overhead, lead=lead, tail=float(np.mean(tails)),
                  routes=routes, empirical=empirical, cores=_shared(cores, fitted[0][0]),
-                 runtime_cpu=float(np.mean([rate for _, _, rate in fitted])))
+                 runtime_cpu=_mean_rate(fitted))
 
 
 SLOW_STEP = 1.25  # a step this many times the median of the steps pooled with it is left out of the fit
@@ -495,7 +502,10 @@ def _without_slow_steps(num_stages: int, units: list[tuple[Trace, int]]) -> tupl
 
     if len(units) < 3:
         return num_stages, units
-    spans = [t.window(i)[1] - t.window(i)[0] for t, i in units]
+    # (each step's own Runs, first start to last end: a step dispatched behind others has a window that opens at its
+    # dispatch and grows with the queue before it, and 5 of 8 such steps were left out; a review)
+    spans = [max((r.end for x in t.steps[i].values() for r in x.runs), default=0.0)
+             - min((r.start for x in t.steps[i].values() for r in x.runs), default=0.0) for t, i in units]
     mid = statistics.median(spans)
     return num_stages, [u for u, d in zip(units, spans) if d <= SLOW_STEP * mid]
 
@@ -517,6 +527,14 @@ def _stalls(xs: list[float], longest: list[float]) -> list[bool]:
     med = float(np.median(x))
     mad = 1.4826 * float(np.median(np.abs(x - med)))
     return [bool(v > w and v > med + STALL_SPREAD * mad) for v, w in zip(x, longest)]
+
+
+def _mean_rate(fitted: list[tuple[dict[int, ActorStep], Any, float]]) -> float:
+    """The runtime's CPU per instruction over the pooled steps that reported it, weighted by their instructions (a
+    step where an actor's CPU went unreported reads 0 and pulled the mean down; a review)."""
+    got = [(rate, sum(len(x.runs) + len(x.transfers) for x in steps.values())) for steps, _, rate in fitted if rate > 0]
+    total = sum(n for _, n in got)
+    return sum(rate * n for rate, n in got) / total if total else 0.0
 
 
 def _shared(cores: int | None, steps: dict[int, ActorStep]) -> int | None:
@@ -585,7 +603,10 @@ def _significant(a_mat: Any, b_vec: Any, x: Any) -> bool:
     import numpy as np
 
     r = b_vec - a_mat @ x
-    sigma = 1.4826 * float(np.median(np.abs(r - np.median(r))))
+    n, rank = len(r), int(np.linalg.matrix_rank(a_mat))
+    if n - rank < 2:  # (no scatter to judge it by)
+        return False
+    sigma = 1.4826 * float(np.median(np.abs(r - np.median(r)))) * (n / (n - rank)) ** 0.5
     var = float(np.linalg.pinv(a_mat.T @ a_mat)[-1, -1])  # (pinv: two tasks that only ever ran together leave the
     # design short of full rank, the overhead still told apart)
     return bool(x[-1] >= 2 * sigma * max(var, 0.0) ** 0.5)
@@ -677,6 +698,26 @@ def _own_durations(steps: dict[int, ActorStep], cores: int | None, window: tuple
 
     own = own_times([(a, r.start, r.end) for a, r in runs], cores, rate * instructions / span if rate else 0.0)
     return {id(r): w for (_, r), w in zip(runs, own)}, rate
+
+
+def _robust_residuals(per_route: dict[tuple[int, int], list[tuple[float, int]]]) -> dict[tuple[int, int], list[float]]:
+    """Per route, each hop's time minus a robust line's (Theil-Sen: the median of the slopes between hops of
+    different bytes, the median intercept; the median alone where all hops carry the same bytes), for finding
+    stalls: a stall on a route's largest hop pulled a least-squares line to itself, even one refitted without
+    its worst residuals, and its 103 ms residual stayed in (a review)."""
+    import numpy as np
+
+    out = {}
+    for pair, hops in per_route.items():
+        d = np.array([h[0] for h in hops])
+        n = np.array([float(h[1]) for h in hops])
+        pick = np.linspace(0, len(d) - 1, min(len(d), 400)).astype(int)  # (at most 80,000 pairs)
+        i, j = np.triu_indices(len(pick), 1)
+        dn = n[pick][j] - n[pick][i]
+        apart = dn != 0
+        slope = float(np.median((d[pick][j] - d[pick][i])[apart] / dn[apart])) if apart.any() else 0.0
+        out[pair] = [float(v) for v in d - slope * n - np.median(d - slope * n)]
+    return out
 
 
 def _fit_routes(per_route: dict[tuple[int, int], list[tuple[float, int]]]) -> tuple[tuple, dict[tuple[int, int], list[float]]]:

@@ -130,7 +130,10 @@ def simulate_monte_carlo(programs: list[Program], costs: Any, runs: int = 100, s
     # The factors as measured, not scaled to mean 1: the fit's means are robust, the Runs slowest against them left
     # out, and the factors bring them back (their mean 1.01-1.05 over a traced step's fused Runs; scaled to 1, every
     # schedule's step was predicted 1-4 % short of its held-out steps).
-    factors = tuple(emp.factors) if emp.factors and statistics.fmean(emp.factors) > 0 else ()
+    if not all(isinstance(f, (int, float)) and math.isfinite(f) and f > 0 for f in emp.factors):  # (they scale Runs as they are)
+        raise ScheduleError("simulate_monte_carlo: costs.empirical.factors must be finite numbers above 0 (each a Run's "
+                            f"measured over fitted duration), got {tuple(emp.factors)!r:.80}")
+    factors = tuple(emp.factors)
     rng = random.Random(seed)
     cores = getattr(costs, "cores", None)
     loads = runtime_loads(programs, getattr(costs, "runtime_cpu", 0.0))
