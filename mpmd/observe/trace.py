@@ -352,11 +352,11 @@ def _check_fit_args(trace: Any, num_stages: int, step: Any, cores: int | None) -
         ran = sorted({(s, r.label) for x in t.steps[i].values() for r in x.runs for s, _ in _tasks_of(r.label)})
         top, label = ran[-1] if ran else (num_stages - 1, "")
         if top >= num_stages:
-            raise MpmdError(f"fit_costs: the traced step ({where}) runs stage {top} (Run {label!r}) but num_stages={num_stages}: "
-                            f"pass the traced schedule's num_stages (at least {top + 1})")
+            raise MpmdError(f"fit_costs: the traced step runs stage {top} (Run {label!r}) but num_stages={num_stages}: "
+                            f"pass the traced schedule's num_stages (at least {top + 1}; {where})")
         if top + 1 < num_stages:
-            raise MpmdError(f"fit_costs: num_stages={num_stages} but the traced step ({where}) runs {top + 1} stages: pass "
-                            f"num_stages={top + 1} (a stage it never ran has no costs to fit)")
+            raise MpmdError(f"fit_costs: num_stages={num_stages} but the traced step runs {top + 1} stages: pass "
+                            f"num_stages={top + 1} (a stage it never ran has no costs to fit; {where})")
     first = sorted(units[0][0].steps[units[0][1]])
     for (t, i), where in zip(units, wheres):
         if sorted(t.steps[i]) != first:
