@@ -738,7 +738,8 @@ def test_fit_costs_pools_several_traced_steps():
     both = Trace()
     both.steps = fast.steps + slow.steps
     pooled = fit_costs([fast, slow], 2)
-    assert pooled == fit_costs(both, 2, step="all") == fit_costs(both, 2, step=[0, -1]) == fit_costs(both, 2, step=range(2))
+    assert pooled == fit_costs(both, 2, step="all") == fit_costs(both, 2, step=[0, -1]) == fit_costs(both, 2, step=range(2)) \
+        == fit_costs(both, 2, step=np.arange(2))
     assert pooled.F == pytest.approx((2e-3, 2e-3)) and pooled.B == pytest.approx((3e-3, 3.5e-3))
     assert pooled.gap == pytest.approx(2e-4)
     routes = dict(pooled.routes)

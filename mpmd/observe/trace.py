@@ -322,6 +322,8 @@ def _check_fit_args(trace: Any, num_stages: int, step: Any, cores: int | None) -
         raise MpmdError(f"fit_costs: num_stages must be a positive int (the traced schedule's num_stages), got {num_stages!r:.40}")
     if cores is not None and (not is_count(cores) or cores < 1):
         raise MpmdError(f"fit_costs: cores must be a positive int (the cores the actors shared) or None, got {cores!r:.40}")
+    if getattr(step, "ndim", 0) == 1:  # (a 1-d array of indices, e.g. np.arange(3))
+        step = list(step.tolist()) if hasattr(step, "tolist") else list(step)
     many = isinstance(step, (list, tuple, range))
     if many and (not step or len(step) > MAX_FIT_STEPS) or not many and not (isinstance(step, str) and step == "all" or is_count(step)):
         raise MpmdError(f"fit_costs: step must be a step's index (-1: the last), a non-empty list of up to {MAX_FIT_STEPS} "
@@ -507,6 +509,12 @@ def _without_slow_steps(num_stages: int, units: list[tuple[Trace, int]]) -> tupl
     spans = [max((r.end for x in t.steps[i].values() for r in x.runs), default=0.0)
              - min((r.start for x in t.steps[i].values() for r in x.runs), default=0.0) for t, i in units]
     mid = statistics.median(spans)
+    slow = [f"{d * 1e3:.1f} ms" for d in spans if d > SLOW_STEP * mid]
+    if slow:
+        import logging
+
+        logging.getLogger(__name__).info("fit_costs: %d of %d steps left out, slower than %.2fx their median %.1f ms: %s",
+                                         len(slow), len(spans), SLOW_STEP, mid * 1e3, ", ".join(slow))
     return num_stages, [u for u, d in zip(units, spans) if d <= SLOW_STEP * mid]
 
 
