@@ -101,8 +101,7 @@ def run_one(gpt, mesh, name: str, n: int, stages: int, args: argparse.Namespace,
         with mesh.trace() as held_out:
             *state, loss = step(*state, batch)
         loss.block_until_ready()
-        w0, w1 = held_out.window()
-        held_ms.append((w1 - w0) * 1e3)
+        held_ms.append(window_ms(held_out))
         held_bubble.append(statistics.mean(measured_bubbles(held_out).values()))
     programs = step.compile(*state, batch).plan.programs
     costs = fit_costs(trace, stages, cores=mesh.shared_cores(), own_core=mesh.one_core_each())  # shared or pinned cores: own times
@@ -121,7 +120,7 @@ def run_one(gpt, mesh, name: str, n: int, stages: int, args: argparse.Namespace,
             "held_out_ms": statistics.median(held_ms), "held_out_bubble": statistics.median(held_bubble),
             "mc_ms": mc.step_time * 1e3, "mc_bubble": mc.bubble, "bubble_mean": bubble_m,
             "pooled_ms": mc_pooled.step_time * 1e3, "pooled_bubble": mc_pooled.bubble, "pooled": pooled,
-            "fitted_steps_ms": [(t.window()[1] - t.window()[0]) * 1e3 for t in fitted], "held_steps_ms": held_ms,
+            "fitted_steps_ms": [window_ms(t) for t in fitted], "held_steps_ms": held_ms,
             "costs": costs, "programs": programs, "microbatches": args.microbatches,
             "bubble_measured": [round(meas[a], 3) for a in sorted(meas)], "bubble_simulated": [round(b, 3) for b in sim.bubble_per_actor],
             "ratio": bubble_m / sim.bubble if sim.bubble > 0 else float("nan"), "peak_buffers": buffer_peak,
@@ -207,8 +206,8 @@ def main() -> None:
               f"bubble predicted {r['pooled_bubble']:.3f} [{r['mc_bubble']:.3f}] held out {r['held_out_bubble']:.3f}  "
               f"(steps fitted {', '.join(f'{x:.0f}' for x in r['fitted_steps_ms'])} ms; held out "
               f"{', '.join(f'{x:.0f}' for x in r['held_steps_ms'])} ms)")
-    within = lambda key: sum(0.9 <= r[key] / r["held_out_ms"] <= 1.1 for r in rows)  # noqa: E731
-    print(f"  step within 10 %: {within('pooled_ms')} of {len(rows)} pooled, {within('mc_ms')} of {len(rows)} from the first step alone")
+    pooled, alone = (sum(within(r[key] / r["held_out_ms"]) for r in rows) for key in ("pooled_ms", "mc_ms"))
+    print(f"  step within 10 %: {pooled} of {len(rows)} pooled, {alone} of {len(rows)} from the first step alone")
     cross_config(gpt, rows, args, out)
 
 
@@ -248,23 +247,36 @@ def cross_config(gpt, rows: list[dict], args: argparse.Namespace, out: pathlib.P
             targets.append(run_one(gpt, mesh, "OneFOneB", n, n, args2, out))
         zb = next((r for r in rows if r["actors"] == n and r["schedule"] == "ZeroBubbleH1"), None)
         both = with_split_from(base["pooled"], zb["pooled"]) if zb is not None else None
-        counts = [0, 0, 0]
+        counts = [0, 0, 0, 0]  # within 10 %: pooled, first step alone, with ZB-H1's I/W (of how many)
         for r in targets:
             pred = simulate_monte_carlo(r["programs"], rescaled(base["pooled"], r["stages"]), runs=100)
             one = simulate_monte_carlo(r["programs"], rescaled(base["costs"], r["stages"]), runs=100)
             x, x1 = pred.step_time * 1e3 / r["held_out_ms"], one.step_time * 1e3 / r["held_out_ms"]
-            counts[0] += 0.9 <= x <= 1.1
-            counts[1] += 0.9 <= x1 <= 1.1
+            counts[0] += within(x)
+            counts[1] += within(x1)
             line = (f"  {r['schedule']:22s} m={r['microbatches']:2d}  step predicted {pred.step_time * 1e3:8.2f} ms held out "
                     f"{r['held_out_ms']:8.2f} ms ({x:.2f}x [{x1:.2f}x])  bubble predicted {pred.bubble:.3f} [{one.bubble:.3f}] "
                     f"held out {r['held_out_bubble']:.3f}")
             if both is not None and r is not zb and splits_backward(r["programs"]):
                 p2 = simulate_monte_carlo(r["programs"], rescaled(both, r["stages"]), runs=100)
                 x2 = p2.step_time * 1e3 / r["held_out_ms"]
-                counts[2] += 0.9 <= x2 <= 1.1
+                counts[2] += within(x2)
+                counts[3] += 1
                 line += f"; with I/W from ZB-H1's trace {p2.step_time * 1e3:8.2f} ms ({x2:.2f}x)"
             print(line, flush=True)
-        print(f"  step within 10 %: {counts[0]} of {len(targets)} pooled, {counts[1]} from the first step alone")
+        print(f"  step within 10 %: {counts[0]} of {len(targets)} pooled, {counts[1]} from the first step alone"
+              + (f"; with I/W from ZB-H1's trace {counts[2]} of {counts[3]}" if counts[3] else ""))
+
+
+def within(ratio: float) -> bool:
+    """Is a predicted / measured step within 10 %?"""
+    return 0.9 <= ratio <= 1.1
+
+
+def window_ms(trace) -> float:  # noqa: ANN001
+    """A traced step's span (ms)."""
+    w0, w1 = trace.window()
+    return (w1 - w0) * 1e3
 
 
 def splits_backward(programs: list) -> bool:

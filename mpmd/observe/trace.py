@@ -323,7 +323,7 @@ def _check_fit_args(trace: Any, num_stages: int, step: Any, cores: int | None) -
     if cores is not None and (not is_count(cores) or cores < 1):
         raise MpmdError(f"fit_costs: cores must be a positive int (the cores the actors shared) or None, got {cores!r:.40}")
     if getattr(step, "ndim", 0) == 1:  # (a 1-d array of indices, e.g. np.arange(3))
-        step = list(step.tolist()) if hasattr(step, "tolist") else list(step)
+        step = step.tolist()
     many = isinstance(step, (list, tuple, range))
     if many and (not step or len(step) > MAX_FIT_STEPS) or not many and not (isinstance(step, str) and step == "all" or is_count(step)):
         raise MpmdError(f"fit_costs: step must be a step's index (-1: the last), a non-empty list of up to {MAX_FIT_STEPS} "
@@ -397,7 +397,8 @@ def fit_costs(trace: Trace | Sequence[Trace], num_stages: int, step: int | Seque
     from mpmd.schedules.montecarlo import Empirical
     from mpmd.schedules.simulator import Costs
 
-    num_stages, units = _without_slow_steps(*_check_fit_args(trace, num_stages, step, cores))
+    num_stages, units = _check_fit_args(trace, num_stages, step, cores)
+    units = _without_slow_steps(units)
     for flag, v in (("per_run", per_run), ("own_core", own_core)):
         if not isinstance(v, (bool, np.bool_)):  # ("yes" was taken as true; a probe)
             from mpmd.errors import MpmdError
@@ -444,7 +445,7 @@ def fit_costs(trace: Trace | Sequence[Trace], num_stages: int, step: int | Seque
         _estimate_unrun(sol, np.array(rows), col, num_stages)
     per = {k: tuple(float(sol[col[(s, k)]]) for s in range(num_stages)) for k in kinds}
     hops: list[tuple[tuple[int, int], float, int, float]] = []  # (route, time, bytes, the unit's longest Run)
-    stall_gaps: list[tuple[float, float]] = []
+    all_gaps, gap_longest = [], []  # (each gap, and its step's longest Run)
     leads, tails, factors = [], [], []
     task_samples: dict[tuple[int, str], list[float]] = {}
     for (t, i), (steps, own, _) in zip(units, fitted):
@@ -453,8 +454,8 @@ def fit_costs(trace: Trace | Sequence[Trace], num_stages: int, step: int | Seque
         # (From the arrival of its last input, not from when the interpreter saw it there: reaching a Run late, after
         # posting the sends before it, is the runtime's time too. Counted from when it saw them, a 1F1B step's gaps
         # were a fifth of what they were, and a replay of the step with its own Runs, gaps and hops ended 2 % early.)
-        stall_gaps += [(g, longest) for x in steps.values() for a, b in zip(x.runs, x.runs[1:])
-                       if (g := b.start - b.could_start(a.end)) >= 0]
+        all_gaps += [g for x in steps.values() for a, b in zip(x.runs, x.runs[1:]) if (g := b.start - b.could_start(a.end)) >= 0]
+        gap_longest += [longest] * (len(all_gaps) - len(gap_longest))
         hops += [((src, dst), d, nbytes, longest) for (src, dst, _), (d, nbytes) in hop_times(steps).items()]  # (see hop_times)
         leads.append(_lead(t, i, steps))
         runs = [r for x in steps.values() for r in x.runs]
@@ -466,20 +467,14 @@ def fit_costs(trace: Trace | Sequence[Trace], num_stages: int, step: int | Seque
                 if len(tasks) == 1:
                     task_samples.setdefault(tasks[0], []).append(own[id(r)])
         factors += _run_factors(steps, own, per, overhead)
-    gaps = [g for (g, _), stalled in zip(stall_gaps, _stalls([g for g, _ in stall_gaps], [w for _, w in stall_gaps])) if not stalled]
+    gaps = [g for g, stalled in zip(all_gaps, _stalls(all_gaps, gap_longest)) if not stalled]
     gap = float(np.mean(gaps)) if gaps else 0.0  # the mean: the simulator adds it to every Run, the sum must match
     # The simulators charge a `gap` before every Run, the first one too: the lead is what is left of the wait after it.
     lead = max(0.0, float(np.mean(leads)) - gap)
-    per_route: dict[tuple[int, int], list[tuple[float, int]]] = {}
-    for pair, d, nbytes, _ in hops:
-        per_route.setdefault(pair, []).append((d, nbytes))
-    first = _robust_residuals(per_route)  # (stalls found on each route's residuals from a robust line; fitted again without them)
+    first = _robust_residuals(_by_route(hops))  # (stalls found on each route's residuals from a robust line; fitted again without them)
     at = {pair: iter(_stalls(res, [w for q, _, _, w in hops if q == pair])) for pair, res in first.items()}
     hops = [h for h in hops if not next(at[h[0]])]
-    per_route = {}
-    for pair, d, nbytes, _ in hops:
-        per_route.setdefault(pair, []).append((d, nbytes))
-    routes, residuals = _fit_routes(per_route)
+    routes, residuals = _fit_routes(_by_route(hops))
     empirical = Empirical.of(task_samples, gaps, residuals, factors)
     small = [(d, n) for _, d, n, _ in hops if n <= 1 << 16]
     big = [(d, n) for _, d, n, _ in hops if n > 1 << 16]
@@ -496,14 +491,14 @@ def fit_costs(trace: Trace | Sequence[Trace], num_stages: int, step: int | Seque
 SLOW_STEP = 1.25  # a step this many times the median of the steps pooled with it is left out of the fit
 
 
-def _without_slow_steps(num_stages: int, units: list[tuple[Trace, int]]) -> tuple[int, list[tuple[Trace, int]]]:
-    """(num_stages, the units without those whose step took over SLOW_STEP x the median step, where there are three
-    or more). A step the machine slowed throughout (another process, a page-cache flush) is not the pipeline's:
+def _without_slow_steps(units: list[tuple[Trace, int]]) -> list[tuple[Trace, int]]:
+    """The (trace, step) units without those whose step took over SLOW_STEP x the median step, where there are three
+    or more. A step the machine slowed throughout (another process, a page-cache flush) is not the pipeline's:
     pooled with two others, one 1F1B step's fit predicted the next steps at 1.18x, where the first alone gave 0.96x."""
     import statistics
 
     if len(units) < 3:
-        return num_stages, units
+        return units
     # (each step's own Runs, first start to last end: a step dispatched behind others has a window that opens at its
     # dispatch and grows with the queue before it, and 5 of 8 such steps were left out; a review)
     spans = [max((r.end for x in t.steps[i].values() for r in x.runs), default=0.0)
@@ -515,7 +510,7 @@ def _without_slow_steps(num_stages: int, units: list[tuple[Trace, int]]) -> tupl
 
         logging.getLogger(__name__).info("fit_costs: %d of %d steps left out, slower than %.2fx their median %.1f ms: %s",
                                          len(slow), len(spans), SLOW_STEP, mid * 1e3, ", ".join(slow))
-    return num_stages, [u for u, d in zip(units, spans) if d <= SLOW_STEP * mid]
+    return [u for u, d in zip(units, spans) if d <= SLOW_STEP * mid]
 
 
 STALL_SPREAD = 20.0  # robust standard deviations past its kind's median a stalled gap or hop lies at least
@@ -532,9 +527,24 @@ def _stalls(xs: list[float], longest: list[float]) -> list[bool]:
     if len(xs) < 3:
         return [False] * len(xs)
     x = np.asarray(xs, float)
-    med = float(np.median(x))
-    mad = 1.4826 * float(np.median(np.abs(x - med)))
-    return [bool(v > w and v > med + STALL_SPREAD * mad) for v, w in zip(x, longest)]
+    cut = float(np.median(x)) + STALL_SPREAD * _robust_sd(x)
+    return [bool(v > w and v > cut) for v, w in zip(x, longest)]
+
+
+def _by_route(hops: list[tuple[tuple[int, int], float, int, float]]) -> dict[tuple[int, int], list[tuple[float, int]]]:
+    """Per (sender, receiver), its hops' (time, bytes) in order."""
+    out: dict[tuple[int, int], list[tuple[float, int]]] = {}
+    for pair, d, nbytes, _ in hops:
+        out.setdefault(pair, []).append((d, nbytes))
+    return out
+
+
+def _robust_sd(x: Any) -> float:
+    """A robust standard deviation: 1.4826 x the median absolute deviation from the median."""
+    import numpy as np
+
+    x = np.asarray(x, float)
+    return 1.4826 * float(np.median(np.abs(x - np.median(x))))
 
 
 def _mean_rate(fitted: list[tuple[dict[int, ActorStep], Any, float]]) -> float:
@@ -614,7 +624,7 @@ def _significant(a_mat: Any, b_vec: Any, x: Any) -> bool:
     n, rank = len(r), int(np.linalg.matrix_rank(a_mat))
     if n - rank < 2:  # (no scatter to judge it by)
         return False
-    sigma = 1.4826 * float(np.median(np.abs(r - np.median(r)))) * (n / (n - rank)) ** 0.5
+    sigma = _robust_sd(r) * (n / (n - rank)) ** 0.5
     var = float(np.linalg.pinv(a_mat.T @ a_mat)[-1, -1])  # (pinv: two tasks that only ever ran together leave the
     # design short of full rank, the overhead still told apart)
     return bool(x[-1] >= 2 * sigma * max(var, 0.0) ** 0.5)
@@ -632,7 +642,7 @@ def _robust(solve: Any, a_mat: Any, b_vec: Any, rounds: int = 2) -> Any:
     for _ in range(rounds):
         r = b_vec - a_mat @ x
         dev = np.abs(r - np.median(r[keep]))
-        mad = 1.4826 * float(np.median(dev[keep]))
+        mad = _robust_sd(r[keep])
         out = keep & (dev > 3 * mad) if mad > 0 else np.zeros_like(keep)
         if not out.any() or np.linalg.matrix_rank(a_mat[keep & ~out]) < rank:
             break
@@ -714,16 +724,14 @@ def _robust_residuals(per_route: dict[tuple[int, int], list[tuple[float, int]]])
     stalls: a stall on a route's largest hop pulled a least-squares line to itself, even one refitted without
     its worst residuals, and its 103 ms residual stayed in (a review)."""
     import numpy as np
+    from scipy.stats import theilslopes  # (a dependency of jax)
 
     out = {}
     for pair, hops in per_route.items():
         d = np.array([h[0] for h in hops])
         n = np.array([float(h[1]) for h in hops])
         pick = np.linspace(0, len(d) - 1, min(len(d), 400)).astype(int)  # (at most 80,000 pairs)
-        i, j = np.triu_indices(len(pick), 1)
-        dn = n[pick][j] - n[pick][i]
-        apart = dn != 0
-        slope = float(np.median((d[pick][j] - d[pick][i])[apart] / dn[apart])) if apart.any() else 0.0
+        slope = float(theilslopes(d[pick], n[pick]).slope) if len(set(n[pick].tolist())) > 1 else 0.0
         out[pair] = [float(v) for v in d - slope * n - np.median(d - slope * n)]
     return out
 
