@@ -1,6 +1,8 @@
 """Balanced stages: a step marked after every layer, grouped into fewer stages by `balance=`. The compute per
 stage is the cost model's (XLA's cost analysis per segment, deterministic); results equal jax.jit."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -295,6 +297,16 @@ def test_profiled_costs_are_the_median_of_several_traced_steps_fits():
     got = median_costs(fits)
     assert got.F == (1.0, 2.0) and got.B == (3.0, 4.0) and got.latency == 2e-4 and got.gap == 2e-5
     assert median_costs(fits[:1]) is fits[0]
+    assert got.empirical is None and got.routes == ()
+    # each route the median of the fits that measured it; the Monte Carlo's samples those of every fit (the first
+    # fit's alone were paired with the medians; a review)
+    from mpmd.schedules.montecarlo import Empirical
+    routes = ((((0, 1), (1e-4, 1e9)),), (((0, 1), (3e-4, 2e9)), ((1, 0), (5e-4, 4e9))), (((0, 1), (2e-4, 3e9)),))
+    fits = [dataclasses.replace(f, routes=r, empirical=Empirical.of({(0, "F"): [x]}, [x / 10], {(0, 1): [x / 100]}, [1 + x]))
+            for f, r, x in zip(fits, routes, (1.0, 2.0, 3.0))]
+    got = median_costs(fits)
+    assert got.routes == (((0, 1), (2e-4, 2e9)), ((1, 0), (5e-4, 4e9)))
+    assert got.empirical == Empirical.of({(0, "F"): [1.0, 2.0, 3.0]}, [0.1, 0.2, 0.3], {(0, 1): [0.01, 0.02, 0.03]}, [2.0, 3.0, 4.0])
 
 
 def test_segment_costs_scale_with_rows_as_the_exponent_measured_at_two_microbatch_sizes():

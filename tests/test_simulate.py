@@ -761,6 +761,10 @@ def test_fit_costs_pools_several_traced_steps():
                   lambda: fit_costs([fast, both], 2, step=[0])):  # (both's first step is fast's)
         with pytest.raises(mpmd.MpmdError, match="a traced step is listed twice"):
             twice()
+    # steps of another compiled step on the same actors (here 8 microbatches, not 4) are refused, not pooled
+    more = synthetic_trace({(0, "F"): 1.0, (0, "B"): 2.0, (1, "F"): 1.5, (1, "B"): 2.5}, [0.1], {(0, 1): (2e-4, 1e9)}, m=8)
+    with pytest.raises(mpmd.MpmdError, match="trace 1 of 2 ran other Runs on actor 0 than step 0 of trace 0 of 2"):
+        fit_costs([fast, more], 2)
 
 
 def test_trace_breakdown_of_each_actor_adds_up_to_the_step_time():

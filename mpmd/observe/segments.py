@@ -82,16 +82,35 @@ def _traced_costs(step: Any, variants: list[tuple[SegmentProfile, int | None]], 
 
 def median_costs(fits: list[Any]) -> Any:
     """One `Costs` from several fits of the same Programs: each per-stage time, latency, bandwidth, gap, other,
-    overhead, lead, tail and runtime CPU the median over the fits (the first fit's routes and samples)."""
+    overhead, lead, tail and runtime CPU the median over the fits, each route's latency and bandwidth the median
+    over the fits that measured it, and the samples the Monte Carlo draws (tasks, gaps, hop residuals, factors)
+    those of every fit together (the first fit's alone were paired with the medians before; a review)."""
     import dataclasses
     import statistics
+
+    from mpmd.schedules.montecarlo import Empirical
 
     if len(fits) == 1:
         return fits[0]
     per_stage = {k: tuple(statistics.median(v) for v in zip(*(getattr(f, k) for f in fits))) for k in ("F", "B", "I", "W")}
     scalars = {k: statistics.median(getattr(f, k) for f in fits) for k in ("latency", "bandwidth", "gap", "other", "overhead", "lead", "tail",
                                                                   "runtime_cpu")}
-    return dataclasses.replace(fits[0], **per_stage, **scalars)
+    routes: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    tasks: dict[tuple[int, str], list[float]] = {}
+    hops: dict[tuple[int, int], list[float]] = {}
+    measured = [f.empirical for f in fits if f.empirical is not None]
+    for f in fits:
+        for pair, lb in f.routes:
+            routes.setdefault(pair, []).append(lb)
+    for e in measured:
+        for key, v in e.tasks:
+            tasks.setdefault(key, []).extend(v)
+        for pair, v in e.hops:
+            hops.setdefault(pair, []).extend(v)
+    pooled = Empirical.of(tasks, [g for e in measured for g in e.gaps], hops, [x for e in measured for x in e.factors]) \
+        if measured else None
+    medians = tuple(sorted((pair, (statistics.median(l for l, _ in v), statistics.median(b for _, b in v))) for pair, v in routes.items()))
+    return dataclasses.replace(fits[0], **per_stage, **scalars, routes=medians, empirical=pooled)
 
 
 MAX_WARMUP = 1000  # warm-up steps profile_costs and tune take at most

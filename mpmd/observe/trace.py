@@ -365,7 +365,21 @@ def _check_fit_args(trace: Any, num_stages: int, step: Any, cores: int | None) -
             raise MpmdError(f"fit_costs: {where} holds records of actors {sorted(t.steps[i])} where {wheres[0]} holds "
                             f"{first}: an actor's record is missing, or the steps ran on different meshes; pool only "
                             "whole steps of the same compiled step on the same mesh")
+    ran_first = _run_labels(units[0][0].steps[units[0][1]])
+    for (t, i), where in zip(units, wheres):  # (steps of another Program on the same actors: a review)
+        ran = _run_labels(t.steps[i])
+        for a in first:
+            if ran[a] != ran_first[a]:
+                extra = sorted(set(ran[a]) ^ set(ran_first[a]))[:3] or [f"{len(ran[a])} Runs against {len(ran_first[a])}"]
+                raise MpmdError(f"fit_costs: {where} ran other Runs on actor {a} than {wheres[0]} ({', '.join(map(str, extra))}"
+                                "): the steps are of different compiled steps (another schedule, microbatch count or "
+                                "function); pool only steps of the same compiled step")
     return int(num_stages), units
+
+
+def _run_labels(record: dict) -> dict:
+    """Per actor of a traced step, its Runs' labels in order: what a compiled step executes, the same each step."""
+    return {a: [r.label for r in x.runs] for a, x in record.items()}
 
 
 MAX_FIT_STEPS = 1000  # traced steps one fit pools at most
