@@ -451,3 +451,56 @@ def test_the_shared_memory_pool_of_a_pair_is_capped_by_mpmd_shm_pool_mb(monkeypa
         with caplog.at_level("WARNING"):
             assert shm._pool_limit() == default
         assert f"MPMD_SHM_POOL_MB must be a number of MiB from 1 to 2**30, got {bad!r}" in caplog.text
+
+
+def test_a_message_over_the_receivers_max_message_fails_its_receive_at_once_and_a_sender_knowing_the_limit_refuses_it():
+    """A data message over the receiver's --max-message-mb: dropped there, its receive used to wait out its timeout
+    (300 s in a session; a review). Of many frames each under the limit, the receiver reads the transfer its header
+    names and fails that receive now; one frame over it ZeroMQ drops unseen, so the sender, told each peer's limit
+    by the wiring, refuses to send it, naming the flag."""
+    import asyncio
+    import tempfile
+
+    import zmq
+    import zmq.asyncio
+
+    from transport.p2p.base import TransferError
+    from transport.p2p.plane import DataPlane
+    from transport.protocol import encode
+
+    async def go():
+        a = DataPlane(0, ipc_dir=tempfile.mkdtemp())
+        b = DataPlane(1, ipc_dir=tempfile.mkdtemp(), max_message_bytes=1 << 20)
+        sock = None
+        try:
+            await a.start()
+            await b.start()
+            ea, eb = a.endpoint(), b.endpoint()
+            assert eb["max_message"] == 1 << 20
+            await a.connect({1: {"address": eb["tcp"], "route": "tcp", "max_message": eb["max_message"]}})
+            await b.connect({0: {"address": ea["tcp"], "route": "tcp", "max_message": ea["max_message"]}})
+            recv = asyncio.ensure_future(b.recv(0, (1, 2, 3), 60))
+            sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(eb["tcp"])
+            part = np.zeros(600 << 10, np.uint8)  # three frames of 0.6 MiB: 1.8 MiB in all
+            await sock.send_multipart([encode({"op": "data", "src": 0, "key": [1, 2, 3], "arrays": [
+                {"dtype": "uint8", "shape": [600 << 10]}]})[0], *(part.tobytes() for _ in range(3))])
+            start = time.monotonic()
+            with pytest.raises(TransferError, match=r"over this actor's --max-message-mb \(1 MiB\)"):
+                await recv
+            waited = time.monotonic() - start
+            with pytest.raises(TransferError, match=r"cannot send \[1, 2, 4\] to actor 1: 2.0 MiB in one message, over actor 1's "
+                                                    r"--max-message-mb \(1 MiB\)"):
+                await a.send(1, (1, 2, 4), np.zeros(1 << 19, np.float32))
+            got = asyncio.ensure_future(b.recv(0, (1, 2, 5), 10))  # (a message that fits still goes)
+            await a.send(1, (1, 2, 5), np.arange(4, dtype=np.float32))
+            return waited, np.array(await got).tolist()
+        finally:
+            if sock is not None:
+                sock.close()
+            a.close()
+            b.close()
+
+    waited, got = asyncio.run(go())
+    assert waited < 10 and got == [0, 1, 2, 3]

@@ -976,6 +976,35 @@ def test_an_array_bigger_than_a_daemons_max_message_is_refused_naming_the_flag_n
             stop_daemon(p)
 
 
+def test_an_activation_bigger_than_the_receivers_max_message_fails_the_step_at_once_naming_the_flag():
+    """Between actors on other hosts an activation travels in one ZeroMQ frame: one over the receiver's
+    --max-message-mb made ZeroMQ drop the connection unseen, and the step waited out its transfer timeout (300 s by
+    default; a review). The sender knows each peer's limit from the wiring and fails the step at once, naming the
+    flag; the mesh then runs a step that fits. (transport="tcp" stands in for daemons on two hosts.)"""
+    import time
+
+    procs = [start_daemon("--listen", "tcp://127.0.0.1:0", "--insecure", "--actor-id", str(i), "--max-message-mb", "1")
+             for i in range(2)]
+    try:
+        with mpmd.RemoteMesh.connect([a for _, a in procs], transport="tcp") as mesh:
+            rng = np.random.default_rng(0)
+            params = mlp_params(rng, num_stages=2, width=64)
+            wide = regression_batch(rng, num_microbatches=2, microbatch_size=1 << 13, width=64)  # 2 MiB activations
+            optimizer = optax.sgd(0.1)
+            step = mpmd.distributed(make_train_step(mse_loss(mlp), optimizer, mpmd.OneFOneB(num_stages=2)), mesh=mesh)
+            start = time.monotonic()
+            with pytest.raises(mpmd.MpmdError, match=r"cannot send .* to actor 1: 2.0 MiB in one message, over actor 1's "
+                                                     r"--max-message-mb \(1 MiB\)"):
+                jax.tree.map(lambda a: a.to_numpy(), step(params, optimizer.init(params), wide))
+            assert time.monotonic() - start < 60
+            small = regression_batch(rng, num_microbatches=2, microbatch_size=4, width=64)
+            want = jax.jit(make_train_step(mse_loss(mlp), optimizer, None))(params, optimizer.init(params), small)
+            _check(step(params, optimizer.init(params), small), want)
+    finally:
+        for p, _ in procs:
+            stop_daemon(p)
+
+
 def test_a_guests_programs_loaded_at_once_stay_within_its_quota_and_an_unload_waits_for_a_load_under_way(tmp_path):
     """Big Programs are decoded beside the loop: eight loads at once were each checked against the totals before
     the others were recorded, and five were kept, past the guest's 1 MiB and its words (a review); an unload of a

@@ -1045,7 +1045,7 @@ _HELLO_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {  # what a daemon's he
     "max_message_bytes": _INT,
     # its data plane's endpoint, which the wiring reads (p2p={"tcp": 5} failed deep in it)
     "p2p.tcp": _STR, "p2p.ipc": _STR, "p2p.host": _STR, "p2p.key": _STR, "p2p.shm_prefix": _STR, "p2p.link": _STR,
-    "p2p.shm": _BOOL, "p2p.nccl": _BOOL, "p2p.pid": _INT, "p2p.gpu": _STR, "p2p.gpu_shared": _BOOL}
+    "p2p.shm": _BOOL, "p2p.nccl": _BOOL, "p2p.pid": _INT, "p2p.gpu": _STR, "p2p.gpu_shared": _BOOL, "p2p.max_message": _INT}
 
 
 def _check_hello(address: str, header: dict[str, Any]) -> None:

@@ -154,6 +154,7 @@ class DataPlane(P2PTransport):
         self._links_in: dict[int, links.Link] = {}
         self._peer_pid: dict[int, int] = {}
         self._peer_link: dict[int, str] = {}
+        self._peer_max: dict[int, int] = {}  # peer -> the most bytes one ZeroMQ frame to it may hold (its --max-message-mb)
         self._no_link: set[int] = set()  # peers whose link failed: ZeroMQ from now on
         self._link_buf = bytearray(links.MAX_RECORD)
 
@@ -171,7 +172,7 @@ class DataPlane(P2PTransport):
         return {"tcp": self._tcp, "ipc": self._ipc, "host": self._host, "shm": shm.available(), "nccl": nccl_ok,
                 "key": self._keys.public.decode() if self._keys is not None else None, "shm_prefix": self.shm_prefix,
                 "link": self._listener.name if self._listener is not None else None, "pid": os.getpid(),
-                "gpu": gpu, "gpu_shared": shared}
+                "gpu": gpu, "gpu_shared": shared, "max_message": self._max_message}
 
     def _nccl_ok(self) -> bool:
         if self._nccl_device is None:
@@ -223,6 +224,10 @@ class DataPlane(P2PTransport):
                 self._no_link.discard(peer)
             if prefix is not None:
                 self._peer_shm[peer] = prefix
+            if spec.get("max_message") is not None:
+                self._peer_max[peer] = spec["max_message"]
+            else:
+                self._peer_max.pop(peer, None)
             self.routes[peer] = route
             if route == "shm" and spec.get("link") is not None:
                 if self._peer_link.get(peer) not in (None, spec["link"]):  # another process now
@@ -277,6 +282,9 @@ class DataPlane(P2PTransport):
         if name is not None and (not isinstance(name, str) or not name.startswith("mpmd-link-") or "\0" in name
                                  or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0):
             raise ValueError(f"peer {peer}: a link needs a name 'mpmd-link-...' and an int pid, got {name!r}, {pid!r}")
+        most = spec.get("max_message")
+        if most is not None and (type(most) is not int or most <= 0):
+            raise ValueError(f"peer {peer}: max_message must be a positive int (the bytes one message to it may hold), got {most!r:.40}")
         return route, address, key, prefix, spec
 
     # ---- sending ---------------------------------------------------------------------------------
@@ -346,8 +354,15 @@ class DataPlane(P2PTransport):
         if sock is None:
             raise TransferError(f"actor {self.actor_id} has no route to actor {peer} (key {header.get('key')}); "
                                 f"connected: {sorted(self._address)}")
+        frames = frames or encode(header, arrays)
+        most = self._peer_max.get(peer)
+        if most is not None and any(len(f) > most for f in frames):  # (ZeroMQ there would drop the connection unseen,
+            # and the receive wait out its session's limit: 300 s by default; a review)
+            big = max(len(f) for f in frames)
+            raise TransferError(f"actor {self.actor_id} cannot send {header.get('key')} to actor {peer}: {big / 2**20:.1f} MiB "
+                                f"in one message, over actor {peer}'s --max-message-mb ({most // 2**20} MiB): start the "
+                                "daemons with a larger --max-message-mb, or cut the activation smaller (more microbatches)")
         try:
-            frames = frames or encode(header, arrays)
             # Small frames are copied into ZeroMQ's messages: cheaper than zero-copy's bookkeeping (half the time).
             copy = not track and sum(len(f) for f in frames) < SHM_MIN_BYTES
             try:
@@ -573,7 +588,15 @@ class DataPlane(P2PTransport):
             return
         total = sum(len(f) for f in frames[2:])  # the arrays (the header frame is bounded as a frame)
         if total > self._max_message:  # (ZeroMQ drops a connection for a frame over the limit, not for many frames under it)
-            self._bad_message(None, None, authenticated or "no key", ProtocolError(
+            src = key = None
+            try:  # (its header, bounded as a frame, names the transfer: its receive fails now, not at its timeout)
+                header = parse_header(frames[1])
+                src, raw_key = sender(header), header.get("key")
+                if type(raw_key) is list and len(raw_key) <= MAX_KEY_INTS and all(type(k) is int for k in raw_key):
+                    key = tuple(raw_key)
+            except Exception:
+                pass
+            self._bad_message(src, key, authenticated or "no key", ProtocolError(
                 f"a message with {total} bytes of arrays in {len(frames) - 2} frames, over this actor's --max-message-mb "
                 f"({self._max_message // 2**20} MiB)"))
             return
