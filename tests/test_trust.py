@@ -1005,6 +1005,35 @@ def test_an_activation_bigger_than_the_receivers_max_message_fails_the_step_at_o
             stop_daemon(p)
 
 
+def test_a_program_over_the_daemons_max_message_is_refused_naming_the_flag_and_errors_stay_short(mesh2):
+    """A Program whose encoded header passes the daemon's --max-message-mb (a step of ~6000 microbatches against
+    --max-message-mb 1) was sent, ZeroMQ dropped it unseen, and the actor read as dead, in an error of 4 MB that
+    printed the whole Program (a probe). The controller now refuses the request before it leaves, naming the flag;
+    the daemon serves on. The request's fields an error names are kept short; mesh.reconnect checks its index as
+    mesh.actor does (-1 took the last actor's connection and blamed its --actor-id)."""
+    from mpmd.compiler.program import Delete, Program
+    from transport.control import Outstanding
+
+    proc, address = start_daemon("--listen", "tcp://127.0.0.1:0", "--insecure", "--max-message-mb", "1")
+    try:
+        with mpmd.RemoteMesh.connect([address]) as mesh:
+            big = Program(0, [], [], [Delete((i, i + 1, i + 2)) for i in range(0, 300_000, 3)])
+            with pytest.raises(mpmd.MpmdError, match=r"actor 0: load_program: the request's header .* encodes to 2.\d\d MiB, over "
+                                                     r"what the daemon at .* takes in one frame \(its --max-message-mb \(1 MiB\)\)") as e:
+                mesh.run(mesh.executables.load_program(0, big, 77, []))
+            assert not isinstance(e.value, mpmd.ActorDiedError) and len(str(e.value)) < 600
+            assert mesh.actor(0).put(np.arange(3.0)).to_numpy().tolist() == [0.0, 1.0, 2.0]
+    finally:
+        stop_daemon(proc)
+    said = Outstanding("load_program", {"program": {"id": 77, "instructions": list(range(10**5))}, "bufs": list(range(10**5)),
+                                        "step": 3}, 0.0).describe()
+    assert said == "load_program (program 77, step 3, bufs [0, 1, 2, 3, ... 100000 in all])", said
+    for bad, error, said in ((-1, IndexError, "actor index -1 out of range: this mesh has 2 actors"),
+                             (5, IndexError, "actor index 5 out of range"), ("0", TypeError, "mesh.reconnect takes an actor index")):
+        with pytest.raises(error, match=said):
+            mesh2.reconnect(bad)
+
+
 def test_a_guests_programs_loaded_at_once_stay_within_its_quota_and_an_unload_waits_for_a_load_under_way(tmp_path):
     """Big Programs are decoded beside the loop: eight loads at once were each checked against the totals before
     the others were recorded, and five were kept, past the guest's 1 MiB and its words (a review); an unload of a

@@ -35,7 +35,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from transport.auth import KeyPair, configure_client
-from transport.protocol import QUEUED_BEHIND_STEPS, Message, ProtocolError, decode, encode, message_id
+from transport.protocol import MAX_HEADER_BYTES, QUEUED_BEHIND_STEPS, Message, ProtocolError, decode, encode, message_id
 
 DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024**3
 LINE_FLOOR = 8 * 1024**2  # bytes per second a big message is granted on the control connection (encrypted, this
@@ -51,6 +51,11 @@ class ConnectionLost(ConnectionError):
 
 class HandshakeFailed(ConnectionLost):
     """The actor and this client could not agree on who they are (CURVE keys, or keys on one side only)."""
+
+
+class RequestTooBig(ProtocolError):
+    """A request's header frame is over what the daemon takes in one frame: not sent (ZeroMQ there would drop the
+    connection unseen, and the actor read as lost)."""
 
 
 CONTROL_QUEUE = 10_000  # messages queued per connection on a daemon's control socket, each way
@@ -124,8 +129,19 @@ class Outstanding:
     started: float = 0.0  # (QUEUED_BEHIND_STEPS) when the last step sent before it got its reply, once all such have
 
     def describe(self) -> str:
-        what = {k: self.fields[k] for k in ("program", "step", "exe", "buf", "bufs") if k in self.fields}
+        what = {k: _brief(self.fields[k]) for k in ("program", "step", "exe", "buf", "bufs") if k in self.fields}
         return self.op + (f" ({', '.join(f'{k} {v}' for k, v in what.items())})" if what else "")
+
+
+def _brief(value: Any) -> str:
+    """A field of a request, short enough for an error message: an encoded Program or a long list of buffers was
+    printed whole (a 4 MB ActorDiedError; a probe)."""
+    if isinstance(value, dict):
+        return f"{value['id']!r:.40}" if "id" in value else f"<{len(value)} fields>"
+    if isinstance(value, (list, tuple)) and len(value) > 8:
+        return f"[{', '.join(f'{v!r:.20}' for v in value[:4])}, ... {len(value)} in all]"
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 _HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -174,6 +190,7 @@ class ControlClient:
         self.ever_connected = False  # a handshake has succeeded on this connection once
         self.dropped_at: float | None = None  # when the connection dropped, until a handshake succeeds again
         self.handshake_error: str | None = None  # the last refused handshake, until one succeeds
+        self.max_frame: int | None = None  # the most bytes one frame to the daemon may hold (its --max-message-mb), once known
 
     def start(self) -> None:
         if self._reader is None:
@@ -267,11 +284,18 @@ class ControlClient:
             raise ConnectionLost(f"connection to {self.address} is closed")
         self.start()
         req_id = next(self._ids)
+        header = {"op": op, "id": req_id, **(fields or {})}
+        frames = encode(header, arrays)
+        most = MAX_HEADER_BYTES if self.max_frame is None else min(self.max_frame, MAX_HEADER_BYTES)
+        if len(frames[0]) > most:  # (a Program of 100k instructions read as a dead actor; a probe)
+            limit = "the protocol's 16 MiB header limit" if most == MAX_HEADER_BYTES else f"its --max-message-mb ({most // 2**20} MiB)"
+            raise RequestTooBig(f"{op}: the request's header (its fields: {', '.join(sorted(fields or {}))[:200]}) encodes to "
+                                f"{len(frames[0]) / 2**20:.2f} MiB, over what the daemon at {self.address} takes in one frame "
+                                f"({limit})")
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         if not self._pending:
             self.waiting_since = time.monotonic()
         self._pending[req_id] = fut
-        header = {"op": op, "id": req_id, **(fields or {})}
         self.outstanding[req_id] = Outstanding(op, header, time.monotonic())
 
         def settled(_: Any) -> None:
@@ -282,7 +306,7 @@ class ControlClient:
 
         fut.add_done_callback(settled)
         try:
-            self._sock.send_multipart(encode(header, arrays), copy=False)  # no high-water mark: queued at once, in order
+            self._sock.send_multipart(frames, copy=False)  # no high-water mark: queued at once, in order
         except BaseException:
             self._pending.pop(req_id, None)
             self.outstanding.pop(req_id, None)

@@ -33,7 +33,7 @@ import zmq.asyncio
 
 from mpmd.errors import ActorDiedError, MpmdError, RemoteError
 from transport.auth import ClientKeys
-from transport.control import ConnectionLost, ControlClient, HandshakeFailed
+from transport.control import ConnectionLost, ControlClient, HandshakeFailed, RequestTooBig
 from transport.protocol import QUEUED_BEHIND_STEPS, Message
 
 log = logging.getLogger(__name__)
@@ -323,6 +323,7 @@ class ActorConnection:
         self.bound, self.compile_bound = info.get("request_timeout"), info.get("compile_timeout")
         most = info.get("max_message_bytes")
         self.max_message = most if isinstance(most, int) and most > 0 else None
+        self.client.max_frame = self.max_message
         timeout = info.get("session_timeout")
         self.keepalive = max(0.05, timeout / 4) if isinstance(timeout, (int, float)) and timeout > 0 else None
         self.opened = True
@@ -363,6 +364,9 @@ class ActorConnection:
             fut = self.client.submit(op, {"session": self.session, **(fields or {})}, arrays)
         except ConnectionLost as e:
             raise ActorDiedError(self.actor_id, str(e)) from None
+        except RequestTooBig as e:
+            raise MpmdError(f"actor {self.actor_id}: {e}: start the daemon with a larger --max-message-mb, or make the request "
+                            "smaller (a step's Program grows with its microbatches and stages: fewer of them, or more steps)") from None
         return self._finish(fut)
 
     async def _finish(self, fut: asyncio.Future[Message]) -> Message:

@@ -509,12 +509,16 @@ class RemoteMesh:
         each = self._local_cpu_affinities()
         return each is not None and all(len(c) == 1 for c in each) and len(set().union(*each)) == len(each)
 
-    def actor(self, i: int) -> ActorHandle:
-        """The handle of actor `i` (0 .. len(mesh) - 1)."""
+    def _check_index(self, where: str, i: Any) -> None:
+        """A TypeError or IndexError unless `i` is an actor index of this mesh (0 .. len(mesh) - 1)."""
         if not isinstance(i, numbers.Integral) or isinstance(i, bool):
-            raise TypeError(f"mesh.actor takes an actor index, an int from 0 to {len(self.actors) - 1}; got {i!r:.40}")
+            raise TypeError(f"mesh.{where} takes an actor index, an int from 0 to {len(self.actors) - 1}; got {i!r:.40}")
         if not 0 <= i < len(self.actors):
             raise IndexError(f"actor index {i} out of range: this mesh has {len(self.actors)} actors")
+
+    def actor(self, i: int) -> ActorHandle:
+        """The handle of actor `i` (0 .. len(mesh) - 1)."""
+        self._check_index("actor", i)
         return self.actors[i]
 
     @property
@@ -554,6 +558,8 @@ class RemoteMesh:
         daemon keeps this mesh's buffers and programs; a restarted one has none (this mesh opens a new session
         there and rewires the data plane; arrays that lived there are gone; distributed steps compile and load
         their Programs again at their next call). Returns the actor's info."""
+        self._check_index("reconnect", i)  # (-1 took the last actor's connection and blamed its --actor-id; a probe)
+        i = int(i)
         old = self._conns[i]
         new = self._connection(i, address or old.address)
 
