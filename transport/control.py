@@ -35,7 +35,16 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from transport.auth import KeyPair, configure_client
-from transport.protocol import MAX_HEADER_BYTES, QUEUED_BEHIND_STEPS, Message, ProtocolError, decode, encode, message_id
+from transport.protocol import (
+    FRAME_MARGIN_BYTES,
+    MAX_HEADER_BYTES,
+    QUEUED_BEHIND_STEPS,
+    Message,
+    ProtocolError,
+    decode,
+    encode,
+    message_id,
+)
 
 DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024**3
 LINE_FLOOR = 8 * 1024**2  # bytes per second a big message is granted on the control connection (encrypted, this
@@ -55,7 +64,12 @@ class HandshakeFailed(ConnectionLost):
 
 class RequestTooBig(ProtocolError):
     """A request's header frame is over what the daemon takes in one frame: not sent (ZeroMQ there would drop the
-    connection unseen, and the actor read as lost)."""
+    connection unseen, and the actor read as lost). `by_flag`: the daemon's --max-message-mb is the bound (a larger
+    one would take it), not the protocol's fixed header limit."""
+
+    def __init__(self, message: str, by_flag: bool) -> None:
+        super().__init__(message)
+        self.by_flag = by_flag
 
 
 CONTROL_QUEUE = 10_000  # messages queued per connection on a daemon's control socket, each way
@@ -103,7 +117,7 @@ def bind_router(ctx: zmq.Context, address: str, max_message_bytes: int = DEFAULT
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + FRAME_MARGIN_BYTES)  # (CURVE counts its overhead in)
     # Bounded per connection: a peer that sends faster than the daemon reads, or never reads its replies, is held
     # back (its sends block) or loses replies, while ROUTER's fair queueing keeps serving the other connections.
     # (The controller's own socket is unbounded, so its I/O thread always drains what a daemon sends it.)
@@ -291,7 +305,7 @@ class ControlClient:
             limit = "the protocol's 16 MiB header limit" if most == MAX_HEADER_BYTES else f"its --max-message-mb ({most // 2**20} MiB)"
             raise RequestTooBig(f"{op}: the request's header (its fields: {', '.join(sorted(fields or {}))[:200]}) encodes to "
                                 f"{len(frames[0]) / 2**20:.2f} MiB, over what the daemon at {self.address} takes in one frame "
-                                f"({limit})")
+                                f"({limit})", by_flag=most < MAX_HEADER_BYTES)
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         if not self._pending:
             self.waiting_since = time.monotonic()

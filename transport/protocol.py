@@ -50,6 +50,7 @@ key) or an operator key (``mpmd-actor --admin-key``). A key holds at most 16 ses
 |                 | session's shared-memory inputs will have; set once)     |                                               |
 | connect_peers   | peers: {actor_id: {address, route: tcp, shm or nccl,   | connected: [actor_id], routes: {id: route}    |
 |                 | key: the peer's data-plane public key, shm_prefix,      |                                               |
+|                 | [max_message: its --max-message-mb in bytes],           |                                               |
 |                 | [nccl_out, nccl_in: NCCL unique ids]}},                 |                                               |
 |                 | timeout: seconds a receive may wait                     |                                               |
 | nccl_ids        | count (0-4096)                                          | ids: [NCCL unique id as 128 ints]             |
@@ -97,6 +98,10 @@ PROTOCOL_VERSION = 5  # 2: an shm notice's size includes the segment's control p
 # is announced by a 'coming' message first (transport/control.py); 5: an actor's share of a failed step is named by
 # what it is (StepAborted, HeldByLoader, WaitedInVain, NothingCame: mpmd/step.py `_echo_rank` reads the names)
 MAX_HEADER_BYTES = 16 * 1024 * 1024
+# What ZeroMQ counts against MAXMSGSIZE beyond a frame's own bytes: CURVE checks the encrypted frame, 33 bytes longer
+# (a MESSAGE command's name, flags, nonce and box). A router's MAXMSGSIZE is its limit plus this margin, so that a
+# frame of exactly --max-message-mb, which the senders let through, is not dropped unseen (a review).
+FRAME_MARGIN_BYTES = 64
 MAX_IDS = 65536  # ids one list of a request may name ('get', 'wait', 'delete', 'run': a daemon walks it on its event loop)
 MAX_DIMS, MAX_BYTES = 32, 2**60  # an array's rank and bytes (a zero-size one's nonzero dimensions too) numpy can hold
 

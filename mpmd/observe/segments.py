@@ -84,7 +84,8 @@ def median_costs(fits: list[Any]) -> Any:
     """One `Costs` from several fits of the same Programs: each per-stage time, latency, bandwidth, gap, other,
     overhead, lead, tail and runtime CPU the median over the fits, each route's latency and bandwidth the median
     over the fits that measured it, and the samples the Monte Carlo draws (tasks, gaps, hop residuals, factors)
-    those of every fit together (the first fit's alone were paired with the medians before; a review)."""
+    those of every fit together (the first fit's alone were paired with the medians before; a review) — each still
+    measured against its own fit's costs and route lines, which differ from the medians by the fits' spread."""
     import dataclasses
     import statistics
 

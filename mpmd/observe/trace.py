@@ -370,10 +370,11 @@ def _check_fit_args(trace: Any, num_stages: int, step: Any, cores: int | None) -
         ran = _run_labels(t.steps[i])
         for a in first:
             if ran[a] != ran_first[a]:
-                extra = sorted(set(ran[a]) ^ set(ran_first[a]))[:3] or [f"{len(ran[a])} Runs against {len(ran_first[a])}"]
-                raise MpmdError(f"fit_costs: {where} ran other Runs on actor {a} than {wheres[0]} ({', '.join(map(str, extra))}"
-                                "): the steps are of different compiled steps (another schedule, microbatch count or "
-                                "function); pool only steps of the same compiled step")
+                k = next((k for k, (x, y) in enumerate(zip(ran[a], ran_first[a])) if x != y), min(len(ran[a]), len(ran_first[a])))
+                said = [r[k] if k < len(r) else "none" for r in (ran[a], ran_first[a])]
+                raise MpmdError(f"fit_costs: {where} ran other Runs on actor {a} than {wheres[0]} ({len(ran[a])} against "
+                                f"{len(ran_first[a])} Runs; its Run {k} {said[0]}, the other's {said[1]}): the steps are of different compiled steps "
+                                "(another schedule, microbatch count or function); pool only steps of the same compiled step")
     return int(num_stages), units
 
 

@@ -365,8 +365,10 @@ class ActorConnection:
         except ConnectionLost as e:
             raise ActorDiedError(self.actor_id, str(e)) from None
         except RequestTooBig as e:
-            raise MpmdError(f"actor {self.actor_id}: {e}: start the daemon with a larger --max-message-mb, or make the request "
-                            "smaller (a step's Program grows with its microbatches and stages: fewer of them, or more steps)") from None
+            smaller = ("load fewer microbatches or stages into one step (its Program grows with both)" if op == "load_program"
+                       else "name fewer buffers or values in one call")
+            raise MpmdError(f"actor {self.actor_id}: {e}: " + ("start the daemon with a larger --max-message-mb, or " if e.by_flag else "")
+                            + smaller) from None
         return self._finish(fut)
 
     async def _finish(self, fut: asyncio.Future[Message]) -> Message:

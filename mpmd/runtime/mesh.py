@@ -1066,6 +1066,13 @@ def _check_hello(address: str, header: dict[str, Any]) -> None:
         if value is not None and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
             raise IncompatibleActorError(f"the daemon at {address} answered hello with {field}={value!r:.60}, not {what}: is it an "
                                          "mpmd-actor of this version? install the same mpmd on every node and the controller")
+    for field in ("max_message_bytes", "p2p.max_message"):  # (a limit of 0 failed the other actors' wiring, blamed on them)
+        outer, _, inner = field.partition(".")
+        value = header.get(outer)
+        value = value.get(inner) if inner and isinstance(value, dict) else None if inner else value
+        if value is not None and value <= 0:
+            raise IncompatibleActorError(f"the daemon at {address} answered hello with {field}={value!r:.60}, not a positive "
+                                         "int: is it an mpmd-actor of this version?")
 
 
 @atexit.register  # (after the program's other threads have ended, and after the exit hooks it registered later)

@@ -61,7 +61,7 @@ from transport.p2p.base import (
     host_id,
     host_view,
 )
-from transport.protocol import ProtocolError, array_specs, aval_header, encode, parse_header
+from transport.protocol import FRAME_MARGIN_BYTES, ProtocolError, array_specs, aval_header, encode, parse_header
 from transport.ratelimit import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,8 @@ class DataPlane(P2PTransport):
         # Messages ZeroMQ holds for one peer before the loop reads them: past this it stops reading that peer's
         # connection (the sender queues), so a flood is held back at the sender instead of piling up here.
         self._router.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
-        self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # (ZeroMQ's bound is per frame: see _rx_one)
+        # (ZeroMQ's bound is per frame, see _rx_one; with CURVE it counts the encrypted frame: the margin)
+        self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + FRAME_MARGIN_BYTES)
         self._max_message = max_message_bytes
         self._router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)  # (a stranger's idle connection is dropped)
         if keys is not None:
@@ -591,9 +592,7 @@ class DataPlane(P2PTransport):
             src = key = None
             try:  # (its header, bounded as a frame, names the transfer: its receive fails now, not at its timeout)
                 header = parse_header(frames[1])
-                src, raw_key = sender(header), header.get("key")
-                if type(raw_key) is list and len(raw_key) <= MAX_KEY_INTS and all(type(k) is int for k in raw_key):
-                    key = tuple(raw_key)
+                src, key = sender(header), _key_of(header.get("key"))
             except Exception:
                 pass
             self._bad_message(src, key, authenticated or "no key", ProtocolError(
@@ -697,8 +696,7 @@ class DataPlane(P2PTransport):
             op = header["op"]
             src = sender(header)
             raw_key = header.get("key")
-            key = tuple(raw_key) if (type(raw_key) is list and len(raw_key) <= MAX_KEY_INTS
-                                     and all(type(k) is int for k in raw_key)) else None
+            key = _key_of(raw_key)
             if op == "shm_ack":
                 seg = header.get("seg")
                 if not isinstance(seg, int):
@@ -867,6 +865,11 @@ class _Unaligned:
 
     def __init__(self, frame: Any, dtype: np.dtype, shape: tuple[int, ...], nbytes: int) -> None:
         self.frame, self.dtype, self.shape, self.nbytes = frame, dtype, shape, nbytes
+
+
+def _key_of(raw: Any) -> tuple[int, ...] | None:
+    """A data message's transfer key: its header's list of at most MAX_KEY_INTS ints, as a tuple; else None."""
+    return tuple(raw) if type(raw) is list and len(raw) <= MAX_KEY_INTS and all(type(k) is int for k in raw) else None
 
 
 def _fill(sender: shm.ShmSender, seg: shm.Segment, value: Any) -> None:
