@@ -443,12 +443,9 @@ class OutputLease:
                 self._stale.add(name)
             return read_output(self.actor, notice, name)
         try:
-            if notice.get("name") != name:
-                raise ValueError(f"its notice names {notice.get('name')!r:.80}, not {name!r}")
-            dtype, shape, nbytes = array_spec({"dtype": notice.get("dtype"), "shape": notice.get("shape")})
-            if notice.get("nbytes") != nbytes or nbytes == 0 or nbytes > seg.size:
-                raise ValueError(f"{dtype.name}{list(shape)} is {nbytes} bytes but the notice says {notice.get('nbytes')!r:.40} "
-                                 f"(the segment holds {seg.size})")
+            dtype, shape, nbytes = _notice_spec(notice, name)
+            if nbytes > seg.size:
+                raise ValueError(f"{dtype.name}{list(shape)} is {nbytes} bytes, more than the segment holds ({seg.size})")
         except (ValueError, ProtocolError, TypeError, KeyError) as e:
             self._stale.add(name)
             raise MpmdError(f"actor {self.actor}'s reply to a fetch pointed at shared memory that cannot be read: {e}") from None
@@ -470,16 +467,23 @@ class OutputLease:
                 self.stager.gets.told.setdefault(self.actor, [])[:0] = self.forget
 
 
+def _notice_spec(notice: Any, name: str) -> tuple[np.dtype, tuple[int, ...], int]:
+    """(dtype, shape, nbytes) of the value a `get` reply's `notice` says segment `name` holds; a ValueError (or the
+    array spec's own error) when the notice names another segment or its size is not its dtype and shape's."""
+    if not isinstance(notice, dict) or notice.get("name") != name:
+        raise ValueError(f"its notice names {notice.get('name') if isinstance(notice, dict) else notice!r:.80}, not {name!r}")
+    dtype, shape, nbytes = array_spec({"dtype": notice.get("dtype"), "shape": notice.get("shape")})
+    if notice.get("nbytes") != nbytes or nbytes == 0:
+        raise ValueError(f"{dtype.name}{list(shape)} is {nbytes} bytes but the notice says {notice.get('nbytes')!r:.40}")
+    return dtype, shape, nbytes
+
+
 def read_output(actor: int, notice: Any, name: str) -> np.ndarray:
     """The value actor `actor` wrote into segment `name` for a `get`, per its reply's `notice`: a copy in this
     process's memory (read in place, a fetched value kept /dev/shm's memory, which bounds every shared-memory path,
     as long as the caller kept it); the segment is gone afterwards."""
     try:
-        if not isinstance(notice, dict) or notice.get("name") != name:
-            raise ValueError(f"its notice names {notice.get('name') if isinstance(notice, dict) else notice!r:.80}, not {name!r}")
-        dtype, shape, nbytes = array_spec({"dtype": notice.get("dtype"), "shape": notice.get("shape")})
-        if notice.get("nbytes") != nbytes or nbytes == 0:
-            raise ValueError(f"{dtype.name}{list(shape)} is {nbytes} bytes but the notice says {notice.get('nbytes')!r:.40}")
+        dtype, shape, nbytes = _notice_spec(notice, name)
         fd = shm._posixshmem.shm_open(name, os.O_RDONLY | shm.OPEN_FLAGS, 0)
         try:
             st = os.fstat(fd)
