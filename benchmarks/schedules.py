@@ -19,7 +19,8 @@ predicts the held-out traced steps of
 the same schedule and mesh (their step time and bubble; the untraced median is printed beside it) — a
 prediction from one step to the next, not to a new configuration; and costs fitted on 1F1B's traced steps
 with m microbatches predict every other schedule's held-out step and 1F1B's with 2m (per-stage costs split
-evenly when a schedule has more stages; I = W = B / 2 where the fit saw no split backward) — and, for the
+evenly when a schedule has more stages, `Costs.split_stages`; I = W = B / 2 where the fit saw no split backward, as
+`fit_costs` estimates them) — and, for the
 schedules that split the backward, the same costs with I and W taken from ZB-H1's traced steps (two
 traced configurations, as the tuner profiles a fused and a split variant).
 
@@ -216,28 +217,6 @@ def main() -> None:
     cross_config(gpt, rows, args, out)
 
 
-def rescaled(costs: Costs, stages: int) -> Costs:
-    """`costs` of s stages for a split of the same layers into `stages` (a multiple of s): each new stage costs
-    its old stage's share; I = W = B / 2 where the fit saw no split backward. The per-Run `overhead` stays:
-    every Run pays it, however little it computes."""
-    old = len(costs.F) if isinstance(costs.F, tuple) else 1
-    k = stages // old
-
-    def per(v: float | tuple) -> tuple:
-        v = v if isinstance(v, tuple) else (float(v),) * old
-        return tuple(v[s // k] / k for s in range(stages))
-
-    b = per(costs.B)
-    split = any(per(costs.I)) or any(per(costs.W))
-    emp = costs.empirical or Empirical()
-    tasks = {(st, kind): tuple(x / k for x in xs) for (s0, kind), xs in emp.tasks for st in range(stages) if st // k == s0}
-    if not split:
-        tasks.update({(st, kind): tuple(x / 2 for x in xs) for (st, kd), xs in list(tasks.items()) if kd == "B" for kind in "IW"})
-    return dataclasses.replace(costs, F=per(costs.F), B=b, I=per(costs.I) if split else tuple(x / 2 for x in b),
-                               W=per(costs.W) if split else tuple(x / 2 for x in b),
-                               empirical=Empirical(tuple(sorted(tasks.items())), emp.gaps, emp.hops, emp.factors))
-
-
 def cross_config(gpt, rows: list[dict], args: argparse.Namespace, out: pathlib.Path) -> None:  # noqa: ANN001
     """Costs fitted on 1F1B (m microbatches) predict every other schedule, and 1F1B with 2m microbatches."""
     for n in sorted({r["actors"] for r in rows}):
@@ -254,8 +233,8 @@ def cross_config(gpt, rows: list[dict], args: argparse.Namespace, out: pathlib.P
         both = with_split_from(base["pooled"], zb["pooled"]) if zb is not None else None
         counts = [0, 0, 0, 0]  # within 10 %: pooled, first step alone, with ZB-H1's I/W (of how many)
         for r in targets:
-            pred = simulate_monte_carlo(r["programs"], rescaled(base["pooled"], r["stages"]), runs=100)
-            one = simulate_monte_carlo(r["programs"], rescaled(base["costs"], r["stages"]), runs=100)
+            pred = simulate_monte_carlo(r["programs"], base["pooled"].split_stages(r["stages"]), runs=100)
+            one = simulate_monte_carlo(r["programs"], base["costs"].split_stages(r["stages"]), runs=100)
             x, x1 = pred.step_time * 1e3 / r["held_out_ms"], one.step_time * 1e3 / r["held_out_ms"]
             counts[0] += within(x)
             counts[1] += within(x1)
@@ -263,7 +242,7 @@ def cross_config(gpt, rows: list[dict], args: argparse.Namespace, out: pathlib.P
                     f"{r['held_out_ms']:8.2f} ms ({x:.2f}x [{x1:.2f}x])  bubble predicted {pred.bubble:.3f} [{one.bubble:.3f}] "
                     f"held out {r['held_out_bubble']:.3f}")
             if both is not None and r is not zb and splits_backward(r["programs"]):
-                p2 = simulate_monte_carlo(r["programs"], rescaled(both, r["stages"]), runs=100)
+                p2 = simulate_monte_carlo(r["programs"], both.split_stages(r["stages"]), runs=100)
                 x2 = p2.step_time * 1e3 / r["held_out_ms"]
                 counts[2] += within(x2)
                 counts[3] += 1

@@ -1379,3 +1379,32 @@ def test_a_forward_only_simulation_runs_the_forward_tasks_alone_and_stashes_noth
     assert got.step_time == pytest.approx(8 + 3 - 1)
     assert got.peak_activations == (0, 0, 0)
     assert all("F" in label and "B" not in label and "W" not in label for row in got.timeline for _, _, label in row)
+
+
+def test_costs_split_stages_cuts_each_stage_into_equal_parts_for_a_schedule_of_more_stages():
+    """Costs fitted on a 2-stage trace predict a 4-stage interleaved schedule on the same actors once each stage is
+    cut into two of half its cost (as benchmarks.schedules did by hand): the per-Run overhead, gaps, routes and
+    activation bytes stay, task samples halve. Asked of the simulator without it, the error names the method."""
+    from mpmd.schedules.montecarlo import Empirical
+
+    c = mpmd.Costs(F=(1e-3, 2e-3), B=(2e-3, 4e-3), I=(1e-3, 2e-3), W=(1e-3, 2e-3), activation_bytes=(8.0, 0.0), overhead=1e-4,
+                   gap=5e-5, empirical=Empirical.of({(1, "B"): [4e-3, 6e-3]}, [5e-5], {}))
+    four = c.split_stages(4)
+    assert four.F == pytest.approx((5e-4, 5e-4, 1e-3, 1e-3)) and four.B == pytest.approx((1e-3, 1e-3, 2e-3, 2e-3))
+    assert four.W == pytest.approx((5e-4, 5e-4, 1e-3, 1e-3)) and four.activation_bytes == (8.0, 8.0, 0.0, 0.0)
+    assert four.overhead == c.overhead and four.gap == c.gap and four.empirical.gaps == c.empirical.gaps
+    assert four.empirical.task_samples() == {(2, "B"): pytest.approx((2e-3, 3e-3)), (3, "B"): pytest.approx((2e-3, 3e-3))}
+    assert c.split_stages(2) == c
+    schedule = mpmd.InterleavedOneFOneB(num_stages=4, num_actors=2)
+    with pytest.raises(mpmd.ScheduleError, match=r"or costs.split_stages\(4\) to cut each of its 2 stages into 2 of equal cost"):
+        mpmd.simulate(schedule, 8, c)
+    # each actor holds a half of each old stage (0 and 2, or 1 and 3): 1.5 ms of F and 3 ms of B per microbatch,
+    # and 32 Runs of 0.1 ms overhead — busy 39.2 ms of the step on both
+    got = mpmd.simulate(schedule, 8, four)
+    for bubble in got.bubble_per_actor:
+        assert got.step_time * (1 - bubble) == pytest.approx(8 * 4.5e-3 + 32 * 1e-4)
+    for bad, said in ((3, "a multiple of the costs' 2 stages, got 3"), (1, "got 1"), (4.0, "got 4.0")):
+        with pytest.raises(ValueError, match=said):
+            c.split_stages(bad)
+    with pytest.raises(ValueError, match="one number for every stage"):
+        mpmd.Costs().split_stages(4)

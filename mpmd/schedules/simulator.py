@@ -247,7 +247,39 @@ class Costs:
         for name in ("F", "B", "I", "W", "activation_bytes"):
             v = getattr(self, name)
             if isinstance(v, tuple) and len(v) != num_stages:
-                raise ValueError(f"Costs.{name} has {len(v)} per-stage values for {num_stages} stages; give one per stage or one number")
+                hint = (f", or costs.split_stages({num_stages}) to cut each of its {len(v)} stages into {num_stages // len(v)} "
+                        "of equal cost" if num_stages > len(v) and num_stages % len(v) == 0 else "")
+                raise ValueError(f"Costs.{name} has {len(v)} per-stage values for {num_stages} stages; give one per stage or one "
+                                 f"number{hint}")
+
+    def split_stages(self, num_stages: int) -> Costs:
+        """These costs of s stages for the same layers cut into `num_stages` (a multiple of s), e.g. costs fitted on a
+        1F1B trace of 2 stages to predict an interleaved schedule of 4 or 8 on the same actors: each new stage's F, B, I,
+        W and task samples are its old stage's divided by num_stages / s (its layers' share, taken as equal); its
+        activation bytes, the per-Run `overhead` (every Run pays it, however little it computes), gaps, hops and
+        routes stay as they were. The split is a guess where stages are uneven inside: fit a trace of the
+        configuration itself for a closer one."""
+        import dataclasses
+
+        counts = {len(v) for v in (self.F, self.B, self.I, self.W, self.activation_bytes) if isinstance(v, tuple)}
+        if len(counts) != 1:
+            raise ValueError("Costs.split_stages: " + ("the costs give one number for every stage, which holds for any number "
+                             "of stages as it is: nothing to split" if not counts else
+                             f"the per-stage sequences have {sorted(counts)} entries: give the same number for each"))
+        (old,) = counts
+        if not is_count(num_stages) or num_stages < old or num_stages % old:
+            raise ValueError(f"Costs.split_stages: num_stages must be a multiple of the costs' {old} stages, got {num_stages!r:.40}")
+        k = num_stages // old
+
+        def per(v: PerStage, share: float) -> PerStage:
+            return tuple(v[s // k] * share for s in range(num_stages)) if isinstance(v, tuple) else v * share
+
+        emp = self.empirical
+        if emp is not None:
+            emp = dataclasses.replace(emp, tasks=tuple(sorted(((st, kind), tuple(x / k for x in xs)) for (s0, kind), xs in emp.tasks
+                                                              for st in range(s0 * k, (s0 + 1) * k))))
+        return dataclasses.replace(self, F=per(self.F, 1 / k), B=per(self.B, 1 / k), I=per(self.I, 1 / k), W=per(self.W, 1 / k),
+                                   activation_bytes=per(self.activation_bytes, 1.0), empirical=emp)
 
     @classmethod
     def from_timings(cls, timings: Mapping[str | tuple[str, int], float], num_stages: int | None = None, **kwargs: float) -> Costs:
