@@ -493,8 +493,10 @@ def test_a_message_over_the_receivers_max_message_fails_its_receive_at_once_and_
             with pytest.raises(TransferError, match=r"cannot send \[1, 2, 4\] to actor 1: 2.0 MiB in one message, over actor 1's "
                                                     r"--max-message-mb \(1 MiB\)"):
                 await a.send(1, (1, 2, 4), np.zeros(1 << 19, np.float32))
+            assert a.stats()["sent_arrays"] == 0  # (refused: not counted as sent)
             got = asyncio.ensure_future(b.recv(0, (1, 2, 5), 10))  # (a message that fits still goes)
             await a.send(1, (1, 2, 5), np.arange(4, dtype=np.float32))
+            assert a.stats()["sent_arrays"] == 1 and a.stats()["sent_tcp_bytes"] == 16
             return waited, np.array(await got).tolist()
         finally:
             if sock is not None:

@@ -132,8 +132,10 @@ async def wire_data_plane(conns: list[Any], endpoints: list[dict[str, Any] | Non
     for spec in specs:  # each actor learns its peers' data-plane keys (and shm names) from us, authenticated
         for j, peer in spec.items():
             ep = endpoints[int(j)]  # (a same-host pair's link is checked against the peer's process id)
+            # (its --max-message-mb: a daemon of an earlier version says it in its hello only)
+            most = ep.get("max_message") or getattr(conns[int(j)], "max_message", None)
             peer.update(key=ep.get("key"), shm_prefix=ep.get("shm_prefix"), link=ep.get("link"), pid=ep.get("pid"),
-                        max_message=ep.get("max_message"))
+                        max_message=most)
     await asyncio.gather(*(c.request("connect_peers", {"peers": specs[i], "timeout": transfer_timeout})
                            for i, c in enumerate(conns)))
     return routes

@@ -402,15 +402,20 @@ class DataPlane(P2PTransport):
         nbytes = int(value.nbytes)
         self.counters[f"sent_{route}_bytes"] += nbytes
         self.counters["sent_arrays"] += 1
-        if route == "shm" and nbytes >= SHM_MIN_BYTES:
-            await self._send_shm(peer, key, value, nbytes)
-            return
-        ready = getattr(value, "is_ready", None)
-        if ready is not None and not ready() and self._link_to(peer) is not None:
-            if await self._post_when_ready(peer, {"op": "data", "key": list(key)}, value):
+        try:
+            if route == "shm" and nbytes >= SHM_MIN_BYTES:
+                await self._send_shm(peer, key, value, nbytes)
                 return
-        host = await host_view(value)
-        tracker = self._post_data(peer, key, host, track=wait)
+            ready = getattr(value, "is_ready", None)
+            if ready is not None and not ready() and self._link_to(peer) is not None:
+                if await self._post_when_ready(peer, {"op": "data", "key": list(key)}, value):
+                    return
+            host = await host_view(value)
+            tracker = self._post_data(peer, key, host, track=wait)
+        except TransferError:  # (not sent: a refused send counted as sent; a review)
+            self.counters[f"sent_{route}_bytes"] -= nbytes
+            self.counters["sent_arrays"] -= 1
+            raise
         if wait and tracker is not None and not tracker.done:
             await asyncio.to_thread(tracker.wait)
 
