@@ -534,7 +534,7 @@ def test_a_peer_that_answers_pings_but_never_the_hello_is_declared_lost_not_wait
 
 @pytest.mark.parametrize("field, value", [("devices", -3), ("p2p", "x"), ("request_timeout", "soon"), ("actor_id", True),
                                           ("p2p", {"tcp": 5}), ("p2p", {"shm": "yes"}), ("max_message_bytes", 0),
-                                          ("p2p", {"max_message": -1})])
+                                          ("max_message_bytes", -1)])
 def test_a_hello_reply_with_a_field_of_the_wrong_type_is_an_incompatible_actor(tmp_path, field, value):
     """A stand-in whose hello says devices=-3 ended in a TypeError deep in making the mesh (a probe); each field a
     hello reply holds is checked for its type, and the peer refused, naming the field."""

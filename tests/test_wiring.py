@@ -63,10 +63,10 @@ def test_a_loopback_data_plane_on_another_host_is_refused_naming_p2p_host():
             check_reachable(choose_routes("auto", eps), eps)
 
 
-def test_the_wiring_tells_each_actor_its_peers_message_limit_from_their_endpoint_or_else_their_hello():
-    """A sender refuses a frame over its peer's --max-message-mb (ZeroMQ would drop it unseen); the limit comes in
-    the peer's data-plane endpoint, and from a daemon of an earlier version, whose endpoint does not say it, from
-    its hello. (Stand-in connections that record the request: no daemon of an earlier version runs here.)"""
+def test_the_wiring_tells_each_actor_its_peers_message_limit_from_their_hello():
+    """A sender refuses a frame over its peer's --max-message-mb (ZeroMQ would drop it unseen); the wiring tells it
+    each peer's limit as that peer's hello said it (the limit its data plane enforces). (Stand-in connections that
+    record the request: the wiring's input and output, without daemons.)"""
     import asyncio
 
     from mpmd.runtime.wiring import wire_data_plane
@@ -78,10 +78,9 @@ def test_the_wiring_tells_each_actor_its_peers_message_limit_from_their_endpoint
         async def request(self, op, fields):
             self.sent = (op, fields)
 
-    conns = [Conn(8 << 30), Conn(1 << 20), Conn(None)]
+    conns = [Conn(64 << 20), Conn(1 << 20), Conn(None)]
     endpoints = [{"tcp": f"tcp://10.0.0.{i}:5000", "host": f"h{i}", "shm": False, "nccl": False} for i in range(3)]
-    endpoints[0]["max_message"] = 64 << 20  # (the endpoint's word first)
     asyncio.run(wire_data_plane(conns, endpoints, "tcp", 30.0))
     op, fields = conns[2].sent
     assert op == "connect_peers" and {j: p["max_message"] for j, p in fields["peers"].items()} == {"0": 64 << 20, "1": 1 << 20}
-    assert conns[0].sent[1]["peers"]["2"]["max_message"] is None  # (told nothing: no check)
+    assert conns[0].sent[1]["peers"]["2"]["max_message"] is None  # (its hello said none: no check)

@@ -359,22 +359,21 @@ def _check_fit_args(trace: Any, num_stages: int, step: Any, cores: int | None) -
         if top + 1 < num_stages:
             raise MpmdError(f"fit_costs: num_stages={num_stages} but the traced step runs {top + 1} stages: pass "
                             f"num_stages={top + 1} (a stage it never ran has no costs to fit; {where})")
-    first = sorted(units[0][0].steps[units[0][1]])
+    first = _run_labels(units[0][0].steps[units[0][1]])
     for (t, i), where in zip(units, wheres):
-        if sorted(t.steps[i]) != first:
-            raise MpmdError(f"fit_costs: {where} holds records of actors {sorted(t.steps[i])} where {wheres[0]} holds "
-                            f"{first}: an actor's record is missing, or the steps ran on different meshes; pool only "
-                            "whole steps of the same compiled step on the same mesh")
-    ran_first = _run_labels(units[0][0].steps[units[0][1]])
-    for (t, i), where in zip(units, wheres):  # (steps of another Program on the same actors: a review)
         ran = _run_labels(t.steps[i])
-        for a in first:
-            if ran[a] != ran_first[a]:
-                k = next((k for k, (x, y) in enumerate(zip(ran[a], ran_first[a])) if x != y), min(len(ran[a]), len(ran_first[a])))
-                said = [r[k] if k < len(r) else "none" for r in (ran[a], ran_first[a])]
+        if sorted(ran) != sorted(first):
+            raise MpmdError(f"fit_costs: {where} holds records of actors {sorted(ran)} where {wheres[0]} holds "
+                            f"{sorted(first)}: an actor's record is missing, or the steps ran on different meshes; pool only "
+                            "whole steps of the same compiled step on the same mesh")
+        for a in sorted(first):  # (steps of another Program on the same actors: a review)
+            if ran[a] != first[a]:
+                k = next((k for k, (x, y) in enumerate(zip(ran[a], first[a])) if x != y), min(len(ran[a]), len(first[a])))
+                said = [r[k] if k < len(r) else "none" for r in (ran[a], first[a])]
                 raise MpmdError(f"fit_costs: {where} ran other Runs on actor {a} than {wheres[0]} ({len(ran[a])} against "
-                                f"{len(ran_first[a])} Runs; its Run {k} {said[0]}, the other's {said[1]}): the steps are of different compiled steps "
-                                "(another schedule, microbatch count or function); pool only steps of the same compiled step")
+                                f"{len(first[a])} Runs; its Run {k} {said[0]}, the other's {said[1]}): the steps are of "
+                                "different compiled steps (another schedule, microbatch count or function); pool only steps "
+                                "of the same compiled step")
     return int(num_stages), units
 
 

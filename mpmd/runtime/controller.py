@@ -309,7 +309,6 @@ class ActorConnection:
         self.compile_bound: float | None = None  # and on a compile (its --compile-timeout and a little)
         self.keepalive: float | None = None  # ping this often when idle, so the actor keeps our session open
         self.opened = False  # our session is open there (from `hello`): an answer without it means it was lost
-        self.max_message: int | None = None  # the most bytes one frame to it may hold (its --max-message-mb)
         self.session_gone = False  # declared lost because the daemon answers without our session
 
     def describe(self, proc: Any) -> None:
@@ -317,13 +316,17 @@ class ActorConnection:
         actor: how it died, its threads' stacks, how it comes back."""
         self._alive, self._stacks, self._comeback = proc.dead_reason, proc.stacks, getattr(proc, "comeback", None)
 
+    @property
+    def max_message(self) -> int | None:
+        """The most bytes one frame to the actor may hold (its --max-message-mb, from its hello), once known."""
+        return self.client.max_frame
+
     def learn_limits(self, info: dict[str, Any]) -> None:
         """Take the actor's bounds from its `hello` reply: on requests, on compiles, and on a silent session (its
         --session-timeout: an idle controller pings four times within it)."""
         self.bound, self.compile_bound = info.get("request_timeout"), info.get("compile_timeout")
         most = info.get("max_message_bytes")
-        self.max_message = most if isinstance(most, int) and most > 0 else None
-        self.client.max_frame = self.max_message
+        self.client.max_frame = most if isinstance(most, int) and most > 0 else None
         timeout = info.get("session_timeout")
         self.keepalive = max(0.05, timeout / 4) if isinstance(timeout, (int, float)) and timeout > 0 else None
         self.opened = True

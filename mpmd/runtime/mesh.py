@@ -1051,7 +1051,7 @@ _HELLO_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {  # what a daemon's he
     "max_message_bytes": _INT,
     # its data plane's endpoint, which the wiring reads (p2p={"tcp": 5} failed deep in it)
     "p2p.tcp": _STR, "p2p.ipc": _STR, "p2p.host": _STR, "p2p.key": _STR, "p2p.shm_prefix": _STR, "p2p.link": _STR,
-    "p2p.shm": _BOOL, "p2p.nccl": _BOOL, "p2p.pid": _INT, "p2p.gpu": _STR, "p2p.gpu_shared": _BOOL, "p2p.max_message": _INT}
+    "p2p.shm": _BOOL, "p2p.nccl": _BOOL, "p2p.pid": _INT, "p2p.gpu": _STR, "p2p.gpu_shared": _BOOL}
 
 
 def _check_hello(address: str, header: dict[str, Any]) -> None:
@@ -1066,13 +1066,10 @@ def _check_hello(address: str, header: dict[str, Any]) -> None:
         if value is not None and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
             raise IncompatibleActorError(f"the daemon at {address} answered hello with {field}={value!r:.60}, not {what}: is it an "
                                          "mpmd-actor of this version? install the same mpmd on every node and the controller")
-    for field in ("max_message_bytes", "p2p.max_message"):  # (a limit of 0 failed the other actors' wiring, blamed on them)
-        outer, _, inner = field.partition(".")
-        value = header.get(outer)
-        value = value.get(inner) if inner and isinstance(value, dict) else None if inner else value
-        if value is not None and value <= 0:
-            raise IncompatibleActorError(f"the daemon at {address} answered hello with {field}={value!r:.60}, not a positive "
-                                         "int: is it an mpmd-actor of this version?")
+    most = header.get("max_message_bytes")  # (a limit of 0 failed the other actors' wiring, blamed on them)
+    if most is not None and most <= 0:
+        raise IncompatibleActorError(f"the daemon at {address} answered hello with max_message_bytes={most!r:.60}, not a positive "
+                                     "int: is it an mpmd-actor of this version?")
 
 
 @atexit.register  # (after the program's other threads have ended, and after the exit hooks it registered later)

@@ -132,10 +132,9 @@ async def wire_data_plane(conns: list[Any], endpoints: list[dict[str, Any] | Non
     for spec in specs:  # each actor learns its peers' data-plane keys (and shm names) from us, authenticated
         for j, peer in spec.items():
             ep = endpoints[int(j)]  # (a same-host pair's link is checked against the peer's process id)
-            # (its --max-message-mb: a daemon of an earlier version says it in its hello only)
-            most = ep.get("max_message") or getattr(conns[int(j)], "max_message", None)
+            # (and the limit its data plane enforces: its --max-message-mb, which its hello says)
             peer.update(key=ep.get("key"), shm_prefix=ep.get("shm_prefix"), link=ep.get("link"), pid=ep.get("pid"),
-                        max_message=most)
+                        max_message=conns[int(j)].max_message)
     await asyncio.gather(*(c.request("connect_peers", {"peers": specs[i], "timeout": transfer_timeout})
                            for i, c in enumerate(conns)))
     return routes

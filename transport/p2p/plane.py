@@ -173,7 +173,7 @@ class DataPlane(P2PTransport):
         return {"tcp": self._tcp, "ipc": self._ipc, "host": self._host, "shm": shm.available(), "nccl": nccl_ok,
                 "key": self._keys.public.decode() if self._keys is not None else None, "shm_prefix": self.shm_prefix,
                 "link": self._listener.name if self._listener is not None else None, "pid": os.getpid(),
-                "gpu": gpu, "gpu_shared": shared, "max_message": self._max_message}
+                "gpu": gpu, "gpu_shared": shared}
 
     def _nccl_ok(self) -> bool:
         if self._nccl_device is None:
