@@ -35,7 +35,7 @@ from jax import export
 
 from actors import spmd
 from actors.sandbox import BlobChecker, BlobRefused, CheckerPool, build_executable
-from actors.stream import output_bytes
+from actors.stream import off_loop, output_bytes
 
 log = logging.getLogger(__name__)
 RETRY_AFTER = 30.0  # seconds a blob whose compile timed out is refused without compiling it again
@@ -77,6 +77,7 @@ class ExecutableCache:
         self.compile_timeout = compile_timeout
         self._compiled: dict[str, Any] = {}
         self._out_bytes: dict[str, int] = {}
+        self._off_loop: dict[str, bool] = {}
         self._unused: OrderedDict[str, None] = OrderedDict()  # retired keys, oldest first
         self.kept_unused = KEPT_UNUSED
         self._compiling: dict[str, asyncio.Future[Any]] = {}
@@ -215,6 +216,7 @@ class ExecutableCache:
             key, _ = self._unused.popitem(last=False)
             self._compiled.pop(key, None)
             self._out_bytes.pop(key, None)
+            self._off_loop.pop(key, None)
             dropped.append(key)
         self._dropped += len(dropped)
         if self._dropped >= CLEAR_JAX_CACHES_AFTER and not self._busy:  # (no compile thread lowers now, an abandoned one included)
@@ -241,6 +243,14 @@ class ExecutableCache:
         got = self._out_bytes.get(key)
         if got is None:
             got = self._out_bytes[key] = output_bytes(self.get(key))
+        return got
+
+    def off_loop(self, key: str) -> bool:
+        """Whether an executable is dispatched off the event loop on CPU (`actors.stream.off_loop`; judged once per
+        executable)."""
+        got = self._off_loop.get(key)
+        if got is None:
+            got = self._off_loop[key] = off_loop(self.get(key))
         return got
 
     def get(self, key: str) -> Any:

@@ -510,7 +510,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
                 loading = getattr(e, "loading", None) if msg.op == "run_program" else None
                 still = abandoned.still_computing()
                 if not loading and not still and msg.op in ("run_program", "run", "get", "wait"):  # (what waits for computation)
-                    abandoned.cut_off(msg, actor.stream.token)
+                    abandoned.cut_off(msg, actor.stream.busy or actor.stream.token)
                 raise (HeldByLoader if loading else WaitedInVain)(
                     f"'{msg.op}' did not finish within {bound:g} s (mpmd-actor {flag}), so it was cancelled; "
                     f"{_waiting_on(msg, loading)}{still}") from None
@@ -706,12 +706,14 @@ class Abandoned:
 
     def __init__(self, actor_id: int) -> None:
         self.actor_id = actor_id
-        self.token: object | None = None  # the order token of the last call dispatched when it was cut off
+        self.token: object | None = None  # the order token of the last call dispatched when it was cut off (or the future of a call off the loop)
         self.what = ""
 
     @staticmethod
     def _computing(token: object | None) -> bool:
         """Whether the call whose order token this is still computes (None: calls not ordered on a token)."""
+        if isinstance(token, asyncio.Future):  # (a call off the loop: its thread's future)
+            return not token.done()
         try:
             return token is not None and not token.is_ready()
         except Exception:  # noqa: BLE001 - (a token whose computation failed is done)

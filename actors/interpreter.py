@@ -147,8 +147,8 @@ class Interpreter:
                             await self.stream.idle()
                             results = await trace.run(self.stream, self.cache.get(ins.exe), args, str(ins.label), t0, now(),
                                                     trace.arrived(ins.inputs))
-                        elif self.stream.must_await(out := self.cache.output_bytes(ins.exe)):
-                            last, results = await self.stream.call_awaited(self.cache.get(ins.exe), args, out)
+                        elif self.stream.must_await(off := self.cache.off_loop(ins.exe)):
+                            last, results = await self.stream.call_awaited(self.cache.get(ins.exe), args, off)
                         else:
                             last, results = self.stream.call(self.cache.get(ins.exe), args)
                     except Exception as e:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -49,6 +50,11 @@ TOKEN_AVAL = jax.ShapeDtypeStruct((), np.int32)
 # beside such outputs.
 BIG_OUTPUT_BYTES = 64 << 20
 
+# XLA's CPU client runs a computation whose cost analysis counts fewer flops than this inline in the calling thread
+# (`cheap_computation_` in xla/pjrt/cpu/cpu_client.cc: "less than the thread context switch time").
+CHEAP_FLOPS = 1000
+_WHILE = re.compile(r"\swhile\(")  # an HLO while instruction ("%w = (s32[], f32[4]) while(%t), condition=...")
+
 
 def output_bytes(exe: Any) -> int:
     """The bytes a compiled executable's outputs take (its order token included; 0 where jax does not say, or for
@@ -59,17 +65,45 @@ def output_bytes(exe: Any) -> int:
         return 0
 
 
+def runs_inline_for_long(exe: Any) -> bool:
+    """Whether XLA's CPU client runs a compiled executable inline in the calling thread (it counts fewer than
+    `CHEAP_FLOPS`) although it may compute for long: it has a while loop, whose body XLA's count takes once
+    whatever the trip count. Dispatched from the event loop, such a Run held the loop for as long as it ran: a
+    stage with a 12 s element-wise `lax.while_loop` answered no heartbeat, the controller declared the live actor
+    dead, and a Run that never returns made the daemon deaf to its --request-timeout and to SIGTERM (a probe).
+    A computation XLA runs on its own threads returns at once, loop or not. Where jax cannot say (an executable
+    without a cost analysis), a while loop alone decides."""
+    try:
+        cost = exe.cost_analysis()
+        if isinstance(cost, (list, tuple)):  # (older jax: one dict per module)
+            cost = cost[0] if cost else {}
+        if float(cost.get("flops", 0.0)) >= CHEAP_FLOPS:
+            return False
+    except Exception:  # noqa: BLE001 - no cost analysis: judged by its loops alone
+        pass
+    try:
+        return bool(_WHILE.search(exe.as_text()))
+    except Exception:  # noqa: BLE001 - no text either: dispatched as any other
+        return False
+
+
+def off_loop(exe: Any) -> bool:
+    """Whether an executable is dispatched from a thread of its own on CPU (`Stream.call_off_loop`): its outputs
+    are big (`BIG_OUTPUT_BYTES`) or it runs inline for long (`runs_inline_for_long`). Computed once per executable."""
+    return output_bytes(exe) >= BIG_OUTPUT_BYTES or runs_inline_for_long(exe)
+
+
 class Stream:
     """The order token of one actor: `call(executable, args)` runs it after everything dispatched before."""
 
-    _big_calls: concurrent.futures.ThreadPoolExecutor | None = None
+    _off_loop_calls: concurrent.futures.ThreadPoolExecutor | None = None
 
     def __init__(self, device: Any, ordered_calls: bool) -> None:
         self.ordered = ordered_calls
         self._device = device
         self._where: Any = device
         self.token = jax.device_put(np.int32(0), device) if ordered_calls else None
-        # Big calls go through a thread on CPU only (a GPU client dispatches asynchronously); while one runs, every
+        # Calls off the loop go through a thread on CPU only (a GPU client dispatches asynchronously); while one runs, every
         # other call waits for it (`busy`, then `idle()`): the thread's token must stay the one the next call reads.
         self.offloads = getattr(device, "platform", "cpu") == "cpu"
         self.busy: asyncio.Future[Any] | None = None
@@ -109,26 +143,28 @@ class Stream:
         self.token = out[0]
         return out[0], out[1:]
 
-    def must_await(self, out_bytes: int) -> bool:
-        """Whether a call of an executable whose outputs take `out_bytes` goes through `call_awaited` rather than
-        `call`: a big call's thread holds the token, or this call is big (one test per Run on the hot path)."""
-        return self.busy is not None or (self.offloads and out_bytes >= BIG_OUTPUT_BYTES)
+    def must_await(self, off: bool) -> bool:
+        """Whether a call of an executable goes through `call_awaited` rather than `call`: the thread of a call off
+        the loop holds the token, or this call goes off the loop (`off`: `off_loop` of its executable; one test per Run on the hot
+        path)."""
+        return self.busy is not None or (self.offloads and off)
 
-    async def call_awaited(self, exe: Any, args: Sequence[Any], out_bytes: int) -> tuple[Any, Sequence[Any]]:
-        """`call` once no big call holds the token; a big one (see `must_await`) from a thread of its own."""
-        if self.offloads and out_bytes >= BIG_OUTPUT_BYTES:
+    async def call_awaited(self, exe: Any, args: Sequence[Any], off: bool) -> tuple[Any, Sequence[Any]]:
+        """`call` once no call off the loop holds the token; one that goes off the loop (see `must_await`) from a
+        thread of its own."""
+        if self.offloads and off:
             return await self.call_off_loop(exe, args)
         await self.idle()
         return self.call(exe, args)
 
     async def call_off_loop(self, exe: Any, args: Sequence[Any]) -> tuple[Any, Sequence[Any]]:
-        """`call` from a thread of its own (one for the actor's big calls), the event loop serving meanwhile (its
+        """`call` from a thread of its own (one for the actor's calls off the loop: `off_loop`), the event loop serving meanwhile (its
         heartbeats too). Calls dispatched meanwhile wait (`idle`) until the thread is done with the token, also when
         the caller of this one is cancelled."""
         await self.idle()
-        if Stream._big_calls is None:
-            Stream._big_calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpmd-big-run")
-        done = self.busy = asyncio.wrap_future(Stream._big_calls.submit(self.call, exe, args))
+        if Stream._off_loop_calls is None:
+            Stream._off_loop_calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpmd-off-loop-run")
+        done = self.busy = asyncio.wrap_future(Stream._off_loop_calls.submit(self.call, exe, args))
 
         def clear(_: Any) -> None:
             if self.busy is done:
@@ -138,7 +174,7 @@ class Stream:
         return await asyncio.shield(done)
 
     async def idle(self) -> None:
-        """Wait until no big call holds the token (see `call_off_loop`)."""
+        """Wait until no call off the loop holds the token (see `call_off_loop`)."""
         while self.busy is not None:
             try:
                 await asyncio.shield(self.busy)

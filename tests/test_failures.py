@@ -903,3 +903,77 @@ def test_a_job_started_with_stdin_stdout_and_stderr_closed_ends_cleanly():
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               preexec_fn=lambda: [os.close(fd) for fd in (0, 1, 2)])
         assert done.returncode == 0 and open(marker).read() == "ok", done.returncode
+
+
+def _spin(x, n):
+    """A while loop of n element-wise steps: XLA counts one trip's flops (a handful), so its CPU client runs the
+    whole computation inline in the thread that calls it (fewer than 1000 counted: `actors/stream.py`)."""
+    return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, jnp.sin(c[1]) + 0.01), (0, x))[1]
+
+
+def _spun_model(params, x, n):
+    x = jnp.tanh(x @ params[0])
+    x = mpmd.pipeline_yield(x)
+    return x * params[1] + _spin(jax.lax.stop_gradient(x[0]), n).sum()  # stage 1: element-wise, and the loop
+
+
+def test_a_long_run_that_xla_runs_inline_is_not_silence_on_a_step_or_on_actor_run():
+    """A Run of an executable that XLA's CPU client runs inline in the dispatching thread (few flops counted: a
+    `lax.while_loop` is counted once, whatever its trip count) held the daemon's event loop for as long as it
+    computed: a stage with a 12 s element-wise loop answered no heartbeat and the live actor was declared dead (with
+    recovery on, each replacement again, until the job gave up; a probe). Such executables are dispatched from a
+    thread, so the loop answers; the step and `actor.run` equal `jax.jit`."""
+    n = np.int32(150_000_000)  # ~1.5-3 s of the loop on this VM: past the 1 s heartbeat timeout below
+    rng = np.random.default_rng(0)
+    params = [rng.standard_normal((8, 8)).astype(np.float32) * 0.3, rng.standard_normal(8).astype(np.float32)]
+    batch = rng.standard_normal((1, 2, 8)).astype(np.float32)  # one microbatch: one loop on actor 1
+
+    def evaluate(params, batch, n):
+        return mpmd.accumulate_grads(lambda mb: ((), jnp.mean(_spun_model(params, mb, n) ** 2)), batch,
+                                     schedule=mpmd.GPipe(num_stages=2))[1]
+
+    with mpmd.RemoteMesh.local(num_actors=2, heartbeat_interval=0.25, heartbeat_timeout=1.0) as mesh:
+        losses = mpmd.fetch(mpmd.distributed(evaluate, mesh=mesh)(params, batch, n))
+        x = np.linspace(0, 1, 4, dtype=np.float32)
+        spun = mesh.actor(1).run(jax.jit(_spin), x, n).to_numpy()
+    np.testing.assert_array_equal(spun, jax.jit(_spin)(x, n))
+    np.testing.assert_allclose(losses, jax.jit(evaluate)(params, batch, n), rtol=1e-6)
+
+
+def _forever(x):
+    return jax.lax.while_loop(lambda c: c[1][0] > -10.0, lambda c: (c[0] + 1, jnp.sin(c[1]) + 0.01), (0, x))[1]
+
+
+def test_a_run_that_never_returns_fails_at_the_request_timeout_and_the_daemon_still_answers_and_stops():
+    """A Run XLA executes inline that never returns (an element-wise `lax.while_loop` whose condition stays true)
+    held the event loop for good: no reply at --request-timeout, no heartbeat, and SIGTERM, handled on the loop,
+    did nothing (the daemon spun until SIGKILL; a probe). Dispatched from a thread, it fails its request at the
+    bound; the next request says the actor still computes it; the daemon answers and stops on SIGTERM."""
+    x = np.ones(4, np.float32)
+    with mpmd.RemoteMesh.local(num_actors=1, request_timeout=2) as mesh:
+        a = mesh.actor(0)
+        with pytest.raises(mpmd.RemoteError, match="did not finish within 2 s"):
+            a.run(jax.jit(_forever), x).to_numpy()
+        with pytest.raises(mpmd.RemoteError, match=r"still computing .*XLA cannot stop"):
+            a.run(jax.jit(lambda v: v * 3), x).to_numpy()
+        assert a.stats()["running"] == 0
+        proc = mesh.processes[0].proc
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) >= 0, "the daemon did not stop on SIGTERM"
+
+
+def test_the_executables_dispatched_off_the_loop_are_those_xla_runs_inline_with_a_loop_or_a_big_output():
+    """`actors.stream.off_loop` against XLA's own rule (inline below 1000 counted flops, a while loop counted once):
+    an element-wise loop and a scan of tiny matmuls run inline and go off the loop; the same loop beside a big
+    matmul, and a loop-free element-wise Run, stay on it (a thread hop per Run would cost every small stage)."""
+    from actors.stream import CHEAP_FLOPS, off_loop
+
+    def compiled(f, *args):
+        return jax.jit(f).lower(*args).compile()
+
+    x, n = np.ones(4, np.float32), np.int32(3)
+    scan = compiled(lambda c: jax.lax.scan(lambda h, _: (jnp.tanh(h @ h), None), c, None, length=100)[0], np.ones((4, 4), np.float32))
+    big = compiled(lambda w, v, n: (w @ w, _spin(v, n)), np.ones((64, 64), np.float32), x, n)
+    assert compiled(_spin, x, n).cost_analysis()["flops"] < CHEAP_FLOPS <= big.cost_analysis()["flops"]
+    assert off_loop(compiled(_spin, x, n)) and off_loop(scan)
+    assert not off_loop(big) and not off_loop(compiled(lambda v: jnp.sin(v) * 2, x))
