@@ -17,6 +17,7 @@ traced step each Run executes on one tracing thread that stamps its start and, a
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import re
@@ -53,6 +54,12 @@ BIG_OUTPUT_BYTES = 64 << 20
 # XLA's CPU client runs a computation whose cost analysis counts fewer flops than this inline in the calling thread
 # (`cheap_computation_` in xla/pjrt/cpu/cpu_client.cc: "less than the thread context switch time").
 CHEAP_FLOPS = 1000
+
+# XLA's CPU client lets 32 computations per device be in flight; the call that would make one more waits, in the
+# calling thread, until one ends. With this many of the actor's Runs in flight the next is dispatched off the loop:
+# from the loop, 64 Runs of one actor's stage dispatched back to back (`fuse=False`) held it one Run's time per Run
+# past the 32nd, and the live actor was declared dead.
+CROWDED = 24
 _WHILE = re.compile(r"\swhile\(")  # an HLO while instruction ("%w = (s32[], f32[4]) while(%t), condition=...")
 
 
@@ -107,6 +114,7 @@ class Stream:
         # other call waits for it (`busy`, then `idle()`): the thread's token must stay the one the next call reads.
         self.offloads = getattr(device, "platform", "cpu") == "cpu"
         self.busy: asyncio.Future[Any] | None = None
+        self._inflight: collections.deque[Any] = collections.deque()  # the tokens of calls maybe still computing
 
     def on_mesh(self, mesh: Any) -> None:
         """Executables now run over a device mesh: the token is replicated over it."""
@@ -141,18 +149,28 @@ class Stream:
             return out, out
         out = exe(self._healthy_token(), *args)
         self.token = out[0]
+        self._inflight.append(out[0])
         return out[0], out[1:]
+
+    def crowded(self) -> bool:
+        """Whether `CROWDED` calls may still be in flight (their tokens not ready; checked only past that many)."""
+        inflight = self._inflight
+        if len(inflight) < CROWDED:
+            return False
+        while inflight and inflight[0].is_ready():
+            inflight.popleft()
+        return len(inflight) >= CROWDED
 
     def must_await(self, off: bool) -> bool:
         """Whether a call of an executable goes through `call_awaited` rather than `call`: the thread of a call off
-        the loop holds the token, or this call goes off the loop (`off`: `off_loop` of its executable; one test per Run on the hot
-        path)."""
-        return self.busy is not None or (self.offloads and off)
+        the loop holds the token, or this call goes off the loop (`off`: `off_loop` of its executable; or too many
+        calls are in flight: `crowded`). One test per Run on the hot path."""
+        return self.busy is not None or (self.offloads and (off or self.crowded()))
 
     async def call_awaited(self, exe: Any, args: Sequence[Any], off: bool) -> tuple[Any, Sequence[Any]]:
         """`call` once no call off the loop holds the token; one that goes off the loop (see `must_await`) from a
         thread of its own."""
-        if self.offloads and off:
+        if self.offloads and (off or self.crowded()):
             return await self.call_off_loop(exe, args)
         await self.idle()
         return self.call(exe, args)

@@ -977,3 +977,26 @@ def test_the_executables_dispatched_off_the_loop_are_those_xla_runs_inline_with_
     assert compiled(_spin, x, n).cost_analysis()["flops"] < CHEAP_FLOPS <= big.cost_analysis()["flops"]
     assert off_loop(compiled(_spin, x, n)) and off_loop(scan)
     assert not off_loop(big) and not off_loop(compiled(lambda v: jnp.sin(v) * 2, x))
+
+
+def _two_segments(params, mb):
+    x = jnp.tanh(mb["x"] @ params[0])
+    x = mpmd.pipeline_yield(x)
+    return jnp.mean((jnp.tanh(x @ params[1]) - mb["y"]) ** 2)
+
+
+def test_an_actor_with_more_runs_in_flight_than_xla_admits_still_answers_heartbeats():
+    """XLA's CPU client admits 32 computations in flight per device; dispatching one more waits in the caller until
+    one ends. An actor's Runs dispatched back to back from the event loop (one actor, 64 microbatches, `fuse=False`)
+    held it one Run's time per Run past the 32nd: no heartbeat for seconds, and the live actor was declared dead.
+    Past `actors.stream.CROWDED` in flight, Runs are dispatched from a thread; the step equals `jax.jit`."""
+    rng = np.random.default_rng(0)
+    params = [rng.standard_normal((1024, 1024)).astype(np.float32) * 0.03 for _ in range(2)]
+    batch = {"x": rng.standard_normal((64, 256, 1024)).astype(np.float32), "y": np.zeros((64, 256, 1024), np.float32)}
+    opt = optax.sgd(0.01)
+    step = make_train_step(_two_segments, opt, mpmd.GPipe(num_stages=1, balance="auto", fuse=False))
+    with mpmd.RemoteMesh.local(num_actors=1, heartbeat_interval=0.25, heartbeat_timeout=1.0) as mesh:
+        got = mpmd.fetch(mpmd.distributed(step, mesh=mesh)(params, opt.init(params), batch))
+    want = jax.jit(make_train_step(_two_segments, opt, None))(params, opt.init(params), batch)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6)
