@@ -60,7 +60,9 @@ CHEAP_FLOPS = 1000
 # from the loop, 64 Runs of one actor's stage dispatched back to back (`fuse=False`) held it one Run's time per Run
 # past the 32nd, and the live actor was declared dead.
 CROWDED = 24
-_WHILE = re.compile(r"\swhile\(")  # an HLO while instruction ("%w = (s32[], f32[4]) while(%t), condition=...")
+
+# An HLO while loop ("%w = (s32[], f32[4]) while(%t), condition=...") or custom call ("custom-call(%a), ...").
+_LONG = re.compile(r"\s(?:while|custom-call)\(")
 
 
 def output_bytes(exe: Any) -> int:
@@ -75,21 +77,22 @@ def output_bytes(exe: Any) -> int:
 def runs_inline_for_long(exe: Any) -> bool:
     """Whether XLA's CPU client runs a compiled executable inline in the calling thread (it counts fewer than
     `CHEAP_FLOPS`) although it may compute for long: it has a while loop, whose body XLA's count takes once
-    whatever the trip count. Dispatched from the event loop, such a Run held the loop for as long as it ran: a
+    whatever the trip count, or a custom call, whose work it does not count (LAPACK's: an SVD of a 300 x 4000
+    matrix counted 300 flops and ran 3.8 s inline). Dispatched from the event loop, such a Run held the loop for as long as it ran: a
     stage with a 12 s element-wise `lax.while_loop` answered no heartbeat, the controller declared the live actor
     dead, and a Run that never returns made the daemon deaf to its --request-timeout and to SIGTERM (a probe).
     A computation XLA runs on its own threads returns at once, loop or not. Where jax cannot say (an executable
-    without a cost analysis), a while loop alone decides."""
+    without a cost analysis), its loops and custom calls alone decide."""
     try:
         cost = exe.cost_analysis()
         if isinstance(cost, (list, tuple)):  # (older jax: one dict per module)
             cost = cost[0] if cost else {}
         if float(cost.get("flops", 0.0)) >= CHEAP_FLOPS:
             return False
-    except Exception:  # noqa: BLE001 - no cost analysis: judged by its loops alone
+    except Exception:  # noqa: BLE001 - no cost analysis: judged by its loops and custom calls alone
         pass
     try:
-        return bool(_WHILE.search(exe.as_text()))
+        return bool(_LONG.search(exe.as_text()))
     except Exception:  # noqa: BLE001 - no text either: dispatched as any other
         return False
 
