@@ -100,7 +100,8 @@ class ExecutableCache:
             self._busy += 1
         try:
             exp = export.deserialize(bytearray(blob))
-            return build_executable(exp, donate, in_layouts, out_layouts, mesh, self._device, self._ordered)
+            compiled = build_executable(exp, donate, in_layouts, out_layouts, mesh, self._device, self._ordered)
+            return compiled, off_loop(compiled)  # (judged here, not on the loop: a big module's cost analysis takes ~30 ms)
         finally:
             with self._busy_lock:
                 self._busy -= 1
@@ -172,14 +173,15 @@ class ExecutableCache:
                 self.check_seconds += result.seconds
             loop = asyncio.get_running_loop()
             try:  # (after a compile in the child: a load from the compilation cache)
-                compiled = await asyncio.wait_for(loop.run_in_executor(self._threads, self._compile, data, tuple(donate), in_layouts,
-                                                                       out_layouts, mesh), self.compile_timeout)
+                compiled, off = await asyncio.wait_for(loop.run_in_executor(self._threads, self._compile, data, tuple(donate), in_layouts,
+                                                                            out_layouts, mesh), self.compile_timeout)
             except TimeoutError:
                 self._remember_timeout(key)
                 log.warning("executable %s did not compile within %g s; its compile thread is left running", key, self.compile_timeout)
                 raise BlobRefused(f"the executable did not compile within {self.compile_timeout:g} s (mpmd-actor "
                                   "--compile-timeout); XLA is still working on it in the background") from None
             self._compiled[key] = compiled
+            self._off_loop[key] = off
             self.compiles += 1
             fut.set_result(compiled)
             log.debug("compiled executable %s", key)
@@ -247,7 +249,7 @@ class ExecutableCache:
 
     def off_loop(self, key: str) -> bool:
         """Whether an executable is dispatched off the event loop on CPU (`actors.stream.off_loop`; judged once per
-        executable)."""
+        executable, when it compiles)."""
         got = self._off_loop.get(key)
         if got is None:
             got = self._off_loop[key] = off_loop(self.get(key))
