@@ -35,7 +35,7 @@ from jax import export
 
 from actors import spmd
 from actors.sandbox import BlobChecker, BlobRefused, CheckerPool, build_executable
-from actors.stream import off_loop, output_bytes
+from actors.stream import goes_off_loop, output_bytes
 
 log = logging.getLogger(__name__)
 RETRY_AFTER = 30.0  # seconds a blob whose compile timed out is refused without compiling it again
@@ -101,7 +101,7 @@ class ExecutableCache:
         try:
             exp = export.deserialize(bytearray(blob))
             compiled = build_executable(exp, donate, in_layouts, out_layouts, mesh, self._device, self._ordered)
-            return compiled, off_loop(compiled)  # (judged here, not on the loop: a big module's cost analysis takes ~30 ms)
+            return compiled, goes_off_loop(compiled)  # (judged here, not on the loop: a big module's cost analysis takes ~30 ms)
         finally:
             with self._busy_lock:
                 self._busy -= 1
@@ -247,13 +247,20 @@ class ExecutableCache:
             got = self._out_bytes[key] = output_bytes(self.get(key))
         return got
 
-    def off_loop(self, key: str) -> bool:
-        """Whether an executable is dispatched off the event loop on CPU (`actors.stream.off_loop`; judged once per
-        executable, when it compiles)."""
+    def goes_off_loop(self, key: str) -> bool:
+        """Whether an executable is dispatched off the event loop on CPU (`actors.stream.goes_off_loop`; judged once
+        per executable, when it compiles, or `send_off_loop` after a slow dispatch)."""
         got = self._off_loop.get(key)
         if got is None:
-            got = self._off_loop[key] = off_loop(self.get(key))
+            got = self._off_loop[key] = goes_off_loop(self.get(key))
         return got
+
+    def send_off_loop(self, key: str, seconds: float) -> None:
+        """A dispatch of `key` from the event loop took `seconds` (XLA ran it inline, unforeseen): its later calls go
+        off the loop."""
+        if not self._off_loop.get(key) and key in self._compiled:
+            self._off_loop[key] = True
+            log.info("executable %s held the event loop %.0f ms in its dispatch; its calls go through a thread from now on", key, seconds * 1e3)
 
     def get(self, key: str) -> Any:
         try:

@@ -706,13 +706,28 @@ class Abandoned:
 
     def __init__(self, actor_id: int) -> None:
         self.actor_id = actor_id
-        self.token: object | None = None  # the order token of the last call dispatched when it was cut off (or the future of a call off the loop)
+        self.token: object | None = None  # the order token of the last call dispatched when it was cut off (or the
+        # future of a call off the loop still being dispatched: its token once it is)
         self.what = ""
+
+    @staticmethod
+    def _token_of(token: object | None) -> object | None:
+        """The order token to follow: a call off the loop (its thread's future) once dispatched has its call's token
+        (the future's result also holds the call's outputs, not to be kept alive here), else `token` itself."""
+        if not isinstance(token, asyncio.Future) or not token.done():
+            return token
+        if token.cancelled() or token.exception() is not None:
+            return None
+        return token.result()[0]
+
+    def _dispatched(self, fut: asyncio.Future) -> None:
+        if self.token is fut:
+            self.token = self._token_of(fut)
 
     @staticmethod
     def _computing(token: object | None) -> bool:
         """Whether the call whose order token this is still computes (None: calls not ordered on a token)."""
-        if isinstance(token, asyncio.Future):  # (a call off the loop: its thread's future)
+        if isinstance(token, asyncio.Future):  # (a call off the loop still being dispatched from its thread)
             return not token.done()
         try:
             return token is not None and not token.is_ready()
@@ -721,9 +736,12 @@ class Abandoned:
 
     def cut_off(self, msg, token: object | None) -> None:
         """`msg`'s request ran out while `token` (the last call dispatched) marks what still computes."""
+        token = self._token_of(token)
         if not self._computing(token):  # (nothing computing: nothing to follow)
             return
         self.token = token
+        if isinstance(token, asyncio.Future):
+            token.add_done_callback(self._dispatched)
         what = f"program {msg.header.get('program')} step {msg.header.get('step')}" if msg.op == "run_program" else f"'{msg.op}'"
         self.what = (f"what was dispatched to it before {time.strftime('%H:%M:%S')}, when a request on it ran out ({what}, "
                      f"session {msg.header.get('session')!s:.20})")

@@ -51,15 +51,24 @@ TOKEN_AVAL = jax.ShapeDtypeStruct((), np.int32)
 # beside such outputs.
 BIG_OUTPUT_BYTES = 64 << 20
 
-# XLA's CPU client runs a computation whose cost analysis counts fewer flops than this inline in the calling thread
-# (`cheap_computation_` in xla/pjrt/cpu/cpu_client.cc: "less than the thread context switch time").
+# XLA's CPU client runs a computation whose cost analysis counts fewer flops than this inline in the calling thread,
+# when it runs on one device and its inputs are ready (`cheap_computation_` in xla/pjrt/cpu/cpu_client.cc: "less than
+# the thread context switch time"; 996 counted flops blocked the caller, 1000 did not).
 CHEAP_FLOPS = 1000
+# ... though a cheap-counted one may still take long without a loop: XLA counts sin, exp, erf as transcendentals,
+# not flops (20 sines over 4M floats: 0 flops, 123 ms inline), and data movement as bytes.
+MANY_TRANSCENDENTALS = 10_000_000
 
 # XLA's CPU client lets 32 computations per device be in flight; the call that would make one more waits, in the
-# calling thread, until one ends. With this many of the actor's Runs in flight the next is dispatched off the loop:
+# calling thread, until one ends. With this many of the actor's Runs in flight the next is dispatched off the loop
+# (the rest of the 32 left to the actor's other computations: transfers' copies, the checks of a step's inputs):
 # from the loop, 64 Runs of one actor's stage dispatched back to back (`fuse=False`) held it one Run's time per Run
 # past the 32nd, and the live actor was declared dead.
 CROWDED = 24
+
+# A dispatch from the event loop that took this much of the loop's CPU (seconds) sends that executable's later calls
+# off the loop: a safety net for what XLA runs inline that `goes_off_loop` did not foresee.
+SLOW_DISPATCH = 0.02
 
 # An HLO while loop ("%w = (s32[], f32[4]) while(%t), condition=...") or custom call ("custom-call(%a), ...").
 _LONG = re.compile(r"\s(?:while|custom-call)\(")
@@ -75,20 +84,25 @@ def output_bytes(exe: Any) -> int:
 
 
 def runs_inline_for_long(exe: Any) -> bool:
-    """Whether XLA's CPU client runs a compiled executable inline in the calling thread (it counts fewer than
+    """Whether XLA's CPU client may run a compiled executable inline in the calling thread (it counts fewer than
     `CHEAP_FLOPS`) although it may compute for long: it has a while loop, whose body XLA's count takes once
-    whatever the trip count, or a custom call, whose work it does not count (LAPACK's: an SVD of a 300 x 4000
-    matrix counted 300 flops and ran 3.8 s inline). Dispatched from the event loop, such a Run held the loop for as long as it ran: a
+    whatever the trip count, or a custom call, whose work it does not count (LAPACK's: an SVD of a 900 x 40000
+    matrix counted 900 flops and ran 3.7 s inline), or many transcendentals, or it reads or writes
+    `BIG_OUTPUT_BYTES` or more. Dispatched from the event loop, such a Run held the loop for as long as it ran: a
     stage with a 12 s element-wise `lax.while_loop` answered no heartbeat, the controller declared the live actor
     dead, and a Run that never returns made the daemon deaf to its --request-timeout and to SIGTERM (a probe).
-    A computation XLA runs on its own threads returns at once, loop or not. Where jax cannot say (an executable
-    without a cost analysis), its loops and custom calls alone decide."""
+    A computation XLA runs on its own threads returns at once, loop or not (one over several devices always does,
+    as does one whose inputs are not computed yet: those go through the thread for nothing, which costs ~0.1 ms).
+    Where jax cannot say (an executable without a cost analysis), its loops and custom calls alone decide."""
     try:
         cost = exe.cost_analysis()
         if isinstance(cost, (list, tuple)):  # (older jax: one dict per module)
             cost = cost[0] if cost else {}
         if float(cost.get("flops", 0.0)) >= CHEAP_FLOPS:
             return False
+        if (float(cost.get("transcendentals", 0.0)) >= MANY_TRANSCENDENTALS
+                or float(cost.get("bytes accessed", 0.0)) >= BIG_OUTPUT_BYTES):
+            return True
     except Exception:  # noqa: BLE001 - no cost analysis: judged by its loops and custom calls alone
         pass
     try:
@@ -97,9 +111,9 @@ def runs_inline_for_long(exe: Any) -> bool:
         return False
 
 
-def off_loop(exe: Any) -> bool:
+def goes_off_loop(exe: Any) -> bool:
     """Whether an executable is dispatched from a thread of its own on CPU (`Stream.call_off_loop`): its outputs
-    are big (`BIG_OUTPUT_BYTES`) or it runs inline for long (`runs_inline_for_long`). Computed once per executable."""
+    are big (`BIG_OUTPUT_BYTES`) or it runs inline for long (`runs_inline_for_long`). Judged once per executable."""
     return output_bytes(exe) >= BIG_OUTPUT_BYTES or runs_inline_for_long(exe)
 
 
@@ -117,19 +131,22 @@ class Stream:
         # other call waits for it (`busy`, then `idle()`): the thread's token must stay the one the next call reads.
         self.offloads = getattr(device, "platform", "cpu") == "cpu"
         self.busy: asyncio.Future[Any] | None = None
-        self._inflight: collections.deque[Any] = collections.deque()  # the tokens of calls maybe still computing
+        # The tokens of the last CROWDED calls: they end in the order they were dispatched (each reads the one before).
+        self._inflight: collections.deque[Any] = collections.deque(maxlen=CROWDED)
 
     def on_mesh(self, mesh: Any) -> None:
         """Executables now run over a device mesh: the token is replicated over it."""
         if self.ordered:
             self._where = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
             self.token = jax.device_put(np.int32(0), self._where)
+            self._inflight.clear()
 
     def off_mesh(self) -> None:
         """Executables run on the one device again (the mesh went with the last session)."""
         if self.ordered:
             self._where = self._device
             self.token = jax.device_put(np.int32(0), self._device)
+            self._inflight.clear()
 
     def _healthy_token(self) -> Any:
         """The token to order the next call after, replaced by a fresh one when the call that made it failed:
@@ -150,24 +167,22 @@ class Stream:
         if not self.ordered:
             out = exe(*args)
             return out, out
-        out = exe(self._healthy_token(), *args)
-        self.token = out[0]
+        token = self._healthy_token()
+        out = exe(token, *args)
+        if self.token is token:  # (not if a session replaced it meanwhile, `on_mesh`/`off_mesh`, this call off the loop:
+            self.token = out[0]  # the token of the old placement would fail every later call)
         self._inflight.append(out[0])
         return out[0], out[1:]
 
     def crowded(self) -> bool:
-        """Whether `CROWDED` calls may still be in flight (their tokens not ready; checked only past that many)."""
+        """Whether `CROWDED` calls are still in flight: the oldest of the last CROWDED is not done."""
         inflight = self._inflight
-        if len(inflight) < CROWDED:
-            return False
-        while inflight and inflight[0].is_ready():
-            inflight.popleft()
-        return len(inflight) >= CROWDED
+        return len(inflight) == CROWDED and not inflight[0].is_ready()
 
     def must_await(self, off: bool) -> bool:
         """Whether a call of an executable goes through `call_awaited` rather than `call`: the thread of a call off
-        the loop holds the token, or this call goes off the loop (`off`: `off_loop` of its executable; or too many
-        calls are in flight: `crowded`). One test per Run on the hot path."""
+        the loop holds the token, or this call goes off the loop (`off`: `goes_off_loop` of its executable; or too
+        many calls are in flight: `crowded`)."""
         return self.busy is not None or (self.offloads and (off or self.crowded()))
 
     async def call_awaited(self, exe: Any, args: Sequence[Any], off: bool) -> tuple[Any, Sequence[Any]]:
@@ -179,7 +194,7 @@ class Stream:
         return self.call(exe, args)
 
     async def call_off_loop(self, exe: Any, args: Sequence[Any]) -> tuple[Any, Sequence[Any]]:
-        """`call` from a thread of its own (one for the actor's calls off the loop: `off_loop`), the event loop serving meanwhile (its
+        """`call` from a thread of its own (one for the actor's calls off the loop: `goes_off_loop`), the event loop serving meanwhile (its
         heartbeats too). Calls dispatched meanwhile wait (`idle`) until the thread is done with the token, also when
         the caller of this one is cancelled."""
         await self.idle()
