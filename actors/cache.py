@@ -101,7 +101,8 @@ class ExecutableCache:
         try:
             exp = export.deserialize(bytearray(blob))
             compiled = build_executable(exp, donate, in_layouts, out_layouts, mesh, self._device, self._ordered)
-            return compiled, goes_off_loop(compiled)  # (judged here, not on the loop: a big module's cost analysis takes ~30 ms)
+            out = output_bytes(compiled)  # (read here, not on the loop: a big module's cost analysis takes ~30 ms)
+            return compiled, out, goes_off_loop(compiled, out)
         finally:
             with self._busy_lock:
                 self._busy -= 1
@@ -173,15 +174,15 @@ class ExecutableCache:
                 self.check_seconds += result.seconds
             loop = asyncio.get_running_loop()
             try:  # (after a compile in the child: a load from the compilation cache)
-                compiled, off = await asyncio.wait_for(loop.run_in_executor(self._threads, self._compile, data, tuple(donate), in_layouts,
-                                                                            out_layouts, mesh), self.compile_timeout)
+                compiled, out, off = await asyncio.wait_for(loop.run_in_executor(
+                    self._threads, self._compile, data, tuple(donate), in_layouts, out_layouts, mesh), self.compile_timeout)
             except TimeoutError:
                 self._remember_timeout(key)
                 log.warning("executable %s did not compile within %g s; its compile thread is left running", key, self.compile_timeout)
                 raise BlobRefused(f"the executable did not compile within {self.compile_timeout:g} s (mpmd-actor "
                                   "--compile-timeout); XLA is still working on it in the background") from None
             self._compiled[key] = compiled
-            self._off_loop[key] = off
+            self._out_bytes[key], self._off_loop[key] = out, off
             self.compiles += 1
             fut.set_result(compiled)
             log.debug("compiled executable %s", key)

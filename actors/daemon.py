@@ -510,7 +510,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
                 loading = getattr(e, "loading", None) if msg.op == "run_program" else None
                 still = abandoned.still_computing()
                 if not loading and not still and msg.op in ("run_program", "run", "get", "wait"):  # (what waits for computation)
-                    abandoned.cut_off(msg, actor.stream.busy or actor.stream.token)
+                    abandoned.cut_off(msg, actor.stream.marker())
                 raise (HeldByLoader if loading else WaitedInVain)(
                     f"'{msg.op}' did not finish within {bound:g} s (mpmd-actor {flag}), so it was cancelled; "
                     f"{_waiting_on(msg, loading)}{still}") from None

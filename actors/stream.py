@@ -111,10 +111,11 @@ def runs_inline_for_long(exe: Any) -> bool:
         return False
 
 
-def goes_off_loop(exe: Any) -> bool:
+def goes_off_loop(exe: Any, out_bytes: int | None = None) -> bool:
     """Whether an executable is dispatched from a thread of its own on CPU (`Stream.call_off_loop`): its outputs
-    are big (`BIG_OUTPUT_BYTES`) or it runs inline for long (`runs_inline_for_long`). Judged once per executable."""
-    return output_bytes(exe) >= BIG_OUTPUT_BYTES or runs_inline_for_long(exe)
+    (`out_bytes`, when already known) are big (`BIG_OUTPUT_BYTES`) or it runs inline for long
+    (`runs_inline_for_long`). Judged once per executable."""
+    return (output_bytes(exe) if out_bytes is None else out_bytes) >= BIG_OUTPUT_BYTES or runs_inline_for_long(exe)
 
 
 class Stream:
@@ -173,6 +174,11 @@ class Stream:
             self.token = out[0]  # the token of the old placement would fail every later call)
         self._inflight.append(out[0])
         return out[0], out[1:]
+
+    def marker(self) -> Any:
+        """What marks the last call dispatched done: its order token, or, while a call off the loop is still being
+        dispatched, its thread's future (whose result's first item is that call's token; see `call`)."""
+        return self.busy or self.token
 
     def crowded(self) -> bool:
         """Whether `CROWDED` calls are still in flight: the oldest of the last CROWDED is not done."""
