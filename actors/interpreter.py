@@ -145,7 +145,6 @@ class Interpreter:
                         args = await watch.inputs(env, ins.inputs)
                     try:
                         if trace:
-                            await self.stream.idle()
                             results = await trace.run(self.stream, self.cache.get(ins.exe), args, str(ins.label), t0, now(),
                                                     trace.arrived(ins.inputs))
                         elif self.stream.must_await(off := self.cache.goes_off_loop(ins.exe)):

@@ -261,13 +261,18 @@ class StepTrace:
         if StepTrace._executor is None:
             StepTrace._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpmd-traced-run")
 
-        def timed() -> tuple[int, int, Sequence[Any]]:
+        def timed() -> tuple[Any, Sequence[Any], int, int]:
             t0 = now()
             done, outs = stream.call(exe, args)
             jax.block_until_ready(done)
-            return t0, now(), outs
+            return done, outs, t0, now()
 
-        t0, t1, outs = await asyncio.get_running_loop().run_in_executor(StepTrace._executor, timed)
+        # The tracing thread holds the token while it runs, as a call off the loop does (`Stream.call_off_loop`):
+        # a call dispatched meanwhile (an `actor.run`, say) waits for it instead of reading the token before it.
+        await stream.idle()
+        running = stream.busy = asyncio.wrap_future(StepTrace._executor.submit(timed))
+        running.add_done_callback(lambda _: setattr(stream, "busy", None) if stream.busy is running else None)
+        _, outs, t0, t1 = await asyncio.shield(running)
         self.events.append(["run", label, waited_from, ready, t0, t1])
         self.run_arrivals.append(arrived)
         return outs

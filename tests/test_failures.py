@@ -1089,3 +1089,32 @@ def test_xla_runs_a_computation_counted_under_1000_flops_inline_and_a_costlier_o
     out = costly(jnp.ones((16, 16)), x, n)
     assert not out[0].is_ready()  # (dispatched: still computing)
     jax.block_until_ready(out)
+
+
+def test_a_traced_run_holds_the_token_so_a_call_dispatched_meanwhile_follows_it():
+    """A traced step's Run executes on the tracing thread, which reads the order token and writes the next; it did
+    not mark the stream busy (a review), so a call dispatched from the loop meanwhile (an `actor.run` request while a
+    traced step computes) read the token before the traced Run's and the two were not ordered (the token chain
+    forked: both wrote 1). Now the traced Run holds the token as a call off the loop does: the call waits, reads the
+    traced Run's token, and what marks the last call (`marker`) is the thread's future, whose result starts with it."""
+    from actors.stream import StepTrace, Stream, now
+
+    stream = Stream(jax.devices("cpu")[0], ordered_calls=True)
+    slow = jax.jit(lambda tok, v: (tok + 1, jnp.tanh(v @ v)))
+    step = jax.jit(lambda tok, v: (tok + 1, v * 2))
+    big, x = jnp.ones((1200, 1200)), jnp.ones(4)
+    jax.block_until_ready((slow(stream.token, big), step(stream.token, x)))  # (compiled before the race)
+
+    async def main():
+        trace = StepTrace()
+        traced = asyncio.ensure_future(trace.run(stream, slow, [big], "F0", now(), now()))
+        await asyncio.sleep(0)  # (the traced Run is on its thread now)
+        assert stream.busy is not None and stream.marker() is stream.busy
+        assert stream.must_await(False)  # (a call from the loop goes through `call_awaited`, which waits)
+        _, (y,) = await stream.call_awaited(step, [x], False)
+        await traced
+        return y
+
+    y = asyncio.run(main())
+    assert int(stream.token) == 2 and float(y[0]) == 2.0  # ordered one after the other: the chain did not fork
+    assert stream.busy is None
