@@ -23,12 +23,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from typing import Any
 
 from actors.buffers import BufferTable, nbytes
 from actors.cache import ExecutableCache
-from actors.stream import SLOW_DISPATCH, StepTrace, Stream, now
+from actors.stream import StepTrace, Stream, now
 from actors.transfers import StepKey, Transfers
 from transport.program import Instruction, Program, Recv, Run, Send
 
@@ -148,12 +147,10 @@ class Interpreter:
                             results = await trace.run(self.stream, self.cache.get(ins.exe), args, str(ins.label), t0, now(),
                                                     trace.arrived(ins.inputs))
                         elif self.stream.must_await(off := self.cache.goes_off_loop(ins.exe)):
-                            last, results = await self.stream.call_awaited(self.cache.get(ins.exe), args, off)
+                            last, results = await self.stream.call_awaited(self.cache.get(ins.exe), args, off,
+                                                                           self.cache.slow_dispatch(ins.exe))
                         else:
-                            cpu = time.thread_time()  # (CPU, not wall time: a loop preempted on a shared core is not slow)
-                            last, results = self.stream.call(self.cache.get(ins.exe), args)
-                            if (cpu := time.thread_time() - cpu) > SLOW_DISPATCH:  # (XLA ran it inline: next time, a thread)
-                                self.cache.send_off_loop(ins.exe, cpu)
+                            last, results = self.stream.call_watched(self.cache.get(ins.exe), args, self.cache.slow_dispatch(ins.exe))
                     except Exception as e:
                         _mark_task(e, str(ins.label))
                         raise

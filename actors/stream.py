@@ -175,6 +175,16 @@ class Stream:
         self._inflight.append(out[0])
         return out[0], out[1:]
 
+    def call_watched(self, exe: Any, args: Sequence[Any], slow: Callable[[float], None]) -> tuple[Any, Sequence[Any]]:
+        """`call` from the event loop, timing the dispatch's CPU: past `SLOW_DISPATCH` (XLA ran it inline, unforeseen by
+        `goes_off_loop`) `slow(seconds)` is told, to send the executable's later calls off the loop (CPU, not wall
+        time: a loop preempted on a shared core is not slow)."""
+        cpu = time.thread_time()
+        out = self.call(exe, args)
+        if (cpu := time.thread_time() - cpu) > SLOW_DISPATCH:
+            slow(cpu)
+        return out
+
     def marker(self) -> Any:
         """What marks the last call dispatched done: its order token, or, while a call off the loop is still being
         dispatched, its thread's future (whose result's first item is that call's token; see `call`)."""
@@ -191,13 +201,14 @@ class Stream:
         many calls are in flight: `crowded`)."""
         return self.busy is not None or (self.offloads and (off or self.crowded()))
 
-    async def call_awaited(self, exe: Any, args: Sequence[Any], off: bool) -> tuple[Any, Sequence[Any]]:
+    async def call_awaited(self, exe: Any, args: Sequence[Any], off: bool,
+                           slow: Callable[[float], None] | None = None) -> tuple[Any, Sequence[Any]]:
         """`call` once no call off the loop holds the token; one that goes off the loop (see `must_await`) from a
-        thread of its own."""
+        thread of its own; one on the loop watched as `call_watched` does when `slow` is given."""
         if self.offloads and (off or self.crowded()):
             return await self.call_off_loop(exe, args)
         await self.idle()
-        return self.call(exe, args)
+        return self.call_watched(exe, args, slow) if slow is not None else self.call(exe, args)
 
     async def call_off_loop(self, exe: Any, args: Sequence[Any]) -> tuple[Any, Sequence[Any]]:
         """`call` from a thread of its own (one for the actor's calls off the loop: `goes_off_loop`), the event loop serving meanwhile (its

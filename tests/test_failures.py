@@ -1118,3 +1118,30 @@ def test_a_traced_run_holds_the_token_so_a_call_dispatched_meanwhile_follows_it(
     y = asyncio.run(main())
     assert int(stream.token) == 2 and float(y[0]) == 2.0  # ordered one after the other: the chain did not fork
     assert stream.busy is None
+
+
+def test_a_dispatch_that_held_the_loop_is_told_on_the_path_actor_run_takes_too():
+    """The safety net for what XLA runs inline unforeseen (a dispatch that took `SLOW_DISPATCH` of the loop's CPU sends
+    the executable's later calls off the loop) timed a step's Runs only: `actor.run`, which goes through
+    `Stream.call_awaited`, had none (a blind spot written down in the last session's note). Both paths now time
+    the dispatch (`call_watched`); a cheap dispatch is not reported. The executable here is a Python callable that
+    computes for ~3x the bound in the calling thread before calling a jitted function (what an inline XLA run does
+    to the loop); the daemon's wiring of it to its executable cache is `ExecutableCache.slow_dispatch`."""
+    from actors.stream import SLOW_DISPATCH, Stream
+
+    stream = Stream(jax.devices("cpu")[0], ordered_calls=True)
+    step = jax.jit(lambda tok, v: (tok + 1, v * 2))
+    x = jnp.ones(4)
+    jax.block_until_ready(step(stream.token, x))
+
+    def inline(tok, v):
+        end = time.thread_time() + 3 * SLOW_DISPATCH
+        while time.thread_time() < end:
+            pass
+        return step(tok, v)
+
+    told: list[float] = []
+    _, (y,) = asyncio.run(stream.call_awaited(inline, [x], False, told.append))
+    assert len(told) == 1 and told[0] >= 3 * SLOW_DISPATCH and float(y[0]) == 2.0
+    asyncio.run(stream.call_awaited(step, [y], False, told.append))
+    assert len(told) == 1  # (a cheap dispatch is not)
