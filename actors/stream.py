@@ -83,6 +83,14 @@ def output_bytes(exe: Any) -> int:
         return 0
 
 
+def _devices(exe: Any) -> int:
+    """How many devices a compiled executable runs over (1 where jax does not say)."""
+    try:
+        return max((len(s.device_set) for s in jax.tree.leaves(exe.output_shardings)), default=1)
+    except Exception:  # noqa: BLE001 - (not a jax Compiled: judged as one device)
+        return 1
+
+
 def runs_inline_for_long(exe: Any) -> bool:
     """Whether XLA's CPU client may run a compiled executable inline in the calling thread (it counts fewer than
     `CHEAP_FLOPS`) although it may compute for long: it has a while loop, whose body XLA's count takes once
@@ -91,9 +99,13 @@ def runs_inline_for_long(exe: Any) -> bool:
     `BIG_OUTPUT_BYTES` or more. Dispatched from the event loop, such a Run held the loop for as long as it ran: a
     stage with a 12 s element-wise `lax.while_loop` answered no heartbeat, the controller declared the live actor
     dead, and a Run that never returns made the daemon deaf to its --request-timeout and to SIGTERM (a probe).
-    A computation XLA runs on its own threads returns at once, loop or not (one over several devices always does,
-    as does one whose inputs are not computed yet: those go through the thread for nothing, which costs ~0.1 ms).
+    A computation XLA runs on its own threads returns at once, loop or not: one over several devices always does
+    (not judged long here; its big outputs still count, `goes_off_loop`: XLA allocates them in the dispatch, 152 ms
+    for 2 GiB over 2 devices), as does one whose inputs are not computed yet (those go through the thread for
+    nothing, which costs ~0.1 ms).
     Where jax cannot say (an executable without a cost analysis), its loops and custom calls alone decide."""
+    if _devices(exe) > 1:  # (XLA's threads run it: a 3 M-step loop over 2 devices returned in 0.3 ms, ran 10 ms)
+        return False
     try:
         cost = exe.cost_analysis()
         if isinstance(cost, (list, tuple)):  # (older jax: one dict per module)

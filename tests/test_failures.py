@@ -1145,3 +1145,25 @@ def test_a_dispatch_that_held_the_loop_is_told_on_the_path_actor_run_takes_too()
     assert len(told) == 1 and told[0] >= 3 * SLOW_DISPATCH and float(y[0]) == 2.0
     asyncio.run(stream.call_awaited(step, [y], False, told.append))
     assert len(told) == 1  # (a cheap dispatch is not)
+
+
+def test_a_loop_over_several_devices_stays_on_the_loop_and_xla_returns_from_its_dispatch_at_once():
+    """XLA runs a computation over several devices on its own threads whatever it counts: the element-wise loop that
+    goes off the loop on one device (`goes_off_loop`) returns from its dispatch before it is done over two, so it
+    needs no thread hop (each cost ~0.1 ms for nothing: the last note's blind spot). Its big outputs still count."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from actors.stream import BIG_OUTPUT_BYTES, goes_off_loop
+
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices("cpu")[:2])
+    x = jax.device_put(np.ones(8, np.float32), NamedSharding(mesh, PartitionSpec("x")))
+    n = np.int32(20_000_000)  # (~70 ms over two devices here: far past the dispatch)
+    one = jax.jit(_spin).lower(np.ones(8, np.float32), n).compile()
+    two = jax.jit(_spin).lower(x, n).compile()
+    assert goes_off_loop(one) and not goes_off_loop(two)
+    jax.block_until_ready(two(x, n))
+    y = two(x, n)
+    assert not y.is_ready()  # (XLA's rule this rests on: over two devices the dispatch does not wait for the loop)
+    y.block_until_ready()
+    fill = jax.jit(lambda v: jnp.zeros(BIG_OUTPUT_BYTES // 4, jnp.float32) + v.sum()).lower(x).compile()
+    assert goes_off_loop(fill)
