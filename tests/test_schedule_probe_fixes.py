@@ -558,3 +558,57 @@ def test_a_step_compiles_and_simulates_on_the_placement_validate_proved_not_on_l
     costs = Costs(F=(1.0, 3.0), routes=(((0, 1), (5.0, math.inf)),))  # (a slow 0 -> 1: which actor holds stage 0 matters)
     got, want = simulate(_SwapsLater(honest=4), 4, costs), simulate(mpmd.OneFOneB(2), 4, costs)
     assert got.transfers == want.transfers and got.step_time == want.step_time
+
+
+def test_a_table_missing_many_tasks_says_how_many_the_first_few_and_which_stages_not_every_one():
+    """A subclass that forgets odd stages' backwards (8 stages x 64 microbatches), and a sparse Custom table validated
+    for 10001 microbatches, listed every missing task on the error's first line: 1,272 and 137,837 characters (a
+    probe). Now: the count, the first 12, and per stage and kind the microbatches whose task is missing."""
+    from dataclasses import dataclass
+
+    from mpmd.schedules import Task
+
+    @dataclass(frozen=True)
+    class Forgetful(mpmd.Schedule):
+        def tasks(self, m):
+            return [[Task(s, "F", i) for i in range(m)] + ([Task(s, "B", i) for i in range(m)] if s % 2 == 0 else [])
+                    for s in range(self.num_stages)]
+
+    with pytest.raises(mpmd.ScheduleError) as e:
+        validate(Forgetful(8), 64)
+    first = str(e.value).splitlines()[0]
+    assert first.startswith("tasks missing from the schedule: 256 tasks, 1B0 1B1 ") and len(first) < 400, first
+    assert all(f"stage {s} B: every microbatch" in first for s in (1, 3, 5, 7)) and "stage 0" not in first
+    sparse = mpmd.Custom(num_stages=1, order=(("0F0", "0B0", "0F10000", "0B10000"),))
+    with pytest.raises(mpmd.ScheduleError) as e:
+        validate(sparse, 10001)
+    assert len(str(e.value)) < 1000 and "19998 tasks" in str(e.value) and "stage 0 F: 9999 of 10001 microbatches" in str(e.value)
+
+
+def test_a_subclass_whose_tasks_refuse_one_microbatch_is_told_to_set_min_microbatches():
+    """The Schedule base class reads `split_backward` from `tasks(min_microbatches)`; a subclass that runs microbatches
+    in pairs (and raises for 1) without setting min_microbatches failed `validate(s, 4)` with its own bare ValueError
+    naming a count the caller never asked for (a probe). Now a ScheduleError naming the property, the count, and
+    what to set; with min_microbatches set it validates."""
+    from dataclasses import dataclass
+
+    from mpmd.schedules import Task
+
+    @dataclass(frozen=True)
+    class Paired(mpmd.Schedule):
+        def tasks(self, m):
+            if m % 2:
+                raise ValueError(f"Paired runs microbatches in pairs; got {m}")
+            return [[Task(s, k, i) for k in ("F", "B") for i in range(m)] for s in range(self.num_stages)]
+
+    with pytest.raises(mpmd.ScheduleError, match=r"Paired\(num_stages=1\)\.split_backward raised ValueError: Paired runs "
+                                                 r"microbatches in pairs; got 1 .*tasks\(1\): set min_microbatches"):
+        validate(Paired(1), 4)
+
+    @dataclass(frozen=True)
+    class PairedTwo(Paired):
+        @property
+        def min_microbatches(self):
+            return 2
+
+    assert len(validate(PairedTwo(1), 4)[0]) == 8

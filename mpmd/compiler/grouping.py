@@ -24,6 +24,7 @@ from mpmd.compiler.lowering import without_callers_mesh
 from mpmd.compiler.stages import StageSplit, is_marker, split_backward
 from mpmd.errors import PipelineError, ScheduleError
 from mpmd.schedules.balance import SegmentCosts, check_stage_count, groups, resolve_grouping
+from mpmd.schedules.validation import declared_split_backward, users_call
 
 __all__ = ["FLOPS_PER_SECOND", "BYTES_PER_SECOND", "group_segments", "merge_segments", "xla_segment_costs"]
 
@@ -100,7 +101,14 @@ def group_segments(split: StageSplit, schedule: Any, body: LoopBody, num_microba
     except ScheduleError as e:
         raise PipelineError(str(e)) from None
     if schedule.balance == "auto":
-        split_bwd = any(t.kind in ("I", "W") for row in schedule.tasks(max(1, schedule.min_microbatches)) for t in row)
+        try:  # (its own answer, else its table's: what a user's schedule raises comes back naming it)
+            split_bwd = declared_split_backward(schedule, type(schedule).__name__)
+            if split_bwd is None:
+                least = max(1, getattr(schedule, "min_microbatches", 1))
+                split_bwd = any(t.kind in ("I", "W") for row in users_call(type(schedule).__name__, f"tasks({least})", schedule.tasks, least)
+                                for t in row)
+        except ScheduleError as e:
+            raise PipelineError(str(e)) from e
         costs = xla_segment_costs(split, body, with_split_backward=split_bwd)
     try:
         grouping = resolve_grouping(schedule, split.num_stages, num_microbatches, costs)

@@ -151,7 +151,7 @@ def _fail(problem: str, table: Table, mark: dict[int, int] | None = None, notes:
 MAX_TABLE_TASKS = 200_000
 
 
-def _users(name: str, call: str, method: Callable[[int], Any], arg: int) -> Any:
+def users_call(name: str, call: str, method: Callable[[int], Any], arg: int) -> Any:
     """A schedule's own method called: what it raises (but a ScheduleError) comes back a ScheduleError naming the
     schedule and the call, the user's exception chained with its traceback (a TypeError in a user's tasks() read
     as a wrong return type and lost its line; a KeyError came out bare; a probe)."""
@@ -161,6 +161,43 @@ def _users(name: str, call: str, method: Callable[[int], Any], arg: int) -> Any:
         raise
     except Exception as e:
         raise _raised(name, call, e) from e
+
+
+def declared_split_backward(schedule: Any, name: str) -> bool | None:
+    """`schedule.split_backward` (None where the schedule has none: its table decides), what it raises a
+    ScheduleError that says so: the Schedule base class reads it from `tasks(min_microbatches)`, and a subclass
+    whose tasks() refuses that count failed with its own bare exception, naming a count the caller never asked for
+    (a probe; `hasattr` would have swallowed an AttributeError and skipped the check)."""
+    if not (hasattr(type(schedule), "split_backward") or "split_backward" in getattr(schedule, "__dict__", {})):
+        return None
+    try:
+        return bool(schedule.split_backward)
+    except ScheduleError:
+        raise
+    except Exception as e:
+        least = getattr(schedule, "min_microbatches", 1)
+        raise ScheduleError(
+            f"{name}.split_backward raised {type(e).__name__}: {e} (the Schedule base class reads it from "
+            f"tasks(min_microbatches) = tasks({least!r}): set min_microbatches to the fewest microbatches tasks() takes, "
+            "or define split_backward; the exception above says where)") from e
+
+
+MISSING_SHOWN = 12  # tasks named in a "tasks missing" error (the rest counted, summarised per stage and kind)
+
+
+def missing_tasks(missing: set[Task], m: int) -> str:
+    """What a "tasks missing" error says: how many, the first `MISSING_SHOWN`, and per stage and kind the
+    microbatches whose task is missing (all of them, or a count): a table missing 20,000 tasks printed them all on
+    one line of 137,837 characters (a probe)."""
+    ordered = sorted(missing)
+    if len(ordered) <= MISSING_SHOWN:
+        return " ".join(map(str, ordered))
+    by: dict[tuple[int, str], int] = {}
+    for t in ordered:
+        by[t.stage, t.kind] = by.get((t.stage, t.kind), 0) + 1
+    groups = [f"stage {s} {k}: {'every microbatch' if c == m else f'{c} of {m} microbatches'}" for (s, k), c in sorted(by.items())]
+    shown = "; ".join(groups[:MISSING_SHOWN]) + (f"; and {len(groups) - MISSING_SHOWN} more stages and kinds" if len(groups) > MISSING_SHOWN else "")
+    return f"{len(ordered)} tasks, {' '.join(map(str, ordered[:MISSING_SHOWN]))} ... ({shown})"
 
 
 def _raised(name: str, call: str, e: Exception) -> ScheduleError:
@@ -218,21 +255,21 @@ def validate_placed(schedule: Schedule, num_microbatches: int, forward_only: boo
                             "microbatches, or pick a schedule that needs fewer")
     placed = []
     for s in range(n):
-        a = _users(name, f"actor_of({s})", schedule.actor_of, s)
+        a = users_call(name, f"actor_of({s})", schedule.actor_of, s)
         if not is_count(a) or not 0 <= a < p:
             raise ScheduleError(f"{name} places stage {s} on actor {a!r}, but its actors are 0..{p - 1}; " + (
                 f"stage_actor[{s}] must name one of the table's {p} rows" if getattr(schedule, "stage_actor", None) else
                 "actor_of(stage) must return an actor below num_actors"))
         placed.append(int(a))  # (a numpy integer taken as an int)
     placement = tuple(placed)
-    again = tuple(_users(name, f"actor_of({s})", schedule.actor_of, s) for s in range(n))
+    again = tuple(users_call(name, f"actor_of({s})", schedule.actor_of, s) for s in range(n))
     if again != placement:
         s = next(s for s in range(n) if again[s] != placement[s])
         raise ScheduleError(f"{name}.actor_of({s}) answered {placement[s]}, then {again[s]!r:.40} when asked again; a stage lives on "
                             "one actor: actor_of must give the same answer at every call (compute it from the schedule's own "
                             "fields, not from a counter, a random draw or state that changes)")
     actor_of = placement.__getitem__
-    rows = _users(name, f"tasks({m})", schedule.tasks, m)
+    rows = users_call(name, f"tasks({m})", schedule.tasks, m)
     try:
         table = [list(row) for row in rows]
     except ScheduleError:
@@ -276,8 +313,9 @@ def validate_placed(schedule: Schedule, num_microbatches: int, forward_only: boo
             raise _fail(f"task {table[a][i]} is on actor {a} but stage {s} belongs to actor {actor_of(s)} "
                         f"(actor_of({s})); move stage {s}'s tasks there or change the placement", table, {a: i})
     split = split_stages(table)
-    if hasattr(schedule, "split_backward") and bool(split) != schedule.split_backward:
-        raise _fail(f"{name}.split_backward is {schedule.split_backward} but its table {'uses' if split else 'has no'} I/W tasks; "
+    declared = declared_split_backward(schedule, name)
+    if declared is not None and bool(split) != declared:
+        raise _fail(f"{name}.split_backward is {declared} but its table {'uses' if split else 'has no'} I/W tasks; "
                     "make split_backward return whether tasks() splits backwards (the Schedule base class reads it from "
                     "tasks(min_microbatches): a table splits backwards for every microbatch count, or for none)", table)
     for t, (a, i) in seen.items():
@@ -297,7 +335,7 @@ def validate_placed(schedule: Schedule, num_microbatches: int, forward_only: boo
     if missing:
         hint = ("; this loop computes no gradients (evaluation): leave its backward tasks out, or give each stage after "
                 "one with backward tasks its backward too" if forward_only and any(t.kind != "F" for t in missing) else "")
-        raise _fail(f"tasks missing from the schedule: {' '.join(map(str, sorted(missing)))}{hint}", table)
+        raise _fail(f"tasks missing from the schedule: {missing_tasks(missing, m)}{hint}", table)
     _prove_table(table, n, actor_of)
     return table, placement
 
