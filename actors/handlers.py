@@ -872,11 +872,10 @@ class Actor:
         """Accept step arguments in shared-memory segments named `prefix` + a number (see actors/inputs.py)."""
         assert ses is not None
         prefix = msg.header.get("prefix")
-        if any(s is not ses and s.inputs.prefix == prefix for s in self.sessions.values()):  # (a session closed for
+        if any(s is not ses and s.inputs.base == prefix for s in self.sessions.values()):  # (a session closed for
             # silence unlinks its prefix's segments: one claiming another's could remove that controller's; a review)
             raise RequestError(f"'input_shm' prefix {prefix!r} is another session's on actor {self.actor_id}")
-        ses.inputs.set_prefix(prefix)
-        return {"prefix": ses.inputs.prefix}, []
+        return {"prefix": ses.inputs.set_prefix(prefix)}, []
 
     async def abort(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         """Cancel the running step (program, step), or every running step of the session when neither is given."""

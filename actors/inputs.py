@@ -4,8 +4,9 @@ A local controller writes each large host argument of a step (>= 64 KiB) into a 
 segment it made for this actor alone (mode 600) and puts only a small notice in the encrypted
 `run_program` request: ``{name, offset, nbytes, dtype, shape}`` (and ``layout`` on a device mesh). The
 segment names all start with a prefix the controller told this actor once, over the authenticated control
-plane (op ``input_shm``); a notice naming anything else is refused, so a request cannot make the actor map
-another controller's (or another user's) memory. The actor maps a segment once (read only), unlinks its
+plane (op ``input_shm``), followed by a random part the actor added and told it back (names in /dev/shm are
+visible to every user: another session naming the same prefix gets another random part); a notice naming anything
+else is refused, so a request cannot make the actor map another controller's (or another user's) memory. The actor maps a segment once (read only), unlinks its
 name right after — nothing is left in /dev/shm if either side dies — checks every notice against the
 segment's bounds and the array's dtype and shape. On CPU the step reads the array where it lies (JAX takes
 aligned host memory without a copy), elsewhere it is copied out first. The controller rewrites a segment
@@ -33,6 +34,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import secrets
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -56,7 +58,8 @@ class InputSegments:
 
     def __init__(self, actor_id: int) -> None:
         self.actor_id = actor_id
-        self.prefix: str | None = None
+        self.base: str | None = None  # the prefix the controller named ('input_shm')
+        self.prefix: str | None = None  # ... and the random part this actor added: what this session's names start with
         self.maps: dict[str, mmap.mmap] = {}
         self.reads = 0  # arguments read from shared memory (reported by `stats` as shm_inputs)
         self.bytes = 0
@@ -66,19 +69,27 @@ class InputSegments:
         self._lock = threading.Lock()  # (get segments are written in worker threads)
         self._closed = False
 
-    def set_prefix(self, prefix: Any) -> None:
-        """Accept segments named `prefix` + a number from now on (once per session; the same prefix again is fine)."""
+    def set_prefix(self, prefix: Any) -> str:
+        """Accept segments named `prefix` + a random part this actor adds + a number from now on (once per session;
+        the same prefix again is fine, and gets a new random part); returns the whole prefix, which the controller
+        names its segments with. The random part binds the names to this session: the controller's own part is
+        visible to every user in /dev/shm, and another key's session that named it (for an actor that controller's
+        prefix was not yet held on) was served that controller's segments — read by this daemon, which can open
+        what that key's user cannot, and unlinked under it (a probe). Only this session's controller hears its
+        whole prefix, over the encrypted control plane."""
         if not isinstance(prefix, str) or not _PREFIX.match(prefix):
             raise RequestError(f"'input_shm' field 'prefix' must look like '/mpmd-in-<hex>-<hex>-<actor>-', got {prefix!r}")
-        if self.prefix is not None and prefix != self.prefix:
-            raise RequestError(f"this session's input prefix is already {self.prefix!r}; it cannot change to {prefix!r}")
+        if self.base is not None and prefix != self.base:
+            raise RequestError(f"this session's input prefix is already {self.base!r}; it cannot change to {prefix!r}")
         if not shm.available():
             raise RequestError(f"actor {self.actor_id} has no POSIX shared memory; send arguments inline")
         # Announced again (the controller reconnected): it starts its segments afresh, so the old ones go.
         for name in list(self.maps):
             self._unmap(name)
         self._unmap_outputs()
-        self.prefix = prefix
+        self.base = prefix
+        self.prefix = f"{prefix}{secrets.token_hex(8)}-"
+        return self.prefix
 
     def write_output(self, name: Any, value: np.ndarray, pooled: int = 0) -> dict[str, Any] | None:
         """Copy `value` into a new segment `name` (one of this session's prefix; see the module docstring) and

@@ -775,7 +775,7 @@ def test_segments_replaced_by_bigger_ones_are_unmapped_on_the_actor():
         assert [_stats(mesh, a)["shm_input_maps"] for a in range(2)] == [len(stager._pools[a]) for a in range(2)]
         # A controller that reconnects announces its prefix again and starts its segments afresh: the actor
         # lets the old mappings go (they would pin their memory until the session ends).
-        mesh.run(mesh.conn(0).request("input_shm", {"prefix": stager.prefix(0)}))
+        mesh.run(mesh.conn(0).request("input_shm", {"prefix": f"{stager._base}0-"}))
         assert _stats(mesh, 0)["shm_input_maps"] == 0
 
 
@@ -978,18 +978,19 @@ def test_a_session_closed_for_silence_unlinks_the_segments_its_controller_never_
     if not shm.available() or not os.path.isdir("/dev/shm"):
         pytest.skip("needs POSIX shared memory in /dev/shm")
     token = os.urandom(4).hex()
-    prefix = f"/mpmd-in-{os.getpid():x}-{token}-0-"
+    announced = f"/mpmd-in-{os.getpid():x}-{token}-0-"
+    seg = InputSegments(0)
+    prefix = seg.set_prefix(announced)  # (the announced prefix and the actor's random part)
     other = f"/mpmd-in-{os.getpid():x}-{token}-1-3"  # another actor's: not this session's to remove
-    for name in (prefix + "0", prefix + "7", other):
+    bare = announced + "5"  # the announced prefix without this session's random part: not its own either
+    for name in (prefix + "0", prefix + "7", other, bare):
         shm.create_segment(name, 4096)[0].close()
     try:
-        seg = InputSegments(0)
-        seg.set_prefix(prefix)
         assert seg.sweep() == 2
         left = set(os.listdir("/dev/shm"))
-        assert (prefix + "0")[1:] not in left and (prefix + "7")[1:] not in left and other[1:] in left
+        assert (prefix + "0")[1:] not in left and (prefix + "7")[1:] not in left and other[1:] in left and bare[1:] in left
     finally:
-        for name in (prefix + "0", prefix + "7", other):
+        for name in (prefix + "0", prefix + "7", other, bare):
             try:
                 shm.unlink(name)
             except OSError:
@@ -1064,8 +1065,8 @@ def test_a_segment_its_writer_truncated_after_the_actor_mapped_it_is_refused_not
     with mpmd.RemoteMesh.local(1) as mesh:
         prefix = f"/mpmd-in-{os.getpid():x}-{os.urandom(4).hex()}-0-"
         conn = mesh.conn(0)
-        mesh.run(conn.request("input_shm", {"prefix": prefix}))  # (this session's stager is not used again)
-        name = prefix + "0"
+        prefix = mesh.run(conn.request("input_shm", {"prefix": prefix})).header["prefix"]  # (this session's stager is not
+        name = prefix + "0"  # used again; the reply's prefix has the actor's random part)
         seg, ino = shm.create_segment(name, 1 << 20)
         with seg:
             seg[:] = bytes(range(256)) * 4096
@@ -1210,7 +1211,7 @@ def test_a_fifo_under_an_input_segments_name_is_refused_without_blocking_the_dae
     with mpmd.RemoteMesh.local(1) as mesh:
         prefix = f"/mpmd-in-{os.getpid():x}-{os.urandom(4).hex()}-0-"
         conn = mesh.conn(0)
-        mesh.run(conn.request("input_shm", {"prefix": prefix}))
+        prefix = mesh.run(conn.request("input_shm", {"prefix": prefix})).header["prefix"]
         name = prefix + "5"
         os.mkfifo("/dev/shm" + name, 0o600)
         try:
@@ -1424,8 +1425,7 @@ def test_get_segments_no_controller_reads_are_bounded_and_gone_when_the_daemon_s
 
     monkeypatch.setattr(actor_inputs, "OUTPUT_MAX_BYTES", 3 * actor_inputs.OUTPUT_MIN_BYTES)
     segs = actor_inputs.InputSegments(0)
-    prefix = f"/mpmd-in-{os.getpid():x}-{os.urandom(4).hex()}-0-"
-    segs.set_prefix(prefix)
+    prefix = segs.set_prefix(f"/mpmd-in-{os.getpid():x}-{os.urandom(4).hex()}-0-")
     value = np.arange(actor_inputs.OUTPUT_MIN_BYTES // 4, dtype=np.float32)
     try:
         notices = [segs.write_output(f"{prefix}{k}", value) for k in range(4)]

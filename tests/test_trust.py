@@ -1342,10 +1342,10 @@ def test_a_guests_get_never_writes_shared_memory_the_owners_does(tmp_path):
                 mpmd.RemoteMesh.connect([address], keys=keys["bob"], transport="none") as bob:
             for mesh, who in ((alice, "alice"), (bob, "bob")):
                 x = mesh.actor(0).put(value)
-                prefix = input_stager(mesh).prefix(0)  # (told already, if the daemon shares this host: the same again is fine)
-                told = raw_request(address, {"op": "input_shm", "id": 1, "session": mesh.session, "prefix": prefix}, keys=keys[who])
+                announced = f"{input_stager(mesh)._base}0-"  # (told already, if the daemon shares this host: the same again is fine)
+                told = raw_request(address, {"op": "input_shm", "id": 1, "session": mesh.session, "prefix": announced}, keys=keys[who])
                 assert told.op == "reply", told.header
-                made.append(f"{prefix}{10**9}")
+                made.append(f"{told.header['prefix']}{10**9}")
                 got = raw_request(address, {"op": "get", "id": 2, "session": mesh.session, "bufs": [x.buffers[0]],
                                             "into": [made[-1]]}, keys=keys[who])
                 assert got.op == "reply", got.header
@@ -1358,5 +1358,49 @@ def test_a_guests_get_never_writes_shared_memory_the_owners_does(tmp_path):
     finally:
         for name in made:
             if os.path.exists(f"/dev/shm{name}"):
+                os.unlink(f"/dev/shm{name}")
+        stop_daemon(proc)
+
+
+def test_another_key_naming_a_controllers_input_prefix_is_not_served_that_controllers_segments(tmp_path):
+    """Input segment names are visible to every user in /dev/shm, and the actor checked a notice only against the
+    prefix the session itself named: a guest key that named the owner's controller's prefix for another actor (not
+    held on this daemon) was served that controller's segment — read by the daemon, which can open what the guest's
+    user cannot, kept mapped across rewrites, and its name unlinked (a probe, as user nobody). The actor now adds a
+    random part of its own to a session's prefix and tells only that session's controller: the guest's names must
+    carry its own random part, the owner's segment is refused, and stays where it is."""
+    from transport.p2p import shm
+
+    proc, address, keys = _guest_daemon(tmp_path)
+    base = f"/mpmd-in-{os.getpid():x}-{os.urandom(4).hex()}-1-"  # the owner's controller's prefix for its actor 1
+    owners = None
+    try:
+        with mpmd.RemoteMesh.connect([address], keys=keys["alice"], transport="none") as alice:  # alice owns the daemon
+            alice.actor(0).put(np.zeros(4, np.float32))
+            # The owner's controller announced `base` to its actor 1 (another daemon, which added its random part)
+            # and named a segment so; the same segment named as before the fix, too.
+            whole = f"{base}{os.urandom(8).hex()}-"
+            owners = f"{whole}7"
+            for name in (owners, f"{base}7"):
+                mm, _ = shm.create_segment(name, 1 << 16)
+                mm[:64] = b"ALICE-BATCH".ljust(64, b".")
+                mm.close()
+            sid = 0xB0B
+            assert raw_request(address, {"op": "hello", "id": 1, "session": sid}, keys=keys["bob"]).op == "reply"
+            told = raw_request(address, {"op": "input_shm", "id": 2, "session": sid, "prefix": base}, keys=keys["bob"])
+            assert told.op == "reply" and told.header["prefix"] != whole and told.header["prefix"].startswith(base)
+            again = raw_request(address, {"op": "input_shm", "id": 5, "session": sid, "prefix": whole}, keys=keys["bob"])
+            assert again.op == "error" and "must look like" in again.header["message"]  # (the owner's whole one, seen in /dev/shm)
+            for name in (owners, f"{base}7"):
+                notice = {"name": name, "offset": 0, "nbytes": 64, "dtype": "uint8", "shape": [64],
+                          "ino": os.stat(f"/dev/shm{name}").st_ino}
+                r = raw_request(address, {"op": "put", "id": 3, "session": sid, "buf": 1, "shm": notice}, keys=keys["bob"])
+                assert r.op == "error" and "refused: its name is not" in r.header["message"], r.header
+                assert os.path.exists(f"/dev/shm{name}")  # (not unlinked under its owner)
+            assert raw_request(address, {"op": "get", "id": 4, "session": sid, "buf": 1}, keys=keys["bob"]).op == "error"
+        assert proc.poll() is None
+    finally:
+        for name in (owners, f"{base}7"):
+            if name and os.path.exists(f"/dev/shm{name}"):
                 os.unlink(f"/dev/shm{name}")
         stop_daemon(proc)

@@ -93,10 +93,12 @@ QUEUED_BEHIND_STEPS = ("run_program", "get", "wait")
 # to start then (mpmd/runtime/mesh.py), or a script naming itself as the loader module would start actors without end.
 IMPORTING_LOADER = "MPMD_ACTOR_IMPORTING_LOADER"
 
-PROTOCOL_VERSION = 5  # 2: an shm notice's size includes the segment's control page (no shm_ack sent); 3: compact
+PROTOCOL_VERSION = 6  # 2: an shm notice's size includes the segment's control page (no shm_ack sent); 3: compact
 # data headers on same-host links (transport/p2p/link.py), their dtype numbered by link.COMPACT_DTYPES; 4: a big reply
 # is announced by a 'coming' message first (transport/control.py); 5: an actor's share of a failed step is named by
-# what it is (StepAborted, HeldByLoader, WaitedInVain, NothingCame: mpmd/step.py `_echo_rank` reads the names)
+# what it is (StepAborted, HeldByLoader, WaitedInVain, NothingCame: mpmd/step.py `_echo_rank` reads the names); 6: an
+# actor adds a random part of its own to the shared-memory input prefix a session names ('input_shm' replies with it;
+# the controller names its segments with the reply's prefix: actors/inputs.py)
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 # What ZeroMQ counts against MAXMSGSIZE beyond a frame's own bytes: CURVE checks the encrypted frame, 33 bytes longer
 # (a MESSAGE command's name, flags, nonce and box). A router's MAXMSGSIZE is its limit plus this margin, so that a

@@ -35,6 +35,7 @@ import itertools
 import logging
 import mmap
 import os
+import re
 import secrets
 import threading
 import time
@@ -63,6 +64,7 @@ ONCE_IN_FLIGHT = 16  # one-shot segments (puts) per actor in flight before more 
 ALIGN = 64  # each argument starts 64-byte aligned, as JAX likes host memory
 OUTPUT_SEGMENTS = 8  # pooled get segments per actor (a get that finds none free names a fresh one)
 OUTPUT_POOL_BYTES = 512 << 20  # their bytes at most, all actors of the mesh together (memory of /dev/shm, held)
+_WHOLE = re.compile(r"[0-9a-f]{8,32}-")  # the random part an actor adds to an announced prefix (actors/inputs.py)
 OUTPUT_IDLE = 60.0  # seconds a pooled get segment may sit unused before a later get drops it
 
 
@@ -160,6 +162,7 @@ class InputStager:
         self._announcing = threading.Lock()  # held while a prefix is announced to an actor (a request: never under _lock)
         self._pools: dict[int, list[Segment]] = {}
         self._retired: dict[int, list[str]] = {}  # actor -> segments closed here that it may still have mapped
+        self._prefixes: dict[int, str] = {}  # actor -> its whole prefix (the announced one and the actor's random part)
         self._told: dict[int, Any] = {}  # actor -> the connection its prefix was announced on (a reconnect asks again)
         self._local: dict[int, bool] = {}
         self.staged = 0  # arguments written to shared memory
@@ -183,7 +186,9 @@ class InputStager:
         return mesh
 
     def prefix(self, actor: int) -> str:
-        return f"{self._base}{actor}-"
+        """The prefix of `actor`'s segment names: the one announced to it and the random part it added (before that
+        answer: the part announced)."""
+        return self._prefixes.get(actor) or f"{self._base}{actor}-"
 
     def wants(self, actor: int, nbytes: int) -> bool:
         """Should an argument of `nbytes` for `actor` go through shared memory?"""
@@ -201,11 +206,16 @@ class InputStager:
     def _announce(self, actor: int, conn: Any) -> bool:
         local = shm.available() and self._same_host(actor)
         if local:
+            announced = f"{self._base}{actor}-"
             try:  # (a daemon without the op, or without shared memory, keeps getting its arguments inline)
-                self.mesh.run(conn.request("input_shm", {"prefix": self.prefix(actor)}))
+                whole = self.mesh.run(conn.request("input_shm", {"prefix": announced})).header.get("prefix")
+                if not (isinstance(whole, str) and whole.startswith(announced) and _WHOLE.fullmatch(whole[len(announced):])):
+                    raise ProtocolError(f"its 'input_shm' reply names the prefix {whole!r:.100}, not {announced!r} and a random part")
             except Exception as e:
                 log.warning("actor %d takes no shared-memory inputs (%s); its arguments go inline", actor, e)
                 local = False
+            else:
+                self._prefixes[actor] = whole
         with self._lock:  # a new daemon behind a reconnect has none of the old segments mapped: start afresh
             for seg in self._pools.pop(actor, []):
                 _close(seg)
