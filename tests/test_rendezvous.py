@@ -719,3 +719,40 @@ def test_a_lost_rendezvous_daemon_is_said_to_come_back_through_recover_not_recon
             assert mesh.addresses == before
     finally:
         stop_daemon(proc)
+
+
+def test_a_fifo_under_an_arrivals_name_is_listed_not_read_and_a_daemons_claim_replaces_it(tmp_path, keys):
+    """An arrival file is opened without blocking and read only if it is a regular file: a FIFO at actor-1.json held
+    `from_rendezvous` past its timeout (killed at 30 s) and a daemon claiming actor-0.json printed no ready line in 60 s
+    (a probe). Now the controller's wait times out naming the file and why, and a daemon's claim takes the name over."""
+    from transport.rendezvous import claim, read_arrivals
+
+    d = tmp_path / "rdv"
+    d.mkdir(mode=0o700)
+    os.mkfifo(d / "actor-1.json", 0o600)
+    found, bad = read_arrivals(d)
+    assert found == {} and "not a regular file" in bad["actor-1.json"]
+    t = time.monotonic()
+    with pytest.raises(mpmd.RendezvousError, match=r"(?s)actor-1\.json.*not a regular file"):
+        mpmd.RemoteMesh.from_rendezvous(d, 2, keys=keys, timeout=2)
+    assert time.monotonic() - t < 20
+    os.mkfifo(d / "actor-0.json", 0o600)
+    mine = Arrival(actor_id=0, endpoint="tcp://127.0.0.1:1", host=socket.gethostname(), pid=os.getpid(), key=None,
+                   jax_version=jax.__version__, platform="cpu", devices=1, instance="x" * 16)
+    claim(d, mine)
+    assert read_arrivals(d)[0][0].instance == mine.instance
+
+
+def test_a_rendezvous_directory_under_one_others_may_write_is_refused(tmp_path, keys):
+    """The directory was checked alone: inside a world-writable (not sticky) directory another user could move it
+    away and put a symlink to another job's rendezvous directory there, and this job took that job's daemons (a probe).
+    Every directory above it is now checked as ssh checks ~/.ssh, as the key files are; /tmp's sticky bit passes."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    (shared / "rdv").mkdir(mode=0o700)
+    with pytest.raises(mpmd.RendezvousError, match=r"directory .*shared, above rendezvous directory .* can be written by other users"):
+        mpmd.RemoteMesh.from_rendezvous(shared / "rdv", 1, keys=keys, timeout=1)
+    os.chmod(shared, 0o755)
+    with pytest.raises(mpmd.RendezvousError, match="only 0 of 1 actors arrived"):  # (checked, then waited for)
+        mpmd.RemoteMesh.from_rendezvous(shared / "rdv", 1, keys=keys, timeout=1)

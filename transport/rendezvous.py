@@ -43,6 +43,7 @@ from typing import Any
 
 import msgpack
 
+from transport.auth import AuthKeyError, check_safe_path
 from transport.protocol import PROTOCOL_VERSION
 
 RENDEZVOUS_VERSION = 1
@@ -207,14 +208,22 @@ def check_directory(directory: str | os.PathLike[str], create: bool = True) -> P
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise RendezvousDirectoryError(f"rendezvous directory {d} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}), "
                                        f"who could announce a daemon of theirs as one of this job's: run `chmod 700 {d}`")
+    try:  # (and every directory above it, as ssh checks ~/.ssh: under a directory others may write, the whole directory
+        # could be swapped for another job's, a symlink to it say, and this job would take that job's daemons; a probe)
+        check_safe_path(d, "rendezvous directory", holds="another job's rendezvous directory")
+    except AuthKeyError as e:
+        raise RendezvousDirectoryError(str(e)) from None
     return d
 
 
 def read_arrival(path: Path) -> Arrival:
-    """One arrival file; refuses one written by another user."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    """One arrival file; refuses one written by another user, or anything but a regular file (opened without
+    blocking: a FIFO under an arrival's name held the controller and the daemon past every timeout; a probe)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
         st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RendezvousFormatError(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)}): remove it")
         if st.st_uid != os.getuid():
             raise RendezvousFormatError(f"{path} was written by uid {st.st_uid}, not this user")
         data = os.read(fd, MAX_ARRIVAL_BYTES + 1)
