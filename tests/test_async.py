@@ -373,6 +373,32 @@ async def test_a_timeout_in_one_task_leaves_the_step_to_a_thread_fetching_it_and
     assert_trees_close(await learner, reference(*want[:2], batch))
 
 
+async def test_a_timeout_on_a_steps_loss_leaves_the_step_to_a_save_of_its_outputs_under_way(slow_mesh, tmp_path):
+    """A save of a step's outputs under way is a wait for that step too (a probe): a `wait_for` on the step's loss that
+    timed out aborted the step, the save failed "nothing was committed" and the state was gone — with `save_async`
+    in a task, `save(wait=False)` and a blocking `save` in a thread alike. The save counts as a waiter from its call
+    on (mpmd/runtime/waiters.py): the step runs on, the checkpoint commits jax.jit's values."""
+    mesh, dist, reference, (p, o), (params, opt_state, batch) = slow_mesh
+    rp, ro, _ = reference(params, opt_state, batch)
+    want = reference(rp, ro, batch)
+    for how in ("task", "handle"):
+        outs = await dist.call_async(p, o, batch)
+        path = str(tmp_path / how)
+        if how == "task":
+            saving = asyncio.create_task(mpmd.save_async(path, outs[:2]))
+            await asyncio.sleep(0)  # (the save has been called)
+        else:
+            handle = mpmd.save(path, outs[:2], wait=False)
+        await _until_running(mesh, 1)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.02):
+                await mpmd.fetch_async(outs[2])
+        committed = await saving if how == "task" else await asyncio.to_thread(handle.wait)
+        assert committed.startswith(path)
+        assert_trees_close(mpmd.load(path), want[:2])
+        assert_trees_close(await mpmd.fetch_async(outs[:2]), want[:2])
+
+
 async def test_a_timeout_on_a_donating_steps_output_leaves_the_step_running_and_a_cancelled_call_says_the_state_is_gone(slow_mesh):
     """With donate_argnums, a timeout around fetching the loss aborted the step: the new parameters raised "was
     cancelled" and the old ones "was donated ... use those" — a timeout on a loss took the whole training state.

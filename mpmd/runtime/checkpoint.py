@@ -60,6 +60,7 @@ from mpmd.runtime.checkpoint_format import (
 from mpmd.runtime.checkpoint_placement import Target, dtype_matches, like_shape_dtype, targets
 from mpmd.runtime.controller import CLOSED_MEANWHILE, blocking, wait_settled
 from mpmd.runtime.sharding import layout_to_spec, layout_wire, remote_sharding
+from mpmd.runtime.waiters import waiting_for
 from mpmd.static_leaves import hide, reveal
 from transport.checkpoint_parts import CheckpointProblem, read_part, write_part
 
@@ -462,6 +463,11 @@ def _save(path: str, tree: Any, keep: int) -> SaveHandle:
             gone.set_exception(again_lost)
             return [gone]
 
+    # The save waits for the steps that make what it saves, as an await of their outputs does: a coroutine's cancelled
+    # await of such a step (a `wait_for` on its loss timing out) aborted it, and the save failed, "nothing was
+    # committed", though the README says a step another wait counts on runs on (a probe; see runtime/waiters.py).
+    making = {id(r): r for _, x in flat if isinstance(x, RemoteArray) and (r := x._ready) is not None and not r.done()}
+
     async def write() -> str:
         seen = generation  # (the recoveries started when the save was last sent)
         try:
@@ -553,7 +559,14 @@ def _save(path: str, tree: Any, keep: int) -> SaveHandle:
 
         sent.add_done_callback(handed)  # (called on the loop: the dispatch settles it there)
 
-    handle = SaveHandle(mesh.submit_coroutine(write()), mesh)
+    counted = waiting_for(making.values())  # (from the call on, not from the write's first turn on the loop)
+    counted.__enter__()
+    try:
+        handle = SaveHandle(mesh.submit_coroutine(write()), mesh)
+    except BaseException:
+        counted.__exit__(None, None, None)
+        raise
+    handle._future.add_done_callback(lambda _: counted.__exit__(None, None, None))
     handle._future.add_done_callback(
         lambda f: mesh._io.call_soon(abandon_when_answered) if f.cancelled() or f.exception() is not None else None)
     mesh.track_save(handle._future)
