@@ -761,3 +761,33 @@ def test_a_like_that_differs_only_in_nodes_without_arrays_is_warned_of(tmp_path)
         warnings.simplefilter("error")
         back = mpmd.load(str(tmp_path / "c"), like=state)
     assert_trees_close(back, state, rtol=0, atol=0)
+
+
+def test_a_read_whose_checkpoint_a_newer_save_replaced_meanwhile_reads_the_newer_one(tmp_path):
+    """A trainer saving with keep=1 removes the checkpoint an evaluator (another process, or thread) is reading: 60 of
+    2,400 loads failed as "the checkpoint is damaged or was edited" or a bare FileNotFoundError, of checkpoints
+    nothing had damaged (a probe). A read whose checkpoint LATEST no longer names reads the one it names now; one
+    replaced READ_AGAIN + 1 times in a row says so. Deterministic here: the save is made from inside the read."""
+    from mpmd.runtime import checkpoint as ck
+
+    path = str(tmp_path / "ck")
+    mpmd.save(path, {"w": np.zeros(4, np.float32)})
+    read_from = []
+
+    def read(m):
+        if not read_from:  # (committed while this read runs: its checkpoint is removed under it)
+            mpmd.save(path, {"w": np.ones(4, np.float32)}, keep=1)
+        read_from.append(os.path.basename(m.directory))
+        return ck._load(m, None, True)
+
+    got = ck._reading(path, read)
+    assert read_from == ["ckpt-1", "ckpt-2"] and np.array_equal(got["w"], np.ones(4, np.float32))
+
+    def always_replaced(m):
+        mpmd.save(path, {"w": np.full(4, len(read_from), np.float32)}, keep=1)
+        read_from.append(m.directory)
+        return ck._load(m, None, True)
+
+    with pytest.raises(mpmd.CheckpointError, match=rf"was removed while it was read, {ck.READ_AGAIN + 1} times in a row"):
+        ck._reading(path, always_replaced)
+    assert np.array_equal(mpmd.load(path)["w"], np.full(4, len(read_from) - 1, np.float32))

@@ -37,6 +37,7 @@ import threading
 import time
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -650,6 +651,40 @@ def _leaf(i: int, m: dict[str, Any]) -> Leaf:
                 tuple(m["stored_shape"]), m["stored_dtype"], m["sha256"], tuple(m["saved_actors"]), m["saved_layout"])
 
 
+READ_AGAIN = 3  # times a load or restore reads the newer checkpoint when the one it read was replaced meanwhile
+
+
+def _latest(path: str) -> str | None:
+    try:
+        return committed(os.path.abspath(path))
+    except Exception:  # noqa: BLE001 - (no committed checkpoint now: the caller's own error says what it met)
+        return None
+
+
+def _reading(path: str, read: Callable[[Manifest], Any]) -> Any:
+    """`read(manifest)` of the checkpoint `path` names, read again from the newer one when a save with `keep=` (in
+    another process, or a thread of this one) committed a newer checkpoint and removed the one being read meanwhile:
+    that failed as "the checkpoint is damaged or was edited" or as a bare FileNotFoundError, of a checkpoint nothing
+    had damaged (a probe: 60 of 2,400 loads beside a trainer saving with keep=1). After READ_AGAIN such replacements,
+    a CheckpointError that says so."""
+    for attempt in itertools.count():
+        before = _latest(path)
+        try:
+            return read(_open(path))
+        except ActorDiedError:
+            raise
+        except Exception as e:
+            after = _latest(path)
+            if before is None or after is None or after == before:
+                raise  # (not replaced: the error stands. Replaced, it is read again, whether or not it was removed yet:
+                # a save's removal of older ones is under way while their directories are still there)
+            if attempt >= READ_AGAIN:
+                raise CheckpointError(f"{before} was removed while it was read, {attempt + 1} times in a row: saves with "
+                                      f"keep= into {path} replace checkpoints faster than they can be read; read one "
+                                      "they keep (keep=2 or more), or read again", checkpoint=before) from e
+            log.info("reading %s: it was replaced by %s while it was read (a save with keep=); reading that", before, after)
+
+
 def _open(path: str) -> Manifest:
     """The committed checkpoint's verified manifest, its parts' listings checked (after this process's saves into
     `path` still writing have ended)."""
@@ -747,17 +782,20 @@ def restore(path: str, mesh: Any, like: Any, *, for_step: Any = None, verify: bo
                         "mpmd.load(path, like)")
     _check_flag("mpmd.restore", "verify", verify)
     recovery = getattr(mesh, "recovery", None)
+
+    def read(m: Manifest) -> Any:
+        return _restore(m, mesh, like, for_step, verify)
+
     try:
-        return _restore(path, mesh, like, for_step, verify)
+        return _reading(path, read)
     except ActorDiedError as e:
         if recovery is None or not recovery.recover_now(e):
             raise
     log.warning("mpmd.restore from %s: an actor was lost while it read; the mesh recovered, reading again", path)
-    return _restore(path, mesh, like, for_step, verify)
+    return _reading(path, read)
 
 
-def _restore(path: str, mesh: Any, like: Any, for_step: Any, verify: bool) -> Any:
-    m = _open(path)
+def _restore(m: Manifest, mesh: Any, like: Any, for_step: Any, verify: bool) -> Any:
     like_leaves, treedef = _match(m, like, "mpmd.restore")
     where = targets(m.leaves, like_leaves, mesh, for_step, checkpoint=m.directory)
     am = mesh.actor_mesh
@@ -878,7 +916,10 @@ def load(path: str, like: Any = None, *, verify: bool = True) -> Any:
         state = mpmd.load("ckpt")          # e.g. [{'w': array(...), 'b': ...}, ...]
     """
     _check_flag("mpmd.load", "verify", verify)
-    m = _open(path)
+    return _reading(path, lambda m: _load(m, like, verify))
+
+
+def _load(m: Manifest, like: Any, verify: bool) -> Any:
     values: dict[int, Any] = {}
     for part in sorted(m.parts):
         got = _read_host(m, part, verify)
