@@ -335,7 +335,7 @@ def test_past_max_failures_the_loss_raises_actor_died_error_naming_the_actor():
 
 
 @pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)
-def test_after_recovery_gave_up_every_later_steps_loss_says_so():
+def test_after_recovery_gave_up_every_later_steps_loss_says_so(tmp_path):
     """Only the first error after giving up said "mpmd.Recovery gave up"; the steps after it went around the
     log without the failure hook and read as if no recovery had been asked for (found by a probe)."""
     batches = _batches()
@@ -349,6 +349,10 @@ def test_after_recovery_gave_up_every_later_steps_loss_says_so():
             with pytest.raises(mpmd.ActorDiedError) as err:
                 dist(p, o, batches[1 + k])[2].block_until_ready()
             assert err.value.actor_id == 1 and "mpmd.Recovery gave up" in str(err.value), (k, str(err.value))
+        # ... and a save's too: it re-raised the loss without it, with the advice to make the mesh with a Recovery (a probe)
+        with pytest.raises(mpmd.ActorDiedError) as err:
+            mpmd.save(str(tmp_path / "ck"), (p, o))
+        assert "mpmd.Recovery gave up" in str(err.value) and "recover=mpmd.Recovery() replaces it" not in str(err.value)
 
 
 @pytest.mark.slow  # (moved out of the default run, over 15 minutes on this VM: .ci/run runs it when time allows)

@@ -480,6 +480,7 @@ def _save(path: str, tree: Any, keep: int) -> SaveHandle:
             if running is not None:
                 await asyncio.wait([asyncio.wrap_future(running)])
             if recovery.gave_up is not None:
+                recovery._say_gave_up(lost)  # (not the advice to make the mesh with a Recovery: it has one; a probe)
                 raise
             log.warning("mpmd.save into %s: an actor was lost before it was sent; the mesh recovered, saving", path)
             seen = recovery.generation
@@ -515,6 +516,7 @@ def _save(path: str, tree: Any, keep: int) -> SaveHandle:
             if running is not None:
                 await asyncio.wait([asyncio.wrap_future(running)])
             if recovery.gave_up is not None:
+                recovery._say_gave_up(failed[0])
                 raise failed[0]
             if mesh.closed or attempt >= recovery.config.max_failures:  # (the mesh recovers that many losses at most)
                 raise CheckpointError(f"mpmd.save into {path}: " + (f"{CLOSED_MEANWHILE}" if mesh.closed else
