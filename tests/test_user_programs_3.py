@@ -346,6 +346,32 @@ def test_an_auxiliary_loss_on_the_first_stage_alone_equals_jit(mesh2):
     _compare_trunk_step(mesh2, optax.adam(1e-2), mb_grads_of, seed=7)
 
 
+@pytest.mark.parametrize("schedule", [mpmd.GPipe(2), mpmd.OneFOneB(2)], ids=["GPipe", "1F1B"])
+def test_a_norm_or_clip_over_every_stages_gradient_beside_a_separate_forward_equals_jit(mesh2, schedule):
+    """`g = jax.grad(loss)(p, mb)` with the loss from a call of its own (two forwards: the dataflow split) and a value
+    of every stage's gradient — a per-microbatch global norm as a metric, DP-SGD's clip — was refused as "the backward
+    of stage 1 reads a value that the backward of stage 0 computes later": it went to the last stage's backward,
+    which runs first (a probe). It runs in stage 0's, which runs last, and equals jax.jit."""
+    def loss(p, m):
+        h = mpmd.pipeline_yield(jnp.tanh(m["x"] @ p[0]))
+        return jnp.mean((h @ p[1] - m["y"]) ** 2)
+
+    def step(params, batch):
+        def mb(m):
+            g = jax.grad(loss)(params, m)
+            clipped = optax.clip_by_global_norm(1.0).update(g, optax.EmptyState())[0]
+            return clipped, (loss(params, m), optax.global_norm(g))
+
+        return mpmd.accumulate_grads(mb, batch, schedule=schedule)
+
+    r = np.random.default_rng(0)
+    params = [r.standard_normal((8, 16)).astype(np.float32), r.standard_normal((16, 4)).astype(np.float32)]
+    batch = {"x": r.standard_normal((4, 4, 8)).astype(np.float32), "y": r.standard_normal((4, 4, 4)).astype(np.float32)}
+    want = jax.jit(step)(params, batch)
+    assert_trees_close(mpmd.fetch(mpmd.distributed(step, mesh=mesh2)(params, batch)), want)
+    assert float(jnp.max(want[1][1])) > 1.0  # (the clip clips)
+
+
 def test_a_second_cotangent_computed_from_the_first_gradient_is_refused_saying_what_to_write(mesh2):
     def step(params, batch):
         def mb_grads(mb):

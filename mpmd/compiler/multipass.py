@@ -9,8 +9,10 @@ backward markers, so position says little. Here every equation gets a stage and 
   or a per-microbatch aux output (the loss) needs is forward; the rest (the last stage's backward, residuals
   only a backward reads, a backward pass that crosses no marker) is backward. A forward marker downstream of
   a backward marker (a second forward that reads the first gradient) cannot be pipelined and is refused.
-* **stage**: the latest stage among what it reads; a forward marker's outputs belong to the next stage, a
-  backward marker's to the previous one (it starts that stage's backward). An equation that reads no staged
+* **stage**: the latest stage among what it reads — but for a gradient's epilogue (a backward equation no backward
+  marker reads, a norm over every stage's gradients say), the stage whose backward runs last among the backward
+  values it reads (the lowest); a forward marker's outputs belong to the next stage, a backward marker's to the
+  previous one (it starts that stage's backward). An equation that reads no staged
   value (it reads only parameters, the microbatch or constants) joins its consumers: the earliest stage of
   its forward consumers, the latest of its backward ones.
 
@@ -62,6 +64,7 @@ def split_by_dataflow(eqns: Sequence[Any], aux: set[Any], is_fwd: Callable[[Any]
             if all(v in fwd_vars or v not in producer for v in var_inputs(e)):
                 forward.add(id(e))
 
+    cotangent = upstream([e for e in eqns if is_bwd(e)], producer)  # (what backward markers read, and what that reads)
     stage_of: dict[Any, int] = {}
     own: dict[int, int | None] = {}
     for e in eqns:
@@ -71,8 +74,16 @@ def split_by_dataflow(eqns: Sequence[Any], aux: set[Any], is_fwd: Callable[[Any]
             own[id(e)], out = s or 0, (s or 0) + 1
         elif is_bwd(e):
             own[id(e)] = out = max((s if s is not None else 1) - 1, 0)
-        else:
+        elif id(e) in forward:
             own[id(e)] = out = s
+        elif id(e) in cotangent:
+            own[id(e)] = out = s
+        else:  # a gradient's epilogue (nothing a backward marker reads): it runs in the backward that comes last among
+            # those it reads, the lowest stage's (the latest stage's was taken before, and a value computed from every
+            # stage's gradient — a global norm, a clip — went to the last stage's backward, which runs first: refused
+            # as unorderable; a probe)
+            back = [stage_of[v] for v in var_inputs(e) if v in stage_of and id(producer[v]) not in forward]
+            own[id(e)] = out = min(back) if back else s
         if out is not None:
             for v in e.outvars:
                 stage_of[v] = out
