@@ -292,9 +292,13 @@ class StepTrace:
 
         # The tracing thread holds the token while it runs, as a call off the loop does (`Stream.call_off_loop`):
         # a call dispatched meanwhile (an `actor.run`, say) waits for it instead of reading the token before it.
+        # (Ordered calls only: an unordered stream, a GPU's, has no token to hold, and its future's result would start
+        # with the outputs, which the daemon's record of a cut-off call would then keep alive; a review.)
         await stream.idle()
-        running = stream.busy = asyncio.wrap_future(StepTrace._executor.submit(timed))
-        running.add_done_callback(lambda _: setattr(stream, "busy", None) if stream.busy is running else None)
+        running = asyncio.wrap_future(StepTrace._executor.submit(timed))
+        if stream.ordered:
+            stream.busy = running
+            running.add_done_callback(lambda _: setattr(stream, "busy", None) if stream.busy is running else None)
         _, outs, t0, t1 = await asyncio.shield(running)
         self.events.append(["run", label, waited_from, ready, t0, t1])
         self.run_arrivals.append(arrived)

@@ -381,19 +381,25 @@ async def test_a_timeout_on_a_steps_loss_leaves_the_step_to_a_save_of_its_output
     mesh, dist, reference, (p, o), (params, opt_state, batch) = slow_mesh
     rp, ro, _ = reference(params, opt_state, batch)
     want = reference(rp, ro, batch)
-    for how in ("task", "handle"):
+    from mpmd.runtime.waiters import waiters
+
+    for how in ("task", "handle", "thread"):
         outs = await dist.call_async(p, o, batch)
         path = str(tmp_path / how)
         if how == "task":
             saving = asyncio.create_task(mpmd.save_async(path, outs[:2]))
             await asyncio.sleep(0)  # (the save has been called)
+        elif how == "thread":
+            saving = asyncio.ensure_future(asyncio.to_thread(mpmd.save, path, outs[:2]))
+            while waiters(outs[2]._ready) < 1:  # (until the thread's save has been called and counts)
+                await asyncio.sleep(0.001)
         else:
             handle = mpmd.save(path, outs[:2], wait=False)
         await _until_running(mesh, 1)
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.02):
                 await mpmd.fetch_async(outs[2])
-        committed = await saving if how == "task" else await asyncio.to_thread(handle.wait)
+        committed = await saving if how != "handle" else await asyncio.to_thread(handle.wait)
         assert committed.startswith(path)
         assert_trees_close(mpmd.load(path), want[:2])
         assert_trees_close(await mpmd.fetch_async(outs[:2]), want[:2])

@@ -1167,3 +1167,23 @@ def test_a_loop_over_several_devices_stays_on_the_loop_and_xla_returns_from_its_
     y.block_until_ready()
     fill = jax.jit(lambda v: jnp.zeros(BIG_OUTPUT_BYTES // 4, jnp.float32) + v.sum()).lower(x).compile()
     assert goes_off_loop(fill)
+
+
+def test_a_traced_run_on_an_unordered_stream_holds_nothing():
+    """An unordered stream (a GPU's: no order token) has nothing for a traced Run to hold; marking it busy made the
+    daemon's record of a cut-off call keep the Run's outputs, the first item of the thread's result there (a review)."""
+    from actors.stream import StepTrace, Stream, now
+
+    stream = Stream(jax.devices("cpu")[0], ordered_calls=False)
+    slow = jax.jit(lambda v: jnp.tanh(v @ v))
+    big = jnp.ones((600, 600))
+    jax.block_until_ready(slow(big))
+
+    async def main():
+        traced = asyncio.ensure_future(StepTrace().run(stream, slow, [big], "F0", now(), now()))
+        await asyncio.sleep(0)
+        assert stream.busy is None and stream.marker() is None
+        return await traced
+
+    (y,) = [asyncio.run(main())]
+    np.testing.assert_allclose(np.asarray(y), np.asarray(slow(big)), rtol=1e-6)

@@ -1483,3 +1483,20 @@ def test_a_fetch_whose_segment_cannot_be_read_comes_in_the_reply_and_the_next_on
         assert len(calls) == 1 and "come in the reply from now on" in caplog.text
         assert mesh.actor(0).stats()["shm_outputs"] == 1
         assert not [n for n in os.listdir("/dev/shm") if n.startswith(input_stager(mesh).prefix(0)[1:])]
+
+
+def test_segments_to_retire_are_told_again_only_under_the_actors_prefix_of_now():
+    """A put's `retire` list, put back when its request failed, could hold names of the actor's prefix before a
+    reconnect gave it another random part; the actor refuses a put that lists names outside its session's prefix, so
+    every later put through a reused segment failed the same way until the mesh closed (a review). Names told again
+    are those under the prefix the actor has now."""
+    from mpmd.runtime.inputs import InputStager
+
+    class Mesh:  # (the stager keeps only a weak reference; prefixes need no actor)
+        pass
+
+    mesh = Mesh()
+    stager = InputStager(mesh)
+    before = f"{stager.prefix(0)}{'a' * 16}-"
+    stager._prefixes[0] = now = f"{stager.prefix(0)}{'b' * 16}-"
+    assert stager._current(0, [f"{before}3", f"{now}4"]) == [f"{now}4"]

@@ -8,6 +8,7 @@ import re
 import sys
 import threading
 import time
+import warnings
 
 import flax.linen as nn
 import jax
@@ -356,19 +357,28 @@ def test_a_norm_or_clip_over_every_stages_gradient_beside_a_separate_forward_equ
         h = mpmd.pipeline_yield(jnp.tanh(m["x"] @ p[0]))
         return jnp.mean((h @ p[1] - m["y"]) ** 2)
 
-    def step(params, batch):
-        def mb(m):
-            g = jax.grad(loss)(params, m)
-            clipped = optax.clip_by_global_norm(1.0).update(g, optax.EmptyState())[0]
-            return clipped, (loss(params, m), optax.global_norm(g))
+    def step_of(clip):
+        def step(params, batch):
+            def mb(m):
+                g = jax.grad(loss)(params, m)
+                kept = optax.clip_by_global_norm(1.0).update(g, optax.EmptyState())[0] if clip else g
+                return kept, (loss(params, m), optax.tree.norm(g))
 
-        return mpmd.accumulate_grads(mb, batch, schedule=schedule)
+            return mpmd.accumulate_grads(mb, batch, schedule=schedule)
+
+        return step
 
     r = np.random.default_rng(0)
     params = [r.standard_normal((8, 16)).astype(np.float32), r.standard_normal((16, 4)).astype(np.float32)]
     batch = {"x": r.standard_normal((4, 4, 8)).astype(np.float32), "y": r.standard_normal((4, 4, 4)).astype(np.float32)}
-    want = jax.jit(step)(params, batch)
-    assert_trees_close(mpmd.fetch(mpmd.distributed(step, mesh=mesh2)(params, batch)), want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # (the norm alone moves scalars: no warning)
+        assert_trees_close(mpmd.fetch(mpmd.distributed(step_of(False), mesh=mesh2)(params, batch)), jax.jit(step_of(False))(params, batch))
+    want = jax.jit(step_of(True))(params, batch)
+    with pytest.warns(UserWarning, match=r"several stages' gradients \(a norm, a clip: 256 bytes of stage\(s\) \[1\] per "
+                                         r"microbatch\).*clip the accumulated gradient after accumulate_grads"):
+        got = mpmd.fetch(mpmd.distributed(step_of(True), mesh=mesh2)(params, batch))  # (stage 1's 16 x 4 gradient moves)
+    assert_trees_close(got, want)
     assert float(jnp.max(want[1][1])) > 1.0  # (the clip clips)
 
 

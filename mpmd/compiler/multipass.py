@@ -24,11 +24,12 @@ what to write instead.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mpmd.compiler.eqns import is_var, upstream, var_inputs
-from mpmd.errors import PipelineError
+from mpmd.compiler.eqns import is_var, nbytes, upstream, var_inputs
+from mpmd.errors import PipelineError, callers_level
 
 Region = tuple[int, str]
 
@@ -65,6 +66,7 @@ def split_by_dataflow(eqns: Sequence[Any], aux: set[Any], is_fwd: Callable[[Any]
                 forward.add(id(e))
 
     cotangent = upstream([e for e in eqns if is_bwd(e)], producer)  # (what backward markers read, and what that reads)
+    moved: dict[int, dict[Any, int]] = {}  # stage -> its backward's arrays a gradient's epilogue reads on an earlier stage (bytes)
     stage_of: dict[Any, int] = {}
     own: dict[int, int | None] = {}
     for e in eqns:
@@ -84,6 +86,9 @@ def split_by_dataflow(eqns: Sequence[Any], aux: set[Any], is_fwd: Callable[[Any]
             # as unorderable; a probe)
             back = [stage_of[v] for v in var_inputs(e) if v in stage_of and id(producer[v]) not in forward]
             own[id(e)] = out = min(back) if back else s
+            for v in var_inputs(e):  # (arrays of a later stage's backward that this moves to an earlier stage's actor)
+                if out is not None and stage_of.get(v, -1) > out and id(producer[v]) not in forward and getattr(v.aval, "ndim", 0):
+                    moved.setdefault(stage_of[v], {})[v] = nbytes(v)
         if out is not None:
             for v in e.outvars:
                 stage_of[v] = out
@@ -102,6 +107,14 @@ def split_by_dataflow(eqns: Sequence[Any], aux: set[Any], is_fwd: Callable[[Any]
         else:
             bc = [own[id(c)] for c in cons if id(c) not in forward]
             own[id(e)] = max(bc) if bc else 0
+
+    if moved:
+        warnings.warn(f"the microbatch function computes a value of several stages' gradients (a norm, a clip: "
+                      f"{_size(sum(b for vs in moved.values() for b in vs.values()))} of stage(s) {sorted(moved)} per microbatch), which is known only "
+                      "once the lowest of them has its gradient — its backward runs last — so those gradients go to that "
+                      "stage's actor every microbatch, and their accumulators and optimizer state with them. To keep each "
+                      "stage's gradient on its own actor, clip the accumulated gradient after accumulate_grads (e.g. "
+                      "optax.clip_by_global_norm in the optimizer) rather than each microbatch's", stacklevel=callers_level())
 
     regions: dict[Region, list[Any]] = {(s, k): [] for s in range(n) for k in "FB"}
     region_of: dict[Any, Region] = {}
@@ -125,3 +138,7 @@ def split_by_dataflow(eqns: Sequence[Any], aux: set[Any], is_fwd: Callable[[Any]
                         "from an earlier gradient, e.g. vjp_fn(g(vjp_fn(ct)[0]))), which no pipeline schedule can order; "
                         f"{ONE_VJP}")
     return n, regions
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} bytes"

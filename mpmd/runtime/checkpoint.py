@@ -321,7 +321,24 @@ def save(path: str, tree: Any, *, wait: bool = True, keep: int = 1) -> str | Sav
 
 
 def _save(path: str, tree: Any, keep: int) -> SaveHandle:
-    """`save`'s work: the save started (its arguments checked, the host part written), as a handle."""
+    """`save`'s work: the save started (its arguments checked, the host part written), as a handle. The save waits
+    for the steps that make what it saves from its call on, as an await of their outputs does: a coroutine's
+    cancelled await of such a step (a `wait_for` on its loss timing out) aborted it, and the save failed, "nothing
+    was committed", though the README says a step another wait counts on runs on (a probe; see runtime/waiters.py)."""
+    making = {id(r): r for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_remote)
+              if isinstance(x, RemoteArray) and (r := x._ready) is not None and not r.done()}
+    counted = waiting_for(making.values())
+    counted.__enter__()
+    try:
+        handle = _save_counted(path, tree, keep)
+    except BaseException:
+        counted.__exit__(None, None, None)
+        raise
+    handle._future.add_done_callback(lambda _: counted.__exit__(None, None, None))
+    return handle
+
+
+def _save_counted(path: str, tree: Any, keep: int) -> SaveHandle:
     _check_path("mpmd.save", path)
     path = os.path.abspath(path)  # (the actors are told this path: their working directory may differ)
     if not isinstance(keep, (int, np.integer)) or isinstance(keep, bool):  # ("2" < 1: a bare TypeError; a probe)
@@ -464,11 +481,6 @@ def _save(path: str, tree: Any, keep: int) -> SaveHandle:
             gone.set_exception(again_lost)
             return [gone]
 
-    # The save waits for the steps that make what it saves, as an await of their outputs does: a coroutine's cancelled
-    # await of such a step (a `wait_for` on its loss timing out) aborted it, and the save failed, "nothing was
-    # committed", though the README says a step another wait counts on runs on (a probe; see runtime/waiters.py).
-    making = {id(r): r for _, x in flat if isinstance(x, RemoteArray) and (r := x._ready) is not None and not r.done()}
-
     async def write() -> str:
         seen = generation  # (the recoveries started when the save was last sent)
         try:
@@ -562,14 +574,7 @@ def _save(path: str, tree: Any, keep: int) -> SaveHandle:
 
         sent.add_done_callback(handed)  # (called on the loop: the dispatch settles it there)
 
-    counted = waiting_for(making.values())  # (from the call on, not from the write's first turn on the loop)
-    counted.__enter__()
-    try:
-        handle = SaveHandle(mesh.submit_coroutine(write()), mesh)
-    except BaseException:
-        counted.__exit__(None, None, None)
-        raise
-    handle._future.add_done_callback(lambda _: counted.__exit__(None, None, None))
+    handle = SaveHandle(mesh.submit_coroutine(write()), mesh)
     handle._future.add_done_callback(
         lambda f: mesh._io.call_soon(abandon_when_answered) if f.cancelled() or f.exception() is not None else None)
     mesh.track_save(handle._future)
@@ -683,7 +688,8 @@ def _reading(path: str, read: Callable[[Manifest], Any]) -> Any:
             if attempt >= READ_AGAIN:
                 raise CheckpointError(f"{before} was removed while it was read, {attempt + 1} times in a row: saves with "
                                       f"keep= into {path} replace checkpoints faster than they can be read; read one "
-                                      "they keep (keep=2 or more), or read again", checkpoint=before) from e
+                                      f"they keep (keep=2 or more), or read again (the last read failed: "
+                                      f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''})", checkpoint=before) from e
             log.info("reading %s: it was replaced by %s while it was read (a save with keep=); reading that", before, after)
 
 

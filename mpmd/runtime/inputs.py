@@ -252,6 +252,11 @@ class InputStager:
                 lease.pooled.append(seg.ino if seg is not None else 0)
         return lease
 
+    def _current(self, actor: int, names: list[str]) -> list[str]:
+        """Those of `names` under `actor`'s prefix now (a reconnect gives it another random part)."""
+        prefix = self.prefix(actor)
+        return [n for n in names if n.startswith(prefix)]
+
     def _name(self, actor: int) -> str:
         """A segment name of `actor`'s prefix never given before (next() holds the GIL: each name once)."""
         return f"{self.prefix(actor)}{next(self._names)}"
@@ -323,8 +328,10 @@ class InputStager:
                 if once.acquire(blocking=False):  # (once: from the reply, or when the request is dropped unsent)
                     with self._lock:
                         self.puts.release(actor, reused, answered)
-                        if not answered and retire:  # (they may not have reached the actor: told again)
-                            self.puts.told.setdefault(actor, [])[:0] = retire
+                        if not answered and retire:  # (they may not have reached the actor: told again, those of the
+                            # prefix it has now: a reconnect meanwhile gave another, and the actor refused every put
+                            # that listed an old one; a review)
+                            self.puts.told.setdefault(actor, [])[:0] = self._current(actor, retire)
                     self._once_done(actor, array.nbytes)
 
             try:
@@ -337,7 +344,7 @@ class InputStager:
             return notice, release
         if retire:
             with self._lock:  # (told with the next put that has a notice of its own to carry them)
-                self.puts.told.setdefault(actor, [])[:0] = retire
+                self.puts.told.setdefault(actor, [])[:0] = self._current(actor, retire)
         name = self._name(actor)
         try:
             mm, ino = shm.create_segment(name, _aligned(max(array.nbytes, 1)))
