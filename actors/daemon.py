@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import faulthandler
 import fcntl
@@ -42,7 +43,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from actors import cluster
 from actors.compile_cache import CompileCacheBound, prune_compile_cache
@@ -364,26 +366,53 @@ def load_security(args: argparse.Namespace) -> tuple[object | None, dict[bytes, 
     return None, {}
 
 
+# Signals while the daemon starts, before `serve` hands them to its event loop: a KeyboardInterrupt raised inside
+# jaxlib's native import or its backend's start crashed the daemon (SIGSEGV, SIGABRT: no message; or swallowed in a
+# garbage-collector callback, and the daemon went on to print its ready line) — a probe, Ctrl-C 0.9 s after the start.
+# There a signal is only noted, and raised once that part is over; elsewhere it interrupts at once (`main` says so).
+_STARTING: dict[str, Any] = {"native": False, "pending": None}
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # (SIGHUP: a shell's logout; kept ignored under nohup)
+
+
+def _early_signal(signum: int, frame: Any) -> None:
+    if _STARTING["native"]:
+        _STARTING["pending"] = signum
+        return
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _native_start() -> Iterator[None]:
+    _STARTING["native"] = True
+    try:
+        yield
+    finally:
+        _STARTING["native"] = False
+    if _STARTING["pending"] is not None:
+        raise KeyboardInterrupt
+
+
 async def serve(args: argparse.Namespace, server_pair: object | None, authorized: dict[bytes, str]) -> None:
-    import jax
-    import zmq
-    import zmq.asyncio
+    with _native_start():
+        import jax
+        import zmq
+        import zmq.asyncio
 
-    # Exported executables carry explicit dtypes, so 64-bit support only stops put() from narrowing
-    # float64/int64 arrays; it changes nothing the controller lowered.
-    jax.config.update("jax_enable_x64", True)
+        # Exported executables carry explicit dtypes, so 64-bit support only stops put() from narrowing
+        # float64/int64 arrays; it changes nothing the controller lowered.
+        jax.config.update("jax_enable_x64", True)
 
-    from actors import collector
-    from actors.handlers import GOVERNING, Actor
-    from actors.interpreter import failed_task
-    from actors.request import HeldByLoader, RequestError, StepAborted, WaitedInVain, format_exception
-    from actors.sandbox import ALLOWED_CUSTOM_CALLS, BlobChecker, CheckerPool
-    from transport.auth import Authenticator, KeyPair, configure_server, user_id
-    from transport.control import COMING_BYTES, COMING_LEAD, bind_failure, bind_router, tcp_endpoint
-    from transport.p2p import DataPlane
-    from transport.p2p.base import ArrivalLimits
-    from transport.protocol import QUEUED_BEHIND_STEPS, ProtocolError, decode, encode, error_reply, message_id
-    from transport.ratelimit import RateLimitedLog
+        from actors import collector
+        from actors.handlers import GOVERNING, Actor
+        from actors.interpreter import failed_task
+        from actors.request import HeldByLoader, RequestError, StepAborted, WaitedInVain, format_exception
+        from actors.sandbox import ALLOWED_CUSTOM_CALLS, BlobChecker, CheckerPool
+        from transport.auth import Authenticator, KeyPair, configure_server, user_id
+        from transport.control import COMING_BYTES, COMING_LEAD, bind_failure, bind_router, tcp_endpoint
+        from transport.p2p import DataPlane
+        from transport.p2p.base import ArrivalLimits
+        from transport.protocol import QUEUED_BEHIND_STEPS, ProtocolError, decode, encode, error_reply, message_id
+        from transport.ratelimit import RateLimitedLog
 
     log = logging.getLogger("mpmd.actor")
     warn = RateLimitedLog(log)
@@ -393,7 +422,8 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         log.warning("serving %s without authentication: any local user can reach it; %s are refused (give the "
                     "daemon --server-key/--authorized-keys, or --insecure)", args.listen, ", ".join(sorted(trusted_only)))
     try:  # (an unknown --platform, or cuda on a machine without a GPU, fails here: say it in one line)
-        jax.devices()
+        with _native_start():  # (the backend's start: native too)
+            jax.devices()
     except Exception as e:
         raise SystemExit(f"mpmd-actor: JAX found no devices for --platform {args.platform or os.environ.get('JAX_PLATFORMS') or '(default)'}: "
                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else '(is that device and its jaxlib plugin here?)'}") from None
@@ -476,8 +506,9 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     actor.request_stop = stop.set  # (a shutdown put off until the daemon's last session ends)
     orphaned = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    for sig in STOP_SIGNALS:
+        if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN:  # (nohup's SIGHUP stays ignored)
+            loop.add_signal_handler(sig, stop.set)
 
     async def reply(identity: bytes, frames: list) -> None:
         try:  # (never waits: a connection that leaves CONTROL_QUEUE replies unread loses the next ones, not the daemon)
@@ -858,6 +889,9 @@ def flush_replies(wait_s: float = 2.0) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    for sig in STOP_SIGNALS:  # (see _STARTING; nohup's ignored SIGHUP stays ignored)
+        if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, _early_signal)
     try:
         _main(argv)
     except KeyboardInterrupt:  # Ctrl-C while it starts (the signal handlers come later): no traceback

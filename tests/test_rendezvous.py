@@ -339,9 +339,11 @@ def test_daemon_flags_that_cannot_work_are_refused_at_once_saying_what_to_do(tmp
         mpmd.RemoteMesh.from_rendezvous(shared, 1, keys=keys, timeout=1)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_daemon_stopped_by_a_signal_removes_its_sockets(tmp_path, sig):
-    """The data-plane socket (--ipc-dir/p2p-<id>.sock) stayed behind on SIGTERM and SIGINT (a probe)."""
+    """The data-plane socket (--ipc-dir/p2p-<id>.sock) stayed behind on SIGTERM and SIGINT (a probe); SIGHUP (a shell's
+    logout, the README's `for i in 0 1; do mpmd-actor ... & done`) killed the daemon with status 129, leaving its sockets
+    and compile directory (a probe): it stops as SIGTERM does (unless ignored: nohup)."""
     proc, _ = start_daemon("--listen", f"ipc://{tmp_path}/a0.sock", "--p2p", "ipc", "--ipc-dir", str(tmp_path), "--insecure")
     try:
         assert sorted(os.listdir(tmp_path)) == ["a0.sock", "p2p-0.sock"]
