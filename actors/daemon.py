@@ -6,7 +6,7 @@
     mpmd-actor --listen ipc:///tmp/a0.sock --cpu-devices 4 --insecure   # a local actor, no keys
 
 On start it prints one line ``MPMD_ACTOR_READY <endpoint> <p2p endpoint>`` to stdout (``:0`` binds a free
-port, and the line says which). It serves requests until a ``shutdown`` request, SIGTERM or SIGINT, or
+port, and the line says which). It serves requests until a ``shutdown`` request, SIGTERM, SIGINT or SIGHUP (unless ignored: nohup), or
 (with ``--parent-pid``) until that process has exited (a zombie counts as exited). A bad request gets an
 error reply within ``--request-timeout`` (a step, or a get or wait of what a step makes, from when the steps
 of its session before it ended); it never stops the daemon. ``kill -USR1 <pid>`` writes every
