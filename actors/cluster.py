@@ -310,13 +310,17 @@ def _rendezvous_keys(args: argparse.Namespace) -> tuple[Any, bytes] | None:
         return None
     try:
         pair = KeyPair.load(args.rendezvous_key or args.authorized_keys)
-        servers = list(load_authorized_keys(args.authorized_keys)) if args.authorized_keys else [pair.public]
+        # The controller serves the rendezvous with the job's pair, the one given here: with --rendezvous-key that pair's
+        # public half is the server's, whatever else --authorized-keys admits (a second identity's key there refused the
+        # rendezvous although the README offers the flag for it; a probe).
+        servers = list(load_authorized_keys(args.authorized_keys)) if args.authorized_keys and not args.rendezvous_key else [pair.public]
     except AuthKeyError as e:
         raise RegistrationError(f"{e} (a TCP rendezvous needs the job's key pair: --rendezvous-key FILE, or "
                                 "--authorized-keys DIR holding exactly one *.key_secret)") from None
     if len(servers) != 1:
         raise RegistrationError(f"--authorized-keys {args.authorized_keys} holds {len(servers)} public keys; a TCP rendezvous "
-                                "is served with one (the controller's): keep one there, or use a file rendezvous")
+                                "is served with one (the controller's): name the job's pair with --rendezvous-key FILE "
+                                "(its *.key_secret), keep one key there, or use a file rendezvous")
     return pair, servers[0]
 
 

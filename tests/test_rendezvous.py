@@ -758,3 +758,21 @@ def test_a_rendezvous_directory_under_one_others_may_write_is_refused(tmp_path, 
     os.chmod(shared, 0o755)
     with pytest.raises(mpmd.RendezvousError, match="only 0 of 1 actors arrived"):  # (checked, then waited for)
         mpmd.RemoteMesh.from_rendezvous(shared / "rdv", 1, keys=keys, timeout=1)
+
+
+def test_a_tcp_rendezvous_takes_the_job_pair_named_by_rendezvous_key_beside_a_second_identitys_key(tmp_path):
+    """With a second identity's pair beside the job's in --authorized-keys (the README's separate identities), a TCP
+    rendezvous daemon exited "holds 2 public keys" even with --rendezvous-key naming the job's pair, which the README
+    offers for it (a probe). The pair named is the rendezvous server's (the controller serves with the job's pair)."""
+    import argparse
+
+    from actors.cluster import RegistrationError, _rendezvous_keys
+
+    keys = tmp_path / "keys"
+    generate_key_files(keys, "mpmd")
+    generate_key_files(keys, "alice")
+    args = argparse.Namespace(insecure=False, rendezvous_key=str(keys / "mpmd.key_secret"), authorized_keys=str(keys))
+    pair, server = _rendezvous_keys(args)
+    assert server == pair.public == KeyPair.load(keys / "mpmd.key_secret").public
+    with pytest.raises(RegistrationError, match="holds 2 public keys.*--rendezvous-key FILE"):
+        _rendezvous_keys(argparse.Namespace(insecure=False, rendezvous_key=None, authorized_keys=str(keys)))
