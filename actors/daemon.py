@@ -514,7 +514,10 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         try:  # (never waits: a connection that leaves CONTROL_QUEUE replies unread loses the next ones, not the daemon)
             await sock.send_multipart([identity, *frames], copy=False, flags=zmq.DONTWAIT)
         except zmq.ZMQError as e:  # the controller went away (ROUTER_MANDATORY: host unreachable) or reads nothing
-            warn.warning("reply", "could not reply to %r: %s", identity, e)
+            if e.errno == zmq.EHOSTUNREACH:  # (gone: also what a normal close does to a reply still on its way, which
+                log.info("could not reply to %r: %s (its controller is gone)", identity, e)  # a warning made look wrong)
+            else:
+                warn.warning("reply", "could not reply to %r: %s", identity, e)
 
     abandoned = Abandoned(args.actor_id)
 
