@@ -88,6 +88,9 @@ def test_keys_generate_makes_its_directory_755_under_any_umask_and_never_writes_
     assert (tmp_path / "victim").read_text() == "mine" and sorted(p.name for p in links.iterdir()) == ["mpmd.key_secret"]
     with pytest.raises(AuthKeyError, match="is a symbolic link .*remove the link"):
         generate_key_files(links, overwrite=True)
+    capsys.readouterr()
+    assert keys_cli.main(["keys", "generate", "/proc/keys_here"]) == 1  # (a bare "[Errno 2] ..." before; a probe)
+    assert "mpmd keys generate: cannot write a key pair in /proc/keys_here: " in capsys.readouterr().err
     (tmp_path / "a.svg").write_text("x")  # a file where the directory goes: said so (a bare "[Errno 17] File exists")
     capsys.readouterr()
     assert keys_cli.main(["keys", "generate", str(tmp_path / "a.svg")]) == 1

@@ -561,6 +561,7 @@ def test_cli_simulate_refuses_a_picture_named_for_the_other_format(tmp_path, cap
 def test_cli_simulate_names_the_flag_it_refuses_and_runs_as_python_m_mpmd(tmp_path, capsys):
     """`--actors -2` was refused as the schedule's "num_stages must be a positive int", `--svg ''` wrote nothing and
     said nothing (exit 0), and `python -m mpmd` had no __main__ (a probe)."""
+    import os
     import subprocess
     import sys
 
@@ -573,6 +574,8 @@ def test_cli_simulate_names_the_flag_it_refuses_and_runs_as_python_m_mpmd(tmp_pa
     for flag in ("--svg", "--png", "--trace"):
         assert main(["simulate", "--schedule", "GPipe", "--actors", "2", "--microbatches", "2", flag, ""]) == 2
         assert f"{flag} needs a file name, got ''" in capsys.readouterr().err
+        assert main(["simulate", "--schedule", "GPipe", "--actors", "2", "--microbatches", "2", flag, "-"]) == 2
+        assert f"{flag} -: give a file name" in capsys.readouterr().err and not os.path.exists("-")
     assert main(["simulate", "--schedule", "GPipe", "--actors", "2", "--microbatches", "2", "--trace", str(tmp_path / "t.svg")]) == 0
     assert (tmp_path / "t.svg").read_text().lstrip().startswith(("{", "["))  # (a trace may be named anything)
     out = subprocess.run([sys.executable, "-m", "mpmd", "simulate", "--schedule", "GPipe", "--actors", "2", "--microbatches", "2"],

@@ -91,6 +91,10 @@ def _simulate(args: argparse.Namespace) -> int:
         if not path.strip():  # (`--svg ''` wrote nothing and said nothing; a probe)
             print(f"mpmd simulate: {flag} needs a file name, got {path!r}", file=sys.stderr)
             return 2
+        if path == "-":  # (it wrote a file named "-" and said "wrote -": a probe; stdout holds the table)
+            print(f"mpmd simulate: {flag} -: give a file name (the table goes to stdout; the picture or trace goes to a file)",
+                  file=sys.stderr)
+            return 2
         ending = os.path.splitext(path)[1].lower()
         if flag != "--trace" and ending in (".png", ".svg") and ending != "." + flag[2:]:  # (`--svg out.png` wrote SVG into a .png; a probe)
             print(f"mpmd simulate: {flag} {path}: that name ends in {ending}; name it .{flag[2:]} (or use --{ending[1:]})",

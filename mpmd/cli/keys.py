@@ -52,8 +52,12 @@ def run(args: argparse.Namespace) -> int:
         else:
             check_safe_path(next(p for p in made.parents if p.is_dir()), f"directory that would hold the key directory {made}")
         public, secret = generate_key_files(args.dir, args.name, overwrite=args.force)
-    except (AuthKeyError, OSError) as e:
+    except AuthKeyError as e:
         print(f"mpmd keys generate: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # (a bare "[Errno 2] No such file or directory" for /proc/keys_here: a probe)
+        print(f"mpmd keys generate: cannot write a key pair in {args.dir}: {e.strerror or e}"
+              + (f" ({e.filename})" if e.filename and str(e.filename) != str(args.dir) else ""), file=sys.stderr)
         return 1
     print(f"wrote {public} (public: give it to whoever must admit this key)")
     print(f"wrote {secret} (secret, mode 600: keep it on the machines that use this identity)")
