@@ -506,9 +506,13 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     actor.request_stop = stop.set  # (a shutdown put off until the daemon's last session ends)
     orphaned = asyncio.Event()
     loop = asyncio.get_running_loop()
+    def stop_on(sig: int) -> None:  # (the log said nothing of why the daemon stopped; a probe)
+        log.warning("stopping: %s received", signal.Signals(sig).name)
+        stop.set()
+
     for sig in STOP_SIGNALS:
         if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN:  # (nohup's SIGHUP stays ignored)
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, stop_on, sig)
 
     async def reply(identity: bytes, frames: list) -> None:
         try:  # (never waits: a connection that leaves CONTROL_QUEUE replies unread loses the next ones, not the daemon)

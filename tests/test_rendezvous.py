@@ -349,6 +349,8 @@ def test_a_daemon_stopped_by_a_signal_removes_its_sockets(tmp_path, sig):
         assert sorted(os.listdir(tmp_path)) == ["a0.sock", "p2p-0.sock"]
         proc.send_signal(sig)
         assert proc.wait(20) == 0
+        with open(proc.log) as f:  # (and its log says why it stopped: it said nothing; a probe)
+            assert f"stopping: {signal.Signals(sig).name} received" in f.read()
     finally:
         stop_daemon(proc)
     assert os.listdir(tmp_path) == []
