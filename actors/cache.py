@@ -20,7 +20,6 @@ the daemon, bounded by the request only: the child has no GPU.)
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
 import json
 import logging
@@ -263,10 +262,6 @@ class ExecutableCache:
         if not self._off_loop.get(key) and key in self._compiled:
             self._off_loop[key] = True
             log.info("executable %s held the event loop %.0f ms in its dispatch; its calls go through a thread from now on", key, seconds * 1e3)
-
-    def slow_dispatch(self, key: str) -> Callable[[float], None]:
-        """What `Stream.call_watched` tells of a slow dispatch of `key`: `send_off_loop`."""
-        return functools.partial(self.send_off_loop, key)
 
     def get(self, key: str) -> Any:
         try:

@@ -530,7 +530,7 @@ class Actor:
 
         async def compute() -> list[Any]:
             args = [await asyncio.shield(r) if isinstance(r, asyncio.Future) else r for r in refs]
-            _, results = await self.stream.call_awaited(exe, args, self.cache.goes_off_loop(key), self.cache.slow_dispatch(key))
+            _, results = await self.stream.call_awaited(exe, args, self.cache.goes_off_loop(key), self.cache.send_off_loop, key)
             if len(results) != len(outputs):
                 raise RequestError(f"executable returns {len(results)} values but {len(outputs)} output ids were given")
             return results

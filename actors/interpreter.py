@@ -148,9 +148,9 @@ class Interpreter:
                                                     trace.arrived(ins.inputs))
                         elif self.stream.must_await(off := self.cache.goes_off_loop(ins.exe)):
                             last, results = await self.stream.call_awaited(self.cache.get(ins.exe), args, off,
-                                                                           self.cache.slow_dispatch(ins.exe))
+                                                                           self.cache.send_off_loop, ins.exe)
                         else:
-                            last, results = self.stream.call_watched(self.cache.get(ins.exe), args, self.cache.slow_dispatch(ins.exe))
+                            last, results = self.stream.call_watched(self.cache.get(ins.exe), args, self.cache.send_off_loop, ins.exe)
                     except Exception as e:
                         _mark_task(e, str(ins.label))
                         raise

@@ -187,15 +187,24 @@ class Stream:
         self._inflight.append(out[0])
         return out[0], out[1:]
 
-    def call_watched(self, exe: Any, args: Sequence[Any], slow: Callable[[float], None]) -> tuple[Any, Sequence[Any]]:
+    def call_watched(self, exe: Any, args: Sequence[Any], slow: Callable[[Any, float], None], key: Any) -> tuple[Any, Sequence[Any]]:
         """`call` from the event loop, timing the dispatch's CPU: past `SLOW_DISPATCH` (XLA ran it inline, unforeseen by
-        `goes_off_loop`) `slow(seconds)` is told, to send the executable's later calls off the loop (CPU, not wall
+        `goes_off_loop`) `slow(key, seconds)` is told, to send the executable's later calls off the loop (CPU, not wall
         time: a loop preempted on a shared core is not slow)."""
         cpu = time.thread_time()
         out = self.call(exe, args)
         if (cpu := time.thread_time() - cpu) > SLOW_DISPATCH:
-            slow(cpu)
+            slow(key, cpu)
         return out
+
+    def hold(self, running: asyncio.Future[Any]) -> None:
+        """A call on a thread (`running`, whose result starts with its token) holds the token until it is done: calls
+        dispatched meanwhile wait for it (`idle`). Ordered streams only: an unordered one, a GPU's, has no token, and
+        its result would start with the outputs, which the daemon's record of a cut-off call would keep alive."""
+        if not self.ordered:
+            return
+        self.busy = running
+        running.add_done_callback(lambda _: setattr(self, "busy", None) if self.busy is running else None)
 
     def marker(self) -> Any:
         """What marks the last call dispatched done: its order token, or, while a call off the loop is still being
@@ -214,13 +223,13 @@ class Stream:
         return self.busy is not None or (self.offloads and (off or self.crowded()))
 
     async def call_awaited(self, exe: Any, args: Sequence[Any], off: bool,
-                           slow: Callable[[float], None] | None = None) -> tuple[Any, Sequence[Any]]:
+                           slow: Callable[[Any, float], None] | None = None, key: Any = None) -> tuple[Any, Sequence[Any]]:
         """`call` once no call off the loop holds the token; one that goes off the loop (see `must_await`) from a
         thread of its own; one on the loop watched as `call_watched` does when `slow` is given."""
         if self.offloads and (off or self.crowded()):
             return await self.call_off_loop(exe, args)
         await self.idle()
-        return self.call_watched(exe, args, slow) if slow is not None else self.call(exe, args)
+        return self.call_watched(exe, args, slow, key) if slow is not None else self.call(exe, args)
 
     async def call_off_loop(self, exe: Any, args: Sequence[Any]) -> tuple[Any, Sequence[Any]]:
         """`call` from a thread of its own (one for the actor's calls off the loop: `goes_off_loop`), the event loop serving meanwhile (its
@@ -229,13 +238,8 @@ class Stream:
         await self.idle()
         if Stream._off_loop_calls is None:
             Stream._off_loop_calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpmd-off-loop-run")
-        done = self.busy = asyncio.wrap_future(Stream._off_loop_calls.submit(self.call, exe, args))
-
-        def clear(_: Any) -> None:
-            if self.busy is done:
-                self.busy = None
-
-        done.add_done_callback(clear)
+        done = asyncio.wrap_future(Stream._off_loop_calls.submit(self.call, exe, args))
+        self.hold(done)
         return await asyncio.shield(done)
 
     async def idle(self) -> None:
@@ -292,13 +296,9 @@ class StepTrace:
 
         # The tracing thread holds the token while it runs, as a call off the loop does (`Stream.call_off_loop`):
         # a call dispatched meanwhile (an `actor.run`, say) waits for it instead of reading the token before it.
-        # (Ordered calls only: an unordered stream, a GPU's, has no token to hold, and its future's result would start
-        # with the outputs, which the daemon's record of a cut-off call would then keep alive; a review.)
         await stream.idle()
         running = asyncio.wrap_future(StepTrace._executor.submit(timed))
-        if stream.ordered:
-            stream.busy = running
-            running.add_done_callback(lambda _: setattr(stream, "busy", None) if stream.busy is running else None)
+        stream.hold(running)
         _, outs, t0, t1 = await asyncio.shield(running)
         self.events.append(["run", label, waited_from, ready, t0, t1])
         self.run_arrivals.append(arrived)

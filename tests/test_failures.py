@@ -1126,7 +1126,7 @@ def test_a_dispatch_that_held_the_loop_is_told_on_the_path_actor_run_takes_too()
     `Stream.call_awaited`, had none (a blind spot written down in the last session's note). Both paths now time
     the dispatch (`call_watched`); a cheap dispatch is not reported. The executable here is a Python callable that
     computes for ~3x the bound in the calling thread before calling a jitted function (what an inline XLA run does
-    to the loop); the daemon's wiring of it to its executable cache is `ExecutableCache.slow_dispatch`."""
+    to the loop); the daemon's wiring of it to its executable cache is `ExecutableCache.send_off_loop`."""
     from actors.stream import SLOW_DISPATCH, Stream
 
     stream = Stream(jax.devices("cpu")[0], ordered_calls=True)
@@ -1140,10 +1140,10 @@ def test_a_dispatch_that_held_the_loop_is_told_on_the_path_actor_run_takes_too()
             pass
         return step(tok, v)
 
-    told: list[float] = []
-    _, (y,) = asyncio.run(stream.call_awaited(inline, [x], False, told.append))
-    assert len(told) == 1 and told[0] >= 3 * SLOW_DISPATCH and float(y[0]) == 2.0
-    asyncio.run(stream.call_awaited(step, [y], False, told.append))
+    told: list[tuple[str, float]] = []
+    _, (y,) = asyncio.run(stream.call_awaited(inline, [x], False, lambda key, s: told.append((key, s)), "inline"))
+    assert len(told) == 1 and told[0][0] == "inline" and told[0][1] >= 3 * SLOW_DISPATCH and float(y[0]) == 2.0
+    asyncio.run(stream.call_awaited(step, [y], False, lambda key, s: told.append((key, s)), "step"))
     assert len(told) == 1  # (a cheap dispatch is not)
 
 
