@@ -24,6 +24,35 @@ CURVE-authenticated with keys the daemon makes at start (see transport/auth.py) 
 
 from __future__ import annotations
 
+import signal
+
+# Signals while the daemon starts, before `serve` hands them to its event loop: a KeyboardInterrupt raised inside
+# jaxlib's native import or its backend's start crashed the daemon (SIGSEGV, SIGABRT: no message; or swallowed in a
+# garbage-collector callback, and the daemon went on to print its ready line) — a probe, Ctrl-C 0.9 s after the start;
+# one inside numpy's or ml_dtypes' import turned into an ImportError and its traceback, and one in this module's imports
+# (0.05-0.5 s after the start) into a KeyboardInterrupt's. There a signal is only noted, and raised once that part is
+# over; elsewhere it interrupts at once (`main` says so).
+_STARTING: dict[str, Any] = {"native": False, "pending": None}
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # (SIGHUP: a shell's logout; kept ignored under nohup)
+
+
+def _early_signal(signum: int, frame: Any) -> None:
+    if _STARTING["native"]:
+        _STARTING["pending"] = signum
+        return
+    raise KeyboardInterrupt
+
+
+def _take_stop_signals() -> None:
+    for sig in STOP_SIGNALS:  # (nohup's ignored SIGHUP stays ignored)
+        if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, _early_signal)
+
+
+if __name__ == "__main__":  # `python -m actors.daemon` (as RemoteMesh.local starts it): held from here, not after the
+    _STARTING["native"] = True  # imports below; `main` raises one noted meanwhile (the `mpmd-actor` script's window
+    _take_stop_signals()  # before `main` is this module's import, ~0.1 s)
+
 import argparse
 import asyncio
 import contextlib
@@ -37,7 +66,6 @@ import math
 import os
 import re
 import shutil
-import signal
 import stat
 import sys
 import tempfile
@@ -366,21 +394,6 @@ def load_security(args: argparse.Namespace) -> tuple[object | None, dict[bytes, 
     return None, {}
 
 
-# Signals while the daemon starts, before `serve` hands them to its event loop: a KeyboardInterrupt raised inside
-# jaxlib's native import or its backend's start crashed the daemon (SIGSEGV, SIGABRT: no message; or swallowed in a
-# garbage-collector callback, and the daemon went on to print its ready line) — a probe, Ctrl-C 0.9 s after the start.
-# There a signal is only noted, and raised once that part is over; elsewhere it interrupts at once (`main` says so).
-_STARTING: dict[str, Any] = {"native": False, "pending": None}
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # (SIGHUP: a shell's logout; kept ignored under nohup)
-
-
-def _early_signal(signum: int, frame: Any) -> None:
-    if _STARTING["native"]:
-        _STARTING["pending"] = signum
-        return
-    raise KeyboardInterrupt
-
-
 @contextlib.contextmanager
 def _native_start() -> Iterator[None]:
     _STARTING["native"] = True
@@ -425,8 +438,12 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         with _native_start():  # (the backend's start: native too)
             jax.devices()
     except Exception as e:
-        raise SystemExit(f"mpmd-actor: JAX found no devices for --platform {args.platform or os.environ.get('JAX_PLATFORMS') or '(default)'}: "
-                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else '(is that device and its jaxlib plugin here?)'}") from None
+        platform = args.platform or os.environ.get("JAX_PLATFORMS") or "(default)"
+        # (JAX 0.10 says a bare AssertionError for cuda on a machine without its plugin or a GPU: no text to quote)
+        why = (f"{type(e).__name__}: {str(e).splitlines()[0]}" if str(e).strip() else
+               f"JAX could start no {platform} backend (is that device here, and its jaxlib plugin installed — for "
+               f"cuda `pip install 'jax[cuda12]'`? `python -c 'import jax; print(jax.devices())'` with JAX_PLATFORMS={platform} shows JAX's own error)")
+        raise SystemExit(f"mpmd-actor: JAX found no devices for --platform {platform}: {why}") from None
     _import_loaders(args.allow_loader)
     ctx = zmq.asyncio.Context.instance()
     auth = None
@@ -896,10 +913,12 @@ def flush_replies(wait_s: float = 2.0) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    for sig in STOP_SIGNALS:  # (see _STARTING; nohup's ignored SIGHUP stays ignored)
-        if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN:
-            signal.signal(sig, _early_signal)
+    _take_stop_signals()  # (see _STARTING)
     try:
+        with _native_start():  # the native modules every start imports (the rest, JAX's, `serve` imports so)
+            import msgpack  # noqa: F401
+            import numpy  # noqa: F401
+            import zmq  # noqa: F401
         _main(argv)
     except KeyboardInterrupt:  # Ctrl-C while it starts (the signal handlers come later): no traceback
         sys.stderr.write("mpmd-actor: interrupted while starting\n")

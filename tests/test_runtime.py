@@ -3,6 +3,8 @@
 import os
 import signal
 import stat
+import subprocess
+import sys
 import threading
 import time
 
@@ -614,3 +616,29 @@ def test_a_signal_while_the_daemon_starts_jax_is_held_until_that_is_over():
     daemon._STARTING["pending"] = None
     with pytest.raises(KeyboardInterrupt):
         daemon._early_signal(signals.SIGTERM, None)
+
+
+def _catches(pid: int, signum: int) -> bool:
+    with open(f"/proc/{pid}/status") as f:
+        caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(caught >> (signum - 1) & 1)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the signal mask in /proc (Linux)")
+def test_a_ctrl_c_as_soon_as_the_daemon_takes_its_signals_stops_it_in_one_line():
+    """A probe (2026-12-07): Ctrl-C 0.05-0.8 s after `python -m actors.daemon` started printed a KeyboardInterrupt's
+    traceback from inside its module's imports, or an ImportError's ("numpy._core.multiarray failed to import":
+    the interrupt landed in numpy's native import). The daemon takes its stop signals from its first line; the
+    interrupt sent the moment it does (SIGTERM caught: Python catches only SIGINT itself) stops it with one line."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, "-m", "actors.daemon", "--listen", "tcp://127.0.0.1:0", "--insecure"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        deadline = time.monotonic() + 60
+        while not _catches(proc.pid, signal.SIGTERM) and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=60)[0].decode()
+        assert "Traceback" not in out and "Error" not in out, out
+        assert proc.returncode == 130 and out.strip() == "mpmd-actor: interrupted while starting", (proc.returncode, out)
