@@ -818,6 +818,9 @@ def test_a_daemon_that_stopped_cleanly_is_described_as_such():
 
     assert describe_exit(0).startswith("exited with code 0 (a clean stop: SIGTERM")
     assert describe_exit(-signal.SIGTERM) == "was terminated (SIGTERM)" and describe_exit(3) == "exited with code 3"
+    # a signal is named, not numbered ("was killed by signal 1" for a closed terminal's SIGHUP: a probe)
+    assert describe_exit(-signal.SIGHUP).startswith("was hung up on (SIGHUP")
+    assert describe_exit(-signal.SIGUSR1) == "was killed by SIGUSR1" and describe_exit(-200) == "was killed by signal 200"
 
 
 def test_a_mesh_dropped_without_close_stops_its_daemons_when_collected_saying_so():

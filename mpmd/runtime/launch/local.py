@@ -183,12 +183,20 @@ def cpu_sets(num_actors: int, cpus_per_actor: int) -> list[list[int]]:
 _SIGNALS = {signal.SIGKILL: "was killed by SIGKILL (kill -9, or the kernel's out-of-memory killer: see `dmesg`)",
             signal.SIGSEGV: "crashed with SIGSEGV (a segmentation fault)", signal.SIGABRT: "aborted (SIGABRT)",
             signal.SIGBUS: "crashed with SIGBUS", signal.SIGTERM: "was terminated (SIGTERM)", signal.SIGINT: "was interrupted (SIGINT)",
-            signal.SIGILL: "crashed with SIGILL", signal.SIGFPE: "crashed with SIGFPE"}
+            signal.SIGILL: "crashed with SIGILL", signal.SIGFPE: "crashed with SIGFPE",
+            signal.SIGHUP: "was hung up on (SIGHUP: the terminal or ssh session it ran in closed, or `kill -HUP`)"}
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def describe_exit(code: int) -> str:
     if code < 0:
-        return _SIGNALS.get(-code, f"was killed by signal {-code}")
+        return _SIGNALS.get(-code, f"was killed by {_signal_name(-code)}")
     if code == 0:  # (the daemon stops cleanly on SIGTERM and SIGINT too: its exit status does not say which)
         return "exited with code 0 (a clean stop: SIGTERM, SIGINT, a shutdown request, or its controller gone)"
     return f"exited with code {code}"
