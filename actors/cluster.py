@@ -326,13 +326,45 @@ def _rendezvous_keys(args: argparse.Namespace) -> tuple[Any, bytes] | None:
 
 async def register(address: str, arrival: Any, args: argparse.Namespace, stop: asyncio.Event) -> None:
     """Send `arrival` to the controller's TCP rendezvous and wait for its answer (within --rendezvous-timeout)."""
+    from transport.rendezvous import encode_message
+
+    msg = await _exchange(address, encode_message("arrive", arrival=arrival.to_dict()), args, stop, args.rendezvous_timeout)
+    if msg["op"] != "welcome":
+        raise RegistrationError(str(msg.get("error", msg))[:2000])
+
+
+async def report_failure(args: argparse.Namespace, error: str) -> None:
+    """Tell the rendezvous that this daemon could not start, and why (see transport/rendezvous.py), so that its
+    controller stops waiting for it; best effort, within a few seconds (the daemon exits either way)."""
+    from transport.rendezvous import (
+        Failure,
+        RendezvousDirectoryError,
+        check_directory,
+        encode_message,
+        is_tcp,
+        record_failure,
+    )
+
+    failure = Failure.new(args.actor_id, error)
+    try:
+        if is_tcp(args.rendezvous):
+            await _exchange(args.rendezvous, encode_message("failed", failure=failure.to_dict()), args, asyncio.Event(),
+                            min(5.0, args.rendezvous_timeout))
+        else:
+            await asyncio.to_thread(record_failure, check_directory(args.rendezvous, create=True), failure)
+    except (RegistrationError, RendezvousDirectoryError, OSError) as e:
+        log.warning("could not tell the rendezvous %s that this daemon could not start: %s", args.rendezvous, e)
+
+
+async def _exchange(address: str, frame: bytes, args: argparse.Namespace, stop: asyncio.Event, timeout: float) -> dict[str, Any]:
+    """One message to the TCP rendezvous at `address` and its answer (within `timeout` s), over CURVE with the job's key."""
     import zmq
     import zmq.asyncio
     from zmq.utils.monitor import parse_monitor_message
 
     from transport.auth import configure_client
     from transport.control import allow_ipv6
-    from transport.rendezvous import RendezvousFormatError, decode_message, encode_message
+    from transport.rendezvous import RendezvousFormatError, decode_message
 
     keys = _rendezvous_keys(args)
     ctx = zmq.asyncio.Context.instance()
@@ -345,24 +377,20 @@ async def register(address: str, arrival: Any, args: argparse.Namespace, stop: a
     try:
         allow_ipv6(sock, address)
         sock.connect(address)
-        await sock.send(encode_message("arrive", arrival=arrival.to_dict()))
+        await sock.send(frame)
         reply = asyncio.ensure_future(sock.recv())
         refused = asyncio.ensure_future(monitor.recv_multipart())
         stopped = asyncio.ensure_future(stop.wait())
         try:
-            done, _ = await asyncio.wait({reply, refused, stopped}, timeout=args.rendezvous_timeout,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({reply, refused, stopped}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for f in (reply, refused, stopped):
                 f.cancel()
         if reply in done:
             try:
-                msg = decode_message(reply.result())
+                return decode_message(reply.result())
             except RendezvousFormatError as e:
                 raise RegistrationError(f"the rendezvous answered something unreadable: {e}") from None
-            if msg["op"] == "welcome":
-                return
-            raise RegistrationError(str(msg.get("error", msg))[:2000])
         if refused in done:
             event = parse_monitor_message(refused.result())["event"]
             raise RegistrationError(f"the rendezvous at {address} and this daemon do not hold the same key (ZeroMQ "
@@ -370,7 +398,7 @@ async def register(address: str, arrival: Any, args: argparse.Namespace, stop: a
                                     "--authorized-keys names")
         if stopped in done:
             raise RegistrationError("stopped while waiting for the rendezvous")
-        raise RegistrationError(f"no answer from the rendezvous at {address} within {args.rendezvous_timeout:g} s "
+        raise RegistrationError(f"no answer from the rendezvous at {address} within {timeout:g} s "
                                 "(--rendezvous-timeout): is the controller running RemoteMesh.from_rendezvous there, and "
                                 "can this node reach it?")
     finally:

@@ -682,6 +682,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     watcher = watch_parent(loop, args.parent_pid, orphaned, log) if args.parent_pid else None
     publication = None
     if args.rendezvous:  # announced once bound, before the ready line; refused or timed out: exit 1, said in the log
+        args.announcing = True  # (from here a failure is the rendezvous's to tell, not `_main`'s report_failure)
         publication = await cluster.publish(args, endpoint, _p2p_address(p2p), server_pair, stop)
         if publication is None:
             args.exit_status = 1
@@ -1004,7 +1005,14 @@ def _main(argv: list[str] | None = None) -> None:
     # Not asyncio.run: at the end it would join the worker threads, and one may be waiting for a computation
     # nobody will read (a `get` that timed out).
     try:
-        loop.run_until_complete(serve(args, server_pair, authorized))
+        try:
+            loop.run_until_complete(serve(args, server_pair, authorized))
+        except (SystemExit, Exception) as e:  # could not start: its controller, waiting at the rendezvous, is told why
+            if getattr(args, "rendezvous", None) and not getattr(args, "announcing", False):
+                why = e.code if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
+                if isinstance(why, str):
+                    loop.run_until_complete(cluster.report_failure(args, why.removeprefix("mpmd-actor: ")))
+            raise
     finally:  # a daemon that ends before its checker took the early child (a bind failure, no devices) stops it (it
         # was left to exit at its stdin's end, in its own session: out of reach of a kill of the daemon's group; a review)
         early = getattr(args, "early_checker", None)

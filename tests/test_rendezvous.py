@@ -782,3 +782,79 @@ def test_a_tcp_rendezvous_takes_the_job_pair_named_by_rendezvous_key_beside_a_se
     assert server == pair.public == KeyPair.load(keys / "mpmd.key_secret").public
     with pytest.raises(RegistrationError, match="holds 2 public keys.*--rendezvous-key FILE"):
         _rendezvous_keys(argparse.Namespace(insecure=False, rendezvous_key=None, authorized_keys=str(keys)))
+
+
+@pytest.mark.parametrize("over", ["file", "tcp"])
+def test_a_daemon_that_cannot_start_tells_the_waiting_controller_why_at_once(tmp_path, keys, over):
+    """A probe (2026-12-07): a daemon refusing to start (no devices for its --platform, its port taken) left its
+    controller waiting its whole rendezvous timeout and then saying only "missing actor 1". The daemon now says why
+    at the rendezvous (a failed-<id>.json record, or a `failed` message), and the controller stops waiting at once
+    with the daemon's own words; a later daemon of that id, once it claims it, removes the record."""
+    import threading
+
+    if over == "tcp":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            where = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    else:
+        where = str(tmp_path / "rdv")
+    flags = ("--rendezvous", where, "--authorized-keys", str(keys), "--listen", "tcp://127.0.0.1:0")
+    outcome: dict[str, object] = {}
+
+    def wait() -> None:
+        t = time.monotonic()
+        try:
+            mpmd.RemoteMesh.from_rendezvous(where, 2, keys=keys, timeout=120).close()
+        except mpmd.RendezvousError as e:
+            outcome["error"] = e
+        outcome["seconds"] = time.monotonic() - t
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.5)  # (the TCP rendezvous is served by the controller: it binds first)
+    bad = spawn(*flags, "--actor-id", "1", "--platform", "nosuch", env={"JAX_PLATFORMS": ""})
+    try:
+        assert bad.wait(60) == 1, stderr_of(bad)
+        waiter.join(60)
+        assert not waiter.is_alive(), "the controller went on waiting for a daemon that had said it could not start"
+        text = str(outcome["error"])
+        assert outcome["seconds"] < 60 and "actor 1 could not start" in text and f"pid {bad.pid}" in text, outcome
+        assert "JAX found no devices for --platform nosuch" in text and "stops waiting for it" in text, text
+    finally:
+        stop_daemon(bad)
+        waiter.join(1)
+    if over == "file":  # the record stays for the next controller (an old one's only listed) until a daemon of id 1 claims it
+        assert records(where) == ["failed-1.json"]
+        good = spawn(*flags, "--actor-id", "1")
+        try:
+            ready(good)
+            assert records(where) == ["actor-1.json"]
+        finally:
+            stop_daemon(good)
+
+
+def test_an_earlier_jobs_failure_record_is_only_listed_and_a_malformed_one_is_passed_over(tmp_path):
+    """The failure records' rules without daemons: one older than the wait by FAILURE_GRACE (an earlier job's in a
+    reused directory) does not stop the wait but is listed when it times out; one of an id a daemon holds, or past
+    num_actors, is ignored; a malformed or foreign-shaped record is passed over, never read as a failure."""
+    from mpmd.runtime.launch.rendezvous import gather
+    from transport.rendezvous import FAILURE_GRACE, Failure, read_failures, record_failure
+
+    rdv = tmp_path / "rdv"
+    rdv.mkdir(mode=0o700)
+    old = Failure(actor_id=0, host="n1", pid=7, error="port 5555 in use", time=time.time() - FAILURE_GRACE - 60)
+    record_failure(rdv, old)
+    record_failure(rdv, Failure.new(5, "no GPU"))  # past num_actors
+    (rdv / "failed-2.json").write_text('{"actor_id": 2, "error": 3}')
+    (rdv / "failed-3.json").write_text(json.dumps({**Failure.new(1, "x").to_dict()}))  # names another id than its file
+    assert sorted(read_failures(rdv)) == [0, 5]
+    with pytest.raises(mpmd.RendezvousError) as e:
+        gather(rdv, 2, timeout=0.5)
+    text = str(e.value)
+    assert "only 0 of 2 actors arrived" in text and "an earlier daemon's record (before this wait): actor 0 could not start" in text
+    assert "port 5555 in use" in text and "no GPU" not in text, text
+    record_failure(rdv, Failure.new(1, "cannot listen on tcp://0.0.0.0:5556"))  # a current one stops the wait at once
+    t = time.monotonic()
+    with pytest.raises(mpmd.RendezvousError, match=r"actor 1 could not start .*cannot listen on tcp://0.0.0.0:5556"):
+        gather(rdv, 2, timeout=30)
+    assert time.monotonic() - t < 5

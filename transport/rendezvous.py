@@ -27,6 +27,14 @@ hold the job's key pair (``mpmd keys generate DIR``), so neither side can be imp
 | controller | ``{"v": 1, "op": "welcome", "actor_id": id}``     | taken                                          |
 | controller | ``{"v": 1, "op": "refused", "error": text}``      | not taken (e.g. the id is held by a live daemon); |
 |            |                                                   | the daemon exits with that text                |
+| daemon     | ``{"v": 1, "op": "failed", "failure": {...}}``    | I could not start (the failure as in the file) |
+| controller | ``{"v": 1, "op": "noted"}``                       | read                                           |
+
+**A daemon that cannot start** (no devices for its ``--platform``, its port taken, a loader it cannot import) once
+it knows its rendezvous says so there before it exits — ``DIR/failed-<id>.json`` or the ``failed`` message — so that
+the controller stops waiting at once and shows the daemon's own words, rather than its whole timeout and then
+"missing actor N" (a probe). A later daemon's claim of the id removes the record. A record older than
+`FAILURE_GRACE` when the controller starts waiting is from an earlier job: it is only listed if the wait times out.
 """
 
 from __future__ import annotations
@@ -148,6 +156,48 @@ class Arrival:
             raise RendezvousFormatError(f"not JSON: {e}") from None
 
 
+FAILURE_GRACE = 300.0  # s: a failure record older than this when the controller starts waiting is an earlier job's
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What a daemon that could not start tells the rendezvous: its id, where it ran, and its own message."""
+
+    actor_id: int
+    host: str
+    pid: int
+    error: str
+    time: float  # time.time() of the failure
+
+    def __post_init__(self) -> None:
+        for name in ("actor_id", "pid"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise RendezvousFormatError(f"failure field {name} must be a non-negative integer, got {value!r}")
+        for name in ("host", "error"):
+            if not isinstance(getattr(self, name), str):
+                raise RendezvousFormatError(f"failure field {name} must be a string, got {getattr(self, name)!r:.60}")
+        if not isinstance(self.time, (int, float)) or isinstance(self.time, bool):
+            raise RendezvousFormatError(f"failure time must be a time, got {self.time!r}")
+
+    @classmethod
+    def new(cls, actor_id: int, error: str) -> Failure:
+        return cls(actor_id=actor_id, host=socket.gethostname(), pid=os.getpid(), error=error[:4000], time=time.time())
+
+    def describe(self) -> str:
+        return (f"actor {self.actor_id} could not start (pid {self.pid} on {self.host}, "
+                f"{time.strftime('%H:%M:%S', time.localtime(self.time))}): {self.error}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Failure:
+        if not isinstance(d, dict) or set(d) != {f.name for f in fields(cls)}:
+            raise RendezvousFormatError(f"a failure is a map of {sorted(f.name for f in fields(cls))}, got {d!r:.100}")
+        return cls(**d)
+
+
 # ---- the TCP rendezvous messages ------------------------------------------------------------------
 def encode_message(op: str, **body: Any) -> bytes:
     return msgpack.packb({"v": RENDEZVOUS_VERSION, "op": op, **body}, use_bin_type=True)
@@ -216,9 +266,51 @@ def check_directory(directory: str | os.PathLike[str], create: bool = True) -> P
     return d
 
 
-def read_arrival(path: Path) -> Arrival:
-    """One arrival file; refuses one written by another user, or anything but a regular file (opened without
-    blocking: a FIFO under an arrival's name held the controller and the daemon past every timeout; a probe)."""
+def failure_path(directory: str | os.PathLike[str], actor_id: int) -> Path:
+    return Path(directory) / f"failed-{actor_id}.json"
+
+
+def record_failure(directory: str | os.PathLike[str], failure: Failure) -> None:
+    """Write `failure` as its id's failure record (replacing an earlier one), whole: a temporary file, then a rename."""
+    d = Path(directory)
+    tmp = d / f".failed-{failure.actor_id}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, json.dumps(failure.to_dict(), sort_keys=True).encode() + b"\n")
+    finally:
+        os.close(fd)
+    try:
+        os.replace(tmp, failure_path(d, failure.actor_id))
+    except OSError:
+        os.unlink(tmp)
+        raise
+
+
+def read_failures(directory: str | os.PathLike[str]) -> dict[int, Failure]:
+    """Every readable failure record in `directory` (one another user wrote, or not a regular file, is passed over)."""
+    found: dict[int, Failure] = {}
+    with os.scandir(directory) as entries:
+        names = sorted(e.name for e in entries if e.name.startswith("failed-") and e.name.endswith(".json"))
+    for name in names:
+        try:
+            failure = Failure.from_dict(json.loads(_read_own_file(Path(directory) / name)))
+        except (OSError, ValueError, UnicodeDecodeError):  # (RendezvousFormatError is a ValueError)
+            continue
+        if name == failure_path("", failure.actor_id).name:
+            found[failure.actor_id] = failure
+    return found
+
+
+def clear_failure(directory: str | os.PathLike[str], actor_id: int) -> None:
+    try:
+        os.unlink(failure_path(directory, actor_id))
+    except OSError:
+        pass
+
+
+def _read_own_file(path: Path) -> bytes:
+    """A regular file of this user's, at most MAX_ARRIVAL_BYTES + 1 of it, opened without blocking or following a
+    symlink (a FIFO under an arrival's name held the controller and the daemon past every timeout; a probe)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
         st = os.fstat(fd)
@@ -226,10 +318,14 @@ def read_arrival(path: Path) -> Arrival:
             raise RendezvousFormatError(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)}): remove it")
         if st.st_uid != os.getuid():
             raise RendezvousFormatError(f"{path} was written by uid {st.st_uid}, not this user")
-        data = os.read(fd, MAX_ARRIVAL_BYTES + 1)
+        return os.read(fd, MAX_ARRIVAL_BYTES + 1)
     finally:
         os.close(fd)
-    return Arrival.from_json(data)
+
+
+def read_arrival(path: Path) -> Arrival:
+    """One arrival file; refuses one written by another user, or anything but a regular file (see _read_own_file)."""
+    return Arrival.from_json(_read_own_file(path))
 
 
 def read_arrivals(directory: str | os.PathLike[str]) -> tuple[dict[int, Arrival], dict[str, str]]:
@@ -270,6 +366,7 @@ def claim(directory: str | os.PathLike[str], arrival: Arrival, probe_timeout: fl
         for _ in range(2):
             try:
                 os.link(tmp, final)  # fails if the name exists: the claim is exclusive
+                clear_failure(d, arrival.actor_id)  # (an earlier daemon's of this id: this one started)
                 return replaced
             except FileExistsError:
                 pass

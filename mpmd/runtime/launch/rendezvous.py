@@ -33,8 +33,10 @@ from transport.auth import Authenticator, AuthKeyError, ClientKeys, KeyPair, con
 from transport.control import allow_ipv6, bind_failure
 from transport.protocol import PROTOCOL_VERSION
 from transport.rendezvous import (
+    FAILURE_GRACE,
     Arrival,
     ClaimedError,
+    Failure,
     RendezvousDirectoryError,
     RendezvousFormatError,
     check_directory,
@@ -44,6 +46,7 @@ from transport.rendezvous import (
     is_tcp,
     other_scheme,
     read_arrivals,
+    read_failures,
 )
 
 log = logging.getLogger(__name__)
@@ -157,7 +160,23 @@ class _Waiting:
         self.extra: dict[int, Arrival] = {}
         self.bad: dict[str, str] = {}
         self.refused: list[str] = []
+        self.old_failures: dict[int, Failure] = {}
+        self.since = time.time()
         self._probed: dict[str, float] = {}  # instance -> when its endpoint last failed to answer
+
+    def failed(self, failure: Failure, now: bool = False) -> None:
+        """A daemon could not start: stop waiting for its id (`RendezvousError` with its words) unless a daemon holds
+        that id now, or the record is older than this wait (by FAILURE_GRACE: an earlier job's, listed at the end; a
+        TCP message is `now`, whatever the daemon's clock says)."""
+        i = failure.actor_id
+        if i >= self.num_actors or i in self.live:
+            return
+        if not now and failure.time < self.since - FAILURE_GRACE:
+            self.old_failures[i] = failure
+            return
+        raise RendezvousError(f"{failure.describe()}\n  The rendezvous {self.where} stops waiting for it: fix what it says and "
+                              f"start that daemon again, then this controller (of the {self.num_actors} actors, "
+                              f"{len(self.live)} had arrived)")
 
     def offer(self, arrival: Arrival) -> None:
         i = arrival.actor_id
@@ -201,6 +220,9 @@ class _Waiting:
             lines.append(f"{a.describe()} arrived too, but num_actors={self.num_actors}")
         for name, why in sorted(self.bad.items()):
             lines.append(f"{name} was not read: {why}")
+        for i, failure in sorted(self.old_failures.items()):
+            if i not in self.live:
+                lines.append(f"an earlier daemon's record (before this wait): {failure.describe()}")
         lines += [*self.refused, *notes]
         return RendezvousError("\n  ".join(lines))
 
@@ -226,6 +248,8 @@ def gather(where: str | os.PathLike[str], num_actors: int, timeout: float, keys:
         found, waiting.bad = read_arrivals(directory)
         for arrival in found.values():
             waiting.offer(arrival)
+        for failure in read_failures(directory).values():
+            waiting.failed(failure)
         if waiting.complete():
             _warn_extra(waiting)
             return waiting.arrivals()
@@ -309,6 +333,14 @@ class TcpRendezvous:
             if len(frames) != 1:
                 raise RendezvousFormatError(f"expected one frame, got {len(frames)}")
             msg = decode_message(frames[0])
+            if msg["op"] == "failed":
+                failure = Failure.from_dict(msg.get("failure"))
+                try:
+                    waiting.failed(failure, now=True)
+                except RendezvousError as e:  # (fails the gather once the daemon has its answer)
+                    self.fatal = e
+                log.warning("the rendezvous at %s: %s", self.address, failure.describe())
+                return encode_message("noted")
             if msg["op"] != "arrive":
                 raise RendezvousFormatError(f"unknown op {msg['op']!r}")
             arrival = Arrival.from_dict(msg.get("arrival"))
