@@ -418,7 +418,7 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         from actors import collector
         from actors.handlers import GOVERNING, Actor
         from actors.interpreter import failed_task
-        from actors.request import HeldByLoader, RequestError, StepAborted, WaitedInVain, format_exception
+        from actors.request import HeldByLoader, RequestError, StepAborted, StillComputing, WaitedInVain, format_exception
         from actors.sandbox import ALLOWED_CUSTOM_CALLS, BlobChecker, CheckerPool
         from transport.auth import Authenticator, KeyPair, configure_server, user_id
         from transport.control import COMING_BYTES, COMING_LEAD, bind_failure, bind_router, tcp_endpoint
@@ -564,11 +564,17 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
             if deadline.expired():
                 loading = getattr(e, "loading", None) if msg.op == "run_program" else None
                 still = abandoned.still_computing()
+                computing = ""
                 if not loading and not still and msg.op in ("run_program", "run", "get", "wait"):  # (what waits for computation)
-                    abandoned.cut_off(msg, actor.stream.marker())
-                raise (HeldByLoader if loading else WaitedInVain)(
-                    f"'{msg.op}' did not finish within {bound:g} s (mpmd-actor {flag}), so it was cancelled; "
-                    f"{_waiting_on(msg, loading)}{still}") from None
+                    if abandoned.cut_off(msg, actor.stream.marker()):
+                        computing = (f"; actor {args.actor_id} was computing then (not waiting for another actor): XLA "
+                                     "cannot stop a computation once it runs, so what runs here after it waits for it — give "
+                                     "such steps a longer --request-timeout (RemoteMesh.local(request_timeout=...))")
+                # (which actor computes, not only that one waited: the other actors' timeouts echo it; a probe saw five
+                # steps blamed on actor 0's wait for actor 1, never naming actor 1)
+                kind = HeldByLoader if loading else StillComputing if (still or computing) else WaitedInVain
+                raise kind(f"'{msg.op}' did not finish within {bound:g} s (mpmd-actor {flag}), so it was cancelled; "
+                           f"{_waiting_on(msg, loading)}{still}{computing}") from None
             if isinstance(e, asyncio.CancelledError) and not asyncio.current_task().cancelling():
                 # Not the daemon stopping: something the handler awaited went away.
                 raise StepAborted(f"'{msg.op}' was cancelled: a buffer it waited for was deleted or its step aborted") from None
@@ -584,8 +590,12 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
                 req_id = message_id(frames)  # a refused message's error reply still answers it, when it can be read
                 raise
             req_id = msg.header.get("id")
-            if msg.op in trusted_only and not (secure or args.insecure):
-                raise RequestError(f"this daemon serves {msg.op!r} only to an authenticated controller: start it with "
+            # (a loader call reads the job's data, wherever the daemon's user may read: a probe's keyless stranger had a
+            # Program return its own loaded input)
+            calls_loader = msg.op == "run_program" and bool(msg.header.get("loads"))
+            if (msg.op in trusted_only or calls_loader) and not (secure or args.insecure):
+                what = "a run_program that calls a loader" if calls_loader else repr(msg.op)
+                raise RequestError(f"this daemon serves {what} only to an authenticated controller: start it with "
                                    "--server-key/--authorized-keys (RemoteMesh.local does that by itself), or with "
                                    "--insecure to trust whoever can reach its socket")
             if msg.op == "shutdown":
@@ -790,17 +800,18 @@ class Abandoned:
         except Exception:  # noqa: BLE001 - (a token whose computation failed is done)
             return False
 
-    def cut_off(self, msg, token: object | None) -> None:
-        """`msg`'s request ran out while `token` (the last call dispatched) marks what still computes."""
+    def cut_off(self, msg, token: object | None) -> bool:
+        """`msg`'s request ran out while `token` (the last call dispatched) marks what still computes; whether it does."""
         token = self._token_of(token)
         if not self._computing(token):  # (nothing computing: nothing to follow)
-            return
+            return False
         self.token = token
         if isinstance(token, asyncio.Future):
             token.add_done_callback(self._dispatched)
         what = f"program {msg.header.get('program')} step {msg.header.get('step')}" if msg.op == "run_program" else f"'{msg.op}'"
         self.what = (f"what was dispatched to it before {time.strftime('%H:%M:%S')}, when a request on it ran out ({what}, "
                      f"session {msg.header.get('session')!s:.20})")
+        return True
 
     def still_computing(self) -> str:
         """What to add to a request's timeout error: '' unless the cut-off computation still runs."""

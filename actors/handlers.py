@@ -740,6 +740,11 @@ class Actor:
         if not isinstance(loads, list) or len(loads) != sum(b == -3 for b in inputs):
             raise RequestError(f"'run_program' field 'loads' must hold one loader entry per input marked -3 "
                                f"({sum(b == -3 for b in inputs)}), got {loads!r:.200}")
+        if loads and not self.ownership.governs(ses.owner):  # (a guest key read the job's data for any step, and its
+            # calls beside the job's gave the job wrong batches: a probe)
+            raise RequestError(f"a loader call reads the data of the job that owns actor {self.actor_id}, so only its key or an "
+                               f"operator may ask for one; this daemon is {self.ownership.describe()}, and the request came "
+                               f"from key {ses.owner!r}. Pass the batch from the host, or use daemons of your own")
         for spec in loads:  # all checked before anything starts
             self.loaders.check(spec)
         if sum(b == -1 for b in inputs) != len(msg.arrays):

@@ -15,7 +15,9 @@ such calls would have held every worker that fetches, checkpoints and other load
 `MAX_RUNNING` calls may be unfinished at once; past that a step's load is refused, naming them.
 
 A session's steps load in a queue of their own (`Loaders.queue`): one call at a time, in the order the steps
-came, and at most `AHEAD` steps' data loaded before their steps end. A loop that dispatches a hundred steps
+came, and at most `AHEAD` steps' data loaded before their steps end; and one call at a time on the daemon, whatever
+session it is for (`Loaders.turn`). Only the key that owns the daemon's job, or an operator, may ask for a call
+(a guest key read the job's data), and a leaf name that could leave a directory ("../x") is refused. A loop that dispatches a hundred steps
 ahead (as README's does) called the loader for all of them at once: a loader that is not thread-safe (one file
 handle: seek, then read; a generator) gave wrong batches silently, 64 calls refused the next step, and a CPU-heavy
 loader's threads starved the daemon's heartbeats; memory held every batch (a probe). A call whose step ended while it
@@ -36,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from actors.request import RequestError
-from transport.protocol import dtype_from_name
+from transport.protocol import dtype_from_name, leaf_name_problem
 
 MAX_LEAF_BYTES = 1 << 36
 MAX_RUNNING = 64  # loader calls not yet returned (hung ones keep their threads)
@@ -68,6 +70,7 @@ class Loaders:
         # call number -> (whose: the session that asked), "fn(step, name)", when it started (monotonic)
         self.running: dict[int, tuple[Any, str, float]] = {}
         self.queues: dict[Any, _Queue] = {}  # per session: its steps' loads, in order (`queue`)
+        self.turn = asyncio.Lock()  # one call at a time on this daemon, whichever session's queue it is from
 
     def check(self, spec: Any) -> tuple[str, str, np.dtype, list[int]]:
         """A `loads` entry's (fn, name, dtype, shape), checked; RequestError when malformed or not allowed."""
@@ -79,6 +82,8 @@ class Loaders:
                                "daemon with --allow-loader module:function (RemoteMesh.local(..., loaders=[...]))")
         if not isinstance(name, str) or len(name) > 1024:
             raise RequestError(f"loader {fn}: the leaf name must be a string, got {name!r:.80}")
+        if leaf_name_problem(name):
+            raise RequestError(f"loader {fn}: {leaf_name_problem(name)}")
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
             raise RequestError(f"loader {fn}: shape must be a list of non-negative ints, got {shape!r}")
         try:
@@ -249,23 +254,25 @@ async def _serve(loaders: Loaders, q: _Queue) -> None:
                 continue
             q.jobs.popleft()
             for spec, step, place, outer in job.leaves:
-                if job.ended.done():
-                    break
-                outer.mpmd_loading[1:] = [time.monotonic(), "running"]  # type: ignore[attr-defined]
-                try:
-                    inner = loaders.start(spec, step, place, job.whose)
-                except RequestError as e:
-                    if not outer.done():
-                        outer.set_exception(e)
-                    continue
-                inner.add_done_callback(_read)
-                await asyncio.wait({inner, job.ended}, return_when=asyncio.FIRST_COMPLETED)
-                if not inner.done():  # its step ended while the call runs (aborted: a recovery's survivor): the queue
-                    # goes on once the call returns — went on at once, the next steps' calls (the replay's) ran beside it,
-                    # and a loader that is not thread-safe failed or read wrong (a probe) — or, if it has not returned
-                    # within ABANDONED_WAIT, is taken for hung (it keeps its thread)
-                    await asyncio.wait({inner}, timeout=ABANDONED_WAIT)
-                    break
+                async with loaders.turn:  # (each session's queue alone let a second controller's calls — an evaluation
+                    # process of the same key — run beside the job's: a loader that is not thread-safe read wrong; a probe)
+                    if job.ended.done():
+                        break
+                    outer.mpmd_loading[1:] = [time.monotonic(), "running"]  # type: ignore[attr-defined]
+                    try:
+                        inner = loaders.start(spec, step, place, job.whose)
+                    except RequestError as e:
+                        if not outer.done():
+                            outer.set_exception(e)
+                        continue
+                    inner.add_done_callback(_read)
+                    await asyncio.wait({inner, job.ended}, return_when=asyncio.FIRST_COMPLETED)
+                    if not inner.done():  # its step ended while the call runs (aborted: a recovery's survivor): the queue
+                        # goes on once the call returns — went on at once, the next steps' calls (the replay's) ran beside
+                        # it, and a loader that is not thread-safe failed or read wrong (a probe) — or, if it has not
+                        # returned within ABANDONED_WAIT, is taken for hung (it keeps its thread)
+                        await asyncio.wait({inner}, timeout=ABANDONED_WAIT)
+                        break
                 if not outer.done():
                     outer.set_exception(inner.exception()) if inner.exception() is not None else outer.set_result(inner.result())
             if not job.ended.done():

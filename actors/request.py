@@ -37,6 +37,11 @@ class WaitedInVain(RequestError):
     step): usually an echo of trouble elsewhere."""
 
 
+class StillComputing(WaitedInVain):
+    """The request passed its bound while this actor was computing (a Run of its own, or one an earlier request cut
+    off and XLA could not stop): the cause the other actors' timeouts echo, not an echo itself."""
+
+
 def field(msg: Message, name: str, kind: type | tuple[type, ...]) -> Any:
     """`msg`'s header field `name`, checked to be a `kind` (a bool is not an int)."""
     try:

@@ -1561,6 +1561,12 @@ class DistributedFunction(ShallowCopyOnly):
         failed = [f for f in done if f.exception() is not None]
         if not failed:
             return
+        if pending and min(_echo_rank(f.exception()) for f in failed) >= _ECHOES["WaitedInVain"]:
+            # Only timeouts of waits so far: every actor's request has the same bound, so the actor that was computing
+            # (its StillComputing, the cause) answers within moments — aborted at once, it said only "aborted", and a
+            # probe's five steps were blamed on actor 0's wait for actor 1, never naming actor 1.
+            await asyncio.wait(pending, timeout=ECHO_GRACE)
+            pending = {f for f in pending if not f.done()}
         # One actor failed: the others may wait forever on its transfers, so abandon the step everywhere.
         for a, (req, pid) in enumerate(zip(requests, compiled.program_ids)):
             if req in pending and not self.mesh.conn(a).dead:
@@ -1577,6 +1583,7 @@ class DistributedFunction(ShallowCopyOnly):
 # a lost actor; an error of its own; an actor held by its own data loader, for which the others timed out ("nothing
 # came from actor 1", blaming no loader; a probe); a timeout waiting on another actor; last, a step only aborted.
 _ECHOES = {"HeldByLoader": 2, "WaitedInVain": 3, "NothingCame": 3, "StepAborted": 4}
+ECHO_GRACE = 1.0  # s the other actors' requests are given to end on their own after a wait timed out (see _wait_all)
 
 
 def _echo_rank(e: BaseException) -> int:

@@ -949,6 +949,31 @@ def test_a_long_run_that_xla_runs_inline_is_not_silence_on_a_step_or_on_actor_ru
     np.testing.assert_allclose(losses, jax.jit(evaluate)(params, batch, n), rtol=1e-6)
 
 
+def test_a_step_cut_off_by_the_request_timeout_names_the_actor_that_computes_not_the_one_that_waited_for_it():
+    """A probe (2026-12-07): with every actor's --request-timeout 4 s and stage 1's Run on actor 1 computing longer,
+    the step and the five after it (while actor 1 still computed the cut-off Run) failed "WaitedInVain on actor 0"
+    — actor 0's wait for actor 1 answered first, and actor 1, aborted at once, said only "aborted". Actor 1 now says
+    it was computing (StillComputing, the cause), and the controller gives the others a moment to say so."""
+    rng = np.random.default_rng(0)
+    params = [rng.standard_normal((8, 8)).astype(np.float32) * 0.3, rng.standard_normal(8).astype(np.float32)]
+    batch = rng.standard_normal((1, 2, 8)).astype(np.float32)
+
+    def evaluate(params, batch, n):
+        return mpmd.accumulate_grads(lambda mb: ((), jnp.mean(_spun_model(params, mb, n) ** 2)), batch,
+                                     schedule=mpmd.GPipe(num_stages=2))[1]
+
+    with mpmd.RemoteMesh.local(num_actors=2, request_timeout=2) as mesh:
+        step = mpmd.distributed(evaluate, mesh=mesh)
+        np.testing.assert_allclose(mpmd.fetch(step(params, batch, np.int32(1))), jax.jit(evaluate)(params, batch, np.int32(1)),
+                                   rtol=1e-6)
+        with pytest.raises(mpmd.RemoteError, match=r"^StillComputing on actor 1, .*did not finish within 2 s.*actor 1 was "
+                                                   r"computing then \(not waiting for another actor\)"):
+            mpmd.fetch(step(params, batch, np.int32(2**31 - 1)))  # (minutes of the loop: the mesh's close stops it)
+        with pytest.raises(mpmd.RemoteError, match=r"^StillComputing on actor 1, .*this actor \(actor 1\) is still computing "
+                                                   r"what was dispatched to it before"):
+            mpmd.fetch(step(params, batch, np.int32(1)))
+
+
 def _forever(x):
     return jax.lax.while_loop(lambda c: c[1][0] > -10.0, lambda c: (c[0] + 1, jnp.sin(c[1]) + 0.01), (0, x))[1]
 

@@ -1404,3 +1404,88 @@ def test_another_key_naming_a_controllers_input_prefix_is_not_served_that_contro
             if name and os.path.exists(f"/dev/shm{name}"):
                 os.unlink(f"/dev/shm{name}")
         stop_daemon(proc)
+
+
+OVERLAP_LOADER = '''
+import threading, time
+import numpy as np
+_inside, _lock = 0, threading.Lock()
+def load(step, leaf):  # not thread-safe by design (README allows that): says how many calls were inside at once
+    global _inside
+    with _lock:
+        _inside += 1
+        n = _inside
+    time.sleep(0.01)
+    with _lock:
+        _inside -= 1
+    return np.full((2, 3, 4), n * 1000 + step, np.float32)
+'''
+
+
+def test_only_the_job_calls_a_daemons_loader_one_call_at_a_time_and_a_leaf_name_stays_in_its_directory(tmp_path):
+    """A probe (2026-12-07): any admitted key could ask a daemon's --allow-loader function for the job's data at any
+    step (a guest key; a keyless stranger on a daemon started without keys, with a Program returning its own loaded
+    input), and calls were queued per session, so a second controller's ran beside the job's and a loader that is not
+    thread-safe gave the job wrong batches, silently; a leaf named "../secret" read a file outside README's loader's
+    directory. Now only the job's key (or an operator) may ask, one call runs at a time on a daemon whichever session
+    asks, and a leaf name that could leave a directory is refused on both sides."""
+    import threading
+
+    from actors.loader import Loaders
+    from actors.request import RequestError
+
+    (tmp_path / "overlap_loader.py").write_text(OVERLAP_LOADER)
+    fn = "overlap_loader:load"
+    generate_key_files(tmp_path, "server")
+    for name in ("alice", "bob"):
+        generate_key_files(tmp_path / "authorized", name)
+    proc, address = start_daemon("--listen", "tcp://127.0.0.1:0", "--server-key", str(tmp_path / "server.key_secret"),
+                                 "--authorized-keys", str(tmp_path / "authorized"), "--allow-loader", fn,
+                                 env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    keys = {n: ClientKeys.load(tmp_path / "authorized" / f"{n}.key_secret", tmp_path / "server.key") for n in ("alice", "bob")}
+    spec = {"x": jax.ShapeDtypeStruct((2, 3, 4), np.float32)}
+
+    def read(batch):
+        return mpmd.accumulate_grads(lambda mb: ((), mb["x"] * 1.0), batch, schedule=mpmd.GPipe(1))[1]
+
+    try:
+        with mpmd.RemoteMesh.connect([address], keys=keys["alice"], transport="none") as job, \
+                mpmd.RemoteMesh.connect([address], keys=keys["alice"], transport="none") as evaluation, \
+                mpmd.RemoteMesh.connect([address], keys=keys["bob"], transport="none") as guest:
+            seen: list[np.ndarray] = []
+
+            def loop(mesh):
+                step = mpmd.distributed(read, mesh=mesh)
+                for _ in range(12):
+                    seen.append(np.asarray(mpmd.fetch(step(mpmd.loaded_by_actors(fn, spec)))))
+
+            threads = [threading.Thread(target=loop, args=(m,)) for m in (job, evaluation)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert len(seen) == 24
+            inside = {int(v) // 1000 for a in seen for v in a.ravel()}
+            assert inside == {1}, f"calls of the job's two controllers ran at once: {sorted(inside)}"
+            with pytest.raises(mpmd.RemoteError, match=r"a loader call reads the data of the job that owns actor 0, so only its "
+                                                      r"key or an operator may ask for one.*from key 'bob'"):
+                mpmd.fetch(mpmd.distributed(read, mesh=guest)(mpmd.loaded_by_actors(fn, spec)))
+            with pytest.raises(ValueError, match=r"leaf name '\.\./x' could name a file outside a loader's directory"):
+                mpmd.loaded_by_actors(fn, {"../x": spec["x"]})
+            got = np.asarray(mpmd.fetch(mpmd.distributed(read, mesh=job)(mpmd.loaded_by_actors(fn, spec))))
+            assert int(got.ravel()[0]) // 1000 == 1  # (the job still loads after the guest's refusal)
+        assert proc.poll() is None
+    finally:
+        stop_daemon(proc)
+    with pytest.raises(RequestError, match=r"leaf name '\.\./secret' could name a file outside"):  # (the actor's own check)
+        Loaders([fn]).check({"fn": fn, "name": "../secret", "shape": [1], "dtype": "float32"})
+    # A daemon without keys (and without --insecure) serves no loader call: any local user reaches its socket.
+    proc, address = start_daemon("--listen", "tcp://127.0.0.1:0", "--allow-loader", fn,
+                                 env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    try:
+        reply = raw_request(address, {"op": "run_program", "id": 1, "session": 1, "program": 1, "step": 0, "inputs": [-3],
+                                      "outputs": [9], "loads": [{"fn": fn, "name": "x", "shape": [1], "dtype": "float32"}]})
+        assert reply.op == "error" and "a run_program that calls a loader only to an authenticated controller" in reply.header["message"]
+        assert proc.poll() is None
+    finally:
+        stop_daemon(proc)

@@ -96,7 +96,7 @@ IMPORTING_LOADER = "MPMD_ACTOR_IMPORTING_LOADER"
 PROTOCOL_VERSION = 6  # 2: an shm notice's size includes the segment's control page (no shm_ack sent); 3: compact
 # data headers on same-host links (transport/p2p/link.py), their dtype numbered by link.COMPACT_DTYPES; 4: a big reply
 # is announced by a 'coming' message first (transport/control.py); 5: an actor's share of a failed step is named by
-# what it is (StepAborted, HeldByLoader, WaitedInVain, NothingCame: mpmd/step.py `_echo_rank` reads the names); 6: an
+# what it is (StepAborted, HeldByLoader, WaitedInVain, NothingCame; StillComputing since: mpmd/step.py `_echo_rank` reads the names); 6: an
 # actor adds a random part of its own to the shared-memory input prefix a session names ('input_shm' replies with it;
 # the controller names its segments with the reply's prefix: actors/inputs.py)
 MAX_HEADER_BYTES = 16 * 1024 * 1024
@@ -159,6 +159,16 @@ _WIRE_NAMES: dict[np.dtype, str] = {dt: name for name, dt in ALLOWED_DTYPES.item
 
 
 LOADER_NAME = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # a data loader, "package.module:function"
+
+
+def leaf_name_problem(name: str) -> str | None:
+    """Why `name` cannot name a leaf an actor loads (a loader builds a path of it, as README's f"/data/{leaf}/..." does:
+    "../x" read a file outside its directory; a probe), or None. Both sides check it: the controller as the step is
+    made, the actor for whatever a request says."""
+    if any(c in name for c in "/\\\0") or name in (".", ".."):
+        return (f"leaf name {name!r:.80} could name a file outside a loader's directory (it holds '/', '\\' or a NUL, "
+                "or is '.' or '..'): give the batch's leaves plain keys")
+    return None
 
 
 def dtype_name(dtype: Any) -> str:

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from transport.protocol import LOADER_NAME as _NAME
+from transport.protocol import leaf_name_problem
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,13 @@ def check_loader_names(loaders: Any) -> tuple[str, ...]:
 
 
 def leaf_name(path: Any) -> str:
-    """A pytree key path as a loader's leaf name: its keys joined by dots ("x", "inputs.0"); "" for no keys."""
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+    """A pytree key path as a loader's leaf name: its keys joined by dots ("x", "inputs.0"); "" for no keys.
+    ValueError for one that could leave a loader's directory (a key "../x": `leaf_name_problem`)."""
+    name = ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+    problem = leaf_name_problem(name)
+    if problem:
+        raise ValueError(f"loaded_by_actors: {problem}")
+    return name
 
 
 def loaded_by_actors(fn: str, spec: Any) -> Any:
