@@ -1489,3 +1489,25 @@ def test_only_the_job_calls_a_daemons_loader_one_call_at_a_time_and_a_leaf_name_
         assert proc.poll() is None
     finally:
         stop_daemon(proc)
+
+
+def test_a_shared_sticky_directory_is_refused_with_advice_that_keeps_it_shared(tmp_path):
+    """A probe: `--authorized-keys /tmp`, `--cache-dir /tmp` and `--rendezvous /tmp` were told to run `chmod go-w /tmp`
+    or `chmod 700 /tmp`, which would break the machine. A directory everyone shares (the sticky bit) gets advice to use
+    one of one's own in it; any other directory others may write is still told to drop their write bit."""
+    from transport.auth import AuthKeyError, check_safe_path
+    from transport.rendezvous import RendezvousDirectoryError, check_directory
+
+    shared, loose = tmp_path / "shared", tmp_path / "loose"
+    shared.mkdir()
+    loose.mkdir()
+    os.chmod(shared, 0o1777)
+    os.chmod(loose, 0o777)
+    with pytest.raises(AuthKeyError, match=rf"sticky, like /tmp\): use one of your own in it \(`mkdir -m 700 {shared}/mine`\)"):
+        check_safe_path(shared, "authorized-keys directory")
+    with pytest.raises(AuthKeyError, match=rf"run `chmod go-w {loose}`"):
+        check_safe_path(loose, "authorized-keys directory")
+    with pytest.raises(RendezvousDirectoryError, match=rf"`mkdir -m 700 {shared}/mine`"):
+        check_directory(shared)
+    with pytest.raises(RendezvousDirectoryError, match=rf"run `chmod 700 {loose}`"):
+        check_directory(loose)

@@ -90,6 +90,14 @@ def _stat(path: Path, cannot: str) -> tuple[os.stat_result, int]:
     return st, stat.S_IMODE(st.st_mode)
 
 
+def _make_private(path: Path, mode: int) -> str:
+    """What to do about `path` that others may write: `chmod go-w` it — unless it is a directory everyone shares (the
+    sticky bit: /tmp), which must stay so (a probe: `--authorized-keys /tmp` was told to run `chmod go-w /tmp`)."""
+    if mode & stat.S_ISVTX:
+        return f"it is a directory every user shares (sticky, like /tmp): use one of your own in it (`mkdir -m 700 {path}/mine`)"
+    return f"run `chmod go-w {path}`"
+
+
 def check_safe_path(path: str | os.PathLike[str], what: str, secret: bool = False, holds: str = "a key") -> Path:
     """Raise AuthKeyError unless `path` (a file or directory, symlinks resolved) and every directory above it
     could have been written only by this user or root (see the module docstring); returns the resolved path."""
@@ -106,7 +114,7 @@ def check_safe_path(path: str | os.PathLike[str], what: str, secret: bool = Fals
                            f"run `chmod 600 {real}`")
     if mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise AuthKeyError(f"{what} {shown} can be written by other users (mode {mode:o}, owner {_owner(st.st_uid)}), so "
-                           f"anyone could have put {holds} there; run `chmod go-w {real}`")
+                           f"anyone could have put {holds} there; {_make_private(real, mode)}")
     for parent in real.parents:
         pst, pmode = _stat(parent, f"cannot check directory {parent} above {what} {shown}")
         if not _trusted_owner(pst.st_uid):
