@@ -6,6 +6,7 @@ Python int or number (or a sequence of them) is. No actor is started, except by 
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 
@@ -449,6 +450,13 @@ def test_public_arguments_a_fuzzing_probe_got_through_are_refused_naming_them(tm
         mpmd.save(str(tmp_path / "c"), {"x": np.ones(2)}, wait="no")
     with pytest.raises(ValueError, match="mpmd.save: the checkpoint directory is an empty name"):
         mpmd.save("", {"x": np.ones(2)})
+    not_utf8 = os.fsdecode(os.fsencode(str(tmp_path)) + b"/run-\xff")  # (a name Linux takes; the actors could not be told it)
+    for where, call in (("mpmd.save", lambda: mpmd.save(not_utf8, {"x": np.ones(2)})), ("mpmd.load", lambda: mpmd.load(not_utf8))):
+        with pytest.raises(ValueError, match=rf"{where}.*: the checkpoint directory .* is not UTF-8 text"):
+            call()
+    assert not os.path.lexists(not_utf8)  # (nothing made: an empty directory was left behind)
+    with pytest.raises(TypeError, match=r"mpmd.save: the checkpoint directory must be a path \(str or os.PathLike\), got bytes"):
+        mpmd.save(os.fsencode(str(tmp_path / "b")), {"x": np.ones(2)})
     mpmd.save(str(tmp_path / "c"), {"x": np.ones(2)})
     with pytest.raises(TypeError, match="mpmd.load: verify must be True or False, got int 2"):
         mpmd.load(str(tmp_path / "c"), verify=2)
