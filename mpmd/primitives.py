@@ -140,7 +140,8 @@ def _accumulate_batch(axis_data: Any, args: list[Any], dims: list[Any], *, body:
 def _accumulate_jvp(primals: list[Any], tangents: list[Any], *, body: Any, num_mb_leaves: int, num_grads: int,
                     num_microbatches: int, schedule: Any) -> tuple[list[Any], list[Any]]:
     """jvp (and so grad) of the loop (outside `distributed`): the jvp of the scan it stands for."""
-    _refuse_when_distributed("jax.grad / jax.jvp")
+    _refuse_when_distributed("jax.grad / jax.jvp (yours, or a library's: optax.lbfgs's line search, say, takes the "
+                             "gradient of the value function it is given)")
     tangents = [ad.instantiate_zeros(t) for t in tangents]
     outs, touts = jax.jvp(_reference_fn(body, num_mb_leaves, num_grads), list(primals), tangents)
     return list(outs), list(touts)
