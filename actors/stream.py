@@ -244,9 +244,12 @@ class Stream:
 
     async def idle(self) -> None:
         """Wait until no call off the loop holds the token (see `call_off_loop`)."""
-        while self.busy is not None:
+        while (busy := self.busy) is not None:
+            if busy.done():  # (its own callback, which clears `busy`, may not have run yet: awaiting a done future does
+                self.busy = None  # not yield, so this loop spun for good and that callback never ran — a probe's two
+                continue  # traced steps in flight hung an actor at 100 % CPU)
             try:
-                await asyncio.shield(self.busy)
+                await asyncio.shield(busy)
             except Exception:  # (its caller hears of its failure)
                 pass
 

@@ -1175,6 +1175,34 @@ def test_a_dispatch_that_held_the_loop_is_told_on_the_path_actor_run_takes_too()
     assert len(told) == 1  # (a cheap dispatch is not)
 
 
+def test_a_call_waiting_for_a_held_token_whose_holder_just_finished_does_not_spin():
+    """A probe (2026-12-07): two traced steps in flight hung an actor for good at 100 % CPU. `Stream.idle` awaited the
+    future holding the token; once that future was done but its callback (which frees the token) not yet run,
+    awaiting it returned without yielding, so the loop spun and the callback never ran. Here the holder is done before
+    anyone waits: `idle` returns, and the next call takes the token."""
+    from actors.stream import Stream
+
+    stream = Stream(jax.devices("cpu")[0], ordered_calls=True)
+    step = jax.jit(lambda tok, v: (tok + 1, v * 2))
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        held = loop.create_future()
+        stream.hold(held)
+        held.set_result((stream.token,))  # (done: its callback that frees the token is only scheduled)
+        await stream.idle()  # (awaited in this task, not yielding first: as the traced Run awaits it)
+        _, (y,) = await stream.call_awaited(step, [jnp.ones(4)], False)
+        return y
+
+    got = []
+    # (on a thread: a loop that spins cannot be timed out from inside it; a daemon thread left spinning fails the test)
+    worker = threading.Thread(target=lambda: got.append(asyncio.run(main())), daemon=True)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive(), "Stream.idle spun on a done holder"
+    assert float(got[0][0]) == 2.0 and stream.busy is None
+
+
 def test_a_loop_over_several_devices_stays_on_the_loop_and_xla_returns_from_its_dispatch_at_once():
     """XLA runs a computation over several devices on its own threads whatever it counts: the element-wise loop that
     goes off the loop on one device (`goes_off_loop`) returns from its dispatch before it is done over two, so it

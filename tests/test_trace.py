@@ -275,6 +275,29 @@ def test_an_empty_trace_or_a_step_it_does_not_hold_is_an_mpmd_error_naming_what_
         t.breakdown("a")
 
 
+def test_two_independent_steps_traced_at_once_are_both_recorded_and_the_actors_go_on(mesh2):
+    """A README probe (2026-12-07): `with mesh.trace(): step(p, o, b); step(p, o, b)` — two steps of the same
+    arguments, in flight together — hung an actor for good in 4 of 4 runs (`Stream.idle` spun on the traced Run's
+    finished holder before its callback freed the order token), and every later call failed as a lost actor."""
+    rng = np.random.default_rng(5)
+    params = [{"w": (rng.standard_normal((64, 64)) / 8).astype(np.float32)} for _ in range(2)]
+
+    def loss(p, mb):
+        return jnp.mean((mpmd.pipeline_yield(jnp.tanh(mb["x"] @ p[0]["w"])) @ p[1]["w"] - mb["y"]) ** 2)
+
+    opt = optax.sgd(0.01)
+    batch = {"x": rng.standard_normal((4, 8, 64)).astype(np.float32), "y": rng.standard_normal((4, 8, 64)).astype(np.float32)}
+    dist = mpmd.distributed(make_step(loss, opt, mpmd.OneFOneB(2)), mesh=mesh2)
+    want = jax.jit(make_step(loss, opt, None))(params, opt.init(params), batch)[2]
+    state = opt.init(params)
+    for _ in range(6):
+        with mesh2.trace() as t:
+            outs = [dist(params, state, batch) for _ in range(2)]
+        assert len(t.steps) == 2 and not t.untraced, (len(t.steps), t.untraced)
+        for out in outs:
+            np.testing.assert_allclose(np.asarray(out[2]), np.asarray(want), rtol=1e-6)
+
+
 def test_fit_costs_names_an_empty_trace_a_step_out_of_range_and_too_few_stages():
     """fit_costs on bad input raised IndexError (no step, step past the end) and KeyError: (1, 'F') (a trace
     of two stages fitted with num_stages=1); each must say what was wrong and what to pass."""
