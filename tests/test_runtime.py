@@ -642,3 +642,29 @@ def test_a_ctrl_c_as_soon_as_the_daemon_takes_its_signals_stops_it_in_one_line()
         out = proc.communicate(timeout=60)[0].decode()
         assert "Traceback" not in out and "Error" not in out, out
         assert proc.returncode == 130 and out.strip() == "mpmd-actor: interrupted while starting", (proc.returncode, out)
+
+
+def test_a_run_with_the_wrong_number_of_inputs_is_refused_naming_the_count(mesh2):
+    """A raw `run` naming one buffer for an executable of two got JAX's own TypeError ("Function compiled with input
+    pytree does not match ..."; a strangers probe): refused before anything is reserved, naming both counts; the
+    right call runs after it."""
+    ex, a = mesh2.executables, mesh2.actor(0)
+    spec = [jax.ShapeDtypeStruct((3,), np.float32)] * 2
+    add, _ = ex.lower(jax.jit(lambda u, v: u + v), spec, mesh2.platform)
+    x = a.put(np.arange(3, dtype=np.float32))
+
+    async def runs():
+        key, held = await ex.for_run(0, add)
+        try:
+            out = mesh2.new_buffer_id()
+            for inputs in ([x.buffers[0]], [x.buffers[0]] * 3):
+                with pytest.raises(mpmd.RemoteError, match=rf"'run': executable \w+ takes 2 inputs, got {len(inputs)} buffer ids"):
+                    await mesh2.conn(0).request("run", {"exe": key, "inputs": inputs, "outputs": [out]})
+            await mesh2.conn(0).request("run", {"exe": key, "inputs": [x.buffers[0]] * 2, "outputs": [out]})
+        finally:
+            ex.done_running(held)
+        return out
+
+    out = mesh2.run(runs())
+    np.testing.assert_array_equal(mesh2.get_buffer(0, out), np.arange(3) * 2)
+    mesh2.release_buffers({0: out})
