@@ -217,7 +217,9 @@ class KeyPair:
                                    f"to use is ambiguous; name the file, e.g. keys='{secrets_[0]}'")
             p = secrets_[0]
         if not p.is_file():
-            raise AuthKeyError(f"no key file at {p} (make one with `mpmd keys generate DIR`)")
+            raise AuthKeyError(f"no key file at {p} (make one with `mpmd keys generate DIR`)" if not p.exists() else
+                               f"{p} is not a key file (not a regular file: a device, a FIFO, ...); name the *{SECRET_SUFFIX} "
+                               "file `mpmd keys generate DIR` made")
         try:
             public, secret = _read_key_file(p, "secret key file", secret=True)
         except AuthKeyError:  # a public key file given here (readable by all, as it should be) is a mistake of its own

@@ -368,8 +368,9 @@ def _save_counted(path: str, tree: Any, keep: int) -> SaveHandle:
             x._check_usable()
         elif not is_key(getattr(x, "dtype", None)) and not_numeric(np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)):
             raise CheckpointError(f"mpmd.save: leaf {jax.tree_util.keystr(p)} is a {type(x).__name__} ({np.asarray(x).dtype}); a checkpoint "
-                                  "holds arrays and numbers: keep strings and other objects out of the saved tree (e.g. save them "
-                                  "beside it with json)", checkpoint=path, leaf=jax.tree_util.keystr(p))
+                                  "holds arrays and numbers (an int past 64 bits is neither: numpy makes it an object; a string "
+                                  "is not saved: it is static, taken from `like=` when read): keep other objects out of the saved tree (e.g. save them beside it "
+                                  "with json)", checkpoint=path, leaf=jax.tree_util.keystr(p))
     try:
         name, tmp = _start(path)
     except OSError as e:  # (a read-only or full file system, a file where a directory goes: as any save failure)
