@@ -215,7 +215,9 @@ class Actor:
                                f"that owns the daemon's job "
                                f"or an operator may send it; this daemon is {self.ownership.describe()}, and the request came "
                                f"from key {peer!r}. Use daemons of your own, or ask their operator (mpmd-actor --admin-key)"
-                               f"{self._owner_idle()}")
+                               + ("; a second key's own buffers and single-actor runs need no wiring: "
+                                  "RemoteMesh.connect(..., transport='none')" if op == "connect_peers" else "")
+                               + self._owner_idle())
 
     def _owner_idle(self) -> str:
         """When the owning key's sessions are all silent (its controller killed, say): when they will close, freeing

@@ -91,7 +91,7 @@ class Candidate:
 
     def row(self, width: int = 50) -> str:
         """The candidate's line of the table, its schedule in a column `width` wide (wider names widen the table)."""
-        pred = f"{self.predicted * 1e3:9.2f}" if self.predicted is not None else f"{'-':>9s}"
+        pred = f"{'-':>9s}" if self.predicted is None else _ms(self.predicted)
         bub = f"{self.bubble:6.3f}" if self.bubble is not None else f"{'-':>6s}"
         peak = f"{max(self.peak_bytes) / 2**20:9.1f}" if self.peak_bytes else f"{'-':>9s}"
         meas = f"{self.measured * 1e3:9.2f}  {self.measured / self.predicted:5.2f}" if self.measured and self.predicted else ""
@@ -99,6 +99,13 @@ class Candidate:
             meas += "  (pred: its merged twin's)"
         grouping = ",".join(map(str, self.grouping))
         return f"{self.name:{width}s} {self.num_microbatches:4d} {grouping:>16s} {pred} {bub} {peak}  {self.rejected or meas}"
+
+
+def _ms(seconds: float) -> str:
+    """A time in ms, 9 wide: 2 decimals, or 3 significant digits below 1 ms (XLA's estimates of small models were all
+    "0.01": the rows could not be told apart; a probe)."""
+    ms = seconds * 1e3
+    return f"{ms:9.2f}" if ms >= 1 or ms == 0 else f"{ms:9.3g}"
 
 
 def header(width: int = 50) -> str:

@@ -612,3 +612,21 @@ def test_a_subclass_whose_tasks_refuse_one_microbatch_is_told_to_set_min_microba
             return 2
 
     assert len(validate(PairedTwo(1), 4)[0]) == 8
+
+
+def test_a_schedule_on_fewer_actors_than_the_mesh_warns_naming_the_idle_ones():
+    """A README probe (2026-12-07): OneFOneB(num_stages=2) on a 3-actor mesh left actor 2 idle without a word (more
+    stages than actors is an error that says what to do). It runs, with a warning naming the idle actors; a schedule
+    that uses every actor says nothing."""
+    import warnings
+
+    from mpmd.compiler.loop_tasks import check_schedule
+
+    with pytest.warns(UserWarning, match=r"OneFOneB\(num_stages=2\) runs on 2 of the mesh's 3 actors: actor 2 gets no work"):
+        check_schedule(mpmd.OneFOneB(2), 2, 3)
+    with pytest.warns(UserWarning, match=r"actors 1, 2, 3 get no work"):
+        check_schedule(mpmd.GPipe(1), 1, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_schedule(mpmd.OneFOneB(2), 2, 2)
+        check_schedule(mpmd.InterleavedOneFOneB(4, 2), 4, 2)

@@ -306,6 +306,10 @@ def test_fit_costs_names_an_empty_trace_a_step_out_of_range_and_too_few_stages()
     empty = Trace()
     with pytest.raises(mpmd.MpmdError, match=r"the trace holds no step.*mesh\.trace\(\)"):
         fit_costs(empty, 2)
+    empty.count("failed")  # (its steps failed: said so, not "call the step inside the block", which it was; a probe)
+    with pytest.raises(mpmd.MpmdError, match=r"the trace holds no step: not traced: 1 step\(s\) failed or aborted .*fetch "
+                                             r"a step's outputs to see its error"):
+        fit_costs(empty, 2)
     t = Trace()
     t.steps.append({})
     for a, labels in enumerate([["0F0", "0B0"], ["1F0", "1B0"]]):  # one step, stage a on actor a

@@ -11,6 +11,7 @@ Pure functions over data (the traced jaxpr is never changed); each is callable a
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +38,7 @@ from mpmd.compiler.stages import (
     unused_markers,
 )
 from mpmd.compiler.units import Part, Unit, task_function
-from mpmd.errors import PipelineError
+from mpmd.errors import PipelineError, callers_level
 from mpmd.primitives import accumulate_p
 from mpmd.schedules import Schedule
 from mpmd.schedules.validation import validate_placed
@@ -185,6 +186,13 @@ def check_schedule(schedule: Schedule | None, num_stages: int, num_mesh_actors: 
             f"use fewer stages, or put several stages on each actor: e.g. "
             + " or ".join(_fitting_schedules(schedule, num_stages, num_mesh_actors))
             + f", or Custom(..., stage_actor=(...)) mapping each stage to one of the {num_mesh_actors} actors")
+    if schedule.num_actors < num_mesh_actors:  # (left idle unsaid before; a README probe)
+        idle = list(range(schedule.num_actors, num_mesh_actors))
+        warnings.warn(f"the schedule {schedule} runs on {schedule.num_actors} of the mesh's {num_mesh_actors} actors: actor"
+                      f"{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} get{'' if len(idle) > 1 else 's'} no work in "
+                      f"this loop. To use {'them' if len(idle) > 1 else 'it'}, give the schedule {num_mesh_actors} actors (e.g. num_stages={num_mesh_actors}, "
+                      "or balance='auto' to group the marker segments), or make the mesh smaller",
+                      stacklevel=callers_level())
 
 
 def _fitting_schedules(schedule: Schedule, num_stages: int, num_actors: int) -> list[str]:

@@ -334,8 +334,11 @@ def _check_fit_args(trace: Any, num_stages: int, step: Any, cores: int | None) -
         n = len(t.steps)
         where = f"trace {k} of {len(traces)}" if len(traces) > 1 else "the trace"
         if n == 0:
-            raise MpmdError(f"fit_costs: {where} holds no step: call the distributed step inside `with mesh.trace() as t:` "
-                            "(let it finish, e.g. fetch its outputs) and pass that trace")
+            note = t.untraced_note() if hasattr(t, "untraced_note") else ""
+            raise MpmdError(f"fit_costs: {where} holds no step: " + (
+                f"{note} — fetch a step's outputs to see its error, and trace steps that finish" if note else
+                "call the distributed step inside `with mesh.trace() as t:` (let it finish, e.g. fetch its outputs) and "
+                "pass that trace"))
         for i in (step if many else range(n) if isinstance(step, str) else [step]):
             if not is_count(i):
                 raise MpmdError(f"fit_costs: step lists {i!r:.40}, not a step's index: list ints (-1: the last)")

@@ -207,7 +207,7 @@ class ActorHandle:
 
     def hlo(self, exe_key: str) -> str:
         """The optimized HLO text XLA compiled for one of this actor's executables (collectives, fusions):
-        `step.compile(...).loaded[actor]` lists each Program's executable keys."""
+        `step.compile(...).loaded[actor].executables` lists its Program's executable keys."""
         return self._request("hlo", {"exe": exe_key}).header["text"]
 
     def ping(self) -> float:
