@@ -785,12 +785,16 @@ def test_a_tcp_rendezvous_takes_the_job_pair_named_by_rendezvous_key_beside_a_se
 
 
 @pytest.mark.parametrize("over", ["file", "tcp"])
-def test_a_daemon_that_cannot_start_tells_the_waiting_controller_why_at_once(tmp_path, keys, over):
+def test_a_daemon_that_cannot_start_tells_the_waiting_controller_why_and_a_replacement_is_still_taken(tmp_path, keys, over,
+                                                                                                     monkeypatch):
     """A probe (2026-12-07): a daemon refusing to start (no devices for its --platform, its port taken) left its
     controller waiting its whole rendezvous timeout and then saying only "missing actor 1". The daemon now says why
-    at the rendezvous (a failed-<id>.json record, or a `failed` message), and the controller stops waiting at once
-    with the daemon's own words; a later daemon of that id, once it claims it, removes the record."""
+    at the rendezvous (a failed-<id>.json record, or a `failed` message); the controller stops once no daemon took
+    that id within FAILURE_WAIT of the failure, with the daemon's own words — and a daemon that does take it in time
+    (a supervisor's restart; a review: stopping at once failed such jobs) is taken, its claim removing the record."""
     import threading
+
+    from mpmd.runtime.launch import rendezvous as launch
 
     if over == "tcp":
         with socket.socket() as s:
@@ -798,62 +802,85 @@ def test_a_daemon_that_cannot_start_tells_the_waiting_controller_why_at_once(tmp
             where = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     else:
         where = str(tmp_path / "rdv")
-    flags = ("--rendezvous", where, "--authorized-keys", str(keys), "--listen", "tcp://127.0.0.1:0")
-    outcome: dict[str, object] = {}
+    flags = ("--rendezvous", where, "--authorized-keys", str(keys), "--listen", "tcp://127.0.0.1:0", "--actor-id", "0")
 
-    def wait() -> None:
-        t = time.monotonic()
-        try:
-            mpmd.RemoteMesh.from_rendezvous(where, 2, keys=keys, timeout=120).close()
-        except mpmd.RendezvousError as e:
-            outcome["error"] = e
-        outcome["seconds"] = time.monotonic() - t
+    def waiting(outcome: dict) -> threading.Thread:
+        def wait() -> None:
+            t = time.monotonic()
+            try:
+                with mpmd.RemoteMesh.from_rendezvous(where, 1, keys=keys, timeout=120) as mesh:
+                    outcome["actors"] = [mesh.actor(0).info()["actor_id"]]
+            except mpmd.RendezvousError as e:
+                outcome["error"] = e
+            outcome["seconds"] = time.monotonic() - t
 
-    waiter = threading.Thread(target=wait)
-    waiter.start()
-    time.sleep(0.5)  # (the TCP rendezvous is served by the controller: it binds first)
-    bad = spawn(*flags, "--actor-id", "1", "--platform", "nosuch", env={"JAX_PLATFORMS": ""})
+        thread = threading.Thread(target=wait)
+        thread.start()
+        time.sleep(0.5)  # (the TCP rendezvous is served by the controller: it binds first)
+        return thread
+
+    monkeypatch.setattr(launch, "FAILURE_WAIT", 2.0)
+    outcome: dict = {}
+    waiter = waiting(outcome)
+    bad = spawn(*flags, "--platform", "nosuch", env={"JAX_PLATFORMS": ""})
     try:
         assert bad.wait(60) == 1, stderr_of(bad)
         waiter.join(60)
         assert not waiter.is_alive(), "the controller went on waiting for a daemon that had said it could not start"
         text = str(outcome["error"])
-        assert outcome["seconds"] < 60 and "actor 1 could not start" in text and f"pid {bad.pid}" in text, outcome
-        assert "JAX found no devices for --platform nosuch" in text and "stops waiting for it" in text, text
+        assert outcome["seconds"] < 60 and "actor 0 could not start" in text and f"pid {bad.pid}" in text, outcome
+        assert "JAX found no devices for --platform nosuch" in text and "no daemon took actor 0's place within" in text, text
     finally:
         stop_daemon(bad)
         waiter.join(1)
-    if over == "file":  # the record stays for the next controller (an old one's only listed) until a daemon of id 1 claims it
-        assert records(where) == ["failed-1.json"]
-        good = spawn(*flags, "--actor-id", "1")
-        try:
-            ready(good)
-            assert records(where) == ["actor-1.json"]
-        finally:
+    # A replacement that comes within FAILURE_WAIT of the failure is taken (the failed one's words go nowhere).
+    monkeypatch.setattr(launch, "FAILURE_WAIT", 60.0)
+    outcome = {}
+    waiter = waiting(outcome)
+    bad = spawn(*flags, "--platform", "nosuch", env={"JAX_PLATFORMS": ""})
+    good = None
+    try:
+        assert bad.wait(60) == 1, stderr_of(bad)
+        good = spawn(*flags)
+        waiter.join(60)
+        assert not waiter.is_alive() and outcome.get("actors") == [0], outcome
+        if over == "file":
+            assert "failed-0.json" not in records(where)  # (the claim removed it)
+    finally:
+        stop_daemon(bad)
+        if good is not None:
             stop_daemon(good)
+        waiter.join(1)
 
 
-def test_an_earlier_jobs_failure_record_is_only_listed_and_a_malformed_one_is_passed_over(tmp_path):
+def test_an_earlier_jobs_failure_record_is_only_listed_and_a_malformed_one_is_passed_over(tmp_path, monkeypatch):
     """The failure records' rules without daemons: one older than the wait by FAILURE_GRACE (an earlier job's in a
     reused directory) does not stop the wait but is listed when it times out; one of an id a daemon holds, or past
-    num_actors, is ignored; a malformed or foreign-shaped record is passed over, never read as a failure."""
+    num_actors, is ignored; a malformed or foreign-shaped record is passed over, never read as a failure, and so is one
+    whose time is not a time (NaN, 1e20: the controller's wait raised from time.localtime; a review)."""
+    from mpmd.runtime.launch import rendezvous as launch
     from mpmd.runtime.launch.rendezvous import gather
-    from transport.rendezvous import FAILURE_GRACE, Failure, read_failures, record_failure
+    from transport.rendezvous import FAILURE_SKEW, Failure, RendezvousFormatError, read_failures, record_failure
 
     rdv = tmp_path / "rdv"
     rdv.mkdir(mode=0o700)
-    old = Failure(actor_id=0, host="n1", pid=7, error="port 5555 in use", time=time.time() - FAILURE_GRACE - 60)
+    old = Failure(actor_id=0, host="n1", pid=7, error="port 5555 in use", time=time.time() - FAILURE_SKEW - 60)
     record_failure(rdv, old)
     record_failure(rdv, Failure.new(5, "no GPU"))  # past num_actors
     (rdv / "failed-2.json").write_text('{"actor_id": 2, "error": 3}')
     (rdv / "failed-3.json").write_text(json.dumps({**Failure.new(1, "x").to_dict()}))  # names another id than its file
+    (rdv / "failed-4.json").write_text(json.dumps({**Failure.new(4, "x").to_dict(), "time": float("nan")}))
     assert sorted(read_failures(rdv)) == [0, 5]
+    for when in (float("nan"), float("inf"), 1e20, -1.0):
+        with pytest.raises(RendezvousFormatError, match="failure time must be a time"):
+            Failure(actor_id=1, host="h", pid=1, error="e", time=when)
     with pytest.raises(mpmd.RendezvousError) as e:
         gather(rdv, 2, timeout=0.5)
     text = str(e.value)
     assert "only 0 of 2 actors arrived" in text and "an earlier daemon's record (before this wait): actor 0 could not start" in text
     assert "port 5555 in use" in text and "no GPU" not in text, text
-    record_failure(rdv, Failure.new(1, "cannot listen on tcp://0.0.0.0:5556"))  # a current one stops the wait at once
+    record_failure(rdv, Failure.new(1, "cannot listen on tcp://0.0.0.0:5556"))  # a current one stops the wait soon
+    monkeypatch.setattr(launch, "FAILURE_WAIT", 0.5)
     t = time.monotonic()
     with pytest.raises(mpmd.RendezvousError, match=r"actor 1 could not start .*cannot listen on tcp://0.0.0.0:5556"):
         gather(rdv, 2, timeout=30)

@@ -32,9 +32,11 @@ hold the job's key pair (``mpmd keys generate DIR``), so neither side can be imp
 
 **A daemon that cannot start** (no devices for its ``--platform``, its port taken, a loader it cannot import) once
 it knows its rendezvous says so there before it exits — ``DIR/failed-<id>.json`` or the ``failed`` message — so that
-the controller stops waiting at once and shows the daemon's own words, rather than its whole timeout and then
-"missing actor N" (a probe). A later daemon's claim of the id removes the record. A record older than
-`FAILURE_GRACE` when the controller starts waiting is from an earlier job: it is only listed if the wait times out.
+the controller stops waiting soon and shows the daemon's own words, rather than its whole timeout and then
+"missing actor N" (a probe): once no daemon has taken that id within `FAILURE_WAIT` of the controller seeing the
+failure (a supervisor's restart, or a job run again in the same directory, whose daemon's claim removes the record,
+is taken instead). A record from before the wait began (by more than `FAILURE_SKEW`) is an earlier job's: it is only
+listed if the wait times out.
 """
 
 from __future__ import annotations
@@ -156,7 +158,8 @@ class Arrival:
             raise RendezvousFormatError(f"not JSON: {e}") from None
 
 
-FAILURE_GRACE = 300.0  # s: a failure record older than this when the controller starts waiting is an earlier job's
+FAILURE_WAIT = 30.0  # s the controller waits, after it sees a daemon's failure, for another daemon to take that id
+FAILURE_SKEW = 10.0  # s: a failure record from longer than this before the controller began waiting is an earlier job's
 
 
 @dataclass(frozen=True)
@@ -177,8 +180,9 @@ class Failure:
         for name in ("host", "error"):
             if not isinstance(getattr(self, name), str):
                 raise RendezvousFormatError(f"failure field {name} must be a string, got {getattr(self, name)!r:.60}")
-        if not isinstance(self.time, (int, float)) or isinstance(self.time, bool):
-            raise RendezvousFormatError(f"failure time must be a time, got {self.time!r}")
+        if not isinstance(self.time, (int, float)) or isinstance(self.time, bool) or not 0 <= self.time < 2**40:
+            # (NaN, inf or 1e20 passed, and describe()'s localtime raised from inside the controller's wait; a review)
+            raise RendezvousFormatError(f"failure time must be a time (seconds since 1970), got {self.time!r:.40}")
 
     @classmethod
     def new(cls, actor_id: int, error: str) -> Failure:

@@ -33,7 +33,8 @@ from transport.auth import Authenticator, AuthKeyError, ClientKeys, KeyPair, con
 from transport.control import allow_ipv6, bind_failure
 from transport.protocol import PROTOCOL_VERSION
 from transport.rendezvous import (
-    FAILURE_GRACE,
+    FAILURE_SKEW,
+    FAILURE_WAIT,
     Arrival,
     ClaimedError,
     Failure,
@@ -161,22 +162,35 @@ class _Waiting:
         self.bad: dict[str, str] = {}
         self.refused: list[str] = []
         self.old_failures: dict[int, Failure] = {}
+        self.failures: dict[int, tuple[Failure, float]] = {}  # id -> its latest failure, when this wait first saw it
         self.since = time.time()
         self._probed: dict[str, float] = {}  # instance -> when its endpoint last failed to answer
 
     def failed(self, failure: Failure, now: bool = False) -> None:
-        """A daemon could not start: stop waiting for its id (`RendezvousError` with its words) unless a daemon holds
-        that id now, or the record is older than this wait (by FAILURE_GRACE: an earlier job's, listed at the end; a
-        TCP message is `now`, whatever the daemon's clock says)."""
+        """A daemon could not start: noted, to stop the wait (`check_failures`) if no daemon takes that id soon. One
+        from before this wait began (by FAILURE_SKEW: an earlier job's) is only listed at the end; a TCP message is
+        `now`, whatever the daemon's clock says."""
         i = failure.actor_id
-        if i >= self.num_actors or i in self.live:
+        if i >= self.num_actors:
             return
-        if not now and failure.time < self.since - FAILURE_GRACE:
+        if not now and failure.time < self.since - FAILURE_SKEW:
             self.old_failures[i] = failure
             return
-        raise RendezvousError(f"{failure.describe()}\n  The rendezvous {self.where} stops waiting for it: fix what it says and "
-                              f"start that daemon again, then this controller (of the {self.num_actors} actors, "
-                              f"{len(self.live)} had arrived)")
+        held = self.failures.get(i)
+        if held is None or held[0] != failure:
+            self.failures[i] = (failure, time.monotonic() if held is None else held[1])
+
+    def check_failures(self, left: float) -> None:
+        """`RendezvousError` with a failed daemon's words once no daemon took its id within FAILURE_WAIT of this
+        wait seeing the failure (or `left`, the wait's own time left, if that is less)."""
+        now = time.monotonic()
+        for i, (failure, seen) in sorted(self.failures.items()):
+            if i in self.live:
+                continue
+            if now - seen >= min(FAILURE_WAIT, max(0.0, left)):
+                raise RendezvousError(f"{failure.describe()}\n  The rendezvous {self.where} stopped waiting: no daemon took actor "
+                                      f"{i}'s place within {now - seen:.0f} s. Fix what it says and start that daemon again, "
+                                      f"then this controller (of the {self.num_actors} actors, {len(self.live)} had arrived)")
 
     def offer(self, arrival: Arrival) -> None:
         i = arrival.actor_id
@@ -221,8 +235,11 @@ class _Waiting:
         for name, why in sorted(self.bad.items()):
             lines.append(f"{name} was not read: {why}")
         for i, failure in sorted(self.old_failures.items()):
-            if i not in self.live:
+            if i not in self.live and i not in self.failures:
                 lines.append(f"an earlier daemon's record (before this wait): {failure.describe()}")
+        for i, (failure, _) in sorted(self.failures.items()):
+            if i not in self.live:
+                lines.append(failure.describe())
         lines += [*self.refused, *notes]
         return RendezvousError("\n  ".join(lines))
 
@@ -255,6 +272,7 @@ def gather(where: str | os.PathLike[str], num_actors: int, timeout: float, keys:
             return waiting.arrivals()
         if time.monotonic() >= deadline:
             raise waiting.timed_out(timeout)
+        waiting.check_failures(deadline - time.monotonic())
         time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
 
 
@@ -319,6 +337,7 @@ class TcpRendezvous:
                 raise waiting.timed_out(timeout, [f"{refused} connection(s) were refused at the handshake: a daemon whose "
                                                   "--rendezvous-key (or --authorized-keys pair) is not this job's tried to arrive"]
                                         if refused else [])
+            waiting.check_failures(left)
             if not poller.poll(min(left, 0.5) * 1000):
                 continue
             identity, *frames = self.sock.recv_multipart()
@@ -335,10 +354,7 @@ class TcpRendezvous:
             msg = decode_message(frames[0])
             if msg["op"] == "failed":
                 failure = Failure.from_dict(msg.get("failure"))
-                try:
-                    waiting.failed(failure, now=True)
-                except RendezvousError as e:  # (fails the gather once the daemon has its answer)
-                    self.fatal = e
+                waiting.failed(failure, now=True)
                 log.warning("the rendezvous at %s: %s", self.address, failure.describe())
                 return encode_message("noted")
             if msg["op"] != "arrive":
