@@ -849,7 +849,7 @@ class Actor:
         except BaseException as e:
             why = e
             if isinstance(e, asyncio.CancelledError):  # aborted: its own loader, still not returned, is why the others waited
-                held = unfinished(loading)
+                held = unfinished(loading, self.loaders)
                 why = (HeldByLoader if held else StepAborted)(f"program {pid} step {step} was aborted on actor {self.actor_id}" + (
                     f" while it was waiting for its data loader: {held} had not returned (a loader that blocks holds the "
                     "step and the actors that wait for it; give it a timeout of its own)" if held else ""))

@@ -82,8 +82,9 @@ class Loaders:
                                "daemon with --allow-loader module:function (RemoteMesh.local(..., loaders=[...]))")
         if not isinstance(name, str) or len(name) > 1024:
             raise RequestError(f"loader {fn}: the leaf name must be a string, got {name!r:.80}")
-        if leaf_name_problem(name):
-            raise RequestError(f"loader {fn}: {leaf_name_problem(name)}")
+        problem = leaf_name_problem(name)
+        if problem:
+            raise RequestError(f"loader {fn}: {problem}")
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
             raise RequestError(f"loader {fn}: shape must be a list of non-negative ints, got {shape!r}")
         try:
@@ -282,13 +283,19 @@ async def _serve(loaders: Loaders, q: _Queue) -> None:
         q.task = None
 
 
-def unfinished(futures: list[asyncio.Future[Any]]) -> str | None:
+def unfinished(futures: list[asyncio.Future[Any]], loaders: Loaders | None = None) -> str | None:
     """The loader calls among `futures` (one step's, from `queue` or `Loaders.start`) that have not returned, as
-    `Loaders.still_running` says them (None: none)."""
+    `Loaders.still_running` says them (None: none); with `loaders`, what a queued one waited behind (the call that
+    holds the daemon's turn may be another session's: a review found a job's timeout naming only its own call)."""
     now = time.monotonic()
     calls = [f.mpmd_loading for f in futures if not f.done() and hasattr(f, "mpmd_loading")]
-    return ", ".join(f"{c[0]} ({c[2] if len(c) > 2 else 'running'} {now - c[1]:.1f} s)" for c in calls[:4]) + (
-        " ..." if len(calls) > 4 else "") if calls else None
+    if not calls:
+        return None
+    said = ", ".join(f"{c[0]} ({c[2] if len(c) > 2 else 'running'} {now - c[1]:.1f} s)" for c in calls[:4]) + (
+        " ..." if len(calls) > 4 else "")
+    behind = loaders.still_running(any_session=True) if loaders is not None and any(
+        len(c) > 2 and c[2] == "queued" for c in calls) else None
+    return f"{said}, queued behind {behind}" if behind else said
 
 
 __all__ = ["Loaders", "queue", "unfinished"]

@@ -4,6 +4,7 @@ an abandoned compile frees its cores at once; a custom call's types must fit its
 arrivals cost memory only for their headers."""
 
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -1511,3 +1512,34 @@ def test_a_shared_sticky_directory_is_refused_with_advice_that_keeps_it_shared(t
         check_directory(shared)
     with pytest.raises(RendezvousDirectoryError, match=rf"run `chmod 700 {loose}`"):
         check_directory(loose)
+
+
+def test_a_load_queued_behind_another_sessions_hung_call_names_that_call(tmp_path, monkeypatch):
+    """One loader call at a time per daemon (above): a job's load waiting behind an evaluation's hung call named
+    only itself, "queued 2.0 s", in the step's timeout (a review). It names the call that holds the turn too."""
+    import asyncio
+
+    from actors.loader import Loaders, queue, unfinished
+
+    (tmp_path / "gated_loader.py").write_text("import threading\nimport numpy as np\ngate = threading.Event()\n"
+                                             "def load(step, leaf):\n    gate.wait(30)\n    return np.zeros(2, np.float32)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import gated_loader
+
+    async def main():
+        loaders = Loaders(["gated_loader:load"])
+        spec = lambda name: {"fn": "gated_loader:load", "name": name, "shape": [2], "dtype": "float32"}  # noqa: E731
+        queue(loaders, [spec("slow")], [0], [lambda h: h], whose="evaluation")
+        await asyncio.sleep(0.2)
+        job, end = queue(loaders, [spec("x")], [3], [lambda h: h], whose="job")
+        await asyncio.wait(job, timeout=0.5)
+        said = unfinished(job, loaders)
+        gated_loader.gate.set()
+        await asyncio.wait(job, timeout=10)
+        end()
+        return said, [f.result() for f in job]
+
+    said, got = asyncio.run(main())
+    assert re.fullmatch(r"gated_loader:load\(3, 'x'\) \(queued [\d.]+ s\), queued behind gated_loader:load\(0, 'slow'\) "
+                        r"\(running [\d.]+ s\)", said), said
+    np.testing.assert_array_equal(got[0], np.zeros(2, np.float32))  # (and it ran once the turn was free)
