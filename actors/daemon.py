@@ -432,8 +432,8 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
     secure = server_pair is not None
     trusted_only = GOVERNING | {"compile"}  # (without keys, refused unless --insecure: any local user reaches the socket)
     if not secure and not args.insecure:
-        log.warning("serving %s without authentication: any local user can reach it; %s are refused (give the "
-                    "daemon --server-key/--authorized-keys, or --insecure)", args.listen, ", ".join(sorted(trusted_only)))
+        log.warning("serving %s without authentication: any local user can reach it; %s and loader calls are refused "
+                    "(give the daemon --server-key/--authorized-keys, or --insecure)", args.listen, ", ".join(sorted(trusted_only)))
     try:  # (an unknown --platform, or cuda on a machine without a GPU, fails here: say it in one line)
         with _native_start():  # (the backend's start: native too)
             jax.devices()
@@ -567,12 +567,13 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
                 computing = ""
                 if not loading and not still and msg.op in ("run_program", "run", "get", "wait"):  # (what waits for computation)
                     if abandoned.cut_off(msg, actor.stream.marker()):
-                        computing = (f"; actor {args.actor_id} was computing then (not waiting for another actor): XLA "
+                        computing = (f"; actor {args.actor_id} was computing then (a Run dispatched here had not ended): XLA "
                                      "cannot stop a computation once it runs, so what runs here after it waits for it — give "
                                      "such steps a longer --request-timeout (RemoteMesh.local(request_timeout=...))")
                 # (which actor computes, not only that one waited: the other actors' timeouts echo it; a probe saw five
                 # steps blamed on actor 0's wait for actor 1, never naming actor 1)
-                kind = HeldByLoader if loading else StillComputing if (still or computing) else WaitedInVain
+                waits_for_runs = msg.op in ("run_program", "run", "get", "wait")  # (a put or compile is not held by a Run)
+                kind = HeldByLoader if loading else StillComputing if (still and waits_for_runs or computing) else WaitedInVain
                 raise kind(f"'{msg.op}' did not finish within {bound:g} s (mpmd-actor {flag}), so it was cancelled; "
                            f"{_waiting_on(msg, loading)}{still}{computing}") from None
             if isinstance(e, asyncio.CancelledError) and not asyncio.current_task().cancelling():
@@ -925,7 +926,8 @@ def flush_replies(wait_s: float = 2.0) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    _take_stop_signals()  # (see _STARTING)
+    _STARTING["native"] = True  # (held from here, as from the module's top under `python -m`: see _STARTING)
+    _take_stop_signals()
     try:
         with _native_start():  # the native modules every start imports (the rest, JAX's, `serve` imports so)
             import msgpack  # noqa: F401

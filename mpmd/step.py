@@ -1580,9 +1580,10 @@ class DistributedFunction(ShallowCopyOnly):
 
 
 # The cause, not its echoes, by the name each actor's error has on the wire (actors/request.py, transport/p2p):
-# a lost actor; an error of its own; an actor held by its own data loader, for which the others timed out ("nothing
-# came from actor 1", blaming no loader; a probe); a timeout waiting on another actor; last, a step only aborted.
-_ECHOES = {"HeldByLoader": 2, "WaitedInVain": 3, "NothingCame": 3, "StepAborted": 4}
+# a lost actor; an error of its own; an actor held by its own data loader, or still computing when its bound ran out,
+# for which the others timed out ("nothing came from actor 1", blaming neither; probes); a timeout waiting on another
+# actor; last, a step only aborted.
+_ECHOES = {"StillComputing": 2, "HeldByLoader": 2, "WaitedInVain": 3, "NothingCame": 3, "StepAborted": 4}
 ECHO_GRACE = 1.0  # s the other actors' requests are given to end on their own after a wait timed out (see _wait_all)
 
 

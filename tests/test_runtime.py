@@ -668,3 +668,30 @@ def test_a_run_with_the_wrong_number_of_inputs_is_refused_naming_the_count(mesh2
     out = mesh2.run(runs())
     np.testing.assert_array_equal(mesh2.get_buffer(0, out), np.arange(3) * 2)
     mesh2.release_buffers({0: out})
+
+
+def test_a_ctrl_c_during_the_daemon_modules_own_imports_stops_it_in_one_line(tmp_path):
+    """The case above from the other side (a review: that test signals once `main` took the signals, so it passed
+    without the hold at the module's top): the interrupt lands while `python -m actors.daemon` still imports its own
+    modules — held there by a stand-in for the first one it imports, argparse, that sleeps. Held, then one line."""
+    import textwrap
+
+    marker = tmp_path / "importing"
+    (tmp_path / "argparse.py").write_text(textwrap.dedent(f"""
+        import sys, time
+        open({str(marker)!r}, "w").close()
+        time.sleep(3)
+        sys.path.remove({str(tmp_path)!r})
+        del sys.modules["argparse"]
+        import argparse  # (the real one: the import system returns what sys.modules holds once this ends)
+    """))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-m", "actors.daemon", "--listen", "tcp://127.0.0.1:0", "--insecure"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=60)[0].decode()
+    assert proc.returncode == 130 and out.strip() == "mpmd-actor: interrupted while starting", (proc.returncode, out)

@@ -90,12 +90,12 @@ def _stat(path: Path, cannot: str) -> tuple[os.stat_result, int]:
     return st, stat.S_IMODE(st.st_mode)
 
 
-def _make_private(path: Path, mode: int) -> str:
-    """What to do about `path` that others may write: `chmod go-w` it — unless it is a directory everyone shares (the
+def make_private(path: Path, mode: int, chmod: str = "chmod go-w") -> str:
+    """What to do about `path` that others may write: `chmod` it — unless it is a directory everyone shares (the
     sticky bit: /tmp), which must stay so (a probe: `--authorized-keys /tmp` was told to run `chmod go-w /tmp`)."""
     if mode & stat.S_ISVTX:
         return f"it is a directory every user shares (sticky, like /tmp): use one of your own in it (`mkdir -m 700 {path}/mine`)"
-    return f"run `chmod go-w {path}`"
+    return f"run `{chmod} {path}`"
 
 
 def check_safe_path(path: str | os.PathLike[str], what: str, secret: bool = False, holds: str = "a key") -> Path:
@@ -114,7 +114,7 @@ def check_safe_path(path: str | os.PathLike[str], what: str, secret: bool = Fals
                            f"run `chmod 600 {real}`")
     if mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise AuthKeyError(f"{what} {shown} can be written by other users (mode {mode:o}, owner {_owner(st.st_uid)}), so "
-                           f"anyone could have put {holds} there; {_make_private(real, mode)}")
+                           f"anyone could have put {holds} there; {make_private(real, mode)}")
     for parent in real.parents:
         pst, pmode = _stat(parent, f"cannot check directory {parent} above {what} {shown}")
         if not _trusted_owner(pst.st_uid):

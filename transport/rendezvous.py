@@ -53,7 +53,7 @@ from typing import Any
 
 import msgpack
 
-from transport.auth import AuthKeyError, check_safe_path
+from transport.auth import AuthKeyError, check_safe_path, make_private
 from transport.protocol import PROTOCOL_VERSION
 
 RENDEZVOUS_VERSION = 1
@@ -262,8 +262,7 @@ def check_directory(directory: str | os.PathLike[str], create: bool = True) -> P
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise RendezvousDirectoryError(f"rendezvous directory {d} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}), "
                                        f"who could announce a daemon of theirs as one of this job's: "
-                                       + (f"it is a directory every user shares (sticky, like /tmp): use one of your own in "
-                                          f"it (`mkdir -m 700 {d}/mine`)" if st.st_mode & stat.S_ISVTX else f"run `chmod 700 {d}`"))
+                                       + make_private(d, st.st_mode, "chmod 700"))
     try:  # (and every directory above it, as ssh checks ~/.ssh: under a directory others may write, the whole directory
         # could be swapped for another job's, a symlink to it say, and this job would take that job's daemons; a probe)
         check_safe_path(d, "rendezvous directory", holds="another job's rendezvous directory")

@@ -190,8 +190,10 @@ def check_schedule(schedule: Schedule | None, num_stages: int, num_mesh_actors: 
         idle = list(range(schedule.num_actors, num_mesh_actors))
         warnings.warn(f"the schedule {schedule} runs on {schedule.num_actors} of the mesh's {num_mesh_actors} actors: actor"
                       f"{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} get{'' if len(idle) > 1 else 's'} no work in "
-                      f"this loop. To use {'them' if len(idle) > 1 else 'it'}, give the schedule {num_mesh_actors} actors (e.g. num_stages={num_mesh_actors}, "
-                      "or balance='auto' to group the marker segments), or make the mesh smaller",
+                      f"this loop. To use {'them' if len(idle) > 1 else 'it'}, give the schedule {num_mesh_actors} actors (e.g. "
+                      + " or ".join(f for f in _fitting_schedules(schedule, num_stages, num_mesh_actors)
+                                    if f" each of {num_mesh_actors} actors" in f or "one per actor" in f)
+                      + "), or make the mesh smaller",
                       stacklevel=callers_level())
 
 
