@@ -186,14 +186,16 @@ def check_schedule(schedule: Schedule | None, num_stages: int, num_mesh_actors: 
             f"use fewer stages, or put several stages on each actor: e.g. "
             + " or ".join(_fitting_schedules(schedule, num_stages, num_mesh_actors))
             + f", or Custom(..., stage_actor=(...)) mapping each stage to one of the {num_mesh_actors} actors")
-    if schedule.num_actors < num_mesh_actors:  # (left idle unsaid before; a README probe)
+    if schedule.num_actors < num_mesh_actors and isinstance(schedule, Schedule):  # (left idle unsaid before; a README
+        # probe. Not for the measuring placements profile_costs runs, which are no Schedule of the user's)
         idle = list(range(schedule.num_actors, num_mesh_actors))
         warnings.warn(f"the schedule {schedule} runs on {schedule.num_actors} of the mesh's {num_mesh_actors} actors: actor"
                       f"{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} get{'' if len(idle) > 1 else 's'} no work in "
                       f"this loop. To use {'them' if len(idle) > 1 else 'it'}, give the schedule {num_mesh_actors} actors (e.g. "
                       + " or ".join(f for f in _fitting_schedules(schedule, num_stages, num_mesh_actors)
                                     if f" each of {num_mesh_actors} actors" in f or "one per actor" in f)
-                      + "), or make the mesh smaller",
+                      + "), or make the mesh smaller (nothing to do for a step meant for some of the actors, an "
+                      "evaluation of the first stages say)",
                       stacklevel=callers_level())
 
 
