@@ -814,3 +814,38 @@ async def test_async_with_mesh_trace_waits_for_the_steps_in_flight_off_the_calle
         async with mesh.trace() as t:  # (it said 'already tracing' for good)
             got = await dist.call_async(params, batch)
         assert len(t.steps) == 1
+
+
+async def test_a_save_async_cancelled_while_it_commits_still_commits_whole(mesh2, tmp_path, monkeypatch):
+    """A probe (2026-12-07): a save_async cancelled (asyncio.wait_for) 34-52 ms in, while its commit ran in its thread,
+    had the abandon remove the .tmp directory beside the commit's rename: LATEST named an empty checkpoint and, with
+    keep=1, the good one before it was pruned — nothing could be loaded. Once the commit has started it runs to its end
+    and the abandon waits for it; here the commit is slowed so that the cancel surely lands inside it."""
+    import threading
+
+    from mpmd.runtime import checkpoint as checkpoint_module
+
+    commit, entered = checkpoint_module._commit, threading.Event()
+
+    def slow_commit(*args, **kwargs):
+        entered.set()
+        time.sleep(0.5)
+        return commit(*args, **kwargs)
+
+    path = str(tmp_path / "ck")
+    first = {"x": mesh2.actor(0).put(np.arange(4.0)), "y": mesh2.actor(1).put(np.ones(3))}
+    await mpmd.save_async(path, first)
+    monkeypatch.setattr(checkpoint_module, "_commit", slow_commit)
+    second = {"x": mesh2.actor(0).put(np.arange(4.0) * 7), "y": mesh2.actor(1).put(np.ones(3) * 7)}
+    saving = asyncio.ensure_future(mpmd.save_async(path, second))
+    assert await asyncio.to_thread(entered.wait, 60)
+    saving.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await saving
+    for _ in range(100):  # (the commit ends in its thread)
+        if len([d for d in os.listdir(path) if d.startswith("ckpt-")]) == 1 and not any(d.endswith(".tmp") for d in os.listdir(path)):
+            break
+        await asyncio.sleep(0.05)
+    got = mpmd.load(path)
+    np.testing.assert_array_equal(got["x"], np.arange(4.0) * 7)
+    np.testing.assert_array_equal(got["y"], np.ones(3) * 7)

@@ -479,6 +479,7 @@ def _save_counted(path: str, tree: Any, keep: int) -> SaveHandle:
     sent = mesh.dispatch(send, handed)
 
     replies_now: list[asyncio.Future[Any]] = []  # the actors' replies the save waits for (sent, or sent again)
+    committing: list[asyncio.Future[Any]] = []  # the commit (`finish`, in a thread of its own) once it has started
 
     def send_again() -> list[asyncio.Future[Any]]:
         """The save sent again after a recovery; a replacement lost already is a failed reply (a loss while the
@@ -557,7 +558,12 @@ def _save_counted(path: str, tree: Any, keep: int) -> SaveHandle:
             # (a thread of its own, not the interpreter's executor: a save still writing when the script ends commits
             # in the exit hook that closes meshes, after the executors stopped taking work; it failed "cannot schedule
             # new futures after interpreter shutdown" there; a probe)
-            out = await off_loop(lambda: finish(parts, order), own_thread=True)
+            # The commit, once started, runs to its end whatever happens to this await; the abandon of a cancelled save
+            # waits for it (`committing`) before it removes the .tmp directory — removed beside the rename, the
+            # committed directory came out empty and LATEST named it: no checkpoint left (a probe cancelling save_async)
+            committing.append(asyncio.ensure_future(off_loop(lambda: finish(parts, order), own_thread=True)))
+            committing[0].add_done_callback(lambda f: f.cancelled() or f.exception())  # (read: cancelled, nobody awaits it)
+            out = await asyncio.shield(committing[0])
         except Exception as e:
             if _writing_failed(e):
                 raise _unwritable(path, e) from e
@@ -579,7 +585,7 @@ def _save_counted(path: str, tree: Any, keep: int) -> SaveHandle:
 
         def handed(f: concurrent.futures.Future[Any]) -> None:
             tasks = replies_now or (f.result() if not f.cancelled() and f.exception() is None else [])
-            asyncio.get_running_loop().create_task(_abandon_after(list(tasks), cleanup))
+            asyncio.get_running_loop().create_task(_abandon_after([*tasks, *committing], cleanup))
 
         sent.add_done_callback(handed)  # (called on the loop: the dispatch settles it there)
 
@@ -595,7 +601,7 @@ async def save_async(path: str, tree: Any, *, keep: int = 1) -> str:
     """Awaitable twin of `save`: the actors write while the caller's event loop runs on; returns the committed
     directory. The save is ordered where it is called (a step dispatched after it does not disturb what it
     writes). Cancelling the await before the actors finish writing abandons the commit: the previous checkpoint
-    stays the latest.
+    stays the latest; once the commit has started it runs to its end (the new checkpoint is whole and the latest).
 
         await mpmd.save_async("ckpt", (params, opt_state))
     """
