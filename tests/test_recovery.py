@@ -1413,3 +1413,26 @@ def test_jax_device_get_recovers_from_a_lost_actor_as_fetch_does(uninterrupted, 
                 fetch=device_get_twice)
     assert got[3] == 1
     _assert_identical(got, uninterrupted)
+
+
+def test_a_refused_call_with_another_meshs_array_leaves_the_recoverys_snapshots_working(caplog):
+    """A probe (2026-12-07): on a mesh made with `recover=`, one step call passing a RemoteArray of another mesh was
+    refused as it should be — but the array had been entered in the recovery's log first, and every later snapshot
+    asked this mesh's actors for its buffer id ("UnknownBufferError"): the log was never trimmed again, and a lost
+    actor would have replayed every step since. The array is refused before it is logged."""
+    batches = _batches()[:8]
+    p = _params()
+    o = OPT.init(p)
+    leaves, tree = jax.tree.flatten(p)
+    with mpmd.RemoteMesh.local(num_actors=1) as other:
+        foreign = jax.tree.unflatten(tree, [other.actor(0).put(np.asarray(leaves[0])), *leaves[1:]])
+        with mpmd.RemoteMesh.local(num_actors=2, recover=mpmd.Recovery(snapshot_every=2), heartbeat_timeout=5.0) as mesh:
+            dist = mpmd.distributed(STEP, mesh=mesh)
+            with pytest.raises(mpmd.MpmdError, match=r"is RemoteArray\(float32\[.*\], on actor 0\) of RemoteMesh"):
+                dist(foreign, o, batches[0])
+            with caplog.at_level(logging.WARNING, logger="mpmd"):
+                for b in batches:
+                    p, o, loss = dist(p, o, b)
+                    loss.block_until_ready()
+            assert not [r for r in caplog.records if "snapshot" in r.getMessage()], [r.getMessage() for r in caplog.records]
+            assert len(mesh.recovery.log) <= 2  # (trimmed at each snapshot)

@@ -247,7 +247,9 @@ class RecoveryManager:
         remote, unseen = {}, set()
         for x in leaves:
             if isinstance(x, RemoteArray):
-                if not x.buffers:  # lost with an actor (see the module docstring), deleted or donated: raises
+                if not x.buffers or x.mesh is not self.mesh:  # lost with an actor (see the module docstring), deleted or
+                    # donated, or another mesh's: raises — before it is logged (a refused foreign array stayed in the log,
+                    # and every later snapshot asked this mesh's actors for its buffer id; a probe)
                     self.mesh.check_owned(x, f"an argument of {getattr(dist, '__name__', 'the step')}")
                 if not x._vid:  # made outside the log: mesh.put, mpmd.restore, ...
                     unseen.add(id(x))
