@@ -460,8 +460,10 @@ def _save_counted(path: str, tree: Any, keep: int) -> SaveHandle:
             for a, (names, idx) in per_actor.items():
                 if again and any(a not in flat[i][1].buffers for i in idx):
                     raise CheckpointError(f"mpmd.save into {path}: an actor was lost while this save ran and a saved array "
-                                          "was deleted (donated to a later step) before the mesh recovered; nothing was "
-                                          "committed: save again", checkpoint=path)
+                                          "was deleted (donated to a later step) before the mesh recovered, so its value is "
+                                          "gone; nothing was committed — save the state you hold now. In a loop with "
+                                          "donate_argnums, a save that must survive a loss is waited for (handle.wait(), or "
+                                          "save(..., wait=True)) before the step that is donated its arrays", checkpoint=path)
                 bufs = [flat[i][1].buffers.get(a, b) for i, b in zip(idx, at_call[a])]
                 pending.append(mesh.conn(a).submit("save", {"dir": os.path.join(tmp, f"actor-{a}"), "names": names, "bufs": bufs}))
         except BaseException:
