@@ -62,4 +62,7 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
 
 def install() -> None:
     if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
-        sys.meta_path.append(_AliasFinder())
+        # First, not last: an old package's path is the new package's (`mpmd.launchers` is `mpmd.runtime.launch`), so the
+        # path finder, asked first, found `mpmd.launchers.rendezvous` as a file there and ran it again as a second module
+        # — and set it as the package's `rendezvous`, apart from the one in use (a test's monkeypatch missed it).
+        sys.meta_path.insert(0, _AliasFinder())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import sys
 
 import pytest
 
@@ -120,3 +121,6 @@ def test_old_module_paths_import_the_moved_modules() -> None:
     assert mpmd.trace.fit_costs is mpmd.observe.trace.fit_costs
     assert mpmd.mesh.RemoteMesh is mpmd.RemoteMesh
     assert connect is mpmd.runtime.launch.rendezvous.connect
+    # one module under both names, not a second copy run from the same file (the path finder found the old name's file
+    # in the new package first, and the package's `rendezvous` became the copy: a monkeypatch of it missed the other)
+    assert sys.modules["mpmd.launchers.rendezvous"] is sys.modules["mpmd.runtime.launch.rendezvous"] is mpmd.runtime.launch.rendezvous

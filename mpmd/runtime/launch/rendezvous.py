@@ -180,14 +180,14 @@ class _Waiting:
         if held is None or held[0] != failure:
             self.failures[i] = (failure, time.monotonic() if held is None else held[1])
 
-    def check_failures(self, left: float) -> None:
+    def check_failures(self) -> None:
         """`RendezvousError` with a failed daemon's words once no daemon took its id within FAILURE_WAIT of this
-        wait seeing the failure (or `left`, the wait's own time left, if that is less)."""
+        wait seeing the failure (a wait that ends first says them among what it lists: `timed_out`)."""
         now = time.monotonic()
         for i, (failure, seen) in sorted(self.failures.items()):
             if i in self.live:
                 continue
-            if now - seen >= min(FAILURE_WAIT, max(0.0, left)):
+            if now - seen >= FAILURE_WAIT:
                 raise RendezvousError(f"{failure.describe()}\n  The rendezvous {self.where} stopped waiting: no daemon took actor "
                                       f"{i}'s place within {now - seen:.0f} s. Fix what it says and start that daemon again, "
                                       f"then this controller (of the {self.num_actors} actors, {len(self.live)} had arrived)")
@@ -272,7 +272,7 @@ def gather(where: str | os.PathLike[str], num_actors: int, timeout: float, keys:
             return waiting.arrivals()
         if time.monotonic() >= deadline:
             raise waiting.timed_out(timeout)
-        waiting.check_failures(deadline - time.monotonic())
+        waiting.check_failures()
         time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
 
 
@@ -337,7 +337,7 @@ class TcpRendezvous:
                 raise waiting.timed_out(timeout, [f"{refused} connection(s) were refused at the handshake: a daemon whose "
                                                   "--rendezvous-key (or --authorized-keys pair) is not this job's tried to arrive"]
                                         if refused else [])
-            waiting.check_failures(left)
+            waiting.check_failures()
             if not poller.poll(min(left, 0.5) * 1000):
                 continue
             identity, *frames = self.sock.recv_multipart()
