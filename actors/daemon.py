@@ -43,10 +43,14 @@ def _early_signal(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def _stop_signals() -> list[int]:
+    """The stop signals this daemon takes: nohup's ignored SIGHUP stays ignored."""
+    return [sig for sig in STOP_SIGNALS if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN]
+
+
 def _take_stop_signals() -> None:
-    for sig in STOP_SIGNALS:  # (nohup's ignored SIGHUP stays ignored)
-        if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN:
-            signal.signal(sig, _early_signal)
+    for sig in _stop_signals():
+        signal.signal(sig, _early_signal)
 
 
 if __name__ == "__main__":  # `python -m actors.daemon` (as RemoteMesh.local starts it): held from here, not after the
@@ -527,9 +531,8 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         log.warning("stopping: %s received", signal.Signals(sig).name)
         stop.set()
 
-    for sig in STOP_SIGNALS:
-        if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN:  # (nohup's SIGHUP stays ignored)
-            loop.add_signal_handler(sig, stop_on, sig)
+    for sig in _stop_signals():
+        loop.add_signal_handler(sig, stop_on, sig)
 
     async def reply(identity: bytes, frames: list) -> None:
         try:  # (never waits: a connection that leaves CONTROL_QUEUE replies unread loses the next ones, not the daemon)
@@ -593,8 +596,8 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
             req_id = msg.header.get("id")
             # (a loader call reads the job's data, wherever the daemon's user may read: a probe's keyless stranger had a
             # Program return its own loaded input)
-            calls_loader = msg.op == "run_program" and bool(msg.header.get("loads"))
-            if (msg.op in trusted_only or calls_loader) and not (secure or args.insecure):
+            calls_loader = not (secure or args.insecure) and msg.op == "run_program" and bool(msg.header.get("loads"))
+            if not (secure or args.insecure) and (msg.op in trusted_only or calls_loader):
                 what = "a run_program that calls a loader" if calls_loader else repr(msg.op)
                 raise RequestError(f"this daemon serves {what} only to an authenticated controller: start it with "
                                    "--server-key/--authorized-keys (RemoteMesh.local does that by itself), or with "

@@ -526,10 +526,10 @@ class Actor:
         self._within_guest_quota(ses, more_bytes=self.cache.output_bytes(key))  # (room for its outputs first)
         if set(inputs) & set(outputs) or len(set(outputs)) != len(outputs):
             raise RequestError(f"'run': an output buffer id is also an input or given twice (inputs {inputs}, outputs {outputs})")
-        takes = getattr(getattr(exe, "in_tree", None), "num_leaves", None)  # (its order token first, where Runs are ordered)
-        if isinstance(takes, int) and len(inputs) != takes - int(self.stream.ordered):  # (JAX's own pytree TypeError: a probe)
-            raise RequestError(f"'run': executable {key[:16]} takes {takes - int(self.stream.ordered)} inputs, got {len(inputs)} "
-                               f"buffer ids")
+        leaves = getattr(getattr(exe, "in_tree", None), "num_leaves", None)
+        takes = leaves - int(self.stream.ordered) if isinstance(leaves, int) else None  # (its order token first, where ordered)
+        if takes is not None and len(inputs) != takes:  # (JAX's own pytree TypeError: a probe)
+            raise RequestError(f"'run': executable {key[:16]} takes {takes} inputs, got {len(inputs)} buffer ids")
         refs = [ses.buffers.ref(b) for b in inputs]  # unknown ids fail here, before anything is reserved
         for b in outputs:
             ses.buffers.reserve(b)

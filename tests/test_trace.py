@@ -275,19 +275,24 @@ def test_an_empty_trace_or_a_step_it_does_not_hold_is_an_mpmd_error_naming_what_
         t.breakdown("a")
 
 
-def test_two_independent_steps_traced_at_once_are_both_recorded_and_the_actors_go_on(mesh2):
-    """A README probe (2026-12-07): `with mesh.trace(): step(p, o, b); step(p, o, b)` — two steps of the same
-    arguments, in flight together — hung an actor for good in 4 of 4 runs (`Stream.idle` spun on the traced Run's
-    finished holder before its callback freed the order token), and every later call failed as a lost actor."""
-    rng = np.random.default_rng(5)
-    params = [{"w": (rng.standard_normal((64, 64)) / 8).astype(np.float32)} for _ in range(2)]
+def _two_stage_sgd(mesh, seed: int, width: int, scale: float, m: int, rows: int):
+    """A 2-stage tanh MLP's 1F1B step with SGD on `mesh`: (params, optax sgd, batch, the distributed step, its loss)."""
+    rng = np.random.default_rng(seed)
+    params = [{"w": (rng.standard_normal((width, width)) / scale).astype(np.float32)} for _ in range(2)]
 
     def loss(p, mb):
         return jnp.mean((mpmd.pipeline_yield(jnp.tanh(mb["x"] @ p[0]["w"])) @ p[1]["w"] - mb["y"]) ** 2)
 
     opt = optax.sgd(0.01)
-    batch = {"x": rng.standard_normal((4, 8, 64)).astype(np.float32), "y": rng.standard_normal((4, 8, 64)).astype(np.float32)}
-    dist = mpmd.distributed(make_step(loss, opt, mpmd.OneFOneB(2)), mesh=mesh2)
+    batch = {k: rng.standard_normal((m, rows, width)).astype(np.float32) for k in ("x", "y")}
+    return params, opt, batch, mpmd.distributed(make_step(loss, opt, mpmd.OneFOneB(2)), mesh=mesh), loss
+
+
+def test_two_independent_steps_traced_at_once_are_both_recorded_and_the_actors_go_on(mesh2):
+    """A README probe (2026-12-07): `with mesh.trace(): step(p, o, b); step(p, o, b)` — two steps of the same
+    arguments, in flight together — hung an actor for good in 4 of 4 runs (`Stream.idle` spun on the traced Run's
+    finished holder before its callback freed the order token), and every later call failed as a lost actor."""
+    params, opt, batch, dist, loss = _two_stage_sgd(mesh2, seed=5, width=64, scale=8, m=4, rows=8)
     want = jax.jit(make_step(loss, opt, None))(params, opt.init(params), batch)[2]
     state = opt.init(params)
     for _ in range(6):
@@ -336,15 +341,7 @@ def test_steps_dispatched_back_to_back_are_not_counted_twice(mesh2):
     steps before it, and an actor's time running or queued behind their Runs was this step's 'waiting for data'
     (four steps summed 53-61 ms of waiting over 37 ms). It is 'other steps' now: per actor, the steps' compute,
     waiting and overhead never add up to more than the time the four took, and each step's parts still add up."""
-    rng = np.random.default_rng(4)
-    params = [{"w": (rng.standard_normal((128, 128)) / 12).astype(np.float32)} for _ in range(2)]
-
-    def loss(p, mb):
-        return jnp.mean((mpmd.pipeline_yield(jnp.tanh(mb["x"] @ p[0]["w"])) @ p[1]["w"] - mb["y"]) ** 2)
-
-    opt = optax.sgd(0.01)
-    batch = {"x": rng.standard_normal((8, 32, 128)).astype(np.float32), "y": rng.standard_normal((8, 32, 128)).astype(np.float32)}
-    dist = mpmd.distributed(make_step(loss, opt, mpmd.OneFOneB(2)), mesh=mesh2)
+    params, opt, batch, dist, _ = _two_stage_sgd(mesh2, seed=4, width=128, scale=12, m=8, rows=32)
     p, o, losses = dist(params, opt.init(params), batch)
     losses.block_until_ready()
     with mesh2.trace() as t:

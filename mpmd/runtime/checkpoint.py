@@ -298,16 +298,17 @@ def _check_path(where: str, path: Any) -> None:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"{where}: the checkpoint directory must be a path (str or os.PathLike), got {type(path).__name__} "
                         f"{path!r:.60}")
-    if not isinstance(os.fspath(path), str):
-        raise TypeError(f"{where}: the checkpoint directory must be a str path, got bytes {os.fspath(path)!r:.60}: decode it "
+    text = os.fspath(path)
+    if not isinstance(text, str):
+        raise TypeError(f"{where}: the checkpoint directory must be a str path, got bytes {text!r:.60}: decode it "
                         "(os.fsdecode) if it is UTF-8")
-    if not os.fspath(path).strip():
-        raise ValueError(f"{where}: the checkpoint directory is an empty name {os.fspath(path)!r}; name a directory "
+    if not text.strip():
+        raise ValueError(f"{where}: the checkpoint directory is an empty name {text!r}; name a directory "
                          "(e.g. 'checkpoints', or '.' for the working directory)")
     try:  # (the actors are told the path as UTF-8 text: a name of other bytes failed deep inside, after its directory
-        os.fspath(path).encode("utf-8")  # was made; a probe)
+        text.encode("utf-8")  # was made; a probe)
     except UnicodeEncodeError:
-        raise ValueError(f"{where}: the checkpoint directory {os.fspath(path)!r:.120} is not UTF-8 text (a name of other "
+        raise ValueError(f"{where}: the checkpoint directory {text!r:.120} is not UTF-8 text (a name of other "
                          "bytes), which the actors could not be told; name a directory whose path is UTF-8") from None
 
 
