@@ -1284,3 +1284,24 @@ def test_a_traced_run_on_an_unordered_stream_holds_nothing():
 
     (y,) = [asyncio.run(main())]
     np.testing.assert_allclose(np.asarray(y), np.asarray(slow(big)), rtol=1e-6)
+
+
+def test_a_daemon_stopped_as_it_starts_is_given_up_as_killed_after_the_stopped_limit(tmp_path):
+    """A replacement daemon stopped (SIGSTOP) while it started held a recovery for its whole spawn_timeout (120 s; a
+    probe): `wait_ready`'s `stopped_limit` gives it up once it stayed stopped that long, as a killed one (the recovery
+    then starts another), and says so."""
+    from mpmd.errors import ActorStartError
+    from mpmd.runtime.launch.local import LocalOptions, LocalProcess
+
+    proc = LocalProcess(0, f"ipc://{tmp_path}/a0.sock", LocalOptions(), str(tmp_path))
+    try:
+        os.kill(proc.proc.pid, signal.SIGSTOP)
+        t = time.monotonic()
+        with pytest.raises(ActorStartError) as err:
+            proc.wait_ready(time.monotonic() + 60, stopped_limit=0.5)
+        assert time.monotonic() - t < 10  # (it waited out the 60 s before)
+        assert err.value.killed and not err.value.timed_out
+        assert "was stopped (SIGSTOP) as it started and stayed stopped for 0.5 s" in str(err.value), err.value
+    finally:
+        proc.stop(0)
+    assert proc.proc.poll() is not None  # (stop kills a stopped process too)

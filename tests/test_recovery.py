@@ -1436,3 +1436,56 @@ def test_a_refused_call_with_another_meshs_array_leaves_the_recoverys_snapshots_
                     loss.block_until_ready()
             assert not [r for r in caplog.records if "snapshot" in r.getMessage()], [r.getMessage() for r in caplog.records]
             assert len(mesh.recovery.log) <= 2  # (trimmed at each snapshot)
+
+
+def _children_running(actor: int) -> set[int]:
+    """The pids of this process's `mpmd-actor` children for `actor` (by their command lines)."""
+    found = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and b"actors.daemon" in argv and argv[argv.index(b"--actor-id") + 1] == str(actor).encode():
+            found.add(int(entry.name))
+    return found
+
+
+@pytest.mark.slow  # (~15 s: a replacement given up, another started)
+def test_a_replacement_stopped_as_it_starts_is_given_up_within_the_stopped_limit_and_the_loop_ends_bit_identical(uninterrupted, monkeypatch):
+    """Actor 1 is killed, and its replacement stopped (SIGSTOP) as soon as it appears: the recovery waited for it for
+    its whole spawn_timeout (120 s) before. Now it gives it up after STOPPED_LIMIT, starts another and replays."""
+    from mpmd.runtime.launch import local
+
+    monkeypatch.setattr(local, "STOPPED_LIMIT", 1.0)
+    stopped: list[int] = []
+
+    def kill_and_stop_the_replacement(mesh, actor):
+        old = mesh.processes[actor].proc.pid
+        _sigkill(mesh, actor)
+
+        def stop_it():
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                new = _children_running(actor) - {old}
+                if new:
+                    pid = new.pop()
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped.append(pid)
+                    return
+                time.sleep(0.01)
+
+        threading.Thread(target=stop_it, daemon=True).start()
+
+    t = time.monotonic()
+    got = train(kills=[(4, 1)], recover=mpmd.Recovery(snapshot_every=3), fetch_losses_every=1, kill=kill_and_stop_the_replacement)
+    assert stopped, "no replacement was seen to stop"
+    assert time.monotonic() - t < 90  # (the stopped replacement alone held it 120 s)
+    assert got[3] == 1
+    _assert_identical(got, uninterrupted)
+    assert not os.path.exists(f"/proc/{stopped[0]}") or open(f"/proc/{stopped[0]}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"

@@ -589,7 +589,7 @@ class RecoveryManager:
                 last = e.error
                 waiting.discard(e.actor)
                 lost = sorted({e.actor, *self._lost_actors(e.error)})
-                log.warning("the replacement of actor %d died as it started (%s); recovering again", e.actor, str(e.error)[:200])
+                log.warning("the replacement of actor %d was lost as it started (%s); recovering again", e.actor, str(e.error)[:200])
                 continue
             except ActorStartError:
                 raise  # a replacement that never came up (within spawn_timeout) ends the recovery, as documented

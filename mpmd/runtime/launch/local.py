@@ -271,16 +271,28 @@ class LocalProcess:
         except OSError:
             return ""
 
-    def wait_ready(self, deadline: float) -> str:
-        """Wait for the daemon's ready line; return its control endpoint."""
+    def wait_ready(self, deadline: float, stopped_limit: float | None = None) -> str:
+        """Wait for the daemon's ready line; return its control endpoint. `stopped_limit`: seconds the process may
+        stay stopped (SIGSTOP) before it is given up as a killed one would be (`ActorStartError.killed`: a recovery
+        starts another), instead of waiting out `deadline` for a process that cannot start."""
         assert self.proc.stdout is not None
         sel = selectors.DefaultSelector()
         sel.register(self.proc.stdout, selectors.EVENT_READ)
         line, eof = b"", False
+        stopped_since: float | None = None
         while not line.endswith(b"\n"):
             left = deadline - time.monotonic()
             if left <= 0 or self.proc.poll() is not None:
                 break
+            if stopped_limit is not None:  # (not a debugger's stop, "t": one attached to a starting daemon is meant)
+                stopped_since = (stopped_since or time.monotonic()) if _process_state(self.proc.pid) == "T" else None
+                if stopped_since is not None and time.monotonic() - stopped_since >= stopped_limit:
+                    sel.close()
+                    err = ActorStartError(f"local actor {self.actor_id} was stopped (SIGSTOP) as it started and stayed "
+                                          f"stopped for {stopped_limit:g} s (pid {self.proc.pid}): a stopped process "
+                                          f"cannot start, so it is given up and another started")
+                    err.killed = True
+                    raise err
             if sel.select(timeout=min(left, 0.2)):
                 chunk = os.read(self.proc.stdout.fileno(), 4096)
                 if not chunk:
@@ -375,6 +387,12 @@ def _process_state(pid: int) -> str | None:
         return None
 
 
+# Seconds a replacement daemon may stay stopped (SIGSTOP) while it starts before a recovery gives it up and starts
+# another, as a live actor is given up after heartbeat_timeout (10 s by default) of silence: a stopped replacement held
+# a recovery for its whole spawn_timeout (120 s; a probe).
+STOPPED_LIMIT = 10.0
+
+
 @dataclass
 class LocalMesh:
     """What `start_local` started: the processes, their control endpoints, the private directory and the keys
@@ -402,7 +420,7 @@ class LocalMesh:
         old.stop(0)  # its log and shared memory go
         proc = LocalProcess(actor_id, self.addresses[actor_id], self.options, self.directory, self.cpus[actor_id], self.handoff)
         try:
-            endpoint = proc.wait_ready(time.monotonic() + timeout)
+            endpoint = proc.wait_ready(time.monotonic() + timeout, stopped_limit=min(STOPPED_LIMIT, timeout))
         except BaseException:
             proc.stop(0)
             raise
