@@ -439,3 +439,51 @@ def test_a_program_receiving_an_unknown_dtype_or_a_negative_shape_is_refused_whe
         assert reply.op == "error" and "the dtype must be one of" in reply.header["message"], reply.header
     assert decode_instruction(["recv", 0, 1, 2, "bfloat16", [0, 3], "xfer"]).shape == (0, 3)
     assert mesh2.actor(0).ping() > 0
+
+
+def _within(seconds, fn):
+    """`fn()`'s exception (None if it returned) or 'hung' when it has not ended within `seconds` (a thread)."""
+    import threading
+
+    got = {}
+
+    def run():
+        try:
+            fn()
+            got["e"] = None
+        except BaseException as e:  # noqa: BLE001 - what it raised is the answer
+            got["e"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    return got["e"] if "e" in got else "hung"
+
+
+def test_a_fifo_named_as_a_key_file_is_refused_at_once_not_waited_on(tmp_path):
+    """Opening a FIFO to read waits for a writer: a FIFO named *.key in an authorized-keys directory hung a daemon's
+    start for good, and so did one given to ClientKeys.load as a server key (a probe). Refused, naming it."""
+    from transport.auth import load_authorized_keys
+
+    d = tmp_path / "keys"
+    generate_key_files(d)
+    os.mkfifo(d / "evil.key")
+    err = _within(10, lambda: load_authorized_keys(d))
+    assert isinstance(err, AuthKeyError) and "evil.key is not a key file (not a regular file: a device, a FIFO" in str(err), err
+    err = _within(10, lambda: ClientKeys.load(d / "mpmd.key_secret", d / "evil.key"))
+    assert isinstance(err, AuthKeyError) and "evil.key is not a key file (not a regular file" in str(err), err
+
+
+def test_a_file_that_holds_no_key_given_as_the_secret_key_is_said_to_be_no_key_file_not_told_to_chmod(tmp_path):
+    """`--server-key /etc/passwd` was told `run chmod 600 /etc/passwd` (its mode is checked first; a probe): a file
+    with no key line is not a key file, whatever its mode; a real secret key readable by others still gets the chmod."""
+    other = tmp_path / "passwd"
+    other.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    other.chmod(0o644)
+    with pytest.raises(AuthKeyError, match="passwd is not a key file: it holds no public-key or secret-key line") as err:
+        KeyPair.load(other)
+    assert "chmod" not in str(err.value)
+    _, secret = generate_key_files(tmp_path / "k")
+    secret.chmod(0o644)
+    with pytest.raises(AuthKeyError, match=r"can be read by other users .*chmod 600"):
+        KeyPair.load(secret)

@@ -159,13 +159,16 @@ def _read_key_file(path: Path, what: str, secret: bool) -> tuple[bytes | None, b
     """(public, secret) keys of a checked key file, read from the file that was checked (fstat on the open file)."""
     real = check_safe_path(path, what, secret)
     try:
-        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        # (O_NONBLOCK: opening a FIFO to read waits for a writer — a FIFO named *.key in --authorized-keys hung the
+        # daemon's start, and ClientKeys.load, for good; a probe. A regular file reads as without it.)
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         raise AuthKeyError(f"cannot read {what} {path}: {e.strerror}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise AuthKeyError(f"{what} {path} is not a regular file")
+            raise AuthKeyError(f"{what} {path} is not a key file (not a regular file: a device, a FIFO, ...); key files "
+                               "are the ones `mpmd keys generate DIR` writes")
         if not _trusted_owner(st.st_uid) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or (
                 secret and st.st_mode & (stat.S_IRWXG | stat.S_IRWXO)):
             raise AuthKeyError(f"{what} {path} changed while it was checked (owner {_owner(st.st_uid)}, mode "
@@ -222,14 +225,16 @@ class KeyPair:
                                "file `mpmd keys generate DIR` made")
         try:
             public, secret = _read_key_file(p, "secret key file", secret=True)
-        except AuthKeyError:  # a public key file given here (readable by all, as it should be) is a mistake of its own
-            try:
-                held = _read_key_file(p, "key file", secret=False)
-                public_only = held[0] is not None and held[1] is None
+        except AuthKeyError as refused:  # a public key file given here (readable by all, as it should be) is a mistake
+            try:  # of its own, and so is a file that holds no key at all (`--server-key /etc/passwd` was told to
+                held = _read_key_file(p, "key file", secret=False)  # `chmod 600 /etc/passwd`; a probe)
             except AuthKeyError:
-                public_only = False
-            if not public_only:
-                raise
+                raise refused from None
+            if held == (None, None):
+                raise AuthKeyError(f"{p} is not a key file: it holds no public-key or secret-key line; name the "
+                                   f"*{SECRET_SUFFIX} file `mpmd keys generate DIR` made") from None
+            if held[0] is None or held[1] is not None:
+                raise refused from None
             public, secret = b"", None
         if secret is None and public is not None:
             pair = p.with_name(p.name[: -len(PUBLIC_SUFFIX)] + SECRET_SUFFIX) if p.name.endswith(PUBLIC_SUFFIX) else None
