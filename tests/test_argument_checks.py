@@ -5,6 +5,7 @@ Python int or number (or a sequence of them) is. No actor is started, except by 
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import re
@@ -375,6 +376,25 @@ def test_hurried_arguments_are_named_before_anything_starts(tmp_path):
             with pytest.raises(mpmd.MpmdError, match=r"put: spec must be a PartitionSpec .*got (str 'bad'|int 123)"):
                 mesh.actor(0).put(params, spec=bad)
         np.testing.assert_array_equal(mesh.actor(0).put(params).to_numpy(), params)
+
+
+def test_a_with_block_over_a_closed_mesh_is_refused_as_it_enters():
+    """`with mesh:` over a closed mesh entered without a word and the first call inside said closed (a probe); it is
+    refused as it enters, as `with` over a closed file is, and the block's body never runs."""
+    mesh = mpmd.RemoteMesh.local(num_actors=1, transport="none")
+    mesh.close()
+    ran = []
+    with pytest.raises(mpmd.MpmdError, match=r"this RemoteMesh is closed: make a new one"):
+        with mesh:
+            ran.append(1)
+
+    async def in_async_with():
+        async with mesh:
+            ran.append(2)
+
+    with pytest.raises(mpmd.MpmdError, match=r"this RemoteMesh is closed: make a new one"):
+        asyncio.run(in_async_with())
+    assert ran == []
 
 
 def test_actor_run_on_a_closed_mesh_says_closed_and_stages_nothing(monkeypatch):

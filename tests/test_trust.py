@@ -5,6 +5,7 @@ arrivals cost memory only for their headers."""
 
 import os
 import re
+import stat
 
 import jax
 import jax.numpy as jnp
@@ -744,6 +745,27 @@ def test_a_local_mesh_under_a_group_writable_home_runs_without_the_default_cache
         assert local.usable_default_cache_dir() == f"{xdg}/mpmd/xla"
     finally:
         shutil.rmtree(xdg, ignore_errors=True)
+
+
+def test_an_unsafe_or_unmakeable_mpmd_cache_dir_is_refused_before_any_daemon_starts_naming_the_variable(tmp_path, monkeypatch):
+    """MPMD_CACHE_DIR naming a directory others can write (or one that cannot be made) was refused by each daemon as
+    its `--cache-dir`, an option the user never wrote, after the daemons started (a probe). Refused at once, naming
+    MPMD_CACHE_DIR; a safe one is made (mode 700) and used."""
+    from mpmd.runtime.launch import local
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("MPMD_CACHE_DIR", str(shared))
+    with pytest.raises(ValueError, match=r"the compilation cache MPMD_CACHE_DIR names, .*shared can be written by other users"):
+        mpmd.RemoteMesh.local(num_actors=1)
+    monkeypatch.setenv("MPMD_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"cannot make the compilation cache MPMD_CACHE_DIR names, .*file/cache: Not a directory"):
+        local.usable_default_cache_dir()
+    monkeypatch.setenv("MPMD_CACHE_DIR", str(tmp_path / "mine" / "xla"))
+    assert local.usable_default_cache_dir() == str(tmp_path / "mine" / "xla")
+    assert stat.S_IMODE((tmp_path / "mine" / "xla").stat().st_mode) == 0o700
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="making files another user owns needs root")

@@ -467,12 +467,14 @@ class RemoteMesh:
         await off_loop(self.close, own_thread=True)
 
     async def __aenter__(self) -> RemoteMesh:
-        return self
+        return self.__enter__()
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     def __enter__(self) -> RemoteMesh:
+        if self.closed:  # (as `with` over a closed file refuses; it entered, and the first call inside said so)
+            raise MpmdError("this RemoteMesh is closed: make a new one to use in a `with` block")
         return self
 
     def __exit__(self, *exc: object) -> None:

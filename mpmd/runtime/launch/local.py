@@ -134,8 +134,13 @@ def usable_default_cache_dir() -> str | None:
     from transport.auth import AuthKeyError, make_safe_dir
 
     path = os.path.abspath(os.path.expanduser(default_cache_dir()))
-    if os.environ.get("MPMD_CACHE_DIR"):
-        return path  # (the daemons check it, and refuse to start saying why)
+    if os.environ.get("MPMD_CACHE_DIR"):  # (checked here, as the daemons would, to name the variable: their refusal
+        try:  # named their --cache-dir, which the user never wrote; a probe)
+            return make_safe_dir(path, "the compilation cache MPMD_CACHE_DIR names,", holds="compiled code")
+        except AuthKeyError as e:
+            raise ValueError(f"{e} (the daemons run the executables they find there)") from None
+        except OSError as e:
+            raise ValueError(f"cannot make the compilation cache MPMD_CACHE_DIR names, {path}: {e.strerror or e}") from None
     try:
         return make_safe_dir(path, "the default compilation cache", holds="compiled code")
     except (AuthKeyError, OSError) as e:
