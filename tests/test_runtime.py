@@ -695,3 +695,28 @@ def test_a_ctrl_c_during_the_daemon_modules_own_imports_stops_it_in_one_line(tmp
     proc.send_signal(signal.SIGINT)
     out = proc.communicate(timeout=60)[0].decode()
     assert proc.returncode == 130 and out.strip() == "mpmd-actor: interrupted while starting", (proc.returncode, out)
+
+
+def test_a_ctrl_c_while_local_daemons_start_lands_at_once_and_leaves_no_daemon():
+    """A Ctrl-C during RemoteMesh.local came 2-6 s late (a probe): each starting daemon holds a stop signal until its
+    JAX import is done, and the cleanup waited for each in turn. Starting daemons are killed now: the interrupt lands
+    at once, and no daemon of theirs is left. (The Ctrl-C comes 0.3 s after the daemons appear: inside their imports.)"""
+    def daemons():
+        return subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "actors.daemon"], capture_output=True, text=True).stdout.split()
+
+    sent = []
+
+    def interrupt():
+        deadline = time.monotonic() + 30
+        while not daemons() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        sent.append(time.monotonic())
+        signal.raise_signal(signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        mpmd.RemoteMesh.local(num_actors=2)
+        pytest.fail("the daemons started within 0.3 s: nothing was interrupted")
+    assert time.monotonic() - sent[0] < 0.5, time.monotonic() - sent[0]
+    assert daemons() == []

@@ -487,6 +487,14 @@ def start_local(num_actors: int, options: LocalOptions) -> LocalMesh:
             procs.append(LocalProcess(i, a, options, tmp, cpus[i], handoff))
         local.endpoints = [p.wait_ready(deadline) for p in procs]
         return local
+    except KeyboardInterrupt:  # the user is waiting: a daemon still starting holds a stop signal until JAX is imported,
+        # and the Ctrl-C came 2-6 s late, after each in turn (a probe); killed, nothing of it is left but its shared
+        # memory, removed with it (its compile directory a later daemon sweeps)
+        for p in procs:
+            p.stop(0)
+            remove_shared_memory(p.proc.pid)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     except BaseException:
         local.cleanup()
         raise
