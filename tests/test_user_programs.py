@@ -184,6 +184,26 @@ def test_a_scanned_stack_of_four_stages_runs_on_four_actors(mesh4):
     assert "3F0" in text and "3B0" in text  # four stages (the head joined the last iteration's)
 
 
+def test_a_scanned_stack_of_big_stacked_parameters_warns_that_it_is_placed_whole_and_a_small_one_does_not(mesh4):
+    """A lax.scan over 4 stages of 256 x 256 stacked weights moved 6 MiB per step where the same layers as a list
+    moved 0.1 MiB (a probe): a stacked parameter is one leaf, placed whole on one actor. The step is right; the
+    compile says what it costs and what to write instead. Small stacks (under 1 MiB) are not warned about."""
+    import warnings
+
+    rng = np.random.default_rng(3)
+    opt = optax.sgd(1e-2)
+    step = mpmd.distributed(make_step(mse(scan_model), opt, mpmd.OneFOneB(4)), mesh=mesh4)
+    big = scan_params(rng, width=256)
+    with pytest.warns(UserWarning, match=r"a lax.scan unrolled into 4 stages takes its per-stage operands stacked in one "
+                                         r"array each \(float32\[4, 256\], float32\[4, 256, 256\]; 1\.0 MiB\).*keep the layers as a list"):
+        step.program(big, opt.init(big), batch_of(rng, m=4, width=256))
+    small = scan_params(rng)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        step.program(small, opt.init(small), batch_of(rng, m=4))
+    assert not [w for w in seen if "stacked in one array" in str(w.message)]
+
+
 def test_two_scanned_stacks_and_a_scan_of_scans_give_a_stage_per_iteration(mesh2):
     """An encoder stack then a decoder stack (a marker in each body), and a scan of 2 groups over a scan of 2
     layers: every iteration is a stage (4), not 3 — only the very last scan's last marker is dropped (each
