@@ -208,7 +208,7 @@ def test_a_marker_inside_a_custom_vjp_function_is_named_as_a_cause_of_too_few_st
         return mpmd.accumulate_grads(mb, batch, schedule=mpmd.OneFOneB(2))
 
     params = [np.eye(8, dtype=np.float32)] * 2
-    with pytest.raises(mpmd.PipelineError, match=r"marks 1 stage \(0 pipeline_yield markers\).*inside a jax.custom_vjp function is not seen"):
+    with pytest.raises(mpmd.PipelineError, match=r"marks 1 stage \(0 pipeline_yield markers\).*inside a jax.custom_vjp function: it is not seen"):
         _plan(step, (params, {"x": np.ones((2, 4, 8), np.float32)}), 2)
 
 

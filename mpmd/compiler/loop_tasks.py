@@ -177,8 +177,8 @@ def check_schedule(schedule: Schedule | None, num_stages: int, num_mesh_actors: 
                                "its value" if (side := markers - unused - (num_stages - 1)) > 0 else "")
                             # (JAX differentiates a custom_vjp function through its fwd rule and never traces its
                             # body, so no trace of such a marker is left to name: a probe's was dropped unsaid)
-                            + (". A marker inside a jax.custom_vjp function is not seen under grad (JAX runs its fwd "
-                               "rule, not the function): call pipeline_yield outside it"
+                            + (". (If one of the markers is inside a jax.custom_vjp function: it is not seen under "
+                               "grad, as JAX runs its fwd rule, not the function; call pipeline_yield outside it)"
                                if num_stages + unused + max(side, 0) < schedule.num_stages else ""))
     if schedule.num_actors > num_mesh_actors:
         raise PipelineError(
