@@ -701,9 +701,12 @@ def test_a_ctrl_c_while_local_daemons_start_lands_at_once_and_leaves_no_daemon()
     """A Ctrl-C during RemoteMesh.local came 2-6 s late (a probe): each starting daemon holds a stop signal until its
     JAX import is done, and the cleanup waited for each in turn. Starting daemons are killed now: the interrupt lands
     at once, and no daemon of theirs is left. (The Ctrl-C comes 0.3 s after the daemons appear: inside their imports.)"""
-    def daemons():
-        return subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "actors.daemon"], capture_output=True, text=True).stdout.split()
+    def daemons():  # (this mesh's: other tests' meshes may still run daemons of this process)
+        pids = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "actors.daemon"], capture_output=True, text=True).stdout.split()
+        return set(pids) - others
 
+    others: set[str] = set()
+    others = daemons()
     sent = []
 
     def interrupt():
@@ -719,4 +722,4 @@ def test_a_ctrl_c_while_local_daemons_start_lands_at_once_and_leaves_no_daemon()
         mpmd.RemoteMesh.local(num_actors=2)
         pytest.fail("the daemons started within 0.3 s: nothing was interrupted")
     assert time.monotonic() - sent[0] < 0.5, time.monotonic() - sent[0]
-    assert daemons() == []
+    assert daemons() == set()
