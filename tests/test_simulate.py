@@ -1411,3 +1411,23 @@ def test_costs_split_stages_cuts_each_stage_into_equal_parts_for_a_schedule_of_m
             c.split_stages(bad)
     with pytest.raises(ValueError, match="one number for every stage"):
         mpmd.Costs().split_stages(4)
+
+
+def test_a_phase_fused_into_a_task_run_is_timed_and_drawn_alike_with_no_overlap():
+    """`pre+0F0` and `0B0+post` (phases the compiler fuses into task Runs) were timed without `other`
+    (Costs.run_time, as fit_costs folds their time into the task's) but drawn with an `other`-long part: spans on
+    one actor overlapped, the bubble came out negative, and the step paid `other` only when the fused phase was the
+    actor's last Run (8 here; a probe). Timed and drawn alike now, as the Monte Carlo replay times them."""
+    from mpmd.schedules.montecarlo import simulate_monte_carlo
+    from mpmd.schedules.simulator import simulate_programs
+    from transport.program import Label, Program, Run
+
+    prog = Program(actor=0, inputs=[0], outputs=[3], instructions=[
+        Run(0, (0,), (1,), Label.parse("pre+0F0")), Run(1, (1,), (2,), Label.parse("0F1")),
+        Run(2, (2,), (3,), Label.parse("0B0+post")), Run(3, (3,), (4,), Label.parse("0B1"))])
+    costs = mpmd.Costs(F=1, B=1, other=5)
+    r = simulate_programs([prog], costs)
+    row = r.timeline[0]
+    assert all(b[0] >= a[1] for a, b in zip(row, row[1:])), row
+    assert r.step_time == 4 and r.bubble == 0.0, (r.step_time, r.bubble)
+    assert simulate_monte_carlo([prog], costs, runs=3).step_time == r.step_time

@@ -496,11 +496,14 @@ def _recv_bytes(recv: Recv) -> int:
 def _part_spans(costs: Costs, label: Label, start: float, stretch: float = 1.0) -> list[Span]:
     """A Run's span cut into one span per part (a fused Run does several tasks, and maybe a step phase, one
     after another); phases that take no time on this cost model are left out. `stretch`: the Run ran that
-    much slower (actors sharing cores; the gap before it is not stretched)."""
+    much slower (actors sharing cores; the gap before it is not stretched). A step phase fused into a task Run
+    (`pre+0F0`, `0B3+post`) takes no time of its own, as `Costs.run_time` times that Run (and `fit_costs` folds its
+    time into the task's): drawn at `other`, it overlapped the actor's next Run and gave a negative bubble (a probe)."""
     parts = label.parts or ((tuple(map(str, label.tasks)) or (label.kind,)))
+    phase = 0.0 if label.kind == "task" and label.tasks else costs.other
     out, t = [], start + costs.gap
     for i, p in enumerate(parts):
-        d = ((costs.task_time(Task.parse(p)) if p[0].isdigit() else costs.other) + (costs.overhead if i == 0 else 0.0)) * stretch
+        d = ((costs.task_time(Task.parse(p)) if p[0].isdigit() else phase) + (costs.overhead if i == 0 else 0.0)) * stretch
         if d > 0 or p[0].isdigit():
             out.append((t, t + d, p))
         t += d
@@ -516,7 +519,7 @@ def without_input_grad(programs: Sequence[Program], costs: Costs) -> Costs:
 
 def simulate_programs(programs: list[Program], costs: Costs | None = None, name: str = "programs") -> SimResult:
     """Time compiled Programs (one per actor) on `costs`: a Run costs the sum of its label's tasks (plus
-    `overhead`; phase Runs cost `other`), a transfer `latency + bytes / bandwidth` with bytes from the Recv's
+    `overhead`; phase Runs cost `other`, a phase fused into a task Run nothing of its own), a transfer `latency + bytes / bandwidth` with bytes from the Recv's
     dtype and shape. `peak_bytes` (None when no program has `buffer_bytes`) comes from `Program.buffer_bytes`: a buffer lives from the Run that makes it
     (its start) or the arrival of its Recv until its Delete (or a Run that donates it) or the end; inputs and
     constants from the start. Raises `PipelineError` if the programs cannot run (see `check_programs`), and
