@@ -1431,3 +1431,13 @@ def test_a_phase_fused_into_a_task_run_is_timed_and_drawn_alike_with_no_overlap(
     assert all(b[0] >= a[1] for a, b in zip(row, row[1:])), row
     assert r.step_time == 4 and r.bubble == 0.0, (r.step_time, r.bubble)
     assert simulate_monte_carlo([prog], costs, runs=3).step_time == r.step_time
+
+
+def test_a_pictures_legend_lists_the_task_kinds_it_shows():
+    """A ZB-V picture's legend listed "B: backward", a kind its table has none of (a probe)."""
+    from mpmd.schedules.draw import svg
+
+    texts = {e.text for e in ET.fromstring(svg(simulate(mpmd.ZeroBubbleV(2), 4))).iter("{http://www.w3.org/2000/svg}text")}
+    assert {"F: forward", "I: input grad", "W: weight grad"} <= texts and "B: backward" not in texts, texts
+    texts = {e.text for e in ET.fromstring(svg(simulate(mpmd.OneFOneB(2), 4))).iter("{http://www.w3.org/2000/svg}text")}
+    assert {"F: forward", "B: backward"} <= texts and "W: weight grad" not in texts, texts

@@ -38,6 +38,12 @@ def kind_of(label: str) -> str:
     return m.group(1) if m else label
 
 
+def legend(result: Timeline) -> list[tuple[str, str]]:
+    """The LEGEND entries of the task kinds the timeline shows (a zero-bubble table has no B: its legend listed one)."""
+    shown = {kind_of(label) for spans in result.timeline for _, _, label in spans}
+    return [(k, name) for k, name in LEGEND if k in shown] or list(LEGEND)
+
+
 def colour(kind: str) -> str:
     """The fill colour of a task kind (F, B, I, W) or of any other label (grey)."""
     return COLOURS.get(kind, OTHER)
@@ -108,7 +114,7 @@ def svg(result: Timeline, title: str = "", span: float | None = None) -> str:
         x = at(t)
         out.append(f'<line x1="{x:.2f}" y1="{axis_y}" x2="{x:.2f}" y2="{axis_y + 4}" stroke="black"/>')
         out.append(f'<text x="{x:.2f}" y="{axis_y + 16}" text-anchor="middle">{t:g}</text>')
-    for k, (kind, name) in enumerate(LEGEND):
+    for k, (kind, name) in enumerate(legend(result)):
         x = left + k * 130
         out.append(f'<rect x="{x}" y="{axis_y + 28}" width="12" height="12" fill="{COLOURS[kind]}"/>')
         out.append(f'<text x="{x + 16}" y="{axis_y + 38}">{kind}: {name}</text>')
@@ -138,8 +144,9 @@ def _png(result: Timeline, path: str, title: str) -> None:
     ax.set_xlabel("time")
     from matplotlib.patches import Patch
 
-    ax.legend(handles=[Patch(color=COLOURS[k], label=f"{k}: {name}") for k, name in LEGEND], loc="upper center",
-              bbox_to_anchor=(0.5, -0.25 if result.num_actors > 2 else -0.45), ncol=len(LEGEND), fontsize=8, frameon=False)
+    shown = legend(result)
+    ax.legend(handles=[Patch(color=COLOURS[k], label=f"{k}: {name}") for k, name in shown], loc="upper center",
+              bbox_to_anchor=(0.5, -0.25 if result.num_actors > 2 else -0.45), ncol=len(shown), fontsize=8, frameon=False)
     ax.set_title(f"{title}  (step {result.step_time:.7g}, bubble {result.bubble:.3f})")
     fig.tight_layout()
     fig.savefig(path, dpi=120, format="png")  # (what was asked, whatever the path ends in)
