@@ -1438,23 +1438,6 @@ def test_a_refused_call_with_another_meshs_array_leaves_the_recoverys_snapshots_
             assert len(mesh.recovery.log) <= 2  # (trimmed at each snapshot)
 
 
-def _children_running(actor: int) -> set[int]:
-    """The pids of this process's `mpmd-actor` children for `actor` (by their command lines)."""
-    found = set()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == os.getpid() and b"actors.daemon" in argv and argv[argv.index(b"--actor-id") + 1] == str(actor).encode():
-            found.add(int(entry.name))
-    return found
-
 
 @pytest.mark.slow  # (~15 s: a replacement given up, another started)
 def test_a_replacement_stopped_as_it_starts_is_given_up_within_the_stopped_limit_and_the_loop_ends_bit_identical(uninterrupted, monkeypatch):
@@ -1472,9 +1455,8 @@ def test_a_replacement_stopped_as_it_starts_is_given_up_within_the_stopped_limit
         def stop_it():
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
-                new = _children_running(actor) - {old}
-                if new:
-                    pid = new.pop()
+                pid = _starting_daemon(actor, {old})
+                if pid is not None:
                     os.kill(pid, signal.SIGSTOP)
                     stopped.append(pid)
                     return

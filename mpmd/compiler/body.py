@@ -36,8 +36,8 @@ CONST, INVARIANT, VARYING = 0, 1, 2
 # Linear in each operand, exact to reassociation: sum over microbatches commutes with them.
 _SUM_THROUGH = {"add_any", "add", "sub"}
 # Only move or repeat elements (each output element is one input element): the sum commutes with them exactly, each
-# element summed in the same order. A scanned stack of stages' gradient is `concatenate` of its iterations'
-# gradients, each expanded by `broadcast_in_dim` (jnp.stack): pushed through, each stage's part is summed on its own
+# element summed in the same order. A scanned stack of stages' gradient is `stack` of its iterations' gradients
+# (`concatenate` of ones expanded by `broadcast_in_dim` where JAX has no stack primitive): pushed through, each stage's part is summed on its own
 # actor and the stack is made once after the loop (it was made every microbatch, on one actor: each stage sent its
 # slice of the gradient there after every microbatch; a probe).
 _SUM_THROUGH_LAYOUT = {"stack", "concatenate", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose"}

@@ -208,10 +208,9 @@ def _warn_stacked_operands(xs: list[Any], n: int) -> None:
                   f"{nbytes / 2**20:.1f} MiB): a stacked parameter is one leaf, so every actor that runs one of its stages "
                   "holds and updates the whole stack (and its optimizer state), and receives the other stages' slices of "
                   "its gradient each step (`step.placement(...)` shows the transfers). The step is right, only slower "
-                  "and bigger: for each "
-                  "stage's parameters to stay on its actor, keep the layers as a list of per-layer trees and loop over "
-                  "them in Python (a marker after each layer) instead of scanning a stack (flax's nn.scan / nnx.scan "
-                  "stack them likewise)", stacklevel=2)
+                  "and bigger: for each stage's parameters to stay on its actor, keep the layers as a list of per-layer "
+                  "trees and loop over them in Python (a marker after each layer) instead of scanning a stack (flax's "
+                  "nn.scan / nnx.scan stack them likewise)", stacklevel=2)
 
 
 def _scan_operand_counts(params: dict[str, Any]) -> tuple[int, int]:
