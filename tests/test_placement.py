@@ -167,7 +167,11 @@ def test_a_global_norm_clip_summed_on_one_actor_leaves_a_tied_weights_update_on_
     w = 256
     params = {"tied": (rng.standard_normal((8, w)) / 4).astype(np.float32),
               "mid": (rng.standard_normal((w, w)) / 16).astype(np.float32), "scale": np.ones((w,), np.float32)}
-    opt = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
+    # (eps=1e-3: with Adam's 1e-8, an update of a gradient near 1e-8 is lr * g / (|g| + eps), and the one-ulp
+    # difference the split stages' forward has from jax.jit's fused one on some CPUs — the loss 8 ulps off at the
+    # first step on an AMD EPYC VM, 2026-12-07 — became 1.6e-3 of a parameter after 3 steps; the test is the
+    # placement, and with SGD, or this eps, the values agree to 5e-6)
+    opt = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2, eps=1e-3))
     dist, (p, o) = compare(mesh3, make_step(loss, opt, mpmd.OneFOneB(3)), (params, opt.init(params)),
                            [batch_of(rng, m=3, b=2) for _ in range(3)])
     assert p["tied"].actors == [0, 2] and o[1][0].mu["tied"].actors == [0, 2]

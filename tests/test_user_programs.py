@@ -2,6 +2,8 @@
 scanned stacks of stages, stages without parameters, frozen parameters — each equal to `jax.jit` of the
 same undecorated step on real daemons."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -218,7 +220,8 @@ def test_a_scanned_stacks_gradient_is_summed_on_each_stages_actor_and_stacked_on
     dist, _ = compare(mesh4, step, (params, opt.init(params)), batches)
     text = dist.program(params, opt.init(params), batches[0])
     sends = [line.strip() for line in text.splitlines() if "RECV" in line and "float32[16, 16]" in line]
-    assert sends and all(line.endswith("(post)") for line in sends), sends  # (each once per step, after the loop)
+    # (each once per step: after the loop, or with the last microbatch's task, 7, that ends a stage's sum)
+    assert sends and all(line.endswith("(post)") or re.search(r"\(\d+[FBIW]7(\+\S+)?\)$", line) for line in sends), sends
     got = mpmd.fetch(dist(params, opt.init(params), batches[0]))
     want = jax.jit(step)(params, opt.init(params), batches[0])
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

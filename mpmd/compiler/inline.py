@@ -197,7 +197,7 @@ def _warn_stacked_operands(xs: list[Any], n: int) -> None:
     are not the per-iteration outputs of an earlier unrolled scan) of `STACKED_WARN_BYTES` or more: a stacked
     parameter is one leaf, held whole by every actor that reads it (4 stages of 256 x 256, 8 microbatches: 3.2 MiB
     moved per step where the same layers as a list move 0.2 MiB; 9 MiB before the gradient's stack was made after
-    the loop, `body._SUM_THROUGH_LAYOUT`)."""
+    the loop, `body._SUM_THROUGH_STACK`)."""
     whole = [x for x in xs if not isinstance(x, _Stacked) and hasattr(x, "shape") and hasattr(x, "dtype")]
     nbytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in whole
                  if np.issubdtype(np.dtype(x.dtype), np.number))
