@@ -38,10 +38,9 @@ _SUM_THROUGH = {"add_any", "add", "sub"}
 # Stacks gradient parts (each output element is one input element): the sum commutes with it exactly. A scanned
 # stack of stages' gradient is `stack` of its iterations' gradients: pushed through, each stage's part is summed on
 # its own actor and the stack is made once after the loop (it was made every microbatch, on one actor: each stage
-# sent its slice of the gradient there after every microbatch; a probe). Only `stack`, which gradients meet only where
-# a scan's iterations are stacked: a re-layout pushed out of the stage that computes it (a tied head's `transpose`, a
-# fused qkv weight's `concatenate`) changes how XLA fuses the ops before it, and the gradient's rounding (1.6e-3 after
-# Adam in test_placement's tied-weight case, with `transpose` pushed through).
+# sent its slice of the gradient there after every microbatch; a probe). Only `stack`, which gradients meet where a
+# scan's iterations are stacked: a re-layout of one stage's own gradient (a tied head's `transpose`, a fused qkv
+# weight's `concatenate`) stays in the executable that computes it, where XLA fuses it with the ops before it.
 _SUM_THROUGH_STACK = {"stack"}
 
 
