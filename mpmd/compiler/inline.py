@@ -192,15 +192,23 @@ class _Unroller:
 STACKED_WARN_BYTES = 1 << 20  # a scan's stacked per-stage operands from this size on are warned about
 
 
+def _numeric(dtype: Any) -> bool:
+    """Whether `dtype` is a numpy number type (a typed PRNG key's, `key<fry>`, is none: numpy cannot read it; an
+    nnx.scan of Dropout blocks stacks their keys, and the warning's count crashed the compile; the full test run)."""
+    try:
+        return np.issubdtype(np.dtype(dtype), np.number)
+    except TypeError:
+        return False
+
+
 def _warn_stacked_operands(xs: list[Any], n: int) -> None:
     """Warn when a forward scan unrolled into `n` stages takes per-stage operands stacked in one array (`xs` that
     are not the per-iteration outputs of an earlier unrolled scan) of `STACKED_WARN_BYTES` or more: a stacked
     parameter is one leaf, held whole by every actor that reads it (4 stages of 256 x 256, 8 microbatches: 3.2 MiB
     moved per step where the same layers as a list move 0.2 MiB; 9 MiB before the gradient's stack was made after
     the loop, `body._SUM_THROUGH_STACK`)."""
-    whole = [x for x in xs if not isinstance(x, _Stacked) and hasattr(x, "shape") and hasattr(x, "dtype")]
-    nbytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in whole
-                 if np.issubdtype(np.dtype(x.dtype), np.number))
+    whole = [x for x in xs if not isinstance(x, _Stacked) and hasattr(x, "shape") and _numeric(x.dtype)]
+    nbytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in whole)
     if nbytes < STACKED_WARN_BYTES:
         return
     shapes = ", ".join(f"{np.dtype(x.dtype).name}{list(x.shape)}" for x in whole[:4]) + (", ..." if len(whole) > 4 else "")
