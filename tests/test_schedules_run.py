@@ -127,7 +127,11 @@ def test_an_evaluation_step_runs_a_table_of_forward_tasks_alone_and_equals_jit(m
     def evaluate(params, batch):
         return mpmd.accumulate_grads(lambda mb: ((), loss(params, mb)), batch, schedule=forwards)[1]
 
-    np.testing.assert_array_equal(mpmd.distributed(evaluate, mesh=mesh2)(params, batch).to_numpy(), np.asarray(jax.jit(evaluate)(params, batch)))
+    # (to 1 ulp, as README says of a loss computed in a forward Run of its own: on an AMD EPYC VM, 2026-12-07, XLA's
+    # CPU code for the split forward gave one of the two losses 1 ulp off jax.jit's fused scan, 2.5e-7 relative, at
+    # the code before that session too; bit-equal on the machines before)
+    np.testing.assert_allclose(mpmd.distributed(evaluate, mesh=mesh2)(params, batch).to_numpy(), np.asarray(jax.jit(evaluate)(params, batch)),
+                               rtol=3e-7, atol=0)
     train = make_step(loss, optax.sgd(0.1), forwards)
     with pytest.raises(mpmd.ScheduleError, match="tasks missing from the schedule: 0B0 0B1 1B0 1B1"):
         mpmd.distributed(train, mesh=mesh2)(params, optax.sgd(0.1).init(params), batch)
