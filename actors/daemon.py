@@ -418,6 +418,11 @@ async def serve(args: argparse.Namespace, server_pair: object | None, authorized
         # Exported executables carry explicit dtypes, so 64-bit support only stops put() from narrowing
         # float64/int64 arrays; it changes nothing the controller lowered.
         jax.config.update("jax_enable_x64", True)
+        if os.environ.get("MPMD_CPU_INLINE") == "1":  # (opt-in: see actors.stream.INLINE_CLIENT)
+            from actors import stream
+
+            jax.config.update("jax_cpu_enable_async_dispatch", False)
+            stream.INLINE_CLIENT = True
 
         from actors import collector
         from actors.handlers import GOVERNING, Actor

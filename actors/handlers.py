@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from actors import checkpoint, collector, profiler, spmd
+from actors import checkpoint, collector, profiler, spmd, stream
 from actors.buffers import BufferTable
 from actors.cache import ExecutableCache
 from actors.inputs import OUTPUT_MIN_BYTES, InputSegments
@@ -205,6 +205,7 @@ class Actor:
             "jax_version": jax.__version__,
             "p2p": self.p2p.endpoint() if self.p2p else None,
             "sessions": len(self.sessions),
+            "cpu_inline": stream.INLINE_CLIENT,  # (XLA's CPU client runs Runs in the caller: MPMD_CPU_INLINE=1)
             **self.limits,
         }, []
 

@@ -44,6 +44,16 @@ def ordered(fn: Callable[..., Sequence[Any]]) -> Callable[..., tuple]:
 
 TOKEN_AVAL = jax.ShapeDtypeStruct((), np.int32)
 
+# Whether this process's XLA CPU client runs every one-device computation inline in the calling thread
+# (`jax_cpu_enable_async_dispatch` off: `mpmd-actor` under MPMD_CPU_INLINE=1, set by the daemon before JAX's backend
+# starts). Then a Run's result is ready when its dispatch returns: no XLA worker thread is woken per Run (on this VM
+# the wake-up, an IPI, was about half of a tiny Run's 125-190 us dispatch in an actor of the narrow 16-stage model),
+# and its send goes out from the loop at once. What would hold the loop too long goes off it (`INLINE_FLOPS`).
+INLINE_CLIENT = False
+# With an inline client, a computation XLA counts this many flops for or more is dispatched from the off-loop thread,
+# as a long one is with an asynchronous client (~0.1-1 ms of compute here; the thread hop costs ~0.1 ms).
+INLINE_FLOPS = 1_000_000
+
 # An executable whose outputs take this much is dispatched from a thread of its own, not the event loop's: XLA's
 # CPU client runs a cheap computation (a fill, a broadcast, a copy) inline in the calling thread, and with its
 # outputs' pages touched for the first time that took 7.6-9 s for 4 GiB here — the loop answered no heartbeat
@@ -110,8 +120,8 @@ def runs_inline_for_long(exe: Any) -> bool:
         cost = exe.cost_analysis()
         if isinstance(cost, (list, tuple)):  # (older jax: one dict per module)
             cost = cost[0] if cost else {}
-        if float(cost.get("flops", 0.0)) >= CHEAP_FLOPS:
-            return False
+        if float(cost.get("flops", 0.0)) >= (INLINE_FLOPS if INLINE_CLIENT else CHEAP_FLOPS):
+            return INLINE_CLIENT  # (an inline client runs it in the caller, too long for the loop; else XLA's threads do)
         if (float(cost.get("transcendentals", 0.0)) >= MANY_TRANSCENDENTALS
                 or float(cost.get("bytes accessed", 0.0)) >= BIG_OUTPUT_BYTES):
             return True
