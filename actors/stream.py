@@ -113,6 +113,8 @@ def runs_inline_for_long(exe: Any) -> bool:
     (not judged long here; its big outputs still count, `goes_off_loop`: XLA allocates them in the dispatch, 152 ms
     for 2 GiB over 2 devices), as does one whose inputs are not computed yet (those go through the thread for
     nothing, which costs ~0.1 ms).
+    With an inline client (`INLINE_CLIENT`) every one-device computation runs in the calling thread, and one counted at
+    `INLINE_FLOPS` or more is judged long too.
     Where jax cannot say (an executable without a cost analysis), its loops and custom calls alone decide."""
     if _devices(exe) > 1:  # (XLA's threads run it: a 3 M-step loop over 2 devices returned in 0.3 ms, ran 10 ms)
         return False
