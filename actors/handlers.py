@@ -423,6 +423,12 @@ class Actor:
             return spmd.put(host, self.cache.mesh, spec, self.device)
         return spmd.to_device(host, self.device)
 
+    def _consts_to_device(self, consts: dict[int, np.ndarray]) -> dict[int, jax.Array]:
+        """A Program's constants on the device (`_to_device` of each; on one device, in one `device_put`)."""
+        if self.cache.mesh is not None:
+            return {b: self._to_device(a) for b, a in consts.items()}
+        return dict(zip(consts, spmd.to_device_all(list(consts.values()), self.device)))
+
     async def hlo(self, ses: Session | None, msg: Message) -> tuple[dict, list]:
         """The optimized HLO text of a compiled executable (what XLA made of it: collectives, fusions)."""
         return {"text": self._executable(ses, field(msg, "exe", str)).as_text()}, []
@@ -638,7 +644,7 @@ class Actor:
             self._within_program_quota(ses, pid, words, msg)  # (again: other loads may have been recorded meanwhile)
             # (placed beside the loop when many: 60,000 empty constants held it 27 s, and a job's controller took its
             # actor for dead; a probe)
-            prog.consts = await _beside_loop(big, lambda: {b: self._to_device(a) for b, a in prog.consts.items()})
+            prog.consts = await _beside_loop(big, self._consts_to_device, prog.consts)
             if self.sessions.get(ses.id) is not ses:  # (closed while the constants were placed: nothing is kept)
                 raise RequestError(f"session {ses.id} closed while program {pid} was loading on actor {self.actor_id}")
             self._within_program_quota(ses, pid, words, msg)  # (and once more, with no await before it is recorded: two
