@@ -199,3 +199,30 @@ def test_a_failed_bind_says_what_zeromqs_words_mean():
                 s.close(0)
     finally:
         held.close(0)
+
+
+def test_a_long_header_is_unpacked_with_the_cyclic_gc_paused_and_a_short_one_as_before(monkeypatch):
+    """A guest's header of a million tiny instructions held a daemon's event loop 1.2-1.5 s (8 s once in the full
+    suite) unpacking it: each fresh list counted toward a GC collection that walked the whole heap. msgpack's own
+    advice is to pause the GC for large data; the header decodes the same, and the GC is back on after — also when
+    the header is garbage."""
+    import gc
+
+    import transport.protocol as protocol
+
+    seen = []
+    real = msgpack.unpackb
+
+    def watched(*a, **k):
+        seen.append(gc.isenabled())
+        return real(*a, **k)
+
+    monkeypatch.setattr(protocol.msgpack, "unpackb", watched)
+    assert gc.isenabled()
+    prologue = [["del", [k], "x"] for k in range(100_000)]
+    msg = roundtrip({"op": "run_program", "id": 3, "prologue": prologue}, [])
+    assert msg.header["prologue"] == prologue and seen == [False] and gc.isenabled()
+    assert roundtrip({"op": "ping", "id": 4}, []).header["id"] == 4 and seen == [False, True]
+    with pytest.raises(ProtocolError, match="not valid msgpack"):
+        decode([b"\xdc\xff\xff" + b"\x90" * protocol.BIG_HEADER_BYTES])  # (a long array cut short)
+    assert seen[-1] is False and gc.isenabled()
