@@ -61,6 +61,7 @@ from mpmd.runtime.controller import (
 from mpmd.runtime.executables import Executables
 from mpmd.runtime.held import Held, release_dropped, start_reaper
 from mpmd.runtime.inputs import close_stager
+from mpmd.runtime.interrupts import install as redeliver_dropped_interrupts
 from mpmd.runtime.launch.local import LocalOptions, LocalProcess, check_devices, start_local
 from mpmd.runtime.loader import check_loader_names
 from mpmd.runtime.recovery import Recovery, check_recovery, enable_recovery
@@ -177,6 +178,7 @@ class RemoteMesh:
         if twice:
             raise ValueError(f"addresses {twice} are listed more than once: each daemon is one actor, listed once")
         _check_options(mesh_shape, transfer_timeout, heartbeat_interval, heartbeat_timeout)
+        redeliver_dropped_interrupts()  # (Ctrl-C landing in JAX's gc callback was dropped: the loop went on)
         self.addresses = list(addresses)
         self.transport = transport
         self.overlap = overlap
