@@ -11,7 +11,9 @@ they are:
 
 A static leaf becomes a childless pytree node that carries its value as aux data, so the flattened leaves are
 the data alone and the treedef (the compile cache's key) holds the static values: a new function or a new
-`Dropout.inference` recompiles, like a new `static_argnums` value under `jax.jit`. Outputs are treated the
+`Dropout.inference` recompiles, like a new `static_argnums` value under `jax.jit`. A step's static leaf must be
+hashable, as `eqx.filter_jit` and jax.jit's static arguments require: one keyed by identity (a `SimpleNamespace`
+config, a dataclass that is not frozen) and changed in place reused the old compile, silently (a probe). Outputs are treated the
 same way (`eqx.apply_updates(model, updates)` returns the model's functions), and `reveal` restores them.
 """
 
@@ -76,18 +78,36 @@ def _static_anywhere(x: Any) -> bool:
     return isinstance(x, (str, type)) or (callable(x) and not _is_data(x))
 
 
-def hide(tree: Any, is_leaf: Any = None) -> Any:
-    """`tree` with its static leaves as `Static` nodes (see the module docstring); `is_leaf` as for jax.tree."""
+class UnhashableStatic(TypeError):
+    """`hide(..., hashable=True)` met a static leaf that cannot be hashed (`.value`)."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__(f"static leaf {type(value).__name__} is not hashable")
+        self.value = value
+
+
+def hide(tree: Any, is_leaf: Any = None, hashable: bool = False) -> Any:
+    """`tree` with its static leaves as `Static` nodes (see the module docstring); `is_leaf` as for jax.tree.
+    `hashable`: raise UnhashableStatic for a static leaf that cannot be hashed (a step's arguments, whose static
+    values key its compile cache: keyed by identity, one changed in place reused the old compile)."""
     eqx = sys.modules.get("equinox")
     module = getattr(eqx, "Module", None)
 
-    def inside_module(x: Any) -> Any:
-        return x if _is_data(x) else Static(x)
+    def static(x: Any) -> Static:
+        if hashable:
+            try:
+                hash(x)
+            except TypeError:
+                raise UnhashableStatic(x) from None
+        return Static(x)
+
+    def inside_module(x: Any) -> Any:  # (a ShapeDtypeStruct field is no array to eqx.is_array either: static)
+        return x if _is_data(x) and not isinstance(x, jax.ShapeDtypeStruct) else static(x)
 
     def leaf(x: Any) -> Any:
         if module is not None and isinstance(x, module):
             return jax.tree.map(inside_module, x, is_leaf=is_leaf)
-        return Static(x) if _static_anywhere(x) else x
+        return static(x) if _static_anywhere(x) else x
 
     def stop(x: Any) -> bool:
         return (is_leaf is not None and is_leaf(x)) or (module is not None and isinstance(x, module))
@@ -100,4 +120,4 @@ def reveal(tree: Any) -> Any:
     return jax.tree.map(lambda x: x.value if isinstance(x, Static) else x, tree, is_leaf=lambda x: isinstance(x, Static))
 
 
-__all__ = ["Static", "hide", "reveal"]
+__all__ = ["Static", "UnhashableStatic", "hide", "reveal"]

@@ -41,7 +41,7 @@ from mpmd.runtime.sharding import infer_layouts, layout_to_spec, layout_wire, re
 from mpmd.runtime.waiters import note_upstream
 from mpmd.schedules.builtin import not_a_schedule
 from mpmd.schedules.override import noting_loops, use_schedule
-from mpmd.static_leaves import Static, hide, reveal
+from mpmd.static_leaves import Static, UnhashableStatic, hide, reveal
 from transport.protocol import PACKED_DTYPES, dtype_name
 
 log = logging.getLogger(__name__)
@@ -292,6 +292,17 @@ def _static_arg(i: int, value: Any) -> Static:
         raise PipelineError(f"static argument args[{i}] is a {type(value).__name__}, which is not hashable: static arguments "
                             "key the compile cache, as under jax.jit (pass a tuple, or a frozen dataclass)") from None
     return Static(value)
+
+
+def _unhashable_leaf(args: tuple[Any, ...], value: Any) -> PipelineError:
+    """The error for an argument leaf kept static (not an array: mpmd/static_leaves.py) that cannot be hashed."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(hide(args, _is_remote), is_leaf=lambda x: isinstance(x, Static))
+    where = next((f"args{jax.tree_util.keystr(p)}" for p, x in flat if isinstance(x, Static) and x.value is value), "an argument leaf")
+    return PipelineError(
+        f"{where} is {_a(type(value).__name__)}, which is not hashable: a leaf that is not an array (in an equinox "
+        "Module, or a callable anywhere) is static, as under eqx.filter_jit, and static values key the compile "
+        "cache — by identity, a value changed in place would reuse the old compile. Make it hashable (a frozen "
+        "dataclass, a tuple, a NamedTuple), or pass what changes as an array")
 
 
 def arg_paths(args: tuple[Any, ...]) -> list[str]:
@@ -564,7 +575,10 @@ class DistributedFunction(ShallowCopyOnly):
             args = tuple(_static_arg(i, a) if i in static else a for i, a in enumerate(args))
         if any(a is DEFAULT for a in args):  # (a parameter not passed: static, its default is the function's)
             args = tuple(Static(a) if a is DEFAULT else a for a in args)
-        return hide(args, _is_remote)
+        try:
+            return hide(args, _is_remote, hashable=True)
+        except UnhashableStatic as e:
+            raise _unhashable_leaf(args, e.value) from None
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The call's arguments as the one tuple a compiled step takes: keyword arguments bound to their
@@ -729,6 +743,17 @@ class DistributedFunction(ShallowCopyOnly):
             out_box.append(tree)
             return leaves_out
 
+        # Traced with the arguments' structure and the step's own signature, so that what JAX says while tracing
+        # names the user's function and parameters ("the argument train"), not flat's xs[3] (a probe).
+        def structured(*a: Any) -> list[Any]:
+            return flat(*jax.tree.leaves(a))
+
+        try:
+            functools.update_wrapper(structured, self.fn)
+        except (AttributeError, TypeError):  # (an object that takes no attributes copied from it: named as before)
+            pass
+        spec_args = jax.tree.unflatten(treedef, specs)
+
         am = getattr(self.mesh, "actor_mesh", None)
         caller = jax.sharding.get_abstract_mesh()
         with use_schedule(self.schedule) if self.schedule is not None else contextlib.nullcontext(), without_callers_mesh(), \
@@ -738,7 +763,7 @@ class DistributedFunction(ShallowCopyOnly):
                 try:
                     with jax.sharding.use_abstract_mesh(traced_under) if traced_under is not None else contextlib.nullcontext(), \
                             noting_loops() as seen:
-                        closed = jax.make_jaxpr(functools.partial(flat) if again else flat)(*specs)  # (a new function:
+                        closed = jax.make_jaxpr(functools.partial(structured) if again else structured)(*spec_args)  # (a new function:
                         # make_jaxpr keeps its traces too)
                 except ValueError as e:
                     err = _actor_mesh_error(e, am, traced_under)

@@ -307,3 +307,74 @@ def test_an_equinox_models_static_fields_are_not_saved_and_come_back_from_like(m
     want = eqx.filter_jit(step)(mpmd.fetch(trained), batch)
     assert_trees_close(eqx.filter(mpmd.fetch(dist(back, batch)), eqx.is_array), eqx.filter(want, eqx.is_array))
     assert sorted(mpmd.load(str(tmp_path / "c"))) == ["b", "mlp"]  # without `like`: the data alone (no drop, no heads)
+
+
+def test_an_unhashable_static_leaf_is_refused_naming_it_not_reused_stale_when_changed_in_place(mesh2):
+    """A leaf kept static that cannot be hashed — a SimpleNamespace config in an equinox Module, a callable object
+    that is an unfrozen dataclass — was keyed by identity: changed in place, the next call reused the old compile and
+    computed with the old value, silently (a probe: eager 0.33, mpmd 0.12). `eqx.filter_jit` and jax.jit's static
+    arguments refuse such values; so does a step, naming the leaf."""
+    import dataclasses
+    import types
+
+    import equinox as eqx
+
+    class Scaled(eqx.Module):
+        w: jax.Array
+        cfg: types.SimpleNamespace
+
+    @dataclasses.dataclass
+    class Act:  # (eq=True without frozen: __hash__ is None)
+        slope: float
+
+        def __call__(self, x):
+            return self.slope * x
+
+    rng = np.random.default_rng(5)
+    params, batch = mlp2(rng), batch_of(rng)
+    opt_state = optax.sgd(0.1).init(params)
+    with pytest.raises(ValueError, match="Non-hashable static arguments"):  # (what eqx.filter_jit says)
+        eqx.filter_jit(lambda m: m.w * m.cfg.scale)(Scaled(jnp.ones(2), types.SimpleNamespace(scale=1.0)))
+    dist = mpmd.distributed(lambda m, p, s, b: _step(p, s, b, jnp.tanh) + (m.w * 2,), mesh=mesh2)
+    with pytest.raises(mpmd.PipelineError, match=r"args\[0\]\.cfg is a SimpleNamespace, which is not hashable.*frozen dataclass"):
+        dist(Scaled(jnp.ones(2), types.SimpleNamespace(scale=1.0)), params, opt_state, batch)
+    with pytest.raises(mpmd.PipelineError, match=r"args\[3\] is an Act, which is not hashable"):
+        mpmd.distributed(_step, mesh=mesh2)(params, opt_state, batch, Act(2.0))
+    frozen = dataclasses.make_dataclass("Frozen", [("slope", float)], frozen=True,
+                                        namespace={"__call__": lambda self, x: self.slope * x})
+    got = mpmd.distributed(_step, mesh=mesh2)(params, opt_state, batch, frozen(2.0))  # (hashable: static, keyed by value)
+    assert_trees_close(mpmd.fetch(got), jax.jit(_step, static_argnums=3)(params, opt_state, batch, frozen(2.0)))
+
+
+def test_a_shape_dtype_struct_field_of_an_equinox_module_is_static_as_under_filter_jit(mesh2):
+    import equinox as eqx
+
+    class Act(eqx.Module):
+        gain: jax.Array
+        out: jax.ShapeDtypeStruct  # (eqx.is_array says False: static under eqx.filter_jit; it was refused)
+
+        def __call__(self, h):
+            return (jnp.tanh(h) * self.gain).astype(self.out.dtype)
+
+    rng = np.random.default_rng(7)
+    params, batch = mlp2(rng), batch_of(rng)
+    args = (Act(jnp.float32(1.5), jax.ShapeDtypeStruct((), jnp.float32)), params, optax.sgd(0.1).init(params), batch)
+    got = mpmd.distributed(lambda a, p, s, b: _step(p, s, b, a), mesh=mesh2)(*args)
+    assert_trees_close(mpmd.fetch(got), eqx.filter_jit(lambda a, p, s, b: _step(p, s, b, a))(*args))
+
+
+def test_an_error_while_tracing_names_the_steps_function_and_parameter_as_jax_jit_does(mesh2):
+    """A Python bool argument is traced (as under jax.jit) and then used in an `if`: JAX's error named mpmd's inner
+    `flat` and `xs[3]` (a probe); it names the step and its parameter, as jax.jit's does."""
+    def train_step(params, opt_state, batch, training):
+        return _step(params, opt_state, batch, jnp.tanh if training else jnp.sin)
+
+    rng = np.random.default_rng(6)
+    params, batch = mlp2(rng), batch_of(rng)
+    args = (params, optax.sgd(0.1).init(params), batch, True)
+    with pytest.raises(jax.errors.TracerBoolConversionError) as ref:
+        jax.jit(train_step)(*args)
+    with pytest.raises(jax.errors.TracerBoolConversionError) as got:
+        mpmd.distributed(train_step, mesh=mesh2)(*args)
+    for e in (ref, got):
+        assert "tracing the function train_step at" in str(e.value) and "the value of the argument training" in str(e.value)
