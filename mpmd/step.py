@@ -748,10 +748,7 @@ class DistributedFunction(ShallowCopyOnly):
         def structured(*a: Any) -> list[Any]:
             return flat(*jax.tree.leaves(a))
 
-        try:
-            functools.update_wrapper(structured, self.fn)
-        except (AttributeError, TypeError):  # (an object that takes no attributes copied from it: named as before)
-            pass
+        functools.update_wrapper(structured, self.fn, updated=())  # (its name, and __wrapped__ for its signature)
         spec_args = jax.tree.unflatten(treedef, specs)
 
         am = getattr(self.mesh, "actor_mesh", None)

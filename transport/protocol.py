@@ -225,13 +225,14 @@ def _unpack(head: memoryview) -> Any:
     a guest's 8 MB header of a million tiny instructions took a daemon 1.2-1.5 s on its event loop (8 s once in the
     full suite, its heap grown) against 0.36 with the GC paused; 16 MiB of empty lists 6.8-8.4 s against 1.5-1.7,
     near the owner's 10 s heartbeat. Unpacking makes no cycles: nothing is left for the GC to find."""
-    if head.nbytes < BIG_HEADER_BYTES or not gc.isenabled():
-        return msgpack.unpackb(head, raw=False, strict_map_key=False)
-    gc.disable()
+    pause = head.nbytes >= BIG_HEADER_BYTES and gc.isenabled()
+    if pause:
+        gc.disable()
     try:
         return msgpack.unpackb(head, raw=False, strict_map_key=False)
     finally:
-        gc.enable()
+        if pause:
+            gc.enable()
 
 
 def parse_header(frame: Any) -> dict[str, Any]:
